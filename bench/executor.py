@@ -1,0 +1,445 @@
+"""nimbus.executor.Executor against concurrent.futures.ProcessPoolExecutor.
+
+Both run in this one process, workload after workload; within a workload the
+repeats alternate PPE, nimbus, PPE, nimbus, ... so drift on a loaded machine
+hits both sides alike. Each repeat uses a fresh executor. The figure reported
+is the median of the repeats, and the ratio is always nimbus / PPE (whether
+higher or lower is better is given per row, in the target column).
+
+PPE uses the fork context (the Linux default) except in the ``startup`` row,
+whose baseline is the spawn context.
+
+    python bench/executor.py                      # full run, 3 repeats
+    python bench/executor.py --quick --repeat 1   # smoke run
+    python bench/executor.py --baseline-only      # PPE only
+    python bench/executor.py --only roundtrip --only map --json out.json
+
+The task functions below are module level, so PPE's spawned children (which
+import this file as ``__mp_main__``) and forked children find them. Keep the
+top of this module cheap: nimbus is imported only when it is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import gc
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RESULT_TIMEOUT = 300.0  # seconds to wait for any one result before calling it a crash
+SLEEP_SECONDS = 0.01
+THROUGHPUT_FLOOR = 7_000.0  # tasks/s: 10x Parsl HTEX's ~700/s
+
+
+# --- task functions (run in the workers) --------------------------------------------------------
+
+
+def noop(*args: object, **kwargs: object) -> None:
+    """Do nothing."""
+
+
+def sleep_task(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def echo(value: object) -> object:
+    return value
+
+
+# --- sizes --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizes:
+    roundtrip_calls: int = 2_000
+    throughput_tasks: int = 10_000
+    map_items: int = 100_000
+    map_chunksize: int = 100
+    sleep_tasks: int = 200
+    bigarg_bytes: int = 100 * 1024 * 1024
+
+
+QUICK = Sizes(
+    roundtrip_calls=200,
+    throughput_tasks=1_000,
+    map_items=10_000,
+    sleep_tasks=40,
+    bigarg_bytes=10 * 1024 * 1024,
+)
+
+ExecutorFactory = Callable[[], concurrent.futures.Executor]
+
+
+# --- workloads: each returns one figure for one fresh executor ----------------------------------
+
+
+def _warm(ex: concurrent.futures.Executor, workers: int) -> None:
+    """Make sure every worker is up and has run a task."""
+    futures = [ex.submit(sleep_task, 0.02) for _ in range(workers)]
+    futures += [ex.submit(noop) for _ in range(50)]
+    for fut in futures:
+        fut.result(timeout=RESULT_TIMEOUT)
+
+
+def run_roundtrip(make: ExecutorFactory, sizes: Sizes, workers: int) -> float:
+    """Median seconds of one sequential submit(noop).result()."""
+    with make() as ex:
+        _warm(ex, workers)
+        for _ in range(200):
+            ex.submit(noop).result(timeout=RESULT_TIMEOUT)
+        samples = []
+        clock = time.perf_counter
+        for _ in range(sizes.roundtrip_calls):
+            t0 = clock()
+            ex.submit(noop).result(timeout=RESULT_TIMEOUT)
+            samples.append(clock() - t0)
+    return statistics.median(samples)
+
+
+def run_throughput(make: ExecutorFactory, sizes: Sizes, workers: int) -> float:
+    """Tasks per second: submit all no-ops, then wait for every result."""
+    with make() as ex:
+        _warm(ex, workers)
+        t0 = time.perf_counter()
+        futures = [ex.submit(noop) for _ in range(sizes.throughput_tasks)]
+        for fut in futures:
+            fut.result(timeout=RESULT_TIMEOUT)
+        elapsed = time.perf_counter() - t0
+    return sizes.throughput_tasks / elapsed
+
+
+def run_map(make: ExecutorFactory, sizes: Sizes, workers: int) -> float:
+    """Items per second through map(noop, range(n), chunksize=...)."""
+    with make() as ex:
+        _warm(ex, workers)
+        t0 = time.perf_counter()
+        results = list(
+            ex.map(
+                noop, range(sizes.map_items), chunksize=sizes.map_chunksize, timeout=RESULT_TIMEOUT
+            )
+        )
+        elapsed = time.perf_counter() - t0
+    if len(results) != sizes.map_items:
+        raise RuntimeError(f"map returned {len(results)} results, expected {sizes.map_items}")
+    return sizes.map_items / elapsed
+
+
+def run_sleep(make: ExecutorFactory, sizes: Sizes, workers: int) -> float:
+    """Wall seconds for sleep_tasks x time.sleep(0.01)."""
+    with make() as ex:
+        _warm(ex, workers)
+        t0 = time.perf_counter()
+        futures = [ex.submit(sleep_task, SLEEP_SECONDS) for _ in range(sizes.sleep_tasks)]
+        for fut in futures:
+            fut.result(timeout=RESULT_TIMEOUT)
+        elapsed = time.perf_counter() - t0
+    return elapsed
+
+
+_PAYLOAD: dict[int, bytes] = {}
+
+
+def run_bigarg(make: ExecutorFactory, sizes: Sizes, workers: int) -> float:
+    """Median seconds of 3 echo(payload) round trips of a large random bytes object."""
+    payload = _PAYLOAD.get(sizes.bigarg_bytes)
+    if payload is None:
+        payload = _PAYLOAD[sizes.bigarg_bytes] = os.urandom(sizes.bigarg_bytes)
+    with make() as ex:
+        _warm(ex, workers)
+        ex.submit(echo, payload[: 1024 * 1024]).result(timeout=RESULT_TIMEOUT)
+        samples = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            result = ex.submit(echo, payload).result(timeout=RESULT_TIMEOUT)
+            samples.append(time.perf_counter() - t0)
+            if result != payload:
+                raise RuntimeError("echo returned different bytes")
+            del result
+    return statistics.median(samples)
+
+
+def run_startup(make: ExecutorFactory, sizes: Sizes, workers: int) -> float:
+    """Seconds from creating an executor to its first result (shutdown not timed)."""
+    t0 = time.perf_counter()
+    ex = make()
+    try:
+        ex.submit(noop).result(timeout=RESULT_TIMEOUT)
+        elapsed = time.perf_counter() - t0
+    finally:
+        ex.shutdown(wait=True)
+    return elapsed
+
+
+# --- rows ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    name: str
+    title: str
+    unit: str  # "us", "s" or "tasks/s"
+    higher_is_better: bool
+    run: Callable[[ExecutorFactory, Sizes, int], float]
+    ppe_context: str
+    target: str
+    judge: Callable[[float, float, float], bool]  # (ppe, nimbus, ratio) -> pass
+    ppe: list[float] = field(default_factory=list)
+    nimbus: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ppe_median(self) -> float | None:
+        return statistics.median(self.ppe) if self.ppe else None
+
+    @property
+    def nimbus_median(self) -> float | None:
+        return statistics.median(self.nimbus) if self.nimbus else None
+
+    @property
+    def ratio(self) -> float | None:
+        ppe, nim = self.ppe_median, self.nimbus_median
+        return nim / ppe if ppe and nim is not None else None
+
+    @property
+    def status(self) -> str:
+        if self.error:
+            return "ERROR"
+        ppe, nim, ratio = self.ppe_median, self.nimbus_median, self.ratio
+        if ppe is None or nim is None or ratio is None:
+            return "-"
+        return "PASS" if self.judge(ppe, nim, ratio) else "MISS"
+
+
+def build_rows(sizes: Sizes, workers: int) -> list[Row]:
+    sleep_ideal = sizes.sleep_tasks * SLEEP_SECONDS / workers
+    sleep_limit = sleep_ideal * 1.05
+    mb = sizes.bigarg_bytes // (1024 * 1024)
+    return [
+        Row(
+            "roundtrip",
+            f"no-op round trip, median of {sizes.roundtrip_calls:,}",
+            "us",
+            False,
+            run_roundtrip,
+            "fork",
+            "<= 1.0x",
+            lambda p, n, r: r <= 1.0,
+        ),
+        Row(
+            "throughput",
+            f"{sizes.throughput_tasks:,} no-op submits, then results",
+            "tasks/s",
+            True,
+            run_throughput,
+            "fork",
+            f">= 1.0x and >= {THROUGHPUT_FLOOR:,.0f}/s",
+            lambda p, n, r: r >= 1.0 and n >= THROUGHPUT_FLOOR,
+        ),
+        Row(
+            "map",
+            f"map {sizes.map_items:,} no-ops, chunksize {sizes.map_chunksize}",
+            "tasks/s",
+            True,
+            run_map,
+            "fork",
+            ">= 0.8x",
+            lambda p, n, r: r >= 0.8,
+        ),
+        Row(
+            "sleep",
+            f"{sizes.sleep_tasks} x sleep({SLEEP_SECONDS}) on {workers} workers",
+            "s",
+            False,
+            run_sleep,
+            "fork",
+            f"nimbus <= {sleep_limit:.2f} s (ideal {sleep_ideal:.2f})",
+            lambda p, n, r: n <= sleep_limit,
+        ),
+        Row(
+            "bigarg",
+            f"{mb} MB bytes argument + result round trip, median of 3",
+            "s",
+            False,
+            run_bigarg,
+            "fork",
+            "<= 1.0x",
+            lambda p, n, r: r <= 1.0,
+        ),
+        Row(
+            "startup",
+            "new executor to first result",
+            "s",
+            False,
+            run_startup,
+            "spawn",
+            "<= 1.0x",
+            lambda p, n, r: r <= 1.0,
+        ),
+    ]
+
+
+WORKLOADS = ("roundtrip", "throughput", "map", "sleep", "bigarg", "startup")
+
+
+# --- executors ----------------------------------------------------------------------------------
+
+
+def ppe_factory(context: str, workers: int) -> ExecutorFactory:
+    ctx = multiprocessing.get_context(context)
+    return lambda: concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx)
+
+
+def nimbus_factory(workers: int) -> ExecutorFactory:
+    try:
+        from nimbus.executor import Executor
+    except ImportError:
+        src = str(Path(__file__).resolve().parents[1] / "src")
+        if src in sys.path:
+            raise
+        sys.path.insert(0, src)
+        from nimbus.executor import Executor
+    return lambda: Executor(workers)
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "us":
+        return f"{value * 1e6:,.1f} us"
+    if unit == "tasks/s":
+        return f"{value:,.0f}/s"
+    return f"{value:.3f} s"
+
+
+def print_table(rows: list[Row], args: argparse.Namespace) -> None:
+    print(
+        f"nimbus vs concurrent.futures.ProcessPoolExecutor: {args.workers} workers, "
+        f"median of {args.repeat} repeat(s){', quick sizes' if args.quick else ''}"
+    )
+    print(
+        f"Python {platform.python_version()} on {platform.system()}, "
+        f"{os.cpu_count()} CPUs; PPE context per row in the 'PPE ctx' column"
+    )
+    print("ratio = nimbus / PPE; the target says which direction is better\n")
+    header = ("workload", "what", "PPE ctx", "PPE", "nimbus", "ratio", "target", "result")
+    table = [header]
+    for row in rows:
+        ratio = f"{row.ratio:.2f}x" if row.ratio is not None else "-"
+        direction = "higher better" if row.higher_is_better else "lower better"
+        table.append(
+            (
+                row.name,
+                f"{row.title} ({direction})",
+                row.ppe_context,
+                fmt(row.ppe_median, row.unit),
+                fmt(row.nimbus_median, row.unit),
+                ratio,
+                row.target,
+                row.status,
+            )
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for i, line in enumerate(table):
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    for row in rows:
+        if row.error:
+            print(f"\n{row.name}: {row.error}")
+
+
+def write_json(path: str, rows: list[Row], args: argparse.Namespace, sizes: Sizes) -> None:
+    doc = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "workers": args.workers,
+        "repeat": args.repeat,
+        "quick": args.quick,
+        "baseline_only": args.baseline_only,
+        "sizes": sizes.__dict__,
+        "rows": [
+            {
+                "name": r.name,
+                "title": r.title,
+                "unit": "s" if r.unit == "us" else r.unit,
+                "higher_is_better": r.higher_is_better,
+                "ppe_context": r.ppe_context,
+                "ppe": r.ppe,
+                "nimbus": r.nimbus,
+                "ppe_median": r.ppe_median,
+                "nimbus_median": r.nimbus_median,
+                "ratio": r.ratio,
+                "target": r.target,
+                "status": r.status,
+                "error": r.error,
+            }
+            for r in rows
+        ],
+    }
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=2, help="workers on each side (default 2)")
+    parser.add_argument("--repeat", type=int, default=3, help="repeats; median reported (3)")
+    parser.add_argument(
+        "--only", action="append", choices=WORKLOADS, metavar="NAME", help=", ".join(WORKLOADS)
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--baseline-only", action="store_true", help="run only the PPE side")
+    args = parser.parse_args(argv)
+    if args.repeat < 1 or args.workers < 1:
+        parser.error("--repeat and --workers must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = QUICK if args.quick else Sizes()
+    rows = [r for r in build_rows(sizes, args.workers) if not args.only or r.name in args.only]
+    make_nimbus = None
+    if not args.baseline_only:
+        try:
+            make_nimbus = nimbus_factory(args.workers)
+        except ImportError as exc:
+            print(f"cannot import nimbus.executor ({exc}); try --baseline-only", file=sys.stderr)
+            return 2
+    for row in rows:
+        make_ppe = ppe_factory(row.ppe_context, args.workers)
+        print(f"running {row.name} ...", file=sys.stderr, flush=True)
+        try:
+            for _ in range(args.repeat):
+                gc.collect()
+                row.ppe.append(row.run(make_ppe, sizes, args.workers))
+                if make_nimbus is not None:
+                    gc.collect()
+                    row.nimbus.append(row.run(make_nimbus, sizes, args.workers))
+        except Exception as exc:  # a crash in one workload must not hide the others
+            traceback.print_exc()
+            row.error = f"{type(exc).__name__}: {exc}"
+    print_table(rows, args)
+    if args.json:
+        write_json(args.json, rows, args, sizes)
+    return 1 if any(r.error for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Backends: where an Executor's tasks run.
+
+A backend takes batches of runtime tasks and calls back with the finished
+ones. They are found in :data:`BACKENDS`, an explicit registry, by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from nimbus.runtime.task import Task
+
+__all__ = ["BACKENDS", "Backend", "ResultCallback"]
+
+ResultCallback = Callable[[list[Task]], None]
+DispatchCallback = Callable[[list[Task]], list[Task]]
+
+
+class Backend(Protocol):
+    """Runs tasks; ``on_results`` (given at construction) gets them back."""
+
+    capacity: int
+
+    def submit(self, batch: list[Task]) -> None: ...
+
+    def cancel(self, task: Task) -> None: ...
+
+    def shutdown(self, wait: bool = True, *, kill: bool = False) -> None: ...
+
+
+def _local(**kwargs: object) -> Backend:
+    from nimbus.backends.local import LocalBackend
+
+    return LocalBackend(**kwargs)  # type: ignore[arg-type]
+
+
+BACKENDS: dict[str, Callable[..., Backend]] = {"local": _local}

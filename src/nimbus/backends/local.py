@@ -1,0 +1,39 @@
+"""The embedded backend: the runtime's agent, in this process, with one manager.
+
+This is the same :class:`~nimbus.runtime.agent.Agent` an endpoint runs; here it
+lives in the caller's process and its workers are local processes.
+"""
+
+from __future__ import annotations
+
+from nimbus.backends import DispatchCallback, ResultCallback
+from nimbus.runtime.agent import Agent
+from nimbus.runtime.task import Task
+
+__all__ = ["LocalBackend"]
+
+
+class LocalBackend:
+    """An embedded runtime: one agent, one manager, ``workers`` warm workers."""
+
+    def __init__(
+        self,
+        *,
+        workers: int,
+        prefetch: int,
+        on_results: ResultCallback,
+        on_dispatch: DispatchCallback | None = None,
+        name: str = "local",
+    ) -> None:
+        self.capacity = workers
+        self.agent = Agent(on_results=on_results, on_dispatch=on_dispatch, name=name)
+        self.agent.add_manager(workers, prefetch=prefetch)
+
+    def submit(self, batch: list[Task]) -> None:
+        self.agent.submit(batch)
+
+    def cancel(self, task: Task) -> None:
+        self.agent.cancel(task)
+
+    def shutdown(self, wait: bool = True, *, kill: bool = False) -> None:
+        self.agent.shutdown(wait=wait, kill=kill)

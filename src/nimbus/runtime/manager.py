@@ -1,0 +1,457 @@
+"""A manager: owns one node's warm workers and feeds them tasks.
+
+::
+
+    submit() --> pending --(prefetch window)--> worker 0 (inflight: t1 t2 t3)
+                   ^                          \\-> worker 1 (inflight: t4 t5)
+                   |                                  |
+                   +--- requeue the waiting tasks -----+ worker lost
+    on_results(tasks) <-------- RESULTS in send order --+
+
+Everything happens on one loop thread: a selector over the workers'
+channels and a wake-up pipe. A worker holds at most ``prefetch`` tasks and
+answers them in order, so the oldest unanswered task is the one running. When
+a worker dies, that task fails with :class:`~nimbus.errors.WorkerLost` (or
+:class:`~nimbus.errors.TaskTimeoutError` when the manager killed it for its
+timeout), the tasks still queued at the worker go back to the front of the
+pending queue, and a new worker takes its place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from nimbus import serialization
+from nimbus.errors import NimbusError, RuntimeClosed, TaskTimeoutError, WorkerLost
+from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
+from nimbus.runtime.task import Task
+from nimbus.wire import Channel, ProtocolError, pack, unpack
+
+__all__ = ["Manager"]
+
+log = logging.getLogger(__name__)
+
+START_FAILURES = 3  # workers that die before saying hello, in a row, before giving up
+
+
+class _Worker:
+    __slots__ = (
+        "channel",
+        "deadline",
+        "functions",
+        "host",
+        "inflight",
+        "kill_reason",
+        "name",
+        "pid",
+        "proc",
+        "ready",
+        "writing",
+    )
+
+    def __init__(self, name: str, proc: subprocess.Popen[bytes], channel: Channel) -> None:
+        self.name = name
+        self.proc = proc
+        self.channel = channel
+        self.inflight: deque[Task] = deque()
+        self.functions: set[str] = set()
+        self.ready = False
+        self.writing = False
+        self.pid = proc.pid
+        self.host = ""
+        self.deadline: float | None = None
+        self.kill_reason = ""
+
+
+def worker_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for worker processes: this one, with this ``sys.path``."""
+    env = dict(os.environ)
+    paths = [p or os.getcwd() for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if extra:
+        env.update(extra)
+    return env
+
+
+def _how(returncode: int | None) -> str:
+    if returncode is None:
+        return "closed its channel"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+class Manager:
+    """Warm workers on this node, fed from a pending queue by one loop thread."""
+
+    def __init__(
+        self,
+        workers: int,
+        *,
+        on_results: Callable[[list[Task]], None],
+        on_dispatch: Callable[[list[Task]], list[Task]] | None = None,
+        prefetch: int = 8,
+        python: str | None = None,
+        env: Mapping[str, str] | None = None,
+        name: str = "manager",
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"a manager needs at least one worker, not {workers}")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1, not {prefetch}")
+        self.name = name
+        self.size = workers
+        self.prefetch = prefetch
+        self._on_results = on_results
+        self._on_dispatch = on_dispatch
+        self._python = python or sys.executable
+        self._env = worker_environment(env)
+        self._pending: deque[Task] = deque()
+        self._cancels: deque[Task] = deque()
+        self._workers: list[_Worker] = []
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._woken = False
+        self._closing = False
+        self._kill = False
+        self._thread = threading.Thread(target=self._run, name=f"nimbus-{name}", daemon=True)
+        self._spawned = 0
+        self._lost = 0
+        self._start_failures = 0
+        self._counter = 0
+        self.stopped = threading.Event()
+
+    # -- called from any thread -----------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, tasks: Iterable[Task]) -> None:
+        """Queue tasks; results arrive through ``on_results``."""
+        if self._closing:
+            raise RuntimeError(f"cannot submit to {self.name}: it is shutting down")
+        self._pending.extend(tasks)
+        self._wake()
+
+    def cancel(self, task: Task) -> None:
+        """Stop a task: drop it if queued, skip it at its worker, or kill the worker."""
+        task.cancelled = True
+        self._cancels.append(task)
+        self._wake()
+
+    def shutdown(self, wait: bool = True, *, kill: bool = False) -> None:
+        """Stop once the outstanding tasks are done (or at once, with ``kill``)."""
+        self._closing = True
+        self._kill = self._kill or kill
+        self._wake()
+        if wait and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "workers": len(self._workers),
+            "ready": sum(w.ready for w in self._workers),
+            "pending": len(self._pending),
+            "inflight": sum(len(w.inflight) for w in self._workers),
+            "spawned": self._spawned,
+            "lost": self._lost,
+            "pids": [w.pid for w in self._workers],
+        }
+
+    def _wake(self) -> None:
+        if not self._woken and self._wake_w >= 0:
+            self._woken = True
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:  # closed: the loop is gone
+                pass
+
+    # -- the loop thread ----------------------------------------------
+    def _run(self) -> None:
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        try:
+            for _ in range(self.size):
+                self._spawn()
+            while True:
+                for key, mask in self._selector.select(self._timeout()):
+                    worker = key.data
+                    if worker is None:
+                        self._woken = False
+                        try:
+                            while os.read(self._wake_r, 4096):
+                                pass
+                        except BlockingIOError:
+                            pass
+                        continue
+                    if mask & selectors.EVENT_WRITE:
+                        self._flush(worker)
+                    if mask & selectors.EVENT_READ and worker in self._workers:
+                        self._read(worker)
+                if self._kill:
+                    self._fail_all(RuntimeClosed(f"{self.name} was shut down"))
+                    break
+                self._do_cancels()
+                self._check_deadlines()
+                self._dispatch()
+                if self._closing and not self._pending and not self._inflight():
+                    break
+        except BaseException as exc:  # a bug here must not leave callers waiting forever
+            log.exception("nimbus %s loop failed", self.name)
+            self._fail_all(RuntimeClosed(f"{self.name} failed: {type(exc).__name__}: {exc}"))
+        finally:
+            self._stop_workers()
+            self.stopped.set()
+
+    def _inflight(self) -> int:
+        return sum(len(w.inflight) for w in self._workers)
+
+    def _timeout(self) -> float | None:
+        deadlines = [w.deadline for w in self._workers if w.deadline is not None]
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) - time.monotonic())
+
+    def _spawn(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._counter += 1
+        try:
+            proc = subprocess.Popen(
+                [self._python, "-u", "-m", "nimbus.runtime.worker", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                env=self._env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            child.close()
+        parent.setblocking(False)
+        worker = _Worker(f"{self.name}/w{self._counter}", proc, Channel(parent))
+        self._workers.append(worker)
+        self._selector.register(parent, selectors.EVENT_READ, worker)
+        self._spawned += 1
+
+    def _read(self, worker: _Worker) -> None:
+        try:
+            frames = worker.channel.receive()
+        except (OSError, ProtocolError, ValueError):
+            frames = None
+        if frames is None:
+            self._worker_lost(worker)
+            return
+        for frame in frames:
+            if frame.kind == Kind.RESULTS:
+                self._results(worker, unpack(frame.meta), frame.buffers)
+            elif frame.kind == Kind.STARTED:
+                seq = unpack(frame.meta)
+                head = worker.inflight[0] if worker.inflight else None
+                if head is not None and head.seq == seq and head.timeout is not None:
+                    worker.deadline = time.monotonic() + head.timeout
+            elif frame.kind == Kind.HELLO:
+                hello = unpack(frame.meta)
+                worker.host = hello["host"]
+                worker.ready = True
+                self._start_failures = 0
+
+    def _results(self, worker: _Worker, rows: list[list[Any]], buffers: list[Any]) -> None:
+        done: list[Task] = []
+        position = 0
+        for row in rows:
+            seq, status, data, nbufs = row[0], row[1], row[2], row[3]
+            task = worker.inflight.popleft()
+            if task.seq != seq:
+                raise ProtocolError(f"{worker.name} answered task {seq}, expected {task.seq}")
+            worker.deadline = None
+            if data is None:
+                data = buffers[position]
+                task.result_buffers = buffers[position + 1 : position + nbufs]
+            else:
+                task.result_buffers = buffers[position : position + nbufs]
+            position += nbufs
+            task.status, task.data = status, data
+            record = task.record
+            (record.started, record.ended, record.cpu_user, record.cpu_system) = row[4:8]
+            (record.peak_memory, record.net_bytes_in, record.net_bytes_out) = row[8:11]
+            record.worker, record.host, record.pid = worker.name, worker.host, worker.pid
+            done.append(task)
+        self._deliver(done)
+
+    def _deliver(self, tasks: list[Task]) -> None:
+        try:
+            self._on_results(tasks)
+        except Exception:
+            log.exception("nimbus %s: a result callback failed", self.name)
+
+    def _dispatch(self) -> None:
+        pending = self._pending
+        while pending:
+            ready = [w for w in self._workers if w.ready and len(w.inflight) < self.prefetch]
+            if not ready:
+                return
+            share = -(-len(pending) // len(ready))
+            for worker in ready:
+                room = min(self.prefetch - len(worker.inflight), share)
+                batch: list[Task] = []
+                while pending and len(batch) < room:
+                    batch.append(pending.popleft())
+                if batch and self._on_dispatch is not None:
+                    batch = self._on_dispatch(batch)
+                if batch:
+                    self._send(worker, batch)
+                if not pending:
+                    return
+
+    def _send(self, worker: _Worker, batch: list[Task]) -> None:
+        rows: list[list[Any]] = []
+        buffers: list[Any] = []
+        now = time.time()
+        for task in batch:
+            fn_bytes = None
+            if task.fn_key not in worker.functions:
+                worker.functions.add(task.fn_key)
+                fn_bytes = task.fn_bytes
+            notify = task.timeout is not None
+            if len(task.payload) > INLINE_LIMIT:
+                rows.append([task.seq, task.fn_key, fn_bytes, None, len(task.buffers) + 1, notify])
+                buffers.append(task.payload)
+            else:
+                rows.append(
+                    [task.seq, task.fn_key, fn_bytes, task.payload, len(task.buffers), notify]
+                )
+            buffers.extend(task.buffers)
+            task.record.dispatched = now
+            task.attempts += 1
+            worker.inflight.append(task)
+        worker.channel.send(Kind.TASKS, pack([PYTHON, rows]), buffers)
+        self._flush(worker)
+
+    def _flush(self, worker: _Worker) -> None:
+        try:
+            done = worker.channel.flush()
+        except OSError:
+            return  # the read side sees the end of the stream and handles the loss
+        if done != (not worker.writing):
+            worker.writing = not done
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if worker.writing else 0)
+            self._selector.modify(worker.channel.sock, events, worker)
+
+    def _do_cancels(self) -> None:
+        while self._cancels:
+            task = self._cancels.popleft()
+            for worker in self._workers:
+                if task in worker.inflight:
+                    if worker.inflight[0] is task:
+                        self._kill_worker(worker, "cancel")
+                    else:
+                        worker.channel.send(Kind.CANCEL, pack([task.seq]))
+                        self._flush(worker)
+                    break
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for worker in self._workers:
+            if worker.deadline is not None and worker.deadline <= now:
+                worker.deadline = None
+                self._kill_worker(worker, "timeout")
+
+    def _kill_worker(self, worker: _Worker, reason: str) -> None:
+        if not worker.kill_reason:
+            worker.kill_reason = reason
+            worker.proc.kill()
+
+    def _worker_lost(self, worker: _Worker) -> None:
+        self._selector.unregister(worker.channel.sock)
+        worker.channel.close()
+        self._workers.remove(worker)
+        try:
+            code = worker.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            worker.proc.kill()
+            code = worker.proc.wait()
+        self._lost += 1
+        if not worker.ready:
+            self._start_failures += 1
+        if worker.inflight:
+            head = worker.inflight.popleft()
+            self._pending.extendleft(reversed(worker.inflight))
+            if worker.kill_reason == "cancel":
+                head.status, head.data = Status.SKIPPED, b""
+            elif worker.kill_reason == "timeout":
+                self._fail(
+                    head,
+                    TaskTimeoutError(
+                        f"the task ran longer than its timeout of {head.timeout} s; "
+                        f"its worker {worker.name} (pid {worker.pid}) was stopped and replaced"
+                    ),
+                )
+            else:
+                self._fail(
+                    head,
+                    WorkerLost(
+                        f"the worker {worker.name} (pid {worker.pid}) running this task "
+                        f"{_how(code)}; it was replaced and the other tasks carry on"
+                    ),
+                )
+            self._deliver([head])
+        if self._closing:
+            return
+        if self._start_failures >= START_FAILURES:
+            self._fail_all(
+                WorkerLost(
+                    f"{self._start_failures} workers of {self.name} in a row {_how(code)} "
+                    f"before starting (python: {self._python}); see their output on stderr"
+                )
+            )
+            self._closing = True
+            return
+        self._spawn()
+
+    @staticmethod
+    def _fail(task: Task, error: NimbusError) -> None:
+        task.status = Status.ERROR
+        task.data = serialization.dumps_exception(error, "")
+        task.result_buffers = []
+
+    def _fail_all(self, error: NimbusError) -> None:
+        failed: list[Task] = list(self._pending)
+        self._pending.clear()
+        for worker in self._workers:
+            failed.extend(worker.inflight)
+            worker.inflight.clear()
+        for task in failed:
+            self._fail(task, error)
+        if failed:
+            self._deliver(failed)
+
+    def _stop_workers(self) -> None:
+        self._closing = True
+        for worker in self._workers:
+            worker.channel.close()
+            if self._kill:
+                worker.proc.kill()
+        deadline = time.monotonic() + 2.0
+        for worker in self._workers:
+            try:
+                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.proc.kill()
+                worker.proc.wait()
+        self._workers.clear()
+        self._selector.close()
+        wake_w, self._wake_w = self._wake_w, -1
+        os.close(wake_w)
+        os.close(self._wake_r)

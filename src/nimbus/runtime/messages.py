@@ -1,0 +1,43 @@
+"""Frame kinds and row layouts between a manager and its workers.
+
+Manager -> worker::
+
+    TASKS   meta [python "3.11", [row, ...]]  row = [seq, fn_key, fn_bytes | None,
+            payload | None, nbufs, notify_start]; a row whose payload is None has
+            it as the first of its nbufs frame buffers.
+    CANCEL  meta [seq, ...]: skip these queued tasks (answered with SKIPPED)
+
+Worker -> manager::
+
+    HELLO   meta {"pid", "python", "host"}
+    STARTED meta seq: sent before a task with notify_start (it has a timeout)
+    RESULTS meta [[seq, status, payload | None, nbufs, started, ended, cpu_user,
+            cpu_system, peak_memory, net_in, net_out], ...], payload as in TASKS
+
+Results come back in the order the tasks were sent, so the oldest task a
+worker has not answered is the one it is running.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+
+__all__ = ["PYTHON", "Kind", "Status"]
+
+PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
+INLINE_LIMIT = 64 * 1024  # larger payloads travel as frame buffers
+
+
+class Kind(enum.IntEnum):
+    TASKS = 1
+    CANCEL = 2
+    HELLO = 10
+    STARTED = 11
+    RESULTS = 12
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    ERROR = 1  # payload is a pickled (exception, traceback text)
+    SKIPPED = 2  # cancelled before it started

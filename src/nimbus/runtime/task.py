@@ -1,0 +1,64 @@
+"""The runtime's view of a task: what to run and what came back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nimbus.records import TaskRecord
+
+__all__ = ["Task"]
+
+
+class Task:
+    """One invocation travelling through the runtime.
+
+    ``payload`` and ``buffers`` are the pickled ``(args, kwargs)`` (see
+    ``nimbus.serialization.dumps``); ``fn_bytes`` is the pickled function and
+    ``fn_key`` its hash. ``owner`` belongs to whoever submitted the task (the
+    runtime never looks inside it). When the task ends, ``status``, ``data``
+    and ``result_buffers`` hold what the worker sent back.
+    """
+
+    __slots__ = (
+        "attempts",
+        "buffers",
+        "cancelled",
+        "data",
+        "fn_bytes",
+        "fn_key",
+        "owner",
+        "payload",
+        "record",
+        "result_buffers",
+        "route",
+        "seq",
+        "status",
+        "timeout",
+    )
+
+    def __init__(
+        self,
+        seq: int,
+        fn_key: str,
+        fn_bytes: bytes,
+        payload: bytes,
+        buffers: list[Any],
+        record: TaskRecord,
+        *,
+        timeout: float | None = None,
+        owner: Any = None,
+    ) -> None:
+        self.seq = seq
+        self.fn_key = fn_key
+        self.fn_bytes = fn_bytes
+        self.payload = payload
+        self.buffers = buffers
+        self.record = record
+        self.timeout = timeout
+        self.owner = owner
+        self.cancelled = False
+        self.attempts = 0
+        self.route: Any = None  # the manager the agent gave it to
+        self.status = -1
+        self.data: Any = b""
+        self.result_buffers: list[Any] = []

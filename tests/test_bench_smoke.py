@@ -1,0 +1,42 @@
+"""Smoke run of bench/executor.py: it runs end to end and prints its table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "executor.py"
+
+
+@pytest.mark.timeout(120)
+def test_bench_executor_quick_roundtrip() -> None:
+    pytest.importorskip("nimbus.executor")
+    import nimbus
+
+    env = dict(os.environ)
+    # The script must import the same nimbus this test process does.
+    package_parent = str(Path(nimbus.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--repeat", "1", "--only", "roundtrip"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next((line for line in lines if line.startswith("workload")), None)
+    assert header is not None, proc.stdout
+    for column in ("PPE", "nimbus", "ratio", "target", "result"):
+        assert column in header
+    row = next((line for line in lines if line.startswith("roundtrip")), None)
+    assert row is not None, proc.stdout
+    assert row.rstrip().endswith(("PASS", "MISS")), row

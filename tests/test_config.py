@@ -1,0 +1,339 @@
+"""Tests of nimbus.config: defaults, environment, TOML file, precedence, errors."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from nimbus.config import Settings
+from nimbus.errors import ConfigError
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """An environment with no NIMBUS_* variables and a HOME without a config file."""
+    return {"HOME": str(tmp_path / "home")}
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------- defaults
+
+
+def test_defaults(env: dict[str, str]) -> None:
+    s = Settings.load(env)
+    assert s.workers == (os.cpu_count() or 1)
+    assert s.prefetch == 8
+    assert s.task_timeout is None
+    assert s.redis_url is None
+    assert s.key_ttl == 600.0
+    assert s.runtime_dir == Path(f"/tmp/nimbus-{os.getuid()}")
+    assert s.max_payload == 4 * 2**30
+    assert s.endpoint is None
+    assert s.service_url is None
+    assert s.log_level == "WARNING"
+    assert all(s.source(name) == "default" for name in s.describe())
+    assert s == Settings(runtime_dir=s.runtime_dir)
+
+
+def test_runtime_dir_follows_xdg_runtime_dir(env: dict[str, str], tmp_path: Path) -> None:
+    env["XDG_RUNTIME_DIR"] = str(tmp_path / "run")
+    assert Settings.load(env).runtime_dir == tmp_path / "run" / "nimbus"
+
+
+def test_settings_are_frozen(env: dict[str, str]) -> None:
+    s = Settings.load(env)
+    with pytest.raises(AttributeError):
+        s.workers = 3  # type: ignore[misc]
+
+
+def test_describe_is_plain(env: dict[str, str]) -> None:
+    d = Settings.load(env).describe()
+    assert set(d) == {
+        "workers",
+        "prefetch",
+        "task_timeout",
+        "redis_url",
+        "key_ttl",
+        "runtime_dir",
+        "max_payload",
+        "endpoint",
+        "service_url",
+        "log_level",
+    }
+    assert isinstance(d["runtime_dir"], str)
+
+
+# ---------------------------------------------------------------- environment
+
+
+def test_environment_values(env: dict[str, str], tmp_path: Path) -> None:
+    env |= {
+        "NIMBUS_WORKERS": "3",
+        "NIMBUS_PREFETCH": " 2 ",
+        "NIMBUS_TASK_TIMEOUT": "1.5",
+        "NIMBUS_REDIS_URL": "redis://localhost:6379/0",
+        "NIMBUS_KEY_TTL": "30",
+        "NIMBUS_RUNTIME_DIR": str(tmp_path / "rt"),
+        "NIMBUS_MAX_PAYLOAD": "512M",
+        "NIMBUS_ENDPOINT": "gpu-cluster",
+        "NIMBUS_SERVICE_URL": "https://nimbus.example.org/api",
+        "NIMBUS_LOG_LEVEL": "debug",
+    }
+    s = Settings.load(env)
+    assert (s.workers, s.prefetch, s.task_timeout, s.key_ttl) == (3, 2, 1.5, 30.0)
+    assert s.redis_url == "redis://localhost:6379/0"
+    assert s.runtime_dir == tmp_path / "rt"
+    assert s.max_payload == 512 * 2**20
+    assert s.endpoint == "gpu-cluster"
+    assert s.service_url == "https://nimbus.example.org/api"
+    assert s.log_level == "DEBUG"
+    assert s.source("workers") == "env NIMBUS_WORKERS"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1", 1), ("4096", 4096), ("2G", 2 << 30), ("2g", 2 << 30), ("1.5K", 1536),
+     ("3MiB", 3 << 20), ("1 T", 1 << 40), ("10KB", 10 << 10)],
+)  # fmt: skip
+def test_max_payload_suffixes(env: dict[str, str], text: str, expected: int) -> None:
+    env["NIMBUS_MAX_PAYLOAD"] = text
+    assert Settings.load(env).max_payload == expected
+
+
+@pytest.mark.parametrize("text", ["", "none", "None"])
+def test_optional_values_accept_none(env: dict[str, str], text: str) -> None:
+    env |= {"NIMBUS_TASK_TIMEOUT": text, "NIMBUS_REDIS_URL": text, "NIMBUS_ENDPOINT": text}
+    s = Settings.load(env)
+    assert (s.task_timeout, s.redis_url, s.endpoint) == (None, None, None)
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://h", "rediss://user:pw@h:6380/2", "unix:///run/redis.sock", "unix:/r.sock"]
+)
+def test_redis_urls(env: dict[str, str], url: str) -> None:
+    env["NIMBUS_REDIS_URL"] = url
+    assert Settings.load(env).redis_url == url
+
+
+BAD_ENV = [
+    ("NIMBUS_WORKERS", "0"),
+    ("NIMBUS_WORKERS", "-2"),
+    ("NIMBUS_WORKERS", "many"),
+    ("NIMBUS_WORKERS", "2.5"),
+    ("NIMBUS_PREFETCH", "0"),
+    ("NIMBUS_PREFETCH", "x"),
+    ("NIMBUS_TASK_TIMEOUT", "0"),
+    ("NIMBUS_TASK_TIMEOUT", "-1"),
+    ("NIMBUS_TASK_TIMEOUT", "soon"),
+    ("NIMBUS_TASK_TIMEOUT", "inf"),
+    ("NIMBUS_REDIS_URL", "localhost:6379"),
+    ("NIMBUS_REDIS_URL", "http://localhost"),
+    ("NIMBUS_REDIS_URL", "redis://"),
+    ("NIMBUS_KEY_TTL", "0"),
+    ("NIMBUS_KEY_TTL", "nan"),
+    ("NIMBUS_KEY_TTL", "ten"),
+    ("NIMBUS_RUNTIME_DIR", ""),
+    ("NIMBUS_MAX_PAYLOAD", "0"),
+    ("NIMBUS_MAX_PAYLOAD", "12X"),
+    ("NIMBUS_MAX_PAYLOAD", "-5M"),
+    ("NIMBUS_SERVICE_URL", "nimbus.example.org"),
+    ("NIMBUS_SERVICE_URL", "ftp://example.org"),
+    ("NIMBUS_LOG_LEVEL", "LOUD"),
+]
+
+
+@pytest.mark.parametrize(("var", "value"), BAD_ENV)
+def test_bad_environment_value(env: dict[str, str], var: str, value: str) -> None:
+    env[var] = value
+    with pytest.raises(ConfigError) as info:
+        Settings.load(env)
+    message = str(info.value)
+    assert var in message
+    assert repr(value) in message
+    assert "expected" in message
+
+
+def test_every_variable_has_a_bad_value() -> None:
+    tested = {var for var, _ in BAD_ENV}
+    known = {Settings.env_var(name) for name in Settings.load({"HOME": "/nonexistent"}).describe()}
+    assert known - tested == {"NIMBUS_ENDPOINT"}  # any name is a valid endpoint
+
+
+def test_config_error_is_a_value_error(env: dict[str, str]) -> None:
+    env["NIMBUS_WORKERS"] = "0"
+    with pytest.raises(ValueError, match="an integer >= 1"):
+        Settings.load(env)
+
+
+# ---------------------------------------------------------------- TOML file
+
+
+def test_toml_file_top_level(env: dict[str, str], tmp_path: Path) -> None:
+    f = write(tmp_path / "c.toml", 'workers = 5\nmax_payload = "1G"\ntask_timeout = 7\n')
+    s = Settings.load(env, file=f)
+    assert (s.workers, s.max_payload, s.task_timeout) == (5, 1 << 30, 7.0)
+    assert s.source("workers") == f"file {f}"
+    assert s.source("prefetch") == "default"
+
+
+def test_toml_file_nimbus_table(env: dict[str, str], tmp_path: Path) -> None:
+    f = write(tmp_path / "c.toml", '[nimbus]\nprefetch = 3\nlog_level = "info"\nkey_ttl = 1.5\n')
+    s = Settings.load(env, file=f)
+    assert (s.prefetch, s.log_level, s.key_ttl) == (3, "INFO", 1.5)
+
+
+def test_nimbus_config_variable_names_the_file(env: dict[str, str], tmp_path: Path) -> None:
+    env["NIMBUS_CONFIG"] = str(write(tmp_path / "x.toml", "workers = 6\n"))
+    assert Settings.load(env).workers == 6
+
+
+def test_missing_nimbus_config_file(env: dict[str, str], tmp_path: Path) -> None:
+    env["NIMBUS_CONFIG"] = str(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="NIMBUS_CONFIG"):
+        Settings.load(env)
+
+
+def test_default_file_in_home(env: dict[str, str]) -> None:
+    write(Path(env["HOME"]) / ".config" / "nimbus" / "config.toml", "workers = 9\n")
+    assert Settings.load(env).workers == 9
+
+
+def test_default_file_in_xdg_config_home(env: dict[str, str], tmp_path: Path) -> None:
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    write(tmp_path / "xdg" / "nimbus" / "config.toml", "prefetch = 4\n")
+    assert Settings.load(env).prefetch == 4
+
+
+def test_precedence_defaults_file_environment(env: dict[str, str], tmp_path: Path) -> None:
+    f = write(tmp_path / "c.toml", "workers = 5\nprefetch = 3\n")
+    env["NIMBUS_WORKERS"] = "7"
+    s = Settings.load(env, file=f)
+    assert (s.workers, s.prefetch, s.key_ttl) == (7, 3, 600.0)
+    assert s.source("workers") == "env NIMBUS_WORKERS"
+    assert s.source("prefetch") == f"file {f}"
+    assert s.source("key_ttl") == "default"
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "needle"),
+    [
+        ("workers = 0\n", "workers", "an integer >= 1"),
+        ('workers = "4x"\n', "workers", "an integer >= 1"),
+        ("workers = true\n", "workers", "an integer >= 1"),
+        ("workers = 2.0\n", "workers", "an integer >= 1"),
+        ('key_ttl = "long"\n', "key_ttl", "seconds > 0"),
+        ("task_timeout = -3\n", "task_timeout", "seconds > 0"),
+        ("redis_url = 5\n", "redis_url", "redis://"),
+        ("max_payload = 1.5\n", "max_payload", "suffix"),
+        ("runtime_dir = 3\n", "runtime_dir", "directory path"),
+        ("endpoint = []\n", "endpoint", "endpoint name"),
+        ('log_level = "chatty"\n', "log_level", "WARNING"),
+    ],
+)
+def test_bad_file_value(
+    env: dict[str, str], tmp_path: Path, text: str, key: str, needle: str
+) -> None:
+    f = write(tmp_path / "c.toml", text)
+    with pytest.raises(ConfigError) as info:
+        Settings.load(env, file=f)
+    message = str(info.value)
+    assert str(f) in message
+    assert repr(key) in message
+    assert needle in message
+
+
+def test_unknown_file_key(env: dict[str, str], tmp_path: Path) -> None:
+    f = write(tmp_path / "c.toml", "[nimbus]\nworker = 4\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) worker; known keys: workers"):
+        Settings.load(env, file=f)
+
+
+def test_unknown_table(env: dict[str, str], tmp_path: Path) -> None:
+    f = write(tmp_path / "c.toml", "[service]\nport = 1\n")
+    with pytest.raises(ConfigError, match="service"):
+        Settings.load(env, file=f)
+
+
+def test_key_set_twice(env: dict[str, str], tmp_path: Path) -> None:
+    f = write(tmp_path / "c.toml", "workers = 1\n[nimbus]\nworkers = 2\n")
+    with pytest.raises(ConfigError, match="set twice"):
+        Settings.load(env, file=f)
+
+
+def test_invalid_toml(env: dict[str, str], tmp_path: Path) -> None:
+    f = write(tmp_path / "c.toml", "workers = = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        Settings.load(env, file=f)
+
+
+# ---------------------------------------------------------------- replace
+
+
+def test_replace_validates_and_converts(env: dict[str, str], tmp_path: Path) -> None:
+    s = Settings.load(env)
+    t = s.replace(workers=2, runtime_dir=str(tmp_path), max_payload="1M")
+    assert (t.workers, t.runtime_dir, t.max_payload) == (2, tmp_path, 1 << 20)
+    assert t.source("workers") == "argument"
+    assert t.source("prefetch") == "default"
+    assert s.workers != 2 or s.workers == t.workers  # s unchanged
+    with pytest.raises(ConfigError, match=r"Settings\.workers=0"):
+        s.replace(workers=0)
+    with pytest.raises(ConfigError, match="unknown setting"):
+        s.replace(wrokers=2)
+
+
+def test_direct_construction_is_validated() -> None:
+    with pytest.raises(ConfigError, match="prefetch"):
+        Settings(prefetch=0)
+
+
+# ---------------------------------------------------------------- runtime dir
+
+
+def test_ensure_runtime_dir_creates_private_dir(tmp_path: Path) -> None:
+    path = Settings(runtime_dir=tmp_path / "a" / "nimbus").ensure_runtime_dir()
+    assert path == tmp_path / "a" / "nimbus"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+
+
+def test_ensure_runtime_dir_fixes_open_permissions(tmp_path: Path) -> None:
+    path = tmp_path / "open"
+    path.mkdir(mode=0o777)
+    path.chmod(0o755)
+    Settings(runtime_dir=path).ensure_runtime_dir()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+
+
+def test_ensure_runtime_dir_refuses_a_file(tmp_path: Path) -> None:
+    write(tmp_path / "f", "")
+    with pytest.raises(ConfigError, match="not a directory"):
+        Settings(runtime_dir=tmp_path / "f").ensure_runtime_dir()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to chown a directory to another user")
+def test_ensure_runtime_dir_refuses_another_users_dir(tmp_path: Path) -> None:
+    path = tmp_path / "theirs"
+    path.mkdir(mode=0o700)
+    os.chown(path, 4321, 4321)
+    with pytest.raises(ConfigError, match="owned by uid 4321"):
+        Settings(runtime_dir=path).ensure_runtime_dir()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+
+
+@pytest.mark.skipif(os.getuid() == 0, reason="root can create directories anywhere")
+def test_ensure_runtime_dir_unwritable_parent(tmp_path: Path) -> None:
+    parent = tmp_path / "ro"
+    parent.mkdir(mode=0o500)
+    try:
+        with pytest.raises(ConfigError, match="cannot be created"):
+            Settings(runtime_dir=parent / "nimbus").ensure_runtime_dir()
+    finally:
+        parent.chmod(0o700)

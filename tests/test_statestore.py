@@ -1,0 +1,241 @@
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import redis
+
+from nimbus.errors import ConfigError, StateStoreError
+from nimbus.statestore import EmbeddedRedis, StateStore, connect, redis_server_binary
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _ours(marker: str) -> set[int]:
+    """Pids of live processes whose command line mentions ``marker``."""
+    pids = set()
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and any(
+                marker in part for part in proc.info["cmdline"] or ()
+            ):
+                pids.add(proc.pid)
+        except psutil.Error:
+            pass
+    return pids - {os.getpid()}
+
+
+@pytest.fixture
+def rt(tmp_path: Path) -> Iterator[Path]:
+    """A runtime dir; fails the test if a server or watchdog in it outlives the test."""
+    yield tmp_path
+    left = _ours(str(tmp_path))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left running: {left}"
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _spawn_owner(
+    rt: Path, then: str = "time.sleep(60)"
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """A real child Python that starts an embedded Redis in ``rt`` and prints its pids."""
+    code = (
+        "import json, sys, time\nfrom pathlib import Path\n"
+        "from nimbus.statestore import EmbeddedRedis\n"
+        f"e = EmbeddedRedis(Path({str(rt)!r})).start()\n"
+        "print(json.dumps({'server': e.server_pid, 'watchdog': e._watchdog.pid,"
+        " 'socket': str(e.socket_path)}), flush=True)\n" + then
+    )
+    env = {**os.environ, "PYTHONPATH": SRC}
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert child.stdout is not None
+    return child, json.loads(child.stdout.readline())
+
+
+def _reap(child: subprocess.Popen[str]) -> int:
+    child.kill()
+    assert child.stdout is not None
+    child.stdout.close()
+    return child.wait()
+
+
+def test_binary_is_bundled() -> None:
+    assert redis_server_binary().name == "redis-server"
+
+
+def test_embedded_start_ping_stop_leaves_nothing(rt: Path) -> None:
+    server = EmbeddedRedis(rt / "run").start()
+    assert server.url == f"unix://{server.socket_path}"
+    assert (rt / "run").stat().st_mode & 0o777 == 0o700
+    assert server.socket_path.stat().st_mode & 0o777 == 0o700
+    with redis.Redis(unix_socket_path=str(server.socket_path)) as client:
+        assert client.ping()
+        assert client.config_get("save")["save"] == ""
+        assert client.config_get("appendonly")["appendonly"] == "no"
+        assert client.config_get("port")["port"] == "0"
+    pid = server.server_pid
+    server.stop()
+    assert _gone(pid, 1)
+    assert list((rt / "run").iterdir()) == []
+    server.stop()  # idempotent
+
+
+def test_two_servers_in_one_dir_are_independent(rt: Path) -> None:
+    with EmbeddedRedis(rt) as a, EmbeddedRedis(rt) as b:
+        assert a.socket_path != b.socket_path
+        ca, cb = (redis.Redis(unix_socket_path=str(s.socket_path)) for s in (a, b))
+        ca.set("k", "a")
+        assert cb.get("k") is None
+        ca.close()
+        cb.close()
+    assert list(rt.iterdir()) == []
+
+
+def test_server_dies_when_owner_is_sigkilled(rt: Path) -> None:
+    child, pids = _spawn_owner(rt)
+    _reap(child)
+    assert _gone(pids["server"], 3)
+    assert _gone(pids["watchdog"], 3)
+    EmbeddedRedis(rt).start().stop()  # the next start removes the dead owner's files
+    assert list(rt.iterdir()) == []
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux only")
+def test_server_dies_when_watchdog_is_sigkilled(rt: Path) -> None:
+    server = EmbeddedRedis(rt).start()
+    assert server._watchdog is not None
+    server._watchdog.kill()
+    assert _gone(server.server_pid, 3)
+    server.stop()
+    assert list(rt.iterdir()) == []
+
+
+def test_atexit_stops_server_of_owner_that_exits(rt: Path) -> None:
+    child, pids = _spawn_owner(rt, then="sys.exit(0)")
+    assert child.wait(5) == 0
+    _reap(child)
+    assert _gone(pids["server"], 1)
+    assert list(rt.iterdir()) == []
+
+
+def test_orphan_server_of_dead_owner_is_cleaned_at_next_start(rt: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    sock = rt / "redis-0rphan00.sock"
+    orphan = subprocess.Popen(
+        [str(redis_server_binary()), "--port", "0", "--unixsocket", str(sock), "--save", ""],
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    while not sock.exists():
+        time.sleep(0.01)
+    created = psutil.Process(orphan.pid).create_time()
+    state = {"owner": [dead.pid, 1.0], "watchdog": [0, None], "server": [orphan.pid, created]}
+    (rt / "redis-0rphan00.json").write_text(json.dumps({**state, "socket": str(sock)}))
+    (rt / "redis-0rphan00.log").write_text("old")
+    EmbeddedRedis(rt).start().stop()
+    orphan.wait(2)  # killed (and reaped by psutil, as it is our child here)
+    assert not psutil.pid_exists(orphan.pid)
+    assert list(rt.iterdir()) == []
+
+
+def test_live_owner_entries_and_unrelated_pids_are_left_alone(rt: Path) -> None:
+    child, pids = _spawn_owner(rt)
+    try:
+        with EmbeddedRedis(rt):
+            pass
+        assert psutil.pid_exists(pids["server"])
+        assert Path(pids["socket"]).exists()
+    finally:
+        _reap(child)
+    assert _gone(pids["server"], 3)
+    EmbeddedRedis(rt).start().stop()
+
+
+def test_long_runtime_dir_falls_back_to_short_socket_path(rt: Path) -> None:
+    deep = rt / ("d" * 60) / ("e" * 60)
+    server = EmbeddedRedis(deep).start()
+    try:
+        assert len(str(server.socket_path)) < 107
+        assert server.socket_path.parent.stat().st_mode & 0o777 == 0o700
+        with StateStore(server.url) as store:
+            assert store.client().ping()
+    finally:
+        server.stop()
+    assert not server.socket_path.parent.exists()
+    assert list(deep.iterdir()) == []
+    assert _gone(server.server_pid, 1)
+
+
+def test_statestore_embedded(rt: Path) -> None:
+    with StateStore.open(None, rt) as store:
+        assert store.embedded
+        assert store.url.startswith("unix://")
+        client = store.client()
+        client.set(b"k", b"v")
+        assert client.get(b"k") == b"v"
+        assert connect(store.url).get(b"k") == b"v"
+    assert list(rt.iterdir()) == []
+
+
+def test_statestore_external_url(rt: Path) -> None:
+    with EmbeddedRedis(rt) as server, StateStore.open(server.url, rt) as store:
+        assert not store.embedded
+        assert store.client().ping()
+    assert list(rt.iterdir()) == []
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:1", "unix:///nonexistent/redis.sock"])
+def test_unreachable_url_fails_fast_naming_it(rt: Path, url: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(StateStoreError, match="NIMBUS_REDIS_URL") as info:
+        StateStore.open(url, rt)
+    assert url in str(info.value)
+    assert time.monotonic() - start < 2
+
+
+def test_bad_url_is_a_config_error(rt: Path) -> None:
+    with pytest.raises(ConfigError, match="NIMBUS_REDIS_URL"):
+        StateStore.open("http://example.com", rt)
+
+
+def test_connect_is_cached_per_process(rt: Path) -> None:
+    with EmbeddedRedis(rt) as server:
+        parent = connect(server.url)
+        assert connect(server.url) is parent
+        assert parent.ping()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            try:
+                mine = connect(server.url)
+                ok = mine is not parent and connect(server.url) is mine and mine.ping()
+                os.write(write, b"1" if ok else b"0")
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(read, 1) == b"1"
+        os.close(read)
+        os.close(write)
+        assert connect(server.url) is parent
+        parent.close()
