@@ -96,7 +96,9 @@ class Executor(cf.Executor):
     ``task_timeout`` (seconds) stops any task that runs longer: its worker
     is killed and replaced and its future raises
     :class:`~nimbus.errors.TaskTimeoutError`. ``settings`` defaults to
-    ``Settings.load()`` (``NIMBUS_*`` environment variables).
+    ``Settings.load()`` (``NIMBUS_*`` environment variables). ``on_notice`` is
+    called, on the runtime's thread, with what task code sends with
+    ``nimbus.runtime.worker.notify`` (progress, events).
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class Executor(cf.Executor):
         task_timeout: float | None = None,
         settings: Settings | None = None,
         backend: str = "local",
+        on_notice: Callable[[Any], None] | None = None,
     ) -> None:
         self.settings = settings if settings is not None else Settings.load()
         if max_workers is None:
@@ -131,6 +134,7 @@ class Executor(cf.Executor):
             prefetch=self.settings.prefetch,
             on_results=self._on_results,
             on_dispatch=self._on_dispatch,
+            on_notice=on_notice,
         )
         _live.add(self)
 

@@ -93,3 +93,31 @@ class Keys:
     def directory(self) -> str:
         """The hash of this program's instances and their addresses."""
         return self._key("directory")
+
+    def pipe_refs(self, name: str, end: int | str) -> str:
+        """The count of the open copies of one end of a pipe."""
+        return self._key("pipe", name, str(end), "refs")
+
+    def queue_field(self, name: str, field: str) -> str:
+        """A counter or wake-up list of queue ``name`` (``count``, ``unfinished`` ...)."""
+        return self._key("queue", name, field)
+
+    def wakeup(self, name: str) -> str:
+        """A short-lived list that wakes one blocked waiter (``connection.wait``)."""
+        return self._key("wakeup", name)
+
+    def lock_owners(self, name: str) -> str:
+        """The holders of lock ``name``: a hash of owner -> recursion depth."""
+        return self._key("lock", name, "owners")
+
+    def lock_claim(self, name: str, owner: str) -> str:
+        """Where a blocked acquire of lock ``name`` by ``owner`` lands its token."""
+        return self._key("lock", name, "claim", owner)
+
+    def waiters(self, name: str) -> str:
+        """The wake-up lists of the threads waiting on event or condition ``name``."""
+        return self._key("waiters", name)
+
+    def waiter(self, name: str) -> str:
+        """One waiting thread's wake-up list (``name`` is unique per wait)."""
+        return self._key("waiter", name)

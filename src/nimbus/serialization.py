@@ -14,9 +14,12 @@ send by value: lambdas, closures, and functions or classes defined in
 
 from __future__ import annotations
 
+import copyreg
 import hashlib
+import io
 import pickle
-from collections.abc import Callable, Sequence
+from collections import ChainMap
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, Protocol
 
 import cloudpickle
@@ -48,15 +51,21 @@ class Serializer(Protocol):
     def loads(self, data: Buffer, buffers: Sequence[Buffer] = ()) -> Any: ...
 
 
-def _rebuild_bytes(buf: pickle.PickleBuffer) -> bytes:
-    view = buf.raw()
+def _rebuild_bytes(buf: Buffer | pickle.PickleBuffer) -> bytes:
+    """``bytes`` from a received buffer, without a copy when it already is one."""
+    if type(buf) is bytes:
+        return buf
+    view = memoryview(buf)
     if isinstance(view.obj, bytes) and view.nbytes == len(view.obj):
         return view.obj
-    return bytes(view)
+    return view.tobytes()
 
 
-def _rebuild_bytearray(buf: pickle.PickleBuffer) -> bytearray:
-    view = buf.raw()
+def _rebuild_bytearray(buf: Buffer | pickle.PickleBuffer) -> bytearray:
+    """``bytearray`` from a received buffer, without a copy when it already is one."""
+    if type(buf) is bytearray:
+        return buf
+    view = memoryview(buf)
     if isinstance(view.obj, bytearray) and view.nbytes == len(view.obj):
         return view.obj
     return bytearray(view)
@@ -125,22 +134,66 @@ def _find_culprit(obj: object, depth: int = 0) -> object:
     return obj
 
 
-def dumps(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
+Reducers = MutableMapping[Any, Any]
+_picklers: dict[int, tuple[type[pickle.Pickler], type[pickle.Pickler]]] = {}
+
+
+def _picklers_for(reducers: Reducers) -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
+    """Plain and cloudpickle picklers that also use ``reducers`` (a live mapping)."""
+    pair = _picklers.get(id(reducers))
+    if pair is None:
+        plain = type(
+            "Pickler",
+            (pickle.Pickler,),
+            {"dispatch_table": ChainMap(reducers, copyreg.dispatch_table)},
+        )
+        cloud = type(
+            "CloudPickler",
+            (cloudpickle.Pickler,),
+            {"dispatch_table": ChainMap(reducers, cloudpickle.Pickler.dispatch_table)},
+        )
+        pair = _picklers[id(reducers)] = (plain, cloud)
+    return pair
+
+
+def _dump_with(
+    pickler: type[pickle.Pickler], obj: object, buffers: list[pickle.PickleBuffer]
+) -> bytes:
+    out = io.BytesIO()
+    pickler(out, protocol=PROTOCOL, buffer_callback=buffers.append).dump(obj)
+    return out.getvalue()
+
+
+def dumps(
+    obj: object, *, reducers: Reducers | None = None, main_by_value: bool = True
+) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle ``obj``; large buffers are returned apart, not copied.
 
+    ``reducers`` maps types to reduce functions used before the defaults
+    (for example ``multiprocessing.reduction.ForkingPickler._extra_reducers``,
+    which hands file descriptors of connections to another process). With
+    ``main_by_value=False``, functions and classes of ``__main__`` are pickled
+    by reference, for a receiver that imports the same main module.
     Raises :class:`SerializationError` naming the part that cannot be pickled.
     """
     buffers: list[pickle.PickleBuffer] = []
     wrapped = _wrap_top(obj)
+    plain, cloud = _picklers_for(reducers) if reducers is not None else (None, None)
     try:
-        data = pickle.dumps(wrapped, protocol=PROTOCOL, buffer_callback=buffers.append)
-        if b"__main__" not in data:
+        if plain is None:
+            data = pickle.dumps(wrapped, protocol=PROTOCOL, buffer_callback=buffers.append)
+        else:
+            data = _dump_with(plain, wrapped, buffers)
+        if not main_by_value or b"__main__" not in data:
             return data, buffers
     except Exception:
         pass
     buffers = []
     try:
-        data = cloudpickle.dumps(wrapped, protocol=PROTOCOL, buffer_callback=buffers.append)
+        if cloud is None:
+            data = cloudpickle.dumps(wrapped, protocol=PROTOCOL, buffer_callback=buffers.append)
+        else:
+            data = _dump_with(cloud, wrapped, buffers)
     except Exception as exc:
         culprit = _find_culprit(obj)
         raise SerializationError(

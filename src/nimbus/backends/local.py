@@ -6,6 +6,9 @@ lives in the caller's process and its workers are local processes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from nimbus.backends import DispatchCallback, ResultCallback
 from nimbus.runtime.agent import Agent
 from nimbus.runtime.task import Task
@@ -23,10 +26,13 @@ class LocalBackend:
         prefetch: int,
         on_results: ResultCallback,
         on_dispatch: DispatchCallback | None = None,
+        on_notice: Callable[[Any], None] | None = None,
         name: str = "local",
     ) -> None:
         self.capacity = workers
-        self.agent = Agent(on_results=on_results, on_dispatch=on_dispatch, name=name)
+        self.agent = Agent(
+            on_results=on_results, on_dispatch=on_dispatch, on_notice=on_notice, name=name
+        )
         self.agent.add_manager(workers, prefetch=prefetch)
 
     def submit(self, batch: list[Task]) -> None:

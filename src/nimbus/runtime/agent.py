@@ -32,11 +32,13 @@ class Agent:
         *,
         on_results: Callable[[list[Task]], None],
         on_dispatch: Callable[[list[Task]], list[Task]] | None = None,
+        on_notice: Callable[[Any], None] | None = None,
         name: str = "agent",
     ) -> None:
         self.name = name
         self._on_results = on_results
         self._on_dispatch = on_dispatch
+        self._on_notice = on_notice
         self._managers: list[Manager] = []
         self._outstanding: dict[Manager, int] = {}
         self._lock = threading.Lock()
@@ -54,6 +56,7 @@ class Agent:
             workers,
             on_results=self._results,
             on_dispatch=self._on_dispatch,
+            on_notice=self._on_notice,
             prefetch=prefetch,
             python=python,
             env=env,

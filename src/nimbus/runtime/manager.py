@@ -42,6 +42,9 @@ __all__ = ["Manager"]
 
 log = logging.getLogger(__name__)
 
+# run through an import, not ``-m``, so the module is ``nimbus.runtime.worker`` for
+# the task code that calls its functions, not ``__main__``
+WORKER_MAIN = "import sys; from nimbus.runtime.worker import main; sys.exit(main())"
 START_FAILURES = 3  # workers that die before saying hello, in a row, before giving up
 
 
@@ -104,6 +107,7 @@ class Manager:
         *,
         on_results: Callable[[list[Task]], None],
         on_dispatch: Callable[[list[Task]], list[Task]] | None = None,
+        on_notice: Callable[[Any], None] | None = None,
         prefetch: int = 8,
         python: str | None = None,
         env: Mapping[str, str] | None = None,
@@ -118,6 +122,7 @@ class Manager:
         self.prefetch = prefetch
         self._on_results = on_results
         self._on_dispatch = on_dispatch
+        self._on_notice = on_notice
         self._python = python or sys.executable
         self._env = worker_environment(env)
         self._pending: deque[Task] = deque()
@@ -231,7 +236,7 @@ class Manager:
         self._counter += 1
         try:
             proc = subprocess.Popen(
-                [self._python, "-u", "-m", "nimbus.runtime.worker", str(child.fileno())],
+                [self._python, "-u", "-c", WORKER_MAIN, str(child.fileno())],
                 pass_fds=(child.fileno(),),
                 env=self._env,
                 stdin=subprocess.DEVNULL,
@@ -261,6 +266,12 @@ class Manager:
                 head = worker.inflight[0] if worker.inflight else None
                 if head is not None and head.seq == seq and head.timeout is not None:
                     worker.deadline = time.monotonic() + head.timeout
+            elif frame.kind == Kind.NOTICE:
+                if self._on_notice is not None:
+                    try:
+                        self._on_notice(unpack(frame.meta))
+                    except Exception:
+                        log.exception("nimbus %s: a notice callback failed", self.name)
             elif frame.kind == Kind.HELLO:
                 hello = unpack(frame.meta)
                 worker.host = hello["host"]

@@ -13,6 +13,8 @@ Worker -> manager::
     STARTED meta seq: sent before a task with notify_start (it has a timeout)
     RESULTS meta [[seq, status, payload | None, nbufs, started, ended, cpu_user,
             cpu_system, peak_memory, net_in, net_out], ...], payload as in TASKS
+    NOTICE  meta: any msgpack value a task (or a thread it started) sent with
+            ``nimbus.runtime.worker.notify``; handed to the manager's ``on_notice``
 
 Results come back in the order the tasks were sent, so the oldest task a
 worker has not answered is the one it is running.
@@ -35,6 +37,7 @@ class Kind(enum.IntEnum):
     HELLO = 10
     STARTED = 11
     RESULTS = 12
+    NOTICE = 13
 
 
 class Status(enum.IntEnum):

@@ -6,7 +6,7 @@
                                                |
                                           TaskMeter (cpu, memory, net bytes)
 
-Started as ``python -u -m nimbus.runtime.worker FD NAME``, where FD is its
+Started by its manager with ``python -u -c WORKER_MAIN FD``, where FD is its
 end of a socketpair with its manager. It reads every frame that is waiting,
 runs the oldest queued task, and sends results in batches: at once when it
 has nothing else queued or the task took long, otherwise up to 64 at a time
@@ -39,7 +39,7 @@ from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
 from nimbus.telemetry import TaskMeter
 from nimbus.wire import Buffer, Channel, pack, unpack
 
-__all__ = ["Worker", "main"]
+__all__ = ["Worker", "close_in_child", "main", "notify"]
 
 BATCH_RESULTS = 64
 BATCH_SECONDS = 0.002
@@ -57,6 +57,7 @@ class Worker:
         self.rows: list[list[Any]] = []
         self.buffers: list[Any] = []
         self.first_result = 0.0
+        self.send_lock = threading.Lock()
 
     def serve(self) -> None:
         channel = self.channel
@@ -111,8 +112,9 @@ class Worker:
             self.add_result(seq, Status.SKIPPED, b"", [], (0.0, 0.0, 0.0, 0.0, 0, 0, 0))
             return
         if notify_start:
-            self.channel.send(Kind.STARTED, pack(seq))
-            self.channel.flush()
+            with self.send_lock:
+                self.channel.send(Kind.STARTED, pack(seq))
+                self.channel.flush()
         started = self.meter.begin()
         status = Status.OK
         result: Any = None
@@ -165,9 +167,41 @@ class Worker:
         self.buffers.extend(out)
 
     def flush(self) -> None:
-        self.channel.send(Kind.RESULTS, pack(self.rows), self.buffers)
-        self.rows, self.buffers = [], []
-        self.channel.flush()
+        with self.send_lock:
+            self.channel.send(Kind.RESULTS, pack(self.rows), self.buffers)
+            self.rows, self.buffers = [], []
+            self.channel.flush()
+
+    def notify(self, payload: object) -> None:
+        with self.send_lock:
+            self.channel.send(Kind.NOTICE, pack(payload))
+            self.channel.flush()
+
+
+_worker: Worker | None = None  # the worker this process is, if it is one
+
+
+def notify(payload: object) -> None:
+    """Send ``payload`` (msgpack-able) to this worker's manager, from any thread.
+
+    For task code that must report before it returns, or after (from a
+    thread it started). Raises ``RuntimeError`` outside a nimbus worker.
+    """
+    if _worker is None:
+        raise RuntimeError("nimbus.runtime.worker.notify() works only inside a nimbus worker")
+    _worker.notify(payload)
+
+
+def close_in_child() -> None:
+    """In a process forked from a worker: let go of the worker's channel.
+
+    The manager detects a dead worker by the end of its channel, so a forked
+    child must not keep a copy of it open.
+    """
+    global _worker
+    if _worker is not None:
+        _worker.channel.close()
+        _worker = None
 
 
 def _watch_parent(parent: int) -> None:
@@ -181,13 +215,16 @@ def _watch_parent(parent: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m nimbus.runtime.worker FD", file=sys.stderr)
+        print(
+            "usage: python -c 'from nimbus.runtime.worker import main; main()' FD", file=sys.stderr
+        )
         return 2
     fd = int(args[0])
     sock = _socket.socket(fileno=fd)  # a bare socket: not counted as task traffic
     sock.setblocking(True)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    worker = Worker(Channel(sock))
+    global _worker
+    worker = _worker = Worker(Channel(sock))
     try:
         worker.serve()
     except (ConnectionError, BrokenPipeError):

@@ -1,0 +1,65 @@
+"""``nimbus.multiprocessing``: the stdlib's multiprocessing API on nimbus.
+
+Change ``import multiprocessing`` to ``import nimbus.multiprocessing as
+multiprocessing``: processes run on warm workers and shared state lives in
+the state store (an embedded Redis by default, ``NIMBUS_REDIS_URL`` when set).
+The module map is the stdlib's (``context``, ``process``, ``pool``, ``queues``,
+``connection``, ``synchronize``, ``sharedctypes``, ``managers``); modules that
+are local to one process by nature (``util``, ``dummy``, ``reduction``,
+``heap``, ``shared_memory``, ``resource_tracker``, ``spawn``) are the stdlib's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as _stdlib
+import sys as _sys
+from multiprocessing import (
+    AuthenticationError,
+    BufferTooShort,
+    ProcessError,
+    TimeoutError,
+    dummy,
+    heap,
+    reduction,
+    resource_tracker,
+    shared_memory,
+    spawn,
+    util,
+)
+from typing import Any
+
+from nimbus.multiprocessing import context
+
+_LOCAL_MODULES = {
+    "dummy": dummy,
+    "heap": heap,
+    "reduction": reduction,
+    "resource_tracker": resource_tracker,
+    "shared_memory": shared_memory,
+    "spawn": spawn,
+    "util": util,
+}
+for _name, _module in _LOCAL_MODULES.items():
+    _sys.modules[f"{__name__}.{_name}"] = _module
+
+_ctx = context._default_context
+__all__ = [name for name in _stdlib.__all__ if not name.startswith("_")]
+
+SUBDEBUG = util.SUBDEBUG
+SUBWARNING = util.SUBWARNING
+reducer = reduction.ForkingPickler
+Process = context.Process
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(_ctx, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# the bound methods of the default context, as the stdlib exposes them
+for _name in __all__:
+    if _name not in globals() and hasattr(_ctx, _name):
+        globals()[_name] = getattr(_ctx, _name)
+
+__all__ += ["AuthenticationError", "BufferTooShort", "ProcessError", "TimeoutError"]

@@ -1,0 +1,146 @@
+"""The program: where this multiprocessing program's shared state lives.
+
+A *program* is one run of a user's multiprocessing code: its root process
+and every process it starts, on any worker. Its shared objects (queues,
+locks, values, pipes ...) are keys in one state store (Redis) under one
+program id (see ``nimbus.keys``), so two programs sharing a Redis never meet.
+
+::
+
+    root process                       worker running a child Process
+    ------------                       ------------------------------
+    program()  -> starts the store     adopt(Program) <- carried by the task
+               -> new program id       program()      -> the adopted one
+    keepalive thread: EXPIRE keys      shared objects pickle as (Program, name)
+    atexit: delete the program's keys
+
+Every key gets the program's TTL when created; the root keeps them alive
+while it runs and deletes them at a normal exit, so after a SIGKILL of the
+root they expire within ``key_ttl`` seconds (``NIMBUS_KEY_TTL``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import pickle
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+
+import redis
+
+from nimbus import serialization, statestore
+from nimbus.config import Settings
+from nimbus.errors import StateStoreError
+from nimbus.keys import Keys
+
+__all__ = ["Program", "adopt", "dumps", "program"]
+
+
+@dataclass(frozen=True)
+class Program:
+    """The state store URL, program id and key TTL of one program."""
+
+    url: str
+    program_id: str
+    key_ttl: float
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.program_id)
+
+    @property
+    def ttl_ms(self) -> int:
+        return int(self.key_ttl * 1000)
+
+    def client(self) -> redis.Redis:
+        """This process's client of the program's store (cached per URL)."""
+        return statestore.connect(self.url)
+
+
+class _Root:
+    """The store, keepalive and cleanup owned by the program's root process."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.store = statestore.StateStore.from_settings(settings)
+        self.program = Program(self.store.url, Keys.program_id_new(), settings.key_ttl)
+        self.pid = os.getpid()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._keepalive, name="nimbus-keepalive", daemon=True
+        )
+        self._thread.start()
+        atexit.register(self.close)
+
+    def _keepalive(self) -> None:
+        program = self.program
+        interval = max(0.5, program.key_ttl / 3)
+        while not self._stop.wait(interval):
+            try:
+                client = program.client()
+                for key in client.scan_iter(match=program.keys.pattern(), count=1000):
+                    client.pexpire(key, program.ttl_ms)
+            except redis.RedisError:
+                pass  # the store is gone; the users of the objects see the error
+
+    def close(self) -> None:
+        if os.getpid() != self.pid or self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            client = self.program.client()
+            keys = list(client.scan_iter(match=self.program.keys.pattern(), count=1000))
+            for start in range(0, len(keys), 500):
+                client.unlink(*keys[start : start + 500])
+        except redis.RedisError:
+            pass
+        self.store.close()
+
+
+_lock = threading.Lock()
+_root: _Root | None = None
+_adopted: Program | None = None
+
+
+def program(settings: Settings | None = None) -> Program:
+    """The program this process belongs to; the root starts its store on first use."""
+    global _root
+    if _adopted is not None:
+        return _adopted
+    with _lock:
+        if _root is None or _root.pid != os.getpid():
+            try:
+                _root = _Root(settings if settings is not None else Settings.load())
+            except redis.RedisError as exc:
+                raise StateStoreError(f"cannot use the state store: {exc}") from exc
+        return _root.program
+
+
+def adopt(program: Program | None) -> None:
+    """Make this process (a worker running a child) part of ``program``."""
+    global _adopted
+    _adopted = program
+
+
+@functools.cache
+def _main_by_value() -> bool:
+    """Whether ``__main__`` must travel by value: children cannot import it."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return getattr(spec, "name", None) is None and getattr(main, "__file__", None) is None
+
+
+def dumps(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """Pickle an object that goes to another process of the program.
+
+    As the stdlib does: with its reducers (connections, sockets and fds are
+    handed over) and ``__main__`` by reference (children import the main
+    module as the stdlib's spawn does), unless the main module cannot be
+    imported (``python -c``, an interactive session): then by value.
+    """
+    return serialization.dumps(
+        obj, reducers=ForkingPickler._extra_reducers, main_by_value=_main_by_value()
+    )

@@ -1,0 +1,599 @@
+"""Pipes over the state store, with the API of ``multiprocessing.connection``.
+
+::
+
+    end 0                          state store                          end 1
+    send(obj) --RPUSH------------> pipe:<name>:1 ----BLPOP (+LPOP n)--> recv()
+    recv()  <--BLPOP (+LPOP n)---- pipe:<name>:0 <-----------RPUSH----- send(obj)
+        |                                                                  |
+        +-- local buffer of prefetched messages      close(): last copy ---+
+                                                     pushes end-of-stream
+
+Each direction of a :func:`Pipe` is a Redis list named by the end that reads
+it. Every list element is one message: ``b"B"`` + the bytes, or ``b"E"``, the
+end-of-stream marker. A send writes its RPUSH and does not wait for the reply
+(replies are read before the next command on that thread's connection to the
+store), so a send costs one ``write``; a receive blocks in BLPOP and takes up to
+63 more waiting messages with a pipelined ``LPOP key count``, keeping them in a
+local buffer that :meth:`Connection.poll`, :meth:`Connection.recv` and
+:func:`wait` see. On close (explicit, at garbage collection or at process exit)
+prefetched messages are pushed back to the head of the list.
+
+An end may be pickled to other processes, like a file descriptor inherited by a
+child: each copy holds a reference (taken when it is pickled), and when the
+last copy of an end is closed an end-of-stream marker is pushed to the list the
+peer reads, so the peer's ``recv`` raises :class:`EOFError` once it has read
+everything before it. A send to an end whose copies are all closed is dropped
+(the stdlib raises ``BrokenPipeError``). :meth:`Connection.fileno` raises
+:class:`OSError`: there is no file descriptor; use :func:`wait` instead of
+``select``.
+
+``Listener``, ``Client``, ``answer_challenge``, ``deliver_challenge``,
+``BufferTooShort`` and ``AuthenticationError`` are the stdlib's own: they are
+real sockets, which work between the processes of one host.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import struct
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from multiprocessing import AuthenticationError, BufferTooShort, util
+from multiprocessing import connection as _std
+from multiprocessing.connection import (
+    Client,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+)
+from types import TracebackType
+from typing import Any
+
+import hiredis
+import redis
+
+from nimbus import serialization
+from nimbus.errors import StateStoreError
+from nimbus.keys import Keys
+from nimbus.multiprocessing import _state
+from nimbus.multiprocessing._state import Program, program
+
+__all__ = [
+    "AuthenticationError",
+    "BufferTooShort",
+    "Client",
+    "Connection",
+    "Listener",
+    "Pipe",
+    "answer_challenge",
+    "deliver_challenge",
+    "wait",
+]
+
+MESSAGE = b"B"
+EOS = b"E"
+PREFETCH = 64  # most messages a reader takes from the store at once
+_TIGHT_LOOP = 0.001  # a reader back within this many seconds is in a loop: prefetch more
+
+# Decrement the references of an end; at zero push end-of-stream to the list it writes.
+_RELEASE = """
+local n = redis.call('DECR', KEYS[1])
+if n <= 0 then
+  redis.call('DEL', KEYS[1])
+  if ARGV[1] == '1' then
+    redis.call('RPUSH', KEYS[2], 'E')
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  end
+end
+return n
+"""
+
+
+# ---------------------------------------------------------------- link to the store
+
+
+class _Link:
+    """One thread's connection to one store; replies to sends are read lazily.
+
+    redis-py opens the connection (handshake, AUTH, SELECT); commands then go
+    straight over its socket with a hiredis reader, several times faster than
+    redis-py's command path for small messages. :meth:`push` does not wait for
+    its reply; when the reply shows the push created the list, a PEXPIRE for it
+    goes out with the next command (until then the root's keepalive covers it).
+    """
+
+    def __init__(self, url: str, client: redis.Redis) -> None:
+        pool = client.connection_pool
+        self.url = url
+        self.ttl_ms = 0
+        self.conn = pool.connection_class(**pool.connection_kwargs)
+        self.sock: Any = None
+        self.reader: Any = None
+        self.pending: collections.deque[str | None] = collections.deque()
+        self.expire: list[str] = []
+
+    def _error(self, exc: BaseException) -> StateStoreError:
+        return StateStoreError(f"state store at {self.url} failed: {type(exc).__name__}: {exc}")
+
+    def _broken(self) -> None:
+        self.pending.clear()
+        self.sock = None
+        self.conn.disconnect()
+
+    def _send(self, commands: Sequence[Sequence[Any]], tags: Sequence[str | None]) -> None:
+        if self.expire:
+            keys, self.expire = self.expire, []
+            commands = [*(("PEXPIRE", k, self.ttl_ms) for k in keys), *commands]
+            tags = [*(None for _ in keys), *tags]
+        payload = b"".join([hiredis.pack_command(tuple(command)) for command in commands])
+        try:
+            if self.sock is None:
+                self.conn.connect()
+                self.sock, self.reader = self.conn._sock, hiredis.Reader()
+            self.sock.sendall(payload)
+        except (OSError, redis.RedisError) as exc:
+            self._broken()
+            raise self._error(exc) from exc
+        self.pending.extend(tags)
+
+    def push(self, key: str, message: bytes, ttl_ms: int) -> None:
+        """RPUSH one message without waiting for the reply."""
+        self.ttl_ms = ttl_ms
+        self._send((("RPUSH", key, message),), (key,))
+
+    def _read(self) -> Any:
+        reader = self.reader
+        reply = reader.gets()
+        while reply is False:
+            data = self.sock.recv(262144)
+            if not data:
+                raise ConnectionError("the store closed the connection")
+            reader.feed(data)
+            reply = reader.gets()
+        return reply
+
+    def call(self, *commands: Sequence[Any]) -> list[Any]:
+        """Send ``commands`` and return their replies (errors are raised)."""
+        self._send(commands, [None] * len(commands))
+        pending = self.pending
+        replies: list[Any] = []
+        error: Any = None
+        try:
+            while pending:
+                reply = self._read()
+                tag = pending.popleft()
+                if isinstance(reply, hiredis.ReplyError):
+                    reply, error = None, reply
+                elif tag is not None and reply == 1:
+                    self.expire.append(tag)
+                if len(pending) < len(commands):
+                    replies.append(reply)
+        except BaseException as exc:  # interrupted mid-reply: the connection is unusable
+            self._broken()
+            if isinstance(exc, OSError | redis.RedisError):
+                raise self._error(exc) from exc
+            raise
+        if error is not None:
+            raise StateStoreError(f"state store at {self.url} refused a command: {error}")
+        return replies
+
+
+_local = threading.local()
+
+
+def link(prog: Program) -> _Link:
+    """This thread's link to ``prog``'s store."""
+    links: dict[str, _Link] | None = getattr(_local, "links", None)
+    if links is None or getattr(_local, "pid", None) != os.getpid():
+        links = _local.links = {}
+        _local.pid = os.getpid()
+    found = links.get(prog.url)
+    if found is None:
+        found = links[prog.url] = _Link(prog.url, prog.client())
+    return found
+
+
+def seconds(timeout: float) -> str:
+    """A BLPOP timeout: never 0 (which would block forever)."""
+    return f"{max(timeout, 0.001):.3f}"
+
+
+# ---------------------------------------------------------------- payloads
+
+
+def pack(obj: object) -> bytes:
+    """Pickle ``obj`` into one message: a plain pickle, or framed with its buffers."""
+    data, buffers = _state.dumps(obj)
+    if not buffers:
+        return data
+    raws = [b.raw() for b in buffers]
+    head = struct.pack(f"<I{len(raws) + 1}Q", len(raws), len(data), *(r.nbytes for r in raws))
+    return b"".join((b"O", head, data, *raws))
+
+
+def unpack(message: bytes | memoryview) -> Any:
+    """The object that :func:`pack` made (or a plain pickle)."""
+    view = memoryview(message)
+    if bytes(view[:1]) != b"O":
+        return serialization.loads(view)
+    (count,) = struct.unpack_from("<I", view, 1)
+    sizes = struct.unpack_from(f"<{count + 1}Q", view, 5)
+    pos = 5 + 8 * (count + 1)
+    parts = []
+    for size in sizes:
+        parts.append(view[pos : pos + size])
+        pos += size
+    buffers: list[Any] = [pickle.PickleBuffer(p) for p in parts[1:]]
+    return serialization.loads(parts[0], buffers)
+
+
+# ---------------------------------------------------------------- Connection
+
+
+class Connection:
+    """One end of a :func:`Pipe`, or a reader or writer of a shared list.
+
+    ``refs`` is the key counting the copies of this end (None for the ends of
+    a queue, which never signal end-of-stream).
+    """
+
+    def __init__(
+        self,
+        prog: Program,
+        read_key: str | None,
+        write_key: str | None,
+        refs: str | None = None,
+    ) -> None:
+        self._program = prog
+        self._read_key = read_key
+        self._write_key = write_key
+        self._refs = refs
+        self._buffer: collections.deque[bytes] = collections.deque()
+        self._eof = False
+        self._closed = False
+        self._batch = 1
+        self._prefetch = PREFETCH
+        self._misses = 0
+        self._last = 0.0
+        self._finalizer = util.Finalize(
+            self, _release, (prog, read_key, write_key, refs, self._buffer), exitpriority=10
+        )
+
+    # -- properties
+
+    @property
+    def closed(self) -> bool:
+        """True if the connection is closed."""
+        return self._closed
+
+    @property
+    def readable(self) -> bool:
+        """True if the connection is readable."""
+        return self._read_key is not None
+
+    @property
+    def writable(self) -> bool:
+        """True if the connection is writable."""
+        return self._write_key is not None
+
+    def fileno(self) -> int:
+        """There is no file descriptor: raises :class:`OSError` (use :func:`wait`)."""
+        self._check_closed()
+        raise OSError("a nimbus Connection has no file descriptor; use nimbus wait()")
+
+    def _check_closed(self) -> None:
+        if self._closed:
+            raise OSError("handle is closed")
+
+    def _check_readable(self) -> None:
+        if self._read_key is None:
+            raise OSError("connection is write-only")
+
+    def _check_writable(self) -> None:
+        if self._write_key is None:
+            raise OSError("connection is read-only")
+
+    # -- sending
+
+    def _send_message(self, message: bytes) -> None:
+        key = self._write_key
+        assert key is not None
+        link(self._program).push(key, message, self._program.ttl_ms)
+
+    def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
+        """Send the bytes of a bytes-like object (``buf[offset:offset + size]``)."""
+        self._check_closed()
+        self._check_writable()
+        m = memoryview(buf)
+        if m.itemsize > 1:
+            m = m.cast("B")
+        n = m.nbytes
+        if offset < 0:
+            raise ValueError("offset is negative")
+        if n < offset:
+            raise ValueError("buffer length < offset")
+        if size is None:
+            size = n - offset
+        elif size < 0:
+            raise ValueError("size is negative")
+        elif offset + size > n:
+            raise ValueError("buffer length < offset + size")
+        self._send_message(MESSAGE + m[offset : offset + size])
+
+    def send(self, obj: object) -> None:
+        """Send a picklable object."""
+        self._check_closed()
+        self._check_writable()
+        self._send_message(MESSAGE + pack(obj))
+
+    # -- receiving
+
+    def _ready(self) -> bool:
+        return bool(self._buffer) or self._eof
+
+    def _fill_commands(self, timeout: float | None) -> list[tuple[Any, ...]]:
+        """BLPOP (blocking) and, for a reader in a tight loop, LPOP of more."""
+        commands: list[tuple[Any, ...]] = [
+            ("BLPOP", self._read_key, 0 if timeout is None else seconds(timeout))
+        ]
+        now = time.monotonic()
+        self._batch = min(self._prefetch, self._batch * 2) if now - self._last < _TIGHT_LOOP else 1
+        if self._batch > 1 and (self._misses < 4 or self._misses % 8 == 0):
+            commands.append(("LPOP", self._read_key, self._batch - 1))
+        return commands
+
+    def _take(self, popped: Any, more: Any) -> None:
+        """Put what a fill returned into the local buffer."""
+        if popped is not None:
+            self._buffer.append(popped[1])
+        if more:
+            self._buffer.extend(more)
+            self._misses = 0
+        else:
+            self._misses += 1
+
+    def _poll(self, timeout: float | None) -> bool:
+        if self._ready():
+            return True
+        if timeout is not None and timeout <= 0:
+            replies = link(self._program).call(("LPOP", self._read_key, self._batch))
+            self._take(None, replies[0])
+            return self._ready()
+        commands = self._fill_commands(timeout)
+        replies = link(self._program).call(*commands)
+        self._take(replies[0], replies[1] if len(replies) > 1 else None)
+        return self._ready()
+
+    def _recv_message(self) -> bytes:
+        while not self._ready():
+            self._poll(None)
+        self._last = time.monotonic()
+        if self._eof:
+            raise EOFError
+        message = self._buffer.popleft()
+        if message[:1] == EOS:
+            self._eof = True
+            self._buffer.appendleft(message)  # left for the other copies of this end
+            self._push_back()
+            raise EOFError
+        return message
+
+    def _push_back(self) -> None:
+        if self._buffer:
+            _push_back(self._program, self._read_key, self._buffer)
+
+    def recv_bytes(self, maxlength: int | None = None) -> bytes:
+        """Receive one message as bytes; :class:`EOFError` at end of stream."""
+        self._check_closed()
+        self._check_readable()
+        if maxlength is not None and maxlength < 0:
+            raise ValueError("negative maxlength")
+        message = self._recv_message()
+        if maxlength is not None and len(message) - 1 > maxlength:
+            self.close()
+            raise OSError("bad message length")
+        return message[1:]
+
+    def recv_bytes_into(self, buf: Any, offset: int = 0) -> int:
+        """Receive one message into a writable buffer; returns its size."""
+        self._check_closed()
+        self._check_readable()
+        with memoryview(buf) as m:
+            itemsize = m.itemsize
+            bytesize = itemsize * len(m)
+            if offset < 0:
+                raise ValueError("negative offset")
+            elif offset > bytesize:
+                raise ValueError("offset too large")
+            message = self._recv_message()
+            size = len(message) - 1
+            if bytesize < offset + size:
+                raise BufferTooShort(message[1:])
+            result = io.BytesIO(memoryview(message)[1:])
+            result.readinto(m[offset // itemsize : (offset + size) // itemsize])
+            return size
+
+    def recv(self) -> Any:
+        """Receive a picklable object."""
+        self._check_closed()
+        self._check_readable()
+        return unpack(memoryview(self._recv_message())[1:])
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Whether there is anything to read; waits up to ``timeout`` (None: forever)."""
+        self._check_closed()
+        self._check_readable()
+        return self._poll(timeout)
+
+    # -- closing and pickling
+
+    def close(self) -> None:
+        """Close this copy of the end (the last copy signals end-of-stream)."""
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        self._check_closed()
+        if self._refs is not None:  # the copy's reference is taken now, not when unpickled
+            link(self._program).call(
+                ("INCR", self._refs), ("PEXPIRE", self._refs, self._program.ttl_ms)
+            )
+        return (Connection, (self._program, self._read_key, self._write_key, self._refs))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<{type(self).__name__} {self._read_key or self._write_key} {state}>"
+
+
+def _push_back(prog: Program, key: str | None, buffer: collections.deque[bytes]) -> None:
+    items = list(buffer)
+    buffer.clear()
+    link(prog).call(("LPUSH", key, *reversed(items)), ("PEXPIRE", key, prog.ttl_ms))
+
+
+def _release(
+    prog: Program,
+    read_key: str | None,
+    write_key: str | None,
+    refs: str | None,
+    buffer: collections.deque[bytes],
+) -> None:
+    """Give back prefetched messages and this copy's reference (quietly at exit)."""
+    try:
+        if buffer:
+            _push_back(prog, read_key, buffer)
+        if refs is not None:
+            eos = "1" if write_key is not None else "0"
+            link(prog).call(("EVAL", _RELEASE, 2, refs, write_key or refs, eos, prog.ttl_ms))
+    except (StateStoreError, OSError):
+        if not util.is_exiting():
+            raise
+
+
+def Pipe(duplex: bool = True, *, prog: Program | None = None) -> tuple[Connection, Connection]:
+    """Two connected :class:`Connection` s; one-way (read end, write end) if not ``duplex``."""
+    prog = prog if prog is not None else program()
+    keys: Keys = prog.keys
+    name = Keys.new_name()
+    list0, list1 = keys.pipe(name, 0), keys.pipe(name, 1)
+    refs0, refs1 = keys.pipe_refs(name, 0), keys.pipe_refs(name, 1)
+    ttl = prog.ttl_ms
+    link(prog).call(
+        ("SET", refs0, 1, "PX", ttl),
+        ("SET", refs1, 1, "PX", ttl),
+    )
+    if duplex:
+        return (Connection(prog, list0, list1, refs0), Connection(prog, list1, list0, refs1))
+    return (Connection(prog, list0, None, refs0), Connection(prog, None, list0, refs1))
+
+
+# ---------------------------------------------------------------- wait
+
+
+def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
+    """The objects of ``object_list`` ready to read, waiting up to ``timeout`` seconds.
+
+    Takes nimbus :class:`Connection` s, and anything the stdlib's ``wait``
+    takes (file descriptors, objects with ``fileno()``, stdlib connections,
+    sockets, process sentinels). Without file descriptors it blocks in one
+    BLPOP over every nimbus connection's list; with both, a helper thread waits
+    on the descriptors and wakes the BLPOP through a private list.
+    """
+    objects = list(object_list)
+    ours = [o for o in objects if isinstance(o, Connection)]
+    others = [o for o in objects if not isinstance(o, Connection)]
+    for conn in ours:
+        conn._check_closed()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ready = _ours_ready(ours, block=False) + (_std.wait(others, 0) if others else [])
+    if ready or (timeout is not None and timeout <= 0):
+        return _in_order(objects, ready)
+    if not ours:
+        return _std.wait(others, timeout)
+    if not others and len({c._program.url for c in ours}) == 1:
+        return _in_order(objects, _blpop(ours, timeout, None))
+    return _in_order(objects, _wait_mixed(ours, others, deadline))
+
+
+def _in_order(objects: list[Any], ready: list[Any]) -> list[Any]:
+    ids = {id(o) for o in ready}
+    return [o for o in objects if id(o) in ids]
+
+
+def _ours_ready(ours: list[Connection], *, block: bool) -> list[Connection]:
+    """The connections with messages; without ``block``, one LPOP each (pipelined)."""
+    ready = [c for c in ours if c._ready()]
+    if ready or block:
+        return ready
+    for conn in ours:
+        if conn._poll(0):
+            ready.append(conn)
+    return ready
+
+
+def _blpop(ours: list[Connection], timeout: float | None, wake: str | None) -> list[Connection]:
+    """One BLPOP over the lists of ``ours`` (and ``wake``); the message goes to its reader."""
+    prog = ours[0]._program
+    keys = [c._read_key for c in ours] + ([wake] if wake else [])
+    secs: Any = 0 if timeout is None else seconds(timeout)
+    replies = link(prog).call(("BLPOP", *keys, secs))
+    popped = replies[0]
+    if popped is not None:
+        key = popped[0].decode()
+        for conn in ours:
+            if conn._read_key == key:
+                conn._buffer.append(popped[1])
+                break
+    return _ours_ready(ours, block=False) if popped is not None else []
+
+
+def _wait_mixed(ours: list[Connection], others: list[Any], deadline: float | None) -> list[Any]:
+    by_url: dict[str, list[Connection]] = collections.defaultdict(list)
+    for conn in ours:
+        by_url[conn._program.url].append(conn)
+    if len(by_url) > 1:  # several stores: short slices in turn
+        while True:
+            for group in by_url.values():
+                hits: list[Any] = [*_blpop(group, 0.01, None), *_std.wait(others, 0)]
+                if hits:
+                    return hits
+            if deadline is not None and time.monotonic() >= deadline:
+                return []
+    prog = ours[0]._program
+    wake = prog.keys.wakeup(Keys.new_name())
+    stop_r, stop_w = os.pipe()
+    found: list[Any] = []
+
+    def watch() -> None:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        hits = _std.wait([*others, stop_r], remaining)
+        if stop_r not in hits:
+            found.extend(hits)
+            link(prog).call(("RPUSH", wake, "1"), ("PEXPIRE", wake, prog.ttl_ms))
+
+    thread = threading.Thread(target=watch, name="nimbus-wait", daemon=True)
+    thread.start()
+    try:
+        remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
+        ready: list[Any] = list(_blpop(ours, remaining, wake))
+    finally:
+        os.write(stop_w, b"x")
+        thread.join()
+        os.close(stop_r)
+        os.close(stop_w)
+        link(prog).call(("DEL", wake))
+    return ready + (_std.wait(others, 0) if others else [])

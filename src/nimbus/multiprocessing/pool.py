@@ -1,0 +1,87 @@
+"""``Pool``: the stdlib's pool, its processes on warm workers, its queues in the store.
+
+Pool processes are long-lived nimbus processes (forked by warm workers, so
+creating a Pool starts no interpreter) fed from a job queue in the state
+store; results come back through a second one. ``chunksize``,
+``maxtasksperchild``, ``initializer``, ``imap`` (lazy) and ``imap_unordered``
+(completion order) are the stdlib's own code. ``ThreadPool`` stays local threads.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing import pool as stdlib_pool
+from multiprocessing.pool import (
+    ApplyResult,
+    AsyncResult,
+    IMapIterator,
+    IMapUnorderedIterator,
+    MapResult,
+    MaybeEncodingError,
+    ThreadPool,
+)
+from typing import Any
+
+from nimbus.multiprocessing.context import NimbusContext
+
+__all__ = [
+    "ApplyResult",
+    "AsyncResult",
+    "IMapIterator",
+    "IMapUnorderedIterator",
+    "MapResult",
+    "MaybeEncodingError",
+    "Pool",
+    "ThreadPool",
+]
+
+
+class _PoolContext(NimbusContext):
+    """Our context, except that the pool's own wake-up queue is a local pipe.
+
+    The stdlib pool creates its job and result queues in ``_setup_queues`` and
+    then a "change notifier" that only its own threads use, and that it waits
+    on together with the processes' sentinels; a local pipe serves that best.
+    """
+
+    def __init__(self, base: NimbusContext) -> None:
+        super().__init__(base._name)
+        self._base = base
+
+    def SimpleQueue(self) -> Any:
+        return multiprocessing.get_context("fork").SimpleQueue()
+
+
+class Pool(stdlib_pool.Pool):
+    """``multiprocessing.Pool`` with nimbus processes and store-backed queues."""
+
+    def __init__(
+        self,
+        processes: int | None = None,
+        initializer: Any = None,
+        initargs: tuple[Any, ...] = (),
+        maxtasksperchild: int | None = None,
+        context: NimbusContext | None = None,
+    ) -> None:
+        if context is None:
+            from nimbus.multiprocessing.context import _default_context
+
+            context = _default_context.get_context()
+        super().__init__(processes, initializer, initargs, maxtasksperchild, _PoolContext(context))
+
+    def _setup_queues(self) -> None:
+        from nimbus.multiprocessing.queues import SimpleQueue
+
+        self._inqueue = SimpleQueue()
+        self._outqueue = SimpleQueue()
+        self._quick_put = self._inqueue.put
+        self._quick_get = self._outqueue.get
+
+    def _get_sentinels(self) -> list[Any]:
+        return [self._change_notifier._reader]
+
+    @staticmethod
+    def _help_stuff_finish(inqueue: Any, task_handler: Any, size: int) -> None:
+        # the task handler may be blocked putting on a full inqueue: drain it
+        while task_handler.is_alive() and not inqueue.empty():
+            inqueue.get()

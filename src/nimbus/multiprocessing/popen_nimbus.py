@@ -1,0 +1,284 @@
+"""Start a Process on a warm worker: the stdlib's Popen contract, run remotely.
+
+::
+
+    parent: Process.start() -> Popen(process) --task _start(token, data)--> warm worker
+                                     |                                        | fork()
+            pid <----------------- result ------------------------------------+
+                                                                              |  child: _bootstrap()
+            returncode, sentinel <- notice ["exit", token, code] <- reaper thread (waitpid)
+
+The warm worker only forks: the child is a copy of an interpreter that has
+nimbus and the program's modules already imported, so a Process starts in
+a few milliseconds and every started Process runs at once, however many.
+The worker goes back to serving other starts; a thread in it waits for the
+child and reports its exit code, which becomes ``Popen.returncode``, and the
+sentinel (a pipe) becomes readable. ``terminate``/``kill`` signal the child
+by pid (same host). A child dies with its worker (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import sys
+import threading
+import uuid
+from multiprocessing import context as stdlib_context
+from multiprocessing import process as stdlib_process
+from multiprocessing import resource_sharer, spawn
+from typing import Any
+
+from nimbus import serialization
+from nimbus.multiprocessing import _state
+
+__all__ = ["Popen"]
+
+PR_SET_PDEATHSIG = 1
+
+
+class _Runtime:
+    """The warm workers that fork this program's processes, and their notices."""
+
+    def __init__(self) -> None:
+        from nimbus.executor import Executor, _live
+
+        self.popens: dict[str, Popen] = {}
+        self.early: dict[str, int] = {}  # exits reported before start() finished
+        self.lock = threading.Lock()
+        self.executor = Executor(on_notice=self.notice)
+        _live.discard(self.executor)  # closed by close(), after joining children
+        self.pid = os.getpid()
+        atexit.register(self.close)
+
+    def notice(self, payload: Any) -> None:
+        if not (isinstance(payload, list) and payload and payload[0] == "exit"):
+            return
+        _, token, code = payload
+        with self.lock:
+            popen = self.popens.pop(token, None)
+            if popen is None:
+                self.early[token] = code
+                return
+        popen._exited(code)
+
+    def register(self, token: str, popen: Popen) -> None:
+        with self.lock:
+            code = self.early.pop(token, None)
+            if code is None:
+                self.popens[token] = popen
+                return
+        popen._exited(code)
+
+    def close(self) -> None:
+        """At exit: end daemonic children, join the others, stop the workers."""
+        if os.getpid() != self.pid:
+            return
+        for child in stdlib_process.active_children():
+            if isinstance(child._popen, Popen) and child.daemon:
+                child.terminate()
+        for child in stdlib_process.active_children():
+            if isinstance(child._popen, Popen):
+                child.join()
+        self.executor.shutdown(wait=True)
+
+
+_runtime: _Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def runtime() -> _Runtime:
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None or _runtime.pid != os.getpid():
+            _runtime = _Runtime()
+        return _runtime
+
+
+class Popen:
+    """What ``BaseProcess`` drives: ``poll``, ``wait``, ``terminate``, ``kill``, ``close``."""
+
+    method = "nimbus"
+
+    def __init__(self, process_obj: stdlib_process.BaseProcess) -> None:
+        self.returncode: int | None = None
+        self.finalizer = None
+        self._done = threading.Event()
+        self.sentinel, self._exit_w = os.pipe()
+        self._token = uuid.uuid4().hex
+        prep = spawn.get_preparation_data(process_obj._name)
+        prep.pop("start_method", None)  # the child reports its process's own
+        stdlib_context.set_spawning_popen(self)  # type: ignore[arg-type]
+        try:
+            data, buffers = _state.dumps((_state.program(), process_obj))
+        except BaseException:
+            self._close_pipe()
+            raise
+        finally:
+            stdlib_context.set_spawning_popen(None)
+        rt = runtime()
+        rt.register(self._token, self)
+        try:
+            prep["authkey"] = bytes(prep["authkey"])
+            self.pid: int = rt.executor.submit(_start, self._token, prep, data, buffers).result()
+        except BaseException:
+            with rt.lock:
+                rt.popens.pop(self._token, None)
+            self._close_pipe()
+            raise
+
+    # used by the stdlib's reductions while the process object is pickled
+    @staticmethod
+    def duplicate_for_child(fd: int) -> int:
+        return fd
+
+    @staticmethod
+    def DupFd(fd: int) -> Any:
+        return resource_sharer.DupFd(fd)
+
+    def _exited(self, code: int) -> None:
+        self.returncode = code
+        self._done.set()
+        if self._exit_w >= 0:
+            os.close(self._exit_w)
+            self._exit_w = -1
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        if flag & os.WNOHANG:
+            return self.returncode
+        return self.wait()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._done.wait(timeout)
+        return self.returncode
+
+    def _send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self._send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._send_signal(signal.SIGKILL)
+
+    def _close_pipe(self) -> None:
+        for fd in (self.sentinel, self._exit_w):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.sentinel = self._exit_w = -1
+
+    def close(self) -> None:
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
+
+# -- in the warm worker ----------------------------------------------------
+MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
+_mains: set[tuple[str, str]] = set()
+
+
+def _import_main(prep: dict[str, Any]) -> None:
+    """Import the program's main module once in this worker, as spawn does in a child.
+
+    Children forked afterwards find ``__main__`` functions by reference, with
+    the globals they share. If the import fails, each child tries again (and
+    fails with the traceback, as a spawned child would).
+    """
+    for key in MAIN_KEYS:
+        if key in prep and (key, prep[key]) not in _mains:
+            try:
+                spawn.prepare({key: prep[key], "sys_path": prep.get("sys_path", sys.path)})
+            except BaseException:
+                return
+            _mains.add((key, prep[key]))
+        prep.pop(key, None)
+
+
+def _start(token: str, prep: dict[str, Any], data: bytes, buffers: list[Any]) -> int:
+    """Fork a child that runs the process; the reaper reports its exit code."""
+    _import_main(prep)
+    with _reaper.lock:
+        pid = os.fork()
+        if pid == 0:
+            _child(prep, data, buffers)  # never returns
+        _reaper.add(pid, token)
+    return pid
+
+
+class _Reaper:
+    """One thread per worker that waits for all its forked children."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tokens: dict[int, str] = {}
+        self.children = threading.Semaphore(0)
+        self.thread: threading.Thread | None = None
+
+    def add(self, pid: int, token: str) -> None:
+        self.tokens[pid] = token
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.run, name="nimbus-reaper", daemon=True)
+            self.thread.start()
+        self.children.release()
+
+    def run(self) -> None:
+        from nimbus.runtime import worker
+
+        while True:
+            self.children.acquire()  # one child to wait for, at least
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                continue
+            with self.lock:
+                token = self.tokens.pop(pid, None)
+            if token is not None:
+                worker.notify(["exit", token, os.waitstatus_to_exitcode(status)])
+
+
+_reaper = _Reaper()
+
+
+def _child(prep: dict[str, Any], data: bytes, buffers: list[Any]) -> None:
+    code = 1
+    try:
+        from nimbus.runtime import worker
+
+        worker.close_in_child()
+        if sys.platform == "linux":
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        # sys.path, argv, cwd, the parent's authkey (handing over connections
+        # checks it while unpickling) and the main module if not imported yet
+        spawn.prepare(prep)
+        program, process_obj = serialization.loads(data, buffers)
+        _state.adopt(program)
+        code = process_obj._bootstrap(parent_sentinel=_parent_sentinel(process_obj._parent_pid))
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _parent_sentinel(pid: int) -> int:
+    """An fd that becomes readable when the process that started us ends."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        read, _write = os.pipe()  # never readable: we cannot watch that parent
+        return read

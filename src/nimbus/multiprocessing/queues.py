@@ -1,0 +1,407 @@
+"""Queues over the state store, with the API of ``multiprocessing.queues``.
+
+::
+
+    producer                                 state store                    consumer
+    put(obj) -> buffer --feeder thread--> RPUSH q m1 m2 ... mN --> BLPOP/LPOP n --> local
+                 (pickles a batch,          (one list: queue:<name>)     buffer --> get()
+                  one command per batch)
+
+Like the stdlib's, :class:`Queue` pickles in a feeder thread: ``put`` only
+appends to a local buffer, and the feeder sends everything buffered with one
+RPUSH, so a producer is not bound by one round trip per item. An object that
+fails to pickle is reported by the feeder (printed, as in the stdlib), not by
+``put``. A consumer calling ``get`` in a tight loop takes up to 64 waiting
+items at once into a local buffer (one calling it now and then takes one at a
+time); held items go back to the head of the list when the queue is closed,
+garbage collected, or the process exits.
+
+A bounded queue (``maxsize > 0``) counts its items in the store: ``put``
+reserves a slot (one round trip) and ``get`` releases it, pushing a wake-up
+token that blocked putters wait for with BLPOP. It takes one item at a time.
+:class:`JoinableQueue` counts unfinished tasks in the store the same way.
+Every object pickles to other processes (as its program and name) and works
+there. ``qsize`` of an unbounded queue is the list's length plus what this
+process holds (approximate, as in the stdlib).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+import traceback
+import types
+import weakref
+from multiprocessing import util
+from queue import Empty, Full
+from typing import Any
+
+from nimbus.errors import StateStoreError
+from nimbus.keys import Keys
+from nimbus.multiprocessing._state import Program, program
+from nimbus.multiprocessing.connection import MESSAGE, Connection, link, pack, seconds, unpack
+
+__all__ = ["JoinableQueue", "Queue", "SimpleQueue"]
+
+_BATCH_ITEMS = 1000  # most items the feeder sends in one command
+_BATCH_BYTES = 1 << 20
+_WAKE_SLICE = 0.2  # a blocked waiter re-checks the store at least this often
+
+# KEYS: count; ARGV: maxsize, ttl. 1 if a slot was reserved, else 0.
+_RESERVE = """
+local n = tonumber(redis.call('GET', KEYS[1]) or '0')
+if n >= tonumber(ARGV[1]) then return 0 end
+redis.call('INCR', KEYS[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+# KEYS: count, notfull; ARGV: released, maxsize, ttl.
+_RELEASE = """
+redis.call('DECRBY', KEYS[1], ARGV[1])
+redis.call('RPUSH', KEYS[2], '1')
+redis.call('LTRIM', KEYS[2], -tonumber(ARGV[2]), -1)
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+# KEYS: unfinished, joined; ARGV: ttl. -1 if there was no unfinished task.
+_TASK_DONE = """
+local n = tonumber(redis.call('GET', KEYS[1]) or '0')
+if n <= 0 then return -1 end
+n = redis.call('DECR', KEYS[1])
+if n == 0 then
+  redis.call('RPUSH', KEYS[2], '1')
+  redis.call('LTRIM', KEYS[2], -64, -1)
+  redis.call('PEXPIRE', KEYS[2], ARGV[1])
+end
+return n
+"""
+
+_sentinel = object()
+
+
+def _rebuild(cls: type[Queue], prog: Program, name: str, maxsize: int) -> Queue:
+    queue = cls.__new__(cls)
+    queue._setup(prog, name, maxsize)
+    return queue
+
+
+class Queue:
+    """A process- and host-shared FIFO queue (``multiprocessing.Queue``)."""
+
+    def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
+        self._setup(program(), Keys.new_name(), max(maxsize, 0))
+
+    def _setup(self, prog: Program, name: str, maxsize: int) -> None:
+        self._program = prog
+        self._name = name
+        self._maxsize = maxsize
+        keys = prog.keys
+        self._key = keys.queue(name)
+        self._count = keys.queue_field(name, "count")
+        self._notfull = keys.queue_field(name, "notfull")
+        self._reader = Connection(prog, self._key, None)
+        if maxsize:
+            self._reader._prefetch = 1
+        self._rlock = threading.Lock()
+        self._notempty = threading.Condition(threading.Lock())
+        self._sendlock = threading.Lock()  # held by the feeder while a batch is in flight
+        self._buffer: collections.deque[object] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._jointhread: util.Finalize | None = None
+        self._joincancelled = False
+        self._closed = False
+        self._close: util.Finalize | None = None
+        self._opid = os.getpid()
+        util.register_after_fork(self, Queue._after_fork)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self._program, self._name, self._maxsize))
+
+    def _after_fork(self) -> None:
+        self._notempty = threading.Condition(threading.Lock())
+        self._sendlock = threading.Lock()
+        self._buffer = collections.deque()
+        self._thread = self._jointhread = self._close = None
+        self._joincancelled = self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._name} maxsize={self._maxsize}>"
+
+    def _call(self, *commands: Any) -> list[Any]:
+        return link(self._program).call(*commands)
+
+    # -- put
+
+    def _reserve(self, block: bool, timeout: float | None) -> None:
+        """Take a slot of a bounded queue, or raise :class:`Full`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ttl = self._program.ttl_ms
+        while True:
+            if self._call(("EVAL", _RESERVE, 1, self._count, self._maxsize, ttl))[0]:
+                return
+            remaining = _WAKE_SLICE if deadline is None else deadline - time.monotonic()
+            if not block or remaining <= 0:
+                raise Full
+            self._call(("BLPOP", self._notfull, seconds(min(remaining, _WAKE_SLICE))))
+
+    def _release(self, n: int) -> None:
+        ttl = self._program.ttl_ms
+        self._call(("EVAL", _RELEASE, 2, self._count, self._notfull, n, self._maxsize, ttl))
+
+    def put(self, obj: object, block: bool = True, timeout: float | None = None) -> None:
+        """Put ``obj`` on the queue; :class:`queue.Full` if no slot frees in time."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        if self._maxsize:
+            self._reserve(block, timeout)
+        self._counted_put()
+        with self._notempty:
+            if self._thread is None:
+                self._start_thread()
+            self._buffer.append(obj)
+            self._notempty.notify()
+
+    def _counted_put(self) -> None:
+        """A hook: :class:`JoinableQueue` counts the task."""
+
+    def put_nowait(self, obj: object) -> None:
+        """``put(obj, False)``."""
+        self.put(obj, False)
+
+    def _start_thread(self) -> None:
+        self._buffer.clear()
+        self._thread = threading.Thread(target=self._feed, name="QueueFeederThread", daemon=True)
+        self._thread.start()
+        if not self._joincancelled:
+            self._jointhread = util.Finalize(
+                self._thread, Queue._finalize_join, [weakref.ref(self._thread)], exitpriority=-5
+            )
+        self._close = util.Finalize(
+            self, Queue._finalize_close, [self._buffer, self._notempty], exitpriority=10
+        )
+
+    @staticmethod
+    def _finalize_join(twr: weakref.ref[threading.Thread]) -> None:
+        thread = twr()
+        if thread is not None:
+            thread.join()
+
+    @staticmethod
+    def _finalize_close(buffer: collections.deque[object], notempty: threading.Condition) -> None:
+        with notempty:
+            buffer.append(_sentinel)
+            notempty.notify()
+
+    def _feed(self) -> None:
+        """The feeder thread: pickle what is buffered and send it in batches."""
+        buffer, notempty = self._buffer, self._notempty
+        while True:
+            with notempty:
+                while not buffer:
+                    notempty.wait()
+            with self._sendlock:  # qsize() waits for a batch in flight
+                with notempty:
+                    items: list[object] = []
+                    while buffer and len(items) < _BATCH_ITEMS:
+                        items.append(buffer.popleft())
+                done = self._send_batch(items)
+            if done:
+                return
+
+    def _send_batch(self, items: list[object]) -> bool:
+        """Pickle and send ``items``; True at the close sentinel."""
+        prog, key = self._program, self._key
+        messages: list[bytes] = []
+        size, done = 0, False
+        for obj in items:
+            if obj is _sentinel:
+                done = True
+                break
+            try:
+                message = MESSAGE + pack(obj)
+            except Exception as exc:
+                if util.is_exiting():
+                    return True
+                if self._maxsize:
+                    self._release(1)
+                self._on_queue_feeder_error(exc, obj)
+                continue
+            messages.append(message)
+            size += len(message)
+            if size >= _BATCH_BYTES:
+                self._send(prog, key, messages)
+                messages, size = [], 0
+        if messages:
+            self._send(prog, key, messages)
+        return done
+
+    @staticmethod
+    def _send(prog: Program, key: str, messages: list[bytes]) -> None:
+        try:
+            link(prog).call(("RPUSH", key, *messages), ("PEXPIRE", key, prog.ttl_ms))
+        except StateStoreError:
+            if util.is_exiting():
+                return
+            traceback.print_exc()
+
+    @staticmethod
+    def _on_queue_feeder_error(e: BaseException, obj: object) -> None:
+        """Called in the feeder thread when ``obj`` cannot be sent; prints the error."""
+        traceback.print_exc()
+
+    # -- get
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """Remove and return an item; :class:`queue.Empty` if none comes in time."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        if not block:
+            timeout = 0.0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait = -1 if timeout is None else max(timeout, 0.0)
+        if not self._rlock.acquire(True, wait):
+            raise Empty
+        try:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if not self._reader._poll(remaining):
+                raise Empty
+            message = self._reader._recv_message()
+        finally:
+            self._rlock.release()
+        if self._maxsize:
+            self._release(1)
+        return unpack(memoryview(message)[1:])
+
+    def get_nowait(self) -> Any:
+        """``get(False)``."""
+        return self.get(False)
+
+    # -- state
+
+    def qsize(self) -> int:
+        """The number of items in the queue (approximate)."""
+        if self._maxsize:
+            return int(self._call(("GET", self._count))[0] or 0)
+        with self._sendlock:
+            length = int(self._call(("LLEN", self._key))[0])
+            return length + len(self._buffer) + len(self._reader._buffer)
+
+    def empty(self) -> bool:
+        """True if the queue looks empty (approximate)."""
+        if self._buffer or self._reader._buffer:
+            return False
+        return int(self._call(("LLEN", self._key))[0]) == 0
+
+    def full(self) -> bool:
+        """True if a bounded queue has no free slot (approximate)."""
+        if not self._maxsize:
+            return False
+        return int(self._call(("GET", self._count))[0] or 0) >= self._maxsize
+
+    # -- closing
+
+    def close(self) -> None:
+        """No more puts or gets here; the feeder flushes what is buffered and exits."""
+        self._closed = True
+        self._reader.close()  # gives held items back
+        close, self._close = self._close, None
+        if close:
+            close()
+
+    def join_thread(self) -> None:
+        """Wait for the feeder thread to send everything (after :meth:`close`)."""
+        assert self._closed, f"Queue {self!r} not closed"
+        if self._jointhread:
+            self._jointhread()
+
+    def cancel_join_thread(self) -> None:
+        """Do not wait for the feeder thread at process exit (buffered items may be lost)."""
+        self._joincancelled = True
+        try:
+            if self._jointhread is not None:
+                self._jointhread.cancel()
+        except AttributeError:
+            pass
+
+    __class_getitem__: Any = classmethod(types.GenericAlias)
+
+
+class JoinableQueue(Queue):
+    """A :class:`Queue` with ``task_done`` and ``join``."""
+
+    def _setup(self, prog: Program, name: str, maxsize: int) -> None:
+        super()._setup(prog, name, maxsize)
+        self._unfinished = prog.keys.queue_field(name, "unfinished")
+        self._joined = prog.keys.queue_field(name, "joined")
+
+    def _counted_put(self) -> None:
+        ttl = self._program.ttl_ms
+        self._call(("INCR", self._unfinished), ("PEXPIRE", self._unfinished, ttl))
+
+    def task_done(self) -> None:
+        """Mark one item as processed; :class:`ValueError` if called too many times."""
+        ttl = self._program.ttl_ms
+        n = self._call(("EVAL", _TASK_DONE, 2, self._unfinished, self._joined, ttl))[0]
+        if n < 0:
+            raise ValueError("task_done() called too many times")
+
+    def join(self) -> None:
+        """Block until every item put has been marked done."""
+        ttl = self._program.ttl_ms
+        while int(self._call(("GET", self._unfinished))[0] or 0) > 0:
+            self._call(("BLPOP", self._joined, seconds(_WAKE_SLICE)))
+        # pass the wake-up on to other joiners
+        self._call(("RPUSH", self._joined, "1"), ("LTRIM", self._joined, -64, -1))
+        self._call(("PEXPIRE", self._joined, ttl))
+
+
+class SimpleQueue:
+    """A simplified queue (``multiprocessing.SimpleQueue``): ``put`` sends at once."""
+
+    def __init__(self, *, ctx: Any = None) -> None:
+        self._setup(program(), Keys.new_name())
+
+    def _setup(self, prog: Program, name: str) -> None:
+        self._program = prog
+        self._name = name
+        key = prog.keys.queue(name)
+        self._reader = Connection(prog, key, None)
+        self._writer = Connection(prog, None, key)
+        self._rlock = threading.Lock()
+        self._wlock = None
+        self._poll = self._reader.poll
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_simple, (self._program, self._name))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._name}>"
+
+    def close(self) -> None:
+        """Close this process's reader and writer (held items go back)."""
+        self._reader.close()
+        self._writer.close()
+
+    def empty(self) -> bool:
+        """True if there is nothing to get."""
+        return not self._poll()
+
+    def get(self) -> Any:
+        """Remove and return an item, waiting for one."""
+        with self._rlock:
+            res = self._reader.recv_bytes()
+        return unpack(res)
+
+    def put(self, obj: object) -> None:
+        """Put an item; an object that cannot be pickled raises here."""
+        self._writer.send_bytes(pack(obj))
+
+    __class_getitem__: Any = classmethod(types.GenericAlias)
+
+
+def _rebuild_simple(prog: Program, name: str) -> SimpleQueue:
+    queue = SimpleQueue.__new__(SimpleQueue)
+    queue._setup(prog, name)
+    return queue
