@@ -136,7 +136,7 @@ def test_makefile_reads_and_writes_are_counted(pair) -> None:
 
 
 def test_failed_nonblocking_recv_counts_nothing(pair) -> None:
-    a, b = pair
+    _a, b = pair
     b.setblocking(False)
     with Delta() as d, pytest.raises(BlockingIOError):
         b.recv(10)

@@ -15,9 +15,11 @@ send by value: lambdas, closures, and functions or classes defined in
 from __future__ import annotations
 
 import copyreg
+import functools
 import hashlib
 import io
 import pickle
+import types
 from collections import ChainMap
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, Protocol
@@ -229,12 +231,32 @@ def dumps_function(fn: Callable[..., object]) -> bytes:
         ) from exc
 
 
+def _fixed(fn: object) -> bool:
+    """Whether pickling ``fn`` gives the same bytes every time (no captured state).
+
+    Functions without a closure, builtins and classes qualify, and partials
+    of them whose arguments are such callables too. Closures, bound methods
+    and callable objects carry state that may change between calls.
+    """
+    if isinstance(fn, types.FunctionType):
+        return fn.__closure__ is None
+    if isinstance(fn, types.BuiltinFunctionType | type):
+        return True
+    if isinstance(fn, functools.partial):
+        return (
+            _fixed(fn.func) and not fn.keywords and all(callable(a) and _fixed(a) for a in fn.args)
+        )
+    return False
+
+
 class FunctionCache:
     """Serialized functions by object, keyed by a hash of their pickle.
 
-    Pickling a function with cloudpickle costs tens of microseconds, so each
-    function object is pickled once; workers in turn keep the unpickled
-    function by its key. Bounded: the oldest entries are dropped.
+    Pickling a function with cloudpickle costs tens of microseconds, so a
+    function whose pickle cannot change (see :func:`_fixed`) is pickled once;
+    workers in turn keep the unpickled function by its key. Others (closures,
+    bound methods) are pickled at each call, so they carry current values.
+    Bounded: the oldest entries are dropped.
     """
 
     def __init__(self, size: int = 1024) -> None:
@@ -247,9 +269,10 @@ class FunctionCache:
             return entry[1], entry[2]
         data = dumps_function(fn)
         key = hashlib.blake2b(data, digest_size=12).hexdigest()
-        if len(self._entries) >= self._size:
-            del self._entries[next(iter(self._entries))]
-        self._entries[id(fn)] = (fn, key, data)
+        if _fixed(fn):
+            if len(self._entries) >= self._size:
+                del self._entries[next(iter(self._entries))]
+            self._entries[id(fn)] = (fn, key, data)
         return key, data
 
 

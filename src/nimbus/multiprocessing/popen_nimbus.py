@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
+import importlib
 import os
 import signal
 import sys
@@ -63,6 +65,10 @@ class _Runtime:
                 self.early[token] = code
                 return
         popen._exited(code)
+
+    def forget(self, token: str) -> None:
+        with self.lock:
+            self.popens.pop(token, None)
 
     def register(self, token: str, popen: Popen) -> None:
         with self.lock:
@@ -112,7 +118,8 @@ class Popen:
         prep.pop("start_method", None)  # the child reports its process's own
         stdlib_context.set_spawning_popen(self)  # type: ignore[arg-type]
         try:
-            data, buffers = _state.dumps((_state.program(), process_obj))
+            program = _state.program()
+            data, buffers = _state.dumps(process_obj)
         except BaseException:
             self._close_pipe()
             raise
@@ -120,14 +127,28 @@ class Popen:
             stdlib_context.set_spawning_popen(None)
         rt = runtime()
         rt.register(self._token, self)
-        try:
-            prep["authkey"] = bytes(prep["authkey"])
-            self.pid: int = rt.executor.submit(_start, self._token, prep, data, buffers).result()
-        except BaseException:
-            with rt.lock:
-                rt.popens.pop(self._token, None)
-            self._close_pipe()
-            raise
+        prep["authkey"] = bytes(prep["authkey"])
+        # the fork is under way when start() returns; its pid is awaited on first use
+        self._forked = rt.executor.submit(_start, self._token, prep, program, data, buffers)
+        self._forked.add_done_callback(self._on_forked)
+        self._pid: int | None = None
+
+    @property
+    def pid(self) -> int:
+        """The child's pid (waits for the fork, a few milliseconds at most)."""
+        if self._pid is None:
+            self._pid = self._forked.result()
+        return self._pid
+
+    def _on_forked(self, future: Any) -> None:
+        """A start that failed (the worker died, say) ends the process with code 1."""
+        exc = None if future.cancelled() else future.exception()
+        if exc is not None and self.returncode is None:
+            import traceback
+
+            runtime().forget(self._token)
+            traceback.print_exception(exc)
+            self._exited(1)
 
     # used by the stdlib's reductions while the process object is pickled
     @staticmethod
@@ -204,13 +225,34 @@ def _import_main(prep: dict[str, Any]) -> None:
         prep.pop(key, None)
 
 
-def _start(token: str, prep: dict[str, Any], data: bytes, buffers: list[Any]) -> int:
+# imported once by the worker before its first fork, so children start warm
+WARM_MODULES = (
+    "multiprocessing.managers",
+    "multiprocessing.pool",
+    "nimbus.multiprocessing",
+    "nimbus.multiprocessing.connection",
+    "nimbus.multiprocessing.queues",
+    "nimbus.multiprocessing.sharedctypes",
+    "nimbus.multiprocessing.synchronize",
+)
+
+
+@functools.cache
+def _warm_up() -> None:
+    for name in WARM_MODULES:
+        importlib.import_module(name)
+
+
+def _start(
+    token: str, prep: dict[str, Any], program: _state.Program, data: bytes, buffers: list[Any]
+) -> int:
     """Fork a child that runs the process; the reaper reports its exit code."""
+    _warm_up()
     _import_main(prep)
     with _reaper.lock:
         pid = os.fork()
         if pid == 0:
-            _child(prep, data, buffers)  # never returns
+            _child(prep, program, data, buffers)  # never returns
         _reaper.add(pid, token)
     return pid
 
@@ -249,7 +291,7 @@ class _Reaper:
 _reaper = _Reaper()
 
 
-def _child(prep: dict[str, Any], data: bytes, buffers: list[Any]) -> None:
+def _child(prep: dict[str, Any], program: _state.Program, data: bytes, buffers: list[Any]) -> None:
     code = 1
     try:
         from nimbus.runtime import worker
@@ -260,8 +302,8 @@ def _child(prep: dict[str, Any], data: bytes, buffers: list[Any]) -> None:
         # sys.path, argv, cwd, the parent's authkey (handing over connections
         # checks it while unpickling) and the main module if not imported yet
         spawn.prepare(prep)
-        program, process_obj = serialization.loads(data, buffers)
-        _state.adopt(program)
+        _state.adopt(program)  # before unpickling: shared objects find their store
+        process_obj = serialization.loads(data, buffers)
         code = process_obj._bootstrap(parent_sentinel=_parent_sentinel(process_obj._parent_pid))
     except BaseException:
         import traceback

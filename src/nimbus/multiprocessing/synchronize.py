@@ -82,11 +82,17 @@ class _Script:
 
 
 class _Link:
-    """This thread's own connection to one store: no pool, no retries, one round trip a call."""
+    """This thread's own connection to one store: no pool, no retries, one round trip a call.
+
+    redis-py opens the connection (URL, TLS, AUTH, SELECT); then commands and replies go
+    straight through the socket and a hiredis reader, which halves the client's overhead.
+    """
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.conn = _connection(url)
+        self._sock: socket.socket | None = None
+        self._reader = hiredis.Reader(replyError=redis.ResponseError)
         self._owner: str | None = None
         self.held: dict[str, int] = {}  # lock owners key -> this thread's depth, as last known
         self._deferred: list[Callable[[Any], BaseException | None]] = []
@@ -106,13 +112,33 @@ class _Link:
             f"the state store at {self.url} is unreachable: {exc}; is Redis running?"
         )
 
-    def send(self, *args: Any) -> None:
+    def _connect(self) -> socket.socket:
         try:
-            self.conn.send_packed_command([hiredis.pack_command(args)], check_health=False)
+            self.conn.connect()
         except redis.RedisError as exc:
-            self.conn.disconnect()
-            self._deferred.clear()
             raise self.error(exc) from exc
+        sock = self.conn._sock
+        if sock is None:
+            raise self.error(redis.ConnectionError("no socket after connecting"))
+        self._sock = sock
+        self._reader = hiredis.Reader(replyError=redis.ResponseError)
+        return sock
+
+    def _broken(self, exc: BaseException) -> StateStoreError:
+        """Forget the connection (its stream is in an unknown state) and say why."""
+        self.conn.disconnect()
+        self._sock = None
+        self._deferred.clear()
+        if isinstance(exc, redis.RedisError):
+            return self.error(exc)
+        return self.error(redis.ConnectionError(f"{type(exc).__name__}: {exc}"))
+
+    def send(self, *args: Any) -> None:
+        sock = self._sock if self._sock is not None else self._connect()
+        try:
+            sock.sendall(hiredis.pack_command(args))
+        except OSError as exc:
+            raise self._broken(exc) from exc
 
     def defer(self, check: Callable[[Any], BaseException | None], *args: Any) -> None:
         """Send a command now; its reply is read (and ``check``ed) before the next one's."""
@@ -127,13 +153,27 @@ class _Link:
         return reply
 
     def _read(self) -> Any:
-        try:
-            return self.conn.read_response()
-        except redis.ResponseError:
-            raise
-        except redis.RedisError as exc:
-            self._deferred.clear()
-            raise self.error(exc) from exc
+        reader = self._reader
+        reply = reader.gets()
+        while reply is False:
+            try:
+                if self._sock is None:
+                    raise redis.ConnectionError("not connected")
+                data = self._sock.recv(65536)
+                if not data:
+                    raise redis.ConnectionError("connection closed by server")
+            except (OSError, redis.RedisError) as exc:
+                raise self._broken(exc) from exc
+            except BaseException as exc:  # e.g. KeyboardInterrupt: the reply is still coming
+                self._broken(exc)
+                raise
+            reader.feed(data)
+            reply = reader.gets()
+        if isinstance(reply, redis.ResponseError):
+            if str(reply).startswith("NOSCRIPT"):
+                raise redis.exceptions.NoScriptError(str(reply))
+            raise reply
+        return reply
 
     def _drain(self) -> BaseException | None:
         checks, self._deferred = self._deferred, []

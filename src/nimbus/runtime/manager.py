@@ -10,11 +10,15 @@
 
 Everything happens on one loop thread: a selector over the workers'
 channels and a wake-up pipe. A worker holds at most ``prefetch`` tasks and
-answers them in order, so the oldest unanswered task is the one running. When
-a worker dies, that task fails with :class:`~nimbus.errors.WorkerLost` (or
-:class:`~nimbus.errors.TaskTimeoutError` when the manager killed it for its
-timeout), the tasks still queued at the worker go back to the front of the
-pending queue, and a new worker takes its place.
+answers them in order; it says which task it has started before any task that
+may take long, and within 2 ms of the start of any other. When a worker dies,
+the task it said it was running fails with :class:`~nimbus.errors.WorkerLost`
+(or :class:`~nimbus.errors.TaskTimeoutError` / is cancelled when the manager
+killed it for that), the others go back to the front of the pending queue, and
+a new worker takes its place. If it had not said (a task of a function that
+was quick before died in its first 2 ms), nobody is blamed: the unanswered
+tasks go back as suspects and run with a started mark, so the culprit is
+known when it kills its next worker. Every task gets exactly one result.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class _Worker:
         "host",
         "inflight",
         "kill_reason",
+        "kill_task",
         "name",
         "pid",
         "proc",
@@ -75,6 +80,7 @@ class _Worker:
         self.host = ""
         self.deadline: float | None = None
         self.kill_reason = ""
+        self.kill_task: Task | None = None
 
 
 def worker_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -260,12 +266,14 @@ class Manager:
             return
         for frame in frames:
             if frame.kind == Kind.RESULTS:
-                self._results(worker, unpack(frame.meta), frame.buffers)
-            elif frame.kind == Kind.STARTED:
-                seq = unpack(frame.meta)
+                rows, started = unpack(frame.meta)
+                if rows:
+                    self._results(worker, rows, frame.buffers)
                 head = worker.inflight[0] if worker.inflight else None
-                if head is not None and head.seq == seq and head.timeout is not None:
-                    worker.deadline = time.monotonic() + head.timeout
+                if started is not None and head is not None and head.seq == started:
+                    head.started = True
+                    if head.timeout is not None:
+                        worker.deadline = time.monotonic() + head.timeout
             elif frame.kind == Kind.NOTICE:
                 if self._on_notice is not None:
                     try:
@@ -313,6 +321,7 @@ class Manager:
             ready = [w for w in self._workers if w.ready and len(w.inflight) < self.prefetch]
             if not ready:
                 return
+            ready.sort(key=lambda w: len(w.inflight))  # idle workers first
             share = -(-len(pending) // len(ready))
             for worker in ready:
                 room = min(self.prefetch - len(worker.inflight), share)
@@ -335,7 +344,7 @@ class Manager:
             if task.fn_key not in worker.functions:
                 worker.functions.add(task.fn_key)
                 fn_bytes = task.fn_bytes
-            notify = task.timeout is not None
+            notify = task.timeout is not None or task.suspect
             if len(task.payload) > INLINE_LIMIT:
                 rows.append([task.seq, task.fn_key, fn_bytes, None, len(task.buffers) + 1, notify])
                 buffers.append(task.payload)
@@ -365,8 +374,8 @@ class Manager:
             task = self._cancels.popleft()
             for worker in self._workers:
                 if task in worker.inflight:
-                    if worker.inflight[0] is task:
-                        self._kill_worker(worker, "cancel")
+                    if worker.inflight[0] is task and task.started:
+                        self._kill_worker(worker, "cancel", task)
                     else:
                         worker.channel.send(Kind.CANCEL, pack([task.seq]))
                         self._flush(worker)
@@ -375,13 +384,14 @@ class Manager:
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         for worker in self._workers:
-            if worker.deadline is not None and worker.deadline <= now:
+            if worker.deadline is not None and worker.deadline <= now and worker.inflight:
                 worker.deadline = None
-                self._kill_worker(worker, "timeout")
+                self._kill_worker(worker, "timeout", worker.inflight[0])
 
-    def _kill_worker(self, worker: _Worker, reason: str) -> None:
+    def _kill_worker(self, worker: _Worker, reason: str, task: Task) -> None:
+        """Kill a worker because of ``task`` (only that task is charged for it)."""
         if not worker.kill_reason:
-            worker.kill_reason = reason
+            worker.kill_reason, worker.kill_task = reason, task
             worker.proc.kill()
 
     def _worker_lost(self, worker: _Worker) -> None:
@@ -397,27 +407,7 @@ class Manager:
         if not worker.ready:
             self._start_failures += 1
         if worker.inflight:
-            head = worker.inflight.popleft()
-            self._pending.extendleft(reversed(worker.inflight))
-            if worker.kill_reason == "cancel":
-                head.status, head.data = Status.SKIPPED, b""
-            elif worker.kill_reason == "timeout":
-                self._fail(
-                    head,
-                    TaskTimeoutError(
-                        f"the task ran longer than its timeout of {head.timeout} s; "
-                        f"its worker {worker.name} (pid {worker.pid}) was stopped and replaced"
-                    ),
-                )
-            else:
-                self._fail(
-                    head,
-                    WorkerLost(
-                        f"the worker {worker.name} (pid {worker.pid}) running this task "
-                        f"{_how(code)}; it was replaced and the other tasks carry on"
-                    ),
-                )
-            self._deliver([head])
+            self._settle(worker, code)
         if self._closing:
             return
         if self._start_failures >= START_FAILURES:
@@ -430,6 +420,51 @@ class Manager:
             self._closing = True
             return
         self._spawn()
+
+    def _settle(self, worker: _Worker, code: int | None) -> None:
+        """Decide the fate of the tasks a dead worker held.
+
+        The running task, when the worker said which, fails (or is counted as
+        cancelled or timed out when we killed it for that). When the worker had
+        not said, the task that killed it is not known: all go back to the
+        queue as suspects, which run with a started mark, so one that kills
+        its next worker too is known and failed then.
+        """
+        head: Task | None = worker.inflight[0]
+        assert head is not None
+        suspect = False
+        if worker.kill_reason and head is worker.kill_task:
+            worker.inflight.popleft()
+            if worker.kill_reason == "cancel":
+                head.status, head.data = Status.SKIPPED, b""
+            else:
+                self._fail(
+                    head,
+                    TaskTimeoutError(
+                        f"the task ran longer than its timeout of {head.timeout} s; "
+                        f"its worker {worker.name} (pid {worker.pid}) was stopped and replaced"
+                    ),
+                )
+        elif worker.kill_reason:
+            head = None  # killed for a task that had just finished: the rest is innocent
+        elif head.started:
+            worker.inflight.popleft()
+            self._fail(
+                head,
+                WorkerLost(
+                    f"the worker {worker.name} (pid {worker.pid}) running this task "
+                    f"{_how(code)}; it was replaced and the other tasks carry on"
+                ),
+            )
+        else:
+            head, suspect = None, True
+        for task in worker.inflight:
+            task.suspect = task.suspect or suspect
+            task.started = False
+        self._pending.extendleft(reversed(worker.inflight))
+        worker.inflight.clear()
+        if head is not None:
+            self._deliver([head])
 
     @staticmethod
     def _fail(task: Task, error: NimbusError) -> None:

@@ -10,14 +10,16 @@ Manager -> worker::
 Worker -> manager::
 
     HELLO   meta {"pid", "python", "host"}
-    STARTED meta seq: sent before a task with notify_start (it has a timeout)
-    RESULTS meta [[seq, status, payload | None, nbufs, started, ended, cpu_user,
-            cpu_system, peak_memory, net_in, net_out], ...], payload as in TASKS
+    RESULTS meta [[[seq, status, payload | None, nbufs, started, ended, cpu_user,
+            cpu_system, peak_memory, net_in, net_out], ...], started_seq | None],
+            payload as in TASKS; started_seq: the task the worker starts now
+            (sent before a task with notify_start, or one that may take long)
     NOTICE  meta: any msgpack value a task (or a thread it started) sent with
             ``nimbus.runtime.worker.notify``; handed to the manager's ``on_notice``
 
-Results come back in the order the tasks were sent, so the oldest task a
-worker has not answered is the one it is running.
+Results come back in the order the tasks were sent. A worker holds some
+results back in a batch, so the oldest unanswered task is the running one
+only when the worker has said so with ``started_seq``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ class Kind(enum.IntEnum):
     TASKS = 1
     CANCEL = 2
     HELLO = 10
-    STARTED = 11
     RESULTS = 12
     NOTICE = 13
 

@@ -32,7 +32,9 @@ class Task:
         "result_buffers",
         "route",
         "seq",
+        "started",
         "status",
+        "suspect",
         "timeout",
     )
 
@@ -59,6 +61,8 @@ class Task:
         self.cancelled = False
         self.attempts = 0
         self.route: Any = None  # the manager the agent gave it to
+        self.started = False  # its worker said it is running it
+        self.suspect = False  # it was with a worker that died, not known to be running
         self.status = -1
         self.data: Any = b""
         self.result_buffers: list[Any] = []

@@ -10,7 +10,11 @@ Started by its manager with ``python -u -c WORKER_MAIN FD``, where FD is its
 end of a socketpair with its manager. It reads every frame that is waiting,
 runs the oldest queued task, and sends results in batches: at once when it
 has nothing else queued or the task took long, otherwise up to 64 at a time
-or after 2 ms. It exits when the manager closes the channel or dies.
+or after 2 ms. Before a task that may take long (its function is new to this
+worker or was slow last time, or the manager asks) it sends what it holds
+together with a *started* mark, so no result waits behind a long task and the
+manager knows which task was running if the worker dies. It exits when the
+manager closes the channel or dies.
 Standard output and error are the manager's, unbuffered, so what a task
 prints appears at once and survives a crash.
 """
@@ -58,6 +62,12 @@ class Worker:
         self.buffers: list[Any] = []
         self.first_result = 0.0
         self.send_lock = threading.Lock()
+        self.quick: dict[str, bool] = {}  # function key -> its last run was quick
+        self.current: int | None = None  # the task running now
+        self.announced: int | None = None  # the last task sent as started
+        self.armed = False
+        self.wake = threading.Event()
+        threading.Thread(target=self.flusher, name="nimbus-flusher", daemon=True).start()
 
     def serve(self) -> None:
         channel = self.channel
@@ -73,10 +83,12 @@ class Worker:
                 self.accept(frame.kind, frame.meta, frame.buffers)
             if self.queue:
                 started = time.monotonic()
-                self.run_one()
+                seq, fn_key = self.run_one()
                 long_task = time.monotonic() - started > LONG_TASK
+                self.quick[fn_key] = not long_task
                 if (
                     long_task
+                    or seq == self.announced  # said to be running: say it ended
                     or not self.queue
                     or len(self.rows) >= BATCH_RESULTS
                     or started - self.first_result > BATCH_SECONDS
@@ -104,17 +116,21 @@ class Worker:
         elif kind == Kind.CANCEL:
             self.skip.update(unpack(meta))
 
-    def run_one(self) -> None:
+    def run_one(self) -> tuple[int, str]:
+        """Run the oldest queued task; returns its number and its function's key."""
         row, buffers, refusal = self.queue.popleft()
         seq, fn_key, _fn_bytes, payload, _nbufs, notify_start = row
+        seq, fn_key = int(seq), str(fn_key)
         if seq in self.skip:
             self.skip.discard(seq)
             self.add_result(seq, Status.SKIPPED, b"", [], (0.0, 0.0, 0.0, 0.0, 0, 0, 0))
-            return
-        if notify_start:
-            with self.send_lock:
-                self.channel.send(Kind.STARTED, pack(seq))
-                self.channel.flush()
+            return seq, fn_key
+        if notify_start or not self.quick.get(fn_key, False):
+            self.flush(started=seq)
+        elif not self.armed:
+            self.armed = True  # a quick task may turn out long: the flusher tells
+            self.wake.set()
+        self.current = seq
         started = self.meter.begin()
         status = Status.OK
         result: Any = None
@@ -144,7 +160,9 @@ class Worker:
             status, out = Status.ERROR, []
             data = serialization.dumps_exception(exc, traceback.format_exc())
         del result, args, kwargs, buffers
+        self.current = None
         self.add_result(seq, status, data, out, (started, *self.meter.end()))
+        return seq, fn_key
 
     @staticmethod
     def interrupted(exc: BaseException) -> bytes:
@@ -157,20 +175,46 @@ class Worker:
     def add_result(
         self, seq: int, status: int, data: bytes, out: list[Any], record: tuple[Any, ...]
     ) -> None:
-        if not self.rows:
-            self.first_result = time.monotonic()
-        if len(data) > INLINE_LIMIT:
-            self.rows.append([seq, status, None, len(out) + 1, *record])
-            self.buffers.append(data)
-        else:
-            self.rows.append([seq, status, data, len(out), *record])
-        self.buffers.extend(out)
-
-    def flush(self) -> None:
         with self.send_lock:
-            self.channel.send(Kind.RESULTS, pack(self.rows), self.buffers)
-            self.rows, self.buffers = [], []
-            self.channel.flush()
+            if not self.rows:
+                self.first_result = time.monotonic()
+            if len(data) > INLINE_LIMIT:
+                self.rows.append([seq, status, None, len(out) + 1, *record])
+                self.buffers.append(data)
+            else:
+                self.rows.append([seq, status, data, len(out), *record])
+            self.buffers.extend(out)
+
+    def flush(self, started: int | None = None) -> None:
+        """Send the results held, and ``started``: the task about to run."""
+        with self.send_lock:
+            self._send_results(started)
+
+    def _send_results(self, started: int | None) -> None:
+        if started is not None:
+            self.announced = started
+        self.channel.send(Kind.RESULTS, pack([self.rows, started]), self.buffers)
+        self.rows, self.buffers = [], []
+        self.channel.flush()
+
+    def flusher(self) -> None:
+        """Within ``BATCH_SECONDS`` of a task's start, send what is held and mark it started.
+
+        Batches of quick tasks stay batches; a task that turns out long does
+        not hold earlier results back, and the manager learns it is running.
+        """
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            time.sleep(BATCH_SECONDS)
+            with self.send_lock:
+                self.armed = False
+                current = self.current
+                if current is not None and current != self.announced:
+                    try:
+                        self._send_results(current)
+                    except OSError:
+                        return
 
     def notify(self, payload: object) -> None:
         with self.send_lock:
