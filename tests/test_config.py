@@ -64,6 +64,7 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "key_ttl",
         "runtime_dir",
         "max_payload",
+        "storage_dir",
         "endpoint",
         "service_url",
         "log_level",
@@ -164,7 +165,8 @@ def test_bad_environment_value(env: dict[str, str], var: str, value: str) -> Non
 def test_every_variable_has_a_bad_value() -> None:
     tested = {var for var, _ in BAD_ENV}
     known = {Settings.env_var(name) for name in Settings.load({"HOME": "/nonexistent"}).describe()}
-    assert known - tested == {"NIMBUS_ENDPOINT"}  # any name is a valid endpoint
+    # any name is a valid endpoint, any path a storage directory
+    assert known - tested == {"NIMBUS_ENDPOINT", "NIMBUS_STORAGE_DIR"}
 
 
 def test_config_error_is_a_value_error(env: dict[str, str]) -> None:

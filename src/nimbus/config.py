@@ -133,6 +133,12 @@ def _path(value: object) -> Path:
     return value.expanduser().absolute()
 
 
+def _optional_path(value: object) -> Path | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
+        return None
+    return _path(value)
+
+
 def _log_level(value: object) -> str:
     accepted = "one of " + ", ".join(_LOG_LEVELS)
     if not isinstance(value, str) or value.strip().upper() not in _LOG_LEVELS:
@@ -160,6 +166,11 @@ _FIELDS: dict[str, _Field] = {
     "key_ttl": _Field("NIMBUS_KEY_TTL", _seconds, "expiry backstop of shared-state keys, seconds"),
     "runtime_dir": _Field("NIMBUS_RUNTIME_DIR", _path, "private directory for local sockets"),
     "max_payload": _Field("NIMBUS_MAX_PAYLOAD", _size, "largest payload accepted, bytes"),
+    "storage_dir": _Field(
+        "NIMBUS_STORAGE_DIR",
+        _optional_path,
+        "directory behind nimbus.multiprocessing.files (none: <runtime_dir>/files)",
+    ),
     "endpoint": _Field(
         "NIMBUS_ENDPOINT",
         _optional_str("an endpoint name, or 'none'", bool),
@@ -205,6 +216,7 @@ class Settings:
     key_ttl: float = 600.0
     runtime_dir: Path = field(default_factory=_default_runtime_dir)
     max_payload: int = 4 << 30
+    storage_dir: Path | None = None
     endpoint: str | None = None
     service_url: str | None = None
     log_level: str = "WARNING"
@@ -263,6 +275,11 @@ class Settings:
         return new
 
     # ------------------------------------------------------------ using
+
+    @property
+    def files_dir(self) -> Path:
+        """Where ``nimbus.multiprocessing.files`` keeps shared files by default."""
+        return self.storage_dir if self.storage_dir is not None else self.runtime_dir / "files"
 
     def ensure_runtime_dir(self) -> Path:
         """Create ``runtime_dir`` (mode 0o700) and check only this user can use it."""

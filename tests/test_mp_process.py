@@ -1,0 +1,407 @@
+"""nimbus.multiprocessing.Process: real processes forked by warm workers."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import nimbus.multiprocessing as mp
+import nimbus.multiprocessing.connection as nconn
+
+# -- targets (module level: children find them by reference) ----------------
+
+
+def _noop() -> None:
+    pass
+
+
+def _raise() -> None:
+    raise ValueError("kaboom-from-child")
+
+
+def _exit7() -> None:
+    sys.exit(7)
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _report_identity(q: mp.Queue) -> None:
+    parent = mp.parent_process()
+    q.put((mp.current_process().name, parent.pid if parent else None, os.getpid()))
+
+
+def _put(q: mp.Queue, value: object) -> None:
+    q.put(value)
+
+
+def _start_grandchild(q: mp.Queue) -> None:
+    inner = mp.Queue()
+    p = mp.Process(target=_put, args=(inner, ("grandchild", os.getpid())))
+    p.start()
+    result = inner.get(timeout=30)
+    p.join(30)
+    q.put((result, p.exitcode, os.getpid()))
+
+
+def _timestamps(q: mp.Queue, seconds: float) -> None:
+    start = time.monotonic()
+    time.sleep(seconds)
+    q.put((start, time.monotonic()))
+
+
+def _print_then_wait(event: mp.Event) -> None:
+    print("hello-from-child-stdout", flush=True)
+    event.wait(30)
+
+
+def _takes_lock(lock: object) -> None:
+    pass
+
+
+class _RunOverride(mp.Process):
+    def __init__(self, q: mp.Queue) -> None:
+        super().__init__(name="overridden")
+        self.q = q
+
+    def run(self) -> None:
+        self.q.put(("ran", self.name))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm() -> None:
+    """Start the workers once, so timing tests measure starts, not the first boot."""
+    p = mp.Process(target=_noop)
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+
+
+# -- lifecycle ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_start_join_exitcode_zero() -> None:
+    p = mp.Process(target=_noop)
+    assert p.exitcode is None
+    p.start()
+    p.join(20)
+    assert p.exitcode == 0
+    assert not p.is_alive()
+
+
+@pytest.mark.timeout(30)
+def test_target_raising_exitcode_one_traceback_on_stderr(capfd: pytest.CaptureFixture[str]) -> None:
+    p = mp.Process(target=_raise)
+    p.start()
+    p.join(20)
+    assert p.exitcode == 1
+    deadline = time.monotonic() + 5
+    err = ""
+    while time.monotonic() < deadline:
+        err += capfd.readouterr().err
+        if "kaboom-from-child" in err:
+            break
+        time.sleep(0.05)
+    assert "Traceback" in err
+    assert "ValueError: kaboom-from-child" in err
+
+
+@pytest.mark.timeout(30)
+def test_sys_exit_code() -> None:
+    p = mp.Process(target=_exit7)
+    p.start()
+    p.join(20)
+    assert p.exitcode == 7
+
+
+@pytest.mark.timeout(30)
+def test_terminate_and_kill() -> None:
+    p = mp.Process(target=_sleep, args=(60,))
+    q = mp.Process(target=_sleep, args=(60,))
+    p.start()
+    q.start()
+    assert p.is_alive() and q.is_alive()
+    p.terminate()
+    q.kill()
+    p.join(20)
+    q.join(20)
+    assert p.exitcode == -signal.SIGTERM
+    assert q.exitcode == -signal.SIGKILL
+    assert not p.is_alive() and not q.is_alive()
+
+
+@pytest.mark.timeout(30)
+def test_join_timeout_returns_while_alive() -> None:
+    p = mp.Process(target=_sleep, args=(60,))
+    p.start()
+    try:
+        t0 = time.monotonic()
+        p.join(0.3)
+        elapsed = time.monotonic() - t0
+        assert 0.25 <= elapsed < 3
+        assert p.is_alive()
+        assert p.exitcode is None
+    finally:
+        p.kill()
+        p.join(20)
+
+
+@pytest.mark.timeout(30)
+def test_pid_name_daemon_ident() -> None:
+    p = mp.Process(target=_sleep, args=(60,), name="my-proc", daemon=True)
+    assert p.name == "my-proc"
+    assert p.daemon is True
+    assert p.pid is None and p.ident is None
+    p.start()
+    try:
+        assert isinstance(p.pid, int)
+        assert p.pid != os.getpid()
+        assert p.ident == p.pid
+        os.kill(p.pid, 0)  # a live pid on this host
+        assert psutil.pid_exists(p.pid)
+        with pytest.raises(AssertionError):
+            p.daemon = False  # stdlib: cannot change daemon of a started process
+    finally:
+        p.kill()
+        p.join(20)
+
+
+@pytest.mark.timeout(30)
+def test_sentinel_with_stdlib_wait() -> None:
+    p = mp.Process(target=_sleep, args=(0.3,))
+    p.start()
+    assert isinstance(p.sentinel, int)
+    assert multiprocessing.connection.wait([p.sentinel], timeout=0) == []
+    assert multiprocessing.connection.wait([p.sentinel], timeout=20) == [p.sentinel]
+    p.join(5)
+    assert p.exitcode == 0
+
+
+@pytest.mark.timeout(30)
+def test_sentinel_with_nimbus_wait_mixed_with_connection() -> None:
+    p = mp.Process(target=_sleep, args=(0.3,))
+    r, w = mp.Pipe(duplex=False)
+    p.start()
+    assert nconn.wait([p.sentinel, r], timeout=0) == []
+    assert nconn.wait([p.sentinel, r], timeout=20) == [p.sentinel]
+    w.send("x")
+    assert set(nconn.wait([p.sentinel, r], timeout=5)) == {p.sentinel, r}
+    assert r.recv() == "x"
+    p.join(5)
+    r.close()
+    w.close()
+
+
+@pytest.mark.timeout(30)
+def test_close_then_value_error() -> None:
+    p = mp.Process(target=_noop)
+    p.start()
+    p.join(20)
+    p.close()
+    with pytest.raises(ValueError, match="closed"):
+        p.is_alive()
+    with pytest.raises(ValueError, match="closed"):
+        _ = p.exitcode
+    with pytest.raises(ValueError, match="closed"):
+        p.start()
+
+
+@pytest.mark.timeout(30)
+def test_close_running_process_raises() -> None:
+    p = mp.Process(target=_sleep, args=(60,))
+    p.start()
+    try:
+        with pytest.raises(ValueError):
+            p.close()
+    finally:
+        p.kill()
+        p.join(20)
+
+
+@pytest.mark.timeout(30)
+def test_start_twice_and_join_unstarted() -> None:
+    p = mp.Process(target=_noop)
+    with pytest.raises(AssertionError, match="can only join a started process"):
+        p.join()
+    p.start()
+    with pytest.raises(AssertionError, match="cannot start a process twice"):
+        p.start()
+    p.join(20)
+    assert p.exitcode == 0
+
+
+@pytest.mark.timeout(30)
+def test_subclass_overriding_run() -> None:
+    q = mp.Queue()
+    p = _RunOverride(q)
+    p.start()
+    assert q.get(timeout=20) == ("ran", "overridden")
+    p.join(20)
+    assert p.exitcode == 0
+
+
+@pytest.mark.timeout(30)
+def test_current_and_parent_process_in_child() -> None:
+    q = mp.Queue()
+    p = mp.Process(target=_report_identity, args=(q,), name="ident-child")
+    p.start()
+    name, parent_pid, child_pid = q.get(timeout=20)
+    p.join(20)
+    assert name == "ident-child"
+    assert parent_pid == os.getpid()
+    assert child_pid == p.pid
+
+
+@pytest.mark.timeout(30)
+def test_active_children() -> None:
+    p = mp.Process(target=_sleep, args=(60,))
+    p.start()
+    try:
+        assert p in mp.active_children()
+    finally:
+        p.terminate()
+        p.join(20)
+    assert p not in mp.active_children()
+
+
+@pytest.mark.timeout(60)
+def test_children_start_children() -> None:
+    q = mp.Queue()
+    p = mp.Process(target=_start_grandchild, args=(q,))
+    p.start()
+    (tag, grandchild_pid), grand_exitcode, child_pid = q.get(timeout=50)
+    p.join(20)
+    assert p.exitcode == 0
+    assert tag == "grandchild"
+    assert grand_exitcode == 0
+    assert child_pid == p.pid
+    assert grandchild_pid not in (os.getpid(), child_pid)
+
+
+@pytest.mark.timeout(30)
+def test_twenty_processes_run_concurrently() -> None:
+    q = mp.Queue()
+    procs = [mp.Process(target=_timestamps, args=(q, 0.5)) for _ in range(20)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    stamps = [q.get(timeout=20) for _ in procs]
+    for p in procs:
+        p.join(20)
+    elapsed = time.monotonic() - t0
+    assert [p.exitcode for p in procs] == [0] * 20
+    assert elapsed < 3, elapsed
+    # all 20 were asleep at the same moment
+    assert max(s for s, _ in stamps) < min(e for _, e in stamps)
+
+
+@pytest.mark.timeout(30)
+def test_child_stdout_appears_live(capfd: pytest.CaptureFixture[str]) -> None:
+    event = mp.Event()
+    p = mp.Process(target=_print_then_wait, args=(event,))
+    p.start()
+    try:
+        out = ""
+        deadline = time.monotonic() + 10
+        while "hello-from-child-stdout" not in out and time.monotonic() < deadline:
+            out += capfd.readouterr().out
+            time.sleep(0.05)
+        assert "hello-from-child-stdout" in out
+        assert p.is_alive()  # seen while the child still runs
+    finally:
+        event.set()
+        p.join(20)
+
+
+@pytest.mark.timeout(30)
+def test_unpicklable_argument_raises_at_start() -> None:
+    p = mp.Process(target=_takes_lock, args=(threading.Lock(),))
+    with pytest.raises(TypeError, match="pickle") as info:
+        p.start()
+    assert "lock" in str(info.value)
+    assert p._popen is None  # the process never started
+    assert p not in mp.active_children()
+
+
+# -- at the parent's exit (a separate program) ------------------------------------
+
+
+def _run_script(tmp_path: Path, body: str, *args: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent(body))
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.timeout(90)
+def test_daemon_child_terminated_at_parent_exit(tmp_path: Path) -> None:
+    res = _run_script(
+        tmp_path,
+        """
+        import time
+        import nimbus.multiprocessing as mp
+
+        def sleeper():
+            time.sleep(60)
+
+        if __name__ == "__main__":
+            p = mp.Process(target=sleeper, daemon=True)
+            p.start()
+            print(p.pid, flush=True)
+        """,
+    )
+    assert res.returncode == 0, res.stderr
+    pid = int(res.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(pid)
+
+
+@pytest.mark.timeout(90)
+def test_non_daemon_child_joined_at_parent_exit(tmp_path: Path) -> None:
+    marker = tmp_path / "marker.txt"
+    res = _run_script(
+        tmp_path,
+        """
+        import sys, time
+        import nimbus.multiprocessing as mp
+
+        def writer(path):
+            time.sleep(0.5)
+            with open(path, "w") as f:
+                f.write("done")
+
+        if __name__ == "__main__":
+            p = mp.Process(target=writer, args=(sys.argv[1],))
+            p.start()
+        """,
+        str(marker),
+    )
+    assert res.returncode == 0, res.stderr
+    assert marker.read_text() == "done"
