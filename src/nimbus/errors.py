@@ -6,7 +6,8 @@ or ``except TimeoutError`` written for the stdlib keeps working::
 
     NimbusError
     ├── ConfigError (ValueError)              a setting or argument is wrong
-    ├── SerializationError (PicklingError)    a payload cannot be pickled
+    ├── SerializationError (PicklingError,    a payload cannot be pickled
+    │                       TypeError)        (the stdlib raises TypeError)
     ├── DeserializationError (UnpicklingError) a payload cannot be unpickled
     ├── VersionMismatchError                  worker and caller Pythons differ
     ├── PayloadTooLargeError (ValueError)     a payload exceeds the set limit
@@ -55,7 +56,7 @@ class ConfigError(NimbusError, ValueError):
     """A setting, environment variable or argument has a wrong value."""
 
 
-class SerializationError(NimbusError, pickle.PicklingError):
+class SerializationError(NimbusError, pickle.PicklingError, TypeError):
     """An object could not be pickled; the message names it."""
 
 

@@ -47,7 +47,7 @@ __all__ = [name for name in _stdlib.__all__ if not name.startswith("_")]
 
 SUBDEBUG = util.SUBDEBUG
 SUBWARNING = util.SUBWARNING
-reducer = reduction.ForkingPickler
+reducer = reduction
 Process = context.Process
 
 

@@ -12,7 +12,7 @@ program id (see ``nimbus.keys``), so two programs sharing a Redis never meet.
     program()  -> starts the store     adopt(Program) <- carried by the task
                -> new program id       program()      -> the adopted one
     keepalive thread: EXPIRE keys      shared objects pickle as (Program, name)
-    atexit: delete the program's keys
+    at exit: delete the program's keys
 
 Every key gets the program's TTL when created; the root keeps them alive
 while it runs and deletes them at a normal exit, so after a SIGKILL of the
@@ -21,13 +21,13 @@ root they expire within ``key_ttl`` seconds (``NIMBUS_KEY_TTL``).
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import pickle
 import sys
 import threading
 from dataclasses import dataclass
+from multiprocessing import util
 from multiprocessing.reduction import ForkingPickler
 
 import redis
@@ -73,7 +73,8 @@ class _Root:
             target=self._keepalive, name="nimbus-keepalive", daemon=True
         )
         self._thread.start()
-        atexit.register(self.close)
+        # last of the stdlib's exit finalizers: after connections' own clean-up
+        util.Finalize(None, self.close, exitpriority=-100)
 
     def _keepalive(self) -> None:
         program = self.program

@@ -53,7 +53,14 @@ class _Runtime:
         self.executor = Executor(on_notice=self.notice)
         _live.discard(self.executor)  # closed by close(), after joining children
         self.pid = os.getpid()
+        self.stdio = _stdio_ids()  # what the workers inherited
         atexit.register(self.close)
+
+    def redirected_stdio(self) -> list[Any] | None:
+        """Handles to this process's stdout/stderr if they changed since the workers started."""
+        if _stdio_ids() == self.stdio:
+            return None
+        return [resource_sharer.DupFd(fd) for fd in (1, 2)]
 
     def notice(self, payload: Any) -> None:
         if not (isinstance(payload, list) and payload and payload[0] == "exit"):
@@ -103,6 +110,23 @@ def runtime() -> _Runtime:
         return _runtime
 
 
+def _stdio_ids() -> list[tuple[int, int] | None]:
+    ids: list[tuple[int, int] | None] = []
+    for fd in (1, 2):
+        try:
+            st = os.fstat(fd)
+            ids.append((st.st_dev, st.st_ino))
+        except OSError:
+            ids.append(None)
+    return ids
+
+
+def _modules_of(process_obj: stdlib_process.BaseProcess) -> list[str]:
+    """Modules the child needs, for the worker to import before it forks."""
+    names = {type(process_obj).__module__, getattr(process_obj._target, "__module__", None)}
+    return sorted(n for n in names if n and n not in ("__main__", "__mp_main__", "builtins"))
+
+
 class Popen:
     """What ``BaseProcess`` drives: ``poll``, ``wait``, ``terminate``, ``kill``, ``close``."""
 
@@ -116,6 +140,7 @@ class Popen:
         self._token = uuid.uuid4().hex
         prep = spawn.get_preparation_data(process_obj._name)
         prep.pop("start_method", None)  # the child reports its process's own
+        prep["modules"] = _modules_of(process_obj)
         stdlib_context.set_spawning_popen(self)  # type: ignore[arg-type]
         try:
             program = _state.program()
@@ -128,6 +153,7 @@ class Popen:
         rt = runtime()
         rt.register(self._token, self)
         prep["authkey"] = bytes(prep["authkey"])
+        prep["stdio"] = rt.redirected_stdio()
         # the fork is under way when start() returns; its pid is awaited on first use
         self._forked = rt.executor.submit(_start, self._token, prep, program, data, buffers)
         self._forked.add_done_callback(self._on_forked)
@@ -249,6 +275,12 @@ def _start(
     """Fork a child that runs the process; the reaper reports its exit code."""
     _warm_up()
     _import_main(prep)
+    for name in prep.pop("modules", ()):
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except BaseException:  # the child imports it again and reports the error
+                pass
     with _reaper.lock:
         pid = os.fork()
         if pid == 0:
@@ -299,9 +331,15 @@ def _child(prep: dict[str, Any], program: _state.Program, data: bytes, buffers: 
         worker.close_in_child()
         if sys.platform == "linux":
             ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        stdio = prep.pop("stdio", None)
         # sys.path, argv, cwd, the parent's authkey (handing over connections
         # checks it while unpickling) and the main module if not imported yet
         spawn.prepare(prep)
+        if stdio is not None:  # the parent's stdout/stderr moved since the worker started
+            for fd, handle in zip((1, 2), stdio, strict=True):
+                new = handle.detach()
+                os.dup2(new, fd)
+                os.close(new)
         _state.adopt(program)  # before unpickling: shared objects find their store
         process_obj = serialization.loads(data, buffers)
         code = process_obj._bootstrap(parent_sentinel=_parent_sentinel(process_obj._parent_pid))

@@ -1,0 +1,268 @@
+"""nimbus.multiprocessing.Pool: the stdlib's pool on nimbus processes and store queues."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.pool
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import nimbus.multiprocessing as mp
+from nimbus.multiprocessing.pool import ThreadPool
+
+# -- targets (module level) -----------------------------------------------------
+
+_INIT_CALLS: list[object] = []
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def _add(a: int, b: int) -> int:
+    return a + b
+
+
+def _pid(_: object = None) -> int:
+    return os.getpid()
+
+
+def _sleep_return(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def _fail(x: int) -> int:
+    raise ValueError(f"bad item {x}")
+
+
+def _init(tag: str, q: mp.Queue) -> None:
+    _INIT_CALLS.append(tag)
+    q.put(os.getpid())
+
+
+def _init_state(_: object) -> tuple[int, int, list[object]]:
+    time.sleep(0.02)  # lets every pool process take some tasks
+    return os.getpid(), len(_INIT_CALLS), list(_INIT_CALLS)
+
+
+def _monte_carlo(seed: int, n: int = 20_000) -> int:
+    rng = random.Random(seed)
+    inside = 0
+    for _ in range(n):
+        x, y = rng.random(), rng.random()
+        inside += x * x + y * y <= 1.0
+    return inside
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[multiprocessing.pool.Pool]:
+    p = mp.Pool(2)
+    yield p
+    p.close()
+    p.join()
+
+
+# -- basic calls ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_apply(pool: multiprocessing.pool.Pool) -> None:
+    assert pool.apply(_square, (7,)) == 49
+    assert pool.apply(_add, (2,), {"b": 3}) == 5
+    assert pool.apply(_pid) != os.getpid()
+
+
+@pytest.mark.timeout(30)
+def test_apply_async_callback_and_error_callback(pool: multiprocessing.pool.Pool) -> None:
+    results: list[object] = []
+    errors: list[BaseException] = []
+    ok = pool.apply_async(_square, (5,), callback=results.append, error_callback=errors.append)
+    bad = pool.apply_async(_fail, (3,), callback=results.append, error_callback=errors.append)
+    assert ok.get(timeout=20) == 25
+    bad.wait(20)
+    assert bad.ready() and not bad.successful()
+    assert results == [25]
+    assert len(errors) == 1 and isinstance(errors[0], ValueError)
+    assert "bad item 3" in str(errors[0])
+
+
+@pytest.mark.timeout(30)
+def test_map_and_map_async(pool: multiprocessing.pool.Pool) -> None:
+    assert pool.map(_square, range(50)) == [x * x for x in range(50)]
+    got: list[object] = []
+    res = pool.map_async(_square, range(10), callback=got.append)
+    assert res.get(timeout=20) == [x * x for x in range(10)]
+    assert got == [[x * x for x in range(10)]]
+    assert pool.map(_square, []) == []
+
+
+@pytest.mark.timeout(30)
+def test_starmap_and_starmap_async(pool: multiprocessing.pool.Pool) -> None:
+    pairs = [(i, 10 * i) for i in range(20)]
+    assert pool.starmap(_add, pairs) == [a + b for a, b in pairs]
+    assert pool.starmap_async(_add, pairs, chunksize=3).get(timeout=20) == [a + b for a, b in pairs]
+
+
+@pytest.mark.timeout(30)
+def test_imap_is_lazy(pool: multiprocessing.pool.Pool) -> None:
+    t0 = time.monotonic()
+    it = pool.imap(_sleep_return, [0.0, 1.0, 1.0])
+    assert next(it) == 0.0
+    first = time.monotonic() - t0
+    assert first < 0.8, first  # the first result before the others are done
+    assert list(it) == [1.0, 1.0]
+    assert time.monotonic() - t0 >= 1.0
+
+
+@pytest.mark.timeout(30)
+def test_imap_unordered_completion_order(pool: multiprocessing.pool.Pool) -> None:
+    items = [0.8, 0.05, 0.05]
+    got = list(pool.imap_unordered(_sleep_return, items))
+    assert sorted(got) == sorted(items)
+    assert got != items
+    assert got[-1] == 0.8
+
+
+@pytest.mark.timeout(30)
+def test_imap_chunksize_results(pool: multiprocessing.pool.Pool) -> None:
+    assert list(pool.imap(_square, range(30), chunksize=7)) == [x * x for x in range(30)]
+    assert sorted(pool.imap_unordered(_square, range(30), chunksize=4)) == [
+        x * x for x in range(30)
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_chunksize_honoured(pool: multiprocessing.pool.Pool) -> None:
+    # a chunk runs in one pool process, so pids come in runs of `chunksize`
+    pids = pool.map(_pid, range(20), chunksize=5)
+    for start in range(0, 20, 5):
+        assert len(set(pids[start : start + 5])) == 1, pids
+    assert len(set(pool.map(_pid, range(12), chunksize=12))) == 1
+
+
+@pytest.mark.timeout(30)
+def test_async_result_get_timeout(pool: multiprocessing.pool.Pool) -> None:
+    res = pool.apply_async(_sleep_return, (1.0,))
+    t0 = time.monotonic()
+    with pytest.raises(multiprocessing.TimeoutError):
+        res.get(timeout=0.1)
+    assert time.monotonic() - t0 < 0.9
+    assert mp.TimeoutError is multiprocessing.TimeoutError
+    assert not res.ready()
+    assert res.get(timeout=20) == 1.0
+
+
+@pytest.mark.timeout(30)
+def test_task_exception_reraised_with_remote_traceback(pool: multiprocessing.pool.Pool) -> None:
+    with pytest.raises(ValueError, match="bad item 4") as info:
+        pool.apply(_fail, (4,))
+    cause = info.value.__cause__
+    assert isinstance(cause, multiprocessing.pool.RemoteTraceback)
+    assert "_fail" in str(cause) and "Traceback" in str(cause)
+    with pytest.raises(ValueError, match="bad item"):
+        pool.map(_fail, range(3))
+    # the pool is still usable
+    assert pool.apply(_square, (3,)) == 9
+
+
+@pytest.mark.timeout(60)
+def test_results_equal_sequential(pool: multiprocessing.pool.Pool) -> None:
+    seeds = list(range(16))
+    inside = pool.map(_monte_carlo, seeds)
+    assert inside == [_monte_carlo(s) for s in seeds]
+    pi = 4 * sum(inside) / (20_000 * len(seeds))
+    assert abs(pi - 3.14159) < 0.05
+    n = 10_000
+    assert sum(pool.map(_square, range(n), chunksize=500)) == sum(x * x for x in range(n))
+
+
+# -- pool lifecycle (own pools) ---------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_close_join() -> None:
+    p = mp.Pool(2)
+    assert p.map(_square, range(5)) == [0, 1, 4, 9, 16]
+    res = p.apply_async(_sleep_return, (0.3,))
+    p.close()
+    with pytest.raises(ValueError, match="Pool not running"):
+        p.apply(_square, (1,))
+    p.join()
+    assert res.get(timeout=0) == 0.3  # close lets queued work finish
+
+
+@pytest.mark.timeout(30)
+def test_terminate_stops_running_work() -> None:
+    p = mp.Pool(2)
+    res = p.apply_async(_sleep_return, (30,))
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    p.terminate()
+    p.join()
+    assert time.monotonic() - t0 < 10
+    assert not res.ready()
+
+
+@pytest.mark.timeout(30)
+def test_context_manager_terminates() -> None:
+    with mp.Pool(2) as p:
+        assert p.map(_square, range(4)) == [0, 1, 4, 9]
+    with pytest.raises(ValueError, match="Pool not running"):
+        p.apply(_square, (1,))
+    p.join()
+
+
+@pytest.mark.timeout(30)
+def test_initializer_runs_once_per_process() -> None:
+    q = mp.Queue()
+    with mp.Pool(2, initializer=_init, initargs=("tag-A", q)) as p:
+        states = set()
+        for pid, count, calls in p.map(_init_state, range(40), chunksize=1):
+            assert count == 1 and calls == ["tag-A"]
+            states.add(pid)
+        p.close()
+        p.join()
+    init_pids = [q.get(timeout=10) for _ in range(2)]
+    assert sorted(init_pids) == sorted(set(init_pids))  # one call per process
+    assert states <= set(init_pids)
+    assert q.empty()
+    assert _INIT_CALLS == []  # never in the parent
+
+
+@pytest.mark.timeout(30)
+def test_maxtasksperchild_replaces_processes() -> None:
+    with mp.Pool(2, maxtasksperchild=1) as p:
+        pids = p.map(_pid, range(8), chunksize=1)
+        p.close()
+        p.join()
+    assert len(set(pids)) > 2, pids
+
+
+@pytest.mark.timeout(10)
+def test_pool_zero_processes() -> None:
+    with pytest.raises(ValueError):
+        mp.Pool(0)
+
+
+@pytest.mark.timeout(10)
+def test_pool_default_size_is_cpu_count() -> None:
+    with mp.Pool() as p:
+        assert p._processes == mp.cpu_count()
+        p.close()
+        p.join()
+
+
+@pytest.mark.timeout(30)
+def test_thread_pool() -> None:
+    with ThreadPool(3) as tp:
+        assert tp.map(_square, range(10)) == [x * x for x in range(10)]
+        assert set(tp.map(_pid, range(6))) == {os.getpid()}  # threads of this process
+        idents = tp.map(lambda _: threading.get_ident(), range(30))
+        assert threading.get_ident() not in idents
+    assert mp.pool.ThreadPool is multiprocessing.pool.ThreadPool
