@@ -65,6 +65,16 @@ class NimbusContext(stdlib_context.BaseContext):
             raise ValueError(f"cannot find context for {method!r}")
         return _contexts[method]
 
+    def set_forkserver_preload(self, module_names: list[str]) -> None:
+        """Modules the warm workers import once before they fork processes.
+
+        Processes then start with them imported (for a Pool, before its first
+        task); otherwise a child imports what it needs at first use.
+        """
+        from nimbus.multiprocessing.popen_nimbus import set_preload
+
+        set_preload(module_names)
+
     def cpu_count(self) -> int:
         """The workers the backend offers (the cores of this machine by default)."""
         from nimbus.config import Settings

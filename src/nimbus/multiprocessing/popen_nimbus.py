@@ -121,10 +121,26 @@ def _stdio_ids() -> list[tuple[int, int] | None]:
     return ids
 
 
+_preload: list[str] = []
+
+
+def set_preload(module_names: list[str]) -> None:
+    """Modules every warm worker imports before it forks (``set_forkserver_preload``)."""
+    if not all(isinstance(name, str) for name in module_names):
+        raise TypeError("module_names must be a list of strings")
+    _preload[:] = module_names
+
+
 def _modules_of(process_obj: stdlib_process.BaseProcess) -> list[str]:
-    """Modules the child needs, for the worker to import before it forks."""
+    """Modules for the worker to import before it forks, so the child starts warm.
+
+    The modules of the process's class and target, and those named with
+    ``set_forkserver_preload``; children import anything else at first use,
+    as the stdlib's spawn children do.
+    """
     names = {type(process_obj).__module__, getattr(process_obj._target, "__module__", None)}
-    return sorted(n for n in names if n and n not in ("__main__", "__mp_main__", "builtins"))
+    own = sorted(n for n in names if n and n not in ("__main__", "__mp_main__", "builtins"))
+    return own + [name for name in _preload if name not in own]
 
 
 class Popen:
