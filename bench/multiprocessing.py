@@ -238,7 +238,10 @@ def run_pipe_rtt(mp: Any, sizes: Sizes) -> dict[str, float]:
             result[f"pipe_rtt {label}"] = statistics.median(samples)
     finally:
         parent.send(None)
-        p.join(30)
+        p.join(5)
+        if p.is_alive():  # after a failure: the child may be stuck sending
+            p.terminate()
+            p.join(5)
     return result
 
 
@@ -363,13 +366,13 @@ def run_sort(mp: Any, sizes: Sizes) -> dict[str, float]:
 
 Workload = Callable[[Any, Sizes], dict[str, float]]
 WORKLOADS: dict[str, tuple[Workload, float]] = {  # name: (function, time limit per run in s)
-    "pool_map64": (run_pool_map64, 60),
-    "pool_sleep": (run_pool_sleep, 60),
-    "process": (run_process, 60),
+    "pool_map64": (run_pool_map64, 30),
+    "pool_sleep": (run_pool_sleep, 30),
+    "process": (run_process, 30),
     "pipe_rtt": (run_pipe_rtt, 120),
-    "queue": (run_queue, 120),
-    "lock": (run_lock, 60),
-    "manager_dict": (run_manager_dict, 60),
+    "queue": (run_queue, 60),
+    "lock": (run_lock, 30),
+    "manager_dict": (run_manager_dict, 30),
     "sort": (run_sort, 180),
 }
 
@@ -650,7 +653,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=3, help="repeats; median reported (3)")
     parser.add_argument(
-        "--only", action="append", choices=list(WORKLOADS), metavar="NAME", help=", ".join(WORKLOADS)
+        "--only",
+        action="append",
+        choices=list(WORKLOADS),
+        metavar="NAME",
+        help=", ".join(WORKLOADS),
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
@@ -697,7 +704,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cold.stdlib.append(within(60, lambda: _process_once(stdlib_mp)))
         cold.nimbus.append(within(120, lambda: _process_once(nmp)))
-        notes.append("nimbus was pre-warmed by that first Process start + join (the cold start row)")
+        notes.append(
+            "nimbus was pre-warmed by that first Process start + join (the cold start row)"
+        )
     except BaseException as exc:
         traceback.print_exc()
         cold.error = f"{type(exc).__name__}: {exc}"

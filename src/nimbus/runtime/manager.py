@@ -202,12 +202,16 @@ class Manager:
                 for key, mask in self._selector.select(self._timeout()):
                     worker = key.data
                     if worker is None:
-                        self._woken = False
+                        # drain, then clear: a submit between the two leaves the flag
+                        # clear (and maybe a byte in the pipe: a spurious wake-up), and
+                        # the dispatch below sees its tasks. The other order could
+                        # leave the flag set with an empty pipe, and no wake-up ever.
                         try:
                             while os.read(self._wake_r, 4096):
                                 pass
                         except BlockingIOError:
                             pass
+                        self._woken = False
                         continue
                     if mask & selectors.EVENT_WRITE:
                         self._flush(worker)

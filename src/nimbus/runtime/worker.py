@@ -22,7 +22,9 @@ prints appears at once and survives a crash.
 from __future__ import annotations
 
 import _socket
+import faulthandler
 import os
+import signal
 import socket
 import sys
 import threading
@@ -264,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     fd = int(args[0])
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: show stacks
     sock = _socket.socket(fileno=fd)  # a bare socket: not counted as task traffic
     sock.setblocking(True)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
