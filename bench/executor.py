@@ -21,20 +21,26 @@ top of this module cheap: nimbus is imported only when it is used.
 
 from __future__ import annotations
 
-import argparse
-import concurrent.futures
-import gc
-import json
-import multiprocessing
-import os
-import platform
-import statistics
 import sys
-import time
-import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
+
+# bench/multiprocessing.py sits beside this file: keep this directory off sys.path,
+# or ``import multiprocessing`` would import it (nimbus hands sys.path to workers too)
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import concurrent.futures  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import multiprocessing  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 
 RESULT_TIMEOUT = 300.0  # seconds to wait for any one result before calling it a crash
 SLEEP_SECONDS = 0.01

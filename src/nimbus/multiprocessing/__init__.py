@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import multiprocessing as _stdlib
 import sys as _sys
+from multiprocessing import AuthenticationError as AuthenticationError
+from multiprocessing import BufferTooShort as BufferTooShort
+from multiprocessing import ProcessError as ProcessError
+from multiprocessing import TimeoutError as TimeoutError
 from multiprocessing import (
-    AuthenticationError,
-    BufferTooShort,
-    ProcessError,
-    TimeoutError,
     dummy,
     heap,
     reduction,
@@ -61,5 +61,3 @@ def __getattr__(name: str) -> Any:
 for _name in __all__:
     if _name not in globals() and hasattr(_ctx, _name):
         globals()[_name] = getattr(_ctx, _name)
-
-__all__ += ["AuthenticationError", "BufferTooShort", "ProcessError", "TimeoutError"]

@@ -34,7 +34,7 @@ import redis
 
 from nimbus import serialization, statestore
 from nimbus.config import Settings
-from nimbus.errors import StateStoreError
+from nimbus.errors import SerializationError, StateStoreError
 from nimbus.keys import Keys
 
 __all__ = ["Program", "adopt", "dumps", "program"]
@@ -142,6 +142,14 @@ def dumps(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
     module as the stdlib's spawn does), unless the main module cannot be
     imported (``python -c``, an interactive session): then by value.
     """
-    return serialization.dumps(
-        obj, reducers=ForkingPickler._extra_reducers, main_by_value=_main_by_value()
-    )
+    try:
+        return serialization.dumps(
+            obj, reducers=ForkingPickler._extra_reducers, main_by_value=_main_by_value()
+        )
+    except SerializationError as exc:
+        # SerializationError is a TypeError and a PicklingError, what the stdlib
+        # raises most; an object's own error (a __reduce__ raising) goes as itself
+        cause = exc.__cause__
+        if cause is not None and not isinstance(cause, TypeError | pickle.PicklingError):
+            raise cause from None
+        raise

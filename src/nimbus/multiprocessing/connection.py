@@ -42,14 +42,20 @@ import pickle
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from multiprocessing import AuthenticationError, BufferTooShort, util
 from multiprocessing import connection as _std
-from multiprocessing.connection import (
+from multiprocessing.connection import (  # type: ignore[attr-defined]  # noqa: F401
+    CHALLENGE,
     Client,
     Listener,
+    address_type,
     answer_challenge,
+    arbitrary_address,
+    default_family,
     deliver_challenge,
+    families,
 )
 from types import TracebackType
 from typing import Any
@@ -109,6 +115,7 @@ class _Link:
 
     def __init__(self, url: str, client: redis.Redis) -> None:
         pool = client.connection_pool
+        _links.add(self)
         self.url = url
         self.ttl_ms = 0
         self.conn = pool.connection_class(**pool.connection_kwargs)
@@ -145,6 +152,23 @@ class _Link:
         """RPUSH one message without waiting for the reply."""
         self.ttl_ms = ttl_ms
         self._send((("RPUSH", key, message),), (key,))
+
+    def drain(self) -> None:
+        """Read the replies still owed to sends, so that closing loses nothing.
+
+        A socket closed with unread data is reset, and a reset can discard what
+        the store had not read yet: the last pushes of a thread or process.
+        """
+        if self.pending and self.sock is not None:
+            try:
+                while self.pending:
+                    self._read()
+                    self.pending.popleft()
+            except Exception:  # a broken link has nothing more to deliver
+                self._broken()
+
+    def __del__(self) -> None:  # a thread's links go when the thread ends
+        self.drain()
 
     def _read(self) -> Any:
         reader = self.reader
@@ -184,6 +208,16 @@ class _Link:
 
 
 _local = threading.local()
+_links: weakref.WeakSet[_Link] = weakref.WeakSet()
+
+
+def _drain_all() -> None:
+    for each in list(_links):
+        each.drain()
+
+
+# at exit (a process's last finalizers run before it exits, forked children too)
+util.Finalize(None, _drain_all, exitpriority=-50)
 
 
 def link(prog: Program) -> _Link:
@@ -260,8 +294,18 @@ class Connection:
         self._prefetch = PREFETCH
         self._misses = 0
         self._last = 0.0
+        self._finalize()
+        # a process's bootstrap clears the finalizers (ours were made while its
+        # process object was unpickled) and then runs the after-fork hooks
+        util.register_after_fork(self, Connection._finalize)
+
+    def _finalize(self) -> None:
+        """(Re)register what happens at close or exit: prefetched items go back, refs drop."""
         self._finalizer = util.Finalize(
-            self, _release, (prog, read_key, write_key, refs, self._buffer), exitpriority=10
+            self,
+            _release,
+            (self._program, self._read_key, self._write_key, self._refs, self._buffer),
+            exitpriority=10,
         )
 
     # -- properties

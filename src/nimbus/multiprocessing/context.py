@@ -31,7 +31,7 @@ START_METHODS = ("fork", "spawn", "forkserver")
 class Process(stdlib_process.BaseProcess):
     """A process that runs on a nimbus warm worker."""
 
-    _start_method = None
+    _start_method: str | None = None
 
     @staticmethod
     def _Popen(process_obj: stdlib_process.BaseProcess) -> Any:
@@ -207,5 +207,33 @@ class DefaultContext(NimbusContext):
         return self._actual._name
 
 
-_contexts: dict[str, NimbusContext] = {name: NimbusContext(name) for name in START_METHODS}
+class ForkProcess(Process):
+    _start_method = "fork"
+
+
+class SpawnProcess(Process):
+    _start_method = "spawn"
+
+
+class ForkServerProcess(Process):
+    _start_method = "forkserver"
+
+
+class ForkContext(NimbusContext):
+    Process = ForkProcess
+
+
+class SpawnContext(NimbusContext):
+    Process = SpawnProcess
+
+
+class ForkServerContext(NimbusContext):
+    Process = ForkServerProcess
+
+
+_contexts: dict[str, NimbusContext] = {
+    "fork": ForkContext("fork"),
+    "spawn": SpawnContext("spawn"),
+    "forkserver": ForkServerContext("forkserver"),
+}
 _default_context = DefaultContext()

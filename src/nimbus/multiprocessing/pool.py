@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import multiprocessing
 from multiprocessing import pool as stdlib_pool
-from multiprocessing.pool import (
+from multiprocessing.pool import (  # noqa: F401
+    CLOSE,
+    INIT,
+    RUN,
+    TERMINATE,
     ApplyResult,
     AsyncResult,
+    ExceptionWithTraceback,
     IMapIterator,
     IMapUnorderedIterator,
     MapResult,
     MaybeEncodingError,
+    RemoteTraceback,
     ThreadPool,
 )
 from typing import Any

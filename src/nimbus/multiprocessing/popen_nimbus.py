@@ -35,6 +35,7 @@ from typing import Any
 
 from nimbus import serialization
 from nimbus.multiprocessing import _state
+from nimbus.multiprocessing import context as nimbus_context
 
 __all__ = ["Popen"]
 
@@ -155,8 +156,13 @@ class Popen:
         self.sentinel, self._exit_w = os.pipe()
         self._token = uuid.uuid4().hex
         prep = spawn.get_preparation_data(process_obj._name)
-        prep.pop("start_method", None)  # the child reports its process's own
+        # the child's default context: its process's own method, else the parent's default
+        prep.pop("start_method", None)
+        prep["nimbus_start_method"] = (
+            process_obj._start_method or nimbus_context._default_context.get_start_method()
+        )
         prep["modules"] = _modules_of(process_obj)
+        prep["environ"] = dict(os.environ)  # as at start(), as a forked or spawned child has it
         stdlib_context.set_spawning_popen(self)  # type: ignore[arg-type]
         try:
             program = _state.program()
@@ -348,9 +354,16 @@ def _child(prep: dict[str, Any], program: _state.Program, data: bytes, buffers: 
         if sys.platform == "linux":
             ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         stdio = prep.pop("stdio", None)
+        environ = prep.pop("environ", None)
+        if environ is not None:
+            os.environ.clear()
+            os.environ.update(environ)
         # sys.path, argv, cwd, the parent's authkey (handing over connections
         # checks it while unpickling) and the main module if not imported yet
+        method = prep.pop("nimbus_start_method", None)
         spawn.prepare(prep)
+        if method:
+            nimbus_context._default_context.set_start_method(method, force=True)
         if stdio is not None:  # the parent's stdout/stderr moved since the worker started
             for fd, handle in zip((1, 2), stdio, strict=True):
                 new = handle.detach()

@@ -300,7 +300,7 @@ def Value(
     obj = RawValue(typecode_or_type, *args, program=program)
     if lock is False:
         return obj
-    return synchronized(obj, None if lock is True else _checked(lock))
+    return synchronized(obj, None if lock in (True, None) else _checked(lock))
 
 
 def Array(
@@ -315,7 +315,7 @@ def Array(
     obj = RawArray(typecode_or_type, size_or_initializer, program=program)
     if lock is False:
         return obj
-    return synchronized(obj, None if lock is True else _checked(lock))
+    return synchronized(obj, None if lock in (True, None) else _checked(lock))
 
 
 def _checked(lock: Any) -> Any:
@@ -328,6 +328,10 @@ def copy(obj: Any) -> Any:
     """A new shared object with the type and current contents of ``obj``."""
     if isinstance(obj, SynchronizedBase):
         obj = obj.get_obj()
+    if isinstance(obj, ctypes._SimpleCData | ctypes.Structure | ctypes.Union | ctypes.Array):
+        new_raw = RawValue(type(obj))
+        new_raw._create(bytes(obj))
+        return new_raw
     if not isinstance(obj, _Raw):
         raise TypeError(f"copy() needs a nimbus shared value or array, not {type(obj).__name__}")
     name = Keys.new_name()
