@@ -1,3 +1,27 @@
-"""Shared pytest configuration for the nimbus tests (fixtures are added as needed)."""
+"""Shared pytest configuration and fixtures for the nimbus tests."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from nimbus.keys import Keys
+from nimbus.multiprocessing import _state
+from nimbus.multiprocessing._state import Program
+
+
+@pytest.fixture(scope="module")
+def store_url() -> str:
+    return _state.program().url
+
+
+@pytest.fixture
+def program(store_url: str) -> Iterator[Program]:
+    """A fresh program (its own id) on the shared embedded store; its keys go afterwards."""
+    prog = Program(store_url, Keys.program_id_new(), 30.0)
+    yield prog
+    client = prog.client()
+    keys = list(client.scan_iter(match=prog.keys.pattern()))
+    if keys:
+        client.unlink(*keys)

@@ -6,14 +6,11 @@ import ctypes
 import multiprocessing
 import pickle
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from nimbus.errors import StateStoreError
-from nimbus.keys import Keys
-from nimbus.multiprocessing import _state
 from nimbus.multiprocessing._state import Program
 from nimbus.multiprocessing.sharedctypes import (
     Array,
@@ -35,22 +32,6 @@ spawn = multiprocessing.get_context("spawn")
 
 class Point(ctypes.Structure):
     _fields_ = [("x", ctypes.c_int), ("y", ctypes.c_double)]
-
-
-@pytest.fixture(scope="module")
-def store_url() -> str:
-    return _state.program().url
-
-
-@pytest.fixture
-def program(store_url: str) -> Iterator[Program]:
-    """A fresh program (its own id) on the shared embedded store; its keys go afterwards."""
-    prog = Program(store_url, Keys.program_id_new(), 30.0)
-    yield prog
-    client = prog.client()
-    keys = list(client.scan_iter(match=prog.keys.pattern()))
-    if keys:
-        client.unlink(*keys)
 
 
 def _count(counter: Any, times: int) -> None:

@@ -8,14 +8,12 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
-from nimbus.multiprocessing import _state
 from nimbus.multiprocessing._state import Program
 from nimbus.multiprocessing.synchronize import (
     Barrier,
@@ -29,22 +27,6 @@ from nimbus.multiprocessing.synchronize import (
 from nimbus.statestore import EmbeddedRedis
 
 spawn = multiprocessing.get_context("spawn")
-
-
-@pytest.fixture(scope="module")
-def store_url() -> str:
-    return _state.program().url
-
-
-@pytest.fixture
-def program(store_url: str) -> Iterator[Program]:
-    """A fresh program (its own id) on the shared embedded store; its keys go afterwards."""
-    prog = Program(store_url, Keys.program_id_new(), 30.0)
-    yield prog
-    client = prog.client()
-    keys = list(client.scan_iter(match=prog.keys.pattern()))
-    if keys:
-        client.unlink(*keys)
 
 
 def _keys(prog: Program) -> list[str]:

@@ -5,6 +5,7 @@ context by default, so ``Manager()``, ``register`` (with ``exposed``,
 ``proxytype``, ``method_to_typeid``), ``start``, ``connect``, ``shutdown``
 and proxies pickled into children work as in the stdlib. The manager's
 server listens on a Unix socket (same host) or the TCP address given.
+``SharedMemoryManager`` is the stdlib's: shared memory is local to one host.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from multiprocessing.managers import (
     PoolProxy,
     RemoteError,
     Server,
+    SharedMemoryManager,
     Token,
     ValueProxy,
 )
@@ -48,6 +50,7 @@ __all__ = [
     "PoolProxy",
     "RemoteError",
     "Server",
+    "SharedMemoryManager",
     "SyncManager",
     "Token",
     "ValueProxy",

@@ -385,8 +385,10 @@ class SimpleQueue:
         self._writer.close()
 
     def empty(self) -> bool:
-        """True if there is nothing to get."""
-        return not self._poll()
+        """True if there is nothing to get (looks, takes nothing: others may get it)."""
+        if self._reader._buffer:
+            return False
+        return int(link(self._program).call(("LLEN", self._reader._read_key))[0]) == 0
 
     def get(self) -> Any:
         """Remove and return an item, waiting for one."""
