@@ -14,7 +14,9 @@ How the worker measures (see ``nimbus.telemetry``):
 * ``peak_memory``: the worker's peak resident set size during the task, in
   bytes. On Linux the high-water mark is reset before each task
   (``/proc/self/clear_refs``), so it is the task's own peak (including the
-  worker's baseline of about 20 MB); elsewhere it is the worker's peak so far.
+  worker's resident baseline, about 20 MB); it is read from ``getrusage`` or,
+  where that carries the peak of the process the worker was started from,
+  from ``VmHWM`` in ``/proc/self/status``. Elsewhere it is the worker's peak so far.
 * ``net_bytes_in``/``net_bytes_out``: bytes the task moved through Python
   ``socket.socket`` objects (send*, recv*, sendfile) while it ran. Traffic
   made by C libraries on their own sockets (libcurl, gRPC) and by child

@@ -110,15 +110,32 @@ def socket_bytes() -> tuple[int, int]:
     return _counts[0], _counts[1]
 
 
+def _vm_hwm_kb(fd: int) -> int:
+    """The peak resident set size (VmHWM) in /proc/self/status, in kB."""
+    data = os.pread(fd, 8192, 0)
+    start = data.index(b"VmHWM:") + 6
+    return int(data[start : data.index(b"kB", start)])
+
+
 class TaskMeter:
     """Measures the task running in this process, one at a time."""
 
     def __init__(self) -> None:
         install_socket_counters()
         self._clear_refs: int | None = None
+        self._status: int | None = None  # /proc/self/status, when ru_maxrss cannot be reset
         try:
             self._clear_refs = os.open("/proc/self/clear_refs", os.O_WRONLY)
-        except OSError:
+            os.write(self._clear_refs, b"5")
+            status = os.open("/proc/self/status", os.O_RDONLY)
+            # A process exec'd from a large parent keeps that parent's peak in ru_maxrss
+            # (Linux folds the old address space's high-water mark into it), and no reset
+            # clears it; VmHWM is this process's own, and clear_refs resets it.
+            if resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 2 * _vm_hwm_kb(status):
+                self._status = status
+            else:
+                os.close(status)
+        except (OSError, ValueError):
             pass
         self._start: tuple[float, float, float, int, int] = (0.0, 0.0, 0.0, 0, 0)
         self._ssl_seen = False
@@ -147,7 +164,7 @@ class TaskMeter:
             now,
             usage.ru_utime - utime,
             usage.ru_stime - stime,
-            usage.ru_maxrss * 1024,
+            (usage.ru_maxrss if self._status is None else _vm_hwm_kb(self._status)) * 1024,
             _counts[0] - nin,
             _counts[1] - nout,
         )

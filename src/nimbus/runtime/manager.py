@@ -49,7 +49,9 @@ log = logging.getLogger(__name__)
 # run through an import, not ``-m``, so the module is ``nimbus.runtime.worker`` for
 # the task code that calls its functions, not ``__main__``
 WORKER_MAIN = "import sys; from nimbus.runtime.worker import main; sys.exit(main())"
-START_FAILURES = 3  # workers that die before saying hello, in a row, before giving up
+START_FAILURES = 3
+QUEUED_SECONDS = 0.010  # work a worker holds ahead: deeper windows for short tasks
+MAX_WINDOW = 256  # workers that die before saying hello, in a row, before giving up
 
 
 class _Worker:
@@ -145,6 +147,7 @@ class Manager:
         self._lost = 0
         self._start_failures = 0
         self._counter = 0
+        self._run_avg = 0.001  # moving average of task run time, seconds
         self.stopped = threading.Event()
 
     # -- called from any thread -----------------------------------------
@@ -310,6 +313,8 @@ class Manager:
             (record.started, record.ended, record.cpu_user, record.cpu_system) = row[4:8]
             (record.peak_memory, record.net_bytes_in, record.net_bytes_out) = row[8:11]
             record.worker, record.host, record.pid = worker.name, worker.host, worker.pid
+            if status != Status.SKIPPED:
+                self._run_avg += 0.05 * (record.ended - record.started - self._run_avg)
             done.append(task)
         self._deliver(done)
 
@@ -319,16 +324,26 @@ class Manager:
         except Exception:
             log.exception("nimbus %s: a result callback failed", self.name)
 
+    def window(self) -> int:
+        """Tasks a worker may hold: ``prefetch``, more for short tasks (about 10 ms of work).
+
+        A deep window keeps workers busy when this thread waits for the GIL
+        (the caller submitting in a loop); long tasks keep the shallow one, so
+        they spread evenly over the workers.
+        """
+        return max(self.prefetch, min(MAX_WINDOW, int(QUEUED_SECONDS / max(self._run_avg, 1e-6))))
+
     def _dispatch(self) -> None:
         pending = self._pending
+        limit = self.window()
         while pending:
-            ready = [w for w in self._workers if w.ready and len(w.inflight) < self.prefetch]
+            ready = [w for w in self._workers if w.ready and len(w.inflight) < limit]
             if not ready:
                 return
             ready.sort(key=lambda w: len(w.inflight))  # idle workers first
             share = -(-len(pending) // len(ready))
             for worker in ready:
-                room = min(self.prefetch - len(worker.inflight), share)
+                room = min(limit - len(worker.inflight), share)
                 batch: list[Task] = []
                 while pending and len(batch) < room:
                     batch.append(pending.popleft())
