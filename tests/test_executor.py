@@ -637,7 +637,7 @@ def test_record(ex) -> None:
     assert r.pid > 0 and r.pid != os.getpid()
     assert r.pid in manager_stats(ex)["pids"]
     assert 0 < r.submitted <= r.dispatched <= r.started <= r.ended
-    assert r.cpu_user > 0.1
+    assert r.cpu_user + r.cpu_system > 0.1  # a loaded machine may book some as system time
     assert r.run_seconds >= 0.2
     other = ex.submit(pow, 2, 2)
     other.result(timeout=10)

@@ -301,9 +301,12 @@ class Connection:
 
     def _finalize(self) -> None:
         """(Re)register what happens at close or exit: prefetched items go back, refs drop."""
+        previous = getattr(self, "_finalizer", None)
+        if previous is not None:
+            previous.cancel()  # registered again after a fork: one release, not two
         self._finalizer = util.Finalize(
             self,
-            _release,
+            _release_quietly,
             (self._program, self._read_key, self._write_key, self._refs, self._buffer),
             exitpriority=10,
         )
@@ -480,7 +483,8 @@ class Connection:
         """Close this copy of the end (the last copy signals end-of-stream)."""
         if not self._closed:
             self._closed = True
-            self._finalizer()
+            self._finalizer.cancel()
+            _release(self._program, self._read_key, self._write_key, self._refs, self._buffer)
 
     def __enter__(self) -> Connection:
         return self
@@ -526,6 +530,14 @@ def _release(
     except (StateStoreError, OSError):
         if not util.is_exiting():
             raise
+
+
+def _release_quietly(*args: Any) -> None:
+    """:func:`_release` for a connection collected or left open at exit: never raises."""
+    try:
+        _release(*args)
+    except Exception as exc:  # nobody to raise to; the keys expire with the program's TTL
+        util.debug(f"nimbus: releasing a connection failed: {exc!r}")
 
 
 def Pipe(duplex: bool = True, *, prog: Program | None = None) -> tuple[Connection, Connection]:

@@ -85,9 +85,3 @@ class Pool(stdlib_pool.Pool):
 
     def _get_sentinels(self) -> list[Any]:
         return [self._change_notifier._reader]
-
-    @staticmethod
-    def _help_stuff_finish(inqueue: Any, task_handler: Any, size: int) -> None:
-        # the task handler may be blocked putting on a full inqueue: drain it
-        while task_handler.is_alive() and not inqueue.empty():
-            inqueue.get()
