@@ -181,7 +181,7 @@ class Manager:
             "workers": len(self._workers),
             "ready": sum(w.ready for w in self._workers),
             "pending": len(self._pending),
-            "inflight": sum(len(w.inflight) for w in self._workers),
+            "inflight": self._inflight(),
             "spawned": self._spawned,
             "lost": self._lost,
             "pids": [w.pid for w in self._workers],

@@ -135,6 +135,7 @@ class Worker:
         self.current = seq
         started = self.meter.begin()
         status = Status.OK
+        out: list[Any] = []
         result: Any = None
         args: Any = None
         kwargs: Any = None
@@ -153,14 +154,17 @@ class Worker:
                 payload, buffers = buffers[0], buffers[1:]
             args, kwargs = serialization.loads(payload, buffers)
             result = fn(*args, **kwargs)
-            data, out = serialization.dumps(result)
         except (SystemExit, KeyboardInterrupt) as exc:
             status, data, out = Status.ERROR, self.interrupted(exc), []
         except BaseException as exc:
-            if isinstance(exc, SerializationError):
-                exc = SerializationError(f"the task's result could not be sent back: {exc}")
             status, out = Status.ERROR, []
             data = serialization.dumps_exception(exc, traceback.format_exc())
+        else:
+            try:
+                data, out = serialization.dumps(result)
+            except SerializationError as exc:
+                error = SerializationError(f"the task's result could not be sent back: {exc}")
+                status, data, out = Status.ERROR, serialization.dumps_exception(error, ""), []
         del result, args, kwargs, buffers
         self.current = None
         self.add_result(seq, status, data, out, (started, *self.meter.end()))
