@@ -111,6 +111,22 @@ def test_lock_released_by_another_thread_and_fifo_waiters(program: Program) -> N
 
 
 @pytest.mark.timeout(10)
+def test_a_release_after_another_threads_release_is_reported(program: Program) -> None:
+    lock = Lock(program=program)
+    lock.acquire()
+    other = threading.Thread(target=lock.release)  # allowed: a Lock has no owner
+    other.start()
+    other.join()
+    lock.release()  # the stdlib raises ValueError here; ours is sent without a reply...
+    with pytest.raises(ValueError, match="another process had released it"):
+        lock.acquire()  # ...and reported by this thread's next acquire of the lock
+    assert lock.acquire(False)  # reported once; the lock works on
+    assert lock.get_value() == 0
+    lock.release()
+    assert lock.get_value() == 1
+
+
+@pytest.mark.timeout(10)
 def test_lock_pickles_to_the_same_lock(program: Program) -> None:
     lock = Lock(program=program)
     copy = pickle.loads(pickle.dumps(lock))

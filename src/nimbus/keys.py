@@ -110,6 +110,10 @@ class Keys:
         """The holders of lock ``name``: a hash of owner -> recursion depth."""
         return self._key("lock", name, "owners")
 
+    def lock_late(self, name: str) -> str:
+        """Failed reply-less releases of lock ``name``: a hash of owner -> error code."""
+        return self._key("lock", name, "late")
+
     def lock_claim(self, name: str, owner: str) -> str:
         """Where a blocked acquire of lock ``name`` by ``owner`` lands its token."""
         return self._key("lock", name, "claim", owner)

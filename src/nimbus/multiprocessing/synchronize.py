@@ -16,12 +16,14 @@ in any process that unpickles it::
 
 Blocked waiters are served first come, first served by Redis; nothing polls.
 Each thread talks to the store on its own connection, one round trip per
-operation (Lua scripts where several keys change at once). A thread releasing
-a lock it acquired does not wait for the reply (it cannot fail), so an
-uncontended ``Lock`` acquire + release costs one round trip and a send; if
-another thread released that Lock meanwhile, the ``ValueError`` of the
-release is raised by the thread's next operation on the store. Keys are created with the
-program's TTL; those of finished waits are deleted.
+operation (Lua scripts where several keys change at once, their commands packed
+once per lock and thread). A thread releasing a lock it acquired asks the store
+not to reply (``CLIENT REPLY SKIP``: the release cannot fail), so an uncontended
+``Lock`` acquire + release costs one round trip and a send. If another process
+released that Lock meanwhile (a Lock may be released by anyone), the store notes
+it and the ``ValueError`` of that release is raised by the holder's next acquire
+of the lock. Keys are created with the program's TTL; those of finished waits
+are deleted.
 
 Owners are (hostname, pid, thread id) plus the Redis client id of a
 connection each process keeps open for its lifetime (its *presence*).
@@ -45,9 +47,7 @@ import os
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
-from multiprocessing import util
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
@@ -83,14 +83,6 @@ class _Script:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
 
-_links: weakref.WeakSet[_Link] = weakref.WeakSet()
-
-
-def _settle_all() -> None:
-    for each in list(_links):
-        each.settle()
-
-
 class _Link:
     """This thread's own connection to one store: no pool, no retries, one round trip a call.
 
@@ -99,14 +91,13 @@ class _Link:
     """
 
     def __init__(self, url: str) -> None:
-        _links.add(self)
         self.url = url
         self.conn = _connection(url)
         self._sock: socket.socket | None = None
         self._reader = hiredis.Reader(replyError=redis.ResponseError)
         self._owner: str | None = None
         self.held: dict[str, int] = {}  # lock owners key -> this thread's depth, as last known
-        self._deferred: list[Callable[[Any], BaseException | None]] = []
+        self.packed: dict[tuple[str, str], bytes] = {}  # (what, lock) -> a command, packed
 
     @property
     def owner(self) -> str:
@@ -133,13 +124,18 @@ class _Link:
             raise self.error(redis.ConnectionError("no socket after connecting"))
         self._sock = sock
         self._reader = hiredis.Reader(replyError=redis.ResponseError)
+        try:  # a reply-less release needs its script loaded: the store may have restarted
+            sock.sendall(b"".join(_LOAD_SCRIPTS))
+            for _ in _LOAD_SCRIPTS:
+                self._read()
+        except redis.ResponseError as exc:
+            raise self._broken(exc) from exc
         return sock
 
     def _broken(self, exc: BaseException) -> StateStoreError:
         """Forget the connection (its stream is in an unknown state) and say why."""
         self.conn.disconnect()
         self._sock = None
-        self._deferred.clear()
         if isinstance(exc, redis.RedisError):
             return self.error(exc)
         return self.error(redis.ConnectionError(f"{type(exc).__name__}: {exc}"))
@@ -151,17 +147,16 @@ class _Link:
         except OSError as exc:
             raise self._broken(exc) from exc
 
-    def defer(self, check: Callable[[Any], BaseException | None], *args: Any) -> None:
-        """Send a command now; its reply is read (and ``check``ed) before the next one's."""
-        self.send(*args)
-        self._deferred.append(check)
+    def send_packed(self, packed: bytes) -> None:
+        """Send commands already packed (see ``packed``)."""
+        sock = self._sock if self._sock is not None else self._connect()
+        try:
+            sock.sendall(packed)
+        except OSError as exc:
+            raise self._broken(exc) from exc
 
     def read(self) -> Any:
-        late = self._drain() if self._deferred else None
-        reply = self._read()
-        if late is not None:
-            raise late
-        return reply
+        return self._read()
 
     def _read(self) -> Any:
         reader = self._reader
@@ -185,32 +180,6 @@ class _Link:
                 raise redis.exceptions.NoScriptError(str(reply))
             raise reply
         return reply
-
-    def settle(self) -> None:
-        """Read the replies still owed to deferred sends (a release), so closing loses nothing.
-
-        A socket closed with unread data is reset, and a reset can discard what
-        the store had not read yet: a thread's or process's last release.
-        """
-        if self._deferred and self._sock is not None:
-            try:
-                self._drain()
-            except Exception:  # a broken link has nothing more to deliver
-                self._deferred.clear()
-
-    def __del__(self) -> None:  # a thread's links go when the thread ends
-        self.settle()
-
-    def _drain(self) -> BaseException | None:
-        checks, self._deferred = self._deferred, []
-        late = None
-        for check in checks:
-            try:
-                reply = self._read()
-            except redis.ResponseError as exc:
-                reply = exc
-            late = late or check(reply)
-        return late
 
     def call(self, *args: Any) -> Any:
         self.send(*args)
@@ -255,6 +224,10 @@ class _Link:
         return self.call("BLPOP", key, wait) is not None
 
 
+def _pack(*args: Any) -> bytes:
+    return bytes(hiredis.pack_command(args))
+
+
 def _connection(url: str) -> redis.connection.AbstractConnection:
     conn = cast(
         redis.connection.AbstractConnection,
@@ -278,8 +251,6 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
-# at exit (a process's last finalizers run before it exits, forked children too)
-util.Finalize(None, _settle_all, exitpriority=-50)
 
 
 def _link(program: Program) -> _Link:
@@ -289,9 +260,7 @@ def _link(program: Program) -> _Link:
         _local.generation = _generation
     link = links.get(program.url)
     if link is None:
-        link = _Link(program.url)
-        link.many(*[("SCRIPT", "LOAD", script.source) for script in _SCRIPTS])
-        links[program.url] = link
+        link = links[program.url] = _Link(program.url)
     return link
 
 
@@ -318,8 +287,9 @@ redis.call('RPUSH', KEYS[1], 't')
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 0
 """)
-# KEYS tokens, owners; ARGV owner, recursive, depth, ttl
+# KEYS tokens, owners, late; ARGV owner, recursive, depth, ttl -> -1: a release of ours failed
 _LOCK_TRY = _Script("""
+if redis.call('HDEL', KEYS[3], ARGV[1]) == 1 then return -1 end
 if ARGV[2] == '1' and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
   return 2
@@ -340,15 +310,23 @@ if redis.call('LPOP', KEYS[1]) then
 end
 return 0
 """)
-# KEYS tokens, owners; ARGV owner, recursive, all, ttl -> depth released, -1 not owned, -2 too many
+# KEYS tokens, owners, late; ARGV owner, recursive, all, ttl, unheard
+#   -> depth released, -1 not owned, -2 too many; an unheard (reply-less) failure is noted in late
 _LOCK_RELEASE = _Script("""
+local function fail(code)
+  if ARGV[5] == '1' then
+    redis.call('HSET', KEYS[3], ARGV[1], code)
+    redis.call('PEXPIRE', KEYS[3], ARGV[4])
+  end
+  return code
+end
 local n = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 if ARGV[2] == '1' or ARGV[3] == '1' then
-  if n == 0 then return -1 end
+  if n == 0 then return fail(-1) end
   if n > 1 and ARGV[3] == '0' then redis.call('HINCRBY', KEYS[2], ARGV[1], -1) return 1 end
   redis.call('HDEL', KEYS[2], ARGV[1])
 else
-  if redis.call('LLEN', KEYS[1]) >= 1 then return -2 end
+  if redis.call('LLEN', KEYS[1]) >= 1 then return fail(-2) end
   if n == 0 then
     local other = redis.call('HKEYS', KEYS[2])[1]
     if other then redis.call('HDEL', KEYS[2], other) end
@@ -406,6 +384,8 @@ return 0
 
 _SCRIPTS = [_SEM_RELEASE, _LOCK_TRY, _LOCK_CLAIM, _LOCK_RELEASE, _LOCK_REAP, _NOTIFY, _UNWAIT]
 _SCRIPTS += [_EVENT_WAIT]
+_LOAD_SCRIPTS = [_pack("SCRIPT", "LOAD", script.source) for script in _SCRIPTS]
+_SKIP_REPLY = _pack("CLIENT", "REPLY", "SKIP")
 
 
 def _ttl(program: Program) -> int:
@@ -522,14 +502,29 @@ class Lock(_Acquirable):
         super()._setup(program, name)
         self._tokens = program.keys.lock(name)
         self._owners = program.keys.lock_owners(name)
+        self._late = program.keys.lock_late(name)
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         return self._acquire(_link(self._program), block, timeout, 1)
 
     def _acquire(self, link: _Link, block: bool, timeout: float | None, depth: int) -> bool:
         ttl = _ttl(self._program)
-        keys = (self._tokens, self._owners)
-        got = link.eval(_LOCK_TRY, keys, (link.owner, self._recursive, depth, ttl))
+        keys = (self._tokens, self._owners, self._late)
+        args = (link.owner, self._recursive, depth, ttl)
+        if depth == 1:  # the common case, packed once
+            packed = link.packed.get(("acquire", self._owners))
+            if packed is None:
+                packed = _pack("EVALSHA", _LOCK_TRY.sha, 3, *keys, *args)
+                link.packed["acquire", self._owners] = packed
+            link.send_packed(packed)
+            got = link.read_eval(_LOCK_TRY, keys, args)
+        else:
+            got = link.eval(_LOCK_TRY, keys, args)
+        if got == -1:
+            raise ValueError(
+                f"an earlier release of {self!r} by this thread failed: "
+                "another process had released it"
+            )
         if got:
             link.held[self._owners] = link.held.get(self._owners, 0) + 1 if got == 2 else depth
             return True
@@ -537,7 +532,7 @@ class Lock(_Acquirable):
             return False
         deadline = None if timeout is None else time.monotonic() + timeout
         claim = self._program.keys.lock_claim(self._name, link.owner)
-        args = (link.owner, depth, ttl)
+        claim_args = (link.owner, depth, ttl)
         try:
             while True:
                 step = _REAP_STEP
@@ -546,9 +541,9 @@ class Lock(_Acquirable):
                     if step < _MIN_WAIT:
                         return False
                 link.send("BLMOVE", self._tokens, claim, "LEFT", "LEFT", round(step, 3))
-                link.send("EVALSHA", _LOCK_CLAIM.sha, 2, claim, self._owners, *args)
+                link.send("EVALSHA", _LOCK_CLAIM.sha, 2, claim, self._owners, *claim_args)
                 link.read()
-                if link.read_eval(_LOCK_CLAIM, (claim, self._owners), args) == 1:
+                if link.read_eval(_LOCK_CLAIM, (claim, self._owners), claim_args) == 1:
                     link.held[self._owners] = depth
                     return True
                 self._reap(link, claim, ())
@@ -585,25 +580,20 @@ class Lock(_Acquirable):
             return
         if held > 1:
             link.held[self._owners] = held - 1
-        # This thread holds it, so the release cannot fail: don't wait for the reply (it is
-        # read with the next one). The link loaded the script when it connected.
-        link.defer(
-            self._late,
-            *("EVALSHA", _LOCK_RELEASE.sha, 2, self._tokens, self._owners, link.owner),
-            *(self._recursive, "0", _ttl(self._program)),
-        )
-
-    def _late(self, reply: Any) -> BaseException | None:
-        if isinstance(reply, int) and reply >= 0:
-            return None
-        return ValueError(
-            f"an earlier release of {self!r} failed ({reply}): another process had released it"
-        )
+        # This thread holds it, so the release cannot fail: the store is asked not to reply
+        # (a failure is noted for the next acquire). The link loaded the script when it connected.
+        packed = link.packed.get(("release", self._owners))
+        if packed is None:
+            command = ("EVALSHA", _LOCK_RELEASE.sha, 3, self._tokens, self._owners, self._late)
+            args = (link.owner, self._recursive, "0", _ttl(self._program), "1")
+            packed = _SKIP_REPLY + _pack(*command, *args)
+            link.packed["release", self._owners] = packed
+        link.send_packed(packed)
 
     def _release(self, link: _Link, everything: str) -> int:
         link.held.pop(self._owners, None)
-        keys = (self._tokens, self._owners)
-        args = (link.owner, self._recursive, everything, _ttl(self._program))
+        keys = (self._tokens, self._owners, self._late)
+        args = (link.owner, self._recursive, everything, _ttl(self._program), "0")
         depth = int(link.eval(_LOCK_RELEASE, keys, args))
         if depth == -1:
             raise _NotOwnedError("attempt to release recursive lock not owned by thread")
