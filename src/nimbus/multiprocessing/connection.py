@@ -11,9 +11,8 @@
 
 Each direction of a :func:`Pipe` is a Redis list named by the end that reads
 it. Every list element is one message: ``b"B"`` + the bytes, or ``b"E"``, the
-end-of-stream marker. A send writes its RPUSH and does not wait for the reply
-(replies are read before the next command on that thread's connection to the
-store), so a send costs one ``write``; a receive blocks in BLPOP and takes up to
+end-of-stream marker. A send writes its RPUSH (and the PEXPIRE that renews the
+list's TTL) asking the store for no reply, so a send costs one ``write``; a receive blocks in BLPOP and takes up to
 63 more waiting messages with a pipelined ``LPOP key count``, keeping them in a
 local buffer that :meth:`Connection.poll`, :meth:`Connection.recv` and
 :func:`wait` see. On close (explicit, at garbage collection or at process exit)
@@ -42,8 +41,7 @@ import pickle
 import struct
 import threading
 import time
-import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from multiprocessing import AuthenticationError, BufferTooShort, util
 from multiprocessing import connection as _std
 from multiprocessing.connection import (  # type: ignore[attr-defined]  # noqa: F401
@@ -60,13 +58,11 @@ from multiprocessing.connection import (  # type: ignore[attr-defined]  # noqa: 
 from types import TracebackType
 from typing import Any
 
-import hiredis
-import redis
-
 from nimbus import serialization
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
 from nimbus.multiprocessing import _state
+from nimbus.multiprocessing._link import link
 from nimbus.multiprocessing._state import Program, program
 
 __all__ = [
@@ -98,138 +94,6 @@ if n <= 0 then
 end
 return n
 """
-
-
-# ---------------------------------------------------------------- link to the store
-
-
-class _Link:
-    """One thread's connection to one store; replies to sends are read lazily.
-
-    redis-py opens the connection (handshake, AUTH, SELECT); commands then go
-    straight over its socket with a hiredis reader, several times faster than
-    redis-py's command path for small messages. :meth:`push` does not wait for
-    its reply; when the reply shows the push created the list, a PEXPIRE for it
-    goes out with the next command (until then the root's keepalive covers it).
-    """
-
-    def __init__(self, url: str, client: redis.Redis) -> None:
-        pool = client.connection_pool
-        _links.add(self)
-        self.url = url
-        self.ttl_ms = 0
-        self.conn = pool.connection_class(**pool.connection_kwargs)
-        self.sock: Any = None
-        self.reader: Any = None
-        self.pending: collections.deque[str | None] = collections.deque()
-        self.expire: list[str] = []
-
-    def _error(self, exc: BaseException) -> StateStoreError:
-        return StateStoreError(f"state store at {self.url} failed: {type(exc).__name__}: {exc}")
-
-    def _broken(self) -> None:
-        self.pending.clear()
-        self.sock = None
-        self.conn.disconnect()
-
-    def _send(self, commands: Sequence[Sequence[Any]], tags: Sequence[str | None]) -> None:
-        if self.expire:
-            keys, self.expire = self.expire, []
-            commands = [*(("PEXPIRE", k, self.ttl_ms) for k in keys), *commands]
-            tags = [*(None for _ in keys), *tags]
-        payload = b"".join([hiredis.pack_command(tuple(command)) for command in commands])
-        try:
-            if self.sock is None:
-                self.conn.connect()
-                self.sock, self.reader = self.conn._sock, hiredis.Reader()
-            self.sock.sendall(payload)
-        except (OSError, redis.RedisError) as exc:
-            self._broken()
-            raise self._error(exc) from exc
-        self.pending.extend(tags)
-
-    def push(self, key: str, message: bytes, ttl_ms: int) -> None:
-        """RPUSH one message without waiting for the reply."""
-        self.ttl_ms = ttl_ms
-        self._send((("RPUSH", key, message),), (key,))
-
-    def drain(self) -> None:
-        """Read the replies still owed to sends, so that closing loses nothing.
-
-        A socket closed with unread data is reset, and a reset can discard what
-        the store had not read yet: the last pushes of a thread or process.
-        """
-        if self.pending and self.sock is not None:
-            try:
-                while self.pending:
-                    self._read()
-                    self.pending.popleft()
-            except Exception:  # a broken link has nothing more to deliver
-                self._broken()
-
-    def __del__(self) -> None:  # a thread's links go when the thread ends
-        self.drain()
-
-    def _read(self) -> Any:
-        reader = self.reader
-        reply = reader.gets()
-        while reply is False:
-            data = self.sock.recv(262144)
-            if not data:
-                raise ConnectionError("the store closed the connection")
-            reader.feed(data)
-            reply = reader.gets()
-        return reply
-
-    def call(self, *commands: Sequence[Any]) -> list[Any]:
-        """Send ``commands`` and return their replies (errors are raised)."""
-        self._send(commands, [None] * len(commands))
-        pending = self.pending
-        replies: list[Any] = []
-        error: Any = None
-        try:
-            while pending:
-                reply = self._read()
-                tag = pending.popleft()
-                if isinstance(reply, hiredis.ReplyError):
-                    reply, error = None, reply
-                elif tag is not None and reply == 1:
-                    self.expire.append(tag)
-                if len(pending) < len(commands):
-                    replies.append(reply)
-        except BaseException as exc:  # interrupted mid-reply: the connection is unusable
-            self._broken()
-            if isinstance(exc, OSError | redis.RedisError):
-                raise self._error(exc) from exc
-            raise
-        if error is not None:
-            raise StateStoreError(f"state store at {self.url} refused a command: {error}")
-        return replies
-
-
-_local = threading.local()
-_links: weakref.WeakSet[_Link] = weakref.WeakSet()
-
-
-def _drain_all() -> None:
-    for each in list(_links):
-        each.drain()
-
-
-# at exit (a process's last finalizers run before it exits, forked children too)
-util.Finalize(None, _drain_all, exitpriority=-50)
-
-
-def link(prog: Program) -> _Link:
-    """This thread's link to ``prog``'s store."""
-    links: dict[str, _Link] | None = getattr(_local, "links", None)
-    if links is None or getattr(_local, "pid", None) != os.getpid():
-        links = _local.links = {}
-        _local.pid = os.getpid()
-    found = links.get(prog.url)
-    if found is None:
-        found = links[prog.url] = _Link(prog.url, prog.client())
-    return found
 
 
 def seconds(timeout: float) -> str:

@@ -30,8 +30,10 @@ from typing import Any
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
 from nimbus.multiprocessing import _state
+from nimbus.multiprocessing._link import Script
+from nimbus.multiprocessing._link import link as _link
 from nimbus.multiprocessing._state import Program
-from nimbus.multiprocessing.synchronize import Lock, RLock, _link, _Script
+from nimbus.multiprocessing.synchronize import Lock, RLock
 
 __all__ = ["Array", "RawArray", "RawValue", "Value", "copy", "synchronized"]
 
@@ -53,7 +55,7 @@ typecode_to_type: dict[str, Any] = {
 }
 
 # KEYS lock tokens, lock owners, data; ARGV owner, op, a, b -> {0} if the lock is someone else's
-_GUARDED = _Script("""
+_GUARDED = Script("""
 if redis.call('LLEN', KEYS[1]) == 0 and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
   return {0}
 end
@@ -94,7 +96,7 @@ class _Raw:
         return (type(self), (self._program, self._key, self._name, self._ctype, self._length))
 
     def _create(self, data: bytes) -> None:
-        _link(self._program).call("SET", self._key, data, "PX", self._program.ttl_ms)
+        _link(self._program).command("SET", self._key, data, "PX", self._program.ttl_ms)
 
     def _get(self, start: int, stop: int) -> bytes:
         """Bytes [start, stop) of the object."""
@@ -102,7 +104,7 @@ class _Raw:
             return b""
         guard = self._guard
         if guard is None:
-            data = _link(self._program).call("GETRANGE", self._key, start, stop - 1)
+            data = _link(self._program).command("GETRANGE", self._key, start, stop - 1)
         else:
             data = self._guarded(guard, "get", start, stop - 1)
         if len(data) != stop - start:
@@ -115,7 +117,7 @@ class _Raw:
     def _put(self, offset: int, data: bytes) -> None:
         guard = self._guard
         if guard is None:
-            _link(self._program).call("SETRANGE", self._key, offset, data)
+            _link(self._program).command("SETRANGE", self._key, offset, data)
         else:
             self._guarded(guard, "set", offset, data)
 

@@ -42,31 +42,22 @@ process may release them), so nothing is given back for them.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
-import hiredis
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
-from nimbus import statestore
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
 from nimbus.multiprocessing import _state
+from nimbus.multiprocessing._link import MIN_WAIT, SKIP_REPLY, Link, Script, pack, preload
+from nimbus.multiprocessing._link import link as _link
 from nimbus.multiprocessing._state import Program
 
 __all__ = ["Barrier", "BoundedSemaphore", "Condition", "Event", "Lock", "RLock", "Semaphore"]
 
 _REAP_STEP = 0.5  # seconds a Lock waiter blocks between checks for dead holders
-_MIN_WAIT = 0.001  # Redis blocking timeouts have millisecond resolution; 0 means forever
-_HOST = socket.gethostname()
 _T = TypeVar("_T")
 
 
@@ -74,221 +65,16 @@ class _NotOwnedError(AssertionError, RuntimeError):
     """Raised where multiprocessing asserts (AssertionError) and threading raises RuntimeError."""
 
 
-# ---------------------------------------------------------------- one connection per thread
-
-
-class _Script:
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-
-class _Link:
-    """This thread's own connection to one store: no pool, no retries, one round trip a call.
-
-    redis-py opens the connection (URL, TLS, AUTH, SELECT); then commands and replies go
-    straight through the socket and a hiredis reader, which halves the client's overhead.
-    """
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.conn = _connection(url)
-        self._sock: socket.socket | None = None
-        self._reader = hiredis.Reader(replyError=redis.ResponseError)
-        self._owner: str | None = None
-        self.held: dict[str, int] = {}  # lock owners key -> this thread's depth, as last known
-        self.packed: dict[tuple[str, str], bytes] = {}  # (what, lock) -> a command, packed
-
-    @property
-    def owner(self) -> str:
-        """host:pid:thread id:client id of this process's presence connection."""
-        if self._owner is None:
-            cid = _presence(self.url)
-            self._owner = f"{_HOST}:{os.getpid()}:{threading.get_ident()}:{cid}"
-        return self._owner
-
-    def error(self, exc: redis.RedisError) -> StateStoreError:
-        if isinstance(exc, redis.ResponseError):
-            return StateStoreError(f"the state store at {self.url} refused a command: {exc}")
-        return StateStoreError(
-            f"the state store at {self.url} is unreachable: {exc}; is Redis running?"
-        )
-
-    def _connect(self) -> socket.socket:
-        try:
-            self.conn.connect()
-        except redis.RedisError as exc:
-            raise self.error(exc) from exc
-        sock = self.conn._sock
-        if sock is None:
-            raise self.error(redis.ConnectionError("no socket after connecting"))
-        self._sock = sock
-        self._reader = hiredis.Reader(replyError=redis.ResponseError)
-        try:  # a reply-less release needs its script loaded: the store may have restarted
-            sock.sendall(b"".join(_LOAD_SCRIPTS))
-            for _ in _LOAD_SCRIPTS:
-                self._read()
-        except redis.ResponseError as exc:
-            raise self._broken(exc) from exc
-        return sock
-
-    def _broken(self, exc: BaseException) -> StateStoreError:
-        """Forget the connection (its stream is in an unknown state) and say why."""
-        self.conn.disconnect()
-        self._sock = None
-        if isinstance(exc, redis.RedisError):
-            return self.error(exc)
-        return self.error(redis.ConnectionError(f"{type(exc).__name__}: {exc}"))
-
-    def send(self, *args: Any) -> None:
-        sock = self._sock if self._sock is not None else self._connect()
-        try:
-            sock.sendall(hiredis.pack_command(args))
-        except OSError as exc:
-            raise self._broken(exc) from exc
-
-    def send_packed(self, packed: bytes) -> None:
-        """Send commands already packed (see ``packed``)."""
-        sock = self._sock if self._sock is not None else self._connect()
-        try:
-            sock.sendall(packed)
-        except OSError as exc:
-            raise self._broken(exc) from exc
-
-    def read(self) -> Any:
-        return self._read()
-
-    def _read(self) -> Any:
-        reader = self._reader
-        reply = reader.gets()
-        while reply is False:
-            try:
-                if self._sock is None:
-                    raise redis.ConnectionError("not connected")
-                data = self._sock.recv(65536)
-                if not data:
-                    raise redis.ConnectionError("connection closed by server")
-            except (OSError, redis.RedisError) as exc:
-                raise self._broken(exc) from exc
-            except BaseException as exc:  # e.g. KeyboardInterrupt: the reply is still coming
-                self._broken(exc)
-                raise
-            reader.feed(data)
-            reply = reader.gets()
-        if isinstance(reply, redis.ResponseError):
-            if str(reply).startswith("NOSCRIPT"):
-                raise redis.exceptions.NoScriptError(str(reply))
-            raise reply
-        return reply
-
-    def call(self, *args: Any) -> Any:
-        self.send(*args)
-        try:
-            return self.read()
-        except redis.ResponseError as exc:
-            raise self.error(exc) from exc
-
-    def eval(self, script: _Script, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
-        self.send("EVALSHA", script.sha, len(keys), *keys, *args)
-        return self.read_eval(script, keys, args)
-
-    def read_eval(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """The reply of an EVALSHA already sent; loads the script if the store lacks it."""
-        try:
-            return self.read()
-        except redis.exceptions.NoScriptError:
-            return self.call("EVAL", script.source, len(keys), *keys, *args)
-        except redis.ResponseError as exc:
-            raise self.error(exc) from exc
-
-    def many(self, *commands: Sequence[Any]) -> list[Any]:
-        """Several commands in one round trip."""
-        for command in commands:
-            self.send(*command)
-        replies = []
-        for _ in commands:
-            try:
-                replies.append(self.read())
-            except redis.ResponseError as exc:
-                replies.append(exc)
-        for reply in replies:
-            if isinstance(reply, redis.ResponseError):
-                raise self.error(reply)
-        return replies
-
-    def blpop(self, key: str, timeout: float | None) -> bool:
-        """Pop one element of ``key``, waiting up to ``timeout`` seconds (None: forever)."""
-        if timeout is not None and timeout < _MIN_WAIT:
-            return self.call("LPOP", key) is not None
-        wait = 0 if timeout is None else round(timeout, 3)
-        return self.call("BLPOP", key, wait) is not None
-
-
-def _pack(*args: Any) -> bytes:
-    return bytes(hiredis.pack_command(args))
-
-
-def _connection(url: str) -> redis.connection.AbstractConnection:
-    conn = cast(
-        redis.connection.AbstractConnection,
-        statestore.connect(url).connection_pool.make_connection(),
-    )
-    conn.retry = Retry(NoBackoff(), 0)  # a dead store is an error at once, not after backoffs
-    return conn
-
-
-_local = threading.local()
-_generation = 0  # bumped in a forked child: it must not use its parent's sockets
-_presences: dict[str, tuple[redis.connection.AbstractConnection, int]] = {}
-_presence_lock = threading.Lock()
-
-
-def _after_fork() -> None:
-    global _generation, _presence_lock
-    _generation += 1
-    _presences.clear()
-    _presence_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork)
-
-
-def _link(program: Program) -> _Link:
-    links: dict[str, _Link] | None = getattr(_local, "links", None)
-    if links is None or _local.generation != _generation:
-        links = _local.links = {}
-        _local.generation = _generation
-    link = links.get(program.url)
-    if link is None:
-        link = links[program.url] = _Link(program.url)
-    return link
-
-
-def _presence(url: str) -> int:
-    """The client id of this process's idle connection to ``url``: gone when the process is."""
-    with _presence_lock:
-        if url not in _presences:
-            conn = _connection(url)
-            try:
-                conn.send_command("CLIENT", "SETNAME", f"nimbus-presence-{os.getpid()}")
-                conn.read_response()
-                conn.send_command("CLIENT", "ID")
-                _presences[url] = (conn, int(conn.read_response()))
-            except redis.RedisError as exc:
-                raise _Link(url).error(exc) from exc
-        return _presences[url][1]
-
-
 # ---------------------------------------------------------------- scripts
 
-_SEM_RELEASE = _Script("""
+_SEM_RELEASE = Script("""
 if tonumber(ARGV[1]) >= 0 and redis.call('LLEN', KEYS[1]) >= tonumber(ARGV[1]) then return -1 end
 redis.call('RPUSH', KEYS[1], 't')
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 0
 """)
 # KEYS tokens, owners, late; ARGV owner, recursive, depth, ttl -> -1: a release of ours failed
-_LOCK_TRY = _Script("""
+_LOCK_TRY = Script("""
 if redis.call('HDEL', KEYS[3], ARGV[1]) == 1 then return -1 end
 if ARGV[2] == '1' and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
@@ -302,7 +88,7 @@ end
 return 0
 """)
 # KEYS claim, owners; ARGV owner, depth, ttl: runs right after BLMOVE tokens -> claim
-_LOCK_CLAIM = _Script("""
+_LOCK_CLAIM = Script("""
 if redis.call('LPOP', KEYS[1]) then
   redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
@@ -312,7 +98,8 @@ return 0
 """)
 # KEYS tokens, owners, late; ARGV owner, recursive, all, ttl, unheard
 #   -> depth released, -1 not owned, -2 too many; an unheard (reply-less) failure is noted in late
-_LOCK_RELEASE = _Script("""
+_LOCK_RELEASE = preload(
+    Script("""
 local function fail(code)
   if ARGV[5] == '1' then
     redis.call('HSET', KEYS[3], ARGV[1], code)
@@ -339,8 +126,9 @@ redis.call('RPUSH', KEYS[1], 't')
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return n
 """)
+)
 # KEYS tokens, owners, claim; ARGV ttl, owners to drop...: give back the tokens of dead owners
-_LOCK_REAP = _Script("""
+_LOCK_REAP = Script("""
 local given = 0
 if redis.call('LPOP', KEYS[3]) then given = 1 end
 for i = 2, #ARGV do
@@ -353,7 +141,7 @@ end
 return given
 """)
 # KEYS waiters, waiter; ARGV n (-1: all), ttl -> wakes the first n waiters
-_NOTIFY = _Script("""
+_NOTIFY = Script("""
 local ws
 if tonumber(ARGV[1]) < 0 then
   ws = redis.call('LRANGE', KEYS[1], 0, -1)
@@ -368,24 +156,19 @@ end
 return #ws
 """)
 # KEYS waiters, waiter, flag -> 1 if the waiter was woken (a wake-up was or is being sent)
-_UNWAIT = _Script("""
+_UNWAIT = Script("""
 local removed = redis.call('LREM', KEYS[1], 0, KEYS[2])
 redis.call('DEL', KEYS[2])
 if removed == 0 then return 1 end
 return redis.call('EXISTS', KEYS[3])
 """)
 # KEYS flag, waiters, waiter; ARGV ttl -> 1 if set, else registers the waiter
-_EVENT_WAIT = _Script("""
+_EVENT_WAIT = Script("""
 if redis.call('EXISTS', KEYS[1]) == 1 then return 1 end
 redis.call('RPUSH', KEYS[2], KEYS[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return 0
 """)
-
-_SCRIPTS = [_SEM_RELEASE, _LOCK_TRY, _LOCK_CLAIM, _LOCK_RELEASE, _LOCK_REAP, _NOTIFY, _UNWAIT]
-_SCRIPTS += [_EVENT_WAIT]
-_LOAD_SCRIPTS = [_pack("SCRIPT", "LOAD", script.source) for script in _SCRIPTS]
-_SKIP_REPLY = _pack("CLIENT", "REPLY", "SKIP")
 
 
 def _ttl(program: Program) -> int:
@@ -454,7 +237,7 @@ class Semaphore(_Acquirable):
         self._max = value if self._bounded else -1
         super().__init__(program)
         if value:
-            _link(self._program).many(
+            _link(self._program).call(
                 ("RPUSH", self._tokens, *["t"] * value),
                 ("PEXPIRE", self._tokens, _ttl(self._program)),
             )
@@ -478,7 +261,7 @@ class Semaphore(_Acquirable):
             raise ValueError("semaphore or lock released too many times")
 
     def get_value(self) -> int:
-        return int(_link(self._program).call("LLEN", self._tokens))
+        return int(_link(self._program).command("LLEN", self._tokens))
 
 
 class BoundedSemaphore(Semaphore):
@@ -494,7 +277,7 @@ class Lock(_Acquirable):
 
     def __init__(self, *, ctx: object = None, program: Program | None = None) -> None:
         super().__init__(program)
-        _link(self._program).many(
+        _link(self._program).call(
             ("RPUSH", self._tokens, "t"), ("PEXPIRE", self._tokens, _ttl(self._program))
         )
 
@@ -507,16 +290,16 @@ class Lock(_Acquirable):
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         return self._acquire(_link(self._program), block, timeout, 1)
 
-    def _acquire(self, link: _Link, block: bool, timeout: float | None, depth: int) -> bool:
+    def _acquire(self, link: Link, block: bool, timeout: float | None, depth: int) -> bool:
         ttl = _ttl(self._program)
         keys = (self._tokens, self._owners, self._late)
         args = (link.owner, self._recursive, depth, ttl)
         if depth == 1:  # the common case, packed once
             packed = link.packed.get(("acquire", self._owners))
             if packed is None:
-                packed = _pack("EVALSHA", _LOCK_TRY.sha, 3, *keys, *args)
+                packed = pack("EVALSHA", _LOCK_TRY.sha, 3, *keys, *args)
                 link.packed["acquire", self._owners] = packed
-            link.send_packed(packed)
+            link.write(packed)
             got = link.read_eval(_LOCK_TRY, keys, args)
         else:
             got = link.eval(_LOCK_TRY, keys, args)
@@ -538,7 +321,7 @@ class Lock(_Acquirable):
                 step = _REAP_STEP
                 if deadline is not None:
                     step = min(step, deadline - time.monotonic())
-                    if step < _MIN_WAIT:
+                    if step < MIN_WAIT:
                         return False
                 link.send("BLMOVE", self._tokens, claim, "LEFT", "LEFT", round(step, 3))
                 link.send("EVALSHA", _LOCK_CLAIM.sha, 2, claim, self._owners, *claim_args)
@@ -554,16 +337,16 @@ class Lock(_Acquirable):
                 pass
             raise
 
-    def _reap(self, link: _Link, claim: str, drop: Sequence[str]) -> None:
+    def _reap(self, link: Link, claim: str, drop: Sequence[str]) -> None:
         """Give back the lock if its holder's process is gone (or one of ``drop`` holds it)."""
         dead = list(drop)
         if not dead:
-            owners = [o.decode() for o in link.call("HKEYS", self._owners)]
+            owners = [o.decode() for o in link.command("HKEYS", self._owners)]
             if not owners:
                 return
             ids = {o.rsplit(":", 1)[1] for o in owners}
             try:
-                listing = link.call("CLIENT", "LIST", "ID", *ids)
+                listing = link.command("CLIENT", "LIST", "ID", *ids)
             except StateStoreError:
                 return  # CLIENT LIST is not allowed here: dead holders cannot be found
             alive = {word[3:] for word in listing.decode().split() if word.startswith("id=")}
@@ -586,11 +369,11 @@ class Lock(_Acquirable):
         if packed is None:
             command = ("EVALSHA", _LOCK_RELEASE.sha, 3, self._tokens, self._owners, self._late)
             args = (link.owner, self._recursive, "0", _ttl(self._program), "1")
-            packed = _SKIP_REPLY + _pack(*command, *args)
+            packed = SKIP_REPLY + pack(*command, *args)
             link.packed["release", self._owners] = packed
-        link.send_packed(packed)
+        link.write(packed)
 
-    def _release(self, link: _Link, everything: str) -> int:
+    def _release(self, link: Link, everything: str) -> int:
         link.held.pop(self._owners, None)
         keys = (self._tokens, self._owners, self._late)
         args = (link.owner, self._recursive, everything, _ttl(self._program), "0")
@@ -601,12 +384,12 @@ class Lock(_Acquirable):
             raise ValueError("semaphore or lock released too many times")
         return depth
 
-    def _depth(self, link: _Link) -> int:
+    def _depth(self, link: Link) -> int:
         """How many times this thread holds the lock (0: it does not)."""
-        return int(link.call("HGET", self._owners, link.owner) or 0)
+        return int(link.command("HGET", self._owners, link.owner) or 0)
 
     def get_value(self) -> int:
-        return int(_link(self._program).call("LLEN", self._tokens))
+        return int(_link(self._program).command("LLEN", self._tokens))
 
 
 class RLock(Lock):
@@ -653,7 +436,7 @@ class Condition(_Shared):
     @property
     def _sleeping_count(self) -> Any:
         link = _link(self._program)
-        return _Count(lambda: int(link.call("LLEN", self._waiters)))
+        return _Count(lambda: int(link.command("LLEN", self._waiters)))
 
     @property
     def _woken_count(self) -> Any:
@@ -676,7 +459,7 @@ class Condition(_Shared):
         if not self._lock._depth(link):
             raise _NotOwnedError("must acquire() condition before using wait()")
         me = self._program.keys.waiter(Keys.new_name())
-        link.many(("RPUSH", self._waiters, me), ("PEXPIRE", self._waiters, _ttl(self._program)))
+        link.call(("RPUSH", self._waiters, me), ("PEXPIRE", self._waiters, _ttl(self._program)))
         depth = self._lock._release(link, "1")
         try:
             woken = link.blpop(me, timeout)
@@ -728,7 +511,7 @@ class Event(_Shared):
         self._waiters = program.keys.waiters(name)
 
     def is_set(self) -> bool:
-        return bool(_link(self._program).call("EXISTS", self._flag))
+        return bool(_link(self._program).command("EXISTS", self._flag))
 
     def __repr__(self) -> str:
         set_status = "set" if self.is_set() else "unset"
@@ -743,7 +526,7 @@ class Event(_Shared):
         link.read_eval(_NOTIFY, (self._waiters,), (-1, ttl))
 
     def clear(self) -> None:
-        _link(self._program).call("DEL", self._flag)
+        _link(self._program).command("DEL", self._flag)
 
     def wait(self, timeout: float | None = None) -> bool:
         link = _link(self._program)
@@ -773,7 +556,7 @@ class Barrier(threading.Barrier):
         cond = Condition(Lock(program=program))
         prog = cond._program
         self.__setstate__((prog, Keys.new_name(), parties, action, timeout, cond))
-        _link(prog).many(
+        _link(prog).call(
             ("HSET", self._key, "state", 0, "count", 0), ("PEXPIRE", self._key, _ttl(prog))
         )
 
@@ -785,7 +568,7 @@ class Barrier(threading.Barrier):
         self._key = self._program.keys.barrier(self._name)
 
     def _get(self, field: str) -> int:
-        return int(_link(self._program).call("HGET", self._key, field) or 0)
+        return int(_link(self._program).command("HGET", self._key, field) or 0)
 
     @property
     def _state(self) -> int:
@@ -793,7 +576,7 @@ class Barrier(threading.Barrier):
 
     @_state.setter
     def _state(self, value: int) -> None:
-        _link(self._program).call("HSET", self._key, "state", value)
+        _link(self._program).command("HSET", self._key, "state", value)
 
     @property
     def _count(self) -> int:
@@ -801,7 +584,7 @@ class Barrier(threading.Barrier):
 
     @_count.setter
     def _count(self, value: int) -> None:
-        _link(self._program).call("HSET", self._key, "count", value)
+        _link(self._program).command("HSET", self._key, "count", value)
 
     def __repr__(self) -> str:
         return f"<Barrier {self._name} parties={self._parties}>"

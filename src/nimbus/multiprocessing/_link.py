@@ -1,0 +1,262 @@
+"""One thread's connection to one state store: the wire under every shared object.
+
+::
+
+    Pipe / Queue / Lock ... --> link(program) --> Link (this thread, this store)
+                                                    |  hiredis-packed commands, one write
+                                                    v
+                                                  Redis --> replies read with a hiredis Reader
+
+redis-py opens the connection (URL, TLS, AUTH, SELECT); commands and replies
+then go straight through its socket and a hiredis reader: no pool, no retries,
+one round trip a call, a few times less client overhead than redis-py's command
+path for small messages. Sends that cannot fail (a Pipe's push, a holder's
+release of its Lock) ask the store not to reply (``CLIENT REPLY SKIP``), so
+they cost one write and no read, and a connection never has unread replies:
+closing it (at thread or process exit, or after a fork) loses nothing.
+
+Every thread has its own links (a thread blocked in BLPOP must not hold up the
+others), and a forked child makes new ones: it must not use its parent's
+sockets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any, cast
+
+import hiredis
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from nimbus import statestore
+from nimbus.errors import StateStoreError
+from nimbus.multiprocessing._state import Program
+
+__all__ = ["SKIP_REPLY", "Link", "Script", "link", "pack", "preload"]
+
+
+def pack(*args: Any) -> bytes:
+    """One command in the store's wire format."""
+    return bytes(hiredis.pack_command(args))
+
+
+SKIP_REPLY = pack("CLIENT", "REPLY", "SKIP")  # the store sends no reply to the next command
+_PRELOAD: list[bytes] = []  # SCRIPT LOADs sent on every new connection
+
+
+class Script:
+    """A Lua script, called by its SHA1 (and loaded when the store lacks it)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+def preload(script: Script) -> Script:
+    """Load ``script`` on every new connection: for scripts called without a reply."""
+    _PRELOAD.append(pack("SCRIPT", "LOAD", script.source))
+    return script
+
+
+class Link:
+    """This thread's own connection to one store."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        pool = statestore.connect(url).connection_pool
+        self.conn = cast(redis.connection.AbstractConnection, pool.make_connection())
+        self.conn.retry = Retry(NoBackoff(), 0)  # a dead store is an error at once
+        self._sock: socket.socket | None = None
+        self._reader = hiredis.Reader(replyError=redis.ResponseError)
+        self._owner: str | None = None
+        self.held: dict[str, int] = {}  # lock owners key -> this thread's depth, as last known
+        self.packed: dict[tuple[str, str], bytes] = {}  # (what, key) -> commands, packed
+
+    @property
+    def owner(self) -> str:
+        """host:pid:thread id:client id of this process's presence connection."""
+        if self._owner is None:
+            cid = _presence(self.url)
+            self._owner = f"{_HOST}:{os.getpid()}:{threading.get_ident()}:{cid}"
+        return self._owner
+
+    def error(self, exc: BaseException) -> StateStoreError:
+        """The store's error, translated."""
+        if isinstance(exc, redis.ResponseError):
+            return StateStoreError(f"the state store at {self.url} refused a command: {exc}")
+        return StateStoreError(
+            f"the state store at {self.url} is unreachable: {exc}; is Redis running?"
+        )
+
+    def _connect(self) -> socket.socket:
+        try:
+            self.conn.connect()
+        except redis.RedisError as exc:
+            raise self.error(exc) from exc
+        sock = self.conn._sock
+        if sock is None:
+            raise self.error(redis.ConnectionError("no socket after connecting"))
+        self._sock = sock
+        self._reader = hiredis.Reader(replyError=redis.ResponseError)
+        if _PRELOAD:  # reply-less scripts need loading: the store may be new or restarted
+            self.write(b"".join(_PRELOAD))
+            for _ in _PRELOAD:
+                self.read()
+        return sock
+
+    def _broken(self, exc: BaseException) -> StateStoreError:
+        """Forget the connection (its stream is in an unknown state) and say why."""
+        self.conn.disconnect()
+        self._sock = None
+        if isinstance(exc, redis.RedisError):
+            return self.error(exc)
+        return self.error(redis.ConnectionError(f"{type(exc).__name__}: {exc}"))
+
+    # -- writing
+
+    def write(self, packed: bytes) -> None:
+        """Send commands already packed (see :func:`pack`)."""
+        sock = self._sock if self._sock is not None else self._connect()
+        try:
+            sock.sendall(packed)
+        except OSError as exc:
+            raise self._broken(exc) from exc
+
+    def send(self, *args: Any) -> None:
+        """Send one command; its reply is read with :meth:`read`."""
+        self.write(pack(*args))
+
+    def push(self, key: str, message: bytes, ttl_ms: int) -> None:
+        """RPUSH ``message`` and renew the list's TTL; no replies, so one write."""
+        tail = self.packed.get(("expire", key))
+        if tail is None:
+            if len(self.packed) > 4096:
+                self.packed.clear()
+            tail = self.packed["expire", key] = SKIP_REPLY + pack("PEXPIRE", key, ttl_ms)
+        head = SKIP_REPLY + pack("RPUSH", key, message)
+        if len(message) < 65536:
+            self.write(head + tail)
+        else:  # no copy of a large message
+            self.write(head)
+            self.write(tail)
+
+    # -- reading
+
+    def read(self) -> Any:
+        """The next reply; an error reply is raised as ``redis.ResponseError``."""
+        reader = self._reader
+        reply = reader.gets()
+        while reply is False:
+            try:
+                if self._sock is None:
+                    raise redis.ConnectionError("not connected")
+                data = self._sock.recv(262144)
+                if not data:
+                    raise redis.ConnectionError("connection closed by server")
+            except (OSError, redis.RedisError) as exc:
+                raise self._broken(exc) from exc
+            except BaseException as exc:  # e.g. KeyboardInterrupt: the reply is still coming
+                self._broken(exc)
+                raise
+            reader.feed(data)
+            reply = reader.gets()
+        if isinstance(reply, redis.ResponseError):
+            if str(reply).startswith("NOSCRIPT"):
+                raise redis.exceptions.NoScriptError(str(reply))
+            raise reply
+        return reply
+
+    # -- calls
+
+    def command(self, *args: Any) -> Any:
+        """One command, one round trip; its reply."""
+        self.send(*args)
+        try:
+            return self.read()
+        except redis.ResponseError as exc:
+            raise self.error(exc) from exc
+
+    def call(self, *commands: Sequence[Any]) -> list[Any]:
+        """Several commands in one round trip; their replies (the first error is raised)."""
+        self.write(b"".join([pack(*command) for command in commands]))
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(self.read())
+            except redis.ResponseError as exc:
+                replies.append(exc)
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise self.error(reply)
+        return replies
+
+    def eval(self, script: Script, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
+        self.send("EVALSHA", script.sha, len(keys), *keys, *args)
+        return self.read_eval(script, keys, args)
+
+    def read_eval(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """The reply of an EVALSHA already sent; loads the script if the store lacks it."""
+        try:
+            return self.read()
+        except redis.exceptions.NoScriptError:
+            return self.command("EVAL", script.source, len(keys), *keys, *args)
+        except redis.ResponseError as exc:
+            raise self.error(exc) from exc
+
+    def blpop(self, key: str, timeout: float | None) -> bool:
+        """Pop one element of ``key``, waiting up to ``timeout`` seconds (None: forever)."""
+        if timeout is not None and timeout < MIN_WAIT:
+            return self.command("LPOP", key) is not None
+        wait = 0 if timeout is None else round(timeout, 3)
+        return self.command("BLPOP", key, wait) is not None
+
+
+MIN_WAIT = 0.001  # Redis blocking timeouts have millisecond resolution; 0 means forever
+_HOST = socket.gethostname()
+_local = threading.local()
+_generation = 0  # bumped in a forked child: it must not use its parent's sockets
+_presences: dict[str, tuple[redis.connection.AbstractConnection, int]] = {}
+_presence_lock = threading.Lock()
+
+
+def _after_fork() -> None:
+    global _generation, _presence_lock
+    _generation += 1
+    _presences.clear()
+    _presence_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def link(program: Program) -> Link:
+    """This thread's link to ``program``'s store."""
+    links: dict[str, Link] | None = getattr(_local, "links", None)
+    if links is None or _local.generation != _generation:
+        links = _local.links = {}
+        _local.generation = _generation
+    found = links.get(program.url)
+    if found is None:
+        found = links[program.url] = Link(program.url)
+    return found
+
+
+def _presence(url: str) -> int:
+    """The client id of this process's idle connection to ``url``: gone when the process is."""
+    with _presence_lock:
+        if url not in _presences:
+            conn = Link(url).conn
+            try:
+                conn.send_command("CLIENT", "SETNAME", f"nimbus-presence-{os.getpid()}")
+                conn.read_response()
+                conn.send_command("CLIENT", "ID")
+                _presences[url] = (conn, int(conn.read_response()))
+            except redis.RedisError as exc:
+                raise Link(url).error(exc) from exc
+        return _presences[url][1]
