@@ -296,6 +296,7 @@ def _start(
 ) -> int:
     """Fork a child that runs the process; the reaper reports its exit code."""
     _warm_up()
+    _libc()  # loaded once here, not in every child
     _import_main(prep)
     for name in prep.pop("modules", ()):
         if name not in sys.modules:
@@ -352,12 +353,11 @@ def _child(prep: dict[str, Any], program: _state.Program, data: bytes, buffers: 
 
         worker.close_in_child()
         if sys.platform == "linux":
-            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         stdio = prep.pop("stdio", None)
         environ = prep.pop("environ", None)
         if environ is not None:
-            os.environ.clear()
-            os.environ.update(environ)
+            _set_environ(environ)
         # sys.path, argv, cwd, the parent's authkey (handing over connections
         # checks it while unpickling) and the main module if not imported yet
         method = prep.pop("nimbus_start_method", None)
@@ -382,6 +382,21 @@ def _child(prep: dict[str, Any], program: _state.Program, data: bytes, buffers: 
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
+
+
+def _set_environ(environ: dict[str, str]) -> None:
+    """Make ``os.environ`` equal ``environ``, touching only what differs (putenv is slow)."""
+    current = os.environ
+    for name in [name for name in current if name not in environ]:
+        del current[name]
+    for name, value in environ.items():
+        if current.get(name) != value:
+            current[name] = value
 
 
 def _parent_sentinel(pid: int) -> int:
