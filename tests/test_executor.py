@@ -325,6 +325,23 @@ def test_max_workers_zero() -> None:
         Executor(max_workers=-1)
 
 
+def _imported(name: str) -> bool:
+    return name in sys.modules
+
+
+def test_preload_imports_modules_before_the_first_task() -> None:
+    with Executor(max_workers=1, preload=["json.tool", "no_such_module_xyz"]) as ex:
+        assert ex.submit(_imported, "json.tool").result(timeout=30)  # and the bad one skipped
+    with Executor(max_workers=1) as ex:
+        assert not ex.submit(_imported, "json.tool").result(timeout=30)
+
+
+@pytest.mark.parametrize("preload", ["json", [1], [None]])
+def test_preload_must_be_module_names(preload) -> None:
+    with pytest.raises(TypeError, match="preload must be a list of module names"):
+        Executor(max_workers=1, preload=preload)
+
+
 @pytest.mark.parametrize("timeout", [0, -1, 0.0])
 def test_bad_task_timeout_is_config_error(timeout) -> None:
     with pytest.raises(ConfigError) as info:

@@ -412,3 +412,26 @@ def test_non_daemon_child_joined_at_parent_exit(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr
     assert marker.read_text() == "done"
+
+
+@pytest.mark.timeout(90)
+def test_pool_closed_and_joined_at_module_level_exits_cleanly(tmp_path: Path) -> None:
+    # the Pool's own exit finalizer still uses the store: it must outlive it
+    res = _run_script(
+        tmp_path,
+        """
+        import nimbus.multiprocessing as mp
+
+        def square(x):
+            return x * x
+
+        if __name__ == "__main__":
+            pool = mp.Pool(2)
+            print(sum(pool.map(square, range(10))))
+            pool.close()
+            pool.join()
+        """,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["285"]
+    assert res.stderr == ""

@@ -205,6 +205,29 @@ def test_simple_queue_across_processes(spawn: multiprocessing.context.SpawnConte
         assert w.exitcode == 0
 
 
+def _take_two_then_wait(q: SimpleQueue, got: SimpleQueue, release: multiprocessing.Event) -> None:
+    got.put([q.get(), q.get()])  # a tight loop: a Pipe reader would prefetch here
+    release.wait(20)
+
+
+def test_simple_queue_consumer_takes_only_what_it_gets(
+    spawn: multiprocessing.context.SpawnContext,
+) -> None:
+    # several processes share a SimpleQueue (a Pool's job queue): none may hoard items
+    q, got = SimpleQueue(), SimpleQueue()
+    for i in range(10):
+        q.put(i)
+    release = spawn.Event()
+    p = spawn.Process(target=_take_two_then_wait, args=(q, got, release))
+    p.start()
+    try:
+        assert got.get() == [0, 1]
+        assert [q.get() for _ in range(8)] == list(range(2, 10))  # not held by the other
+    finally:
+        release.set()
+        p.join(20)
+
+
 def test_pool_private_attributes() -> None:
     sq = SimpleQueue()
     sq._writer.send(("task", 1))

@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures._base import (  # the states Future.cancel must set
     CANCELLED,
     CANCELLED_AND_NOTIFIED,
@@ -98,7 +98,10 @@ class Executor(cf.Executor):
     :class:`~nimbus.errors.TaskTimeoutError`. ``settings`` defaults to
     ``Settings.load()`` (``NIMBUS_*`` environment variables). ``on_notice`` is
     called, on the runtime's thread, with what task code sends with
-    ``nimbus.runtime.worker.notify`` (progress, events).
+    ``nimbus.runtime.worker.notify`` (progress, events). ``preload`` names
+    modules every worker imports when it starts, before it takes a task (as
+    ``multiprocessing.set_forkserver_preload``; one that fails to import is
+    skipped and imported again by the task that needs it).
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class Executor(cf.Executor):
         settings: Settings | None = None,
         backend: str = "local",
         on_notice: Callable[[Any], None] | None = None,
+        preload: Sequence[str] = (),
     ) -> None:
         self.settings = settings if settings is not None else Settings.load()
         if max_workers is None:
@@ -120,6 +124,8 @@ class Executor(cf.Executor):
         if task_timeout is None:
             task_timeout = self.settings.task_timeout
         self._timeout = _check_timeout(task_timeout, "task_timeout")
+        if isinstance(preload, str) or not all(isinstance(name, str) for name in preload):
+            raise TypeError(f"preload must be a list of module names, not {preload!r}")
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; known: {', '.join(sorted(BACKENDS))}")
         self._max_workers = max_workers
@@ -135,6 +141,7 @@ class Executor(cf.Executor):
             on_results=self._on_results,
             on_dispatch=self._on_dispatch,
             on_notice=on_notice,
+            preload=list(preload),
         )
         _live.add(self)
 

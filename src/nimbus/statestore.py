@@ -359,6 +359,16 @@ class StateStore:
         """A client on this store's pool (bytes replies; hiredis when installed)."""
         return redis.Redis(connection_pool=self._pool)
 
+    def stop_at_close_only(self) -> None:
+        """Leave the embedded server running at interpreter exit until :meth:`close`.
+
+        For an owner whose own exit work still uses the store (multiprocessing's
+        exit finalizers run after ``atexit`` handlers registered later than
+        them); the watchdog still ends the server if the owner dies first.
+        """
+        if self._server is not None:
+            atexit.unregister(self._server.stop)
+
     def close(self) -> None:
         """Close the pool and stop the embedded server if this store owns one."""
         self._pool.disconnect()

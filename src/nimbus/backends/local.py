@@ -6,7 +6,7 @@ lives in the caller's process and its workers are local processes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nimbus.backends import DispatchCallback, ResultCallback
@@ -27,13 +27,14 @@ class LocalBackend:
         on_results: ResultCallback,
         on_dispatch: DispatchCallback | None = None,
         on_notice: Callable[[Any], None] | None = None,
+        preload: Sequence[str] = (),
         name: str = "local",
     ) -> None:
         self.capacity = workers
         self.agent = Agent(
             on_results=on_results, on_dispatch=on_dispatch, on_notice=on_notice, name=name
         )
-        self.agent.add_manager(workers, prefetch=prefetch)
+        self.agent.add_manager(workers, prefetch=prefetch, preload=preload)
 
     def submit(self, batch: list[Task]) -> None:
         self.agent.submit(batch)

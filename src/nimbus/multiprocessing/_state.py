@@ -66,6 +66,7 @@ class _Root:
 
     def __init__(self, settings: Settings) -> None:
         self.store = statestore.StateStore.from_settings(settings)
+        self.store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
         self.program = Program(self.store.url, Keys.program_id_new(), settings.key_ttl)
         self.pid = os.getpid()
         self._stop = threading.Event()

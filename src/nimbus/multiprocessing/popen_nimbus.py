@@ -51,7 +51,7 @@ class _Runtime:
         self.popens: dict[str, Popen] = {}
         self.early: dict[str, int] = {}  # exits reported before start() finished
         self.lock = threading.Lock()
-        self.executor = Executor(on_notice=self.notice)
+        self.executor = Executor(on_notice=self.notice, preload=[__name__, *WARM_MODULES])
         _live.discard(self.executor)  # closed by close(), after joining children
         self.pid = os.getpid()
         self.stdio = _stdio_ids()  # what the workers inherited

@@ -368,6 +368,7 @@ class SimpleQueue:
         self._name = name
         key = prog.keys.queue(name)
         self._reader = Connection(prog, key, None)
+        self._reader._prefetch = 1  # one item a get: several consumers share it (a Pool's)
         self._writer = Connection(prog, None, key)
         self._rlock = threading.Lock()
         self._wlock = None

@@ -15,7 +15,7 @@ processes, so a crashing task never takes the agent down.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nimbus.runtime.manager import Manager
@@ -50,6 +50,7 @@ class Agent:
         prefetch: int = 8,
         python: str | None = None,
         env: Mapping[str, str] | None = None,
+        preload: Sequence[str] = (),
     ) -> Manager:
         """Start a manager with ``workers`` warm workers on this node."""
         manager = Manager(
@@ -60,6 +61,7 @@ class Agent:
             prefetch=prefetch,
             python=python,
             env=env,
+            preload=preload,
             name=f"{self.name}/m{len(self._managers)}",
         )
         with self._lock:

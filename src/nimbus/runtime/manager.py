@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from nimbus import serialization
@@ -119,6 +119,7 @@ class Manager:
         prefetch: int = 8,
         python: str | None = None,
         env: Mapping[str, str] | None = None,
+        preload: Sequence[str] = (),
         name: str = "manager",
     ) -> None:
         if workers < 1:
@@ -133,6 +134,7 @@ class Manager:
         self._on_notice = on_notice
         self._python = python or sys.executable
         self._env = worker_environment(env)
+        self._preload = list(preload)
         self._pending: deque[Task] = deque()
         self._cancels: deque[Task] = deque()
         self._workers: list[_Worker] = []
@@ -249,7 +251,7 @@ class Manager:
         self._counter += 1
         try:
             proc = subprocess.Popen(
-                [self._python, "-u", "-c", WORKER_MAIN, str(child.fileno())],
+                [self._python, "-u", "-c", WORKER_MAIN, str(child.fileno()), *self._preload],
                 pass_fds=(child.fileno(),),
                 env=self._env,
                 stdin=subprocess.DEVNULL,

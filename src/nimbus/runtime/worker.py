@@ -6,8 +6,9 @@
                                                |
                                           TaskMeter (cpu, memory, net bytes)
 
-Started by its manager with ``python -u -c WORKER_MAIN FD``, where FD is its
-end of a socketpair with its manager. It reads every frame that is waiting,
+Started by its manager with ``python -u -c WORKER_MAIN FD [MODULE ...]``, where
+FD is its end of a socketpair with its manager and the modules are imported
+before it says hello (the Executor's ``preload``). It reads every frame that is waiting,
 runs the oldest queued task, and sends results in batches: at once when it
 has nothing else queued or the task took long, otherwise up to 64 at a time
 or after 2 ms. Before a task that may take long (its function is new to this
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import _socket
 import faulthandler
+import importlib
 import os
 import signal
 import socket
@@ -264,12 +266,18 @@ def _watch_parent(parent: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
+    if not args:
         print(
-            "usage: python -c 'from nimbus.runtime.worker import main; main()' FD", file=sys.stderr
+            "usage: python -c 'from nimbus.runtime.worker import main; main()' FD [MODULE ...]",
+            file=sys.stderr,
         )
         return 2
     fd = int(args[0])
+    for name in args[1:]:  # preloaded before the hello: this worker's first task starts warm
+        try:
+            importlib.import_module(name)
+        except ImportError:  # as the stdlib's forkserver preload: the task imports it again
+            pass
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: show stacks
     sock = _socket.socket(fileno=fd)  # a bare socket: not counted as task traffic
     sock.setblocking(True)
