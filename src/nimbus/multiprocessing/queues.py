@@ -14,7 +14,9 @@ fails to pickle is reported by the feeder (printed, as in the stdlib), not by
 ``put``. A consumer calling ``get`` in a tight loop takes up to 64 waiting
 items at once into a local buffer (one calling it now and then takes one at a
 time); held items go back to the head of the list when the queue is closed,
-garbage collected, or the process exits.
+garbage collected, or the process exits. With several consumers, one in a
+tight loop may so hold items that another could have taken; a
+:class:`SimpleQueue` (a Pool's job and result queues) takes one item a ``get``.
 
 A bounded queue (``maxsize > 0``) counts its items in the store: ``put``
 reserves a slot (one round trip) and ``get`` releases it, pushing a wake-up
