@@ -435,3 +435,26 @@ def test_pool_closed_and_joined_at_module_level_exits_cleanly(tmp_path: Path) ->
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["285"]
     assert res.stderr == ""
+
+
+@pytest.mark.timeout(90)
+def test_pool_left_open_at_exit_is_finalized(tmp_path: Path) -> None:
+    # CPython's bpo-38744: the Pool's exit finalizer runs while its worker is already
+    # terminated; it must not need to start another one (nor hang)
+    res = _run_script(
+        tmp_path,
+        """
+        from nimbus.multiprocessing import Pool
+
+        class A:
+            def __init__(self):
+                self.pool = Pool(processes=1)
+
+        if __name__ == "__main__":
+            problem = A()
+            print(sum(problem.pool.map(float, range(10))))
+        """,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["45.0"]
+    assert res.stderr == ""

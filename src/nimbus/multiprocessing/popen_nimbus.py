@@ -19,7 +19,6 @@ by pid (same host). A child dies with its worker (``PR_SET_PDEATHSIG``).
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import functools
 import importlib
@@ -30,7 +29,7 @@ import threading
 import uuid
 from multiprocessing import context as stdlib_context
 from multiprocessing import process as stdlib_process
-from multiprocessing import resource_sharer, spawn
+from multiprocessing import resource_sharer, spawn, util
 from typing import Any
 
 from nimbus import serialization
@@ -55,7 +54,9 @@ class _Runtime:
         _live.discard(self.executor)  # closed by close(), after joining children
         self.pid = os.getpid()
         self.stdio = _stdio_ids()  # what the workers inherited
-        atexit.register(self.close)
+        # after multiprocessing's own exit work (a Pool's clean-up may start processes),
+        # before the program's store closes (-100)
+        util.Finalize(None, self.close, exitpriority=-50)
 
     def redirected_stdio(self) -> list[Any] | None:
         """Handles to this process's stdout/stderr if they changed since the workers started."""
