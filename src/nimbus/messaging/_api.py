@@ -1,0 +1,99 @@
+"""The calls a task makes: this process's instance, ``send`` and ``recv``.
+
+The first call makes the calling process an *instance* of its program: it
+binds a Unix socket in the program's private socket directory (and a TCP
+socket when ``NIMBUS_MESSAGING_HOST`` names an interface to listen on),
+publishes its address in the directory and starts taking messages. A task
+started by ``nimbus.multiprocessing`` belongs to its parent's program; any
+other process is the root of its own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import threading
+from typing import Any
+
+import redis
+
+from nimbus.config import Settings
+from nimbus.errors import StateStoreError
+from nimbus.messaging._directory import socket_dir
+from nimbus.messaging._endpoint import ANY, Endpoint
+
+__all__ = ["ANY", "current", "instance_id", "recv", "recv_with_source", "send"]
+
+_lock = threading.Lock()
+_current: Endpoint | None = None
+
+
+def _token(client: redis.Redis, key: str) -> bytes:
+    """The program's auth token: made by its first instance, read by the others."""
+    try:
+        client.set(key, secrets.token_bytes(32), nx=True)
+        found: Any = client.get(key)
+    except redis.RedisError as exc:
+        raise StateStoreError(f"cannot read the messaging token: {exc}") from exc
+    return bytes(found)
+
+
+def current() -> Endpoint:
+    """This process's endpoint (made on first use, again after a fork)."""
+    global _current
+    endpoint = _current
+    if endpoint is not None and endpoint.pid == os.getpid():
+        return endpoint
+    with _lock:
+        if _current is None or _current.pid != os.getpid():
+            # the program (and its store) of this process: messaging sits beside the
+            # multiprocessing layer and borrows its notion of "program"
+            from nimbus.multiprocessing import _state
+
+            prog = _state.program()
+            settings = Settings.load()
+            client = prog.client()
+            directory = socket_dir(settings.ensure_runtime_dir(), prog.program_id)
+            _current = Endpoint(
+                client,
+                prog.keys,
+                _token(client, prog.keys.messaging_token()),
+                directory,
+                tcp_host=os.environ.get("NIMBUS_MESSAGING_HOST") or None,
+                ttl_ms=prog.ttl_ms,
+            )
+            atexit.register(_current.close)
+        return _current
+
+
+def instance_id() -> str:
+    """The instance id of the calling task (it becomes addressable now)."""
+    return current().id
+
+
+def send(peer: str, obj: object) -> None:
+    """Send ``obj`` to instance ``peer``.
+
+    Goes straight over a socket when ``peer`` listens, through the state store
+    while it does not yet; messages from one sender arrive once and in order.
+    Raises :class:`~nimbus.errors.PeerLost` or
+    :class:`~nimbus.errors.PeerExited` when ``peer`` is gone.
+    """
+    current().send(peer, obj)
+
+
+def recv(source: str | None = ANY, timeout: float | None = None) -> Any:
+    """The next message from ``source`` (default: from any instance).
+
+    Raises :class:`~nimbus.errors.MessagingTimeout` after ``timeout`` seconds,
+    :class:`~nimbus.errors.PeerLost` within a heartbeat when ``source`` dies,
+    and :class:`~nimbus.errors.MessageDecodeError` (naming the sender) for a
+    message that cannot be unpickled here.
+    """
+    return current().recv(source, timeout)
+
+
+def recv_with_source(source: str | None = ANY, timeout: float | None = None) -> tuple[str, Any]:
+    """Like :func:`recv`, returning ``(sender instance id, obj)``."""
+    return current().recv_with_source(source, timeout)

@@ -1,0 +1,461 @@
+"""An instance's endpoint: its listening socket, links to peers, and mailbox.
+
+::
+
+    send(peer, obj)                                                   recv(source, timeout)
+      pickle-5 -> link to peer? --yes--> MSG over the socket ----+         ^
+                       |                                          v         |
+                       no (not listening yet, or unreachable)   poll() -> mailbox, in order
+                       +--> RPUSH inbox:<peer> in the store --> inbox thread (BLPOP) -+
+
+Every message carries a sequence number per (sender, receiver) pair, whichever
+way it travels, so the receiver delivers each sender's messages once and in
+order even when the sender switched from the store to the socket mid-stream.
+A send that finds the peer's socket full reads what is waiting for this
+instance meanwhile, so rings and exchanges never deadlock on full buffers.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import secrets
+import select
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from nimbus import serialization
+from nimbus.errors import (
+    DeserializationError,
+    MessageDecodeError,
+    MessagingTimeout,
+    PeerExited,
+    PeerLost,
+    PeerUnreachable,
+    StateStoreError,
+)
+from nimbus.keys import Keys
+from nimbus.messaging import _link
+from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, host_id, socket_path
+from nimbus.wire import ProtocolError, pack, unpack
+
+__all__ = ["ANY", "HEARTBEAT", "Endpoint"]
+
+ANY: Any = None
+HEARTBEAT = 0.5  # seconds: how soon a silent dead peer is noticed by a waiting recv
+RETRY = 0.002  # seconds between tries to reach a peer that does not listen yet
+_READ = select.POLLIN | select.POLLERR | select.POLLHUP
+
+
+class Endpoint:
+    """One instance: ``send``/``recv`` to and from other instances of the program."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        token: bytes,
+        directory: Path,
+        *,
+        instance_id: str | None = None,
+        tcp_host: str | None = None,
+        ttl_ms: int = 3_600_000,
+    ) -> None:
+        self.id = instance_id or secrets.token_hex(8)
+        self.pid = os.getpid()
+        self._client = client
+        self._keys = keys
+        self._token = token
+        self._ttl_ms = ttl_ms
+        self._sockdir = directory
+        self.directory = Directory(client, keys, ttl_ms)
+        self._out: dict[str, _link.Link] = {}
+        self._out_lock = threading.Lock()
+        self._seq: dict[str, int] = collections.defaultdict(int)
+        self._retry_at: dict[str, float] = {}
+        # receiving: links in, per-sender order, the mailbox
+        self._lock = threading.Lock()  # mailbox and order state
+        self._io = threading.RLock()  # reading the inbound sockets
+        self._in: dict[int, _link.Link] = {}
+        self._new_in: list[_link.Link] = []
+        self._poll = select.poll()
+        self._expect: dict[str, int] = collections.defaultdict(int)
+        self._held: dict[str, dict[int, tuple[Any, Any, list[Any]]]] = {}
+        self._mail: collections.deque[tuple[str, Any, Any, list[Any]]] = collections.deque()
+        self._ended: dict[str, str] = {}  # sender -> "exited" or "lost"
+        self._arrivals = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poll.register(self._wake_r, _READ)
+        self._closed = False
+        # listening
+        self._path = socket_path(directory, self.id)
+        self._listeners = [self._listen_unix()]
+        tcp = None
+        if tcp_host:
+            lsock = socket.create_server((tcp_host, 0), backlog=128)
+            self._listeners.append(lsock)
+            tcp = (tcp_host, lsock.getsockname()[1])
+        self.entry = Entry(host_id(), self.pid, str(self._path), tcp, ALIVE)
+        self.directory.set_local(self.id, self.entry)
+        self.directory.publish()
+        for lsock in self._listeners:
+            threading.Thread(
+                target=self._acceptor, args=(lsock,), name="nimbus-msg-accept", daemon=True
+            ).start()
+        threading.Thread(target=self._inbox, name="nimbus-msg-inbox", daemon=True).start()
+
+    def _listen_unix(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._path.unlink()
+        except FileNotFoundError:
+            pass
+        sock.bind(str(self._path))
+        os.chmod(self._path, 0o600)
+        sock.listen(128)
+        return sock
+
+    # ------------------------------------------------------------ background
+
+    def _acceptor(self, lsock: socket.socket) -> None:
+        while not self._closed:
+            try:
+                conn, _ = lsock.accept()
+            except OSError:
+                return  # closed
+            link = _link.accept(
+                conn, me=self.id, program_id=self._keys.program_id, token=self._token
+            )
+            if link is not None:
+                with self._lock:
+                    self._new_in.append(link)
+                self._wake()
+
+    def _inbox(self) -> None:
+        """Messages that went through the store: taken with BLPOP, put in order."""
+        key = self._keys.inbox(self.id)
+        while not self._closed:
+            try:
+                popped: Any = self._client.blpop([key], timeout=1)
+            except (redis.RedisError, OSError):
+                if self._closed:
+                    return
+                time.sleep(0.1)
+                continue
+            if popped is None:
+                continue
+            try:
+                sender, seq, tag, parts = unpack(popped[1])
+            except (ValueError, TypeError):
+                continue
+            with self._lock:
+                self._arrive(sender, seq, tag, parts[0], parts[1:])
+                self._arrivals += 1
+            self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+
+    # ------------------------------------------------------------ sending
+
+    def send(self, peer: str, obj: object, tag: Any = 0) -> None:
+        """Send ``obj`` to instance ``peer``: over a socket if it listens, else the store."""
+        data, buffers = serialization.dumps(obj)
+        raws = [b.raw() for b in buffers]
+        link = self._out.get(peer) or self._open(peer)
+        if link is None:
+            with self._out_lock:
+                seq = self._seq[peer]
+                self._seq[peer] = seq + 1
+            self._push_store(peer, seq, tag, data, raws)
+            return
+        with link.lock:
+            seq = self._seq[peer]
+            self._seq[peer] = seq + 1
+            link.queue(seq, tag, data, raws)
+            self._flush(link)
+
+    def _open(self, peer: str) -> _link.Link | None:
+        """A link to ``peer``, or None while it does not listen (its messages go to the store)."""
+        if peer == self.id:
+            raise ValueError("an instance cannot send to itself")
+        now = time.monotonic()
+        if now < self._retry_at.get(peer, 0.0):
+            return None
+        address: tuple[str, Any]
+        local = socket_path(self._sockdir, peer)
+        if os.path.exists(local):
+            address = ("unix", str(local))
+        else:
+            entry = self.directory.lookup(peer)
+            if entry is not None and entry.state == ALIVE and entry.host == self.entry.host:
+                entry = self.directory.refresh(peer)  # its socket went away: did it exit?
+            if entry is not None and entry.state == EXITED:
+                raise PeerExited(f"instance {peer} has exited")
+            if entry is None or entry.host == self.entry.host or entry.tcp is None:
+                self._retry_at[peer] = now + RETRY
+                return None
+            address = ("tcp", entry.tcp)
+        try:
+            link = _link.connect(
+                address,
+                peer=peer,
+                me=self.id,
+                program_id=self._keys.program_id,
+                token=self._token,
+            )
+        except PeerUnreachable:
+            self.directory.invalidate(peer)
+            self._retry_at[peer] = now + RETRY
+            return None
+        with self._out_lock:
+            old = self._out.get(peer)
+            if old is not None:  # another thread opened one meanwhile
+                link.close()
+                return old
+            self._out[peer] = link
+        return link
+
+    def _push_store(self, peer: str, seq: int, tag: Any, data: bytes, raws: list[Any]) -> None:
+        key = self._keys.inbox(peer)
+        message = pack((self.id, seq, tag, [data, *(bytes(r) for r in raws)]))
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.rpush(key, message)
+            pipe.pexpire(key, self._ttl_ms)
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise StateStoreError(f"cannot queue a message for {peer}: {exc}") from exc
+
+    def _flush(self, link: _link.Link) -> None:
+        """Write what ``link`` holds; while its socket is full, read our own sockets."""
+        try:
+            while not link.channel.flush():
+                self._progress(0.05, writer=link)
+        except OSError as exc:
+            self._drop_out(link)
+            raise PeerLost(f"instance {link.peer} is lost: {exc}") from exc
+
+    def _drop_out(self, link: _link.Link) -> None:
+        with self._out_lock:
+            if self._out.get(link.peer) is link:
+                del self._out[link.peer]
+        self.directory.invalidate(link.peer)
+        link.close()
+
+    # ------------------------------------------------------------ receiving
+
+    def recv(self, source: str | None = ANY, timeout: float | None = None, tag: Any = 0) -> Any:
+        """The next message (from ``source``, or from anyone); waits up to ``timeout``."""
+        return self.recv_with_source(source, timeout, tag)[1]
+
+    def recv_with_source(
+        self, source: str | None = ANY, timeout: float | None = None, tag: Any = 0
+    ) -> tuple[str, Any]:
+        """``(sender, obj)`` of the next message (from ``source``, or from anyone)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        next_check = time.monotonic() + HEARTBEAT
+        while True:
+            seen = self._arrivals
+            found = self._take(source, tag)
+            if found is not None:
+                sender, data, buffers = found
+                try:
+                    return sender, serialization.loads(data, buffers)
+                except DeserializationError as exc:
+                    raise MessageDecodeError(
+                        f"a message from instance {sender} cannot be unpickled here: {exc}",
+                        sender,
+                    ) from exc.__cause__
+            if source is not None:
+                ended = self._ended.get(source)
+                if ended == EXITED:
+                    raise PeerExited(f"instance {source} exited; it sent nothing more")
+                if ended is not None:
+                    raise PeerLost(f"instance {source} is lost: its connection broke")
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise MessagingTimeout(
+                    f"no message from {source or 'any instance'} within {timeout} s"
+                )
+            if source is not None and now >= next_check:
+                self._check_alive(source)
+                next_check = now + HEARTBEAT
+            wait = min(HEARTBEAT, next_check - now) if source is not None else HEARTBEAT
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            self._progress(max(wait, 0.0), seen=seen)
+
+    def _take(self, source: str | None, tag: Any) -> tuple[str, Any, list[Any]] | None:
+        with self._lock:
+            mail = self._mail
+            for i, item in enumerate(mail):
+                if item[1] == tag and (source is None or item[0] == source):
+                    del mail[i]
+                    return item[0], item[2], item[3]
+        return None
+
+    def _arrive(self, sender: str, seq: int, tag: Any, data: Any, buffers: list[Any]) -> None:
+        """Deliver in order (called with ``_lock`` held)."""
+        expect = self._expect[sender]
+        if seq == expect:
+            self._mail.append((sender, tag, data, buffers))
+            expect += 1
+            held = self._held.get(sender)
+            while held and expect in held:
+                t, d, b = held.pop(expect)
+                self._mail.append((sender, t, d, b))
+                expect += 1
+            self._expect[sender] = expect
+        elif seq > expect:  # an earlier one is still on its way through the store
+            self._held.setdefault(sender, {})[seq] = (tag, data, buffers)
+        # seq < expect: a duplicate, dropped
+
+    def _check_alive(self, peer: str) -> None:
+        """Raise if ``peer`` is known dead or exited (for a recv waiting on it)."""
+        path = socket_path(self._sockdir, peer)
+        if os.path.exists(path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(path))
+            except ConnectionRefusedError as exc:
+                raise PeerLost(f"instance {peer} is gone (its socket refuses connections)") from exc
+            except OSError:
+                pass
+            finally:
+                probe.close()
+            return
+        entry = self.directory.refresh(peer)
+        if entry is not None and entry.state == EXITED:
+            self._progress(0.0)
+            with self._lock:
+                if not any(link.peer == peer for link in self._in.values()):
+                    self._ended.setdefault(peer, EXITED)
+
+    def _progress(
+        self, timeout: float, writer: _link.Link | None = None, seen: int | None = None
+    ) -> None:
+        """Wait up to ``timeout`` for input (or for ``writer``'s socket to drain); read it.
+
+        ``seen`` is the arrival count the caller last looked at: if messages
+        arrived since (read by another thread), this returns without waiting.
+        """
+        if not self._io.acquire(timeout=timeout):
+            return  # another thread is reading; what it reads lands in the mailbox
+        try:
+            if seen is not None and seen != self._arrivals:
+                timeout = 0.0
+            self._adopt_new()
+            if writer is not None:
+                self._poll.register(writer.sock, select.POLLOUT)
+            try:
+                events = self._poll.poll(timeout * 1000)
+            finally:
+                if writer is not None:
+                    self._poll.unregister(writer.sock)
+            for fd, _ in events:
+                if fd == self._wake_r:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                    self._adopt_new()
+                    continue
+                link = self._in.get(fd)
+                if link is not None:
+                    self._read(link)
+        finally:
+            self._io.release()
+
+    def _adopt_new(self) -> None:
+        if self._new_in:
+            with self._lock:
+                new, self._new_in = self._new_in, []
+            for link in new:
+                self._in[link.fileno()] = link
+                self._poll.register(link.fileno(), _READ)
+                self._read(link)
+
+    def _read(self, link: _link.Link) -> None:
+        try:
+            frames = link.channel.receive()
+        except (OSError, ProtocolError):
+            frames = None
+        if frames:
+            with self._lock:
+                for frame in frames:
+                    if frame.kind == _link.MSG:
+                        seq, tag = unpack(frame.meta)
+                        self._arrive(link.peer, seq, tag, frame.buffers[0], frame.buffers[1:])
+                        self._arrivals += 1
+                    elif frame.kind == _link.BYE:
+                        link.closed_cleanly = True
+        if frames is None:  # end of stream
+            fd = link.fileno()
+            self._poll.unregister(fd)
+            del self._in[fd]
+            link.close()
+            with self._lock:
+                self._ended[link.peer] = EXITED if link.closed_cleanly else "lost"
+
+    # ------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Say goodbye to the peers, stop listening and mark this instance exited."""
+        if self._closed or os.getpid() != self.pid:
+            return
+        self._closed = True
+        for link in list(self._out.values()):
+            try:
+                with link.lock:
+                    link.channel.send(_link.BYE, pack(self._seq[link.peer]))
+                    link.sock.setblocking(True)
+                    link.sock.settimeout(1.0)
+                    link.channel.flush()
+            except OSError:
+                pass
+            link.close()
+        self._out.clear()
+        for lsock in self._listeners:
+            try:
+                lsock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            lsock.close()
+        try:
+            self._path.unlink()
+        except FileNotFoundError:
+            pass
+        try:
+            self.directory.set_local(self.id, dataclasses.replace(self.entry, state=EXITED))
+            self.directory.publish()
+        except StateStoreError:
+            pass
+        for link in list(self._in.values()):
+            link.close()
+        self._in.clear()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def statistics(self) -> dict[str, int]:
+        """Links out and in, messages waiting, and bytes moved over sockets."""
+        links = [*self._out.values(), *self._in.values()]
+        return {
+            "links_out": len(self._out),
+            "links_in": len(self._in),
+            "waiting": len(self._mail),
+            "bytes_out": sum(link.channel.bytes_out for link in links),
+            "bytes_in": sum(link.channel.bytes_in for link in links),
+        }

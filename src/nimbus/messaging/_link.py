@@ -1,0 +1,174 @@
+"""Connections between two instances: the handshake and the message frames.
+
+::
+
+    connecting instance                               listening instance
+    connect() --HELLO [version, program, token, id]--> acceptor: check version,
+              <--WELCOME [id] or REFUSED [reason]----  program and token (logged)
+    MSG [seq, tag] + pickle + out-of-band buffers --->  mailbox (in order per sender)
+    BYE [next seq] (clean exit) -------------------->  the sender exited
+
+Frames are ``nimbus.wire`` frames: a fixed header, msgpack metadata, then the
+pickle and its pickle-5 buffers, written with one scatter-gather ``sendmsg``
+and read into preallocated buffers. A link carries messages one way; two
+instances that talk both ways hold two links.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import select
+import socket
+import threading
+import time
+from typing import Any
+
+from nimbus.errors import PeerLost, PeerRefused, PeerUnreachable
+from nimbus.wire import Buffer, Channel, Frame, ProtocolError, pack, unpack
+
+__all__ = ["BYE", "HELLO", "MSG", "PROTOCOL", "Link", "accept", "connect"]
+
+log = logging.getLogger("nimbus.messaging")
+
+PROTOCOL = 1
+HELLO, WELCOME, REFUSED, MSG, BYE = 16, 17, 18, 19, 20
+HANDSHAKE_TIMEOUT = 5.0
+SOCKET_BUFFER = 4 * 1024 * 1024
+
+
+def _tune(sock: socket.socket) -> None:
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+        except OSError:
+            pass
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class Link:
+    """One connected, handshaken socket to or from a peer instance."""
+
+    __slots__ = ("channel", "closed_cleanly", "lock", "peer", "seq", "sock")
+
+    def __init__(self, sock: socket.socket, channel: Channel, peer: str) -> None:
+        self.sock = sock
+        self.channel = channel
+        self.peer = peer
+        self.seq = 0
+        self.lock = threading.Lock()
+        self.closed_cleanly = False
+
+    def queue(self, seq: int, tag: Any, data: Buffer, buffers: list[Any]) -> None:
+        """Queue one message; the caller flushes."""
+        self.channel.send(MSG, pack((seq, tag)), [data, *buffers])
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _one_frame(channel: Channel, what: str) -> Frame:
+    """One frame within the handshake timeout (the socket is blocking, reads are not)."""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+    frames: list[Frame] | None = []
+    while frames == []:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([channel.sock], [], [], remaining)[0]:
+            raise TimeoutError(f"no answer within {HANDSHAKE_TIMEOUT} s during the {what}")
+        frames = channel.receive()
+    if not frames:
+        raise ConnectionResetError(f"closed during the {what}")
+    if len(frames) > 1:
+        raise ProtocolError(f"unexpected frames during the {what}")
+    return frames[0]
+
+
+def connect(address: tuple[str, Any], *, peer: str, me: str, program_id: str, token: bytes) -> Link:
+    """Open a link to ``peer`` at ``address`` (``("unix", path)`` or ``("tcp", (host, port))``).
+
+    Raises :class:`PeerUnreachable` when nothing listens there (yet),
+    :class:`PeerLost` when the socket exists but its owner is gone, and
+    :class:`PeerRefused` when the peer refuses the handshake.
+    """
+    kind, where = address
+    try:
+        if kind == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(HANDSHAKE_TIMEOUT)
+            try:
+                sock.connect(where)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection(tuple(where), timeout=HANDSHAKE_TIMEOUT)
+    except FileNotFoundError as exc:
+        raise PeerUnreachable(f"instance {peer} is not listening yet") from exc
+    except ConnectionRefusedError as exc:
+        if kind == "unix":  # the socket file is there but nobody listens: its owner died
+            raise PeerLost(f"instance {peer} is gone (its socket refuses connections)") from exc
+        raise PeerUnreachable(f"instance {peer} refused a connection at {where}") from exc
+    except OSError as exc:
+        raise PeerUnreachable(f"instance {peer} cannot be reached at {where}: {exc}") from exc
+    sock.settimeout(None)
+    _tune(sock)
+    channel = Channel(sock)
+    try:
+        channel.send(HELLO, pack((PROTOCOL, program_id, token, me)))
+        channel.flush()
+        frame = _one_frame(channel, "handshake")
+    except (OSError, ProtocolError) as exc:
+        channel.close()
+        raise PeerLost(f"instance {peer} dropped the handshake: {exc}") from exc
+    if frame.kind != WELCOME:
+        channel.close()
+        reason = unpack(frame.meta) if frame.kind == REFUSED else f"frame kind {frame.kind}"
+        raise PeerRefused(f"instance {peer} refused the connection: {reason}")
+    sock.setblocking(False)
+    return Link(sock, channel, peer)
+
+
+def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Link | None:
+    """Check a new connection's handshake; a refusal is answered, logged and closed."""
+    sock.settimeout(None)
+    _tune(sock)
+    channel = Channel(sock)
+    try:
+        frame = _one_frame(channel, "handshake")
+        if frame.kind != HELLO:
+            raise ProtocolError(f"expected a handshake, got frame kind {frame.kind}")
+        version, program, their_token, peer = unpack(frame.meta)
+    except (OSError, ProtocolError, ValueError, TypeError) as exc:
+        log.warning("nimbus.messaging: refused a connection to %s: bad handshake (%s)", me, exc)
+        channel.close()
+        return None
+    reason = None
+    if version != PROTOCOL:
+        reason = f"protocol version {version} (this instance speaks {PROTOCOL})"
+    elif program != program_id:
+        reason = "it belongs to another program"
+    elif not isinstance(their_token, bytes) or not hmac.compare_digest(their_token, token):
+        reason = "wrong auth token"
+    if reason is not None:
+        log.warning(
+            "nimbus.messaging: instance %s refused a connection from %r: %s", me, peer, reason
+        )
+        try:
+            channel.send(REFUSED, pack(reason))
+            channel.flush()
+        except OSError:
+            pass
+        channel.close()
+        return None
+    try:
+        channel.send(WELCOME, pack(me))
+        channel.flush()
+    except OSError:
+        channel.close()
+        return None
+    sock.setblocking(False)
+    return Link(sock, channel, str(peer))
