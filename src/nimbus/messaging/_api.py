@@ -5,7 +5,8 @@ binds a Unix socket in the program's private socket directory (and a TCP
 socket when ``NIMBUS_MESSAGING_HOST`` names an interface to listen on),
 publishes its address in the directory and starts taking messages. A task
 started by ``nimbus.multiprocessing`` belongs to its parent's program; any
-other process is the root of its own.
+other process is the root of its own. ``NIMBUS_MESSAGING_DIRECT=0`` sends
+every message through the state store (for comparison and as a kill switch).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def current() -> Endpoint:
                 directory,
                 tcp_host=os.environ.get("NIMBUS_MESSAGING_HOST") or None,
                 ttl_ms=prog.ttl_ms,
+                direct=os.environ.get("NIMBUS_MESSAGING_DIRECT", "1") != "0",
             )
             atexit.register(_current.close)
         return _current

@@ -50,6 +50,8 @@ __all__ = ["ANY", "HEARTBEAT", "Endpoint"]
 ANY: Any = None
 HEARTBEAT = 0.5  # seconds: how soon a silent dead peer is noticed by a waiting recv
 RETRY = 0.002  # seconds between tries to reach a peer that does not listen yet
+COALESCE = 64 * 1024  # bytes of small messages queued before they are written at once
+FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be written
 _READ = select.POLLIN | select.POLLERR | select.POLLHUP
 
 
@@ -66,6 +68,7 @@ class Endpoint:
         instance_id: str | None = None,
         tcp_host: str | None = None,
         ttl_ms: int = 3_600_000,
+        direct: bool = True,
     ) -> None:
         self.id = instance_id or secrets.token_hex(8)
         self.pid = os.getpid()
@@ -74,11 +77,16 @@ class Endpoint:
         self._token = token
         self._ttl_ms = ttl_ms
         self._sockdir = directory
+        self.direct = direct  # False: every message goes through the store (for comparison)
         self.directory = Directory(client, keys, ttl_ms)
         self._out: dict[str, _link.Link] = {}
         self._out_lock = threading.Lock()
         self._seq: dict[str, int] = collections.defaultdict(int)
         self._retry_at: dict[str, float] = {}
+        self._dirty: set[_link.Link] = set()  # links holding coalesced messages
+        self._flush_soon = threading.Event()
+        self._flusher: threading.Thread | None = None
+        self._recvs = 0
         # receiving: links in, per-sender order, the mailbox
         self._lock = threading.Lock()  # mailbox and order state
         self._io = threading.RLock()  # reading the inbound sockets
@@ -173,7 +181,7 @@ class Endpoint:
         """Send ``obj`` to instance ``peer``: over a socket if it listens, else the store."""
         data, buffers = serialization.dumps(obj)
         raws = [b.raw() for b in buffers]
-        link = self._out.get(peer) or self._open(peer)
+        link = (self._out.get(peer) or self._open(peer)) if self.direct else None
         if link is None:
             with self._out_lock:
                 seq = self._seq[peer]
@@ -181,10 +189,49 @@ class Endpoint:
             self._push_store(peer, seq, tag, data, raws)
             return
         with link.lock:
+            if link.error is not None:
+                raise PeerLost(f"instance {peer} is lost: {link.error}")
             seq = self._seq[peer]
             self._seq[peer] = seq + 1
             link.queue(seq, tag, data, raws)
-            self._flush(link)
+            # the first send since a receive goes now (a request waits for its reply);
+            # more sends in a row are coalesced, up to COALESCE bytes or FLUSH_DELAY
+            if link.recvs != self._recvs or link.channel.pending_output >= COALESCE:
+                link.recvs = self._recvs
+                self._flush(link)
+                return
+        self._defer(link)
+
+    def _defer(self, link: _link.Link) -> None:
+        self._dirty.add(link)
+        if self._flusher is None:
+            self._flusher = threading.Thread(
+                target=self._flush_later, name="nimbus-msg-flush", daemon=True
+            )
+            self._flusher.start()
+        if not self._flush_soon.is_set():
+            self._flush_soon.set()
+
+    def _flush_later(self) -> None:
+        while not self._closed:
+            self._flush_soon.wait()
+            self._flush_soon.clear()
+            time.sleep(FLUSH_DELAY)
+            self._flush_dirty()
+
+    def _flush_dirty(self) -> None:
+        """Write every coalesced message now (before waiting, at close, from the flusher)."""
+        while self._dirty:
+            try:
+                link = self._dirty.pop()
+            except KeyError:
+                return
+            with link.lock:
+                if link.error is None:
+                    try:
+                        self._flush(link)
+                    except PeerLost as exc:
+                        link.error = exc
 
     def _open(self, peer: str) -> _link.Link | None:
         """A link to ``peer``, or None while it does not listen (its messages go to the store)."""
@@ -264,6 +311,9 @@ class Endpoint:
         self, source: str | None = ANY, timeout: float | None = None, tag: Any = 0
     ) -> tuple[str, Any]:
         """``(sender, obj)`` of the next message (from ``source``, or from anyone)."""
+        self._recvs += 1
+        if self._dirty:
+            self._flush_dirty()
         deadline = None if timeout is None else time.monotonic() + timeout
         next_check = time.monotonic() + HEARTBEAT
         while True:
@@ -416,7 +466,9 @@ class Endpoint:
         """Say goodbye to the peers, stop listening and mark this instance exited."""
         if self._closed or os.getpid() != self.pid:
             return
+        self._flush_dirty()
         self._closed = True
+        self._flush_soon.set()
         for link in list(self._out.values()):
             try:
                 with link.lock:

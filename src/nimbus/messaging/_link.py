@@ -20,14 +20,15 @@ import hmac
 import logging
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any
 
 from nimbus.errors import PeerLost, PeerRefused, PeerUnreachable
-from nimbus.wire import Buffer, Channel, Frame, ProtocolError, pack, unpack
+from nimbus.wire import HEADER, MAGIC, SCRATCH, VERSION, Channel, Frame, ProtocolError, pack, unpack
 
-__all__ = ["BYE", "HELLO", "MSG", "PROTOCOL", "Link", "accept", "connect"]
+__all__ = ["BYE", "HELLO", "MSG", "PROTOCOL", "Link", "Stream", "accept", "connect"]
 
 log = logging.getLogger("nimbus.messaging")
 
@@ -35,6 +36,8 @@ PROTOCOL = 1
 HELLO, WELCOME, REFUSED, MSG, BYE = 16, 17, 18, 19, 20
 HANDSHAKE_TIMEOUT = 5.0
 SOCKET_BUFFER = 4 * 1024 * 1024
+SMALL_LIMIT = 64 * 1024  # a pickle this small is copied into its frame
+_SMALL = struct.Struct("<2sBBIIQ")  # the header of a frame with one buffer, and its length
 
 
 def _tune(sock: socket.socket) -> None:
@@ -47,22 +50,71 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+class Stream(Channel):
+    """A :class:`~nimbus.wire.Channel` with a fast path for small one-buffer frames.
+
+    Small messages are the common case and the wire format's general state
+    machine costs several microseconds per frame in Python: a frame with one
+    buffer that is complete in the scratch buffer is cut out in one step, and
+    one to send is built as a single ``bytes`` and queued (coalesced with the
+    other queued frames into one ``sendmsg``). Everything else takes the
+    general path.
+    """
+
+    def send_small(self, kind: int, meta: bytes, data: bytes) -> None:
+        frame = _SMALL.pack(MAGIC, VERSION, kind, 1, len(meta), len(data)) + meta + data
+        self._out.append(memoryview(frame))
+        self._out_bytes += len(frame)
+
+    def _parse(self, frames: list[Frame]) -> None:
+        start, end, view = self._start, self._end, self._view
+        while self._kind < 0 and self._big is None:
+            avail = end - start
+            if avail < HEADER.size:
+                break
+            magic, version, kind, nbufs, meta_len = HEADER.unpack_from(view, start)
+            if nbufs != 1 or magic != MAGIC or version != VERSION:
+                break  # no buffer or several: the general path
+            if avail < _SMALL.size:
+                self._start = start
+                self._ensure(_SMALL.size)
+                return
+            n = _SMALL.unpack_from(view, start)[5]
+            m0 = start + _SMALL.size
+            d0 = m0 + meta_len
+            stop = d0 + n
+            if stop > end:
+                if stop - start > SCRATCH // 4:
+                    break  # a large buffer: received straight into its own bytearray
+                self._start = start
+                self._ensure(stop - start)
+                return
+            frames.append(Frame(kind, bytes(view[m0:d0]), [bytes(view[d0:stop])]))
+            start = stop
+        self._start = start
+        super()._parse(frames)
+
+
 class Link:
     """One connected, handshaken socket to or from a peer instance."""
 
-    __slots__ = ("channel", "closed_cleanly", "lock", "peer", "seq", "sock")
+    __slots__ = ("channel", "closed_cleanly", "error", "lock", "peer", "recvs", "sock")
 
-    def __init__(self, sock: socket.socket, channel: Channel, peer: str) -> None:
+    def __init__(self, sock: socket.socket, channel: Stream, peer: str) -> None:
         self.sock = sock
         self.channel = channel
         self.peer = peer
-        self.seq = 0
         self.lock = threading.Lock()
         self.closed_cleanly = False
+        self.error: BaseException | None = None  # a deferred flush failed
+        self.recvs = -1  # the endpoint's receive count at this link's last send
 
-    def queue(self, seq: int, tag: Any, data: Buffer, buffers: list[Any]) -> None:
-        """Queue one message; the caller flushes."""
-        self.channel.send(MSG, pack((seq, tag)), [data, *buffers])
+    def queue(self, seq: int, tag: Any, data: bytes, buffers: list[Any]) -> None:
+        """Queue one message; the caller flushes (now, or later with others)."""
+        if buffers or len(data) > SMALL_LIMIT:
+            self.channel.send(MSG, pack((seq, tag)), [data, *buffers])
+        else:
+            self.channel.send_small(MSG, pack((seq, tag)), data)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -116,7 +168,7 @@ def connect(address: tuple[str, Any], *, peer: str, me: str, program_id: str, to
         raise PeerUnreachable(f"instance {peer} cannot be reached at {where}: {exc}") from exc
     sock.settimeout(None)
     _tune(sock)
-    channel = Channel(sock)
+    channel = Stream(sock)
     try:
         channel.send(HELLO, pack((PROTOCOL, program_id, token, me)))
         channel.flush()
@@ -136,7 +188,7 @@ def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Li
     """Check a new connection's handshake; a refusal is answered, logged and closed."""
     sock.settimeout(None)
     _tune(sock)
-    channel = Channel(sock)
+    channel = Stream(sock)
     try:
         frame = _one_frame(channel, "handshake")
         if frame.kind != HELLO:
