@@ -84,7 +84,7 @@ def endpoints(program: Program) -> Iterator[Any]:
 
     def make(token: bytes = b"secret", instance_id: str | None = None, **kw: Any) -> Endpoint:
         ep = Endpoint(
-            program.client(),
+            program.client,
             program.keys,
             token,
             sockets,
@@ -276,8 +276,8 @@ def test_socket_directory_is_private(endpoints: Any) -> None:
 
 
 def test_directory_publishes_only_changes_and_resolves_on_demand(program: Program) -> None:
-    here = Directory(program.client(), program.keys, program.ttl_ms)
-    there = Directory(program.client(), program.keys, program.ttl_ms)
+    here = Directory(program.client, program.keys, program.ttl_ms)
+    there = Directory(program.client, program.keys, program.ttl_ms)
     assert there.lookup("i1") is None  # not started: a cached miss, for a short while
     entry = Entry("host-a", 123, None, ("10.0.0.1", 4000))
     here.set_local("i1", entry)

@@ -15,7 +15,8 @@ import atexit
 import os
 import secrets
 import threading
-from typing import Any
+from multiprocessing import util
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -24,20 +25,37 @@ from nimbus.errors import StateStoreError
 from nimbus.messaging._directory import socket_dir
 from nimbus.messaging._endpoint import ANY, Endpoint
 
+if TYPE_CHECKING:
+    from nimbus.multiprocessing._state import Program
+
 __all__ = ["ANY", "current", "instance_id", "recv", "recv_with_source", "send"]
 
+TOKEN_ENV = "NIMBUS_MESSAGING_TOKEN"
 _lock = threading.Lock()
 _current: Endpoint | None = None
 
 
-def _token(client: redis.Redis, key: str) -> bytes:
-    """The program's auth token: made by its first instance, read by the others."""
+def _token(prog: Program) -> bytes:
+    """The program's auth token: made by its first instance, read by the others.
+
+    It is handed down to child processes in the environment (readable by this
+    user only, like the store's socket), so a new instance does not wait for
+    the store before it can connect.
+    """
+    inherited = os.environ.get(TOKEN_ENV, "")
+    program_id, _, hex_token = inherited.partition(":")
+    if program_id == prog.program_id and hex_token:
+        return bytes.fromhex(hex_token)
     try:
-        client.set(key, secrets.token_bytes(32), nx=True)
-        found: Any = client.get(key)
+        pipe = prog.client().pipeline(transaction=False)
+        pipe.set(prog.keys.messaging_token(), secrets.token_bytes(32), nx=True)
+        pipe.get(prog.keys.messaging_token())
+        found: Any = pipe.execute()[1]
     except redis.RedisError as exc:
         raise StateStoreError(f"cannot read the messaging token: {exc}") from exc
-    return bytes(found)
+    token = bytes(found)
+    os.environ[TOKEN_ENV] = f"{prog.program_id}:{token.hex()}"
+    return token
 
 
 def current() -> Endpoint:
@@ -54,18 +72,20 @@ def current() -> Endpoint:
 
             prog = _state.program()
             settings = Settings.load()
-            client = prog.client()
             directory = socket_dir(settings.ensure_runtime_dir(), prog.program_id)
             _current = Endpoint(
-                client,
+                prog.client,
                 prog.keys,
-                _token(client, prog.keys.messaging_token()),
+                _token(prog),
                 directory,
                 tcp_host=os.environ.get("NIMBUS_MESSAGING_HOST") or None,
                 ttl_ms=prog.ttl_ms,
                 direct=os.environ.get("NIMBUS_MESSAGING_DIRECT", "1") != "0",
             )
+            # at exit: coalesced messages go out, peers get a goodbye; a process of
+            # nimbus.multiprocessing ends with os._exit after the stdlib's finalizers
             atexit.register(_current.close)
+            util.Finalize(None, _current.close, exitpriority=5)
         return _current
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,7 @@ class Entry:
 class Directory:
     """One process's view of a program's directory: its local map and a lookup cache."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, ttl_ms: int) -> None:
+    def __init__(self, client: Callable[[], redis.Redis], keys: Keys, ttl_ms: int) -> None:
         self._client = client
         self._key = keys.directory()
         self._ttl_ms = ttl_ms
@@ -128,7 +129,7 @@ class Directory:
         changes = self.changes()
         if not changes:
             return changes
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self._client().pipeline(transaction=False)
         put = {k: v.dumps() for k, v in changes.items() if v is not None}
         if put:
             pipe.hset(self._key, mapping=put)  # type: ignore[arg-type]
@@ -160,7 +161,7 @@ class Directory:
     def refresh(self, instance_id: str) -> Entry | None:
         """Read the entry from the store, bypassing the cache."""
         try:
-            raw: Any = self._client.hget(self._key, instance_id)
+            raw: Any = self._client().hget(self._key, instance_id)
         except redis.RedisError as exc:
             raise StateStoreError(f"cannot read the directory: {exc}") from exc
         if raw is None:

@@ -17,6 +17,7 @@ instance meanwhile, so rings and exchanges never deadlock on full buffers.
 
 from __future__ import annotations
 
+import _thread
 import collections
 import dataclasses
 import os
@@ -25,6 +26,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +62,7 @@ class Endpoint:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: Callable[[], redis.Redis],
         keys: Keys,
         token: bytes,
         directory: Path,
@@ -72,7 +74,7 @@ class Endpoint:
     ) -> None:
         self.id = instance_id or secrets.token_hex(8)
         self.pid = os.getpid()
-        self._client = client
+        self._client = client  # called when needed: making a client is slow on a busy host
         self._keys = keys
         self._token = token
         self._ttl_ms = ttl_ms
@@ -113,12 +115,11 @@ class Endpoint:
             tcp = (tcp_host, lsock.getsockname()[1])
         self.entry = Entry(host_id(), self.pid, str(self._path), tcp, ALIVE)
         self.directory.set_local(self.id, self.entry)
-        self.directory.publish()
+        # daemon threads started without waiting for them to run (Thread.start waits,
+        # which costs milliseconds on a busy host, in the path of a new instance)
         for lsock in self._listeners:
-            threading.Thread(
-                target=self._acceptor, args=(lsock,), name="nimbus-msg-accept", daemon=True
-            ).start()
-        threading.Thread(target=self._inbox, name="nimbus-msg-inbox", daemon=True).start()
+            _thread.start_new_thread(self._acceptor, (lsock,))
+        _thread.start_new_thread(self._inbox, ())
 
     def _listen_unix(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -148,11 +149,19 @@ class Endpoint:
                 self._wake()
 
     def _inbox(self) -> None:
-        """Messages that went through the store: taken with BLPOP, put in order."""
+        """Publish this instance, then take the messages that went through the store.
+
+        Peers on this host find the socket by its path at once; the directory
+        entry (for peers elsewhere) goes out here, off the path of a new instance.
+        """
+        try:
+            self.directory.publish()
+        except StateStoreError:
+            pass  # lookups from other hosts fail until the next publish (at close)
         key = self._keys.inbox(self.id)
         while not self._closed:
             try:
-                popped: Any = self._client.blpop([key], timeout=1)
+                popped: Any = self._client().blpop([key], timeout=1)
             except (redis.RedisError, OSError):
                 if self._closed:
                     return
@@ -278,7 +287,7 @@ class Endpoint:
         key = self._keys.inbox(peer)
         message = pack((self.id, seq, tag, [data, *(bytes(r) for r in raws)]))
         try:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._client().pipeline(transaction=False)
             pipe.rpush(key, message)
             pipe.pexpire(key, self._ttl_ms)
             pipe.execute()
