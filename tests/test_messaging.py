@@ -6,11 +6,16 @@ state store; nothing is mocked.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import os
+import shutil
+import socket
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -82,12 +87,17 @@ def endpoints(program: Program) -> Iterator[Any]:
     made: list[Endpoint] = []
     sockets = socket_dir(Settings.load().ensure_runtime_dir(), program.program_id)
 
-    def make(token: bytes = b"secret", instance_id: str | None = None, **kw: Any) -> Endpoint:
+    def make(
+        token: bytes = b"secret",
+        instance_id: str | None = None,
+        sockets_in: Path | None = None,
+        **kw: Any,
+    ) -> Endpoint:
         ep = Endpoint(
             program.client,
             program.keys,
             token,
-            sockets,
+            sockets_in or sockets,
             instance_id=instance_id,
             ttl_ms=program.ttl_ms,
             **kw,
@@ -270,6 +280,52 @@ def test_socket_directory_is_private(endpoints: Any) -> None:
     path = a.entry.unix
     assert path is not None and a.directory.local[a.id].state == "alive"
     assert os.stat(os.path.dirname(path)).st_mode & 0o077 == 0
+
+
+def _published(ep: Endpoint, peer: Endpoint) -> None:
+    deadline = time.monotonic() + 10
+    while ep.directory.refresh(peer.id) is None:
+        assert time.monotonic() < deadline, "never published"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def elsewhere(program: Program) -> Iterator[Path]:
+    """The socket directory of "another host": one the local instances do not see."""
+    root = Path(tempfile.mkdtemp(prefix="nbh-"))  # short: Unix socket paths are limited
+    yield socket_dir(root, program.program_id)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_peers_on_other_hosts_talk_over_tcp(endpoints: Any, elsewhere: Path) -> None:
+    a = endpoints(host="host-a", tcp_host="127.0.0.1")
+    b = endpoints(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    _published(b, a)
+    a.send(b.id, {"over": "tcp"})
+    assert b.recv(source=a.id, timeout=10) == {"over": "tcp"}
+    b.send(a.id, np.arange(300_000))
+    assert np.array_equal(a.recv(source=b.id, timeout=10), np.arange(300_000))
+    (link,) = a._out.values()
+    assert link.sock.family == socket.AF_INET
+
+
+def test_unreachable_peer_falls_back_to_the_store(endpoints: Any, elsewhere: Path) -> None:
+    a = endpoints(host="host-a")
+    b = endpoints(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    b.directory.set_local(b.id, dataclasses.replace(b.entry, tcp=dead.getsockname()))
+    b.directory.publish()
+    a.directory.invalidate(b.id)
+    try:
+        for i in range(50):
+            a.send(b.id, i)
+        assert a.statistics()["links_out"] == 0
+        assert [b.recv(source=a.id, timeout=10) for _ in range(50)] == list(range(50))
+    finally:
+        dead.close()
 
 
 # -- directory -------------------------------------------------------------------

@@ -71,6 +71,7 @@ class Endpoint:
         tcp_host: str | None = None,
         ttl_ms: int = 3_600_000,
         direct: bool = True,
+        host: str | None = None,
     ) -> None:
         self.id = instance_id or secrets.token_hex(8)
         self.pid = os.getpid()
@@ -113,7 +114,7 @@ class Endpoint:
             lsock = socket.create_server((tcp_host, 0), backlog=128)
             self._listeners.append(lsock)
             tcp = (tcp_host, lsock.getsockname()[1])
-        self.entry = Entry(host_id(), self.pid, str(self._path), tcp, ALIVE)
+        self.entry = Entry(host or host_id(), self.pid, str(self._path), tcp, ALIVE)
         self.directory.set_local(self.id, self.entry)
         # daemon threads started without waiting for them to run (Thread.start waits,
         # which costs milliseconds on a busy host, in the path of a new instance)
