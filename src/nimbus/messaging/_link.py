@@ -66,6 +66,37 @@ class Stream(Channel):
         self._out.append(memoryview(frame))
         self._out_bytes += len(frame)
 
+    def receive(self, block: bool = False) -> list[Frame] | None:
+        """As :meth:`Channel.receive`, but a read that leaves room in the buffer
+        means the socket is drained: no second read just to hit ``EAGAIN``."""
+        frames: list[Frame] = []
+        flags = 0 if block else socket.MSG_DONTWAIT
+        while True:
+            self._parse(frames)
+            try:
+                if self._big is not None:
+                    view = memoryview(self._big)[self._big_filled :]
+                    room = view.nbytes
+                    n = self.sock.recv_into(view, 0, flags)
+                    self._big_filled += n
+                else:
+                    if self._start == self._end:
+                        self._start = self._end = 0
+                    elif self._end == len(self._scratch):
+                        self._compact_to(0)
+                    room = len(self._scratch) - self._end
+                    n = self.sock.recv_into(self._view[self._end :], 0, flags)
+                    self._end += n
+            except (BlockingIOError, InterruptedError):
+                return frames
+            if n == 0:
+                return frames or None
+            self.bytes_in += n
+            flags = socket.MSG_DONTWAIT
+            if n < room:
+                self._parse(frames)
+                return frames
+
     def _parse(self, frames: list[Frame]) -> None:
         start, end, view = self._start, self._end, self._view
         while self._kind < 0 and self._big is None:
