@@ -20,7 +20,9 @@ from __future__ import annotations
 import _thread
 import collections
 import dataclasses
+import logging
 import os
+import pickle
 import secrets
 import select
 import socket
@@ -54,6 +56,9 @@ HEARTBEAT = 0.5  # seconds: how soon a silent dead peer is noticed by a waiting 
 RETRY = 0.002  # seconds between tries to reach a peer that does not listen yet
 COALESCE = 64 * 1024  # bytes of small messages queued before they are written at once
 FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be written
+log = logging.getLogger("nimbus.messaging")
+_PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to find)
+_INLINE = 64 * 1024
 _READ = select.POLLIN | select.POLLERR | select.POLLHUP
 
 
@@ -163,16 +168,14 @@ class Endpoint:
         while not self._closed:
             try:
                 popped: Any = self._client().blpop([key], timeout=1)
-            except (redis.RedisError, OSError):
+                if popped is None:
+                    continue
+                sender, seq, tag, parts = unpack(popped[1])
+            except (redis.RedisError, OSError, ValueError, TypeError) as exc:
                 if self._closed:
                     return
+                log.debug("nimbus.messaging: inbox of %s: %r", self.id, exc)
                 time.sleep(0.1)
-                continue
-            if popped is None:
-                continue
-            try:
-                sender, seq, tag, parts = unpack(popped[1])
-            except (ValueError, TypeError):
                 continue
             with self._lock:
                 self._arrive(sender, seq, tag, parts[0], parts[1:])
@@ -182,15 +185,18 @@ class Endpoint:
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
-        except BlockingIOError:
+        except OSError:  # full (a wake-up is pending anyway) or closed
             pass
 
     # ------------------------------------------------------------ sending
 
     def send(self, peer: str, obj: object, tag: Any = 0) -> None:
         """Send ``obj`` to instance ``peer``: over a socket if it listens, else the store."""
-        data, buffers = serialization.dumps(obj)
-        raws = [b.raw() for b in buffers]
+        if type(obj) in _PLAIN and len(obj) < _INLINE:  # type: ignore[arg-type]
+            data, raws = pickle.dumps(obj, 5), []  # the common small case, no detour
+        else:
+            data, buffers = serialization.dumps(obj)
+            raws = [b.raw() for b in buffers]
         link = (self._out.get(peer) or self._open(peer)) if self.direct else None
         if link is None:
             with self._out_lock:
@@ -324,20 +330,21 @@ class Endpoint:
         self._recvs += 1
         if self._dirty:
             self._flush_dirty()
+        mail = self._mail
+        if mail:  # the common case: the first waiting message is the one wanted
+            with self._lock:
+                if mail:
+                    head = mail[0]
+                    if head[1] == tag and (source is None or head[0] == source):
+                        mail.popleft()
+                        return head[0], self._decode(head[0], head[2], head[3])
         deadline = None if timeout is None else time.monotonic() + timeout
         next_check = time.monotonic() + HEARTBEAT
         while True:
             seen = self._arrivals
             found = self._take(source, tag)
             if found is not None:
-                sender, data, buffers = found
-                try:
-                    return sender, serialization.loads(data, buffers)
-                except DeserializationError as exc:
-                    raise MessageDecodeError(
-                        f"a message from instance {sender} cannot be unpickled here: {exc}",
-                        sender,
-                    ) from exc.__cause__
+                return found[0], self._decode(*found)
             if source is not None:
                 ended = self._ended.get(source)
                 if ended == EXITED:
@@ -356,6 +363,15 @@ class Endpoint:
             if deadline is not None:
                 wait = min(wait, deadline - now)
             self._progress(max(wait, 0.0), seen=seen)
+
+    @staticmethod
+    def _decode(sender: str, data: Any, buffers: list[Any]) -> Any:
+        try:
+            return serialization.loads(data, buffers)
+        except DeserializationError as exc:
+            raise MessageDecodeError(
+                f"a message from instance {sender} cannot be unpickled here: {exc}", sender
+            ) from exc.__cause__
 
     def _take(self, source: str | None, tag: Any) -> tuple[str, Any, list[Any]] | None:
         with self._lock:
