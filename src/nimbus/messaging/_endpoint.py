@@ -54,6 +54,8 @@ __all__ = ["ANY", "HEARTBEAT", "Endpoint"]
 ANY: Any = None
 HEARTBEAT = 0.5  # seconds: how soon a silent dead peer is noticed by a waiting recv
 RETRY = 0.002  # seconds between tries to reach a peer that does not listen yet
+RETRY_TCP = 0.25  # first wait before trying an unreachable TCP address again ...
+MAX_BACKOFF = 5.0  # ... doubling up to this
 COALESCE = 64 * 1024  # bytes of small messages queued before they are written at once
 FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be written
 log = logging.getLogger("nimbus.messaging")
@@ -91,6 +93,7 @@ class Endpoint:
         self._out_lock = threading.Lock()
         self._seq: dict[str, int] = collections.defaultdict(int)
         self._retry_at: dict[str, float] = {}
+        self._backoff: dict[str, float] = {}
         self._dirty: set[_link.Link] = set()  # links holding coalesced messages
         self._flush_soon = threading.Event()
         self._flusher: threading.Thread | None = None
@@ -280,8 +283,14 @@ class Endpoint:
             )
         except PeerUnreachable:
             self.directory.invalidate(peer)
-            self._retry_at[peer] = now + RETRY
+            if address[0] == "tcp":  # a timeout costs up to a second: back off
+                backoff = min(MAX_BACKOFF, 2 * self._backoff.get(peer, RETRY_TCP / 2))
+                self._backoff[peer] = backoff
+                self._retry_at[peer] = time.monotonic() + backoff
+            else:
+                self._retry_at[peer] = now + RETRY
             return None
+        self._backoff.pop(peer, None)
         with self._out_lock:
             old = self._out.get(peer)
             if old is not None:  # another thread opened one meanwhile

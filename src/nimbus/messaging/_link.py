@@ -35,6 +35,7 @@ log = logging.getLogger("nimbus.messaging")
 PROTOCOL = 1
 HELLO, WELCOME, REFUSED, MSG, BYE = 16, 17, 18, 19, 20
 HANDSHAKE_TIMEOUT = 5.0
+CONNECT_TIMEOUT = 1.0  # a TCP peer that does not answer within this is unreachable (for now)
 SOCKET_BUFFER = 4 * 1024 * 1024
 SMALL_LIMIT = 64 * 1024  # a pickle this small is copied into its frame
 _SMALL = struct.Struct("<2sBBIIQ")  # the header of a frame with one buffer, and its length
@@ -188,7 +189,7 @@ def connect(address: tuple[str, Any], *, peer: str, me: str, program_id: str, to
                 sock.close()
                 raise
         else:
-            sock = socket.create_connection(tuple(where), timeout=HANDSHAKE_TIMEOUT)
+            sock = socket.create_connection(tuple(where), timeout=CONNECT_TIMEOUT)
     except FileNotFoundError as exc:
         raise PeerUnreachable(f"instance {peer} is not listening yet") from exc
     except ConnectionRefusedError as exc:
