@@ -112,9 +112,10 @@ def _peer(ns: str, script: Path, program: Program, role: str, ip: str) -> subpro
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    argv = ["ip", "netns", "exec", ns, sys.executable, str(script)]
+    argv.extend((program.url, program.program_id, role, ip, rundir))
     proc = subprocess.Popen(
-        [*("ip", "netns", "exec", ns, sys.executable, str(script)), program.url]
-        + [program.program_id, role, ip, rundir],
+        argv,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
