@@ -152,16 +152,16 @@ def reduce(
 ) -> Any:
     """On the root, ``op`` folded over every member's ``obj`` in rank order; None elsewhere."""
     call = _Call(endpoint, group, "reduce")
-    if root == 0:
-        return _up_tree(call, obj, op, root)
-    # rank order is kept by combining in virtual order from rank 0, then handing to root
+    # the tree is rooted at rank 0, which keeps the rank order of the fold for an
+    # operation that does not commute; rank 0 hands the result to another root
     got = _up_tree(call, obj, op, 0)
-    if call.rank == 0 and root != 0:
+    if root == 0:
+        return got
+    if call.rank == 0:
         call.send(root, got)
-        return None
-    if call.rank == root:
+    elif call.rank == root:
         return call.recv(0)
-    return got if call.rank == root else None
+    return None
 
 
 def allreduce(endpoint: Endpoint, group: Sequence[str], obj: Any, op: Op = operator.add) -> Any:
