@@ -12,7 +12,10 @@ import operator
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,6 +82,13 @@ def _collectives(parent: str) -> None:
 
 
 # -- fixtures -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_being_an_instance() -> Iterator[None]:
+    """The test process stops listening afterwards (its threads would use sockets)."""
+    yield
+    msg.close()
 
 
 @pytest.fixture
@@ -361,6 +371,7 @@ def test_public_names() -> None:
         "allreduce",
         "barrier",
         "bcast",
+        "close",
         "current",
         "gather",
         "instance_id",
@@ -370,3 +381,24 @@ def test_public_names() -> None:
         "scatter",
         "send",
     }
+
+
+def test_root_removes_the_socket_directory_at_exit(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import os
+        import nimbus.messaging as msg
+        ep = msg.current()
+        print(os.path.dirname(ep.entry.unix), flush=True)
+        """
+    )
+    env = {**os.environ, "NIMBUS_RUNTIME_DIR": tempfile.mkdtemp(prefix="nbr-")}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        sockets = Path(out.stdout.strip())
+        assert sockets.name.startswith("m-") and not sockets.exists()
+    finally:
+        shutil.rmtree(env["NIMBUS_RUNTIME_DIR"], ignore_errors=True)

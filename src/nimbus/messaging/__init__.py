@@ -21,7 +21,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from nimbus.messaging import _collectives
-from nimbus.messaging._api import ANY, current, instance_id, recv, recv_with_source, send
+from nimbus.messaging._api import (
+    ANY,
+    close,
+    current,
+    instance_id,
+    recv,
+    recv_with_source,
+    send,
+)
 from nimbus.messaging._directory import Directory, Entry
 from nimbus.messaging._endpoint import Endpoint
 
@@ -33,6 +41,7 @@ __all__ = [
     "allreduce",
     "barrier",
     "bcast",
+    "close",
     "current",
     "gather",
     "instance_id",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
+import shutil
 import threading
 from multiprocessing import util
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,7 @@ from nimbus.messaging._endpoint import ANY, Endpoint
 if TYPE_CHECKING:
     from nimbus.multiprocessing._state import Program
 
-__all__ = ["ANY", "current", "instance_id", "recv", "recv_with_source", "send"]
+__all__ = ["ANY", "close", "current", "instance_id", "recv", "recv_with_source", "send"]
 
 TOKEN_ENV = "NIMBUS_MESSAGING_TOKEN"
 _lock = threading.Lock()
@@ -86,7 +87,20 @@ def current() -> Endpoint:
             # nimbus.multiprocessing ends with os._exit after the stdlib's finalizers
             atexit.register(_current.close)
             util.Finalize(None, _current.close, exitpriority=5)
+            if _state.is_root():  # the program's socket directory goes with its root
+                util.Finalize(
+                    None, shutil.rmtree, (directory,), {"ignore_errors": True}, exitpriority=-90
+                )
         return _current
+
+
+def close() -> None:
+    """Stop being an instance: flush, say goodbye, stop listening (again on next use)."""
+    global _current
+    with _lock:
+        endpoint, _current = _current, None
+    if endpoint is not None and endpoint.pid == os.getpid():
+        endpoint.close()
 
 
 def instance_id() -> str:

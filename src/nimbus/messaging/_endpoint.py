@@ -56,6 +56,7 @@ HEARTBEAT = 0.5  # seconds: how soon a silent dead peer is noticed by a waiting 
 RETRY = 0.002  # seconds between tries to reach a peer that does not listen yet
 RETRY_TCP = 0.25  # first wait before trying an unreachable TCP address again ...
 MAX_BACKOFF = 5.0  # ... doubling up to this
+IDLE_POLL = 5  # seconds an idle inbox waits in the store before it looks again
 COALESCE = 64 * 1024  # bytes of small messages queued before they are written at once
 FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be written
 log = logging.getLogger("nimbus.messaging")
@@ -170,7 +171,7 @@ class Endpoint:
         key = self._keys.inbox(self.id)
         while not self._closed:
             try:
-                popped: Any = self._client().blpop([key], timeout=1)
+                popped: Any = self._client().blpop([key], timeout=IDLE_POLL)
                 if popped is None:
                     continue
                 sender, seq, tag, parts = unpack(popped[1])
@@ -528,7 +529,10 @@ class Endpoint:
         try:
             self.directory.set_local(self.id, dataclasses.replace(self.entry, state=EXITED))
             self.directory.publish()
-        except StateStoreError:
+            # wake the inbox thread out of its BLPOP so that it ends now
+            key = self._keys.inbox(self.id)
+            self._client().pipeline(transaction=False).rpush(key, b"").pexpire(key, 1000).execute()
+        except (StateStoreError, redis.RedisError):
             pass
         for link in list(self._in.values()):
             link.close()
