@@ -531,7 +531,10 @@ class Endpoint:
             self.directory.publish()
             # wake the inbox thread out of its BLPOP so that it ends now
             key = self._keys.inbox(self.id)
-            self._client().pipeline(transaction=False).rpush(key, b"").pexpire(key, 1000).execute()
+            pipe = self._client().pipeline(transaction=False)
+            pipe.rpush(key, b"")
+            pipe.pexpire(key, 1000)
+            pipe.execute()
         except (StateStoreError, redis.RedisError):
             pass
         for link in list(self._in.values()):
