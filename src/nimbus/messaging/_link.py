@@ -73,7 +73,8 @@ class Stream(Channel):
         frames: list[Frame] = []
         flags = 0 if block else socket.MSG_DONTWAIT
         while True:
-            self._parse(frames)
+            if self._end != self._start or self._big is not None:
+                self._parse(frames)
             try:
                 if self._big is not None:
                     view = memoryview(self._big)[self._big_filled :]
@@ -124,7 +125,8 @@ class Stream(Channel):
             frames.append(Frame(kind, bytes(view[m0:d0]), [bytes(view[d0:stop])]))
             start = stop
         self._start = start
-        super()._parse(frames)
+        if start != end or self._kind >= 0 or self._big is not None:
+            super()._parse(frames)
 
 
 class Link:
@@ -227,7 +229,10 @@ def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Li
             raise ProtocolError(f"expected a handshake, got frame kind {frame.kind}")
         version, program, their_token, peer = unpack(frame.meta)
     except (OSError, ProtocolError, ValueError, TypeError) as exc:
-        log.warning("nimbus.messaging: refused a connection to %s: bad handshake (%s)", me, exc)
+        if channel.bytes_in == 0:  # a liveness probe: connected, said nothing, left
+            log.debug("nimbus.messaging: %s was probed", me)
+        else:
+            log.warning("nimbus.messaging: refused a connection to %s: bad handshake (%s)", me, exc)
         channel.close()
         return None
     reason = None
