@@ -211,8 +211,9 @@ class Endpoint:
         with link.lock:
             if link.error is not None:
                 raise PeerLost(f"instance {peer} is lost: {link.error}")
-            seq = self._seq[peer]
-            self._seq[peer] = seq + 1
+            with self._out_lock:  # one numbering per peer, whichever way a message goes
+                seq = self._seq[peer]
+                self._seq[peer] = seq + 1
             link.queue(seq, tag, data, raws)
             # the first send since a receive goes now (a request waits for its reply);
             # more sends in a row are coalesced, up to COALESCE bytes or FLUSH_DELAY

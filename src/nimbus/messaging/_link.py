@@ -41,12 +41,19 @@ SMALL_LIMIT = 64 * 1024  # a pickle this small is copied into its frame
 _SMALL = struct.Struct("<2sBBIIQ")  # the header of a frame with one buffer, and its length
 
 
+_FORCE = {socket.SO_SNDBUF: 32, socket.SO_RCVBUF: 33}  # SO_SNDBUFFORCE, SO_RCVBUFFORCE
+
+
 def _tune(sock: socket.socket) -> None:
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+    """Large socket buffers (fewer wake-ups for large messages), no Nagle on TCP."""
+    for option, force in _FORCE.items():
+        try:  # past the system's limit where allowed (CAP_NET_ADMIN), else up to it
+            sock.setsockopt(socket.SOL_SOCKET, force, SOCKET_BUFFER)
         except OSError:
-            pass
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+            except OSError:
+                pass
     if sock.family != socket.AF_UNIX:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
