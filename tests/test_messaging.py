@@ -132,13 +132,14 @@ def _start(target: Any, *args: Any) -> tuple[Any, str]:
 def test_send_recv_between_processes() -> None:
     p, child = _start(_echo)
     try:
-        for obj in (1, "two", {"three": [3.0]}, b"x" * 2_000_000, np.arange(100_000)):
+        big = os.urandom(3_000_000)  # received straight into a new bytes object
+        for obj in (1, "two", {"three": [3.0]}, big, bytearray(big), np.arange(100_000)):
             msg.send(child, obj)
             back = msg.recv(source=child, timeout=30)
             if isinstance(obj, np.ndarray):
-                assert np.array_equal(back, obj)
+                assert np.array_equal(back, obj) and back.flags.writeable  # as the stdlib's
             else:
-                assert back == obj
+                assert back == obj and type(back) is type(obj)
         stats = msg.current().statistics()
         assert stats["links_out"] >= 1 and stats["bytes_out"] > 2_000_000
     finally:

@@ -484,8 +484,10 @@ class Endpoint:
             with self._lock:
                 for frame in frames:
                     if frame.kind == _link.MSG:
-                        seq, tag = unpack(frame.meta)
-                        self._arrive(link.peer, seq, tag, frame.buffers[0], frame.buffers[1:])
+                        meta = unpack(frame.meta)  # seq, tag (, read-only buffers)
+                        self._arrive(
+                            link.peer, meta[0], meta[1], frame.buffers[0], frame.buffers[1:]
+                        )
                         self._arrivals += 1
                     elif frame.kind == _link.BYE:
                         link.closed_cleanly = True

@@ -16,17 +16,30 @@ instances that talk both ways hold two links.
 
 from __future__ import annotations
 
+import ctypes
 import hmac
 import logging
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Any
 
 from nimbus.errors import PeerLost, PeerRefused, PeerUnreachable
-from nimbus.wire import HEADER, MAGIC, SCRATCH, VERSION, Channel, Frame, ProtocolError, pack, unpack
+from nimbus.wire import (
+    HEADER,
+    MAGIC,
+    SCRATCH,
+    VERSION,
+    Buffer,
+    Channel,
+    Frame,
+    ProtocolError,
+    pack,
+    unpack,
+)
 
 __all__ = ["BYE", "HELLO", "MSG", "PROTOCOL", "Link", "Stream", "accept", "connect"]
 
@@ -58,6 +71,23 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_BYTES_DATA = sys.getsizeof(b"") - 1  # offset of a bytes object's data (CPython)
+
+
+def _fresh_bytes(size: int) -> tuple[bytes, memoryview]:
+    """A new, not yet shared ``bytes`` of ``size`` bytes and a writable view of its data.
+
+    Like CPython's own readers (``os.read``), the object is filled before
+    anyone else sees it; its hash is computed only later, on first use.
+    """
+    data: bytes = _new_bytes(None, size)
+    raw = (ctypes.c_char * size).from_address(id(data) + _BYTES_DATA)
+    return data, memoryview(raw).cast("B")
+
+
 class Stream(Channel):
     """A :class:`~nimbus.wire.Channel` with a fast path for small one-buffer frames.
 
@@ -83,8 +113,8 @@ class Stream(Channel):
             if self._end != self._start or self._big is not None:
                 self._parse(frames)
             try:
-                if self._big is not None:
-                    view = memoryview(self._big)[self._big_filled :]
+                if self._big_view is not None:
+                    view = self._big_view[self._big_filled :]
                     room = view.nbytes
                     n = self.sock.recv_into(view, 0, flags)
                     self._big_filled += n
@@ -105,6 +135,20 @@ class Stream(Channel):
             if n < room:
                 self._parse(frames)
                 return frames
+
+    def _allocate(self, size: int) -> tuple[Buffer, memoryview]:
+        """A ``bytes`` the buffer is received into when the sender's was read-only.
+
+        Such a buffer ends up as an immutable object (``bytes``, a read-only
+        array): receiving straight into a new ``bytes`` saves zeroing a
+        ``bytearray`` and copying it into ``bytes`` afterwards.
+        """
+        index = len(self._bufs)
+        if self._kind == MSG and self._meta is not None:
+            meta = unpack(self._meta)
+            if len(meta) > 2 and meta[2] >> index & 1:
+                return _fresh_bytes(size)
+        return super()._allocate(size)
 
     def _parse(self, frames: list[Frame]) -> None:
         start, end, view = self._start, self._end, self._view
@@ -153,7 +197,12 @@ class Link:
     def queue(self, seq: int, tag: Any, data: bytes, buffers: list[Any]) -> None:
         """Queue one message; the caller flushes (now, or later with others)."""
         if buffers or len(data) > SMALL_LIMIT:
-            self.channel.send(MSG, pack((seq, tag)), [data, *buffers])
+            readonly = 0  # bit i: buffer i of the frame is read-only (received as bytes)
+            for i, buf in enumerate(buffers, 1):
+                if buf.readonly and buf.nbytes > SMALL_LIMIT:
+                    readonly |= 1 << i
+            meta = pack((seq, tag, readonly)) if readonly else pack((seq, tag))
+            self.channel.send(MSG, meta, [data, *buffers])
         else:
             self.channel.send_small(MSG, pack((seq, tag)), data)
 
