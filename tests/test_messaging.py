@@ -118,6 +118,7 @@ def endpoints(program: Program) -> Iterator[Any]:
     yield make
     for ep in made:
         ep.close()
+    shutil.rmtree(sockets, ignore_errors=True)
 
 
 def _start(target: Any, *args: Any) -> tuple[Any, str]:
