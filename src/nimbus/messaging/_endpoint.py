@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import redis
 
 from nimbus import serialization
@@ -62,6 +63,7 @@ FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be writ
 log = logging.getLogger("nimbus.messaging")
 _PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to find)
 _INLINE = 64 * 1024
+unpackb = msgpack.unpackb
 _READ = select.POLLIN | select.POLLERR | select.POLLHUP
 
 
@@ -353,7 +355,7 @@ class Endpoint:
         next_check = time.monotonic() + HEARTBEAT
         while True:
             seen = self._arrivals
-            found = self._take(source, tag)
+            found = self._take(source, tag) if self._mail else None
             if found is not None:
                 return found[0], self._decode(*found)
             if source is not None:
@@ -443,7 +445,8 @@ class Endpoint:
         try:
             if seen is not None and seen != self._arrivals:
                 timeout = 0.0
-            self._adopt_new()
+            if self._new_in:
+                self._adopt_new()
             if writer is not None:
                 self._poll.register(writer.sock, select.POLLOUT)
             try:
@@ -484,7 +487,7 @@ class Endpoint:
             with self._lock:
                 for frame in frames:
                     if frame.kind == _link.MSG:
-                        meta = unpack(frame.meta)  # seq, tag (, read-only buffers)
+                        meta = unpackb(frame.meta)  # seq, tag (, read-only buffers)
                         self._arrive(
                             link.peer, meta[0], meta[1], frame.buffers[0], frame.buffers[1:]
                         )

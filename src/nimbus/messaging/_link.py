@@ -27,6 +27,8 @@ import threading
 import time
 from typing import Any
 
+import msgpack
+
 from nimbus.errors import PeerLost, PeerRefused, PeerUnreachable
 from nimbus.wire import (
     HEADER,
@@ -98,6 +100,23 @@ class Stream(Channel):
     other queued frames into one ``sendmsg``). Everything else takes the
     general path.
     """
+
+    def flush(self) -> bool:
+        """As :meth:`Channel.flush`, with a short path for one queued frame."""
+        out = self._out
+        if len(out) == 1:
+            first = out[0]
+            try:
+                sent = self.sock.send(first)
+            except (BlockingIOError, InterruptedError):
+                return False
+            self._out_bytes -= sent
+            self.bytes_out += sent
+            if sent == first.nbytes:
+                out.popleft()
+                return True
+            out[0] = first[sent:]
+        return super().flush()
 
     def send_small(self, kind: int, meta: bytes, data: bytes) -> None:
         frame = _SMALL.pack(MAGIC, VERSION, kind, 1, len(meta), len(data)) + meta + data
@@ -183,7 +202,7 @@ class Stream(Channel):
 class Link:
     """One connected, handshaken socket to or from a peer instance."""
 
-    __slots__ = ("channel", "closed_cleanly", "error", "lock", "peer", "recvs", "sock")
+    __slots__ = ("channel", "closed_cleanly", "error", "lock", "packer", "peer", "recvs", "sock")
 
     def __init__(self, sock: socket.socket, channel: Stream, peer: str) -> None:
         self.sock = sock
@@ -193,6 +212,7 @@ class Link:
         self.closed_cleanly = False
         self.error: BaseException | None = None  # a deferred flush failed
         self.recvs = -1  # the endpoint's receive count at this link's last send
+        self.packer = msgpack.Packer(use_bin_type=True)  # used under ``lock``
 
     def queue(self, seq: int, tag: Any, data: bytes, buffers: list[Any]) -> None:
         """Queue one message; the caller flushes (now, or later with others)."""
@@ -204,7 +224,7 @@ class Link:
             meta = pack((seq, tag, readonly)) if readonly else pack((seq, tag))
             self.channel.send(MSG, meta, [data, *buffers])
         else:
-            self.channel.send_small(MSG, pack((seq, tag)), data)
+            self.channel.send_small(MSG, self.packer.pack((seq, tag)), data)
 
     def fileno(self) -> int:
         return self.sock.fileno()
