@@ -287,6 +287,14 @@ def test_many_small_messages_coalesced_arrive_in_order(endpoints: Any) -> None:
     assert [b.recv(source=a.id, timeout=10) for _ in range(5000)] == list(range(5000))
 
 
+def test_endpoint_is_a_transport(endpoints: Any) -> None:
+    a, b = endpoints(), endpoints()
+    transport: msg.Transport = a
+    assert isinstance(a, msg.Transport)
+    transport.send(b.id, "via the protocol")
+    assert b.recv(timeout=10) == "via the protocol"
+
+
 def test_socket_directory_is_private(endpoints: Any) -> None:
     a = endpoints()
     path = a.entry.unix
@@ -370,6 +378,7 @@ def test_public_names() -> None:
         "Directory",
         "Endpoint",
         "Entry",
+        "Transport",
         "allreduce",
         "barrier",
         "bcast",

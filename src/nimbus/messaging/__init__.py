@@ -31,13 +31,14 @@ from nimbus.messaging._api import (
     send,
 )
 from nimbus.messaging._directory import Directory, Entry
-from nimbus.messaging._endpoint import Endpoint
+from nimbus.messaging._endpoint import Endpoint, Transport
 
 __all__ = [
     "ANY",
     "Directory",
     "Endpoint",
     "Entry",
+    "Transport",
     "allreduce",
     "barrier",
     "bcast",

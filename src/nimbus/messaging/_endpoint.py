@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgpack
 import redis
@@ -50,7 +50,7 @@ from nimbus.messaging import _link
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, host_id, socket_path
 from nimbus.wire import ProtocolError, pack, unpack
 
-__all__ = ["ANY", "HEARTBEAT", "Endpoint"]
+__all__ = ["ANY", "HEARTBEAT", "Endpoint", "Transport"]
 
 ANY: Any = None
 HEARTBEAT = 0.5  # seconds: how soon a silent dead peer is noticed by a waiting recv
@@ -65,6 +65,15 @@ _PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to 
 _INLINE = 64 * 1024
 unpackb = msgpack.unpackb
 _READ = select.POLLIN | select.POLLERR | select.POLLHUP
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """What carries messages between instances: the plug point (``Endpoint`` is one)."""
+
+    def send(self, peer: str, obj: object) -> None: ...
+
+    def recv(self, source: str | None = ANY, timeout: float | None = None) -> Any: ...
 
 
 class Endpoint:
