@@ -377,6 +377,7 @@ class Endpoint:
             if deadline is not None and now >= deadline:
                 raise MessagingTimeout(
                     f"no message from {source or 'any instance'} within {timeout} s"
+                    + self._never_seen(source)
                 )
             if source is not None and now >= next_check:
                 self._check_alive(source)
@@ -385,6 +386,17 @@ class Endpoint:
             if deadline is not None:
                 wait = min(wait, deadline - now)
             self._progress(max(wait, 0.0), seen=seen)
+
+    def _never_seen(self, source: str | None) -> str:
+        """A hint for a timeout: ``source`` never became an instance (not started?)."""
+        if source is None or os.path.exists(socket_path(self._sockdir, source)):
+            return ""
+        try:
+            if self.directory.refresh(source) is not None:
+                return ""
+        except StateStoreError:
+            return ""
+        return f"; instance {source} never became addressable (was it started?)"
 
     @staticmethod
     def _decode(sender: str, data: Any, buffers: list[Any]) -> Any:
