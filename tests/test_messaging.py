@@ -287,6 +287,24 @@ def test_many_small_messages_coalesced_arrive_in_order(endpoints: Any) -> None:
     assert [b.recv(source=a.id, timeout=10) for _ in range(5000)] == list(range(5000))
 
 
+def test_arrays_arrive_writable_as_sent_on_both_paths(endpoints: Any) -> None:
+    a = endpoints()
+    small, big = np.arange(10), np.arange(100_000)  # small and large out-of-band buffers
+    frozen = np.arange(10)
+    frozen.flags.writeable = False
+    for obj in (small, big, frozen):
+        a.send("later", obj)  # through the store: "later" does not listen yet
+    b = endpoints(instance_id="later")
+    time.sleep(0.01)
+    for obj in (small, big, frozen):
+        a.send(b.id, obj)  # over the socket
+    for _ in range(2):
+        for sent in (small, big, frozen):
+            got = b.recv(source=a.id, timeout=10)
+            assert np.array_equal(got, sent)
+            assert got.flags.writeable == sent.flags.writeable
+
+
 def test_endpoint_is_a_transport(endpoints: Any) -> None:
     a, b = endpoints(), endpoints()
     transport: msg.Transport = a

@@ -185,7 +185,7 @@ class Endpoint:
                 popped: Any = self._client().blpop([key], timeout=IDLE_POLL)
                 if popped is None:
                     continue
-                sender, seq, tag, parts = unpack(popped[1])
+                sender, seq, tag, parts, readonly = unpack(popped[1])
             except (redis.RedisError, OSError, ValueError, TypeError) as exc:
                 if self._closed:
                     return
@@ -193,7 +193,7 @@ class Endpoint:
                 time.sleep(0.1)
                 continue
             with self._lock:
-                self._arrive(sender, seq, tag, parts[0], parts[1:])
+                self._arrive(sender, seq, tag, parts[0], _link.writable_as_sent(parts, readonly))
                 self._arrivals += 1
             self._wake()
 
@@ -314,7 +314,8 @@ class Endpoint:
 
     def _push_store(self, peer: str, seq: int, tag: Any, data: bytes, raws: list[Any]) -> None:
         key = self._keys.inbox(peer)
-        message = pack((self.id, seq, tag, [data, *(bytes(r) for r in raws)]))
+        parts = [data, *(bytes(r) for r in raws)]
+        message = pack((self.id, seq, tag, parts, _link.readonly_mask(raws)))
         try:
             pipe = self._client().pipeline(transaction=False)
             pipe.rpush(key, message)
@@ -509,9 +510,13 @@ class Endpoint:
                 for frame in frames:
                     if frame.kind == _link.MSG:
                         meta = unpackb(frame.meta)  # seq, tag (, read-only buffers)
-                        self._arrive(
-                            link.peer, meta[0], meta[1], frame.buffers[0], frame.buffers[1:]
+                        bufs = frame.buffers
+                        rest = (
+                            _link.writable_as_sent(bufs, meta[2] if len(meta) > 2 else 0)
+                            if len(bufs) > 1
+                            else []
                         )
+                        self._arrive(link.peer, meta[0], meta[1], bufs[0], rest)
                         self._arrivals += 1
                     elif frame.kind == _link.BYE:
                         link.closed_cleanly = True

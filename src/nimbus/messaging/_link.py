@@ -90,6 +90,27 @@ def _fresh_bytes(size: int) -> tuple[bytes, memoryview]:
     return data, memoryview(raw).cast("B")
 
 
+def readonly_mask(buffers: list[Any]) -> int:
+    """Bit ``i`` set: out-of-band buffer ``i`` (1-based; 0 is the pickle) is read-only.
+
+    The receiver rebuilds read-only buffers as ``bytes`` and the others as
+    ``bytearray``, so an array arrives writable exactly when it was sent so.
+    """
+    mask = 0
+    for i, buf in enumerate(buffers, 1):
+        if buf.readonly:
+            mask |= 1 << i
+    return mask
+
+
+def writable_as_sent(buffers: list[Any], mask: int) -> list[Any]:
+    """``buffers[1:]`` of a received frame, writable where the sender's were."""
+    return [
+        b if mask >> i & 1 or type(b) is not bytes else bytearray(b)
+        for i, b in enumerate(buffers[1:], 1)
+    ]
+
+
 class Stream(Channel):
     """A :class:`~nimbus.wire.Channel` with a fast path for small one-buffer frames.
 
@@ -217,10 +238,7 @@ class Link:
     def queue(self, seq: int, tag: Any, data: bytes, buffers: list[Any]) -> None:
         """Queue one message; the caller flushes (now, or later with others)."""
         if buffers or len(data) > SMALL_LIMIT:
-            readonly = 0  # bit i: buffer i of the frame is read-only (received as bytes)
-            for i, buf in enumerate(buffers, 1):
-                if buf.readonly and buf.nbytes > SMALL_LIMIT:
-                    readonly |= 1 << i
+            readonly = readonly_mask(buffers)
             meta = pack((seq, tag, readonly)) if readonly else pack((seq, tag))
             self.channel.send(MSG, meta, [data, *buffers])
         else:
