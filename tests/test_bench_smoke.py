@@ -40,3 +40,32 @@ def test_bench_executor_quick_roundtrip() -> None:
     row = next((line for line in lines if line.startswith("roundtrip")), None)
     assert row is not None, proc.stdout
     assert row.rstrip().endswith(("PASS", "MISS")), row
+
+
+@pytest.mark.timeout(120)
+def test_bench_messaging_quick() -> None:
+    """bench/messaging.py runs every workload at quick sizes and prints its table."""
+    import nimbus
+
+    env = dict(os.environ)
+    package_parent = str(Path(nimbus.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "messaging.py"), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next((line for line in lines if line.startswith("workload")), None)
+    assert header is not None, proc.stdout
+    for column in ("reference", "nimbus", "ratio", "target", "result"):
+        assert column in header
+    for name in ("rtt 64B", "rtt 1MB", "oneway", "allreduce", "directory"):
+        row = next((line for line in lines if line.startswith(name)), None)
+        assert row is not None, proc.stdout
+        assert row.rstrip().endswith(("PASS", "MISS", "report")), row

@@ -28,6 +28,8 @@ def _all_keys(keys: Keys) -> list[str]:
         keys.refcount("q"),
         keys.instance("i"),
         keys.directory(),
+        keys.inbox("i"),
+        keys.messaging_token(),
     ]
 
 

@@ -19,6 +19,15 @@ or ``except TimeoutError`` written for the stdlib keeps working::
     ├── TaskTimeoutError (TimeoutError)       a task ran past its timeout
     ├── TaskInterrupted                       a task raised SystemExit or
     │                                         KeyboardInterrupt
+    ├── MessagingError                        direct messaging between instances
+    │   ├── PeerUnreachable (ConnectionError) no address or no answer in time
+    │   ├── PeerLost (ConnectionError)        the peer died or its link broke
+    │   ├── PeerExited (EOFError)             the peer exited; nothing more comes
+    │   ├── PeerRefused (ConnectionError)     the handshake was refused (token,
+    │   │                                     program or version)
+    │   ├── MessageDecodeError                a message failed to unpickle; names
+    │   │    (DeserializationError)           the sender
+    │   └── MessagingTimeout (TimeoutError)   ``recv`` waited past its timeout
     └── WorkerLost (BrokenProcessPool)        the worker running a task died
         └── RuntimeClosed                     the runtime shut down under a task
 
@@ -34,8 +43,15 @@ from concurrent.futures.process import BrokenProcessPool
 __all__ = [
     "ConfigError",
     "DeserializationError",
+    "MessageDecodeError",
+    "MessagingError",
+    "MessagingTimeout",
     "NimbusError",
     "PayloadTooLargeError",
+    "PeerExited",
+    "PeerLost",
+    "PeerRefused",
+    "PeerUnreachable",
     "RemoteError",
     "RemoteTraceback",
     "RuntimeClosed",
@@ -128,3 +144,41 @@ class WorkerLost(NimbusError, BrokenProcessPool):
 
 class RuntimeClosed(WorkerLost):
     """The runtime shut down while the task was still in it."""
+
+
+class MessagingError(NimbusError):
+    """Direct messaging between instances failed (see ``nimbus.messaging``)."""
+
+
+class PeerUnreachable(MessagingError, ConnectionError):
+    """The peer has no address yet or does not answer; nothing was sent directly."""
+
+
+class PeerLost(MessagingError, ConnectionError):
+    """The peer died, or the connection to it broke, while talking to it."""
+
+
+class PeerExited(MessagingError, EOFError):
+    """The peer exited normally and everything it sent has been received."""
+
+
+class PeerRefused(MessagingError, ConnectionError):
+    """The peer refused the handshake: another program, a wrong token or version."""
+
+
+class MessageDecodeError(MessagingError, DeserializationError):
+    """A received message could not be unpickled; ``sender`` is the instance that sent it.
+
+    The message is consumed; the connection stays usable for the next one.
+    """
+
+    def __init__(self, message: str, sender: str = "") -> None:
+        super().__init__(message)
+        self.sender = sender
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.sender))
+
+
+class MessagingTimeout(MessagingError, TimeoutError):
+    """``recv`` waited longer than its timeout."""

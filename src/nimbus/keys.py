@@ -94,6 +94,14 @@ class Keys:
         """The hash of this program's instances and their addresses."""
         return self._key("directory")
 
+    def inbox(self, instance_id: str) -> str:
+        """Messages for an instance that went through the store (its fallback path)."""
+        return self._key("inbox", instance_id)
+
+    def messaging_token(self) -> str:
+        """The program's messaging auth token, set once by its first instance."""
+        return self._key("messaging", "token")
+
     def pipe_refs(self, name: str, end: int | str) -> str:
         """The count of the open copies of one end of a pipe."""
         return self._key("pipe", name, str(end), "refs")

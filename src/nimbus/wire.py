@@ -78,7 +78,8 @@ class Channel:
         self._lengths: tuple[int, ...] | None = None
         self._meta: bytes | None = None
         self._bufs: list[Buffer] = []
-        self._big: bytearray | None = None
+        self._big: Buffer | None = None
+        self._big_view: memoryview | None = None  # where the large buffer is written
         self._big_filled = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -141,8 +142,8 @@ class Channel:
             if frames:
                 flags = socket.MSG_DONTWAIT
             try:
-                if self._big is not None:
-                    view = memoryview(self._big)[self._big_filled :]
+                if self._big_view is not None:
+                    view = self._big_view[self._big_filled :]
                     n = self.sock.recv_into(view, 0, flags)
                     self._big_filled += n
                 else:
@@ -162,11 +163,11 @@ class Channel:
     def _parse(self, frames: list[Frame]) -> None:
         view = self._view
         while True:
-            if self._big is not None:
-                if self._big_filled < len(self._big):
+            if self._big is not None and self._big_view is not None:
+                if self._big_filled < self._big_view.nbytes:
                     return
                 self._bufs.append(self._big)
-                self._big = None
+                self._big = self._big_view = None
             avail = self._end - self._start
             if self._kind < 0:
                 if avail < HEADER.size:
@@ -206,14 +207,19 @@ class Channel:
                 if n <= SCRATCH // 4:
                     self._ensure(n)
                     return
-                big = bytearray(n)
-                big[:avail] = view[self._start : self._end]
+                big, writable = self._allocate(n)
+                writable[:avail] = view[self._start : self._end]
                 self._start = self._end = 0
-                self._big, self._big_filled = big, avail
+                self._big, self._big_view, self._big_filled = big, writable, avail
                 continue
             frames.append(Frame(self._kind, self._meta, self._bufs))
             self._kind = -1
             self._bufs = []
+
+    def _allocate(self, size: int) -> tuple[Buffer, memoryview]:
+        """A buffer for one large incoming buffer of the current frame, and a writable view."""
+        big = bytearray(size)
+        return big, memoryview(big)
 
     def _ensure(self, size: int) -> None:
         """Make room for ``size`` contiguous bytes from the read position."""

@@ -37,7 +37,7 @@ from nimbus.config import Settings
 from nimbus.errors import SerializationError, StateStoreError
 from nimbus.keys import Keys
 
-__all__ = ["Program", "adopt", "dumps", "program"]
+__all__ = ["Program", "adopt", "dumps", "is_root", "program"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,11 @@ def program(settings: Settings | None = None) -> Program:
             except redis.RedisError as exc:
                 raise StateStoreError(f"cannot use the state store: {exc}") from exc
         return _root.program
+
+
+def is_root() -> bool:
+    """Whether this process is its program's root (not a process it started)."""
+    return _adopted is None
 
 
 def adopt(program: Program | None) -> None:

@@ -278,6 +278,7 @@ def _import_main(prep: dict[str, Any]) -> None:
 WARM_MODULES = (
     "multiprocessing.managers",
     "multiprocessing.pool",
+    "nimbus.messaging",
     "nimbus.multiprocessing",
     "nimbus.multiprocessing.connection",
     "nimbus.multiprocessing.queues",

@@ -1,0 +1,135 @@
+"""The calls a task makes: this process's instance, ``send`` and ``recv``.
+
+The first call makes the calling process an *instance* of its program: it
+binds a Unix socket in the program's private socket directory (and a TCP
+socket when ``NIMBUS_MESSAGING_HOST`` names an interface to listen on),
+publishes its address in the directory and starts taking messages. A task
+started by ``nimbus.multiprocessing`` belongs to its parent's program; any
+other process is the root of its own. ``NIMBUS_MESSAGING_DIRECT=0`` sends
+every message through the state store (for comparison and as a kill switch).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import shutil
+import threading
+from multiprocessing import util
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from nimbus.config import Settings
+from nimbus.errors import StateStoreError
+from nimbus.messaging._directory import socket_dir
+from nimbus.messaging._endpoint import ANY, Endpoint
+
+if TYPE_CHECKING:
+    from nimbus.multiprocessing._state import Program
+
+__all__ = ["ANY", "close", "current", "instance_id", "recv", "recv_with_source", "send"]
+
+TOKEN_ENV = "NIMBUS_MESSAGING_TOKEN"
+_lock = threading.Lock()
+_current: Endpoint | None = None
+
+
+def _token(prog: Program) -> bytes:
+    """The program's auth token: made by its first instance, read by the others.
+
+    It is handed down to child processes in the environment (readable by this
+    user only, like the store's socket), so a new instance does not wait for
+    the store before it can connect.
+    """
+    inherited = os.environ.get(TOKEN_ENV, "")
+    program_id, _, hex_token = inherited.partition(":")
+    if program_id == prog.program_id and hex_token:
+        return bytes.fromhex(hex_token)
+    try:
+        pipe = prog.client().pipeline(transaction=False)
+        pipe.set(prog.keys.messaging_token(), secrets.token_bytes(32), nx=True)
+        pipe.get(prog.keys.messaging_token())
+        found: Any = pipe.execute()[1]
+    except redis.RedisError as exc:
+        raise StateStoreError(f"cannot read the messaging token: {exc}") from exc
+    token = bytes(found)
+    os.environ[TOKEN_ENV] = f"{prog.program_id}:{token.hex()}"
+    return token
+
+
+def current() -> Endpoint:
+    """This process's endpoint (made on first use, again after a fork)."""
+    global _current
+    endpoint = _current
+    if endpoint is not None and endpoint.pid == os.getpid():
+        return endpoint
+    with _lock:
+        if _current is None or _current.pid != os.getpid():
+            # the program (and its store) of this process: messaging sits beside the
+            # multiprocessing layer and borrows its notion of "program"
+            from nimbus.multiprocessing import _state
+
+            prog = _state.program()
+            settings = Settings.load()
+            directory = socket_dir(settings.ensure_runtime_dir(), prog.program_id)
+            _current = Endpoint(
+                prog.client,
+                prog.keys,
+                _token(prog),
+                directory,
+                tcp_host=os.environ.get("NIMBUS_MESSAGING_HOST") or None,
+                ttl_ms=prog.ttl_ms,
+                direct=os.environ.get("NIMBUS_MESSAGING_DIRECT", "1") != "0",
+            )
+            # at exit: coalesced messages go out, peers get a goodbye; a process of
+            # nimbus.multiprocessing ends with os._exit after the stdlib's finalizers
+            atexit.register(_current.close)
+            util.Finalize(None, _current.close, exitpriority=5)
+            if _state.is_root():  # the program's socket directory goes with its root
+                util.Finalize(
+                    None, shutil.rmtree, (directory,), {"ignore_errors": True}, exitpriority=-90
+                )
+        return _current
+
+
+def close() -> None:
+    """Stop being an instance: flush, say goodbye, stop listening (again on next use)."""
+    global _current
+    with _lock:
+        endpoint, _current = _current, None
+    if endpoint is not None and endpoint.pid == os.getpid():
+        endpoint.close()
+
+
+def instance_id() -> str:
+    """The instance id of the calling task (it becomes addressable now)."""
+    return current().id
+
+
+def send(peer: str, obj: object) -> None:
+    """Send ``obj`` to instance ``peer``.
+
+    Goes straight over a socket when ``peer`` listens, through the state store
+    while it does not yet; messages from one sender arrive once and in order.
+    Raises :class:`~nimbus.errors.PeerLost` or
+    :class:`~nimbus.errors.PeerExited` when ``peer`` is gone.
+    """
+    current().send(peer, obj)
+
+
+def recv(source: str | None = ANY, timeout: float | None = None) -> Any:
+    """The next message from ``source`` (default: from any instance).
+
+    Raises :class:`~nimbus.errors.MessagingTimeout` after ``timeout`` seconds,
+    :class:`~nimbus.errors.PeerLost` within a heartbeat when ``source`` dies,
+    and :class:`~nimbus.errors.MessageDecodeError` (naming the sender) for a
+    message that cannot be unpickled here.
+    """
+    return current().recv(source, timeout)
+
+
+def recv_with_source(source: str | None = ANY, timeout: float | None = None) -> tuple[str, Any]:
+    """Like :func:`recv`, returning ``(sender instance id, obj)``."""
+    return current().recv_with_source(source, timeout)

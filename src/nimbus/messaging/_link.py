@@ -1,0 +1,357 @@
+"""Connections between two instances: the handshake and the message frames.
+
+::
+
+    connecting instance                               listening instance
+    connect() --HELLO [version, program, token, id]--> acceptor: check version,
+              <--WELCOME [id] or REFUSED [reason]----  program and token (logged)
+    MSG [seq, tag] + pickle + out-of-band buffers --->  mailbox (in order per sender)
+    BYE [next seq] (clean exit) -------------------->  the sender exited
+
+Frames are ``nimbus.wire`` frames: a fixed header, msgpack metadata, then the
+pickle and its pickle-5 buffers, written with one scatter-gather ``sendmsg``
+and read into preallocated buffers. A link carries messages one way; two
+instances that talk both ways hold two links.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hmac
+import logging
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+import msgpack
+
+from nimbus.errors import PeerLost, PeerRefused, PeerUnreachable
+from nimbus.wire import (
+    HEADER,
+    MAGIC,
+    SCRATCH,
+    VERSION,
+    Buffer,
+    Channel,
+    Frame,
+    ProtocolError,
+    pack,
+    unpack,
+)
+
+__all__ = ["BYE", "HELLO", "MSG", "PROTOCOL", "Link", "Stream", "accept", "connect"]
+
+log = logging.getLogger("nimbus.messaging")
+
+PROTOCOL = 1
+HELLO, WELCOME, REFUSED, MSG, BYE = 16, 17, 18, 19, 20
+HANDSHAKE_TIMEOUT = 5.0
+CONNECT_TIMEOUT = 1.0  # a TCP peer that does not answer within this is unreachable (for now)
+SOCKET_BUFFER = 4 * 1024 * 1024
+SMALL_LIMIT = 64 * 1024  # a pickle this small is copied into its frame
+_SMALL = struct.Struct("<2sBBIIQ")  # the header of a frame with one buffer, and its length
+
+
+_FORCE = {socket.SO_SNDBUF: 32, socket.SO_RCVBUF: 33}  # SO_SNDBUFFORCE, SO_RCVBUFFORCE
+
+
+def _tune(sock: socket.socket) -> None:
+    """Large socket buffers (fewer wake-ups for large messages), no Nagle on TCP."""
+    for option, force in _FORCE.items():
+        try:  # past the system's limit where allowed (CAP_NET_ADMIN), else up to it
+            sock.setsockopt(socket.SOL_SOCKET, force, SOCKET_BUFFER)
+        except OSError:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+            except OSError:
+                pass
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_BYTES_DATA = sys.getsizeof(b"") - 1  # offset of a bytes object's data (CPython)
+
+
+def _fresh_bytes(size: int) -> tuple[bytes, memoryview]:
+    """A new, not yet shared ``bytes`` of ``size`` bytes and a writable view of its data.
+
+    Like CPython's own readers (``os.read``), the object is filled before
+    anyone else sees it; its hash is computed only later, on first use.
+    """
+    data: bytes = _new_bytes(None, size)
+    raw = (ctypes.c_char * size).from_address(id(data) + _BYTES_DATA)
+    return data, memoryview(raw).cast("B")
+
+
+def readonly_mask(buffers: list[Any]) -> int:
+    """Bit ``i`` set: out-of-band buffer ``i`` (1-based; 0 is the pickle) is read-only.
+
+    The receiver rebuilds read-only buffers as ``bytes`` and the others as
+    ``bytearray``, so an array arrives writable exactly when it was sent so.
+    """
+    mask = 0
+    for i, buf in enumerate(buffers, 1):
+        if buf.readonly:
+            mask |= 1 << i
+    return mask
+
+
+def writable_as_sent(buffers: list[Any], mask: int) -> list[Any]:
+    """``buffers[1:]`` of a received frame, writable where the sender's were."""
+    return [
+        b if mask >> i & 1 or type(b) is not bytes else bytearray(b)
+        for i, b in enumerate(buffers[1:], 1)
+    ]
+
+
+class Stream(Channel):
+    """A :class:`~nimbus.wire.Channel` with a fast path for small one-buffer frames.
+
+    Small messages are the common case and the wire format's general state
+    machine costs several microseconds per frame in Python: a frame with one
+    buffer that is complete in the scratch buffer is cut out in one step, and
+    one to send is built as a single ``bytes`` and queued (coalesced with the
+    other queued frames into one ``sendmsg``). Everything else takes the
+    general path.
+    """
+
+    def flush(self) -> bool:
+        """As :meth:`Channel.flush`, with a short path for one queued frame."""
+        out = self._out
+        if len(out) == 1:
+            first = out[0]
+            try:
+                sent = self.sock.send(first)
+            except (BlockingIOError, InterruptedError):
+                return False
+            self._out_bytes -= sent
+            self.bytes_out += sent
+            if sent == first.nbytes:
+                out.popleft()
+                return True
+            out[0] = first[sent:]
+        return super().flush()
+
+    def send_small(self, kind: int, meta: bytes, data: bytes) -> None:
+        frame = _SMALL.pack(MAGIC, VERSION, kind, 1, len(meta), len(data)) + meta + data
+        self._out.append(memoryview(frame))
+        self._out_bytes += len(frame)
+
+    def receive(self, block: bool = False) -> list[Frame] | None:
+        """As :meth:`Channel.receive`, but a read that leaves room in the buffer
+        means the socket is drained: no second read just to hit ``EAGAIN``."""
+        frames: list[Frame] = []
+        flags = 0 if block else socket.MSG_DONTWAIT
+        while True:
+            if self._end != self._start or self._big is not None:
+                self._parse(frames)
+            try:
+                if self._big_view is not None:
+                    view = self._big_view[self._big_filled :]
+                    room = view.nbytes
+                    n = self.sock.recv_into(view, 0, flags)
+                    self._big_filled += n
+                else:
+                    if self._start == self._end:
+                        self._start = self._end = 0
+                    elif self._end == len(self._scratch):
+                        self._compact_to(0)
+                    room = len(self._scratch) - self._end
+                    n = self.sock.recv_into(self._view[self._end :], 0, flags)
+                    self._end += n
+            except (BlockingIOError, InterruptedError):
+                return frames
+            if n == 0:
+                return frames or None
+            self.bytes_in += n
+            flags = socket.MSG_DONTWAIT
+            if n < room:
+                self._parse(frames)
+                return frames
+
+    def _allocate(self, size: int) -> tuple[Buffer, memoryview]:
+        """A ``bytes`` the buffer is received into when the sender's was read-only.
+
+        Such a buffer ends up as an immutable object (``bytes``, a read-only
+        array): receiving straight into a new ``bytes`` saves zeroing a
+        ``bytearray`` and copying it into ``bytes`` afterwards.
+        """
+        index = len(self._bufs)
+        if self._kind == MSG and self._meta is not None:
+            meta = unpack(self._meta)
+            if len(meta) > 2 and meta[2] >> index & 1:
+                return _fresh_bytes(size)
+        return super()._allocate(size)
+
+    def _parse(self, frames: list[Frame]) -> None:
+        start, end, view = self._start, self._end, self._view
+        while self._kind < 0 and self._big is None:
+            avail = end - start
+            if avail < HEADER.size:
+                break
+            magic, version, kind, nbufs, meta_len = HEADER.unpack_from(view, start)
+            if nbufs != 1 or magic != MAGIC or version != VERSION:
+                break  # no buffer or several: the general path
+            if avail < _SMALL.size:
+                self._start = start
+                self._ensure(_SMALL.size)
+                return
+            n = _SMALL.unpack_from(view, start)[5]
+            m0 = start + _SMALL.size
+            d0 = m0 + meta_len
+            stop = d0 + n
+            if stop > end:
+                if stop - start > SCRATCH // 4:
+                    break  # a large buffer: received straight into its own bytearray
+                self._start = start
+                self._ensure(stop - start)
+                return
+            frames.append(Frame(kind, bytes(view[m0:d0]), [bytes(view[d0:stop])]))
+            start = stop
+        self._start = start
+        if start != end or self._kind >= 0 or self._big is not None:
+            super()._parse(frames)
+
+
+class Link:
+    """One connected, handshaken socket to or from a peer instance."""
+
+    __slots__ = ("channel", "closed_cleanly", "error", "lock", "packer", "peer", "recvs", "sock")
+
+    def __init__(self, sock: socket.socket, channel: Stream, peer: str) -> None:
+        self.sock = sock
+        self.channel = channel
+        self.peer = peer
+        self.lock = threading.Lock()
+        self.closed_cleanly = False
+        self.error: BaseException | None = None  # a deferred flush failed
+        self.recvs = -1  # the endpoint's receive count at this link's last send
+        self.packer = msgpack.Packer(use_bin_type=True)  # used under ``lock``
+
+    def queue(self, seq: int, tag: Any, data: bytes, buffers: list[Any]) -> None:
+        """Queue one message; the caller flushes (now, or later with others)."""
+        if buffers or len(data) > SMALL_LIMIT:
+            readonly = readonly_mask(buffers)
+            meta = pack((seq, tag, readonly)) if readonly else pack((seq, tag))
+            self.channel.send(MSG, meta, [data, *buffers])
+        else:
+            self.channel.send_small(MSG, self.packer.pack((seq, tag)), data)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _one_frame(channel: Channel, what: str) -> Frame:
+    """One frame within the handshake timeout (the socket is blocking, reads are not)."""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+    frames: list[Frame] | None = []
+    while frames == []:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([channel.sock], [], [], remaining)[0]:
+            raise TimeoutError(f"no answer within {HANDSHAKE_TIMEOUT} s during the {what}")
+        frames = channel.receive()
+    if not frames:
+        raise ConnectionResetError(f"closed during the {what}")
+    if len(frames) > 1:
+        raise ProtocolError(f"unexpected frames during the {what}")
+    return frames[0]
+
+
+def connect(address: tuple[str, Any], *, peer: str, me: str, program_id: str, token: bytes) -> Link:
+    """Open a link to ``peer`` at ``address`` (``("unix", path)`` or ``("tcp", (host, port))``).
+
+    Raises :class:`PeerUnreachable` when nothing listens there (yet),
+    :class:`PeerLost` when the socket exists but its owner is gone, and
+    :class:`PeerRefused` when the peer refuses the handshake.
+    """
+    kind, where = address
+    try:
+        if kind == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(HANDSHAKE_TIMEOUT)
+            try:
+                sock.connect(where)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection(tuple(where), timeout=CONNECT_TIMEOUT)
+    except FileNotFoundError as exc:
+        raise PeerUnreachable(f"instance {peer} is not listening yet") from exc
+    except ConnectionRefusedError as exc:
+        if kind == "unix":  # the socket file is there but nobody listens: its owner died
+            raise PeerLost(f"instance {peer} is gone (its socket refuses connections)") from exc
+        raise PeerUnreachable(f"instance {peer} refused a connection at {where}") from exc
+    except OSError as exc:
+        raise PeerUnreachable(f"instance {peer} cannot be reached at {where}: {exc}") from exc
+    sock.settimeout(None)
+    _tune(sock)
+    channel = Stream(sock)
+    try:
+        channel.send(HELLO, pack((PROTOCOL, program_id, token, me)))
+        channel.flush()
+        frame = _one_frame(channel, "handshake")
+    except (OSError, ProtocolError) as exc:
+        channel.close()
+        raise PeerLost(f"instance {peer} dropped the handshake: {exc}") from exc
+    if frame.kind != WELCOME:
+        channel.close()
+        reason = unpack(frame.meta) if frame.kind == REFUSED else f"frame kind {frame.kind}"
+        raise PeerRefused(f"instance {peer} refused the connection: {reason}")
+    sock.setblocking(False)
+    return Link(sock, channel, peer)
+
+
+def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Link | None:
+    """Check a new connection's handshake; a refusal is answered, logged and closed."""
+    sock.settimeout(None)
+    _tune(sock)
+    channel = Stream(sock)
+    try:
+        frame = _one_frame(channel, "handshake")
+        if frame.kind != HELLO:
+            raise ProtocolError(f"expected a handshake, got frame kind {frame.kind}")
+        version, program, their_token, peer = unpack(frame.meta)
+    except (OSError, ProtocolError, ValueError, TypeError) as exc:
+        if channel.bytes_in == 0:  # a liveness probe: connected, said nothing, left
+            log.debug("nimbus.messaging: %s was probed", me)
+        else:
+            log.warning("nimbus.messaging: refused a connection to %s: bad handshake (%s)", me, exc)
+        channel.close()
+        return None
+    reason = None
+    if version != PROTOCOL:
+        reason = f"protocol version {version} (this instance speaks {PROTOCOL})"
+    elif program != program_id:
+        reason = "it belongs to another program"
+    elif not isinstance(their_token, bytes) or not hmac.compare_digest(their_token, token):
+        reason = "wrong auth token"
+    if reason is not None:
+        log.warning(
+            "nimbus.messaging: instance %s refused a connection from %r: %s", me, peer, reason
+        )
+        try:
+            channel.send(REFUSED, pack(reason))
+            channel.flush()
+        except OSError:
+            pass
+        channel.close()
+        return None
+    try:
+        channel.send(WELCOME, pack(me))
+        channel.flush()
+    except OSError:
+        channel.close()
+        return None
+    sock.setblocking(False)
+    return Link(sock, channel, str(peer))

@@ -1,0 +1,433 @@
+"""nimbus.messaging: instances, the directory, send/recv, faults and collectives.
+
+Real processes (``nimbus.multiprocessing``), real sockets and the real embedded
+state store; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import nimbus.messaging as msg
+import nimbus.multiprocessing as mp
+from nimbus.config import Settings
+from nimbus.errors import (
+    MessageDecodeError,
+    MessagingTimeout,
+    PeerExited,
+    PeerLost,
+    PeerRefused,
+)
+from nimbus.messaging import Directory, Endpoint, Entry
+from nimbus.messaging._directory import EXITED, socket_dir
+from nimbus.messaging._endpoint import HEARTBEAT
+from nimbus.multiprocessing._state import Program
+
+pytestmark = pytest.mark.timeout(90)
+
+# -- children (module level: found by reference) -----------------------------
+
+
+def _echo(parent: str) -> None:
+    msg.send(parent, msg.instance_id())
+    while True:
+        obj = msg.recv(source=parent)
+        if obj is None:
+            return
+        msg.send(parent, obj)
+
+
+def _listen_then_sleep(parent: str) -> None:
+    msg.send(parent, msg.instance_id())
+    time.sleep(60)
+
+
+def _collectives(parent: str) -> None:
+    me = msg.instance_id()
+    msg.send(parent, me)
+    group = msg.recv(source=parent)
+    rank = group.index(me)
+    p = len(group)
+    out: dict[str, Any] = {}
+    msg.barrier(group)
+    out["bcast"] = msg.bcast(group, {"from": rank} if rank == 1 else None, root=1)
+    out["scatter"] = msg.scatter(
+        group, [f"part{i}" for i in range(p)] if rank == 2 else None, root=2
+    )
+    out["gather"] = msg.gather(group, rank * 10, root=0)
+    out["reduce"] = msg.reduce(group, [rank], operator.add, root=p - 1)  # keeps rank order
+    out["allreduce_small"] = msg.allreduce(group, rank + 1)
+    rng = np.random.default_rng(rank)
+    big = rng.standard_normal(50_000)  # 400 KB: the ring
+    out["allreduce_big"] = msg.allreduce(group, big)
+    out["allreduce_max"] = msg.allreduce(group, big, np.maximum)
+    msg.barrier(group)
+    msg.send(parent, (rank, out))
+
+
+# -- fixtures -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_being_an_instance() -> Iterator[None]:
+    """The test process stops listening afterwards (its threads would use sockets)."""
+    yield
+    msg.close()
+
+
+@pytest.fixture
+def endpoints(program: Program) -> Iterator[Any]:
+    """A factory of endpoints of one program, closed afterwards."""
+    made: list[Endpoint] = []
+    sockets = socket_dir(Settings.load().ensure_runtime_dir(), program.program_id)
+
+    def make(
+        token: bytes = b"secret",
+        instance_id: str | None = None,
+        sockets_in: Path | None = None,
+        **kw: Any,
+    ) -> Endpoint:
+        ep = Endpoint(
+            program.client,
+            program.keys,
+            token,
+            sockets_in or sockets,
+            instance_id=instance_id,
+            ttl_ms=program.ttl_ms,
+            **kw,
+        )
+        made.append(ep)
+        return ep
+
+    yield make
+    for ep in made:
+        ep.close()
+    shutil.rmtree(sockets, ignore_errors=True)
+
+
+def _start(target: Any, *args: Any) -> tuple[Any, str]:
+    p = mp.Process(target=target, args=(msg.instance_id(), *args))
+    p.start()
+    return p, msg.recv_with_source(timeout=30)[0]
+
+
+# -- between processes ---------------------------------------------------------
+
+
+def test_send_recv_between_processes() -> None:
+    p, child = _start(_echo)
+    try:
+        big = os.urandom(3_000_000)  # received straight into a new bytes object
+        for obj in (1, "two", {"three": [3.0]}, big, bytearray(big), np.arange(100_000)):
+            msg.send(child, obj)
+            back = msg.recv(source=child, timeout=30)
+            if isinstance(obj, np.ndarray):
+                assert np.array_equal(back, obj) and back.flags.writeable  # as the stdlib's
+            else:
+                assert back == obj and type(back) is type(obj)
+        stats = msg.current().statistics()
+        assert stats["links_out"] >= 1 and stats["bytes_out"] > 2_000_000
+    finally:
+        msg.send(child, None)
+        p.join(30)
+    assert p.exitcode == 0
+
+
+def test_collectives_match_numpy() -> None:
+    procs = [mp.Process(target=_collectives, args=(msg.instance_id(),)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    group = [msg.recv(timeout=30) for _ in procs]
+    for each in group:
+        msg.send(each, group)
+    results = dict(msg.recv(source=each, timeout=60) for each in group)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    bigs = [np.random.default_rng(r).standard_normal(50_000) for r in range(3)]
+    for rank, out in results.items():
+        assert out["bcast"] == {"from": 1}
+        assert out["scatter"] == f"part{rank}"
+        assert out["gather"] == ([0, 10, 20] if rank == 0 else None)
+        assert out["reduce"] == ([0, 1, 2] if rank == 2 else None)
+        assert out["allreduce_small"] == 6
+        np.testing.assert_allclose(out["allreduce_big"], bigs[0] + bigs[1] + bigs[2])
+        np.testing.assert_array_equal(out["allreduce_max"], np.maximum.reduce(bigs))
+
+
+def test_peer_killed_mid_conversation_fails_fast() -> None:
+    p, child = _start(_echo)
+    for i in range(3):
+        msg.send(child, i)
+        assert msg.recv(source=child, timeout=30) == i
+    p.kill()
+    p.join(30)
+    started = time.monotonic()
+    with pytest.raises(PeerLost, match=child):
+        msg.recv(source=child, timeout=30)
+    assert time.monotonic() - started < HEARTBEAT + 0.5
+    with pytest.raises(PeerLost):
+        for _ in range(3):  # the first write may still land in the socket buffer
+            msg.send(child, "anyone?")
+
+
+def test_silent_peer_killed_is_noticed_within_a_heartbeat() -> None:
+    p, child = _start(_listen_then_sleep)  # it never sends to us again
+    p.kill()
+    p.join(30)
+    started = time.monotonic()
+    with pytest.raises(PeerLost):
+        msg.recv(source=child, timeout=30)
+    assert time.monotonic() - started < 2 * HEARTBEAT + 0.5
+
+
+# -- one process, several endpoints ------------------------------------------------
+
+
+def test_peer_never_starts_goes_to_the_store_then_times_out(
+    endpoints: Any, program: Program
+) -> None:
+    a = endpoints()
+    a.send("ghost", "hello")  # nobody listens: kept in the store for it
+    assert program.client().llen(program.keys.inbox("ghost")) == 1
+    started = time.monotonic()
+    with pytest.raises(MessagingTimeout, match="ghost never became addressable"):
+        a.recv(source="ghost", timeout=0.3)
+    assert 0.25 < time.monotonic() - started < 2.0
+
+
+def test_switch_from_store_to_socket_keeps_order_exactly_once(endpoints: Any) -> None:
+    a = endpoints()
+    for i in range(100):
+        a.send("late", i)  # "late" has no socket yet: through the store
+    b = endpoints(instance_id="late")
+    time.sleep(0.01)  # past the retry interval: the next send connects
+    for i in range(100, 200):
+        a.send("late", i)
+    assert a.statistics()["links_out"] == 1
+    got = [b.recv(source=a.id, timeout=10) for _ in range(200)]
+    assert got == list(range(200))
+    with pytest.raises(MessagingTimeout):
+        b.recv(timeout=0.2)
+
+
+def test_wrong_token_is_refused_and_logged(
+    endpoints: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    b = endpoints(token=b"right")
+    a = endpoints(token=b"wrong")
+    with caplog.at_level(logging.WARNING, logger="nimbus.messaging"):
+        with pytest.raises(PeerRefused, match="wrong auth token"):
+            a.send(b.id, "let me in")
+        deadline = time.monotonic() + 5
+        while "wrong auth token" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert f"instance {b.id} refused a connection from '{a.id}'" in caplog.text
+    with pytest.raises(MessagingTimeout):
+        b.recv(timeout=0.2)
+
+
+class _Unloadable:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_refuse, ())
+
+
+def _refuse() -> None:
+    raise RuntimeError("cannot be rebuilt here")
+
+
+def test_undecodable_message_names_sender_and_link_stays_usable(endpoints: Any) -> None:
+    a, b = endpoints(), endpoints()
+    a.send(b.id, "before")
+    a.send(b.id, _Unloadable())
+    a.send(b.id, "after")
+    assert b.recv(timeout=10) == "before"
+    with pytest.raises(MessageDecodeError, match=a.id) as info:
+        b.recv(timeout=10)
+    assert info.value.sender == a.id
+    assert b.recv(timeout=10) == "after"
+    a.send(b.id, "still fine")
+    assert b.recv(source=a.id, timeout=10) == "still fine"
+
+
+def test_exited_peer(endpoints: Any) -> None:
+    a, b = endpoints(), endpoints()
+    b.send(a.id, "last words")
+    a.send(b.id, "hi")
+    assert b.recv(timeout=10) == "hi"
+    b.close()
+    assert a.recv(source=b.id, timeout=10) == "last words"
+    with pytest.raises(PeerExited):
+        a.recv(source=b.id, timeout=10)
+    with pytest.raises((PeerExited, PeerLost)):
+        for _ in range(3):
+            a.send(b.id, "anyone?")
+
+
+def test_many_small_messages_coalesced_arrive_in_order(endpoints: Any) -> None:
+    a, b = endpoints(), endpoints()
+    for i in range(5000):
+        a.send(b.id, i)  # a burst: coalesced, written by size or by the flusher
+    assert [b.recv(source=a.id, timeout=10) for _ in range(5000)] == list(range(5000))
+
+
+def test_arrays_arrive_writable_as_sent_on_both_paths(endpoints: Any) -> None:
+    a = endpoints()
+    small, big = np.arange(10), np.arange(100_000)  # small and large out-of-band buffers
+    frozen = np.arange(10)
+    frozen.flags.writeable = False
+    for obj in (small, big, frozen):
+        a.send("later", obj)  # through the store: "later" does not listen yet
+    b = endpoints(instance_id="later")
+    time.sleep(0.01)
+    for obj in (small, big, frozen):
+        a.send(b.id, obj)  # over the socket
+    for _ in range(2):
+        for sent in (small, big, frozen):
+            got = b.recv(source=a.id, timeout=10)
+            assert np.array_equal(got, sent)
+            assert got.flags.writeable == sent.flags.writeable
+
+
+def test_endpoint_is_a_transport(endpoints: Any) -> None:
+    a, b = endpoints(), endpoints()
+    transport: msg.Transport = a
+    assert isinstance(a, msg.Transport)
+    transport.send(b.id, "via the protocol")
+    assert b.recv(timeout=10) == "via the protocol"
+
+
+def test_socket_directory_is_private(endpoints: Any) -> None:
+    a = endpoints()
+    path = a.entry.unix
+    assert path is not None and a.directory.local[a.id].state == "alive"
+    assert os.stat(os.path.dirname(path)).st_mode & 0o077 == 0
+
+
+def _published(ep: Endpoint, peer: Endpoint) -> None:
+    deadline = time.monotonic() + 10
+    while ep.directory.refresh(peer.id) is None:
+        assert time.monotonic() < deadline, "never published"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def elsewhere(program: Program) -> Iterator[Path]:
+    """The socket directory of "another host": one the local instances do not see."""
+    root = Path(tempfile.mkdtemp(prefix="nbh-"))  # short: Unix socket paths are limited
+    yield socket_dir(root, program.program_id)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_peers_on_other_hosts_talk_over_tcp(endpoints: Any, elsewhere: Path) -> None:
+    a = endpoints(host="host-a", tcp_host="127.0.0.1")
+    b = endpoints(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    _published(b, a)
+    a.send(b.id, {"over": "tcp"})
+    assert b.recv(source=a.id, timeout=10) == {"over": "tcp"}
+    b.send(a.id, np.arange(300_000))
+    assert np.array_equal(a.recv(source=b.id, timeout=10), np.arange(300_000))
+    (link,) = a._out.values()
+    assert link.sock.family == socket.AF_INET
+
+
+def test_unreachable_peer_falls_back_to_the_store(endpoints: Any, elsewhere: Path) -> None:
+    a = endpoints(host="host-a")
+    b = endpoints(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    b.directory.set_local(b.id, dataclasses.replace(b.entry, tcp=dead.getsockname()))
+    b.directory.publish()
+    a.directory.invalidate(b.id)
+    try:
+        for i in range(50):
+            a.send(b.id, i)
+        assert a.statistics()["links_out"] == 0
+        assert [b.recv(source=a.id, timeout=10) for _ in range(50)] == list(range(50))
+    finally:
+        dead.close()
+
+
+# -- directory -------------------------------------------------------------------
+
+
+def test_directory_publishes_only_changes_and_resolves_on_demand(program: Program) -> None:
+    here = Directory(program.client, program.keys, program.ttl_ms)
+    there = Directory(program.client, program.keys, program.ttl_ms)
+    assert there.lookup("i1") is None  # not started: a cached miss, for a short while
+    entry = Entry("host-a", 123, None, ("10.0.0.1", 4000))
+    here.set_local("i1", entry)
+    assert here.publish() == {"i1": entry}
+    assert here.publish() == {}  # nothing changed, nothing sent
+    time.sleep(0.05)  # past the negative cache
+    assert there.lookup("i1") == entry
+    gone = Entry("host-a", 123, None, ("10.0.0.1", 4000), EXITED)
+    here.set_local("i1", gone)
+    assert here.publish() == {"i1": gone}
+    assert there.lookup("i1") == entry  # cached until invalidated
+    there.invalidate("i1")
+    assert there.lookup("i1") == gone
+    here.set_local("i1", None)
+    assert here.publish() == {"i1": None}
+    assert there.refresh("i1") is None
+
+
+def test_public_names() -> None:
+    assert set(msg.__all__) == {
+        "ANY",
+        "Directory",
+        "Endpoint",
+        "Entry",
+        "Transport",
+        "allreduce",
+        "barrier",
+        "bcast",
+        "close",
+        "current",
+        "gather",
+        "instance_id",
+        "recv",
+        "recv_with_source",
+        "reduce",
+        "scatter",
+        "send",
+    }
+
+
+def test_root_removes_the_socket_directory_at_exit(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import os
+        import nimbus.messaging as msg
+        ep = msg.current()
+        print(os.path.dirname(ep.entry.unix), flush=True)
+        """
+    )
+    env = {**os.environ, "NIMBUS_RUNTIME_DIR": tempfile.mkdtemp(prefix="nbr-")}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        sockets = Path(out.stdout.strip())
+        assert sockets.name.startswith("m-") and not sockets.exists()
+    finally:
+        shutil.rmtree(env["NIMBUS_RUNTIME_DIR"], ignore_errors=True)
