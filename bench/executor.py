@@ -42,6 +42,9 @@ import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
+sys.path.append(str(_HERE))  # after the stdlib: for _report, never for multiprocessing
+from _report import Figures, Judge, fmt, grid  # noqa: E402
+
 RESULT_TIMEOUT = 300.0  # seconds to wait for any one result before calling it a crash
 SLEEP_SECONDS = 0.01
 THROUGHPUT_FLOOR = 7_000.0  # tasks/s: 10x Parsl HTEX's ~700/s
@@ -190,7 +193,7 @@ def run_startup(make: ExecutorFactory, sizes: Sizes, workers: int) -> float:
 
 
 @dataclass
-class Row:
+class Row(Figures):
     name: str
     title: str
     unit: str  # "us", "s" or "tasks/s"
@@ -198,32 +201,10 @@ class Row:
     run: Callable[[ExecutorFactory, Sizes, int], float]
     ppe_context: str
     target: str
-    judge: Callable[[float, float, float], bool]  # (ppe, nimbus, ratio) -> pass
-    ppe: list[float] = field(default_factory=list)
+    judge: Judge | None  # (ppe, nimbus, ratio) -> pass
+    baseline: list[float] = field(default_factory=list)  # ProcessPoolExecutor's
     nimbus: list[float] = field(default_factory=list)
     error: str = ""
-
-    @property
-    def ppe_median(self) -> float | None:
-        return statistics.median(self.ppe) if self.ppe else None
-
-    @property
-    def nimbus_median(self) -> float | None:
-        return statistics.median(self.nimbus) if self.nimbus else None
-
-    @property
-    def ratio(self) -> float | None:
-        ppe, nim = self.ppe_median, self.nimbus_median
-        return nim / ppe if ppe and nim is not None else None
-
-    @property
-    def status(self) -> str:
-        if self.error:
-            return "ERROR"
-        ppe, nim, ratio = self.ppe_median, self.nimbus_median, self.ratio
-        if ppe is None or nim is None or ratio is None:
-            return "-"
-        return "PASS" if self.judge(ppe, nim, ratio) else "MISS"
 
 
 def build_rows(sizes: Sizes, workers: int) -> list[Row]:
@@ -320,16 +301,6 @@ def nimbus_factory(workers: int) -> ExecutorFactory:
 # --- output -------------------------------------------------------------------------------------
 
 
-def fmt(value: float | None, unit: str) -> str:
-    if value is None:
-        return "-"
-    if unit == "us":
-        return f"{value * 1e6:,.1f} us"
-    if unit == "tasks/s":
-        return f"{value:,.0f}/s"
-    return f"{value:.3f} s"
-
-
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     print(
         f"nimbus vs concurrent.futures.ProcessPoolExecutor: {args.workers} workers, "
@@ -341,27 +312,20 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     )
     print("ratio = nimbus / PPE; the target says which direction is better\n")
     header = ("workload", "what", "PPE ctx", "PPE", "nimbus", "ratio", "target", "result")
-    table = [header]
-    for row in rows:
-        ratio = f"{row.ratio:.2f}x" if row.ratio is not None else "-"
-        direction = "higher better" if row.higher_is_better else "lower better"
-        table.append(
-            (
-                row.name,
-                f"{row.title} ({direction})",
-                row.ppe_context,
-                fmt(row.ppe_median, row.unit),
-                fmt(row.nimbus_median, row.unit),
-                ratio,
-                row.target,
-                row.status,
-            )
+    lines = [
+        (
+            row.name,
+            f"{row.title} ({'higher' if row.higher_is_better else 'lower'} better)",
+            row.ppe_context,
+            fmt(row.baseline_median, row.unit),
+            fmt(row.nimbus_median, row.unit),
+            row.ratio_text,
+            row.target,
+            row.status,
         )
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    for i, line in enumerate(table):
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+        for row in rows
+    ]
+    print(grid(header, lines))
     for row in rows:
         if row.error:
             print(f"\n{row.name}: {row.error}")
@@ -383,9 +347,9 @@ def write_json(path: str, rows: list[Row], args: argparse.Namespace, sizes: Size
                 "unit": "s" if r.unit == "us" else r.unit,
                 "higher_is_better": r.higher_is_better,
                 "ppe_context": r.ppe_context,
-                "ppe": r.ppe,
+                "ppe": r.baseline,
                 "nimbus": r.nimbus,
-                "ppe_median": r.ppe_median,
+                "ppe_median": r.baseline_median,
                 "nimbus_median": r.nimbus_median,
                 "ratio": r.ratio,
                 "target": r.target,
@@ -434,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for _ in range(args.repeat):
                 gc.collect()
-                row.ppe.append(row.run(make_ppe, sizes, args.workers))
+                row.baseline.append(row.run(make_ppe, sizes, args.workers))
                 if make_nimbus is not None:
                     gc.collect()
                     row.nimbus.append(row.run(make_nimbus, sizes, args.workers))

@@ -38,13 +38,15 @@ import multiprocessing  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import random  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
+
+sys.path.append(str(_HERE))  # after the stdlib: for _report, never for multiprocessing
+from _report import Figures, Judge, WorkloadTimeout, fmt, grid, within  # noqa: E402
 
 SORT_PROCS = 4
 SORT_SEED = 20261121
@@ -381,39 +383,17 @@ WORKLOADS: dict[str, tuple[Workload, float]] = {  # name: (function, time limit 
 
 
 @dataclass
-class Row:
+class Row(Figures):
     name: str
     workload: str
     title: str
     unit: str  # "s", "ms", "us" or "items/s"
     higher_is_better: bool
     target: str
-    judge: Callable[[float, float, float], bool] | None  # (stdlib, nimbus, ratio); None: report
-    stdlib: list[float] = field(default_factory=list)
+    judge: Judge | None  # (stdlib, nimbus, ratio); None: report
+    baseline: list[float] = field(default_factory=list)  # the stdlib's
     nimbus: list[float] = field(default_factory=list)
     error: str = ""
-
-    @property
-    def stdlib_median(self) -> float | None:
-        return statistics.median(self.stdlib) if self.stdlib else None
-
-    @property
-    def nimbus_median(self) -> float | None:
-        return statistics.median(self.nimbus) if self.nimbus else None
-
-    @property
-    def ratio(self) -> float | None:
-        std, nim = self.stdlib_median, self.nimbus_median
-        return nim / std if std and nim is not None else None
-
-    @property
-    def status(self) -> str:
-        if self.error:
-            return "ERROR"
-        std, nim, ratio = self.stdlib_median, self.nimbus_median, self.ratio
-        if self.judge is None or std is None or nim is None or ratio is None:
-            return "-"
-        return "PASS" if self.judge(std, nim, ratio) else "MISS"
 
 
 def build_rows(sizes: Sizes) -> list[Row]:
@@ -521,25 +501,6 @@ def build_rows(sizes: Sizes) -> list[Row]:
 # --- time limits --------------------------------------------------------------------------------
 
 
-class WorkloadTimeout(Exception):
-    pass
-
-
-def _on_alarm(signum: int, frame: object) -> None:
-    raise WorkloadTimeout("time limit reached (hang?)")
-
-
-def within(seconds: float, fn: Callable[[], Any]) -> Any:
-    """fn() in this thread, interrupted by WorkloadTimeout after seconds."""
-    previous = signal.signal(signal.SIGALRM, _on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        return fn()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def reap_children() -> None:
     """After a failure: terminate what the failed run left behind (nimbus's processes too)."""
     try:
@@ -572,18 +533,6 @@ def import_nimbus() -> Any:
 # --- output -------------------------------------------------------------------------------------
 
 
-def fmt(value: float | None, unit: str) -> str:
-    if value is None:
-        return "-"
-    if unit == "us":
-        return f"{value * 1e6:,.1f} us"
-    if unit == "ms":
-        return f"{value * 1e3:,.1f} ms"
-    if unit == "items/s":
-        return f"{value:,.0f}/s"
-    return f"{value:.3f} s"
-
-
 def print_table(rows: list[Row], args: argparse.Namespace, notes: list[str]) -> None:
     print(
         f"\nnimbus.multiprocessing vs stdlib multiprocessing (fork context): "
@@ -594,25 +543,19 @@ def print_table(rows: list[Row], args: argparse.Namespace, notes: list[str]) -> 
         print(note)
     print("ratio = nimbus / stdlib; the target says which side of it passes\n")
     header = ("workload", "what", "stdlib", "nimbus", "ratio", "target", "result")
-    table = [header]
-    for row in rows:
-        direction = "higher better" if row.higher_is_better else "lower better"
-        table.append(
-            (
-                row.name,
-                f"{row.title} ({direction})",
-                fmt(row.stdlib_median, row.unit),
-                fmt(row.nimbus_median, row.unit),
-                f"{row.ratio:.2f}x" if row.ratio is not None else "-",
-                row.target,
-                row.status,
-            )
+    lines = [
+        (
+            row.name,
+            f"{row.title} ({'higher' if row.higher_is_better else 'lower'} better)",
+            fmt(row.baseline_median, row.unit),
+            fmt(row.nimbus_median, row.unit),
+            row.ratio_text,
+            row.target,
+            row.status,
         )
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    for i, line in enumerate(table):
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+        for row in rows
+    ]
+    print(grid(header, lines))
     for row in rows:
         if row.error:
             print(f"\n{row.name}: {row.error}")
@@ -631,9 +574,9 @@ def write_json(path: str, rows: list[Row], args: argparse.Namespace, sizes: Size
                 "title": r.title,
                 "unit": "items/s" if r.unit == "items/s" else "s",
                 "higher_is_better": r.higher_is_better,
-                "stdlib": r.stdlib,
+                "stdlib": r.baseline,
                 "nimbus": r.nimbus,
-                "stdlib_median": r.stdlib_median,
+                "stdlib_median": r.baseline_median,
                 "nimbus_median": r.nimbus_median,
                 "ratio": r.ratio,
                 "target": r.target,
@@ -702,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("cold start: first Process start + join, stdlib then nimbus", file=sys.stderr)
     try:
-        cold.stdlib.append(within(60, lambda: _process_once(stdlib_mp)))
+        cold.baseline.append(within(60, lambda: _process_once(stdlib_mp)))
         cold.nimbus.append(within(120, lambda: _process_once(nmp)))
         notes.append(
             "nimbus was pre-warmed by that first Process start + join (the cold start row)"
@@ -719,14 +662,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         try:
             for _ in range(args.repeat):
-                for side, mp in (("stdlib", stdlib_mp), ("nimbus", nmp)):
+                for side, mp in (("baseline", stdlib_mp), ("nimbus", nmp)):
                     gc.collect()
                     t0 = time.perf_counter()
                     try:
                         figures = within(limit, lambda fn=fn, mp=mp: fn(mp, sizes))
                     except BaseException as exc:
+                        who = "stdlib" if side == "baseline" else side
                         raise RuntimeError(
-                            f"{side}: {type(exc).__name__}: {exc} "
+                            f"{who}: {type(exc).__name__}: {exc} "
                             f"(after {time.perf_counter() - t0:.1f} s)"
                         ) from exc
                     for row_name, value in figures.items():

@@ -1,4 +1,4 @@
-"""Smoke run of bench/executor.py: it runs end to end and prints its table."""
+"""Smoke runs of the benchmarks in bench/: each runs end to end and prints its table."""
 
 from __future__ import annotations
 
@@ -69,3 +69,36 @@ def test_bench_messaging_quick() -> None:
         row = next((line for line in lines if line.startswith(name)), None)
         assert row is not None, proc.stdout
         assert row.rstrip().endswith(("PASS", "MISS", "report")), row
+
+
+@pytest.mark.timeout(180)
+def test_bench_multiprocessing_quick(tmp_path: Path) -> None:
+    import json
+
+    import nimbus
+
+    env = dict(os.environ)
+    package_parent = str(Path(nimbus.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    out = tmp_path / "mp.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "multiprocessing.py"),
+            *("--quick", "--repeat", "1", "--only", "lock", "--only", "queue"),
+            *("--json", str(out)),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"cold start", "lock", "queue"}
+    for name in ("lock", "queue"):
+        assert rows[name]["status"] in ("PASS", "MISS"), rows[name]
+        assert rows[name]["ratio"] > 0
+    assert "stdlib" in proc.stdout and "nimbus" in proc.stdout

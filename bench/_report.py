@@ -1,0 +1,99 @@
+"""What the benchmarks here share: a row's figures, their format, the table, a time limit.
+
+Each benchmark measures nimbus and a baseline (the stdlib, ProcessPoolExecutor, a
+raw socket ...) in one run; a :class:`Figures` holds both sides' repeats and
+says PASS or MISS by the row's own judge of (baseline, nimbus, ratio), where the
+ratio is always nimbus / baseline.
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Judge = Callable[[float, float, float], bool]  # (baseline, nimbus, ratio) -> pass
+
+
+class Figures:
+    """Repeats of one workload on both sides, and the verdict (a mixin for a row dataclass).
+
+    The row declares ``judge`` (None: reported, not judged), ``baseline`` and
+    ``nimbus`` (lists of figures) and ``error``.
+    """
+
+    judge: Judge | None
+    baseline: list[float]
+    nimbus: list[float]
+    error: str
+
+    @property
+    def baseline_median(self) -> float | None:
+        return statistics.median(self.baseline) if self.baseline else None
+
+    @property
+    def nimbus_median(self) -> float | None:
+        return statistics.median(self.nimbus) if self.nimbus else None
+
+    @property
+    def ratio(self) -> float | None:
+        base, nim = self.baseline_median, self.nimbus_median
+        return nim / base if base and nim is not None else None
+
+    @property
+    def status(self) -> str:
+        if self.error:
+            return "ERROR"
+        base, nim, ratio = self.baseline_median, self.nimbus_median, self.ratio
+        if self.judge is None or base is None or nim is None or ratio is None:
+            return "-"
+        return "PASS" if self.judge(base, nim, ratio) else "MISS"
+
+    @property
+    def ratio_text(self) -> str:
+        return f"{self.ratio:.2f}x" if self.ratio is not None else "-"
+
+
+def fmt(value: float | None, unit: str) -> str:
+    """A figure in seconds (``s``, ``ms``, ``us``) or a rate (``.../s``), for the table."""
+    if value is None:
+        return "-"
+    if unit == "us":
+        return f"{value * 1e6:,.1f} us"
+    if unit == "ms":
+        return f"{value * 1e3:,.1f} ms"
+    if unit.endswith("/s"):
+        return f"{value:,.0f}/s"
+    return f"{value:.3f} s"
+
+
+def grid(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell, a rule under the header."""
+    table = [tuple(header), *(tuple(line) for line in lines)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    out = []
+    for i, row in enumerate(table):
+        out.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+class WorkloadTimeout(Exception):
+    pass
+
+
+def _on_alarm(signum: int, frame: object) -> None:
+    raise WorkloadTimeout("time limit reached (hang?)")
+
+
+def within(seconds: float, fn: Callable[[], Any]) -> Any:
+    """fn() in this (main) thread, interrupted by WorkloadTimeout after ``seconds``."""
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
