@@ -67,6 +67,10 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "storage_dir",
         "endpoint",
         "service_url",
+        "token",
+        "database_url",
+        "result_ttl",
+        "heartbeat",
         "log_level",
     }
     assert isinstance(d["runtime_dir"], str)

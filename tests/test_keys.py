@@ -28,6 +28,12 @@ def _all_keys(keys: Keys) -> list[str]:
         keys.refcount("q"),
         keys.instance("i"),
         keys.directory(),
+        keys.task("t"),
+        keys.endpoint_queue("e"),
+        keys.endpoint_inflight("e"),
+        keys.endpoint_status("e"),
+        keys.user_tasks("u"),
+        keys.group("g"),
     ]
 
 

@@ -19,6 +19,11 @@ or ``except TimeoutError`` written for the stdlib keeps working::
     ├── TaskTimeoutError (TimeoutError)       a task ran past its timeout
     ├── TaskInterrupted                       a task raised SystemExit or
     │                                         KeyboardInterrupt
+    ├── ServiceError                          the nimbus service refused or failed
+    │   ├── AuthError (PermissionError)       a missing, wrong or too weak token
+    │   ├── NotFound (LookupError)            no such function, endpoint or task
+    │   │                                     (or not visible to this user)
+    │   └── ServiceUnavailable (ConnectionError)  the service cannot be reached
     └── WorkerLost (BrokenProcessPool)        the worker running a task died
         └── RuntimeClosed                     the runtime shut down under a task
 
@@ -32,14 +37,18 @@ import pickle
 from concurrent.futures.process import BrokenProcessPool
 
 __all__ = [
+    "AuthError",
     "ConfigError",
     "DeserializationError",
     "NimbusError",
+    "NotFound",
     "PayloadTooLargeError",
     "RemoteError",
     "RemoteTraceback",
     "RuntimeClosed",
     "SerializationError",
+    "ServiceError",
+    "ServiceUnavailable",
     "StateStoreError",
     "TaskInterrupted",
     "TaskTimeoutError",
@@ -128,3 +137,26 @@ class WorkerLost(NimbusError, BrokenProcessPool):
 
 class RuntimeClosed(WorkerLost):
     """The runtime shut down while the task was still in it."""
+
+
+class ServiceError(NimbusError):
+    """The nimbus service answered with an error; ``status`` is its HTTP status."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.status))
+
+
+class AuthError(ServiceError, PermissionError):
+    """The token is missing or wrong (401), or may not do this (403)."""
+
+
+class NotFound(ServiceError, LookupError):
+    """No such function, endpoint or task, or it is not visible to this user (404)."""
+
+
+class ServiceUnavailable(ServiceError, ConnectionError):
+    """The service cannot be reached (connection refused, reset, timed out)."""

@@ -98,7 +98,9 @@ class Executor(cf.Executor):
     :class:`~nimbus.errors.TaskTimeoutError`. ``settings`` defaults to
     ``Settings.load()`` (``NIMBUS_*`` environment variables). ``on_notice`` is
     called, on the runtime's thread, with what task code sends with
-    ``nimbus.runtime.worker.notify`` (progress, events).
+    ``nimbus.runtime.worker.notify`` (progress, events). ``endpoint`` (default
+    ``Settings.endpoint``, ``NIMBUS_ENDPOINT``) runs the tasks on that remote
+    endpoint through the nimbus service (the ``service`` backend) instead.
     """
 
     def __init__(
@@ -107,7 +109,8 @@ class Executor(cf.Executor):
         *,
         task_timeout: float | None = None,
         settings: Settings | None = None,
-        backend: str = "local",
+        backend: str | None = None,
+        endpoint: str | None = None,
         on_notice: Callable[[Any], None] | None = None,
     ) -> None:
         self.settings = settings if settings is not None else Settings.load()
@@ -120,6 +123,9 @@ class Executor(cf.Executor):
         if task_timeout is None:
             task_timeout = self.settings.task_timeout
         self._timeout = _check_timeout(task_timeout, "task_timeout")
+        if backend is None:
+            endpoint = endpoint or self.settings.endpoint
+            backend = "service" if endpoint else "local"
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; known: {', '.join(sorted(BACKENDS))}")
         self._max_workers = max_workers
@@ -135,6 +141,8 @@ class Executor(cf.Executor):
             on_results=self._on_results,
             on_dispatch=self._on_dispatch,
             on_notice=on_notice,
+            settings=self.settings,
+            endpoint=endpoint,
         )
         _live.add(self)
 

@@ -1,0 +1,275 @@
+"""The service backend: an Executor's tasks run on a remote endpoint.
+
+::
+
+    Executor.submit --> submit(batch) --> pending --(loop thread: one message per
+                                                     burst)--> WebSocket /v1/ws/client
+    on_results(tasks) <-- results (streamed, no polling) <-----------------+
+
+One thread runs an asyncio loop holding the WebSocket to the service. Tasks
+submitted while a message is being built join the next one, so a ``map`` of
+many small tasks travels in a few large msgpack messages. When the connection
+breaks it reconnects, asks again for the results of the tasks it waits for
+(``watch``) and sends again the batches the service had not acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import websockets
+from websockets.asyncio.client import ClientConnection, connect
+
+from nimbus import serialization
+from nimbus.backends import DispatchCallback, ResultCallback
+from nimbus.client import Client, error_for
+from nimbus.config import Settings
+from nimbus.errors import ConfigError, ServiceUnavailable, VersionMismatchError
+from nimbus.records import TaskRecord
+from nimbus.runtime.messages import Status
+from nimbus.runtime.task import Task
+from nimbus.service.protocol import (
+    PYTHON,
+    SERIALIZER,
+    WS_CLIENT,
+    pack,
+    pack_payload,
+    unpack,
+    unpack_result,
+)
+
+__all__ = ["ServiceBackend"]
+
+CONNECT_TIMEOUT = 15.0
+
+
+class ServiceBackend:
+    """Runs an Executor's tasks on endpoint ``endpoint`` through the nimbus service."""
+
+    def __init__(
+        self,
+        *,
+        workers: int,
+        prefetch: int,
+        on_results: ResultCallback,
+        on_dispatch: DispatchCallback | None = None,
+        on_notice: Callable[[Any], None] | None = None,
+        settings: Settings | None = None,
+        endpoint: str | None = None,
+    ) -> None:
+        del prefetch, on_notice
+        if not endpoint:
+            raise ConfigError("the service backend needs an endpoint: Executor(endpoint='name')")
+        self.capacity = workers
+        self.client = Client(settings=settings)
+        info = self.client.get_endpoint(endpoint)
+        if info.get("python") and (info["python"], info["serializer"]) != (PYTHON, SERIALIZER):
+            raise VersionMismatchError(
+                f"endpoint {endpoint!r} runs Python {info['python']} with serializer "
+                f"{info['serializer']}, this client runs Python {PYTHON} with serializer "
+                f"{SERIALIZER}; use the same Python minor version on both sides"
+            )
+        self.endpoint_id: str = info["endpoint_id"]
+        self._on_results = on_results
+        self._on_dispatch = on_dispatch
+        self._registered: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._pending: list[Task] = []
+        self._scheduled = False
+        self._refs = itertools.count()
+        self._unaccepted: dict[int, list[Task]] = {}
+        self._by_id: dict[str, Task] = {}
+        self._idle = threading.Condition(self._lock)
+        self._outstanding = 0
+        self._closing = False
+        self._loop = asyncio.new_event_loop()
+        self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._connected = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="nimbus-service", daemon=True)
+        self._thread.start()
+        if not self._connected.wait(CONNECT_TIMEOUT):
+            self.shutdown(wait=False)
+            raise ServiceUnavailable(
+                f"no WebSocket to {self.client.service_url} after {CONNECT_TIMEOUT} s"
+                + (f" ({self._error})" if self._error else "")
+            )
+
+    # ------------------------------------------------------------ caller's side
+
+    def submit(self, batch: list[Task]) -> None:
+        for task in batch:
+            function_id = self._registered.get(task.fn_key)
+            if function_id is None:
+                function_id = self.client.register_function_bytes(
+                    task.fn_bytes, task.record.function
+                )
+                self._registered[task.fn_key] = function_id
+            task.route = function_id
+        with self._lock:
+            self._pending.extend(batch)
+            self._outstanding += len(batch)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._flush)
+
+    def cancel(self, task: Task) -> None:
+        self._loop.call_soon_threadsafe(self._cancel, task)
+
+    def shutdown(self, wait: bool = True, *, kill: bool = False) -> None:
+        if wait and not kill:
+            with self._idle:
+                self._idle.wait_for(lambda: self._outstanding <= 0 or self._closing)
+        self._closing = True
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._outbox.put_nowait, b"")
+        if threading.current_thread() is not self._thread:
+            self._thread.join(10)
+        self.client.close()
+
+    # ------------------------------------------------------------ loop thread
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        base = self.client.service_url
+        url = (
+            "wss://" + base[8:] if base.startswith("https://") else "ws://" + base[7:]
+        ) + WS_CLIENT
+        backoff = 0.05
+        while not self._closing:
+            try:
+                async with connect(
+                    url,
+                    additional_headers={"Authorization": f"Bearer {self.client.token}"},
+                    max_size=None,
+                    ping_interval=None,
+                    open_timeout=10,
+                ) as ws:
+                    backoff = 0.05
+                    await self._resume(ws)
+                    self._connected.set()
+                    await self._session(ws)
+            except websockets.InvalidStatus as exc:
+                self._error = error_for(exc.response.status_code, "the service refused the token")
+            except (OSError, websockets.WebSocketException, TimeoutError) as exc:
+                self._error = exc
+            if self._closing:
+                break
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)
+
+    async def _resume(self, ws: ClientConnection) -> None:
+        """After a (re)connect: ask for results still owed, resend unacknowledged batches."""
+        while not self._outbox.empty():
+            self._outbox.get_nowait()
+        if self._by_id:
+            await ws.send(pack({"op": "watch", "ids": list(self._by_id)}))
+        for ref, tasks in self._unaccepted.items():
+            await ws.send(self._submit_message(ref, tasks))
+
+    async def _session(self, ws: ClientConnection) -> None:
+        reader = asyncio.create_task(self._reader(ws))
+        try:
+            while not self._closing:
+                get = asyncio.create_task(self._outbox.get())
+                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if reader in done:
+                    get.cancel()
+                    reader.result()
+                    return
+                message = get.result()
+                if not message:
+                    return
+                await ws.send(message)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+
+    def _submit_message(self, ref: int, tasks: list[Task]) -> bytes:
+        rows = [[t.route, pack_payload(t.payload, t.buffers), t.timeout] for t in tasks]
+        return pack({"op": "submit", "ref": ref, "endpoint_id": self.endpoint_id, "tasks": rows})
+
+    def _flush(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+            self._scheduled = False
+        if self._on_dispatch is not None:
+            kept = self._on_dispatch(batch)
+            self._done(len(batch) - len(kept))
+            batch = kept
+        if batch:
+            ref = next(self._refs)
+            self._unaccepted[ref] = batch
+            self._outbox.put_nowait(self._submit_message(ref, batch))
+
+    def _cancel(self, task: Task) -> None:
+        task_id = task.record.task_id
+        if self._by_id.get(task_id) is task:
+            self._outbox.put_nowait(pack({"op": "cancel", "ids": [task_id]}))
+
+    async def _reader(self, ws: ClientConnection) -> None:
+        async for data in ws:
+            msg = unpack(data)  # type: ignore[arg-type]
+            op = msg.get("op")
+            if op == "results":
+                self._results(msg["results"])
+            elif op == "accepted":
+                tasks = self._unaccepted.pop(msg["ref"], [])
+                cancels = []
+                for task, task_id in zip(tasks, msg["ids"]):
+                    task.record.task_id = task_id
+                    self._by_id[task_id] = task
+                    if task.cancelled:
+                        cancels.append(task_id)
+                if cancels:
+                    await ws.send(pack({"op": "cancel", "ids": cancels}))
+            elif op == "refused":
+                tasks = self._unaccepted.pop(msg["ref"], [])
+                error = error_for(int(msg["status"]), str(msg["detail"]))
+                data = serialization.dumps_exception(error, "")
+                for task in tasks:
+                    task.status, task.data = Status.ERROR, data
+                self._deliver(tasks)
+
+    def _results(self, rows: list[list[Any]]) -> None:
+        done = []
+        for task_id, _state, blob, record in rows:
+            task = self._by_id.pop(task_id, None)
+            if task is None:
+                continue
+            task.status, task.data, task.result_buffers = unpack_result(blob)
+            if record:
+                remote = TaskRecord.from_wire(unpack(record))
+                remote.task_id = task.record.task_id
+                remote.submitted = task.record.submitted
+                remote.function = task.record.function
+                for name, value in remote.as_dict().items():
+                    if name != "state":
+                        setattr(task.record, name, value)
+            done.append(task)
+        self._deliver(done)
+
+    def _deliver(self, tasks: list[Task]) -> None:
+        if tasks:
+            self._on_results(tasks)
+            self._done(len(tasks))
+
+    def _done(self, n: int) -> None:
+        if n:
+            with self._idle:
+                self._outstanding -= n
+                if self._outstanding <= 0:
+                    self._idle.notify_all()
