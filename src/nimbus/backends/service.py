@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,8 @@ from nimbus.service.protocol import (
 __all__ = ["ServiceBackend"]
 
 CONNECT_TIMEOUT = 15.0
+COALESCE = 0.001  # a burst of submits within a millisecond travels as one message
+COALESCE_MAX = 4096
 
 
 class ServiceBackend:
@@ -81,6 +84,8 @@ class ServiceBackend:
         self._lock = threading.Lock()
         self._pending: list[Task] = []
         self._scheduled = False
+        self._delayed = False
+        self._last_flush = 0.0
         self._refs = itertools.count()
         self._unaccepted: dict[int, list[Task]] = {}
         self._by_id: dict[str, Task] = {}
@@ -155,6 +160,7 @@ class ServiceBackend:
                     additional_headers={"Authorization": f"Bearer {self.client.token}"},
                     max_size=None,
                     ping_interval=None,
+                    compression=None,
                     open_timeout=10,
                 ) as ws:
                     backoff = 0.05
@@ -203,6 +209,17 @@ class ServiceBackend:
         return pack({"op": "submit", "ref": ref, "endpoint_id": self.endpoint_id, "tasks": rows})
 
     def _flush(self) -> None:
+        """Send what was submitted; within COALESCE of the last send, wait to gather more."""
+        if (
+            time.monotonic() - self._last_flush < COALESCE
+            and len(self._pending) < COALESCE_MAX
+            and not self._delayed
+        ):
+            self._delayed = True
+            self._loop.call_later(COALESCE, self._flush)
+            return
+        self._delayed = False
+        self._last_flush = time.monotonic()
         with self._lock:
             batch, self._pending = self._pending, []
             self._scheduled = False

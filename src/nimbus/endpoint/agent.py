@@ -56,7 +56,9 @@ STATES = {
     Status.SKIPPED: TaskState.CANCELLED.value,
 }
 MAX_BACKOFF = 5.0
+MIN_WINDOW = 1024  # tasks in flight from the service: enough to cover its round trip
 SEND_CHUNK = 5000
+COALESCE = 0.001
 
 
 def ws_url(service_url: str) -> str:
@@ -82,7 +84,7 @@ class EndpointAgent:
         self.url = ws_url(service_url)
         self.token = token
         self.workers = workers
-        self.window = workers * prefetch
+        self.window = max(MIN_WINDOW, 4 * workers * prefetch)
         self.heartbeat = heartbeat
         self.name = name
         self.connects = 0
@@ -114,6 +116,7 @@ class EndpointAgent:
                         additional_headers={"Authorization": f"Bearer {self.token}"},
                         max_size=None,
                         ping_interval=None,
+                        compression=None,
                         open_timeout=10,
                     ) as ws:
                         self.connects += 1
@@ -194,9 +197,13 @@ class EndpointAgent:
 
     async def _sender(self, ws: ClientConnection) -> None:
         assert self._ready is not None
+        last = 0.0
         while True:
             await self._ready.wait()
+            if time.monotonic() - last < COALESCE:
+                await asyncio.sleep(COALESCE)  # busy: let more results join this message
             self._ready.clear()
+            last = time.monotonic()
             while self._outbox:
                 rows, self._outbox = self._outbox[:SEND_CHUNK], self._outbox[SEND_CHUNK:]
                 await ws.send(pack({"op": "results", "results": rows}))

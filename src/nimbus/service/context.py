@@ -23,6 +23,7 @@ from nimbus.service.registry import EndpointInfo, FunctionInfo, Principal, Regis
 __all__ = ["ServiceContext"]
 
 TOKEN_CACHE_SECONDS = 10.0
+CACHE_SECONDS = 2.0  # how long a change of sharing may take to reach a busy submitter
 
 
 @dataclass
@@ -36,6 +37,8 @@ class ServiceContext:
         self._principals: dict[str, tuple[Principal | None, float]] = {}
         self._functions: dict[str, FunctionInfo] = {}
         self._bodies: dict[str, bytes] = {}
+        self._endpoints: dict[str, tuple[EndpointInfo, float]] = {}
+        self.versions: dict[str, tuple[str, str]] = {}  # endpoint id -> python, serializer
 
     # ------------------------------------------------------------ auth
 
@@ -85,6 +88,9 @@ class ServiceContext:
         self._functions.pop(function_id, None)
         self._bodies.pop(function_id, None)
 
+    def forget_endpoint(self, endpoint_id: str) -> None:
+        self._endpoints.pop(endpoint_id, None)
+
     async def function_body(self, function_id: str) -> bytes:
         body = self._bodies.get(function_id)
         if body is None:
@@ -97,9 +103,16 @@ class ServiceContext:
     # ------------------------------------------------------------ endpoints
 
     async def endpoint(
-        self, user: Principal, endpoint_id: str, *, own: bool = False
+        self, user: Principal, endpoint_id: str, *, own: bool = False, cached: bool = False
     ) -> EndpointInfo:
-        info = await run_in_threadpool(self.registry.endpoint, endpoint_id)
+        now = time.monotonic()
+        hit = self._endpoints.get(endpoint_id) if cached else None
+        if hit is not None and hit[1] > now:
+            info: EndpointInfo | None = hit[0]
+        else:
+            info = await run_in_threadpool(self.registry.endpoint, endpoint_id)
+            if info is not None:
+                self._endpoints[endpoint_id] = (info, now + CACHE_SECONDS)
         if info is None:
             raise NotFound(f"endpoint {endpoint_id} not found", 404)
         self._check(user, "endpoint", endpoint_id, info, own)
@@ -121,9 +134,14 @@ class ServiceContext:
 
     async def check_versions(self, fn: FunctionInfo, endpoint: EndpointInfo) -> None:
         """Refuse (409) a function pickled by another Python or serializer than the endpoint's."""
-        status = await self.store.status(endpoint.id)
-        python, serializer = status.get("python"), status.get("serializer")
-        if python is None:
+        versions = self.versions.get(endpoint.id)
+        if versions is None:
+            status = await self.store.status(endpoint.id)
+            versions = (status.get("python", ""), status.get("serializer", ""))
+            if versions[0]:
+                self.versions[endpoint.id] = versions
+        python, serializer = versions
+        if not python:
             return  # never connected yet: its agent checks when it starts
         if python != fn.python or serializer != fn.serializer:
             raise ServiceError(

@@ -33,6 +33,24 @@ __all__ = ["TaskStore"]
 DONE = (TaskState.SUCCESS.value, TaskState.FAILED.value, TaskState.CANCELLED.value)
 CANCELLED_RESULT = msgpack.packb([2, b"", []])  # Status.SKIPPED, as an agent would send
 
+# Rows travel to and from the scripts as one msgpack string (Redis's Lua has
+# cmsgpack, which reads the old "raw" string type: packed with use_bin_type=False).
+_SUBMIT = """
+local t = cmsgpack.unpack(ARGV[2])
+local owner, endpoint, group, submitted = t[1], t[2], t[3], t[4]
+for _, r in ipairs(t[5]) do
+  local id = r[1]
+  redis.call('HSET', ARGV[1] .. id, 'state', 'waiting-for-endpoint', 'owner', owner,
+             'endpoint', endpoint, 'function', r[2], 'group', group, 'submitted', submitted,
+             'payload', r[3], 'timeout', r[4])
+  redis.call('ZADD', KEYS[2], submitted, id)
+  redis.call('RPUSH', KEYS[1], id)
+  redis.call('RPUSH', KEYS[3], id)
+end
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return #t[5]
+"""
+
 _TAKE = """
 local out = {}
 local n = tonumber(ARGV[1])
@@ -45,26 +63,22 @@ while taken < n do
   if v[1] == 'waiting-for-endpoint' then
     redis.call('HSET', key, 'state', 'dispatched', 'dispatched', ARGV[4])
     redis.call('HSET', KEYS[2], id, ARGV[2])
-    out[#out + 1] = id
-    out[#out + 1] = v[2]
-    out[#out + 1] = v[3]
-    out[#out + 1] = v[4] or ''
+    out[#out + 1] = {id, v[2], v[3], v[4] or ''}
     taken = taken + 1
   end
 end
-return out
+return cmsgpack.pack(out)
 """
 
 _FINISH = """
 local out = {}
-for i = 5, #ARGV, 4 do
-  local id = ARGV[i]
+for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
+  local id = r[1]
   local key = ARGV[1] .. id
   local v = redis.call('HMGET', key, 'state', 'endpoint')
   if v[2] == ARGV[4] then
     if v[1] == 'dispatched' or v[1] == 'running' or v[1] == 'waiting-for-endpoint' then
-      redis.call('HSET', key, 'state', ARGV[i + 1], 'result', ARGV[i + 2],
-                 'record', ARGV[i + 3], 'ended', ARGV[2])
+      redis.call('HSET', key, 'state', r[2], 'result', r[3], 'record', r[4], 'ended', ARGV[2])
       redis.call('HDEL', key, 'payload')
       redis.call('EXPIRE', key, ARGV[3])
       out[#out + 1] = id
@@ -107,6 +121,12 @@ return conn or ''
 _FIELDS = ("state", "owner", "endpoint", "function", "group", "submitted", "dispatched", "ended")
 
 
+def _raw(obj: object) -> bytes:
+    """msgpack that Redis's Lua cmsgpack reads: bytes as the old raw string type."""
+    data: bytes = msgpack.packb(obj, use_bin_type=False)
+    return data
+
+
 def _text(value: bytes | None) -> str:
     return value.decode() if value else ""
 
@@ -119,6 +139,7 @@ class TaskStore:
         self.keys = keys
         self.result_ttl = max(1, int(result_ttl))
         self._task_prefix = keys.task("")
+        self._submit = redis.register_script(_SUBMIT)
         self._take = redis.register_script(_TAKE)
         self._finish = redis.register_script(_FINISH)
         self._requeue = redis.register_script(_REQUEUE)
@@ -132,54 +153,45 @@ class TaskStore:
         tasks: Sequence[tuple[str, str, bytes, float | None]],
     ) -> None:
         """Queue ``(task_id, function_id, payload, timeout)`` rows for an endpoint."""
-        now = time.time()
-        pipe = self.redis.pipeline(transaction=False)
-        scores: dict[str, float] = {}
-        for task_id, function_id, payload, timeout in tasks:
-            pipe.hset(
-                self._task_prefix + task_id,
-                mapping={
-                    "state": TaskState.WAITING.value,
-                    "owner": owner,
-                    "endpoint": endpoint_id,
-                    "function": function_id,
-                    "group": group_id,
-                    "submitted": repr(now),
-                    "payload": payload,
-                    "timeout": "" if timeout is None else repr(timeout),
-                },
-            )
-            scores[task_id] = now
-        ids = [row[0] for row in tasks]
-        pipe.zadd(self.keys.user_tasks(owner), scores)
-        pipe.rpush(self.keys.group(group_id), *ids)
-        pipe.expire(self.keys.group(group_id), self.result_ttl)
-        pipe.rpush(self.keys.endpoint_queue(endpoint_id), *ids)
-        await pipe.execute()
+        rows = [
+            (task_id, fn, payload, "" if timeout is None else repr(timeout))
+            for task_id, fn, payload, timeout in tasks
+        ]
+        blob = _raw([owner, endpoint_id, group_id, repr(time.time()), rows])
+        await self._submit(
+            keys=[
+                self.keys.endpoint_queue(endpoint_id),
+                self.keys.user_tasks(owner),
+                self.keys.group(group_id),
+            ],
+            args=[self._task_prefix, blob, self.result_ttl],
+        )
 
     async def take(
         self, endpoint_id: str, conn_id: str, n: int
     ) -> list[tuple[str, str, bytes, float | None]]:
         """Up to ``n`` waiting tasks of an endpoint, now in flight on ``conn_id``."""
-        flat = await self._take(
+        blob = await self._take(
             keys=[self.keys.endpoint_queue(endpoint_id), self.keys.endpoint_inflight(endpoint_id)],
             args=[n, conn_id, self._task_prefix, repr(time.time())],
         )
+        rows = msgpack.unpackb(blob, raw=True)
+        if not rows:  # cmsgpack packs an empty table as a map
+            return []
         return [
-            (
-                flat[i].decode(),
-                flat[i + 1].decode(),
-                flat[i + 2],
-                float(flat[i + 3]) if flat[i + 3] else None,
-            )
-            for i in range(0, len(flat), 4)
+            (task_id.decode(), fn.decode(), payload, float(timeout) if timeout else None)
+            for task_id, fn, payload, timeout in rows
         ]
 
     async def finish(self, endpoint_id: str, results: Sequence[Sequence[Any]]) -> list[str]:
         """Store ``(task_id, state, result, record)`` rows; the ids stored (first wins)."""
-        args: list[Any] = [self._task_prefix, repr(time.time()), self.result_ttl, endpoint_id]
-        for task_id, state, result, record in results:
-            args += [task_id, state, result, record]
+        args = [
+            self._task_prefix,
+            repr(time.time()),
+            self.result_ttl,
+            endpoint_id,
+            _raw([list(row) for row in results]),
+        ]
         stored = await self._finish(keys=[self.keys.endpoint_inflight(endpoint_id)], args=args)
         return [value.decode() for value in stored]
 

@@ -115,6 +115,7 @@ async def get_endpoint(endpoint_id: str, user: User, ctx: Ctx) -> dict[str, Any]
 async def delete_endpoint(endpoint_id: str, user: User, ctx: Ctx) -> dict[str, Any]:
     await ctx.endpoint(user, endpoint_id, own=True)
     await run_in_threadpool(ctx.registry.delete_endpoint, endpoint_id)
+    ctx.forget_endpoint(endpoint_id)
     for conn_id in list(ctx.hub.endpoint_agents.get(endpoint_id, ())):
         agent = ctx.hub.agents.get(conn_id)
         if agent is not None:
@@ -126,6 +127,7 @@ async def delete_endpoint(endpoint_id: str, user: User, ctx: Ctx) -> dict[str, A
 async def share_endpoint(endpoint_id: str, body: ShareIn, user: User, ctx: Ctx) -> dict[str, Any]:
     await ctx.endpoint(user, endpoint_id, own=True)
     await _share(ctx, "endpoint", endpoint_id, body)
+    ctx.forget_endpoint(endpoint_id)
     return await ctx.endpoint_status(await ctx.endpoint(user, endpoint_id))
 
 

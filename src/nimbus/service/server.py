@@ -37,6 +37,7 @@ def serve(
             log_level="warning",
             ws_max_size=max(16 << 20, min(settings.max_payload * 2, 1 << 31)),
             ws_ping_interval=None,
+            ws_per_message_deflate=False,  # payloads are pickles: compressing costs, gains little
             lifespan="on",
         )
         server = uvicorn.Server(config)

@@ -38,7 +38,7 @@ async def submit_tasks(
         raise ServiceError("tasks: give at least one task", 422)
     if len(rows) > MAX_BATCH:
         raise ServiceError(f"tasks: at most {MAX_BATCH} tasks per batch", 422)
-    endpoint = await ctx.endpoint(user, endpoint_id)
+    endpoint = await ctx.endpoint(user, endpoint_id, cached=True)
     limit = ctx.settings.max_payload
     for fn_id in {row[0] for row in rows}:
         fn = await ctx.function(user, fn_id)

@@ -28,6 +28,7 @@ __all__ = ["agent_socket", "client_socket"]
 
 log = logging.getLogger(__name__)
 TAKE_MAX = 2000
+COALESCE = 0.001
 
 
 def bearer(headers: Any) -> str | None:
@@ -64,6 +65,7 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
         workers=int(hello.get("workers", 0)),
         last_heartbeat=repr(time.time()),
     )
+    ctx.versions[endpoint_id] = (str(hello.get("python", "")), str(hello.get("serializer", "")))
     ctx.hub.add_agent(endpoint_id, peer)
     sent: set[str] = set()
     room = asyncio.Event()
@@ -110,6 +112,7 @@ async def _dispatch(
 ) -> None:
     known: set[str] = set()
     wake = ctx.hub.wakeup(endpoint_id)
+    last = 0.0
     while not peer.closed:
         free = window - len(sent)
         if free <= 0:
@@ -117,7 +120,10 @@ async def _dispatch(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(room.wait(), 1.0)
             continue
+        if time.monotonic() - last < COALESCE:
+            await asyncio.sleep(COALESCE)  # busy: let more tasks join this batch
         wake.clear()
+        last = time.monotonic()
         rows = await ctx.store.take(endpoint_id, peer.conn_id, min(free, TAKE_MAX))
         if not rows:
             with contextlib.suppress(TimeoutError):
