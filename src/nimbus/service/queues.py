@@ -185,7 +185,7 @@ class TaskStore:
 
     async def finish(self, endpoint_id: str, results: Sequence[Sequence[Any]]) -> list[str]:
         """Store ``(task_id, state, result, record)`` rows; the ids stored (first wins)."""
-        args = [
+        args: list[Any] = [
             self._task_prefix,
             repr(time.time()),
             self.result_ttl,
