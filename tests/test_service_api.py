@@ -5,10 +5,10 @@ from __future__ import annotations
 import base64
 
 import pytest
-from service_support import Service
 
 from nimbus.errors import AuthError, NotFound, PayloadTooLargeError
 from nimbus.service.protocol import PYTHON, SERIALIZER
+from service_support import Service
 
 
 def _fn_body(name: str = "f") -> dict[str, str]:

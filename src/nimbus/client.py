@@ -136,7 +136,7 @@ class Client:
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout,
         )
-        self._functions = serialization.FunctionCache()
+        self._functions = serialization.FunctionCache(by_value=True)
         self._registered: dict[str, str] = {}
 
     # ------------------------------------------------------------ plumbing

@@ -129,7 +129,6 @@ class Executor(cf.Executor):
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; known: {', '.join(sorted(BACKENDS))}")
         self._max_workers = max_workers
-        self._functions = serialization.FunctionCache()
         self._seq = itertools.count()
         self._prefix = uuid.uuid4().int & ~((1 << 64) - 1)
         self._futures: dict[int, Future] = {}
@@ -143,6 +142,10 @@ class Executor(cf.Executor):
             on_notice=on_notice,
             settings=self.settings,
             endpoint=endpoint,
+        )
+        # a remote backend's workers cannot import the caller's own modules
+        self._functions = serialization.FunctionCache(
+            by_value=getattr(self._backend, "remote", False)
         )
         _live.add(self)
 

@@ -69,6 +69,7 @@ class ServiceBackend:
         if not endpoint:
             raise ConfigError("the service backend needs an endpoint: Executor(endpoint='name')")
         self.capacity = workers
+        self.remote = True  # the Executor pickles the caller's own functions by value
         self.client = Client(settings=settings)
         info = self.client.get_endpoint(endpoint)
         if info.get("python") and (info["python"], info["serializer"]) != (PYTHON, SERIALIZER):
