@@ -90,14 +90,11 @@ class Stack:
 
     def start_service(self) -> None:
         url_file = self.root / "url"
-        log = open(self.root / "service.log", "ab")  # noqa: SIM115
-        self.service = subprocess.Popen(
-            [sys.executable, "-c", CLI, "service", "start", "--port", "0"]
-            + ["--url-file", str(url_file)],
-            env=self.env,
-            stdout=log,
-            stderr=log,
-        )
+        cmd = [sys.executable, "-c", CLI, "service", "start", "--port", "0"]
+        with open(self.root / "service.log", "ab") as log:
+            self.service = subprocess.Popen(
+                [*cmd, "--url-file", str(url_file)], env=self.env, stdout=log, stderr=log
+            )
         deadline = time.monotonic() + 60
         while not url_file.exists():
             if self.service.poll() is not None or time.monotonic() > deadline:
@@ -124,14 +121,14 @@ class Stack:
         ).save()
 
     def start_agent(self, name: str) -> None:
-        log = open(self.root / "agent.log", "ab")  # noqa: SIM115
-        self.agent = subprocess.Popen(
-            [sys.executable, "-m", "nimbus.endpoint.agent", name],
-            env=self.env,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
+        with open(self.root / "agent.log", "ab") as log:
+            self.agent = subprocess.Popen(
+                [sys.executable, *os.environ.get("BENCH_AGENT_PREFIX", "").split(), "-m", "nimbus.endpoint.agent", name],
+                env=self.env,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
         from nimbus.client import Client
 
         with Client(settings=self.settings) as client:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import threading
 import time
@@ -26,7 +27,7 @@ from typing import Any
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
-from nimbus import serialization
+from nimbus import _loop, serialization
 from nimbus.backends import DispatchCallback, ResultCallback
 from nimbus.client import Client, error_for
 from nimbus.config import Settings
@@ -45,6 +46,9 @@ from nimbus.service.protocol import (
 )
 
 __all__ = ["ServiceBackend"]
+
+_FIELDS = [f.name for f in dataclasses.fields(TaskRecord)]
+_OURS = frozenset(("task_id", "state", "function", "submitted"))
 
 CONNECT_TIMEOUT = 15.0
 COALESCE = 0.001  # a burst of submits within a millisecond travels as one message
@@ -93,7 +97,7 @@ class ServiceBackend:
         self._idle = threading.Condition(self._lock)
         self._outstanding = 0
         self._closing = False
-        self._loop = asyncio.new_event_loop()
+        self._loop = _loop.new_event_loop()
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._connected = threading.Event()
         self._error: BaseException | None = None
@@ -269,14 +273,11 @@ class ServiceBackend:
             if task is None:
                 continue
             task.status, task.data, task.result_buffers = unpack_result(blob)
-            if record:
-                remote = TaskRecord.from_wire(unpack(record))
-                remote.task_id = task.record.task_id
-                remote.submitted = task.record.submitted
-                remote.function = task.record.function
-                for name, value in remote.as_dict().items():
-                    if name != "state":
-                        setattr(task.record, name, value)
+            if record:  # the worker's measures: keep our id, function, state, submit time
+                mine = task.record
+                for name, value in zip(_FIELDS, unpack(record)):
+                    if name not in _OURS:
+                        setattr(mine, name, value)
             done.append(task)
         self._deliver(done)
 

@@ -30,7 +30,7 @@ from typing import Any
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
-from nimbus import serialization
+from nimbus import _loop, serialization
 from nimbus.endpoint.config import EndpointConfig
 from nimbus.errors import AuthError, RemoteError
 from nimbus.records import TaskRecord, TaskState
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: agent.stop())
     config.pid_file.write_text(f"{os.getpid()}\n")
     try:
-        asyncio.run(agent.run())
+        _loop.run(agent.run())
     except AuthError as exc:
         print(f"nimbus endpoint {config.name}: {exc}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
+from nimbus import _loop
 from nimbus.config import Settings
 from nimbus.statestore import StateStore
 
@@ -41,7 +42,7 @@ def serve(
             lifespan="on",
         )
         server = uvicorn.Server(config)
-        asyncio.run(_run(server, url_file))
+        _loop.run(_run(server, url_file))
     finally:
         store.close()
 
