@@ -9,6 +9,7 @@ directly (schemathesis's pytest plugin does not load on this pytest).
 from __future__ import annotations
 
 import pytest
+
 from service_support import Service
 
 schemathesis = pytest.importorskip("schemathesis")
