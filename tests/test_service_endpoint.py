@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -210,3 +212,36 @@ def test_endpoints_listing(alice: Client, lab: EndpointProcess) -> None:
     assert rows["lab"]["last_heartbeat"] > time.time() - 5
     with pytest.raises(NotFound):
         alice.get_endpoint("nope")
+
+
+def test_silent_agent_is_lost_and_its_tasks_run_elsewhere(
+    service: Service, alice: Client, tmp_path: Path
+) -> None:
+    """A frozen agent (its link cut: no heartbeats, no close) loses its tasks to another."""
+    frozen = EndpointProcess(service, alice, "frozen").start(alice)
+    runs = tmp_path / "runs.txt"
+    n = 12
+    ids = alice.batch_run(mark_and_nap, [(str(runs), i, 0.3) for i in range(n)], endpoint="frozen")
+    deadline = time.monotonic() + 30
+    while not runs.exists() or not runs.read_text().split():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert frozen.proc is not None
+    os.killpg(frozen.proc.pid, signal.SIGSTOP)  # agent and workers stop; the socket stays open
+    try:
+        lost = time.monotonic() + 10  # 3 heartbeats of 0.3 s, then the service gives up on it
+        while alice.get_endpoint("frozen")["online"]:
+            assert time.monotonic() < lost
+            time.sleep(0.05)
+        helper = EndpointProcess(service, alice, "frozen").start(alice)
+        try:
+            results = [alice.get_result(i, timeout=60) for i in ids]
+        finally:
+            os.killpg(frozen.proc.pid, signal.SIGCONT)  # heal: it comes back, finds nothing new
+        assert results == list(range(n))
+        time.sleep(1.5)
+        assert {t["state"] for t in (alice.get_task(i) for i in ids)} == {"success"}
+        assert [alice.get_result(i, timeout=5) for i in ids] == list(range(n))
+        helper.stop()
+    finally:
+        frozen.kill()
