@@ -101,7 +101,9 @@ def test_executor_cancel_and_timeout(service: Service, alice: Client, lab: Endpo
         time.sleep(0.5)
         assert all(f.cancel() for f in slow)
         assert all(f.cancelled() for f in slow)
-        assert ex.submit(square, 3).result(30) == 9  # workers were freed for new work
+        start = time.monotonic()
+        assert ex.submit(square, 3).result(30) == 9
+        assert time.monotonic() - start < 3, "the cancelled tasks kept the workers busy"
         limited = ex.options(timeout=0.5).submit(nap, 30)
         with pytest.raises(TaskTimeoutError):
             limited.result(30)
@@ -117,6 +119,7 @@ def test_client_cancel_queued(alice: Client, lab: EndpointProcess) -> None:
     blockers = alice.batch_run(nap, [(1.0,)] * 4, endpoint="lab")
     queued = alice.run(square, 5, endpoint="lab")
     assert alice.cancel(queued)
+    assert not alice.cancel(queued)  # once
     with pytest.raises(cf.CancelledError):
         alice.get_result(queued, timeout=30)
     assert alice.get_task(queued)["state"] == "cancelled"

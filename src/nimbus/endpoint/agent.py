@@ -98,7 +98,9 @@ class EndpointAgent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Event | None = None
         self._stopped: asyncio.Event | None = None
-        self.runtime = Agent(on_results=self._on_results, name=f"endpoint/{name}")
+        self.runtime = Agent(
+            on_results=self._on_results, on_dispatch=self._on_dispatch, name=f"endpoint/{name}"
+        )
         self.runtime.add_manager(workers, prefetch=prefetch)
 
     # ------------------------------------------------------------ running
@@ -252,6 +254,16 @@ class EndpointAgent:
         if failed or self._outbox:
             assert self._ready is not None
             self._ready.set()
+
+    def _on_dispatch(self, tasks: list[Task]) -> list[Task]:
+        """On the runtime's thread: a cancelled task going (back) to a worker ends here."""
+        cancelled = [task for task in tasks if task.cancelled]
+        if not cancelled:
+            return tasks
+        for task in cancelled:
+            task.status, task.data = Status.SKIPPED, b""
+        self._on_results(cancelled)
+        return [task for task in tasks if not task.cancelled]
 
     def _on_results(self, tasks: list[Task]) -> None:
         """On the runtime's thread: hand finished tasks to the event loop."""

@@ -69,11 +69,15 @@ class Hub:
         for task_id in [t for t, p in self.watchers.items() if p is peer]:
             del self.watchers[task_id]
 
-    async def wait_done(self, task_id: str, timeout: float) -> None:
+    async def wait_done(
+        self, task_id: str, timeout: float, done: Callable[[], Awaitable[bool]]
+    ) -> None:
+        """Wait until ``task_id`` finishes (``done()`` is asked once the wait is registered)."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiters[task_id].append(future)
         try:
-            await asyncio.wait_for(future, timeout)
+            if not await done():
+                await asyncio.wait_for(future, timeout)
         except TimeoutError:
             pass
         finally:

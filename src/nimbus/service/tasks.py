@@ -203,9 +203,13 @@ async def get_result(
     ctx: Ctx,
     wait: Annotated[float, Query(ge=0, le=300)] = 0.0,
 ) -> Response:
-    info = await ctx.task(user, task_id)
-    if wait and not TaskState(str(info["state"])).done:
-        await ctx.hub.wait_done(task_id, wait)
+    async def done() -> bool:
+        return TaskState(str((await ctx.task(user, task_id))["state"])).done
+
+    if wait:
+        await ctx.hub.wait_done(task_id, wait, done)
+    else:
+        await ctx.task(user, task_id)
     [result] = await ctx.store.results([task_id])
     state = result[0] if result else (await ctx.task(user, task_id))["state"]
     body = {"task_id": task_id, "state": state, "result": result[1] if result else None}
