@@ -94,6 +94,7 @@ class ServiceBackend:
         self._refs = itertools.count()
         self._unaccepted: dict[int, list[Task]] = {}
         self._by_id: dict[str, Task] = {}
+        self._early: dict[str, list[Any]] = {}  # results that arrived before their "accepted"
         self._idle = threading.Condition(self._lock)
         self._outstanding = 0
         self._closing = False
@@ -251,11 +252,19 @@ class ServiceBackend:
             elif op == "accepted":
                 tasks = self._unaccepted.pop(msg["ref"], [])
                 cancels = []
+                early = []
                 for task, task_id in zip(tasks, msg["ids"]):
                     task.record.task_id = task_id
                     self._by_id[task_id] = task
                     if task.cancelled:
                         cancels.append(task_id)
+                    row = self._early.pop(task_id, None)
+                    if row is not None:
+                        early.append(row)
+                if not self._unaccepted:
+                    self._early.clear()  # all replies are in: no other can be ours
+                if early:
+                    self._results(early)
                 if cancels:
                     await ws.send(pack({"op": "cancel", "ids": cancels}))
             elif op == "refused":
@@ -268,9 +277,12 @@ class ServiceBackend:
 
     def _results(self, rows: list[list[Any]]) -> None:
         done = []
-        for task_id, _state, blob, record in rows:
+        for row in rows:
+            task_id, _state, blob, record = row
             task = self._by_id.pop(task_id, None)
             if task is None:
+                if self._unaccepted:  # it overtook the reply that names it
+                    self._early[task_id] = row
                 continue
             task.status, task.data, task.result_buffers = unpack_result(blob)
             if record:  # the worker's measures: keep our id, function, state, submit time

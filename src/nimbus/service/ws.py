@@ -81,8 +81,8 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                 ids = [row[0] for row in rows]
                 sent.difference_update(ids)
                 room.set()
-                await peer.send(pack({"op": "ack", "ids": ids}))
                 await ctx.hub.deliver([row for row in rows if row[0] in stored])
+                await peer.send(pack({"op": "ack", "ids": ids}))
             elif op == "beat":
                 await peer.send(pack({"op": "beat", "t": msg.get("t")}))
                 await ctx.store.set_status(endpoint_id, last_heartbeat=repr(time.time()))
@@ -176,8 +176,8 @@ async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                     )
                     continue
                 ctx.hub.watch(ids, peer)
+                ctx.hub.work_arrived(endpoint_id)  # results may overtake this reply: clients wait
                 await peer.send(pack({"op": "accepted", "ref": ref, "ids": ids, "group": group_id}))
-                ctx.hub.work_arrived(endpoint_id)
             elif op == "watch":
                 await _watch(ctx, user.user_id, [str(i) for i in msg.get("ids", [])], peer)
             elif op == "cancel":
