@@ -262,12 +262,15 @@ async def _simulated_agents(stack: Stack, tokens: list[str], seconds: float) -> 
             await ws.send(pack(hello | {"workers": 1, "window": 1, "held": []}))
             end = time.monotonic() + seconds
             await asyncio.sleep(hash(token) % 1000 / 1000)  # spread the beats
+            first = True
             while time.monotonic() < end:
                 sent = time.monotonic()
                 await ws.send(pack({"op": "beat", "t": sent}))
                 while unpack(await ws.recv()).get("op") != "beat":
                     pass
-                latencies.append(time.monotonic() - sent)
+                if not first:  # the first beats meet 100 connections being set up
+                    latencies.append(time.monotonic() - sent)
+                first = False
                 await asyncio.sleep(1.0)
 
     await asyncio.gather(*(agent(token) for token in tokens))

@@ -128,7 +128,9 @@ class ServiceContext:
             "workers": int(status.get("workers", 0)) if online else 0,
             "python": status.get("python", ""),
             "serializer": status.get("serializer", ""),
-            "last_heartbeat": float(status.get("last_heartbeat", 0.0)),
+            "last_heartbeat": max(
+                float(status.get("last_heartbeat", 0.0)), self.hub.beats.get(info.id, 0.0)
+            ),
             "queued": await self.store.queue_length(info.id),
         }
 

@@ -42,6 +42,7 @@ class Hub:
         self.endpoint_agents: dict[str, set[str]] = defaultdict(set)
         self.watchers: dict[str, Peer] = {}  # task id -> client peer
         self.waiters: dict[str, list[asyncio.Future[None]]] = defaultdict(list)
+        self.beats: dict[str, float] = {}  # endpoint id -> time of its last heartbeat
         self._wakeups: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
 
     def wakeup(self, endpoint_id: str) -> asyncio.Event:

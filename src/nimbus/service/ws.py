@@ -28,6 +28,8 @@ __all__ = ["agent_socket", "client_socket"]
 
 log = logging.getLogger(__name__)
 TAKE_MAX = 2000
+IDLE_POLL = 5.0  # seconds; submits in this process wake a dispatcher at once
+BEAT_SAVE_SECONDS = 10.0
 COALESCE = 0.001
 
 
@@ -71,6 +73,7 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     room = asyncio.Event()
     dispatcher = asyncio.create_task(_dispatch(ctx, endpoint_id, peer, window, sent, room))
     silence = 3 * ctx.settings.heartbeat
+    saved = time.time()
     try:
         while True:
             msg = unpack(await asyncio.wait_for(ws.receive_bytes(), silence))
@@ -85,7 +88,11 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                 await peer.send(pack({"op": "ack", "ids": ids}))
             elif op == "beat":
                 await peer.send(pack({"op": "beat", "t": msg.get("t")}))
-                await ctx.store.set_status(endpoint_id, last_heartbeat=repr(time.time()))
+                now = time.time()
+                ctx.hub.beats[endpoint_id] = now
+                if now - saved > BEAT_SAVE_SECONDS:  # Redis keeps it for a restart
+                    saved = now
+                    await ctx.store.set_status(endpoint_id, last_heartbeat=repr(now))
     except (WebSocketDisconnect, TimeoutError):
         pass
     except Exception:
@@ -127,7 +134,7 @@ async def _dispatch(
         rows = await ctx.store.take(endpoint_id, peer.conn_id, min(free, TAKE_MAX))
         if not rows:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), 1.0)
+                await asyncio.wait_for(wake.wait(), IDLE_POLL)
             continue
         out = []
         for task_id, function_id, payload, timeout in rows:
