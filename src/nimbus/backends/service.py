@@ -51,6 +51,7 @@ _FIELDS = [f.name for f in dataclasses.fields(TaskRecord)]
 _OURS = frozenset(("task_id", "state", "function", "submitted"))
 
 CONNECT_TIMEOUT = 15.0
+KEEPALIVE = 5.0  # seconds between WebSocket pings to the service
 COALESCE = 0.001  # a burst of submits within a millisecond travels as one message
 COALESCE_MAX = 4096
 
@@ -165,7 +166,8 @@ class ServiceBackend:
                     url,
                     additional_headers={"Authorization": f"Bearer {self.client.token}"},
                     max_size=None,
-                    ping_interval=None,
+                    ping_interval=KEEPALIVE,  # a link cut silently is noticed
+                    ping_timeout=3 * KEEPALIVE,
                     compression=None,
                     open_timeout=10,
                 ) as ws:

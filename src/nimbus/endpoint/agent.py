@@ -117,7 +117,8 @@ class EndpointAgent:
                         self.url,
                         additional_headers={"Authorization": f"Bearer {self.token}"},
                         max_size=None,
-                        ping_interval=None,
+                        ping_interval=self.heartbeat,  # a link cut silently is noticed
+                        ping_timeout=3 * self.heartbeat,
                         compression=None,
                         open_timeout=10,
                     ) as ws:

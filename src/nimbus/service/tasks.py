@@ -150,8 +150,14 @@ async def submit(body: SubmitBody, user: User, ctx: Ctx) -> dict[str, Any]:
     },
 )
 async def submit_batch(request: Request, user: User, ctx: Ctx) -> Response:
+    body = await request.body()
+    if len(body) > ctx.settings.max_payload:  # sent without a Content-Length
+        raise PayloadTooLargeError(
+            f"request body of {len(body)} bytes exceeds the limit of {ctx.settings.max_payload} "
+            f"bytes (NIMBUS_MAX_PAYLOAD on the service)"
+        )
     try:
-        msg = unpack(await request.body())
+        msg = unpack(body)
         endpoint_id = msg["endpoint_id"]
         rows = [(str(f), bytes(p), t) for f, p, t in msg["tasks"]]
         if not isinstance(endpoint_id, str):
