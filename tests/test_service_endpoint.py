@@ -248,3 +248,27 @@ def test_silent_agent_is_lost_and_its_tasks_run_elsewhere(
         helper.stop()
     finally:
         frozen.kill()
+
+
+def test_executor_refuses_unknown_or_mismatched_endpoints(service: Service, alice: Client) -> None:
+    from websockets.sync.client import connect
+
+    from nimbus.service.protocol import PYTHON, SERIALIZER, pack
+
+    settings = _settings(service, alice)
+    with pytest.raises(NotFound, match="nope"):
+        Executor(endpoint="nope", settings=settings)
+    old = alice.register_endpoint("old-python")
+    url = service.url.replace("http://", "ws://") + "/v1/ws/endpoint"
+    with connect(url, additional_headers={"Authorization": f"Bearer {old['token']}"}) as ws:
+        ws.send(pack({"op": "hello", "python": "3.9", "serializer": SERIALIZER, "workers": 1}))
+        deadline = time.monotonic() + 10
+        while not alice.get_endpoint("old-python")["online"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(VersionMismatchError) as info:
+            Executor(endpoint="old-python", settings=settings)
+        message = str(info.value)
+        assert "Python 3.9" in message and f"Python {PYTHON}" in message
+        with pytest.raises(VersionMismatchError, match=r"Python 3\.9"):
+            alice.run(square, 1, endpoint="old-python")

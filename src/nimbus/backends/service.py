@@ -76,8 +76,13 @@ class ServiceBackend:
         self.capacity = workers
         self.remote = True  # the Executor pickles the caller's own functions by value
         self.client = Client(settings=settings)
-        info = self.client.get_endpoint(endpoint)
+        try:
+            info = self.client.get_endpoint(endpoint)
+        except BaseException:
+            self.client.close()
+            raise
         if info.get("python") and (info["python"], info["serializer"]) != (PYTHON, SERIALIZER):
+            self.client.close()
             raise VersionMismatchError(
                 f"endpoint {endpoint!r} runs Python {info['python']} with serializer "
                 f"{info['serializer']}, this client runs Python {PYTHON} with serializer "
