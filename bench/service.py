@@ -123,7 +123,7 @@ class Stack:
     def start_agent(self, name: str) -> None:
         with open(self.root / "agent.log", "ab") as log:
             self.agent = subprocess.Popen(
-                [sys.executable, *os.environ.get("BENCH_AGENT_PREFIX", "").split(), "-m", "nimbus.endpoint.agent", name],
+                [sys.executable, "-m", "nimbus.endpoint.agent", name],
                 env=self.env,
                 stdout=log,
                 stderr=log,
