@@ -272,3 +272,14 @@ def test_executor_refuses_unknown_or_mismatched_endpoints(service: Service, alic
         assert "Python 3.9" in message and f"Python {PYTHON}" in message
         with pytest.raises(VersionMismatchError, match=r"Python 3\.9"):
             alice.run(square, 1, endpoint="old-python")
+
+
+def test_running_state_is_visible(alice: Client, lab: EndpointProcess) -> None:
+    task_id = alice.run(nap, 1.5, endpoint="lab")
+    deadline = time.monotonic() + 10
+    while alice.get_task(task_id)["state"] != "running":
+        assert time.monotonic() < deadline, alice.get_task(task_id)
+        time.sleep(0.05)
+    assert task_id in [t["task_id"] for t in alice.list_tasks("running")]
+    assert alice.get_result(task_id, timeout=30) == 1.5
+    assert alice.get_task(task_id)["state"] == "success"

@@ -56,6 +56,7 @@ STATES = {
     Status.SKIPPED: TaskState.CANCELLED.value,
 }
 MAX_BACKOFF = 5.0
+RUNNING_AFTER = 0.05  # seconds: shorter tasks go from dispatched to done unreported
 MIN_WINDOW = 1024  # tasks in flight from the service: enough to cover its round trip
 SEND_CHUNK = 5000
 COALESCE = 0.001
@@ -94,6 +95,7 @@ class EndpointAgent:
         self._unacked: dict[str, list[Any]] = {}
         self._outbox: list[list[Any]] = []
         self._functions: dict[str, bytes] = {}
+        self._dispatched: dict[str, float] = {}  # task id -> when a worker got it
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Event | None = None
@@ -169,6 +171,7 @@ class EndpointAgent:
             asyncio.create_task(self._reader(ws)),
             asyncio.create_task(self._sender(ws)),
             asyncio.create_task(self._beater(ws)),
+            asyncio.create_task(self._marker(ws)),
             asyncio.create_task(self._stopped.wait()),
         ]
         try:
@@ -216,6 +219,21 @@ class EndpointAgent:
             await ws.send(pack({"op": "beat", "t": time.monotonic()}))
             await asyncio.sleep(self.heartbeat)
 
+    async def _marker(self, ws: ClientConnection) -> None:
+        """Tell the service which tasks run (those still running RUNNING_AFTER after start)."""
+        while True:
+            await asyncio.sleep(RUNNING_AFTER)
+            now = time.monotonic()
+            running = []
+            for task_id, since in list(self._dispatched.items()):
+                if task_id not in self._held:
+                    self._dispatched.pop(task_id, None)
+                elif now - since >= RUNNING_AFTER:
+                    running.append(task_id)
+                    self._dispatched.pop(task_id, None)
+            if running:
+                await ws.send(pack({"op": "running", "ids": running}))
+
     # ------------------------------------------------------------ tasks
 
     def _start(self, rows: list[list[Any]]) -> None:
@@ -258,6 +276,9 @@ class EndpointAgent:
 
     def _on_dispatch(self, tasks: list[Task]) -> list[Task]:
         """On the runtime's thread: a cancelled task going (back) to a worker ends here."""
+        now = time.monotonic()
+        for task in tasks:
+            self._dispatched[task.record.task_id] = now
         cancelled = [task for task in tasks if task.cancelled]
         if not cancelled:
             return tasks

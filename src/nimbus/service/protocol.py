@@ -4,6 +4,7 @@ WebSocket messages are msgpack maps with an ``op``::
 
     agent  -> service   hello {python, serializer, workers, window, held}
                         results {results: [[task_id, state, result, record], ...]}
+                        running {ids}  (tasks on a worker for 50 ms or more)
                         beat {t}
     service -> agent    tasks {tasks: [[task_id, function_id, body | None, payload,
                         timeout], ...]}  (a function's body comes once per connection)

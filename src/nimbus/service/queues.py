@@ -89,6 +89,17 @@ end
 return out
 """
 
+_RUNNING = """
+for i = 3, #ARGV do
+  local key = ARGV[1] .. ARGV[i]
+  local v = redis.call('HMGET', key, 'state', 'endpoint')
+  if v[1] == 'dispatched' and v[2] == ARGV[2] then
+    redis.call('HSET', key, 'state', 'running')
+  end
+end
+return 0
+"""
+
 _REQUEUE = """
 local rows = redis.call('HGETALL', KEYS[2])
 local n = 0
@@ -143,6 +154,7 @@ class TaskStore:
         self._take = redis.register_script(_TAKE)
         self._finish = redis.register_script(_FINISH)
         self._requeue = redis.register_script(_REQUEUE)
+        self._running = redis.register_script(_RUNNING)
         self._cancel = redis.register_script(_CANCEL)
 
     async def submit(
@@ -194,6 +206,11 @@ class TaskStore:
         ]
         stored = await self._finish(keys=[self.keys.endpoint_inflight(endpoint_id)], args=args)
         return [value.decode() for value in stored]
+
+    async def running(self, endpoint_id: str, task_ids: Sequence[str]) -> None:
+        """Mark dispatched tasks of ``endpoint_id`` as running (its agent said so)."""
+        if task_ids:
+            await self._running(args=[self._task_prefix, endpoint_id, *task_ids])
 
     async def requeue(self, endpoint_id: str, conn_id: str = "") -> int:
         """Put tasks in flight on ``conn_id`` (all if empty) back at the queue head."""

@@ -86,6 +86,8 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                 room.set()
                 await ctx.hub.deliver([row for row in rows if row[0] in stored])
                 await peer.send(pack({"op": "ack", "ids": ids}))
+            elif op == "running":
+                await ctx.store.running(endpoint_id, [str(i) for i in msg.get("ids", [])])
             elif op == "beat":
                 await peer.send(pack({"op": "beat", "t": msg.get("t")}))
                 now = time.time()
