@@ -52,7 +52,7 @@ _OURS = frozenset(("task_id", "state", "function", "submitted"))
 
 CONNECT_TIMEOUT = 15.0
 KEEPALIVE = 5.0  # seconds between WebSocket pings to the service
-COALESCE = 0.001  # a burst of submits within a millisecond travels as one message
+COALESCE = 0.002  # within 2 ms of the last send, wait to gather more
 COALESCE_MAX = 4096
 
 
@@ -291,10 +291,15 @@ class ServiceBackend:
                 if self._unaccepted:  # it overtook the reply that names it
                     self._early[task_id] = row
                 continue
-            task.status, task.data, task.result_buffers = unpack_result(blob)
+            if isinstance(blob, bytes):  # from storage (a watch after a reconnect)
+                task.status, task.data, task.result_buffers = unpack_result(blob)
+            else:  # as the agent sent it: no unpacking per task
+                task.status, task.data, task.result_buffers = blob
+            if isinstance(record, bytes):
+                record = unpack(record) if record else None
             if record:  # the worker's measures: keep our id, function, state, submit time
                 mine = task.record
-                for name, value in zip(_FIELDS, unpack(record)):
+                for name, value in zip(_FIELDS, record):
                     if name not in _OURS:
                         setattr(mine, name, value)
             done.append(task)

@@ -3,7 +3,8 @@
 WebSocket messages are msgpack maps with an ``op``::
 
     agent  -> service   hello {python, serializer, workers, window, held}
-                        results {results: [[task_id, state, result, record], ...]}
+                        results {results: [[task_id, state, [status, data, buffers],
+                        record], ...]}  (stored as pack_result bytes and packed record)
                         running {ids}  (tasks on a worker for 50 ms or more)
                         beat {t}
     service -> agent    tasks {tasks: [[task_id, function_id, body | None, payload,
@@ -14,6 +15,8 @@ WebSocket messages are msgpack maps with an ``op``::
                         watch {ids}   cancel {ids}
     service -> client   accepted {ref, ids} | refused {ref, status, detail}
                         results {results: [[task_id, state, result, record], ...]}
+                        (as the agent sent them, or, from storage, result and
+                        record as msgpack bytes)
 
 ``payload`` is :func:`pack_payload` of the pickled ``(args, kwargs)`` and its
 out-of-band buffers; ``result`` is :func:`pack_result` of what the worker sent
