@@ -16,11 +16,9 @@ breaks it reconnects, asks again for the results of the tasks it waits for
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +50,7 @@ _OURS = frozenset(("task_id", "state", "function", "submitted"))
 
 CONNECT_TIMEOUT = 15.0
 KEEPALIVE = 5.0  # seconds between WebSocket pings to the service
-COALESCE = 0.002  # within 2 ms of the last send, wait to gather more
+COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
 COALESCE_MAX = 4096
 
 
@@ -96,7 +94,6 @@ class ServiceBackend:
         self._pending: list[Task] = []
         self._scheduled = False
         self._delayed = False
-        self._last_flush = 0.0
         self._refs = itertools.count()
         self._unaccepted: dict[int, list[Task]] = {}
         self._by_id: dict[str, Task] = {}
@@ -199,32 +196,31 @@ class ServiceBackend:
             await ws.send(self._submit_message(ref, tasks))
 
     async def _session(self, ws: ClientConnection) -> None:
-        reader = asyncio.create_task(self._reader(ws))
+        jobs = [asyncio.create_task(self._reader(ws)), asyncio.create_task(self._sender(ws))]
         try:
-            while not self._closing:
-                get = asyncio.create_task(self._outbox.get())
-                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if reader in done:
-                    get.cancel()
-                    reader.result()
-                    return
-                message = get.result()
-                if not message:
-                    return
-                await ws.send(message)
+            done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
+            for job in done:
+                job.result()  # a lost connection raises here: reconnect
         finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+
+    async def _sender(self, ws: ClientConnection) -> None:
+        while not self._closing:
+            message = await self._outbox.get()
+            if not message:
+                return  # shutdown
+            await ws.send(message)
 
     def _submit_message(self, ref: int, tasks: list[Task]) -> bytes:
         rows = [[t.route, pack_payload(t.payload, t.buffers), t.timeout] for t in tasks]
         return pack({"op": "submit", "ref": ref, "endpoint_id": self.endpoint_id, "tasks": rows})
 
     def _flush(self) -> None:
-        """Send what was submitted; within COALESCE of the last send, wait to gather more."""
+        """Send what was submitted; while tasks are in flight, wait COALESCE to gather more."""
         if (
-            time.monotonic() - self._last_flush < COALESCE
+            (self._by_id or self._unaccepted)  # busy: more submits are likely on their way
             and len(self._pending) < COALESCE_MAX
             and not self._delayed
         ):
@@ -232,7 +228,6 @@ class ServiceBackend:
             self._loop.call_later(COALESCE, self._flush)
             return
         self._delayed = False
-        self._last_flush = time.monotonic()
         with self._lock:
             batch, self._pending = self._pending, []
             self._scheduled = False

@@ -58,7 +58,7 @@ MAX_BACKOFF = 5.0
 RUNNING_AFTER = 0.05  # seconds: shorter tasks go from dispatched to done unreported
 MIN_WINDOW = 1024  # tasks in flight from the service: enough to cover its round trip
 SEND_CHUNK = 5000
-COALESCE = 0.002  # within 2 ms of the last send, wait to gather more
+COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
 
 
 def ws_url(service_url: str) -> str:
@@ -202,13 +202,11 @@ class EndpointAgent:
 
     async def _sender(self, ws: ClientConnection) -> None:
         assert self._ready is not None
-        last = 0.0
         while True:
             await self._ready.wait()
-            if time.monotonic() - last < COALESCE:
-                await asyncio.sleep(COALESCE)  # busy: let more results join this message
+            if self._held:
+                await asyncio.sleep(COALESCE)  # more results are coming: let them join
             self._ready.clear()
-            last = time.monotonic()
             while self._outbox:
                 rows, self._outbox = self._outbox[:SEND_CHUNK], self._outbox[SEND_CHUNK:]
                 await ws.send(pack({"op": "results", "results": rows}))

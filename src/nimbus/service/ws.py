@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 TAKE_MAX = 2000
 IDLE_POLL = 5.0  # seconds; submits in this process wake a dispatcher at once
 BEAT_SAVE_SECONDS = 10.0
-COALESCE = 0.002  # within 2 ms of the last send, wait to gather more
+COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
 
 
 def bearer(headers: Any) -> str | None:
@@ -122,7 +122,6 @@ async def _dispatch(
 ) -> None:
     known: set[str] = set()
     wake = ctx.hub.wakeup(endpoint_id)
-    last = 0.0
     while not peer.closed:
         free = window - len(sent)
         if free <= 0:
@@ -130,10 +129,9 @@ async def _dispatch(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(room.wait(), 1.0)
             continue
-        if time.monotonic() - last < COALESCE:
-            await asyncio.sleep(COALESCE)  # busy: let more tasks join this batch
+        if sent:
+            await asyncio.sleep(COALESCE)  # the agent is busy: let more tasks join this batch
         wake.clear()
-        last = time.monotonic()
         rows = await ctx.store.take(endpoint_id, peer.conn_id, min(free, TAKE_MAX))
         if not rows:
             with contextlib.suppress(TimeoutError):
