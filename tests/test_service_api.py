@@ -164,3 +164,32 @@ def test_client_websocket_refuses_a_bad_token(service: Service) -> None:
     with pytest.raises(InvalidStatus) as info:
         connect(url, additional_headers={"Authorization": "Bearer nimbus_wrong"}).close()
     assert info.value.response.status_code == 403  # refused before the upgrade
+
+
+def test_groups_and_batch_status(service: Service) -> None:
+    alice, bob = service.token("alice"), service.token("bob")
+    with service.http(alice) as a, service.http(bob) as b:
+        fn = a.post("/v1/functions", json=_fn_body("grouped")).json()["function_id"]
+        ep = a.post("/v1/endpoints", json={"name": "group-ep"}).json()["endpoint_id"]
+        body = {"endpoint_id": ep, "tasks": [{"function_id": fn, "payload": "AA=="}] * 3}
+        submitted = a.post("/v1/tasks", json=body).json()
+        ids = submitted["task_ids"]
+        group = a.get(f"/v1/groups/{submitted['group_id']}").json()
+        assert group["task_ids"] == ids
+        assert b.get(f"/v1/groups/{submitted['group_id']}").status_code == 404
+        status = a.post("/v1/tasks/status", json={"task_ids": [*ids, "nope"]}).json()["tasks"]
+        assert [status[i]["state"] for i in ids] == ["waiting-for-endpoint"] * 3
+        assert status["nope"] is None
+        assert b.post("/v1/tasks/status", json={"task_ids": ids}).json()["tasks"] == dict.fromkeys(
+            ids
+        )
+        results = a.post("/v1/tasks/results", json={"task_ids": ids}).json()["results"]
+        assert results == dict.fromkeys(ids)  # not run: no endpoint is online
+        waited = a.get(f"/v1/tasks/{ids[0]}/result", params={"wait": 0.2}).json()
+        assert waited == {"task_id": ids[0], "state": "waiting-for-endpoint", "result": None}
+        listed = a.get("/v1/tasks", params={"status": "waiting-for-endpoint"}).json()["tasks"]
+        assert set(ids) <= {t["task_id"] for t in listed}
+        assert not set(ids) & {t["task_id"] for t in b.get("/v1/tasks").json()["tasks"]}
+        assert a.post(f"/v1/tasks/{ids[0]}/cancel").json()["cancelled"] is True
+        results = a.post("/v1/tasks/results", json={"task_ids": ids[:1]}).json()["results"]
+        assert results[ids[0]]["state"] == "cancelled"
