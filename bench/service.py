@@ -147,7 +147,16 @@ class Stack:
         self.stop_agent()
         if self.service is not None and self.service.poll() is None:
             self.service.send_signal(signal.SIGTERM)
-            self.service.wait(30)
+            try:
+                self.service.wait(30)
+            except subprocess.TimeoutExpired:
+                log = (self.root / "service.log").read_text()[-3000:]
+                print(
+                    f"the service did not stop within 30 s; killed. Its log:\n{log}",
+                    file=sys.stderr,
+                )
+                self.service.kill()
+                self.service.wait()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
