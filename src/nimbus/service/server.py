@@ -40,6 +40,7 @@ def serve(
             ws_ping_interval=None,
             ws_per_message_deflate=False,  # payloads are pickles: compressing costs, gains little
             lifespan="on",
+            timeout_graceful_shutdown=5,  # then connections still open are cut
         )
         server = uvicorn.Server(config)
         _loop.run(_run(server, url_file))
