@@ -25,3 +25,17 @@ def program(store_url: str) -> Iterator[Program]:
     keys = list(client.scan_iter(match=prog.keys.pattern()))
     if keys:
         client.unlink(*keys)
+
+
+# ---------------------------------------------------------------- the service
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A real nimbus service (uvicorn on 127.0.0.1, SQLite, embedded Redis) for a module."""
+    from service_support import Service, service_env
+
+    root = tmp_path_factory.mktemp("service")
+    svc = Service(root, service_env(root)).start()
+    yield svc
+    svc.stop()

@@ -67,6 +67,10 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "storage_dir",
         "endpoint",
         "service_url",
+        "token",
+        "database_url",
+        "result_ttl",
+        "heartbeat",
         "log_level",
     }
     assert isinstance(d["runtime_dir"], str)
@@ -148,6 +152,9 @@ BAD_ENV = [
     ("NIMBUS_SERVICE_URL", "nimbus.example.org"),
     ("NIMBUS_SERVICE_URL", "ftp://example.org"),
     ("NIMBUS_LOG_LEVEL", "LOUD"),
+    ("NIMBUS_DATABASE_URL", "mysql://db/nimbus"),
+    ("NIMBUS_RESULT_TTL", "0"),
+    ("NIMBUS_HEARTBEAT", "soon"),
 ]
 
 
@@ -165,8 +172,8 @@ def test_bad_environment_value(env: dict[str, str], var: str, value: str) -> Non
 def test_every_variable_has_a_bad_value() -> None:
     tested = {var for var, _ in BAD_ENV}
     known = {Settings.env_var(name) for name in Settings.load({"HOME": "/nonexistent"}).describe()}
-    # any name is a valid endpoint, any path a storage directory
-    assert known - tested == {"NIMBUS_ENDPOINT", "NIMBUS_STORAGE_DIR"}
+    # any name is a valid endpoint, any path a storage directory, any string a token
+    assert known - tested == {"NIMBUS_ENDPOINT", "NIMBUS_STORAGE_DIR", "NIMBUS_TOKEN"}
 
 
 def test_config_error_is_a_value_error(env: dict[str, str]) -> None:

@@ -30,6 +30,12 @@ def _all_keys(keys: Keys) -> list[str]:
         keys.directory(),
         keys.inbox("i"),
         keys.messaging_token(),
+        keys.task("t"),
+        keys.endpoint_queue("e"),
+        keys.endpoint_inflight("e"),
+        keys.endpoint_status("e"),
+        keys.user_tasks("u"),
+        keys.group("g"),
     ]
 
 

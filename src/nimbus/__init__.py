@@ -1,6 +1,6 @@
 """nimbus: run Python functions and unmodified multiprocessing programs on warm workers.
 
-Public names are re-exported here; ``Executor`` and ``Future`` are imported on
+Public names are re-exported here; ``Executor``, ``Future`` and ``Client`` are imported on
 first use so that ``nimbus version`` and worker start-up stay fast.
 """
 
@@ -12,11 +12,20 @@ from nimbus.errors import NimbusError
 from nimbus.records import TaskRecord, TaskState
 
 if TYPE_CHECKING:
+    from nimbus.client import Client
     from nimbus.executor import Executor, Future
 
 __version__ = "0.1.0"
 
-__all__ = ["Executor", "Future", "NimbusError", "TaskRecord", "TaskState", "__version__"]
+__all__ = [
+    "Client",
+    "Executor",
+    "Future",
+    "NimbusError",
+    "TaskRecord",
+    "TaskState",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,4 +33,8 @@ def __getattr__(name: str) -> Any:
         from nimbus import executor
 
         return getattr(executor, name)
+    if name == "Client":
+        from nimbus.client import Client
+
+        return Client
     raise AttributeError(f"module 'nimbus' has no attribute {name!r}")

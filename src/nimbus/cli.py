@@ -24,7 +24,9 @@ from typing import NamedTuple
 
 import nimbus
 from nimbus.config import Settings, redis_server_binary
-from nimbus.errors import ConfigError
+from nimbus.endpoint import cli as endpoint_cli
+from nimbus.errors import ConfigError, NimbusError
+from nimbus.service import cli as service_cli
 
 __all__ = ["COMMANDS", "Command", "main"]
 
@@ -139,6 +141,21 @@ COMMANDS: dict[str, Command] = {
     "demo": Command("estimate pi on all cores with the embedded runtime", _demo_setup, _demo_run),
     "version": Command("print the nimbus and Python versions", _version_setup, _version_run),
     "info": Command("print settings, workers and the Redis in use", _info_setup, _info_run),
+    "service": Command(
+        "run the service, create user tokens", service_cli.service_setup, service_cli.service_run
+    ),
+    "login": Command(
+        "save the service URL and your token", service_cli.login_setup, service_cli.login_run
+    ),
+    "endpoint": Command(
+        "configure, start, stop an endpoint on this machine", endpoint_cli.setup, endpoint_cli.run
+    ),
+    "endpoints": Command(
+        "endpoints you can use and their status",
+        service_cli.endpoints_setup,
+        service_cli.endpoints_run,
+    ),
+    "tasks": Command("list your tasks, show one", service_cli.tasks_setup, service_cli.tasks_run),
 }
 
 
@@ -163,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"nimbus: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except NimbusError as exc:  # the service refused, could not be reached ...
+        print(f"nimbus: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return code

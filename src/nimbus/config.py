@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from nimbus.errors import ConfigError
 
-__all__ = ["CONFIG_ENV", "Settings", "redis_server_binary"]
+__all__ = ["CONFIG_ENV", "Settings", "config_dir", "redis_server_binary"]
 
 CONFIG_ENV = "NIMBUS_CONFIG"
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -125,6 +125,11 @@ def _is_http_url(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
+def _is_db_url(url: str) -> bool:
+    scheme = urlsplit(url).scheme
+    return scheme.split("+")[0] in ("sqlite", "postgresql", "postgres")
+
+
 def _path(value: object) -> Path:
     if isinstance(value, str) and value.strip():
         value = Path(value.strip())
@@ -181,6 +186,22 @@ _FIELDS: dict[str, _Field] = {
         _optional_str("an http:// or https:// URL, or 'none'", _is_http_url),
         "URL of the nimbus service",
     ),
+    "token": _Field(
+        "NIMBUS_TOKEN",
+        _optional_str("a token given by `nimbus service token create`, or 'none'", bool),
+        "bearer token for the service (none: the one saved by `nimbus login`)",
+    ),
+    "database_url": _Field(
+        "NIMBUS_DATABASE_URL",
+        _optional_str("an SQLAlchemy URL (sqlite:///..., postgresql://...), or 'none'", _is_db_url),
+        "registry database of the service (none: SQLite in <runtime_dir>/service)",
+    ),
+    "result_ttl": _Field(
+        "NIMBUS_RESULT_TTL", _seconds, "seconds the service keeps a finished task's result"
+    ),
+    "heartbeat": _Field(
+        "NIMBUS_HEARTBEAT", _seconds, "seconds between endpoint heartbeats (lost after 3 missed)"
+    ),
     "log_level": _Field("NIMBUS_LOG_LEVEL", _log_level, "logging level of nimbus loggers"),
 }
 
@@ -205,6 +226,11 @@ def _default_config_file(env: Mapping[str, str]) -> Path:
     return (Path(home) if home else Path.home()) / ".config" / "nimbus" / "config.toml"
 
 
+def config_dir(env: Mapping[str, str] | None = None) -> Path:
+    """nimbus's own configuration directory (``~/.config/nimbus``): credentials, endpoints."""
+    return _default_config_file(os.environ if env is None else env).parent
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every nimbus setting. Build with :meth:`load`; derive with :meth:`replace`."""
@@ -219,6 +245,10 @@ class Settings:
     storage_dir: Path | None = None
     endpoint: str | None = None
     service_url: str | None = None
+    token: str | None = None
+    database_url: str | None = None
+    result_ttl: float = 7 * 86400.0
+    heartbeat: float = 2.0
     log_level: str = "WARNING"
 
     def __post_init__(self) -> None:
@@ -280,6 +310,13 @@ class Settings:
     def files_dir(self) -> Path:
         """Where ``nimbus.multiprocessing.files`` keeps shared files by default."""
         return self.storage_dir if self.storage_dir is not None else self.runtime_dir / "files"
+
+    @property
+    def registry_url(self) -> str:
+        """The service's registry database: ``database_url`` or SQLite in the runtime dir."""
+        if self.database_url is not None:
+            return self.database_url
+        return f"sqlite:///{self.runtime_dir / 'service' / 'registry.sqlite3'}"
 
     def ensure_runtime_dir(self) -> Path:
         """Create ``runtime_dir`` (mode 0o700) and check only this user can use it."""

@@ -28,6 +28,11 @@ or ``except TimeoutError`` written for the stdlib keeps working::
     │   ├── MessageDecodeError                a message failed to unpickle; names
     │   │    (DeserializationError)           the sender
     │   └── MessagingTimeout (TimeoutError)   ``recv`` waited past its timeout
+    ├── ServiceError                          the nimbus service refused or failed
+    │   ├── AuthError (PermissionError)       a missing, wrong or too weak token
+    │   ├── NotFound (LookupError)            no such function, endpoint or task
+    │   │                                     (or not visible to this user)
+    │   └── ServiceUnavailable (ConnectionError)  the service cannot be reached
     └── WorkerLost (BrokenProcessPool)        the worker running a task died
         └── RuntimeClosed                     the runtime shut down under a task
 
@@ -41,12 +46,14 @@ import pickle
 from concurrent.futures.process import BrokenProcessPool
 
 __all__ = [
+    "AuthError",
     "ConfigError",
     "DeserializationError",
     "MessageDecodeError",
     "MessagingError",
     "MessagingTimeout",
     "NimbusError",
+    "NotFound",
     "PayloadTooLargeError",
     "PeerExited",
     "PeerLost",
@@ -56,6 +63,8 @@ __all__ = [
     "RemoteTraceback",
     "RuntimeClosed",
     "SerializationError",
+    "ServiceError",
+    "ServiceUnavailable",
     "StateStoreError",
     "TaskInterrupted",
     "TaskTimeoutError",
@@ -182,3 +191,26 @@ class MessageDecodeError(MessagingError, DeserializationError):
 
 class MessagingTimeout(MessagingError, TimeoutError):
     """``recv`` waited longer than its timeout."""
+
+
+class ServiceError(NimbusError):
+    """The nimbus service answered with an error; ``status`` is its HTTP status."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.status))
+
+
+class AuthError(ServiceError, PermissionError):
+    """The token is missing or wrong (401), or may not do this (403)."""
+
+
+class NotFound(ServiceError, LookupError):
+    """No such function, endpoint or task, or it is not visible to this user (404)."""
+
+
+class ServiceUnavailable(ServiceError, ConnectionError):
+    """The service cannot be reached (connection refused, reset, timed out)."""

@@ -101,7 +101,9 @@ class Executor(cf.Executor):
     ``nimbus.runtime.worker.notify`` (progress, events). ``preload`` names
     modules every worker imports when it starts, before it takes a task (as
     ``multiprocessing.set_forkserver_preload``; one that fails to import is
-    skipped and imported again by the task that needs it).
+    skipped and imported again by the task that needs it). ``endpoint``
+    (default ``Settings.endpoint``, ``NIMBUS_ENDPOINT``) runs the tasks on that
+    remote endpoint through the nimbus service (the ``service`` backend) instead.
     """
 
     def __init__(
@@ -110,7 +112,8 @@ class Executor(cf.Executor):
         *,
         task_timeout: float | None = None,
         settings: Settings | None = None,
-        backend: str = "local",
+        backend: str | None = None,
+        endpoint: str | None = None,
         on_notice: Callable[[Any], None] | None = None,
         preload: Sequence[str] = (),
     ) -> None:
@@ -126,10 +129,12 @@ class Executor(cf.Executor):
         self._timeout = _check_timeout(task_timeout, "task_timeout")
         if isinstance(preload, str) or not all(isinstance(name, str) for name in preload):
             raise TypeError(f"preload must be a list of module names, not {preload!r}")
+        if backend is None:
+            endpoint = endpoint or self.settings.endpoint
+            backend = "service" if endpoint else "local"
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; known: {', '.join(sorted(BACKENDS))}")
         self._max_workers = max_workers
-        self._functions = serialization.FunctionCache()
         self._seq = itertools.count()
         self._prefix = uuid.uuid4().int & ~((1 << 64) - 1)
         self._futures: dict[int, Future] = {}
@@ -142,6 +147,12 @@ class Executor(cf.Executor):
             on_dispatch=self._on_dispatch,
             on_notice=on_notice,
             preload=list(preload),
+            settings=self.settings,
+            endpoint=endpoint,
+        )
+        # a remote backend's workers cannot import the caller's own modules
+        self._functions = serialization.FunctionCache(
+            by_value=getattr(self._backend, "remote", False)
         )
         _live.add(self)
 

@@ -133,3 +133,31 @@ class Keys:
     def waiter(self, name: str) -> str:
         """One waiting thread's wake-up list (``name`` is unique per wait)."""
         return self._key("waiter", name)
+
+    # ------------------------------------------------------------ the service
+    # The service is one "program": ``Keys(service_id)``; its keys name tasks,
+    # endpoints and users by their UUIDs.
+
+    def task(self, task_id: str) -> str:
+        """A task's hash: state, owner, endpoint, function, payload, result, record."""
+        return self._key("task", task_id)
+
+    def endpoint_queue(self, endpoint_id: str) -> str:
+        """The list of task ids waiting for an endpoint (oldest at the head)."""
+        return self._key("endpoint", endpoint_id, "queue")
+
+    def endpoint_inflight(self, endpoint_id: str) -> str:
+        """The hash of task id -> agent connection id of tasks sent to an endpoint."""
+        return self._key("endpoint", endpoint_id, "inflight")
+
+    def endpoint_status(self, endpoint_id: str) -> str:
+        """An endpoint's live status: connected, workers, python, last heartbeat."""
+        return self._key("endpoint", endpoint_id, "status")
+
+    def user_tasks(self, user_id: str) -> str:
+        """The sorted set of a user's task ids, scored by submit time."""
+        return self._key("user", user_id, "tasks")
+
+    def group(self, group_id: str) -> str:
+        """The list of task ids of a task group (one batch submit)."""
+        return self._key("group", group_id)

@@ -26,7 +26,7 @@ How the worker measures (see ``nimbus.telemetry``):
 from __future__ import annotations
 
 import enum
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 
 __all__ = ["TaskRecord", "TaskState"]
 
@@ -79,7 +79,7 @@ class TaskRecord:
 
     def to_wire(self) -> list[object]:
         """A compact list for msgpack (the state as its value)."""
-        row = list(astuple(self))
+        row = [getattr(self, name) for name in _NAMES]  # astuple deep-copies: 15x slower
         row[1] = self.state.value
         return row
 
@@ -93,3 +93,6 @@ class TaskRecord:
         out: dict[str, object] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["state"] = self.state.value
         return out
+
+
+_NAMES = tuple(f.name for f in fields(TaskRecord))

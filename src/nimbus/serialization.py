@@ -18,7 +18,11 @@ import copyreg
 import functools
 import hashlib
 import io
+import os
 import pickle
+import sys
+import sysconfig
+import threading
 import types
 from collections import ChainMap
 from collections.abc import Callable, MutableMapping, Sequence
@@ -220,15 +224,57 @@ class PickleSerializer:
     loads = staticmethod(loads)
 
 
-def dumps_function(fn: Callable[..., object]) -> bytes:
-    """Pickle a callable by value where needed (cloudpickle)."""
+def dumps_function(fn: Callable[..., object], *, by_value: bool = False) -> bytes:
+    """Pickle a callable by value where needed (cloudpickle).
+
+    With ``by_value``, a function of the caller's own code (a module outside the
+    standard library and the installed packages) is pickled with its code, for a
+    receiver on another machine that cannot import that module.
+    """
+    modules = _user_modules(fn) if by_value else []
     try:
-        data: bytes = cloudpickle.dumps(fn, protocol=PROTOCOL)
+        if modules:
+            with _lock:
+                for module in modules:
+                    cloudpickle.register_pickle_by_value(module)
+                try:
+                    data: bytes = cloudpickle.dumps(fn, protocol=PROTOCOL)
+                finally:
+                    for module in modules:
+                        cloudpickle.unregister_pickle_by_value(module)
+        else:
+            data = cloudpickle.dumps(fn, protocol=PROTOCOL)
         return data
     except Exception as exc:
         raise SerializationError(
             f"cannot pickle the function {describe(fn)}: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+_lock = threading.Lock()
+
+
+def _user_modules(fn: object) -> list[types.ModuleType]:
+    """The modules of ``fn`` (and of a partial's callables) that are the caller's own code."""
+    targets = [fn.func, *fn.args] if isinstance(fn, functools.partial) else [fn]
+    installed = [
+        os.path.realpath(sysconfig.get_paths()[k]) + os.sep
+        for k in ("stdlib", "platstdlib", "purelib", "platlib")
+    ]
+    out: list[types.ModuleType] = []
+    for target in targets:
+        if not callable(target):
+            continue
+        name = getattr(target, "__module__", None)
+        if not isinstance(name, str) or name == "__main__" or name.split(".")[0] == "nimbus":
+            continue  # __main__ goes by value anyway; nimbus is on every endpoint
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if module is None or not path or module in out:
+            continue
+        if not any(os.path.realpath(path).startswith(p) for p in installed):
+            out.append(module)
+    return out
 
 
 def _fixed(fn: object) -> bool:
@@ -259,15 +305,16 @@ class FunctionCache:
     Bounded: the oldest entries are dropped.
     """
 
-    def __init__(self, size: int = 1024) -> None:
+    def __init__(self, size: int = 1024, *, by_value: bool = False) -> None:
         self._size = size
+        self._by_value = by_value
         self._entries: dict[int, tuple[Callable[..., object], str, bytes]] = {}
 
     def get(self, fn: Callable[..., object]) -> tuple[str, bytes]:
         entry = self._entries.get(id(fn))
         if entry is not None and entry[0] is fn:
             return entry[1], entry[2]
-        data = dumps_function(fn)
+        data = dumps_function(fn, by_value=self._by_value)
         key = hashlib.blake2b(data, digest_size=12).hexdigest()
         if _fixed(fn):
             if len(self._entries) >= self._size:

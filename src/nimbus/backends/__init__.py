@@ -1,7 +1,10 @@
 """Backends: where an Executor's tasks run.
 
 A backend takes batches of runtime tasks and calls back with the finished
-ones. They are found in :data:`BACKENDS`, an explicit registry, by name.
+ones. They are found in :data:`BACKENDS`, an explicit registry, by name:
+``local`` (the embedded runtime) and ``service`` (a remote endpoint through the
+nimbus service). Factories take ``workers``, ``prefetch``, ``on_results``,
+``on_dispatch``, ``on_notice``, ``settings`` and ``endpoint``.
 """
 
 from __future__ import annotations
@@ -29,10 +32,17 @@ class Backend(Protocol):
     def shutdown(self, wait: bool = True, *, kill: bool = False) -> None: ...
 
 
-def _local(**kwargs: object) -> Backend:
+def _local(*, settings: object = None, endpoint: str | None = None, **kwargs: object) -> Backend:
     from nimbus.backends.local import LocalBackend
 
+    del settings, endpoint  # the local runtime needs neither
     return LocalBackend(**kwargs)  # type: ignore[arg-type]
 
 
-BACKENDS: dict[str, Callable[..., Backend]] = {"local": _local}
+def _service(**kwargs: object) -> Backend:
+    from nimbus.backends.service import ServiceBackend
+
+    return ServiceBackend(**kwargs)  # type: ignore[arg-type]
+
+
+BACKENDS: dict[str, Callable[..., Backend]] = {"local": _local, "service": _service}

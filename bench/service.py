@@ -1,0 +1,363 @@
+"""The nimbus service end to end: service + endpoint agent + client, on loopback, in one run.
+
+Starts a real service (uvicorn, SQLite, embedded Redis) and a real endpoint
+agent in subprocesses, then measures from this process:
+
+    roundtrip    no-op submit -> result through service and endpoint, median
+    throughput   no-op tasks through Executor(endpoint=...), tasks/s end to end
+    offline      tasks submitted while the endpoint is offline, then it starts:
+                 all complete? service peak memory
+    heartbeats   lightweight simulated agents heartbeating: service CPU, latency
+
+    python bench/service.py              # full sizes
+    python bench/service.py --quick      # smoke run
+    python bench/service.py --only roundtrip --json out.json
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+CLI = "import sys; from nimbus.cli import main; sys.exit(main())"
+
+
+def noop(*args: object) -> None:
+    """Do nothing."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    roundtrip_calls: int = 1_000
+    throughput_tasks: int = 20_000
+    offline_tasks: int = 100_000
+    agents: int = 100
+    heartbeat_seconds: float = 10.0
+
+
+QUICK = Sizes(
+    roundtrip_calls=100,
+    throughput_tasks=2_000,
+    offline_tasks=2_000,
+    agents=10,
+    heartbeat_seconds=2.0,
+)
+
+
+@dataclass
+class Row:
+    name: str
+    what: str
+    value: str
+    target: str
+    status: str
+    detail: dict[str, Any]
+
+
+class Stack:
+    """The service and one endpoint agent, in subprocesses, in a private directory."""
+
+    def __init__(self, workers: int) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="nimbus-bench-"))
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("NIMBUS_")}
+        self.env.update(
+            NIMBUS_RUNTIME_DIR=str(self.root / "rt"),
+            XDG_CONFIG_HOME=str(self.root / "cfg"),
+            NIMBUS_WORKERS=str(workers),
+            NIMBUS_HEARTBEAT="1.0",
+        )
+        os.environ.update({k: self.env[k] for k in ("XDG_CONFIG_HOME", "NIMBUS_RUNTIME_DIR")})
+        self.workers = workers
+        self.service: subprocess.Popen[bytes] | None = None
+        self.agent: subprocess.Popen[bytes] | None = None
+
+    def start_service(self) -> None:
+        url_file = self.root / "url"
+        cmd = [sys.executable, "-c", CLI, "service", "start", "--port", "0"]
+        with open(self.root / "service.log", "ab") as log:
+            self.service = subprocess.Popen(
+                [*cmd, "--url-file", str(url_file)], env=self.env, stdout=log, stderr=log
+            )
+        deadline = time.monotonic() + 60
+        while not url_file.exists():
+            if self.service.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((self.root / "service.log").read_text()[-2000:])
+            time.sleep(0.05)
+        self.url = url_file.read_text().strip()
+        from nimbus.config import Settings
+        from nimbus.service.registry import Registry
+
+        self.settings = Settings.load(self.env)
+        registry = Registry(self.settings.registry_url)
+        self.token = registry.create_user_token("bench")
+        registry.close()
+        self.settings = self.settings.replace(service_url=self.url, token=self.token)
+
+    def configure_endpoint(self, name: str) -> None:
+        from nimbus.client import Client
+        from nimbus.endpoint.config import EndpointConfig
+
+        with Client(settings=self.settings) as client:
+            registered = client.register_endpoint(name)
+        EndpointConfig(
+            name, self.url, registered["endpoint_id"], registered["token"], self.workers
+        ).save()
+
+    def start_agent(self, name: str) -> None:
+        with open(self.root / "agent.log", "ab") as log:
+            self.agent = subprocess.Popen(
+                [sys.executable, "-m", "nimbus.endpoint.agent", name],
+                env=self.env,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        from nimbus.client import Client
+
+        with Client(settings=self.settings) as client:
+            deadline = time.monotonic() + 60
+            while not client.get_endpoint(name)["online"]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError((self.root / "agent.log").read_text()[-2000:])
+                time.sleep(0.05)
+
+    def stop_agent(self) -> None:
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.send_signal(signal.SIGTERM)
+            self.agent.wait(30)
+
+    def close(self) -> None:
+        self.stop_agent()
+        if self.service is not None and self.service.poll() is None:
+            self.service.send_signal(signal.SIGTERM)
+            try:
+                self.service.wait(30)
+            except subprocess.TimeoutExpired:
+                log = (self.root / "service.log").read_text()[-3000:]
+                print(
+                    f"the service did not stop within 30 s; killed. Its log:\n{log}",
+                    file=sys.stderr,
+                )
+                self.service.kill()
+                self.service.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A ``/proc/<pid>/status`` size field, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------- workloads
+
+
+def bench_roundtrip(stack: Stack, sizes: Sizes) -> Row:
+    from nimbus import Executor
+
+    with Executor(endpoint="bench", settings=stack.settings) as ex:
+        for _ in range(20):
+            ex.submit(noop).result()
+        times = []
+        for _ in range(sizes.roundtrip_calls):
+            start = time.perf_counter()
+            ex.submit(noop).result()
+            times.append(time.perf_counter() - start)
+    median = statistics.median(times) * 1000
+    p90 = statistics.quantiles(times, n=10)[-1] * 1000
+    return Row(
+        "roundtrip",
+        f"no-op submit -> result, median of {sizes.roundtrip_calls}",
+        f"{median:.2f} ms (p90 {p90:.2f})",
+        "<= 3 ms",
+        "PASS" if median <= 3.0 else "MISS",
+        {"median_ms": median, "p90_ms": p90},
+    )
+
+
+def bench_throughput(stack: Stack, sizes: Sizes) -> Row:
+    from nimbus import Executor
+
+    n = sizes.throughput_tasks
+    with Executor(endpoint="bench", settings=stack.settings) as ex:
+        ex.submit(noop).result()
+        start = time.perf_counter()
+        futures = [ex.submit(noop, i) for i in range(n)]
+        for future in futures:
+            future.result()
+        elapsed = time.perf_counter() - start
+    rate = n / elapsed
+    return Row(
+        "throughput",
+        f"{n} no-op tasks through Executor(endpoint=...)",
+        f"{rate:,.0f} tasks/s",
+        ">= 5,000 tasks/s",
+        "PASS" if rate >= 5000 else "MISS",
+        {"tasks_per_second": rate, "seconds": elapsed},
+    )
+
+
+def bench_offline(stack: Stack, sizes: Sizes) -> Row:
+    from nimbus import Executor
+
+    n = sizes.offline_tasks
+    stack.stop_agent()
+    assert stack.service is not None
+    with Executor(endpoint="bench", settings=stack.settings) as ex:
+        start = time.perf_counter()
+        futures = [ex.submit(noop, i) for i in range(n)]
+        submitted = time.perf_counter() - start
+        time.sleep(1.0)  # all queued on the service, nothing runs
+        started = time.perf_counter()
+        stack.start_agent("bench")
+        done = sum(1 for f in futures if f.result(600) is None and f.record.state.value)
+        drained = time.perf_counter() - started
+    peak = proc_status(stack.service.pid, "VmHWM")
+    return Row(
+        "offline",
+        f"{n} tasks queued while the endpoint is offline, then it starts",
+        f"{done}/{n} complete, drained in {drained:.1f} s",
+        "all complete; service peak RSS",
+        ("PASS" if done == n else "MISS") + f" (peak {peak / 2**20:.0f} MB)",
+        {
+            "completed": done,
+            "submit_seconds": submitted,
+            "drain_seconds": drained,
+            "service_peak_rss": peak,
+        },
+    )
+
+
+async def _simulated_agents(stack: Stack, tokens: list[str], seconds: float) -> list[float]:
+    from websockets.asyncio.client import connect
+
+    from nimbus.service.protocol import PYTHON, SERIALIZER, WS_AGENT, pack, unpack
+
+    url = stack.url.replace("http://", "ws://") + WS_AGENT
+    latencies: list[float] = []
+
+    async def agent(token: str) -> None:
+        async with connect(
+            url,
+            additional_headers={"Authorization": f"Bearer {token}"},
+            compression=None,
+            ping_interval=None,
+        ) as ws:
+            hello = {"op": "hello", "python": PYTHON, "serializer": SERIALIZER}
+            await ws.send(pack(hello | {"workers": 1, "window": 1, "held": []}))
+            end = time.monotonic() + seconds
+            await asyncio.sleep(hash(token) % 1000 / 1000)  # spread the beats
+            first = True
+            while time.monotonic() < end:
+                sent = time.monotonic()
+                await ws.send(pack({"op": "beat", "t": sent}))
+                while unpack(await ws.recv()).get("op") != "beat":
+                    pass
+                if not first:  # the first beats meet 100 connections being set up
+                    latencies.append(time.monotonic() - sent)
+                first = False
+                await asyncio.sleep(1.0)
+
+    await asyncio.gather(*(agent(token) for token in tokens))
+    return latencies
+
+
+def bench_heartbeats(stack: Stack, sizes: Sizes) -> Row:
+    from nimbus.client import Client
+
+    assert stack.service is not None
+    with Client(settings=stack.settings) as client:
+        tokens = [client.register_endpoint(f"sim-{i}")["token"] for i in range(sizes.agents)]
+    cpu0, wall0 = cpu_seconds(stack.service.pid), time.monotonic()
+    latencies = asyncio.run(_simulated_agents(stack, tokens, sizes.heartbeat_seconds))
+    cpu = (cpu_seconds(stack.service.pid) - cpu0) / (time.monotonic() - wall0) * 100
+    median = statistics.median(latencies) * 1000
+    p99 = (
+        max(latencies) * 1000
+        if len(latencies) < 100
+        else statistics.quantiles(latencies, n=100)[-1] * 1000
+    )
+    return Row(
+        "heartbeats",
+        f"{sizes.agents} simulated agents, a beat per second each",
+        f"service CPU {cpu:.1f}%, beat latency median {median:.2f} ms (p99 {p99:.2f})",
+        "report",
+        "PASS",
+        {"service_cpu_percent": cpu, "median_ms": median, "p99_ms": p99, "beats": len(latencies)},
+    )
+
+
+WORKLOADS = {
+    "roundtrip": bench_roundtrip,
+    "throughput": bench_throughput,
+    "offline": bench_offline,
+    "heartbeats": bench_heartbeats,
+}
+
+
+def print_table(rows: list[Row], args: argparse.Namespace) -> None:
+    print(
+        f"nimbus service + endpoint ({args.workers} workers) + client on loopback"
+        f"{', quick sizes' if args.quick else ''}"
+    )
+    print(f"Python {platform.python_version()} on {platform.system()}, {os.cpu_count()} CPUs\n")
+    header = ("workload", "what", "nimbus", "target", "result")
+    table = [header] + [(r.name, r.what, r.value, r.target, r.status) for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for i, line in enumerate(table):
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--only", action="append", choices=list(WORKLOADS))
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    sizes = QUICK if args.quick else Sizes()
+    stack = Stack(args.workers)
+    rows: list[Row] = []
+    try:
+        stack.start_service()
+        stack.configure_endpoint("bench")
+        stack.start_agent("bench")
+        for name in args.only or list(WORKLOADS):
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            rows.append(WORKLOADS[name](stack, sizes))
+    finally:
+        stack.close()
+    print_table(rows, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

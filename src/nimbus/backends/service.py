@@ -1,0 +1,318 @@
+"""The service backend: an Executor's tasks run on a remote endpoint.
+
+::
+
+    Executor.submit --> submit(batch) --> pending --(loop thread: one message per
+                                                     burst)--> WebSocket /v1/ws/client
+    on_results(tasks) <-- results (streamed, no polling) <-----------------+
+
+One thread runs an asyncio loop holding the WebSocket to the service. Tasks
+submitted while a message is being built join the next one, so a ``map`` of
+many small tasks travels in a few large msgpack messages. When the connection
+breaks it reconnects, asks again for the results of the tasks it waits for
+(``watch``) and sends again the batches the service had not acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import websockets
+from websockets.asyncio.client import ClientConnection, connect
+
+from nimbus import _loop, serialization
+from nimbus.backends import DispatchCallback, ResultCallback
+from nimbus.client import Client, error_for
+from nimbus.config import Settings
+from nimbus.errors import ConfigError, ServiceUnavailable, VersionMismatchError
+from nimbus.records import TaskRecord
+from nimbus.runtime.messages import Status
+from nimbus.runtime.task import Task
+from nimbus.service.protocol import (
+    PYTHON,
+    SERIALIZER,
+    WS_CLIENT,
+    pack,
+    pack_payload,
+    unpack,
+    unpack_result,
+)
+
+__all__ = ["ServiceBackend"]
+
+_FIELDS = [f.name for f in dataclasses.fields(TaskRecord)]
+_OURS = frozenset(("task_id", "state", "function", "submitted"))
+
+CONNECT_TIMEOUT = 15.0
+KEEPALIVE = 5.0  # seconds between WebSocket pings to the service
+COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
+COALESCE_MAX = 4096
+
+
+class ServiceBackend:
+    """Runs an Executor's tasks on endpoint ``endpoint`` through the nimbus service."""
+
+    def __init__(
+        self,
+        *,
+        workers: int,
+        prefetch: int,
+        on_results: ResultCallback,
+        on_dispatch: DispatchCallback | None = None,
+        on_notice: Callable[[Any], None] | None = None,
+        settings: Settings | None = None,
+        endpoint: str | None = None,
+        preload: Sequence[str] = (),
+    ) -> None:
+        del prefetch, on_notice
+        if not endpoint:
+            raise ConfigError("the service backend needs an endpoint: Executor(endpoint='name')")
+        if preload:
+            raise ConfigError(
+                "preload applies to local workers; an endpoint's workers import what its tasks need"
+            )
+        self.capacity = workers
+        self.remote = True  # the Executor pickles the caller's own functions by value
+        self.client = Client(settings=settings)
+        try:
+            info = self.client.get_endpoint(endpoint)
+        except BaseException:
+            self.client.close()
+            raise
+        if info.get("python") and (info["python"], info["serializer"]) != (PYTHON, SERIALIZER):
+            self.client.close()
+            raise VersionMismatchError(
+                f"endpoint {endpoint!r} runs Python {info['python']} with serializer "
+                f"{info['serializer']}, this client runs Python {PYTHON} with serializer "
+                f"{SERIALIZER}; use the same Python minor version on both sides"
+            )
+        self.endpoint_id: str = info["endpoint_id"]
+        self._on_results = on_results
+        self._on_dispatch = on_dispatch
+        self._registered: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._pending: list[Task] = []
+        self._scheduled = False
+        self._delayed = False
+        self._refs = itertools.count()
+        self._unaccepted: dict[int, list[Task]] = {}
+        self._by_id: dict[str, Task] = {}
+        self._early: dict[str, list[Any]] = {}  # results that arrived before their "accepted"
+        self._idle = threading.Condition(self._lock)
+        self._outstanding = 0
+        self._closing = False
+        self._loop = _loop.new_event_loop()
+        self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._connected = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="nimbus-service", daemon=True)
+        self._thread.start()
+        if not self._connected.wait(CONNECT_TIMEOUT):
+            self.shutdown(wait=False)
+            raise ServiceUnavailable(
+                f"no WebSocket to {self.client.service_url} after {CONNECT_TIMEOUT} s"
+                + (f" ({self._error})" if self._error else "")
+            )
+
+    # ------------------------------------------------------------ caller's side
+
+    def submit(self, batch: list[Task]) -> None:
+        for task in batch:
+            function_id = self._registered.get(task.fn_key)
+            if function_id is None:
+                function_id = self.client.register_function_bytes(
+                    task.fn_bytes, task.record.function
+                )
+                self._registered[task.fn_key] = function_id
+            task.route = function_id
+        with self._lock:
+            self._pending.extend(batch)
+            self._outstanding += len(batch)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._flush)
+
+    def cancel(self, task: Task) -> None:
+        self._loop.call_soon_threadsafe(self._cancel, task)
+
+    def shutdown(self, wait: bool = True, *, kill: bool = False) -> None:
+        if wait and not kill:
+            with self._idle:
+                self._idle.wait_for(lambda: self._outstanding <= 0 or self._closing)
+        self._closing = True
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._outbox.put_nowait, b"")
+        if threading.current_thread() is not self._thread:
+            self._thread.join(10)
+        self.client.close()
+
+    # ------------------------------------------------------------ loop thread
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        base = self.client.service_url
+        url = (
+            "wss://" + base[8:] if base.startswith("https://") else "ws://" + base[7:]
+        ) + WS_CLIENT
+        backoff = 0.05
+        while not self._closing:
+            try:
+                async with connect(
+                    url,
+                    additional_headers={"Authorization": f"Bearer {self.client.token}"},
+                    max_size=None,
+                    ping_interval=KEEPALIVE,  # a link cut silently is noticed
+                    ping_timeout=3 * KEEPALIVE,
+                    compression=None,
+                    open_timeout=10,
+                ) as ws:
+                    backoff = 0.05
+                    await self._resume(ws)
+                    self._connected.set()
+                    await self._session(ws)
+            except websockets.InvalidStatus as exc:
+                self._error = error_for(exc.response.status_code, "the service refused the token")
+            except (OSError, websockets.WebSocketException, TimeoutError) as exc:
+                self._error = exc
+            if self._closing:
+                break
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)
+
+    async def _resume(self, ws: ClientConnection) -> None:
+        """After a (re)connect: ask for results still owed, resend unacknowledged batches."""
+        while not self._outbox.empty():
+            self._outbox.get_nowait()
+        if self._by_id:
+            await ws.send(pack({"op": "watch", "ids": list(self._by_id)}))
+        for ref, tasks in self._unaccepted.items():
+            await ws.send(self._submit_message(ref, tasks))
+
+    async def _session(self, ws: ClientConnection) -> None:
+        jobs = [asyncio.create_task(self._reader(ws)), asyncio.create_task(self._sender(ws))]
+        try:
+            done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
+            for job in done:
+                job.result()  # a lost connection raises here: reconnect
+        finally:
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+
+    async def _sender(self, ws: ClientConnection) -> None:
+        while not self._closing:
+            message = await self._outbox.get()
+            if not message:
+                return  # shutdown
+            await ws.send(message)
+
+    def _submit_message(self, ref: int, tasks: list[Task]) -> bytes:
+        rows = [[t.route, pack_payload(t.payload, t.buffers), t.timeout] for t in tasks]
+        return pack({"op": "submit", "ref": ref, "endpoint_id": self.endpoint_id, "tasks": rows})
+
+    def _flush(self) -> None:
+        """Send what was submitted; while tasks are in flight, wait COALESCE to gather more."""
+        if (
+            (self._by_id or self._unaccepted)  # busy: more submits are likely on their way
+            and len(self._pending) < COALESCE_MAX
+            and not self._delayed
+        ):
+            self._delayed = True
+            self._loop.call_later(COALESCE, self._flush)
+            return
+        self._delayed = False
+        with self._lock:
+            batch, self._pending = self._pending, []
+            self._scheduled = False
+        if self._on_dispatch is not None:
+            kept = self._on_dispatch(batch)
+            self._done(len(batch) - len(kept))
+            batch = kept
+        if batch:
+            ref = next(self._refs)
+            self._unaccepted[ref] = batch
+            self._outbox.put_nowait(self._submit_message(ref, batch))
+
+    def _cancel(self, task: Task) -> None:
+        task_id = task.record.task_id
+        if self._by_id.get(task_id) is task:
+            self._outbox.put_nowait(pack({"op": "cancel", "ids": [task_id]}))
+
+    async def _reader(self, ws: ClientConnection) -> None:
+        async for data in ws:
+            msg = unpack(data)  # type: ignore[arg-type]
+            op = msg.get("op")
+            if op == "results":
+                self._results(msg["results"])
+            elif op == "accepted":
+                tasks = self._unaccepted.pop(msg["ref"], [])
+                cancels = []
+                early = []
+                for task, task_id in zip(tasks, msg["ids"]):
+                    task.record.task_id = task_id
+                    self._by_id[task_id] = task
+                    if task.cancelled:
+                        cancels.append(task_id)
+                    row = self._early.pop(task_id, None)
+                    if row is not None:
+                        early.append(row)
+                if not self._unaccepted:
+                    self._early.clear()  # all replies are in: no other can be ours
+                if early:
+                    self._results(early)
+                if cancels:
+                    await ws.send(pack({"op": "cancel", "ids": cancels}))
+            elif op == "refused":
+                tasks = self._unaccepted.pop(msg["ref"], [])
+                error = error_for(int(msg["status"]), str(msg["detail"]))
+                data = serialization.dumps_exception(error, "")
+                for task in tasks:
+                    task.status, task.data = Status.ERROR, data
+                self._deliver(tasks)
+
+    def _results(self, rows: list[list[Any]]) -> None:
+        done = []
+        for row in rows:
+            task_id, _state, blob, record = row
+            task = self._by_id.pop(task_id, None)
+            if task is None:
+                if self._unaccepted:  # it overtook the reply that names it
+                    self._early[task_id] = row
+                continue
+            if isinstance(blob, bytes):  # from storage (a watch after a reconnect)
+                task.status, task.data, task.result_buffers = unpack_result(blob)
+            else:  # as the agent sent it: no unpacking per task
+                task.status, task.data, task.result_buffers = blob
+            if isinstance(record, bytes):
+                record = unpack(record) if record else None
+            if record:  # the worker's measures: keep our id, function, state, submit time
+                mine = task.record
+                for name, value in zip(_FIELDS, record):
+                    if name not in _OURS:
+                        setattr(mine, name, value)
+            done.append(task)
+        self._deliver(done)
+
+    def _deliver(self, tasks: list[Task]) -> None:
+        if tasks:
+            self._on_results(tasks)
+            self._done(len(tasks))
+
+    def _done(self, n: int) -> None:
+        if n:
+            with self._idle:
+                self._outstanding -= n
+                if self._outstanding <= 0:
+                    self._idle.notify_all()

@@ -1,0 +1,321 @@
+"""``nimbus.Client``: the SDK of the nimbus service.
+
+::
+
+    client = Client()                                   # `nimbus login` saved URL and token
+    task_id = client.run(square, 7, endpoint="lab")     # register, submit
+    client.get_result(task_id)                          # 49 (waits on the service, no polling)
+
+Functions are registered on first use (by the hash of their pickle), arguments
+are pickled here and unpickled only on the endpoint's workers; results are
+unpickled here. Errors of the service come back as
+:class:`~nimbus.errors.ServiceError` subclasses (401/403 ``AuthError``, 404
+``NotFound``, 413 ``PayloadTooLargeError``, 409 ``VersionMismatchError``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from nimbus import serialization
+from nimbus.config import Settings, config_dir
+from nimbus.errors import (
+    AuthError,
+    ConfigError,
+    NotFound,
+    PayloadTooLargeError,
+    RemoteTraceback,
+    ServiceError,
+    ServiceUnavailable,
+    VersionMismatchError,
+)
+from nimbus.runtime.messages import Status
+from nimbus.service.protocol import (
+    MSGPACK,
+    PYTHON,
+    SERIALIZER,
+    pack,
+    pack_payload,
+    unpack,
+    unpack_result,
+)
+
+__all__ = ["Client", "credentials_file", "decode_result", "error_for", "save_credentials"]
+
+
+def credentials_file() -> Path:
+    return config_dir() / "credentials.json"
+
+
+def save_credentials(service_url: str, token: str) -> Path:
+    path = credentials_file()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump({"service_url": service_url.rstrip("/"), "token": token}, out)
+    return path
+
+
+def _saved() -> dict[str, str]:
+    try:
+        data = json.loads(credentials_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def error_for(status: int, detail: str) -> ServiceError | PayloadTooLargeError:
+    """The nimbus error of an HTTP status the service answered with."""
+    if status in (401, 403):
+        return AuthError(detail, status)
+    if status == 404:
+        return NotFound(detail, status)
+    if status == 413:
+        return PayloadTooLargeError(detail)
+    if status == 409 and "version mismatch" in detail:
+        return ServiceVersionMismatch(detail, status)
+    return ServiceError(detail, status)
+
+
+class ServiceVersionMismatch(VersionMismatchError, ServiceError):
+    """A 409 from the service: function and endpoint differ in Python or serializer."""
+
+
+def decode_result(blob: bytes) -> Any:
+    """The value of a finished task's result, or raise its exception."""
+    status, data, buffers = unpack_result(blob)
+    if status == Status.OK:
+        return serialization.loads(data, buffers)
+    if status == Status.SKIPPED:
+        raise cf.CancelledError()
+    error, tb = serialization.loads(data)
+    if tb:
+        error.__cause__ = RemoteTraceback(tb)
+    raise error
+
+
+class Client:
+    """A connection to the nimbus service (HTTP; see ``nimbus.Executor`` for streaming)."""
+
+    def __init__(
+        self,
+        service_url: str | None = None,
+        token: str | None = None,
+        *,
+        settings: Settings | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        settings = settings if settings is not None else Settings.load()
+        saved = _saved()
+        url = service_url or settings.service_url or saved.get("service_url")
+        token = token or settings.token or saved.get("token")
+        if not url:
+            raise ConfigError(
+                "no nimbus service configured: run `nimbus login --service URL --token TOKEN` "
+                "or set NIMBUS_SERVICE_URL and NIMBUS_TOKEN"
+            )
+        if not token:
+            raise ConfigError(
+                f"no token for the service at {url}: run `nimbus login --service {url} "
+                f"--token TOKEN` or set NIMBUS_TOKEN"
+            )
+        self.service_url = url.rstrip("/")
+        self.token = token
+        self.settings = settings
+        self._http = httpx.Client(
+            base_url=self.service_url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout,
+        )
+        self._functions = serialization.FunctionCache(by_value=True)
+        self._registered: dict[str, str] = {}
+
+    # ------------------------------------------------------------ plumbing
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ServiceUnavailable(
+                f"cannot reach the nimbus service at {self.service_url} ({exc}); is it running?"
+            ) from exc
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail", response.text)
+            except ValueError:
+                detail = response.text
+            raise error_for(response.status_code, str(detail))
+        return response
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self.request(method, path, **kwargs).json()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ functions
+
+    def whoami(self) -> dict[str, Any]:
+        return dict(self._json("GET", "/v1/whoami"))
+
+    def register_function(self, fn: Callable[..., Any], name: str | None = None) -> str:
+        """Register ``fn`` (once per pickle) and return its function id."""
+        key, body = self._functions.get(fn)
+        found = self._registered.get(key)
+        if found is None:
+            label = str(name or getattr(fn, "__qualname__", type(fn).__qualname__))
+            found = self.register_function_bytes(body, label)
+            self._registered[key] = found
+        return found
+
+    def register_function_bytes(self, body: bytes, name: str) -> str:
+        import base64
+
+        data = self._json(
+            "POST",
+            "/v1/functions",
+            json={
+                "function": base64.b64encode(body).decode(),
+                "name": name[:200],
+                "python": PYTHON,
+                "serializer": SERIALIZER,
+            },
+        )
+        return str(data["function_id"])
+
+    def get_function(self, function_id: str) -> dict[str, Any]:
+        return dict(self._json("GET", f"/v1/functions/{function_id}"))
+
+    def delete_function(self, function_id: str) -> None:
+        self.request("DELETE", f"/v1/functions/{function_id}")
+
+    def share_function(
+        self, function_id: str, users: Iterable[str] = (), *, public: bool | None = None
+    ) -> dict[str, Any]:
+        body = {"users": list(users), "public": public}
+        return dict(self._json("POST", f"/v1/functions/{function_id}/share", json=body))
+
+    # ------------------------------------------------------------ endpoints
+
+    def register_endpoint(self, name: str) -> dict[str, Any]:
+        """Register endpoint ``name`` (or find yours): its id and a new agent token."""
+        return dict(self._json("POST", "/v1/endpoints", json={"name": name}))
+
+    def endpoints(self, name: str | None = None) -> list[dict[str, Any]]:
+        params = {"name": name} if name else {}
+        return list(self._json("GET", "/v1/endpoints", params=params)["endpoints"])
+
+    def get_endpoint(self, endpoint: str) -> dict[str, Any]:
+        """An endpoint by id, or by name (yours first, then those shared with you)."""
+        if _is_uuid(endpoint):
+            return dict(self._json("GET", f"/v1/endpoints/{endpoint}"))
+        found = self.endpoints(endpoint)
+        if not found:
+            raise NotFound(f"no endpoint named {endpoint!r} is visible to you", 404)
+        return found[0]
+
+    def share_endpoint(
+        self, endpoint_id: str, users: Iterable[str] = (), *, public: bool | None = None
+    ) -> dict[str, Any]:
+        body = {"users": list(users), "public": public}
+        return dict(self._json("POST", f"/v1/endpoints/{endpoint_id}/share", json=body))
+
+    def delete_endpoint(self, endpoint_id: str) -> None:
+        self.request("DELETE", f"/v1/endpoints/{endpoint_id}")
+
+    # ------------------------------------------------------------ tasks
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        endpoint: str,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Submit ``fn(*args, **kwargs)`` to ``endpoint``; returns the task id."""
+        return self.batch_run(fn, [args], endpoint=endpoint, kwargs=[kwargs], timeout=timeout)[0]
+
+    def batch_run(
+        self,
+        fn: Callable[..., Any],
+        args: Iterable[tuple[Any, ...]],
+        *,
+        endpoint: str,
+        kwargs: Iterable[Mapping[str, Any]] | None = None,
+        timeout: float | None = None,
+    ) -> list[str]:
+        """Submit one task per tuple of ``args`` in one request; returns their task ids."""
+        function_id = self.register_function(fn)
+        endpoint_id = self.get_endpoint(endpoint)["endpoint_id"]
+        arg_list = list(args)
+        kw_list = list(kwargs) if kwargs is not None else [{}] * len(arg_list)
+        rows = []
+        for a, k in zip(arg_list, kw_list, strict=True):
+            data, buffers = serialization.dumps((tuple(a), dict(k)))
+            rows.append([function_id, pack_payload(data, buffers), timeout])
+        body = pack({"endpoint_id": endpoint_id, "tasks": rows})
+        response = self.request(
+            "POST", "/v1/tasks/batch", content=body, headers={"Content-Type": MSGPACK}
+        )
+        return list(unpack(response.content)["task_ids"])
+
+    def get_task(self, task_id: str) -> dict[str, Any]:
+        """The task's state and record (timings, CPU, memory, network bytes)."""
+        return dict(self._json("GET", f"/v1/tasks/{task_id}"))
+
+    def get_result(self, task_id: str, timeout: float | None = None) -> Any:
+        """Wait for the task and return its value (or raise its exception)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 60.0 if end is None else max(0.0, min(60.0, end - time.monotonic()))
+            response = self.request(
+                "GET",
+                f"/v1/tasks/{task_id}/result",
+                params={"wait": wait},
+                headers={"Accept": MSGPACK},
+                timeout=wait + 30,
+            )
+            body = unpack(response.content)
+            if body["result"] is not None:
+                return decode_result(body["result"])
+            if end is not None and time.monotonic() >= end:
+                raise TimeoutError(f"task {task_id} is still {body['state']} after {timeout} s")
+
+    def list_tasks(
+        self, status: str | None = None, *, endpoint: str | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        params: dict[str, Any] = {"limit": limit}
+        if status:
+            params["status"] = status
+        if endpoint:
+            params["endpoint_id"] = endpoint
+        return list(self._json("GET", "/v1/tasks", params=params)["tasks"])
+
+    def cancel(self, task_id: str) -> bool:
+        """Cancel a task that has not finished; whether it was."""
+        return bool(self._json("POST", f"/v1/tasks/{task_id}/cancel")["cancelled"])
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,351 @@
+"""The endpoint agent: the runtime's Agent, fed by the service over a WebSocket.
+
+::
+
+    service --tasks (window)--> EndpointAgent --submit--> runtime Agent --> Manager --> workers
+       ^                           |     ^                                    |
+       +--results (until acked)----+     +---------- on_results -------------+
+       +--beat <-> beat
+
+It connects out only (``ws(s)://<service>/v1/ws/endpoint`` with the endpoint's
+token) and reconnects with exponential backoff. A result is kept until the
+service acknowledges it, and sent again after a reconnect; a task sent again
+while this agent still runs it is not started twice. Run it with
+``nimbus endpoint start NAME`` or ``python -m nimbus.endpoint.agent NAME``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from typing import Any
+
+import websockets
+from websockets.asyncio.client import ClientConnection, connect
+
+from nimbus import _loop, serialization
+from nimbus.endpoint.config import EndpointConfig
+from nimbus.errors import AuthError, RemoteError
+from nimbus.records import TaskRecord, TaskState
+from nimbus.runtime.agent import Agent
+from nimbus.runtime.messages import Status
+from nimbus.runtime.task import Task
+from nimbus.service.protocol import (
+    PYTHON,
+    SERIALIZER,
+    WS_AGENT,
+    pack,
+    unpack,
+    unpack_payload,
+)
+
+__all__ = ["EndpointAgent", "main"]
+
+log = logging.getLogger(__name__)
+STATES = {
+    Status.OK: TaskState.SUCCESS.value,
+    Status.ERROR: TaskState.FAILED.value,
+    Status.SKIPPED: TaskState.CANCELLED.value,
+}
+MAX_BACKOFF = 5.0
+RUNNING_AFTER = 0.05  # seconds: shorter tasks go from dispatched to done unreported
+MIN_WINDOW = 1024  # tasks in flight from the service: enough to cover its round trip
+SEND_CHUNK = 5000
+COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
+
+
+def ws_url(service_url: str) -> str:
+    base = service_url.rstrip("/")
+    if base.startswith("https://"):
+        return "wss://" + base[len("https://") :] + WS_AGENT
+    return "ws://" + base.removeprefix("http://") + WS_AGENT
+
+
+class EndpointAgent:
+    """Serves one endpoint: ``await agent.run()`` until :meth:`stop`."""
+
+    def __init__(
+        self,
+        service_url: str,
+        token: str,
+        *,
+        workers: int,
+        prefetch: int = 8,
+        heartbeat: float = 2.0,
+        name: str = "endpoint",
+    ) -> None:
+        self.url = ws_url(service_url)
+        self.token = token
+        self.workers = workers
+        self.window = max(MIN_WINDOW, 4 * workers * prefetch)
+        self.heartbeat = heartbeat
+        self.name = name
+        self.connects = 0
+        self.beat_latency = 0.0
+        self._seq = itertools.count()
+        self._held: dict[str, Task] = {}
+        self._unacked: dict[str, list[Any]] = {}
+        self._outbox: list[list[Any]] = []
+        self._functions: dict[str, bytes] = {}
+        self._dispatched: dict[str, float] = {}  # task id -> when a worker got it
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Event | None = None
+        self._stopped: asyncio.Event | None = None
+        self.runtime = Agent(
+            on_results=self._on_results, on_dispatch=self._on_dispatch, name=f"endpoint/{name}"
+        )
+        self.runtime.add_manager(workers, prefetch=prefetch)
+
+    # ------------------------------------------------------------ running
+
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._ready = asyncio.Event()
+        self._stopped = asyncio.Event()
+        backoff = 0.1
+        try:
+            while not self._stopping:
+                try:
+                    async with connect(
+                        self.url,
+                        additional_headers={"Authorization": f"Bearer {self.token}"},
+                        max_size=None,
+                        ping_interval=self.heartbeat,  # a link cut silently is noticed
+                        ping_timeout=3 * self.heartbeat,
+                        compression=None,
+                        open_timeout=10,
+                    ) as ws:
+                        self.connects += 1
+                        backoff = 0.1
+                        await self._session(ws)
+                except websockets.InvalidStatus as exc:
+                    status = exc.response.status_code
+                    if status in (401, 403):
+                        raise AuthError(
+                            f"the service at {self.url} refused this endpoint's token "
+                            f"(HTTP {status}); run `nimbus endpoint configure {self.name}` again",
+                            status,
+                        ) from None
+                    log.warning("service answered HTTP %s; retrying", status)
+                except (OSError, websockets.WebSocketException, TimeoutError) as exc:
+                    log.info(
+                        "connection to %s lost (%s); retrying in %.1fs", self.url, exc, backoff
+                    )
+                if self._stopping:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopped.wait(), backoff * (1 + random.random()))
+                backoff = min(MAX_BACKOFF, backoff * 2)
+        finally:
+            self.runtime.shutdown(wait=True, kill=True)
+
+    def stop(self) -> None:
+        """Stop (thread-safe): close the connection; the service requeues held tasks."""
+        self._stopping = True
+        if self._loop is not None and self._stopped is not None:
+            self._loop.call_soon_threadsafe(self._stopped.set)
+
+    async def _session(self, ws: ClientConnection) -> None:
+        assert self._ready is not None and self._stopped is not None
+        hello = {
+            "op": "hello",
+            "python": PYTHON,
+            "serializer": SERIALIZER,
+            "workers": self.workers,
+            "window": self.window,
+            "held": list(self._held),
+        }
+        await ws.send(pack(hello))
+        self._outbox = list(self._unacked.values())
+        self._ready.set()
+        jobs = [
+            asyncio.create_task(self._reader(ws)),
+            asyncio.create_task(self._sender(ws)),
+            asyncio.create_task(self._beater(ws)),
+            asyncio.create_task(self._marker(ws)),
+            asyncio.create_task(self._stopped.wait()),
+        ]
+        try:
+            done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
+            for job in done:
+                if job.exception() is not None:
+                    raise job.exception()  # type: ignore[misc]
+        finally:
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+
+    async def _reader(self, ws: ClientConnection) -> None:
+        async for data in ws:
+            msg = unpack(data)  # type: ignore[arg-type]
+            op = msg.get("op")
+            if op == "tasks":
+                self._start(msg["tasks"])
+            elif op == "ack":
+                for task_id in msg["ids"]:
+                    self._unacked.pop(task_id, None)
+            elif op == "cancel":
+                for task_id in msg["ids"]:
+                    task = self._held.get(task_id)
+                    if task is not None:
+                        self.runtime.cancel(task)
+            elif op == "beat":
+                self.beat_latency = time.monotonic() - float(msg["t"])
+
+    async def _sender(self, ws: ClientConnection) -> None:
+        assert self._ready is not None
+        while True:
+            await self._ready.wait()
+            if self._held:
+                await asyncio.sleep(COALESCE)  # more results are coming: let them join
+            self._ready.clear()
+            while self._outbox:
+                rows, self._outbox = self._outbox[:SEND_CHUNK], self._outbox[SEND_CHUNK:]
+                await ws.send(pack({"op": "results", "results": rows}))
+
+    async def _beater(self, ws: ClientConnection) -> None:
+        while True:
+            await ws.send(pack({"op": "beat", "t": time.monotonic()}))
+            await asyncio.sleep(self.heartbeat)
+
+    async def _marker(self, ws: ClientConnection) -> None:
+        """Tell the service which tasks run (those still running RUNNING_AFTER after start)."""
+        while True:
+            await asyncio.sleep(RUNNING_AFTER)
+            now = time.monotonic()
+            running = []
+            for task_id, since in list(self._dispatched.items()):
+                if task_id not in self._held:
+                    self._dispatched.pop(task_id, None)
+                elif now - since >= RUNNING_AFTER:
+                    running.append(task_id)
+                    self._dispatched.pop(task_id, None)
+            if running:
+                await ws.send(pack({"op": "running", "ids": running}))
+
+    # ------------------------------------------------------------ tasks
+
+    def _start(self, rows: list[list[Any]]) -> None:
+        batch: list[Task] = []
+        failed: list[list[Any]] = []
+        for task_id, function_id, body, payload, timeout in rows:
+            if body is not None:
+                self._functions[function_id] = body
+            if task_id in self._held:
+                continue  # sent again after a reconnect: it is still running here
+            if task_id in self._unacked:
+                self._outbox.append(self._unacked[task_id])
+                continue
+            fn_bytes = self._functions.get(function_id)
+            record = TaskRecord(task_id, TaskState.RUNNING, function=function_id)
+            if not fn_bytes:
+                error = RemoteError(f"function {function_id} is not registered (deleted?)")
+                row = [
+                    task_id,
+                    TaskState.FAILED.value,
+                    [Status.ERROR, serialization.dumps_exception(error, ""), []],
+                    record.to_wire(),
+                ]
+                self._unacked[task_id] = row
+                failed.append(row)
+                continue
+            data, buffers = unpack_payload(payload)
+            task = Task(
+                next(self._seq), function_id, fn_bytes, data, buffers, record, timeout=timeout
+            )
+            self._held[task_id] = task
+            batch.append(task)
+        if batch:
+            self.runtime.submit(batch)
+        if failed:
+            self._outbox.extend(failed)
+        if failed or self._outbox:
+            assert self._ready is not None
+            self._ready.set()
+
+    def _on_dispatch(self, tasks: list[Task]) -> list[Task]:
+        """On the runtime's thread: a cancelled task going (back) to a worker ends here."""
+        now = time.monotonic()
+        for task in tasks:
+            self._dispatched[task.record.task_id] = now
+        cancelled = [task for task in tasks if task.cancelled]
+        if not cancelled:
+            return tasks
+        for task in cancelled:
+            task.status, task.data = Status.SKIPPED, b""
+        self._on_results(cancelled)
+        return [task for task in tasks if not task.cancelled]
+
+    def _on_results(self, tasks: list[Task]) -> None:
+        """On the runtime's thread: hand finished tasks to the event loop."""
+        rows = []
+        for task in tasks:
+            record = task.record
+            state = STATES.get(Status(task.status), TaskState.FAILED.value)
+            record.state = TaskState(state)
+            rows.append(
+                [
+                    record.task_id,
+                    state,
+                    [task.status, task.data, [memoryview(b) for b in task.result_buffers]],
+                    record.to_wire(),
+                ]
+            )
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._finished, rows)
+
+    def _finished(self, rows: list[list[Any]]) -> None:
+        for row in rows:
+            self._held.pop(row[0], None)
+            self._unacked[row[0]] = row
+        self._outbox.extend(rows)
+        assert self._ready is not None
+        self._ready.set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m nimbus.endpoint.agent NAME``: run a configured endpoint's agent."""
+    from nimbus.config import Settings
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m nimbus.endpoint.agent NAME", file=sys.stderr)
+        return 2
+    config = EndpointConfig.load(args[0])
+    settings = Settings.load()
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    agent = EndpointAgent(
+        config.service_url,
+        config.token,
+        workers=config.workers,
+        prefetch=config.prefetch,
+        heartbeat=settings.heartbeat,
+        name=config.name,
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agent.stop())
+    config.pid_file.write_text(f"{os.getpid()}\n")
+    try:
+        _loop.run(agent.run())
+    except AuthError as exc:
+        print(f"nimbus endpoint {config.name}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        with contextlib.suppress(OSError):
+            if config.pid_file.read_text().strip() == str(os.getpid()):
+                config.pid_file.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

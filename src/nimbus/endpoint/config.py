@@ -1,0 +1,97 @@
+"""Per-endpoint configuration: ``~/.config/nimbus/endpoints/<name>/``.
+
+Each endpoint has a directory holding ``endpoint.toml`` (service URL, endpoint
+id, the agent's token, workers, prefetch), and, while its agent runs,
+``agent.pid`` and ``agent.log``. The directory is private (mode 0o700): the
+token in it is the endpoint's credential.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from nimbus.config import config_dir
+from nimbus.errors import ConfigError
+
+__all__ = ["EndpointConfig", "endpoint_dir", "endpoint_names"]
+
+_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,200}$")
+
+
+def endpoint_dir(name: str) -> Path:
+    if not _NAME.match(name):
+        raise ConfigError(f"endpoint name {name!r} must be letters, digits, '_', '.', '@' or '-'")
+    return config_dir() / "endpoints" / name
+
+
+def endpoint_names() -> list[str]:
+    root = config_dir() / "endpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / "endpoint.toml").is_file())
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    name: str
+    service_url: str
+    endpoint_id: str
+    token: str
+    workers: int
+    prefetch: int = 8
+
+    @property
+    def dir(self) -> Path:
+        return endpoint_dir(self.name)
+
+    @property
+    def pid_file(self) -> Path:
+        return self.dir / "agent.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.dir / "agent.log"
+
+    def save(self) -> Path:
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        path = self.dir / "endpoint.toml"
+        lines = []
+        for key, value in asdict(self).items():
+            text = str(value) if isinstance(value, int) else '"' + str(value).replace('"', "") + '"'
+            lines.append(f"{key} = {text}")
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write("\n".join(lines) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, name: str) -> EndpointConfig:
+        path = endpoint_dir(name) / "endpoint.toml"
+        if not path.is_file():
+            raise ConfigError(
+                f"endpoint {name!r} is not configured here ({path} missing); run "
+                f"`nimbus endpoint configure {name}` first"
+            )
+        try:
+            data = tomllib.loads(path.read_text())
+            return cls(**data)
+        except (tomllib.TOMLDecodeError, TypeError) as exc:
+            raise ConfigError(
+                f"{path} is not a valid endpoint file ({exc}); configure it again"
+            ) from None
+
+    def running_pid(self) -> int | None:
+        """The pid of this endpoint's agent if it runs."""
+        try:
+            pid = int(self.pid_file.read_text().strip())
+            os.kill(pid, 0)
+        except (OSError, ValueError):
+            return None
+        return pid

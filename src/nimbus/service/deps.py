@@ -1,0 +1,27 @@
+"""FastAPI dependencies: the service context and the caller's identity."""
+
+from __future__ import annotations
+
+from typing import Annotated, cast
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from nimbus.service.context import ServiceContext
+from nimbus.service.registry import Principal
+
+__all__ = ["context", "current_user"]
+
+_bearer = HTTPBearer(auto_error=False, description="a token from `nimbus service token create`")
+
+
+def context(request: Request) -> ServiceContext:
+    return cast(ServiceContext, request.app.state.ctx)
+
+
+async def current_user(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    """The user a request's bearer token belongs to (401 without one, 403 for an endpoint's)."""
+    return await context(request).user(credentials.credentials if credentials else None)

@@ -1,0 +1,105 @@
+"""The service's in-process routing: who is connected and who waits for what.
+
+Redis holds every task (``queues.TaskStore``); the hub only knows which agent
+connection serves which endpoint, which client connection asked for which
+task's result, and wakes dispatchers when their endpoint's queue grows. It is
+rebuilt from the connections after a restart (agents reconnect, clients send
+``watch``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["Hub", "Peer"]
+
+
+class Peer:
+    """One WebSocket connection; ``send`` is serialised (one frame at a time)."""
+
+    def __init__(self, conn_id: str, send: Callable[[bytes], Awaitable[None]]) -> None:
+        self.conn_id = conn_id
+        self._send = send
+        self._lock = asyncio.Lock()
+        self.closed = False
+
+    async def send(self, data: bytes) -> None:
+        if self.closed:
+            return
+        async with self._lock:
+            try:
+                await self._send(data)
+            except Exception:
+                self.closed = True  # the receive side sees the disconnect and cleans up
+
+
+class Hub:
+    def __init__(self) -> None:
+        self.agents: dict[str, Peer] = {}  # conn id -> agent peer
+        self.endpoint_agents: dict[str, set[str]] = defaultdict(set)
+        self.watchers: dict[str, Peer] = {}  # task id -> client peer
+        self.waiters: dict[str, list[asyncio.Future[None]]] = defaultdict(list)
+        self.beats: dict[str, float] = {}  # endpoint id -> time of its last heartbeat
+        self._wakeups: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+    def wakeup(self, endpoint_id: str) -> asyncio.Event:
+        return self._wakeups[endpoint_id]
+
+    def work_arrived(self, endpoint_id: str) -> None:
+        self._wakeups[endpoint_id].set()
+
+    def online(self, endpoint_id: str) -> int:
+        return len(self.endpoint_agents.get(endpoint_id, ()))
+
+    def add_agent(self, endpoint_id: str, peer: Peer) -> None:
+        self.agents[peer.conn_id] = peer
+        self.endpoint_agents[endpoint_id].add(peer.conn_id)
+
+    def drop_agent(self, endpoint_id: str, peer: Peer) -> None:
+        self.agents.pop(peer.conn_id, None)
+        self.endpoint_agents[endpoint_id].discard(peer.conn_id)
+
+    def watch(self, task_ids: list[str], peer: Peer) -> None:
+        for task_id in task_ids:
+            self.watchers[task_id] = peer
+
+    def unwatch_peer(self, peer: Peer) -> None:
+        for task_id in [t for t, p in self.watchers.items() if p is peer]:
+            del self.watchers[task_id]
+
+    async def wait_done(
+        self, task_id: str, timeout: float, done: Callable[[], Awaitable[bool]]
+    ) -> None:
+        """Wait until ``task_id`` finishes (``done()`` is asked once the wait is registered)."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters[task_id].append(future)
+        try:
+            if not await done():
+                await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            waiting = self.waiters.get(task_id)
+            if waiting is not None and future in waiting:
+                waiting.remove(future)
+                if not waiting:
+                    del self.waiters[task_id]
+
+    async def deliver(self, rows: list[list[Any]]) -> None:
+        """Send finished tasks' ``[task_id, state, result, record]`` to whoever waits."""
+        from nimbus.service.protocol import pack
+
+        by_peer: dict[Peer, list[list[Any]]] = defaultdict(list)
+        for row in rows:
+            task_id = row[0]
+            peer = self.watchers.pop(task_id, None)
+            if peer is not None:
+                by_peer[peer].append(row)
+            for future in self.waiters.pop(task_id, ()):
+                if not future.done():
+                    future.set_result(None)
+        for peer, mine in by_peer.items():
+            await peer.send(pack({"op": "results", "results": mine}))

@@ -1,0 +1,294 @@
+"""Per-endpoint task queues and results, in Redis.
+
+::
+
+    submit --> task hash (state waiting) --> endpoint queue (list of ids)
+                                                 | take(n): LPOP, state dispatched
+                                                 v
+                                 endpoint inflight (hash id -> agent connection)
+                     requeue(conn) <-- agent lost |  finish(results): first result wins,
+                     (back to the queue head)     v  payload dropped, hash expires
+                                             task hash (state success/failed/cancelled)
+
+Every step that moves a task is one Lua script, so a task is in exactly one of
+the queue, the inflight hash or a final state, and a result that arrives twice
+(an agent lost, its task run again) is kept once. Payloads and results are
+bytes the service stores and forwards; nothing here unpickles them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+
+from nimbus.keys import Keys
+from nimbus.records import TaskState
+
+__all__ = ["TaskStore"]
+
+DONE = (TaskState.SUCCESS.value, TaskState.FAILED.value, TaskState.CANCELLED.value)
+CANCELLED_RESULT = msgpack.packb([2, b"", []])  # Status.SKIPPED, as an agent would send
+
+# Rows travel to and from the scripts as one msgpack string (Redis's Lua has
+# cmsgpack, which reads the old "raw" string type: packed with use_bin_type=False).
+_SUBMIT = """
+local t = cmsgpack.unpack(ARGV[2])
+local owner, endpoint, group, submitted = t[1], t[2], t[3], t[4]
+for _, r in ipairs(t[5]) do
+  local id = r[1]
+  redis.call('HSET', ARGV[1] .. id, 'state', 'waiting-for-endpoint', 'owner', owner,
+             'endpoint', endpoint, 'function', r[2], 'group', group, 'submitted', submitted,
+             'payload', r[3], 'timeout', r[4])
+  redis.call('ZADD', KEYS[2], submitted, id)
+  redis.call('RPUSH', KEYS[1], id)
+  redis.call('RPUSH', KEYS[3], id)
+end
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return #t[5]
+"""
+
+_TAKE = """
+local out = {}
+local n = tonumber(ARGV[1])
+local taken = 0
+while taken < n do
+  local id = redis.call('LPOP', KEYS[1])
+  if not id then break end
+  local key = ARGV[3] .. id
+  local v = redis.call('HMGET', key, 'state', 'function', 'payload', 'timeout')
+  if v[1] == 'waiting-for-endpoint' then
+    redis.call('HSET', key, 'state', 'dispatched', 'dispatched', ARGV[4])
+    redis.call('HSET', KEYS[2], id, ARGV[2])
+    out[#out + 1] = {id, v[2], v[3], v[4] or ''}
+    taken = taken + 1
+  end
+end
+return cmsgpack.pack(out)
+"""
+
+_FINISH = """
+local out = {}
+for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
+  local id = r[1]
+  local key = ARGV[1] .. id
+  local v = redis.call('HMGET', key, 'state', 'endpoint')
+  if v[2] == ARGV[4] then
+    if v[1] == 'dispatched' or v[1] == 'running' or v[1] == 'waiting-for-endpoint' then
+      redis.call('HSET', key, 'state', r[2], 'result', r[3], 'record', r[4], 'ended', ARGV[2])
+      redis.call('HDEL', key, 'payload')
+      redis.call('EXPIRE', key, ARGV[3])
+      out[#out + 1] = id
+    end
+    redis.call('HDEL', KEYS[1], id)
+  end
+end
+return out
+"""
+
+_RUNNING = """
+for i = 3, #ARGV do
+  local key = ARGV[1] .. ARGV[i]
+  local v = redis.call('HMGET', key, 'state', 'endpoint')
+  if v[1] == 'dispatched' and v[2] == ARGV[2] then
+    redis.call('HSET', key, 'state', 'running')
+  end
+end
+return 0
+"""
+
+_REQUEUE = """
+local rows = redis.call('HGETALL', KEYS[2])
+local n = 0
+for i = 1, #rows, 2 do
+  if ARGV[2] == '' or rows[i + 1] == ARGV[2] then
+    local key = ARGV[1] .. rows[i]
+    local st = redis.call('HGET', key, 'state')
+    if st == 'dispatched' or st == 'running' then
+      redis.call('HSET', key, 'state', 'waiting-for-endpoint')
+      redis.call('LPUSH', KEYS[1], rows[i])
+      n = n + 1
+    end
+    redis.call('HDEL', KEYS[2], rows[i])
+  end
+end
+return n
+"""
+
+_CANCEL = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if not st or st == 'success' or st == 'failed' or st == 'cancelled' then return false end
+redis.call('HSET', KEYS[1], 'state', 'cancelled', 'result', ARGV[1], 'ended', ARGV[2])
+redis.call('HDEL', KEYS[1], 'payload')
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+local conn = redis.call('HGET', KEYS[2], ARGV[4])
+redis.call('HDEL', KEYS[2], ARGV[4])
+return conn or ''
+"""
+
+_FIELDS = ("state", "owner", "endpoint", "function", "group", "submitted", "dispatched", "ended")
+
+
+def _raw(obj: object) -> bytes:
+    """msgpack that Redis's Lua cmsgpack reads: bytes as the old raw string type."""
+    data: bytes = msgpack.packb(obj, use_bin_type=False)
+    return data
+
+
+def _text(value: bytes | None) -> str:
+    return value.decode() if value else ""
+
+
+class TaskStore:
+    """Task queues and results of one service in one Redis (``keys`` names them)."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, result_ttl: float) -> None:
+        self.redis: Any = redis  # redis-py's asyncio stubs type replies as bytes | str
+        self.keys = keys
+        self.result_ttl = max(1, int(result_ttl))
+        self._task_prefix = keys.task("")
+        self._submit = redis.register_script(_SUBMIT)
+        self._take = redis.register_script(_TAKE)
+        self._finish = redis.register_script(_FINISH)
+        self._requeue = redis.register_script(_REQUEUE)
+        self._running = redis.register_script(_RUNNING)
+        self._cancel = redis.register_script(_CANCEL)
+
+    async def submit(
+        self,
+        owner: str,
+        endpoint_id: str,
+        group_id: str,
+        tasks: Sequence[tuple[str, str, bytes, float | None]],
+    ) -> None:
+        """Queue ``(task_id, function_id, payload, timeout)`` rows for an endpoint."""
+        rows = [
+            (task_id, fn, payload, "" if timeout is None else repr(timeout))
+            for task_id, fn, payload, timeout in tasks
+        ]
+        blob = _raw([owner, endpoint_id, group_id, repr(time.time()), rows])
+        await self._submit(
+            keys=[
+                self.keys.endpoint_queue(endpoint_id),
+                self.keys.user_tasks(owner),
+                self.keys.group(group_id),
+            ],
+            args=[self._task_prefix, blob, self.result_ttl],
+        )
+
+    async def take(
+        self, endpoint_id: str, conn_id: str, n: int
+    ) -> list[tuple[str, str, bytes, float | None]]:
+        """Up to ``n`` waiting tasks of an endpoint, now in flight on ``conn_id``."""
+        blob = await self._take(
+            keys=[self.keys.endpoint_queue(endpoint_id), self.keys.endpoint_inflight(endpoint_id)],
+            args=[n, conn_id, self._task_prefix, repr(time.time())],
+        )
+        rows = msgpack.unpackb(blob, raw=True)
+        if not rows:  # cmsgpack packs an empty table as a map
+            return []
+        return [
+            (task_id.decode(), fn.decode(), payload, float(timeout) if timeout else None)
+            for task_id, fn, payload, timeout in rows
+        ]
+
+    async def finish(self, endpoint_id: str, results: Sequence[Sequence[Any]]) -> list[str]:
+        """Store ``(task_id, state, result, record)`` rows; the ids stored (first wins)."""
+        args: list[Any] = [
+            self._task_prefix,
+            repr(time.time()),
+            self.result_ttl,
+            endpoint_id,
+            _raw([list(row) for row in results]),
+        ]
+        stored = await self._finish(keys=[self.keys.endpoint_inflight(endpoint_id)], args=args)
+        return [value.decode() for value in stored]
+
+    async def running(self, endpoint_id: str, task_ids: Sequence[str]) -> None:
+        """Mark dispatched tasks of ``endpoint_id`` as running (its agent said so)."""
+        if task_ids:
+            await self._running(args=[self._task_prefix, endpoint_id, *task_ids])
+
+    async def requeue(self, endpoint_id: str, conn_id: str = "") -> int:
+        """Put tasks in flight on ``conn_id`` (all if empty) back at the queue head."""
+        n: int = await self._requeue(
+            keys=[self.keys.endpoint_queue(endpoint_id), self.keys.endpoint_inflight(endpoint_id)],
+            args=[self._task_prefix, conn_id],
+        )
+        return n
+
+    async def requeue_all(self) -> int:
+        """At start: every task in flight belonged to a connection of a previous run."""
+        total = 0
+        pattern = self.keys.endpoint_inflight("*")
+        async for key in self.redis.scan_iter(match=pattern, count=1000):
+            endpoint_id = key.decode().split(":")[-2]
+            total += await self.requeue(endpoint_id)
+        return total
+
+    async def cancel(self, task_id: str, endpoint_id: str) -> str | None:
+        """Cancel a task not yet done; the agent connection holding it ('' if none)."""
+        conn = await self._cancel(
+            keys=[self._task_prefix + task_id, self.keys.endpoint_inflight(endpoint_id)],
+            args=[CANCELLED_RESULT, repr(time.time()), self.result_ttl, task_id],
+        )
+        if conn is None:
+            return None
+        return conn.decode() if isinstance(conn, bytes) else str(conn)
+
+    async def info(self, task_ids: Sequence[str]) -> list[dict[str, Any] | None]:
+        """Each task's fields (None for an unknown or expired task), without payloads."""
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.hmget(self._task_prefix + task_id, [*_FIELDS, "record", "timeout"])
+        out: list[dict[str, Any] | None] = []
+        for task_id, values in zip(task_ids, await pipe.execute()):
+            if values[0] is None:
+                out.append(None)
+                continue
+            info: dict[str, Any] = {"task_id": task_id}
+            for name, value in zip(_FIELDS, values):
+                info[name] = _text(value)
+            info["record"] = values[len(_FIELDS)]
+            info["timeout"] = float(values[-1]) if values[-1] else None
+            out.append(info)
+        return out
+
+    async def results(self, task_ids: Sequence[str]) -> list[tuple[str, bytes, bytes] | None]:
+        """``(state, result, record)`` of each finished task, None for one not finished."""
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.hmget(self._task_prefix + task_id, ["state", "result", "record"])
+        out: list[tuple[str, bytes, bytes] | None] = []
+        for state, result, record in await pipe.execute():
+            if state is not None and state.decode() in DONE:
+                out.append((state.decode(), result or b"", record or b""))
+            else:
+                out.append(None)
+        return out
+
+    async def user_task_ids(self, owner: str, limit: int) -> list[str]:
+        ids = await self.redis.zrevrange(self.keys.user_tasks(owner), 0, limit - 1)
+        return [i.decode() for i in ids]
+
+    async def forget(self, owner: str, task_ids: Sequence[str]) -> None:
+        """Drop expired tasks from a user's index."""
+        if task_ids:
+            await self.redis.zrem(self.keys.user_tasks(owner), *task_ids)
+
+    async def group(self, group_id: str) -> list[str]:
+        return [i.decode() for i in await self.redis.lrange(self.keys.group(group_id), 0, -1)]
+
+    async def queue_length(self, endpoint_id: str) -> int:
+        n: int = await self.redis.llen(self.keys.endpoint_queue(endpoint_id))
+        return n
+
+    async def set_status(self, endpoint_id: str, **fields: Any) -> None:
+        await self.redis.hset(self.keys.endpoint_status(endpoint_id), mapping=fields)
+
+    async def status(self, endpoint_id: str) -> dict[str, str]:
+        raw = await self.redis.hgetall(self.keys.endpoint_status(endpoint_id))
+        return {k.decode(): v.decode() for k, v in raw.items()}

@@ -1,0 +1,373 @@
+"""The service's registry: users, tokens, functions, endpoints and shares.
+
+SQLAlchemy 2 on SQLite by default (``Settings.registry_url``) or PostgreSQL by
+URL. Tokens are stored as SHA-256 hashes; a token is shown once, when made.
+Function bodies are stored as the bytes the client sent: the registry never
+unpickles them. Calls are synchronous; the app runs them in a thread pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    Boolean,
+    Float,
+    ForeignKey,
+    LargeBinary,
+    String,
+    UniqueConstraint,
+    create_engine,
+    delete,
+    event,
+    or_,
+    select,
+)
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+__all__ = ["Principal", "Registry", "hash_token"]
+
+TOKEN_PREFIX = "nimbus_"
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _new_id() -> str:
+    return str(uuid.uuid4())
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class User(_Base):
+    __tablename__ = "users"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=_new_id)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created: Mapped[float] = mapped_column(Float, default=time.time)
+
+
+class Token(_Base):
+    __tablename__ = "tokens"
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    endpoint_id: Mapped[str | None] = mapped_column(String(36), nullable=True, index=True)
+    created: Mapped[float] = mapped_column(Float, default=time.time)
+
+
+class Function(_Base):
+    __tablename__ = "functions"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=_new_id)
+    owner_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    digest: Mapped[str] = mapped_column(String(64), index=True)
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    python: Mapped[str] = mapped_column(String(16))
+    serializer: Mapped[str] = mapped_column(String(64))
+    public: Mapped[bool] = mapped_column(Boolean, default=False)
+    created: Mapped[float] = mapped_column(Float, default=time.time)
+
+
+class Endpoint(_Base):
+    __tablename__ = "endpoints"
+    __table_args__ = (UniqueConstraint("owner_id", "name"),)
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=_new_id)
+    owner_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    public: Mapped[bool] = mapped_column(Boolean, default=False)
+    created: Mapped[float] = mapped_column(Float, default=time.time)
+
+
+class Share(_Base):
+    __tablename__ = "shares"
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # function | endpoint
+    resource_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    user_id: Mapped[str] = mapped_column(
+        ForeignKey("users.id", ondelete="CASCADE"), primary_key=True
+    )
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a token belongs to; ``endpoint_id`` is set for an endpoint's own token."""
+
+    user_id: str
+    user_name: str
+    endpoint_id: str | None = None
+
+
+@dataclass(frozen=True)
+class FunctionInfo:
+    id: str
+    owner_id: str
+    owner: str
+    name: str
+    python: str
+    serializer: str
+    public: bool
+    created: float
+    shared_with: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "function_id": self.id,
+            "owner": self.owner,
+            "name": self.name,
+            "python": self.python,
+            "serializer": self.serializer,
+            "public": self.public,
+            "created": self.created,
+            "shared_with": list(self.shared_with),
+        }
+
+
+@dataclass(frozen=True)
+class EndpointInfo:
+    id: str
+    owner_id: str
+    owner: str
+    name: str
+    public: bool
+    created: float
+    shared_with: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "endpoint_id": self.id,
+            "owner": self.owner,
+            "name": self.name,
+            "public": self.public,
+            "created": self.created,
+            "shared_with": list(self.shared_with),
+        }
+
+
+class Registry:
+    """The registry database; ``Registry(url)`` creates the tables it lacks."""
+
+    def __init__(self, url: str) -> None:
+        parsed = make_url(url)
+        if parsed.drivername.startswith("sqlite"):
+            if parsed.database and parsed.database != ":memory:":
+                Path(parsed.database).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.engine: Engine = create_engine(url, connect_args={"check_same_thread": False})
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        else:
+            if parsed.drivername in ("postgresql", "postgres"):
+                parsed = parsed.set(drivername="postgresql+psycopg")
+            self.engine = create_engine(parsed, pool_pre_ping=True)
+        _Base.metadata.create_all(self.engine)
+        self._session = sessionmaker(self.engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ------------------------------------------------------------ users and tokens
+
+    def create_user_token(self, name: str) -> str:
+        """A new token for user ``name`` (created if new); returned once, stored hashed."""
+        token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        with self._session.begin() as session:
+            user = session.scalar(select(User).where(User.name == name))
+            if user is None:
+                user = User(id=_new_id(), name=name)
+                session.add(user)
+                session.flush()
+            session.add(Token(digest=hash_token(token), user_id=user.id))
+        return token
+
+    def create_endpoint_token(self, user_id: str, endpoint_id: str) -> str:
+        """A new credential for an endpoint's agent, replacing its older ones."""
+        token = TOKEN_PREFIX + "ep_" + secrets.token_urlsafe(32)
+        with self._session.begin() as session:
+            session.execute(delete(Token).where(Token.endpoint_id == endpoint_id))
+            session.add(Token(digest=hash_token(token), user_id=user_id, endpoint_id=endpoint_id))
+        return token
+
+    def principal(self, token: str) -> Principal | None:
+        with self._session() as session:
+            row = session.execute(
+                select(Token.user_id, User.name, Token.endpoint_id)
+                .join(User, User.id == Token.user_id)
+                .where(Token.digest == hash_token(token))
+            ).first()
+        return None if row is None else Principal(row[0], row[1], row[2])
+
+    def user_ids(self, names: list[str]) -> dict[str, str]:
+        with self._session() as session:
+            rows = session.execute(select(User.name, User.id).where(User.name.in_(names)))
+            return {name: uid for name, uid in rows}
+
+    # ------------------------------------------------------------ functions
+
+    def add_function(
+        self, owner_id: str, name: str, body: bytes, python: str, serializer: str
+    ) -> str:
+        """Register a function; the same bytes from the same owner give the same id."""
+        digest = hashlib.sha256(body).hexdigest()
+        with self._session.begin() as session:
+            existing = session.scalar(
+                select(Function.id).where(
+                    Function.owner_id == owner_id,
+                    Function.digest == digest,
+                    Function.python == python,
+                    Function.serializer == serializer,
+                )
+            )
+            if existing is not None:
+                return existing
+            fn = Function(
+                id=_new_id(),
+                owner_id=owner_id,
+                name=name,
+                digest=digest,
+                body=body,
+                python=python,
+                serializer=serializer,
+            )
+            session.add(fn)
+            return fn.id
+
+    def function(self, function_id: str) -> FunctionInfo | None:
+        with self._session() as session:
+            row = session.execute(
+                select(Function, User.name)
+                .join(User, User.id == Function.owner_id)
+                .where(Function.id == function_id)
+            ).first()
+            if row is None:
+                return None
+            fn, owner = row
+            return FunctionInfo(
+                fn.id,
+                fn.owner_id,
+                owner,
+                fn.name,
+                fn.python,
+                fn.serializer,
+                fn.public,
+                fn.created,
+                self._shared_with(session, "function", fn.id),
+            )
+
+    def function_body(self, function_id: str) -> bytes | None:
+        with self._session() as session:
+            body: bytes | None = session.scalar(
+                select(Function.body).where(Function.id == function_id)
+            )
+            return body
+
+    def functions(self, user_id: str) -> list[FunctionInfo]:
+        with self._session() as session:
+            ids = session.scalars(
+                select(Function.id)
+                .where(self._visible(Function, "function", user_id))
+                .order_by(Function.created)
+            ).all()
+        return [info for fid in ids if (info := self.function(fid)) is not None]
+
+    def delete_function(self, function_id: str) -> None:
+        with self._session.begin() as session:
+            session.execute(delete(Function).where(Function.id == function_id))
+            session.execute(
+                delete(Share).where(Share.kind == "function", Share.resource_id == function_id)
+            )
+
+    # ------------------------------------------------------------ endpoints
+
+    def add_endpoint(self, owner_id: str, name: str) -> tuple[str, bool]:
+        """The id of the owner's endpoint ``name``, created if new, and whether it was."""
+        with self._session.begin() as session:
+            existing = session.scalar(
+                select(Endpoint.id).where(Endpoint.owner_id == owner_id, Endpoint.name == name)
+            )
+            if existing is not None:
+                return existing, False
+            endpoint = Endpoint(id=_new_id(), owner_id=owner_id, name=name)
+            session.add(endpoint)
+        return endpoint.id, True
+
+    def endpoint(self, endpoint_id: str) -> EndpointInfo | None:
+        with self._session() as session:
+            row = session.execute(
+                select(Endpoint, User.name)
+                .join(User, User.id == Endpoint.owner_id)
+                .where(Endpoint.id == endpoint_id)
+            ).first()
+            if row is None:
+                return None
+            ep, owner = row
+            return EndpointInfo(
+                ep.id,
+                ep.owner_id,
+                owner,
+                ep.name,
+                ep.public,
+                ep.created,
+                self._shared_with(session, "endpoint", ep.id),
+            )
+
+    def endpoints(self, user_id: str, name: str | None = None) -> list[EndpointInfo]:
+        """Endpoints ``user_id`` can see (own first), optionally only those called ``name``."""
+        query = select(Endpoint.id, Endpoint.owner_id).where(
+            self._visible(Endpoint, "endpoint", user_id)
+        )
+        if name is not None:
+            query = query.where(Endpoint.name == name)
+        with self._session() as session:
+            rows = list(session.execute(query.order_by(Endpoint.created)).all())
+        rows.sort(key=lambda row: row[1] != user_id)
+        return [info for eid, _ in rows if (info := self.endpoint(eid)) is not None]
+
+    def delete_endpoint(self, endpoint_id: str) -> None:
+        with self._session.begin() as session:
+            session.execute(delete(Endpoint).where(Endpoint.id == endpoint_id))
+            session.execute(delete(Token).where(Token.endpoint_id == endpoint_id))
+            session.execute(
+                delete(Share).where(Share.kind == "endpoint", Share.resource_id == endpoint_id)
+            )
+
+    # ------------------------------------------------------------ sharing
+
+    def share(self, kind: str, resource_id: str, user_ids: list[str], public: bool | None) -> None:
+        model: type[Function] | type[Endpoint] = Function if kind == "function" else Endpoint
+        with self._session.begin() as session:
+            if public is not None:
+                obj: Any = session.get(model, resource_id)
+                if obj is not None:
+                    obj.public = public
+            for uid in user_ids:
+                if session.get(Share, (kind, resource_id, uid)) is None:
+                    session.add(Share(kind=kind, resource_id=resource_id, user_id=uid))
+
+    @staticmethod
+    def _visible(model: type[Function] | type[Endpoint], kind: str, user_id: str) -> Any:
+        shared = select(Share.resource_id).where(Share.kind == kind, Share.user_id == user_id)
+        return or_(model.owner_id == user_id, model.public.is_(True), model.id.in_(shared))
+
+    @staticmethod
+    def _shared_with(session: Session, kind: str, resource_id: str) -> tuple[str, ...]:
+        names = session.scalars(
+            select(User.name)
+            .join(Share, Share.user_id == User.id)
+            .where(Share.kind == kind, Share.resource_id == resource_id)
+            .order_by(User.name)
+        )
+        return tuple(names)
+
+
+def _sqlite_pragmas(dbapi_connection: object, record: object) -> None:
+    del record
+    cursor = dbapi_connection.cursor()  # type: ignore[attr-defined]
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()

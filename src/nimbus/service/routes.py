@@ -1,0 +1,139 @@
+"""Functions and endpoints: register, get, list, delete, share; and ``whoami``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import Base64Bytes, BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from nimbus.errors import NotFound
+from nimbus.service.context import ServiceContext
+from nimbus.service.deps import context, current_user
+from nimbus.service.registry import Principal
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1")
+User = Annotated[Principal, Depends(current_user)]
+Ctx = Annotated[ServiceContext, Depends(context)]
+Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.@-]+$")]
+
+
+class FunctionIn(BaseModel):
+    function: Base64Bytes = Field(description="the pickled function (nimbus.serialization)")
+    name: str = Field(default="", max_length=200)
+    python: str = Field(pattern=r"^\d+\.\d+$", description="Python minor version, e.g. 3.11")
+    serializer: str = Field(min_length=1, max_length=64)
+
+
+class EndpointIn(BaseModel):
+    name: Name
+
+
+class ShareIn(BaseModel):
+    users: list[Name] = Field(default_factory=list, max_length=1000)
+    public: bool | None = None
+
+
+@router.get("/whoami", tags=["auth"])
+async def whoami(user: User) -> dict[str, Any]:
+    return {"user_id": user.user_id, "name": user.user_name}
+
+
+# ---------------------------------------------------------------- functions
+
+
+@router.post("/functions", status_code=201, tags=["functions"])
+async def register_function(body: FunctionIn, user: User, ctx: Ctx) -> dict[str, Any]:
+    function_id = await run_in_threadpool(
+        ctx.registry.add_function,
+        user.user_id,
+        body.name,
+        body.function,
+        body.python,
+        body.serializer,
+    )
+    return {"function_id": function_id}
+
+
+@router.get("/functions", tags=["functions"])
+async def list_functions(user: User, ctx: Ctx) -> dict[str, Any]:
+    infos = await run_in_threadpool(ctx.registry.functions, user.user_id)
+    return {"functions": [info.as_dict() for info in infos]}
+
+
+@router.get("/functions/{function_id}", tags=["functions"])
+async def get_function(function_id: str, user: User, ctx: Ctx) -> dict[str, Any]:
+    return (await ctx.function(user, function_id)).as_dict()
+
+
+@router.delete("/functions/{function_id}", tags=["functions"])
+async def delete_function(function_id: str, user: User, ctx: Ctx) -> dict[str, Any]:
+    await ctx.function(user, function_id, own=True)
+    await run_in_threadpool(ctx.registry.delete_function, function_id)
+    ctx.forget_function(function_id)
+    return {"function_id": function_id, "deleted": True}
+
+
+@router.post("/functions/{function_id}/share", tags=["functions"])
+async def share_function(function_id: str, body: ShareIn, user: User, ctx: Ctx) -> dict[str, Any]:
+    await ctx.function(user, function_id, own=True)
+    await _share(ctx, "function", function_id, body)
+    ctx.forget_function(function_id)
+    return (await ctx.function(user, function_id)).as_dict()
+
+
+# ---------------------------------------------------------------- endpoints
+
+
+@router.post("/endpoints", status_code=201, tags=["endpoints"])
+async def register_endpoint(body: EndpointIn, user: User, ctx: Ctx) -> dict[str, Any]:
+    """Register endpoint ``name`` (or find yours) and issue its agent a new token."""
+    endpoint_id, created = await run_in_threadpool(
+        ctx.registry.add_endpoint, user.user_id, body.name
+    )
+    token = await run_in_threadpool(ctx.registry.create_endpoint_token, user.user_id, endpoint_id)
+    return {"endpoint_id": endpoint_id, "name": body.name, "token": token, "created": created}
+
+
+@router.get("/endpoints", tags=["endpoints"])
+async def list_endpoints(
+    user: User, ctx: Ctx, name: Annotated[str | None, Query(max_length=200)] = None
+) -> dict[str, Any]:
+    infos = await run_in_threadpool(ctx.registry.endpoints, user.user_id, name)
+    return {"endpoints": [await ctx.endpoint_status(info) for info in infos]}
+
+
+@router.get("/endpoints/{endpoint_id}", tags=["endpoints"])
+async def get_endpoint(endpoint_id: str, user: User, ctx: Ctx) -> dict[str, Any]:
+    return await ctx.endpoint_status(await ctx.endpoint(user, endpoint_id))
+
+
+@router.delete("/endpoints/{endpoint_id}", tags=["endpoints"])
+async def delete_endpoint(endpoint_id: str, user: User, ctx: Ctx) -> dict[str, Any]:
+    await ctx.endpoint(user, endpoint_id, own=True)
+    await run_in_threadpool(ctx.registry.delete_endpoint, endpoint_id)
+    ctx.forget_endpoint(endpoint_id)
+    for conn_id in list(ctx.hub.endpoint_agents.get(endpoint_id, ())):
+        agent = ctx.hub.agents.get(conn_id)
+        if agent is not None:
+            agent.closed = True
+    return {"endpoint_id": endpoint_id, "deleted": True}
+
+
+@router.post("/endpoints/{endpoint_id}/share", tags=["endpoints"])
+async def share_endpoint(endpoint_id: str, body: ShareIn, user: User, ctx: Ctx) -> dict[str, Any]:
+    await ctx.endpoint(user, endpoint_id, own=True)
+    await _share(ctx, "endpoint", endpoint_id, body)
+    ctx.forget_endpoint(endpoint_id)
+    return await ctx.endpoint_status(await ctx.endpoint(user, endpoint_id))
+
+
+async def _share(ctx: ServiceContext, kind: str, resource_id: str, body: ShareIn) -> None:
+    ids = await run_in_threadpool(ctx.registry.user_ids, body.users)
+    unknown = sorted(set(body.users) - set(ids))
+    if unknown:
+        raise NotFound(f"users: no such user(s) {', '.join(unknown)}", 404)
+    await run_in_threadpool(ctx.registry.share, kind, resource_id, list(ids.values()), body.public)

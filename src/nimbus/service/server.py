@@ -1,0 +1,66 @@
+"""Run the service: ``serve(settings, host, port)`` (``nimbus service start``).
+
+The task queues use ``Settings.redis_url``, or an embedded Redis the service
+starts in its runtime directory and stops on exit. With ``port=0`` the system
+picks a free port; the URL the service listens on is printed on stdout, and
+written to ``url_file`` when given, once it accepts connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import uvicorn
+
+from nimbus import _loop
+from nimbus.config import Settings
+from nimbus.statestore import StateStore
+
+__all__ = ["serve"]
+
+log = logging.getLogger(__name__)
+
+
+def serve(
+    settings: Settings, host: str = "127.0.0.1", port: int = 8420, url_file: Path | None = None
+) -> None:
+    from nimbus.service.app import create_app
+
+    store = StateStore.from_settings(settings)
+    try:
+        app = create_app(settings, store.url)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            ws_max_size=max(16 << 20, min(settings.max_payload * 2, 1 << 31)),
+            ws_ping_interval=None,
+            ws_per_message_deflate=False,  # payloads are pickles: compressing costs, gains little
+            lifespan="on",
+            timeout_graceful_shutdown=5,  # then connections still open are cut
+        )
+        server = uvicorn.Server(config)
+        _loop.run(_run(server, url_file))
+    finally:
+        store.close()
+
+
+async def _run(server: uvicorn.Server, url_file: Path | None) -> None:
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            await task  # failed to start: raise why
+            return
+        await asyncio.sleep(0.02)
+    sock = server.servers[0].sockets[0]
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}"
+    print(f"nimbus service listening on {url}", flush=True)
+    if url_file is not None:
+        tmp = url_file.with_suffix(".tmp")
+        tmp.write_text(url + "\n")
+        tmp.replace(url_file)
+    await task

@@ -1,0 +1,223 @@
+"""Real components for the service tests: a uvicorn service process on 127.0.0.1,
+endpoint agent processes, users with tokens, and a private PostgreSQL when one
+can be started here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from nimbus.client import Client
+from nimbus.config import Settings
+from nimbus.endpoint.config import EndpointConfig
+from nimbus.service.registry import Registry
+
+CLI = "import sys; from nimbus.cli import main; sys.exit(main())"
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 15) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Service:
+    """``nimbus service start`` in a subprocess; ``env`` is shared with agents and clients."""
+
+    def __init__(self, root: Path, env: dict[str, str], port: int = 0) -> None:
+        self.root = root
+        self.env = env
+        self.port = port
+        self.url = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = root / "service.log"
+
+    def start(self) -> Service:
+        url_file = self.root / "service.url"
+        url_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-c", CLI, "service", "start", "--port", str(self.port)]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*cmd, "--url-file", str(url_file)], env=self.env, stdout=log, stderr=log
+            )
+        deadline = time.monotonic() + 30
+        while not url_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"service did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.05)
+        self.url = url_file.read_text().strip()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+    def settings(self) -> Settings:
+        return Settings.load(self.env)
+
+    def token(self, user: str) -> str:
+        """What `nimbus service token create USER` prints (same registry database)."""
+        registry = Registry(self.settings().registry_url)
+        try:
+            return registry.create_user_token(user)
+        finally:
+            registry.close()
+
+    def client(self, token: str) -> Client:
+        return Client(self.url, token, settings=self.settings())
+
+    def http(self, token: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+
+class EndpointProcess:
+    """``python -m nimbus.endpoint.agent NAME`` for an endpoint registered by ``client``."""
+
+    def __init__(self, service: Service, client: Client, name: str, workers: int = 2) -> None:
+        registered = client.register_endpoint(name)
+        self.service = service
+        self.endpoint_id: str = registered["endpoint_id"]
+        self.token: str = registered["token"]
+        self.config = EndpointConfig(
+            name=name,
+            service_url=service.url,
+            endpoint_id=self.endpoint_id,
+            token=self.token,
+            workers=workers,
+            prefetch=2,
+        )
+        old = os.environ.get("XDG_CONFIG_HOME")
+        os.environ["XDG_CONFIG_HOME"] = service.env["XDG_CONFIG_HOME"]
+        try:
+            self.config.save()
+        finally:
+            if old is None:
+                del os.environ["XDG_CONFIG_HOME"]
+            else:
+                os.environ["XDG_CONFIG_HOME"] = old
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = service.root / f"agent-{name}.log"
+
+    def start(self, client: Client | None = None, timeout: float = 30) -> EndpointProcess:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "nimbus.endpoint.agent", self.config.name],
+                env=self.service.env,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        if client is not None:
+            self.wait_online(client, timeout)
+        return self
+
+    def wait_online(self, client: Client, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not client.get_endpoint(self.endpoint_id)["online"]:
+            assert self.proc is not None
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"agent did not come online:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL the agent and its workers (its whole session), as a lost node."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+
+def service_env(root: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NIMBUS_")}
+    env.update(
+        NIMBUS_RUNTIME_DIR=str(root / "rt"),
+        XDG_CONFIG_HOME=str(root / "cfg"),
+        NIMBUS_HEARTBEAT="0.3",
+        NIMBUS_MAX_PAYLOAD="1M",
+        NIMBUS_WORKERS="2",
+    )
+    env.update(extra)
+    return env
+
+
+# ---------------------------------------------------------------- PostgreSQL
+
+
+class Postgres:
+    """A private PostgreSQL 15 cluster (run as the ``postgres`` user) on a loopback port."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.data = root / "pgdata"
+        self.port = free_port()
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why a PostgreSQL cannot be started here, or None."""
+        if not (PG_BIN / "initdb").exists():
+            return f"no PostgreSQL server binaries in {PG_BIN} (apt install postgresql-15)"
+        if shutil.which("runuser") is None:
+            return "no runuser to drop root privileges for PostgreSQL"
+        try:
+            import pwd
+
+            pwd.getpwnam("postgres")
+        except KeyError:
+            return "no 'postgres' system user to run PostgreSQL as"
+        return None
+
+    def _as_postgres(self, *cmd: str) -> None:
+        prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        subprocess.run([*prefix, *cmd], check=True, capture_output=True, timeout=120)
+
+    def start(self) -> Postgres:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            shutil.chown(self.root, "postgres", "postgres")
+        self._as_postgres(
+            str(PG_BIN / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres"
+        )
+        self._as_postgres(
+            str(PG_BIN / "pg_ctl"),
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.root / "pg.log"),
+            "-o",
+            f"-h 127.0.0.1 -p {self.port} -k {self.root}",
+            "-w",
+            "start",
+        )
+        return self
+
+    def stop(self) -> None:
+        try:
+            self._as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "fast", "stop")
+        except subprocess.CalledProcessError:
+            pass

@@ -1,0 +1,292 @@
+"""Service + real endpoint agent processes + SDK: results, errors, cancel, timeouts, faults."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nimbus import Client, Executor
+from nimbus.config import Settings
+from nimbus.errors import NotFound, RemoteTraceback, TaskTimeoutError, VersionMismatchError
+from nimbus.statestore import StateStore
+from service_support import EndpointProcess, Service, free_port, service_env
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def fail(message: str) -> None:
+    raise KeyError(message)
+
+
+def nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def mark_and_nap(path: str, i: int, seconds: float) -> int:
+    """Record each run of task i (so a test sees it ran twice) and take a while."""
+    with open(path, "a") as out:
+        out.write(f"{i}\n")
+    time.sleep(seconds)
+    return i
+
+
+@pytest.fixture(scope="module")
+def alice(service: Service) -> Iterator[Client]:
+    with service.client(service.token("alice")) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def lab(service: Service, alice: Client) -> Iterator[EndpointProcess]:
+    endpoint = EndpointProcess(service, alice, "lab").start(alice)
+    yield endpoint
+    endpoint.stop()
+
+
+def _settings(service: Service, client: Client) -> Settings:
+    return Settings.load(
+        service.env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": client.token}
+    )
+
+
+def test_client_run_and_result(alice: Client, lab: EndpointProcess) -> None:
+    task_id = alice.run(square, 7, endpoint="lab")
+    assert alice.get_result(task_id, timeout=30) == 49
+    task = alice.get_task(task_id)
+    assert task["state"] == "success"
+    record = task["record"]
+    assert record["task_id"] == task_id and record["pid"] > 0
+    assert record["ended"] >= record["started"] > 0
+    ids = alice.batch_run(square, [(i,) for i in range(20)], endpoint="lab")
+    assert [alice.get_result(i, timeout=30) for i in ids] == [i * i for i in range(20)]
+    listed = {t["task_id"] for t in alice.list_tasks("success", limit=1000)}
+    assert set(ids) <= listed
+
+
+def test_remote_exception_keeps_its_type_and_traceback(alice: Client, lab: EndpointProcess) -> None:
+    task_id = alice.run(fail, "boom", endpoint="lab")
+    with pytest.raises(KeyError, match="boom") as info:
+        alice.get_result(task_id, timeout=30)
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert "in fail" in str(info.value.__cause__)
+    assert alice.get_task(task_id)["state"] == "failed"
+
+
+def test_executor_on_endpoint(service: Service, alice: Client, lab: EndpointProcess) -> None:
+    with Executor(endpoint="lab", settings=_settings(service, alice)) as ex:
+        assert sum(ex.map(square, range(500))) == sum(i * i for i in range(500))
+        assert list(ex.map(square, range(10), chunksize=3)) == [i * i for i in range(10)]
+        future = ex.submit(square, 12)
+        assert future.result(30) == 144
+        assert future.record.state.value == "success"
+        assert future.record.pid > 0 and future.record.host
+        failing = ex.submit(fail, "bad")
+        with pytest.raises(KeyError):
+            failing.result(30)
+
+
+def test_executor_cancel_and_timeout(service: Service, alice: Client, lab: EndpointProcess) -> None:
+    settings = _settings(service, alice)
+    with Executor(endpoint="lab", settings=settings) as ex:
+        slow = [ex.submit(nap, 5) for _ in range(4)]
+        time.sleep(0.5)
+        assert all(f.cancel() for f in slow)
+        assert all(f.cancelled() for f in slow)
+        start = time.monotonic()
+        assert ex.submit(square, 3).result(30) == 9
+        assert time.monotonic() - start < 4, "the cancelled tasks kept the workers busy"
+        limited = ex.options(timeout=0.5).submit(nap, 30)
+        with pytest.raises(TaskTimeoutError):
+            limited.result(30)
+        with pytest.raises(cf.TimeoutError):
+            list(ex.map(nap, [3], timeout=0.2))
+    deadline = time.monotonic() + 10
+    while alice.list_tasks("running") or alice.list_tasks("dispatched"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def test_client_cancel_queued(service: Service, alice: Client) -> None:
+    """A task cancelled while it waits for its (offline) endpoint never runs."""
+    later = EndpointProcess(service, alice, "later")  # registered, not started
+    queued = alice.run(square, 5, endpoint="later")
+    assert alice.get_task(queued)["state"] == "waiting-for-endpoint"
+    assert alice.cancel(queued)
+    assert not alice.cancel(queued)  # once
+    with pytest.raises(cf.CancelledError):
+        alice.get_result(queued, timeout=30)
+    later.start(alice)
+    try:
+        assert alice.get_result(alice.run(square, 6, endpoint="later"), timeout=30) == 36
+    finally:
+        later.stop()
+    task = alice.get_task(queued)
+    assert task["state"] == "cancelled" and task["record"] is None  # never ran
+
+
+def test_version_mismatch_is_refused_at_submit(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    import base64
+
+    from nimbus.service.protocol import PYTHON, SERIALIZER
+
+    with service.http(alice.token) as http:
+        fn = http.post(
+            "/v1/functions",
+            json={
+                "function": base64.b64encode(b"x").decode(),
+                "python": "2.7",
+                "serializer": SERIALIZER,
+            },
+        ).json()["function_id"]
+        response = http.post(
+            "/v1/tasks",
+            json={"endpoint_id": lab.endpoint_id, "tasks": [{"function_id": fn, "payload": ""}]},
+        )
+    assert response.status_code == 409
+    detail = response.json()["detail"]
+    assert "Python 2.7" in detail and f"runs Python {PYTHON}" in detail
+    from nimbus.client import error_for
+
+    assert isinstance(error_for(409, detail), VersionMismatchError)
+
+
+def test_killed_agent_tasks_requeued_exactly_one_result(
+    service: Service, alice: Client, tmp_path: Path
+) -> None:
+    endpoint = EndpointProcess(service, alice, "fragile").start(alice)
+    runs = tmp_path / "runs.txt"
+    n = 24
+    ids = alice.batch_run(
+        mark_and_nap, [(str(runs), i, 0.25) for i in range(n)], endpoint="fragile"
+    )
+    deadline = time.monotonic() + 30
+    while not runs.exists() or len(runs.read_text().split()) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    endpoint.kill()  # mid-batch: some done, some running, some prefetched
+    replacement = EndpointProcess(service, alice, "fragile")  # same endpoint, new token
+    replacement.start(alice)
+    try:
+        results = [alice.get_result(i, timeout=60) for i in ids]
+    finally:
+        replacement.stop()
+    assert results == list(range(n))
+    assert [t["state"] for t in (alice.get_task(i) for i in ids)] == ["success"] * n
+    started = [int(line) for line in runs.read_text().split()]
+    assert set(started) == set(range(n))
+    assert len(started) > n, "no task was running when the agent was killed"
+
+
+def test_agent_reconnects_after_service_restart(tmp_path: Path) -> None:
+    store = StateStore.open(None, tmp_path / "redis")  # queues outlive the service
+    root = tmp_path / "svc"
+    root.mkdir()
+    service = Service(root, service_env(root, NIMBUS_REDIS_URL=store.url), port=free_port())
+    service.start()
+    endpoint = None
+    try:
+        with service.client(service.token("erin")) as client:
+            endpoint = EndpointProcess(service, client, "phoenix").start(client)
+            assert client.get_result(client.run(square, 2, endpoint="phoenix"), timeout=30) == 4
+            endpoint.stop()
+            queued = client.batch_run(square, [(i,) for i in range(10)], endpoint="phoenix")
+            service.stop()
+            service.start()  # same port, same registry, same Redis
+            endpoint.start(client)
+            assert [client.get_result(i, timeout=30) for i in queued] == [i * i for i in range(10)]
+            service.stop()
+            service.start()  # the running agent finds the service again by itself
+            endpoint.wait_online(client, timeout=30)
+            assert client.get_result(client.run(square, 3, endpoint="phoenix"), timeout=30) == 9
+    finally:
+        if endpoint is not None:
+            endpoint.stop()
+        service.stop()
+        store.close()
+
+
+def test_endpoints_listing(alice: Client, lab: EndpointProcess) -> None:
+    rows = {e["name"]: e for e in alice.endpoints()}
+    assert rows["lab"]["online"] and rows["lab"]["workers"] == 2
+    assert rows["lab"]["last_heartbeat"] > time.time() - 5
+    with pytest.raises(NotFound):
+        alice.get_endpoint("nope")
+
+
+def test_silent_agent_is_lost_and_its_tasks_run_elsewhere(
+    service: Service, alice: Client, tmp_path: Path
+) -> None:
+    """A frozen agent (its link cut: no heartbeats, no close) loses its tasks to another."""
+    frozen = EndpointProcess(service, alice, "frozen").start(alice)
+    runs = tmp_path / "runs.txt"
+    n = 12
+    ids = alice.batch_run(mark_and_nap, [(str(runs), i, 0.3) for i in range(n)], endpoint="frozen")
+    deadline = time.monotonic() + 30
+    while not runs.exists() or not runs.read_text().split():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert frozen.proc is not None
+    os.killpg(frozen.proc.pid, signal.SIGSTOP)  # agent and workers stop; the socket stays open
+    try:
+        lost = time.monotonic() + 10  # 3 heartbeats of 0.3 s, then the service gives up on it
+        while alice.get_endpoint("frozen")["online"]:
+            assert time.monotonic() < lost
+            time.sleep(0.05)
+        helper = EndpointProcess(service, alice, "frozen").start(alice)
+        try:
+            results = [alice.get_result(i, timeout=60) for i in ids]
+        finally:
+            os.killpg(frozen.proc.pid, signal.SIGCONT)  # heal: it comes back, finds nothing new
+        assert results == list(range(n))
+        time.sleep(1.5)
+        assert {t["state"] for t in (alice.get_task(i) for i in ids)} == {"success"}
+        assert [alice.get_result(i, timeout=5) for i in ids] == list(range(n))
+        helper.stop()
+    finally:
+        frozen.kill()
+
+
+def test_executor_refuses_unknown_or_mismatched_endpoints(service: Service, alice: Client) -> None:
+    from websockets.sync.client import connect
+
+    from nimbus.service.protocol import PYTHON, SERIALIZER, pack
+
+    settings = _settings(service, alice)
+    with pytest.raises(NotFound, match="nope"):
+        Executor(endpoint="nope", settings=settings)
+    old = alice.register_endpoint("old-python")
+    url = service.url.replace("http://", "ws://") + "/v1/ws/endpoint"
+    with connect(url, additional_headers={"Authorization": f"Bearer {old['token']}"}) as ws:
+        ws.send(pack({"op": "hello", "python": "3.9", "serializer": SERIALIZER, "workers": 1}))
+        deadline = time.monotonic() + 10
+        while not alice.get_endpoint("old-python")["online"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(VersionMismatchError) as info:
+            Executor(endpoint="old-python", settings=settings)
+        message = str(info.value)
+        assert "Python 3.9" in message and f"Python {PYTHON}" in message
+        with pytest.raises(VersionMismatchError, match=r"Python 3\.9"):
+            alice.run(square, 1, endpoint="old-python")
+
+
+def test_running_state_is_visible(alice: Client, lab: EndpointProcess) -> None:
+    task_id = alice.run(nap, 1.5, endpoint="lab")
+    deadline = time.monotonic() + 10
+    while alice.get_task(task_id)["state"] != "running":
+        assert time.monotonic() < deadline, alice.get_task(task_id)
+        time.sleep(0.05)
+    assert task_id in [t["task_id"] for t in alice.list_tasks("running")]
+    assert alice.get_result(task_id, timeout=30) == 1.5
+    assert alice.get_task(task_id)["state"] == "success"

@@ -1,0 +1,220 @@
+"""Service, two endpoints and a client in separate network namespaces (root only).
+
+::
+
+    ns svc 10.231.N.1 --+
+    ns ep1 10.231.N.2 --+-- bridge (root ns 10.231.N.254, the test's own view)
+    ns ep2 10.231.N.3 --+
+    ns cli 10.231.N.4 --+
+
+The client submits to both endpoints; the test cuts ep1's link (its veth goes
+down: no FIN, no RST, packets vanish) and heals it. Every task ends with
+exactly one result. Skipped where namespaces cannot be made (not root, no ``ip``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nimbus import Client
+from service_support import CLI, EndpointProcess, Service, service_env, stop
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+class Net:
+    def __init__(self) -> None:
+        self.n = 100 + os.getpid() % 150
+        self.tag = f"nbx{os.getpid() % 100000}"
+        self.bridge = f"{self.tag}br"
+        self.spaces: list[str] = []
+        self.links: list[str] = []
+
+    def addr(self, host: int) -> str:
+        return f"10.231.{self.n}.{host}"
+
+    def setup(self, names: list[str]) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self.links.append(self.bridge)
+        _ip("addr", "add", f"{self.addr(254)}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for i, name in enumerate(names, start=1):
+            ns, outer, inner = f"{self.tag}-{name}", f"{self.tag}{name}o", f"{self.tag}{name}i"
+            _ip("netns", "add", ns)
+            self.spaces.append(ns)
+            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            self.links.append(outer)
+            _ip("link", "set", inner, "netns", ns)
+            _ip("link", "set", outer, "master", self.bridge)
+            _ip("link", "set", outer, "up")
+            _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", inner)
+            _ip("-n", ns, "link", "set", inner, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def ns(self, name: str) -> str:
+        return f"{self.tag}-{name}"
+
+    def cut(self, name: str, up: bool) -> None:
+        _ip("link", "set", f"{self.tag}{name}o", "up" if up else "down")
+
+    def teardown(self) -> None:
+        for link in reversed(self.links):
+            subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
+        for ns in self.spaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+@pytest.fixture
+def net() -> Iterator[Net]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2 (the other tests use loopback)")
+    net = Net()
+    try:
+        net.setup(["svc", "ep1", "ep2", "cli"])
+    except subprocess.CalledProcessError as exc:
+        net.teardown()
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
+    yield net
+    net.teardown()
+
+
+class NsService(Service):
+    def __init__(self, root: Path, env: dict[str, str], net: Net) -> None:
+        super().__init__(root, env, port=8420)
+        self.net = net
+
+    def start(self) -> NsService:
+        url_file = self.root / "service.url"
+        url_file.unlink(missing_ok=True)
+        cmd = ["ip", "netns", "exec", self.net.ns("svc"), sys.executable, "-c", CLI]
+        cmd += ["service", "start", "--host", self.net.addr(1), "--port", "8420"]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*cmd, "--url-file", str(url_file)], env=self.env, stdout=log, stderr=log
+            )
+        deadline = time.monotonic() + 30
+        while not url_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"service did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.05)
+        self.url = url_file.read_text().strip()
+        return self
+
+
+class NsEndpoint(EndpointProcess):
+    def __init__(self, service: Service, client: Client, name: str, ns: str) -> None:
+        super().__init__(service, client, name)
+        self.ns = ns
+
+    def start(self, client: Client | None = None, timeout: float = 30) -> NsEndpoint:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.ns,
+                    sys.executable,
+                    "-m",
+                    "nimbus.endpoint.agent",
+                    self.config.name,
+                ],
+                env=self.service.env,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        if client is not None:
+            self.wait_online(client, timeout)
+        return self
+
+
+CLIENT = textwrap.dedent(
+    """
+    import json, sys, time
+    from nimbus import Executor
+
+    def tagged(i):
+        time.sleep(0.2)
+        return i
+
+    n, out = int(sys.argv[1]), sys.argv[2]
+    with Executor(endpoint="ep1") as one, Executor(endpoint="ep2") as two:
+        futures = [(one if i % 2 else two).submit(tagged, i) for i in range(n)]
+        print("submitted", flush=True)
+        results = [f.result(120) for f in futures]
+        hosts = sorted({f.record.pid for f in futures})
+    with open(out, "w") as fh:
+        json.dump({"results": results, "pids": hosts}, fh)
+    """
+)
+
+
+def test_namespaces_cut_and_heal_an_endpoint_link(net: Net, tmp_path: Path) -> None:
+    env = service_env(tmp_path)
+    service = NsService(tmp_path, env, net).start()
+    endpoints: list[NsEndpoint] = []
+    client_proc = None
+    try:
+        token = service.token("netuser")
+        with service.client(token) as admin:
+            for name in ("ep1", "ep2"):
+                endpoint = NsEndpoint(service, admin, name, net.ns(name))
+                endpoints.append(endpoint.start(admin))
+            script = tmp_path / "client.py"
+            script.write_text(CLIENT)
+            out = tmp_path / "out.json"
+            n = 40
+            client_env = env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token}
+            client_proc = subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    net.ns("cli"),
+                    sys.executable,
+                    str(script),
+                    str(n),
+                    str(out),
+                ],
+                env=client_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            assert client_proc.stdout is not None
+            assert client_proc.stdout.readline().strip() == b"submitted"
+            time.sleep(0.5)
+            net.cut("ep1", up=False)  # partition: ep1 holds tasks, the service hears nothing
+            deadline = time.monotonic() + 15
+            while admin.get_endpoint(endpoints[0].endpoint_id)["online"]:
+                assert time.monotonic() < deadline, "the service did not notice the cut"
+                time.sleep(0.1)
+            assert admin.get_endpoint(endpoints[1].endpoint_id)["online"]
+            time.sleep(1.0)
+            net.cut("ep1", up=True)  # heal: ep1's agent reconnects by itself
+            endpoints[0].wait_online(admin, timeout=60)
+            assert client_proc.wait(120) == 0, client_proc.stdout.read().decode()
+            data = json.loads(out.read_text())
+            assert data["results"] == list(range(n))
+            states = {t["state"] for t in admin.list_tasks(limit=1000)}
+            assert states == {"success"}
+    finally:
+        if client_proc is not None:
+            stop(client_proc)
+            if client_proc.stdout is not None:
+                client_proc.stdout.close()
+        for endpoint in endpoints:
+            endpoint.stop()
+        service.stop()
