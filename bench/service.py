@@ -36,6 +36,9 @@ import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
+sys.path.append(str(_HERE))  # after the stdlib: for _report, never for multiprocessing
+from _report import grid  # noqa: E402
+
 CLI = "import sys; from nimbus.cli import main; sys.exit(main())"
 
 
@@ -326,12 +329,7 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     )
     print(f"Python {platform.python_version()} on {platform.system()}, {os.cpu_count()} CPUs\n")
     header = ("workload", "what", "nimbus", "target", "result")
-    table = [header] + [(r.name, r.what, r.value, r.target, r.status) for r in rows]
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    for i, line in enumerate(table):
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print(grid(header, [(r.name, r.what, r.value, r.target, r.status) for r in rows]))
 
 
 def main() -> int:
