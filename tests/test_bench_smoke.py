@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,95 +11,75 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "executor.py"
+
+
+def _run(script: str, *args: str, timeout: float = 110, clean: bool = False) -> list[str]:
+    """Run bench/<script> with this test's nimbus; its stdout lines (it must exit 0)."""
+    import nimbus
+
+    env = {k: v for k, v in os.environ.items() if not (clean and k.startswith("NIMBUS_"))}
+    package_parent = str(Path(nimbus.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.splitlines()
+
+
+def _header(lines: list[str], *columns: str) -> None:
+    header = next((line for line in lines if line.startswith("workload")), None)
+    assert header is not None, lines
+    for column in columns:
+        assert column in header
+
+
+def _row(lines: list[str], name: str) -> str:
+    row = next((line for line in lines if line.startswith(name)), None)
+    assert row is not None, lines
+    return row
 
 
 @pytest.mark.timeout(120)
 def test_bench_executor_quick_roundtrip() -> None:
-    pytest.importorskip("nimbus.executor")
-    import nimbus
-
-    env = dict(os.environ)
-    # The script must import the same nimbus this test process does.
-    package_parent = str(Path(nimbus.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--repeat", "1", "--only", "roundtrip"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
-    header = next((line for line in lines if line.startswith("workload")), None)
-    assert header is not None, proc.stdout
-    for column in ("PPE", "nimbus", "ratio", "target", "result"):
-        assert column in header
-    row = next((line for line in lines if line.startswith("roundtrip")), None)
-    assert row is not None, proc.stdout
-    assert row.rstrip().endswith(("PASS", "MISS")), row
+    lines = _run("executor.py", "--quick", "--repeat", "1", "--only", "roundtrip")
+    _header(lines, "PPE", "nimbus", "ratio", "target", "result")
+    assert _row(lines, "roundtrip").rstrip().endswith(("PASS", "MISS"))
 
 
 @pytest.mark.timeout(120)
 def test_bench_messaging_quick() -> None:
-    """bench/messaging.py runs every workload at quick sizes and prints its table."""
-    import nimbus
-
-    env = dict(os.environ)
-    package_parent = str(Path(nimbus.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "messaging.py"), "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
-    header = next((line for line in lines if line.startswith("workload")), None)
-    assert header is not None, proc.stdout
-    for column in ("reference", "nimbus", "ratio", "target", "result"):
-        assert column in header
+    lines = _run("messaging.py", "--quick")
+    _header(lines, "reference", "nimbus", "ratio", "target", "result")
     for name in ("rtt 64B", "rtt 1MB", "oneway", "allreduce", "directory"):
-        row = next((line for line in lines if line.startswith(name)), None)
-        assert row is not None, proc.stdout
-        assert row.rstrip().endswith(("PASS", "MISS", "report")), row
+        assert _row(lines, name).rstrip().endswith(("PASS", "MISS", "report"))
 
 
 @pytest.mark.timeout(180)
 def test_bench_multiprocessing_quick(tmp_path: Path) -> None:
-    import json
-
-    import nimbus
-
-    env = dict(os.environ)
-    package_parent = str(Path(nimbus.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
     out = tmp_path / "mp.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "multiprocessing.py"),
-            *("--quick", "--repeat", "1", "--only", "lock", "--only", "queue"),
-            *("--json", str(out)),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=170,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = ("--quick", "--repeat", "1", "--only", "lock", "--only", "queue", "--json", str(out))
+    lines = _run("multiprocessing.py", *args, timeout=170)
+    _header(lines, "stdlib", "nimbus", "ratio", "target", "result")
     rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"cold start", "lock", "queue"}
     for name in ("lock", "queue"):
         assert rows[name]["status"] in ("PASS", "MISS"), rows[name]
         assert rows[name]["ratio"] > 0
-    assert "stdlib" in proc.stdout and "nimbus" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_bench_service_quick(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    lines = _run("service.py", "--quick", "--workers", "2", "--json", str(out), clean=True)
+    _header(lines, "what", "nimbus", "target", "result")
+    for name in ("roundtrip", "throughput", "heartbeats"):
+        _row(lines, name)
+    assert "2000/2000 complete" in _row(lines, "offline")
+    assert out.exists()
