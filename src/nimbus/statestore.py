@@ -376,7 +376,8 @@ class StateStore:
             self._server.stop()
             with _lock:
                 for key in [k for k in _clients if k[1] == self.url]:
-                    del _clients[key]
+                    # closed now, not whenever the collector gets to their sockets
+                    _clients.pop(key).connection_pool.disconnect()
 
     def __enter__(self) -> StateStore:
         return self

@@ -78,6 +78,17 @@ class Link:
         self.held: dict[str, int] = {}  # lock owners key -> this thread's depth, as last known
         self.packed: dict[tuple[str, str], bytes] = {}  # (what, key) -> commands, packed
 
+    def __del__(self) -> None:
+        # A thread's links go with the thread. Close the socket now: the redis-py
+        # connection that also holds it sits in a reference cycle, and the cycle
+        # collector may finalize the socket first (an "unclosed socket" warning).
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
     @property
     def owner(self) -> str:
         """host:pid:thread id:client id of this process's presence connection."""
