@@ -26,6 +26,7 @@ import pytest
 
 import nimbus.messaging as msg
 import nimbus.multiprocessing as mp
+from nimbus import telemetry
 from nimbus.config import Settings
 from nimbus.errors import (
     MessageDecodeError,
@@ -285,6 +286,32 @@ def test_many_small_messages_coalesced_arrive_in_order(endpoints: Any) -> None:
     for i in range(5000):
         a.send(b.id, i)  # a burst: coalesced, written by size or by the flusher
     assert [b.recv(source=a.id, timeout=10) for _ in range(5000)] == list(range(5000))
+
+
+def test_small_and_large_messages_interleaved_keep_their_order(endpoints: Any) -> None:
+    a, b = endpoints(), endpoints()
+    sent: list[Any] = []
+    for i in range(600):  # small frames share one buffer; a large one goes between them
+        sent.append(np.full(50_000, float(i)) if i % 100 == 7 else i)
+        a.send(b.id, sent[-1])
+    got = [b.recv(source=a.id, timeout=10) for _ in range(600)]
+    for want, have in zip(sent, got, strict=True):
+        if isinstance(want, np.ndarray):
+            np.testing.assert_array_equal(have, want)
+        else:
+            assert have == want
+
+
+def test_messages_count_in_the_task_network_bytes(endpoints: Any) -> None:
+    a, b = endpoints(), endpoints()
+    a.send(b.id, b"warm")  # connect first
+    b.recv(source=a.id, timeout=10)
+    bytes_in, bytes_out = telemetry.socket_bytes()
+    a.send(b.id, b"x" * 1000)
+    assert b.recv(source=a.id, timeout=10) == b"x" * 1000
+    now_in, now_out = telemetry.socket_bytes()
+    assert now_in - bytes_in >= 1000
+    assert now_out - bytes_out >= 1000
 
 
 def test_arrays_arrive_writable_as_sent_on_both_paths(endpoints: Any) -> None:

@@ -34,6 +34,15 @@ __all__ = ["ANY", "close", "current", "instance_id", "recv", "recv_with_source",
 TOKEN_ENV = "NIMBUS_MESSAGING_TOKEN"
 _lock = threading.Lock()
 _current: Endpoint | None = None
+_pid = os.getpid()  # of this process: kept current across forks, not asked per call
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _token(prog: Program) -> bytes:
@@ -63,7 +72,7 @@ def current() -> Endpoint:
     """This process's endpoint (made on first use, again after a fork)."""
     global _current
     endpoint = _current
-    if endpoint is not None and endpoint.pid == os.getpid():
+    if endpoint is not None and endpoint.pid == _pid:
         return endpoint
     with _lock:
         if _current is None or _current.pid != os.getpid():
@@ -116,7 +125,10 @@ def send(peer: str, obj: object) -> None:
     Raises :class:`~nimbus.errors.PeerLost` or
     :class:`~nimbus.errors.PeerExited` when ``peer`` is gone.
     """
-    current().send(peer, obj)
+    endpoint = _current
+    if endpoint is None or endpoint.pid != _pid:
+        endpoint = current()
+    endpoint.send(peer, obj)
 
 
 def recv(source: str | None = ANY, timeout: float | None = None) -> Any:
@@ -127,7 +139,10 @@ def recv(source: str | None = ANY, timeout: float | None = None) -> Any:
     and :class:`~nimbus.errors.MessageDecodeError` (naming the sender) for a
     message that cannot be unpickled here.
     """
-    return current().recv(source, timeout)
+    endpoint = _current
+    if endpoint is None or endpoint.pid != _pid:
+        endpoint = current()
+    return endpoint.recv_with_source(source, timeout)[1]
 
 
 def recv_with_source(source: str | None = ANY, timeout: float | None = None) -> tuple[str, Any]:

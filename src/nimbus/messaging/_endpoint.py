@@ -20,6 +20,7 @@ from __future__ import annotations
 import _thread
 import collections
 import dataclasses
+import itertools
 import logging
 import os
 import pickle
@@ -28,7 +29,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -37,7 +38,6 @@ import redis
 
 from nimbus import serialization
 from nimbus.errors import (
-    DeserializationError,
     MessageDecodeError,
     MessagingTimeout,
     PeerExited,
@@ -65,6 +65,7 @@ _PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to 
 _INLINE = 64 * 1024
 unpackb = msgpack.unpackb
 _READ = select.POLLIN | select.POLLERR | select.POLLHUP
+_Mail = tuple[str, Any, Any, Sequence[Any]]  # sender, tag, pickle, out-of-band buffers
 
 
 @runtime_checkable
@@ -103,11 +104,13 @@ class Endpoint:
         self.directory = Directory(client, keys, ttl_ms)
         self._out: dict[str, _link.Link] = {}
         self._out_lock = threading.Lock()
-        self._seq: dict[str, int] = collections.defaultdict(int)
+        # next(self._seq[peer]): one numbering per peer, atomic without a lock
+        self._seq: dict[str, itertools.count[int]] = collections.defaultdict(itertools.count)
         self._retry_at: dict[str, float] = {}
         self._backoff: dict[str, float] = {}
         self._dirty: set[_link.Link] = set()  # links holding coalesced messages
         self._flush_soon = threading.Event()
+        self._flush_armed = False  # the flusher will write the dirty links soon
         self._flusher: threading.Thread | None = None
         self._recvs = 0
         # receiving: links in, per-sender order, the mailbox
@@ -117,8 +120,8 @@ class Endpoint:
         self._new_in: list[_link.Link] = []
         self._poll = select.poll()
         self._expect: dict[str, int] = collections.defaultdict(int)
-        self._held: dict[str, dict[int, tuple[Any, Any, list[Any]]]] = {}
-        self._mail: collections.deque[tuple[str, Any, Any, list[Any]]] = collections.deque()
+        self._held: dict[str, dict[int, tuple[Any, Any, Sequence[Any]]]] = {}
+        self._mail: collections.deque[_Mail] = collections.deque()
         self._ended: dict[str, str] = {}  # sender -> "exited" or "lost"
         self._arrivals = 0
         self._wake_r, self._wake_w = os.pipe()
@@ -214,41 +217,54 @@ class Endpoint:
             raws = [b.raw() for b in buffers]
         link = (self._out.get(peer) or self._open(peer)) if self.direct else None
         if link is None:
-            with self._out_lock:
-                seq = self._seq[peer]
-                self._seq[peer] = seq + 1
-            self._push_store(peer, seq, tag, data, raws)
+            self._push_store(peer, next(self._seq[peer]), tag, data, raws)
             return
         with link.lock:
             if link.error is not None:
                 raise PeerLost(f"instance {peer} is lost: {link.error}")
-            with self._out_lock:  # one numbering per peer, whichever way a message goes
-                seq = self._seq[peer]
-                self._seq[peer] = seq + 1
-            link.queue(seq, tag, data, raws)
+            seq = next(self._seq[peer])  # one numbering per peer, whichever way it goes
             # the first send since a receive goes now (a request waits for its reply);
             # more sends in a row are coalesced, up to COALESCE bytes or FLUSH_DELAY
-            if link.recvs != self._recvs or link.channel.pending_output >= COALESCE:
+            if link.recvs != self._recvs:
                 link.recvs = self._recvs
+                if not raws and len(data) <= _link.SMALL_LIMIT:
+                    try:
+                        if link.send_now(seq, tag, data):
+                            return
+                    except OSError as exc:
+                        self._drop_out(link)
+                        raise PeerLost(f"instance {peer} is lost: {exc}") from exc
+                else:
+                    link.queue(seq, tag, data, raws)
                 self._flush(link)
                 return
-        self._defer(link)
+            if raws or len(data) > _link.SMALL_LIMIT:
+                link.queue(seq, tag, data, raws)
+            else:
+                link.channel.queue_small(_link.MSG, link.packer.pack((seq, tag)), data)
+            if link.channel.pending_output >= COALESCE:
+                self._flush(link)
+                return
+        self._dirty.add(link)  # before the flag is read (the flusher clears it, then flushes)
+        if not self._flush_armed:
+            self._defer()
 
-    def _defer(self, link: _link.Link) -> None:
-        self._dirty.add(link)
+    def _defer(self) -> None:
+        """Have the flusher write the dirty links within FLUSH_DELAY."""
+        self._flush_armed = True
         if self._flusher is None:
             self._flusher = threading.Thread(
                 target=self._flush_later, name="nimbus-msg-flush", daemon=True
             )
             self._flusher.start()
-        if not self._flush_soon.is_set():
-            self._flush_soon.set()
+        self._flush_soon.set()
 
     def _flush_later(self) -> None:
         while not self._closed:
             self._flush_soon.wait()
             self._flush_soon.clear()
             time.sleep(FLUSH_DELAY)
+            self._flush_armed = False
             self._flush_dirty()
 
     def _flush_dirty(self) -> None:
@@ -353,21 +369,17 @@ class Endpoint:
         self._recvs += 1
         if self._dirty:
             self._flush_dirty()
-        mail = self._mail
-        if mail:  # the common case: the first waiting message is the one wanted
-            with self._lock:
-                if mail:
-                    head = mail[0]
-                    if head[1] == tag and (source is None or head[0] == source):
-                        mail.popleft()
-                        return head[0], self._decode(head[0], head[2], head[3])
-        deadline = None if timeout is None else time.monotonic() + timeout
-        next_check = time.monotonic() + HEARTBEAT
+        deadline = next_check = None  # taken when first needed (the common case never waits)
         while True:
             seen = self._arrivals
-            found = self._take(source, tag) if self._mail else None
-            if found is not None:
-                return found[0], self._decode(*found)
+            if self._mail:
+                found = self._take(source, tag)
+                if found is not None:
+                    sender, _, data, buffers = found
+                    try:
+                        return sender, pickle.loads(data, buffers=buffers)
+                    except Exception as exc:
+                        raise self._undecodable(sender, exc) from exc
             if source is not None:
                 ended = self._ended.get(source)
                 if ended == EXITED:
@@ -375,6 +387,9 @@ class Endpoint:
                 if ended is not None:
                     raise PeerLost(f"instance {source} is lost: its connection broke")
             now = time.monotonic()
+            if next_check is None:
+                next_check = now + HEARTBEAT
+                deadline = None if timeout is None else now + timeout
             if deadline is not None and now >= deadline:
                 raise MessagingTimeout(
                     f"no message from {source or 'any instance'} within {timeout} s"
@@ -400,24 +415,30 @@ class Endpoint:
         return f"; instance {source} never became addressable (was it started?)"
 
     @staticmethod
-    def _decode(sender: str, data: Any, buffers: list[Any]) -> Any:
-        try:
-            return serialization.loads(data, buffers)
-        except DeserializationError as exc:
-            raise MessageDecodeError(
-                f"a message from instance {sender} cannot be unpickled here: {exc}", sender
-            ) from exc.__cause__
+    def _undecodable(sender: str, exc: Exception) -> MessageDecodeError:
+        """The error for a message that does not unpickle (``pickle.loads`` is called
+        inline, as ``serialization.loads`` would, to save a call per message)."""
+        return MessageDecodeError(
+            f"a message from instance {sender} cannot be unpickled here: "
+            f"cannot unpickle payload: {type(exc).__name__}: {exc}",
+            sender,
+        )
 
-    def _take(self, source: str | None, tag: Any) -> tuple[str, Any, list[Any]] | None:
+    def _take(self, source: str | None, tag: Any) -> _Mail | None:
         with self._lock:
             mail = self._mail
+            if not mail:
+                return None
+            head = mail[0]  # the common case: the first waiting message is the one wanted
+            if head[1] == tag and (source is None or head[0] == source):
+                return mail.popleft()
             for i, item in enumerate(mail):
                 if item[1] == tag and (source is None or item[0] == source):
                     del mail[i]
-                    return item[0], item[2], item[3]
+                    return item
         return None
 
-    def _arrive(self, sender: str, seq: int, tag: Any, data: Any, buffers: list[Any]) -> None:
+    def _arrive(self, sender: str, seq: int, tag: Any, data: Any, buffers: Sequence[Any]) -> None:
         """Deliver in order (called with ``_lock`` held)."""
         expect = self._expect[sender]
         if seq == expect:
@@ -428,6 +449,8 @@ class Endpoint:
                 t, d, b = held.pop(expect)
                 self._mail.append((sender, t, d, b))
                 expect += 1
+            if held is not None and not held:
+                del self._held[sender]  # none held at all: ``_read`` takes its short path
             self._expect[sender] = expect
         elif seq > expect:  # an earlier one is still on its way through the store
             self._held.setdefault(sender, {})[seq] = (tag, data, buffers)
@@ -506,20 +529,27 @@ class Endpoint:
         except (OSError, ProtocolError):
             frames = None
         if frames:
+            peer = link.peer
+            append = self._mail.append
             with self._lock:
                 for frame in frames:
                     if frame.kind == _link.MSG:
                         meta = unpackb(frame.meta)  # seq, tag (, read-only buffers)
                         bufs = frame.buffers
-                        rest = (
-                            _link.writable_as_sent(bufs, meta[2] if len(meta) > 2 else 0)
-                            if len(bufs) > 1
-                            else []
-                        )
-                        self._arrive(link.peer, meta[0], meta[1], bufs[0], rest)
-                        self._arrivals += 1
+                        seq = meta[0]
+                        if len(bufs) == 1 and seq == self._expect[peer] and not self._held:
+                            append((peer, meta[1], bufs[0], ()))  # the common case, inline
+                            self._expect[peer] = seq + 1
+                        else:
+                            rest = (
+                                _link.writable_as_sent(bufs, meta[2] if len(meta) > 2 else 0)
+                                if len(bufs) > 1
+                                else ()
+                            )
+                            self._arrive(peer, seq, meta[1], bufs[0], rest)
                     elif frame.kind == _link.BYE:
                         link.closed_cleanly = True
+                self._arrivals += len(frames)
         if frames is None:  # end of stream
             fd = link.fileno()
             self._poll.unregister(fd)
@@ -540,7 +570,7 @@ class Endpoint:
         for link in list(self._out.values()):
             try:
                 with link.lock:
-                    link.channel.send(_link.BYE, pack(self._seq[link.peer]))
+                    link.channel.send(_link.BYE, pack(next(self._seq[link.peer])))
                     link.sock.setblocking(True)
                     link.sock.settimeout(1.0)
                     link.channel.flush()

@@ -16,6 +16,7 @@ instances that talk both ways hold two links.
 
 from __future__ import annotations
 
+import _socket
 import ctypes
 import hmac
 import logging
@@ -25,10 +26,12 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 
+from nimbus import telemetry
 from nimbus.errors import PeerLost, PeerRefused, PeerUnreachable
 from nimbus.wire import (
     HEADER,
@@ -55,6 +58,14 @@ SOCKET_BUFFER = 4 * 1024 * 1024
 SMALL_LIMIT = 64 * 1024  # a pickle this small is copied into its frame
 _SMALL = struct.Struct("<2sBBIIQ")  # the header of a frame with one buffer, and its length
 
+
+# The socket methods themselves: a worker wraps ``socket.socket``'s to count a task's
+# bytes (``nimbus.telemetry``), which costs microseconds per call; the small-message
+# paths call these and count into the same totals.
+_raw_send = _socket.socket.send
+_raw_recv_into = _socket.socket.recv_into
+_COUNTS = telemetry.COUNTS
+_DONTWAIT = socket.MSG_DONTWAIT
 
 _FORCE = {socket.SO_SNDBUF: 32, socket.SO_RCVBUF: 33}  # SO_SNDBUFFORCE, SO_RCVBUFFORCE
 
@@ -122,15 +133,32 @@ class Stream(Channel):
     general path.
     """
 
+    def __init__(self, sock: Any) -> None:
+        super().__init__(sock)
+        self._tail = bytearray()  # small frames queued after ``_out``, one buffer
+
+    def _seal(self) -> None:
+        """Move the small frames queued in ``_tail`` to the end of ``_out``."""
+        self._out.append(memoryview(self._tail))
+        self._tail = bytearray()
+
+    def send(self, kind: int, meta: bytes, buffers: Sequence[Buffer] = ()) -> None:
+        if self._tail:
+            self._seal()
+        super().send(kind, meta, buffers)
+
     def flush(self) -> bool:
-        """As :meth:`Channel.flush`, with a short path for one queued frame."""
+        """As :meth:`Channel.flush`, with a short path for one queued buffer."""
+        if self._tail:
+            self._seal()
         out = self._out
         if len(out) == 1:
             first = out[0]
             try:
-                sent = self.sock.send(first)
+                sent = _raw_send(self.sock, first)
             except (BlockingIOError, InterruptedError):
                 return False
+            _COUNTS[1] += sent
             self._out_bytes -= sent
             self.bytes_out += sent
             if sent == first.nbytes:
@@ -139,16 +167,42 @@ class Stream(Channel):
             out[0] = first[sent:]
         return super().flush()
 
-    def send_small(self, kind: int, meta: bytes, data: bytes) -> None:
+    def send_small(self, kind: int, meta: bytes, data: bytes) -> bool:
+        """Queue a frame with one small buffer and write what the socket takes now.
+
+        True when everything queued is written. Nothing queued before it (the
+        common case): one ``send`` of the frame, no queue.
+        """
+        if self._out or self._tail:
+            self.queue_small(kind, meta, data)
+            return self.flush()
         frame = _SMALL.pack(MAGIC, VERSION, kind, 1, len(meta), len(data)) + meta + data
-        self._out.append(memoryview(frame))
-        self._out_bytes += len(frame)
+        try:
+            sent = _raw_send(self.sock, frame)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        _COUNTS[1] += sent
+        self.bytes_out += sent
+        if sent == len(frame):
+            return True
+        self._out.append(memoryview(frame)[sent:])
+        self._out_bytes += len(frame) - sent
+        return False
+
+    def queue_small(self, kind: int, meta: bytes, data: bytes) -> None:
+        """Queue a frame with one small buffer, written by the next :meth:`flush`
+        (small frames in a row are copied into one buffer: one ``send`` for all)."""
+        tail = self._tail
+        tail += _SMALL.pack(MAGIC, VERSION, kind, 1, len(meta), len(data))
+        tail += meta
+        tail += data
+        self._out_bytes += _SMALL.size + len(meta) + len(data)
 
     def receive(self, block: bool = False) -> list[Frame] | None:
         """As :meth:`Channel.receive`, but a read that leaves room in the buffer
         means the socket is drained: no second read just to hit ``EAGAIN``."""
         frames: list[Frame] = []
-        flags = 0 if block else socket.MSG_DONTWAIT
+        flags = 0 if block else _DONTWAIT
         while True:
             if self._end != self._start or self._big is not None:
                 self._parse(frames)
@@ -156,7 +210,7 @@ class Stream(Channel):
                 if self._big_view is not None:
                     view = self._big_view[self._big_filled :]
                     room = view.nbytes
-                    n = self.sock.recv_into(view, 0, flags)
+                    n = _raw_recv_into(self.sock, view, 0, flags)
                     self._big_filled += n
                 else:
                     if self._start == self._end:
@@ -164,14 +218,15 @@ class Stream(Channel):
                     elif self._end == len(self._scratch):
                         self._compact_to(0)
                     room = len(self._scratch) - self._end
-                    n = self.sock.recv_into(self._view[self._end :], 0, flags)
+                    n = _raw_recv_into(self.sock, self._view[self._end :], 0, flags)
                     self._end += n
             except (BlockingIOError, InterruptedError):
                 return frames
             if n == 0:
                 return frames or None
             self.bytes_in += n
-            flags = socket.MSG_DONTWAIT
+            _COUNTS[0] += n
+            flags = _DONTWAIT
             if n < room:
                 self._parse(frames)
                 return frames
@@ -194,16 +249,18 @@ class Stream(Channel):
         start, end, view = self._start, self._end, self._view
         while self._kind < 0 and self._big is None:
             avail = end - start
-            if avail < HEADER.size:
-                break
-            magic, version, kind, nbufs, meta_len = HEADER.unpack_from(view, start)
-            if nbufs != 1 or magic != MAGIC or version != VERSION:
-                break  # no buffer or several: the general path
             if avail < _SMALL.size:
+                if avail < HEADER.size:
+                    break
+                magic, version, kind, nbufs, meta_len = HEADER.unpack_from(view, start)
+                if nbufs != 1 or magic != MAGIC or version != VERSION:
+                    break  # no buffer or several: the general path
                 self._start = start
                 self._ensure(_SMALL.size)
                 return
-            n = _SMALL.unpack_from(view, start)[5]
+            magic, version, kind, nbufs, meta_len, n = _SMALL.unpack_from(view, start)
+            if nbufs != 1 or magic != MAGIC or version != VERSION:
+                break  # no buffer or several: the general path
             m0 = start + _SMALL.size
             d0 = m0 + meta_len
             stop = d0 + n
@@ -242,7 +299,12 @@ class Link:
             meta = pack((seq, tag, readonly)) if readonly else pack((seq, tag))
             self.channel.send(MSG, meta, [data, *buffers])
         else:
-            self.channel.send_small(MSG, self.packer.pack((seq, tag)), data)
+            self.channel.queue_small(MSG, self.packer.pack((seq, tag)), data)
+
+    def send_now(self, seq: int, tag: Any, data: bytes) -> bool:
+        """Write one small message without out-of-band buffers now (and what is
+        queued before it); True when all is written, else the caller flushes."""
+        return self.channel.send_small(MSG, self.packer.pack((seq, tag)), data)
 
     def fileno(self) -> int:
         return self.sock.fileno()
