@@ -53,10 +53,14 @@ class Service:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = root / "service.log"
 
+    def command(self) -> list[str]:
+        """The command line that starts the service."""
+        return [sys.executable, "-c", CLI, "service", "start", "--port", str(self.port)]
+
     def start(self) -> Service:
         url_file = self.root / "service.url"
         url_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-c", CLI, "service", "start", "--port", str(self.port)]
+        cmd = self.command()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [*cmd, "--url-file", str(url_file)], env=self.env, stdout=log, stderr=log
@@ -120,10 +124,14 @@ class EndpointProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = service.root / f"agent-{name}.log"
 
+    def command(self) -> list[str]:
+        """The command line that starts the agent."""
+        return [sys.executable, "-m", "nimbus.endpoint.agent", self.config.name]
+
     def start(self, client: Client | None = None, timeout: float = 30) -> EndpointProcess:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "nimbus.endpoint.agent", self.config.name],
+                self.command(),
                 env=self.service.env,
                 stdout=log,
                 stderr=log,

@@ -95,22 +95,9 @@ class NsService(Service):
         super().__init__(root, env, port=8420)
         self.net = net
 
-    def start(self) -> NsService:
-        url_file = self.root / "service.url"
-        url_file.unlink(missing_ok=True)
+    def command(self) -> list[str]:
         cmd = ["ip", "netns", "exec", self.net.ns("svc"), sys.executable, "-c", CLI]
-        cmd += ["service", "start", "--host", self.net.addr(1), "--port", "8420"]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [*cmd, "--url-file", str(url_file)], env=self.env, stdout=log, stderr=log
-            )
-        deadline = time.monotonic() + 30
-        while not url_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"service did not start:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.05)
-        self.url = url_file.read_text().strip()
-        return self
+        return [*cmd, "service", "start", "--host", self.net.addr(1), "--port", "8420"]
 
 
 class NsEndpoint(EndpointProcess):
@@ -118,27 +105,8 @@ class NsEndpoint(EndpointProcess):
         super().__init__(service, client, name)
         self.ns = ns
 
-    def start(self, client: Client | None = None, timeout: float = 30) -> NsEndpoint:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    self.ns,
-                    sys.executable,
-                    "-m",
-                    "nimbus.endpoint.agent",
-                    self.config.name,
-                ],
-                env=self.service.env,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-            )
-        if client is not None:
-            self.wait_online(client, timeout)
-        return self
+    def command(self) -> list[str]:
+        return ["ip", "netns", "exec", self.ns, *super().command()]
 
 
 CLIENT = textwrap.dedent(
