@@ -19,10 +19,15 @@ Judge = Callable[[float, float, float], bool]  # (baseline, nimbus, ratio) -> pa
 class Figures:
     """Repeats of one workload on both sides, and the verdict (a mixin for a row dataclass).
 
-    The row declares ``judge`` (None: reported, not judged), ``baseline`` and
+    The row declares ``title``, ``unit`` (see :func:`fmt`), ``higher_is_better``,
+    ``target`` (words), ``judge`` (None: reported, not judged), ``baseline`` and
     ``nimbus`` (lists of figures) and ``error``.
     """
 
+    title: str
+    unit: str
+    higher_is_better: bool
+    target: str
     judge: Judge | None
     baseline: list[float]
     nimbus: list[float]
@@ -51,8 +56,19 @@ class Figures:
         return "PASS" if self.judge(base, nim, ratio) else "MISS"
 
     @property
-    def ratio_text(self) -> str:
-        return f"{self.ratio:.2f}x" if self.ratio is not None else "-"
+    def what(self) -> str:
+        return f"{self.title} ({'higher' if self.higher_is_better else 'lower'} better)"
+
+    def figure_cells(self) -> tuple[str, str, str, str, str]:
+        """The table cells baseline, nimbus, ratio, target, result."""
+        ratio = f"{self.ratio:.2f}x" if self.ratio is not None else "-"
+        return (
+            fmt(self.baseline_median, self.unit),
+            fmt(self.nimbus_median, self.unit),
+            ratio,
+            self.target,
+            self.status,
+        )
 
 
 def fmt(value: float | None, unit: str) -> str:

@@ -43,7 +43,7 @@ from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
 sys.path.append(str(_HERE))  # after the stdlib: for _report, never for multiprocessing
-from _report import Figures, Judge, fmt, grid  # noqa: E402
+from _report import Figures, Judge, grid  # noqa: E402
 
 RESULT_TIMEOUT = 300.0  # seconds to wait for any one result before calling it a crash
 SLEEP_SECONDS = 0.01
@@ -312,19 +312,7 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     )
     print("ratio = nimbus / PPE; the target says which direction is better\n")
     header = ("workload", "what", "PPE ctx", "PPE", "nimbus", "ratio", "target", "result")
-    lines = [
-        (
-            row.name,
-            f"{row.title} ({'higher' if row.higher_is_better else 'lower'} better)",
-            row.ppe_context,
-            fmt(row.baseline_median, row.unit),
-            fmt(row.nimbus_median, row.unit),
-            row.ratio_text,
-            row.target,
-            row.status,
-        )
-        for row in rows
-    ]
+    lines = [(row.name, row.what, row.ppe_context, *row.figure_cells()) for row in rows]
     print(grid(header, lines))
     for row in rows:
         if row.error:

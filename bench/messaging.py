@@ -38,7 +38,6 @@ import argparse  # noqa: E402
 import multiprocessing  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
-import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -46,6 +45,9 @@ import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
+
+sys.path.append(str(_HERE))  # after the stdlib: for _report, never for multiprocessing
+from _report import grid, within  # noqa: E402
 
 MB = 1 << 20
 
@@ -438,14 +440,6 @@ WORKLOADS: dict[str, Callable[[Any, bool], list[Row]]] = {
 # --- running and output -------------------------------------------------------------------------
 
 
-class WorkloadTimeout(Exception):
-    pass
-
-
-def _on_alarm(signum: int, frame: object) -> None:
-    raise WorkloadTimeout("time limit reached (hang?)")
-
-
 def fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
@@ -475,11 +469,7 @@ def print_table(rows: list[Row], quick: bool) -> None:
                 row.status,
             )
         )
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    for i, line in enumerate(table):
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print(grid(table[0], table[1:]))
     for row in rows:
         if row.error:
             print(f"\n{row.name}: {row.error}")
@@ -499,19 +489,16 @@ def main(argv: list[str] | None = None) -> int:
     p.start()
     p.join()
     rows: list[Row] = []
-    signal.signal(signal.SIGALRM, _on_alarm)
     for name in args.only or list(WORKLOADS):
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        signal.setitimer(signal.ITIMER_REAL, 100 if args.quick else 600)
+        limit = 100 if args.quick else 600
         try:
-            rows.extend(WORKLOADS[name](nmp, args.quick))
+            rows.extend(within(limit, lambda name=name: WORKLOADS[name](nmp, args.quick)))
         except Exception as exc:
             traceback.print_exc()
             rows.append(
                 Row(name, "", "", None, None, "us", "", None, f"{type(exc).__name__}: {exc}")
             )
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
     print_table(rows, args.quick)
     return 1 if any(r.error for r in rows) else 0
 

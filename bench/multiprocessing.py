@@ -46,7 +46,7 @@ from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
 sys.path.append(str(_HERE))  # after the stdlib: for _report, never for multiprocessing
-from _report import Figures, Judge, WorkloadTimeout, fmt, grid, within  # noqa: E402
+from _report import Figures, Judge, WorkloadTimeout, grid, within  # noqa: E402
 
 SORT_PROCS = 4
 SORT_SEED = 20261121
@@ -543,18 +543,7 @@ def print_table(rows: list[Row], args: argparse.Namespace, notes: list[str]) -> 
         print(note)
     print("ratio = nimbus / stdlib; the target says which side of it passes\n")
     header = ("workload", "what", "stdlib", "nimbus", "ratio", "target", "result")
-    lines = [
-        (
-            row.name,
-            f"{row.title} ({'higher' if row.higher_is_better else 'lower'} better)",
-            fmt(row.baseline_median, row.unit),
-            fmt(row.nimbus_median, row.unit),
-            row.ratio_text,
-            row.target,
-            row.status,
-        )
-        for row in rows
-    ]
+    lines = [(row.name, row.what, *row.figure_cells()) for row in rows]
     print(grid(header, lines))
     for row in rows:
         if row.error:
