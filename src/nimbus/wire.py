@@ -144,14 +144,16 @@ class Channel:
             try:
                 if self._big_view is not None:
                     view = self._big_view[self._big_filled :]
-                    n = self.sock.recv_into(view, 0, flags)
+                    room = view.nbytes
+                    n = self._recv_into(view, flags)
                     self._big_filled += n
                 else:
                     if self._start == self._end:
                         self._start = self._end = 0
                     elif self._end == len(self._scratch):
                         self._compact_to(0)
-                    n = self.sock.recv_into(self._view[self._end :], 0, flags)
+                    room = len(self._scratch) - self._end
+                    n = self._recv_into(self._view[self._end :], flags)
                     self._end += n
             except (BlockingIOError, InterruptedError):
                 return frames
@@ -159,6 +161,14 @@ class Channel:
                 return frames or None
             self.bytes_in += n
             flags = socket.MSG_DONTWAIT
+            if n < room:  # a read that leaves room drained the socket: no read just for EAGAIN
+                self._parse(frames)
+                return frames
+
+    def _recv_into(self, view: memoryview, flags: int) -> int:
+        """One read from the socket into ``view`` (a subclass may count it)."""
+        n: int = self.sock.recv_into(view, 0, flags)
+        return n
 
     def _parse(self, frames: list[Frame]) -> None:
         view = self._view

@@ -65,7 +65,6 @@ _SMALL = struct.Struct("<2sBBIIQ")  # the header of a frame with one buffer, and
 _raw_send = _socket.socket.send
 _raw_recv_into = _socket.socket.recv_into
 _COUNTS = telemetry.COUNTS
-_DONTWAIT = socket.MSG_DONTWAIT
 
 _FORCE = {socket.SO_SNDBUF: 32, socket.SO_RCVBUF: 33}  # SO_SNDBUFFORCE, SO_RCVBUFFORCE
 
@@ -198,38 +197,10 @@ class Stream(Channel):
         tail += data
         self._out_bytes += _SMALL.size + len(meta) + len(data)
 
-    def receive(self, block: bool = False) -> list[Frame] | None:
-        """As :meth:`Channel.receive`, but a read that leaves room in the buffer
-        means the socket is drained: no second read just to hit ``EAGAIN``."""
-        frames: list[Frame] = []
-        flags = 0 if block else _DONTWAIT
-        while True:
-            if self._end != self._start or self._big is not None:
-                self._parse(frames)
-            try:
-                if self._big_view is not None:
-                    view = self._big_view[self._big_filled :]
-                    room = view.nbytes
-                    n = _raw_recv_into(self.sock, view, 0, flags)
-                    self._big_filled += n
-                else:
-                    if self._start == self._end:
-                        self._start = self._end = 0
-                    elif self._end == len(self._scratch):
-                        self._compact_to(0)
-                    room = len(self._scratch) - self._end
-                    n = _raw_recv_into(self.sock, self._view[self._end :], 0, flags)
-                    self._end += n
-            except (BlockingIOError, InterruptedError):
-                return frames
-            if n == 0:
-                return frames or None
-            self.bytes_in += n
-            _COUNTS[0] += n
-            flags = _DONTWAIT
-            if n < room:
-                self._parse(frames)
-                return frames
+    def _recv_into(self, view: memoryview, flags: int) -> int:
+        n = _raw_recv_into(self.sock, view, 0, flags)
+        _COUNTS[0] += n
+        return n
 
     def _allocate(self, size: int) -> tuple[Buffer, memoryview]:
         """A ``bytes`` the buffer is received into when the sender's was read-only.
