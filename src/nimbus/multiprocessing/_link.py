@@ -262,12 +262,13 @@ def _presence(url: str) -> int:
     """The client id of this process's idle connection to ``url``: gone when the process is."""
     with _presence_lock:
         if url not in _presences:
-            conn = Link(url).conn
+            link = Link(url)  # only its redis-py connection is used, kept open for life
+            conn = link.conn
             try:
                 conn.send_command("CLIENT", "SETNAME", f"nimbus-presence-{os.getpid()}")
                 conn.read_response()
                 conn.send_command("CLIENT", "ID")
                 _presences[url] = (conn, int(conn.read_response()))
             except redis.RedisError as exc:
-                raise Link(url).error(exc) from exc
+                raise link.error(exc) from exc
         return _presences[url][1]
