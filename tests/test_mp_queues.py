@@ -235,3 +235,19 @@ def test_pool_private_attributes() -> None:
     assert sq._reader.recv() == ("task", 1)
     assert sq._rlock.acquire()
     sq._rlock.release()
+
+
+def test_threads_that_come_and_go_do_not_run_out_of_connections() -> None:
+    # every thread has its own link to the store; a long-lived program whose threads
+    # come and go (a Pool's handler threads, a ThreadPool ...) makes links without
+    # end, beyond the 100 connections a redis-py pool lets itself make
+    q = SimpleQueue()
+
+    def put(i: int) -> None:
+        q.put(i)
+
+    for i in range(150):
+        thread = threading.Thread(target=put, args=(i,))
+        thread.start()
+        thread.join()
+    assert [q.get() for _ in range(150)] == list(range(150))

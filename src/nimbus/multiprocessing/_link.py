@@ -69,10 +69,14 @@ class Link:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        pool = statestore.connect(url).connection_pool
-        self.conn = cast(redis.connection.AbstractConnection, pool.make_connection())
-        self.conn.retry = Retry(NoBackoff(), 0)  # a dead store is an error at once
         self._sock: socket.socket | None = None
+        pool = statestore.connect(url).connection_pool
+        # made from the pool's settings, not by the pool: the pool counts what it makes
+        # (100 at most), and a process whose threads come and go makes links without end
+        self.conn = cast(
+            redis.connection.AbstractConnection, pool.connection_class(**pool.connection_kwargs)
+        )
+        self.conn.retry = Retry(NoBackoff(), 0)  # a dead store is an error at once
         self._reader = hiredis.Reader(replyError=redis.ResponseError)
         self._owner: str | None = None
         self.held: dict[str, int] = {}  # lock owners key -> this thread's depth, as last known
