@@ -53,6 +53,21 @@ def _start_grandchild(q: mp.Queue) -> None:
     q.put((result, p.exitcode, os.getpid()))
 
 
+def _relayed_starts(q: mp.Queue, relay: str | None) -> None:
+    from nimbus.multiprocessing import _runtime, popen_nimbus
+
+    if relay is not None:
+        _runtime.set_relay_address(relay)
+    sleeper = mp.Process(target=_sleep, args=(60,))
+    sleeper.start()
+    sleeper.terminate()
+    sleeper.join(30)
+    failing = mp.Process(target=_exit7)
+    failing.start()
+    failing.join(30)
+    q.put((type(popen_nimbus.runtime()).__name__, sleeper.exitcode, failing.exitcode))
+
+
 def _timestamps(q: mp.Queue, seconds: float) -> None:
     start = time.monotonic()
     time.sleep(seconds)
@@ -287,6 +302,44 @@ def test_children_start_children() -> None:
     assert child_pid == p.pid
     assert grand_parent_pid == child_pid  # the grandchild's parent is the child
     assert grandchild_pid not in (os.getpid(), child_pid)
+
+
+@pytest.mark.timeout(60)
+def test_children_start_theirs_through_the_roots_relay() -> None:
+    # no second set of warm workers: the child's starts go to the root's, and the
+    # grandchildren's pids and exit codes (a signal's too) come back to the child
+    q = mp.Queue()
+    p = mp.Process(target=_relayed_starts, args=(q, None))
+    p.start()
+    assert q.get(timeout=50) == ("Relayed", -signal.SIGTERM, 7)
+    p.join(20)
+    assert p.exitcode == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_child_without_the_relay_starts_warm_workers_of_its_own(tmp_path: Path) -> None:
+    q = mp.Queue()
+    p = mp.Process(target=_relayed_starts, args=(q, str(tmp_path / "no-relay")))
+    p.start()
+    assert q.get(timeout=50) == ("Runtime", -signal.SIGTERM, 7)
+    p.join(20)
+    assert p.exitcode == 0
+
+
+def test_the_relay_refuses_a_wrong_authkey() -> None:
+    from nimbus.multiprocessing import _runtime, popen_nimbus
+
+    popen_nimbus.runtime()
+    address = _runtime.relay_address()
+    assert address is not None
+    assert Path(address).parent.stat().st_mode & 0o077 == 0  # only this user reaches it
+    with pytest.raises(multiprocessing.AuthenticationError):
+        multiprocessing.connection.Client(address, "AF_UNIX", authkey=b"not the program's")
+    q = mp.Queue()  # and it still serves the program's own processes
+    p = mp.Process(target=_start_grandchild, args=(q,))
+    p.start()
+    assert q.get(timeout=50)[1] == 0
+    p.join(20)
 
 
 @pytest.mark.timeout(30)

@@ -15,6 +15,8 @@ The worker goes back to serving other starts; a thread in it waits for the
 child and reports its exit code, which becomes ``Popen.returncode``, and the
 sentinel (a pipe) becomes readable. ``terminate``/``kill`` signal the child
 by pid (same host). A child dies with its worker (``PR_SET_PDEATHSIG``).
+The warm workers are the program root's; a process the program started asks
+the root to start its own children (``_runtime``: the relay).
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import threading
 import uuid
 from multiprocessing import context as stdlib_context
 from multiprocessing import process as stdlib_process
-from multiprocessing import resource_sharer, spawn, util
+from multiprocessing import resource_sharer, spawn
 from typing import Any
 
 from nimbus import serialization
-from nimbus.multiprocessing import _state
+from nimbus.multiprocessing import _runtime, _state
 from nimbus.multiprocessing import context as nimbus_context
 
 __all__ = ["Popen"]
@@ -41,86 +43,9 @@ __all__ = ["Popen"]
 PR_SET_PDEATHSIG = 1
 
 
-class _Runtime:
-    """The warm workers that fork this program's processes, and their notices."""
-
-    def __init__(self) -> None:
-        from nimbus.executor import Executor, _live
-
-        self.popens: dict[str, Popen] = {}
-        self.early: dict[str, int] = {}  # exits reported before start() finished
-        self.lock = threading.Lock()
-        self.executor = Executor(on_notice=self.notice, preload=[__name__, *WARM_MODULES])
-        _live.discard(self.executor)  # closed by close(), after joining children
-        self.pid = os.getpid()
-        self.stdio = _stdio_ids()  # what the workers inherited
-        # after multiprocessing's own exit work (a Pool's clean-up may start processes),
-        # before the program's store closes (-100)
-        util.Finalize(None, self.close, exitpriority=-50)
-
-    def redirected_stdio(self) -> list[Any] | None:
-        """Handles to this process's stdout/stderr if they changed since the workers started."""
-        if _stdio_ids() == self.stdio:
-            return None
-        return [resource_sharer.DupFd(fd) for fd in (1, 2)]
-
-    def notice(self, payload: Any) -> None:
-        if not (isinstance(payload, list) and payload and payload[0] == "exit"):
-            return
-        _, token, code = payload
-        with self.lock:
-            popen = self.popens.pop(token, None)
-            if popen is None:
-                self.early[token] = code
-                return
-        popen._exited(code)
-
-    def forget(self, token: str) -> None:
-        with self.lock:
-            self.popens.pop(token, None)
-
-    def register(self, token: str, popen: Popen) -> None:
-        with self.lock:
-            code = self.early.pop(token, None)
-            if code is None:
-                self.popens[token] = popen
-                return
-        popen._exited(code)
-
-    def close(self) -> None:
-        """At exit: end daemonic children, join the others, stop the workers."""
-        if os.getpid() != self.pid:
-            return
-        for child in stdlib_process.active_children():
-            if isinstance(child._popen, Popen) and child.daemon:
-                child.terminate()
-        for child in stdlib_process.active_children():
-            if isinstance(child._popen, Popen):
-                child.join()
-        self.executor.shutdown(wait=True)
-
-
-_runtime: _Runtime | None = None
-_runtime_lock = threading.Lock()
-
-
-def runtime() -> _Runtime:
-    global _runtime
-    with _runtime_lock:
-        if _runtime is None or _runtime.pid != os.getpid():
-            _runtime = _Runtime()
-        return _runtime
-
-
-def _stdio_ids() -> list[tuple[int, int] | None]:
-    ids: list[tuple[int, int] | None] = []
-    for fd in (1, 2):
-        try:
-            st = os.fstat(fd)
-            ids.append((st.st_dev, st.st_ino))
-        except OSError:
-            ids.append(None)
-    return ids
+def runtime() -> _runtime.Starter:
+    """This process's runtime (the root's warm workers, or a relay to them)."""
+    return _runtime.runtime([__name__, *WARM_MODULES])
 
 
 _preload: list[str] = []
@@ -177,8 +102,14 @@ class Popen:
         rt.register(self._token, self)
         prep["authkey"] = bytes(prep["authkey"])
         prep["stdio"] = rt.redirected_stdio()
+        prep["relay"] = _runtime.relay_address()
         # the fork is under way when start() returns; its pid is awaited on first use
-        self._forked = rt.executor.submit(_start, self._token, prep, program, data, buffers)
+        try:
+            self._forked = rt.start(_start, self._token, prep, program, data, buffers)
+        except BaseException:
+            rt.forget(self._token)
+            self._close_pipe()
+            raise
         self._forked.add_done_callback(self._on_forked)
         self._pid: int | None = None
 
@@ -357,6 +288,7 @@ def _child(prep: dict[str, Any], program: _state.Program, data: bytes, buffers: 
         if sys.platform == "linux":
             _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         stdio = prep.pop("stdio", None)
+        _runtime.set_relay_address(prep.pop("relay", None))
         environ = prep.pop("environ", None)
         if environ is not None:
             _set_environ(environ)
