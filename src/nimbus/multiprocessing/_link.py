@@ -22,6 +22,7 @@ sockets.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import socket
@@ -47,7 +48,7 @@ def pack(*args: Any) -> bytes:
 
 
 SKIP_REPLY = pack("CLIENT", "REPLY", "SKIP")  # the store sends no reply to the next command
-_PRELOAD: list[bytes] = []  # SCRIPT LOADs sent on every new connection
+_PRELOAD: list[bytes] = []  # SCRIPT LOADs sent (without replies) on every new connection
 
 
 class Script:
@@ -60,7 +61,7 @@ class Script:
 
 def preload(script: Script) -> Script:
     """Load ``script`` on every new connection: for scripts called without a reply."""
-    _PRELOAD.append(pack("SCRIPT", "LOAD", script.source))
+    _PRELOAD.append(SKIP_REPLY + pack("SCRIPT", "LOAD", script.source))
     return script
 
 
@@ -70,12 +71,10 @@ class Link:
     def __init__(self, url: str) -> None:
         self.url = url
         self._sock: socket.socket | None = None
-        pool = statestore.connect(url).connection_pool
         # made from the pool's settings, not by the pool: the pool counts what it makes
         # (100 at most), and a process whose threads come and go makes links without end
-        self.conn = cast(
-            redis.connection.AbstractConnection, pool.connection_class(**pool.connection_kwargs)
-        )
+        make, kwargs = _connection_settings(url)
+        self.conn = cast(redis.connection.AbstractConnection, make(**kwargs))
         self.conn.retry = Retry(NoBackoff(), 0)  # a dead store is an error at once
         self._reader = hiredis.Reader(replyError=redis.ResponseError)
         self._owner: str | None = None
@@ -120,9 +119,7 @@ class Link:
         self._sock = sock
         self._reader = hiredis.Reader(replyError=redis.ResponseError)
         if _PRELOAD:  # reply-less scripts need loading: the store may be new or restarted
-            self.write(b"".join(_PRELOAD))
-            for _ in _PRELOAD:
-                self.read()
+            self.write(b"".join(_PRELOAD))  # loaded before the next command: no reply awaited
         return sock
 
     def _broken(self, exc: BaseException) -> StateStoreError:
@@ -248,6 +245,13 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
+
+
+@functools.cache
+def _connection_settings(url: str) -> tuple[Any, dict[str, Any]]:
+    """How to connect to ``url``: kept across forks (a child skips making a client)."""
+    pool = statestore.connect(url).connection_pool
+    return pool.connection_class, dict(pool.connection_kwargs)
 
 
 def link(program: Program) -> Link:
