@@ -68,6 +68,10 @@ def _relayed_starts(q: mp.Queue, relay: str | None) -> None:
     q.put((type(popen_nimbus.runtime()).__name__, sleeper.exitcode, failing.exitcode))
 
 
+def _report_start_state(q: mp.Queue) -> None:
+    q.put((os.environ.get("NIMBUS_TEST_STANDBY"), os.getcwd()))
+
+
 def _timestamps(q: mp.Queue, seconds: float) -> None:
     start = time.monotonic()
     time.sleep(seconds)
@@ -340,6 +344,53 @@ def test_the_relay_refuses_a_wrong_authkey() -> None:
     p.start()
     assert q.get(timeout=50)[1] == 0
     p.join(20)
+
+
+def _standbys() -> list[psutil.Process]:
+    """The children forked ahead of need by this program's warm workers."""
+    workers = [
+        p for p in psutil.Process().children() if "nimbus.runtime.worker" in " ".join(p.cmdline())
+    ]
+    return [child for worker in workers for child in worker.children()]
+
+
+def test_a_start_sees_the_environment_and_directory_at_start(tmp_path: Path) -> None:
+    # a worker forks a standby child after each start; the next process runs in it
+    # and must still see the parent's environment and directory as at *its* start
+    q = mp.Queue()
+    for value in ("first", "second"):
+        os.environ["NIMBUS_TEST_STANDBY"] = value
+        here = os.getcwd()
+        os.chdir(tmp_path / ".." if value == "first" else tmp_path)
+        try:
+            p = mp.Process(target=_report_start_state, args=(q,))
+            p.start()
+            expected = (value, os.getcwd())
+        finally:
+            os.chdir(here)
+            del os.environ["NIMBUS_TEST_STANDBY"]
+        assert q.get(timeout=20) == expected
+        p.join(20)
+        assert p.exitcode == 0
+
+
+@pytest.mark.timeout(60)
+def test_standby_children_killed_while_idle_are_replaced() -> None:
+    for _ in range(2):
+        p = mp.Process(target=_noop)
+        p.start()
+        p.join(20)
+    deadline = time.monotonic() + 10
+    while not (standbys := _standbys()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert standbys, "the workers keep a child forked ahead of the next start"
+    for child in standbys:
+        child.kill()
+    for _ in range(4):  # each start forks afresh where its standby is gone
+        p = mp.Process(target=_exit7)
+        p.start()
+        p.join(20)
+        assert p.exitcode == 7
 
 
 @pytest.mark.timeout(30)

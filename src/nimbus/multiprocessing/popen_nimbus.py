@@ -11,6 +11,9 @@
 The warm worker only forks: the child is a copy of an interpreter that has
 nimbus and the program's modules already imported, so a Process starts in
 a few milliseconds and every started Process runs at once, however many.
+Better still, each worker keeps one child forked ahead of need (a *standby*,
+forked when the worker is idle): a start hands the process to it through a
+pipe, and the fork is off the start's path.
 The worker goes back to serving other starts; a thread in it waits for the
 child and reports its exit code, which becomes ``Popen.returncode``, and the
 sentinel (a pipe) becomes readable. ``terminate``/``kill`` signal the child
@@ -25,6 +28,7 @@ import ctypes
 import functools
 import importlib
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -227,7 +231,8 @@ def _warm_up() -> None:
 def _start(
     token: str, prep: dict[str, Any], program: _state.Program, data: bytes, buffers: list[Any]
 ) -> int:
-    """Fork a child that runs the process; the reaper reports its exit code."""
+    """Start the process in a standby child (or a new fork); the reaper reports its exit."""
+    global _standby
     _warm_up()
     _libc()  # loaded once here, not in every child
     _import_main(prep)
@@ -237,12 +242,92 @@ def _start(
                 importlib.import_module(name)
             except BaseException:  # the child imports it again and reports the error
                 pass
-    with _reaper.lock:
-        pid = os.fork()
-        if pid == 0:
-            _child(prep, program, data, buffers)  # never returns
-        _reaper.add(pid, token)
+    standby, _standby = _standby, None
+    if standby is not None and standby.modules == len(sys.modules):
+        pid = standby.run(token, (prep, program, data, buffers))
+    else:  # none yet, or forked before modules this process needs were imported
+        if standby is not None:
+            standby.discard()
+        pid = None
+    if pid is None:
+        with _reaper.lock:
+            pid = os.fork()
+            if pid == 0:
+                _child(prep, program, data, buffers)  # never returns
+            _reaper.add(pid, token)
+    from nimbus.runtime import worker
+
+    worker.when_idle(_refill)  # the next start skips the fork; this one is not held up
     return pid
+
+
+def _refill() -> None:
+    global _standby
+    if _standby is None:
+        _standby = _Standby()
+
+
+class _Standby:
+    """A child forked ahead of need: it waits on a pipe for the process it is to run.
+
+    A start hands the process over (one write) instead of forking, so the new
+    process runs at once and the fork happens after it, off the start's path.
+    A standby that is dropped (or whose worker ends) reads end-of-file and exits.
+    """
+
+    def __init__(self) -> None:
+        self.modules = len(sys.modules)
+        read, self.fd = os.pipe()
+        with _reaper.lock:
+            self.pid = os.fork()
+            if self.pid == 0:
+                os.close(self.fd)
+                _await_process(read)  # never returns
+            _reaper.add(self.pid, None)
+        os.close(read)
+
+    def run(self, token: str, args: tuple[Any, ...]) -> int | None:
+        """Give the process to this child; its pid, or None if it is gone (fork afresh)."""
+        payload = pickle.dumps(args, protocol=5)
+        with _reaper.lock:
+            if self.pid not in _reaper.tokens:  # died idle, and reaped
+                os.close(self.fd)
+                return None
+            _reaper.tokens[self.pid] = token
+        try:
+            with open(self.fd, "wb") as pipe:  # closed after: end of the message
+                pipe.write(payload)
+        except OSError:
+            with _reaper.lock:
+                if _reaper.tokens.get(self.pid) != token:
+                    return self.pid  # already reaped: its exit code went to the parent
+                _reaper.tokens[self.pid] = None
+            return None
+        return self.pid
+
+    def discard(self) -> None:
+        os.close(self.fd)
+
+
+_standby: _Standby | None = None
+
+
+def _await_process(fd: int) -> None:
+    """In a standby child: wait for a process to run, or end quietly."""
+    from nimbus.runtime import worker
+
+    worker.close_in_child()
+    if sys.platform == "linux":
+        _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    try:
+        with open(fd, "rb") as pipe:
+            payload = pipe.read()
+        if not payload:
+            os._exit(0)
+        args = pickle.loads(payload)
+    except BaseException:
+        os._exit(0)
+    _child(*args)
 
 
 class _Reaper:
@@ -250,11 +335,11 @@ class _Reaper:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.tokens: dict[int, str] = {}
+        self.tokens: dict[int, str | None] = {}  # pid -> token (None: a standby)
         self.children = threading.Semaphore(0)
         self.thread: threading.Thread | None = None
 
-    def add(self, pid: int, token: str) -> None:
+    def add(self, pid: int, token: str | None) -> None:
         self.tokens[pid] = token
         if self.thread is None:
             self.thread = threading.Thread(target=self.run, name="nimbus-reaper", daemon=True)

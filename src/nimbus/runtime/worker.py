@@ -80,9 +80,13 @@ class Worker:
         )
         channel.flush()
         while True:
-            frames = channel.receive(block=not self.queue and not self.rows)
+            idle = not self.queue and not self.rows
+            frames = channel.receive(block=idle and not _idle)
             if frames is None:
                 return
+            if idle and not frames and _idle:
+                _run_idle()  # nothing to do now: the work that waited for that
+                continue
             for frame in frames:
                 self.accept(frame.kind, frame.meta, frame.buffers)
             if self.queue:
@@ -242,6 +246,26 @@ def notify(payload: object) -> None:
     if _worker is None:
         raise RuntimeError("nimbus.runtime.worker.notify() works only inside a nimbus worker")
     _worker.notify(payload)
+
+
+_idle: list[Callable[[], None]] = []
+
+
+def when_idle(fn: Callable[[], None]) -> None:
+    """Call ``fn`` once, in this worker's main thread, as soon as it has nothing to do.
+
+    For work that must not delay a task or its result (a task can ask for it).
+    """
+    _idle.append(fn)
+
+
+def _run_idle() -> None:
+    while _idle:
+        fn = _idle.pop(0)
+        try:
+            fn()
+        except Exception:
+            traceback.print_exc()
 
 
 def close_in_child() -> None:
