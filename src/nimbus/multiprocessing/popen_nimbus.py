@@ -15,6 +15,10 @@ The worker goes back to serving other starts; a thread in it waits for the
 child and reports its exit code, which becomes ``Popen.returncode``, and the
 sentinel (a pipe) becomes readable. ``terminate``/``kill`` signal the child
 by pid (same host). A child dies with its worker (``PR_SET_PDEATHSIG``).
+
+With ``NIMBUS_ENDPOINT`` set the warm workers are the endpoint's, reached
+through the service; exits, output and signals then travel through the
+program's state store (see ``_remote``).
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ import signal
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from multiprocessing import context as stdlib_context
 from multiprocessing import process as stdlib_process
 from multiprocessing import resource_sharer, spawn, util
 from typing import Any
 
 from nimbus import serialization
-from nimbus.multiprocessing import _state
+from nimbus.multiprocessing import _remote, _state
 from nimbus.multiprocessing import context as nimbus_context
 
 __all__ = ["Popen"]
@@ -45,12 +50,20 @@ class _Runtime:
     """The warm workers that fork this program's processes, and their notices."""
 
     def __init__(self) -> None:
+        from nimbus.config import Settings
         from nimbus.executor import Executor, _live
 
         self.popens: dict[str, Popen] = {}
         self.early: dict[str, int] = {}  # exits reported before start() finished
         self.lock = threading.Lock()
-        self.executor = Executor(on_notice=self.notice, preload=[__name__, *WARM_MODULES])
+        self.program = _state.program()
+        self.output: _remote.Output | None = None
+        if self.program.remote:
+            settings = Settings.load()
+            self.executor = Executor(settings=settings, endpoint=settings.endpoint)
+            self.output = _remote.Output(self.program, lambda t, c: self.notice(["exit", t, c]))
+        else:
+            self.executor = Executor(on_notice=self.notice, preload=[__name__, *WARM_MODULES])
         _live.discard(self.executor)  # closed by close(), after joining children
         self.pid = os.getpid()
         self.stdio = _stdio_ids()  # what the workers inherited
@@ -60,8 +73,8 @@ class _Runtime:
 
     def redirected_stdio(self) -> list[Any] | None:
         """Handles to this process's stdout/stderr if they changed since the workers started."""
-        if _stdio_ids() == self.stdio:
-            return None
+        if self.output is not None or _stdio_ids() == self.stdio:
+            return None  # remote children's output comes through the store
         return [resource_sharer.DupFd(fd) for fd in (1, 2)]
 
     def notice(self, payload: Any) -> None:
@@ -98,6 +111,8 @@ class _Runtime:
             if isinstance(child._popen, Popen):
                 child.join()
         self.executor.shutdown(wait=True)
+        if self.output is not None:
+            self.output.close()
 
 
 _runtime: _Runtime | None = None
@@ -177,6 +192,11 @@ class Popen:
         rt.register(self._token, self)
         prep["authkey"] = bytes(prep["authkey"])
         prep["stdio"] = rt.redirected_stdio()
+        self._program = program
+        if program.remote:
+            prep["forward"] = True  # output through the store; __main__ came by value
+            for key in MAIN_KEYS:
+                prep.pop(key, None)
         # the fork is under way when start() returns; its pid is awaited on first use
         self._forked = rt.executor.submit(_start, self._token, prep, program, data, buffers)
         self._forked.add_done_callback(self._on_forked)
@@ -226,6 +246,9 @@ class Popen:
 
     def _send_signal(self, sig: int) -> None:
         if self.returncode is None:
+            if self._program.remote:
+                _remote.send_signal(self._program, self._token, sig)
+                return
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
@@ -306,11 +329,14 @@ def _start(
                 importlib.import_module(name)
             except BaseException:  # the child imports it again and reports the error
                 pass
+    remote = program if prep.get("forward") else None
     with _reaper.lock:
         pid = os.fork()
         if pid == 0:
-            _child(prep, program, data, buffers)  # never returns
-        _reaper.add(pid, token)
+            _child(token, prep, program, data, buffers)  # never returns
+        _reaper.add(pid, token, remote)
+    if remote is not None:
+        _remote.watch_signals(remote, token, lambda: pid in _reaper.tokens, _reaper.killer(pid))
     return pid
 
 
@@ -320,11 +346,14 @@ class _Reaper:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.tokens: dict[int, str] = {}
+        self.remote: dict[int, _state.Program] = {}  # children of remote programs
         self.children = threading.Semaphore(0)
         self.thread: threading.Thread | None = None
 
-    def add(self, pid: int, token: str) -> None:
+    def add(self, pid: int, token: str, remote: _state.Program | None = None) -> None:
         self.tokens[pid] = token
+        if remote is not None:
+            self.remote[pid] = remote
         if self.thread is None:
             self.thread = threading.Thread(target=self.run, name="nimbus-reaper", daemon=True)
             self.thread.start()
@@ -341,21 +370,44 @@ class _Reaper:
                 continue
             with self.lock:
                 token = self.tokens.pop(pid, None)
-            if token is not None:
+                remote = self.remote.pop(pid, None)
+            if remote is not None and token is not None:
+                _remote.report_exit(remote, token, os.waitstatus_to_exitcode(status))
+            elif token is not None:
                 worker.notify(["exit", token, os.waitstatus_to_exitcode(status)])
+
+    def killer(self, pid: int) -> Callable[[int], None]:
+        """``kill(sig)`` for child ``pid``, a no-op once it is reaped (its pid may be reused)."""
+
+        def kill(sig: int) -> None:
+            with self.lock:
+                if pid in self.tokens:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+
+        return kill
 
 
 _reaper = _Reaper()
 
 
-def _child(prep: dict[str, Any], program: _state.Program, data: bytes, buffers: list[Any]) -> None:
+def _child(
+    token: str, prep: dict[str, Any], program: _state.Program, data: bytes, buffers: list[Any]
+) -> None:
     code = 1
+    forwarder = None
     try:
         from nimbus.runtime import worker
 
         worker.close_in_child()
         if sys.platform == "linux":
             _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if prep.pop("forward", False):
+            forwarder = _remote.Forwarder(program, token)
+            if not os.path.isdir(prep.get("dir", "")):
+                prep.pop("dir", None)  # the parent's cwd does not exist here
         stdio = prep.pop("stdio", None)
         environ = prep.pop("environ", None)
         if environ is not None:
@@ -382,6 +434,8 @@ def _child(prep: dict[str, Any], program: _state.Program, data: bytes, buffers: 
         try:
             sys.stdout.flush()
             sys.stderr.flush()
+            if forwarder is not None:
+                forwarder.close()
         finally:
             os._exit(code)
 

@@ -1,0 +1,232 @@
+"""nimbus.multiprocessing on a remote endpoint: a real service, a real endpoint agent, and
+programs run with NIMBUS_ENDPOINT set (each in its own interpreter, as a user runs them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from nimbus import Client
+from nimbus.config import Settings
+from nimbus.errors import (
+    ConfigError,
+    NotFound,
+    ServiceError,
+    ServiceUnavailable,
+    StateStoreError,
+)
+from nimbus.keys import Keys
+from nimbus.multiprocessing import _remote
+from service_support import EndpointProcess, Service, free_port, service_env
+
+# Where a process runs: the pids of its ancestors, which include the endpoint agent's
+# when it runs there. Shared by the programs below.
+PRELUDE = r"""
+import os, sys, time
+import psutil
+import nimbus.multiprocessing as mp
+
+def ancestors(_=None):
+    return [p.pid for p in psutil.Process().parents()]
+
+def say(name, *values):  # one write per line: children write to the same stdout
+    sys.stdout.write(f"{name}: {' '.join(map(str, values))}\n")
+    sys.stdout.flush()
+"""
+
+
+@pytest.fixture(scope="module")
+def alice(service: Service) -> Iterator[Client]:
+    with service.client(service.token("alice")) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def lab(service: Service, alice: Client) -> Iterator[EndpointProcess]:
+    endpoint = EndpointProcess(service, alice, "lab").start(alice)
+    yield endpoint
+    endpoint.stop()
+
+
+def _env(service: Service, client: Client, endpoint: str = "lab") -> dict[str, str]:
+    return service.env | {
+        "NIMBUS_SERVICE_URL": service.url,
+        "NIMBUS_TOKEN": client.token,
+        "NIMBUS_ENDPOINT": endpoint,
+    }
+
+
+def _run(
+    tmp_path: Path, env: dict[str, str], body: str, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "program.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    return subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _lines(out: str) -> dict[str, str]:
+    """``name: value`` lines a program printed."""
+    return dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+
+
+def test_pool_map_runs_on_the_endpoint(
+    tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    result = _run(
+        tmp_path,
+        _env(service, alice),
+        """
+        def square(x):
+            return x * x
+
+        if __name__ == "__main__":
+            with mp.Pool(4) as pool:
+                say("sum", sum(pool.map(square, range(64))))
+                say("where", pool.map(ancestors, range(4), chunksize=1))
+                say("mine", os.getpid())
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    out = _lines(result.stdout)
+    assert out["sum"] == str(sum(i * i for i in range(64)))
+    assert lab.proc is not None
+    for chain in eval(out["where"]):  # every pool process descends from the endpoint agent
+        assert lab.proc.pid in chain and int(out["mine"]) not in chain
+
+
+def test_process_queue_lock_output_and_exitcodes(
+    tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    result = _run(
+        tmp_path,
+        _env(service, alice),
+        """
+        def child(q, lock):
+            q.put(("blocked", lock.acquire(timeout=0.2)))  # the parent holds it
+            q.put(("where", ancestors()))
+            q.put(("locked", lock.acquire(timeout=60)))  # after the parent released it
+            lock.release()
+            say("child stdout", "a line")
+            sys.stderr.write("child stderr line\\n")
+
+        def boom():
+            raise KeyError("remote boom")
+
+        def sleeper():
+            time.sleep(120)
+
+        if __name__ == "__main__":
+            q, lock = mp.Queue(), mp.Lock()
+            lock.acquire()
+            p = mp.Process(target=child, args=(q, lock))
+            p.start()
+            say("blocked", q.get(timeout=60))
+            say("where", q.get(timeout=60))
+            lock.release()
+            say("locked", q.get(timeout=60))
+            p.join(60)
+            say("child exitcode", p.exitcode, p.pid > 0)
+            b = mp.Process(target=boom)
+            b.start()
+            b.join(60)
+            say("boom exitcode", b.exitcode)
+            for how in ("terminate", "kill"):
+                s = mp.Process(target=sleeper)
+                s.start()
+                say(how + " alive", s.is_alive())
+                getattr(s, how)()
+                s.join(60)
+                say(how + " exitcode", s.exitcode)
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    out = _lines(result.stdout)
+    assert out["blocked"] == "('blocked', False)"
+    assert out["locked"] == "('locked', True)"
+    assert lab.proc is not None and str(lab.proc.pid) in out["where"]
+    assert out["child exitcode"] == "0 True"
+    # the child's output came through the store, before its join returned
+    assert out["child stdout"] == "a line"
+    assert result.stdout.index("child stdout") < result.stdout.index("child exitcode")
+    assert "child stderr line" in result.stderr
+    # an uncaught exception: traceback on the parent's stderr, exitcode 1 (as the stdlib)
+    assert out["boom exitcode"] == "1"
+    assert "Traceback" in result.stderr and "KeyError: 'remote boom'" in result.stderr
+    assert out["terminate alive"] == "True" and out["terminate exitcode"] == "-15"
+    assert out["kill alive"] == "True" and out["kill exitcode"] == "-9"
+
+
+def test_store_is_per_user_and_never_the_admin(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    with service.client(service.token("bob")) as bob:
+        with pytest.raises(NotFound):  # bob cannot see alice's endpoint, nor get its store
+            bob.store(lab.endpoint_id)
+        alice.share_endpoint(lab.endpoint_id, ["bob"])
+        mine, theirs = alice.store("lab"), bob.store(lab.endpoint_id)
+    assert mine["online"] and mine["url"] != theirs["url"]
+    assert mine["url"].startswith("redis://nimbus-u-")  # an ACL user, not 'default'
+    key = Keys(f"{mine['key_prefix']}.p1").queue("q")
+    with (
+        redis.Redis.from_url(mine["url"]) as a,
+        redis.Redis.from_url(theirs["url"]) as b,
+    ):
+        a.rpush(key, b"secret")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            b.lrange(key, 0, -1)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            a.config_get("requirepass")
+        a.delete(key)
+
+
+def test_clear_errors(
+    tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    env = _env(service, alice)
+    with pytest.raises(NotFound, match="nimbus endpoints list"):
+        _remote.open_store(Settings.load(env | {"NIMBUS_ENDPOINT": "nosuch"}))
+    alice.register_endpoint("dark")  # registered, never started
+    with pytest.raises(ServiceUnavailable, match="nimbus endpoint start dark"):
+        _remote.open_store(Settings.load(env | {"NIMBUS_ENDPOINT": "dark"}))
+    no_login = {k: v for k, v in env.items() if k not in ("NIMBUS_SERVICE_URL", "NIMBUS_TOKEN")}
+    no_login["XDG_CONFIG_HOME"] = str(tmp_path / "nothing")
+    with pytest.raises(ConfigError, match=r"NIMBUS_ENDPOINT=lab .*`nimbus login"):
+        _remote.open_store(Settings.load(no_login))
+    closed = f"redis://u:p@127.0.0.1:{free_port()}/0"
+    with pytest.raises(StateStoreError, match="NIMBUS_STORE_LISTEN") as info:
+        _remote.probe(closed, "lab")
+    assert ":p@" not in str(info.value)  # the password is not printed
+    # what a user program sees: the error, not a hang
+    result = _run(
+        tmp_path, env | {"NIMBUS_ENDPOINT": "dark"}, "mp.Process(target=print).start()\n", 60
+    )
+    assert result.returncode == 1 and "endpoint 'dark' is offline" in result.stderr
+
+
+def test_store_listen_setting(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="NIMBUS_STORE_LISTEN"):
+        Settings.load({"NIMBUS_STORE_LISTEN": "no-port"})
+    assert Settings.load({"NIMBUS_STORE_LISTEN": "[::1]:6390"}).store_address == ("::1", 6390)
+    # a service told to listen where it cannot: the route says so (503), naming the setting
+    svc = Service(tmp_path, service_env(tmp_path, NIMBUS_STORE_LISTEN="192.0.2.1:0")).start()
+    try:
+        with svc.client(svc.token("carol")) as carol:
+            carol.register_endpoint("far")
+            with pytest.raises(ServiceError, match="NIMBUS_STORE_LISTEN") as info:
+                carol.store("far")
+        assert info.value.status == 503
+    finally:
+        svc.stop()
