@@ -122,6 +122,15 @@ def test_process_queue_lock_output_and_exitcodes(
             say("child stdout", "a line")
             sys.stderr.write("child stderr line\\n")
 
+        def grandchild(q):
+            q.put(("grandchild", ancestors()))
+
+        def starts_a_child(q):
+            g = mp.Process(target=grandchild, args=(q,))
+            g.start()
+            g.join(60)
+            q.put(("grandchild exitcode", g.exitcode))
+
         def boom():
             raise KeyError("remote boom")
 
@@ -139,6 +148,12 @@ def test_process_queue_lock_output_and_exitcodes(
             say("locked", q.get(timeout=60))
             p.join(60)
             say("child exitcode", p.exitcode, p.pid > 0)
+            n = mp.Process(target=starts_a_child, args=(q,))
+            n.start()
+            say("grandchild", q.get(timeout=60)[1])
+            say("grandchild exitcode", q.get(timeout=60)[1])
+            n.join(60)
+            say("nested exitcode", n.exitcode)
             b = mp.Process(target=boom)
             b.start()
             b.join(60)
@@ -162,6 +177,9 @@ def test_process_queue_lock_output_and_exitcodes(
     assert out["child stdout"] == "a line"
     assert result.stdout.index("child stdout") < result.stdout.index("child exitcode")
     assert "child stderr line" in result.stderr
+    # children start children (through the service again), on the endpoint too
+    assert str(lab.proc.pid) in out["grandchild"]
+    assert out["grandchild exitcode"] == "0" and out["nested exitcode"] == "0"
     # an uncaught exception: traceback on the parent's stderr, exitcode 1 (as the stdlib)
     assert out["boom exitcode"] == "1"
     assert "Traceback" in result.stderr and "KeyError: 'remote boom'" in result.stderr

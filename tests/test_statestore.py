@@ -112,9 +112,11 @@ def test_tcp_listener_needs_the_password_that_no_command_line_shows(rt: Path) ->
         assert "s3cret-admin" not in cmdline and str(port) in cmdline
         with redis.Redis(host="127.0.0.1", port=port, password="s3cret-admin") as admin:
             assert admin.ping()
-        with redis.Redis(host="127.0.0.1", port=port) as anyone:
-            with pytest.raises(redis.AuthenticationError):
-                anyone.ping()
+        with (
+            redis.Redis(host="127.0.0.1", port=port) as anyone,
+            pytest.raises(redis.AuthenticationError),
+        ):
+            anyone.ping()
 
 
 def test_two_servers_in_one_dir_are_independent(rt: Path) -> None:

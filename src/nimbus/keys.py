@@ -134,9 +134,9 @@ class Keys:
         """One waiting thread's wake-up list (``name`` is unique per wait)."""
         return self._key("waiter", name)
 
-    def stdio(self) -> str:
-        """The list of output chunks and exit codes of a remote program's processes."""
-        return self._key("stdio")
+    def stdio(self, name: str) -> str:
+        """The output chunks and exit codes of the remote children of one parent process."""
+        return self._key("stdio", name)
 
     def signal(self, token: str) -> str:
         """Signals (``terminate``/``kill``) for the remote process started as ``token``."""

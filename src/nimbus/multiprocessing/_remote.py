@@ -8,15 +8,17 @@
       a Redis URL + the key prefix
     Popen: Executor(endpoint).submit(_start) --> fork ------------------> fd 1, 2 -> pipes
                                                   watch_signals(token)     Forwarder thread:
-    Output thread: BLPOP stdio list <----------- RPUSH ["exit", token] <-- RPUSH ["out"|"err"]
+    Output thread: BLPOP stdio:<inbox> <-------- RPUSH ["exit", token] <-- RPUSH ["out"|"err"]
       out/err -> fd 1/2 of the parent             reaper (after waitpid)
       exit -> Popen.returncode
     terminate()/kill(): RPUSH signal:<token> --> BLPOP -> os.kill(pid)
 
 Everything between the parent and its children goes through the program's
-state store, which both sides reach: the list of output chunks and exit codes
-(``Keys.stdio``: a child's chunks are all pushed before it exits, so its exit
-comes after its output) and one list of signals per process (``Keys.signal``).
+state store, which both sides reach: one list of output chunks and exit codes
+per parent process (``Keys.stdio(inbox)``: a child's chunks are all pushed
+before it exits, so its exit comes after its output; children that start
+children have their own inbox) and one list of signals per child
+(``Keys.signal``).
 On the endpoint a child runs as a local one does (forked by a warm worker),
 except that its stdout and stderr are pipes to the store rather than the
 terminal, and the program's ``__main__`` travels by value (the endpoint may
@@ -123,7 +125,10 @@ class Output:
     """The parent's thread that writes its children's output and reports their exits."""
 
     def __init__(self, program: Program, on_exit: Callable[[str, int], None]) -> None:
+        from nimbus.keys import Keys
+
         self.program = program
+        self.inbox = Keys.new_name()  # where this process's children report
         self.on_exit = on_exit
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nimbus-output", daemon=True)
@@ -131,7 +136,7 @@ class Output:
 
     def _run(self) -> None:
         client = self.program.client()
-        key = self.program.keys.stdio()
+        key = self.program.keys.stdio(self.inbox)
         while not self._stop.is_set():
             try:
                 item = client.blpop([key], timeout=WAKE)
@@ -199,10 +204,10 @@ def watch_signals(
     threading.Thread(target=run, name="nimbus-signals", daemon=True).start()
 
 
-def report_exit(program: Program, token: str, code: int) -> None:
+def report_exit(program: Program, inbox: str, token: str, code: int) -> None:
     """In the worker: process ``token`` exited with ``code`` (after all its output)."""
     with contextlib.suppress(redis.RedisError):
-        _push(program, program.keys.stdio(), msgpack.packb(["exit", token, code]))
+        _push(program, program.keys.stdio(inbox), msgpack.packb(["exit", token, code]))
         _push(program, program.keys.signal(token), 0)  # ends its signal watcher
 
 
@@ -212,8 +217,9 @@ def report_exit(program: Program, token: str, code: int) -> None:
 class Forwarder:
     """In the child: fds 1 and 2 become pipes, and a thread pushes what comes out of them."""
 
-    def __init__(self, program: Program, token: str) -> None:
+    def __init__(self, program: Program, inbox: str, token: str) -> None:
         self.program = program
+        self.key = program.keys.stdio(inbox)
         self.token = token
         self._fds: dict[int, str] = {}
         for fd, kind in ((1, "out"), (2, "err")):
@@ -246,9 +252,7 @@ class Forwarder:
             return False
         if data:
             with contextlib.suppress(redis.RedisError):
-                _push(
-                    self.program, self.program.keys.stdio(), msgpack.packb([kind, self.token, data])
-                )
+                _push(self.program, self.key, msgpack.packb([kind, self.token, data]))
         return bool(data)
 
     def close(self) -> None:

@@ -193,8 +193,8 @@ class Popen:
         prep["authkey"] = bytes(prep["authkey"])
         prep["stdio"] = rt.redirected_stdio()
         self._program = program
-        if program.remote:
-            prep["forward"] = True  # output through the store; __main__ came by value
+        if rt.output is not None:
+            prep["forward"] = rt.output.inbox  # output through the store; __main__ came by value
             for key in MAIN_KEYS:
                 prep.pop(key, None)
         # the fork is under way when start() returns; its pid is awaited on first use
@@ -329,14 +329,14 @@ def _start(
                 importlib.import_module(name)
             except BaseException:  # the child imports it again and reports the error
                 pass
-    remote = program if prep.get("forward") else None
+    inbox = prep.get("forward")  # a remote parent's: exits and output go there
     with _reaper.lock:
         pid = os.fork()
         if pid == 0:
             _child(token, prep, program, data, buffers)  # never returns
-        _reaper.add(pid, token, remote)
-    if remote is not None:
-        _remote.watch_signals(remote, token, lambda: pid in _reaper.tokens, _reaper.killer(pid))
+        _reaper.add(pid, token, (program, inbox) if inbox else None)
+    if inbox:
+        _remote.watch_signals(program, token, lambda: pid in _reaper.tokens, _reaper.killer(pid))
     return pid
 
 
@@ -346,11 +346,11 @@ class _Reaper:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.tokens: dict[int, str] = {}
-        self.remote: dict[int, _state.Program] = {}  # children of remote programs
+        self.remote: dict[int, tuple[_state.Program, str]] = {}  # of remote parents: inbox
         self.children = threading.Semaphore(0)
         self.thread: threading.Thread | None = None
 
-    def add(self, pid: int, token: str, remote: _state.Program | None = None) -> None:
+    def add(self, pid: int, token: str, remote: tuple[_state.Program, str] | None = None) -> None:
         self.tokens[pid] = token
         if remote is not None:
             self.remote[pid] = remote
@@ -372,7 +372,7 @@ class _Reaper:
                 token = self.tokens.pop(pid, None)
                 remote = self.remote.pop(pid, None)
             if remote is not None and token is not None:
-                _remote.report_exit(remote, token, os.waitstatus_to_exitcode(status))
+                _remote.report_exit(*remote, token, os.waitstatus_to_exitcode(status))
             elif token is not None:
                 worker.notify(["exit", token, os.waitstatus_to_exitcode(status)])
 
@@ -404,8 +404,9 @@ def _child(
         worker.close_in_child()
         if sys.platform == "linux":
             _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if prep.pop("forward", False):
-            forwarder = _remote.Forwarder(program, token)
+        inbox = prep.pop("forward", None)
+        if inbox:
+            forwarder = _remote.Forwarder(program, inbox, token)
             if not os.path.isdir(prep.get("dir", "")):
                 prep.pop("dir", None)  # the parent's cwd does not exist here
         stdio = prep.pop("stdio", None)
