@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,19 +40,6 @@ def say(name, *values):  # one write per line: children write to the same stdout
 """
 
 
-@pytest.fixture(scope="module")
-def alice(service: Service) -> Iterator[Client]:
-    with service.client(service.token("alice")) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def lab(service: Service, alice: Client) -> Iterator[EndpointProcess]:
-    endpoint = EndpointProcess(service, alice, "lab").start(alice)
-    yield endpoint
-    endpoint.stop()
-
-
 def _env(service: Service, client: Client, endpoint: str = "lab") -> dict[str, str]:
     return service.env | {
         "NIMBUS_SERVICE_URL": service.url,
@@ -82,13 +68,19 @@ def _lines(out: str) -> dict[str, str]:
     return dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
 
 
+def _on_lab(
+    tmp_path: Path, service: Service, client: Client, body: str
+) -> tuple[dict[str, str], subprocess.CompletedProcess[str]]:
+    """Run a program with NIMBUS_ENDPOINT=lab; the lines it printed, and how it ended."""
+    result = _run(tmp_path, _env(service, client), body)
+    assert result.returncode == 0, result.stderr
+    return _lines(result.stdout), result
+
+
 def test_pool_map_runs_on_the_endpoint(
     tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
 ) -> None:
-    result = _run(
-        tmp_path,
-        _env(service, alice),
-        """
+    program = """
         def square(x):
             return x * x
 
@@ -97,10 +89,8 @@ def test_pool_map_runs_on_the_endpoint(
                 say("sum", sum(pool.map(square, range(64))))
                 say("where", pool.map(ancestors, range(4), chunksize=1))
                 say("mine", os.getpid())
-        """,
-    )
-    assert result.returncode == 0, result.stderr
-    out = _lines(result.stdout)
+        """
+    out, _ = _on_lab(tmp_path, service, alice, program)
     assert out["sum"] == str(sum(i * i for i in range(64)))
     assert lab.proc is not None
     for chain in eval(out["where"]):  # every pool process descends from the endpoint agent
@@ -110,10 +100,7 @@ def test_pool_map_runs_on_the_endpoint(
 def test_process_queue_lock_output_and_exitcodes(
     tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
 ) -> None:
-    result = _run(
-        tmp_path,
-        _env(service, alice),
-        """
+    program = """
         def child(q, lock):
             q.put(("blocked", lock.acquire(timeout=0.2)))  # the parent holds it
             q.put(("where", ancestors()))
@@ -165,10 +152,8 @@ def test_process_queue_lock_output_and_exitcodes(
                 getattr(s, how)()
                 s.join(60)
                 say(how + " exitcode", s.exitcode)
-        """,
-    )
-    assert result.returncode == 0, result.stderr
-    out = _lines(result.stdout)
+        """
+    out, result = _on_lab(tmp_path, service, alice, program)
     assert out["blocked"] == "('blocked', False)"
     assert out["locked"] == "('locked', True)"
     assert lab.proc is not None and str(lab.proc.pid) in out["where"]
