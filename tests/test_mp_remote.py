@@ -195,6 +195,29 @@ def test_store_is_per_user_and_never_the_admin(
         a.delete(key)
 
 
+def test_token_stays_home_on_a_shared_endpoint(
+    tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    program = """
+        def token(q):
+            q.put(os.environ.get("NIMBUS_TOKEN"))
+
+        if __name__ == "__main__":
+            q = mp.Queue()
+            mp.Process(target=token, args=(q,)).start()
+            say("token", q.get(timeout=60))
+        """
+    out, _ = _on_lab(tmp_path, service, alice, program)
+    assert out["token"] == alice.token  # alice's own endpoint: the environment as is
+    dave_token = service.token("dave")
+    alice.share_endpoint(lab.endpoint_id, ["dave"])
+    with service.client(dave_token) as dave:
+        env = _env(service, dave, lab.endpoint_id)
+        result = _run(tmp_path, env, program)
+    assert result.returncode == 0, result.stderr
+    assert _lines(result.stdout)["token"] == "None"
+
+
 def test_clear_errors(
     tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
 ) -> None:

@@ -57,9 +57,10 @@ CHUNK = 1 << 16
 WAKE = 1.0  # seconds: how often a blocked reader checks whether it should stop
 
 
-def open_store(settings: Settings) -> tuple[str, str]:
-    """The URL of the state store the service hands out for ``settings.endpoint``, and
-    the prefix of this user's program ids; clear errors when it cannot be had."""
+def open_store(settings: Settings) -> tuple[str, str, bool]:
+    """The URL of the state store the service hands out for ``settings.endpoint``, the
+    prefix of this user's program ids, and whether the endpoint is the user's own (not
+    one shared with them); clear errors when the store cannot be had."""
     from nimbus.client import Client
 
     endpoint = settings.endpoint
@@ -88,7 +89,7 @@ def open_store(settings: Settings) -> tuple[str, str]:
         )
     url = str(store["url"])
     probe(url, endpoint)
-    return url, str(store["key_prefix"])
+    return url, str(store["key_prefix"]), bool(store["yours"])
 
 
 def probe(url: str, endpoint: str) -> None:

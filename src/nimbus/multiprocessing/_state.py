@@ -42,7 +42,7 @@ from nimbus.config import Settings
 from nimbus.errors import SerializationError, StateStoreError
 from nimbus.keys import Keys
 
-__all__ = ["Program", "adopt", "dumps", "is_root", "program"]
+__all__ = ["Program", "adopt", "dumps", "is_root", "on_shared_endpoint", "program"]
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,14 @@ class _Root:
         if settings.endpoint:
             from nimbus.multiprocessing._remote import open_store
 
-            url, prefix = open_store(settings)
+            url, prefix, yours = open_store(settings)
+            self.shared_endpoint = not yours
             self.store = statestore.StateStore(url)
             self.program = Program(
                 url, f"{prefix}.{Keys.program_id_new()}", settings.key_ttl, remote=True
             )
         else:
+            self.shared_endpoint = False
             self.store = statestore.StateStore.from_settings(settings)
             self.store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
             self.program = Program(self.store.url, Keys.program_id_new(), settings.key_ttl)
@@ -164,6 +166,12 @@ def _remote() -> bool:
         return _adopted.remote
     root = _root
     return root is not None and root.pid == os.getpid() and root.program.remote
+
+
+def on_shared_endpoint() -> bool:
+    """Whether this root's processes run on an endpoint someone else runs (shared with us)."""
+    root = _root
+    return _adopted is None and root is not None and root.shared_endpoint
 
 
 def dumps(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:

@@ -197,6 +197,8 @@ class Popen:
             prep["forward"] = rt.output.inbox  # output through the store; __main__ came by value
             for key in MAIN_KEYS:
                 prep.pop(key, None)
+            if _state.on_shared_endpoint():  # your token stays off a machine others run
+                prep["environ"].pop("NIMBUS_TOKEN", None)
         # the fork is under way when start() returns; its pid is awaited on first use
         self._forked = rt.executor.submit(_start, self._token, prep, program, data, buffers)
         self._forked.add_done_callback(self._on_forked)

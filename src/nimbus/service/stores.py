@@ -154,11 +154,17 @@ async def endpoint_store(
 
     Returns a Redis ``url`` (an ACL user limited to keys of program ids
     starting with ``key_prefix``), reachable by you and by the endpoint's
-    workers, and the endpoint's status (``online``, ``workers``, ``python``).
+    workers, the endpoint's status (``online``, ``workers``) and whether it
+    is ``yours`` (not one shared with you).
     """
-    status = await ctx.endpoint_status(await ctx.endpoint(user, endpoint_id))
+    info = await ctx.endpoint(user, endpoint_id)
+    status = await ctx.endpoint_status(info)
     advertised = request.url.hostname or "127.0.0.1"
     store = await run_in_threadpool(
         _user_store, request.app.state, ctx.settings, user.user_id, advertised
     )
-    return {**store, **{k: status[k] for k in ("endpoint_id", "name", "online", "workers")}}
+    return {
+        **store,
+        **{k: status[k] for k in ("endpoint_id", "name", "online", "workers")},
+        "yours": info.owner_id == user.user_id,
+    }
