@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 
@@ -193,6 +194,41 @@ def test_store_is_per_user_and_never_the_admin(
         with pytest.raises(redis.exceptions.NoPermissionError):
             a.config_get("requirepass")
         a.delete(key)
+
+
+def test_lost_endpoint_ends_its_processes_with_sigkill(
+    tmp_path: Path, service: Service, alice: Client
+) -> None:
+    flaky = EndpointProcess(service, alice, "flaky").start(alice)
+    script = tmp_path / "program.py"
+    script.write_text(
+        PRELUDE
+        + textwrap.dedent(
+            """
+            if __name__ == "__main__":
+                p = mp.Process(target=time.sleep, args=(300,))
+                p.start()
+                say("pid", p.pid)
+                p.join(120)
+                say("exitcode", p.exitcode)
+            """
+        )
+    )
+    with subprocess.Popen(
+        [sys.executable, str(script)],
+        env=_env(service, alice, "flaky"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        pid = int(proc.stdout.readline().split(": ")[1])
+        flaky.kill()  # the agent, its workers and (through them) the process
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert _lines(out)["exitcode"] == "-9"  # not a hang: the parent saw its worker go
+    assert "endpoint worker of process" in err and "was lost" in err
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_token_stays_home_on_a_shared_endpoint(

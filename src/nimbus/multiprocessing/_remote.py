@@ -6,8 +6,9 @@
     ---------------------                 -----------------------          -------------
     open_store(): the service hands out
       a Redis URL + the key prefix
-    Popen: Executor(endpoint).submit(_start) --> fork ------------------> fd 1, 2 -> pipes
-                                                  watch_signals(token)     Forwarder thread:
+    Popen: Executor(endpoint).submit(_start) --> watch_signals(token)
+                                                  fork ------------------> fd 1, 2 -> pipes
+                                                  deliver_signals(token)   Forwarder thread:
     Output thread: BLPOP stdio:<inbox> <-------- RPUSH ["exit", token] <-- RPUSH ["out"|"err"]
       out/err -> fd 1/2 of the parent             reaper (after waitpid)
       exit -> Popen.returncode
@@ -18,7 +19,9 @@ state store, which both sides reach: one list of output chunks and exit codes
 per parent process (``Keys.stdio(inbox)``: a child's chunks are all pushed
 before it exits, so its exit comes after its output; children that start
 children have their own inbox) and one list of signals per child
-(``Keys.signal``).
+(``Keys.signal``). A child's watcher (the thread that delivers its signals)
+holds a store connection whose id the parent learns first: if it closes with
+no exit code, the worker died and took the child along (exit code -SIGKILL).
 On the endpoint a child runs as a local one does (forked by a warm worker),
 except that its stdout and stderr are pipes to the store rather than the
 terminal, and the program's ``__main__`` travels by value (the endpoint may
@@ -30,9 +33,11 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import threading
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import msgpack
 import redis
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Forwarder",
     "Output",
+    "deliver_signals",
     "open_store",
     "probe",
     "report_exit",
@@ -131,6 +137,7 @@ class Output:
         self.program = program
         self.inbox = Keys.new_name()  # where this process's children report
         self.on_exit = on_exit
+        self._watched: dict[str, int] = {}  # token -> store client id of its signal watcher
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nimbus-output", daemon=True)
         self._thread.start()
@@ -138,20 +145,43 @@ class Output:
     def _run(self) -> None:
         client = self.program.client()
         key = self.program.keys.stdio(self.inbox)
+        checked = time.monotonic()
         while not self._stop.is_set():
             try:
                 item = client.blpop([key], timeout=WAKE)
+                if item is not None:
+                    self._handle(cast(bytes, item[1]))
+                if self._watched and time.monotonic() - checked >= WAKE:
+                    self._check_watchers(client, key)
+                    checked = time.monotonic()
             except redis.RedisError:
                 if self._stop.wait(WAKE):
                     return
-                continue
-            if item is None:
-                continue
-            kind, token, data = msgpack.unpackb(item[1])
-            if kind == "exit":
-                self.on_exit(token, data)
-            elif kind in ("out", "err"):
-                _write_all(1 if kind == "out" else 2, data)
+
+    def _handle(self, message: bytes) -> None:
+        kind, token, data = msgpack.unpackb(message)
+        if kind == "exit":
+            self._watched.pop(token, None)
+            self.on_exit(token, data)
+        elif kind == "watch":
+            self._watched[token] = data
+        elif kind in ("out", "err"):
+            _write_all(1 if kind == "out" else 2, data)
+
+    def _check_watchers(self, client: redis.Redis, key: str) -> None:
+        """Children whose worker is gone (its watcher's connection closed) were killed with it."""
+        ids = set(self._watched.values())
+        listed = client.execute_command("CLIENT", "LIST", "ID", *ids)
+        alive = {int(f[3:]) for f in listed.decode().split() if f.startswith("id=")}
+        if ids <= alive:
+            return
+        while (message := client.lpop(key)) is not None:  # what they sent before going
+            self._handle(cast(bytes, message))
+        for token, client_id in list(self._watched.items()):
+            if client_id not in alive:
+                del self._watched[token]
+                _write_all(2, f"nimbus: the endpoint worker of process {token} was lost\n".encode())
+                self.on_exit(token, -signal.SIGKILL)  # what its child got (PR_SET_PDEATHSIG)
 
     def close(self) -> None:
         self._stop.set()
@@ -177,17 +207,37 @@ def send_signal(program: Program, token: str, sig: int) -> None:
 # ---------------------------------------------------------------- the endpoint worker
 
 
-def watch_signals(
-    program: Program, token: str, alive: Callable[[], bool], kill: Callable[[int], None]
+def watch_signals(program: Program, inbox: str, token: str) -> redis.Redis:
+    """In the worker, before it forks ``token``: the connection of its signal watcher.
+
+    The parent learns its client id (before the child can exit, so before its
+    exit code): when that connection closes without an exit code, the worker
+    (and with it the child) is gone. :func:`deliver_signals` then uses it.
+    """
+    client = redis.Redis.from_url(program.url, single_connection_client=True)
+    try:
+        client_id = client.client_id()
+        _push(program, program.keys.stdio(inbox), msgpack.packb(["watch", token, client_id]))
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def deliver_signals(
+    client: redis.Redis,
+    program: Program,
+    token: str,
+    alive: Callable[[], bool],
+    kill: Callable[[int], None],
 ) -> None:
-    """In the worker that forked ``token``: a thread that delivers its signals.
+    """A thread that sends process ``token`` the signals its parent asks for.
 
     It ends when :func:`report_exit` wakes it (or, as a backstop, when
     ``alive()`` turns false or the store is gone).
     """
 
     def run() -> None:
-        client = program.client()
         key = program.keys.signal(token)
         try:
             while alive():
@@ -201,6 +251,8 @@ def watch_signals(
             client.delete(key)
         except redis.RedisError:
             pass
+        finally:
+            client.close()
 
     threading.Thread(target=run, name="nimbus-signals", daemon=True).start()
 

@@ -332,13 +332,15 @@ def _start(
             except BaseException:  # the child imports it again and reports the error
                 pass
     inbox = prep.get("forward")  # a remote parent's: exits and output go there
+    watcher = _remote.watch_signals(program, inbox, token) if inbox else None
     with _reaper.lock:
         pid = os.fork()
         if pid == 0:
             _child(token, prep, program, data, buffers)  # never returns
         _reaper.add(pid, token, (program, inbox) if inbox else None)
-    if inbox:
-        _remote.watch_signals(program, token, lambda: pid in _reaper.tokens, _reaper.killer(pid))
+    if watcher is not None:
+        alive = lambda: pid in _reaper.tokens  # noqa: E731
+        _remote.deliver_signals(watcher, program, token, alive, _reaper.killer(pid))
     return pid
 
 
