@@ -46,6 +46,7 @@ def _env(service: Service, client: Client, endpoint: str = "lab") -> dict[str, s
         "NIMBUS_SERVICE_URL": service.url,
         "NIMBUS_TOKEN": client.token,
         "NIMBUS_ENDPOINT": endpoint,
+        "NIMBUS_WORKERS": "7",  # this machine's; the endpoint has 2
     }
 
 
@@ -90,9 +91,11 @@ def test_pool_map_runs_on_the_endpoint(
                 say("sum", sum(pool.map(square, range(64))))
                 say("where", pool.map(ancestors, range(4), chunksize=1))
                 say("mine", os.getpid())
+            say("cpus", mp.cpu_count())
         """
     out, _ = _on_lab(tmp_path, service, alice, program)
     assert out["sum"] == str(sum(i * i for i in range(64)))
+    assert out["cpus"] == "2"  # the endpoint's workers
     assert lab.proc is not None
     for chain in eval(out["where"]):  # every pool process descends from the endpoint agent
         assert lab.proc.pid in chain and int(out["mine"]) not in chain

@@ -37,7 +37,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import msgpack
 import redis
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Forwarder",
     "Output",
+    "Store",
     "deliver_signals",
     "open_store",
     "probe",
@@ -63,10 +64,18 @@ CHUNK = 1 << 16
 WAKE = 1.0  # seconds: how often a blocked reader checks whether it should stop
 
 
-def open_store(settings: Settings) -> tuple[str, str, bool]:
-    """The URL of the state store the service hands out for ``settings.endpoint``, the
-    prefix of this user's program ids, and whether the endpoint is the user's own (not
-    one shared with them); clear errors when the store cannot be had."""
+class Store(NamedTuple):
+    """What the service handed out for a program on an endpoint."""
+
+    url: str  # the state store, as an ACL user of this user's
+    key_prefix: str  # the start of this user's program ids
+    yours: bool  # the endpoint is this user's own, not one shared with them
+    workers: int  # the endpoint's workers (its cpu_count)
+
+
+def open_store(settings: Settings) -> Store:
+    """The state store the service hands out for ``settings.endpoint``; clear errors
+    when it cannot be had."""
     from nimbus.client import Client
 
     endpoint = settings.endpoint
@@ -95,7 +104,7 @@ def open_store(settings: Settings) -> tuple[str, str, bool]:
         )
     url = str(store["url"])
     probe(url, endpoint)
-    return url, str(store["key_prefix"]), bool(store["yours"])
+    return Store(url, str(store["key_prefix"]), bool(store["yours"]), int(store["workers"]))
 
 
 def probe(url: str, endpoint: str) -> None:

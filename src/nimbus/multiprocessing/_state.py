@@ -42,7 +42,15 @@ from nimbus.config import Settings
 from nimbus.errors import SerializationError, StateStoreError
 from nimbus.keys import Keys
 
-__all__ = ["Program", "adopt", "dumps", "is_root", "on_shared_endpoint", "program"]
+__all__ = [
+    "Program",
+    "adopt",
+    "dumps",
+    "endpoint_workers",
+    "is_root",
+    "on_shared_endpoint",
+    "program",
+]
 
 
 @dataclass(frozen=True)
@@ -77,14 +85,15 @@ class _Root:
         if settings.endpoint:
             from nimbus.multiprocessing._remote import open_store
 
-            url, prefix, yours = open_store(settings)
-            self.shared_endpoint = not yours
-            self.store = statestore.StateStore(url)
-            self.program = Program(
-                url, f"{prefix}.{Keys.program_id_new()}", settings.key_ttl, remote=True
-            )
+            handed = open_store(settings)
+            self.shared_endpoint = not handed.yours
+            self.workers: int | None = handed.workers
+            self.store = statestore.StateStore(handed.url)
+            program_id = f"{handed.key_prefix}.{Keys.program_id_new()}"
+            self.program = Program(handed.url, program_id, settings.key_ttl, remote=True)
         else:
             self.shared_endpoint = False
+            self.workers = None
             self.store = statestore.StateStore.from_settings(settings)
             self.store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
             self.program = Program(self.store.url, Keys.program_id_new(), settings.key_ttl)
@@ -166,6 +175,12 @@ def _remote() -> bool:
         return _adopted.remote
     root = _root
     return root is not None and root.pid == os.getpid() and root.program.remote
+
+
+def endpoint_workers() -> int | None:
+    """The workers of the endpoint this root's processes run on (None: local, or a child)."""
+    root = _root
+    return root.workers if _adopted is None and root is not None else None
 
 
 def on_shared_endpoint() -> bool:
