@@ -27,7 +27,10 @@ starts a new stores Redis (the state of running programs is lost).
 Commands refused to a user: ``@admin`` and ``@dangerous`` ones (``CONFIG``,
 ``FLUSHALL``, ``KEYS``, ``DEBUG`` ...) except the ``CLIENT`` subcommands the
 locks use to tell whether a holder is alive (``ID``, ``SETNAME``, ``GETNAME``,
-``REPLY``, ``LIST``: a user can list client names and addresses, not data).
+``REPLY``, ``LIST``). What a user can still learn of others: client names and
+addresses (``CLIENT LIST``) and key *names* (``SCAN``, which the program's
+keepalive needs; Redis does not filter it by ACL), never values. A store URL
+stays valid while the service runs, even after the user's token is revoked.
 """
 
 from __future__ import annotations
