@@ -5,6 +5,8 @@ agent in subprocesses, then measures from this process:
 
     roundtrip    no-op submit -> result through service and endpoint, median
     throughput   no-op tasks through Executor(endpoint=...), tasks/s end to end
+    mp_pool      nimbus.multiprocessing with NIMBUS_ENDPOINT: Pool(4) create + map of
+                 64 no-ops on the endpoint, median, against the same on the local runtime
     offline      tasks submitted while the endpoint is offline, then it starts:
                  all complete? service peak memory
     heartbeats   lightweight simulated agents heartbeating: service CPU, latency
@@ -224,6 +226,61 @@ def bench_throughput(stack: Stack, sizes: Sizes) -> Row:
     )
 
 
+# a user's program: Pool(4) create + map of 64 no-ops, timed ``runs`` times (JSON on stdout)
+POOL_PROGRAM = """
+import json, sys, time
+import nimbus.multiprocessing as mp
+
+def noop(x):
+    return x
+
+if __name__ == "__main__":
+    times = []
+    for _ in range(int(sys.argv[1])):
+        start = time.perf_counter()
+        with mp.Pool(4) as pool:
+            pool.map(noop, range(64))
+        times.append(time.perf_counter() - start)
+    print(json.dumps(times))
+"""
+
+
+def _pool_times(stack: Stack, runs: int, endpoint: str | None) -> list[float]:
+    env = stack.env | {"NIMBUS_SERVICE_URL": stack.url, "NIMBUS_TOKEN": stack.token}
+    if endpoint:
+        env["NIMBUS_ENDPOINT"] = endpoint
+    script = stack.root / "pool_program.py"
+    script.write_text(POOL_PROGRAM)
+    done = subprocess.run(
+        [sys.executable, str(script), str(runs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if done.returncode:
+        raise RuntimeError(f"the Pool program failed:\n{done.stderr[-3000:]}")
+    times: list[float] = json.loads(done.stdout.splitlines()[-1])
+    return times
+
+
+def bench_mp_pool(stack: Stack, sizes: Sizes) -> Row:
+    runs = max(3, sizes.roundtrip_calls // 100)
+    remote = _pool_times(stack, runs, "bench")
+    local = _pool_times(stack, runs, None)
+    # the first run of each program also opens its store (and, remote, its connection)
+    r, loc = statistics.median(remote[1:]) * 1000, statistics.median(local[1:]) * 1000
+    return Row(
+        "mp_pool",
+        f"Pool(4) + map of 64 no-ops on the endpoint (NIMBUS_ENDPOINT), median of {runs - 1}",
+        f"{r:.0f} ms (first {remote[0] * 1000:.0f}); local runtime {loc:.0f} ms: {r / loc:.1f}x",
+        "report",
+        "-",
+        {"remote_ms": [t * 1000 for t in remote], "local_ms": [t * 1000 for t in local]},
+    )
+
+
 def bench_offline(stack: Stack, sizes: Sizes) -> Row:
     from nimbus import Executor
 
@@ -317,6 +374,7 @@ def bench_heartbeats(stack: Stack, sizes: Sizes) -> Row:
 WORKLOADS = {
     "roundtrip": bench_roundtrip,
     "throughput": bench_throughput,
+    "mp_pool": bench_mp_pool,
     "offline": bench_offline,
     "heartbeats": bench_heartbeats,
 }

@@ -79,7 +79,7 @@ def test_bench_service_quick(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     lines = _run("service.py", "--quick", "--workers", "2", "--json", str(out), clean=True)
     _header(lines, "what", "nimbus", "target", "result")
-    for name in ("roundtrip", "throughput", "heartbeats"):
+    for name in ("roundtrip", "throughput", "mp_pool", "heartbeats"):
         _row(lines, name)
     assert "2000/2000 complete" in _row(lines, "offline")
     assert out.exists()

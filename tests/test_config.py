@@ -72,6 +72,7 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "result_ttl",
         "heartbeat",
         "log_level",
+        "store_listen",
     }
     assert isinstance(d["runtime_dir"], str)
 
@@ -152,6 +153,9 @@ BAD_ENV = [
     ("NIMBUS_SERVICE_URL", "nimbus.example.org"),
     ("NIMBUS_SERVICE_URL", "ftp://example.org"),
     ("NIMBUS_LOG_LEVEL", "LOUD"),
+    ("NIMBUS_STORE_LISTEN", "no-port"),
+    ("NIMBUS_STORE_LISTEN", ":6390"),
+    ("NIMBUS_STORE_LISTEN", "127.0.0.1:99999"),
     ("NIMBUS_DATABASE_URL", "mysql://db/nimbus"),
     ("NIMBUS_RESULT_TTL", "0"),
     ("NIMBUS_HEARTBEAT", "soon"),
@@ -167,6 +171,12 @@ def test_bad_environment_value(env: dict[str, str], var: str, value: str) -> Non
     assert var in message
     assert repr(value) in message
     assert "expected" in message
+
+
+def test_store_listen_splits_host_and_port(env: dict[str, str]) -> None:
+    assert Settings.load(env).store_address == ("127.0.0.1", 0)
+    env["NIMBUS_STORE_LISTEN"] = "[::1]:6390"
+    assert Settings.load(env).store_address == ("::1", 6390)
 
 
 def test_every_variable_has_a_bad_value() -> None:

@@ -100,6 +100,25 @@ def test_embedded_start_ping_stop_leaves_nothing(rt: Path) -> None:
     server.stop()  # idempotent
 
 
+def test_tcp_listener_needs_the_password_that_no_command_line_shows(rt: Path) -> None:
+    from service_support import free_port
+
+    with pytest.raises(ConfigError, match="password"):
+        EmbeddedRedis(rt, tcp=("127.0.0.1", free_port()))
+    port = free_port()
+    with EmbeddedRedis(rt, tcp=("127.0.0.1", port), password="s3cret-admin") as server:
+        assert not list(rt.glob("*.conf"))  # read at start, then removed
+        cmdline = " ".join(psutil.Process(server.server_pid).cmdline())
+        assert "s3cret-admin" not in cmdline and str(port) in cmdline
+        with redis.Redis(host="127.0.0.1", port=port, password="s3cret-admin") as admin:
+            assert admin.ping()
+        with (
+            redis.Redis(host="127.0.0.1", port=port) as anyone,
+            pytest.raises(redis.AuthenticationError),
+        ):
+            anyone.ping()
+
+
 def test_two_servers_in_one_dir_are_independent(rt: Path) -> None:
     with EmbeddedRedis(rt) as a, EmbeddedRedis(rt) as b:
         assert a.socket_path != b.socket_path

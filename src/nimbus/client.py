@@ -312,6 +312,15 @@ class Client:
         """Cancel a task that has not finished; whether it was."""
         return bool(self._json("POST", f"/v1/tasks/{task_id}/cancel")["cancelled"])
 
+    # ------------------------------------------------------------ state stores
+
+    def store(self, endpoint: str) -> dict[str, Any]:
+        """A state store for programs on ``endpoint`` (see ``nimbus.service.stores``):
+        its Redis ``url``, the ``key_prefix`` of your program ids, and the
+        endpoint's ``endpoint_id``, ``name``, ``online`` and ``workers``."""
+        endpoint_id = self.get_endpoint(endpoint)["endpoint_id"]
+        return dict(self._json("POST", f"/v1/endpoints/{endpoint_id}/store"))
+
 
 def _is_uuid(text: str) -> bool:
     try:

@@ -130,6 +130,24 @@ def _is_db_url(url: str) -> bool:
     return scheme.split("+")[0] in ("sqlite", "postgresql", "postgres")
 
 
+def _host_port(value: object) -> str:
+    accepted = "HOST:PORT, e.g. 127.0.0.1:0 (port 0: any free port) or [::1]:6390"
+    if not isinstance(value, str):
+        raise _Bad(accepted)
+    try:
+        _split_host_port(value.strip())
+    except ValueError:
+        raise _Bad(accepted) from None
+    return value.strip()
+
+
+def _split_host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535 or not host:
+        raise ValueError(text)
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
 def _path(value: object) -> Path:
     if isinstance(value, str) and value.strip():
         value = Path(value.strip())
@@ -203,6 +221,11 @@ _FIELDS: dict[str, _Field] = {
         "NIMBUS_HEARTBEAT", _seconds, "seconds between endpoint heartbeats (lost after 3 missed)"
     ),
     "log_level": _Field("NIMBUS_LOG_LEVEL", _log_level, "logging level of nimbus loggers"),
+    "store_listen": _Field(
+        "NIMBUS_STORE_LISTEN",
+        _host_port,
+        "where the service's state-store Redis for endpoint programs listens, HOST:PORT",
+    ),
 }
 
 
@@ -250,6 +273,7 @@ class Settings:
     result_ttl: float = 7 * 86400.0
     heartbeat: float = 2.0
     log_level: str = "WARNING"
+    store_listen: str = "127.0.0.1:0"
 
     def __post_init__(self) -> None:
         for name, spec in _FIELDS.items():
@@ -317,6 +341,11 @@ class Settings:
         if self.database_url is not None:
             return self.database_url
         return f"sqlite:///{self.runtime_dir / 'service' / 'registry.sqlite3'}"
+
+    @property
+    def store_address(self) -> tuple[str, int]:
+        """``store_listen`` as (host, port); port 0 means any free port."""
+        return _split_host_port(self.store_listen)
 
     def ensure_runtime_dir(self) -> Path:
         """Create ``runtime_dir`` (mode 0o700) and check only this user can use it."""

@@ -134,6 +134,14 @@ class Keys:
         """One waiting thread's wake-up list (``name`` is unique per wait)."""
         return self._key("waiter", name)
 
+    def stdio(self, name: str) -> str:
+        """The output chunks and exit codes of the remote children of one parent process."""
+        return self._key("stdio", name)
+
+    def signal(self, token: str) -> str:
+        """Signals (``terminate``/``kill``) for the remote process started as ``token``."""
+        return self._key("signal", token)
+
     # ------------------------------------------------------------ the service
     # The service is one "program": ``Keys(service_id)``; its keys name tasks,
     # endpoints and users by their UUIDs.

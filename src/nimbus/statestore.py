@@ -89,10 +89,11 @@ def redis_server_binary() -> Path:
     return path
 
 
-def _quick_client(socket_path: Path) -> redis.Redis:
+def _quick_client(socket_path: Path, password: str | None = None) -> redis.Redis:
     """A client for one command: no retries, no waiting."""
     return redis.Redis(
         unix_socket_path=str(socket_path),
+        password=password,
         socket_timeout=1,
         retry=Retry(NoBackoff(), 0),
         driver_info=None,
@@ -140,15 +141,30 @@ class EmbeddedRedis:
     It listens on no TCP port, keeps nothing on disk, and stops with :meth:`stop`,
     at exit, or (through a watchdog process) when its owner dies, even by SIGKILL.
     Leftovers of owners that were killed are removed by the next :meth:`start`.
+
+    ``tcp=(host, port)`` makes it listen there too; ``password`` is then the
+    ``default`` (admin) user's password, which every client must give.
     """
 
-    def __init__(self, runtime_dir: Path, *, start_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        runtime_dir: Path,
+        *,
+        start_timeout: float = 10.0,
+        tcp: tuple[str, int] | None = None,
+        password: str | None = None,
+    ) -> None:
+        if tcp is not None and not password:
+            raise ConfigError("an embedded Redis listening on TCP needs a password")
         self.runtime_dir = Path(runtime_dir)
         self.start_timeout = start_timeout
+        self.tcp = tcp
+        self.password = password
         self.name = f"redis-{secrets.token_hex(4)}"
         self.state_file = self.runtime_dir / f"{self.name}.json"
         self.log_file = self.runtime_dir / f"{self.name}.log"
         self.socket_path = self.runtime_dir / f"{self.name}.sock"
+        self._conf_file = self.runtime_dir / f"{self.name}.conf"
         self.owner_pid = os.getpid()
         self.server_pid = 0
         self._server_created: float | None = None
@@ -177,9 +193,11 @@ class EmbeddedRedis:
         self._write_state()
         argv = [
             str(redis_server_binary()),
+            *self._password_file(),
             *("--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"),
             *("--save", "", "--appendonly", "no", "--daemonize", "no", "--pidfile", ""),
             *("--dir", str(self.socket_path.parent), "--loglevel", "warning", "--logfile", ""),
+            *self._access_args(),
         ]
         with open(self.log_file, "wb") as log:
             self._watchdog = subprocess.Popen(
@@ -195,9 +213,27 @@ class EmbeddedRedis:
         except BaseException:
             self.stop()
             raise
+        finally:
+            self._conf_file.unlink(missing_ok=True)
         self._server_created = _create_time(self.server_pid)
         self._write_state()
         return self
+
+    def _password_file(self) -> list[str]:
+        """A private config file with the admin password (never on a command line, which
+        ``ps`` shows); the server reads it at start, and it is removed once it answers."""
+        if not self.password:
+            return []
+        fd = os.open(self._conf_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"requirepass {self.password}\n")
+        return [str(self._conf_file)]
+
+    def _access_args(self) -> list[str]:
+        """The TCP listener, when asked for (options given later win)."""
+        if self.tcp is None:
+            return []
+        return ["--bind", self.tcp[0], "--port", str(self.tcp[1]), "--protected-mode", "no"]
 
     def _wait_ready(self) -> int:
         deadline = time.monotonic() + self.start_timeout
@@ -205,7 +241,7 @@ class EmbeddedRedis:
         while True:
             if self.socket_path.exists():
                 try:
-                    client = _quick_client(self.socket_path)
+                    client = _quick_client(self.socket_path, self.password)
                     with client:
                         return int(client.info("server")["process_id"])
                 except redis.RedisError:
@@ -249,7 +285,7 @@ class EmbeddedRedis:
         watchdog, self._watchdog = self._watchdog, None
         if watchdog is not None:
             try:
-                with _quick_client(self.socket_path) as c:
+                with _quick_client(self.socket_path, self.password) as c:
                     c.shutdown(nosave=True)
             except redis.RedisError:
                 pass  # expected: the server closes the connection as it exits

@@ -36,15 +36,26 @@ from typing import TYPE_CHECKING, Any
 from nimbus.config import Settings
 
 if TYPE_CHECKING:
+    from nimbus.multiprocessing._remote import Output
     from nimbus.multiprocessing.popen_nimbus import Popen
 
-__all__ = ["Relayed", "Runtime", "Starter", "relay_address", "runtime", "set_relay_address"]
+__all__ = [
+    "Relayed",
+    "Remote",
+    "Runtime",
+    "Starter",
+    "relay_address",
+    "runtime",
+    "set_relay_address",
+]
 
 StartFn = Callable[..., int]
 
 
 class Starter:
     """The Popens of this process by token, and their exit codes as they come."""
+
+    output: Output | None = None  # where remote children's output and exits arrive
 
     def __init__(self) -> None:
         self.popens: dict[str, Popen] = {}
@@ -263,6 +274,38 @@ class Relayed(Starter):
         self.conn.close()
 
 
+class Remote(Starter):
+    """The warm workers of the endpoint ``NIMBUS_ENDPOINT`` names, through the service.
+
+    Children's output, exits and signals travel through the program's store
+    (``_remote``); none of them reach this machine's relay.
+    """
+
+    def __init__(self) -> None:
+        from nimbus.executor import Executor, _live
+        from nimbus.multiprocessing import _remote, _state
+
+        super().__init__()
+        settings = Settings.load()
+        self.executor = Executor(settings=settings, endpoint=settings.endpoint)
+        _live.discard(self.executor)  # closed by close(), after joining children
+        self.output = _remote.Output(_state.program(), self.exited)
+
+    def start(self, fn: StartFn, *args: Any) -> Future[int]:
+        return self.executor.submit(fn, *args)
+
+    def redirected_stdio(self) -> list[Any] | None:
+        return None  # the children's output comes through the store
+
+    def close(self) -> None:
+        if os.getpid() != self.pid:
+            return
+        self.join_children()
+        self.executor.shutdown(wait=True)
+        if self.output is not None:
+            self.output.close()
+
+
 def _stdio_ids() -> list[tuple[int, int] | None]:
     ids: list[tuple[int, int] | None] = []
     for fd in (1, 2):
@@ -298,8 +341,12 @@ def runtime(preload: list[str]) -> Starter:
     global _runtime
     with _runtime_lock:
         if _runtime is None or _runtime.pid != os.getpid():
+            from nimbus.multiprocessing import _state
+
             _runtime = None
-            if _relay is not None:
+            if _state.program().remote:
+                _runtime = Remote()
+            elif _relay is not None:
                 try:
                     _runtime = Relayed(_relay)
                 except (OSError, AuthenticationError) as exc:

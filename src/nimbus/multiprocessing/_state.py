@@ -14,6 +14,11 @@ program id (see ``nimbus.keys``), so two programs sharing a Redis never meet.
     keepalive thread: EXPIRE keys      shared objects pickle as (Program, name)
     at exit: delete the program's keys
 
+With ``NIMBUS_ENDPOINT`` set, the program runs on that endpoint: its store is
+the one the service hands out (``nimbus.multiprocessing._remote``), reached by
+this process and by the endpoint's workers, and its id starts with the
+prefix the service allows this user.
+
 Every key gets the program's TTL when created; the root keeps them alive
 while it runs and deletes them at a normal exit, so after a SIGKILL of the
 root they expire within ``key_ttl`` seconds (``NIMBUS_KEY_TTL``).
@@ -37,16 +42,28 @@ from nimbus.config import Settings
 from nimbus.errors import SerializationError, StateStoreError
 from nimbus.keys import Keys
 
-__all__ = ["Program", "adopt", "dumps", "is_root", "program"]
+__all__ = [
+    "Program",
+    "adopt",
+    "dumps",
+    "endpoint_workers",
+    "is_root",
+    "on_shared_endpoint",
+    "program",
+]
 
 
 @dataclass(frozen=True)
 class Program:
-    """The state store URL, program id and key TTL of one program."""
+    """The state store URL, program id and key TTL of one program.
+
+    ``remote``: its processes run on a remote endpoint (``NIMBUS_ENDPOINT``).
+    """
 
     url: str
     program_id: str
     key_ttl: float
+    remote: bool = False
 
     @property
     def keys(self) -> Keys:
@@ -65,9 +82,21 @@ class _Root:
     """The store, keepalive and cleanup owned by the program's root process."""
 
     def __init__(self, settings: Settings) -> None:
-        self.store = statestore.StateStore.from_settings(settings)
-        self.store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
-        self.program = Program(self.store.url, Keys.program_id_new(), settings.key_ttl)
+        if settings.endpoint:
+            from nimbus.multiprocessing._remote import open_store
+
+            handed = open_store(settings)
+            self.shared_endpoint = not handed.yours
+            self.workers: int | None = handed.workers
+            self.store = statestore.StateStore(handed.url)
+            program_id = f"{handed.key_prefix}.{Keys.program_id_new()}"
+            self.program = Program(handed.url, program_id, settings.key_ttl, remote=True)
+        else:
+            self.shared_endpoint = False
+            self.workers = None
+            self.store = statestore.StateStore.from_settings(settings)
+            self.store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
+            self.program = Program(self.store.url, Keys.program_id_new(), settings.key_ttl)
         self.pid = os.getpid()
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -140,17 +169,40 @@ def _main_by_value() -> bool:
     return getattr(spec, "name", None) is None and getattr(main, "__file__", None) is None
 
 
+def _remote() -> bool:
+    """Whether this process's program runs on a remote endpoint (never starts a store)."""
+    if _adopted is not None:
+        return _adopted.remote
+    root = _root
+    return root is not None and root.pid == os.getpid() and root.program.remote
+
+
+def endpoint_workers() -> int | None:
+    """The workers of the endpoint this root's processes run on (None: local, or a child)."""
+    root = _root
+    return root.workers if _adopted is None and root is not None else None
+
+
+def on_shared_endpoint() -> bool:
+    """Whether this root's processes run on an endpoint someone else runs (shared with us)."""
+    root = _root
+    return _adopted is None and root is not None and root.shared_endpoint
+
+
 def dumps(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle an object that goes to another process of the program.
 
     As the stdlib does: with its reducers (connections, sockets and fds are
     handed over) and ``__main__`` by reference (children import the main
     module as the stdlib's spawn does), unless the main module cannot be
-    imported (``python -c``, an interactive session): then by value.
+    imported (``python -c``, an interactive session) or the program runs on a
+    remote endpoint (which may not have the script): then by value.
     """
     try:
         return serialization.dumps(
-            obj, reducers=ForkingPickler._extra_reducers, main_by_value=_main_by_value()
+            obj,
+            reducers=ForkingPickler._extra_reducers,
+            main_by_value=_main_by_value() or _remote(),
         )
     except SerializationError as exc:
         # SerializationError is a TypeError and a PicklingError, what the stdlib

@@ -76,10 +76,18 @@ class NimbusContext(stdlib_context.BaseContext):
         set_preload(module_names)
 
     def cpu_count(self) -> int:
-        """The workers the backend offers (the cores of this machine by default)."""
+        """The workers the backend offers (the cores of this machine by default; with
+        ``NIMBUS_ENDPOINT``, the endpoint's workers)."""
         from nimbus.config import Settings
+        from nimbus.multiprocessing import _state
 
-        return Settings.load().workers or (os.cpu_count() or 1)
+        settings = Settings.load()
+        if settings.endpoint and _state.is_root():
+            _state.program(settings)
+            workers = _state.endpoint_workers()
+            if workers:
+                return workers
+        return settings.workers or (os.cpu_count() or 1)
 
     # -- state in the store ----------------------------------------------
     def Lock(self) -> Any:

@@ -20,6 +20,10 @@ sentinel (a pipe) becomes readable. ``terminate``/``kill`` signal the child
 by pid (same host). A child dies with its worker (``PR_SET_PDEATHSIG``).
 The warm workers are the program root's; a process the program started asks
 the root to start its own children (``_runtime``: the relay).
+
+With ``NIMBUS_ENDPOINT`` set the warm workers are the endpoint's, reached
+through the service; exits, output and signals then travel through the
+program's state store (see ``_remote``).
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ import signal
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from multiprocessing import context as stdlib_context
 from multiprocessing import process as stdlib_process
 from multiprocessing import resource_sharer, spawn
 from typing import Any
 
 from nimbus import serialization
-from nimbus.multiprocessing import _runtime, _state
+from nimbus.multiprocessing import _remote, _runtime, _state
 from nimbus.multiprocessing import context as nimbus_context
 
 __all__ = ["Popen"]
@@ -106,7 +111,16 @@ class Popen:
         rt.register(self._token, self)
         prep["authkey"] = bytes(prep["authkey"])
         prep["stdio"] = rt.redirected_stdio()
-        prep["relay"] = _runtime.relay_address()
+        self._program = program
+        if rt.output is not None:
+            prep["forward"] = rt.output.inbox  # output through the store; __main__ came by value
+            for key in MAIN_KEYS:
+                prep.pop(key, None)
+            if _state.on_shared_endpoint():  # your token stays off a machine others run
+                prep["environ"].pop("NIMBUS_TOKEN", None)
+            prep["relay"] = None  # a relayed child would have no output list to report to
+        else:
+            prep["relay"] = _runtime.relay_address()
         # the fork is under way when start() returns; its pid is awaited on first use
         try:
             self._forked = rt.start(_start, self._token, prep, program, data, buffers)
@@ -161,6 +175,9 @@ class Popen:
 
     def _send_signal(self, sig: int) -> None:
         if self.returncode is None:
+            if self._program.remote:
+                _remote.send_signal(self._program, self._token, sig)
+                return
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
@@ -242,23 +259,34 @@ def _start(
                 importlib.import_module(name)
             except BaseException:  # the child imports it again and reports the error
                 pass
-    standby, _standby = _standby, None
-    if standby is not None and standby.modules == len(sys.modules):
-        pid = standby.run(token, (prep, program, data, buffers))
-    else:  # none yet, or forked before modules this process needs were imported
-        if standby is not None:
-            standby.discard()
-        pid = None
-    if pid is None:
+    inbox = prep.get("forward")  # a remote parent's: exits and output go there
+    if inbox:
+        watcher = _remote.watch_signals(program, inbox, token)
         with _reaper.lock:
             pid = os.fork()
             if pid == 0:
-                _child(prep, program, data, buffers)  # never returns
-            _reaper.add(pid, token)
+                _child(token, prep, program, data, buffers)  # never returns
+            _reaper.add(pid, token, (program, inbox))
+        alive = lambda: pid in _reaper.tokens  # noqa: E731
+        _remote.deliver_signals(watcher, program, token, alive, _reaper.killer(pid))
+        return pid
+    standby, _standby = _standby, None
+    if standby is not None and standby.modules == len(sys.modules):
+        started = standby.run(token, (token, prep, program, data, buffers))
+    else:  # none yet, or forked before modules this process needs were imported
+        if standby is not None:
+            standby.discard()
+        started = None
+    if started is None:
+        with _reaper.lock:
+            started = os.fork()
+            if started == 0:
+                _child(token, prep, program, data, buffers)  # never returns
+            _reaper.add(started, token)
     from nimbus.runtime import worker
 
     worker.when_idle(_refill)  # the next start skips the fork; this one is not held up
-    return pid
+    return started
 
 
 def _refill() -> None:
@@ -336,11 +364,16 @@ class _Reaper:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.tokens: dict[int, str | None] = {}  # pid -> token (None: a standby)
+        self.remote: dict[int, tuple[_state.Program, str]] = {}  # of remote parents: inbox
         self.children = threading.Semaphore(0)
         self.thread: threading.Thread | None = None
 
-    def add(self, pid: int, token: str | None) -> None:
+    def add(
+        self, pid: int, token: str | None, remote: tuple[_state.Program, str] | None = None
+    ) -> None:
         self.tokens[pid] = token
+        if remote is not None:
+            self.remote[pid] = remote
         if self.thread is None:
             self.thread = threading.Thread(target=self.run, name="nimbus-reaper", daemon=True)
             self.thread.start()
@@ -357,21 +390,45 @@ class _Reaper:
                 continue
             with self.lock:
                 token = self.tokens.pop(pid, None)
-            if token is not None:
+                remote = self.remote.pop(pid, None)
+            if remote is not None and token is not None:
+                _remote.report_exit(*remote, token, os.waitstatus_to_exitcode(status))
+            elif token is not None:
                 worker.notify(["exit", token, os.waitstatus_to_exitcode(status)])
+
+    def killer(self, pid: int) -> Callable[[int], None]:
+        """``kill(sig)`` for child ``pid``, a no-op once it is reaped (its pid may be reused)."""
+
+        def kill(sig: int) -> None:
+            with self.lock:
+                if pid in self.tokens:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+
+        return kill
 
 
 _reaper = _Reaper()
 
 
-def _child(prep: dict[str, Any], program: _state.Program, data: bytes, buffers: list[Any]) -> None:
+def _child(
+    token: str, prep: dict[str, Any], program: _state.Program, data: bytes, buffers: list[Any]
+) -> None:
     code = 1
+    forwarder = None
     try:
         from nimbus.runtime import worker
 
         worker.close_in_child()
         if sys.platform == "linux":
             _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        inbox = prep.pop("forward", None)
+        if inbox:
+            forwarder = _remote.Forwarder(program, inbox, token)
+            if not os.path.isdir(prep.get("dir", "")):
+                prep.pop("dir", None)  # the parent's cwd does not exist here
         stdio = prep.pop("stdio", None)
         _runtime.set_relay_address(prep.pop("relay", None))
         environ = prep.pop("environ", None)
@@ -399,6 +456,8 @@ def _child(prep: dict[str, Any], program: _state.Program, data: bytes, buffers: 
         try:
             sys.stdout.flush()
             sys.stderr.flush()
+            if forwarder is not None:
+                forwarder.close()
         finally:
             os._exit(code)
 

@@ -22,7 +22,7 @@ import nimbus
 from nimbus.config import Settings
 from nimbus.errors import PayloadTooLargeError, ServiceError
 from nimbus.keys import Keys
-from nimbus.service import routes, tasks
+from nimbus.service import routes, stores, tasks
 from nimbus.service.context import ServiceContext
 from nimbus.service.hub import Hub
 from nimbus.service.protocol import WS_AGENT, WS_CLIENT
@@ -77,6 +77,7 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
     )
     app.include_router(routes.router)
     app.include_router(tasks.router)
+    app.include_router(stores.router)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:

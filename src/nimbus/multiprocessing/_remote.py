@@ -1,0 +1,326 @@
+"""A program on a remote endpoint: ``NIMBUS_ENDPOINT`` set (and a service login).
+
+::
+
+    parent (this machine)                 endpoint worker (forks)          child process
+    ---------------------                 -----------------------          -------------
+    open_store(): the service hands out
+      a Redis URL + the key prefix
+    Popen: Executor(endpoint).submit(_start) --> watch_signals(token)
+                                                  fork ------------------> fd 1, 2 -> pipes
+                                                  deliver_signals(token)   Forwarder thread:
+    Output thread: BLPOP stdio:<inbox> <-------- RPUSH ["exit", token] <-- RPUSH ["out"|"err"]
+      out/err -> fd 1/2 of the parent             reaper (after waitpid)
+      exit -> Popen.returncode
+    terminate()/kill(): RPUSH signal:<token> --> BLPOP -> os.kill(pid)
+
+Everything between the parent and its children goes through the program's
+state store, which both sides reach: one list of output chunks and exit codes
+per parent process (``Keys.stdio(inbox)``: a child's chunks are all pushed
+before it exits, so its exit comes after its output; children that start
+children have their own inbox) and one list of signals per child
+(``Keys.signal``). A child's watcher (the thread that delivers its signals)
+holds a store connection whose id the parent learns first: if it closes with
+no exit code, the worker died and took the child along (exit code -SIGKILL).
+On the endpoint a child runs as a local one does (forked by a warm worker),
+except that its stdout and stderr are pipes to the store rather than the
+terminal, and the program's ``__main__`` travels by value (the endpoint may
+not have the script).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple, cast
+
+import msgpack
+import redis
+
+from nimbus.config import Settings
+from nimbus.errors import ConfigError, NotFound, ServiceUnavailable, StateStoreError
+
+if TYPE_CHECKING:
+    from nimbus.multiprocessing._state import Program
+
+__all__ = [
+    "Forwarder",
+    "Output",
+    "Store",
+    "deliver_signals",
+    "open_store",
+    "probe",
+    "report_exit",
+    "send_signal",
+    "watch_signals",
+]
+
+CHUNK = 1 << 16
+WAKE = 1.0  # seconds: how often a blocked reader checks whether it should stop
+
+
+class Store(NamedTuple):
+    """What the service handed out for a program on an endpoint."""
+
+    url: str  # the state store, as an ACL user of this user's
+    key_prefix: str  # the start of this user's program ids
+    yours: bool  # the endpoint is this user's own, not one shared with them
+    workers: int  # the endpoint's workers (its cpu_count)
+
+
+def open_store(settings: Settings) -> Store:
+    """The state store the service hands out for ``settings.endpoint``; clear errors
+    when it cannot be had."""
+    from nimbus.client import Client
+
+    endpoint = settings.endpoint
+    assert endpoint
+    try:
+        client = Client(settings=settings)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"NIMBUS_ENDPOINT={endpoint} runs nimbus.multiprocessing on that endpoint through "
+            f"the nimbus service: {exc}; or unset NIMBUS_ENDPOINT to run locally"
+        ) from None
+    with client:
+        try:
+            store = client.store(endpoint)
+        except NotFound:
+            raise NotFound(
+                f"NIMBUS_ENDPOINT={endpoint}: no endpoint of that name is visible to you on "
+                f"{client.service_url}; `nimbus endpoints list` shows those you can use",
+                404,
+            ) from None
+    if not store["online"]:
+        raise ServiceUnavailable(
+            f"endpoint {endpoint!r} is offline (no agent connected to {client.service_url}): "
+            f"start it with `nimbus endpoint start {endpoint}` on its machine, or unset "
+            f"NIMBUS_ENDPOINT to run locally"
+        )
+    url = str(store["url"])
+    probe(url, endpoint)
+    return Store(url, str(store["key_prefix"]), bool(store["yours"]), int(store["workers"]))
+
+
+def probe(url: str, endpoint: str) -> None:
+    """PING the store handed out for ``endpoint``; a clear error when it does not answer."""
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5) as client:
+            client.ping()
+    except redis.RedisError as exc:
+        raise StateStoreError(
+            f"cannot reach the state store the service handed out for endpoint {endpoint!r} "
+            f"at {_safe(url)} ({_safe(str(exc))}); this machine and the endpoint's workers must "
+            f"both reach it: set NIMBUS_STORE_LISTEN on the service to an address both can reach"
+        ) from None
+
+
+def _safe(url: str) -> str:
+    """``url`` without its password."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.rpartition('@')[2]}"
+
+
+def _push(program: Program, key: str, *items: bytes | int) -> None:
+    client = program.client()
+    with client.pipeline(transaction=False) as pipe:
+        pipe.rpush(key, *items)
+        pipe.pexpire(key, program.ttl_ms)
+        pipe.execute()
+
+
+# ---------------------------------------------------------------- the parent
+
+
+class Output:
+    """The parent's thread that writes its children's output and reports their exits."""
+
+    def __init__(self, program: Program, on_exit: Callable[[str, int], None]) -> None:
+        from nimbus.keys import Keys
+
+        self.program = program
+        self.inbox = Keys.new_name()  # where this process's children report
+        self.on_exit = on_exit
+        self._watched: dict[str, int] = {}  # token -> store client id of its signal watcher
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nimbus-output", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        client = self.program.client()
+        key = self.program.keys.stdio(self.inbox)
+        checked = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                item = client.blpop([key], timeout=WAKE)
+                if item is not None:
+                    self._handle(cast(bytes, item[1]))
+                if self._watched and time.monotonic() - checked >= WAKE:
+                    self._check_watchers(client, key)
+                    checked = time.monotonic()
+            except redis.RedisError:
+                if self._stop.wait(WAKE):
+                    return
+
+    def _handle(self, message: bytes) -> None:
+        kind, token, data = msgpack.unpackb(message)
+        if kind == "exit":
+            self._watched.pop(token, None)
+            self.on_exit(token, data)
+        elif kind == "watch":
+            self._watched[token] = data
+        elif kind in ("out", "err"):
+            _write_all(1 if kind == "out" else 2, data)
+
+    def _check_watchers(self, client: redis.Redis, key: str) -> None:
+        """Children whose worker is gone (its watcher's connection closed) were killed with it."""
+        ids = set(self._watched.values())
+        listed = client.execute_command("CLIENT", "LIST", "ID", *ids)
+        alive = {int(f[3:]) for f in listed.decode().split() if f.startswith("id=")}
+        if ids <= alive:
+            return
+        while (message := client.lpop(key)) is not None:  # what they sent before going
+            self._handle(cast(bytes, message))
+        for token, client_id in list(self._watched.items()):
+            if client_id not in alive:
+                del self._watched[token]
+                _write_all(2, f"nimbus: the endpoint worker of process {token} was lost\n".encode())
+                self.on_exit(token, -signal.SIGKILL)  # what its child got (PR_SET_PDEATHSIG)
+
+    def close(self) -> None:
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(2 * WAKE + 1)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    with contextlib.suppress(OSError):
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+def send_signal(program: Program, token: str, sig: int) -> None:
+    """Ask the worker that forked process ``token`` to send it ``sig``."""
+    try:
+        _push(program, program.keys.signal(token), int(sig))
+    except redis.RedisError as exc:
+        raise StateStoreError(f"cannot signal the remote process: {exc}") from exc
+
+
+# ---------------------------------------------------------------- the endpoint worker
+
+
+def watch_signals(program: Program, inbox: str, token: str) -> redis.Redis:
+    """In the worker, before it forks ``token``: the connection of its signal watcher.
+
+    The parent learns its client id (before the child can exit, so before its
+    exit code): when that connection closes without an exit code, the worker
+    (and with it the child) is gone. :func:`deliver_signals` then uses it.
+    """
+    client = redis.Redis.from_url(program.url, single_connection_client=True)
+    try:
+        client_id = client.client_id()
+        _push(program, program.keys.stdio(inbox), msgpack.packb(["watch", token, client_id]))
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def deliver_signals(
+    client: redis.Redis,
+    program: Program,
+    token: str,
+    alive: Callable[[], bool],
+    kill: Callable[[int], None],
+) -> None:
+    """A thread that sends process ``token`` the signals its parent asks for.
+
+    It ends when :func:`report_exit` wakes it (or, as a backstop, when
+    ``alive()`` turns false or the store is gone).
+    """
+
+    def run() -> None:
+        key = program.keys.signal(token)
+        try:
+            while alive():
+                item = client.blpop([key], timeout=30)
+                if item is None:
+                    continue
+                sig = int(item[1])
+                if sig == 0:
+                    break
+                kill(sig)
+            client.delete(key)
+        except redis.RedisError:
+            pass
+        finally:
+            client.close()
+
+    threading.Thread(target=run, name="nimbus-signals", daemon=True).start()
+
+
+def report_exit(program: Program, inbox: str, token: str, code: int) -> None:
+    """In the worker: process ``token`` exited with ``code`` (after all its output)."""
+    with contextlib.suppress(redis.RedisError):
+        _push(program, program.keys.stdio(inbox), msgpack.packb(["exit", token, code]))
+        _push(program, program.keys.signal(token), 0)  # ends its signal watcher
+
+
+# ---------------------------------------------------------------- the child
+
+
+class Forwarder:
+    """In the child: fds 1 and 2 become pipes, and a thread pushes what comes out of them."""
+
+    def __init__(self, program: Program, inbox: str, token: str) -> None:
+        self.program = program
+        self.key = program.keys.stdio(inbox)
+        self.token = token
+        self._fds: dict[int, str] = {}
+        for fd, kind in ((1, "out"), (2, "err")):
+            read, write = os.pipe()
+            os.dup2(write, fd)
+            os.close(write)
+            self._fds[read] = kind
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, name="nimbus-stdio", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        fds = dict(self._fds)
+        while fds:
+            ready, _, _ = select.select([*fds, self._wake_r], [], [])
+            if self._wake_r in ready:  # the child is done: take what is left, then stop
+                for fd in fds:
+                    os.set_blocking(fd, False)
+                    while self._forward(fd, fds[fd]):
+                        pass
+                return
+            for fd in ready:
+                if not self._forward(fd, fds[fd]):
+                    del fds[fd]
+
+    def _forward(self, fd: int, kind: str) -> bool:
+        try:
+            data = os.read(fd, CHUNK)
+        except OSError:  # drained (EAGAIN)
+            return False
+        if data:
+            with contextlib.suppress(redis.RedisError):
+                _push(self.program, self.key, msgpack.packb([kind, self.token, data]))
+        return bool(data)
+
+    def close(self) -> None:
+        """At the child's exit, after its last flush: push the rest of its output."""
+        for fd in (1, 2):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        os.write(self._wake_w, b"x")
+        self._thread.join()

@@ -1,0 +1,294 @@
+"""nimbus.multiprocessing on a remote endpoint: a real service, a real endpoint agent, and
+programs run with NIMBUS_ENDPOINT set (each in its own interpreter, as a user runs them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+
+from nimbus import Client
+from nimbus.config import Settings
+from nimbus.errors import (
+    ConfigError,
+    NotFound,
+    ServiceError,
+    ServiceUnavailable,
+    StateStoreError,
+)
+from nimbus.keys import Keys
+from nimbus.multiprocessing import _remote
+from service_support import EndpointProcess, Service, free_port, service_env
+
+# Where a process runs: the pids of its ancestors, which include the endpoint agent's
+# when it runs there. Shared by the programs below.
+PRELUDE = r"""
+import os, sys, time
+import psutil
+import nimbus.multiprocessing as mp
+
+def ancestors(_=None):
+    return [p.pid for p in psutil.Process().parents()]
+
+def say(name, *values):  # one write per line: children write to the same stdout
+    sys.stdout.write(f"{name}: {' '.join(map(str, values))}\n")
+    sys.stdout.flush()
+"""
+
+
+def _env(service: Service, client: Client, endpoint: str = "lab") -> dict[str, str]:
+    return service.env | {
+        "NIMBUS_SERVICE_URL": service.url,
+        "NIMBUS_TOKEN": client.token,
+        "NIMBUS_ENDPOINT": endpoint,
+        "NIMBUS_WORKERS": "7",  # this machine's; the endpoint has 2
+    }
+
+
+def _run(
+    tmp_path: Path, env: dict[str, str], body: str, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "program.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    return subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _lines(out: str) -> dict[str, str]:
+    """``name: value`` lines a program printed."""
+    return dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+
+
+def _on_lab(
+    tmp_path: Path, service: Service, client: Client, body: str
+) -> tuple[dict[str, str], subprocess.CompletedProcess[str]]:
+    """Run a program with NIMBUS_ENDPOINT=lab; the lines it printed, and how it ended."""
+    result = _run(tmp_path, _env(service, client), body)
+    assert result.returncode == 0, result.stderr
+    return _lines(result.stdout), result
+
+
+def test_pool_map_runs_on_the_endpoint(
+    tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    program = """
+        def square(x):
+            return x * x
+
+        if __name__ == "__main__":
+            with mp.Pool(4) as pool:
+                say("sum", sum(pool.map(square, range(64))))
+                say("where", pool.map(ancestors, range(4), chunksize=1))
+                say("mine", os.getpid())
+            say("cpus", mp.cpu_count())
+        """
+    out, _ = _on_lab(tmp_path, service, alice, program)
+    assert out["sum"] == str(sum(i * i for i in range(64)))
+    assert out["cpus"] == "2"  # the endpoint's workers
+    assert lab.proc is not None
+    for chain in eval(out["where"]):  # every pool process descends from the endpoint agent
+        assert lab.proc.pid in chain and int(out["mine"]) not in chain
+
+
+def test_process_queue_lock_output_and_exitcodes(
+    tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    program = """
+        def child(q, lock):
+            q.put(("blocked", lock.acquire(timeout=0.2)))  # the parent holds it
+            q.put(("where", ancestors()))
+            q.put(("locked", lock.acquire(timeout=60)))  # after the parent released it
+            lock.release()
+            say("child stdout", "a line")
+            sys.stderr.write("child stderr line\\n")
+
+        def grandchild(q):
+            q.put(("grandchild", ancestors()))
+
+        def starts_a_child(q):
+            g = mp.Process(target=grandchild, args=(q,))
+            g.start()
+            g.join(60)
+            q.put(("grandchild exitcode", g.exitcode))
+
+        def boom():
+            raise KeyError("remote boom")
+
+        def sleeper():
+            time.sleep(120)
+
+        if __name__ == "__main__":
+            q, lock = mp.Queue(), mp.Lock()
+            lock.acquire()
+            p = mp.Process(target=child, args=(q, lock))
+            p.start()
+            say("blocked", q.get(timeout=60))
+            say("where", q.get(timeout=60))
+            lock.release()
+            say("locked", q.get(timeout=60))
+            p.join(60)
+            say("child exitcode", p.exitcode, p.pid > 0)
+            n = mp.Process(target=starts_a_child, args=(q,))
+            n.start()
+            say("grandchild", q.get(timeout=60)[1])
+            say("grandchild exitcode", q.get(timeout=60)[1])
+            n.join(60)
+            say("nested exitcode", n.exitcode)
+            b = mp.Process(target=boom)
+            b.start()
+            b.join(60)
+            say("boom exitcode", b.exitcode)
+            for how in ("terminate", "kill"):
+                s = mp.Process(target=sleeper)
+                s.start()
+                say(how + " alive", s.is_alive())
+                getattr(s, how)()
+                s.join(60)
+                say(how + " exitcode", s.exitcode)
+        """
+    out, result = _on_lab(tmp_path, service, alice, program)
+    assert out["blocked"] == "('blocked', False)"
+    assert out["locked"] == "('locked', True)"
+    assert lab.proc is not None and str(lab.proc.pid) in out["where"]
+    assert out["child exitcode"] == "0 True"
+    # the child's output came through the store, before its join returned
+    assert out["child stdout"] == "a line"
+    assert result.stdout.index("child stdout") < result.stdout.index("child exitcode")
+    assert "child stderr line" in result.stderr
+    # children start children (through the service again), on the endpoint too
+    assert str(lab.proc.pid) in out["grandchild"]
+    assert out["grandchild exitcode"] == "0" and out["nested exitcode"] == "0"
+    # an uncaught exception: traceback on the parent's stderr, exitcode 1 (as the stdlib)
+    assert out["boom exitcode"] == "1"
+    assert "Traceback" in result.stderr and "KeyError: 'remote boom'" in result.stderr
+    assert out["terminate alive"] == "True" and out["terminate exitcode"] == "-15"
+    assert out["kill alive"] == "True" and out["kill exitcode"] == "-9"
+
+
+def test_store_is_per_user_and_never_the_admin(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    with service.client(service.token("bob")) as bob:
+        with pytest.raises(NotFound):  # bob cannot see alice's endpoint, nor get its store
+            bob.store(lab.endpoint_id)
+        alice.share_endpoint(lab.endpoint_id, ["bob"])
+        mine, theirs = alice.store("lab"), bob.store(lab.endpoint_id)
+    assert mine["online"] and mine["url"] != theirs["url"]
+    assert mine["url"].startswith("redis://nimbus-u-")  # an ACL user, not 'default'
+    key = Keys(f"{mine['key_prefix']}.p1").queue("q")
+    with (
+        redis.Redis.from_url(mine["url"]) as a,
+        redis.Redis.from_url(theirs["url"]) as b,
+    ):
+        a.rpush(key, b"secret")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            b.lrange(key, 0, -1)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            a.config_get("requirepass")
+        a.delete(key)
+
+
+def test_lost_endpoint_ends_its_processes_with_sigkill(
+    tmp_path: Path, service: Service, alice: Client
+) -> None:
+    flaky = EndpointProcess(service, alice, "flaky").start(alice)
+    script = tmp_path / "program.py"
+    script.write_text(
+        PRELUDE
+        + textwrap.dedent(
+            """
+            if __name__ == "__main__":
+                p = mp.Process(target=time.sleep, args=(300,))
+                p.start()
+                say("pid", p.pid)
+                p.join(120)
+                say("exitcode", p.exitcode)
+            """
+        )
+    )
+    with subprocess.Popen(
+        [sys.executable, str(script)],
+        env=_env(service, alice, "flaky"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        pid = int(proc.stdout.readline().split(": ")[1])
+        flaky.kill()  # the agent, its workers and (through them) the process
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert _lines(out)["exitcode"] == "-9"  # not a hang: the parent saw its worker go
+    assert "endpoint worker of process" in err and "was lost" in err
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_token_stays_home_on_a_shared_endpoint(
+    tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    program = """
+        def token(q):
+            q.put(os.environ.get("NIMBUS_TOKEN"))
+
+        if __name__ == "__main__":
+            q = mp.Queue()
+            mp.Process(target=token, args=(q,)).start()
+            say("token", q.get(timeout=60))
+        """
+    out, _ = _on_lab(tmp_path, service, alice, program)
+    assert out["token"] == alice.token  # alice's own endpoint: the environment as is
+    dave_token = service.token("dave")
+    alice.share_endpoint(lab.endpoint_id, ["dave"])
+    with service.client(dave_token) as dave:
+        env = _env(service, dave, lab.endpoint_id)
+        result = _run(tmp_path, env, program)
+    assert result.returncode == 0, result.stderr
+    assert _lines(result.stdout)["token"] == "None"
+
+
+def test_clear_errors(
+    tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    env = _env(service, alice)
+    with pytest.raises(NotFound, match="nimbus endpoints list"):
+        _remote.open_store(Settings.load(env | {"NIMBUS_ENDPOINT": "nosuch"}))
+    alice.register_endpoint("dark")  # registered, never started
+    with pytest.raises(ServiceUnavailable, match="nimbus endpoint start dark"):
+        _remote.open_store(Settings.load(env | {"NIMBUS_ENDPOINT": "dark"}))
+    no_login = {k: v for k, v in env.items() if k not in ("NIMBUS_SERVICE_URL", "NIMBUS_TOKEN")}
+    no_login["XDG_CONFIG_HOME"] = str(tmp_path / "nothing")
+    with pytest.raises(ConfigError, match=r"NIMBUS_ENDPOINT=lab .*`nimbus login"):
+        _remote.open_store(Settings.load(no_login))
+    closed = f"redis://u:p@127.0.0.1:{free_port()}/0"
+    with pytest.raises(StateStoreError, match="NIMBUS_STORE_LISTEN") as info:
+        _remote.probe(closed, "lab")
+    assert ":p@" not in str(info.value)  # the password is not printed
+    # what a user program sees: the error, not a hang
+    result = _run(
+        tmp_path, env | {"NIMBUS_ENDPOINT": "dark"}, "mp.Process(target=print).start()\n", 60
+    )
+    assert result.returncode == 1 and "endpoint 'dark' is offline" in result.stderr
+
+
+def test_service_that_cannot_listen_for_stores_says_so(tmp_path: Path) -> None:
+    # told to listen on an address that is not this machine's: 503, naming the setting
+    svc = Service(tmp_path, service_env(tmp_path, NIMBUS_STORE_LISTEN="192.0.2.1:0")).start()
+    try:
+        with svc.client(svc.token("carol")) as carol:
+            carol.register_endpoint("far")
+            with pytest.raises(ServiceError, match="NIMBUS_STORE_LISTEN") as info:
+                carol.store("far")
+        assert info.value.status == 503
+    finally:
+        svc.stop()
