@@ -2,13 +2,16 @@
 
 ``create_app(settings, redis_url)`` builds it; its lifespan opens the registry
 (``Settings.registry_url``) and the Redis of the task queues, and puts back in
-the queues the tasks that were in flight when the service last stopped. The
-OpenAPI spec is at ``GET /openapi.json``.
+the queues the tasks that were in flight when the service last stopped; it
+also sweeps the data store (``nimbus.service.data``, files in
+``<runtime_dir>/service/data``). The OpenAPI spec is at ``GET /openapi.json``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,8 +25,10 @@ import nimbus
 from nimbus.config import Settings
 from nimbus.errors import PayloadTooLargeError, ServiceError
 from nimbus.keys import Keys
+from nimbus.service import data as data_routes
 from nimbus.service import routes, tasks
 from nimbus.service.context import ServiceContext
+from nimbus.service.data import DataStore, too_large
 from nimbus.service.hub import Hub
 from nimbus.service.protocol import WS_AGENT, WS_CLIENT
 from nimbus.service.queues import TaskStore
@@ -33,6 +38,8 @@ from nimbus.service.ws import agent_socket, client_socket
 __all__ = ["SERVICE_ID", "create_app"]
 
 SERVICE_ID = "service"  # the Keys program id of the service's keys
+SWEEP_SECONDS = 30.0
+log = logging.getLogger(__name__)
 
 
 class BodyLimit:
@@ -46,13 +53,20 @@ class BodyLimit:
         if scope["type"] == "http":
             for name, value in scope["headers"]:
                 if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                    detail = (
-                        f"request body of {int(value)} bytes exceeds the limit of {self.limit} "
-                        f"bytes (NIMBUS_MAX_PAYLOAD on the service)"
-                    )
+                    detail = str(too_large("request body", int(value), self.limit))
                     await JSONResponse({"detail": detail}, 413)(scope, receive, send)
                     return
         await self.app(scope, receive, send)
+
+
+async def _sweep(data: DataStore) -> None:
+    """Remove data-store files no task refers to any more, now and every SWEEP_SECONDS."""
+    while True:
+        try:
+            await data.sweep()
+        except Exception:
+            log.exception("sweeping the data store failed")
+        await asyncio.sleep(SWEEP_SECONDS)
 
 
 def create_app(settings: Settings, redis_url: str) -> FastAPI:
@@ -60,12 +74,18 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry = await run_in_threadpool(Registry, settings.registry_url)
         client = aioredis.Redis.from_url(redis_url, driver_info=None)
-        store = TaskStore(client, Keys(SERVICE_ID), result_ttl=settings.result_ttl)
+        keys = Keys(SERVICE_ID)
+        store = TaskStore(client, keys, result_ttl=settings.result_ttl)
+        data = DataStore(client, keys, settings.service_dir / "data", limit=settings.max_payload)
         await store.requeue_all()
-        app.state.ctx = ServiceContext(settings, registry, store, Hub())
+        app.state.ctx = ServiceContext(settings, registry, store, Hub(), data)
+        sweeper = asyncio.create_task(_sweep(data))
         try:
             yield
         finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
             await client.aclose()
             registry.close()
 
@@ -77,6 +97,7 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
     )
     app.include_router(routes.router)
     app.include_router(tasks.router)
+    app.include_router(data_routes.router)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
 
@@ -19,6 +20,9 @@ from nimbus.errors import AuthError, NotFound, ServiceError
 from nimbus.service.hub import Hub
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import EndpointInfo, FunctionInfo, Principal, Registry, hash_token
+
+if TYPE_CHECKING:
+    from nimbus.service.data import DataStore  # its routes need this module
 
 __all__ = ["ServiceContext"]
 
@@ -32,6 +36,7 @@ class ServiceContext:
     registry: Registry
     store: TaskStore
     hub: Hub
+    data: DataStore
 
     def __post_init__(self) -> None:
         self._principals: dict[str, tuple[Principal | None, float]] = {}

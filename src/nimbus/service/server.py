@@ -16,6 +16,7 @@ import uvicorn
 
 from nimbus import _loop
 from nimbus.config import Settings
+from nimbus.service.protocol import MESSAGE_BYTES
 from nimbus.statestore import StateStore
 
 __all__ = ["serve"]
@@ -36,7 +37,7 @@ def serve(
             host=host,
             port=port,
             log_level="warning",
-            ws_max_size=max(16 << 20, min(settings.max_payload * 2, 1 << 31)),
+            ws_max_size=4 * MESSAGE_BYTES,  # larger payloads go through the data store
             ws_ping_interval=None,
             ws_per_message_deflate=False,  # payloads are pickles: compressing costs, gains little
             lifespan="on",

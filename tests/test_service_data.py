@@ -1,0 +1,179 @@
+"""Large payloads through the service's data store, on a real service and endpoint."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nimbus import Client, Executor
+from nimbus.config import Settings
+from nimbus.errors import NotFound, PayloadTooLargeError
+from nimbus.service.protocol import PYTHON, SERIALIZER, pack_payload
+from service_support import EndpointProcess, Service, service_env
+
+LIMIT = 48 << 20
+BIG = 24 << 20
+
+
+def flip(blob: bytes) -> bytes:
+    return blob[::-1]
+
+
+def make(n: int) -> bytes:
+    return b"r" * n
+
+
+@pytest.fixture(scope="module")
+def big_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    root = tmp_path_factory.mktemp("data-service")
+    service = Service(root, service_env(root, NIMBUS_MAX_PAYLOAD=str(LIMIT))).start()
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def alice(big_service: Service) -> Iterator[Client]:
+    with big_service.client(big_service.token("alice")) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def lab(big_service: Service, alice: Client) -> Iterator[EndpointProcess]:
+    endpoint = EndpointProcess(big_service, alice, "big-lab").start(alice)
+    yield endpoint
+    endpoint.stop()
+
+
+def _data_dir(service: Service) -> Path:
+    return Path(service.env["NIMBUS_RUNTIME_DIR"]) / "service" / "data"
+
+
+def _files(service: Service) -> set[str]:
+    return set(os.listdir(_data_dir(service)))
+
+
+def _executor(service: Service, client: Client) -> Executor:
+    # the client's own limit is higher: the service's limit is the one that refuses
+    env = service.env | {
+        "NIMBUS_SERVICE_URL": service.url,
+        "NIMBUS_TOKEN": client.token,
+        "NIMBUS_MAX_PAYLOAD": "1G",
+    }
+    return Executor(endpoint="big-lab", settings=Settings.load(env))
+
+
+def test_large_argument_and_result_round_trip(
+    big_service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    blob = os.urandom(1 << 20) * (BIG >> 20)
+    before = _files(big_service)
+    with _executor(big_service, alice) as ex:
+        assert ex.submit(flip, blob).result(120) == blob[::-1]
+        assert ex.submit(flip, b"small").result(60) == b"llams"
+    after = _files(big_service) - before
+    assert len(after) == 1, after  # the result's blob; the argument's went with its task
+    # the same through Client.run and the REST long-poll
+    task_id = alice.run(flip, blob, endpoint="big-lab")
+    assert alice.get_result(task_id, timeout=120) == blob[::-1]
+    with big_service.http(alice.token) as http:
+        raw = http.get(f"/v1/tasks/{task_id}/result").json()
+    assert raw["state"] == "success"
+
+
+def test_over_the_limit_is_refused_naming_it_and_nothing_is_kept(
+    big_service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    before = _files(big_service)
+    too_big = b"x" * (LIMIT + 1)
+    with _executor(big_service, alice) as ex:
+        future = ex.submit(flip, too_big)
+        with pytest.raises(PayloadTooLargeError, match=f"limit of {LIMIT} bytes") as info:
+            future.result(60)
+        assert "NIMBUS_MAX_PAYLOAD" in str(info.value)
+        result = ex.submit(make, LIMIT + 1)  # a result over the limit fails its task
+        with pytest.raises(PayloadTooLargeError, match=f"limit of {LIMIT} bytes"):
+            result.result(120)
+    with pytest.raises(PayloadTooLargeError, match=f"limit of {LIMIT} bytes"):
+        alice.run(flip, too_big, endpoint="big-lab")
+    with big_service.http(alice.token) as http:
+        declared = http.put("/v1/data", content=too_big)
+        assert declared.status_code == 413
+        assert f"limit of {LIMIT} bytes" in declared.json()["detail"]
+        streamed = http.put("/v1/data", content=iter([b"y" * (1 << 20)] * ((LIMIT >> 20) + 1)))
+        assert streamed.status_code == 413  # no Content-Length: cut off once over the limit
+        assert f"limit of {LIMIT} bytes" in streamed.json()["detail"]
+    assert _files(big_service) == before  # no blob, no partial file
+
+
+def test_blobs_are_private_to_their_owner_and_their_endpoint(
+    big_service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    with (
+        big_service.http(alice.token) as a,
+        big_service.http(big_service.token("bob")) as b,
+        big_service.http(lab.token) as agent,
+    ):
+        data_id = a.put("/v1/data", content=b"alice's secret").json()["data_id"]
+        assert a.get(f"/v1/data/{data_id}").content == b"alice's secret"
+        assert b.get(f"/v1/data/{data_id}").status_code == 404
+        assert agent.get(f"/v1/data/{data_id}").status_code == 404  # not given to it
+        assert a.get("/v1/data/..%2F..%2Fregistry.sqlite3").status_code == 404
+        assert a.get("/v1/data/0123").status_code == 404
+        bob_ep = b.post("/v1/endpoints", json={"name": "bobs"}).json()["endpoint_id"]
+        fn = b.post(
+            "/v1/functions",
+            json={"function": "eA==", "name": "f", "python": PYTHON, "serializer": SERIALIZER},
+        ).json()["function_id"]
+        stolen = {"endpoint_id": bob_ep, "tasks": [{"function_id": fn, "data": data_id}]}
+        assert b.post("/v1/tasks", json=stolen).status_code == 404
+        both = {"function_id": fn, "data": data_id, "payload": "eA=="}
+        refused = b.post("/v1/tasks", json={"endpoint_id": bob_ep, "tasks": [both]})
+        assert refused.status_code == 422 and "not both" in refused.json()["detail"]
+        # an endpoint's token stores only results of tasks in flight on it
+        no_task = agent.put("/v1/data", content=b"r")
+        assert no_task.status_code == 422 and "task_id" in no_task.json()["detail"]
+        other = agent.put("/v1/data", params={"task_id": "nope"}, content=b"r")
+        assert other.status_code == 404
+        assert a.put("/v1/data", params={"task_id": "x"}, content=b"r").status_code == 422
+    # a blob serves one task: a second reference to it is refused
+    fn_id = alice.register_function(flip)
+    blob = pack_payload(*_pickled((b"abc",)))
+    used = alice.upload(blob)
+    with big_service.http(alice.token) as a:
+        task = {"function_id": fn_id, "data": used}
+        first = a.post("/v1/tasks", json={"endpoint_id": lab.endpoint_id, "tasks": [task]})
+        assert first.status_code == 201, first.text
+        again = a.post("/v1/tasks", json={"endpoint_id": lab.endpoint_id, "tasks": [task]})
+        assert again.status_code in (404, 409), again.text  # 404 once its task has run
+    [task_id] = first.json()["task_ids"]
+    assert alice.get_result(task_id, timeout=60) == b"cba"
+    with pytest.raises(NotFound):
+        alice.download(used)  # dropped with its task
+
+
+def test_result_blob_is_the_owners_only(
+    big_service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    task_id = alice.run(make, 3 << 20, endpoint="big-lab")
+    assert alice.get_result(task_id, timeout=60) == b"r" * (3 << 20)
+    with big_service.http(alice.token) as a:
+        stored = a.get(f"/v1/tasks/{task_id}/result", headers={"Accept": "application/msgpack"})
+    from nimbus.service.protocol import data_ref, unpack
+
+    ref = data_ref(unpack(unpack(stored.content)["result"]))
+    assert ref is not None, "a 3 MiB result should be in the data store"
+    with big_service.http(big_service.token("mallory")) as m:
+        assert m.get(f"/v1/data/{ref}").status_code == 404
+    with httpx.Client(base_url=big_service.url) as anonymous:
+        assert anonymous.get(f"/v1/data/{ref}").status_code == 401
+
+
+def _pickled(args: tuple[object, ...]) -> tuple[bytes, list[object]]:
+    from nimbus import serialization
+
+    data, buffers = serialization.dumps((args, {}))
+    return data, list(buffers)
