@@ -10,7 +10,9 @@
 It connects out only (``ws(s)://<service>/v1/ws/endpoint`` with the endpoint's
 token) and reconnects with exponential backoff. A result is kept until the
 service acknowledges it, and sent again after a reconnect; a task sent again
-while this agent still runs it is not started twice. Run it with
+while this agent still runs it is not started twice. Arguments in the
+service's data store are fetched before their task starts; a result larger
+than the service's inline limit is stored there and sent as a reference. Run it with
 ``nimbus endpoint start NAME`` or ``python -m nimbus.endpoint.agent NAME``.
 """
 

@@ -50,6 +50,7 @@ __all__ = [
     "pack_payload",
     "pack_result",
     "payload_size",
+    "slices",
     "unpack",
     "unpack_payload",
     "unpack_result",
@@ -122,3 +123,10 @@ def batches(
         total += n
     if out:
         yield out
+
+
+def slices(blob: bytes, size: int = 1 << 20) -> Iterator[memoryview]:
+    """``blob`` in views of ``size`` bytes (no copies), for streaming it out."""
+    view = memoryview(blob)
+    for start in range(0, len(view), size):
+        yield view[start : start + size]
