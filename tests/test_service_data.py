@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -177,3 +177,42 @@ def _pickled(args: tuple[object, ...]) -> tuple[bytes, list[object]]:
 
     data, buffers = serialization.dumps((args, {}))
     return data, list(buffers)
+
+
+def test_sweep_removes_what_no_task_refers_to(tmp_path: Path) -> None:
+    """The data store on a real (embedded) Redis: expired blobs and stale uploads go."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from nimbus.keys import Keys
+    from nimbus.service.data import DataStore
+    from nimbus.statestore import StateStore
+
+    async def chunks(*parts: bytes) -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+
+    async def scenario(url: str) -> None:
+        client = aioredis.Redis.from_url(url)
+        keys = Keys("sweep")
+        data = DataStore(client, keys, tmp_path / "data", limit=10)
+        try:
+            kept, size = await data.receive(chunks(b"abc", b"de"), owner="u")
+            assert size == 5 and data.path(kept).read_bytes() == b"abcde"
+            expired, _ = await data.receive(chunks(b"x"), owner="u")
+            with pytest.raises(PayloadTooLargeError, match="limit of 10 bytes"):
+                await data.receive(chunks(b"123456", b"789012"), owner="u")
+            await client.delete(keys.data(expired))  # as when its task's result expires
+            stale = data.root / ".0123.part"
+            stale.write_bytes(b"left by a killed service")
+            os.utime(stale, (0, 0))
+            fresh = data.root / ".4567.part"  # an upload under way
+            fresh.write_bytes(b"")
+            assert await data.sweep() == 2
+            assert sorted(os.listdir(data.root)) == [".4567.part", kept]
+        finally:
+            await client.aclose()
+
+    with StateStore.open(None, tmp_path / "redis") as store:
+        asyncio.run(scenario(store.url))
