@@ -6,8 +6,9 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from service_support import CLI, Service
+from service_support import CLI, Service, service_env
 
 
 def nimbus(service: Service, *args: str, timeout: float = 60) -> str:
@@ -62,3 +63,18 @@ def test_bad_token_login_fails_cleanly(service: Service) -> None:
     )
     assert proc.returncode == 1
     assert "invalid token" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_persist_is_for_the_embedded_redis_only(tmp_path: Path) -> None:
+    env = service_env(tmp_path, NIMBUS_REDIS_URL="redis://127.0.0.1:1")
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI, "service", "start", "--port", "0", "--persist"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "--persist" in proc.stderr and "NIMBUS_REDIS_URL" in proc.stderr
+    assert "Traceback" not in proc.stderr

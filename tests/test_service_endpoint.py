@@ -290,3 +290,32 @@ def test_running_state_is_visible(alice: Client, lab: EndpointProcess) -> None:
     assert task_id in [t["task_id"] for t in alice.list_tasks("running")]
     assert alice.get_result(task_id, timeout=30) == 1.5
     assert alice.get_task(task_id)["state"] == "success"
+
+
+def test_sigterm_answers_long_polls_instead_of_waiting_for_them(tmp_path: Path) -> None:
+    """uvicorn's graceful shutdown waits for requests under way: a long-poll is told to
+    answer at once (the task is not done yet), not cut off with a 500 after a while."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path / "svc"
+    root.mkdir()
+    service = Service(root, service_env(root)).start()
+    try:
+        with service.client(service.token("gail")) as client:
+            client.register_endpoint("nobody-home")  # never started: its task waits
+            task_id = client.run(square, 2, endpoint="nobody-home")
+            with service.http(client.token) as http, ThreadPoolExecutor(1) as pool:
+                poll = pool.submit(http.get, f"/v1/tasks/{task_id}/result", params={"wait": 120})
+                time.sleep(1.0)  # the long-poll is waiting on the service
+                assert service.proc is not None
+                service.proc.send_signal(signal.SIGTERM)
+                response = poll.result(60)
+        assert response.status_code == 200, response.text
+        assert response.json() == {
+            "task_id": task_id,
+            "state": "waiting-for-endpoint",
+            "result": None,
+        }
+        assert service.proc.wait(60) == -signal.SIGTERM  # a graceful exit, re-raising it
+    finally:
+        service.stop()

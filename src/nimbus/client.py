@@ -58,6 +58,8 @@ from nimbus.service.protocol import (
 
 __all__ = ["Client", "credentials_file", "decode_result", "error_for", "save_credentials"]
 
+RECONNECT_SECONDS = 60.0  # get_result waits this long for a service that went away
+
 
 def credentials_file() -> Path:
     return config_dir() / "credentials.json"
@@ -329,15 +331,25 @@ class Client:
     def get_result(self, task_id: str, timeout: float | None = None) -> Any:
         """Wait for the task and return its value (or raise its exception)."""
         end = None if timeout is None else time.monotonic() + timeout
+        lost: float | None = None  # since when the service cannot be reached
         while True:
             wait = 60.0 if end is None else max(0.0, min(60.0, end - time.monotonic()))
-            response = self.request(
-                "GET",
-                f"/v1/tasks/{task_id}/result",
-                params={"wait": wait},
-                headers={"Accept": MSGPACK},
-                timeout=wait + 30,
-            )
+            try:
+                response = self.request(
+                    "GET",
+                    f"/v1/tasks/{task_id}/result",
+                    params={"wait": wait},
+                    headers={"Accept": MSGPACK},
+                    timeout=wait + 30,
+                )
+            except ServiceUnavailable:  # restarting, perhaps: the task waits there
+                now = time.monotonic()
+                lost = now if lost is None else lost
+                if now - lost > RECONNECT_SECONDS or (end is not None and now >= end):
+                    raise
+                time.sleep(0.2)
+                continue
+            lost = None
             body = unpack(response.content)
             if body["result"] is not None:
                 return decode_result(body["result"], self.download)

@@ -35,6 +35,11 @@ def service_setup(parser: argparse.ArgumentParser) -> None:
     start.add_argument("--host", default="127.0.0.1", help="address to listen on")
     start.add_argument("--port", type=int, default=8420, help="port (0: any free port)")
     start.add_argument("--url-file", type=Path, help="write the URL here once listening")
+    start.add_argument(
+        "--persist",
+        action="store_true",
+        help="keep the embedded Redis (queues, results) on disk in <runtime_dir>/service/redis",
+    )
     token = sub.add_parser("token", help="manage user tokens (admin, on the service's machine)")
     token_sub = token.add_subparsers(dest="token_action", metavar="ACTION", required=True)
     create = token_sub.add_parser("create", help="create a user (if new) and print a new token")
@@ -47,7 +52,7 @@ def service_run(args: argparse.Namespace) -> int:
     if args.action == "start":
         from nimbus.service.server import serve
 
-        serve(settings, args.host, args.port, args.url_file)
+        serve(settings, args.host, args.port, args.url_file, persist=args.persist)
         return 0
     from nimbus.service.registry import Registry
 

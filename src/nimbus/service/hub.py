@@ -44,6 +44,15 @@ class Hub:
         self.waiters: dict[str, list[asyncio.Future[None]]] = defaultdict(list)
         self.beats: dict[str, float] = {}  # endpoint id -> time of its last heartbeat
         self._wakeups: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.closing = False
+
+    def close(self) -> None:
+        """The service stops: every long-poll answers now with what it has."""
+        self.closing = True
+        for waiting in self.waiters.values():
+            for future in waiting:
+                if not future.done():
+                    future.set_result(None)
 
     def wakeup(self, endpoint_id: str) -> asyncio.Event:
         return self._wakeups[endpoint_id]
@@ -74,6 +83,8 @@ class Hub:
         self, task_id: str, timeout: float, done: Callable[[], Awaitable[bool]]
     ) -> None:
         """Wait until ``task_id`` finishes (``done()`` is asked once the wait is registered)."""
+        if self.closing:
+            return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiters[task_id].append(future)
         try:
