@@ -32,7 +32,13 @@ from nimbus import _loop, serialization
 from nimbus.backends import DispatchCallback, ResultCallback
 from nimbus.client import Client, error_for
 from nimbus.config import Settings
-from nimbus.errors import ConfigError, NimbusError, ServiceUnavailable, VersionMismatchError
+from nimbus.errors import (
+    AuthError,
+    ConfigError,
+    NimbusError,
+    ServiceUnavailable,
+    VersionMismatchError,
+)
 from nimbus.records import TaskRecord
 from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task
@@ -120,6 +126,7 @@ class ServiceBackend:
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._connected = threading.Event()
         self._error: BaseException | None = None
+        self._refused: AuthError | None = None  # the token was refused after connecting
         self._thread = threading.Thread(target=self._run, name="nimbus-service", daemon=True)
         self._thread.start()
         if not self._connected.wait(CONNECT_TIMEOUT):
@@ -199,17 +206,40 @@ class ServiceBackend:
                     open_timeout=10,
                 ) as ws:
                     backoff = 0.05
+                    self._refused = None
                     await self._resume(ws)
                     self._connected.set()
                     await self._session(ws)
             except websockets.InvalidStatus as exc:
-                self._error = error_for(exc.response.status_code, "the service refused the token")
+                status = exc.response.status_code
+                self._error = error_for(status, "the service refused the token")
+                if status in (401, 403) and self._connected.is_set():  # revoked since
+                    self._refused = AuthError(
+                        f"the service at {base} no longer accepts this token (HTTP {status}): "
+                        f"it was revoked; ask the service admin for a new one",
+                        status,
+                    )
+                    self._fail_all(self._refused)
             except (OSError, websockets.WebSocketException, TimeoutError) as exc:
                 self._error = exc
             if self._closing:
                 break
             await asyncio.sleep(backoff)
             backoff = min(2.0, backoff * 2)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every task waiting for the service (which refuses this client now)."""
+        tasks = list(self._by_id.values())
+        for batch in self._unaccepted.values():
+            tasks.extend(batch)
+        self._by_id.clear()
+        self._unaccepted.clear()
+        self._early.clear()
+        self._packed.clear()
+        data = serialization.dumps_exception(error, "")
+        for task in tasks:
+            task.status, task.data = Status.ERROR, data
+        self._deliver(tasks)
 
     async def _resume(self, ws: ClientConnection) -> None:
         """After a (re)connect: ask for results still owed, resend unacknowledged batches."""
@@ -273,6 +303,9 @@ class ServiceBackend:
                 self._packed.pop(task, None)
                 self._failed.pop(task, None)
             batch = kept
+        if self._refused is not None:  # the service refuses our token: fail, do not queue
+            for task in batch:
+                self._failed.setdefault(task, self._refused)
         failed = {task for task in batch if task in self._failed}
         if failed:
             for task in failed:

@@ -46,6 +46,7 @@ from nimbus.service.protocol import (
     INLINE_MIN,
     LIMITS,
     PYTHON,
+    REVOKED,
     SERIALIZER,
     WS_AGENT,
     data_ref,
@@ -155,6 +156,14 @@ class EndpointAgent:
                             status,
                         ) from None
                     log.warning("service answered HTTP %s; retrying", status)
+                except websockets.ConnectionClosed as exc:
+                    if exc.rcvd is not None and exc.rcvd.code == REVOKED:
+                        raise AuthError(
+                            f"the service closed this endpoint's connection: {exc.rcvd.reason}; "
+                            f"or run `nimbus endpoint configure {self.name}` for a new token",
+                            401,
+                        ) from None
+                    log.info("connection to %s lost (%s); retrying", self.url, exc)
                 except (OSError, websockets.WebSocketException, TimeoutError) as exc:
                     log.info(
                         "connection to %s lost (%s); retrying in %.1fs", self.url, exc, backoff

@@ -4,7 +4,8 @@
 (``Settings.registry_url``) and the Redis of the task queues, and puts back in
 the queues the tasks that were in flight when the service last stopped; it
 also sweeps the data store (``nimbus.service.data``, files in
-``<runtime_dir>/service/data``). The OpenAPI spec is at ``GET /openapi.json``.
+``<runtime_dir>/service/data``) and, every second, looks for tokens revoked in
+the registry: they stop working at once and their WebSockets are closed. The OpenAPI spec is at ``GET /openapi.json``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -39,6 +41,8 @@ __all__ = ["SERVICE_ID", "create_app"]
 
 SERVICE_ID = "service"  # the Keys program id of the service's keys
 SWEEP_SECONDS = 30.0
+REVOCATION_POLL = 1.0  # seconds between looks for revoked tokens in the registry
+REVOCATION_SLACK = 5.0
 log = logging.getLogger(__name__)
 
 
@@ -59,14 +63,32 @@ class BodyLimit:
         await self.app(scope, receive, send)
 
 
-async def _sweep(data: DataStore) -> None:
-    """Remove data-store files no task refers to any more, now and every SWEEP_SECONDS."""
+async def _every(seconds: float, job: Callable[[], Awaitable[object]], what: str) -> None:
+    """Run ``job`` now and every ``seconds`` until cancelled (a failure is logged)."""
     while True:
         try:
-            await data.sweep()
+            await job()
         except Exception:
-            log.exception("sweeping the data store failed")
-        await asyncio.sleep(SWEEP_SECONDS)
+            log.exception("%s failed", what)
+        await asyncio.sleep(seconds)
+
+
+class _Revocations:
+    """Tokens revoked by `nimbus service token revoke` (another process) take effect here."""
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self.since = time.time() - REVOCATION_SLACK
+        self.seen: set[str] = set()
+
+    async def __call__(self) -> None:
+        rows = await run_in_threadpool(self.ctx.registry.revoked_since, self.since)
+        new = {digest for digest, _ in rows} - self.seen
+        if new:
+            self.seen |= new
+            await self.ctx.revoked(new)
+        # a clock's worth of slack: a revocation committed just now may bear an older time
+        self.since = max([self.since, *(when - REVOCATION_SLACK for _, when in rows)])
 
 
 def create_app(settings: Settings, redis_url: str) -> FastAPI:
@@ -78,14 +100,17 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         store = TaskStore(client, keys, result_ttl=settings.result_ttl)
         data = DataStore(client, keys, settings.service_dir / "data", limit=settings.max_payload)
         await store.requeue_all()
-        app.state.ctx = ServiceContext(settings, registry, store, Hub(), data)
-        sweeper = asyncio.create_task(_sweep(data))
+        ctx = app.state.ctx = ServiceContext(settings, registry, store, Hub(), data)
+        jobs = [
+            asyncio.create_task(_every(SWEEP_SECONDS, data.sweep, "sweeping the data store")),
+            asyncio.create_task(_every(REVOCATION_POLL, _Revocations(ctx), "revoking tokens")),
+        ]
         try:
             yield
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
             await client.aclose()
             registry.close()
 

@@ -64,6 +64,12 @@ class ServiceContext:
             raise AuthError("invalid token: ask the service admin for one", 401)
         return cached[0]
 
+    async def revoked(self, digests: set[str]) -> None:
+        """Tokens were revoked: forget them and close the connections made with them."""
+        for digest in digests:
+            self._principals.pop(digest, None)
+        await self.hub.revoked(digests)
+
     async def user(self, token: str | None) -> Principal:
         """A user's principal; an endpoint's credential is refused (403)."""
         principal = await self.principal(token)

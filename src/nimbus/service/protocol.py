@@ -43,6 +43,7 @@ __all__ = [
     "INLINE_MIN",
     "MESSAGE_BYTES",
     "PYTHON",
+    "REVOKED",
     "SERIALIZER",
     "batches",
     "data_ref",
@@ -64,6 +65,7 @@ WS_CLIENT = API + "/ws/client"
 DATA = API + "/data"
 LIMITS = API + "/limits"
 MSGPACK = "application/msgpack"
+REVOKED = 4401  # WebSocket close code: the connection's token was revoked
 MESSAGE_BYTES = 8 << 20  # payload bytes per WebSocket message (one larger row goes alone)
 
 

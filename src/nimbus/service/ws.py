@@ -22,6 +22,7 @@ from nimbus.errors import NimbusError, PayloadTooLargeError, ServiceError
 from nimbus.service.context import ServiceContext
 from nimbus.service.hub import Peer
 from nimbus.service.protocol import batches, data_ref, pack, unpack
+from nimbus.service.registry import hash_token
 from nimbus.service.tasks import cancel_tasks, submit_tasks, wire_row
 
 __all__ = ["agent_socket", "client_socket"]
@@ -44,8 +45,9 @@ async def _refuse(ws: WebSocket, exc: ServiceError) -> None:
 
 
 async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
+    token = bearer(ws.headers)
     try:
-        principal = await ctx.principal(bearer(ws.headers))
+        principal = await ctx.principal(token)
         if principal.endpoint_id is None:
             raise ServiceError("only an endpoint's own token may connect as its agent", 403)
     except ServiceError as exc:
@@ -58,7 +60,7 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     except WebSocketDisconnect:
         return
     conn_id = uuid.uuid4().hex
-    peer = Peer(conn_id, ws.send_bytes)
+    peer = Peer(conn_id, ws.send_bytes, digest=hash_token(token or ""), close=ws.close)
     window = max(1, int(hello.get("window", 1)))
     await ctx.store.set_status(
         endpoint_id,
@@ -156,13 +158,15 @@ async def _dispatch(
 
 
 async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
+    token = bearer(ws.headers)
     try:
-        user = await ctx.user(bearer(ws.headers))
+        user = await ctx.user(token)
     except ServiceError as exc:
         await _refuse(ws, exc)
         return
     await ws.accept()
-    peer = Peer(uuid.uuid4().hex, ws.send_bytes)
+    peer = Peer(uuid.uuid4().hex, ws.send_bytes, digest=hash_token(token or ""), close=ws.close)
+    ctx.hub.peers[peer.conn_id] = peer
     try:
         while True:
             msg = unpack(await ws.receive_bytes())
