@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -39,3 +40,20 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     svc = Service(root, service_env(root)).start()
     yield svc
     svc.stop()
+
+
+@pytest.fixture(scope="module")
+def alice(service: Any) -> Iterator[Any]:
+    """User alice's Client on the module's service."""
+    with service.client(service.token("alice")) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def lab(service: Any, alice: Any) -> Iterator[Any]:
+    """Endpoint "lab" of alice: a real agent process with 2 workers."""
+    from service_support import EndpointProcess
+
+    endpoint = EndpointProcess(service, alice, "lab").start(alice)
+    yield endpoint
+    endpoint.stop()

@@ -84,6 +84,12 @@ class Service:
     def settings(self) -> Settings:
         return Settings.load(self.env)
 
+    def user_settings(self, token: str, **env: str) -> Settings:
+        """A client's settings: this service's URL, ``token``, and ``env`` on top."""
+        return Settings.load(
+            self.env | {"NIMBUS_SERVICE_URL": self.url, "NIMBUS_TOKEN": token} | env
+        )
+
     def token(self, user: str) -> str:
         """What `nimbus service token create USER` prints (same registry database)."""
         registry = Registry(self.settings().registry_url)

@@ -132,7 +132,6 @@ def test_token_list_and_revoke_one_by_id(service: Service) -> None:
 
 def test_revoking_a_user_disconnects_their_agent_and_clients(service: Service) -> None:
     from nimbus import Executor
-    from nimbus.config import Settings
     from nimbus.errors import AuthError
     from service_support import EndpointProcess
 
@@ -140,8 +139,7 @@ def test_revoking_a_user_disconnects_their_agent_and_clients(service: Service) -
     with service.client(token) as client:
         endpoint = EndpointProcess(service, client, "rita-lab").start(client)
         try:
-            env = service.env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token}
-            with Executor(endpoint="rita-lab", settings=Settings.load(env)) as ex:
+            with Executor(endpoint="rita-lab", settings=service.user_settings(token)) as ex:
                 assert ex.submit(pow, 2, 5).result(30) == 32
                 waiting = ex.submit(time.sleep, 60)
                 out = nimbus(service, "service", "token", "revoke", "rita")

@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from nimbus import Client, Executor
-from nimbus.config import Settings
 from nimbus.errors import NotFound, PayloadTooLargeError
 from nimbus.service.protocol import PYTHON, SERIALIZER, pack_payload
 from service_support import EndpointProcess, Service, service_env
@@ -28,24 +27,12 @@ def make(n: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def big_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """This module's service takes payloads up to LIMIT (alice and lab use it)."""
     root = tmp_path_factory.mktemp("data-service")
-    service = Service(root, service_env(root, NIMBUS_MAX_PAYLOAD=str(LIMIT))).start()
-    yield service
-    service.stop()
-
-
-@pytest.fixture(scope="module")
-def alice(big_service: Service) -> Iterator[Client]:
-    with big_service.client(big_service.token("alice")) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def lab(big_service: Service, alice: Client) -> Iterator[EndpointProcess]:
-    endpoint = EndpointProcess(big_service, alice, "big-lab").start(alice)
-    yield endpoint
-    endpoint.stop()
+    big = Service(root, service_env(root, NIMBUS_MAX_PAYLOAD=str(LIMIT))).start()
+    yield big
+    big.stop()
 
 
 def _data_dir(service: Service) -> Path:
@@ -58,38 +45,35 @@ def _files(service: Service) -> set[str]:
 
 def _executor(service: Service, client: Client) -> Executor:
     # the client's own limit is higher: the service's limit is the one that refuses
-    env = service.env | {
-        "NIMBUS_SERVICE_URL": service.url,
-        "NIMBUS_TOKEN": client.token,
-        "NIMBUS_MAX_PAYLOAD": "1G",
-    }
-    return Executor(endpoint="big-lab", settings=Settings.load(env))
+    return Executor(
+        endpoint="lab", settings=service.user_settings(client.token, NIMBUS_MAX_PAYLOAD="1G")
+    )
 
 
 def test_large_argument_and_result_round_trip(
-    big_service: Service, alice: Client, lab: EndpointProcess
+    service: Service, alice: Client, lab: EndpointProcess
 ) -> None:
     blob = os.urandom(1 << 20) * (BIG >> 20)
-    before = _files(big_service)
-    with _executor(big_service, alice) as ex:
+    before = _files(service)
+    with _executor(service, alice) as ex:
         assert ex.submit(flip, blob).result(120) == blob[::-1]
         assert ex.submit(flip, b"small").result(60) == b"llams"
-    after = _files(big_service) - before
+    after = _files(service) - before
     assert len(after) == 1, after  # the result's blob; the argument's went with its task
     # the same through Client.run and the REST long-poll
-    task_id = alice.run(flip, blob, endpoint="big-lab")
+    task_id = alice.run(flip, blob, endpoint="lab")
     assert alice.get_result(task_id, timeout=120) == blob[::-1]
-    with big_service.http(alice.token) as http:
+    with service.http(alice.token) as http:
         raw = http.get(f"/v1/tasks/{task_id}/result").json()
     assert raw["state"] == "success"
 
 
 def test_over_the_limit_is_refused_naming_it_and_nothing_is_kept(
-    big_service: Service, alice: Client, lab: EndpointProcess
+    service: Service, alice: Client, lab: EndpointProcess
 ) -> None:
-    before = _files(big_service)
+    before = _files(service)
     too_big = b"x" * (LIMIT + 1)
-    with _executor(big_service, alice) as ex:
+    with _executor(service, alice) as ex:
         future = ex.submit(flip, too_big)
         with pytest.raises(PayloadTooLargeError, match=f"limit of {LIMIT} bytes") as info:
             future.result(60)
@@ -98,24 +82,24 @@ def test_over_the_limit_is_refused_naming_it_and_nothing_is_kept(
         with pytest.raises(PayloadTooLargeError, match=f"limit of {LIMIT} bytes"):
             result.result(120)
     with pytest.raises(PayloadTooLargeError, match=f"limit of {LIMIT} bytes"):
-        alice.run(flip, too_big, endpoint="big-lab")
-    with big_service.http(alice.token) as http:
+        alice.run(flip, too_big, endpoint="lab")
+    with service.http(alice.token) as http:
         declared = http.put("/v1/data", content=too_big)
         assert declared.status_code == 413
         assert f"limit of {LIMIT} bytes" in declared.json()["detail"]
         streamed = http.put("/v1/data", content=iter([b"y" * (1 << 20)] * ((LIMIT >> 20) + 1)))
         assert streamed.status_code == 413  # no Content-Length: cut off once over the limit
         assert f"limit of {LIMIT} bytes" in streamed.json()["detail"]
-    assert _files(big_service) == before  # no blob, no partial file
+    assert _files(service) == before  # no blob, no partial file
 
 
 def test_blobs_are_private_to_their_owner_and_their_endpoint(
-    big_service: Service, alice: Client, lab: EndpointProcess
+    service: Service, alice: Client, lab: EndpointProcess
 ) -> None:
     with (
-        big_service.http(alice.token) as a,
-        big_service.http(big_service.token("bob")) as b,
-        big_service.http(lab.token) as agent,
+        service.http(alice.token) as a,
+        service.http(service.token("bob")) as b,
+        service.http(lab.token) as agent,
     ):
         data_id = a.put("/v1/data", content=b"alice's secret").json()["data_id"]
         assert a.get(f"/v1/data/{data_id}").content == b"alice's secret"
@@ -143,7 +127,7 @@ def test_blobs_are_private_to_their_owner_and_their_endpoint(
     fn_id = alice.register_function(flip)
     blob = pack_payload(*_pickled((b"abc",)))
     used = alice.upload(blob)
-    with big_service.http(alice.token) as a:
+    with service.http(alice.token) as a:
         task = {"function_id": fn_id, "data": used}
         first = a.post("/v1/tasks", json={"endpoint_id": lab.endpoint_id, "tasks": [task]})
         assert first.status_code == 201, first.text
@@ -156,19 +140,19 @@ def test_blobs_are_private_to_their_owner_and_their_endpoint(
 
 
 def test_result_blob_is_the_owners_only(
-    big_service: Service, alice: Client, lab: EndpointProcess
+    service: Service, alice: Client, lab: EndpointProcess
 ) -> None:
-    task_id = alice.run(make, 3 << 20, endpoint="big-lab")
+    task_id = alice.run(make, 3 << 20, endpoint="lab")
     assert alice.get_result(task_id, timeout=60) == b"r" * (3 << 20)
-    with big_service.http(alice.token) as a:
+    with service.http(alice.token) as a:
         stored = a.get(f"/v1/tasks/{task_id}/result", headers={"Accept": "application/msgpack"})
     from nimbus.service.protocol import data_ref, unpack
 
     ref = data_ref(unpack(unpack(stored.content)["result"]))
     assert ref is not None, "a 3 MiB result should be in the data store"
-    with big_service.http(big_service.token("mallory")) as m:
+    with service.http(service.token("mallory")) as m:
         assert m.get(f"/v1/data/{ref}").status_code == 404
-    with httpx.Client(base_url=big_service.url) as anonymous:
+    with httpx.Client(base_url=service.url) as anonymous:
         assert anonymous.get(f"/v1/data/{ref}").status_code == 401
 
 

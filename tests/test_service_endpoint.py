@@ -6,7 +6,6 @@ import concurrent.futures as cf
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,23 +38,8 @@ def mark_and_nap(path: str, i: int, seconds: float) -> int:
     return i
 
 
-@pytest.fixture(scope="module")
-def alice(service: Service) -> Iterator[Client]:
-    with service.client(service.token("alice")) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def lab(service: Service, alice: Client) -> Iterator[EndpointProcess]:
-    endpoint = EndpointProcess(service, alice, "lab").start(alice)
-    yield endpoint
-    endpoint.stop()
-
-
 def _settings(service: Service, client: Client) -> Settings:
-    return Settings.load(
-        service.env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": client.token}
-    )
+    return service.user_settings(client.token)
 
 
 def test_client_run_and_result(alice: Client, lab: EndpointProcess) -> None:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from nimbus import Executor
-from nimbus.config import Settings
 from nimbus.statestore import StateStore
 from service_support import EndpointProcess, Postgres, Service, free_port, service_env
 
@@ -94,8 +93,7 @@ def test_service_killed_mid_run_restarts_from_postgres_and_its_persisted_redis(
         token = service.token("pg-phoenix")
         with service.client(token) as client:
             endpoint = EndpointProcess(service, client, "pg-phoenix").start(client)
-            url = {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token}
-            with Executor(endpoint="pg-phoenix", settings=Settings.load(env | url)) as ex:
+            with Executor(endpoint="pg-phoenix", settings=service.user_settings(token)) as ex:
                 futures = [ex.submit(mark_and_nap, str(runs), i, 0.2) for i in range(n)]
                 ids = client.batch_run(
                     mark_and_nap, [(str(runs), n + i, 0.2) for i in range(n)], endpoint="pg-phoenix"
