@@ -68,6 +68,17 @@ def test_large_argument_and_result_round_trip(
     assert raw["state"] == "success"
 
 
+def test_many_payloads_just_under_the_inline_limit(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """40 x 900 KiB inline each way: messages are cut (the service takes 32 MB at most)."""
+    blobs = [bytes([i]) * (900 << 10) for i in range(40)]
+    before = _files(service)
+    with _executor(service, alice) as ex:
+        assert list(ex.map(flip, blobs)) == [b[::-1] for b in blobs]
+    assert _files(service) == before  # all inline
+
+
 def test_over_the_limit_is_refused_naming_it_and_nothing_is_kept(
     service: Service, alice: Client, lab: EndpointProcess
 ) -> None:

@@ -49,6 +49,7 @@ from nimbus.service.protocol import (
     REVOKED,
     SERIALIZER,
     WS_AGENT,
+    batches,
     data_ref,
     pack,
     pack_result,
@@ -240,9 +241,9 @@ class EndpointAgent:
             if self._held:
                 await asyncio.sleep(COALESCE)  # more results are coming: let them join
             self._ready.clear()
-            while self._outbox:
-                rows, self._outbox = self._outbox[:SEND_CHUNK], self._outbox[SEND_CHUNK:]
-                await ws.send(pack({"op": "results", "results": rows}))
+            rows, self._outbox = self._outbox, []
+            for batch in batches(rows, _result_size, most=SEND_CHUNK):
+                await ws.send(pack({"op": "results", "results": batch}))
 
     async def _beater(self, ws: ClientConnection) -> None:
         while True:
@@ -427,6 +428,11 @@ class EndpointAgent:
         self._outbox.append(row)
         assert self._ready is not None
         self._ready.set()
+
+
+def _result_size(row: list[Any]) -> int:
+    result = row[2]
+    return 64 if isinstance(result, dict) else payload_size(result[1], result[2])
 
 
 def main(argv: list[str] | None = None) -> int:
