@@ -53,6 +53,7 @@ from nimbus.service.protocol import (
     pack_payload,
     payload_size,
     slices,
+    too_large,
     unpack,
 )
 
@@ -197,10 +198,7 @@ class Client:
         """Store ``blob`` in the service's data store; its data id."""
         limit = self.limits()["max_payload"]
         if len(blob) > limit:  # refused before a byte is sent
-            raise PayloadTooLargeError(
-                f"a payload of {len(blob)} bytes exceeds the limit of {limit} bytes "
-                f"(NIMBUS_MAX_PAYLOAD on the service)"
-            )
+            raise too_large("a payload", len(blob), limit)
         headers = {"Content-Type": "application/octet-stream", "Content-Length": str(len(blob))}
         content = slices(blob)  # one write per slice: httpcore copies what a send leaves
         return str(self._json("PUT", DATA, content=content, headers=headers)["data_id"])

@@ -36,7 +36,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from nimbus import _loop, serialization
 from nimbus.endpoint.config import EndpointConfig
-from nimbus.errors import AuthError, PayloadTooLargeError, RemoteError
+from nimbus.errors import AuthError, RemoteError
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.agent import Agent
 from nimbus.runtime.messages import Status
@@ -54,6 +54,7 @@ from nimbus.service.protocol import (
     pack,
     pack_result,
     payload_size,
+    too_large,
     unpack,
     unpack_payload,
 )
@@ -111,7 +112,7 @@ class EndpointAgent:
         self._fetching: set[str] = set()  # tasks whose arguments come from the data store
         self._jobs: set[asyncio.Task[None]] = set()  # data-store transfers under way
         self._http: httpx.AsyncClient | None = None
-        self._inline: int | None = None  # the service's inline_payload, asked once
+        self._limits: dict[str, int] | None = None  # the service's (GET /v1/limits), asked once
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Event | None = None
@@ -399,20 +400,21 @@ class EndpointAgent:
         backoff = 0.1
         while True:
             try:
-                if self._inline is None:
+                if self._limits is None:
                     limits = await self._http.get(LIMITS)
                     limits.raise_for_status()
-                    self._inline = int(limits.json()["inline_payload"])
-                if payload_size(data, buffers) <= self._inline:
+                    self._limits = {k: int(v) for k, v in limits.json().items()}
+                size = payload_size(data, buffers)
+                if size <= self._limits["inline_payload"]:
                     break
-                blob = pack_result(status, data, buffers)
-                response = await self._http.put(DATA, params={"task_id": task_id}, content=blob)
-                if response.status_code == 413:
-                    error = PayloadTooLargeError(
-                        f"the result of task {task_id}: {response.json()['detail']}"
+                if size > self._limits["max_payload"]:  # refused before a byte is sent
+                    error = too_large(
+                        f"the result of task {task_id}", size, self._limits["max_payload"]
                     )
                     row = self._failure(task_id, "", error, row[3])
                     break
+                blob = pack_result(status, data, buffers)
+                response = await self._http.put(DATA, params={"task_id": task_id}, content=blob)
                 if response.status_code == 404:  # done elsewhere or cancelled: not needed
                     self._held.pop(task_id, None)
                     return

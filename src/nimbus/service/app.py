@@ -30,9 +30,9 @@ from nimbus.keys import Keys
 from nimbus.service import data as data_routes
 from nimbus.service import routes, tasks
 from nimbus.service.context import ServiceContext
-from nimbus.service.data import DataStore, too_large
+from nimbus.service.data import DataStore
 from nimbus.service.hub import Hub
-from nimbus.service.protocol import WS_AGENT, WS_CLIENT
+from nimbus.service.protocol import WS_AGENT, WS_CLIENT, too_large
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import Registry
 from nimbus.service.ws import agent_socket, client_socket
@@ -130,7 +130,7 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         return JSONResponse({"detail": str(exc)}, exc.status or 500, headers=headers)
 
     @app.exception_handler(PayloadTooLargeError)
-    async def too_large(request: Request, exc: PayloadTooLargeError) -> JSONResponse:
+    async def payload_too_large(request: Request, exc: PayloadTooLargeError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, 413)
 
     @app.get("/v1/health", tags=["service"])

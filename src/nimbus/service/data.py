@@ -31,9 +31,10 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
-from nimbus.errors import NotFound, PayloadTooLargeError, ServiceError
+from nimbus.errors import NotFound, ServiceError
 from nimbus.keys import Keys
 from nimbus.service.deps import context, current_principal
+from nimbus.service.protocol import too_large
 from nimbus.service.registry import Principal
 
 __all__ = ["DataStore", "router", "too_large"]
@@ -42,13 +43,6 @@ UNCLAIMED_TTL = 3600  # seconds an uploaded blob waits for the task that uses it
 PART_TTL = 3600.0  # seconds after which an upload left unfinished is removed
 CHUNK = 1 << 20
 _ID = re.compile(r"^[0-9a-f]{32}$")
-
-
-def too_large(what: str, size: int, limit: int) -> PayloadTooLargeError:
-    return PayloadTooLargeError(
-        f"{what} of {size} bytes exceeds the limit of {limit} bytes "
-        f"(NIMBUS_MAX_PAYLOAD on the service)"
-    )
 
 
 class DataStore:

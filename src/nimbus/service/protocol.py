@@ -38,6 +38,7 @@ from typing import Any
 import msgpack
 
 from nimbus.config import INLINE_MIN
+from nimbus.errors import PayloadTooLargeError
 
 __all__ = [
     "INLINE_MIN",
@@ -52,6 +53,7 @@ __all__ = [
     "pack_result",
     "payload_size",
     "slices",
+    "too_large",
     "unpack",
     "unpack_payload",
     "unpack_result",
@@ -132,3 +134,11 @@ def slices(blob: bytes, size: int = 1 << 20) -> Iterator[memoryview]:
     view = memoryview(blob)
     for start in range(0, len(view), size):
         yield view[start : start + size]
+
+
+def too_large(what: str, size: int, limit: int) -> PayloadTooLargeError:
+    """The error of ``what`` (``size`` bytes) over the service's ``limit``, naming both."""
+    return PayloadTooLargeError(
+        f"{what} of {size} bytes exceeds the limit of {limit} bytes "
+        f"(NIMBUS_MAX_PAYLOAD on the service)"
+    )

@@ -19,9 +19,8 @@ from pydantic import Base64Bytes, BaseModel, Field
 from nimbus.errors import NotFound, ServiceError
 from nimbus.records import TaskRecord, TaskState
 from nimbus.service.context import ServiceContext
-from nimbus.service.data import too_large
 from nimbus.service.deps import context, current_user
-from nimbus.service.protocol import MSGPACK, data_ref, pack, unpack
+from nimbus.service.protocol import MSGPACK, data_ref, pack, too_large, unpack
 from nimbus.service.queues import CANCELLED_RESULT
 from nimbus.service.registry import Principal
 
