@@ -185,9 +185,13 @@ def test_agent_reconnects_after_service_restart(tmp_path: Path) -> None:
             assert client.get_result(client.run(square, 2, endpoint="phoenix"), timeout=30) == 4
             endpoint.stop()
             queued = client.batch_run(square, [(i,) for i in range(10)], endpoint="phoenix")
-            service.stop()
-            service.start()  # same port, same registry, same Redis
-            endpoint.start(client)
+            with cf.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(client.get_result, queued[3], 120)  # across the restart
+                time.sleep(0.5)
+                service.stop()
+                service.start()  # same port, same registry, same Redis
+                endpoint.start(client)
+                assert waiting.result(120) == 9
             assert [client.get_result(i, timeout=30) for i in queued] == [i * i for i in range(10)]
             service.stop()
             service.start()  # the running agent finds the service again by itself
@@ -279,8 +283,6 @@ def test_running_state_is_visible(alice: Client, lab: EndpointProcess) -> None:
 def test_sigterm_answers_long_polls_instead_of_waiting_for_them(tmp_path: Path) -> None:
     """uvicorn's graceful shutdown waits for requests under way: a long-poll is told to
     answer at once (the task is not done yet), not cut off with a 500 after a while."""
-    from concurrent.futures import ThreadPoolExecutor
-
     root = tmp_path / "svc"
     root.mkdir()
     service = Service(root, service_env(root)).start()
@@ -288,7 +290,7 @@ def test_sigterm_answers_long_polls_instead_of_waiting_for_them(tmp_path: Path) 
         with service.client(service.token("gail")) as client:
             client.register_endpoint("nobody-home")  # never started: its task waits
             task_id = client.run(square, 2, endpoint="nobody-home")
-            with service.http(client.token) as http, ThreadPoolExecutor(1) as pool:
+            with service.http(client.token) as http, cf.ThreadPoolExecutor(1) as pool:
                 poll = pool.submit(http.get, f"/v1/tasks/{task_id}/result", params={"wait": 120})
                 time.sleep(1.0)  # the long-poll is waiting on the service
                 assert service.proc is not None
