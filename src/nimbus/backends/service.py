@@ -373,7 +373,7 @@ class ServiceBackend:
                 for name, value in zip(_FIELDS, record):
                     if name not in _OURS:
                         setattr(mine, name, value)
-            # from storage (a watch after a reconnect) packed; as the agent sent it, not
+            # packed when it comes from storage (a watch after a reconnect), else as sent
             value = unpack(blob) if isinstance(blob, bytes) else blob
             ref = data_ref(value)
             if ref is not None:  # in the data store: fetched in a thread, then delivered

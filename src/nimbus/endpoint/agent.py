@@ -12,8 +12,8 @@ token) and reconnects with exponential backoff. A result is kept until the
 service acknowledges it, and sent again after a reconnect; a task sent again
 while this agent still runs it is not started twice. Arguments in the
 service's data store are fetched before their task starts; a result larger
-than the service's inline limit is stored there and sent as a reference. Run it with
-``nimbus endpoint start NAME`` or ``python -m nimbus.endpoint.agent NAME``.
+than the service's inline limit is stored there and sent as a reference. Run
+it with ``nimbus endpoint start NAME`` or ``python -m nimbus.endpoint.agent NAME``.
 """
 
 from __future__ import annotations
