@@ -7,6 +7,7 @@ agent in subprocesses, then measures from this process:
     throughput   no-op tasks through Executor(endpoint=...), tasks/s end to end
     mp_pool      nimbus.multiprocessing with NIMBUS_ENDPOINT: Pool(4) create + map of
                  64 no-ops on the endpoint, median, against the same on the local runtime
+    large        a 100 MB argument echoed back (both through the data store), median
     offline      tasks submitted while the endpoint is offline, then it starts:
                  all complete? service peak memory
     heartbeats   lightweight simulated agents heartbeating: service CPU, latency
@@ -48,10 +49,16 @@ def noop(*args: object) -> None:
     """Do nothing."""
 
 
+def echo(blob: bytes) -> bytes:
+    return blob
+
+
 @dataclass(frozen=True)
 class Sizes:
     roundtrip_calls: int = 1_000
     throughput_tasks: int = 20_000
+    large_bytes: int = 100 << 20
+    large_calls: int = 5
     offline_tasks: int = 100_000
     agents: int = 100
     heartbeat_seconds: float = 10.0
@@ -60,6 +67,8 @@ class Sizes:
 QUICK = Sizes(
     roundtrip_calls=100,
     throughput_tasks=2_000,
+    large_bytes=10 << 20,
+    large_calls=2,
     offline_tasks=2_000,
     agents=10,
     heartbeat_seconds=2.0,
@@ -281,6 +290,29 @@ def bench_mp_pool(stack: Stack, sizes: Sizes) -> Row:
     )
 
 
+def bench_large(stack: Stack, sizes: Sizes) -> Row:
+    from nimbus import Executor
+
+    n = sizes.large_bytes
+    blob = os.urandom(1 << 20) * (n >> 20)
+    times = []
+    with Executor(endpoint="bench", settings=stack.settings) as ex:
+        for _ in range(sizes.large_calls):
+            start = time.perf_counter()
+            assert ex.submit(echo, blob).result(600) == blob
+            times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    rate = 2 * n / median / 2**20  # up and back
+    return Row(
+        "large",
+        f"{n >> 20} MB argument echoed back, median of {sizes.large_calls}",
+        f"{median * 1000:.0f} ms ({rate:.0f} MB/s up and back)",
+        "report",
+        "PASS",
+        {"median_seconds": median, "mb_per_second": rate, "bytes": n},
+    )
+
+
 def bench_offline(stack: Stack, sizes: Sizes) -> Row:
     from nimbus import Executor
 
@@ -375,6 +407,7 @@ WORKLOADS = {
     "roundtrip": bench_roundtrip,
     "throughput": bench_throughput,
     "mp_pool": bench_mp_pool,
+    "large": bench_large,
     "offline": bench_offline,
     "heartbeats": bench_heartbeats,
 }

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -45,17 +46,20 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
 class Service:
     """``nimbus service start`` in a subprocess; ``env`` is shared with agents and clients."""
 
-    def __init__(self, root: Path, env: dict[str, str], port: int = 0) -> None:
+    def __init__(
+        self, root: Path, env: dict[str, str], port: int = 0, args: Sequence[str] = ()
+    ) -> None:
         self.root = root
         self.env = env
         self.port = port
+        self.args = list(args)  # more options of `nimbus service start`
         self.url = ""
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = root / "service.log"
 
     def command(self) -> list[str]:
         """The command line that starts the service."""
-        return [sys.executable, "-c", CLI, "service", "start", "--port", str(self.port)]
+        return [sys.executable, "-c", CLI, "service", "start", "--port", str(self.port), *self.args]
 
     def start(self) -> Service:
         url_file = self.root / "service.url"
@@ -79,6 +83,12 @@ class Service:
 
     def settings(self) -> Settings:
         return Settings.load(self.env)
+
+    def user_settings(self, token: str, **env: str) -> Settings:
+        """A client's settings: this service's URL, ``token``, and ``env`` on top."""
+        return Settings.load(
+            self.env | {"NIMBUS_SERVICE_URL": self.url, "NIMBUS_TOKEN": token} | env
+        )
 
     def token(self, user: str) -> str:
         """What `nimbus service token create USER` prints (same registry database)."""

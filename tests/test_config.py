@@ -64,6 +64,7 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "key_ttl",
         "runtime_dir",
         "max_payload",
+        "inline_payload",
         "storage_dir",
         "endpoint",
         "service_url",
@@ -150,6 +151,8 @@ BAD_ENV = [
     ("NIMBUS_MAX_PAYLOAD", "0"),
     ("NIMBUS_MAX_PAYLOAD", "12X"),
     ("NIMBUS_MAX_PAYLOAD", "-5M"),
+    ("NIMBUS_INLINE_PAYLOAD", "1K"),  # below 64K
+    ("NIMBUS_INLINE_PAYLOAD", "9M"),  # above 8M: a WebSocket message carries it
     ("NIMBUS_SERVICE_URL", "nimbus.example.org"),
     ("NIMBUS_SERVICE_URL", "ftp://example.org"),
     ("NIMBUS_LOG_LEVEL", "LOUD"),
@@ -184,6 +187,15 @@ def test_every_variable_has_a_bad_value() -> None:
     known = {Settings.env_var(name) for name in Settings.load({"HOME": "/nonexistent"}).describe()}
     # any name is a valid endpoint, any path a storage directory, any string a token
     assert known - tested == {"NIMBUS_ENDPOINT", "NIMBUS_STORAGE_DIR", "NIMBUS_TOKEN"}
+
+
+def test_inline_payload_range(env: dict[str, str]) -> None:
+    assert Settings.load(env).inline_payload == 1 << 20
+    env["NIMBUS_INLINE_PAYLOAD"] = "256K"
+    assert Settings.load(env).inline_payload == 256 << 10
+    env["NIMBUS_INLINE_PAYLOAD"] = "16M"
+    with pytest.raises(ConfigError, match="from 64K to 8M"):
+        Settings.load(env)
 
 
 def test_config_error_is_a_value_error(env: dict[str, str]) -> None:

@@ -36,6 +36,7 @@ def _all_keys(keys: Keys) -> list[str]:
         keys.endpoint_status("e"),
         keys.user_tasks("u"),
         keys.group("g"),
+        keys.data("d"),
     ]
 
 

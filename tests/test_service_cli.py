@@ -6,8 +6,11 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from service_support import CLI, Service
+import pytest
+
+from service_support import CLI, Service, service_env
 
 
 def nimbus(service: Service, *args: str, timeout: float = 60) -> str:
@@ -62,3 +65,108 @@ def test_bad_token_login_fails_cleanly(service: Service) -> None:
     )
     assert proc.returncode == 1
     assert "invalid token" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_persist_is_for_the_embedded_redis_only(tmp_path: Path) -> None:
+    env = service_env(tmp_path, NIMBUS_REDIS_URL="redis://127.0.0.1:1")
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI, "service", "start", "--port", "0", "--persist"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "--persist" in proc.stderr and "NIMBUS_REDIS_URL" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _cli(service: Service, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", CLI, *args],
+        env=service.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def _refused_soon(service: Service, token: str) -> bool:
+    """Whether ``token`` gets 401 within a few seconds (the service looks every second)."""
+    deadline = time.monotonic() + 10
+    with service.http(token) as http:
+        while time.monotonic() < deadline:
+            if http.get("/v1/whoami").status_code == 401:
+                return True
+            time.sleep(0.1)
+    return False
+
+
+def test_token_list_and_revoke_one_by_id(service: Service) -> None:
+    first = nimbus(service, "service", "token", "create", "quinn").strip()
+    second = nimbus(service, "service", "token", "create", "quinn").strip()
+    with service.client(first) as client:
+        client.register_endpoint("quinn-ep")
+    rows = json.loads(nimbus(service, "service", "token", "list", "--json"))
+    mine = [r for r in rows if r["user"] == "quinn"]
+    assert len(mine) == 3 and {r["endpoint"] for r in mine} == {"", "quinn-ep"}
+    table = nimbus(service, "service", "token", "list")
+    assert table.splitlines()[0].split() == ["ID", "USER", "ENDPOINT", "CREATED"]
+    assert all(r["id"] in table for r in mine)
+    assert first not in table and second not in table  # IDs only, never the tokens
+    with service.http(first) as http:
+        assert http.get("/v1/whoami").status_code == 200  # cached by the service now
+    from nimbus.service.registry import hash_token
+
+    target = hash_token(first)[:12]
+    out = nimbus(service, "service", "token", "revoke", target)
+    assert out.strip() == f"revoked token {target} (user quinn)"
+    assert _refused_soon(service, first)
+    with service.http(second) as http:
+        assert http.get("/v1/whoami").json()["name"] == "quinn"
+    listed = nimbus(service, "service", "token", "list")
+    assert target not in listed and hash_token(second)[:12] in listed
+
+
+def test_revoking_a_user_disconnects_their_agent_and_clients(service: Service) -> None:
+    from nimbus import Executor
+    from nimbus.errors import AuthError
+    from service_support import EndpointProcess
+
+    token = nimbus(service, "service", "token", "create", "rita").strip()
+    with service.client(token) as client:
+        endpoint = EndpointProcess(service, client, "rita-lab").start(client)
+        try:
+            with Executor(endpoint="rita-lab", settings=service.user_settings(token)) as ex:
+                assert ex.submit(pow, 2, 5).result(30) == 32
+                waiting = ex.submit(time.sleep, 60)
+                out = nimbus(service, "service", "token", "revoke", "rita")
+                assert "(user rita)" in out and "(endpoint rita-lab of rita)" in out
+                assert endpoint.proc is not None
+                assert endpoint.proc.wait(30) == 1  # the agent stops, saying why
+                log = endpoint.log.read_text()
+                assert "token revoked by the service admin" in log
+                assert "Traceback" not in log
+                with pytest.raises(AuthError, match="revoked"):
+                    waiting.result(30)
+                with pytest.raises(AuthError, match="revoked"):
+                    ex.submit(pow, 2, 6).result(30)  # fails at once, not queued
+            assert _refused_soon(service, token)
+        finally:
+            endpoint.stop()
+
+
+def test_token_revoke_bad_input(service: Service) -> None:
+    unknown = _cli(service, "service", "token", "revoke", "nobody-at-all")
+    assert unknown.returncode == 1
+    assert "no user named 'nobody-at-all'" in unknown.stderr
+    assert "nimbus service token list" in unknown.stderr and "Traceback" not in unknown.stderr
+    no_such_id = _cli(service, "service", "token", "revoke", "ffffff000000")
+    assert no_such_id.returncode == 1 and "no token with ID ffffff000000" in no_such_id.stderr
+    missing = _cli(service, "service", "token", "revoke")
+    assert missing.returncode == 2 and "NAME|ID" in missing.stderr
+    nimbus(service, "service", "token", "create", "sam")
+    assert nimbus(service, "service", "token", "revoke", "sam").startswith("revoked token")
+    assert nimbus(service, "service", "token", "revoke", "sam").strip() == "user sam has no tokens"

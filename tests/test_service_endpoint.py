@@ -39,9 +39,7 @@ def mark_and_nap(path: str, i: int, seconds: float) -> int:
 
 
 def _settings(service: Service, client: Client) -> Settings:
-    return Settings.load(
-        service.env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": client.token}
-    )
+    return service.user_settings(client.token)
 
 
 def test_client_run_and_result(alice: Client, lab: EndpointProcess) -> None:
@@ -187,9 +185,13 @@ def test_agent_reconnects_after_service_restart(tmp_path: Path) -> None:
             assert client.get_result(client.run(square, 2, endpoint="phoenix"), timeout=30) == 4
             endpoint.stop()
             queued = client.batch_run(square, [(i,) for i in range(10)], endpoint="phoenix")
-            service.stop()
-            service.start()  # same port, same registry, same Redis
-            endpoint.start(client)
+            with cf.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(client.get_result, queued[3], 120)  # across the restart
+                time.sleep(0.5)
+                service.stop()
+                service.start()  # same port, same registry, same Redis
+                endpoint.start(client)
+                assert waiting.result(120) == 9
             assert [client.get_result(i, timeout=30) for i in queued] == [i * i for i in range(10)]
             service.stop()
             service.start()  # the running agent finds the service again by itself
@@ -276,3 +278,30 @@ def test_running_state_is_visible(alice: Client, lab: EndpointProcess) -> None:
     assert task_id in [t["task_id"] for t in alice.list_tasks("running")]
     assert alice.get_result(task_id, timeout=30) == 1.5
     assert alice.get_task(task_id)["state"] == "success"
+
+
+def test_sigterm_answers_long_polls_instead_of_waiting_for_them(tmp_path: Path) -> None:
+    """uvicorn's graceful shutdown waits for requests under way: a long-poll is told to
+    answer at once (the task is not done yet), not cut off with a 500 after a while."""
+    root = tmp_path / "svc"
+    root.mkdir()
+    service = Service(root, service_env(root)).start()
+    try:
+        with service.client(service.token("gail")) as client:
+            client.register_endpoint("nobody-home")  # never started: its task waits
+            task_id = client.run(square, 2, endpoint="nobody-home")
+            with service.http(client.token) as http, cf.ThreadPoolExecutor(1) as pool:
+                poll = pool.submit(http.get, f"/v1/tasks/{task_id}/result", params={"wait": 120})
+                time.sleep(1.0)  # the long-poll is waiting on the service
+                assert service.proc is not None
+                service.proc.send_signal(signal.SIGTERM)
+                response = poll.result(60)
+        assert response.status_code == 200, response.text
+        assert response.json() == {
+            "task_id": task_id,
+            "state": "waiting-for-endpoint",
+            "result": None,
+        }
+        assert service.proc.wait(60) == -signal.SIGTERM  # a graceful exit, re-raising it
+    finally:
+        service.stop()

@@ -5,17 +5,27 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from nimbus import Executor
 from nimbus.statestore import StateStore
 from service_support import EndpointProcess, Postgres, Service, free_port, service_env
 
 
 def cube(x: int) -> int:
     return x**3
+
+
+def mark_and_nap(path: str, i: int, seconds: float) -> int:
+    """Record each run of task i and take a while."""
+    with open(path, "a") as out:
+        out.write(f"{i}\n")
+    time.sleep(seconds)
+    return i
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +75,44 @@ def test_registry_on_postgres_survives_service_restart(postgres: Postgres, tmp_p
             endpoint.stop()
         service.stop()
         store.close()
+
+
+def test_service_killed_mid_run_restarts_from_postgres_and_its_persisted_redis(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    """SIGKILL the service mid-batch; started again on the same data, every task of an
+    Executor and of a Client ends with exactly one result (agent and SDK reconnect)."""
+    root = tmp_path / "svc"
+    root.mkdir()
+    env = service_env(root, NIMBUS_DATABASE_URL=postgres.url)
+    service = Service(root, env, port=free_port(), args=["--persist"]).start()
+    runs = tmp_path / "runs.txt"
+    n = 16
+    endpoint = None
+    try:
+        token = service.token("pg-phoenix")
+        with service.client(token) as client:
+            endpoint = EndpointProcess(service, client, "pg-phoenix").start(client)
+            with Executor(endpoint="pg-phoenix", settings=service.user_settings(token)) as ex:
+                futures = [ex.submit(mark_and_nap, str(runs), i, 0.2) for i in range(n)]
+                ids = client.batch_run(
+                    mark_and_nap, [(str(runs), n + i, 0.2) for i in range(n)], endpoint="pg-phoenix"
+                )
+                deadline = time.monotonic() + 60
+                while not runs.exists() or len(runs.read_text().split()) < 6:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+                assert service.proc is not None
+                service.proc.kill()  # no shutdown at all: queues and results as they were
+                service.proc.wait()
+                service.start()  # same port and runtime dir: PostgreSQL and the Redis file
+                assert [f.result(120) for f in futures] == list(range(n))
+                assert [client.get_result(i, timeout=120) for i in ids] == [n + i for i in range(n)]
+            tasks = [client.get_task(i) for i in ids]
+            assert {t["state"] for t in tasks} == {"success"}
+        started = [int(line) for line in runs.read_text().split()]
+        assert set(started) == set(range(2 * n))
+    finally:
+        if endpoint is not None:
+            endpoint.stop()
+        service.stop()

@@ -54,13 +54,14 @@ def _gone(pid: int, within: float) -> bool:
 
 
 def _spawn_owner(
-    rt: Path, then: str = "time.sleep(60)"
+    rt: Path, then: str = "time.sleep(60)", persist_dir: Path | None = None
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """A real child Python that starts an embedded Redis in ``rt`` and prints its pids."""
+    disk = f"Path({str(persist_dir)!r})" if persist_dir else "None"
     code = (
         "import json, sys, time\nfrom pathlib import Path\n"
         "from nimbus.statestore import EmbeddedRedis\n"
-        f"e = EmbeddedRedis(Path({str(rt)!r})).start()\n"
+        f"e = EmbeddedRedis(Path({str(rt)!r}), persist_dir={disk}).start()\n"
         "print(json.dumps({'server': e.server_pid, 'watchdog': e._watchdog.pid,"
         " 'socket': str(e.socket_path)}), flush=True)\n" + then
     )
@@ -137,6 +138,23 @@ def test_server_dies_when_owner_is_sigkilled(rt: Path) -> None:
     assert _gone(pids["watchdog"], 3)
     EmbeddedRedis(rt).start().stop()  # the next start removes the dead owner's files
     assert list(rt.iterdir()) == []
+
+
+def test_persisted_server_keeps_its_writes_when_its_owner_is_sigkilled(rt: Path) -> None:
+    disk = rt / "disk"
+    child, pids = _spawn_owner(rt, persist_dir=disk)
+    with redis.Redis(unix_socket_path=pids["socket"]) as client:
+        client.set("k", "kept")  # written to the append-only file before the reply
+        assert client.config_get("appendfsync")["appendfsync"] == "everysec"
+    _reap(child)
+    assert _gone(pids["server"], 3)
+    for persist_dir, expected in ((disk, b"kept"), (None, None)):  # in memory: nothing
+        with (
+            EmbeddedRedis(rt, persist_dir=persist_dir) as again,
+            redis.Redis(unix_socket_path=str(again.socket_path)) as client,
+        ):
+            assert client.get("k") == expected
+    assert [p.name for p in disk.iterdir()] == ["appendonly.aof"]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux only")

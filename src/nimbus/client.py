@@ -8,7 +8,9 @@
 
 Functions are registered on first use (by the hash of their pickle), arguments
 are pickled here and unpickled only on the endpoint's workers; results are
-unpickled here. Errors of the service come back as
+unpickled here. Arguments and results larger than the service's
+``inline_payload`` go through its data store (``upload``/``download``) by
+themselves. Errors of the service come back as
 :class:`~nimbus.errors.ServiceError` subclasses (401/403 ``AuthError``, 404
 ``NotFound``, 413 ``PayloadTooLargeError``, 409 ``VersionMismatchError``).
 """
@@ -40,16 +42,24 @@ from nimbus.errors import (
 )
 from nimbus.runtime.messages import Status
 from nimbus.service.protocol import (
+    DATA,
+    INLINE_MIN,
+    LIMITS,
     MSGPACK,
     PYTHON,
     SERIALIZER,
+    data_ref,
     pack,
     pack_payload,
+    payload_size,
+    slices,
+    too_large,
     unpack,
-    unpack_result,
 )
 
 __all__ = ["Client", "credentials_file", "decode_result", "error_for", "save_credentials"]
+
+RECONNECT_SECONDS = 60.0  # get_result waits this long for a service that went away
 
 
 def credentials_file() -> Path:
@@ -90,9 +100,16 @@ class ServiceVersionMismatch(VersionMismatchError, ServiceError):
     """A 409 from the service: function and endpoint differ in Python or serializer."""
 
 
-def decode_result(blob: bytes) -> Any:
-    """The value of a finished task's result, or raise its exception."""
-    status, data, buffers = unpack_result(blob)
+def decode_result(result: bytes | list[Any], fetch: Callable[[str], bytes]) -> Any:
+    """The value of a finished task's result, or raise its exception.
+
+    ``result`` is packed or unpacked; a data-store reference is read with ``fetch``.
+    """
+    value = unpack(result) if isinstance(result, bytes) else result
+    ref = data_ref(value)
+    if ref is not None:
+        value = unpack(fetch(ref))
+    status, data, buffers = value
     if status == Status.OK:
         return serialization.loads(data, buffers)
     if status == Status.SKIPPED:
@@ -138,6 +155,7 @@ class Client:
         )
         self._functions = serialization.FunctionCache(by_value=True)
         self._registered: dict[str, str] = {}
+        self._limits: dict[str, int] | None = None
 
     # ------------------------------------------------------------ plumbing
 
@@ -167,6 +185,34 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ------------------------------------------------------------ data store
+
+    def limits(self) -> dict[str, int]:
+        """The service's ``max_payload`` and ``inline_payload`` (asked once)."""
+        if self._limits is None:
+            self._limits = {k: int(v) for k, v in self._json("GET", LIMITS).items()}
+        return self._limits
+
+    def upload(self, blob: bytes) -> str:
+        """Store ``blob`` in the service's data store; its data id."""
+        limit = self.limits()["max_payload"]
+        if len(blob) > limit:  # refused before a byte is sent
+            raise too_large("a payload", len(blob), limit)
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(len(blob))}
+        content = slices(blob)  # one write per slice: httpcore copies what a send leaves
+        return str(self._json("PUT", DATA, content=content, headers=headers)["data_id"])
+
+    def download(self, data_id: str) -> bytes:
+        """The bytes of a data-store blob (yours, or a result of one of your tasks)."""
+        return self.request("GET", f"{DATA}/{data_id}").content
+
+    def payload(self, data: bytes, buffers: list[Any]) -> bytes | dict[str, str]:
+        """A task's pickled arguments as sent: inline, or uploaded when large."""
+        size = payload_size(data, buffers)
+        if size > INLINE_MIN and size > self.limits()["inline_payload"]:
+            return {"data": self.upload(pack_payload(data, buffers))}
+        return pack_payload(data, buffers)
 
     # ------------------------------------------------------------ functions
 
@@ -269,7 +315,7 @@ class Client:
         rows = []
         for a, k in zip(arg_list, kw_list, strict=True):
             data, buffers = serialization.dumps((tuple(a), dict(k)))
-            rows.append([function_id, pack_payload(data, buffers), timeout])
+            rows.append([function_id, self.payload(data, buffers), timeout])
         body = pack({"endpoint_id": endpoint_id, "tasks": rows})
         response = self.request(
             "POST", "/v1/tasks/batch", content=body, headers={"Content-Type": MSGPACK}
@@ -283,18 +329,28 @@ class Client:
     def get_result(self, task_id: str, timeout: float | None = None) -> Any:
         """Wait for the task and return its value (or raise its exception)."""
         end = None if timeout is None else time.monotonic() + timeout
+        lost: float | None = None  # since when the service cannot be reached
         while True:
             wait = 60.0 if end is None else max(0.0, min(60.0, end - time.monotonic()))
-            response = self.request(
-                "GET",
-                f"/v1/tasks/{task_id}/result",
-                params={"wait": wait},
-                headers={"Accept": MSGPACK},
-                timeout=wait + 30,
-            )
+            try:
+                response = self.request(
+                    "GET",
+                    f"/v1/tasks/{task_id}/result",
+                    params={"wait": wait},
+                    headers={"Accept": MSGPACK},
+                    timeout=wait + 30,
+                )
+            except ServiceUnavailable:  # restarting, perhaps: the task waits there
+                now = time.monotonic()
+                lost = now if lost is None else lost
+                if now - lost > RECONNECT_SECONDS or (end is not None and now >= end):
+                    raise
+                time.sleep(0.2)
+                continue
+            lost = None
             body = unpack(response.content)
             if body["result"] is not None:
-                return decode_result(body["result"])
+                return decode_result(body["result"], self.download)
             if end is not None and time.monotonic() >= end:
                 raise TimeoutError(f"task {task_id} is still {body['state']} after {timeout} s")
 

@@ -28,13 +28,22 @@ from urllib.parse import urlsplit
 
 from nimbus.errors import ConfigError
 
-__all__ = ["CONFIG_ENV", "Settings", "config_dir", "redis_server_binary"]
+__all__ = [
+    "CONFIG_ENV",
+    "INLINE_MAX",
+    "INLINE_MIN",
+    "Settings",
+    "config_dir",
+    "redis_server_binary",
+]
 
 CONFIG_ENV = "NIMBUS_CONFIG"
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 _NONE_WORDS = ("", "none", "null")
+INLINE_MIN = 64 << 10  # payloads this small always travel inline
+INLINE_MAX = 8 << 20  # inline payloads stay well inside one WebSocket message
 
 
 class _Bad(Exception):
@@ -95,6 +104,16 @@ def _size(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise _Bad(accepted)
     return value
+
+
+def _size_between(low: int, high: int) -> Callable[[object], int]:
+    def coerce(value: object) -> int:
+        size = _size(value)
+        if not low <= size <= high:
+            raise _Bad(f"a number of bytes from {low >> 10}K to {high >> 20}M (e.g. 256K, 1M)")
+        return size
+
+    return coerce
 
 
 def _optional_str(accepted: str, check: Callable[[str], bool]) -> Callable[[object], str | None]:
@@ -189,6 +208,11 @@ _FIELDS: dict[str, _Field] = {
     "key_ttl": _Field("NIMBUS_KEY_TTL", _seconds, "expiry backstop of shared-state keys, seconds"),
     "runtime_dir": _Field("NIMBUS_RUNTIME_DIR", _path, "private directory for local sockets"),
     "max_payload": _Field("NIMBUS_MAX_PAYLOAD", _size, "largest payload accepted, bytes"),
+    "inline_payload": _Field(
+        "NIMBUS_INLINE_PAYLOAD",
+        _size_between(INLINE_MIN, INLINE_MAX),
+        "payloads and results above this travel through the service's data store, bytes",
+    ),
     "storage_dir": _Field(
         "NIMBUS_STORAGE_DIR",
         _optional_path,
@@ -265,6 +289,7 @@ class Settings:
     key_ttl: float = 600.0
     runtime_dir: Path = field(default_factory=_default_runtime_dir)
     max_payload: int = 4 << 30
+    inline_payload: int = 1 << 20
     storage_dir: Path | None = None
     endpoint: str | None = None
     service_url: str | None = None
@@ -336,11 +361,16 @@ class Settings:
         return self.storage_dir if self.storage_dir is not None else self.runtime_dir / "files"
 
     @property
+    def service_dir(self) -> Path:
+        """The service's own files: SQLite registry, data store, persistent Redis."""
+        return self.runtime_dir / "service"
+
+    @property
     def registry_url(self) -> str:
         """The service's registry database: ``database_url`` or SQLite in the runtime dir."""
         if self.database_url is not None:
             return self.database_url
-        return f"sqlite:///{self.runtime_dir / 'service' / 'registry.sqlite3'}"
+        return f"sqlite:///{self.service_dir / 'registry.sqlite3'}"
 
     @property
     def store_address(self) -> tuple[str, int]:

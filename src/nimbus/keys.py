@@ -169,3 +169,7 @@ class Keys:
     def group(self, group_id: str) -> str:
         """The list of task ids of a task group (one batch submit)."""
         return self._key("group", group_id)
+
+    def data(self, data_id: str) -> str:
+        """A data-store blob's hash: owner, size, and the task and endpoint it serves."""
+        return self._key("data", data_id)

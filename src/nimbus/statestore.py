@@ -138,9 +138,11 @@ def _kill_if(pid: int, created: float | None, looks_right: str) -> None:
 class EmbeddedRedis:
     """A private redis-server on a Unix socket in ``runtime_dir``, tied to this process.
 
-    It listens on no TCP port, keeps nothing on disk, and stops with :meth:`stop`,
-    at exit, or (through a watchdog process) when its owner dies, even by SIGKILL.
-    Leftovers of owners that were killed are removed by the next :meth:`start`.
+    It listens on no TCP port, keeps nothing on disk unless given ``persist_dir``
+    (then an append-only file there, fsynced every second, read back by the next
+    server started on it), and stops with :meth:`stop`, at exit, or (through a
+    watchdog process) when its owner dies, even by SIGKILL. Leftovers of owners
+    that were killed are removed by the next :meth:`start`.
 
     ``tcp=(host, port)`` makes it listen there too; ``password`` is then the
     ``default`` (admin) user's password, which every client must give.
@@ -153,6 +155,7 @@ class EmbeddedRedis:
         start_timeout: float = 10.0,
         tcp: tuple[str, int] | None = None,
         password: str | None = None,
+        persist_dir: Path | None = None,
     ) -> None:
         if tcp is not None and not password:
             raise ConfigError("an embedded Redis listening on TCP needs a password")
@@ -160,6 +163,7 @@ class EmbeddedRedis:
         self.start_timeout = start_timeout
         self.tcp = tcp
         self.password = password
+        self.persist_dir = persist_dir
         self.name = f"redis-{secrets.token_hex(4)}"
         self.state_file = self.runtime_dir / f"{self.name}.json"
         self.log_file = self.runtime_dir / f"{self.name}.log"
@@ -191,12 +195,18 @@ class EmbeddedRedis:
         if not _fits_sun_path(self.socket_path):
             raise StateStoreError(f"Unix socket path {self.socket_path} is too long")
         self._write_state()
+        if self.persist_dir is not None:
+            self.persist_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            disk: tuple[str, ...] = ("--appendonly", "yes", "--appendfsync", "everysec")
+            disk += ("--dir", str(self.persist_dir))
+        else:
+            disk = ("--appendonly", "no", "--dir", str(self.socket_path.parent))
         argv = [
             str(redis_server_binary()),
             *self._password_file(),
             *("--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"),
-            *("--save", "", "--appendonly", "no", "--daemonize", "no", "--pidfile", ""),
-            *("--dir", str(self.socket_path.parent), "--loglevel", "warning", "--logfile", ""),
+            *("--save", "", *disk, "--daemonize", "no", "--pidfile", ""),
+            *("--loglevel", "warning", "--logfile", ""),
             *self._access_args(),
         ]
         with open(self.log_file, "wb") as log:
@@ -236,21 +246,24 @@ class EmbeddedRedis:
         return ["--bind", self.tcp[0], "--port", str(self.tcp[1]), "--protected-mode", "no"]
 
     def _wait_ready(self) -> int:
-        deadline = time.monotonic() + self.start_timeout
+        timeout = self.start_timeout * (10 if self.persist_dir is not None else 1)
+        deadline = time.monotonic() + timeout
         assert self._watchdog is not None
         while True:
             if self.socket_path.exists():
                 try:
                     client = _quick_client(self.socket_path, self.password)
                     with client:
-                        return int(client.info("server")["process_id"])
+                        info = client.info()
+                    if not info.get("loading"):  # a persisted dataset is read back first
+                        return int(info["process_id"])
                 except redis.RedisError:
                     pass
             if self._watchdog.poll() is not None:
                 raise StateStoreError(f"embedded redis-server exited at start:\n{self._log_tail()}")
             if time.monotonic() > deadline:
                 raise StateStoreError(
-                    f"embedded redis-server did not answer within {self.start_timeout} s on "
+                    f"embedded redis-server did not answer within {timeout} s on "
                     f"{self.socket_path}:\n{self._log_tail()}"
                 )
             time.sleep(0.002)
@@ -377,13 +390,19 @@ class StateStore:
 
     @classmethod
     def open(
-        cls, redis_url: str | None, runtime_dir: Path, *, connect_timeout: float = 3.0
+        cls,
+        redis_url: str | None,
+        runtime_dir: Path,
+        *,
+        connect_timeout: float = 3.0,
+        persist_dir: Path | None = None,
     ) -> StateStore:
-        """Connect to ``redis_url``, or start an embedded Redis in ``runtime_dir`` if it is None."""
+        """Connect to ``redis_url``, or start an embedded Redis in ``runtime_dir`` if it is None
+        (keeping its data in ``persist_dir`` when given)."""
         if redis_url:
             _probe(redis_url, connect_timeout)
             return cls(redis_url)
-        server = EmbeddedRedis(runtime_dir).start()
+        server = EmbeddedRedis(runtime_dir, persist_dir=persist_dir).start()
         return cls(server.url, server)
 
     @classmethod

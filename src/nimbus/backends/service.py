@@ -11,6 +11,9 @@ submitted while a message is being built join the next one, so a ``map`` of
 many small tasks travels in a few large msgpack messages. When the connection
 breaks it reconnects, asks again for the results of the tasks it waits for
 (``watch``) and sends again the batches the service had not acknowledged.
+Arguments larger than the service's inline limit are uploaded to its data store
+by ``submit`` (in the caller's thread); results in the data store are fetched
+in a thread of the loop before they are delivered.
 """
 
 from __future__ import annotations
@@ -29,16 +32,26 @@ from nimbus import _loop, serialization
 from nimbus.backends import DispatchCallback, ResultCallback
 from nimbus.client import Client, error_for
 from nimbus.config import Settings
-from nimbus.errors import ConfigError, ServiceUnavailable, VersionMismatchError
+from nimbus.errors import (
+    AuthError,
+    ConfigError,
+    NimbusError,
+    ServiceUnavailable,
+    VersionMismatchError,
+)
 from nimbus.records import TaskRecord
 from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task
 from nimbus.service.protocol import (
+    INLINE_MIN,
     PYTHON,
     SERIALIZER,
     WS_CLIENT,
+    batches,
+    data_ref,
     pack,
     pack_payload,
+    payload_size,
     unpack,
     unpack_result,
 )
@@ -101,6 +114,9 @@ class ServiceBackend:
         self._delayed = False
         self._refs = itertools.count()
         self._unaccepted: dict[int, list[Task]] = {}
+        self._packed: dict[Task, bytes | dict[str, str]] = {}  # staged payloads (large ones)
+        self._failed: dict[Task, BaseException] = {}  # staging failed: the task fails
+        self._fetches: set[asyncio.Task[None]] = set()
         self._by_id: dict[str, Task] = {}
         self._early: dict[str, list[Any]] = {}  # results that arrived before their "accepted"
         self._idle = threading.Condition(self._lock)
@@ -110,6 +126,7 @@ class ServiceBackend:
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._connected = threading.Event()
         self._error: BaseException | None = None
+        self._refused: AuthError | None = None  # the token was refused after connecting
         self._thread = threading.Thread(target=self._run, name="nimbus-service", daemon=True)
         self._thread.start()
         if not self._connected.wait(CONNECT_TIMEOUT):
@@ -130,6 +147,8 @@ class ServiceBackend:
                 )
                 self._registered[task.fn_key] = function_id
             task.route = function_id
+            if payload_size(task.payload, task.buffers) > INLINE_MIN:
+                self._stage(task)
         with self._lock:
             self._pending.extend(batch)
             self._outstanding += len(batch)
@@ -137,6 +156,14 @@ class ServiceBackend:
                 return
             self._scheduled = True
         self._loop.call_soon_threadsafe(self._flush)
+
+    def _stage(self, task: Task) -> None:
+        """Pack a large payload now, uploading it if over the service's inline limit (in
+        the caller's thread); a failure (too large, say) fails the task when it is sent."""
+        try:
+            self._packed[task] = self.client.payload(task.payload, task.buffers)
+        except NimbusError as exc:
+            self._failed[task] = exc
 
     def cancel(self, task: Task) -> None:
         self._loop.call_soon_threadsafe(self._cancel, task)
@@ -179,17 +206,40 @@ class ServiceBackend:
                     open_timeout=10,
                 ) as ws:
                     backoff = 0.05
+                    self._refused = None
                     await self._resume(ws)
                     self._connected.set()
                     await self._session(ws)
             except websockets.InvalidStatus as exc:
-                self._error = error_for(exc.response.status_code, "the service refused the token")
+                status = exc.response.status_code
+                self._error = error_for(status, "the service refused the token")
+                if status in (401, 403) and self._connected.is_set():  # revoked since
+                    self._refused = AuthError(
+                        f"the service at {base} no longer accepts this token (HTTP {status}): "
+                        f"it was revoked; ask the service admin for a new one",
+                        status,
+                    )
+                    self._fail_all(self._refused)
             except (OSError, websockets.WebSocketException, TimeoutError) as exc:
                 self._error = exc
             if self._closing:
                 break
             await asyncio.sleep(backoff)
             backoff = min(2.0, backoff * 2)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every task waiting for the service (which refuses this client now)."""
+        tasks = list(self._by_id.values())
+        for batch in self._unaccepted.values():
+            tasks.extend(batch)
+        self._by_id.clear()
+        self._unaccepted.clear()
+        self._early.clear()
+        self._packed.clear()
+        data = serialization.dumps_exception(error, "")
+        for task in tasks:
+            task.status, task.data = Status.ERROR, data
+        self._deliver(tasks)
 
     async def _resume(self, ws: ClientConnection) -> None:
         """After a (re)connect: ask for results still owed, resend unacknowledged batches."""
@@ -219,8 +269,18 @@ class ServiceBackend:
             await ws.send(message)
 
     def _submit_message(self, ref: int, tasks: list[Task]) -> bytes:
-        rows = [[t.route, pack_payload(t.payload, t.buffers), t.timeout] for t in tasks]
+        rows = [[t.route, self._payload(t), t.timeout] for t in tasks]
         return pack({"op": "submit", "ref": ref, "endpoint_id": self.endpoint_id, "tasks": rows})
+
+    def _payload(self, task: Task) -> bytes | dict[str, str]:
+        packed = self._packed.get(task)
+        return pack_payload(task.payload, task.buffers) if packed is None else packed
+
+    def _size(self, task: Task) -> int:
+        packed = self._packed.get(task)
+        if isinstance(packed, dict):
+            return 64
+        return payload_size(task.payload, task.buffers)
 
     def _flush(self) -> None:
         """Send what was submitted; while tasks are in flight, wait COALESCE to gather more."""
@@ -239,11 +299,24 @@ class ServiceBackend:
         if self._on_dispatch is not None:
             kept = self._on_dispatch(batch)
             self._done(len(batch) - len(kept))
+            for task in set(batch).difference(kept):  # cancelled before they were sent
+                self._packed.pop(task, None)
+                self._failed.pop(task, None)
             batch = kept
-        if batch:
+        if self._refused is not None:  # the service refuses our token: fail, do not queue
+            for task in batch:
+                self._failed.setdefault(task, self._refused)
+        failed = {task for task in batch if task in self._failed}
+        if failed:
+            for task in failed:
+                task.status = Status.ERROR
+                task.data = serialization.dumps_exception(self._failed.pop(task), "")
+            self._deliver(list(failed))
+            batch = [task for task in batch if task not in failed]
+        for tasks in batches(batch, self._size):
             ref = next(self._refs)
-            self._unaccepted[ref] = batch
-            self._outbox.put_nowait(self._submit_message(ref, batch))
+            self._unaccepted[ref] = tasks
+            self._outbox.put_nowait(self._submit_message(ref, tasks))
 
     def _cancel(self, task: Task) -> None:
         task_id = task.record.task_id
@@ -261,6 +334,7 @@ class ServiceBackend:
                 cancels = []
                 early = []
                 for task, task_id in zip(tasks, msg["ids"]):
+                    self._packed.pop(task, None)
                     task.record.task_id = task_id
                     self._by_id[task_id] = task
                     if task.cancelled:
@@ -279,6 +353,7 @@ class ServiceBackend:
                 error = error_for(int(msg["status"]), str(msg["detail"]))
                 data = serialization.dumps_exception(error, "")
                 for task in tasks:
+                    self._packed.pop(task, None)
                     task.status, task.data = Status.ERROR, data
                 self._deliver(tasks)
 
@@ -291,10 +366,6 @@ class ServiceBackend:
                 if self._unaccepted:  # it overtook the reply that names it
                     self._early[task_id] = row
                 continue
-            if isinstance(blob, bytes):  # from storage (a watch after a reconnect)
-                task.status, task.data, task.result_buffers = unpack_result(blob)
-            else:  # as the agent sent it: no unpacking per task
-                task.status, task.data, task.result_buffers = blob
             if isinstance(record, bytes):
                 record = unpack(record) if record else None
             if record:  # the worker's measures: keep our id, function, state, submit time
@@ -302,8 +373,25 @@ class ServiceBackend:
                 for name, value in zip(_FIELDS, record):
                     if name not in _OURS:
                         setattr(mine, name, value)
+            # packed when it comes from storage (a watch after a reconnect), else as sent
+            value = unpack(blob) if isinstance(blob, bytes) else blob
+            ref = data_ref(value)
+            if ref is not None:  # in the data store: fetched in a thread, then delivered
+                fetch = asyncio.ensure_future(self._fetch_result(task, ref))
+                self._fetches.add(fetch)
+                fetch.add_done_callback(self._fetches.discard)
+                continue
+            task.status, task.data, task.result_buffers = value
             done.append(task)
         self._deliver(done)
+
+    async def _fetch_result(self, task: Task, data_id: str) -> None:
+        try:
+            blob = await asyncio.to_thread(self.client.download, data_id)
+            task.status, task.data, task.result_buffers = unpack_result(blob)
+        except NimbusError as exc:
+            task.status, task.data = Status.ERROR, serialization.dumps_exception(exc, "")
+        self._deliver([task])
 
     def _deliver(self, tasks: list[Task]) -> None:
         if tasks:

@@ -10,8 +10,10 @@
 It connects out only (``ws(s)://<service>/v1/ws/endpoint`` with the endpoint's
 token) and reconnects with exponential backoff. A result is kept until the
 service acknowledges it, and sent again after a reconnect; a task sent again
-while this agent still runs it is not started twice. Run it with
-``nimbus endpoint start NAME`` or ``python -m nimbus.endpoint.agent NAME``.
+while this agent still runs it is not started twice. Arguments in the
+service's data store are fetched before their task starts; a result larger
+than the service's inline limit is stored there and sent as a reference. Run
+it with ``nimbus endpoint start NAME`` or ``python -m nimbus.endpoint.agent NAME``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Coroutine
 from typing import Any
 
+import httpx
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
@@ -38,10 +42,19 @@ from nimbus.runtime.agent import Agent
 from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task
 from nimbus.service.protocol import (
+    DATA,
+    INLINE_MIN,
+    LIMITS,
     PYTHON,
+    REVOKED,
     SERIALIZER,
     WS_AGENT,
+    batches,
+    data_ref,
     pack,
+    pack_result,
+    payload_size,
+    too_large,
     unpack,
     unpack_payload,
 )
@@ -82,6 +95,7 @@ class EndpointAgent:
         name: str = "endpoint",
     ) -> None:
         self.url = ws_url(service_url)
+        self.service_url = service_url.rstrip("/")
         self.token = token
         self.workers = workers
         self.window = max(MIN_WINDOW, 4 * workers * prefetch)
@@ -95,6 +109,10 @@ class EndpointAgent:
         self._outbox: list[list[Any]] = []
         self._functions: dict[str, bytes] = {}
         self._dispatched: dict[str, float] = {}  # task id -> when a worker got it
+        self._fetching: set[str] = set()  # tasks whose arguments come from the data store
+        self._jobs: set[asyncio.Task[None]] = set()  # data-store transfers under way
+        self._http: httpx.AsyncClient | None = None
+        self._limits: dict[str, int] | None = None  # the service's (GET /v1/limits), asked once
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Event | None = None
@@ -110,6 +128,11 @@ class EndpointAgent:
         self._loop = asyncio.get_running_loop()
         self._ready = asyncio.Event()
         self._stopped = asyncio.Event()
+        self._http = httpx.AsyncClient(
+            base_url=self.service_url,
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=httpx.Timeout(60.0, connect=10.0),
+        )
         backoff = 0.1
         try:
             while not self._stopping:
@@ -135,6 +158,14 @@ class EndpointAgent:
                             status,
                         ) from None
                     log.warning("service answered HTTP %s; retrying", status)
+                except websockets.ConnectionClosed as exc:
+                    if exc.rcvd is not None and exc.rcvd.code == REVOKED:
+                        raise AuthError(
+                            f"the service closed this endpoint's connection: {exc.rcvd.reason}; "
+                            f"or run `nimbus endpoint configure {self.name}` for a new token",
+                            401,
+                        ) from None
+                    log.info("connection to %s lost (%s); retrying", self.url, exc)
                 except (OSError, websockets.WebSocketException, TimeoutError) as exc:
                     log.info(
                         "connection to %s lost (%s); retrying in %.1fs", self.url, exc, backoff
@@ -145,6 +176,10 @@ class EndpointAgent:
                     await asyncio.wait_for(self._stopped.wait(), backoff * (1 + random.random()))
                 backoff = min(MAX_BACKOFF, backoff * 2)
         finally:
+            for job in list(self._jobs):
+                job.cancel()
+            await asyncio.gather(*self._jobs, return_exceptions=True)
+            await self._http.aclose()
             self.runtime.shutdown(wait=True, kill=True)
 
     def stop(self) -> None:
@@ -207,9 +242,9 @@ class EndpointAgent:
             if self._held:
                 await asyncio.sleep(COALESCE)  # more results are coming: let them join
             self._ready.clear()
-            while self._outbox:
-                rows, self._outbox = self._outbox[:SEND_CHUNK], self._outbox[SEND_CHUNK:]
-                await ws.send(pack({"op": "results", "results": rows}))
+            rows, self._outbox = self._outbox, []
+            for batch in batches(rows, _result_size, most=SEND_CHUNK):
+                await ws.send(pack({"op": "results", "results": batch}))
 
     async def _beater(self, ws: ClientConnection) -> None:
         while True:
@@ -236,27 +271,26 @@ class EndpointAgent:
     def _start(self, rows: list[list[Any]]) -> None:
         batch: list[Task] = []
         failed: list[list[Any]] = []
-        for task_id, function_id, body, payload, timeout in rows:
+        for row in rows:
+            task_id, function_id, body, payload, timeout = row
             if body is not None:
                 self._functions[function_id] = body
-            if task_id in self._held:
+            if task_id in self._held or task_id in self._fetching:
                 continue  # sent again after a reconnect: it is still running here
             if task_id in self._unacked:
                 self._outbox.append(self._unacked[task_id])
                 continue
             fn_bytes = self._functions.get(function_id)
-            record = TaskRecord(task_id, TaskState.RUNNING, function=function_id)
             if not fn_bytes:
                 error = RemoteError(f"function {function_id} is not registered (deleted?)")
-                row = [
-                    task_id,
-                    TaskState.FAILED.value,
-                    [Status.ERROR, serialization.dumps_exception(error, ""), []],
-                    record.to_wire(),
-                ]
-                self._unacked[task_id] = row
-                failed.append(row)
+                failed.append(self._failure(task_id, function_id, error))
                 continue
+            ref = data_ref(payload)
+            if ref is not None:  # its arguments are in the data store: fetch, then start
+                self._fetching.add(task_id)
+                self._spawn(self._fetch(row, ref))
+                continue
+            record = TaskRecord(task_id, TaskState.RUNNING, function=function_id)
             data, buffers = unpack_payload(payload)
             task = Task(
                 next(self._seq), function_id, fn_bytes, data, buffers, record, timeout=timeout
@@ -303,12 +337,104 @@ class EndpointAgent:
             self._loop.call_soon_threadsafe(self._finished, rows)
 
     def _finished(self, rows: list[list[Any]]) -> None:
+        small = []
         for row in rows:
+            _, data, buffers = row[2]
+            if payload_size(data, buffers) > INLINE_MIN:  # maybe for the data store
+                self._spawn(self._send_large(row))  # held until it is stored
+            else:
+                small.append(row)
+        for row in small:
             self._held.pop(row[0], None)
             self._unacked[row[0]] = row
-        self._outbox.extend(rows)
+        self._outbox.extend(small)
         assert self._ready is not None
         self._ready.set()
+
+    def _failure(
+        self, task_id: str, function_id: str, error: BaseException, record: Any = None
+    ) -> list[Any]:
+        """The result row of a task that failed here, before it ran or (``record``) after."""
+        if record is None:
+            record = TaskRecord(task_id, TaskState.FAILED, function=function_id).to_wire()
+        row = [
+            task_id,
+            TaskState.FAILED.value,
+            [Status.ERROR, serialization.dumps_exception(error, ""), []],
+            record,
+        ]
+        self._unacked[task_id] = row
+        return row
+
+    # ------------------------------------------------------------ the data store
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        job = asyncio.ensure_future(coro)
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+
+    async def _fetch(self, row: list[Any], data_id: str) -> None:
+        """Fetch a task's arguments from the data store, then start it (or fail it)."""
+        assert self._http is not None
+        task_id = row[0]
+        try:
+            response = await self._http.get(f"{DATA}/{data_id}")
+            response.raise_for_status()
+            payload = response.content
+        except (httpx.HTTPError, OSError) as exc:
+            self._fetching.discard(task_id)
+            error = RemoteError(
+                f"the arguments of task {task_id} could not be fetched from the service's "
+                f"data store ({data_id}): {exc}"
+            )
+            self._finished([self._failure(task_id, row[1], error)])
+            return
+        self._fetching.discard(task_id)
+        self._start([[task_id, row[1], None, payload, row[4]]])
+
+    async def _send_large(self, row: list[Any]) -> None:
+        """Send a large result: inline below the service's limit, else through the data store."""
+        assert self._http is not None
+        task_id = row[0]
+        status, data, buffers = row[2]
+        backoff = 0.1
+        while True:
+            try:
+                if self._limits is None:
+                    limits = await self._http.get(LIMITS)
+                    limits.raise_for_status()
+                    self._limits = {k: int(v) for k, v in limits.json().items()}
+                size = payload_size(data, buffers)
+                if size <= self._limits["inline_payload"]:
+                    break
+                if size > self._limits["max_payload"]:  # refused before a byte is sent
+                    error = too_large(
+                        f"the result of task {task_id}", size, self._limits["max_payload"]
+                    )
+                    row = self._failure(task_id, "", error, row[3])
+                    break
+                blob = pack_result(status, data, buffers)
+                response = await self._http.put(DATA, params={"task_id": task_id}, content=blob)
+                if response.status_code == 404:  # done elsewhere or cancelled: not needed
+                    self._held.pop(task_id, None)
+                    return
+                response.raise_for_status()
+                row = [task_id, row[1], {"data": response.json()["data_id"]}, row[3]]
+                break
+            except (httpx.HTTPError, OSError, ValueError) as exc:
+                log.info("storing the result of %s failed (%s); retrying", task_id, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(MAX_BACKOFF, backoff * 2)
+        self._held.pop(task_id, None)
+        self._unacked[task_id] = row
+        self._outbox.append(row)
+        assert self._ready is not None
+        self._ready.set()
+
+
+def _result_size(row: list[Any]) -> int:
+    result = row[2]
+    return 64 if isinstance(result, dict) else payload_size(result[1], result[2])
 
 
 def main(argv: list[str] | None = None) -> int:

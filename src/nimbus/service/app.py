@@ -2,14 +2,19 @@
 
 ``create_app(settings, redis_url)`` builds it; its lifespan opens the registry
 (``Settings.registry_url``) and the Redis of the task queues, and puts back in
-the queues the tasks that were in flight when the service last stopped. The
-OpenAPI spec is at ``GET /openapi.json``.
+the queues the tasks that were in flight when the service last stopped; it
+also sweeps the data store (``nimbus.service.data``, files in
+``<runtime_dir>/service/data``) and, every second, looks for tokens revoked in
+the registry: they stop working at once and their WebSockets are closed. The OpenAPI spec is at ``GET /openapi.json``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -22,10 +27,12 @@ import nimbus
 from nimbus.config import Settings
 from nimbus.errors import PayloadTooLargeError, ServiceError
 from nimbus.keys import Keys
+from nimbus.service import data as data_routes
 from nimbus.service import routes, stores, tasks
 from nimbus.service.context import ServiceContext
+from nimbus.service.data import DataStore
 from nimbus.service.hub import Hub
-from nimbus.service.protocol import WS_AGENT, WS_CLIENT
+from nimbus.service.protocol import WS_AGENT, WS_CLIENT, too_large
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import Registry
 from nimbus.service.ws import agent_socket, client_socket
@@ -33,6 +40,10 @@ from nimbus.service.ws import agent_socket, client_socket
 __all__ = ["SERVICE_ID", "create_app"]
 
 SERVICE_ID = "service"  # the Keys program id of the service's keys
+SWEEP_SECONDS = 30.0
+REVOCATION_POLL = 1.0  # seconds between looks for revoked tokens in the registry
+REVOCATION_SLACK = 5.0
+log = logging.getLogger(__name__)
 
 
 class BodyLimit:
@@ -46,13 +57,38 @@ class BodyLimit:
         if scope["type"] == "http":
             for name, value in scope["headers"]:
                 if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                    detail = (
-                        f"request body of {int(value)} bytes exceeds the limit of {self.limit} "
-                        f"bytes (NIMBUS_MAX_PAYLOAD on the service)"
-                    )
+                    detail = str(too_large("request body", int(value), self.limit))
                     await JSONResponse({"detail": detail}, 413)(scope, receive, send)
                     return
         await self.app(scope, receive, send)
+
+
+async def _every(seconds: float, job: Callable[[], Awaitable[object]], what: str) -> None:
+    """Run ``job`` now and every ``seconds`` until cancelled (a failure is logged)."""
+    while True:
+        try:
+            await job()
+        except Exception:
+            log.exception("%s failed", what)
+        await asyncio.sleep(seconds)
+
+
+class _Revocations:
+    """Tokens revoked by `nimbus service token revoke` (another process) take effect here."""
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self.since = time.time() - REVOCATION_SLACK
+        self.seen: set[str] = set()
+
+    async def __call__(self) -> None:
+        rows = await run_in_threadpool(self.ctx.registry.revoked_since, self.since)
+        new = {digest for digest, _ in rows} - self.seen
+        if new:
+            self.seen |= new
+            await self.ctx.revoked(new)
+        # a clock's worth of slack: a revocation committed just now may bear an older time
+        self.since = max([self.since, *(when - REVOCATION_SLACK for _, when in rows)])
 
 
 def create_app(settings: Settings, redis_url: str) -> FastAPI:
@@ -60,12 +96,21 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry = await run_in_threadpool(Registry, settings.registry_url)
         client = aioredis.Redis.from_url(redis_url, driver_info=None)
-        store = TaskStore(client, Keys(SERVICE_ID), result_ttl=settings.result_ttl)
+        keys = Keys(SERVICE_ID)
+        store = TaskStore(client, keys, result_ttl=settings.result_ttl)
+        data = DataStore(client, keys, settings.service_dir / "data", limit=settings.max_payload)
         await store.requeue_all()
-        app.state.ctx = ServiceContext(settings, registry, store, Hub())
+        ctx = app.state.ctx = ServiceContext(settings, registry, store, Hub(), data)
+        jobs = [
+            asyncio.create_task(_every(SWEEP_SECONDS, data.sweep, "sweeping the data store")),
+            asyncio.create_task(_every(REVOCATION_POLL, _Revocations(ctx), "revoking tokens")),
+        ]
         try:
             yield
         finally:
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
             await client.aclose()
             registry.close()
 
@@ -78,6 +123,7 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(tasks.router)
     app.include_router(stores.router)
+    app.include_router(data_routes.router)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
@@ -85,7 +131,7 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         return JSONResponse({"detail": str(exc)}, exc.status or 500, headers=headers)
 
     @app.exception_handler(PayloadTooLargeError)
-    async def too_large(request: Request, exc: PayloadTooLargeError) -> JSONResponse:
+    async def payload_too_large(request: Request, exc: PayloadTooLargeError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, 413)
 
     @app.get("/v1/health", tags=["service"])

@@ -6,13 +6,18 @@ Each is a ``setup``/``run`` pair registered in ``nimbus.cli.COMMANDS``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nimbus.config import Settings
 from nimbus.records import TaskState
+
+if TYPE_CHECKING:
+    from nimbus.service.registry import Registry
 
 __all__ = [
     "endpoints_run",
@@ -35,10 +40,21 @@ def service_setup(parser: argparse.ArgumentParser) -> None:
     start.add_argument("--host", default="127.0.0.1", help="address to listen on")
     start.add_argument("--port", type=int, default=8420, help="port (0: any free port)")
     start.add_argument("--url-file", type=Path, help="write the URL here once listening")
+    start.add_argument(
+        "--persist",
+        action="store_true",
+        help="keep the embedded Redis (queues, results) on disk in <runtime_dir>/service/redis",
+    )
     token = sub.add_parser("token", help="manage user tokens (admin, on the service's machine)")
     token_sub = token.add_subparsers(dest="token_action", metavar="ACTION", required=True)
     create = token_sub.add_parser("create", help="create a user (if new) and print a new token")
     create.add_argument("name", help="the user's name")
+    listing = token_sub.add_parser("list", help="every token: ID, user, endpoint, created")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    revoke = token_sub.add_parser(
+        "revoke", help="revoke a user's tokens (NAME) or one token (ID); takes effect at once"
+    )
+    revoke.add_argument("target", metavar="NAME|ID", help="a user's name or a token's ID")
 
 
 def service_run(args: argparse.Namespace) -> int:
@@ -47,15 +63,44 @@ def service_run(args: argparse.Namespace) -> int:
     if args.action == "start":
         from nimbus.service.server import serve
 
-        serve(settings, args.host, args.port, args.url_file)
+        serve(settings, args.host, args.port, args.url_file, persist=args.persist)
         return 0
     from nimbus.service.registry import Registry
 
     registry = Registry(settings.registry_url)
     try:
-        print(registry.create_user_token(args.name))
+        return _token(registry, args)
     finally:
         registry.close()
+
+
+def _token(registry: Registry, args: argparse.Namespace) -> int:
+    if args.token_action == "create":
+        print(registry.create_user_token(args.name))
+        return 0
+    if args.token_action == "list":
+        tokens = registry.tokens()
+        if args.json:
+            print(json.dumps([dataclasses.asdict(t) for t in tokens], indent=2))
+            return 0
+        print(f"{'ID':<12}  {'USER':<20} {'ENDPOINT':<20} CREATED")
+        for t in tokens:
+            created = time.strftime("%Y-%m-%d %H:%M", time.localtime(t.created))
+            print(f"{t.id:<12}  {t.user:<20} {t.endpoint or '-':<20} {created}")
+        return 0
+    try:
+        revoked = registry.revoke(args.target)
+    except LookupError as exc:
+        print(
+            f"nimbus service token revoke: {exc.args[0]}; see `nimbus service token list`",
+            file=sys.stderr,
+        )
+        return 1
+    if not revoked:
+        print(f"user {args.target} has no tokens")
+    for t in revoked:
+        what = f"endpoint {t.endpoint} of {t.user}" if t.endpoint else f"user {t.user}"
+        print(f"revoked token {t.id} ({what})")
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
 
@@ -19,6 +20,9 @@ from nimbus.errors import AuthError, NotFound, ServiceError
 from nimbus.service.hub import Hub
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import EndpointInfo, FunctionInfo, Principal, Registry, hash_token
+
+if TYPE_CHECKING:
+    from nimbus.service.data import DataStore  # its routes need this module
 
 __all__ = ["ServiceContext"]
 
@@ -32,6 +36,7 @@ class ServiceContext:
     registry: Registry
     store: TaskStore
     hub: Hub
+    data: DataStore
 
     def __post_init__(self) -> None:
         self._principals: dict[str, tuple[Principal | None, float]] = {}
@@ -58,6 +63,12 @@ class ServiceContext:
         if cached[0] is None:
             raise AuthError("invalid token: ask the service admin for one", 401)
         return cached[0]
+
+    async def revoked(self, digests: set[str]) -> None:
+        """Tokens were revoked: forget them and close the connections made with them."""
+        for digest in digests:
+            self._principals.pop(digest, None)
+        await self.hub.revoked(digests)
 
     async def user(self, token: str | None) -> Principal:
         """A user's principal; an endpoint's credential is refused (403)."""

@@ -10,7 +10,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from nimbus.service.context import ServiceContext
 from nimbus.service.registry import Principal
 
-__all__ = ["context", "current_user"]
+__all__ = ["context", "current_principal", "current_user"]
 
 _bearer = HTTPBearer(auto_error=False, description="a token from `nimbus service token create`")
 
@@ -25,3 +25,11 @@ async def current_user(
 ) -> Principal:
     """The user a request's bearer token belongs to (401 without one, 403 for an endpoint's)."""
     return await context(request).user(credentials.credentials if credentials else None)
+
+
+async def current_principal(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    """Whoever a request's bearer token belongs to: a user or an endpoint's agent (401 if none)."""
+    return await context(request).principal(credentials.credentials if credentials else None)

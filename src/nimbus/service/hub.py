@@ -14,17 +14,40 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from nimbus.service.protocol import REVOKED
+
 __all__ = ["Hub", "Peer"]
 
 
 class Peer:
-    """One WebSocket connection; ``send`` is serialised (one frame at a time)."""
+    """One WebSocket connection; ``send`` is serialised (one frame at a time).
 
-    def __init__(self, conn_id: str, send: Callable[[bytes], Awaitable[None]]) -> None:
+    ``digest`` is the hash of the token it connected with; ``close(code, reason)``
+    ends it from the service's side (its token was revoked).
+    """
+
+    def __init__(
+        self,
+        conn_id: str,
+        send: Callable[[bytes], Awaitable[None]],
+        *,
+        digest: str = "",
+        close: Callable[[int, str], Awaitable[None]] | None = None,
+    ) -> None:
         self.conn_id = conn_id
+        self.digest = digest
         self._send = send
+        self._close = close
         self._lock = asyncio.Lock()
         self.closed = False
+
+    async def close(self, code: int, reason: str) -> None:
+        self.closed = True
+        if self._close is not None:
+            try:
+                await self._close(code, reason)
+            except Exception:
+                pass  # already gone
 
     async def send(self, data: bytes) -> None:
         if self.closed:
@@ -44,6 +67,23 @@ class Hub:
         self.waiters: dict[str, list[asyncio.Future[None]]] = defaultdict(list)
         self.beats: dict[str, float] = {}  # endpoint id -> time of its last heartbeat
         self._wakeups: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.peers: dict[str, Peer] = {}  # conn id -> every connection (agents and clients)
+        self.closing = False
+
+    async def revoked(self, digests: set[str]) -> int:
+        """Close the connections made with these (revoked) tokens; how many."""
+        kicked = [peer for peer in list(self.peers.values()) if peer.digest in digests]
+        for peer in kicked:
+            await peer.close(REVOKED, "token revoked by the service admin: ask them for a new one")
+        return len(kicked)
+
+    def close(self) -> None:
+        """The service stops: every long-poll answers now with what it has."""
+        self.closing = True
+        for waiting in self.waiters.values():
+            for future in waiting:
+                if not future.done():
+                    future.set_result(None)
 
     def wakeup(self, endpoint_id: str) -> asyncio.Event:
         return self._wakeups[endpoint_id]
@@ -57,16 +97,20 @@ class Hub:
     def add_agent(self, endpoint_id: str, peer: Peer) -> None:
         self.agents[peer.conn_id] = peer
         self.endpoint_agents[endpoint_id].add(peer.conn_id)
+        self.peers[peer.conn_id] = peer
 
     def drop_agent(self, endpoint_id: str, peer: Peer) -> None:
         self.agents.pop(peer.conn_id, None)
         self.endpoint_agents[endpoint_id].discard(peer.conn_id)
+        self.peers.pop(peer.conn_id, None)
 
     def watch(self, task_ids: list[str], peer: Peer) -> None:
         for task_id in task_ids:
             self.watchers[task_id] = peer
 
     def unwatch_peer(self, peer: Peer) -> None:
+        """A client's connection ended: forget it and what it waited for."""
+        self.peers.pop(peer.conn_id, None)
         for task_id in [t for t, p in self.watchers.items() if p is peer]:
             del self.watchers[task_id]
 
@@ -74,6 +118,8 @@ class Hub:
         self, task_id: str, timeout: float, done: Callable[[], Awaitable[bool]]
     ) -> None:
         """Wait until ``task_id`` finishes (``done()`` is asked once the wait is registered)."""
+        if self.closing:
+            return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiters[task_id].append(future)
         try:

@@ -21,22 +21,39 @@ WebSocket messages are msgpack maps with an ``op``::
 ``payload`` is :func:`pack_payload` of the pickled ``(args, kwargs)`` and its
 out-of-band buffers; ``result`` is :func:`pack_result` of what the worker sent
 back. The service stores and forwards both as bytes.
+
+A payload or result larger than the service's ``inline_payload`` (``GET
+/v1/limits``) travels through its data store instead: the sender ``PUT``s the
+packed bytes to ``/v1/data`` and sends the reference ``{"data": data_id}`` in
+their place; the receiver ``GET``s ``/v1/data/{data_id}``. Messages are cut at
+about ``MESSAGE_BYTES`` (:func:`batches`).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import msgpack
 
+from nimbus.config import INLINE_MIN
+from nimbus.errors import PayloadTooLargeError
+
 __all__ = [
+    "INLINE_MIN",
+    "MESSAGE_BYTES",
     "PYTHON",
+    "REVOKED",
     "SERIALIZER",
+    "batches",
+    "data_ref",
     "pack",
     "pack_payload",
     "pack_result",
+    "payload_size",
+    "slices",
+    "too_large",
     "unpack",
     "unpack_payload",
     "unpack_result",
@@ -47,7 +64,11 @@ SERIALIZER = "pickle5+cloudpickle3"
 API = "/v1"
 WS_AGENT = API + "/ws/endpoint"
 WS_CLIENT = API + "/ws/client"
+DATA = API + "/data"
+LIMITS = API + "/limits"
 MSGPACK = "application/msgpack"
+REVOKED = 4401  # WebSocket close code: the connection's token was revoked
+MESSAGE_BYTES = 8 << 20  # payload bytes per WebSocket message (one larger row goes alone)
 
 
 def pack(obj: object) -> bytes:
@@ -75,3 +96,49 @@ def pack_result(status: int, data: bytes, buffers: Sequence[Any] = ()) -> bytes:
 def unpack_result(blob: bytes) -> tuple[int, bytes, list[bytes]]:
     status, data, buffers = unpack(blob)
     return status, data, buffers
+
+
+def payload_size(data: bytes, buffers: Sequence[Any] = ()) -> int:
+    """The bytes of a pickle and its out-of-band buffers."""
+    return len(data) + sum(memoryview(b).nbytes for b in buffers)
+
+
+def data_ref(value: object) -> str | None:
+    """The data id of a data-store reference ``{"data": id}``, None for an inline value."""
+    if isinstance(value, dict):
+        ref = value.get("data")
+        if isinstance(ref, str):
+            return ref
+    return None
+
+
+def batches(
+    rows: Iterable[Any], size: Callable[[Any], int], limit: int = MESSAGE_BYTES, most: int = 5000
+) -> Iterator[list[Any]]:
+    """``rows`` cut into lists of at most ``most`` rows and about ``limit`` bytes each."""
+    out: list[Any] = []
+    total = 0
+    for row in rows:
+        n = size(row)
+        if out and (total + n > limit or len(out) >= most):
+            yield out
+            out, total = [], 0
+        out.append(row)
+        total += n
+    if out:
+        yield out
+
+
+def slices(blob: bytes, size: int = 1 << 20) -> Iterator[memoryview]:
+    """``blob`` in views of ``size`` bytes (no copies), for streaming it out."""
+    view = memoryview(blob)
+    for start in range(0, len(view), size):
+        yield view[start : start + size]
+
+
+def too_large(what: str, size: int, limit: int) -> PayloadTooLargeError:
+    """The error of ``what`` (``size`` bytes) over the service's ``limit``, naming both."""
+    return PayloadTooLargeError(
+        f"{what} of {size} bytes exceeds the limit of {limit} bytes "
+        f"(NIMBUS_MAX_PAYLOAD on the service)"
+    )

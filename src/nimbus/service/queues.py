@@ -10,6 +10,10 @@
                      (back to the queue head)     v  payload dropped, hash expires
                                              task hash (state success/failed/cancelled)
 
+A payload or result in the data store (``nimbus.service.data``) is referenced
+by its data id: submit claims the argument blob, finish and cancel delete its
+hash (the caller removes the file), a stored result blob expires with the task.
+
 Every step that moves a task is one Lua script, so a task is in exactly one of
 the queue, the inflight hash or a final state, and a result that arrives twice
 (an agent lost, its task run again) is kept once. Payloads and results are
@@ -43,6 +47,11 @@ for _, r in ipairs(t[5]) do
   redis.call('HSET', ARGV[1] .. id, 'state', 'waiting-for-endpoint', 'owner', owner,
              'endpoint', endpoint, 'function', r[2], 'group', group, 'submitted', submitted,
              'payload', r[3], 'timeout', r[4])
+  if r[5] ~= '' then  -- its arguments are in the data store: the task claims them
+    redis.call('HSET', ARGV[1] .. id, 'data', r[5])
+    redis.call('HSET', ARGV[4] .. r[5], 'task', id, 'endpoint', endpoint)
+    redis.call('PERSIST', ARGV[4] .. r[5])
+  end
   redis.call('ZADD', KEYS[2], submitted, id)
   redis.call('RPUSH', KEYS[1], id)
   redis.call('RPUSH', KEYS[3], id)
@@ -59,11 +68,11 @@ while taken < n do
   local id = redis.call('LPOP', KEYS[1])
   if not id then break end
   local key = ARGV[3] .. id
-  local v = redis.call('HMGET', key, 'state', 'function', 'payload', 'timeout')
+  local v = redis.call('HMGET', key, 'state', 'function', 'payload', 'timeout', 'data')
   if v[1] == 'waiting-for-endpoint' then
     redis.call('HSET', key, 'state', 'dispatched', 'dispatched', ARGV[4])
     redis.call('HSET', KEYS[2], id, ARGV[2])
-    out[#out + 1] = {id, v[2], v[3], v[4] or ''}
+    out[#out + 1] = {id, v[2], v[3], v[4] or '', v[5] or ''}
     taken = taken + 1
   end
 end
@@ -71,22 +80,35 @@ return cmsgpack.pack(out)
 """
 
 _FINISH = """
-local out = {}
+local out, drop = {}, {}
 for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
   local id = r[1]
   local key = ARGV[1] .. id
-  local v = redis.call('HMGET', key, 'state', 'endpoint')
+  local v = redis.call('HMGET', key, 'state', 'endpoint', 'data')
+  local blob = ''  -- a result in the data store, if it was stored for this task
+  if r[5] ~= '' and redis.call('HGET', ARGV[6] .. r[5], 'task') == id then blob = r[5] end
+  local stored = false
   if v[2] == ARGV[4] then
     if v[1] == 'dispatched' or v[1] == 'running' or v[1] == 'waiting-for-endpoint' then
       redis.call('HSET', key, 'state', r[2], 'result', r[3], 'record', r[4], 'ended', ARGV[2])
-      redis.call('HDEL', key, 'payload')
+      redis.call('HDEL', key, 'payload', 'data')
       redis.call('EXPIRE', key, ARGV[3])
+      if v[3] then
+        redis.call('DEL', ARGV[6] .. v[3])
+        drop[#drop + 1] = v[3]
+      end
+      if blob ~= '' then redis.call('EXPIRE', ARGV[6] .. blob, ARGV[3]) end
+      stored = true
       out[#out + 1] = id
     end
     redis.call('HDEL', KEYS[1], id)
   end
+  if blob ~= '' and not stored then
+    redis.call('DEL', ARGV[6] .. blob)
+    drop[#drop + 1] = blob
+  end
 end
-return out
+return {out, drop}
 """
 
 _RUNNING = """
@@ -121,12 +143,14 @@ return n
 _CANCEL = """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st or st == 'success' or st == 'failed' or st == 'cancelled' then return false end
+local data = redis.call('HGET', KEYS[1], 'data')
 redis.call('HSET', KEYS[1], 'state', 'cancelled', 'result', ARGV[1], 'ended', ARGV[2])
-redis.call('HDEL', KEYS[1], 'payload')
+redis.call('HDEL', KEYS[1], 'payload', 'data')
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+if data then redis.call('DEL', ARGV[5] .. data) end
 local conn = redis.call('HGET', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[2], ARGV[4])
-return conn or ''
+return {conn or '', data or ''}
 """
 
 _FIELDS = ("state", "owner", "endpoint", "function", "group", "submitted", "dispatched", "ended")
@@ -150,6 +174,7 @@ class TaskStore:
         self.keys = keys
         self.result_ttl = max(1, int(result_ttl))
         self._task_prefix = keys.task("")
+        self._data_prefix = keys.data("")
         self._submit = redis.register_script(_SUBMIT)
         self._take = redis.register_script(_TAKE)
         self._finish = redis.register_script(_FINISH)
@@ -162,12 +187,15 @@ class TaskStore:
         owner: str,
         endpoint_id: str,
         group_id: str,
-        tasks: Sequence[tuple[str, str, bytes, float | None]],
+        tasks: Sequence[tuple[str, str, bytes, float | None, str]],
     ) -> None:
-        """Queue ``(task_id, function_id, payload, timeout)`` rows for an endpoint."""
+        """Queue ``(task_id, function_id, payload, timeout, data_id)`` rows for an endpoint.
+
+        A row with a ``data_id`` has its payload in the data store (``payload`` is empty).
+        """
         rows = [
-            (task_id, fn, payload, "" if timeout is None else repr(timeout))
-            for task_id, fn, payload, timeout in tasks
+            (task_id, fn, payload, "" if timeout is None else repr(timeout), data_id)
+            for task_id, fn, payload, timeout, data_id in tasks
         ]
         blob = _raw([owner, endpoint_id, group_id, repr(time.time()), rows])
         await self._submit(
@@ -176,13 +204,16 @@ class TaskStore:
                 self.keys.user_tasks(owner),
                 self.keys.group(group_id),
             ],
-            args=[self._task_prefix, blob, self.result_ttl],
+            args=[self._task_prefix, blob, self.result_ttl, self._data_prefix],
         )
 
     async def take(
         self, endpoint_id: str, conn_id: str, n: int
-    ) -> list[tuple[str, str, bytes, float | None]]:
-        """Up to ``n`` waiting tasks of an endpoint, now in flight on ``conn_id``."""
+    ) -> list[tuple[str, str, bytes, float | None, str]]:
+        """Up to ``n`` waiting tasks of an endpoint, now in flight on ``conn_id``.
+
+        Rows are ``(task_id, function_id, payload, timeout, data_id)``.
+        """
         blob = await self._take(
             keys=[self.keys.endpoint_queue(endpoint_id), self.keys.endpoint_inflight(endpoint_id)],
             args=[n, conn_id, self._task_prefix, repr(time.time())],
@@ -191,21 +222,30 @@ class TaskStore:
         if not rows:  # cmsgpack packs an empty table as a map
             return []
         return [
-            (task_id.decode(), fn.decode(), payload, float(timeout) if timeout else None)
-            for task_id, fn, payload, timeout in rows
+            (task_id.decode(), fn.decode(), payload, float(timeout) if timeout else None, _text(d))
+            for task_id, fn, payload, timeout, d in rows
         ]
 
-    async def finish(self, endpoint_id: str, results: Sequence[Sequence[Any]]) -> list[str]:
-        """Store ``(task_id, state, result, record)`` rows; the ids stored (first wins)."""
+    async def finish(
+        self, endpoint_id: str, results: Sequence[Sequence[Any]]
+    ) -> tuple[list[str], list[str]]:
+        """Store ``(task_id, state, result, record, result_data_id)`` rows (first wins).
+
+        Returns the ids stored and the data-store blobs no longer used (arguments of
+        the tasks now done, results that came second), to remove.
+        """
         args: list[Any] = [
             self._task_prefix,
             repr(time.time()),
             self.result_ttl,
             endpoint_id,
             _raw([list(row) for row in results]),
+            self._data_prefix,
         ]
-        stored = await self._finish(keys=[self.keys.endpoint_inflight(endpoint_id)], args=args)
-        return [value.decode() for value in stored]
+        stored, drop = await self._finish(
+            keys=[self.keys.endpoint_inflight(endpoint_id)], args=args
+        )
+        return [value.decode() for value in stored], [value.decode() for value in drop]
 
     async def running(self, endpoint_id: str, task_ids: Sequence[str]) -> None:
         """Mark dispatched tasks of ``endpoint_id`` as running (its agent said so)."""
@@ -229,15 +269,17 @@ class TaskStore:
             total += await self.requeue(endpoint_id)
         return total
 
-    async def cancel(self, task_id: str, endpoint_id: str) -> str | None:
-        """Cancel a task not yet done; the agent connection holding it ('' if none)."""
-        conn = await self._cancel(
+    async def cancel(self, task_id: str, endpoint_id: str) -> tuple[str, str] | None:
+        """Cancel a task not yet done (None if it was): the agent connection holding it
+        ('' if none) and the data-store blob of its arguments ('' if none), to remove."""
+        done = await self._cancel(
             keys=[self._task_prefix + task_id, self.keys.endpoint_inflight(endpoint_id)],
-            args=[CANCELLED_RESULT, repr(time.time()), self.result_ttl, task_id],
+            args=[CANCELLED_RESULT, repr(time.time()), self.result_ttl, task_id, self._data_prefix],
         )
-        if conn is None:
+        if done is None:
             return None
-        return conn.decode() if isinstance(conn, bytes) else str(conn)
+        conn, data = done
+        return _text(conn), _text(data)
 
     async def info(self, task_ids: Sequence[str]) -> list[dict[str, Any] | None]:
         """Each task's fields (None for an unknown or expired task), without payloads."""

@@ -32,9 +32,11 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-__all__ = ["Principal", "Registry", "hash_token"]
+__all__ = ["Principal", "Registry", "TokenInfo", "hash_token"]
 
 TOKEN_PREFIX = "nimbus_"
+TOKEN_ID_CHARS = 12  # a token's ID: the start of its digest
+MIN_ID_CHARS = 6
 
 
 def hash_token(token: str) -> str:
@@ -62,6 +64,14 @@ class Token(_Base):
     user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
     endpoint_id: Mapped[str | None] = mapped_column(String(36), nullable=True, index=True)
     created: Mapped[float] = mapped_column(Float, default=time.time)
+
+
+class Revocation(_Base):
+    """A revoked token's digest, so that a running service drops it at once."""
+
+    __tablename__ = "revocations"
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    revoked: Mapped[float] = mapped_column(Float, default=time.time, index=True)
 
 
 class Function(_Base):
@@ -103,6 +113,16 @@ class Principal:
     user_id: str
     user_name: str
     endpoint_id: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A token as ``nimbus service token list`` shows it (never the token itself)."""
+
+    id: str  # the first TOKEN_ID_CHARS of its digest
+    user: str
+    endpoint: str  # the endpoint's name for an agent's token, else ""
+    created: float
 
 
 @dataclass(frozen=True)
@@ -201,6 +221,61 @@ class Registry:
                 .where(Token.digest == hash_token(token))
             ).first()
         return None if row is None else Principal(row[0], row[1], row[2])
+
+    def tokens(self) -> list[TokenInfo]:
+        """Every token, oldest first."""
+        with self._session() as session:
+            rows = session.execute(
+                select(Token.digest, User.name, Endpoint.name, Token.created)
+                .join(User, User.id == Token.user_id)
+                .outerjoin(Endpoint, Endpoint.id == Token.endpoint_id)
+                .order_by(Token.created)
+            ).all()
+        return [
+            TokenInfo(d[:TOKEN_ID_CHARS], user, ep or "", created) for d, user, ep, created in rows
+        ]
+
+    def revoke(self, name_or_id: str) -> list[TokenInfo]:
+        """Revoke every token of user ``name_or_id``, or the one token with that ID; what went.
+
+        Raises LookupError naming what is wrong when neither matches (or an ID is ambiguous).
+        """
+        with self._session.begin() as session:
+            query = (
+                select(Token.digest, User.name, Endpoint.name, Token.created)
+                .join(User, User.id == Token.user_id)
+                .outerjoin(Endpoint, Endpoint.id == Token.endpoint_id)
+            )
+            user = session.scalar(select(User.id).where(User.name == name_or_id))
+            if user is not None:
+                rows = session.execute(query.where(Token.user_id == user)).all()
+            elif len(name_or_id) >= MIN_ID_CHARS and all(
+                c in "0123456789abcdef" for c in name_or_id
+            ):
+                rows = session.execute(query.where(Token.digest.startswith(name_or_id))).all()
+                if not rows:
+                    raise LookupError(f"no token with ID {name_or_id}")
+                if len(rows) > 1:
+                    raise LookupError(f"token ID {name_or_id} is ambiguous: give more of it")
+            else:
+                raise LookupError(
+                    f"no user named {name_or_id!r}, and it is not a token ID (at least "
+                    f"{MIN_ID_CHARS} hex digits)"
+                )
+            digests = [row[0] for row in rows]
+            session.execute(delete(Token).where(Token.digest.in_(digests)))
+            now = time.time()
+            for digest in digests:
+                session.merge(Revocation(digest=digest, revoked=now))
+        return [TokenInfo(d[:TOKEN_ID_CHARS], u, ep or "", created) for d, u, ep, created in rows]
+
+    def revoked_since(self, since: float) -> list[tuple[str, float]]:
+        """``(digest, when)`` of the tokens revoked after ``since``."""
+        with self._session() as session:
+            rows = session.execute(
+                select(Revocation.digest, Revocation.revoked).where(Revocation.revoked > since)
+            ).all()
+        return [(digest, when) for digest, when in rows]
 
     def user_ids(self, names: list[str]) -> dict[str, str]:
         with self._session() as session:

@@ -1,7 +1,8 @@
 """Run the service: ``serve(settings, host, port)`` (``nimbus service start``).
 
 The task queues use ``Settings.redis_url``, or an embedded Redis the service
-starts in its runtime directory and stops on exit. With ``port=0`` the system
+starts in its runtime directory and stops on exit (kept on disk, in
+``<runtime_dir>/service/redis``, with ``--persist``). With ``port=0`` the system
 picks a free port; the URL the service listens on is printed on stdout, and
 written to ``url_file`` when given, once it accepts connections.
 """
@@ -13,9 +14,12 @@ import logging
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
 
 from nimbus import _loop
 from nimbus.config import Settings
+from nimbus.errors import ConfigError
+from nimbus.service.protocol import MESSAGE_BYTES
 from nimbus.statestore import StateStore
 
 __all__ = ["serve"]
@@ -24,11 +28,25 @@ log = logging.getLogger(__name__)
 
 
 def serve(
-    settings: Settings, host: str = "127.0.0.1", port: int = 8420, url_file: Path | None = None
+    settings: Settings,
+    host: str = "127.0.0.1",
+    port: int = 8420,
+    url_file: Path | None = None,
+    *,
+    persist: bool = False,
 ) -> None:
+    """Run the service until SIGTERM or SIGINT; ``persist`` keeps the embedded Redis on disk."""
     from nimbus.service.app import create_app
 
-    store = StateStore.from_settings(settings)
+    if persist and settings.redis_url:
+        raise ConfigError(
+            "--persist keeps the embedded Redis on disk; NIMBUS_REDIS_URL names your own "
+            "Redis: configure its persistence there (appendonly yes)"
+        )
+    persist_dir = settings.service_dir / "redis" if persist else None
+    store = StateStore.open(
+        settings.redis_url, settings.ensure_runtime_dir(), persist_dir=persist_dir
+    )
     try:
         app = create_app(settings, store.url)
         config = uvicorn.Config(
@@ -36,20 +54,32 @@ def serve(
             host=host,
             port=port,
             log_level="warning",
-            ws_max_size=max(16 << 20, min(settings.max_payload * 2, 1 << 31)),
+            ws_max_size=4 * MESSAGE_BYTES,  # larger payloads go through the data store
             ws_ping_interval=None,
             ws_per_message_deflate=False,  # payloads are pickles: compressing costs, gains little
             lifespan="on",
             timeout_graceful_shutdown=5,  # then connections still open are cut
         )
         server = uvicorn.Server(config)
-        _loop.run(_run(server, url_file))
+        _loop.run(_run(server, app, url_file))
     finally:
         store.close()
 
 
-async def _run(server: uvicorn.Server, url_file: Path | None) -> None:
+async def _end_waits_at_exit(server: uvicorn.Server, app: FastAPI) -> None:
+    """Once the server is told to stop, answer the long-polls now: uvicorn's graceful
+    shutdown waits for requests under way, and a long-poll may wait minutes."""
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    ctx = getattr(app.state, "ctx", None)
+    if ctx is not None:
+        ctx.hub.close()
+
+
+async def _run(server: uvicorn.Server, app: FastAPI, url_file: Path | None) -> None:
     task = asyncio.create_task(server.serve())
+    ender = asyncio.create_task(_end_waits_at_exit(server, app))
+    task.add_done_callback(lambda _: ender.cancel())
     while not server.started:
         if task.done():
             await task  # failed to start: raise why

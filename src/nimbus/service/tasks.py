@@ -16,24 +16,35 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Base64Bytes, BaseModel, Field
 
-from nimbus.errors import NotFound, PayloadTooLargeError, ServiceError
+from nimbus.errors import NotFound, ServiceError
 from nimbus.records import TaskRecord, TaskState
 from nimbus.service.context import ServiceContext
 from nimbus.service.deps import context, current_user
-from nimbus.service.protocol import MSGPACK, pack, unpack
+from nimbus.service.protocol import MSGPACK, data_ref, pack, too_large, unpack
 from nimbus.service.queues import CANCELLED_RESULT
 from nimbus.service.registry import Principal
 
-__all__ = ["cancel_tasks", "router", "submit_tasks"]
+__all__ = ["cancel_tasks", "router", "submit_tasks", "wire_row"]
 
 MAX_BATCH = 100_000
-Row = tuple[str, bytes, float | None]
+Row = tuple[str, bytes, float | None, str]
+
+
+def wire_row(function_id: object, payload: object, timeout: Any) -> Row:
+    """A submitted ``[function_id, payload | {"data": id}, timeout]`` as a Row."""
+    ref = data_ref(payload)
+    if ref is not None:
+        return str(function_id), b"", timeout, ref
+    return str(function_id), bytes(payload), timeout, ""  # type: ignore[call-overload]
 
 
 async def submit_tasks(
     ctx: ServiceContext, user: Principal, endpoint_id: str, rows: list[Row]
 ) -> tuple[str, list[str]]:
-    """Queue ``(function_id, payload, timeout)`` rows; the group id and the task ids."""
+    """Queue ``(function_id, payload, timeout, data_id)`` rows; the group id and the task ids.
+
+    A row with a ``data_id`` has its payload in the data store, uploaded by ``user``.
+    """
     if not rows:
         raise ServiceError("tasks: give at least one task", 422)
     if len(rows) > MAX_BATCH:
@@ -43,23 +54,21 @@ async def submit_tasks(
     for fn_id in {row[0] for row in rows}:
         fn = await ctx.function(user, fn_id)
         await ctx.check_versions(fn, endpoint)
-    for _, payload, timeout in rows:
+    for _, payload, timeout, _ in rows:
         if len(payload) > limit:
-            raise PayloadTooLargeError(
-                f"a task payload of {len(payload)} bytes exceeds the limit of {limit} bytes "
-                f"(NIMBUS_MAX_PAYLOAD on the service)"
-            )
+            raise too_large("a task payload", len(payload), limit)
         if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
             raise ServiceError(
                 f"tasks.timeout: must be a number of seconds > 0, not {timeout!r}", 422
             )
+    data_ids = [row[3] for row in rows if row[3]]
+    if len(set(data_ids)) < len(data_ids):
+        raise ServiceError("tasks.payload: each task needs its own data; upload it again", 409)
+    await ctx.data.check_arguments(user.user_id, data_ids)
     group_id = str(uuid.uuid4())
     ids = [str(uuid.uuid4()) for _ in rows]
     await ctx.store.submit(
-        user.user_id,
-        endpoint.id,
-        group_id,
-        [(task_id, fn, payload, timeout) for task_id, (fn, payload, timeout) in zip(ids, rows)],
+        user.user_id, endpoint.id, group_id, [(task_id, *row) for task_id, row in zip(ids, rows)]
     )
     return group_id, ids
 
@@ -70,11 +79,13 @@ async def cancel_tasks(ctx: ServiceContext, user: Principal, task_ids: list[str]
         if info is None or info["owner"] != user.user_id:
             out.append(False)
             continue
-        conn = await ctx.store.cancel(info["task_id"], info["endpoint"])
-        if conn is None:
+        cancelled = await ctx.store.cancel(info["task_id"], info["endpoint"])
+        if cancelled is None:
             out.append(False)
             continue
         out.append(True)
+        conn, data_id = cancelled
+        ctx.data.drop([data_id])
         if conn and (agent := ctx.hub.agents.get(conn)) is not None:
             await agent.send(pack({"op": "cancel", "ids": [info["task_id"]]}))
         await ctx.hub.deliver([[info["task_id"], TaskState.CANCELLED.value, CANCELLED_RESULT, b""]])
@@ -111,7 +122,12 @@ Ctx = Annotated[ServiceContext, Depends(context)]
 
 class TaskIn(BaseModel):
     function_id: str = Field(min_length=1, max_length=64)
-    payload: Base64Bytes
+    payload: Base64Bytes = Field(default=b"", description="the packed arguments, inline")
+    data: str | None = Field(
+        default=None,
+        max_length=64,
+        description="instead of payload: the data id (PUT /v1/data) of the packed arguments",
+    )
     timeout: float | None = Field(default=None, gt=0)
 
 
@@ -131,7 +147,10 @@ class Submitted(BaseModel):
 
 @router.post("/tasks", response_model=Submitted, status_code=201)
 async def submit(body: SubmitBody, user: User, ctx: Ctx) -> dict[str, Any]:
-    rows = [(t.function_id, t.payload, t.timeout) for t in body.tasks]
+    for i, t in enumerate(body.tasks):
+        if t.data is not None and t.payload:
+            raise ServiceError(f"tasks.{i}.data: give payload or data, not both", 422)
+    rows = [(t.function_id, t.payload, t.timeout, t.data or "") for t in body.tasks]
     group_id, ids = await submit_tasks(ctx, user, body.endpoint_id, rows)
     ctx.hub.work_arrived(body.endpoint_id)
     return {"group_id": group_id, "task_ids": ids}
@@ -152,20 +171,17 @@ async def submit(body: SubmitBody, user: User, ctx: Ctx) -> dict[str, Any]:
 async def submit_batch(request: Request, user: User, ctx: Ctx) -> Response:
     body = await request.body()
     if len(body) > ctx.settings.max_payload:  # sent without a Content-Length
-        raise PayloadTooLargeError(
-            f"request body of {len(body)} bytes exceeds the limit of {ctx.settings.max_payload} "
-            f"bytes (NIMBUS_MAX_PAYLOAD on the service)"
-        )
+        raise too_large("request body", len(body), ctx.settings.max_payload)
     try:
         msg = unpack(body)
         endpoint_id = msg["endpoint_id"]
-        rows = [(str(f), bytes(p), t) for f, p, t in msg["tasks"]]
+        rows = [wire_row(*task) for task in msg["tasks"]]
         if not isinstance(endpoint_id, str):
             raise TypeError("endpoint_id must be a string")
     except Exception as exc:
         raise ServiceError(
-            f"body: expected a msgpack map {{endpoint_id, tasks: [[function_id, payload, "
-            f"timeout], ...]}} ({type(exc).__name__}: {exc})",
+            f"body: expected a msgpack map {{endpoint_id, tasks: [[function_id, payload | "
+            f"{{data: data_id}}, timeout], ...]}} ({type(exc).__name__}: {exc})",
             422,
         ) from None
     group_id, ids = await submit_tasks(ctx, user, endpoint_id, rows)

@@ -21,8 +21,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from nimbus.errors import NimbusError, PayloadTooLargeError, ServiceError
 from nimbus.service.context import ServiceContext
 from nimbus.service.hub import Peer
-from nimbus.service.protocol import pack, unpack
-from nimbus.service.tasks import cancel_tasks, submit_tasks
+from nimbus.service.protocol import batches, data_ref, pack, unpack
+from nimbus.service.registry import hash_token
+from nimbus.service.tasks import cancel_tasks, submit_tasks, wire_row
 
 __all__ = ["agent_socket", "client_socket"]
 
@@ -44,8 +45,9 @@ async def _refuse(ws: WebSocket, exc: ServiceError) -> None:
 
 
 async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
+    token = bearer(ws.headers)
     try:
-        principal = await ctx.principal(bearer(ws.headers))
+        principal = await ctx.principal(token)
         if principal.endpoint_id is None:
             raise ServiceError("only an endpoint's own token may connect as its agent", 403)
     except ServiceError as exc:
@@ -58,7 +60,7 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     except WebSocketDisconnect:
         return
     conn_id = uuid.uuid4().hex
-    peer = Peer(conn_id, ws.send_bytes)
+    peer = Peer(conn_id, ws.send_bytes, digest=hash_token(token or ""), close=ws.close)
     window = max(1, int(hello.get("window", 1)))
     await ctx.store.set_status(
         endpoint_id,
@@ -79,9 +81,11 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
             msg = unpack(await asyncio.wait_for(ws.receive_bytes(), silence))
             op = msg.get("op")
             if op == "results":
-                rows = msg["results"]  # [task_id, state, [status, data, buffers], record]
-                packed = [[r[0], r[1], pack(r[2]), pack(r[3])] for r in rows]
-                stored = set(await ctx.store.finish(endpoint_id, packed))
+                rows = msg["results"]  # [task_id, state, [status, data, buffers] | ref, record]
+                packed = [[r[0], r[1], pack(r[2]), pack(r[3]), data_ref(r[2]) or ""] for r in rows]
+                done, drop = await ctx.store.finish(endpoint_id, packed)
+                ctx.data.drop(drop)
+                stored = set(done)
                 ids = [row[0] for row in rows]
                 sent.difference_update(ids)
                 room.set()
@@ -138,7 +142,7 @@ async def _dispatch(
                 await asyncio.wait_for(wake.wait(), IDLE_POLL)
             continue
         out = []
-        for task_id, function_id, payload, timeout in rows:
+        for task_id, function_id, payload, timeout, data_id in rows:
             body: bytes | None = None
             if function_id not in known:
                 try:
@@ -146,19 +150,23 @@ async def _dispatch(
                 except NimbusError:
                     body = b""  # deleted since: the agent fails the task with a clear error
                 known.add(function_id)
-            out.append([task_id, function_id, body, payload, timeout])
+            sent_payload: bytes | dict[str, str] = {"data": data_id} if data_id else payload
+            out.append([task_id, function_id, body, sent_payload, timeout])
             sent.add(task_id)
-        await peer.send(pack({"op": "tasks", "tasks": out}))
+        for batch in batches(out, _task_size):
+            await peer.send(pack({"op": "tasks", "tasks": batch}))
 
 
 async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
+    token = bearer(ws.headers)
     try:
-        user = await ctx.user(bearer(ws.headers))
+        user = await ctx.user(token)
     except ServiceError as exc:
         await _refuse(ws, exc)
         return
     await ws.accept()
-    peer = Peer(uuid.uuid4().hex, ws.send_bytes)
+    peer = Peer(uuid.uuid4().hex, ws.send_bytes, digest=hash_token(token or ""), close=ws.close)
+    ctx.hub.peers[peer.conn_id] = peer
     try:
         while True:
             msg = unpack(await ws.receive_bytes())
@@ -167,7 +175,7 @@ async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                 ref = msg.get("ref")
                 try:
                     endpoint_id = str(msg.get("endpoint_id", ""))
-                    rows = [(str(f), bytes(p), t) for f, p, t in msg.get("tasks", [])]
+                    rows = [wire_row(*task) for task in msg.get("tasks", [])]
                     group_id, ids = await submit_tasks(ctx, user, endpoint_id, rows)
                 except (ServiceError, PayloadTooLargeError) as exc:
                     status = exc.status if isinstance(exc, ServiceError) else 413
@@ -205,5 +213,10 @@ async def _watch(ctx: ServiceContext, user_id: str, ids: list[str], peer: Peer) 
     for task_id, result in zip(mine, await ctx.store.results(mine)):
         if result is not None:
             done.append([task_id, *result])
-    if done:
-        await ctx.hub.deliver(done)
+    for batch in batches(done, lambda row: len(row[2])):
+        await ctx.hub.deliver(batch)
+
+
+def _task_size(row: list[Any]) -> int:
+    body, payload = row[2], row[3]
+    return (len(body) if body else 0) + (len(payload) if isinstance(payload, bytes) else 64)
