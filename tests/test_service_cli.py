@@ -170,3 +170,40 @@ def test_token_revoke_bad_input(service: Service) -> None:
     nimbus(service, "service", "token", "create", "sam")
     assert nimbus(service, "service", "token", "revoke", "sam").startswith("revoked token")
     assert nimbus(service, "service", "token", "revoke", "sam").strip() == "user sam has no tokens"
+
+
+def test_revoking_a_users_token_cuts_the_store_urls_it_fetched(service: Service) -> None:
+    import redis
+
+    from nimbus.service.registry import hash_token
+    from service_support import EndpointProcess
+
+    leaked = nimbus(service, "service", "token", "create", "sam").strip()
+    kept = nimbus(service, "service", "token", "create", "sam").strip()
+    with service.client(kept) as client:
+        endpoint = EndpointProcess(service, client, "sam-lab").start(client)
+        try:
+            with service.client(leaked) as thief:
+                stolen = thief.store(endpoint.endpoint_id)["url"]
+            held = redis.Redis.from_url(stolen)
+            held.ping()  # connected before the revocation
+            nimbus(service, "service", "token", "revoke", hash_token(leaked)[:12])
+            assert _refused_soon(service, leaked)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # its connection is closed, its password gone
+                try:
+                    held.ping()
+                except redis.RedisError:
+                    break
+                time.sleep(0.1)
+            else:
+                pytest.fail("a connection made with a revoked token's store URL still works")
+            with pytest.raises(redis.RedisError), redis.Redis.from_url(stolen) as again:
+                again.ping()
+            held.close()
+            fresh = client.store(endpoint.endpoint_id)["url"]  # the kept token gets a new one
+            assert fresh != stolen
+            with redis.Redis.from_url(fresh) as works:
+                assert works.ping()
+        finally:
+            endpoint.stop()

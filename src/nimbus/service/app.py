@@ -76,19 +76,23 @@ async def _every(seconds: float, job: Callable[[], Awaitable[object]], what: str
 class _Revocations:
     """Tokens revoked by `nimbus service token revoke` (another process) take effect here."""
 
-    def __init__(self, ctx: ServiceContext) -> None:
+    def __init__(self, ctx: ServiceContext, app_state: Any) -> None:
         self.ctx = ctx
+        self.app_state = app_state
         self.since = time.time() - REVOCATION_SLACK
         self.seen: set[str] = set()
 
     async def __call__(self) -> None:
         rows = await run_in_threadpool(self.ctx.registry.revoked_since, self.since)
-        new = {digest for digest, _ in rows} - self.seen
+        new = {digest for digest, _, _ in rows} - self.seen
         if new:
             self.seen |= new
             await self.ctx.revoked(new)
+            users = {user for digest, _, user in rows if digest in new and user}
+            if users:  # a user's token may have fetched store URLs: those stop working
+                await run_in_threadpool(stores.forget_users, self.app_state, users)
         # a clock's worth of slack: a revocation committed just now may bear an older time
-        self.since = max([self.since, *(when - REVOCATION_SLACK for _, when in rows)])
+        self.since = max([self.since, *(when - REVOCATION_SLACK for _, when, _ in rows)])
 
 
 def create_app(settings: Settings, redis_url: str) -> FastAPI:
@@ -103,7 +107,9 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         ctx = app.state.ctx = ServiceContext(settings, registry, store, Hub(), data)
         jobs = [
             asyncio.create_task(_every(SWEEP_SECONDS, data.sweep, "sweeping the data store")),
-            asyncio.create_task(_every(REVOCATION_POLL, _Revocations(ctx), "revoking tokens")),
+            asyncio.create_task(
+                _every(REVOCATION_POLL, _Revocations(ctx, app.state), "revoking tokens")
+            ),
         ]
         try:
             yield

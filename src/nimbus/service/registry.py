@@ -72,6 +72,8 @@ class Revocation(_Base):
     __tablename__ = "revocations"
     digest: Mapped[str] = mapped_column(String(64), primary_key=True)
     revoked: Mapped[float] = mapped_column(Float, default=time.time, index=True)
+    # the user whose own (not an endpoint's) token this was: their store credentials go too
+    user_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
 
 
 class Function(_Base):
@@ -242,7 +244,14 @@ class Registry:
         """
         with self._session.begin() as session:
             query = (
-                select(Token.digest, User.name, Endpoint.name, Token.created)
+                select(
+                    Token.digest,
+                    User.name,
+                    Endpoint.name,
+                    Token.created,
+                    Token.user_id,
+                    Token.endpoint_id,
+                )
                 .join(User, User.id == Token.user_id)
                 .outerjoin(Endpoint, Endpoint.id == Token.endpoint_id)
             )
@@ -265,17 +274,23 @@ class Registry:
             digests = [row[0] for row in rows]
             session.execute(delete(Token).where(Token.digest.in_(digests)))
             now = time.time()
-            for digest in digests:
-                session.merge(Revocation(digest=digest, revoked=now))
-        return [TokenInfo(d[:TOKEN_ID_CHARS], u, ep or "", created) for d, u, ep, created in rows]
+            for digest, *_, user_id, endpoint_id in rows:
+                owner = user_id if endpoint_id is None else None
+                session.merge(Revocation(digest=digest, revoked=now, user_id=owner))
+        return [
+            TokenInfo(d[:TOKEN_ID_CHARS], u, ep or "", created) for d, u, ep, created, *_ in rows
+        ]
 
-    def revoked_since(self, since: float) -> list[tuple[str, float]]:
-        """``(digest, when)`` of the tokens revoked after ``since``."""
+    def revoked_since(self, since: float) -> list[tuple[str, float, str | None]]:
+        """``(digest, when, user id)`` of the tokens revoked after ``since``; the user
+        id is given for a user's own token (not an endpoint's)."""
         with self._session() as session:
             rows = session.execute(
-                select(Revocation.digest, Revocation.revoked).where(Revocation.revoked > since)
+                select(Revocation.digest, Revocation.revoked, Revocation.user_id).where(
+                    Revocation.revoked > since
+                )
             ).all()
-        return [(digest, when) for digest, when in rows]
+        return [(digest, when, user_id) for digest, when, user_id in rows]
 
     def user_ids(self, names: list[str]) -> dict[str, str]:
         with self._session() as session:

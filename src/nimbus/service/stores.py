@@ -30,7 +30,10 @@ locks use to tell whether a holder is alive (``ID``, ``SETNAME``, ``GETNAME``,
 ``REPLY``, ``LIST``). What a user can still learn of others: client names and
 addresses (``CLIENT LIST``) and key *names* (``SCAN``, which the program's
 keepalive needs; Redis does not filter it by ACL), never values. A store URL
-stays valid while the service runs, even after the user's token is revoked.
+stays valid while the service runs, until one of the user's own tokens is
+revoked: then the ACL user is deleted (its connections closed, so the user's
+running programs on endpoints lose their store) and the next URL carries a
+new password. Revoking an endpoint's token leaves the store alone.
 """
 
 from __future__ import annotations
@@ -101,12 +104,22 @@ class StoreServer:
             driver_info=None,
         )
         self._users: set[str] = set()
+        self._generations: dict[str, int] = {}  # a user's password changes when they forget it
+
+    def forget(self, user_id: str) -> None:
+        """Drop ``user_id``'s ACL user and its connections; the next URL has a new password."""
+        self._generations[user_id] = self._generations.get(user_id, 0) + 1
+        self._users.discard(user_id)
+        self._admin.acl_deluser("nimbus-" + key_prefix(user_id))  # closes its connections
 
     def store(self, user_id: str, advertised_host: str) -> dict[str, Any]:
         """Create (once) the ACL user of ``user_id``; its URL and key prefix."""
         prefix = key_prefix(user_id)
         name = "nimbus-" + prefix
-        password = hmac.new(self._secret, user_id.encode(), hashlib.sha256).hexdigest()
+        generation = self._generations.get(user_id, 0)
+        password = hmac.new(
+            self._secret, f"{user_id}:{generation}".encode(), hashlib.sha256
+        ).hexdigest()
         if user_id not in self._users:
             pattern = "nimbus:{" + prefix + ".*"
             self._admin.acl_setuser(
@@ -131,6 +144,15 @@ class StoreServer:
 
 
 _start_lock = threading.Lock()
+
+
+def forget_users(state: Any, user_ids: set[str]) -> None:
+    """After their tokens were revoked: the store URLs handed to these users stop working."""
+    with _start_lock:
+        server: StoreServer | None = getattr(state, "store_server", None)
+        if server is not None:
+            for user_id in user_ids:
+                server.forget(user_id)
 
 
 def _user_store(state: Any, settings: Settings, user_id: str, host: str) -> dict[str, Any]:
