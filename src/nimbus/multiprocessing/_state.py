@@ -37,7 +37,7 @@ from nimbus.config import Settings
 from nimbus.errors import SerializationError, StateStoreError
 from nimbus.keys import Keys
 
-__all__ = ["Program", "adopt", "dumps", "is_root", "program"]
+__all__ = ["Program", "adopt", "current", "dumps", "is_root", "program"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,14 @@ def program(settings: Settings | None = None) -> Program:
             except redis.RedisError as exc:
                 raise StateStoreError(f"cannot use the state store: {exc}") from exc
         return _root.program
+
+
+def current() -> Program | None:
+    """The program of this process if it has one already (never starts one)."""
+    if _adopted is not None:
+        return _adopted
+    root = _root
+    return root.program if root is not None and root.pid == os.getpid() else None
 
 
 def is_root() -> bool:

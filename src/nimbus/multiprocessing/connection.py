@@ -61,7 +61,8 @@ from typing import Any
 from nimbus import serialization
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
-from nimbus.multiprocessing import _state
+from nimbus.multiprocessing import _direct, _state
+from nimbus.multiprocessing._direct import MARK, SWITCH, Lane
 from nimbus.multiprocessing._link import link
 from nimbus.multiprocessing._state import Program, program
 
@@ -78,9 +79,10 @@ __all__ = [
 ]
 
 MESSAGE = b"B"
-EOS = b"E"
+EOS = _direct.EOS
 PREFETCH = 64  # most messages a reader takes from the store at once
 _TIGHT_LOOP = 0.001  # a reader back within this many seconds is in a loop: prefetch more
+_SLICE = 0.01  # seconds: how long wait() looks at one source when it must take turns
 
 # Decrement the references of an end; at zero push end-of-stream to the list it writes.
 _RELEASE = """
@@ -137,7 +139,8 @@ class Connection:
     """One end of a :func:`Pipe`, or a reader or writer of a shared list.
 
     ``refs`` is the key counting the copies of this end (None for the ends of
-    a queue, which never signal end-of-stream).
+    a queue, which never signal end-of-stream); ``lanes`` are the directions
+    of a pipe it reads and writes, which may go direct (see ``_direct``).
     """
 
     def __init__(
@@ -146,11 +149,16 @@ class Connection:
         read_key: str | None,
         write_key: str | None,
         refs: str | None = None,
+        lanes: tuple[Lane | None, Lane | None] | None = None,
     ) -> None:
         self._program = prog
         self._read_key = read_key
         self._write_key = write_key
         self._refs = refs
+        self._lanes = lanes
+        read_lane, write_lane = lanes or (None, None)
+        self._reader = _direct.Reader(prog, read_lane) if read_lane is not None else None
+        self._writer = _direct.Writer(prog, write_lane) if write_lane is not None else None
         self._buffer: collections.deque[bytes] = collections.deque()
         self._eof = False
         self._closed = False
@@ -171,7 +179,15 @@ class Connection:
         self._finalizer = util.Finalize(
             self,
             _release_quietly,
-            (self._program, self._read_key, self._write_key, self._refs, self._buffer),
+            (
+                self._program,
+                self._read_key,
+                self._write_key,
+                self._refs,
+                self._buffer,
+                self._reader,
+                self._writer,
+            ),
             exitpriority=10,
         )
 
@@ -212,6 +228,9 @@ class Connection:
     # -- sending
 
     def _send_message(self, message: bytes) -> None:
+        writer = self._writer
+        if writer is not None and writer.send(message):
+            return
         key = self._write_key
         assert key is not None
         link(self._program).push(key, message, self._program.ttl_ms)
@@ -245,7 +264,30 @@ class Connection:
     # -- receiving
 
     def _ready(self) -> bool:
-        return bool(self._buffer) or self._eof
+        if self._eof:
+            return True
+        reader = self._reader
+        if reader is None:
+            return bool(self._buffer)
+        buffer = self._buffer
+        while True:
+            if reader.ready:
+                return True
+            if reader.source is not None:  # after a switch: the writer's direct messages
+                if reader.fill(0):
+                    return True
+                if reader.source is not None:
+                    return False
+                continue  # the writer reverted: the list again
+            if not buffer:
+                return False
+            kind = buffer[0][:1]
+            if kind == SWITCH:
+                reader.marker(buffer.popleft())
+            elif kind == MARK:
+                buffer.popleft()
+            else:
+                return True
 
     def _fill_commands(self, timeout: float | None) -> list[tuple[Any, ...]]:
         """BLPOP (blocking) and, for a reader in a tight loop, LPOP of more."""
@@ -271,6 +313,18 @@ class Connection:
     def _poll(self, timeout: float | None) -> bool:
         if self._ready():
             return True
+        reader = self._reader
+        if reader is not None:
+            if reader.claim is None:
+                reader.try_claim()
+            if reader.source is not None:
+                start = time.monotonic()
+                if reader.fill(timeout) or reader.source is not None:
+                    return self._ready()
+                if self._ready():  # the writer reverted: wait in the list for the rest
+                    return True
+                if timeout is not None:
+                    timeout = max(0.0, timeout - (time.monotonic() - start))
         if timeout is not None and timeout <= 0:
             replies = link(self._program).call(("LPOP", self._read_key, self._batch))
             self._take(None, replies[0])
@@ -281,11 +335,20 @@ class Connection:
         return self._ready()
 
     def _recv_message(self) -> bytes:
+        reader = self._reader
+        if reader is not None and reader.source is not None and not reader.ready:
+            reader.fill(None)  # the direct path: straight to the writer's next message
         while not self._ready():
             self._poll(None)
         self._last = time.monotonic()
         if self._eof:
             raise EOFError
+        if reader is not None and reader.ready:
+            message = reader.ready.popleft()
+            if message == EOS:  # this end has no other copy: nothing to leave behind
+                self._eof = True
+                raise EOFError
+            return message
         message = self._buffer.popleft()
         if message[:1] == EOS:
             self._eof = True
@@ -348,7 +411,15 @@ class Connection:
         if not self._closed:
             self._closed = True
             self._finalizer.cancel()
-            _release(self._program, self._read_key, self._write_key, self._refs, self._buffer)
+            _release(
+                self._program,
+                self._read_key,
+                self._write_key,
+                self._refs,
+                self._buffer,
+                self._reader,
+                self._writer,
+            )
 
     def __enter__(self) -> Connection:
         return self
@@ -360,11 +431,18 @@ class Connection:
 
     def __reduce__(self) -> tuple[Any, ...]:
         self._check_closed()
+        # another copy may read or write: this one stops going direct first
+        if self._reader is not None and self._reader.claim is not None:
+            self._push_back()
+            self._reader.give_up()
+        if self._writer is not None:
+            self._writer.revert()
         if self._refs is not None:  # the copy's reference is taken now, not when unpickled
             link(self._program).call(
                 ("INCR", self._refs), ("PEXPIRE", self._refs, self._program.ttl_ms)
             )
-        return (Connection, (self._program, self._read_key, self._write_key, self._refs))
+        args = (self._program, self._read_key, self._write_key, self._refs, self._lanes)
+        return (Connection, args)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -383,13 +461,19 @@ def _release(
     write_key: str | None,
     refs: str | None,
     buffer: collections.deque[bytes],
+    reader: _direct.Reader | None = None,
+    writer: _direct.Writer | None = None,
 ) -> None:
     """Give back prefetched messages and this copy's reference (quietly at exit)."""
     try:
         if buffer:
             _push_back(prog, read_key, buffer)
+        if reader is not None:
+            reader.drop()
         if refs is not None:
-            eos = "1" if write_key is not None else "0"
+            # a direct writer (the only copy of its end) sent end-of-stream itself
+            direct_eos = writer is not None and writer.close()
+            eos = "1" if write_key is not None and not direct_eos else "0"
             link(prog).call(("EVAL", _RELEASE, 2, refs, write_key or refs, eos, prog.ttl_ms))
     except (StateStoreError, OSError):
         if not util.is_exiting():
@@ -416,9 +500,16 @@ def Pipe(duplex: bool = True, *, prog: Program | None = None) -> tuple[Connectio
         ("SET", refs0, 1, "PX", ttl),
         ("SET", refs1, 1, "PX", ttl),
     )
+    lane0, lane1 = _direct.lanes(keys, name)
     if duplex:
-        return (Connection(prog, list0, list1, refs0), Connection(prog, list1, list0, refs1))
-    return (Connection(prog, list0, None, refs0), Connection(prog, None, list0, refs1))
+        return (
+            Connection(prog, list0, list1, refs0, (lane0, lane1)),
+            Connection(prog, list1, list0, refs1, (lane1, lane0)),
+        )
+    return (
+        Connection(prog, list0, None, refs0, (lane0, None)),
+        Connection(prog, None, list0, refs1, (None, lane0)),
+    )
 
 
 # ---------------------------------------------------------------- wait
@@ -431,7 +522,9 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
     takes (file descriptors, objects with ``fileno()``, stdlib connections,
     sockets, process sentinels). Without file descriptors it blocks in one
     BLPOP over every nimbus connection's list; with both, a helper thread waits
-    on the descriptors and wakes the BLPOP through a private list.
+    on the descriptors and wakes the BLPOP through a private list. A connection
+    reading directly from its writer is waited on in slices of ``_SLICE``
+    seconds, in turn with the others (or alone, if it is the only one).
     """
     objects = list(object_list)
     ours = [o for o in objects if isinstance(o, Connection)]
@@ -444,6 +537,8 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
         return _in_order(objects, ready)
     if not ours:
         return _std.wait(others, timeout)
+    if any(c._reader is not None and c._reader.source is not None for c in ours):
+        return _in_order(objects, _wait_sliced(ours, others, deadline))
     if not others and len({c._program.url for c in ours}) == 1:
         return _in_order(objects, _blpop(ours, timeout, None))
     return _in_order(objects, _wait_mixed(ours, others, deadline))
@@ -479,6 +574,30 @@ def _blpop(ours: list[Connection], timeout: float | None, wake: str | None) -> l
                 conn._buffer.append(popped[1])
                 break
     return _ours_ready(ours, block=False) if popped is not None else []
+
+
+def _wait_sliced(ours: list[Connection], others: list[Any], deadline: float | None) -> list[Any]:
+    """Wait on direct connections and the rest in turn, a short slice each."""
+    while True:
+        direct = [c for c in ours if c._reader is not None and c._reader.source is not None]
+        rest = [c for c in ours if c._reader is None or c._reader.source is None]
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if len(direct) == 1 and not rest and not others:
+            direct[0]._poll(remaining)  # the common case: no slicing
+        else:
+            piece = _SLICE if remaining is None else min(_SLICE, remaining)
+            for conn in direct:
+                conn._poll(piece / len(direct) if not rest and not others else 0.0)
+            by_url: dict[str, list[Connection]] = collections.defaultdict(list)
+            for conn in rest:
+                by_url[conn._program.url].append(conn)
+            for group in by_url.values():
+                _blpop(group, piece / len(by_url), None)
+            if others and not by_url:
+                _std.wait(others, piece)
+        ready = _ours_ready(ours, block=False) + (_std.wait(others, 0) if others else [])
+        if ready or (deadline is not None and time.monotonic() >= deadline):
+            return ready
 
 
 def _wait_mixed(ours: list[Connection], others: list[Any], deadline: float | None) -> list[Any]:
