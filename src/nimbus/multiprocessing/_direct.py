@@ -21,12 +21,24 @@ end (a second writer copy) or finds the claim gone *reverts*: ``R`` as its
 last direct message, then the marker ``M`` as its first item in the list.
 
 A holder that pickles its end (another process may read it next) gives the
-claim up: what it took but did not deliver goes back into the list, and the
-switched writer's direct messages that reach it afterwards are *forwarded*
-into the list, placed before that writer's ``M`` if it is there already (so
-they precede the writer's later store messages), by a thread that ends at
-``R`` or ``E``. Closing a held end ends the lane (its only reader copy is
-gone); the writer notices the claim is gone within ``CHECK``.
+claim up, and what it took but did not deliver goes back into the list. If its
+writer had already reverted, the writer's direct messages still on their way
+(up to ``R``) go in before the writer's ``M``. If it had not, the give-up
+*parks* the writer: its store messages after its revert wait in a side list,
+while a thread of the old holder forwards the direct messages that still reach
+it to the end of the list; at ``R`` (or ``E``, or the writer's death) the
+parked messages follow them and the lane is free again. No reader can read
+past a message that is still on its way, whatever the timing. One switch per
+claim: a holder that reads ``R`` claims afresh. Closing a held end ends the
+lane (its only reader copy is gone); the writer notices within ``CHECK``.
+
+What still goes through the store, and why: every direction with more than
+one copy of an end (competing readers or writers: the list is what they
+share), messages sent before the switch (the reader may not be an instance
+yet), ends used by processes outside the program, and the hand-over of a
+claim (forwarding). A holder killed while forwarding loses what it held (the
+stdlib would not); a writer that pickles its end while parked may see its
+parked messages overtaken by the new copy's.
 """
 
 from __future__ import annotations

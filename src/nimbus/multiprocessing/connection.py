@@ -1,4 +1,4 @@
-"""Pipes over the state store, with the API of ``multiprocessing.connection``.
+"""Pipes between processes, with the API of ``multiprocessing.connection``.
 
 ::
 
@@ -9,20 +9,35 @@
         +-- local buffer of prefetched messages      close(): last copy ---+
                                                      pushes end-of-stream
 
+    once both ends of a direction are live instances with one copy each (_direct):
+    send(obj) --nimbus.messaging, a socket (tag: the direction)-------> recv()
+
 Each direction of a :func:`Pipe` is a Redis list named by the end that reads
 it. Every list element is one message: ``b"B"`` + the bytes, or ``b"E"``, the
-end-of-stream marker. A send writes its RPUSH (and the PEXPIRE that renews the
-list's TTL) asking the store for no reply, so a send costs one ``write``; a receive blocks in BLPOP and takes up to
+end-of-stream marker (or a marker of the switch below). A send writes its RPUSH
+(and the PEXPIRE that renews the list's TTL) asking the store for no reply, so
+a send costs one ``write``; a receive blocks in BLPOP and takes up to
 63 more waiting messages with a pipelined ``LPOP key count``, keeping them in a
 local buffer that :meth:`Connection.poll`, :meth:`Connection.recv` and
 :func:`wait` see. On close (explicit, at garbage collection or at process exit)
 prefetched messages are pushed back to the head of the list.
 
+A direction *switches* to direct messaging (``nimbus.multiprocessing._direct``)
+when its reading end and its writing end each have one copy, in processes of
+the program that are instances: the reader claims the direction when it starts
+reading, the writer finds the claim within 20 ms of sending and puts a switch
+marker in the list, and from there sends straight to the reader's socket; the
+reader reads the list up to the marker, then the writer's direct messages, so
+every message arrives once and in order. Pickling either end (a second copy),
+closing it, or the peer's death goes back to the store the same way, in band.
+``NIMBUS_MESSAGING_DIRECT=0`` keeps every message in the store.
+
 An end may be pickled to other processes, like a file descriptor inherited by a
 child: each copy holds a reference (taken when it is pickled), and when the
 last copy of an end is closed an end-of-stream marker is pushed to the list the
-peer reads, so the peer's ``recv`` raises :class:`EOFError` once it has read
-everything before it. A send to an end whose copies are all closed is dropped
+peer reads (or sent directly), so the peer's ``recv`` raises :class:`EOFError`
+once it has read everything before it; so does a direct reader whose only
+writer died. A send to an end whose copies are all closed is dropped
 (the stdlib raises ``BrokenPipeError``). :meth:`Connection.fileno` raises
 :class:`OSError`: there is no file descriptor; use :func:`wait` instead of
 ``select``.
@@ -106,14 +121,15 @@ def seconds(timeout: float) -> str:
 # ---------------------------------------------------------------- payloads
 
 
-def pack(obj: object) -> bytes:
-    """Pickle ``obj`` into one message: a plain pickle, or framed with its buffers."""
+def pack(obj: object, prefix: bytes = b"") -> bytes:
+    """Pickle ``obj`` into one message (after ``prefix``): a plain pickle, or framed
+    with its buffers (joined once: no second copy of a large buffer for the prefix)."""
     data, buffers = _state.dumps(obj)
     if not buffers:
-        return data
+        return prefix + data
     raws = [b.raw() for b in buffers]
     head = struct.pack(f"<I{len(raws) + 1}Q", len(raws), len(data), *(r.nbytes for r in raws))
-    return b"".join((b"O", head, data, *raws))
+    return b"".join((prefix, b"O", head, data, *raws))
 
 
 def unpack(message: bytes | memoryview) -> Any:
@@ -259,7 +275,7 @@ class Connection:
         """Send a picklable object."""
         self._check_closed()
         self._check_writable()
-        self._send_message(MESSAGE + pack(obj))
+        self._send_message(pack(obj, MESSAGE))
 
     # -- receiving
 
