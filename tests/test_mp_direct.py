@@ -7,9 +7,12 @@ order, then EOF) and, through the ends' private state, which path was taken.
 
 from __future__ import annotations
 
+import os
+import pickle
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 import nimbus.multiprocessing as mp
@@ -119,6 +122,31 @@ def test_echo_goes_direct_in_both_directions_and_ends_with_eof() -> None:
     a.close()  # the child's recv ends with EOF (sent directly), and it exits
     p.join(30)
     assert p.exitcode == 0
+
+
+def test_large_objects_and_arrays_travel_directly_unframed() -> None:
+    r, w = mp.Pipe(duplex=False)
+    out_r, out_w = mp.Pipe(duplex=False)
+    p = _start(_read_all, r, out_w)
+    r.close()
+    out_w.close()
+    deadline = time.monotonic() + 30
+    while w._writer is not None and w._writer.peer is None:  # until the switch
+        assert time.monotonic() < deadline, "the writer never switched"
+        w.send("warm")
+        time.sleep(0.005)
+    big = os.urandom(300_000)
+    arr = np.arange(100_000, dtype=np.float64)
+    w.send((big, arr, "tail"))
+    w.send_bytes(pickle.dumps(arr, protocol=5))  # a pickle sent as bytes, read as an object
+    w.close()
+    got, direct = out_r.recv()  # back over a pipe that switched too: large, unframed
+    p.join(30)
+    assert direct
+    assert set(got[:-2]) == {"warm"}
+    assert got[-2][0] == big and got[-2][2] == "tail"
+    assert np.array_equal(got[-2][1], arr) and got[-2][1].flags.writeable
+    assert np.array_equal(got[-1], arr)
 
 
 def test_flood_keeps_order_and_exactly_once_across_the_switch() -> None:

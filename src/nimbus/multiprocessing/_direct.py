@@ -44,11 +44,15 @@ parked messages overtaken by the new copy's.
 from __future__ import annotations
 
 import collections
+import pickle
 import secrets
+import struct
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import util
+from typing import Any
 
 from nimbus.errors import PeerExited, PeerLost
 from nimbus.keys import Keys
@@ -58,8 +62,21 @@ from nimbus.multiprocessing import _state
 from nimbus.multiprocessing._link import Link, Script, link
 from nimbus.multiprocessing._state import Program
 
-__all__ = ["EOS", "MARK", "REVERT", "SWITCH", "Lane", "Reader", "Writer", "lanes"]
+__all__ = [
+    "EOS",
+    "MARK",
+    "MESSAGE",
+    "REVERT",
+    "SWITCH",
+    "Lane",
+    "Reader",
+    "Writer",
+    "as_message",
+    "frame",
+    "lanes",
+]
 
+MESSAGE = b"B"  # in the list: "B" + a message
 EOS = b"E"
 SWITCH = b"S"  # in the list: "S" + holder claim + "|" + switch id
 MARK = b"M"  # in the list: "M" + switch id, where a reverted writer's store messages start
@@ -157,6 +174,25 @@ return 1
 """)
 
 
+# A direct message is a list element (bytes), or an object's pickle and its buffers
+# (a tuple, sent without framing: the buffers go straight to the socket).
+Item = bytes | tuple[Any, ...]
+
+
+def frame(prefix: bytes, data: bytes, buffers: Sequence[Any]) -> bytes:
+    """One message of a pickle and its out-of-band buffers: ``prefix`` "O" sizes data..."""
+    raws = [b.raw() if isinstance(b, pickle.PickleBuffer) else memoryview(b) for b in buffers]
+    head = struct.pack(f"<I{len(raws) + 1}Q", len(raws), len(data), *(r.nbytes for r in raws))
+    return b"".join((prefix, b"O", head, data, *raws))
+
+
+def as_message(item: Item) -> bytes:
+    """The list element (``MESSAGE`` + bytes) of a direct message."""
+    if isinstance(item, bytes):
+        return item
+    return frame(MESSAGE, item[0], item[1:])
+
+
 @dataclass(frozen=True)
 class Lane:
     """One direction of a pipe: its list and the keys of its switch."""
@@ -204,7 +240,7 @@ class Reader:
         self.claim: str | None = None  # our claim while we hold the lane
         self.source: str | None = None  # the switched writer we read, after its "S"
         self.sid: str | None = None
-        self.ready: collections.deque[bytes] = collections.deque()  # direct, not delivered
+        self.ready: collections.deque[Item] = collections.deque()  # direct, not delivered
         self._reverted: set[str] = set()  # switches whose "R" we read
         self._next_try = 0.0
 
@@ -260,7 +296,8 @@ class Reader:
         )
         sid, _, rest = (record or b"").decode().partition("|")
         switched_to, _, state = rest.partition("|")
-        ready, self.ready = list(self.ready), collections.deque()
+        ready: list[Item] = list(self.ready)
+        self.ready = collections.deque()
         self.source = self.sid = None
         if not sid or switched_to != claim or sid in self._reverted:
             return
@@ -297,7 +334,7 @@ class Writer:
         self._parked_at = 0.0
         self._next_check = 0.0
 
-    def send(self, message: bytes) -> bool:
+    def send(self, message: Item) -> bool:
         """Send ``message`` directly if switched (looking at the holder every CHECK
         seconds); False: the caller pushes it to the list."""
         now = time.monotonic()
@@ -310,7 +347,7 @@ class Writer:
             except (PeerLost, PeerExited):  # the only reader copy is gone: the list will do
                 self.revert(notify=False)
         if self.parked is not None:
-            self._push_parked(message)
+            self._push_parked(as_message(message))
             return True
         return False
 
@@ -388,8 +425,8 @@ class Writer:
 
 
 def _collect(
-    source: str, tag: str, items: list[bytes], *, block: bool
-) -> tuple[list[bytes], str | None]:
+    source: str, tag: str, items: list[Item], *, block: bool
+) -> tuple[list[Item], str | None]:
     """A switched writer's direct messages: those waiting (or, with ``block``, all up to
     its "R"), and how its stream ended: "R", "E", "lost" (it died) or None (not yet)."""
     if items and items[-1] == EOS:
@@ -408,21 +445,21 @@ def _collect(
     return items, None
 
 
-def _insert(store: Link, prog: Program, lane: Lane, sid: str, items: list[bytes]) -> None:
+def _insert(store: Link, prog: Program, lane: Lane, sid: str, items: list[Item]) -> None:
     """Put ``items`` into the list before the writer's "M" (or last, if it is not there)."""
     pivot = MARK + sid.encode()
     for start in range(0, len(items), _BATCH):
-        batch = items[start : start + _BATCH]
+        batch = [as_message(item) for item in items[start : start + _BATCH]]
         store.eval(_INSERT, [lane.list], [pivot, prog.ttl_ms, *batch])
 
 
 def _finish(
-    store: Link, prog: Program, lane: Lane, sid: str, items: list[bytes], end: str | None
+    store: Link, prog: Program, lane: Lane, sid: str, items: list[Item], end: str | None
 ) -> None:
     """Forward ``items`` to the end of the list; when the writer's stream has ended,
     its parked store messages follow (and end-of-stream, if it died)."""
     for start in range(0, len(items), _BATCH):
-        batch = items[start : start + _BATCH]
+        batch = [as_message(item) for item in items[start : start + _BATCH]]
         store.call(("RPUSH", lane.list, *batch), ("PEXPIRE", lane.list, prog.ttl_ms))
     if end is not None:
         store.eval(_UNPARK, [lane.park, lane.parked, lane.list], [sid, prog.ttl_ms])

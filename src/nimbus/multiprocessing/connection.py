@@ -77,7 +77,7 @@ from nimbus import serialization
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
 from nimbus.multiprocessing import _direct, _state
-from nimbus.multiprocessing._direct import MARK, SWITCH, Lane
+from nimbus.multiprocessing._direct import MARK, MESSAGE, SWITCH, Lane, as_message, frame
 from nimbus.multiprocessing._link import link
 from nimbus.multiprocessing._state import Program, program
 
@@ -93,10 +93,11 @@ __all__ = [
     "wait",
 ]
 
-MESSAGE = b"B"
 EOS = _direct.EOS
 PREFETCH = 64  # most messages a reader takes from the store at once
 _TIGHT_LOOP = 0.001  # a reader back within this many seconds is in a loop: prefetch more
+_PLAIN = (bytes, str)  # pickled the same with or without the program's reducers
+_SMALL = serialization.OOB_THRESHOLD  # below this, bytes are pickled in band anyway
 _SLICE = 0.01  # seconds: how long wait() looks at one source when it must take turns
 
 # Decrement the references of an end; at zero push end-of-stream to the list it writes.
@@ -127,9 +128,7 @@ def pack(obj: object, prefix: bytes = b"") -> bytes:
     data, buffers = _state.dumps(obj)
     if not buffers:
         return prefix + data
-    raws = [b.raw() for b in buffers]
-    head = struct.pack(f"<I{len(raws) + 1}Q", len(raws), len(data), *(r.nbytes for r in raws))
-    return b"".join((prefix, b"O", head, data, *raws))
+    return frame(prefix, data, buffers)
 
 
 def unpack(message: bytes | memoryview) -> Any:
@@ -247,6 +246,9 @@ class Connection:
         writer = self._writer
         if writer is not None and writer.send(message):
             return
+        self._push(message)
+
+    def _push(self, message: bytes) -> None:
         key = self._write_key
         assert key is not None
         link(self._program).push(key, message, self._program.ttl_ms)
@@ -275,7 +277,16 @@ class Connection:
         """Send a picklable object."""
         self._check_closed()
         self._check_writable()
-        self._send_message(pack(obj, MESSAGE))
+        if type(obj) in _PLAIN and len(obj) < _SMALL:  # type: ignore[arg-type]
+            self._send_message(MESSAGE + pickle.dumps(obj, serialization.PROTOCOL))
+            return
+        data, buffers = _state.dumps(obj)
+        if not buffers:
+            self._send_message(MESSAGE + data)
+            return
+        writer = self._writer  # directly, the buffers travel as they are (no framing copy)
+        if writer is None or not writer.send((data, *buffers)):
+            self._push(frame(MESSAGE, data, buffers))
 
     # -- receiving
 
@@ -351,6 +362,9 @@ class Connection:
         return self._ready()
 
     def _recv_message(self) -> bytes:
+        return as_message(self._recv_item())
+
+    def _recv_item(self) -> bytes | tuple[Any, ...]:
         reader = self._reader
         if reader is not None and reader.source is not None and not reader.ready:
             reader.fill(None)  # the direct path: straight to the writer's next message
@@ -412,7 +426,10 @@ class Connection:
         """Receive a picklable object."""
         self._check_closed()
         self._check_readable()
-        return unpack(memoryview(self._recv_message())[1:])
+        message = self._recv_item()
+        if isinstance(message, bytes):
+            return unpack(memoryview(message)[1:])
+        return serialization.loads(message[0], message[1:])  # sent directly, unframed
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Whether there is anything to read; waits up to ``timeout`` (None: forever)."""
