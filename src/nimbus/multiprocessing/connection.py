@@ -51,14 +51,11 @@ from __future__ import annotations
 
 import collections
 import io
-import os
 import pickle
 import struct
-import threading
 import time
 from collections.abc import Iterable
 from multiprocessing import AuthenticationError, BufferTooShort, util
-from multiprocessing import connection as _std
 from multiprocessing.connection import (  # type: ignore[attr-defined]  # noqa: F401
     CHALLENGE,
     Client,
@@ -76,10 +73,11 @@ from typing import Any
 from nimbus import serialization
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
-from nimbus.multiprocessing import _direct, _state
+from nimbus.multiprocessing import _direct, _state, _wait
 from nimbus.multiprocessing._direct import MARK, MESSAGE, SWITCH, Lane, as_message, frame
 from nimbus.multiprocessing._link import link
 from nimbus.multiprocessing._state import Program, program
+from nimbus.multiprocessing._wait import seconds
 
 __all__ = [
     "AuthenticationError",
@@ -98,7 +96,6 @@ PREFETCH = 64  # most messages a reader takes from the store at once
 _TIGHT_LOOP = 0.001  # a reader back within this many seconds is in a loop: prefetch more
 _PLAIN = (bytes, str)  # pickled the same with or without the program's reducers
 _SMALL = serialization.OOB_THRESHOLD  # below this, bytes are pickled in band anyway
-_SLICE = 0.01  # seconds: how long wait() looks at one source when it must take turns
 
 # Decrement the references of an end; at zero push end-of-stream to the list it writes.
 _RELEASE = """
@@ -112,11 +109,6 @@ if n <= 0 then
 end
 return n
 """
-
-
-def seconds(timeout: float) -> str:
-    """A BLPOP timeout: never 0 (which would block forever)."""
-    return f"{max(timeout, 0.001):.3f}"
 
 
 # ---------------------------------------------------------------- payloads
@@ -171,9 +163,7 @@ class Connection:
         self._write_key = write_key
         self._refs = refs
         self._lanes = lanes
-        read_lane, write_lane = lanes or (None, None)
-        self._reader = _direct.Reader(prog, read_lane) if read_lane is not None else None
-        self._writer = _direct.Writer(prog, write_lane) if write_lane is not None else None
+        self._new_direct()
         self._buffer: collections.deque[bytes] = collections.deque()
         self._eof = False
         self._closed = False
@@ -186,11 +176,18 @@ class Connection:
         # process object was unpickled) and then runs the after-fork hooks
         util.register_after_fork(self, Connection._finalize)
 
+    def _new_direct(self) -> None:
+        """The direct sides of the lanes this end reads and writes (fresh: store mode)."""
+        read_lane, write_lane = self._lanes or (None, None)
+        self._reader = _direct.Reader(self._program, read_lane) if read_lane else None
+        self._writer = _direct.Writer(self._program, write_lane) if write_lane else None
+
     def _finalize(self) -> None:
         """(Re)register what happens at close or exit: prefetched items go back, refs drop."""
         previous = getattr(self, "_finalizer", None)
         if previous is not None:
             previous.cancel()  # registered again after a fork: one release, not two
+            self._new_direct()  # the parent's claims and switches stay the parent's
         self._finalizer = util.Finalize(
             self,
             _release_quietly,
@@ -553,119 +550,6 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
 
     Takes nimbus :class:`Connection` s, and anything the stdlib's ``wait``
     takes (file descriptors, objects with ``fileno()``, stdlib connections,
-    sockets, process sentinels). Without file descriptors it blocks in one
-    BLPOP over every nimbus connection's list; with both, a helper thread waits
-    on the descriptors and wakes the BLPOP through a private list. A connection
-    reading directly from its writer is waited on in slices of ``_SLICE``
-    seconds, in turn with the others (or alone, if it is the only one).
+    sockets, process sentinels); see ``nimbus.multiprocessing._wait``.
     """
-    objects = list(object_list)
-    ours = [o for o in objects if isinstance(o, Connection)]
-    others = [o for o in objects if not isinstance(o, Connection)]
-    for conn in ours:
-        conn._check_closed()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    ready = _ours_ready(ours, block=False) + (_std.wait(others, 0) if others else [])
-    if ready or (timeout is not None and timeout <= 0):
-        return _in_order(objects, ready)
-    if not ours:
-        return _std.wait(others, timeout)
-    if any(c._reader is not None and c._reader.source is not None for c in ours):
-        return _in_order(objects, _wait_sliced(ours, others, deadline))
-    if not others and len({c._program.url for c in ours}) == 1:
-        return _in_order(objects, _blpop(ours, timeout, None))
-    return _in_order(objects, _wait_mixed(ours, others, deadline))
-
-
-def _in_order(objects: list[Any], ready: list[Any]) -> list[Any]:
-    ids = {id(o) for o in ready}
-    return [o for o in objects if id(o) in ids]
-
-
-def _ours_ready(ours: list[Connection], *, block: bool) -> list[Connection]:
-    """The connections with messages; without ``block``, one LPOP each (pipelined)."""
-    ready = [c for c in ours if c._ready()]
-    if ready or block:
-        return ready
-    for conn in ours:
-        if conn._poll(0):
-            ready.append(conn)
-    return ready
-
-
-def _blpop(ours: list[Connection], timeout: float | None, wake: str | None) -> list[Connection]:
-    """One BLPOP over the lists of ``ours`` (and ``wake``); the message goes to its reader."""
-    prog = ours[0]._program
-    keys = [c._read_key for c in ours] + ([wake] if wake else [])
-    secs: Any = 0 if timeout is None else seconds(timeout)
-    replies = link(prog).call(("BLPOP", *keys, secs))
-    popped = replies[0]
-    if popped is not None:
-        key = popped[0].decode()
-        for conn in ours:
-            if conn._read_key == key:
-                conn._buffer.append(popped[1])
-                break
-    return _ours_ready(ours, block=False) if popped is not None else []
-
-
-def _wait_sliced(ours: list[Connection], others: list[Any], deadline: float | None) -> list[Any]:
-    """Wait on direct connections and the rest in turn, a short slice each."""
-    while True:
-        direct = [c for c in ours if c._reader is not None and c._reader.source is not None]
-        rest = [c for c in ours if c._reader is None or c._reader.source is None]
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if len(direct) == 1 and not rest and not others:
-            direct[0]._poll(remaining)  # the common case: no slicing
-        else:
-            piece = _SLICE if remaining is None else min(_SLICE, remaining)
-            for conn in direct:
-                conn._poll(piece / len(direct) if not rest and not others else 0.0)
-            by_url: dict[str, list[Connection]] = collections.defaultdict(list)
-            for conn in rest:
-                by_url[conn._program.url].append(conn)
-            for group in by_url.values():
-                _blpop(group, piece / len(by_url), None)
-            if others and not by_url:
-                _std.wait(others, piece)
-        ready = _ours_ready(ours, block=False) + (_std.wait(others, 0) if others else [])
-        if ready or (deadline is not None and time.monotonic() >= deadline):
-            return ready
-
-
-def _wait_mixed(ours: list[Connection], others: list[Any], deadline: float | None) -> list[Any]:
-    by_url: dict[str, list[Connection]] = collections.defaultdict(list)
-    for conn in ours:
-        by_url[conn._program.url].append(conn)
-    if len(by_url) > 1:  # several stores: short slices in turn
-        while True:
-            for group in by_url.values():
-                hits: list[Any] = [*_blpop(group, 0.01, None), *_std.wait(others, 0)]
-                if hits:
-                    return hits
-            if deadline is not None and time.monotonic() >= deadline:
-                return []
-    prog = ours[0]._program
-    wake = prog.keys.wakeup(Keys.new_name())
-    stop_r, stop_w = os.pipe()
-    found: list[Any] = []
-
-    def watch() -> None:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        hits = _std.wait([*others, stop_r], remaining)
-        if stop_r not in hits:
-            found.extend(hits)
-            link(prog).call(("RPUSH", wake, "1"), ("PEXPIRE", wake, prog.ttl_ms))
-
-    thread = threading.Thread(target=watch, name="nimbus-wait", daemon=True)
-    thread.start()
-    try:
-        remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
-        ready: list[Any] = list(_blpop(ours, remaining, wake))
-    finally:
-        os.write(stop_w, b"x")
-        thread.join()
-        os.close(stop_r)
-        os.close(stop_w)
-        link(prog).call(("DEL", wake))
-    return ready + (_std.wait(others, 0) if others else [])
+    return _wait.wait(object_list, timeout, Connection)
