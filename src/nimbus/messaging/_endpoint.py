@@ -135,6 +135,7 @@ class Endpoint:
         tcp = None
         if tcp_host:
             lsock = socket.create_server((tcp_host, 0), backlog=128)
+            lsock.settimeout(None)
             self._listeners.append(lsock)
             tcp = (tcp_host, lsock.getsockname()[1])
         self.entry = Entry(host or host_id(), self.pid, str(self._path), tcp, ALIVE)
@@ -147,6 +148,7 @@ class Endpoint:
 
     def _listen_unix(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(None)  # whatever socket.setdefaulttimeout() says: accept() waits
         try:
             self._path.unlink()
         except FileNotFoundError:

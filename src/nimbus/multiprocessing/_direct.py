@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from multiprocessing import util
 from typing import Any
 
-from nimbus.errors import PeerExited, PeerLost
+from nimbus.errors import MessagingTimeout, PeerExited, PeerLost
 from nimbus.keys import Keys
 from nimbus.messaging import _api
 from nimbus.messaging._endpoint import Endpoint
@@ -84,6 +84,7 @@ REVERT = b"R"  # a writer's last direct message before it goes back to the store
 CHECK = 0.02  # seconds between a writer's looks at the lane's holder
 CLAIM_RETRY = 0.05  # seconds between a reader's tries to claim its lane
 GRACE = 1.0  # seconds a process at exit keeps forwarding after giving a claim up
+LOOK = 0.5  # seconds a direct reader waits before it looks whether the writer reverted
 PARK_LIMIT = 2.0  # seconds a parked writer waits before it asks whether the holder lives
 _BATCH = 512
 
@@ -128,11 +129,13 @@ return rec
 """)
 
 # The writer reverts: "M" goes where its store messages go next (parked, if forwarding).
+# ARGV[4] is "!" when it could not send "R" (its direct send failed): the holder,
+# if alive, finds "M<sid>!" at the head of the list instead.
 _REVERT = Script("""
-redis.call('SET', KEYS[1], ARGV[1] .. '|' .. ARGV[2] .. '|R', 'PX', ARGV[3])
+redis.call('SET', KEYS[1], ARGV[1] .. '|' .. ARGV[2] .. '|R' .. ARGV[4], 'PX', ARGV[3])
 local parked = redis.call('GET', KEYS[2]) == ARGV[1]
 local key = parked and KEYS[4] or KEYS[3]
-redis.call('RPUSH', key, 'M' .. ARGV[1])
+redis.call('RPUSH', key, 'M' .. ARGV[1] .. ARGV[4])
 redis.call('PEXPIRE', key, ARGV[3])
 return parked and 1 or 0
 """)
@@ -243,6 +246,7 @@ class Reader:
         self.ready: collections.deque[Item] = collections.deque()  # direct, not delivered
         self._reverted: set[str] = set()  # switches whose "R" we read
         self._next_try = 0.0
+        self._look_at = 0.0
 
     def try_claim(self) -> None:
         """Claim the lane (at most every CLAIM_RETRY seconds)."""
@@ -265,25 +269,51 @@ class Reader:
             self.sid = sid
             self.source = sid.partition(":")[0]
 
-    def fill(self, timeout: float | None) -> bool:
+    def fill(self, timeout: float | None, buffer: collections.deque[bytes]) -> bool:
         """Wait up to ``timeout`` for the writer's next direct message; False if none
-        (or the writer reverted: the reader goes back to the list)."""
+        (or the writer reverted: the reader goes back to the list, ``buffer`` first)."""
         assert self.source is not None
         ep = _api.current()
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            if timeout is not None and not ep.poll_tagged(self.source, self.lane.tag, timeout):
-                return False
-            message = ep.recv_with_source(self.source, None, self.lane.tag)[1]
+            while True:
+                now = time.monotonic()
+                if now >= self._look_at:  # now and then: did the writer fail to reach us?
+                    self._look_at = now + LOOK
+                    if self._unreached(buffer):
+                        self._reverted_now()
+                        return False
+                if deadline is None or deadline > now:
+                    wait = LOOK if deadline is None else min(LOOK, deadline - now)
+                    try:
+                        message = ep.recv_with_source(self.source, wait, self.lane.tag)[1]
+                        break
+                    except MessagingTimeout:
+                        continue
+                if not ep.poll_tagged(self.source, self.lane.tag, 0):
+                    return False
+                message = ep.recv_with_source(self.source, None, self.lane.tag)[1]
+                break
         except (PeerLost, PeerExited):
             message = EOS  # the lane's only writer is gone: end of stream
-        if message == REVERT:  # one switch per claim: the next one needs a new claim
-            self._reverted.add(self.sid or "")
-            self.source = self.sid = None
-            self.drop()
-            self._next_try = 0.0
+        if message == REVERT:
+            self._reverted_now()
             return False
         self.ready.append(message)
         return True
+
+    def _unreached(self, buffer: collections.deque[bytes]) -> bool:
+        """Whether the writer reverted without its "R": its "M<sid>!" heads the list."""
+        mark = MARK + (self.sid or "").encode() + b"!"
+        head: Any = buffer[0] if buffer else link(self.prog).command("LINDEX", self.lane.list, 0)
+        return bool(head == mark)
+
+    def _reverted_now(self) -> None:
+        """Back to the list; one switch per claim, so the next one needs a new claim."""
+        self._reverted.add(self.sid or "")
+        self.source = self.sid = None
+        self.drop()
+        self._next_try = 0.0
 
     def give_up(self) -> None:
         """Stop reading directly (the end is being pickled; what it took from the list
@@ -302,8 +332,9 @@ class Reader:
         if not sid or switched_to != claim or sid in self._reverted:
             return
         source = sid.partition(":")[0]
-        if state == "R":  # it reverted: its last direct messages are on their way, up to "R"
-            items, end = _collect(source, lane.tag, ready, block=True)
+        if state.startswith("R"):  # it reverted: its last direct messages are on their way,
+            # up to "R" (none are, if it could not send "R")
+            items, end = _collect(source, lane.tag, ready, block=state == "R")
             _insert(store, self.prog, lane, sid, items)
             if end == "lost":
                 _finish(store, self.prog, lane, sid, [], end)
@@ -399,7 +430,8 @@ class Writer:
                 pass
         lane = self.lane
         keys = [lane.writer, lane.park, lane.list, lane.parked]
-        if link(self.prog).eval(_REVERT, keys, [self.sid, claim.decode(), self.prog.ttl_ms]):
+        args = [self.sid, claim.decode(), self.prog.ttl_ms, "" if notify else "!"]
+        if link(self.prog).eval(_REVERT, keys, args):
             self.parked, self._parked_at = peer, time.monotonic()
 
     def close(self) -> bool:

@@ -298,7 +298,7 @@ class Connection:
             if reader.ready:
                 return True
             if reader.source is not None:  # after a switch: the writer's direct messages
-                if reader.fill(0):
+                if reader.fill(0, buffer):
                     return True
                 if reader.source is not None:
                     return False
@@ -343,7 +343,7 @@ class Connection:
                 reader.try_claim()
             if reader.source is not None:
                 start = time.monotonic()
-                if reader.fill(timeout) or reader.source is not None:
+                if reader.fill(timeout, self._buffer) or reader.source is not None:
                     return self._ready()
                 if self._ready():  # the writer reverted: wait in the list for the rest
                     return True
@@ -364,7 +364,9 @@ class Connection:
     def _recv_item(self) -> bytes | tuple[Any, ...]:
         reader = self._reader
         if reader is not None and reader.source is not None and not reader.ready:
-            reader.fill(None)  # the direct path: straight to the writer's next message
+            reader.fill(
+                None, self._buffer
+            )  # the direct path: straight to the writer's next message
         while not self._ready():
             self._poll(None)
         self._last = time.monotonic()
