@@ -437,12 +437,13 @@ class Writer:
     def close(self) -> bool:
         """End-of-stream of the end's only copy, after its direct or parked messages;
         False: the caller pushes it to the list."""
-        peer, self.peer = self.peer, None
-        if peer is not None:
+        if self.peer is not None:
             try:
-                _api.current().send(peer, EOS, self.lane.tag)
+                _api.current().send(self.peer, EOS, self.lane.tag)
+                self.peer = None
                 return True
-            except (PeerLost, PeerExited):
+            except (PeerLost, PeerExited):  # "M<sid>!" first, then EOS to the list
+                self.revert(notify=False)
                 return False
         if (
             self.parked is not None
