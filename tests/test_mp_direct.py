@@ -46,12 +46,7 @@ def _flood(w: connection.Connection, start: int, n: int, report: bool) -> None:
 
 
 def _read_all(r: connection.Connection, out: connection.Connection) -> None:
-    got = []
-    while True:
-        try:
-            got.append(r.recv())
-        except EOFError:
-            break
+    got = _drain(r)
     out.send((got, r._reader is not None and r._reader.source is not None))
     out.close()
 
@@ -101,17 +96,32 @@ def _start(target: Any, *args: Any) -> Any:
     return p
 
 
+def _hand_to_reader(r: connection.Connection) -> tuple[Any, connection.Connection]:
+    """A child that reads ``r`` to its end (this copy closed), and where its list comes."""
+    out_r, out_w = mp.Pipe(duplex=False)
+    p = _start(_read_all, r, out_w)  # pickling a held end gives the claim up
+    r.close()
+    out_w.close()
+    return p, out_r
+
+
 # -- tests -------------------------------------------------------------------
 
 
-def test_echo_goes_direct_in_both_directions_and_ends_with_eof() -> None:
+def _echo_child(rounds: int) -> tuple[connection.Connection, Any]:
+    """A Pipe end to an echoing child, after ``rounds`` round trips."""
     a, b = mp.Pipe()
     p = _start(_echo, b)
     b.close()
-    for i in range(300):
+    for i in range(rounds):
         a.send(i)
         assert a.recv() == i
     assert a._writer is not None and a._writer.peer is not None  # parent -> child: direct
+    return a, p
+
+
+def test_echo_goes_direct_in_both_directions_and_ends_with_eof() -> None:
+    a, p = _echo_child(300)
     assert a._reader is not None and a._reader.source is not None  # child -> parent: direct
     a.send_bytes(b"raw")
     buf = bytearray(10)
@@ -127,10 +137,7 @@ def test_echo_goes_direct_in_both_directions_and_ends_with_eof() -> None:
 
 def test_large_objects_and_arrays_travel_directly_unframed() -> None:
     r, w = mp.Pipe(duplex=False)
-    out_r, out_w = mp.Pipe(duplex=False)
-    p = _start(_read_all, r, out_w)
-    r.close()
-    out_w.close()
+    p, out_r = _hand_to_reader(r)
     deadline = time.monotonic() + 30
     while w._writer is not None and w._writer.peer is None:  # until the switch
         assert time.monotonic() < deadline, "the writer never switched"
@@ -215,10 +222,7 @@ def test_reader_handed_to_another_process_mid_stream() -> None:
     w.close()
     first = [r.recv() for _ in range(1500)]
     assert r._reader is not None and r._reader.claim is not None  # read directly so far
-    out_r, out_w = mp.Pipe(duplex=False)
-    reader = _start(_read_all, r, out_w)  # pickling the end gives the claim up
-    r.close()
-    out_w.close()
+    reader, out_r = _hand_to_reader(r)
     rest, _ = out_r.recv()
     writer.join(30)
     reader.join(30)
@@ -234,10 +238,7 @@ def test_writer_reverts_while_the_reader_hands_its_end_over() -> None:
     signal_w.close()
     first = [r.recv() for _ in range(10)]  # claims; the rest waits here, unread
     assert signal_r.recv() is True  # the writer had switched, then reverted
-    out_r, out_w = mp.Pipe(duplex=False)
-    reader = _start(_read_all, r, out_w)
-    r.close()
-    out_w.close()
+    reader, out_r = _hand_to_reader(r)
     rest, _ = out_r.recv()
     writer.join(30)
     reader.join(30)
@@ -245,13 +246,8 @@ def test_writer_reverts_while_the_reader_hands_its_end_over() -> None:
 
 
 def test_writer_handed_to_another_process() -> None:
-    a, b = mp.Pipe()
-    p = _start(_echo, b)
-    b.close()
-    for i in range(200):
-        a.send(i)
-        assert a.recv() == i
-    assert a._writer is not None and a._writer.peer is not None
+    a, p = _echo_child(200)
+    assert a._writer is not None
     r, w = mp.Pipe(duplex=False)
     q = _start(_flood, a, 1000, 500, False)  # a second writer copy: back to the store
     assert a._writer.peer is None

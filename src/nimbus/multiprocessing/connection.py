@@ -189,18 +189,19 @@ class Connection:
             previous.cancel()  # registered again after a fork: one release, not two
             self._new_direct()  # the parent's claims and switches stay the parent's
         self._finalizer = util.Finalize(
-            self,
-            _release_quietly,
-            (
-                self._program,
-                self._read_key,
-                self._write_key,
-                self._refs,
-                self._buffer,
-                self._reader,
-                self._writer,
-            ),
-            exitpriority=10,
+            self, _release_quietly, self._release_args(), exitpriority=10
+        )
+
+    def _release_args(self) -> tuple[Any, ...]:
+        """What :func:`_release` needs (the finalizer must not hold the connection)."""
+        return (
+            self._program,
+            self._read_key,
+            self._write_key,
+            self._refs,
+            self._buffer,
+            self._reader,
+            self._writer,
         )
 
     # -- properties
@@ -443,15 +444,7 @@ class Connection:
         if not self._closed:
             self._closed = True
             self._finalizer.cancel()
-            _release(
-                self._program,
-                self._read_key,
-                self._write_key,
-                self._refs,
-                self._buffer,
-                self._reader,
-                self._writer,
-            )
+            _release(*self._release_args())
 
     def __enter__(self) -> Connection:
         return self
