@@ -18,7 +18,10 @@ switch pushes an in-band marker ``S`` into the list atomically with those
 checks: the reader reads the store up to the marker, then the writer's direct
 messages, so order holds and nothing is read twice. A writer that pickles its
 end (a second writer copy) or finds the claim gone *reverts*: ``R`` as its
-last direct message, then the marker ``M`` as its first item in the list.
+last direct message, then the marker ``M`` as its first item in the list. A
+writer that cannot reach the holder (its direct send fails) reverts with
+``M<sid>!`` and no ``R``; a direct reader looks for it at the head of the list
+every ``LOOK`` seconds, and a reader whose writer died reads end-of-stream.
 
 A holder that pickles its end (another process may read it next) gives the
 claim up, and what it took but did not deliver goes back into the list. If its
@@ -423,14 +426,16 @@ class Writer:
         peer, claim, self.peer, self.claim = self.peer, self.claim, None, None
         if peer is None or claim is None:
             return
+        sent = False
         if notify:
             try:
                 _api.current().send(peer, REVERT, self.lane.tag)
+                sent = True
             except (PeerLost, PeerExited):
                 pass
         lane = self.lane
         keys = [lane.writer, lane.park, lane.list, lane.parked]
-        args = [self.sid, claim.decode(), self.prog.ttl_ms, "" if notify else "!"]
+        args = [self.sid, claim.decode(), self.prog.ttl_ms, "" if sent else "!"]
         if link(self.prog).eval(_REVERT, keys, args):
             self.parked, self._parked_at = peer, time.monotonic()
 
