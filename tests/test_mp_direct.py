@@ -65,6 +65,15 @@ def _send_hand_over_send(w: connection.Connection, signal: connection.Connection
     signal.send(switched)
 
 
+def _converse(a: connection.Connection, start: int, n: int, out: connection.Connection) -> None:
+    got = []
+    for i in range(start, start + n):
+        a.send(i)
+        got.append(a.recv())
+    out.send(got)
+    a.close()
+
+
 def _send_then_hang(w: connection.Connection) -> None:
     for i in range(50):
         w.send(i)
@@ -260,6 +269,19 @@ def test_writer_handed_to_another_process() -> None:
     a.close()
     p.join(30)
     r.close()
+
+
+def test_both_ends_of_a_duplex_conversation_handed_over() -> None:
+    a, p = _echo_child(300)  # both directions direct
+    assert a._reader is not None and a._reader.source is not None
+    out_r, out_w = mp.Pipe(duplex=False)
+    q = _start(_converse, a, 1000, 500, out_w)  # pickling gives up one, reverts the other
+    a.close()
+    out_w.close()
+    assert out_r.recv() == list(range(1000, 1500))
+    q.join(30)
+    p.join(30)  # the echo child saw EOF when the conversation's end closed
+    assert p.exitcode == 0
 
 
 def test_competing_readers_share_the_stream() -> None:
