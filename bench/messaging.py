@@ -8,12 +8,14 @@ samples; every workload runs under a time limit and an error shows in its row.
     python bench/messaging.py --quick         # smoke run (small sizes, few samples)
     python bench/messaging.py --only rtt --only directory
 
-Rows (``nimbus`` is a direct message between two nimbus processes, the root
-and a child started with ``nimbus.multiprocessing``):
+Rows (``nimbus`` is a nimbus Pipe or a direct message between two nimbus
+processes, the root and a child started with ``nimbus.multiprocessing``):
 
-- ``rtt <size>``: round trip of a ``bytes`` payload, against a stdlib Pipe
-  between two forked processes, and against a nimbus Pipe through the state
-  store (the path every message took before direct messaging);
+- ``rtt <size>``: round trip of a ``bytes`` payload over an unmodified
+  ``nimbus.multiprocessing`` Pipe (direct after its switch), against a stdlib
+  Pipe between two forked processes and against the same nimbus Pipe with
+  ``NIMBUS_MESSAGING_DIRECT=0`` (every message through the state store); and
+  ``nimbus.messaging`` send/recv against the stdlib Pipe;
 - ``rtt 100MB``: against a raw Unix socket (``sendall``/``recv_into``);
 - ``oneway``: 10,000 one-way 64 B messages then an ack, in messages/s;
 - ``allreduce``: a 1M-float numpy array over 4 instances, direct against the
@@ -164,16 +166,37 @@ def _rtt(send: Callable[[Any], None], recv: Callable[[], Any], payload: bytes, n
     return statistics.median(samples)
 
 
-def _store_pipe_rtt(nmp: Any, payload: bytes, n: int) -> float:
-    a, b = nmp.Pipe()
-    p = nmp.Process(target=pipe_echo, args=(b,))
-    p.start()
-    b.close()
+SWITCH_WARMUP = 0.3  # seconds of round trips before timing: a Pipe switches within ~50 ms
+
+
+def _nimbus_pipe_rtt(nmp: Any, payload: bytes, n: int, direct: bool) -> float:
+    """An unmodified nimbus Pipe between the root and a child: direct after its switch,
+    or with NIMBUS_MESSAGING_DIRECT=0 (in both processes) through the store."""
+    saved = os.environ.get("NIMBUS_MESSAGING_DIRECT")
+    os.environ["NIMBUS_MESSAGING_DIRECT"] = "1" if direct else "0"
     try:
-        return _rtt(a.send, a.recv, payload, n)
+        a, b = nmp.Pipe()
+        p = nmp.Process(target=pipe_echo, args=(b,))
+        p.start()
+        b.close()
+        try:
+            end = time.monotonic() + SWITCH_WARMUP
+            while time.monotonic() < end:
+                a.send(payload)
+                a.recv()
+            switched = a._writer.peer is not None and a._reader.source is not None
+            if switched != direct:
+                raise RuntimeError(f"the Pipe is {'' if switched else 'not '}direct")
+            return _rtt(a.send, a.recv, payload, n)
+        finally:
+            a.send(None)
+            p.join(10)
+            a.close()
     finally:
-        a.send(None)
-        p.join(10)
+        if saved is None:
+            os.environ.pop("NIMBUS_MESSAGING_DIRECT", None)
+        else:
+            os.environ["NIMBUS_MESSAGING_DIRECT"] = saved
 
 
 def _msg_child(nmp: Any, target: Callable[..., None], *args: Any) -> tuple[Any, str]:
@@ -261,34 +284,47 @@ def rtt_rows(nmp: Any, quick: bool) -> list[Row]:
     for label, size, n in sizes:
         payload = os.urandom(size)
         std = _stdlib_pipe_rtt(payload, n)
+        pipe = _nimbus_pipe_rtt(nmp, payload, n, True)
         direct = _msg_rtt(nmp, payload, n)
         limit = 1.3 if size <= 1024 else 1.0
         rows.append(
             Row(
                 f"rtt {label}",
-                "round trip",
+                "Pipe round trip",
                 "stdlib Pipe",
                 std,
-                direct,
+                pipe,
                 "us",
                 f"<= {limit}x",
                 lambda r, lim=limit: r <= lim,
             )
         )
         if size <= 1024:
-            store = _store_pipe_rtt(nmp, payload, n)
+            store = _nimbus_pipe_rtt(nmp, payload, n, False)
             rows.append(
                 Row(
                     f"rtt {label}",
-                    "round trip",
-                    "store Pipe",
+                    "Pipe round trip",
+                    "DIRECT=0 Pipe",
                     store,
-                    direct,
+                    pipe,
                     "us",
                     "<= 0.2x (5x faster)",
                     lambda r: r <= 0.2,
                 )
             )
+        rows.append(
+            Row(
+                f"rtt {label}",
+                "msg.send/recv round trip",
+                "stdlib Pipe",
+                std,
+                direct,
+                "us",
+                "report",
+                None,
+            )
+        )
     size, n = (10 * MB, 3) if quick else (100 * MB, 5)
     label = f"{size // MB}MB"
     uds = _uds_rtt(size, n)

@@ -106,6 +106,22 @@ class Keys:
         """The count of the open copies of one end of a pipe."""
         return self._key("pipe", name, str(end), "refs")
 
+    def pipe_holder(self, name: str, end: int | str) -> str:
+        """The instance that reads one direction of a pipe directly (its claim)."""
+        return self._key("pipe", name, str(end), "holder")
+
+    def pipe_writer(self, name: str, end: int | str) -> str:
+        """The writer of one direction of a pipe that switched to direct sends."""
+        return self._key("pipe", name, str(end), "writer")
+
+    def pipe_park(self, name: str, end: int | str) -> str:
+        """Set while a holder that gave its claim up forwards a writer's direct messages."""
+        return self._key("pipe", name, str(end), "park")
+
+    def pipe_parked(self, name: str, end: int | str) -> str:
+        """The reverted writer's store messages, held back while the forwarding lasts."""
+        return self._key("pipe", name, str(end), "parked")
+
     def queue_field(self, name: str, field: str) -> str:
         """A counter or wake-up list of queue ``name`` (``count``, ``unfinished`` ...)."""
         return self._key("queue", name, field)

@@ -29,7 +29,16 @@ from nimbus.messaging._endpoint import ANY, Endpoint
 if TYPE_CHECKING:
     from nimbus.multiprocessing._state import Program
 
-__all__ = ["ANY", "close", "current", "instance_id", "recv", "recv_with_source", "send"]
+__all__ = [
+    "ANY",
+    "close",
+    "current",
+    "direct_enabled",
+    "instance_id",
+    "recv",
+    "recv_with_source",
+    "send",
+]
 
 TOKEN_ENV = "NIMBUS_MESSAGING_TOKEN"
 _lock = threading.Lock()
@@ -90,7 +99,7 @@ def current() -> Endpoint:
                 directory,
                 tcp_host=os.environ.get("NIMBUS_MESSAGING_HOST") or None,
                 ttl_ms=prog.ttl_ms,
-                direct=os.environ.get("NIMBUS_MESSAGING_DIRECT", "1") != "0",
+                direct=direct_enabled(),
             )
             # at exit: coalesced messages go out, peers get a goodbye; a process of
             # nimbus.multiprocessing ends with os._exit after the stdlib's finalizers
@@ -101,6 +110,11 @@ def current() -> Endpoint:
                     None, shutil.rmtree, (directory,), {"ignore_errors": True}, exitpriority=-90
                 )
         return _current
+
+
+def direct_enabled() -> bool:
+    """False when ``NIMBUS_MESSAGING_DIRECT=0``: every message goes through the store."""
+    return os.environ.get("NIMBUS_MESSAGING_DIRECT", "1") != "0"
 
 
 def close() -> None:

@@ -135,6 +135,7 @@ class Endpoint:
         tcp = None
         if tcp_host:
             lsock = socket.create_server((tcp_host, 0), backlog=128)
+            lsock.settimeout(None)
             self._listeners.append(lsock)
             tcp = (tcp_host, lsock.getsockname()[1])
         self.entry = Entry(host or host_id(), self.pid, str(self._path), tcp, ALIVE)
@@ -147,6 +148,7 @@ class Endpoint:
 
     def _listen_unix(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(None)  # whatever socket.setdefaulttimeout() says: accept() waits
         try:
             self._path.unlink()
         except FileNotFoundError:
@@ -402,6 +404,47 @@ class Endpoint:
             if deadline is not None:
                 wait = min(wait, deadline - now)
             self._progress(max(wait, 0.0), seen=seen)
+
+    def poll_tagged(self, source: str | None, tag: Any, timeout: float | None = 0.0) -> bool:
+        """Whether ``recv_with_source(source, tag=tag)`` would return or raise at once.
+
+        True when a message with ``tag`` (from ``source``, or anyone) waits, or
+        when ``source`` has ended. Reads the sockets even for a ``timeout`` of
+        0; waits up to ``timeout`` seconds (None: forever). For a reader that
+        waits on several things (``nimbus.multiprocessing.connection``).
+        """
+        if self._dirty:
+            self._flush_dirty()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        next_check = time.monotonic() + HEARTBEAT
+        wait = 0.0
+        while True:
+            seen = self._arrivals
+            self._progress(wait, seen=seen)
+            with self._lock:
+                for item in self._mail:
+                    if item[1] == tag and (source is None or item[0] == source):
+                        return True
+                if source is not None and source in self._ended:
+                    return True
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return False
+            if source is not None and now >= next_check:
+                try:
+                    self._check_alive(source)
+                except (PeerLost, PeerExited):
+                    return True
+                next_check = now + HEARTBEAT
+            wait = HEARTBEAT if deadline is None else min(HEARTBEAT, deadline - now)
+
+    def alive(self, peer: str) -> bool:
+        """False if ``peer`` is known to be gone (its socket refuses, or it exited)."""
+        try:
+            self._check_alive(peer)
+        except (PeerLost, PeerExited):
+            return False
+        return self._ended.get(peer) is None
 
     def _never_seen(self, source: str | None) -> str:
         """A hint for a timeout: ``source`` never became an instance (not started?)."""

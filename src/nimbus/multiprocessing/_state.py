@@ -45,6 +45,7 @@ from nimbus.keys import Keys
 __all__ = [
     "Program",
     "adopt",
+    "current",
     "dumps",
     "endpoint_workers",
     "is_root",
@@ -148,6 +149,14 @@ def program(settings: Settings | None = None) -> Program:
             except redis.RedisError as exc:
                 raise StateStoreError(f"cannot use the state store: {exc}") from exc
         return _root.program
+
+
+def current() -> Program | None:
+    """The program of this process if it has one already (never starts one)."""
+    if _adopted is not None:
+        return _adopted
+    root = _root
+    return root.program if root is not None and root.pid == os.getpid() else None
 
 
 def is_root() -> bool:

@@ -1,4 +1,4 @@
-"""Pipes over the state store, with the API of ``multiprocessing.connection``.
+"""Pipes between processes, with the API of ``multiprocessing.connection``.
 
 ::
 
@@ -9,20 +9,35 @@
         +-- local buffer of prefetched messages      close(): last copy ---+
                                                      pushes end-of-stream
 
+    once both ends of a direction are live instances with one copy each (_direct):
+    send(obj) --nimbus.messaging, a socket (tag: the direction)-------> recv()
+
 Each direction of a :func:`Pipe` is a Redis list named by the end that reads
 it. Every list element is one message: ``b"B"`` + the bytes, or ``b"E"``, the
-end-of-stream marker. A send writes its RPUSH (and the PEXPIRE that renews the
-list's TTL) asking the store for no reply, so a send costs one ``write``; a receive blocks in BLPOP and takes up to
+end-of-stream marker (or a marker of the switch below). A send writes its RPUSH
+(and the PEXPIRE that renews the list's TTL) asking the store for no reply, so
+a send costs one ``write``; a receive blocks in BLPOP and takes up to
 63 more waiting messages with a pipelined ``LPOP key count``, keeping them in a
 local buffer that :meth:`Connection.poll`, :meth:`Connection.recv` and
 :func:`wait` see. On close (explicit, at garbage collection or at process exit)
 prefetched messages are pushed back to the head of the list.
 
+A direction *switches* to direct messaging (``nimbus.multiprocessing._direct``)
+when its reading end and its writing end each have one copy, in processes of
+the program that are instances: the reader claims the direction when it starts
+reading, the writer finds the claim within 20 ms of sending and puts a switch
+marker in the list, and from there sends straight to the reader's socket; the
+reader reads the list up to the marker, then the writer's direct messages, so
+every message arrives once and in order. Pickling either end (a second copy),
+closing it, or the peer's death goes back to the store the same way, in band.
+``NIMBUS_MESSAGING_DIRECT=0`` keeps every message in the store.
+
 An end may be pickled to other processes, like a file descriptor inherited by a
 child: each copy holds a reference (taken when it is pickled), and when the
 last copy of an end is closed an end-of-stream marker is pushed to the list the
-peer reads, so the peer's ``recv`` raises :class:`EOFError` once it has read
-everything before it. A send to an end whose copies are all closed is dropped
+peer reads (or sent directly), so the peer's ``recv`` raises :class:`EOFError`
+once it has read everything before it; so does a direct reader whose only
+writer died. A send to an end whose copies are all closed is dropped
 (the stdlib raises ``BrokenPipeError``). :meth:`Connection.fileno` raises
 :class:`OSError`: there is no file descriptor; use :func:`wait` instead of
 ``select``.
@@ -36,14 +51,11 @@ from __future__ import annotations
 
 import collections
 import io
-import os
 import pickle
 import struct
-import threading
 import time
 from collections.abc import Iterable
 from multiprocessing import AuthenticationError, BufferTooShort, util
-from multiprocessing import connection as _std
 from multiprocessing.connection import (  # type: ignore[attr-defined]  # noqa: F401
     CHALLENGE,
     Client,
@@ -61,9 +73,11 @@ from typing import Any
 from nimbus import serialization
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
-from nimbus.multiprocessing import _state
+from nimbus.multiprocessing import _direct, _state, _wait
+from nimbus.multiprocessing._direct import MARK, MESSAGE, SWITCH, Lane, as_message, frame
 from nimbus.multiprocessing._link import link
 from nimbus.multiprocessing._state import Program, program
+from nimbus.multiprocessing._wait import seconds
 
 __all__ = [
     "AuthenticationError",
@@ -77,10 +91,11 @@ __all__ = [
     "wait",
 ]
 
-MESSAGE = b"B"
-EOS = b"E"
+EOS = _direct.EOS
 PREFETCH = 64  # most messages a reader takes from the store at once
 _TIGHT_LOOP = 0.001  # a reader back within this many seconds is in a loop: prefetch more
+_PLAIN = (bytes, str)  # pickled the same with or without the program's reducers
+_SMALL = serialization.OOB_THRESHOLD  # below this, bytes are pickled in band anyway
 
 # Decrement the references of an end; at zero push end-of-stream to the list it writes.
 _RELEASE = """
@@ -96,22 +111,16 @@ return n
 """
 
 
-def seconds(timeout: float) -> str:
-    """A BLPOP timeout: never 0 (which would block forever)."""
-    return f"{max(timeout, 0.001):.3f}"
-
-
 # ---------------------------------------------------------------- payloads
 
 
-def pack(obj: object) -> bytes:
-    """Pickle ``obj`` into one message: a plain pickle, or framed with its buffers."""
+def pack(obj: object, prefix: bytes = b"") -> bytes:
+    """Pickle ``obj`` into one message (after ``prefix``): a plain pickle, or framed
+    with its buffers (joined once: no second copy of a large buffer for the prefix)."""
     data, buffers = _state.dumps(obj)
     if not buffers:
-        return data
-    raws = [b.raw() for b in buffers]
-    head = struct.pack(f"<I{len(raws) + 1}Q", len(raws), len(data), *(r.nbytes for r in raws))
-    return b"".join((b"O", head, data, *raws))
+        return prefix + data
+    return frame(prefix, data, buffers)
 
 
 def unpack(message: bytes | memoryview) -> Any:
@@ -137,7 +146,8 @@ class Connection:
     """One end of a :func:`Pipe`, or a reader or writer of a shared list.
 
     ``refs`` is the key counting the copies of this end (None for the ends of
-    a queue, which never signal end-of-stream).
+    a queue, which never signal end-of-stream); ``lanes`` are the directions
+    of a pipe it reads and writes, which may go direct (see ``_direct``).
     """
 
     def __init__(
@@ -146,11 +156,14 @@ class Connection:
         read_key: str | None,
         write_key: str | None,
         refs: str | None = None,
+        lanes: tuple[Lane | None, Lane | None] | None = None,
     ) -> None:
         self._program = prog
         self._read_key = read_key
         self._write_key = write_key
         self._refs = refs
+        self._lanes = lanes
+        self._new_direct()
         self._buffer: collections.deque[bytes] = collections.deque()
         self._eof = False
         self._closed = False
@@ -163,16 +176,32 @@ class Connection:
         # process object was unpickled) and then runs the after-fork hooks
         util.register_after_fork(self, Connection._finalize)
 
+    def _new_direct(self) -> None:
+        """The direct sides of the lanes this end reads and writes (fresh: store mode)."""
+        read_lane, write_lane = self._lanes or (None, None)
+        self._reader = _direct.Reader(self._program, read_lane) if read_lane else None
+        self._writer = _direct.Writer(self._program, write_lane) if write_lane else None
+
     def _finalize(self) -> None:
         """(Re)register what happens at close or exit: prefetched items go back, refs drop."""
         previous = getattr(self, "_finalizer", None)
         if previous is not None:
             previous.cancel()  # registered again after a fork: one release, not two
+            self._new_direct()  # the parent's claims and switches stay the parent's
         self._finalizer = util.Finalize(
-            self,
-            _release_quietly,
-            (self._program, self._read_key, self._write_key, self._refs, self._buffer),
-            exitpriority=10,
+            self, _release_quietly, self._release_args(), exitpriority=10
+        )
+
+    def _release_args(self) -> tuple[Any, ...]:
+        """What :func:`_release` needs (the finalizer must not hold the connection)."""
+        return (
+            self._program,
+            self._read_key,
+            self._write_key,
+            self._refs,
+            self._buffer,
+            self._reader,
+            self._writer,
         )
 
     # -- properties
@@ -212,6 +241,12 @@ class Connection:
     # -- sending
 
     def _send_message(self, message: bytes) -> None:
+        writer = self._writer
+        if writer is not None and writer.send(message):
+            return
+        self._push(message)
+
+    def _push(self, message: bytes) -> None:
         key = self._write_key
         assert key is not None
         link(self._program).push(key, message, self._program.ttl_ms)
@@ -240,12 +275,44 @@ class Connection:
         """Send a picklable object."""
         self._check_closed()
         self._check_writable()
-        self._send_message(MESSAGE + pack(obj))
+        if type(obj) in _PLAIN and len(obj) < _SMALL:  # type: ignore[arg-type]
+            self._send_message(MESSAGE + pickle.dumps(obj, serialization.PROTOCOL))
+            return
+        data, buffers = _state.dumps(obj)
+        if not buffers:
+            self._send_message(MESSAGE + data)
+            return
+        writer = self._writer  # directly, the buffers travel as they are (no framing copy)
+        if writer is None or not writer.send((data, *buffers)):
+            self._push(frame(MESSAGE, data, buffers))
 
     # -- receiving
 
     def _ready(self) -> bool:
-        return bool(self._buffer) or self._eof
+        if self._eof:
+            return True
+        reader = self._reader
+        if reader is None:
+            return bool(self._buffer)
+        buffer = self._buffer
+        while True:
+            if reader.ready:
+                return True
+            if reader.source is not None:  # after a switch: the writer's direct messages
+                if reader.fill(0, buffer):
+                    return True
+                if reader.source is not None:
+                    return False
+                continue  # the writer reverted: the list again
+            if not buffer:
+                return False
+            kind = buffer[0][:1]
+            if kind == SWITCH:
+                reader.marker(buffer.popleft())
+            elif kind == MARK:
+                buffer.popleft()
+            else:
+                return True
 
     def _fill_commands(self, timeout: float | None) -> list[tuple[Any, ...]]:
         """BLPOP (blocking) and, for a reader in a tight loop, LPOP of more."""
@@ -271,6 +338,18 @@ class Connection:
     def _poll(self, timeout: float | None) -> bool:
         if self._ready():
             return True
+        reader = self._reader
+        if reader is not None:
+            if reader.claim is None:
+                reader.try_claim()
+            if reader.source is not None:
+                start = time.monotonic()
+                if reader.fill(timeout, self._buffer) or reader.source is not None:
+                    return self._ready()
+                if self._ready():  # the writer reverted: wait in the list for the rest
+                    return True
+                if timeout is not None:
+                    timeout = max(0.0, timeout - (time.monotonic() - start))
         if timeout is not None and timeout <= 0:
             replies = link(self._program).call(("LPOP", self._read_key, self._batch))
             self._take(None, replies[0])
@@ -281,11 +360,25 @@ class Connection:
         return self._ready()
 
     def _recv_message(self) -> bytes:
+        return as_message(self._recv_item())
+
+    def _recv_item(self) -> bytes | tuple[Any, ...]:
+        reader = self._reader
+        if reader is not None and reader.source is not None and not reader.ready:
+            reader.fill(
+                None, self._buffer
+            )  # the direct path: straight to the writer's next message
         while not self._ready():
             self._poll(None)
         self._last = time.monotonic()
         if self._eof:
             raise EOFError
+        if reader is not None and reader.ready:
+            message = reader.ready.popleft()
+            if message == EOS:  # this end has no other copy: nothing to leave behind
+                self._eof = True
+                raise EOFError
+            return message
         message = self._buffer.popleft()
         if message[:1] == EOS:
             self._eof = True
@@ -333,7 +426,10 @@ class Connection:
         """Receive a picklable object."""
         self._check_closed()
         self._check_readable()
-        return unpack(memoryview(self._recv_message())[1:])
+        message = self._recv_item()
+        if isinstance(message, bytes):
+            return unpack(memoryview(message)[1:])
+        return serialization.loads(message[0], message[1:])  # sent directly, unframed
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Whether there is anything to read; waits up to ``timeout`` (None: forever)."""
@@ -348,7 +444,7 @@ class Connection:
         if not self._closed:
             self._closed = True
             self._finalizer.cancel()
-            _release(self._program, self._read_key, self._write_key, self._refs, self._buffer)
+            _release(*self._release_args())
 
     def __enter__(self) -> Connection:
         return self
@@ -360,11 +456,18 @@ class Connection:
 
     def __reduce__(self) -> tuple[Any, ...]:
         self._check_closed()
+        # another copy may read or write: this one stops going direct first
+        if self._reader is not None and self._reader.claim is not None:
+            self._push_back()
+            self._reader.give_up()
+        if self._writer is not None:
+            self._writer.revert()
         if self._refs is not None:  # the copy's reference is taken now, not when unpickled
             link(self._program).call(
                 ("INCR", self._refs), ("PEXPIRE", self._refs, self._program.ttl_ms)
             )
-        return (Connection, (self._program, self._read_key, self._write_key, self._refs))
+        args = (self._program, self._read_key, self._write_key, self._refs, self._lanes)
+        return (Connection, args)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -383,13 +486,19 @@ def _release(
     write_key: str | None,
     refs: str | None,
     buffer: collections.deque[bytes],
+    reader: _direct.Reader | None = None,
+    writer: _direct.Writer | None = None,
 ) -> None:
     """Give back prefetched messages and this copy's reference (quietly at exit)."""
     try:
         if buffer:
             _push_back(prog, read_key, buffer)
+        if reader is not None:
+            reader.drop()
         if refs is not None:
-            eos = "1" if write_key is not None else "0"
+            # a direct writer (the only copy of its end) sent end-of-stream itself
+            direct_eos = writer is not None and writer.close()
+            eos = "1" if write_key is not None and not direct_eos else "0"
             link(prog).call(("EVAL", _RELEASE, 2, refs, write_key or refs, eos, prog.ttl_ms))
     except (StateStoreError, OSError):
         if not util.is_exiting():
@@ -416,9 +525,16 @@ def Pipe(duplex: bool = True, *, prog: Program | None = None) -> tuple[Connectio
         ("SET", refs0, 1, "PX", ttl),
         ("SET", refs1, 1, "PX", ttl),
     )
+    lane0, lane1 = _direct.lanes(keys, name)
     if duplex:
-        return (Connection(prog, list0, list1, refs0), Connection(prog, list1, list0, refs1))
-    return (Connection(prog, list0, None, refs0), Connection(prog, None, list0, refs1))
+        return (
+            Connection(prog, list0, list1, refs0, (lane0, lane1)),
+            Connection(prog, list1, list0, refs1, (lane1, lane0)),
+        )
+    return (
+        Connection(prog, list0, None, refs0, (lane0, None)),
+        Connection(prog, None, list0, refs1, (None, lane0)),
+    )
 
 
 # ---------------------------------------------------------------- wait
@@ -429,91 +545,6 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
 
     Takes nimbus :class:`Connection` s, and anything the stdlib's ``wait``
     takes (file descriptors, objects with ``fileno()``, stdlib connections,
-    sockets, process sentinels). Without file descriptors it blocks in one
-    BLPOP over every nimbus connection's list; with both, a helper thread waits
-    on the descriptors and wakes the BLPOP through a private list.
+    sockets, process sentinels); see ``nimbus.multiprocessing._wait``.
     """
-    objects = list(object_list)
-    ours = [o for o in objects if isinstance(o, Connection)]
-    others = [o for o in objects if not isinstance(o, Connection)]
-    for conn in ours:
-        conn._check_closed()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    ready = _ours_ready(ours, block=False) + (_std.wait(others, 0) if others else [])
-    if ready or (timeout is not None and timeout <= 0):
-        return _in_order(objects, ready)
-    if not ours:
-        return _std.wait(others, timeout)
-    if not others and len({c._program.url for c in ours}) == 1:
-        return _in_order(objects, _blpop(ours, timeout, None))
-    return _in_order(objects, _wait_mixed(ours, others, deadline))
-
-
-def _in_order(objects: list[Any], ready: list[Any]) -> list[Any]:
-    ids = {id(o) for o in ready}
-    return [o for o in objects if id(o) in ids]
-
-
-def _ours_ready(ours: list[Connection], *, block: bool) -> list[Connection]:
-    """The connections with messages; without ``block``, one LPOP each (pipelined)."""
-    ready = [c for c in ours if c._ready()]
-    if ready or block:
-        return ready
-    for conn in ours:
-        if conn._poll(0):
-            ready.append(conn)
-    return ready
-
-
-def _blpop(ours: list[Connection], timeout: float | None, wake: str | None) -> list[Connection]:
-    """One BLPOP over the lists of ``ours`` (and ``wake``); the message goes to its reader."""
-    prog = ours[0]._program
-    keys = [c._read_key for c in ours] + ([wake] if wake else [])
-    secs: Any = 0 if timeout is None else seconds(timeout)
-    replies = link(prog).call(("BLPOP", *keys, secs))
-    popped = replies[0]
-    if popped is not None:
-        key = popped[0].decode()
-        for conn in ours:
-            if conn._read_key == key:
-                conn._buffer.append(popped[1])
-                break
-    return _ours_ready(ours, block=False) if popped is not None else []
-
-
-def _wait_mixed(ours: list[Connection], others: list[Any], deadline: float | None) -> list[Any]:
-    by_url: dict[str, list[Connection]] = collections.defaultdict(list)
-    for conn in ours:
-        by_url[conn._program.url].append(conn)
-    if len(by_url) > 1:  # several stores: short slices in turn
-        while True:
-            for group in by_url.values():
-                hits: list[Any] = [*_blpop(group, 0.01, None), *_std.wait(others, 0)]
-                if hits:
-                    return hits
-            if deadline is not None and time.monotonic() >= deadline:
-                return []
-    prog = ours[0]._program
-    wake = prog.keys.wakeup(Keys.new_name())
-    stop_r, stop_w = os.pipe()
-    found: list[Any] = []
-
-    def watch() -> None:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        hits = _std.wait([*others, stop_r], remaining)
-        if stop_r not in hits:
-            found.extend(hits)
-            link(prog).call(("RPUSH", wake, "1"), ("PEXPIRE", wake, prog.ttl_ms))
-
-    thread = threading.Thread(target=watch, name="nimbus-wait", daemon=True)
-    thread.start()
-    try:
-        remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
-        ready: list[Any] = list(_blpop(ours, remaining, wake))
-    finally:
-        os.write(stop_w, b"x")
-        thread.join()
-        os.close(stop_r)
-        os.close(stop_w)
-        link(prog).call(("DEL", wake))
-    return ready + (_std.wait(others, 0) if others else [])
+    return _wait.wait(object_list, timeout, Connection)

@@ -222,7 +222,7 @@ class Queue:
                 done = True
                 break
             try:
-                message = MESSAGE + pack(obj)
+                message = pack(obj, MESSAGE)
             except Exception as exc:
                 if util.is_exiting():
                     return True

@@ -1,0 +1,367 @@
+"""Pipes that switch to direct messaging between nimbus processes, and fall back.
+
+Real ``nimbus.multiprocessing`` processes, real sockets and the real embedded
+state store. Each test checks what the user sees (every message once, in
+order, then EOF) and, through the ends' private state, which path was taken.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import nimbus.multiprocessing as mp
+from nimbus.multiprocessing import connection
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 5000
+
+
+# -- children (module level: found by reference) -----------------------------
+
+
+def _echo(conn: connection.Connection) -> None:
+    while True:
+        try:
+            conn.send_bytes(conn.recv_bytes())  # objects travel as their pickles
+        except EOFError:
+            return
+
+
+def _flood(w: connection.Connection, start: int, n: int, report: bool) -> None:
+    for i in range(start, start + n):
+        w.send(i)
+        if i % 500 == 0:
+            time.sleep(0.005)  # let the writer look at the holder mid-flood
+    if report:
+        w.send(("switched", w._writer is not None and w._writer.peer is not None))
+    w.close()
+
+
+def _read_all(r: connection.Connection, out: connection.Connection) -> None:
+    got = _drain(r)
+    out.send((got, r._reader is not None and r._reader.source is not None))
+    out.close()
+
+
+def _send_hand_over_send(w: connection.Connection, signal: connection.Connection) -> None:
+    for i in range(100):
+        w.send(i)
+        time.sleep(0.001)
+    switched = w._writer is not None and w._writer.peer is not None
+    q = mp.Process(target=_flood, args=(w, 1000, 100, False))
+    q.start()  # pickling the end reverts it: "R" directly, then the store
+    q.join()
+    for i in range(200, 210):
+        w.send(i)
+    w.close()
+    signal.send(switched)
+
+
+def _converse(a: connection.Connection, start: int, n: int, out: connection.Connection) -> None:
+    got = []
+    for i in range(start, start + n):
+        a.send(i)
+        got.append(a.recv())
+    out.send(got)
+    a.close()
+
+
+def _send_then_hang(w: connection.Connection) -> None:
+    for i in range(50):
+        w.send(i)
+        time.sleep(0.002)
+    w.send(("switched", w._writer is not None and w._writer.peer is not None))
+    time.sleep(60)
+
+
+def _recv_one_then_hang(r: connection.Connection) -> None:
+    r.recv()
+    time.sleep(60)
+
+
+# -- helpers -----------------------------------------------------------------
+
+
+def _drain(r: connection.Connection) -> list[Any]:
+    got = []
+    while True:
+        try:
+            got.append(r.recv())
+        except EOFError:
+            return got
+
+
+def _start(target: Any, *args: Any) -> Any:
+    p = mp.Process(target=target, args=args)
+    p.start()
+    return p
+
+
+def _hand_to_reader(r: connection.Connection) -> tuple[Any, connection.Connection]:
+    """A child that reads ``r`` to its end (this copy closed), and where its list comes."""
+    out_r, out_w = mp.Pipe(duplex=False)
+    p = _start(_read_all, r, out_w)  # pickling a held end gives the claim up
+    r.close()
+    out_w.close()
+    return p, out_r
+
+
+# -- tests -------------------------------------------------------------------
+
+
+def _echo_child(rounds: int) -> tuple[connection.Connection, Any]:
+    """A Pipe end to an echoing child, after ``rounds`` round trips."""
+    a, b = mp.Pipe()
+    p = _start(_echo, b)
+    b.close()
+    for i in range(rounds):
+        a.send(i)
+        assert a.recv() == i
+    assert a._writer is not None and a._writer.peer is not None  # parent -> child: direct
+    return a, p
+
+
+def test_echo_goes_direct_in_both_directions_and_ends_with_eof() -> None:
+    a, p = _echo_child(300)
+    assert a._reader is not None and a._reader.source is not None  # child -> parent: direct
+    a.send_bytes(b"raw")
+    buf = bytearray(10)
+    assert a.recv_bytes_into(buf, 2) == 3 and buf[2:5] == b"raw"
+    assert not a.poll(0)
+    a.send([1, 2])
+    assert a.poll(10)
+    assert a.recv() == [1, 2]
+    a.close()  # the child's recv ends with EOF (sent directly), and it exits
+    p.join(30)
+    assert p.exitcode == 0
+
+
+def test_large_objects_and_arrays_travel_directly_unframed() -> None:
+    r, w = mp.Pipe(duplex=False)
+    p, out_r = _hand_to_reader(r)
+    deadline = time.monotonic() + 30
+    while w._writer is not None and w._writer.peer is None:  # until the switch
+        assert time.monotonic() < deadline, "the writer never switched"
+        w.send("warm")
+        time.sleep(0.005)
+    big = os.urandom(300_000)
+    arr = np.arange(100_000, dtype=np.float64)
+    w.send((big, arr, "tail"))
+    w.send_bytes(pickle.dumps(arr, protocol=5))  # a pickle sent as bytes, read as an object
+    w.close()
+    got, direct = out_r.recv()  # back over a pipe that switched too: large, unframed
+    p.join(30)
+    assert direct
+    assert set(got[:-2]) == {"warm"}
+    assert got[-2][0] == big and got[-2][2] == "tail"
+    assert np.array_equal(got[-2][1], arr)
+    assert np.array_equal(got[-1], arr)
+
+
+def test_flood_keeps_order_and_exactly_once_across_the_switch() -> None:
+    r, w = mp.Pipe(duplex=False)
+    p = _start(_flood, w, 0, N, True)
+    w.close()
+    got = _drain(r)
+    p.join(30)
+    assert got[:-1] == list(range(N))
+    assert got[-1] == ("switched", True)
+    with pytest.raises(EOFError):  # end of stream stays
+        r.recv()
+
+
+def test_many_writers_to_one_reader_through_the_store() -> None:
+    r, w = mp.Pipe(duplex=False)
+    procs = [_start(_flood, w, k * 1000, 1000, False) for k in range(3)]
+    w.close()
+    got = _drain(r)
+    for p in procs:
+        p.join(30)
+    assert sorted(got) == list(range(3000))
+    for k in range(3):  # each writer's messages in its order
+        mine = [x for x in got if k * 1000 <= x < (k + 1) * 1000]
+        assert mine == sorted(mine)
+    # while several copies of the writing end are open, it stays in the store; the
+    # last one left may switch (that is fine: it is then the only writer)
+
+
+def test_wait_over_direct_and_store_connections() -> None:
+    pipes = [mp.Pipe(duplex=False) for _ in range(3)]
+    procs = [_start(_flood, w, k * 1000, 1000, True) for k, (_, w) in enumerate(pipes)]
+    for _, w in pipes:
+        w.close()
+    a, b = mp.Pipe()  # stays in the store: written and read here
+    b.send("local")
+    readers = [r for r, _ in pipes]
+    got: dict[int, list[Any]] = {k: [] for k in range(3)}
+    local = []
+    open_ = [*readers, a]
+    while open_:
+        for conn in connection.wait(open_, 30):
+            try:
+                item = conn.recv()
+            except EOFError:
+                open_.remove(conn)
+                continue
+            if conn is a:
+                local.append(item)
+                a.close()
+                open_.remove(a)
+            else:
+                got[readers.index(conn)].append(item)
+    for p in procs:
+        p.join(30)
+    assert local == ["local"]
+    for k in range(3):
+        assert got[k][:-1] == list(range(k * 1000, (k + 1) * 1000))
+        assert got[k][-1] == ("switched", True)
+
+
+def test_reader_handed_to_another_process_mid_stream() -> None:
+    r, w = mp.Pipe(duplex=False)
+    writer = _start(_flood, w, 0, N, True)
+    w.close()
+    first = [r.recv() for _ in range(1500)]
+    assert r._reader is not None and r._reader.claim is not None  # read directly so far
+    reader, out_r = _hand_to_reader(r)
+    rest, _ = out_r.recv()
+    writer.join(30)
+    reader.join(30)
+    assert first + rest[:-1] == list(range(N))
+    assert rest[-1][0] == "switched"  # the writer may or may not switch to the new reader
+
+
+def test_writer_reverts_while_the_reader_hands_its_end_over() -> None:
+    r, w = mp.Pipe(duplex=False)
+    signal_r, signal_w = mp.Pipe(duplex=False)
+    writer = _start(_send_hand_over_send, w, signal_w)
+    w.close()
+    signal_w.close()
+    first = [r.recv() for _ in range(10)]  # claims; the rest waits here, unread
+    assert signal_r.recv() is True  # the writer had switched, then reverted
+    reader, out_r = _hand_to_reader(r)
+    rest, _ = out_r.recv()
+    writer.join(30)
+    reader.join(30)
+    assert first + rest == [*range(100), *range(1000, 1100), *range(200, 210)]
+
+
+def test_writer_handed_to_another_process() -> None:
+    a, p = _echo_child(200)
+    assert a._writer is not None
+    r, w = mp.Pipe(duplex=False)
+    q = _start(_flood, a, 1000, 500, False)  # a second writer copy: back to the store
+    assert a._writer.peer is None
+    w.close()
+    got = [a.recv() for _ in range(500)]
+    assert got == list(range(1000, 1500))
+    q.join(30)
+    a.send("last")
+    assert a.recv() == "last"
+    a.close()
+    p.join(30)
+    r.close()
+
+
+def test_both_ends_of_a_duplex_conversation_handed_over() -> None:
+    a, p = _echo_child(300)  # both directions direct
+    assert a._reader is not None and a._reader.source is not None
+    out_r, out_w = mp.Pipe(duplex=False)
+    q = _start(_converse, a, 1000, 500, out_w)  # pickling gives up one, reverts the other
+    a.close()
+    out_w.close()
+    assert out_r.recv() == list(range(1000, 1500))
+    q.join(30)
+    p.join(30)  # the echo child saw EOF when the conversation's end closed
+    assert p.exitcode == 0
+
+
+def test_competing_readers_share_the_stream() -> None:
+    r, w = mp.Pipe(duplex=False)
+    outs = [mp.Pipe(duplex=False) for _ in range(2)]
+    procs = [_start(_read_all, r, ow) for _, ow in outs]
+    r.close()
+    for _, ow in outs:
+        ow.close()
+    for i in range(2000):
+        w.send(i)
+    w.close()
+    results = [orr.recv() for orr, _ in outs]
+    for p in procs:
+        p.join(30)
+    lists = [got for got, _ in results]
+    assert sorted(lists[0] + lists[1]) == list(range(2000))
+    for got in lists:
+        assert got == sorted(got)
+    assert not any(direct for _, direct in results)
+
+
+def test_writer_killed_mid_conversation_gives_eof() -> None:
+    r, w = mp.Pipe(duplex=False)
+    p = _start(_send_then_hang, w)
+    w.close()
+    assert [r.recv() for _ in range(50)] == list(range(50))
+    assert r.recv() == ("switched", True)
+    p.kill()
+    with pytest.raises(EOFError):  # the only writer is gone (the store alone would hang)
+        r.recv()
+    p.join(30)
+
+
+def test_reader_killed_sends_fall_back() -> None:
+    r, w = mp.Pipe(duplex=False)
+    p = _start(_recv_one_then_hang, r)
+    r.close()
+    deadline = time.monotonic() + 30
+    while w._writer is not None and w._writer.peer is None:
+        assert time.monotonic() < deadline, "the writer never switched"
+        w.send(0)
+        time.sleep(0.005)
+    p.kill()
+    p.join(30)
+    for i in range(200):  # a send to a gone reader is dropped, as before: no error
+        w.send(i)
+        time.sleep(0.001)
+    assert w._writer.peer is None
+    w.close()
+
+
+def _sleep_send_close(child: connection.Connection) -> None:
+    time.sleep(0.5)
+    child.send(123)
+    child.close()
+
+
+def test_a_default_socket_timeout_changes_nothing() -> None:
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(0.1)  # as CPython's TestTimeouts does, before the first recv
+    try:
+        parent, child = mp.Pipe()
+        p = _start(_sleep_send_close, child)
+        child.close()
+        assert parent.recv() == 123
+        with pytest.raises(EOFError):
+            parent.recv()
+        parent.close()
+        p.join(30)
+    finally:
+        socket.setdefaulttimeout(old)
+
+
+def test_direct_off_keeps_everything_in_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NIMBUS_MESSAGING_DIRECT", "0")
+    r, w = mp.Pipe(duplex=False)
+    p = _start(_flood, w, 0, 1000, True)
+    w.close()
+    got = _drain(r)
+    p.join(30)
+    assert got == [*range(1000), ("switched", False)]
+    assert r._reader is not None and r._reader.claim is None
