@@ -9,18 +9,21 @@
                        +--> RPUSH inbox:<peer> in the store --> inbox thread (BLPOP) -+
 
 Every message carries a sequence number per (sender, receiver) pair, whichever
-way it travels, so the receiver delivers each sender's messages once and in
-order even when the sender switched from the store to the socket mid-stream.
-A send that finds the peer's socket full reads what is waiting for this
-instance meanwhile, so rings and exchanges never deadlock on full buffers.
+way it travels, so the mailbox (``_mailbox``) delivers each sender's messages
+once and in order even when the sender switched from the store to the socket
+mid-stream. A send that finds the peer's socket full reads what is waiting for
+this instance meanwhile, so rings and exchanges never deadlock on full buffers.
+
+The path of a small message in a burst (a send after a send, to a connected
+peer) is one dict lookup and one append to the link's ``pending`` queue, no
+lock; the queue is numbered and framed (BATCH frames) when it reaches COALESCE
+bytes, at the next ``recv``, or by the flusher thread within FLUSH_DELAY.
 """
 
 from __future__ import annotations
 
 import _thread
-import collections
 import dataclasses
-import itertools
 import logging
 import os
 import pickle
@@ -29,16 +32,14 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import msgpack
 import redis
 
 from nimbus import serialization
 from nimbus.errors import (
-    MessageDecodeError,
     MessagingTimeout,
     PeerExited,
     PeerLost,
@@ -48,6 +49,7 @@ from nimbus.errors import (
 from nimbus.keys import Keys
 from nimbus.messaging import _link
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, host_id, socket_path
+from nimbus.messaging._mailbox import Mail, Mailbox, decode
 from nimbus.wire import ProtocolError, pack, unpack
 
 __all__ = ["ANY", "HEARTBEAT", "Endpoint", "Transport"]
@@ -58,14 +60,13 @@ RETRY = 0.002  # seconds between tries to reach a peer that does not listen yet
 RETRY_TCP = 0.25  # first wait before trying an unreachable TCP address again ...
 MAX_BACKOFF = 5.0  # ... doubling up to this
 IDLE_POLL = 5  # seconds an idle inbox waits in the store before it looks again
-COALESCE = 64 * 1024  # bytes of small messages queued before they are written at once
+COALESCE = 32 * 1024  # bytes of small messages queued before they are written at once
 FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be written
 log = logging.getLogger("nimbus.messaging")
 _PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to find)
 _INLINE = 64 * 1024
-unpackb = msgpack.unpackb
+_BATCHED = _link.BATCHED
 _READ = select.POLLIN | select.POLLERR | select.POLLHUP
-_Mail = tuple[str, Any, Any, Sequence[Any]]  # sender, tag, pickle, out-of-band buffers
 
 
 @runtime_checkable
@@ -104,8 +105,8 @@ class Endpoint:
         self.directory = Directory(client, keys, ttl_ms)
         self._out: dict[str, _link.Link] = {}
         self._out_lock = threading.Lock()
-        # next(self._seq[peer]): one numbering per peer, atomic without a lock
-        self._seq: dict[str, itertools.count[int]] = collections.defaultdict(itertools.count)
+        self._next_seq: dict[str, int] = {}  # per peer, whichever way its messages go
+        self._seq_lock = threading.Lock()
         self._retry_at: dict[str, float] = {}
         self._backoff: dict[str, float] = {}
         self._dirty: set[_link.Link] = set()  # links holding coalesced messages
@@ -113,17 +114,12 @@ class Endpoint:
         self._flush_armed = False  # the flusher will write the dirty links soon
         self._flusher: threading.Thread | None = None
         self._recvs = 0
-        # receiving: links in, per-sender order, the mailbox
-        self._lock = threading.Lock()  # mailbox and order state
+        # receiving: links in, the mailbox (per-sender order)
+        self._mailbox = Mailbox()
         self._io = threading.RLock()  # reading the inbound sockets
         self._in: dict[int, _link.Link] = {}
         self._new_in: list[_link.Link] = []
         self._poll = select.poll()
-        self._expect: dict[str, int] = collections.defaultdict(int)
-        self._held: dict[str, dict[int, tuple[Any, Any, Sequence[Any]]]] = {}
-        self._mail: collections.deque[_Mail] = collections.deque()
-        self._ended: dict[str, str] = {}  # sender -> "exited" or "lost"
-        self._arrivals = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -168,7 +164,7 @@ class Endpoint:
                 conn, me=self.id, program_id=self._keys.program_id, token=self._token
             )
             if link is not None:
-                with self._lock:
+                with self._mailbox.lock:
                     self._new_in.append(link)
                 self._wake()
 
@@ -195,9 +191,7 @@ class Endpoint:
                 log.debug("nimbus.messaging: inbox of %s: %r", self.id, exc)
                 time.sleep(0.1)
                 continue
-            with self._lock:
-                self._arrive(sender, seq, tag, parts[0], _link.writable_as_sent(parts, readonly))
-                self._arrivals += 1
+            self._mailbox.put(sender, seq, tag, parts[0], _link.writable_as_sent(parts, readonly))
             self._wake()
 
     def _wake(self) -> None:
@@ -209,48 +203,103 @@ class Endpoint:
     # ------------------------------------------------------------ sending
 
     def send(self, peer: str, obj: object, tag: Any = 0) -> None:
-        """Send ``obj`` to instance ``peer``: over a socket if it listens, else the store."""
+        """Send ``obj`` to instance ``peer``: over a socket if it listens, else the store.
+
+        Small ``bytes`` travel as they are over sockets (no pickle at either end).
+        """
+        raws: list[Any] = []
+        if type(obj) is bytes and len(obj) <= _BATCHED:
+            link = self._out.get(peer)
+            # a send after a send (no recv between) to a connected peer: queue it, no lock
+            if link is not None and link.recvs == self._recvs:
+                link.pending.append((tag, obj, True))
+                link.queued += len(obj)
+                if link.queued >= COALESCE:
+                    with link.lock:
+                        self._write(link)
+                elif not link.armed:  # read after the append: see ``_flush_dirty``
+                    self._arm(link)
+                return
+            self._send_slow(peer, link, tag, obj, raws, True)
+            return
         if type(obj) in _PLAIN and len(obj) < _INLINE:  # type: ignore[arg-type]
-            data, raws = pickle.dumps(obj, 5), []  # the common small case, no detour
+            data = pickle.dumps(obj, 5)  # the common small case, no detour
         else:
             data, buffers = serialization.dumps(obj)
             raws = [b.raw() for b in buffers]
-        link = (self._out.get(peer) or self._open(peer)) if self.direct else None
+        link = self._out.get(peer)
+        if link is not None and link.recvs == self._recvs and not raws and len(data) <= _BATCHED:
+            link.pending.append((tag, data, False))
+            link.queued += len(data)
+            if link.queued >= COALESCE:
+                with link.lock:
+                    self._write(link)
+            elif not link.armed:
+                self._arm(link)
+            return
+        self._send_slow(peer, link, tag, data, raws, False)
+
+    def _send_slow(
+        self, peer: str, link: _link.Link | None, tag: Any, data: bytes, raws: list[Any], raw: bool
+    ) -> None:
+        """Send one message that does not just join a link's ``pending`` queue.
+
+        ``raw``: ``data`` is the ``bytes`` sent, not a pickle.
+        """
+        if link is None and self.direct:
+            link = self._open(peer)
         if link is None:
-            self._push_store(peer, next(self._seq[peer]), tag, data, raws)
+            if raw:
+                data = pickle.dumps(data, 5)
+            self._push_store(peer, self._number(peer, 1), tag, data, raws)
             return
         with link.lock:
             if link.error is not None:
                 raise PeerLost(f"instance {peer} is lost: {link.error}")
-            seq = next(self._seq[peer])  # one numbering per peer, whichever way it goes
+            link.frame_pending(self._number)  # what waits goes first
+            seq = self._number(peer, 1)
             # the first send since a receive goes now (a request waits for its reply);
             # more sends in a row are coalesced, up to COALESCE bytes or FLUSH_DELAY
-            if link.recvs != self._recvs:
-                link.recvs = self._recvs
-                if not raws and len(data) <= _link.SMALL_LIMIT:
-                    try:
-                        if link.send_now(seq, tag, data):
-                            return
-                    except OSError as exc:
-                        self._drop_out(link)
-                        raise PeerLost(f"instance {peer} is lost: {exc}") from exc
-                else:
-                    link.queue(seq, tag, data, raws)
+            now = link.recvs != self._recvs
+            link.recvs = self._recvs
+            if now and not raws and len(data) <= _link.SMALL_LIMIT:
+                try:
+                    if link.send_now(seq, tag, data, raw):
+                        return
+                except OSError as exc:
+                    self._drop_out(link)
+                    raise PeerLost(f"instance {peer} is lost: {exc}") from exc
                 self._flush(link)
                 return
-            if raws or len(data) > _link.SMALL_LIMIT:
-                link.queue(seq, tag, data, raws)
-            else:
-                link.channel.queue_small(_link.MSG, link.packer.pack((seq, tag)), data)
-            if link.channel.pending_output >= COALESCE:
+            link.queue(seq, tag, data, raws, raw)
+            if now or link.channel.pending_output >= COALESCE:
                 self._flush(link)
                 return
+        if not link.armed:
+            self._arm(link)
+
+    def _number(self, peer: str, n: int) -> int:
+        """Reserve ``n`` consecutive sequence numbers for messages to ``peer``; the first."""
+        with self._seq_lock:
+            first = self._next_seq.get(peer, 0)
+            self._next_seq[peer] = first + n
+        return first
+
+    def _write(self, link: _link.Link) -> None:
+        """Frame and write what ``link`` holds (``link.lock`` held)."""
+        if link.error is None:
+            link.frame_pending(self._number)
+            self._flush(link)
+
+    def _arm(self, link: _link.Link) -> None:
+        """Have the flusher write ``link`` within FLUSH_DELAY."""
+        link.armed = True
         self._dirty.add(link)  # before the flag is read (the flusher clears it, then flushes)
         if not self._flush_armed:
             self._defer()
 
     def _defer(self) -> None:
-        """Have the flusher write the dirty links within FLUSH_DELAY."""
+        """Wake the flusher (started on first use)."""
         self._flush_armed = True
         if self._flusher is None:
             self._flusher = threading.Thread(
@@ -268,18 +317,23 @@ class Endpoint:
             self._flush_dirty()
 
     def _flush_dirty(self) -> None:
-        """Write every coalesced message now (before waiting, at close, from the flusher)."""
+        """Write every coalesced message now (before waiting, at close, from the flusher).
+
+        A link's ``armed`` is cleared before its ``pending`` is taken: a send
+        that appended and then saw ``armed`` set is in what is taken; one that
+        saw it clear arms the link again.
+        """
         while self._dirty:
             try:
                 link = self._dirty.pop()
             except KeyError:
                 return
             with link.lock:
-                if link.error is None:
-                    try:
-                        self._flush(link)
-                    except PeerLost as exc:
-                        link.error = exc
+                link.armed = False
+                try:
+                    self._write(link)
+                except PeerLost as exc:
+                    link.error = exc
 
     def _open(self, peer: str) -> _link.Link | None:
         """A link to ``peer``, or None while it does not listen (its messages go to the store)."""
@@ -369,19 +423,35 @@ class Endpoint:
         self._recvs += 1
         if self._dirty:
             self._flush_dirty()
+        mailbox = self._mailbox
+        mail, lock = mailbox.mail, mailbox.lock
         deadline = next_check = None  # taken when first needed (the common case never waits)
         while True:
-            seen = self._arrivals
-            if self._mail:
-                found = self._take(source, tag)
+            seen = mailbox.arrivals
+            if mail:
+                with lock:  # the common case inline: the first waiting message is wanted
+                    head = mail[0] if mail else None
+                    if (
+                        head is not None
+                        and head[1] == tag
+                        and (source is None or head[0] == source)
+                    ):
+                        mail.popleft()
+                        found: Mail | None = head
+                    else:
+                        found = None
+                if found is None:
+                    found = mailbox.take(source, tag)
                 if found is not None:
                     sender, _, data, buffers = found
+                    if buffers is None:
+                        return sender, data  # small bytes, sent as they are
                     try:
                         return sender, pickle.loads(data, buffers=buffers)
-                    except Exception as exc:
-                        raise self._undecodable(sender, exc) from exc
+                    except Exception:
+                        return sender, decode(sender, data, buffers)  # raises, naming sender
             if source is not None:
-                ended = self._ended.get(source)
+                ended = mailbox.ended.get(source)
                 if ended == EXITED:
                     raise PeerExited(f"instance {source} exited; it sent nothing more")
                 if ended is not None:
@@ -414,48 +484,6 @@ class Endpoint:
             return ""
         return f"; instance {source} never became addressable (was it started?)"
 
-    @staticmethod
-    def _undecodable(sender: str, exc: Exception) -> MessageDecodeError:
-        """The error for a message that does not unpickle (``pickle.loads`` is called
-        inline, as ``serialization.loads`` would, to save a call per message)."""
-        return MessageDecodeError(
-            f"a message from instance {sender} cannot be unpickled here: "
-            f"cannot unpickle payload: {type(exc).__name__}: {exc}",
-            sender,
-        )
-
-    def _take(self, source: str | None, tag: Any) -> _Mail | None:
-        with self._lock:
-            mail = self._mail
-            if not mail:
-                return None
-            head = mail[0]  # the common case: the first waiting message is the one wanted
-            if head[1] == tag and (source is None or head[0] == source):
-                return mail.popleft()
-            for i, item in enumerate(mail):
-                if item[1] == tag and (source is None or item[0] == source):
-                    del mail[i]
-                    return item
-        return None
-
-    def _arrive(self, sender: str, seq: int, tag: Any, data: Any, buffers: Sequence[Any]) -> None:
-        """Deliver in order (called with ``_lock`` held)."""
-        expect = self._expect[sender]
-        if seq == expect:
-            self._mail.append((sender, tag, data, buffers))
-            expect += 1
-            held = self._held.get(sender)
-            while held and expect in held:
-                t, d, b = held.pop(expect)
-                self._mail.append((sender, t, d, b))
-                expect += 1
-            if held is not None and not held:
-                del self._held[sender]  # none held at all: ``_read`` takes its short path
-            self._expect[sender] = expect
-        elif seq > expect:  # an earlier one is still on its way through the store
-            self._held.setdefault(sender, {})[seq] = (tag, data, buffers)
-        # seq < expect: a duplicate, dropped
-
     def _check_alive(self, peer: str) -> None:
         """Raise if ``peer`` is known dead or exited (for a recv waiting on it)."""
         path = socket_path(self._sockdir, peer)
@@ -473,9 +501,9 @@ class Endpoint:
         entry = self.directory.refresh(peer)
         if entry is not None and entry.state == EXITED:
             self._progress(0.0)
-            with self._lock:
+            with self._mailbox.lock:
                 if not any(link.peer == peer for link in self._in.values()):
-                    self._ended.setdefault(peer, EXITED)
+                    self._mailbox.ended.setdefault(peer, EXITED)
 
     def _progress(
         self, timeout: float, writer: _link.Link | None = None, seen: int | None = None
@@ -488,7 +516,7 @@ class Endpoint:
         if not self._io.acquire(timeout=timeout):
             return  # another thread is reading; what it reads lands in the mailbox
         try:
-            if seen is not None and seen != self._arrivals:
+            if seen is not None and seen != self._mailbox.arrivals:
                 timeout = 0.0
             if self._new_in:
                 self._adopt_new()
@@ -516,7 +544,7 @@ class Endpoint:
 
     def _adopt_new(self) -> None:
         if self._new_in:
-            with self._lock:
+            with self._mailbox.lock:
                 new, self._new_in = self._new_in, []
             for link in new:
                 self._in[link.fileno()] = link
@@ -529,34 +557,13 @@ class Endpoint:
         except (OSError, ProtocolError):
             frames = None
         if frames:
-            peer = link.peer
-            append = self._mail.append
-            with self._lock:
-                for frame in frames:
-                    if frame.kind == _link.MSG:
-                        meta = unpackb(frame.meta)  # seq, tag (, read-only buffers)
-                        bufs = frame.buffers
-                        seq = meta[0]
-                        if len(bufs) == 1 and seq == self._expect[peer] and not self._held:
-                            append((peer, meta[1], bufs[0], ()))  # the common case, inline
-                            self._expect[peer] = seq + 1
-                        else:
-                            rest = (
-                                _link.writable_as_sent(bufs, meta[2] if len(meta) > 2 else 0)
-                                if len(bufs) > 1
-                                else ()
-                            )
-                            self._arrive(peer, seq, meta[1], bufs[0], rest)
-                    elif frame.kind == _link.BYE:
-                        link.closed_cleanly = True
-                self._arrivals += len(frames)
+            self._mailbox.deliver(link, frames)
         if frames is None:  # end of stream
             fd = link.fileno()
             self._poll.unregister(fd)
             del self._in[fd]
             link.close()
-            with self._lock:
-                self._ended[link.peer] = EXITED if link.closed_cleanly else "lost"
+            self._mailbox.end(link.peer, EXITED if link.closed_cleanly else "lost")
 
     # ------------------------------------------------------------ closing
 
@@ -570,7 +577,7 @@ class Endpoint:
         for link in list(self._out.values()):
             try:
                 with link.lock:
-                    link.channel.send(_link.BYE, pack(next(self._seq[link.peer])))
+                    link.channel.send(_link.BYE, pack(self._number(link.peer, 1)))
                     link.sock.setblocking(True)
                     link.sock.settimeout(1.0)
                     link.channel.flush()
@@ -611,7 +618,7 @@ class Endpoint:
         return {
             "links_out": len(self._out),
             "links_in": len(self._in),
-            "waiting": len(self._mail),
+            "waiting": len(self._mailbox.mail),
             "bytes_out": sum(link.channel.bytes_out for link in links),
             "bytes_in": sum(link.channel.bytes_in for link in links),
         }

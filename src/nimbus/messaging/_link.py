@@ -6,17 +6,26 @@
     connect() --HELLO [version, program, token, id]--> acceptor: check version,
               <--WELCOME [id] or REFUSED [reason]----  program and token (logged)
     MSG [seq, tag] + pickle + out-of-band buffers --->  mailbox (in order per sender)
+    BATCH [first seq, tag, [lengths], raw] + data -->  mailbox, one message per length
     BYE [next seq] (clean exit) -------------------->  the sender exited
 
 Frames are ``nimbus.wire`` frames: a fixed header, msgpack metadata, then the
 pickle and its pickle-5 buffers, written with one scatter-gather ``sendmsg``
 and read into preallocated buffers. A link carries messages one way; two
 instances that talk both ways hold two links.
+
+Small messages sent in a burst wait in the link's ``pending`` queue, appended
+to without a lock and without a sequence number; whoever writes the link
+(holding its lock) numbers them and frames each run of one tag as a single
+BATCH frame: its pickles back to back, their lengths in the metadata. The
+receiver cuts a batch into messages in one pass, with no per-message frame.
+Small ``bytes`` are sent as they are, not pickled: in BATCH frames marked raw.
 """
 
 from __future__ import annotations
 
 import _socket
+import collections
 import ctypes
 import hmac
 import logging
@@ -26,7 +35,9 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 import msgpack
@@ -46,16 +57,20 @@ from nimbus.wire import (
     unpack,
 )
 
-__all__ = ["BYE", "HELLO", "MSG", "PROTOCOL", "Link", "Stream", "accept", "connect"]
+__all__ = ["BATCH", "BYE", "HELLO", "MSG", "PROTOCOL", "Link", "Stream", "accept", "connect"]
 
 log = logging.getLogger("nimbus.messaging")
 
-PROTOCOL = 1
-HELLO, WELCOME, REFUSED, MSG, BYE = 16, 17, 18, 19, 20
+PROTOCOL = 2
+HELLO, WELCOME, REFUSED, MSG, BYE, BATCH = 16, 17, 18, 19, 20, 21
 HANDSHAKE_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 1.0  # a TCP peer that does not answer within this is unreachable (for now)
 SOCKET_BUFFER = 4 * 1024 * 1024
 SMALL_LIMIT = 64 * 1024  # a pickle this small is copied into its frame
+BATCHED = 4096  # a pickle this small (and with no out-of-band buffers) may wait in ``pending``
+BATCH_BYTES = 32 * 1024  # pickles in one BATCH frame (about: runs are cut by count)
+_tag_raw = itemgetter(0, 2)
+_data = itemgetter(1)
 _SMALL = struct.Struct("<2sBBIIQ")  # the header of a frame with one buffer, and its length
 
 
@@ -251,7 +266,19 @@ class Stream(Channel):
 class Link:
     """One connected, handshaken socket to or from a peer instance."""
 
-    __slots__ = ("channel", "closed_cleanly", "error", "lock", "packer", "peer", "recvs", "sock")
+    __slots__ = (
+        "armed",
+        "channel",
+        "closed_cleanly",
+        "error",
+        "lock",
+        "packer",
+        "peer",
+        "pending",
+        "queued",
+        "recvs",
+        "sock",
+    )
 
     def __init__(self, sock: socket.socket, channel: Stream, peer: str) -> None:
         self.sock = sock
@@ -262,20 +289,63 @@ class Link:
         self.error: BaseException | None = None  # a deferred flush failed
         self.recvs = -1  # the endpoint's receive count at this link's last send
         self.packer = msgpack.Packer(use_bin_type=True)  # used under ``lock``
+        # small messages (tag, data, raw) not yet numbered nor framed: appended without
+        # the lock (a deque's append is atomic), taken by :meth:`frame_pending`
+        self.pending: collections.deque[tuple[Any, bytes, bool]] = collections.deque()
+        self.queued = 0  # bytes in ``pending``: added to without a lock, so approximate
+        self.armed = False  # the endpoint's flusher will frame and write ``pending``
 
-    def queue(self, seq: int, tag: Any, data: bytes, buffers: list[Any]) -> None:
-        """Queue one message; the caller flushes (now, or later with others)."""
-        if buffers or len(data) > SMALL_LIMIT:
+    def queue(self, seq: int, tag: Any, data: bytes, buffers: list[Any], raw: bool) -> None:
+        """Queue one message; the caller flushes (now, or later with others).
+
+        ``raw``: ``data`` is a small ``bytes`` sent as it is, not a pickle.
+        """
+        if raw:
+            self.channel.queue_small(BATCH, self.packer.pack((seq, tag, [len(data)], True)), data)
+        elif buffers or len(data) > SMALL_LIMIT:
             readonly = readonly_mask(buffers)
             meta = pack((seq, tag, readonly)) if readonly else pack((seq, tag))
             self.channel.send(MSG, meta, [data, *buffers])
         else:
             self.channel.queue_small(MSG, self.packer.pack((seq, tag)), data)
 
-    def send_now(self, seq: int, tag: Any, data: bytes) -> bool:
+    def send_now(self, seq: int, tag: Any, data: bytes, raw: bool) -> bool:
         """Write one small message without out-of-band buffers now (and what is
         queued before it); True when all is written, else the caller flushes."""
+        if raw:
+            return self.channel.send_small(
+                BATCH, self.packer.pack((seq, tag, [len(data)], True)), data
+            )
         return self.channel.send_small(MSG, self.packer.pack((seq, tag)), data)
+
+    def frame_pending(self, number: Callable[[str, int], int]) -> None:
+        """Number the ``pending`` messages and queue them as frames (``lock`` held).
+
+        ``number(peer, n)`` reserves ``n`` consecutive sequence numbers and
+        returns the first. Each run of one tag (and of raw ``bytes`` or pickles)
+        becomes BATCH frames of about ``BATCH_BYTES`` (one pickle alone, a MSG frame).
+        """
+        pending = self.pending
+        n = len(pending)
+        if not n:
+            return
+        self.queued = 0
+        items = [pending.popleft() for _ in range(n)]
+        seq = number(self.peer, n)
+        queue_small, packer = self.channel.queue_small, self.packer
+        for (tag, raw), run in groupby(items, _tag_raw):
+            datas = list(map(_data, run))
+            lengths = list(map(len, datas))
+            # runs longer than BATCH_BYTES (several threads sending at once) are cut
+            step = max(1, len(datas) * BATCH_BYTES // max(1, sum(lengths)))
+            for start in range(0, len(datas), step):
+                chunk = datas[start : start + step]
+                if len(chunk) == 1 and not raw:
+                    queue_small(MSG, packer.pack((seq, tag)), chunk[0])
+                else:
+                    meta = packer.pack((seq, tag, lengths[start : start + step], raw))
+                    queue_small(BATCH, meta, b"".join(chunk))
+                seq += len(chunk)
 
     def fileno(self) -> int:
         return self.sock.fileno()
