@@ -49,7 +49,7 @@ from nimbus.errors import (
 from nimbus.keys import Keys
 from nimbus.messaging import _link
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, host_id, socket_path
-from nimbus.messaging._mailbox import Mail, Mailbox, decode
+from nimbus.messaging._mailbox import Mailbox
 from nimbus.wire import ProtocolError, pack, unpack
 
 __all__ = ["ANY", "HEARTBEAT", "Endpoint", "Transport"]
@@ -207,7 +207,6 @@ class Endpoint:
 
         Small ``bytes`` travel as they are over sockets (no pickle at either end).
         """
-        raws: list[Any] = []
         if type(obj) is bytes and len(obj) <= _BATCHED:
             link = self._out.get(peer)
             # a send after a send (no recv between) to a connected peer: queue it, no lock
@@ -220,8 +219,9 @@ class Endpoint:
                 elif not link.armed:  # read after the append: see ``_flush_dirty``
                     self._arm(link)
                 return
-            self._send_slow(peer, link, tag, obj, raws, True)
+            self._send_slow(peer, link, tag, obj, [], True)
             return
+        raws: list[Any] = []
         if type(obj) in _PLAIN and len(obj) < _INLINE:  # type: ignore[arg-type]
             data = pickle.dumps(obj, 5)  # the common small case, no detour
         else:
@@ -424,32 +424,22 @@ class Endpoint:
         if self._dirty:
             self._flush_dirty()
         mailbox = self._mailbox
-        mail, lock = mailbox.mail, mailbox.lock
-        deadline = next_check = None  # taken when first needed (the common case never waits)
+        if mailbox.mail:  # the common case: no wait
+            found = mailbox.pop(source, tag)
+            if found is not None:
+                return found
+        return self._wait(source, timeout, tag)
+
+    def _wait(self, source: str | None, timeout: float | None, tag: Any) -> tuple[str, Any]:
+        """``recv_with_source`` when what it wants is not waiting yet."""
+        mailbox = self._mailbox
+        deadline = next_check = None
         while True:
             seen = mailbox.arrivals
-            if mail:
-                with lock:  # the common case inline: the first waiting message is wanted
-                    head = mail[0] if mail else None
-                    if (
-                        head is not None
-                        and head[1] == tag
-                        and (source is None or head[0] == source)
-                    ):
-                        mail.popleft()
-                        found: Mail | None = head
-                    else:
-                        found = None
-                if found is None:
-                    found = mailbox.take(source, tag)
+            if mailbox.mail:
+                found = mailbox.pop(source, tag)
                 if found is not None:
-                    sender, _, data, buffers = found
-                    if buffers is None:
-                        return sender, data  # small bytes, sent as they are
-                    try:
-                        return sender, pickle.loads(data, buffers=buffers)
-                    except Exception:
-                        return sender, decode(sender, data, buffers)  # raises, naming sender
+                    return found
             if source is not None:
                 ended = mailbox.ended.get(source)
                 if ended == EXITED:

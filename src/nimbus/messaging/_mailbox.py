@@ -64,20 +64,30 @@ class Mailbox:
         self._expect: dict[str, int] = collections.defaultdict(int)
         self._held: dict[str, dict[int, tuple[Any, Any, Sequence[Any] | None]]] = {}
 
-    def take(self, source: str | None, tag: Any) -> Mail | None:
-        """The first waiting message from ``source`` (None: anyone) with ``tag``."""
+    def pop(self, source: str | None, tag: Any) -> tuple[str, Any] | None:
+        """``(sender, obj)`` of the first waiting message from ``source`` (None:
+        anyone) with ``tag``, taken out and decoded; None when there is none."""
         with self.lock:
             mail = self.mail
             if not mail:
                 return None
             head = mail[0]  # the common case: the first waiting message is the one wanted
             if head[1] == tag and (source is None or head[0] == source):
-                return mail.popleft()
-            for i, item in enumerate(mail):
-                if item[1] == tag and (source is None or item[0] == source):
-                    del mail[i]
-                    return item
-        return None
+                mail.popleft()
+            else:
+                for i, head in enumerate(mail):
+                    if head[1] == tag and (source is None or head[0] == source):
+                        del mail[i]
+                        break
+                else:
+                    return None
+        sender, _, data, buffers = head
+        if buffers is None:
+            return sender, data  # small bytes, sent as they are
+        try:
+            return sender, pickle.loads(data, buffers=buffers)
+        except Exception:
+            return sender, decode(sender, data, buffers)  # raises, naming the sender
 
     def put(
         self, sender: str, seq: int, tag: Any, data: Any, buffers: Sequence[Any] | None
