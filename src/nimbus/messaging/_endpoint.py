@@ -23,7 +23,9 @@ bytes, at the next ``recv``, or by the flusher thread within FLUSH_DELAY.
 from __future__ import annotations
 
 import _thread
+import collections
 import dataclasses
+import itertools
 import logging
 import os
 import pickle
@@ -105,8 +107,8 @@ class Endpoint:
         self.directory = Directory(client, keys, ttl_ms)
         self._out: dict[str, _link.Link] = {}
         self._out_lock = threading.Lock()
-        self._next_seq: dict[str, int] = {}  # per peer, whichever way its messages go
-        self._seq_lock = threading.Lock()
+        # one numbering per peer, whichever way its messages go (taken without a lock)
+        self._seq: dict[str, itertools.count[int]] = collections.defaultdict(itertools.count)
         self._retry_at: dict[str, float] = {}
         self._backoff: dict[str, float] = {}
         self._dirty: set[_link.Link] = set()  # links holding coalesced messages
@@ -256,8 +258,9 @@ class Endpoint:
         with link.lock:
             if link.error is not None:
                 raise PeerLost(f"instance {peer} is lost: {link.error}")
-            link.frame_pending(self._number)  # what waits goes first
-            seq = self._number(peer, 1)
+            if link.pending:
+                link.frame_pending(self._number)  # what waits goes first
+            seq = next(self._seq[peer])
             # the first send since a receive goes now (a request waits for its reply);
             # more sends in a row are coalesced, up to COALESCE bytes or FLUSH_DELAY
             now = link.recvs != self._recvs
@@ -279,11 +282,15 @@ class Endpoint:
             self._arm(link)
 
     def _number(self, peer: str, n: int) -> int:
-        """Reserve ``n`` consecutive sequence numbers for messages to ``peer``; the first."""
-        with self._seq_lock:
-            first = self._next_seq.get(peer, 0)
-            self._next_seq[peer] = first + n
-        return first
+        """Reserve ``n`` consecutive sequence numbers for messages to ``peer``; the first.
+
+        Atomic without a lock: ``next`` of a count, and ``list(islice(count))``
+        run in C without a switch of threads in between.
+        """
+        if n == 1:
+            return next(self._seq[peer])
+        taken = list(itertools.islice(self._seq[peer], n))  # all n at once, not one by one
+        return taken[0]
 
     def _write(self, link: _link.Link) -> None:
         """Frame and write what ``link`` holds (``link.lock`` held)."""
@@ -503,7 +510,7 @@ class Endpoint:
         ``seen`` is the arrival count the caller last looked at: if messages
         arrived since (read by another thread), this returns without waiting.
         """
-        if not self._io.acquire(timeout=timeout):
+        if not self._io.acquire(True, timeout):
             return  # another thread is reading; what it reads lands in the mailbox
         try:
             if seen is not None and seen != self._mailbox.arrivals:

@@ -6,6 +6,7 @@
     connect() --HELLO [version, program, token, id]--> acceptor: check version,
               <--WELCOME [id] or REFUSED [reason]----  program and token (logged)
     MSG [seq, tag] + pickle + out-of-band buffers --->  mailbox (in order per sender)
+    RAW [seq, tag] + bytes (a small bytes as it is) ->  mailbox
     BATCH [first seq, tag, [lengths], raw] + data -->  mailbox, one message per length
     BYE [next seq] (clean exit) -------------------->  the sender exited
 
@@ -19,7 +20,7 @@ to without a lock and without a sequence number; whoever writes the link
 (holding its lock) numbers them and frames each run of one tag as a single
 BATCH frame: its pickles back to back, their lengths in the metadata. The
 receiver cuts a batch into messages in one pass, with no per-message frame.
-Small ``bytes`` are sent as they are, not pickled: in BATCH frames marked raw.
+Small ``bytes`` are sent as they are, not pickled (RAW, BATCH frames marked raw).
 """
 
 from __future__ import annotations
@@ -57,12 +58,23 @@ from nimbus.wire import (
     unpack,
 )
 
-__all__ = ["BATCH", "BYE", "HELLO", "MSG", "PROTOCOL", "Link", "Stream", "accept", "connect"]
+__all__ = [
+    "BATCH",
+    "BYE",
+    "HELLO",
+    "MSG",
+    "PROTOCOL",
+    "RAW",
+    "Link",
+    "Stream",
+    "accept",
+    "connect",
+]
 
 log = logging.getLogger("nimbus.messaging")
 
 PROTOCOL = 2
-HELLO, WELCOME, REFUSED, MSG, BYE, BATCH = 16, 17, 18, 19, 20, 21
+HELLO, WELCOME, REFUSED, MSG, BYE, BATCH, RAW = 16, 17, 18, 19, 20, 21, 22
 HANDSHAKE_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 1.0  # a TCP peer that does not answer within this is unreachable (for now)
 SOCKET_BUFFER = 4 * 1024 * 1024
@@ -79,6 +91,7 @@ _SMALL = struct.Struct("<2sBBIIQ")  # the header of a frame with one buffer, and
 # paths call these and count into the same totals.
 _raw_send = _socket.socket.send
 _raw_recv_into = _socket.socket.recv_into
+_DONTWAIT = socket.MSG_DONTWAIT
 _COUNTS = telemetry.COUNTS
 
 _FORCE = {socket.SO_SNDBUF: 32, socket.SO_RCVBUF: 33}  # SO_SNDBUFFORCE, SO_RCVBUFFORCE
@@ -212,6 +225,37 @@ class Stream(Channel):
         tail += data
         self._out_bytes += _SMALL.size + len(meta) + len(data)
 
+    def receive(self, block: bool = False) -> list[Frame] | None:
+        """As :meth:`Channel.receive`. Between frames (the common case): one read
+        into the scratch buffer and the frames it completes, cut out in one pass
+        (another read only when that one filled the buffer)."""
+        if block or self._kind >= 0 or self._big is not None:
+            return super().receive(block)
+        end = self._end
+        if self._start == end:
+            self._start = self._end = end = 0
+        elif end == len(self._scratch):
+            self._compact_to(0)
+            end = self._end
+        room = len(self._scratch) - end
+        try:
+            n = _raw_recv_into(self.sock, self._view[end:], 0, _DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return []
+        if n == 0:
+            return None
+        _COUNTS[0] += n
+        self.bytes_in += n
+        self._end = end + n
+        frames: list[Frame] = []
+        self._parse(frames)
+        if n == room:  # the buffer is full: more may be waiting
+            more = super().receive()
+            if more is None:
+                return frames or None
+            frames += more
+        return frames
+
     def _recv_into(self, view: memoryview, flags: int) -> int:
         n = _raw_recv_into(self.sock, view, 0, flags)
         _COUNTS[0] += n
@@ -301,7 +345,7 @@ class Link:
         ``raw``: ``data`` is a small ``bytes`` sent as it is, not a pickle.
         """
         if raw:
-            self.channel.queue_small(BATCH, self.packer.pack((seq, tag, [len(data)], True)), data)
+            self.channel.queue_small(RAW, self.packer.pack((seq, tag)), data)
         elif buffers or len(data) > SMALL_LIMIT:
             readonly = readonly_mask(buffers)
             meta = pack((seq, tag, readonly)) if readonly else pack((seq, tag))
@@ -312,18 +356,14 @@ class Link:
     def send_now(self, seq: int, tag: Any, data: bytes, raw: bool) -> bool:
         """Write one small message without out-of-band buffers now (and what is
         queued before it); True when all is written, else the caller flushes."""
-        if raw:
-            return self.channel.send_small(
-                BATCH, self.packer.pack((seq, tag, [len(data)], True)), data
-            )
-        return self.channel.send_small(MSG, self.packer.pack((seq, tag)), data)
+        return self.channel.send_small(RAW if raw else MSG, self.packer.pack((seq, tag)), data)
 
     def frame_pending(self, number: Callable[[str, int], int]) -> None:
         """Number the ``pending`` messages and queue them as frames (``lock`` held).
 
         ``number(peer, n)`` reserves ``n`` consecutive sequence numbers and
         returns the first. Each run of one tag (and of raw ``bytes`` or pickles)
-        becomes BATCH frames of about ``BATCH_BYTES`` (one pickle alone, a MSG frame).
+        becomes BATCH frames of about ``BATCH_BYTES`` (one message alone, MSG or RAW).
         """
         pending = self.pending
         n = len(pending)
@@ -340,8 +380,8 @@ class Link:
             step = max(1, len(datas) * BATCH_BYTES // max(1, sum(lengths)))
             for start in range(0, len(datas), step):
                 chunk = datas[start : start + step]
-                if len(chunk) == 1 and not raw:
-                    queue_small(MSG, packer.pack((seq, tag)), chunk[0])
+                if len(chunk) == 1:
+                    queue_small(RAW if raw else MSG, packer.pack((seq, tag)), chunk[0])
                 else:
                     meta = packer.pack((seq, tag, lengths[start : start + step], raw))
                     queue_small(BATCH, meta, b"".join(chunk))

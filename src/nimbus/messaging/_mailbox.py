@@ -2,7 +2,7 @@
 
 ::
 
-    socket frames  --deliver(link, frames)--+      (MSG: one message; BATCH: many; BYE)
+    socket frames  --deliver(link, frames)--+      (MSG, RAW: one message; BATCH: many; BYE)
     store inbox    --put(sender, seq, ...)--+
                                             v
           per sender: seq == expected --> mail (one deque, arrival order) --> take(source, tag)
@@ -36,7 +36,7 @@ __all__ = ["Mail", "Mailbox", "decode"]
 # sender, tag, pickle, its out-of-band buffers (None: the data is the message itself)
 Mail = tuple[str, Any, Any, Sequence[Any] | None]
 unpackb = msgpack.unpackb
-MSG, BATCH, BYE = _link.MSG, _link.BATCH, _link.BYE
+MSG, RAW, BATCH, BYE = _link.MSG, _link.RAW, _link.BATCH, _link.BYE
 
 
 def decode(sender: str, data: Any, buffers: Sequence[Any] | None) -> Any:
@@ -119,12 +119,13 @@ class Mailbox:
                     else:
                         for i, piece in enumerate(pieces, seq):
                             self._arrive(peer, i, tag, piece, buffers)
-                elif kind == MSG:
+                elif kind in (MSG, RAW):
                     meta = unpackb(frame.meta)  # seq, tag (, read-only buffers)
                     bufs = frame.buffers
                     seq = meta[0]
                     if len(bufs) == 1 and seq == expect[peer] and not self._held:
-                        mail.append((peer, meta[1], bufs[0], ()))  # the common case, inline
+                        # the common case, inline (a raw bytes is the message itself)
+                        mail.append((peer, meta[1], bufs[0], () if kind == MSG else None))
                         expect[peer] = seq + 1
                     else:
                         rest = (
