@@ -193,35 +193,35 @@ class Endpoint(Sender):
     def _wait(self, source: str | None, timeout: float | None, tag: Any) -> tuple[str, Any]:
         """``recv_with_source`` when what it wants is not waiting yet."""
         mailbox = self._mailbox
-        deadline = next_check = None
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        next_check = now + HEARTBEAT
         while True:
             seen = mailbox.arrivals
             if mailbox.mail:
                 found = mailbox.pop(source, tag)
                 if found is not None:
                     return found
+            wait = HEARTBEAT
             if source is not None:
                 ended = mailbox.ended.get(source)
                 if ended == EXITED:
                     raise PeerExited(f"instance {source} exited; it sent nothing more")
                 if ended is not None:
                     raise PeerLost(f"instance {source} is lost: its connection broke")
-            now = time.monotonic()
-            if next_check is None:
-                next_check = now + HEARTBEAT
-                deadline = None if timeout is None else now + timeout
-            if deadline is not None and now >= deadline:
-                raise MessagingTimeout(
-                    f"no message from {source or 'any instance'} within {timeout} s"
-                    + self._never_seen(source)
-                )
-            if source is not None and now >= next_check:
-                self._check_alive(source)
-                next_check = now + HEARTBEAT
-            wait = min(HEARTBEAT, next_check - now) if source is not None else HEARTBEAT
+                if now >= next_check:
+                    self._check_alive(source)
+                    next_check = now + HEARTBEAT
+                wait = next_check - now
             if deadline is not None:
+                if now >= deadline:
+                    raise MessagingTimeout(
+                        f"no message from {source or 'any instance'} within {timeout} s"
+                        + self._never_seen(source)
+                    )
                 wait = min(wait, deadline - now)
-            self._progress(max(wait, 0.0), seen=seen)
+            self._progress(wait, None, seen)
+            now = time.monotonic()
 
     def _never_seen(self, source: str | None) -> str:
         """A hint for a timeout: ``source`` never became an instance (not started?)."""
@@ -263,34 +263,37 @@ class Endpoint(Sender):
         ``seen`` is the arrival count the caller last looked at: if messages
         arrived since (read by another thread), this returns without waiting.
         """
-        if not self._io.acquire(True, timeout):
+        io = self._io
+        if not io.acquire(True, timeout):
             return  # another thread is reading; what it reads lands in the mailbox
         try:
             if seen is not None and seen != self._mailbox.arrivals:
                 timeout = 0.0
             if self._new_in:
                 self._adopt_new()
-            if writer is not None:
-                self._poll.register(writer.sock, select.POLLOUT)
-            try:
-                events = self._poll.poll(timeout * 1000)
-            finally:
-                if writer is not None:
-                    self._poll.unregister(writer.sock)
+            poll = self._poll
+            if writer is None:
+                events = poll.poll(timeout * 1000)
+            else:
+                poll.register(writer.sock, select.POLLOUT)
+                try:
+                    events = poll.poll(timeout * 1000)
+                finally:
+                    poll.unregister(writer.sock)
+            links = self._in
             for fd, _ in events:
-                if fd == self._wake_r:
+                link = links.get(fd)
+                if link is not None:
+                    self._read(link)
+                elif fd == self._wake_r:
                     try:
                         while os.read(self._wake_r, 4096):
                             pass
                     except BlockingIOError:
                         pass
                     self._adopt_new()
-                    continue
-                link = self._in.get(fd)
-                if link is not None:
-                    self._read(link)
         finally:
-            self._io.release()
+            io.release()
 
     def _adopt_new(self) -> None:
         if self._new_in:
