@@ -377,8 +377,11 @@ def test_messages_count_in_the_task_network_bytes(endpoints: Any) -> None:
     a.send(b.id, b"warm")  # connect first
     b.recv(source=a.id, timeout=10)
     bytes_in, bytes_out = telemetry.socket_bytes()
-    a.send(b.id, b"x" * 1000)
+    a.send(b.id, b"x" * 1000)  # a send after a send: written by a's flusher thread
     assert b.recv(source=a.id, timeout=10) == b"x" * 1000
+    deadline = time.monotonic() + 10  # that thread may count its write after b has read it
+    while telemetry.socket_bytes()[1] - bytes_out < 1000 and time.monotonic() < deadline:
+        time.sleep(0.001)
     now_in, now_out = telemetry.socket_bytes()
     assert now_in - bytes_in >= 1000
     assert now_out - bytes_out >= 1000

@@ -48,6 +48,7 @@ FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be writ
 _PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to find)
 _INLINE = 64 * 1024
 _BATCHED = _link.BATCHED
+_NO_BUFFERS: list[Any] = []  # shared, never changed: saves a list per small send
 
 
 class Sender:
@@ -87,37 +88,27 @@ class Sender:
 
         Small ``bytes`` travel as they are over sockets (no pickle at either end).
         """
-        if type(obj) is bytes and len(obj) <= _BATCHED:
-            link = self._out.get(peer)
-            # a send after a send (no recv between) to a connected peer: queue it, no lock
-            if link is not None and link.recvs == self._recvs:
-                link.pending.append((tag, obj, True))
-                link.queued += len(obj)
-                if link.queued >= COALESCE:
-                    with link.lock:
-                        self._write(link)
-                elif not link.armed:  # read after the append: see ``_flush_dirty``
-                    self._arm(link)
-                return
-            self._send_slow(peer, link, tag, obj, [], True)
-            return
-        raws: list[Any] = []
-        if type(obj) in _PLAIN and len(obj) < _INLINE:  # type: ignore[arg-type]
+        raws: list[Any] = _NO_BUFFERS
+        raw = type(obj) is bytes and len(obj) <= _BATCHED
+        if raw:
+            data: Any = obj
+        elif type(obj) in _PLAIN and len(obj) < _INLINE:  # type: ignore[arg-type]
             data = pickle.dumps(obj, 5)  # the common small case, no detour
         else:
             data, buffers = serialization.dumps(obj)
             raws = [b.raw() for b in buffers]
         link = self._out.get(peer)
+        # a send after a send (no recv between) to a connected peer: queue it, no lock
         if link is not None and link.recvs == self._recvs and not raws and len(data) <= _BATCHED:
-            link.pending.append((tag, data, False))
+            link.pending.append((tag, data, raw))
             link.queued += len(data)
             if link.queued >= COALESCE:
                 with link.lock:
                     self._write(link)
-            elif not link.armed:
+            elif not link.armed:  # read after the append: see ``_flush_dirty``
                 self._arm(link)
             return
-        self._send_slow(peer, link, tag, data, raws, False)
+        self._send_slow(peer, link, tag, data, raws, raw)
 
     def _send_slow(
         self, peer: str, link: _link.Link | None, tag: Any, data: bytes, raws: list[Any], raw: bool
