@@ -7,6 +7,7 @@ state store; nothing is mocked.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import operator
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -302,13 +304,84 @@ def test_small_and_large_messages_interleaved_keep_their_order(endpoints: Any) -
             assert have == want
 
 
+def test_burst_past_the_coalescing_threshold_keeps_order_types_and_tags(endpoints: Any) -> None:
+    a, b = endpoints(), endpoints()
+    sent: list[tuple[Any, Any]] = []
+    for i in range(12_000):  # ~700 KB: many BATCH frames, more than one read buffer
+        obj: Any = (b"%d" % i) * 5 if i % 3 else (f"s{i}" if i % 2 else i)  # bytes, str, int
+        tag = "t" if (i // 50) % 4 == 3 else 0  # runs of another tag inside the burst
+        a.send(b.id, obj, tag)
+        sent.append((tag, obj))
+    for tag in (0, "t"):
+        want = [obj for t, obj in sent if t == tag]
+        got = [b.recv(a.id, 10, tag) for _ in want]
+        assert got == want
+        assert [type(x) for x in got] == [type(x) for x in want]  # bytes stay bytes
+    with pytest.raises(MessagingTimeout):
+        b.recv(timeout=0.2)
+
+
+def test_burst_interleaved_with_large_messages_keeps_order(endpoints: Any) -> None:
+    a, b = endpoints(), endpoints()
+    big = os.urandom(512 << 10)  # all of it fits in the socket: nobody reads b meanwhile
+    sent: list[Any] = []
+    for i in range(3000):  # a large message goes between queued small ones
+        sent.append(big if i % 1000 == 500 else i.to_bytes(4, "little"))
+        a.send(b.id, sent[-1])
+    assert [b.recv(source=a.id, timeout=10) for _ in sent] == sent
+
+
+def _burst_forever(parent: str) -> None:
+    msg.send(parent, msg.instance_id())
+    for i in itertools.count():
+        msg.send(parent, i.to_bytes(8, "little"))
+        if i % 1000 == 999:
+            time.sleep(0.001)  # bursts of 1,000: killed in the middle of one
+
+
+def test_threads_sending_at_once_each_arrive_in_order_exactly_once(endpoints: Any) -> None:
+    receiver = endpoints()
+    senders = [endpoints() for _ in range(2)]
+
+    def burst(ep: Endpoint, who: int) -> None:
+        for i in range(3000):
+            ep.send(receiver.id, (who, i))
+
+    threads = [threading.Thread(target=burst, args=(senders[w // 2], w)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got: dict[int, list[int]] = {w: [] for w in range(4)}
+    for _ in range(4 * 3000):
+        who, i = receiver.recv(timeout=10)
+        got[who].append(i)
+    assert all(seq == list(range(3000)) for seq in got.values())
+    with pytest.raises(MessagingTimeout):
+        receiver.recv(timeout=0.2)
+
+
+def test_sender_killed_mid_burst_leaves_an_ordered_prefix_then_peer_lost() -> None:
+    p, child = _start(_burst_forever)
+    got = [int.from_bytes(msg.recv(source=child, timeout=30), "little") for _ in range(3000)]
+    p.kill()
+    with pytest.raises(PeerLost, match=child):
+        while True:  # what was written before it died, then the typed error
+            got.append(int.from_bytes(msg.recv(source=child, timeout=30), "little"))
+    p.join(30)
+    assert got == list(range(len(got)))
+
+
 def test_messages_count_in_the_task_network_bytes(endpoints: Any) -> None:
     a, b = endpoints(), endpoints()
     a.send(b.id, b"warm")  # connect first
     b.recv(source=a.id, timeout=10)
     bytes_in, bytes_out = telemetry.socket_bytes()
-    a.send(b.id, b"x" * 1000)
+    a.send(b.id, b"x" * 1000)  # a send after a send: written by a's flusher thread
     assert b.recv(source=a.id, timeout=10) == b"x" * 1000
+    deadline = time.monotonic() + 10  # that thread may count its write after b has read it
+    while telemetry.socket_bytes()[1] - bytes_out < 1000 and time.monotonic() < deadline:
+        time.sleep(0.001)
     now_in, now_out = telemetry.socket_bytes()
     assert now_in - bytes_in >= 1000
     assert now_out - bytes_out >= 1000

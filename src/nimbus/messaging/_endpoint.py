@@ -3,69 +3,50 @@
 ::
 
     send(peer, obj)                                                   recv(source, timeout)
-      pickle-5 -> link to peer? --yes--> MSG over the socket ----+         ^
+      pickle-5 -> link to peer? --yes--> frames over the socket -+         ^
                        |                                          v         |
                        no (not listening yet, or unreachable)   poll() -> mailbox, in order
                        +--> RPUSH inbox:<peer> in the store --> inbox thread (BLPOP) -+
 
-Every message carries a sequence number per (sender, receiver) pair, whichever
-way it travels, so the receiver delivers each sender's messages once and in
-order even when the sender switched from the store to the socket mid-stream.
-A send that finds the peer's socket full reads what is waiting for this
-instance meanwhile, so rings and exchanges never deadlock on full buffers.
+The sending half (links out, numbering, coalescing, the store fallback) is
+:class:`~nimbus.messaging._sending.Sender`; in-order delivery is the
+:class:`~nimbus.messaging._mailbox.Mailbox`. This module listens, accepts
+links in, reads them into the mailbox and waits in ``recv``, checking a
+silent peer's liveness every HEARTBEAT.
 """
 
 from __future__ import annotations
 
 import _thread
-import collections
 import dataclasses
-import itertools
 import logging
 import os
-import pickle
 import secrets
 import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import msgpack
 import redis
 
-from nimbus import serialization
-from nimbus.errors import (
-    MessageDecodeError,
-    MessagingTimeout,
-    PeerExited,
-    PeerLost,
-    PeerUnreachable,
-    StateStoreError,
-)
+from nimbus.errors import MessagingTimeout, PeerExited, PeerLost, StateStoreError
 from nimbus.keys import Keys
 from nimbus.messaging import _link
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, host_id, socket_path
-from nimbus.wire import ProtocolError, pack, unpack
+from nimbus.messaging._mailbox import Mailbox
+from nimbus.messaging._sending import Sender
+from nimbus.wire import ProtocolError, unpack
 
 __all__ = ["ANY", "HEARTBEAT", "Endpoint", "Transport"]
 
 ANY: Any = None
 HEARTBEAT = 0.5  # seconds: how soon a silent dead peer is noticed by a waiting recv
-RETRY = 0.002  # seconds between tries to reach a peer that does not listen yet
-RETRY_TCP = 0.25  # first wait before trying an unreachable TCP address again ...
-MAX_BACKOFF = 5.0  # ... doubling up to this
 IDLE_POLL = 5  # seconds an idle inbox waits in the store before it looks again
-COALESCE = 64 * 1024  # bytes of small messages queued before they are written at once
-FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be written
 log = logging.getLogger("nimbus.messaging")
-_PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to find)
-_INLINE = 64 * 1024
-unpackb = msgpack.unpackb
 _READ = select.POLLIN | select.POLLERR | select.POLLHUP
-_Mail = tuple[str, Any, Any, Sequence[Any]]  # sender, tag, pickle, out-of-band buffers
 
 
 @runtime_checkable
@@ -77,7 +58,7 @@ class Transport(Protocol):
     def recv(self, source: str | None = ANY, timeout: float | None = None) -> Any: ...
 
 
-class Endpoint:
+class Endpoint(Sender):
     """One instance: ``send``/``recv`` to and from other instances of the program."""
 
     def __init__(
@@ -93,6 +74,7 @@ class Endpoint:
         direct: bool = True,
         host: str | None = None,
     ) -> None:
+        super().__init__()
         self.id = instance_id or secrets.token_hex(8)
         self.pid = os.getpid()
         self._client = client  # called when needed: making a client is slow on a busy host
@@ -102,28 +84,12 @@ class Endpoint:
         self._sockdir = directory
         self.direct = direct  # False: every message goes through the store (for comparison)
         self.directory = Directory(client, keys, ttl_ms)
-        self._out: dict[str, _link.Link] = {}
-        self._out_lock = threading.Lock()
-        # next(self._seq[peer]): one numbering per peer, atomic without a lock
-        self._seq: dict[str, itertools.count[int]] = collections.defaultdict(itertools.count)
-        self._retry_at: dict[str, float] = {}
-        self._backoff: dict[str, float] = {}
-        self._dirty: set[_link.Link] = set()  # links holding coalesced messages
-        self._flush_soon = threading.Event()
-        self._flush_armed = False  # the flusher will write the dirty links soon
-        self._flusher: threading.Thread | None = None
-        self._recvs = 0
-        # receiving: links in, per-sender order, the mailbox
-        self._lock = threading.Lock()  # mailbox and order state
+        # receiving: links in, the mailbox (per-sender order)
+        self._mailbox = Mailbox()
         self._io = threading.RLock()  # reading the inbound sockets
         self._in: dict[int, _link.Link] = {}
         self._new_in: list[_link.Link] = []
         self._poll = select.poll()
-        self._expect: dict[str, int] = collections.defaultdict(int)
-        self._held: dict[str, dict[int, tuple[Any, Any, Sequence[Any]]]] = {}
-        self._mail: collections.deque[_Mail] = collections.deque()
-        self._ended: dict[str, str] = {}  # sender -> "exited" or "lost"
-        self._arrivals = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -170,7 +136,7 @@ class Endpoint:
                 conn, me=self.id, program_id=self._keys.program_id, token=self._token
             )
             if link is not None:
-                with self._lock:
+                with self._mailbox.lock:
                     self._new_in.append(link)
                 self._wake()
 
@@ -197,9 +163,7 @@ class Endpoint:
                 log.debug("nimbus.messaging: inbox of %s: %r", self.id, exc)
                 time.sleep(0.1)
                 continue
-            with self._lock:
-                self._arrive(sender, seq, tag, parts[0], _link.writable_as_sent(parts, readonly))
-                self._arrivals += 1
+            self._mailbox.put(sender, seq, tag, parts[0], _link.writable_as_sent(parts, readonly))
             self._wake()
 
     def _wake(self) -> None:
@@ -207,156 +171,6 @@ class Endpoint:
             os.write(self._wake_w, b"x")
         except OSError:  # full (a wake-up is pending anyway) or closed
             pass
-
-    # ------------------------------------------------------------ sending
-
-    def send(self, peer: str, obj: object, tag: Any = 0) -> None:
-        """Send ``obj`` to instance ``peer``: over a socket if it listens, else the store."""
-        if type(obj) in _PLAIN and len(obj) < _INLINE:  # type: ignore[arg-type]
-            data, raws = pickle.dumps(obj, 5), []  # the common small case, no detour
-        else:
-            data, buffers = serialization.dumps(obj)
-            raws = [b.raw() for b in buffers]
-        link = (self._out.get(peer) or self._open(peer)) if self.direct else None
-        if link is None:
-            self._push_store(peer, next(self._seq[peer]), tag, data, raws)
-            return
-        with link.lock:
-            if link.error is not None:
-                raise PeerLost(f"instance {peer} is lost: {link.error}")
-            seq = next(self._seq[peer])  # one numbering per peer, whichever way it goes
-            # the first send since a receive goes now (a request waits for its reply);
-            # more sends in a row are coalesced, up to COALESCE bytes or FLUSH_DELAY
-            if link.recvs != self._recvs:
-                link.recvs = self._recvs
-                if not raws and len(data) <= _link.SMALL_LIMIT:
-                    try:
-                        if link.send_now(seq, tag, data):
-                            return
-                    except OSError as exc:
-                        self._drop_out(link)
-                        raise PeerLost(f"instance {peer} is lost: {exc}") from exc
-                else:
-                    link.queue(seq, tag, data, raws)
-                self._flush(link)
-                return
-            if raws or len(data) > _link.SMALL_LIMIT:
-                link.queue(seq, tag, data, raws)
-            else:
-                link.channel.queue_small(_link.MSG, link.packer.pack((seq, tag)), data)
-            if link.channel.pending_output >= COALESCE:
-                self._flush(link)
-                return
-        self._dirty.add(link)  # before the flag is read (the flusher clears it, then flushes)
-        if not self._flush_armed:
-            self._defer()
-
-    def _defer(self) -> None:
-        """Have the flusher write the dirty links within FLUSH_DELAY."""
-        self._flush_armed = True
-        if self._flusher is None:
-            self._flusher = threading.Thread(
-                target=self._flush_later, name="nimbus-msg-flush", daemon=True
-            )
-            self._flusher.start()
-        self._flush_soon.set()
-
-    def _flush_later(self) -> None:
-        while not self._closed:
-            self._flush_soon.wait()
-            self._flush_soon.clear()
-            time.sleep(FLUSH_DELAY)
-            self._flush_armed = False
-            self._flush_dirty()
-
-    def _flush_dirty(self) -> None:
-        """Write every coalesced message now (before waiting, at close, from the flusher)."""
-        while self._dirty:
-            try:
-                link = self._dirty.pop()
-            except KeyError:
-                return
-            with link.lock:
-                if link.error is None:
-                    try:
-                        self._flush(link)
-                    except PeerLost as exc:
-                        link.error = exc
-
-    def _open(self, peer: str) -> _link.Link | None:
-        """A link to ``peer``, or None while it does not listen (its messages go to the store)."""
-        if peer == self.id:
-            raise ValueError("an instance cannot send to itself")
-        now = time.monotonic()
-        if now < self._retry_at.get(peer, 0.0):
-            return None
-        address: tuple[str, Any]
-        local = socket_path(self._sockdir, peer)
-        if os.path.exists(local):
-            address = ("unix", str(local))
-        else:
-            entry = self.directory.lookup(peer)
-            if entry is not None and entry.state == ALIVE and entry.host == self.entry.host:
-                entry = self.directory.refresh(peer)  # its socket went away: did it exit?
-            if entry is not None and entry.state == EXITED:
-                raise PeerExited(f"instance {peer} has exited")
-            if entry is None or entry.host == self.entry.host or entry.tcp is None:
-                self._retry_at[peer] = now + RETRY
-                return None
-            address = ("tcp", entry.tcp)
-        try:
-            link = _link.connect(
-                address,
-                peer=peer,
-                me=self.id,
-                program_id=self._keys.program_id,
-                token=self._token,
-            )
-        except PeerUnreachable:
-            self.directory.invalidate(peer)
-            if address[0] == "tcp":  # a timeout costs up to a second: back off
-                backoff = min(MAX_BACKOFF, 2 * self._backoff.get(peer, RETRY_TCP / 2))
-                self._backoff[peer] = backoff
-                self._retry_at[peer] = time.monotonic() + backoff
-            else:
-                self._retry_at[peer] = now + RETRY
-            return None
-        self._backoff.pop(peer, None)
-        with self._out_lock:
-            old = self._out.get(peer)
-            if old is not None:  # another thread opened one meanwhile
-                link.close()
-                return old
-            self._out[peer] = link
-        return link
-
-    def _push_store(self, peer: str, seq: int, tag: Any, data: bytes, raws: list[Any]) -> None:
-        key = self._keys.inbox(peer)
-        parts = [data, *(bytes(r) for r in raws)]
-        message = pack((self.id, seq, tag, parts, _link.readonly_mask(raws)))
-        try:
-            pipe = self._client().pipeline(transaction=False)
-            pipe.rpush(key, message)
-            pipe.pexpire(key, self._ttl_ms)
-            pipe.execute()
-        except redis.RedisError as exc:
-            raise StateStoreError(f"cannot queue a message for {peer}: {exc}") from exc
-
-    def _flush(self, link: _link.Link) -> None:
-        """Write what ``link`` holds; while its socket is full, read our own sockets."""
-        try:
-            while not link.channel.flush():
-                self._progress(0.05, writer=link)
-        except OSError as exc:
-            self._drop_out(link)
-            raise PeerLost(f"instance {link.peer} is lost: {exc}") from exc
-
-    def _drop_out(self, link: _link.Link) -> None:
-        with self._out_lock:
-            if self._out.get(link.peer) is link:
-                del self._out[link.peer]
-        self.directory.invalidate(link.peer)
-        link.close()
 
     # ------------------------------------------------------------ receiving
 
@@ -371,39 +185,45 @@ class Endpoint:
         self._recvs += 1
         if self._dirty:
             self._flush_dirty()
-        deadline = next_check = None  # taken when first needed (the common case never waits)
+        mailbox = self._mailbox
+        if mailbox.mail:  # the common case: no wait
+            found = mailbox.pop(source, tag)
+            if found is not None:
+                return found
+        return self._wait(source, timeout, tag)
+
+    def _wait(self, source: str | None, timeout: float | None, tag: Any) -> tuple[str, Any]:
+        """``recv_with_source`` when what it wants is not waiting yet."""
+        mailbox = self._mailbox
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        next_check = now + HEARTBEAT
         while True:
-            seen = self._arrivals
-            if self._mail:
-                found = self._take(source, tag)
+            seen = mailbox.arrivals
+            if mailbox.mail:
+                found = mailbox.pop(source, tag)
                 if found is not None:
-                    sender, _, data, buffers = found
-                    try:
-                        return sender, pickle.loads(data, buffers=buffers)
-                    except Exception as exc:
-                        raise self._undecodable(sender, exc) from exc
+                    return found
+            wait = HEARTBEAT
             if source is not None:
-                ended = self._ended.get(source)
+                ended = mailbox.ended.get(source)
                 if ended == EXITED:
                     raise PeerExited(f"instance {source} exited; it sent nothing more")
                 if ended is not None:
                     raise PeerLost(f"instance {source} is lost: its connection broke")
-            now = time.monotonic()
-            if next_check is None:
-                next_check = now + HEARTBEAT
-                deadline = None if timeout is None else now + timeout
-            if deadline is not None and now >= deadline:
-                raise MessagingTimeout(
-                    f"no message from {source or 'any instance'} within {timeout} s"
-                    + self._never_seen(source)
-                )
-            if source is not None and now >= next_check:
-                self._check_alive(source)
-                next_check = now + HEARTBEAT
-            wait = min(HEARTBEAT, next_check - now) if source is not None else HEARTBEAT
+                if now >= next_check:
+                    self._check_alive(source)
+                    next_check = now + HEARTBEAT
+                wait = next_check - now
             if deadline is not None:
+                if now >= deadline:
+                    raise MessagingTimeout(
+                        f"no message from {source or 'any instance'} within {timeout} s"
+                        + self._never_seen(source)
+                    )
                 wait = min(wait, deadline - now)
-            self._progress(max(wait, 0.0), seen=seen)
+            self._progress(wait, None, seen)
+            now = time.monotonic()
 
     def poll_tagged(self, source: str | None, tag: Any, timeout: float | None = 0.0) -> bool:
         """Whether ``recv_with_source(source, tag=tag)`` would return or raise at once.
@@ -419,13 +239,13 @@ class Endpoint:
         next_check = time.monotonic() + HEARTBEAT
         wait = 0.0
         while True:
-            seen = self._arrivals
+            seen = self._mailbox.arrivals
             self._progress(wait, seen=seen)
-            with self._lock:
-                for item in self._mail:
+            with self._mailbox.lock:
+                for item in self._mailbox.mail:
                     if item[1] == tag and (source is None or item[0] == source):
                         return True
-                if source is not None and source in self._ended:
+                if source is not None and source in self._mailbox.ended:
                     return True
             now = time.monotonic()
             if deadline is not None and now >= deadline:
@@ -444,7 +264,7 @@ class Endpoint:
             self._check_alive(peer)
         except (PeerLost, PeerExited):
             return False
-        return self._ended.get(peer) is None
+        return self._mailbox.ended.get(peer) is None
 
     def _never_seen(self, source: str | None) -> str:
         """A hint for a timeout: ``source`` never became an instance (not started?)."""
@@ -456,48 +276,6 @@ class Endpoint:
         except StateStoreError:
             return ""
         return f"; instance {source} never became addressable (was it started?)"
-
-    @staticmethod
-    def _undecodable(sender: str, exc: Exception) -> MessageDecodeError:
-        """The error for a message that does not unpickle (``pickle.loads`` is called
-        inline, as ``serialization.loads`` would, to save a call per message)."""
-        return MessageDecodeError(
-            f"a message from instance {sender} cannot be unpickled here: "
-            f"cannot unpickle payload: {type(exc).__name__}: {exc}",
-            sender,
-        )
-
-    def _take(self, source: str | None, tag: Any) -> _Mail | None:
-        with self._lock:
-            mail = self._mail
-            if not mail:
-                return None
-            head = mail[0]  # the common case: the first waiting message is the one wanted
-            if head[1] == tag and (source is None or head[0] == source):
-                return mail.popleft()
-            for i, item in enumerate(mail):
-                if item[1] == tag and (source is None or item[0] == source):
-                    del mail[i]
-                    return item
-        return None
-
-    def _arrive(self, sender: str, seq: int, tag: Any, data: Any, buffers: Sequence[Any]) -> None:
-        """Deliver in order (called with ``_lock`` held)."""
-        expect = self._expect[sender]
-        if seq == expect:
-            self._mail.append((sender, tag, data, buffers))
-            expect += 1
-            held = self._held.get(sender)
-            while held and expect in held:
-                t, d, b = held.pop(expect)
-                self._mail.append((sender, t, d, b))
-                expect += 1
-            if held is not None and not held:
-                del self._held[sender]  # none held at all: ``_read`` takes its short path
-            self._expect[sender] = expect
-        elif seq > expect:  # an earlier one is still on its way through the store
-            self._held.setdefault(sender, {})[seq] = (tag, data, buffers)
-        # seq < expect: a duplicate, dropped
 
     def _check_alive(self, peer: str) -> None:
         """Raise if ``peer`` is known dead or exited (for a recv waiting on it)."""
@@ -516,9 +294,9 @@ class Endpoint:
         entry = self.directory.refresh(peer)
         if entry is not None and entry.state == EXITED:
             self._progress(0.0)
-            with self._lock:
+            with self._mailbox.lock:
                 if not any(link.peer == peer for link in self._in.values()):
-                    self._ended.setdefault(peer, EXITED)
+                    self._mailbox.ended.setdefault(peer, EXITED)
 
     def _progress(
         self, timeout: float, writer: _link.Link | None = None, seen: int | None = None
@@ -528,38 +306,41 @@ class Endpoint:
         ``seen`` is the arrival count the caller last looked at: if messages
         arrived since (read by another thread), this returns without waiting.
         """
-        if not self._io.acquire(timeout=timeout):
+        io = self._io
+        if not io.acquire(True, timeout):
             return  # another thread is reading; what it reads lands in the mailbox
         try:
-            if seen is not None and seen != self._arrivals:
+            if seen is not None and seen != self._mailbox.arrivals:
                 timeout = 0.0
             if self._new_in:
                 self._adopt_new()
-            if writer is not None:
-                self._poll.register(writer.sock, select.POLLOUT)
-            try:
-                events = self._poll.poll(timeout * 1000)
-            finally:
-                if writer is not None:
-                    self._poll.unregister(writer.sock)
+            poll = self._poll
+            if writer is None:
+                events = poll.poll(timeout * 1000)
+            else:
+                poll.register(writer.sock, select.POLLOUT)
+                try:
+                    events = poll.poll(timeout * 1000)
+                finally:
+                    poll.unregister(writer.sock)
+            links = self._in
             for fd, _ in events:
-                if fd == self._wake_r:
+                link = links.get(fd)
+                if link is not None:
+                    self._read(link)
+                elif fd == self._wake_r:
                     try:
                         while os.read(self._wake_r, 4096):
                             pass
                     except BlockingIOError:
                         pass
                     self._adopt_new()
-                    continue
-                link = self._in.get(fd)
-                if link is not None:
-                    self._read(link)
         finally:
-            self._io.release()
+            io.release()
 
     def _adopt_new(self) -> None:
         if self._new_in:
-            with self._lock:
+            with self._mailbox.lock:
                 new, self._new_in = self._new_in, []
             for link in new:
                 self._in[link.fileno()] = link
@@ -572,34 +353,13 @@ class Endpoint:
         except (OSError, ProtocolError):
             frames = None
         if frames:
-            peer = link.peer
-            append = self._mail.append
-            with self._lock:
-                for frame in frames:
-                    if frame.kind == _link.MSG:
-                        meta = unpackb(frame.meta)  # seq, tag (, read-only buffers)
-                        bufs = frame.buffers
-                        seq = meta[0]
-                        if len(bufs) == 1 and seq == self._expect[peer] and not self._held:
-                            append((peer, meta[1], bufs[0], ()))  # the common case, inline
-                            self._expect[peer] = seq + 1
-                        else:
-                            rest = (
-                                _link.writable_as_sent(bufs, meta[2] if len(meta) > 2 else 0)
-                                if len(bufs) > 1
-                                else ()
-                            )
-                            self._arrive(peer, seq, meta[1], bufs[0], rest)
-                    elif frame.kind == _link.BYE:
-                        link.closed_cleanly = True
-                self._arrivals += len(frames)
+            self._mailbox.deliver(link, frames)
         if frames is None:  # end of stream
             fd = link.fileno()
             self._poll.unregister(fd)
             del self._in[fd]
             link.close()
-            with self._lock:
-                self._ended[link.peer] = EXITED if link.closed_cleanly else "lost"
+            self._mailbox.end(link.peer, EXITED if link.closed_cleanly else "lost")
 
     # ------------------------------------------------------------ closing
 
@@ -610,17 +370,7 @@ class Endpoint:
         self._flush_dirty()
         self._closed = True
         self._flush_soon.set()
-        for link in list(self._out.values()):
-            try:
-                with link.lock:
-                    link.channel.send(_link.BYE, pack(next(self._seq[link.peer])))
-                    link.sock.setblocking(True)
-                    link.sock.settimeout(1.0)
-                    link.channel.flush()
-            except OSError:
-                pass
-            link.close()
-        self._out.clear()
+        self._say_goodbye()
         for lsock in self._listeners:
             try:
                 lsock.shutdown(socket.SHUT_RDWR)
@@ -654,7 +404,7 @@ class Endpoint:
         return {
             "links_out": len(self._out),
             "links_in": len(self._in),
-            "waiting": len(self._mail),
+            "waiting": len(self._mailbox.mail),
             "bytes_out": sum(link.channel.bytes_out for link in links),
             "bytes_in": sum(link.channel.bytes_in for link in links),
         }

@@ -1,0 +1,302 @@
+"""The sending half of an instance's endpoint: links out, numbering, coalescing, the store.
+
+::
+
+    send(peer, obj) -- small, after a send, peer connected --> link.pending (no lock)
+          |                                                       | COALESCE bytes, next recv,
+          |                                                       v or the flusher (FLUSH_DELAY)
+          +-- otherwise: link.lock --> frames queued/written --> socket
+          |
+          +-- peer not listening (yet) or unreachable --> RPUSH inbox:<peer> in the store
+
+Every message to a peer takes the next number of that peer's count, whichever
+way it goes, so the receiver delivers once and in order across a switch from
+the store to a socket. The first send after a ``recv`` goes at once (a request
+waits for its reply); sends in a row are coalesced. A send that finds the
+peer's socket full reads this instance's own sockets meanwhile (``_progress``),
+so rings and exchanges never deadlock on full buffers.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from nimbus import serialization
+from nimbus.errors import PeerExited, PeerLost, PeerUnreachable, StateStoreError
+from nimbus.keys import Keys
+from nimbus.messaging import _link
+from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, socket_path
+from nimbus.wire import pack
+
+__all__ = ["COALESCE", "FLUSH_DELAY", "Sender"]
+
+RETRY = 0.002  # seconds between tries to reach a peer that does not listen yet
+RETRY_TCP = 0.25  # first wait before trying an unreachable TCP address again ...
+MAX_BACKOFF = 5.0  # ... doubling up to this
+COALESCE = 32 * 1024  # bytes of small messages queued before they are written at once
+FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be written
+_PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to find)
+_INLINE = 64 * 1024
+_BATCHED = _link.BATCHED
+_NO_BUFFERS: list[Any] = []  # shared, never changed: saves a list per small send
+
+
+class Sender:
+    """Sending to other instances; :class:`~nimbus.messaging.Endpoint` adds the rest."""
+
+    # set by the endpoint
+    id: str
+    entry: Entry
+    directory: Directory
+    direct: bool
+    _client: Callable[[], redis.Redis]
+    _keys: Keys
+    _token: bytes
+    _ttl_ms: int
+    _sockdir: Path
+    _closed: bool
+
+    def __init__(self) -> None:
+        self._out: dict[str, _link.Link] = {}
+        self._out_lock = threading.Lock()
+        # one numbering per peer, whichever way its messages go (taken without a lock)
+        self._seq: dict[str, itertools.count[int]] = collections.defaultdict(itertools.count)
+        self._retry_at: dict[str, float] = {}
+        self._backoff: dict[str, float] = {}
+        self._dirty: set[_link.Link] = set()  # links holding coalesced messages
+        self._flush_soon = threading.Event()
+        self._flush_armed = False  # the flusher will write the dirty links soon
+        self._flusher: threading.Thread | None = None
+        self._recvs = 0  # receives so far (the endpoint counts them)
+
+    def _progress(self, timeout: float, writer: _link.Link | None = None) -> None:
+        """Read this instance's sockets until ``writer``'s drains (the endpoint's)."""
+        raise NotImplementedError
+
+    def send(self, peer: str, obj: object, tag: Any = 0) -> None:
+        """Send ``obj`` to instance ``peer``: over a socket if it listens, else the store.
+
+        Small ``bytes`` travel as they are over sockets (no pickle at either end).
+        """
+        raws: list[Any] = _NO_BUFFERS
+        raw = type(obj) is bytes and len(obj) <= _BATCHED
+        if raw:
+            data: Any = obj
+        elif type(obj) in _PLAIN and len(obj) < _INLINE:  # type: ignore[arg-type]
+            data = pickle.dumps(obj, 5)  # the common small case, no detour
+        else:
+            data, buffers = serialization.dumps(obj)
+            raws = [b.raw() for b in buffers]
+        link = self._out.get(peer)
+        # a send after a send (no recv between) to a connected peer: queue it, no lock
+        if link is not None and link.recvs == self._recvs and not raws and len(data) <= _BATCHED:
+            link.pending.append((tag, data, raw))
+            link.queued += len(data)
+            if link.queued >= COALESCE:
+                with link.lock:
+                    self._write(link)
+            elif not link.armed:  # read after the append: see ``_flush_dirty``
+                self._arm(link)
+            return
+        self._send_slow(peer, link, tag, data, raws, raw)
+
+    def _send_slow(
+        self, peer: str, link: _link.Link | None, tag: Any, data: bytes, raws: list[Any], raw: bool
+    ) -> None:
+        """Send one message that does not just join a link's ``pending`` queue.
+
+        ``raw``: ``data`` is the ``bytes`` sent, not a pickle.
+        """
+        if link is None and self.direct:
+            link = self._open(peer)
+        if link is None:
+            if raw:
+                data = pickle.dumps(data, 5)
+            self._push_store(peer, self._number(peer, 1), tag, data, raws)
+            return
+        with link.lock:
+            if link.error is not None:
+                raise PeerLost(f"instance {peer} is lost: {link.error}")
+            if link.pending:
+                link.frame_pending(self._number)  # what waits goes first
+            seq = next(self._seq[peer])
+            # the first send since a receive goes now (a request waits for its reply);
+            # more sends in a row are coalesced, up to COALESCE bytes or FLUSH_DELAY
+            now = link.recvs != self._recvs
+            link.recvs = self._recvs
+            if now and not raws and len(data) <= _link.SMALL_LIMIT:
+                try:
+                    if link.send_now(seq, tag, data, raw):
+                        return
+                except OSError as exc:
+                    self._drop_out(link)
+                    raise PeerLost(f"instance {peer} is lost: {exc}") from exc
+                self._flush(link)
+                return
+            link.queue(seq, tag, data, raws, raw)
+            if now or link.channel.pending_output >= COALESCE:
+                self._flush(link)
+                return
+        if not link.armed:
+            self._arm(link)
+
+    def _number(self, peer: str, n: int) -> int:
+        """Reserve ``n`` consecutive sequence numbers for messages to ``peer``; the first.
+
+        Atomic without a lock: ``next`` of a count, and ``list(islice(count))``
+        run in C without a switch of threads in between.
+        """
+        if n == 1:
+            return next(self._seq[peer])
+        taken = list(itertools.islice(self._seq[peer], n))  # all n at once, not one by one
+        return taken[0]
+
+    def _write(self, link: _link.Link) -> None:
+        """Frame and write what ``link`` holds (``link.lock`` held)."""
+        if link.error is None:
+            link.frame_pending(self._number)
+            self._flush(link)
+
+    def _arm(self, link: _link.Link) -> None:
+        """Have the flusher write ``link`` within FLUSH_DELAY."""
+        link.armed = True
+        self._dirty.add(link)  # before the flag is read (the flusher clears it, then flushes)
+        if not self._flush_armed:
+            self._defer()
+
+    def _defer(self) -> None:
+        """Wake the flusher (started on first use)."""
+        self._flush_armed = True
+        if self._flusher is None:
+            self._flusher = threading.Thread(
+                target=self._flush_later, name="nimbus-msg-flush", daemon=True
+            )
+            self._flusher.start()
+        self._flush_soon.set()
+
+    def _flush_later(self) -> None:
+        while not self._closed:
+            self._flush_soon.wait()
+            self._flush_soon.clear()
+            time.sleep(FLUSH_DELAY)
+            self._flush_armed = False
+            self._flush_dirty()
+
+    def _flush_dirty(self) -> None:
+        """Write every coalesced message now (before waiting, at close, from the flusher).
+
+        A link's ``armed`` is cleared before its ``pending`` is taken: a send
+        that appended and then saw ``armed`` set is in what is taken; one that
+        saw it clear arms the link again.
+        """
+        while self._dirty:
+            try:
+                link = self._dirty.pop()
+            except KeyError:
+                return
+            with link.lock:
+                link.armed = False
+                try:
+                    self._write(link)
+                except PeerLost as exc:
+                    link.error = exc
+
+    def _open(self, peer: str) -> _link.Link | None:
+        """A link to ``peer``, or None while it does not listen (its messages go to the store)."""
+        if peer == self.id:
+            raise ValueError("an instance cannot send to itself")
+        now = time.monotonic()
+        if now < self._retry_at.get(peer, 0.0):
+            return None
+        address: tuple[str, Any]
+        local = socket_path(self._sockdir, peer)
+        if os.path.exists(local):
+            address = ("unix", str(local))
+        else:
+            entry = self.directory.lookup(peer)
+            if entry is not None and entry.state == ALIVE and entry.host == self.entry.host:
+                entry = self.directory.refresh(peer)  # its socket went away: did it exit?
+            if entry is not None and entry.state == EXITED:
+                raise PeerExited(f"instance {peer} has exited")
+            if entry is None or entry.host == self.entry.host or entry.tcp is None:
+                self._retry_at[peer] = now + RETRY
+                return None
+            address = ("tcp", entry.tcp)
+        try:
+            link = _link.connect(
+                address,
+                peer=peer,
+                me=self.id,
+                program_id=self._keys.program_id,
+                token=self._token,
+            )
+        except PeerUnreachable:
+            self.directory.invalidate(peer)
+            if address[0] == "tcp":  # a timeout costs up to a second: back off
+                backoff = min(MAX_BACKOFF, 2 * self._backoff.get(peer, RETRY_TCP / 2))
+                self._backoff[peer] = backoff
+                self._retry_at[peer] = time.monotonic() + backoff
+            else:
+                self._retry_at[peer] = now + RETRY
+            return None
+        self._backoff.pop(peer, None)
+        with self._out_lock:
+            old = self._out.get(peer)
+            if old is not None:  # another thread opened one meanwhile
+                link.close()
+                return old
+            self._out[peer] = link
+        return link
+
+    def _push_store(self, peer: str, seq: int, tag: Any, data: bytes, raws: list[Any]) -> None:
+        key = self._keys.inbox(peer)
+        parts = [data, *(bytes(r) for r in raws)]
+        message = pack((self.id, seq, tag, parts, _link.readonly_mask(raws)))
+        try:
+            pipe = self._client().pipeline(transaction=False)
+            pipe.rpush(key, message)
+            pipe.pexpire(key, self._ttl_ms)
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise StateStoreError(f"cannot queue a message for {peer}: {exc}") from exc
+
+    def _flush(self, link: _link.Link) -> None:
+        """Write what ``link`` holds; while its socket is full, read our own sockets."""
+        try:
+            while not link.channel.flush():
+                self._progress(0.05, writer=link)
+        except OSError as exc:
+            self._drop_out(link)
+            raise PeerLost(f"instance {link.peer} is lost: {exc}") from exc
+
+    def _drop_out(self, link: _link.Link) -> None:
+        with self._out_lock:
+            if self._out.get(link.peer) is link:
+                del self._out[link.peer]
+        self.directory.invalidate(link.peer)
+        link.close()
+
+    def _say_goodbye(self) -> None:
+        """Write what is queued and a BYE on every link out, then close them."""
+        for link in list(self._out.values()):
+            try:
+                with link.lock:
+                    link.frame_pending(self._number)
+                    link.channel.send(_link.BYE, pack(self._number(link.peer, 1)))
+                    link.sock.setblocking(True)
+                    link.sock.settimeout(1.0)
+                    link.channel.flush()
+            except OSError:
+                pass
+            link.close()
+        self._out.clear()

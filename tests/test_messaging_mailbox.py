@@ -1,0 +1,91 @@
+"""The mailbox: frames read from a real socket, delivered once and in order per sender."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from nimbus.errors import MessageDecodeError
+from nimbus.messaging._link import Link
+from nimbus.messaging._mailbox import Mailbox
+from nimbus.messaging._stream import BATCH, MSG, RAW, Stream
+from nimbus.wire import Frame, pack
+
+
+@pytest.fixture
+def wire() -> Iterator[tuple[Stream, Link]]:
+    """A stream to write frames into and the link they are read from."""
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    out = Stream(a)
+    link = Link(b, Stream(b), "sender")
+    yield out, link
+    out.close()
+    link.close()
+
+
+def _frames(out: Stream, link: Link, *frames: tuple[int, tuple[object, ...], bytes]) -> list[Frame]:
+    for kind, meta, data in frames:
+        out.queue_small(kind, pack(meta), data)
+    assert out.flush()
+    got = link.channel.receive()
+    assert got is not None and len(got) == len(frames)
+    return got
+
+
+def test_a_batch_ahead_of_the_store_waits_for_the_gap_then_arrives_once(
+    wire: tuple[Stream, Link],
+) -> None:
+    out, link = wire
+    box = Mailbox()
+    batch = _frames(out, link, (BATCH, (2, 0, [1, 2, 1], True), b"cdde"))
+    box.deliver(link, batch)
+    assert not box.mail  # 0 and 1 are still on their way through the store
+    box.put("sender", 1, 0, pickle.dumps("b"), ())
+    assert not box.mail
+    box.put("sender", 0, 0, pickle.dumps("a"), ())
+    box.deliver(link, batch)  # the same batch again: duplicates, dropped
+    box.put("sender", 3, 0, pickle.dumps("again"), ())
+    got = [box.pop(None, 0) for _ in range(5)]
+    assert got == [("sender", x) for x in ("a", "b", b"c", b"dd", b"e")]
+    assert box.pop(None, 0) is None
+
+
+def test_batches_of_pickles_and_tags_are_taken_by_tag_in_order(wire: tuple[Stream, Link]) -> None:
+    out, link = wire
+    box = Mailbox()
+    ones = [pickle.dumps(x) for x in ("x", 2)]
+    frames = _frames(
+        out,
+        link,
+        (BATCH, (0, "t", [len(p) for p in ones], False), b"".join(ones)),
+        (RAW, (2, 0), b"raw"),
+        (MSG, (3, "t"), pickle.dumps([3])),
+    )
+    box.deliver(link, frames)
+    assert box.pop("sender", 0) == ("sender", b"raw")
+    assert [box.pop("sender", "t") for _ in range(3)] == [
+        ("sender", "x"),
+        ("sender", 2),
+        ("sender", [3]),
+    ]
+    assert box.pop("other", "t") is None
+
+
+def test_an_undecodable_message_in_a_batch_names_its_sender_and_spares_the_rest(
+    wire: tuple[Stream, Link],
+) -> None:
+    out, link = wire
+    box = Mailbox()
+    parts = [pickle.dumps("ok"), b"\x80\x05not a pickle.", pickle.dumps("fine")]
+    box.deliver(
+        link, _frames(out, link, (BATCH, (0, 0, [len(p) for p in parts], False), b"".join(parts)))
+    )
+    assert box.pop(None, 0) == ("sender", "ok")
+    with pytest.raises(MessageDecodeError, match="instance sender") as info:
+        box.pop(None, 0)
+    assert info.value.sender == "sender"
+    assert box.pop(None, 0) == ("sender", "fine")
