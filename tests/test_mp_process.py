@@ -386,6 +386,12 @@ def test_standby_children_killed_while_idle_are_replaced() -> None:
     assert standbys, "the workers keep a child forked ahead of the next start"
     for child in standbys:
         child.kill()
+    # once reaped (a standby killed *while* a start hands it a process takes that
+    # process along, as any process killed as it starts)
+    psutil.wait_procs(standbys, timeout=10)
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(c.pid) for c in standbys) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for _ in range(4):  # each start forks afresh where its standby is gone
         p = mp.Process(target=_exit7)
         p.start()
