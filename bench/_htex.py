@@ -158,25 +158,33 @@ class Baseline:
         }
         sizes = {"roundtrip": roundtrip_calls, "throughput": throughput_tasks}
         print("starting Parsl HTEX ...", file=sys.stderr, flush=True)
-        with Htex(self.python, self.workers) as htex:
-            self.parsl = htex.parsl
+        try:
+            with Htex(self.python, self.workers) as htex:
+                self.parsl = htex.parsl
+                for name in self.names:
+                    row = rows[name]
+                    for i in range(self.repeat):
+                        say = f"  {name} {i + 1}/{self.repeat}:"
+                        print(say, "HTEX", file=sys.stderr, flush=True)
+                        row.baseline.append(htex.measure(name, sizes[name]))
+                        print(say, "nimbus", file=sys.stderr, flush=True)
+                        row.nimbus.append(nimbus[name]())
+        except Exception as exc:  # the rows show ERROR, the error is printed under them
             for name in self.names:
-                row = rows[name]
-                for i in range(self.repeat):
-                    print(f"  {name} {i + 1}/{self.repeat}: HTEX", file=sys.stderr, flush=True)
-                    row.baseline.append(htex.measure(name, sizes[name]))
-                    print(f"  {name} {i + 1}/{self.repeat}: nimbus", file=sys.stderr, flush=True)
-                    row.nimbus.append(nimbus[name]())
+                if len(rows[name].nimbus) < self.repeat:
+                    rows[name].error = f"{type(exc).__name__}: {exc}"
         return [rows[name] for name in self.names]
 
     def table(self, rows: Sequence[Comparison]) -> str:
         head = (
-            f"side by side with Parsl {self.parsl} HighThroughputExecutor ({self.workers} "
+            f"side by side with Parsl {self.parsl or '?'} HighThroughputExecutor ({self.workers} "
             "workers, LocalProvider on 127.0.0.1, as GlobusComputeEngine drives it), "
             f"median of {self.repeat} repeats alternating HTEX, nimbus; ratio = nimbus / HTEX"
         )
         header = ("workload", "what", "HTEX", "nimbus", "ratio", "target", "result")
-        return head + "\n\n" + grid(header, [(r.name, r.what, *r.figure_cells()) for r in rows])
+        lines = [(r.name, r.what, *r.figure_cells()) for r in rows]
+        errors = "".join(f"\n\n{r.name}: {r.error}" for r in rows if r.error)
+        return head + "\n\n" + grid(header, lines) + errors
 
 
 def ensure_venv(venv: Path) -> Path:
@@ -270,7 +278,7 @@ class Htex:
         if not line:
             why = "exited" if ready else f"gave no answer within {REPLY_TIMEOUT:.0f} s"
             log = self.log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the HTEX driver {why}; its log ({self.log}):\n{log}")
+            raise RuntimeError(f"the HTEX driver {why}; the end of its log:\n{log}")
         reply: dict[str, Any] = json.loads(line)
         return reply
 

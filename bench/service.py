@@ -389,7 +389,8 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     )
     print(f"Python {platform.python_version()} on {platform.system()}, {os.cpu_count()} CPUs\n")
     header = ("workload", "what", "nimbus", "target", "result")
-    print(grid(header, [(r.name, r.what, r.value, r.target, r.status) for r in rows]))
+    if rows:  # none when --baseline took every selected workload
+        print(grid(header, [(r.name, r.what, r.value, r.target, r.status) for r in rows]))
 
 
 def main() -> int:
@@ -428,7 +429,7 @@ def main() -> int:
     if args.json:
         figures = [r.__dict__ for r in rows] + [c.to_json() for c in compared]
         Path(args.json).write_text(json.dumps(figures, indent=2))
-    return 0
+    return 1 if any(c.error for c in compared) else 0
 
 
 if __name__ == "__main__":
