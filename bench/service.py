@@ -15,6 +15,7 @@ agent in subprocesses, then measures from this process:
     python bench/service.py              # full sizes
     python bench/service.py --quick      # smoke run
     python bench/service.py --only roundtrip --json out.json
+    python bench/service.py --baseline htex  # roundtrip and throughput beside Parsl HTEX
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
 sys.path.append(str(_HERE))  # after the stdlib: for _report, never for multiprocessing
+import _htex  # noqa: E402
 from _report import grid  # noqa: E402
 
 CLI = "import sys; from nimbus.cli import main; sys.exit(main())"
@@ -420,7 +422,8 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     )
     print(f"Python {platform.python_version()} on {platform.system()}, {os.cpu_count()} CPUs\n")
     header = ("workload", "what", "nimbus", "target", "result")
-    print(grid(header, [(r.name, r.what, r.value, r.target, r.status) for r in rows]))
+    if rows:  # none when --baseline took every selected workload
+        print(grid(header, [(r.name, r.what, r.value, r.target, r.status) for r in rows]))
 
 
 def main() -> int:
@@ -429,23 +432,37 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--only", action="append", choices=list(WORKLOADS))
     parser.add_argument("--json", help="also write the figures here")
+    _htex.add_arguments(parser)
     args = parser.parse_args()
     sizes = QUICK if args.quick else Sizes()
+    names = args.only or list(WORKLOADS)
+    baseline = _htex.Baseline.from_args(parser, args, names)
     stack = Stack(args.workers)
     rows: list[Row] = []
+    compared: list[_htex.Comparison] = []
     try:
         stack.start_service()
         stack.configure_endpoint("bench")
         stack.start_agent("bench")
-        for name in args.only or list(WORKLOADS):
+        if baseline:  # these workloads run beside HTEX instead of alone
+            nimbus = {
+                "roundtrip": lambda: bench_roundtrip(stack, sizes).detail["median_ms"] / 1000,
+                "throughput": lambda: bench_throughput(stack, sizes).detail["tasks_per_second"],
+            }
+            compared = baseline.run(sizes.roundtrip_calls, sizes.throughput_tasks, nimbus)
+            names = [name for name in names if name not in baseline.names]
+        for name in names:
             print(f"running {name} ...", file=sys.stderr, flush=True)
             rows.append(WORKLOADS[name](stack, sizes))
     finally:
         stack.close()
     print_table(rows, args)
+    if baseline:
+        print("\n" + baseline.table(compared))
     if args.json:
-        Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=2))
-    return 0
+        figures = [r.__dict__ for r in rows] + [c.to_json() for c in compared]
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 1 if any(c.error for c in compared) else 0
 
 
 if __name__ == "__main__":

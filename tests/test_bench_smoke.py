@@ -13,22 +13,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str, timeout: float = 110, clean: bool = False) -> list[str]:
-    """Run bench/<script> with this test's nimbus; its stdout lines (it must exit 0)."""
+def _start(
+    script: str, *args: str, timeout: float = 110, clean: bool = False, **env_extra: str
+) -> subprocess.CompletedProcess[str]:
+    """Run bench/<script> with this test's nimbus (and ``env_extra`` in its environment)."""
     import nimbus
 
     env = {k: v for k, v in os.environ.items() if not (clean and k.startswith("NIMBUS_"))}
     package_parent = str(Path(nimbus.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args],
         cwd=ROOT,
-        env=env,
+        env=env | env_extra,
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
     )
+
+
+def _run(script: str, *args: str, timeout: float = 110, clean: bool = False) -> list[str]:
+    """Run bench/<script> with this test's nimbus; its stdout lines (it must exit 0)."""
+    proc = _start(script, *args, timeout=timeout, clean=clean)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout.splitlines()
 
@@ -83,3 +90,33 @@ def test_bench_service_quick(tmp_path: Path) -> None:
         _row(lines, name)
     assert "2000/2000 complete" in _row(lines, "offline")
     assert out.exists()
+
+
+def test_bench_service_baseline_needs_a_compared_workload() -> None:
+    proc = _start("service.py", "--quick", "--baseline", "htex", "--only", "offline")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--baseline htex compares the roundtrip and throughput workloads" in proc.stderr
+    assert "--only roundtrip" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_bench_service_baseline_without_pypi_says_what_to_do(tmp_path: Path) -> None:
+    """No parsl venv and no package index: a clear error before anything starts, not a trace."""
+    venv = tmp_path / "venv-parsl"
+    args = ("--quick", "--baseline", "htex", "--only", "roundtrip", "--parsl-venv", str(venv))
+    proc = _start(
+        "service.py",
+        *args,
+        timeout=280,
+        PIP_INDEX_URL="http://127.0.0.1:9/simple",  # nothing listens on the discard port
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_RETRIES="0",
+        PIP_TIMEOUT="2",
+        PIP_NO_CACHE_DIR="1",
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "pip install" in proc.stderr and "parsl==" in proc.stderr
+    assert "reaches PyPI" in proc.stderr and "run without --baseline" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (venv / "bin" / "python").exists()  # the venv is kept: a later run only installs
+    assert not proc.stdout  # no table: nothing was measured
