@@ -86,11 +86,13 @@ class Link:
         # connection that also holds it sits in a reference cycle, and the cycle
         # collector may finalize the socket first (an "unclosed socket" warning).
         sock, self._sock = self._sock, None
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass
+        conn = getattr(self, "conn", None)
+        for closing in (sock, conn._sock if conn is not None else None):
+            if closing is not None:
+                try:
+                    closing.close()
+                except OSError:
+                    pass
 
     @property
     def owner(self) -> str:
@@ -240,6 +242,9 @@ _presence_lock = threading.Lock()
 def _after_fork() -> None:
     global _generation, _presence_lock
     _generation += 1
+    for conn, _ in _presences.values():  # the parent's: close our copies of its sockets
+        if conn._sock is not None:
+            conn._sock.close()
     _presences.clear()
     _presence_lock = threading.Lock()
 
@@ -270,13 +275,14 @@ def _presence(url: str) -> int:
     """The client id of this process's idle connection to ``url``: gone when the process is."""
     with _presence_lock:
         if url not in _presences:
-            link = Link(url)  # only its redis-py connection is used, kept open for life
-            conn = link.conn
+            make, kwargs = _connection_settings(url)
+            conn = cast(redis.connection.AbstractConnection, make(**kwargs))  # kept for life
             try:
                 conn.send_command("CLIENT", "SETNAME", f"nimbus-presence-{os.getpid()}")
                 conn.read_response()
                 conn.send_command("CLIENT", "ID")
                 _presences[url] = (conn, int(conn.read_response()))
             except redis.RedisError as exc:
-                raise link.error(exc) from exc
+                conn.disconnect()
+                raise Link(url).error(exc) from exc
         return _presences[url][1]
