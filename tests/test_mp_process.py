@@ -399,6 +399,39 @@ def test_standby_children_killed_while_idle_are_replaced() -> None:
         assert p.exitcode == 7
 
 
+def test_relay_sockets_of_dead_roots_are_removed(tmp_path: Path) -> None:
+    from nimbus.config import Settings
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    runtime_dir = Settings.load().ensure_runtime_dir()
+    stale = runtime_dir / f"relay-{int(gone.stdout)}-deadbeef"
+    live = runtime_dir / f"relay-{os.getpid()}-notstale"
+    stale.touch()
+    live.touch()
+    try:
+        res = _run_script(
+            tmp_path,
+            """
+            import nimbus.multiprocessing as mp
+            if __name__ == "__main__":
+                p = mp.Process(target=print)
+                p.start()
+                p.join()
+            """,
+        )
+        assert res.returncode == 0, res.stderr
+        assert not stale.exists()  # a root that died by SIGKILL left it
+        assert live.exists()  # a live root's is kept
+    finally:
+        stale.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
+
+
 @pytest.mark.timeout(30)
 def test_twenty_processes_run_concurrently() -> None:
     q = mp.Queue()

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing import AuthenticationError, connection, current_process, resource_sharer, util
 from multiprocessing import process as stdlib_process
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nimbus.config import Settings
@@ -123,9 +124,9 @@ class Runtime(Starter):
         _live.discard(self.executor)  # closed by close(), after joining children
         self.remote: dict[str, _Peer] = {}  # token -> the descendant that asked
         self.closed = False
-        address = str(
-            Settings.load().ensure_runtime_dir() / f"relay-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        )
+        directory = Settings.load().ensure_runtime_dir()
+        _remove_stale(directory)
+        address = str(directory / f"relay-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.listener = connection.Listener(
             address, "AF_UNIX", authkey=bytes(current_process().authkey)
         )
@@ -171,7 +172,8 @@ class Runtime(Starter):
             try:
                 future = self.start(fn, token, *args)
             except Exception as exc:  # e.g. the executor is shut down: the program is ending
-                self.remote.pop(token, None)
+                with self.lock:
+                    self.remote.pop(token, None)
                 peer.send(("failed", token, "".join(traceback.format_exception(exc))))
                 continue
             future.add_done_callback(functools.partial(peer.forked, token))
@@ -304,6 +306,17 @@ class Remote(Starter):
         self.executor.shutdown(wait=True)
         if self.output is not None:
             self.output.close()
+
+
+def _remove_stale(directory: Path) -> None:
+    """Remove the relay sockets of roots that died without closing them (SIGKILL)."""
+    for path in directory.glob("relay-*"):
+        try:
+            os.kill(int(path.name.split("-")[1]), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except (ValueError, IndexError, OSError):
+            pass  # not ours, or a live process of another user
 
 
 def _stdio_ids() -> list[tuple[int, int] | None]:
