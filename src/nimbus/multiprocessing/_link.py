@@ -85,14 +85,15 @@ class Link:
         # A thread's links go with the thread. Close the socket now: the redis-py
         # connection that also holds it sits in a reference cycle, and the cycle
         # collector may finalize the socket first (an "unclosed socket" warning).
-        sock, self._sock = self._sock, None
+        # (``_sock`` is the connection's socket once connected; the connection may
+        # also have connected by itself.)
         conn = getattr(self, "conn", None)
-        for closing in (sock, conn._sock if conn is not None else None):
-            if closing is not None:
-                try:
-                    closing.close()
-                except OSError:
-                    pass
+        sock = conn._sock if conn is not None else None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
 
     @property
     def owner(self) -> str:
@@ -104,11 +105,7 @@ class Link:
 
     def error(self, exc: BaseException) -> StateStoreError:
         """The store's error, translated."""
-        if isinstance(exc, redis.ResponseError):
-            return StateStoreError(f"the state store at {self.url} refused a command: {exc}")
-        return StateStoreError(
-            f"the state store at {self.url} is unreachable: {exc}; is Redis running?"
-        )
+        return _error(self.url, exc)
 
     def _connect(self) -> socket.socket:
         try:
@@ -252,6 +249,13 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
+def _error(url: str, exc: BaseException) -> StateStoreError:
+    """The error of the store at ``url``, translated."""
+    if isinstance(exc, redis.ResponseError):
+        return StateStoreError(f"the state store at {url} refused a command: {exc}")
+    return StateStoreError(f"the state store at {url} is unreachable: {exc}; is Redis running?")
+
+
 @functools.cache
 def _connection_settings(url: str) -> tuple[Any, dict[str, Any]]:
     """How to connect to ``url``: kept across forks (a child skips making a client)."""
@@ -284,5 +288,5 @@ def _presence(url: str) -> int:
                 _presences[url] = (conn, int(conn.read_response()))
             except redis.RedisError as exc:
                 conn.disconnect()
-                raise Link(url).error(exc) from exc
+                raise _error(url, exc) from exc
         return _presences[url][1]

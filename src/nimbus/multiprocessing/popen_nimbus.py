@@ -259,34 +259,37 @@ def _start(
                 importlib.import_module(name)
             except BaseException:  # the child imports it again and reports the error
                 pass
+    args = (token, prep, program, data, buffers)
     inbox = prep.get("forward")  # a remote parent's: exits and output go there
     if inbox:
         watcher = _remote.watch_signals(program, inbox, token)
-        with _reaper.lock:
-            pid = os.fork()
-            if pid == 0:
-                _child(token, prep, program, data, buffers)  # never returns
-            _reaper.add(pid, token, (program, inbox))
+        pid = _fork(args, (program, inbox))
         alive = lambda: pid in _reaper.tokens  # noqa: E731
         _remote.deliver_signals(watcher, program, token, alive, _reaper.killer(pid))
         return pid
     standby, _standby = _standby, None
     if standby is not None and standby.modules == len(sys.modules):
-        started = standby.run(token, (token, prep, program, data, buffers))
+        started = standby.run(token, args)
     else:  # none yet, or forked before modules this process needs were imported
         if standby is not None:
             standby.discard()
         started = None
     if started is None:
-        with _reaper.lock:
-            started = os.fork()
-            if started == 0:
-                _child(token, prep, program, data, buffers)  # never returns
-            _reaper.add(started, token)
+        started = _fork(args)
     from nimbus.runtime import worker
 
     worker.when_idle(_refill)  # the next start skips the fork; this one is not held up
     return started
+
+
+def _fork(args: tuple[Any, ...], remote: tuple[_state.Program, str] | None = None) -> int:
+    """Fork a child that runs ``_child(*args)``; the reaper waits for it."""
+    with _reaper.lock:
+        pid = os.fork()
+        if pid == 0:
+            _child(*args)  # never returns
+        _reaper.add(pid, args[0], remote)
+    return pid
 
 
 def _refill() -> None:
