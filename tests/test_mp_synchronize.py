@@ -9,12 +9,14 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
 from nimbus.multiprocessing._state import Program
+from nimbus.multiprocessing.sharedctypes import RawValue
 from nimbus.multiprocessing.synchronize import (
     Barrier,
     BoundedSemaphore,
@@ -58,6 +60,13 @@ def _release_twice(sem: Semaphore, ready: Event) -> None:
     ready.wait(10)
     sem.release()
     sem.release()
+
+
+def _count_under_lock(lock: Lock, counter: Any, n: int) -> None:
+    for _ in range(n):
+        with lock:
+            value = counter.value  # read, then write: only the lock keeps increments apart
+            counter.value = value + 1
 
 
 def _wait_barrier(barrier: Barrier) -> None:
@@ -134,6 +143,20 @@ def test_lock_pickles_to_the_same_lock(program: Program) -> None:
     assert not lock.acquire(False)
     lock.release()
     assert copy.acquire(False)
+
+
+@pytest.mark.timeout(60)
+def test_lock_excludes_across_processes_and_keeps_one_token(program: Program) -> None:
+    lock = Lock(program=program)
+    counter = RawValue("i", 0, program=program)
+    procs = [_start(_count_under_lock, lock, counter, 150) for _ in range(3)]
+    _count_under_lock(lock, counter, 150)
+    for proc in procs:
+        proc.join(50)
+        assert proc.exitcode == 0
+    assert counter.value == 600
+    assert lock.get_value() == 1  # the one token is back in the lock's list
+    assert not [k for k in _keys(program) if ":held:" in k]
 
 
 # ---------------------------------------------------------------- RLock
@@ -450,7 +473,7 @@ def test_keys_have_the_program_prefix_and_ttl(program: Program) -> None:
     for key in keys:
         assert key.startswith(f"nimbus:{{{program.program_id}}}:")
         assert 0 < client.pttl(key) <= program.ttl_ms
-    assert not [k for k in keys if ":waiter:" in k or ":claim:" in k]
+    assert not [k for k in keys if ":waiter:" in k or ":held:" in k]  # no wait, no holder left
 
 
 @pytest.mark.timeout(10)

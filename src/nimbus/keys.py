@@ -131,16 +131,12 @@ class Keys:
         return self._key("wakeup", name)
 
     def lock_owners(self, name: str) -> str:
-        """The holders of lock ``name``: a hash of owner -> recursion depth."""
+        """Who may hold lock ``name``: a set of owners (each registered before it acquires)."""
         return self._key("lock", name, "owners")
 
-    def lock_late(self, name: str) -> str:
-        """Failed reply-less releases of lock ``name``: a hash of owner -> error code."""
-        return self._key("lock", name, "late")
-
-    def lock_claim(self, name: str, owner: str) -> str:
-        """Where a blocked acquire of lock ``name`` by ``owner`` lands its token."""
-        return self._key("lock", name, "claim", owner)
+    def lock_held(self, name: str, owner: str) -> str:
+        """Where lock ``name``'s token sits while ``owner`` holds it (``owner`` "": the prefix)."""
+        return self._key("lock", name, "held", owner)
 
     def waiters(self, name: str) -> str:
         """The wake-up lists of the threads waiting on event or condition ``name``."""

@@ -10,10 +10,13 @@
 redis-py opens the connection (URL, TLS, AUTH, SELECT); commands and replies
 then go straight through its socket and a hiredis reader: no pool, no retries,
 one round trip a call, a few times less client overhead than redis-py's command
-path for small messages. Sends that cannot fail (a Pipe's push, a holder's
-release of its Lock) ask the store not to reply (``CLIENT REPLY SKIP``), so
-they cost one write and no read, and a connection never has unread replies:
-closing it (at thread or process exit, or after a fork) loses nothing.
+path for small messages. Sends that cannot fail (a Pipe's push) ask the store
+not to reply (``CLIENT REPLY SKIP``), so they cost one write and no read. A
+holder's release of its Lock is sent without waiting for its reply: the reply
+is read before the next one on the link (:attr:`Link.pending`), and a release
+that found the lock already released is noted in :attr:`Link.late`. Closing a
+link (at thread or process exit, or after a fork) loses nothing: its commands
+are with the store.
 
 Every thread has its own links (a thread blocked in BLPOP must not hold up the
 others), and a forked child makes new ones: it must not use its parent's
@@ -22,6 +25,7 @@ sockets.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import os
@@ -79,6 +83,9 @@ class Link:
         self._reader = hiredis.Reader(replyError=redis.ResponseError)
         self._owner: str | None = None
         self.held: dict[str, int] = {}  # lock owners key -> this thread's depth, as last known
+        self.pending: collections.deque[str] = collections.deque()  # releases sent, unread
+        self.late: set[str] = set()  # lock owners keys whose release found it released
+        self.registered: dict[str, float] = {}  # lock owners key -> when to register again
         self.packed: dict[tuple[str, str], bytes] = {}  # (what, key) -> commands, packed
 
     def __del__(self) -> None:
@@ -125,6 +132,7 @@ class Link:
         """Forget the connection (its stream is in an unknown state) and say why."""
         self.conn.disconnect()
         self._sock = None
+        self.pending.clear()  # their replies are gone with the stream
         if isinstance(exc, redis.RedisError):
             return self.error(exc)
         return self.error(redis.ConnectionError(f"{type(exc).__name__}: {exc}"))
@@ -161,6 +169,16 @@ class Link:
 
     def read(self) -> Any:
         """The next reply; an error reply is raised as ``redis.ResponseError``."""
+        while self.pending:  # the replies of Lock releases sent before (LMOVE: nil if late)
+            key = self.pending.popleft()
+            try:
+                if self._read() is None:
+                    self.late.add(key)
+            except redis.ResponseError:
+                self.late.add(key)
+        return self._read()
+
+    def _read(self) -> Any:
         reader = self._reader
         reply = reader.gets()
         while reply is False:

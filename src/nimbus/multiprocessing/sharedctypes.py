@@ -56,11 +56,9 @@ typecode_to_type: dict[str, Any] = {
 
 # KEYS lock tokens, lock owners, data; ARGV owner, op, a, b -> {0} if the lock is someone else's
 _GUARDED = Script("""
-if redis.call('LLEN', KEYS[1]) == 0 and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
-  return {0}
-end
-if ARGV[2] == 'get' then return {1, redis.call('GETRANGE', KEYS[3], ARGV[3], ARGV[4])} end
-redis.call('SETRANGE', KEYS[3], ARGV[3], ARGV[4])
+if redis.call('LLEN', KEYS[1]) == 0 then return {0} end
+if ARGV[1] == 'get' then return {1, redis.call('GETRANGE', KEYS[2], ARGV[2], ARGV[3])} end
+redis.call('SETRANGE', KEYS[2], ARGV[2], ARGV[3])
 return {1}
 """)
 
@@ -123,13 +121,14 @@ class _Raw:
 
     def _guarded(self, guard: Lock, op: str, a: Any, b: Any) -> Any:
         link = _link(self._program)
-        keys = (guard._tokens, guard._owners, self._key)
-        reply = link.eval(_GUARDED, keys, (link.owner, op, a, b))
+        if guard._depth(link):  # this thread holds the lock: the access is already guarded
+            return link.command("GETRANGE" if op == "get" else "SETRANGE", self._key, a, b)
+        keys = (guard._tokens, self._key)
+        reply = link.eval(_GUARDED, keys, (op, a, b))
         if reply[0] == 1:
             return reply[1] if op == "get" else None
         with guard:  # held by another thread or process: wait for it
-            reply = link.eval(_GUARDED, keys, (link.owner, op, a, b))
-        return reply[1] if op == "get" else None
+            return link.command("GETRANGE" if op == "get" else "SETRANGE", self._key, a, b)
 
     def _copy(self) -> Any:
         """A private ctypes object with the current contents."""

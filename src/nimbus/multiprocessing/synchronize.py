@@ -6,9 +6,9 @@ its program (see ``nimbus.keys``) and pickles as (program, name), so it works
 in any process that unpickles it::
 
     Semaphore   semaphore:<n>          a list of tokens: acquire = BLPOP, release = RPUSH
-    Lock/RLock  lock:<n>               a list holding 1 token while the lock is free
-                lock:<n>:owners        owner -> recursion depth, written with the pop
-                lock:<n>:claim:<owner> where a blocked acquire lands its token (BLMOVE)
+    Lock/RLock  lock:<n>               a list holding the lock's one token while it is free
+                lock:<n>:held:<owner>  the token while <owner> (a thread) holds the lock
+                lock:<n>:owners        who may hold it: each owner registers before acquiring
     Event       event:<n>              the flag
     Condition   waiters:<n>            the wake-up lists of the waiting threads
     (any wait)  waiter:<unique>        one thread's wake-up list: BLPOP on it
@@ -16,14 +16,19 @@ in any process that unpickles it::
 
 Blocked waiters are served first come, first served by Redis; nothing polls.
 Each thread talks to the store on its own connection, one round trip per
-operation (Lua scripts where several keys change at once, their commands packed
-once per lock and thread). A thread releasing a lock it acquired asks the store
-not to reply (``CLIENT REPLY SKIP``: the release cannot fail), so an uncontended
+operation (Lua scripts where several keys change at once, commands packed once
+per lock and thread). A Lock's token only ever moves, with ``LMOVE``/``BLMOVE``
+(no Lua on the common path): acquiring moves it from the lock's list to the
+holder's, releasing moves it back, so there is never more than one token and
+the store always knows who holds it. An RLock's depth is counted by its holder
+thread, which alone may release it. A release by the holder is sent without
+waiting for its reply (read before the link's next reply), so an uncontended
 ``Lock`` acquire + release costs one round trip and a send. If another process
-released that Lock meanwhile (a Lock may be released by anyone), the store notes
-it and the ``ValueError`` of that release is raised by the holder's next acquire
-of the lock. Keys are created with the program's TTL; those of finished waits
-are deleted.
+released that Lock meanwhile (a Lock may be released by anyone: the store moves
+the holder's token back), the holder's own release finds nothing to move, and
+the ``ValueError`` the stdlib raises there is raised by the holder's next
+acquire of the lock. Keys are created with the program's TTL; those of
+finished waits are deleted.
 
 Owners are (hostname, pid, thread id) plus the Redis client id of a
 connection each process keeps open for its lifetime (its *presence*).
@@ -32,7 +37,8 @@ connection each process keeps open for its lifetime (its *presence*).
 ``_REAP_STEP`` seconds asks Redis which owners' presence connections are
 gone (``CLIENT LIST ID``; the kernel closes them when a process dies, even by
 SIGKILL, and Redis never reuses a client id) and gives their tokens back, so
-a waiter gets a SIGKILLed holder's lock within about half a second. The same
+a waiter gets a SIGKILLed holder's lock within about half a second (the
+dead owners' tokens move back). The same
 applies to a holder that exits without releasing. A live but hung holder keeps
 its lock, as in the stdlib. Caveats: an external Redis must not close idle
 clients (``timeout 0``, its default) and must allow ``CLIENT LIST``;
@@ -44,14 +50,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
 from nimbus.multiprocessing import _state
-from nimbus.multiprocessing._link import MIN_WAIT, SKIP_REPLY, Link, Script, pack, preload
+from nimbus.multiprocessing._link import MIN_WAIT, SKIP_REPLY, Link, Script, pack
 from nimbus.multiprocessing._link import link as _link
 from nimbus.multiprocessing._state import Program
 
@@ -73,71 +79,27 @@ redis.call('RPUSH', KEYS[1], 't')
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 0
 """)
-# KEYS tokens, owners, late; ARGV owner, recursive, depth, ttl -> -1: a release of ours failed
-_LOCK_TRY = Script("""
-if redis.call('HDEL', KEYS[3], ARGV[1]) == 1 then return -1 end
-if ARGV[2] == '1' and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
-  redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
-  return 2
-end
-if redis.call('LPOP', KEYS[1]) then
-  redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
-  redis.call('PEXPIRE', KEYS[2], ARGV[4])
-  return 1
-end
-return 0
-""")
-# KEYS claim, owners; ARGV owner, depth, ttl: runs right after BLMOVE tokens -> claim
-_LOCK_CLAIM = Script("""
-if redis.call('LPOP', KEYS[1]) then
-  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
-  return 1
-end
-return 0
-""")
-# KEYS tokens, owners, late; ARGV owner, recursive, all, ttl, unheard
-#   -> depth released, -1 not owned, -2 too many; an unheard (reply-less) failure is noted in late
-_LOCK_RELEASE = preload(
-    Script("""
-local function fail(code)
-  if ARGV[5] == '1' then
-    redis.call('HSET', KEYS[3], ARGV[1], code)
-    redis.call('PEXPIRE', KEYS[3], ARGV[4])
+# KEYS tokens, owners; ARGV held-key prefix, ttl -> 1: released, -2: released too many times
+_LOCK_RELEASE_ANY = Script("""
+if redis.call('LLEN', KEYS[1]) >= 1 then return -2 end
+for _, owner in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  if redis.call('LMOVE', ARGV[1] .. owner, KEYS[1], 'LEFT', 'RIGHT') then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return 1
   end
-  return code
-end
-local n = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
-if ARGV[2] == '1' or ARGV[3] == '1' then
-  if n == 0 then return fail(-1) end
-  if n > 1 and ARGV[3] == '0' then redis.call('HINCRBY', KEYS[2], ARGV[1], -1) return 1 end
-  redis.call('HDEL', KEYS[2], ARGV[1])
-else
-  if redis.call('LLEN', KEYS[1]) >= 1 then return fail(-2) end
-  if n == 0 then
-    local other = redis.call('HKEYS', KEYS[2])[1]
-    if other then redis.call('HDEL', KEYS[2], other) end
-  else
-    redis.call('HDEL', KEYS[2], ARGV[1])
-  end
-  n = 1
 end
 redis.call('RPUSH', KEYS[1], 't')
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-return n
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
 """)
-)
-# KEYS tokens, owners, claim; ARGV ttl, owners to drop...: give back the tokens of dead owners
+# KEYS tokens, owners; ARGV held-key prefix, ttl, dead owners... -> 1 if their token came back
 _LOCK_REAP = Script("""
 local given = 0
-if redis.call('LPOP', KEYS[3]) then given = 1 end
-for i = 2, #ARGV do
-  if redis.call('HDEL', KEYS[2], ARGV[i]) == 1 then given = 1 end
+for i = 3, #ARGV do
+  if redis.call('LMOVE', ARGV[1] .. ARGV[i], KEYS[1], 'LEFT', 'RIGHT') then given = 1 end
+  redis.call('SREM', KEYS[2], ARGV[i])
 end
-if given == 1 and redis.call('LLEN', KEYS[1]) == 0 then
-  redis.call('RPUSH', KEYS[1], 't')
-  redis.call('PEXPIRE', KEYS[1], ARGV[1])
-end
+if given == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return given
 """)
 # KEYS waiters, waiter; ARGV n (-1: all), ttl -> wakes the first n waiters
@@ -273,7 +235,7 @@ class BoundedSemaphore(Semaphore):
 class Lock(_Acquirable):
     """A mutex any process may release; released for you if its holder dies."""
 
-    _recursive = "0"
+    _recursive = False
 
     def __init__(self, *, ctx: object = None, program: Program | None = None) -> None:
         super().__init__(program)
@@ -285,37 +247,54 @@ class Lock(_Acquirable):
         super()._setup(program, name)
         self._tokens = program.keys.lock(name)
         self._owners = program.keys.lock_owners(name)
-        self._late = program.keys.lock_late(name)
+        self._held = program.keys.lock_held(name, "")
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         return self._acquire(_link(self._program), block, timeout, 1)
 
     def _acquire(self, link: Link, block: bool, timeout: float | None, depth: int) -> bool:
+        owners = self._owners
+        held = link.held.get(owners, 0)
+        if held and self._recursive:
+            link.held[owners] = held + depth
+            return True
         ttl = _ttl(self._program)
-        keys = (self._tokens, self._owners, self._late)
-        args = (link.owner, self._recursive, depth, ttl)
-        if depth == 1:  # the common case, packed once
-            packed = link.packed.get(("acquire", self._owners))
-            if packed is None:
-                packed = pack("EVALSHA", _LOCK_TRY.sha, 3, *keys, *args)
-                link.packed["acquire", self._owners] = packed
-            link.write(packed)
-            got = link.read_eval(_LOCK_TRY, keys, args)
-        else:
-            got = link.eval(_LOCK_TRY, keys, args)
-        if got == -1:
+        now = time.monotonic()
+        if link.registered.get(owners, 0.0) <= now:  # before any token can be ours
+            link.write(
+                SKIP_REPLY
+                + pack("SADD", owners, link.owner)
+                + SKIP_REPLY
+                + pack("PEXPIRE", owners, ttl)
+            )
+            link.registered[owners] = now + ttl / 4000
+        packed = link.packed.get(("acquire", owners))
+        if packed is None:
+            mine = self._held + link.owner
+            packed = pack("LMOVE", self._tokens, mine, "LEFT", "LEFT")
+            packed += SKIP_REPLY + pack("PEXPIRE", mine, ttl)
+            link.packed["acquire", owners] = packed
+        link.write(packed)
+        got = link.read() is not None
+        if owners in link.late:
+            link.late.discard(owners)
+            if got:
+                self._give_back(link)
             raise ValueError(
                 f"an earlier release of {self!r} by this thread failed: "
                 "another process had released it"
             )
         if got:
-            link.held[self._owners] = link.held.get(self._owners, 0) + 1 if got == 2 else depth
+            link.held[owners] = depth
             return True
         if not block:
             return False
+        return self._wait(link, timeout, depth)
+
+    def _wait(self, link: Link, timeout: float | None, depth: int) -> bool:
+        """Block until the token moves to this thread's held list (or ``timeout``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        claim = self._program.keys.lock_claim(self._name, link.owner)
-        claim_args = (link.owner, depth, ttl)
+        mine = self._held + link.owner
         try:
             while True:
                 step = _REAP_STEP
@@ -323,70 +302,76 @@ class Lock(_Acquirable):
                     step = min(step, deadline - time.monotonic())
                     if step < MIN_WAIT:
                         return False
-                link.send("BLMOVE", self._tokens, claim, "LEFT", "LEFT", round(step, 3))
-                link.send("EVALSHA", _LOCK_CLAIM.sha, 2, claim, self._owners, *claim_args)
-                link.read()
-                if link.read_eval(_LOCK_CLAIM, (claim, self._owners), claim_args) == 1:
+                got = link.command("BLMOVE", self._tokens, mine, "LEFT", "LEFT", round(step, 3))
+                if got is not None:
+                    link.write(SKIP_REPLY + pack("PEXPIRE", mine, _ttl(self._program)))
                     link.held[self._owners] = depth
                     return True
-                self._reap(link, claim, ())
+                self._reap(link)
         except BaseException:
             try:  # e.g. KeyboardInterrupt: maybe the token arrived; give it back
-                self._reap(link, claim, (link.owner,))
+                self._give_back(link)
             except StateStoreError:
                 pass
             raise
 
-    def _reap(self, link: Link, claim: str, drop: Sequence[str]) -> None:
-        """Give back the lock if its holder's process is gone (or one of ``drop`` holds it)."""
-        dead = list(drop)
-        if not dead:
-            owners = [o.decode() for o in link.command("HKEYS", self._owners)]
-            if not owners:
-                return
-            ids = {o.rsplit(":", 1)[1] for o in owners}
-            try:
-                listing = link.command("CLIENT", "LIST", "ID", *ids)
-            except StateStoreError:
-                return  # CLIENT LIST is not allowed here: dead holders cannot be found
-            alive = {word[3:] for word in listing.decode().split() if word.startswith("id=")}
-            dead = [o for o in owners if o.rsplit(":", 1)[1] not in alive]
-            if not dead:
-                return
-        link.eval(_LOCK_REAP, (self._tokens, self._owners, claim), (_ttl(self._program), *dead))
+    def _give_back(self, link: Link) -> None:
+        link.command("LMOVE", self._held + link.owner, self._tokens, "LEFT", "RIGHT")
+
+    def _reap(self, link: Link) -> None:
+        """Give back the lock if its holder's process is gone."""
+        owners = [o.decode() for o in link.command("SMEMBERS", self._owners)]
+        if not owners:
+            return
+        ids = {o.rsplit(":", 1)[1] for o in owners}
+        try:
+            listing = link.command("CLIENT", "LIST", "ID", *ids)
+        except StateStoreError:
+            return  # CLIENT LIST is not allowed here: dead holders cannot be found
+        alive = {word[3:] for word in listing.decode().split() if word.startswith("id=")}
+        dead = [o for o in owners if o.rsplit(":", 1)[1] not in alive]
+        if dead:
+            keys = (self._tokens, self._owners)
+            link.eval(_LOCK_REAP, keys, (self._held, _ttl(self._program), *dead))
 
     def release(self) -> None:
         link = _link(self._program)
         held = link.held.pop(self._owners, 0)
-        if not held:  # not acquired by this thread (allowed for a Lock): check the outcome
-            self._release(link, "0")
+        if not held:  # not acquired by this thread: allowed for a Lock, checked by the store
+            if self._recursive:
+                raise _NotOwnedError("attempt to release recursive lock not owned by thread")
+            reply = link.eval(
+                _LOCK_RELEASE_ANY, (self._tokens, self._owners), (self._held, _ttl(self._program))
+            )
+            if reply == -2:
+                raise ValueError("semaphore or lock released too many times")
             return
         if held > 1:
             link.held[self._owners] = held - 1
-        # This thread holds it, so the release cannot fail: the store is asked not to reply
-        # (a failure is noted for the next acquire). The link loaded the script when it connected.
+            return
+        self._send_release(link)
+
+    def _send_release(self, link: Link) -> None:
+        """Move this thread's token back; its reply is read later (nil: it was released)."""
         packed = link.packed.get(("release", self._owners))
         if packed is None:
-            command = ("EVALSHA", _LOCK_RELEASE.sha, 3, self._tokens, self._owners, self._late)
-            args = (link.owner, self._recursive, "0", _ttl(self._program), "1")
-            packed = SKIP_REPLY + pack(*command, *args)
+            packed = pack("LMOVE", self._held + link.owner, self._tokens, "LEFT", "RIGHT")
+            packed += SKIP_REPLY + pack("PEXPIRE", self._tokens, _ttl(self._program))
             link.packed["release", self._owners] = packed
         link.write(packed)
+        link.pending.append(self._owners)
 
-    def _release(self, link: Link, everything: str) -> int:
-        link.held.pop(self._owners, None)
-        keys = (self._tokens, self._owners, self._late)
-        args = (link.owner, self._recursive, everything, _ttl(self._program), "0")
-        depth = int(link.eval(_LOCK_RELEASE, keys, args))
-        if depth == -1:
-            raise _NotOwnedError("attempt to release recursive lock not owned by thread")
-        if depth == -2:
-            raise ValueError("semaphore or lock released too many times")
+    def _release_all(self, link: Link) -> int:
+        """Release however deep this thread holds it (for ``Condition.wait``); that depth."""
+        depth = link.held.pop(self._owners, 0)
+        if not depth:
+            raise _NotOwnedError("must acquire() condition before using wait()")
+        self._send_release(link)
         return depth
 
     def _depth(self, link: Link) -> int:
         """How many times this thread holds the lock (0: it does not)."""
-        return int(link.command("HGET", self._owners, link.owner) or 0)
+        return link.held.get(self._owners, 0)
 
     def get_value(self) -> int:
         return int(_link(self._program).command("LLEN", self._tokens))
@@ -395,7 +380,7 @@ class Lock(_Acquirable):
 class RLock(Lock):
     """A re-entrant lock: only its owner thread may release it."""
 
-    _recursive = "1"
+    _recursive = True
 
 
 class _Count:
@@ -460,7 +445,7 @@ class Condition(_Shared):
             raise _NotOwnedError("must acquire() condition before using wait()")
         me = self._program.keys.waiter(Keys.new_name())
         link.call(("RPUSH", self._waiters, me), ("PEXPIRE", self._waiters, _ttl(self._program)))
-        depth = self._lock._release(link, "1")
+        depth = self._lock._release_all(link)
         try:
             woken = link.blpop(me, timeout)
             if not woken:  # a notify may have picked this waiter as the wait timed out
