@@ -11,12 +11,15 @@
     result blob expires with the task's result (NIMBUS_RESULT_TTL)
 
 The bytes are streamed to and from files and never unpickled, nor kept in the
-SQL registry or in Redis. A file whose hash is gone (expired, dropped, or left
+SQL registry or in Redis. A file is fsynced before its hash is written and
+renamed into place, so a machine crash loses only an upload under way at that
+moment (its task then fails saying the data is gone). A file whose hash is gone (expired, dropped, or left
 by a service that was killed) is removed by :meth:`DataStore.sweep`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -72,10 +75,13 @@ class DataStore:
                     if size > self.limit:
                         raise too_large("the data", size, self.limit)
                     out.write(chunk)
+                out.flush()  # on disk before its record says it is there (a machine crash)
+                await asyncio.to_thread(os.fsync, out.fileno())
             fields = {"owner": owner, "size": size, "task": task, "endpoint": endpoint}
             await self.redis.hset(self.keys.data(data_id), mapping=fields)
             await self.redis.expire(self.keys.data(data_id), UNCLAIMED_TTL)
             part.replace(self.path(data_id))
+            await asyncio.to_thread(_sync_directory, self.root)
         except BaseException:
             part.unlink(missing_ok=True)
             raise
@@ -210,6 +216,14 @@ async def get_data(data_id: str, request: Request, caller: Caller) -> StreamingR
                     headers={"Content-Length": str(size)},
                 )
     raise NotFound(f"data {data_id} not found", 404)
+
+
+def _sync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _read(file: IO[bytes]) -> Iterator[bytes]:
