@@ -234,6 +234,52 @@ def test_lost_endpoint_ends_its_processes_with_sigkill(
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_lost_store_ends_a_waiting_join_with_a_clear_error(
+    tmp_path: Path, service: Service
+) -> None:
+    from nimbus.service.registry import Registry, hash_token
+
+    token = service.token("sam")
+    with service.client(token) as sam:
+        lab = EndpointProcess(service, sam, "sam-lab").start(sam)
+        try:
+            script = tmp_path / "program.py"
+            script.write_text(
+                PRELUDE
+                + textwrap.dedent(
+                    """
+                    if __name__ == "__main__":
+                        p = mp.Process(target=time.sleep, args=(300,))
+                        p.start()
+                        say("pid", p.pid)
+                        p.join(120)
+                        say("exitcode", p.exitcode)
+                    """
+                )
+            )
+            with subprocess.Popen(
+                [sys.executable, str(script)],
+                env=_env(service, sam, "sam-lab"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ) as proc:
+                assert proc.stdout is not None
+                assert proc.stdout.readline().startswith("pid: ")
+                # revoking sam's own token deletes sam's store user: the program's store is gone
+                registry = Registry(service.settings().registry_url)
+                try:
+                    registry.revoke(hash_token(token)[:12])
+                finally:
+                    registry.close()
+                out, err = proc.communicate(timeout=120)
+        finally:
+            lab.stop()
+    assert _lines(out)["exitcode"] == "1"  # not a hang: join returned within the grace
+    assert "lost the program's state store at redis://" in err and "exit code 1" in err
+    assert "@" not in err.split("state store at ")[1].split()[0]  # the URL without its password
+
+
 def test_token_stays_home_on_a_shared_endpoint(
     tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
 ) -> None:

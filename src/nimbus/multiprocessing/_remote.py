@@ -62,6 +62,7 @@ __all__ = [
 
 CHUNK = 1 << 16
 WAKE = 1.0  # seconds: how often a blocked reader checks whether it should stop
+STORE_GRACE = 5.0  # seconds the store may be unreachable before the children are given up
 
 
 class Store(NamedTuple):
@@ -140,12 +141,18 @@ def _push(program: Program, key: str, *items: bytes | int) -> None:
 class Output:
     """The parent's thread that writes its children's output and reports their exits."""
 
-    def __init__(self, program: Program, on_exit: Callable[[str, int], None]) -> None:
+    def __init__(
+        self,
+        program: Program,
+        on_exit: Callable[[str, int], None],
+        on_lost: Callable[[str], None],
+    ) -> None:
         from nimbus.keys import Keys
 
         self.program = program
         self.inbox = Keys.new_name()  # where this process's children report
         self.on_exit = on_exit
+        self.on_lost = on_lost  # the store is gone: no exit will come
         self._watched: dict[str, int] = {}  # token -> store client id of its signal watcher
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nimbus-output", daemon=True)
@@ -155,15 +162,28 @@ class Output:
         client = self.program.client()
         key = self.program.keys.stdio(self.inbox)
         checked = time.monotonic()
+        failing: float | None = None  # since when the store has not answered
         while not self._stop.is_set():
             try:
                 item = client.blpop([key], timeout=WAKE)
+                failing = None
                 if item is not None:
                     self._handle(cast(bytes, item[1]))
                 if self._watched and time.monotonic() - checked >= WAKE:
                     self._check_watchers(client, key)
                     checked = time.monotonic()
-            except redis.RedisError:
+            except redis.RedisError as exc:
+                now = time.monotonic()
+                if failing is None:
+                    failing = now
+                elif now - failing >= STORE_GRACE:
+                    self._watched.clear()
+                    self.on_lost(
+                        f"lost the program's state store at {_safe(self.program.url)} "
+                        f"({type(exc).__name__}: {exc}) for {now - failing:.0f} s: "
+                        "the exit codes of its processes on the endpoint cannot arrive"
+                    )
+                    failing = now  # said once per outage (and again if it lasts)
                 if self._stop.wait(WAKE):
                     return
 

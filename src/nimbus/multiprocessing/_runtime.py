@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import traceback
 import uuid
@@ -291,13 +292,23 @@ class Remote(Starter):
         settings = Settings.load()
         self.executor = Executor(settings=settings, endpoint=settings.endpoint)
         _live.discard(self.executor)  # closed by close(), after joining children
-        self.output = _remote.Output(_state.program(), self.exited)
+        self.output = _remote.Output(_state.program(), self.exited, self.lost)
 
     def start(self, fn: StartFn, *args: Any) -> Future[int]:
         return self.executor.submit(fn, *args)
 
     def redirected_stdio(self) -> list[Any] | None:
         return None  # the children's output comes through the store
+
+    def lost(self, why: str) -> None:
+        """The store is gone: end every child still running with exit code 1, saying why."""
+        with self.lock:
+            popens, self.popens = self.popens, {}
+        if popens:
+            sys.stderr.write(f"nimbus: {why}; {len(popens)} process(es) end with exit code 1\n")
+            sys.stderr.flush()
+        for popen in popens.values():
+            popen._exited(1)
 
     def close(self) -> None:
         if os.getpid() != self.pid:
