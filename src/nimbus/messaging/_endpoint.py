@@ -190,14 +190,26 @@ class Endpoint(Sender):
             found = mailbox.pop(source, tag)
             if found is not None:
                 return found
-        return self._wait(source, timeout, tag)
+        start = time.monotonic()
+        if source is None or source not in mailbox.ended:
+            # the next common case: one wait for input, and it is there
+            seen = mailbox.arrivals
+            wait = HEARTBEAT if timeout is None else max(0.0, min(timeout, HEARTBEAT))
+            self._progress(wait, None, seen)
+            if mailbox.mail:
+                found = mailbox.pop(source, tag)
+                if found is not None:
+                    return found
+        return self._wait(source, timeout, tag, start)
 
-    def _wait(self, source: str | None, timeout: float | None, tag: Any) -> tuple[str, Any]:
-        """``recv_with_source`` when what it wants is not waiting yet."""
+    def _wait(
+        self, source: str | None, timeout: float | None, tag: Any, start: float
+    ) -> tuple[str, Any]:
+        """``recv_with_source`` when what it wants is not waiting yet (since ``start``)."""
         mailbox = self._mailbox
         now = time.monotonic()
-        deadline = None if timeout is None else now + timeout
-        next_check = now + HEARTBEAT
+        deadline = None if timeout is None else start + timeout
+        next_check = start + HEARTBEAT
         while True:
             seen = mailbox.arrivals
             if mailbox.mail:

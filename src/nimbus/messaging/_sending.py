@@ -136,7 +136,8 @@ class Sender:
             link.recvs = self._recvs
             if now and not raws and len(data) <= _link.SMALL_LIMIT:
                 try:
-                    if link.send_now(seq, tag, data, raw):
+                    kind = _link.RAW if raw else _link.MSG
+                    if link.channel.send_small(kind, link.packer.pack((seq, tag)), data):
                         return
                 except OSError as exc:
                     self._drop_out(link)
