@@ -349,8 +349,10 @@ class Connection:
         else:
             self._misses += 1
 
-    def _poll(self, timeout: float | None) -> bool:
-        if self._ready():
+    def _poll(self, timeout: float | None, *, looked: bool = False) -> bool:
+        """Whether there is anything to read, waiting up to ``timeout``; ``looked``:
+        the caller has just found :meth:`_ready` False."""
+        if not looked and self._ready():
             return True
         reader = self._reader
         if reader is not None:
@@ -382,8 +384,9 @@ class Connection:
             reader.fill(
                 None, self._buffer
             )  # the direct path: straight to the writer's next message
-        while not self._ready():
-            self._poll(None)
+        if not self._ready():
+            while not self._poll(None, looked=True):
+                pass
         self._last = time.monotonic()
         if self._eof:
             raise EOFError
