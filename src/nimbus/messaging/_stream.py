@@ -60,6 +60,7 @@ _raw_recv_into = _socket.socket.recv_into
 _DONTWAIT = socket.MSG_DONTWAIT
 _COUNTS = telemetry.COUNTS
 
+_new = tuple.__new__  # _new(Frame, fields): Frame(*fields) without a Python call
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype = ctypes.py_object
 _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
@@ -249,7 +250,7 @@ class Stream(Channel):
                 self._start = start
                 self._ensure(stop - start)
                 return
-            frames.append(Frame(kind, bytes(view[m0:d0]), [bytes(view[d0:stop])]))
+            frames.append(_new(Frame, (kind, bytes(view[m0:d0]), [bytes(view[d0:stop])])))
             start = stop
         self._start = start
         if start != end or self._kind >= 0 or self._big is not None:
