@@ -338,8 +338,15 @@ class Endpoint(Sender):
             links = self._in
             for fd, _ in events:
                 link = links.get(fd)
-                if link is not None:
-                    self._read(link)
+                if link is not None:  # as ``_read``, inline: the common case
+                    try:
+                        frames = link.channel.receive()
+                    except (OSError, ProtocolError):
+                        frames = None
+                    if frames:
+                        self._mailbox.deliver(link, frames)
+                    elif frames is None:
+                        self._ended(link)
                 elif fd == self._wake_r:
                     try:
                         while os.read(self._wake_r, 4096):
@@ -366,12 +373,16 @@ class Endpoint(Sender):
             frames = None
         if frames:
             self._mailbox.deliver(link, frames)
-        if frames is None:  # end of stream
-            fd = link.fileno()
-            self._poll.unregister(fd)
-            del self._in[fd]
-            link.close()
-            self._mailbox.end(link.peer, EXITED if link.closed_cleanly else "lost")
+        elif frames is None:
+            self._ended(link)
+
+    def _ended(self, link: _link.Link) -> None:
+        """``link`` reached its end of stream: forget it; its peer exited or is lost."""
+        fd = link.fileno()
+        self._poll.unregister(fd)
+        del self._in[fd]
+        link.close()
+        self._mailbox.end(link.peer, EXITED if link.closed_cleanly else "lost")
 
     # ------------------------------------------------------------ closing
 
