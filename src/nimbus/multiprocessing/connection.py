@@ -70,12 +70,15 @@ from multiprocessing.connection import (  # type: ignore[attr-defined]  # noqa: 
 from types import TracebackType
 from typing import Any
 
+import redis
+
 from nimbus import serialization
 from nimbus.errors import DeserializationError, StateStoreError
 from nimbus.keys import Keys
 from nimbus.multiprocessing import _direct, _state, _wait
 from nimbus.multiprocessing._direct import MARK, MESSAGE, SWITCH, Lane, as_message, frame
 from nimbus.multiprocessing._link import link
+from nimbus.multiprocessing._link import pack as pack_command
 from nimbus.multiprocessing._state import Program, program
 from nimbus.multiprocessing._wait import seconds
 
@@ -178,6 +181,8 @@ class Connection:
         self._closed = False
         self._batch = 1
         self._prefetch = PREFETCH
+        self._ttl_ms = prog.ttl_ms
+        self._wait_forever: bytes | None = None  # BLPOP of the list, packed once
         self._misses = 0
         self._last = 0.0
         self._finalize()
@@ -258,7 +263,7 @@ class Connection:
     def _push(self, message: bytes) -> None:
         key = self._write_key
         assert key is not None
-        link(self._program).push(key, message, self._program.ttl_ms)
+        link(self._program).push(key, message, self._ttl_ms)
 
     def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
         """Send the bytes of a bytes-like object (``buf[offset:offset + size]``)."""
@@ -371,7 +376,19 @@ class Connection:
             self._take(None, replies[0])
             return self._ready()
         commands = self._fill_commands(timeout)
-        replies = link(self._program).call(*commands)
+        store = link(self._program)
+        if len(commands) == 1 and timeout is None:  # the common wait, packed once
+            packed = self._wait_forever
+            if packed is None:
+                packed = self._wait_forever = pack_command(*commands[0])
+            store.write(packed)
+            try:
+                popped = store.read()
+            except redis.ResponseError as exc:
+                raise store.error(exc) from exc
+            self._take(popped, None)
+            return self._ready()
+        replies = store.call(*commands)
         self._take(replies[0], replies[1] if len(replies) > 1 else None)
         return self._ready()
 
