@@ -21,6 +21,7 @@ import socket
 import struct
 from collections import deque
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 import msgpack
@@ -49,15 +50,21 @@ def unpack(data: Buffer) -> Any:
     return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
 
 
-class Frame:
-    """One received message: its kind, its metadata and its raw buffers."""
+class Frame(tuple):
+    """One received message: its kind, its metadata and its raw buffers.
 
-    __slots__ = ("buffers", "kind", "meta")
+    A tuple, so that a reader that makes one per small message can make it in
+    C, ``tuple.__new__(Frame, (kind, meta, buffers))``, with no Python call;
+    its fields are read through C-level getters.
+    """
 
-    def __init__(self, kind: int, meta: bytes, buffers: list[Buffer]) -> None:
-        self.kind = kind
-        self.meta = meta
-        self.buffers = buffers
+    __slots__ = ()
+    kind: int = property(itemgetter(0))  # type: ignore[assignment]
+    meta: bytes = property(itemgetter(1))  # type: ignore[assignment]
+    buffers: list[Buffer] = property(itemgetter(2))  # type: ignore[assignment]
+
+    def __new__(cls, kind: int, meta: bytes, buffers: list[Buffer]) -> Frame:
+        return tuple.__new__(cls, (kind, meta, buffers))
 
 
 class Channel:

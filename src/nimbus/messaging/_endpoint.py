@@ -190,14 +190,26 @@ class Endpoint(Sender):
             found = mailbox.pop(source, tag)
             if found is not None:
                 return found
-        return self._wait(source, timeout, tag)
+        start = time.monotonic()
+        if source is None or source not in mailbox.ended:
+            # the next common case: one wait for input, and it is there
+            seen = mailbox.arrivals
+            wait = HEARTBEAT if timeout is None else max(0.0, min(timeout, HEARTBEAT))
+            self._progress(wait, None, seen)
+            if mailbox.mail:
+                found = mailbox.pop(source, tag)
+                if found is not None:
+                    return found
+        return self._wait(source, timeout, tag, start)
 
-    def _wait(self, source: str | None, timeout: float | None, tag: Any) -> tuple[str, Any]:
-        """``recv_with_source`` when what it wants is not waiting yet."""
+    def _wait(
+        self, source: str | None, timeout: float | None, tag: Any, start: float
+    ) -> tuple[str, Any]:
+        """``recv_with_source`` when what it wants is not waiting yet (since ``start``)."""
         mailbox = self._mailbox
         now = time.monotonic()
-        deadline = None if timeout is None else now + timeout
-        next_check = now + HEARTBEAT
+        deadline = None if timeout is None else start + timeout
+        next_check = start + HEARTBEAT
         while True:
             seen = mailbox.arrivals
             if mailbox.mail:
@@ -326,8 +338,15 @@ class Endpoint(Sender):
             links = self._in
             for fd, _ in events:
                 link = links.get(fd)
-                if link is not None:
-                    self._read(link)
+                if link is not None:  # as ``_read``, inline: the common case
+                    try:
+                        frames = link.channel.receive()
+                    except (OSError, ProtocolError):
+                        frames = None
+                    if frames:
+                        self._mailbox.deliver(link, frames)
+                    elif frames is None:
+                        self._ended(link)
                 elif fd == self._wake_r:
                     try:
                         while os.read(self._wake_r, 4096):
@@ -354,12 +373,16 @@ class Endpoint(Sender):
             frames = None
         if frames:
             self._mailbox.deliver(link, frames)
-        if frames is None:  # end of stream
-            fd = link.fileno()
-            self._poll.unregister(fd)
-            del self._in[fd]
-            link.close()
-            self._mailbox.end(link.peer, EXITED if link.closed_cleanly else "lost")
+        elif frames is None:
+            self._ended(link)
+
+    def _ended(self, link: _link.Link) -> None:
+        """``link`` reached its end of stream: forget it; its peer exited or is lost."""
+        fd = link.fileno()
+        self._poll.unregister(fd)
+        del self._in[fd]
+        link.close()
+        self._mailbox.end(link.peer, EXITED if link.closed_cleanly else "lost")
 
     # ------------------------------------------------------------ closing
 

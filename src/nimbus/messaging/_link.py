@@ -143,11 +143,6 @@ class Link:
         else:
             self.channel.queue_small(MSG, self.packer.pack((seq, tag)), data)
 
-    def send_now(self, seq: int, tag: Any, data: bytes, raw: bool) -> bool:
-        """Write one small message without out-of-band buffers now (and what is
-        queued before it); True when all is written, else the caller flushes."""
-        return self.channel.send_small(RAW if raw else MSG, self.packer.pack((seq, tag)), data)
-
     def frame_pending(self, number: Callable[[str, int], int]) -> None:
         """Number the ``pending`` messages and queue them as frames (``lock`` held).
 

@@ -103,11 +103,10 @@ class Mailbox:
         mail = self.mail
         expect = self._expect
         with self.lock:
-            for frame in frames:
-                kind = frame.kind
+            for kind, fmeta, bufs in frames:
                 if kind == BATCH:
-                    seq, tag, lengths, raw = unpackb(frame.meta)
-                    data = frame.buffers[0]
+                    seq, tag, lengths, raw = unpackb(fmeta)
+                    data = bufs[0]
                     if raw and type(data) is not bytes:
                         data = bytes(data)  # a large frame, read into a bytearray
                     ends = list(accumulate(lengths, initial=0))
@@ -120,8 +119,7 @@ class Mailbox:
                         for i, piece in enumerate(pieces, seq):
                             self._arrive(peer, i, tag, piece, buffers)
                 elif kind in (MSG, RAW):
-                    meta = unpackb(frame.meta)  # seq, tag (, read-only buffers)
-                    bufs = frame.buffers
+                    meta = unpackb(fmeta)  # seq, tag (, read-only buffers)
                     seq = meta[0]
                     if len(bufs) == 1 and seq == expect[peer] and not self._held:
                         # the common case, inline (a raw bytes is the message itself)

@@ -48,6 +48,7 @@ FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be writ
 _PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to find)
 _INLINE = 64 * 1024
 _BATCHED = _link.BATCHED
+_RAW, _MSG = _link.RAW, _link.MSG
 _NO_BUFFERS: list[Any] = []  # shared, never changed: saves a list per small send
 
 
@@ -98,16 +99,31 @@ class Sender:
             data, buffers = serialization.dumps(obj)
             raws = [b.raw() for b in buffers]
         link = self._out.get(peer)
-        # a send after a send (no recv between) to a connected peer: queue it, no lock
-        if link is not None and link.recvs == self._recvs and not raws and len(data) <= _BATCHED:
-            link.pending.append((tag, data, raw))
-            link.queued += len(data)
-            if link.queued >= COALESCE:
-                with link.lock:
-                    self._write(link)
-            elif not link.armed:  # read after the append: see ``_flush_dirty``
-                self._arm(link)
-            return
+        if link is not None and not raws and len(data) <= _BATCHED:
+            if link.recvs == self._recvs:
+                # a send after a send (no recv between) to a connected peer: queue it, no lock
+                link.pending.append((tag, data, raw))
+                link.queued += len(data)
+                if link.queued >= COALESCE:
+                    with link.lock:
+                        self._write(link)
+                elif not link.armed:  # read after the append: see ``_flush_dirty``
+                    self._arm(link)
+                return
+            with link.lock:
+                # the first send since a receive (a reply, say) with nothing queued
+                # before it: written now, as ``_send_slow`` would (inline: the common case)
+                if link.error is None and not link.pending and link.recvs != self._recvs:
+                    link.recvs = self._recvs
+                    meta = link.packer.pack((next(self._seq[peer]), tag))
+                    try:
+                        if link.channel.send_small(_RAW if raw else _MSG, meta, data):
+                            return
+                    except OSError as exc:
+                        self._drop_out(link)
+                        raise PeerLost(f"instance {peer} is lost: {exc}") from exc
+                    self._flush(link)
+                    return
         self._send_slow(peer, link, tag, data, raws, raw)
 
     def _send_slow(
@@ -136,7 +152,8 @@ class Sender:
             link.recvs = self._recvs
             if now and not raws and len(data) <= _link.SMALL_LIMIT:
                 try:
-                    if link.send_now(seq, tag, data, raw):
+                    kind = _link.RAW if raw else _link.MSG
+                    if link.channel.send_small(kind, link.packer.pack((seq, tag)), data):
                         return
                 except OSError as exc:
                     self._drop_out(link)

@@ -51,6 +51,7 @@ __all__ = [
 
 HELLO, WELCOME, REFUSED, MSG, BYE, BATCH, RAW = 16, 17, 18, 19, 20, 21, 22
 _SMALL = struct.Struct("<2sBBIIQ")  # the header of a frame with one buffer, and its length
+_SMALL_SIZE = _SMALL.size
 
 # The socket methods themselves: a worker wraps ``socket.socket``'s to count a task's
 # bytes (``nimbus.telemetry``), which costs microseconds per call; the small-message
@@ -60,6 +61,7 @@ _raw_recv_into = _socket.socket.recv_into
 _DONTWAIT = socket.MSG_DONTWAIT
 _COUNTS = telemetry.COUNTS
 
+_new = tuple.__new__  # _new(Frame, fields): Frame(*fields) without a Python call
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype = ctypes.py_object
 _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
@@ -195,6 +197,13 @@ class Stream(Channel):
             return None
         _COUNTS[0] += n
         self.bytes_in += n
+        if end == 0 and _SMALL_SIZE <= n < room:
+            # the commonest case of all: the read is exactly one small frame
+            view = self._view
+            magic, version, kind, nbufs, meta_len, size = _SMALL.unpack_from(view, 0)
+            d0 = _SMALL_SIZE + meta_len
+            if d0 + size == n and nbufs == 1 and magic == MAGIC and version == VERSION:
+                return [_new(Frame, (kind, bytes(view[_SMALL_SIZE:d0]), [bytes(view[d0:n])]))]
         self._end = end + n
         frames: list[Frame] = []
         self._parse(frames)
@@ -249,7 +258,7 @@ class Stream(Channel):
                 self._start = start
                 self._ensure(stop - start)
                 return
-            frames.append(Frame(kind, bytes(view[m0:d0]), [bytes(view[d0:stop])]))
+            frames.append(_new(Frame, (kind, bytes(view[m0:d0]), [bytes(view[d0:stop])])))
             start = stop
         self._start = start
         if start != end or self._kind >= 0 or self._big is not None:

@@ -272,12 +272,47 @@ class Reader:
             self.sid = sid
             self.source = sid.partition(":")[0]
 
+    def take(self, buffer: collections.deque[bytes]) -> Item | None:
+        """The writer's next direct message, waiting for it as long as it takes; None:
+        the writer reverted (the reader goes back to the list, ``buffer`` first).
+
+        Whether the writer failed to reach us (its "M<sid>!" heads the list) is
+        looked at only when it has been silent for LOOK seconds: its direct
+        messages that did arrive come first anyway.
+        """
+        ready = self.ready
+        if ready:
+            return ready.popleft()
+        source, tag = self.source, self.lane.tag
+        recv = _api.current().recv_with_source
+        while True:
+            try:
+                message = recv(source, LOOK, tag)[1]
+                break
+            except MessagingTimeout:
+                if self._unreached(buffer):
+                    self._reverted_now()
+                    return None
+            except (PeerLost, PeerExited):
+                return EOS  # the lane's only writer is gone: end of stream
+        if message == REVERT:
+            self._reverted_now()
+            return None
+        return message  # type: ignore[no-any-return]
+
     def fill(self, timeout: float | None, buffer: collections.deque[bytes]) -> bool:
         """Wait up to ``timeout`` for the writer's next direct message; False if none
         (or the writer reverted: the reader goes back to the list, ``buffer`` first)."""
         assert self.source is not None
         ep = _api.current()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if timeout is None:  # whatever comes next, looking now and then
+            if not self.ready:
+                item = self.take(buffer)
+                if item is None:
+                    return False
+                self.ready.append(item)
+            return True
+        deadline = time.monotonic() + timeout
         try:
             while True:
                 now = time.monotonic()
@@ -286,8 +321,8 @@ class Reader:
                     if self._unreached(buffer):
                         self._reverted_now()
                         return False
-                if deadline is None or deadline > now:
-                    wait = LOOK if deadline is None else min(LOOK, deadline - now)
+                if deadline > now:
+                    wait = min(LOOK, deadline - now)
                     try:
                         message = ep.recv_with_source(self.source, wait, self.lane.tag)[1]
                         break
@@ -362,6 +397,7 @@ class Writer:
         self.prog = prog
         self.lane = lane
         self.peer: str | None = None  # the holder we send to, once switched
+        self.ep: Endpoint | None = None  # this process's instance, which sends to it
         self.claim: bytes | None = None
         self.sid = ""
         self.parked: str | None = None  # the holder forwarding our last direct messages
@@ -374,9 +410,10 @@ class Writer:
         now = time.monotonic()
         if now >= self._next_check:
             self._check(now)
-        if self.peer is not None:
+        ep = self.ep
+        if ep is not None and self.peer is not None:
             try:
-                _api.current().send(self.peer, message, self.lane.tag)
+                ep.send(self.peer, message, self.lane.tag)
                 return True
             except (PeerLost, PeerExited):  # the only reader copy is gone: the list will do
                 self.revert(notify=False)
@@ -420,6 +457,7 @@ class Writer:
         switched = store.eval(_SWITCH, keys, [sid, self.prog.ttl_ms])
         if switched:
             self.peer, self.claim, self.sid = switched.decode().partition(":")[0], switched, sid
+            self.ep = ep
 
     def revert(self, *, notify: bool = True) -> None:
         """Go back to the list: "R" to the holder, then "M" into the list (or parked)."""

@@ -25,6 +25,7 @@ sockets.
 
 from __future__ import annotations
 
+import _socket
 import collections
 import functools
 import hashlib
@@ -39,7 +40,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from nimbus import statestore
+from nimbus import statestore, telemetry
 from nimbus.errors import StateStoreError
 from nimbus.multiprocessing._state import Program
 
@@ -52,6 +53,12 @@ def pack(*args: Any) -> bytes:
 
 
 SKIP_REPLY = pack("CLIENT", "REPLY", "SKIP")  # the store sends no reply to the next command
+# The socket methods themselves, for a plain (not TLS) socket: a worker wraps
+# ``socket.socket``'s to count a task's bytes, at microseconds per call; a Link
+# counts into the same totals (as ``nimbus.messaging._stream`` does).
+_raw_sendall = _socket.socket.sendall
+_raw_recv = _socket.socket.recv
+_COUNTS = telemetry.COUNTS
 _PRELOAD: list[bytes] = []  # SCRIPT LOADs sent (without replies) on every new connection
 
 
@@ -75,6 +82,7 @@ class Link:
     def __init__(self, url: str) -> None:
         self.url = url
         self._sock: socket.socket | None = None
+        self._plain = False  # the socket is a plain one (see ``_connect``)
         # made from the pool's settings, not by the pool: the pool counts what it makes
         # (100 at most), and a process whose threads come and go makes links without end
         make, kwargs = _connection_settings(url)
@@ -123,6 +131,7 @@ class Link:
         if sock is None:
             raise self.error(redis.ConnectionError("no socket after connecting"))
         self._sock = sock
+        self._plain = type(sock) is socket.socket  # not TLS: its raw methods will do
         self._reader = hiredis.Reader(replyError=redis.ResponseError)
         if _PRELOAD:  # reply-less scripts need loading: the store may be new or restarted
             self.write(b"".join(_PRELOAD))  # loaded before the next command: no reply awaited
@@ -143,7 +152,11 @@ class Link:
         """Send commands already packed (see :func:`pack`)."""
         sock = self._sock if self._sock is not None else self._connect()
         try:
-            sock.sendall(packed)
+            if self._plain:
+                _raw_sendall(sock, packed)
+                _COUNTS[1] += len(packed)
+            else:
+                sock.sendall(packed)
         except OSError as exc:
             raise self._broken(exc) from exc
 
@@ -183,9 +196,14 @@ class Link:
         reply = reader.gets()
         while reply is False:
             try:
-                if self._sock is None:
+                sock = self._sock
+                if sock is None:
                     raise redis.ConnectionError("not connected")
-                data = self._sock.recv(262144)
+                if self._plain:
+                    data = _raw_recv(sock, 262144)
+                    _COUNTS[0] += len(data)
+                else:
+                    data = sock.recv(262144)
                 if not data:
                     raise redis.ConnectionError("connection closed by server")
             except (OSError, redis.RedisError) as exc:

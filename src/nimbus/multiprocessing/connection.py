@@ -70,12 +70,15 @@ from multiprocessing.connection import (  # type: ignore[attr-defined]  # noqa: 
 from types import TracebackType
 from typing import Any
 
+import redis
+
 from nimbus import serialization
-from nimbus.errors import StateStoreError
+from nimbus.errors import DeserializationError, StateStoreError
 from nimbus.keys import Keys
 from nimbus.multiprocessing import _direct, _state, _wait
 from nimbus.multiprocessing._direct import MARK, MESSAGE, SWITCH, Lane, as_message, frame
 from nimbus.multiprocessing._link import link
+from nimbus.multiprocessing._link import pack as pack_command
 from nimbus.multiprocessing._state import Program, program
 from nimbus.multiprocessing._wait import seconds
 
@@ -96,6 +99,7 @@ PREFETCH = 64  # most messages a reader takes from the store at once
 _TIGHT_LOOP = 0.001  # a reader back within this many seconds is in a loop: prefetch more
 _PLAIN = (bytes, str)  # pickled the same with or without the program's reducers
 _SMALL = serialization.OOB_THRESHOLD  # below this, bytes are pickled in band anyway
+_FRAMED = ord("O")  # the first byte of a message framed with its buffers (``frame``)
 
 # Decrement the references of an end; at zero push end-of-stream to the list it writes.
 _RELEASE = """
@@ -126,8 +130,11 @@ def pack(obj: object, prefix: bytes = b"") -> bytes:
 def unpack(message: bytes | memoryview) -> Any:
     """The object that :func:`pack` made (or a plain pickle)."""
     view = memoryview(message)
-    if bytes(view[:1]) != b"O":
-        return serialization.loads(view)
+    if not view or view[0] != _FRAMED:
+        try:
+            return pickle.loads(view)
+        except Exception as exc:
+            raise _undecodable(exc) from exc
     (count,) = struct.unpack_from("<I", view, 1)
     sizes = struct.unpack_from(f"<{count + 1}Q", view, 5)
     pos = 5 + 8 * (count + 1)
@@ -137,6 +144,11 @@ def unpack(message: bytes | memoryview) -> Any:
         pos += size
     buffers: list[Any] = [pickle.PickleBuffer(p) for p in parts[1:]]
     return serialization.loads(parts[0], buffers)
+
+
+def _undecodable(exc: Exception) -> DeserializationError:
+    """The error of a message that cannot be unpickled here (as ``serialization.loads``)."""
+    return DeserializationError(f"cannot unpickle payload: {type(exc).__name__}: {exc}")
 
 
 # ---------------------------------------------------------------- Connection
@@ -169,6 +181,8 @@ class Connection:
         self._closed = False
         self._batch = 1
         self._prefetch = PREFETCH
+        self._ttl_ms = prog.ttl_ms
+        self._wait_forever: bytes | None = None  # BLPOP of the list, packed once
         self._misses = 0
         self._last = 0.0
         self._finalize()
@@ -249,7 +263,7 @@ class Connection:
     def _push(self, message: bytes) -> None:
         key = self._write_key
         assert key is not None
-        link(self._program).push(key, message, self._program.ttl_ms)
+        link(self._program).push(key, message, self._ttl_ms)
 
     def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
         """Send the bytes of a bytes-like object (``buf[offset:offset + size]``)."""
@@ -273,10 +287,15 @@ class Connection:
 
     def send(self, obj: object) -> None:
         """Send a picklable object."""
-        self._check_closed()
-        self._check_writable()
+        if self._closed or self._write_key is None:
+            self._check_closed()
+            self._check_writable()
         if type(obj) in _PLAIN and len(obj) < _SMALL:  # type: ignore[arg-type]
-            self._send_message(MESSAGE + pickle.dumps(obj, serialization.PROTOCOL))
+            # the common small case, inline (a round trip costs each call here)
+            message = MESSAGE + pickle.dumps(obj, serialization.PROTOCOL)
+            writer = self._writer
+            if writer is None or not writer.send(message):
+                self._push(message)
             return
         data, buffers = _state.dumps(obj)
         if not buffers:
@@ -335,8 +354,10 @@ class Connection:
         else:
             self._misses += 1
 
-    def _poll(self, timeout: float | None) -> bool:
-        if self._ready():
+    def _poll(self, timeout: float | None, *, looked: bool = False) -> bool:
+        """Whether there is anything to read, waiting up to ``timeout``; ``looked``:
+        the caller has just found :meth:`_ready` False."""
+        if not looked and self._ready():
             return True
         reader = self._reader
         if reader is not None:
@@ -355,7 +376,19 @@ class Connection:
             self._take(None, replies[0])
             return self._ready()
         commands = self._fill_commands(timeout)
-        replies = link(self._program).call(*commands)
+        store = link(self._program)
+        if len(commands) == 1 and timeout is None:  # the common wait, packed once
+            packed = self._wait_forever
+            if packed is None:
+                packed = self._wait_forever = pack_command(*commands[0])
+            store.write(packed)
+            try:
+                popped = store.read()
+            except redis.ResponseError as exc:
+                raise store.error(exc) from exc
+            self._take(popped, None)
+            return self._ready()
+        replies = store.call(*commands)
         self._take(replies[0], replies[1] if len(replies) > 1 else None)
         return self._ready()
 
@@ -368,8 +401,9 @@ class Connection:
             reader.fill(
                 None, self._buffer
             )  # the direct path: straight to the writer's next message
-        while not self._ready():
-            self._poll(None)
+        if not self._ready():
+            while not self._poll(None, looked=True):
+                pass
         self._last = time.monotonic()
         if self._eof:
             raise EOFError
@@ -424,8 +458,26 @@ class Connection:
 
     def recv(self) -> Any:
         """Receive a picklable object."""
-        self._check_closed()
-        self._check_readable()
+        if self._closed or self._read_key is None:
+            self._check_closed()
+            self._check_readable()
+        reader = self._reader
+        if reader is not None and reader.source is not None and not self._eof:
+            # the direct path's common case: the writer's next message, no detour
+            item = reader.take(self._buffer)
+            if item is not None:
+                if isinstance(item, bytes):
+                    if item == EOS:  # this end has no other copy: nothing to leave behind
+                        self._eof = True
+                        raise EOFError
+                    view = memoryview(item)[1:]
+                    if view and view[0] != _FRAMED:  # a plain pickle: the common case
+                        try:
+                            return pickle.loads(view)
+                        except Exception as exc:
+                            raise _undecodable(exc) from exc
+                    return unpack(view)
+                return serialization.loads(item[0], item[1:])  # sent unframed
         message = self._recv_item()
         if isinstance(message, bytes):
             return unpack(memoryview(message)[1:])
