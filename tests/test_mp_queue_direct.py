@@ -77,6 +77,13 @@ def _consume_some(q: queues.Queue, n: int, out: connection.Connection) -> None:
     out.close()  # and exit: the claim goes, what came directly goes back to the list
 
 
+def _get_one_then_sleep(q: queues.Queue, out: connection.Connection, wake: Any) -> None:
+    out.send(q.get(timeout=60))
+    wake.wait(120)  # busy elsewhere: no get while a second consumer comes
+    out.send(q._consumer is not None and q._consumer.claim is not None)
+    out.close()
+
+
 def _echo(inq: queues.Queue, outq: queues.Queue) -> None:
     while True:
         item = inq.get()
@@ -217,6 +224,33 @@ def test_a_second_consumer_mid_stream_shares_the_queue() -> None:
     assert q.get(timeout=10) == "last"
     assert not _switched(q)
     assert q._consumer is not None and q._consumer.claim is None
+
+
+def test_a_busy_holder_gives_its_claim_up_from_a_thread() -> None:
+    q: queues.Queue = mp.Queue()
+    out_r, out_w = mp.Pipe(duplex=False)
+    wake = mp.Event()
+    a = _start(_get_one_then_sleep, q, out_w, wake)
+    q.put((0, 0))
+    assert out_r.recv() == (0, 0)  # A holds the queue, and gets no more
+    i = 1
+    deadline = time.monotonic() + 60
+    while not _switched(q):
+        assert time.monotonic() < deadline, "never switched"
+        q.put((0, i))
+        i += 1
+        time.sleep(0.002)
+    for _ in range(2000):  # straight to A, which is not reading
+        q.put((0, i))
+        i += 1
+    got = [q.get(timeout=60) for _ in range(i - 1)]  # the second consumer: this process
+    assert got == [(0, k) for k in range(1, i)]
+    wake.set()
+    assert out_r.recv() is False  # A's thread gave the claim up
+    a.join(30)
+    assert a.exitcode == 0
+    with pytest.raises(Empty):
+        q.get(timeout=0.2)
 
 
 def test_holder_exiting_normally_gives_back_what_came_directly() -> None:

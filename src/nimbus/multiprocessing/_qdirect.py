@@ -168,6 +168,7 @@ class Consumer:
         self.opened: set[str] = set()  # producers whose "S" was read: deliverable
         self.pending: dict[str, collections.deque[bytes]] = {}  # direct, not delivered
         self._next_try = 0.0
+        self._next_look = 0.0
 
     def try_claim(self) -> None:
         """Claim the queue at a ``get`` (at most every CLAIM_RETRY seconds)."""
@@ -212,6 +213,16 @@ class Consumer:
     def active(self) -> bool:
         """Whether direct items may come (claimed, some producer switched)."""
         return self.claim is not None and bool(self.opened or self.pending)
+
+    def look_at_list(self) -> bool:
+        """Whether a direct consumer should look at the list now: every LOOK seconds
+        (producers not switched yet), or at once when a producer's "S" is awaited."""
+        now = time.monotonic()
+        if now >= self._next_look:
+            self._next_look = now + LOOK
+            return True
+        pending, opened = self.pending, self.opened
+        return any(q and s not in opened for s, q in list(pending.items()))
 
     def held(self) -> int:
         """Items received directly and not delivered (the socket read first)."""
@@ -357,7 +368,7 @@ class _Forwarder:
                         self.waiting.difference_update(gone)
                 if self.stop.is_set() and (now - self.last > QUIET or now - started > GRACE):
                     return
-        except (StateStoreError, OSError) as exc:  # the store or endpoint closed at exit
+        except Exception as exc:  # the store or the endpoint closed under us at exit
             util.debug(f"nimbus: forwarding {self.list} stopped: {exc!r}")
         finally:
             with _lock:

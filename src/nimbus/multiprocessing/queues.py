@@ -7,6 +7,9 @@
                  (pickles a batch,          (one list: queue:<name>)     buffer --> get()
                   one command per batch)
 
+    once the queue has one consumer and it is a live instance (``_qdirect``):
+    put(obj) -> buffer --feeder thread--> nimbus.messaging (a batch a send) --> get()
+
 Like the stdlib's, :class:`Queue` pickles in a feeder thread: ``put`` only
 appends to a local buffer, and the feeder sends everything buffered with one
 RPUSH, so a producer is not bound by one round trip per item. An object that
@@ -23,7 +26,21 @@ reserves a slot (one round trip) and ``get`` releases it, pushing a wake-up
 token that blocked putters wait for with BLPOP. It takes one item at a time.
 :class:`JoinableQueue` counts unfinished tasks in the store the same way.
 Every object pickles to other processes (as its program and name) and works
-there. ``qsize`` of an unbounded queue is the list's length plus what this
+there.
+
+An unbounded :class:`Queue` (and :class:`JoinableQueue`) switches to direct
+messaging while one process consumes it: the first process to call ``get``
+claims it, and each producer, within 20 ms of its next send, marks its switch
+in the list and sends its batches straight to the consumer's socket. A second
+consumer makes the queue shared, for good: the first gives its claim up and
+puts what came to it directly, and did not deliver, back into the list,
+before each producer's later items. Each producer's order holds and every
+item arrives once across the switch (``nimbus.multiprocessing._qdirect``
+says how, and what a consumer killed by a signal loses). Bounded queues,
+:class:`SimpleQueue` (a Pool's job queue, with competing consumers) and
+``NIMBUS_MESSAGING_DIRECT=0`` stay in the store. ``qsize`` and ``empty``
+count the list and what the calling process holds: items on their way to
+the consumer, or held by it, count in the consumer only. ``qsize`` of an unbounded queue is the list's length plus what this
 process holds (approximate, as in the stdlib).
 """
 
@@ -319,9 +336,10 @@ class Queue:
             tried = True
             if consumer is not None and consumer.active():
                 # producers are switched: wait on the socket, look at the list now and then
-                if not reader._poll(0):
-                    wait = _qdirect.LOOK if remaining is None else min(_qdirect.LOOK, remaining)
-                    consumer.wait(max(wait, 0.0))
+                if consumer.look_at_list() and reader._poll(0):
+                    continue
+                wait = _qdirect.LOOK if remaining is None else min(_qdirect.LOOK, remaining)
+                consumer.wait(max(wait, 0.0))
                 continue
             reader._poll(remaining)
 
