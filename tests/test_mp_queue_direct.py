@@ -110,6 +110,16 @@ def _join_worker(q: queues.JoinableQueue, out: queues.Queue) -> None:
 # -- helpers -----------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _no_children_left() -> Any:
+    """A failed test leaves no child running (the process would wait for it at exit)."""
+    yield
+    for p in mp.active_children():
+        p.kill()
+        p.join(30)
+
+
+
 def _switched(q: queues.Queue) -> bool:
     return q._producer is not None and q._producer.peer is not None
 

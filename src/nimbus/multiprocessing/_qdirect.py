@@ -80,6 +80,7 @@ WATCH = 0.2  # seconds between a holder's looks at its claims
 QUIET = 0.5  # at exit: a switched producer silent this long is done
 GRACE = 3.0  # at exit: the most a holder forwards
 _BATCH = 512  # items a forward pushes per command
+_PULL = 64  # direct messages (each one item or a batch) taken from the socket at once
 
 # A consumer claims the queue. {0}: shared (store only); {1}: claimed; {2, holder}.
 _CLAIM = Script("""
@@ -247,7 +248,9 @@ class Consumer:
         """Move what came directly into ``pending`` (``lock`` held)."""
         ep = _api.current()
         tag, pending = self.tag, self.pending
-        while ep.poll_tagged(None, tag, 0):
+        for _ in range(_PULL):  # bounded: producers may send faster than we read
+            if not ep.poll_tagged(None, tag, 0):
+                return
             try:
                 source, message = ep.recv_with_source(None, 0, tag)
             except MessagingTimeout:
@@ -313,7 +316,9 @@ class _Forwarder:
         items = self.pending
         self.pending = {}
         tag = self.tag
-        while ep.poll_tagged(None, tag, 0):
+        for _ in range(_PULL):
+            if not ep.poll_tagged(None, tag, 0):
+                break
             try:
                 source, message = ep.recv_with_source(None, 0, tag)
             except MessagingTimeout:
@@ -406,6 +411,21 @@ class Producer:
                 _api.current().send(peer, messages[0] if len(messages) == 1 else messages, self.tag)
                 return True
             except (PeerLost, PeerExited):  # the holder is gone: the list will do
+                self.dead = self.claim
+                self._revert(notify=False)
+                return False
+
+    def send_now(self, message: bytes) -> bool:
+        """Send one item directly from ``put``'s thread if switched and no look at the
+        claim is due (one may wait for the holder: the feeder does it); False: it does not."""
+        with self.lock:
+            peer = self.peer
+            if peer is None or time.monotonic() >= self._next_check:
+                return False
+            try:
+                _api.current().send(peer, message, self.tag)
+                return True
+            except (PeerLost, PeerExited):
                 self.dead = self.claim
                 self._revert(notify=False)
                 return False

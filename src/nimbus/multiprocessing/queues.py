@@ -191,8 +191,26 @@ class Queue:
         with self._notempty:
             if self._thread is None:
                 self._start_thread()
+            if not self._buffer and self._put_direct(obj):
+                return
             self._buffer.append(obj)
             self._notempty.notify()
+
+    def _put_direct(self, obj: object) -> bool:
+        """Send ``obj`` straight to the consumer from this thread (no feeder hop) when
+        switched, nothing waits in the buffer and no batch is in flight; False: the
+        feeder sends it (and reports an object that does not pickle, as in the stdlib)."""
+        producer = self._producer
+        if producer is None or producer.peer is None or not self._sendlock.acquire(False):
+            return False
+        try:
+            try:
+                message = pack(obj, MESSAGE)
+            except Exception:
+                return False
+            return producer.send_now(message)
+        finally:
+            self._sendlock.release()
 
     def _counted_put(self) -> None:
         """A hook: :class:`JoinableQueue` counts the task."""
