@@ -119,7 +119,6 @@ def _no_children_left() -> Any:
         p.join(30)
 
 
-
 def _switched(q: queues.Queue) -> bool:
     return q._producer is not None and q._producer.peer is not None
 
@@ -261,6 +260,30 @@ def test_a_busy_holder_gives_its_claim_up_from_a_thread() -> None:
     assert a.exitcode == 0
     with pytest.raises(Empty):
         q.get(timeout=0.2)
+
+
+def test_put_never_waits_for_a_consumer_that_does_not_read() -> None:
+    q: queues.Queue = mp.Queue()
+    out_r, out_w = mp.Pipe(duplex=False)
+    wake = mp.Event()
+    a = _start(_get_one_then_sleep, q, out_w, wake)
+    q.put(0)
+    assert out_r.recv() == 0
+    _wait_for(lambda: q.put(0) is None and _switched(q), "never switched")
+    blob = b"x" * 65536
+    for i in range(400):  # 26 MB for a holder that reads nothing: more than its socket takes
+        q.put((i, blob))
+    wake.set()  # only now: the puts above returned without it
+    assert out_r.recv() is True
+    a.join(30)  # A exits holding the claim: what it did not read goes back to the list
+    got = []
+    while True:
+        try:
+            got.append(q.get(timeout=5))
+        except Empty:
+            break
+    assert got[0] == 0 and all(g == 0 for g in got[: got.index((0, blob))])
+    assert [g for g in got if g != 0] == [(i, blob) for i in range(400)]
 
 
 def test_holder_exiting_normally_gives_back_what_came_directly() -> None:

@@ -397,6 +397,7 @@ class Producer:
         self.dead = b""  # a claim whose holder we could not reach
         self.off = False  # the queue is shared: store only, for good
         self._next_check = 0.0
+        self._gets = -1  # the count of gets at our last send from put's thread
 
     def send(self, messages: list[bytes]) -> bool:
         """Send a batch directly if switched; False: the caller pushes it to the list."""
@@ -416,14 +417,21 @@ class Producer:
                 return False
 
     def send_now(self, message: bytes) -> bool:
-        """Send one item directly from ``put``'s thread if switched and no look at the
-        claim is due (one may wait for the holder: the feeder does it); False: it does not."""
+        """Send one item directly from ``put``'s thread; False: the feeder sends it.
+
+        Only while switched, with no look at the claim due (one may wait for the
+        holder), and after a ``get`` of this process since the last such send: a
+        request and its reply go at once, while a flood goes through the feeder,
+        in batches, and never makes ``put`` wait for a consumer that does not read.
+        """
         with self.lock:
             peer = self.peer
-            if peer is None or time.monotonic() >= self._next_check:
+            gets = _gets
+            if peer is None or gets == self._gets or time.monotonic() >= self._next_check:
                 return False
             try:
                 _api.current().send(peer, message, self.tag)
+                self._gets = gets
                 return True
             except (PeerLost, PeerExited):
                 self.dead = self.claim
@@ -472,6 +480,15 @@ class Producer:
 
 
 # ---------------------------------------------------------------- this process's
+
+
+_gets = 0  # Queue gets in this process (see Producer.send_now)
+
+
+def got() -> None:
+    """A Queue ``get`` returned here."""
+    global _gets
+    _gets += 1
 
 
 _lock = threading.Lock()

@@ -325,6 +325,7 @@ class Queue:
             self._rlock.release()
         if message is None:
             raise Empty
+        _qdirect.got()
         if self._maxsize:
             self._release(1)
         return unpack(memoryview(message)[1:])
