@@ -12,10 +12,11 @@
 *Claim.* A consumer is whoever calls ``get``. The first process of the program
 to call it on an unbounded queue *claims* the queue (the ``holder`` key). A
 second process calling ``get`` while the holder lives marks the queue
-*shared*, for good, and deletes the claim (a holder found dead is replaced
-instead: nothing of it can be saved). A thread of each holding process looks
-at its claims every WATCH seconds, so a claim is given up at any moment,
-whatever the holder's own ``get`` is doing.
+*shared*, for good, deletes the claim and pushes it to the holder's
+``giveup`` list (a holder found dead is replaced instead: nothing of it can
+be saved). A thread of each holding process waits on that list (BLPOP: no
+traffic while idle), so a claim is given up at any moment, whatever the
+holder's own ``get`` is doing.
 
 *Switch, per producer.* Every process that puts has one :class:`Producer` per
 queue, which its Queue objects' feeders share. While it sends, it looks at the
@@ -76,7 +77,6 @@ ACK = b"F"  # the holder to a producer: your direct items are in the list
 CHECK = 0.02  # seconds between a sending producer's looks at the claim
 CLAIM_RETRY = 0.05  # seconds between a consumer's tries to claim
 LOOK = 0.05  # seconds a direct consumer waits on its socket before it looks at the list
-WATCH = 0.2  # seconds between a holder's looks at its claims
 QUIET = 0.5  # at exit: a switched producer silent this long is done
 GRACE = 3.0  # at exit: the most a holder forwards
 _BATCH = 512  # items a forward pushes per command
@@ -95,6 +95,8 @@ return {1}
 _SHARE = Script("""
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+redis.call('RPUSH', KEYS[3], ARGV[1])
+redis.call('PEXPIRE', KEYS[3], ARGV[2])
 return 1
 """)
 
@@ -177,7 +179,7 @@ class Consumer:
         if self.done or self.claim is not None or now < self._next_try:
             return
         self._next_try = now + CLAIM_RETRY
-        ep = endpoint(self.prog)
+        ep = _endpoint(self.prog)
         if ep is None:
             self.done = True
             return
@@ -195,14 +197,15 @@ class Consumer:
                 if store.eval(_STEAL, [keys.holder, keys.mode], [holder, claim, ttl]):
                     self._claimed(claim)
                 return
-            store.eval(_SHARE, [keys.holder, keys.mode], [holder, ttl])
+            giveup = _giveup_key(self.prog, instance)
+            store.eval(_SHARE, [keys.holder, keys.mode, giveup], [holder, ttl])
         self.done = True
 
     def _claimed(self, claim: str) -> None:
         with self.lock:
             self.claim = claim
             self.tag = _tag(self.keys.list, claim)
-        _watch(self)
+        _watch(self, claim.partition(":")[0])
 
     def marker(self, item: bytes) -> None:
         """A switch marker read from the list: its producer's direct items may go now."""
@@ -452,7 +455,7 @@ class Producer:
             return
         if holder is None or holder == self.dead:
             return
-        ep = endpoint(self.prog)  # this process becomes an instance only now
+        ep = _endpoint(self.prog)  # this process becomes an instance only now
         if ep is None:
             self.off = True
             return
@@ -467,11 +470,16 @@ class Producer:
 
     def _revert(self, *, notify: bool) -> None:
         """Back to the list: "R" to the holder, and its "F" once it forwarded our items."""
-        peer, tag = self.peer, self.tag
+        peer, tag, claim = self.peer, self.tag, self.claim
         self.peer, self.claim, self.tag = None, b"", ""
         if peer is None or not notify:
             return
         ep = _api.current()
+        giveup, ttl = _giveup_key(self.prog, peer), self.prog.ttl_ms
+        try:  # the holder's thread gives the claim up now, if it has not yet
+            link(self.prog).call(("RPUSH", giveup, claim), ("PEXPIRE", giveup, ttl))
+        except StateStoreError:
+            pass
         try:
             ep.send(peer, REVERT, tag)
             ep.recv_with_source(peer, None, tag + "|ack")  # returns or raises in a heartbeat
@@ -496,7 +504,7 @@ _consumers: dict[str, Consumer] = {}
 _producers: dict[str, Producer] = {}
 _claimed: list[Consumer] = []
 _forwarders: list[_Forwarder] = []
-_watcher: list[threading.Thread] = []
+_watchers: set[str] = set()  # giveup lists with a thread waiting on them
 _exit_registered: list[util.Finalize] = []
 
 
@@ -520,34 +528,57 @@ def producer(prog: Program, name: str) -> Producer:
         return found
 
 
-def _watch(c: Consumer) -> None:
+def _endpoint(prog: Program) -> Any:
+    """This process's instance for ``prog``, or None (direct off, another program's
+    process, or it cannot be one: e.g. its socket path would be too long)."""
+    try:
+        return endpoint(prog)
+    except Exception as exc:
+        util.debug(f"nimbus: queues stay in the store here: {exc!r}")
+        return None
+
+
+def _giveup_key(prog: Program, instance: str) -> str:
+    """The list where instance ``instance`` finds the claims it must give up."""
+    return prog.keys.queue_field(instance, "giveup")
+
+
+def _watch(c: Consumer, instance: str) -> None:
+    key = _giveup_key(c.prog, instance)
     with _lock:
         _claimed.append(c)
-        if _watcher and _watcher[0].is_alive():
-            return
-        thread = threading.Thread(target=_watch_claims, name="nimbus-queue-claims", daemon=True)
         if not _exit_registered:
             _exit_registered.append(util.Finalize(None, _at_exit, exitpriority=8))
-        _watcher[:] = [thread]
+        if key in _watchers:
+            return
+        _watchers.add(key)
+    thread = threading.Thread(
+        target=_watch_claims, args=(c.prog, key), name="nimbus-queue-claims", daemon=True
+    )
     thread.start()
 
 
-def _watch_claims() -> None:
-    """Every WATCH: give up each claim that is gone (a second consumer took it away)."""
+def _watch_claims(prog: Program, key: str) -> None:
+    """Give up each claim pushed to ``key`` (a second consumer, or a producer that
+    found the claim gone, pushed it)."""
+    store = link(prog)
     while True:
-        time.sleep(WATCH)
+        try:
+            popped = store.command("BLPOP", key, 0)
+        except Exception as exc:  # the store closed under us (at exit)
+            util.debug(f"nimbus: watching {key} stopped: {exc!r}")
+            with _lock:
+                _watchers.discard(key)
+            return
+        claim = popped[1].decode()
         with _lock:
-            held = [c for c in _claimed if c.claim is not None]
-            _claimed[:] = held
-            if not held:
-                _watcher.clear()
-                return
-        for c in held:
+            found = [c for c in _claimed if c.claim == claim]
+            _claimed[:] = [c for c in _claimed if c.claim is not None and c.claim != claim]
+        for c in found:
             try:
-                if link(c.prog).command("GET", c.keys.holder) != (c.claim or "").encode():
-                    c.give_up()
-            except (StateStoreError, OSError) as exc:
-                util.debug(f"nimbus: watching {c.keys.list} failed: {exc!r}")
+                c.give_up()
+            except Exception as exc:
+                util.debug(f"nimbus: giving up {c.keys.list} failed: {exc!r}")
 
 
 def _at_exit() -> None:
@@ -577,7 +608,7 @@ def _forget() -> None:
     _producers.clear()
     _claimed.clear()
     _forwarders.clear()
-    _watcher.clear()
+    _watchers.clear()
     _exit_registered.clear()
 
 
