@@ -32,9 +32,10 @@ exit), the holder takes, under its lock, what it received directly and did
 not deliver, and the ``writers`` switched to the claim (the script that reads
 them also deletes the claim, so no producer joins them later). Their items go
 to the tail of the list, then whatever still arrives from each, up to its
-``R``. A producer that finds the claim gone sends ``R`` and waits (its feeder,
-not ``put``) for the holder's ``F`` before it pushes to the list again, so its
-items reach the list in order. The holder's prefetched list items stay its
+``R``. A producer that finds the claim gone pushes it to the holder's
+``giveup`` list, sends ``R`` and waits (its feeder, not ``put``) for the
+holder's ``F`` before it pushes to the list again, so its items reach the
+list in order. The holder's prefetched list items stay its
 own, as in store mode (and go back to the head of the list when it closes).
 Every item is delivered by the holder or taken from the list: once.
 
@@ -48,6 +49,11 @@ that exits normally gives up its claim and forwards until each switched
 producer sent ``R``, is gone, or has sent nothing for QUIET seconds (GRACE at
 most): a producer whose feeder stalls for longer than QUIET between its look
 at the claim and its send would lose that batch.
+
+*Latency.* A ``put`` right after a ``get`` of the same process (a request
+and its reply) sends from its own thread when nothing waits for the feeder;
+a flood goes through the feeder, a batch a message, so ``put`` never waits
+for a consumer that does not read.
 
 *Store only.* Bounded queues (their count lives in the store), shared queues,
 processes of another program, ``NIMBUS_MESSAGING_DIRECT=0``.
