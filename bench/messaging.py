@@ -20,6 +20,11 @@ processes, the root and a child started with ``nimbus.multiprocessing``):
 - ``oneway``: 10,000 one-way 64 B messages then an ack, in messages/s;
 - ``allreduce``: a 1M-float numpy array over 4 instances, direct against the
   same collective with every message through the store;
+- ``queue rtt``: a Queue put->get round trip, the root and a child each
+  consuming one of two queues, against the stdlib's Queues (fork) and the same
+  nimbus Queues with ``NIMBUS_MESSAGING_DIRECT=0``;
+- ``queue flood``: 100,000 small items from a child to the root through one
+  Queue, in items/s, against the same two references;
 - ``directory``: from a new instance's first messaging call to the end of its
   first direct send to a peer (its listener bound, directory published, peer
   resolved, connected, handshaken).
@@ -465,10 +470,126 @@ def directory_rows(nmp: Any, quick: bool) -> list[Row]:
     ]
 
 
+def queue_echo(there: Any, back: Any) -> None:
+    while True:
+        item = there.get()
+        back.put(item)
+        if item is None:
+            return
+
+
+def queue_flood(q: Any, n: int, rounds: int) -> None:
+    for _ in range(rounds):
+        for i in range(n):
+            q.put(i)
+        q.put(None)
+
+
+def _direct_env(direct: bool | None) -> Callable[[], None]:
+    """Set NIMBUS_MESSAGING_DIRECT for ``direct`` (None: leave it); the undo."""
+    saved = os.environ.get("NIMBUS_MESSAGING_DIRECT")
+    if direct is not None:
+        os.environ["NIMBUS_MESSAGING_DIRECT"] = "1" if direct else "0"
+
+    def undo() -> None:
+        if saved is None:
+            os.environ.pop("NIMBUS_MESSAGING_DIRECT", None)
+        else:
+            os.environ["NIMBUS_MESSAGING_DIRECT"] = saved
+
+    return undo
+
+
+def _queue_rtt(ctx: Any, n: int, direct: bool | None) -> float:
+    """Round trips over two Queues (``direct`` None: the stdlib's)."""
+    undo = _direct_env(direct)
+    try:
+        there, back = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=queue_echo, args=(there, back))
+        p.start()
+        try:
+            end = time.monotonic() + SWITCH_WARMUP
+            while time.monotonic() < end:
+                there.put(b"x" * 64)
+                back.get()
+            if direct is not None:
+                switched = there._producer.peer is not None and bool(back._consumer.opened)
+                if switched != direct:
+                    raise RuntimeError(f"the Queues are {'' if switched else 'not '}direct")
+            return _rtt(there.put, back.get, b"x" * 64, n)
+        finally:
+            there.put(None)
+            back.get()
+            p.join(10)
+    finally:
+        undo()
+
+
+def _queue_flood(ctx: Any, n: int, rounds: int, direct: bool | None) -> float:
+    """Items/s from a child to the root through one Queue (median of ``rounds``)."""
+    undo = _direct_env(direct)
+    try:
+        q = ctx.Queue()
+        q.put(None)
+        q.get()  # the root consumes: it claims the queue (nimbus)
+        p = ctx.Process(target=queue_flood, args=(q, n, rounds + 1))
+        p.start()
+        rates = []
+        try:
+            for r in range(rounds + 1):  # the first round warms up (and switches)
+                t0 = time.perf_counter()
+                got = 0
+                while q.get() is not None:
+                    got += 1
+                if got != n:
+                    raise RuntimeError(f"{got} items of {n}")
+                if r:
+                    rates.append(n / (time.perf_counter() - t0))
+        finally:
+            p.join(30)
+        if direct is not None and bool(q._consumer.opened) != direct:
+            raise RuntimeError(f"the Queue is {'' if direct else 'not '}direct")
+        return statistics.median(rates)
+    finally:
+        undo()
+
+
+def queue_rows(nmp: Any, quick: bool) -> list[Row]:
+    stdlib = multiprocessing.get_context("fork")
+    n_rtt, n_items, rounds = (200, 10_000, 1) if quick else (2000, 100_000, 3)
+    rtt = {k: _queue_rtt(ctx, n_rtt, k) for k, ctx in ((None, stdlib), (True, nmp), (False, nmp))}
+    flood = {
+        k: _queue_flood(ctx, n_items, rounds, k)
+        for k, ctx in ((None, stdlib), (True, nmp), (False, nmp))
+    }
+    rows = []
+    for label, ref in (("stdlib Queue", None), ("DIRECT=0 Queue", False)):
+        rows.append(
+            Row(
+                "queue rtt", "put->get round trip", label, rtt[ref], rtt[True], "us", "report", None
+            )
+        )
+    for label, ref in (("stdlib Queue", None), ("DIRECT=0 Queue", False)):
+        rows.append(
+            Row(
+                "queue flood",
+                f"{n_items:,} small items, child->root",
+                label,
+                flood[ref],
+                flood[True],
+                "items/s",
+                "report",
+                None,
+            )
+        )
+    return rows
+
+
 WORKLOADS: dict[str, Callable[[Any, bool], list[Row]]] = {
     "rtt": rtt_rows,
     "oneway": oneway_rows,
     "allreduce": allreduce_rows,
+    "queue": queue_rows,
     "directory": directory_rows,
 }
 

@@ -7,6 +7,9 @@
                  (pickles a batch,          (one list: queue:<name>)     buffer --> get()
                   one command per batch)
 
+    once the queue has one consumer and it is a live instance (``_qdirect``):
+    put(obj) -> buffer --feeder thread--> nimbus.messaging (a batch a send) --> get()
+
 Like the stdlib's, :class:`Queue` pickles in a feeder thread: ``put`` only
 appends to a local buffer, and the feeder sends everything buffered with one
 RPUSH, so a producer is not bound by one round trip per item. An object that
@@ -23,7 +26,21 @@ reserves a slot (one round trip) and ``get`` releases it, pushing a wake-up
 token that blocked putters wait for with BLPOP. It takes one item at a time.
 :class:`JoinableQueue` counts unfinished tasks in the store the same way.
 Every object pickles to other processes (as its program and name) and works
-there. ``qsize`` of an unbounded queue is the list's length plus what this
+there.
+
+An unbounded :class:`Queue` (and :class:`JoinableQueue`) switches to direct
+messaging while one process consumes it: the first process to call ``get``
+claims it, and each producer, within 20 ms of its next send, marks its switch
+in the list and sends its batches straight to the consumer's socket. A second
+consumer makes the queue shared, for good: the first gives its claim up and
+puts what came to it directly, and did not deliver, back into the list,
+before each producer's later items. Each producer's order holds and every
+item arrives once across the switch (``nimbus.multiprocessing._qdirect``
+says how, and what a consumer killed by a signal loses). Bounded queues,
+:class:`SimpleQueue` (a Pool's job queue, with competing consumers) and
+``NIMBUS_MESSAGING_DIRECT=0`` stay in the store. ``qsize`` and ``empty``
+count the list and what the calling process holds: items on their way to
+the consumer, or held by it, count in the consumer only. ``qsize`` of an unbounded queue is the list's length plus what this
 process holds (approximate, as in the stdlib).
 """
 
@@ -42,6 +59,8 @@ from typing import Any
 
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
+from nimbus.multiprocessing import _qdirect
+from nimbus.multiprocessing._qdirect import SWITCH
 from nimbus.multiprocessing._state import Program, program
 from nimbus.multiprocessing.connection import MESSAGE, Connection, link, pack, seconds, unpack
 
@@ -106,6 +125,7 @@ class Queue:
         self._reader = Connection(prog, self._key, None)
         if maxsize:
             self._reader._prefetch = 1
+        self._direct_sides()
         self._rlock = threading.Lock()
         self._notempty = threading.Condition(threading.Lock())
         self._sendlock = threading.Lock()  # held by the feeder while a batch is in flight
@@ -118,10 +138,19 @@ class Queue:
         self._opid = os.getpid()
         util.register_after_fork(self, Queue._after_fork)
 
+    def _direct_sides(self) -> None:
+        """This process's consumer and producer of the queue (None: store only)."""
+        self._consumer: _qdirect.Consumer | None = None
+        self._producer: _qdirect.Producer | None = None
+        if not self._maxsize:  # a bounded queue counts its items in the store
+            self._consumer = _qdirect.consumer(self._program, self._name)
+            self._producer = _qdirect.producer(self._program, self._name)
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self._program, self._name, self._maxsize))
 
     def _after_fork(self) -> None:
+        self._direct_sides()  # the parent's claim and switch stay the parent's
         self._notempty = threading.Condition(threading.Lock())
         self._sendlock = threading.Lock()
         self._buffer = collections.deque()
@@ -162,8 +191,26 @@ class Queue:
         with self._notempty:
             if self._thread is None:
                 self._start_thread()
+            if not self._buffer and self._put_direct(obj):
+                return
             self._buffer.append(obj)
             self._notempty.notify()
+
+    def _put_direct(self, obj: object) -> bool:
+        """Send ``obj`` straight to the consumer from this thread (no feeder hop) when
+        switched, nothing waits in the buffer and no batch is in flight; False: the
+        feeder sends it (and reports an object that does not pickle, as in the stdlib)."""
+        producer = self._producer
+        if producer is None or producer.peer is None or not self._sendlock.acquire(False):
+            return False
+        try:
+            try:
+                message = pack(obj, MESSAGE)
+            except Exception:
+                return False
+            return producer.send_now(message)
+        finally:
+            self._sendlock.release()
 
     def _counted_put(self) -> None:
         """A hook: :class:`JoinableQueue` counts the task."""
@@ -177,8 +224,13 @@ class Queue:
         self._thread = threading.Thread(target=self._feed, name="QueueFeederThread", daemon=True)
         self._thread.start()
         if not self._joincancelled:
+            # before the process's instance closes (5): the feeder may be sending directly
+            priority = 6 if self._producer is not None else -5
             self._jointhread = util.Finalize(
-                self._thread, Queue._finalize_join, [weakref.ref(self._thread)], exitpriority=-5
+                self._thread,
+                Queue._finalize_join,
+                [weakref.ref(self._thread)],
+                exitpriority=priority,
             )
         self._close = util.Finalize(
             self, Queue._finalize_close, [self._buffer, self._notempty], exitpriority=10
@@ -239,9 +291,11 @@ class Queue:
             self._send(prog, key, messages)
         return done
 
-    @staticmethod
-    def _send(prog: Program, key: str, messages: list[bytes]) -> None:
+    def _send(self, prog: Program, key: str, messages: list[bytes]) -> None:
         try:
+            producer = self._producer
+            if producer is not None and producer.send(messages):
+                return
             link(prog).call(("RPUSH", key, *messages), ("PEXPIRE", key, prog.ttl_ms))
         except StateStoreError:
             if util.is_exiting():
@@ -266,15 +320,47 @@ class Queue:
         if not self._rlock.acquire(True, wait):
             raise Empty
         try:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if not self._reader._poll(remaining):
-                raise Empty
-            message = self._reader._recv_message()
+            message = self._next(deadline)
         finally:
             self._rlock.release()
+        if message is None:
+            raise Empty
+        _qdirect.got()
         if self._maxsize:
             self._release(1)
         return unpack(memoryview(message)[1:])
+
+    def _next(self, deadline: float | None) -> bytes | None:
+        """The next item, from the list or (claimed, see ``_qdirect``) directly; None:
+        none came by ``deadline``."""
+        reader, consumer = self._reader, self._consumer
+        if consumer is not None and consumer.claim is None:
+            consumer.try_claim()
+        buffer = reader._buffer
+        tried = False
+        while True:
+            while buffer:
+                message = buffer.popleft()
+                if message[:1] != SWITCH:
+                    return message
+                if consumer is not None:
+                    consumer.marker(message)
+            if consumer is not None and consumer.active():
+                direct = consumer.take()
+                if direct is not None:
+                    return direct
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if tried and remaining is not None and remaining <= 0:
+                return None
+            tried = True
+            if consumer is not None and consumer.active():
+                # producers are switched: wait on the socket, look at the list now and then
+                if consumer.look_at_list() and reader._poll(0):
+                    continue
+                wait = _qdirect.LOOK if remaining is None else min(_qdirect.LOOK, remaining)
+                consumer.wait(max(wait, 0.0))
+                continue
+            reader._poll(remaining)
 
     def get_nowait(self) -> Any:
         """``get(False)``."""
@@ -288,11 +374,14 @@ class Queue:
             return int(self._call(("GET", self._count))[0] or 0)
         with self._sendlock:
             length = int(self._call(("LLEN", self._key))[0])
-            return length + len(self._buffer) + len(self._reader._buffer)
+            return length + len(self._buffer) + len(self._reader._buffer) + self._held()
+
+    def _held(self) -> int:
+        return 0 if self._consumer is None else self._consumer.held()
 
     def empty(self) -> bool:
         """True if the queue looks empty (approximate)."""
-        if self._buffer or self._reader._buffer:
+        if self._buffer or self._reader._buffer or self._held():
             return False
         return int(self._call(("LLEN", self._key))[0]) == 0
 
@@ -308,6 +397,8 @@ class Queue:
         """No more puts or gets here; the feeder flushes what is buffered and exits."""
         self._closed = True
         self._reader.close()  # gives held items back
+        if self._consumer is not None:  # and the direct ones (see ``_qdirect``)
+            self._consumer.give_up()
         close, self._close = self._close, None
         if close:
             close()
