@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from multiprocessing import util
 from typing import Any
 
-from nimbus.errors import MessagingTimeout, PeerExited, PeerLost
+from nimbus.errors import ConfigError, MessagingTimeout, PeerExited, PeerLost
 from nimbus.keys import Keys
 from nimbus.messaging import _api
 from nimbus.messaging._endpoint import Endpoint
@@ -231,10 +231,15 @@ def lanes(keys: Keys, name: str) -> tuple[Lane, Lane]:
 
 
 def endpoint(prog: Program) -> Endpoint | None:
-    """This process's instance, if direct messaging is on and it belongs to ``prog``."""
+    """This process's instance, if direct messaging is on and it belongs to ``prog``
+    (None too if it cannot be one, e.g. its socket path would be too long: the store will do)."""
     if not _api.direct_enabled() or _state.current() != prog:
         return None
-    return _api.current()
+    try:
+        return _api.current()
+    except ConfigError as exc:
+        util.debug(f"nimbus: pipes stay in the store here: {exc}")
+        return None
 
 
 class Reader:
