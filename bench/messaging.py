@@ -14,7 +14,9 @@ processes, the root and a child started with ``nimbus.multiprocessing``):
 - ``rtt <size>``: round trip of a ``bytes`` payload over an unmodified
   ``nimbus.multiprocessing`` Pipe (direct after its switch), against a stdlib
   Pipe between two forked processes and against the same nimbus Pipe with
-  ``NIMBUS_MESSAGING_DIRECT=0`` (every message through the state store); and
+  ``NIMBUS_MESSAGING_DIRECT=0`` (every message through the state store) and
+  against a plain Redis round trip (redis-py LPUSH + BRPOP each way, the path
+  the anchors measured and Lithops's Pipes take); and
   ``nimbus.messaging`` send/recv against the stdlib Pipe;
 - ``rtt 100MB``: against a raw Unix socket (``sendall``/``recv_into``);
 - ``oneway``: 10,000 one-way 64 B messages then an ack, in messages/s;
@@ -67,6 +69,17 @@ def pipe_echo(conn: Any) -> None:
         if obj is None:
             break
         conn.send(obj)
+
+
+def redis_echo(url: str, inbox: str, outbox: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    while True:
+        item = client.brpop([inbox])[1]
+        if item == b"":
+            break
+        client.lpush(outbox, item)
 
 
 def uds_echo(sock: socket.socket) -> None:
@@ -223,6 +236,36 @@ def _msg_rtt(nmp: Any, payload: bytes, n: int) -> float:
         p.join(10)
 
 
+def _redis_rtt(payload: bytes, n: int) -> float:
+    """The Redis path the anchors measured (``anchors/bench_msg.py``, and Lithops's Pipes):
+    redis-py LPUSH + BRPOP each way, here on the program's own store (a Unix socket)."""
+    import redis
+
+    from nimbus.multiprocessing import _state
+
+    prog = _state.program()
+    inbox, outbox = prog.keys.queue("bench-redis-a"), prog.keys.queue("bench-redis-b")
+    client = redis.Redis.from_url(prog.url)
+    p = multiprocessing.get_context("fork").Process(
+        target=redis_echo, args=(prog.url, inbox, outbox)
+    )
+    p.start()
+
+    def send(item: bytes) -> None:
+        client.lpush(inbox, item)
+
+    def recv() -> bytes:
+        return client.brpop([outbox])[1]
+
+    try:
+        return _rtt(send, recv, payload, n)
+    finally:
+        client.lpush(inbox, b"")
+        p.join(10)
+        client.delete(inbox, outbox)
+        client.close()
+
+
 def _uds_rtt(size: int, n: int) -> float:
     ctx = multiprocessing.get_context("fork")
     a, b = socket.socketpair()
@@ -312,6 +355,18 @@ def rtt_rows(nmp: Any, quick: bool) -> list[Row]:
                     "Pipe round trip",
                     "DIRECT=0 Pipe",
                     store,
+                    pipe,
+                    "us",
+                    "<= 0.2x (5x faster)",
+                    lambda r: r <= 0.2,
+                )
+            )
+            rows.append(
+                Row(
+                    f"rtt {label}",
+                    "Pipe round trip",
+                    "redis-py LPUSH/BRPOP",
+                    _redis_rtt(payload, n),
                     pipe,
                     "us",
                     "<= 0.2x (5x faster)",
