@@ -39,6 +39,10 @@ def _sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _exit_with(code: int) -> None:
+    sys.exit(code)
+
+
 def _report_identity(q: mp.Queue) -> None:
     parent = mp.parent_process()
     q.put((mp.current_process().name, parent.pid if parent else None, os.getpid()))
@@ -397,6 +401,20 @@ def test_standby_children_killed_while_idle_are_replaced() -> None:
         p.start()
         p.join(20)
         assert p.exitcode == 7
+
+
+@pytest.mark.timeout(60)
+def test_a_burst_of_starts_takes_every_standby_and_forks_the_rest() -> None:
+    # each worker keeps more than one standby: a burst hands processes to them all
+    # (each must read its process to the end while the others wait) and forks afresh
+    # once they are used up; every process runs and reports its own exit code
+    for _ in range(2):  # the second burst comes while the standbys are refilled
+        procs = [mp.Process(target=_exit_with, args=(10 + i,)) for i in range(7)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(20)
+        assert [p.exitcode for p in procs] == [10 + i for i in range(7)]
 
 
 def test_relay_sockets_of_dead_roots_are_removed(tmp_path: Path) -> None:
