@@ -268,6 +268,10 @@ def _start(
         alive = lambda: pid in _reaper.tokens  # noqa: E731
         _remote.deliver_signals(watcher, program, token, alive, _reaper.killer(pid))
         return pid
+    global _program, _keep
+    with _reaper.lock:  # processes of this worker running now: is this start part of a burst?
+        running = sum(1 for token in _reaper.tokens.values() if token is not None)
+    _keep = max(_keep, min(STANDBYS_MAX, running + 2))
     started = None
     while started is None and _standbys:
         standby = _standbys.pop()
@@ -281,7 +285,6 @@ def _start(
     from nimbus.runtime import worker
 
     # the next start skips the fork and the store's connection; this one is not held up
-    global _program
     _program = program
     if not _standbys:
         worker.when_idle(_refill)
@@ -302,7 +305,7 @@ def _fork(args: tuple[Any, ...], remote: tuple[_state.Program, str] | None = Non
 
 def _refill() -> None:
     """Fork a standby child if this worker has fewer than it keeps."""
-    if len(_standbys) < STANDBYS and _program is not None:
+    if len(_standbys) < _keep and _program is not None:
         _link.link(_program)  # the store's client settings, made once for all the children
         _standbys.append(_Standby(_program))
 
@@ -316,17 +319,19 @@ def _top_up() -> None:
 
 def _top_up_later() -> None:
     global _topping_up
-    if not _topping_up and len(_standbys) < STANDBYS:
+    if not _topping_up and len(_standbys) < _keep:
         from nimbus.runtime import worker
 
         _topping_up = True
         worker.when_quiet(_top_up, STANDBY_QUIET)
 
 
-# Children each worker keeps forked ahead of need. One is forked again as soon as
-# the worker is idle; the others once it has been quiet for STANDBY_QUIET seconds,
-# so that the CPU a burst of starts needs does not go to forking for the next one.
-STANDBYS = 2
+# Children each worker keeps forked ahead of need: two, or one more than the largest
+# burst of starts it has served (processes started while its others ran), up to
+# STANDBYS_MAX. When a start takes the last, one is forked as soon as the worker is
+# idle; the others once it has been quiet for STANDBY_QUIET seconds, so that the
+# CPU a burst of starts needs does not go to forking for the next burst.
+STANDBYS_MAX = 3
 STANDBY_QUIET = 0.02
 
 
@@ -378,6 +383,7 @@ class _Standby:
 _standbys: list[_Standby] = []  # the last one is handed a process first
 _program: _state.Program | None = None  # of the last start: the standbys connect to its store
 _topping_up = False
+_keep = 2  # standbys this worker keeps (grows with the bursts it serves)
 
 
 def _close_standby_pipes() -> None:
@@ -405,6 +411,8 @@ def _await_process(fd: int, program: _state.Program) -> None:
         _link.link(program).call(("PING",))
     except Exception:  # the store is unreachable now: the process reports it, if it uses it
         pass
+    global _environ
+    _environ = dict(os.environ)
     try:
         with open(fd, "rb") as pipe:
             payload = pipe.read()
@@ -527,12 +535,18 @@ def _libc() -> ctypes.CDLL:
 
 def _set_environ(environ: dict[str, str]) -> None:
     """Make ``os.environ`` equal ``environ``, touching only what differs (putenv is slow)."""
-    current = os.environ
-    for name in [name for name in current if name not in environ]:
-        del current[name]
+    global _environ
+    # os.environ decodes every name and value it is asked for: compare plain dicts
+    current = _environ if _environ is not None else dict(os.environ)
+    _environ = None
+    for name in current.keys() - environ.keys():
+        del os.environ[name]
     for name, value in environ.items():
         if current.get(name) != value:
-            current[name] = value
+            os.environ[name] = value
+
+
+_environ: dict[str, str] | None = None  # a standby's os.environ, read while it waits
 
 
 def _parent_sentinel(pid: int) -> int:
