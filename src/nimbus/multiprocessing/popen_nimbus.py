@@ -35,6 +35,7 @@ import functools
 import importlib
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -340,8 +341,10 @@ class _Standby:
 
     A start hands the process over (one write) instead of forking, so the new
     process runs at once and the fork happens after it, off the start's path.
-    While it waits it connects to the store of the last process started (the
-    next is most likely of the same program), so neither is on the path either.
+    Once it has waited a while it connects to the store of the last process
+    started (the next is most likely of the same program) and reads its
+    environment, so neither is on the path either (a standby handed a process
+    at once leaves them to the process rather than compete with it for CPU).
     A standby that is dropped (or whose worker ends) reads end-of-file and exits.
     """
 
@@ -407,12 +410,14 @@ def _await_process(fd: int, program: _state.Program) -> None:
     worker.close_in_child()
     if sys.platform == "linux":
         _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    try:  # this thread's link, connected: the process's first use of the store is quick
-        _link.link(program).call(("PING",))
-    except Exception:  # the store is unreachable now: the process reports it, if it uses it
-        pass
-    global _environ
-    _environ = dict(os.environ)
+    if not select.select([fd], [], [], STANDBY_QUIET)[0]:
+        # no process yet: what it would do first, done while the machine is quiet
+        try:  # this thread's link, connected: the process's first use of the store is quick
+            _link.link(program).call(("PING",))
+        except Exception:  # the store is unreachable now: the process reports it, if it uses it
+            pass
+        global _environ
+        _environ = dict(os.environ)
     try:
         with open(fd, "rb") as pipe:
             payload = pipe.read()
