@@ -35,7 +35,6 @@ import functools
 import importlib
 import os
 import pickle
-import select
 import signal
 import sys
 import threading
@@ -341,10 +340,9 @@ class _Standby:
 
     A start hands the process over (one write) instead of forking, so the new
     process runs at once and the fork happens after it, off the start's path.
-    Once it has waited a while it connects to the store of the last process
-    started (the next is most likely of the same program) and reads its
-    environment, so neither is on the path either (a standby handed a process
-    at once leaves them to the process rather than compete with it for CPU).
+    While it waits it connects to the store of the last process started (the
+    next is most likely of the same program) and reads its environment, so
+    neither is on the path either.
     A standby that is dropped (or whose worker ends) reads end-of-file and exits.
     """
 
@@ -403,6 +401,23 @@ def _close_standby_pipes() -> None:
     _standbys.clear()
 
 
+def _connect(program: _state.Program) -> None:
+    """Connect this thread's link to the program's store, so the process's first use is quick.
+
+    Every local child does this first (a standby while it waits): a child's
+    descriptors do not depend on how it was started.
+    """
+    global _connected
+    try:
+        _link.link(program).call(("PING",))
+    except Exception:  # the store is unreachable now: the process reports it, if it uses it
+        return
+    _connected = program.url
+
+
+_connected: str | None = None  # the store this process's main thread is connected to
+
+
 def _await_process(fd: int, program: _state.Program) -> None:
     """In a standby child: wait for a process to run, or end quietly."""
     from nimbus.runtime import worker
@@ -410,14 +425,9 @@ def _await_process(fd: int, program: _state.Program) -> None:
     worker.close_in_child()
     if sys.platform == "linux":
         _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if not select.select([fd], [], [], STANDBY_QUIET)[0]:
-        # no process yet: what it would do first, done while the machine is quiet
-        try:  # this thread's link, connected: the process's first use of the store is quick
-            _link.link(program).call(("PING",))
-        except Exception:  # the store is unreachable now: the process reports it, if it uses it
-            pass
-        global _environ
-        _environ = dict(os.environ)
+    _connect(program)
+    global _environ
+    _environ = dict(os.environ)
     try:
         with open(fd, "rb") as pipe:
             payload = pipe.read()
@@ -517,6 +527,8 @@ def _child(
                 os.dup2(new, fd)
                 os.close(new)
         _state.adopt(program)  # before unpickling: shared objects find their store
+        if not inbox and _connected != program.url:  # as a standby is: every child alike
+            _connect(program)
         process_obj = serialization.loads(data, buffers)
         code = process_obj._bootstrap(parent_sentinel=_parent_sentinel(process_obj._parent_pid))
     except BaseException:
