@@ -261,6 +261,27 @@ def test_idle_worker_takes_a_new_task() -> None:
         slow.result(timeout=10)
 
 
+def mark_when_quiet(path: str) -> int:
+    from nimbus.runtime import worker
+
+    worker.when_quiet(lambda: Path(path).write_text(str(os.getpid())), 0.05)
+    return os.getpid()
+
+
+def test_quiet_time_work_runs_once_the_worker_has_nothing_to_do(tmp_path: Path) -> None:
+    marker = tmp_path / "quiet"
+    with Executor(max_workers=1) as ex:
+        pid = ex.submit(mark_when_quiet, str(marker)).result(timeout=10)
+        # tasks that come meanwhile are served (the work waits for a quiet moment)
+        assert [f.result(timeout=10) for f in [ex.submit(os.getpid) for _ in range(20)]] == [
+            pid
+        ] * 20
+        deadline = time.monotonic() + 10
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert marker.read_text() == str(pid)
+
+
 def test_done_callback(ex) -> None:
     got: queue.Queue[object] = queue.Queue()
     ex.submit(pow, 2, 3).add_done_callback(lambda f: got.put(f.result()))

@@ -39,6 +39,14 @@ def _sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _exit_with(code: int) -> None:
+    sys.exit(code)
+
+
+def _count_fds(q: mp.Queue) -> None:
+    q.put(len(os.listdir("/proc/self/fd")))
+
+
 def _report_identity(q: mp.Queue) -> None:
     parent = mp.parent_process()
     q.put((mp.current_process().name, parent.pid if parent else None, os.getpid()))
@@ -397,6 +405,36 @@ def test_standby_children_killed_while_idle_are_replaced() -> None:
         p.start()
         p.join(20)
         assert p.exitcode == 7
+
+
+@pytest.mark.timeout(60)
+def test_a_burst_of_starts_takes_every_standby_and_forks_the_rest() -> None:
+    # each worker keeps more than one standby: a burst hands processes to them all
+    # (each must read its process to the end while the others wait) and forks afresh
+    # once they are used up; every process runs and reports its own exit code
+    for _ in range(2):  # the second burst comes while the standbys are refilled
+        procs = [mp.Process(target=_exit_with, args=(10 + i,)) for i in range(7)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(20)
+        assert [p.exitcode for p in procs] == [10 + i for i in range(7)]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+@pytest.mark.timeout(60)
+def test_children_have_the_same_descriptors_however_they_start() -> None:
+    # standbys (connected to the store while they wait), standbys handed a process
+    # at once and fresh forks alike (CPython's test_child_fd_inflation)
+    for _ in range(3):
+        q = mp.Queue()
+        procs = [mp.Process(target=_count_fds, args=(q,)) for _ in range(7)]
+        for p in procs:
+            p.start()
+        counts = [q.get(timeout=20) for _ in procs]
+        for p in procs:
+            p.join(20)
+        assert len(set(counts)) == 1, counts
 
 
 def test_relay_sockets_of_dead_roots_are_removed(tmp_path: Path) -> None:

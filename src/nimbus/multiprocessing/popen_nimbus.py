@@ -11,9 +11,11 @@
 The warm worker only forks: the child is a copy of an interpreter that has
 nimbus and the program's modules already imported, so a Process starts in
 a few milliseconds and every started Process runs at once, however many.
-Better still, each worker keeps one child forked ahead of need (a *standby*,
-forked when the worker is idle): a start hands the process to it through a
-pipe, and the fork is off the start's path.
+Better still, each worker keeps children forked ahead of need (*standbys*,
+already connected to the program's store): a start hands the process to one
+through a pipe, and the fork is off the start's path. The worker forks one
+again as soon as it is idle and the others once it has been quiet a while, so
+a burst of starts does not compete with forks for the next.
 The worker goes back to serving other starts; a thread in it waits for the
 child and reports its exit code, which becomes ``Popen.returncode``, and the
 sentinel (a pipe) becomes readable. ``terminate``/``kill`` signal the child
@@ -44,7 +46,7 @@ from multiprocessing import resource_sharer, spawn
 from typing import Any
 
 from nimbus import serialization
-from nimbus.multiprocessing import _remote, _runtime, _state
+from nimbus.multiprocessing import _link, _remote, _runtime, _state
 from nimbus.multiprocessing import context as nimbus_context
 
 __all__ = ["Popen"]
@@ -249,7 +251,6 @@ def _start(
     token: str, prep: dict[str, Any], program: _state.Program, data: bytes, buffers: list[Any]
 ) -> int:
     """Start the process in a standby child (or a new fork); the reaper reports its exit."""
-    global _standby
     _warm_up()
     _libc()  # loaded once here, not in every child
     _import_main(prep)
@@ -267,18 +268,27 @@ def _start(
         alive = lambda: pid in _reaper.tokens  # noqa: E731
         _remote.deliver_signals(watcher, program, token, alive, _reaper.killer(pid))
         return pid
-    standby, _standby = _standby, None
-    if standby is not None and standby.modules == len(sys.modules):
-        started = standby.run(token, args)
-    else:  # none yet, or forked before modules this process needs were imported
-        if standby is not None:
+    global _program, _keep
+    with _reaper.lock:  # processes of this worker running now: is this start part of a burst?
+        running = sum(1 for token in _reaper.tokens.values() if token is not None)
+    _keep = max(_keep, min(STANDBYS_MAX, running + 2))
+    started = None
+    while started is None and _standbys:
+        standby = _standbys.pop()
+        if standby.modules == len(sys.modules):
+            started = standby.run(token, args)
+        else:  # forked before modules this process needs were imported
             standby.discard()
-        started = None
     if started is None:
+        _link.link(program)  # its settings (a client's), made once here for every fork
         started = _fork(args)
     from nimbus.runtime import worker
 
-    worker.when_idle(_refill)  # the next start skips the fork; this one is not held up
+    # the next start skips the fork and the store's connection; this one is not held up
+    _program = program
+    if not _standbys:
+        worker.when_idle(_refill)
+    _top_up_later()
     return started
 
 
@@ -287,15 +297,42 @@ def _fork(args: tuple[Any, ...], remote: tuple[_state.Program, str] | None = Non
     with _reaper.lock:
         pid = os.fork()
         if pid == 0:
+            _close_standby_pipes()
             _child(*args)  # never returns
         _reaper.add(pid, args[0], remote)
     return pid
 
 
 def _refill() -> None:
-    global _standby
-    if _standby is None:
-        _standby = _Standby()
+    """Fork a standby child if this worker has fewer than it keeps."""
+    if len(_standbys) < _keep and _program is not None:
+        _link.link(_program)  # the store's client settings, made once for all the children
+        _standbys.append(_Standby(_program))
+
+
+def _top_up() -> None:
+    global _topping_up
+    _topping_up = False
+    _refill()
+    _top_up_later()
+
+
+def _top_up_later() -> None:
+    global _topping_up
+    if not _topping_up and len(_standbys) < _keep:
+        from nimbus.runtime import worker
+
+        _topping_up = True
+        worker.when_quiet(_top_up, STANDBY_QUIET)
+
+
+# Children each worker keeps forked ahead of need: two, or one more than the largest
+# burst of starts it has served (processes started while its others ran), up to
+# STANDBYS_MAX. When a start takes the last, one is forked as soon as the worker is
+# idle; the others once it has been quiet for STANDBY_QUIET seconds, so that the
+# CPU a burst of starts needs does not go to forking for the next burst.
+STANDBYS_MAX = 3
+STANDBY_QUIET = 0.02
 
 
 class _Standby:
@@ -303,17 +340,21 @@ class _Standby:
 
     A start hands the process over (one write) instead of forking, so the new
     process runs at once and the fork happens after it, off the start's path.
+    While it waits it connects to the store of the last process started (the
+    next is most likely of the same program) and reads its environment, so
+    neither is on the path either.
     A standby that is dropped (or whose worker ends) reads end-of-file and exits.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, program: _state.Program) -> None:
         self.modules = len(sys.modules)
         read, self.fd = os.pipe()
         with _reaper.lock:
             self.pid = os.fork()
             if self.pid == 0:
                 os.close(self.fd)
-                _await_process(read)  # never returns
+                _close_standby_pipes()
+                _await_process(read, program)  # never returns
             _reaper.add(self.pid, None)
         os.close(read)
 
@@ -340,16 +381,53 @@ class _Standby:
         os.close(self.fd)
 
 
-_standby: _Standby | None = None
+_standbys: list[_Standby] = []  # the last one is handed a process first
+_program: _state.Program | None = None  # of the last start: the standbys connect to its store
+_topping_up = False
+_keep = 2  # standbys this worker keeps (grows with the bursts it serves)
 
 
-def _await_process(fd: int) -> None:
+def _close_standby_pipes() -> None:
+    """In a child just forked: close its copies of the standbys' pipes.
+
+    A standby reads its process until end-of-file, which comes only once
+    every copy of the pipe's write end is closed.
+    """
+    for standby in _standbys:
+        try:
+            os.close(standby.fd)
+        except OSError:
+            pass
+    _standbys.clear()
+
+
+def _connect(program: _state.Program) -> None:
+    """Connect this thread's link to the program's store, so the process's first use is quick.
+
+    Every local child does this first (a standby while it waits): a child's
+    descriptors do not depend on how it was started.
+    """
+    global _connected
+    try:
+        _link.link(program).call(("PING",))
+    except Exception:  # the store is unreachable now: the process reports it, if it uses it
+        return
+    _connected = program.url
+
+
+_connected: str | None = None  # the store this process's main thread is connected to
+
+
+def _await_process(fd: int, program: _state.Program) -> None:
     """In a standby child: wait for a process to run, or end quietly."""
     from nimbus.runtime import worker
 
     worker.close_in_child()
     if sys.platform == "linux":
         _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _connect(program)
+    global _environ
+    _environ = dict(os.environ)
     try:
         with open(fd, "rb") as pipe:
             payload = pipe.read()
@@ -449,6 +527,8 @@ def _child(
                 os.dup2(new, fd)
                 os.close(new)
         _state.adopt(program)  # before unpickling: shared objects find their store
+        if not inbox and _connected != program.url:  # as a standby is: every child alike
+            _connect(program)
         process_obj = serialization.loads(data, buffers)
         code = process_obj._bootstrap(parent_sentinel=_parent_sentinel(process_obj._parent_pid))
     except BaseException:
@@ -472,12 +552,18 @@ def _libc() -> ctypes.CDLL:
 
 def _set_environ(environ: dict[str, str]) -> None:
     """Make ``os.environ`` equal ``environ``, touching only what differs (putenv is slow)."""
-    current = os.environ
-    for name in [name for name in current if name not in environ]:
-        del current[name]
+    global _environ
+    # os.environ decodes every name and value it is asked for: compare plain dicts
+    current = _environ if _environ is not None else dict(os.environ)
+    _environ = None
+    for name in current.keys() - environ.keys():
+        del os.environ[name]
     for name, value in environ.items():
         if current.get(name) != value:
-            current[name] = value
+            os.environ[name] = value
+
+
+_environ: dict[str, str] | None = None  # a standby's os.environ, read while it waits
 
 
 def _parent_sentinel(pid: int) -> int:

@@ -26,6 +26,7 @@ import _socket
 import faulthandler
 import importlib
 import os
+import select
 import signal
 import socket
 import sys
@@ -47,7 +48,7 @@ from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
 from nimbus.telemetry import TaskMeter
 from nimbus.wire import Buffer, Channel, pack, unpack
 
-__all__ = ["Worker", "close_in_child", "main", "notify"]
+__all__ = ["Worker", "close_in_child", "main", "notify", "when_idle", "when_quiet"]
 
 BATCH_RESULTS = 64
 BATCH_SECONDS = 0.002
@@ -81,11 +82,16 @@ class Worker:
         channel.flush()
         while True:
             idle = not self.queue and not self.rows
-            frames = channel.receive(block=idle and not _idle)
+            frames = channel.receive(block=idle and not _idle and not _later)
             if frames is None:
                 return
             if idle and not frames and _idle:
                 _run_idle()  # nothing to do now: the work that waited for that
+                continue
+            if idle and not frames and _later:
+                # quiet for a while (no task came): the work that waited for that
+                if not select.select([channel.sock], [], [], _later[0][0])[0]:
+                    _run_later()
                 continue
             for frame in frames:
                 self.accept(frame.kind, frame.meta, frame.buffers)
@@ -266,6 +272,29 @@ def _run_idle() -> None:
             fn()
         except Exception:
             traceback.print_exc()
+
+
+_later: list[tuple[float, Callable[[], None]]] = []
+
+
+def when_quiet(fn: Callable[[], None], seconds: float) -> None:
+    """Call ``fn`` once, in this worker's main thread, after ``seconds`` with nothing to do.
+
+    For work that is worth doing before the next task only if none comes
+    soon: it must not take CPU time from the processes a burst of tasks
+    starts (the whole wait starts over whenever a task comes).
+    """
+    _later.append((seconds, fn))
+    _later.sort(key=lambda item: item[0])
+
+
+def _run_later() -> None:
+    """Run the first of the quiet-time work (the rest wait their own time after it)."""
+    _seconds, fn = _later.pop(0)
+    try:
+        fn()
+    except Exception:
+        traceback.print_exc()
 
 
 def close_in_child() -> None:
