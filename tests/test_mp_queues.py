@@ -55,6 +55,25 @@ def test_put_get_fifo_and_nowait() -> None:
     assert q.get() == "x"
 
 
+def test_a_tight_loop_of_gets_pops_items_in_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NIMBUS_MESSAGING_DIRECT", "0")  # the store path
+    q = Queue()
+    for i in range(2000):
+        q.put(i)
+    client = program().client()
+    deadline = time.monotonic() + 10
+    while client.llen(q._key) < 2000 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the feeder thread pushes them
+
+    def pops() -> int:
+        stats = client.info("commandstats")
+        return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("blpop", "lpop"))
+
+    before = pops()
+    assert [q.get(timeout=5) for _ in range(2000)] == list(range(2000))
+    assert pops() - before < 400  # not one round trip per item (other tests' threads: a few)
+
+
 def test_get_timeouts() -> None:
     q = Queue()
     start = time.monotonic()

@@ -342,6 +342,7 @@ class Queue:
             while buffer:
                 message = buffer.popleft()
                 if message[:1] != SWITCH:
+                    reader._last = time.monotonic()  # a tight loop of gets: fills take more
                     return message
                 if consumer is not None:
                     consumer.marker(message)
