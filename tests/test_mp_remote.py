@@ -199,10 +199,9 @@ def test_store_is_per_user_and_never_the_admin(
         a.delete(key)
 
 
-def test_lost_endpoint_ends_its_processes_with_sigkill(
-    tmp_path: Path, service: Service, alice: Client
-) -> None:
-    flaky = EndpointProcess(service, alice, "flaky").start(alice)
+def _sleeper(tmp_path: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """A program whose one child sleeps 300 s while it joins it (up to 120 s), printing
+    the child's pid first and its exit code last."""
     script = tmp_path / "program.py"
     script.write_text(
         PRELUDE
@@ -217,13 +216,20 @@ def test_lost_endpoint_ends_its_processes_with_sigkill(
             """
         )
     )
-    with subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, str(script)],
-        env=_env(service, alice, "flaky"),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    ) as proc:
+    )
+
+
+def test_lost_endpoint_ends_its_processes_with_sigkill(
+    tmp_path: Path, service: Service, alice: Client
+) -> None:
+    flaky = EndpointProcess(service, alice, "flaky").start(alice)
+    with _sleeper(tmp_path, _env(service, alice, "flaky")) as proc:
         assert proc.stdout is not None
         pid = int(proc.stdout.readline().split(": ")[1])
         flaky.kill()  # the agent, its workers and (through them) the process
@@ -243,27 +249,7 @@ def test_lost_store_ends_a_waiting_join_with_a_clear_error(
     with service.client(token) as sam:
         lab = EndpointProcess(service, sam, "sam-lab").start(sam)
         try:
-            script = tmp_path / "program.py"
-            script.write_text(
-                PRELUDE
-                + textwrap.dedent(
-                    """
-                    if __name__ == "__main__":
-                        p = mp.Process(target=time.sleep, args=(300,))
-                        p.start()
-                        say("pid", p.pid)
-                        p.join(120)
-                        say("exitcode", p.exitcode)
-                    """
-                )
-            )
-            with subprocess.Popen(
-                [sys.executable, str(script)],
-                env=_env(service, sam, "sam-lab"),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            ) as proc:
+            with _sleeper(tmp_path, _env(service, sam, "sam-lab")) as proc:
                 assert proc.stdout is not None
                 assert proc.stdout.readline().startswith("pid: ")
                 # revoking sam's own token deletes sam's store user: the program's store is gone

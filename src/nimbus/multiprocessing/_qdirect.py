@@ -255,19 +255,7 @@ class Consumer:
 
     def _pull(self) -> None:
         """Move what came directly into ``pending`` (``lock`` held)."""
-        ep = _api.current()
-        tag, pending = self.tag, self.pending
-        for _ in range(_PULL):  # bounded: producers may send faster than we read
-            if not ep.poll_tagged(None, tag, 0):
-                return
-            try:
-                source, message = ep.recv_with_source(None, 0, tag)
-            except MessagingTimeout:
-                return
-            found = pending.get(source)
-            if found is None:
-                found = pending[source] = collections.deque()
-            found.extend(_flatten(message))
+        _take_direct(self.tag, self.pending)
 
     def _deliverable(self) -> bytes | None:
         pending = self.pending
@@ -321,21 +309,10 @@ class _Forwarder:
 
     def step(self) -> None:
         """Forward what waits; "F" to each producer whose "R" came."""
-        ep = _api.current()
+        ep, tag = _api.current(), self.tag
         items = self.pending
         self.pending = {}
-        tag = self.tag
-        for _ in range(_PULL):
-            if not ep.poll_tagged(None, tag, 0):
-                break
-            try:
-                source, message = ep.recv_with_source(None, 0, tag)
-            except MessagingTimeout:
-                break
-            found = items.get(source)
-            if found is None:
-                found = items[source] = collections.deque()
-            found.extend(_flatten(message))
+        if _take_direct(tag, items):
             self.last = time.monotonic()
         done = []
         store = link(self.prog)
@@ -497,6 +474,24 @@ class Producer:
 
 
 _gets = 0  # Queue gets in this process (see Producer.send_now)
+
+
+def _take_direct(tag: Any, into: dict[str, collections.deque[bytes]]) -> int:
+    """Move up to _PULL direct messages with ``tag`` into ``into`` (per producer, in
+    order; bounded: producers may send faster than we read); how many came."""
+    ep = _api.current()
+    for n in range(_PULL):
+        if not ep.poll_tagged(None, tag, 0):
+            return n
+        try:
+            source, message = ep.recv_with_source(None, 0, tag)
+        except MessagingTimeout:
+            return n
+        found = into.get(source)
+        if found is None:
+            found = into[source] = collections.deque()
+        found.extend(_flatten(message))
+    return _PULL
 
 
 def got() -> None:
