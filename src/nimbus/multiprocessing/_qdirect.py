@@ -67,7 +67,7 @@ import secrets
 import threading
 import time
 from multiprocessing import util
-from typing import Any
+from typing import Any, TypeVar
 
 from nimbus.errors import MessagingTimeout, PeerExited, PeerLost, StateStoreError
 from nimbus.messaging import _api
@@ -511,21 +511,24 @@ _exit_registered: list[util.Finalize] = []
 
 def consumer(prog: Program, name: str) -> Consumer:
     """This process's consumer of queue ``name`` (one for all its Queue objects)."""
-    key = f"{prog.url}|{prog.keys.queue(name)}"
-    with _lock:
-        found = _consumers.get(key)
-        if found is None:
-            found = _consumers[key] = Consumer(prog, name)
-        return found
+    return _one(_consumers, Consumer, prog, name)
 
 
 def producer(prog: Program, name: str) -> Producer:
     """This process's producer of queue ``name`` (one for all its Queue objects)."""
+    return _one(_producers, Producer, prog, name)
+
+
+_Side = TypeVar("_Side", Consumer, Producer)
+
+
+def _one(table: dict[str, _Side], make: type[_Side], prog: Program, name: str) -> _Side:
+    """The one ``make(prog, name)`` of this process, kept in ``table``."""
     key = f"{prog.url}|{prog.keys.queue(name)}"
     with _lock:
-        found = _producers.get(key)
+        found = table.get(key)
         if found is None:
-            found = _producers[key] = Producer(prog, name)
+            found = table[key] = make(prog, name)
         return found
 
 
