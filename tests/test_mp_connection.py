@@ -7,13 +7,18 @@ import multiprocessing
 import os
 import pickle
 import socket
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from nimbus.errors import StateStoreError
+from nimbus.keys import Keys
 from nimbus.multiprocessing import connection
-from nimbus.multiprocessing._state import program
+from nimbus.multiprocessing._state import Program, program
 from nimbus.multiprocessing.connection import BufferTooShort, Pipe, wait
+from nimbus.statestore import EmbeddedRedis
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -226,3 +231,31 @@ def test_stdlib_reexports() -> None:
         assert getattr(connection, name) is getattr(std, name)
     with connection.Listener(family="AF_UNIX", authkey=b"k") as listener:
         assert listener.address
+
+
+def test_store_failures_under_recv_are_clear_errors(tmp_path: Path) -> None:
+    """A receive waiting in the store: a refused command and a store that dies are
+    StateStoreErrors naming the store, not a hang; a failed receive loses nothing."""
+    server = EmbeddedRedis(tmp_path).start()
+    try:
+        prog = Program(server.url, Keys.program_id_new(), 30.0)
+        a, b = Pipe(prog=prog)
+        a.send("kept")  # waits in the list while b's receive is refused
+        client = prog.client()
+        reading = b._read_key
+        assert reading is not None
+        client.rename(reading, "aside")
+        client.set(reading, "not a list")
+        with pytest.raises(StateStoreError, match=r"refused a command.*WRONGTYPE"):
+            b.recv()
+        client.delete(reading)
+        client.rename("aside", reading)
+        assert b.recv() == "kept"
+        stop = threading.Timer(0.3, server.stop)
+        stop.start()
+        with pytest.raises(StateStoreError, match="unreachable") as caught:
+            b.recv()  # waiting in the store when it stops
+        assert server.url in str(caught.value)
+        stop.join()
+    finally:
+        server.stop()

@@ -95,6 +95,7 @@ class Link:
         self.late: set[str] = set()  # lock owners keys whose release found it released
         self.registered: dict[str, float] = {}  # lock owners key -> when to register again
         self.packed: dict[tuple[str, str], bytes] = {}  # (what, key) -> commands, packed
+        self.pushes: dict[str, tuple[bytes, bytes]] = {}  # list -> what goes around a push
 
     def __del__(self) -> None:
         # A thread's links go with the thread. Close the socket now: the redis-py
@@ -165,17 +166,25 @@ class Link:
         self.write(pack(*args))
 
     def push(self, key: str, message: bytes, ttl_ms: int) -> None:
-        """RPUSH ``message`` and renew the list's TTL; no replies, so one write."""
-        tail = self.packed.get(("expire", key))
-        if tail is None:
-            if len(self.packed) > 4096:
-                self.packed.clear()
-            tail = self.packed["expire", key] = SKIP_REPLY + pack("PEXPIRE", key, ttl_ms)
-        head = SKIP_REPLY + pack("RPUSH", key, message)
+        """RPUSH ``message`` and renew the list's TTL; no replies, so one write.
+
+        The commands around the message are packed once per key: only the
+        message's length is formatted per push (and a large message is not copied).
+        """
+        around = self.pushes.get(key)
+        if around is None:
+            if len(self.pushes) > 4096:
+                self.pushes.clear()
+            name = key.encode()
+            head = SKIP_REPLY + b"*3\r\n$5\r\nRPUSH\r\n$%d\r\n%s\r\n$" % (len(name), name)
+            tail = b"\r\n" + SKIP_REPLY + pack("PEXPIRE", key, ttl_ms)
+            around = self.pushes[key] = (head, tail)
+        head, tail = around
         if len(message) < 65536:
-            self.write(head + tail)
+            self.write(b"".join((head, b"%d\r\n" % len(message), message, tail)))
         else:  # no copy of a large message
-            self.write(head)
+            self.write(head + b"%d\r\n" % len(message))
+            self.write(message)
             self.write(tail)
 
     # -- reading
@@ -220,6 +229,37 @@ class Link:
         return reply
 
     # -- calls
+
+    def request(self, packed: bytes) -> Any:
+        """One command already packed, one round trip; its reply. Inline for a plain
+        socket with no replies pending (a Pipe's every wait goes through here)."""
+        sock = self._sock
+        if sock is None or not self._plain or self.pending:
+            self.write(packed)
+            try:
+                return self.read()
+            except redis.ResponseError as exc:
+                raise self.error(exc) from exc
+        reader = self._reader
+        try:
+            _raw_sendall(sock, packed)
+            reply = reader.gets()
+            while reply is False:
+                data = _raw_recv(sock, 262144)
+                if not data:
+                    raise redis.ConnectionError("connection closed by server")
+                _COUNTS[0] += len(data)
+                reader.feed(data)
+                reply = reader.gets()
+        except (OSError, redis.RedisError) as exc:
+            raise self._broken(exc) from exc
+        except BaseException as exc:  # e.g. KeyboardInterrupt: the reply is still coming
+            self._broken(exc)
+            raise
+        _COUNTS[1] += len(packed)
+        if isinstance(reply, redis.ResponseError):
+            raise self.error(reply)
+        return reply
 
     def command(self, *args: Any) -> Any:
         """One command, one round trip; its reply."""
@@ -266,15 +306,14 @@ class Link:
 
 MIN_WAIT = 0.001  # Redis blocking timeouts have millisecond resolution; 0 means forever
 _HOST = socket.gethostname()
-_local = threading.local()
-_generation = 0  # bumped in a forked child: it must not use its parent's sockets
+_local = threading.local()  # this thread's links by store URL (new in a forked child)
 _presences: dict[str, tuple[redis.connection.AbstractConnection, int]] = {}
 _presence_lock = threading.Lock()
 
 
 def _after_fork() -> None:
-    global _generation, _presence_lock
-    _generation += 1
+    global _local, _presence_lock
+    _local = threading.local()  # the child must not use its parent's sockets
     for conn, _ in _presences.values():  # the parent's: close our copies of its sockets
         if conn._sock is not None:
             conn._sock.close()
@@ -301,13 +340,13 @@ def _connection_settings(url: str) -> tuple[Any, dict[str, Any]]:
 
 def link(program: Program) -> Link:
     """This thread's link to ``program``'s store."""
-    links: dict[str, Link] | None = getattr(_local, "links", None)
-    if links is None or _local.generation != _generation:
+    try:
+        return _local.links[program.url]  # type: ignore[no-any-return]
+    except AttributeError:
         links = _local.links = {}
-        _local.generation = _generation
-    found = links.get(program.url)
-    if found is None:
-        found = links[program.url] = Link(program.url)
+    except KeyError:
+        links = _local.links
+    found = links[program.url] = Link(program.url)
     return found
 
 

@@ -70,8 +70,6 @@ from multiprocessing.connection import (  # type: ignore[attr-defined]  # noqa: 
 from types import TracebackType
 from typing import Any
 
-import redis
-
 from nimbus import serialization
 from nimbus.errors import DeserializationError, StateStoreError
 from nimbus.keys import Keys
@@ -333,16 +331,44 @@ class Connection:
             else:
                 return True
 
+    def _more(self) -> int:
+        """How many more messages than one to take from the store now (LPOP after
+        the BLPOP): none, unless the reader is in a tight loop and prefetching pays."""
+        now = time.monotonic()
+        self._batch = min(self._prefetch, self._batch * 2) if now - self._last < _TIGHT_LOOP else 1
+        if self._batch > 1 and (self._misses < 4 or self._misses % 8 == 0):
+            return self._batch - 1
+        return 0
+
     def _fill_commands(self, timeout: float | None) -> list[tuple[Any, ...]]:
         """BLPOP (blocking) and, for a reader in a tight loop, LPOP of more."""
         commands: list[tuple[Any, ...]] = [
             ("BLPOP", self._read_key, 0 if timeout is None else seconds(timeout))
         ]
-        now = time.monotonic()
-        self._batch = min(self._prefetch, self._batch * 2) if now - self._last < _TIGHT_LOOP else 1
-        if self._batch > 1 and (self._misses < 4 or self._misses % 8 == 0):
-            commands.append(("LPOP", self._read_key, self._batch - 1))
+        more = self._more()
+        if more:
+            commands.append(("LPOP", self._read_key, more))
         return commands
+
+    def _pop(self) -> bytes | None:
+        """The store's next message for an end with nothing in hand, waiting for it:
+        one BLPOP packed once (the common wait, lean). None: the reader prefetches
+        now (the message and more went to the buffer)."""
+        reader = self._reader
+        if reader is not None and reader.claim is None:
+            reader.try_claim()
+        store = link(self._program)
+        more = self._more()
+        if more:
+            replies = store.call(("BLPOP", self._read_key, 0), ("LPOP", self._read_key, more))
+            self._take(replies[0], replies[1])
+            return None
+        packed = self._wait_forever
+        if packed is None:
+            packed = self._wait_forever = pack_command("BLPOP", self._read_key, 0)
+        popped = store.request(packed)
+        self._misses += 1
+        return popped[1]  # type: ignore[no-any-return]
 
     def _take(self, popped: Any, more: Any) -> None:
         """Put what a fill returned into the local buffer."""
@@ -375,20 +401,13 @@ class Connection:
             replies = link(self._program).call(("LPOP", self._read_key, self._batch))
             self._take(None, replies[0])
             return self._ready()
-        commands = self._fill_commands(timeout)
-        store = link(self._program)
-        if len(commands) == 1 and timeout is None:  # the common wait, packed once
-            packed = self._wait_forever
-            if packed is None:
-                packed = self._wait_forever = pack_command(*commands[0])
-            store.write(packed)
-            try:
-                popped = store.read()
-            except redis.ResponseError as exc:
-                raise store.error(exc) from exc
-            self._take(popped, None)
+        if timeout is None:
+            item = self._pop()
+            if item is not None:
+                self._buffer.append(item)
             return self._ready()
-        replies = store.call(*commands)
+        commands = self._fill_commands(timeout)
+        replies = link(self._program).call(*commands)
         self._take(replies[0], replies[1] if len(replies) > 1 else None)
         return self._ready()
 
@@ -478,6 +497,14 @@ class Connection:
                             raise _undecodable(exc) from exc
                     return unpack(view)
                 return serialization.loads(item[0], item[1:])  # sent unframed
+        elif not self._buffer and not self._eof and (reader is None or not reader.ready):
+            # the store path's common case: nothing in hand, wait for the next message
+            item = self._pop()
+            if item is not None:
+                if item[:1] == MESSAGE:
+                    self._last = time.monotonic()
+                    return unpack(memoryview(item)[1:])
+                self._buffer.append(item)  # a marker or end-of-stream: the general path
         message = self._recv_item()
         if isinstance(message, bytes):
             return unpack(memoryview(message)[1:])
