@@ -258,9 +258,9 @@ class Lock(_Acquirable):
         if held and self._recursive:
             link.held[owners] = held + depth
             return True
-        ttl = _ttl(self._program)
         now = time.monotonic()
         if link.registered.get(owners, 0.0) <= now:  # before any token can be ours
+            ttl = _ttl(self._program)
             link.write(
                 SKIP_REPLY
                 + pack("SADD", owners, link.owner)
@@ -272,7 +272,7 @@ class Lock(_Acquirable):
         if packed is None:
             mine = self._held + link.owner
             packed = pack("LMOVE", self._tokens, mine, "LEFT", "LEFT")
-            packed += SKIP_REPLY + pack("PEXPIRE", mine, ttl)
+            packed += SKIP_REPLY + pack("PEXPIRE", mine, _ttl(self._program))
             link.packed["acquire", owners] = packed
         link.write(packed)
         got = link.read() is not None
