@@ -89,3 +89,33 @@ def test_an_undecodable_message_in_a_batch_names_its_sender_and_spares_the_rest(
         box.pop(None, 0)
     assert info.value.sender == "sender"
     assert box.pop(None, 0) == ("sender", "fine")
+
+
+def test_take_hands_back_only_the_next_message_with_the_tag_when_nothing_waits(
+    wire: tuple[Stream, Link],
+) -> None:
+    out, link = wire
+    box = Mailbox()
+    msg0 = _frames(out, link, (MSG, (0, "t"), pickle.dumps("zero")))
+    assert box.take(link, msg0, "t") == ("sender", "t", pickle.dumps("zero"), ())
+    assert not box.mail and box.take(link, msg0, "t") is None  # a duplicate: dropped
+    # another tag: delivered, not handed back; and with mail waiting, nothing
+    # overtakes it, even a message with the tag wanted
+    assert box.take(link, _frames(out, link, (RAW, (1, "u"), b"u")), "t") is None
+    assert box.take(link, _frames(out, link, (RAW, (2, "t"), b"t")), "t") is None
+    assert [box.pop("sender", "u"), box.pop("sender", "t")] == [("sender", b"u"), ("sender", b"t")]
+    # ahead of a gap (a message still in the store): held, then delivered in order
+    assert box.take(link, _frames(out, link, (RAW, (4, "t"), b"4")), "t") is None
+    assert not box.mail
+    box.put("sender", 3, "t", pickle.dumps("3"), ())
+    assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", "3"), ("sender", b"4")]
+    # two messages read at once: both delivered, in order
+    two = _frames(out, link, (RAW, (5, "t"), b"5"), (RAW, (6, "t"), b"6"))
+    assert box.take(link, two, "t") is None
+    assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", b"5"), ("sender", b"6")]
+    assert box.take(link, _frames(out, link, (RAW, (7, "t"), b"7")), "t") == (
+        "sender",
+        "t",
+        b"7",
+        None,
+    )

@@ -21,6 +21,7 @@ import _thread
 import dataclasses
 import logging
 import os
+import pickle
 import secrets
 import select
 import socket
@@ -36,7 +37,7 @@ from nimbus.errors import MessagingTimeout, PeerExited, PeerLost, StateStoreErro
 from nimbus.keys import Keys
 from nimbus.messaging import _link
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, host_id, socket_path
-from nimbus.messaging._mailbox import Mailbox
+from nimbus.messaging._mailbox import Mail, Mailbox, decode
 from nimbus.messaging._sending import Sender
 from nimbus.wire import ProtocolError, unpack
 
@@ -195,7 +196,15 @@ class Endpoint(Sender):
             # the next common case: one wait for input, and it is there
             seen = mailbox.arrivals
             wait = HEARTBEAT if timeout is None else max(0.0, min(timeout, HEARTBEAT))
-            self._progress(wait, None, seen)
+            mail = self._progress(wait, None, seen, source, tag)
+            if mail is not None:  # the one message wanted, handed over as it was read
+                sender, _, data, buffers = mail
+                if buffers is None:
+                    return sender, data  # small bytes, sent as they are
+                try:
+                    return sender, pickle.loads(data, buffers=buffers)
+                except Exception:
+                    return sender, decode(sender, data, buffers)  # raises, naming the sender
             if mailbox.mail:
                 found = mailbox.pop(source, tag)
                 if found is not None:
@@ -234,7 +243,9 @@ class Endpoint(Sender):
                         + self._never_seen(source)
                     )
                 wait = min(wait, deadline - now)
-            self._progress(wait, None, seen)
+            mail = self._progress(wait, None, seen, source, tag)
+            if mail is not None:
+                return mail[0], decode(mail[0], mail[2], mail[3])
             now = time.monotonic()
 
     def poll_tagged(self, source: str | None, tag: Any, timeout: float | None = 0.0) -> bool:
@@ -311,16 +322,25 @@ class Endpoint(Sender):
                     self._mailbox.ended.setdefault(peer, EXITED)
 
     def _progress(
-        self, timeout: float, writer: _link.Link | None = None, seen: int | None = None
-    ) -> None:
+        self,
+        timeout: float,
+        writer: _link.Link | None = None,
+        seen: int | None = None,
+        want: str | None = None,
+        tag: Any = 0,
+    ) -> Mail | None:
         """Wait up to ``timeout`` for input (or for ``writer``'s socket to drain); read it.
 
         ``seen`` is the arrival count the caller last looked at: if messages
         arrived since (read by another thread), this returns without waiting.
+        A message from ``want`` with ``tag`` read alone and next in order, with
+        no other mail waiting, is returned (undecoded) rather than put in the
+        mailbox: the caller waits for exactly it (``Mailbox.take``).
         """
         io = self._io
         if not io.acquire(True, timeout):
-            return  # another thread is reading; what it reads lands in the mailbox
+            return None  # another thread is reading; what it reads lands in the mailbox
+        found = None
         try:
             if seen is not None and seen != self._mailbox.arrivals:
                 timeout = 0.0
@@ -344,7 +364,10 @@ class Endpoint(Sender):
                     except (OSError, ProtocolError):
                         frames = None
                     if frames:
-                        self._mailbox.deliver(link, frames)
+                        if found is None and link.peer == want:
+                            found = self._mailbox.take(link, frames, tag)
+                        else:
+                            self._mailbox.deliver(link, frames)
                     elif frames is None:
                         self._ended(link)
                 elif fd == self._wake_r:
@@ -356,6 +379,7 @@ class Endpoint(Sender):
                     self._adopt_new()
         finally:
             io.release()
+        return found
 
     def _adopt_new(self) -> None:
         if self._new_in:

@@ -127,7 +127,9 @@ class Mailbox:
                         expect[peer] = seq + 1
                     else:
                         rest = (
-                            _link.writable_as_sent(bufs, meta[2] if len(meta) > 2 else 0)
+                            None  # a raw bytes: the message itself
+                            if kind == RAW
+                            else _link.writable_as_sent(bufs, meta[2] if len(meta) > 2 else 0)
                             if len(bufs) > 1
                             else ()
                         )
@@ -135,6 +137,27 @@ class Mailbox:
                 elif kind == BYE:
                     link.closed_cleanly = True
             self.arrivals += len(frames)
+
+    def take(self, link: _link.Link, frames: list[Frame], tag: Any) -> Mail | None:
+        """As :meth:`deliver`, but one message with ``tag`` that is next in its
+        sender's order, with nothing else waiting, is handed back (undecoded)
+        instead: the caller waits for exactly it. No trip through the mail."""
+        if len(frames) == 1:
+            kind, fmeta, bufs = frames[0]
+            if kind in (RAW, MSG) and len(bufs) == 1:
+                meta = unpackb(fmeta)
+                peer = link.peer
+                with self.lock:
+                    if (
+                        meta[1] == tag
+                        and not self.mail
+                        and not self._held
+                        and meta[0] == self._expect[peer]
+                    ):
+                        self._expect[peer] = meta[0] + 1
+                        return peer, tag, bufs[0], () if kind == MSG else None
+        self.deliver(link, frames)
+        return None
 
     def end(self, sender: str, how: str) -> None:
         """``sender``'s link closed: ``how`` is "exited" (it said goodbye) or "lost"."""

@@ -80,7 +80,7 @@ class Sender:
         self._flusher: threading.Thread | None = None
         self._recvs = 0  # receives so far (the endpoint counts them)
 
-    def _progress(self, timeout: float, writer: _link.Link | None = None) -> None:
+    def _progress(self, timeout: float, writer: _link.Link | None = None) -> Any:
         """Read this instance's sockets until ``writer``'s drains (the endpoint's)."""
         raise NotImplementedError
 
