@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 
 from nimbus.errors import MessageDecodeError
-from nimbus.messaging._link import Link
+from nimbus.messaging._link import TAGS, Link
 from nimbus.messaging._mailbox import Mailbox
-from nimbus.messaging._stream import BATCH, MSG, RAW, Stream
+from nimbus.messaging._stream import BATCH, MSG, PICKLE, RAW, Stream
 from nimbus.wire import Frame, pack
 
 
@@ -29,7 +29,10 @@ def wire() -> Iterator[tuple[Stream, Link]]:
 
 def _frames(out: Stream, link: Link, *frames: tuple[int, tuple[object, ...], bytes]) -> list[Frame]:
     for kind, meta, data in frames:
-        out.queue_small(kind, pack(meta), data)
+        if kind in (PICKLE, RAW):  # a small message: its number in the header
+            out.queue_message(kind, meta[0], pack(meta[1]), data)
+        else:
+            out.queue_small(kind, pack(meta), data)
     assert out.flush()
     got = link.channel.receive()
     assert got is not None and len(got) == len(frames)
@@ -96,26 +99,52 @@ def test_take_hands_back_only_the_next_message_with_the_tag_when_nothing_waits(
 ) -> None:
     out, link = wire
     box = Mailbox()
-    msg0 = _frames(out, link, (MSG, (0, "t"), pickle.dumps("zero")))
-    assert box.take(link, msg0, "t") == ("sender", "t", pickle.dumps("zero"), ())
-    assert not box.mail and box.take(link, msg0, "t") is None  # a duplicate: dropped
+    # the first message with a tag goes through the mail (its packed tag is learnt)
+    assert box.take(link, _frames(out, link, (RAW, (0, "t"), b"first")), "t") is None
+    assert box.pop("sender", "t") == ("sender", b"first")
+    one = _frames(out, link, (PICKLE, (1, "t"), pickle.dumps("one")))
+    assert box.take(link, one, "t") == ("sender", "t", pickle.dumps("one"), ())
+    assert box.take(link, one, "t") is None  # a duplicate: dropped
+    assert not box.mail
     # another tag: delivered, not handed back; and with mail waiting, nothing
     # overtakes it, even a message with the tag wanted
-    assert box.take(link, _frames(out, link, (RAW, (1, "u"), b"u")), "t") is None
-    assert box.take(link, _frames(out, link, (RAW, (2, "t"), b"t")), "t") is None
+    assert box.take(link, _frames(out, link, (RAW, (2, "u"), b"u")), "t") is None
+    assert box.take(link, _frames(out, link, (RAW, (3, "t"), b"t")), "t") is None
     assert [box.pop("sender", "u"), box.pop("sender", "t")] == [("sender", b"u"), ("sender", b"t")]
     # ahead of a gap (a message still in the store): held, then delivered in order
-    assert box.take(link, _frames(out, link, (RAW, (4, "t"), b"4")), "t") is None
+    assert box.take(link, _frames(out, link, (RAW, (5, "t"), b"5")), "t") is None
     assert not box.mail
-    box.put("sender", 3, "t", pickle.dumps("3"), ())
-    assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", "3"), ("sender", b"4")]
+    box.put("sender", 4, "t", pickle.dumps("4"), ())
+    assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", "4"), ("sender", b"5")]
     # two messages read at once: both delivered, in order
-    two = _frames(out, link, (RAW, (5, "t"), b"5"), (RAW, (6, "t"), b"6"))
+    two = _frames(out, link, (RAW, (6, "t"), b"6"), (PICKLE, (7, "t"), pickle.dumps(7)))
     assert box.take(link, two, "t") is None
-    assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", b"5"), ("sender", b"6")]
-    assert box.take(link, _frames(out, link, (RAW, (7, "t"), b"7")), "t") == (
+    assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", b"6"), ("sender", 7)]
+    assert box.take(link, _frames(out, link, (RAW, (8, "t"), b"8")), "t") == (
         "sender",
         "t",
-        b"7",
+        b"8",
         None,
     )
+
+
+def test_small_messages_with_many_tags_and_unhashable_ones_arrive_with_their_tags() -> None:
+    """More tags than a link keeps packed, and a tag that cannot be kept (a list)."""
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    sending, reading = Link(a, Stream(a), "receiver"), Link(b, Stream(b), "sender")
+    try:
+        tags: list[object] = [*range(3 * TAGS), "t", ["list", 1]]
+        for seq, tag in enumerate(tags):
+            sending.queue(seq, tag, pickle.dumps(seq) if seq % 2 else b"%d" % seq, [], seq % 2 == 0)
+        assert sending.channel.flush()
+        assert len(sending.tags) == TAGS
+        box = Mailbox()
+        box.deliver(reading, reading.channel.receive() or [])
+        got = [box.pop("sender", tag) for tag in reversed(tags)]
+        assert got[::-1] == [
+            ("sender", seq if seq % 2 else b"%d" % seq) for seq in range(len(tags))
+        ]
+    finally:
+        sending.close()
+        reading.close()

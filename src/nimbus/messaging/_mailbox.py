@@ -2,7 +2,7 @@
 
 ::
 
-    socket frames  --deliver(link, frames)--+      (MSG, RAW: one message; BATCH: many; BYE)
+    socket frames  --deliver(link, frames)--+      (MSG, PICKLE, RAW: one message; BATCH: many; BYE)
     store inbox    --put(sender, seq, ...)--+
                                             v
           per sender: seq == expected --> mail (one deque, arrival order) --> take(source, tag)
@@ -29,6 +29,7 @@ import msgpack
 
 from nimbus.errors import MessageDecodeError
 from nimbus.messaging import _link
+from nimbus.messaging._stream import SEQ
 from nimbus.wire import Frame
 
 __all__ = ["Mail", "Mailbox", "decode"]
@@ -36,7 +37,10 @@ __all__ = ["Mail", "Mailbox", "decode"]
 # sender, tag, pickle, its out-of-band buffers (None: the data is the message itself)
 Mail = tuple[str, Any, Any, Sequence[Any] | None]
 unpackb = msgpack.unpackb
-MSG, RAW, BATCH, BYE = _link.MSG, _link.RAW, _link.BATCH, _link.BYE
+MSG, PICKLE, RAW, BATCH, BYE = _link.MSG, _link.PICKLE, _link.RAW, _link.BATCH, _link.BYE
+_seq_of = SEQ.unpack_from  # the number of a small message (PICKLE, RAW), its tag after it
+_UNKNOWN = object()  # a packed tag not seen yet
+_MESSAGES = frozenset((PICKLE, RAW))  # the small messages' frames
 
 
 def decode(sender: str, data: Any, buffers: Sequence[Any] | None) -> Any:
@@ -63,6 +67,7 @@ class Mailbox:
         self.arrivals = 0  # bumped after each delivery: a waiting recv looks again
         self._expect: dict[str, int] = collections.defaultdict(int)
         self._held: dict[str, dict[int, tuple[Any, Any, Sequence[Any] | None]]] = {}
+        self._tags: dict[bytes, Any] = {}  # packed -> tag, of the small messages read
 
     def pop(self, source: str | None, tag: Any) -> tuple[str, Any] | None:
         """``(sender, obj)`` of the first waiting message from ``source`` (None:
@@ -118,22 +123,26 @@ class Mailbox:
                     else:
                         for i, piece in enumerate(pieces, seq):
                             self._arrive(peer, i, tag, piece, buffers)
-                elif kind in (MSG, RAW):
-                    meta = unpackb(fmeta)  # seq, tag (, read-only buffers)
-                    seq = meta[0]
-                    if len(bufs) == 1 and seq == expect[peer] and not self._held:
-                        # the common case, inline (a raw bytes is the message itself)
-                        mail.append((peer, meta[1], bufs[0], () if kind == MSG else None))
+                elif kind in _MESSAGES:
+                    # the common case, inline (a raw bytes is the message itself)
+                    seq = _seq_of(fmeta)[0]
+                    tag = self._tags.get(fmeta[8:], _UNKNOWN)
+                    if tag is _UNKNOWN:
+                        tag = self._learn(fmeta[8:])
+                    buffers = () if kind == PICKLE else None
+                    if seq == expect[peer] and not self._held:
+                        mail.append((peer, tag, bufs[0], buffers))
                         expect[peer] = seq + 1
                     else:
-                        rest = (
-                            None  # a raw bytes: the message itself
-                            if kind == RAW
-                            else _link.writable_as_sent(bufs, meta[2] if len(meta) > 2 else 0)
-                            if len(bufs) > 1
-                            else ()
-                        )
-                        self._arrive(peer, seq, meta[1], bufs[0], rest)
+                        self._arrive(peer, seq, tag, bufs[0], buffers)
+                elif kind == MSG:
+                    meta = unpackb(fmeta)  # seq, tag (, read-only buffers)
+                    rest = (
+                        _link.writable_as_sent(bufs, meta[2] if len(meta) > 2 else 0)
+                        if len(bufs) > 1
+                        else ()
+                    )
+                    self._arrive(peer, meta[0], meta[1], bufs[0], rest)
                 elif kind == BYE:
                     link.closed_cleanly = True
             self.arrivals += len(frames)
@@ -144,20 +153,22 @@ class Mailbox:
         instead: the caller waits for exactly it. No trip through the mail."""
         if len(frames) == 1:
             kind, fmeta, bufs = frames[0]
-            if kind in (RAW, MSG) and len(bufs) == 1:
-                meta = unpackb(fmeta)
+            if kind in _MESSAGES and self._tags.get(fmeta[8:], _UNKNOWN) == tag:
+                seq = _seq_of(fmeta)[0]
                 peer = link.peer
                 with self.lock:
-                    if (
-                        meta[1] == tag
-                        and not self.mail
-                        and not self._held
-                        and meta[0] == self._expect[peer]
-                    ):
-                        self._expect[peer] = meta[0] + 1
-                        return peer, tag, bufs[0], () if kind == MSG else None
+                    if not self.mail and not self._held and seq == self._expect[peer]:
+                        self._expect[peer] = seq + 1
+                        return peer, tag, bufs[0], () if kind == PICKLE else None
         self.deliver(link, frames)
         return None
+
+    def _learn(self, packed: bytes) -> Any:
+        """The tag packed as ``packed``, kept for the next messages (a sender's tags repeat)."""
+        tag = unpackb(packed)
+        if len(self._tags) < 4 * _link.TAGS:
+            self._tags[packed] = tag
+        return tag
 
     def end(self, sender: str, how: str) -> None:
         """``sender``'s link closed: ``how`` is "exited" (it said goodbye) or "lost"."""

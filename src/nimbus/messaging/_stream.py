@@ -3,7 +3,8 @@
 ::
 
     MSG [seq, tag] + pickle + out-of-band buffers     one message
-    RAW [seq, tag] + bytes                            one small ``bytes``, sent as it is
+    PICKLE seq tag + pickle                           one small pickle, no buffers
+    RAW seq tag + bytes                               one small ``bytes``, sent as it is
     BATCH [first seq, tag, [lengths], raw] + data     many small messages back to back
     BYE [next seq]                                    the sender exited cleanly
     HELLO / WELCOME / REFUSED                         the handshake (``_link``)
@@ -12,6 +13,12 @@
 skip the general state machine: queued ones are copied into one buffer (one
 ``send`` for all of them), received ones are cut out of the scratch buffer in
 one pass after a single read.
+
+The metadata of a PICKLE or RAW frame (the small messages, one buffer) is not
+a msgpack array: it is the message's number (u64) then its tag packed with
+msgpack, and both ends keep the packed tags they have seen. Sending or
+receiving one small message runs no msgpack code, only the ``struct`` of its
+header, which carries the number.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ __all__ = [
     "BYE",
     "HELLO",
     "MSG",
+    "PICKLE",
     "RAW",
     "REFUSED",
     "WELCOME",
@@ -49,9 +57,13 @@ __all__ = [
     "writable_as_sent",
 ]
 
-HELLO, WELCOME, REFUSED, MSG, BYE, BATCH, RAW = 16, 17, 18, 19, 20, 21, 22
+HELLO, WELCOME, REFUSED, MSG, BYE, BATCH, RAW, PICKLE = 16, 17, 18, 19, 20, 21, 22, 23
 _SMALL = struct.Struct("<2sBBIIQ")  # the header of a frame with one buffer, and its length
 _SMALL_SIZE = _SMALL.size
+# ... and of a small message (PICKLE, RAW): then its number, the start of its metadata
+_MESSAGE = struct.Struct("<2sBBIIQQ")
+_MESSAGE_SIZE = _MESSAGE.size
+SEQ = struct.Struct("<Q")  # the number at the start of a small message's metadata
 
 # The socket methods themselves: a worker wraps ``socket.socket``'s to count a task's
 # bytes (``nimbus.telemetry``), which costs microseconds per call; the small-message
@@ -145,16 +157,17 @@ class Stream(Channel):
             out[0] = first[sent:]
         return super().flush()
 
-    def send_small(self, kind: int, meta: bytes, data: bytes) -> bool:
-        """Queue a frame with one small buffer and write what the socket takes now.
+    def send_message(self, kind: int, seq: int, tag: bytes, data: bytes) -> bool:
+        """Queue a small message (PICKLE or RAW: number ``seq``, packed ``tag``) and
+        write what the socket takes now.
 
         True when everything queued is written. Nothing queued before it (the
         common case): one ``send`` of the frame, no queue.
         """
         if self._out or self._tail:
-            self.queue_small(kind, meta, data)
+            self.queue_message(kind, seq, tag, data)
             return self.flush()
-        frame = _SMALL.pack(MAGIC, VERSION, kind, 1, len(meta), len(data)) + meta + data
+        frame = _MESSAGE.pack(MAGIC, VERSION, kind, 1, 8 + len(tag), len(data), seq) + tag + data
         try:
             sent = _raw_send(self.sock, frame)
         except (BlockingIOError, InterruptedError):
@@ -166,6 +179,14 @@ class Stream(Channel):
         self._out.append(memoryview(frame)[sent:])
         self._out_bytes += len(frame) - sent
         return False
+
+    def queue_message(self, kind: int, seq: int, tag: bytes, data: bytes) -> None:
+        """Queue a small message (PICKLE or RAW), written by the next :meth:`flush`."""
+        tail = self._tail
+        tail += _MESSAGE.pack(MAGIC, VERSION, kind, 1, 8 + len(tag), len(data), seq)
+        tail += tag
+        tail += data
+        self._out_bytes += _MESSAGE_SIZE + len(tag) + len(data)
 
     def queue_small(self, kind: int, meta: bytes, data: bytes) -> None:
         """Queue a frame with one small buffer, written by the next :meth:`flush`
