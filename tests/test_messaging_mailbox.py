@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -94,38 +95,54 @@ def test_an_undecodable_message_in_a_batch_names_its_sender_and_spares_the_rest(
     assert box.pop(None, 0) == ("sender", "fine")
 
 
+def _message(out: Stream, link: Link, kind: int, seq: int, tag: object, data: bytes) -> Any:
+    """One small message written to ``out`` and read from ``link`` as one."""
+    out.queue_message(kind, seq, pack(tag), data)
+    assert out.flush()
+    got = link.channel.receive_message()
+    assert got == (kind, seq, pack(tag), data)
+    return got
+
+
 def test_take_hands_back_only_the_next_message_with_the_tag_when_nothing_waits(
     wire: tuple[Stream, Link],
 ) -> None:
     out, link = wire
     box = Mailbox()
-    # the first message with a tag goes through the mail (its packed tag is learnt)
-    assert box.take(link, _frames(out, link, (RAW, (0, "t"), b"first")), "t") is None
-    assert box.pop("sender", "t") == ("sender", b"first")
-    one = _frames(out, link, (PICKLE, (1, "t"), pickle.dumps("one")))
+    one = _message(out, link, PICKLE, 0, "t", pickle.dumps("one"))
     assert box.take(link, one, "t") == ("sender", "t", pickle.dumps("one"), ())
     assert box.take(link, one, "t") is None  # a duplicate: dropped
     assert not box.mail
     # another tag: delivered, not handed back; and with mail waiting, nothing
     # overtakes it, even a message with the tag wanted
-    assert box.take(link, _frames(out, link, (RAW, (2, "u"), b"u")), "t") is None
-    assert box.take(link, _frames(out, link, (RAW, (3, "t"), b"t")), "t") is None
+    assert box.take(link, _message(out, link, RAW, 1, "u", b"u"), "t") is None
+    assert box.take(link, _message(out, link, RAW, 2, "t", b"t"), "t") is None
     assert [box.pop("sender", "u"), box.pop("sender", "t")] == [("sender", b"u"), ("sender", b"t")]
     # ahead of a gap (a message still in the store): held, then delivered in order
-    assert box.take(link, _frames(out, link, (RAW, (5, "t"), b"5")), "t") is None
+    assert box.take(link, _message(out, link, RAW, 4, "t", b"4"), "t") is None
     assert not box.mail
-    box.put("sender", 4, "t", pickle.dumps("4"), ())
-    assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", "4"), ("sender", b"5")]
-    # two messages read at once: both delivered, in order
-    two = _frames(out, link, (RAW, (6, "t"), b"6"), (PICKLE, (7, "t"), pickle.dumps(7)))
-    assert box.take(link, two, "t") is None
-    assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", b"6"), ("sender", 7)]
-    assert box.take(link, _frames(out, link, (RAW, (8, "t"), b"8")), "t") == (
+    box.put("sender", 3, "t", pickle.dumps("3"), ())
+    assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", "3"), ("sender", b"4")]
+    assert box.take(link, _message(out, link, RAW, 5, "t", b"5"), "t") == (
         "sender",
         "t",
-        b"8",
+        b"5",
         None,
     )
+
+
+def test_a_read_of_more_than_one_small_message_comes_back_as_frames(
+    wire: tuple[Stream, Link],
+) -> None:
+    out, link = wire
+    out.queue_message(RAW, 0, pack("t"), b"a")
+    out.queue_message(PICKLE, 1, pack("t"), pickle.dumps("b"))
+    assert out.flush()
+    box = Mailbox()
+    frames = link.channel.receive_message()
+    assert isinstance(frames, list) and len(frames) == 2
+    box.deliver(link, frames)
+    assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", b"a"), ("sender", "b")]
 
 
 def test_small_messages_with_many_tags_and_unhashable_ones_arrive_with_their_tags() -> None:

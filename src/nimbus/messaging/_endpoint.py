@@ -48,6 +48,7 @@ HEARTBEAT = 0.5  # seconds: how soon a silent dead peer is noticed by a waiting 
 IDLE_POLL = 5  # seconds an idle inbox waits in the store before it looks again
 log = logging.getLogger("nimbus.messaging")
 _READ = select.POLLIN | select.POLLERR | select.POLLHUP
+_NOT_A_TAG = object()  # no message has it: ``Mailbox.take`` delivers to the mail
 
 
 @runtime_checkable
@@ -360,15 +361,17 @@ class Endpoint(Sender):
                 link = links.get(fd)
                 if link is not None:  # as ``_read``, inline: the common case
                     try:
-                        frames = link.channel.receive()
+                        got = link.channel.receive_message()
                     except (OSError, ProtocolError):
-                        frames = None
-                    if frames:
+                        got = None
+                    if isinstance(got, tuple):  # one small message
                         if found is None and link.peer == want:
-                            found = self._mailbox.take(link, frames, tag)
+                            found = self._mailbox.take(link, got, tag)
                         else:
-                            self._mailbox.deliver(link, frames)
-                    elif frames is None:
+                            self._mailbox.take(link, got, _NOT_A_TAG)
+                    elif got:
+                        self._mailbox.deliver(link, got)
+                    elif got is None:
                         self._ended(link)
                 elif fd == self._wake_r:
                     try:

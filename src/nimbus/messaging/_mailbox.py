@@ -29,7 +29,7 @@ import msgpack
 
 from nimbus.errors import MessageDecodeError
 from nimbus.messaging import _link
-from nimbus.messaging._stream import SEQ
+from nimbus.messaging._stream import MESSAGES, SEQ, Message
 from nimbus.wire import Frame
 
 __all__ = ["Mail", "Mailbox", "decode"]
@@ -40,7 +40,6 @@ unpackb = msgpack.unpackb
 MSG, PICKLE, RAW, BATCH, BYE = _link.MSG, _link.PICKLE, _link.RAW, _link.BATCH, _link.BYE
 _seq_of = SEQ.unpack_from  # the number of a small message (PICKLE, RAW), its tag after it
 _UNKNOWN = object()  # a packed tag not seen yet
-_MESSAGES = frozenset((PICKLE, RAW))  # the small messages' frames
 
 
 def decode(sender: str, data: Any, buffers: Sequence[Any] | None) -> Any:
@@ -123,7 +122,7 @@ class Mailbox:
                     else:
                         for i, piece in enumerate(pieces, seq):
                             self._arrive(peer, i, tag, piece, buffers)
-                elif kind in _MESSAGES:
+                elif kind in MESSAGES:
                     # the common case, inline (a raw bytes is the message itself)
                     seq = _seq_of(fmeta)[0]
                     tag = self._tags.get(fmeta[8:], _UNKNOWN)
@@ -147,20 +146,26 @@ class Mailbox:
                     link.closed_cleanly = True
             self.arrivals += len(frames)
 
-    def take(self, link: _link.Link, frames: list[Frame], tag: Any) -> Mail | None:
-        """As :meth:`deliver`, but one message with ``tag`` that is next in its
-        sender's order, with nothing else waiting, is handed back (undecoded)
-        instead: the caller waits for exactly it. No trip through the mail."""
-        if len(frames) == 1:
-            kind, fmeta, bufs = frames[0]
-            if kind in _MESSAGES and self._tags.get(fmeta[8:], _UNKNOWN) == tag:
-                seq = _seq_of(fmeta)[0]
-                peer = link.peer
-                with self.lock:
-                    if not self.mail and not self._held and seq == self._expect[peer]:
-                        self._expect[peer] = seq + 1
-                        return peer, tag, bufs[0], () if kind == PICKLE else None
-        self.deliver(link, frames)
+    def take(self, link: _link.Link, message: Message, tag: Any) -> Mail | None:
+        """Deliver one small message read from ``link`` (``Stream.receive_message``);
+        but when it has ``tag``, is next in its sender's order and nothing else
+        waits, hand it back (undecoded) instead: the caller waits for exactly it.
+        No trip through the mail, no second lock."""
+        kind, seq, packed, data = message
+        known = self._tags.get(packed, _UNKNOWN)
+        if known is _UNKNOWN:
+            known = self._learn(packed)
+        peer = link.peer
+        buffers = () if kind == PICKLE else None
+        with self.lock:
+            if seq == self._expect[peer] and not self._held:
+                self._expect[peer] = seq + 1
+                if known == tag and not self.mail:
+                    return peer, tag, data, buffers
+                self.mail.append((peer, known, data, buffers))
+            else:
+                self._arrive(peer, seq, known, data, buffers)
+            self.arrivals += 1
         return None
 
     def _learn(self, packed: bytes) -> Any:
