@@ -49,6 +49,7 @@ IDLE_POLL = 5  # seconds an idle inbox waits in the store before it looks again
 log = logging.getLogger("nimbus.messaging")
 _READ = select.POLLIN | select.POLLERR | select.POLLHUP
 _NOT_A_TAG = object()  # no message has it: ``Mailbox.take`` delivers to the mail
+_NOBODY = object()  # ``_progress`` waits for no message in particular
 
 
 @runtime_checkable
@@ -327,16 +328,16 @@ class Endpoint(Sender):
         timeout: float,
         writer: _link.Link | None = None,
         seen: int | None = None,
-        want: str | None = None,
+        want: Any = _NOBODY,
         tag: Any = 0,
     ) -> Mail | None:
         """Wait up to ``timeout`` for input (or for ``writer``'s socket to drain); read it.
 
         ``seen`` is the arrival count the caller last looked at: if messages
         arrived since (read by another thread), this returns without waiting.
-        A message from ``want`` with ``tag`` read alone and next in order, with
-        no other mail waiting, is returned (undecoded) rather than put in the
-        mailbox: the caller waits for exactly it (``Mailbox.take``).
+        A message from ``want`` (None: anyone) with ``tag``, read alone and next
+        in order with no other mail waiting, is returned (undecoded) rather
+        than put in the mailbox: the caller waits for exactly it (``Mailbox.take``).
         """
         io = self._io
         if not io.acquire(True, timeout):
@@ -365,7 +366,7 @@ class Endpoint(Sender):
                     except (OSError, ProtocolError):
                         got = None
                     if isinstance(got, tuple):  # one small message
-                        if found is None and link.peer == want:
+                        if found is None and (link.peer == want or want is None):
                             found = self._mailbox.take(link, got, tag)
                         else:
                             self._mailbox.take(link, got, _NOT_A_TAG)
