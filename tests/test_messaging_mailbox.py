@@ -31,7 +31,9 @@ def wire() -> Iterator[tuple[Stream, Link]]:
 def _frames(out: Stream, link: Link, *frames: tuple[int, tuple[object, ...], bytes]) -> list[Frame]:
     for kind, meta, data in frames:
         if kind in (PICKLE, RAW):  # a small message: its number in the header
-            out.queue_message(kind, meta[0], pack(meta[1]), data)
+            seq, tag = meta
+            assert isinstance(seq, int)
+            out.queue_message(kind, seq, pack(tag), data)
         else:
             out.queue_small(kind, pack(meta), data)
     assert out.flush()
@@ -143,6 +145,17 @@ def test_a_read_of_more_than_one_small_message_comes_back_as_frames(
     assert isinstance(frames, list) and len(frames) == 2
     box.deliver(link, frames)
     assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", b"a"), ("sender", "b")]
+    # one message longer than the first read: the rest is read on, into the same frame
+    big = pickle.dumps(bytes(range(256)) * 200)
+    out.queue_message(PICKLE, 2, pack("t"), big)
+    assert out.flush()
+    frames = []
+    while not frames:  # a socket pair may hand the bytes over in pieces
+        got = link.channel.receive_message()
+        assert isinstance(got, list)
+        frames += got
+    box.deliver(link, frames)
+    assert box.pop(None, "t") == ("sender", bytes(range(256)) * 200)
 
 
 def test_small_messages_with_many_tags_and_unhashable_ones_arrive_with_their_tags() -> None:

@@ -75,6 +75,8 @@ Message = tuple[int, int, bytes, bytes]
 # paths call these and count into the same totals.
 _raw_send = _socket.socket.send
 _raw_recv_into = _socket.socket.recv_into
+_raw_recv = _socket.socket.recv
+_FIRST_READ = 16 * 1024  # bytes of a reader's first read (``Stream.receive_message``)
 _DONTWAIT = socket.MSG_DONTWAIT
 _COUNTS = telemetry.COUNTS
 
@@ -205,22 +207,20 @@ class Stream(Channel):
     def receive_message(self) -> Message | list[Frame] | None:
         """As :meth:`receive`; but a read that is exactly one small message (the
         commonest case of all) comes back as ``(kind, seq, packed tag, data)``,
-        with no frame made."""
+        with no frame made: read as one ``bytes`` and cut with two slices."""
         if self._start != self._end or self._kind >= 0 or self._big is not None:
             return self.receive()
-        self._start = self._end = 0
         try:
-            n = _raw_recv_into(self.sock, self._view, 0, _DONTWAIT)
+            read = _raw_recv(self.sock, _FIRST_READ, _DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return []
+        n = len(read)
         if n == 0:
             return None
         _COUNTS[0] += n
         self.bytes_in += n
-        room = len(self._scratch)
-        if _MESSAGE_SIZE <= n < room:
-            view = self._view
-            magic, version, kind, nbufs, meta_len, size, seq = _MESSAGE.unpack_from(view, 0)
+        if _MESSAGE_SIZE <= n < _FIRST_READ:
+            magic, version, kind, nbufs, meta_len, size, seq = _MESSAGE.unpack_from(read)
             d0 = _SMALL_SIZE + meta_len
             if (
                 d0 + size == n
@@ -229,8 +229,11 @@ class Stream(Channel):
                 and magic == MAGIC
                 and version == VERSION
             ):
-                return kind, seq, bytes(view[_MESSAGE_SIZE:d0]), bytes(view[d0:n])
-        return self._frames(0, n, room)
+                return kind, seq, read[_MESSAGE_SIZE:d0], read[d0:]
+        # anything else: into the scratch buffer, read on from there if it was full
+        self._start = 0
+        self._scratch[:n] = read
+        return self._frames(0, n, _FIRST_READ if n == _FIRST_READ else len(self._scratch))
 
     def receive(self, block: bool = False) -> list[Frame] | None:
         """As :meth:`Channel.receive`. Between frames (the common case): one read
