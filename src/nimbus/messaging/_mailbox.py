@@ -2,10 +2,11 @@
 
 ::
 
-    socket frames  --deliver(link, frames)--+      (MSG, PICKLE, RAW: one message; BATCH: many; BYE)
-    store inbox    --put(sender, seq, ...)--+
-                                            v
-          per sender: seq == expected --> mail (one deque, arrival order) --> take(source, tag)
+    socket frames  --deliver(link, frames)--+   (MSG, PICKLE, RAW: one message; BATCH: many; BYE)
+    one small message --take(link, msg, tag)-+
+    store inbox    --put(sender, seq, ...)---+
+                                             v
+          per sender: seq == expected --> mail (one deque, arrival order) --> pop(source, tag)
                       seq >  expected --> held until the gap before it fills
                       seq <  expected --> a duplicate, dropped
 
@@ -13,7 +14,9 @@ Every message carries a sequence number per (sender, receiver) pair, whichever
 way it travelled, so a sender that switched from the store to a socket
 mid-stream is still delivered once and in order. A batch that arrives in order
 (the common case) goes into the mail in one C-level pass, no per-message step
-in Python.
+in Python. A receiver waiting for one sender and tag that reads exactly the
+message it waits for, next in order with no mail waiting, gets it from
+``take`` straight away: it never enters the mail.
 """
 
 from __future__ import annotations
