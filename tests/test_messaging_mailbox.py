@@ -5,13 +5,14 @@ from __future__ import annotations
 import pickle
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from nimbus.errors import MessageDecodeError
-from nimbus.messaging._link import Link
+from nimbus.messaging._link import TAGS, Link
 from nimbus.messaging._mailbox import Mailbox
-from nimbus.messaging._stream import BATCH, MSG, RAW, Stream
+from nimbus.messaging._stream import BATCH, MSG, PICKLE, RAW, Stream
 from nimbus.wire import Frame, pack
 
 
@@ -29,7 +30,12 @@ def wire() -> Iterator[tuple[Stream, Link]]:
 
 def _frames(out: Stream, link: Link, *frames: tuple[int, tuple[object, ...], bytes]) -> list[Frame]:
     for kind, meta, data in frames:
-        out.queue_small(kind, pack(meta), data)
+        if kind in (PICKLE, RAW):  # a small message: its number in the header
+            seq, tag = meta
+            assert isinstance(seq, int)
+            out.queue_message(kind, seq, pack(tag), data)
+        else:
+            out.queue_small(kind, pack(meta), data)
     assert out.flush()
     got = link.channel.receive()
     assert got is not None and len(got) == len(frames)
@@ -89,3 +95,86 @@ def test_an_undecodable_message_in_a_batch_names_its_sender_and_spares_the_rest(
         box.pop(None, 0)
     assert info.value.sender == "sender"
     assert box.pop(None, 0) == ("sender", "fine")
+
+
+def _message(out: Stream, link: Link, kind: int, seq: int, tag: object, data: bytes) -> Any:
+    """One small message written to ``out`` and read from ``link`` as one."""
+    out.queue_message(kind, seq, pack(tag), data)
+    assert out.flush()
+    got = link.channel.receive_message()
+    assert got == (kind, seq, pack(tag), data)
+    return got
+
+
+def test_take_hands_back_only_the_next_message_with_the_tag_when_nothing_waits(
+    wire: tuple[Stream, Link],
+) -> None:
+    out, link = wire
+    box = Mailbox()
+    one = _message(out, link, PICKLE, 0, "t", pickle.dumps("one"))
+    assert box.take(link, one, "t") == ("sender", "t", pickle.dumps("one"), ())
+    assert box.take(link, one, "t") is None  # a duplicate: dropped
+    assert not box.mail
+    # another tag: delivered, not handed back; and with mail waiting, nothing
+    # overtakes it, even a message with the tag wanted
+    assert box.take(link, _message(out, link, RAW, 1, "u", b"u"), "t") is None
+    assert box.take(link, _message(out, link, RAW, 2, "t", b"t"), "t") is None
+    assert [box.pop("sender", "u"), box.pop("sender", "t")] == [("sender", b"u"), ("sender", b"t")]
+    # ahead of a gap (a message still in the store): held, then delivered in order
+    assert box.take(link, _message(out, link, RAW, 4, "t", b"4"), "t") is None
+    assert not box.mail
+    box.put("sender", 3, "t", pickle.dumps("3"), ())
+    assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", "3"), ("sender", b"4")]
+    assert box.take(link, _message(out, link, RAW, 5, "t", b"5"), "t") == (
+        "sender",
+        "t",
+        b"5",
+        None,
+    )
+
+
+def test_a_read_of_more_than_one_small_message_comes_back_as_frames(
+    wire: tuple[Stream, Link],
+) -> None:
+    out, link = wire
+    out.queue_message(RAW, 0, pack("t"), b"a")
+    out.queue_message(PICKLE, 1, pack("t"), pickle.dumps("b"))
+    assert out.flush()
+    box = Mailbox()
+    frames = link.channel.receive_message()
+    assert isinstance(frames, list) and len(frames) == 2
+    box.deliver(link, frames)
+    assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", b"a"), ("sender", "b")]
+    # one message longer than the first read: the rest is read on, into the same frame
+    big = pickle.dumps(bytes(range(256)) * 200)
+    out.queue_message(PICKLE, 2, pack("t"), big)
+    assert out.flush()
+    frames = []
+    while not frames:  # a socket pair may hand the bytes over in pieces
+        got = link.channel.receive_message()
+        assert isinstance(got, list)
+        frames += got
+    box.deliver(link, frames)
+    assert box.pop(None, "t") == ("sender", bytes(range(256)) * 200)
+
+
+def test_small_messages_with_many_tags_and_unhashable_ones_arrive_with_their_tags() -> None:
+    """More tags than a link keeps packed, and a tag that cannot be kept (a list)."""
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    sending, reading = Link(a, Stream(a), "receiver"), Link(b, Stream(b), "sender")
+    try:
+        tags: list[object] = [*range(3 * TAGS), "t", ["list", 1]]
+        for seq, tag in enumerate(tags):
+            sending.queue(seq, tag, pickle.dumps(seq) if seq % 2 else b"%d" % seq, [], seq % 2 == 0)
+        assert sending.channel.flush()
+        assert len(sending.tags) == TAGS
+        box = Mailbox()
+        box.deliver(reading, reading.channel.receive() or [])
+        got = [box.pop("sender", tag) for tag in reversed(tags)]
+        assert got[::-1] == [
+            ("sender", seq if seq % 2 else b"%d" % seq) for seq in range(len(tags))
+        ]
+    finally:
+        sending.close()
+        reading.close()

@@ -21,6 +21,7 @@ import _thread
 import dataclasses
 import logging
 import os
+import pickle
 import secrets
 import select
 import socket
@@ -36,7 +37,7 @@ from nimbus.errors import MessagingTimeout, PeerExited, PeerLost, StateStoreErro
 from nimbus.keys import Keys
 from nimbus.messaging import _link
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, host_id, socket_path
-from nimbus.messaging._mailbox import Mailbox
+from nimbus.messaging._mailbox import Mail, Mailbox, decode
 from nimbus.messaging._sending import Sender
 from nimbus.wire import ProtocolError, unpack
 
@@ -47,6 +48,8 @@ HEARTBEAT = 0.5  # seconds: how soon a silent dead peer is noticed by a waiting 
 IDLE_POLL = 5  # seconds an idle inbox waits in the store before it looks again
 log = logging.getLogger("nimbus.messaging")
 _READ = select.POLLIN | select.POLLERR | select.POLLHUP
+_NOT_A_TAG = object()  # no message has it: ``Mailbox.take`` delivers to the mail
+_NOBODY = object()  # ``_progress`` waits for no message in particular
 
 
 @runtime_checkable
@@ -195,7 +198,15 @@ class Endpoint(Sender):
             # the next common case: one wait for input, and it is there
             seen = mailbox.arrivals
             wait = HEARTBEAT if timeout is None else max(0.0, min(timeout, HEARTBEAT))
-            self._progress(wait, None, seen)
+            mail = self._progress(wait, None, seen, source, tag)
+            if mail is not None:  # the one message wanted, handed over as it was read
+                sender, _, data, buffers = mail
+                if buffers is None:
+                    return sender, data  # small bytes, sent as they are
+                try:
+                    return sender, pickle.loads(data, buffers=buffers)
+                except Exception:
+                    return sender, decode(sender, data, buffers)  # raises, naming the sender
             if mailbox.mail:
                 found = mailbox.pop(source, tag)
                 if found is not None:
@@ -234,7 +245,9 @@ class Endpoint(Sender):
                         + self._never_seen(source)
                     )
                 wait = min(wait, deadline - now)
-            self._progress(wait, None, seen)
+            mail = self._progress(wait, None, seen, source, tag)
+            if mail is not None:
+                return mail[0], decode(mail[0], mail[2], mail[3])
             now = time.monotonic()
 
     def poll_tagged(self, source: str | None, tag: Any, timeout: float | None = 0.0) -> bool:
@@ -311,16 +324,25 @@ class Endpoint(Sender):
                     self._mailbox.ended.setdefault(peer, EXITED)
 
     def _progress(
-        self, timeout: float, writer: _link.Link | None = None, seen: int | None = None
-    ) -> None:
+        self,
+        timeout: float,
+        writer: _link.Link | None = None,
+        seen: int | None = None,
+        want: Any = _NOBODY,
+        tag: Any = 0,
+    ) -> Mail | None:
         """Wait up to ``timeout`` for input (or for ``writer``'s socket to drain); read it.
 
         ``seen`` is the arrival count the caller last looked at: if messages
         arrived since (read by another thread), this returns without waiting.
+        A message from ``want`` (None: anyone) with ``tag``, read alone and next
+        in order with no other mail waiting, is returned (undecoded) rather
+        than put in the mailbox: the caller waits for exactly it (``Mailbox.take``).
         """
         io = self._io
         if not io.acquire(True, timeout):
-            return  # another thread is reading; what it reads lands in the mailbox
+            return None  # another thread is reading; what it reads lands in the mailbox
+        found = None
         try:
             if seen is not None and seen != self._mailbox.arrivals:
                 timeout = 0.0
@@ -340,12 +362,17 @@ class Endpoint(Sender):
                 link = links.get(fd)
                 if link is not None:  # as ``_read``, inline: the common case
                     try:
-                        frames = link.channel.receive()
+                        got = link.channel.receive_message()
                     except (OSError, ProtocolError):
-                        frames = None
-                    if frames:
-                        self._mailbox.deliver(link, frames)
-                    elif frames is None:
+                        got = None
+                    if isinstance(got, tuple):  # one small message
+                        if found is None and (link.peer == want or want is None):
+                            found = self._mailbox.take(link, got, tag)
+                        else:
+                            self._mailbox.take(link, got, _NOT_A_TAG)
+                    elif got:
+                        self._mailbox.deliver(link, got)
+                    elif got is None:
                         self._ended(link)
                 elif fd == self._wake_r:
                     try:
@@ -356,6 +383,7 @@ class Endpoint(Sender):
                     self._adopt_new()
         finally:
             io.release()
+        return found
 
     def _adopt_new(self) -> None:
         if self._new_in:

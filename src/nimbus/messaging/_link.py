@@ -6,7 +6,8 @@
     connect() --HELLO [version, program, token, id]--> acceptor: check version,
               <--WELCOME [id] or REFUSED [reason]----  program and token (logged)
     MSG [seq, tag] + pickle + out-of-band buffers --->  mailbox (in order per sender)
-    RAW [seq, tag] + bytes (a small bytes as it is) ->  mailbox
+    PICKLE seq tag + a small pickle ---------------->  mailbox
+    RAW seq tag + bytes (a small bytes as it is) --->  mailbox
     BATCH [first seq, tag, [lengths], raw] + data -->  mailbox, one message per length
     BYE [next seq] (clean exit) -------------------->  the sender exited
 
@@ -46,6 +47,7 @@ from nimbus.messaging._stream import (
     BYE,
     HELLO,
     MSG,
+    PICKLE,
     RAW,
     REFUSED,
     WELCOME,
@@ -59,6 +61,7 @@ __all__ = [
     "BATCH",
     "BYE",
     "MSG",
+    "PICKLE",
     "PROTOCOL",
     "RAW",
     "Link",
@@ -71,7 +74,7 @@ __all__ = [
 
 log = logging.getLogger("nimbus.messaging")
 
-PROTOCOL = 2
+PROTOCOL = 3  # 3: small messages carry their number in the frame header
 HANDSHAKE_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 1.0  # a TCP peer that does not answer within this is unreachable (for now)
 SOCKET_BUFFER = 4 * 1024 * 1024
@@ -80,6 +83,7 @@ BATCHED = 4096  # a pickle this small (and with no out-of-band buffers) may wait
 BATCH_BYTES = 32 * 1024  # pickles in one BATCH frame (about: runs are cut by count)
 _tag_raw = itemgetter(0, 2)
 _data = itemgetter(1)
+TAGS = 64  # packed tags a link keeps (tags beyond are packed per message)
 _FORCE = {socket.SO_SNDBUF: 32, socket.SO_RCVBUF: 33}  # SO_SNDBUFFORCE, SO_RCVBUFFORCE
 
 
@@ -112,6 +116,7 @@ class Link:
         "queued",
         "recvs",
         "sock",
+        "tags",
     )
 
     def __init__(self, sock: socket.socket, channel: Stream, peer: str) -> None:
@@ -123,11 +128,24 @@ class Link:
         self.error: BaseException | None = None  # a deferred flush failed
         self.recvs = -1  # the endpoint's receive count at this link's last send
         self.packer = msgpack.Packer(use_bin_type=True)  # used under ``lock``
+        self.tags: dict[Any, bytes] = {}  # tag -> packed, for small messages (``packed``)
         # small messages (tag, data, raw) not yet numbered nor framed: appended without
         # the lock (a deque's append is atomic), taken by :meth:`frame_pending`
         self.pending: collections.deque[tuple[Any, bytes, bool]] = collections.deque()
         self.queued = 0  # bytes in ``pending``: added to without a lock, so approximate
         self.armed = False  # the endpoint's flusher will frame and write ``pending``
+
+    def packed(self, tag: Any) -> bytes:
+        """``tag`` packed with msgpack, kept for the next messages with it (up to TAGS)."""
+        try:
+            return self.tags[tag]
+        except KeyError:
+            packed = pack(tag)
+            if len(self.tags) < TAGS:
+                self.tags[tag] = packed
+            return packed
+        except TypeError:  # not hashable
+            return pack(tag)
 
     def queue(self, seq: int, tag: Any, data: bytes, buffers: list[Any], raw: bool) -> None:
         """Queue one message; the caller flushes (now, or later with others).
@@ -135,20 +153,20 @@ class Link:
         ``raw``: ``data`` is a small ``bytes`` sent as it is, not a pickle.
         """
         if raw:
-            self.channel.queue_small(RAW, self.packer.pack((seq, tag)), data)
+            self.channel.queue_message(RAW, seq, self.packed(tag), data)
         elif buffers or len(data) > SMALL_LIMIT:
             readonly = readonly_mask(buffers)
             meta = pack((seq, tag, readonly)) if readonly else pack((seq, tag))
             self.channel.send(MSG, meta, [data, *buffers])
         else:
-            self.channel.queue_small(MSG, self.packer.pack((seq, tag)), data)
+            self.channel.queue_message(PICKLE, seq, self.packed(tag), data)
 
     def frame_pending(self, number: Callable[[str, int], int]) -> None:
         """Number the ``pending`` messages and queue them as frames (``lock`` held).
 
         ``number(peer, n)`` reserves ``n`` consecutive sequence numbers and
         returns the first. Each run of one tag (and of raw ``bytes`` or pickles)
-        becomes BATCH frames of about ``BATCH_BYTES`` (one message alone, MSG or RAW).
+        becomes BATCH frames of about ``BATCH_BYTES`` (one message alone, PICKLE or RAW).
         """
         pending = self.pending
         n = len(pending)
@@ -157,7 +175,11 @@ class Link:
         self.queued = 0
         items = [pending.popleft() for _ in range(n)]
         seq = number(self.peer, n)
-        queue_small, packer = self.channel.queue_small, self.packer
+        queue_small, queue_message, packer = (
+            self.channel.queue_small,
+            self.channel.queue_message,
+            self.packer,
+        )
         for (tag, raw), run in groupby(items, _tag_raw):
             datas = list(map(_data, run))
             lengths = list(map(len, datas))
@@ -166,7 +188,7 @@ class Link:
             for start in range(0, len(datas), step):
                 chunk = datas[start : start + step]
                 if len(chunk) == 1:
-                    queue_small(RAW if raw else MSG, packer.pack((seq, tag)), chunk[0])
+                    queue_message(RAW if raw else PICKLE, seq, self.packed(tag), chunk[0])
                 else:
                     meta = packer.pack((seq, tag, lengths[start : start + step], raw))
                     queue_small(BATCH, meta, b"".join(chunk))

@@ -2,10 +2,11 @@
 
 ::
 
-    socket frames  --deliver(link, frames)--+      (MSG, RAW: one message; BATCH: many; BYE)
-    store inbox    --put(sender, seq, ...)--+
-                                            v
-          per sender: seq == expected --> mail (one deque, arrival order) --> take(source, tag)
+    socket frames  --deliver(link, frames)--+   (MSG, PICKLE, RAW: one message; BATCH: many; BYE)
+    one small message --take(link, msg, tag)-+
+    store inbox    --put(sender, seq, ...)---+
+                                             v
+          per sender: seq == expected --> mail (one deque, arrival order) --> pop(source, tag)
                       seq >  expected --> held until the gap before it fills
                       seq <  expected --> a duplicate, dropped
 
@@ -13,7 +14,9 @@ Every message carries a sequence number per (sender, receiver) pair, whichever
 way it travelled, so a sender that switched from the store to a socket
 mid-stream is still delivered once and in order. A batch that arrives in order
 (the common case) goes into the mail in one C-level pass, no per-message step
-in Python.
+in Python. A receiver waiting for one sender and tag that reads exactly the
+message it waits for, next in order with no mail waiting, gets it from
+``take`` straight away: it never enters the mail.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import msgpack
 
 from nimbus.errors import MessageDecodeError
 from nimbus.messaging import _link
+from nimbus.messaging._stream import MESSAGES, SEQ, Message
 from nimbus.wire import Frame
 
 __all__ = ["Mail", "Mailbox", "decode"]
@@ -36,7 +40,9 @@ __all__ = ["Mail", "Mailbox", "decode"]
 # sender, tag, pickle, its out-of-band buffers (None: the data is the message itself)
 Mail = tuple[str, Any, Any, Sequence[Any] | None]
 unpackb = msgpack.unpackb
-MSG, RAW, BATCH, BYE = _link.MSG, _link.RAW, _link.BATCH, _link.BYE
+MSG, PICKLE, RAW, BATCH, BYE = _link.MSG, _link.PICKLE, _link.RAW, _link.BATCH, _link.BYE
+_seq_of = SEQ.unpack_from  # the number of a small message (PICKLE, RAW), its tag after it
+_UNKNOWN = object()  # a packed tag not seen yet
 
 
 def decode(sender: str, data: Any, buffers: Sequence[Any] | None) -> Any:
@@ -63,6 +69,7 @@ class Mailbox:
         self.arrivals = 0  # bumped after each delivery: a waiting recv looks again
         self._expect: dict[str, int] = collections.defaultdict(int)
         self._held: dict[str, dict[int, tuple[Any, Any, Sequence[Any] | None]]] = {}
+        self._tags: dict[bytes, Any] = {}  # packed -> tag, of the small messages read
 
     def pop(self, source: str | None, tag: Any) -> tuple[str, Any] | None:
         """``(sender, obj)`` of the first waiting message from ``source`` (None:
@@ -118,23 +125,58 @@ class Mailbox:
                     else:
                         for i, piece in enumerate(pieces, seq):
                             self._arrive(peer, i, tag, piece, buffers)
-                elif kind in (MSG, RAW):
-                    meta = unpackb(fmeta)  # seq, tag (, read-only buffers)
-                    seq = meta[0]
-                    if len(bufs) == 1 and seq == expect[peer] and not self._held:
-                        # the common case, inline (a raw bytes is the message itself)
-                        mail.append((peer, meta[1], bufs[0], () if kind == MSG else None))
+                elif kind in MESSAGES:
+                    # the common case, inline (a raw bytes is the message itself)
+                    seq = _seq_of(fmeta)[0]
+                    tag = self._tags.get(fmeta[8:], _UNKNOWN)
+                    if tag is _UNKNOWN:
+                        tag = self._learn(fmeta[8:])
+                    buffers = () if kind == PICKLE else None
+                    if seq == expect[peer] and not self._held:
+                        mail.append((peer, tag, bufs[0], buffers))
                         expect[peer] = seq + 1
                     else:
-                        rest = (
-                            _link.writable_as_sent(bufs, meta[2] if len(meta) > 2 else 0)
-                            if len(bufs) > 1
-                            else ()
-                        )
-                        self._arrive(peer, seq, meta[1], bufs[0], rest)
+                        self._arrive(peer, seq, tag, bufs[0], buffers)
+                elif kind == MSG:
+                    meta = unpackb(fmeta)  # seq, tag (, read-only buffers)
+                    rest = (
+                        _link.writable_as_sent(bufs, meta[2] if len(meta) > 2 else 0)
+                        if len(bufs) > 1
+                        else ()
+                    )
+                    self._arrive(peer, meta[0], meta[1], bufs[0], rest)
                 elif kind == BYE:
                     link.closed_cleanly = True
             self.arrivals += len(frames)
+
+    def take(self, link: _link.Link, message: Message, tag: Any) -> Mail | None:
+        """Deliver one small message read from ``link`` (``Stream.receive_message``);
+        but when it has ``tag``, is next in its sender's order and nothing else
+        waits, hand it back (undecoded) instead: the caller waits for exactly it.
+        No trip through the mail, no second lock."""
+        kind, seq, packed, data = message
+        known = self._tags.get(packed, _UNKNOWN)
+        if known is _UNKNOWN:
+            known = self._learn(packed)
+        peer = link.peer
+        buffers = () if kind == PICKLE else None
+        with self.lock:
+            if seq == self._expect[peer] and not self._held:
+                self._expect[peer] = seq + 1
+                if known == tag and not self.mail:
+                    return peer, tag, data, buffers
+                self.mail.append((peer, known, data, buffers))
+            else:
+                self._arrive(peer, seq, known, data, buffers)
+            self.arrivals += 1
+        return None
+
+    def _learn(self, packed: bytes) -> Any:
+        """The tag packed as ``packed``, kept for the next messages (a sender's tags repeat)."""
+        tag = unpackb(packed)
+        if len(self._tags) < 4 * _link.TAGS:
+            self._tags[packed] = tag
+        return tag
 
     def end(self, sender: str, how: str) -> None:
         """``sender``'s link closed: ``how`` is "exited" (it said goodbye) or "lost"."""

@@ -48,7 +48,7 @@ FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be writ
 _PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to find)
 _INLINE = 64 * 1024
 _BATCHED = _link.BATCHED
-_RAW, _MSG = _link.RAW, _link.MSG
+_RAW, _PICKLE = _link.RAW, _link.PICKLE
 _NO_BUFFERS: list[Any] = []  # shared, never changed: saves a list per small send
 
 
@@ -80,7 +80,7 @@ class Sender:
         self._flusher: threading.Thread | None = None
         self._recvs = 0  # receives so far (the endpoint counts them)
 
-    def _progress(self, timeout: float, writer: _link.Link | None = None) -> None:
+    def _progress(self, timeout: float, writer: _link.Link | None = None) -> Any:
         """Read this instance's sockets until ``writer``'s drains (the endpoint's)."""
         raise NotImplementedError
 
@@ -115,9 +115,13 @@ class Sender:
                 # before it: written now, as ``_send_slow`` would (inline: the common case)
                 if link.error is None and not link.pending and link.recvs != self._recvs:
                     link.recvs = self._recvs
-                    meta = link.packer.pack((next(self._seq[peer]), tag))
                     try:
-                        if link.channel.send_small(_RAW if raw else _MSG, meta, data):
+                        packed = link.tags[tag]
+                    except (KeyError, TypeError):
+                        packed = link.packed(tag)
+                    seq = next(self._seq[peer])
+                    try:
+                        if link.channel.send_message(_RAW if raw else _PICKLE, seq, packed, data):
                             return
                     except OSError as exc:
                         self._drop_out(link)
@@ -152,8 +156,8 @@ class Sender:
             link.recvs = self._recvs
             if now and not raws and len(data) <= _link.SMALL_LIMIT:
                 try:
-                    kind = _link.RAW if raw else _link.MSG
-                    if link.channel.send_small(kind, link.packer.pack((seq, tag)), data):
+                    kind = _RAW if raw else _PICKLE
+                    if link.channel.send_message(kind, seq, link.packed(tag), data):
                         return
                 except OSError as exc:
                     self._drop_out(link)

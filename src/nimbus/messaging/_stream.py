@@ -3,7 +3,8 @@
 ::
 
     MSG [seq, tag] + pickle + out-of-band buffers     one message
-    RAW [seq, tag] + bytes                            one small ``bytes``, sent as it is
+    PICKLE seq tag + pickle                           one small pickle, no buffers
+    RAW seq tag + bytes                               one small ``bytes``, sent as it is
     BATCH [first seq, tag, [lengths], raw] + data     many small messages back to back
     BYE [next seq]                                    the sender exited cleanly
     HELLO / WELCOME / REFUSED                         the handshake (``_link``)
@@ -12,6 +13,12 @@
 skip the general state machine: queued ones are copied into one buffer (one
 ``send`` for all of them), received ones are cut out of the scratch buffer in
 one pass after a single read.
+
+The metadata of a PICKLE or RAW frame (the small messages, one buffer) is not
+a msgpack array: it is the message's number (u64) then its tag packed with
+msgpack, and both ends keep the packed tags they have seen. Sending or
+receiving one small message runs no msgpack code, only the ``struct`` of its
+header, which carries the number.
 """
 
 from __future__ import annotations
@@ -40,24 +47,36 @@ __all__ = [
     "BATCH",
     "BYE",
     "HELLO",
+    "MESSAGES",
     "MSG",
+    "PICKLE",
     "RAW",
     "REFUSED",
     "WELCOME",
+    "Message",
     "Stream",
     "readonly_mask",
     "writable_as_sent",
 ]
 
-HELLO, WELCOME, REFUSED, MSG, BYE, BATCH, RAW = 16, 17, 18, 19, 20, 21, 22
+HELLO, WELCOME, REFUSED, MSG, BYE, BATCH, RAW, PICKLE = 16, 17, 18, 19, 20, 21, 22, 23
 _SMALL = struct.Struct("<2sBBIIQ")  # the header of a frame with one buffer, and its length
 _SMALL_SIZE = _SMALL.size
+# ... and of a small message (PICKLE, RAW): then its number, the start of its metadata
+_MESSAGE = struct.Struct("<2sBBIIQQ")
+_MESSAGE_SIZE = _MESSAGE.size
+SEQ = struct.Struct("<Q")  # the number at the start of a small message's metadata
+MESSAGES = frozenset((PICKLE, RAW))  # the small messages' frames
+# a small message as read (``Stream.receive_message``): kind, number, packed tag, data
+Message = tuple[int, int, bytes, bytes]
 
 # The socket methods themselves: a worker wraps ``socket.socket``'s to count a task's
 # bytes (``nimbus.telemetry``), which costs microseconds per call; the small-message
 # paths call these and count into the same totals.
 _raw_send = _socket.socket.send
 _raw_recv_into = _socket.socket.recv_into
+_raw_recv = _socket.socket.recv
+_FIRST_READ = 16 * 1024  # bytes of a reader's first read (``Stream.receive_message``)
 _DONTWAIT = socket.MSG_DONTWAIT
 _COUNTS = telemetry.COUNTS
 
@@ -145,16 +164,17 @@ class Stream(Channel):
             out[0] = first[sent:]
         return super().flush()
 
-    def send_small(self, kind: int, meta: bytes, data: bytes) -> bool:
-        """Queue a frame with one small buffer and write what the socket takes now.
+    def send_message(self, kind: int, seq: int, tag: bytes, data: bytes) -> bool:
+        """Queue a small message (PICKLE or RAW: number ``seq``, packed ``tag``) and
+        write what the socket takes now.
 
         True when everything queued is written. Nothing queued before it (the
         common case): one ``send`` of the frame, no queue.
         """
         if self._out or self._tail:
-            self.queue_small(kind, meta, data)
+            self.queue_message(kind, seq, tag, data)
             return self.flush()
-        frame = _SMALL.pack(MAGIC, VERSION, kind, 1, len(meta), len(data)) + meta + data
+        frame = _MESSAGE.pack(MAGIC, VERSION, kind, 1, 8 + len(tag), len(data), seq) + tag + data
         try:
             sent = _raw_send(self.sock, frame)
         except (BlockingIOError, InterruptedError):
@@ -167,6 +187,14 @@ class Stream(Channel):
         self._out_bytes += len(frame) - sent
         return False
 
+    def queue_message(self, kind: int, seq: int, tag: bytes, data: bytes) -> None:
+        """Queue a small message (PICKLE or RAW), written by the next :meth:`flush`."""
+        tail = self._tail
+        tail += _MESSAGE.pack(MAGIC, VERSION, kind, 1, 8 + len(tag), len(data), seq)
+        tail += tag
+        tail += data
+        self._out_bytes += _MESSAGE_SIZE + len(tag) + len(data)
+
     def queue_small(self, kind: int, meta: bytes, data: bytes) -> None:
         """Queue a frame with one small buffer, written by the next :meth:`flush`
         (small frames in a row are copied into one buffer: one ``send`` for all)."""
@@ -175,6 +203,37 @@ class Stream(Channel):
         tail += meta
         tail += data
         self._out_bytes += _SMALL.size + len(meta) + len(data)
+
+    def receive_message(self) -> Message | list[Frame] | None:
+        """As :meth:`receive`; but a read that is exactly one small message (the
+        commonest case of all) comes back as ``(kind, seq, packed tag, data)``,
+        with no frame made: read as one ``bytes`` and cut with two slices."""
+        if self._start != self._end or self._kind >= 0 or self._big is not None:
+            return self.receive()
+        try:
+            read = _raw_recv(self.sock, _FIRST_READ, _DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return []
+        n = len(read)
+        if n == 0:
+            return None
+        _COUNTS[0] += n
+        self.bytes_in += n
+        if _MESSAGE_SIZE <= n < _FIRST_READ:
+            magic, version, kind, nbufs, meta_len, size, seq = _MESSAGE.unpack_from(read)
+            d0 = _SMALL_SIZE + meta_len
+            if (
+                d0 + size == n
+                and kind in MESSAGES
+                and nbufs == 1
+                and magic == MAGIC
+                and version == VERSION
+            ):
+                return kind, seq, read[_MESSAGE_SIZE:d0], read[d0:]
+        # anything else: into the scratch buffer, read on from there if it was full
+        self._start = 0
+        self._scratch[:n] = read
+        return self._frames(0, n, _FIRST_READ if n == _FIRST_READ else len(self._scratch))
 
     def receive(self, block: bool = False) -> list[Frame] | None:
         """As :meth:`Channel.receive`. Between frames (the common case): one read
@@ -204,6 +263,11 @@ class Stream(Channel):
             d0 = _SMALL_SIZE + meta_len
             if d0 + size == n and nbufs == 1 and magic == MAGIC and version == VERSION:
                 return [_new(Frame, (kind, bytes(view[_SMALL_SIZE:d0]), [bytes(view[d0:n])]))]
+        return self._frames(end, n, room)
+
+    def _frames(self, end: int, n: int, room: int) -> list[Frame] | None:
+        """The frames completed by ``n`` bytes just read at ``end`` of the scratch
+        buffer (``room`` bytes were free there)."""
         self._end = end + n
         frames: list[Frame] = []
         self._parse(frames)

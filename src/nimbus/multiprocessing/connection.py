@@ -486,16 +486,18 @@ class Connection:
             item = reader.take(self._buffer)
             if item is not None:
                 if isinstance(item, bytes):
+                    # "B" + a plain pickle, the common case (a small one is copied:
+                    # cheaper than a memoryview)
+                    if len(item) > 1 and item[1] != _FRAMED:
+                        data = item[1:] if len(item) <= 4096 else memoryview(item)[1:]
+                        try:
+                            return pickle.loads(data)
+                        except Exception as exc:
+                            raise _undecodable(exc) from exc
                     if item == EOS:  # this end has no other copy: nothing to leave behind
                         self._eof = True
                         raise EOFError
-                    view = memoryview(item)[1:]
-                    if view and view[0] != _FRAMED:  # a plain pickle: the common case
-                        try:
-                            return pickle.loads(view)
-                        except Exception as exc:
-                            raise _undecodable(exc) from exc
-                    return unpack(view)
+                    return unpack(memoryview(item)[1:])
                 return serialization.loads(item[0], item[1:])  # sent unframed
         elif not self._buffer and not self._eof and (reader is None or not reader.ready):
             # the store path's common case: nothing in hand, wait for the next message
