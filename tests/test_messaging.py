@@ -269,6 +269,55 @@ def test_undecodable_message_names_sender_and_link_stays_usable(endpoints: Any) 
     assert b.recv(source=a.id, timeout=10) == "still fine"
 
 
+def test_undecodable_message_read_by_a_waiting_recv_names_its_sender(endpoints: Any) -> None:
+    """A recv that waits in poll is handed the one message it reads (no mail): a
+    message that cannot be unpickled still names its sender, and the link goes on."""
+    a, b = endpoints(), endpoints()
+    a.send(b.id, "hello")
+    assert b.recv(source=a.id, timeout=10) == "hello"
+    outcome: list[object] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(b.recv(source=a.id, timeout=10))
+        except MessageDecodeError as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.1)  # b is waiting when the message arrives
+    a.send(b.id, _Unloadable())
+    waiter.join(15)
+    assert len(outcome) == 1 and isinstance(outcome[0], MessageDecodeError)
+    assert outcome[0].sender == a.id and a.id in str(outcome[0])
+    a.send(b.id, "after")
+    assert b.recv(source=a.id, timeout=10) == "after"
+
+
+def test_threads_waiting_for_different_tags_each_get_theirs_in_order_once(
+    endpoints: Any,
+) -> None:
+    """Two threads wait on one endpoint, one per tag, while the messages trickle in."""
+    a, b = endpoints(), endpoints()
+    got: dict[int, list[int]] = {0: [], 1: []}
+
+    def reader(tag: int) -> None:
+        for _ in range(300):
+            got[tag].append(b.recv(source=a.id, timeout=10, tag=tag))
+
+    readers = [threading.Thread(target=reader, args=(tag,)) for tag in (0, 1)]
+    for t in readers:
+        t.start()
+    for i in range(300):
+        a.send(b.id, i, tag=i % 2)
+        a.send(b.id, i, tag=1 - i % 2)
+        if i % 25 == 0:
+            time.sleep(0.005)  # the readers catch up and wait again
+    for t in readers:
+        t.join(30)
+    assert got == {0: list(range(300)), 1: list(range(300))}
+
+
 def test_exited_peer(endpoints: Any) -> None:
     a, b = endpoints(), endpoints()
     b.send(a.id, "last words")

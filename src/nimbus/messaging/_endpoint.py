@@ -197,7 +197,9 @@ class Endpoint(Sender):
         if source is None or source not in mailbox.ended:
             # the next common case: one wait for input, and it is there
             seen = mailbox.arrivals
-            wait = HEARTBEAT if timeout is None else max(0.0, min(timeout, HEARTBEAT))
+            wait = HEARTBEAT
+            if timeout is not None and timeout < HEARTBEAT:
+                wait = timeout if timeout > 0.0 else 0.0
             mail = self._progress(wait, None, seen, source, tag)
             if mail is not None:  # the one message wanted, handed over as it was read
                 sender, _, data, buffers = mail

@@ -34,7 +34,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import groupby
 from operator import itemgetter
 from typing import Any
@@ -108,6 +108,7 @@ class Link:
         "armed",
         "channel",
         "closed_cleanly",
+        "count",
         "error",
         "lock",
         "packer",
@@ -127,6 +128,7 @@ class Link:
         self.closed_cleanly = False
         self.error: BaseException | None = None  # a deferred flush failed
         self.recvs = -1  # the endpoint's receive count at this link's last send
+        self.count: Iterator[int] | None = None  # the sender's numbering of its peer (links out)
         self.packer = msgpack.Packer(use_bin_type=True)  # used under ``lock``
         self.tags: dict[Any, bytes] = {}  # tag -> packed, for small messages (``packed``)
         # small messages (tag, data, raw) not yet numbered nor framed: appended without

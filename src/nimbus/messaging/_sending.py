@@ -119,7 +119,7 @@ class Sender:
                         packed = link.tags[tag]
                     except (KeyError, TypeError):
                         packed = link.packed(tag)
-                    seq = next(self._seq[peer])
+                    seq = next(link.count)  # type: ignore[arg-type]  # set on links out
                     try:
                         if link.channel.send_message(_RAW if raw else _PICKLE, seq, packed, data):
                             return
@@ -271,6 +271,7 @@ class Sender:
                 self._retry_at[peer] = now + RETRY
             return None
         self._backoff.pop(peer, None)
+        link.count = self._seq[peer]  # the one numbering of ``peer``, whichever way
         with self._out_lock:
             old = self._out.get(peer)
             if old is not None:  # another thread opened one meanwhile

@@ -67,6 +67,13 @@ _MESSAGE = struct.Struct("<2sBBIIQQ")
 _MESSAGE_SIZE = _MESSAGE.size
 SEQ = struct.Struct("<Q")  # the number at the start of a small message's metadata
 MESSAGES = frozenset((PICKLE, RAW))  # the small messages' frames
+# ... read with their first 8 bytes (magic, version, kind, one buffer) as one number,
+# which names the kind at once
+_MESSAGE_HEAD = struct.Struct("<QIQQ")
+_MESSAGE_KINDS = {
+    int.from_bytes(struct.pack("<2sBBI", MAGIC, VERSION, kind, 1), "little"): kind
+    for kind in MESSAGES
+}
 # a small message as read (``Stream.receive_message``): kind, number, packed tag, data
 Message = tuple[int, int, bytes, bytes]
 
@@ -208,28 +215,25 @@ class Stream(Channel):
         """As :meth:`receive`; but a read that is exactly one small message (the
         commonest case of all) comes back as ``(kind, seq, packed tag, data)``,
         with no frame made: read as one ``bytes`` and cut with two slices."""
-        if self._start != self._end or self._kind >= 0 or self._big is not None:
+        if self._kind >= 0 or self._big is not None or self._start != self._end:
             return self.receive()
         try:
             read = _raw_recv(self.sock, _FIRST_READ, _DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return []
         n = len(read)
-        if n == 0:
+        if n >= _MESSAGE_SIZE:
+            head, meta_len, size, seq = _MESSAGE_HEAD.unpack_from(read)
+            kind = _MESSAGE_KINDS.get(head)
+            d0 = _SMALL_SIZE + meta_len
+            if kind is not None and d0 + size == n:
+                _COUNTS[0] += n
+                self.bytes_in += n
+                return kind, seq, read[_MESSAGE_SIZE:d0], read[d0:]
+        elif n == 0:
             return None
         _COUNTS[0] += n
         self.bytes_in += n
-        if _MESSAGE_SIZE <= n < _FIRST_READ:
-            magic, version, kind, nbufs, meta_len, size, seq = _MESSAGE.unpack_from(read)
-            d0 = _SMALL_SIZE + meta_len
-            if (
-                d0 + size == n
-                and kind in MESSAGES
-                and nbufs == 1
-                and magic == MAGIC
-                and version == VERSION
-            ):
-                return kind, seq, read[_MESSAGE_SIZE:d0], read[d0:]
         # anything else: into the scratch buffer, read on from there if it was full
         self._start = 0
         self._scratch[:n] = read

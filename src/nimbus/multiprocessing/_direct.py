@@ -248,6 +248,7 @@ class Reader:
     def __init__(self, prog: Program, lane: Lane) -> None:
         self.prog = prog
         self.lane = lane
+        self.tag = lane.tag
         self.claim: str | None = None  # our claim while we hold the lane
         self.source: str | None = None  # the switched writer we read, after its "S"
         self.sid: str | None = None
@@ -288,7 +289,7 @@ class Reader:
         ready = self.ready
         if ready:
             return ready.popleft()
-        source, tag = self.source, self.lane.tag
+        source, tag = self.source, self.tag
         recv = _api.current().recv_with_source
         while True:
             try:
@@ -401,6 +402,7 @@ class Writer:
     def __init__(self, prog: Program, lane: Lane) -> None:
         self.prog = prog
         self.lane = lane
+        self.tag = lane.tag
         self.peer: str | None = None  # the holder we send to, once switched
         self.ep: Endpoint | None = None  # this process's instance, which sends to it
         self.claim: bytes | None = None
@@ -418,7 +420,7 @@ class Writer:
         ep = self.ep
         if ep is not None and self.peer is not None:
             try:
-                ep.send(self.peer, message, self.lane.tag)
+                ep.send(self.peer, message, self.tag)
                 return True
             except (PeerLost, PeerExited):  # the only reader copy is gone: the list will do
                 self.revert(notify=False)
