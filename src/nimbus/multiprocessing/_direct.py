@@ -47,12 +47,9 @@ parked messages overtaken by the new copy's.
 from __future__ import annotations
 
 import collections
-import pickle
 import secrets
-import struct
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import util
 from typing import Any
@@ -63,27 +60,11 @@ from nimbus.messaging import _api
 from nimbus.messaging._endpoint import Endpoint
 from nimbus.multiprocessing import _state
 from nimbus.multiprocessing._link import Link, Script, link
+from nimbus.multiprocessing._payload import EOS, MARK, REVERT, Item, as_message
 from nimbus.multiprocessing._state import Program
 
-__all__ = [
-    "EOS",
-    "MARK",
-    "MESSAGE",
-    "REVERT",
-    "SWITCH",
-    "Lane",
-    "Reader",
-    "Writer",
-    "as_message",
-    "frame",
-    "lanes",
-]
+__all__ = ["Lane", "Reader", "Writer", "endpoint", "lanes"]
 
-MESSAGE = b"B"  # in the list: "B" + a message
-EOS = b"E"
-SWITCH = b"S"  # in the list: "S" + holder claim + "|" + switch id
-MARK = b"M"  # in the list: "M" + switch id, where a reverted writer's store messages start
-REVERT = b"R"  # a writer's last direct message before it goes back to the store
 CHECK = 0.02  # seconds between a writer's looks at the lane's holder
 CLAIM_RETRY = 0.05  # seconds between a reader's tries to claim its lane
 GRACE = 1.0  # seconds a process at exit keeps forwarding after giving a claim up
@@ -178,25 +159,6 @@ end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """)
-
-
-# A direct message is a list element (bytes), or an object's pickle and its buffers
-# (a tuple, sent without framing: the buffers go straight to the socket).
-Item = bytes | tuple[Any, ...]
-
-
-def frame(prefix: bytes, data: bytes, buffers: Sequence[Any]) -> bytes:
-    """One message of a pickle and its out-of-band buffers: ``prefix`` "O" sizes data..."""
-    raws = [b.raw() if isinstance(b, pickle.PickleBuffer) else memoryview(b) for b in buffers]
-    head = struct.pack(f"<I{len(raws) + 1}Q", len(raws), len(data), *(r.nbytes for r in raws))
-    return b"".join((prefix, b"O", head, data, *raws))
-
-
-def as_message(item: Item) -> bytes:
-    """The list element (``MESSAGE`` + bytes) of a direct message."""
-    if isinstance(item, bytes):
-        return item
-    return frame(MESSAGE, item[0], item[1:])
 
 
 @dataclass(frozen=True)

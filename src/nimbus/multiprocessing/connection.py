@@ -14,10 +14,11 @@
 
 Each direction of a :func:`Pipe` is a Redis list named by the end that reads
 it. Every list element is one message: ``b"B"`` + the bytes, or ``b"E"``, the
-end-of-stream marker (or a marker of the switch below). A send writes its RPUSH
-(and the PEXPIRE that renews the list's TTL) asking the store for no reply, so
-a send costs one ``write``; a receive blocks in BLPOP and takes up to
-63 more waiting messages with a pipelined ``LPOP key count``, keeping them in a
+end-of-stream marker (or a marker of the switch below; ``_payload`` draws them
+all). A send writes its RPUSH (and the PEXPIRE that renews the list's TTL)
+asking the store for no reply, so a send costs one ``write``; a receive with
+nothing in hand blocks in one BLPOP, or, in a tight loop, takes up to 63 more
+waiting messages with a pipelined ``LPOP key count``, keeping them in a
 local buffer that :meth:`Connection.poll`, :meth:`Connection.recv` and
 :func:`wait` see. On close (explicit, at garbage collection or at process exit)
 prefetched messages are pushed back to the head of the list.
@@ -52,7 +53,6 @@ from __future__ import annotations
 import collections
 import io
 import pickle
-import struct
 import time
 from collections.abc import Iterable
 from multiprocessing import AuthenticationError, BufferTooShort, util
@@ -71,12 +71,21 @@ from types import TracebackType
 from typing import Any
 
 from nimbus import serialization
-from nimbus.errors import DeserializationError, StateStoreError
+from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
 from nimbus.multiprocessing import _direct, _state, _wait
-from nimbus.multiprocessing._direct import MARK, MESSAGE, SWITCH, Lane, as_message, frame
+from nimbus.multiprocessing._direct import Lane
 from nimbus.multiprocessing._link import link
 from nimbus.multiprocessing._link import pack as pack_command
+from nimbus.multiprocessing._payload import (
+    EOS,
+    MARK,
+    MESSAGE,
+    SWITCH,
+    as_message,
+    frame,
+    load,
+)
 from nimbus.multiprocessing._state import Program, program
 from nimbus.multiprocessing._wait import seconds
 
@@ -92,12 +101,10 @@ __all__ = [
     "wait",
 ]
 
-EOS = _direct.EOS
 PREFETCH = 64  # most messages a reader takes from the store at once
 _TIGHT_LOOP = 0.001  # a reader back within this many seconds is in a loop: prefetch more
 _PLAIN = (bytes, str)  # pickled the same with or without the program's reducers
 _SMALL = serialization.OOB_THRESHOLD  # below this, bytes are pickled in band anyway
-_FRAMED = ord("O")  # the first byte of a message framed with its buffers (``frame``)
 
 # Decrement the references of an end; at zero push end-of-stream to the list it writes.
 _RELEASE = """
@@ -111,42 +118,6 @@ if n <= 0 then
 end
 return n
 """
-
-
-# ---------------------------------------------------------------- payloads
-
-
-def pack(obj: object, prefix: bytes = b"") -> bytes:
-    """Pickle ``obj`` into one message (after ``prefix``): a plain pickle, or framed
-    with its buffers (joined once: no second copy of a large buffer for the prefix)."""
-    data, buffers = _state.dumps(obj)
-    if not buffers:
-        return prefix + data
-    return frame(prefix, data, buffers)
-
-
-def unpack(message: bytes | memoryview) -> Any:
-    """The object that :func:`pack` made (or a plain pickle)."""
-    view = memoryview(message)
-    if not view or view[0] != _FRAMED:
-        try:
-            return pickle.loads(view)
-        except Exception as exc:
-            raise _undecodable(exc) from exc
-    (count,) = struct.unpack_from("<I", view, 1)
-    sizes = struct.unpack_from(f"<{count + 1}Q", view, 5)
-    pos = 5 + 8 * (count + 1)
-    parts = []
-    for size in sizes:
-        parts.append(view[pos : pos + size])
-        pos += size
-    buffers: list[Any] = [pickle.PickleBuffer(p) for p in parts[1:]]
-    return serialization.loads(parts[0], buffers)
-
-
-def _undecodable(exc: Exception) -> DeserializationError:
-    """The error of a message that cannot be unpickled here (as ``serialization.loads``)."""
-    return DeserializationError(f"cannot unpickle payload: {type(exc).__name__}: {exc}")
 
 
 # ---------------------------------------------------------------- Connection
@@ -486,18 +457,10 @@ class Connection:
             item = reader.take(self._buffer)
             if item is not None:
                 if isinstance(item, bytes):
-                    # "B" + a plain pickle, the common case (a small one is copied:
-                    # cheaper than a memoryview)
-                    if len(item) > 1 and item[1] != _FRAMED:
-                        data = item[1:] if len(item) <= 4096 else memoryview(item)[1:]
-                        try:
-                            return pickle.loads(data)
-                        except Exception as exc:
-                            raise _undecodable(exc) from exc
                     if item == EOS:  # this end has no other copy: nothing to leave behind
                         self._eof = True
                         raise EOFError
-                    return unpack(memoryview(item)[1:])
+                    return load(item)
                 return serialization.loads(item[0], item[1:])  # sent unframed
         elif not self._buffer and not self._eof and (reader is None or not reader.ready):
             # the store path's common case: nothing in hand, wait for the next message
@@ -505,11 +468,11 @@ class Connection:
             if item is not None:
                 if item[:1] == MESSAGE:
                     self._last = time.monotonic()
-                    return unpack(memoryview(item)[1:])
+                    return load(item)
                 self._buffer.append(item)  # a marker or end-of-stream: the general path
         message = self._recv_item()
         if isinstance(message, bytes):
-            return unpack(memoryview(message)[1:])
+            return load(message)
         return serialization.loads(message[0], message[1:])  # sent directly, unframed
 
     def poll(self, timeout: float | None = 0.0) -> bool:

@@ -60,9 +60,10 @@ from typing import Any
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
 from nimbus.multiprocessing import _qdirect
+from nimbus.multiprocessing._payload import MESSAGE, load, pack, unpack
 from nimbus.multiprocessing._qdirect import SWITCH
 from nimbus.multiprocessing._state import Program, program
-from nimbus.multiprocessing.connection import MESSAGE, Connection, link, pack, seconds, unpack
+from nimbus.multiprocessing.connection import Connection, link, seconds
 
 __all__ = ["JoinableQueue", "Queue", "SimpleQueue"]
 
@@ -328,7 +329,7 @@ class Queue:
         _qdirect.got()
         if self._maxsize:
             self._release(1)
-        return unpack(memoryview(message)[1:])
+        return load(message)
 
     def _next(self, deadline: float | None) -> bytes | None:
         """The next item, from the list or (claimed, see ``_qdirect``) directly; None:
