@@ -304,10 +304,11 @@ class Connection:
 
     def _more(self) -> int:
         """How many more messages than one to take from the store now (LPOP after
-        the BLPOP): none, unless the reader is in a tight loop and prefetching pays."""
+        the BLPOP): none, unless the reader is in a tight loop and prefetching pays
+        (a reader whose prefetches keep finding nothing, a ping-pong, tries every 32nd)."""
         now = time.monotonic()
         self._batch = min(self._prefetch, self._batch * 2) if now - self._last < _TIGHT_LOOP else 1
-        if self._batch > 1 and (self._misses < 4 or self._misses % 8 == 0):
+        if self._batch > 1 and (self._misses < 4 or self._misses % 32 == 0):
             return self._batch - 1
         return 0
 
