@@ -74,7 +74,9 @@ class Mailbox:
     def pop(self, source: str | None, tag: Any) -> tuple[str, Any] | None:
         """``(sender, obj)`` of the first waiting message from ``source`` (None:
         anyone) with ``tag``, taken out and decoded; None when there is none."""
-        with self.lock:
+        lock = self.lock
+        lock.acquire()  # not ``with``: half the cost, on every receive
+        try:
             mail = self.mail
             if not mail:
                 return None
@@ -88,6 +90,8 @@ class Mailbox:
                         break
                 else:
                     return None
+        finally:
+            lock.release()
         sender, _, data, buffers = head
         if buffers is None:
             return sender, data  # small bytes, sent as they are
@@ -160,7 +164,9 @@ class Mailbox:
             known = self._learn(packed)
         peer = link.peer
         buffers = () if kind == PICKLE else None
-        with self.lock:
+        lock = self.lock
+        lock.acquire()  # not ``with``: half the cost, on every message read alone
+        try:
             if seq == self._expect[peer] and not self._held:
                 self._expect[peer] = seq + 1
                 if known == tag and not self.mail:
@@ -169,6 +175,8 @@ class Mailbox:
             else:
                 self._arrive(peer, seq, known, data, buffers)
             self.arrivals += 1
+        finally:
+            lock.release()
         return None
 
     def _learn(self, packed: bytes) -> Any:
