@@ -240,26 +240,34 @@ class Link:
     # -- calls
 
     def request(self, packed: bytes) -> Any:
-        """One command already packed, one round trip; its reply. Inline for a plain
-        socket with no replies pending (a Pipe's every wait goes through here)."""
+        """One command already packed, one round trip; its reply (after those of the
+        releases pending, as :meth:`read`). Inline for a plain socket: a Pipe's
+        every wait and a Lock's every acquire go through here."""
         sock = self._sock
-        if sock is None or not self._plain or self.pending:
+        if sock is None or not self._plain:
             self.write(packed)
             try:
                 return self.read()
             except redis.ResponseError as exc:
                 raise self.error(exc) from exc
         reader = self._reader
+        pending = self.pending
         try:
             _raw_sendall(sock, packed)
-            reply = reader.gets()
-            while reply is False:
-                data = _raw_recv(sock, 262144)
-                if not data:
-                    raise redis.ConnectionError("connection closed by server")
-                _COUNTS[0] += len(data)
-                reader.feed(data)
+            while True:
                 reply = reader.gets()
+                while reply is False:
+                    data = _raw_recv(sock, 262144)
+                    if not data:
+                        raise redis.ConnectionError("connection closed by server")
+                    _COUNTS[0] += len(data)
+                    reader.feed(data)
+                    reply = reader.gets()
+                if not pending:
+                    break
+                key = pending.popleft()  # a release's reply (LMOVE: nil if late)
+                if reply is None or isinstance(reply, redis.ResponseError):
+                    self.late.add(key)
         except (OSError, redis.RedisError) as exc:
             raise self._broken(exc) from exc
         except BaseException as exc:  # e.g. KeyboardInterrupt: the reply is still coming

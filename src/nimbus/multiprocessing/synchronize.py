@@ -274,8 +274,7 @@ class Lock(_Acquirable):
             packed = pack("LMOVE", self._tokens, mine, "LEFT", "LEFT")
             packed += SKIP_REPLY + pack("PEXPIRE", mine, _ttl(self._program))
             link.packed["acquire", owners] = packed
-        link.write(packed)
-        got = link.read() is not None
+        got = link.request(packed) is not None
         if owners in link.late:
             link.late.discard(owners)
             if got:
