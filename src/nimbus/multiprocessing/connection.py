@@ -312,15 +312,14 @@ class Connection:
             return self._batch - 1
         return 0
 
-    def _fill_commands(self, timeout: float | None) -> list[tuple[Any, ...]]:
-        """BLPOP (blocking) and, for a reader in a tight loop, LPOP of more."""
-        commands: list[tuple[Any, ...]] = [
-            ("BLPOP", self._read_key, 0 if timeout is None else seconds(timeout))
-        ]
-        more = self._more()
+    def _fill(self, wait: float | str, more: int) -> None:
+        """BLPOP waiting ``wait`` seconds (0: forever) and LPOP of ``more`` (if any),
+        in one round trip; what came goes to the buffer."""
+        commands: list[tuple[Any, ...]] = [("BLPOP", self._read_key, wait)]
         if more:
             commands.append(("LPOP", self._read_key, more))
-        return commands
+        replies = link(self._program).call(*commands)
+        self._take(replies[0], replies[1] if more else None)
 
     def _pop(self) -> bytes | None:
         """The store's next message for an end with nothing in hand, waiting for it:
@@ -329,16 +328,14 @@ class Connection:
         reader = self._reader
         if reader is not None and reader.claim is None:
             reader.try_claim()
-        store = link(self._program)
         more = self._more()
         if more:
-            replies = store.call(("BLPOP", self._read_key, 0), ("LPOP", self._read_key, more))
-            self._take(replies[0], replies[1])
+            self._fill(0, more)
             return None
         packed = self._wait_forever
         if packed is None:
             packed = self._wait_forever = pack_command("BLPOP", self._read_key, 0)
-        popped = store.request(packed)
+        popped = link(self._program).request(packed)
         self._misses += 1
         return popped[1]  # type: ignore[no-any-return]
 
@@ -378,9 +375,7 @@ class Connection:
             if item is not None:
                 self._buffer.append(item)
             return self._ready()
-        commands = self._fill_commands(timeout)
-        replies = link(self._program).call(*commands)
-        self._take(replies[0], replies[1] if len(replies) > 1 else None)
+        self._fill(seconds(timeout), self._more())
         return self._ready()
 
     def _recv_message(self) -> bytes:
