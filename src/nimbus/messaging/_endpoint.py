@@ -21,7 +21,6 @@ import _thread
 import dataclasses
 import logging
 import os
-import pickle
 import secrets
 import select
 import socket
@@ -203,12 +202,7 @@ class Endpoint(Sender):
             mail = self._progress(wait, None, seen, source, tag)
             if mail is not None:  # the one message wanted, handed over as it was read
                 sender, _, data, buffers = mail
-                if buffers is None:
-                    return sender, data  # small bytes, sent as they are
-                try:
-                    return sender, pickle.loads(data, buffers=buffers)
-                except Exception:
-                    return sender, decode(sender, data, buffers)  # raises, naming the sender
+                return sender, decode(sender, data, buffers)
             if mailbox.mail:
                 found = mailbox.pop(source, tag)
                 if found is not None:

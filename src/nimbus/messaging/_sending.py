@@ -117,18 +117,8 @@ class Sender:
                 # before it: written now, as ``_send_slow`` would (inline: the common case)
                 if link.error is None and not link.pending and link.recvs != self._recvs:
                     link.recvs = self._recvs
-                    try:
-                        packed = link.tags[tag]
-                    except (KeyError, TypeError):
-                        packed = link.packed(tag)
                     seq = next(link.count)  # type: ignore[arg-type]  # set on links out
-                    try:
-                        if link.channel.send_message(_RAW if raw else _PICKLE, seq, packed, data):
-                            return
-                    except OSError as exc:
-                        self._drop_out(link)
-                        raise PeerLost(f"instance {peer} is lost: {exc}") from exc
-                    self._flush(link)
+                    self._send_message(link, _RAW if raw else _PICKLE, seq, link.packed(tag), data)
                     return
             finally:
                 lock.release()
@@ -159,14 +149,7 @@ class Sender:
             now = link.recvs != self._recvs
             link.recvs = self._recvs
             if now and not raws and len(data) <= _link.SMALL_LIMIT:
-                try:
-                    kind = _RAW if raw else _PICKLE
-                    if link.channel.send_message(kind, seq, link.packed(tag), data):
-                        return
-                except OSError as exc:
-                    self._drop_out(link)
-                    raise PeerLost(f"instance {peer} is lost: {exc}") from exc
-                self._flush(link)
+                self._send_message(link, _RAW if raw else _PICKLE, seq, link.packed(tag), data)
                 return
             link.queue(seq, tag, data, raws, raw)
             if now or link.channel.pending_output >= COALESCE:
@@ -174,6 +157,19 @@ class Sender:
                 return
         if not link.armed:
             self._arm(link)
+
+    def _send_message(
+        self, link: _link.Link, kind: int, seq: int, packed: bytes, data: bytes
+    ) -> None:
+        """Write one small message now (``link.lock`` held); while the socket is full,
+        read our own sockets (``_flush``)."""
+        try:
+            if link.channel.send_message(kind, seq, packed, data):
+                return
+        except OSError as exc:
+            self._drop_out(link)
+            raise PeerLost(f"instance {link.peer} is lost: {exc}") from exc
+        self._flush(link)
 
     def _number(self, peer: str, n: int) -> int:
         """Reserve ``n`` consecutive sequence numbers for messages to ``peer``; the first.
