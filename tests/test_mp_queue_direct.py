@@ -190,27 +190,32 @@ def test_round_trip_over_two_queues_goes_direct_both_ways() -> None:
     assert p.exitcode == 0
 
 
+def _put_until(
+    q: queues.Queue, done: Callable[[], bool], i: int, deadline: float, pause: float, why: str
+) -> int:
+    """Put (0, i), (0, i + 1) ... a ``pause`` apart until ``done()``; the next i."""
+    while not done():
+        assert time.monotonic() < deadline, why
+        q.put((0, i))
+        i += 1
+        time.sleep(pause)
+    return i
+
+
 def test_a_second_consumer_mid_stream_shares_the_queue() -> None:
     q: queues.Queue = mp.Queue()
     ready, b_ready = mp.Event(), mp.Event()
     outs = [mp.Pipe(duplex=False) for _ in range(2)]
     a = _start(_consume_until_stop, q, outs[0][1], ready, 50)
-    i = 0
     deadline = time.monotonic() + 60
-    while not (_switched(q) and ready.is_set()):  # A holds the queue; we send to it
-        assert time.monotonic() < deadline, "never switched"
-        q.put((0, i))
-        i += 1
-        time.sleep(0.002)
+    # A holds the queue; we send to it
+    i = _put_until(q, lambda: _switched(q) and ready.is_set(), 0, deadline, 0.002, "never switched")
     for _ in range(1000):
         q.put((0, i))
         i += 1
     b = _start(_consume_until_stop, q, outs[1][1], b_ready, 1)
-    while not b_ready.is_set():  # until B got an item: it found A's claim
-        assert time.monotonic() < deadline, "B got nothing"
-        q.put((0, i))
-        i += 1
-        time.sleep(0.001)
+    # until B got an item: it found A's claim
+    i = _put_until(q, b_ready.is_set, i, deadline, 0.001, "B got nothing")
     for _ in range(2000):
         q.put((0, i))
         i += 1
