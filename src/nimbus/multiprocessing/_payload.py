@@ -6,7 +6,8 @@
     "B" + "O" count sizes data bufs    a message framed with its out-of-band buffers
     "E"                                end of stream
     "S" claim "|" switch id            switch marker, "M" switch id: revert marker (_direct)
-    "R"                                a writer's last direct message before it reverts
+    "S" claim "|" producer             a Queue producer's switch marker (_qdirect)
+    "R"                                a writer's (producer's) last direct message
 
 A direct message (``nimbus.multiprocessing._direct``) is such an element
 (bytes), or an object's pickle and its buffers (a tuple, sent without framing:

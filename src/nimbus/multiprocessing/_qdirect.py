@@ -73,12 +73,11 @@ from nimbus.errors import MessagingTimeout, PeerExited, PeerLost, StateStoreErro
 from nimbus.messaging import _api
 from nimbus.multiprocessing._direct import endpoint
 from nimbus.multiprocessing._link import Script, link
+from nimbus.multiprocessing._payload import REVERT
 from nimbus.multiprocessing._state import Program
 
-__all__ = ["ACK", "REVERT", "SWITCH", "Consumer", "Producer", "consumer", "producer"]
+__all__ = ["ACK", "Consumer", "Producer", "consumer", "producer"]
 
-SWITCH = b"S"  # in the list: "S" + claim + "|" + producer instance id
-REVERT = b"R"  # a producer's last direct message to a claim
 ACK = b"F"  # the holder to a producer: your direct items are in the list
 CHECK = 0.02  # seconds between a sending producer's looks at the claim
 CLAIM_RETRY = 0.05  # seconds between a consumer's tries to claim

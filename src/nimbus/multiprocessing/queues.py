@@ -60,8 +60,7 @@ from typing import Any
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
 from nimbus.multiprocessing import _qdirect
-from nimbus.multiprocessing._payload import MESSAGE, load, pack, unpack
-from nimbus.multiprocessing._qdirect import SWITCH
+from nimbus.multiprocessing._payload import MESSAGE, SWITCH, load, pack, unpack
 from nimbus.multiprocessing._state import Program, program
 from nimbus.multiprocessing.connection import Connection, link, seconds
 
