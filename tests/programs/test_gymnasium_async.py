@@ -38,17 +38,7 @@ def nimbus_context(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     "shared_memory",
     [
-        pytest.param(
-            True,
-            id="shared",
-            # gymnasium's default: np.frombuffer(ctx.Array(...).get_obj()); nimbus's
-            # store-backed SharedArray has no buffer, so the constructor fails
-            marks=pytest.mark.xfail(
-                raises=TypeError,
-                strict=True,
-                reason="nimbus Array has no buffer protocol (np.frombuffer fails)",
-            ),
-        ),
+        pytest.param(True, id="shared"),  # gymnasium's default: np.frombuffer(Array.get_obj())
         pytest.param(False, id="pipes"),
     ],
 )

@@ -2,7 +2,8 @@
 
 Change ``import multiprocessing`` to ``import nimbus.multiprocessing as
 multiprocessing``: processes run on warm workers and shared state lives in
-the state store (an embedded Redis by default, ``NIMBUS_REDIS_URL`` when set).
+the state store (an embedded Redis by default, ``NIMBUS_REDIS_URL`` when set),
+except ``Value``/``Array`` of a program on this host: in its shared memory.
 The module map is the stdlib's (``context``, ``process``, ``pool``, ``queues``,
 ``connection``, ``synchronize``, ``sharedctypes``, ``managers``); modules that
 are local to one process by nature (``util``, ``dummy``, ``reduction``,

@@ -22,6 +22,10 @@ prefix the service allows this user.
 Every key gets the program's TTL when created; the root keeps them alive
 while it runs and deletes them at a normal exit, so after a SIGKILL of the
 root they expire within ``key_ttl`` seconds (``NIMBUS_KEY_TTL``).
+
+A program on the local runtime keeps its Values and Arrays in this host's
+shared memory instead (``nimbus.multiprocessing._heap``), removed at the root's
+exit; ``NIMBUS_SHARED_MEMORY=0`` keeps them in the store.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from nimbus import serialization, statestore
 from nimbus.config import Settings
 from nimbus.errors import SerializationError, StateStoreError
 from nimbus.keys import Keys
+from nimbus.multiprocessing import _heap as heap
 
 __all__ = [
     "Program",
@@ -59,12 +64,15 @@ class Program:
     """The state store URL, program id and key TTL of one program.
 
     ``remote``: its processes run on a remote endpoint (``NIMBUS_ENDPOINT``).
+    ``shared``: the directory of this host's shared memory that holds its
+    Values and Arrays (``nimbus.multiprocessing._heap``); None: they are in the store.
     """
 
     url: str
     program_id: str
     key_ttl: float
     remote: bool = False
+    shared: str | None = None
 
     @property
     def keys(self) -> Keys:
@@ -97,7 +105,11 @@ class _Root:
             self.workers = None
             self.store = statestore.StateStore.from_settings(settings)
             self.store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
-            self.program = Program(self.store.url, Keys.program_id_new(), settings.key_ttl)
+            program_id = Keys.program_id_new()
+            shared = None
+            if os.environ.get("NIMBUS_SHARED_MEMORY", "1") != "0":
+                shared = heap.directory(settings.runtime_dir, program_id)
+            self.program = Program(self.store.url, program_id, settings.key_ttl, shared=shared)
         self.pid = os.getpid()
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -129,6 +141,8 @@ class _Root:
                 client.unlink(*keys[start : start + 500])
         except redis.RedisError:
             pass
+        if self.program.shared is not None:
+            heap.remove(self.program.shared)
         self.store.close()
 
 

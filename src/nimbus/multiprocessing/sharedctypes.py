@@ -1,21 +1,31 @@
-"""ctypes objects in the state store: ``Value``, ``Array`` and their raw forms.
+"""ctypes objects shared by a program's processes: ``Value``, ``Array`` and their raw forms.
 
-The stdlib's ``multiprocessing.sharedctypes`` for processes that share no
-memory: each object is one Redis string holding its raw ctypes bytes
-(``value:<name>`` / ``array:<name>``). A read fetches the bytes it needs
-(GETRANGE) and decodes them with ``from_buffer_copy``; a write encodes with
-ctypes (so wrong types fail as in ctypes) and SETRANGEs the bytes of the
-elements it changes. Objects pickle as (program, name, type, length), so any
-process that unpickles one reaches the same bytes.
+Where they live depends on where the program's processes run:
 
-``Value``/``Array`` with ``lock=True`` guard every access with a nimbus
-``RLock``. An access that finds the lock free (or held by the calling thread)
-runs as one Lua script that checks the lock and reads or writes, which is
-equivalent to acquire + access + release in one round trip.
+- **This host's shared memory**, for a program on the local runtime (the
+  default): the objects are real ctypes objects over a block of
+  ``nimbus.multiprocessing._heap``, as the stdlib's, so children write in place
+  and ``np.frombuffer(arr.get_obj())`` works. They pickle as their block (any
+  process of the program on this host maps the same memory), through the
+  program's pickler as in the stdlib; plain ``pickle`` copies them.
+- **The state store**, for a program on a remote endpoint, or with
+  ``NIMBUS_SHARED_MEMORY=0``: processes that share no memory. Each object is one
+  Redis string holding its raw ctypes bytes (``value:<name>`` / ``array:<name>``). A
+  read fetches the bytes it needs (GETRANGE) and decodes them with
+  ``from_buffer_copy``; a write encodes with ctypes (so wrong types fail as in
+  ctypes) and SETRANGEs the bytes of the elements it changes. Objects pickle
+  as (program, name, type, length). What differs from shared memory: a field
+  of a ``Structure`` or an element of an array of structures is read as a copy;
+  change it by assigning the whole field or element (``a[0] = Point(1, 2)``).
+  Bit fields are not supported, nor is the buffer protocol.
 
-What differs from shared memory: a field of a ``Structure`` or an element of
-an array of structures is read as a copy; change it by assigning the whole
-field or element (``a[0] = Point(1, 2)``). Bit fields are not supported.
+``Value``/``Array`` with ``lock=True`` guard every access with a new
+re-entrant lock kept where the object is: in shared memory a robust
+process-shared mutex (``_mutex``, released for you if its holder dies), in
+the store a nimbus ``RLock`` (released with its keys' expiry). For an object in
+the store, an access that finds the lock free (or held by the calling
+thread) runs as one Lua script that checks the lock and reads or writes:
+acquire + access + release in one round trip.
 """
 
 from __future__ import annotations
@@ -24,12 +34,14 @@ import contextlib
 import copy as _copy
 import ctypes
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from types import TracebackType
 from typing import Any
 
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
-from nimbus.multiprocessing import _state
+from nimbus.multiprocessing import _heap as heap
+from nimbus.multiprocessing import _mutex, _state
 from nimbus.multiprocessing._link import Script
 from nimbus.multiprocessing._link import link as _link
 from nimbus.multiprocessing._state import Program
@@ -261,19 +273,16 @@ class SharedArray(_Raw):
 # ---------------------------------------------------------------- constructors
 
 
-def RawValue(typecode_or_type: Any, *args: Any, program: Program | None = None) -> SharedValue:
+def RawValue(typecode_or_type: Any, *args: Any, program: Program | None = None) -> Any:
     """A shared ctypes value, initialised as ``ctype(*args)``; no lock."""
     ctype = _ctype(typecode_or_type)
     prog = program if program is not None else _state.program()
-    name = Keys.new_name()
-    obj = SharedValue(prog, prog.keys.value(name), name, ctype, None)
-    obj._create(bytes(ctype(*args)))
-    return obj
+    return _new(prog, ctype, None, bytes(ctype(*args)))
 
 
 def RawArray(
     typecode_or_type: Any, size_or_initializer: Any, *, program: Program | None = None
-) -> SharedArray:
+) -> Any:
     """A shared ctypes array of a length or of the items of a sequence; no lock."""
     ctype = _ctype(typecode_or_type)
     if isinstance(size_or_initializer, int):
@@ -284,10 +293,45 @@ def RawArray(
         items = list(size_or_initializer)
         data = (ctype * len(items))(*items)
     prog = program if program is not None else _state.program()
+    return _new(prog, ctype, len(data), bytes(data))
+
+
+def _new(prog: Program, ctype: Any, length: int | None, data: bytes) -> Any:
+    """A new shared object of ``data`` (``length`` None: one ``ctype``), where ``prog`` keeps them."""
+    if prog.shared is not None:
+        return _rebuild(ctype, length, heap.Block.new(prog.shared, data))
     name = Keys.new_name()
-    obj = SharedArray(prog, prog.keys.array(name), name, ctype, len(data))
-    obj._create(bytes(data))
+    obj: _Raw
+    if length is None:
+        obj = SharedValue(prog, prog.keys.value(name), name, ctype, None)
+    else:
+        obj = SharedArray(prog, prog.keys.array(name), name, ctype, length)
+    obj._create(data)
     return obj
+
+
+def _rebuild(ctype: Any, length: int | None, block: heap.Block) -> Any:
+    """The ctypes object (``length`` None: one ``ctype``) over a block of shared memory."""
+    typ = ctype if length is None else ctype * length
+    obj = typ.from_buffer(block.map)
+    obj._block = block
+    ForkingPickler.register(typ, _reduce)  # as the stdlib: the program's pickler shares it
+    return obj
+
+
+def _reduce(obj: Any) -> tuple[Any, ...]:
+    block = getattr(obj, "_block", None)
+    if isinstance(obj, ctypes.Array):
+        if block is None:  # a private array of a type some shared one has: a copy
+            return (_private, (obj._type_, obj._length_, bytes(obj)))
+        return (_rebuild, (obj._type_, obj._length_, block))
+    if block is None:
+        return obj.__reduce__()  # type: ignore[no-any-return]
+    return (_rebuild, (type(obj), None, block))
+
+
+def _private(ctype: Any, length: int, data: bytes) -> Any:
+    return (ctype * length).from_buffer_copy(data)
 
 
 def Value(
@@ -298,10 +342,13 @@ def Value(
     program: Program | None = None,
 ) -> Any:
     """A shared value guarded by ``lock`` (True: a new RLock; False: none, a raw value)."""
-    obj = RawValue(typecode_or_type, *args, program=program)
+    prog = program if program is not None else _state.program()
+    if lock not in (True, False, None):
+        _checked(lock)
+    obj = RawValue(typecode_or_type, *args, program=prog)
     if lock is False:
         return obj
-    return synchronized(obj, None if lock in (True, None) else _checked(lock))
+    return _synchronized(obj, _new_lock(prog) if lock in (True, None) else lock)
 
 
 def Array(
@@ -313,46 +360,60 @@ def Array(
     program: Program | None = None,
 ) -> Any:
     """A shared array guarded by ``lock`` (True: a new RLock; False: none, a raw array)."""
-    obj = RawArray(typecode_or_type, size_or_initializer, program=program)
+    prog = program if program is not None else _state.program()
+    if lock not in (True, False, None):
+        _checked(lock)
+    obj = RawArray(typecode_or_type, size_or_initializer, program=prog)
     if lock is False:
         return obj
-    return synchronized(obj, None if lock in (True, None) else _checked(lock))
+    return _synchronized(obj, _new_lock(prog) if lock in (True, None) else lock)
 
 
-def _checked(lock: Any) -> Any:
+def _new_lock(prog: Program) -> Any:
+    """A new RLock where ``prog`` keeps its objects: this host's shared memory, or the store."""
+    if prog.shared is not None and _mutex.available():
+        return _mutex.HostRLock.new(prog.shared)
+    return RLock(program=prog)
+
+
+def _checked(lock: Any) -> None:
     if not hasattr(lock, "acquire"):
         raise AttributeError(f"{lock!r} has no method 'acquire'")
-    return lock
+
+
+_CDATA = (ctypes._SimpleCData, ctypes.Structure, ctypes.Union, ctypes.Array)
 
 
 def copy(obj: Any) -> Any:
     """A new shared object with the type and current contents of ``obj``."""
     if isinstance(obj, SynchronizedBase):
         obj = obj.get_obj()
-    if isinstance(obj, ctypes._SimpleCData | ctypes.Structure | ctypes.Union | ctypes.Array):
-        new_raw = RawValue(type(obj))
-        new_raw._create(bytes(obj))
-        return new_raw
-    if not isinstance(obj, _Raw):
-        raise TypeError(f"copy() needs a nimbus shared value or array, not {type(obj).__name__}")
-    name = Keys.new_name()
-    keys = obj._program.keys
-    key = keys.value(name) if isinstance(obj, SharedValue) else keys.array(name)
-    new = type(obj)(obj._program, key, name, obj._ctype, obj._length)
-    new._create(bytes(obj._copy()))
-    return new
+    if isinstance(obj, _Raw):
+        return _new(obj._program, obj._ctype, obj._length, bytes(obj._copy()))
+    if isinstance(obj, ctypes.Array):
+        return _new(_state.program(), obj._type_, obj._length_, bytes(obj))
+    if isinstance(obj, _CDATA):
+        return _new(_state.program(), type(obj), None, bytes(obj))
+    raise TypeError(f"copy() needs a ctypes object or a shared one, not {type(obj).__name__}")
 
 
 def synchronized(obj: Any, lock: Any = None, ctx: object = None) -> Any:
     """Wrap a raw shared object so every access holds ``lock`` (default: a new RLock)."""
     if isinstance(obj, SynchronizedBase):
         raise TypeError("object already synchronized")
-    if not isinstance(obj, _Raw):
-        raise TypeError(f"synchronized() needs a nimbus shared object, not {type(obj).__name__}")
-    if lock is None:
-        lock = RLock(program=obj._program)
-    if isinstance(obj, SharedArray):
-        if obj._ctype is ctypes.c_char:
+    if isinstance(obj, _Raw):
+        program = obj._program
+    elif isinstance(obj, _CDATA):
+        program = _state.program()
+    else:
+        raise TypeError(f"synchronized() needs a ctypes object, not {type(obj).__name__}")
+    return _synchronized(obj, _new_lock(program) if lock is None else lock)
+
+
+def _synchronized(obj: Any, lock: Any) -> Any:
+    if isinstance(obj, SharedArray | ctypes.Array):
+        item = obj._ctype if isinstance(obj, SharedArray) else obj._type_
+        if item is ctypes.c_char:
             return SynchronizedString(obj, lock)
         return SynchronizedArray(obj, lock)
     return Synchronized(obj, lock)
@@ -370,7 +431,11 @@ class SynchronizedBase:
         self.acquire = lock.acquire
         self.release = lock.release
         # nimbus locks are checked inside one script per access (see the module doc)
-        self._fast = isinstance(lock, Lock) and lock._program.url == obj._program.url
+        self._fast = (
+            isinstance(obj, _Raw)
+            and isinstance(lock, Lock)
+            and lock._program.url == obj._program.url
+        )
         self._view = obj._guarded_view(lock) if self._fast else obj
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -393,8 +458,12 @@ class SynchronizedBase:
     def _run(self, fn: Any, *args: Any) -> Any:
         if self._fast:
             return fn(self._view, *args)
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             return fn(self._obj, *args)
+        finally:
+            lock.release()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} wrapper for {self._obj!r}>"
