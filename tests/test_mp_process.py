@@ -639,3 +639,35 @@ def test_pool_left_open_at_exit_is_finalized(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["45.0"]
     assert res.stderr == ""
+
+
+def _attach_and_write(name: str) -> None:
+    from multiprocessing import shared_memory
+
+    block = shared_memory.SharedMemory(name)  # registers it with a resource tracker (3.11)
+    block.buf[0] = 42
+    block.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_child_attaching_shared_memory_does_not_unlink_it() -> None:
+    from multiprocessing import shared_memory
+
+    block = shared_memory.SharedMemory(create=True, size=16)  # starts this process's tracker
+    try:
+        for _ in range(2):
+            proc = mp.Process(target=_attach_and_write, args=(block.name,))
+            proc.start()
+            proc.join(20)
+            assert proc.exitcode == 0
+        # a child with a tracker of its own: that tracker unlinks the block when the child ends
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            assert os.path.exists(f"/dev/shm/{block.name}"), "a child's tracker unlinked it"
+            time.sleep(0.05)
+        again = shared_memory.SharedMemory(block.name)
+        assert again.buf[0] == 42
+        again.close()
+    finally:
+        block.close()
+        block.unlink()

@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Callable
 from multiprocessing import context as stdlib_context
 from multiprocessing import process as stdlib_process
-from multiprocessing import resource_sharer, spawn
+from multiprocessing import resource_sharer, resource_tracker, spawn
 from typing import Any
 
 from nimbus import serialization
@@ -123,6 +123,7 @@ class Popen:
             prep["relay"] = None  # a relayed child would have no output list to report to
         else:
             prep["relay"] = _runtime.relay_address()
+            prep["tracker"] = _tracker()
         # the fork is under way when start() returns; its pid is awaited on first use
         try:
             self._forked = rt.start(_start, self._token, prep, program, data, buffers)
@@ -511,6 +512,7 @@ def _child(
             if not os.path.isdir(prep.get("dir", "")):
                 prep.pop("dir", None)  # the parent's cwd does not exist here
         stdio = prep.pop("stdio", None)
+        _share_tracker(prep.pop("tracker", None))
         _runtime.set_relay_address(prep.pop("relay", None))
         environ = prep.pop("environ", None)
         if environ is not None:
@@ -543,6 +545,31 @@ def _child(
                 forwarder.close()
         finally:
             os._exit(code)
+
+
+def _tracker() -> tuple[int, int] | None:
+    """This process's resource tracker, if it runs one: (pid, fd of its pipe).
+
+    A stdlib child shares its parent's tracker (spawn passes the fd), so a
+    ``SharedMemory`` it attaches is not unlinked when it exits; ours, forked
+    by a worker, opens the same pipe through ``/proc``.
+    """
+    fd = resource_tracker._resource_tracker._fd
+    return None if fd is None else (os.getpid(), fd)
+
+
+def _share_tracker(tracker: tuple[int, int] | None) -> None:
+    """Use the parent's resource tracker (else this child starts its own when it needs one)."""
+    if tracker is None:
+        return
+    try:
+        fd = os.open(f"/proc/{tracker[0]}/fd/{tracker[1]}", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    mine = resource_tracker._resource_tracker
+    if mine._fd is not None:
+        os.close(mine._fd)  # the worker's, inherited
+    mine._fd, mine._pid = fd, None  # as a spawned child's
 
 
 @functools.cache
