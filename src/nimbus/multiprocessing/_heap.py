@@ -113,8 +113,8 @@ class Block:
             os.close(fd)
 
     @classmethod
-    def new(cls, directory: str, data: bytes) -> Block:
-        """A new block in ``directory`` holding ``data``."""
+    def new(cls, directory: str, data: bytes | int) -> Block:
+        """A new block in ``directory`` holding ``data`` (an int: that many zero bytes)."""
         path = os.path.join(directory, Keys.new_name())
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -123,12 +123,14 @@ class Block:
                 f"the program's shared memory directory {directory} is gone (its root "
                 "process ended); shared objects cannot be made after it"
             ) from None
+        size = data if isinstance(data, int) else len(data)
         try:
-            os.ftruncate(fd, max(len(data), 1))
-            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, max(size, 1))
+            if not isinstance(data, int):
+                os.pwrite(fd, data, 0)
         finally:
             os.close(fd)
-        return cls(path, len(data))
+        return cls(path, size)
 
     def __reduce__(self) -> tuple[type[Block], tuple[str, int]]:
         return (Block, (self.path, self.size))

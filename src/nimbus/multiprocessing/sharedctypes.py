@@ -285,21 +285,22 @@ def RawArray(
 ) -> Any:
     """A shared ctypes array of a length or of the items of a sequence; no lock."""
     ctype = _ctype(typecode_or_type)
+    prog = program if program is not None else _state.program()
     if isinstance(size_or_initializer, int):
         if size_or_initializer < 0:
             raise ValueError("array size must be >= 0")
-        data = (ctype * size_or_initializer)()
-    else:
-        items = list(size_or_initializer)
-        data = (ctype * len(items))(*items)
-    prog = program if program is not None else _state.program()
-    return _new(prog, ctype, len(data), bytes(data))
+        return _new(prog, ctype, size_or_initializer, ctypes.sizeof(ctype) * size_or_initializer)
+    items = list(size_or_initializer)
+    return _new(prog, ctype, len(items), bytes((ctype * len(items))(*items)))
 
 
-def _new(prog: Program, ctype: Any, length: int | None, data: bytes) -> Any:
-    """A new shared object of ``data`` (``length`` None: one ``ctype``), where ``prog`` keeps them."""
+def _new(prog: Program, ctype: Any, length: int | None, data: bytes | int) -> Any:
+    """A new shared object of ``data`` (an int: that many zero bytes; ``length`` None:
+    one ``ctype``), where ``prog`` keeps them."""
     if prog.shared is not None:
         return _rebuild(ctype, length, heap.Block.new(prog.shared, data))
+    if isinstance(data, int):
+        data = bytes(data)
     name = Keys.new_name()
     obj: _Raw
     if length is None:
