@@ -263,9 +263,8 @@ class Endpoint(Sender):
             seen = self._mailbox.arrivals
             self._progress(wait, seen=seen)
             with self._mailbox.lock:
-                for item in self._mailbox.mail:
-                    if item[1] == tag and (source is None or item[0] == source):
-                        return True
+                if self._mailbox.waiting(source, tag):
+                    return True
                 if source is not None and source in self._mailbox.ended:
                     return True
             now = time.monotonic()
@@ -451,7 +450,7 @@ class Endpoint(Sender):
         return {
             "links_out": len(self._out),
             "links_in": len(self._in),
-            "waiting": len(self._mailbox.mail),
+            "waiting": self._mailbox.count(),
             "bytes_out": sum(link.channel.bytes_out for link in links),
             "bytes_in": sum(link.channel.bytes_in for link in links),
         }
