@@ -89,7 +89,6 @@ class Sender:
 
         Small ``bytes`` travel as they are over sockets (no pickle at either end).
         """
-        link = self._out.get(peer)
         raws: list[Any] = _NO_BUFFERS
         if type(obj) is bytes and (size := len(obj)) <= _BATCHED:
             data: Any = obj
@@ -103,8 +102,9 @@ class Sender:
                 raws = [b.raw() for b in buffers]
             size = len(data)
             if raws or size > _BATCHED:
-                self._send_slow(peer, link, tag, data, raws, raw)
+                self._send_slow(peer, self._out.get(peer), tag, data, raws, raw)
                 return
+        link = self._out.get(peer)
         if link is not None:
             if link.recvs == self._recvs:
                 # a send after a send (no recv between) to a connected peer: queue it, no lock
