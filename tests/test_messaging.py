@@ -294,6 +294,33 @@ def test_undecodable_message_read_by_a_waiting_recv_names_its_sender(endpoints: 
     assert b.recv(source=a.id, timeout=10) == "after"
 
 
+def test_burst_with_an_undecodable_message_mid_run_names_it_and_delivers_the_rest(
+    endpoints: Any,
+) -> None:
+    """Runs of two tags interleaved (blocks of 50, each block a BATCH, a run at the
+    receiver); one pickle in the middle of a run cannot be unpickled."""
+    a, b = endpoints(), endpoints()
+    a.send(b.id, "start")
+    assert b.recv(source=a.id, timeout=10) == "start"
+    for block in range(0, 2000, 50):
+        for i in range(block, block + 50):
+            a.send(b.id, _Unloadable() if i == 1010 else i)
+        for i in range(block, block + 50):
+            a.send(b.id, b"%d" % i, tag="raw")
+    got = []
+    for i in range(2000):
+        if i == 1010:
+            with pytest.raises(MessageDecodeError, match=a.id) as info:
+                b.recv(source=a.id, timeout=10)
+            assert info.value.sender == a.id
+        else:
+            got.append(b.recv(source=a.id, timeout=10))
+    assert got == [i for i in range(2000) if i != 1010]
+    raws = [b.recv_with_source(None, 10, "raw") for _ in range(2000)]
+    assert raws == [(a.id, b"%d" % i) for i in range(2000)]
+    assert b.statistics()["waiting"] == 0
+
+
 def test_threads_waiting_for_different_tags_each_get_theirs_in_order_once(
     endpoints: Any,
 ) -> None:

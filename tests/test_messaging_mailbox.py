@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -178,3 +179,151 @@ def test_small_messages_with_many_tags_and_unhashable_ones_arrive_with_their_tag
     finally:
         sending.close()
         reading.close()
+
+
+# ---------------------------------------------------------------- runs (BATCH frames in order)
+
+
+def _raw_batch(seq: int, tag: object, pieces: list[bytes]) -> tuple[int, tuple[object, ...], bytes]:
+    return BATCH, (seq, tag, [len(p) for p in pieces], True), b"".join(pieces)
+
+
+def test_a_run_at_the_head_is_taken_without_the_lock_in_order(wire: tuple[Stream, Link]) -> None:
+    out, link = wire
+    box = Mailbox()
+    box.deliver(link, _frames(out, link, _raw_batch(0, 0, [b"a", b"bb", b"c"])))
+    assert len(box.mail) == 1 and box.count() == 3  # one entry, three messages
+    got: list[object] = []
+    with box.lock:  # held: a pop that needed it would wait here
+        taker = threading.Thread(target=lambda: got.extend(box.pop("sender", 0) for _ in range(3)))
+        taker.start()
+        taker.join(10)
+        assert not taker.is_alive()
+    assert got == [("sender", b"a"), ("sender", b"bb"), ("sender", b"c")]
+    assert box.count() == 0 and not box.waiting(None, 0)
+    assert box.pop(None, 0) is None
+    assert not box.mail  # the used-up run went with the first look under the lock
+
+
+def test_runs_of_two_tags_interleaved_are_taken_by_tag_in_order(wire: tuple[Stream, Link]) -> None:
+    out, link = wire
+    box = Mailbox()
+    frames = _frames(
+        out,
+        link,
+        _raw_batch(0, "a", [b"a0", b"a1", b"a2"]),
+        _raw_batch(3, "b", [b"b3", b"b4"]),
+        (RAW, (5, "a"), b"a5"),
+        _raw_batch(6, "a", [b"a6", b"a7"]),
+    )
+    box.deliver(link, frames)
+    assert box.waiting("sender", "b") and not box.waiting("other", "b")
+    # "b" is behind a run of "a": taken from the middle of the mail, the run of "a" stays
+    assert [box.pop("sender", "b"), box.pop(None, "b"), box.pop(None, "b")] == [
+        ("sender", b"b3"),
+        ("sender", b"b4"),
+        None,
+    ]
+    assert box.pop("other", "a") is None
+    assert [box.pop("sender", "a") for _ in range(6)] == [
+        ("sender", b"a%d" % i) for i in (0, 1, 2, 5, 6, 7)
+    ]
+    assert box.pop(None, "a") is None and not box.mail
+
+
+def test_runs_across_a_gap_and_duplicates_arrive_once_in_order(wire: tuple[Stream, Link]) -> None:
+    out, link = wire
+    box = Mailbox()
+    ahead = _frames(out, link, _raw_batch(2, 0, [b"2", b"3", b"4"]))
+    box.deliver(link, ahead)  # 0 and 1 are still on their way through the store
+    assert not box.mail and box.pop(None, 0) is None
+    box.put("sender", 1, 0, pickle.dumps("1"), ())
+    box.put("sender", 0, 0, pickle.dumps("0"), ())
+    box.deliver(link, ahead)  # again: duplicates, dropped
+    # a run that overlaps what arrived (3, 4) and goes on (5, 6); then one in order
+    box.deliver(link, _frames(out, link, _raw_batch(3, 0, [b"3", b"4", b"5", b"6"])))
+    box.deliver(link, _frames(out, link, _raw_batch(7, 0, [b"7", b"8"])))
+    box.put("sender", 8, 0, pickle.dumps("late"), ())  # a duplicate from the store
+    got = [box.pop("sender", 0) for _ in range(9)]
+    assert got == [("sender", x) for x in ("0", "1", b"2", b"3", b"4", b"5", b"6", b"7", b"8")]
+    assert box.pop(None, 0) is None and box.count() == 0
+
+
+def test_take_waits_behind_a_run_and_hands_back_once_it_is_used_up(
+    wire: tuple[Stream, Link],
+) -> None:
+    out, link = wire
+    box = Mailbox()
+    box.deliver(link, _frames(out, link, _raw_batch(0, "t", [b"0", b"1"])))
+    assert box.pop("sender", "t") == ("sender", b"0")
+    # the run still holds 1: the next message must not overtake it
+    assert box.take(link, _message(out, link, RAW, 2, "t", b"2"), "t") is None
+    assert [box.pop("sender", "t"), box.pop("sender", "t")] == [("sender", b"1"), ("sender", b"2")]
+    box.deliver(link, _frames(out, link, _raw_batch(3, "t", [b"3", b"4"])))
+    assert [box.pop(None, "t"), box.pop(None, "t")] == [("sender", b"3"), ("sender", b"4")]
+    assert box.mail  # used up, not yet dropped (that needs the lock)
+    assert box.take(link, _message(out, link, RAW, 5, "t", b"5"), "t") == (
+        "sender",
+        "t",
+        b"5",
+        None,
+    )
+    assert not box.mail
+
+
+def test_an_undecodable_pickle_in_a_run_behind_another_tag_names_its_sender(
+    wire: tuple[Stream, Link],
+) -> None:
+    out, link = wire
+    box = Mailbox()
+    parts = [pickle.dumps(1), b"\x80\x05not a pickle.", pickle.dumps(3)]
+    box.deliver(
+        link,
+        _frames(
+            out,
+            link,
+            _raw_batch(0, "first", [b"x", b"y"]),
+            (BATCH, (2, "p", [len(p) for p in parts], False), b"".join(parts)),
+        ),
+    )
+    assert box.pop("sender", "p") == ("sender", 1)
+    with pytest.raises(MessageDecodeError, match="instance sender") as info:
+        box.pop("sender", "p")
+    assert info.value.sender == "sender"
+    assert [box.pop(None, "p"), box.pop(None, "first"), box.pop(None, "first")] == [
+        ("sender", 3),
+        ("sender", b"x"),
+        ("sender", b"y"),
+    ]
+
+
+def test_threads_taking_from_runs_get_each_message_once_and_in_order(
+    wire: tuple[Stream, Link],
+) -> None:
+    """Four threads pop one sender's runs (with and without the lock) as they arrive."""
+    out, link = wire
+    box = Mailbox()
+    total, size = 20_000, 250
+    taken: list[list[int]] = [[] for _ in range(4)]
+
+    def take(mine: list[int]) -> None:
+        while len(mine) < total:  # stop once everything was taken, by anyone
+            found = box.pop("sender", 0)
+            if found is not None:
+                mine.append(int(found[1]))
+            elif sum(map(len, taken)) >= total:
+                return
+
+    threads = [threading.Thread(target=take, args=(mine,)) for mine in taken]
+    for thread in threads:
+        thread.start()
+    for seq in range(0, total, size):
+        box.deliver(
+            link,
+            _frames(out, link, _raw_batch(seq, 0, [b"%d" % i for i in range(seq, seq + size)])),
+        )
+    for thread in threads:
+        thread.join(60)
+    assert sorted(i for mine in taken for i in mine) == list(range(total))
+    for mine in taken:
+        assert mine == sorted(mine)

@@ -36,7 +36,7 @@ from nimbus.errors import MessagingTimeout, PeerExited, PeerLost, StateStoreErro
 from nimbus.keys import Keys
 from nimbus.messaging import _link
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, host_id, socket_path
-from nimbus.messaging._mailbox import Mail, Mailbox, decode
+from nimbus.messaging._mailbox import Mail, Mailbox, Run, decode
 from nimbus.messaging._sending import Sender
 from nimbus.wire import ProtocolError, unpack
 
@@ -188,7 +188,17 @@ class Endpoint(Sender):
         if self._dirty:
             self._flush_dirty()
         mailbox = self._mailbox
-        if mailbox.mail:  # the common case: no wait
+        waiting = mailbox.mail
+        if waiting:  # the common case: no wait
+            try:  # the commonest: the next message of the run at the head (``Mailbox.pop``, inline)
+                run = waiting[0]
+                if type(run) is Run and run.tag == tag and (source is None or run.sender == source):
+                    data = run.pieces.popleft()
+                    if run.raw:
+                        return run.sender, data
+                    return run.sender, decode(run.sender, data, ())
+            except IndexError:  # taken meanwhile by another thread
+                pass
             found = mailbox.pop(source, tag)
             if found is not None:
                 return found
@@ -263,9 +273,8 @@ class Endpoint(Sender):
             seen = self._mailbox.arrivals
             self._progress(wait, seen=seen)
             with self._mailbox.lock:
-                for item in self._mailbox.mail:
-                    if item[1] == tag and (source is None or item[0] == source):
-                        return True
+                if self._mailbox.waiting(source, tag):
+                    return True
                 if source is not None and source in self._mailbox.ended:
                     return True
             now = time.monotonic()
@@ -451,7 +460,7 @@ class Endpoint(Sender):
         return {
             "links_out": len(self._out),
             "links_in": len(self._in),
-            "waiting": len(self._mailbox.mail),
+            "waiting": self._mailbox.count(),
             "bytes_out": sum(link.channel.bytes_out for link in links),
             "bytes_in": sum(link.channel.bytes_in for link in links),
         }

@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from itertools import groupby
+from itertools import groupby, repeat, starmap
 from operator import itemgetter
 from typing import Any
 
@@ -175,7 +175,7 @@ class Link:
         if not n:
             return
         self.queued = 0
-        items = [pending.popleft() for _ in range(n)]
+        items = list(starmap(pending.popleft, repeat((), n)))  # n popleft calls, in C
         seq = number(self.peer, n)
         queue_small, queue_message, packer = (
             self.channel.queue_small,

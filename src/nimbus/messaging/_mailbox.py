@@ -13,10 +13,14 @@
 Every message carries a sequence number per (sender, receiver) pair, whichever
 way it travelled, so a sender that switched from the store to a socket
 mid-stream is still delivered once and in order. A batch that arrives in order
-(the common case) goes into the mail in one C-level pass, no per-message step
-in Python. A receiver waiting for one sender and tag that reads exactly the
-message it waits for, next in order with no mail waiting, gets it from
-``take`` straight away: it never enters the mail.
+(the common case of a burst) is one entry of the mail, a :class:`Run`: its
+messages cut apart in one C-level pass, then taken one by one. A ``pop`` that
+finds the run it wants at the head of the mail takes the next message from it
+without the lock (``popleft`` is atomic: each message leaves once, in order),
+so a receiver draining a burst pays no lock per message. A receiver waiting
+for one sender and tag that reads exactly the message it waits for, next in
+order with no mail waiting, gets it from ``take`` straight away: it never
+enters the mail.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import collections
 import pickle
 import threading
 from collections.abc import Sequence
-from itertools import accumulate, repeat
+from itertools import accumulate
 from typing import Any
 
 import msgpack
@@ -35,7 +39,7 @@ from nimbus.messaging import _link
 from nimbus.messaging._stream import MESSAGES, SEQ, Message
 from nimbus.wire import Frame
 
-__all__ = ["Mail", "Mailbox", "decode"]
+__all__ = ["Mail", "Mailbox", "Run", "decode"]
 
 # sender, tag, pickle, its out-of-band buffers (None: the data is the message itself)
 Mail = tuple[str, Any, Any, Sequence[Any] | None]
@@ -59,12 +63,29 @@ def decode(sender: str, data: Any, buffers: Sequence[Any] | None) -> Any:
         ) from exc
 
 
+class Run:
+    """Messages from one sender with one tag, next to each other in its order: a
+    BATCH that arrived in order, one entry of the mail, its pieces taken one by one.
+
+    Pieces leave from the left only (``popleft``, atomic: each exactly once,
+    in order) and none is added after it is made, so a used-up run is done.
+    """
+
+    __slots__ = ("pieces", "raw", "sender", "tag")
+
+    def __init__(self, sender: str, tag: Any, pieces: collections.deque[Any], raw: bool) -> None:
+        self.sender = sender
+        self.tag = tag
+        self.pieces = pieces  # each a small bytes: the message itself (raw) or its pickle
+        self.raw = raw
+
+
 class Mailbox:
     """Messages waiting for ``recv``, in order per sender, and which senders ended."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()  # the mail and the order state
-        self.mail: collections.deque[Mail] = collections.deque()
+        self.mail: collections.deque[Mail | Run] = collections.deque()
         self.ended: dict[str, str] = {}  # sender -> "exited" or "lost"
         self.arrivals = 0  # bumped after each delivery: a waiting recv looks again
         self._expect: dict[str, int] = collections.defaultdict(int)
@@ -74,31 +95,86 @@ class Mailbox:
     def pop(self, source: str | None, tag: Any) -> tuple[str, Any] | None:
         """``(sender, obj)`` of the first waiting message from ``source`` (None:
         anyone) with ``tag``, taken out and decoded; None when there is none."""
-        lock = self.lock
-        lock.acquire()  # not ``with``: half the cost, on every receive
+        mail = self.mail
         try:
-            mail = self.mail
-            if not mail:
-                return None
-            head = mail[0]  # the common case: the first waiting message is the one wanted
-            if head[1] == tag and (source is None or head[0] == source):
-                mail.popleft()
+            head = mail[0]
+        except IndexError:
+            return None
+        if type(head) is Run and head.tag == tag and (source is None or head.sender == source):
+            # the common case of a burst: the next message of the run at the head,
+            # without the lock (only the head run is taken from so, and its pieces
+            # leave it one by one, in order, each exactly once: ``popleft`` is atomic)
+            try:
+                data = head.pieces.popleft()
+            except IndexError:
+                pass  # used up meanwhile: dropped below, under the lock
             else:
-                for i, head in enumerate(mail):
-                    if head[1] == tag and (source is None or head[0] == source):
-                        del mail[i]
-                        break
-                else:
-                    return None
+                if head.raw:
+                    return head.sender, data
+                return head.sender, decode(head.sender, data, ())
+        lock = self.lock
+        lock.acquire()  # not ``with``: half the cost
+        try:
+            found = self._first(source, tag)
         finally:
             lock.release()
-        sender, _, data, buffers = head
+        if found is None:
+            return None
+        sender, _, data, buffers = found
         if buffers is None:
             return sender, data  # small bytes, sent as they are
         try:
             return sender, pickle.loads(data, buffers=buffers)
         except Exception:
             return sender, decode(sender, data, buffers)  # raises, naming the sender
+
+    def _first(self, source: str | None, tag: Any) -> Mail | None:
+        """Take out the first waiting message from ``source`` with ``tag`` (``lock`` held)."""
+        mail = self.mail
+        self._drop_used()
+        for i, item in enumerate(mail):
+            if isinstance(item, Run):
+                if item.tag == tag and (source is None or item.sender == source):
+                    try:
+                        data = item.pieces.popleft()
+                    except IndexError:  # used up by a ``pop`` without the lock
+                        continue
+                    if not item.pieces:
+                        del mail[i]  # nothing is ever added to a run: it is done
+                    return item.sender, tag, data, None if item.raw else ()
+            elif item[1] == tag and (source is None or item[0] == source):
+                del mail[i]
+                return item
+        return None
+
+    def _drop_used(self) -> bool:
+        """Drop the used-up runs at the head of the mail (``lock`` held); True: no mail left.
+
+        Only the head run is taken from without the lock, so only the head
+        can be a used-up run left behind.
+        """
+        mail = self.mail
+        while mail:
+            head = mail[0]
+            if type(head) is not Run or head.pieces:
+                return False
+            mail.popleft()
+        return True
+
+    def waiting(self, source: str | None, tag: Any) -> bool:
+        """Whether a message from ``source`` (None: anyone) with ``tag`` waits (``lock`` held)."""
+        for item in self.mail:
+            if isinstance(item, Run):
+                if item.tag == tag and (source is None or item.sender == source) and item.pieces:
+                    return True
+            elif item[1] == tag and (source is None or item[0] == source):
+                return True
+        return False
+
+    def count(self) -> int:
+        """Messages waiting."""
+        with self.lock:
+            return sum(len(item.pieces) if type(item) is Run else 1 for item in self.mail)
 
     def put(
         self, sender: str, seq: int, tag: Any, data: Any, buffers: Sequence[Any] | None
@@ -122,11 +198,11 @@ class Mailbox:
                         data = bytes(data)  # a large frame, read into a bytearray
                     ends = list(accumulate(lengths, initial=0))
                     pieces = map(data.__getitem__, map(slice, ends, ends[1:]))
-                    buffers = None if raw else ()
                     if seq == expect[peer] and not self._held:
-                        mail.extend(zip(repeat(peer), repeat(tag), pieces, repeat(buffers)))
+                        mail.append(Run(peer, tag, collections.deque(pieces), raw))
                         expect[peer] = seq + len(lengths)
                     else:
+                        buffers = None if raw else ()
                         for i, piece in enumerate(pieces, seq):
                             self._arrive(peer, i, tag, piece, buffers)
                 elif kind in MESSAGES:
@@ -169,7 +245,7 @@ class Mailbox:
         try:
             if seq == self._expect[peer] and not self._held:
                 self._expect[peer] = seq + 1
-                if known == tag and not self.mail:
+                if known == tag and (not self.mail or self._drop_used()):
                     return peer, tag, data, buffers
                 self.mail.append((peer, known, data, buffers))
             else:

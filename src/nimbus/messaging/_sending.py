@@ -90,21 +90,28 @@ class Sender:
         Small ``bytes`` travel as they are over sockets (no pickle at either end).
         """
         raws: list[Any] = _NO_BUFFERS
-        raw = type(obj) is bytes and len(obj) <= _BATCHED
-        if raw:
+        if type(obj) is bytes and (size := len(obj)) <= _BATCHED:
             data: Any = obj
-        elif type(obj) in _PLAIN and len(obj) < _INLINE:  # type: ignore[arg-type]
-            data = pickle.dumps(obj, 5)  # the common small case, no detour
+            raw = True
         else:
-            data, buffers = serialization.dumps(obj)
-            raws = [b.raw() for b in buffers]
+            raw = False
+            if type(obj) in _PLAIN and len(obj) < _INLINE:  # type: ignore[arg-type]
+                data = pickle.dumps(obj, 5)  # the common small case, no detour
+            else:
+                data, buffers = serialization.dumps(obj)
+                raws = [b.raw() for b in buffers]
+            size = len(data)
+            if raws or size > _BATCHED:
+                self._send_slow(peer, self._out.get(peer), tag, data, raws, raw)
+                return
         link = self._out.get(peer)
-        if link is not None and not raws and len(data) <= _BATCHED:
+        if link is not None:
             if link.recvs == self._recvs:
                 # a send after a send (no recv between) to a connected peer: queue it, no lock
                 link.pending.append((tag, data, raw))
-                link.queued += len(data)
-                if link.queued >= COALESCE:
+                queued = link.queued + size
+                link.queued = queued
+                if queued >= COALESCE:
                     with link.lock:
                         self._write(link)
                 elif not link.armed:  # read after the append: see ``_flush_dirty``
