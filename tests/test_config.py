@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nimbus.config import Settings
+from nimbus.config import Settings, private_dir
 from nimbus.errors import ConfigError
 
 
@@ -368,3 +368,20 @@ def test_ensure_runtime_dir_unwritable_parent(tmp_path: Path) -> None:
             Settings(runtime_dir=parent / "nimbus").ensure_runtime_dir()
     finally:
         parent.chmod(0o700)
+
+
+def test_private_dir_makes_checks_and_names_the_fix(tmp_path: Path) -> None:
+    path = private_dir(tmp_path / "a" / "b", "thing directory", "do X")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    assert private_dir(path, "thing directory", "do X") == path  # already there: fine
+    path.chmod(0o750)
+    with pytest.raises(ConfigError, match=r"thing directory .* mode 0700; do X"):
+        private_dir(path, "thing directory", "do X")
+    write(tmp_path / "f", "")
+    with pytest.raises(ConfigError, match=r"cannot be created .*; do Y"):
+        private_dir(tmp_path / "f", "thing directory", "do Y")
+    if os.getuid() == 0:
+        os.chown(path, 4321, 4321)
+        path.chmod(0o700)
+        with pytest.raises(ConfigError, match="must belong to you"):
+            private_dir(path, "thing directory", "do X")

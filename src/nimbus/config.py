@@ -34,6 +34,7 @@ __all__ = [
     "INLINE_MIN",
     "Settings",
     "config_dir",
+    "private_dir",
     "redis_server_binary",
 ]
 
@@ -276,6 +277,19 @@ def _default_config_file(env: Mapping[str, str]) -> Path:
 def config_dir(env: Mapping[str, str] | None = None) -> Path:
     """nimbus's own configuration directory (``~/.config/nimbus``): credentials, endpoints."""
     return _default_config_file(os.environ if env is None else env).parent
+
+
+def private_dir(path: Path, what: str, fix: str) -> Path:
+    """Directory ``path``, made with mode 0700 if missing; ConfigError (``what`` it is
+    and ``fix``) unless it belongs to this user and no one else can enter it."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path} cannot be created ({exc.strerror}); {fix}") from exc
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(f"{what} {path} must belong to you with mode 0700; {fix}")
+    return path
 
 
 @dataclass(frozen=True)

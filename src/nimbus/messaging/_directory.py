@@ -29,6 +29,7 @@ from typing import Any
 
 import redis
 
+from nimbus.config import private_dir
 from nimbus.errors import ConfigError, StateStoreError
 from nimbus.keys import Keys
 from nimbus.wire import pack, unpack
@@ -56,15 +57,11 @@ def host_id() -> str:
 
 def socket_dir(runtime_dir: Path, program_id: str) -> Path:
     """The program's private directory of instance sockets (mode 0o700)."""
-    path = runtime_dir / f"m-{program_id}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise ConfigError(
-            f"socket directory {path} must belong to you with mode 0700; "
-            "set NIMBUS_RUNTIME_DIR to a private directory"
-        )
-    return path
+    return private_dir(
+        runtime_dir / f"m-{program_id}",
+        "socket directory",
+        "set NIMBUS_RUNTIME_DIR to a private directory",
+    )
 
 
 def socket_path(directory: Path, instance_id: str) -> Path:

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import psutil
 
-from nimbus.errors import ConfigError, StateStoreError
+from nimbus.config import private_dir
+from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
 
 __all__ = ["Block", "directory", "remove", "sweep"]
@@ -71,15 +72,11 @@ def _namespace() -> str:
 
 def _base(runtime_dir: Path) -> Path:
     usable = _SHM.is_dir() and os.access(_SHM, os.W_OK | os.X_OK)
-    base = _SHM / f"nimbus-{os.getuid()}" if usable else runtime_dir / "shm"
-    base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = base.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise ConfigError(
-            f"shared memory directory {base} must belong to you with mode 0700; "
-            "remove it, or set NIMBUS_SHARED_MEMORY=0 to keep Values and Arrays in the store"
-        )
-    return base
+    return private_dir(
+        _SHM / f"nimbus-{os.getuid()}" if usable else runtime_dir / "shm",
+        "shared memory directory",
+        "remove it, or set NIMBUS_SHARED_MEMORY=0 to keep Values and Arrays in the store",
+    )
 
 
 def _started(pid: int) -> str:
