@@ -22,11 +22,10 @@ import errno
 import functools
 import os
 import time
-from types import TracebackType
 from typing import Any
 
 from nimbus.multiprocessing import _heap
-from nimbus.multiprocessing.synchronize import _NotOwnedError
+from nimbus.multiprocessing.synchronize import _Acquirable, _NotOwnedError
 
 __all__ = ["HostRLock", "available"]
 
@@ -68,7 +67,7 @@ def available() -> bool:
         return False
 
 
-class HostRLock:
+class HostRLock(_Acquirable):
     """A robust, process-shared re-entrant lock in a block of shared memory."""
 
     def __init__(self, block: _heap.Block) -> None:
@@ -130,14 +129,6 @@ class HostRLock:
             raise _NotOwnedError("attempt to release recursive lock not owned by thread")
         if rc:
             raise OSError(rc, f"cannot release {self!r}: {os.strerror(rc)}")
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(
-        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
 
     def __repr__(self) -> str:
         return f"<nimbus.multiprocessing.RLock in shared memory {self._block.path}>"

@@ -402,13 +402,11 @@ def synchronized(obj: Any, lock: Any = None, ctx: object = None) -> Any:
     """Wrap a raw shared object so every access holds ``lock`` (default: a new RLock)."""
     if isinstance(obj, SynchronizedBase):
         raise TypeError("object already synchronized")
-    if isinstance(obj, _Raw):
-        program = obj._program
-    elif isinstance(obj, _CDATA):
-        program = _state.program()
-    else:
+    if not isinstance(obj, (_Raw, *_CDATA)):
         raise TypeError(f"synchronized() needs a ctypes object, not {type(obj).__name__}")
-    return _synchronized(obj, _new_lock(program) if lock is None else lock)
+    if lock is None:
+        lock = _new_lock(obj._program if isinstance(obj, _Raw) else _state.program())
+    return _synchronized(obj, lock)
 
 
 def _synchronized(obj: Any, lock: Any) -> Any:

@@ -170,7 +170,9 @@ class _Shared:
         return f"<{type(self).__name__} {self._name} of program {self._program.program_id}>"
 
 
-class _Acquirable(_Shared):
+class _Acquirable:
+    """``with`` for anything with ``acquire`` and ``release``: a lock or semaphore."""
+
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         raise NotImplementedError
 
@@ -186,7 +188,7 @@ class _Acquirable(_Shared):
         self.release()
 
 
-class Semaphore(_Acquirable):
+class Semaphore(_Shared, _Acquirable):
     """A counting semaphore; ``release`` never fails."""
 
     _bounded = False
@@ -232,7 +234,7 @@ class BoundedSemaphore(Semaphore):
     _bounded = True
 
 
-class Lock(_Acquirable):
+class Lock(_Shared, _Acquirable):
     """A mutex any process may release; released for you if its holder dies."""
 
     _recursive = False
