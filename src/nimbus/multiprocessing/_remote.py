@@ -6,7 +6,7 @@
     ---------------------                 -----------------------          -------------
     open_store(): the service hands out
       a Redis URL + the key prefix
-    Popen: Executor(endpoint).submit(_start) --> watch_signals(token)
+    Popen: Executor(endpoint).submit(start) ---> watch_signals(token)
                                                   fork ------------------> fd 1, 2 -> pipes
                                                   deliver_signals(token)   Forwarder thread:
     Output thread: BLPOP stdio:<inbox> <-------- RPUSH ["exit", token] <-- RPUSH ["out"|"err"]

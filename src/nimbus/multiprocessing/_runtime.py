@@ -6,7 +6,7 @@
     ------------                                  -----------------------------------
     Runtime: Executor (warm workers) <-- start -- Relayed: Client(relay socket, authkey)
              relay listener --------- forked pid, exit code --------->  its Popens
-                |  submit _start(...)
+                |  submit start(...)
                 v
              warm worker forks the new process; its reaper's exit notice comes back
 
