@@ -74,6 +74,7 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "heartbeat",
         "log_level",
         "store_listen",
+        "ca_file",
     }
     assert isinstance(d["runtime_dir"], str)
 
@@ -162,6 +163,8 @@ BAD_ENV = [
     ("NIMBUS_DATABASE_URL", "mysql://db/nimbus"),
     ("NIMBUS_RESULT_TTL", "0"),
     ("NIMBUS_HEARTBEAT", "soon"),
+    ("NIMBUS_CA_FILE", "/nonexistent/ca.pem"),
+    ("NIMBUS_CA_FILE", "/etc/hostname"),  # not PEM
 ]
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import ssl
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -29,7 +30,7 @@ from typing import Any
 import httpx
 
 from nimbus import serialization
-from nimbus.config import Settings, config_dir
+from nimbus.config import Settings, config_dir, untrusted_certificate
 from nimbus.errors import (
     AuthError,
     ConfigError,
@@ -148,10 +149,12 @@ class Client:
         self.service_url = url.rstrip("/")
         self.token = token
         self.settings = settings
+        self._ssl: ssl.SSLContext | None = None
         self._http = httpx.Client(
             base_url=self.service_url,
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout,
+            verify=self.ssl_context() or True,
         )
         self._functions = serialization.FunctionCache(by_value=True)
         self._registered: dict[str, str] = {}
@@ -159,10 +162,21 @@ class Client:
 
     # ------------------------------------------------------------ plumbing
 
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """How the service's certificate is verified (HTTPS and WSS); None for http://."""
+        if not self.service_url.startswith("https://"):
+            return None
+        if self._ssl is None:
+            self._ssl = self.settings.ssl_context()
+        return self._ssl
+
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
+            untrusted = untrusted_certificate(exc, f"the nimbus service at {self.service_url}")
+            if untrusted is not None:
+                raise untrusted from None
             raise ServiceUnavailable(
                 f"cannot reach the nimbus service at {self.service_url} ({exc}); is it running?"
             ) from exc

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import re
+import ssl
 import stat
 import tomllib
 from collections.abc import Callable, Mapping
@@ -36,6 +37,7 @@ __all__ = [
     "config_dir",
     "private_dir",
     "redis_server_binary",
+    "untrusted_certificate",
 ]
 
 CONFIG_ENV = "NIMBUS_CONFIG"
@@ -182,6 +184,20 @@ def _optional_path(value: object) -> Path | None:
     return _path(value)
 
 
+def _optional_pem_file(value: object) -> Path | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
+        return None
+    accepted = "a readable PEM file of CA certificates, or 'none' for the system's CAs"
+    path = _path(value) if isinstance(value, str | Path) else None
+    if path is None or not path.is_file() or not os.access(path, os.R_OK):
+        raise _Bad(accepted)
+    try:
+        ssl.create_default_context(cafile=str(path))
+    except (ssl.SSLError, OSError, ValueError):
+        raise _Bad(accepted) from None
+    return path
+
+
 def _log_level(value: object) -> str:
     accepted = "one of " + ", ".join(_LOG_LEVELS)
     if not isinstance(value, str) or value.strip().upper() not in _LOG_LEVELS:
@@ -251,6 +267,12 @@ _FIELDS: dict[str, _Field] = {
         _host_port,
         "where the service's state-store Redis for endpoint programs listens, HOST:PORT",
     ),
+    "ca_file": _Field(
+        "NIMBUS_CA_FILE",
+        _optional_pem_file,
+        "CA certificates (PEM) that verify the service's TLS certificate, for HTTPS, WSS and "
+        "its stores' rediss:// (none: the system's CAs)",
+    ),
 }
 
 
@@ -313,6 +335,7 @@ class Settings:
     heartbeat: float = 2.0
     log_level: str = "WARNING"
     store_listen: str = "127.0.0.1:0"
+    ca_file: Path | None = None
 
     def __post_init__(self) -> None:
         for name, spec in _FIELDS.items():
@@ -390,6 +413,13 @@ class Settings:
     def store_address(self) -> tuple[str, int]:
         """``store_listen`` as (host, port); port 0 means any free port."""
         return _split_host_port(self.store_listen)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """How this process verifies the service over TLS (HTTPS and WSS): the CAs of
+        ``ca_file`` if set, else the system's; the host name is checked."""
+        return ssl.create_default_context(
+            cafile=None if self.ca_file is None else str(self.ca_file)
+        )
 
     def ensure_runtime_dir(self) -> Path:
         """Create ``runtime_dir`` (mode 0o700) and check only this user can use it."""
@@ -492,6 +522,25 @@ def _read_toml(file: Path) -> dict[str, object]:
             f"{', '.join(_FIELDS)}"
         )
     return merged
+
+
+def untrusted_certificate(exc: BaseException, where: str) -> ConfigError | None:
+    """A ConfigError naming NIMBUS_CA_FILE when ``exc`` (or its cause) is a failed
+    verification of the TLS certificate of ``where``; else None."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, ssl.SSLCertVerificationError) or (
+            "CERTIFICATE_VERIFY_FAILED" in str(seen)
+        ):
+            reason = getattr(seen, "verify_message", None) or str(seen)
+            return ConfigError(
+                f"the TLS certificate of {where} is not trusted ({reason}): set NIMBUS_CA_FILE "
+                f"(or ca_file in the config file) to the PEM file of the CA that signed it"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def redis_server_binary() -> Path | None:

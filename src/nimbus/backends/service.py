@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import websockets
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection
 
 from nimbus import _loop, serialization
 from nimbus.backends import DispatchCallback, ResultCallback
@@ -55,6 +55,7 @@ from nimbus.service.protocol import (
     unpack,
     unpack_result,
 )
+from nimbus.service.wsclient import certificate_error, open_socket
 
 __all__ = ["ServiceBackend"]
 
@@ -190,20 +191,12 @@ class ServiceBackend:
 
     async def _main(self) -> None:
         base = self.client.service_url
-        url = (
-            "wss://" + base[8:] if base.startswith("https://") else "ws://" + base[7:]
-        ) + WS_CLIENT
+        context = self.client.ssl_context()
         backoff = 0.05
         while not self._closing:
             try:
-                async with connect(
-                    url,
-                    additional_headers={"Authorization": f"Bearer {self.client.token}"},
-                    max_size=None,
-                    ping_interval=KEEPALIVE,  # a link cut silently is noticed
-                    ping_timeout=3 * KEEPALIVE,
-                    compression=None,
-                    open_timeout=10,
+                async with open_socket(
+                    base, WS_CLIENT, self.client.token, context, keepalive=KEEPALIVE
                 ) as ws:
                     backoff = 0.05
                     self._refused = None
@@ -221,7 +214,7 @@ class ServiceBackend:
                     )
                     self._fail_all(self._refused)
             except (OSError, websockets.WebSocketException, TimeoutError) as exc:
-                self._error = exc
+                self._error = certificate_error(exc, base) or exc
             if self._closing:
                 break
             await asyncio.sleep(backoff)

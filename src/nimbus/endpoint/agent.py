@@ -25,6 +25,7 @@ import logging
 import os
 import random
 import signal
+import ssl
 import sys
 import time
 from collections.abc import Coroutine
@@ -32,11 +33,12 @@ from typing import Any
 
 import httpx
 import websockets
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection
 
 from nimbus import _loop, serialization
+from nimbus.config import Settings
 from nimbus.endpoint.config import EndpointConfig
-from nimbus.errors import AuthError, RemoteError
+from nimbus.errors import AuthError, ConfigError, RemoteError
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.agent import Agent
 from nimbus.runtime.messages import Status
@@ -58,6 +60,7 @@ from nimbus.service.protocol import (
     unpack,
     unpack_payload,
 )
+from nimbus.service.wsclient import certificate_error, open_socket, ws_url
 
 __all__ = ["EndpointAgent", "main"]
 
@@ -74,13 +77,6 @@ SEND_CHUNK = 5000
 COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
 
 
-def ws_url(service_url: str) -> str:
-    base = service_url.rstrip("/")
-    if base.startswith("https://"):
-        return "wss://" + base[len("https://") :] + WS_AGENT
-    return "ws://" + base.removeprefix("http://") + WS_AGENT
-
-
 class EndpointAgent:
     """Serves one endpoint: ``await agent.run()`` until :meth:`stop`."""
 
@@ -93,9 +89,13 @@ class EndpointAgent:
         prefetch: int = 8,
         heartbeat: float = 2.0,
         name: str = "endpoint",
+        settings: Settings | None = None,
     ) -> None:
-        self.url = ws_url(service_url)
+        self.url = ws_url(service_url, WS_AGENT)
         self.service_url = service_url.rstrip("/")
+        self._ssl: ssl.SSLContext | None = None  # verifies the service's certificate
+        if self.service_url.startswith("https://"):
+            self._ssl = (settings if settings is not None else Settings.load()).ssl_context()
         self.token = token
         self.workers = workers
         self.window = max(MIN_WINDOW, 4 * workers * prefetch)
@@ -132,19 +132,14 @@ class EndpointAgent:
             base_url=self.service_url,
             headers={"Authorization": f"Bearer {self.token}"},
             timeout=httpx.Timeout(60.0, connect=10.0),
+            verify=self._ssl or True,
         )
         backoff = 0.1
         try:
             while not self._stopping:
                 try:
-                    async with connect(
-                        self.url,
-                        additional_headers={"Authorization": f"Bearer {self.token}"},
-                        max_size=None,
-                        ping_interval=self.heartbeat,  # a link cut silently is noticed
-                        ping_timeout=3 * self.heartbeat,
-                        compression=None,
-                        open_timeout=10,
+                    async with open_socket(
+                        self.service_url, WS_AGENT, self.token, self._ssl, keepalive=self.heartbeat
                     ) as ws:
                         self.connects += 1
                         backoff = 0.1
@@ -166,6 +161,8 @@ class EndpointAgent:
                             401,
                         ) from None
                     log.info("connection to %s lost (%s); retrying", self.url, exc)
+                except ssl.SSLCertVerificationError as exc:
+                    raise certificate_error(exc, self.service_url) or exc from None
                 except (OSError, websockets.WebSocketException, TimeoutError) as exc:
                     log.info(
                         "connection to %s lost (%s); retrying in %.1fs", self.url, exc, backoff
@@ -439,8 +436,6 @@ def _result_size(row: list[Any]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m nimbus.endpoint.agent NAME``: run a configured endpoint's agent."""
-    from nimbus.config import Settings
-
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m nimbus.endpoint.agent NAME", file=sys.stderr)
@@ -457,13 +452,14 @@ def main(argv: list[str] | None = None) -> int:
         prefetch=config.prefetch,
         heartbeat=settings.heartbeat,
         name=config.name,
+        settings=settings,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.stop())
     config.pid_file.write_text(f"{os.getpid()}\n")
     try:
         _loop.run(agent.run())
-    except AuthError as exc:
+    except (AuthError, ConfigError) as exc:
         print(f"nimbus endpoint {config.name}: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -45,6 +45,12 @@ def service_setup(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep the embedded Redis (queues, results) on disk in <runtime_dir>/service/redis",
     )
+    start.add_argument(
+        "--tls-cert", type=Path, metavar="FILE", help="serve HTTPS: the PEM certificate chain"
+    )
+    start.add_argument(
+        "--tls-key", type=Path, metavar="FILE", help="serve HTTPS: the PEM private key"
+    )
     token = sub.add_parser("token", help="manage user tokens (admin, on the service's machine)")
     token_sub = token.add_subparsers(dest="token_action", metavar="ACTION", required=True)
     create = token_sub.add_parser("create", help="create a user (if new) and print a new token")
@@ -63,7 +69,15 @@ def service_run(args: argparse.Namespace) -> int:
     if args.action == "start":
         from nimbus.service.server import serve
 
-        serve(settings, args.host, args.port, args.url_file, persist=args.persist)
+        if (args.tls_cert is None) != (args.tls_key is None):
+            print(
+                "nimbus service start: --tls-cert and --tls-key go together "
+                "(the certificate chain and its private key)",
+                file=sys.stderr,
+            )
+            return 2
+        tls = None if args.tls_cert is None else (args.tls_cert, args.tls_key)
+        serve(settings, args.host, args.port, args.url_file, persist=args.persist, tls=tls)
         return 0
     from nimbus.service.registry import Registry
 
