@@ -103,7 +103,8 @@ class Service:
 
     def http(self, token: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+        verify = self.settings().ssl_context() if self.url.startswith("https://") else True
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30, verify=verify)
 
 
 class EndpointProcess:
@@ -168,6 +169,65 @@ class EndpointProcess:
     def stop(self) -> None:
         if self.proc is not None:
             stop(self.proc)
+
+
+def make_certificates(root: Path, name: str = "ca") -> tuple[Path, Path, Path]:
+    """A private CA in ``root`` and a server certificate it signed for 127.0.0.1 and
+    localhost (``openssl`` CLI): (CA file, certificate, key)."""
+    root.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = root / f"{name}.pem", root / f"{name}.key"
+    cert, key, csr = root / f"{name}-server.pem", root / f"{name}-server.key", root / "req.csr"
+    ext = root / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN=nimbus test {name}",
+        "-keyout",
+        str(ca_key),
+        "-out",
+        str(ca),
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+    )
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        str(ext),
+        "-out",
+        str(cert),
+    )
+    return ca, cert, key
 
 
 def service_env(root: Path, **extra: str) -> dict[str, str]:

@@ -177,8 +177,11 @@ class Client:
             untrusted = untrusted_certificate(exc, f"the nimbus service at {self.service_url}")
             if untrusted is not None:
                 raise untrusted from None
+            hint = "is it running?"
+            if isinstance(exc, httpx.RemoteProtocolError) and self.service_url.startswith("http:"):
+                hint = "is it running, or does it serve TLS (then use its https:// URL)?"
             raise ServiceUnavailable(
-                f"cannot reach the nimbus service at {self.service_url} ({exc}); is it running?"
+                f"cannot reach the nimbus service at {self.service_url} ({exc}); {hint}"
             ) from exc
         if response.status_code >= 400:
             try:

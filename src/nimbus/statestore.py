@@ -38,7 +38,7 @@ from nimbus.errors import ConfigError, StateStoreError
 if TYPE_CHECKING:
     from nimbus.config import Settings
 
-__all__ = ["EmbeddedRedis", "StateStore", "connect", "redis_server_binary"]
+__all__ = ["EmbeddedRedis", "StateStore", "connect", "redis_server_binary", "tls_options"]
 
 # No read timeout: BLPOP and friends may block for long; a dead server closes the socket.
 # driver_info=None: no CLIENT SETINFO at connect (two round trips) and no lookup
@@ -358,6 +358,7 @@ def _probe(url: str, timeout: float) -> None:
             socket_timeout=timeout,
             retry=Retry(NoBackoff(), 0),
             driver_info=None,
+            **tls_options(url),
         )
     except ValueError as exc:
         raise ConfigError(
@@ -386,7 +387,7 @@ class StateStore:
         self.url = url
         self.embedded = server is not None
         self._server = server
-        self._pool = redis.ConnectionPool.from_url(url, **_POOL_OPTIONS)
+        self._pool = redis.ConnectionPool.from_url(url, **_POOL_OPTIONS, **tls_options(url))
 
     @classmethod
     def open(
@@ -451,6 +452,17 @@ _lock = threading.Lock()
 os.register_at_fork(after_in_child=lambda: globals().__setitem__("_lock", threading.Lock()))
 
 
+def tls_options(url: str) -> dict[str, Any]:
+    """For a ``rediss://`` URL that names no CA of its own: verify the server with the
+    CAs of ``ca_file`` (NIMBUS_CA_FILE), as the service's certificate is verified."""
+    if not url.startswith("rediss://") or "ssl_ca_" in url:
+        return {}
+    from nimbus.config import Settings
+
+    ca_file = Settings.load().ca_file
+    return {} if ca_file is None else {"ssl_ca_certs": str(ca_file)}
+
+
 def connect(url: str) -> redis.Redis:
     """This process's client for the state store at ``url`` (created on first use)."""
     key = (os.getpid(), url)
@@ -459,5 +471,6 @@ def connect(url: str) -> redis.Redis:
         if client is None:
             for stale in [k for k in _clients if k[0] != key[0]]:
                 del _clients[stale]  # inherited across fork: the parent's, not ours
-            client = _clients[key] = redis.Redis.from_url(url, **_POOL_OPTIONS)
+            options = _POOL_OPTIONS | tls_options(url)
+            client = _clients[key] = redis.Redis.from_url(url, **options)
         return client

@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 import msgpack
 import redis
 
-from nimbus.config import Settings
+from nimbus import statestore
+from nimbus.config import Settings, untrusted_certificate
 from nimbus.errors import ConfigError, NotFound, ServiceUnavailable, StateStoreError
 
 if TYPE_CHECKING:
@@ -111,9 +112,13 @@ def open_store(settings: Settings) -> Store:
 def probe(url: str, endpoint: str) -> None:
     """PING the store handed out for ``endpoint``; a clear error when it does not answer."""
     try:
-        with redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5) as client:
-            client.ping()
+        options = statestore.tls_options(url)
+        with redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5, **options) as c:
+            c.ping()
     except redis.RedisError as exc:
+        untrusted = untrusted_certificate(exc, f"the state store at {_safe(url)}")
+        if untrusted is not None:
+            raise untrusted from None
         raise StateStoreError(
             f"cannot reach the state store the service handed out for endpoint {endpoint!r} "
             f"at {_safe(url)} ({_safe(str(exc))}); this machine and the endpoint's workers must "
@@ -243,7 +248,9 @@ def watch_signals(program: Program, inbox: str, token: str) -> redis.Redis:
     exit code): when that connection closes without an exit code, the worker
     (and with it the child) is gone. :func:`deliver_signals` then uses it.
     """
-    client = redis.Redis.from_url(program.url, single_connection_client=True)
+    client = redis.Redis.from_url(
+        program.url, single_connection_client=True, **statestore.tls_options(program.url)
+    )
     try:
         client_id = client.client_id()
         _push(program, program.keys.stdio(inbox), msgpack.packb(["watch", token, client_id]))

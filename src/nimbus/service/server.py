@@ -44,8 +44,7 @@ def serve(
     ``tls`` is (certificate chain, private key), PEM files, to serve HTTPS."""
     from nimbus.service.app import create_app
 
-    if tls is not None:
-        check_tls(*tls)
+    context = None if tls is None else check_tls(*tls)
 
     if persist and settings.redis_url:
         raise ConfigError(
@@ -58,7 +57,7 @@ def serve(
     )
     try:
         app = create_app(settings, store.url)
-        app.state.tls = tls  # the stores Redis serves TLS with the same pair
+        app.state.tls = context  # the stores Redis serves TLS with the same certificate
         config = uvicorn.Config(
             app,
             host=host,

@@ -16,6 +16,9 @@ The *stores Redis* is a second embedded Redis the service runs for this, apart
 from the one holding its task queues (which no user ever reaches). It listens
 on TCP at ``NIMBUS_STORE_LISTEN`` (``127.0.0.1:0`` by default: loopback, any
 free port; give an address the clients and the endpoints' workers both reach).
+When the service serves TLS, that address speaks TLS with the service's
+certificate (a tunnel to the Redis's Unix socket, ``nimbus.service.tunnel``)
+and the URLs handed out are ``rediss://``.
 Its ``default`` user is the admin: a random password that only the service
 process holds and never hands out. Each user gets a Redis ACL user whose keys
 and channels are limited to programs whose id starts with the user's prefix,
@@ -42,6 +45,7 @@ import hashlib
 import hmac
 import secrets
 import socket
+import ssl
 import threading
 from typing import Annotated, Any
 
@@ -54,6 +58,7 @@ from nimbus.errors import ServiceError, StateStoreError
 from nimbus.service.context import ServiceContext
 from nimbus.service.deps import context, current_user
 from nimbus.service.registry import Principal
+from nimbus.service.tunnel import TLSTunnel
 from nimbus.statestore import EmbeddedRedis
 
 __all__ = ["StoreServer", "key_prefix", "router"]
@@ -88,16 +93,27 @@ def _free_port(host: str) -> int:
 class StoreServer:
     """The stores Redis and its ACL users; :meth:`store` gives one user's URL."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, tls: ssl.SSLContext | None = None) -> None:
         host, port = settings.store_address
         self.host = host
         self.port = port or _free_port(host or "0.0.0.0")
         self._secret = secrets.token_bytes(32)
+        # with TLS: Redis on its Unix socket only, TLS on the TCP address (service/tunnel.py)
         self._server = EmbeddedRedis(
             settings.ensure_runtime_dir(),
-            tcp=(host or "0.0.0.0", self.port),
+            tcp=None if tls else (host or "0.0.0.0", self.port),
             password=secrets.token_urlsafe(32),
         ).start()
+        self.scheme = "rediss" if tls else "redis"
+        self._tunnel: TLSTunnel | None = None
+        if tls is not None:
+            try:
+                self._tunnel = TLSTunnel(
+                    host or "0.0.0.0", self.port, self._server.socket_path, tls
+                ).start()
+            except OSError:
+                self._server.stop()
+                raise
         self._admin = redis.Redis(
             unix_socket_path=str(self._server.socket_path),
             password=self._server.password,
@@ -136,9 +152,12 @@ class StoreServer:
         host = self.host if self.host not in WILDCARD_HOSTS else advertised_host
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
-        return {"url": f"redis://{name}:{password}@{host}:{self.port}/0", "key_prefix": prefix}
+        url = f"{self.scheme}://{name}:{password}@{host}:{self.port}/0"
+        return {"url": url, "key_prefix": prefix}
 
     def close(self) -> None:
+        if self._tunnel is not None:
+            self._tunnel.close()
         self._admin.close()
         self._server.stop()
 
@@ -161,7 +180,7 @@ def _user_store(state: Any, settings: Settings, user_id: str, host: str) -> dict
         server: StoreServer | None = getattr(state, "store_server", None)
         try:
             if server is None:
-                server = state.store_server = StoreServer(settings)
+                server = state.store_server = StoreServer(settings, getattr(state, "tls", None))
             return server.store(user_id, host)
         except (OSError, redis.RedisError, StateStoreError) as exc:
             raise ServiceError(
