@@ -119,12 +119,14 @@ def test_an_agent_that_does_not_trust_the_certificate_exits_saying_why(
 
 
 def test_plain_http_to_the_tls_port_gets_no_answer(tls_service: Service, carol: Client) -> None:
-    plain = "http://127.0.0.1:%d" % _port(tls_service)
+    plain = f"http://127.0.0.1:{_port(tls_service)}"
     with pytest.raises(httpx.TransportError):
         httpx.get(plain + "/v1/health", timeout=10)
-    with Client(plain, carol.token, settings=tls_service.settings()) as client:
-        with pytest.raises(ServiceUnavailable, match="https://"):
-            client.whoami()
+    with (
+        Client(plain, carol.token, settings=tls_service.settings()) as client,
+        pytest.raises(ServiceUnavailable, match="https://"),
+    ):
+        client.whoami()
     with socket.create_connection(("127.0.0.1", _port(tls_service)), timeout=10) as sock:
         sock.sendall(b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\n\r\n")
         assert b"HTTP/1.1 200" not in sock.recv(4096)  # nothing readable comes back
@@ -164,9 +166,11 @@ def test_the_store_handed_out_is_rediss_and_verified(
         unverified.ping()  # the system's CAs do not know the test's CA
     assert "CERTIFICATE_VERIFY_FAILED" in str(info.value)
     plain = "redis://" + url.removeprefix("rediss://")
-    with redis.Redis.from_url(plain, socket_timeout=5) as cleartext:
-        with pytest.raises(redis.RedisError):
-            cleartext.ping()  # the port speaks TLS only
+    with (
+        redis.Redis.from_url(plain, socket_timeout=5) as cleartext,
+        pytest.raises(redis.RedisError),
+    ):
+        cleartext.ping()  # the port speaks TLS only
     # what a program checks before it starts: verified with NIMBUS_CA_FILE, else told to set it
     monkeypatch.setenv("NIMBUS_CA_FILE", "none")
     with pytest.raises(ConfigError, match="NIMBUS_CA_FILE") as refused:
