@@ -20,7 +20,9 @@ from nimbus import Client, Executor
 from nimbus.config import Settings
 from nimbus.errors import ConfigError, ServiceUnavailable
 from nimbus.multiprocessing import _remote
-from service_support import EndpointProcess, Service, make_certificates, service_env
+from nimbus.service.tunnel import TLSTunnel
+from nimbus.statestore import EmbeddedRedis
+from service_support import EndpointProcess, Service, free_port, make_certificates, service_env
 
 pytestmark = pytest.mark.skipif(
     subprocess.run(["openssl", "version"], capture_output=True).returncode != 0,
@@ -236,3 +238,37 @@ def test_settings_ca_file_must_be_a_pem_file(tmp_path: Path, certs: dict[str, Pa
     junk.write_text("not a certificate\n")
     with pytest.raises(ConfigError, match="NIMBUS_CA_FILE"):
         Settings.load({"NIMBUS_CA_FILE": str(junk)})
+
+
+# ---------------------------------------------------------------- the tunnel itself
+
+
+def test_the_tunnel_pipes_tls_to_the_socket_and_passes_closes_on(
+    tmp_path: Path, certs: dict[str, Path]
+) -> None:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certs["cert"], certs["key"])
+    server = EmbeddedRedis(tmp_path / "rt", password="admin-secret").start()
+    port = free_port()
+    tunnel = TLSTunnel("127.0.0.1", port, server.socket_path, context).start()
+    url = f"rediss://:admin-secret@127.0.0.1:{port}/0"
+    try:
+        with pytest.raises(OSError):  # the address is taken: said at start
+            TLSTunnel("127.0.0.1", port, server.socket_path, context).start()
+        client = redis.Redis.from_url(
+            url, ssl_ca_certs=str(certs["ca"]), retry=None, socket_timeout=20
+        )
+        blob = bytes(range(256)) * 40_000  # 10 MB each way, through the tunnel
+        client.set("k", blob)
+        assert client.get("k") == blob
+        me = client.client_id()
+        with redis.Redis(unix_socket_path=str(server.socket_path), password="admin-secret") as a:
+            a.client_kill_filter(_id=me)  # Redis closes it: the TLS side is closed too
+        with pytest.raises(redis.ConnectionError):
+            client.ping()
+        client.close()
+    finally:
+        tunnel.close()
+        server.stop()
+    with pytest.raises(OSError):  # closed: nothing listens there any more
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
