@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from nimbus import Client, Executor
-from nimbus.config import Settings
+from nimbus.config import Settings, untrusted_certificate
 from nimbus.errors import ConfigError, ServiceUnavailable
 from nimbus.multiprocessing import _remote
 from nimbus.service.tunnel import TLSTunnel
@@ -272,3 +272,16 @@ def test_the_tunnel_pipes_tls_to_the_socket_and_passes_closes_on(
         server.stop()
     with pytest.raises(OSError):  # closed: nothing listens there any more
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_a_certificate_for_another_host_is_told_apart_from_an_unknown_ca() -> None:
+    mismatch = ssl.SSLCertVerificationError(1, "certificate verify failed")
+    mismatch.verify_message = "IP address mismatch, certificate is not valid for '10.0.0.9'."
+    error = untrusted_certificate(httpx.ConnectError("x"), "the service")
+    assert error is None  # not a certificate problem
+    try:
+        raise httpx.ConnectError("[SSL: CERTIFICATE_VERIFY_FAILED]") from mismatch
+    except httpx.ConnectError as exc:
+        error = untrusted_certificate(exc, "the nimbus service at https://10.0.0.9")
+    assert error is not None and "does not name that host" in str(error)
+    assert "NIMBUS_CA_FILE" not in str(error)

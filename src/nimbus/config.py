@@ -525,22 +525,28 @@ def _read_toml(file: Path) -> dict[str, object]:
 
 
 def untrusted_certificate(exc: BaseException, where: str) -> ConfigError | None:
-    """A ConfigError naming NIMBUS_CA_FILE when ``exc`` (or its cause) is a failed
-    verification of the TLS certificate of ``where``; else None."""
+    """A ConfigError naming what to fix when ``exc`` (or what caused it) is a failed
+    verification of the TLS certificate of ``where``: NIMBUS_CA_FILE for an unknown
+    CA, the host name for a certificate of another host; else None."""
+    chain: list[BaseException] = []
     seen: BaseException | None = exc
-    for _ in range(8):
-        if seen is None:
-            return None
-        if isinstance(seen, ssl.SSLCertVerificationError) or (
-            "CERTIFICATE_VERIFY_FAILED" in str(seen)
-        ):
-            reason = getattr(seen, "verify_message", None) or str(seen)
-            return ConfigError(
-                f"the TLS certificate of {where} is not trusted ({reason}): set NIMBUS_CA_FILE "
-                f"(or ca_file in the config file) to the PEM file of the CA that signed it"
-            )
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
         seen = seen.__cause__ or seen.__context__
-    return None
+    verify: list[BaseException] = [e for e in chain if isinstance(e, ssl.SSLCertVerificationError)]
+    said = verify or [e for e in chain if "CERTIFICATE_VERIFY_FAILED" in str(e)]
+    if not said:
+        return None
+    reason = getattr(said[0], "verify_message", None) or str(said[0])
+    if "mismatch" in reason:  # a good certificate, for another host name
+        return ConfigError(
+            f"the TLS certificate of {where} does not name that host ({reason}): use "
+            f"the host name the certificate was made for, or a certificate for this one"
+        )
+    return ConfigError(
+        f"the TLS certificate of {where} is not trusted ({reason}): set NIMBUS_CA_FILE "
+        f"(or ca_file in the config file) to the PEM file of the CA that signed it"
+    )
 
 
 def redis_server_binary() -> Path | None:

@@ -30,7 +30,7 @@ from nimbus import _loop
 __all__ = ["TLSTunnel"]
 
 log = logging.getLogger(__name__)
-CHUNK = 1 << 16
+CHUNK = 1 << 18
 HANDSHAKE_TIMEOUT = 10.0
 
 
