@@ -231,7 +231,7 @@ def test_function_cache_large_array_global_by_identity() -> None:
     )
     scope["ARRAY"] = np.zeros(1 << 17)
     cache = FunctionCache()
-    key, data = cache.get(first)
+    key, _ = cache.get(first)
     scope["ARRAY"][0] = 5.0  # in place: not seen (documented)
     assert cache.get(first)[0] == key
     scope["ARRAY"] = np.ones(1 << 17)  # a new array: seen

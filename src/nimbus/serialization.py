@@ -405,10 +405,7 @@ class _Globals:
         data, large = self._dump()
         if data != self.data or len(large) != len(self.large):
             return False
-        for new, old in zip(large, self.large, strict=True):
-            if new is not old:
-                return False
-        return True
+        return all(new is old for new, old in zip(large, self.large, strict=True))
 
 
 def _large_buffer(value: object) -> bool:

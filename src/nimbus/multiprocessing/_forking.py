@@ -83,11 +83,14 @@ def _bootstrapping() -> Iterator[None]:
         del me._inheriting
 
 
+_GUARD_CHECK = spawn._check_not_importing_main.__code__  # type: ignore[attr-defined]
+
+
 def _from_main_guard(exc: BaseException) -> bool:
     """Whether ``exc`` was raised by the stdlib's check for an unguarded main module."""
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code is spawn._check_not_importing_main.__code__:
+        if tb.tb_frame.f_code is _GUARD_CHECK:
             return True
         tb = tb.tb_next
     return False

@@ -5,13 +5,28 @@ starts in its runtime directory and stops on exit (kept on disk, in
 ``<runtime_dir>/service/redis``, with ``--persist``). With ``port=0`` the system
 picks a free port; the URL the service listens on is printed on stdout, and
 written to ``url_file`` when given, once it accepts connections.
+
+While it runs, ``<runtime_dir>/service/service.json`` holds its URL and pid, so
+that the admin commands (``nimbus service token``) can say which service's
+registry they use (:func:`running_service`).
+
+SIGTERM and SIGINT (Ctrl-C) stop it gracefully: uvicorn answers what is under
+way, then signals the process again with the handler it found; ours (SIGTERM)
+ends :func:`serve` so that the embedded Redis stops and its socket, state and
+log files leave the runtime directory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import signal
+import threading
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -22,9 +37,10 @@ from nimbus.errors import ConfigError
 from nimbus.service.protocol import MESSAGE_BYTES
 from nimbus.statestore import StateStore
 
-__all__ = ["serve"]
+__all__ = ["running_service", "serve"]
 
 log = logging.getLogger(__name__)
+STATE_FILE = "service.json"  # in Settings.service_dir while the service runs
 
 
 def serve(
@@ -36,14 +52,47 @@ def serve(
     persist: bool = False,
 ) -> None:
     """Run the service until SIGTERM or SIGINT; ``persist`` keeps the embedded Redis on disk."""
-    from nimbus.service.app import create_app
-
     if persist and settings.redis_url:
         raise ConfigError(
             "--persist keeps the embedded Redis on disk; NIMBUS_REDIS_URL names your own "
             "Redis: configure its persistence there (appendonly yes)"
         )
     persist_dir = settings.service_dir / "redis" if persist else None
+    previous = _stop_on_sigterm()
+    try:
+        _serve(settings, host, port, url_file, persist_dir)
+    except _Terminated:
+        log.info("nimbus service stopped (SIGTERM)")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived: leave :func:`serve`, cleaning up on the way."""
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
+
+
+def _stop_on_sigterm() -> Any:
+    """Make SIGTERM end :func:`serve` by an exception (so ``finally`` runs); the old handler.
+
+    uvicorn takes SIGTERM while it serves, shuts down gracefully and then
+    raises the signal again under the handler it found: by default that kills
+    the process before the embedded Redis is stopped.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None  # signals reach the main thread only: its owner decides
+    return signal.signal(signal.SIGTERM, _terminated)
+
+
+def _serve(
+    settings: Settings, host: str, port: int, url_file: Path | None, persist_dir: Path | None
+) -> None:
+    from nimbus.service.app import create_app
+
     store = StateStore.open(
         settings.redis_url, settings.ensure_runtime_dir(), persist_dir=persist_dir
     )
@@ -61,7 +110,7 @@ def serve(
             timeout_graceful_shutdown=5,  # then connections still open are cut
         )
         server = uvicorn.Server(config)
-        _loop.run(_run(server, app, url_file))
+        _loop.run(_run(server, app, url_file, settings.service_dir / STATE_FILE))
     finally:
         store.close()
 
@@ -76,7 +125,7 @@ async def _end_waits_at_exit(server: uvicorn.Server, app: FastAPI) -> None:
         ctx.hub.close()
 
 
-async def _run(server: uvicorn.Server, app: FastAPI, url_file: Path | None) -> None:
+async def _run(server: uvicorn.Server, app: FastAPI, url_file: Path | None, state: Path) -> None:
     task = asyncio.create_task(server.serve())
     ender = asyncio.create_task(_end_waits_at_exit(server, app))
     task.add_done_callback(lambda _: ender.cancel())
@@ -90,7 +139,26 @@ async def _run(server: uvicorn.Server, app: FastAPI, url_file: Path | None) -> N
     url = f"http://{host}:{port}"
     print(f"nimbus service listening on {url}", flush=True)
     if url_file is not None:
-        tmp = url_file.with_suffix(".tmp")
-        tmp.write_text(url + "\n")
-        tmp.replace(url_file)
-    await task
+        _write(url_file, url + "\n")
+    _write(state, json.dumps({"url": url, "pid": os.getpid()}))
+    try:
+        await task
+    finally:
+        state.unlink(missing_ok=True)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def running_service(settings: Settings) -> str | None:
+    """The URL of the service running with ``settings``' runtime directory, if one runs."""
+    try:
+        state = json.loads((settings.service_dir / STATE_FILE).read_text())
+        os.kill(int(state["pid"]), 0)
+        return str(state["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # none, or it died without removing the file
