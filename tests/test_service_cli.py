@@ -332,3 +332,12 @@ def test_get_result_of_a_cancelled_task_names_it(service: Service, alice: Any) -
     assert alice.cancel(task_id)
     with pytest.raises(cf.CancelledError, match=f"task {task_id} was cancelled"):
         alice.get_result(task_id, timeout=30)
+
+
+@pytest.mark.parametrize("name", ["", "a b*", "x" * 201, "../etc", "ünïcode"])
+def test_registry_refuses_user_names_an_endpoint_could_not_have(
+    service: Service, name: str
+) -> None:
+    with pytest.raises(ValueError, match="is not a user name: 1-200 letters, digits"):
+        service.token(name)
+    assert name not in _cli(service, "service", "token", "list").stdout.split()
