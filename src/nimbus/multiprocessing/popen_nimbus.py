@@ -111,7 +111,12 @@ class Popen:
             prep["relay"] = _runtime.relay_address()
             prep["tracker"] = _tracker()
         # the fork is under way when start() returns; its pid is awaited on first use
-        first = not _main_imported and any(key in prep for key in MAIN_KEYS)
+        # the root's first start imports main in a worker (a relayed one's root did already)
+        first = (
+            not _main_imported
+            and isinstance(rt, _runtime.Runtime)
+            and any(key in prep for key in MAIN_KEYS)
+        )
         try:
             self._forked = rt.start(_forking.start, self._token, prep, program, data, buffers)
             if first:
@@ -210,9 +215,10 @@ def _await_main_import(forked: Any) -> None:
     global _main_imported
     try:
         forked.result()
-    except RuntimeError as exc:  # the worker's traceback shows the same line of the script
-        raise RuntimeError(str(exc)) from None
-    except BaseException:
+    except BaseException as exc:
+        if type(exc) is RuntimeError:  # the stdlib's (a lost worker's is a subclass)
+            # the worker's traceback shows the same line of the script as this one
+            raise RuntimeError(str(exc)) from None
         return  # reported by _on_forked, as any failed start
     _main_imported = True
 
