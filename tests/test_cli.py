@@ -90,6 +90,79 @@ def test_no_command_is_a_usage_error(tmp_path: Path) -> None:
     out = nimbus_cmd(tmp_path=tmp_path)
     assert out.returncode == 2
     assert "usage: nimbus" in out.stderr
+    assert "endpoint" in out.stderr and "tasks" in out.stderr  # the commands, with their help
+
+
+def test_info_shows_the_effective_storage_dir(tmp_path: Path) -> None:
+    runtime = tmp_path / "rt"
+    out = nimbus_cmd("info", tmp_path=tmp_path, NIMBUS_RUNTIME_DIR=str(runtime))
+    assert out.returncode == 0, out.stderr
+    [line] = [line for line in out.stdout.splitlines() if "storage_dir" in line]
+    assert f"{runtime}/files" in line and "none" not in line
+    [line] = [line for line in out.stdout.splitlines() if "database_url" in line]
+    assert f"sqlite:///{runtime}/service/registry.sqlite3" in line
+    report = json.loads(
+        nimbus_cmd("info", "--json", tmp_path=tmp_path, NIMBUS_RUNTIME_DIR=str(runtime)).stdout
+    )
+    assert report["settings"]["storage_dir"]["value"] is None  # the setting: unset
+    assert report["settings"]["storage_dir"]["effective"] == f"{runtime}/files"
+    chosen = nimbus_cmd("info", tmp_path=tmp_path, NIMBUS_STORAGE_DIR=str(tmp_path / "shared"))
+    assert f"{tmp_path}/shared" in chosen.stdout
+
+
+# one line naming the argument and what is accepted, exit status 2, nothing sent anywhere
+BAD_ARGUMENTS = [
+    (["tasks", "list", "--limit", "-5"], "argument --limit", "from 1 to 10000"),
+    (["tasks", "list", "--limit", "lots"], "argument --limit", "from 1 to 10000"),
+    (["endpoint", "start", "bad name!"], "argument NAME", "letters, digits"),
+    (["endpoint", "configure", ""], "argument NAME", "letters, digits"),
+    (["endpoint", "configure", "lab", "--workers", "0"], "argument --workers", ">= 1"),
+    (["service", "token", "create", ""], "argument NAME", "letters, digits"),
+    (["service", "token", "create", "a b*"], "argument NAME", "letters, digits"),
+    (["service", "start", "--port", "70000"], "argument --port", "0 to 65535"),
+    (
+        ["login", "--service", "http://127.0.0.1:8420/v1", "--token", "t"],
+        "argument --service",
+        "http://127.0.0.1:8420 ",
+    ),
+    (["login", "--service", "127.0.0.1:8420", "--token", "t"], "argument --service", "http(s)://"),
+    (["tasks", "show", "../../etc"], "argument TASK_ID", "a UUID"),
+]
+
+
+@pytest.mark.parametrize(("args", "argument", "accepted"), BAD_ARGUMENTS, ids=repr)
+def test_bad_argument_is_one_line_exit_2(
+    tmp_path: Path, args: list[str], argument: str, accepted: str
+) -> None:
+    out = nimbus_cmd(*args, tmp_path=tmp_path, NIMBUS_RUNTIME_DIR=str(tmp_path / "rt"))
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("nimbus " + args[0])
+    assert argument in lines[0] and accepted in lines[0]
+    assert repr(args[-1]) in lines[0] or args[-1] in lines[0]  # what was given
+    assert "Traceback" not in out.stderr and "{" not in out.stderr
+    assert out.stdout == ""
+    assert not (tmp_path / "rt" / "service").exists()  # no registry was made
+
+
+def test_help_shows_defaults_and_options(tmp_path: Path) -> None:
+    start = nimbus_cmd("service", "start", "--help", tmp_path=tmp_path).stdout
+    assert "default 127.0.0.1" in start and "default 8420" in start and "--url-file" in start
+    assert "SIGTERM" in start
+    configure = nimbus_cmd("endpoint", "configure", "--help", tmp_path=tmp_path).stdout
+    assert "--workers" in configure and "--prefetch" in configure
+    assert "NIMBUS_WORKERS" in configure and "NIMBUS_PREFETCH" in configure
+    endpoint_start = nimbus_cmd("endpoint", "start", "--help", tmp_path=tmp_path).stdout
+    assert "--foreground" in endpoint_start and "agent.log" in endpoint_start
+    listing = " ".join(nimbus_cmd("tasks", "list", "--help", tmp_path=tmp_path).stdout.split())
+    assert "--limit N" in listing and "default 50" in listing
+
+
+def test_endpoint_list_has_a_header_row(tmp_path: Path) -> None:
+    out = nimbus_cmd("endpoint", "list", tmp_path=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["NAME", "AGENT", "SERVICE", "ENDPOINT", "ID"]
 
 
 def test_registry_has_the_subcommands() -> None:

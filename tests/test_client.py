@@ -60,7 +60,9 @@ def test_http_errors_become_nimbus_errors(status: int, kind: type[Exception]) ->
         assert isinstance(error, VersionMismatchError)
 
 
-def test_client_needs_a_service(tmp_path: object) -> None:
+def test_client_needs_a_service(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the credentials file is looked up in this process's config dir: not the user's own login
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     settings = Settings.load({"HOME": "/nonexistent", "XDG_CONFIG_HOME": str(tmp_path)})
     with pytest.raises(ConfigError, match="nimbus login"):
         Client(settings=settings)

@@ -183,6 +183,25 @@ def test_submit_result(ex) -> None:
     assert future.result(timeout=30) == 1024
 
 
+def test_statistics_lists_the_running_tasks(ex) -> None:
+    """The local runtime's view of what runs: task id, function, when dispatched."""
+    slow = ex.submit(time.sleep, 1.0)
+    deadline = time.monotonic() + 10
+    while not (running := ex.statistics()["running"]):
+        assert time.monotonic() < deadline, ex.statistics()
+        time.sleep(0.01)
+    assert running == [
+        {
+            "task_id": slow.record.task_id,
+            "function": "sleep",
+            "dispatched": pytest.approx(slow.record.dispatched),
+        }
+    ]
+    assert running[0]["dispatched"] <= time.time()
+    slow.result(timeout=30)
+    assert ex.statistics()["running"] == []
+
+
 def test_submit_kwargs(ex) -> None:
     assert ex.submit(add, 1, b=2).result(timeout=10) == 3
 

@@ -6,9 +6,13 @@ import multiprocessing
 import multiprocessing.pool
 import os
 import random
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -266,3 +270,86 @@ def test_thread_pool() -> None:
         idents = tp.map(lambda _: threading.get_ident(), range(30))
         assert threading.get_ident() not in idents
     assert mp.pool.ThreadPool is multiprocessing.pool.ThreadPool
+
+
+# -- a script without the __main__ guard (a separate program) ---------------------
+
+_GUARD_MESSAGE = "An attempt has been made to start a new process before the"
+
+
+def _run_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent(body))
+    return subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.timeout(90)
+def test_unguarded_pool_script_fails_once_with_the_stdlib_message(tmp_path: Path) -> None:
+    """The README's Pool example without ``if __name__ == "__main__":`` fails once, at Pool()."""
+    started = time.monotonic()
+    res = _run_script(
+        tmp_path,
+        """
+        import nimbus.multiprocessing as multiprocessing
+
+        def work(x):
+            return x * x
+
+        with multiprocessing.Pool(4) as pool:
+            print(sum(pool.map(work, range(100))))
+        """,
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert res.stderr.count(_GUARD_MESSAGE) == 1, res.stderr[-3000:]
+    assert "if __name__ == '__main__':" in res.stderr
+    assert "Can't get attribute" not in res.stderr
+    assert "with multiprocessing.Pool(4) as pool:" in res.stderr  # the line that started it
+    assert res.stdout == ""
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.timeout(90)
+def test_unguarded_process_script_fails_at_start(tmp_path: Path) -> None:
+    res = _run_script(
+        tmp_path,
+        """
+        import nimbus.multiprocessing as multiprocessing
+
+        def work():
+            print("child ran")
+
+        p = multiprocessing.Process(target=work)
+        p.start()
+        p.join()
+        """,
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert res.stderr.count(_GUARD_MESSAGE) == 1, res.stderr[-3000:]
+    assert "child ran" not in res.stdout
+
+
+@pytest.mark.timeout(90)
+def test_guarded_pool_script_runs(tmp_path: Path) -> None:
+    """The README's example as printed, with the guard: __main__ functions by reference."""
+    res = _run_script(
+        tmp_path,
+        """
+        import nimbus.multiprocessing as multiprocessing
+
+        def work(x):
+            return x * x
+
+        if __name__ == "__main__":
+            with multiprocessing.Pool(4) as pool:
+                print(sum(pool.map(work, range(10_000))))
+        """,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == [str(sum(x * x for x in range(10_000)))]
+    assert res.stderr == ""

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -160,6 +165,132 @@ def test_function_cache_is_bounded() -> None:
     for fn in fns:
         cache.get(fn)
     assert len(cache._entries) <= 4
+
+
+def _main_function(source: str, name: str) -> tuple[dict[str, Any], Any]:
+    """A function defined in ``__main__`` (so pickled by value), and its module's globals."""
+    scope: dict[str, Any] = {"__name__": "__main__"}
+    exec(textwrap.dedent(source), scope)
+    return scope, scope[name]
+
+
+def test_function_cache_main_function_carries_current_globals() -> None:
+    scope, times_k = _main_function(
+        """
+        K = 10
+        def times_k(x):
+            return x * K
+        """,
+        "times_k",
+    )
+    cache = FunctionCache()
+    key1, data1 = cache.get(times_k)
+    assert loads(data1)(2) == 20
+    assert cache.get(times_k) == (key1, data1)  # unchanged: the cached pickle
+    scope["K"] = 20
+    key2, data2 = cache.get(times_k)
+    assert key2 != key1
+    assert loads(data2)(2) == 40
+    assert cache.get(times_k)[1] is data2  # cached again, under the new key
+    scope["K"] = 10
+    assert cache.get(times_k)[0] == key1  # the same pickle, the same key
+
+
+def test_function_cache_sees_globals_of_called_functions_and_in_place_changes() -> None:
+    scope, outer = _main_function(
+        """
+        SCALE = {"factor": 2}
+        OFFSETS = [1]
+        def helper(x):
+            return x * SCALE["factor"]
+        def outer(x, extra=[]):
+            return helper(x) + sum(OFFSETS) + sum(extra)
+        """,
+        "outer",
+    )
+    cache = FunctionCache()
+    assert loads(cache.get(outer)[1])(5) == 11
+    scope["OFFSETS"].append(100)  # in place
+    assert loads(cache.get(outer)[1])(5) == 111
+    scope["SCALE"]["factor"] = 3  # read by the function it calls
+    assert loads(cache.get(outer)[1])(5) == 116
+    outer.__defaults__[0].append(1000)  # a mutable default
+    assert loads(cache.get(outer)[1])(5) == 1116
+    scope["helper"] = lambda x: 0  # rebound
+    assert loads(cache.get(outer)[1])(5) == 1101
+
+
+def test_function_cache_large_array_global_by_identity() -> None:
+    np = pytest.importorskip("numpy")
+    scope, first = _main_function(
+        """
+        def first(_):
+            return float(ARRAY[0])
+        """,
+        "first",
+    )
+    scope["ARRAY"] = np.zeros(1 << 17)
+    cache = FunctionCache()
+    key, _ = cache.get(first)
+    scope["ARRAY"][0] = 5.0  # in place: not seen (documented)
+    assert cache.get(first)[0] == key
+    scope["ARRAY"] = np.ones(1 << 17)  # a new array: seen
+    key2, data2 = cache.get(first)
+    assert key2 != key
+    assert loads(data2)(0) == 1.0
+
+
+def test_function_cache_global_plain_pickle_cannot_take_is_pickled_each_time() -> None:
+    scope, apply = _main_function(
+        """
+        N = 1
+        HANDLERS = {"add": lambda x: x + N}  # plain pickle cannot take a lambda; cloudpickle can
+        def apply(x):
+            return HANDLERS["add"](x)
+        """,
+        "apply",
+    )
+    cache = FunctionCache()
+    assert loads(cache.get(apply)[1])(1) == 2
+    assert id(apply) not in cache._entries
+    scope["N"] = 2
+    assert loads(cache.get(apply)[1])(1) == 3
+
+
+def test_function_cache_imported_function_is_cached_by_reference() -> None:
+    cache = FunctionCache()
+    cache.get(double)
+    assert cache._entries[id(double)][3] is None  # pickled by reference: nothing carried
+
+
+@pytest.mark.timeout(120)
+def test_executor_main_function_sees_the_global_changed_between_submits(tmp_path: Path) -> None:
+    """The README's case: ``K`` changed from 10 to 20 in a script gives the result for 20."""
+    script = tmp_path / "prog.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            from nimbus import Executor
+
+            K = 10
+
+            def times_k(x):
+                return x * K
+
+            if __name__ == "__main__":
+                with Executor(max_workers=1) as ex:
+                    first = ex.submit(times_k, 2).result()
+                    K = 20
+                    second = ex.submit(times_k, 2).result()
+                    print(first, second)
+            """
+        )
+    )
+    res = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["20", "40"]
 
 
 def test_serialization_error_names_the_culprit() -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -207,3 +208,136 @@ def test_revoking_a_users_token_cuts_the_store_urls_it_fetched(service: Service)
                 assert works.ping()
         finally:
             endpoint.stop()
+
+
+# ---------------------------------------------------------------- the first hour (issue 14)
+
+
+def _as(service: Service, token: str, *args: str, **kw: Any) -> subprocess.Popen[str]:
+    env = service.env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token}
+    return subprocess.Popen(
+        [sys.executable, "-c", CLI, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def _run_as(service: Service, token: str, *args: str) -> tuple[int, str, str]:
+    proc = _as(service, token, *args)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
+
+
+def test_sigterm_stops_the_service_and_removes_its_redis_files(tmp_path: Path) -> None:
+    svc = Service(tmp_path, service_env(tmp_path)).start()
+    runtime = tmp_path / "rt"
+    try:
+        files = sorted(p.suffix for p in runtime.glob("redis-*"))
+        assert files == [".json", ".log", ".sock"], files
+        assert (runtime / "service" / "service.json").exists()
+    finally:
+        svc.stop()  # SIGTERM
+    assert svc.proc is not None and svc.proc.returncode == 0, svc.log.read_text()[-3000:]
+    assert list(runtime.glob("redis-*")) == []
+    assert not (runtime / "service" / "service.json").exists()
+    assert "Traceback" not in svc.log.read_text()
+
+
+def test_token_commands_name_the_registry_and_service_they_use(
+    service: Service, tmp_path: Path
+) -> None:
+    here = _cli(service, "service", "token", "create", "tess")
+    assert here.returncode == 0, here.stderr
+    registry = f"{service.env['NIMBUS_RUNTIME_DIR']}/service/registry.sqlite3"
+    assert registry in here.stderr and f"service running at {service.url}" in here.stderr
+    assert here.stdout.startswith("nimbus_")  # only the token on stdout, for scripts
+    # another runtime directory: another registry, and no service runs on it
+    other = service.env | {"NIMBUS_RUNTIME_DIR": str(tmp_path / "other")}
+    elsewhere = subprocess.run(
+        [sys.executable, "-c", CLI, "service", "token", "list"],
+        env=other,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert f"{tmp_path}/other/service/registry.sqlite3" in elsewhere.stderr
+    assert f"no service runs with runtime directory {tmp_path}/other" in elsewhere.stderr
+    assert "tess" not in elsewhere.stdout
+
+
+@pytest.mark.timeout(120)
+def test_tasks_list_names_functions_times_running_tasks_and_says_when_cut(
+    service: Service, alice: Any, lab: Any
+) -> None:
+    token = service.token("alice")
+    quick = [alice.run(pow, 2, n, endpoint="lab") for n in range(3)]
+    assert [alice.get_result(t, timeout=30) for t in quick] == [1, 2, 4]
+    slow = alice.run(time.sleep, 3, endpoint="lab")
+    deadline = time.monotonic() + 20
+    while alice.get_task(slow)["state"] != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)
+    code, out, err = _run_as(service, token, "tasks", "list")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["TASK", "FUNCTION", "STATE", "SUBMITTED", "RUN", "(s)"]
+    [running] = [line for line in lines if slow in line]
+    assert running.split()[1:3] == ["sleep", "running"]
+    assert running.split()[-1].endswith("+") and float(running.split()[-1][:-1]) >= 0.3
+    [done] = [line for line in lines if quick[0] in line]
+    assert done.split()[1:3] == ["pow", "success"] and float(done.split()[-1]) >= 0
+    assert err == ""  # all shown
+    code, out, err = _run_as(service, token, "tasks", "list", "--limit", "2")
+    assert code == 0 and len(out.splitlines()) == 3  # the header and two tasks
+    assert "showing the newest 2 tasks" in err and "--limit" in err
+    assert alice.get_result(slow, timeout=30) is None
+
+
+def test_tasks_list_into_a_closed_pipe_ends_quietly(service: Service, alice: Any, lab: Any) -> None:
+    token = service.token("alice")
+    for n in range(3):
+        alice.run(pow, 3, n, endpoint="lab")
+    proc = _as(service, token, "tasks", "list")
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # as `| head` does once it has its lines
+    err = proc.stderr.read()
+    proc.stderr.close()
+    proc.wait(60)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert err == ""
+    piped = subprocess.run(
+        f"{sys.executable} -c '{CLI}' tasks list | head -1",
+        shell=True,
+        env=service.env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert piped.stdout.split() == ["TASK", "FUNCTION", "STATE", "SUBMITTED", "RUN", "(s)"]
+    assert "Traceback" not in piped.stderr
+
+
+def test_get_result_of_a_cancelled_task_names_it(service: Service, alice: Any) -> None:
+    import concurrent.futures as cf
+
+    endpoint_id = alice.register_endpoint("nobody-runs-this")["endpoint_id"]
+    task_id = alice.run(pow, 2, 3, endpoint=endpoint_id)  # waits: its endpoint is offline
+    assert alice.cancel(task_id)
+    with pytest.raises(cf.CancelledError, match=f"task {task_id} was cancelled"):
+        alice.get_result(task_id, timeout=30)
+
+
+@pytest.mark.parametrize("name", ["", "a b*", "x" * 201, "../etc", "ünïcode"])
+def test_registry_refuses_user_names_an_endpoint_could_not_have(
+    service: Service, name: str
+) -> None:
+    with pytest.raises(ValueError, match="is not a user name: 1-200 letters, digits"):
+        service.token(name)
+    assert name not in _cli(service, "service", "token", "list").stdout.split()

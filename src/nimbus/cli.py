@@ -9,7 +9,9 @@ A new subcommand is a small module with two functions::
 registered here with one line: ``COMMANDS["service"] = Command("...", service.setup,
 service.run)``. Import heavy modules inside ``run`` so ``nimbus version`` stays fast.
 A :class:`~nimbus.errors.ConfigError` raised by any command is printed on stderr
-without a traceback and exits with status 2.
+without a traceback and exits with status 2, as does a bad argument: one line
+naming the argument and what it accepts. Output cut short by its reader
+(``nimbus tasks list | head``) ends quietly.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import nimbus
 from nimbus.config import Settings, redis_server_binary
@@ -62,9 +64,18 @@ def _info_setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
+def _effective(settings: Settings) -> dict[str, object]:
+    """Settings whose unset value means a default that depends on another: what is used."""
+    return {
+        "storage_dir": str(settings.files_dir),
+        "database_url": settings.registry_url,
+    }
+
+
 def _info_run(args: argparse.Namespace) -> int:
     settings = Settings.load()
     values = settings.describe()
+    effective = _effective(settings)
     redis: dict[str, str | None]
     if settings.redis_url is not None:
         redis = {"kind": "external", "url": settings.redis_url}
@@ -84,6 +95,7 @@ def _info_run(args: argparse.Namespace) -> int:
                     "value": value,
                     "env": Settings.env_var(name),
                     "source": settings.source(name),
+                    **({"effective": effective[name]} if name in effective else {}),
                 }
                 for name, value in values.items()
             },
@@ -97,13 +109,17 @@ def _info_run(args: argparse.Namespace) -> int:
     print(f"nimbus {nimbus.__version__} on Python {platform.python_version()}")
     print()
     print("settings:")
+    shown = {
+        name: str(effective.get(name, "none")) if value is None else str(value)
+        for name, value in values.items()
+    }
     width = max(map(len, values))
+    value_width = max(24, *map(len, shown.values()))
     env_width = max(len(Settings.env_var(name)) for name in values)
-    for name, value in values.items():
-        shown = "none" if value is None else str(value)
+    for name in values:
         print(
-            f"  {name:<{width}}  {shown:<24}  {Settings.env_var(name):<{env_width}}  "
-            f"({settings.source(name)})"
+            f"  {name:<{width}}  {shown[name]:<{value_width}}  "
+            f"{Settings.env_var(name):<{env_width}}  ({settings.source(name)})"
         )
     print()
     print(f"workers: {settings.workers} (this machine has {os.cpu_count()} CPUs)")
@@ -159,8 +175,15 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line: the command, the argument, what it accepts; exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_CONFIG, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="nimbus",
         description="Run Python functions and multiprocessing programs on warm workers.",
     )
@@ -174,9 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)
+        return EXIT_CONFIG
+    args = parser.parse_args(argv)
     try:
         code: int = args._run(args)
+        sys.stdout.flush()  # here, so that a reader gone early is seen here
+    except BrokenPipeError:  # `nimbus tasks list | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
+        os.close(devnull)
+        return 1
     except ConfigError as exc:
         print(f"nimbus: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

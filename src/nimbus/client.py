@@ -367,7 +367,12 @@ class Client:
             lost = None
             body = unpack(response.content)
             if body["result"] is not None:
-                return decode_result(body["result"], self.download)
+                try:
+                    return decode_result(body["result"], self.download)
+                except cf.CancelledError:
+                    raise cf.CancelledError(
+                        f"task {task_id} was cancelled (see `nimbus tasks show {task_id}`)"
+                    ) from None
             if end is not None and time.monotonic() >= end:
                 raise TimeoutError(f"task {task_id} is still {body['state']} after {timeout} s")
 

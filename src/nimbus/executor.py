@@ -224,9 +224,25 @@ class Executor(cf.Executor):
         _live.discard(self)
 
     def statistics(self) -> dict[str, Any]:
+        """What this executor holds: ``outstanding`` tasks (not finished), ``running`` (the
+        tasks a worker runs now: ``task_id``, ``function``, ``dispatched`` time) and the
+        local ``runtime``'s managers and workers."""
         stats = getattr(self._backend, "agent", None)
+        running = []
+        for future in list(self._futures.values()):
+            task = future._task
+            if task is not None and task.started and not future.done():
+                record = task.record
+                running.append(
+                    {
+                        "task_id": record.task_id,
+                        "function": record.function,
+                        "dispatched": record.dispatched,
+                    }
+                )
         return {
             "outstanding": len(self._futures),
+            "running": running,
             "runtime": stats.statistics() if stats is not None else {},
         }
 

@@ -278,7 +278,7 @@ def _user_modules(fn: object) -> list[types.ModuleType]:
 
 
 def _fixed(fn: object) -> bool:
-    """Whether pickling ``fn`` gives the same bytes every time (no captured state).
+    """Whether pickling ``fn`` gives the same bytes while its globals are unchanged.
 
     Functions without a closure, builtins and classes qualify, and partials
     of them whose arguments are such callables too. Closures, bound methods
@@ -295,32 +295,181 @@ def _fixed(fn: object) -> bool:
     return False
 
 
+# by id (hashing a code object hashes its bytecode): the code, kept alive, and its names
+_code_names: dict[int, tuple[types.CodeType, tuple[str, ...]]] = {}
+
+
+def _names(code: types.CodeType) -> tuple[str, ...]:
+    """The global names ``code`` (and the functions nested in it) may read, sorted."""
+    entry = _code_names.get(id(code))
+    if entry is not None and entry[0] is code:
+        return entry[1]
+    found = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found.update(_names(const))
+    if len(_code_names) >= 4096:
+        _code_names.clear()
+    names = tuple(sorted(found))
+    _code_names[id(code)] = (code, names)
+    return names
+
+
+def _by_reference(fn: types.FunctionType, by_value: tuple[str, ...]) -> bool:
+    """Whether cloudpickle pickles ``fn`` by reference (the receiver imports it)."""
+    name = fn.__module__
+    if name == "__main__" or name in by_value:
+        return False
+    obj: object = sys.modules.get(name)
+    for part in fn.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    return obj is fn
+
+
+_SCALARS = frozenset({int, float, complex, str, bytes, bool, type(None)})
+_BY_IDENTITY = (types.FunctionType, types.ModuleType, type, types.BuiltinFunctionType)
+_ABSENT = object()
+
+
+class _Globals:
+    """The globals and defaults a function sent by value carried when it was pickled.
+
+    cloudpickle copies into the pickle of a function of ``__main__`` (or of a
+    module sent by value) the globals it reads, and those of the functions it
+    calls. :meth:`current` says whether they are still the same: each name
+    still bound to the same object, or to an equal number or string; lists,
+    dicts and other objects among them also equal as pickled. Large blocks of
+    memory (a numpy array, a ``bytearray`` of 64 KiB or more), bound to a name
+    or inside such an object, are compared by identity only: a change of their
+    contents in place is not seen (bind the name to a new array instead).
+    Raises (``pickle.PicklingError`` and others) for values that plain pickle
+    cannot take; such a function is pickled at every submit.
+    """
+
+    __slots__ = ("bound", "data", "large", "pickled")
+
+    def __init__(self, fn: object, by_value: tuple[str, ...]) -> None:
+        self.bound: list[tuple[dict[str, Any], str, object]] = []  # scope, name, object
+        self.pickled: list[Callable[[], object]] = []  # read again at each check
+        todo = [fn.func, *fn.args] if isinstance(fn, functools.partial) else [fn]
+        seen: set[int] = set()
+        while todo:
+            f = todo.pop()
+            if not isinstance(f, types.FunctionType) or id(f) in seen:
+                continue
+            if _by_reference(f, by_value):
+                continue
+            seen.add(id(f))
+            if f.__defaults__ or f.__kwdefaults__:
+                self.pickled.append(functools.partial(_defaults, f))
+            scope = f.__globals__
+            for name in _names(f.__code__):
+                value = scope.get(name, _ABSENT)  # absent: a builtin, or an attribute's name
+                if value is _ABSENT:
+                    continue
+                self.bound.append((scope, name, value))
+                if isinstance(value, types.FunctionType):
+                    todo.append(value)
+                elif not (
+                    type(value) in _SCALARS
+                    or isinstance(value, _BY_IDENTITY)
+                    or _large_buffer(value)
+                ):
+                    self.pickled.append(functools.partial(scope.get, name))
+        self.data, self.large = self._dump()
+
+    def _dump(self) -> tuple[bytes, list[object]]:
+        if not self.pickled:
+            return b"", []
+        large: list[object] = []
+
+        def in_band(buf: pickle.PickleBuffer) -> bool:
+            view = memoryview(buf)
+            if view.nbytes < OOB_THRESHOLD:
+                return True
+            large.append(view.obj)
+            return False
+
+        values = [read() for read in self.pickled]
+        return pickle.dumps(values, protocol=PROTOCOL, buffer_callback=in_band), large
+
+    def current(self) -> bool:
+        for scope, name, old in self.bound:
+            value = scope.get(name, _ABSENT)
+            if value is not old and (
+                type(value) is not type(old) or type(value) not in _SCALARS or value != old
+            ):
+                return False
+        if not self.pickled:
+            return True
+        data, large = self._dump()
+        if data != self.data or len(large) != len(self.large):
+            return False
+        return all(new is old for new, old in zip(large, self.large, strict=True))
+
+
+def _large_buffer(value: object) -> bool:
+    """Whether ``value`` is a large block of memory (a numpy array): compared by identity."""
+    try:
+        return memoryview(value).nbytes >= OOB_THRESHOLD  # type: ignore[arg-type]
+    except TypeError:
+        return False
+
+
+def _defaults(fn: types.FunctionType) -> object:
+    return fn.__defaults__, fn.__kwdefaults__
+
+
 class FunctionCache:
     """Serialized functions by object, keyed by a hash of their pickle.
 
     Pickling a function with cloudpickle costs tens of microseconds, so a
     function whose pickle cannot change (see :func:`_fixed`) is pickled once;
-    workers in turn keep the unpickled function by its key. Others (closures,
-    bound methods) are pickled at each call, so they carry current values.
+    workers in turn keep the unpickled function by its key. A function sent by
+    value (one of ``__main__``) carries the globals it reads: it is pickled
+    again, under a new key, when one of them changes (see :class:`_Globals`;
+    a large array changed in place is not seen). Others (closures, bound
+    methods) are pickled at each call, so they carry current values.
     Bounded: the oldest entries are dropped.
     """
 
     def __init__(self, size: int = 1024, *, by_value: bool = False) -> None:
         self._size = size
         self._by_value = by_value
-        self._entries: dict[int, tuple[Callable[..., object], str, bytes]] = {}
+        self._entries: dict[int, tuple[Callable[..., object], str, bytes, _Globals | None]] = {}
 
     def get(self, fn: Callable[..., object]) -> tuple[str, bytes]:
         entry = self._entries.get(id(fn))
         if entry is not None and entry[0] is fn:
-            return entry[1], entry[2]
+            carried = entry[3]
+            try:
+                if carried is None or carried.current():
+                    return entry[1], entry[2]
+            except Exception:
+                pass  # a global plain pickle cannot take any more: pickle the function again
+        cacheable = _fixed(fn)
+        carried = None
+        if cacheable:
+            try:  # before pickling: a change made meanwhile is seen at the next call
+                carried = _Globals(fn, self._modules(fn))
+            except Exception:
+                cacheable = False  # globals plain pickle cannot take: pickled at each call
+            else:
+                if not carried.bound and not carried.pickled:
+                    carried = None  # nothing that can change
         data = dumps_function(fn, by_value=self._by_value)
         key = hashlib.blake2b(data, digest_size=12).hexdigest()
-        if _fixed(fn):
+        if cacheable:
             if len(self._entries) >= self._size:
                 del self._entries[next(iter(self._entries))]
-            self._entries[id(fn)] = (fn, key, data)
+            self._entries[id(fn)] = (fn, key, data, carried)
         return key, data
+
+    def _modules(self, fn: object) -> tuple[str, ...]:
+        """Modules other than ``__main__`` that ``fn`` is sent by value with."""
+        if not self._by_value:
+            return ()
+        return tuple(module.__name__ for module in _user_modules(fn))
 
 
 def dumps_exception(exc: BaseException, tb_text: str) -> bytes:

@@ -10,7 +10,7 @@ import sys
 import time
 
 from nimbus.config import Settings
-from nimbus.endpoint.config import EndpointConfig, endpoint_names
+from nimbus.endpoint.config import EndpointConfig, endpoint_dir, endpoint_names
 from nimbus.errors import ConfigError
 
 __all__ = ["run", "setup"]
@@ -18,27 +18,72 @@ __all__ = ["run", "setup"]
 
 def setup(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    configure = sub.add_parser("configure", help="register an endpoint and write its config")
-    configure.add_argument("name")
-    configure.add_argument("--workers", type=int, help="warm workers (default: NIMBUS_WORKERS)")
-    configure.add_argument("--prefetch", type=int, help="tasks in flight per worker")
+    configure = sub.add_parser(
+        "configure", help="register an endpoint with the service and write its config"
+    )
+    _name_argument(configure)
+    configure.add_argument(
+        "--workers",
+        type=_positive,
+        metavar="N",
+        help="warm workers (default: the workers setting, NIMBUS_WORKERS: one per core)",
+    )
+    configure.add_argument(
+        "--prefetch",
+        type=_positive,
+        metavar="N",
+        help="tasks in flight per worker (default: the prefetch setting, NIMBUS_PREFETCH: 8)",
+    )
     start = sub.add_parser("start", help="start the endpoint's agent (configures it if new)")
-    start.add_argument("name")
-    start.add_argument("--foreground", action="store_true", help="run in this process")
+    _name_argument(start)
+    start.add_argument(
+        "--foreground",
+        action="store_true",
+        help="run the agent in this process, logging to stderr, until Ctrl-C or SIGTERM "
+        "(default: in the background, logging to ~/.config/nimbus/endpoints/NAME/agent.log)",
+    )
     stop = sub.add_parser("stop", help="stop the endpoint's agent")
-    stop.add_argument("name")
+    _name_argument(stop)
     status = sub.add_parser("status", help="is the agent running, and what the service sees")
-    status.add_argument("name")
+    _name_argument(status)
     sub.add_parser("list", help="endpoints configured on this machine")
+
+
+def _name_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "name",
+        metavar="NAME",
+        type=_endpoint_name,
+        help="the endpoint's name: 1-200 letters, digits, '_', '.', '@' or '-'",
+    )
+
+
+def _endpoint_name(text: str) -> str:
+    try:
+        endpoint_dir(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "list":
+        print(f"{'NAME':<20} {'AGENT':<22} {'SERVICE':<28} ENDPOINT ID")
         for name in endpoint_names():
             config = EndpointConfig.load(name)
             pid = config.running_pid()
             state = f"running (pid {pid})" if pid else "stopped"
-            print(f"{name:<20} {state:<22} {config.service_url}  {config.endpoint_id}")
+            print(f"{name:<20} {state:<22} {config.service_url:<28} {config.endpoint_id}")
         return 0
     if args.action == "configure":
         config = configure(args.name, args.workers, args.prefetch)

@@ -16,6 +16,7 @@ by pid (same host). A child dies with its worker (``PR_SET_PDEATHSIG``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib
@@ -24,8 +25,8 @@ import pickle
 import signal
 import sys
 import threading
-from collections.abc import Callable
-from multiprocessing import resource_tracker, spawn
+from collections.abc import Callable, Iterator
+from multiprocessing import current_process, resource_tracker, spawn
 from typing import Any
 
 from nimbus import serialization
@@ -45,16 +46,54 @@ def _import_main(prep: dict[str, Any]) -> None:
 
     Children forked afterwards find ``__main__`` functions by reference, with
     the globals they share. If the import fails, each child tries again (and
-    fails with the traceback, as a spawned child would).
+    fails with the traceback, as a spawned child would). A main module that
+    starts a process while it is imported (no ``if __name__ == "__main__":``
+    guard) fails this start with the stdlib's own ``RuntimeError`` saying so,
+    which the parent raises (the script would otherwise start its processes
+    again in every worker and child).
     """
     for key in MAIN_KEYS:
         if key in prep and (key, prep[key]) not in _mains:
             try:
-                spawn.prepare({key: prep[key], "sys_path": prep.get("sys_path", sys.path)})
+                with _bootstrapping():
+                    spawn.prepare({key: prep[key], "sys_path": prep.get("sys_path", sys.path)})
+            except RuntimeError as exc:
+                if _from_main_guard(exc):
+                    raise
+                return
             except BaseException:
                 return
             _mains.add((key, prep[key]))
         prep.pop(key, None)
+
+
+@contextlib.contextmanager
+def _bootstrapping() -> Iterator[None]:
+    """While the main module is imported: a process started now is the stdlib's error.
+
+    ``spawn._main`` marks its child as inheriting while it imports the main
+    module, so that ``spawn.get_preparation_data`` (which our Popen calls too)
+    raises the ``RuntimeError`` that explains the ``__main__`` guard.
+    """
+    me: Any = current_process()
+    me._inheriting = True
+    try:
+        yield
+    finally:
+        del me._inheriting
+
+
+_GUARD_CHECK = spawn._check_not_importing_main.__code__  # type: ignore[attr-defined]
+
+
+def _from_main_guard(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by the stdlib's check for an unguarded main module."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _GUARD_CHECK:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 # imported once by the worker before its first fork, so children start warm
@@ -348,7 +387,8 @@ def _child(
         # sys.path, argv, cwd, the parent's authkey (handing over connections
         # checks it while unpickling) and the main module if not imported yet
         method = prep.pop("nimbus_start_method", None)
-        spawn.prepare(prep)
+        with _bootstrapping():
+            spawn.prepare(prep)
         if method:
             nimbus_context._default_context.set_start_method(method, force=True)
         if stdio is not None:  # the parent's stdout/stderr moved since the worker started

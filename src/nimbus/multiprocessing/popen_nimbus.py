@@ -75,9 +75,10 @@ class Popen:
         self.returncode: int | None = None
         self.finalizer = None
         self._done = threading.Event()
+        # raises the stdlib's RuntimeError about the __main__ guard in a child importing main
+        prep = spawn.get_preparation_data(process_obj._name)
         self.sentinel, self._exit_w = os.pipe()
         self._token = uuid.uuid4().hex
-        prep = spawn.get_preparation_data(process_obj._name)
         # the child's default context: its process's own method, else the parent's default
         prep.pop("start_method", None)
         prep["nimbus_start_method"] = (
@@ -110,8 +111,16 @@ class Popen:
             prep["relay"] = _runtime.relay_address()
             prep["tracker"] = _tracker()
         # the fork is under way when start() returns; its pid is awaited on first use
+        # the root's first start imports main in a worker (a relayed one's root did already)
+        first = (
+            not _main_imported
+            and isinstance(rt, _runtime.Runtime)
+            and any(key in prep for key in MAIN_KEYS)
+        )
         try:
             self._forked = rt.start(_forking.start, self._token, prep, program, data, buffers)
+            if first:
+                _await_main_import(self._forked)
         except BaseException:
             rt.forget(self._token)
             self._close_pipe()
@@ -190,6 +199,28 @@ class Popen:
         if self.sentinel >= 0:
             os.close(self.sentinel)
             self.sentinel = -1
+
+
+_main_imported = False  # a start of this process's has imported the main module in a worker
+
+
+def _await_main_import(forked: Any) -> None:
+    """Wait for the first start, which imports the main module: raise if that starts processes.
+
+    A script without the ``if __name__ == "__main__":`` guard starts its
+    processes again when a worker imports it; the worker refuses with the
+    stdlib's ``RuntimeError`` that explains the guard, and so does this
+    ``start()``, once, instead of children that fail and are replaced for ever.
+    """
+    global _main_imported
+    try:
+        forked.result()
+    except BaseException as exc:
+        if type(exc) is RuntimeError:  # the stdlib's (a lost worker's is a subclass)
+            # the worker's traceback shows the same line of the script as this one
+            raise RuntimeError(str(exc)) from None
+        return  # reported by _on_forked, as any failed start
+    _main_imported = True
 
 
 def _tracker() -> tuple[int, int] | None:

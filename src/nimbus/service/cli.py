@@ -10,6 +10,8 @@ import dataclasses
 import json
 import sys
 import time
+import urllib.parse
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,10 +38,24 @@ __all__ = [
 
 def service_setup(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    start = sub.add_parser("start", help="run the service (REST API, registry, queues)")
-    start.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    start.add_argument("--port", type=int, default=8420, help="port (0: any free port)")
-    start.add_argument("--url-file", type=Path, help="write the URL here once listening")
+    start = sub.add_parser(
+        "start",
+        help="run the service (REST API, registry, queues) until SIGTERM or Ctrl-C",
+        description="Run the service in the foreground until SIGTERM or Ctrl-C, which stop it "
+        "cleanly (the embedded Redis and its files in the runtime directory go too).",
+    )
+    start.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)"
+    )
+    start.add_argument(
+        "--port", type=_port, default=8420, help="port (default 8420; 0: any free port)"
+    )
+    start.add_argument(
+        "--url-file",
+        type=Path,
+        metavar="FILE",
+        help="write the service's URL to FILE once it accepts connections (for scripts)",
+    )
     start.add_argument(
         "--persist",
         action="store_true",
@@ -51,10 +67,21 @@ def service_setup(parser: argparse.ArgumentParser) -> None:
     start.add_argument(
         "--tls-key", type=Path, metavar="FILE", help="serve HTTPS: the PEM private key"
     )
-    token = sub.add_parser("token", help="manage user tokens (admin, on the service's machine)")
+    token = sub.add_parser(
+        "token",
+        help="manage user tokens (admin, on the service's machine)",
+        description="Manage the tokens in the registry of the service that runs with this "
+        "NIMBUS_RUNTIME_DIR (or NIMBUS_DATABASE_URL); each command says on stderr which "
+        "registry it used and whether a service runs on it.",
+    )
     token_sub = token.add_subparsers(dest="token_action", metavar="ACTION", required=True)
     create = token_sub.add_parser("create", help="create a user (if new) and print a new token")
-    create.add_argument("name", help="the user's name")
+    create.add_argument(
+        "name",
+        metavar="NAME",
+        type=_user_name,
+        help="the user's name: 1-200 letters, digits, '_', '.', '@' or '-'",
+    )
     listing = token_sub.add_parser("list", help="every token: ID, user, endpoint, created")
     listing.add_argument("--json", action="store_true", help="print JSON")
     revoke = token_sub.add_parser(
@@ -81,11 +108,28 @@ def service_run(args: argparse.Namespace) -> int:
         return 0
     from nimbus.service.registry import Registry
 
+    print(f"nimbus: {_which_registry(settings)}", file=sys.stderr)
     registry = Registry(settings.registry_url)
     try:
         return _token(registry, args)
     finally:
         registry.close()
+
+
+def _which_registry(settings: Settings) -> str:
+    """The registry the token commands use, and the service that runs on it, if any."""
+    from sqlalchemy.engine import make_url
+
+    from nimbus.service.server import running_service
+
+    registry = make_url(settings.registry_url).render_as_string(hide_password=True)
+    url = running_service(settings)
+    if url is not None:
+        return f"registry {registry}, of the service running at {url}"
+    return (
+        f"registry {registry}; no service runs with runtime directory {settings.runtime_dir} "
+        "now (another service's tokens are in its own: set NIMBUS_RUNTIME_DIR as it has it)"
+    )
 
 
 def _token(registry: Registry, args: argparse.Namespace) -> int:
@@ -118,12 +162,78 @@ def _token(registry: Registry, args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- argument types
+# Each raises ArgumentTypeError with one line: what was given and what is accepted.
+
+
+def _user_name(text: str) -> str:
+    from nimbus.service.registry import check_user_name
+
+    try:
+        return check_user_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: 0 to 65535 (0: any free port)")
+    return port
+
+
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_LIMIT}, got {text!r}")
+    return value
+
+
+def _task_id(text: str) -> str:
+    try:
+        return str(uuid.UUID(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a task ID: a UUID, as `nimbus tasks list` shows"
+        ) from None
+
+
+def _service_url(text: str) -> str:
+    url = urllib.parse.urlsplit(text)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not the service's URL: http(s)://HOST:PORT, as `nimbus service start` "
+            "prints it"
+        )
+    if url.path.strip("/") or url.query or url.fragment:
+        base = urllib.parse.urlunsplit((url.scheme, url.netloc, "", "", ""))
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has a path: give the service's base URL, {base} "
+            "(as `nimbus service start` prints it)"
+        )
+    return text.rstrip("/")
+
+
 # ---------------------------------------------------------------- nimbus login
 
 
 def login_setup(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--service", required=True, help="the service URL, http(s)://host:port")
-    parser.add_argument("--token", required=True, help="your token")
+    parser.add_argument(
+        "--service",
+        required=True,
+        metavar="URL",
+        type=_service_url,
+        help="the service's URL, http(s)://HOST:PORT (default port 8420), no path",
+    )
+    parser.add_argument(
+        "--token", required=True, help="your token (`nimbus service token create NAME`)"
+    )
 
 
 def login_run(args: argparse.Namespace) -> int:
@@ -167,14 +277,25 @@ def endpoints_run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- nimbus tasks
 
 
+MAX_LIMIT = 10_000  # the service's largest page of tasks
+DEFAULT_LIMIT = 50
+
+
 def tasks_setup(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    listing = sub.add_parser("list", help="your recent tasks")
+    listing = sub.add_parser("list", help="your recent tasks, newest first")
     listing.add_argument("--status", choices=[s.value for s in TaskState] + ["waiting"])
-    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument(
+        "--limit",
+        type=_limit,
+        default=DEFAULT_LIMIT,
+        metavar="N",
+        help=f"show the newest N tasks (default {DEFAULT_LIMIT}, at most {MAX_LIMIT}); "
+        "a cut list says so on stderr",
+    )
     listing.add_argument("--json", action="store_true", help="print JSON")
     show = sub.add_parser("show", help="one task's full record")
-    show.add_argument("task_id")
+    show.add_argument("task_id", metavar="TASK_ID", type=_task_id, help="a task's ID (a UUID)")
 
 
 def tasks_run(args: argparse.Namespace) -> int:
@@ -185,16 +306,44 @@ def tasks_run(args: argparse.Namespace) -> int:
             print(json.dumps(client.get_task(args.task_id), indent=2))
             return 0
         status = TaskState.WAITING.value if args.status == "waiting" else args.status
-        rows = client.list_tasks(status, limit=args.limit)
+        rows = client.list_tasks(status, limit=min(args.limit + 1, MAX_LIMIT))
+        names = {} if args.json else _function_names(client)
+    cut = len(rows) > args.limit
+    rows = rows[: args.limit]
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
-    print(f"{'TASK':<36} {'STATE':<20} {'SUBMITTED':>10} {'RUN (s)':>8}")
-    for row in rows:
-        record: dict[str, Any] = row["record"] or {}
-        run = record.get("ended", 0) - record.get("started", 0) if record.get("ended") else 0.0
-        print(f"{row['task_id']:<36} {row['state']:<20} {_ago(row['submitted']):>10} {run:>8.3f}")
+    else:
+        print(f"{'TASK':<36} {'FUNCTION':<24} {'STATE':<20} {'SUBMITTED':>10} {'RUN (s)':>9}")
+        now = time.time()
+        for row in rows:
+            function = names.get(row["function_id"]) or row["function_id"][:8]
+            print(
+                f"{row['task_id']:<36} {function[:24]:<24} {row['state']:<20} "
+                f"{_ago(row['submitted']):>10} {_run_seconds(row, now):>9}"
+            )
+    if cut:
+        sys.stdout.flush()
+        print(
+            f"nimbus: showing the newest {args.limit} tasks; there are more (--limit N shows more)",
+            file=sys.stderr,
+        )
     return 0
+
+
+def _function_names(client: Any) -> dict[str, str]:
+    """Function id -> name, for the functions visible to you."""
+    functions = client.request("GET", "/v1/functions").json()["functions"]
+    return {f["function_id"]: f["name"] for f in functions}
+
+
+def _run_seconds(row: dict[str, Any], now: float) -> str:
+    """A finished task's run time; a running one's so far (``12.0+``); else ``-``."""
+    record: dict[str, Any] = row["record"] or {}
+    if record.get("ended") and record.get("started"):
+        return f"{record['ended'] - record['started']:.3f}"
+    if row["state"] == TaskState.RUNNING.value and row["dispatched"]:
+        return f"{max(0.0, now - row['dispatched']):.1f}+"
+    return "-"
 
 
 def _ago(t: float) -> str:

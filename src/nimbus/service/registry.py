@@ -9,6 +9,7 @@ unpickles them. Calls are synchronous; the app runs them in a thread pool.
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import time
 import uuid
@@ -32,11 +33,23 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-__all__ = ["Principal", "Registry", "TokenInfo", "hash_token"]
+__all__ = ["Principal", "Registry", "TokenInfo", "check_user_name", "hash_token"]
 
 TOKEN_PREFIX = "nimbus_"
 TOKEN_ID_CHARS = 12  # a token's ID: the start of its digest
 MIN_ID_CHARS = 6
+
+
+_USER_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,200}")  # as an endpoint's name
+
+
+def check_user_name(name: str) -> str:
+    """``name`` if it may name a user; ``ValueError`` saying what is accepted otherwise."""
+    if not isinstance(name, str) or not _USER_NAME.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is not a user name: 1-200 letters, digits, '_', '.', '@' or '-'"
+        )
+    return name
 
 
 def hash_token(token: str) -> str:
@@ -196,7 +209,11 @@ class Registry:
     # ------------------------------------------------------------ users and tokens
 
     def create_user_token(self, name: str) -> str:
-        """A new token for user ``name`` (created if new); returned once, stored hashed."""
+        """A new token for user ``name`` (created if new); returned once, stored hashed.
+
+        Raises ``ValueError`` for a name :func:`check_user_name` refuses.
+        """
+        check_user_name(name)
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         with self._session.begin() as session:
             user = session.scalar(select(User).where(User.name == name))

@@ -8,14 +8,29 @@ written to ``url_file`` when given, once it accepts connections. With
 ``tls=(cert, key)`` it serves HTTPS and WSS only (the URL is ``https://``), and
 the stores Redis handed to programs is reached through TLS too (see
 ``nimbus.service.stores``); see SECURITY.md.
+
+While it runs, ``<runtime_dir>/service/service.json`` holds its URL and pid, so
+that the admin commands (``nimbus service token``) can say which service's
+registry they use (:func:`running_service`).
+
+SIGTERM and SIGINT (Ctrl-C) stop it gracefully: uvicorn answers what is under
+way, then signals the process again with the handler it found; ours (SIGTERM)
+ends :func:`serve` so that the embedded Redis stops and its socket, state and
+log files leave the runtime directory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import signal
 import ssl
+import threading
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -26,9 +41,10 @@ from nimbus.errors import ConfigError
 from nimbus.service.protocol import MESSAGE_BYTES
 from nimbus.statestore import StateStore
 
-__all__ = ["check_tls", "serve"]
+__all__ = ["check_tls", "running_service", "serve"]
 
 log = logging.getLogger(__name__)
+STATE_FILE = "service.json"  # in Settings.service_dir while the service runs
 
 
 def serve(
@@ -42,8 +58,6 @@ def serve(
 ) -> None:
     """Run the service until SIGTERM or SIGINT; ``persist`` keeps the embedded Redis on disk;
     ``tls`` is (certificate chain, private key), PEM files, to serve HTTPS."""
-    from nimbus.service.app import create_app
-
     context = None if tls is None else check_tls(*tls)
 
     if persist and settings.redis_url:
@@ -52,6 +66,47 @@ def serve(
             "Redis: configure its persistence there (appendonly yes)"
         )
     persist_dir = settings.service_dir / "redis" if persist else None
+    previous = _stop_on_sigterm()
+    try:
+        _serve(settings, host, port, url_file, persist_dir, tls, context)
+    except _Terminated:
+        log.info("nimbus service stopped (SIGTERM)")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived: leave :func:`serve`, cleaning up on the way."""
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
+
+
+def _stop_on_sigterm() -> Any:
+    """Make SIGTERM end :func:`serve` by an exception (so ``finally`` runs); the old handler.
+
+    uvicorn takes SIGTERM while it serves, shuts down gracefully and then
+    raises the signal again under the handler it found: by default that kills
+    the process before the embedded Redis is stopped.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None  # signals reach the main thread only: its owner decides
+    return signal.signal(signal.SIGTERM, _terminated)
+
+
+def _serve(
+    settings: Settings,
+    host: str,
+    port: int,
+    url_file: Path | None,
+    persist_dir: Path | None,
+    tls: tuple[Path, Path] | None,
+    context: ssl.SSLContext | None,
+) -> None:
+    from nimbus.service.app import create_app
+
     store = StateStore.open(
         settings.redis_url, settings.ensure_runtime_dir(), persist_dir=persist_dir
     )
@@ -72,7 +127,15 @@ def serve(
             ssl_keyfile=None if tls is None else str(tls[1]),
         )
         server = uvicorn.Server(config)
-        _loop.run(_run(server, app, url_file, "http" if tls is None else "https"))
+        _loop.run(
+            _run(
+                server,
+                app,
+                url_file,
+                settings.service_dir / STATE_FILE,
+                "http" if tls is None else "https",
+            )
+        )
     finally:
         store.close()
 
@@ -104,7 +167,9 @@ def check_tls(cert: Path, key: Path) -> ssl.SSLContext:
     return context
 
 
-async def _run(server: uvicorn.Server, app: FastAPI, url_file: Path | None, scheme: str) -> None:
+async def _run(
+    server: uvicorn.Server, app: FastAPI, url_file: Path | None, state: Path, scheme: str
+) -> None:
     task = asyncio.create_task(server.serve())
     ender = asyncio.create_task(_end_waits_at_exit(server, app))
     task.add_done_callback(lambda _: ender.cancel())
@@ -118,7 +183,26 @@ async def _run(server: uvicorn.Server, app: FastAPI, url_file: Path | None, sche
     url = f"{scheme}://{host}:{port}"
     print(f"nimbus service listening on {url}", flush=True)
     if url_file is not None:
-        tmp = url_file.with_suffix(".tmp")
-        tmp.write_text(url + "\n")
-        tmp.replace(url_file)
-    await task
+        _write(url_file, url + "\n")
+    _write(state, json.dumps({"url": url, "pid": os.getpid()}))
+    try:
+        await task
+    finally:
+        state.unlink(missing_ok=True)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def running_service(settings: Settings) -> str | None:
+    """The URL of the service running with ``settings``' runtime directory, if one runs."""
+    try:
+        state = json.loads((settings.service_dir / STATE_FILE).read_text())
+        os.kill(int(state["pid"]), 0)
+        return str(state["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # none, or it died without removing the file
