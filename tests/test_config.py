@@ -74,6 +74,9 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "heartbeat",
         "log_level",
         "store_listen",
+        "store_maxmemory",
+        "body_timeout",
+        "max_header_bytes",
     }
     assert isinstance(d["runtime_dir"], str)
 

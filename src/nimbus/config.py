@@ -251,6 +251,21 @@ _FIELDS: dict[str, _Field] = {
         _host_port,
         "where the service's state-store Redis for endpoint programs listens, HOST:PORT",
     ),
+    "store_maxmemory": _Field(
+        "NIMBUS_STORE_MAXMEMORY",
+        _size,
+        "most bytes the service's state-store Redis holds, all users together (then writes fail)",
+    ),
+    "body_timeout": _Field(
+        "NIMBUS_BODY_TIMEOUT",
+        _seconds,
+        "seconds the service waits for the next part of a request body before answering 408",
+    ),
+    "max_header_bytes": _Field(
+        "NIMBUS_MAX_HEADER_BYTES",
+        _size_between(1 << 10, 1 << 20),
+        "largest request head (request line and headers) the service reads; larger: 431",
+    ),
 }
 
 
@@ -313,6 +328,9 @@ class Settings:
     heartbeat: float = 2.0
     log_level: str = "WARNING"
     store_listen: str = "127.0.0.1:0"
+    store_maxmemory: int = 1 << 30
+    body_timeout: float = 30.0
+    max_header_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         for name, spec in _FIELDS.items():

@@ -24,12 +24,29 @@ password is derived from a per-start secret and the user id, so every program
 of a user gets the same URL while the service runs; a restart of the service
 starts a new stores Redis (the state of running programs is lost).
 
-Commands refused to a user: ``@admin`` and ``@dangerous`` ones (``CONFIG``,
-``FLUSHALL``, ``KEYS``, ``DEBUG`` ...) except the ``CLIENT`` subcommands the
-locks use to tell whether a holder is alive (``ID``, ``SETNAME``, ``GETNAME``,
-``REPLY``, ``LIST``). What a user can still learn of others: client names and
-addresses (``CLIENT LIST``) and key *names* (``SCAN``, which the program's
-keepalive needs; Redis does not filter it by ACL), never values. A store URL
+A user runs only what nimbus's own calls need (``USER_COMMANDS``: the commands
+``nimbus.multiprocessing`` sends, and those its Lua scripts call, which Redis
+checks against the same ACL), and of scripts only nimbus's own: the admin loads
+every :class:`nimbus.statestore.Script` at start, and the ACL allows
+``EVALSHA`` with their SHA1s as first argument and no other (Redis 6.2, the
+embedded binary, has no FUNCTIONs; a SHA1 names one script, and no user can
+load or flush scripts). So no user can run a script of their own that stalls
+everyone (``BUSY``), nor ``SCRIPT``, ``KEYS``, ``RANDOMKEY``, ``DBSIZE``,
+``INFO``, ``MEMORY``, ``PUBSUB``, ``CONFIG``, ``FLUSH*``, ``DEBUG``, ``MONITOR``...
+What a user can still learn of others: client names and addresses
+(``CLIENT LIST``, which the locks use to tell whether a holder is alive) and
+key *names* (``SCAN``, which the program's keepalive needs; Redis does not
+filter it by ACL), never values.
+
+Limits: the store holds at most ``NIMBUS_STORE_MAXMEMORY`` bytes
+(``maxmemory``, policy ``noeviction``: a write that would pass it fails with
+an ``OOM`` error, nothing is evicted under a running program). Redis has no
+per-user memory or key quota, so that limit is shared by all users; a
+program's keys also expire ``NIMBUS_KEY_TTL`` after its last keepalive. A
+script running longer than ``lua-time-limit`` (500 ms; nimbus's take
+microseconds) makes others get ``BUSY`` until it ends.
+
+A store URL
 stays valid while the service runs, until one of the user's own tokens is
 revoked: then the ACL user is deleted (its connections closed, so the user's
 running programs on endpoints lose their store) and the next URL carries a
@@ -54,27 +71,51 @@ from nimbus.errors import ServiceError, StateStoreError
 from nimbus.service.context import ServiceContext
 from nimbus.service.deps import context, current_user
 from nimbus.service.registry import Principal
-from nimbus.statestore import EmbeddedRedis
+from nimbus.statestore import EmbeddedRedis, Script, scripts
 
-__all__ = ["StoreServer", "key_prefix", "router"]
+__all__ = ["USER_COMMANDS", "StoreServer", "key_prefix", "router", "user_rules"]
 
 router = APIRouter(prefix="/v1")
 User = Annotated[Principal, Depends(current_user)]
 Ctx = Annotated[ServiceContext, Depends(context)]
 
-# what a user's ACL user may run, after ``reset`` (which allows nothing)
-USER_RULES = (
-    "+@all",
-    "-@admin",
-    "-@dangerous",
-    *("+client|id", "+client|setname", "+client|getname", "+client|reply", "+client|list"),
+# What nimbus.multiprocessing runs on a program's store (through redis-py, its
+# Links and its scripts); a user's ACL user may run these and nothing else.
+USER_COMMANDS = (
+    *("get", "set", "mget", "getrange", "setrange", "incr", "decr", "decrby"),
+    *("del", "unlink", "exists", "pexpire", "scan"),
+    *("rpush", "lpush", "lpop", "blpop", "lmove", "blmove", "llen", "lindex", "lrange"),
+    *("linsert", "lrem", "ltrim"),
+    *("hset", "hget", "hgetall", "hdel", "sadd", "srem", "smembers"),
+    *("ping", "hello"),
+    # a lock's holder is alive while its presence connection is (CLIENT LIST ID ...)
+    *("client|id", "client|setname", "client|reply", "client|list"),
 )
+LUA_TIME_LIMIT_MS = 500
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
 def key_prefix(user_id: str) -> str:
     """The start of every program id of ``user_id`` (a valid ``Keys`` program id part)."""
     return "u-" + user_id
+
+
+def program_scripts() -> list[Script]:
+    """The Lua scripts of nimbus.multiprocessing (importing its modules makes them all)."""
+    import nimbus.multiprocessing.connection
+    import nimbus.multiprocessing.queues
+    import nimbus.multiprocessing.sharedctypes
+    import nimbus.multiprocessing.synchronize  # noqa: F401
+
+    return sorted(scripts(), key=lambda script: script.sha)
+
+
+def user_rules() -> list[str]:
+    """The ACL rules of a user (after ``reset``, which allows nothing)."""
+    return [
+        *("+" + command for command in USER_COMMANDS),
+        *("+evalsha|" + script.sha for script in program_scripts()),
+    ]
 
 
 def _free_port(host: str) -> int:
@@ -97,12 +138,20 @@ class StoreServer:
             settings.ensure_runtime_dir(),
             tcp=(host or "0.0.0.0", self.port),
             password=secrets.token_urlsafe(32),
+            options=(
+                *("--maxmemory", str(settings.store_maxmemory)),
+                *("--maxmemory-policy", "noeviction"),
+                *("--lua-time-limit", str(LUA_TIME_LIMIT_MS)),
+            ),
         ).start()
         self._admin = redis.Redis(
             unix_socket_path=str(self._server.socket_path),
             password=self._server.password,
             driver_info=None,
         )
+        self._rules = user_rules()
+        for script in program_scripts():  # users may run these, and cannot load any
+            self._admin.script_load(script.source)
         self._users: set[str] = set()
         self._generations: dict[str, int] = {}  # a user's password changes when they forget it
 
@@ -130,7 +179,7 @@ class StoreServer:
                 keys=[pattern],
                 reset_channels=True,
                 channels=[pattern],
-                commands=list(USER_RULES),
+                commands=self._rules,
             )
             self._users.add(user_id)
         host = self.host if self.host not in WILDCARD_HOSTS else advertised_host
