@@ -123,9 +123,10 @@ class _OneLinePerOutage(logging.Filter):
         if now - self.last < QUIET:
             self.dropped += 1
             return False
+        message = record.getMessage()
         record.msg = "%s: the task queues' Redis is unavailable (%s: %s)%s"
         record.args = (
-            record.getMessage(),
+            message.strip(),
             type(cause).__name__,
             cause,
             f"; {self.dropped} such errors were not logged" if self.dropped else "",
@@ -158,7 +159,7 @@ async def _supervise(app: FastAPI, store: StateStore, persist_dir: Path | None) 
             how = f"from its append-only file in {persist_dir}"
         else:
             how = (
-                "empty: the tasks queued and running are lost, their clients get errors "
+                "empty: the tasks queued and running are lost (asked for, they are not found) "
                 "(start the service with --persist to keep them)"
             )
         log.error("the task queues' Redis (pid %d) died; restarting it %s", store.server_pid, how)
