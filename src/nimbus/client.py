@@ -174,7 +174,8 @@ class Client:
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One call; a 503 with Retry-After (the service's queues are restarting) is
-        retried with backoff for up to RECONNECT_SECONDS, then raised."""
+        retried for up to RECONNECT_SECONDS (waits from 0.1 s, doubling, at most
+        Retry-After), then raised as :class:`ServiceUnavailable`."""
         deadline = time.monotonic() + RECONNECT_SECONDS
         backoff = 0.1
         while True:

@@ -6,6 +6,11 @@ the queues the tasks that were in flight when the service last stopped; it
 also sweeps the data store (``nimbus.service.data``, files in
 ``<runtime_dir>/service/data``) and, every second, looks for tokens revoked in
 the registry: they stop working at once and their WebSockets are closed. The OpenAPI spec is at ``GET /openapi.json``.
+
+While the task queues' Redis cannot be reached (``nimbus.service.server``
+restarts an embedded one that died), ``GET /v1/health`` and every call that
+needs it answer 503 with ``Retry-After``; clients retry. Request heads and
+bodies are bounded at the edge (``nimbus.service.limits``: 431, 408).
 """
 
 from __future__ import annotations
