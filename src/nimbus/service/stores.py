@@ -39,18 +39,19 @@ key *names* (``SCAN``, which the program's keepalive needs; Redis does not
 filter it by ACL), never values.
 
 Limits: the store holds at most ``NIMBUS_STORE_MAXMEMORY`` bytes
-(``maxmemory``, policy ``noeviction``: a write that would pass it fails with
-an ``OOM`` error, nothing is evicted under a running program). Redis has no
-per-user memory or key quota, so that limit is shared by all users; a
-program's keys also expire ``NIMBUS_KEY_TTL`` after its last keepalive. A
-script running longer than ``lua-time-limit`` (500 ms; nimbus's take
-microseconds) makes others get ``BUSY`` until it ends.
+(``maxmemory``, policy ``noeviction``: nothing is evicted under a running
+program; once full, a command that writes fails with ``OOM``, raised as
+:class:`~nimbus.errors.StateStoreError` by calls that wait for their reply,
+while a send made without one, a Pipe's, is lost). Redis has no per-user
+memory or key quota, so that limit is shared by all users; a program's keys
+also expire ``NIMBUS_KEY_TTL`` after its last keepalive. A script running
+longer than ``lua-time-limit`` (500 ms; nimbus's take microseconds) makes
+others get ``BUSY`` until it ends.
 
-A store URL
-stays valid while the service runs, until one of the user's own tokens is
-revoked: then the ACL user is deleted (its connections closed, so the user's
-running programs on endpoints lose their store) and the next URL carries a
-new password. Revoking an endpoint's token leaves the store alone.
+A store URL stays valid while the service runs, until one of the user's own
+tokens is revoked: then the ACL user is deleted (its connections closed, so
+the user's running programs on endpoints lose their store) and the next URL
+carries a new password. Revoking an endpoint's token leaves the store alone.
 """
 
 from __future__ import annotations
