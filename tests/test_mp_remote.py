@@ -505,3 +505,35 @@ def test_a_whole_program_runs_under_the_store_acl(
     assert out["simple"] == "simple"
     assert out["value"] == "1 1.0 1.5 7"
     assert out["pool"] == f"{sum(i * i for i in range(20))} 81"
+
+
+def test_a_dead_store_comes_back_empty_and_old_urls_stop_working(tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    from nimbus.multiprocessing import connection
+    from nimbus.service.stores import StoreServer
+
+    server = StoreServer(Settings(runtime_dir=tmp_path / "rt"))
+    try:
+        old = server.store("gus", "127.0.0.1")["url"]
+        key = Keys("u-gus.p1").queue("q")
+        with redis.Redis.from_url(old) as gus:
+            gus.rpush(key, b"x")
+        os.kill(server._server.server_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while server._server.alive():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        new = server.store("gus", "127.0.0.1")["url"]  # started again on this call
+        assert new != old and new.rsplit("@", 1)[1] == old.rsplit("@", 1)[1]
+        with redis.Redis.from_url(old) as stale, pytest.raises(redis.AuthenticationError):
+            stale.ping()  # a program of before fails clearly, not on an empty store
+        with redis.Redis.from_url(new) as gus:
+            assert gus.llen(key) == 0
+            assert gus.evalsha(connection._RELEASE.sha, 2, key, key, "0", 1000) == -1
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                gus.eval("return 1", 0)
+    finally:
+        server.close()

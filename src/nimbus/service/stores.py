@@ -22,7 +22,10 @@ and channels are limited to programs whose id starts with the user's prefix,
 so two users never see each other's state (nor the service's). The ACL user's
 password is derived from a per-start secret and the user id, so every program
 of a user gets the same URL while the service runs; a restart of the service
-starts a new stores Redis (the state of running programs is lost).
+starts a new stores Redis (the state of running programs is lost). So does
+the death of the stores Redis: the next request for a store starts it again,
+empty, with new passwords, so the programs that used it fail clearly (their
+store is gone) instead of going on with an empty one.
 
 A user runs only what nimbus's own calls need (``USER_COMMANDS``: the commands
 ``nimbus.multiprocessing`` sends, and those its Lua scripts call, which Redis
@@ -58,6 +61,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 import socket
 import threading
@@ -93,6 +97,7 @@ USER_COMMANDS = (
     *("client|id", "client|setname", "client|reply", "client|list"),
 )
 LUA_TIME_LIMIT_MS = 500
+log = logging.getLogger(__name__)
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
@@ -134,7 +139,7 @@ class StoreServer:
         host, port = settings.store_address
         self.host = host
         self.port = port or _free_port(host or "0.0.0.0")
-        self._secret = secrets.token_bytes(32)
+        self._secret = b""  # set by _prepare
         self._server = EmbeddedRedis(
             settings.ensure_runtime_dir(),
             tcp=(host or "0.0.0.0", self.port),
@@ -151,19 +156,42 @@ class StoreServer:
             driver_info=None,
         )
         self._rules = user_rules()
-        for script in program_scripts():  # users may run these, and cannot load any
-            self._admin.script_load(script.source)
         self._users: set[str] = set()
         self._generations: dict[str, int] = {}  # a user's password changes when they forget it
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """A new (or restarted, so empty) stores Redis: nimbus's scripts in it, no ACL
+        users yet, and a new secret (URLs handed out before stop working)."""
+        for script in program_scripts():  # users may run these, and cannot load any
+            self._admin.script_load(script.source)
+        self._secret = secrets.token_bytes(32)
+        self._users.clear()
+
+    def revive(self) -> None:
+        """Start the stores Redis again if it died: empty, with new passwords, so the
+        programs that used it fail clearly (their store is gone) instead of finding it empty."""
+        if self._server.alive():
+            return
+        log.error(
+            "the state-store Redis for endpoint programs (pid %d) died; starting it again, "
+            "empty: the programs using it lost their state",
+            self._server.server_pid,
+        )
+        self._admin.connection_pool.disconnect()
+        self._server.restart()
+        self._prepare()
 
     def forget(self, user_id: str) -> None:
         """Drop ``user_id``'s ACL user and its connections; the next URL has a new password."""
+        self.revive()
         self._generations[user_id] = self._generations.get(user_id, 0) + 1
         self._users.discard(user_id)
         self._admin.acl_deluser("nimbus-" + key_prefix(user_id))  # closes its connections
 
     def store(self, user_id: str, advertised_host: str) -> dict[str, Any]:
         """Create (once) the ACL user of ``user_id``; its URL and key prefix."""
+        self.revive()
         prefix = key_prefix(user_id)
         name = "nimbus-" + prefix
         generation = self._generations.get(user_id, 0)
