@@ -75,6 +75,9 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "log_level",
         "store_listen",
         "ca_file",
+        "store_maxmemory",
+        "body_timeout",
+        "max_header_bytes",
     }
     assert isinstance(d["runtime_dir"], str)
 
@@ -160,6 +163,12 @@ BAD_ENV = [
     ("NIMBUS_STORE_LISTEN", "no-port"),
     ("NIMBUS_STORE_LISTEN", ":6390"),
     ("NIMBUS_STORE_LISTEN", "127.0.0.1:99999"),
+    ("NIMBUS_STORE_MAXMEMORY", "0"),
+    ("NIMBUS_STORE_MAXMEMORY", "lots"),
+    ("NIMBUS_BODY_TIMEOUT", "0"),
+    ("NIMBUS_BODY_TIMEOUT", "-1"),
+    ("NIMBUS_MAX_HEADER_BYTES", "100"),
+    ("NIMBUS_MAX_HEADER_BYTES", "2G"),
     ("NIMBUS_DATABASE_URL", "mysql://db/nimbus"),
     ("NIMBUS_RESULT_TTL", "0"),
     ("NIMBUS_HEARTBEAT", "soon"),

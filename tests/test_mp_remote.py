@@ -324,3 +324,216 @@ def test_service_that_cannot_listen_for_stores_says_so(tmp_path: Path) -> None:
         assert info.value.status == 503
     finally:
         svc.stop()
+
+
+# ---------------------------------------------------------------- the store's ACL
+
+REFUSED = [
+    ("EVAL", "return 1", 0),
+    ("EVALSHA", "0" * 40, 0),  # a script nimbus does not have
+    ("SCRIPT", "LOAD", "return 1"),
+    ("SCRIPT", "FLUSH"),
+    ("SCRIPT", "KILL"),
+    ("SCRIPT", "EXISTS", "0" * 40),
+    ("PUBSUB", "CHANNELS"),
+    ("PUBLISH", "nimbus:{x}", "hi"),
+    ("RANDOMKEY",),
+    ("DBSIZE",),
+    ("MEMORY", "STATS"),
+    ("MEMORY", "USAGE", "k"),
+    ("OBJECT", "ENCODING", "k"),
+    ("KEYS", "*"),
+    ("FLUSHALL",),
+    ("FLUSHDB",),
+    ("CONFIG", "GET", "maxmemory"),
+    ("CONFIG", "SET", "maxmemory", "0"),
+    ("DEBUG", "SLEEP", "0"),
+    ("INFO",),
+    ("TIME",),
+    ("SLOWLOG", "GET"),
+    ("LATENCY", "LATEST"),
+    ("CLIENT", "KILL", "ID", "1"),
+    ("CLIENT", "PAUSE", "10"),
+    ("ACL", "LIST"),
+    ("SWAPDB", "0", "1"),
+    ("SELECT", "1"),
+    ("WAIT", "0", "0"),
+    ("BGSAVE",),
+    ("SORT", "k"),
+]
+# a script that keeps the (single-threaded) store busy for 3 s
+BUSY_LOOP = (
+    "local t = tonumber(redis.call('TIME')[1]) "
+    "while tonumber(redis.call('TIME')[1]) - t < 3 do redis.call('GET', KEYS[1]) end "
+    "return 1"
+)
+
+
+def test_store_users_run_nimbus_commands_only(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    import threading
+    import time
+
+    from nimbus.multiprocessing import connection
+
+    mine = alice.store("lab")
+    with service.client(service.token("erin")) as erin:
+        erin.register_endpoint("erin-lab")
+        theirs = erin.store("erin-lab")
+    key = Keys(f"{mine['key_prefix']}.p1").queue("q")
+    with (
+        redis.Redis.from_url(mine["url"]) as a,
+        redis.Redis.from_url(theirs["url"], socket_timeout=10) as b,
+    ):
+        # a script of one's own, looping on one's own key, would stall every user's store
+        stalled: list[float] = []
+
+        def other_user() -> None:
+            time.sleep(0.3)
+            start = time.monotonic()
+            b.ping()
+            stalled.append(time.monotonic() - start)
+
+        other = threading.Thread(target=other_user)
+        other.start()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            a.eval(BUSY_LOOP, 1, key)
+        other.join(15)
+        assert stalled and stalled[0] < 1.0
+        for command in REFUSED:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                a.execute_command(*command)
+        # nimbus's own scripts: by their SHA1, on one's own keys only
+        script = connection._RELEASE  # a Pipe end's release
+        assert a.evalsha(script.sha, 2, key, key, "0", 1000) == -1
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            b.evalsha(script.sha, 2, key, key, "0", 1000)  # alice's key
+        a.rpush(key, b"x")
+        assert a.lpop(key) == b"x"
+
+
+def test_store_limits(tmp_path: Path) -> None:
+    from nimbus.service.stores import LUA_TIME_LIMIT_MS, StoreServer
+
+    server = StoreServer(Settings(runtime_dir=tmp_path / "rt", store_maxmemory=16 << 20))
+    try:
+        config = server._admin.config_get("*")  # str keys and values
+        assert config["maxmemory"] == str(16 << 20)
+        assert config["maxmemory-policy"] == "noeviction"
+        assert config["lua-time-limit"] == str(LUA_TIME_LIMIT_MS)
+        keys = Keys("u-fay.p1")
+        with redis.Redis.from_url(server.store("fay", "127.0.0.1")["url"]) as fay:
+            with pytest.raises(redis.exceptions.OutOfMemoryError):
+                for i in range(64):  # 32 MiB into 16: refused once full
+                    fay.set(keys.queue(str(i)), b"m" * (512 << 10))
+            assert fay.exists(keys.queue("0"))  # nothing evicted
+            assert fay.delete(*[keys.queue(str(i)) for i in range(64)]) > 0
+            fay.set(keys.queue("0"), b"fits again")
+    finally:
+        server.close()
+
+
+def test_a_whole_program_runs_under_the_store_acl(
+    tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """Queues, locks, conditions, events, barriers, pipes, values, arrays, a manager and
+    a pool, each used across processes on the endpoint, through the user's ACL user."""
+    program = """
+        def work(q, jq, lock, rlock, sem, cond, event, barrier, conn, value, arr, shared, done):
+            with lock:
+                with rlock:
+                    with rlock:
+                        value.value += 1
+            with sem:
+                arr[0] += 1
+            barrier.wait(60)
+            event.wait(60)
+            with cond:
+                cond.wait_for(lambda: done.value, 60)
+            q.put(conn.recv())
+            jq.put("job")
+            shared["child"] = os.getpid()
+            conn.send(("got", value.value))
+            conn.close()
+
+        def square(x):
+            return x * x
+
+        if __name__ == "__main__":
+            q, jq, sq = mp.Queue(), mp.JoinableQueue(2), mp.SimpleQueue()
+            lock, rlock, sem = mp.Lock(), mp.RLock(), mp.BoundedSemaphore(1)
+            cond, event, barrier = mp.Condition(), mp.Event(), mp.Barrier(2)
+            parent, child = mp.Pipe()
+            value, arr = mp.Value("i", 0), mp.Array("d", [0.0, 1.5])
+            raw = mp.RawValue("q", 7)
+            done = mp.Value("b", 0)
+            with mp.Manager() as manager:
+                shared = manager.dict()
+                p = mp.Process(
+                    target=work,
+                    args=(q, jq, lock, rlock, sem, cond, event, barrier, child, value, arr,
+                          shared, done),
+                )
+                p.start()
+                barrier.wait(60)
+                event.set()
+                with cond:
+                    done.value = 1
+                    cond.notify_all()
+                parent.send("ping")
+                say("queue", q.get(timeout=60))
+                say("joinable", jq.get(timeout=60))
+                jq.task_done()
+                jq.join()
+                say("pipe", parent.recv())
+                p.join(60)
+                say("exitcode", p.exitcode)
+                say("manager", shared["child"] == p.pid)
+            sq.put("simple")
+            say("simple", sq.get())
+            say("value", value.value, arr[0], arr[1], raw.value)
+            with mp.Pool(2) as pool:
+                say("pool", sum(pool.map(square, range(20))), pool.apply_async(square, (9,)).get(60))
+        """
+    out, result = _on_lab(tmp_path, service, alice, program)
+    assert out["queue"] == "ping", result.stderr
+    assert out["joinable"] == "job"
+    assert out["pipe"] == "('got', 1)"
+    assert out["exitcode"] == "0"
+    assert out["manager"] == "True"
+    assert out["simple"] == "simple"
+    assert out["value"] == "1 1.0 1.5 7"
+    assert out["pool"] == f"{sum(i * i for i in range(20))} 81"
+
+
+def test_a_dead_store_comes_back_empty_and_old_urls_stop_working(tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    from nimbus.multiprocessing import connection
+    from nimbus.service.stores import StoreServer
+
+    server = StoreServer(Settings(runtime_dir=tmp_path / "rt"))
+    try:
+        old = server.store("gus", "127.0.0.1")["url"]
+        key = Keys("u-gus.p1").queue("q")
+        with redis.Redis.from_url(old) as gus:
+            gus.rpush(key, b"x")
+        os.kill(server._server.server_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while server._server.alive():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        new = server.store("gus", "127.0.0.1")["url"]  # started again on this call
+        assert new != old and new.rsplit("@", 1)[1] == old.rsplit("@", 1)[1]
+        with redis.Redis.from_url(old) as stale, pytest.raises(redis.AuthenticationError):
+            stale.ping()  # a program of before fails clearly, not on an empty store
+        with redis.Redis.from_url(new) as gus:
+            assert gus.llen(key) == 0
+            assert gus.evalsha(connection._RELEASE.sha, 2, key, key, "0", 1000) == -1
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                gus.eval("return 1", 0)
+    finally:
+        server.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from service_support import EndpointProcess, Service, service_env
 
 LIMIT = 48 << 20
 BIG = 24 << 20
+BODY_TIMEOUT = 3.0
 
 
 def flip(blob: bytes) -> bytes:
@@ -30,7 +33,8 @@ def make(n: int) -> bytes:
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """This module's service takes payloads up to LIMIT (alice and lab use it)."""
     root = tmp_path_factory.mktemp("data-service")
-    big = Service(root, service_env(root, NIMBUS_MAX_PAYLOAD=str(LIMIT))).start()
+    env = service_env(root, NIMBUS_MAX_PAYLOAD=str(LIMIT), NIMBUS_BODY_TIMEOUT=str(BODY_TIMEOUT))
+    big = Service(root, env).start()
     yield big
     big.stop()
 
@@ -211,3 +215,62 @@ def test_sweep_removes_what_no_task_refers_to(tmp_path: Path) -> None:
 
     with StateStore.open(None, tmp_path / "redis") as store:
         asyncio.run(scenario(store.url))
+
+
+# ---------------------------------------------------------------- the HTTP edge, raw sockets
+
+
+def _raw(service: Service, *parts: bytes, timeout: float = 60) -> tuple[bytes, float]:
+    """Send ``parts`` on a new loopback connection; all the service answered until it
+    closed the connection, and how long that took."""
+    host, port = service.url.removeprefix("http://").rsplit(":", 1)
+    start = time.monotonic()
+    reply = b""
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        for part in parts:
+            sock.sendall(part)
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply, time.monotonic() - start
+
+
+def test_a_stalled_body_is_answered_408_and_its_connection_closed(
+    service: Service, alice: Client
+) -> None:
+    # a body of LIMIT bytes announced (the largest accepted), 3 bytes sent, then silence
+    before = _files(service)
+    head = (
+        f"PUT /v1/data HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {alice.token}\r\n"
+        f"Content-Type: application/octet-stream\r\nContent-Length: {LIMIT}\r\n\r\n"
+    )
+    reply, took = _raw(service, head.encode(), b"abc")
+    assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+    assert b"NIMBUS_BODY_TIMEOUT" in reply
+    assert BODY_TIMEOUT - 0.5 < took < BODY_TIMEOUT + 10  # not held for ever
+    assert _files(service) == before  # the partial file went too
+    # a body sent slowly, but each part within the timeout, is taken
+    with service.http(alice.token) as http:
+
+        def slow() -> Iterator[bytes]:
+            for _ in range(3):
+                yield b"x" * 10
+                time.sleep(BODY_TIMEOUT / 3)
+
+        data_id = http.put("/v1/data", content=slow()).json()["data_id"]
+        assert http.get(f"/v1/data/{data_id}").content == b"x" * 30
+
+
+def test_a_request_head_over_the_limit_is_answered_431(service: Service) -> None:
+    limit = service.settings().max_header_bytes
+    request = b"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    big = b"X-Pad: " + b"a" * (limit + 1024) + b"\r\n\r\n"
+    reply, took = _raw(service, request, big)
+    assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
+    assert b"NIMBUS_MAX_HEADER_BYTES" in reply and took < 10
+    # headers sent without end are cut at the limit too, not read for ever
+    reply, _ = _raw(service, request, *[b"X-Pad: " + b"a" * 1000 + b"\r\n"] * (limit // 900))
+    assert reply.startswith(b"HTTP/1.1 431 ")
+    # under the limit: answered
+    fits = b"X-Pad: " + b"a" * (limit - 2048) + b"\r\nConnection: close\r\n\r\n"
+    reply, _ = _raw(service, request, fits)
+    assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]

@@ -276,3 +276,33 @@ def test_connect_is_cached_per_process(rt: Path) -> None:
         os.close(write)
         assert connect(server.url) is parent
         parent.close()
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_restart_after_sigkill_keeps_the_url_and_with_persist_the_data(
+    rt: Path, deep: bool
+) -> None:
+    runtime = rt / ("d" * 60) / ("e" * 60) if deep else rt  # deep: a fallback socket dir
+    with StateStore.open(None, runtime, persist_dir=rt / "disk") as store:
+        url, client = store.url, store.client()
+        client.set(b"k", b"kept")
+        first = store.server_pid
+        assert store.alive()
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while store.alive():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(redis.ConnectionError):
+            client.get(b"k")
+        store.restart()
+        assert store.alive() and store.server_pid != first and store.url == url
+        assert client.get(b"k") == b"kept"  # read back from its append-only file
+    assert _gone(first, 1)
+    with StateStore.open(None, rt) as store:  # not persisted: back empty
+        store.client().set(b"k", b"lost")
+        os.kill(store.server_pid, signal.SIGKILL)
+        while store.alive():
+            time.sleep(0.01)
+        store.restart()
+        assert store.client().get(b"k") is None

@@ -61,6 +61,7 @@ from nimbus.service.protocol import (
 __all__ = ["Client", "credentials_file", "decode_result", "error_for", "save_credentials"]
 
 RECONNECT_SECONDS = 60.0  # get_result waits this long for a service that went away
+RETRY_BACKOFF_MAX = 2.0  # seconds between retries of a call answered 503 (Retry-After)
 
 
 def credentials_file() -> Path:
@@ -84,6 +85,16 @@ def _saved() -> dict[str, str]:
     return data if isinstance(data, dict) else {}
 
 
+def _retry_after(response: httpx.Response) -> float | None:
+    """Seconds to wait before trying again a call answered 503 with Retry-After, else None."""
+    if response.status_code != 503:
+        return None
+    try:
+        return max(0.0, float(response.headers["retry-after"]))
+    except (KeyError, ValueError):
+        return None
+
+
 def error_for(status: int, detail: str) -> ServiceError | PayloadTooLargeError:
     """The nimbus error of an HTTP status the service answered with."""
     if status in (401, 403):
@@ -92,6 +103,8 @@ def error_for(status: int, detail: str) -> ServiceError | PayloadTooLargeError:
         return NotFound(detail, status)
     if status == 413:
         return PayloadTooLargeError(detail)
+    if status == 503:
+        return ServiceUnavailable(detail, status)
     if status == 409 and "version mismatch" in detail:
         return ServiceVersionMismatch(detail, status)
     return ServiceError(detail, status)
@@ -171,18 +184,31 @@ class Client:
         return self._ssl
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            untrusted = untrusted_certificate(exc, f"the nimbus service at {self.service_url}")
-            if untrusted is not None:
-                raise untrusted from None
-            hint = "is it running?"
-            if isinstance(exc, httpx.RemoteProtocolError) and self.service_url.startswith("http:"):
-                hint = "is it running, or does it serve TLS (then use its https:// URL)?"
-            raise ServiceUnavailable(
-                f"cannot reach the nimbus service at {self.service_url} ({exc}); {hint}"
-            ) from exc
+        """One call; a 503 with Retry-After (the service's queues are restarting) is
+        retried for up to RECONNECT_SECONDS (waits from 0.1 s, doubling, at most
+        Retry-After), then raised as :class:`ServiceUnavailable`."""
+        deadline = time.monotonic() + RECONNECT_SECONDS
+        backoff = 0.1
+        while True:
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                untrusted = untrusted_certificate(exc, f"the nimbus service at {self.service_url}")
+                if untrusted is not None:
+                    raise untrusted from None
+                hint = "is it running?"
+                if isinstance(exc, httpx.RemoteProtocolError) and self.service_url.startswith(
+                    "http:"
+                ):
+                    hint = "is it running, or does it serve TLS (then use its https:// URL)?"
+                raise ServiceUnavailable(
+                    f"cannot reach the nimbus service at {self.service_url} ({exc}); {hint}"
+                ) from exc
+            wait = _retry_after(response)
+            if wait is None or time.monotonic() + backoff > deadline:
+                break
+            time.sleep(min(wait, backoff))
+            backoff = min(RETRY_BACKOFF_MAX, backoff * 2)
         if response.status_code >= 400:
             try:
                 detail = response.json().get("detail", response.text)

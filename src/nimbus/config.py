@@ -273,6 +273,21 @@ _FIELDS: dict[str, _Field] = {
         "CA certificates (PEM) that verify the service's TLS certificate, for HTTPS, WSS and "
         "its stores' rediss:// (none: the system's CAs)",
     ),
+    "store_maxmemory": _Field(
+        "NIMBUS_STORE_MAXMEMORY",
+        _size,
+        "most bytes the service's state-store Redis holds, all users together (then writes fail)",
+    ),
+    "body_timeout": _Field(
+        "NIMBUS_BODY_TIMEOUT",
+        _seconds,
+        "seconds the service waits for the next part of a request body before answering 408",
+    ),
+    "max_header_bytes": _Field(
+        "NIMBUS_MAX_HEADER_BYTES",
+        _size_between(1 << 10, 1 << 20),
+        "largest request head (request line and headers) the service reads; larger: 431",
+    ),
 }
 
 
@@ -336,6 +351,9 @@ class Settings:
     log_level: str = "WARNING"
     store_listen: str = "127.0.0.1:0"
     ca_file: Path | None = None
+    store_maxmemory: int = 1 << 30
+    body_timeout: float = 30.0
+    max_header_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         for name, spec in _FIELDS.items():

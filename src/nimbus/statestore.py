@@ -15,6 +15,7 @@ modules that issue commands translate the errors of their own calls.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import secrets
@@ -38,7 +39,15 @@ from nimbus.errors import ConfigError, StateStoreError
 if TYPE_CHECKING:
     from nimbus.config import Settings
 
-__all__ = ["EmbeddedRedis", "StateStore", "connect", "redis_server_binary", "tls_options"]
+__all__ = [
+    "EmbeddedRedis",
+    "Script",
+    "StateStore",
+    "connect",
+    "redis_server_binary",
+    "scripts",
+    "tls_options",
+]
 
 # No read timeout: BLPOP and friends may block for long; a dead server closes the socket.
 # driver_info=None: no CLIENT SETINFO at connect (two round trips) and no lookup
@@ -69,6 +78,27 @@ while server.poll() is None:
         server.kill(); server.wait(); break
     time.sleep(0.1)
 """
+
+
+class Script:
+    """A Lua script nimbus runs on a store, called by its SHA1 (loaded when the store lacks it).
+
+    Every script made is listed by :func:`scripts`: the service's stores Redis
+    loads them and lets its users run those and no other (``EVALSHA`` of their SHA1s).
+    """
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        _SCRIPTS.setdefault(self.sha, self)
+
+
+_SCRIPTS: dict[str, Script] = {}
+
+
+def scripts() -> list[Script]:
+    """Every :class:`Script` made in this process so far (by the modules imported)."""
+    return list(_SCRIPTS.values())
 
 
 def redis_server_binary() -> Path:
@@ -156,6 +186,7 @@ class EmbeddedRedis:
         tcp: tuple[str, int] | None = None,
         password: str | None = None,
         persist_dir: Path | None = None,
+        options: tuple[str, ...] = (),
     ) -> None:
         if tcp is not None and not password:
             raise ConfigError("an embedded Redis listening on TCP needs a password")
@@ -164,6 +195,7 @@ class EmbeddedRedis:
         self.tcp = tcp
         self.password = password
         self.persist_dir = persist_dir
+        self.options = options  # more redis-server options, e.g. ("--maxmemory", "1gb")
         self.name = f"redis-{secrets.token_hex(4)}"
         self.state_file = self.runtime_dir / f"{self.name}.json"
         self.log_file = self.runtime_dir / f"{self.name}.log"
@@ -192,6 +224,8 @@ class EmbeddedRedis:
         if not _fits_sun_path(self.socket_path):  # AF_UNIX paths are limited to ~107 bytes
             self._fallback_dir = Path(tempfile.mkdtemp(prefix="nimbus-", dir="/tmp"))  # 0700
             self.socket_path = self._fallback_dir / "redis.sock"
+        elif self._fallback_dir is not None:  # started again (restart): the same socket path
+            self._fallback_dir.mkdir(mode=0o700, exist_ok=True)
         if not _fits_sun_path(self.socket_path):
             raise StateStoreError(f"Unix socket path {self.socket_path} is too long")
         self._write_state()
@@ -208,6 +242,7 @@ class EmbeddedRedis:
             *("--save", "", *disk, "--daemonize", "no", "--pidfile", ""),
             *("--loglevel", "warning", "--logfile", ""),
             *self._access_args(),
+            *self.options,
         ]
         with open(self.log_file, "wb") as log:
             self._watchdog = subprocess.Popen(
@@ -228,6 +263,21 @@ class EmbeddedRedis:
         self._server_created = _create_time(self.server_pid)
         self._write_state()
         return self
+
+    def alive(self) -> bool:
+        """Whether the server still runs (False once it died, say by SIGKILL)."""
+        watchdog = self._watchdog
+        return (
+            watchdog is not None
+            and watchdog.poll() is None
+            and _is_alive(self.server_pid, self._server_created)
+        )
+
+    def restart(self) -> EmbeddedRedis:
+        """Start the server again on the same socket (after it died): from its
+        append-only file with ``persist_dir``, else empty."""
+        self.stop()
+        return self.start()
 
     def _password_file(self) -> list[str]:
         """A private config file with the admin password (never on a command line, which
@@ -410,6 +460,22 @@ class StateStore:
     def from_settings(cls, settings: Settings) -> StateStore:
         """:meth:`open` with a :class:`nimbus.config.Settings`."""
         return cls.open(settings.redis_url, settings.ensure_runtime_dir())
+
+    def alive(self) -> bool:
+        """False once the embedded server died (a store reached by URL: always True)."""
+        return self._server is None or self._server.alive()
+
+    @property
+    def server_pid(self) -> int:
+        """The embedded server's pid (0 for a store reached by URL)."""
+        return self._server.server_pid if self._server is not None else 0
+
+    def restart(self) -> None:
+        """Start the embedded server again, on the same URL, after it died: from its
+        append-only file when it persists, else empty."""
+        if self._server is not None:
+            self._pool.disconnect()
+            self._server.restart()
 
     def client(self) -> redis.Redis:
         """A client on this store's pool (bytes replies; hiredis when installed)."""

@@ -66,6 +66,7 @@ CONNECT_TIMEOUT = 15.0
 KEEPALIVE = 5.0  # seconds between WebSocket pings to the service
 COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
 COALESCE_MAX = 4096
+RETRY_503 = 1.0  # seconds before a batch refused with 503 (queues restarting) is sent again
 
 
 class ServiceBackend:
@@ -311,6 +312,12 @@ class ServiceBackend:
             self._unaccepted[ref] = tasks
             self._outbox.put_nowait(self._submit_message(ref, tasks))
 
+    def _resend(self, ref: int) -> None:
+        """Send again a batch refused with 503 (the service's queues were away)."""
+        tasks = self._unaccepted.get(ref)
+        if tasks:
+            self._outbox.put_nowait(self._submit_message(ref, tasks))
+
     def _cancel(self, task: Task) -> None:
         task_id = task.record.task_id
         if self._by_id.get(task_id) is task:
@@ -341,6 +348,8 @@ class ServiceBackend:
                     self._results(early)
                 if cancels:
                     await ws.send(pack({"op": "cancel", "ids": cancels}))
+            elif op == "refused" and msg.get("status") == 503:
+                self._loop.call_later(RETRY_503, self._resend, msg["ref"])
             elif op == "refused":
                 tasks = self._unaccepted.pop(msg["ref"], [])
                 error = error_for(int(msg["status"]), str(msg["detail"]))

@@ -28,7 +28,6 @@ from __future__ import annotations
 import _socket
 import collections
 import functools
-import hashlib
 import os
 import socket
 import threading
@@ -43,6 +42,7 @@ from redis.retry import Retry
 from nimbus import statestore, telemetry
 from nimbus.errors import StateStoreError
 from nimbus.multiprocessing._state import Program
+from nimbus.statestore import Script
 
 __all__ = ["SKIP_REPLY", "Link", "Script", "link", "pack", "preload"]
 
@@ -60,14 +60,6 @@ _raw_sendall = _socket.socket.sendall
 _raw_recv = _socket.socket.recv
 _COUNTS = telemetry.COUNTS
 _PRELOAD: list[bytes] = []  # SCRIPT LOADs sent (without replies) on every new connection
-
-
-class Script:
-    """A Lua script, called by its SHA1 (and loaded when the store lacks it)."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
 
 
 def preload(script: Script) -> Script:

@@ -88,6 +88,7 @@ from nimbus.multiprocessing._payload import (
 )
 from nimbus.multiprocessing._state import Program, program
 from nimbus.multiprocessing._wait import seconds
+from nimbus.statestore import Script
 
 __all__ = [
     "AuthenticationError",
@@ -107,7 +108,7 @@ _PLAIN = (bytes, str)  # pickled the same with or without the program's reducers
 _SMALL = serialization.OOB_THRESHOLD  # below this, bytes are pickled in band anyway
 
 # Decrement the references of an end; at zero push end-of-stream to the list it writes.
-_RELEASE = """
+_RELEASE = Script("""
 local n = redis.call('DECR', KEYS[1])
 if n <= 0 then
   redis.call('DEL', KEYS[1])
@@ -117,7 +118,7 @@ if n <= 0 then
   end
 end
 return n
-"""
+""")
 
 
 # ---------------------------------------------------------------- Connection
@@ -539,7 +540,7 @@ def _release(
             # a direct writer (the only copy of its end) sent end-of-stream itself
             direct_eos = writer is not None and writer.close()
             eos = "1" if write_key is not None and not direct_eos else "0"
-            link(prog).call(("EVAL", _RELEASE, 2, refs, write_key or refs, eos, prog.ttl_ms))
+            link(prog).eval(_RELEASE, (refs, write_key or refs), (eos, prog.ttl_ms))
     except (StateStoreError, OSError):
         if not util.is_exiting():
             raise

@@ -63,6 +63,7 @@ from nimbus.multiprocessing import _qdirect
 from nimbus.multiprocessing._payload import MESSAGE, SWITCH, load, pack, unpack
 from nimbus.multiprocessing._state import Program, program
 from nimbus.multiprocessing.connection import Connection, link, seconds
+from nimbus.statestore import Script
 
 __all__ = ["JoinableQueue", "Queue", "SimpleQueue"]
 
@@ -71,23 +72,23 @@ _BATCH_BYTES = 1 << 20
 _WAKE_SLICE = 0.2  # a blocked waiter re-checks the store at least this often
 
 # KEYS: count; ARGV: maxsize, ttl. 1 if a slot was reserved, else 0.
-_RESERVE = """
+_RESERVE = Script("""
 local n = tonumber(redis.call('GET', KEYS[1]) or '0')
 if n >= tonumber(ARGV[1]) then return 0 end
 redis.call('INCR', KEYS[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
-"""
+""")
 # KEYS: count, notfull; ARGV: released, maxsize, ttl.
-_RELEASE = """
+_RELEASE = Script("""
 redis.call('DECRBY', KEYS[1], ARGV[1])
 redis.call('RPUSH', KEYS[2], '1')
 redis.call('LTRIM', KEYS[2], -tonumber(ARGV[2]), -1)
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
-"""
+""")
 # KEYS: unfinished, joined; ARGV: ttl. -1 if there was no unfinished task.
-_TASK_DONE = """
+_TASK_DONE = Script("""
 local n = tonumber(redis.call('GET', KEYS[1]) or '0')
 if n <= 0 then return -1 end
 n = redis.call('DECR', KEYS[1])
@@ -97,7 +98,7 @@ if n == 0 then
   redis.call('PEXPIRE', KEYS[2], ARGV[1])
 end
 return n
-"""
+""")
 
 _sentinel = object()
 
@@ -170,7 +171,7 @@ class Queue:
         deadline = None if timeout is None else time.monotonic() + timeout
         ttl = self._program.ttl_ms
         while True:
-            if self._call(("EVAL", _RESERVE, 1, self._count, self._maxsize, ttl))[0]:
+            if link(self._program).eval(_RESERVE, (self._count,), (self._maxsize, ttl)):
                 return
             remaining = _WAKE_SLICE if deadline is None else deadline - time.monotonic()
             if not block or remaining <= 0:
@@ -179,7 +180,7 @@ class Queue:
 
     def _release(self, n: int) -> None:
         ttl = self._program.ttl_ms
-        self._call(("EVAL", _RELEASE, 2, self._count, self._notfull, n, self._maxsize, ttl))
+        link(self._program).eval(_RELEASE, (self._count, self._notfull), (n, self._maxsize, ttl))
 
     def put(self, obj: object, block: bool = True, timeout: float | None = None) -> None:
         """Put ``obj`` on the queue; :class:`queue.Full` if no slot frees in time."""
@@ -437,7 +438,7 @@ class JoinableQueue(Queue):
     def task_done(self) -> None:
         """Mark one item as processed; :class:`ValueError` if called too many times."""
         ttl = self._program.ttl_ms
-        n = self._call(("EVAL", _TASK_DONE, 2, self._unfinished, self._joined, ttl))[0]
+        n = link(self._program).eval(_TASK_DONE, (self._unfinished, self._joined), (ttl,))
         if n < 0:
             raise ValueError("task_done() called too many times")
 

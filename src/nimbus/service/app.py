@@ -6,6 +6,11 @@ the queues the tasks that were in flight when the service last stopped; it
 also sweeps the data store (``nimbus.service.data``, files in
 ``<runtime_dir>/service/data``) and, every second, looks for tokens revoked in
 the registry: they stop working at once and their WebSockets are closed. The OpenAPI spec is at ``GET /openapi.json``.
+
+While the task queues' Redis cannot be reached (``nimbus.service.server``
+restarts an embedded one that died), ``GET /v1/health`` and every call that
+needs it answer 503 with ``Retry-After``; clients retry. Request heads and
+bodies are bounded at the edge (``nimbus.service.limits``: 431, 408).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse
@@ -32,6 +38,7 @@ from nimbus.service import routes, stores, tasks
 from nimbus.service.context import ServiceContext
 from nimbus.service.data import DataStore
 from nimbus.service.hub import Hub
+from nimbus.service.limits import BodyTimeout
 from nimbus.service.protocol import WS_AGENT, WS_CLIENT, too_large
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import Registry
@@ -40,10 +47,16 @@ from nimbus.service.ws import agent_socket, client_socket
 __all__ = ["SERVICE_ID", "create_app"]
 
 SERVICE_ID = "service"  # the Keys program id of the service's keys
+QUEUE_RETRY_AFTER = 2  # seconds a client waits before retrying while the queue Redis is away
+HEALTH_PING = 2.0  # seconds /v1/health waits for the queue Redis
 SWEEP_SECONDS = 30.0
 REVOCATION_POLL = 1.0  # seconds between looks for revoked tokens in the registry
 REVOCATION_SLACK = 5.0
 log = logging.getLogger(__name__)
+QUEUE_UNAVAILABLE = (
+    "the service's task queues (Redis) are unavailable, being restarted perhaps; "
+    "retry in a few seconds"
+)
 
 
 class BodyLimit:
@@ -104,6 +117,7 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         store = TaskStore(client, keys, result_ttl=settings.result_ttl)
         data = DataStore(client, keys, settings.service_dir / "data", limit=settings.max_payload)
         await store.requeue_all()
+        app.state.queue_redis = client
         ctx = app.state.ctx = ServiceContext(settings, registry, store, Hub(), data)
         jobs = [
             asyncio.create_task(_every(SWEEP_SECONDS, data.sweep, "sweeping the data store")),
@@ -140,9 +154,33 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
     async def payload_too_large(request: Request, exc: PayloadTooLargeError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, 413)
 
-    @app.get("/v1/health", tags=["service"])
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "version": nimbus.__version__}
+    @app.exception_handler(redis.ConnectionError)
+    @app.exception_handler(redis.TimeoutError)
+    async def queue_unavailable(request: Request, exc: Exception) -> JSONResponse:
+        # the queue Redis is away (restarting, or loading its file): retryable, no traceback
+        return JSONResponse(
+            {"detail": QUEUE_UNAVAILABLE},
+            503,
+            headers={"Retry-After": str(QUEUE_RETRY_AFTER)},
+        )
+
+    @app.get(
+        "/v1/health",
+        tags=["service"],
+        responses={503: {"description": "the task queues (Redis) are unavailable"}},
+    )
+    async def health(request: Request) -> JSONResponse:
+        """200 while the service can use its task queues; 503 (Retry-After) while not."""
+        body: dict[str, Any] = {"status": "ok", "version": nimbus.__version__}
+        client: aioredis.Redis | None = getattr(request.app.state, "queue_redis", None)
+        try:
+            if client is None:
+                raise redis.ConnectionError("not open yet")
+            await asyncio.wait_for(client.ping(), HEALTH_PING)
+        except (redis.RedisError, OSError, TimeoutError) as exc:
+            body |= {"status": "unavailable", "detail": f"{QUEUE_UNAVAILABLE} ({exc})"}
+            return JSONResponse(body, 503, headers={"Retry-After": str(QUEUE_RETRY_AFTER)})
+        return JSONResponse(body)
 
     @app.websocket(WS_AGENT)
     async def agent_ws(websocket: WebSocket) -> None:
@@ -153,4 +191,5 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         await client_socket(websocket.app.state.ctx, websocket)
 
     app.add_middleware(BodyLimit, limit=settings.max_payload)
+    app.add_middleware(BodyTimeout, timeout=settings.body_timeout)
     return app

@@ -2,7 +2,12 @@
 
 The task queues use ``Settings.redis_url``, or an embedded Redis the service
 starts in its runtime directory and stops on exit (kept on disk, in
-``<runtime_dir>/service/redis``, with ``--persist``). With ``port=0`` the system
+``<runtime_dir>/service/redis``, with ``--persist``). If that Redis dies, the
+service starts it again within a second, from its append-only file with
+``--persist`` (else empty: the tasks queued and running are lost, and the log
+says so); meanwhile ``/v1/health`` and every call that needs it answer 503 with
+``Retry-After``, and errors caused by the outage are logged as one line per
+``QUIET`` seconds, not a traceback per request. With ``port=0`` the system
 picks a free port; the URL the service listens on is printed on stdout, and
 written to ``url_file`` when given, once it accepts connections. With
 ``tls=(cert, key)`` it serves HTTPS and WSS only (the URL is ``https://``), and
@@ -28,16 +33,19 @@ import os
 import signal
 import ssl
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import redis
 import uvicorn
 from fastapi import FastAPI
 
 from nimbus import _loop
 from nimbus.config import Settings
-from nimbus.errors import ConfigError
+from nimbus.errors import ConfigError, StateStoreError
+from nimbus.service.limits import HeadLimit
 from nimbus.service.protocol import MESSAGE_BYTES
 from nimbus.statestore import StateStore
 
@@ -45,6 +53,8 @@ __all__ = ["check_tls", "running_service", "serve"]
 
 log = logging.getLogger(__name__)
 STATE_FILE = "service.json"  # in Settings.service_dir while the service runs
+SUPERVISE_SECONDS = 0.5  # how often the embedded queue Redis is checked
+QUIET = 30.0  # seconds between log lines about errors of one queue Redis outage
 
 
 def serve(
@@ -125,13 +135,18 @@ def _serve(
             timeout_graceful_shutdown=5,  # then connections still open are cut
             ssl_certfile=None if tls is None else str(tls[0]),
             ssl_keyfile=None if tls is None else str(tls[1]),
+            http=HeadLimit,  # a head over max_header_bytes: 431
+            h11_max_incomplete_event_size=settings.max_header_bytes,
         )
+        _quiet_outage_errors()  # after uvicorn.Config, which sets up uvicorn's loggers
         server = uvicorn.Server(config)
         _loop.run(
             _run(
                 server,
                 app,
                 url_file,
+                store,
+                persist_dir,
                 settings.service_dir / STATE_FILE,
                 "http" if tls is None else "https",
             )
@@ -148,6 +163,106 @@ async def _end_waits_at_exit(server: uvicorn.Server, app: FastAPI) -> None:
     ctx = getattr(app.state, "ctx", None)
     if ctx is not None:
         ctx.hub.close()
+
+
+def _outage_error(exc: BaseException | None) -> redis.RedisError | None:
+    """The Redis connection error behind ``exc`` (its causes, its group), if any."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, (redis.ConnectionError, redis.TimeoutError)):
+            return err
+        if isinstance(err, BaseExceptionGroup):
+            todo.extend(err.exceptions)
+        todo.extend((err.__cause__, err.__context__))
+    return None
+
+
+class _OneLinePerOutage(logging.Filter):
+    """Errors logged because the queue Redis is away: one line (no traceback) per
+    ``QUIET`` seconds, with the count of those left out since the last one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = -QUIET
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        cause = _outage_error(record.exc_info[1] if record.exc_info else None)
+        if cause is None:
+            return True
+        now = time.monotonic()
+        if now - self.last < QUIET:
+            self.dropped += 1
+            return False
+        message = record.getMessage()
+        record.msg = "%s: the task queues' Redis is unavailable (%s: %s)%s"
+        record.args = (
+            message.strip(),
+            type(cause).__name__,
+            cause,
+            f"; {self.dropped} such errors were not logged" if self.dropped else "",
+        )
+        record.exc_info = record.exc_text = None
+        self.last, self.dropped = now, 0
+        return True
+
+
+def _quiet_outage_errors() -> None:
+    """Put one :class:`_OneLinePerOutage` on the loggers and handlers errors reach."""
+    quiet = _OneLinePerOutage()
+    for name in ("", "uvicorn", "uvicorn.error", "nimbus", "nimbus.service"):
+        logger = logging.getLogger(name)
+        for handler in logger.handlers:
+            if quiet not in handler.filters:
+                handler.addFilter(quiet)
+    for name in ("uvicorn.error", "nimbus.service.app", "nimbus.service.ws", "nimbus.service"):
+        logging.getLogger(name).addFilter(quiet)
+
+
+async def _supervise(app: FastAPI, store: StateStore, persist_dir: Path | None) -> None:
+    """Start the embedded queue Redis again whenever it dies, and requeue what was in flight."""
+    while True:
+        await asyncio.sleep(SUPERVISE_SECONDS)
+        if store.alive():
+            continue
+        since = time.monotonic()
+        if persist_dir is not None:
+            how = f"from its append-only file in {persist_dir}"
+        else:
+            how = (
+                "empty: the tasks queued and running are lost (asked for, they are not found) "
+                "(start the service with --persist to keep them)"
+            )
+        log.error("the task queues' Redis (pid %d) died; restarting it %s", store.server_pid, how)
+        backoff = SUPERVISE_SECONDS
+        while True:
+            try:
+                await asyncio.to_thread(store.restart)
+                break
+            except StateStoreError as exc:
+                log.error(
+                    "cannot restart the task queues' Redis: %s; again in %.0f s", exc, backoff
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(30.0, backoff * 2)
+        requeued = 0
+        ctx = getattr(app.state, "ctx", None)
+        if ctx is not None:
+            try:
+                requeued = await ctx.store.requeue_all()
+            except redis.RedisError as exc:
+                log.error("could not requeue the tasks in flight: %s", exc)
+        log.warning(
+            "the task queues' Redis is back (pid %d) after %.1f s; %d tasks in flight requeued",
+            store.server_pid,
+            time.monotonic() - since,
+            requeued,
+        )
 
 
 def check_tls(cert: Path, key: Path) -> ssl.SSLContext:
@@ -168,11 +283,18 @@ def check_tls(cert: Path, key: Path) -> ssl.SSLContext:
 
 
 async def _run(
-    server: uvicorn.Server, app: FastAPI, url_file: Path | None, state: Path, scheme: str
+    server: uvicorn.Server,
+    app: FastAPI,
+    url_file: Path | None,
+    store: StateStore,
+    persist_dir: Path | None,
+    state: Path,
+    scheme: str,
 ) -> None:
     task = asyncio.create_task(server.serve())
     ender = asyncio.create_task(_end_waits_at_exit(server, app))
-    task.add_done_callback(lambda _: ender.cancel())
+    supervisor = asyncio.create_task(_supervise(app, store, persist_dir))
+    task.add_done_callback(lambda _: (ender.cancel(), supervisor.cancel()))
     while not server.started:
         if task.done():
             await task  # failed to start: raise why

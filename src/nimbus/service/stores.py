@@ -25,24 +25,46 @@ and channels are limited to programs whose id starts with the user's prefix,
 so two users never see each other's state (nor the service's). The ACL user's
 password is derived from a per-start secret and the user id, so every program
 of a user gets the same URL while the service runs; a restart of the service
-starts a new stores Redis (the state of running programs is lost).
+starts a new stores Redis (the state of running programs is lost). So does
+the death of the stores Redis: the next request for a store starts it again,
+empty, with new passwords, so the programs that used it fail clearly (their
+store is gone) instead of going on with an empty one.
 
-Commands refused to a user: ``@admin`` and ``@dangerous`` ones (``CONFIG``,
-``FLUSHALL``, ``KEYS``, ``DEBUG`` ...) except the ``CLIENT`` subcommands the
-locks use to tell whether a holder is alive (``ID``, ``SETNAME``, ``GETNAME``,
-``REPLY``, ``LIST``). What a user can still learn of others: client names and
-addresses (``CLIENT LIST``) and key *names* (``SCAN``, which the program's
-keepalive needs; Redis does not filter it by ACL), never values. A store URL
-stays valid while the service runs, until one of the user's own tokens is
-revoked: then the ACL user is deleted (its connections closed, so the user's
-running programs on endpoints lose their store) and the next URL carries a
-new password. Revoking an endpoint's token leaves the store alone.
+A user runs only what nimbus's own calls need (``USER_COMMANDS``: the commands
+``nimbus.multiprocessing`` sends, and those its Lua scripts call, which Redis
+checks against the same ACL), and of scripts only nimbus's own: the admin loads
+every :class:`nimbus.statestore.Script` at start, and the ACL allows
+``EVALSHA`` with their SHA1s as first argument and no other (Redis 6.2, the
+embedded binary, has no FUNCTIONs; a SHA1 names one script, and no user can
+load or flush scripts). So no user can run a script of their own that stalls
+everyone (``BUSY``), nor ``SCRIPT``, ``KEYS``, ``RANDOMKEY``, ``DBSIZE``,
+``INFO``, ``MEMORY``, ``PUBSUB``, ``CONFIG``, ``FLUSH*``, ``DEBUG``, ``MONITOR``...
+What a user can still learn of others: client names and addresses
+(``CLIENT LIST``, which the locks use to tell whether a holder is alive) and
+key *names* (``SCAN``, which the program's keepalive needs; Redis does not
+filter it by ACL), never values.
+
+Limits: the store holds at most ``NIMBUS_STORE_MAXMEMORY`` bytes
+(``maxmemory``, policy ``noeviction``: nothing is evicted under a running
+program; once full, a command that writes fails with ``OOM``, raised as
+:class:`~nimbus.errors.StateStoreError` by calls that wait for their reply,
+while a send made without one, a Pipe's, is lost). Redis has no per-user
+memory or key quota, so that limit is shared by all users; a program's keys
+also expire ``NIMBUS_KEY_TTL`` after its last keepalive. A script running
+longer than ``lua-time-limit`` (500 ms; nimbus's take microseconds) makes
+others get ``BUSY`` until it ends.
+
+A store URL stays valid while the service runs, until one of the user's own
+tokens is revoked: then the ACL user is deleted (its connections closed, so
+the user's running programs on endpoints lose their store) and the next URL
+carries a new password. Revoking an endpoint's token leaves the store alone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 import socket
 import ssl
@@ -59,27 +81,52 @@ from nimbus.service.context import ServiceContext
 from nimbus.service.deps import context, current_user
 from nimbus.service.registry import Principal
 from nimbus.service.tunnel import TLSTunnel
-from nimbus.statestore import EmbeddedRedis
+from nimbus.statestore import EmbeddedRedis, Script, scripts
 
-__all__ = ["StoreServer", "key_prefix", "router"]
+__all__ = ["USER_COMMANDS", "StoreServer", "key_prefix", "router", "user_rules"]
 
 router = APIRouter(prefix="/v1")
 User = Annotated[Principal, Depends(current_user)]
 Ctx = Annotated[ServiceContext, Depends(context)]
 
-# what a user's ACL user may run, after ``reset`` (which allows nothing)
-USER_RULES = (
-    "+@all",
-    "-@admin",
-    "-@dangerous",
-    *("+client|id", "+client|setname", "+client|getname", "+client|reply", "+client|list"),
+# What nimbus.multiprocessing runs on a program's store (through redis-py, its
+# Links and its scripts); a user's ACL user may run these and nothing else.
+USER_COMMANDS = (
+    *("get", "set", "mget", "getrange", "setrange", "incr", "decr", "decrby"),
+    *("del", "unlink", "exists", "pexpire", "scan"),
+    *("rpush", "lpush", "lpop", "blpop", "lmove", "blmove", "llen", "lindex", "lrange"),
+    *("linsert", "lrem", "ltrim"),
+    *("hset", "hget", "hgetall", "hdel", "sadd", "srem", "smembers"),
+    *("ping", "hello"),
+    # a lock's holder is alive while its presence connection is (CLIENT LIST ID ...)
+    *("client|id", "client|setname", "client|reply", "client|list"),
 )
+LUA_TIME_LIMIT_MS = 500
+log = logging.getLogger(__name__)
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
 def key_prefix(user_id: str) -> str:
     """The start of every program id of ``user_id`` (a valid ``Keys`` program id part)."""
     return "u-" + user_id
+
+
+def program_scripts() -> list[Script]:
+    """The Lua scripts of nimbus.multiprocessing (importing its modules makes them all)."""
+    import nimbus.multiprocessing.connection
+    import nimbus.multiprocessing.queues
+    import nimbus.multiprocessing.sharedctypes
+    import nimbus.multiprocessing.synchronize  # noqa: F401
+
+    return sorted(scripts(), key=lambda script: script.sha)
+
+
+def user_rules() -> list[str]:
+    """The ACL rules of a user (after ``reset``, which allows nothing)."""
+    return [
+        *("+" + command for command in USER_COMMANDS),
+        *("+evalsha|" + script.sha for script in program_scripts()),
+    ]
 
 
 def _free_port(host: str) -> int:
@@ -97,12 +144,16 @@ class StoreServer:
         host, port = settings.store_address
         self.host = host
         self.port = port or _free_port(host or "0.0.0.0")
-        self._secret = secrets.token_bytes(32)
-        # with TLS: Redis on its Unix socket only, TLS on the TCP address (service/tunnel.py)
+        self._secret = b""  # set by _prepare
         self._server = EmbeddedRedis(
             settings.ensure_runtime_dir(),
             tcp=None if tls else (host or "0.0.0.0", self.port),
             password=secrets.token_urlsafe(32),
+            options=(
+                *("--maxmemory", str(settings.store_maxmemory)),
+                *("--maxmemory-policy", "noeviction"),
+                *("--lua-time-limit", str(LUA_TIME_LIMIT_MS)),
+            ),
         ).start()
         self.scheme = "rediss" if tls else "redis"
         self._tunnel: TLSTunnel | None = None
@@ -119,17 +170,43 @@ class StoreServer:
             password=self._server.password,
             driver_info=None,
         )
+        self._rules = user_rules()
         self._users: set[str] = set()
         self._generations: dict[str, int] = {}  # a user's password changes when they forget it
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """A new (or restarted, so empty) stores Redis: nimbus's scripts in it, no ACL
+        users yet, and a new secret (URLs handed out before stop working)."""
+        for script in program_scripts():  # users may run these, and cannot load any
+            self._admin.script_load(script.source)
+        self._secret = secrets.token_bytes(32)
+        self._users.clear()
+
+    def revive(self) -> None:
+        """Start the stores Redis again if it died: empty, with new passwords, so the
+        programs that used it fail clearly (their store is gone) instead of finding it empty."""
+        if self._server.alive():
+            return
+        log.error(
+            "the state-store Redis for endpoint programs (pid %d) died; starting it again, "
+            "empty: the programs using it lost their state",
+            self._server.server_pid,
+        )
+        self._admin.connection_pool.disconnect()
+        self._server.restart()
+        self._prepare()
 
     def forget(self, user_id: str) -> None:
         """Drop ``user_id``'s ACL user and its connections; the next URL has a new password."""
+        self.revive()
         self._generations[user_id] = self._generations.get(user_id, 0) + 1
         self._users.discard(user_id)
         self._admin.acl_deluser("nimbus-" + key_prefix(user_id))  # closes its connections
 
     def store(self, user_id: str, advertised_host: str) -> dict[str, Any]:
         """Create (once) the ACL user of ``user_id``; its URL and key prefix."""
+        self.revive()
         prefix = key_prefix(user_id)
         name = "nimbus-" + prefix
         generation = self._generations.get(user_id, 0)
@@ -146,7 +223,7 @@ class StoreServer:
                 keys=[pattern],
                 reset_channels=True,
                 channels=[pattern],
-                commands=list(USER_RULES),
+                commands=self._rules,
             )
             self._users.add(user_id)
         host = self.host if self.host not in WILDCARD_HOSTS else advertised_host
