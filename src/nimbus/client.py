@@ -96,6 +96,20 @@ def error_for(status: int, detail: str) -> ServiceError | PayloadTooLargeError:
     return ServiceError(detail, status)
 
 
+class AmbiguousEndpointError(ServiceError):
+    """A 409 from the service: an endpoint name matches several endpoints you can use.
+
+    ``choices`` are their ``owner/name``; give one of them instead of the bare name.
+    """
+
+    def __init__(self, message: str, status: int = 409, choices: list[str] | None = None):
+        super().__init__(message, status)
+        self.choices = list(choices or [])
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.status, self.choices))
+
+
 class ServiceVersionMismatch(VersionMismatchError, ServiceError):
     """A 409 from the service: function and endpoint differ in Python or serializer."""
 
