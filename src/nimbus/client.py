@@ -12,7 +12,8 @@ unpickled here. Arguments and results larger than the service's
 ``inline_payload`` go through its data store (``upload``/``download``) by
 themselves. Errors of the service come back as
 :class:`~nimbus.errors.ServiceError` subclasses (401/403 ``AuthError``, 404
-``NotFound``, 413 ``PayloadTooLargeError``, 409 ``VersionMismatchError``).
+``NotFound``, 413 ``PayloadTooLargeError``, 409 ``VersionMismatchError`` or
+:class:`AmbiguousEndpointError`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,14 @@ from nimbus.service.protocol import (
     unpack,
 )
 
-__all__ = ["Client", "credentials_file", "decode_result", "error_for", "save_credentials"]
+__all__ = [
+    "AmbiguousEndpointError",
+    "Client",
+    "credentials_file",
+    "decode_result",
+    "error_for",
+    "save_credentials",
+]
 
 RECONNECT_SECONDS = 60.0  # get_result waits this long for a service that went away
 
@@ -182,9 +190,12 @@ class Client:
             ) from exc
         if response.status_code >= 400:
             try:
-                detail = response.json().get("detail", response.text)
-            except ValueError:
-                detail = response.text
+                body = response.json()
+                detail = body.get("detail", response.text)
+            except (ValueError, AttributeError):
+                body, detail = None, response.text
+            if response.status_code == 409 and isinstance(body, dict) and "choices" in body:
+                raise AmbiguousEndpointError(str(detail), 409, [str(c) for c in body["choices"]])
             raise error_for(response.status_code, str(detail))
         return response
 
@@ -281,13 +292,13 @@ class Client:
         return list(self._json("GET", "/v1/endpoints", params=params)["endpoints"])
 
     def get_endpoint(self, endpoint: str) -> dict[str, Any]:
-        """An endpoint by id, or by name (yours first, then those shared with you)."""
+        """An endpoint by id, by ``OWNER/NAME``, or by name: your own endpoint of that
+        name, else the only one of that name you can use. A name that several
+        endpoints of others answer to raises :class:`AmbiguousEndpointError` listing
+        their ``OWNER/NAME`` (nothing is guessed); none raises ``NotFound``."""
         if _is_uuid(endpoint):
             return dict(self._json("GET", f"/v1/endpoints/{endpoint}"))
-        found = self.endpoints(endpoint)
-        if not found:
-            raise NotFound(f"no endpoint named {endpoint!r} is visible to you", 404)
-        return found[0]
+        return dict(self._json("GET", "/v1/endpoints/resolve", params={"name": endpoint}))
 
     def share_endpoint(
         self, endpoint_id: str, users: Iterable[str] = (), *, public: bool | None = None

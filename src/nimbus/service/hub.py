@@ -16,14 +16,18 @@ from typing import Any
 
 from nimbus.service.protocol import REVOKED
 
-__all__ = ["Hub", "Peer"]
+__all__ = ["ADMIN_REVOKED", "Hub", "Peer"]
+
+ADMIN_REVOKED = "token revoked by the service admin: ask them for a new one"
+REASON_BYTES = 120  # a WebSocket close reason holds at most 123 bytes
 
 
 class Peer:
     """One WebSocket connection; ``send`` is serialised (one frame at a time).
 
     ``digest`` is the hash of the token it connected with; ``close(code, reason)``
-    ends it from the service's side (its token was revoked).
+    ends it from the service's side (its token was revoked or replaced, its
+    endpoint deleted).
     """
 
     def __init__(
@@ -70,11 +74,17 @@ class Hub:
         self.peers: dict[str, Peer] = {}  # conn id -> every connection (agents and clients)
         self.closing = False
 
-    async def revoked(self, digests: set[str]) -> int:
-        """Close the connections made with these (revoked) tokens; how many."""
-        kicked = [peer for peer in list(self.peers.values()) if peer.digest in digests]
+    async def revoked(self, digests: set[str], code: int = REVOKED, reason: str = "") -> int:
+        """Close the connections made with these (revoked) tokens, saying why; how many.
+
+        A connection already closed (for another reason said first) is left alone.
+        """
+        kicked = [
+            peer for peer in list(self.peers.values()) if peer.digest in digests and not peer.closed
+        ]
         for peer in kicked:
-            await peer.close(REVOKED, "token revoked by the service admin: ask them for a new one")
+            text = (reason or ADMIN_REVOKED).encode()[:REASON_BYTES].decode(errors="ignore")
+            await peer.close(code, text)
         return len(kicked)
 
     def close(self) -> None:
