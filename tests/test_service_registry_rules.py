@@ -212,3 +212,94 @@ def test_qualified_names_work_in_executor_client_and_nimbus_endpoint(service: Se
                 Executor(settings=settings)
         finally:
             ivys.stop()
+
+
+# ---------------------------------------------------------------- siblings: unsharing
+
+
+def test_unsharing_fails_the_waiting_tasks_of_those_who_lost_the_endpoint(
+    service: Service,
+) -> None:
+    sal, sid, sue = (service.client(service.token(u)) for u in ("sal", "sid", "sue"))
+    with sal, sid, sue:
+        ep = sal.register_endpoint("withdrawn")["endpoint_id"]  # never started: tasks wait
+        sal.share_endpoint(ep, ["sid"], public=True)
+        tasks = {
+            c: c.batch_run(square, [(1,), (2,)], endpoint="sal/withdrawn") for c in (sal, sid, sue)
+        }
+        with service.http(sal.token) as http:
+            both = http.post(
+                f"/v1/endpoints/{ep}/share", json={"users": ["sid"], "remove": ["sid"]}
+            )
+            assert both.status_code == 422 and "sid" in both.json()["detail"]
+            http.post(f"/v1/endpoints/{ep}/share", json={"public": False}).raise_for_status()
+            for task_id in tasks[sue]:
+                with pytest.raises(ServiceError, match="no longer shared with you"):
+                    sue.get_result(task_id, timeout=10)
+            for client in (sid, sal):  # still allowed: still waiting
+                states = [client.get_task(t)["state"] for t in tasks[client]]
+                assert states == ["waiting-for-endpoint"] * 2
+            shown = http.post(f"/v1/endpoints/{ep}/share", json={"remove": ["sid"]})
+            assert shown.json()["shared_with"] == []
+        for task_id in tasks[sid]:
+            with pytest.raises(ServiceError, match="no longer shared with you"):
+                sid.get_result(task_id, timeout=10)
+        assert [sal.get_task(t)["state"] for t in tasks[sal]] == ["waiting-for-endpoint"] * 2
+        with pytest.raises(NotFound):
+            sid.get_endpoint("sal/withdrawn")
+
+
+def test_unsharing_cancels_the_removed_users_tasks_held_by_the_agent(
+    service: Service, tmp_path: Path
+) -> None:
+    with service.client(service.token("val")) as val, service.client(service.token("wes")) as wes:
+        ep = EndpointProcess(service, val, "val-lab", workers=1).start(val)
+        try:
+            val.share_endpoint(ep.endpoint_id, ["wes"])
+            runs = tmp_path / "runs.txt"
+            first = wes.run(mark_and_nap, str(runs), 0, 1.5, endpoint="val/val-lab")
+            deadline = time.monotonic() + 30
+            while not runs.exists():
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            held = wes.batch_run(
+                mark_and_nap, [(str(runs), i, 0.0) for i in (1, 2, 3)], endpoint="val/val-lab"
+            )
+            time.sleep(0.3)  # sent to the agent, waiting there for its one worker
+            with service.http(val.token) as http:
+                http.post(
+                    f"/v1/endpoints/{ep.endpoint_id}/share", json={"remove": ["wes"]}
+                ).raise_for_status()
+            for task_id in [first, *held]:
+                with pytest.raises(ServiceError, match="no longer shared with you"):
+                    wes.get_result(task_id, timeout=5)
+            # the owner's next task runs after the running one; the cancelled ones never ran
+            assert val.get_result(val.run(square, 7, endpoint="val-lab"), timeout=30) == 49
+            assert [line.split("-")[0] for line in runs.read_text().split()] == ["0"]
+        finally:
+            ep.stop()
+
+
+def test_an_agent_saying_hello_after_its_token_was_revoked_is_closed() -> None:
+    import asyncio
+
+    from nimbus.service.hub import Hub, Peer
+    from nimbus.service.protocol import REPLACED
+
+    async def scenario() -> list[tuple[int, str]]:
+        closed: list[tuple[int, str]] = []
+
+        async def send(data: bytes) -> None:
+            del data
+
+        async def close(code: int, reason: str) -> None:
+            closed.append((code, reason))
+
+        hub = Hub()
+        assert await hub.revoked({"d1"}, REPLACED, "replaced") == 0  # not connected yet
+        hub.add_agent("ep", Peer("c1", send, digest="d1", close=close))
+        hub.add_agent("ep", Peer("c2", send, digest="d2", close=close))
+        await asyncio.sleep(0.01)
+        return closed
+
+    assert asyncio.run(scenario()) == [(REPLACED, "replaced")]

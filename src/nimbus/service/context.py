@@ -14,6 +14,7 @@ import logging
 import pickle
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -258,23 +259,56 @@ class ServiceContext:
             f"endpoint {info.name} ({info.id}) of {info.owner} was deleted before this task "
             f"finished; submit it to another endpoint"
         )
-        await self._fail_endpoint_tasks(info.id, message)
-        # a submit that passed its check just before the deletion may queue late: fail it too
-        job = asyncio.create_task(self._fail_later(info.id, message))
-        self._jobs.add(job)
-        job.add_done_callback(self._jobs.discard)
+        await self._drop_endpoint_tasks(info.id, message)
+        self.hub.beats.pop(info.id, None)
+        self._again(self._drop_endpoint_tasks(info.id, message))
 
-    async def _fail_later(self, endpoint_id: str, message: str) -> None:
-        await asyncio.sleep(CACHE_SECONDS)
-        try:
-            await self._fail_endpoint_tasks(endpoint_id, message)
-        except Exception:  # the service is stopping: its tasks go with it
-            log.exception("failing the late tasks of deleted endpoint %s failed", endpoint_id)
+    async def _drop_endpoint_tasks(self, endpoint_id: str, message: str) -> int:
+        """A deleted endpoint's tasks fail; its queue and status go."""
+        failed = await self._fail_endpoint_tasks(endpoint_id, message)
+        await self.store.forget_endpoint(endpoint_id)
+        return failed
 
-    async def _fail_endpoint_tasks(self, endpoint_id: str, message: str) -> int:
-        """Fail every task queued for an endpoint or in flight on it (first result wins);
-        deliver the failure to whoever waits; how many failed here."""
+    async def withdraw_endpoint(self, info: EndpointInfo) -> None:
+        """``info`` is shared with fewer users now (made private, users removed): the
+        tasks not yet done of those who may no longer use it fail, telling them why."""
+        message = (
+            f"endpoint {info.name} ({info.id}) of {info.owner} is no longer shared with you; "
+            f"this task did not finish there"
+        )
+        await self._fail_endpoint_tasks(info.id, message, info)
+        self._again(self._fail_endpoint_tasks(info.id, message, info))
+
+    def _again(self, job: Coroutine[Any, Any, int]) -> None:
+        """Run ``job`` once more in a while: a submit that passed its access check just
+        before a change may queue its tasks just after it."""
+
+        async def later() -> None:
+            await asyncio.sleep(CACHE_SECONDS)
+            try:
+                await job
+            except Exception:  # the service is stopping: its tasks stay for the next start
+                log.exception("failing the tasks left behind by an endpoint's change failed")
+
+        task = asyncio.create_task(later())
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+
+    async def _fail_endpoint_tasks(
+        self, endpoint_id: str, message: str, shared: EndpointInfo | None = None
+    ) -> int:
+        """Fail the tasks queued for an endpoint or in flight on it (first result wins):
+        all of them, or with ``shared`` (the endpoint now) those of users who may no
+        longer use it. Whoever waits for them is told; their agent is told to cancel
+        them. How many failed here."""
         ids = await self.store.endpoint_task_ids(endpoint_id)
+        if shared is not None:
+            if shared.public or not ids:
+                return 0
+            allowed = await run_in_threadpool(self.registry.user_ids, list(shared.shared_with))
+            users = {shared.owner_id, *allowed.values()}
+            tasks = await self.store.info(ids)
+            ids = [i for i, task in zip(ids, tasks) if task and task["owner"] not in users]
         result = pack([STATUS_ERROR, pickle.dumps((ServiceError(message, 410), ""), 5), []])
         state = TaskState.FAILED.value
         failed = 0
@@ -283,8 +317,11 @@ class ServiceContext:
             stored, drop = await self.store.finish(endpoint_id, rows)
             self.data.drop(drop)
             await self.hub.deliver([[i, state, result, b""] for i in stored])
+            for conn_id in list(self.hub.endpoint_agents.get(endpoint_id, ())):
+                agent = self.hub.agents.get(conn_id)
+                if agent is not None and stored:  # a task not started yet is dropped there
+                    await agent.send(pack({"op": "cancel", "ids": stored}))
             failed += len(stored)
-        await self.store.forget_endpoint(endpoint_id)
         return failed
 
     # ------------------------------------------------------------ tasks

@@ -12,6 +12,7 @@ import hashlib
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -447,13 +448,29 @@ class Registry:
 
     # ------------------------------------------------------------ sharing
 
-    def share(self, kind: str, resource_id: str, user_ids: list[str], public: bool | None) -> None:
+    def share(
+        self,
+        kind: str,
+        resource_id: str,
+        user_ids: list[str],
+        public: bool | None,
+        remove: Sequence[str] = (),
+    ) -> None:
+        """Share with ``user_ids``, stop sharing with ``remove``, set ``public`` if given."""
         model: type[Function] | type[Endpoint] = Function if kind == "function" else Endpoint
         with self._session.begin() as session:
             if public is not None:
                 obj: Any = session.get(model, resource_id)
                 if obj is not None:
                     obj.public = public
+            if remove:
+                session.execute(
+                    delete(Share).where(
+                        Share.kind == kind,
+                        Share.resource_id == resource_id,
+                        Share.user_id.in_(list(remove)),
+                    )
+                )
             for uid in user_ids:
                 if session.get(Share, (kind, resource_id, uid)) is None:
                     session.add(Share(kind=kind, resource_id=resource_id, user_id=uid))

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Base64Bytes, BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from nimbus.errors import NotFound
+from nimbus.errors import NotFound, ServiceError
 from nimbus.service.context import AmbiguousName, ServiceContext
 from nimbus.service.deps import context, current_user
 from nimbus.service.registry import Principal
@@ -36,6 +36,9 @@ class EndpointIn(BaseModel):
 class ShareIn(BaseModel):
     users: list[Name] = Field(default_factory=list, max_length=1000)
     public: bool | None = None
+    remove: list[Name] = Field(
+        default_factory=list, max_length=1000, description="users to stop sharing with"
+    )
 
 
 @router.get("/whoami", tags=["auth"])
@@ -141,15 +144,30 @@ async def delete_endpoint(endpoint_id: str, user: User, ctx: Ctx) -> dict[str, A
 
 @router.post("/endpoints/{endpoint_id}/share", tags=["endpoints"])
 async def share_endpoint(endpoint_id: str, body: ShareIn, user: User, ctx: Ctx) -> dict[str, Any]:
+    """Share with ``users``, stop sharing with ``remove``, make public or not; the
+    tasks not yet done of those who may no longer use it fail (they are told why)."""
     await ctx.endpoint(user, endpoint_id, own=True)
     await _share(ctx, "endpoint", endpoint_id, body)
     ctx.forget_endpoint(endpoint_id)
-    return await ctx.endpoint_status(await ctx.endpoint(user, endpoint_id))
+    info = await ctx.endpoint(user, endpoint_id)
+    if body.remove or body.public is False:
+        await ctx.withdraw_endpoint(info)
+    return await ctx.endpoint_status(info)
 
 
 async def _share(ctx: ServiceContext, kind: str, resource_id: str, body: ShareIn) -> None:
-    ids = await run_in_threadpool(ctx.registry.user_ids, body.users)
-    unknown = sorted(set(body.users) - set(ids))
+    both = set(body.users) & set(body.remove)
+    if both:
+        raise ServiceError(f"users, remove: {', '.join(sorted(both))} in both", 422)
+    ids = await run_in_threadpool(ctx.registry.user_ids, [*body.users, *body.remove])
+    unknown = sorted({*body.users, *body.remove} - set(ids))
     if unknown:
         raise NotFound(f"users: no such user(s) {', '.join(unknown)}", 404)
-    await run_in_threadpool(ctx.registry.share, kind, resource_id, list(ids.values()), body.public)
+    await run_in_threadpool(
+        ctx.registry.share,
+        kind,
+        resource_id,
+        [ids[name] for name in body.users],
+        body.public,
+        [ids[name] for name in body.remove],
+    )
