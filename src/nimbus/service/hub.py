@@ -87,7 +87,8 @@ class Hub:
         text = (reason or ADMIN_REVOKED).encode()[:REASON_BYTES].decode(errors="ignore")
         if len(self._gone) > GONE_KEPT:
             self._gone.clear()
-        self._gone.update((digest, (code, text)) for digest in digests)
+        for digest in digests:  # the first reason given is the one said
+            self._gone.setdefault(digest, (code, text))
         kicked = [
             peer for peer in list(self.peers.values()) if peer.digest in digests and not peer.closed
         ]
