@@ -5,6 +5,13 @@ to its owner, to the users it is shared with, and to everyone when public;
 only the owner may delete or share it; a task is visible only to the user who
 submitted it. Something a user may not see is "not found" (404); something
 seen but not theirs to change is "forbidden" (403).
+
+What an owner decides takes effect at once: a new endpoint token (registering
+it again) revokes the old ones and closes their agents; deleting an endpoint
+closes its agents and fails its tasks not yet done; sharing it with fewer users
+fails the tasks of those who lost it. An endpoint name resolves to the user's
+own endpoint of that name, else the only one they can see; ``OWNER/NAME`` picks
+one; several matches are an error listing them (409), never a guess.
 """
 
 from __future__ import annotations
