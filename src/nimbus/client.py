@@ -12,7 +12,8 @@ unpickled here. Arguments and results larger than the service's
 ``inline_payload`` go through its data store (``upload``/``download``) by
 themselves. Errors of the service come back as
 :class:`~nimbus.errors.ServiceError` subclasses (401/403 ``AuthError``, 404
-``NotFound``, 413 ``PayloadTooLargeError``, 409 ``VersionMismatchError``).
+``NotFound``, 413 ``PayloadTooLargeError``, 409 ``VersionMismatchError`` or
+:class:`AmbiguousEndpointError`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,14 @@ from nimbus.service.protocol import (
     unpack,
 )
 
-__all__ = ["Client", "credentials_file", "decode_result", "error_for", "save_credentials"]
+__all__ = [
+    "AmbiguousEndpointError",
+    "Client",
+    "credentials_file",
+    "decode_result",
+    "error_for",
+    "save_credentials",
+]
 
 RECONNECT_SECONDS = 60.0  # get_result waits this long for a service that went away
 RETRY_BACKOFF_MAX = 2.0  # seconds between retries of a call answered 503 (Retry-After)
@@ -108,6 +116,20 @@ def error_for(status: int, detail: str) -> ServiceError | PayloadTooLargeError:
     if status == 409 and "version mismatch" in detail:
         return ServiceVersionMismatch(detail, status)
     return ServiceError(detail, status)
+
+
+class AmbiguousEndpointError(ServiceError):
+    """A 409 from the service: an endpoint name matches several endpoints you can use.
+
+    ``choices`` are their ``owner/name``; give one of them instead of the bare name.
+    """
+
+    def __init__(self, message: str, status: int = 409, choices: list[str] | None = None):
+        super().__init__(message, status)
+        self.choices = list(choices or [])
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.status, self.choices))
 
 
 class ServiceVersionMismatch(VersionMismatchError, ServiceError):
@@ -211,9 +233,12 @@ class Client:
             backoff = min(RETRY_BACKOFF_MAX, backoff * 2)
         if response.status_code >= 400:
             try:
-                detail = response.json().get("detail", response.text)
-            except ValueError:
-                detail = response.text
+                body = response.json()
+                detail = body.get("detail", response.text)
+            except (ValueError, AttributeError):
+                body, detail = None, response.text
+            if response.status_code == 409 and isinstance(body, dict) and "choices" in body:
+                raise AmbiguousEndpointError(str(detail), 409, [str(c) for c in body["choices"]])
             raise error_for(response.status_code, str(detail))
         return response
 
@@ -310,13 +335,13 @@ class Client:
         return list(self._json("GET", "/v1/endpoints", params=params)["endpoints"])
 
     def get_endpoint(self, endpoint: str) -> dict[str, Any]:
-        """An endpoint by id, or by name (yours first, then those shared with you)."""
+        """An endpoint by id, by ``OWNER/NAME``, or by name: your own endpoint of that
+        name, else the only one of that name you can use. A name that several
+        endpoints of others answer to raises :class:`AmbiguousEndpointError` listing
+        their ``OWNER/NAME`` (nothing is guessed); none raises ``NotFound``."""
         if _is_uuid(endpoint):
             return dict(self._json("GET", f"/v1/endpoints/{endpoint}"))
-        found = self.endpoints(endpoint)
-        if not found:
-            raise NotFound(f"no endpoint named {endpoint!r} is visible to you", 404)
-        return found[0]
+        return dict(self._json("GET", "/v1/endpoints/resolve", params={"name": endpoint}))
 
     def share_endpoint(
         self, endpoint_id: str, users: Iterable[str] = (), *, public: bool | None = None

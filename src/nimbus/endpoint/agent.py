@@ -38,16 +38,18 @@ from websockets.asyncio.client import ClientConnection
 from nimbus import _loop, serialization
 from nimbus.config import Settings
 from nimbus.endpoint.config import EndpointConfig
-from nimbus.errors import AuthError, ConfigError, RemoteError
+from nimbus.errors import AuthError, ConfigError, NotFound, RemoteError, ServiceError
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.agent import Agent
 from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task
 from nimbus.service.protocol import (
     DATA,
+    DELETED,
     INLINE_MIN,
     LIMITS,
     PYTHON,
+    REPLACED,
     REVOKED,
     SERIALIZER,
     WS_AGENT,
@@ -154,12 +156,8 @@ class EndpointAgent:
                         ) from None
                     log.warning("service answered HTTP %s; retrying", status)
                 except websockets.ConnectionClosed as exc:
-                    if exc.rcvd is not None and exc.rcvd.code == REVOKED:
-                        raise AuthError(
-                            f"the service closed this endpoint's connection: {exc.rcvd.reason}; "
-                            f"or run `nimbus endpoint configure {self.name}` for a new token",
-                            401,
-                        ) from None
+                    if exc.rcvd is not None:
+                        self._refused(exc.rcvd.code, exc.rcvd.reason)
                     log.info("connection to %s lost (%s); retrying", self.url, exc)
                 except ssl.SSLCertVerificationError as exc:
                     raise certificate_error(exc, self.service_url) or exc from None
@@ -178,6 +176,27 @@ class EndpointAgent:
             await asyncio.gather(*self._jobs, return_exceptions=True)
             await self._http.aclose()
             self.runtime.shutdown(wait=True, kill=True)
+
+    def _refused(self, code: int, reason: str) -> None:
+        """The service closed the connection for good (its token revoked or replaced, its
+        endpoint deleted): raise the error saying why and what to do, so the agent stops."""
+        said = f"the service closed this endpoint's connection: {reason}"
+        if code == REVOKED:
+            raise AuthError(
+                f"{said}; or run `nimbus endpoint configure {self.name}` for a new token", 401
+            )
+        if code == REPLACED:
+            raise AuthError(
+                f"{said}; this agent stops: start the endpoint where it was configured "
+                f"again (`nimbus endpoint start {self.name}`)",
+                401,
+            )
+        if code == DELETED:
+            raise NotFound(
+                f"{said}; this agent stops (`nimbus endpoint configure {self.name}` "
+                f"registers the endpoint again)",
+                410,
+            )
 
     def stop(self) -> None:
         """Stop (thread-safe): close the connection; the service requeues held tasks."""
@@ -459,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     config.pid_file.write_text(f"{os.getpid()}\n")
     try:
         _loop.run(agent.run())
-    except (AuthError, ConfigError) as exc:
+    except (ServiceError, ConfigError) as exc:  # refused, revoked, replaced, deleted: says why
         print(f"nimbus endpoint {config.name}: {exc}", file=sys.stderr)
         return 1
     finally:

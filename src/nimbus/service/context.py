@@ -5,29 +5,55 @@ to its owner, to the users it is shared with, and to everyone when public;
 only the owner may delete or share it; a task is visible only to the user who
 submitted it. Something a user may not see is "not found" (404); something
 seen but not theirs to change is "forbidden" (403).
+
+What an owner decides takes effect at once: a new endpoint token (registering
+it again) revokes the old ones and closes their agents; deleting an endpoint
+closes its agents and fails its tasks not yet done; sharing it with fewer users
+fails the tasks of those who lost it. An endpoint name resolves to the user's
+own endpoint of that name, else the only one they can see; ``OWNER/NAME`` picks
+one; several matches are an error listing them (409), never a guess.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import pickle
 import time
+import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 
 from nimbus.config import Settings
 from nimbus.errors import AuthError, NotFound, ServiceError
+from nimbus.records import TaskState
 from nimbus.service.hub import Hub
+from nimbus.service.protocol import DELETED, REPLACED, REVOKED, pack
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import EndpointInfo, FunctionInfo, Principal, Registry, hash_token
 
 if TYPE_CHECKING:
     from nimbus.service.data import DataStore  # its routes need this module
 
-__all__ = ["ServiceContext"]
+__all__ = ["AmbiguousName", "ServiceContext"]
 
 TOKEN_CACHE_SECONDS = 10.0
 CACHE_SECONDS = 2.0  # how long a change of sharing may take to reach a busy submitter
+STATUS_ERROR = 1  # nimbus.runtime.messages.Status.ERROR: a result that is (error, traceback)
+FAIL_CHUNK = 1000  # tasks failed per Redis script call
+log = logging.getLogger(__name__)
+
+
+class AmbiguousName(ServiceError):
+    """An endpoint name matches several endpoints the user can see (409); ``choices``
+    are their ``owner/name``."""
+
+    def __init__(self, message: str, choices: list[str]) -> None:
+        super().__init__(message, 409)
+        self.choices = choices
 
 
 @dataclass
@@ -44,6 +70,10 @@ class ServiceContext:
         self._bodies: dict[str, bytes] = {}
         self._endpoints: dict[str, tuple[EndpointInfo, float]] = {}
         self.versions: dict[str, tuple[str, str]] = {}  # endpoint id -> python, serializer
+        # held while tokens are revoked and their connections closed, so that the
+        # registry sweep (app.py) never closes one first with the wrong reason
+        self._revoking = asyncio.Lock()
+        self._jobs: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------ auth
 
@@ -65,10 +95,15 @@ class ServiceContext:
         return cached[0]
 
     async def revoked(self, digests: set[str]) -> None:
-        """Tokens were revoked: forget them and close the connections made with them."""
+        """Tokens were revoked (by the admin, found in the registry): forget them and
+        close the connections made with them."""
+        async with self._revoking:
+            await self._revoke(digests, REVOKED, "")
+
+    async def _revoke(self, digests: set[str], code: int, reason: str) -> None:
         for digest in digests:
             self._principals.pop(digest, None)
-        await self.hub.revoked(digests)
+        await self.hub.revoked(digests, code, reason)
 
     async def user(self, token: str | None) -> Principal:
         """A user's principal; an endpoint's credential is refused (403)."""
@@ -165,6 +200,137 @@ class ServiceContext:
                 409,
             )
 
+    async def resolve_endpoint(self, user: Principal, ref: str) -> EndpointInfo:
+        """The endpoint ``ref`` names for ``user``: an id, ``owner/name``, or a bare name.
+
+        A bare name is the user's own endpoint of that name if they have one, else the
+        one endpoint of that name they can see; AmbiguousName (409, listing the
+        ``owner/name`` choices) when they can see several, NotFound when none.
+        """
+        if _is_uuid(ref):
+            return await self.endpoint(user, ref)
+        owner, slash, name = ref.rpartition("/")
+        found = []
+        if name and (owner or not slash):
+            found = await run_in_threadpool(
+                self.registry.endpoints, user.user_id, name, owner if slash else None
+            )
+        if not slash:
+            found = [info for info in found if info.owner_id == user.user_id] or found
+        if not found:
+            raise NotFound(
+                f"no endpoint named {ref!r} is visible to you: `nimbus endpoints list` shows "
+                f"those you can use (OWNER/NAME picks one of another user's)",
+                404,
+            )
+        if len(found) > 1:
+            choices = sorted(f"{info.owner}/{info.name}" for info in found)
+            raise AmbiguousName(
+                f"endpoint name {ref!r} matches {len(found)} endpoints you can use: "
+                f"{', '.join(choices)}; name one of them as OWNER/NAME",
+                choices,
+            )
+        return found[0]
+
+    async def new_endpoint_token(self, user: Principal, name: str) -> tuple[str, bool, str]:
+        """Register the user's endpoint ``name`` (or find it) with a new agent token;
+        the agents connected with its older tokens are disconnected, told why.
+
+        Returns the endpoint id, whether it was created, and the token.
+        """
+        async with self._revoking:
+            endpoint_id, created = await run_in_threadpool(
+                self.registry.add_endpoint, user.user_id, name
+            )
+            token, replaced = await run_in_threadpool(
+                self.registry.create_endpoint_token, user.user_id, endpoint_id
+            )
+            reason = f"endpoint {name} was configured again: a new token replaced this agent's"
+            await self._revoke(set(replaced), REPLACED, reason)
+        return endpoint_id, created, token
+
+    async def delete_endpoint(self, info: EndpointInfo) -> None:
+        """Delete an endpoint: its agents are disconnected and told why, its tokens
+        revoked, and its tasks not yet done fail, telling those who wait for them."""
+        reason = f"endpoint {info.name} was deleted by its owner {info.owner}"
+        async with self._revoking:
+            digests = await run_in_threadpool(self.registry.delete_endpoint, info.id)
+            self.forget_endpoint(info.id)
+            self.versions.pop(info.id, None)
+            await self._revoke(set(digests), DELETED, reason)
+            for conn_id in list(self.hub.endpoint_agents.get(info.id, ())):
+                peer = self.hub.agents.get(conn_id)
+                if peer is not None and not peer.closed:
+                    await peer.close(DELETED, reason)
+        message = (
+            f"endpoint {info.name} ({info.id}) of {info.owner} was deleted before this task "
+            f"finished; submit it to another endpoint"
+        )
+        await self._drop_endpoint_tasks(info.id, message)
+        self.hub.beats.pop(info.id, None)
+        self._again(self._drop_endpoint_tasks(info.id, message))
+
+    async def _drop_endpoint_tasks(self, endpoint_id: str, message: str) -> int:
+        """A deleted endpoint's tasks fail; its queue and status go."""
+        failed = await self._fail_endpoint_tasks(endpoint_id, message)
+        await self.store.forget_endpoint(endpoint_id)
+        return failed
+
+    async def withdraw_endpoint(self, info: EndpointInfo) -> None:
+        """``info`` is shared with fewer users now (made private, users removed): the
+        tasks not yet done of those who may no longer use it fail, telling them why."""
+        message = (
+            f"endpoint {info.name} ({info.id}) of {info.owner} is no longer shared with you; "
+            f"this task did not finish there"
+        )
+        await self._fail_endpoint_tasks(info.id, message, info)
+        self._again(self._fail_endpoint_tasks(info.id, message, info))
+
+    def _again(self, job: Coroutine[Any, Any, int]) -> None:
+        """Run ``job`` once more in a while: a submit that passed its access check just
+        before a change may queue its tasks just after it."""
+
+        async def later() -> None:
+            await asyncio.sleep(CACHE_SECONDS)
+            try:
+                await job
+            except Exception:  # the service is stopping: its tasks stay for the next start
+                log.exception("failing the tasks left behind by an endpoint's change failed")
+
+        task = asyncio.create_task(later())
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+
+    async def _fail_endpoint_tasks(
+        self, endpoint_id: str, message: str, shared: EndpointInfo | None = None
+    ) -> int:
+        """Fail the tasks queued for an endpoint or in flight on it (first result wins):
+        all of them, or with ``shared`` (the endpoint now) those of users who may no
+        longer use it. Whoever waits for them is told; their agent is told to cancel
+        them. How many failed here."""
+        ids = await self.store.endpoint_task_ids(endpoint_id)
+        if shared is not None:
+            if shared.public or not ids:
+                return 0
+            allowed = await run_in_threadpool(self.registry.user_ids, list(shared.shared_with))
+            users = {shared.owner_id, *allowed.values()}
+            tasks = await self.store.info(ids)
+            ids = [i for i, task in zip(ids, tasks) if task and task["owner"] not in users]
+        result = pack([STATUS_ERROR, pickle.dumps((ServiceError(message, 410), ""), 5), []])
+        state = TaskState.FAILED.value
+        failed = 0
+        for start in range(0, len(ids), FAIL_CHUNK):
+            rows: list[Any] = [[i, state, result, b"", ""] for i in ids[start : start + FAIL_CHUNK]]
+            stored, drop = await self.store.finish(endpoint_id, rows)
+            self.data.drop(drop)
+            await self.hub.deliver([[i, state, result, b""] for i in stored])
+            for conn_id in list(self.hub.endpoint_agents.get(endpoint_id, ())):
+                agent = self.hub.agents.get(conn_id)
+                if agent is not None and stored:  # a task not started yet is dropped there
+                    await agent.send(pack({"op": "cancel", "ids": stored}))
+            failed += len(stored)
+        return failed
+
     # ------------------------------------------------------------ tasks
 
     async def task(self, user: Principal, task_id: str) -> dict[str, object]:
@@ -190,3 +356,11 @@ class ServiceContext:
             raise AuthError(
                 f"{kind} {resource_id} belongs to {info.owner}: only they may change it", 403
             )
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True

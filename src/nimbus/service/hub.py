@@ -16,14 +16,19 @@ from typing import Any
 
 from nimbus.service.protocol import REVOKED
 
-__all__ = ["Hub", "Peer"]
+__all__ = ["ADMIN_REVOKED", "Hub", "Peer"]
+
+ADMIN_REVOKED = "token revoked by the service admin: ask them for a new one"
+REASON_BYTES = 120  # a WebSocket close reason holds at most 123 bytes
+GONE_KEPT = 100_000  # revoked digests remembered for agents still saying hello
 
 
 class Peer:
     """One WebSocket connection; ``send`` is serialised (one frame at a time).
 
     ``digest`` is the hash of the token it connected with; ``close(code, reason)``
-    ends it from the service's side (its token was revoked).
+    ends it from the service's side (its token was revoked or replaced, its
+    endpoint deleted).
     """
 
     def __init__(
@@ -69,12 +74,26 @@ class Hub:
         self._wakeups: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.peers: dict[str, Peer] = {}  # conn id -> every connection (agents and clients)
         self.closing = False
+        # revoked token digests -> close code and reason: for an agent that was still
+        # saying hello (not yet added) when its token went
+        self._gone: dict[str, tuple[int, str]] = {}
+        self._closers: set[asyncio.Future[None]] = set()
 
-    async def revoked(self, digests: set[str]) -> int:
-        """Close the connections made with these (revoked) tokens; how many."""
-        kicked = [peer for peer in list(self.peers.values()) if peer.digest in digests]
+    async def revoked(self, digests: set[str], code: int = REVOKED, reason: str = "") -> int:
+        """Close the connections made with these (revoked) tokens, saying why; how many.
+
+        A connection already closed (for another reason said first) is left alone.
+        """
+        text = (reason or ADMIN_REVOKED).encode()[:REASON_BYTES].decode(errors="ignore")
+        if len(self._gone) > GONE_KEPT:
+            self._gone.clear()
+        for digest in digests:  # the first reason given is the one said
+            self._gone.setdefault(digest, (code, text))
+        kicked = [
+            peer for peer in list(self.peers.values()) if peer.digest in digests and not peer.closed
+        ]
         for peer in kicked:
-            await peer.close(REVOKED, "token revoked by the service admin: ask them for a new one")
+            await peer.close(code, text)
         return len(kicked)
 
     def close(self) -> None:
@@ -95,9 +114,16 @@ class Hub:
         return len(self.endpoint_agents.get(endpoint_id, ()))
 
     def add_agent(self, endpoint_id: str, peer: Peer) -> None:
+        """An agent said hello; one whose token was revoked meanwhile is closed now."""
         self.agents[peer.conn_id] = peer
         self.endpoint_agents[endpoint_id].add(peer.conn_id)
         self.peers[peer.conn_id] = peer
+        gone = self._gone.get(peer.digest)
+        if gone is not None:
+            peer.closed = True  # nothing more is sent to it
+            closing = asyncio.ensure_future(peer.close(*gone))
+            self._closers.add(closing)
+            closing.add_done_callback(self._closers.discard)
 
     def drop_agent(self, endpoint_id: str, peer: Peer) -> None:
         self.agents.pop(peer.conn_id, None)

@@ -41,9 +41,11 @@ from nimbus.config import INLINE_MIN
 from nimbus.errors import PayloadTooLargeError
 
 __all__ = [
+    "DELETED",
     "INLINE_MIN",
     "MESSAGE_BYTES",
     "PYTHON",
+    "REPLACED",
     "REVOKED",
     "SERIALIZER",
     "batches",
@@ -68,6 +70,8 @@ DATA = API + "/data"
 LIMITS = API + "/limits"
 MSGPACK = "application/msgpack"
 REVOKED = 4401  # WebSocket close code: the connection's token was revoked
+REPLACED = 4409  # close code: the endpoint was registered again, a new token replaced this one
+DELETED = 4410  # close code: the endpoint was deleted by its owner
 MESSAGE_BYTES = 8 << 20  # payload bytes per WebSocket message (one larger row goes alone)
 
 

@@ -324,6 +324,22 @@ class TaskStore:
     async def group(self, group_id: str) -> list[str]:
         return [i.decode() for i in await self.redis.lrange(self.keys.group(group_id), 0, -1)]
 
+    async def endpoint_task_ids(self, endpoint_id: str) -> list[str]:
+        """The tasks queued for an endpoint or in flight on its agents (one snapshot)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hkeys(self.keys.endpoint_inflight(endpoint_id))
+        pipe.lrange(self.keys.endpoint_queue(endpoint_id), 0, -1)
+        inflight, queued = await pipe.execute()
+        return list(dict.fromkeys(i.decode() for i in [*inflight, *queued]))
+
+    async def forget_endpoint(self, endpoint_id: str) -> None:
+        """Drop a deleted endpoint's queue, in-flight index and status (its tasks are done)."""
+        await self.redis.delete(
+            self.keys.endpoint_queue(endpoint_id),
+            self.keys.endpoint_inflight(endpoint_id),
+            self.keys.endpoint_status(endpoint_id),
+        )
+
     async def queue_length(self, endpoint_id: str) -> int:
         n: int = await self.redis.llen(self.keys.endpoint_queue(endpoint_id))
         return n

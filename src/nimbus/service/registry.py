@@ -13,6 +13,7 @@ import re
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,13 +225,25 @@ class Registry:
             session.add(Token(digest=hash_token(token), user_id=user.id))
         return token
 
-    def create_endpoint_token(self, user_id: str, endpoint_id: str) -> str:
-        """A new credential for an endpoint's agent, replacing its older ones."""
+    def create_endpoint_token(self, user_id: str, endpoint_id: str) -> tuple[str, list[str]]:
+        """A new credential for an endpoint's agent, and the digests of the older ones it
+        replaces: they are revoked (recorded, so that every running service drops them)."""
         token = TOKEN_PREFIX + "ep_" + secrets.token_urlsafe(32)
         with self._session.begin() as session:
-            session.execute(delete(Token).where(Token.endpoint_id == endpoint_id))
+            replaced = self._revoke_endpoint_tokens(session, endpoint_id)
             session.add(Token(digest=hash_token(token), user_id=user_id, endpoint_id=endpoint_id))
-        return token
+        return token, replaced
+
+    @staticmethod
+    def _revoke_endpoint_tokens(session: Session, endpoint_id: str) -> list[str]:
+        digests = list(
+            session.scalars(select(Token.digest).where(Token.endpoint_id == endpoint_id))
+        )
+        session.execute(delete(Token).where(Token.digest.in_(digests)))
+        now = time.time()
+        for digest in digests:
+            session.merge(Revocation(digest=digest, revoked=now, user_id=None))
+        return digests
 
     def principal(self, token: str) -> Principal | None:
         with self._session() as session:
@@ -423,35 +436,58 @@ class Registry:
                 self._shared_with(session, "endpoint", ep.id),
             )
 
-    def endpoints(self, user_id: str, name: str | None = None) -> list[EndpointInfo]:
-        """Endpoints ``user_id`` can see (own first), optionally only those called ``name``."""
+    def endpoints(
+        self, user_id: str, name: str | None = None, owner: str | None = None
+    ) -> list[EndpointInfo]:
+        """Endpoints ``user_id`` can see (own first), optionally only those called ``name``
+        and only those of the user named ``owner``."""
         query = select(Endpoint.id, Endpoint.owner_id).where(
             self._visible(Endpoint, "endpoint", user_id)
         )
         if name is not None:
             query = query.where(Endpoint.name == name)
+        if owner is not None:
+            query = query.join(User, User.id == Endpoint.owner_id).where(User.name == owner)
         with self._session() as session:
             rows = list(session.execute(query.order_by(Endpoint.created)).all())
         rows.sort(key=lambda row: row[1] != user_id)
         return [info for eid, _ in rows if (info := self.endpoint(eid)) is not None]
 
-    def delete_endpoint(self, endpoint_id: str) -> None:
+    def delete_endpoint(self, endpoint_id: str) -> list[str]:
+        """Delete an endpoint, its shares and its agent's tokens (revoked); their digests."""
         with self._session.begin() as session:
             session.execute(delete(Endpoint).where(Endpoint.id == endpoint_id))
-            session.execute(delete(Token).where(Token.endpoint_id == endpoint_id))
+            revoked = self._revoke_endpoint_tokens(session, endpoint_id)
             session.execute(
                 delete(Share).where(Share.kind == "endpoint", Share.resource_id == endpoint_id)
             )
+        return revoked
 
     # ------------------------------------------------------------ sharing
 
-    def share(self, kind: str, resource_id: str, user_ids: list[str], public: bool | None) -> None:
+    def share(
+        self,
+        kind: str,
+        resource_id: str,
+        user_ids: list[str],
+        public: bool | None,
+        remove: Sequence[str] = (),
+    ) -> None:
+        """Share with ``user_ids``, stop sharing with ``remove``, set ``public`` if given."""
         model: type[Function] | type[Endpoint] = Function if kind == "function" else Endpoint
         with self._session.begin() as session:
             if public is not None:
                 obj: Any = session.get(model, resource_id)
                 if obj is not None:
                     obj.public = public
+            if remove:
+                session.execute(
+                    delete(Share).where(
+                        Share.kind == kind,
+                        Share.resource_id == resource_id,
+                        Share.user_id.in_(list(remove)),
+                    )
+                )
             for uid in user_ids:
                 if session.get(Share, (kind, resource_id, uid)) is None:
                     session.add(Share(kind=kind, resource_id=resource_id, user_id=uid))

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
+from fastapi.responses import JSONResponse
 from pydantic import Base64Bytes, BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from nimbus.errors import NotFound
-from nimbus.service.context import ServiceContext
+from nimbus.errors import NotFound, ServiceError
+from nimbus.service.context import AmbiguousName, ServiceContext
 from nimbus.service.deps import context, current_user
 from nimbus.service.registry import Principal
 
@@ -35,6 +36,9 @@ class EndpointIn(BaseModel):
 class ShareIn(BaseModel):
     users: list[Name] = Field(default_factory=list, max_length=1000)
     public: bool | None = None
+    remove: list[Name] = Field(
+        default_factory=list, max_length=1000, description="users to stop sharing with"
+    )
 
 
 @router.get("/whoami", tags=["auth"])
@@ -90,20 +94,40 @@ async def share_function(function_id: str, body: ShareIn, user: User, ctx: Ctx) 
 
 @router.post("/endpoints", status_code=201, tags=["endpoints"])
 async def register_endpoint(body: EndpointIn, user: User, ctx: Ctx) -> dict[str, Any]:
-    """Register endpoint ``name`` (or find yours) and issue its agent a new token."""
-    endpoint_id, created = await run_in_threadpool(
-        ctx.registry.add_endpoint, user.user_id, body.name
-    )
-    token = await run_in_threadpool(ctx.registry.create_endpoint_token, user.user_id, endpoint_id)
+    """Register endpoint ``name`` (or find yours) and issue its agent a new token; the
+    older tokens are revoked and the agents connected with them are closed at once."""
+    endpoint_id, created, token = await ctx.new_endpoint_token(user, body.name)
     return {"endpoint_id": endpoint_id, "name": body.name, "token": token, "created": created}
 
 
 @router.get("/endpoints", tags=["endpoints"])
 async def list_endpoints(
-    user: User, ctx: Ctx, name: Annotated[str | None, Query(max_length=200)] = None
+    user: User,
+    ctx: Ctx,
+    name: Annotated[str | None, Query(max_length=200)] = None,
+    owner: Annotated[str | None, Query(max_length=200)] = None,
 ) -> dict[str, Any]:
-    infos = await run_in_threadpool(ctx.registry.endpoints, user.user_id, name)
+    """Endpoints you can use (yours first), those called ``name``, those of ``owner``."""
+    infos = await run_in_threadpool(ctx.registry.endpoints, user.user_id, name, owner)
     return {"endpoints": [await ctx.endpoint_status(info) for info in infos]}
+
+
+@router.get(
+    "/endpoints/resolve",
+    tags=["endpoints"],
+    responses={409: {"description": "the name matches several endpoints: detail, choices"}},
+)
+async def resolve_endpoint(
+    user: User, ctx: Ctx, name: Annotated[str, Query(min_length=1, max_length=401)]
+) -> Any:
+    """The endpoint ``name`` means to you: an id, ``OWNER/NAME``, or a bare name (your
+    own endpoint of that name, else the only one of that name you can use). 409 with
+    the ``OWNER/NAME`` choices when several match."""
+    try:
+        info = await ctx.resolve_endpoint(user, name)
+    except AmbiguousName as exc:
+        return JSONResponse({"detail": str(exc), "choices": exc.choices}, 409)
+    return await ctx.endpoint_status(info)
 
 
 @router.get("/endpoints/{endpoint_id}", tags=["endpoints"])
@@ -113,27 +137,37 @@ async def get_endpoint(endpoint_id: str, user: User, ctx: Ctx) -> dict[str, Any]
 
 @router.delete("/endpoints/{endpoint_id}", tags=["endpoints"])
 async def delete_endpoint(endpoint_id: str, user: User, ctx: Ctx) -> dict[str, Any]:
-    await ctx.endpoint(user, endpoint_id, own=True)
-    await run_in_threadpool(ctx.registry.delete_endpoint, endpoint_id)
-    ctx.forget_endpoint(endpoint_id)
-    for conn_id in list(ctx.hub.endpoint_agents.get(endpoint_id, ())):
-        agent = ctx.hub.agents.get(conn_id)
-        if agent is not None:
-            agent.closed = True
+    """Delete your endpoint: its agents are told and stop, its tasks not yet done fail."""
+    await ctx.delete_endpoint(await ctx.endpoint(user, endpoint_id, own=True))
     return {"endpoint_id": endpoint_id, "deleted": True}
 
 
 @router.post("/endpoints/{endpoint_id}/share", tags=["endpoints"])
 async def share_endpoint(endpoint_id: str, body: ShareIn, user: User, ctx: Ctx) -> dict[str, Any]:
+    """Share with ``users``, stop sharing with ``remove``, make public or not; the
+    tasks not yet done of those who may no longer use it fail (they are told why)."""
     await ctx.endpoint(user, endpoint_id, own=True)
     await _share(ctx, "endpoint", endpoint_id, body)
     ctx.forget_endpoint(endpoint_id)
-    return await ctx.endpoint_status(await ctx.endpoint(user, endpoint_id))
+    info = await ctx.endpoint(user, endpoint_id)
+    if body.remove or body.public is False:
+        await ctx.withdraw_endpoint(info)
+    return await ctx.endpoint_status(info)
 
 
 async def _share(ctx: ServiceContext, kind: str, resource_id: str, body: ShareIn) -> None:
-    ids = await run_in_threadpool(ctx.registry.user_ids, body.users)
-    unknown = sorted(set(body.users) - set(ids))
+    both = set(body.users) & set(body.remove)
+    if both:
+        raise ServiceError(f"users, remove: {', '.join(sorted(both))} in both", 422)
+    ids = await run_in_threadpool(ctx.registry.user_ids, [*body.users, *body.remove])
+    unknown = sorted({*body.users, *body.remove} - set(ids))
     if unknown:
         raise NotFound(f"users: no such user(s) {', '.join(unknown)}", 404)
-    await run_in_threadpool(ctx.registry.share, kind, resource_id, list(ids.values()), body.public)
+    await run_in_threadpool(
+        ctx.registry.share,
+        kind,
+        resource_id,
+        [ids[name] for name in body.users],
+        body.public,
+        [ids[name] for name in body.remove],
+    )
