@@ -1,6 +1,6 @@
 """Real components for the service tests: a uvicorn service process on 127.0.0.1,
-endpoint agent processes, users with tokens, and a private PostgreSQL when one
-can be started here.
+endpoint agent processes, users with tokens, a private PostgreSQL, and tasks whose
+every run answers with a token of its own.
 """
 
 from __future__ import annotations
@@ -209,6 +209,13 @@ class Postgres:
         except KeyError:
             return "no 'postgres' system user to run PostgreSQL as"
         return None
+
+    @staticmethod
+    def explain(exc: BaseException) -> str:
+        """What a failed PostgreSQL command said (its stderr), for the failure message."""
+        err = getattr(exc, "stderr", None)
+        text = err.decode(errors="replace").strip() if isinstance(err, bytes) else ""
+        return f"{exc}: {text}" if text else str(exc)
 
     def _as_postgres(self, *cmd: str) -> None:
         prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
