@@ -328,8 +328,12 @@ def test_fuzz_two_users_stateful(service: Service) -> None:
         f"statuses: {dict((k, dict(v)) for k, v in sorted(campaign.statuses.items()))}"
     )
     print(summary)
-    assert not campaign.server_errors, "5xx:\n" + "\n".join(campaign.server_errors[:20]) + summary
-    assert not campaign.leaks, "B reached A's objects:\n" + "\n".join(campaign.leaks) + summary
+    assert not campaign.server_errors, (
+        "5xx:\n" + "\n".join(campaign.server_errors[:20]) + "\n" + summary
+    )
+    assert not campaign.leaks, (
+        "B reached A's objects:\n" + "\n".join(campaign.leaks) + "\n" + summary
+    )
     assert len(operations) >= 15, summary
     assert requests > 20 * len(operations), summary
     assert campaign.isolation_checks >= 20, summary
