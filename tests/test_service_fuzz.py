@@ -5,7 +5,9 @@ and invalid (bodies, paths, queries), with user A's token. Phase two is
 schemathesis's stateful testing: its state machine chains operations by the links
 it finds between them (an id one response returns is the path or body of the
 next), so requests reach real objects. Before each such request A makes on an
-object of A's (not shared), user B sends the same request: it must answer 404.
+object of A's (not shared), user B sends the same request: it must answer 404
+(400/422 for a request malformed before any lookup; a route answering per id,
+``/tasks/status``, maps each of A's ids to null).
 
 The test fails on a 5xx (naming the request), on an object of A's that B reached,
 on an operation that never answered 2xx (a service that refuses everything does
