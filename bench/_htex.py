@@ -49,8 +49,10 @@ from _report import Figures, Judge, grid  # noqa: E402
 PARSL = "parsl==2026.10.26"  # pinned, so figures of different days compare
 VENV = _HERE / ".venv-parsl"
 REPLY_TIMEOUT = 900.0  # seconds for HTEX to start or to finish one measurement
-ROUNDTRIP_LIMIT = 0.003  # seconds: the target
-THROUGHPUT_FLOOR = 5_000.0  # tasks/s: the target
+# Verdicts are ratios against HTEX measured in the same run (bench/_report.py):
+# the round trip was "nimbus <= 3 ms" beside HTEX's 2.5 ms (README, a quiet run),
+# and the throughput ">= 5,000/s and >= 5x", of which the ratio stays.
+ROUNDTRIP_OVER_HTEX = 1.2  # at most this many times HTEX's round trip
 THROUGHPUT_OVER_HTEX = 5.0  # "far above HTEX" (~700/s here): at least this many times
 
 
@@ -144,16 +146,16 @@ class Baseline:
                 f"no-op submit -> result, median of {roundtrip_calls:,}",
                 "ms",
                 False,
-                "nimbus <= 3 ms",
-                lambda h, n, r: n <= ROUNDTRIP_LIMIT,
+                f"<= {ROUNDTRIP_OVER_HTEX}x",
+                lambda r: r <= ROUNDTRIP_OVER_HTEX,
             ),
             "throughput": Comparison(
                 "throughput",
                 f"{throughput_tasks:,} no-ops submitted, then all results",
                 "tasks/s",
                 True,
-                f">= {THROUGHPUT_FLOOR:,.0f}/s and >= {THROUGHPUT_OVER_HTEX:.0f}x",
-                lambda h, n, r: n >= THROUGHPUT_FLOOR and r >= THROUGHPUT_OVER_HTEX,
+                f">= {THROUGHPUT_OVER_HTEX:.0f}x",
+                lambda r: r >= THROUGHPUT_OVER_HTEX,
             ),
         }
         sizes = {"roundtrip": roundtrip_calls, "throughput": throughput_tasks}

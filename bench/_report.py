@@ -1,26 +1,39 @@
 """What the benchmarks here share: a row's figures, their format, the table, a time limit.
 
 Each benchmark measures nimbus and a baseline (the stdlib, ProcessPoolExecutor, a
-raw socket ...) in one run; a :class:`Figures` holds both sides' repeats and
-says PASS or MISS by the row's own judge of (baseline, nimbus, ratio), where the
-ratio is always nimbus / baseline.
+raw socket ...) in one run, their repeats alternating (baseline, nimbus, baseline,
+nimbus, ...: :func:`alternate`) so that load drift hits both sides alike; a
+:class:`Figures` holds both sides' repeats and says PASS or MISS by the row's
+judge of the ratio nimbus / baseline, and nothing else: a verdict is never on an
+absolute figure, which passes or fails with the machine's load and says nothing
+of nimbus against what it replaces. A row without a judge ("report") shows "-".
 """
 
 from __future__ import annotations
 
 import signal
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-Judge = Callable[[float, float, float], bool]  # (baseline, nimbus, ratio) -> pass
+Judge = Callable[[float], bool]  # the ratio nimbus / baseline (same run) -> pass
+
+
+def alternate(repeat: int, sides: Mapping[str, Callable[[], float]]) -> dict[str, list[float]]:
+    """``repeat`` figures of each side, measured in turn: A, B, A, B, ... (with more
+    sides, A, B, C, A, B, C, ...), so that load drift hits every side alike."""
+    out: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeat):
+        for name, measure in sides.items():
+            out[name].append(measure())
+    return out
 
 
 class Figures:
     """Repeats of one workload on both sides, and the verdict (a mixin for a row dataclass).
 
     The row declares ``title``, ``unit`` (see :func:`fmt`), ``higher_is_better``,
-    ``target`` (words), ``judge`` (None: reported, not judged), ``baseline`` and
+    ``target`` (words), ``judge`` of the ratio (None: reported, not judged), ``baseline`` and
     ``nimbus`` (lists of figures) and ``error``.
     """
 
@@ -50,10 +63,10 @@ class Figures:
     def status(self) -> str:
         if self.error:
             return "ERROR"
-        base, nim, ratio = self.baseline_median, self.nimbus_median, self.ratio
-        if self.judge is None or base is None or nim is None or ratio is None:
+        ratio = self.ratio
+        if self.judge is None or ratio is None:
             return "-"
-        return "PASS" if self.judge(base, nim, ratio) else "MISS"
+        return "PASS" if self.judge(ratio) else "MISS"
 
     @property
     def what(self) -> str:

@@ -209,8 +209,8 @@ def bench_roundtrip(stack: Stack, sizes: Sizes) -> Row:
         "roundtrip",
         f"no-op submit -> result, median of {sizes.roundtrip_calls}",
         f"{median:.2f} ms (p90 {p90:.2f})",
-        "<= 3 ms",
-        "PASS" if median <= 3.0 else "MISS",
+        "report (--baseline htex: <= 1.2x HTEX)",
+        "-",
         {"median_ms": median, "p90_ms": p90},
     )
 
@@ -231,8 +231,8 @@ def bench_throughput(stack: Stack, sizes: Sizes) -> Row:
         "throughput",
         f"{n} no-op tasks through Executor(endpoint=...)",
         f"{rate:,.0f} tasks/s",
-        ">= 5,000 tasks/s",
-        "PASS" if rate >= 5000 else "MISS",
+        "report (--baseline htex: >= 5x HTEX)",
+        "-",
         {"tasks_per_second": rate, "seconds": elapsed},
     )
 
@@ -310,7 +310,7 @@ def bench_large(stack: Stack, sizes: Sizes) -> Row:
         f"{n >> 20} MB argument echoed back, median of {sizes.large_calls}",
         f"{median * 1000:.0f} ms ({rate:.0f} MB/s up and back)",
         "report",
-        "PASS",
+        "-",
         {"median_seconds": median, "mb_per_second": rate, "bytes": n},
     )
 
@@ -400,7 +400,7 @@ def bench_heartbeats(stack: Stack, sizes: Sizes) -> Row:
         f"{sizes.agents} simulated agents, a beat per second each",
         f"service CPU {cpu:.1f}%, beat latency median {median:.2f} ms (p99 {p99:.2f})",
         "report",
-        "PASS",
+        "-",
         {"service_cpu_percent": cpu, "median_ms": median, "p99_ms": p99, "beats": len(latencies)},
     )
 

@@ -1,6 +1,6 @@
 """Real components for the service tests: a uvicorn service process on 127.0.0.1,
-endpoint agent processes, users with tokens, and a private PostgreSQL when one
-can be started here.
+endpoint agent processes, users with tokens, a private PostgreSQL, and tasks whose
+every run answers with a token of its own.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import httpx
@@ -270,6 +270,13 @@ class Postgres:
             return "no 'postgres' system user to run PostgreSQL as"
         return None
 
+    @staticmethod
+    def explain(exc: BaseException) -> str:
+        """What a failed PostgreSQL command said (its stderr), for the failure message."""
+        err = getattr(exc, "stderr", None)
+        text = err.decode(errors="replace").strip() if isinstance(err, bytes) else ""
+        return f"{exc}: {text}" if text else str(exc)
+
     def _as_postgres(self, *cmd: str) -> None:
         prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
         subprocess.run([*prefix, *cmd], check=True, capture_output=True, timeout=120)
@@ -299,3 +306,92 @@ class Postgres:
             self._as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "fast", "stop")
         except subprocess.CalledProcessError:
             pass
+
+
+# ---------------------------------------------------------------- runs of a task
+
+
+def tokened_run(path: str, i: int, seconds: float) -> str:
+    """Task ``i``: a token of this run's own (task, pid, session, uuid), written to
+    ``path`` when the run starts and again when it returns, after ``seconds``.
+
+    Every run answers differently, so a second result that replaced the first is
+    seen; the file is the on-disk count of the runs. (A function of the tests'
+    own code travels to the endpoint by value.)
+    """
+    import os as _os
+    import time as _time
+    import uuid as _uuid
+
+    token = f"{i}:{_os.getpid()}:{_os.getsid(0)}:{_uuid.uuid4().hex}"
+    with open(path, "a") as out:
+        out.write(f"start {token}\n")
+    _time.sleep(seconds)
+    with open(path, "a") as out:
+        out.write(f"end {token}\n")
+    return token
+
+
+class Runs:
+    """The runs ``tokened_run`` recorded in a file: started and returned, in order."""
+
+    def __init__(self, path: Path) -> None:
+        self.started: dict[int, list[str]] = {}
+        self.ended: dict[int, list[str]] = {}
+        for line in path.read_text().splitlines():
+            kind, token = line.split()
+            runs = self.started if kind == "start" else self.ended
+            runs.setdefault(int(token.split(":")[0]), []).append(token)
+
+    @staticmethod
+    def pid(token: str) -> int:
+        return int(token.split(":")[1])
+
+    def first(self, i: int, lost: Collection[int] = ()) -> str:
+        """The result task ``i`` must keep: its first run that returned.
+
+        Runs in a ``lost`` process (a worker of an agent killed or cut off) may
+        have returned without their result ever reaching the service; the first
+        result that arrived is then that of the first run elsewhere, or, if every
+        run was in a lost process, the first of them.
+        """
+        ended = self.ended.get(i, [])
+        assert ended, f"task {i} never returned: {self.started.get(i)}"
+        kept = [t for t in ended if self.pid(t) not in lost]
+        return kept[0] if kept else ended[0]
+
+    def duplicates(self) -> int:
+        """Runs beyond one per task."""
+        return sum(len(runs) - 1 for runs in self.started.values())
+
+
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and every process below it now (an agent and its workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = set(), [pid]
+    while todo:
+        here = todo.pop()
+        tree.add(here)
+        todo.extend(children.get(here, []))
+    return tree
+
+
+def assert_first_results(path: Path, results: Sequence[str], lost: Collection[int] = ()) -> Runs:
+    """Task ``i``'s one result is ``results[i]`` and it is its first run's."""
+    runs = Runs(path)
+    assert sorted(runs.started) == list(range(len(results))), "a task never started"
+    wrong = {
+        i: (result, runs.first(i, lost))
+        for i, result in enumerate(results)
+        if result != runs.first(i, lost)
+    }
+    assert not wrong, f"results not of the first run (kept, first): {wrong}"
+    return runs

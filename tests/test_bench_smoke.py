@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +56,48 @@ def _row(lines: list[str], name: str) -> str:
     return row
 
 
+def _report_module() -> Any:
+    """bench/_report.py, imported by path (bench/ holds a multiprocessing.py)."""
+    spec = importlib.util.spec_from_file_location("_bench_report", ROOT / "bench" / "_report.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_verdicts_are_ratios_and_report_rows_have_none() -> None:
+    report = _report_module()
+
+    @dataclasses.dataclass
+    class Row(report.Figures):  # type: ignore[name-defined, misc]
+        title: str = "lock"
+        unit: str = "us"
+        higher_is_better: bool = False
+        target: str = "<= 2x"
+        judge: Any = None
+        baseline: list[float] = dataclasses.field(default_factory=list)
+        nimbus: list[float] = dataclasses.field(default_factory=list)
+        error: str = ""
+
+    fast_but_100x = Row(judge=lambda r: r <= 2.0, baseline=[0.5e-6], nimbus=[50e-6])
+    assert fast_but_100x.ratio == pytest.approx(100) and fast_but_100x.status == "MISS"
+    assert Row(judge=lambda r: r <= 2.0, baseline=[1.0], nimbus=[1.5]).status == "PASS"
+    assert Row(judge=None, target="report", baseline=[1.0], nimbus=[0.1]).status == "-"
+    assert Row(judge=lambda r: True, nimbus=[1.0]).status == "-"  # no baseline: no verdict
+    order: list[str] = []
+    got = report.alternate(
+        3, {"a": lambda: order.append("a") or 1.0, "b": lambda: order.append("b") or 2.0}
+    )
+    assert order == ["a", "b"] * 3 and got == {"a": [1.0] * 3, "b": [2.0] * 3}
+
+
+def _no_report_verdicts(lines: list[str]) -> None:
+    """A row whose target is "report" says no PASS or MISS."""
+    for line in lines:
+        if " report" in line and not line.startswith("workload"):
+            assert not line.rstrip().endswith(("PASS", "MISS")), line
+
+
 @pytest.mark.timeout(120)
 def test_bench_executor_quick_roundtrip() -> None:
     lines = _run("executor.py", "--quick", "--repeat", "1", "--only", "roundtrip")
@@ -62,10 +107,13 @@ def test_bench_executor_quick_roundtrip() -> None:
 
 @pytest.mark.timeout(120)
 def test_bench_messaging_quick() -> None:
-    lines = _run("messaging.py", "--quick")
+    lines = _run("messaging.py", "--quick", "--repeat", "1")
     _header(lines, "reference", "nimbus", "ratio", "target", "result")
-    for name in ("rtt 64B", "rtt 1MB", "oneway", "allreduce", "directory"):
-        assert _row(lines, name).rstrip().endswith(("PASS", "MISS", "report"))
+    for name in ("rtt 64B", "rtt 1MB", "oneway"):
+        assert _row(lines, name).rstrip().endswith(("PASS", "MISS"))
+    for name in ("allreduce", "directory"):
+        assert _row(lines, name).rstrip().endswith(" -")
+    _no_report_verdicts(lines)
 
 
 @pytest.mark.timeout(180)
@@ -79,6 +127,8 @@ def test_bench_multiprocessing_quick(tmp_path: Path) -> None:
     for name in ("lock", "queue"):
         assert rows[name]["status"] in ("PASS", "MISS"), rows[name]
         assert rows[name]["ratio"] > 0
+        assert rows[name]["target"].split()[-1].endswith("x"), rows[name]  # a ratio
+    assert rows["cold start"]["status"] == "-"
 
 
 @pytest.mark.timeout(120)
@@ -87,7 +137,8 @@ def test_bench_service_quick(tmp_path: Path) -> None:
     lines = _run("service.py", "--quick", "--workers", "2", "--json", str(out), clean=True)
     _header(lines, "what", "nimbus", "target", "result")
     for name in ("roundtrip", "throughput", "mp_pool", "heartbeats"):
-        _row(lines, name)
+        assert _row(lines, name).rstrip().endswith(" -")  # no baseline here: no verdict
+    _no_report_verdicts(lines)
     assert "2000/2000 complete" in _row(lines, "offline")
     assert out.exists()
 

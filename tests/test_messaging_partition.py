@@ -5,7 +5,9 @@ with its own socket directory, so they can reach each other only over TCP;
 both reach the state store (a Unix socket: the file system is shared). With
 the link down, the sender's connection attempts time out and its messages go
 through the store; once the link is back it connects directly. The receiver
-checks that it got every message once and in order. Needs root and ``ip``.
+checks that it got every message once and in order. Needs root and ``ip``:
+skipped without them; as root, a namespace that cannot be made fails the test
+with what ``ip`` said.
 """
 
 from __future__ import annotations
@@ -87,9 +89,6 @@ def namespaces() -> Iterator[tuple[str, str, str]]:
     ns_a, ns_b, veth_a, veth_b = f"nbp{tag}a", f"nbp{tag}b", f"nbv{tag}a", f"nbv{tag}b"
     try:
         _ip("netns", "add", ns_a)
-    except subprocess.CalledProcessError as exc:
-        pytest.skip(f"cannot create a network namespace: {exc.stderr!r}")
-    try:
         _ip("netns", "add", ns_b)
         _ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
         _ip("link", "set", veth_a, "netns", ns_a)
@@ -98,6 +97,15 @@ def namespaces() -> Iterator[tuple[str, str, str]]:
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "link", "set", dev, "up")
+    except subprocess.CalledProcessError as exc:
+        subprocess.run(["ip", "link", "del", veth_a], capture_output=True, timeout=30)
+        for ns in (ns_a, ns_b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        pytest.fail(
+            f"as root, making network namespaces failed: {' '.join(exc.cmd)}: "
+            f"{exc.stderr.decode().strip()}"
+        )
+    try:
         yield ns_a, ns_b, veth_a
     finally:
         for ns in (ns_a, ns_b):

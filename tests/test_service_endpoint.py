@@ -14,7 +14,15 @@ from nimbus import Client, Executor
 from nimbus.config import Settings
 from nimbus.errors import NotFound, RemoteTraceback, TaskTimeoutError, VersionMismatchError
 from nimbus.statestore import StateStore
-from service_support import EndpointProcess, Service, free_port, service_env
+from service_support import (
+    EndpointProcess,
+    Service,
+    assert_first_results,
+    free_port,
+    process_tree,
+    service_env,
+    tokened_run,
+)
 
 
 def square(x: int) -> int:
@@ -28,14 +36,6 @@ def fail(message: str) -> None:
 def nap(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
-
-
-def mark_and_nap(path: str, i: int, seconds: float) -> int:
-    """Record each run of task i (so a test sees it ran twice) and take a while."""
-    with open(path, "a") as out:
-        out.write(f"{i}\n")
-    time.sleep(seconds)
-    return i
 
 
 def _settings(service: Service, client: Client) -> Settings:
@@ -148,28 +148,30 @@ def test_version_mismatch_is_refused_at_submit(
 def test_killed_agent_tasks_requeued_exactly_one_result(
     service: Service, alice: Client, tmp_path: Path
 ) -> None:
+    """Every run answers with a token of its own: each task keeps one result, its
+    first run's (a run on the killed agent counts if its result got out)."""
     endpoint = EndpointProcess(service, alice, "fragile").start(alice)
     runs = tmp_path / "runs.txt"
     n = 24
-    ids = alice.batch_run(
-        mark_and_nap, [(str(runs), i, 0.25) for i in range(n)], endpoint="fragile"
-    )
+    ids = alice.batch_run(tokened_run, [(str(runs), i, 0.25) for i in range(n)], endpoint="fragile")
     deadline = time.monotonic() + 30
-    while not runs.exists() or len(runs.read_text().split()) < 4:
+    while not runs.exists() or runs.read_text().count("end ") < 4:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    assert endpoint.proc is not None
+    killed = process_tree(endpoint.proc.pid)  # the agent and its workers
     endpoint.kill()  # mid-batch: some done, some running, some prefetched
     replacement = EndpointProcess(service, alice, "fragile")  # same endpoint, new token
     replacement.start(alice)
     try:
         results = [alice.get_result(i, timeout=60) for i in ids]
+        assert [t["state"] for t in (alice.get_task(i) for i in ids)] == ["success"] * n
+        time.sleep(1.0)  # late duplicates, if any, have arrived: nothing replaced a result
+        assert [alice.get_result(i, timeout=5) for i in ids] == results
     finally:
         replacement.stop()
-    assert results == list(range(n))
-    assert [t["state"] for t in (alice.get_task(i) for i in ids)] == ["success"] * n
-    started = [int(line) for line in runs.read_text().split()]
-    assert set(started) == set(range(n))
-    assert len(started) > n, "no task was running when the agent was killed"
+    recorded = assert_first_results(runs, results, lost=killed)
+    assert recorded.duplicates() > 0, "no task was running when the agent was killed"
 
 
 def test_agent_reconnects_after_service_restart(tmp_path: Path) -> None:
@@ -215,16 +217,18 @@ def test_endpoints_listing(alice: Client, lab: EndpointProcess) -> None:
 def test_silent_agent_is_lost_and_its_tasks_run_elsewhere(
     service: Service, alice: Client, tmp_path: Path
 ) -> None:
-    """A frozen agent (its link cut: no heartbeats, no close) loses its tasks to another."""
+    """A frozen agent (its link cut: no heartbeats, no close) loses its tasks to another;
+    thawed, it finishes them too and sends those results late: the first ones stay."""
     frozen = EndpointProcess(service, alice, "frozen").start(alice)
     runs = tmp_path / "runs.txt"
     n = 12
-    ids = alice.batch_run(mark_and_nap, [(str(runs), i, 0.3) for i in range(n)], endpoint="frozen")
+    ids = alice.batch_run(tokened_run, [(str(runs), i, 0.3) for i in range(n)], endpoint="frozen")
     deadline = time.monotonic() + 30
     while not runs.exists() or not runs.read_text().split():
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert frozen.proc is not None
+    stopped = process_tree(frozen.proc.pid)
     os.killpg(frozen.proc.pid, signal.SIGSTOP)  # agent and workers stop; the socket stays open
     try:
         lost = time.monotonic() + 10  # 3 heartbeats of 0.3 s, then the service gives up on it
@@ -236,13 +240,77 @@ def test_silent_agent_is_lost_and_its_tasks_run_elsewhere(
             results = [alice.get_result(i, timeout=60) for i in ids]
         finally:
             os.killpg(frozen.proc.pid, signal.SIGCONT)  # heal: it comes back, finds nothing new
-        assert results == list(range(n))
+        thawed = time.monotonic() + 15  # the frozen runs return and their results are sent
+        while runs.read_text().count("end ") < runs.read_text().count("start "):
+            assert time.monotonic() < thawed, runs.read_text()
+            time.sleep(0.05)
         time.sleep(1.5)
         assert {t["state"] for t in (alice.get_task(i) for i in ids)} == {"success"}
-        assert [alice.get_result(i, timeout=5) for i in ids] == list(range(n))
+        assert [alice.get_result(i, timeout=5) for i in ids] == results
         helper.stop()
     finally:
         frozen.kill()
+    recorded = assert_first_results(runs, results, lost=stopped)
+    assert recorded.duplicates() > 0, "no task was held by the frozen agent"
+
+
+def test_first_result_wins(service: Service, alice: Client) -> None:
+    """Two results for one task through the real agent socket and Redis: the service
+    keeps the first, in the same message or a later one, and acknowledges both."""
+    from websockets.sync.client import connect
+
+    from nimbus import serialization
+    from nimbus.records import TaskRecord, TaskState
+    from nimbus.runtime.messages import Status
+    from nimbus.service.protocol import PYTHON, SERIALIZER, pack, unpack
+
+    agent = alice.register_endpoint("two-answers")
+    ids = alice.batch_run(square, [(1,), (2,)], endpoint="two-answers")
+    url = service.url.replace("http://", "ws://") + "/v1/ws/endpoint"
+
+    def row(task_id: str, value: str, pid: int) -> list[object]:
+        data, buffers = serialization.dumps(value)
+        record = TaskRecord(task_id, TaskState.SUCCESS, pid=pid).to_wire()
+        return [
+            task_id,
+            TaskState.SUCCESS.value,
+            [Status.OK, data, [bytes(b) for b in buffers]],
+            record,
+        ]
+
+    headers = {"Authorization": f"Bearer {agent['token']}"}
+    with connect(url, additional_headers=headers) as ws:
+        ws.send(
+            pack(
+                {
+                    "op": "hello",
+                    "python": PYTHON,
+                    "serializer": SERIALIZER,
+                    "workers": 1,
+                    "window": 4,
+                }
+            )
+        )
+        sent: list[str] = []
+        while len(sent) < 2:
+            msg = unpack(ws.recv(timeout=30))
+            if msg["op"] == "tasks":
+                sent += [task[0] for task in msg["tasks"]]
+        assert sorted(sent) == sorted(ids)
+        one, two = ids
+        ws.send(pack({"op": "results", "results": [row(one, "first", 1), row(one, "second", 2)]}))
+        ws.send(pack({"op": "results", "results": [row(two, "first", 1)]}))
+        ws.send(pack({"op": "results", "results": [row(two, "second", 2)]}))
+        acked: list[str] = []
+        while len(acked) < 4:
+            msg = unpack(ws.recv(timeout=30))
+            if msg["op"] == "ack":
+                acked += msg["ids"]
+        assert sorted(acked) == sorted([one, one, two, two])
+    for task_id in ids:
+        assert alice.get_result(task_id, timeout=30) == "first"
+        task = alice.get_task(task_id)
+        assert task["state"] == "success" and task["record"]["pid"] == 1
 
 
 def test_executor_refuses_unknown_or_mismatched_endpoints(service: Service, alice: Client) -> None:

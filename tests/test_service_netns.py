@@ -9,7 +9,9 @@
 
 The client submits to both endpoints; the test cuts ep1's link (its veth goes
 down: no FIN, no RST, packets vanish) and heals it. Every task ends with
-exactly one result. Skipped where namespaces cannot be made (not root, no ``ip``).
+exactly one result, its first run's, and ran in its endpoint's namespace. Skipped
+only where namespaces cannot be made (not root, no ``ip``); as root, a namespace
+that cannot be made fails the test with what ``ip`` said.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from pathlib import Path
 import pytest
 
 from nimbus import Client
-from service_support import CLI, EndpointProcess, Service, service_env, stop
+from service_support import (
+    CLI,
+    EndpointProcess,
+    Service,
+    assert_first_results,
+    service_env,
+    stop,
+)
 
 
 def _ip(*args: str) -> None:
@@ -85,7 +94,10 @@ def net() -> Iterator[Net]:
         net.setup(["svc", "ep1", "ep2", "cli"])
     except subprocess.CalledProcessError as exc:
         net.teardown()
-        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
+        pytest.fail(
+            f"as root, creating network namespaces failed: {' '.join(exc.cmd)}: "
+            f"{exc.stderr.decode().strip()}"
+        )
     yield net
     net.teardown()
 
@@ -111,23 +123,34 @@ class NsEndpoint(EndpointProcess):
 
 CLIENT = textwrap.dedent(
     """
-    import json, sys, time
+    import json, os, sys, time, uuid
     from nimbus import Executor
 
-    def tagged(i):
+    def tagged(runs, i):
+        # a token of this run's own: task, pid, the network namespace it ran in, uuid
+        token = f"{i}:{os.getpid()}:{os.stat('/proc/self/ns/net').st_ino}:{uuid.uuid4().hex}"
+        with open(runs, "a") as out:
+            out.write(f"start {token}\\n")
         time.sleep(0.2)
-        return i
+        with open(runs, "a") as out:
+            out.write(f"end {token}\\n")
+        return token
 
-    n, out = int(sys.argv[1]), sys.argv[2]
+    n, out, runs = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     with Executor(endpoint="ep1") as one, Executor(endpoint="ep2") as two:
-        futures = [(one if i % 2 else two).submit(tagged, i) for i in range(n)]
+        futures = [(one if i % 2 else two).submit(tagged, runs, i) for i in range(n)]
         print("submitted", flush=True)
         results = [f.result(120) for f in futures]
-        hosts = sorted({f.record.pid for f in futures})
+        ids = [f.record.task_id for f in futures]
     with open(out, "w") as fh:
-        json.dump({"results": results, "pids": hosts}, fh)
+        json.dump({"results": results, "ids": ids}, fh)
     """
 )
+
+
+def _net_inode(ns: str) -> int:
+    """The inode of network namespace ``ns`` (what /proc/self/ns/net is inside it)."""
+    return os.stat(f"/run/netns/{ns}").st_ino
 
 
 def test_namespaces_cut_and_heal_an_endpoint_link(net: Net, tmp_path: Path) -> None:
@@ -143,7 +166,7 @@ def test_namespaces_cut_and_heal_an_endpoint_link(net: Net, tmp_path: Path) -> N
                 endpoints.append(endpoint.start(admin))
             script = tmp_path / "client.py"
             script.write_text(CLIENT)
-            out = tmp_path / "out.json"
+            out, runs = tmp_path / "out.json", tmp_path / "runs.txt"
             n = 40
             client_env = env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token}
             client_proc = subprocess.Popen(
@@ -156,6 +179,7 @@ def test_namespaces_cut_and_heal_an_endpoint_link(net: Net, tmp_path: Path) -> N
                     str(script),
                     str(n),
                     str(out),
+                    str(runs),
                 ],
                 env=client_env,
                 stdout=subprocess.PIPE,
@@ -175,7 +199,14 @@ def test_namespaces_cut_and_heal_an_endpoint_link(net: Net, tmp_path: Path) -> N
             endpoints[0].wait_online(admin, timeout=60)
             assert client_proc.wait(120) == 0, client_proc.stdout.read().decode()
             data = json.loads(out.read_text())
-            assert data["results"] == list(range(n))
+            results = data["results"]
+            assert len(results) == n
+            time.sleep(1.0)  # a late duplicate, if any, has arrived: nothing was replaced
+            assert [admin.get_result(i, timeout=5) for i in data["ids"]] == results
+            assert_first_results(runs, results)
+            where = {_net_inode(net.ns("ep1")): "ep1", _net_inode(net.ns("ep2")): "ep2"}
+            ran = [where.get(int(token.split(":")[2]), "elsewhere") for token in results]
+            assert ran == ["ep1" if i % 2 else "ep2" for i in range(n)]
             states = {t["state"] for t in admin.list_tasks(limit=1000)}
             assert states == {"success"}
     finally:
