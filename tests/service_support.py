@@ -288,6 +288,10 @@ class Postgres:
         self._as_postgres(
             str(PG_BIN / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres"
         )
+        self._pg_ctl_start()
+        return self
+
+    def _pg_ctl_start(self) -> None:
         self._as_postgres(
             str(PG_BIN / "pg_ctl"),
             "-D",
@@ -299,7 +303,19 @@ class Postgres:
             "-w",
             "start",
         )
-        return self
+
+    def restart(self, timeout: float = 30) -> None:
+        """Start the cluster again after it was killed (its leftover processes may hold
+        its shared memory for a moment)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._pg_ctl_start()
+                return
+            except subprocess.CalledProcessError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def stop(self) -> None:
         try:
