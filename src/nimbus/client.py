@@ -29,12 +29,13 @@ from typing import Any
 import httpx
 
 from nimbus import serialization
-from nimbus.config import Settings, config_dir
+from nimbus.config import Settings, check_timeout, config_dir
 from nimbus.errors import (
     AuthError,
     ConfigError,
     NotFound,
     PayloadTooLargeError,
+    QuotaExceeded,
     RemoteTraceback,
     ServiceError,
     ServiceUnavailable,
@@ -91,6 +92,8 @@ def error_for(status: int, detail: str) -> ServiceError | PayloadTooLargeError:
         return NotFound(detail, status)
     if status == 413:
         return PayloadTooLargeError(detail)
+    if status == 429:
+        return QuotaExceeded(detail, status)
     if status == 409 and "version mismatch" in detail:
         return ServiceVersionMismatch(detail, status)
     return ServiceError(detail, status)
@@ -308,6 +311,7 @@ class Client:
         timeout: float | None = None,
     ) -> list[str]:
         """Submit one task per tuple of ``args`` in one request; returns their task ids."""
+        timeout = check_timeout(timeout)
         function_id = self.register_function(fn)
         endpoint_id = self.get_endpoint(endpoint)["endpoint_id"]
         arg_list = list(args)
