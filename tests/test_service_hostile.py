@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import msgpack
 import pytest
 import redis
 from websockets.exceptions import ConnectionClosed
@@ -78,7 +77,7 @@ def _ws(service: Service, path: str, token: str) -> ClientConnection:
 def _closed_with(ws: ClientConnection, timeout: float = 10) -> tuple[int, str]:
     """Wait for the service to close ``ws``; its close code and reason."""
     deadline = time.monotonic() + timeout
-    with pytest.raises(ConnectionClosed) as info:  # noqa: PT012
+    with pytest.raises(ConnectionClosed) as info:
         while time.monotonic() < deadline:
             ws.recv(timeout=max(0.01, deadline - time.monotonic()))
     rcvd = info.value.rcvd
@@ -120,9 +119,7 @@ def test_payloads_the_service_can_check_get_422(service: Service, alice: Client)
             assert "payload" in response.text, (what, response.text)
         for what, payload_bytes in {"garbage": b"garbage!", "empty": b""}.items():
             body = pack({"endpoint_id": ep, "tasks": [[fn, payload_bytes, None]]})
-            response = http.post(
-                "/v1/tasks/batch", content=body, headers={"content-type": MSGPACK}
-            )
+            response = http.post("/v1/tasks/batch", content=body, headers={"content-type": MSGPACK})
             assert response.status_code == 422, (what, response.text)
             assert "tasks[0].payload" in response.json()["detail"]
         ok = {"function_id": fn, "payload": base64.b64encode(pack_payload(b"x")).decode()}
@@ -194,9 +191,7 @@ def test_rest_timeouts_are_finite_and_bounded(service: Service, alice: Client) -
             assert "timeout" in response.text
         for timeout in [*BAD_TIMEOUTS, True, "5", [1]]:
             body = pack({"endpoint_id": ep, "tasks": [[fn, pack_payload(b"x"), timeout]]})
-            response = http.post(
-                "/v1/tasks/batch", content=body, headers={"content-type": MSGPACK}
-            )
+            response = http.post("/v1/tasks/batch", content=body, headers={"content-type": MSGPACK})
             assert response.status_code == 422, (timeout, response.text)
             assert "tasks[0].timeout" in response.json()["detail"]
             if isinstance(timeout, float | int) and not isinstance(timeout, bool):
@@ -216,7 +211,9 @@ def test_client_and_websocket_timeouts_are_checked(
     with _ws(service, "/v1/ws/client", alice.token) as ws:
         for i, timeout in enumerate([*BAD_TIMEOUTS, True]):
             row = [fn, pack_payload(b"x"), timeout]
-            ws.send(pack({"op": "submit", "ref": i, "endpoint_id": lab.endpoint_id, "tasks": [row]}))
+            ws.send(
+                pack({"op": "submit", "ref": i, "endpoint_id": lab.endpoint_id, "tasks": [row]})
+            )
             answer = unpack(ws.recv(timeout=10))
             assert answer["op"] == "refused" and answer["ref"] == i, answer
             assert answer["status"] == 422 and "timeout" in answer["detail"]
@@ -241,8 +238,7 @@ def test_local_executor_timeouts_are_checked_and_the_runtime_lives() -> None:
 def test_json_nan_and_a_lone_surrogate_get_422(service: Service, alice: Client) -> None:
     with service.http(alice.token) as http:
         raw = (
-            '{"function": "eA==", "name": "s", "python": "' + PYTHON + '", '
-            '"serializer": "\\ud800"}'
+            '{"function": "eA==", "name": "s", "python": "' + PYTHON + '", "serializer": "\\ud800"}'
         )
         response = http.post(
             "/v1/functions", content=raw, headers={"content-type": "application/json"}
@@ -278,15 +274,11 @@ def test_malformed_batch_rows_get_422_naming_the_row(service: Service, alice: Cl
     with service.http(alice.token) as http:
         for what, (rows, field) in bad.items():
             body = pack({"endpoint_id": ep, "tasks": rows})
-            response = http.post(
-                "/v1/tasks/batch", content=body, headers={"content-type": MSGPACK}
-            )
+            response = http.post("/v1/tasks/batch", content=body, headers={"content-type": MSGPACK})
             assert response.status_code == 422, (what, response.text)
             assert field in response.json()["detail"], (what, response.text)
         for body in [pack([1, 2]), pack({"endpoint_id": 5, "tasks": [[fn, p, None]]}), pack(5)]:
-            response = http.post(
-                "/v1/tasks/batch", content=body, headers={"content-type": MSGPACK}
-            )
+            response = http.post("/v1/tasks/batch", content=body, headers={"content-type": MSGPACK})
             assert response.status_code == 422, response.text
 
 
@@ -306,7 +298,7 @@ def test_a_bad_record_in_redis_fails_its_task_and_dispatch_goes_on(
     agent.start(alice)
     try:
         assert alice.get_result(ids[3], timeout=60) == 9
-        with pytest.raises(Exception) as info:  # noqa: PT011
+        with pytest.raises(Exception) as info:
             alice.get_result(ids[0], timeout=60)
         assert "timeout" in str(info.value)
         assert alice.get_result(ids[1], timeout=60) == 1  # its own fields are still good
@@ -335,9 +327,7 @@ def test_payload_types_inline_limit_and_batch_size(service: Service, alice: Clie
     with service.http(alice.token) as http:
         for payload in [50_000_000, 1.5, None, [1, 2], {"x": 1}]:
             body = pack({"endpoint_id": ep, "tasks": [[fn, payload, None]]})
-            response = http.post(
-                "/v1/tasks/batch", content=body, headers={"content-type": MSGPACK}
-            )
+            response = http.post("/v1/tasks/batch", content=body, headers={"content-type": MSGPACK})
             assert response.status_code == 422, (payload, response.text)
             assert "tasks[0].payload" in response.json()["detail"]
         big = pack_payload(b"y" * (100 << 10))  # over the 64 KiB inline limit
@@ -511,7 +501,8 @@ def _malformed_frame(rng: random.Random, ops: list[str]) -> str | bytes:
         return pack({"op": rng.choice([5, None, b"x", [1], "x" + rng.choice(ops)])})
     if choice == 4:  # a known op whose fields have the wrong types
         op = rng.choice(ops)
-        return pack({"op": op, **{k: rng.choice([5, "abc", {"a": 1}]) for k in ("ids", "results")}})
+        fields = ("ids", "results", "workers", "window")
+        return pack({"op": op, **{k: rng.choice([None, "abc", {"a": 1}]) for k in fields}})
     whole = pack({"op": rng.choice(ops), "ids": ["a"]})
     return whole[: rng.randrange(1, len(whole))]  # cut short
 
@@ -523,18 +514,20 @@ def test_websocket_frame_fuzzer(
     frames = 0
     for _ in range(40):
         with _ws(service, "/v1/ws/client", alice.token) as ws:
-            ws.send(_malformed_frame(rng, ["watch", "cancel"]))
+            frame = _malformed_frame(rng, ["watch", "cancel"])
+            ws.send(frame)
             code, reason = _closed_with(ws)
-            assert code in CLOSE_CODES and reason
+            assert code in CLOSE_CODES and reason, (frame, code, reason)
             frames += 1
         with _ws(service, "/v1/ws/endpoint", fuzz_endpoint["token"]) as ws:
             if rng.random() < 0.5:
                 ws.send(_hello())
-                ws.send(_malformed_frame(rng, ["results", "running"]))
+                frame = _malformed_frame(rng, ["results", "running"])
             else:
-                ws.send(_malformed_frame(rng, ["hello"]))
+                frame = _malformed_frame(rng, ["hello"])
+            ws.send(frame)
             code, reason = _closed_with(ws)
-            assert code in CLOSE_CODES and reason
+            assert code in CLOSE_CODES and reason, (frame, code, reason)
             frames += 1
     assert frames == 80
     _served(alice, "lab")
@@ -608,7 +601,7 @@ def test_the_agent_survives_malformed_frames_from_a_service(tmp_path: Any) -> No
     assert all(code in CLOSE_CODES for code in closes), closes
     by_id = {r[0]: r for r in results}
     assert by_id["t-bad-payload"][1] == "failed"
-    status, data, buffers = by_id["t-bad-payload"][2]
+    _, data, _ = by_id["t-bad-payload"][2]
     error, _ = serialization.loads(data)
     assert isinstance(error, DeserializationError)
     assert by_id["t-ok"][1] == "success"

@@ -62,8 +62,7 @@ def check_timeout(value: object, what: str = "timeout") -> float | None:
         raise ConfigError(f"{what} must be a number of seconds or None, not {value!r}")
     if not 0 < value <= MAX_TIMEOUT:  # also refuses NaN
         raise ConfigError(
-            f"{what} must be a number of seconds > 0 and <= {MAX_TIMEOUT} (30 days), "
-            f"not {value!r}"
+            f"{what} must be a number of seconds > 0 and <= {MAX_TIMEOUT} (30 days), not {value!r}"
         )
     return float(value)
 
