@@ -367,8 +367,8 @@ def test_quotas_on_queued_tasks_and_bytes(service: Service) -> None:
         ids = ids[20:] + client.batch_run(square, [(i,) for i in range(5)], endpoint=ep)
         for task_id in ids:
             client.cancel(task_id)
-        # bytes: 10 x 60 KiB fit, the 11th passes 600 KiB
-        blob = pack_payload(b"z" * (60 << 10))
+        # bytes: 10 x 58 KiB fit, the 11th passes 600 KiB
+        blob = pack_payload(b"z" * (58 << 10))
         body = pack({"endpoint_id": ep, "tasks": [[fn, blob, None]] * 10})
         response = http.post("/v1/tasks/batch", content=body, headers={"content-type": MSGPACK})
         assert response.status_code == 201, response.text

@@ -26,6 +26,7 @@ bytes the service stores and forwards; nothing here unpickles them.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -206,7 +207,10 @@ def _timeout(value: bytes | None) -> float | None:
     """A stored timeout (b"" for none); ValueError if the record is broken."""
     if not value:
         return None
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
     if not 0 < seconds <= MAX_TIMEOUT:  # also NaN
         raise ValueError(f"timeout {value!r} is not a number of seconds from 0 to {MAX_TIMEOUT}")
     return seconds
