@@ -57,6 +57,9 @@ def test_settings_are_frozen(env: dict[str, str]) -> None:
 def test_describe_is_plain(env: dict[str, str]) -> None:
     d = Settings.load(env).describe()
     assert set(d) == {
+        "max_queued_tasks",
+        "max_queued_bytes",
+        "max_batch",
         "workers",
         "prefetch",
         "task_timeout",
@@ -162,6 +165,11 @@ BAD_ENV = [
     ("NIMBUS_DATABASE_URL", "mysql://db/nimbus"),
     ("NIMBUS_RESULT_TTL", "0"),
     ("NIMBUS_HEARTBEAT", "soon"),
+    ("NIMBUS_TASK_TIMEOUT", "2592001"),
+    ("NIMBUS_TASK_TIMEOUT", "inf"),
+    ("NIMBUS_MAX_QUEUED_TASKS", "0"),
+    ("NIMBUS_MAX_QUEUED_BYTES", "lots"),
+    ("NIMBUS_MAX_BATCH", "-5"),
 ]
 
 
