@@ -277,6 +277,8 @@ def test_malformed_batch_rows_get_422_naming_the_row(service: Service, alice: Cl
             response = http.post("/v1/tasks/batch", content=body, headers={"content-type": MSGPACK})
             assert response.status_code == 422, (what, response.text)
             assert field in response.json()["detail"], (what, response.text)
+        long_id = http.post("/v1/tasks/status", json={"task_ids": ["x" * 65]})
+        assert long_id.status_code == 422, long_id.text
         for body in [pack([1, 2]), pack({"endpoint_id": 5, "tasks": [[fn, p, None]]}), pack(5)]:
             response = http.post("/v1/tasks/batch", content=body, headers={"content-type": MSGPACK})
             assert response.status_code == 422, response.text
@@ -441,6 +443,7 @@ def test_malformed_frames_get_a_close_code(
     service: Service, alice: Client, lab: EndpointProcess, fuzz_endpoint: dict[str, Any]
 ) -> None:
     token = fuzz_endpoint["token"]
+    logged = _malformed_lines(service)
     for frame in MALFORMED_AGENT_FIRST:
         with _ws(service, "/v1/ws/endpoint", token) as ws:
             ws.send(frame)
@@ -457,8 +460,20 @@ def test_malformed_frames_get_a_close_code(
             ws.send(frame)
             code, reason = _closed_with(ws)
             assert code in CLOSE_CODES and reason, (frame, code, reason)
+    frames = len(MALFORMED_AGENT_FIRST) + len(MALFORMED_AFTER_HELLO) + len(MALFORMED_CLIENT)
+    deadline = time.monotonic() + 10
+    while _malformed_lines(service) - logged < frames and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _malformed_lines(service) - logged == frames  # one log line each
+    with _ws(service, "/v1/ws/endpoint", token) as ws:  # an agent that never says hello
+        code, reason = _closed_with(ws)
+        assert code in CLOSE_CODES and "hello" in reason
     _served(alice, "lab")
     _no_tracebacks(service)
+
+
+def _malformed_lines(service: Service) -> int:
+    return service.log.read_text(errors="replace").count("malformed frame")
 
 
 def _garbage(rng: random.Random, depth: int = 0) -> Any:

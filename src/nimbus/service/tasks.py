@@ -238,7 +238,9 @@ class SubmitBody(BaseModel):
 
 
 class TaskIds(BaseModel):
-    task_ids: list[str] = Field(min_length=1, max_length=10_000)
+    task_ids: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        min_length=1, max_length=10_000
+    )
 
 
 class Submitted(BaseModel):

@@ -139,9 +139,16 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     endpoint_id = principal.endpoint_id
     who = f"an agent of endpoint {endpoint_id}"
     await ws.accept()
+    silence = 3 * ctx.settings.heartbeat
     try:
-        python, serializer, workers, window = _hello(await _receive(ws, ("hello",)))
+        hello = await asyncio.wait_for(_receive(ws, ("hello",)), silence)
+        python, serializer, workers, window = _hello(hello)
     except WebSocketDisconnect:
+        return
+    except TimeoutError:  # connected and silent: it holds a connection for nothing
+        log.warning("closing %s: no hello in %.1f s", who, silence)
+        with contextlib.suppress(Exception):
+            await ws.close(code=WRONG_SHAPE, reason=f"no hello in {silence:.1f} s")
         return
     except ProtocolError as exc:
         await _close_malformed(ws, exc, who)
@@ -166,7 +173,6 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
             lambda: not peer.closed,
         )
     )
-    silence = 3 * ctx.settings.heartbeat
     saved = time.time()
     try:
         while True:
