@@ -371,13 +371,14 @@ class TaskStore:
         return _text(conn), _text(data)
 
     async def info(self, task_ids: Sequence[str]) -> list[dict[str, Any] | None]:
-        """Each task's fields (None for an unknown or expired task), without payloads."""
+        """Each task's fields (None for an unknown or expired task, or one whose record
+        is not a hash), without payloads."""
         pipe = self.redis.pipeline(transaction=False)
         for task_id in task_ids:
             pipe.hmget(self._task_prefix + task_id, [*_FIELDS, "record", "timeout"])
         out: list[dict[str, Any] | None] = []
-        for task_id, values in zip(task_ids, await pipe.execute()):
-            if values[0] is None:
+        for task_id, values in zip(task_ids, await pipe.execute(raise_on_error=False)):
+            if isinstance(values, Exception) or values[0] is None:  # unknown, or not a hash
                 out.append(None)
                 continue
             info: dict[str, Any] = {"task_id": task_id}
@@ -397,8 +398,12 @@ class TaskStore:
         for task_id in task_ids:
             pipe.hmget(self._task_prefix + task_id, ["state", "result", "record"])
         out: list[tuple[str, bytes, bytes] | None] = []
-        for state, result, record in await pipe.execute():
-            if state is not None and state.decode() in DONE:
+        for values in await pipe.execute(raise_on_error=False):
+            if isinstance(values, Exception):  # not a hash: a broken record
+                out.append(None)
+                continue
+            state, result, record = values
+            if state is not None and state.decode(errors="replace") in DONE:
                 out.append((state.decode(), result or b"", record or b""))
             else:
                 out.append(None)

@@ -41,6 +41,7 @@ IDLE_POLL = 5.0  # seconds; submits in this process wake a dispatcher at once
 BEAT_SAVE_SECONDS = 10.0
 COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
 MAX_WINDOW = 1_000_000  # tasks an agent may ask to have in flight
+STOP_SECONDS = 2.0  # a dispatcher gets this long to stop when its connection ends
 RESTART_MAX = 5.0  # seconds between restarts of a dispatcher that keeps failing
 AGENT_OPS = ("results", "running", "beat")
 CLIENT_OPS = ("submit", "watch", "cancel")
@@ -174,6 +175,7 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
         )
     )
     saved = time.time()
+    malformed: ProtocolError | None = None
     try:
         while True:
             msg = await asyncio.wait_for(_receive(ws, AGENT_OPS), silence)
@@ -201,17 +203,24 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     except (WebSocketDisconnect, TimeoutError):
         pass
     except ProtocolError as exc:
-        await _close_malformed(ws, exc, f"{who} (connection {conn_id})")
+        malformed = exc
     except Exception:
         log.exception("agent connection %s of endpoint %s failed", conn_id, endpoint_id)
     finally:
-        dispatcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await dispatcher
+        # the dispatcher stops first, and by itself too (a cancel that meets a wake-up
+        # inside wait_for is lost on Python 3.11): it sees peer.closed when it wakes
         peer.closed = True
+        room.set()
+        ctx.hub.work_arrived(endpoint_id)
+        dispatcher.cancel()
+        await asyncio.wait({dispatcher}, timeout=STOP_SECONDS)
+        if not dispatcher.done():
+            log.warning("the dispatcher of connection %s did not stop in time", conn_id)
         ctx.hub.drop_agent(endpoint_id, peer)
         if await ctx.store.requeue(endpoint_id, conn_id):
             ctx.hub.work_arrived(endpoint_id)
+        if malformed is not None:
+            await _close_malformed(ws, malformed, f"{who} (connection {conn_id})")
         with contextlib.suppress(Exception):
             await ws.close()
 
