@@ -176,6 +176,8 @@ class EndpointAgent:
                     log.info(
                         "connection to %s lost (%s); retrying in %.1fs", self.url, exc, backoff
                     )
+                except Exception:  # a fault met in a session: this connection ends, not the agent
+                    log.exception("the session with %s failed; reconnecting", self.url)
                 if self._stopping:
                     break
                 with contextlib.suppress(TimeoutError):

@@ -53,6 +53,7 @@ __all__ = [
     "REVOKED",
     "SERIALIZER",
     "batches",
+    "brief",
     "check_payload",
     "data_ref",
     "decode_frame",
@@ -97,7 +98,7 @@ def pack_payload(data: bytes, buffers: Sequence[Any] = ()) -> bytes:
 def unpack_payload(blob: bytes) -> tuple[bytes, list[bytes]]:
     """The pickle and buffers of a packed payload; ``ValueError`` saying what is wrong."""
     if not isinstance(blob, bytes | bytearray | memoryview) or not blob:
-        raise ValueError(f"expected the bytes of pack_payload, got {_kind(blob)}")
+        raise ValueError(f"expected the bytes of pack_payload, got {brief(blob)}")
     try:
         value = msgpack.unpackb(blob, raw=False)
     except Exception as exc:
@@ -152,7 +153,7 @@ def decode_frame(frame: str | bytes | None, ops: Collection[str]) -> dict[str, A
     except Exception as exc:
         raise ProtocolError(f"not msgpack ({type(exc).__name__})", NOT_MSGPACK) from None
     if not isinstance(msg, dict):
-        raise ProtocolError(f"expected a msgpack map with an 'op', got {_kind(msg)}", WRONG_SHAPE)
+        raise ProtocolError(f"expected a msgpack map with an 'op', got {brief(msg)}", WRONG_SHAPE)
     op = msg.get("op")
     if not isinstance(op, str) or op not in ops:
         raise ProtocolError(
@@ -166,12 +167,12 @@ def str_list(msg: dict[str, Any], name: str, *, default: list[str] | None = None
     value = msg.get(name, default)
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise ProtocolError(
-            f"{msg.get('op')}.{name}: expected a list of strings, got {_kind(value)}", WRONG_SHAPE
+            f"{msg.get('op')}.{name}: expected a list of strings, got {brief(value)}", WRONG_SHAPE
         )
     return value
 
 
-def _kind(value: object) -> str:
+def brief(value: object) -> str:
     """What a value is, for an error message (its type, and a short repr)."""
     text = repr(value)
     return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"

@@ -23,7 +23,15 @@ from nimbus.errors import NotFound, PayloadTooLargeError, ServiceError
 from nimbus.records import TaskRecord, TaskState
 from nimbus.service.context import ServiceContext
 from nimbus.service.deps import context, current_user
-from nimbus.service.protocol import MSGPACK, check_payload, data_ref, pack, too_large, unpack
+from nimbus.service.protocol import (
+    MSGPACK,
+    brief,
+    check_payload,
+    data_ref,
+    pack,
+    too_large,
+    unpack,
+)
 from nimbus.service.queues import CANCELLED_RESULT, DONE
 from nimbus.service.registry import Principal
 
@@ -46,33 +54,28 @@ def wire_rows(tasks: object) -> list[Row]:
 def _wire_row(i: int, task: object) -> Row:
     where = f"tasks[{i}]"
     if not isinstance(task, list | tuple) or len(task) != 3:
-        raise ServiceError(f"{where}: expected {ROW}, not {_brief(task)}", 422)
+        raise ServiceError(f"{where}: expected {ROW}, not {brief(task)}", 422)
     function_id, payload, timeout = task
     if not isinstance(function_id, str) or not 0 < len(function_id) <= 64:
         raise ServiceError(
-            f"{where}.function_id: expected a function id, not {_brief(function_id)}", 422
+            f"{where}.function_id: expected a function id, not {brief(function_id)}", 422
         )
     if isinstance(payload, dict):
         ref = data_ref(payload)
         if ref is None or len(payload) != 1 or not 0 < len(ref) <= 64:
             raise ServiceError(
                 f'{where}.payload: a reference to the data store is {{"data": data_id}}, '
-                f"not {_brief(payload)}",
+                f"not {brief(payload)}",
                 422,
             )
         return function_id, b"", timeout, ref
     if not isinstance(payload, bytes):
         raise ServiceError(
             f'{where}.payload: expected bytes (pack_payload) or {{"data": data_id}}, '
-            f"not {_brief(payload)}",
+            f"not {brief(payload)}",
             422,
         )
     return function_id, payload, timeout, ""
-
-
-def _brief(value: object) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
 
 
 def _check_rows(ctx: ServiceContext, rows: list[Row]) -> list[Row]:
@@ -121,7 +124,7 @@ async def submit_tasks(
     A row with a ``data_id`` has its payload in the data store, uploaded by ``user``.
     """
     if not isinstance(endpoint_id, str) or not 0 < len(endpoint_id) <= 64:
-        raise ServiceError(f"endpoint_id: expected an endpoint id, not {_brief(endpoint_id)}", 422)
+        raise ServiceError(f"endpoint_id: expected an endpoint id, not {brief(endpoint_id)}", 422)
     rows = _check_rows(ctx, rows)
     endpoint = await ctx.endpoint(user, endpoint_id, cached=True)
     for fn_id in {row[0] for row in rows}:
@@ -281,7 +284,7 @@ async def submit_batch(request: Request, user: User, ctx: Ctx) -> Response:
         msg = exc
     if not isinstance(msg, dict) or "endpoint_id" not in msg or "tasks" not in msg:
         raise ServiceError(
-            f"body: expected a msgpack map {{endpoint_id, tasks: [{ROW}, ...]}}, not {_brief(msg)}",
+            f"body: expected a msgpack map {{endpoint_id, tasks: [{ROW}, ...]}}, not {brief(msg)}",
             422,
         )
     endpoint_id = msg["endpoint_id"]
