@@ -57,6 +57,9 @@ def test_settings_are_frozen(env: dict[str, str]) -> None:
 def test_describe_is_plain(env: dict[str, str]) -> None:
     d = Settings.load(env).describe()
     assert set(d) == {
+        "max_queued_tasks",
+        "max_queued_bytes",
+        "max_batch",
         "workers",
         "prefetch",
         "task_timeout",
@@ -174,6 +177,11 @@ BAD_ENV = [
     ("NIMBUS_HEARTBEAT", "soon"),
     ("NIMBUS_CA_FILE", "/nonexistent/ca.pem"),
     ("NIMBUS_CA_FILE", "/etc/hostname"),  # not PEM
+    ("NIMBUS_TASK_TIMEOUT", "2592001"),
+    ("NIMBUS_TASK_TIMEOUT", "inf"),
+    ("NIMBUS_MAX_QUEUED_TASKS", "0"),
+    ("NIMBUS_MAX_QUEUED_BYTES", "lots"),
+    ("NIMBUS_MAX_BATCH", "-5"),
 ]
 
 

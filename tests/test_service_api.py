@@ -7,8 +7,10 @@ import base64
 import pytest
 
 from nimbus.errors import AuthError, NotFound, PayloadTooLargeError
-from nimbus.service.protocol import PYTHON, SERIALIZER
+from nimbus.service.protocol import PYTHON, SERIALIZER, pack_payload
 from service_support import Service
+
+PAYLOAD = base64.b64encode(pack_payload(b"x")).decode()  # packed arguments (never unpickled here)
 
 
 def _fn_body(name: str = "f") -> dict[str, str]:
@@ -52,7 +54,7 @@ def test_users_cannot_see_each_others_things_unless_shared(service: Service) -> 
         assert b.get(f"/v1/endpoints/{ep}").status_code == 404
         assert b.post(f"/v1/endpoints/{ep}/share", json={"users": ["bob"]}).status_code == 404
         assert fn not in [f["function_id"] for f in b.get("/v1/functions").json()["functions"]]
-        task = {"endpoint_id": ep, "tasks": [{"function_id": fn, "payload": "AA=="}]}
+        task = {"endpoint_id": ep, "tasks": [{"function_id": fn, "payload": PAYLOAD}]}
         assert b.post("/v1/tasks", json=task).status_code == 404
         # shared: bob may see and use them, not delete or re-share them (403)
         shared = a.post(f"/v1/functions/{fn}/share", json={"users": ["bob"]})
@@ -64,12 +66,14 @@ def test_users_cannot_see_each_others_things_unless_shared(service: Service) -> 
         assert b.delete(f"/v1/endpoints/{ep}").status_code == 403
         submitted = b.post("/v1/tasks", json=task)
         assert submitted.status_code == 201, submitted.text
-        # bob's task is bob's: alice cannot see it
-        [task_id] = submitted.json()["task_ids"]
+        # bob's task is bob's: alice cannot see it, but may clear it from her endpoint
+        [task_id, other] = b.post("/v1/tasks", json={**task, "tasks": task["tasks"] * 2}).json()[
+            "task_ids"
+        ]
         assert b.get(f"/v1/tasks/{task_id}").json()["state"] == "waiting-for-endpoint"
         assert a.get(f"/v1/tasks/{task_id}").status_code == 404
-        assert a.post(f"/v1/tasks/{task_id}/cancel").status_code == 404
-        assert b.post(f"/v1/tasks/{task_id}/cancel").json()["state"] == "cancelled"
+        assert a.post(f"/v1/tasks/{task_id}/cancel").json()["state"] == "cancelled"
+        assert b.post(f"/v1/tasks/{other}/cancel").json()["state"] == "cancelled"
         # public: a third user sees it
         carol = service.token("carol")
         with service.http(carol) as c:
@@ -88,7 +92,7 @@ def test_endpoint_token_cannot_submit_or_read(service: Service) -> None:
     with service.http(registered["token"]) as e:
         task = {
             "endpoint_id": registered["endpoint_id"],
-            "tasks": [{"function_id": fn, "payload": "AA=="}],
+            "tasks": [{"function_id": fn, "payload": PAYLOAD}],
         }
         response = e.post("/v1/tasks", json=task)
         assert response.status_code == 403
@@ -171,7 +175,7 @@ def test_groups_and_batch_status(service: Service) -> None:
     with service.http(alice) as a, service.http(bob) as b:
         fn = a.post("/v1/functions", json=_fn_body("grouped")).json()["function_id"]
         ep = a.post("/v1/endpoints", json={"name": "group-ep"}).json()["endpoint_id"]
-        body = {"endpoint_id": ep, "tasks": [{"function_id": fn, "payload": "AA=="}] * 3}
+        body = {"endpoint_id": ep, "tasks": [{"function_id": fn, "payload": PAYLOAD}] * 3}
         submitted = a.post("/v1/tasks", json=body).json()
         ids = submitted["task_ids"]
         group = a.get(f"/v1/groups/{submitted['group_id']}").json()

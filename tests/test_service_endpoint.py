@@ -122,8 +122,9 @@ def test_version_mismatch_is_refused_at_submit(
 ) -> None:
     import base64
 
-    from nimbus.service.protocol import PYTHON, SERIALIZER
+    from nimbus.service.protocol import PYTHON, SERIALIZER, pack_payload
 
+    payload = base64.b64encode(pack_payload(b"x")).decode()
     with service.http(alice.token) as http:
         fn = http.post(
             "/v1/functions",
@@ -135,7 +136,10 @@ def test_version_mismatch_is_refused_at_submit(
         ).json()["function_id"]
         response = http.post(
             "/v1/tasks",
-            json={"endpoint_id": lab.endpoint_id, "tasks": [{"function_id": fn, "payload": ""}]},
+            json={
+                "endpoint_id": lab.endpoint_id,
+                "tasks": [{"function_id": fn, "payload": payload}],
+            },
         )
     assert response.status_code == 409
     detail = response.json()["detail"]

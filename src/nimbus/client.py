@@ -31,12 +31,13 @@ from typing import Any
 import httpx
 
 from nimbus import serialization
-from nimbus.config import Settings, config_dir, untrusted_certificate
+from nimbus.config import Settings, check_timeout, config_dir, untrusted_certificate
 from nimbus.errors import (
     AuthError,
     ConfigError,
     NotFound,
     PayloadTooLargeError,
+    QuotaExceeded,
     RemoteTraceback,
     ServiceError,
     ServiceUnavailable,
@@ -113,6 +114,8 @@ def error_for(status: int, detail: str) -> ServiceError | PayloadTooLargeError:
         return PayloadTooLargeError(detail)
     if status == 503:
         return ServiceUnavailable(detail, status)
+    if status == 429:
+        return QuotaExceeded(detail, status)
     if status == 409 and "version mismatch" in detail:
         return ServiceVersionMismatch(detail, status)
     return ServiceError(detail, status)
@@ -376,6 +379,7 @@ class Client:
         timeout: float | None = None,
     ) -> list[str]:
         """Submit one task per tuple of ``args`` in one request; returns their task ids."""
+        timeout = check_timeout(timeout)
         function_id = self.register_function(fn)
         endpoint_id = self.get_endpoint(endpoint)["endpoint_id"]
         arg_list = list(args)

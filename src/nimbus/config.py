@@ -33,7 +33,9 @@ __all__ = [
     "CONFIG_ENV",
     "INLINE_MAX",
     "INLINE_MIN",
+    "MAX_TIMEOUT",
     "Settings",
+    "check_timeout",
     "config_dir",
     "private_dir",
     "redis_server_binary",
@@ -47,6 +49,24 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNOREC
 _NONE_WORDS = ("", "none", "null")
 INLINE_MIN = 64 << 10  # payloads this small always travel inline
 INLINE_MAX = 8 << 20  # inline payloads stay well inside one WebSocket message
+MAX_TIMEOUT = 30 * 86400  # seconds: the longest task timeout anything accepts (30 days)
+
+
+def check_timeout(value: object, what: str = "timeout") -> float | None:
+    """A task timeout as seconds (None: no limit); ``ValueError`` naming ``what`` and the bound.
+
+    Every entry (settings, ``Executor``, ``Client``, the service's routes and sockets)
+    checks with this, so a manager never meets an infinite, huge or NaN deadline.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{what} must be a number of seconds or None, not {value!r}")
+    if not 0 < value <= MAX_TIMEOUT:  # also refuses NaN
+        raise ConfigError(
+            f"{what} must be a number of seconds > 0 and <= {MAX_TIMEOUT} (30 days), not {value!r}"
+        )
+    return float(value)
 
 
 class _Bad(Exception):
@@ -91,10 +111,14 @@ def _seconds(value: object) -> float:
 def _optional_seconds(value: object) -> float | None:
     if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
         return None
+    accepted = f"a number of seconds > 0 and <= {MAX_TIMEOUT}, or 'none' for no timeout"
     try:
-        return _seconds(value)
+        seconds = _seconds(value)
     except _Bad:
-        raise _Bad("a number of seconds > 0, or 'none' for no timeout") from None
+        raise _Bad(accepted) from None
+    if seconds > MAX_TIMEOUT:
+        raise _Bad(accepted)
+    return seconds
 
 
 def _size(value: object) -> int:
@@ -261,6 +285,19 @@ _FIELDS: dict[str, _Field] = {
     "heartbeat": _Field(
         "NIMBUS_HEARTBEAT", _seconds, "seconds between endpoint heartbeats (lost after 3 missed)"
     ),
+    "max_queued_tasks": _Field(
+        "NIMBUS_MAX_QUEUED_TASKS",
+        _int_at_least(1),
+        "on the service: tasks a user may have queued or running at once",
+    ),
+    "max_queued_bytes": _Field(
+        "NIMBUS_MAX_QUEUED_BYTES",
+        _size,
+        "on the service: inline payload bytes a user may have queued or running at once",
+    ),
+    "max_batch": _Field(
+        "NIMBUS_MAX_BATCH", _int_at_least(1), "on the service: tasks in one submit request"
+    ),
     "log_level": _Field("NIMBUS_LOG_LEVEL", _log_level, "logging level of nimbus loggers"),
     "store_listen": _Field(
         "NIMBUS_STORE_LISTEN",
@@ -348,6 +385,9 @@ class Settings:
     database_url: str | None = None
     result_ttl: float = 7 * 86400.0
     heartbeat: float = 2.0
+    max_queued_tasks: int = 1_000_000
+    max_queued_bytes: int = 4 << 30
+    max_batch: int = 100_000
     log_level: str = "WARNING"
     store_listen: str = "127.0.0.1:0"
     ca_file: Path | None = None

@@ -32,6 +32,10 @@ or ``except TimeoutError`` written for the stdlib keeps working::
     │   ├── AuthError (PermissionError)       a missing, wrong or too weak token
     │   ├── NotFound (LookupError)            no such function, endpoint or task
     │   │                                     (or not visible to this user)
+    │   ├── QuotaExceeded                     a per-user limit of the service
+    │   │                                     (queued tasks or bytes) is reached (429)
+    │   ├── ProtocolError (ValueError)        a message or record of the wrong
+    │   │                                     shape (a WebSocket frame, a queue row)
     │   └── ServiceUnavailable (ConnectionError)  the service cannot be reached
     └── WorkerLost (BrokenProcessPool)        the worker running a task died
         └── RuntimeClosed                     the runtime shut down under a task
@@ -59,6 +63,8 @@ __all__ = [
     "PeerLost",
     "PeerRefused",
     "PeerUnreachable",
+    "ProtocolError",
+    "QuotaExceeded",
     "RemoteError",
     "RemoteTraceback",
     "RuntimeClosed",
@@ -214,3 +220,22 @@ class NotFound(ServiceError, LookupError):
 
 class ServiceUnavailable(ServiceError, ConnectionError):
     """The service cannot be reached (connection refused, reset, timed out)."""
+
+
+class QuotaExceeded(ServiceError):
+    """A per-user limit of the service is reached (429): the message names the setting."""
+
+
+class ProtocolError(ServiceError, ValueError):
+    """A message or stored record does not have the shape the protocol says.
+
+    ``code`` is the WebSocket close code that answers it: 1003 (a text frame where
+    binary msgpack was expected), 1007 (not msgpack), 1008 (msgpack of the wrong shape).
+    """
+
+    def __init__(self, message: str, code: int = 1008) -> None:
+        super().__init__(message, 422)
+        self.code = code
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.code))

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from nimbus import _chunks, serialization
 from nimbus.backends import BACKENDS, Backend
-from nimbus.config import Settings
+from nimbus.config import Settings, check_timeout
 from nimbus.errors import ConfigError, PayloadTooLargeError, RemoteTraceback
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
@@ -80,13 +80,9 @@ class Future(cf.Future[Any]):
 
 
 def _check_timeout(timeout: float | None, what: str) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
         raise TypeError(f"{what} must be a number of seconds or None, not {timeout!r}")
-    if not timeout > 0:
-        raise ConfigError(f"{what} must be greater than 0 seconds, not {timeout!r}")
-    return float(timeout)
+    return check_timeout(timeout, what)  # finite, > 0, at most MAX_TIMEOUT (ValueError)
 
 
 class Executor(cf.Executor):

@@ -178,6 +178,10 @@ class Keys:
         """The sorted set of a user's task ids, scored by submit time."""
         return self._key("user", user_id, "tasks")
 
+    def user_queued(self, user_id: str) -> str:
+        """A user's hash of tasks and inline payload bytes queued or running (the quota)."""
+        return self._key("user", user_id, "queued")
+
     def group(self, group_id: str) -> str:
         """The list of task ids of a task group (one batch submit)."""
         return self._key("group", group_id)

@@ -8,7 +8,9 @@
        +--beat <-> beat
 
 It connects out only (``ws(s)://<service>/v1/ws/endpoint`` with the endpoint's
-token) and reconnects with exponential backoff. A result is kept until the
+token) and reconnects with exponential backoff; a malformed message from the
+service closes the connection (with a close code) and it reconnects, and a
+task it cannot decode fails alone (``DeserializationError``). A result is kept until the
 service acknowledges it, and sent again after a reconnect; a task sent again
 while this agent still runs it is not started twice. Arguments in the
 service's data store are fetched before their task starts; a result larger
@@ -36,9 +38,17 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from nimbus import _loop, serialization
-from nimbus.config import Settings
+from nimbus.config import Settings, check_timeout
 from nimbus.endpoint.config import EndpointConfig
-from nimbus.errors import AuthError, ConfigError, NotFound, RemoteError, ServiceError
+from nimbus.errors import (
+    AuthError,
+    ConfigError,
+    DeserializationError,
+    NotFound,
+    ProtocolError,
+    RemoteError,
+    ServiceError,
+)
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.agent import Agent
 from nimbus.runtime.messages import Status
@@ -52,14 +62,16 @@ from nimbus.service.protocol import (
     REPLACED,
     REVOKED,
     SERIALIZER,
+    WRONG_SHAPE,
     WS_AGENT,
     batches,
     data_ref,
+    decode_frame,
     pack,
     pack_result,
     payload_size,
+    str_list,
     too_large,
-    unpack,
     unpack_payload,
 )
 from nimbus.service.wsclient import certificate_error, open_socket, ws_url
@@ -77,6 +89,7 @@ RUNNING_AFTER = 0.05  # seconds: shorter tasks go from dispatched to done unrepo
 MIN_WINDOW = 1024  # tasks in flight from the service: enough to cover its round trip
 SEND_CHUNK = 5000
 COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
+SERVICE_OPS = ("tasks", "ack", "cancel", "beat")
 
 
 class EndpointAgent:
@@ -165,6 +178,8 @@ class EndpointAgent:
                     log.info(
                         "connection to %s lost (%s); retrying in %.1fs", self.url, exc, backoff
                     )
+                except Exception:  # a fault met in a session: this connection ends, not the agent
+                    log.exception("the session with %s failed; reconnecting", self.url)
                 if self._stopping:
                     break
                 with contextlib.suppress(TimeoutError):
@@ -235,21 +250,35 @@ class EndpointAgent:
             await asyncio.gather(*jobs, return_exceptions=True)
 
     async def _reader(self, ws: ClientConnection) -> None:
-        async for data in ws:
-            msg = unpack(data)  # type: ignore[arg-type]
-            op = msg.get("op")
-            if op == "tasks":
-                self._start(msg["tasks"])
-            elif op == "ack":
-                for task_id in msg["ids"]:
-                    self._unacked.pop(task_id, None)
-            elif op == "cancel":
-                for task_id in msg["ids"]:
-                    task = self._held.get(task_id)
-                    if task is not None:
-                        self.runtime.cancel(task)
-            elif op == "beat":
-                self.beat_latency = time.monotonic() - float(msg["t"])
+        """Handle the service's messages; a malformed one closes the connection (to
+        reconnect), with its close code and one log line."""
+        try:
+            async for data in ws:
+                self._handle(decode_frame(data, SERVICE_OPS))
+        except ProtocolError as exc:
+            log.warning("closing the connection to %s: malformed frame: %s", self.url, exc)
+            await ws.close(exc.code, str(exc).encode()[:120].decode(errors="ignore"))
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == "tasks":
+            rows = msg.get("tasks")
+            if not isinstance(rows, list):
+                raise ProtocolError("tasks.tasks: expected a list of task rows", WRONG_SHAPE)
+            self._start(rows)
+        elif op == "ack":
+            for task_id in str_list(msg, "ids"):
+                self._unacked.pop(task_id, None)
+        elif op == "cancel":
+            for task_id in str_list(msg, "ids"):
+                task = self._held.get(task_id)
+                if task is not None:
+                    self.runtime.cancel(task)
+        elif op == "beat":
+            sent = msg.get("t")
+            if isinstance(sent, bool) or not isinstance(sent, int | float):
+                raise ProtocolError(f"beat.t: expected a number, got {sent!r:.40}", WRONG_SHAPE)
+            self.beat_latency = time.monotonic() - sent
 
     async def _sender(self, ws: ClientConnection) -> None:
         assert self._ready is not None
@@ -284,11 +313,21 @@ class EndpointAgent:
 
     # ------------------------------------------------------------ tasks
 
-    def _start(self, rows: list[list[Any]]) -> None:
+    def _start(self, rows: list[Any]) -> None:
         batch: list[Task] = []
         failed: list[list[Any]] = []
         for row in rows:
+            if not isinstance(row, list) or len(row) != 5 or not isinstance(row[0], str):
+                log.warning("dropped a task row of the wrong shape from the service: %.80r", row)
+                continue
             task_id, function_id, body, payload, timeout = row
+            problem = _row_problem(function_id, body, payload, timeout)
+            if problem:
+                error: Exception = ProtocolError(
+                    f"task {task_id} came from the service malformed: {problem}"
+                )
+                failed.append(self._failure(task_id, str(function_id), error))
+                continue
             if body is not None:
                 self._functions[function_id] = body
             if task_id in self._held or task_id in self._fetching:
@@ -306,8 +345,16 @@ class EndpointAgent:
                 self._fetching.add(task_id)
                 self._spawn(self._fetch(row, ref))
                 continue
+            try:
+                data, buffers = unpack_payload(payload)
+            except ValueError as exc:
+                error = DeserializationError(
+                    f"the arguments of task {task_id} could not be decoded ({exc}); "
+                    f"they must be pack_payload(pickle, buffers)"
+                )
+                failed.append(self._failure(task_id, function_id, error))
+                continue
             record = TaskRecord(task_id, TaskState.RUNNING, function=function_id)
-            data, buffers = unpack_payload(payload)
             task = Task(
                 next(self._seq), function_id, fn_bytes, data, buffers, record, timeout=timeout
             )
@@ -446,6 +493,21 @@ class EndpointAgent:
         self._outbox.append(row)
         assert self._ready is not None
         self._ready.set()
+
+
+def _row_problem(function_id: object, body: object, payload: object, timeout: object) -> str:
+    """What is wrong with the fields of a task row from the service ("" if nothing)."""
+    if not isinstance(function_id, str):
+        return f"function_id {function_id!r:.40} is not a string"
+    if body is not None and not isinstance(body, bytes):
+        return f"the function's body is {type(body).__name__}, not bytes"
+    if not isinstance(payload, bytes) and data_ref(payload) is None:
+        return f"payload is {type(payload).__name__}, not bytes or a data-store reference"
+    try:
+        check_timeout(timeout)
+    except ValueError as exc:
+        return str(exc)
+    return ""
 
 
 def _result_size(row: list[Any]) -> int:

@@ -244,7 +244,8 @@ class Manager:
         deadlines = [w.deadline for w in self._workers if w.deadline is not None]
         if not deadlines:
             return None
-        return max(0.0, min(deadlines) - time.monotonic())
+        # capped: epoll takes at most ~24 days, and a far deadline is looked at again anyway
+        return min(3600.0, max(0.0, min(deadlines) - time.monotonic()))
 
     def _spawn(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

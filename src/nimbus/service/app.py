@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, WebSocket
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -108,6 +110,26 @@ class _Revocations:
         self.since = max([self.since, *(when - REVOCATION_SLACK for _, when, _ in rows)])
 
 
+def _renderable(value: Any) -> Any:
+    """``value`` with what strict JSON cannot carry (NaN, infinities, lone surrogates,
+    bytes, other objects) replaced by its repr."""
+    if isinstance(value, dict):
+        return {str(_renderable(k)): _renderable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_renderable(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return value.encode(errors="backslashreplace").decode()
+        return value
+    if value is None or isinstance(value, bool | int):
+        return value
+    return _renderable(repr(value))
+
+
 def create_app(settings: Settings, redis_url: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -149,6 +171,12 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         return JSONResponse({"detail": str(exc)}, exc.status or 500, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes the input, and a NaN or a lone surrogate in it
+        # cannot be rendered as JSON (a 500): each error keeps only what can be
+        return JSONResponse({"detail": [_renderable(error) for error in exc.errors()]}, 422)
 
     @app.exception_handler(PayloadTooLargeError)
     async def payload_too_large(request: Request, exc: PayloadTooLargeError) -> JSONResponse:

@@ -3,7 +3,8 @@
 Access rules live here, not in the routes: a function or endpoint is visible
 to its owner, to the users it is shared with, and to everyone when public;
 only the owner may delete or share it; a task is visible only to the user who
-submitted it. Something a user may not see is "not found" (404); something
+submitted it, and may be cancelled by them or by the owner of the endpoint it
+was queued on (whoever shares an endpoint, its owner can clear its queue). Something a user may not see is "not found" (404); something
 seen but not theirs to change is "forbidden" (403).
 
 What an owner decides takes effect at once: a new endpoint token (registering
@@ -336,6 +337,25 @@ class ServiceContext:
     async def task(self, user: Principal, task_id: str) -> dict[str, object]:
         [info] = await self.store.info([task_id])
         if info is None or info["owner"] != user.user_id:
+            raise NotFound(f"task {task_id} not found", 404)
+        return info
+
+    async def may_cancel(self, user: Principal, info: dict[str, object]) -> bool:
+        """Whether ``user`` may cancel this task: they submitted it, or own its endpoint."""
+        if info["owner"] == user.user_id:
+            return True
+        endpoint_id = str(info["endpoint"])
+        hit = self._endpoints.get(endpoint_id)
+        if hit is not None and hit[1] > time.monotonic():
+            endpoint: EndpointInfo | None = hit[0]
+        else:
+            endpoint = await run_in_threadpool(self.registry.endpoint, endpoint_id)
+        return endpoint is not None and endpoint.owner_id == user.user_id
+
+    async def cancellable_task(self, user: Principal, task_id: str) -> dict[str, object]:
+        """A task ``user`` may cancel (:meth:`may_cancel`); NotFound (404) otherwise."""
+        [info] = await self.store.info([task_id])
+        if info is None or not await self.may_cancel(user, info):
             raise NotFound(f"task {task_id} not found", 404)
         return info
 

@@ -18,8 +18,14 @@ WebSocket messages are msgpack maps with an ``op``::
                         (as the agent sent them, or, from storage, result and
                         record as msgpack bytes)
 
+Every frame is a binary msgpack map with a known ``op`` and fields of the types
+above (:func:`decode_frame`, :func:`str_list`); any other frame ends the
+connection with a close code and a reason: 1003 for a text frame, 1007 for
+bytes that are not msgpack, 1008 for msgpack of the wrong shape.
+
 ``payload`` is :func:`pack_payload` of the pickled ``(args, kwargs)`` and its
-out-of-band buffers; ``result`` is :func:`pack_result` of what the worker sent
+out-of-band buffers (:func:`check_payload` checks that framing without
+unpickling); ``result`` is :func:`pack_result` of what the worker sent
 back. The service stores and forwards both as bytes.
 
 A payload or result larger than the service's ``inline_payload`` (``GET
@@ -32,13 +38,13 @@ about ``MESSAGE_BYTES`` (:func:`batches`).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import msgpack
 
 from nimbus.config import INLINE_MIN
-from nimbus.errors import PayloadTooLargeError
+from nimbus.errors import PayloadTooLargeError, ProtocolError
 
 __all__ = [
     "DELETED",
@@ -49,12 +55,16 @@ __all__ = [
     "REVOKED",
     "SERIALIZER",
     "batches",
+    "brief",
+    "check_payload",
     "data_ref",
+    "decode_frame",
     "pack",
     "pack_payload",
     "pack_result",
     "payload_size",
     "slices",
+    "str_list",
     "too_large",
     "unpack",
     "unpack_payload",
@@ -73,6 +83,7 @@ REVOKED = 4401  # WebSocket close code: the connection's token was revoked
 REPLACED = 4409  # close code: the endpoint was registered again, a new token replaced this one
 DELETED = 4410  # close code: the endpoint was deleted by its owner
 MESSAGE_BYTES = 8 << 20  # payload bytes per WebSocket message (one larger row goes alone)
+TEXT_FRAME, NOT_MSGPACK, WRONG_SHAPE = 1003, 1007, 1008  # WebSocket close codes
 
 
 def pack(obj: object) -> bytes:
@@ -89,8 +100,32 @@ def pack_payload(data: bytes, buffers: Sequence[Any] = ()) -> bytes:
 
 
 def unpack_payload(blob: bytes) -> tuple[bytes, list[bytes]]:
-    data, buffers = unpack(blob)
-    return data, buffers
+    """The pickle and buffers of a packed payload; ``ValueError`` saying what is wrong."""
+    if not isinstance(blob, bytes | bytearray | memoryview) or not blob:
+        raise ValueError(f"expected the bytes of pack_payload, got {brief(blob)}")
+    try:
+        value = msgpack.unpackb(blob, raw=False)
+    except Exception as exc:
+        raise ValueError(f"not msgpack ({type(exc).__name__}: {exc})") from None
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not isinstance(value[0], bytes)
+        or not isinstance(value[1], list)
+        or not all(isinstance(b, bytes) for b in value[1])
+    ):
+        raise ValueError("msgpack of the wrong shape: expected [pickle bytes, [buffer bytes, ...]]")
+    return value[0], value[1]
+
+
+def check_payload(blob: object) -> int:
+    """The pickle and buffer bytes in a packed payload, its framing checked (never unpickled).
+
+    ``ValueError`` says what is wrong: empty, not msgpack, or not
+    ``[pickle bytes, [buffer bytes, ...]]``.
+    """
+    data, buffers = unpack_payload(blob)  # type: ignore[arg-type]
+    return len(data) + sum(len(b) for b in buffers)
 
 
 def pack_result(status: int, data: bytes, buffers: Sequence[Any] = ()) -> bytes:
@@ -105,6 +140,46 @@ def unpack_result(blob: bytes) -> tuple[int, bytes, list[bytes]]:
 def payload_size(data: bytes, buffers: Sequence[Any] = ()) -> int:
     """The bytes of a pickle and its out-of-band buffers."""
     return len(data) + sum(memoryview(b).nbytes for b in buffers)
+
+
+def decode_frame(frame: str | bytes | None, ops: Collection[str]) -> dict[str, Any]:
+    """A received WebSocket frame as a msgpack map whose ``op`` is one of ``ops``.
+
+    :class:`~nimbus.errors.ProtocolError` otherwise, its ``code`` the close code
+    that answers it (1003 text frame, 1007 not msgpack, 1008 wrong shape).
+    """
+    if isinstance(frame, str):
+        raise ProtocolError("a text frame: this socket speaks binary msgpack maps", TEXT_FRAME)
+    if not frame:
+        raise ProtocolError("an empty frame: expected a msgpack map with an 'op'", NOT_MSGPACK)
+    try:
+        msg = unpack(frame)
+    except Exception as exc:
+        raise ProtocolError(f"not msgpack ({type(exc).__name__})", NOT_MSGPACK) from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"expected a msgpack map with an 'op', got {brief(msg)}", WRONG_SHAPE)
+    op = msg.get("op")
+    if not isinstance(op, str) or op not in ops:
+        raise ProtocolError(
+            f"unknown op {str(op)[:40]!r}: expected one of {', '.join(sorted(ops))}", WRONG_SHAPE
+        )
+    return msg
+
+
+def str_list(msg: dict[str, Any], name: str, *, default: list[str] | None = None) -> list[str]:
+    """``msg[name]`` as a list of strings; ProtocolError (1008) naming the field otherwise."""
+    value = msg.get(name, default)
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ProtocolError(
+            f"{msg.get('op')}.{name}: expected a list of strings, got {brief(value)}", WRONG_SHAPE
+        )
+    return value
+
+
+def brief(value: object) -> str:
+    """What a value is, for an error message (its type, and a short repr)."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
 
 
 def data_ref(value: object) -> str | None:

@@ -14,6 +14,10 @@ A payload or result in the data store (``nimbus.service.data``) is referenced
 by its data id: submit claims the argument blob, finish and cancel delete its
 hash (the caller removes the file), a stored result blob expires with the task.
 
+Each user's tasks queued or running, and their inline payload bytes, are
+counted in one hash (``Keys.user_queued``): submit refuses a batch that would
+pass the user's quota, and a task that ends (finish, cancel) gives its share back.
+
 Every step that moves a task is one Lua script, so a task is in exactly one of
 the queue, the inflight hash or a final state, and a result that arrives twice
 (an agent lost, its task run again) is kept once. Payloads and results are
@@ -22,6 +26,7 @@ bytes the service stores and forwards; nothing here unpickles them.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,24 +34,48 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
+from nimbus.config import MAX_TIMEOUT
+from nimbus.errors import QuotaExceeded
 from nimbus.keys import Keys
 from nimbus.records import TaskState
 
-__all__ = ["TaskStore"]
+__all__ = ["Broken", "TaskStore"]
+
+Broken = tuple[str, str, str]  # a task taken whose stored record is broken: id, function, why
 
 DONE = (TaskState.SUCCESS.value, TaskState.FAILED.value, TaskState.CANCELLED.value)
 CANCELLED_RESULT = msgpack.packb([2, b"", []])  # Status.SKIPPED, as an agent would send
 
 # Rows travel to and from the scripts as one msgpack string (Redis's Lua has
 # cmsgpack, which reads the old "raw" string type: packed with use_bin_type=False).
+# A task leaving the queue and the inflight hash for a final state gives its
+# share of its owner's quota back (``key``: the task hash).
+_RELEASE = """
+local function release(key)
+  local q = redis.call('HMGET', key, 'quota', 'size')
+  if q[1] then
+    if redis.call('HINCRBY', q[1], 'tasks', -1) < 0 then redis.call('HSET', q[1], 'tasks', 0) end
+    local size = tonumber(q[2] or 0) or 0
+    if redis.call('HINCRBY', q[1], 'bytes', 0 - size) < 0 then redis.call('HSET', q[1], 'bytes', 0) end
+    redis.call('HDEL', key, 'quota')
+  end
+end
+"""
+
 _SUBMIT = """
 local t = cmsgpack.unpack(ARGV[2])
-local owner, endpoint, group, submitted = t[1], t[2], t[3], t[4]
+local owner, endpoint, group, submitted, size = t[1], t[2], t[3], t[4], t[6]
+local q = redis.call('HMGET', KEYS[4], 'tasks', 'bytes')
+local tasks, bytes = tonumber(q[1] or 0) or 0, tonumber(q[2] or 0) or 0
+if tasks + #t[5] > tonumber(ARGV[5]) then return {-1, tasks} end
+if bytes + size > tonumber(ARGV[6]) then return {-2, bytes} end
+redis.call('HINCRBY', KEYS[4], 'tasks', #t[5])
+redis.call('HINCRBY', KEYS[4], 'bytes', size)
 for _, r in ipairs(t[5]) do
   local id = r[1]
   redis.call('HSET', ARGV[1] .. id, 'state', 'waiting-for-endpoint', 'owner', owner,
              'endpoint', endpoint, 'function', r[2], 'group', group, 'submitted', submitted,
-             'payload', r[3], 'timeout', r[4])
+             'payload', r[3], 'timeout', r[4], 'quota', KEYS[4], 'size', #r[3])
   if r[5] ~= '' then  -- its arguments are in the data store: the task claims them
     redis.call('HSET', ARGV[1] .. id, 'data', r[5])
     redis.call('HSET', ARGV[4] .. r[5], 'task', id, 'endpoint', endpoint)
@@ -57,7 +86,7 @@ for _, r in ipairs(t[5]) do
   redis.call('RPUSH', KEYS[3], id)
 end
 redis.call('EXPIRE', KEYS[3], ARGV[3])
-return #t[5]
+return {#t[5], 0}
 """
 
 _TAKE = """
@@ -79,7 +108,9 @@ end
 return cmsgpack.pack(out)
 """
 
-_FINISH = """
+_FINISH = (
+    _RELEASE
+    + """
 local out, drop = {}, {}
 for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
   local id = r[1]
@@ -90,6 +121,7 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
   local stored = false
   if v[2] == ARGV[4] then
     if v[1] == 'dispatched' or v[1] == 'running' or v[1] == 'waiting-for-endpoint' then
+      release(key)
       redis.call('HSET', key, 'state', r[2], 'result', r[3], 'record', r[4], 'ended', ARGV[2])
       redis.call('HDEL', key, 'payload', 'data')
       redis.call('EXPIRE', key, ARGV[3])
@@ -110,6 +142,7 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
 end
 return {out, drop}
 """
+)
 
 _RUNNING = """
 for i = 3, #ARGV do
@@ -140,9 +173,12 @@ end
 return n
 """
 
-_CANCEL = """
+_CANCEL = (
+    _RELEASE
+    + """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st or st == 'success' or st == 'failed' or st == 'cancelled' then return false end
+release(KEYS[1])
 local data = redis.call('HGET', KEYS[1], 'data')
 redis.call('HSET', KEYS[1], 'state', 'cancelled', 'result', ARGV[1], 'ended', ARGV[2])
 redis.call('HDEL', KEYS[1], 'payload', 'data')
@@ -152,6 +188,7 @@ local conn = redis.call('HGET', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[2], ARGV[4])
 return {conn or '', data or ''}
 """
+)
 
 _FIELDS = ("state", "owner", "endpoint", "function", "group", "submitted", "dispatched", "ended")
 
@@ -163,7 +200,20 @@ def _raw(obj: object) -> bytes:
 
 
 def _text(value: bytes | None) -> str:
-    return value.decode() if value else ""
+    return value.decode(errors="replace") if value else ""
+
+
+def _timeout(value: bytes | None) -> float | None:
+    """A stored timeout (b"" for none); ValueError if the record is broken."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_TIMEOUT:  # also NaN
+        raise ValueError(f"timeout {value!r} is not a number of seconds from 0 to {MAX_TIMEOUT}")
+    return seconds
 
 
 class TaskStore:
@@ -188,31 +238,67 @@ class TaskStore:
         endpoint_id: str,
         group_id: str,
         tasks: Sequence[tuple[str, str, bytes, float | None, str]],
+        *,
+        max_tasks: int,
+        max_bytes: int,
     ) -> None:
         """Queue ``(task_id, function_id, payload, timeout, data_id)`` rows for an endpoint.
 
         A row with a ``data_id`` has its payload in the data store (``payload`` is empty).
+        :class:`~nimbus.errors.QuotaExceeded` (429), and nothing queued, if the owner
+        would then have more than ``max_tasks`` tasks or ``max_bytes`` inline payload
+        bytes queued or running.
         """
         rows = [
             (task_id, fn, payload, "" if timeout is None else repr(timeout), data_id)
             for task_id, fn, payload, timeout, data_id in tasks
         ]
-        blob = _raw([owner, endpoint_id, group_id, repr(time.time()), rows])
-        await self._submit(
+        size = sum(len(row[2]) for row in rows)
+        blob = _raw([owner, endpoint_id, group_id, repr(time.time()), rows, size])
+        queued, have = await self._submit(
             keys=[
                 self.keys.endpoint_queue(endpoint_id),
                 self.keys.user_tasks(owner),
                 self.keys.group(group_id),
+                self.keys.user_queued(owner),
             ],
-            args=[self._task_prefix, blob, self.result_ttl, self._data_prefix],
+            args=[
+                self._task_prefix,
+                blob,
+                self.result_ttl,
+                self._data_prefix,
+                max_tasks,
+                max_bytes,
+            ],
         )
+        if queued == -1:
+            raise QuotaExceeded(
+                f"quota: you have {have} tasks queued or running and may have at most "
+                f"{max_tasks} (NIMBUS_MAX_QUEUED_TASKS on the service); wait for some to "
+                f"finish or cancel them, then submit these {len(rows)} again",
+                429,
+            )
+        if queued == -2:
+            raise QuotaExceeded(
+                f"quota: you have {have} bytes of inline payloads queued or running and may "
+                f"have at most {max_bytes} (NIMBUS_MAX_QUEUED_BYTES on the service); these "
+                f"{len(rows)} tasks add {size}; wait for some to finish or cancel them",
+                429,
+            )
+
+    async def queued(self, owner: str) -> tuple[int, int]:
+        """The tasks and inline payload bytes ``owner`` has queued or running."""
+        tasks, size = await self.redis.hmget(self.keys.user_queued(owner), ["tasks", "bytes"])
+        return int(tasks or 0), int(size or 0)
 
     async def take(
         self, endpoint_id: str, conn_id: str, n: int
-    ) -> list[tuple[str, str, bytes, float | None, str]]:
+    ) -> tuple[list[tuple[str, str, bytes, float | None, str]], list[Broken]]:
         """Up to ``n`` waiting tasks of an endpoint, now in flight on ``conn_id``.
 
-        Rows are ``(task_id, function_id, payload, timeout, data_id)``.
+        Rows are ``(task_id, function_id, payload, timeout, data_id)``; a task whose
+        stored record cannot be read (a bug, an older version) comes apart, as
+        ``(task_id, function_id, why)``, for the caller to fail.
         """
         blob = await self._take(
             keys=[self.keys.endpoint_queue(endpoint_id), self.keys.endpoint_inflight(endpoint_id)],
@@ -220,11 +306,14 @@ class TaskStore:
         )
         rows = msgpack.unpackb(blob, raw=True)
         if not rows:  # cmsgpack packs an empty table as a map
-            return []
-        return [
-            (task_id.decode(), fn.decode(), payload, float(timeout) if timeout else None, _text(d))
-            for task_id, fn, payload, timeout, d in rows
-        ]
+            return [], []
+        out, broken = [], []
+        for task_id, fn, payload, timeout, d in rows:
+            try:
+                out.append((task_id.decode(), fn.decode(), payload, _timeout(timeout), _text(d)))
+            except ValueError as exc:
+                broken.append((_text(task_id), _text(fn), str(exc)))
+        return out, broken
 
     async def finish(
         self, endpoint_id: str, results: Sequence[Sequence[Any]]
@@ -282,20 +371,24 @@ class TaskStore:
         return _text(conn), _text(data)
 
     async def info(self, task_ids: Sequence[str]) -> list[dict[str, Any] | None]:
-        """Each task's fields (None for an unknown or expired task), without payloads."""
+        """Each task's fields (None for an unknown or expired task, or one whose record
+        is not a hash), without payloads."""
         pipe = self.redis.pipeline(transaction=False)
         for task_id in task_ids:
             pipe.hmget(self._task_prefix + task_id, [*_FIELDS, "record", "timeout"])
         out: list[dict[str, Any] | None] = []
-        for task_id, values in zip(task_ids, await pipe.execute()):
-            if values[0] is None:
+        for task_id, values in zip(task_ids, await pipe.execute(raise_on_error=False)):
+            if isinstance(values, Exception) or values[0] is None:  # unknown, or not a hash
                 out.append(None)
                 continue
             info: dict[str, Any] = {"task_id": task_id}
             for name, value in zip(_FIELDS, values):
                 info[name] = _text(value)
             info["record"] = values[len(_FIELDS)]
-            info["timeout"] = float(values[-1]) if values[-1] else None
+            try:
+                info["timeout"] = _timeout(values[-1])
+            except ValueError:
+                info["timeout"] = None  # a broken record: its dispatch fails the task
             out.append(info)
         return out
 
@@ -305,8 +398,12 @@ class TaskStore:
         for task_id in task_ids:
             pipe.hmget(self._task_prefix + task_id, ["state", "result", "record"])
         out: list[tuple[str, bytes, bytes] | None] = []
-        for state, result, record in await pipe.execute():
-            if state is not None and state.decode() in DONE:
+        for values in await pipe.execute(raise_on_error=False):
+            if isinstance(values, Exception):  # not a hash: a broken record
+                out.append(None)
+                continue
+            state, result, record = values
+            if state is not None and state.decode(errors="replace") in DONE:
                 out.append((state.decode(), result or b"", record or b""))
             else:
                 out.append(None)

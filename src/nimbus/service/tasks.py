@@ -9,33 +9,111 @@ streamed over the client WebSocket (``nimbus.service.ws``).
 from __future__ import annotations
 
 import base64
+import binascii
+import math
 import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Base64Bytes, BaseModel, Field
+from pydantic import Base64Bytes, BaseModel, Field, field_validator
 
-from nimbus.errors import NotFound, ServiceError
+from nimbus.config import INLINE_MIN, MAX_TIMEOUT, check_timeout
+from nimbus.errors import NotFound, PayloadTooLargeError, ServiceError
 from nimbus.records import TaskRecord, TaskState
 from nimbus.service.context import ServiceContext
 from nimbus.service.deps import context, current_user
-from nimbus.service.protocol import MSGPACK, data_ref, pack, too_large, unpack
-from nimbus.service.queues import CANCELLED_RESULT
+from nimbus.service.protocol import (
+    MSGPACK,
+    brief,
+    check_payload,
+    data_ref,
+    pack,
+    too_large,
+    unpack,
+)
+from nimbus.service.queues import CANCELLED_RESULT, DONE
 from nimbus.service.registry import Principal
 
-__all__ = ["cancel_tasks", "router", "submit_tasks", "wire_row"]
+__all__ = ["cancel_tasks", "router", "submit_tasks", "wire_rows"]
 
-MAX_BATCH = 100_000
+ROW = '[function_id, payload | {"data": data_id}, timeout]'
 Row = tuple[str, bytes, float | None, str]
 
 
-def wire_row(function_id: object, payload: object, timeout: Any) -> Row:
-    """A submitted ``[function_id, payload | {"data": id}, timeout]`` as a Row."""
-    ref = data_ref(payload)
-    if ref is not None:
-        return str(function_id), b"", timeout, ref
-    return str(function_id), bytes(payload), timeout, ""  # type: ignore[call-overload]
+def wire_rows(tasks: object) -> list[Row]:
+    """Submitted ``[function_id, payload | {"data": id}, timeout]`` rows as Rows.
+
+    A row of the wrong shape or types is a ServiceError (422) naming it.
+    """
+    if not isinstance(tasks, list):
+        raise ServiceError(f"tasks: expected a list of {ROW} rows, not {type(tasks).__name__}", 422)
+    return [_wire_row(i, task) for i, task in enumerate(tasks)]
+
+
+def _wire_row(i: int, task: object) -> Row:
+    where = f"tasks[{i}]"
+    if not isinstance(task, list | tuple) or len(task) != 3:
+        raise ServiceError(f"{where}: expected {ROW}, not {brief(task)}", 422)
+    function_id, payload, timeout = task
+    if not isinstance(function_id, str) or not 0 < len(function_id) <= 64:
+        raise ServiceError(
+            f"{where}.function_id: expected a function id, not {brief(function_id)}", 422
+        )
+    if isinstance(payload, dict):
+        ref = data_ref(payload)
+        if ref is None or len(payload) != 1 or not 0 < len(ref) <= 64:
+            raise ServiceError(
+                f'{where}.payload: a reference to the data store is {{"data": data_id}}, '
+                f"not {brief(payload)}",
+                422,
+            )
+        return function_id, b"", timeout, ref
+    if not isinstance(payload, bytes):
+        raise ServiceError(
+            f'{where}.payload: expected bytes (pack_payload) or {{"data": data_id}}, '
+            f"not {brief(payload)}",
+            422,
+        )
+    return function_id, payload, timeout, ""
+
+
+def _check_rows(ctx: ServiceContext, rows: list[Row]) -> list[Row]:
+    """Rows with their timeouts checked, their inline payloads framed and within the limits."""
+    settings = ctx.settings
+    if not rows:
+        raise ServiceError("tasks: give at least one task", 422)
+    if len(rows) > settings.max_batch:
+        raise ServiceError(
+            f"tasks: {len(rows)} tasks in one submit; the service takes at most "
+            f"{settings.max_batch} (NIMBUS_MAX_BATCH): submit them in parts",
+            422,
+        )
+    out = []
+    for i, (function_id, payload, timeout, data_id) in enumerate(rows):
+        try:
+            seconds = check_timeout(timeout, f"tasks[{i}].timeout")
+        except ValueError as exc:
+            raise ServiceError(str(exc), 422) from None
+        if not data_id:
+            if len(payload) > settings.max_payload:
+                raise too_large(f"tasks[{i}].payload", len(payload), settings.max_payload)
+            try:
+                size = check_payload(payload)
+            except ValueError as exc:
+                raise ServiceError(
+                    f"tasks[{i}].payload: not the packed arguments of a task ({exc}); "
+                    f'send pack_payload(pickle, buffers), or {{"data": data_id}}',
+                    422,
+                ) from None
+            if size > max(settings.inline_payload, INLINE_MIN):
+                raise PayloadTooLargeError(
+                    f"tasks[{i}].payload: {size} bytes inline exceeds the service's inline limit "
+                    f"of {settings.inline_payload} bytes (NIMBUS_INLINE_PAYLOAD); upload larger "
+                    f'arguments with PUT /v1/data and send {{"data": data_id}} in their place'
+                )
+        out.append((function_id, payload, seconds, data_id))
+    return out
 
 
 async def submit_tasks(
@@ -45,22 +123,13 @@ async def submit_tasks(
 
     A row with a ``data_id`` has its payload in the data store, uploaded by ``user``.
     """
-    if not rows:
-        raise ServiceError("tasks: give at least one task", 422)
-    if len(rows) > MAX_BATCH:
-        raise ServiceError(f"tasks: at most {MAX_BATCH} tasks per batch", 422)
+    if not isinstance(endpoint_id, str) or not 0 < len(endpoint_id) <= 64:
+        raise ServiceError(f"endpoint_id: expected an endpoint id, not {brief(endpoint_id)}", 422)
+    rows = _check_rows(ctx, rows)
     endpoint = await ctx.endpoint(user, endpoint_id, cached=True)
-    limit = ctx.settings.max_payload
     for fn_id in {row[0] for row in rows}:
         fn = await ctx.function(user, fn_id)
         await ctx.check_versions(fn, endpoint)
-    for _, payload, timeout, _ in rows:
-        if len(payload) > limit:
-            raise too_large("a task payload", len(payload), limit)
-        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
-            raise ServiceError(
-                f"tasks.timeout: must be a number of seconds > 0, not {timeout!r}", 422
-            )
     data_ids = [row[3] for row in rows if row[3]]
     if len(set(data_ids)) < len(data_ids):
         raise ServiceError("tasks.payload: each task needs its own data; upload it again", 409)
@@ -68,15 +137,21 @@ async def submit_tasks(
     group_id = str(uuid.uuid4())
     ids = [str(uuid.uuid4()) for _ in rows]
     await ctx.store.submit(
-        user.user_id, endpoint.id, group_id, [(task_id, *row) for task_id, row in zip(ids, rows)]
+        user.user_id,
+        endpoint.id,
+        group_id,
+        [(task_id, *row) for task_id, row in zip(ids, rows)],
+        max_tasks=ctx.settings.max_queued_tasks,
+        max_bytes=ctx.settings.max_queued_bytes,
     )
     return group_id, ids
 
 
 async def cancel_tasks(ctx: ServiceContext, user: Principal, task_ids: list[str]) -> list[bool]:
+    """Cancel tasks ``user`` may cancel (their own, or queued on their endpoint)."""
     out = []
     for info in await ctx.store.info(task_ids):
-        if info is None or info["owner"] != user.user_id:
+        if info is None or not await ctx.may_cancel(user, info):
             out.append(False)
             continue
         cancelled = await ctx.store.cancel(info["task_id"], info["endpoint"])
@@ -93,24 +168,37 @@ async def cancel_tasks(ctx: ServiceContext, user: Principal, task_ids: list[str]
 
 
 def task_view(info: dict[str, Any]) -> dict[str, Any]:
+    """A task as the routes show it; fields of a broken record show as 0 or None, never a 500."""
     record = None
     if info.get("record"):
-        rec = TaskRecord.from_wire(unpack(info["record"]))
-        rec.state = TaskState(info["state"])
-        rec.submitted = float(info["submitted"] or 0)
-        record = rec.as_dict()
+        try:
+            rec = TaskRecord.from_wire(unpack(info["record"]))
+            rec.state = TaskState(info["state"])
+            rec.submitted = _seconds(info["submitted"])
+            record = rec.as_dict()
+        except Exception:  # sent by an agent or stored by an older version: not shown
+            record = None
     return {
         "task_id": info["task_id"],
         "state": info["state"],
         "endpoint_id": info["endpoint"],
         "function_id": info["function"],
         "group_id": info["group"],
-        "submitted": float(info["submitted"] or 0),
-        "dispatched": float(info["dispatched"] or 0),
-        "ended": float(info["ended"] or 0),
+        "submitted": _seconds(info["submitted"]),
+        "dispatched": _seconds(info["dispatched"]),
+        "ended": _seconds(info["ended"]),
         "timeout": info["timeout"],
         "record": record,
     }
+
+
+def _seconds(value: object) -> float:
+    """A stored time, 0.0 if it is missing or broken."""
+    try:
+        seconds = float(value or 0)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0.0
+    return seconds if math.isfinite(seconds) else 0.0
 
 
 # ---------------------------------------------------------------- REST
@@ -122,22 +210,40 @@ Ctx = Annotated[ServiceContext, Depends(context)]
 
 class TaskIn(BaseModel):
     function_id: str = Field(min_length=1, max_length=64)
-    payload: Base64Bytes = Field(default=b"", description="the packed arguments, inline")
+    payload: Base64Bytes = Field(
+        default=b"", description="the packed arguments (pack_payload), inline, in base64"
+    )
     data: str | None = Field(
         default=None,
+        min_length=1,
         max_length=64,
         description="instead of payload: the data id (PUT /v1/data) of the packed arguments",
     )
-    timeout: float | None = Field(default=None, gt=0)
+    timeout: float | None = Field(
+        default=None, gt=0, le=MAX_TIMEOUT, allow_inf_nan=False, strict=True
+    )
+
+    @field_validator("payload", mode="before")
+    @classmethod
+    def _strict_base64(cls, value: object) -> object:
+        """Refuse what lenient base64 would skip ("!!!" would decode to nothing)."""
+        if isinstance(value, str):
+            try:
+                base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError("not valid base64 (standard alphabet, padded)") from None
+        return value
 
 
 class SubmitBody(BaseModel):
     endpoint_id: str = Field(min_length=1, max_length=64)
-    tasks: list[TaskIn] = Field(min_length=1, max_length=MAX_BATCH)
+    tasks: list[TaskIn] = Field(min_length=1)
 
 
 class TaskIds(BaseModel):
-    task_ids: list[str] = Field(min_length=1, max_length=10_000)
+    task_ids: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        min_length=1, max_length=10_000
+    )
 
 
 class Submitted(BaseModel):
@@ -149,7 +255,7 @@ class Submitted(BaseModel):
 async def submit(body: SubmitBody, user: User, ctx: Ctx) -> dict[str, Any]:
     for i, t in enumerate(body.tasks):
         if t.data is not None and t.payload:
-            raise ServiceError(f"tasks.{i}.data: give payload or data, not both", 422)
+            raise ServiceError(f"tasks[{i}].data: give payload or data, not both", 422)
     rows = [(t.function_id, t.payload, t.timeout, t.data or "") for t in body.tasks]
     group_id, ids = await submit_tasks(ctx, user, body.endpoint_id, rows)
     ctx.hub.work_arrived(body.endpoint_id)
@@ -174,16 +280,15 @@ async def submit_batch(request: Request, user: User, ctx: Ctx) -> Response:
         raise too_large("request body", len(body), ctx.settings.max_payload)
     try:
         msg = unpack(body)
-        endpoint_id = msg["endpoint_id"]
-        rows = [wire_row(*task) for task in msg["tasks"]]
-        if not isinstance(endpoint_id, str):
-            raise TypeError("endpoint_id must be a string")
     except Exception as exc:
+        msg = exc
+    if not isinstance(msg, dict) or "endpoint_id" not in msg or "tasks" not in msg:
         raise ServiceError(
-            f"body: expected a msgpack map {{endpoint_id, tasks: [[function_id, payload | "
-            f"{{data: data_id}}, timeout], ...]}} ({type(exc).__name__}: {exc})",
+            f"body: expected a msgpack map {{endpoint_id, tasks: [{ROW}, ...]}}, not {brief(msg)}",
             422,
-        ) from None
+        )
+    endpoint_id = msg["endpoint_id"]
+    rows = wire_rows(msg["tasks"])
     group_id, ids = await submit_tasks(ctx, user, endpoint_id, rows)
     ctx.hub.work_arrived(endpoint_id)
     return Response(pack({"group_id": group_id, "task_ids": ids}), 201, media_type=MSGPACK)
@@ -226,7 +331,7 @@ async def get_result(
     wait: Annotated[float, Query(ge=0, le=300)] = 0.0,
 ) -> Response:
     async def done() -> bool:
-        return TaskState(str((await ctx.task(user, task_id))["state"])).done
+        return str((await ctx.task(user, task_id))["state"]) in DONE
 
     if wait:
         await ctx.hub.wait_done(task_id, wait, done)
@@ -269,10 +374,11 @@ async def batch_results(body: TaskIds, user: User, ctx: Ctx) -> dict[str, Any]:
 
 @router.post("/tasks/{task_id}/cancel")
 async def cancel(task_id: str, user: User, ctx: Ctx) -> dict[str, Any]:
-    await ctx.task(user, task_id)
+    """Cancel a task: the submitter's, or one queued or running on the caller's endpoint."""
+    await ctx.cancellable_task(user, task_id)
     [done] = await cancel_tasks(ctx, user, [task_id])
-    state = (await ctx.task(user, task_id))["state"]
-    return {"task_id": task_id, "cancelled": done, "state": state}
+    [info] = await ctx.store.info([task_id])
+    return {"task_id": task_id, "cancelled": done, "state": info["state"] if info else "cancelled"}
 
 
 @router.get("/groups/{group_id}")

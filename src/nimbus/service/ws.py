@@ -4,7 +4,10 @@ An agent connection (``/v1/ws/endpoint``, an endpoint token) says hello, then
 a dispatcher keeps up to ``window`` of its endpoint's tasks in flight on it;
 results are stored (first wins), acknowledged, and delivered to the clients
 that wait. A connection silent for three heartbeats is closed, and its tasks
-in flight go back to the head of the endpoint's queue.
+in flight go back to the head of the endpoint's queue. A frame that is not a
+well-formed message closes its connection with a code and reason and one log
+line (``nimbus.service.protocol``); a task whose stored record is broken fails
+alone, and a dispatcher that fails is started again.
 """
 
 from __future__ import annotations
@@ -14,16 +17,21 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from nimbus.errors import NimbusError, PayloadTooLargeError, ServiceError
+from nimbus import serialization
+from nimbus.errors import NimbusError, PayloadTooLargeError, ProtocolError, ServiceError
+from nimbus.records import TaskRecord, TaskState
+from nimbus.runtime.messages import Status
 from nimbus.service.context import ServiceContext
 from nimbus.service.hub import Peer
-from nimbus.service.protocol import batches, data_ref, pack, unpack
+from nimbus.service.protocol import WRONG_SHAPE, batches, data_ref, decode_frame, pack, str_list
+from nimbus.service.queues import DONE, Broken
 from nimbus.service.registry import hash_token
-from nimbus.service.tasks import cancel_tasks, submit_tasks, wire_row
+from nimbus.service.tasks import cancel_tasks, submit_tasks, wire_rows
 
 __all__ = ["agent_socket", "client_socket"]
 
@@ -32,6 +40,11 @@ TAKE_MAX = 2000
 IDLE_POLL = 5.0  # seconds; submits in this process wake a dispatcher at once
 BEAT_SAVE_SECONDS = 10.0
 COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
+MAX_WINDOW = 1_000_000  # tasks an agent may ask to have in flight
+STOP_SECONDS = 2.0  # a dispatcher gets this long to stop when its connection ends
+RESTART_MAX = 5.0  # seconds between restarts of a dispatcher that keeps failing
+AGENT_OPS = ("results", "running", "beat")
+CLIENT_OPS = ("submit", "watch", "cancel")
 
 
 def bearer(headers: Any) -> str | None:
@@ -44,6 +57,77 @@ async def _refuse(ws: WebSocket, exc: ServiceError) -> None:
     await ws.close(code=4000 + (exc.status or 400), reason=str(exc)[:120])
 
 
+async def _receive(ws: WebSocket, ops: tuple[str, ...]) -> dict[str, Any]:
+    """The next frame as a msgpack map with one of ``ops``; ProtocolError otherwise."""
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
+    text = message.get("text")
+    return decode_frame(text if text is not None else message.get("bytes"), ops)
+
+
+async def _close_malformed(ws: WebSocket, exc: ProtocolError, who: str) -> None:
+    """Answer a malformed frame: one log line, a close frame with its code and reason."""
+    log.warning("closing %s: malformed frame: %s", who, exc)
+    reason = str(exc).encode()[:120].decode(errors="ignore")  # a close reason has 123 bytes
+    with contextlib.suppress(Exception):
+        await ws.close(code=exc.code, reason=reason)
+
+
+def _hello(msg: dict[str, Any]) -> tuple[str, str, int, int]:
+    """An agent's hello: python, serializer, workers, window (ProtocolError naming a bad field)."""
+    python, serializer = msg.get("python", ""), msg.get("serializer", "")
+    workers, window = msg.get("workers", 0), msg.get("window", 1)
+    for name, value, ok in (
+        ("python", python, isinstance(python, str) and len(python) <= 64),
+        ("serializer", serializer, isinstance(serializer, str) and len(serializer) <= 64),
+        ("workers", workers, _int_in(workers, 0, 1 << 20)),
+        ("window", window, _int_in(window, 1, MAX_WINDOW)),
+    ):
+        if not ok:
+            raise ProtocolError(f"hello.{name}: {value!r:.40} is not accepted", WRONG_SHAPE)
+    if "held" in msg:
+        str_list(msg, "held")
+    return python, serializer, workers, window
+
+
+def _int_in(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _results(msg: dict[str, Any]) -> list[list[Any]]:
+    """An agent's result rows ``[task_id, state, [status, data, buffers] | ref, record]``."""
+    rows = msg.get("results")
+    if not isinstance(rows, list):
+        raise ProtocolError("results.results: expected a list of rows", WRONG_SHAPE)
+    for i, row in enumerate(rows):
+        ok = (
+            isinstance(row, list)
+            and len(row) == 4
+            and isinstance(row[0], str)
+            and row[1] in DONE
+            and (data_ref(row[2]) is not None or _is_result(row[2]))
+        )
+        if not ok:
+            raise ProtocolError(
+                f"results.results[{i}]: expected [task_id, success|failed|cancelled, "
+                f"[status, data, buffers] | {{data: id}}, record], got {row!r:.60}",
+                WRONG_SHAPE,
+            )
+    return rows
+
+
+def _is_result(value: object) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) == 3
+        and _int_in(value[0], -1, 255)
+        and isinstance(value[1], bytes)
+        and isinstance(value[2], list)
+        and all(isinstance(b, bytes) for b in value[2])
+    )
+
+
 async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     token = bearer(ws.headers)
     try:
@@ -54,34 +138,50 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
         await _refuse(ws, exc)
         return
     endpoint_id = principal.endpoint_id
+    who = f"an agent of endpoint {endpoint_id}"
     await ws.accept()
+    silence = 3 * ctx.settings.heartbeat
     try:
-        hello = unpack(await ws.receive_bytes())
+        hello = await asyncio.wait_for(_receive(ws, ("hello",)), silence)
+        python, serializer, workers, window = _hello(hello)
     except WebSocketDisconnect:
+        return
+    except TimeoutError:  # connected and silent: it holds a connection for nothing
+        log.warning("closing %s: no hello in %.1f s", who, silence)
+        with contextlib.suppress(Exception):
+            await ws.close(code=WRONG_SHAPE, reason=f"no hello in {silence:.1f} s")
+        return
+    except ProtocolError as exc:
+        await _close_malformed(ws, exc, who)
         return
     conn_id = uuid.uuid4().hex
     peer = Peer(conn_id, ws.send_bytes, digest=hash_token(token or ""), close=ws.close)
-    window = max(1, int(hello.get("window", 1)))
     await ctx.store.set_status(
         endpoint_id,
-        python=str(hello.get("python", "")),
-        serializer=str(hello.get("serializer", "")),
-        workers=int(hello.get("workers", 0)),
+        python=python,
+        serializer=serializer,
+        workers=workers,
         last_heartbeat=repr(time.time()),
     )
-    ctx.versions[endpoint_id] = (str(hello.get("python", "")), str(hello.get("serializer", "")))
+    ctx.versions[endpoint_id] = (python, serializer)
     ctx.hub.add_agent(endpoint_id, peer)
     sent: set[str] = set()
     room = asyncio.Event()
-    dispatcher = asyncio.create_task(_dispatch(ctx, endpoint_id, peer, window, sent, room))
-    silence = 3 * ctx.settings.heartbeat
+    dispatcher = asyncio.create_task(
+        _supervised(
+            f"the dispatcher of endpoint {endpoint_id}",
+            lambda: _dispatch(ctx, endpoint_id, peer, window, sent, room),
+            lambda: not peer.closed,
+        )
+    )
     saved = time.time()
+    malformed: ProtocolError | None = None
     try:
         while True:
-            msg = unpack(await asyncio.wait_for(ws.receive_bytes(), silence))
-            op = msg.get("op")
+            msg = await asyncio.wait_for(_receive(ws, AGENT_OPS), silence)
+            op = msg["op"]
             if op == "results":
-                rows = msg["results"]  # [task_id, state, [status, data, buffers] | ref, record]
+                rows = _results(msg)
                 packed = [[r[0], r[1], pack(r[2]), pack(r[3]), data_ref(r[2]) or ""] for r in rows]
                 done, drop = await ctx.store.finish(endpoint_id, packed)
                 ctx.data.drop(drop)
@@ -92,7 +192,7 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                 await ctx.hub.deliver([row for row in rows if row[0] in stored])
                 await peer.send(pack({"op": "ack", "ids": ids}))
             elif op == "running":
-                await ctx.store.running(endpoint_id, [str(i) for i in msg.get("ids", [])])
+                await ctx.store.running(endpoint_id, str_list(msg, "ids", default=[]))
             elif op == "beat":
                 await peer.send(pack({"op": "beat", "t": msg.get("t")}))
                 now = time.time()
@@ -102,18 +202,42 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                     await ctx.store.set_status(endpoint_id, last_heartbeat=repr(now))
     except (WebSocketDisconnect, TimeoutError):
         pass
+    except ProtocolError as exc:
+        malformed = exc
     except Exception:
         log.exception("agent connection %s of endpoint %s failed", conn_id, endpoint_id)
     finally:
-        dispatcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await dispatcher
+        # the dispatcher stops first, and by itself too (a cancel that meets a wake-up
+        # inside wait_for is lost on Python 3.11): it sees peer.closed when it wakes
         peer.closed = True
+        room.set()
+        ctx.hub.work_arrived(endpoint_id)
+        dispatcher.cancel()
+        await asyncio.wait({dispatcher}, timeout=STOP_SECONDS)
+        if not dispatcher.done():
+            log.warning("the dispatcher of connection %s did not stop in time", conn_id)
         ctx.hub.drop_agent(endpoint_id, peer)
         if await ctx.store.requeue(endpoint_id, conn_id):
             ctx.hub.work_arrived(endpoint_id)
+        if malformed is not None:
+            await _close_malformed(ws, malformed, f"{who} (connection {conn_id})")
         with contextlib.suppress(Exception):
             await ws.close()
+
+
+async def _supervised(
+    what: str, run: Callable[[], Awaitable[None]], wanted: Callable[[], bool]
+) -> None:
+    """Run ``run()`` while ``wanted()``; if it fails, log it and start it again (backing off)."""
+    backoff = 0.1
+    while wanted():
+        try:
+            await run()
+            return
+        except Exception:
+            log.exception("%s failed; restarting it in %.1f s", what, backoff)
+        await asyncio.sleep(backoff)
+        backoff = min(RESTART_MAX, backoff * 2)
 
 
 async def _dispatch(
@@ -136,10 +260,13 @@ async def _dispatch(
         if sent:
             await asyncio.sleep(COALESCE)  # the agent is busy: let more tasks join this batch
         wake.clear()
-        rows = await ctx.store.take(endpoint_id, peer.conn_id, min(free, TAKE_MAX))
+        rows, broken = await ctx.store.take(endpoint_id, peer.conn_id, min(free, TAKE_MAX))
+        if broken:
+            await _fail_broken(ctx, endpoint_id, broken)
         if not rows:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), IDLE_POLL)
+            if not broken:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), IDLE_POLL)
             continue
         out = []
         for task_id, function_id, payload, timeout, data_id in rows:
@@ -157,6 +284,27 @@ async def _dispatch(
             await peer.send(pack({"op": "tasks", "tasks": batch}))
 
 
+async def _fail_broken(ctx: ServiceContext, endpoint_id: str, broken: list[Broken]) -> None:
+    """Fail tasks whose stored records cannot be read, as an agent fails a task; go on."""
+    rows = []
+    for task_id, function_id, why in broken:
+        log.warning(
+            "task %s of endpoint %s has a broken record (%s): failed", task_id, endpoint_id, why
+        )
+        error = ProtocolError(
+            f"task {task_id} could not be sent to its endpoint: its stored record is broken "
+            f"({why}); submit it again"
+        )
+        result = [Status.ERROR, serialization.dumps_exception(error, ""), []]
+        record = TaskRecord(task_id, TaskState.FAILED, function=function_id).to_wire()
+        rows.append([task_id, TaskState.FAILED.value, result, record])
+    packed = [[r[0], r[1], pack(r[2]), pack(r[3]), ""] for r in rows]
+    done, drop = await ctx.store.finish(endpoint_id, packed)
+    ctx.data.drop(drop)
+    stored = set(done)
+    await ctx.hub.deliver([row for row in rows if row[0] in stored])
+
+
 async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     token = bearer(ws.headers)
     try:
@@ -169,13 +317,13 @@ async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     ctx.hub.peers[peer.conn_id] = peer
     try:
         while True:
-            msg = unpack(await ws.receive_bytes())
-            op = msg.get("op")
+            msg = await _receive(ws, CLIENT_OPS)
+            op = msg["op"]
             if op == "submit":
                 ref = msg.get("ref")
                 try:
-                    endpoint_id = str(msg.get("endpoint_id", ""))
-                    rows = [wire_row(*task) for task in msg.get("tasks", [])]
+                    endpoint_id = msg.get("endpoint_id", "")
+                    rows = wire_rows(msg.get("tasks"))
                     group_id, ids = await submit_tasks(ctx, user, endpoint_id, rows)
                 except (ServiceError, PayloadTooLargeError) as exc:
                     status = exc.status if isinstance(exc, ServiceError) else 413
@@ -183,23 +331,17 @@ async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                         pack({"op": "refused", "ref": ref, "status": status, "detail": str(exc)})
                     )
                     continue
-                except (TypeError, ValueError) as exc:
-                    detail = (
-                        f"malformed submit: tasks must be [function_id, payload, timeout] ({exc})"
-                    )
-                    await peer.send(
-                        pack({"op": "refused", "ref": ref, "status": 422, "detail": detail})
-                    )
-                    continue
                 ctx.hub.watch(ids, peer)
                 ctx.hub.work_arrived(endpoint_id)  # results may overtake this reply: clients wait
                 await peer.send(pack({"op": "accepted", "ref": ref, "ids": ids, "group": group_id}))
             elif op == "watch":
-                await _watch(ctx, user.user_id, [str(i) for i in msg.get("ids", [])], peer)
+                await _watch(ctx, user.user_id, str_list(msg, "ids"), peer)
             elif op == "cancel":
-                await cancel_tasks(ctx, user, [str(i) for i in msg.get("ids", [])])
+                await cancel_tasks(ctx, user, str_list(msg, "ids"))
     except WebSocketDisconnect:
         pass
+    except ProtocolError as exc:
+        await _close_malformed(ws, exc, f"a client of user {user.user_name}")
     finally:
         peer.closed = True
         ctx.hub.unwatch_peer(peer)
