@@ -374,6 +374,6 @@ def test_sigterm_answers_long_polls_instead_of_waiting_for_them(tmp_path: Path) 
             "state": "waiting-for-endpoint",
             "result": None,
         }
-        assert service.proc.wait(60) == -signal.SIGTERM  # a graceful exit, re-raising it
+        assert service.proc.wait(60) == 0  # a graceful exit, its embedded Redis stopped
     finally:
         service.stop()

@@ -65,8 +65,9 @@ class _Health:
         self._thread.join(15)
 
     def wait_for(self, status: int, timeout: float = 30) -> None:
+        """Until ``status`` was seen after a 503 (the outage seen, then its end)."""
         deadline = time.monotonic() + timeout
-        while not (self.seen and self.seen[-1] == status):
+        while not (503 in self.seen and self.seen[-1] == status):
             assert time.monotonic() < deadline, self.seen
             time.sleep(0.02)
 
