@@ -20,8 +20,8 @@ a new worker takes its place.
 
 No task waits in one worker's window while another worker is idle: when a
 worker is idle and nothing is pending, the manager recalls the queued (not
-started) tasks of a worker whose queue holds more than about
-``QUEUED_SECONDS`` of work, counting its running task, and deals them out
+started) tasks of a worker whose queue holds more than ``STEAL_SECONDS`` of
+work, counting its running task, and deals them out
 again (work stealing). The worker answers a RECALL even while a task runs.
 How long a task takes is learned per function from its run times; a function
 not yet timed counts as long, so the first tasks of a fresh executor spread
@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 WORKER_MAIN = "import sys; from nimbus.runtime.worker import main; sys.exit(main())"
 START_FAILURES = 3
 QUEUED_SECONDS = 0.010  # work a worker holds ahead: deeper windows for short tasks
+STEAL_SECONDS = 0.050  # queued work worth moving to an idle worker (5 windows' worth)
 FUNCTIONS_TIMED = 1024  # run-time estimates kept (one per function), oldest dropped
 MAX_WINDOW = 256  # workers that die before saying hello, in a row, before giving up
 
@@ -373,6 +374,7 @@ class Manager:
         return max(self.prefetch, min(MAX_WINDOW, int(QUEUED_SECONDS / max(self._run_avg, 1e-6))))
 
     def _dispatch(self) -> None:
+        self._recheck = None  # a past one would make the loop spin
         pending = self._pending
         limit = self.window()
         while pending:
@@ -398,14 +400,14 @@ class Manager:
     def _steal(self) -> None:
         """Recall the queued tasks of busy workers when others are idle.
 
-        A worker is robbed when the last of its queued tasks would wait more
-        than ``QUEUED_SECONDS``, by the estimates: a function never timed counts
-        as long, and a running task as long as it has run if that is longer
-        than its function's average. Short tasks in a deep window are left
-        alone (moving them costs more than it saves); one that is not worth it
-        yet is looked at again ``QUEUED_SECONDS`` later.
+        A worker is robbed when its window holds more than ``STEAL_SECONDS``
+        of work, by the estimates: a function never timed counts as long, and
+        the running task as long as it has run if that is longer than its
+        function's average. Short tasks in a deep window (about
+        ``QUEUED_SECONDS`` of work) are left alone: moving them costs more than
+        it saves. A worker whose running task has said it started (it may be
+        long) is looked at again a little later, as that task runs on.
         """
-        self._recheck = None
         idle = sum(1 for w in self._workers if w.ready and not w.inflight)
         if not idle:
             return
@@ -421,12 +423,13 @@ class Manager:
             if head.started:
                 wait = max(wait, now - worker.head_since)
             for task in worker.inflight:
-                if wait > QUEUED_SECONDS:
+                if wait > STEAL_SECONDS:
                     break
                 if task is not head:
                     wait += times.get(task.fn_key, float("inf"))
-            if wait <= QUEUED_SECONDS:
-                self._recheck = now + QUEUED_SECONDS
+            if wait <= STEAL_SECONDS:
+                if head.started:  # no frame may come while it runs: look again then
+                    self._recheck = now + QUEUED_SECONDS
                 continue
             queued = [task.seq for task in worker.inflight][1:]
             worker.channel.send(Kind.RECALL, pack(queued))
