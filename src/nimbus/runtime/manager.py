@@ -16,19 +16,19 @@ may take long, and within 2 ms of the start of any other. When a worker dies,
 the task it said it was running fails with :class:`~nimbus.errors.WorkerLost`
 (or :class:`~nimbus.errors.TaskTimeoutError` / is cancelled when the manager
 killed it for that), the others go back to the front of the pending queue, and
-a new worker takes its place.
-
-No task waits in one worker's window while another worker is idle: when a
-worker is idle and nothing is pending, the manager recalls the queued (not
-started) tasks of a worker whose queue holds more than ``STEAL_SECONDS`` of
-work, counting its running task, and deals them out
-again (work stealing). The worker answers a RECALL even while a task runs.
-How long a task takes is learned per function from its run times; a function
-not yet timed counts as long, so the first tasks of a fresh executor spread
-over the workers as they come up, whatever the prefetch. If it had not said (a task of a function that
+a new worker takes its place. If it had not said (a task of a function that
 was quick before died in its first 2 ms), nobody is blamed: the unanswered
 tasks go back as suspects and run with a started mark, so the culprit is
 known when it kills its next worker. Every task gets exactly one result.
+
+No task waits in one worker's window while another worker is idle: when a
+worker is idle and nothing is pending, the manager recalls the queued (not
+started) tasks of a worker whose window holds more than ``STEAL_SECONDS`` of
+work, counting its running task, and deals them out again (work stealing).
+The worker answers a RECALL at once, even while a task runs. How long a task
+takes is learned per function from its run times; a function not yet timed
+counts as long, so the first tasks of a fresh executor spread over the
+workers as they come up, whatever the prefetch.
 """
 
 from __future__ import annotations
