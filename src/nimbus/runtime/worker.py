@@ -73,6 +73,7 @@ class Worker:
         self.send_lock = threading.Lock()
         self.quick: dict[str, bool] = {}  # function key -> its last run was quick
         self.current: int | None = None  # the task running now
+        self.current_since = 0.0  # when it started (monotonic)
         self.announced: int | None = None  # the last task sent as started
         self.armed = False
         self.wake = threading.Event()
@@ -173,6 +174,9 @@ class Worker:
             self.skip.discard(seq)
             self.add_result(seq, Status.SKIPPED, b"", [], (0.0, 0.0, 0.0, 0.0, 0, 0, 0))
             return seq, fn_key
+        # before the arming: the flusher's sleep starts after it, so a task it finds
+        # still running has run BATCH_SECONDS at least
+        self.current_since = time.monotonic()
         if notify_start or not self.quick.get(fn_key, False):
             self.flush(started=seq)
         if not self.armed:
@@ -265,17 +269,25 @@ class Worker:
             time.sleep(BATCH_SECONDS)
             with self.send_lock:
                 self.armed = False
-                current = self.current
+                current, since = self.current, self.current_since
                 if current is not None and current != self.announced:
                     try:
                         self._send_results(current)
                     except OSError:
                         return
-            if current is not None:
-                try:
-                    self.watch(current)
-                except OSError:
-                    return
+            if current is None:
+                continue
+            # watch a task that has run a while, not one of a run of tiny ones just
+            # begun (it did not arm this thread: it began before ``armed`` was cleared)
+            rest = since + BATCH_SECONDS - time.monotonic()
+            if rest > 0:
+                time.sleep(rest)
+                if self.current != current:
+                    continue  # the next one armed this thread, or will
+            try:
+                self.watch(current)
+            except OSError:
+                return
 
     def watch(self, seq: int) -> None:
         """While task ``seq`` runs, read the channel in the main thread's place.
