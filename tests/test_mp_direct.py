@@ -45,6 +45,16 @@ def _flood(w: connection.Connection, start: int, n: int, report: bool) -> None:
     w.close()
 
 
+def _switch_then_flood(w: connection.Connection, start: int, n: int) -> None:
+    """Send "warm" until the writer has switched (its reader must claim the lane first:
+    it does when it waits on it), then flood as above: every number goes directly."""
+    deadline = time.monotonic() + 30
+    while w._writer is not None and w._writer.peer is None and time.monotonic() < deadline:
+        w.send("warm")
+        time.sleep(0.005)
+    _flood(w, start, n, True)
+
+
 def _read_all(r: connection.Connection, out: connection.Connection) -> None:
     got = _drain(r)
     out.send((got, r._reader is not None and r._reader.source is not None))
@@ -194,8 +204,19 @@ def test_many_writers_to_one_reader_through_the_store() -> None:
 
 
 def test_wait_over_direct_and_store_connections() -> None:
+    """wait() over three pipes read directly and one read through the store.
+
+    A writer switches only once its reader has claimed the lane, which this
+    process does when it first waits, after starting all three writers and
+    closing its copies. A writer that had sent its 1000 numbers by then (30 to
+    150 ms of flood) never switched, and the test failed with ('switched',
+    False): alone, each child first imports this module (hundreds of ms, time
+    enough to claim), but in a full run the warm workers have imported it
+    already and flood at once, so a reader a little late to its first wait
+    lost. So each writer sends "warm" until it has switched, then its numbers.
+    """
     pipes = [mp.Pipe(duplex=False) for _ in range(3)]
-    procs = [_start(_flood, w, k * 1000, 1000, True) for k, (_, w) in enumerate(pipes)]
+    procs = [_start(_switch_then_flood, w, k * 1000, 1000) for k, (_, w) in enumerate(pipes)]
     for _, w in pipes:
         w.close()
     a, b = mp.Pipe()  # stays in the store: written and read here
@@ -221,7 +242,9 @@ def test_wait_over_direct_and_store_connections() -> None:
         p.join(30)
     assert local == ["local"]
     for k in range(3):
-        assert got[k][:-1] == list(range(k * 1000, (k + 1) * 1000))
+        warm = got[k].count("warm")
+        assert got[k][:warm] == ["warm"] * warm
+        assert got[k][warm:-1] == list(range(k * 1000, (k + 1) * 1000))
         assert got[k][-1] == ("switched", True)
 
 

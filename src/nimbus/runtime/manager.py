@@ -2,10 +2,11 @@
 
 ::
 
-    submit() --> pending --(prefetch window)--> worker 0 (inflight: t1 t2 t3)
-                   ^                          \\-> worker 1 (inflight: t4 t5)
-                   |                                  |
-                   +--- requeue the waiting tasks -----+ worker lost
+    submit() --> pending --(window)--> worker 0 (inflight: t1 t2 t3)
+                   ^  ^              \\-> worker 1 (inflight: t4 t5)
+                   |  |                                 |
+                   |  +-- HANDBACK t2 t3 <-- RECALL ----+ worker 2 idle, t1 long
+                   +---- requeue the waiting tasks -----+ worker lost
     on_results(tasks) <-------- RESULTS in send order --+
 
 Everything happens on one loop thread: a selector over the workers'
@@ -19,6 +20,15 @@ a new worker takes its place. If it had not said (a task of a function that
 was quick before died in its first 2 ms), nobody is blamed: the unanswered
 tasks go back as suspects and run with a started mark, so the culprit is
 known when it kills its next worker. Every task gets exactly one result.
+
+No task waits in one worker's window while another worker is idle: when a
+worker is idle and nothing is pending, the manager recalls the queued (not
+started) tasks of a worker whose window holds more than ``STEAL_SECONDS`` of
+work, counting its running task, and deals them out again (work stealing).
+The worker answers a RECALL at once, even while a task runs. How long a task
+takes is learned per function from its run times; a function not yet timed
+counts as long, so the first tasks of a fresh executor spread over the
+workers as they come up, whatever the prefetch.
 """
 
 from __future__ import annotations
@@ -51,6 +61,8 @@ log = logging.getLogger(__name__)
 WORKER_MAIN = "import sys; from nimbus.runtime.worker import main; sys.exit(main())"
 START_FAILURES = 3
 QUEUED_SECONDS = 0.010  # work a worker holds ahead: deeper windows for short tasks
+STEAL_SECONDS = 0.050  # queued work worth moving to an idle worker (5 windows' worth)
+FUNCTIONS_TIMED = 1024  # run-time estimates kept (one per function), oldest dropped
 MAX_WINDOW = 256  # workers that die before saying hello, in a row, before giving up
 
 
@@ -59,6 +71,7 @@ class _Worker:
         "channel",
         "deadline",
         "functions",
+        "head_since",
         "host",
         "inflight",
         "kill_reason",
@@ -67,6 +80,7 @@ class _Worker:
         "pid",
         "proc",
         "ready",
+        "recalling",
         "writing",
     )
 
@@ -83,6 +97,8 @@ class _Worker:
         self.deadline: float | None = None
         self.kill_reason = ""
         self.kill_task: Task | None = None
+        self.recalling = False  # a RECALL is on its way: wait for its HANDBACK
+        self.head_since = 0.0  # when the first inflight task was said to be running
 
 
 def worker_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -149,7 +165,10 @@ class Manager:
         self._lost = 0
         self._start_failures = 0
         self._counter = 0
-        self._run_avg = 0.001  # moving average of task run time, seconds
+        self._run_avg: float | None = None  # moving average of task run time, seconds
+        self._fn_time: dict[str, float] = {}  # function key -> its moving average run time
+        self._recalls = 0
+        self._recheck: float | None = None  # look again for work to steal then
         self.stopped = threading.Event()
 
     # -- called from any thread -----------------------------------------
@@ -186,6 +205,7 @@ class Manager:
             "inflight": self._inflight(),
             "spawned": self._spawned,
             "lost": self._lost,
+            "recalls": self._recalls,
             "pids": [w.pid for w in self._workers],
         }
 
@@ -242,6 +262,8 @@ class Manager:
 
     def _timeout(self) -> float | None:
         deadlines = [w.deadline for w in self._workers if w.deadline is not None]
+        if self._recheck is not None:
+            deadlines.append(self._recheck)
         if not deadlines:
             return None
         # capped: epoll takes at most ~24 days, and a far deadline is looked at again anyway
@@ -282,8 +304,11 @@ class Manager:
                 head = worker.inflight[0] if worker.inflight else None
                 if started is not None and head is not None and head.seq == started:
                     head.started = True
+                    worker.head_since = time.monotonic()
                     if head.timeout is not None:
                         worker.deadline = time.monotonic() + head.timeout
+            elif frame.kind == Kind.HANDBACK:
+                self._handed_back(worker, unpack(frame.meta))
             elif frame.kind == Kind.NOTICE:
                 if self._on_notice is not None:
                     try:
@@ -317,7 +342,7 @@ class Manager:
             (record.peak_memory, record.net_bytes_in, record.net_bytes_out) = row[8:11]
             record.worker, record.host, record.pid = worker.name, worker.host, worker.pid
             if status != Status.SKIPPED:
-                self._run_avg += 0.05 * (record.ended - record.started - self._run_avg)
+                self._timed(task.fn_key, record.ended - record.started)
             done.append(task)
         self._deliver(done)
 
@@ -327,16 +352,30 @@ class Manager:
         except Exception:
             log.exception("nimbus %s: a result callback failed", self.name)
 
+    def _timed(self, fn_key: str, seconds: float) -> None:
+        """Learn from one run time: the moving averages, overall and of the function."""
+        avg = self._run_avg
+        self._run_avg = seconds if avg is None else avg + 0.05 * (seconds - avg)
+        times = self._fn_time
+        known = times.pop(fn_key, None)  # re-inserted: the dict's order is last use
+        times[fn_key] = seconds if known is None else known + 0.25 * (seconds - known)
+        if len(times) > FUNCTIONS_TIMED:
+            del times[next(iter(times))]
+
     def window(self) -> int:
         """Tasks a worker may hold: ``prefetch``, more for short tasks (about 10 ms of work).
 
         A deep window keeps workers busy when this thread waits for the GIL
         (the caller submitting in a loop); long tasks keep the shallow one, so
-        they spread evenly over the workers.
+        they spread evenly over the workers. Before any task has run, tasks
+        count as long: the window is ``prefetch``.
         """
+        if self._run_avg is None:
+            return self.prefetch
         return max(self.prefetch, min(MAX_WINDOW, int(QUEUED_SECONDS / max(self._run_avg, 1e-6))))
 
     def _dispatch(self) -> None:
+        self._recheck = None  # a past one would make the loop spin
         pending = self._pending
         limit = self.window()
         while pending:
@@ -355,7 +394,64 @@ class Manager:
                 if batch:
                     self._send(worker, batch)
                 if not pending:
-                    return
+                    break
+        if not pending:
+            self._steal()
+
+    def _steal(self) -> None:
+        """Recall the queued tasks of busy workers when others are idle.
+
+        A worker is robbed when its window holds more than ``STEAL_SECONDS``
+        of work, by the estimates: a function never timed counts as long, and
+        the running task as long as it has run if that is longer than its
+        function's average. Short tasks in a deep window (about
+        ``QUEUED_SECONDS`` of work) are left alone: moving them costs more than
+        it saves. A worker whose running task has said it started (it may be
+        long) is looked at again a little later, as that task runs on.
+        """
+        idle = sum(1 for w in self._workers if w.ready and not w.inflight)
+        if not idle:
+            return
+        busy = [w for w in self._workers if len(w.inflight) > 1 and not w.recalling]
+        if not busy:
+            return
+        busy.sort(key=lambda w: len(w.inflight), reverse=True)
+        now = time.monotonic()
+        times = self._fn_time
+        for worker in busy:
+            head = worker.inflight[0]
+            wait = times.get(head.fn_key, float("inf"))
+            if head.started:
+                wait = max(wait, now - worker.head_since)
+            for task in worker.inflight:
+                if wait > STEAL_SECONDS:
+                    break
+                if task is not head:
+                    wait += times.get(task.fn_key, float("inf"))
+            if wait <= STEAL_SECONDS:
+                if head.started:  # no frame may come while it runs: look again then
+                    self._recheck = now + QUEUED_SECONDS
+                continue
+            queued = [task.seq for task in worker.inflight][1:]
+            worker.channel.send(Kind.RECALL, pack(queued))
+            self._flush(worker)
+            worker.recalling = True
+            self._recalls += 1
+            idle -= 1
+            if not idle:
+                return
+
+    def _handed_back(self, worker: _Worker, seqs: list[int]) -> None:
+        """Tasks a worker dropped unstarted at a RECALL go back to the front of the queue."""
+        worker.recalling = False
+        if not seqs:
+            return
+        back = set(seqs)
+        tasks = [task for task in worker.inflight if task.seq in back]
+        kept = [task for task in worker.inflight if task.seq not in back]
+        worker.inflight.clear()
+        worker.inflight.extend(kept)
+        self._pending.extendleft(reversed(tasks))
 
     def _send(self, worker: _Worker, batch: list[Task]) -> None:
         rows: list[list[Any]] = []

@@ -6,6 +6,9 @@ Manager -> worker::
             payload | None, nbufs, notify_start]; a row whose payload is None has
             it as the first of its nbufs frame buffers.
     CANCEL  meta [seq, ...]: skip these queued tasks (answered with SKIPPED)
+    RECALL  meta [seq, ...]: give back those of these tasks not started yet (work
+            stealing: another worker is idle); answered with one HANDBACK, even
+            while a task runs
 
 Worker -> manager::
 
@@ -16,10 +19,12 @@ Worker -> manager::
             (sent before a task with notify_start, or one that may take long)
     NOTICE  meta: any msgpack value a task (or a thread it started) sent with
             ``nimbus.runtime.worker.notify``; handed to the manager's ``on_notice``
+    HANDBACK meta [seq, ...]: the recalled tasks this worker dropped unstarted (they
+            get no result from it); the others of the RECALL ran or are running
 
-Results come back in the order the tasks were sent. A worker holds some
-results back in a batch, so the oldest unanswered task is the running one
-only when the worker has said so with ``started_seq``.
+Results come back in the order the tasks were sent, less the tasks handed
+back. A worker holds some results back in a batch, so the oldest unanswered
+task is the running one only when the worker has said so with ``started_seq``.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ INLINE_LIMIT = 64 * 1024  # larger payloads travel as frame buffers
 class Kind(enum.IntEnum):
     TASKS = 1
     CANCEL = 2
+    RECALL = 3
     HELLO = 10
     RESULTS = 12
     NOTICE = 13
+    HANDBACK = 14
 
 
 class Status(enum.IntEnum):

@@ -14,7 +14,10 @@ has nothing else queued or the task took long, otherwise up to 64 at a time
 or after 2 ms. Before a task that may take long (its function is new to this
 worker or was slow last time, or the manager asks) it sends what it holds
 together with a *started* mark, so no result waits behind a long task and the
-manager knows which task was running if the worker dies. It exits when the
+manager knows which task was running if the worker dies. While a task runs
+longer than that, the flusher thread reads the channel in its place, so a
+RECALL (another worker is idle: work stealing) is answered at once with the
+queued tasks handed back, not after the running task. It exits when the
 manager closes the channel or dies.
 Standard output and error are the manager's, unbuffered, so what a task
 prints appears at once and survives a crash.
@@ -53,6 +56,7 @@ __all__ = ["Worker", "close_in_child", "main", "notify", "when_idle", "when_quie
 BATCH_RESULTS = 64
 BATCH_SECONDS = 0.002
 LONG_TASK = 0.001
+WATCH_POLL = 1.0  # seconds between checks that the watched task still runs (a pipe wakes sooner)
 
 
 class Worker:
@@ -69,9 +73,15 @@ class Worker:
         self.send_lock = threading.Lock()
         self.quick: dict[str, bool] = {}  # function key -> its last run was quick
         self.current: int | None = None  # the task running now
+        self.current_since = 0.0  # when it started (monotonic)
         self.announced: int | None = None  # the last task sent as started
         self.armed = False
         self.wake = threading.Event()
+        self.read_lock = threading.Lock()  # one reader of the channel at a time
+        self.queue_lock = threading.Lock()  # a task is either started or handed back
+        self.watching = False  # the flusher reads the channel while a task runs
+        self.task_done_r, self.task_done_w = os.pipe()
+        os.set_blocking(self.task_done_r, False)
         threading.Thread(target=self.flusher, name="nimbus-flusher", daemon=True).start()
 
     def serve(self) -> None:
@@ -82,9 +92,12 @@ class Worker:
         channel.flush()
         while True:
             idle = not self.queue and not self.rows
-            frames = channel.receive(block=idle and not _idle and not _later)
-            if frames is None:
-                return
+            with self.read_lock:
+                frames = channel.receive(block=idle and not _idle and not _later)
+                if frames is None:
+                    return
+                for frame in frames:
+                    self.accept(frame.kind, frame.meta, frame.buffers)
             if idle and not frames and _idle:
                 _run_idle()  # nothing to do now: the work that waited for that
                 continue
@@ -93,8 +106,6 @@ class Worker:
                 if not select.select([channel.sock], [], [], _later[0][0])[0]:
                     _run_later()
                 continue
-            for frame in frames:
-                self.accept(frame.kind, frame.meta, frame.buffers)
             if self.queue:
                 started = time.monotonic()
                 seq, fn_key = self.run_one()
@@ -129,20 +140,49 @@ class Worker:
                 position += nbufs
         elif kind == Kind.CANCEL:
             self.skip.update(unpack(meta))
+        elif kind == Kind.RECALL:
+            self.hand_back(set(unpack(meta)))
+
+    def hand_back(self, recalled: set[int]) -> None:
+        """Drop the recalled tasks not started yet and tell the manager which.
+
+        A cancelled one stays, to be answered SKIPPED in its turn.
+        """
+        with self.queue_lock:
+            kept = []
+            back: list[int] = []
+            for item in self.queue:
+                seq = item[0][0]
+                if seq in recalled and seq not in self.skip:
+                    back.append(seq)
+                else:
+                    kept.append(item)
+            if back:
+                self.queue.clear()
+                self.queue.extend(kept)
+        with self.send_lock:
+            self.channel.send(Kind.HANDBACK, pack(back))
+            self.channel.flush()
 
     def run_one(self) -> tuple[int, str]:
         """Run the oldest queued task; returns its number and its function's key."""
-        row, buffers, refusal = self.queue.popleft()
+        with self.queue_lock:  # out of the queue: started, never handed back
+            row, buffers, refusal = self.queue.popleft()
         seq, fn_key, _fn_bytes, payload, _nbufs, notify_start = row
         seq, fn_key = int(seq), str(fn_key)
         if seq in self.skip:
             self.skip.discard(seq)
             self.add_result(seq, Status.SKIPPED, b"", [], (0.0, 0.0, 0.0, 0.0, 0, 0, 0))
             return seq, fn_key
+        # before the arming: the flusher's sleep starts after it, so a task it finds
+        # still running has run BATCH_SECONDS at least
+        self.current_since = time.monotonic()
         if notify_start or not self.quick.get(fn_key, False):
             self.flush(started=seq)
-        elif not self.armed:
-            self.armed = True  # a quick task may turn out long: the flusher tells
+        if not self.armed:
+            # a quick task may turn out long: the flusher tells; while any task runs
+            # long, the flusher reads the channel (a RECALL is answered at once)
+            self.armed = True
             self.wake.set()
         self.current = seq
         started = self.meter.begin()
@@ -179,6 +219,8 @@ class Worker:
                 status, data, out = Status.ERROR, serialization.dumps_exception(error, ""), []
         del result, args, kwargs, buffers
         self.current = None
+        if self.watching:  # the flusher reads the channel: it is the main thread's again
+            os.write(self.task_done_w, b"x")
         self.add_result(seq, status, data, out, (started, *self.meter.end()))
         return seq, fn_key
 
@@ -227,12 +269,58 @@ class Worker:
             time.sleep(BATCH_SECONDS)
             with self.send_lock:
                 self.armed = False
-                current = self.current
+                current, since = self.current, self.current_since
                 if current is not None and current != self.announced:
                     try:
                         self._send_results(current)
                     except OSError:
                         return
+            if current is None:
+                continue
+            # watch a task that has run a while, not one of a run of tiny ones just
+            # begun (it did not arm this thread: it began before ``armed`` was cleared)
+            rest = since + BATCH_SECONDS - time.monotonic()
+            if rest > 0:
+                time.sleep(rest)
+                if self.current != current:
+                    continue  # the next one armed this thread, or will
+            try:
+                self.watch(current)
+            except OSError:
+                return
+
+    def watch(self, seq: int) -> None:
+        """While task ``seq`` runs, read the channel in the main thread's place.
+
+        Tasks and cancels join the queue; a RECALL is answered at once. The
+        main thread reads again as soon as the task ends (the pipe wakes this).
+        """
+        sock, done = self.channel.sock, self.task_done_r
+        self.watching = True  # before the check: the main thread writes the pipe after it
+        try:
+            while self.current == seq:
+                readable = select.select([sock, done], [], [], WATCH_POLL)[0]
+                if done in readable:
+                    while True:
+                        try:
+                            if not os.read(done, 64):
+                                return
+                        except BlockingIOError:
+                            break
+                if sock not in readable or not self.read_lock.acquire(blocking=False):
+                    continue
+                try:
+                    if self.current != seq:
+                        return
+                    frames = self.channel.receive()
+                    if frames is None:
+                        return  # the manager is gone: the main thread finds out
+                    for frame in frames:
+                        self.accept(frame.kind, frame.meta, frame.buffers)
+                finally:
+                    self.read_lock.release()
+        finally:
+            self.watching = False
 
     def notify(self, payload: object) -> None:
         with self.send_lock:
