@@ -353,3 +353,33 @@ def test_guarded_pool_script_runs(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == [str(sum(x * x for x in range(10_000)))]
     assert res.stderr == ""
+
+
+@pytest.mark.timeout(90)
+def test_a_script_read_from_stdin_runs_as_with_fork(tmp_path: Path) -> None:
+    """`python - < script.py` (no file behind __main__, no guard needed with fork): the
+    Pool and a Process run it, their __main__ functions by value, no main to import."""
+    body = """
+        import nimbus.multiprocessing as multiprocessing
+
+        def work(x):
+            return x * x
+
+        with multiprocessing.Pool(4) as pool:
+            print(sum(pool.map(work, range(1000))))
+        p = multiprocessing.Process(target=print, args=("child",))
+        p.start()
+        p.join()
+        print(p.exitcode)
+    """
+    res = subprocess.run(
+        [sys.executable, "-"],
+        input=textwrap.dedent(body),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == [str(sum(x * x for x in range(1000))), "child", "0"]
+    assert res.stderr == ""

@@ -54,6 +54,7 @@ __all__ = [
     "dumps",
     "endpoint_workers",
     "is_root",
+    "main_by_value",
     "on_shared_endpoint",
     "program",
 ]
@@ -185,11 +186,13 @@ def adopt(program: Program | None) -> None:
 
 
 @functools.cache
-def _main_by_value() -> bool:
-    """Whether ``__main__`` must travel by value: children cannot import it."""
+def main_by_value() -> bool:
+    """Whether ``__main__`` must travel by value: children cannot import it (an
+    interactive session, ``python -c``, or ``python - < script.py``: no file)."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    return getattr(spec, "name", None) is None and getattr(main, "__file__", None) is None
+    path = getattr(main, "__file__", None)
+    return getattr(spec, "name", None) is None and (path is None or not os.path.isfile(path))
 
 
 def _remote() -> bool:
@@ -225,7 +228,7 @@ def dumps(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
         return serialization.dumps(
             obj,
             reducers=ForkingPickler._extra_reducers,
-            main_by_value=_main_by_value() or _remote(),
+            main_by_value=main_by_value() or _remote(),
         )
     except SerializationError as exc:
         # SerializationError is a TypeError and a PicklingError, what the stdlib

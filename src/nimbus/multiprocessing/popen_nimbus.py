@@ -77,6 +77,8 @@ class Popen:
         self._done = threading.Event()
         # raises the stdlib's RuntimeError about the __main__ guard in a child importing main
         prep = spawn.get_preparation_data(process_obj._name)
+        if _state.main_by_value():  # `python - < script.py`: no file to import, as with
+            prep.pop("init_main_from_path", None)  # fork; __main__'s functions go by value
         self.sentinel, self._exit_w = os.pipe()
         self._token = uuid.uuid4().hex
         # the child's default context: its process's own method, else the parent's default
