@@ -81,6 +81,9 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "store_maxmemory",
         "body_timeout",
         "max_header_bytes",
+        "max_functions",
+        "max_endpoints",
+        "max_message",
     }
     assert isinstance(d["runtime_dir"], str)
 
