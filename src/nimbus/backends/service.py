@@ -240,6 +240,9 @@ class ServiceBackend:
                     self._fail_all(self._refused)
             except (OSError, websockets.WebSocketException, TimeoutError) as exc:
                 self._error = certificate_error(exc, base) or exc
+                sent = getattr(exc, "sent", None)
+                if sent is not None and sent.code == 1009:  # over RECEIVE_MAX
+                    log.warning("closed the connection to %s: %s; reconnecting", base, sent)
             except Exception as exc:  # a fault met in a session ends that connection, not us
                 log.exception("the session with the service at %s failed; reconnecting", base)
                 self._error = exc
