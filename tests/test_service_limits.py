@@ -441,3 +441,23 @@ def test_the_sdk_survives_malformed_frames_from_a_service(
     assert closes[-1] == 1009, closes  # too big
     malformed = [r for r in caplog.records if "malformed frame" in r.getMessage()]
     assert len(malformed) == len(GARBAGE) - 1  # one line each
+
+
+def test_a_task_cancelled_by_its_endpoints_owner_fails_the_executors_future(
+    service: Service,
+) -> None:
+    """The owner of an endpoint may cancel a task another user queued on it: that user's
+    Executor future fails saying so, instead of waiting forever."""
+    with service.client(service.token("oda")) as oda, service.client(service.token("uwe")) as uwe:
+        endpoint = oda.register_endpoint("offline")["endpoint_id"]
+        oda.share_endpoint(endpoint, ["uwe"])
+        settings = service.user_settings(uwe.token)
+        with Executor(endpoint="oda/offline", settings=settings) as ex:
+            future = ex.submit(square, 3)
+            deadline = time.monotonic() + 30
+            while not (tasks := uwe.list_tasks()):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert oda.cancel(tasks[0]["task_id"])
+            with pytest.raises(ServiceError, match="cancelled on the service"):
+                future.result(30)
