@@ -81,6 +81,9 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "store_maxmemory",
         "body_timeout",
         "max_header_bytes",
+        "max_functions",
+        "max_endpoints",
+        "max_message",
     }
     assert isinstance(d["runtime_dir"], str)
 
@@ -172,6 +175,10 @@ BAD_ENV = [
     ("NIMBUS_BODY_TIMEOUT", "-1"),
     ("NIMBUS_MAX_HEADER_BYTES", "100"),
     ("NIMBUS_MAX_HEADER_BYTES", "2G"),
+    ("NIMBUS_MAX_FUNCTIONS", "0"),
+    ("NIMBUS_MAX_ENDPOINTS", "many"),
+    ("NIMBUS_MAX_MESSAGE", "1M"),
+    ("NIMBUS_MAX_MESSAGE", "2G"),
     ("NIMBUS_DATABASE_URL", "mysql://db/nimbus"),
     ("NIMBUS_RESULT_TTL", "0"),
     ("NIMBUS_HEARTBEAT", "soon"),

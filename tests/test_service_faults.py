@@ -11,8 +11,10 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from nimbus import Executor
+from nimbus.errors import TaskLost
 from service_support import EndpointProcess, Service, service_env
 
 N = 400
@@ -146,3 +148,46 @@ def test_queue_redis_killed_without_persist_health_and_calls_recover(tmp_path: P
     log = service.log.read_text()
     assert log.count("died; restarting it empty: the tasks queued and running are lost") == kills
     assert "Traceback" not in log and len(_outage_lines(log)) <= 4 * kills, log[-3000:]
+
+
+def nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_tasks_lost_with_the_queue_redis_fail_with_task_lost(tmp_path: Path) -> None:
+    """Without --persist, the Executor's futures of tasks the restarted (empty) queue Redis
+    no longer has fail with TaskLost at once, instead of waiting forever; the Executor and
+    the endpoint go on working."""
+    service = Service(tmp_path, service_env(tmp_path)).start()
+    try:
+        with service.client(service.token("lou")) as lou:
+            lab = EndpointProcess(service, lou, "lab", workers=1).start(lou)
+            try:
+                settings = service.user_settings(lou.token)
+                with Executor(endpoint="lab", settings=settings) as ex:
+                    running = ex.submit(nap, 8.0)  # on the agent's one worker
+                    queued = [ex.submit(square_of, i) for i in range(5)]  # waiting behind it
+                    deadline = time.monotonic() + 30
+                    while len(lou.list_tasks()) < 6:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.02)
+                    os.kill(_queue_redis_pid(service), signal.SIGKILL)
+                    start = time.monotonic()
+                    for future in [running, *queued]:
+                        with pytest.raises(TaskLost, match="--persist"):
+                            future.result(30)
+                    took = time.monotonic() - start
+                    assert ex.submit(square_of, 7).result(60) == 49  # and on it goes
+            finally:
+                lab.stop()
+    finally:
+        service.stop()
+    assert took < 7.0, took  # told when the Redis came back (nap(8) still running then)
+    log = service.log.read_text()
+    assert "lost with the task queues; they were told" in log
+    assert "Traceback" not in log, log[-3000:]
+
+
+def square_of(x: int) -> int:
+    return x * x

@@ -26,7 +26,15 @@ from nimbus import Client, Executor
 from nimbus.config import MAX_TIMEOUT, Settings
 from nimbus.errors import ConfigError, DeserializationError, QuotaExceeded
 from nimbus.keys import Keys
-from nimbus.service.protocol import MSGPACK, PYTHON, SERIALIZER, pack, pack_payload, unpack
+from nimbus.service.protocol import (
+    MSGPACK,
+    PYTHON,
+    RECEIVE_MAX,
+    SERIALIZER,
+    pack,
+    pack_payload,
+    unpack,
+)
 from service_support import EndpointProcess, Service, service_env
 
 CLOSE_CODES = {1003, 1007, 1008}
@@ -575,6 +583,7 @@ def test_the_agent_survives_malformed_frames_from_a_service(tmp_path: Any) -> No
         pack({"op": "tasks", "tasks": 5}),
         pack({"op": "ack", "ids": 7}),
         pack({"op": "beat", "t": "noon"}),
+        b"\x80" * (RECEIVE_MAX + 1),  # over the size an agent accepts from a service
     ]
     _, fn_bytes = serialization.FunctionCache(by_value=True).get(square)
     closes: list[int] = []
@@ -621,7 +630,8 @@ def test_the_agent_survives_malformed_frames_from_a_service(tmp_path: Any) -> No
         agent_box["agent"].stop()
         thread.join(30)
     assert not thread.is_alive()
-    assert all(code in CLOSE_CODES for code in closes), closes
+    assert all(code in CLOSE_CODES for code in closes[:-1]), closes
+    assert closes[-1] == 1009, closes  # message too big: closed, and it reconnected
     by_id = {r[0]: r for r in results}
     assert by_id["t-bad-payload"][1] == "failed"
     _, data, _ = by_id["t-bad-payload"][2]

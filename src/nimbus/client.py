@@ -322,9 +322,17 @@ class Client:
         self.request("DELETE", f"/v1/functions/{function_id}")
 
     def share_function(
-        self, function_id: str, users: Iterable[str] = (), *, public: bool | None = None
+        self,
+        function_id: str,
+        users: Iterable[str] = (),
+        *,
+        public: bool | None = None,
+        remove: Iterable[str] = (),
     ) -> dict[str, Any]:
-        body = {"users": list(users), "public": public}
+        """Share your function with ``users``, stop sharing it with ``remove``, make it
+        public or not; the function as it is now. Tasks of those who lost it that are
+        still queued fail instead of running."""
+        body = {"users": list(users), "public": public, "remove": list(remove)}
         return dict(self._json("POST", f"/v1/functions/{function_id}/share", json=body))
 
     # ------------------------------------------------------------ endpoints
@@ -347,9 +355,17 @@ class Client:
         return dict(self._json("GET", "/v1/endpoints/resolve", params={"name": endpoint}))
 
     def share_endpoint(
-        self, endpoint_id: str, users: Iterable[str] = (), *, public: bool | None = None
+        self,
+        endpoint_id: str,
+        users: Iterable[str] = (),
+        *,
+        public: bool | None = None,
+        remove: Iterable[str] = (),
     ) -> dict[str, Any]:
-        body = {"users": list(users), "public": public}
+        """Share your endpoint with ``users``, stop sharing it with ``remove``, make it
+        public or not; the endpoint as it is now. The tasks not yet done of those who
+        may no longer use it fail, saying so."""
+        body = {"users": list(users), "public": public, "remove": list(remove)}
         return dict(self._json("POST", f"/v1/endpoints/{endpoint_id}/share", json=body))
 
     def delete_endpoint(self, endpoint_id: str) -> None:

@@ -325,6 +325,22 @@ _FIELDS: dict[str, _Field] = {
         _size_between(1 << 10, 1 << 20),
         "largest request head (request line and headers) the service reads; larger: 431",
     ),
+    "max_functions": _Field(
+        "NIMBUS_MAX_FUNCTIONS",
+        _int_at_least(1),
+        "on the service: functions a user may have registered at once (more: 429)",
+    ),
+    "max_endpoints": _Field(
+        "NIMBUS_MAX_ENDPOINTS",
+        _int_at_least(1),
+        "on the service: endpoints a user may have registered at once (more: 429)",
+    ),
+    "max_message": _Field(
+        "NIMBUS_MAX_MESSAGE",
+        _size_between(16 << 20, 1 << 30),
+        "on the service: largest WebSocket message it accepts from a client or agent, bytes "
+        "(larger: the connection is closed with 1009)",
+    ),
 }
 
 
@@ -394,6 +410,9 @@ class Settings:
     store_maxmemory: int = 1 << 30
     body_timeout: float = 30.0
     max_header_bytes: int = 64 << 10
+    max_functions: int = 10_000
+    max_endpoints: int = 1000
+    max_message: int = 32 << 20
 
     def __post_init__(self) -> None:
         for name, spec in _FIELDS.items():

@@ -33,7 +33,10 @@ or ``except TimeoutError`` written for the stdlib keeps working::
     │   ├── NotFound (LookupError)            no such function, endpoint or task
     │   │                                     (or not visible to this user)
     │   ├── QuotaExceeded                     a per-user limit of the service
-    │   │                                     (queued tasks or bytes) is reached (429)
+    │   │                                     (queued tasks or bytes, functions,
+    │   │                                     endpoints) is reached (429)
+    │   ├── TaskLost                          the service no longer knows a task it
+    │   │                                     accepted (its queues restarted empty)
     │   ├── ProtocolError (ValueError)        a message or record of the wrong
     │   │                                     shape (a WebSocket frame, a queue row)
     │   └── ServiceUnavailable (ConnectionError)  the service cannot be reached
@@ -73,6 +76,7 @@ __all__ = [
     "ServiceUnavailable",
     "StateStoreError",
     "TaskInterrupted",
+    "TaskLost",
     "TaskTimeoutError",
     "VersionMismatchError",
     "WorkerLost",
@@ -224,6 +228,12 @@ class ServiceUnavailable(ServiceError, ConnectionError):
 
 class QuotaExceeded(ServiceError):
     """A per-user limit of the service is reached (429): the message names the setting."""
+
+
+class TaskLost(ServiceError):
+    """The service no longer knows a task it accepted (410): its task queues' Redis
+    restarted empty (a service without ``--persist``), or the task's result expired.
+    The task may or may not have run; submit it again."""
 
 
 class ProtocolError(ServiceError, ValueError):

@@ -14,6 +14,12 @@ breaks it reconnects, asks again for the results of the tasks it waits for
 Arguments larger than the service's inline limit are uploaded to its data store
 by ``submit`` (in the caller's thread); results in the data store are fetched
 in a thread of the loop before they are delivered.
+
+Whatever the service sends is checked: a frame that is not a well-formed
+message (or larger than ``RECEIVE_MAX``) closes the connection with a code,
+one log line, and it reconnects; a result of the wrong shape fails its task
+alone. Tasks the service says it does not know (``unknown``: lost when its
+queues restarted empty) fail with :class:`~nimbus.errors.TaskLost`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,7 +43,10 @@ from nimbus.errors import (
     AuthError,
     ConfigError,
     NimbusError,
+    ProtocolError,
+    ServiceError,
     ServiceUnavailable,
+    TaskLost,
     VersionMismatchError,
 )
 from nimbus.records import TaskRecord
@@ -46,18 +56,25 @@ from nimbus.service.protocol import (
     INLINE_MIN,
     PYTHON,
     SERIALIZER,
+    WRONG_SHAPE,
     WS_CLIENT,
     batches,
+    brief,
     data_ref,
+    decode_frame,
+    is_result,
     pack,
     pack_payload,
     payload_size,
+    str_list,
     unpack,
     unpack_result,
 )
 from nimbus.service.wsclient import certificate_error, open_socket
 
 __all__ = ["ServiceBackend"]
+
+log = logging.getLogger(__name__)
 
 _FIELDS = [f.name for f in dataclasses.fields(TaskRecord)]
 _OURS = frozenset(("task_id", "state", "function", "submitted"))
@@ -67,6 +84,8 @@ KEEPALIVE = 5.0  # seconds between WebSocket pings to the service
 COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
 COALESCE_MAX = 4096
 RETRY_503 = 1.0  # seconds before a batch refused with 503 (queues restarting) is sent again
+SERVICE_OPS = ("results", "accepted", "refused", "unknown")
+_STATUSES = frozenset(Status)
 
 
 class ServiceBackend:
@@ -194,16 +213,21 @@ class ServiceBackend:
         base = self.client.service_url
         context = self.client.ssl_context()
         backoff = 0.05
+        malformed = False  # the last connection ended on a malformed frame: keep backing off
         while not self._closing:
             try:
                 async with open_socket(
                     base, WS_CLIENT, self.client.token, context, keepalive=KEEPALIVE
                 ) as ws:
-                    backoff = 0.05
+                    if not malformed:
+                        backoff = 0.05
+                    malformed = False
                     self._refused = None
                     await self._resume(ws)
                     self._connected.set()
                     await self._session(ws)
+            except ProtocolError:
+                malformed = True  # logged and closed by the reader
             except websockets.InvalidStatus as exc:
                 status = exc.response.status_code
                 self._error = error_for(status, "the service refused the token")
@@ -216,6 +240,12 @@ class ServiceBackend:
                     self._fail_all(self._refused)
             except (OSError, websockets.WebSocketException, TimeoutError) as exc:
                 self._error = certificate_error(exc, base) or exc
+                sent = getattr(exc, "sent", None)
+                if sent is not None and sent.code == 1009:  # over RECEIVE_MAX
+                    log.warning("closed the connection to %s: %s; reconnecting", base, sent)
+            except Exception as exc:  # a fault met in a session ends that connection, not us
+                log.exception("the session with the service at %s failed; reconnecting", base)
+                self._error = exc
             if self._closing:
                 break
             await asyncio.sleep(backoff)
@@ -324,40 +354,105 @@ class ServiceBackend:
             self._outbox.put_nowait(pack({"op": "cancel", "ids": [task_id]}))
 
     async def _reader(self, ws: ClientConnection) -> None:
-        async for data in ws:
-            msg = unpack(data)  # type: ignore[arg-type]
-            op = msg.get("op")
-            if op == "results":
-                self._results(msg["results"])
-            elif op == "accepted":
-                tasks = self._unaccepted.pop(msg["ref"], [])
-                cancels = []
-                early = []
-                for task, task_id in zip(tasks, msg["ids"]):
-                    self._packed.pop(task, None)
-                    task.record.task_id = task_id
-                    self._by_id[task_id] = task
-                    if task.cancelled:
-                        cancels.append(task_id)
-                    row = self._early.pop(task_id, None)
-                    if row is not None:
-                        early.append(row)
-                if not self._unaccepted:
-                    self._early.clear()  # all replies are in: no other can be ours
-                if early:
-                    self._results(early)
-                if cancels:
-                    await ws.send(pack({"op": "cancel", "ids": cancels}))
-            elif op == "refused" and msg.get("status") == 503:
-                self._loop.call_later(RETRY_503, self._resend, msg["ref"])
-            elif op == "refused":
-                tasks = self._unaccepted.pop(msg["ref"], [])
-                error = error_for(int(msg["status"]), str(msg["detail"]))
-                data = serialization.dumps_exception(error, "")
-                for task in tasks:
-                    self._packed.pop(task, None)
-                    task.status, task.data = Status.ERROR, data
-                self._deliver(tasks)
+        """Handle the service's messages; a malformed one closes the connection with its
+        close code and one log line, and raises the ProtocolError (to reconnect)."""
+        try:
+            async for data in ws:
+                await self._handle(ws, decode_frame(data, SERVICE_OPS))
+        except ProtocolError as exc:
+            url = self.client.service_url
+            log.warning("closing the connection to %s: malformed frame: %s", url, exc)
+            await ws.close(exc.code, str(exc).encode()[:120].decode(errors="ignore"))
+            raise
+
+    async def _handle(self, ws: ClientConnection, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == "results":
+            rows = msg.get("results")
+            if not isinstance(rows, list) or not all(_is_row(row) for row in rows):
+                raise ProtocolError(
+                    f"results.results: expected [[task_id, state, result, record], ...], "
+                    f"got {brief(rows)}",
+                    WRONG_SHAPE,
+                )
+            self._results(rows)
+        elif op == "unknown":
+            self._lost(str_list(msg, "ids"))
+        elif op == "accepted":
+            ref, ids = msg.get("ref"), str_list(msg, "ids")
+            if not isinstance(ref, int):
+                raise ProtocolError(f"accepted.ref: expected an int, got {brief(ref)}", WRONG_SHAPE)
+            tasks = self._unaccepted.get(ref)
+            if tasks is None:
+                return  # a batch sent twice (again after a reconnect), accepted twice
+            if len(ids) != len(tasks):
+                raise ProtocolError(
+                    f"accepted: {len(ids)} ids for batch {brief(ref)} of {len(tasks)} tasks",
+                    WRONG_SHAPE,
+                )
+            cancels = self._accepted(ref, ids)
+            if cancels:
+                await ws.send(pack({"op": "cancel", "ids": cancels}))
+        else:  # refused
+            ref, status, detail = msg.get("ref"), msg.get("status"), msg.get("detail")
+            if (
+                not isinstance(ref, int)
+                or not isinstance(status, int)
+                or not isinstance(detail, str)
+            ):
+                raise ProtocolError(
+                    "refused: expected {ref: int, status: int, detail: str}", WRONG_SHAPE
+                )
+            if status == 503:
+                self._loop.call_later(RETRY_503, self._resend, ref)
+                return
+            tasks = self._unaccepted.pop(ref, [])
+            data = serialization.dumps_exception(error_for(status, detail), "")
+            for task in tasks:
+                self._packed.pop(task, None)
+                task.status, task.data = Status.ERROR, data
+            self._deliver(tasks)
+
+    def _accepted(self, ref: int, ids: list[str]) -> list[str]:
+        """The service queued batch ``ref`` as tasks ``ids``; those cancelled meanwhile."""
+        tasks = self._unaccepted.pop(ref, [])
+        early = []
+        cancels = []
+        for task, task_id in zip(tasks, ids):
+            self._packed.pop(task, None)
+            task.record.task_id = task_id
+            self._by_id[task_id] = task
+            if task.cancelled:
+                cancels.append(task_id)
+            row = self._early.pop(task_id, None)
+            if row is not None:
+                early.append(row)
+        if not self._unaccepted:
+            self._early.clear()  # all replies are in: no other can be ours
+        if early:
+            self._results(early)
+        return cancels
+
+    def _lost(self, ids: list[str]) -> None:
+        """The service does not know these tasks: they fail with TaskLost."""
+        url = self.client.service_url
+        lost = []
+        for task_id in ids:
+            task = self._by_id.pop(task_id, None)
+            if task is None:
+                continue
+            error = TaskLost(
+                f"task {task_id} was lost by the service at {url}: it no longer knows it "
+                f"(its task queues restarted empty, or its result expired); it may or may "
+                f"not have run: submit it again (a service started with --persist keeps "
+                f"its tasks across such restarts)",
+                410,
+            )
+            task.status, task.data = Status.ERROR, serialization.dumps_exception(error, "")
+            lost.append(task)
+        if lost:
+            log.warning("%d tasks were lost by the service at %s", len(lost), url)
+        self._deliver(lost)
 
     def _results(self, rows: list[list[Any]]) -> None:
         done = []
@@ -368,16 +463,31 @@ class ServiceBackend:
                 if self._unaccepted:  # it overtook the reply that names it
                     self._early[task_id] = row
                 continue
-            if isinstance(record, bytes):
-                record = unpack(record) if record else None
-            if record:  # the worker's measures: keep our id, function, state, submit time
-                mine = task.record
+            record = _unpacked(record)
+            if isinstance(record, list):  # the worker's measures: keep our id, function,
+                mine = task.record  # state, submit time
                 for name, value in zip(_FIELDS, record):
                     if name not in _OURS:
                         setattr(mine, name, value)
             # packed when it comes from storage (a watch after a reconnect), else as sent
-            value = unpack(blob) if isinstance(blob, bytes) else blob
+            value = _unpacked(blob)
             ref = data_ref(value)
+            error: ServiceError | None = None
+            if ref is None and not (is_result(value) and value[0] in _STATUSES):
+                error = ProtocolError(
+                    f"task {task_id}: the service sent a result of the wrong shape "
+                    f"({brief(value)}); expected [status, data, buffers]"
+                )
+            elif ref is None and value[0] == Status.SKIPPED and not task.cancelled:
+                error = ServiceError(
+                    f"task {task_id} was cancelled on the service (by the owner of its "
+                    f"endpoint, say) before it ran",
+                    409,
+                )
+            if error is not None:
+                task.status, task.data = Status.ERROR, serialization.dumps_exception(error, "")
+                done.append(task)
+                continue
             if ref is not None:  # in the data store: fetched in a thread, then delivered
                 fetch = asyncio.ensure_future(self._fetch_result(task, ref))
                 self._fetches.add(fetch)
@@ -391,8 +501,16 @@ class ServiceBackend:
         try:
             blob = await asyncio.to_thread(self.client.download, data_id)
             task.status, task.data, task.result_buffers = unpack_result(blob)
+            if task.status not in _STATUSES:
+                raise ValueError(f"status {task.status!r}")
         except NimbusError as exc:
             task.status, task.data = Status.ERROR, serialization.dumps_exception(exc, "")
+        except Exception as exc:  # not a packed result
+            error = ProtocolError(
+                f"task {task.record.task_id}: its result {data_id} in the service's data "
+                f"store is not a packed result ({type(exc).__name__}: {exc})"
+            )
+            task.status, task.data = Status.ERROR, serialization.dumps_exception(error, "")
         self._deliver([task])
 
     def _deliver(self, tasks: list[Task]) -> None:
@@ -406,3 +524,20 @@ class ServiceBackend:
                 self._outstanding -= n
                 if self._outstanding <= 0:
                     self._idle.notify_all()
+
+
+def _is_row(row: object) -> bool:
+    """A results row's frame: ``[task_id, state, result, record]``."""
+    return isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
+
+
+def _unpacked(value: Any) -> Any:
+    """A value the service sent as msgpack bytes (from storage) or as is; None if broken."""
+    if not isinstance(value, bytes):
+        return value
+    if not value:
+        return None
+    try:
+        return unpack(value)
+    except Exception:
+        return None

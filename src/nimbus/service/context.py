@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
@@ -130,6 +131,25 @@ class ServiceContext:
             self._functions[function_id] = info
         self._check(user, "function", function_id, info, own)
         return info
+
+    async def unrunnable(self, owner_id: str, function_id: str) -> str | None:
+        """Why a task user ``owner_id`` queued may not run ``function_id`` now (it was
+        deleted, or is no longer shared with them), or None if it may."""
+        info = self._functions.get(function_id)
+        if info is None:
+            info = await run_in_threadpool(self.registry.function, function_id)
+            if info is None:
+                return (
+                    f"function {function_id} was deleted by its owner before this task was "
+                    f"sent to an endpoint; register it again and submit the task again"
+                )
+            self._functions[function_id] = info
+        if info.usable_by(owner_id):
+            return None
+        return (
+            f"function {info.name!r} ({function_id}) of {info.owner} is no longer shared "
+            f"with you; this task was not run"
+        )
 
     def forget_function(self, function_id: str) -> None:
         self._functions.pop(function_id, None)
@@ -241,7 +261,9 @@ class ServiceContext:
         """
         async with self._revoking:
             endpoint_id, created = await run_in_threadpool(
-                self.registry.add_endpoint, user.user_id, name
+                partial(self.registry.add_endpoint, limit=self.settings.max_endpoints),
+                user.user_id,
+                name,
             )
             token, replaced = await run_in_threadpool(
                 self.registry.create_endpoint_token, user.user_id, endpoint_id

@@ -17,6 +17,9 @@ WebSocket messages are msgpack maps with an ``op``::
                         results {results: [[task_id, state, result, record], ...]}
                         (as the agent sent them, or, from storage, result and
                         record as msgpack bytes)
+                        unknown {ids}  (watched tasks the service does not know: lost
+                        when its queues restarted empty without --persist, or expired;
+                        the answer to a watch, and sent after such a restart)
 
 Every frame is a binary msgpack map with a known ``op`` and fields of the types
 above (:func:`decode_frame`, :func:`str_list`); any other frame ends the
@@ -33,6 +36,14 @@ A payload or result larger than the service's ``inline_payload`` (``GET
 packed bytes to ``/v1/data`` and sends the reference ``{"data": data_id}`` in
 their place; the receiver ``GET``s ``/v1/data/{data_id}``. Messages are cut at
 about ``MESSAGE_BYTES`` (:func:`batches`).
+
+Message sizes are bounded on every side: the service accepts messages of at
+most ``max_message`` bytes (``NIMBUS_MAX_MESSAGE``) from clients and agents,
+which cut theirs at ``MESSAGE_BYTES``; it registers function bodies of at most
+``FUNCTION_MAX`` bytes, so what it sends (a batch cut at ``MESSAGE_BYTES``, or
+one function body with one inline payload) stays under ``RECEIVE_MAX``, the
+most the SDK and agents accept from it (a larger message closes the connection
+with 1009, and they reconnect).
 """
 
 from __future__ import annotations
@@ -43,14 +54,16 @@ from typing import Any
 
 import msgpack
 
-from nimbus.config import INLINE_MIN
+from nimbus.config import INLINE_MAX, INLINE_MIN
 from nimbus.errors import PayloadTooLargeError, ProtocolError
 
 __all__ = [
     "DELETED",
+    "FUNCTION_MAX",
     "INLINE_MIN",
     "MESSAGE_BYTES",
     "PYTHON",
+    "RECEIVE_MAX",
     "REPLACED",
     "REVOKED",
     "SERIALIZER",
@@ -59,6 +72,7 @@ __all__ = [
     "check_payload",
     "data_ref",
     "decode_frame",
+    "is_result",
     "pack",
     "pack_payload",
     "pack_result",
@@ -84,6 +98,9 @@ REPLACED = 4409  # close code: the endpoint was registered again, a new token re
 DELETED = 4410  # close code: the endpoint was deleted by its owner
 MESSAGE_BYTES = 8 << 20  # payload bytes per WebSocket message (one larger row goes alone)
 TEXT_FRAME, NOT_MSGPACK, WRONG_SHAPE = 1003, 1007, 1008  # WebSocket close codes
+FUNCTION_MAX = 16 << 20  # bytes of a registered function's body (pass large data as arguments)
+RECEIVE_MAX = 4 * MESSAGE_BYTES  # bytes of a message the SDK and agents accept from the service
+assert RECEIVE_MAX > FUNCTION_MAX + INLINE_MAX + (1 << 20)  # one row with its framing fits
 
 
 def pack(obj: object) -> bytes:
@@ -164,6 +181,20 @@ def decode_frame(frame: str | bytes | None, ops: Collection[str]) -> dict[str, A
             f"unknown op {str(op)[:40]!r}: expected one of {', '.join(sorted(ops))}", WRONG_SHAPE
         )
     return msg
+
+
+def is_result(value: object) -> bool:
+    """Whether ``value`` is a result as sent inline: ``[status, data, [buffer, ...]]``."""
+    return (
+        isinstance(value, list)
+        and len(value) == 3
+        and isinstance(value[0], int)
+        and not isinstance(value[0], bool)
+        and -1 <= value[0] <= 255
+        and isinstance(value[1], bytes)
+        and isinstance(value[2], list)
+        and all(isinstance(b, bytes) for b in value[2])
+    )
 
 
 def str_list(msg: dict[str, Any], name: str, *, default: list[str] | None = None) -> list[str]:

@@ -39,9 +39,11 @@ from nimbus.errors import QuotaExceeded
 from nimbus.keys import Keys
 from nimbus.records import TaskState
 
-__all__ = ["Broken", "TaskStore"]
+__all__ = ["Broken", "Taken", "TaskStore"]
 
 Broken = tuple[str, str, str]  # a task taken whose stored record is broken: id, function, why
+Taken = tuple[str, str, bytes, float | None, str, str]  # id, function, payload, timeout,
+# data id, owner: a task taken to be sent to an agent
 
 DONE = (TaskState.SUCCESS.value, TaskState.FAILED.value, TaskState.CANCELLED.value)
 CANCELLED_RESULT = msgpack.packb([2, b"", []])  # Status.SKIPPED, as an agent would send
@@ -97,11 +99,11 @@ while taken < n do
   local id = redis.call('LPOP', KEYS[1])
   if not id then break end
   local key = ARGV[3] .. id
-  local v = redis.call('HMGET', key, 'state', 'function', 'payload', 'timeout', 'data')
+  local v = redis.call('HMGET', key, 'state', 'function', 'payload', 'timeout', 'data', 'owner')
   if v[1] == 'waiting-for-endpoint' then
     redis.call('HSET', key, 'state', 'dispatched', 'dispatched', ARGV[4])
     redis.call('HSET', KEYS[2], id, ARGV[2])
-    out[#out + 1] = {id, v[2], v[3], v[4] or '', v[5] or ''}
+    out[#out + 1] = {id, v[2], v[3], v[4] or '', v[5] or '', v[6] or ''}
     taken = taken + 1
   end
 end
@@ -293,10 +295,10 @@ class TaskStore:
 
     async def take(
         self, endpoint_id: str, conn_id: str, n: int
-    ) -> tuple[list[tuple[str, str, bytes, float | None, str]], list[Broken]]:
+    ) -> tuple[list[Taken], list[Broken]]:
         """Up to ``n`` waiting tasks of an endpoint, now in flight on ``conn_id``.
 
-        Rows are ``(task_id, function_id, payload, timeout, data_id)``; a task whose
+        Rows are ``(task_id, function_id, payload, timeout, data_id, owner)``; a task whose
         stored record cannot be read (a bug, an older version) comes apart, as
         ``(task_id, function_id, why)``, for the caller to fail.
         """
@@ -308,9 +310,10 @@ class TaskStore:
         if not rows:  # cmsgpack packs an empty table as a map
             return [], []
         out, broken = [], []
-        for task_id, fn, payload, timeout, d in rows:
+        for task_id, fn, payload, timeout, d, owner in rows:
             try:
-                out.append((task_id.decode(), fn.decode(), payload, _timeout(timeout), _text(d)))
+                row = (task_id.decode(), fn.decode(), payload, _timeout(timeout), _text(d))
+                out.append((*row, _text(owner)))
             except ValueError as exc:
                 broken.append((_text(task_id), _text(fn), str(exc)))
         return out, broken

@@ -28,11 +28,14 @@ from sqlalchemy import (
     create_engine,
     delete,
     event,
+    func,
     or_,
     select,
 )
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from nimbus.errors import QuotaExceeded
 
 __all__ = ["Principal", "Registry", "TokenInfo", "check_user_name", "hash_token"]
 
@@ -152,6 +155,11 @@ class FunctionInfo:
     public: bool
     created: float
     shared_with: tuple[str, ...]
+    shared_ids: frozenset[str] = frozenset()  # the user ids of ``shared_with``
+
+    def usable_by(self, user_id: str) -> bool:
+        """Whether the user ``user_id`` may run this function (own, shared or public)."""
+        return self.public or user_id == self.owner_id or user_id in self.shared_ids
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -330,9 +338,20 @@ class Registry:
     # ------------------------------------------------------------ functions
 
     def add_function(
-        self, owner_id: str, name: str, body: bytes, python: str, serializer: str
+        self,
+        owner_id: str,
+        name: str,
+        body: bytes,
+        python: str,
+        serializer: str,
+        *,
+        limit: int | None = None,
     ) -> str:
-        """Register a function; the same bytes from the same owner give the same id."""
+        """Register a function; the same bytes from the same owner give the same id.
+
+        :class:`~nimbus.errors.QuotaExceeded` (429) if the owner already has ``limit``
+        functions (``NIMBUS_MAX_FUNCTIONS``) and these bytes are not one of them.
+        """
         digest = hashlib.sha256(body).hexdigest()
         with self._session.begin() as session:
             existing = session.scalar(
@@ -345,6 +364,10 @@ class Registry:
             )
             if existing is not None:
                 return existing
+            if limit is not None:
+                _check_count(
+                    session, Function, owner_id, limit, "functions", "NIMBUS_MAX_FUNCTIONS"
+                )
             fn = Function(
                 id=_new_id(),
                 owner_id=owner_id,
@@ -367,6 +390,12 @@ class Registry:
             if row is None:
                 return None
             fn, owner = row
+            shared = session.execute(
+                select(User.name, User.id)
+                .join(Share, Share.user_id == User.id)
+                .where(Share.kind == "function", Share.resource_id == fn.id)
+                .order_by(User.name)
+            ).all()
             return FunctionInfo(
                 fn.id,
                 fn.owner_id,
@@ -376,7 +405,8 @@ class Registry:
                 fn.serializer,
                 fn.public,
                 fn.created,
-                self._shared_with(session, "function", fn.id),
+                tuple(name for name, _ in shared),
+                frozenset(uid for _, uid in shared),
             )
 
     def function_body(self, function_id: str) -> bytes | None:
@@ -404,14 +434,24 @@ class Registry:
 
     # ------------------------------------------------------------ endpoints
 
-    def add_endpoint(self, owner_id: str, name: str) -> tuple[str, bool]:
-        """The id of the owner's endpoint ``name``, created if new, and whether it was."""
+    def add_endpoint(
+        self, owner_id: str, name: str, *, limit: int | None = None
+    ) -> tuple[str, bool]:
+        """The id of the owner's endpoint ``name``, created if new, and whether it was.
+
+        :class:`~nimbus.errors.QuotaExceeded` (429) if it is new and the owner already
+        has ``limit`` endpoints (``NIMBUS_MAX_ENDPOINTS``).
+        """
         with self._session.begin() as session:
             existing = session.scalar(
                 select(Endpoint.id).where(Endpoint.owner_id == owner_id, Endpoint.name == name)
             )
             if existing is not None:
                 return existing, False
+            if limit is not None:
+                _check_count(
+                    session, Endpoint, owner_id, limit, "endpoints", "NIMBUS_MAX_ENDPOINTS"
+                )
             endpoint = Endpoint(id=_new_id(), owner_id=owner_id, name=name)
             session.add(endpoint)
         return endpoint.id, True
@@ -506,6 +546,24 @@ class Registry:
             .order_by(User.name)
         )
         return tuple(names)
+
+
+def _check_count(
+    session: Session,
+    model: type[Function] | type[Endpoint],
+    owner_id: str,
+    limit: int,
+    what: str,
+    setting: str,
+) -> None:
+    """QuotaExceeded (429) naming ``setting`` if ``owner_id`` has ``limit`` ``what`` already."""
+    have = session.scalar(select(func.count()).select_from(model).where(model.owner_id == owner_id))
+    if have is not None and have >= limit:
+        raise QuotaExceeded(
+            f"quota: you have {have} {what} registered and may have at most {limit} "
+            f"({setting} on the service); delete some you no longer use",
+            429,
+        )
 
 
 def _sqlite_pragmas(dbapi_connection: object, record: object) -> None:

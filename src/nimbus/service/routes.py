@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
@@ -9,9 +10,10 @@ from fastapi.responses import JSONResponse
 from pydantic import Base64Bytes, BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from nimbus.errors import NotFound, ServiceError
+from nimbus.errors import NotFound, PayloadTooLargeError, ServiceError
 from nimbus.service.context import AmbiguousName, ServiceContext
 from nimbus.service.deps import context, current_user
+from nimbus.service.protocol import FUNCTION_MAX
 from nimbus.service.registry import Principal
 
 __all__ = ["router"]
@@ -51,8 +53,16 @@ async def whoami(user: User) -> dict[str, Any]:
 
 @router.post("/functions", status_code=201, tags=["functions"])
 async def register_function(body: FunctionIn, user: User, ctx: Ctx) -> dict[str, Any]:
+    """Register a function (the same bytes again: the same id); 413 over FUNCTION_MAX
+    bytes, 429 over the user's NIMBUS_MAX_FUNCTIONS."""
+    if len(body.function) > FUNCTION_MAX:
+        raise PayloadTooLargeError(
+            f"function: its pickled body of {len(body.function)} bytes exceeds the limit of "
+            f"{FUNCTION_MAX} bytes (nimbus.service.protocol.FUNCTION_MAX); pass large data "
+            f"as arguments instead of capturing it in the function"
+        )
     function_id = await run_in_threadpool(
-        ctx.registry.add_function,
+        partial(ctx.registry.add_function, limit=ctx.settings.max_functions),
         user.user_id,
         body.name,
         body.function,

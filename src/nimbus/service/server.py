@@ -46,7 +46,6 @@ from nimbus import _loop
 from nimbus.config import Settings
 from nimbus.errors import ConfigError, StateStoreError
 from nimbus.service.limits import HeadLimit
-from nimbus.service.protocol import MESSAGE_BYTES
 from nimbus.statestore import StateStore
 
 __all__ = ["check_tls", "running_service", "serve"]
@@ -128,7 +127,7 @@ def _serve(
             host=host,
             port=port,
             log_level="warning",
-            ws_max_size=4 * MESSAGE_BYTES,  # larger payloads go through the data store
+            ws_max_size=settings.max_message,  # NIMBUS_MAX_MESSAGE; larger: closed, 1009
             ws_ping_interval=None,
             ws_per_message_deflate=False,  # payloads are pickles: compressing costs, gains little
             lifespan="on",
@@ -225,7 +224,10 @@ def _quiet_outage_errors() -> None:
 
 
 async def _supervise(app: FastAPI, store: StateStore, persist_dir: Path | None) -> None:
-    """Start the embedded queue Redis again whenever it dies, and requeue what was in flight."""
+    """Start the embedded queue Redis again whenever it dies, requeue what was in flight,
+    and tell the clients waiting on tasks it lost (restarted empty) that they are lost."""
+    from nimbus.service.ws import tell_lost
+
     while True:
         await asyncio.sleep(SUPERVISE_SECONDS)
         if store.alive():
@@ -255,6 +257,7 @@ async def _supervise(app: FastAPI, store: StateStore, persist_dir: Path | None) 
         if ctx is not None:
             try:
                 requeued = await ctx.store.requeue_all()
+                await tell_lost(ctx)  # clients waiting on tasks it no longer has are told
             except redis.RedisError as exc:
                 log.error("could not requeue the tasks in flight: %s", exc)
         log.warning(

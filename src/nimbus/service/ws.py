@@ -7,7 +7,14 @@ that wait. A connection silent for three heartbeats is closed, and its tasks
 in flight go back to the head of the endpoint's queue. A frame that is not a
 well-formed message closes its connection with a code and reason and one log
 line (``nimbus.service.protocol``); a task whose stored record is broken fails
-alone, and a dispatcher that fails is started again.
+alone, and a dispatcher that fails is started again. A task whose function was
+deleted, or is no longer shared with its submitter, fails instead of being sent
+(an agent may still hold the function from an earlier task).
+
+A client's ``watch`` is answered with the results already stored and an
+``unknown`` message naming the tasks the service does not know (lost when the
+queue Redis restarted empty, or expired); after such a restart
+:func:`tell_lost` sends every client the same for the tasks it waits on.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,12 +36,20 @@ from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
 from nimbus.service.context import ServiceContext
 from nimbus.service.hub import Peer
-from nimbus.service.protocol import WRONG_SHAPE, batches, data_ref, decode_frame, pack, str_list
-from nimbus.service.queues import DONE, Broken
+from nimbus.service.protocol import (
+    WRONG_SHAPE,
+    batches,
+    data_ref,
+    decode_frame,
+    is_result,
+    pack,
+    str_list,
+)
+from nimbus.service.queues import DONE
 from nimbus.service.registry import hash_token
 from nimbus.service.tasks import cancel_tasks, submit_tasks, wire_rows
 
-__all__ = ["agent_socket", "client_socket"]
+__all__ = ["agent_socket", "client_socket", "tell_lost"]
 
 log = logging.getLogger(__name__)
 TAKE_MAX = 2000
@@ -43,6 +59,7 @@ COALESCE = 0.002  # with work in flight, wait this long to gather more into one 
 MAX_WINDOW = 1_000_000  # tasks an agent may ask to have in flight
 STOP_SECONDS = 2.0  # a dispatcher gets this long to stop when its connection ends
 RESTART_MAX = 5.0  # seconds between restarts of a dispatcher that keeps failing
+LOST_CHUNK = 10_000  # task ids looked up, or named in one "unknown" message
 AGENT_OPS = ("results", "running", "beat")
 CLIENT_OPS = ("submit", "watch", "cancel")
 
@@ -106,7 +123,7 @@ def _results(msg: dict[str, Any]) -> list[list[Any]]:
             and len(row) == 4
             and isinstance(row[0], str)
             and row[1] in DONE
-            and (data_ref(row[2]) is not None or _is_result(row[2]))
+            and (data_ref(row[2]) is not None or is_result(row[2]))
         )
         if not ok:
             raise ProtocolError(
@@ -115,17 +132,6 @@ def _results(msg: dict[str, Any]) -> list[list[Any]]:
                 WRONG_SHAPE,
             )
     return rows
-
-
-def _is_result(value: object) -> bool:
-    return (
-        isinstance(value, list)
-        and len(value) == 3
-        and _int_in(value[0], -1, 255)
-        and isinstance(value[1], bytes)
-        and isinstance(value[2], list)
-        and all(isinstance(b, bytes) for b in value[2])
-    )
 
 
 async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
@@ -260,16 +266,30 @@ async def _dispatch(
         if sent:
             await asyncio.sleep(COALESCE)  # the agent is busy: let more tasks join this batch
         wake.clear()
-        rows, broken = await ctx.store.take(endpoint_id, peer.conn_id, min(free, TAKE_MAX))
-        if broken:
-            await _fail_broken(ctx, endpoint_id, broken)
+        taken, broken = await ctx.store.take(endpoint_id, peer.conn_id, min(free, TAKE_MAX))
+        failed: list[tuple[str, str, Exception]] = [
+            (t, fn, _broken(endpoint_id, t, why)) for t, fn, why in broken
+        ]
+        refused: dict[tuple[str, str], str | None] = {}  # (owner, function): why not, or None
+        rows = []
+        for row in taken:
+            task_id, function_id, owner = row[0], row[1], row[5]
+            if (owner, function_id) not in refused:
+                refused[owner, function_id] = await ctx.unrunnable(owner, function_id)
+            why = refused[owner, function_id]
+            if why is None:
+                rows.append(row)
+            else:
+                failed.append((task_id, function_id, ServiceError(why, 410)))
+        if failed:
+            await _fail_tasks(ctx, endpoint_id, failed)
         if not rows:
-            if not broken:
+            if not failed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), IDLE_POLL)
             continue
         out = []
-        for task_id, function_id, payload, timeout, data_id in rows:
+        for task_id, function_id, payload, timeout, data_id, _ in rows:
             body: bytes | None = None
             if function_id not in known:
                 try:
@@ -284,17 +304,24 @@ async def _dispatch(
             await peer.send(pack({"op": "tasks", "tasks": batch}))
 
 
-async def _fail_broken(ctx: ServiceContext, endpoint_id: str, broken: list[Broken]) -> None:
-    """Fail tasks whose stored records cannot be read, as an agent fails a task; go on."""
+def _broken(endpoint_id: str, task_id: str, why: str) -> ProtocolError:
+    """The error of a task whose stored record cannot be read (logged)."""
+    log.warning(
+        "task %s of endpoint %s has a broken record (%s): failed", task_id, endpoint_id, why
+    )
+    return ProtocolError(
+        f"task {task_id} could not be sent to its endpoint: its stored record is broken "
+        f"({why}); submit it again"
+    )
+
+
+async def _fail_tasks(
+    ctx: ServiceContext, endpoint_id: str, failed: list[tuple[str, str, Exception]]
+) -> None:
+    """Fail taken tasks ``(task_id, function_id, error)`` that are not to be sent, as an
+    agent fails a task (their quota given back, whoever waits told); go on."""
     rows = []
-    for task_id, function_id, why in broken:
-        log.warning(
-            "task %s of endpoint %s has a broken record (%s): failed", task_id, endpoint_id, why
-        )
-        error = ProtocolError(
-            f"task {task_id} could not be sent to its endpoint: its stored record is broken "
-            f"({why}); submit it again"
-        )
+    for task_id, function_id, error in failed:
         result = [Status.ERROR, serialization.dumps_exception(error, ""), []]
         record = TaskRecord(task_id, TaskState.FAILED, function=function_id).to_wire()
         rows.append([task_id, TaskState.FAILED.value, result, record])
@@ -348,8 +375,15 @@ async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
 
 
 async def _watch(ctx: ServiceContext, user_id: str, ids: list[str], peer: Peer) -> None:
+    """Watch the user's tasks ``ids``: their stored results now, the others when they
+    finish; the tasks the service does not know (or not as theirs) are named ``unknown``."""
     infos = await ctx.store.info(ids)
     mine = [i for i, info in zip(ids, infos) if info is not None and info["owner"] == user_id]
+    if len(mine) < len(ids):
+        known = set(mine)
+        unknown = [i for i in dict.fromkeys(ids) if i not in known]
+        for start in range(0, len(unknown), LOST_CHUNK):
+            await peer.send(pack({"op": "unknown", "ids": unknown[start : start + LOST_CHUNK]}))
     ctx.hub.watch(mine, peer)
     done = []
     for task_id, result in zip(mine, await ctx.store.results(mine)):
@@ -357,6 +391,31 @@ async def _watch(ctx: ServiceContext, user_id: str, ids: list[str], peer: Peer) 
             done.append([task_id, *result])
     for batch in batches(done, lambda row: len(row[2])):
         await ctx.hub.deliver(batch)
+
+
+async def tell_lost(ctx: ServiceContext) -> int:
+    """The queue Redis restarted (empty without ``--persist``): tell each client the
+    tasks it waits on that the service no longer knows (``unknown``); how many."""
+    watched = list(ctx.hub.watchers.items())
+    lost: dict[Peer, list[str]] = defaultdict(list)
+    for start in range(0, len(watched), LOST_CHUNK):
+        chunk = watched[start : start + LOST_CHUNK]
+        infos = await ctx.store.info([task_id for task_id, _ in chunk])
+        for (task_id, peer), info in zip(chunk, infos):
+            if info is None and ctx.hub.watchers.get(task_id) is peer:
+                del ctx.hub.watchers[task_id]
+                lost[peer].append(task_id)
+    for peer, ids in lost.items():
+        for start in range(0, len(ids), LOST_CHUNK):
+            await peer.send(pack({"op": "unknown", "ids": ids[start : start + LOST_CHUNK]}))
+    total = sum(len(ids) for ids in lost.values())
+    if total:
+        log.warning(
+            "%d tasks that %d clients waited for were lost with the task queues; they were told",
+            total,
+            len(lost),
+        )
+    return total
 
 
 def _task_size(row: list[Any]) -> int:

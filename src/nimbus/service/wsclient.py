@@ -7,7 +7,8 @@
                                                         caller's SSL context: NIMBUS_CA_FILE)
 
 :func:`open_socket` opens ``path`` of the service with the bearer token and the
-options both peers use (no compression, no size limit of our own, pings every
+options both peers use (no compression, messages of at most ``RECEIVE_MAX``
+bytes accepted (a larger one closes the connection with 1009), pings every
 ``keepalive`` seconds so that a link cut silently is noticed);
 :func:`certificate_error` turns a refused certificate into a ConfigError that
 names the setting to fix.
@@ -21,6 +22,7 @@ from websockets.asyncio.client import connect
 
 from nimbus.config import untrusted_certificate
 from nimbus.errors import ConfigError
+from nimbus.service.protocol import RECEIVE_MAX
 
 __all__ = ["certificate_error", "open_socket", "ws_url"]
 
@@ -49,7 +51,7 @@ def open_socket(
     return connect(
         url,
         additional_headers={"Authorization": f"Bearer {token}"},
-        max_size=None,
+        max_size=RECEIVE_MAX,
         ping_interval=keepalive,
         ping_timeout=3 * keepalive,
         compression=None,
