@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from nimbus import Executor
-from nimbus.client import AmbiguousEndpointError
-from nimbus.errors import NotFound, ServiceError
+from nimbus.errors import AmbiguousEndpointError, NotFound, ServiceError
 from service_support import EndpointProcess, Service
 
 

@@ -23,7 +23,6 @@ import json
 import os
 import ssl
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import httpx
 from nimbus import serialization
 from nimbus.config import Settings, check_timeout, config_dir, untrusted_certificate
 from nimbus.errors import (
+    AmbiguousEndpointError,
     AuthError,
     ConfigError,
     NotFound,
@@ -52,6 +52,7 @@ from nimbus.service.protocol import (
     PYTHON,
     SERIALIZER,
     data_ref,
+    is_uuid,
     pack,
     pack_payload,
     payload_size,
@@ -119,20 +120,6 @@ def error_for(status: int, detail: str) -> ServiceError | PayloadTooLargeError:
     if status == 409 and "version mismatch" in detail:
         return ServiceVersionMismatch(detail, status)
     return ServiceError(detail, status)
-
-
-class AmbiguousEndpointError(ServiceError):
-    """A 409 from the service: an endpoint name matches several endpoints you can use.
-
-    ``choices`` are their ``owner/name``; give one of them instead of the bare name.
-    """
-
-    def __init__(self, message: str, status: int = 409, choices: list[str] | None = None):
-        super().__init__(message, status)
-        self.choices = list(choices or [])
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0], self.status, self.choices))
 
 
 class ServiceVersionMismatch(VersionMismatchError, ServiceError):
@@ -350,7 +337,7 @@ class Client:
         name, else the only one of that name you can use. A name that several
         endpoints of others answer to raises :class:`AmbiguousEndpointError` listing
         their ``OWNER/NAME`` (nothing is guessed); none raises ``NotFound``."""
-        if _is_uuid(endpoint):
+        if is_uuid(endpoint):
             return dict(self._json("GET", f"/v1/endpoints/{endpoint}"))
         return dict(self._json("GET", "/v1/endpoints/resolve", params={"name": endpoint}))
 
@@ -469,11 +456,3 @@ class Client:
         endpoint's ``endpoint_id``, ``name``, ``online`` and ``workers``."""
         endpoint_id = self.get_endpoint(endpoint)["endpoint_id"]
         return dict(self._json("POST", f"/v1/endpoints/{endpoint_id}/store"))
-
-
-def _is_uuid(text: str) -> bool:
-    try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True

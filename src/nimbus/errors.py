@@ -32,6 +32,8 @@ or ``except TimeoutError`` written for the stdlib keeps working::
     │   ├── AuthError (PermissionError)       a missing, wrong or too weak token
     │   ├── NotFound (LookupError)            no such function, endpoint or task
     │   │                                     (or not visible to this user)
+    │   ├── AmbiguousEndpointError            an endpoint name matches several you
+    │   │                                     can use; ``choices`` lists owner/name
     │   ├── QuotaExceeded                     a per-user limit of the service
     │   │                                     (queued tasks or bytes, functions,
     │   │                                     endpoints) is reached (429)
@@ -53,6 +55,7 @@ import pickle
 from concurrent.futures.process import BrokenProcessPool
 
 __all__ = [
+    "AmbiguousEndpointError",
     "AuthError",
     "ConfigError",
     "DeserializationError",
@@ -224,6 +227,20 @@ class NotFound(ServiceError, LookupError):
 
 class ServiceUnavailable(ServiceError, ConnectionError):
     """The service cannot be reached (connection refused, reset, timed out)."""
+
+
+class AmbiguousEndpointError(ServiceError):
+    """A 409 from the service: an endpoint name matches several endpoints you can use.
+
+    ``choices`` are their ``owner/name``; give one of them instead of the bare name.
+    """
+
+    def __init__(self, message: str, status: int = 409, choices: list[str] | None = None):
+        super().__init__(message, status)
+        self.choices = list(choices or [])
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.status, self.choices))
 
 
 class QuotaExceeded(ServiceError):

@@ -21,7 +21,6 @@ import asyncio
 import logging
 import pickle
 import time
-import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from functools import partial
@@ -33,7 +32,7 @@ from nimbus.config import Settings
 from nimbus.errors import AuthError, NotFound, ServiceError
 from nimbus.records import TaskState
 from nimbus.service.hub import Hub
-from nimbus.service.protocol import DELETED, REPLACED, REVOKED, pack
+from nimbus.service.protocol import DELETED, REPLACED, REVOKED, is_uuid, pack
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import EndpointInfo, FunctionInfo, Principal, Registry, hash_token
 
@@ -228,7 +227,7 @@ class ServiceContext:
         one endpoint of that name they can see; AmbiguousName (409, listing the
         ``owner/name`` choices) when they can see several, NotFound when none.
         """
-        if _is_uuid(ref):
+        if is_uuid(ref):
             return await self.endpoint(user, ref)
         owner, slash, name = ref.rpartition("/")
         found = []
@@ -398,11 +397,3 @@ class ServiceContext:
             raise AuthError(
                 f"{kind} {resource_id} belongs to {info.owner}: only they may change it", 403
             )
-
-
-def _is_uuid(text: str) -> bool:
-    try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True

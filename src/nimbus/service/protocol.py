@@ -49,6 +49,7 @@ with 1009, and they reconnect).
 from __future__ import annotations
 
 import sys
+import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -73,6 +74,7 @@ __all__ = [
     "data_ref",
     "decode_frame",
     "is_result",
+    "is_uuid",
     "pack",
     "pack_payload",
     "pack_result",
@@ -252,3 +254,12 @@ def too_large(what: str, size: int, limit: int) -> PayloadTooLargeError:
         f"{what} of {size} bytes exceeds the limit of {limit} bytes "
         f"(NIMBUS_MAX_PAYLOAD on the service)"
     )
+
+
+def is_uuid(text: str) -> bool:
+    """Whether ``text`` is a UUID (an id), not a name: how an endpoint reference is read."""
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
