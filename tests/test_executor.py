@@ -9,6 +9,7 @@ import queue
 import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -878,3 +879,85 @@ def test_redis_url_pointing_at_nothing(tmp_path) -> None:
     with pytest.raises(StateStoreError, match=re.escape("redis://127.0.0.1:1")):
         StateStore.from_settings(Settings.load(env=env))
     assert time.monotonic() - start < 5
+
+
+# -- a worker's start-up: what a fresh worker imports ------------------------------------
+# Each worker is a fresh interpreter, and what it imports before its hello delays the first
+# task of a fresh executor (bench/executor.py's spread and startup rows).
+HEAVY_FOR_A_WORKER = (
+    "cloudpickle",  # imported when a function sent by value is unpickled, not before
+    "concurrent.futures.process",  # the base of WorkerLost, which a worker never raises
+    "dataclasses",
+    "hashlib",
+    "logging",
+    "multiprocessing",
+    "nimbus.executor",
+    "nimbus.records",
+    "sysconfig",
+)
+
+
+def test_a_worker_imports_only_what_it_needs() -> None:
+    code = (
+        "import sys; import nimbus.runtime.worker; "
+        f"print([m for m in {HEAVY_FOR_A_WORKER!r} if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=nimbus.runtime.manager.worker_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert out.strip() == "[]", out
+
+
+def test_nimbus_names_are_imported_on_first_use() -> None:
+    code = (
+        "import sys, nimbus; before = 'nimbus.executor' in sys.modules; "
+        "from nimbus import Executor, NimbusError, TaskState; "
+        "import nimbus.executor, nimbus.errors, nimbus.records; "
+        "print(before, Executor is nimbus.executor.Executor, "
+        "NimbusError is nimbus.errors.NimbusError, TaskState is nimbus.records.TaskState)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=nimbus.runtime.manager.worker_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert out.split() == ["False", "True", "True", "True"], out
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        nimbus.nothing  # noqa: B018
+
+
+def test_worker_lost_is_made_once_on_first_use_and_pickles() -> None:
+    """WorkerLost and RuntimeClosed subclass BrokenProcessPool, made on first use, once."""
+    code = (
+        "import pickle, sys, threading; import nimbus.errors as e; "
+        "print('concurrent.futures.process' in sys.modules); "
+        "seen = []; "
+        "ts = [threading.Thread(target=lambda: seen.append(e.RuntimeClosed)) for _ in range(8)]; "
+        "[t.start() for t in ts]; [t.join() for t in ts]; "
+        "from concurrent.futures.process import BrokenProcessPool; "
+        "from nimbus.errors import RuntimeClosed, WorkerLost; "
+        "print(all(c is RuntimeClosed for c in seen), issubclass(RuntimeClosed, WorkerLost), "
+        "issubclass(WorkerLost, BrokenProcessPool) and issubclass(WorkerLost, e.NimbusError), "
+        "type(pickle.loads(pickle.dumps(WorkerLost('x')))) is WorkerLost, "
+        "WorkerLost.__qualname__, WorkerLost.__module__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=nimbus.runtime.manager.worker_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert out.split() == ["False", "True", "True", "True", "True", "WorkerLost", "nimbus.errors"]
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        nimbus.errors.Nothing  # noqa: B018
+    assert issubclass(WorkerLost, BrokenProcessPool)

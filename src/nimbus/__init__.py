@@ -1,19 +1,21 @@
 """nimbus: run Python functions and unmodified multiprocessing programs on warm workers.
 
-Public names are re-exported here; ``Executor``, ``Future`` and ``Client`` are imported on
-first use so that ``nimbus version`` and worker start-up stay fast.
+Public names are re-exported here and imported on first use (PEP 562), so that
+``import nimbus`` costs nothing: a worker, which is a fresh interpreter that
+imports ``nimbus.runtime.worker``, starts its first task sooner, and
+``nimbus version`` stays fast.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
-
-from nimbus.errors import NimbusError
-from nimbus.records import TaskRecord, TaskState
 
 if TYPE_CHECKING:
     from nimbus.client import Client
+    from nimbus.errors import NimbusError
     from nimbus.executor import Executor, Future
+    from nimbus.records import TaskRecord, TaskState
 
 __version__ = "0.1.0"
 
@@ -27,14 +29,25 @@ __all__ = [
     "__version__",
 ]
 
+# public name -> the module that defines it
+_HOMES = {
+    "Client": "nimbus.client",
+    "Executor": "nimbus.executor",
+    "Future": "nimbus.executor",
+    "NimbusError": "nimbus.errors",
+    "TaskRecord": "nimbus.records",
+    "TaskState": "nimbus.records",
+}
+
 
 def __getattr__(name: str) -> Any:
-    if name in ("Executor", "Future"):
-        from nimbus import executor
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'nimbus' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-        return getattr(executor, name)
-    if name == "Client":
-        from nimbus.client import Client
 
-        return Client
-    raise AttributeError(f"module 'nimbus' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -47,12 +47,18 @@ or ``except TimeoutError`` written for the stdlib keeps working::
 
 Errors of the libraries underneath (redis, socket, pickle) are translated into
 these at the boundary where nimbus calls them.
+
+``WorkerLost`` and ``RuntimeClosed`` are made on first use (PEP 562): their
+stdlib base lives in ``concurrent.futures.process``, which imports
+multiprocessing, logging and more (about 40 ms), and a worker, which imports
+this module at its start, never needs them.
 """
 
 from __future__ import annotations
 
 import pickle
-from concurrent.futures.process import BrokenProcessPool
+import threading
+from typing import TYPE_CHECKING
 
 __all__ = [
     "AmbiguousEndpointError",
@@ -160,12 +166,12 @@ class TaskInterrupted(NimbusError):
         return (type(self), (self.args[0], self.code))
 
 
-class WorkerLost(NimbusError, BrokenProcessPool):
-    """The worker running a task died (killed, ``os._exit``, segfault)."""
+if TYPE_CHECKING:  # as mypy sees them; made on first use by _make_worker_lost below
+    from concurrent.futures.process import BrokenProcessPool
 
+    class WorkerLost(NimbusError, BrokenProcessPool): ...
 
-class RuntimeClosed(WorkerLost):
-    """The runtime shut down while the task was still in it."""
+    class RuntimeClosed(WorkerLost): ...
 
 
 class MessagingError(NimbusError):
@@ -266,3 +272,27 @@ class ProtocolError(ServiceError, ValueError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.args[0], self.code))
+
+
+_make_lock = threading.Lock()
+
+
+def _make_worker_lost() -> None:
+    global WorkerLost, RuntimeClosed
+    from concurrent.futures.process import BrokenProcessPool
+
+    class WorkerLost(NimbusError, BrokenProcessPool):
+        """The worker running a task died (killed, ``os._exit``, segfault)."""
+
+    class RuntimeClosed(WorkerLost):
+        """The runtime shut down while the task was still in it."""
+
+
+def __getattr__(name: str) -> type[Exception]:
+    if name not in ("WorkerLost", "RuntimeClosed"):
+        raise AttributeError(f"module 'nimbus.errors' has no attribute {name!r}")
+    with _make_lock:  # made once: every ``except WorkerLost`` must see the same class
+        if "WorkerLost" not in globals():
+            _make_worker_lost()
+    made: type[Exception] = globals()[name]
+    return made

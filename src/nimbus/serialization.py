@@ -10,25 +10,24 @@ Plain ``pickle`` is tried first because it is several times faster; it falls
 back to ``cloudpickle`` when the object holds something plain pickle cannot
 send by value: lambdas, closures, and functions or classes defined in
 ``__main__`` (which a worker, running another main module, could not import).
+cloudpickle (and what it imports: logging, typing, dataclasses, ...) is
+imported on first use: a worker whose tasks pickle plainly never imports it,
+and one that unpickles a function sent by value imports it then.
 """
 
 from __future__ import annotations
 
 import copyreg
 import functools
-import hashlib
 import io
 import os
 import pickle
 import sys
-import sysconfig
 import threading
 import types
 from collections import ChainMap
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, Protocol
-
-import cloudpickle
 
 from nimbus.errors import DeserializationError, SerializationError
 
@@ -124,6 +123,8 @@ def describe(obj: object, limit: int = 80) -> str:
 
 def _find_culprit(obj: object, depth: int = 0) -> object:
     """The innermost part of ``obj`` that fails to pickle (best effort)."""
+    import cloudpickle
+
     if depth > 4:
         return obj
     if isinstance(obj, list | tuple | set | frozenset):
@@ -146,6 +147,8 @@ _picklers: dict[int, tuple[type[pickle.Pickler], type[pickle.Pickler]]] = {}
 
 def _picklers_for(reducers: Reducers) -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
     """Plain and cloudpickle picklers that also use ``reducers`` (a live mapping)."""
+    import cloudpickle
+
     pair = _picklers.get(id(reducers))
     if pair is None:
         plain = type(
@@ -194,6 +197,8 @@ def dumps(
             return data, buffers
     except Exception:
         pass
+    import cloudpickle
+
     buffers = []
     try:
         if cloud is None:
@@ -231,6 +236,8 @@ def dumps_function(fn: Callable[..., object], *, by_value: bool = False) -> byte
     standard library and the installed packages) is pickled with its code, for a
     receiver on another machine that cannot import that module.
     """
+    import cloudpickle
+
     modules = _user_modules(fn) if by_value else []
     try:
         if modules:
@@ -256,6 +263,8 @@ _lock = threading.Lock()
 
 def _user_modules(fn: object) -> list[types.ModuleType]:
     """The modules of ``fn`` (and of a partial's callables) that are the caller's own code."""
+    import sysconfig
+
     targets = [fn.func, *fn.args] if isinstance(fn, functools.partial) else [fn]
     installed = [
         os.path.realpath(sysconfig.get_paths()[k]) + os.sep
@@ -458,6 +467,8 @@ class FunctionCache:
                 if not carried.bound and not carried.pickled:
                     carried = None  # nothing that can change
         data = dumps_function(fn, by_value=self._by_value)
+        import hashlib
+
         key = hashlib.blake2b(data, digest_size=12).hexdigest()
         if cacheable:
             if len(self._entries) >= self._size:
@@ -474,6 +485,8 @@ class FunctionCache:
 
 def dumps_exception(exc: BaseException, tb_text: str) -> bytes:
     """Pickle an exception with its traceback text; never raises."""
+    import cloudpickle
+
     try:
         data: bytes = cloudpickle.dumps((exc, tb_text), protocol=PROTOCOL)
         pickle.loads(data)  # an exception that pickles may still fail to unpickle

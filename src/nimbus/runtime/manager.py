@@ -46,8 +46,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from nimbus import serialization
-from nimbus.errors import NimbusError, RuntimeClosed, TaskTimeoutError, WorkerLost
+from nimbus import errors, serialization  # errors.WorkerLost: made at its first use
+from nimbus.errors import NimbusError, TaskTimeoutError
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
 from nimbus.runtime.task import Task
 from nimbus.wire import Channel, ProtocolError, pack, unpack
@@ -243,7 +243,7 @@ class Manager:
                     if mask & selectors.EVENT_READ and worker in self._workers:
                         self._read(worker)
                 if self._kill:
-                    self._fail_all(RuntimeClosed(f"{self.name} was shut down"))
+                    self._fail_all(errors.RuntimeClosed(f"{self.name} was shut down"))
                     break
                 self._do_cancels()
                 self._check_deadlines()
@@ -252,7 +252,7 @@ class Manager:
                     break
         except BaseException as exc:  # a bug here must not leave callers waiting forever
             log.exception("nimbus %s loop failed", self.name)
-            self._fail_all(RuntimeClosed(f"{self.name} failed: {type(exc).__name__}: {exc}"))
+            self._fail_all(errors.RuntimeClosed(f"{self.name} failed: {type(exc).__name__}: {exc}"))
         finally:
             self._stop_workers()
             self.stopped.set()
@@ -530,7 +530,7 @@ class Manager:
             return
         if self._start_failures >= START_FAILURES:
             self._fail_all(
-                WorkerLost(
+                errors.WorkerLost(
                     f"{self._start_failures} workers of {self.name} in a row {_how(code)} "
                     f"before starting (python: {self._python}); see their output on stderr"
                 )
@@ -569,7 +569,7 @@ class Manager:
             worker.inflight.popleft()
             self._fail(
                 head,
-                WorkerLost(
+                errors.WorkerLost(
                     f"the worker {worker.name} (pid {worker.pid}) running this task "
                     f"{_how(code)}; it was replaced and the other tasks carry on"
                 ),
