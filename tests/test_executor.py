@@ -548,7 +548,7 @@ def test_unpicklable_exception_class_gives_remote_error(ex) -> None:
     ids=["SystemExit", "KeyboardInterrupt"],
 )
 def test_system_exit_and_keyboard_interrupt(ex, fn, args, code) -> None:
-    pids = manager_stats(ex)["pids"]
+    pids = wait_for_workers(ex, 2)["pids"]  # both up (this test may run first, alone)
     with pytest.raises(TaskInterrupted) as info:
         ex.submit(fn, *args).result(timeout=10)
     assert info.value.code == code
