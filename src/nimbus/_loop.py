@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["new_event_loop", "run"]
+__all__ = ["new_event_loop", "run", "run_on"]
 
 T = TypeVar("T")
 
@@ -24,3 +24,12 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on :func:`new_event_loop`."""
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(coro)
+
+
+def run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, object]) -> None:
+    """Run ``coro`` on ``loop`` in this thread (a loop thread's target), then close ``loop``."""
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(coro)
+    finally:
+        loop.close()

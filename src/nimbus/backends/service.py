@@ -203,11 +203,7 @@ class ServiceBackend:
     # ------------------------------------------------------------ loop thread
 
     def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._main())
-        finally:
-            self._loop.close()
+        _loop.run_on(self._loop, self._main())
 
     async def _main(self) -> None:
         base = self.client.service_url

@@ -64,11 +64,7 @@ class TLSTunnel:
         self._thread.join(10)
 
     def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._main())
-        finally:
-            self._loop.close()
+        _loop.run_on(self._loop, self._main())
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
