@@ -221,8 +221,9 @@ def test_endpoints_listing(alice: Client, lab: EndpointProcess) -> None:
 def test_silent_agent_is_lost_and_its_tasks_run_elsewhere(
     service: Service, alice: Client, tmp_path: Path
 ) -> None:
-    """A frozen agent (its link cut: no heartbeats, no close) loses its tasks to another;
-    thawed, it finishes them too and sends those results late: the first ones stay."""
+    """A frozen agent (its link cut: no heartbeats, no close) loses its tasks to another,
+    configured again for the endpoint; thawed, the frozen one may send late results of
+    what it had started (the first ones stay) and is told it was replaced, and exits."""
     frozen = EndpointProcess(service, alice, "frozen").start(alice)
     runs = tmp_path / "runs.txt"
     n = 12
@@ -239,19 +240,21 @@ def test_silent_agent_is_lost_and_its_tasks_run_elsewhere(
         while alice.get_endpoint("frozen")["online"]:
             assert time.monotonic() < lost
             time.sleep(0.05)
-        helper = EndpointProcess(service, alice, "frozen").start(alice)
+        helper = EndpointProcess(service, alice, "frozen")  # revokes the frozen one's token
         try:
-            results = [alice.get_result(i, timeout=60) for i in ids]
+            helper.start(alice)
+            try:
+                results = [alice.get_result(i, timeout=60) for i in ids]
+            finally:
+                os.killpg(frozen.proc.pid, signal.SIGCONT)  # heal: it comes back, replaced
+            assert frozen.proc.wait(15) == 1, frozen.log.read_text()[-3000:]
+            said = frozen.log.read_text()  # told at once if still connected, else refused
+            assert "configured again" in said or "configure frozen" in said, said[-3000:]
+            time.sleep(1.5)  # a late result it sent before it heard, if any, has arrived
+            assert {t["state"] for t in (alice.get_task(i) for i in ids)} == {"success"}
+            assert [alice.get_result(i, timeout=5) for i in ids] == results
         finally:
-            os.killpg(frozen.proc.pid, signal.SIGCONT)  # heal: it comes back, finds nothing new
-        thawed = time.monotonic() + 15  # the frozen runs return and their results are sent
-        while runs.read_text().count("end ") < runs.read_text().count("start "):
-            assert time.monotonic() < thawed, runs.read_text()
-            time.sleep(0.05)
-        time.sleep(1.5)
-        assert {t["state"] for t in (alice.get_task(i) for i in ids)} == {"success"}
-        assert [alice.get_result(i, timeout=5) for i in ids] == results
-        helper.stop()
+            helper.stop()
     finally:
         frozen.kill()
     recorded = assert_first_results(runs, results, lost=stopped)
