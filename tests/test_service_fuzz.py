@@ -177,12 +177,22 @@ class Campaign:
         body = case.body
         if not isinstance(body, dict) or "endpoint_id" not in body:
             return  # only fields the operation has: an extra one would be ignored
-        body["endpoint_id"] = self.random.choice(kinds["endpoint_id"])
+        body["endpoint_id"] = (  # the anchor is never deleted; others may have been
+            self.anchors_of["endpoint_id"]
+            if self.random.random() < 0.5
+            else self.random.choice(kinds["endpoint_id"])
+        )
+        rows = body.get("tasks")
+        if not isinstance(rows, list) or not rows or self.random.random() < 0.3:
+            body["tasks"] = [{"function_id": ""}]  # one row at least, made valid below
         for row in body.get("tasks") or []:
             if isinstance(row, dict) and "function_id" in row:
                 row["function_id"] = self.random.choice(kinds["function_id"])
-                if self.random.random() < 0.5:
-                    row["payload"] = base64.b64encode(_payload()).decode()
+                # an opaque payload the service checks (framing) and a bounded timeout:
+                # random ones are refused, and every row must pass for a 201
+                row["payload"] = base64.b64encode(_payload()).decode()
+                if "timeout" in row:
+                    row["timeout"] = 30.0
 
     def record(self, case: Any, response: Any, user: str = "A") -> None:
         self.statuses[case.operation.label].update([response.status_code])
