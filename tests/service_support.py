@@ -16,6 +16,8 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import httpx
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection, connect
 
 from nimbus.client import Client
 from nimbus.config import Settings
@@ -228,6 +230,30 @@ def make_certificates(root: Path, name: str = "ca") -> tuple[Path, Path, Path]:
         str(cert),
     )
     return ca, cert, key
+
+
+def ws_connect(service: Service, path: str, token: str) -> ClientConnection:
+    """A WebSocket to ``service`` at ``path`` (``/v1/ws/client`` or ``/v1/ws/endpoint``)."""
+    url = service.url.replace("http://", "ws://") + path
+    return connect(
+        url,
+        additional_headers={"Authorization": f"Bearer {token}"},
+        open_timeout=10,
+        max_size=None,
+    )
+
+
+def closed_with(ws: ClientConnection, timeout: float = 10) -> tuple[int, str]:
+    """Wait for the service to close ``ws``; its close code and reason."""
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    with pytest.raises(ConnectionClosed) as info:
+        while time.monotonic() < deadline:
+            ws.recv(timeout=max(0.01, deadline - time.monotonic()))
+    rcvd = info.value.rcvd
+    assert rcvd is not None, "the service dropped the connection without a close frame"
+    return rcvd.code, rcvd.reason
 
 
 def service_env(root: Path, **extra: str) -> dict[str, str]:

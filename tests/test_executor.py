@@ -897,12 +897,9 @@ HEAVY_FOR_A_WORKER = (
 )
 
 
-def test_a_worker_imports_only_what_it_needs() -> None:
-    code = (
-        "import sys; import nimbus.runtime.worker; "
-        f"print([m for m in {HEAVY_FOR_A_WORKER!r} if m in sys.modules])"
-    )
-    out = subprocess.run(
+def _in_a_fresh_worker_environment(code: str) -> str:
+    """What ``python -c code`` prints, run as a worker is started (its environment)."""
+    return subprocess.run(
         [sys.executable, "-c", code],
         env=nimbus.runtime.manager.worker_environment(),
         capture_output=True,
@@ -910,6 +907,14 @@ def test_a_worker_imports_only_what_it_needs() -> None:
         timeout=60,
         check=True,
     ).stdout
+
+
+def test_a_worker_imports_only_what_it_needs() -> None:
+    code = (
+        "import sys; import nimbus.runtime.worker; "
+        f"print([m for m in {HEAVY_FOR_A_WORKER!r} if m in sys.modules])"
+    )
+    out = _in_a_fresh_worker_environment(code)
     assert out.strip() == "[]", out
 
 
@@ -921,14 +926,7 @@ def test_nimbus_names_are_imported_on_first_use() -> None:
         "print(before, Executor is nimbus.executor.Executor, "
         "NimbusError is nimbus.errors.NimbusError, TaskState is nimbus.records.TaskState)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=nimbus.runtime.manager.worker_environment(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    out = _in_a_fresh_worker_environment(code)
     assert out.split() == ["False", "True", "True", "True"], out
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         nimbus.nothing  # noqa: B018
@@ -949,14 +947,7 @@ def test_worker_lost_is_made_once_on_first_use_and_pickles() -> None:
         "type(pickle.loads(pickle.dumps(WorkerLost('x')))) is WorkerLost, "
         "WorkerLost.__qualname__, WorkerLost.__module__)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=nimbus.runtime.manager.worker_environment(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    out = _in_a_fresh_worker_environment(code)
     assert out.split() == ["False", "True", "True", "True", "True", "WorkerLost", "nimbus.errors"]
     with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
         nimbus.errors.Nothing  # noqa: B018

@@ -19,8 +19,6 @@ from typing import Any
 
 import pytest
 import redis
-from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import ClientConnection, connect
 
 from nimbus import Client, Executor
 from nimbus.config import MAX_TIMEOUT, Settings
@@ -28,16 +26,19 @@ from nimbus.errors import ConfigError, DeserializationError, QuotaExceeded
 from nimbus.keys import Keys
 from nimbus.service.protocol import (
     MSGPACK,
+    NOT_MSGPACK,
     PYTHON,
     RECEIVE_MAX,
     SERIALIZER,
+    TEXT_FRAME,
+    WRONG_SHAPE,
     pack,
     pack_payload,
     unpack,
 )
-from service_support import EndpointProcess, Service, service_env
+from service_support import EndpointProcess, Service, closed_with, service_env, ws_connect
 
-CLOSE_CODES = {1003, 1007, 1008}
+CLOSE_CODES = {TEXT_FRAME, NOT_MSGPACK, WRONG_SHAPE}
 
 
 def square(x: int) -> int:
@@ -75,22 +76,6 @@ def queue_redis(store_url: str) -> Iterator[redis.Redis]:
 
 def _function(client: Client, fn: Any = square) -> str:
     return client.register_function(fn)
-
-
-def _ws(service: Service, path: str, token: str) -> ClientConnection:
-    url = service.url.replace("http://", "ws://") + path
-    return connect(url, additional_headers={"Authorization": f"Bearer {token}"}, open_timeout=10)
-
-
-def _closed_with(ws: ClientConnection, timeout: float = 10) -> tuple[int, str]:
-    """Wait for the service to close ``ws``; its close code and reason."""
-    deadline = time.monotonic() + timeout
-    with pytest.raises(ConnectionClosed) as info:
-        while time.monotonic() < deadline:
-            ws.recv(timeout=max(0.01, deadline - time.monotonic()))
-    rcvd = info.value.rcvd
-    assert rcvd is not None, "the service dropped the connection without a close frame"
-    return rcvd.code, rcvd.reason
 
 
 def _served(client: Client, endpoint: str) -> None:
@@ -221,7 +206,7 @@ def test_client_and_websocket_timeouts_are_checked(
         with pytest.raises(ValueError, match="timeout"):
             alice.run(square, 2, endpoint="lab", timeout=timeout)
     fn = _function(alice)
-    with _ws(service, "/v1/ws/client", alice.token) as ws:
+    with ws_connect(service, "/v1/ws/client", alice.token) as ws:
         for i, timeout in enumerate([*BAD_TIMEOUTS, True]):
             row = [fn, pack_payload(b"x"), timeout]
             ws.send(
@@ -461,28 +446,28 @@ def test_malformed_frames_get_a_close_code(
     token = fuzz_endpoint["token"]
     logged, since = _malformed_lines(service), len(_log(service))
     for frame in MALFORMED_AGENT_FIRST:
-        with _ws(service, "/v1/ws/endpoint", token) as ws:
+        with ws_connect(service, "/v1/ws/endpoint", token) as ws:
             ws.send(frame)
-            code, reason = _closed_with(ws)
+            code, reason = closed_with(ws)
             assert code in CLOSE_CODES and reason, (frame, code, reason)
     for frame in MALFORMED_AFTER_HELLO:
-        with _ws(service, "/v1/ws/endpoint", token) as ws:
+        with ws_connect(service, "/v1/ws/endpoint", token) as ws:
             ws.send(_hello())
             ws.send(frame)
-            code, reason = _closed_with(ws)
+            code, reason = closed_with(ws)
             assert code in CLOSE_CODES and reason, (frame, code, reason)
     for frame in MALFORMED_CLIENT:
-        with _ws(service, "/v1/ws/client", alice.token) as ws:
+        with ws_connect(service, "/v1/ws/client", alice.token) as ws:
             ws.send(frame)
-            code, reason = _closed_with(ws)
+            code, reason = closed_with(ws)
             assert code in CLOSE_CODES and reason, (frame, code, reason)
     frames = len(MALFORMED_AGENT_FIRST) + len(MALFORMED_AFTER_HELLO) + len(MALFORMED_CLIENT)
     deadline = time.monotonic() + 10
     while _malformed_lines(service) - logged < frames and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _malformed_lines(service) - logged == frames  # one log line each
-    with _ws(service, "/v1/ws/endpoint", token) as ws:  # an agent that never says hello
-        code, reason = _closed_with(ws)
+    with ws_connect(service, "/v1/ws/endpoint", token) as ws:  # an agent that never says hello
+        code, reason = closed_with(ws)
         assert code in CLOSE_CODES and "hello" in reason
     _served(alice, "lab")
     _no_tracebacks(service, since)
@@ -544,20 +529,20 @@ def test_websocket_frame_fuzzer(
     rng = random.Random(1313)
     frames, since = 0, len(_log(service))
     for _ in range(40):
-        with _ws(service, "/v1/ws/client", alice.token) as ws:
+        with ws_connect(service, "/v1/ws/client", alice.token) as ws:
             frame = _malformed_frame(rng, ["watch", "cancel"])
             ws.send(frame)
-            code, reason = _closed_with(ws)
+            code, reason = closed_with(ws)
             assert code in CLOSE_CODES and reason, (frame, code, reason)
             frames += 1
-        with _ws(service, "/v1/ws/endpoint", fuzz_endpoint["token"]) as ws:
+        with ws_connect(service, "/v1/ws/endpoint", fuzz_endpoint["token"]) as ws:
             if rng.random() < 0.5:
                 ws.send(_hello())
                 frame = _malformed_frame(rng, ["results", "running"])
             else:
                 frame = _malformed_frame(rng, ["hello"])
             ws.send(frame)
-            code, reason = _closed_with(ws)
+            code, reason = closed_with(ws)
             assert code in CLOSE_CODES and reason, (frame, code, reason)
             frames += 1
     assert frames == 80

@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import ClientConnection, connect
+from websockets.sync.client import ClientConnection
 
 from nimbus import Client, Executor, serialization
 from nimbus.config import Settings
@@ -38,16 +37,19 @@ from nimbus.errors import (
 )
 from nimbus.service.protocol import (
     FUNCTION_MAX,
+    NOT_MSGPACK,
     PYTHON,
     RECEIVE_MAX,
     SERIALIZER,
+    TEXT_FRAME,
+    WRONG_SHAPE,
     pack,
     pack_payload,
     unpack,
 )
-from service_support import Service, free_port, service_env
+from service_support import Service, closed_with, free_port, service_env, ws_connect
 
-CLOSE_CODES = {1003, 1007, 1008}
+CLOSE_CODES = {TEXT_FRAME, NOT_MSGPACK, WRONG_SHAPE}
 MAX_TASKS = 20
 BIG = 60 << 10  # bytes of a "big" argument: four of them and 16 small tasks fit the quota
 
@@ -73,25 +75,6 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     svc = Service(root, env).start()
     yield svc
     svc.stop()
-
-
-def _ws(service: Service, path: str, token: str) -> ClientConnection:
-    url = service.url.replace("http://", "ws://") + path
-    return connect(
-        url,
-        additional_headers={"Authorization": f"Bearer {token}"},
-        open_timeout=10,
-        max_size=None,
-    )
-
-
-def _closed_with(ws: ClientConnection, timeout: float = 10) -> int:
-    deadline = time.monotonic() + timeout
-    with pytest.raises(ConnectionClosed) as info:
-        while time.monotonic() < deadline:
-            ws.recv(timeout=max(0.01, deadline - time.monotonic()))
-    assert info.value.rcvd is not None, "dropped without a close frame"
-    return info.value.rcvd.code
 
 
 def _arguments(*args: Any) -> bytes:
@@ -171,9 +154,9 @@ def test_websocket_messages_over_max_message_are_closed(service: Service) -> Non
     token = service.token("max")
     over = (16 << 20) + 1  # one byte over NIMBUS_MAX_MESSAGE
     assert _frame_header_over_the_limit(service, "/v1/ws/client", token, over) == 1009
-    with _ws(service, "/v1/ws/client", token) as ws:  # a message at the limit is read
+    with ws_connect(service, "/v1/ws/client", token) as ws:  # a message at the limit is read
         ws.send(b"\x80" + b"x" * ((16 << 20) - 1))
-        assert _closed_with(ws) in (1003, 1007, 1008)  # not msgpack of the right shape
+        assert closed_with(ws)[0] in (1003, 1007, 1008)  # not msgpack of the right shape
     with service.http(token) as http:
         assert http.get("/v1/whoami").status_code == 200
 
@@ -275,7 +258,7 @@ def test_a_deleted_function_no_longer_runs_its_queued_tasks(service: Service) ->
         registered = dee.register_endpoint("held")
         endpoint = registered["endpoint_id"]
         fn = dee.register_function(square)
-        with _ws(service, "/v1/ws/endpoint", registered["token"]) as ws:
+        with ws_connect(service, "/v1/ws/endpoint", registered["token"]) as ws:
             agent = FakeAgent(ws)
             first = _submit(http, endpoint, fn, 3)
             second = _submit(http, endpoint, fn, 4)
@@ -304,7 +287,7 @@ def test_an_unshared_function_no_longer_runs_the_lost_users_queued_tasks(
         assert ada.share_function(fn, ["bob"])["shared_with"] == ["bob"]
         registered = bob.register_endpoint("bobs")
         endpoint = registered["endpoint_id"]
-        with _ws(service, "/v1/ws/endpoint", registered["token"]) as ws:
+        with ws_connect(service, "/v1/ws/endpoint", registered["token"]) as ws:
             agent = FakeAgent(ws)
             first = _submit(http, endpoint, fn, 5)
             second = _submit(http, endpoint, fn, 6)
@@ -331,7 +314,7 @@ def test_watch_answers_the_ids_the_service_does_not_know(service: Service) -> No
         mine = wu.run(square, 2, endpoint=endpoint)  # waiting: watched, not unknown
         theirs = xi.run(square, 2, endpoint=xi.register_endpoint("x")["endpoint_id"])
         nobody = str(uuid.uuid4())
-        with _ws(service, "/v1/ws/client", wu.token) as ws:
+        with ws_connect(service, "/v1/ws/client", wu.token) as ws:
             ws.send(pack({"op": "watch", "ids": [mine, theirs, nobody]}))
             msg = unpack(ws.recv(timeout=10))
             assert msg == {"op": "unknown", "ids": [theirs, nobody]}
