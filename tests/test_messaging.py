@@ -37,9 +37,9 @@ from nimbus.errors import (
     PeerLost,
     PeerRefused,
 )
-from nimbus.messaging import Directory, Endpoint, Entry
+from nimbus.messaging import Directory, Entry, Instance
 from nimbus.messaging._directory import EXITED, socket_dir
-from nimbus.messaging._endpoint import HEARTBEAT
+from nimbus.messaging._instance import HEARTBEAT
 from nimbus.multiprocessing._state import Program
 
 pytestmark = pytest.mark.timeout(90)
@@ -97,7 +97,7 @@ def _stop_being_an_instance() -> Iterator[None]:
 @pytest.fixture
 def endpoints(program: Program) -> Iterator[Any]:
     """A factory of endpoints of one program, closed afterwards."""
-    made: list[Endpoint] = []
+    made: list[Instance] = []
     sockets = socket_dir(Settings.load().ensure_runtime_dir(), program.program_id)
 
     def make(
@@ -105,8 +105,8 @@ def endpoints(program: Program) -> Iterator[Any]:
         instance_id: str | None = None,
         sockets_in: Path | None = None,
         **kw: Any,
-    ) -> Endpoint:
-        ep = Endpoint(
+    ) -> Instance:
+        ep = Instance(
             program.client,
             program.keys,
             token,
@@ -419,7 +419,7 @@ def test_threads_sending_at_once_each_arrive_in_order_exactly_once(endpoints: An
     receiver = endpoints()
     senders = [endpoints() for _ in range(2)]
 
-    def burst(ep: Endpoint, who: int) -> None:
+    def burst(ep: Instance, who: int) -> None:
         for i in range(3000):
             ep.send(receiver.id, (who, i))
 
@@ -496,7 +496,7 @@ def test_socket_directory_is_private(endpoints: Any) -> None:
     assert os.stat(os.path.dirname(path)).st_mode & 0o077 == 0
 
 
-def _published(ep: Endpoint, peer: Endpoint) -> None:
+def _published(ep: Instance, peer: Instance) -> None:
     deadline = time.monotonic() + 10
     while ep.directory.refresh(peer.id) is None:
         assert time.monotonic() < deadline, "never published"
@@ -570,7 +570,7 @@ def test_public_names() -> None:
     assert set(msg.__all__) == {
         "ANY",
         "Directory",
-        "Endpoint",
+        "Instance",
         "Entry",
         "Transport",
         "allreduce",

@@ -31,13 +31,13 @@ from nimbus.messaging._api import (
     send,
 )
 from nimbus.messaging._directory import Directory, Entry
-from nimbus.messaging._endpoint import Endpoint, Transport
+from nimbus.messaging._instance import Instance, Transport
 
 __all__ = [
     "ANY",
     "Directory",
-    "Endpoint",
     "Entry",
+    "Instance",
     "Transport",
     "allreduce",
     "barrier",

@@ -2,7 +2,7 @@
 
 ::
 
-    instance (endpoint)                      state store                  a peer
+    instance                                 state store                  a peer
     -------------------                      -----------                  ------
     local map {id: Entry}  --publish(changes)--> HSET/HDEL directory --> lookup(id): HGET,
     (only what changed)                                                  cached; invalidate()
