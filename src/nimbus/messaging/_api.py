@@ -97,7 +97,7 @@ def current() -> Instance:
                 prog.keys,
                 _token(prog),
                 directory,
-                tcp_host=os.environ.get("NIMBUS_MESSAGING_HOST") or None,
+                tcp_host=settings.messaging_host,
                 ttl_ms=prog.ttl_ms,
                 direct=direct_enabled(),
             )
@@ -114,7 +114,8 @@ def current() -> Instance:
 
 def direct_enabled() -> bool:
     """False when ``NIMBUS_MESSAGING_DIRECT=0``: every message goes through the store."""
-    return os.environ.get("NIMBUS_MESSAGING_DIRECT", "1") != "0"
+    direct: bool = Settings.lookup("messaging_direct")
+    return direct
 
 
 def close() -> None:
