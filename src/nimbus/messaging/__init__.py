@@ -1,5 +1,9 @@
 """Direct messaging between instances: addressable tasks and collectives.
 
+Owns instances (a running task with an instance id and a listening address,
+``Instance``), their peers and mailboxes, the directory of addresses and the
+collectives; it stands on the state store and wire frames.
+
 ::
 
     import nimbus.messaging as msg
