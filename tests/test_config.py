@@ -84,6 +84,10 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "max_functions",
         "max_endpoints",
         "max_message",
+        "shared_memory",
+        "messaging_direct",
+        "messaging_host",
+        "messaging_host_id",
     }
     assert isinstance(d["runtime_dir"], str)
 
@@ -189,6 +193,8 @@ BAD_ENV = [
     ("NIMBUS_MAX_QUEUED_TASKS", "0"),
     ("NIMBUS_MAX_QUEUED_BYTES", "lots"),
     ("NIMBUS_MAX_BATCH", "-5"),
+    ("NIMBUS_SHARED_MEMORY", "maybe"),
+    ("NIMBUS_MESSAGING_DIRECT", "2"),
 ]
 
 
@@ -213,7 +219,13 @@ def test_every_variable_has_a_bad_value() -> None:
     tested = {var for var, _ in BAD_ENV}
     known = {Settings.env_var(name) for name in Settings.load({"HOME": "/nonexistent"}).describe()}
     # any name is a valid endpoint, any path a storage directory, any string a token
-    assert known - tested == {"NIMBUS_ENDPOINT", "NIMBUS_STORAGE_DIR", "NIMBUS_TOKEN"}
+    assert known - tested == {
+        "NIMBUS_ENDPOINT",
+        "NIMBUS_STORAGE_DIR",
+        "NIMBUS_TOKEN",
+        "NIMBUS_MESSAGING_HOST",  # any address: binding to it tells
+        "NIMBUS_MESSAGING_HOST_ID",  # any name
+    }
 
 
 def test_inline_payload_range(env: dict[str, str]) -> None:
@@ -412,3 +424,58 @@ def test_private_dir_makes_checks_and_names_the_fix(tmp_path: Path) -> None:
         path.chmod(0o700)
         with pytest.raises(ConfigError, match="must belong to you"):
             private_dir(path, "thing directory", "do X")
+
+
+# ---------------------------------------------------------------- one declaration
+
+
+def test_readme_table_lists_every_setting_once() -> None:
+    """The README's configuration table: one row per setting, with its variable."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme.split("## Configuration", 1)[1].split("\n\n## ", 1)[0]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
+    listed = [(name.strip().strip("`"), env.strip().strip("`")) for name, env in rows]
+    fields = Settings.load({"HOME": "/nonexistent"}).describe()
+    assert len(set(listed)) == len(listed)
+    assert sorted(listed) == sorted((name, Settings.env_var(name)) for name in fields)
+
+
+def test_every_variable_is_its_name_in_capitals() -> None:
+    for name in Settings.load({"HOME": "/nonexistent"}).describe():
+        assert Settings.env_var(name) == "NIMBUS_" + name.upper()
+        assert Settings.help(name)
+
+
+@pytest.mark.parametrize("word", ["0", "false", "No", " off "])
+def test_on_off_settings_read_words(env: dict[str, str], word: str) -> None:
+    assert Settings.load(env).shared_memory is True
+    env["NIMBUS_SHARED_MEMORY"] = word
+    assert Settings.load(env).shared_memory is False
+
+
+def test_lookup_reads_the_environment_now(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("NIMBUS_MESSAGING_DIRECT", raising=False)
+    assert Settings.lookup("messaging_direct") is True
+    monkeypatch.setenv("NIMBUS_MESSAGING_DIRECT", "0")
+    assert Settings.lookup("messaging_direct") is False
+    monkeypatch.setenv("NIMBUS_MESSAGING_DIRECT", "sometimes")
+    with pytest.raises(ConfigError, match="NIMBUS_MESSAGING_DIRECT='sometimes'"):
+        Settings.lookup("messaging_direct")
+    monkeypatch.delenv("NIMBUS_MESSAGING_DIRECT")
+    assert Settings.lookup("messaging_direct") is True
+
+
+def test_no_module_reads_a_nimbus_variable_but_config() -> None:
+    """Every NIMBUS_* variable is a setting, read through Settings (the messaging token,
+    handed to child processes, is the one variable that is not a setting)."""
+    import re
+
+    src = Path(__file__).parent.parent / "src" / "nimbus"
+    reads = re.compile(r"(?:environ\.get|getenv|environ\[)\(?\s*[\"']NIMBUS_")
+    readers = [
+        str(path.relative_to(src))
+        for path in src.rglob("*.py")
+        if path.parent.name != "config" and reads.search(path.read_text())
+    ]
+    assert readers == []

@@ -37,9 +37,9 @@ from nimbus.errors import (
     PeerLost,
     PeerRefused,
 )
-from nimbus.messaging import Directory, Endpoint, Entry
+from nimbus.messaging import Directory, Entry, Instance
 from nimbus.messaging._directory import EXITED, socket_dir
-from nimbus.messaging._endpoint import HEARTBEAT
+from nimbus.messaging._instance import HEARTBEAT
 from nimbus.multiprocessing._state import Program
 
 pytestmark = pytest.mark.timeout(90)
@@ -95,9 +95,9 @@ def _stop_being_an_instance() -> Iterator[None]:
 
 
 @pytest.fixture
-def endpoints(program: Program) -> Iterator[Any]:
-    """A factory of endpoints of one program, closed afterwards."""
-    made: list[Endpoint] = []
+def instances(program: Program) -> Iterator[Any]:
+    """A factory of instances of one program, closed afterwards."""
+    made: list[Instance] = []
     sockets = socket_dir(Settings.load().ensure_runtime_dir(), program.program_id)
 
     def make(
@@ -105,8 +105,8 @@ def endpoints(program: Program) -> Iterator[Any]:
         instance_id: str | None = None,
         sockets_in: Path | None = None,
         **kw: Any,
-    ) -> Endpoint:
-        ep = Endpoint(
+    ) -> Instance:
+        ep = Instance(
             program.client,
             program.keys,
             token,
@@ -200,13 +200,13 @@ def test_silent_peer_killed_is_noticed_within_a_heartbeat() -> None:
     assert time.monotonic() - started < 2 * HEARTBEAT + 0.5
 
 
-# -- one process, several endpoints ------------------------------------------------
+# -- one process, several instances ------------------------------------------------
 
 
 def test_peer_never_starts_goes_to_the_store_then_times_out(
-    endpoints: Any, program: Program
+    instances: Any, program: Program
 ) -> None:
-    a = endpoints()
+    a = instances()
     a.send("ghost", "hello")  # nobody listens: kept in the store for it
     assert program.client().llen(program.keys.inbox("ghost")) == 1
     started = time.monotonic()
@@ -215,11 +215,11 @@ def test_peer_never_starts_goes_to_the_store_then_times_out(
     assert 0.25 < time.monotonic() - started < 2.0
 
 
-def test_switch_from_store_to_socket_keeps_order_exactly_once(endpoints: Any) -> None:
-    a = endpoints()
+def test_switch_from_store_to_socket_keeps_order_exactly_once(instances: Any) -> None:
+    a = instances()
     for i in range(100):
         a.send("late", i)  # "late" has no socket yet: through the store
-    b = endpoints(instance_id="late")
+    b = instances(instance_id="late")
     time.sleep(0.01)  # past the retry interval: the next send connects
     for i in range(100, 200):
         a.send("late", i)
@@ -231,10 +231,10 @@ def test_switch_from_store_to_socket_keeps_order_exactly_once(endpoints: Any) ->
 
 
 def test_wrong_token_is_refused_and_logged(
-    endpoints: Any, caplog: pytest.LogCaptureFixture
+    instances: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    b = endpoints(token=b"right")
-    a = endpoints(token=b"wrong")
+    b = instances(token=b"right")
+    a = instances(token=b"wrong")
     with caplog.at_level(logging.WARNING, logger="nimbus.messaging"):
         with pytest.raises(PeerRefused, match="wrong auth token"):
             a.send(b.id, "let me in")
@@ -255,8 +255,8 @@ def _refuse() -> None:
     raise RuntimeError("cannot be rebuilt here")
 
 
-def test_undecodable_message_names_sender_and_link_stays_usable(endpoints: Any) -> None:
-    a, b = endpoints(), endpoints()
+def test_undecodable_message_names_sender_and_link_stays_usable(instances: Any) -> None:
+    a, b = instances(), instances()
     a.send(b.id, "before")
     a.send(b.id, _Unloadable())
     a.send(b.id, "after")
@@ -269,10 +269,10 @@ def test_undecodable_message_names_sender_and_link_stays_usable(endpoints: Any) 
     assert b.recv(source=a.id, timeout=10) == "still fine"
 
 
-def test_undecodable_message_read_by_a_waiting_recv_names_its_sender(endpoints: Any) -> None:
+def test_undecodable_message_read_by_a_waiting_recv_names_its_sender(instances: Any) -> None:
     """A recv that waits in poll is handed the one message it reads (no mail): a
     message that cannot be unpickled still names its sender, and the link goes on."""
-    a, b = endpoints(), endpoints()
+    a, b = instances(), instances()
     a.send(b.id, "hello")
     assert b.recv(source=a.id, timeout=10) == "hello"
     outcome: list[object] = []
@@ -295,11 +295,11 @@ def test_undecodable_message_read_by_a_waiting_recv_names_its_sender(endpoints: 
 
 
 def test_burst_with_an_undecodable_message_mid_run_names_it_and_delivers_the_rest(
-    endpoints: Any,
+    instances: Any,
 ) -> None:
     """Runs of two tags interleaved (blocks of 50, each block a BATCH, a run at the
     receiver); one pickle in the middle of a run cannot be unpickled."""
-    a, b = endpoints(), endpoints()
+    a, b = instances(), instances()
     a.send(b.id, "start")
     assert b.recv(source=a.id, timeout=10) == "start"
     for block in range(0, 2000, 50):
@@ -322,10 +322,10 @@ def test_burst_with_an_undecodable_message_mid_run_names_it_and_delivers_the_res
 
 
 def test_threads_waiting_for_different_tags_each_get_theirs_in_order_once(
-    endpoints: Any,
+    instances: Any,
 ) -> None:
-    """Two threads wait on one endpoint, one per tag, while the messages trickle in."""
-    a, b = endpoints(), endpoints()
+    """Two threads wait on one instance, one per tag, while the messages trickle in."""
+    a, b = instances(), instances()
     got: dict[int, list[int]] = {0: [], 1: []}
 
     def reader(tag: int) -> None:
@@ -345,8 +345,8 @@ def test_threads_waiting_for_different_tags_each_get_theirs_in_order_once(
     assert got == {0: list(range(300)), 1: list(range(300))}
 
 
-def test_exited_peer(endpoints: Any) -> None:
-    a, b = endpoints(), endpoints()
+def test_exited_peer(instances: Any) -> None:
+    a, b = instances(), instances()
     b.send(a.id, "last words")
     a.send(b.id, "hi")
     assert b.recv(timeout=10) == "hi"
@@ -359,15 +359,15 @@ def test_exited_peer(endpoints: Any) -> None:
             a.send(b.id, "anyone?")
 
 
-def test_many_small_messages_coalesced_arrive_in_order(endpoints: Any) -> None:
-    a, b = endpoints(), endpoints()
+def test_many_small_messages_coalesced_arrive_in_order(instances: Any) -> None:
+    a, b = instances(), instances()
     for i in range(5000):
         a.send(b.id, i)  # a burst: coalesced, written by size or by the flusher
     assert [b.recv(source=a.id, timeout=10) for _ in range(5000)] == list(range(5000))
 
 
-def test_small_and_large_messages_interleaved_keep_their_order(endpoints: Any) -> None:
-    a, b = endpoints(), endpoints()
+def test_small_and_large_messages_interleaved_keep_their_order(instances: Any) -> None:
+    a, b = instances(), instances()
     sent: list[Any] = []
     for i in range(600):  # small frames share one buffer; a large one goes between them
         sent.append(np.full(50_000, float(i)) if i % 100 == 7 else i)
@@ -380,8 +380,8 @@ def test_small_and_large_messages_interleaved_keep_their_order(endpoints: Any) -
             assert have == want
 
 
-def test_burst_past_the_coalescing_threshold_keeps_order_types_and_tags(endpoints: Any) -> None:
-    a, b = endpoints(), endpoints()
+def test_burst_past_the_coalescing_threshold_keeps_order_types_and_tags(instances: Any) -> None:
+    a, b = instances(), instances()
     sent: list[tuple[Any, Any]] = []
     for i in range(12_000):  # ~700 KB: many BATCH frames, more than one read buffer
         obj: Any = (b"%d" % i) * 5 if i % 3 else (f"s{i}" if i % 2 else i)  # bytes, str, int
@@ -397,8 +397,8 @@ def test_burst_past_the_coalescing_threshold_keeps_order_types_and_tags(endpoint
         b.recv(timeout=0.2)
 
 
-def test_burst_interleaved_with_large_messages_keeps_order(endpoints: Any) -> None:
-    a, b = endpoints(), endpoints()
+def test_burst_interleaved_with_large_messages_keeps_order(instances: Any) -> None:
+    a, b = instances(), instances()
     big = os.urandom(512 << 10)  # all of it fits in the socket: nobody reads b meanwhile
     sent: list[Any] = []
     for i in range(3000):  # a large message goes between queued small ones
@@ -415,11 +415,11 @@ def _burst_forever(parent: str) -> None:
             time.sleep(0.001)  # bursts of 1,000: killed in the middle of one
 
 
-def test_threads_sending_at_once_each_arrive_in_order_exactly_once(endpoints: Any) -> None:
-    receiver = endpoints()
-    senders = [endpoints() for _ in range(2)]
+def test_threads_sending_at_once_each_arrive_in_order_exactly_once(instances: Any) -> None:
+    receiver = instances()
+    senders = [instances() for _ in range(2)]
 
-    def burst(ep: Endpoint, who: int) -> None:
+    def burst(ep: Instance, who: int) -> None:
         for i in range(3000):
             ep.send(receiver.id, (who, i))
 
@@ -448,8 +448,8 @@ def test_sender_killed_mid_burst_leaves_an_ordered_prefix_then_peer_lost() -> No
     assert got == list(range(len(got)))
 
 
-def test_messages_count_in_the_task_network_bytes(endpoints: Any) -> None:
-    a, b = endpoints(), endpoints()
+def test_messages_count_in_the_task_network_bytes(instances: Any) -> None:
+    a, b = instances(), instances()
     a.send(b.id, b"warm")  # connect first
     b.recv(source=a.id, timeout=10)
     bytes_in, bytes_out = telemetry.socket_bytes()
@@ -463,14 +463,14 @@ def test_messages_count_in_the_task_network_bytes(endpoints: Any) -> None:
     assert now_out - bytes_out >= 1000
 
 
-def test_arrays_arrive_writable_as_sent_on_both_paths(endpoints: Any) -> None:
-    a = endpoints()
+def test_arrays_arrive_writable_as_sent_on_both_paths(instances: Any) -> None:
+    a = instances()
     small, big = np.arange(10), np.arange(100_000)  # small and large out-of-band buffers
     frozen = np.arange(10)
     frozen.flags.writeable = False
     for obj in (small, big, frozen):
         a.send("later", obj)  # through the store: "later" does not listen yet
-    b = endpoints(instance_id="later")
+    b = instances(instance_id="later")
     time.sleep(0.01)
     for obj in (small, big, frozen):
         a.send(b.id, obj)  # over the socket
@@ -481,22 +481,22 @@ def test_arrays_arrive_writable_as_sent_on_both_paths(endpoints: Any) -> None:
             assert got.flags.writeable == sent.flags.writeable
 
 
-def test_endpoint_is_a_transport(endpoints: Any) -> None:
-    a, b = endpoints(), endpoints()
+def test_instance_is_a_transport(instances: Any) -> None:
+    a, b = instances(), instances()
     transport: msg.Transport = a
     assert isinstance(a, msg.Transport)
     transport.send(b.id, "via the protocol")
     assert b.recv(timeout=10) == "via the protocol"
 
 
-def test_socket_directory_is_private(endpoints: Any) -> None:
-    a = endpoints()
+def test_socket_directory_is_private(instances: Any) -> None:
+    a = instances()
     path = a.entry.unix
     assert path is not None and a.directory.local[a.id].state == "alive"
     assert os.stat(os.path.dirname(path)).st_mode & 0o077 == 0
 
 
-def _published(ep: Endpoint, peer: Endpoint) -> None:
+def _published(ep: Instance, peer: Instance) -> None:
     deadline = time.monotonic() + 10
     while ep.directory.refresh(peer.id) is None:
         assert time.monotonic() < deadline, "never published"
@@ -511,9 +511,9 @@ def elsewhere(program: Program) -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_peers_on_other_hosts_talk_over_tcp(endpoints: Any, elsewhere: Path) -> None:
-    a = endpoints(host="host-a", tcp_host="127.0.0.1")
-    b = endpoints(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+def test_peers_on_other_hosts_talk_over_tcp(instances: Any, elsewhere: Path) -> None:
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
     _published(a, b)
     _published(b, a)
     a.send(b.id, {"over": "tcp"})
@@ -524,9 +524,9 @@ def test_peers_on_other_hosts_talk_over_tcp(endpoints: Any, elsewhere: Path) -> 
     assert link.sock.family == socket.AF_INET
 
 
-def test_unreachable_peer_falls_back_to_the_store(endpoints: Any, elsewhere: Path) -> None:
-    a = endpoints(host="host-a")
-    b = endpoints(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+def test_unreachable_peer_falls_back_to_the_store(instances: Any, elsewhere: Path) -> None:
+    a = instances(host="host-a")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
     _published(a, b)
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
@@ -570,7 +570,7 @@ def test_public_names() -> None:
     assert set(msg.__all__) == {
         "ANY",
         "Directory",
-        "Endpoint",
+        "Instance",
         "Entry",
         "Transport",
         "allreduce",

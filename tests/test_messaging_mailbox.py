@@ -11,25 +11,25 @@ from typing import Any
 import pytest
 
 from nimbus.errors import MessageDecodeError
-from nimbus.messaging._link import TAGS, Link
 from nimbus.messaging._mailbox import Mailbox
+from nimbus.messaging._peer import TAGS, Peer
 from nimbus.messaging._stream import BATCH, MSG, PICKLE, RAW, Stream
 from nimbus.wire import Frame, pack
 
 
 @pytest.fixture
-def wire() -> Iterator[tuple[Stream, Link]]:
+def wire() -> Iterator[tuple[Stream, Peer]]:
     """A stream to write frames into and the link they are read from."""
     a, b = socket.socketpair()
     b.setblocking(False)
     out = Stream(a)
-    link = Link(b, Stream(b), "sender")
+    link = Peer(b, Stream(b), "sender")
     yield out, link
     out.close()
     link.close()
 
 
-def _frames(out: Stream, link: Link, *frames: tuple[int, tuple[object, ...], bytes]) -> list[Frame]:
+def _frames(out: Stream, link: Peer, *frames: tuple[int, tuple[object, ...], bytes]) -> list[Frame]:
     for kind, meta, data in frames:
         if kind in (PICKLE, RAW):  # a small message: its number in the header
             seq, tag = meta
@@ -44,7 +44,7 @@ def _frames(out: Stream, link: Link, *frames: tuple[int, tuple[object, ...], byt
 
 
 def test_a_batch_ahead_of_the_store_waits_for_the_gap_then_arrives_once(
-    wire: tuple[Stream, Link],
+    wire: tuple[Stream, Peer],
 ) -> None:
     out, link = wire
     box = Mailbox()
@@ -61,7 +61,7 @@ def test_a_batch_ahead_of_the_store_waits_for_the_gap_then_arrives_once(
     assert box.pop(None, 0) is None
 
 
-def test_batches_of_pickles_and_tags_are_taken_by_tag_in_order(wire: tuple[Stream, Link]) -> None:
+def test_batches_of_pickles_and_tags_are_taken_by_tag_in_order(wire: tuple[Stream, Peer]) -> None:
     out, link = wire
     box = Mailbox()
     ones = [pickle.dumps(x) for x in ("x", 2)]
@@ -83,7 +83,7 @@ def test_batches_of_pickles_and_tags_are_taken_by_tag_in_order(wire: tuple[Strea
 
 
 def test_an_undecodable_message_in_a_batch_names_its_sender_and_spares_the_rest(
-    wire: tuple[Stream, Link],
+    wire: tuple[Stream, Peer],
 ) -> None:
     out, link = wire
     box = Mailbox()
@@ -98,7 +98,7 @@ def test_an_undecodable_message_in_a_batch_names_its_sender_and_spares_the_rest(
     assert box.pop(None, 0) == ("sender", "fine")
 
 
-def _message(out: Stream, link: Link, kind: int, seq: int, tag: object, data: bytes) -> Any:
+def _message(out: Stream, link: Peer, kind: int, seq: int, tag: object, data: bytes) -> Any:
     """One small message written to ``out`` and read from ``link`` as one."""
     out.queue_message(kind, seq, pack(tag), data)
     assert out.flush()
@@ -108,7 +108,7 @@ def _message(out: Stream, link: Link, kind: int, seq: int, tag: object, data: by
 
 
 def test_take_hands_back_only_the_next_message_with_the_tag_when_nothing_waits(
-    wire: tuple[Stream, Link],
+    wire: tuple[Stream, Peer],
 ) -> None:
     out, link = wire
     box = Mailbox()
@@ -135,7 +135,7 @@ def test_take_hands_back_only_the_next_message_with_the_tag_when_nothing_waits(
 
 
 def test_a_read_of_more_than_one_small_message_comes_back_as_frames(
-    wire: tuple[Stream, Link],
+    wire: tuple[Stream, Peer],
 ) -> None:
     out, link = wire
     out.queue_message(RAW, 0, pack("t"), b"a")
@@ -163,7 +163,7 @@ def test_small_messages_with_many_tags_and_unhashable_ones_arrive_with_their_tag
     """More tags than a link keeps packed, and a tag that cannot be kept (a list)."""
     a, b = socket.socketpair()
     b.setblocking(False)
-    sending, reading = Link(a, Stream(a), "receiver"), Link(b, Stream(b), "sender")
+    sending, reading = Peer(a, Stream(a), "receiver"), Peer(b, Stream(b), "sender")
     try:
         tags: list[object] = [*range(3 * TAGS), "t", ["list", 1]]
         for seq, tag in enumerate(tags):
@@ -188,7 +188,7 @@ def _raw_batch(seq: int, tag: object, pieces: list[bytes]) -> tuple[int, tuple[o
     return BATCH, (seq, tag, [len(p) for p in pieces], True), b"".join(pieces)
 
 
-def test_a_run_at_the_head_is_taken_without_the_lock_in_order(wire: tuple[Stream, Link]) -> None:
+def test_a_run_at_the_head_is_taken_without_the_lock_in_order(wire: tuple[Stream, Peer]) -> None:
     out, link = wire
     box = Mailbox()
     box.deliver(link, _frames(out, link, _raw_batch(0, 0, [b"a", b"bb", b"c"])))
@@ -205,7 +205,7 @@ def test_a_run_at_the_head_is_taken_without_the_lock_in_order(wire: tuple[Stream
     assert not box.mail  # the used-up run went with the first look under the lock
 
 
-def test_runs_of_two_tags_interleaved_are_taken_by_tag_in_order(wire: tuple[Stream, Link]) -> None:
+def test_runs_of_two_tags_interleaved_are_taken_by_tag_in_order(wire: tuple[Stream, Peer]) -> None:
     out, link = wire
     box = Mailbox()
     frames = _frames(
@@ -231,7 +231,7 @@ def test_runs_of_two_tags_interleaved_are_taken_by_tag_in_order(wire: tuple[Stre
     assert box.pop(None, "a") is None and not box.mail
 
 
-def test_runs_across_a_gap_and_duplicates_arrive_once_in_order(wire: tuple[Stream, Link]) -> None:
+def test_runs_across_a_gap_and_duplicates_arrive_once_in_order(wire: tuple[Stream, Peer]) -> None:
     out, link = wire
     box = Mailbox()
     ahead = _frames(out, link, _raw_batch(2, 0, [b"2", b"3", b"4"]))
@@ -250,7 +250,7 @@ def test_runs_across_a_gap_and_duplicates_arrive_once_in_order(wire: tuple[Strea
 
 
 def test_take_waits_behind_a_run_and_hands_back_once_it_is_used_up(
-    wire: tuple[Stream, Link],
+    wire: tuple[Stream, Peer],
 ) -> None:
     out, link = wire
     box = Mailbox()
@@ -272,7 +272,7 @@ def test_take_waits_behind_a_run_and_hands_back_once_it_is_used_up(
 
 
 def test_an_undecodable_pickle_in_a_run_behind_another_tag_names_its_sender(
-    wire: tuple[Stream, Link],
+    wire: tuple[Stream, Peer],
 ) -> None:
     out, link = wire
     box = Mailbox()
@@ -298,7 +298,7 @@ def test_an_undecodable_pickle_in_a_run_behind_another_tag_names_its_sender(
 
 
 def test_threads_taking_from_runs_get_each_message_once_and_in_order(
-    wire: tuple[Stream, Link],
+    wire: tuple[Stream, Peer],
 ) -> None:
     """Four threads pop one sender's runs (with and without the lock) as they arrive."""
     out, link = wire

@@ -33,12 +33,12 @@ PEER = textwrap.dedent(
     from pathlib import Path
     from nimbus import statestore
     from nimbus.keys import Keys
-    from nimbus.messaging import Endpoint
+    from nimbus.messaging import Instance
     from nimbus.messaging._directory import socket_dir
 
     url, program_id, role, ip, rundir = sys.argv[1:6]
     keys = Keys(program_id)
-    ep = Endpoint(
+    ep = Instance(
         lambda: statestore.connect(url), keys, b"token", socket_dir(Path(rundir), program_id),
         instance_id=role, tcp_host=ip, host="host-" + role, ttl_ms=60_000,
     )

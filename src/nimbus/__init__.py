@@ -1,5 +1,12 @@
 """nimbus: run Python functions and unmodified multiprocessing programs on warm workers.
 
+This package owns the SDK's public face: ``Executor``, ``Future``, ``Client``,
+``TaskRecord``, ``TaskState``, ``NimbusError``. Its subpackages, top down (the
+layers of DESIGN.md, pinned by tests/test_layers.py): ``cli``; the SDK and
+``multiprocessing``; ``backends``; ``runtime``, ``service``, ``endpoint``,
+``messaging``; the state store; ``protocol``, ``serialization``, ``wire``,
+``config``, ``errors`` and the other plumbing.
+
 Public names are re-exported here and imported on first use (PEP 562), so that
 ``import nimbus`` costs nothing: a worker, which is a fresh interpreter that
 imports ``nimbus.runtime.worker``, starts its first task sooner, and

@@ -67,9 +67,9 @@ def _make_backend_class() -> type[Any]:
             if n_jobs is None:
                 return 1
             if n_jobs < 0:
-                from nimbus.multiprocessing.context import _default_context
+                import nimbus.multiprocessing
 
-                n_jobs = max(_default_context.cpu_count() + 1 + n_jobs, 1)
+                n_jobs = max(nimbus.multiprocessing.cpu_count() + 1 + n_jobs, 1)
             # joblib's checks: no nested process pools inside daemonic pool
             # processes or below threads (they fall back to one job)
             checked: int = super().effective_n_jobs(n_jobs)
@@ -84,7 +84,7 @@ def _make_backend_class() -> type[Any]:
             **backend_kwargs: Any,
         ) -> int:
             """Start the nimbus pool and return the number of workers."""
-            from nimbus.multiprocessing.context import _default_context
+            import nimbus.multiprocessing
             from nimbus.multiprocessing.pool import Pool
 
             n_jobs = self.effective_n_jobs(n_jobs)
@@ -92,7 +92,7 @@ def _make_backend_class() -> type[Any]:
                 raise fallback(sequential(nesting_level=self.nesting_level))
             options = {**self.backend_kwargs, **backend_kwargs}
             pool_kwargs = {key: options[key] for key in _POOL_KWARGS if key in options}
-            self._pool = Pool(n_jobs, context=_default_context.get_context(), **pool_kwargs)
+            self._pool = Pool(n_jobs, context=nimbus.multiprocessing.get_context(), **pool_kwargs)
             self.parallel = parallel
             return n_jobs
 

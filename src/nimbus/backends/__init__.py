@@ -1,5 +1,8 @@
 """Backends: where an Executor's tasks run.
 
+Owns the one seam between the SDK and what runs tasks; it stands on the runtime
+and the service's wire contract and never imports the Executor.
+
 A backend takes batches of runtime tasks and calls back with the finished
 ones. They are found in :data:`BACKENDS`, an explicit registry, by name:
 ``local`` (the embedded runtime) and ``service`` (a remote endpoint through the

@@ -1,6 +1,8 @@
-"""Endpoints: an agent that serves one endpoint of the nimbus service from this machine.
+"""Endpoints: the agent that serves one endpoint of the nimbus service from this machine.
 
-``nimbus.endpoint.agent.EndpointAgent`` runs the runtime's Agent fed by the
-service; ``nimbus.endpoint.config`` keeps each endpoint's settings and token;
-``nimbus.endpoint.cli`` is ``nimbus endpoint ...``.
+Owns the endpoint side of the service: ``nimbus.endpoint.agent`` runs the
+runtime's Agent fed by the service over a WebSocket, and
+``nimbus.endpoint.config`` keeps each endpoint's settings and token in
+``~/.config/nimbus/endpoints/NAME``. The ``nimbus endpoint ...`` commands that
+configure, start and stop it are in ``nimbus.cli.endpoint``.
 """

@@ -1,5 +1,9 @@
 """Direct messaging between instances: addressable tasks and collectives.
 
+Owns instances (a running task with an instance id and a listening address,
+``Instance``), their peers and mailboxes, the directory of addresses and the
+collectives; it stands on the state store and wire frames.
+
 ::
 
     import nimbus.messaging as msg
@@ -31,13 +35,13 @@ from nimbus.messaging._api import (
     send,
 )
 from nimbus.messaging._directory import Directory, Entry
-from nimbus.messaging._endpoint import Endpoint, Transport
+from nimbus.messaging._instance import Instance, Transport
 
 __all__ = [
     "ANY",
     "Directory",
-    "Endpoint",
     "Entry",
+    "Instance",
     "Transport",
     "allreduce",
     "barrier",

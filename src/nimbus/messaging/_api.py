@@ -24,7 +24,7 @@ import redis
 from nimbus.config import Settings
 from nimbus.errors import StateStoreError
 from nimbus.messaging._directory import socket_dir
-from nimbus.messaging._endpoint import ANY, Endpoint
+from nimbus.messaging._instance import ANY, Instance
 
 if TYPE_CHECKING:
     from nimbus.multiprocessing._state import Program
@@ -42,7 +42,7 @@ __all__ = [
 
 TOKEN_ENV = "NIMBUS_MESSAGING_TOKEN"
 _lock = threading.Lock()
-_current: Endpoint | None = None
+_current: Instance | None = None
 _pid = os.getpid()  # of this process: kept current across forks, not asked per call
 
 
@@ -77,12 +77,12 @@ def _token(prog: Program) -> bytes:
     return token
 
 
-def current() -> Endpoint:
-    """This process's endpoint (made on first use, again after a fork)."""
+def current() -> Instance:
+    """This process's instance (made on first use, again after a fork)."""
     global _current
-    endpoint = _current
-    if endpoint is not None and endpoint.pid == _pid:
-        return endpoint
+    instance = _current
+    if instance is not None and instance.pid == _pid:
+        return instance
     with _lock:
         if _current is None or _current.pid != os.getpid():
             # the program (and its store) of this process: messaging sits beside the
@@ -92,12 +92,12 @@ def current() -> Endpoint:
             prog = _state.program()
             settings = Settings.load()
             directory = socket_dir(settings.ensure_runtime_dir(), prog.program_id)
-            _current = Endpoint(
+            _current = Instance(
                 prog.client,
                 prog.keys,
                 _token(prog),
                 directory,
-                tcp_host=os.environ.get("NIMBUS_MESSAGING_HOST") or None,
+                tcp_host=settings.messaging_host,
                 ttl_ms=prog.ttl_ms,
                 direct=direct_enabled(),
             )
@@ -114,16 +114,17 @@ def current() -> Endpoint:
 
 def direct_enabled() -> bool:
     """False when ``NIMBUS_MESSAGING_DIRECT=0``: every message goes through the store."""
-    return os.environ.get("NIMBUS_MESSAGING_DIRECT", "1") != "0"
+    direct: bool = Settings.lookup("messaging_direct")
+    return direct
 
 
 def close() -> None:
     """Stop being an instance: flush, say goodbye, stop listening (again on next use)."""
     global _current
     with _lock:
-        endpoint, _current = _current, None
-    if endpoint is not None and endpoint.pid == os.getpid():
-        endpoint.close()
+        instance, _current = _current, None
+    if instance is not None and instance.pid == os.getpid():
+        instance.close()
 
 
 def instance_id() -> str:
@@ -139,10 +140,10 @@ def send(peer: str, obj: object) -> None:
     Raises :class:`~nimbus.errors.PeerLost` or
     :class:`~nimbus.errors.PeerExited` when ``peer`` is gone.
     """
-    endpoint = _current
-    if endpoint is None or endpoint.pid != _pid:
-        endpoint = current()
-    endpoint.send(peer, obj)
+    instance = _current
+    if instance is None or instance.pid != _pid:
+        instance = current()
+    instance.send(peer, obj)
 
 
 def recv(source: str | None = ANY, timeout: float | None = None) -> Any:
@@ -153,10 +154,10 @@ def recv(source: str | None = ANY, timeout: float | None = None) -> Any:
     and :class:`~nimbus.errors.MessageDecodeError` (naming the sender) for a
     message that cannot be unpickled here.
     """
-    endpoint = _current
-    if endpoint is None or endpoint.pid != _pid:
-        endpoint = current()
-    return endpoint.recv_with_source(source, timeout)[1]
+    instance = _current
+    if instance is None or instance.pid != _pid:
+        instance = current()
+    return instance.recv_with_source(source, timeout)[1]
 
 
 def recv_with_source(source: str | None = ANY, timeout: float | None = None) -> tuple[str, Any]:

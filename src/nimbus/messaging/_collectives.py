@@ -25,7 +25,7 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nimbus.messaging._endpoint import Endpoint
+from nimbus.messaging._instance import Instance
 
 __all__ = ["allreduce", "barrier", "bcast", "gather", "reduce", "scatter"]
 
@@ -38,8 +38,8 @@ class _Call:
 
     _counts: dict[tuple[int, str], int] = {}
 
-    def __init__(self, endpoint: Endpoint, group: Sequence[str], name: str) -> None:
-        self.ep = endpoint
+    def __init__(self, instance: Instance, group: Sequence[str], name: str) -> None:
+        self.ep = instance
         self.group = list(group)
         self.size = len(self.group)
         if self.size == 0:
@@ -47,11 +47,11 @@ class _Call:
         if len(set(self.group)) != self.size:
             raise ValueError("a group lists each instance once")
         try:
-            self.rank = self.group.index(endpoint.id)
+            self.rank = self.group.index(instance.id)
         except ValueError:
-            raise ValueError(f"instance {endpoint.id} is not in the group") from None
+            raise ValueError(f"instance {instance.id} is not in the group") from None
         digest = hashlib.blake2s("\0".join(self.group).encode(), digest_size=6).hexdigest()
-        key = (id(endpoint), digest)
+        key = (id(instance), digest)
         number = self._counts.get(key, 0)
         self._counts[key] = number + 1
         self.tag = f"c:{digest}:{number}:{name}"
@@ -63,9 +63,9 @@ class _Call:
         return self.ep.recv(self.group[rank], None, self.tag)
 
 
-def barrier(endpoint: Endpoint, group: Sequence[str]) -> None:
+def barrier(instance: Instance, group: Sequence[str]) -> None:
     """Return when every member of ``group`` has called it."""
-    call = _Call(endpoint, group, "barrier")
+    call = _Call(instance, group, "barrier")
     p, r = call.size, call.rank
     step = 1
     while step < p:
@@ -74,9 +74,9 @@ def barrier(endpoint: Endpoint, group: Sequence[str]) -> None:
         step <<= 1
 
 
-def bcast(endpoint: Endpoint, group: Sequence[str], obj: object = None, root: int = 0) -> Any:
+def bcast(instance: Instance, group: Sequence[str], obj: object = None, root: int = 0) -> Any:
     """``obj`` of the root, on every member."""
-    call = _Call(endpoint, group, "bcast")
+    call = _Call(instance, group, "bcast")
     p = call.size
     vr = (call.rank - root) % p
     mask = 1
@@ -94,10 +94,10 @@ def bcast(endpoint: Endpoint, group: Sequence[str], obj: object = None, root: in
 
 
 def scatter(
-    endpoint: Endpoint, group: Sequence[str], objs: Sequence[Any] | None = None, root: int = 0
+    instance: Instance, group: Sequence[str], objs: Sequence[Any] | None = None, root: int = 0
 ) -> Any:
     """Member ``i`` gets ``objs[i]`` of the root."""
-    call = _Call(endpoint, group, "scatter")
+    call = _Call(instance, group, "scatter")
     p = call.size
     vr = (call.rank - root) % p
     mine: dict[int, Any]  # virtual rank -> object, for this member's subtree
@@ -138,20 +138,20 @@ def _up_tree(call: _Call, acc: Any, combine: Op, root: int) -> Any:
 
 
 def gather(
-    endpoint: Endpoint, group: Sequence[str], obj: object, root: int = 0
+    instance: Instance, group: Sequence[str], obj: object, root: int = 0
 ) -> list[Any] | None:
     """On the root, the list of every member's ``obj`` by rank; None elsewhere."""
-    call = _Call(endpoint, group, "gather")
+    call = _Call(instance, group, "gather")
     p = call.size
     got = _up_tree(call, {call.rank: obj}, lambda a, b: {**a, **b}, root)
     return None if got is None else [got[i] for i in range(p)]
 
 
 def reduce(
-    endpoint: Endpoint, group: Sequence[str], obj: object, op: Op = operator.add, root: int = 0
+    instance: Instance, group: Sequence[str], obj: object, op: Op = operator.add, root: int = 0
 ) -> Any:
     """On the root, ``op`` folded over every member's ``obj`` in rank order; None elsewhere."""
-    call = _Call(endpoint, group, "reduce")
+    call = _Call(instance, group, "reduce")
     # the tree is rooted at rank 0, which keeps the rank order of the fold for an
     # operation that does not commute; rank 0 hands the result to another root
     got = _up_tree(call, obj, op, 0)
@@ -164,7 +164,7 @@ def reduce(
     return None
 
 
-def allreduce(endpoint: Endpoint, group: Sequence[str], obj: Any, op: Op = operator.add) -> Any:
+def allreduce(instance: Instance, group: Sequence[str], obj: Any, op: Op = operator.add) -> Any:
     """``op`` folded over every member's ``obj``, on every member.
 
     A numpy array of 64 KiB or more goes round a ring (reduce-scatter then
@@ -173,9 +173,9 @@ def allreduce(endpoint: Endpoint, group: Sequence[str], obj: Any, op: Op = opera
     up a tree and broadcast back down.
     """
     if _ring_ok(obj) and len(group) > 1 and obj.size >= len(group):
-        return _ring_allreduce(endpoint, group, obj, op)
-    total = reduce(endpoint, group, obj, op, 0)
-    return bcast(endpoint, group, total, 0)
+        return _ring_allreduce(instance, group, obj, op)
+    total = reduce(instance, group, obj, op, 0)
+    return bcast(instance, group, total, 0)
 
 
 def _ring_ok(obj: Any) -> bool:
@@ -187,10 +187,10 @@ def _ring_ok(obj: Any) -> bool:
     )
 
 
-def _ring_allreduce(endpoint: Endpoint, group: Sequence[str], arr: Any, op: Op) -> Any:
+def _ring_allreduce(instance: Instance, group: Sequence[str], arr: Any, op: Op) -> Any:
     import numpy as np
 
-    call = _Call(endpoint, group, "allreduce")
+    call = _Call(instance, group, "allreduce")
     p, r = call.size, call.rank
     out = np.array(arr, copy=True, order="C")
     flat = out.reshape(-1)

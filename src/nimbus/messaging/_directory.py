@@ -2,7 +2,7 @@
 
 ::
 
-    instance (endpoint)                      state store                  a peer
+    instance                                 state store                  a peer
     -------------------                      -----------                  ------
     local map {id: Entry}  --publish(changes)--> HSET/HDEL directory --> lookup(id): HGET,
     (only what changed)                                                  cached; invalidate()
@@ -29,7 +29,7 @@ from typing import Any
 
 import redis
 
-from nimbus.config import private_dir
+from nimbus.config import Settings, private_dir
 from nimbus.errors import ConfigError, StateStoreError
 from nimbus.keys import Keys
 from nimbus.wire import pack, unpack
@@ -44,7 +44,7 @@ _SUN_PATH = 107
 
 def host_id() -> str:
     """This host: its name and boot id (two containers of one name differ)."""
-    override = os.environ.get("NIMBUS_MESSAGING_HOST_ID")
+    override: str | None = Settings.lookup("messaging_host_id")
     if override:
         return override
     try:

@@ -35,7 +35,7 @@ from typing import Any
 import msgpack
 
 from nimbus.errors import MessageDecodeError
-from nimbus.messaging import _link
+from nimbus.messaging import _peer
 from nimbus.messaging._stream import MESSAGES, SEQ, Message
 from nimbus.wire import Frame
 
@@ -44,7 +44,7 @@ __all__ = ["Mail", "Mailbox", "Run", "decode"]
 # sender, tag, pickle, its out-of-band buffers (None: the data is the message itself)
 Mail = tuple[str, Any, Any, Sequence[Any] | None]
 unpackb = msgpack.unpackb
-MSG, PICKLE, RAW, BATCH, BYE = _link.MSG, _link.PICKLE, _link.RAW, _link.BATCH, _link.BYE
+MSG, PICKLE, RAW, BATCH, BYE = _peer.MSG, _peer.PICKLE, _peer.RAW, _peer.BATCH, _peer.BYE
 _seq_of = SEQ.unpack_from  # the number of a small message (PICKLE, RAW), its tag after it
 _UNKNOWN = object()  # a packed tag not seen yet
 
@@ -184,7 +184,7 @@ class Mailbox:
             self._arrive(sender, seq, tag, data, buffers)
             self.arrivals += 1
 
-    def deliver(self, link: _link.Link, frames: list[Frame]) -> None:
+    def deliver(self, link: _peer.Peer, frames: list[Frame]) -> None:
         """Deliver the frames read from ``link``."""
         peer = link.peer
         mail = self.mail
@@ -220,7 +220,7 @@ class Mailbox:
                 elif kind == MSG:
                     meta = unpackb(fmeta)  # seq, tag (, read-only buffers)
                     rest = (
-                        _link.writable_as_sent(bufs, meta[2] if len(meta) > 2 else 0)
+                        _peer.writable_as_sent(bufs, meta[2] if len(meta) > 2 else 0)
                         if len(bufs) > 1
                         else ()
                     )
@@ -229,7 +229,7 @@ class Mailbox:
                     link.closed_cleanly = True
             self.arrivals += len(frames)
 
-    def take(self, link: _link.Link, message: Message, tag: Any) -> Mail | None:
+    def take(self, link: _peer.Peer, message: Message, tag: Any) -> Mail | None:
         """Deliver one small message read from ``link`` (``Stream.receive_message``);
         but when it has ``tag``, is next in its sender's order and nothing else
         waits, hand it back (undecoded) instead: the caller waits for exactly it.
@@ -258,7 +258,7 @@ class Mailbox:
     def _learn(self, packed: bytes) -> Any:
         """The tag packed as ``packed``, kept for the next messages (a sender's tags repeat)."""
         tag = unpackb(packed)
-        if len(self._tags) < 4 * _link.TAGS:
+        if len(self._tags) < 4 * _peer.TAGS:
             self._tags[packed] = tag
         return tag
 

@@ -1,4 +1,4 @@
-"""The sending half of an instance's endpoint: links out, numbering, coalescing, the store.
+"""The sending half of an instance: links out, numbering, coalescing, the store.
 
 ::
 
@@ -34,7 +34,7 @@ import redis
 from nimbus import serialization
 from nimbus.errors import PeerExited, PeerLost, PeerUnreachable, StateStoreError
 from nimbus.keys import Keys
-from nimbus.messaging import _link
+from nimbus.messaging import _peer
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, socket_path
 from nimbus.wire import pack
 
@@ -47,15 +47,15 @@ COALESCE = 32 * 1024  # bytes of small messages queued before they are written a
 FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be written
 _PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to find)
 _INLINE = 64 * 1024
-_BATCHED = _link.BATCHED
-_RAW, _PICKLE = _link.RAW, _link.PICKLE
+_BATCHED = _peer.BATCHED
+_RAW, _PICKLE = _peer.RAW, _peer.PICKLE
 _NO_BUFFERS: list[Any] = []  # shared, never changed: saves a list per small send
 
 
 class Sender:
-    """Sending to other instances; :class:`~nimbus.messaging.Endpoint` adds the rest."""
+    """Sending to other instances; :class:`~nimbus.messaging.Instance` adds the rest."""
 
-    # set by the endpoint
+    # set by the instance
     id: str
     entry: Entry
     directory: Directory
@@ -68,20 +68,20 @@ class Sender:
     _closed: bool
 
     def __init__(self) -> None:
-        self._out: dict[str, _link.Link] = {}
+        self._out: dict[str, _peer.Peer] = {}
         self._out_lock = threading.Lock()
         # one numbering per peer, whichever way its messages go (taken without a lock)
         self._seq: dict[str, itertools.count[int]] = collections.defaultdict(itertools.count)
         self._retry_at: dict[str, float] = {}
         self._backoff: dict[str, float] = {}
-        self._dirty: set[_link.Link] = set()  # links holding coalesced messages
+        self._dirty: set[_peer.Peer] = set()  # links holding coalesced messages
         self._flush_soon = threading.Event()
         self._flush_armed = False  # the flusher will write the dirty links soon
         self._flusher: threading.Thread | None = None
-        self._recvs = 0  # receives so far (the endpoint counts them)
+        self._recvs = 0  # receives so far (the instance counts them)
 
-    def _progress(self, timeout: float, writer: _link.Link | None = None) -> Any:
-        """Read this instance's sockets until ``writer``'s drains (the endpoint's)."""
+    def _progress(self, timeout: float, writer: _peer.Peer | None = None) -> Any:
+        """Read this instance's sockets until ``writer``'s drains (the instance's)."""
         raise NotImplementedError
 
     def send(self, peer: str, obj: object, tag: Any = 0) -> None:
@@ -132,7 +132,7 @@ class Sender:
         self._send_slow(peer, link, tag, data, raws, raw)
 
     def _send_slow(
-        self, peer: str, link: _link.Link | None, tag: Any, data: bytes, raws: list[Any], raw: bool
+        self, peer: str, link: _peer.Peer | None, tag: Any, data: bytes, raws: list[Any], raw: bool
     ) -> None:
         """Send one message that does not just join a link's ``pending`` queue.
 
@@ -155,7 +155,7 @@ class Sender:
             # more sends in a row are coalesced, up to COALESCE bytes or FLUSH_DELAY
             now = link.recvs != self._recvs
             link.recvs = self._recvs
-            if now and not raws and len(data) <= _link.SMALL_LIMIT:
+            if now and not raws and len(data) <= _peer.SMALL_LIMIT:
                 self._send_message(link, _RAW if raw else _PICKLE, seq, link.packed(tag), data)
                 return
             link.queue(seq, tag, data, raws, raw)
@@ -166,7 +166,7 @@ class Sender:
             self._arm(link)
 
     def _send_message(
-        self, link: _link.Link, kind: int, seq: int, packed: bytes, data: bytes
+        self, link: _peer.Peer, kind: int, seq: int, packed: bytes, data: bytes
     ) -> None:
         """Write one small message now (``link.lock`` held); while the socket is full,
         read our own sockets (``_flush``)."""
@@ -189,13 +189,13 @@ class Sender:
         taken = list(itertools.islice(self._seq[peer], n))  # all n at once, not one by one
         return taken[0]
 
-    def _write(self, link: _link.Link) -> None:
+    def _write(self, link: _peer.Peer) -> None:
         """Frame and write what ``link`` holds (``link.lock`` held)."""
         if link.error is None:
             link.frame_pending(self._number)
             self._flush(link)
 
-    def _arm(self, link: _link.Link) -> None:
+    def _arm(self, link: _peer.Peer) -> None:
         """Have the flusher write ``link`` within FLUSH_DELAY."""
         link.armed = True
         self._dirty.add(link)  # before the flag is read (the flusher clears it, then flushes)
@@ -239,7 +239,7 @@ class Sender:
                 except PeerLost as exc:
                     link.error = exc
 
-    def _open(self, peer: str) -> _link.Link | None:
+    def _open(self, peer: str) -> _peer.Peer | None:
         """A link to ``peer``, or None while it does not listen (its messages go to the store)."""
         if peer == self.id:
             raise ValueError("an instance cannot send to itself")
@@ -261,7 +261,7 @@ class Sender:
                 return None
             address = ("tcp", entry.tcp)
         try:
-            link = _link.connect(
+            link = _peer.connect(
                 address,
                 peer=peer,
                 me=self.id,
@@ -290,7 +290,7 @@ class Sender:
     def _push_store(self, peer: str, seq: int, tag: Any, data: bytes, raws: list[Any]) -> None:
         key = self._keys.inbox(peer)
         parts = [data, *(bytes(r) for r in raws)]
-        message = pack((self.id, seq, tag, parts, _link.readonly_mask(raws)))
+        message = pack((self.id, seq, tag, parts, _peer.readonly_mask(raws)))
         try:
             pipe = self._client().pipeline(transaction=False)
             pipe.rpush(key, message)
@@ -299,7 +299,7 @@ class Sender:
         except redis.RedisError as exc:
             raise StateStoreError(f"cannot queue a message for {peer}: {exc}") from exc
 
-    def _flush(self, link: _link.Link) -> None:
+    def _flush(self, link: _peer.Peer) -> None:
         """Write what ``link`` holds; while its socket is full, read our own sockets."""
         try:
             while not link.channel.flush():
@@ -308,7 +308,7 @@ class Sender:
             self._drop_out(link)
             raise PeerLost(f"instance {link.peer} is lost: {exc}") from exc
 
-    def _drop_out(self, link: _link.Link) -> None:
+    def _drop_out(self, link: _peer.Peer) -> None:
         with self._out_lock:
             if self._out.get(link.peer) is link:
                 del self._out[link.peer]
@@ -321,7 +321,7 @@ class Sender:
             try:
                 with link.lock:
                     link.frame_pending(self._number)
-                    link.channel.send(_link.BYE, pack(self._number(link.peer, 1)))
+                    link.channel.send(_peer.BYE, pack(self._number(link.peer, 1)))
                     link.sock.setblocking(True)
                     link.sock.settimeout(1.0)
                     link.channel.flush()

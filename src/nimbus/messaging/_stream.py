@@ -7,7 +7,7 @@
     RAW seq tag + bytes                               one small ``bytes``, sent as it is
     BATCH [first seq, tag, [lengths], raw] + data     many small messages back to back
     BYE [next seq]                                    the sender exited cleanly
-    HELLO / WELCOME / REFUSED                         the handshake (``_link``)
+    HELLO / WELCOME / REFUSED                         the handshake (``_peer``)
 
 :class:`Stream` is a :class:`nimbus.wire.Channel` whose small one-buffer frames
 skip the general state machine: queued ones are copied into one buffer (one

@@ -1,5 +1,9 @@
 """``nimbus.multiprocessing``: the stdlib's multiprocessing API on nimbus.
 
+Owns the stdlib's surface (processes, pools, queues, pipes, locks, shared
+ctypes, managers) for programs on a local or remote site, built on the
+runtime, messaging and the state store.
+
 Change ``import multiprocessing`` to ``import nimbus.multiprocessing as
 multiprocessing``: processes run on warm workers and shared state lives in
 the state store (an embedded Redis by default, ``NIMBUS_REDIS_URL`` when set),

@@ -57,7 +57,7 @@ from typing import Any
 from nimbus.errors import ConfigError, MessagingTimeout, PeerExited, PeerLost
 from nimbus.keys import Keys
 from nimbus.messaging import _api
-from nimbus.messaging._endpoint import Endpoint
+from nimbus.messaging._instance import Instance
 from nimbus.multiprocessing import _state
 from nimbus.multiprocessing._link import Link, Script, link
 from nimbus.multiprocessing._payload import EOS, MARK, REVERT, Item, as_message
@@ -192,7 +192,7 @@ def lanes(keys: Keys, name: str) -> tuple[Lane, Lane]:
     )
 
 
-def endpoint(prog: Program) -> Endpoint | None:
+def endpoint(prog: Program) -> Instance | None:
     """This process's instance, if direct messaging is on and it belongs to ``prog``
     (None too if it cannot be one, e.g. its socket path would be too long: the store will do)."""
     if not _api.direct_enabled() or _state.current() != prog:
@@ -366,7 +366,7 @@ class Writer:
         self.lane = lane
         self.tag = lane.tag
         self.peer: str | None = None  # the holder we send to, once switched
-        self.ep: Endpoint | None = None  # this process's instance, which sends to it
+        self.ep: Instance | None = None  # this process's instance, which sends to it
         self.claim: bytes | None = None
         self.sid = ""
         self.parked: str | None = None  # the holder forwarding our last direct messages

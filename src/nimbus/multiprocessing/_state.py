@@ -108,7 +108,7 @@ class _Root:
             self.store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
             program_id = Keys.program_id_new()
             shared = None
-            if os.environ.get("NIMBUS_SHARED_MEMORY", "1") != "0":
+            if settings.shared_memory:
                 shared = heap.directory(settings.runtime_dir, program_id)
             self.program = Program(self.store.url, program_id, settings.key_ttl, shared=shared)
         self.pid = os.getpid()

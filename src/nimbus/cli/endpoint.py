@@ -1,4 +1,8 @@
-"""``nimbus endpoint configure | start | stop | status | list``."""
+"""``nimbus endpoint configure | start | stop | status | list``.
+
+A ``setup``/``run`` pair registered in ``nimbus.cli.COMMANDS``; the agent itself is
+``nimbus.endpoint.agent``, started here as ``python -m nimbus.endpoint.agent NAME``.
+"""
 
 from __future__ import annotations
 

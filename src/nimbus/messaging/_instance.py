@@ -1,4 +1,4 @@
-"""An instance's endpoint: its listening socket, links to peers, and mailbox.
+"""An instance: a running task's listening socket, peers (links to them), mailbox.
 
 ::
 
@@ -34,13 +34,13 @@ import redis
 
 from nimbus.errors import MessagingTimeout, PeerExited, PeerLost, StateStoreError
 from nimbus.keys import Keys
-from nimbus.messaging import _link
+from nimbus.messaging import _peer
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, host_id, socket_path
 from nimbus.messaging._mailbox import Mail, Mailbox, Run, decode
 from nimbus.messaging._sending import Sender
 from nimbus.wire import ProtocolError, unpack
 
-__all__ = ["ANY", "HEARTBEAT", "Endpoint", "Transport"]
+__all__ = ["ANY", "HEARTBEAT", "Instance", "Transport"]
 
 ANY: Any = None
 HEARTBEAT = 0.5  # seconds: how soon a silent dead peer is noticed by a waiting recv
@@ -53,14 +53,14 @@ _NOBODY = object()  # ``_progress`` waits for no message in particular
 
 @runtime_checkable
 class Transport(Protocol):
-    """What carries messages between instances: the plug point (``Endpoint`` is one)."""
+    """What carries messages between instances: the plug point (``Instance`` is one)."""
 
     def send(self, peer: str, obj: object) -> None: ...
 
     def recv(self, source: str | None = ANY, timeout: float | None = None) -> Any: ...
 
 
-class Endpoint(Sender):
+class Instance(Sender):
     """One instance: ``send``/``recv`` to and from other instances of the program."""
 
     def __init__(
@@ -89,8 +89,8 @@ class Endpoint(Sender):
         # receiving: links in, the mailbox (per-sender order)
         self._mailbox = Mailbox()
         self._io = threading.RLock()  # reading the inbound sockets
-        self._in: dict[int, _link.Link] = {}
-        self._new_in: list[_link.Link] = []
+        self._in: dict[int, _peer.Peer] = {}
+        self._new_in: list[_peer.Peer] = []
         self._poll = select.poll()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -134,7 +134,7 @@ class Endpoint(Sender):
                 conn, _ = lsock.accept()
             except OSError:
                 return  # closed
-            link = _link.accept(
+            link = _peer.accept(
                 conn, me=self.id, program_id=self._keys.program_id, token=self._token
             )
             if link is not None:
@@ -165,7 +165,7 @@ class Endpoint(Sender):
                 log.debug("nimbus.messaging: inbox of %s: %r", self.id, exc)
                 time.sleep(0.1)
                 continue
-            self._mailbox.put(sender, seq, tag, parts[0], _link.writable_as_sent(parts, readonly))
+            self._mailbox.put(sender, seq, tag, parts[0], _peer.writable_as_sent(parts, readonly))
             self._wake()
 
     def _wake(self) -> None:
@@ -331,7 +331,7 @@ class Endpoint(Sender):
     def _progress(
         self,
         timeout: float,
-        writer: _link.Link | None = None,
+        writer: _peer.Peer | None = None,
         seen: int | None = None,
         want: Any = _NOBODY,
         tag: Any = 0,
@@ -399,7 +399,7 @@ class Endpoint(Sender):
                 self._poll.register(link.fileno(), _READ)
                 self._read(link)
 
-    def _read(self, link: _link.Link) -> None:
+    def _read(self, link: _peer.Peer) -> None:
         try:
             frames = link.channel.receive()
         except (OSError, ProtocolError):
@@ -409,7 +409,7 @@ class Endpoint(Sender):
         elif frames is None:
             self._ended(link)
 
-    def _ended(self, link: _link.Link) -> None:
+    def _ended(self, link: _peer.Peer) -> None:
         """``link`` reached its end of stream: forget it; its peer exited or is lost."""
         fd = link.fileno()
         self._poll.unregister(fd)

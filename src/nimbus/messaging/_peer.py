@@ -64,7 +64,7 @@ __all__ = [
     "PICKLE",
     "PROTOCOL",
     "RAW",
-    "Link",
+    "Peer",
     "Stream",
     "accept",
     "connect",
@@ -101,7 +101,7 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-class Link:
+class Peer:
     """One connected, handshaken socket to or from a peer instance."""
 
     __slots__ = (
@@ -127,7 +127,7 @@ class Link:
         self.lock = threading.Lock()
         self.closed_cleanly = False
         self.error: BaseException | None = None  # a deferred flush failed
-        self.recvs = -1  # the endpoint's receive count at this link's last send
+        self.recvs = -1  # the instance's receive count at this link's last send
         self.count: Iterator[int] | None = None  # the sender's numbering of its peer (links out)
         self.packer = msgpack.Packer(use_bin_type=True)  # used under ``lock``
         self.tags: dict[Any, bytes] = {}  # tag -> packed, for small messages (``packed``)
@@ -135,7 +135,7 @@ class Link:
         # the lock (a deque's append is atomic), taken by :meth:`frame_pending`
         self.pending: collections.deque[tuple[Any, bytes, bool]] = collections.deque()
         self.queued = 0  # bytes in ``pending``: added to without a lock, so approximate
-        self.armed = False  # the endpoint's flusher will frame and write ``pending``
+        self.armed = False  # the instance's flusher will frame and write ``pending``
 
     def packed(self, tag: Any) -> bytes:
         """``tag`` packed with msgpack, kept for the next messages with it (up to TAGS)."""
@@ -219,7 +219,7 @@ def _one_frame(channel: Channel, what: str) -> Frame:
     return frames[0]
 
 
-def connect(address: tuple[str, Any], *, peer: str, me: str, program_id: str, token: bytes) -> Link:
+def connect(address: tuple[str, Any], *, peer: str, me: str, program_id: str, token: bytes) -> Peer:
     """Open a link to ``peer`` at ``address`` (``("unix", path)`` or ``("tcp", (host, port))``).
 
     Raises :class:`PeerUnreachable` when nothing listens there (yet),
@@ -261,10 +261,10 @@ def connect(address: tuple[str, Any], *, peer: str, me: str, program_id: str, to
         reason = unpack(frame.meta) if frame.kind == REFUSED else f"frame kind {frame.kind}"
         raise PeerRefused(f"instance {peer} refused the connection: {reason}")
     sock.setblocking(False)
-    return Link(sock, channel, peer)
+    return Peer(sock, channel, peer)
 
 
-def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Link | None:
+def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Peer | None:
     """Check a new connection's handshake; a refusal is answered, logged and closed."""
     sock.settimeout(None)
     _tune(sock)
@@ -306,4 +306,4 @@ def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Li
         channel.close()
         return None
     sock.setblocking(False)
-    return Link(sock, channel, str(peer))
+    return Peer(sock, channel, str(peer))

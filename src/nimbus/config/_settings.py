@@ -1,0 +1,417 @@
+"""``Settings``: every nimbus setting, each declared once.
+
+A setting is one line of :class:`Settings`: its name, type, default, how a
+value is checked and a one-line meaning, e.g.::
+
+    prefetch: int = setting(8, c.int_at_least(1), "tasks in flight per worker")
+
+Its environment variable is ``NIMBUS_`` + the name in capitals; its TOML key is
+the name. :data:`FIELDS` (name -> :class:`Spec`) is derived from the class, and
+``load``, ``replace``, ``describe``, ``nimbus info`` and the README's table
+(pinned by tests/test_config.py) all follow it. A new setting is a new line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import ssl
+import stat
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from nimbus.config import _coerce as c
+from nimbus.config._places import default_config_file, default_runtime_dir
+from nimbus.errors import ConfigError
+
+__all__ = ["CONFIG_ENV", "FIELDS", "Settings", "Spec"]
+
+CONFIG_ENV = "NIMBUS_CONFIG"
+ENV_PREFIX = "NIMBUS_"
+_SPEC = "nimbus.setting"  # the key of a field's (coerce, help) in its metadata
+
+
+class Spec(NamedTuple):
+    """What a setting's field declares, besides its name, type and default."""
+
+    env: str
+    coerce: Callable[[object], Any]
+    help: str
+
+
+def setting(
+    default: object,
+    coerce: Callable[[object], Any],
+    help: str,
+    *,
+    factory: Callable[[], object] | None = None,
+) -> Any:
+    """One field of :class:`Settings`: its default, its check, its meaning.
+
+    ``factory``: the default is computed (``default`` is then None and unused).
+    """
+    meta = {_SPEC: (coerce, help)}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _cpu_count() -> int:
+    return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every nimbus setting. Build with :meth:`load`; derive with :meth:`replace`."""
+
+    workers: int = setting(
+        None, c.int_at_least(1), "worker processes of the local runtime", factory=_cpu_count
+    )
+    prefetch: int = setting(8, c.int_at_least(1), "tasks in flight per worker")
+    task_timeout: float | None = setting(
+        None, c.optional_seconds, "seconds a task may run (none: no limit)"
+    )
+    redis_url: str | None = setting(
+        None,
+        c.optional_str("a redis://, rediss:// or unix:// URL, or 'none'", c.is_redis_url),
+        "state store URL (none: embedded Redis on a private Unix socket)",
+    )
+    key_ttl: float = setting(600.0, c.seconds, "expiry backstop of shared-state keys, seconds")
+    runtime_dir: Path = setting(
+        None, c.path, "private directory for local sockets", factory=default_runtime_dir
+    )
+    max_payload: int = setting(4 << 30, c.size, "largest payload accepted, bytes")
+    inline_payload: int = setting(
+        1 << 20,
+        c.size_between(c.INLINE_MIN, c.INLINE_MAX),
+        "payloads and results above this travel through the service's data store, bytes",
+    )
+    storage_dir: Path | None = setting(
+        None,
+        c.optional_path,
+        "directory behind nimbus.multiprocessing.files (none: <runtime_dir>/files)",
+    )
+    endpoint: str | None = setting(
+        None,
+        c.optional_str("an endpoint name, or 'none'", bool),
+        "default endpoint (none: the local runtime)",
+    )
+    service_url: str | None = setting(
+        None,
+        c.optional_str("an http:// or https:// URL, or 'none'", c.is_http_url),
+        "URL of the nimbus service",
+    )
+    token: str | None = setting(
+        None,
+        c.optional_str("a token given by `nimbus service token create`, or 'none'", bool),
+        "bearer token for the service (none: the one saved by `nimbus login`)",
+    )
+    database_url: str | None = setting(
+        None,
+        c.optional_str(
+            "an SQLAlchemy URL (sqlite:///..., postgresql://...), or 'none'", c.is_db_url
+        ),
+        "registry database of the service (none: SQLite in <runtime_dir>/service)",
+    )
+    result_ttl: float = setting(
+        7 * 86400.0, c.seconds, "seconds the service keeps a finished task's result"
+    )
+    heartbeat: float = setting(
+        2.0, c.seconds, "seconds between endpoint heartbeats (lost after 3 missed)"
+    )
+    max_queued_tasks: int = setting(
+        1_000_000,
+        c.int_at_least(1),
+        "on the service: tasks a user may have queued or running at once",
+    )
+    max_queued_bytes: int = setting(
+        4 << 30,
+        c.size,
+        "on the service: inline payload bytes a user may have queued or running at once",
+    )
+    max_batch: int = setting(
+        100_000, c.int_at_least(1), "on the service: tasks in one submit request"
+    )
+    log_level: str = setting("WARNING", c.log_level, "logging level of nimbus loggers")
+    store_listen: str = setting(
+        "127.0.0.1:0",
+        c.host_port,
+        "where the service's state-store Redis for endpoint programs listens, HOST:PORT",
+    )
+    ca_file: Path | None = setting(
+        None,
+        c.optional_pem_file,
+        "CA certificates (PEM) that verify the service's TLS certificate, for HTTPS, WSS and "
+        "its stores' rediss:// (none: the system's CAs)",
+    )
+    store_maxmemory: int = setting(
+        1 << 30,
+        c.size,
+        "most bytes the service's state-store Redis holds, all users together (then writes fail)",
+    )
+    body_timeout: float = setting(
+        30.0,
+        c.seconds,
+        "seconds the service waits for the next part of a request body before answering 408",
+    )
+    max_header_bytes: int = setting(
+        64 << 10,
+        c.size_between(1 << 10, 1 << 20),
+        "largest request head (request line and headers) the service reads; larger: 431",
+    )
+    max_functions: int = setting(
+        10_000,
+        c.int_at_least(1),
+        "on the service: functions a user may have registered at once (more: 429)",
+    )
+    max_endpoints: int = setting(
+        1000,
+        c.int_at_least(1),
+        "on the service: endpoints a user may have registered at once (more: 429)",
+    )
+    max_message: int = setting(
+        32 << 20,
+        c.size_between(16 << 20, 1 << 30),
+        "on the service: largest WebSocket message it accepts from a client or agent, bytes "
+        "(larger: the connection is closed with 1009)",
+    )
+    shared_memory: bool = setting(
+        True,
+        c.flag,
+        "Values and Arrays of a program on this host in shared memory (0: in the state store)",
+    )
+    messaging_direct: bool = setting(
+        True,
+        c.flag,
+        "messages between instances straight over sockets (0: all through the state store)",
+    )
+    messaging_host: str | None = setting(
+        None,
+        c.optional_str("an address of this host to listen on, or 'none'", bool),
+        "address instances also listen on over TCP, for peers on other hosts (none: Unix only)",
+    )
+    messaging_host_id: str | None = setting(
+        None,
+        c.optional_str("a name for this host, or 'none'", bool),
+        "this host's name in the messaging directory (none: host name and boot id)",
+    )
+
+    def __post_init__(self) -> None:
+        for name, spec in FIELDS.items():
+            value = getattr(self, name)
+            object.__setattr__(self, name, _coerce(spec, value, f"Settings.{name}"))
+
+    # ------------------------------------------------------------ building
+
+    @classmethod
+    def load(cls, env: Mapping[str, str] | None = None, file: Path | None = None) -> Settings:
+        """Defaults < TOML file < environment. ``env`` defaults to ``os.environ``."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {"runtime_dir": default_runtime_dir(env)}
+        sources = dict.fromkeys(FIELDS, "default")
+
+        if file is None:
+            explicit = env.get(CONFIG_ENV, "").strip()
+            if explicit:
+                file = Path(explicit).expanduser()
+                if not file.is_file():
+                    raise ConfigError(
+                        f"{CONFIG_ENV}={explicit!r}: no such file; point it at a TOML file "
+                        f"or unset it"
+                    )
+            else:
+                default = default_config_file(env)
+                file = default if default.is_file() else None
+        if file is not None:
+            for name, raw in _read_toml(file).items():
+                values[name] = _coerce(FIELDS[name], raw, f"{file}: key {name!r}")
+                sources[name] = f"file {file}"
+
+        for name, spec in FIELDS.items():
+            if spec.env in env:
+                values[name] = _coerce(spec, env[spec.env], spec.env)
+                sources[name] = f"env {spec.env}"
+
+        settings = cls(**values)  # type: ignore[arg-type]
+        object.__setattr__(settings, "_sources", sources)
+        return settings
+
+    @classmethod
+    def lookup(cls, name: str) -> Any:
+        """One setting as :meth:`load` gives it, without reading them all: its variable in
+        ``os.environ`` now if set, else the file's value or the default (read once).
+
+        For the few settings read on hot paths, or changed by a process for its children.
+        """
+        spec = FIELDS[name]
+        raw = os.environ.get(spec.env)
+        if raw is not None:
+            return _coerce(spec, raw, spec.env)
+        base = _base.get(name, _base)
+        if base is _base:
+            base_env = {
+                k: v
+                for k, v in os.environ.items()
+                if k == CONFIG_ENV or not k.startswith("NIMBUS_")
+            }
+            loaded = cls.load(base_env)
+            _base.update((n, getattr(loaded, n)) for n in FIELDS)
+            base = _base[name]
+        return base
+
+    def replace(self, **changes: object) -> Settings:
+        """A copy with ``changes`` applied and validated."""
+        unknown = sorted(set(changes) - set(FIELDS))
+        if unknown:
+            raise ConfigError(
+                f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}"
+            )
+        new = dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        sources = dict(self._source_map())
+        sources.update(dict.fromkeys(changes, "argument"))
+        object.__setattr__(new, "_sources", sources)
+        return new
+
+    # ------------------------------------------------------------ using
+
+    @property
+    def files_dir(self) -> Path:
+        """Where ``nimbus.multiprocessing.files`` keeps shared files by default."""
+        return self.storage_dir if self.storage_dir is not None else self.runtime_dir / "files"
+
+    @property
+    def service_dir(self) -> Path:
+        """The service's own files: SQLite registry, data store, persistent Redis."""
+        return self.runtime_dir / "service"
+
+    @property
+    def registry_url(self) -> str:
+        """The service's registry database: ``database_url`` or SQLite in the runtime dir."""
+        if self.database_url is not None:
+            return self.database_url
+        return f"sqlite:///{self.service_dir / 'registry.sqlite3'}"
+
+    @property
+    def store_address(self) -> tuple[str, int]:
+        """``store_listen`` as (host, port); port 0 means any free port."""
+        return c.split_host_port(self.store_listen)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """How this process verifies the service over TLS (HTTPS and WSS): the CAs of
+        ``ca_file`` if set, else the system's; the host name is checked."""
+        return ssl.create_default_context(
+            cafile=None if self.ca_file is None else str(self.ca_file)
+        )
+
+    def ensure_runtime_dir(self) -> Path:
+        """Create ``runtime_dir`` (mode 0o700) and check only this user can use it."""
+        path = self.runtime_dir
+        try:
+            if not path.exists():
+                path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = path.stat()
+        except OSError as exc:
+            raise ConfigError(
+                f"runtime directory {path} cannot be created ({exc.strerror}); "
+                f"set NIMBUS_RUNTIME_DIR to a directory you own"
+            ) from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(
+                f"runtime directory {path} exists but is not a directory; "
+                f"remove it or set NIMBUS_RUNTIME_DIR"
+            )
+        if st.st_uid != os.getuid():
+            raise ConfigError(
+                f"runtime directory {path} is owned by uid {st.st_uid}, not by you "
+                f"(uid {os.getuid()}); set NIMBUS_RUNTIME_DIR to a directory you own"
+            )
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            path.chmod(0o700)
+        return path
+
+    def configure_logging(self) -> None:
+        """Set the level of the ``nimbus`` logger from ``log_level``."""
+        logging.getLogger("nimbus").setLevel(self.log_level)
+
+    def source(self, name: str) -> str:
+        """Where a value came from: ``default``, ``file <path>``, ``env <VAR>`` or ``argument``."""
+        if name not in FIELDS:
+            raise KeyError(name)
+        return self._source_map().get(name, "argument")
+
+    def describe(self) -> dict[str, object]:
+        """Every setting as plain JSON-able values, for ``nimbus info``."""
+        return {
+            name: str(value) if isinstance(value, Path) else value
+            for name in FIELDS
+            for value in (getattr(self, name),)
+        }
+
+    @staticmethod
+    def env_var(name: str) -> str:
+        """The environment variable of a setting."""
+        return FIELDS[name].env
+
+    @staticmethod
+    def help(name: str) -> str:
+        """A one-line meaning of a setting."""
+        return FIELDS[name].help
+
+    def _source_map(self) -> Mapping[str, str]:
+        sources: Mapping[str, str] | None = self.__dict__.get("_sources")
+        if sources is None:  # built directly, not by load()
+            sources = {
+                name: "default" if getattr(self, name) == _field_default(name) else "argument"
+                for name in FIELDS
+            }
+        return sources
+
+
+FIELDS: dict[str, Spec] = {
+    f.name: Spec(ENV_PREFIX + f.name.upper(), *f.metadata[_SPEC])
+    for f in dataclasses.fields(Settings)
+}
+_base: dict[str, Any] = {}  # Settings.lookup's file values and defaults, read once
+
+
+def _field_default(name: str) -> object:
+    spec = Settings.__dataclass_fields__[name]
+    if spec.default_factory is not dataclasses.MISSING:
+        return spec.default_factory()
+    return spec.default
+
+
+def _coerce(spec: Spec, value: object, label: str) -> Any:
+    try:
+        return spec.coerce(value)
+    except c.Bad as bad:
+        raise ConfigError(f"{label}={value!r} is invalid: expected {bad}") from None
+
+
+def _read_toml(file: Path) -> dict[str, object]:
+    try:
+        data = tomllib.loads(file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"config file {file} cannot be read ({exc.strerror})") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
+    table = data.pop("nimbus", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"config file {file}: 'nimbus' must be a table, got {table!r}")
+    both = sorted(set(data) & set(table))
+    if both:
+        raise ConfigError(
+            f"config file {file}: {', '.join(both)} set twice (top level and [nimbus])"
+        )
+    merged: dict[str, object] = {**data, **table}
+    unknown = sorted(set(merged) - set(FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"config file {file}: unknown key(s) {', '.join(unknown)}; known keys: "
+            f"{', '.join(FIELDS)}"
+        )
+    return merged

@@ -1,0 +1,237 @@
+"""The layers of DESIGN.md, pinned: every import in src/nimbus, read with ``ast``.
+
+A module belongs to its top-level package (``nimbus.service.app`` to ``service``;
+``nimbus.errors`` to ``errors``; ``nimbus/__init__.py`` to ``nimbus``). Three rules:
+
+* an import runs down the layers of :data:`LAYERS`, or stays on its own floor;
+* the graph of imports between top-level packages has no cycle;
+* no import of another package's private module or name (``nimbus.x._y`` or
+  ``from nimbus.x import _y`` from outside ``nimbus.x``); ``nimbus._loop`` and
+  ``nimbus._chunks`` are the whole library's own.
+
+Every import counts: at the top of a module, inside a function (imported on first
+use) and under ``TYPE_CHECKING``. The violations of today are listed in
+:data:`KNOWN`; anything else fails, and so does an entry of KNOWN that no longer
+occurs (remove it).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+SRC = Path(__file__).parent.parent / "src"
+
+# Each top-level package or module of nimbus, and its floor of DESIGN.md's drawing
+# ("Parts and the direction of imports"): higher imports lower, never the reverse.
+LAYERS: dict[str, int] = {
+    # the command line, on top of everything
+    "cli": 6,
+    "__main__": 6,
+    # the SDK (nimbus.Executor, nimbus.Client) and multiprocessing, what users import
+    "nimbus": 5,
+    "executor": 5,
+    "client": 5,
+    "multiprocessing": 5,
+    "joblib": 5,
+    "demo": 5,
+    # where an Executor's tasks run
+    "backends": 4,
+    # the engines and the control plane; endpoint: the agent that serves one endpoint
+    "runtime": 3,
+    "service": 3,
+    "endpoint": 3,
+    "messaging": 3,
+    "providers": 3,
+    "environments": 3,
+    # the state store (and shared files)
+    "statestore": 2,
+    "keys": 2,
+    "storage": 2,
+    # contracts and plumbing every floor uses
+    "protocol": 1,
+    "serialization": 1,
+    "telemetry": 1,
+    "wire": 1,
+    "config": 1,
+    "records": 1,
+    "_loop": 1,
+    "_chunks": 1,
+    # the exception tree, at the bottom
+    "errors": 0,
+}
+
+# Violations of today, each "importing module -> imported module (or name)", being
+# fixed by other branches of issue 15: empty this list as they land; never add to it.
+KNOWN: set[str] = {
+    # store: Program moves into nimbus.statestore, below both messaging and multiprocessing
+    "nimbus.messaging._api -> nimbus.multiprocessing._state",
+    "nimbus.multiprocessing._direct -> nimbus.messaging._api",
+    "nimbus.multiprocessing._direct -> nimbus.messaging._instance",
+    "nimbus.multiprocessing._qdirect -> nimbus.messaging._api",
+    # store: the service's stores of endpoint programs use multiprocessing's objects
+    "nimbus.service.stores -> nimbus.multiprocessing.connection",
+    "nimbus.service.stores -> nimbus.multiprocessing.queues",
+    "nimbus.service.stores -> nimbus.multiprocessing.sharedctypes",
+    "nimbus.service.stores -> nimbus.multiprocessing.synchronize",
+    # store (Site): multiprocessing reaches past the backends into the SDK
+    "nimbus.multiprocessing._runtime -> nimbus.executor._live",
+    # proto: the SDK backend and the endpoint agent share one WebSocket client and
+    # nimbus.protocol instead of the service's modules and the SDK's Client
+    "nimbus.backends.service -> nimbus.client",
+}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "nimbus"
+
+
+def _is_module(name: str) -> bool:
+    path = SRC.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _modules() -> Iterator[tuple[str, Path]]:
+    for path in sorted((SRC / "nimbus").rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        yield ".".join(parts), path
+
+
+def _imports(module: str, path: Path) -> Iterator[tuple[str, int]]:
+    """Every nimbus module or name that ``module`` imports, with its line."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("nimbus."):
+                    yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                source = node.module or ""
+            if source != "nimbus" and not source.startswith("nimbus."):
+                continue
+            for alias in node.names:
+                name = f"{source}.{alias.name}"
+                if _is_module(name) or alias.name.startswith("_"):
+                    yield name, node.lineno  # a module, or a private name
+                elif source != "nimbus":
+                    yield source, node.lineno
+                else:  # from nimbus import X: X's home module
+                    yield f"nimbus.{alias.name}", node.lineno
+
+
+def _private(importer: str, target: str) -> bool:
+    """``target`` is a private module or name of a package other than the importer's."""
+    parts = target.split(".")
+    inside = parts[2:] if len(parts) > 2 else []
+    if not any(p.startswith("_") and not p.startswith("__") for p in inside):
+        return False
+    return _package(target) != _package(importer)
+
+
+def _edges() -> dict[str, list[str]]:
+    """'importer -> target' for every import between two top-level packages."""
+    edges: dict[str, list[str]] = defaultdict(list)
+    for module, path in _modules():
+        for target, line in _imports(module, path):
+            if _package(target) != _package(module):
+                edges[f"{module} -> {target}"].append(f"{path.relative_to(SRC.parent)}:{line}")
+    return edges
+
+
+def _violations() -> dict[str, str]:
+    """Edge -> what is wrong with it (upward, private)."""
+    found: dict[str, str] = {}
+    for edge in _edges():
+        importer, target = edge.split(" -> ")
+        low, high = _package(target), _package(importer)
+        if LAYERS[low] > LAYERS[high]:
+            found[edge] = (
+                f"runs up from {high} (floor {LAYERS[high]}) to {low} (floor {LAYERS[low]})"
+            )
+        elif _private(importer, target):
+            found[edge] = f"imports a private module or name of {low}"
+    return found
+
+
+def test_every_package_has_a_floor() -> None:
+    packages = {_package(module) for module, _ in _modules()}
+    missing = sorted(packages - set(LAYERS))
+    assert not missing, f"add {missing} to LAYERS in tests/test_layers.py, at their floor"
+
+
+def test_imports_run_down_the_layers_into_public_names() -> None:
+    edges = _edges()
+    new = {edge: why for edge, why in _violations().items() if edge not in KNOWN}
+    assert not new, "\n".join(
+        f"{edge}: {why} ({', '.join(edges[edge])})" for edge, why in sorted(new.items())
+    )
+
+
+def test_no_cycle_between_packages() -> None:
+    graph: dict[str, set[str]] = defaultdict(set)
+    for edge in _edges():
+        if edge not in KNOWN:
+            importer, target = edge.split(" -> ")
+            graph[_package(importer)].add(_package(target))
+    cycles = _cycles(graph)
+    assert not cycles, f"import cycles between packages: {cycles}"
+
+
+def test_known_violations_still_occur() -> None:
+    """KNOWN shrinks as violations are fixed: a fixed one is removed from it."""
+    gone = sorted(KNOWN - set(_violations()))
+    assert not gone, f"fixed, remove from KNOWN in tests/test_layers.py: {gone}"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one package (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_checks_can_fail() -> None:
+    """An upward edge, a private import and a cycle are each seen."""
+    assert LAYERS["runtime"] < LAYERS["cli"]
+    assert _private("nimbus.multiprocessing.queues", "nimbus.messaging._api")
+    assert not _private("nimbus.messaging._sending", "nimbus.messaging._api")
+    assert not _private("nimbus.backends.service", "nimbus._loop")
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
