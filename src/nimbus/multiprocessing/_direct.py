@@ -55,13 +55,11 @@ from multiprocessing import util
 from typing import Any
 
 from nimbus.errors import ConfigError, MessagingTimeout, PeerExited, PeerLost
-from nimbus.keys import Keys
 from nimbus.messaging import _api
 from nimbus.messaging._endpoint import Endpoint
-from nimbus.multiprocessing import _state
-from nimbus.multiprocessing._link import Link, Script, link
+from nimbus.multiprocessing import _site as _state
 from nimbus.multiprocessing._payload import EOS, MARK, REVERT, Item, as_message
-from nimbus.multiprocessing._state import Program
+from nimbus.statestore import Keys, Link, Program, Script, link
 
 __all__ = ["Lane", "Reader", "Writer", "endpoint", "lanes"]
 

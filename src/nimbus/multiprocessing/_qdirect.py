@@ -72,9 +72,8 @@ from typing import Any, TypeVar
 from nimbus.errors import MessagingTimeout, PeerExited, PeerLost, StateStoreError
 from nimbus.messaging import _api
 from nimbus.multiprocessing._direct import endpoint
-from nimbus.multiprocessing._link import Script, link
 from nimbus.multiprocessing._payload import REVERT
-from nimbus.multiprocessing._state import Program
+from nimbus.statestore import Program, Script, link
 
 __all__ = ["ACK", "Consumer", "Producer", "consumer", "producer"]
 

@@ -72,11 +72,9 @@ from typing import Any
 
 from nimbus import serialization
 from nimbus.errors import StateStoreError
-from nimbus.keys import Keys
-from nimbus.multiprocessing import _direct, _state, _wait
+from nimbus.multiprocessing import _direct, _wait
+from nimbus.multiprocessing import _site as _state
 from nimbus.multiprocessing._direct import Lane
-from nimbus.multiprocessing._link import link
-from nimbus.multiprocessing._link import pack as pack_command
 from nimbus.multiprocessing._payload import (
     EOS,
     MARK,
@@ -86,9 +84,10 @@ from nimbus.multiprocessing._payload import (
     frame,
     load,
 )
-from nimbus.multiprocessing._state import Program, program
+from nimbus.multiprocessing._site import program
 from nimbus.multiprocessing._wait import seconds
-from nimbus.statestore import Script
+from nimbus.statestore import Keys, Program, Script, link
+from nimbus.statestore import pack as pack_command
 
 __all__ = [
     "AuthenticationError",

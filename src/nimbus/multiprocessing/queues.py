@@ -58,12 +58,11 @@ from queue import Empty, Full
 from typing import Any
 
 from nimbus.errors import StateStoreError
-from nimbus.keys import Keys
 from nimbus.multiprocessing import _qdirect
 from nimbus.multiprocessing._payload import MESSAGE, SWITCH, load, pack, unpack
-from nimbus.multiprocessing._state import Program, program
+from nimbus.multiprocessing._site import program
 from nimbus.multiprocessing.connection import Connection, link, seconds
-from nimbus.statestore import Script
+from nimbus.statestore import Keys, Program, Script
 
 __all__ = ["JoinableQueue", "Queue", "SimpleQueue"]
 

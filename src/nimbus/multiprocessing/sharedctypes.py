@@ -39,13 +39,12 @@ from types import TracebackType
 from typing import Any
 
 from nimbus.errors import StateStoreError
-from nimbus.keys import Keys
 from nimbus.multiprocessing import _heap as heap
-from nimbus.multiprocessing import _mutex, _state
-from nimbus.multiprocessing._link import Script
-from nimbus.multiprocessing._link import link as _link
-from nimbus.multiprocessing._state import Program
+from nimbus.multiprocessing import _mutex
+from nimbus.multiprocessing import _site as _state
 from nimbus.multiprocessing.synchronize import Lock, RLock
+from nimbus.statestore import Keys, Program, Script
+from nimbus.statestore import link as _link
 
 __all__ = ["Array", "RawArray", "RawValue", "Value", "copy", "synchronized"]
 

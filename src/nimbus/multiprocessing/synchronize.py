@@ -55,11 +55,9 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from nimbus.errors import StateStoreError
-from nimbus.keys import Keys
-from nimbus.multiprocessing import _state
-from nimbus.multiprocessing._link import MIN_WAIT, SKIP_REPLY, Link, Script, pack
-from nimbus.multiprocessing._link import link as _link
-from nimbus.multiprocessing._state import Program
+from nimbus.multiprocessing import _site as _state
+from nimbus.statestore import MIN_WAIT, SKIP_REPLY, Keys, Link, Program, Script, pack
+from nimbus.statestore import link as _link
 
 __all__ = ["Barrier", "BoundedSemaphore", "Condition", "Event", "Lock", "RLock", "Semaphore"]
 
