@@ -112,12 +112,7 @@ def key_prefix(user_id: str) -> str:
 
 
 def program_scripts() -> list[Script]:
-    """The Lua scripts of nimbus.multiprocessing (importing its modules makes them all)."""
-    import nimbus.multiprocessing.connection
-    import nimbus.multiprocessing.queues
-    import nimbus.multiprocessing.sharedctypes
-    import nimbus.multiprocessing.synchronize  # noqa: F401
-
+    """The Lua scripts programs run on their store (``nimbus.statestore.lua``)."""
     return sorted(scripts(), key=lambda script: script.sha)
 
 

@@ -16,13 +16,15 @@ It owns: the embedded Redis (``EmbeddedRedis``, ``redis_server_binary``), the
 one way to open a connection (``connect``, and a thread's hiredis ``Link``
 made from its settings), every key (``Keys``, in ``keys``), a program's
 place in the store (``Program``, its root's keepalive and cleanup, ``adopt``
-for the processes it starts) and the Lua scripts run there (``Script``).
+for the processes it starts) and the Lua scripts run there (``Script``, every
+one of them in ``lua``).
 Everything above it (multiprocessing, messaging, the service) uses only
 these names.
 """
 
 from __future__ import annotations
 
+from nimbus.statestore import keys, lua
 from nimbus.statestore._connect import connect, connect_async, probe, redacted, tls_options
 from nimbus.statestore._embedded import EmbeddedRedis, redis_server_binary
 from nimbus.statestore._link import MIN_WAIT, SKIP_REPLY, Link, link, pack, preload
@@ -58,7 +60,9 @@ __all__ = [
     "connect_async",
     "current",
     "is_root",
+    "keys",
     "link",
+    "lua",
     "open_local",
     "pack",
     "preload",

@@ -31,5 +31,6 @@ _SCRIPTS: dict[str, Script] = {}
 
 
 def scripts() -> list[Script]:
-    """Every :class:`Script` made in this process so far (by the modules imported)."""
+    """Every :class:`Script` made in this process so far: all of ``nimbus.statestore.lua``
+    (imported with the package), and any made since."""
     return list(_SCRIPTS.values())
