@@ -106,9 +106,7 @@ class ServiceBackend:
 
     @staticmethod
     def open_store(settings: Settings) -> Store:
-        """The state store the service hands out for programs on ``settings.endpoint``
-        (``nimbus.multiprocessing`` with ``NIMBUS_ENDPOINT``), probed from here; clear
-        errors when it cannot be had."""
+        """The store the service hands out for programs on ``settings.endpoint``, probed."""
         endpoint = settings.endpoint
         assert endpoint
         try:
