@@ -235,7 +235,7 @@ def _redis_rtt(payload: bytes, n: int) -> float:
     redis-py LPUSH + BRPOP each way, here on the program's own store (a Unix socket)."""
     import redis
 
-    from nimbus.multiprocessing import _state
+    from nimbus.multiprocessing import _site as _state
 
     prog = _state.program()
     inbox, outbox = prog.keys.queue("bench-redis-a"), prog.keys.queue("bench-redis-b")

@@ -7,9 +7,8 @@ from typing import Any
 
 import pytest
 
-from nimbus.keys import Keys
-from nimbus.multiprocessing import _state
-from nimbus.multiprocessing._state import Program
+from nimbus.multiprocessing import _site as _state
+from nimbus.statestore import Keys, Program
 
 
 @pytest.fixture(scope="module")

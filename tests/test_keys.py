@@ -7,8 +7,7 @@ import pytest
 import redis
 
 from nimbus.errors import ConfigError
-from nimbus.keys import Keys
-from nimbus.statestore import EmbeddedRedis
+from nimbus.statestore import EmbeddedRedis, Keys
 
 
 def _all_keys(keys: Keys) -> list[str]:

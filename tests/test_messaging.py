@@ -40,7 +40,7 @@ from nimbus.errors import (
 from nimbus.messaging import Directory, Entry, Instance
 from nimbus.messaging._directory import EXITED, socket_dir
 from nimbus.messaging._instance import HEARTBEAT
-from nimbus.multiprocessing._state import Program
+from nimbus.statestore import Program
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from nimbus.multiprocessing._state import Program
+from nimbus.statestore import Program
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,8 +32,8 @@ PEER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from nimbus import statestore
-    from nimbus.keys import Keys
     from nimbus.messaging import Instance
+    from nimbus.statestore import Keys
     from nimbus.messaging._directory import socket_dir
 
     url, program_id, role, ip, rundir = sys.argv[1:6]

@@ -14,11 +14,9 @@ from pathlib import Path
 import pytest
 
 from nimbus.errors import StateStoreError
-from nimbus.keys import Keys
 from nimbus.multiprocessing import connection
-from nimbus.multiprocessing._state import Program, program
 from nimbus.multiprocessing.connection import BufferTooShort, Pipe, wait
-from nimbus.statestore import EmbeddedRedis
+from nimbus.statestore import EmbeddedRedis, Keys, Program, program
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -62,10 +62,10 @@ def _start_grandchild(q: mp.Queue) -> None:
 
 
 def _relayed_starts(q: mp.Queue, relay: str | None) -> None:
-    from nimbus.multiprocessing import _runtime, popen_nimbus
+    from nimbus.multiprocessing import _local, popen_nimbus
 
     if relay is not None:
-        _runtime.set_relay_address(relay)
+        _local.set_relay_address(relay)
     sleeper = mp.Process(target=_sleep, args=(60,))
     sleeper.start()
     sleeper.terminate()
@@ -73,7 +73,7 @@ def _relayed_starts(q: mp.Queue, relay: str | None) -> None:
     failing = mp.Process(target=_exit7)
     failing.start()
     failing.join(30)
-    q.put((type(popen_nimbus.runtime()).__name__, sleeper.exitcode, failing.exitcode))
+    q.put((type(popen_nimbus.site()).__name__, sleeper.exitcode, failing.exitcode))
 
 
 def _report_start_state(q: mp.Queue) -> None:
@@ -323,7 +323,7 @@ def test_children_start_theirs_through_the_roots_relay() -> None:
     q = mp.Queue()
     p = mp.Process(target=_relayed_starts, args=(q, None))
     p.start()
-    assert q.get(timeout=50) == ("Relayed", -signal.SIGTERM, 7)
+    assert q.get(timeout=50) == ("RelayedSite", -signal.SIGTERM, 7)
     p.join(20)
     assert p.exitcode == 0
 
@@ -333,16 +333,16 @@ def test_a_child_without_the_relay_starts_warm_workers_of_its_own(tmp_path: Path
     q = mp.Queue()
     p = mp.Process(target=_relayed_starts, args=(q, str(tmp_path / "no-relay")))
     p.start()
-    assert q.get(timeout=50) == ("Runtime", -signal.SIGTERM, 7)
+    assert q.get(timeout=50) == ("LocalSite", -signal.SIGTERM, 7)
     p.join(20)
     assert p.exitcode == 0
 
 
 def test_the_relay_refuses_a_wrong_authkey() -> None:
-    from nimbus.multiprocessing import _runtime, popen_nimbus
+    from nimbus.multiprocessing import _local, popen_nimbus
 
-    popen_nimbus.runtime()
-    address = _runtime.relay_address()
+    popen_nimbus.site()
+    address = _local.relay_address()
     assert address is not None
     assert Path(address).parent.stat().st_mode & 0o077 == 0  # only this user reaches it
     with pytest.raises(multiprocessing.AuthenticationError):

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from nimbus.multiprocessing._state import program
 from nimbus.multiprocessing.queues import JoinableQueue, Queue, SimpleQueue
+from nimbus.statestore import program
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from nimbus import Client
+from nimbus.backends.service import ServiceBackend, probe_store
 from nimbus.config import Settings
 from nimbus.errors import (
     ConfigError,
@@ -21,8 +22,7 @@ from nimbus.errors import (
     ServiceUnavailable,
     StateStoreError,
 )
-from nimbus.keys import Keys
-from nimbus.multiprocessing import _remote
+from nimbus.statestore import Keys
 from service_support import EndpointProcess, Service, free_port, service_env
 
 # Where a process runs: the pids of its ancestors, which include the endpoint agent's
@@ -294,17 +294,17 @@ def test_clear_errors(
 ) -> None:
     env = _env(service, alice)
     with pytest.raises(NotFound, match="nimbus endpoints list"):
-        _remote.open_store(Settings.load(env | {"NIMBUS_ENDPOINT": "nosuch"}))
+        ServiceBackend.open_store(Settings.load(env | {"NIMBUS_ENDPOINT": "nosuch"}))
     alice.register_endpoint("dark")  # registered, never started
     with pytest.raises(ServiceUnavailable, match="nimbus endpoint start dark"):
-        _remote.open_store(Settings.load(env | {"NIMBUS_ENDPOINT": "dark"}))
+        ServiceBackend.open_store(Settings.load(env | {"NIMBUS_ENDPOINT": "dark"}))
     no_login = {k: v for k, v in env.items() if k not in ("NIMBUS_SERVICE_URL", "NIMBUS_TOKEN")}
     no_login["XDG_CONFIG_HOME"] = str(tmp_path / "nothing")
     with pytest.raises(ConfigError, match=r"NIMBUS_ENDPOINT=lab .*`nimbus login"):
-        _remote.open_store(Settings.load(no_login))
+        ServiceBackend.open_store(Settings.load(no_login))
     closed = f"redis://u:p@127.0.0.1:{free_port()}/0"
     with pytest.raises(StateStoreError, match="NIMBUS_STORE_LISTEN") as info:
-        _remote.probe(closed, "lab")
+        probe_store(closed, "lab")
     assert ":p@" not in str(info.value)  # the password is not printed
     # what a user program sees: the error, not a hang
     result = _run(

@@ -25,7 +25,6 @@ import pytest
 from nimbus.errors import ConfigError, StateStoreError
 from nimbus.multiprocessing import _heap
 from nimbus.multiprocessing._mutex import HostRLock
-from nimbus.multiprocessing._state import Program
 from nimbus.multiprocessing.sharedctypes import (
     Array,
     RawArray,
@@ -40,6 +39,7 @@ from nimbus.multiprocessing.sharedctypes import (
     synchronized,
 )
 from nimbus.multiprocessing.synchronize import Lock, RLock
+from nimbus.statestore import Program
 
 spawn = multiprocessing.get_context("spawn")
 

@@ -14,8 +14,6 @@ from typing import Any
 import pytest
 
 from nimbus.errors import StateStoreError
-from nimbus.keys import Keys
-from nimbus.multiprocessing._state import Program
 from nimbus.multiprocessing.sharedctypes import RawValue
 from nimbus.multiprocessing.synchronize import (
     Barrier,
@@ -26,7 +24,7 @@ from nimbus.multiprocessing.synchronize import (
     RLock,
     Semaphore,
 )
-from nimbus.statestore import EmbeddedRedis
+from nimbus.statestore import EmbeddedRedis, Keys, Program
 
 spawn = multiprocessing.get_context("spawn")
 

@@ -184,9 +184,8 @@ def test_sweep_removes_what_no_task_refers_to(tmp_path: Path) -> None:
 
     import redis.asyncio as aioredis
 
-    from nimbus.keys import Keys
     from nimbus.service.data import DataStore
-    from nimbus.statestore import StateStore
+    from nimbus.statestore import Keys, StateStore
 
     async def chunks(*parts: bytes) -> AsyncIterator[bytes]:
         for part in parts:

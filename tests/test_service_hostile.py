@@ -23,7 +23,6 @@ import redis
 from nimbus import Client, Executor
 from nimbus.config import MAX_TIMEOUT, Settings
 from nimbus.errors import ConfigError, DeserializationError, QuotaExceeded
-from nimbus.keys import Keys
 from nimbus.service.protocol import (
     MSGPACK,
     NOT_MSGPACK,
@@ -36,6 +35,7 @@ from nimbus.service.protocol import (
     pack_payload,
     unpack,
 )
+from nimbus.statestore import Keys
 from service_support import EndpointProcess, Service, closed_with, service_env, ws_connect
 
 CLOSE_CODES = {TEXT_FRAME, NOT_MSGPACK, WRONG_SHAPE}

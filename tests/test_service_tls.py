@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from nimbus import Client, Executor
+from nimbus.backends.service import probe_store
 from nimbus.config import Settings, untrusted_certificate
 from nimbus.errors import ConfigError, ServiceUnavailable
-from nimbus.multiprocessing import _remote
 from nimbus.service.tunnel import TLSTunnel
 from nimbus.statestore import EmbeddedRedis
 from service_support import EndpointProcess, Service, free_port, make_certificates, service_env
@@ -176,10 +176,10 @@ def test_the_store_handed_out_is_rediss_and_verified(
     # what a program checks before it starts: verified with NIMBUS_CA_FILE, else told to set it
     monkeypatch.setenv("NIMBUS_CA_FILE", "none")
     with pytest.raises(ConfigError, match="NIMBUS_CA_FILE") as refused:
-        _remote.probe(url, "site")
+        probe_store(url, "site")
     assert "state store" in str(refused.value) and url not in str(refused.value)  # no password
     monkeypatch.setenv("NIMBUS_CA_FILE", str(certs["ca"]))
-    _remote.probe(url, "site")
+    probe_store(url, "site")
 
 
 PROGRAM = r"""

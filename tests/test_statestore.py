@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -14,10 +15,12 @@ import psutil
 import pytest
 import redis
 
+import nimbus.statestore
 from nimbus.errors import ConfigError, StateStoreError
 from nimbus.statestore import EmbeddedRedis, StateStore, connect, redis_server_binary
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+PACKAGE = Path(SRC) / "nimbus"
 
 
 def _ours(marker: str) -> set[int]:
@@ -306,3 +309,78 @@ def test_restart_after_sigkill_keeps_the_url_and_with_persist_the_data(
             time.sleep(0.01)
         store.restart()
         assert store.client().get(b"k") is None
+
+
+def test_connect_own_is_a_client_of_its_own_and_single_keeps_one_connection(rt: Path) -> None:
+    with EmbeddedRedis(rt) as server:
+        shared = connect(server.url)
+        with connect(server.url, own=True, single=True) as own:
+            assert own is not shared
+            assert own.client_id() == own.client_id()  # the one connection it keeps
+            assert own.client_id() != shared.client_id()
+        start = time.monotonic()
+        with pytest.raises(redis.RedisError):
+            connect(f"unix://{rt}/no.sock", own=True, timeout=0.2).ping()
+        assert time.monotonic() - start < 1
+
+
+def test_public_names_are_pinned() -> None:
+    assert sorted(nimbus.statestore.__all__) == sorted(
+        [
+            *("EmbeddedRedis", "Keys", "Link", "MIN_WAIT", "Opener", "Program", "Root"),
+            *("SKIP_REPLY", "Script", "StateStore", "adopt", "connect", "connect_async"),
+            *("current", "is_root", "keys", "link", "lua", "open_local", "pack", "preload"),
+            *("probe", "program", "redacted", "redis_server_binary", "root", "scripts"),
+            *("set_opener", "tls_options"),
+        ]
+    )
+    assert all(hasattr(nimbus.statestore, name) for name in nimbus.statestore.__all__)
+
+
+def _nimbus_imports(path: Path) -> set[str]:
+    """The nimbus modules ``path`` imports (``from nimbus import x`` counts as nimbus.x)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "nimbus":
+                found |= {f"nimbus.{alias.name}" for alias in node.names}
+            elif node.module.startswith("nimbus."):
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("nimbus.")}
+    return found
+
+
+def test_the_state_store_stands_on_the_bottom_layer_only() -> None:
+    below = ("nimbus.statestore", "nimbus.errors", "nimbus.config", "nimbus.telemetry")
+    for path in sorted((PACKAGE / "statestore").glob("*.py")):
+        upward = {name for name in _nimbus_imports(path) if not name.startswith(below)}
+        assert not upward, f"statestore/{path.name} imports {upward}"
+
+
+def test_messaging_and_the_service_reach_the_store_without_multiprocessing() -> None:
+    paths = [*(PACKAGE / "messaging").glob("*.py"), *(PACKAGE / "service").glob("*.py")]
+    for path in sorted(paths):
+        found = {n for n in _nimbus_imports(path) if n.startswith("nimbus.multiprocessing")}
+        assert not found, f"{path.relative_to(PACKAGE)} imports {found}"
+
+
+def test_every_lua_script_is_listed_without_importing_multiprocessing() -> None:
+    code = (
+        "import sys\n"
+        "from nimbus.statestore import lua, scripts\n"
+        "assert 'nimbus.multiprocessing' not in sys.modules\n"
+        "print(len(scripts()), len(lua.__all__))\n"
+        "import nimbus.multiprocessing.connection, nimbus.multiprocessing.queues\n"
+        "import nimbus.multiprocessing.sharedctypes, nimbus.multiprocessing.synchronize\n"
+        "print(len(scripts()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=os.environ | {"PYTHONPATH": SRC},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    assert out[0] == out[1] == out[2]  # the modules that run them make no others

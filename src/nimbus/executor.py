@@ -100,6 +100,9 @@ class Executor(cf.Executor):
     skipped and imported again by the task that needs it). ``endpoint``
     (default ``Settings.endpoint``, ``NIMBUS_ENDPOINT``) runs the tasks on that
     remote endpoint through the nimbus service (the ``service`` backend) instead.
+    An executor not shut down is shut down at interpreter exit, as the stdlib's
+    are, unless ``shutdown_at_exit=False``: then its owner does (after work of
+    its own that still needs it, as ``nimbus.multiprocessing`` joins its processes).
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class Executor(cf.Executor):
         endpoint: str | None = None,
         on_notice: Callable[[Any], None] | None = None,
         preload: Sequence[str] = (),
+        shutdown_at_exit: bool = True,
     ) -> None:
         self.settings = settings if settings is not None else Settings.load()
         if max_workers is None:
@@ -150,7 +154,8 @@ class Executor(cf.Executor):
         self._functions = serialization.FunctionCache(
             by_value=getattr(self._backend, "remote", False)
         )
-        _live.add(self)
+        if shutdown_at_exit:
+            _live.add(self)
 
     @property
     def max_workers(self) -> int:

@@ -24,12 +24,13 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NamedTuple, NoReturn
 
 import nimbus
 from nimbus.cli import endpoint as endpoint_cli
 from nimbus.cli import service as service_cli
-from nimbus.config import Settings, redis_server_binary
+from nimbus.config import Settings
 from nimbus.errors import ConfigError, NimbusError
 
 __all__ = ["COMMANDS", "Command", "main"]
@@ -82,7 +83,13 @@ def _info_run(args: argparse.Namespace) -> int:
     if settings.redis_url is not None:
         redis = {"kind": "external", "url": settings.redis_url}
     else:
-        binary = redis_server_binary()
+        from nimbus.errors import StateStoreError
+        from nimbus.statestore import redis_server_binary
+
+        try:
+            binary: Path | None = redis_server_binary()
+        except StateStoreError:
+            binary = None
         redis = {
             "kind": "embedded",
             "binary": str(binary) if binary else None,

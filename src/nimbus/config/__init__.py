@@ -22,7 +22,6 @@ from nimbus.config._coerce import INLINE_MAX, INLINE_MIN, MAX_TIMEOUT, check_tim
 from nimbus.config._places import (
     config_dir,
     private_dir,
-    redis_server_binary,
     untrusted_certificate,
 )
 from nimbus.config._settings import CONFIG_ENV, Settings
@@ -36,6 +35,5 @@ __all__ = [
     "check_timeout",
     "config_dir",
     "private_dir",
-    "redis_server_binary",
     "untrusted_certificate",
 ]

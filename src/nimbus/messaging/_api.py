@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from nimbus import statestore
 from nimbus.config import Settings
 from nimbus.errors import StateStoreError
 from nimbus.messaging._directory import socket_dir
 from nimbus.messaging._instance import ANY, Instance
 
 if TYPE_CHECKING:
-    from nimbus.multiprocessing._state import Program
+    from nimbus.statestore import Program
 
 __all__ = [
     "ANY",
@@ -85,11 +86,8 @@ def current() -> Instance:
         return instance
     with _lock:
         if _current is None or _current.pid != os.getpid():
-            # the program (and its store) of this process: messaging sits beside the
-            # multiprocessing layer and borrows its notion of "program"
-            from nimbus.multiprocessing import _state
-
-            prog = _state.program()
+            # the program (and its store) of this process, as the state store keeps it
+            prog = statestore.program()
             settings = Settings.load()
             directory = socket_dir(settings.ensure_runtime_dir(), prog.program_id)
             _current = Instance(
@@ -105,7 +103,7 @@ def current() -> Instance:
             # nimbus.multiprocessing ends with os._exit after the stdlib's finalizers
             atexit.register(_current.close)
             util.Finalize(None, _current.close, exitpriority=5)
-            if _state.is_root():  # the program's socket directory goes with its root
+            if statestore.is_root():  # the program's socket directory goes with its root
                 util.Finalize(
                     None, shutil.rmtree, (directory,), {"ignore_errors": True}, exitpriority=-90
                 )

@@ -31,7 +31,7 @@ import redis
 
 from nimbus.config import Settings, private_dir
 from nimbus.errors import ConfigError, StateStoreError
-from nimbus.keys import Keys
+from nimbus.statestore import Keys
 from nimbus.wire import pack, unpack
 
 __all__ = ["ALIVE", "EXITED", "Directory", "Entry", "host_id", "socket_dir", "socket_path"]

@@ -33,11 +33,11 @@ from typing import Any, Protocol, runtime_checkable
 import redis
 
 from nimbus.errors import MessagingTimeout, PeerExited, PeerLost, StateStoreError
-from nimbus.keys import Keys
 from nimbus.messaging import _peer
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, host_id, socket_path
 from nimbus.messaging._mailbox import Mail, Mailbox, Run, decode
 from nimbus.messaging._sending import Sender
+from nimbus.statestore import Keys
 from nimbus.wire import ProtocolError, unpack
 
 __all__ = ["ANY", "HEARTBEAT", "Instance", "Transport"]

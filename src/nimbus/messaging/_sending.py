@@ -33,9 +33,9 @@ import redis
 
 from nimbus import serialization
 from nimbus.errors import PeerExited, PeerLost, PeerUnreachable, StateStoreError
-from nimbus.keys import Keys
 from nimbus.messaging import _peer
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, socket_path
+from nimbus.statestore import Keys
 from nimbus.wire import pack
 
 __all__ = ["COALESCE", "FLUSH_DELAY", "Sender"]

@@ -33,7 +33,10 @@ from multiprocessing import (
 )
 from typing import Any
 
-from nimbus.multiprocessing import context
+from nimbus.multiprocessing import (
+    _site,  # noqa: F401  (a root's program opens as the site says)
+    context,
+)
 
 _LOCAL_MODULES = {
     "dummy": dummy,

@@ -55,13 +55,35 @@ from multiprocessing import util
 from typing import Any
 
 from nimbus.errors import ConfigError, MessagingTimeout, PeerExited, PeerLost
-from nimbus.keys import Keys
 from nimbus.messaging import _api
 from nimbus.messaging._instance import Instance
-from nimbus.multiprocessing import _state
-from nimbus.multiprocessing._link import Link, Script, link
+from nimbus.multiprocessing import _site as _state
 from nimbus.multiprocessing._payload import EOS, MARK, REVERT, Item, as_message
-from nimbus.multiprocessing._state import Program
+from nimbus.statestore import Keys, Link, Program, link
+from nimbus.statestore.lua import (
+    PIPE_CLAIM as _CLAIM,
+)
+from nimbus.statestore.lua import (
+    PIPE_DROP as _DROP,
+)
+from nimbus.statestore.lua import (
+    PIPE_GIVE_UP as _GIVE_UP,
+)
+from nimbus.statestore.lua import (
+    PIPE_INSERT as _INSERT,
+)
+from nimbus.statestore.lua import (
+    PIPE_PARKED_PUSH as _PARKED_PUSH,
+)
+from nimbus.statestore.lua import (
+    PIPE_REVERT as _REVERT,
+)
+from nimbus.statestore.lua import (
+    PIPE_SWITCH as _SWITCH,
+)
+from nimbus.statestore.lua import (
+    PIPE_UNPARK as _UNPARK,
+)
 
 __all__ = ["Lane", "Reader", "Writer", "endpoint", "lanes"]
 
@@ -71,94 +93,6 @@ GRACE = 1.0  # seconds a process at exit keeps forwarding after giving a claim u
 LOOK = 0.5  # seconds a direct reader waits before it looks whether the writer reverted
 PARK_LIMIT = 2.0  # seconds a parked writer waits before it asks whether the holder lives
 _BATCH = 512
-
-# The reader claims its lane: only while its end has one copy.
-_CLAIM = Script("""
-if redis.call('GET', KEYS[2]) ~= '1' then return 0 end
-local h = redis.call('GET', KEYS[1])
-if h and h ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-""")
-
-# The writer switches: the lane has a holder, one reader copy and one writer copy,
-# no switched writer and no forwarding under way. The writer record is
-# "<sid>|<claim>|" while switched, "<sid>|<claim>|R" once reverted: one switch
-# per claim (a holder that reads "R" claims afresh), so a holder's direct
-# messages from its writer all belong to one switch.
-_SWITCH = Script("""
-local h = redis.call('GET', KEYS[1])
-if not h then return false end
-if redis.call('GET', KEYS[3]) ~= '1' or redis.call('GET', KEYS[4]) ~= '1' then return false end
-local rec = redis.call('GET', KEYS[2])
-if rec and (string.sub(rec, -1) == '|' or string.find(rec, '|' .. h .. '|', 1, true)) then
-  return false
-end
-if redis.call('EXISTS', KEYS[6]) == 1 then return false end
-redis.call('SET', KEYS[2], ARGV[1] .. '|' .. h .. '|', 'PX', ARGV[2])
-redis.call('RPUSH', KEYS[5], 'S' .. h .. '|' .. ARGV[1])
-redis.call('PEXPIRE', KEYS[5], ARGV[2])
-return h
-""")
-
-# The holder gives its claim up. A writer still switched to it gets its later store
-# messages parked (see _REVERT) until the holder has forwarded its direct ones.
-_GIVE_UP = Script("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-local rec = redis.call('GET', KEYS[2])
-if rec and string.sub(rec, -1) == '|' and string.find(rec, '|' .. ARGV[1] .. '|', 1, true) then
-  redis.call('SET', KEYS[3], string.match(rec, '^[^|]*'), 'PX', ARGV[2])
-end
-return rec
-""")
-
-# The writer reverts: "M" goes where its store messages go next (parked, if forwarding).
-# ARGV[4] is "!" when it could not send "R" (its direct send failed): the holder,
-# if alive, finds "M<sid>!" at the head of the list instead.
-_REVERT = Script("""
-redis.call('SET', KEYS[1], ARGV[1] .. '|' .. ARGV[2] .. '|R' .. ARGV[4], 'PX', ARGV[3])
-local parked = redis.call('GET', KEYS[2]) == ARGV[1]
-local key = parked and KEYS[4] or KEYS[3]
-redis.call('RPUSH', key, 'M' .. ARGV[1] .. ARGV[4])
-redis.call('PEXPIRE', key, ARGV[3])
-return parked and 1 or 0
-""")
-
-# A reverted writer's store message while forwarding lasts.
-_PARKED_PUSH = Script("""
-local key = KEYS[3]
-if redis.call('GET', KEYS[1]) == ARGV[1] then key = KEYS[2] end
-redis.call('RPUSH', key, ARGV[3])
-redis.call('PEXPIRE', key, ARGV[2])
-return 1
-""")
-
-# Forwarding is over: the parked messages follow the forwarded ones.
-_UNPARK = Script("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  while redis.call('LMOVE', KEYS[2], KEYS[3], 'LEFT', 'RIGHT') do end
-  redis.call('DEL', KEYS[1])
-  redis.call('PEXPIRE', KEYS[3], ARGV[2])
-end
-return 1
-""")
-
-# A holder whose end closes drops its claim (the lane has no reader any more).
-_DROP = Script("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-return 1
-""")
-
-# Messages a holder took before its writer reverted go before the writer's "M".
-_INSERT = Script("""
-if redis.call('LINSERT', KEYS[1], 'BEFORE', ARGV[1], ARGV[3]) > 0 then
-  for i = 4, #ARGV do redis.call('LINSERT', KEYS[1], 'BEFORE', ARGV[1], ARGV[i]) end
-else
-  for i = 3, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
-end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-""")
 
 
 @dataclass(frozen=True)

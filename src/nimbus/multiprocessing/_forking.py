@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator
 from multiprocessing import current_process, resource_tracker, spawn
 from typing import Any
 
-from nimbus import serialization
-from nimbus.multiprocessing import _link, _remote, _runtime, _state
+from nimbus import serialization, statestore
+from nimbus.multiprocessing import _local, _remote
 from nimbus.multiprocessing import context as nimbus_context
 
 __all__ = ["MAIN_KEYS", "WARM_MODULES", "start"]
@@ -116,7 +116,7 @@ def _warm_up() -> None:
 
 
 def start(
-    token: str, prep: dict[str, Any], program: _state.Program, data: bytes, buffers: list[Any]
+    token: str, prep: dict[str, Any], program: statestore.Program, data: bytes, buffers: list[Any]
 ) -> int:
     """Start the process in a standby child (or a new fork); the reaper reports its exit."""
     _warm_up()
@@ -148,7 +148,7 @@ def start(
         else:  # forked before modules this process needs were imported
             standby.discard()
     if started is None:
-        _link.link(program)  # its settings (a client's), made once here for every fork
+        statestore.link(program)  # its settings (a client's), made once here for every fork
         started = _fork(args)
     from nimbus.runtime import worker
 
@@ -160,7 +160,7 @@ def start(
     return started
 
 
-def _fork(args: tuple[Any, ...], remote: tuple[_state.Program, str] | None = None) -> int:
+def _fork(args: tuple[Any, ...], remote: tuple[statestore.Program, str] | None = None) -> int:
     """Fork a child that runs ``_child(*args)``; the reaper waits for it."""
     with _reaper.lock:
         pid = os.fork()
@@ -174,7 +174,7 @@ def _fork(args: tuple[Any, ...], remote: tuple[_state.Program, str] | None = Non
 def _refill() -> None:
     """Fork a standby child if this worker has fewer than it keeps."""
     if len(_standbys) < _keep and _program is not None:
-        _link.link(_program)  # the store's client settings, made once for all the children
+        statestore.link(_program)  # the store's client settings, made once for all the children
         _standbys.append(_Standby(_program))
 
 
@@ -214,7 +214,7 @@ class _Standby:
     A standby that is dropped (or whose worker ends) reads end-of-file and exits.
     """
 
-    def __init__(self, program: _state.Program) -> None:
+    def __init__(self, program: statestore.Program) -> None:
         self.modules = len(sys.modules)
         read, self.fd = os.pipe()
         with _reaper.lock:
@@ -250,7 +250,7 @@ class _Standby:
 
 
 _standbys: list[_Standby] = []  # the last one is handed a process first
-_program: _state.Program | None = None  # of the last start: the standbys connect to its store
+_program: statestore.Program | None = None  # of the last start: the standbys connect to its store
 _topping_up = False
 _keep = 2  # standbys this worker keeps (grows with the bursts it serves)
 
@@ -269,7 +269,7 @@ def _close_standby_pipes() -> None:
     _standbys.clear()
 
 
-def _connect(program: _state.Program) -> None:
+def _connect(program: statestore.Program) -> None:
     """Connect this thread's link to the program's store, so the process's first use is quick.
 
     Every local child does this first (a standby while it waits): a child's
@@ -277,7 +277,7 @@ def _connect(program: _state.Program) -> None:
     """
     global _connected
     try:
-        _link.link(program).call(("PING",))
+        statestore.link(program).call(("PING",))
     except Exception:  # the store is unreachable now: the process reports it, if it uses it
         return
     _connected = program.url
@@ -286,7 +286,7 @@ def _connect(program: _state.Program) -> None:
 _connected: str | None = None  # the store this process's main thread is connected to
 
 
-def _await_process(fd: int, program: _state.Program) -> None:
+def _await_process(fd: int, program: statestore.Program) -> None:
     """In a standby child: wait for a process to run, or end quietly."""
     from nimbus.runtime import worker
 
@@ -313,12 +313,12 @@ class _Reaper:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.tokens: dict[int, str | None] = {}  # pid -> token (None: a standby)
-        self.remote: dict[int, tuple[_state.Program, str]] = {}  # of remote parents: inbox
+        self.remote: dict[int, tuple[statestore.Program, str]] = {}  # of remote parents: inbox
         self.children = threading.Semaphore(0)
         self.thread: threading.Thread | None = None
 
     def add(
-        self, pid: int, token: str | None, remote: tuple[_state.Program, str] | None = None
+        self, pid: int, token: str | None, remote: tuple[statestore.Program, str] | None = None
     ) -> None:
         self.tokens[pid] = token
         if remote is not None:
@@ -363,7 +363,7 @@ _reaper = _Reaper()
 
 
 def _child(
-    token: str, prep: dict[str, Any], program: _state.Program, data: bytes, buffers: list[Any]
+    token: str, prep: dict[str, Any], program: statestore.Program, data: bytes, buffers: list[Any]
 ) -> None:
     code = 1
     forwarder = None
@@ -380,7 +380,7 @@ def _child(
                 prep.pop("dir", None)  # the parent's cwd does not exist here
         stdio = prep.pop("stdio", None)
         _share_tracker(prep.pop("tracker", None))
-        _runtime.set_relay_address(prep.pop("relay", None))
+        _local.set_relay_address(prep.pop("relay", None))
         environ = prep.pop("environ", None)
         if environ is not None:
             _set_environ(environ)
@@ -396,7 +396,7 @@ def _child(
                 new = handle.detach()
                 os.dup2(new, fd)
                 os.close(new)
-        _state.adopt(program)  # before unpickling: shared objects find their store
+        statestore.adopt(program)  # before unpickling: shared objects find their store
         if not inbox and _connected != program.url:  # as a standby is: every child alike
             _connect(program)
         process_obj = serialization.loads(data, buffers)

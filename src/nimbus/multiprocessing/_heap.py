@@ -25,7 +25,7 @@ import psutil
 
 from nimbus.config import private_dir
 from nimbus.errors import StateStoreError
-from nimbus.keys import Keys
+from nimbus.statestore import Keys
 
 __all__ = ["Block", "directory", "remove", "sweep"]
 

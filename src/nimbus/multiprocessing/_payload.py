@@ -23,7 +23,7 @@ from typing import Any
 
 from nimbus import serialization
 from nimbus.errors import DeserializationError
-from nimbus.multiprocessing import _state
+from nimbus.multiprocessing import _site as _state
 
 __all__ = [
     "EOS",

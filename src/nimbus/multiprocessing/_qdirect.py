@@ -72,9 +72,23 @@ from typing import Any, TypeVar
 from nimbus.errors import MessagingTimeout, PeerExited, PeerLost, StateStoreError
 from nimbus.messaging import _api
 from nimbus.multiprocessing._direct import endpoint
-from nimbus.multiprocessing._link import Script, link
 from nimbus.multiprocessing._payload import REVERT
-from nimbus.multiprocessing._state import Program
+from nimbus.statestore import Program, link
+from nimbus.statestore.lua import (
+    QUEUE_LANE_CLAIM as _CLAIM,
+)
+from nimbus.statestore.lua import (
+    QUEUE_LANE_GIVE_UP as _GIVE_UP,
+)
+from nimbus.statestore.lua import (
+    QUEUE_LANE_SHARE as _SHARE,
+)
+from nimbus.statestore.lua import (
+    QUEUE_LANE_STEAL as _STEAL,
+)
+from nimbus.statestore.lua import (
+    QUEUE_LANE_SWITCH as _SWITCH,
+)
 
 __all__ = ["ACK", "Consumer", "Producer", "consumer", "producer"]
 
@@ -86,58 +100,6 @@ QUIET = 0.5  # at exit: a switched producer silent this long is done
 GRACE = 3.0  # at exit: the most a holder forwards
 _BATCH = 512  # items a forward pushes per command
 _PULL = 64  # direct messages (each one item or a batch) taken from the socket at once
-
-# A consumer claims the queue. {0}: shared (store only); {1}: claimed; {2, holder}.
-_CLAIM = Script("""
-if redis.call('GET', KEYS[2]) then return {0} end
-local h = redis.call('GET', KEYS[1])
-if h then return {2, h} end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return {1}
-""")
-
-# A second consumer: shared for good, the claim goes (its holder gives it up).
-_SHARE = Script("""
-redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-redis.call('RPUSH', KEYS[3], ARGV[1])
-redis.call('PEXPIRE', KEYS[3], ARGV[2])
-return 1
-""")
-
-# The holder is dead: its claim is replaced.
-_STEAL = Script("""
-if redis.call('GET', KEYS[2]) then return 0 end
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-return 1
-""")
-
-# A producer switches to the holder: -1 shared (never again), 0 not now, else the claim.
-_SWITCH = Script("""
-if redis.call('GET', KEYS[2]) then return -1 end
-local h = redis.call('GET', KEYS[1])
-if not h or h == ARGV[2] or string.sub(h, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then return 0 end
-redis.call('HSET', KEYS[3], ARGV[1], h)
-redis.call('PEXPIRE', KEYS[3], ARGV[3])
-redis.call('RPUSH', KEYS[4], 'S' .. h .. '|' .. ARGV[1])
-redis.call('PEXPIRE', KEYS[4], ARGV[3])
-return h
-""")
-
-# The holder gives its claim up: the producers switched to it (taken out of "writers").
-_GIVE_UP = Script("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-local out = {}
-local all = redis.call('HGETALL', KEYS[2])
-for i = 1, #all, 2 do
-  if all[i + 1] == ARGV[1] then
-    table.insert(out, all[i])
-    redis.call('HDEL', KEYS[2], all[i])
-  end
-end
-return out
-""")
 
 
 class _Keys:

@@ -4,15 +4,15 @@
 
     parent (this machine)                 endpoint worker (forks)          child process
     ---------------------                 -----------------------          -------------
-    open_store(): the service hands out
-      a Redis URL + the key prefix
-    Popen: Executor(endpoint).submit(start) ---> watch_signals(token)
+    ServiceBackend.open_store(): the service
+      hands out a Redis URL + the key prefix
+    RemoteSite.start: Executor(endpoint) ------> watch_signals(token)
                                                   fork ------------------> fd 1, 2 -> pipes
                                                   deliver_signals(token)   Forwarder thread:
     Output thread: BLPOP stdio:<inbox> <-------- RPUSH ["exit", token] <-- RPUSH ["out"|"err"]
       out/err -> fd 1/2 of the parent             reaper (after waitpid)
       exit -> Popen.returncode
-    terminate()/kill(): RPUSH signal:<token> --> BLPOP -> os.kill(pid)
+    RemoteSite.signal: RPUSH signal:<token> ---> BLPOP -> os.kill(pid)
 
 Everything between the parent and its children goes through the program's
 state store, which both sides reach: one list of output chunks and exit codes
@@ -34,28 +34,26 @@ import contextlib
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, cast
+from concurrent.futures import Future
+from typing import Any, cast
 
 import msgpack
 import redis
 
-from nimbus import statestore
-from nimbus.config import Settings, untrusted_certificate
-from nimbus.errors import ConfigError, NotFound, ServiceUnavailable, StateStoreError
-
-if TYPE_CHECKING:
-    from nimbus.multiprocessing._state import Program
+from nimbus.config import Settings
+from nimbus.errors import StateStoreError
+from nimbus.multiprocessing._site import Site, StartFn, on_shared_endpoint
+from nimbus.statestore import Keys, Program, connect, redacted
 
 __all__ = [
     "Forwarder",
     "Output",
-    "Store",
+    "RemoteSite",
     "deliver_signals",
-    "open_store",
-    "probe",
     "report_exit",
     "send_signal",
     "watch_signals",
@@ -64,72 +62,6 @@ __all__ = [
 CHUNK = 1 << 16
 WAKE = 1.0  # seconds: how often a blocked reader checks whether it should stop
 STORE_GRACE = 5.0  # seconds the store may be unreachable before the children are given up
-
-
-class Store(NamedTuple):
-    """What the service handed out for a program on an endpoint."""
-
-    url: str  # the state store, as an ACL user of this user's
-    key_prefix: str  # the start of this user's program ids
-    yours: bool  # the endpoint is this user's own, not one shared with them
-    workers: int  # the endpoint's workers (its cpu_count)
-
-
-def open_store(settings: Settings) -> Store:
-    """The state store the service hands out for ``settings.endpoint``; clear errors
-    when it cannot be had."""
-    from nimbus.client import Client
-
-    endpoint = settings.endpoint
-    assert endpoint
-    try:
-        client = Client(settings=settings)
-    except ConfigError as exc:
-        raise ConfigError(
-            f"NIMBUS_ENDPOINT={endpoint} runs nimbus.multiprocessing on that endpoint through "
-            f"the nimbus service: {exc}; or unset NIMBUS_ENDPOINT to run locally"
-        ) from None
-    with client:
-        try:
-            store = client.store(endpoint)
-        except NotFound:
-            raise NotFound(
-                f"NIMBUS_ENDPOINT={endpoint}: no endpoint of that name is visible to you on "
-                f"{client.service_url}; `nimbus endpoints list` shows those you can use",
-                404,
-            ) from None
-    if not store["online"]:
-        raise ServiceUnavailable(
-            f"endpoint {endpoint!r} is offline (no agent connected to {client.service_url}): "
-            f"start it with `nimbus endpoint start {endpoint}` on its machine, or unset "
-            f"NIMBUS_ENDPOINT to run locally"
-        )
-    url = str(store["url"])
-    probe(url, endpoint)
-    return Store(url, str(store["key_prefix"]), bool(store["yours"]), int(store["workers"]))
-
-
-def probe(url: str, endpoint: str) -> None:
-    """PING the store handed out for ``endpoint``; a clear error when it does not answer."""
-    try:
-        options = statestore.tls_options(url)
-        with redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5, **options) as c:
-            c.ping()
-    except redis.RedisError as exc:
-        untrusted = untrusted_certificate(exc, f"the state store at {_safe(url)}")
-        if untrusted is not None:
-            raise untrusted from None
-        raise StateStoreError(
-            f"cannot reach the state store the service handed out for endpoint {endpoint!r} "
-            f"at {_safe(url)} ({_safe(str(exc))}); this machine and the endpoint's workers must "
-            f"both reach it: set NIMBUS_STORE_LISTEN on the service to an address both can reach"
-        ) from None
-
-
-def _safe(url: str) -> str:
-    """``url`` without its password."""
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://{rest.rpartition('@')[2]}"
 
 
 def _push(program: Program, key: str, *items: bytes | int) -> None:
@@ -152,8 +84,6 @@ class Output:
         on_exit: Callable[[str, int], None],
         on_lost: Callable[[str], None],
     ) -> None:
-        from nimbus.keys import Keys
-
         self.program = program
         self.inbox = Keys.new_name()  # where this process's children report
         self.on_exit = on_exit
@@ -184,7 +114,7 @@ class Output:
                 elif now - failing >= STORE_GRACE:
                     self._watched.clear()
                     self.on_lost(
-                        f"lost the program's state store at {_safe(self.program.url)} "
+                        f"lost the program's state store at {redacted(self.program.url)} "
                         f"({type(exc).__name__}: {exc}) for {now - failing:.0f} s: "
                         "the exit codes of its processes on the endpoint cannot arrive"
                     )
@@ -238,6 +168,58 @@ def send_signal(program: Program, token: str, sig: int) -> None:
         raise StateStoreError(f"cannot signal the remote process: {exc}") from exc
 
 
+class RemoteSite(Site):
+    """The warm workers of the endpoint ``NIMBUS_ENDPOINT`` names, through the service.
+
+    Children's output, exits and signals travel through the program's store;
+    none of them reach this machine's relay.
+    """
+
+    def __init__(self, program: Program) -> None:
+        from nimbus.executor import Executor
+
+        super().__init__(program)
+        settings = Settings.load()
+        self.executor = Executor(
+            settings=settings, endpoint=settings.endpoint, shutdown_at_exit=False
+        )  # shut down by close(), after joining children
+        self.output = Output(program, self.exited, self.lost)
+
+    def start(self, fn: StartFn, token: str, *args: Any) -> Future[int]:
+        return self.executor.submit(fn, token, *args)
+
+    def signal(self, token: str, forked: Future[int], sig: int) -> None:
+        send_signal(self.program, token, sig)
+
+    def prepare(self, prep: dict[str, Any]) -> None:
+        from nimbus.multiprocessing._forking import MAIN_KEYS
+
+        prep["forward"] = self.output.inbox  # output through the store; __main__ came by value
+        for key in MAIN_KEYS:
+            prep.pop(key, None)
+        if on_shared_endpoint():  # your token stays off a machine others run
+            prep["environ"].pop("NIMBUS_TOKEN", None)
+        super().prepare(prep)  # no relay: a relayed child would have no output list to report to
+        prep["stdio"] = None  # the children's output comes through the store
+
+    def lost(self, why: str) -> None:
+        """The store is gone: end every child still running with exit code 1, saying why."""
+        with self.lock:
+            popens, self.popens = self.popens, {}
+        if popens:
+            sys.stderr.write(f"nimbus: {why}; {len(popens)} process(es) end with exit code 1\n")
+            sys.stderr.flush()
+        for popen in popens.values():
+            popen._exited(1)
+
+    def close(self) -> None:
+        if os.getpid() != self.pid:
+            return
+        self.join_children()
+        self.executor.shutdown(wait=True)
+        self.output.close()
+
+
 # ---------------------------------------------------------------- the endpoint worker
 
 
@@ -248,9 +230,7 @@ def watch_signals(program: Program, inbox: str, token: str) -> redis.Redis:
     exit code): when that connection closes without an exit code, the worker
     (and with it the child) is gone. :func:`deliver_signals` then uses it.
     """
-    client = redis.Redis.from_url(
-        program.url, single_connection_client=True, **statestore.tls_options(program.url)
-    )
+    client = connect(program.url, own=True, single=True)
     try:
         client_id = client.client_id()
         _push(program, program.keys.stdio(inbox), msgpack.packb(["watch", token, client_id]))

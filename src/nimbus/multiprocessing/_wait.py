@@ -20,8 +20,7 @@ from collections.abc import Iterable
 from multiprocessing import connection as _std
 from typing import TYPE_CHECKING, Any
 
-from nimbus.keys import Keys
-from nimbus.multiprocessing._link import link
+from nimbus.statestore import Keys, link
 
 if TYPE_CHECKING:
     from nimbus.multiprocessing.connection import Connection

@@ -72,11 +72,9 @@ from typing import Any
 
 from nimbus import serialization
 from nimbus.errors import StateStoreError
-from nimbus.keys import Keys
-from nimbus.multiprocessing import _direct, _state, _wait
+from nimbus.multiprocessing import _direct, _wait
+from nimbus.multiprocessing import _site as _state
 from nimbus.multiprocessing._direct import Lane
-from nimbus.multiprocessing._link import link
-from nimbus.multiprocessing._link import pack as pack_command
 from nimbus.multiprocessing._payload import (
     EOS,
     MARK,
@@ -86,9 +84,13 @@ from nimbus.multiprocessing._payload import (
     frame,
     load,
 )
-from nimbus.multiprocessing._state import Program, program
+from nimbus.multiprocessing._site import program
 from nimbus.multiprocessing._wait import seconds
-from nimbus.statestore import Script
+from nimbus.statestore import Keys, Program, link
+from nimbus.statestore import pack as pack_command
+from nimbus.statestore.lua import (
+    CONNECTION_RELEASE as _RELEASE,
+)
 
 __all__ = [
     "AuthenticationError",
@@ -106,20 +108,6 @@ PREFETCH = 64  # most messages a reader takes from the store at once
 _TIGHT_LOOP = 0.001  # a reader back within this many seconds is in a loop: prefetch more
 _PLAIN = (bytes, str)  # pickled the same with or without the program's reducers
 _SMALL = serialization.OOB_THRESHOLD  # below this, bytes are pickled in band anyway
-
-# Decrement the references of an end; at zero push end-of-stream to the list it writes.
-_RELEASE = Script("""
-local n = redis.call('DECR', KEYS[1])
-if n <= 0 then
-  redis.call('DEL', KEYS[1])
-  if ARGV[1] == '1' then
-    redis.call('RPUSH', KEYS[2], 'E')
-    redis.call('PEXPIRE', KEYS[2], ARGV[2])
-  end
-end
-return n
-""")
-
 
 # ---------------------------------------------------------------- Connection
 

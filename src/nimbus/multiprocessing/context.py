@@ -18,7 +18,6 @@ changes; module-level state the child needs must be passed or recomputed.
 
 from __future__ import annotations
 
-import os
 from multiprocessing import context as stdlib_context
 from multiprocessing import process as stdlib_process
 from typing import Any
@@ -78,16 +77,9 @@ class NimbusContext(stdlib_context.BaseContext):
     def cpu_count(self) -> int:
         """The workers the backend offers (the cores of this machine by default; with
         ``NIMBUS_ENDPOINT``, the endpoint's workers)."""
-        from nimbus.config import Settings
-        from nimbus.multiprocessing import _state
+        from nimbus.multiprocessing import _site
 
-        settings = Settings.load()
-        if settings.endpoint and _state.is_root():
-            _state.program(settings)
-            workers = _state.endpoint_workers()
-            if workers:
-                return workers
-        return settings.workers or (os.cpu_count() or 1)
+        return _site.cpu_count()
 
     # -- state in the store ----------------------------------------------
     def Lock(self) -> Any:

@@ -13,12 +13,11 @@ interpreter that has nimbus and the program's modules already imported, so a
 Process starts in a few milliseconds and every started Process runs at once.
 Its exit code becomes ``Popen.returncode`` and the sentinel (a pipe) becomes
 readable; ``terminate``/``kill`` signal the child by pid (same host).
-The warm workers are the program root's; a process the program started asks
-the root to start its own children (``_runtime``: the relay).
-
-With ``NIMBUS_ENDPOINT`` set the warm workers are the endpoint's, reached
-through the service; exits, output and signals then travel through the
-program's state store (see ``_remote``).
+The warm workers are where this process's *site* says (``_site``): the
+program root's (``_local``; a process the program started asks the root to
+start its own children, through its relay), or with ``NIMBUS_ENDPOINT`` set
+the endpoint's, reached through the service, exits, output and signals then
+travelling through the program's state store (``_remote``).
 """
 
 from __future__ import annotations
@@ -29,19 +28,19 @@ import threading
 import uuid
 from multiprocessing import context as stdlib_context
 from multiprocessing import process as stdlib_process
-from multiprocessing import resource_sharer, resource_tracker, spawn
+from multiprocessing import resource_sharer, spawn
 from typing import Any
 
-from nimbus.multiprocessing import _forking, _remote, _runtime, _state
+from nimbus.multiprocessing import _forking, _site
 from nimbus.multiprocessing import context as nimbus_context
 from nimbus.multiprocessing._forking import MAIN_KEYS, WARM_MODULES
 
 __all__ = ["Popen"]
 
 
-def runtime() -> _runtime.Starter:
-    """This process's runtime (the root's warm workers, or a relay to them)."""
-    return _runtime.runtime([__name__, _forking.__name__, *WARM_MODULES])
+def site() -> _site.Site:
+    """This process's site (the root's warm workers, a relay to them, or an endpoint's)."""
+    return _site.site([__name__, _forking.__name__, *WARM_MODULES])
 
 
 _preload: list[str] = []
@@ -77,7 +76,7 @@ class Popen:
         self._done = threading.Event()
         # raises the stdlib's RuntimeError about the __main__ guard in a child importing main
         prep = spawn.get_preparation_data(process_obj._name)
-        if _state.main_by_value():  # `python - < script.py`: no file to import, as with
+        if _site.main_by_value():  # `python - < script.py`: no file to import, as with
             prep.pop("init_main_from_path", None)  # fork; __main__'s functions go by value
         self.sentinel, self._exit_w = os.pipe()
         self._token = uuid.uuid4().hex
@@ -90,41 +89,26 @@ class Popen:
         prep["environ"] = dict(os.environ)  # as at start(), as a forked or spawned child has it
         stdlib_context.set_spawning_popen(self)  # type: ignore[arg-type]
         try:
-            program = _state.program()
-            data, buffers = _state.dumps(process_obj)
+            program = _site.program()
+            data, buffers = _site.dumps(process_obj)
         except BaseException:
             self._close_pipe()
             raise
         finally:
             stdlib_context.set_spawning_popen(None)
-        rt = runtime()
-        rt.register(self._token, self)
+        self._site = where = site()
+        where.register(self._token, self)
         prep["authkey"] = bytes(prep["authkey"])
-        prep["stdio"] = rt.redirected_stdio()
-        self._program = program
-        if rt.output is not None:
-            prep["forward"] = rt.output.inbox  # output through the store; __main__ came by value
-            for key in MAIN_KEYS:
-                prep.pop(key, None)
-            if _state.on_shared_endpoint():  # your token stays off a machine others run
-                prep["environ"].pop("NIMBUS_TOKEN", None)
-            prep["relay"] = None  # a relayed child would have no output list to report to
-        else:
-            prep["relay"] = _runtime.relay_address()
-            prep["tracker"] = _tracker()
+        where.prepare(prep)
         # the fork is under way when start() returns; its pid is awaited on first use
         # the root's first start imports main in a worker (a relayed one's root did already)
-        first = (
-            not _main_imported
-            and isinstance(rt, _runtime.Runtime)
-            and any(key in prep for key in MAIN_KEYS)
-        )
+        first = not _main_imported and where.imports_main and any(key in prep for key in MAIN_KEYS)
         try:
-            self._forked = rt.start(_forking.start, self._token, prep, program, data, buffers)
+            self._forked = where.start(_forking.start, self._token, prep, program, data, buffers)
             if first:
                 _await_main_import(self._forked)
         except BaseException:
-            rt.forget(self._token)
+            where.forget(self._token)
             self._close_pipe()
             raise
         self._forked.add_done_callback(self._on_forked)
@@ -143,7 +127,7 @@ class Popen:
         if exc is not None and self.returncode is None:
             import traceback
 
-            runtime().forget(self._token)
+            self._site.forget(self._token)
             traceback.print_exception(exc)
             self._exited(1)
 
@@ -174,13 +158,7 @@ class Popen:
 
     def _send_signal(self, sig: int) -> None:
         if self.returncode is None:
-            if self._program.remote:
-                _remote.send_signal(self._program, self._token, sig)
-                return
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
+            self._site.signal(self._token, self._forked, sig)
 
     def terminate(self) -> None:
         self._send_signal(signal.SIGTERM)
@@ -223,14 +201,3 @@ def _await_main_import(forked: Any) -> None:
             raise RuntimeError(str(exc)) from None
         return  # reported by _on_forked, as any failed start
     _main_imported = True
-
-
-def _tracker() -> tuple[int, int] | None:
-    """This process's resource tracker, if it runs one: (pid, fd of its pipe).
-
-    A stdlib child shares its parent's tracker (spawn passes the fd), so a
-    ``SharedMemory`` it attaches is not unlinked when it exits; ours, forked
-    by a worker, opens the same pipe through ``/proc``.
-    """
-    fd = resource_tracker._resource_tracker._fd
-    return None if fd is None else (os.getpid(), fd)

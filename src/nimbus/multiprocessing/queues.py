@@ -58,47 +58,26 @@ from queue import Empty, Full
 from typing import Any
 
 from nimbus.errors import StateStoreError
-from nimbus.keys import Keys
 from nimbus.multiprocessing import _qdirect
 from nimbus.multiprocessing._payload import MESSAGE, SWITCH, load, pack, unpack
-from nimbus.multiprocessing._state import Program, program
+from nimbus.multiprocessing._site import program
 from nimbus.multiprocessing.connection import Connection, link, seconds
-from nimbus.statestore import Script
+from nimbus.statestore import Keys, Program
+from nimbus.statestore.lua import (
+    QUEUE_RELEASE as _RELEASE,
+)
+from nimbus.statestore.lua import (
+    QUEUE_RESERVE as _RESERVE,
+)
+from nimbus.statestore.lua import (
+    QUEUE_TASK_DONE as _TASK_DONE,
+)
 
 __all__ = ["JoinableQueue", "Queue", "SimpleQueue"]
 
 _BATCH_ITEMS = 1000  # most items the feeder sends in one command
 _BATCH_BYTES = 1 << 20
 _WAKE_SLICE = 0.2  # a blocked waiter re-checks the store at least this often
-
-# KEYS: count; ARGV: maxsize, ttl. 1 if a slot was reserved, else 0.
-_RESERVE = Script("""
-local n = tonumber(redis.call('GET', KEYS[1]) or '0')
-if n >= tonumber(ARGV[1]) then return 0 end
-redis.call('INCR', KEYS[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-""")
-# KEYS: count, notfull; ARGV: released, maxsize, ttl.
-_RELEASE = Script("""
-redis.call('DECRBY', KEYS[1], ARGV[1])
-redis.call('RPUSH', KEYS[2], '1')
-redis.call('LTRIM', KEYS[2], -tonumber(ARGV[2]), -1)
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-return 1
-""")
-# KEYS: unfinished, joined; ARGV: ttl. -1 if there was no unfinished task.
-_TASK_DONE = Script("""
-local n = tonumber(redis.call('GET', KEYS[1]) or '0')
-if n <= 0 then return -1 end
-n = redis.call('DECR', KEYS[1])
-if n == 0 then
-  redis.call('RPUSH', KEYS[2], '1')
-  redis.call('LTRIM', KEYS[2], -64, -1)
-  redis.call('PEXPIRE', KEYS[2], ARGV[1])
-end
-return n
-""")
 
 _sentinel = object()
 

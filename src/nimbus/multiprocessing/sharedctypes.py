@@ -39,13 +39,14 @@ from types import TracebackType
 from typing import Any
 
 from nimbus.errors import StateStoreError
-from nimbus.keys import Keys
 from nimbus.multiprocessing import _heap as heap
-from nimbus.multiprocessing import _mutex, _state
-from nimbus.multiprocessing._link import Script
-from nimbus.multiprocessing._link import link as _link
-from nimbus.multiprocessing._state import Program
+from nimbus.multiprocessing import _mutex, _site
 from nimbus.multiprocessing.synchronize import Lock, RLock
+from nimbus.statestore import Keys, Program
+from nimbus.statestore import link as _link
+from nimbus.statestore.lua import (
+    ARRAY_GUARDED as _GUARDED,
+)
 
 __all__ = ["Array", "RawArray", "RawValue", "Value", "copy", "synchronized"]
 
@@ -65,14 +66,6 @@ typecode_to_type: dict[str, Any] = {
     "f": ctypes.c_float,
     "d": ctypes.c_double,
 }
-
-# KEYS lock tokens, lock owners, data; ARGV owner, op, a, b -> {0} if the lock is someone else's
-_GUARDED = Script("""
-if redis.call('LLEN', KEYS[1]) == 0 then return {0} end
-if ARGV[1] == 'get' then return {1, redis.call('GETRANGE', KEYS[2], ARGV[2], ARGV[3])} end
-redis.call('SETRANGE', KEYS[2], ARGV[2], ARGV[3])
-return {1}
-""")
 
 
 def _ctype(typecode_or_type: Any) -> Any:
@@ -276,7 +269,7 @@ class SharedArray(_Raw):
 def RawValue(typecode_or_type: Any, *args: Any, program: Program | None = None) -> Any:
     """A shared ctypes value, initialised as ``ctype(*args)``; no lock."""
     ctype = _ctype(typecode_or_type)
-    prog = program if program is not None else _state.program()
+    prog = program if program is not None else _site.program()
     return _new(prog, ctype, None, bytes(ctype(*args)))
 
 
@@ -285,7 +278,7 @@ def RawArray(
 ) -> Any:
     """A shared ctypes array of a length or of the items of a sequence; no lock."""
     ctype = _ctype(typecode_or_type)
-    prog = program if program is not None else _state.program()
+    prog = program if program is not None else _site.program()
     if isinstance(size_or_initializer, int):
         if size_or_initializer < 0:
             raise ValueError("array size must be >= 0")
@@ -343,7 +336,7 @@ def Value(
     program: Program | None = None,
 ) -> Any:
     """A shared value guarded by ``lock`` (True: a new RLock; False: none, a raw value)."""
-    prog = program if program is not None else _state.program()
+    prog = program if program is not None else _site.program()
     if lock not in (True, False, None):
         _checked(lock)
     obj = RawValue(typecode_or_type, *args, program=prog)
@@ -361,7 +354,7 @@ def Array(
     program: Program | None = None,
 ) -> Any:
     """A shared array guarded by ``lock`` (True: a new RLock; False: none, a raw array)."""
-    prog = program if program is not None else _state.program()
+    prog = program if program is not None else _site.program()
     if lock not in (True, False, None):
         _checked(lock)
     obj = RawArray(typecode_or_type, size_or_initializer, program=prog)
@@ -392,9 +385,9 @@ def copy(obj: Any) -> Any:
     if isinstance(obj, _Raw):
         return _new(obj._program, obj._ctype, obj._length, bytes(obj._copy()))
     if isinstance(obj, ctypes.Array):
-        return _new(_state.program(), obj._type_, obj._length_, bytes(obj))
+        return _new(_site.program(), obj._type_, obj._length_, bytes(obj))
     if isinstance(obj, _CDATA):
-        return _new(_state.program(), type(obj), None, bytes(obj))
+        return _new(_site.program(), type(obj), None, bytes(obj))
     raise TypeError(f"copy() needs a ctypes object or a shared one, not {type(obj).__name__}")
 
 
@@ -405,7 +398,7 @@ def synchronized(obj: Any, lock: Any = None, ctx: object = None) -> Any:
     if not isinstance(obj, (_Raw, *_CDATA)):
         raise TypeError(f"synchronized() needs a ctypes object, not {type(obj).__name__}")
     if lock is None:
-        lock = _new_lock(obj._program if isinstance(obj, _Raw) else _state.program())
+        lock = _new_lock(obj._program if isinstance(obj, _Raw) else _site.program())
     return _synchronized(obj, lock)
 
 

@@ -55,11 +55,27 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from nimbus.errors import StateStoreError
-from nimbus.keys import Keys
-from nimbus.multiprocessing import _state
-from nimbus.multiprocessing._link import MIN_WAIT, SKIP_REPLY, Link, Script, pack
-from nimbus.multiprocessing._link import link as _link
-from nimbus.multiprocessing._state import Program
+from nimbus.multiprocessing import _site as _state
+from nimbus.statestore import MIN_WAIT, SKIP_REPLY, Keys, Link, Program, pack
+from nimbus.statestore import link as _link
+from nimbus.statestore.lua import (
+    CONDITION_NOTIFY as _NOTIFY,
+)
+from nimbus.statestore.lua import (
+    CONDITION_UNWAIT as _UNWAIT,
+)
+from nimbus.statestore.lua import (
+    EVENT_WAIT as _EVENT_WAIT,
+)
+from nimbus.statestore.lua import (
+    LOCK_REAP as _LOCK_REAP,
+)
+from nimbus.statestore.lua import (
+    LOCK_RELEASE_ANY as _LOCK_RELEASE_ANY,
+)
+from nimbus.statestore.lua import (
+    SEM_RELEASE as _SEM_RELEASE,
+)
 
 __all__ = ["Barrier", "BoundedSemaphore", "Condition", "Event", "Lock", "RLock", "Semaphore"]
 
@@ -72,65 +88,6 @@ class _NotOwnedError(AssertionError, RuntimeError):
 
 
 # ---------------------------------------------------------------- scripts
-
-_SEM_RELEASE = Script("""
-if tonumber(ARGV[1]) >= 0 and redis.call('LLEN', KEYS[1]) >= tonumber(ARGV[1]) then return -1 end
-redis.call('RPUSH', KEYS[1], 't')
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 0
-""")
-# KEYS tokens, owners; ARGV held-key prefix, ttl -> 1: released, -2: released too many times
-_LOCK_RELEASE_ANY = Script("""
-if redis.call('LLEN', KEYS[1]) >= 1 then return -2 end
-for _, owner in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-  if redis.call('LMOVE', ARGV[1] .. owner, KEYS[1], 'LEFT', 'RIGHT') then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return 1
-  end
-end
-redis.call('RPUSH', KEYS[1], 't')
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-""")
-# KEYS tokens, owners; ARGV held-key prefix, ttl, dead owners... -> 1 if their token came back
-_LOCK_REAP = Script("""
-local given = 0
-for i = 3, #ARGV do
-  if redis.call('LMOVE', ARGV[1] .. ARGV[i], KEYS[1], 'LEFT', 'RIGHT') then given = 1 end
-  redis.call('SREM', KEYS[2], ARGV[i])
-end
-if given == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return given
-""")
-# KEYS waiters, waiter; ARGV n (-1: all), ttl -> wakes the first n waiters
-_NOTIFY = Script("""
-local ws
-if tonumber(ARGV[1]) < 0 then
-  ws = redis.call('LRANGE', KEYS[1], 0, -1)
-  redis.call('DEL', KEYS[1])
-else
-  ws = redis.call('LPOP', KEYS[1], ARGV[1]) or {}
-end
-for _, w in ipairs(ws) do
-  redis.call('RPUSH', w, '1')
-  redis.call('PEXPIRE', w, ARGV[2])
-end
-return #ws
-""")
-# KEYS waiters, waiter, flag -> 1 if the waiter was woken (a wake-up was or is being sent)
-_UNWAIT = Script("""
-local removed = redis.call('LREM', KEYS[1], 0, KEYS[2])
-redis.call('DEL', KEYS[2])
-if removed == 0 then return 1 end
-return redis.call('EXISTS', KEYS[3])
-""")
-# KEYS flag, waiters, waiter; ARGV ttl -> 1 if set, else registers the waiter
-_EVENT_WAIT = Script("""
-if redis.call('EXISTS', KEYS[1]) == 1 then return 1 end
-redis.call('RPUSH', KEYS[2], KEYS[3])
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
-return 0
-""")
 
 
 def _ttl(program: Program) -> int:

@@ -34,7 +34,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import nimbus
 from nimbus.config import Settings
 from nimbus.errors import PayloadTooLargeError, ServiceError
-from nimbus.keys import Keys
 from nimbus.service import data as data_routes
 from nimbus.service import routes, stores, tasks
 from nimbus.service.context import ServiceContext
@@ -45,6 +44,7 @@ from nimbus.service.protocol import WS_AGENT, WS_CLIENT, too_large
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import Registry
 from nimbus.service.ws import agent_socket, client_socket
+from nimbus.statestore import Keys, connect_async
 
 __all__ = ["SERVICE_ID", "create_app"]
 
@@ -134,7 +134,7 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry = await run_in_threadpool(Registry, settings.registry_url)
-        client = aioredis.Redis.from_url(redis_url, driver_info=None)
+        client = connect_async(redis_url)
         keys = Keys(SERVICE_ID)
         store = TaskStore(client, keys, result_ttl=settings.result_ttl)
         data = DataStore(client, keys, settings.service_dir / "data", limit=settings.max_payload)

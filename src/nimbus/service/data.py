@@ -35,10 +35,10 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from nimbus.errors import NotFound, ServiceError
-from nimbus.keys import Keys
 from nimbus.service.deps import context, current_principal
 from nimbus.service.protocol import too_large
 from nimbus.service.registry import Principal
+from nimbus.statestore import Keys
 
 __all__ = ["DataStore", "router", "too_large"]
 

@@ -36,8 +36,8 @@ import redis.asyncio as aioredis
 
 from nimbus.config import MAX_TIMEOUT
 from nimbus.errors import QuotaExceeded
-from nimbus.keys import Keys
 from nimbus.records import TaskState
+from nimbus.statestore import Keys
 
 __all__ = ["Broken", "Taken", "TaskStore"]
 

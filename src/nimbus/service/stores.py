@@ -81,7 +81,7 @@ from nimbus.service.context import ServiceContext
 from nimbus.service.deps import context, current_user
 from nimbus.service.registry import Principal
 from nimbus.service.tunnel import TLSTunnel
-from nimbus.statestore import EmbeddedRedis, Script, scripts
+from nimbus.statestore import EmbeddedRedis, Script, connect, scripts
 
 __all__ = ["USER_COMMANDS", "StoreServer", "key_prefix", "router", "user_rules"]
 
@@ -112,12 +112,7 @@ def key_prefix(user_id: str) -> str:
 
 
 def program_scripts() -> list[Script]:
-    """The Lua scripts of nimbus.multiprocessing (importing its modules makes them all)."""
-    import nimbus.multiprocessing.connection
-    import nimbus.multiprocessing.queues
-    import nimbus.multiprocessing.sharedctypes
-    import nimbus.multiprocessing.synchronize  # noqa: F401
-
+    """The Lua scripts programs run on their store (``nimbus.statestore.lua``)."""
     return sorted(scripts(), key=lambda script: script.sha)
 
 
@@ -165,11 +160,7 @@ class StoreServer:
             except OSError:
                 self._server.stop()
                 raise
-        self._admin = redis.Redis(
-            unix_socket_path=str(self._server.socket_path),
-            password=self._server.password,
-            driver_info=None,
-        )
+        self._admin = connect(self._server.url, own=True, password=self._server.password)
         self._rules = user_rules()
         self._users: set[str] = set()
         self._generations: dict[str, int] = {}  # a user's password changes when they forget it

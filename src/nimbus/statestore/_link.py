@@ -39,12 +39,13 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from nimbus import statestore, telemetry
+from nimbus import telemetry
 from nimbus.errors import StateStoreError
-from nimbus.multiprocessing._state import Program
-from nimbus.statestore import Script
+from nimbus.statestore._connect import connect
+from nimbus.statestore._program import Program
+from nimbus.statestore._script import Script
 
-__all__ = ["SKIP_REPLY", "Link", "Script", "link", "pack", "preload"]
+__all__ = ["MIN_WAIT", "SKIP_REPLY", "Link", "link", "pack", "preload"]
 
 
 def pack(*args: Any) -> bytes:
@@ -343,7 +344,7 @@ def _error(url: str, exc: BaseException) -> StateStoreError:
 @functools.cache
 def _connection_settings(url: str) -> tuple[Any, dict[str, Any]]:
     """How to connect to ``url``: kept across forks (a child skips making a client)."""
-    pool = statestore.connect(url).connection_pool
+    pool = connect(url).connection_pool
     return pool.connection_class, dict(pool.connection_kwargs)
 
 

@@ -1,11 +1,11 @@
-"""Who starts this process's children: the root's warm workers, asked directly or by relay.
+"""The local sites: the root's warm workers, asked directly or by relay.
 
 ::
 
-    root process                                  a child (or grandchild ...) process
-    ------------                                  -----------------------------------
-    Runtime: Executor (warm workers) <-- start -- Relayed: Client(relay socket, authkey)
-             relay listener --------- forked pid, exit code --------->  its Popens
+    root process                                    a child (or grandchild ...) process
+    ------------                                    -----------------------------------
+    LocalSite: Executor (warm workers) <-- start -- RelayedSite: Client(relay socket, authkey)
+               relay listener ------- forked pid, exit code ------->  its Popens
                 |  submit start(...)
                 v
              warm worker forks the new process; its reaper's exit notice comes back
@@ -24,54 +24,52 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import threading
 import traceback
 import uuid
-from collections.abc import Callable
 from concurrent.futures import Future
-from multiprocessing import AuthenticationError, connection, current_process, resource_sharer, util
-from multiprocessing import process as stdlib_process
+from multiprocessing import (
+    AuthenticationError,
+    connection,
+    current_process,
+    resource_sharer,
+    resource_tracker,
+    util,
+)
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nimbus.config import Settings
-
-if TYPE_CHECKING:
-    from nimbus.multiprocessing._remote import Output
-    from nimbus.multiprocessing.popen_nimbus import Popen
+from nimbus.multiprocessing._site import Site, StartFn
+from nimbus.statestore import Program
 
 __all__ = [
-    "Relayed",
-    "Remote",
-    "Runtime",
-    "Starter",
+    "LocalSite",
+    "RelayedSite",
     "relay_address",
-    "runtime",
+    "relayed",
     "set_relay_address",
 ]
 
-StartFn = Callable[..., int]
 
+class _Here(Site):
+    """A site on this host: children are signalled by pid and share this process's
+    resource tracker, and its stdout/stderr when they moved since the workers started."""
 
-class Starter:
-    """The Popens of this process by token, and their exit codes as they come."""
-
-    output: Output | None = None  # where remote children's output and exits arrive
-
-    def __init__(self) -> None:
-        self.popens: dict[str, Popen] = {}
-        self.early: dict[str, int] = {}  # exits reported before start() finished
-        self.lock = threading.Lock()
-        self.pid = os.getpid()
+    def __init__(self, program: Program) -> None:
+        super().__init__(program)
         self.stdio = _stdio_ids()  # what the workers inherited
-        # after multiprocessing's own exit work (a Pool's clean-up may start processes),
-        # before the program's store closes (-100)
-        util.Finalize(None, self.close, exitpriority=-50)
 
-    def start(self, fn: StartFn, *args: Any) -> Future[int]:
-        """Have a warm worker call ``fn(*args)`` (it forks); the future holds the pid."""
-        raise NotImplementedError
+    def signal(self, token: str, forked: Future[int], sig: int) -> None:
+        try:
+            os.kill(forked.result(), sig)
+        except ProcessLookupError:
+            pass
+
+    def prepare(self, prep: dict[str, Any]) -> None:
+        prep["stdio"] = self.redirected_stdio()
+        prep["relay"] = relay_address()
+        prep["tracker"] = _tracker()
 
     def redirected_stdio(self) -> list[Any] | None:
         """Handles to this process's stdout/stderr if they changed since the workers started."""
@@ -79,50 +77,18 @@ class Starter:
             return None
         return [resource_sharer.DupFd(fd) for fd in (1, 2)]
 
-    def exited(self, token: str, code: int) -> None:
-        with self.lock:
-            popen = self.popens.pop(token, None)
-            if popen is None:
-                self.early[token] = code
-                return
-        popen._exited(code)
 
-    def forget(self, token: str) -> None:
-        with self.lock:
-            self.popens.pop(token, None)
-
-    def register(self, token: str, popen: Popen) -> None:
-        with self.lock:
-            code = self.early.pop(token, None)
-            if code is None:
-                self.popens[token] = popen
-                return
-        popen._exited(code)
-
-    def join_children(self) -> None:
-        """At exit: end daemonic children, join the others (as the stdlib's exit does)."""
-        from nimbus.multiprocessing.popen_nimbus import Popen
-
-        for child in stdlib_process.active_children():
-            if isinstance(getattr(child, "_popen", None), Popen) and child.daemon:
-                child.terminate()
-        for child in stdlib_process.active_children():
-            if isinstance(getattr(child, "_popen", None), Popen):
-                child.join()
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-
-class Runtime(Starter):
+class LocalSite(_Here):
     """The root's warm workers, and the relay that its descendants start processes through."""
 
-    def __init__(self, preload: list[str]) -> None:
-        from nimbus.executor import Executor, _live
+    imports_main = True  # its first start imports the main module in a worker
 
-        super().__init__()
-        self.executor = Executor(on_notice=self.notice, preload=preload)
-        _live.discard(self.executor)  # closed by close(), after joining children
+    def __init__(self, program: Program, preload: list[str]) -> None:
+        from nimbus.executor import Executor
+
+        super().__init__(program)
+        # shut down by close(), after joining children
+        self.executor = Executor(on_notice=self.notice, preload=preload, shutdown_at_exit=False)
         self.remote: dict[str, _Peer] = {}  # token -> the descendant that asked
         self.closed = False
         directory = Settings.load().ensure_runtime_dir()
@@ -134,8 +100,8 @@ class Runtime(Starter):
         self.address = address
         threading.Thread(target=self._accept, name="nimbus-relay", daemon=True).start()
 
-    def start(self, fn: StartFn, *args: Any) -> Future[int]:
-        return self.executor.submit(fn, *args)
+    def start(self, fn: StartFn, token: str, *args: Any) -> Future[int]:
+        return self.executor.submit(fn, token, *args)
 
     def notice(self, payload: Any) -> None:
         if not (isinstance(payload, list) and payload and payload[0] == "exit"):
@@ -219,19 +185,21 @@ class _Peer:
             self.conn.close()
 
 
-class Relayed(Starter):
-    """A descendant's runtime: its starts go to the root through the relay."""
+class RelayedSite(_Here):
+    """A descendant's site: its starts go to the root through the relay."""
 
-    def __init__(self, address: str) -> None:
-        super().__init__()
+    imports_main = False  # the root's first start did
+
+    def __init__(self, program: Program, address: str) -> None:
+        super().__init__(program)
         self.conn = connection.Client(address, "AF_UNIX", authkey=bytes(current_process().authkey))
         self.address = address
         self.pending: dict[str, Future[int]] = {}
         self.send_lock = threading.Lock()
         threading.Thread(target=self._read, name="nimbus-relay", daemon=True).start()
 
-    def start(self, fn: StartFn, *args: Any) -> Future[int]:
-        token, rest = args[0], args[1:]
+    def start(self, fn: StartFn, token: str, *args: Any) -> Future[int]:
+        rest = args
         future: Future[int] = Future()
         with self.lock:
             self.pending[token] = future
@@ -277,48 +245,6 @@ class Relayed(Starter):
         self.conn.close()
 
 
-class Remote(Starter):
-    """The warm workers of the endpoint ``NIMBUS_ENDPOINT`` names, through the service.
-
-    Children's output, exits and signals travel through the program's store
-    (``_remote``); none of them reach this machine's relay.
-    """
-
-    def __init__(self) -> None:
-        from nimbus.executor import Executor, _live
-        from nimbus.multiprocessing import _remote, _state
-
-        super().__init__()
-        settings = Settings.load()
-        self.executor = Executor(settings=settings, endpoint=settings.endpoint)
-        _live.discard(self.executor)  # closed by close(), after joining children
-        self.output = _remote.Output(_state.program(), self.exited, self.lost)
-
-    def start(self, fn: StartFn, *args: Any) -> Future[int]:
-        return self.executor.submit(fn, *args)
-
-    def redirected_stdio(self) -> list[Any] | None:
-        return None  # the children's output comes through the store
-
-    def lost(self, why: str) -> None:
-        """The store is gone: end every child still running with exit code 1, saying why."""
-        with self.lock:
-            popens, self.popens = self.popens, {}
-        if popens:
-            sys.stderr.write(f"nimbus: {why}; {len(popens)} process(es) end with exit code 1\n")
-            sys.stderr.flush()
-        for popen in popens.values():
-            popen._exited(1)
-
-    def close(self) -> None:
-        if os.getpid() != self.pid:
-            return
-        self.join_children()
-        self.executor.shutdown(wait=True)
-        if self.output is not None:
-            self.output.close()
-
-
 def _remove_stale(directory: Path) -> None:
     """Remove the relay sockets of roots that died without closing them (SIGKILL)."""
     for path in directory.glob("relay-*"):
@@ -341,8 +267,6 @@ def _stdio_ids() -> list[tuple[int, int] | None]:
     return ids
 
 
-_runtime: Starter | None = None
-_runtime_lock = threading.Lock()
 _relay: str | None = None  # the root's relay, for a process the program started
 
 
@@ -354,27 +278,32 @@ def set_relay_address(address: str | None) -> None:
 
 def relay_address() -> str | None:
     """The relay that this process's children use to start theirs."""
-    rt = _runtime if _runtime is not None and _runtime.pid == os.getpid() else None
-    if isinstance(rt, Runtime):
-        return rt.address
+    from nimbus.multiprocessing._site import this_site
+
+    found = this_site()
+    if isinstance(found, LocalSite):
+        return found.address
     return _relay
 
 
-def runtime(preload: list[str]) -> Starter:
-    """This process's runtime: the root's own, or a relay to it (made on first use)."""
-    global _runtime
-    with _runtime_lock:
-        if _runtime is None or _runtime.pid != os.getpid():
-            from nimbus.multiprocessing import _state
+def relayed(program: Program) -> RelayedSite | None:
+    """A site that starts through the root's relay, if this process was given one and
+    reaches it (else None: it runs warm workers of its own)."""
+    if _relay is None:
+        return None
+    try:
+        return RelayedSite(program, _relay)
+    except (OSError, AuthenticationError) as exc:
+        util.debug(f"nimbus: relay {_relay} unreachable ({exc}); own workers")
+        return None
 
-            _runtime = None
-            if _state.program().remote:
-                _runtime = Remote()
-            elif _relay is not None:
-                try:
-                    _runtime = Relayed(_relay)
-                except (OSError, AuthenticationError) as exc:
-                    util.debug(f"nimbus: relay {_relay} unreachable ({exc}); own workers")
-            if _runtime is None:
-                _runtime = Runtime(preload)
-        return _runtime
+
+def _tracker() -> tuple[int, int] | None:
+    """This process's resource tracker, if it runs one: (pid, fd of its pipe).
+
+    A stdlib child shares its parent's tracker (spawn passes the fd), so a
+    ``SharedMemory`` it attaches is not unlinked when it exits; ours, forked
+    by a worker, opens the same pipe through ``/proc``.
+    """
+    fd = resource_tracker._resource_tracker._fd
+    return None if fd is None else (os.getpid(), fd)

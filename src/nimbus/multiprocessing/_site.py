@@ -1,0 +1,259 @@
+"""Sites: where a program's processes run. Local or remote is decided here, once.
+
+::
+
+                      open_program(settings)                site()
+                      (a root's first program())            (a process's first start)
+                                |                              |
+           NIMBUS_ENDPOINT set? +-- yes: the store the         +-- program remote?  RemoteSite
+                                |   service hands out             (``_remote``: the endpoint's
+                                |   (ServiceBackend.open_store)    workers, via the service)
+                                +-- no: the settings' store    +-- relay to a root? RelayedSite
+                                    + this host's shared           (``_local``: ask the root)
+                                    memory for Values/Arrays   +-- else:            LocalSite
+                                                                   (``_local``: warm workers)
+
+    Popen.__init__ -> site.prepare(prep); site.start(_forking.start, token, ...) -> Future[pid]
+    Popen.terminate/kill -> site.signal(token, forked, sig)
+    an exit code arrives  -> site.exited(token, code) -> Popen._exited(code)
+
+A :class:`Site` starts processes (:meth:`Site.start`), signals them
+(:meth:`Site.signal`) and is closed at exit (:meth:`Site.close`, after joining
+them); around those it keeps the program's Popens by token, so that an exit
+(which may come before ``start`` returns) reaches its Popen. Every other
+module asks the site: nothing else branches on local or remote.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import sys
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing import process as stdlib_process
+from multiprocessing import util
+from multiprocessing.reduction import ForkingPickler
+from typing import TYPE_CHECKING, Any
+
+from nimbus import serialization, statestore
+from nimbus.config import Settings
+from nimbus.errors import SerializationError
+from nimbus.multiprocessing import _heap as heap
+from nimbus.statestore import Keys, Program, Root, StateStore, adopt, current, is_root, program
+
+if TYPE_CHECKING:
+    from nimbus.multiprocessing.popen_nimbus import Popen
+
+__all__ = [
+    "Site",
+    "StartFn",
+    "adopt",
+    "cpu_count",
+    "current",
+    "dumps",
+    "is_root",
+    "main_by_value",
+    "on_shared_endpoint",
+    "open_program",
+    "program",
+    "site",
+]
+
+StartFn = Callable[..., int]
+
+
+class Site(ABC):
+    """Where this process's children run: start them, signal them, learn their exits."""
+
+    imports_main = False  # its first start imports the main module in a worker (awaited)
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+        self.popens: dict[str, Popen] = {}
+        self.early: dict[str, int] = {}  # exits reported before start() finished
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+        # after multiprocessing's own exit work (a Pool's clean-up may start processes),
+        # before the program's store closes (-100)
+        util.Finalize(None, self.close, exitpriority=-50)
+
+    @abstractmethod
+    def start(self, fn: StartFn, token: str, *args: Any) -> Future[int]:
+        """Have a warm worker call ``fn(token, *args)`` (it forks); the future holds the pid."""
+
+    @abstractmethod
+    def signal(self, token: str, forked: Future[int], sig: int) -> None:
+        """Send ``sig`` to process ``token`` (``forked``: what :meth:`start` returned)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """At exit: join the children, stop what starts them."""
+
+    def prepare(self, prep: dict[str, Any]) -> None:
+        """Add to a child's preparation data what it needs to know of this site:
+        by default nothing but that it has no relay to start its own children through."""
+        prep["relay"] = None
+
+    # -- their exits, which may come before start() has returned
+
+    def register(self, token: str, popen: Popen) -> None:
+        with self.lock:
+            code = self.early.pop(token, None)
+            if code is None:
+                self.popens[token] = popen
+                return
+        popen._exited(code)
+
+    def exited(self, token: str, code: int) -> None:
+        with self.lock:
+            popen = self.popens.pop(token, None)
+            if popen is None:
+                self.early[token] = code
+                return
+        popen._exited(code)
+
+    def forget(self, token: str) -> None:
+        with self.lock:
+            self.popens.pop(token, None)
+
+    def join_children(self) -> None:
+        """At exit: end daemonic children, join the others (as the stdlib's exit does)."""
+        from nimbus.multiprocessing.popen_nimbus import Popen
+
+        for child in stdlib_process.active_children():
+            if isinstance(getattr(child, "_popen", None), Popen) and child.daemon:
+                child.terminate()
+        for child in stdlib_process.active_children():
+            if isinstance(getattr(child, "_popen", None), Popen):
+                child.join()
+
+
+_site: Site | None = None
+_site_lock = threading.Lock()
+
+
+def site(preload: list[str]) -> Site:
+    """This process's site (made on first use): the endpoint's workers for a remote
+    program, else the root's warm workers, asked directly or through its relay."""
+    global _site
+    with _site_lock:
+        if _site is None or _site.pid != os.getpid():
+            from nimbus.multiprocessing import _local
+
+            _site = None
+            prog = program()
+            if prog.remote:
+                from nimbus.multiprocessing._remote import RemoteSite
+
+                _site = RemoteSite(prog)
+            else:
+                _site = _local.relayed(prog)
+            if _site is None:
+                _site = _local.LocalSite(prog, preload)
+        return _site
+
+
+def this_site() -> Site | None:
+    """This process's site if it has made one (never makes one)."""
+    found = _site
+    return found if found is not None and found.pid == os.getpid() else None
+
+
+# ---------------------------------------------------------------- the program's store
+
+
+class _EndpointRoot(Root):
+    """The root of a program on an endpoint: what the service said of the endpoint."""
+
+    def __init__(self, store: StateStore, program: Program, workers: int, yours: bool) -> None:
+        super().__init__(store, program)
+        self.workers = workers
+        self.shared_endpoint = not yours
+
+
+def open_program(settings: Settings) -> Root:
+    """How a root opens its program (``statestore.program()``'s opener).
+
+    With ``NIMBUS_ENDPOINT``: the store the service hands out for the endpoint,
+    under this user's key prefix. Else the settings' store, with the program's
+    Values and Arrays in this host's shared memory (unless
+    ``NIMBUS_SHARED_MEMORY=0``), removed at the root's exit.
+    """
+    if settings.endpoint:
+        from nimbus.backends.service import ServiceBackend
+
+        handed = ServiceBackend.open_store(settings)
+        program_id = f"{handed.key_prefix}.{Keys.program_id_new()}"
+        prog = Program(handed.url, program_id, settings.key_ttl, remote=True)
+        return _EndpointRoot(StateStore(handed.url), prog, handed.workers, handed.yours)
+    store = StateStore.from_settings(settings)
+    store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
+    program_id = Keys.program_id_new()
+    shared = None
+    if settings.shared_memory:
+        shared = heap.directory(settings.runtime_dir, program_id)
+    on_close = None if shared is None else functools.partial(heap.remove, shared)
+    return Root(store, Program(store.url, program_id, settings.key_ttl, shared=shared), on_close)
+
+
+statestore.set_opener(open_program)
+
+
+def cpu_count() -> int:
+    """The workers the backend offers: the cores of this machine (``NIMBUS_WORKERS``),
+    or with ``NIMBUS_ENDPOINT`` the endpoint's workers."""
+    settings = Settings.load()
+    if settings.endpoint and is_root():
+        program(settings)
+        root = statestore.root()
+        if isinstance(root, _EndpointRoot) and root.workers:
+            return root.workers
+    return settings.workers or (os.cpu_count() or 1)
+
+
+def on_shared_endpoint() -> bool:
+    """Whether this root's processes run on an endpoint someone else runs (shared with us)."""
+    root = statestore.root()
+    return isinstance(root, _EndpointRoot) and root.shared_endpoint
+
+
+# ---------------------------------------------------------------- what goes to a child
+
+
+@functools.cache
+def main_by_value() -> bool:
+    """Whether ``__main__`` must travel by value: children cannot import it (an
+    interactive session, ``python -c``, or ``python - < script.py``: no file)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    path = getattr(main, "__file__", None)
+    return getattr(spec, "name", None) is None and (path is None or not os.path.isfile(path))
+
+
+def dumps(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """Pickle an object that goes to another process of the program.
+
+    As the stdlib does: with its reducers (connections, sockets and fds are
+    handed over) and ``__main__`` by reference (children import the main
+    module as the stdlib's spawn does), unless the main module cannot be
+    imported (``python -c``, an interactive session) or the program runs on a
+    remote endpoint (which may not have the script): then by value.
+    """
+    prog = current()
+    try:
+        return serialization.dumps(
+            obj,
+            reducers=ForkingPickler._extra_reducers,
+            main_by_value=main_by_value() or (prog is not None and prog.remote),
+        )
+    except SerializationError as exc:
+        # SerializationError is a TypeError and a PicklingError, what the stdlib
+        # raises most; an object's own error (a __reduce__ raising) goes as itself
+        cause = exc.__cause__
+        if cause is not None and not isinstance(cause, TypeError | pickle.PicklingError):
+            raise cause from None
+        raise

@@ -1,0 +1,136 @@
+"""The one way to open a connection to a state store: :func:`connect`.
+
+::
+
+    connect(url)                  -> this process's client of ``url`` (cached, pooled)
+    connect(url, own=True, ...)   -> a new client of its own, the caller closes it
+    connect_async(url)            -> a new asyncio client (the service's task queues)
+    Link(url) (``_link``)         -> one thread's hiredis wire, made from connect(url)'s settings
+
+Every client gets the same options: no read timeout (BLPOP and friends may block
+for long; a dead server closes the socket), no ``CLIENT SETINFO`` at connect, and
+for a ``rediss://`` URL the CAs of ``NIMBUS_CA_FILE`` (:func:`tls_options`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from nimbus.errors import ConfigError, StateStoreError
+
+__all__ = ["connect", "connect_async", "forget", "pool", "probe", "redacted", "tls_options"]
+
+# driver_info=None: no CLIENT SETINFO at connect (two round trips) and no lookup
+# of redis-py's version in the package metadata (about 6 ms per connection)
+_POOL_OPTIONS: dict[str, Any] = {
+    "socket_connect_timeout": 5.0,
+    "socket_timeout": None,
+    "driver_info": None,
+}
+# Per-process clients by URL. Not a global default client: nothing reaches Redis without
+# a URL, which a shared object carries in its pickle so it finds its store after unpickling
+# in another process. Keyed by pid so a forked child never reuses its parent's sockets.
+_clients: dict[tuple[int, str], redis.Redis] = {}
+_lock = threading.Lock()
+os.register_at_fork(after_in_child=lambda: globals().__setitem__("_lock", threading.Lock()))
+
+
+def tls_options(url: str) -> dict[str, Any]:
+    """For a ``rediss://`` URL that names no CA of its own: verify the server with the
+    CAs of ``ca_file`` (NIMBUS_CA_FILE), as the service's certificate is verified."""
+    if not url.startswith("rediss://") or "ssl_ca_" in url:
+        return {}
+    from nimbus.config import Settings
+
+    ca_file = Settings.load().ca_file
+    return {} if ca_file is None else {"ssl_ca_certs": str(ca_file)}
+
+
+def connect(
+    url: str,
+    *,
+    own: bool = False,
+    single: bool = False,
+    timeout: float | None = None,
+    password: str | None = None,
+) -> redis.Redis:
+    """A client of the state store at ``url``.
+
+    By default this process's client of ``url`` (created on first use, shared
+    by its threads, bytes replies, hiredis when installed). With ``own=True``
+    a new client of its own, which the caller closes (a ``with`` block): for
+    connections that must not outlive a call. ``single=True`` (with ``own``)
+    connects at once, on the one connection it keeps: for a connection whose
+    identity matters (its client id). ``timeout`` (with ``own``) bounds the
+    connect and every reply, with no retries: a probe fails within about it.
+    """
+    options = _POOL_OPTIONS | tls_options(url)
+    if own:
+        if timeout is not None:
+            options |= {
+                "socket_connect_timeout": timeout,
+                "socket_timeout": timeout,
+                "retry": Retry(NoBackoff(), 0),
+            }
+        if password is not None:
+            options["password"] = password
+        return redis.Redis.from_url(url, single_connection_client=single, **options)
+    key = (os.getpid(), url)
+    with _lock:
+        client = _clients.get(key)
+        if client is None:
+            for stale in [k for k in _clients if k[0] != key[0]]:
+                del _clients[stale]  # inherited across fork: the parent's, not ours
+            client = _clients[key] = redis.Redis.from_url(url, **options)
+        return client
+
+
+def connect_async(url: str) -> aioredis.Redis:
+    """A new asyncio client of the state store at ``url`` (the service's task queues),
+    with :func:`connect`'s options; the caller closes it (``aclose``)."""
+    return aioredis.Redis.from_url(url, **_POOL_OPTIONS, **tls_options(url))
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password (for messages and logs)."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.rpartition('@')[2]}"
+
+
+def pool(url: str) -> redis.ConnectionPool:
+    """A new connection pool to ``url``, with :func:`connect`'s options."""
+    return redis.ConnectionPool.from_url(url, **_POOL_OPTIONS, **tls_options(url))
+
+
+def forget(url: str) -> None:
+    """Close this process's clients of ``url`` now (its server is stopping), not
+    whenever the collector gets to their sockets."""
+    with _lock:
+        for key in [k for k in _clients if k[1] == url]:
+            _clients.pop(key).connection_pool.disconnect()
+
+
+def probe(url: str, timeout: float) -> None:
+    """PING ``url`` once, failing within about ``timeout`` seconds."""
+    try:
+        client = connect(url, own=True, timeout=timeout)
+    except ValueError as exc:
+        raise ConfigError(
+            f"state store URL {url!r} is invalid ({exc}); NIMBUS_REDIS_URL takes a "
+            f"redis://, rediss:// or unix:// URL"
+        ) from None
+    try:
+        with client:
+            client.ping()
+    except redis.RedisError as exc:
+        raise StateStoreError(
+            f"cannot reach the state store at {url} ({exc}); check NIMBUS_REDIS_URL and "
+            f"that the Redis server there is running"
+        ) from exc

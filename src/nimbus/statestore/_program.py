@@ -1,0 +1,203 @@
+"""The program: where this multiprocessing program's shared state lives.
+
+A *program* is one run of a user's multiprocessing code: its root process
+and every process it starts, on any worker. Its shared objects (queues,
+locks, values, pipes ...) are keys in one state store (Redis) under one
+program id (see ``nimbus.statestore.keys``), so two programs sharing a Redis never meet.
+
+::
+
+    root process                       worker running a child Process
+    ------------                       ------------------------------
+    program()  -> starts the store     adopt(Program) <- carried by the task
+               -> new program id       program()      -> the adopted one
+    keepalive thread: EXPIRE keys      shared objects pickle as (Program, name)
+    at exit: delete the program's keys
+
+How a root opens its program is its *opener*: by default the store of the
+settings (``NIMBUS_REDIS_URL`` or an embedded Redis) and a new program id;
+``nimbus.multiprocessing`` sets its own (:func:`set_opener`): with
+``NIMBUS_ENDPOINT`` set, the store the service hands out for that endpoint,
+reached by this process and by the endpoint's workers, and an id that starts
+with the prefix the service allows this user.
+
+Every key gets the program's TTL when created; the root keeps them alive
+while it runs and deletes them at a normal exit, so after a SIGKILL of the
+root they expire within ``key_ttl`` seconds (``NIMBUS_KEY_TTL``).
+
+A program may keep some objects outside the store (``Program.shared``: a
+directory of this host's shared memory, see ``nimbus.multiprocessing``);
+the opener's ``on_close`` removes them at the root's exit.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import util
+
+import redis
+
+from nimbus.config import Settings
+from nimbus.errors import StateStoreError
+from nimbus.statestore._connect import connect
+from nimbus.statestore._store import StateStore
+from nimbus.statestore.keys import Keys
+
+__all__ = [
+    "Opener",
+    "Program",
+    "Root",
+    "adopt",
+    "current",
+    "is_root",
+    "open_local",
+    "program",
+    "root",
+    "set_opener",
+]
+
+
+@dataclass(frozen=True)
+class Program:
+    """The state store URL, program id and key TTL of one program.
+
+    ``remote``: its processes run on a remote endpoint (``NIMBUS_ENDPOINT``).
+    ``shared``: the directory of this host's shared memory that holds its
+    Values and Arrays (``nimbus.multiprocessing``); None: they are in the store.
+    """
+
+    url: str
+    program_id: str
+    key_ttl: float
+    remote: bool = False
+    shared: str | None = None
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.program_id)
+
+    @property
+    def ttl_ms(self) -> int:
+        return int(self.key_ttl * 1000)
+
+    def client(self) -> redis.Redis:
+        """This process's client of the program's store (cached per URL)."""
+        return connect(self.url)
+
+
+class Root:
+    """The store, keepalive and cleanup owned by the program's root process.
+
+    Started by an opener (:func:`set_opener`) with the store it opened and the
+    program; ``on_close`` runs at the root's exit, after the program's keys
+    are deleted and before the store closes.
+    """
+
+    def __init__(
+        self,
+        store: StateStore,
+        program: Program,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.program = program
+        self.on_close = on_close
+        self.pid = os.getpid()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._keepalive, name="nimbus-keepalive", daemon=True
+        )
+        self._thread.start()
+        # last of the stdlib's exit finalizers: after connections' own clean-up
+        util.Finalize(None, self.close, exitpriority=-100)
+
+    def _keepalive(self) -> None:
+        program = self.program
+        interval = max(0.5, program.key_ttl / 3)
+        while not self._stop.wait(interval):
+            try:
+                client = program.client()
+                for key in client.scan_iter(match=program.keys.pattern(), count=1000):
+                    client.pexpire(key, program.ttl_ms)
+            except redis.RedisError:
+                pass  # the store is gone; the users of the objects see the error
+
+    def close(self) -> None:
+        if os.getpid() != self.pid or self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            client = self.program.client()
+            keys = list(client.scan_iter(match=self.program.keys.pattern(), count=1000))
+            for start in range(0, len(keys), 500):
+                client.unlink(*keys[start : start + 500])
+        except redis.RedisError:
+            pass
+        if self.on_close is not None:
+            self.on_close()
+        self.store.close()
+
+
+Opener = Callable[[Settings], Root]
+
+
+def open_local(settings: Settings) -> Root:
+    """The default opener: the settings' store (``NIMBUS_REDIS_URL`` or an embedded
+    Redis, kept up until the root closes) and a new program id."""
+    store = StateStore.from_settings(settings)
+    store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
+    return Root(store, Program(store.url, Keys.program_id_new(), settings.key_ttl))
+
+
+_lock = threading.Lock()
+_root: Root | None = None
+_adopted: Program | None = None
+_opener: Opener = open_local
+
+
+def set_opener(opener: Opener) -> None:
+    """How this process opens its program when it is a root (on first use)."""
+    global _opener
+    _opener = opener
+
+
+def program(settings: Settings | None = None) -> Program:
+    """The program this process belongs to; the root opens it on first use."""
+    global _root
+    if _adopted is not None:
+        return _adopted
+    with _lock:
+        if _root is None or _root.pid != os.getpid():
+            try:
+                _root = _opener(settings if settings is not None else Settings.load())
+            except redis.RedisError as exc:
+                raise StateStoreError(f"cannot use the state store: {exc}") from exc
+        return _root.program
+
+
+def root() -> Root | None:
+    """This process's :class:`Root` if it is its program's root and opened it already."""
+    found = _root
+    return found if _adopted is None and found is not None and found.pid == os.getpid() else None
+
+
+def current() -> Program | None:
+    """The program of this process if it has one already (never opens one)."""
+    if _adopted is not None:
+        return _adopted
+    found = _root
+    return found.program if found is not None and found.pid == os.getpid() else None
+
+
+def is_root() -> bool:
+    """Whether this process is its program's root (not a process it started)."""
+    return _adopted is None
+
+
+def adopt(program: Program | None) -> None:
+    """Make this process (a worker running a child) part of ``program``."""
+    global _adopted
+    _adopted = program

@@ -1,0 +1,338 @@
+"""Every Lua script nimbus runs on a program's state store, in one place (as ``keys``).
+
+::
+
+    multiprocessing.synchronize   LOCK_*, SEM_*, CONDITION_*, EVENT_*
+    multiprocessing.queues        QUEUE_*            multiprocessing.connection  CONNECTION_*
+    multiprocessing._direct       PIPE_*             multiprocessing._qdirect    QUEUE_LANE_*
+    multiprocessing.sharedctypes  ARRAY_*
+          |  link.eval(SCRIPT, keys, args): EVALSHA, EVAL when the store lacks it
+          v
+    the service's stores Redis: loads scripts() at start; its users may EVALSHA these only
+
+They are here, below the packages that run them, so that the service can list
+them (``scripts()``) without importing ``nimbus.multiprocessing``.
+"""
+
+from __future__ import annotations
+
+from nimbus.statestore._script import Script
+
+__all__ = [
+    "ARRAY_GUARDED",
+    "CONDITION_NOTIFY",
+    "CONDITION_UNWAIT",
+    "CONNECTION_RELEASE",
+    "EVENT_WAIT",
+    "LOCK_REAP",
+    "LOCK_RELEASE_ANY",
+    "PIPE_CLAIM",
+    "PIPE_DROP",
+    "PIPE_GIVE_UP",
+    "PIPE_INSERT",
+    "PIPE_PARKED_PUSH",
+    "PIPE_REVERT",
+    "PIPE_SWITCH",
+    "PIPE_UNPARK",
+    "QUEUE_LANE_CLAIM",
+    "QUEUE_LANE_GIVE_UP",
+    "QUEUE_LANE_SHARE",
+    "QUEUE_LANE_STEAL",
+    "QUEUE_LANE_SWITCH",
+    "QUEUE_RELEASE",
+    "QUEUE_RESERVE",
+    "QUEUE_TASK_DONE",
+    "SEM_RELEASE",
+]
+
+
+# ---------------------------------------------------------------- the handover of a Pipe to direct messaging (``multiprocessing._direct``)
+
+# The reader claims its lane: only while its end has one copy.
+PIPE_CLAIM = Script("""
+if redis.call('GET', KEYS[2]) ~= '1' then return 0 end
+local h = redis.call('GET', KEYS[1])
+if h and h ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+""")
+
+
+# The writer switches: the lane has a holder, one reader copy and one writer copy,
+# no switched writer and no forwarding under way. The writer record is
+# "<sid>|<claim>|" while switched, "<sid>|<claim>|R" once reverted: one switch
+# per claim (a holder that reads "R" claims afresh), so a holder's direct
+# messages from its writer all belong to one switch.
+PIPE_SWITCH = Script("""
+local h = redis.call('GET', KEYS[1])
+if not h then return false end
+if redis.call('GET', KEYS[3]) ~= '1' or redis.call('GET', KEYS[4]) ~= '1' then return false end
+local rec = redis.call('GET', KEYS[2])
+if rec and (string.sub(rec, -1) == '|' or string.find(rec, '|' .. h .. '|', 1, true)) then
+  return false
+end
+if redis.call('EXISTS', KEYS[6]) == 1 then return false end
+redis.call('SET', KEYS[2], ARGV[1] .. '|' .. h .. '|', 'PX', ARGV[2])
+redis.call('RPUSH', KEYS[5], 'S' .. h .. '|' .. ARGV[1])
+redis.call('PEXPIRE', KEYS[5], ARGV[2])
+return h
+""")
+
+
+# The holder gives its claim up. A writer still switched to it gets its later store
+# messages parked (see PIPE_REVERT) until the holder has forwarded its direct ones.
+PIPE_GIVE_UP = Script("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+local rec = redis.call('GET', KEYS[2])
+if rec and string.sub(rec, -1) == '|' and string.find(rec, '|' .. ARGV[1] .. '|', 1, true) then
+  redis.call('SET', KEYS[3], string.match(rec, '^[^|]*'), 'PX', ARGV[2])
+end
+return rec
+""")
+
+
+# The writer reverts: "M" goes where its store messages go next (parked, if forwarding).
+# ARGV[4] is "!" when it could not send "R" (its direct send failed): the holder,
+# if alive, finds "M<sid>!" at the head of the list instead.
+PIPE_REVERT = Script("""
+redis.call('SET', KEYS[1], ARGV[1] .. '|' .. ARGV[2] .. '|R' .. ARGV[4], 'PX', ARGV[3])
+local parked = redis.call('GET', KEYS[2]) == ARGV[1]
+local key = parked and KEYS[4] or KEYS[3]
+redis.call('RPUSH', key, 'M' .. ARGV[1] .. ARGV[4])
+redis.call('PEXPIRE', key, ARGV[3])
+return parked and 1 or 0
+""")
+
+
+# A reverted writer's store message while forwarding lasts.
+PIPE_PARKED_PUSH = Script("""
+local key = KEYS[3]
+if redis.call('GET', KEYS[1]) == ARGV[1] then key = KEYS[2] end
+redis.call('RPUSH', key, ARGV[3])
+redis.call('PEXPIRE', key, ARGV[2])
+return 1
+""")
+
+
+# Forwarding is over: the parked messages follow the forwarded ones.
+PIPE_UNPARK = Script("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  while redis.call('LMOVE', KEYS[2], KEYS[3], 'LEFT', 'RIGHT') do end
+  redis.call('DEL', KEYS[1])
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+end
+return 1
+""")
+
+
+# A holder whose end closes drops its claim (the lane has no reader any more).
+PIPE_DROP = Script("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+""")
+
+
+# Messages a holder took before its writer reverted go before the writer's "M".
+PIPE_INSERT = Script("""
+if redis.call('LINSERT', KEYS[1], 'BEFORE', ARGV[1], ARGV[3]) > 0 then
+  for i = 4, #ARGV do redis.call('LINSERT', KEYS[1], 'BEFORE', ARGV[1], ARGV[i]) end
+else
+  for i = 3, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+""")
+
+
+# ---------------------------------------------------------------- the handover of a Queue's lane to direct messaging (``multiprocessing._qdirect``)
+
+# A consumer claims the queue. {0}: shared (store only); {1}: claimed; {2, holder}.
+QUEUE_LANE_CLAIM = Script("""
+if redis.call('GET', KEYS[2]) then return {0} end
+local h = redis.call('GET', KEYS[1])
+if h then return {2, h} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {1}
+""")
+
+
+# A second consumer: shared for good, the claim goes (its holder gives it up).
+QUEUE_LANE_SHARE = Script("""
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+redis.call('RPUSH', KEYS[3], ARGV[1])
+redis.call('PEXPIRE', KEYS[3], ARGV[2])
+return 1
+""")
+
+
+# The holder is dead: its claim is replaced.
+QUEUE_LANE_STEAL = Script("""
+if redis.call('GET', KEYS[2]) then return 0 end
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
+""")
+
+
+# A producer switches to the holder: -1 shared (never again), 0 not now, else the claim.
+QUEUE_LANE_SWITCH = Script("""
+if redis.call('GET', KEYS[2]) then return -1 end
+local h = redis.call('GET', KEYS[1])
+if not h or h == ARGV[2] or string.sub(h, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then return 0 end
+redis.call('HSET', KEYS[3], ARGV[1], h)
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
+redis.call('RPUSH', KEYS[4], 'S' .. h .. '|' .. ARGV[1])
+redis.call('PEXPIRE', KEYS[4], ARGV[3])
+return h
+""")
+
+
+# The holder gives its claim up: the producers switched to it (taken out of "writers").
+QUEUE_LANE_GIVE_UP = Script("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+local out = {}
+local all = redis.call('HGETALL', KEYS[2])
+for i = 1, #all, 2 do
+  if all[i + 1] == ARGV[1] then
+    table.insert(out, all[i])
+    redis.call('HDEL', KEYS[2], all[i])
+  end
+end
+return out
+""")
+
+
+# ---------------------------------------------------------------- Pipes (``multiprocessing.connection``)
+
+# Decrement the references of an end; at zero push end-of-stream to the list it writes.
+CONNECTION_RELEASE = Script("""
+local n = redis.call('DECR', KEYS[1])
+if n <= 0 then
+  redis.call('DEL', KEYS[1])
+  if ARGV[1] == '1' then
+    redis.call('RPUSH', KEYS[2], 'E')
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  end
+end
+return n
+""")
+
+
+# ---------------------------------------------------------------- Queues (``multiprocessing.queues``)
+
+# KEYS: count; ARGV: maxsize, ttl. 1 if a slot was reserved, else 0.
+QUEUE_RESERVE = Script("""
+local n = tonumber(redis.call('GET', KEYS[1]) or '0')
+if n >= tonumber(ARGV[1]) then return 0 end
+redis.call('INCR', KEYS[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+""")
+
+
+# KEYS: count, notfull; ARGV: released, maxsize, ttl.
+QUEUE_RELEASE = Script("""
+redis.call('DECRBY', KEYS[1], ARGV[1])
+redis.call('RPUSH', KEYS[2], '1')
+redis.call('LTRIM', KEYS[2], -tonumber(ARGV[2]), -1)
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return 1
+""")
+
+
+# KEYS: unfinished, joined; ARGV: ttl. -1 if there was no unfinished task.
+QUEUE_TASK_DONE = Script("""
+local n = tonumber(redis.call('GET', KEYS[1]) or '0')
+if n <= 0 then return -1 end
+n = redis.call('DECR', KEYS[1])
+if n == 0 then
+  redis.call('RPUSH', KEYS[2], '1')
+  redis.call('LTRIM', KEYS[2], -64, -1)
+  redis.call('PEXPIRE', KEYS[2], ARGV[1])
+end
+return n
+""")
+
+
+# ---------------------------------------------------------------- locks, semaphores, conditions and events (``multiprocessing.synchronize``)
+
+SEM_RELEASE = Script("""
+if tonumber(ARGV[1]) >= 0 and redis.call('LLEN', KEYS[1]) >= tonumber(ARGV[1]) then return -1 end
+redis.call('RPUSH', KEYS[1], 't')
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 0
+""")
+
+
+# KEYS tokens, owners; ARGV held-key prefix, ttl -> 1: released, -2: released too many times
+LOCK_RELEASE_ANY = Script("""
+if redis.call('LLEN', KEYS[1]) >= 1 then return -2 end
+for _, owner in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  if redis.call('LMOVE', ARGV[1] .. owner, KEYS[1], 'LEFT', 'RIGHT') then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return 1
+  end
+end
+redis.call('RPUSH', KEYS[1], 't')
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+""")
+
+
+# KEYS tokens, owners; ARGV held-key prefix, ttl, dead owners... -> 1 if their token came back
+LOCK_REAP = Script("""
+local given = 0
+for i = 3, #ARGV do
+  if redis.call('LMOVE', ARGV[1] .. ARGV[i], KEYS[1], 'LEFT', 'RIGHT') then given = 1 end
+  redis.call('SREM', KEYS[2], ARGV[i])
+end
+if given == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return given
+""")
+
+
+# KEYS waiters, waiter; ARGV n (-1: all), ttl -> wakes the first n waiters
+CONDITION_NOTIFY = Script("""
+local ws
+if tonumber(ARGV[1]) < 0 then
+  ws = redis.call('LRANGE', KEYS[1], 0, -1)
+  redis.call('DEL', KEYS[1])
+else
+  ws = redis.call('LPOP', KEYS[1], ARGV[1]) or {}
+end
+for _, w in ipairs(ws) do
+  redis.call('RPUSH', w, '1')
+  redis.call('PEXPIRE', w, ARGV[2])
+end
+return #ws
+""")
+
+
+# KEYS waiters, waiter, flag -> 1 if the waiter was woken (a wake-up was or is being sent)
+CONDITION_UNWAIT = Script("""
+local removed = redis.call('LREM', KEYS[1], 0, KEYS[2])
+redis.call('DEL', KEYS[2])
+if removed == 0 then return 1 end
+return redis.call('EXISTS', KEYS[3])
+""")
+
+
+# KEYS flag, waiters, waiter; ARGV ttl -> 1 if set, else registers the waiter
+EVENT_WAIT = Script("""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 1 end
+redis.call('RPUSH', KEYS[2], KEYS[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+return 0
+""")
+
+
+# ---------------------------------------------------------------- Values and Arrays in the store (``multiprocessing.sharedctypes``)
+
+# KEYS lock tokens, lock owners, data; ARGV owner, op, a, b -> {0} if the lock is someone else's
+ARRAY_GUARDED = Script("""
+if redis.call('LLEN', KEYS[1]) == 0 then return {0} end
+if ARGV[1] == 'get' then return {1, redis.call('GETRANGE', KEYS[2], ARGV[2], ARGV[3])} end
+redis.call('SETRANGE', KEYS[2], ARGV[2], ARGV[3])
+return {1}
+""")
