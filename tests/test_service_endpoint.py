@@ -122,7 +122,7 @@ def test_version_mismatch_is_refused_at_submit(
 ) -> None:
     import base64
 
-    from nimbus.service.protocol import PYTHON, SERIALIZER, pack_payload
+    from nimbus.protocol import PYTHON, SERIALIZER, pack_payload
 
     payload = base64.b64encode(pack_payload(b"x")).decode()
     with service.http(alice.token) as http:
@@ -267,9 +267,9 @@ def test_first_result_wins(service: Service, alice: Client) -> None:
     from websockets.sync.client import connect
 
     from nimbus import serialization
+    from nimbus.protocol import PYTHON, SERIALIZER, pack, unpack
     from nimbus.records import TaskRecord, TaskState
     from nimbus.runtime.messages import Status
-    from nimbus.service.protocol import PYTHON, SERIALIZER, pack, unpack
 
     agent = alice.register_endpoint("two-answers")
     ids = alice.batch_run(square, [(1,), (2,)], endpoint="two-answers")
@@ -323,7 +323,7 @@ def test_first_result_wins(service: Service, alice: Client) -> None:
 def test_executor_refuses_unknown_or_mismatched_endpoints(service: Service, alice: Client) -> None:
     from websockets.sync.client import connect
 
-    from nimbus.service.protocol import PYTHON, SERIALIZER, pack
+    from nimbus.protocol import PYTHON, SERIALIZER, pack
 
     settings = _settings(service, alice)
     with pytest.raises(NotFound, match="nope"):

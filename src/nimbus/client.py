@@ -43,8 +43,7 @@ from nimbus.errors import (
     ServiceUnavailable,
     VersionMismatchError,
 )
-from nimbus.runtime.messages import Status
-from nimbus.service.protocol import (
+from nimbus.protocol import (
     DATA,
     INLINE_MIN,
     LIMITS,
@@ -60,6 +59,7 @@ from nimbus.service.protocol import (
     too_large,
     unpack,
 )
+from nimbus.runtime.messages import Status
 
 __all__ = [
     "AmbiguousEndpointError",

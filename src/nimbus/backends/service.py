@@ -49,10 +49,7 @@ from nimbus.errors import (
     TaskLost,
     VersionMismatchError,
 )
-from nimbus.records import TaskRecord
-from nimbus.runtime.messages import Status
-from nimbus.runtime.task import Task
-from nimbus.service.protocol import (
+from nimbus.protocol import (
     INLINE_MIN,
     PYTHON,
     SERIALIZER,
@@ -70,7 +67,10 @@ from nimbus.service.protocol import (
     unpack,
     unpack_result,
 )
-from nimbus.service.wsclient import certificate_error, open_socket
+from nimbus.protocol.wsclient import certificate_error, open_socket
+from nimbus.records import TaskRecord
+from nimbus.runtime.messages import Status
+from nimbus.runtime.task import Task
 
 __all__ = ["ServiceBackend"]
 

@@ -2,6 +2,6 @@
 
 ``nimbus.service.app.create_app`` builds the ASGI app and
 ``nimbus.service.server.serve`` runs it with uvicorn (``nimbus service start``).
-``nimbus.service.protocol`` holds what the SDK and the endpoint agents share with
+``nimbus.protocol`` holds what the SDK and the endpoint agents share with
 it (message shapes, version stamps); importing it does not import the app.
 """

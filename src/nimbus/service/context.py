@@ -30,9 +30,9 @@ from starlette.concurrency import run_in_threadpool
 
 from nimbus.config import Settings
 from nimbus.errors import AuthError, NotFound, ServiceError
+from nimbus.protocol import DELETED, REPLACED, REVOKED, is_uuid, pack
 from nimbus.records import TaskState
 from nimbus.service.hub import Hub
-from nimbus.service.protocol import DELETED, REPLACED, REVOKED, is_uuid, pack
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import EndpointInfo, FunctionInfo, Principal, Registry, hash_token
 

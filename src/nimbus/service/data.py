@@ -36,8 +36,8 @@ from starlette.requests import Request
 
 from nimbus.errors import NotFound, ServiceError
 from nimbus.keys import Keys
+from nimbus.protocol import too_large
 from nimbus.service.deps import context, current_principal
-from nimbus.service.protocol import too_large
 from nimbus.service.registry import Principal
 
 __all__ = ["DataStore", "router", "too_large"]

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nimbus.service.protocol import REVOKED
+from nimbus.protocol import REVOKED
 
 __all__ = ["ADMIN_REVOKED", "Hub", "Peer"]
 
@@ -162,7 +162,7 @@ class Hub:
 
     async def deliver(self, rows: list[list[Any]]) -> None:
         """Send finished tasks' ``[task_id, state, result, record]`` to whoever waits."""
-        from nimbus.service.protocol import pack
+        from nimbus.protocol import pack
 
         by_peer: dict[Peer, list[list[Any]]] = defaultdict(list)
         for row in rows:

@@ -20,10 +20,7 @@ from pydantic import Base64Bytes, BaseModel, Field, field_validator
 
 from nimbus.config import INLINE_MIN, MAX_TIMEOUT, check_timeout
 from nimbus.errors import NotFound, PayloadTooLargeError, ServiceError
-from nimbus.records import TaskRecord, TaskState
-from nimbus.service.context import ServiceContext
-from nimbus.service.deps import context, current_user
-from nimbus.service.protocol import (
+from nimbus.protocol import (
     MSGPACK,
     brief,
     check_payload,
@@ -32,6 +29,9 @@ from nimbus.service.protocol import (
     too_large,
     unpack,
 )
+from nimbus.records import TaskRecord, TaskState
+from nimbus.service.context import ServiceContext
+from nimbus.service.deps import context, current_user
 from nimbus.service.queues import CANCELLED_RESULT, DONE
 from nimbus.service.registry import Principal
 

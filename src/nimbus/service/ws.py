@@ -6,7 +6,7 @@ results are stored (first wins), acknowledged, and delivered to the clients
 that wait. A connection silent for three heartbeats is closed, and its tasks
 in flight go back to the head of the endpoint's queue. A frame that is not a
 well-formed message closes its connection with a code and reason and one log
-line (``nimbus.service.protocol``); a task whose stored record is broken fails
+line (``nimbus.protocol``); a task whose stored record is broken fails
 alone, and a dispatcher that fails is started again. A task whose function was
 deleted, or is no longer shared with its submitter, fails instead of being sent
 (an agent may still hold the function from an earlier task).
@@ -32,11 +32,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from nimbus import serialization
 from nimbus.errors import NimbusError, PayloadTooLargeError, ProtocolError, ServiceError
-from nimbus.records import TaskRecord, TaskState
-from nimbus.runtime.messages import Status
-from nimbus.service.context import ServiceContext
-from nimbus.service.hub import Peer
-from nimbus.service.protocol import (
+from nimbus.protocol import (
     WRONG_SHAPE,
     batches,
     data_ref,
@@ -45,6 +41,10 @@ from nimbus.service.protocol import (
     pack,
     str_list,
 )
+from nimbus.records import TaskRecord, TaskState
+from nimbus.runtime.messages import Status
+from nimbus.service.context import ServiceContext
+from nimbus.service.hub import Peer
 from nimbus.service.queues import DONE
 from nimbus.service.registry import hash_token
 from nimbus.service.tasks import cancel_tasks, submit_tasks, wire_rows

@@ -22,7 +22,7 @@ from websockets.asyncio.client import connect
 
 from nimbus.config import untrusted_certificate
 from nimbus.errors import ConfigError
-from nimbus.service.protocol import RECEIVE_MAX
+from nimbus.protocol import RECEIVE_MAX
 
 __all__ = ["certificate_error", "open_socket", "ws_url"]
 

@@ -2,7 +2,7 @@
 
 ::
 
-    service --tasks (window)--> EndpointAgent --submit--> runtime Agent --> Manager --> workers
+    service --tasks (window)--> EndpointDaemon --submit--> runtime Agent --> Manager --> workers
        ^                           |     ^                                    |
        +--results (until acked)----+     +---------- on_results -------------+
        +--beat <-> beat
@@ -15,7 +15,7 @@ service acknowledges it, and sent again after a reconnect; a task sent again
 while this agent still runs it is not started twice. Arguments in the
 service's data store are fetched before their task starts; a result larger
 than the service's inline limit is stored there and sent as a reference. Run
-it with ``nimbus endpoint start NAME`` or ``python -m nimbus.endpoint.agent NAME``.
+it with ``nimbus endpoint start NAME`` or ``python -m nimbus.endpoint.daemon NAME``.
 """
 
 from __future__ import annotations
@@ -49,11 +49,7 @@ from nimbus.errors import (
     RemoteError,
     ServiceError,
 )
-from nimbus.records import TaskRecord, TaskState
-from nimbus.runtime.agent import Agent
-from nimbus.runtime.messages import Status
-from nimbus.runtime.task import Task
-from nimbus.service.protocol import (
+from nimbus.protocol import (
     DATA,
     DELETED,
     INLINE_MIN,
@@ -74,9 +70,13 @@ from nimbus.service.protocol import (
     too_large,
     unpack_payload,
 )
-from nimbus.service.wsclient import certificate_error, open_socket, ws_url
+from nimbus.protocol.wsclient import certificate_error, open_socket, ws_url
+from nimbus.records import TaskRecord, TaskState
+from nimbus.runtime.agent import Agent
+from nimbus.runtime.messages import Status
+from nimbus.runtime.task import Task
 
-__all__ = ["EndpointAgent", "main"]
+__all__ = ["EndpointDaemon", "main"]
 
 log = logging.getLogger(__name__)
 STATES = {
@@ -92,7 +92,7 @@ COALESCE = 0.002  # with work in flight, wait this long to gather more into one 
 SERVICE_OPS = ("tasks", "ack", "cancel", "beat")
 
 
-class EndpointAgent:
+class EndpointDaemon:
     """Serves one endpoint: ``await agent.run()`` until :meth:`stop`."""
 
     def __init__(
@@ -516,17 +516,17 @@ def _result_size(row: list[Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m nimbus.endpoint.agent NAME``: run a configured endpoint's agent."""
+    """``python -m nimbus.endpoint.daemon NAME``: run a configured endpoint's agent."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m nimbus.endpoint.agent NAME", file=sys.stderr)
+        print("usage: python -m nimbus.endpoint.daemon NAME", file=sys.stderr)
         return 2
     config = EndpointConfig.load(args[0])
     settings = Settings.load()
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    agent = EndpointAgent(
+    agent = EndpointDaemon(
         config.service_url,
         config.token,
         workers=config.workers,
