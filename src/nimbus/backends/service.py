@@ -159,7 +159,7 @@ class ServiceBackend:
         self._delayed = False
         self._refs = itertools.count()
         self._unaccepted: dict[int, list[Task]] = {}
-        self._packed: dict[Task, bytes | dict[str, str]] = {}  # staged payloads (large ones)
+        self._packed: dict[Task, bytes | DataRef] = {}  # staged payloads (large ones)
         self._failed: dict[Task, BaseException] = {}  # staging failed: the task fails
         self._fetches: set[asyncio.Task[None]] = set()
         self._by_id: dict[str, Task] = {}
@@ -298,15 +298,11 @@ class ServiceBackend:
 
     def _payload(self, task: Task) -> bytes | DataRef:
         packed = self._packed.get(task)
-        if packed is None:
-            return pack_payload(task.payload, task.buffers)
-        if isinstance(packed, dict):  # uploaded to the data store
-            return DataRef(packed["data"])
-        return packed
+        return pack_payload(task.payload, task.buffers) if packed is None else packed
 
     def _size(self, task: Task) -> int:
         packed = self._packed.get(task)
-        if isinstance(packed, dict):
+        if isinstance(packed, DataRef):
             return 64
         return payload_size(task.payload, task.buffers)
 

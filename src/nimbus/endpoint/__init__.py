@@ -1,6 +1,8 @@
-"""Endpoints: an agent that serves one endpoint of the nimbus service from this machine.
+"""Endpoints: the daemon that serves one endpoint of the nimbus service from this machine.
 
-``nimbus.endpoint.daemon.EndpointDaemon`` runs the runtime's Agent fed by the
-service; ``nimbus.endpoint.config`` keeps each endpoint's settings and token;
+``nimbus.endpoint.daemon.EndpointDaemon`` is that process: it hosts the
+endpoint's runtime agent (``nimbus.runtime.Agent``) and links it to the service
+over the shared WebSocket client (``nimbus.protocol.wsclient``);
+``nimbus.endpoint.config`` keeps each endpoint's settings and token;
 ``nimbus.endpoint.cli`` is ``nimbus endpoint ...``.
 """

@@ -2,6 +2,7 @@
 
 ``nimbus.service.app.create_app`` builds the ASGI app and
 ``nimbus.service.server.serve`` runs it with uvicorn (``nimbus service start``).
-``nimbus.protocol`` holds what the SDK and the endpoint agents share with
-it (message shapes, version stamps); importing it does not import the app.
+What the SDK and the endpoint daemons share with it (the wire messages, version
+stamps, the WebSocket client) is ``nimbus.protocol``, a layer below; the service
+imports it, never the other way round.
 """
