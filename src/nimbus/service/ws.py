@@ -71,6 +71,7 @@ BEAT_SAVE_SECONDS = 10.0
 COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
 STOP_SECONDS = 2.0  # a dispatcher gets this long to stop when its connection ends
 RESTART_MAX = 5.0  # seconds between restarts of a dispatcher that keeps failing
+DONE_STATES = frozenset(state for state in TaskState if state.done)
 LOST_CHUNK = 10_000  # task ids looked up, or named in one "unknown" message
 AGENT_SENDS: dict[str, type[Message]] = {kind.op: kind for kind in (Results, Running, Beat)}
 CLIENT_SENDS: dict[str, type[Message]] = {kind.op: kind for kind in (Submit, Watch, Cancel)}
@@ -108,7 +109,7 @@ def _results(msg: dict[str, Any]) -> list[ResultRow]:
     reference); ProtocolError naming the first row that is not."""
     rows = Results.decode(msg).rows()
     for i, row in enumerate(rows):
-        if not row.state.done or isinstance(row.result, bytes):
+        if row.state not in DONE_STATES or type(row.result) is bytes:
             raise ProtocolError(
                 f"results.results[{i}]: expected [task_id, success|failed|cancelled, "
                 f"[status, data, buffers] | {{data: id}}, record], got {row.wire()!r:.60}",
