@@ -221,3 +221,52 @@ def test_a_stored_result_row_unpacks() -> None:
     broken = ResultRow(T1, TaskState.SUCCESS, b"\xc1", b"")
     with pytest.raises(ProtocolError, match=f"task {T1}: result"):
         broken.unpacked()
+
+
+def test_the_socket_ends_on_a_refused_or_revoked_token_naming_it_and_the_fix() -> None:
+    """ServiceSocket against a real WebSocket server on loopback: HTTP 401 at connect, or
+    a connection closed as revoked, ends ``run`` with an AuthError that names the token
+    and what to do; ``stop`` ends it while it backs off from a closed port."""
+    import asyncio
+    import time
+    from http import HTTPStatus
+
+    from websockets.asyncio.server import ServerConnection, serve
+
+    from nimbus.errors import AuthError
+    from nimbus.protocol import REVOKED
+    from nimbus.protocol.wsclient import ServiceSocket
+
+    def socket(url: str, path: str) -> ServiceSocket:
+        return ServiceSocket(
+            url, path, "tok", None, keepalive=1, whose="lab's token", fix="get a new one"
+        )
+
+    async def session(ws: Any) -> None:
+        await ws.recv()
+
+    async def main() -> float:
+        def refuse(connection: ServerConnection, request: Any) -> Any:
+            if request.path == "/v1/ws/refused":
+                return connection.respond(HTTPStatus.UNAUTHORIZED, "no\n")
+            return None
+
+        async def handler(ws: ServerConnection) -> None:
+            await ws.close(REVOKED, "token revoked by the service admin")
+
+        async with serve(handler, "127.0.0.1", 0, process_request=refuse) as server:
+            url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            with pytest.raises(AuthError, match=r"refused lab's token \(HTTP 401\).*get a new one"):
+                await asyncio.wait_for(socket(url, "/v1/ws/refused").run(session), 10)
+            revoked = socket(url, "/v1/ws/any")
+            with pytest.raises(AuthError, match="lab's token was revoked: get a new one"):
+                await asyncio.wait_for(revoked.run(session), 10)
+            assert revoked.connects == 1
+        away = socket(url, "/v1/ws/any")  # the server is gone: it backs off until stopped
+        asyncio.get_running_loop().call_later(0.3, away.stop)
+        start = time.monotonic()
+        await asyncio.wait_for(away.run(session), 10)
+        assert away.error is not None
+        return time.monotonic() - start
+
+    assert asyncio.run(main()) < 5

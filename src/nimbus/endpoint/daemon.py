@@ -15,7 +15,7 @@ stops it with an error saying what to do; a malformed message from the
 service closes the connection (with a close code) and it reconnects, and a
 task it cannot decode fails alone (``DeserializationError``). A result is kept until the
 service acknowledges it, and sent again after a reconnect; a task sent again
-while this agent still runs it is not started twice. Arguments in the
+while this daemon still runs it is not started twice. Arguments in the
 service's data store are fetched before their task starts; a result larger
 than the service's inline limit is stored there and sent as a reference. Run
 it with ``nimbus endpoint start NAME`` or ``python -m nimbus.endpoint.daemon NAME``
@@ -444,7 +444,7 @@ def _result_size(row: ResultRow) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m nimbus.endpoint.daemon NAME``: run a configured endpoint's agent."""
+    """``python -m nimbus.endpoint.daemon NAME``: run a configured endpoint's daemon."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m nimbus.endpoint.daemon NAME", file=sys.stderr)
