@@ -139,7 +139,7 @@ class Stack:
     def start_agent(self, name: str) -> None:
         with open(self.root / "agent.log", "ab") as log:
             self.agent = subprocess.Popen(
-                [sys.executable, "-m", "nimbus.endpoint.agent", name],
+                [sys.executable, "-m", "nimbus.endpoint.daemon", name],
                 env=self.env,
                 stdout=log,
                 stderr=log,
@@ -349,7 +349,7 @@ def bench_offline(stack: Stack, sizes: Sizes) -> Row:
 async def _simulated_agents(stack: Stack, tokens: list[str], seconds: float) -> list[float]:
     from websockets.asyncio.client import connect
 
-    from nimbus.service.protocol import PYTHON, SERIALIZER, WS_AGENT, pack, unpack
+    from nimbus.protocol import PYTHON, SERIALIZER, WS_AGENT, pack, unpack
 
     url = stack.url.replace("http://", "ws://") + WS_AGENT
     latencies: list[float] = []

@@ -110,7 +110,7 @@ class Service:
 
 
 class EndpointProcess:
-    """``python -m nimbus.endpoint.agent NAME`` for an endpoint registered by ``client``."""
+    """``python -m nimbus.endpoint.daemon NAME`` for an endpoint registered by ``client``."""
 
     def __init__(self, service: Service, client: Client, name: str, workers: int = 2) -> None:
         registered = client.register_endpoint(name)
@@ -139,7 +139,7 @@ class EndpointProcess:
 
     def command(self) -> list[str]:
         """The command line that starts the agent."""
-        return [sys.executable, "-m", "nimbus.endpoint.agent", self.config.name]
+        return [sys.executable, "-m", "nimbus.endpoint.daemon", self.config.name]
 
     def start(self, client: Client | None = None, timeout: float = 30) -> EndpointProcess:
         with open(self.log, "ab") as log:

@@ -7,7 +7,7 @@ import base64
 import pytest
 
 from nimbus.errors import AuthError, NotFound, PayloadTooLargeError
-from nimbus.service.protocol import PYTHON, SERIALIZER, pack_payload
+from nimbus.protocol import PYTHON, SERIALIZER, pack_payload
 from service_support import Service
 
 PAYLOAD = base64.b64encode(pack_payload(b"x")).decode()  # packed arguments (never unpickled here)

@@ -13,7 +13,7 @@ import pytest
 
 from nimbus import Client, Executor
 from nimbus.errors import NotFound, PayloadTooLargeError
-from nimbus.service.protocol import PYTHON, SERIALIZER, pack_payload
+from nimbus.protocol import PYTHON, SERIALIZER, pack_payload
 from service_support import EndpointProcess, Service, service_env
 
 LIMIT = 48 << 20
@@ -161,7 +161,7 @@ def test_result_blob_is_the_owners_only(
     assert alice.get_result(task_id, timeout=60) == b"r" * (3 << 20)
     with service.http(alice.token) as a:
         stored = a.get(f"/v1/tasks/{task_id}/result", headers={"Accept": "application/msgpack"})
-    from nimbus.service.protocol import data_ref, unpack
+    from nimbus.protocol import data_ref, unpack
 
     ref = data_ref(unpack(unpack(stored.content)["result"]))
     assert ref is not None, "a 3 MiB result should be in the data store"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,9 +14,16 @@ import pytest
 
 from nimbus import Client, Executor
 from nimbus.config import Settings
-from nimbus.errors import NotFound, RemoteTraceback, TaskTimeoutError, VersionMismatchError
+from nimbus.errors import (
+    AuthError,
+    NotFound,
+    RemoteTraceback,
+    TaskTimeoutError,
+    VersionMismatchError,
+)
 from nimbus.statestore import StateStore
 from service_support import (
+    CLI,
     EndpointProcess,
     Service,
     assert_first_results,
@@ -122,7 +131,7 @@ def test_version_mismatch_is_refused_at_submit(
 ) -> None:
     import base64
 
-    from nimbus.service.protocol import PYTHON, SERIALIZER, pack_payload
+    from nimbus.protocol import PYTHON, SERIALIZER, pack_payload
 
     payload = base64.b64encode(pack_payload(b"x")).decode()
     with service.http(alice.token) as http:
@@ -267,9 +276,9 @@ def test_first_result_wins(service: Service, alice: Client) -> None:
     from websockets.sync.client import connect
 
     from nimbus import serialization
+    from nimbus.protocol import PYTHON, SERIALIZER, pack, unpack
     from nimbus.records import TaskRecord, TaskState
     from nimbus.runtime.messages import Status
-    from nimbus.service.protocol import PYTHON, SERIALIZER, pack, unpack
 
     agent = alice.register_endpoint("two-answers")
     ids = alice.batch_run(square, [(1,), (2,)], endpoint="two-answers")
@@ -323,7 +332,7 @@ def test_first_result_wins(service: Service, alice: Client) -> None:
 def test_executor_refuses_unknown_or_mismatched_endpoints(service: Service, alice: Client) -> None:
     from websockets.sync.client import connect
 
-    from nimbus.service.protocol import PYTHON, SERIALIZER, pack
+    from nimbus.protocol import PYTHON, SERIALIZER, pack
 
     settings = _settings(service, alice)
     with pytest.raises(NotFound, match="nope"):
@@ -380,3 +389,48 @@ def test_sigterm_answers_long_polls_instead_of_waiting_for_them(tmp_path: Path) 
         assert service.proc.wait(60) == 0  # a graceful exit, its embedded Redis stopped
     finally:
         service.stop()
+
+
+def test_a_revoked_token_ends_an_executor_and_an_endpoint_daemon_saying_what_to_do(
+    service: Service,
+) -> None:
+    """Both peers of the service stand on one WebSocket client: when the admin revokes a
+    user (their token and their endpoints'), the daemon exits and the Executor's tasks
+    fail, each with an error naming its token and what to do; a daemon started again
+    with the revoked token stops at once, saying the same."""
+    token = service.token("rev")  # a user of its own: revoking it touches no other test
+    with service.client(token) as client:
+        endpoint = EndpointProcess(service, client, "rev-lab").start(client)
+        try:
+            with Executor(endpoint="rev-lab", settings=service.user_settings(token)) as ex:
+                assert ex.submit(square, 3).result(30) == 9
+                waiting = ex.submit(nap, 60)
+                revoke = subprocess.run(
+                    [sys.executable, "-c", CLI, "service", "token", "revoke", "rev"],
+                    env=service.env,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    check=False,
+                )
+                assert revoke.returncode == 0, revoke.stdout + revoke.stderr
+                assert endpoint.proc is not None
+                assert endpoint.proc.wait(30) == 1
+                log = endpoint.log.read_text()
+                assert "endpoint rev-lab's token was revoked" in log, log
+                assert "run `nimbus endpoint configure rev-lab` for a new one" in log, log
+                assert "Traceback" not in log
+                with pytest.raises(AuthError) as info:
+                    waiting.result(30)
+                said = str(info.value)
+                assert "this client's token" in said and "was revoked" in said, said
+                assert "ask the service admin for a new one" in said, said
+                with pytest.raises(AuthError, match="this client's token"):
+                    ex.submit(square, 4).result(30)  # fails at once, not queued
+            endpoint.start()  # with the revoked token: refused when it connects
+            assert endpoint.proc.wait(30) == 1
+            log = endpoint.log.read_text()
+            assert "refused endpoint rev-lab's token (HTTP 40" in log, log
+            assert log.count("nimbus endpoint configure rev-lab") == 2, log
+        finally:
+            endpoint.stop()

@@ -71,7 +71,7 @@ def _ids(value: Any) -> Iterator[tuple[str, str]]:
 def _payload() -> bytes:
     """Packed arguments the SDK would send: ``((1,), {})``."""
     from nimbus import serialization
-    from nimbus.service.protocol import pack_payload
+    from nimbus.protocol import pack_payload
 
     data, buffers = serialization.dumps(((1,), {}))
     return pack_payload(data, buffers)
@@ -117,7 +117,7 @@ class Campaign:
         """A's endpoint, function and tasks, made with real requests before the fuzzing,
         so that every operation can meet real objects from its first request."""
         from nimbus import serialization
-        from nimbus.service.protocol import PYTHON, SERIALIZER
+        from nimbus.protocol import PYTHON, SERIALIZER
 
         with service.http(self.a["Authorization"].split()[1]) as http:
             endpoint = http.post("/v1/endpoints", json={"name": "fuzz-anchor"})

@@ -23,7 +23,7 @@ import redis
 from nimbus import Client, Executor
 from nimbus.config import MAX_TIMEOUT, Settings
 from nimbus.errors import ConfigError, DeserializationError, QuotaExceeded
-from nimbus.service.protocol import (
+from nimbus.protocol import (
     MSGPACK,
     NOT_MSGPACK,
     PYTHON,
@@ -559,7 +559,7 @@ def test_the_agent_survives_malformed_frames_from_a_service(tmp_path: Any) -> No
     from websockets.asyncio.server import ServerConnection, serve
 
     from nimbus import serialization
-    from nimbus.endpoint.agent import EndpointAgent
+    from nimbus.endpoint.daemon import EndpointDaemon
 
     garbage: list[str | bytes] = [
         "text",
@@ -601,7 +601,7 @@ def test_the_agent_survives_malformed_frames_from_a_service(tmp_path: Any) -> No
     async def main() -> None:
         async with serve(handler, "127.0.0.1", 0) as server:
             port = server.sockets[0].getsockname()[1]
-            agent = EndpointAgent(f"http://127.0.0.1:{port}", "tok", workers=1, heartbeat=0.5)
+            agent = EndpointDaemon(f"http://127.0.0.1:{port}", "tok", workers=1, heartbeat=0.5)
             agent_box["agent"] = agent
             await agent.run()
 

@@ -35,7 +35,7 @@ from nimbus.errors import (
     ServiceError,
     TaskLost,
 )
-from nimbus.service.protocol import (
+from nimbus.protocol import (
     FUNCTION_MAX,
     NOT_MSGPACK,
     PYTHON,

@@ -282,8 +282,8 @@ def test_unsharing_cancels_the_removed_users_tasks_held_by_the_agent(
 def test_an_agent_saying_hello_after_its_token_was_revoked_is_closed() -> None:
     import asyncio
 
+    from nimbus.protocol import REPLACED
     from nimbus.service.hub import Hub, Peer
-    from nimbus.service.protocol import REPLACED
 
     async def scenario() -> list[tuple[int, str]]:
         closed: list[tuple[int, str]] = []

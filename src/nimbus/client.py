@@ -43,15 +43,16 @@ from nimbus.errors import (
     ServiceUnavailable,
     VersionMismatchError,
 )
-from nimbus.runtime.messages import Status
-from nimbus.service.protocol import (
+from nimbus.protocol import (
     DATA,
     INLINE_MIN,
     LIMITS,
     MSGPACK,
     PYTHON,
     SERIALIZER,
-    data_ref,
+    DataRef,
+    Result,
+    SubmitRow,
     is_uuid,
     pack,
     pack_payload,
@@ -60,6 +61,7 @@ from nimbus.service.protocol import (
     too_large,
     unpack,
 )
+from nimbus.runtime.messages import Status
 
 __all__ = [
     "AmbiguousEndpointError",
@@ -132,15 +134,13 @@ def decode_result(result: bytes | list[Any], fetch: Callable[[str], bytes]) -> A
     ``result`` is packed or unpacked; a data-store reference is read with ``fetch``.
     """
     value = unpack(result) if isinstance(result, bytes) else result
-    ref = data_ref(value)
-    if ref is not None:
-        value = unpack(fetch(ref))
-    status, data, buffers = value
-    if status == Status.OK:
-        return serialization.loads(data, buffers)
-    if status == Status.SKIPPED:
+    ref = DataRef.read(value)
+    done = Result.unpack(fetch(ref.data_id)) if ref is not None else Result.decode(value)
+    if done.status == Status.OK:
+        return serialization.loads(done.data, done.buffers)
+    if done.status == Status.SKIPPED:
         raise cf.CancelledError()
-    error, tb = serialization.loads(data)
+    error, tb = serialization.loads(done.data)
     if tb:
         error.__cause__ = RemoteTraceback(tb)
     raise error
@@ -265,11 +265,11 @@ class Client:
         """The bytes of a data-store blob (yours, or a result of one of your tasks)."""
         return self.request("GET", f"{DATA}/{data_id}").content
 
-    def payload(self, data: bytes, buffers: list[Any]) -> bytes | dict[str, str]:
+    def payload(self, data: bytes, buffers: list[Any]) -> bytes | DataRef:
         """A task's pickled arguments as sent: inline, or uploaded when large."""
         size = payload_size(data, buffers)
         if size > INLINE_MIN and size > self.limits()["inline_payload"]:
-            return {"data": self.upload(pack_payload(data, buffers))}
+            return DataRef(self.upload(pack_payload(data, buffers)))
         return pack_payload(data, buffers)
 
     # ------------------------------------------------------------ functions
@@ -390,7 +390,7 @@ class Client:
         rows = []
         for a, k in zip(arg_list, kw_list, strict=True):
             data, buffers = serialization.dumps((tuple(a), dict(k)))
-            rows.append([function_id, self.payload(data, buffers), timeout])
+            rows.append(SubmitRow(function_id, self.payload(data, buffers), timeout).wire())
         body = pack({"endpoint_id": endpoint_id, "tasks": rows})
         response = self.request(
             "POST", "/v1/tasks/batch", content=body, headers={"Content-Type": MSGPACK}

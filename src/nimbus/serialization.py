@@ -33,6 +33,7 @@ from nimbus.errors import DeserializationError, SerializationError
 
 __all__ = [
     "OOB_THRESHOLD",
+    "PYTHON",
     "FunctionCache",
     "PickleSerializer",
     "Serializer",
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 PROTOCOL = 5
+PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"  # whose pickles these are: both sides match
 OOB_THRESHOLD = 64 * 1024
 Buffer = bytes | bytearray | memoryview
 

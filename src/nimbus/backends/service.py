@@ -10,7 +10,10 @@ One thread runs an asyncio loop holding the WebSocket to the service. Tasks
 submitted while a message is being built join the next one, so a ``map`` of
 many small tasks travels in a few large msgpack messages. When the connection
 breaks it reconnects, asks again for the results of the tasks it waits for
-(``watch``) and sends again the batches the service had not acknowledged.
+(``watch``) and sends again the batches the service had not acknowledged; the
+connection is the shared :class:`~nimbus.protocol.wsclient.ServiceSocket`. A
+token the service refuses or revokes ends it: every task waiting and every
+later submit fails with an AuthError naming the token and what to do.
 Arguments larger than the service's inline limit are uploaded to its data store
 by ``submit`` (in the caller's thread); results in the data store are fetched
 in a thread of the loop before they are delivered.
@@ -33,7 +36,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import redis
-import websockets
 from websockets.asyncio.client import ClientConnection
 
 from nimbus import _loop, serialization
@@ -41,7 +43,6 @@ from nimbus.backends import DispatchCallback, ResultCallback
 from nimbus.client import Client, error_for
 from nimbus.config import Settings, untrusted_certificate
 from nimbus.errors import (
-    AuthError,
     ConfigError,
     NimbusError,
     NotFound,
@@ -52,28 +53,36 @@ from nimbus.errors import (
     TaskLost,
     VersionMismatchError,
 )
-from nimbus.records import TaskRecord
-from nimbus.runtime.messages import Status
-from nimbus.runtime.task import Task
-from nimbus.service.protocol import (
+from nimbus.protocol import (
     INLINE_MIN,
     PYTHON,
     SERIALIZER,
     WRONG_SHAPE,
     WS_CLIENT,
+    Accepted,
+    Cancel,
+    DataRef,
+    Malformed,
+    Message,
+    Refused,
+    Result,
+    ResultRow,
+    Results,
+    Submit,
+    SubmitRow,
+    Unknown,
+    Watch,
     batches,
     brief,
-    data_ref,
     decode_frame,
-    is_result,
-    pack,
+    decode_message,
     pack_payload,
     payload_size,
-    str_list,
-    unpack,
-    unpack_result,
 )
-from nimbus.service.wsclient import certificate_error, open_socket
+from nimbus.protocol.wsclient import ServiceSocket
+from nimbus.records import TaskRecord
+from nimbus.runtime.messages import Status
+from nimbus.runtime.task import Task
 from nimbus.statestore import connect, redacted
 
 __all__ = ["ServiceBackend", "Store", "probe_store"]
@@ -88,7 +97,11 @@ KEEPALIVE = 5.0  # seconds between WebSocket pings to the service
 COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
 COALESCE_MAX = 4096
 RETRY_503 = 1.0  # seconds before a batch refused with 503 (queues restarting) is sent again
-SERVICE_OPS = ("results", "accepted", "refused", "unknown")
+SERVICE_SENDS: dict[str, type[Message]] = {
+    kind.op: kind for kind in (Results, Accepted, Refused, Unknown)
+}
+WHOSE = "this client's token (NIMBUS_TOKEN, or the one `nimbus login` saved)"
+FIX = "ask the service admin for a new one (then `nimbus login` again, or set NIMBUS_TOKEN)"
 _STATUSES = frozenset(Status)
 
 
@@ -159,6 +172,17 @@ class ServiceBackend:
         self.client = Client(settings=settings)
         try:
             info = self.client.get_endpoint(endpoint)
+            self._socket = ServiceSocket(
+                self.client.service_url,
+                WS_CLIENT,
+                self.client.token,
+                self.client.ssl_context(),
+                keepalive=KEEPALIVE,
+                whose=WHOSE,
+                fix=FIX,
+                backoff=(0.05, 2.0),
+                jitter=False,
+            )
         except BaseException:
             self.client.close()
             raise
@@ -179,26 +203,32 @@ class ServiceBackend:
         self._delayed = False
         self._refs = itertools.count()
         self._unaccepted: dict[int, list[Task]] = {}
-        self._packed: dict[Task, bytes | dict[str, str]] = {}  # staged payloads (large ones)
+        self._packed: dict[Task, bytes | DataRef] = {}  # staged payloads (large ones)
         self._failed: dict[Task, BaseException] = {}  # staging failed: the task fails
         self._fetches: set[asyncio.Task[None]] = set()
         self._by_id: dict[str, Task] = {}
-        self._early: dict[str, list[Any]] = {}  # results that arrived before their "accepted"
+        self._early: dict[
+            str, ResultRow | Malformed
+        ] = {}  # results that arrived before their "accepted"
         self._idle = threading.Condition(self._lock)
         self._outstanding = 0
         self._closing = False
         self._loop = _loop.new_event_loop()
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
-        self._connected = threading.Event()
-        self._error: BaseException | None = None
-        self._refused: AuthError | None = None  # the token was refused after connecting
+        self._connected = threading.Event()  # connected once (or refused: see _refused)
+        self._refused: NimbusError | None = None  # the token was refused or revoked: it ended
         self._thread = threading.Thread(target=self._run, name="nimbus-service", daemon=True)
         self._thread.start()
-        if not self._connected.wait(CONNECT_TIMEOUT):
+        if not self._connected.wait(CONNECT_TIMEOUT) or (
+            self._refused is not None and not self._socket.connects
+        ):
             self.shutdown(wait=False)
+            if self._refused is not None:
+                raise self._refused
+            error = self._socket.error
             raise ServiceUnavailable(
                 f"no WebSocket to {self.client.service_url} after {CONNECT_TIMEOUT} s"
-                + (f" ({self._error})" if self._error else "")
+                + (f" ({error})" if error else "")
             )
 
     # ------------------------------------------------------------ caller's side
@@ -238,6 +268,7 @@ class ServiceBackend:
             with self._idle:
                 self._idle.wait_for(lambda: self._outstanding <= 0 or self._closing)
         self._closing = True
+        self._socket.stop()
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._outbox.put_nowait, b"")
         if threading.current_thread() is not self._thread:
@@ -250,46 +281,19 @@ class ServiceBackend:
         _loop.run_on(self._loop, self._main())
 
     async def _main(self) -> None:
-        base = self.client.service_url
-        context = self.client.ssl_context()
-        backoff = 0.05
-        malformed = False  # the last connection ended on a malformed frame: keep backing off
-        while not self._closing:
-            try:
-                async with open_socket(
-                    base, WS_CLIENT, self.client.token, context, keepalive=KEEPALIVE
-                ) as ws:
-                    if not malformed:
-                        backoff = 0.05
-                    malformed = False
-                    self._refused = None
-                    await self._resume(ws)
-                    self._connected.set()
-                    await self._session(ws)
-            except ProtocolError:
-                malformed = True  # logged and closed by the reader
-            except websockets.InvalidStatus as exc:
-                status = exc.response.status_code
-                self._error = error_for(status, "the service refused the token")
-                if status in (401, 403) and self._connected.is_set():  # revoked since
-                    self._refused = AuthError(
-                        f"the service at {base} no longer accepts this token (HTTP {status}): "
-                        f"it was revoked; ask the service admin for a new one",
-                        status,
-                    )
-                    self._fail_all(self._refused)
-            except (OSError, websockets.WebSocketException, TimeoutError) as exc:
-                self._error = certificate_error(exc, base) or exc
-                sent = getattr(exc, "sent", None)
-                if sent is not None and sent.code == 1009:  # over RECEIVE_MAX
-                    log.warning("closed the connection to %s: %s; reconnecting", base, sent)
-            except Exception as exc:  # a fault met in a session ends that connection, not us
-                log.exception("the session with the service at %s failed; reconnecting", base)
-                self._error = exc
-            if self._closing:
-                break
-            await asyncio.sleep(backoff)
-            backoff = min(2.0, backoff * 2)
+        try:
+            await self._socket.run(self._connection)
+        except (ServiceError, ConfigError) as exc:  # the token refused or revoked: we end
+            log.error("%s", exc)
+            self._refused = exc
+            self._fail_all(exc)
+            self._connected.set()  # a constructor waiting for the first connection: it ends
+            await self._socket.wait_stopped()  # submits fail at once (_flush) until shutdown
+
+    async def _connection(self, ws: ClientConnection) -> None:
+        await self._resume(ws)
+        self._connected.set()
+        await self._session(ws)
 
     def _fail_all(self, error: BaseException) -> None:
         """Fail every task waiting for the service (which refuses this client now)."""
@@ -310,7 +314,7 @@ class ServiceBackend:
         while not self._outbox.empty():
             self._outbox.get_nowait()
         if self._by_id:
-            await ws.send(pack({"op": "watch", "ids": list(self._by_id)}))
+            await ws.send(Watch(list(self._by_id)).encode())
         for ref, tasks in self._unaccepted.items():
             await ws.send(self._submit_message(ref, tasks))
 
@@ -333,16 +337,16 @@ class ServiceBackend:
             await ws.send(message)
 
     def _submit_message(self, ref: int, tasks: list[Task]) -> bytes:
-        rows = [[t.route, self._payload(t), t.timeout] for t in tasks]
-        return pack({"op": "submit", "ref": ref, "endpoint_id": self.endpoint_id, "tasks": rows})
+        rows = [SubmitRow(t.route, self._payload(t), t.timeout) for t in tasks]
+        return Submit(ref, self.endpoint_id, rows).encode()
 
-    def _payload(self, task: Task) -> bytes | dict[str, str]:
+    def _payload(self, task: Task) -> bytes | DataRef:
         packed = self._packed.get(task)
         return pack_payload(task.payload, task.buffers) if packed is None else packed
 
     def _size(self, task: Task) -> int:
         packed = self._packed.get(task)
-        if isinstance(packed, dict):
+        if isinstance(packed, DataRef):
             return 64
         return payload_size(task.payload, task.buffers)
 
@@ -391,63 +395,45 @@ class ServiceBackend:
     def _cancel(self, task: Task) -> None:
         task_id = task.record.task_id
         if self._by_id.get(task_id) is task:
-            self._outbox.put_nowait(pack({"op": "cancel", "ids": [task_id]}))
+            self._outbox.put_nowait(Cancel([task_id]).encode())
 
     async def _reader(self, ws: ClientConnection) -> None:
         """Handle the service's messages; a malformed one closes the connection with its
         close code and one log line, and raises the ProtocolError (to reconnect)."""
         try:
             async for data in ws:
-                await self._handle(ws, decode_frame(data, SERVICE_OPS))
+                msg = decode_message(decode_frame(data, SERVICE_SENDS), SERVICE_SENDS)
+                await self._handle(ws, msg)
         except ProtocolError as exc:
             url = self.client.service_url
             log.warning("closing the connection to %s: malformed frame: %s", url, exc)
             await ws.close(exc.code, str(exc).encode()[:120].decode(errors="ignore"))
             raise
 
-    async def _handle(self, ws: ClientConnection, msg: dict[str, Any]) -> None:
-        op = msg["op"]
-        if op == "results":
-            rows = msg.get("results")
-            if not isinstance(rows, list) or not all(_is_row(row) for row in rows):
-                raise ProtocolError(
-                    f"results.results: expected [[task_id, state, result, record], ...], "
-                    f"got {brief(rows)}",
-                    WRONG_SHAPE,
-                )
-            self._results(rows)
-        elif op == "unknown":
-            self._lost(str_list(msg, "ids"))
-        elif op == "accepted":
-            ref, ids = msg.get("ref"), str_list(msg, "ids")
-            if not isinstance(ref, int):
-                raise ProtocolError(f"accepted.ref: expected an int, got {brief(ref)}", WRONG_SHAPE)
-            tasks = self._unaccepted.get(ref)
+    async def _handle(self, ws: ClientConnection, msg: Message) -> None:
+        if isinstance(msg, Results):
+            self._results(msg.results)
+        elif isinstance(msg, Unknown):
+            self._lost(msg.ids)
+        elif isinstance(msg, Accepted):
+            tasks = self._unaccepted.get(msg.ref)
             if tasks is None:
                 return  # a batch sent twice (again after a reconnect), accepted twice
-            if len(ids) != len(tasks):
+            if len(msg.ids) != len(tasks):
                 raise ProtocolError(
-                    f"accepted: {len(ids)} ids for batch {brief(ref)} of {len(tasks)} tasks",
+                    f"accepted: {len(msg.ids)} ids for batch {brief(msg.ref)} of "
+                    f"{len(tasks)} tasks",
                     WRONG_SHAPE,
                 )
-            cancels = self._accepted(ref, ids)
+            cancels = self._accepted(msg.ref, msg.ids)
             if cancels:
-                await ws.send(pack({"op": "cancel", "ids": cancels}))
-        else:  # refused
-            ref, status, detail = msg.get("ref"), msg.get("status"), msg.get("detail")
-            if (
-                not isinstance(ref, int)
-                or not isinstance(status, int)
-                or not isinstance(detail, str)
-            ):
-                raise ProtocolError(
-                    "refused: expected {ref: int, status: int, detail: str}", WRONG_SHAPE
-                )
-            if status == 503:
-                self._loop.call_later(RETRY_503, self._resend, ref)
+                await ws.send(Cancel(cancels).encode())
+        elif isinstance(msg, Refused):
+            if msg.status == 503:
+                self._loop.call_later(RETRY_503, self._resend, msg.ref)
                 return
-            tasks = self._unaccepted.pop(ref, [])
-            data = serialization.dumps_exception(error_for(status, detail), "")
+            tasks = self._unaccepted.pop(msg.ref, [])
+            data = serialization.dumps_exception(error_for(msg.status, msg.detail), "")
             for task in tasks:
                 self._packed.pop(task, None)
                 task.status, task.data = Status.ERROR, data
@@ -494,58 +480,75 @@ class ServiceBackend:
             log.warning("%d tasks were lost by the service at %s", len(lost), url)
         self._deliver(lost)
 
-    def _results(self, rows: list[list[Any]]) -> None:
+    def _results(self, rows: list[ResultRow | Malformed]) -> None:
         done = []
         for row in rows:
-            task_id, _state, blob, record = row
+            task_id = row.task_id
+            assert task_id is not None  # Results.decode read it
             task = self._by_id.pop(task_id, None)
             if task is None:
                 if self._unaccepted:  # it overtook the reply that names it
                     self._early[task_id] = row
                 continue
-            record = _unpacked(record)
-            if isinstance(record, list):  # the worker's measures: keep our id, function,
-                mine = task.record  # state, submit time
-                for name, value in zip(_FIELDS, record):
-                    if name not in _OURS:
-                        setattr(mine, name, value)
-            # packed when it comes from storage (a watch after a reconnect), else as sent
-            value = _unpacked(blob)
-            ref = data_ref(value)
             error: ServiceError | None = None
-            if ref is None and not (is_result(value) and value[0] in _STATUSES):
-                error = ProtocolError(
-                    f"task {task_id}: the service sent a result of the wrong shape "
-                    f"({brief(value)}); expected [status, data, buffers]"
-                )
-            elif ref is None and value[0] == Status.SKIPPED and not task.cancelled:
-                error = ServiceError(
-                    f"task {task_id} was cancelled on the service (by the owner of its "
-                    f"endpoint, say) before it ran",
-                    409,
-                )
-            if error is not None:
+            result: Result | DataRef | None = None
+            if isinstance(row, Malformed):
+                error = _wrong_shape(task_id, row.error)
+            else:
+                # packed when it comes from storage (a watch after a reconnect), else as sent
+                try:
+                    result, record = row.unpacked()
+                except ProtocolError as exc:
+                    error, record = _wrong_shape(task_id, exc), None
+                if record is not None:  # the worker's measures: keep our id, function,
+                    mine = task.record  # state, submit time
+                    for name, value in zip(_FIELDS, record):
+                        if name not in _OURS:
+                            setattr(mine, name, value)
+            if isinstance(result, Result):
+                if result.status not in _STATUSES:
+                    error = _wrong_shape(task_id, f"status {result.status!r}")
+                elif result.status == Status.SKIPPED and not task.cancelled:
+                    error = ServiceError(
+                        f"task {task_id} was cancelled on the service (by the owner of its "
+                        f"endpoint, say) before it ran",
+                        409,
+                    )
+            if error is not None or result is None:
+                error = error or _wrong_shape(task_id, "no result")
                 task.status, task.data = Status.ERROR, serialization.dumps_exception(error, "")
                 done.append(task)
                 continue
-            if ref is not None:  # in the data store: fetched in a thread, then delivered
-                fetch = asyncio.ensure_future(self._fetch_result(task, ref))
-                self._fetches.add(fetch)
+            if isinstance(result, DataRef):  # in the data store: fetched in a thread, then
+                fetch = asyncio.ensure_future(self._fetch_result(task, result.data_id))
+                self._fetches.add(fetch)  # delivered
                 fetch.add_done_callback(self._fetches.discard)
                 continue
-            task.status, task.data, task.result_buffers = value
+            task.status, task.data, task.result_buffers = (
+                result.status,
+                result.data,
+                list(result.buffers),
+            )
             done.append(task)
         self._deliver(done)
 
     async def _fetch_result(self, task: Task, data_id: str) -> None:
         try:
             blob = await asyncio.to_thread(self.client.download, data_id)
-            task.status, task.data, task.result_buffers = unpack_result(blob)
-            if task.status not in _STATUSES:
-                raise ValueError(f"status {task.status!r}")
         except NimbusError as exc:
             task.status, task.data = Status.ERROR, serialization.dumps_exception(exc, "")
-        except Exception as exc:  # not a packed result
+            self._deliver([task])
+            return
+        try:
+            result = Result.unpack(blob)
+            if result.status not in _STATUSES:
+                raise ValueError(f"status {result.status!r}")
+            task.status, task.data, task.result_buffers = (
+                result.status,
+                result.data,
+                list(result.buffers),
+            )
+        except ValueError as exc:  # not a packed result (ProtocolError is one too)
             error = ProtocolError(
                 f"task {task.record.task_id}: its result {data_id} in the service's data "
                 f"store is not a packed result ({type(exc).__name__}: {exc})"
@@ -566,23 +569,6 @@ class ServiceBackend:
                     self._idle.notify_all()
 
 
-def _is_row(row: object) -> bool:
-    """A results row's frame: ``[task_id, state, result, record]``."""
-    return isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
-
-
-def _unpacked(value: Any) -> Any:
-    """A value the service sent as msgpack bytes (from storage) or as is; None if broken."""
-    if not isinstance(value, bytes):
-        return value
-    if not value:
-        return None
-    try:
-        return unpack(value)
-    except Exception:
-        return None
-
-
 def probe_store(url: str, endpoint: str) -> None:
     """PING the store handed out for ``endpoint``; a clear error when it does not answer."""
     try:
@@ -598,3 +584,10 @@ def probe_store(url: str, endpoint: str) -> None:
             f"workers must both reach it: set NIMBUS_STORE_LISTEN on the service to an address "
             f"both can reach"
         ) from None
+
+
+def _wrong_shape(task_id: str, why: object) -> ProtocolError:
+    return ProtocolError(
+        f"task {task_id}: the service sent a result of the wrong shape ({why}); "
+        f"expected [status, data, buffers]"
+    )

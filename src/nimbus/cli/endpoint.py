@@ -1,7 +1,7 @@
 """``nimbus endpoint configure | start | stop | status | list``.
 
-A ``setup``/``run`` pair registered in ``nimbus.cli.COMMANDS``; the agent itself is
-``nimbus.endpoint.agent``, started here as ``python -m nimbus.endpoint.agent NAME``.
+A ``setup``/``run`` pair registered in ``nimbus.cli.COMMANDS``; the daemon itself is
+``nimbus.endpoint.daemon``, started here as ``python -m nimbus.endpoint.daemon NAME``.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError:
             config = configure(args.name, None, None)
         if args.foreground:
-            from nimbus.endpoint.agent import main
+            from nimbus.endpoint.daemon import main
 
             return main([config.name])
         return start(config)
@@ -146,7 +146,7 @@ def start(config: EndpointConfig) -> int:
     config.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(config.log_file, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "nimbus.endpoint.agent", config.name],
+            [sys.executable, "-m", "nimbus.endpoint.daemon", config.name],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,

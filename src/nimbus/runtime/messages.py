@@ -30,11 +30,11 @@ task is the running one only when the worker has said so with ``started_seq``.
 from __future__ import annotations
 
 import enum
-import sys
+
+from nimbus.serialization import PYTHON
 
 __all__ = ["PYTHON", "Kind", "Status"]
 
-PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
 INLINE_LIMIT = 64 * 1024  # larger payloads travel as frame buffers
 
 

@@ -34,13 +34,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import nimbus
 from nimbus.config import Settings
 from nimbus.errors import PayloadTooLargeError, ServiceError
+from nimbus.protocol import WS_AGENT, WS_CLIENT, too_large
 from nimbus.service import data as data_routes
 from nimbus.service import routes, stores, tasks
 from nimbus.service.context import ServiceContext
 from nimbus.service.data import DataStore
 from nimbus.service.hub import Hub
 from nimbus.service.limits import BodyTimeout
-from nimbus.service.protocol import WS_AGENT, WS_CLIENT, too_large
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import Registry
 from nimbus.service.ws import agent_socket, client_socket

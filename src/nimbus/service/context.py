@@ -30,9 +30,9 @@ from starlette.concurrency import run_in_threadpool
 
 from nimbus.config import Settings
 from nimbus.errors import AuthError, NotFound, ServiceError
+from nimbus.protocol import DELETED, REPLACED, REVOKED, Cancel, ResultRow, is_uuid, pack
 from nimbus.records import TaskState
 from nimbus.service.hub import Hub
-from nimbus.service.protocol import DELETED, REPLACED, REVOKED, is_uuid, pack
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import EndpointInfo, FunctionInfo, Principal, Registry, hash_token
 
@@ -345,11 +345,11 @@ class ServiceContext:
             rows: list[Any] = [[i, state, result, b"", ""] for i in ids[start : start + FAIL_CHUNK]]
             stored, drop = await self.store.finish(endpoint_id, rows)
             self.data.drop(drop)
-            await self.hub.deliver([[i, state, result, b""] for i in stored])
+            await self.hub.deliver([ResultRow(i, TaskState.FAILED, result, b"") for i in stored])
             for conn_id in list(self.hub.endpoint_agents.get(endpoint_id, ())):
                 agent = self.hub.agents.get(conn_id)
                 if agent is not None and stored:  # a task not started yet is dropped there
-                    await agent.send(pack({"op": "cancel", "ids": stored}))
+                    await agent.send(Cancel(stored).encode())
             failed += len(stored)
         return failed
 

@@ -35,8 +35,8 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from nimbus.errors import NotFound, ServiceError
+from nimbus.protocol import too_large
 from nimbus.service.deps import context, current_principal
-from nimbus.service.protocol import too_large
 from nimbus.service.registry import Principal
 from nimbus.statestore import Keys
 

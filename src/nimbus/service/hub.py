@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
 
-from nimbus.service.protocol import REVOKED
+from nimbus.protocol import REVOKED, Malformed, ResultRow, Results
 
 __all__ = ["ADMIN_REVOKED", "Hub", "Peer"]
 
@@ -160,13 +159,11 @@ class Hub:
                 if not waiting:
                     del self.waiters[task_id]
 
-    async def deliver(self, rows: list[list[Any]]) -> None:
-        """Send finished tasks' ``[task_id, state, result, record]`` to whoever waits."""
-        from nimbus.service.protocol import pack
-
-        by_peer: dict[Peer, list[list[Any]]] = defaultdict(list)
+    async def deliver(self, rows: Sequence[ResultRow]) -> None:
+        """Send finished tasks' result rows to whoever waits."""
+        by_peer: dict[Peer, list[ResultRow | Malformed]] = defaultdict(list)
         for row in rows:
-            task_id = row[0]
+            task_id = row.task_id
             peer = self.watchers.pop(task_id, None)
             if peer is not None:
                 by_peer[peer].append(row)
@@ -174,4 +171,4 @@ class Hub:
                 if not future.done():
                     future.set_result(None)
         for peer, mine in by_peer.items():
-            await peer.send(pack({"op": "results", "results": mine}))
+            await peer.send(Results(mine).encode())

@@ -11,9 +11,9 @@ from pydantic import Base64Bytes, BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from nimbus.errors import NotFound, PayloadTooLargeError, ServiceError
+from nimbus.protocol import FUNCTION_MAX
 from nimbus.service.context import AmbiguousName, ServiceContext
 from nimbus.service.deps import context, current_user
-from nimbus.service.protocol import FUNCTION_MAX
 from nimbus.service.registry import Principal
 
 __all__ = ["router"]
@@ -58,7 +58,7 @@ async def register_function(body: FunctionIn, user: User, ctx: Ctx) -> dict[str,
     if len(body.function) > FUNCTION_MAX:
         raise PayloadTooLargeError(
             f"function: its pickled body of {len(body.function)} bytes exceeds the limit of "
-            f"{FUNCTION_MAX} bytes (nimbus.service.protocol.FUNCTION_MAX); pass large data "
+            f"{FUNCTION_MAX} bytes (nimbus.protocol.FUNCTION_MAX); pass large data "
             f"as arguments instead of capturing it in the function"
         )
     function_id = await run_in_threadpool(

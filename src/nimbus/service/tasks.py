@@ -19,25 +19,28 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Base64Bytes, BaseModel, Field, field_validator
 
 from nimbus.config import INLINE_MIN, MAX_TIMEOUT, check_timeout
-from nimbus.errors import NotFound, PayloadTooLargeError, ServiceError
-from nimbus.records import TaskRecord, TaskState
-from nimbus.service.context import ServiceContext
-from nimbus.service.deps import context, current_user
-from nimbus.service.protocol import (
+from nimbus.errors import NotFound, PayloadTooLargeError, ProtocolError, ServiceError
+from nimbus.protocol import (
     MSGPACK,
+    Cancel,
+    DataRef,
+    ResultRow,
+    SubmitRow,
     brief,
     check_payload,
-    data_ref,
     pack,
     too_large,
     unpack,
 )
+from nimbus.records import TaskRecord, TaskState
+from nimbus.service.context import ServiceContext
+from nimbus.service.deps import context, current_user
 from nimbus.service.queues import CANCELLED_RESULT, DONE
 from nimbus.service.registry import Principal
 
 __all__ = ["cancel_tasks", "router", "submit_tasks", "wire_rows"]
 
-ROW = '[function_id, payload | {"data": data_id}, timeout]'
+ROW = SubmitRow.ROW
 Row = tuple[str, bytes, float | None, str]
 
 
@@ -46,36 +49,17 @@ def wire_rows(tasks: object) -> list[Row]:
 
     A row of the wrong shape or types is a ServiceError (422) naming it.
     """
-    if not isinstance(tasks, list):
-        raise ServiceError(f"tasks: expected a list of {ROW} rows, not {type(tasks).__name__}", 422)
-    return [_wire_row(i, task) for i, task in enumerate(tasks)]
+    try:
+        return [row_of(row) for row in SubmitRow.decode_all(tasks)]
+    except ProtocolError as exc:
+        raise ServiceError(str(exc), 422) from None
 
 
-def _wire_row(i: int, task: object) -> Row:
-    where = f"tasks[{i}]"
-    if not isinstance(task, list | tuple) or len(task) != 3:
-        raise ServiceError(f"{where}: expected {ROW}, not {brief(task)}", 422)
-    function_id, payload, timeout = task
-    if not isinstance(function_id, str) or not 0 < len(function_id) <= 64:
-        raise ServiceError(
-            f"{where}.function_id: expected a function id, not {brief(function_id)}", 422
-        )
-    if isinstance(payload, dict):
-        ref = data_ref(payload)
-        if ref is None or len(payload) != 1 or not 0 < len(ref) <= 64:
-            raise ServiceError(
-                f'{where}.payload: a reference to the data store is {{"data": data_id}}, '
-                f"not {brief(payload)}",
-                422,
-            )
-        return function_id, b"", timeout, ref
-    if not isinstance(payload, bytes):
-        raise ServiceError(
-            f'{where}.payload: expected bytes (pack_payload) or {{"data": data_id}}, '
-            f"not {brief(payload)}",
-            422,
-        )
-    return function_id, payload, timeout, ""
+def row_of(row: SubmitRow) -> Row:
+    """A submitted row as ``(function_id, payload, timeout, data_id)``."""
+    if isinstance(row.payload, DataRef):
+        return row.function_id, b"", row.timeout, row.payload.data_id
+    return row.function_id, row.payload, row.timeout, ""
 
 
 def _check_rows(ctx: ServiceContext, rows: list[Row]) -> list[Row]:
@@ -162,8 +146,10 @@ async def cancel_tasks(ctx: ServiceContext, user: Principal, task_ids: list[str]
         conn, data_id = cancelled
         ctx.data.drop([data_id])
         if conn and (agent := ctx.hub.agents.get(conn)) is not None:
-            await agent.send(pack({"op": "cancel", "ids": [info["task_id"]]}))
-        await ctx.hub.deliver([[info["task_id"], TaskState.CANCELLED.value, CANCELLED_RESULT, b""]])
+            await agent.send(Cancel([info["task_id"]]).encode())
+        await ctx.hub.deliver(
+            [ResultRow(info["task_id"], TaskState.CANCELLED, CANCELLED_RESULT, b"")]
+        )
     return out
 
 

@@ -6,7 +6,7 @@ results are stored (first wins), acknowledged, and delivered to the clients
 that wait. A connection silent for three heartbeats is closed, and its tasks
 in flight go back to the head of the endpoint's queue. A frame that is not a
 well-formed message closes its connection with a code and reason and one log
-line (``nimbus.service.protocol``); a task whose stored record is broken fails
+line (the messages are ``nimbus.protocol``'s dataclasses); a task whose stored record is broken fails
 alone, and a dispatcher that fails is started again. A task whose function was
 deleted, or is no longer shared with its submitter, fails instead of being sent
 (an agent may still hold the function from an earlier task).
@@ -32,22 +32,35 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from nimbus import serialization
 from nimbus.errors import NimbusError, PayloadTooLargeError, ProtocolError, ServiceError
+from nimbus.protocol import (
+    WRONG_SHAPE,
+    Accepted,
+    Ack,
+    Beat,
+    Cancel,
+    DataRef,
+    Hello,
+    Message,
+    Refused,
+    Result,
+    ResultRow,
+    Results,
+    Running,
+    Submit,
+    TaskRow,
+    Tasks,
+    Unknown,
+    Watch,
+    batches,
+    decode_frame,
+    pack,
+)
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
 from nimbus.service.context import ServiceContext
 from nimbus.service.hub import Peer
-from nimbus.service.protocol import (
-    WRONG_SHAPE,
-    batches,
-    data_ref,
-    decode_frame,
-    is_result,
-    pack,
-    str_list,
-)
-from nimbus.service.queues import DONE
 from nimbus.service.registry import hash_token
-from nimbus.service.tasks import cancel_tasks, submit_tasks, wire_rows
+from nimbus.service.tasks import cancel_tasks, row_of, submit_tasks
 
 __all__ = ["agent_socket", "client_socket", "tell_lost"]
 
@@ -56,12 +69,12 @@ TAKE_MAX = 2000
 IDLE_POLL = 5.0  # seconds; submits in this process wake a dispatcher at once
 BEAT_SAVE_SECONDS = 10.0
 COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
-MAX_WINDOW = 1_000_000  # tasks an agent may ask to have in flight
 STOP_SECONDS = 2.0  # a dispatcher gets this long to stop when its connection ends
 RESTART_MAX = 5.0  # seconds between restarts of a dispatcher that keeps failing
+DONE_STATES = frozenset(state for state in TaskState if state.done)
 LOST_CHUNK = 10_000  # task ids looked up, or named in one "unknown" message
-AGENT_OPS = ("results", "running", "beat")
-CLIENT_OPS = ("submit", "watch", "cancel")
+AGENT_SENDS: dict[str, type[Message]] = {kind.op: kind for kind in (Results, Running, Beat)}
+CLIENT_SENDS: dict[str, type[Message]] = {kind.op: kind for kind in (Submit, Watch, Cancel)}
 
 
 def bearer(headers: Any) -> str | None:
@@ -74,13 +87,13 @@ async def _refuse(ws: WebSocket, exc: ServiceError) -> None:
     await ws.close(code=4000 + (exc.status or 400), reason=str(exc)[:120])
 
 
-async def _receive(ws: WebSocket, ops: tuple[str, ...]) -> dict[str, Any]:
-    """The next frame as a msgpack map with one of ``ops``; ProtocolError otherwise."""
+async def _receive(ws: WebSocket, kinds: dict[str, type[Message]]) -> dict[str, Any]:
+    """The next frame as a msgpack map with an op of ``kinds``; ProtocolError otherwise."""
     message = await ws.receive()
     if message["type"] == "websocket.disconnect":
         raise WebSocketDisconnect(message.get("code", 1000))
     text = message.get("text")
-    return decode_frame(text if text is not None else message.get("bytes"), ops)
+    return decode_frame(text if text is not None else message.get("bytes"), kinds)
 
 
 async def _close_malformed(ws: WebSocket, exc: ProtocolError, who: str) -> None:
@@ -91,47 +104,27 @@ async def _close_malformed(ws: WebSocket, exc: ProtocolError, who: str) -> None:
         await ws.close(code=exc.code, reason=reason)
 
 
-def _hello(msg: dict[str, Any]) -> tuple[str, str, int, int]:
-    """An agent's hello: python, serializer, workers, window (ProtocolError naming a bad field)."""
-    python, serializer = msg.get("python", ""), msg.get("serializer", "")
-    workers, window = msg.get("workers", 0), msg.get("window", 1)
-    for name, value, ok in (
-        ("python", python, isinstance(python, str) and len(python) <= 64),
-        ("serializer", serializer, isinstance(serializer, str) and len(serializer) <= 64),
-        ("workers", workers, _int_in(workers, 0, 1 << 20)),
-        ("window", window, _int_in(window, 1, MAX_WINDOW)),
-    ):
-        if not ok:
-            raise ProtocolError(f"hello.{name}: {value!r:.40} is not accepted", WRONG_SHAPE)
-    if "held" in msg:
-        str_list(msg, "held")
-    return python, serializer, workers, window
-
-
-def _int_in(value: object, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-def _results(msg: dict[str, Any]) -> list[list[Any]]:
-    """An agent's result rows ``[task_id, state, [status, data, buffers] | ref, record]``."""
-    rows = msg.get("results")
-    if not isinstance(rows, list):
-        raise ProtocolError("results.results: expected a list of rows", WRONG_SHAPE)
+def _results(msg: dict[str, Any]) -> list[ResultRow]:
+    """A daemon's result rows: each finished, with a result as sent (or a data-store
+    reference); ProtocolError naming the first row that is not."""
+    rows = Results.decode(msg).rows()
     for i, row in enumerate(rows):
-        ok = (
-            isinstance(row, list)
-            and len(row) == 4
-            and isinstance(row[0], str)
-            and row[1] in DONE
-            and (data_ref(row[2]) is not None or is_result(row[2]))
-        )
-        if not ok:
+        if row.state not in DONE_STATES or type(row.result) is bytes:
             raise ProtocolError(
                 f"results.results[{i}]: expected [task_id, success|failed|cancelled, "
-                f"[status, data, buffers] | {{data: id}}, record], got {row!r:.60}",
+                f"[status, data, buffers] | {{data: id}}, record], got {row.wire()!r:.60}",
                 WRONG_SHAPE,
             )
     return rows
+
+
+def _stored(row: ResultRow) -> list[Any]:
+    """A result row as the task store keeps it: ``[task_id, state, result, record, data_id]``
+    with the result and record packed."""
+    result = row.result
+    assert not isinstance(result, bytes)
+    data_id = result.data_id if isinstance(result, DataRef) else ""
+    return [row.task_id, row.state.value, pack(result.wire()), pack(row.record), data_id]
 
 
 async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
@@ -148,8 +141,13 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     await ws.accept()
     silence = 3 * ctx.settings.heartbeat
     try:
-        hello = await asyncio.wait_for(_receive(ws, ("hello",)), silence)
-        python, serializer, workers, window = _hello(hello)
+        hello = Hello.decode(await asyncio.wait_for(_receive(ws, {"hello": Hello}), silence))
+        python, serializer, workers, window = (
+            hello.python,
+            hello.serializer,
+            hello.workers,
+            hello.window,
+        )
     except WebSocketDisconnect:
         return
     except TimeoutError:  # connected and silent: it holds a connection for nothing
@@ -184,23 +182,22 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     malformed: ProtocolError | None = None
     try:
         while True:
-            msg = await asyncio.wait_for(_receive(ws, AGENT_OPS), silence)
+            msg = await asyncio.wait_for(_receive(ws, AGENT_SENDS), silence)
             op = msg["op"]
             if op == "results":
                 rows = _results(msg)
-                packed = [[r[0], r[1], pack(r[2]), pack(r[3]), data_ref(r[2]) or ""] for r in rows]
-                done, drop = await ctx.store.finish(endpoint_id, packed)
+                done, drop = await ctx.store.finish(endpoint_id, [_stored(r) for r in rows])
                 ctx.data.drop(drop)
                 stored = set(done)
-                ids = [row[0] for row in rows]
+                ids = [row.task_id for row in rows]
                 sent.difference_update(ids)
                 room.set()
-                await ctx.hub.deliver([row for row in rows if row[0] in stored])
-                await peer.send(pack({"op": "ack", "ids": ids}))
+                await ctx.hub.deliver([row for row in rows if row.task_id in stored])
+                await peer.send(Ack(ids).encode())
             elif op == "running":
-                await ctx.store.running(endpoint_id, str_list(msg, "ids", default=[]))
+                await ctx.store.running(endpoint_id, Running.decode(msg).ids)
             elif op == "beat":
-                await peer.send(pack({"op": "beat", "t": msg.get("t")}))
+                await peer.send(Beat.decode(msg).encode())
                 now = time.time()
                 ctx.hub.beats[endpoint_id] = now
                 if now - saved > BEAT_SAVE_SECONDS:  # Redis keeps it for a restart
@@ -297,11 +294,11 @@ async def _dispatch(
                 except NimbusError:
                     body = b""  # deleted since: the agent fails the task with a clear error
                 known.add(function_id)
-            sent_payload: bytes | dict[str, str] = {"data": data_id} if data_id else payload
-            out.append([task_id, function_id, body, sent_payload, timeout])
+            sent_payload = DataRef(data_id) if data_id else payload
+            out.append(TaskRow(task_id, function_id, body, sent_payload, timeout))
             sent.add(task_id)
         for batch in batches(out, _task_size):
-            await peer.send(pack({"op": "tasks", "tasks": batch}))
+            await peer.send(Tasks(batch).encode())
 
 
 def _broken(endpoint_id: str, task_id: str, why: str) -> ProtocolError:
@@ -322,14 +319,13 @@ async def _fail_tasks(
     agent fails a task (their quota given back, whoever waits told); go on."""
     rows = []
     for task_id, function_id, error in failed:
-        result = [Status.ERROR, serialization.dumps_exception(error, ""), []]
+        result = Result(Status.ERROR, serialization.dumps_exception(error, ""))
         record = TaskRecord(task_id, TaskState.FAILED, function=function_id).to_wire()
-        rows.append([task_id, TaskState.FAILED.value, result, record])
-    packed = [[r[0], r[1], pack(r[2]), pack(r[3]), ""] for r in rows]
-    done, drop = await ctx.store.finish(endpoint_id, packed)
+        rows.append(ResultRow(task_id, TaskState.FAILED, result, record))
+    done, drop = await ctx.store.finish(endpoint_id, [_stored(r) for r in rows])
     ctx.data.drop(drop)
     stored = set(done)
-    await ctx.hub.deliver([row for row in rows if row[0] in stored])
+    await ctx.hub.deliver([row for row in rows if row.task_id in stored])
 
 
 async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
@@ -344,27 +340,26 @@ async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     ctx.hub.peers[peer.conn_id] = peer
     try:
         while True:
-            msg = await _receive(ws, CLIENT_OPS)
+            msg = await _receive(ws, CLIENT_SENDS)
             op = msg["op"]
             if op == "submit":
                 ref = msg.get("ref")
-                try:
-                    endpoint_id = msg.get("endpoint_id", "")
-                    rows = wire_rows(msg.get("tasks"))
+                try:  # a malformed submit is refused (422 naming the field), not closed
+                    submit = Submit.decode(msg)
+                    endpoint_id = submit.endpoint_id
+                    rows = [row_of(row) for row in submit.tasks]
                     group_id, ids = await submit_tasks(ctx, user, endpoint_id, rows)
                 except (ServiceError, PayloadTooLargeError) as exc:
                     status = exc.status if isinstance(exc, ServiceError) else 413
-                    await peer.send(
-                        pack({"op": "refused", "ref": ref, "status": status, "detail": str(exc)})
-                    )
+                    await peer.send(Refused(ref, status or 422, str(exc)).encode())
                     continue
                 ctx.hub.watch(ids, peer)
                 ctx.hub.work_arrived(endpoint_id)  # results may overtake this reply: clients wait
-                await peer.send(pack({"op": "accepted", "ref": ref, "ids": ids, "group": group_id}))
+                await peer.send(Accepted(ref, ids, group_id).encode())
             elif op == "watch":
-                await _watch(ctx, user.user_id, str_list(msg, "ids"), peer)
+                await _watch(ctx, user.user_id, Watch.decode(msg).ids, peer)
             elif op == "cancel":
-                await cancel_tasks(ctx, user, str_list(msg, "ids"))
+                await cancel_tasks(ctx, user, Cancel.decode(msg).ids)
     except WebSocketDisconnect:
         pass
     except ProtocolError as exc:
@@ -383,13 +378,14 @@ async def _watch(ctx: ServiceContext, user_id: str, ids: list[str], peer: Peer) 
         known = set(mine)
         unknown = [i for i in dict.fromkeys(ids) if i not in known]
         for start in range(0, len(unknown), LOST_CHUNK):
-            await peer.send(pack({"op": "unknown", "ids": unknown[start : start + LOST_CHUNK]}))
+            await peer.send(Unknown(unknown[start : start + LOST_CHUNK]).encode())
     ctx.hub.watch(mine, peer)
     done = []
     for task_id, result in zip(mine, await ctx.store.results(mine)):
         if result is not None:
-            done.append([task_id, *result])
-    for batch in batches(done, lambda row: len(row[2])):
+            state, packed, record = result
+            done.append(ResultRow(task_id, TaskState(state), packed, record))
+    for batch in batches(done, lambda row: len(row.result)):
         await ctx.hub.deliver(batch)
 
 
@@ -407,7 +403,7 @@ async def tell_lost(ctx: ServiceContext) -> int:
                 lost[peer].append(task_id)
     for peer, ids in lost.items():
         for start in range(0, len(ids), LOST_CHUNK):
-            await peer.send(pack({"op": "unknown", "ids": ids[start : start + LOST_CHUNK]}))
+            await peer.send(Unknown(ids[start : start + LOST_CHUNK]).encode())
     total = sum(len(ids) for ids in lost.values())
     if total:
         log.warning(
@@ -418,6 +414,6 @@ async def tell_lost(ctx: ServiceContext) -> int:
     return total
 
 
-def _task_size(row: list[Any]) -> int:
-    body, payload = row[2], row[3]
+def _task_size(row: TaskRow) -> int:
+    body, payload = row.body, row.payload
     return (len(body) if body else 0) + (len(payload) if isinstance(payload, bytes) else 64)

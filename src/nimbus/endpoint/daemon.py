@@ -1,31 +1,35 @@
-"""The endpoint agent: the runtime's Agent, fed by the service over a WebSocket.
+"""The endpoint daemon: the process that hosts an endpoint's runtime Agent and links it to
+the service over a WebSocket.
 
 ::
 
-    service --tasks (window)--> EndpointAgent --submit--> runtime Agent --> Manager --> workers
+    service --tasks (window)--> EndpointDaemon --submit--> runtime Agent --> Manager --> workers
        ^                           |     ^                                    |
        +--results (until acked)----+     +---------- on_results -------------+
        +--beat <-> beat
 
 It connects out only (``ws(s)://<service>/v1/ws/endpoint`` with the endpoint's
-token) and reconnects with exponential backoff; a malformed message from the
+token, through the shared :class:`~nimbus.protocol.wsclient.ServiceSocket`) and
+reconnects with exponential backoff; a token the service refuses or revokes
+stops it with an error saying what to do; a malformed message from the
 service closes the connection (with a close code) and it reconnects, and a
 task it cannot decode fails alone (``DeserializationError``). A result is kept until the
 service acknowledges it, and sent again after a reconnect; a task sent again
-while this agent still runs it is not started twice. Arguments in the
+while this daemon still runs it is not started twice. Arguments in the
 service's data store are fetched before their task starts; a result larger
 than the service's inline limit is stored there and sent as a reference. Run
-it with ``nimbus endpoint start NAME`` or ``python -m nimbus.endpoint.agent NAME``.
+it with ``nimbus endpoint start NAME`` or ``python -m nimbus.endpoint.daemon NAME``
+(``EndpointDaemon.runtime`` is the runtime's ``nimbus.runtime.Agent``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
-import random
 import signal
 import ssl
 import sys
@@ -34,66 +38,69 @@ from collections.abc import Coroutine
 from typing import Any
 
 import httpx
-import websockets
 from websockets.asyncio.client import ClientConnection
 
 from nimbus import _loop, serialization
-from nimbus.config import Settings, check_timeout
+from nimbus.config import Settings
 from nimbus.endpoint.config import EndpointConfig
 from nimbus.errors import (
-    AuthError,
     ConfigError,
     DeserializationError,
-    NotFound,
     ProtocolError,
     RemoteError,
     ServiceError,
 )
+from nimbus.protocol import (
+    DATA,
+    INLINE_MIN,
+    LIMITS,
+    PYTHON,
+    SERIALIZER,
+    WS_AGENT,
+    Ack,
+    Beat,
+    Cancel,
+    DataRef,
+    Hello,
+    Malformed,
+    Message,
+    Result,
+    ResultRow,
+    Results,
+    Running,
+    TaskRow,
+    Tasks,
+    batches,
+    decode_frame,
+    decode_message,
+    payload_size,
+    too_large,
+    unpack_payload,
+)
+from nimbus.protocol.wsclient import ServiceSocket
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.agent import Agent
 from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task
-from nimbus.service.protocol import (
-    DATA,
-    DELETED,
-    INLINE_MIN,
-    LIMITS,
-    PYTHON,
-    REPLACED,
-    REVOKED,
-    SERIALIZER,
-    WRONG_SHAPE,
-    WS_AGENT,
-    batches,
-    data_ref,
-    decode_frame,
-    pack,
-    pack_result,
-    payload_size,
-    str_list,
-    too_large,
-    unpack_payload,
-)
-from nimbus.service.wsclient import certificate_error, open_socket, ws_url
 
-__all__ = ["EndpointAgent", "main"]
+__all__ = ["EndpointDaemon", "main"]
 
 log = logging.getLogger(__name__)
 STATES = {
-    Status.OK: TaskState.SUCCESS.value,
-    Status.ERROR: TaskState.FAILED.value,
-    Status.SKIPPED: TaskState.CANCELLED.value,
+    Status.OK: TaskState.SUCCESS,
+    Status.ERROR: TaskState.FAILED,
+    Status.SKIPPED: TaskState.CANCELLED,
 }
 MAX_BACKOFF = 5.0
 RUNNING_AFTER = 0.05  # seconds: shorter tasks go from dispatched to done unreported
 MIN_WINDOW = 1024  # tasks in flight from the service: enough to cover its round trip
 SEND_CHUNK = 5000
 COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
-SERVICE_OPS = ("tasks", "ack", "cancel", "beat")
+SERVICE_SENDS: dict[str, type[Message]] = {kind.op: kind for kind in (Tasks, Ack, Cancel, Beat)}
 
 
-class EndpointAgent:
-    """Serves one endpoint: ``await agent.run()`` until :meth:`stop`."""
+class EndpointDaemon:
+    """Serves one endpoint: ``await daemon.run()`` until :meth:`stop`."""
 
     def __init__(
         self,
@@ -106,32 +113,43 @@ class EndpointAgent:
         name: str = "endpoint",
         settings: Settings | None = None,
     ) -> None:
-        self.url = ws_url(service_url, WS_AGENT)
         self.service_url = service_url.rstrip("/")
         self._ssl: ssl.SSLContext | None = None  # verifies the service's certificate
         if self.service_url.startswith("https://"):
             self._ssl = (settings if settings is not None else Settings.load()).ssl_context()
+        self.socket = ServiceSocket(
+            self.service_url,
+            WS_AGENT,
+            token,
+            self._ssl,
+            keepalive=heartbeat,
+            whose=f"endpoint {name}'s token",
+            fix=f"run `nimbus endpoint configure {name}` for a new one",
+            replaced=f"this daemon stops: start the endpoint where it was configured again "
+            f"(`nimbus endpoint start {name}`)",
+            deleted=f"this daemon stops (`nimbus endpoint configure {name}` registers the "
+            f"endpoint again)",
+            backoff=(0.1, MAX_BACKOFF),
+        )
+        self.url = self.socket.url
         self.token = token
         self.workers = workers
         self.window = max(MIN_WINDOW, 4 * workers * prefetch)
         self.heartbeat = heartbeat
         self.name = name
-        self.connects = 0
         self.beat_latency = 0.0
         self._seq = itertools.count()
         self._held: dict[str, Task] = {}
-        self._unacked: dict[str, list[Any]] = {}
-        self._outbox: list[list[Any]] = []
+        self._unacked: dict[str, ResultRow] = {}
+        self._outbox: list[ResultRow] = []
         self._functions: dict[str, bytes] = {}
         self._dispatched: dict[str, float] = {}  # task id -> when a worker got it
         self._fetching: set[str] = set()  # tasks whose arguments come from the data store
         self._jobs: set[asyncio.Task[None]] = set()  # data-store transfers under way
         self._http: httpx.AsyncClient | None = None
         self._limits: dict[str, int] | None = None  # the service's (GET /v1/limits), asked once
-        self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Event | None = None
-        self._stopped: asyncio.Event | None = None
         self.runtime = Agent(
             on_results=self._on_results, on_dispatch=self._on_dispatch, name=f"endpoint/{name}"
         )
@@ -139,52 +157,24 @@ class EndpointAgent:
 
     # ------------------------------------------------------------ running
 
+    @property
+    def connects(self) -> int:
+        """How many times it connected to the service."""
+        return self.socket.connects
+
     async def run(self) -> None:
+        """Serve until :meth:`stop`; AuthError or NotFound when the service will not take
+        this endpoint's token any more (refused, revoked, replaced, deleted)."""
         self._loop = asyncio.get_running_loop()
         self._ready = asyncio.Event()
-        self._stopped = asyncio.Event()
         self._http = httpx.AsyncClient(
             base_url=self.service_url,
             headers={"Authorization": f"Bearer {self.token}"},
             timeout=httpx.Timeout(60.0, connect=10.0),
             verify=self._ssl or True,
         )
-        backoff = 0.1
         try:
-            while not self._stopping:
-                try:
-                    async with open_socket(
-                        self.service_url, WS_AGENT, self.token, self._ssl, keepalive=self.heartbeat
-                    ) as ws:
-                        self.connects += 1
-                        backoff = 0.1
-                        await self._session(ws)
-                except websockets.InvalidStatus as exc:
-                    status = exc.response.status_code
-                    if status in (401, 403):
-                        raise AuthError(
-                            f"the service at {self.url} refused this endpoint's token "
-                            f"(HTTP {status}); run `nimbus endpoint configure {self.name}` again",
-                            status,
-                        ) from None
-                    log.warning("service answered HTTP %s; retrying", status)
-                except websockets.ConnectionClosed as exc:
-                    if exc.rcvd is not None:
-                        self._refused(exc.rcvd.code, exc.rcvd.reason)
-                    log.info("connection to %s lost (%s); retrying", self.url, exc)
-                except ssl.SSLCertVerificationError as exc:
-                    raise certificate_error(exc, self.service_url) or exc from None
-                except (OSError, websockets.WebSocketException, TimeoutError) as exc:
-                    log.info(
-                        "connection to %s lost (%s); retrying in %.1fs", self.url, exc, backoff
-                    )
-                except Exception:  # a fault met in a session: this connection ends, not the agent
-                    log.exception("the session with %s failed; reconnecting", self.url)
-                if self._stopping:
-                    break
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopped.wait(), backoff * (1 + random.random()))
-                backoff = min(MAX_BACKOFF, backoff * 2)
+            await self.socket.run(self._session)
         finally:
             for job in list(self._jobs):
                 job.cancel()
@@ -192,44 +182,14 @@ class EndpointAgent:
             await self._http.aclose()
             self.runtime.shutdown(wait=True, kill=True)
 
-    def _refused(self, code: int, reason: str) -> None:
-        """The service closed the connection for good (its token revoked or replaced, its
-        endpoint deleted): raise the error saying why and what to do, so the agent stops."""
-        said = f"the service closed this endpoint's connection: {reason}"
-        if code == REVOKED:
-            raise AuthError(
-                f"{said}; or run `nimbus endpoint configure {self.name}` for a new token", 401
-            )
-        if code == REPLACED:
-            raise AuthError(
-                f"{said}; this agent stops: start the endpoint where it was configured "
-                f"again (`nimbus endpoint start {self.name}`)",
-                401,
-            )
-        if code == DELETED:
-            raise NotFound(
-                f"{said}; this agent stops (`nimbus endpoint configure {self.name}` "
-                f"registers the endpoint again)",
-                410,
-            )
-
     def stop(self) -> None:
         """Stop (thread-safe): close the connection; the service requeues held tasks."""
-        self._stopping = True
-        if self._loop is not None and self._stopped is not None:
-            self._loop.call_soon_threadsafe(self._stopped.set)
+        self.socket.stop()
 
     async def _session(self, ws: ClientConnection) -> None:
-        assert self._ready is not None and self._stopped is not None
-        hello = {
-            "op": "hello",
-            "python": PYTHON,
-            "serializer": SERIALIZER,
-            "workers": self.workers,
-            "window": self.window,
-            "held": list(self._held),
-        }
-        await ws.send(pack(hello))
+        assert self._ready is not None
+        hello = Hello(PYTHON, SERIALIZER, self.workers, self.window, list(self._held))
+        await ws.send(hello.encode())
         self._outbox = list(self._unacked.values())
         self._ready.set()
         jobs = [
@@ -237,7 +197,7 @@ class EndpointAgent:
             asyncio.create_task(self._sender(ws)),
             asyncio.create_task(self._beater(ws)),
             asyncio.create_task(self._marker(ws)),
-            asyncio.create_task(self._stopped.wait()),
+            asyncio.create_task(self.socket.wait_stopped()),
         ]
         try:
             done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
@@ -254,31 +214,24 @@ class EndpointAgent:
         reconnect), with its close code and one log line."""
         try:
             async for data in ws:
-                self._handle(decode_frame(data, SERVICE_OPS))
+                self._handle(decode_message(decode_frame(data, SERVICE_SENDS), SERVICE_SENDS))
         except ProtocolError as exc:
             log.warning("closing the connection to %s: malformed frame: %s", self.url, exc)
             await ws.close(exc.code, str(exc).encode()[:120].decode(errors="ignore"))
 
-    def _handle(self, msg: dict[str, Any]) -> None:
-        op = msg["op"]
-        if op == "tasks":
-            rows = msg.get("tasks")
-            if not isinstance(rows, list):
-                raise ProtocolError("tasks.tasks: expected a list of task rows", WRONG_SHAPE)
-            self._start(rows)
-        elif op == "ack":
-            for task_id in str_list(msg, "ids"):
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, Tasks):
+            self._start(msg.tasks)
+        elif isinstance(msg, Ack):
+            for task_id in msg.ids:
                 self._unacked.pop(task_id, None)
-        elif op == "cancel":
-            for task_id in str_list(msg, "ids"):
+        elif isinstance(msg, Cancel):
+            for task_id in msg.ids:
                 task = self._held.get(task_id)
                 if task is not None:
                     self.runtime.cancel(task)
-        elif op == "beat":
-            sent = msg.get("t")
-            if isinstance(sent, bool) or not isinstance(sent, int | float):
-                raise ProtocolError(f"beat.t: expected a number, got {sent!r:.40}", WRONG_SHAPE)
-            self.beat_latency = time.monotonic() - sent
+        elif isinstance(msg, Beat):
+            self.beat_latency = time.monotonic() - msg.seconds()
 
     async def _sender(self, ws: ClientConnection) -> None:
         assert self._ready is not None
@@ -289,11 +242,11 @@ class EndpointAgent:
             self._ready.clear()
             rows, self._outbox = self._outbox, []
             for batch in batches(rows, _result_size, most=SEND_CHUNK):
-                await ws.send(pack({"op": "results", "results": batch}))
+                await ws.send(Results(batch).encode())
 
     async def _beater(self, ws: ClientConnection) -> None:
         while True:
-            await ws.send(pack({"op": "beat", "t": time.monotonic()}))
+            await ws.send(Beat(time.monotonic()).encode())
             await asyncio.sleep(self.heartbeat)
 
     async def _marker(self, ws: ClientConnection) -> None:
@@ -309,27 +262,26 @@ class EndpointAgent:
                     running.append(task_id)
                     self._dispatched.pop(task_id, None)
             if running:
-                await ws.send(pack({"op": "running", "ids": running}))
+                await ws.send(Running(running).encode())
 
     # ------------------------------------------------------------ tasks
 
-    def _start(self, rows: list[Any]) -> None:
+    def _start(self, rows: list[TaskRow | Malformed]) -> None:
         batch: list[Task] = []
-        failed: list[list[Any]] = []
+        failed: list[ResultRow] = []
         for row in rows:
-            if not isinstance(row, list) or len(row) != 5 or not isinstance(row[0], str):
-                log.warning("dropped a task row of the wrong shape from the service: %.80r", row)
-                continue
-            task_id, function_id, body, payload, timeout = row
-            problem = _row_problem(function_id, body, payload, timeout)
-            if problem:
+            if isinstance(row, Malformed):
+                if row.task_id is None:
+                    log.warning("dropped a task row from the service: %s", row.error)
+                    continue
                 error: Exception = ProtocolError(
-                    f"task {task_id} came from the service malformed: {problem}"
+                    f"task {row.task_id} came from the service malformed: {row.error}"
                 )
-                failed.append(self._failure(task_id, str(function_id), error))
+                failed.append(self._failure(row.task_id, row.function_id, error))
                 continue
-            if body is not None:
-                self._functions[function_id] = body
+            task_id, function_id, payload = row.task_id, row.function_id, row.payload
+            if row.body is not None:
+                self._functions[function_id] = row.body
             if task_id in self._held or task_id in self._fetching:
                 continue  # sent again after a reconnect: it is still running here
             if task_id in self._unacked:
@@ -340,10 +292,9 @@ class EndpointAgent:
                 error = RemoteError(f"function {function_id} is not registered (deleted?)")
                 failed.append(self._failure(task_id, function_id, error))
                 continue
-            ref = data_ref(payload)
-            if ref is not None:  # its arguments are in the data store: fetch, then start
+            if isinstance(payload, DataRef):  # its arguments are in the data store: fetch them
                 self._fetching.add(task_id)
-                self._spawn(self._fetch(row, ref))
+                self._spawn(self._fetch(row, payload.data_id))
                 continue
             try:
                 data, buffers = unpack_payload(payload)
@@ -356,7 +307,7 @@ class EndpointAgent:
                 continue
             record = TaskRecord(task_id, TaskState.RUNNING, function=function_id)
             task = Task(
-                next(self._seq), function_id, fn_bytes, data, buffers, record, timeout=timeout
+                next(self._seq), function_id, fn_bytes, data, buffers, record, timeout=row.timeout
             )
             self._held[task_id] = task
             batch.append(task)
@@ -386,46 +337,36 @@ class EndpointAgent:
         rows = []
         for task in tasks:
             record = task.record
-            state = STATES.get(Status(task.status), TaskState.FAILED.value)
-            record.state = TaskState(state)
-            rows.append(
-                [
-                    record.task_id,
-                    state,
-                    [task.status, task.data, [memoryview(b) for b in task.result_buffers]],
-                    record.to_wire(),
-                ]
-            )
+            record.state = STATES.get(Status(task.status), TaskState.FAILED)
+            result = Result(task.status, task.data, task.result_buffers)
+            rows.append(ResultRow(record.task_id, record.state, result, record.to_wire()))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._finished, rows)
 
-    def _finished(self, rows: list[list[Any]]) -> None:
+    def _finished(self, rows: list[ResultRow]) -> None:
         small = []
         for row in rows:
-            _, data, buffers = row[2]
-            if payload_size(data, buffers) > INLINE_MIN:  # maybe for the data store
+            result = row.result
+            assert isinstance(result, Result)
+            if payload_size(result.data, result.buffers) > INLINE_MIN:  # maybe for the data store
                 self._spawn(self._send_large(row))  # held until it is stored
             else:
                 small.append(row)
         for row in small:
-            self._held.pop(row[0], None)
-            self._unacked[row[0]] = row
+            self._held.pop(row.task_id, None)
+            self._unacked[row.task_id] = row
         self._outbox.extend(small)
         assert self._ready is not None
         self._ready.set()
 
     def _failure(
         self, task_id: str, function_id: str, error: BaseException, record: Any = None
-    ) -> list[Any]:
+    ) -> ResultRow:
         """The result row of a task that failed here, before it ran or (``record``) after."""
         if record is None:
             record = TaskRecord(task_id, TaskState.FAILED, function=function_id).to_wire()
-        row = [
-            task_id,
-            TaskState.FAILED.value,
-            [Status.ERROR, serialization.dumps_exception(error, ""), []],
-            record,
-        ]
+        result = Result(Status.ERROR, serialization.dumps_exception(error, ""))
+        row = ResultRow(task_id, TaskState.FAILED, result, record)
         self._unacked[task_id] = row
         return row
 
@@ -436,10 +377,10 @@ class EndpointAgent:
         self._jobs.add(job)
         job.add_done_callback(self._jobs.discard)
 
-    async def _fetch(self, row: list[Any], data_id: str) -> None:
+    async def _fetch(self, row: TaskRow, data_id: str) -> None:
         """Fetch a task's arguments from the data store, then start it (or fail it)."""
         assert self._http is not None
-        task_id = row[0]
+        task_id = row.task_id
         try:
             response = await self._http.get(f"{DATA}/{data_id}")
             response.raise_for_status()
@@ -450,16 +391,18 @@ class EndpointAgent:
                 f"the arguments of task {task_id} could not be fetched from the service's "
                 f"data store ({data_id}): {exc}"
             )
-            self._finished([self._failure(task_id, row[1], error)])
+            self._finished([self._failure(task_id, row.function_id, error)])
             return
         self._fetching.discard(task_id)
-        self._start([[task_id, row[1], None, payload, row[4]]])
+        self._start([dataclasses.replace(row, body=None, payload=payload)])
 
-    async def _send_large(self, row: list[Any]) -> None:
+    async def _send_large(self, row: ResultRow) -> None:
         """Send a large result: inline below the service's limit, else through the data store."""
         assert self._http is not None
-        task_id = row[0]
-        status, data, buffers = row[2]
+        task_id = row.task_id
+        result = row.result
+        assert isinstance(result, Result)
+        data, buffers = result.data, result.buffers
         backoff = 0.1
         while True:
             try:
@@ -474,15 +417,15 @@ class EndpointAgent:
                     error = too_large(
                         f"the result of task {task_id}", size, self._limits["max_payload"]
                     )
-                    row = self._failure(task_id, "", error, row[3])
+                    row = self._failure(task_id, "", error, row.record)
                     break
-                blob = pack_result(status, data, buffers)
+                blob = result.pack()
                 response = await self._http.put(DATA, params={"task_id": task_id}, content=blob)
                 if response.status_code == 404:  # done elsewhere or cancelled: not needed
                     self._held.pop(task_id, None)
                     return
                 response.raise_for_status()
-                row = [task_id, row[1], {"data": response.json()["data_id"]}, row[3]]
+                row = dataclasses.replace(row, result=DataRef(response.json()["data_id"]))
                 break
             except (httpx.HTTPError, OSError, ValueError) as exc:
                 log.info("storing the result of %s failed (%s); retrying", task_id, exc)
@@ -495,38 +438,23 @@ class EndpointAgent:
         self._ready.set()
 
 
-def _row_problem(function_id: object, body: object, payload: object, timeout: object) -> str:
-    """What is wrong with the fields of a task row from the service ("" if nothing)."""
-    if not isinstance(function_id, str):
-        return f"function_id {function_id!r:.40} is not a string"
-    if body is not None and not isinstance(body, bytes):
-        return f"the function's body is {type(body).__name__}, not bytes"
-    if not isinstance(payload, bytes) and data_ref(payload) is None:
-        return f"payload is {type(payload).__name__}, not bytes or a data-store reference"
-    try:
-        check_timeout(timeout)
-    except ValueError as exc:
-        return str(exc)
-    return ""
-
-
-def _result_size(row: list[Any]) -> int:
-    result = row[2]
-    return 64 if isinstance(result, dict) else payload_size(result[1], result[2])
+def _result_size(row: ResultRow) -> int:
+    result = row.result
+    return payload_size(result.data, result.buffers) if isinstance(result, Result) else 64
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m nimbus.endpoint.agent NAME``: run a configured endpoint's agent."""
+    """``python -m nimbus.endpoint.daemon NAME``: run a configured endpoint's daemon."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m nimbus.endpoint.agent NAME", file=sys.stderr)
+        print("usage: python -m nimbus.endpoint.daemon NAME", file=sys.stderr)
         return 2
     config = EndpointConfig.load(args[0])
     settings = Settings.load()
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    agent = EndpointAgent(
+    daemon = EndpointDaemon(
         config.service_url,
         config.token,
         workers=config.workers,
@@ -536,10 +464,10 @@ def main(argv: list[str] | None = None) -> int:
         settings=settings,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: agent.stop())
+        signal.signal(sig, lambda *_: daemon.stop())
     config.pid_file.write_text(f"{os.getpid()}\n")
     try:
-        _loop.run(agent.run())
+        _loop.run(daemon.run())
     except (ServiceError, ConfigError) as exc:  # refused, revoked, replaced, deleted: says why
         print(f"nimbus endpoint {config.name}: {exc}", file=sys.stderr)
         return 1

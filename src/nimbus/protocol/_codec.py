@@ -1,30 +1,10 @@
-"""What the service, its endpoint agents and the SDK say to each other.
+"""The wire's codec: msgpack, packed payloads and results, frames, limits and close codes.
 
-WebSocket messages are msgpack maps with an ``op``::
-
-    agent  -> service   hello {python, serializer, workers, window, held}
-                        results {results: [[task_id, state, [status, data, buffers],
-                        record], ...]}  (stored as pack_result bytes and packed record)
-                        running {ids}  (tasks on a worker for 50 ms or more)
-                        beat {t}
-    service -> agent    tasks {tasks: [[task_id, function_id, body | None, payload,
-                        timeout], ...]}  (a function's body comes once per connection)
-                        ack {ids}  (results stored: the agent may forget them)
-                        cancel {ids}   beat {t} (the echo of a heartbeat)
-    client -> service   submit {ref, endpoint_id, tasks: [[function_id, payload, timeout]]}
-                        watch {ids}   cancel {ids}
-    service -> client   accepted {ref, ids} | refused {ref, status, detail}
-                        results {results: [[task_id, state, result, record], ...]}
-                        (as the agent sent them, or, from storage, result and
-                        record as msgpack bytes)
-                        unknown {ids}  (watched tasks the service does not know: lost
-                        when its queues restarted empty without --persist, or expired;
-                        the answer to a watch, and sent after such a restart)
-
-Every frame is a binary msgpack map with a known ``op`` and fields of the types
-above (:func:`decode_frame`, :func:`str_list`); any other frame ends the
-connection with a close code and a reason: 1003 for a text frame, 1007 for
-bytes that are not msgpack, 1008 for msgpack of the wrong shape.
+Every WebSocket frame is a binary msgpack map with a known ``op``
+(:func:`decode_frame`; the messages themselves are the dataclasses of
+:mod:`nimbus.protocol._messages`); any other frame ends the connection with a
+close code and a reason: 1003 for a text frame, 1007 for bytes that are not
+msgpack, 1008 for msgpack of the wrong shape.
 
 ``payload`` is :func:`pack_payload` of the pickled ``(args, kwargs)`` and its
 out-of-band buffers (:func:`check_payload` checks that framing without
@@ -48,7 +28,6 @@ with 1009, and they reconnect).
 
 from __future__ import annotations
 
-import sys
 import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
@@ -57,6 +36,7 @@ import msgpack
 
 from nimbus.config import INLINE_MAX, INLINE_MIN
 from nimbus.errors import PayloadTooLargeError, ProtocolError
+from nimbus.serialization import PYTHON
 
 __all__ = [
     "DELETED",
@@ -87,7 +67,6 @@ __all__ = [
     "unpack_result",
 ]
 
-PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
 SERIALIZER = "pickle5+cloudpickle3"
 API = "/v1"
 WS_AGENT = API + "/ws/endpoint"
