@@ -30,15 +30,16 @@ LAYERS: dict[str, int] = {
     # the command line, on top of everything
     "cli": 6,
     "__main__": 6,
-    # the SDK (nimbus.Executor, nimbus.Client) and multiprocessing, what users import
+    # the SDK (nimbus.Executor; nimbus.Client re-exported) and multiprocessing, what users import
     "nimbus": 5,
     "executor": 5,
-    "client": 5,
     "multiprocessing": 5,
     "joblib": 5,
     "demo": 5,
-    # where an Executor's tasks run
+    # where an Executor's tasks run, and the service's REST client (nimbus.Client) that
+    # the service backend and the CLI build on
     "backends": 4,
+    "client": 4,
     # the engines and the control plane; endpoint: the agent that serves one endpoint
     "runtime": 3,
     "service": 3,
@@ -48,7 +49,6 @@ LAYERS: dict[str, int] = {
     "environments": 3,
     # the state store (and shared files)
     "statestore": 2,
-    "keys": 2,
     "storage": 2,
     # contracts and plumbing every floor uses
     "protocol": 1,
@@ -70,9 +70,6 @@ KNOWN: set[str] = {
     "nimbus.multiprocessing._direct -> nimbus.messaging._api",
     "nimbus.multiprocessing._direct -> nimbus.messaging._instance",
     "nimbus.multiprocessing._qdirect -> nimbus.messaging._api",
-    # proto: the SDK backend and the endpoint agent share one WebSocket client and
-    # nimbus.protocol instead of the service's modules and the SDK's Client
-    "nimbus.backends.service -> nimbus.client",
 }
 
 
