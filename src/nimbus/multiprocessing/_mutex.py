@@ -41,13 +41,14 @@ acquire + release is two C calls and two stores, about a microsecond::
 
 from __future__ import annotations
 
-import _multiprocessing
+import _multiprocessing  # type: ignore[import-not-found]
 import ctypes
 import errno
 import functools
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -224,6 +225,13 @@ class HostLock(Lock):
     """
 
     _block: _heap.Block
+    _base: Any
+    _guard: Any
+    _sem: Any
+    _semlock: Any
+    _try: Callable[..., bool]
+    _post: Callable[[], None]
+    _words: memoryview
 
     def __init__(self, *, ctx: object = None, program: Program | None = None) -> None:
         pass  # set up by new() or by unpickling (Lock.__new__ hands out a new one)
@@ -282,7 +290,7 @@ class HostLock(Lock):
             return self._store().acquire(block, timeout)
         if not block:
             return False
-        return self._wait(timeout)
+        return self._block_until(timeout)
 
     def release(self) -> None:
         words = self._words
@@ -294,7 +302,7 @@ class HostLock(Lock):
 
     # ------------------------------------------------------------ the slow paths
 
-    def _wait(self, timeout: float | None) -> bool:
+    def _block_until(self, timeout: float | None) -> bool:
         """Block until the semaphore is ours, or the lock moved (then: the store's)."""
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         got = self._take(deadline)
