@@ -552,7 +552,7 @@ def _become_worker(close: list[Callable[[], object]]) -> None:
             sys,
             name,
             io.TextIOWrapper(
-                raw,  # type: ignore[arg-type]
+                raw,
                 encoding=getattr(old, "encoding", None) or "utf-8",
                 errors=getattr(old, "errors", None) or "backslashreplace",
                 line_buffering=True,
