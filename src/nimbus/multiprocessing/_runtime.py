@@ -121,8 +121,12 @@ class Runtime(Starter):
         from nimbus.executor import Executor, _live
 
         super().__init__()
-        # workers forked from this root, which has nimbus (and the program) imported
-        self.executor = Executor(backend="forked", on_notice=self.notice, preload=preload)
+        from nimbus.multiprocessing import _state
+
+        # a root's workers are forks of it (it has nimbus and the program imported); a
+        # process the program started that cannot reach the relay starts new interpreters
+        backend = "forked" if _state.is_root() else "local"
+        self.executor = Executor(backend=backend, on_notice=self.notice, preload=preload)
         _live.discard(self.executor)  # closed by close(), after joining children
         self.remote: dict[str, _Peer] = {}  # token -> the descendant that asked
         self.closed = False
@@ -344,6 +348,16 @@ def _stdio_ids() -> list[tuple[int, int] | None]:
 
 _runtime: Starter | None = None
 _runtime_lock = threading.Lock()
+
+
+def _unlock_in_child() -> None:
+    """A fork's copy of the lock: the root's warm workers are forked (by the manager's
+    thread) while this process may be making its runtime under the lock."""
+    global _runtime_lock
+    _runtime_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_child)
 _relay: str | None = None  # the root's relay, for a process the program started
 
 
