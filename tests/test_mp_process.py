@@ -355,9 +355,16 @@ def test_the_relay_refuses_a_wrong_authkey() -> None:
 
 
 def _standbys() -> list[psutil.Process]:
-    """The children forked ahead of need by this program's warm workers."""
+    """The children forked ahead of need by this program's warm workers.
+
+    The workers are forks of this process (its command line), or new
+    interpreters running ``nimbus.runtime.worker``.
+    """
+    me = psutil.Process()
     workers = [
-        p for p in psutil.Process().children() if "nimbus.runtime.worker" in " ".join(p.cmdline())
+        p
+        for p in me.children()
+        if p.cmdline() == me.cmdline() or "nimbus.runtime.worker" in " ".join(p.cmdline())
     ]
     return [child for worker in workers for child in worker.children()]
 
