@@ -536,6 +536,11 @@ def fork_worker(
 def _become_worker(close: list[Callable[[], object]]) -> None:
     """In a forked worker: let go of what was the parent's (see :func:`fork_worker`)."""
     os.setsid()
+    # this thread (the manager's, a daemon) is the main thread now: as a new
+    # interpreter's, it is not a daemon (threads it starts are not: they are waited for)
+    me: Any = threading.current_thread()
+    me._daemonic = False
+    me._name = "MainThread"
     for fn in close:
         try:
             fn()
