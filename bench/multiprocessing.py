@@ -12,7 +12,9 @@ better is given per row, in the target column).
 
 nimbus is warmed once before anything is timed: its first Process start +
 join starts the embedded Redis and the warm workers, and is reported as its
-own row ("cold start"). Every workload runs under a time limit (SIGALRM); a
+own row ("cold start"). The "new program" rows run a new interpreter per
+repeat (``_cold.py``), as a user's program starts: its first Process start +
+join, or its Pool(4) map of 64 no-ops, with and without its import. Every workload runs under a time limit (SIGALRM); a
 workload that crashes or hangs shows ERROR and the others still run.
 
 This file is called ``multiprocessing.py``, so the directory it sits in must

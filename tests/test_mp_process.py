@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -678,3 +679,27 @@ def test_a_child_attaching_shared_memory_does_not_unlink_it() -> None:
     finally:
         block.close()
         block.unlink()
+
+
+def _set_later(evt: Any, delay: float) -> None:
+    time.sleep(delay)
+    evt.set()
+
+
+def _leave_a_thread(evt: Any) -> None:
+    threading.Thread(target=_set_later, args=(evt, 0.5)).start()  # not a daemon: waited for
+
+
+@pytest.mark.timeout(60)
+def test_the_roots_warm_workers_are_forks_of_it_and_a_childs_threads_are_waited_for() -> None:
+    evt = mp.Event()
+    p = mp.Process(target=_leave_a_thread, args=(evt,))
+    p.start()
+    p.join(20)
+    assert p.exitcode == 0
+    assert evt.is_set()  # as in a new interpreter: the worker's thread is no daemon
+    me = psutil.Process()
+    forks = [c for c in me.children() if c.cmdline() == me.cmdline()]
+    assert forks, "the root's warm workers are forks of it (nimbus already imported)"
+    for worker in forks:
+        assert worker.pid == os.getsid(worker.pid)  # a session of its own, as a new one

@@ -10,7 +10,11 @@
                 v
              warm worker forks the new process; its reaper's exit notice comes back
 
-The program's root runs the warm workers. A process that the program started
+The program's root runs the warm workers, forks of itself (the ``forked``
+backend): it has nimbus and the program's modules imported, so its first
+start does not wait for new interpreters to import them; each worker still
+imports the main module as ``__mp_main__`` (spawn's semantics, as before).
+A process that the program started
 (a task on a warm worker) does not start warm workers of its own: it asks the
 root to start its children through the root's *relay*, a Unix socket in the
 user's private runtime directory, authenticated with the program's authkey

@@ -21,6 +21,11 @@ queued tasks handed back, not after the running task. It exits when the
 manager closes the channel or dies.
 Standard output and error are the manager's, unbuffered, so what a task
 prints appears at once and survives a crash.
+
+A manager may fork its workers instead (:func:`fork_worker`): a process that
+has imported what the workers need (a multiprocessing program's root) gets
+one in milliseconds rather than a new interpreter's start and imports; it then
+imports its preload only once it has been quiet a while.
 """
 
 from __future__ import annotations
