@@ -952,3 +952,26 @@ def test_worker_lost_is_made_once_on_first_use_and_pickles() -> None:
     with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
         nimbus.errors.Nothing  # noqa: B018
     assert issubclass(WorkerLost, BrokenProcessPool)
+
+
+@pytest.mark.timeout(60)
+def test_the_forked_backend_runs_tasks_on_forks_of_this_process() -> None:
+    import psutil
+
+    with Executor(max_workers=1, backend="forked") as ex:
+        pid = ex.submit(os.getpid).result(timeout=30)
+        assert pid != os.getpid()
+        worker = psutil.Process(pid)
+        assert worker.ppid() == os.getpid()
+        assert worker.cmdline() == psutil.Process().cmdline()  # a fork, not a new interpreter
+        assert ex.submit(sum, [1, 2]).result(timeout=30) == 3
+        worker.kill()  # a forked worker lost is replaced, as any
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                new = ex.submit(os.getpid).result(timeout=20)
+            except Exception:
+                continue  # the task that met the dying worker
+            if new != pid:
+                break
+        assert new != pid

@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -355,9 +356,16 @@ def test_the_relay_refuses_a_wrong_authkey() -> None:
 
 
 def _standbys() -> list[psutil.Process]:
-    """The children forked ahead of need by this program's warm workers."""
+    """The children forked ahead of need by this program's warm workers.
+
+    The workers are forks of this process (its command line), or new
+    interpreters running ``nimbus.runtime.worker``.
+    """
+    me = psutil.Process()
     workers = [
-        p for p in psutil.Process().children() if "nimbus.runtime.worker" in " ".join(p.cmdline())
+        p
+        for p in me.children()
+        if p.cmdline() == me.cmdline() or "nimbus.runtime.worker" in " ".join(p.cmdline())
     ]
     return [child for worker in workers for child in worker.children()]
 
@@ -671,3 +679,27 @@ def test_a_child_attaching_shared_memory_does_not_unlink_it() -> None:
     finally:
         block.close()
         block.unlink()
+
+
+def _set_later(evt: Any, delay: float) -> None:
+    time.sleep(delay)
+    evt.set()
+
+
+def _leave_a_thread(evt: Any) -> None:
+    threading.Thread(target=_set_later, args=(evt, 0.5)).start()  # not a daemon: waited for
+
+
+@pytest.mark.timeout(60)
+def test_the_roots_warm_workers_are_forks_of_it_and_a_childs_threads_are_waited_for() -> None:
+    evt = mp.Event()
+    p = mp.Process(target=_leave_a_thread, args=(evt,))
+    p.start()
+    p.join(20)
+    assert p.exitcode == 0
+    assert evt.is_set()  # as in a new interpreter: the worker's thread is no daemon
+    me = psutil.Process()
+    forks = [c for c in me.children() if c.cmdline() == me.cmdline()]
+    assert forks, "the root's warm workers are forks of it (nimbus already imported)"
+    for worker in forks:
+        assert worker.pid == os.getsid(worker.pid)  # a session of its own, as a new one

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import pickle
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from nimbus.errors import StateStoreError
+from nimbus.multiprocessing import _heap, _mutex
 from nimbus.multiprocessing.sharedctypes import RawValue
 from nimbus.multiprocessing.synchronize import (
     Barrier,
@@ -487,3 +490,166 @@ def test_keys_expire_and_programs_do_not_collide(store_url: str) -> None:
     assert _keys(short) == []
     client = other.client()
     client.unlink(*[k.encode() for k in _keys(other)])
+
+
+# ---------------------------------------------------------------- Lock in shared memory
+
+
+@pytest.fixture
+def on_host(program: Program, tmp_path: Path) -> Iterator[Program]:
+    """The test's program, its processes all on this host (its objects in shared memory)."""
+    if not _mutex.available():
+        pytest.skip("no process-shared robust mutexes in this C library")
+    shared = _heap.directory(tmp_path, program.program_id)
+    yield dataclasses.replace(program, shared=shared)
+    _heap.remove(shared)
+
+
+def _release_it(lock: Lock) -> None:
+    lock.release()
+
+
+@pytest.mark.timeout(10)
+def test_lock_of_a_program_on_this_host_is_in_shared_memory(on_host: Program) -> None:
+    lock = Lock(program=on_host)
+    assert isinstance(lock, _mutex.HostLock) and isinstance(lock, Lock)
+    assert lock.acquire()
+    assert not lock.acquire(False)
+    start = time.monotonic()
+    assert not lock.acquire(True, 0.2)
+    assert 0.15 < time.monotonic() - start < 2
+    assert lock.get_value() == 0
+    lock.release()
+    assert lock.get_value() == 1
+    with pytest.raises(ValueError, match="released too many times"):
+        lock.release()
+    with lock:
+        assert not lock.acquire(block=False)
+    assert not _keys(on_host)  # the store was never asked
+    assert not isinstance(RLock(program=on_host), _mutex.HostLock)  # RLock: the store's
+
+
+@pytest.mark.timeout(10)
+def test_shared_memory_lock_is_fast(on_host: Program) -> None:
+    lock = Lock(program=on_host)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(2000):
+            lock.acquire()
+            lock.release()
+        best = min(best, (time.perf_counter() - start) / 2000)
+    assert best < 10e-6  # about 1 us here; the store's lock takes a round trip (30 us)
+
+
+@pytest.mark.timeout(30)
+def test_shared_memory_lock_across_processes_threads_and_pickles(on_host: Program) -> None:
+    lock = Lock(program=on_host)
+    copy = pickle.loads(pickle.dumps(lock))
+    assert isinstance(copy, _mutex.HostLock) and copy.acquire(False)
+    assert not lock.acquire(False)
+    lock.release()  # any thread or process may release a Lock
+    lock.acquire()
+    releaser = _start(_release_it, lock)
+    releaser.join(10)
+    assert releaser.exitcode == 0
+    assert lock.acquire(False)
+    threading.Thread(target=lock.release).start()
+    assert lock.acquire(timeout=5)
+    lock.release()
+    counter = RawValue("i", 0, program=on_host)
+    procs = [_start(_count_under_lock, lock, counter, 300) for _ in range(3)]
+    _count_under_lock(lock, counter, 300)
+    for proc in procs:
+        proc.join(20)
+        assert proc.exitcode == 0
+    assert counter.value == 1200
+    assert lock.get_value() == 1
+
+
+@pytest.mark.timeout(20)
+def test_shared_memory_lock_of_a_sigkilled_holder_is_taken_over(on_host: Program) -> None:
+    lock = Lock(program=on_host)
+    held = Event(program=on_host)
+    proc = _start(_hold_forever, lock, held)
+    assert held.wait(10)
+    assert not lock.acquire(timeout=0.8)  # a live holder keeps it past a look at the owner
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(5)
+    start = time.monotonic()
+    assert lock.acquire(timeout=5)
+    assert time.monotonic() - start < 2
+    assert not lock.acquire(False)
+    lock.release()
+    with pytest.raises(ValueError):
+        lock.release()
+
+
+@pytest.mark.timeout(20)
+def test_condition_and_barrier_over_a_shared_memory_lock(on_host: Program) -> None:
+    cond = Condition(Lock(program=on_host))
+    with pytest.raises(AssertionError):
+        cond.wait(0.01)  # not acquired
+    event = Event(program=on_host)
+    proc = _start(_notify_when, cond, event)
+    with cond:
+        event.set()
+        assert cond.wait(10)
+    proc.join(10)
+    assert proc.exitcode == 0
+    barrier = Barrier(2, program=on_host)
+    assert isinstance(barrier._cond._lock, _mutex.HostLock)
+    proc = _start(_wait_barrier, barrier)
+    barrier.wait(10)
+    proc.join(10)
+    assert proc.exitcode == 0
+
+
+@pytest.mark.timeout(20)
+def test_a_shared_memory_lock_moves_to_the_store_held_by_its_holder(on_host: Program) -> None:
+    lock = Lock(program=on_host)
+    other = pickle.loads(pickle.dumps(lock))  # a copy in this host's memory, as a child has
+    lock.acquire()
+    lock.to_store()  # as before it goes to a process on another host
+    remote = pickle.loads(pickle.dumps(lock))
+    assert type(remote) is Lock  # the store's: a process elsewhere cannot map the block
+    assert not remote.acquire(False)  # held by this thread, now in the store
+    assert not other.acquire(False)
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(other.acquire(timeout=10)))
+    waiter.start()
+    time.sleep(0.3)
+    lock.release()
+    waiter.join(10)
+    assert got == [True]  # the waiter of the shared memory copy got it from the store
+    assert not lock.acquire(False) and not remote.acquire(False)
+    other.release()
+    assert remote.acquire(False)
+    assert not lock.acquire(False)
+    remote.release()
+    with pytest.raises(ValueError, match="released too many times"):
+        lock.release()
+    assert [k for k in _keys(on_host) if ":lock:" in k]
+
+
+@pytest.mark.timeout(20)
+def test_a_shared_memory_lock_moves_to_the_store_after_its_holder_releases(
+    on_host: Program,
+) -> None:
+    lock = Lock(program=on_host)
+    lock.acquire()
+    mover = threading.Thread(target=lock.to_store)
+    mover.start()
+    time.sleep(0.3)
+    assert mover.is_alive()  # waits for the holder: never two holders
+    lock.release()
+    mover.join(10)
+    assert not mover.is_alive()
+    assert lock.get_value() == 1  # free, in the store
+    remote = pickle.loads(pickle.dumps(lock))
+    assert type(remote) is Lock and remote.acquire(False)
+    assert not lock.acquire(False)
+    remote.release()
+    with lock:
+        assert not remote.acquire(False)

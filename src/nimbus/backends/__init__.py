@@ -5,7 +5,8 @@ and the service's wire contract and never imports the Executor.
 
 A backend takes batches of runtime tasks and calls back with the finished
 ones. They are found in :data:`BACKENDS`, an explicit registry, by name:
-``local`` (the embedded runtime) and ``service`` (a remote endpoint through the
+``local`` (the embedded runtime), ``forked`` (the same, its workers forks of
+this process: a multiprocessing program's root) and ``service`` (a remote endpoint through the
 nimbus service). Factories take ``workers``, ``prefetch``, ``on_results``,
 ``on_dispatch``, ``on_notice``, ``settings`` and ``endpoint``.
 """
@@ -42,10 +43,21 @@ def _local(*, settings: object = None, endpoint: str | None = None, **kwargs: ob
     return LocalBackend(**kwargs)  # type: ignore[arg-type]
 
 
+def _forked(*, settings: object = None, endpoint: str | None = None, **kwargs: object) -> Backend:
+    from nimbus.backends.local import LocalBackend
+
+    del settings, endpoint
+    return LocalBackend(fork=True, **kwargs)  # type: ignore[arg-type]
+
+
 def _service(**kwargs: object) -> Backend:
     from nimbus.backends.service import ServiceBackend
 
     return ServiceBackend(**kwargs)  # type: ignore[arg-type]
 
 
-BACKENDS: dict[str, Callable[..., Backend]] = {"local": _local, "service": _service}
+BACKENDS: dict[str, Callable[..., Backend]] = {
+    "local": _local,
+    "forked": _forked,
+    "service": _service,
+}

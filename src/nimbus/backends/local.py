@@ -17,7 +17,11 @@ __all__ = ["LocalBackend"]
 
 
 class LocalBackend:
-    """An embedded runtime: one agent, one manager, ``workers`` warm workers."""
+    """An embedded runtime: one agent, one manager, ``workers`` warm workers.
+
+    ``fork``: the workers are forks of this process (which has imported what
+    they need: a multiprocessing program's root), not new interpreters.
+    """
 
     def __init__(
         self,
@@ -29,12 +33,13 @@ class LocalBackend:
         on_notice: Callable[[Any], None] | None = None,
         preload: Sequence[str] = (),
         name: str = "local",
+        fork: bool = False,
     ) -> None:
         self.capacity = workers
         self.agent = Agent(
             on_results=on_results, on_dispatch=on_dispatch, on_notice=on_notice, name=name
         )
-        self.agent.add_manager(workers, prefetch=prefetch, preload=preload)
+        self.agent.add_manager(workers, prefetch=prefetch, preload=preload, fork=fork)
 
     def submit(self, batch: list[Task]) -> None:
         self.agent.submit(batch)

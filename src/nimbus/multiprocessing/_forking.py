@@ -119,7 +119,9 @@ def start(
     token: str, prep: dict[str, Any], program: statestore.Program, data: bytes, buffers: list[Any]
 ) -> int:
     """Start the process in a standby child (or a new fork); the reaper reports its exit."""
-    _warm_up()
+    from nimbus.runtime import worker
+
+    worker.when_idle(_warm_up)  # not on this start's path (a forked worker has not yet)
     _libc()  # loaded once here, not in every child
     _import_main(prep)
     for name in prep.pop("modules", ()):
@@ -150,7 +152,6 @@ def start(
     if started is None:
         statestore.link(program)  # its settings (a client's), made once here for every fork
         started = _fork(args)
-    from nimbus.runtime import worker
 
     # the next start skips the fork and the store's connection; this one is not held up
     _program = program

@@ -10,7 +10,11 @@
                 v
              warm worker forks the new process; its reaper's exit notice comes back
 
-The program's root runs the warm workers. A process that the program started
+The program's root runs the warm workers, forks of itself (the ``forked``
+backend): it has nimbus and the program's modules imported, so its first
+start does not wait for new interpreters to import them; each worker still
+imports the main module as ``__mp_main__`` (spawn's semantics, as before).
+A process that the program started
 (a task on a warm worker) does not start warm workers of its own: it asks the
 root to start its children through the root's *relay*, a Unix socket in the
 user's private runtime directory, authenticated with the program's authkey
@@ -41,7 +45,7 @@ from typing import Any
 
 from nimbus.config import Settings
 from nimbus.multiprocessing._site import Site, StartFn
-from nimbus.statestore import Program
+from nimbus.statestore import Program, is_root
 
 __all__ = [
     "LocalSite",
@@ -87,8 +91,13 @@ class LocalSite(_Here):
         from nimbus.executor import Executor
 
         super().__init__(program)
+        # a root's workers are forks of it (it has nimbus and the program imported); a
+        # process the program started that cannot reach the relay starts new interpreters
+        backend = "forked" if is_root() else "local"
         # shut down by close(), after joining children
-        self.executor = Executor(on_notice=self.notice, preload=preload, shutdown_at_exit=False)
+        self.executor = Executor(
+            backend=backend, on_notice=self.notice, preload=preload, shutdown_at_exit=False
+        )
         self.remote: dict[str, _Peer] = {}  # token -> the descendant that asked
         self.closed = False
         directory = Settings.load().ensure_runtime_dir()

@@ -136,6 +136,16 @@ _site: Site | None = None
 _site_lock = threading.Lock()
 
 
+def _unlock_in_child() -> None:
+    """A fork's copy of the lock: the root's warm workers are forked (by the manager's
+    thread) while this process may be making its site under the lock."""
+    global _site_lock
+    _site_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_child)
+
+
 def site(preload: list[str]) -> Site:
     """This process's site (made on first use): the endpoint's workers for a remote
     program, else the root's warm workers, asked directly or through its relay."""

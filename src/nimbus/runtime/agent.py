@@ -51,6 +51,7 @@ class Agent:
         python: str | None = None,
         env: Mapping[str, str] | None = None,
         preload: Sequence[str] = (),
+        fork: bool = False,
     ) -> Manager:
         """Start a manager with ``workers`` warm workers on this node."""
         manager = Manager(
@@ -63,6 +64,7 @@ class Agent:
             env=env,
             preload=preload,
             name=f"{self.name}/m{len(self._managers)}",
+            fork=fork,
         )
         with self._lock:
             self._managers.append(manager)

@@ -48,6 +48,7 @@ from typing import Any
 
 from nimbus import errors, serialization  # errors.WorkerLost: made at its first use
 from nimbus.errors import NimbusError, TaskTimeoutError
+from nimbus.runtime import worker as worker_module
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
 from nimbus.runtime.task import Task
 from nimbus.wire import Channel, ProtocolError, pack, unpack
@@ -84,7 +85,7 @@ class _Worker:
         "writing",
     )
 
-    def __init__(self, name: str, proc: subprocess.Popen[bytes], channel: Channel) -> None:
+    def __init__(self, name: str, proc: Any, channel: Channel) -> None:
         self.name = name
         self.proc = proc
         self.channel = channel
@@ -137,6 +138,7 @@ class Manager:
         env: Mapping[str, str] | None = None,
         preload: Sequence[str] = (),
         name: str = "manager",
+        fork: bool = False,
     ) -> None:
         if workers < 1:
             raise ValueError(f"a manager needs at least one worker, not {workers}")
@@ -151,6 +153,7 @@ class Manager:
         self._python = python or sys.executable
         self._env = worker_environment(env)
         self._preload = list(preload)
+        self._fork = fork  # workers are forks of this process (worker.fork_worker)
         self._pending: deque[Task] = deque()
         self._cancels: deque[Task] = deque()
         self._workers: list[_Worker] = []
@@ -272,14 +275,22 @@ class Manager:
     def _spawn(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._counter += 1
+        proc: Any
         try:
-            proc = subprocess.Popen(
-                [self._python, "-u", "-c", WORKER_MAIN, str(child.fileno()), *self._preload],
-                pass_fds=(child.fileno(),),
-                env=self._env,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            if self._fork:
+                others = [w.channel.sock for w in self._workers]
+                close: list[Callable[[], object]] = [parent.close, self._selector.close]
+                close += [s.close for s in others]
+                close += [lambda: os.close(self._wake_r), lambda: os.close(self._wake_w)]
+                proc = worker_module.fork_worker(child, close, self._preload)
+            else:
+                proc = subprocess.Popen(
+                    [self._python, "-u", "-c", WORKER_MAIN, str(child.fileno()), *self._preload],
+                    pass_fds=(child.fileno(),),
+                    env=self._env,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
         finally:
             child.close()
         parent.setblocking(False)

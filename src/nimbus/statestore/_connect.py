@@ -39,7 +39,23 @@ _POOL_OPTIONS: dict[str, Any] = {
 # in another process. Keyed by pid so a forked child never reuses its parent's sockets.
 _clients: dict[tuple[int, str], redis.Redis] = {}
 _lock = threading.Lock()
-os.register_at_fork(after_in_child=lambda: globals().__setitem__("_lock", threading.Lock()))
+
+
+def _after_fork() -> None:
+    """In a forked child: close its copies of the parent's sockets (close only: a
+    shutdown would end the parent's connections too), so they are not inherited on."""
+    global _lock
+    _lock = threading.Lock()
+    for client in _clients.values():
+        pool = client.connection_pool
+        for conn in [*pool._available_connections, *pool._in_use_connections]:
+            sock = getattr(conn, "_sock", None)
+            if sock is not None:
+                sock.close()
+    _clients.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def tls_options(url: str) -> dict[str, Any]:

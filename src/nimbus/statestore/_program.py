@@ -158,6 +158,16 @@ _adopted: Program | None = None
 _opener: Opener = open_local
 
 
+def _unlock_in_child() -> None:
+    """A fork's copy of the lock: warm workers may be forked (by a manager's thread)
+    while another thread of this process opens its program under the lock."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_child)
+
+
 def set_opener(opener: Opener) -> None:
     """How this process opens its program when it is a root (on first use)."""
     global _opener
