@@ -352,9 +352,20 @@ class Connection:
 
     def _poll(self, timeout: float | None, *, looked: bool = False) -> bool:
         """Whether there is anything to read, waiting up to ``timeout``; ``looked``:
-        the caller has just found :meth:`_ready` False."""
+        the caller has just found :meth:`_ready` False. A marker taken from the list
+        (a switch) is not something to read: the wait goes on to ``timeout``."""
         if not looked and self._ready():
             return True
+        if timeout is None or timeout <= 0:
+            return self._poll_once(timeout)
+        deadline = time.monotonic() + timeout
+        while not self._poll_once(timeout):
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                return False
+        return True
+
+    def _poll_once(self, timeout: float | None) -> bool:
         reader = self._reader
         if reader is not None:
             if reader.claim is None:
