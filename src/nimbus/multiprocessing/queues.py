@@ -142,7 +142,7 @@ class Queue:
     def _direct_sides(self) -> None:
         """This process's consumer and producer of the queue (None: store only)."""
         self._consumer: _qdirect.Consumer | None = None
-        self._producer: _qdirect.Producer | None = None
+        self._producer: _qdirect.QueueProducer | None = None
         if not self._maxsize:  # a bounded queue counts its items in the store
             self._consumer = _qdirect.consumer(self._program, self._name)
             self._producer = _qdirect.producer(self._program, self._name)
@@ -350,7 +350,7 @@ class Queue:
             if consumer is not None and consumer.active():
                 direct = consumer.take()
                 if direct is not None:
-                    return direct
+                    return direct  # type: ignore[return-value]  # a queue's are bytes
             remaining = None if deadline is None else deadline - time.monotonic()
             if tried and remaining is not None and remaining <= 0:
                 return None
