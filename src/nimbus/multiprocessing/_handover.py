@@ -62,7 +62,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import util
 from typing import Any, TypeVar
@@ -394,12 +394,12 @@ class Producer:
         self.off = False  # the lane is shared: store only, for good
         self._next_check = 0.0
 
-    def send(self, messages: list[Item]) -> bool:
+    def send(self, messages: Sequence[Item]) -> bool:
         """Send messages directly if switched; False: the caller pushes them to the list."""
         with self.lock:
             return self.send_locked(messages)
 
-    def send_locked(self, messages: list[Item]) -> bool:
+    def send_locked(self, messages: Sequence[Item]) -> bool:
         """:meth:`send` with ``lock`` held by the caller."""
         now = time.monotonic()
         if now >= self._next_check and not self.off:
@@ -410,8 +410,10 @@ class Producer:
 
     def send_switched(self, message: Any) -> bool:
         """Send ``message`` to the holder now (``lock`` held, switched); False: it is gone."""
+        peer = self.peer
+        assert peer is not None
         try:
-            messaging.current().send(self.peer, message, self.tag)
+            messaging.current().send(peer, message, self.tag)
             return True
         except (PeerLost, PeerExited):  # the holder is gone: the list will do
             self.dead = self.claim
@@ -502,7 +504,7 @@ def one(make: Callable[[Program, Lane], _Side], prog: Program, lane: Lane) -> _S
         found = _sides.get(key)
         if found is None:
             found = _sides[key] = make(prog, lane)
-        return found  # type: ignore[no-any-return]
+        return found
 
 
 def _watch(c: Consumer, instance: str) -> None:

@@ -68,7 +68,7 @@ from multiprocessing.connection import (  # type: ignore[attr-defined]  # noqa: 
     deliver_challenge,
     families,
 )
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nimbus import serialization
 from nimbus.errors import StateStoreError
@@ -118,7 +118,7 @@ return n
 # ---------------------------------------------------------------- Connection
 
 
-class Connection(_ConnectionBase):  # type: ignore[misc]
+class Connection(_ConnectionBase):
     """One end of a :func:`Pipe`, or a reader or writer of a shared list.
 
     The stdlib's ``_ConnectionBase`` gives the public surface (its argument
@@ -129,6 +129,15 @@ class Connection(_ConnectionBase):  # type: ignore[misc]
     the ends of a queue, which never signal end-of-stream); ``lanes`` are the
     directions of a pipe it reads and writes, which may go direct (``_direct``).
     """
+
+    if TYPE_CHECKING:  # the stdlib base's, untyped there
+        _handle: int | None
+        _readable: bool
+        _writable: bool
+
+        def _check_closed(self) -> None: ...
+        def _check_readable(self) -> None: ...
+        def _check_writable(self) -> None: ...
 
     def __init__(
         self,
@@ -275,9 +284,9 @@ class Connection(_ConnectionBase):  # type: ignore[misc]
                     return message
                 reader.marker(message)
             if reader is not None and reader.active():
-                item = reader.take()
-                if item is not None:
-                    return item
+                direct = reader.take()
+                if direct is not None:
+                    return direct
             remaining = None if deadline is None else deadline - time.monotonic()
             if tried and remaining is not None and remaining <= 0:
                 return None
