@@ -71,13 +71,14 @@ class PipeReader(Consumer):
 
     def writer_gone(self) -> bool:
         """Whether the lane's only writer copy died switched to us (looked at every
-        GONE_LOOK seconds, when nothing is pending): its messages are all here."""
+        GONE_LOOK seconds, when nothing is pending): every switched writer is gone,
+        nothing they sent waits, and the writing end has one copy (the dead one's)."""
         now = time.monotonic()
         if now < self._gone_look or any(self.pending.values()):
             return False
         self._gone_look = now + GONE_LOOK
-        opened = list(self.opened)
-        if len(opened) != 1 or messaging.current().alive(opened[0]):
+        ep = messaging.current()
+        if not self.opened or any(s not in self.gone and ep.alive(s) for s in self.opened):
             return False
         refs = link(self.prog).command("GET", self.lane.writer_refs)
         return not self.held() and refs == b"1"

@@ -189,6 +189,7 @@ class Consumer:
         self.done = False  # this lane stays in the store for this process
         self.opened: set[str] = set()  # writers whose "S" was read: deliverable
         self.pending: dict[str, collections.deque[Item]] = {}  # direct, not delivered
+        self.gone: set[str] = set()  # switched writers found gone (they send no more)
         self._next_try = 0.0
         self._next_look = 0.0
 
@@ -267,6 +268,38 @@ class Consumer:
                 _take_direct(self.tag, self.pending)
                 item = self._deliverable()
             return item
+
+    def receive(self, timeout: float) -> Item | None:
+        """A deliverable direct message, waiting up to ``timeout`` for one: the common
+        case, one wait that hands the message over as it is read."""
+        with self.lock:
+            if self.claim is None:
+                return None
+            pending, opened = self.pending, self.opened
+            waiting = any(pending.values())
+            if waiting:
+                item = self._deliverable()
+                if item is not None:
+                    return item
+            only = None  # one switched writer, nothing else: wait for exactly its next
+            if len(opened) == 1 and not waiting:
+                only = next(iter(opened))
+                if only in self.gone:
+                    only = None
+            try:
+                source, message = messaging.current().recv_with_source(only, timeout, self.tag)
+            except MessagingTimeout:
+                return None
+            except (PeerLost, PeerExited):
+                self.gone.add(only or "")  # it sent nothing more: wait for anyone now
+                return None
+            if source == only and type(message) is not list and message != REVERT:
+                return message  # type: ignore[no-any-return]
+            found = self.pending.get(source)
+            if found is None:
+                found = self.pending[source] = collections.deque()
+            found.extend(_flatten(message))
+            return self._deliverable()
 
     def _deliverable(self) -> Item | None:
         pending = self.pending

@@ -157,6 +157,7 @@ class Connection(_ConnectionBase):
         self._buffer: collections.deque[bytes] = collections.deque()
         self._held: Item | None = None  # the next message, taken by a poll
         self._eof = False
+        self._eos_next = False  # end-of-stream came, and messages it overtook go first
         self._batch = 1
         self._prefetch = PREFETCH
         self._ttl_ms = prog.ttl_ms
@@ -253,7 +254,7 @@ class Connection(_ConnectionBase):
 
     def _ready(self) -> bool:
         """Whether a message (or end-of-stream) is in hand, without waiting."""
-        if self._eof or self._held is not None:
+        if self._eof or self._eos_next or self._held is not None:
             return True
         buffer, reader = self._buffer, self._reader
         if reader is None:  # a queue's reader: its markers are the queue's
@@ -283,10 +284,6 @@ class Connection(_ConnectionBase):
                 if message[:1] != SWITCH or reader is None:
                     return message
                 reader.marker(message)
-            if reader is not None and reader.active():
-                direct = reader.take()
-                if direct is not None:
-                    return direct
             remaining = None if deadline is None else deadline - time.monotonic()
             if tried and remaining is not None and remaining <= 0:
                 return None
@@ -296,7 +293,10 @@ class Connection(_ConnectionBase):
                 if reader.look_at_list() and self._from_store(0):
                     continue
                 wait = LOOK if remaining is None else min(LOOK, remaining)
-                if not reader.wait(max(wait, 0.0)) and reader.writer_gone():
+                direct = reader.receive(max(wait, 0.0))
+                if direct is not None:
+                    return direct
+                if reader.writer_gone():
                     return EOS  # its only writer copy died: end of stream
                 continue
             self._from_store(remaining)
@@ -364,14 +364,40 @@ class Connection(_ConnectionBase):
         """The next message (waiting for it); :class:`EOFError` at end of stream."""
         if self._eof:
             raise EOFError
-        item = self._next(None)
+        item = self._next(None) if not self._eos_next else EOS
         assert item is not None
         if item == EOS:
+            earlier = self._before_eos()
+            if earlier is not None:
+                self._eos_next = True
+                return earlier
             self._eof = True
             _push_back(self._program, self._read_key, collections.deque([EOS]))
             raise EOFError  # (left in the list for the other copies of this end)
         self._last = time.monotonic()
         return item
+
+    def _before_eos(self) -> Item | None:
+        """A message sent before end-of-stream that it overtook (several writers, some
+        switched: their sockets and the list are not one line): it goes first."""
+        reader, buffer = self._reader, self._buffer
+        if reader is None:
+            return None
+        for _ in range(2):  # again after the list's switch markers opened more writers
+            if reader.claim is not None:
+                reader.held()  # what the sockets have, read now
+                direct = reader.take()
+                if direct is not None:
+                    return direct
+            if not buffer:
+                self._from_store(0)
+            while buffer:
+                message = buffer.popleft()
+                if message[:1] == SWITCH:
+                    reader.marker(message)
+                elif message != EOS:
+                    return message
+        return None
 
     def _recv_bytes(self, maxsize: int | None = None) -> io.BytesIO | None:
         message = as_message(self._recv_item())
