@@ -26,11 +26,12 @@ writer died would.
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 
 from nimbus import messaging
-from nimbus.errors import PeerExited, PeerLost
+from nimbus.errors import MessagingTimeout, PeerExited, PeerLost
 from nimbus.keys import Keys
 from nimbus.multiprocessing._handover import Consumer, Lane, Producer, one
 from nimbus.multiprocessing._link import link
@@ -71,17 +72,30 @@ class PipeReader(Consumer):
 
     def writer_gone(self) -> bool:
         """Whether the lane's only writer copy died switched to us (looked at every
-        GONE_LOOK seconds, when nothing is pending): every switched writer is gone,
-        nothing they sent waits, and the writing end has one copy (the dead one's)."""
+        GONE_LOOK seconds, when nothing is pending): every switched writer is gone, one
+        was killed (one that exited closed its copy), nothing they sent waits, and the
+        writing end has one copy left: the killed one's."""
         now = time.monotonic()
         if now < self._gone_look or any(self.pending.values()):
             return False
         self._gone_look = now + GONE_LOOK
-        ep = messaging.current()
-        if not self.opened or any(s not in self.gone and ep.alive(s) for s in self.opened):
+        ep, killed = messaging.current(), False
+        for source in list(self.opened):
+            if source not in self.gone and ep.alive(source):
+                return False
+            try:  # how it ended: its connection broke (killed), or it said goodbye
+                message = ep.recv_with_source(source, 0, self.tag)[1]
+            except PeerLost:
+                killed = True
+                continue
+            except (PeerExited, MessagingTimeout):
+                continue
+            with self.lock:  # it had sent more: delivered next
+                found = self.pending.setdefault(source, collections.deque())
+                found.extend(message if isinstance(message, list) else (message,))
             return False
-        refs = link(self.prog).command("GET", self.lane.writer_refs)
-        return not self.held() and refs == b"1"
+        refs = link(self.prog).command("GET", self.lane.writer_refs) if killed else None
+        return refs == b"1" and not self.held()
 
 
 class PipeWriter(Producer):
@@ -91,13 +105,7 @@ class PipeWriter(Producer):
         """End-of-stream of the writing end's last copy, directly if switched; False:
         the caller pushes it to the list."""
         with self.lock:
-            if self.peer is None:
-                return False
-            try:
-                messaging.current().send(self.peer, EOS, self.tag)
-                return True
-            except (PeerLost, PeerExited):
-                return False
+            return self.peer is not None and self.send_switched(EOS)
 
 
 def reader(prog: Program, lane: PipeLane) -> PipeReader:

@@ -43,16 +43,16 @@ go to the tail of the list, then whatever still arrives from each, up to its
 pushes to the list again, so its messages reach the list in order. Every
 message is delivered by the holder or taken from the list: once.
 
-*Failures.* A killed writer loses what it had not sent; what it sent
-arrives. A writer whose direct send fails (the holder is gone) goes back to
-the list without ``R``, never to switch to that claim again. A holder killed
+*Failures.* A killed writer loses what it had not sent. A writer whose
+direct send fails (the holder is gone) goes back to the list without ``R``,
+never to switch to that claim again. A holder killed
 by a signal loses what was sent to it directly and not yet delivered; the
 next reader replaces its claim. A holder that exits normally gives its claim
 up and forwards until each switched writer sent ``R``, is gone, or has sent
 nothing for QUIET seconds (GRACE at most).
 
-*Store only.* Shared lanes, processes of another program, processes that
-cannot be instances, ``NIMBUS_MESSAGING_DIRECT=0``.
+*Store only.* Shared lanes, processes of another program or that cannot be
+instances, ``NIMBUS_MESSAGING_DIRECT=0``.
 """
 
 from __future__ import annotations
@@ -160,15 +160,6 @@ def endpoint(prog: Program) -> Any:
         return None
 
 
-def _tag(list_key: str, claim: str) -> str:
-    return f"{list_key}|{claim}"
-
-
-def _flatten(message: Any) -> list[Item]:
-    """The messages of one direct message (a batch is a list)."""
-    return message if isinstance(message, list) else [message]
-
-
 def _giveup_key(prog: Program, instance: str) -> str:
     """The list where instance ``instance`` finds the claims it must give up."""
     return prog.keys.queue_field(instance, "giveup")
@@ -226,7 +217,7 @@ class Consumer:
     def _claimed(self, claim: str) -> None:
         with self.lock:
             self.claim = claim
-            self.tag = _tag(self.lane.list, claim)
+            self.tag = f"{self.lane.list}|{claim}"  # of its direct messages
         _watch(self, claim.partition(":")[0])
 
     def marker(self, item: bytes) -> None:
@@ -295,11 +286,12 @@ class Consumer:
                 return None
             if source == only and type(message) is not list and message != REVERT:
                 return message  # type: ignore[no-any-return]
-            found = self.pending.get(source)
-            if found is None:
-                found = self.pending[source] = collections.deque()
-            found.extend(_flatten(message))
+            _file(self.pending, source, message)
             return self._deliverable()
+
+    def writer_gone(self) -> bool:
+        """Whether the lane ended because its writers died (never, for a queue)."""
+        return False
 
     def _deliverable(self) -> Item | None:
         pending = self.pending
@@ -308,11 +300,6 @@ class Consumer:
             if found and found[0] != REVERT:  # nothing follows "R": the claim is going
                 return found.popleft()
         return None
-
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for direct mail; whether some came."""
-        tag = self.tag
-        return bool(tag) and bool(messaging.current().poll_tagged(None, tag, timeout))
 
     def give_up(self, *, at_exit: bool = False) -> None:
         """Give the claim up (or find it gone): see the module's docstring."""
@@ -430,16 +417,12 @@ class Producer:
     def send(self, messages: Sequence[Item]) -> bool:
         """Send messages directly if switched; False: the caller pushes them to the list."""
         with self.lock:
-            return self.send_locked(messages)
-
-    def send_locked(self, messages: Sequence[Item]) -> bool:
-        """:meth:`send` with ``lock`` held by the caller."""
-        now = time.monotonic()
-        if now >= self._next_check and not self.off:
-            self._check(now)
-        if self.peer is None:
-            return False
-        return self.send_switched(messages[0] if len(messages) == 1 else messages)
+            now = time.monotonic()
+            if now >= self._next_check and not self.off:
+                self._check(now)
+            if self.peer is None:
+                return False
+            return self.send_switched(messages[0] if len(messages) == 1 else messages)
 
     def send_switched(self, message: Any) -> bool:
         """Send ``message`` to the holder now (``lock`` held, switched); False: it is gone."""
@@ -478,7 +461,7 @@ class Producer:
         elif isinstance(found, bytes):
             self.peer = found.decode().partition(":")[0]
             self.claim = found
-            self.tag = _tag(lane.list, found.decode())
+            self.tag = f"{lane.list}|{found.decode()}"
 
     def _revert(self, *, notify: bool) -> None:
         """Back to the list: "R" to the holder, and its "F" once it forwarded our messages."""
@@ -513,11 +496,16 @@ def _take_direct(tag: Any, into: dict[str, collections.deque[Item]]) -> int:
             source, message = ep.recv_with_source(None, 0, tag)
         except MessagingTimeout:
             return n
-        found = into.get(source)
-        if found is None:
-            found = into[source] = collections.deque()
-        found.extend(_flatten(message))
+        _file(into, source, message)
     return _PULL
+
+
+def _file(into: dict[str, collections.deque[Item]], source: str, message: Any) -> None:
+    """File a direct message (one, or a batch: a list) under its writer."""
+    found = into.get(source)
+    if found is None:
+        found = into[source] = collections.deque()
+    found.extend(message if isinstance(message, list) else (message,))
 
 
 _lock = threading.Lock()

@@ -75,7 +75,7 @@ from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
 from nimbus.multiprocessing import _direct, _state, _wait
 from nimbus.multiprocessing._direct import PipeLane
-from nimbus.multiprocessing._handover import LOOK
+from nimbus.multiprocessing._handover import LOOK, Consumer
 from nimbus.multiprocessing._link import Script, link
 from nimbus.multiprocessing._link import pack as pack_command
 from nimbus.multiprocessing._payload import (
@@ -172,7 +172,9 @@ class Connection(_ConnectionBase):
     def _new_direct(self) -> None:
         """This process's direct sides of the lanes this end reads and writes."""
         read_lane, write_lane = self._lanes or (None, None)
-        self._reader = _direct.reader(self._program, read_lane) if read_lane else None
+        self._reader: Consumer | None = (
+            _direct.reader(self._program, read_lane) if read_lane else None
+        )
         self._writer = _direct.writer(self._program, write_lane) if write_lane else None
 
     def _finalize(self) -> None:
@@ -383,21 +385,23 @@ class Connection(_ConnectionBase):
         reader, buffer = self._reader, self._buffer
         if reader is None:
             return None
-        for _ in range(2):  # again after the list's switch markers opened more writers
+        while True:  # to the end of the list: its switch markers may open more writers
             if reader.claim is not None:
                 reader.held()  # what the sockets have, read now
                 direct = reader.take()
                 if direct is not None:
                     return direct
             if not buffer:
-                self._from_store(0)
+                found = link(self._program).call(("LPOP", self._read_key, PREFETCH))[0]
+                if not found:
+                    return None
+                buffer.extend(found)
             while buffer:
                 message = buffer.popleft()
                 if message[:1] == SWITCH:
                     reader.marker(message)
                 elif message != EOS:
                     return message
-        return None
 
     def _recv_bytes(self, maxsize: int | None = None) -> io.BytesIO | None:
         message = as_message(self._recv_item())
@@ -445,7 +449,7 @@ def _release(
     write_key: str | None,
     refs: str | None,
     buffer: collections.deque[bytes],
-    reader: _direct.PipeReader | None = None,
+    reader: Consumer | None = None,
     writer: _direct.PipeWriter | None = None,
 ) -> None:
     """Give back prefetched messages and this copy's reference (quietly at exit)."""

@@ -60,7 +60,7 @@ from typing import Any
 from nimbus.errors import StateStoreError
 from nimbus.keys import Keys
 from nimbus.multiprocessing import _qdirect
-from nimbus.multiprocessing._payload import MESSAGE, SWITCH, load, pack, unpack
+from nimbus.multiprocessing._payload import MESSAGE, load, pack, unpack
 from nimbus.multiprocessing._state import Program, program
 from nimbus.multiprocessing.connection import Connection, link, seconds
 from nimbus.statestore import Script
@@ -146,6 +146,7 @@ class Queue:
         if not self._maxsize:  # a bounded queue counts its items in the store
             self._consumer = _qdirect.consumer(self._program, self._name)
             self._producer = _qdirect.producer(self._program, self._name)
+        self._reader._reader = self._consumer  # reads directly, after the list's markers
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self._program, self._name, self._maxsize))
@@ -332,37 +333,14 @@ class Queue:
         return load(message)
 
     def _next(self, deadline: float | None) -> bytes | None:
-        """The next item, from the list or (claimed, see ``_qdirect``) directly; None:
-        none came by ``deadline``."""
-        reader, consumer = self._reader, self._consumer
-        if consumer is not None and consumer.claim is None:
-            consumer.try_claim()
-        buffer = reader._buffer
-        tried = False
-        while True:
-            while buffer:
-                message = buffer.popleft()
-                if message[:1] != SWITCH:
-                    reader._last = time.monotonic()  # a tight loop of gets: fills take more
-                    return message
-                if consumer is not None:
-                    consumer.marker(message)
-            if consumer is not None and consumer.active():
-                direct = consumer.take()
-                if direct is not None:
-                    return direct  # type: ignore[return-value]  # a queue's are bytes
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if tried and remaining is not None and remaining <= 0:
-                return None
-            tried = True
-            if consumer is not None and consumer.active():
-                # producers are switched: wait on the socket, look at the list now and then
-                if consumer.look_at_list() and reader._poll(0):
-                    continue
-                wait = _qdirect.LOOK if remaining is None else min(_qdirect.LOOK, remaining)
-                consumer.wait(max(wait, 0.0))
-                continue
-            reader._poll(remaining)
+        """The next item, from the list or (claimed, see ``_handover``) directly; None:
+        none came by ``deadline``. The queue's reader connection reads it, with this
+        process's consumer as its direct side."""
+        reader = self._reader
+        message = reader._next(deadline)
+        if message is not None:
+            reader._last = time.monotonic()  # a tight loop of gets: fills take more
+        return message  # type: ignore[return-value]  # a queue's are bytes
 
     def get_nowait(self) -> Any:
         """``get(False)``."""
