@@ -6,7 +6,7 @@
       store-only nimbus connections, one store --> one BLPOP over their lists
       + file descriptors ----------------------> BLPOP, and a thread that waits on the fds
                                                  and wakes it through a private list
-      a connection reading directly (_direct) --> slices of _SLICE seconds in turn
+      a connection reading directly (_handover) -> slices of _SLICE seconds in turn
                                                  (the whole wait, if it is alone)
 """
 

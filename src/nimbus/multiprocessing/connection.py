@@ -9,12 +9,12 @@
         +-- local buffer of prefetched messages      close(): last copy ---+
                                                      pushes end-of-stream
 
-    once both ends of a direction are live instances with one copy each (_direct):
+    once one process reads a direction and its writers are instances (_direct):
     send(obj) --nimbus.messaging, a socket (tag: the direction)-------> recv()
 
 Each direction of a :func:`Pipe` is a Redis list named by the end that reads
 it. Every list element is one message: ``b"B"`` + the bytes, or ``b"E"``, the
-end-of-stream marker (or a marker of the switch below; ``_payload`` draws them
+end-of-stream marker (or a switch marker, below; ``_payload`` draws them
 all). A send writes its RPUSH (and the PEXPIRE that renews the list's TTL)
 asking the store for no reply, so a send costs one ``write``; a receive with
 nothing in hand blocks in one BLPOP, or, in a tight loop, takes up to 63 more
@@ -23,15 +23,19 @@ local buffer that :meth:`Connection.poll`, :meth:`Connection.recv` and
 :func:`wait` see. On close (explicit, at garbage collection or at process exit)
 prefetched messages are pushed back to the head of the list.
 
-A direction *switches* to direct messaging (``nimbus.multiprocessing._direct``)
-when its reading end and its writing end each have one copy, in processes of
-the program that are instances: the reader claims the direction when it starts
-reading, the writer finds the claim within 20 ms of sending and puts a switch
-marker in the list, and from there sends straight to the reader's socket; the
-reader reads the list up to the marker, then the writer's direct messages, so
-every message arrives once and in order. Pickling either end (a second copy),
-closing it, or the peer's death goes back to the store the same way, in band.
-``NIMBUS_MESSAGING_DIRECT=0`` keeps every message in the store.
+A direction *switches* to direct messaging (the handover engine,
+``nimbus.multiprocessing._handover``, and its Pipe lane ``_direct``) while
+one process reads it: the reader claims the direction when it starts reading,
+each writer finds the claim within 20 ms of sending and puts a switch marker
+in the list, and from there sends straight to the reader's socket; the reader
+reads the list up to each writer's marker, then that writer's direct
+messages, so every message arrives once and in order. Copies of an end that
+are only held (the stdlib documentation's parent that keeps the child's end)
+change nothing; a second process reading the direction takes it back to the
+store, in order, for good. A :class:`Connection` is the stdlib's
+``_ConnectionBase`` with its three hooks filled (``_send_bytes``,
+``_recv_bytes``, ``_poll``), and its own ``send``/``recv`` for nimbus's
+pickling. ``NIMBUS_MESSAGING_DIRECT=0`` keeps every message in the store.
 
 An end may be pickled to other processes, like a file descriptor inherited by a
 child: each copy holds a reference (taken when it is pickled), and when the

@@ -35,7 +35,7 @@ in the list and sends its batches straight to the consumer's socket. A second
 consumer makes the queue shared, for good: the first gives its claim up and
 puts what came to it directly, and did not deliver, back into the list,
 before each producer's later items. Each producer's order holds and every
-item arrives once across the switch (``nimbus.multiprocessing._qdirect``
+item arrives once across the switch (``nimbus.multiprocessing._handover``
 says how, and what a consumer killed by a signal loses). Bounded queues,
 :class:`SimpleQueue` (a Pool's job queue, with competing consumers) and
 ``NIMBUS_MESSAGING_DIRECT=0`` stay in the store. ``qsize`` and ``empty``
