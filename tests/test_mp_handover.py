@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import queue
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -143,12 +144,14 @@ def _warm_then_wait(tx: Any, hold: connection.Connection) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _no_children_left() -> Any:
-    """A failed test leaves no child running."""
+def _stop_leftover_children() -> Iterator[None]:
+    """A failed test leaves no child running: all are killed, then each is joined."""
     yield
-    for p in mp.active_children():
-        p.kill()
-        p.join(30)
+    leftover = mp.active_children()
+    for child in leftover:
+        child.kill()
+    for child in leftover:
+        child.join(30)
 
 
 def _start(target: Any, *args: Any) -> Any:
