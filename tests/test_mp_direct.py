@@ -449,3 +449,25 @@ def test_the_parent_later_writes_on_its_copy_in_order() -> None:
     assert theirs == list(range(2000))
     a.close()
     b.close()
+
+
+def _take_turns(barrier: Any, lock: Any, w: connection.Connection, passes: int) -> None:
+    for i in range(passes):
+        barrier.wait()
+        with lock:
+            w.send(i)
+
+
+def test_writers_taking_turns_keep_the_order_of_their_turns() -> None:
+    """Several processes write one direction in turns (a barrier between passes):
+    the reader sees every pass before the next, as through an OS pipe. A second
+    writing process takes the direction back to the store, in order."""
+    r, w = mp.Pipe(duplex=False)
+    n, passes = 3, 150
+    barrier, lock = mp.Barrier(n), mp.Lock()
+    procs = [_start(_take_turns, barrier, lock, w, passes) for _ in range(n)]
+    w.close()
+    got = [r.recv() for _ in range(n * passes)]
+    for p in procs:
+        p.join(30)
+    assert got == [i for i in range(passes) for _ in range(n)]

@@ -27,15 +27,25 @@ writer died would.
 from __future__ import annotations
 
 import collections
+import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nimbus import messaging
 from nimbus.errors import MessagingTimeout, PeerExited, PeerLost
 from nimbus.keys import Keys
-from nimbus.multiprocessing._handover import Consumer, Lane, Producer, one
-from nimbus.multiprocessing._link import link
-from nimbus.multiprocessing._payload import EOS
+from nimbus.multiprocessing._handover import (
+    CHECK,
+    Consumer,
+    Lane,
+    Producer,
+    endpoint,
+    giveup_key,
+    one,
+)
+from nimbus.multiprocessing._link import Script, link
+from nimbus.multiprocessing._payload import EOS, Item
 from nimbus.multiprocessing._state import Program
 
 __all__ = ["PipeLane", "PipeReader", "PipeWriter", "lanes", "reader", "writer"]
@@ -48,6 +58,11 @@ class PipeLane(Lane):
     """A pipe direction's keys, with the count of its writing end's copies."""
 
     writer_refs: str
+
+    @property
+    def writers_users(self) -> str:
+        """The processes that have written this direction (a set)."""
+        return f"{self.writers}:users"
 
 
 def lanes(keys: Keys, name: str) -> tuple[PipeLane, PipeLane]:
@@ -98,8 +113,53 @@ class PipeReader(Consumer):
         return refs == b"1" and not self.held()
 
 
+# A process's first write of a lane: the writers become two or more, so the lane goes to
+# the store for good; a writer switched already is stopped (its holder gives the claim up).
+_SECOND = Script("""
+redis.call('SADD', KEYS[4], ARGV[1])
+redis.call('PEXPIRE', KEYS[4], ARGV[2])
+if redis.call('SCARD', KEYS[4]) < 2 then return false end
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+local h = redis.call('GET', KEYS[1])
+if h then redis.call('DEL', KEYS[1]) end
+return h or ''
+""")
+
+
 class PipeWriter(Producer):
-    """A pipe direction's writer in this process: the engine's, and end-of-stream."""
+    """A pipe direction's writer in this process: the engine's, one writer at a time,
+    and end-of-stream."""
+
+    lane: PipeLane
+    _joined = False
+
+    def send(self, messages: Sequence[Item]) -> bool:
+        if not self._joined:
+            self._join()
+        return super().send(messages)
+
+    def _join(self) -> None:
+        """This process's first write of the lane. A Pipe keeps the order of its
+        writers' messages as they happen, which two sockets cannot: a lane written
+        by two processes is the store's, and a second writer first waits until the
+        switched one, if any, is stopped: its holder gave the claim up (what came
+        directly is in the list) and it looks at the claim before its next send."""
+        self._joined = True
+        ep = endpoint(self.prog)
+        me = ep.id if ep is not None else f"pid:{os.getpid()}"
+        lane, store, ttl = self.lane, link(self.prog), self.prog.ttl_ms
+        keys = [lane.holder, lane.mode, lane.writers, lane.writers_users]
+        claim = store.eval(_SECOND, keys, [me, ttl])
+        if claim is None:
+            return
+        self.off = True
+        if claim:
+            giveup = giveup_key(self.prog, claim.decode().partition(":")[0])
+            store.call(("RPUSH", giveup, claim), ("PEXPIRE", giveup, ttl))
+        deadline = time.monotonic() + 5.0
+        while store.command("HLEN", lane.writers) and time.monotonic() < deadline:
+            time.sleep(0.002)  # the holder gives up: switched writers leave the hash
+        time.sleep(2 * CHECK)  # the holder forwarded; the switched writer looks first
 
     def close_end(self) -> bool:
         """End-of-stream of the writing end's last copy, directly if switched; False:

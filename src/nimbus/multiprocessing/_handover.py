@@ -74,7 +74,7 @@ from nimbus.multiprocessing._link import Script, link
 from nimbus.multiprocessing._payload import REVERT, Item, as_message
 from nimbus.multiprocessing._state import Program
 
-__all__ = ["ACK", "Consumer", "Lane", "Producer", "endpoint", "one"]
+__all__ = ["ACK", "Consumer", "Lane", "Producer", "endpoint", "giveup_key", "one"]
 
 ACK = b"F"  # the holder to a writer: your direct messages are in the list
 CHECK = 0.02  # seconds between a sending writer's looks at the claim
@@ -160,7 +160,7 @@ def endpoint(prog: Program) -> Any:
         return None
 
 
-def _giveup_key(prog: Program, instance: str) -> str:
+def giveup_key(prog: Program, instance: str) -> str:
     """The list where instance ``instance`` finds the claims it must give up."""
     return prog.keys.queue_field(instance, "giveup")
 
@@ -210,7 +210,7 @@ class Consumer:
                 if store.eval(_STEAL, [lane.holder, lane.mode], [holder, claim, ttl]):
                     self._claimed(claim)
                 return
-            giveup = _giveup_key(self.prog, instance)
+            giveup = giveup_key(self.prog, instance)
             store.eval(_SHARE, [lane.holder, lane.mode, giveup], [holder, ttl])
         self.done = True
 
@@ -470,7 +470,7 @@ class Producer:
         if peer is None or not notify:
             return
         ep = messaging.current()
-        giveup, ttl = _giveup_key(self.prog, peer), self.prog.ttl_ms
+        giveup, ttl = giveup_key(self.prog, peer), self.prog.ttl_ms
         try:  # the holder's thread gives the claim up now, if it has not yet
             link(self.prog).call(("RPUSH", giveup, claim), ("PEXPIRE", giveup, ttl))
         except StateStoreError:
@@ -529,7 +529,7 @@ def one(make: Callable[[Program, Lane], _Side], prog: Program, lane: Lane) -> _S
 
 
 def _watch(c: Consumer, instance: str) -> None:
-    key = _giveup_key(c.prog, instance)
+    key = giveup_key(c.prog, instance)
     with _lock:
         _claimed.append(c)
         if not _exit_registered:
