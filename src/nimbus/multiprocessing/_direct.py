@@ -10,13 +10,17 @@
 A *lane* is one direction of a pipe, named by the end that reads it. The claim,
 the switch, the give-up and the failures are the engine's
 (``nimbus.multiprocessing._handover``): the process that reads the lane claims
-it, each process that writes it switches to that claim. Holding a copy of an
+it, the process that writes it switches to that claim. Holding a copy of an
 end is no use of it: the stdlib documentation's ``a, b = Pipe()`` whose parent
 starts a child with ``b`` and keeps its own copy goes direct both ways, and
-goes back to the store, in order, only when a second process really reads the
-lane (a second writer simply switches too).
+goes back to the store, in order and for good, only when a second process
+really reads or writes the lane.
 
-What only a Pipe adds is end-of-stream: the last copy of the writing end to
+What only a Pipe adds: *one writer.* A pipe keeps the order in which its
+writers' messages happen (processes taking turns under a lock see their turns
+in order), which two sockets cannot; so a second process's first write makes
+the lane the store's, after the switched writer, if any, is stopped (see
+:meth:`PipeWriter._join`). And *end-of-stream*: the last copy of the writing end to
 close sends ``E`` (``connection._release`` counts the copies), directly when
 its process is switched, so that it follows that process's direct messages;
 and a direct reader whose only writer copy died (a killed process never
