@@ -122,7 +122,7 @@ class PipeReader(Consumer):
 _SECOND = Script("""
 redis.call('SADD', KEYS[4], ARGV[1])
 redis.call('PEXPIRE', KEYS[4], ARGV[2])
-if redis.call('SCARD', KEYS[4]) < 2 then return false end
+if #redis.call('SMEMBERS', KEYS[4]) < 2 then return false end
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 local h = redis.call('GET', KEYS[1])
 if h then redis.call('DEL', KEYS[1]) end
@@ -161,7 +161,7 @@ class PipeWriter(Producer):
             giveup = giveup_key(self.prog, claim.decode().partition(":")[0])
             store.call(("RPUSH", giveup, claim), ("PEXPIRE", giveup, ttl))
         deadline = time.monotonic() + 5.0
-        while store.command("HLEN", lane.writers) and time.monotonic() < deadline:
+        while store.command("EXISTS", lane.writers) and time.monotonic() < deadline:
             time.sleep(0.002)  # the holder gives up: switched writers leave the hash
         time.sleep(2 * CHECK)  # the holder forwarded; the switched writer looks first
 
