@@ -10,9 +10,7 @@ A module belongs to its top-level package (``nimbus.service.app`` to ``service``
   ``nimbus._chunks`` are the whole library's own.
 
 Every import counts: at the top of a module, inside a function (imported on first
-use) and under ``TYPE_CHECKING``. The violations of today are listed in
-:data:`KNOWN`; anything else fails, and so does an entry of KNOWN that no longer
-occurs (remove it).
+use) and under ``TYPE_CHECKING``. There are no exceptions.
 """
 
 from __future__ import annotations
@@ -61,15 +59,6 @@ LAYERS: dict[str, int] = {
     "_chunks": 1,
     # the exception tree, at the bottom
     "errors": 0,
-}
-
-# Violations of today, each "importing module -> imported module (or name)", being
-# fixed by other branches of issue 15: empty this list as they land; never add to it.
-KNOWN: set[str] = {
-    # direct: the handover engine uses messaging's private modules
-    "nimbus.multiprocessing._direct -> nimbus.messaging._api",
-    "nimbus.multiprocessing._direct -> nimbus.messaging._instance",
-    "nimbus.multiprocessing._qdirect -> nimbus.messaging._api",
 }
 
 
@@ -159,7 +148,7 @@ def test_every_package_has_a_floor() -> None:
 
 def test_imports_run_down_the_layers_into_public_names() -> None:
     edges = _edges()
-    new = {edge: why for edge, why in _violations().items() if edge not in KNOWN}
+    new = _violations()
     assert not new, "\n".join(
         f"{edge}: {why} ({', '.join(edges[edge])})" for edge, why in sorted(new.items())
     )
@@ -168,17 +157,10 @@ def test_imports_run_down_the_layers_into_public_names() -> None:
 def test_no_cycle_between_packages() -> None:
     graph: dict[str, set[str]] = defaultdict(set)
     for edge in _edges():
-        if edge not in KNOWN:
-            importer, target = edge.split(" -> ")
-            graph[_package(importer)].add(_package(target))
+        importer, target = edge.split(" -> ")
+        graph[_package(importer)].add(_package(target))
     cycles = _cycles(graph)
     assert not cycles, f"import cycles between packages: {cycles}"
-
-
-def test_known_violations_still_occur() -> None:
-    """KNOWN shrinks as violations are fixed: a fixed one is removed from it."""
-    gone = sorted(KNOWN - set(_violations()))
-    assert not gone, f"fixed, remove from KNOWN in tests/test_layers.py: {gone}"
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

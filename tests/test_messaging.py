@@ -578,6 +578,7 @@ def test_public_names() -> None:
         "bcast",
         "close",
         "current",
+        "direct_enabled",
         "gather",
         "instance_id",
         "recv",

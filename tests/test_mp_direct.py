@@ -18,6 +18,7 @@ import pytest
 
 import nimbus.multiprocessing as mp
 from nimbus.multiprocessing import connection
+from nimbus.statestore import link
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,7 +58,7 @@ def _switch_then_flood(w: connection.Connection, start: int, n: int) -> None:
 
 def _read_all(r: connection.Connection, out: connection.Connection) -> None:
     got = _drain(r)
-    out.send((got, r._reader is not None and r._reader.source is not None))
+    out.send((got, r._reader is not None and r._reader.active()))
     out.close()
 
 
@@ -141,7 +142,7 @@ def _echo_child(rounds: int) -> tuple[connection.Connection, Any]:
 
 def test_echo_goes_direct_in_both_directions_and_ends_with_eof() -> None:
     a, p = _echo_child(300)
-    assert a._reader is not None and a._reader.source is not None  # child -> parent: direct
+    assert a._reader is not None and a._reader.active()  # child -> parent: direct
     a.send_bytes(b"raw")
     buf = bytearray(10)
     assert a.recv_bytes_into(buf, 2) == 3 and buf[2:5] == b"raw"
@@ -281,8 +282,8 @@ def test_writer_handed_to_another_process() -> None:
     a, p = _echo_child(200)
     assert a._writer is not None
     r, w = mp.Pipe(duplex=False)
-    q = _start(_flood, a, 1000, 500, False)  # a second writer copy: back to the store
-    assert a._writer.peer is None
+    q = _start(_flood, a, 1000, 500, False)  # a second writer: it switches too
+    assert a._writer.peer is not None  # a copy handed on is no use of this one
     w.close()
     got = [a.recv() for _ in range(500)]
     assert got == list(range(1000, 1500))
@@ -296,7 +297,7 @@ def test_writer_handed_to_another_process() -> None:
 
 def test_both_ends_of_a_duplex_conversation_handed_over() -> None:
     a, p = _echo_child(300)  # both directions direct
-    assert a._reader is not None and a._reader.source is not None
+    assert a._reader is not None and a._reader.active()
     out_r, out_w = mp.Pipe(duplex=False)
     q = _start(_converse, a, 1000, 500, out_w)  # pickling gives up one, reverts the other
     a.close()
@@ -324,7 +325,6 @@ def test_competing_readers_share_the_stream() -> None:
     assert sorted(lists[0] + lists[1]) == list(range(2000))
     for got in lists:
         assert got == sorted(got)
-    assert not any(direct for _, direct in results)
 
 
 def test_writer_killed_mid_conversation_gives_eof() -> None:
@@ -388,3 +388,86 @@ def test_direct_off_keeps_everything_in_the_store(monkeypatch: pytest.MonkeyPatc
     p.join(30)
     assert got == [*range(1000), ("switched", False)]
     assert r._reader is not None and r._reader.claim is None
+
+
+# -- the stdlib documentation's idiom: the parent keeps its copy of the child's end --
+
+
+def _read_k_then_exit(b: connection.Connection, k: int) -> None:
+    got = [b.recv() for _ in range(k)]
+    b.send(("read", got))  # and exits: its copy closes
+
+
+def test_the_documentation_idiom_goes_direct_both_ways() -> None:
+    a, b = mp.Pipe()
+    p = _start(_echo, b)  # no b.close(): the parent keeps a copy it never uses
+    deadline = time.monotonic() + 30
+    while not (a._writer.peer is not None and a._reader.active()):
+        assert time.monotonic() < deadline, "the idiom never went direct"
+        a.send("warm")
+        assert a.recv() == "warm"
+    store = link(a._program)
+    lists = [a._read_key, a._write_key]
+    for i in range(300):
+        a.send(i)
+        assert a.recv() == i
+    assert store.call(*(("LLEN", key) for key in lists)) == [0, 0]  # nothing went there
+    assert a._reader.opened  # the child's messages came over its socket
+    a.close()  # a's only copy: end-of-stream to the child, directly
+    p.join(30)
+    assert p.exitcode == 0
+    b.close()
+
+
+def test_the_parent_later_reads_its_copy_in_order() -> None:
+    a, b = mp.Pipe()
+    p = _start(_read_k_then_exit, b, 300)
+    for i in range(1000):  # direct to the child once it claimed its direction
+        a.send(i)
+    tag, got = a.recv()
+    assert tag == "read" and got == list(range(300))
+    p.join(30)
+    rest = [b.recv() for _ in range(700)]  # the parent's copy reads on, in order
+    assert rest == list(range(300, 1000))
+    assert not b.poll(0.2)
+    a.close()
+    b.close()
+
+
+def test_the_parent_later_writes_on_its_copy_in_order() -> None:
+    a, b = mp.Pipe()
+    p = _start(_flood, b, 0, 2000, True)  # the child writes to a through b ...
+    got: list[Any] = []
+    for i in range(500):  # ... and so does the parent, on its copy, meanwhile
+        b.send(("parent", i))
+    while len(got) < 2501:
+        got.append(a.recv())
+    p.join(30)
+    mine = [x[1] for x in got if isinstance(x, tuple) and x[0] == "parent"]
+    theirs = [x for x in got if isinstance(x, int)]
+    assert mine == list(range(500))
+    assert theirs == list(range(2000))
+    a.close()
+    b.close()
+
+
+def _take_turns(barrier: Any, lock: Any, w: connection.Connection, passes: int) -> None:
+    for i in range(passes):
+        barrier.wait()
+        with lock:
+            w.send(i)
+
+
+def test_writers_taking_turns_keep_the_order_of_their_turns() -> None:
+    """Several processes write one direction in turns (a barrier between passes):
+    the reader sees every pass before the next, as through an OS pipe. A second
+    writing process takes the direction back to the store, in order."""
+    r, w = mp.Pipe(duplex=False)
+    n, passes = 3, 150
+    barrier, lock = mp.Barrier(n), mp.Lock()
+    procs = [_start(_take_turns, barrier, lock, w, passes) for _ in range(n)]
+    w.close()
+    got = [r.recv() for _ in range(n * passes)]
+    for p in procs:
+        p.join(30)
+    assert got == [i for i in range(passes) for _ in range(n)]

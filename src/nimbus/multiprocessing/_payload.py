@@ -5,13 +5,12 @@
     "B" + pickle                       a message (a plain pickle)
     "B" + "O" count sizes data bufs    a message framed with its out-of-band buffers
     "E"                                end of stream
-    "S" claim "|" switch id            switch marker, "M" switch id: revert marker (_direct)
-    "S" claim "|" producer             a Queue producer's switch marker (_qdirect)
-    "R"                                a writer's (producer's) last direct message
+    "S" claim "|" writer               a writer's switch marker (_handover)
+    "R"                                a writer's last direct message
 
-A direct message (``nimbus.multiprocessing._direct``) is such an element
+A direct message (``nimbus.multiprocessing._handover``) is such an element
 (bytes), or an object's pickle and its buffers (a tuple, sent without framing:
-the buffers go straight to the socket).
+the buffers go straight to the socket), or a batch of elements (a list).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from nimbus.multiprocessing import _site as _state
 
 __all__ = [
     "EOS",
-    "MARK",
     "MESSAGE",
     "REVERT",
     "SWITCH",
@@ -43,7 +41,6 @@ __all__ = [
 MESSAGE = b"B"
 EOS = b"E"
 SWITCH = b"S"
-MARK = b"M"
 REVERT = b"R"
 FRAMED = ord("O")  # the first byte of a message framed with its buffers (``frame``)
 _COPIED = 4096  # a plain pickle up to this size is unpickled from a copy: cheaper than a view

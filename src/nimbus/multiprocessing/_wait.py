@@ -6,7 +6,7 @@
       store-only nimbus connections, one store --> one BLPOP over their lists
       + file descriptors ----------------------> BLPOP, and a thread that waits on the fds
                                                  and wakes it through a private list
-      a connection reading directly (_direct) --> slices of _SLICE seconds in turn
+      a connection reading directly (_handover) -> slices of _SLICE seconds in turn
                                                  (the whole wait, if it is alone)
 """
 
@@ -58,7 +58,7 @@ def wait(object_list: Iterable[Any], timeout: float | None, kind: type[Connectio
     if not ours:
         return _std.wait(others, timeout)
     while True:  # again when what woke it was only a switch marker (the end went direct)
-        if any(c._reader is not None and c._reader.source is not None for c in ours):
+        if any(c._direct_now() for c in ours):
             return _in_order(objects, _wait_sliced(ours, others, deadline))
         remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
         if not others and len({c._program.url for c in ours}) == 1:
@@ -104,8 +104,8 @@ def _blpop(ours: list[Connection], timeout: float | None, wake: str | None) -> l
 def _wait_sliced(ours: list[Connection], others: list[Any], deadline: float | None) -> list[Any]:
     """Wait on direct connections and the rest in turn, a short slice each."""
     while True:
-        direct = [c for c in ours if c._reader is not None and c._reader.source is not None]
-        rest = [c for c in ours if c._reader is None or c._reader.source is None]
+        direct = [c for c in ours if c._direct_now()]
+        rest = [c for c in ours if not c._direct_now()]
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         if len(direct) == 1 and not rest and not others:
             direct[0]._poll(remaining)  # the common case: no slicing

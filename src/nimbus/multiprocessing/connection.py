@@ -9,12 +9,12 @@
         +-- local buffer of prefetched messages      close(): last copy ---+
                                                      pushes end-of-stream
 
-    once both ends of a direction are live instances with one copy each (_direct):
+    once one process reads a direction and its writers are instances (_direct):
     send(obj) --nimbus.messaging, a socket (tag: the direction)-------> recv()
 
 Each direction of a :func:`Pipe` is a Redis list named by the end that reads
 it. Every list element is one message: ``b"B"`` + the bytes, or ``b"E"``, the
-end-of-stream marker (or a marker of the switch below; ``_payload`` draws them
+end-of-stream marker (or a switch marker, below; ``_payload`` draws them
 all). A send writes its RPUSH (and the PEXPIRE that renews the list's TTL)
 asking the store for no reply, so a send costs one ``write``; a receive with
 nothing in hand blocks in one BLPOP, or, in a tight loop, takes up to 63 more
@@ -23,15 +23,19 @@ local buffer that :meth:`Connection.poll`, :meth:`Connection.recv` and
 :func:`wait` see. On close (explicit, at garbage collection or at process exit)
 prefetched messages are pushed back to the head of the list.
 
-A direction *switches* to direct messaging (``nimbus.multiprocessing._direct``)
-when its reading end and its writing end each have one copy, in processes of
-the program that are instances: the reader claims the direction when it starts
-reading, the writer finds the claim within 20 ms of sending and puts a switch
-marker in the list, and from there sends straight to the reader's socket; the
-reader reads the list up to the marker, then the writer's direct messages, so
-every message arrives once and in order. Pickling either end (a second copy),
-closing it, or the peer's death goes back to the store the same way, in band.
-``NIMBUS_MESSAGING_DIRECT=0`` keeps every message in the store.
+A direction *switches* to direct messaging (the handover engine,
+``nimbus.multiprocessing._handover``, and its Pipe lane ``_direct``) while
+one process reads it: the reader claims the direction when it starts reading,
+each writer finds the claim within 20 ms of sending and puts a switch marker
+in the list, and from there sends straight to the reader's socket; the reader
+reads the list up to each writer's marker, then that writer's direct
+messages, so every message arrives once and in order. Copies of an end that
+are only held (the stdlib documentation's parent that keeps the child's end)
+change nothing; a second process reading the direction takes it back to the
+store, in order, for good. A :class:`Connection` is the stdlib's
+``_ConnectionBase`` with its three hooks filled (``_send_bytes``,
+``_recv_bytes``, ``_poll``), and its own ``send``/``recv`` for nimbus's
+pickling. ``NIMBUS_MESSAGING_DIRECT=0`` keeps every message in the store.
 
 An end may be pickled to other processes, like a file descriptor inherited by a
 child: each copy holds a reference (taken when it is pickled), and when the
@@ -60,6 +64,7 @@ from multiprocessing.connection import (  # type: ignore[attr-defined]  # noqa: 
     CHALLENGE,
     Client,
     Listener,
+    _ConnectionBase,
     address_type,
     answer_challenge,
     arbitrary_address,
@@ -67,30 +72,27 @@ from multiprocessing.connection import (  # type: ignore[attr-defined]  # noqa: 
     deliver_challenge,
     families,
 )
-from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nimbus import serialization
 from nimbus.errors import StateStoreError
 from nimbus.multiprocessing import _direct, _wait
 from nimbus.multiprocessing import _site as _state
-from nimbus.multiprocessing._direct import Lane
+from nimbus.multiprocessing._direct import PipeLane
+from nimbus.multiprocessing._handover import LOOK, Consumer
 from nimbus.multiprocessing._payload import (
     EOS,
-    MARK,
     MESSAGE,
     SWITCH,
+    Item,
     as_message,
     frame,
     load,
 )
-from nimbus.multiprocessing._site import program
 from nimbus.multiprocessing._wait import seconds
-from nimbus.statestore import Keys, Program, link
+from nimbus.statestore import Keys, Program, link, program
 from nimbus.statestore import pack as pack_command
-from nimbus.statestore.lua import (
-    CONNECTION_RELEASE as _RELEASE,
-)
+from nimbus.statestore.lua import CONNECTION_RELEASE as _RELEASE
 
 __all__ = [
     "AuthenticationError",
@@ -109,16 +111,30 @@ _TIGHT_LOOP = 0.001  # a reader back within this many seconds is in a loop: pref
 _PLAIN = (bytes, str)  # pickled the same with or without the program's reducers
 _SMALL = serialization.OOB_THRESHOLD  # below this, bytes are pickled in band anyway
 
+# Decrement the references of an end (the key goes at zero); how many are left.
 # ---------------------------------------------------------------- Connection
 
 
-class Connection:
+class Connection(_ConnectionBase):
     """One end of a :func:`Pipe`, or a reader or writer of a shared list.
 
-    ``refs`` is the key counting the copies of this end (None for the ends of
-    a queue, which never signal end-of-stream); ``lanes`` are the directions
-    of a pipe it reads and writes, which may go direct (see ``_direct``).
+    The stdlib's ``_ConnectionBase`` gives the public surface (its argument
+    checks, ``recv_bytes_into``, the context manager); this class fills its
+    three hooks ``_send_bytes``, ``_recv_bytes`` and ``_poll``, and keeps
+    ``send`` and ``recv`` for nimbus's pickling (out-of-band buffers travel
+    unframed). ``refs`` is the key counting the copies of this end (None for
+    the ends of a queue, which never signal end-of-stream); ``lanes`` are the
+    directions of a pipe it reads and writes, which may go direct (``_direct``).
     """
+
+    if TYPE_CHECKING:  # the stdlib base's, untyped there
+        _handle: int | None
+        _readable: bool
+        _writable: bool
+
+        def _check_closed(self) -> None: ...
+        def _check_readable(self) -> None: ...
+        def _check_writable(self) -> None: ...
 
     def __init__(
         self,
@@ -126,8 +142,9 @@ class Connection:
         read_key: str | None,
         write_key: str | None,
         refs: str | None = None,
-        lanes: tuple[Lane | None, Lane | None] | None = None,
+        lanes: tuple[PipeLane | None, PipeLane | None] | None = None,
     ) -> None:
+        super().__init__(0, read_key is not None, write_key is not None)  # no descriptor
         self._program = prog
         self._read_key = read_key
         self._write_key = write_key
@@ -135,8 +152,9 @@ class Connection:
         self._lanes = lanes
         self._new_direct()
         self._buffer: collections.deque[bytes] = collections.deque()
+        self._held: Item | None = None  # the next message, taken by a poll
         self._eof = False
-        self._closed = False
+        self._eos_next = False  # end-of-stream came, and messages it overtook go first
         self._batch = 1
         self._prefetch = PREFETCH
         self._ttl_ms = prog.ttl_ms
@@ -149,10 +167,12 @@ class Connection:
         util.register_after_fork(self, Connection._finalize)
 
     def _new_direct(self) -> None:
-        """The direct sides of the lanes this end reads and writes (fresh: store mode)."""
+        """This process's direct sides of the lanes this end reads and writes."""
         read_lane, write_lane = self._lanes or (None, None)
-        self._reader = _direct.Reader(self._program, read_lane) if read_lane else None
-        self._writer = _direct.Writer(self._program, write_lane) if write_lane else None
+        self._reader: Consumer | None = (
+            _direct.reader(self._program, read_lane) if read_lane else None
+        )
+        self._writer = _direct.writer(self._program, write_lane) if write_lane else None
 
     def _finalize(self) -> None:
         """(Re)register what happens at close or exit: prefetched items go back, refs drop."""
@@ -176,120 +196,109 @@ class Connection:
             self._writer,
         )
 
-    # -- properties
+    def __del__(self) -> None:
+        """Collected: the finalizer releases this copy (quietly)."""
 
-    @property
-    def closed(self) -> bool:
-        """True if the connection is closed."""
-        return self._closed
-
-    @property
-    def readable(self) -> bool:
-        """True if the connection is readable."""
-        return self._read_key is not None
-
-    @property
-    def writable(self) -> bool:
-        """True if the connection is writable."""
-        return self._write_key is not None
+    def _close(self) -> None:
+        self._finalizer.cancel()
+        held, self._held = self._held, None
+        if held is not None and not self._eof:
+            self._buffer.appendleft(as_message(held))
+        _release(*self._release_args())
 
     def fileno(self) -> int:
         """There is no file descriptor: raises :class:`OSError` (use :func:`wait`)."""
         self._check_closed()
         raise OSError("a nimbus Connection has no file descriptor; use nimbus wait()")
 
-    def _check_closed(self) -> None:
-        if self._closed:
-            raise OSError("handle is closed")
-
-    def _check_readable(self) -> None:
-        if self._read_key is None:
-            raise OSError("connection is write-only")
-
-    def _check_writable(self) -> None:
-        if self._write_key is None:
-            raise OSError("connection is read-only")
-
     # -- sending
 
-    def _send_message(self, message: bytes) -> None:
+    def _send_message(self, message: Item) -> None:
         writer = self._writer
-        if writer is not None and writer.send(message):
+        if writer is not None and writer.send([message]):
             return
-        self._push(message)
+        self._push(as_message(message))
 
     def _push(self, message: bytes) -> None:
         key = self._write_key
         assert key is not None
         link(self._program).push(key, message, self._ttl_ms)
 
-    def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
-        """Send the bytes of a bytes-like object (``buf[offset:offset + size]``)."""
-        self._check_closed()
-        self._check_writable()
-        m = memoryview(buf)
-        if m.itemsize > 1:
-            m = m.cast("B")
-        n = m.nbytes
-        if offset < 0:
-            raise ValueError("offset is negative")
-        if n < offset:
-            raise ValueError("buffer length < offset")
-        if size is None:
-            size = n - offset
-        elif size < 0:
-            raise ValueError("size is negative")
-        elif offset + size > n:
-            raise ValueError("buffer length < offset + size")
-        self._send_message(MESSAGE + m[offset : offset + size])
+    def _send_bytes(self, buf: memoryview) -> None:
+        self._send_message(MESSAGE + buf)
 
     def send(self, obj: object) -> None:
         """Send a picklable object."""
-        if self._closed or self._write_key is None:
+        if self._handle is None or not self._writable:
             self._check_closed()
             self._check_writable()
         if type(obj) in _PLAIN and len(obj) < _SMALL:  # type: ignore[arg-type]
             # the common small case, inline (a round trip costs each call here)
-            message = MESSAGE + pickle.dumps(obj, serialization.PROTOCOL)
-            writer = self._writer
-            if writer is None or not writer.send(message):
-                self._push(message)
+            self._send_message(MESSAGE + pickle.dumps(obj, serialization.PROTOCOL))
             return
         data, buffers = _state.dumps(obj)
         if not buffers:
             self._send_message(MESSAGE + data)
             return
         writer = self._writer  # directly, the buffers travel as they are (no framing copy)
-        if writer is None or not writer.send((data, *buffers)):
+        if writer is None or not writer.send([(data, *buffers)]):
             self._push(frame(MESSAGE, data, buffers))
 
     # -- receiving
 
-    def _ready(self) -> bool:
-        if self._eof:
-            return True
+    def _direct_now(self) -> bool:
+        """Whether direct messages may come to this end now (``wait`` slices its waits)."""
         reader = self._reader
-        if reader is None:
-            return bool(self._buffer)
-        buffer = self._buffer
+        return reader is not None and reader.active()
+
+    def _ready(self) -> bool:
+        """Whether a message (or end-of-stream) is in hand, without waiting."""
+        if self._eof or self._eos_next or self._held is not None:
+            return True
+        buffer, reader = self._buffer, self._reader
+        if reader is None:  # a queue's reader: its markers are the queue's
+            return bool(buffer)
+        while buffer:
+            if buffer[0][:1] != SWITCH:
+                return True
+            reader.marker(buffer.popleft())
+        if reader is not None and reader.active():
+            self._held = reader.take()
+            return self._held is not None
+        return False
+
+    def _next(self, deadline: float | None) -> Item | None:
+        """The next message, from the list or (claimed, see ``_handover``) directly;
+        None: none came by ``deadline`` (None: wait for it)."""
+        if self._held is not None:
+            item, self._held = self._held, None
+            return item
+        reader, buffer = self._reader, self._buffer
+        if reader is not None and reader.claim is None:
+            reader.try_claim()
+        tried = False
         while True:
-            if reader.ready:
-                return True
-            if reader.source is not None:  # after a switch: the writer's direct messages
-                if reader.fill(0, buffer):
-                    return True
-                if reader.source is not None:
-                    return False
-                continue  # the writer reverted: the list again
-            if not buffer:
-                return False
-            kind = buffer[0][:1]
-            if kind == SWITCH:
-                reader.marker(buffer.popleft())
-            elif kind == MARK:
-                buffer.popleft()
-            else:
-                return True
+            while buffer:
+                message = buffer.popleft()
+                if message[:1] != SWITCH or reader is None:
+                    return message
+                reader.marker(message)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if tried and remaining is not None and remaining <= 0:
+                return None
+            tried = True
+            if reader is not None and reader.active():
+                # writers are switched: wait on the socket, look at the list now and then
+                if reader.look_at_list() and self._from_store(0):
+                    continue
+                wait = LOOK if remaining is None else min(LOOK, remaining)
+                direct = reader.receive(max(wait, 0.0))
+                if direct is not None:
+                    return direct
+                if reader.writer_gone():
+                    return EOS  # its only writer copy died: end of stream
+                continue
+            self._from_store(remaining)
 
     def _more(self) -> int:
         """How many more messages than one to take from the store now (LPOP after
@@ -301,35 +310,32 @@ class Connection:
             return self._batch - 1
         return 0
 
-    def _fill(self, wait: float | str, more: int) -> None:
-        """BLPOP waiting ``wait`` seconds (0: forever) and LPOP of ``more`` (if any),
-        in one round trip; what came goes to the buffer."""
-        commands: list[tuple[Any, ...]] = [("BLPOP", self._read_key, wait)]
-        if more:
-            commands.append(("LPOP", self._read_key, more))
-        replies = link(self._program).call(*commands)
-        self._take(replies[0], replies[1] if more else None)
-
-    def _pop(self) -> bytes | None:
-        """The store's next message for an end with nothing in hand, waiting for it:
-        one BLPOP packed once (the common wait, lean). None: the reader prefetches
-        now (the message and more went to the buffer)."""
-        reader = self._reader
-        if reader is not None and reader.claim is None:
-            reader.try_claim()
+    def _from_store(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` (None: forever) for the list; whether something came
+        (to the buffer)."""
+        key = self._read_key
+        store = link(self._program)
+        if timeout is not None and timeout <= 0:
+            replies = store.call(("LPOP", key, self._batch))
+            return self._take(None, replies[0])
         more = self._more()
+        if timeout is None and not more:  # the common wait, lean: one BLPOP packed once
+            packed = self._wait_forever
+            if packed is None:
+                packed = self._wait_forever = pack_command("BLPOP", key, 0)
+            self._buffer.append(store.request(packed)[1])
+            self._misses += 1
+            return True
+        commands: list[tuple[Any, ...]] = [
+            ("BLPOP", key, 0 if timeout is None else seconds(timeout))
+        ]
         if more:
-            self._fill(0, more)
-            return None
-        packed = self._wait_forever
-        if packed is None:
-            packed = self._wait_forever = pack_command("BLPOP", self._read_key, 0)
-        popped = link(self._program).request(packed)
-        self._misses += 1
-        return popped[1]  # type: ignore[no-any-return]
+            commands.append(("LPOP", key, more))
+        replies = store.call(*commands)
+        return self._take(replies[0], replies[1] if more else None)
 
-    def _take(self, popped: Any, more: Any) -> None:
-        """Put what a fill returned into the local buffer."""
+    def _take(self, popped: Any, more: Any) -> bool:
+        """Put what a fill returned into the local buffer; whether anything came."""
         if popped is not None:
             self._buffer.append(popped[1])
         if more:
@@ -337,160 +343,85 @@ class Connection:
             self._misses = 0
         else:
             self._misses += 1
+        return popped is not None or bool(more)
 
-    def _poll(self, timeout: float | None, *, looked: bool = False) -> bool:
-        """Whether there is anything to read, waiting up to ``timeout``; ``looked``:
-        the caller has just found :meth:`_ready` False."""
-        if not looked and self._ready():
+    def _poll(self, timeout: float | None) -> bool:
+        """Whether there is anything to read, waiting up to ``timeout`` (None: forever)."""
+        if self._ready():
             return True
-        reader = self._reader
-        if reader is not None:
-            if reader.claim is None:
-                reader.try_claim()
-            if reader.source is not None:
-                start = time.monotonic()
-                if reader.fill(timeout, self._buffer) or reader.source is not None:
-                    return self._ready()
-                if self._ready():  # the writer reverted: wait in the list for the rest
-                    return True
-                if timeout is not None:
-                    timeout = max(0.0, timeout - (time.monotonic() - start))
-        if timeout is not None and timeout <= 0:
-            replies = link(self._program).call(("LPOP", self._read_key, self._batch))
-            self._take(None, replies[0])
-            return self._ready()
-        if timeout is None:
-            item = self._pop()
-            if item is not None:
-                self._buffer.append(item)
-            return self._ready()
-        self._fill(seconds(timeout), self._more())
-        return self._ready()
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        item = self._next(deadline)
+        if item is None:
+            return False
+        if isinstance(item, bytes):
+            self._buffer.appendleft(item)  # in hand (and back to the list, if closed)
+        else:
+            self._held = item
+        return True
 
-    def _recv_message(self) -> bytes:
-        return as_message(self._recv_item())
-
-    def _recv_item(self) -> bytes | tuple[Any, ...]:
-        reader = self._reader
-        if reader is not None and reader.source is not None and not reader.ready:
-            reader.fill(
-                None, self._buffer
-            )  # the direct path: straight to the writer's next message
-        if not self._ready():
-            while not self._poll(None, looked=True):
-                pass
-        self._last = time.monotonic()
+    def _recv_item(self) -> Item:
+        """The next message (waiting for it); :class:`EOFError` at end of stream."""
         if self._eof:
             raise EOFError
-        if reader is not None and reader.ready:
-            message = reader.ready.popleft()
-            if message == EOS:  # this end has no other copy: nothing to leave behind
-                self._eof = True
-                raise EOFError
-            return message
-        message = self._buffer.popleft()
-        if message[:1] == EOS:
+        item = self._next(None) if not self._eos_next else EOS
+        assert item is not None
+        if item == EOS:
+            earlier = self._before_eos()
+            if earlier is not None:
+                self._eos_next = True
+                return earlier
             self._eof = True
-            self._buffer.appendleft(message)  # left for the other copies of this end
-            self._push_back()
-            raise EOFError
-        return message
+            _push_back(self._program, self._read_key, collections.deque([EOS]))
+            raise EOFError  # (left in the list for the other copies of this end)
+        self._last = time.monotonic()
+        return item
 
-    def _push_back(self) -> None:
-        if self._buffer:
-            _push_back(self._program, self._read_key, self._buffer)
+    def _before_eos(self) -> Item | None:
+        """A message sent before end-of-stream that it overtook (several writers, some
+        switched: their sockets and the list are not one line): it goes first."""
+        reader, buffer = self._reader, self._buffer
+        if reader is None:
+            return None
+        while True:  # to the end of the list: its switch markers may open more writers
+            if reader.claim is not None:
+                reader.held()  # what the sockets have, read now
+                direct = reader.take()
+                if direct is not None:
+                    return direct
+            if not buffer:
+                found = link(self._program).call(("LPOP", self._read_key, PREFETCH))[0]
+                if not found:
+                    return None
+                buffer.extend(found)
+            while buffer:
+                message = buffer.popleft()
+                if message[:1] == SWITCH:
+                    reader.marker(message)
+                elif message != EOS:
+                    return message
 
-    def recv_bytes(self, maxlength: int | None = None) -> bytes:
-        """Receive one message as bytes; :class:`EOFError` at end of stream."""
-        self._check_closed()
-        self._check_readable()
-        if maxlength is not None and maxlength < 0:
-            raise ValueError("negative maxlength")
-        message = self._recv_message()
-        if maxlength is not None and len(message) - 1 > maxlength:
-            self.close()
-            raise OSError("bad message length")
-        return message[1:]
-
-    def recv_bytes_into(self, buf: Any, offset: int = 0) -> int:
-        """Receive one message into a writable buffer; returns its size."""
-        self._check_closed()
-        self._check_readable()
-        with memoryview(buf) as m:
-            itemsize = m.itemsize
-            bytesize = itemsize * len(m)
-            if offset < 0:
-                raise ValueError("negative offset")
-            elif offset > bytesize:
-                raise ValueError("offset too large")
-            message = self._recv_message()
-            size = len(message) - 1
-            if bytesize < offset + size:
-                raise BufferTooShort(message[1:])
-            result = io.BytesIO(memoryview(message)[1:])
-            result.readinto(m[offset // itemsize : (offset + size) // itemsize])
-            return size
+    def _recv_bytes(self, maxsize: int | None = None) -> io.BytesIO | None:
+        message = as_message(self._recv_item())
+        if maxsize is not None and len(message) - 1 > maxsize:
+            return None
+        buf = io.BytesIO(message[1:])
+        buf.seek(0, io.SEEK_END)  # as the stdlib's: recv_bytes_into reads its size here
+        return buf
 
     def recv(self) -> Any:
         """Receive a picklable object."""
-        if self._closed or self._read_key is None:
+        if self._handle is None or not self._readable:
             self._check_closed()
             self._check_readable()
-        reader = self._reader
-        if reader is not None and reader.source is not None and not self._eof:
-            # the direct path's common case: the writer's next message, no detour
-            item = reader.take(self._buffer)
-            if item is not None:
-                if isinstance(item, bytes):
-                    if item == EOS:  # this end has no other copy: nothing to leave behind
-                        self._eof = True
-                        raise EOFError
-                    return load(item)
-                return serialization.loads(item[0], item[1:])  # sent unframed
-        elif not self._buffer and not self._eof and (reader is None or not reader.ready):
-            # the store path's common case: nothing in hand, wait for the next message
-            item = self._pop()
-            if item is not None:
-                if item[:1] == MESSAGE:
-                    self._last = time.monotonic()
-                    return load(item)
-                self._buffer.append(item)  # a marker or end-of-stream: the general path
-        message = self._recv_item()
-        if isinstance(message, bytes):
-            return load(message)
-        return serialization.loads(message[0], message[1:])  # sent directly, unframed
+        item = self._recv_item()
+        if isinstance(item, bytes):
+            return load(item)
+        return serialization.loads(item[0], item[1:])  # sent directly, unframed
 
-    def poll(self, timeout: float | None = 0.0) -> bool:
-        """Whether there is anything to read; waits up to ``timeout`` (None: forever)."""
-        self._check_closed()
-        self._check_readable()
-        return self._poll(timeout)
-
-    # -- closing and pickling
-
-    def close(self) -> None:
-        """Close this copy of the end (the last copy signals end-of-stream)."""
-        if not self._closed:
-            self._closed = True
-            self._finalizer.cancel()
-            _release(*self._release_args())
-
-    def __enter__(self) -> Connection:
-        return self
-
-    def __exit__(
-        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
+    # -- pickling
 
     def __reduce__(self) -> tuple[Any, ...]:
         self._check_closed()
-        # another copy may read or write: this one stops going direct first
-        if self._reader is not None and self._reader.claim is not None:
-            self._push_back()
-            self._reader.give_up()
-        if self._writer is not None:
-            self._writer.revert()
         if self._refs is not None:  # the copy's reference is taken now, not when unpickled
             link(self._program).call(
                 ("INCR", self._refs), ("PEXPIRE", self._refs, self._program.ttl_ms)
@@ -499,7 +430,7 @@ class Connection:
         return (Connection, args)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
+        state = "closed" if self._handle is None else "open"
         return f"<{type(self).__name__} {self._read_key or self._write_key} {state}>"
 
 
@@ -515,20 +446,21 @@ def _release(
     write_key: str | None,
     refs: str | None,
     buffer: collections.deque[bytes],
-    reader: _direct.Reader | None = None,
-    writer: _direct.Writer | None = None,
+    reader: Consumer | None = None,
+    writer: _direct.PipeWriter | None = None,
 ) -> None:
     """Give back prefetched messages and this copy's reference (quietly at exit)."""
     try:
         if buffer:
             _push_back(prog, read_key, buffer)
-        if reader is not None:
-            reader.drop()
+        if reader is not None and reader.claim is not None:
+            reader.give_up()  # what came directly goes to the list, for the other copies
         if refs is not None:
-            # a direct writer (the only copy of its end) sent end-of-stream itself
-            direct_eos = writer is not None and writer.close()
-            eos = "1" if write_key is not None and not direct_eos else "0"
-            link(prog).eval(_RELEASE, (refs, write_key or refs), (eos, prog.ttl_ms))
+            left = link(prog).eval(_RELEASE, (refs,), ())
+            last = write_key is not None and left <= 0
+            # the last copy: end-of-stream, after its direct messages if switched
+            if last and (writer is None or not writer.close_end()):
+                link(prog).call(("RPUSH", write_key, EOS), ("PEXPIRE", write_key, prog.ttl_ms))
     except (StateStoreError, OSError):
         if not util.is_exiting():
             raise

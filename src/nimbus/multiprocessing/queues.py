@@ -35,7 +35,7 @@ in the list and sends its batches straight to the consumer's socket. A second
 consumer makes the queue shared, for good: the first gives its claim up and
 puts what came to it directly, and did not deliver, back into the list,
 before each producer's later items. Each producer's order holds and every
-item arrives once across the switch (``nimbus.multiprocessing._qdirect``
+item arrives once across the switch (``nimbus.multiprocessing._handover``
 says how, and what a consumer killed by a signal loses). Bounded queues,
 :class:`SimpleQueue` (a Pool's job queue, with competing consumers) and
 ``NIMBUS_MESSAGING_DIRECT=0`` stay in the store. ``qsize`` and ``empty``
@@ -59,19 +59,12 @@ from typing import Any
 
 from nimbus.errors import StateStoreError
 from nimbus.multiprocessing import _qdirect
-from nimbus.multiprocessing._payload import MESSAGE, SWITCH, load, pack, unpack
-from nimbus.multiprocessing._site import program
+from nimbus.multiprocessing._payload import MESSAGE, load, pack, unpack
 from nimbus.multiprocessing.connection import Connection, link, seconds
-from nimbus.statestore import Keys, Program
-from nimbus.statestore.lua import (
-    QUEUE_RELEASE as _RELEASE,
-)
-from nimbus.statestore.lua import (
-    QUEUE_RESERVE as _RESERVE,
-)
-from nimbus.statestore.lua import (
-    QUEUE_TASK_DONE as _TASK_DONE,
-)
+from nimbus.statestore import Keys, Program, program
+from nimbus.statestore.lua import QUEUE_RELEASE as _RELEASE
+from nimbus.statestore.lua import QUEUE_RESERVE as _RESERVE
+from nimbus.statestore.lua import QUEUE_TASK_DONE as _TASK_DONE
 
 __all__ = ["JoinableQueue", "Queue", "SimpleQueue"]
 
@@ -79,6 +72,9 @@ _BATCH_ITEMS = 1000  # most items the feeder sends in one command
 _BATCH_BYTES = 1 << 20
 _WAKE_SLICE = 0.2  # a blocked waiter re-checks the store at least this often
 
+# KEYS: count; ARGV: maxsize, ttl. 1 if a slot was reserved, else 0.
+# KEYS: count, notfull; ARGV: released, maxsize, ttl.
+# KEYS: unfinished, joined; ARGV: ttl. -1 if there was no unfinished task.
 _sentinel = object()
 
 
@@ -121,10 +117,11 @@ class Queue:
     def _direct_sides(self) -> None:
         """This process's consumer and producer of the queue (None: store only)."""
         self._consumer: _qdirect.Consumer | None = None
-        self._producer: _qdirect.Producer | None = None
+        self._producer: _qdirect.QueueProducer | None = None
         if not self._maxsize:  # a bounded queue counts its items in the store
             self._consumer = _qdirect.consumer(self._program, self._name)
             self._producer = _qdirect.producer(self._program, self._name)
+        self._reader._reader = self._consumer  # reads directly, after the list's markers
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self._program, self._name, self._maxsize))
@@ -311,37 +308,14 @@ class Queue:
         return load(message)
 
     def _next(self, deadline: float | None) -> bytes | None:
-        """The next item, from the list or (claimed, see ``_qdirect``) directly; None:
-        none came by ``deadline``."""
-        reader, consumer = self._reader, self._consumer
-        if consumer is not None and consumer.claim is None:
-            consumer.try_claim()
-        buffer = reader._buffer
-        tried = False
-        while True:
-            while buffer:
-                message = buffer.popleft()
-                if message[:1] != SWITCH:
-                    reader._last = time.monotonic()  # a tight loop of gets: fills take more
-                    return message
-                if consumer is not None:
-                    consumer.marker(message)
-            if consumer is not None and consumer.active():
-                direct = consumer.take()
-                if direct is not None:
-                    return direct
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if tried and remaining is not None and remaining <= 0:
-                return None
-            tried = True
-            if consumer is not None and consumer.active():
-                # producers are switched: wait on the socket, look at the list now and then
-                if consumer.look_at_list() and reader._poll(0):
-                    continue
-                wait = _qdirect.LOOK if remaining is None else min(_qdirect.LOOK, remaining)
-                consumer.wait(max(wait, 0.0))
-                continue
-            reader._poll(remaining)
+        """The next item, from the list or (claimed, see ``_handover``) directly; None:
+        none came by ``deadline``. The queue's reader connection reads it, with this
+        process's consumer as its direct side."""
+        reader = self._reader
+        message = reader._next(deadline)
+        if message is not None:
+            reader._last = time.monotonic()  # a tight loop of gets: fills take more
+        return message  # type: ignore[return-value]  # a queue's are bytes
 
     def get_nowait(self) -> Any:
         """``get(False)``."""

@@ -2,7 +2,7 @@
 
 The stdlib's ``multiprocessing.synchronize`` with its semantics, for processes
 that share no memory or file descriptors: every object is a few Redis keys of
-its program (see ``nimbus.keys``) and pickles as (program, name), so it works
+its program (see ``nimbus.statestore.keys``) and pickles as (program, name), so it works
 in any process that unpickles it::
 
     Semaphore   semaphore:<n>          a list of tokens: acquire = BLPOP, release = RPUSH

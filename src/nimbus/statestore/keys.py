@@ -111,16 +111,12 @@ class Keys:
         return self._key("pipe", name, str(end), "holder")
 
     def pipe_writer(self, name: str, end: int | str) -> str:
-        """The writer of one direction of a pipe that switched to direct sends."""
+        """The writers of one direction of a pipe switched to direct sends (writer -> claim)."""
         return self._key("pipe", name, str(end), "writer")
 
-    def pipe_park(self, name: str, end: int | str) -> str:
-        """Set while a holder that gave its claim up forwards a writer's direct messages."""
-        return self._key("pipe", name, str(end), "park")
-
-    def pipe_parked(self, name: str, end: int | str) -> str:
-        """The reverted writer's store messages, held back while the forwarding lasts."""
-        return self._key("pipe", name, str(end), "parked")
+    def pipe_mode(self, name: str, end: int | str) -> str:
+        """Set once a second process read one direction of a pipe: store only, for good."""
+        return self._key("pipe", name, str(end), "mode")
 
     def queue_field(self, name: str, field: str) -> str:
         """A counter or wake-up list of queue ``name`` (``count``, ``unfinished`` ...)."""

@@ -4,7 +4,7 @@
 
     multiprocessing.synchronize   LOCK_*, SEM_*, CONDITION_*, EVENT_*
     multiprocessing.queues        QUEUE_*            multiprocessing.connection  CONNECTION_*
-    multiprocessing._direct       PIPE_*             multiprocessing._qdirect    QUEUE_LANE_*
+    multiprocessing._handover     HANDOVER_*         multiprocessing._direct     PIPE_*
     multiprocessing.sharedctypes  ARRAY_*
           |  link.eval(SCRIPT, keys, args): EVALSHA, EVAL when the store lacks it
           v
@@ -24,21 +24,14 @@ __all__ = [
     "CONDITION_UNWAIT",
     "CONNECTION_RELEASE",
     "EVENT_WAIT",
+    "HANDOVER_CLAIM",
+    "HANDOVER_GIVE_UP",
+    "HANDOVER_SHARE",
+    "HANDOVER_STEAL",
+    "HANDOVER_SWITCH",
     "LOCK_REAP",
     "LOCK_RELEASE_ANY",
-    "PIPE_CLAIM",
-    "PIPE_DROP",
-    "PIPE_GIVE_UP",
-    "PIPE_INSERT",
-    "PIPE_PARKED_PUSH",
-    "PIPE_REVERT",
-    "PIPE_SWITCH",
-    "PIPE_UNPARK",
-    "QUEUE_LANE_CLAIM",
-    "QUEUE_LANE_GIVE_UP",
-    "QUEUE_LANE_SHARE",
-    "QUEUE_LANE_STEAL",
-    "QUEUE_LANE_SWITCH",
+    "PIPE_SECOND",
     "QUEUE_RELEASE",
     "QUEUE_RESERVE",
     "QUEUE_TASK_DONE",
@@ -46,108 +39,22 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------- the handover of a Pipe to direct messaging (``multiprocessing._direct``)
+# ---------------------------------------------------------------- the handover of a Pipe or a Queue's lane to direct messaging (``multiprocessing._handover``)
 
-# The reader claims its lane: only while its end has one copy.
-PIPE_CLAIM = Script("""
-if redis.call('GET', KEYS[2]) ~= '1' then return 0 end
+# A Pipe direction's second writing process: the direction goes to the store for good
+# once two processes have written it; the holder's claim goes (``multiprocessing._direct``).
+PIPE_SECOND = Script("""
+redis.call('SADD', KEYS[4], ARGV[1])
+redis.call('PEXPIRE', KEYS[4], ARGV[2])
+if #redis.call('SMEMBERS', KEYS[4]) < 2 then return false end
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 local h = redis.call('GET', KEYS[1])
-if h and h ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
+if h then redis.call('DEL', KEYS[1]) end
+return h or ''
 """)
 
-
-# The writer switches: the lane has a holder, one reader copy and one writer copy,
-# no switched writer and no forwarding under way. The writer record is
-# "<sid>|<claim>|" while switched, "<sid>|<claim>|R" once reverted: one switch
-# per claim (a holder that reads "R" claims afresh), so a holder's direct
-# messages from its writer all belong to one switch.
-PIPE_SWITCH = Script("""
-local h = redis.call('GET', KEYS[1])
-if not h then return false end
-if redis.call('GET', KEYS[3]) ~= '1' or redis.call('GET', KEYS[4]) ~= '1' then return false end
-local rec = redis.call('GET', KEYS[2])
-if rec and (string.sub(rec, -1) == '|' or string.find(rec, '|' .. h .. '|', 1, true)) then
-  return false
-end
-if redis.call('EXISTS', KEYS[6]) == 1 then return false end
-redis.call('SET', KEYS[2], ARGV[1] .. '|' .. h .. '|', 'PX', ARGV[2])
-redis.call('RPUSH', KEYS[5], 'S' .. h .. '|' .. ARGV[1])
-redis.call('PEXPIRE', KEYS[5], ARGV[2])
-return h
-""")
-
-
-# The holder gives its claim up. A writer still switched to it gets its later store
-# messages parked (see PIPE_REVERT) until the holder has forwarded its direct ones.
-PIPE_GIVE_UP = Script("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-local rec = redis.call('GET', KEYS[2])
-if rec and string.sub(rec, -1) == '|' and string.find(rec, '|' .. ARGV[1] .. '|', 1, true) then
-  redis.call('SET', KEYS[3], string.match(rec, '^[^|]*'), 'PX', ARGV[2])
-end
-return rec
-""")
-
-
-# The writer reverts: "M" goes where its store messages go next (parked, if forwarding).
-# ARGV[4] is "!" when it could not send "R" (its direct send failed): the holder,
-# if alive, finds "M<sid>!" at the head of the list instead.
-PIPE_REVERT = Script("""
-redis.call('SET', KEYS[1], ARGV[1] .. '|' .. ARGV[2] .. '|R' .. ARGV[4], 'PX', ARGV[3])
-local parked = redis.call('GET', KEYS[2]) == ARGV[1]
-local key = parked and KEYS[4] or KEYS[3]
-redis.call('RPUSH', key, 'M' .. ARGV[1] .. ARGV[4])
-redis.call('PEXPIRE', key, ARGV[3])
-return parked and 1 or 0
-""")
-
-
-# A reverted writer's store message while forwarding lasts.
-PIPE_PARKED_PUSH = Script("""
-local key = KEYS[3]
-if redis.call('GET', KEYS[1]) == ARGV[1] then key = KEYS[2] end
-redis.call('RPUSH', key, ARGV[3])
-redis.call('PEXPIRE', key, ARGV[2])
-return 1
-""")
-
-
-# Forwarding is over: the parked messages follow the forwarded ones.
-PIPE_UNPARK = Script("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  while redis.call('LMOVE', KEYS[2], KEYS[3], 'LEFT', 'RIGHT') do end
-  redis.call('DEL', KEYS[1])
-  redis.call('PEXPIRE', KEYS[3], ARGV[2])
-end
-return 1
-""")
-
-
-# A holder whose end closes drops its claim (the lane has no reader any more).
-PIPE_DROP = Script("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-return 1
-""")
-
-
-# Messages a holder took before its writer reverted go before the writer's "M".
-PIPE_INSERT = Script("""
-if redis.call('LINSERT', KEYS[1], 'BEFORE', ARGV[1], ARGV[3]) > 0 then
-  for i = 4, #ARGV do redis.call('LINSERT', KEYS[1], 'BEFORE', ARGV[1], ARGV[i]) end
-else
-  for i = 3, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
-end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-""")
-
-
-# ---------------------------------------------------------------- the handover of a Queue's lane to direct messaging (``multiprocessing._qdirect``)
-
-# A consumer claims the queue. {0}: shared (store only); {1}: claimed; {2, holder}.
-QUEUE_LANE_CLAIM = Script("""
+# A consumer claims the lane. {0}: shared (store only); {1}: claimed; {2, holder}.
+HANDOVER_CLAIM = Script("""
 if redis.call('GET', KEYS[2]) then return {0} end
 local h = redis.call('GET', KEYS[1])
 if h then return {2, h} end
@@ -157,7 +64,7 @@ return {1}
 
 
 # A second consumer: shared for good, the claim goes (its holder gives it up).
-QUEUE_LANE_SHARE = Script("""
+HANDOVER_SHARE = Script("""
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 redis.call('RPUSH', KEYS[3], ARGV[1])
@@ -167,7 +74,7 @@ return 1
 
 
 # The holder is dead: its claim is replaced.
-QUEUE_LANE_STEAL = Script("""
+HANDOVER_STEAL = Script("""
 if redis.call('GET', KEYS[2]) then return 0 end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
@@ -176,7 +83,7 @@ return 1
 
 
 # A producer switches to the holder: -1 shared (never again), 0 not now, else the claim.
-QUEUE_LANE_SWITCH = Script("""
+HANDOVER_SWITCH = Script("""
 if redis.call('GET', KEYS[2]) then return -1 end
 local h = redis.call('GET', KEYS[1])
 if not h or h == ARGV[2] or string.sub(h, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then return 0 end
@@ -189,7 +96,7 @@ return h
 
 
 # The holder gives its claim up: the producers switched to it (taken out of "writers").
-QUEUE_LANE_GIVE_UP = Script("""
+HANDOVER_GIVE_UP = Script("""
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 local out = {}
 local all = redis.call('HGETALL', KEYS[2])
@@ -208,13 +115,7 @@ return out
 # Decrement the references of an end; at zero push end-of-stream to the list it writes.
 CONNECTION_RELEASE = Script("""
 local n = redis.call('DECR', KEYS[1])
-if n <= 0 then
-  redis.call('DEL', KEYS[1])
-  if ARGV[1] == '1' then
-    redis.call('RPUSH', KEYS[2], 'E')
-    redis.call('PEXPIRE', KEYS[2], ARGV[2])
-  end
-end
+if n <= 0 then redis.call('DEL', KEYS[1]) end
 return n
 """)
 
