@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, NoReturn
 
 import nimbus
+from nimbus import run as run_cmd
 from nimbus.config import Settings, redis_server_binary
 from nimbus.endpoint import cli as endpoint_cli
 from nimbus.errors import ConfigError, NimbusError
@@ -172,6 +173,7 @@ COMMANDS: dict[str, Command] = {
         service_cli.endpoints_run,
     ),
     "tasks": Command("list your tasks, show one", service_cli.tasks_setup, service_cli.tasks_run),
+    "run": Command("run a program with nimbus as its multiprocessing", run_cmd.setup, run_cmd.run),
 }
 
 
