@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator
 from multiprocessing import current_process, resource_tracker, spawn
 from typing import Any
 
-from nimbus import serialization
-from nimbus.multiprocessing import _link, _remote, _runtime, _state
+from nimbus import _install, serialization
+from nimbus.multiprocessing import _link, _main, _remote, _runtime, _state
 from nimbus.multiprocessing import context as nimbus_context
 
 __all__ = ["MAIN_KEYS", "WARM_MODULES", "start"]
@@ -121,6 +121,8 @@ def start(
     """Start the process in a standby child (or a new fork); the reaper reports its exit."""
     _warm_up()
     _libc()  # loaded once here, not in every child
+    if prep.pop("install", False):  # before main and the modules are imported, as the parent
+        _install.install()
     _import_main(prep)
     for name in prep.pop("modules", ()):
         if name not in sys.modules:
@@ -389,6 +391,7 @@ def _child(
         method = prep.pop("nimbus_start_method", None)
         with _bootstrapping():
             spawn.prepare(prep)
+        _main.become_main()
         if method:
             nimbus_context._default_context.set_start_method(method, force=True)
         if stdio is not None:  # the parent's stdout/stderr moved since the worker started

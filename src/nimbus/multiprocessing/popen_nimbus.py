@@ -32,6 +32,7 @@ from multiprocessing import process as stdlib_process
 from multiprocessing import resource_sharer, resource_tracker, spawn
 from typing import Any
 
+from nimbus import _install
 from nimbus.multiprocessing import _forking, _remote, _runtime, _state
 from nimbus.multiprocessing import context as nimbus_context
 from nimbus.multiprocessing._forking import MAIN_KEYS, WARM_MODULES
@@ -88,6 +89,7 @@ class Popen:
         )
         prep["modules"] = _modules_of(process_obj)
         prep["environ"] = dict(os.environ)  # as at start(), as a forked or spawned child has it
+        prep["install"] = _install.installed()  # nimbus is `multiprocessing` there too
         stdlib_context.set_spawning_popen(self)  # type: ignore[arg-type]
         try:
             program = _state.program()
