@@ -145,8 +145,7 @@ def _nimbus(sub: str) -> ModuleType:
     name = "nimbus.multiprocessing" + (f".{sub}" if sub else "")
     with real():
         module = importlib.import_module(name)
-    if sub in NIMBUS_MODULES:
-        _answer_stdlib_names(module, _stdlib(f"{NAME}.{sub}") if sub != "popen_nimbus" else None)
+    _answer_for(module)
     return module
 
 
@@ -167,6 +166,14 @@ def _answer_stdlib_names(module: ModuleType, stdlib: ModuleType | None) -> None:
             raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}") from None
 
     module.__getattr__ = __getattr__  # type: ignore[method-assign]
+
+
+def _answer_for(module: ModuleType) -> None:
+    """If ``module`` is nimbus's stand-in for a stdlib module: let it answer the stdlib's names."""
+    sub = module.__name__.rpartition(".")[2]
+    if module.__name__ == f"nimbus.multiprocessing.{sub}" and sub in NIMBUS_MODULES:
+        stdlib = _stdlib(f"{NAME}.{sub}") if sub != "popen_nimbus" else None
+        _answer_stdlib_names(module, stdlib)
 
 
 def _target(name: str) -> ModuleType | None:
@@ -207,6 +214,7 @@ class _OnRealStdlib:
     def exec_module(self, module: ModuleType) -> None:
         with real():
             self.loader.exec_module(module)
+        _answer_for(module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename ... for tracebacks
         return getattr(self.loader, name)
@@ -266,6 +274,10 @@ def _alias_all() -> None:
     """Point ``multiprocessing`` and its imported submodules at nimbus's map, now."""
     _remember()
     nimbus_package = _nimbus("")  # imports nimbus's package on the stdlib's
+    for sub in NIMBUS_MODULES:
+        module = sys.modules.get(f"nimbus.multiprocessing.{sub}")
+        if module is not None:
+            _answer_for(module)
     for name in [n for n in sys.modules if _ours(n) and n != NAME]:
         module = _target(name)
         if module is not None:
