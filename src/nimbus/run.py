@@ -123,8 +123,8 @@ def launch(endpoint: str | None, module: str | None, argv: list[str]) -> int:
         raise
     except BaseException:  # as python reports it: the program's frames, status 1
         kind, value, tb = sys.exc_info()
-        assert kind is not None and tb is not None
-        sys.excepthook(kind, value, tb.tb_next)
+        assert kind is not None and value is not None and tb is not None
+        sys.excepthook(kind, value.with_traceback(tb.tb_next), tb.tb_next)
         return 1
     return 0
 
