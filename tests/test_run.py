@@ -226,10 +226,14 @@ def test_mains_with_no_file(tmp_path: Path, how: str) -> None:
         done = _python("-c", program, cwd=tmp_path)
     elif how == "runpy":
         _script(tmp_path, program, "target.py")
-        done = _python("-c", "import runpy; runpy.run_path('target.py', run_name='__main__')", cwd=tmp_path)
+        done = _python(
+            "-c", "import runpy; runpy.run_path('target.py', run_name='__main__')", cwd=tmp_path
+        )
     elif how == "interactive":
         done = _python("-i", cwd=tmp_path, stdin=program + "\n")
     else:
         done = _python("-m", "nimbus", "run", "-", cwd=tmp_path, stdin=NO_FILE_PROGRAM)
     assert done.returncode == 0, done.stderr
-    assert [line.lstrip(">. ") for line in done.stdout.splitlines() if line.strip(">. ")] == NO_FILE_OUTPUT
+    assert [
+        line.lstrip(">. ") for line in done.stdout.splitlines() if line.strip(">. ")
+    ] == NO_FILE_OUTPUT

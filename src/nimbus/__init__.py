@@ -51,3 +51,11 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nimbus``: nimbus is ``multiprocessing`` in this kernel (see ``nimbus run``)."""
+    from nimbus._install import install
+
+    del ipython
+    install()

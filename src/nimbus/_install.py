@@ -27,12 +27,11 @@ import contextlib
 import copy
 import importlib
 import importlib.machinery
-import importlib.util
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["NIMBUS_MODULES", "STDLIB_MODULES", "install", "installed", "real"]
 
@@ -236,22 +235,27 @@ class _Finder:
                 _alias_all()
             finally:
                 _busy.active = False
-            return importlib.util.spec_from_loader(fullname, _Given(sys.modules[NAME]))
+            return _given(fullname, sys.modules[NAME])
         if not _aliased():
             return None
         if fullname == HOME or fullname.startswith(HOME + "."):
             module = _stdlib(NAME + fullname[len(HOME) :])
             _rehome(module)
-            return importlib.util.spec_from_loader(fullname, _Given(module))
+            return _given(fullname, module)
         if _ours(fullname):
-            module = _target(fullname)
-            return None if module is None else importlib.util.spec_from_loader(fullname, _Given(module))
+            target = _target(fullname)
+            return None if target is None else _given(fullname, target)
         if fullname.startswith("nimbus."):
             spec = importlib.machinery.PathFinder.find_spec(fullname, path)
             if spec is not None and spec.loader is not None:
-                spec.loader = _OnRealStdlib(spec.loader)
+                spec.loader = cast(Any, _OnRealStdlib(spec.loader))
             return spec
         return None
+
+
+def _given(fullname: str, module: ModuleType) -> importlib.machinery.ModuleSpec:
+    """The spec of an import of ``fullname`` that gives ``module``."""
+    return importlib.machinery.ModuleSpec(fullname, cast(Any, _Given(module)))
 
 
 class _Busy(threading.local):

@@ -164,7 +164,7 @@ def _module(name: str, args: list[str]) -> tuple[types.CodeType, types.ModuleTyp
 
     sys.path[0] = os.getcwd()
     try:
-        mod_name, spec, code = runpy._get_module_details(name)  # type: ignore[attr-defined]
+        _name, spec, code = runpy._get_module_details(name)  # type: ignore[attr-defined]
     except ImportError as exc:
         raise _NotFound(str(exc)) from None
     main = _fresh_main()
@@ -196,7 +196,7 @@ def _pass_interrupts() -> None:
         if multiprocessing is not None:
             for child in multiprocessing.active_children():
                 popen = getattr(child, "_popen", None)
-                if getattr(popen, "method", None) == "nimbus":
+                if popen is not None and getattr(popen, "method", None) == "nimbus":
                     popen._send_signal(signal.SIGINT)
         signal.default_int_handler(signum, frame)
 

@@ -37,7 +37,9 @@ def on_both(program: str, *args: str, cwd: Path) -> tuple[str, str]:
 
 
 CASES = [
-    pytest.param("pool_queue_idioms.py", (), "manager [('2', 2), (0.25, None), (1, '1')]", id="docs"),
+    pytest.param(
+        "pool_queue_idioms.py", (), "manager [('2', 2), (0.25, None), (1, '1')]", id="docs"
+    ),
     pytest.param("events_and_exits.py", (), "exit codes [0, 3, 1, -15]", id="pymotw"),
     pytest.param("futures_pool.py", (), "(17, True)", id="futures"),
     pytest.param("tqdm_process_map.py", (), "396010000", id="tqdm"),
@@ -64,7 +66,11 @@ IMPORTS = {
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("program", "args", "expected"), CASES)
 def test_program_under_nimbus_run_equals_python(
-    program: str, args: tuple[str, ...], expected: str, tmp_path: Path, request: pytest.FixtureRequest
+    program: str,
+    args: tuple[str, ...],
+    expected: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
     module = IMPORTS.get(request.node.callspec.id)
     if module is not None:

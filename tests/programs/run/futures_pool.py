@@ -13,7 +13,14 @@ def is_prime(n):
 
 
 if __name__ == "__main__":
-    numbers = [112272535095293, 112582705942171, 112272535095293, 115280095190773, 1099726899285419, 17]
+    numbers = [
+        112272535095293,
+        112582705942171,
+        112272535095293,
+        115280095190773,
+        1099726899285419,
+        17,
+    ]
     with concurrent.futures.ProcessPoolExecutor(max_workers=2) as executor:
         print(list(zip(numbers, executor.map(is_prime, numbers))))
         futures = [executor.submit(pow, 2, n) for n in range(5)]

@@ -1,8 +1,9 @@
 """gymnasium's AsyncVectorEnv: a Process and a Pipe per environment, shared-memory observations."""
 
+import sys
+
 import gymnasium as gym
 import numpy as np
-import sys
 
 if __name__ == "__main__":
     envs = gym.vector.AsyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(2)])
