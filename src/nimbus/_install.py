@@ -31,7 +31,10 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from types import ModuleType
-from typing import Any, cast
+
+TYPE_CHECKING = False  # typing is not imported: `nimbus run` starts programs sooner
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["NIMBUS_MODULES", "STDLIB_MODULES", "install", "installed", "real"]
 
@@ -248,14 +251,14 @@ class _Finder:
         if fullname.startswith("nimbus."):
             spec = importlib.machinery.PathFinder.find_spec(fullname, path)
             if spec is not None and spec.loader is not None:
-                spec.loader = cast(Any, _OnRealStdlib(spec.loader))
+                spec.loader = _OnRealStdlib(spec.loader)  # type: ignore[assignment]
             return spec
         return None
 
 
 def _given(fullname: str, module: ModuleType) -> importlib.machinery.ModuleSpec:
     """The spec of an import of ``fullname`` that gives ``module``."""
-    return importlib.machinery.ModuleSpec(fullname, cast(Any, _Given(module)))
+    return importlib.machinery.ModuleSpec(fullname, _Given(module))  # type: ignore[arg-type]
 
 
 class _Busy(threading.local):
