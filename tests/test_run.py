@@ -237,3 +237,41 @@ def test_mains_with_no_file(tmp_path: Path, how: str) -> None:
     assert [
         line.lstrip(">. ") for line in done.stdout.splitlines() if line.strip(">. ")
     ] == NO_FILE_OUTPUT
+
+
+NOTEBOOK_CELLS = [
+    "import math\nimport multiprocessing\n\ndef root(x):\n    return math.sqrt(x)",
+    "def put_root(q, x):\n    q.put(root(x))",
+    "with multiprocessing.Pool(2) as pool:\n    print(pool.map(root, [4, 9]))",
+    "q = multiprocessing.Queue()\np = multiprocessing.Process(target=put_root, args=(q, 16))\n"
+    "p.start()\nprint(q.get(), type(p).__module__)\np.join()\nprint(p.exitcode)",
+]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(
+    "first",
+    ["%load_ext nimbus", "import nimbus.multiprocessing\nnimbus.multiprocessing.install()"],
+    ids=["load_ext", "install"],
+)
+def test_notebook_cells_run_in_pool_and_process(
+    first: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real IPython kernel (ipykernel, driven by nbclient): functions defined in cells."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    monkeypatch.setenv("PYTHONPATH", str(SRC))
+    cells = [nbformat.v4.new_code_cell(source) for source in [first, *NOTEBOOK_CELLS]]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    client = nbclient.NotebookClient(
+        notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()
+    outputs = [
+        "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        for cell in notebook.cells
+    ]
+    assert outputs[3] == "[2.0, 3.0]\n"
+    assert outputs[4] == "4.0 nimbus.multiprocessing.context\n0\n"
