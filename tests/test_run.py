@@ -266,7 +266,10 @@ def test_notebook_cells_run_in_pool_and_process(
     cells = [nbformat.v4.new_code_cell(source) for source in [first, *NOTEBOOK_CELLS]]
     notebook = nbformat.v4.new_notebook(cells=cells)
     client = nbclient.NotebookClient(
-        notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        notebook,
+        timeout=120,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
     )
     client.execute()
     outputs = [
