@@ -278,3 +278,37 @@ def test_notebook_cells_run_in_pool_and_process(
     ]
     assert outputs[3] == "[2.0, 3.0]\n"
     assert outputs[4] == "4.0 nimbus.multiprocessing.context\n0\n"
+
+
+DILL_PROGRAM = """
+    import math
+    import sys
+    import dill
+    import multiprocessing
+
+    def row_func(x):
+        return math.sqrt(x)
+
+    def call(payload):
+        return dill.loads(payload)(16)
+
+    if __name__ == "__main__":
+        with multiprocessing.Pool(1) as pool:
+            print(pool.map(call, [dill.dumps(row_func)]))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", [["-m", "nimbus", "run"], []], ids=["nimbus-run", "import"])
+def test_children_see_the_main_script_as_main(tmp_path: Path, launcher: list[str]) -> None:
+    """Issue 16 #2: a main-script function dill sends by value finds its globals (`math`)."""
+    pytest.importorskip("dill")
+    text = DILL_PROGRAM
+    if not launcher:
+        text = text.replace(
+            "import multiprocessing", "import nimbus.multiprocessing as multiprocessing"
+        )
+    prog = _script(tmp_path, text)
+    done = _python(*launcher, str(prog), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[4.0]\n"

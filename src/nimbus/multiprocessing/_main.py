@@ -19,17 +19,19 @@ they use (``nimbus.multiprocessing._state.main_by_value``).
 from __future__ import annotations
 
 import sys
+import weakref
 
 __all__ = ["become_main"]
 
-# this process's own main module when nimbus was imported (a worker's bootstrap)
-_original = sys.modules.get("__main__")
+# this process's own main module when nimbus was imported (a worker's bootstrap); weakly,
+# so that a root's main module is cleared first at exit, as always
+_original = weakref.ref(sys.modules["__main__"]) if "__main__" in sys.modules else None
 
 
 def become_main() -> None:
     """In a child: modules holding the worker's ``__main__`` see the program's main module."""
     main = sys.modules.get("__main__")
-    original = _original
+    original = _original() if _original is not None else None
     if main is None or original is None or main is original:
         return
     names = dict(vars(main))
