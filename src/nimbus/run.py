@@ -4,6 +4,7 @@
 
     nimbus run script.py ARGS...         # as `python script.py ARGS...`
     nimbus run -m package.module ARGS... # as `python -m package.module ARGS...`
+    nimbus run -c "code" ARGS...         # as `python -c "code" ARGS...`
     nimbus run --endpoint hpc script.py  # its processes on the endpoint `hpc`
     python -m nimbus run ...             # the same
 
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 __all__ = ["EXIT_USAGE", "main", "run", "setup"]
 
 EXIT_USAGE = 2
-USAGE = "usage: nimbus run [--endpoint NAME] (SCRIPT | -m MODULE) [ARGS ...]"
+USAGE = "usage: nimbus run [--endpoint NAME] (SCRIPT | -m MODULE | -c CODE) [ARGS ...]"
 
 
 def setup(parser: object) -> None:
@@ -43,6 +44,7 @@ def setup(parser: object) -> None:
     parser.usage = USAGE[len("usage: ") :]
     parser.add_argument("--endpoint", metavar="NAME", help="run the processes on this endpoint")
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m")
+    parser.add_argument("-c", dest="command", metavar="CODE", help="run code, as python -c")
     parser.add_argument("argv", nargs=argparse.REMAINDER, help="the script and its arguments")
 
 
@@ -51,7 +53,8 @@ def run(args: object) -> int:
     endpoint = getattr(args, "endpoint", None)
     module = getattr(args, "module", None)
     argv = list(getattr(args, "argv", []))
-    return launch(endpoint, module, argv)
+    command = getattr(args, "command", None)
+    return launch(endpoint, module, ["-c", command, *argv] if command is not None else argv)
 
 
 def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, list[str]]:
@@ -64,6 +67,9 @@ def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, list[str]]:
             endpoint, rest = rest[1], rest[2:]
         elif head.startswith("--endpoint="):
             endpoint, rest = head.split("=", 1)[1], rest[1:]
+        elif head == "-c" and len(rest) > 1:  # as python -c: argv[0] is "-c"
+            module, rest = None, rest
+            break
         elif head == "-m" and len(rest) > 1:
             module, rest = rest[1], rest[2:]
             break
@@ -99,7 +105,8 @@ def launch(endpoint: str | None, module: str | None, argv: list[str]) -> int:
     """Install nimbus as ``multiprocessing`` and run the program; its exit status."""
     if module is None and not argv:
         _usage("no script or -m MODULE to run")
-    if module is None and argv[0] != "-" and not os.path.isfile(argv[0]):
+    command = argv[0] == "-c"
+    if module is None and argv[0] != "-" and not command and not os.path.isfile(argv[0]):
         print(f"nimbus run: can't open file {argv[0]!r}: no such file", file=sys.stderr)
         return EXIT_USAGE
     if endpoint:
@@ -111,6 +118,8 @@ def launch(endpoint: str | None, module: str | None, argv: list[str]) -> int:
     try:
         if module is not None:
             code, main = _module(module, argv)
+        elif command:
+            code, main = _command(argv[1], argv[2:])
         else:
             code, main = _script(argv[0], argv[1:])
     except _NotFound as exc:
@@ -156,6 +165,16 @@ def _script(path: str, args: list[str]) -> tuple[types.CodeType, types.ModuleTyp
     main.__loader__ = None
     sys.argv[:] = [path, *args]
     return compile(source, name, "exec"), main
+
+
+def _command(text: str, args: list[str]) -> tuple[types.CodeType, types.ModuleType]:
+    """A command's code, and the ``__main__`` it runs in (as ``python -c text args``)."""
+    main = _fresh_main()
+    main.__spec__ = None
+    main.__loader__ = None
+    sys.path[0] = ""
+    sys.argv[:] = ["-c", *args]
+    return compile(text, "<string>", "exec"), main
 
 
 def _module(name: str, args: list[str]) -> tuple[types.CodeType, types.ModuleType]:
