@@ -312,3 +312,18 @@ def test_children_see_the_main_script_as_main(tmp_path: Path, launcher: list[str
     done = _python(*launcher, str(prog), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "[4.0]\n"
+
+
+def test_endpoint_option_and_the_cli_parser(tmp_path: Path) -> None:
+    code = "import os, sys; print(os.environ['NIMBUS_ENDPOINT'], sys.argv)"
+    done = _python("-m", "nimbus", "run", "--endpoint", "hpc", "-c", code, "x", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "hpc ['-c', 'x']\n"
+    prog = _script(
+        tmp_path, "import sys, multiprocessing\nprint(multiprocessing.__name__)\nsys.exit(4)\n"
+    )
+    via_cli = _python(
+        "-c", f"from nimbus.cli import main; main(['run', {str(prog)!r}])", cwd=tmp_path
+    )
+    assert via_cli.returncode == 4, via_cli.stderr
+    assert via_cli.stdout == "nimbus.multiprocessing\n"
