@@ -33,11 +33,12 @@ from multiprocessing import (
 )
 from typing import Any
 
-from nimbus._install import STDLIB_MODULES, watch
+from nimbus._install import STDLIB_MODULES as _STDLIB_MODULES
+from nimbus._install import watch as _watch
 from nimbus._install import install as install
 from nimbus.multiprocessing import context
 
-watch()  # nimbus's modules import the stdlib's, even where multiprocessing is aliased to us
+_watch()  # nimbus's modules import the stdlib's, even where multiprocessing is aliased to us
 
 _LOCAL_MODULES = {
     "dummy": dummy,
@@ -63,7 +64,7 @@ Process = context.Process
 def __getattr__(name: str) -> Any:
     if name in __all__:
         return getattr(_ctx, name)
-    if name in STDLIB_MODULES:  # the rest of the stdlib's module map, on first use
+    if name in _STDLIB_MODULES:  # the rest of the stdlib's module map, on first use
         import importlib
 
         from nimbus._install import real
