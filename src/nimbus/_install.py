@@ -15,10 +15,19 @@ imports ``multiprocessing`` pays nothing. Modules imported before
 before (``concurrent.futures.process`` in an IPython kernel, say) keeps it.
 
 nimbus is built on the stdlib's modules, and so are the stdlib's modules on
-each other (``from . import context`` in a child's ``_bootstrap``): every
-module of the ``nimbus`` package executes with the real stdlib modules in
-``sys.modules`` (``real()``), and each nimbus module that stands in for a
-stdlib one also answers the names of the stdlib's it does not define.
+each other: every module of the ``nimbus`` package executes with the real
+stdlib modules in ``sys.modules`` (``real()``); the stdlib's modules import
+their siblings relatively (``from .queues import SimpleQueue`` in
+``BaseContext.SimpleQueue``), so their ``__package__`` is re-homed under
+``HOME``, where the finder answers with the stdlib's modules; and each nimbus
+module that stands in for a stdlib one also answers the stdlib's names it does
+not define (loky's ``synchronize.SemLock``, a child's ``context._force_start_method``).
+A stdlib class that a nimbus one shadows (``multiprocessing.pool.Pool``) no
+longer pickles by reference while installed: nimbus's registers its own
+where the stdlib would send one (``SyncManager``'s ``Pool``).
+
+The children of an installed program install it too (``popen_nimbus`` says
+so, and the warm worker installs before it imports the main module).
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ TYPE_CHECKING = False  # typing is not imported: `nimbus run` starts programs so
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["NIMBUS_MODULES", "STDLIB_MODULES", "install", "installed", "real"]
+__all__ = ["NIMBUS_MODULES", "STDLIB_MODULES", "install", "installed", "real", "watch"]
 
 # the submodules that are nimbus's own, standing in for the stdlib's
 NIMBUS_MODULES = (
