@@ -34,8 +34,8 @@ from multiprocessing import (
 from typing import Any
 
 from nimbus._install import STDLIB_MODULES as _STDLIB_MODULES
-from nimbus._install import watch as _watch
 from nimbus._install import install as install
+from nimbus._install import watch as _watch
 from nimbus.multiprocessing import context
 
 _watch()  # nimbus's modules import the stdlib's, even where multiprocessing is aliased to us

@@ -121,8 +121,8 @@ def start(
     """Start the process in a standby child (or a new fork); the reaper reports its exit."""
     _warm_up()
     _libc()  # loaded once here, not in every child
-    if prep.pop("install", False):  # before main and the modules are imported, as the parent
-        _install.install()
+    if prep.get("install") and not prep.get("forward"):  # this local worker is the program's:
+        _install.install()  # before main and the modules are imported, as in the parent
     _import_main(prep)
     for name in prep.pop("modules", ()):
         if name not in sys.modules:
@@ -380,6 +380,8 @@ def _child(
             forwarder = _remote.Forwarder(program, inbox, token)
             if not os.path.isdir(prep.get("dir", "")):
                 prep.pop("dir", None)  # the parent's cwd does not exist here
+        if prep.pop("install", False):  # (an endpoint's worker, shared, stays as it is)
+            _install.install()
         stdio = prep.pop("stdio", None)
         _share_tracker(prep.pop("tracker", None))
         _runtime.set_relay_address(prep.pop("relay", None))
