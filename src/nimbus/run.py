@@ -105,7 +105,7 @@ def launch(endpoint: str | None, module: str | None, argv: list[str]) -> int:
     """Install nimbus as ``multiprocessing`` and run the program; its exit status."""
     if module is None and not argv:
         _usage("no script or -m MODULE to run")
-    command = argv[0] == "-c"
+    command = module is None and argv[0] == "-c"
     if module is None and argv[0] != "-" and not command and not os.path.isfile(argv[0]):
         print(f"nimbus run: can't open file {argv[0]!r}: no such file", file=sys.stderr)
         return EXIT_USAGE
