@@ -171,3 +171,14 @@ def test_bench_service_baseline_without_pypi_says_what_to_do(tmp_path: Path) -> 
     assert "Traceback" not in proc.stderr
     assert (venv / "bin" / "python").exists()  # the venv is kept: a later run only installs
     assert not proc.stdout  # no table: nothing was measured
+
+
+@pytest.mark.timeout(120)
+def test_bench_run_quick(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    lines = _run("run.py", "--repeat", "1", "--json", str(out))
+    assert lines[0].startswith("program")
+    assert _row(lines, "no-op script").split()[2].endswith("ms")
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["program"] for row in rows] == ["no-op script", "script importing multiprocessing"]
+    assert all(row["nimbus_run_s"] > 0 and row["python_s"] > 0 for row in rows)

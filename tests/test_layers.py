@@ -28,10 +28,12 @@ LAYERS: dict[str, int] = {
     # the command line, on top of everything
     "cli": 6,
     "__main__": 6,
+    "run": 6,  # nimbus run: a command, kept out of the cli package to start fast
     # the SDK (nimbus.Executor; nimbus.Client re-exported) and multiprocessing, what users import
     "nimbus": 5,
     "executor": 5,
     "multiprocessing": 5,
+    "_install": 5,  # nimbus as the stdlib's multiprocessing (install(), nimbus run)
     "joblib": 5,
     "demo": 5,
     # where an Executor's tasks run, and the service's REST client (nimbus.Client) that

@@ -16,9 +16,11 @@ imports ``nimbus.runtime.worker``, starts its first task sooner, and
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
+TYPE_CHECKING = False  # typing is not imported: `nimbus run` starts programs sooner
 if TYPE_CHECKING:
+    from typing import Any
+
     from nimbus.client import Client
     from nimbus.errors import NimbusError
     from nimbus.executor import Executor, Future
@@ -58,3 +60,11 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nimbus``: nimbus is ``multiprocessing`` in this kernel (see ``nimbus run``)."""
+    from nimbus._install import install
+
+    del ipython
+    install()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import NamedTuple, NoReturn
 
 import nimbus
+from nimbus import run as run_cmd
 from nimbus.cli import endpoint as endpoint_cli
 from nimbus.cli import service as service_cli
 from nimbus.config import Settings
@@ -183,6 +184,7 @@ COMMANDS: dict[str, Command] = {
         service_cli.endpoints_run,
     ),
     "tasks": Command("list your tasks, show one", service_cli.tasks_setup, service_cli.tasks_run),
+    "run": Command("run a program with nimbus as its multiprocessing", run_cmd.setup, run_cmd.run),
 }
 
 

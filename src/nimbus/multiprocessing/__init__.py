@@ -10,8 +10,12 @@ the state store (an embedded Redis by default, ``NIMBUS_REDIS_URL`` when set),
 except ``Value``/``Array`` of a program on this host: in its shared memory.
 The module map is the stdlib's (``context``, ``process``, ``pool``, ``queues``,
 ``connection``, ``synchronize``, ``sharedctypes``, ``managers``); modules that
-are local to one process by nature (``util``, ``dummy``, ``reduction``,
-``heap``, ``shared_memory``, ``resource_tracker``, ``spawn``) are the stdlib's.
+are local to one process or host by nature (``util``, ``dummy``, ``reduction``,
+``heap``, ``shared_memory``, ``resource_sharer``, ``resource_tracker``,
+``spawn``, ``forkserver``, ``popen_*``) are the stdlib's.
+
+``install()`` (or ``nimbus run``, or ``%load_ext nimbus``) makes every
+``import multiprocessing`` of the program and of its libraries this package.
 """
 
 from __future__ import annotations
@@ -33,10 +37,15 @@ from multiprocessing import (
 )
 from typing import Any
 
+from nimbus._install import STDLIB_MODULES as _STDLIB_MODULES
+from nimbus._install import install as install
+from nimbus._install import watch as _watch
 from nimbus.multiprocessing import (
     _site,  # noqa: F401  (a root's program opens as the site says)
     context,
 )
+
+_watch()  # nimbus's modules import the stdlib's, even where multiprocessing is aliased to us
 
 _LOCAL_MODULES = {
     "dummy": dummy,
@@ -62,6 +71,16 @@ Process = context.Process
 def __getattr__(name: str) -> Any:
     if name in __all__:
         return getattr(_ctx, name)
+    if name in _STDLIB_MODULES:  # the rest of the stdlib's module map, on first use
+        import importlib
+
+        from nimbus._install import real
+
+        with real():
+            module = importlib.import_module(f"multiprocessing.{name}")
+        _sys.modules[f"{__name__}.{name}"] = module
+        globals()[name] = module
+        return module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator
 from multiprocessing import current_process, resource_tracker, spawn
 from typing import Any
 
-from nimbus import serialization, statestore
-from nimbus.multiprocessing import _local, _remote
+from nimbus import _install, serialization, statestore
+from nimbus.multiprocessing import _local, _main, _remote
 from nimbus.multiprocessing import context as nimbus_context
 
 __all__ = ["MAIN_KEYS", "WARM_MODULES", "start"]
@@ -123,6 +123,8 @@ def start(
 
     worker.when_idle(_warm_up)  # not on this start's path (a forked worker has not yet)
     _libc()  # loaded once here, not in every child
+    if prep.get("install") and not prep.get("forward"):  # this local worker is the program's:
+        _install.install()  # before main and the modules are imported, as in the parent
     _import_main(prep)
     for name in prep.pop("modules", ()):
         if name not in sys.modules:
@@ -379,6 +381,8 @@ def _child(
             forwarder = _remote.Forwarder(program, inbox, token)
             if not os.path.isdir(prep.get("dir", "")):
                 prep.pop("dir", None)  # the parent's cwd does not exist here
+        if prep.pop("install", False):  # (an endpoint's worker, shared, stays as it is)
+            _install.install()
         stdio = prep.pop("stdio", None)
         _share_tracker(prep.pop("tracker", None))
         _local.set_relay_address(prep.pop("relay", None))
@@ -390,6 +394,7 @@ def _child(
         method = prep.pop("nimbus_start_method", None)
         with _bootstrapping():
             spawn.prepare(prep)
+        _main.become_main()
         if method:
             nimbus_context._default_context.set_start_method(method, force=True)
         if stdio is not None:  # the parent's stdout/stderr moved since the worker started

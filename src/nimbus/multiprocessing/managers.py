@@ -84,3 +84,14 @@ class BaseManager(stdlib_managers.BaseManager):
 
 class SyncManager(stdlib_managers.SyncManager, BaseManager):
     """``multiprocessing.managers.SyncManager`` whose server is a nimbus process."""
+
+
+def _pool(*args: Any, **kwargs: Any) -> Any:
+    from nimbus.multiprocessing.pool import Pool
+
+    return Pool(*args, **kwargs)
+
+
+# `manager.Pool()`: nimbus's (the stdlib's Pool class, shadowed by ours where nimbus is
+# installed as multiprocessing, would not pickle by reference into the server)
+SyncManager.register("Pool", _pool, stdlib_managers.PoolProxy)

@@ -31,6 +31,7 @@ from multiprocessing import process as stdlib_process
 from multiprocessing import resource_sharer, spawn
 from typing import Any
 
+from nimbus import _install
 from nimbus.multiprocessing import _forking, _site
 from nimbus.multiprocessing import context as nimbus_context
 from nimbus.multiprocessing._forking import MAIN_KEYS, WARM_MODULES
@@ -87,6 +88,7 @@ class Popen:
         )
         prep["modules"] = _modules_of(process_obj)
         prep["environ"] = dict(os.environ)  # as at start(), as a forked or spawned child has it
+        prep["install"] = _install.installed()  # nimbus is `multiprocessing` there too
         stdlib_context.set_spawning_popen(self)  # type: ignore[arg-type]
         try:
             program = _site.program()

@@ -1,0 +1,327 @@
+"""``install()``: nimbus as ``multiprocessing``, for the program and every library it uses.
+
+::
+
+    import multiprocessing            -> nimbus.multiprocessing (the package)
+    import multiprocessing.pool       -> nimbus.multiprocessing.pool        (nimbus's modules)
+    import multiprocessing.heap       -> the stdlib's multiprocessing.heap  (local by nature)
+    nimbus's own modules              -> the real stdlib modules, whatever sys.modules says
+
+A finder first on ``sys.meta_path`` answers imports of ``multiprocessing``
+and its submodules with nimbus's modules (or the stdlib's, for those that are
+the stdlib's in nimbus's module map), on first import: a program that never
+imports ``multiprocessing`` pays nothing. Modules imported before
+``install()`` are aliased at once; a library that bound the stdlib's module
+before (``concurrent.futures.process`` in an IPython kernel, say) keeps it.
+
+nimbus is built on the stdlib's modules, and so are the stdlib's modules on
+each other: every module of the ``nimbus`` package executes with the real
+stdlib modules in ``sys.modules`` (``real()``); the stdlib's modules import
+their siblings relatively (``from .queues import SimpleQueue`` in
+``BaseContext.SimpleQueue``), so their ``__package__`` is re-homed under
+``HOME``, where the finder answers with the stdlib's modules; and each nimbus
+module that stands in for a stdlib one also answers the stdlib's names it does
+not define (loky's ``synchronize.SemLock``, a child's ``context._force_start_method``).
+A stdlib class that a nimbus one shadows (``multiprocessing.pool.Pool``) no
+longer pickles by reference while installed: nimbus's registers its own
+where the stdlib would send one (``SyncManager``'s ``Pool``).
+
+The children of an installed program install it too (``popen_nimbus`` says
+so, and the warm worker installs before it imports the main module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import importlib.machinery
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+
+TYPE_CHECKING = False  # typing is not imported: `nimbus run` starts programs sooner
+if TYPE_CHECKING:
+    from typing import Any
+
+__all__ = ["NIMBUS_MODULES", "STDLIB_MODULES", "install", "installed", "real", "watch"]
+
+# the submodules that are nimbus's own, standing in for the stdlib's
+NIMBUS_MODULES = (
+    "connection",
+    "context",
+    "managers",
+    "pool",
+    "popen_nimbus",
+    "process",
+    "queues",
+    "sharedctypes",
+    "synchronize",
+)
+# the stdlib's, in nimbus's module map as they are: local to one process or host by nature
+STDLIB_MODULES = (
+    "dummy",
+    "dummy.connection",
+    "forkserver",
+    "heap",
+    "popen_fork",
+    "popen_forkserver",
+    "popen_spawn_posix",
+    "reduction",
+    "resource_sharer",
+    "resource_tracker",
+    "shared_memory",
+    "spawn",
+    "util",
+)
+
+NAME = "multiprocessing"
+_lock = threading.RLock()
+_real: dict[str, ModuleType] = {}  # the stdlib's modules by name, as imported
+_installed = False
+
+
+def _ours(name: str) -> bool:
+    return name == NAME or name.startswith(NAME + ".")
+
+
+def _aliased() -> bool:
+    module = sys.modules.get(NAME)
+    return module is not None and module.__name__ != NAME
+
+
+def _remember() -> None:
+    """Keep the stdlib's modules imported so far (while none is aliased)."""
+    for name, module in list(sys.modules.items()):
+        if _ours(name) and module.__name__ == name:
+            _real[name] = module
+            if _installed or _aliased():
+                _rehome(module)
+
+
+# where the stdlib's modules find each other once `multiprocessing` is nimbus
+HOME = "nimbus._stdlib"
+
+
+def _rehome(module: ModuleType) -> None:
+    """Make the stdlib module's relative imports (``from .queues import SimpleQueue``
+    in ``BaseContext.SimpleQueue``) find the stdlib's modules, not nimbus's.
+
+    Its ``__package__`` (and ``__spec__``, which must agree) name the stdlib's
+    package under ``HOME``, where the finder answers with the stdlib's modules.
+    """
+    home = HOME + module.__name__[len(NAME) :]
+    spec = module.__spec__
+    if spec is not None and spec.name != home:
+        spec = copy.copy(spec)
+        spec.name = home
+        module.__spec__ = spec
+    module.__package__ = spec.parent if spec is not None else home.rpartition(".")[0]
+
+
+@contextlib.contextmanager
+def real() -> Iterator[None]:
+    """While inside: ``multiprocessing`` and its submodules in ``sys.modules`` are the stdlib's.
+
+    Modules of the stdlib that are first imported meanwhile are kept for later.
+    """
+    with _lock:
+        if not _aliased():
+            yield
+            return
+        aliases = {name: m for name, m in sys.modules.items() if _ours(name)}
+        for name in aliases:
+            del sys.modules[name]
+        sys.modules.update(_real)
+        try:
+            yield
+        finally:
+            for name, module in list(sys.modules.items()):
+                if _ours(name):
+                    _real[name] = module
+                    del sys.modules[name]
+                    _rehome(module)
+            sys.modules.update(aliases)
+
+
+def _stdlib(name: str) -> ModuleType:
+    """The real stdlib module ``name`` (``multiprocessing.heap`` ...), imported if need be."""
+    with real():
+        return importlib.import_module(name)
+
+
+def _nimbus(sub: str) -> ModuleType:
+    """nimbus's module standing in for ``multiprocessing.<sub>`` ('' for the package)."""
+    name = "nimbus.multiprocessing" + (f".{sub}" if sub else "")
+    with real():
+        module = importlib.import_module(name)
+    _answer_for(module)
+    return module
+
+
+def _answer_stdlib_names(module: ModuleType, stdlib: ModuleType | None) -> None:
+    """Let ``module`` answer the names of the stdlib module it stands in for.
+
+    The stdlib's own code imports its siblings lazily (``from . import
+    context`` then ``context._force_start_method``): with nimbus's module in
+    their place, it finds the stdlib's names it does not define there.
+    """
+    if stdlib is None or "__getattr__" in vars(module):
+        return
+
+    def __getattr__(name: str) -> Any:
+        try:
+            return getattr(stdlib, name)
+        except AttributeError:
+            raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}") from None
+
+    module.__getattr__ = __getattr__  # type: ignore[method-assign]
+
+
+def _answer_for(module: ModuleType) -> None:
+    """If ``module`` is nimbus's stand-in for a stdlib module: let it answer the stdlib's names."""
+    sub = module.__name__.rpartition(".")[2]
+    if module.__name__ == f"nimbus.multiprocessing.{sub}" and sub in NIMBUS_MODULES:
+        stdlib = _stdlib(f"{NAME}.{sub}") if sub != "popen_nimbus" else None
+        _answer_stdlib_names(module, stdlib)
+
+
+def _target(name: str) -> ModuleType | None:
+    """What ``import <name>`` gives once installed (None: not ours to answer)."""
+    if name == NAME:
+        return _nimbus("")
+    sub = name[len(NAME) + 1 :]
+    if sub in NIMBUS_MODULES:
+        return _nimbus(sub)
+    if sub in STDLIB_MODULES:
+        return _stdlib(name)
+    return None
+
+
+class _Given:
+    """A loader of a module that already exists."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return self.module
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass
+
+
+class _OnRealStdlib:
+    """A nimbus module's own loader, executing it with the stdlib's modules in place."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        module: ModuleType | None = self.loader.create_module(spec)
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        with real():
+            self.loader.exec_module(module)
+        _answer_for(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename ... for tracebacks
+        return getattr(self.loader, name)
+
+
+class _Finder:
+    """First on ``sys.meta_path`` once nimbus is imported; acts only when installed or aliased."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if _busy.active:
+            return None
+        if fullname == NAME and _installed:  # the program's first `import multiprocessing`
+            _busy.active = True
+            try:
+                with real():
+                    importlib.import_module(NAME)  # the stdlib's, which nimbus imports
+                _alias_all()
+            finally:
+                _busy.active = False
+            return _given(fullname, sys.modules[NAME])
+        if not _aliased():
+            return None
+        if fullname == HOME or fullname.startswith(HOME + "."):
+            module = _stdlib(NAME + fullname[len(HOME) :])
+            _rehome(module)
+            return _given(fullname, module)
+        if _ours(fullname):
+            target = _target(fullname)
+            return None if target is None else _given(fullname, target)
+        if fullname.startswith("nimbus."):
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _OnRealStdlib(spec.loader)  # type: ignore[assignment]
+            return spec
+        return None
+
+
+def _given(fullname: str, module: ModuleType) -> importlib.machinery.ModuleSpec:
+    """The spec of an import of ``fullname`` that gives ``module``."""
+    return importlib.machinery.ModuleSpec(fullname, _Given(module))  # type: ignore[arg-type]
+
+
+class _Busy(threading.local):
+    active = False
+
+
+_busy = _Busy()
+_finder = _Finder()
+
+
+def watch() -> None:
+    """Put the finder first on ``sys.meta_path`` (nimbus's package does, when imported)."""
+    with _lock:
+        _remember()
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+
+
+def _alias_all() -> None:
+    """Point ``multiprocessing`` and its imported submodules at nimbus's map, now."""
+    _remember()
+    nimbus_package = _nimbus("")  # imports nimbus's package on the stdlib's
+    for sub in NIMBUS_MODULES:
+        module = sys.modules.get(f"nimbus.multiprocessing.{sub}")
+        if module is not None:
+            _answer_for(module)
+    for name in [n for n in sys.modules if _ours(n) and n != NAME]:
+        module = _target(name)
+        if module is not None:
+            sys.modules[name] = module
+        else:  # a stdlib module outside nimbus's map: the stdlib's, under its own name
+            del sys.modules[name]
+    sys.modules[NAME] = nimbus_package
+
+
+def install() -> None:
+    """Make ``multiprocessing`` nimbus in this interpreter, for every module that imports it.
+
+    ``import multiprocessing`` (and ``from multiprocessing.pool import
+    Pool`` ...) in the program and in the libraries it uses then gives
+    ``nimbus.multiprocessing``; ``concurrent.futures.ProcessPoolExecutor``
+    imported afterwards runs its processes on nimbus too. Idempotent; nothing
+    is imported until the program imports ``multiprocessing``, unless it has.
+    """
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        watch()
+        _installed = True
+        if NAME in sys.modules:
+            _alias_all()
+
+
+def installed() -> bool:
+    """Whether ``install()`` ran in this process."""
+    return _installed

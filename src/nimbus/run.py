@@ -1,0 +1,222 @@
+"""``nimbus run``: run an unmodified program with nimbus as its ``multiprocessing``.
+
+::
+
+    nimbus run script.py ARGS...         # as `python script.py ARGS...`
+    nimbus run -m package.module ARGS... # as `python -m package.module ARGS...`
+    nimbus run -c "code" ARGS...         # as `python -c "code" ARGS...`
+    nimbus run --endpoint hpc script.py  # its processes on the endpoint `hpc`
+    python -m nimbus run ...             # the same
+
+The program runs in this interpreter, as ``python`` would run it: its
+``__main__`` module, ``sys.argv``, ``sys.path[0]``, its exit code, its
+uncaught exception (traceback, status 1) and the signals that end it are its
+own. Before it starts, ``nimbus.multiprocessing.install()`` makes every
+``import multiprocessing`` (the program's and its libraries') nimbus's, and
+so ``concurrent.futures.ProcessPoolExecutor`` too. Ctrl-C is passed on to
+the program's processes, which the terminal does not reach (they are forked
+by warm workers): they see ``KeyboardInterrupt`` as the stdlib's children do.
+
+A script that does not exist exits with status 2 and names it, as ``python`` does.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import os
+import signal
+import sys
+import types
+from collections.abc import Sequence
+
+__all__ = ["EXIT_USAGE", "main", "run", "setup"]
+
+EXIT_USAGE = 2
+USAGE = "usage: nimbus run [--endpoint NAME] (SCRIPT | -m MODULE | -c CODE) [ARGS ...]"
+
+
+def setup(parser: object) -> None:
+    """Arguments for ``nimbus run`` in the ``nimbus`` command's parser."""
+    import argparse
+
+    assert isinstance(parser, argparse.ArgumentParser)
+    parser.usage = USAGE[len("usage: ") :]
+    parser.add_argument("--endpoint", metavar="NAME", help="run the processes on this endpoint")
+    parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m")
+    parser.add_argument("-c", dest="command", metavar="CODE", help="run code, as python -c")
+    parser.add_argument("argv", nargs=argparse.REMAINDER, help="the script and its arguments")
+
+
+def run(args: object) -> int:
+    """``nimbus run`` from the ``nimbus`` command's parsed arguments."""
+    endpoint = getattr(args, "endpoint", None)
+    module = getattr(args, "module", None)
+    argv = list(getattr(args, "argv", []))
+    command = getattr(args, "command", None)
+    return launch(endpoint, module, ["-c", command, *argv] if command is not None else argv)
+
+
+def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, list[str]]:
+    """``[--endpoint NAME] (SCRIPT | -m MODULE) ARGS``; options end at the program."""
+    endpoint = module = None
+    rest = list(argv)
+    while rest:
+        head = rest[0]
+        if head == "--endpoint" and len(rest) > 1:
+            endpoint, rest = rest[1], rest[2:]
+        elif head.startswith("--endpoint="):
+            endpoint, rest = head.split("=", 1)[1], rest[1:]
+        elif head == "-c" and len(rest) > 1:  # as python -c: argv[0] is "-c"
+            module, rest = None, rest
+            break
+        elif head == "-m" and len(rest) > 1:
+            module, rest = rest[1], rest[2:]
+            break
+        elif head.startswith("-m") and len(head) > 2:
+            module, rest = head[2:], rest[1:]
+            break
+        elif head in ("-h", "--help"):
+            print(USAGE)
+            print(__doc__.split("::")[1].split("The program")[0].rstrip())
+            raise SystemExit(0)
+        elif head == "--":
+            rest = rest[1:]
+            break
+        elif head.startswith("-") and head != "-":
+            _usage(f"unknown option {head!r}")
+        else:
+            break
+    return endpoint, module, rest
+
+
+def _usage(message: str) -> None:
+    print(f"{USAGE}\nnimbus run: error: {message}", file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``nimbus run ARGS`` (``argv``: what follows ``run``) without the rest of the CLI."""
+    endpoint, module, rest = _parse(sys.argv[2:] if argv is None else argv)
+    return launch(endpoint, module, rest)
+
+
+def launch(endpoint: str | None, module: str | None, argv: list[str]) -> int:
+    """Install nimbus as ``multiprocessing`` and run the program; its exit status."""
+    if module is None and not argv:
+        _usage("no script or -m MODULE to run")
+    command = module is None and argv[0] == "-c"
+    if module is None and argv[0] != "-" and not command and not os.path.isfile(argv[0]):
+        print(f"nimbus run: can't open file {argv[0]!r}: no such file", file=sys.stderr)
+        return EXIT_USAGE
+    if endpoint:
+        os.environ["NIMBUS_ENDPOINT"] = endpoint
+    from nimbus import _install
+
+    _install.install()
+    _pass_interrupts()
+    try:
+        if module is not None:
+            code, main = _module(module, argv)
+        elif command:
+            code, main = _command(argv[1], argv[2:])
+        else:
+            code, main = _script(argv[0], argv[1:])
+    except _NotFound as exc:
+        print(f"nimbus run: {exc}", file=sys.stderr)
+        return 1
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException:  # as python reports it: the program's frames, status 1
+        kind, value, tb = sys.exc_info()
+        assert kind is not None and value is not None and tb is not None
+        sys.excepthook(kind, value.with_traceback(tb.tb_next), tb.tb_next)
+        return 1
+    return 0
+
+
+class _NotFound(Exception):
+    pass
+
+
+def _fresh_main() -> types.ModuleType:
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    return main
+
+
+def _script(path: str, args: list[str]) -> tuple[types.CodeType, types.ModuleType]:
+    """A script's code, and the ``__main__`` it runs in (as ``python path args``)."""
+    main = _fresh_main()
+    if path == "-":  # the program on standard input
+        source = sys.stdin.buffer.read()
+        name = "<stdin>"
+        sys.path[0] = ""
+    else:
+        with io.open_code(os.path.abspath(path)) as f:
+            source = f.read()
+        name = path
+        sys.path[0] = os.path.dirname(os.path.abspath(path))
+    main.__file__ = name
+    main.__spec__ = None
+    main.__loader__ = None
+    sys.argv[:] = [path, *args]
+    return compile(source, name, "exec"), main
+
+
+def _command(text: str, args: list[str]) -> tuple[types.CodeType, types.ModuleType]:
+    """A command's code, and the ``__main__`` it runs in (as ``python -c text args``)."""
+    main = _fresh_main()
+    main.__spec__ = None
+    main.__loader__ = None
+    sys.path[0] = ""
+    sys.argv[:] = ["-c", *args]
+    return compile(text, "<string>", "exec"), main
+
+
+def _module(name: str, args: list[str]) -> tuple[types.CodeType, types.ModuleType]:
+    """A module's code, and the ``__main__`` it runs in (as ``python -m name args``)."""
+    import runpy
+
+    sys.path[0] = os.getcwd()
+    try:
+        _name, spec, code = runpy._get_module_details(name)  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise _NotFound(str(exc)) from None
+    main = _fresh_main()
+    main.__dict__.update(
+        __name__="__main__",
+        __file__=spec.origin,
+        __cached__=spec.cached,
+        __doc__=None,
+        __loader__=spec.loader,
+        __package__=spec.parent,
+        __spec__=spec,
+    )
+    sys.argv[:] = [spec.origin, *args]
+    return code, main
+
+
+def _pass_interrupts() -> None:
+    """Ctrl-C reaches the program's processes too, as the terminal's does a stdlib's.
+
+    The terminal signals its foreground process group; nimbus's processes,
+    forked by warm workers, are not in it. While the handler is Python's own,
+    an interrupt is sent on to the live children first.
+    """
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return  # ignored, or the program's own already
+
+    def on_interrupt(signum: int, frame: types.FrameType | None) -> None:
+        multiprocessing = sys.modules.get("multiprocessing")
+        if multiprocessing is not None:
+            for child in multiprocessing.active_children():
+                popen = getattr(child, "_popen", None)
+                if popen is not None and getattr(popen, "method", None) == "nimbus":
+                    popen._send_signal(signal.SIGINT)
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, on_interrupt)

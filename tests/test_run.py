@@ -1,0 +1,329 @@
+"""``nimbus run`` and ``install()``: nimbus as ``multiprocessing``, programs run as python runs them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+ENV = {**os.environ, "PYTHONPATH": str(SRC)}
+
+
+def _python(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=ENV, input=stdin, capture_output=True,
+        text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def _script(tmp_path: Path, text: str, name: str = "prog.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+POOL_PROGRAM = """
+    import math
+    import sys
+    import multiprocessing
+    from multiprocessing import Pool, Process, Queue
+
+    def root(x):
+        return math.sqrt(x)
+
+    def where(q):
+        import multiprocessing as m
+        q.put(m.__name__)
+
+    if __name__ == "__main__":
+        with Pool(2) as pool:
+            print(pool.map(root, [1, 4, 9]))
+        q = Queue()
+        p = Process(target=where, args=(q,))
+        p.start()
+        print(multiprocessing.__name__, q.get(), sys.argv[1:])
+        p.join()
+        sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_stdlib_names_aliased_to_nimbus_everywhere(tmp_path: Path) -> None:
+    """Issue 16 #1: with sys.modules' multiprocessing[.x] pointing at nimbus, nimbus's own
+    modules (managers, popen_nimbus) import, and the whole module map is offered."""
+    code = """
+        import sys, importlib
+        import nimbus.multiprocessing as nmp
+        sys.modules["multiprocessing"] = nmp
+        for name in [n for n in sys.modules if n.startswith("multiprocessing.")]:
+            sys.modules[name] = getattr(nmp, name.split(".", 1)[1], sys.modules[name])
+        import nimbus.multiprocessing.managers, nimbus.multiprocessing.popen_nimbus
+        from multiprocessing import managers, resource_sharer, spawn
+        assert managers.AcquirerProxy.__module__ == "multiprocessing.managers"
+        subs = ("connection context dummy heap managers pool popen_fork popen_forkserver "
+                "popen_spawn_posix process queues reduction resource_sharer resource_tracker "
+                "shared_memory sharedctypes spawn synchronize util").split()
+        for sub in subs:
+            module = getattr(nmp, sub, None) or importlib.import_module("nimbus.multiprocessing." + sub)
+            print(sub, module.__name__)
+    """
+    done = _python("-c", textwrap.dedent(code), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    names = dict(line.split() for line in done.stdout.splitlines())
+    for sub in ("connection", "context", "managers", "pool", "queues", "synchronize", "process"):
+        assert names[sub] == f"nimbus.multiprocessing.{sub}"
+    for sub in ("heap", "util", "spawn", "reduction", "popen_fork", "shared_memory", "dummy"):
+        assert names[sub] == f"multiprocessing.{sub}"
+
+
+@pytest.mark.timeout(120)
+def test_install_then_manager_and_pool_in_one_program(tmp_path: Path) -> None:
+    code = """
+        import nimbus.multiprocessing
+        nimbus.multiprocessing.install()
+        import multiprocessing, multiprocessing.pool, multiprocessing.heap
+        assert multiprocessing.pool.Pool.__module__ == "nimbus.multiprocessing.pool"
+        assert multiprocessing.heap.__name__ == "multiprocessing.heap"
+        if __name__ == "__main__":
+            with multiprocessing.Manager() as m:
+                d = m.dict(a=1)
+                print(dict(d), m.Lock() is not None)
+            with multiprocessing.get_context("spawn").Pool(2) as p:
+                print(p.map(abs, [-1, -2]))
+    """
+    done = _python("-c", textwrap.dedent(code), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["{'a': 1} True", "[1, 2]"]
+
+
+@pytest.mark.timeout(120)
+def test_nimbus_run_script_argv_and_exit_code(tmp_path: Path) -> None:
+    prog = _script(tmp_path, POOL_PROGRAM)
+    done = _python("-m", "nimbus", "run", str(prog), "7", cwd=tmp_path)
+    assert done.returncode == 7, done.stderr
+    assert done.stdout.splitlines() == [
+        "[1.0, 2.0, 3.0]",
+        "nimbus.multiprocessing nimbus.multiprocessing ['7']",
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_nimbus_run_module(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    _script(pkg, POOL_PROGRAM, "mod.py")
+    done = _python("-m", "nimbus", "run", "-m", "pkg.mod", "0", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[1] == "nimbus.multiprocessing nimbus.multiprocessing ['0']"
+
+
+def test_nimbus_run_missing_script_exits_2_naming_it(tmp_path: Path) -> None:
+    done = _python("-m", "nimbus", "run", "no_such_script.py", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "no_such_script.py" in done.stderr
+    no_module = _python("-m", "nimbus", "run", "-m", "no_such_module", cwd=tmp_path)
+    assert no_module.returncode == 1 and "no_such_module" in no_module.stderr
+
+
+def test_nimbus_run_uncaught_exception_is_status_1_with_the_programs_traceback(
+    tmp_path: Path,
+) -> None:
+    prog = _script(tmp_path, "raise ValueError('boom')\n")
+    done = _python("-m", "nimbus", "run", str(prog), cwd=tmp_path)
+    assert done.returncode == 1
+    assert "ValueError: boom" in done.stderr and "nimbus/run.py" not in done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_signal_ends_program_as_python(tmp_path: Path) -> None:
+    prog = _script(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
+    done = _python("-m", "nimbus", "run", str(prog), cwd=tmp_path)
+    assert done.returncode == -signal.SIGTERM
+
+
+CHILDREN_PROGRAM = """
+    import multiprocessing, sys, time
+
+    def sleeper():
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("child interrupted", flush=True)
+            sys.exit(1)
+
+    if __name__ == "__main__":
+        ps = [multiprocessing.Process(target=sleeper) for _ in range(2)]
+        for p in ps:
+            p.start()
+        print("started", flush=True)
+        try:
+            for p in ps:
+                p.join()
+        finally:
+            print("codes", [p.exitcode for p in ps], flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", [[], ["-m", "nimbus", "run"]], ids=["python", "nimbus-run"])
+def test_ctrl_c_ends_children(tmp_path: Path, launcher: list[str]) -> None:
+    prog = _script(tmp_path, CHILDREN_PROGRAM)
+    proc = subprocess.Popen(
+        [sys.executable, *launcher, str(prog)], cwd=tmp_path, env=ENV, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "started\n"
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # as the terminal does
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert out.count("child interrupted") == 2, err
+    assert "codes [" in out
+    assert proc.returncode in (-signal.SIGINT, 130, 1)
+    assert "KeyboardInterrupt" in err
+
+
+NO_FILE_PROGRAM = """
+import math
+import multiprocessing
+
+def root(x):
+    return math.sqrt(x)
+
+if __name__ == "__main__":
+    with multiprocessing.Pool(2) as pool:
+        print(pool.map(root, [4, 9]))
+    p = multiprocessing.Process(target=root, args=(16,))
+    p.start()
+    p.join()
+    print("exitcode", p.exitcode)
+"""
+NO_FILE_OUTPUT = ["[2.0, 3.0]", "exitcode 0"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["stdin", "dash-c", "runpy", "interactive", "run-stdin"])
+def test_mains_with_no_file(tmp_path: Path, how: str) -> None:
+    """Issue 16 #3: `python - < script.py`, `python -c`, runpy, `python -i`: as the stdlib's fork."""
+    install = "import nimbus.multiprocessing; nimbus.multiprocessing.install()\n"
+    program = install + NO_FILE_PROGRAM
+    if how == "stdin":
+        done = _python("-", cwd=tmp_path, stdin=program)
+    elif how == "dash-c":
+        done = _python("-c", program, cwd=tmp_path)
+    elif how == "runpy":
+        _script(tmp_path, program, "target.py")
+        done = _python(
+            "-c", "import runpy; runpy.run_path('target.py', run_name='__main__')", cwd=tmp_path
+        )
+    elif how == "interactive":
+        done = _python("-i", cwd=tmp_path, stdin=program + "\n")
+    else:
+        done = _python("-m", "nimbus", "run", "-", cwd=tmp_path, stdin=NO_FILE_PROGRAM)
+    assert done.returncode == 0, done.stderr
+    assert [
+        line.lstrip(">. ") for line in done.stdout.splitlines() if line.strip(">. ")
+    ] == NO_FILE_OUTPUT
+
+
+NOTEBOOK_CELLS = [
+    "import math\nimport multiprocessing\n\ndef root(x):\n    return math.sqrt(x)",
+    "def put_root(q, x):\n    q.put(root(x))",
+    "with multiprocessing.Pool(2) as pool:\n    print(pool.map(root, [4, 9]))",
+    "q = multiprocessing.Queue()\np = multiprocessing.Process(target=put_root, args=(q, 16))\n"
+    "p.start()\nprint(q.get(), type(p).__module__)\np.join()\nprint(p.exitcode)",
+]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(
+    "first",
+    ["%load_ext nimbus", "import nimbus.multiprocessing\nnimbus.multiprocessing.install()"],
+    ids=["load_ext", "install"],
+)
+def test_notebook_cells_run_in_pool_and_process(
+    first: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real IPython kernel (ipykernel, driven by nbclient): functions defined in cells."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    monkeypatch.setenv("PYTHONPATH", str(SRC))
+    cells = [nbformat.v4.new_code_cell(source) for source in [first, *NOTEBOOK_CELLS]]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    client = nbclient.NotebookClient(
+        notebook,
+        timeout=120,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()
+    outputs = [
+        "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        for cell in notebook.cells
+    ]
+    assert outputs[3] == "[2.0, 3.0]\n"
+    assert outputs[4] == "4.0 nimbus.multiprocessing.context\n0\n"
+
+
+DILL_PROGRAM = """
+    import math
+    import sys
+    import dill
+    import multiprocessing
+
+    def row_func(x):
+        return math.sqrt(x)
+
+    def call(payload):
+        return dill.loads(payload)(16)
+
+    if __name__ == "__main__":
+        with multiprocessing.Pool(1) as pool:
+            print(pool.map(call, [dill.dumps(row_func)]))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", [["-m", "nimbus", "run"], []], ids=["nimbus-run", "import"])
+def test_children_see_the_main_script_as_main(tmp_path: Path, launcher: list[str]) -> None:
+    """Issue 16 #2: a main-script function dill sends by value finds its globals (`math`)."""
+    pytest.importorskip("dill")
+    text = DILL_PROGRAM
+    if not launcher:
+        text = text.replace(
+            "import multiprocessing", "import nimbus.multiprocessing as multiprocessing"
+        )
+    prog = _script(tmp_path, text)
+    done = _python(*launcher, str(prog), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[4.0]\n"
+
+
+def test_endpoint_option_and_the_cli_parser(tmp_path: Path) -> None:
+    code = "import os, sys; print(os.environ['NIMBUS_ENDPOINT'], sys.argv)"
+    done = _python("-m", "nimbus", "run", "--endpoint", "hpc", "-c", code, "x", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "hpc ['-c', 'x']\n"
+    prog = _script(
+        tmp_path, "import sys, multiprocessing\nprint(multiprocessing.__name__)\nsys.exit(4)\n"
+    )
+    via_cli = _python(
+        "-c", f"from nimbus.cli import main; main(['run', {str(prog)!r}])", cwd=tmp_path
+    )
+    assert via_cli.returncode == 4, via_cli.stderr
+    assert via_cli.stdout == "nimbus.multiprocessing\n"
