@@ -199,7 +199,7 @@ def _pipe_rtt(ctx: Any, payload: bytes, n: int, direct: bool | None = None) -> f
                 a.send(payload)
                 a.recv()
             if direct is not None:
-                switched = a._writer.peer is not None and a._reader.source is not None
+                switched = a._writer.peer is not None and a._reader.active()
                 if switched != direct:
                     raise RuntimeError(f"the Pipe is {'' if switched else 'not '}direct")
             return _rtt(a.send, a.recv, payload, n)
