@@ -76,22 +76,24 @@ class Cluster:
         key = d / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        proc = subprocess.Popen(
-            [
-                "munged",
-                "--foreground",
-                "--force",
-                f"--socket={self.munge_socket}",
-                f"--key-file={key}",
-                f"--pid-file={d / 'munged.pid'}",
-                f"--log-file={d / 'munged.log'}",
-                f"--seed-file={d / 'munged.seed'}",
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=open(d / "munged.err", "wb"),  # noqa: SIM115 - the child keeps it
-            start_new_session=True,
-        )
+        err = open(d / "munged.err", "wb")  # noqa: SIM115 - closed once the child has it
+        with err:
+            proc = subprocess.Popen(
+                [
+                    "munged",
+                    "--foreground",
+                    "--force",
+                    f"--socket={self.munge_socket}",
+                    f"--key-file={key}",
+                    f"--pid-file={d / 'munged.pid'}",
+                    f"--log-file={d / 'munged.log'}",
+                    f"--seed-file={d / 'munged.seed'}",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+            )
         self.procs["munged"] = proc
         deadline = time.monotonic() + 15
         while not self.munge_socket.exists():
@@ -134,6 +136,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 ReturnToService=2
+EnforcePartLimits=ALL
 MpiDefault=none
 MinJobAge=300
 SlurmdTimeout=10
@@ -165,11 +168,15 @@ PartitionName={self.partition} Nodes={",".join(NODES)} Default=YES MaxTime=INFIN
             return str(exc)
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{self._tail(p)}" for p in sorted((self.root / "log").glob("*")))
+        return "\n".join(
+            f"--- {p.name}\n{self._tail(p)}" for p in sorted((self.root / "log").glob("*"))
+        )
 
     # ------------------------------------------------------------ use
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=check, timeout=30)
+        return subprocess.run(
+            cmd, env=self.env, capture_output=True, text=True, check=check, timeout=30
+        )
 
     def node_states(self) -> dict[str, str]:
         out = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False).stdout
