@@ -55,7 +55,7 @@ def test_public_names_and_registry() -> None:
         "SrunLauncher",
         "walltime_seconds",
     }
-    assert PROVIDERS == {"local": LocalProvider, "slurm": SlurmProvider}
+    assert {"local": LocalProvider, "slurm": SlurmProvider} == PROVIDERS
     assert BlockState("pending") is BlockState.PENDING and not BlockState.PENDING.terminal
     assert walltime_seconds("1-00:02:03") == 86400 + 123
     with pytest.raises(ProviderError, match="NIMBUS_WALLTIME"):
@@ -132,7 +132,7 @@ def test_sbatch_refusal_quotes_the_scheduler(slurm_env: Any, tmp_path: Path) -> 
     with pytest.raises(ProviderError, match="invalid partition specified: nope"):
         provider.submit("true", 1)
     too_many = SlurmProvider(script_dir=tmp_path)
-    with pytest.raises(ProviderError, match="Slurm refused the block: .*node"):
+    with pytest.raises(ProviderError, match=r"Slurm refused the block: .*node"):
         too_many.submit("true", 9)
 
 
