@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import sys
 
-__all__ = ["PYTHON", "Kind", "Status"]
+__all__ = ["PYTHON", "Kind", "Link", "Status"]
 
 PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
 INLINE_LIMIT = 64 * 1024  # larger payloads travel as frame buffers
@@ -52,3 +52,29 @@ class Status(enum.IntEnum):
     OK = 0
     ERROR = 1  # payload is a pickled (exception, traceback text)
     SKIPPED = 2  # cancelled before it started
+
+
+class Link(enum.IntEnum):
+    """Frames between an agent and a manager on another node (over TCP).
+
+    Agent -> manager: CHALLENGE {"nonce"}; WELCOME {"proof", "heartbeat"} (the agent
+    proves it holds the secret too); TASKS [[wid, fn_key, fn_bytes | None, payload |
+    None, nbufs, timeout], ...] (payloads as in Kind.TASKS); CANCEL [wid, ...]; DRAIN
+    (take no more, say what you hold); STOP (finish and exit).
+
+    Manager -> agent: JOIN {"proof", "nonce", "workers", "host", "pid", "block",
+    "python"}; RESULTS [[wid, status, data | None, nbufs, started, ended, cpu_user,
+    cpu_system, peak_memory, net_in, net_out, worker, host, pid], ...]; HEARTBEAT
+    {statistics}; DRAINED {"held": n}.
+    """
+
+    CHALLENGE = 30
+    WELCOME = 31
+    TASKS = 32
+    CANCEL = 33
+    DRAIN = 34
+    STOP = 35
+    JOIN = 40
+    RESULTS = 41
+    HEARTBEAT = 42
+    DRAINED = 43
