@@ -229,6 +229,61 @@ def _log_level(value: object) -> str:
     return value.strip().upper()
 
 
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise _Bad("a string")
+    return value
+
+
+def _optional_text(value: object) -> str | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
+        return None
+    return _text(value).strip()
+
+
+def _name(value: object) -> str:
+    accepted = "a name of letters, digits, - and _ (e.g. local, slurm)"
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", value.strip()):
+        raise _Bad(accepted)
+    return value.strip().lower()
+
+
+def _optional_int(value: object) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
+        return None
+    try:
+        return _int_at_least(1)(value)
+    except _Bad:
+        raise _Bad("an integer >= 1, or 'none'") from None
+
+
+def _fraction(value: object) -> float:
+    accepted = "a number > 0 and <= 1"
+    try:
+        number = _seconds(value)
+    except _Bad:
+        raise _Bad(accepted) from None
+    if number > 1:
+        raise _Bad(accepted)
+    return number
+
+
+def _walltime(value: object) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"(\d+-)?\d+:\d{1,2}:\d{1,2}", value.strip()):
+        raise _Bad("[D-]HH:MM:SS, e.g. 00:30:00")
+    return value.strip()
+
+
+def _bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise _Bad("true or false")
+
+
 class _Field(NamedTuple):
     env: str
     coerce: Callable[[object], Any]
@@ -341,6 +396,35 @@ _FIELDS: dict[str, _Field] = {
         "on the service: largest WebSocket message it accepts from a client or agent, bytes "
         "(larger: the connection is closed with 1009)",
     ),
+    # -- providers: where an endpoint's (or the local runtime's) nodes come from (issue 17)
+    "provider": _Field(
+        "NIMBUS_PROVIDER", _name, "where nodes come from: local (this machine) or slurm"
+    ),
+    "partition": _Field("NIMBUS_PARTITION", _optional_text, "Slurm partition of blocks"),
+    "account": _Field("NIMBUS_ACCOUNT", _optional_text, "Slurm account charged for blocks"),
+    "qos": _Field("NIMBUS_QOS", _optional_text, "Slurm quality of service of blocks"),
+    "nodes_per_block": _Field("NIMBUS_NODES_PER_BLOCK", _int_at_least(1), "nodes in one block"),
+    "workers_per_node": _Field(
+        "NIMBUS_WORKERS_PER_NODE", _optional_int, "workers of a block's manager (none: its cores)"
+    ),
+    "min_blocks": _Field("NIMBUS_MIN_BLOCKS", _int_at_least(0), "blocks kept even when idle"),
+    "max_blocks": _Field("NIMBUS_MAX_BLOCKS", _int_at_least(1), "most blocks at once"),
+    "init_blocks": _Field("NIMBUS_INIT_BLOCKS", _int_at_least(0), "blocks asked for at start"),
+    "parallelism": _Field(
+        "NIMBUS_PARALLELISM", _fraction, "blocks per pending work: 1 = a worker per task, less"
+    ),
+    "walltime": _Field("NIMBUS_WALLTIME", _walltime, "walltime of a block, [D-]HH:MM:SS"),
+    "max_idle": _Field(
+        "NIMBUS_MAX_IDLE", _seconds, "seconds a block may idle before it is drained, cancelled"
+    ),
+    "worker_init": _Field("NIMBUS_WORKER_INIT", _text, "shell lines a block runs first"),
+    "scheduler_options": _Field(
+        "NIMBUS_SCHEDULER_OPTIONS", _text, "extra #SBATCH lines (one option a line)"
+    ),
+    "exclusive": _Field("NIMBUS_EXCLUSIVE", _bool, "blocks ask for whole nodes"),
+    "agent_listen": _Field(
+        "NIMBUS_AGENT_LISTEN", _host_port, "HOST:PORT where the agent accepts block managers"
+    ),
 }
 
 
@@ -413,6 +497,23 @@ class Settings:
     max_functions: int = 10_000
     max_endpoints: int = 1000
     max_message: int = 32 << 20
+    # -- providers (issue 17)
+    provider: str = "local"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    nodes_per_block: int = 1
+    workers_per_node: int | None = None
+    min_blocks: int = 0
+    max_blocks: int = 4
+    init_blocks: int = 0
+    parallelism: float = 1.0
+    walltime: str = "00:30:00"
+    max_idle: float = 120.0
+    worker_init: str = ""
+    scheduler_options: str = ""
+    exclusive: bool = False
+    agent_listen: str = "0.0.0.0:0"
 
     def __post_init__(self) -> None:
         for name, spec in _FIELDS.items():

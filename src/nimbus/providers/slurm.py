@@ -126,7 +126,7 @@ class SlurmProvider:
                 option = option.strip()
                 lines.append(option if option.startswith("#SBATCH") else f"#SBATCH {option}")
         lines += [f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()]
-        lines.append('export NIMBUS_BLOCK_ID="slurm-$SLURM_JOB_ID"')
+        lines.append('export NIMBUS_BLOCK_ID="$SLURM_JOB_ID"')
         if self.worker_init:
             lines.append(self.worker_init)
         lines.append(self.launcher(command, nodes))
