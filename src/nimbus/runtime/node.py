@@ -49,16 +49,21 @@ def proof(secret: str, nonce: bytes, role: bytes) -> bytes:
     return hmac.new(secret.encode(), role + b":" + nonce, hashlib.sha256).digest()
 
 
-def receive_one(channel: Channel, kind: int) -> Any:
-    """The next frame, which must be of ``kind``; its metadata (blocking socket)."""
+def receive_one(channel: Channel, kind: int, rest: list[Frame] | None = None) -> Any:
+    """The next frame, which must be of ``kind``; its metadata (blocking socket).
+
+    Frames that came with it go to ``rest`` (refused if not given).
+    """
     frames: list[Frame] = []
     while not frames:
         got = channel.receive(block=True)
         if got is None:
             raise ConnectionError("the peer closed the connection during the handshake")
         frames.extend(got)
-    if frames[0].kind != kind or len(frames) > 1:
+    if frames[0].kind != kind or (len(frames) > 1 and rest is None):
         raise ConnectionError(f"expected a {Link(kind).name} frame, got kind {frames[0].kind}")
+    if rest is not None:
+        rest.extend(frames[1:])
     return unpack(frames[0].meta)
 
 
@@ -87,6 +92,7 @@ class NodeManager:
         self._send_lock = threading.Lock()
         self._stopped = threading.Event()
         self._channel: Channel | None = None
+        self._early: list[Frame] = []  # frames that came with the WELCOME
 
     def _send(self, kind: int, meta: object, buffers: list[Any] | None = None) -> None:
         assert self._channel is not None
@@ -101,6 +107,14 @@ class NodeManager:
         sock = socket.create_connection(self.address, timeout=HANDSHAKE_SECONDS)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         channel = Channel(sock)
+        try:
+            return self._handshake(channel)
+        except BaseException:
+            channel.close()
+            raise
+
+    def _handshake(self, channel: Channel) -> Channel:
+        sock = channel.sock
         challenge = receive_one(channel, Link.CHALLENGE)
         nonce = os.urandom(16)
         channel.send(
@@ -119,7 +133,7 @@ class NodeManager:
             ),
         )
         channel.flush()
-        welcome = receive_one(channel, Link.WELCOME)
+        welcome = receive_one(channel, Link.WELCOME, self._early)
         if not hmac.compare_digest(welcome["proof"], proof(self.secret, nonce, b"agent")):
             raise ConnectionError("the agent could not prove it holds the block's secret")
         self.heartbeat = float(welcome.get("heartbeat", self.heartbeat))
@@ -136,6 +150,9 @@ class NodeManager:
         beat.start()
         code = 1
         try:
+            if self._early and self._handle(self._early, manager):
+                manager.shutdown(wait=True)
+                return 0
             while True:
                 frames = channel.receive(block=True)
                 if frames is None:
