@@ -196,10 +196,14 @@ PartitionName={self.partition} Nodes={",".join(NODES)} Default=YES MaxTime=INFIN
         raise RuntimeError(f"Slurm nodes not idle after {timeout} s: {states}\n{self.logs()}")
 
     def kill_slurmd(self, node: str) -> None:
-        """Kill a node's slurmd and every job step it started (a node that died)."""
+        """Kill a node's slurmd, its jobs' slurmstepd and their processes (a node that died)."""
+        jobs = self.run("squeue", "-h", "-w", node, "-o", "%i", check=False).stdout.split()
         proc = self.procs.pop(node)
         proc.kill()
         proc.wait()
+        for pid in _stepds(jobs):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         for pid in _with_env(f"SLURMD_NODENAME={node}".encode()):
             if _with_conf(pid, self.conf):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -272,3 +276,19 @@ def _with_conf(pid: int, conf: Path) -> bool:
             return f"SLURM_CONF={conf}".encode() in f.read().split(b"\0")
     except OSError:
         return False
+
+
+def _stepds(jobs: list[str]) -> list[int]:
+    """Pids of the slurmstepd of these jobs (``slurmstepd: [<job>.<step>]``)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if cmd.startswith("slurmstepd") and any(f"[{job}." in cmd for job in jobs):
+            out.append(int(entry))
+    return out
