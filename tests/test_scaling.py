@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -141,3 +142,102 @@ def test_a_block_near_its_walltime_is_replaced_and_nothing_fails(settings: Setti
         assert backend.scaler.submitted >= 2
         assert any(b.retiring for b in backend.scaler.blocks.values()) or backend.scaler.cancelled
     assert all(r.startswith("n") for r in results)
+
+
+def remote_node_of(seconds: float) -> str:  # sent by value to the endpoint
+    import os
+    import time
+
+    time.sleep(seconds)
+    return os.environ.get("SLURMD_NODENAME", "?")
+
+
+def test_an_endpoint_on_slurm_grows_from_zero_blocks_and_shows_them(
+    service: Any, alice: Any, slurm: Any
+) -> None:
+    import dataclasses
+    import subprocess
+    import sys
+
+    from service_support import EndpointProcess
+
+    endpoint = EndpointProcess(service, alice, "hpc")
+    endpoint.config = dataclasses.replace(
+        endpoint.config,
+        provider="slurm",
+        partition=slurm.partition,
+        workers_per_node=2,
+        max_blocks=2,
+        max_idle=30.0,
+        walltime="00:05:00",
+        agent_listen="127.0.0.1:0",
+    )
+    env = {**service.env, "SLURM_CONF": str(slurm.conf)}
+    old = dict(os.environ)
+    os.environ.update(env)
+    try:
+        endpoint.config.save()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    service.env["SLURM_CONF"] = str(slurm.conf)
+    try:
+        endpoint.start(alice)
+        token = service.token("alice")
+        with Executor(endpoint="hpc", settings=service.user_settings(token)) as ex:
+            t0 = time.monotonic()
+            assert ex.submit(remote_node_of, 0).result(timeout=60).startswith("n")
+            first = time.monotonic() - t0
+            assert all(n.startswith("n") for n in ex.map(remote_node_of, [0.01] * 50))
+        time.sleep(1.2)  # the blocks file is written once a second
+        shown = subprocess.run(
+            [sys.executable, "-m", "nimbus", "endpoint", "status", "hpc"],
+            env={**env, "NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        assert re.search(r"provider slurm, [12] block\(s\)", shown.stdout), shown.stdout
+        assert re.search(r"job \d+ +running +1 node\(s\), 1 manager\(s\)", shown.stdout)
+        assert "service: online" in shown.stdout
+    finally:
+        endpoint.stop()
+        del service.env["SLURM_CONF"]
+    assert first < 15
+
+
+def test_endpoint_configure_takes_the_provider_settings(service: Any, alice: Any) -> None:
+    import subprocess
+    import sys
+
+    from nimbus.endpoint.config import EndpointConfig
+
+    env = {
+        **service.env,
+        "NIMBUS_SERVICE_URL": service.url,
+        "NIMBUS_TOKEN": service.token("alice"),
+    }
+    base = [sys.executable, "-m", "nimbus", "endpoint", "configure"]
+    options = ["--provider", "slurm", "--partition", "debug", "--nodes-per-block", "2"]
+    options += ["--min-blocks", "0", "--max-blocks", "4", "--init-blocks", "0"]
+    options += ["--walltime", "00:30:00", "--max-idle", "60", "--exclusive"]
+    options += ["--worker-init", 'module load python; source "$HOME/venv/bin/activate"']
+    done = subprocess.run([*base, "hpc-cli", *options], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    old = os.environ.get("XDG_CONFIG_HOME")
+    os.environ["XDG_CONFIG_HOME"] = service.env["XDG_CONFIG_HOME"]
+    try:
+        config = EndpointConfig.load("hpc-cli")
+    finally:
+        if old is None:
+            del os.environ["XDG_CONFIG_HOME"]
+        else:
+            os.environ["XDG_CONFIG_HOME"] = old
+    assert (config.provider, config.partition, config.nodes_per_block) == ("slurm", "debug", 2)
+    assert (config.max_blocks, config.max_idle, config.exclusive) == (4, 60.0, True)
+    assert config.worker_init == 'module load python; source "$HOME/venv/bin/activate"'
+    bad = subprocess.run(
+        [*base, "hpc-bad", "--walltime", "30m"], env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "walltime" in bad.stderr and "HH:MM:SS" in bad.stderr

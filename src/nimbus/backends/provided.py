@@ -19,74 +19,15 @@ store need the same: the store is reached over TCP (``store_listen`` /
 
 from __future__ import annotations
 
-import os
-import shlex
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from nimbus.backends import DispatchCallback, ResultCallback
-from nimbus.errors import ConfigError
-from nimbus.providers import PROVIDERS, walltime_seconds
 from nimbus.runtime.agent import Agent
-from nimbus.runtime.manager import worker_environment
-from nimbus.runtime.node import ADDRESS_ENV, SECRET_ENV
-from nimbus.runtime.remote import new_secret
-from nimbus.runtime.scaling import Scaler
+from nimbus.runtime.scaling import make_scaler
 from nimbus.runtime.task import Task
 
-__all__ = ["ProvidedBackend", "make_scaler"]
-
-
-def make_scaler(agent: Agent, settings: Any, *, prefetch: int) -> Scaler:
-    """Listen for managers and build the scaler of ``settings``' provider (not started)."""
-    if settings.provider not in PROVIDERS:
-        raise ConfigError(
-            f"provider {settings.provider!r} is unknown (NIMBUS_PROVIDER); "
-            f"known: {', '.join(sorted(PROVIDERS))}"
-        )
-    if settings.min_blocks > settings.max_blocks:
-        raise ConfigError(
-            f"min_blocks ({settings.min_blocks}) is more than max_blocks ({settings.max_blocks})"
-        )
-    provider = PROVIDERS[settings.provider](
-        partition=settings.partition,
-        account=settings.account,
-        qos=settings.qos,
-        walltime=settings.walltime,
-        exclusive=settings.exclusive,
-        scheduler_options=settings.scheduler_options,
-        worker_init=settings.worker_init,
-    )
-    host, _, port = settings.agent_listen.rpartition(":")
-    secret = new_secret()
-    address = agent.listen(secret, host=host.strip("[]"), port=int(port), prefetch=prefetch)
-    workers = settings.workers_per_node
-    command = f"{shlex.quote(sys.executable)} -m nimbus manager --prefetch {prefetch}"
-    if workers:
-        command += f" --workers {workers}"
-    env = {
-        ADDRESS_ENV: address,
-        SECRET_ENV: secret,
-        "PYTHONPATH": worker_environment()["PYTHONPATH"],
-    }
-    scaler = Scaler(
-        agent,
-        provider,
-        command=command,
-        env=env,
-        nodes_per_block=settings.nodes_per_block,
-        workers_per_node=workers or os.cpu_count() or 1,
-        min_blocks=settings.min_blocks,
-        max_blocks=settings.max_blocks,
-        init_blocks=settings.init_blocks,
-        parallelism=settings.parallelism,
-        walltime=walltime_seconds(settings.walltime),
-        max_idle=settings.max_idle,
-    )
-    agent.on_demand = scaler.wake
-    agent.on_change = scaler.wake
-    return scaler
+__all__ = ["ProvidedBackend"]
 
 
 class ProvidedBackend:

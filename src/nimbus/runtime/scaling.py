@@ -19,18 +19,26 @@ the loop also wakes every ``tick`` seconds for idle and walltime checks.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import shlex
+import sys
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from nimbus.errors import ProviderError
-from nimbus.providers import BlockState, Provider
+from nimbus.errors import ConfigError, ProviderError
+from nimbus.providers import PROVIDERS, BlockState, Provider, walltime_seconds
+from nimbus.runtime.manager import worker_environment
+from nimbus.runtime.node import ADDRESS_ENV, SECRET_ENV
+from nimbus.runtime.remote import new_secret
 
-__all__ = ["Block", "Scaler"]
+__all__ = ["Block", "Scaler", "make_scaler"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +83,7 @@ class Scaler:
         max_idle: float = 120.0,
         period: float = 2.0,
         tick: float = 0.5,
+        status_file: Path | None = None,
     ) -> None:
         if not min_blocks <= max_blocks:
             raise ProviderError(f"min_blocks ({min_blocks}) is more than max_blocks ({max_blocks})")
@@ -93,6 +102,8 @@ class Scaler:
         self.max_idle = max_idle
         self.period = period
         self.tick = tick
+        self.status_file = status_file  # statistics() as JSON, for ``nimbus endpoint status``
+        self._written = 0.0
         self.blocks: dict[str, Block] = {}
         self.error: str = ""  # the provider's last refusal
         self.status_calls = 0
@@ -173,6 +184,11 @@ class Scaler:
             self._retire(now)
             self._grow(now)
             self._shrink(now)
+        if self.status_file is not None and now - self._written >= 1.0:
+            self._written = now
+            tmp = self.status_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.statistics()))
+            tmp.replace(self.status_file)
 
     def _poll(self, now: float) -> None:
         watched = [b.id for b in self.blocks.values() if not b.state.terminal]
@@ -308,3 +324,57 @@ class Scaler:
             log.warning("nimbus scaler: %s", exc)
         self.cancelled += 1
         block.state = BlockState.CANCELLED
+
+
+def make_scaler(
+    agent: Any, settings: Any, *, prefetch: int, status_file: Path | None = None
+) -> Scaler:
+    """Listen for managers and build the scaler of ``settings``' provider (not started)."""
+    if settings.provider not in PROVIDERS:
+        raise ConfigError(
+            f"provider {settings.provider!r} is unknown (NIMBUS_PROVIDER); "
+            f"known: {', '.join(sorted(PROVIDERS))}"
+        )
+    if settings.min_blocks > settings.max_blocks:
+        raise ConfigError(
+            f"min_blocks ({settings.min_blocks}) is more than max_blocks ({settings.max_blocks})"
+        )
+    provider = PROVIDERS[settings.provider](
+        partition=settings.partition,
+        account=settings.account,
+        qos=settings.qos,
+        walltime=settings.walltime,
+        exclusive=settings.exclusive,
+        scheduler_options=settings.scheduler_options,
+        worker_init=settings.worker_init,
+    )
+    host, _, port = settings.agent_listen.rpartition(":")
+    secret = new_secret()
+    address = agent.listen(secret, host=host.strip("[]"), port=int(port), prefetch=prefetch)
+    workers = settings.workers_per_node
+    command = f"{shlex.quote(sys.executable)} -m nimbus manager --prefetch {prefetch}"
+    if workers:
+        command += f" --workers {workers}"
+    env = {
+        ADDRESS_ENV: address,
+        SECRET_ENV: secret,
+        "PYTHONPATH": worker_environment()["PYTHONPATH"],
+    }
+    scaler = Scaler(
+        agent,
+        provider,
+        command=command,
+        env=env,
+        nodes_per_block=settings.nodes_per_block,
+        workers_per_node=workers or os.cpu_count() or 1,
+        min_blocks=settings.min_blocks,
+        max_blocks=settings.max_blocks,
+        init_blocks=settings.init_blocks,
+        parallelism=settings.parallelism,
+        walltime=walltime_seconds(settings.walltime),
+        max_idle=settings.max_idle,
+        status_file=status_file,
+    )
+    agent.on_demand = scaler.wake
+    agent.on_change = scaler.wake
+    return scaler
