@@ -82,7 +82,12 @@ class Agent:
 
     def _join(self, channel: Channel, info: dict[str, Any]) -> None:
         manager = RemoteManager(
-            channel, info, prefetch=self._prefetch, on_results=self._results, on_lost=self._lost
+            channel,
+            info,
+            prefetch=self._prefetch,
+            on_results=self._results,
+            on_lost=self._lost,
+            on_notice=self._on_notice,
         )
         with self._lock:
             if self._closing:
@@ -279,14 +284,15 @@ class Agent:
             self._closing = True
         if self._listener is not None:
             self._listener.close()
-            if kill:
+            if kill and self._pending:
                 self.fail_pending(errors.RuntimeClosed(f"{self.name} was shut down"))
         for manager in list(self._managers):
             manager.shutdown(wait=False, kill=kill)
         if wait:
             for manager in list(self._managers):
                 manager.shutdown(wait=True, kill=kill)
-        self.fail_pending(errors.RuntimeClosed(f"{self.name} was shut down"))
+        if self._pending:
+            self.fail_pending(errors.RuntimeClosed(f"{self.name} was shut down"))
 
     def statistics(self) -> dict[str, Any]:
         return {

@@ -143,7 +143,11 @@ class NodeManager:
     def run(self) -> int:
         self._channel = channel = self.connect()
         manager = Manager(
-            self.workers, on_results=self._results, prefetch=self.prefetch, name="node"
+            self.workers,
+            on_results=self._results,
+            on_notice=lambda notice: self._send(Link.NOTICE, notice),
+            prefetch=self.prefetch,
+            name="node",
         )
         manager.start()
         beat = threading.Thread(target=self._beat, args=(manager,), daemon=True)

@@ -57,6 +57,7 @@ class RemoteManager:
         prefetch: int,
         on_results: Callable[[list[Task]], None],
         on_lost: Callable[[RemoteManager, list[Task], str], None],
+        on_notice: Callable[[Any], None] | None = None,
         lost_after: float = LOST_AFTER,
     ) -> None:
         self.size = int(info["workers"])
@@ -75,6 +76,7 @@ class RemoteManager:
         self._channel = channel
         self._on_results = on_results
         self._on_lost = on_lost
+        self._on_notice = on_notice
         self._lost_after = lost_after
         self._sent: dict[int, Task] = {}
         self._wids: dict[int, int] = {}  # id(task) -> wire id
@@ -188,6 +190,12 @@ class RemoteManager:
         for frame in frames:
             if frame.kind == Link.RESULTS:
                 self._results(unpack(frame.meta), frame.buffers)
+            elif frame.kind == Link.NOTICE:
+                if self._on_notice is not None:
+                    try:
+                        self._on_notice(unpack(frame.meta))
+                    except Exception:
+                        log.exception("nimbus %s: a notice callback failed", self.name)
             elif frame.kind == Link.DRAINED:
                 self.held = int(unpack(frame.meta)["held"])
                 self.drained.set()
