@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -84,8 +85,50 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "max_functions",
         "max_endpoints",
         "max_message",
+        # providers (issue 17)
+        "provider",
+        "partition",
+        "account",
+        "qos",
+        "nodes_per_block",
+        "workers_per_node",
+        "min_blocks",
+        "max_blocks",
+        "init_blocks",
+        "parallelism",
+        "walltime",
+        "max_idle",
+        "worker_init",
+        "scheduler_options",
+        "exclusive",
+        "agent_listen",
     }
     assert isinstance(d["runtime_dir"], str)
+
+
+def test_provider_settings_from_the_environment(env: dict[str, str]) -> None:
+    env |= {
+        "NIMBUS_PROVIDER": "Slurm",
+        "NIMBUS_PARTITION": "debug",
+        "NIMBUS_NODES_PER_BLOCK": "2",
+        "NIMBUS_MAX_BLOCKS": "4",
+        "NIMBUS_PARALLELISM": "0.5",
+        "NIMBUS_WALLTIME": "1-00:30:00",
+        "NIMBUS_EXCLUSIVE": "yes",
+        "NIMBUS_WORKER_INIT": "module load python",
+    }
+    s = Settings.load(env)
+    assert (s.provider, s.partition, s.nodes_per_block, s.max_blocks) == ("slurm", "debug", 2, 4)
+    assert (s.parallelism, s.walltime, s.exclusive) == (0.5, "1-00:30:00", True)
+    assert s.worker_init == "module load python" and s.qos is None
+    for name, bad, accepted in (
+        ("NIMBUS_WALLTIME", "30m", "HH:MM:SS"),
+        ("NIMBUS_PARALLELISM", "2", "<= 1"),
+        ("NIMBUS_MIN_BLOCKS", "-1", ">= 0"),
+        ("NIMBUS_EXCLUSIVE", "maybe", "true or false"),
+    ):
+        with pytest.raises(ConfigError, match=f"{name}.*{re.escape(accepted)}"):
+            Settings.load({**env, name: bad})
 
 
 # ---------------------------------------------------------------- environment
@@ -189,6 +232,18 @@ BAD_ENV = [
     ("NIMBUS_MAX_QUEUED_TASKS", "0"),
     ("NIMBUS_MAX_QUEUED_BYTES", "lots"),
     ("NIMBUS_MAX_BATCH", "-5"),
+    # providers (issue 17)
+    ("NIMBUS_PROVIDER", "slurm cluster"),
+    ("NIMBUS_NODES_PER_BLOCK", "0"),
+    ("NIMBUS_WORKERS_PER_NODE", "0"),
+    ("NIMBUS_MIN_BLOCKS", "-1"),
+    ("NIMBUS_MAX_BLOCKS", "0"),
+    ("NIMBUS_INIT_BLOCKS", "some"),
+    ("NIMBUS_PARALLELISM", "1.5"),
+    ("NIMBUS_WALLTIME", "30m"),
+    ("NIMBUS_MAX_IDLE", "0"),
+    ("NIMBUS_EXCLUSIVE", "maybe"),
+    ("NIMBUS_AGENT_LISTEN", "no-port"),
 ]
 
 
@@ -212,8 +267,18 @@ def test_store_listen_splits_host_and_port(env: dict[str, str]) -> None:
 def test_every_variable_has_a_bad_value() -> None:
     tested = {var for var, _ in BAD_ENV}
     known = {Settings.env_var(name) for name in Settings.load({"HOME": "/nonexistent"}).describe()}
-    # any name is a valid endpoint, any path a storage directory, any string a token
-    assert known - tested == {"NIMBUS_ENDPOINT", "NIMBUS_STORAGE_DIR", "NIMBUS_TOKEN"}
+    # any name is a valid endpoint, any path a storage directory, any string a token,
+    # a partition, an account, a qos, shell lines or scheduler options
+    assert known - tested == {
+        "NIMBUS_ENDPOINT",
+        "NIMBUS_STORAGE_DIR",
+        "NIMBUS_TOKEN",
+        "NIMBUS_PARTITION",
+        "NIMBUS_ACCOUNT",
+        "NIMBUS_QOS",
+        "NIMBUS_WORKER_INIT",
+        "NIMBUS_SCHEDULER_OPTIONS",
+    }
 
 
 def test_inline_payload_range(env: dict[str, str]) -> None:
