@@ -241,3 +241,53 @@ def test_endpoint_configure_takes_the_provider_settings(service: Any, alice: Any
         [*base, "hpc-bad", "--walltime", "30m"], env=env, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "walltime" in bad.stderr and "HH:MM:SS" in bad.stderr
+
+
+MP_PROGRAM = """
+import nimbus.multiprocessing as mp
+
+def node(x):
+    with open("/proc/self/environ", "rb") as f:  # the node's, whatever os.environ says
+        env = dict(v.split(b"=", 1) for v in f.read().split(b"\\0") if b"=" in v)
+    return env.get(b"SLURMD_NODENAME", b"?").decode(), x * x
+
+if __name__ == "__main__":
+    with mp.Pool(4) as pool:
+        out = pool.map(node, range(40))
+    assert [square for _, square in out] == [x * x for x in range(40)]
+    p = mp.Process(target=print, args=("child says hi",))
+    p.start()
+    p.join()
+    print("nodes", sorted({n for n, _ in out}), "exitcode", p.exitcode)
+"""
+
+
+def test_multiprocessing_on_slurm_with_no_service(slurm: Any, tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    program = tmp_path / "prog.py"
+    program.write_text(MP_PROGRAM)
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(slurm.conf),
+        "NIMBUS_PROVIDER": "slurm",
+        "NIMBUS_PARTITION": slurm.partition,
+        "NIMBUS_WORKERS_PER_NODE": "2",
+        "NIMBUS_EXCLUSIVE": "yes",
+        "NIMBUS_INIT_BLOCKS": "2",
+        "NIMBUS_MAX_BLOCKS": "2",
+        "NIMBUS_AGENT_LISTEN": "127.0.0.1:0",
+    }
+    done = subprocess.run(
+        [sys.executable, str(program)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "child says hi" in done.stdout
+    nodes = re.search(r"nodes \[(.*)\] exitcode 0", done.stdout)
+    assert nodes, done.stdout
+    assert all(n.strip(" '").startswith("n") for n in nodes.group(1).split(","))
+    assert "'?'" not in nodes.group(1)
+    # the program's exit cancelled its blocks
+    out = slurm.run("squeue", "-h", "-o", "%i %T").stdout
+    assert "RUNNING" not in out and "PENDING" not in out, out

@@ -108,9 +108,14 @@ class _Root:
             self.store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
             program_id = Keys.program_id_new()
             shared = None
-            if os.environ.get("NIMBUS_SHARED_MEMORY", "1") != "0":
+            # processes on a provider's nodes (NIMBUS_PROVIDER=slurm) are remote: their
+            # output and exits come through the store, and this host's memory is not theirs
+            remote = settings.provider != "local"
+            if os.environ.get("NIMBUS_SHARED_MEMORY", "1") != "0" and not remote:
                 shared = heap.directory(settings.runtime_dir, program_id)
-            self.program = Program(self.store.url, program_id, settings.key_ttl, shared=shared)
+            self.program = Program(
+                self.store.url, program_id, settings.key_ttl, remote=remote, shared=shared
+            )
         self.pid = os.getpid()
         self._stop = threading.Event()
         self._thread = threading.Thread(
