@@ -27,18 +27,23 @@ this file too.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import random
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
+# bench/multiprocessing.py sits beside this file: keep this directory off sys.path,
+# or parsl's ``import multiprocessing`` (in the driver) would import it
 HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
 ROOT = HERE.parent
 PARSL_VENV = HERE / ".venv-parsl"
 

@@ -291,3 +291,14 @@ def test_multiprocessing_on_slurm_with_no_service(slurm: Any, tmp_path: Any) -> 
     # the program's exit cancelled its blocks
     out = slurm.run("squeue", "-h", "-o", "%i %T").stdout
     assert "RUNNING" not in out and "PENDING" not in out, out
+
+
+def test_blocks_that_die_before_a_manager_joins_fail_the_tasks_not_loop(
+    settings: Settings,
+) -> None:
+    with Executor(settings=settings.replace(worker_init="exit 3")) as ex:
+        future = ex.submit(node_of, 0)
+        with pytest.raises(ProviderError, match="before any manager joined.*worker_init"):
+            future.result(timeout=60)
+        scaler = backend_of(ex).scaler
+        assert scaler.submitted == 3  # with backoff between them, then it told the user

@@ -65,7 +65,7 @@ class Link(enum.IntEnum):
     Manager -> agent: JOIN {"proof", "nonce", "workers", "host", "pid", "block",
     "python"}; RESULTS [[wid, status, data | None, nbufs, started, ended, cpu_user,
     cpu_system, peak_memory, net_in, net_out, worker, host, pid], ...]; HEARTBEAT
-    {statistics}; DRAINED {"held": n}; NOTICE (a worker's notice, as in Kind.NOTICE).
+    {"held", "ready", "window"} (window: the node's tasks per worker, grown for short tasks); DRAINED {"held": n}; NOTICE (a worker's notice, as in Kind.NOTICE).
     """
 
     CHALLENGE = 30

@@ -241,7 +241,10 @@ class NodeManager:
     def _beat(self, manager: Manager) -> None:
         while not self._stopped.wait(self.heartbeat):
             stats = manager.statistics()
-            self._send(Link.HEARTBEAT, {"held": len(self._tasks), "ready": stats["ready"]})
+            self._send(
+                Link.HEARTBEAT,
+                {"held": len(self._tasks), "ready": stats["ready"], "window": manager.window()},
+            )
 
 
 # ---------------------------------------------------------------- the command

@@ -66,7 +66,8 @@ class RemoteManager:
         self.block = str(info.get("block", ""))
         self.pid = int(info.get("pid", 0))
         self.name = f"{self.node}/manager"
-        self.window = self.size * prefetch  # tasks the agent lets it hold
+        self._prefetch = prefetch
+        self.window = self.size * prefetch  # tasks the agent lets it hold (see HEARTBEAT)
         self.accepting = True  # False: draining or near its walltime
         self.joined = time.monotonic()
         self.last_seen = self.joined
@@ -190,6 +191,10 @@ class RemoteManager:
         for frame in frames:
             if frame.kind == Link.RESULTS:
                 self._results(unpack(frame.meta), frame.buffers)
+            elif frame.kind == Link.HEARTBEAT:
+                # the node's per-worker window grows for short tasks: so does ours
+                beat = unpack(frame.meta)
+                self.window = self.size * max(self._prefetch, int(beat.get("window", 0)))
             elif frame.kind == Link.NOTICE:
                 if self._on_notice is not None:
                     try:

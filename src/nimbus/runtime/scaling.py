@@ -111,6 +111,7 @@ class Scaler:
         self.cancelled = 0
         self._backoff = 0.0
         self._retry_at = 0.0
+        self._young_deaths = 0  # blocks in a row that ended before a manager joined
         self._last_status = 0.0
         self._event = threading.Event()
         self._stop = False
@@ -207,10 +208,24 @@ class Scaler:
                 continue  # a manager said it runs; the scheduler lags
             block.state, block.message = status.state, status.message
             if block.state.terminal and not block.had_managers and not block.cancelled:
-                self.error = (
-                    f"block {block_id} ended {block.state.value} before any manager "
-                    f"joined ({status.message or 'no reason given'}); see its output"
-                )
+                self._died_young(block, status.message)
+
+    def _died_young(self, block: Block, message: str) -> None:
+        """A block ended before any manager joined: its command or worker_init is wrong,
+        or its managers cannot reach the agent. Back off; after 3 in a row, tell the user."""
+        where = getattr(self.provider, "script_dir", None)
+        self.error = (
+            f"block {block.id} ended {block.state.value} before any manager joined "
+            f"({message or 'no reason given'}); see its output"
+            + (f" in {where}" if where else "")
+            + " (check worker_init, and that the nodes reach agent_listen)"
+        )
+        self._young_deaths += 1
+        self._backoff = min(60.0, max(1.0, self._backoff * 2))
+        self._retry_at = time.monotonic() + self._backoff
+        if self._young_deaths >= 3 and not any(b.active for b in self.blocks.values()):
+            failed = self.agent.fail_pending(ProviderError(self.error))
+            log.warning("nimbus scaler: %s (%d waiting tasks failed)", self.error, failed)
 
     def _attach(self, now: float) -> None:
         by_block: dict[str, list[Any]] = {}
@@ -220,6 +235,7 @@ class Scaler:
             block.managers = by_block.get(block.id, [])
             if block.managers:
                 block.had_managers = True
+                self._young_deaths = 0
                 if block.started is None:
                     block.started = now
                 if block.state is BlockState.PENDING:
@@ -276,8 +292,9 @@ class Scaler:
                 failed = self.agent.fail_pending(exc)
                 log.warning("nimbus scaler: %s (%d waiting tasks failed)", exc, failed)
             return False
-        self._backoff = 0.0
-        self.error = ""
+        if not self._young_deaths:  # blocks that die young keep their backoff
+            self._backoff = 0.0
+            self.error = ""
         self.submitted += 1
         self.blocks[block_id] = Block(block_id, self.nodes_per_block, time.monotonic())
         return True
@@ -289,6 +306,11 @@ class Scaler:
             if block.cancelled or block.state.terminal or not block.managers:
                 continue
             busy = any(self.agent.outstanding(m) for m in block.managers)
+            if block.draining and pending and not block.retiring:  # work came back: keep it
+                block.draining = False
+                for manager in block.managers:
+                    manager.accepting = True
+                continue
             if block.draining:
                 if busy:
                     continue
