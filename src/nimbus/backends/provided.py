@@ -13,8 +13,9 @@ come from the provider named by the ``provider`` setting, as Slurm jobs. The
 block's environment carries the agent's address, a fresh secret and this
 process's ``PYTHONPATH``, so the nodes import what the caller imports (a
 cluster's shared file system). ``nimbus.multiprocessing.files`` and the state
-store need the same: the store is reached over TCP (``store_listen`` /
-``NIMBUS_REDIS_URL``), files through a shared ``storage_dir``.
+store need the same: files through a ``storage_dir`` on the shared file system,
+the store through ``NIMBUS_REDIS_URL`` (a Redis the nodes reach; the embedded
+one is a Unix socket of this host). See ``docs/providers.md``.
 """
 
 from __future__ import annotations
