@@ -144,3 +144,12 @@ def test_missing_sbatch_names_the_provider_setting(monkeypatch: pytest.MonkeyPat
 
 def test_block_status_is_a_record() -> None:
     assert BlockStatus(BlockState.RUNNING).message == ""
+
+
+def test_cancelling_a_block_that_already_ended_is_quiet(slurm_env: Any, tmp_path: Path) -> None:
+    provider = SlurmProvider(walltime="00:05:00", script_dir=tmp_path)
+    job = provider.submit("true", 1)
+    wait_for(lambda: states(provider, [job])[job] is BlockState.COMPLETED)
+    provider.cancel([job])  # no error: it is gone, as asked
+    with pytest.raises(ProviderError, match="scancel failed"):
+        provider.cancel(["not-a-job"])

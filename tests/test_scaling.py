@@ -298,7 +298,7 @@ def test_blocks_that_die_before_a_manager_joins_fail_the_tasks_not_loop(
 ) -> None:
     with Executor(settings=settings.replace(worker_init="exit 3")) as ex:
         future = ex.submit(node_of, 0)
-        with pytest.raises(ProviderError, match="before any manager joined.*worker_init"):
+        with pytest.raises(ProviderError, match=r"before any manager joined.*worker_init"):
             future.result(timeout=60)
         scaler = backend_of(ex).scaler
         assert scaler.submitted == 3  # with backoff between them, then it told the user
