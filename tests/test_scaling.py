@@ -302,3 +302,11 @@ def test_blocks_that_die_before_a_manager_joins_fail_the_tasks_not_loop(
             future.result(timeout=60)
         scaler = backend_of(ex).scaler
         assert scaler.submitted == 3  # with backoff between them, then it told the user
+
+
+def test_a_block_holding_a_task_is_never_cancelled_as_idle(settings: Settings) -> None:
+    with Executor(settings=settings.replace(max_idle=1.0, max_blocks=1)) as ex:
+        scaler = backend_of(ex).scaler
+        assert ex.submit(node_of, 4).result(timeout=60).startswith("n")  # 4 s > max_idle
+        assert scaler.cancelled == 0 and scaler.submitted == 1
+        wait_for(lambda: scaler.cancelled == 1, 1 + 5 + 1, "the idle block to go")
