@@ -355,6 +355,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="nimbus-bench-slurm-"))
     cluster = Cluster(root).start()
     os.environ["SLURM_CONF"] = str(cluster.conf)
+    os.environ["XDG_CONFIG_HOME"] = str(root / "config")  # the blocks' output goes there
     out: dict[str, Any] = {}
     try:
         out["first_nimbus"] = nimbus_first(cluster, tries)

@@ -99,8 +99,11 @@ def test_slurm_block_runs_the_command_once_on_each_node(slurm_env: Any, tmp_path
     assert len(ran) == 2 and all(line.endswith(" a b'c") for line in ran)
     assert len({line.split()[0] for line in ran}) == 2  # two different nodes
     assert (tmp_path / "init").read_text().count(f"init-{job}") == 1  # the script ran once
-    script = next((tmp_path / "scripts").glob("block-*.sh"))
-    assert script.stat().st_mode & 0o777 == 0o600  # it holds the block's secret
+    # the script held the block's secret: gone once sbatch took it; the output stays
+    assert not list((tmp_path / "scripts").glob("block-*.sh"))
+    assert (tmp_path / "scripts" / f"block-{job}.out").exists()
+    assert (tmp_path / "scripts").stat().st_mode & 0o777 == 0o700
+    assert "export SECRET='a b'\"'\"'c'" in provider.script("x", 1, {"SECRET": "a b'c"})
 
 
 def test_slurm_status_is_one_call_for_many_blocks_and_cancel_ends_them(

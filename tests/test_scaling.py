@@ -32,8 +32,9 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 @pytest.fixture
-def settings(slurm: Any, monkeypatch: pytest.MonkeyPatch) -> Settings:
+def settings(slurm: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Settings:
     monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # blocks' output there
     return Settings.load().replace(
         provider="slurm",
         partition=slurm.partition,
@@ -271,6 +272,7 @@ def test_multiprocessing_on_slurm_with_no_service(slurm: Any, tmp_path: Any) -> 
     env = {
         **os.environ,
         "SLURM_CONF": str(slurm.conf),
+        "XDG_CONFIG_HOME": str(tmp_path / "config"),
         "NIMBUS_PROVIDER": "slurm",
         "NIMBUS_PARTITION": slurm.partition,
         "NIMBUS_WORKERS_PER_NODE": "2",

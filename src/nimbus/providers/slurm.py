@@ -11,7 +11,10 @@
     cancel([ids])  --> scancel id id ...                  (one call)
 
 The script holds the block's secret, so it is written ``0600`` in a private
-directory. Jobs that ``squeue`` no longer lists (older than ``MinJobAge``)
+directory (``script_dir``, default ``~/.config/nimbus/blocks``: the home
+directory is shared with the nodes on a cluster, and Slurm writes each block's
+output, ``block-<job>.out``, there from the node) and removed once ``sbatch``
+has taken it. Jobs that ``squeue`` no longer lists (older than ``MinJobAge``)
 are ``UNKNOWN``. ``calls`` counts the scheduler commands run.
 """
 
@@ -24,10 +27,10 @@ import re
 import shlex
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from nimbus.config import config_dir
 from nimbus.errors import ProviderError
 from nimbus.providers._base import BlockState, BlockStatus, Launcher, SrunLauncher
 
@@ -97,7 +100,7 @@ class SlurmProvider:
         self.scheduler_options = scheduler_options
         self.worker_init = worker_init
         self.launcher: Launcher = launcher or SrunLauncher()
-        self.script_dir = script_dir or Path(tempfile.mkdtemp(prefix="nimbus-slurm-"))
+        self.script_dir = script_dir or config_dir() / "blocks"
         self.script_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.calls = 0  # scheduler commands run
         self._user = getpass.getuser()
@@ -151,7 +154,10 @@ class SlurmProvider:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self.script(command, nodes, env))
-        done = self._run("sbatch", "--parsable", str(path))
+        try:
+            done = self._run("sbatch", "--parsable", str(path))
+        finally:
+            path.unlink(missing_ok=True)  # Slurm keeps its copy; the secret is not left here
         if done.returncode != 0:
             said = " ".join(done.stderr.split()) or f"exit code {done.returncode}"
             raise ProviderError(
