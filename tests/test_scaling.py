@@ -312,3 +312,28 @@ def test_a_block_holding_a_task_is_never_cancelled_as_idle(settings: Settings) -
         assert ex.submit(node_of, 4).result(timeout=60).startswith("n")  # 4 s > max_idle
         assert scaler.cancelled == 0 and scaler.submitted == 1
         wait_for(lambda: scaler.cancelled == 1, 1 + 5 + 1, "the idle block to go")
+
+
+def test_a_two_node_block_has_a_manager_on_each_node(settings: Settings) -> None:
+    s = settings.replace(nodes_per_block=2, exclusive=True, init_blocks=1, min_blocks=1)
+    with Executor(settings=s) as ex:
+        backend = backend_of(ex)
+        wait_for(lambda: len(backend.agent.remote_managers()) == 2, 30, "two managers")
+        managers = backend.agent.remote_managers()
+        assert managers[0].block == managers[1].block  # one Slurm job, srun on each node
+        nodes = set(ex.map(node_of, [0.2] * 16))
+        assert nodes == {m.node for m in managers} and len(nodes) == 2
+
+
+def test_blocks_pending_in_the_queue_are_capacity_not_lost(settings: Settings) -> None:
+    # 5 whole-node blocks on 4 nodes: one waits in Slurm's queue
+    s = settings.replace(exclusive=True, init_blocks=5, min_blocks=5, max_blocks=5)
+    with Executor(settings=s) as ex:
+        backend = backend_of(ex)
+        wait_for(lambda: len(backend.agent.remote_managers()) == 4, 30, "four managers")
+        assert sum(ex.map(abs, range(-100, 0))) == 5050
+        time.sleep(2.5)  # a status period: the fifth is seen pending
+        blocks = backend.scaler.statistics()["blocks"]
+        assert sorted(b["state"] for b in blocks) == ["pending"] + ["running"] * 4
+        assert backend.scaler.submitted == 5 and backend.scaler.cancelled == 0
+        assert not backend.agent.lost and backend.scaler.error == ""

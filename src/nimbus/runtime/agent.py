@@ -114,7 +114,7 @@ class Agent:
             if tasks:
                 self.fail(tasks, errors.RuntimeClosed(f"{self.name} was shut down"))
             return
-        if not manager.closing:
+        if not manager.closing and not any(name == manager.name for name, _, _ in self.lost[-1:]):
             self.lost.append((manager.name, why, len(tasks)))
         self._route()
         if self.on_change is not None:
@@ -232,9 +232,12 @@ class Agent:
                 ]
                 if not room:
                     break
+                room.sort(key=lambda m: out[m] / m.size)  # the least loaded first
                 share = -(-len(pending) // len(room))
                 for m in room:
                     n = min(share, getattr(m, "window", math.inf) - out[m], len(pending))
+                    if n <= 0:
+                        continue
                     batch = shares.setdefault(m, [])
                     for _ in range(int(n)):
                         task = pending.popleft()

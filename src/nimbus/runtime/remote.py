@@ -99,27 +99,35 @@ class RemoteManager:
         buffers: list[Any] = []
         now = time.time()
         with self._lock:
-            for task in tasks:
-                wid = next(self._ids)
-                self._sent[wid] = task
-                self._wids[id(task)] = wid
-                fn_bytes = None
-                if task.fn_key not in self._fns:
-                    self._fns.add(task.fn_key)
-                    fn_bytes = task.fn_bytes
-                if len(task.payload) > INLINE_LIMIT:
-                    rows.append(
-                        [wid, task.fn_key, fn_bytes, None, len(task.buffers) + 1, task.timeout]
-                    )
-                    buffers.append(task.payload)
-                else:
-                    rows.append(
-                        [wid, task.fn_key, fn_bytes, task.payload, len(task.buffers), task.timeout]
-                    )
-                buffers.extend(task.buffers)
-                task.record.dispatched = now
-                task.attempts += 1
-            self._write(Link.TASKS, rows, buffers)
+            gone = self._gone
+            if not gone:
+                self._queue(tasks, rows, buffers, now)
+                self._write(Link.TASKS, rows, buffers)
+        if gone:  # lost while the agent chose it: the tasks go back to the agent's queue
+            self._on_lost(self, list(tasks), "it was lost before its tasks were sent")
+
+    def _queue(
+        self, tasks: list[Task], rows: list[list[Any]], buffers: list[Any], now: float
+    ) -> None:
+        """Give the tasks wire ids and rows (holding ``_lock``)."""
+        for task in tasks:
+            wid = next(self._ids)
+            self._sent[wid] = task
+            self._wids[id(task)] = wid
+            fn_bytes = None
+            if task.fn_key not in self._fns:
+                self._fns.add(task.fn_key)
+                fn_bytes = task.fn_bytes
+            if len(task.payload) > INLINE_LIMIT:
+                rows.append([wid, task.fn_key, fn_bytes, None, len(task.buffers) + 1, task.timeout])
+                buffers.append(task.payload)
+            else:
+                rows.append(
+                    [wid, task.fn_key, fn_bytes, task.payload, len(task.buffers), task.timeout]
+                )
+            buffers.extend(task.buffers)
+            task.record.dispatched = now
+            task.attempts += 1
 
     def _write(self, kind: int, meta: object, buffers: list[Any] | None = None) -> None:
         """Send a frame (holding ``_lock``); a broken link is seen by the reader."""
