@@ -85,25 +85,31 @@ class RemoteManager:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._gone = False
+        self._out_rows: list[list[Any]] = []  # tasks gathered for the writer
+        self._out_buffers: list[Any] = []
+        self._outbox = threading.Event()
         self._thread = threading.Thread(target=self._read, name=f"nimbus-{self.name}", daemon=True)
+        self._writer = threading.Thread(
+            target=self._send_tasks, name=f"nimbus-{self.name}-writer", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()
+        self._writer.start()
 
     @property
     def holding(self) -> int:
         return len(self._sent)
 
     def submit(self, tasks: list[Task]) -> None:
-        rows: list[list[Any]] = []
-        buffers: list[Any] = []
         now = time.time()
         with self._lock:
             gone = self._gone
             if not gone:
-                self._queue(tasks, rows, buffers, now)
-                self._write(Link.TASKS, rows, buffers)
-        if gone:  # lost while the agent chose it: the tasks go back to the agent's queue
+                self._queue(tasks, self._out_rows, self._out_buffers, now)
+        if not gone:
+            self._outbox.set()  # the writer sends what has gathered as one frame
+        else:  # lost while the agent chose it: the tasks go back to the agent's queue
             self._on_lost(self, list(tasks), "it was lost before its tasks were sent")
 
     def _queue(
@@ -129,10 +135,31 @@ class RemoteManager:
             task.record.dispatched = now
             task.attempts += 1
 
+    def _send_tasks(self) -> None:
+        """The writer thread: what ``submit`` gathered, one TASKS frame at a time.
+
+        A caller submitting task after task holds the GIL while the writer waits
+        for it, so tasks gather: a frame (and a syscall) per batch, not per task.
+        """
+        while not self._gone:
+            self._outbox.wait()
+            self._outbox.clear()
+            with self._lock:
+                self._flush_tasks()
+
+    def _flush_tasks(self) -> None:
+        """Send the gathered tasks (holding ``_lock``); before any other frame."""
+        if self._out_rows:
+            rows, buffers = self._out_rows, self._out_buffers
+            self._out_rows, self._out_buffers = [], []
+            self._write(Link.TASKS, rows, buffers)
+
     def _write(self, kind: int, meta: object, buffers: list[Any] | None = None) -> None:
         """Send a frame (holding ``_lock``); a broken link is seen by the reader."""
         if self._gone:
             return
+        if kind != Link.TASKS and self._out_rows:
+            self._flush_tasks()
         try:
             self._channel.send(kind, pack(meta), buffers or [])
             self._channel.flush()
@@ -242,9 +269,11 @@ class RemoteManager:
             if self._gone:
                 return
             self._gone = True
+            self._out_rows, self._out_buffers = [], []
             tasks = list(self._sent.values())
             self._sent.clear()
             self._wids.clear()
+        self._outbox.set()  # the writer ends
         self._channel.close()
         self._on_lost(self, tasks, reason)
 
