@@ -56,3 +56,19 @@ def lab(service: Any, alice: Any) -> Iterator[Any]:
     endpoint = EndpointProcess(service, alice, "lab").start(alice)
     yield endpoint
     endpoint.stop()
+
+
+# ---------------------------------------------------------------- Slurm
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A private Slurm cluster (munged, slurmctld, slurmd n1..n4) for the session."""
+    from slurm_support import Cluster, unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    cluster = Cluster(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -88,8 +89,50 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "messaging_direct",
         "messaging_host",
         "messaging_host_id",
+        # providers (issue 17)
+        "provider",
+        "partition",
+        "account",
+        "qos",
+        "nodes_per_block",
+        "workers_per_node",
+        "min_blocks",
+        "max_blocks",
+        "init_blocks",
+        "parallelism",
+        "walltime",
+        "max_idle",
+        "worker_init",
+        "scheduler_options",
+        "exclusive",
+        "agent_listen",
     }
     assert isinstance(d["runtime_dir"], str)
+
+
+def test_provider_settings_from_the_environment(env: dict[str, str]) -> None:
+    env |= {
+        "NIMBUS_PROVIDER": "Slurm",
+        "NIMBUS_PARTITION": "debug",
+        "NIMBUS_NODES_PER_BLOCK": "2",
+        "NIMBUS_MAX_BLOCKS": "4",
+        "NIMBUS_PARALLELISM": "0.5",
+        "NIMBUS_WALLTIME": "1-00:30:00",
+        "NIMBUS_EXCLUSIVE": "yes",
+        "NIMBUS_WORKER_INIT": "module load python",
+    }
+    s = Settings.load(env)
+    assert (s.provider, s.partition, s.nodes_per_block, s.max_blocks) == ("slurm", "debug", 2, 4)
+    assert (s.parallelism, s.walltime, s.exclusive) == (0.5, "1-00:30:00", True)
+    assert s.worker_init == "module load python" and s.qos is None
+    for name, bad, accepted in (
+        ("NIMBUS_WALLTIME", "30m", "HH:MM:SS"),
+        ("NIMBUS_PARALLELISM", "2", "<= 1"),
+        ("NIMBUS_MIN_BLOCKS", "-1", ">= 0"),
+        ("NIMBUS_EXCLUSIVE", "maybe", "1 or 0"),
+    ):
+        with pytest.raises(ConfigError, match=f"{name}.*{re.escape(accepted)}"):
+            Settings.load({**env, name: bad})
 
 
 # ---------------------------------------------------------------- environment
@@ -195,6 +238,18 @@ BAD_ENV = [
     ("NIMBUS_MAX_BATCH", "-5"),
     ("NIMBUS_SHARED_MEMORY", "maybe"),
     ("NIMBUS_MESSAGING_DIRECT", "2"),
+    # providers (issue 17)
+    ("NIMBUS_PROVIDER", "slurm cluster"),
+    ("NIMBUS_NODES_PER_BLOCK", "0"),
+    ("NIMBUS_WORKERS_PER_NODE", "0"),
+    ("NIMBUS_MIN_BLOCKS", "-1"),
+    ("NIMBUS_MAX_BLOCKS", "0"),
+    ("NIMBUS_INIT_BLOCKS", "some"),
+    ("NIMBUS_PARALLELISM", "1.5"),
+    ("NIMBUS_WALLTIME", "30m"),
+    ("NIMBUS_MAX_IDLE", "0"),
+    ("NIMBUS_EXCLUSIVE", "maybe"),
+    ("NIMBUS_AGENT_LISTEN", "no-port"),
 ]
 
 
@@ -218,13 +273,19 @@ def test_store_listen_splits_host_and_port(env: dict[str, str]) -> None:
 def test_every_variable_has_a_bad_value() -> None:
     tested = {var for var, _ in BAD_ENV}
     known = {Settings.env_var(name) for name in Settings.load({"HOME": "/nonexistent"}).describe()}
-    # any name is a valid endpoint, any path a storage directory, any string a token
+    # any name is a valid endpoint, any path a storage directory, any string a token,
+    # a partition, an account, a qos, shell lines or scheduler options
     assert known - tested == {
         "NIMBUS_ENDPOINT",
         "NIMBUS_STORAGE_DIR",
         "NIMBUS_TOKEN",
         "NIMBUS_MESSAGING_HOST",  # any address: binding to it tells
         "NIMBUS_MESSAGING_HOST_ID",  # any name
+        "NIMBUS_PARTITION",
+        "NIMBUS_ACCOUNT",
+        "NIMBUS_QOS",
+        "NIMBUS_WORKER_INIT",
+        "NIMBUS_SCHEDULER_OPTIONS",
     }
 
 
@@ -467,12 +528,17 @@ def test_lookup_reads_the_environment_now(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 
 def test_no_module_reads_a_nimbus_variable_but_config() -> None:
-    """Every NIMBUS_* variable is a setting, read through Settings (the messaging token,
-    handed to child processes, is the one variable that is not a setting)."""
+    """Every NIMBUS_* variable is a setting, read through Settings. The variables that
+    are not settings are hand-overs to a process nimbus starts: the messaging token, and
+    a Slurm block's agent address, secret and block id (``nimbus.runtime.node``);
+    writing a setting's variable for a child (``nimbus run --endpoint``) is no read."""
     import re
 
     src = Path(__file__).parent.parent / "src" / "nimbus"
-    reads = re.compile(r"(?:environ\.get|getenv|environ\[)\(?\s*[\"']NIMBUS_")
+    handed = "MESSAGING_TOKEN|AGENT_ADDRESS|AGENT_SECRET|BLOCK_ID"
+    reads = re.compile(
+        rf"(?:environ\.get|getenv|environ\[)\(?\s*[\"']NIMBUS_(?!(?:{handed})[\"'])\w+[\"']\]?+(?!\s*=[^=])"
+    )
     readers = [
         str(path.relative_to(src))
         for path in src.rglob("*.py")

@@ -42,6 +42,9 @@ or ``except TimeoutError`` written for the stdlib keeps working::
     │   ├── ProtocolError (ValueError)        a message or record of the wrong
     │   │                                     shape (a WebSocket frame, a queue row)
     │   └── ServiceUnavailable (ConnectionError)  the service cannot be reached
+    ├── ProviderError                         a provider cannot give nodes: the
+    │                                         scheduler refused a block (its message
+    │                                         quoted) or its command is missing
     └── WorkerLost (BrokenProcessPool)        the worker running a task died
         └── RuntimeClosed                     the runtime shut down under a task
 
@@ -76,6 +79,7 @@ __all__ = [
     "PeerRefused",
     "PeerUnreachable",
     "ProtocolError",
+    "ProviderError",
     "QuotaExceeded",
     "RemoteError",
     "RemoteTraceback",
@@ -272,6 +276,12 @@ class ProtocolError(ServiceError, ValueError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.args[0], self.code))
+
+
+class ProviderError(NimbusError):
+    """A provider could not submit, query or cancel a block; the message quotes the
+    scheduler (``sbatch: error: invalid partition specified: nope``) or names the
+    setting to fix (``provider``, ``partition``...)."""
 
 
 _make_lock = threading.Lock()

@@ -39,7 +39,11 @@ class Backend(Protocol):
 def _local(*, settings: object = None, endpoint: str | None = None, **kwargs: object) -> Backend:
     from nimbus.backends.local import LocalBackend
 
-    del settings, endpoint  # the local runtime needs neither
+    del endpoint  # the local runtime needs none
+    if getattr(settings, "provider", "local") != "local":  # its managers on a provider's nodes
+        from nimbus.backends.provided import ProvidedBackend
+
+        return ProvidedBackend(settings=settings, **kwargs)  # type: ignore[arg-type]
     return LocalBackend(**kwargs)  # type: ignore[arg-type]
 
 

@@ -163,6 +163,21 @@ def _demo_run(args: argparse.Namespace) -> int:
     return demo.run(n_tasks=args.tasks, samples_per_task=args.samples)
 
 
+# ---------------------------------------------------------------- manager (issue 17)
+
+
+def _manager_setup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", help="the agent's host:port (default $NIMBUS_AGENT_ADDRESS)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="warm workers")
+    parser.add_argument("--prefetch", type=int, default=8, help="tasks in flight per worker")
+
+
+def _manager_run(args: argparse.Namespace) -> int:
+    from nimbus.runtime import node
+
+    return node.run(args)
+
+
 # The registry of subcommands, in the order `nimbus --help` lists them: a new
 # subcommand is one entry here (its module in this package).
 COMMANDS: dict[str, Command] = {
@@ -185,6 +200,11 @@ COMMANDS: dict[str, Command] = {
     ),
     "tasks": Command("list your tasks, show one", service_cli.tasks_setup, service_cli.tasks_run),
     "run": Command("run a program with nimbus as its multiprocessing", run_cmd.setup, run_cmd.run),
+    "manager": Command(
+        "run this node's manager, connected out to its agent (a block starts it)",
+        _manager_setup,
+        _manager_run,
+    ),
 }
 
 

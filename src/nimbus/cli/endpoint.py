@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 from nimbus.config import Settings
 from nimbus.endpoint.config import EndpointConfig, endpoint_dir, endpoint_names
@@ -38,6 +39,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="tasks in flight per worker (default: the prefetch setting, NIMBUS_PREFETCH: 8)",
     )
+    _provider_arguments(configure)
     start = sub.add_parser("start", help="start the endpoint's agent (configures it if new)")
     _name_argument(start)
     start.add_argument(
@@ -51,6 +53,70 @@ def setup(parser: argparse.ArgumentParser) -> None:
     status = sub.add_parser("status", help="is the agent running, and what the service sees")
     _name_argument(status)
     sub.add_parser("list", help="endpoints configured on this machine")
+
+
+# -- where the endpoint's nodes come from (issue 17): one option per provider setting
+_PROVIDER_OPTIONS: dict[str, tuple[type, str]] = {
+    "provider": (str, "where nodes come from: local (this machine) or slurm (blocks as jobs)"),
+    "partition": (str, "Slurm partition of blocks"),
+    "account": (str, "Slurm account charged"),
+    "qos": (str, "Slurm quality of service"),
+    "nodes_per_block": (int, "nodes in one block (a manager on each)"),
+    "workers_per_node": (int, "workers of each node's manager (default: its cores)"),
+    "min_blocks": (int, "blocks kept even when idle"),
+    "max_blocks": (int, "most blocks at once"),
+    "init_blocks": (int, "blocks asked for when the agent starts"),
+    "parallelism": (float, "blocks per pending work, 0-1 (1: a worker per task)"),
+    "walltime": (str, "walltime of a block, [D-]HH:MM:SS"),
+    "max_idle": (float, "seconds a block may idle before it is drained and cancelled"),
+    "worker_init": (str, "shell lines a block runs before its managers"),
+    "scheduler_options": (str, "extra #SBATCH options, one a line"),
+    "agent_listen": (str, "HOST:PORT where the agent accepts the blocks' managers"),
+}
+
+
+def _provider_arguments(parser: argparse.ArgumentParser) -> None:
+    for key, (kind, text) in _PROVIDER_OPTIONS.items():
+        flag = "--" + key.replace("_", "-")
+        parser.add_argument(
+            flag, type=kind, dest=key, help=f"{text} (default: NIMBUS_{key.upper()})"
+        )
+    parser.add_argument("--exclusive", action="store_true", default=None, help="whole nodes")
+
+
+def _provider_values(args: argparse.Namespace) -> dict[str, object]:
+    keys = [*_PROVIDER_OPTIONS, "exclusive"]
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+def _kept(settings: Settings) -> dict[str, Any]:
+    """The provider settings as an endpoint file keeps them (no None)."""
+    kept: dict[str, Any] = {k: getattr(settings, k) for k in EndpointConfig.PROVIDER_KEYS}
+    for key in ("partition", "account", "qos"):
+        kept[key] = kept[key] or ""
+    kept["workers_per_node"] = kept["workers_per_node"] or 0
+    return kept
+
+
+def _print_blocks(config: EndpointConfig) -> None:
+    import json
+
+    if config.provider == "local":
+        return
+    try:
+        stats = json.loads(config.blocks_file.read_text())
+    except (OSError, ValueError):
+        print(f"blocks:  none known yet (provider {config.provider})")
+        return
+    print(f"blocks:  provider {config.provider}, {len(stats['blocks'])} block(s)")
+    for b in stats["blocks"]:
+        left = "?" if b["walltime_left"] is None else f"{b['walltime_left']} s"
+        print(
+            f"  job {b['id']:<10} {b['state']:<10} {b['nodes']} node(s), {b['managers']} "
+            f"manager(s), {b['busy']} task(s) busy, walltime left {left} {b['message']}"
+        )
+    if stats.get("error"):
+        print(f"  provider error: {stats['error']}")
 
 
 def _name_argument(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:<20} {state:<22} {config.service_url:<28} {config.endpoint_id}")
         return 0
     if args.action == "configure":
-        config = configure(args.name, args.workers, args.prefetch)
+        config = configure(args.name, args.workers, args.prefetch, **_provider_values(args))
         print(f"endpoint {config.name} ({config.endpoint_id}) configured in {config.dir}")
         return 0
     if args.action == "start":
@@ -108,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         return stop(config)
     pid = config.running_pid()
     print(f"agent:   {f'running (pid {pid})' if pid else 'stopped'}")
+    _print_blocks(config)
     from nimbus.client import Client
 
     with Client(config.service_url) as client:
@@ -119,10 +186,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def configure(name: str, workers: int | None, prefetch: int | None) -> EndpointConfig:
+def configure(
+    name: str, workers: int | None, prefetch: int | None, **provider: object
+) -> EndpointConfig:
     from nimbus.client import Client
 
-    settings = Settings.load()
+    settings = Settings.load().replace(**provider)  # checked as the settings are
     with Client(settings=settings) as client:
         registered = client.register_endpoint(name)
         url = client.service_url
@@ -133,6 +202,7 @@ def configure(name: str, workers: int | None, prefetch: int | None) -> EndpointC
         token=registered["token"],
         workers=workers or settings.workers,
         prefetch=prefetch or settings.prefetch,
+        **_kept(settings),
     )
     config.save()
     return config

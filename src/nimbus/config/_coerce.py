@@ -236,3 +236,43 @@ def log_level(value: object) -> str:
     if not isinstance(value, str) or value.strip().upper() not in _LOG_LEVELS:
         raise Bad(accepted)
     return value.strip().upper()
+
+
+def text(value: object) -> str:
+    if not isinstance(value, str):
+        raise Bad("a string")
+    return value
+
+
+def name(value: object) -> str:
+    accepted = "a name of letters, digits, - and _ (e.g. local, slurm)"
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", value.strip()):
+        raise Bad(accepted)
+    return value.strip().lower()
+
+
+def optional_int(value: object) -> int | None:
+    """An integer >= 1, or none."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
+        return None
+    try:
+        return int_at_least(1)(value)
+    except Bad:
+        raise Bad("an integer >= 1, or 'none'") from None
+
+
+def fraction(value: object) -> float:
+    accepted = "a number > 0 and <= 1"
+    try:
+        number = seconds(value)
+    except Bad:
+        raise Bad(accepted) from None
+    if number > 1:
+        raise Bad(accepted)
+    return number
+
+
+def walltime(value: object) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"(\d+-)?\d+:\d{1,2}:\d{1,2}", value.strip()):
+        raise Bad("[D-]HH:MM:SS, e.g. 00:30:00")
+    return value.strip()

@@ -60,6 +60,9 @@ def setting(
     return dataclasses.field(default=default, metadata=meta)
 
 
+_any_text = c.optional_str("a string, or 'none'", lambda _: True)
+
+
 def _cpu_count() -> int:
     return os.cpu_count() or 1
 
@@ -198,6 +201,31 @@ class Settings:
         None,
         c.optional_str("a name for this host, or 'none'", bool),
         "this host's name in the messaging directory (none: host name and boot id)",
+    )
+    # -- providers: where an endpoint's (or the local runtime's) nodes come from
+    provider: str = setting("local", c.name, "where nodes come from: local (this machine) or slurm")
+    partition: str | None = setting(None, _any_text, "Slurm partition of blocks")
+    account: str | None = setting(None, _any_text, "Slurm account charged for blocks")
+    qos: str | None = setting(None, _any_text, "Slurm quality of service of blocks")
+    nodes_per_block: int = setting(1, c.int_at_least(1), "nodes in one block")
+    workers_per_node: int | None = setting(
+        None, c.optional_int, "workers of a block's manager (none: its cores)"
+    )
+    min_blocks: int = setting(0, c.int_at_least(0), "blocks kept even when idle")
+    max_blocks: int = setting(4, c.int_at_least(1), "most blocks at once")
+    init_blocks: int = setting(0, c.int_at_least(0), "blocks asked for at start")
+    parallelism: float = setting(
+        1.0, c.fraction, "blocks per pending work: 1 = a worker per task, less"
+    )
+    walltime: str = setting("00:30:00", c.walltime, "walltime of a block, [D-]HH:MM:SS")
+    max_idle: float = setting(
+        120.0, c.seconds, "seconds a block may idle before it is drained, cancelled"
+    )
+    worker_init: str = setting("", c.text, "shell lines a block runs first")
+    scheduler_options: str = setting("", c.text, "extra #SBATCH lines (one option a line)")
+    exclusive: bool = setting(False, c.flag, "blocks ask for whole nodes")
+    agent_listen: str = setting(
+        "0.0.0.0:0", c.host_port, "HOST:PORT where the agent accepts block managers"
     )
 
     def __post_init__(self) -> None:

@@ -1,13 +1,15 @@
 """Per-endpoint configuration: ``~/.config/nimbus/endpoints/<name>/``.
 
 Each endpoint has a directory holding ``endpoint.toml`` (service URL, endpoint
-id, the agent's token, workers, prefetch), and, while its agent runs,
-``agent.pid`` and ``agent.log``. The directory is private (mode 0o700): the
+id, the agent's token, workers, prefetch, and where its nodes come from: the
+provider settings), and, while its agent runs, ``agent.pid``, ``agent.log``
+and ``blocks.json`` (its provider's blocks, for ``nimbus endpoint status``). The directory is private (mode 0o700): the
 token in it is the endpoint's credential.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -43,6 +45,40 @@ class EndpointConfig:
     token: str
     workers: int
     prefetch: int = 8
+    # -- where the endpoint's nodes come from (issue 17): the provider settings' names
+    provider: str = "local"
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    nodes_per_block: int = 1
+    workers_per_node: int = 0  # 0: the node's cores
+    min_blocks: int = 0
+    max_blocks: int = 4
+    init_blocks: int = 0
+    parallelism: float = 1.0
+    walltime: str = "00:30:00"
+    max_idle: float = 120.0
+    worker_init: str = ""
+    scheduler_options: str = ""
+    exclusive: bool = False
+    agent_listen: str = "0.0.0.0:0"
+
+    PROVIDER_KEYS = (
+        "provider", "partition", "account", "qos", "nodes_per_block", "workers_per_node",
+        "min_blocks", "max_blocks", "init_blocks", "parallelism", "walltime", "max_idle",
+        "worker_init", "scheduler_options", "exclusive", "agent_listen",
+    )  # fmt: skip
+
+    def provider_settings(self) -> dict[str, object]:
+        """This endpoint's provider settings, as ``Settings.replace`` takes them."""
+        out = {key: getattr(self, key) for key in self.PROVIDER_KEYS}
+        for key in ("partition", "account", "qos", "workers_per_node"):
+            out[key] = out[key] or None
+        return out
+
+    @property
+    def blocks_file(self) -> Path:
+        return self.dir / "blocks.json"
 
     @property
     def dir(self) -> Path:
@@ -62,7 +98,12 @@ class EndpointConfig:
         path = self.dir / "endpoint.toml"
         lines = []
         for key, value in asdict(self).items():
-            text = str(value) if isinstance(value, int) else '"' + str(value).replace('"', "") + '"'
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, int | float):
+                text = str(value)
+            else:  # a JSON string is a TOML basic string: quotes, newlines escaped
+                text = json.dumps(str(value))
             lines.append(f"{key} = {text}")
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -35,6 +35,7 @@ import ssl
 import sys
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -81,6 +82,7 @@ from nimbus.protocol.wsclient import ServiceSocket
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.agent import Agent
 from nimbus.runtime.messages import Status
+from nimbus.runtime.scaling import Scaler, make_scaler
 from nimbus.runtime.task import Task
 
 __all__ = ["EndpointDaemon", "main"]
@@ -112,6 +114,7 @@ class EndpointDaemon:
         heartbeat: float = 2.0,
         name: str = "endpoint",
         settings: Settings | None = None,
+        blocks_file: Path | None = None,
     ) -> None:
         self.service_url = service_url.rstrip("/")
         self._ssl: ssl.SSLContext | None = None  # verifies the service's certificate
@@ -153,7 +156,14 @@ class EndpointDaemon:
         self.runtime = Agent(
             on_results=self._on_results, on_dispatch=self._on_dispatch, name=f"endpoint/{name}"
         )
-        self.runtime.add_manager(workers, prefetch=prefetch)
+        self.scaler: Scaler | None = None  # managers from a provider's blocks (issue 17)
+        if settings is not None and settings.provider != "local":
+            self.scaler = make_scaler(
+                self.runtime, settings, prefetch=prefetch, status_file=blocks_file
+            )
+            self.scaler.start()
+        else:
+            self.runtime.add_manager(workers, prefetch=prefetch)
 
     # ------------------------------------------------------------ running
 
@@ -181,6 +191,8 @@ class EndpointDaemon:
             await asyncio.gather(*self._jobs, return_exceptions=True)
             await self._http.aclose()
             self.runtime.shutdown(wait=True, kill=True)
+            if self.scaler is not None:
+                self.scaler.stop()
 
     def stop(self) -> None:
         """Stop (thread-safe): close the connection; the service requeues held tasks."""
@@ -451,17 +463,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = EndpointConfig.load(args[0])
     settings = Settings.load()
+    workers = config.workers
+    settings = settings.replace(**config.provider_settings())  # the endpoint's, not $NIMBUS_*
+    if config.provider != "local":  # its managers come from the provider's blocks
+        per_node = settings.workers_per_node or os.cpu_count() or 1
+        workers = settings.max_blocks * settings.nodes_per_block * per_node
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     daemon = EndpointDaemon(
         config.service_url,
         config.token,
-        workers=config.workers,
+        workers=workers,
         prefetch=config.prefetch,
         heartbeat=settings.heartbeat,
         name=config.name,
         settings=settings,
+        blocks_file=config.blocks_file,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())

@@ -204,10 +204,14 @@ def open_program(settings: Settings) -> Root:
     store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
     program_id = Keys.program_id_new()
     shared = None
-    if settings.shared_memory:
+    # processes on a provider's nodes (NIMBUS_PROVIDER=slurm) are remote: their output
+    # and exits come through the store, and this host's memory is not theirs
+    remote = settings.provider != "local"
+    if settings.shared_memory and not remote:
         shared = heap.directory(settings.runtime_dir, program_id)
     on_close = None if shared is None else functools.partial(heap.remove, shared)
-    return Root(store, Program(store.url, program_id, settings.key_ttl, shared=shared), on_close)
+    prog = Program(store.url, program_id, settings.key_ttl, remote=remote, shared=shared)
+    return Root(store, prog, on_close)
 
 
 statestore.set_opener(open_program)

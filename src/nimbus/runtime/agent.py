@@ -10,16 +10,29 @@ The embedded runtime (``nimbus.backends.local``) runs an Agent in the
 caller's process; an endpoint started with ``nimbus endpoint start`` runs the
 same class in its own process, fed by the service. Tasks run only in worker
 processes, so a crashing task never takes the agent down.
+
+Managers on other nodes (blocks from a provider) connect to the agent after
+:meth:`Agent.listen` (see ``nimbus.runtime.remote``). The agent gives each of
+them at most its ``window`` of tasks and holds the rest in ``pending``; a
+manager that is lost gives its tasks back to the front of ``pending``.
+``on_demand`` (the scaler) hears when tasks wait with no free capacity.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from nimbus import errors, serialization
 from nimbus.runtime.manager import Manager
+from nimbus.runtime.messages import Status
+from nimbus.runtime.remote import Listener, RemoteManager
 from nimbus.runtime.task import Task
+from nimbus.wire import Channel
 
 __all__ = ["Agent"]
 
@@ -39,9 +52,110 @@ class Agent:
         self._on_results = on_results
         self._on_dispatch = on_dispatch
         self._on_notice = on_notice
-        self._managers: list[Manager] = []
-        self._outstanding: dict[Manager, int] = {}
+        self._managers: list[Any] = []  # Manager | RemoteManager
+        self._outstanding: dict[Any, int] = {}
         self._lock = threading.Lock()
+        self._pending: deque[Task] = deque()  # no manager has room for them yet
+        self._listener: Listener | None = None
+        self._prefetch = 8
+        self._closing = False
+        self.on_demand: Callable[[], None] | None = None  # tasks wait with no room
+        self.on_change: Callable[[], None] | None = None  # a manager joined or was lost
+        self.lost: list[tuple[str, str, int]] = []  # (manager, why, tasks requeued)
+
+    # -- managers on other nodes -----------------------------------------
+    def listen(
+        self,
+        secret: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        prefetch: int = 8,
+        advertise: str | None = None,
+    ) -> str:
+        """Accept managers holding ``secret`` on ``host:port``; the address they dial."""
+        self._prefetch = prefetch
+        self._listener = Listener(
+            secret=secret, on_join=self._join, host=host, port=port, advertise=advertise
+        )
+        return self._listener.address
+
+    def _join(self, channel: Channel, info: dict[str, Any]) -> None:
+        manager = RemoteManager(
+            channel,
+            info,
+            prefetch=self._prefetch,
+            on_results=self._results,
+            on_lost=self._lost,
+            on_notice=self._on_notice,
+        )
+        with self._lock:
+            if self._closing:
+                channel.close()
+                return
+            self._managers.append(manager)
+            self._outstanding[manager] = 0
+        manager.start()
+        self._route()
+        if self.on_change is not None:
+            self.on_change()
+
+    def _lost(self, manager: RemoteManager, tasks: list[Task], why: str) -> None:
+        with self._lock:
+            if manager in self._outstanding:
+                self._managers.remove(manager)
+                del self._outstanding[manager]
+            closing = self._closing
+            if not closing:
+                for task in reversed(tasks):
+                    task.route = None
+                    self._pending.appendleft(task)
+        if closing:
+            if tasks:
+                self.fail(tasks, errors.RuntimeClosed(f"{self.name} was shut down"))
+            return
+        if not manager.closing and not any(name == manager.name for name, _, _ in self.lost[-1:]):
+            self.lost.append((manager.name, why, len(tasks)))
+        self._route()
+        if self.on_change is not None:
+            self.on_change()
+        if self._pending and self.on_demand is not None:
+            self.on_demand()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no task is pending or held by a manager; False at ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._pending or any(self._outstanding.values()):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def remote_managers(self) -> list[RemoteManager]:
+        return [m for m in self._managers if isinstance(m, RemoteManager)]
+
+    @property
+    def pending(self) -> int:
+        """Tasks waiting for room at a manager."""
+        return len(self._pending)
+
+    def outstanding(self, manager: Any) -> int:
+        return self._outstanding.get(manager, 0)
+
+    def fail(self, tasks: list[Task], error: Exception) -> None:
+        """Answer tasks with ``error`` (a provider that cannot give nodes, say)."""
+        data = serialization.dumps_exception(error, "")
+        for task in tasks:
+            task.status, task.data, task.result_buffers = Status.ERROR, data, []
+        self._on_results(tasks)
+
+    def fail_pending(self, error: Exception) -> int:
+        with self._lock:
+            tasks = list(self._pending)
+            self._pending.clear()
+        if tasks:
+            self.fail(tasks, error)
+        return len(tasks)
 
     def add_manager(
         self,
@@ -80,6 +194,13 @@ class Agent:
     def submit(self, tasks: list[Task]) -> None:
         """Route tasks to managers, each given a share of its free capacity."""
         managers = self._managers
+        if self._listener is not None:
+            with self._lock:
+                self._pending.extend(tasks)
+            self._route()
+            if self._pending and self.on_demand is not None:
+                self.on_demand()
+            return
         if not managers:
             raise RuntimeError(f"{self.name} has no managers to run tasks on")
         if len(managers) == 1:
@@ -100,26 +221,87 @@ class Agent:
         for manager, share in shares.items():
             manager.submit(share)
 
+    def _route(self) -> None:
+        """Deal pending tasks to accepting managers, each up to its window."""
+        shares: dict[Any, list[Task]] = {}
+        with self._lock:
+            pending, out = self._pending, self._outstanding
+            while pending:
+                room = [
+                    m
+                    for m in self._managers
+                    if getattr(m, "accepting", True) and out[m] < getattr(m, "window", math.inf)
+                ]
+                if not room:
+                    break
+                room.sort(key=lambda m: out[m] / m.size)  # the least loaded first
+                share = -(-len(pending) // len(room))
+                for m in room:
+                    n = min(share, getattr(m, "window", math.inf) - out[m], len(pending))
+                    if n <= 0:
+                        continue
+                    batch = shares.setdefault(m, [])
+                    for _ in range(int(n)):
+                        task = pending.popleft()
+                        task.route = m
+                        batch.append(task)
+                    out[m] += int(n)
+        for manager, batch in shares.items():
+            if isinstance(manager, RemoteManager) and self._on_dispatch is not None:
+                kept = self._on_dispatch(batch)
+                if len(kept) != len(batch):
+                    with self._lock:
+                        if manager in out:
+                            out[manager] -= len(batch) - len(kept)
+                batch = kept
+            if batch:
+                manager.submit(batch)
+
     def cancel(self, task: Task) -> None:
         """Stop a task wherever it is (see ``Manager.cancel``)."""
         manager = task.route
         task.cancelled = True
         if manager is not None:
             manager.cancel(task)
+            return
+        with self._lock:
+            try:
+                self._pending.remove(task)
+            except ValueError:
+                return
+        task.status, task.data, task.result_buffers = Status.SKIPPED, b"", []
+        self._on_results([task])
 
     def _results(self, tasks: list[Task]) -> None:
         manager = tasks[0].route
         if manager is not None:
             with self._lock:
-                self._outstanding[manager] -= len(tasks)
+                if manager in self._outstanding:
+                    self._outstanding[manager] -= len(tasks)
         self._on_results(tasks)
+        if self._pending:
+            self._route()
 
     def shutdown(self, wait: bool = True, *, kill: bool = False) -> None:
-        for manager in self._managers:
+        if wait and not kill and self._listener is not None:
+            self.wait_idle()
+        with self._lock:
+            self._closing = True
+        if self._listener is not None:
+            self._listener.close()
+            if kill and self._pending:
+                self.fail_pending(errors.RuntimeClosed(f"{self.name} was shut down"))
+        for manager in list(self._managers):
             manager.shutdown(wait=False, kill=kill)
         if wait:
-            for manager in self._managers:
+            for manager in list(self._managers):
                 manager.shutdown(wait=True, kill=kill)
+        if self._pending:
+            self.fail_pending(errors.RuntimeClosed(f"{self.name} was shut down"))
 
     def statistics(self) -> dict[str, Any]:
-        return {"name": self.name, "managers": [m.statistics() for m in self._managers]}
+        return {
+            "name": self.name,
+            "pending": len(self._pending),
+            "managers": [m.statistics() for m in self._managers],
+        }

@@ -33,7 +33,7 @@ import enum
 
 from nimbus.serialization import PYTHON
 
-__all__ = ["PYTHON", "Kind", "Status"]
+__all__ = ["PYTHON", "Kind", "Link", "Status"]
 
 INLINE_LIMIT = 64 * 1024  # larger payloads travel as frame buffers
 
@@ -52,3 +52,30 @@ class Status(enum.IntEnum):
     OK = 0
     ERROR = 1  # payload is a pickled (exception, traceback text)
     SKIPPED = 2  # cancelled before it started
+
+
+class Link(enum.IntEnum):
+    """Frames between an agent and a manager on another node (over TCP).
+
+    Agent -> manager: CHALLENGE {"nonce"}; WELCOME {"proof", "heartbeat"} (the agent
+    proves it holds the secret too); TASKS [[wid, fn_key, fn_bytes | None, payload |
+    None, nbufs, timeout], ...] (payloads as in Kind.TASKS); CANCEL [wid, ...]; DRAIN
+    (take no more, say what you hold); STOP (finish and exit).
+
+    Manager -> agent: JOIN {"proof", "nonce", "workers", "host", "pid", "block",
+    "python"}; RESULTS [[wid, status, data | None, nbufs, started, ended, cpu_user,
+    cpu_system, peak_memory, net_in, net_out, worker, host, pid], ...]; HEARTBEAT
+    {"held", "ready", "window"} (window: the node's tasks per worker, grown for short tasks); DRAINED {"held": n}; NOTICE (a worker's notice, as in Kind.NOTICE).
+    """
+
+    CHALLENGE = 30
+    WELCOME = 31
+    TASKS = 32
+    CANCEL = 33
+    DRAIN = 34
+    STOP = 35
+    JOIN = 40
+    RESULTS = 41
+    HEARTBEAT = 42
+    DRAINED = 43
+    NOTICE = 44

@@ -1,0 +1,271 @@
+"""``nimbus manager``: one node's manager, connected out to its endpoint's agent.
+
+::
+
+    agent (login node)                          this process (a node of a block)
+      Listener <------ TCP connect ------------- NodeManager
+        CHALLENGE nonce ------------------------>
+        <---------------- JOIN proof, nonce, workers, host, block
+        WELCOME proof --------------------------> (the agent knows the secret too)
+        TASKS (a prefetch window) --------------> Manager --> warm workers
+        <---------------- RESULTS, HEARTBEAT (every second), DRAINED
+
+The secret comes in ``NIMBUS_AGENT_SECRET`` (set by the agent in the block's
+environment, never on a command line); proofs are HMAC-SHA256 of the peer's
+nonce, so the secret never crosses the network. The tasks run on the same
+:class:`~nimbus.runtime.manager.Manager` (and workers) as the embedded runtime.
+When the agent goes away, the manager kills its workers and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import sys
+import threading
+from typing import Any
+
+from nimbus.records import TaskRecord
+from nimbus.runtime.manager import Manager
+from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Link
+from nimbus.runtime.task import Task
+from nimbus.wire import Channel, Frame, pack, unpack
+
+__all__ = ["ADDRESS_ENV", "SECRET_ENV", "NodeManager", "proof", "run"]
+
+log = logging.getLogger(__name__)
+
+ADDRESS_ENV = "NIMBUS_AGENT_ADDRESS"
+SECRET_ENV = "NIMBUS_AGENT_SECRET"
+HANDSHAKE_SECONDS = 15.0
+
+
+def proof(secret: str, nonce: bytes, role: bytes) -> bytes:
+    """What a peer holding ``secret`` answers to ``nonce`` (``role``: b"manager"/b"agent")."""
+    return hmac.new(secret.encode(), role + b":" + nonce, hashlib.sha256).digest()
+
+
+def receive_one(channel: Channel, kind: int, rest: list[Frame] | None = None) -> Any:
+    """The next frame, which must be of ``kind``; its metadata (blocking socket).
+
+    Frames that came with it go to ``rest`` (refused if not given).
+    """
+    frames: list[Frame] = []
+    while not frames:
+        got = channel.receive(block=True)
+        if got is None:
+            raise ConnectionError("the peer closed the connection during the handshake")
+        frames.extend(got)
+    if frames[0].kind != kind or (len(frames) > 1 and rest is None):
+        raise ConnectionError(f"expected a {Link(kind).name} frame, got kind {frames[0].kind}")
+    if rest is not None:
+        rest.extend(frames[1:])
+    return unpack(frames[0].meta)
+
+
+class NodeManager:
+    """Connects to the agent at ``address`` and runs what it sends on local workers."""
+
+    def __init__(
+        self,
+        address: str,
+        secret: str,
+        *,
+        workers: int,
+        prefetch: int = 8,
+        heartbeat: float = 1.0,
+        block: str = "",
+    ) -> None:
+        host, _, port = address.rpartition(":")
+        self.address = (host, int(port))
+        self.secret = secret
+        self.workers = workers
+        self.prefetch = prefetch
+        self.heartbeat = heartbeat
+        self.block = block
+        self._tasks: dict[int, Task] = {}
+        self._fns: dict[str, bytes] = {}
+        self._send_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._channel: Channel | None = None
+        self._early: list[Frame] = []  # frames that came with the WELCOME
+
+    def _send(self, kind: int, meta: object, buffers: list[Any] | None = None) -> None:
+        assert self._channel is not None
+        with self._send_lock:
+            try:
+                self._channel.send(kind, pack(meta), buffers or [])
+                self._channel.flush()
+            except OSError:
+                pass  # the reader sees the end of the stream
+
+    def connect(self) -> Channel:
+        sock = socket.create_connection(self.address, timeout=HANDSHAKE_SECONDS)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        channel = Channel(sock)
+        try:
+            return self._handshake(channel)
+        except BaseException:
+            channel.close()
+            raise
+
+    def _handshake(self, channel: Channel) -> Channel:
+        sock = channel.sock
+        challenge = receive_one(channel, Link.CHALLENGE)
+        nonce = os.urandom(16)
+        channel.send(
+            Link.JOIN,
+            pack(
+                {
+                    "proof": proof(self.secret, challenge["nonce"], b"manager"),
+                    "nonce": nonce,
+                    "workers": self.workers,
+                    "host": socket.gethostname(),
+                    "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
+                    "pid": os.getpid(),
+                    "block": self.block,
+                    "python": PYTHON,
+                }
+            ),
+        )
+        channel.flush()
+        welcome = receive_one(channel, Link.WELCOME, self._early)
+        if not hmac.compare_digest(welcome["proof"], proof(self.secret, nonce, b"agent")):
+            raise ConnectionError("the agent could not prove it holds the block's secret")
+        self.heartbeat = float(welcome.get("heartbeat", self.heartbeat))
+        sock.settimeout(None)
+        return channel
+
+    def run(self) -> int:
+        self._channel = channel = self.connect()
+        manager = Manager(
+            self.workers,
+            on_results=self._results,
+            on_notice=lambda notice: self._send(Link.NOTICE, notice),
+            prefetch=self.prefetch,
+            name="node",
+        )
+        manager.start()
+        beat = threading.Thread(target=self._beat, args=(manager,), daemon=True)
+        beat.start()
+        code = 1
+        try:
+            if self._early and self._handle(self._early, manager):
+                manager.shutdown(wait=True)
+                return 0
+            while True:
+                frames = channel.receive(block=True)
+                if frames is None:
+                    log.warning("nimbus manager: the agent closed the connection")
+                    manager.shutdown(wait=True, kill=True)
+                    break
+                if self._handle(frames, manager):
+                    manager.shutdown(wait=True)
+                    code = 0
+                    break
+        finally:
+            self._stopped.set()
+            channel.close()
+        return code
+
+    def _handle(self, frames: list[Frame], manager: Manager) -> bool:
+        for frame in frames:
+            if frame.kind == Link.TASKS:
+                manager.submit(self._tasks_of(unpack(frame.meta), frame.buffers))
+            elif frame.kind == Link.CANCEL:
+                for wid in unpack(frame.meta):
+                    task = self._tasks.get(wid)
+                    if task is not None:
+                        manager.cancel(task)
+            elif frame.kind == Link.DRAIN:
+                self._send(Link.DRAINED, {"held": len(self._tasks)})
+            elif frame.kind == Link.STOP:
+                return True
+        return False
+
+    def _tasks_of(self, rows: list[list[Any]], buffers: list[Any]) -> list[Task]:
+        tasks = []
+        position = 0
+        for wid, fn_key, fn_bytes, payload, nbufs, timeout in rows:
+            if fn_bytes is not None:
+                self._fns[fn_key] = fn_bytes
+            if payload is None:
+                payload = buffers[position]
+                bufs = buffers[position + 1 : position + nbufs]
+            else:
+                bufs = buffers[position : position + nbufs]
+            position += nbufs
+            task = Task(
+                wid, fn_key, self._fns[fn_key], payload, list(bufs), TaskRecord(""), timeout=timeout
+            )
+            self._tasks[wid] = task
+            tasks.append(task)
+        return tasks
+
+    def _results(self, tasks: list[Task]) -> None:
+        rows: list[list[Any]] = []
+        buffers: list[Any] = []
+        for task in tasks:
+            self._tasks.pop(task.seq, None)
+            r = task.record
+            data: Any = task.data
+            if len(data) > INLINE_LIMIT:
+                buffers.append(data)
+                data = None
+            buffers.extend(task.result_buffers)
+            nbufs = len(task.result_buffers) + (data is None)
+            rows.append(
+                [
+                    task.seq,
+                    task.status,
+                    data,
+                    nbufs,
+                    r.started,
+                    r.ended,
+                    r.cpu_user,
+                    r.cpu_system,
+                    r.peak_memory,
+                    r.net_bytes_in,
+                    r.net_bytes_out,
+                    r.worker,
+                    r.host,
+                    r.pid,
+                ]
+            )
+        self._send(Link.RESULTS, rows, buffers)
+
+    def _beat(self, manager: Manager) -> None:
+        while not self._stopped.wait(self.heartbeat):
+            stats = manager.statistics()
+            self._send(
+                Link.HEARTBEAT,
+                {"held": len(self._tasks), "ready": stats["ready"], "window": manager.window()},
+            )
+
+
+# ---------------------------------------------------------------- the command
+
+
+def run(args: argparse.Namespace) -> int:
+    from nimbus.errors import ConfigError
+
+    secret = os.environ.get(SECRET_ENV)
+    args.address = args.address or os.environ.get(ADDRESS_ENV)
+    if not args.address or not secret:
+        raise ConfigError(
+            f"nimbus manager needs the agent's address (--address or {ADDRESS_ENV}) and "
+            f"{SECRET_ENV}; a provider's block sets both"
+        )
+    block = os.environ.get("NIMBUS_BLOCK_ID", "")
+    node = NodeManager(
+        args.address, secret, workers=args.workers, prefetch=args.prefetch, block=block
+    )
+    try:
+        return node.run()
+    except (OSError, ConnectionError) as exc:
+        print(f"nimbus manager: cannot join the agent at {args.address}: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,121 @@
+"""Managers on other nodes: handshake, heartbeats, loss and requeue (local process blocks)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from nimbus import Executor
+from nimbus.backends import BACKENDS
+from nimbus.backends.provided import ProvidedBackend
+from nimbus.config import Settings
+from nimbus.runtime.agent import Agent
+from nimbus.runtime.node import NodeManager
+
+
+def where(seconds: float) -> tuple[int, int]:
+    """Sleep, then say which manager (its pid: the worker's parent) and worker ran it."""
+    time.sleep(seconds)
+    return os.getppid(), os.getpid()
+
+
+@pytest.fixture
+def provided(monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
+    """Executor(backend="provided", settings=...): the agent's managers are local blocks."""
+
+    def factory(*, endpoint: object = None, **kwargs: Any) -> Any:
+        del endpoint
+        return ProvidedBackend(**kwargs)
+
+    monkeypatch.setitem(BACKENDS, "provided", factory)
+    yield Settings.load().replace(
+        provider="local", workers_per_node=1, agent_listen="127.0.0.1:0", max_idle=60.0
+    )
+
+
+def test_a_manager_with_a_wrong_secret_is_refused() -> None:
+    agent = Agent(on_results=lambda tasks: None)
+    address = agent.listen("right", host="127.0.0.1")
+    try:
+        node = NodeManager(address, "wrong", workers=1)
+        with pytest.raises(ConnectionError):
+            node.connect()
+        deadline = time.monotonic() + 5
+        while agent._listener is not None and not agent._listener.refused:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert agent.remote_managers() == []
+    finally:
+        agent.shutdown()
+
+
+def test_a_fake_agent_cannot_feed_a_manager() -> None:
+    """The manager checks the agent's proof too: a listener without the secret is left."""
+    agent = Agent(on_results=lambda tasks: None)
+    address = agent.listen("the agent's", host="127.0.0.1")
+    try:
+        with pytest.raises(ConnectionError):
+            NodeManager(address, "the block's", workers=1).connect()
+    finally:
+        agent.shutdown()
+
+
+def test_tasks_run_on_block_managers_and_blocks_go_at_shutdown(provided: Settings) -> None:
+    settings = provided.replace(max_blocks=2, init_blocks=2, min_blocks=2)
+    with Executor(settings=settings, backend="provided") as ex:
+        results = list(ex.map(where, [0.05] * 20))
+        backend = ex._backend
+        assert isinstance(backend, ProvidedBackend)
+        managers = {m.pid for m in backend.agent.remote_managers()}
+        assert {parent for parent, _ in results} <= managers
+        assert len(managers) == 2
+        blocks = [b.id for b in backend.scaler.blocks.values()]
+    states = backend.scaler.provider.status(blocks)
+    assert all(s.state.terminal for s in states.values())
+
+
+def test_a_silent_manager_is_lost_within_10s_and_its_tasks_run_elsewhere_once(
+    provided: Settings,
+) -> None:
+    settings = provided.replace(max_blocks=2, init_blocks=2, min_blocks=2)
+    with Executor(settings=settings, backend="provided") as ex:
+        backend = ex._backend
+        assert isinstance(backend, ProvidedBackend)
+        ex.submit(where, 0).result(timeout=30)
+        deadline = time.monotonic() + 30
+        while len(backend.agent.remote_managers()) < 2:
+            assert time.monotonic() < deadline, "two managers did not join"
+            time.sleep(0.05)
+        futures = [ex.submit(where, 0.3) for _ in range(12)]
+        time.sleep(0.5)
+        frozen = backend.agent.remote_managers()[0]
+        os.kill(frozen.pid, signal.SIGSTOP)  # a node that stops answering (no FIN, no RST)
+        stopped = time.monotonic()
+        try:
+            results = [f.result(timeout=60) for f in futures]
+            lost_after = time.monotonic() - stopped
+            assert backend.agent.lost, "the frozen manager was not declared lost"
+            _, why, requeued = backend.agent.lost[0]
+            assert "sent nothing" in why and requeued > 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # its block was cancelled: gone
+                os.kill(frozen.pid, signal.SIGCONT)
+    assert len(results) == 12  # every task exactly one result, though some ran twice
+    assert lost_after < 10 + 12 * 0.3
+
+
+def test_pending_tasks_wait_for_a_block_and_nothing_is_lost(provided: Settings) -> None:
+    settings = provided.replace(max_blocks=1)  # no block until the first task
+    with Executor(settings=settings, backend="provided") as ex:
+        t0 = time.monotonic()
+        assert ex.submit(where, 0).result(timeout=30)
+        first = time.monotonic() - t0
+        futures = [ex.submit(where, 0.01) for _ in range(50)]
+        assert len({f.result(timeout=30) for f in futures}) >= 1
+    assert first < 10

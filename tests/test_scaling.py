@@ -1,0 +1,339 @@
+"""Elastic blocks on a real (private) Slurm: NIMBUS_PROVIDER=slurm for the embedded runtime."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from nimbus import Executor
+from nimbus.backends.provided import ProvidedBackend
+from nimbus.config import Settings
+from nimbus.errors import ProviderError
+
+
+def node_of(seconds: float) -> str:
+    time.sleep(seconds)
+    return os.environ.get("SLURMD_NODENAME", "?")
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def settings(slurm: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Settings:
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # blocks' output there
+    return Settings.load().replace(
+        provider="slurm",
+        partition=slurm.partition,
+        workers_per_node=2,
+        max_blocks=2,
+        walltime="00:05:00",
+        max_idle=2.0,
+        agent_listen="127.0.0.1:0",
+    )
+
+
+def backend_of(ex: Executor) -> ProvidedBackend:
+    backend = ex._backend
+    assert isinstance(backend, ProvidedBackend)
+    return backend
+
+
+def jobs(slurm: Any) -> dict[str, str]:
+    out = slurm.run("squeue", "-h", "--states=all", "-o", "%i %T").stdout
+    return dict(line.split()[:2] for line in out.splitlines())
+
+
+def test_first_task_submits_a_block_at_once_and_an_idle_block_goes(
+    settings: Settings, slurm: Any
+) -> None:
+    with Executor(settings=settings) as ex:
+        backend = backend_of(ex)
+        assert backend.scaler.blocks == {}  # no block before work
+        t0 = time.monotonic()
+        assert ex.submit(node_of, 0).result(timeout=30).startswith("n")
+        first = time.monotonic() - t0
+        assert sum(ex.map(abs, range(-500, 0))) == 125250
+        ids = list(backend.scaler.blocks)
+        assert ids
+        idle_from = time.monotonic()
+        wait_for(lambda: not backend.scaler.blocks, settings.max_idle + 5 + 2, "idle blocks to go")
+        gone = time.monotonic() - idle_from
+        assert {jobs(slurm)[b] for b in ids} <= {"CANCELLED", "COMPLETED", "COMPLETING"}
+        stats = backend.scaler.statistics()
+        elapsed = time.monotonic() - t0
+        # one status call per period at most, whatever the number of blocks
+        assert stats["status_calls"] <= elapsed / backend.scaler.period + 1
+    assert first < 10, f"first result took {first:.1f} s"
+    assert gone <= settings.max_idle + 5
+
+
+def test_sbatch_refusal_fails_the_futures_with_the_schedulers_message(
+    settings: Settings,
+) -> None:
+    with Executor(settings=settings.replace(partition="nope")) as ex:
+        future = ex.submit(node_of, 0)
+        with pytest.raises(ProviderError, match="invalid partition specified: nope"):
+            future.result(timeout=10)
+        scaler = backend_of(ex).scaler
+        assert "invalid partition" in scaler.statistics()["error"]
+        time.sleep(1.5)
+        assert scaler.submitted == 0 and scaler._backoff >= 1  # backing off, not looping
+
+
+def _spread(settings: Settings) -> Settings:
+    return settings.replace(exclusive=True, min_blocks=2, init_blocks=2, max_idle=60.0)
+
+
+def test_a_block_scancelled_from_outside_loses_no_task(settings: Settings, slurm: Any) -> None:
+    with Executor(settings=_spread(settings)) as ex:
+        backend = backend_of(ex)
+        wait_for(lambda: len(backend.agent.remote_managers()) == 2, 30, "two blocks to join")
+        futures = [ex.submit(node_of, 0.3) for _ in range(40)]
+        time.sleep(0.8)
+        victim = backend.agent.remote_managers()[0]
+        slurm.run("scancel", victim.block)
+        nodes = [f.result(timeout=60) for f in futures]
+        assert len(nodes) == 40
+        assert backend.agent.lost and backend.agent.lost[0][2] > 0  # it held tasks: requeued
+        assert victim.node in nodes  # it ran some before it went
+
+
+def test_a_killed_slurmd_requeues_its_tasks_elsewhere(settings: Settings, slurm: Any) -> None:
+    with Executor(settings=_spread(settings)) as ex:
+        backend = backend_of(ex)
+        wait_for(lambda: len(backend.agent.remote_managers()) == 2, 30, "two blocks to join")
+        futures = [ex.submit(node_of, 0.3) for _ in range(40)]
+        time.sleep(0.8)
+        victim = backend.agent.remote_managers()[0]
+        killed = time.monotonic()
+        slurm.kill_slurmd(victim.node)
+        try:
+            wait_for(lambda: backend.agent.lost, 10, "the lost manager")
+            detected = time.monotonic() - killed
+            nodes = [f.result(timeout=60) for f in futures]
+        finally:
+            slurm.restart_slurmd(victim.node)
+        assert len(nodes) == 40 and detected <= 10
+        assert backend.agent.lost[0][2] > 0
+    slurm.wait_idle(60)
+
+
+def test_a_block_near_its_walltime_is_replaced_and_nothing_fails(settings: Settings) -> None:
+    # walltime 20 s: a block stops taking tasks 10 s in, its replacement is asked for then
+    with Executor(settings=settings.replace(walltime="00:00:20", max_blocks=1)) as ex:
+        backend = backend_of(ex)
+        t0 = time.monotonic()
+        results = []
+        while time.monotonic() - t0 < 14:
+            results.extend(ex.map(node_of, [0.2] * 4))
+        assert backend.scaler.submitted >= 2
+        assert any(b.retiring for b in backend.scaler.blocks.values()) or backend.scaler.cancelled
+    assert all(r.startswith("n") for r in results)
+
+
+def remote_node_of(seconds: float) -> str:  # sent by value to the endpoint
+    import os
+    import time
+
+    time.sleep(seconds)
+    return os.environ.get("SLURMD_NODENAME", "?")
+
+
+def test_an_endpoint_on_slurm_grows_from_zero_blocks_and_shows_them(
+    service: Any, alice: Any, slurm: Any
+) -> None:
+    import dataclasses
+    import subprocess
+    import sys
+
+    from service_support import EndpointProcess
+
+    endpoint = EndpointProcess(service, alice, "hpc")
+    endpoint.config = dataclasses.replace(
+        endpoint.config,
+        provider="slurm",
+        partition=slurm.partition,
+        workers_per_node=2,
+        max_blocks=2,
+        max_idle=30.0,
+        walltime="00:05:00",
+        agent_listen="127.0.0.1:0",
+    )
+    env = {**service.env, "SLURM_CONF": str(slurm.conf)}
+    old = dict(os.environ)
+    os.environ.update(env)
+    try:
+        endpoint.config.save()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    service.env["SLURM_CONF"] = str(slurm.conf)
+    try:
+        endpoint.start(alice)
+        token = service.token("alice")
+        with Executor(endpoint="hpc", settings=service.user_settings(token)) as ex:
+            t0 = time.monotonic()
+            assert ex.submit(remote_node_of, 0).result(timeout=60).startswith("n")
+            first = time.monotonic() - t0
+            assert all(n.startswith("n") for n in ex.map(remote_node_of, [0.01] * 50))
+        time.sleep(1.2)  # the blocks file is written once a second
+        shown = subprocess.run(
+            [sys.executable, "-m", "nimbus", "endpoint", "status", "hpc"],
+            env={**env, "NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        assert re.search(r"provider slurm, [12] block\(s\)", shown.stdout), shown.stdout
+        assert re.search(r"job \d+ +running +1 node\(s\), 1 manager\(s\)", shown.stdout)
+        assert "service: online" in shown.stdout
+    finally:
+        endpoint.stop()
+        del service.env["SLURM_CONF"]
+    assert first < 15
+
+
+def test_endpoint_configure_takes_the_provider_settings(service: Any, alice: Any) -> None:
+    import subprocess
+    import sys
+
+    from nimbus.endpoint.config import EndpointConfig
+
+    env = {
+        **service.env,
+        "NIMBUS_SERVICE_URL": service.url,
+        "NIMBUS_TOKEN": service.token("alice"),
+    }
+    base = [sys.executable, "-m", "nimbus", "endpoint", "configure"]
+    options = ["--provider", "slurm", "--partition", "debug", "--nodes-per-block", "2"]
+    options += ["--min-blocks", "0", "--max-blocks", "4", "--init-blocks", "0"]
+    options += ["--walltime", "00:30:00", "--max-idle", "60", "--exclusive"]
+    options += ["--worker-init", 'module load python; source "$HOME/venv/bin/activate"']
+    done = subprocess.run([*base, "hpc-cli", *options], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    old = os.environ.get("XDG_CONFIG_HOME")
+    os.environ["XDG_CONFIG_HOME"] = service.env["XDG_CONFIG_HOME"]
+    try:
+        config = EndpointConfig.load("hpc-cli")
+    finally:
+        if old is None:
+            del os.environ["XDG_CONFIG_HOME"]
+        else:
+            os.environ["XDG_CONFIG_HOME"] = old
+    assert (config.provider, config.partition, config.nodes_per_block) == ("slurm", "debug", 2)
+    assert (config.max_blocks, config.max_idle, config.exclusive) == (4, 60.0, True)
+    assert config.worker_init == 'module load python; source "$HOME/venv/bin/activate"'
+    bad = subprocess.run(
+        [*base, "hpc-bad", "--walltime", "30m"], env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "walltime" in bad.stderr and "HH:MM:SS" in bad.stderr
+
+
+MP_PROGRAM = """
+import nimbus.multiprocessing as mp
+
+def node(x):
+    with open("/proc/self/environ", "rb") as f:  # the node's, whatever os.environ says
+        env = dict(v.split(b"=", 1) for v in f.read().split(b"\\0") if b"=" in v)
+    return env.get(b"SLURMD_NODENAME", b"?").decode(), x * x
+
+if __name__ == "__main__":
+    with mp.Pool(4) as pool:
+        out = pool.map(node, range(40))
+    assert [square for _, square in out] == [x * x for x in range(40)]
+    p = mp.Process(target=print, args=("child says hi",))
+    p.start()
+    p.join()
+    print("nodes", sorted({n for n, _ in out}), "exitcode", p.exitcode)
+"""
+
+
+def test_multiprocessing_on_slurm_with_no_service(slurm: Any, tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    program = tmp_path / "prog.py"
+    program.write_text(MP_PROGRAM)
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(slurm.conf),
+        "XDG_CONFIG_HOME": str(tmp_path / "config"),
+        "NIMBUS_PROVIDER": "slurm",
+        "NIMBUS_PARTITION": slurm.partition,
+        "NIMBUS_WORKERS_PER_NODE": "2",
+        "NIMBUS_EXCLUSIVE": "yes",
+        "NIMBUS_INIT_BLOCKS": "2",
+        "NIMBUS_MAX_BLOCKS": "2",
+        "NIMBUS_AGENT_LISTEN": "127.0.0.1:0",
+    }
+    done = subprocess.run(
+        [sys.executable, str(program)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "child says hi" in done.stdout
+    nodes = re.search(r"nodes \[(.*)\] exitcode 0", done.stdout)
+    assert nodes, done.stdout
+    assert all(n.strip(" '").startswith("n") for n in nodes.group(1).split(","))
+    assert "'?'" not in nodes.group(1)
+    # the program's exit cancelled its blocks
+    out = slurm.run("squeue", "-h", "-o", "%i %T").stdout
+    assert "RUNNING" not in out and "PENDING" not in out, out
+
+
+def test_blocks_that_die_before_a_manager_joins_fail_the_tasks_not_loop(
+    settings: Settings,
+) -> None:
+    with Executor(settings=settings.replace(worker_init="exit 3")) as ex:
+        future = ex.submit(node_of, 0)
+        with pytest.raises(ProviderError, match=r"before any manager joined.*worker_init"):
+            future.result(timeout=60)
+        scaler = backend_of(ex).scaler
+        assert scaler.submitted == 3  # with backoff between them, then it told the user
+
+
+def test_a_block_holding_a_task_is_never_cancelled_as_idle(settings: Settings) -> None:
+    with Executor(settings=settings.replace(max_idle=1.0, max_blocks=1)) as ex:
+        scaler = backend_of(ex).scaler
+        assert ex.submit(node_of, 4).result(timeout=60).startswith("n")  # 4 s > max_idle
+        assert scaler.cancelled == 0 and scaler.submitted == 1
+        wait_for(lambda: scaler.cancelled == 1, 1 + 5 + 1, "the idle block to go")
+
+
+def test_a_two_node_block_has_a_manager_on_each_node(settings: Settings) -> None:
+    s = settings.replace(nodes_per_block=2, exclusive=True, init_blocks=1, min_blocks=1)
+    with Executor(settings=s) as ex:
+        backend = backend_of(ex)
+        wait_for(lambda: len(backend.agent.remote_managers()) == 2, 30, "two managers")
+        managers = backend.agent.remote_managers()
+        assert managers[0].block == managers[1].block  # one Slurm job, srun on each node
+        nodes = set(ex.map(node_of, [0.2] * 16))
+        assert nodes == {m.node for m in managers} and len(nodes) == 2
+
+
+def test_blocks_pending_in_the_queue_are_capacity_not_lost(settings: Settings) -> None:
+    # 5 whole-node blocks on 4 nodes: one waits in Slurm's queue
+    s = settings.replace(exclusive=True, init_blocks=5, min_blocks=5, max_blocks=5)
+    with Executor(settings=s) as ex:
+        backend = backend_of(ex)
+        wait_for(lambda: len(backend.agent.remote_managers()) == 4, 30, "four managers")
+        assert sum(ex.map(abs, range(-100, 0))) == 5050
+        time.sleep(2.5)  # a status period: the fifth is seen pending
+        blocks = backend.scaler.statistics()["blocks"]
+        assert sorted(b["state"] for b in blocks) == ["pending"] + ["running"] * 4
+        assert backend.scaler.submitted == 5 and backend.scaler.cancelled == 0
+        assert not backend.agent.lost and backend.scaler.error == ""
