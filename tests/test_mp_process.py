@@ -45,7 +45,13 @@ def _exit_with(code: int) -> None:
 
 
 def _count_fds(q: mp.Queue) -> None:
-    q.put(len(os.listdir("/proc/self/fd")))
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            fds[fd] = "?"
+    q.put((len(fds), sorted(fds.items(), key=lambda kv: int(kv[0]))))
 
 
 def _report_identity(q: mp.Queue) -> None:
@@ -439,10 +445,16 @@ def test_children_have_the_same_descriptors_however_they_start() -> None:
         procs = [mp.Process(target=_count_fds, args=(q,)) for _ in range(7)]
         for p in procs:
             p.start()
-        counts = [q.get(timeout=20) for _ in procs]
+        got = [q.get(timeout=20) for _ in procs]
+        counts = [n for n, _ in got]
         for p in procs:
             p.join(20)
-        assert len(set(counts)) == 1, counts
+        if len(set(counts)) != 1:
+            lo = dict(min(got)[1])
+            hi = dict(max(got)[1])
+            extra = {k: v for k, v in hi.items() if lo.get(k) != v}
+            missing = {k: v for k, v in lo.items() if hi.get(k) != v}
+            raise AssertionError(f"counts {counts}; extra {extra}; missing {missing}")
 
 
 def test_relay_sockets_of_dead_roots_are_removed(tmp_path: Path) -> None:
