@@ -35,7 +35,7 @@ import nimbus
 from nimbus.config import Settings
 from nimbus.errors import PayloadTooLargeError, ServiceError
 from nimbus.service import data as data_routes
-from nimbus.service import routes, stores, tasks
+from nimbus.service import metrics, routes, stores, tasks
 from nimbus.service.context import ServiceContext
 from nimbus.service.data import DataStore
 from nimbus.service.hub import Hub
@@ -166,6 +166,7 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
     app.include_router(tasks.router)
     app.include_router(stores.router)
     app.include_router(data_routes.router)
+    app.include_router(metrics.router)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
