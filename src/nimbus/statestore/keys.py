@@ -182,6 +182,10 @@ class Keys:
         """A user's hash of tasks and inline payload bytes queued or running (the quota)."""
         return self._key("user", user_id, "queued")
 
+    def dashboard_session(self, session_id: str) -> str:
+        """A dashboard login's hash: user id and name, token digest, CSRF token."""
+        return self._key("dashboard", "session", session_id)
+
     def group(self, group_id: str) -> str:
         """The list of task ids of a task group (one batch submit)."""
         return self._key("group", group_id)
