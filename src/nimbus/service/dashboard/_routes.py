@@ -58,7 +58,7 @@ HEADERS = {
         "img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
     ),
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",  # no-referrer would make Origin "null" on POSTs
     "Cache-Control": "no-store",
 }
 STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
