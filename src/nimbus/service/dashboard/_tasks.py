@@ -5,7 +5,8 @@
     Keys.user_tasks(user)  sorted set, score = submit time, member = task id
         page(after=None)        ZREVRANGE 0..BATCH-1            newest first
         page(after=(s, id))     ZREVRANK id -> r; ZREVRANGE r+1..r+BATCH
-                                (id gone: ZREVRANGEBYSCORE (s .. -inf)
+                                (id gone: ZREVRANGEBYSCORE s .. -inf, the
+                                 ties up to id skipped)
         each batch of ids       one pipeline of HMGET (no payloads, no results)
 
 A page costs O(log n + the rows read), whatever the history holds: the cursor
@@ -127,11 +128,18 @@ async def _batch(
     rank = await store.redis.zrevrank(key, task_id)
     if rank is not None:
         members = await store.redis.zrevrange(key, rank + 1, rank + BATCH, withscores=True)
-    else:  # the cursor's task expired meanwhile: go on from its score
+        return members
+    # the cursor's task left the index meanwhile (expired): go on from its place, which
+    # is after the tasks of a higher score and, among equal scores, of a larger id
+    offset = 0
+    while True:
         members = await store.redis.zrevrangebyscore(
-            key, f"({score!r}", "-inf", start=0, num=BATCH, withscores=True
+            key, repr(score), "-inf", start=offset, num=BATCH, withscores=True
         )
-    return members
+        after_it = [(m, s) for m, s in members if s < score or m.decode() < task_id]
+        if after_it or len(members) < BATCH:
+            return after_it
+        offset += BATCH
 
 
 async def page(
