@@ -45,7 +45,7 @@ from nimbus.service.registry import Endpoint, Registry
 __all__ = ["CONTENT_TYPE", "render", "router"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-EXACT_QUEUE = 10_000  # queued ids whose state is read (cancelled ones are not waiting)
+EXACT_QUEUE = 2_000  # queued ids whose state is read (cancelled ones are not waiting)
 LIVE_STATES = (TaskState.WAITING, TaskState.DISPATCHED, TaskState.RUNNING)
 
 router = APIRouter()
