@@ -83,6 +83,7 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "max_header_bytes",
         "max_functions",
         "max_endpoints",
+        "service_admins",
         "max_message",
         "shared_memory",
         "messaging_direct",
@@ -195,6 +196,7 @@ BAD_ENV = [
     ("NIMBUS_MAX_BATCH", "-5"),
     ("NIMBUS_SHARED_MEMORY", "maybe"),
     ("NIMBUS_MESSAGING_DIRECT", "2"),
+    ("NIMBUS_SERVICE_ADMINS", "root,<b>"),
 ]
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from nimbus import Client
-from service_support import EndpointProcess, Service
+from service_support import EndpointProcess, Service, service_env
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 XSS = "<script>alert(1)</script>"
@@ -54,6 +54,15 @@ def hostile() -> str:
 
 
 hostile.__name__ = hostile.__qualname__ = XSS  # the name the dashboard shows
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The module's service (as conftest's), with user "boss" as the dashboard's admin."""
+    root = tmp_path_factory.mktemp("service")
+    svc = Service(root, service_env(root, NIMBUS_SERVICE_ADMINS="boss")).start()
+    yield svc
+    svc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +222,20 @@ def test_posts_without_the_csrf_token_are_refused(service: Service, alice: Clien
         assert token is not None
         assert http.post("/logout", data={"csrf": token[1]}).status_code == 303
         assert http.get("/", follow_redirects=False).status_code == 303
+
+
+def test_the_admin_sees_every_endpoint_and_task(
+    service: Service, alice: Client, lab: EndpointProcess, browser: Any, tmp_path: Path
+) -> None:
+    task_id = alice.run(hostile, endpoint="lab")
+    alice.get_result(task_id, timeout=30)
+    login(browser, service, service.token("boss"))
+    assert browser.find_elements(By.CSS_SELECTOR, f'tr[data-endpoint="{lab.endpoint_id}"]')
+    browser.get(service.url + "/tasks")
+    row = browser.find_element(By.CSS_SELECTOR, f'tr[data-task="{task_id}"]')
+    assert XSS in row.text and "lab" in row.text
+    row.find_element(By.LINK_TEXT, task_id[:8]).click()
+    WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith(f"/tasks/{task_id}"))
+    assert XSS in browser.find_element(By.ID, "task").text
+    no_alert(browser)
+    screenshot(browser, tmp_path / "admin.png")

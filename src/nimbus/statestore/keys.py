@@ -178,6 +178,10 @@ class Keys:
         """The sorted set of a user's task ids, scored by submit time."""
         return self._key("user", user_id, "tasks")
 
+    def all_tasks(self) -> str:
+        """The sorted set of every task id, scored by submit time (the admin's dashboard)."""
+        return self._key("tasks")
+
     def user_queued(self, user_id: str) -> str:
         """A user's hash of tasks and inline payload bytes queued or running (the quota)."""
         return self._key("user", user_id, "queued")

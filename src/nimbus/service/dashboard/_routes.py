@@ -11,7 +11,8 @@
 
 Without a session a page answers 303 to /login (the stream and static files
 excepted: 401, and files that hold nothing of anyone's). Another user's task is
-404, as in the API. Every response carries a Content-Security-Policy allowing
+404, as in the API. A user named in ``NIMBUS_SERVICE_ADMINS`` sees every endpoint
+and every task (the index ``Keys.all_tasks``). Every response carries a Content-Security-Policy allowing
 scripts from this origin only, so even markup that slipped through would not run.
 """
 
@@ -27,6 +28,8 @@ from urllib.parse import urlencode
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from nimbus.errors import AuthError, NotFound
@@ -38,12 +41,13 @@ from nimbus.service.dashboard._tasks import (
     Filter,
     Row,
     decode_cursor,
+    index,
     live_window,
     page,
     record_of,
     traceback_text,
 )
-from nimbus.service.registry import Principal
+from nimbus.service.registry import Endpoint, EndpointInfo, Principal, Registry
 
 __all__ = ["router"]
 
@@ -62,6 +66,25 @@ HEADERS = {
     "Cache-Control": "no-store",
 }
 STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+
+
+def _is_admin(ctx: ServiceContext, user: Principal) -> bool:
+    """Whether ``user`` is named in NIMBUS_SERVICE_ADMINS (sees every endpoint and task)."""
+    admins = ctx.settings.service_admins or ""
+    return user.user_name in {name.strip() for name in admins.split(",")}
+
+
+def _all_endpoints(registry: Registry) -> list[EndpointInfo]:
+    with Session(registry.engine) as session:
+        ids = list(session.scalars(select(Endpoint.id).order_by(Endpoint.created)))
+    return [info for eid in ids if (info := registry.endpoint(eid)) is not None]
+
+
+async def _endpoints(ctx: ServiceContext, user: Principal) -> list[EndpointInfo]:
+    """The endpoints ``user`` sees: their own, shared and public ones; all for an admin."""
+    if _is_admin(ctx, user):
+        return await run_in_threadpool(_all_endpoints, ctx.registry)
+    return await run_in_threadpool(ctx.registry.endpoints, user.user_id)
 
 
 def _ctx(request: Request) -> ServiceContext:
@@ -166,7 +189,7 @@ async def endpoints_page(request: Request) -> Response:
     if who is None:
         return _to_login(request)
     user = who.principal
-    infos = await run_in_threadpool(ctx.registry.endpoints, user.user_id)
+    infos = await _endpoints(ctx, user)
     now = time.time()
     rows = []
     for info in infos:
@@ -203,14 +226,21 @@ class _Names:
 
     def __init__(self, ctx: ServiceContext, user: Principal) -> None:
         self.ctx, self.user = ctx, user
+        self.admin = _is_admin(ctx, user)
         self.functions: dict[str, str] = {}
         self.endpoints: dict[str, str] = {}
 
     async def function(self, function_id: str) -> str:
         if function_id not in self.functions:
             try:
-                info = await self.ctx.function(self.user, function_id)
-                self.functions[function_id] = info.name or function_id
+                if self.admin:
+                    found = await run_in_threadpool(self.ctx.registry.function, function_id)
+                    if found is None:
+                        raise NotFound(function_id)
+                    name = found.name
+                else:
+                    name = (await self.ctx.function(self.user, function_id)).name
+                self.functions[function_id] = name or function_id
             except NotFound:
                 self.functions[function_id] = function_id
         return self.functions[function_id]
@@ -218,7 +248,12 @@ class _Names:
     async def endpoint(self, endpoint_id: str) -> str:
         if endpoint_id not in self.endpoints:
             try:
-                info = await self.ctx.endpoint(self.user, endpoint_id)
+                if self.admin:
+                    info = await run_in_threadpool(self.ctx.registry.endpoint, endpoint_id)
+                    if info is None:
+                        raise NotFound(endpoint_id)
+                else:
+                    info = await self.ctx.endpoint(self.user, endpoint_id)
                 self.endpoints[endpoint_id] = info.name
             except NotFound:
                 self.endpoints[endpoint_id] = endpoint_id
@@ -275,10 +310,11 @@ async def tasks_page(request: Request) -> Response:
     flt = _filter(request)
     after_text = request.query_params.get("after", "")
     after = decode_cursor(after_text)
-    rows, cursor = await page(ctx.store, user.user_id, flt, after, PAGE_SIZE)
+    key = index(ctx.store, user.user_id, _is_admin(ctx, user))
+    rows, cursor = await page(ctx.store, key, flt, after, PAGE_SIZE)
     names = _Names(ctx, user)
     views = [await names.row(row) for row in rows]
-    endpoints = await run_in_threadpool(ctx.registry.endpoints, user.user_id)
+    endpoints = await _endpoints(ctx, user)
     functions = await run_in_threadpool(ctx.registry.functions, user.user_id)
     query = {k: v for k, v in vars(flt).items() if v}
     filters = Html(
@@ -314,13 +350,14 @@ async def tasks_stream(request: Request) -> Response:
         return Response(status_code=401, headers=HEADERS)
     flt = _filter(request)
     names = _Names(ctx, who.principal)
+    key = index(ctx.store, who.principal.user_id, names.admin)
 
     async def events() -> Any:
         sent: dict[str, tuple[str, float, float]] = {}
         checked = beat = time.monotonic()
         yield "retry: 1000\n\n"
         while not ctx.hub.closing:
-            rows = await live_window(ctx.store, who.principal.user_id, flt)
+            rows = await live_window(ctx.store, key, flt)
             for row in reversed(rows):  # oldest first: the page inserts each on top
                 seen = (row.state, row.dispatched, row.ended)
                 if sent.get(row.task_id) != seen:
@@ -350,7 +387,13 @@ async def task_page(request: Request, task_id: str) -> Response:
         return _to_login(request)
     user = who.principal
     try:
-        info = await ctx.task(user, task_id[:64])
+        if _is_admin(ctx, user):
+            [found] = await ctx.store.info([task_id[:64]])
+            if found is None:
+                raise NotFound(f"task {task_id[:64]} not found", 404)
+            info = found
+        else:
+            info = await ctx.task(user, task_id[:64])
     except NotFound as exc:
         return _html(layout("Not found", esc(str(exc)), user.user_name, who.csrf), 404)
     names = _Names(ctx, user)
@@ -376,7 +419,7 @@ async def task_page(request: Request, task_id: str) -> Response:
         ("Ended", view["ended"]),
         ("Timeout", info["timeout"] or "none"),
     ]
-    record = record_of(info.get("record"))  # type: ignore[arg-type]
+    record = record_of(info.get("record"))
     if record is not None:
         record.submitted = row.submitted  # the service's clock, as the API shows it
         fields += [

@@ -3,6 +3,7 @@
 ::
 
     Keys.user_tasks(user)  sorted set, score = submit time, member = task id
+    (Keys.all_tasks() for an admin: NIMBUS_SERVICE_ADMINS)
         page(after=None)        ZREVRANGE 0..BATCH-1            newest first
         page(after=(s, id))     ZREVRANK id -> r; ZREVRANGE r+1..r+BATCH
                                 (id gone: ZREVRANGEBYSCORE s .. -inf, the
@@ -31,6 +32,7 @@ __all__ = [
     "Filter",
     "Row",
     "decode_cursor",
+    "index",
     "live_window",
     "page",
     "record_of",
@@ -89,7 +91,7 @@ def _seconds(value: bytes | None) -> float:
         return 0.0
 
 
-async def _rows(store: TaskStore, owner: str, members: list[tuple[bytes, float]]) -> list[Row]:
+async def _rows(store: TaskStore, key: str, members: list[tuple[bytes, float]]) -> list[Row]:
     pipe = store.redis.pipeline(transaction=False)
     for member, _ in members:
         pipe.hmget(store.keys.task(member.decode()), list(_FIELDS))
@@ -97,7 +99,7 @@ async def _rows(store: TaskStore, owner: str, members: list[tuple[bytes, float]]
     for (member, score), values in zip(members, await pipe.execute(raise_on_error=False)):
         task_id = member.decode()
         if isinstance(values, Exception) or values[0] is None:
-            gone.append(task_id)  # expired: its result's time to live passed
+            gone.append(task_id)  # expired (its result's time to live passed): unindexed
             continue
         state, endpoint, function, submitted, dispatched, ended = values
         out.append(
@@ -112,7 +114,8 @@ async def _rows(store: TaskStore, owner: str, members: list[tuple[bytes, float]]
                 _seconds(ended),
             )
         )
-    await store.forget(owner, gone)
+    if gone:
+        await store.redis.zrem(key, *gone)
     return out
 
 
@@ -143,11 +146,10 @@ async def _batch(
 
 
 async def page(
-    store: TaskStore, owner: str, flt: Filter, after: tuple[float, str] | None, size: int
+    store: TaskStore, key: str, flt: Filter, after: tuple[float, str] | None, size: int
 ) -> tuple[list[Row], str]:
-    """Up to ``size`` of ``owner``'s tasks that ``flt`` keeps, newest first, from after
-    the cursor ``after``; and the cursor of the next page ('' at the end)."""
-    key = store.keys.user_tasks(owner)
+    """Up to ``size`` tasks of the index ``key`` (:func:`index`) that ``flt`` keeps, newest
+    first, from after the cursor ``after``; and the cursor of the next page ('' at the end)."""
     out: list[Row] = []
     read = 0
     while read < SCAN_CAP:
@@ -155,7 +157,7 @@ async def page(
         if not members:
             return out, ""
         read += len(members)
-        for row in await _rows(store, owner, members):
+        for row in await _rows(store, key, members):
             if flt.keeps(row):
                 out.append(row)
                 if len(out) == size:
@@ -165,11 +167,15 @@ async def page(
     return out, f"{after[0]!r}~{after[1]}" if after else ""
 
 
-async def live_window(store: TaskStore, owner: str, flt: Filter) -> list[Row]:
-    """The newest ``LIVE_WINDOW`` tasks of ``owner`` that ``flt`` keeps."""
-    key = store.keys.user_tasks(owner)
+async def live_window(store: TaskStore, key: str, flt: Filter) -> list[Row]:
+    """The newest ``LIVE_WINDOW`` tasks of the index ``key`` that ``flt`` keeps."""
     members = await store.redis.zrevrange(key, 0, LIVE_WINDOW - 1, withscores=True)
-    return [row for row in await _rows(store, owner, members) if flt.keeps(row)]
+    return [row for row in await _rows(store, key, members) if flt.keeps(row)]
+
+
+def index(store: TaskStore, user_id: str, admin: bool) -> str:
+    """The task index a user's pages read: every task for an admin, else their own."""
+    return store.keys.all_tasks() if admin else store.keys.user_tasks(user_id)
 
 
 def record_of(raw: bytes | None) -> TaskRecord | None:
