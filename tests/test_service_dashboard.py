@@ -56,6 +56,10 @@ def hostile() -> str:
 hostile.__name__ = hostile.__qualname__ = XSS  # the name the dashboard shows
 
 
+def raises(message: str) -> None:
+    raise ValueError(message)
+
+
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """The module's service (as conftest's), with user "boss" as the dashboard's admin."""
@@ -132,12 +136,14 @@ def test_endpoint_to_task_with_a_hostile_name_inert(
 def test_a_failed_task_shows_its_traceback(
     service: Service, alice: Client, lab: EndpointProcess, browser: Any, tmp_path: Path
 ) -> None:
-    task_id = alice.run(nap, "not a number", endpoint="lab")
-    with pytest.raises(TypeError):
+    task_id = alice.run(raises, XSS, endpoint="lab")
+    with pytest.raises(ValueError, match="alert"):
         alice.get_result(task_id, timeout=30)
     login(browser, service, alice.token, f"/tasks/{task_id}")
     text = browser.find_element(By.ID, "traceback").text
-    assert text.startswith("Traceback (most recent call last)") and "TypeError" in text
+    assert text.startswith("Traceback (most recent call last)")
+    assert f"ValueError: {XSS}" in text  # the exception's text, as text
+    no_alert(browser)
     screenshot(browser, tmp_path / "failed.png")
 
 
@@ -211,8 +217,9 @@ def test_posts_without_the_csrf_token_are_refused(service: Service, alice: Clien
         foreign = {"Origin": "http://evil.example"}
         form = {"token": alice.token, "csrf": csrf[1]}
         assert http.post("/login", data=form, headers=foreign).status_code == 403
-        ok = http.post("/login", data=form)
-        assert ok.status_code == 303 and "nimbus_session" in http.cookies
+        ok = http.post("/login", data=form | {"next": "//evil.example/x"})
+        assert ok.status_code == 303 and ok.headers["location"] == "/"  # never off-site
+        assert "nimbus_session" in http.cookies
         assert "HttpOnly" in ok.headers["set-cookie"]
         assert "SameSite=strict" in ok.headers["set-cookie"]
         assert http.get("/").status_code == 200
