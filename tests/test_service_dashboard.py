@@ -186,7 +186,11 @@ def test_an_unauthorised_user_gets_nothing(
         assert XSS not in browser.page_source and lab.endpoint_id not in browser.page_source
     browser.find_element(By.NAME, "token").send_keys("nimbus_not-a-token")
     browser.find_element(By.CSS_SELECTOR, "form.login button").click()
-    assert "invalid token" in browser.find_element(By.CLASS_NAME, "error").text
+    WebDriverWait(browser, 10).until(  # the form again, saying why
+        lambda d: (
+            "invalid token" in " ".join(e.text for e in d.find_elements(By.CLASS_NAME, "error"))
+        )
+    )
     login(browser, service, service.token("mallory"))  # another user: nothing of alice's
     assert lab.endpoint_id not in browser.page_source
     browser.get(service.url + f"/tasks/{task_id}")
