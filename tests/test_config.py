@@ -84,6 +84,7 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "max_header_bytes",
         "max_functions",
         "max_endpoints",
+        "service_admins",
         "max_message",
         "shared_memory",
         "messaging_direct",
@@ -250,6 +251,7 @@ BAD_ENV = [
     ("NIMBUS_MAX_IDLE", "0"),
     ("NIMBUS_EXCLUSIVE", "maybe"),
     ("NIMBUS_AGENT_LISTEN", "no-port"),
+    ("NIMBUS_SERVICE_ADMINS", "root,<b>"),
 ]
 
 

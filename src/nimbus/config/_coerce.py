@@ -180,6 +180,12 @@ def is_http_url(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
+def is_user_names(text: str) -> bool:
+    """Whether ``text`` is user names (as the service accepts them) separated by commas."""
+    names = [name.strip() for name in text.split(",")]
+    return all(re.fullmatch(r"[A-Za-z0-9_.@-]{1,200}", name) for name in names)
+
+
 def is_db_url(url: str) -> bool:
     scheme = urlsplit(url).scheme
     return scheme.split("+")[0] in ("sqlite", "postgresql", "postgres")

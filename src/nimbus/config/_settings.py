@@ -176,6 +176,11 @@ class Settings:
         c.int_at_least(1),
         "on the service: endpoints a user may have registered at once (more: 429)",
     )
+    service_admins: str | None = setting(
+        None,
+        c.optional_str("user names separated by commas, or 'none'", c.is_user_names),
+        "on the service: users whose dashboard shows every endpoint and task (none: nobody)",
+    )
     max_message: int = setting(
         32 << 20,
         c.size_between(16 << 20, 1 << 30),

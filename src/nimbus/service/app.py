@@ -36,8 +36,9 @@ from nimbus.config import Settings
 from nimbus.errors import PayloadTooLargeError, ServiceError
 from nimbus.protocol import WS_AGENT, WS_CLIENT, too_large
 from nimbus.service import data as data_routes
-from nimbus.service import routes, stores, tasks
+from nimbus.service import metrics, routes, stores, tasks
 from nimbus.service.context import ServiceContext
+from nimbus.service.dashboard import router as dashboard_router
 from nimbus.service.data import DataStore
 from nimbus.service.hub import Hub
 from nimbus.service.limits import BodyTimeout
@@ -166,6 +167,8 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
     app.include_router(tasks.router)
     app.include_router(stores.router)
     app.include_router(data_routes.router)
+    app.include_router(metrics.router)
+    app.include_router(dashboard_router)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:

@@ -84,6 +84,7 @@ for _, r in ipairs(t[5]) do
     redis.call('PERSIST', ARGV[4] .. r[5])
   end
   redis.call('ZADD', KEYS[2], submitted, id)
+  redis.call('ZADD', KEYS[5], submitted, id)
   redis.call('RPUSH', KEYS[1], id)
   redis.call('RPUSH', KEYS[3], id)
 end
@@ -263,6 +264,7 @@ class TaskStore:
                 self.keys.user_tasks(owner),
                 self.keys.group(group_id),
                 self.keys.user_queued(owner),
+                self.keys.all_tasks(),
             ],
             args=[
                 self._task_prefix,

@@ -174,9 +174,17 @@ class Keys:
         """The sorted set of a user's task ids, scored by submit time."""
         return self._key("user", user_id, "tasks")
 
+    def all_tasks(self) -> str:
+        """The sorted set of every task id, scored by submit time (the admin's dashboard)."""
+        return self._key("tasks")
+
     def user_queued(self, user_id: str) -> str:
         """A user's hash of tasks and inline payload bytes queued or running (the quota)."""
         return self._key("user", user_id, "queued")
+
+    def dashboard_session(self, session_id: str) -> str:
+        """A dashboard login's hash: user id and name, token digest, CSRF token."""
+        return self._key("dashboard", "session", session_id)
 
     def group(self, group_id: str) -> str:
         """The list of task ids of a task group (one batch submit)."""

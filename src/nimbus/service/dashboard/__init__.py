@@ -1,0 +1,27 @@
+"""The service's dashboard at ``/``: endpoints, tasks (paged, live), a task.
+
+Server-rendered HTML, a little vanilla JavaScript, served by the service's own
+ASGI app (``app.include_router(router)``). Why this stack:
+
+- Nothing to build and nothing to fetch: the pages are Python f-strings of
+  escaped parts (``_html``) and the two static files (``static/``) ship inside
+  the package, so a fresh install serves the dashboard with no step and no
+  network. No template engine or JS framework to keep up to date for years.
+- The security rules live in one place each: every value is escaped by
+  ``_html.esc`` where it is placed, the live rows are built in the browser with
+  ``textContent`` (never ``innerHTML``), and a Content-Security-Policy forbids
+  inline scripts; the token stays out of URLs (``_session``: a login form, an
+  HttpOnly SameSite=Strict session cookie, CSRF tokens on every POST).
+- Live updates are server-sent events (``EventSource``): one HTTP response the
+  server writes to when rows change, which browsers reconnect by themselves; the
+  page never polls. htmx would add little over the ~60 lines of JS it needs.
+
+Reads go through the registry and the per-user task index (a sorted set in the
+queue Redis) with keyset pagination (``_tasks``), never a scan of the history.
+"""
+
+from __future__ import annotations
+
+from nimbus.service.dashboard._routes import router
+
+__all__ = ["router"]

@@ -1,0 +1,62 @@
+"""HTML building for the dashboard: every value goes through :func:`esc`.
+
+Pages are f-strings of :class:`Html` fragments; a plain ``str`` is always text
+(a name, an id, an exception a user's function raised) and is escaped where it
+is placed, so nothing a user controls is ever markup.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Iterable
+
+__all__ = ["Html", "age", "esc", "join", "layout", "when"]
+
+
+class Html(str):
+    """Markup already built from escaped parts."""
+
+
+def esc(value: object) -> Html:
+    """``value`` as text in HTML (markup it already is stays as it is)."""
+    if isinstance(value, Html):
+        return value
+    return Html(html.escape(str(value), quote=True))
+
+
+def join(parts: Iterable[Html]) -> Html:
+    return Html("".join(esc(part) for part in parts))
+
+
+def when(seconds: float) -> str:
+    """A time as UTC ``HH:MM:SS`` with the date, or '' for none."""
+    if not seconds:
+        return ""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds))
+
+
+def age(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    return f"{seconds:.1f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
+
+
+def layout(title: str, body: Html, user: str = "", csrf: str = "") -> Html:
+    """A whole page: the navigation (and a logout form when someone is logged in)."""
+    nav = Html("")
+    if user:
+        nav = Html(
+            f'<nav><a href="/">Endpoints</a> <a href="/tasks">Tasks</a> '
+            f'<span class="who">{esc(user)}</span>'
+            f'<form method="post" action="/logout" class="inline">'
+            f'<input type="hidden" name="csrf" value="{esc(csrf)}">'
+            f'<button type="submit">Log out</button></form></nav>'
+        )
+    return Html(
+        "<!doctype html>\n"
+        f'<html lang="en"><head><meta charset="utf-8"><title>{esc(title)} - nimbus</title>'
+        '<link rel="stylesheet" href="/static/dashboard.css">'
+        '<script src="/static/dashboard.js" defer></script></head>'
+        f"<body>{nav}<main><h1>{esc(title)}</h1>{body}</main></body></html>"
+    )

@@ -1,0 +1,460 @@
+"""The dashboard's routes: login, endpoints, tasks (paged, live), a task, static files.
+
+::
+
+    GET  /login, POST /login, POST /logout          _session (cookie, CSRF)
+    GET  /                      endpoints you can use: online, heartbeat, workers
+    GET  /tasks?state=&endpoint=&function=&after=   a keyset page of your tasks
+    GET  /tasks/stream?state=&endpoint=&function=   server-sent events: rows that changed
+    GET  /tasks/{task_id}       one task: its record, its traceback
+    GET  /static/{name}         the JS and CSS in this package
+
+Without a session a page answers 303 to /login (the stream and static files
+excepted: 401, and files that hold nothing of anyone's). Another user's task is
+404, as in the API. A user named in ``NIMBUS_SERVICE_ADMINS`` sees every endpoint
+and every task (the index ``Keys.all_tasks``). Every response carries a Content-Security-Policy allowing
+scripts from this origin only, so even markup that slipped through would not run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from importlib import resources
+from typing import Any
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from nimbus.errors import AuthError, NotFound
+from nimbus.service.context import ServiceContext
+from nimbus.service.dashboard import _session
+from nimbus.service.dashboard._html import Html, age, esc, join, layout, when
+from nimbus.service.dashboard._tasks import (
+    STATES,
+    Filter,
+    Row,
+    decode_cursor,
+    index,
+    live_window,
+    page,
+    record_of,
+    traceback_text,
+)
+from nimbus.service.registry import Endpoint, EndpointInfo, Principal, Registry
+
+__all__ = ["router"]
+
+router = APIRouter(include_in_schema=False)
+PAGE_SIZE = 50
+TICK = 0.25  # seconds between looks at the live window of an open tasks page
+RECHECK = 5.0  # seconds between checks that a stream's session still holds
+KEEPALIVE = 15.0
+HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",  # no-referrer would make Origin "null" on POSTs
+    "Cache-Control": "no-store",
+}
+STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+
+
+def _is_admin(ctx: ServiceContext, user: Principal) -> bool:
+    """Whether ``user`` is named in NIMBUS_SERVICE_ADMINS (sees every endpoint and task)."""
+    admins = ctx.settings.service_admins or ""
+    return user.user_name in {name.strip() for name in admins.split(",")}
+
+
+def _all_endpoints(registry: Registry) -> list[EndpointInfo]:
+    with Session(registry.engine) as session:
+        ids = list(session.scalars(select(Endpoint.id).order_by(Endpoint.created)))
+    return [info for eid in ids if (info := registry.endpoint(eid)) is not None]
+
+
+async def _endpoints(ctx: ServiceContext, user: Principal) -> list[EndpointInfo]:
+    """The endpoints ``user`` sees: their own, shared and public ones; all for an admin."""
+    if _is_admin(ctx, user):
+        return await run_in_threadpool(_all_endpoints, ctx.registry)
+    return await run_in_threadpool(ctx.registry.endpoints, user.user_id)
+
+
+def _ctx(request: Request) -> ServiceContext:
+    ctx: ServiceContext = request.app.state.ctx
+    return ctx
+
+
+def _html(body: Html, status: int = 200, **headers: str) -> HTMLResponse:
+    return HTMLResponse(str(body), status, headers=HEADERS | headers)
+
+
+def _to_login(request: Request) -> RedirectResponse:
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    return RedirectResponse("/login?" + urlencode({"next": target}), 303, headers=HEADERS)
+
+
+def _safe_next(target: str) -> str:
+    """A same-site path to go to after login (anything else: the endpoints page)."""
+    ok = target.startswith("/") and not target.startswith(("//", "/\\"))
+    return target if ok and len(target) < 2000 else "/"
+
+
+# ---------------------------------------------------------------- login
+
+
+def _login_page(request: Request, error: str, status: int) -> HTMLResponse:
+    token = request.cookies.get(_session.LOGIN_COOKIE) or secrets.token_urlsafe(32)
+    target = _safe_next(request.query_params.get("next", "/"))
+    message = Html(f'<p class="error">{esc(error)}</p>') if error else Html("")
+    body = Html(
+        f"{message}"
+        f'<form method="post" action="/login" class="login">'
+        f'<input type="hidden" name="csrf" value="{esc(token)}">'
+        f'<input type="hidden" name="next" value="{esc(target)}">'
+        f'<label>Token <input type="password" name="token" autocomplete="off" required '
+        f'autofocus></label> <button type="submit">Log in</button></form>'
+        f"<p>A token from <code>nimbus service token create USER</code>; it is kept "
+        f"by the service for this session only, never in a URL.</p>"
+    )
+    response = _html(layout("Log in", body), status)
+    response.set_cookie(
+        _session.LOGIN_COOKIE,
+        token,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        path="/login",
+    )
+    return response
+
+
+@router.get("/login")
+async def login_form(request: Request) -> HTMLResponse:
+    return _login_page(request, "", 200)
+
+
+@router.post("/login", response_model=None)
+async def login(request: Request) -> Response:
+    fields = await _session.form(request)
+    expected = request.cookies.get(_session.LOGIN_COOKIE, "")
+    if not _session.check_origin(request) or not _session.same(fields.get("csrf", ""), expected):
+        return _html(layout("Log in", esc("cross-site login refused: load /login again")), 403)
+    try:
+        session_id = await _session.new_session(_ctx(request), fields.get("token", "").strip())
+    except AuthError as exc:
+        return _login_page(request, str(exc), exc.status or 401)
+    response = RedirectResponse(_safe_next(fields.get("next", "/")), 303, headers=HEADERS)
+    response.set_cookie(
+        _session.COOKIE,
+        session_id,
+        max_age=_session.SESSION_SECONDS,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    response.delete_cookie(_session.LOGIN_COOKIE, path="/login", samesite="strict")
+    return response
+
+
+@router.post("/logout", response_model=None)
+async def logout(request: Request) -> Response:
+    ctx = _ctx(request)
+    who = await _session.viewer(request, ctx)
+    fields = await _session.form(request)
+    if who is None:
+        return _to_login(request)
+    if not _session.check_origin(request) or not _session.same(fields.get("csrf", ""), who.csrf):
+        return _html(layout("Log out", esc("cross-site request refused")), 403)
+    await _session.end_session(ctx, who.session_id)
+    response = RedirectResponse("/login", 303, headers=HEADERS)
+    response.delete_cookie(_session.COOKIE, samesite="strict")
+    return response
+
+
+# ---------------------------------------------------------------- endpoints
+
+
+@router.get("/", response_model=None)
+async def endpoints_page(request: Request) -> Response:
+    ctx = _ctx(request)
+    who = await _session.viewer(request, ctx)
+    if who is None:
+        return _to_login(request)
+    user = who.principal
+    infos = await _endpoints(ctx, user)
+    now = time.time()
+    rows = []
+    for info in infos:
+        status = await ctx.endpoint_status(info)
+        beat = float(status["last_heartbeat"])  # type: ignore[arg-type]
+        online = bool(status["online"])
+        link = "/tasks?" + urlencode({"endpoint": info.id})
+        rows.append(
+            Html(
+                f'<tr data-endpoint="{esc(info.id)}"><td><a href="{esc(link)}">'
+                f"{esc(info.name)}</a></td><td>{esc(info.owner)}</td>"
+                f'<td class="{"online" if online else "offline"}">'
+                f"{'online' if online else 'offline'}</td>"
+                f"<td>{esc(age(now - beat if beat else None))}</td>"
+                f"<td>{esc(status['workers'])}</td><td>{esc(status['agents'])}</td>"
+                f"<td>{esc(status['queued'])}</td><td>{esc(status['python'])}</td></tr>"
+            )
+        )
+    table = Html(
+        '<table id="endpoints"><thead><tr><th>Endpoint</th><th>Owner</th><th>State</th>'
+        "<th>Heartbeat</th><th>Workers</th><th>Agents</th><th>Queued</th><th>Python</th>"
+        f"</tr></thead><tbody>{join(rows)}</tbody></table>"
+        if rows
+        else "<p>No endpoints yet: <code>nimbus endpoint start NAME</code>.</p>"
+    )
+    return _html(layout("Endpoints", table, user.user_name, who.csrf))
+
+
+# ---------------------------------------------------------------- tasks
+
+
+class _Names:
+    """Names of functions and endpoints for one request or stream (ids when not visible)."""
+
+    def __init__(self, ctx: ServiceContext, user: Principal) -> None:
+        self.ctx, self.user = ctx, user
+        self.admin = _is_admin(ctx, user)
+        self.functions: dict[str, str] = {}
+        self.endpoints: dict[str, str] = {}
+
+    async def function(self, function_id: str) -> str:
+        if function_id not in self.functions:
+            try:
+                if self.admin:
+                    found = await run_in_threadpool(self.ctx.registry.function, function_id)
+                    if found is None:
+                        raise NotFound(function_id)
+                    name = found.name
+                else:
+                    name = (await self.ctx.function(self.user, function_id)).name
+                self.functions[function_id] = name or function_id
+            except NotFound:
+                self.functions[function_id] = function_id
+        return self.functions[function_id]
+
+    async def endpoint(self, endpoint_id: str) -> str:
+        if endpoint_id not in self.endpoints:
+            try:
+                if self.admin:
+                    info = await run_in_threadpool(self.ctx.registry.endpoint, endpoint_id)
+                    if info is None:
+                        raise NotFound(endpoint_id)
+                else:
+                    info = await self.ctx.endpoint(self.user, endpoint_id)
+                self.endpoints[endpoint_id] = info.name
+            except NotFound:
+                self.endpoints[endpoint_id] = endpoint_id
+        return self.endpoints[endpoint_id]
+
+    async def row(self, row: Row) -> dict[str, Any]:
+        return {
+            "task_id": row.task_id,
+            "state": row.state,
+            "function": await self.function(row.function_id),
+            "endpoint": await self.endpoint(row.endpoint_id),
+            "submitted": when(row.submitted),
+            "dispatched": when(row.dispatched),
+            "ended": when(row.ended),
+        }
+
+
+def _filter(request: Request) -> Filter:
+    params = request.query_params
+    return Filter(
+        params.get("state", "")[:64],
+        params.get("endpoint", "")[:64],
+        params.get("function", "")[:64],
+    )
+
+
+def _task_row(view: dict[str, Any]) -> Html:
+    link = f"/tasks/{view['task_id']}"
+    return Html(
+        f'<tr data-task="{esc(view["task_id"])}"><td><a href="{esc(link)}">'
+        f"{esc(view['task_id'][:8])}</a></td>"
+        f'<td class="state {esc(view["state"])}">{esc(view["state"])}</td>'
+        f"<td>{esc(view['function'])}</td><td>{esc(view['endpoint'])}</td>"
+        f"<td>{esc(view['submitted'])}</td><td>{esc(view['dispatched'])}</td>"
+        f"<td>{esc(view['ended'])}</td></tr>"
+    )
+
+
+def _options(name: str, current: str, choices: list[tuple[str, str]]) -> Html:
+    opts = [Html('<option value="">any</option>')]
+    for value, label in choices:
+        chosen = " selected" if value == current else ""
+        opts.append(Html(f'<option value="{esc(value)}"{chosen}>{esc(label)}</option>'))
+    return Html(f'<label>{esc(name)} <select name="{esc(name)}">{join(opts)}</select></label> ')
+
+
+@router.get("/tasks", response_model=None)
+async def tasks_page(request: Request) -> Response:
+    ctx = _ctx(request)
+    who = await _session.viewer(request, ctx)
+    if who is None:
+        return _to_login(request)
+    user = who.principal
+    flt = _filter(request)
+    after_text = request.query_params.get("after", "")
+    after = decode_cursor(after_text)
+    key = index(ctx.store, user.user_id, _is_admin(ctx, user))
+    rows, cursor = await page(ctx.store, key, flt, after, PAGE_SIZE)
+    names = _Names(ctx, user)
+    views = [await names.row(row) for row in rows]
+    endpoints = await _endpoints(ctx, user)
+    functions = await run_in_threadpool(ctx.registry.functions, user.user_id)
+    query = {k: v for k, v in vars(flt).items() if v}
+    filters = Html(
+        '<form method="get" action="/tasks" class="filters">'
+        f"{_options('state', flt.state, [(s, s) for s in STATES])}"
+        f"{_options('endpoint', flt.endpoint, [(e.id, e.name) for e in endpoints])}"
+        f"{_options('function', flt.function, [(f.id, f.name or f.id) for f in functions])}"
+        '<button type="submit">Filter</button></form>'
+    )
+    live = not after_text
+    stream = "/tasks/stream?" + urlencode(query)
+    table = Html(
+        f'<table id="tasks" data-stream="{esc(stream) if live else ""}"><thead><tr>'
+        "<th>Task</th><th>State</th><th>Function</th><th>Endpoint</th><th>Submitted</th>"
+        f"<th>Dispatched</th><th>Ended</th></tr></thead>"
+        f"<tbody>{join(_task_row(v) for v in views)}</tbody></table>"
+    )
+    more = Html("")
+    if cursor:
+        more = Html(
+            f'<p><a id="next" href="/tasks?{esc(urlencode(query | {"after": cursor}))}">'
+            "Older tasks</a></p>"
+        )
+    note = Html('<p id="live" class="live">live</p>' if live else "")
+    return _html(layout("Tasks", Html(filters + note + table + more), user.user_name, who.csrf))
+
+
+@router.get("/tasks/stream", response_model=None)
+async def tasks_stream(request: Request) -> Response:
+    ctx = _ctx(request)
+    who = await _session.viewer(request, ctx)
+    if who is None:
+        return Response(status_code=401, headers=HEADERS)
+    flt = _filter(request)
+    names = _Names(ctx, who.principal)
+    key = index(ctx.store, who.principal.user_id, names.admin)
+
+    async def events() -> Any:
+        sent: dict[str, tuple[str, float, float]] = {}
+        checked = beat = time.monotonic()
+        yield "retry: 1000\n\n"
+        while not ctx.hub.closing:
+            rows = await live_window(ctx.store, key, flt)
+            for row in reversed(rows):  # oldest first: the page inserts each on top
+                seen = (row.state, row.dispatched, row.ended)
+                if sent.get(row.task_id) != seen:
+                    sent[row.task_id] = seen
+                    yield f"event: task\ndata: {json.dumps(await names.row(row))}\n\n"
+            if len(sent) > 4 * len(rows) + 100:
+                keep = {row.task_id for row in rows}
+                sent = {k: v for k, v in sent.items() if k in keep}
+            now = time.monotonic()
+            if now - beat > KEEPALIVE:
+                beat = now
+                yield ": keepalive\n\n"
+            if now - checked > RECHECK:
+                checked = now
+                if await _session.viewer(request, ctx) is None:
+                    return  # logged out, or the token was revoked
+            await asyncio.sleep(TICK)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
+
+
+@router.get("/tasks/{task_id}", response_model=None)
+async def task_page(request: Request, task_id: str) -> Response:
+    ctx = _ctx(request)
+    who = await _session.viewer(request, ctx)
+    if who is None:
+        return _to_login(request)
+    user = who.principal
+    try:
+        if _is_admin(ctx, user):
+            [found] = await ctx.store.info([task_id[:64]])
+            if found is None:
+                raise NotFound(f"task {task_id[:64]} not found", 404)
+            info = found
+        else:
+            info = await ctx.task(user, task_id[:64])
+    except NotFound as exc:
+        return _html(layout("Not found", esc(str(exc)), user.user_name, who.csrf), 404)
+    names = _Names(ctx, user)
+    row = Row(
+        task_id,
+        0.0,
+        str(info["state"]),
+        str(info["endpoint"]),
+        str(info["function"]),
+        float(str(info["submitted"] or 0)),
+        float(str(info["dispatched"] or 0)),
+        float(str(info["ended"] or 0)),
+    )
+    view = await names.row(row)
+    fields = [
+        ("Task", task_id),
+        ("State", view["state"]),
+        ("Function", view["function"]),
+        ("Function id", row.function_id),
+        ("Endpoint", view["endpoint"]),
+        ("Submitted", view["submitted"]),
+        ("Dispatched", view["dispatched"]),
+        ("Ended", view["ended"]),
+        ("Timeout", info["timeout"] or "none"),
+    ]
+    record = record_of(info.get("record"))
+    if record is not None:
+        record.submitted = row.submitted  # the service's clock, as the API shows it
+        fields += [
+            ("Worker", record.worker),
+            ("Host", record.host),
+            ("Pid", record.pid),
+            ("Started", when(record.started)),
+            ("Run", f"{record.run_seconds:.3f} s"),
+            ("Queued", f"{record.queued_seconds:.3f} s"),
+            ("CPU", f"{record.cpu_user:.3f} s user, {record.cpu_system:.3f} s system"),
+            ("Peak memory", f"{record.peak_memory} bytes"),
+        ]
+    body = Html(
+        '<table id="task" class="record">'
+        + join(Html(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>") for k, v in fields)
+        + "</table>"
+    )
+    if row.state == "failed":
+        [stored] = await ctx.store.results([task_id])
+        text = traceback_text(stored[1] if stored else None)
+        body = Html(
+            body
+            + (
+                f'<h2>Traceback</h2><pre id="traceback">{esc(text)}</pre>'
+                if text
+                else "<p>The worker sent no traceback text.</p>"
+            )
+        )
+    return _html(layout(f"Task {task_id[:8]}", body, user.user_name, who.csrf))
+
+
+@router.get("/static/{name}")
+async def static(name: str) -> Response:
+    if name not in STATIC:
+        return Response(status_code=404, headers=HEADERS)
+    data = resources.files("nimbus.service.dashboard").joinpath("static", name).read_bytes()
+    headers = HEADERS | {"Cache-Control": "public, max-age=300"}
+    return Response(data, media_type=STATIC[name], headers=headers)

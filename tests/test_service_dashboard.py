@@ -1,0 +1,252 @@
+"""The dashboard in a real browser (Debian's chromium through chromium-driver, Selenium)
+against a real service, a real endpoint agent and real tasks."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from nimbus import Client
+from service_support import EndpointProcess, Service, service_env
+
+CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+XSS = "<script>alert(1)</script>"
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1200,800",
+)
+
+if not (os.access(CHROMIUM, os.X_OK) and os.access(DRIVER, os.X_OK)) and os.geteuid() != 0:
+    pytest.skip(
+        "needs Debian's chromium and chromium-driver (apt-get install -y chromium "
+        "chromium-driver, as root; .ci/run does it when run as root)",
+        allow_module_level=True,
+    )
+
+from selenium import webdriver  # noqa: E402
+from selenium.common.exceptions import NoAlertPresentException  # noqa: E402
+from selenium.webdriver.chrome.service import Service as DriverService  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+
+def nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def hostile() -> str:
+    return "ran"
+
+
+hostile.__name__ = hostile.__qualname__ = XSS  # the name the dashboard shows
+
+
+def raises(message: str) -> None:
+    raise ValueError(message)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The module's service (as conftest's), with user "boss" as the dashboard's admin."""
+    root = tmp_path_factory.mktemp("service")
+    svc = Service(root, service_env(root, NIMBUS_SERVICE_ADMINS="boss")).start()
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} missing: apt-get install -y chromium"
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium')}")
+    driver = webdriver.Chrome(options=options, service=DriverService(DRIVER))
+    driver.set_page_load_timeout(20)
+    yield driver
+    driver.quit()
+
+
+def login(driver: Any, service: Service, token: str, path: str = "/") -> None:
+    driver.delete_all_cookies()
+    driver.get(service.url + path)
+    assert "/login" in driver.current_url  # no session: the login form, never data
+    driver.find_element(By.NAME, "token").send_keys(token)
+    driver.find_element(By.CSS_SELECTOR, "form.login button").click()
+    try:
+        WebDriverWait(driver, 10).until(lambda d: "/login" not in d.current_url)
+    except Exception:
+        raise AssertionError(driver.current_url + driver.page_source) from None
+    assert token not in driver.current_url
+
+
+def screenshot(driver: Any, path: Path) -> Path:
+    driver.save_screenshot(str(path))
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000, path
+    return path
+
+
+def no_alert(driver: Any) -> None:
+    with pytest.raises(NoAlertPresentException):
+        driver.switch_to.alert.text  # noqa: B018
+
+
+def test_endpoint_to_task_with_a_hostile_name_inert(
+    service: Service, alice: Client, lab: EndpointProcess, browser: Any, tmp_path: Path
+) -> None:
+    task_id = alice.run(hostile, endpoint="lab")
+    assert alice.get_result(task_id, timeout=30) == "ran"
+    login(browser, service, alice.token)
+    row = browser.find_element(By.CSS_SELECTOR, f'tr[data-endpoint="{lab.endpoint_id}"]')
+    assert "online" in row.text and "alice" in row.text
+    screenshot(browser, tmp_path / "endpoints.png")
+    row.find_element(By.LINK_TEXT, "lab").click()  # endpoint -> its tasks
+    WebDriverWait(browser, 10).until(lambda d: "/tasks?endpoint=" in d.current_url)
+    task_row = browser.find_element(By.CSS_SELECTOR, f'tr[data-task="{task_id}"]')
+    assert XSS in task_row.text and "success" in task_row.text  # shown as text
+    no_alert(browser)
+    screenshot(browser, tmp_path / "tasks.png")
+    task_row.find_element(By.LINK_TEXT, task_id[:8]).click()  # -> the task
+    WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith(f"/tasks/{task_id}"))
+    record = browser.find_element(By.ID, "task").text
+    assert XSS in record and "endpoint/lab/" in record and "success" in record
+    scripts = browser.find_elements(By.TAG_NAME, "script")
+    assert [s.get_attribute("src") for s in scripts] == [service.url + "/static/dashboard.js"]
+    no_alert(browser)
+    screenshot(browser, tmp_path / "task.png")
+
+
+def test_a_failed_task_shows_its_traceback(
+    service: Service, alice: Client, lab: EndpointProcess, browser: Any, tmp_path: Path
+) -> None:
+    task_id = alice.run(raises, XSS, endpoint="lab")
+    with pytest.raises(ValueError, match="alert"):
+        alice.get_result(task_id, timeout=30)
+    login(browser, service, alice.token, f"/tasks/{task_id}")
+    text = browser.find_element(By.ID, "traceback").text
+    assert text.startswith("Traceback (most recent call last)")
+    assert f"ValueError: {XSS}" in text  # the exception's text, as text
+    no_alert(browser)
+    screenshot(browser, tmp_path / "failed.png")
+
+
+def test_a_running_task_appears_live(
+    service: Service, alice: Client, lab: EndpointProcess, browser: Any, tmp_path: Path
+) -> None:
+    login(browser, service, alice.token, "/tasks")
+    WebDriverWait(browser, 10).until(
+        lambda d: d.find_element(By.ID, "live").text == "live"  # the stream is open
+    )
+    submitted = time.monotonic()
+    task_id = alice.run(nap, 3, endpoint="lab")
+    selector = f'tr[data-task="{task_id}"]'
+    WebDriverWait(browser, 5, poll_frequency=0.02).until(
+        lambda d: d.find_elements(By.CSS_SELECTOR, selector)
+    )
+    appeared = time.monotonic() - submitted
+    WebDriverWait(browser, 10, poll_frequency=0.02).until(
+        lambda d: "running" in d.find_element(By.CSS_SELECTOR, selector).text
+    )
+    assert alice.get_task(task_id)["state"] == "running"
+    screenshot(browser, tmp_path / "live.png")
+    assert appeared <= 1.0, f"the task showed {appeared:.2f} s after its submit"
+    alice.cancel(task_id)
+    WebDriverWait(browser, 5, poll_frequency=0.05).until(
+        lambda d: "cancelled" in d.find_element(By.CSS_SELECTOR, selector).text
+    )
+
+
+def test_an_unauthorised_user_gets_nothing(
+    service: Service, alice: Client, lab: EndpointProcess, browser: Any, tmp_path: Path
+) -> None:
+    task_id = alice.run(hostile, endpoint="lab")
+    alice.get_result(task_id, timeout=30)
+    browser.delete_all_cookies()
+    for path in ("/", "/tasks", f"/tasks/{task_id}"):  # nobody: the login form only
+        browser.get(service.url + path)
+        assert "/login" in browser.current_url, path
+        assert not browser.find_elements(By.CSS_SELECTOR, "#task, #tasks, #endpoints")
+        assert XSS not in browser.page_source and lab.endpoint_id not in browser.page_source
+    browser.find_element(By.NAME, "token").send_keys("nimbus_not-a-token")
+    browser.find_element(By.CSS_SELECTOR, "form.login button").click()
+    WebDriverWait(browser, 10).until(  # the form again, saying why
+        lambda d: (
+            "invalid token" in " ".join(e.text for e in d.find_elements(By.CLASS_NAME, "error"))
+        )
+    )
+    login(browser, service, service.token("mallory"))  # another user: nothing of alice's
+    assert lab.endpoint_id not in browser.page_source
+    browser.get(service.url + f"/tasks/{task_id}")
+    assert "not found" in browser.page_source and XSS not in browser.page_source
+    browser.get(service.url + "/tasks")
+    assert task_id not in browser.page_source and lab.endpoint_id not in browser.page_source
+    screenshot(browser, tmp_path / "mallory.png")
+    with httpx.Client(base_url=service.url, timeout=10) as http:
+        assert http.get("/tasks/stream").status_code == 401
+        assert http.get("/tasks", follow_redirects=False).status_code == 303
+        # an endpoint's token (not a user's) cannot log in either
+        page = http.get("/login")
+        csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
+        assert csrf is not None
+        refused = http.post("/login", data={"token": lab.token, "csrf": csrf[1]})
+        assert refused.status_code == 403 and "nimbus_session" not in refused.headers.get(
+            "set-cookie", ""
+        )
+
+
+def test_posts_without_the_csrf_token_are_refused(service: Service, alice: Client) -> None:
+    with httpx.Client(base_url=service.url, timeout=10) as http:
+        # a login posted from another site: no login-CSRF cookie, or a foreign Origin
+        assert http.post("/login", data={"token": alice.token, "csrf": "x"}).status_code == 403
+        page = http.get("/login")
+        csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
+        assert csrf is not None
+        foreign = {"Origin": "http://evil.example"}
+        form = {"token": alice.token, "csrf": csrf[1]}
+        assert http.post("/login", data=form, headers=foreign).status_code == 403
+        ok = http.post("/login", data=form | {"next": "//evil.example/x"})
+        assert ok.status_code == 303 and ok.headers["location"] == "/"  # never off-site
+        assert "nimbus_session" in http.cookies
+        assert "HttpOnly" in ok.headers["set-cookie"]
+        assert "SameSite=strict" in ok.headers["set-cookie"]
+        assert http.get("/").status_code == 200
+        assert http.post("/logout", data={"csrf": "wrong"}).status_code == 403
+        assert http.get("/").status_code == 200  # still logged in
+        token = re.search(r'name="csrf" value="([^"]+)"', http.get("/").text)
+        assert token is not None
+        assert http.post("/logout", data={"csrf": token[1]}).status_code == 303
+        assert http.get("/", follow_redirects=False).status_code == 303
+
+
+def test_the_admin_sees_every_endpoint_and_task(
+    service: Service, alice: Client, lab: EndpointProcess, browser: Any, tmp_path: Path
+) -> None:
+    task_id = alice.run(hostile, endpoint="lab")
+    alice.get_result(task_id, timeout=30)
+    login(browser, service, service.token("boss"))
+    assert browser.find_elements(By.CSS_SELECTOR, f'tr[data-endpoint="{lab.endpoint_id}"]')
+    browser.get(service.url + "/tasks")
+    row = browser.find_element(By.CSS_SELECTOR, f'tr[data-task="{task_id}"]')
+    assert XSS in row.text and "lab" in row.text
+    row.find_element(By.LINK_TEXT, task_id[:8]).click()
+    WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith(f"/tasks/{task_id}"))
+    assert XSS in browser.find_element(By.ID, "task").text
+    no_alert(browser)
+    screenshot(browser, tmp_path / "admin.png")
