@@ -215,7 +215,7 @@ class Connection(_ConnectionBase):
 
     def _send_message(self, message: Item) -> None:
         writer = self._writer
-        if writer is not None and writer.send([message]):
+        if writer is not None and writer.send(message):
             return
         self._push(as_message(message))
 
@@ -241,7 +241,7 @@ class Connection(_ConnectionBase):
             self._send_message(MESSAGE + data)
             return
         writer = self._writer  # directly, the buffers travel as they are (no framing copy)
-        if writer is None or not writer.send([(data, *buffers)]):
+        if writer is None or not writer.send((data, *buffers)):
             self._push(frame(MESSAGE, data, buffers))
 
     # -- receiving
@@ -413,7 +413,17 @@ class Connection(_ConnectionBase):
         if self._handle is None or not self._readable:
             self._check_closed()
             self._check_readable()
-        item = self._recv_item()
+        reader = self._reader
+        if reader is not None and self._held is None and not self._buffer:
+            # a direct reader's common case, no detour (see ``Consumer.receive_next``)
+            item = None if self._eof or self._eos_next else reader.receive_next()
+            if item is not None and item != EOS:
+                self._last = time.monotonic()
+            else:
+                self._held = item  # end-of-stream, or nothing: the general way
+                item = self._recv_item()
+        else:
+            item = self._recv_item()
         if isinstance(item, bytes):
             return load(item)
         return serialization.loads(item[0], item[1:])  # sent directly, unframed
