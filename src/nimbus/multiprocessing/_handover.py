@@ -139,6 +139,7 @@ class Consumer:
         # direct, not delivered (a writer's entry goes when it is empty: see ``_file``)
         self.pending: dict[str, collections.deque[Item]] = {}
         self.gone: set[str] = set()  # switched writers found gone (they send no more)
+        self.solo: str | None = None  # the one opened writer, not gone (the common case)
         self._next_try = 0.0
         self._next_look = 0.0
 
@@ -184,6 +185,7 @@ class Consumer:
         with self.lock:
             if claim == self.claim:
                 self.opened.add(source)
+                self._set_solo()
 
     def active(self) -> bool:
         """Whether direct messages may come (claimed, some writer switched)."""
@@ -235,7 +237,7 @@ class Consumer:
                 if item is not None:
                     return item
             else:
-                only = self._only()
+                only = self.solo
             return self._receive(only, timeout)
         finally:
             lock.release()
@@ -250,20 +252,18 @@ class Consumer:
         lock = self.lock
         lock.acquire()
         try:
-            only = self._only()
+            only = self.solo
             if only is None or self.pending:
                 return None
             return self._receive(only, LOOK)
         finally:
             lock.release()
 
-    def _only(self) -> str | None:
-        """The one switched writer while claimed, unless it is gone (``lock`` held)."""
+    def _set_solo(self) -> None:
+        """``solo`` after the opened or gone writers changed (``lock`` held)."""
         opened = self.opened
-        if self.claim is None or len(opened) != 1:
-            return None
-        only = next(iter(opened))
-        return None if only in self.gone else only
+        only = next(iter(opened)) if len(opened) == 1 else None
+        self.solo = None if only in self.gone else only
 
     def _receive(self, only: str | None, timeout: float) -> Item | None:
         """Wait up to ``timeout`` for a direct message (from ``only``, if not None: one
@@ -274,6 +274,7 @@ class Consumer:
             return None
         except (PeerLost, PeerExited):
             self.gone.add(only or "")  # it sent nothing more: wait for anyone now
+            self._set_solo()
             return None
         if source == only and type(message) is not list and message != REVERT:
             return message  # type: ignore[no-any-return]
@@ -305,6 +306,7 @@ class Consumer:
             lane = self.lane
             switched = link(self.prog).eval(_GIVE_UP, [lane.holder, lane.writers], [claim])
             pending, self.pending, self.opened = self.pending, {}, set()
+            self.solo = None
             forwarder = _Forwarder(self.prog, lane.list, self.tag, switched, pending)
             forwarder.step()
         if forwarder.waiting:

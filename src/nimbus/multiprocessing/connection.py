@@ -86,7 +86,6 @@ from nimbus.multiprocessing._payload import (
     SWITCH,
     Item,
     as_message,
-    frame,
     load,
 )
 from nimbus.multiprocessing._wait import seconds
@@ -234,15 +233,12 @@ class Connection(_ConnectionBase):
             self._check_writable()
         if type(obj) in _PLAIN and len(obj) < _SMALL:  # type: ignore[arg-type]
             # the common small case, inline (a round trip costs each call here)
-            self._send_message(MESSAGE + pickle.dumps(obj, serialization.PROTOCOL))
-            return
-        data, buffers = _state.dumps(obj)
-        if not buffers:
-            self._send_message(MESSAGE + data)
-            return
-        writer = self._writer  # directly, the buffers travel as they are (no framing copy)
-        if writer is None or not writer.send((data, *buffers)):
-            self._push(frame(MESSAGE, data, buffers))
+            message: Item = MESSAGE + pickle.dumps(obj, serialization.PROTOCOL)
+        else:
+            data, buffers = _state.dumps(obj)
+            # directly, the buffers travel as they are (no framing copy)
+            message = (data, *buffers) if buffers else MESSAGE + data
+        self._send_message(message)
 
     # -- receiving
 
