@@ -231,22 +231,16 @@ class Consumer:
         try:
             if self.claim is None:
                 return None
-            only = None  # one switched writer, nothing else: wait for exactly its next
-            if self.pending:
-                item = self._deliverable()
-                if item is not None:
-                    return item
-            else:
-                only = self.solo
-            return self._receive(only, timeout)
+            if not self.pending:  # one switched writer, nothing else: exactly its next
+                return self._receive(self.solo, timeout)
+            item = self._deliverable()
+            return item if item is not None else self._receive(None, timeout)
         finally:
             lock.release()
 
     def receive_next(self) -> Item | None:
-        """:meth:`receive` for up to LOOK seconds in a direct reader's common case
-        (claimed, one switched writer, nothing pending, no look at the list due: see
-        :meth:`look_at_list`); None: not that case, or nothing came (the caller goes
-        the general way)."""
+        """:meth:`receive` for LOOK seconds in the common case (one switched writer,
+        nothing pending, no :meth:`look_at_list` due); None: not it, or nothing came."""
         if self.pending or time.monotonic() >= self._next_look:
             return None
         lock = self.lock
