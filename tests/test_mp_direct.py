@@ -155,6 +155,22 @@ def test_echo_goes_direct_in_both_directions_and_ends_with_eof() -> None:
     assert p.exitcode == 0
 
 
+def test_a_direct_round_trip_takes_the_common_case_and_leaves_nothing_pending() -> None:
+    """The per-message fast path: one switched writer (``solo``), and a writer's entry
+    leaves ``pending`` once delivered, so nothing is left to look at per message."""
+    a, p = _echo_child(300)
+    reader = a._reader
+    assert reader is not None and reader.solo is not None and reader.solo in reader.opened
+    assert reader.pending == {}
+    for _ in range(200):
+        a.send(b"x" * 1024)
+        assert a.recv() == b"x" * 1024
+    assert reader.pending == {} and reader.solo is not None
+    a.close()
+    p.join(30)
+    assert p.exitcode == 0
+
+
 def test_large_objects_and_arrays_travel_directly_unframed() -> None:
     r, w = mp.Pipe(duplex=False)
     p, out_r = _hand_to_reader(r)

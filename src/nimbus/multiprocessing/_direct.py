@@ -30,10 +30,8 @@ writer died would.
 
 from __future__ import annotations
 
-import collections
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nimbus import messaging
@@ -44,10 +42,11 @@ from nimbus.multiprocessing._handover import (
     Lane,
     Producer,
     endpoint,
+    file_message,
     giveup_key,
     one,
 )
-from nimbus.multiprocessing._payload import EOS, Item
+from nimbus.multiprocessing._payload import EOS
 from nimbus.statestore import Keys, Program, link
 from nimbus.statestore.lua import PIPE_SECOND as _SECOND
 
@@ -94,7 +93,7 @@ class PipeReader(Consumer):
         was killed (one that exited closed its copy), nothing they sent waits, and the
         writing end has one copy left: the killed one's."""
         now = time.monotonic()
-        if now < self._gone_look or any(self.pending.values()):
+        if now < self._gone_look or self.pending:
             return False
         self._gone_look = now + GONE_LOOK
         ep, killed = messaging.current(), False
@@ -109,8 +108,7 @@ class PipeReader(Consumer):
             except (PeerExited, MessagingTimeout):
                 continue
             with self.lock:  # it had sent more: delivered next
-                found = self.pending.setdefault(source, collections.deque())
-                found.extend(message if isinstance(message, list) else (message,))
+                file_message(self.pending, source, message)
             return False
         refs = link(self.prog).command("GET", self.lane.writer_refs) if killed else None
         return refs == b"1" and not self.held()
@@ -125,10 +123,13 @@ class PipeWriter(Producer):
     lane: PipeLane
     _joined = False
 
-    def send(self, messages: Sequence[Item]) -> bool:
+    def _check(self, now: float) -> None:
+        """The engine's look at the claim; the first one (at the first send) joins."""
         if not self._joined:
             self._join()
-        return super().send(messages)
+            if self.off:
+                return
+        super()._check(now)
 
     def _join(self) -> None:
         """This process's first write of the lane. A Pipe keeps the order of its

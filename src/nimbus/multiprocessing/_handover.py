@@ -62,7 +62,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import util
 from typing import Any, TypeVar
@@ -78,7 +78,7 @@ from nimbus.statestore.lua import HANDOVER_SHARE as _SHARE
 from nimbus.statestore.lua import HANDOVER_STEAL as _STEAL
 from nimbus.statestore.lua import HANDOVER_SWITCH as _SWITCH
 
-__all__ = ["ACK", "Consumer", "Lane", "Producer", "endpoint", "giveup_key", "one"]
+__all__ = ["ACK", "Consumer", "Lane", "Producer", "endpoint", "file_message", "giveup_key", "one"]
 
 ACK = b"F"  # the holder to a writer: your direct messages are in the list
 CHECK = 0.02  # seconds between a sending writer's looks at the claim
@@ -136,8 +136,10 @@ class Consumer:
         self.tag = ""
         self.done = False  # this lane stays in the store for this process
         self.opened: set[str] = set()  # writers whose "S" was read: deliverable
-        self.pending: dict[str, collections.deque[Item]] = {}  # direct, not delivered
+        # direct, not delivered (a writer's entry goes when it is empty: see ``_file``)
+        self.pending: dict[str, collections.deque[Item]] = {}
         self.gone: set[str] = set()  # switched writers found gone (they send no more)
+        self.solo: str | None = None  # the one opened writer, not gone (the common case)
         self._next_try = 0.0
         self._next_look = 0.0
 
@@ -183,6 +185,7 @@ class Consumer:
         with self.lock:
             if claim == self.claim:
                 self.opened.add(source)
+                self._set_solo()
 
     def active(self) -> bool:
         """Whether direct messages may come (claimed, some writer switched)."""
@@ -195,8 +198,11 @@ class Consumer:
         if now >= self._next_look:
             self._next_look = now + LOOK
             return True
-        pending, opened = self.pending, self.opened
-        return any(q and s not in opened for s, q in list(pending.items()))
+        pending = self.pending
+        if not pending:  # the common case, at each direct message
+            return False
+        opened = self.opened
+        return any(s not in opened for s in list(pending))
 
     def held(self) -> int:
         """Messages received directly and not delivered (the socket read first)."""
@@ -220,31 +226,54 @@ class Consumer:
     def receive(self, timeout: float) -> Item | None:
         """A deliverable direct message, waiting up to ``timeout`` for one: the common
         case, one wait that hands the message over as it is read."""
-        with self.lock:
+        lock = self.lock  # acquire/release: cheaper than ``with``, at each message
+        lock.acquire()
+        try:
             if self.claim is None:
                 return None
-            pending, opened = self.pending, self.opened
-            waiting = any(pending.values())
-            if waiting:
-                item = self._deliverable()
-                if item is not None:
-                    return item
-            only = None  # one switched writer, nothing else: wait for exactly its next
-            if len(opened) == 1 and not waiting:
-                only = next(iter(opened))
-                if only in self.gone:
-                    only = None
-            try:
-                source, message = messaging.current().recv_with_source(only, timeout, self.tag)
-            except MessagingTimeout:
+            if not self.pending:  # one switched writer, nothing else: exactly its next
+                return self._receive(self.solo, timeout)
+            item = self._deliverable()
+            return item if item is not None else self._receive(None, timeout)
+        finally:
+            lock.release()
+
+    def receive_next(self) -> Item | None:
+        """:meth:`receive` for LOOK seconds in the common case (one switched writer,
+        nothing pending, no :meth:`look_at_list` due); None: not it, or nothing came."""
+        if self.pending or time.monotonic() >= self._next_look:
+            return None
+        lock = self.lock
+        lock.acquire()
+        try:
+            only = self.solo
+            if only is None or self.pending:
                 return None
-            except (PeerLost, PeerExited):
-                self.gone.add(only or "")  # it sent nothing more: wait for anyone now
-                return None
-            if source == only and type(message) is not list and message != REVERT:
-                return message  # type: ignore[no-any-return]
-            _file(self.pending, source, message)
-            return self._deliverable()
+            return self._receive(only, LOOK)
+        finally:
+            lock.release()
+
+    def _set_solo(self) -> None:
+        """``solo`` after the opened or gone writers changed (``lock`` held)."""
+        opened = self.opened
+        only = next(iter(opened)) if len(opened) == 1 else None
+        self.solo = None if only in self.gone else only
+
+    def _receive(self, only: str | None, timeout: float) -> Item | None:
+        """Wait up to ``timeout`` for a direct message (from ``only``, if not None: one
+        switched writer, nothing pending); a deliverable one or None (``lock`` held)."""
+        try:
+            source, message = messaging.current().recv_with_source(only, timeout, self.tag)
+        except MessagingTimeout:
+            return None
+        except (PeerLost, PeerExited):
+            self.gone.add(only or "")  # it sent nothing more: wait for anyone now
+            self._set_solo()
+            return None
+        if source == only and type(message) is not list and message != REVERT:
+            return message  # type: ignore[no-any-return]
+        file_message(self.pending, source, message)
+        return self._deliverable()
 
     def writer_gone(self) -> bool:
         """Whether the lane ended because its writers died (never, for a queue)."""
@@ -255,7 +284,10 @@ class Consumer:
         for source in self.opened:
             found = pending.get(source)
             if found and found[0] != REVERT:  # nothing follows "R": the claim is going
-                return found.popleft()
+                item = found.popleft()
+                if not found:
+                    del pending[source]
+                return item
         return None
 
     def give_up(self, *, at_exit: bool = False) -> None:
@@ -268,6 +300,7 @@ class Consumer:
             lane = self.lane
             switched = link(self.prog).eval(_GIVE_UP, [lane.holder, lane.writers], [claim])
             pending, self.pending, self.opened = self.pending, {}, set()
+            self.solo = None
             forwarder = _Forwarder(self.prog, lane.list, self.tag, switched, pending)
             forwarder.step()
         if forwarder.waiting:
@@ -371,15 +404,18 @@ class Producer:
         self.off = False  # the lane is shared: store only, for good
         self._next_check = 0.0
 
-    def send(self, messages: Sequence[Item]) -> bool:
-        """Send messages directly if switched; False: the caller pushes them to the list."""
-        with self.lock:
+    def send(self, message: Any) -> bool:
+        """Send ``message`` (one, or a batch: a list) directly if switched; False: the
+        caller pushes it to the list."""
+        lock = self.lock  # acquire/release: cheaper than ``with``, at each message
+        lock.acquire()
+        try:
             now = time.monotonic()
             if now >= self._next_check and not self.off:
                 self._check(now)
-            if self.peer is None:
-                return False
-            return self.send_switched(messages[0] if len(messages) == 1 else messages)
+            return self.peer is not None and self.send_switched(message)
+        finally:
+            lock.release()
 
     def send_switched(self, message: Any) -> bool:
         """Send ``message`` to the holder now (``lock`` held, switched); False: it is gone."""
@@ -453,16 +489,20 @@ def _take_direct(tag: Any, into: dict[str, collections.deque[Item]]) -> int:
             source, message = ep.recv_with_source(None, 0, tag)
         except MessagingTimeout:
             return n
-        _file(into, source, message)
+        file_message(into, source, message)
     return _PULL
 
 
-def _file(into: dict[str, collections.deque[Item]], source: str, message: Any) -> None:
-    """File a direct message (one, or a batch: a list) under its writer."""
+def file_message(into: dict[str, collections.deque[Item]], source: str, message: Any) -> None:
+    """File a direct message (one, or a batch: a list) under its writer (a writer has
+    an entry while something of it waits: ``Consumer.pending`` is empty when nothing does)."""
+    items = message if isinstance(message, list) else (message,)
+    if not items:
+        return
     found = into.get(source)
     if found is None:
         found = into[source] = collections.deque()
-    found.extend(message if isinstance(message, list) else (message,))
+    found.extend(items)
 
 
 _lock = threading.Lock()

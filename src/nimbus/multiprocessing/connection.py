@@ -86,7 +86,6 @@ from nimbus.multiprocessing._payload import (
     SWITCH,
     Item,
     as_message,
-    frame,
     load,
 )
 from nimbus.multiprocessing._wait import seconds
@@ -215,7 +214,7 @@ class Connection(_ConnectionBase):
 
     def _send_message(self, message: Item) -> None:
         writer = self._writer
-        if writer is not None and writer.send([message]):
+        if writer is not None and writer.send(message):
             return
         self._push(as_message(message))
 
@@ -234,15 +233,12 @@ class Connection(_ConnectionBase):
             self._check_writable()
         if type(obj) in _PLAIN and len(obj) < _SMALL:  # type: ignore[arg-type]
             # the common small case, inline (a round trip costs each call here)
-            self._send_message(MESSAGE + pickle.dumps(obj, serialization.PROTOCOL))
-            return
-        data, buffers = _state.dumps(obj)
-        if not buffers:
-            self._send_message(MESSAGE + data)
-            return
-        writer = self._writer  # directly, the buffers travel as they are (no framing copy)
-        if writer is None or not writer.send([(data, *buffers)]):
-            self._push(frame(MESSAGE, data, buffers))
+            message: Item = MESSAGE + pickle.dumps(obj, serialization.PROTOCOL)
+        else:
+            data, buffers = _state.dumps(obj)
+            # directly, the buffers travel as they are (no framing copy)
+            message = (data, *buffers) if buffers else MESSAGE + data
+        self._send_message(message)
 
     # -- receiving
 
@@ -413,7 +409,17 @@ class Connection(_ConnectionBase):
         if self._handle is None or not self._readable:
             self._check_closed()
             self._check_readable()
-        item = self._recv_item()
+        reader = self._reader
+        if reader is not None and self._held is None and not self._buffer:
+            # a direct reader's common case, no detour (see ``Consumer.receive_next``)
+            item = None if self._eof or self._eos_next else reader.receive_next()
+            if item is not None and item != EOS:
+                self._last = time.monotonic()
+            else:
+                self._held = item  # end-of-stream, or nothing: the general way
+                item = self._recv_item()
+        else:
+            item = self._recv_item()
         if isinstance(item, bytes):
             return load(item)
         return serialization.loads(item[0], item[1:])  # sent directly, unframed

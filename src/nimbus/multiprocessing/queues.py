@@ -271,7 +271,8 @@ class Queue:
     def _send(self, prog: Program, key: str, messages: list[bytes]) -> None:
         try:
             producer = self._producer
-            if producer is not None and producer.send(messages):
+            batch = messages[0] if len(messages) == 1 else messages  # one: as it is
+            if producer is not None and producer.send(batch):
                 return
             link(prog).call(("RPUSH", key, *messages), ("PEXPIRE", key, prog.ttl_ms))
         except StateStoreError:
