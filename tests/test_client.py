@@ -39,7 +39,7 @@ def test_public_names() -> None:
         "__version__",
     ]
     assert nimbus.Client is Client
-    assert set(BACKENDS) == {"local", "service"}
+    assert set(BACKENDS) == {"local", "forked", "service"}
 
 
 @pytest.mark.parametrize(

@@ -172,6 +172,12 @@ CHILDREN_PROGRAM = """
 """
 
 
+def _interruptible() -> None:
+    """SIGINT as a terminal's program has it: a test run started in the background
+    (CI's shell, `&`) inherits it ignored, and Python keeps an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("launcher", [[], ["-m", "nimbus", "run"]], ids=["python", "nimbus-run"])
 def test_ctrl_c_ends_children(tmp_path: Path, launcher: list[str]) -> None:
@@ -179,6 +185,7 @@ def test_ctrl_c_ends_children(tmp_path: Path, launcher: list[str]) -> None:
     proc = subprocess.Popen(
         [sys.executable, *launcher, str(prog)], cwd=tmp_path, env=ENV, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        preexec_fn=_interruptible,
     )  # fmt: skip
     try:
         assert proc.stdout is not None
