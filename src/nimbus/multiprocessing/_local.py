@@ -91,13 +91,6 @@ class LocalSite(_Here):
         from nimbus.executor import Executor
 
         super().__init__(program)
-        # a root's workers are forks of it (it has nimbus and the program imported); a
-        # process the program started that cannot reach the relay starts new interpreters
-        backend = "forked" if is_root() else "local"
-        # shut down by close(), after joining children
-        self.executor = Executor(
-            backend=backend, on_notice=self.notice, preload=preload, shutdown_at_exit=False
-        )
         self.remote: dict[str, _Peer] = {}  # token -> the descendant that asked
         self.closed = False
         directory = Settings.load().ensure_runtime_dir()
@@ -107,6 +100,16 @@ class LocalSite(_Here):
             address, "AF_UNIX", authkey=bytes(current_process().authkey)
         )
         self.address = address
+        # a root's workers are forks of it (it has nimbus and the program imported); a
+        # process the program started that cannot reach the relay starts new interpreters.
+        # Made last: the executor's thread forks them while this one goes on, and a worker
+        # forked mid-scan of the runtime directory would keep the scan's descriptor (its
+        # children one more than other workers')
+        backend = "forked" if is_root() else "local"
+        # shut down by close(), after joining children
+        self.executor = Executor(
+            backend=backend, on_notice=self.notice, preload=preload, shutdown_at_exit=False
+        )
         threading.Thread(target=self._accept, name="nimbus-relay", daemon=True).start()
 
     def start(self, fn: StartFn, token: str, *args: Any) -> Future[int]:

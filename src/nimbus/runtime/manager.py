@@ -173,10 +173,16 @@ class Manager:
         self._recalls = 0
         self._recheck: float | None = None  # look again for work to steal then
         self.stopped = threading.Event()
+        self._forked = threading.Event()  # the first workers are forked (or failed to be)
 
     # -- called from any thread -----------------------------------------
     def start(self) -> None:
         self._thread.start()
+        if self._fork:
+            # a forked worker keeps every descriptor this process has open as it forks:
+            # the caller waits (milliseconds), so that none it opens meanwhile (a scan of
+            # a directory, a pipe) is in one worker and not another, nor in their children
+            self._forked.wait()
 
     def submit(self, tasks: Iterable[Task]) -> None:
         """Queue tasks; results arrive through ``on_results``."""
@@ -224,8 +230,11 @@ class Manager:
     def _run(self) -> None:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         try:
-            for _ in range(self.size):
-                self._spawn()
+            try:
+                for _ in range(self.size):
+                    self._spawn()
+            finally:
+                self._forked.set()
             while True:
                 for key, mask in self._selector.select(self._timeout()):
                     worker = key.data
