@@ -290,8 +290,9 @@ class Consumer:
                 return item
         return None
 
-    def give_up(self, *, at_exit: bool = False) -> None:
-        """Give the claim up (or find it gone): see the module's docstring."""
+    def give_up(self, *, at_exit: bool = False, read_again: bool = True) -> None:
+        """Give the claim up (or find it gone): see the module's docstring. With
+        ``read_again=False`` (no copy of the end left) exit waits for no silent writer."""
         with self.lock:
             claim, self.claim = self.claim, None
             self.done = True
@@ -302,6 +303,8 @@ class Consumer:
             pending, self.pending, self.opened = self.pending, {}, set()
             self.solo = None
             forwarder = _Forwarder(self.prog, lane.list, self.tag, switched, pending)
+            if not read_again:
+                forwarder.quiet = 0.0
             forwarder.step()
         if forwarder.waiting:
             forwarder.start(at_exit)
@@ -326,6 +329,7 @@ class _Forwarder:
         self.last = time.monotonic()  # of the last direct message forwarded
         self.thread: threading.Thread | None = None
         self.stop = threading.Event()
+        self.quiet = QUIET  # at exit: how long a silent writer is waited for
 
     def step(self) -> None:
         """Forward what waits; "F" to each writer whose "R" came."""
@@ -377,7 +381,7 @@ class _Forwarder:
                     if gone:
                         self.step()
                         self.waiting.difference_update(gone)
-                if self.stop.is_set() and (now - self.last > QUIET or now - started > GRACE):
+                if self.stop.is_set() and (now - self.last > self.quiet or now - started > GRACE):
                     return
         except Exception as exc:  # the store or the endpoint closed under us at exit
             util.debug(f"nimbus: forwarding {self.list} stopped: {exc!r}")
@@ -578,7 +582,7 @@ def _at_exit() -> None:
     for f in found:
         f.stop.set()
     for f in found:
-        if f.thread is not None:
+        if f.thread is not None and f.quiet:  # quiet 0: no reader left to forward to
             f.thread.join(GRACE + 1.0)
 
 

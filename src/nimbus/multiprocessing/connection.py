@@ -459,10 +459,12 @@ def _release(
     try:
         if buffer:
             _push_back(prog, read_key, buffer)
+        left = None if refs is None else link(prog).eval(_RELEASE, (refs,), ())
         if reader is not None and reader.claim is not None:
-            reader.give_up()  # what came directly goes to the list, for the other copies
-        if refs is not None:
-            left = link(prog).eval(_RELEASE, (refs,), ())
+            # what came directly goes to the list, for the other copies; with none left
+            # nobody reads the lane again, and a silent writer is not waited for
+            reader.give_up(read_again=left is None or left > 0)
+        if left is not None:
             last = write_key is not None and left <= 0
             # the last copy: end-of-stream, after its direct messages if switched
             if last and (writer is None or not writer.close_end()):
