@@ -212,6 +212,8 @@ BAD_ENV = [
     ("NIMBUS_MAX_PAYLOAD", "0"),
     ("NIMBUS_MAX_PAYLOAD", "12X"),
     ("NIMBUS_MAX_PAYLOAD", "-5M"),
+    ("NIMBUS_ENVIRONMENTS_MAX_SIZE", "0"),
+    ("NIMBUS_SANDBOX_MEMORY", "lots"),
     ("NIMBUS_INLINE_PAYLOAD", "1K"),  # below 64K
     ("NIMBUS_INLINE_PAYLOAD", "9M"),  # above 8M: a WebSocket message carries it
     ("NIMBUS_SERVICE_URL", "nimbus.example.org"),
@@ -283,6 +285,7 @@ def test_every_variable_has_a_bad_value() -> None:
     assert known - tested == {
         "NIMBUS_ENDPOINT",
         "NIMBUS_STORAGE_DIR",
+        "NIMBUS_ENVIRONMENTS_DIR",
         "NIMBUS_TOKEN",
         "NIMBUS_MESSAGING_HOST",  # any address: binding to it tells
         "NIMBUS_MESSAGING_HOST_ID",  # any name
