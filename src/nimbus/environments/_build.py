@@ -61,7 +61,7 @@ _made: list[str] = []  # work directories this process made, removed at its exit
 
 
 def _python_version() -> str:
-    return "%d.%d.%d" % sys.version_info[:3]
+    return ".".join(map(str, sys.version_info[:3]))
 
 
 def _node() -> dict[str, str]:
