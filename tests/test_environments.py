@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from environment_support import MARKER, EnvWorker, base_image, podman_unavailable
 
 import nimbus.environments as environments
+from environment_support import MARKER, EnvWorker, base_image, podman_unavailable
 from nimbus.cli import main as cli_main
 from nimbus.environments import Environment, _venv, prepare
 from nimbus.errors import EnvironmentBuildError, VersionMismatchError
@@ -29,6 +29,7 @@ from nimbus.errors import EnvironmentBuildError, VersionMismatchError
 pytestmark = pytest.mark.timeout(300)
 
 PY = sys.executable
+WHEELS = ["six==1.16.0", "iniconfig==2.0.0", "idna==3.4"]
 
 
 @pytest.fixture(autouse=True)
@@ -44,8 +45,7 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Wheels from the package index: six, iniconfig and an old idna (the node has a newer)."""
     where = tmp_path_factory.mktemp("wheelhouse")
     subprocess.run(
-        [PY, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", str(where)]
-        + ["six==1.16.0", "iniconfig==2.0.0", "idna==3.4"],
+        [PY, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", str(where), *WHEELS],
         check=True,
         timeout=240,
     )
@@ -105,9 +105,9 @@ def test_virtualenv_from_the_package_index() -> None:
 
 
 def _iniconfig_version() -> str:
-    import iniconfig
+    from importlib.metadata import version
 
-    return str(iniconfig.__version__)
+    return version("iniconfig")
 
 
 def test_missing_package_fails_fast_and_stays_failed(installer: str) -> None:
@@ -167,7 +167,7 @@ def test_concurrent_builds_happen_once(wheelhouse: str, envdir: Path) -> None:
 
     code = (
         "import json, sys; from nimbus.environments import Environment, prepare; "
-        f"e = Environment.from_dict(json.loads({json.dumps(json.dumps(env.to_dict()))!r})); "
+        f"e = Environment.from_dict(json.loads({json.dumps(env.to_dict())!r})); "
         "print(prepare(e).build_seconds)"
     )
     procs = [
