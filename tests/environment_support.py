@@ -79,7 +79,7 @@ class EnvWorker:
                         value = serialization.loads(data)
                         if status == Status.OK:
                             return value
-                        error, traceback_text = value
+                        _error, traceback_text = value
                         raise RuntimeError(f"the task failed in its worker:\n{traceback_text}")
 
     def close(self) -> None:
