@@ -348,6 +348,33 @@ def test_container_with_sandbox_has_no_network(image: str, listener: int, tmp_pa
     assert seen["/etc/nimbus-escape"] == "OSError"
 
 
+def _containers() -> list[str]:
+    out = subprocess.run(
+        ["podman", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return [name for name in out if name.startswith("nimbus-")]
+
+
+def test_a_killed_container_worker_leaves_no_container(image: str) -> None:
+    import signal
+
+    prepared = prepare(Environment("box", image=image))
+    before = set(_containers())
+    worker = EnvWorker(prepared)
+    try:
+        assert worker.run(pow, 2, 10) == 1024
+        mine = set(_containers()) - before
+        assert len(mine) == 1
+        worker.proc.send_signal(signal.SIGKILL)  # as a manager stops a worker (timeout, cancel)
+        worker.proc.wait()
+        deadline = time.monotonic() + 20
+        while mine & set(_containers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not mine & set(_containers())
+    finally:
+        worker.close()
+
+
 def test_missing_image_fails_fast(image: str) -> None:
     started = time.monotonic()
     with pytest.raises(EnvironmentBuildError, match="never pulls"):

@@ -89,7 +89,7 @@ class Prepared:
 
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` (whose first item is a Python) run inside the environment."""
-        python = self.python if (self.venv or self.wrap) else argv[0]
+        python = self.python if self.venv else argv[0]
         if not self.wrap:
             return [python, *argv[1:]]
         wrap = list(self.wrap)

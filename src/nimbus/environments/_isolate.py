@@ -27,7 +27,8 @@ match the node's. An image is never pulled: it must be on the node
 (``podman image exists``). The network is the host's unless ``sandbox=True``
 too (then none, a read-only root and no capabilities). LAUNCH passes the
 worker's inherited descriptors into the container (``--preserve-fds``, which
-wants 3..N all open: the gaps are filled with ``/dev/null``).
+wants 3..N all open: the gaps are filled with ``/dev/null``), and removes the
+container when the worker's process is killed (a timeout, a cancel).
 """
 
 from __future__ import annotations
@@ -46,14 +47,22 @@ __all__ = ["WORKDIR", "bwrap_wrap", "podman_wrap", "require"]
 WORKDIR = "{workdir}"
 CONTAINER_NPROC = 4096  # processes of a container worker (podman's default is refused here)
 
-# Fill the descriptor gaps below the highest inherited one, then run podman with
-# --preserve-fds inserted after "podman run".
+# Fill the descriptor gaps below the highest inherited one and run podman with
+# --preserve-fds inserted after "podman run", under a unique --name. A guard (a
+# process substitution reading a pipe only this bash writes) removes the container
+# when this bash dies, even of SIGKILL (a manager stopping a worker): podman's own
+# CLI dying would leave the container running. After a normal exit the guard is
+# stopped instead.
 LAUNCH = (
     "top=2; for f in /proc/$$/fd/*; do n=${f##*/}; "
     '[ "$n" -gt "$top" ] && [ "$n" -lt 255 ] && [ -e "$f" ] && top=$n; done; '
     'for ((i=3; i<top; i++)); do [ -e /proc/$$/fd/$i ] || eval "exec $i</dev/null"; done; '
     'pf=(); [ "$top" -gt 2 ] && pf=(--preserve-fds=$((top-2))); '
-    'exec "$1" "$2" "${pf[@]}" "${@:3}"'
+    "name=nimbus-$$-$RANDOM$RANDOM; "
+    'exec {guard}> >(for ((i=3; i<=top; i++)); do eval "exec $i>&-"; done; '
+    'read -r _; exec "$1" rm -f -t 0 "$name" >/dev/null 2>&1); guarded=$!; '
+    '"$1" "$2" --name "$name" "${pf[@]}" "${@:3}" {guard}>&-; rc=$?; '
+    'kill "$guarded" 2>/dev/null; exit $rc'
 )
 
 INSTALL_HINT = "apt-get install -y podman runc bubblewrap (as root)"
