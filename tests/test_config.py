@@ -538,12 +538,13 @@ def test_lookup_reads_the_environment_now(monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_no_module_reads_a_nimbus_variable_but_config() -> None:
     """Every NIMBUS_* variable is a setting, read through Settings. The variables that
     are not settings are hand-overs to a process nimbus starts: the messaging token, and
-    a Slurm block's agent address, secret and block id (``nimbus.runtime.node``);
+    a Slurm block's agent address, secret and block id (``nimbus.runtime.node``), and the
+    node's import path a virtualenv's worker appends (``nimbus.environments._venv``);
     writing a setting's variable for a child (``nimbus run --endpoint``) is no read."""
     import re
 
     src = Path(__file__).parent.parent / "src" / "nimbus"
-    handed = "MESSAGING_TOKEN|AGENT_ADDRESS|AGENT_SECRET|BLOCK_ID"
+    handed = "MESSAGING_TOKEN|AGENT_ADDRESS|AGENT_SECRET|BLOCK_ID|NODE_PATH"
     reads = re.compile(
         rf"(?:environ\.get|getenv|environ\[)\(?\s*[\"']NIMBUS_(?!(?:{handed})[\"'])\w+[\"']\]?+(?!\s*=[^=])"
     )
