@@ -70,11 +70,9 @@ def noop() -> None:
 
 
 def use_one() -> str:
-    from importlib.metadata import version
+    import iniconfig  # type: ignore[import-not-found]
 
-    import iniconfig  # type: ignore[import-not-found]  # noqa: F401
-
-    return version("iniconfig")
+    return str(iniconfig.__file__)  # (importlib.metadata would scan every distribution)
 
 
 @dataclass
