@@ -105,12 +105,21 @@ def _list(entries: list[Entry], as_json: bool) -> int:
         what = _describe(e.spec) if e.spec else "?"
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.last_use))
         print(
-            f"{','.join(e.names)[:16]:<16} {e.key:<16} {e.state:<7} {e.size >> 20:>7}MB "
+            f"{','.join(e.names)[:16]:<16} {e.key:<16} {e.state:<7} {_size(e.size):>9} "
             f"{when:<19} {what}"
         )
         if e.message:
             print(f"{'':<16} {e.message.splitlines()[0]}")
     return 0
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "K", "M"):
+        if size < 1024:
+            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1024
+    return f"{size:.1f}G"
 
 
 def _describe(spec: Environment) -> str:
