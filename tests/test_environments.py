@@ -406,3 +406,33 @@ def test_cli_build_list_remove(
     assert cli_main(["environments", "build", "empty"]) == 2
     assert "nothing to build" in capsys.readouterr().err
     assert os.path.isdir(envdir)
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+QUICK_ROWS = ["--only", "venv5-built", "--only", "sandbox"]
+
+
+@needs_bwrap
+def test_bench_environments_smoke() -> None:
+    """bench/environments.py runs end to end and prints its table (two quick rows)."""
+    import nimbus
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(nimbus.__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [PY, str(root / "bench" / "environments.py"), "--repeat", "1", *QUICK_ROWS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("workload") and "over plain" in line for line in lines)
+    for row in ("venv5-built", "sandbox"):
+        line = next(line for line in lines if line.startswith(row))
+        assert "ERROR" not in line and ("PASS" in line or "MISS" in line)
