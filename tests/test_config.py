@@ -70,6 +70,9 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "max_payload",
         "inline_payload",
         "storage_dir",
+        "environments_dir",
+        "environments_max_size",
+        "sandbox_memory",
         "endpoint",
         "service_url",
         "token",
@@ -209,6 +212,8 @@ BAD_ENV = [
     ("NIMBUS_MAX_PAYLOAD", "0"),
     ("NIMBUS_MAX_PAYLOAD", "12X"),
     ("NIMBUS_MAX_PAYLOAD", "-5M"),
+    ("NIMBUS_ENVIRONMENTS_MAX_SIZE", "0"),
+    ("NIMBUS_SANDBOX_MEMORY", "lots"),
     ("NIMBUS_INLINE_PAYLOAD", "1K"),  # below 64K
     ("NIMBUS_INLINE_PAYLOAD", "9M"),  # above 8M: a WebSocket message carries it
     ("NIMBUS_SERVICE_URL", "nimbus.example.org"),
@@ -280,6 +285,7 @@ def test_every_variable_has_a_bad_value() -> None:
     assert known - tested == {
         "NIMBUS_ENDPOINT",
         "NIMBUS_STORAGE_DIR",
+        "NIMBUS_ENVIRONMENTS_DIR",
         "NIMBUS_TOKEN",
         "NIMBUS_MESSAGING_HOST",  # any address: binding to it tells
         "NIMBUS_MESSAGING_HOST_ID",  # any name
@@ -532,12 +538,13 @@ def test_lookup_reads_the_environment_now(monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_no_module_reads_a_nimbus_variable_but_config() -> None:
     """Every NIMBUS_* variable is a setting, read through Settings. The variables that
     are not settings are hand-overs to a process nimbus starts: the messaging token, and
-    a Slurm block's agent address, secret and block id (``nimbus.runtime.node``);
+    a Slurm block's agent address, secret and block id (``nimbus.runtime.node``), and the
+    node's import path a virtualenv's worker appends (``nimbus.environments._venv``);
     writing a setting's variable for a child (``nimbus run --endpoint``) is no read."""
     import re
 
     src = Path(__file__).parent.parent / "src" / "nimbus"
-    handed = "MESSAGING_TOKEN|AGENT_ADDRESS|AGENT_SECRET|BLOCK_ID"
+    handed = "MESSAGING_TOKEN|AGENT_ADDRESS|AGENT_SECRET|BLOCK_ID|NODE_PATH"
     reads = re.compile(
         rf"(?:environ\.get|getenv|environ\[)\(?\s*[\"']NIMBUS_(?!(?:{handed})[\"'])\w+[\"']\]?+(?!\s*=[^=])"
     )

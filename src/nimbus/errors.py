@@ -10,6 +10,8 @@ or ``except TimeoutError`` written for the stdlib keeps working::
     │                       TypeError)        (the stdlib raises TypeError)
     ├── DeserializationError (UnpicklingError) a payload cannot be unpickled
     ├── VersionMismatchError                  worker and caller Pythons differ
+    ├── EnvironmentBuildError                 an environment could not be made ready
+    │                                         on a node (the builder's message quoted)
     ├── PayloadTooLargeError (ValueError)     a payload exceeds the set limit
     ├── StateStoreError (ConnectionError)     Redis cannot be started or reached
     ├── RemoteError                           a task failed with an exception
@@ -68,6 +70,7 @@ __all__ = [
     "AuthError",
     "ConfigError",
     "DeserializationError",
+    "EnvironmentBuildError",
     "MessageDecodeError",
     "MessagingError",
     "MessagingTimeout",
@@ -114,6 +117,20 @@ class DeserializationError(NimbusError, pickle.UnpicklingError):
 
 class VersionMismatchError(NimbusError):
     """The caller and the worker run different Python minor versions."""
+
+
+class EnvironmentBuildError(NimbusError):
+    """An environment could not be built on a node: a package that does not exist, a
+    wheel that does not build, a container image that is missing. The message quotes
+    the builder (uv, pip, podman, bubblewrap); the failure stays until the spec changes."""
+
+    def __init__(self, message: str, environment: str = "", key: str = "") -> None:
+        super().__init__(message)
+        self.environment = environment
+        self.key = key
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.environment, self.key))
 
 
 class PayloadTooLargeError(NimbusError, ValueError):

@@ -30,6 +30,7 @@ from typing import NamedTuple, NoReturn
 import nimbus
 from nimbus import run as run_cmd
 from nimbus.cli import endpoint as endpoint_cli
+from nimbus.cli import environments as environments_cli
 from nimbus.cli import service as service_cli
 from nimbus.config import Settings
 from nimbus.errors import ConfigError, NimbusError
@@ -197,6 +198,11 @@ COMMANDS: dict[str, Command] = {
         "endpoints you can use and their status",
         service_cli.endpoints_setup,
         service_cli.endpoints_run,
+    ),
+    "environments": Command(
+        "environments built on this node: list, build NAME, remove NAME",
+        environments_cli.setup,
+        environments_cli.run,
     ),
     "tasks": Command("list your tasks, show one", service_cli.tasks_setup, service_cli.tasks_run),
     "run": Command("run a program with nimbus as its multiprocessing", run_cmd.setup, run_cmd.run),

@@ -207,6 +207,23 @@ class Settings:
         c.optional_str("a name for this host, or 'none'", bool),
         "this host's name in the messaging directory (none: host name and boot id)",
     )
+    # -- environments: the software workers run in (nimbus.environments)
+    environments_dir: Path | None = setting(
+        None,
+        c.optional_path,
+        "where this node builds and caches environments (none: $XDG_CACHE_HOME/nimbus/"
+        "environments, else ~/.cache/nimbus/environments)",
+    )
+    environments_max_size: int = setting(
+        10 << 30,
+        c.size,
+        "most bytes of built environments kept on this node; the least recently used go first",
+    )
+    sandbox_memory: int = setting(
+        4 << 30,
+        c.size,
+        "address space a sandboxed worker (bubblewrap or container) may map, bytes",
+    )
     # -- providers: where an endpoint's (or the local runtime's) nodes come from
     provider: str = setting("local", c.name, "where nodes come from: local (this machine) or slurm")
     partition: str | None = setting(None, _any_text, "Slurm partition of blocks")
@@ -315,6 +332,15 @@ class Settings:
     def files_dir(self) -> Path:
         """Where ``nimbus.multiprocessing.files`` keeps shared files by default."""
         return self.storage_dir if self.storage_dir is not None else self.runtime_dir / "files"
+
+    @property
+    def environments_path(self) -> Path:
+        """Where this node's environments are built: ``environments_dir`` or the user's cache."""
+        if self.environments_dir is not None:
+            return self.environments_dir
+        xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+        base = Path(xdg) if xdg else Path.home() / ".cache"
+        return base / "nimbus" / "environments"
 
     @property
     def service_dir(self) -> Path:

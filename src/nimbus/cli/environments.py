@@ -1,0 +1,133 @@
+"""``nimbus environments list|build NAME|remove NAME``: this node's environments.
+
+``build`` makes an environment ready ahead of time (the spec from its options:
+``-r REQUIREMENT`` repeated, ``--wheelhouse DIR``, ``--image IMAGE``,
+``--sandbox``) and retries a spec whose earlier build failed; ``list`` shows
+what is built (or failed) here, with size and last use; ``remove`` deletes
+every entry of a name (or a key). This node only: ``--endpoint`` (the nodes of
+a remote endpoint) comes with the service side of environments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import TYPE_CHECKING
+
+from nimbus.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nimbus.environments import Entry, Environment
+
+__all__ = ["run", "setup"]
+
+
+def setup(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    listing = sub.add_parser("list", help="environments built or failed on this node")
+    listing.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    build = sub.add_parser("build", help="build an environment on this node now")
+    build.add_argument("name", help="the environment's name")
+    build.add_argument(
+        "-r",
+        "--requirement",
+        action="append",
+        default=[],
+        dest="requirements",
+        help="a pip requirement (repeat for more)",
+    )
+    build.add_argument("--wheelhouse", help="install from this directory of wheels, not an index")
+    build.add_argument("--image", help="a container image on this node (podman)")
+    build.add_argument("--sandbox", action="store_true", help="run workers under bubblewrap")
+    remove = sub.add_parser("remove", help="remove an environment from this node")
+    remove.add_argument("name", help="a name (or key) shown by `nimbus environments list`")
+
+
+def run(args: argparse.Namespace) -> int:
+    from nimbus import environments
+
+    if args.action == "list":
+        return _list(environments.cache().entries(), args.json)
+    if args.action == "build":
+        env = environments.Environment(
+            args.name,
+            requirements=tuple(args.requirements),
+            wheelhouse=args.wheelhouse,
+            image=args.image,
+            sandbox=args.sandbox,
+        )
+        if env.plain:
+            raise ConfigError(
+                f"environment {args.name!r} has nothing to build: give -r REQUIREMENT, "
+                f"--image IMAGE or --sandbox"
+            )
+        prepared = environments.prepare(env, retry=True)
+        how = f"in {prepared.build_seconds:.1f} s" if prepared.build_seconds else "(already)"
+        print(f"{env.name}: built {how}, key {env.key}")
+        return 0
+    store = environments.cache()
+    found = [e for e in store.entries() if args.name in e.names or args.name == e.key]
+    if not found:
+        known = sorted({n for e in store.entries() for n in e.names})
+        raise ConfigError(
+            f"no environment named {args.name!r} on this node"
+            + (f"; there are: {', '.join(known)}" if known else "")
+        )
+    for entry in found:
+        store.remove(entry.key)
+        print(f"removed {', '.join(entry.names) or entry.key} ({entry.key})")
+    return 0
+
+
+def _list(entries: list[Entry], as_json: bool) -> int:
+    rows = [
+        {
+            "key": e.key,
+            "names": list(e.names),
+            "state": e.state,
+            "size": e.size,
+            "last_use": e.last_use,
+            "build_seconds": round(e.build_seconds, 3),
+            "spec": e.spec.to_dict() if e.spec else None,
+            "message": e.message,
+        }
+        for e in entries
+    ]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no environments on this node")
+        return 0
+    print(f"{'NAME':<16} {'KEY':<16} {'STATE':<7} {'SIZE':>9} {'LAST USE':<19} WHAT")
+    for e in entries:
+        what = _describe(e.spec) if e.spec else "?"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.last_use))
+        print(
+            f"{','.join(e.names)[:16]:<16} {e.key:<16} {e.state:<7} {_size(e.size):>9} "
+            f"{when:<19} {what}"
+        )
+        if e.message:
+            print(f"{'':<16} {e.message.splitlines()[0]}")
+    return 0
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "K", "M"):
+        if size < 1024:
+            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1024
+    return f"{size:.1f}G"
+
+
+def _describe(spec: Environment) -> str:
+    parts = []
+    if spec.requirements:
+        parts.append(" ".join(spec.requirements))
+    if spec.image:
+        parts.append(f"image {spec.image}")
+    if spec.sandbox:
+        parts.append("sandbox")
+    return "; ".join(parts)

@@ -1,0 +1,230 @@
+"""This node's cache of built environments: one directory per spec hash.
+
+::
+
+    <environments_dir>/
+        <key>/meta.json      the spec, names it was asked for by, build time, size
+        <key>/last_use       its modification time is the last use (LRU eviction)
+        <key>/venv/          the virtualenv, when the spec has requirements
+        <key>.lock           flock'd while the entry is built: one build per node
+        <key>.failed         a build that failed: its message, until the spec changes
+        work/<key>-<pid>-<n> the writable directory of one sandboxed worker
+
+``meta.json`` is written last: an entry without it is half built (a build that
+was killed) and is built again. A failed build is remembered in
+``<key>.failed`` so that a second :func:`~nimbus.environments.prepare` fails at
+once; a different spec has a different key, and ``nimbus environments build``
+tries again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nimbus.environments._spec import Environment
+
+__all__ = ["Cache", "Entry"]
+
+META = "meta.json"
+LAST_USE = "last_use"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One built (or failed) environment on this node, as ``nimbus environments list`` shows it."""
+
+    key: str
+    names: tuple[str, ...]
+    spec: Environment | None
+    state: str  # "built" or "failed"
+    size: int
+    last_use: float
+    build_seconds: float
+    message: str = ""
+
+
+class Cache:
+    """The environments directory of this node (``environments_dir``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def ensure(self) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return self.root
+
+    def entry(self, key: str) -> Path:
+        return self.root / key
+
+    # -- the lock: one build of a key at a time, across threads and processes
+    @contextlib.contextmanager
+    def locked(self, key: str) -> Iterator[None]:
+        fd = os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # per open file: threads of one process too
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def busy(self, key: str) -> bool:
+        """True while another thread or process holds ``key``'s lock (builds it)."""
+        path = self.root / f"{key}.lock"
+        if not path.exists():
+            return False
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    # -- built entries
+    def meta(self, key: str) -> dict[str, Any] | None:
+        try:
+            data: dict[str, Any] = json.loads((self.entry(key) / META).read_text())
+        except (OSError, ValueError):
+            return None
+        return data
+
+    def write_meta(self, key: str, meta: dict[str, Any]) -> None:
+        path = self.entry(key) / META
+        tmp = path.with_name(f"{META}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+
+    def touch(self, key: str, name: str) -> None:
+        """Record a use now (the LRU clock), and the name it was used by if new."""
+        entry = self.entry(key)
+        (entry / LAST_USE).touch()
+        meta = self.meta(key)
+        if meta is not None and name not in meta.get("names", []):
+            meta["names"] = [*meta.get("names", []), name]
+            self.write_meta(key, meta)
+
+    def last_use(self, key: str) -> float:
+        try:
+            return (self.entry(key) / LAST_USE).stat().st_mtime
+        except OSError:
+            return 0.0
+
+    def fresh(self, key: str) -> Path:
+        """An empty directory for ``key``'s entry (a half-built one is removed first)."""
+        self.ensure()
+        entry = self.entry(key)
+        if entry.exists():
+            shutil.rmtree(entry)
+        entry.mkdir()
+        return entry
+
+    def remove(self, key: str) -> None:
+        shutil.rmtree(self.entry(key), ignore_errors=True)
+        self.forget_failure(key)
+
+    # -- failures
+    def failure(self, key: str) -> dict[str, Any] | None:
+        try:
+            data: dict[str, Any] = json.loads((self.root / f"{key}.failed").read_text())
+        except (OSError, ValueError):
+            return None
+        return data
+
+    def remember_failure(self, env: Environment, kind: str, message: str) -> None:
+        self.ensure()
+        path = self.root / f"{env.key}.failed"
+        record = {"kind": kind, "message": message, "spec": env.to_dict(), "when": time.time()}
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+
+    def forget_failure(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / f"{key}.failed").unlink()
+
+    # -- listing and eviction
+    def entries(self) -> list[Entry]:
+        if not self.root.is_dir():
+            return []
+        out: list[Entry] = []
+        for path in sorted(self.root.iterdir()):
+            if path.is_dir() and (path / META).is_file():
+                meta = self.meta(path.name) or {}
+                out.append(
+                    Entry(
+                        key=path.name,
+                        names=tuple(meta.get("names", [])),
+                        spec=_spec(meta.get("spec")),
+                        state="built",
+                        size=int(meta.get("size", 0)),
+                        last_use=self.last_use(path.name),
+                        build_seconds=float(meta.get("build_seconds", 0.0)),
+                    )
+                )
+            elif path.name.endswith(".failed"):
+                failure = self.failure(path.name[: -len(".failed")]) or {}
+                spec = _spec(failure.get("spec"))
+                out.append(
+                    Entry(
+                        key=path.name[: -len(".failed")],
+                        names=(spec.name,) if spec else (),
+                        spec=spec,
+                        state="failed",
+                        size=0,
+                        last_use=float(failure.get("when", 0.0)),
+                        build_seconds=0.0,
+                        message=str(failure.get("message", "")),
+                    )
+                )
+        return out
+
+    def evict(self, limit: int, keep: str) -> list[str]:
+        """Remove the least recently used built entries until they total ``limit`` bytes
+        at most; never ``keep`` (just built) nor one being built. Returns the keys removed."""
+        built = [e for e in self.entries() if e.state == "built"]
+        total = sum(e.size for e in built)
+        removed: list[str] = []
+        for entry in sorted(built, key=lambda e: e.last_use):
+            if total <= limit:
+                break
+            if entry.key == keep or self.busy(entry.key):
+                continue
+            shutil.rmtree(self.entry(entry.key), ignore_errors=True)
+            total -= entry.size
+            removed.append(entry.key)
+        return removed
+
+
+def _spec(data: object) -> Environment | None:
+    if not isinstance(data, dict):
+        return None
+    try:
+        return Environment.from_dict(data)
+    except ValueError:
+        return None
+
+
+def tree_size(path: Path) -> int:
+    """Bytes of the files under ``path`` (each hard-linked file once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            ident = (st.st_dev, st.st_ino)
+            if ident not in seen:
+                seen.add(ident)
+                total += st.st_blocks * 512 if st.st_blocks else st.st_size
+    return total

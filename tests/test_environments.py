@@ -1,0 +1,438 @@
+"""Environments built on this node: virtualenvs (uv or pip), bubblewrap, podman.
+
+Real builders throughout: wheels downloaded from the package index into a
+wheelhouse the tests make, uv or pip installing them, bubblewrap and podman
+(with runc) running real nimbus workers, a base image imported on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import nimbus.environments as environments
+from environment_support import MARKER, EnvWorker, base_image, podman_unavailable
+from nimbus.cli import main as cli_main
+from nimbus.environments import Environment, _venv, prepare
+from nimbus.errors import EnvironmentBuildError, VersionMismatchError
+
+pytestmark = pytest.mark.timeout(300)
+
+PY = sys.executable
+WHEELS = ["six==1.16.0", "iniconfig==2.0.0", "idna==3.4"]
+
+
+@pytest.fixture(autouse=True)
+def envdir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh environments directory per test."""
+    root = tmp_path_factory.mktemp("envs")
+    monkeypatch.setenv("NIMBUS_ENVIRONMENTS_DIR", str(root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Wheels from the package index: six, iniconfig and an old idna (the node has a newer)."""
+    where = tmp_path_factory.mktemp("wheelhouse")
+    subprocess.run(
+        [PY, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", str(where), *WHEELS],
+        check=True,
+        timeout=240,
+    )
+    return str(where)
+
+
+INSTALLERS = ["pip"] + (["uv"] if _venv.installer()[0] == "uv" else [])
+
+
+@pytest.fixture(params=INSTALLERS)
+def installer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "pip":
+        monkeypatch.setattr(_venv, "installer", lambda: ("pip", PY))
+    return str(request.param)
+
+
+def where_six() -> tuple[str, str, str]:
+    import idna  # type: ignore[import-untyped]
+    import six  # type: ignore[import-untyped]
+
+    import nimbus
+
+    return six.__file__, idna.__version__, nimbus.__file__
+
+
+def test_public_names() -> None:
+    assert sorted(environments.__all__) == sorted(
+        ["PLAIN", "Cache", "Entry", "Environment", "Prepared", "cache", "prepare"]
+    )
+
+
+def test_plain_is_the_node_python() -> None:
+    prepared = prepare(Environment("p"))
+    assert prepared.command([PY, "-c", "x"]) == [PY, "-c", "x"]
+    assert prepared.environ({"A": "1"}) == {"A": "1"}
+
+
+def test_virtualenv_from_a_wheelhouse_runs_a_task(wheelhouse: str, installer: str) -> None:
+    env = Environment("geo", requirements=["six==1.16.0", "idna==3.4"], wheelhouse=wheelhouse)
+    prepared = prepare(env)
+    assert prepared.installer == installer
+    assert 0 < prepared.build_seconds < 60
+    assert prepared.venv is not None
+    with EnvWorker(prepared) as worker:
+        six_file, idna_version, nimbus_file = worker.run(where_six)
+    assert six_file.startswith(prepared.venv)
+    assert idna_version == "3.4"  # the environment's package wins over the node's
+    assert nimbus_file == environments.__file__.replace("environments/__init__.py", "__init__.py")
+    again = prepare(env)  # cached: no build
+    assert again.build_seconds == 0.0 and again.venv == prepared.venv
+
+
+def test_virtualenv_from_the_package_index() -> None:
+    prepared = prepare(Environment("idx", requirements=["iniconfig==2.0.0"]))
+    with EnvWorker(prepared) as worker:
+        assert worker.run(_iniconfig_version) == "2.0.0"
+
+
+def _iniconfig_version() -> str:
+    from importlib.metadata import version
+
+    return version("iniconfig")
+
+
+def test_missing_package_fails_fast_and_stays_failed(installer: str) -> None:
+    env = Environment("bad", requirements=["nimbus-no-such-package-h18==1.0"])
+    started = time.monotonic()
+    with pytest.raises(EnvironmentBuildError) as info:
+        prepare(env)
+    assert time.monotonic() - started < 60
+    message = str(info.value)
+    assert "nimbus-no-such-package-h18" in message and installer in message
+    started = time.monotonic()
+    with pytest.raises(EnvironmentBuildError, match="remembered") as again:
+        prepare(env)
+    assert time.monotonic() - started < 0.5
+    assert "nimbus-no-such-package-h18" in str(again.value)
+    changed = Environment("bad", requirements=["nimbus-no-such-package-h18==2.0"])
+    with pytest.raises(EnvironmentBuildError) as other:
+        prepare(changed)
+    assert "remembered" not in str(other.value)  # a new spec is built again
+
+
+def test_a_wheel_that_does_not_build(tmp_path: Path, installer: str) -> None:
+    project = tmp_path / "broken"
+    project.mkdir()
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = []\nbuild-backend = "backend"\nbackend-path = ["."]\n'
+        '[project]\nname = "broken"\nversion = "1.0"\n'
+    )
+    (project / "backend.py").write_text(
+        "def _fail(*a, **k):\n    raise RuntimeError('this wheel does not build, on purpose')\n"
+        "build_wheel = build_sdist = prepare_metadata_for_build_wheel = _fail\n"
+        "def get_requires_for_build_wheel(config_settings=None):\n    return []\n"
+    )
+    env = Environment("broken", requirements=[f"broken @ file://{project}"])
+    with pytest.raises(EnvironmentBuildError, match="does not build, on purpose"):
+        prepare(env)
+
+
+def test_other_cloudpickle_is_refused_naming_both() -> None:
+    import cloudpickle
+
+    env = Environment("old", requirements=["cloudpickle==2.2.1"])
+    with pytest.raises(VersionMismatchError) as info:
+        prepare(env)
+    assert "cloudpickle 2.2.1" in str(info.value)
+    assert f"cloudpickle {cloudpickle.__version__}" in str(info.value)
+    with pytest.raises(VersionMismatchError):  # remembered, same type
+        prepare(env)
+
+
+def test_concurrent_builds_happen_once(wheelhouse: str, envdir: Path) -> None:
+    env = Environment("once", requirements=["six==1.16.0"], wheelhouse=wheelhouse)
+    results: list[float] = []
+
+    def build() -> None:
+        results.append(prepare(env).build_seconds)
+
+    code = (
+        "import json, sys; from nimbus.environments import Environment, prepare; "
+        f"e = Environment.from_dict(json.loads({json.dumps(env.to_dict())!r})); "
+        "print(prepare(e).build_seconds)"
+    )
+    procs = [
+        subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        results.append(float(out.strip().splitlines()[-1]))
+    assert len(results) == 5
+    assert sum(1 for r in results if r > 0) == 1, results  # one built, four waited and reused
+    assert [e.key for e in environments.cache().entries()] == [env.key]
+
+
+def test_least_recently_used_are_evicted(wheelhouse: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    specs = [
+        Environment(name, requirements=[req], wheelhouse=wheelhouse)
+        # three specs (keys) of one content: entries of the same size
+        for name, req in (("a", "six==1.16.0"), ("b", "six == 1.16.0"), ("c", "six<=1.16.0"))
+    ]
+    store = environments.cache()
+    prepare(specs[0])
+    prepare(specs[1])
+    sizes = {e.key: e.size for e in store.entries()}
+    assert len(sizes) == 2 and all(s > 0 for s in sizes.values())
+    time.sleep(0.05)
+    prepare(specs[0])  # a used again: b is now the least recently used
+    monkeypatch.setenv("NIMBUS_ENVIRONMENTS_MAX_SIZE", str(int(max(sizes.values()) * 2.5)))
+    prepare(specs[2])
+    left = {e.key for e in store.entries()}
+    assert left == {specs[0].key, specs[2].key}
+
+
+# ---------------------------------------------------------------- bubblewrap
+
+
+def _escape(path: str, port: int, home: str = "/root") -> dict[str, object]:
+    """What a sandboxed task can do: write here, there, connect out, see /tmp."""
+    import os
+    import socket
+
+    out: dict[str, object] = {"cwd": os.getcwd(), "tmp": sorted(os.listdir("/tmp"))}
+    with open("inside.txt", "w") as f:
+        f.write("ok")
+    out["inside"] = True
+    for target in (path, os.path.join(home, "nimbus-escape.txt"), "/etc/nimbus-escape"):
+        try:
+            with open(target, "w") as f:
+                f.write("escaped")
+            out[target] = "written"
+        except OSError as exc:
+            out[target] = type(exc).__name__
+    for host in ("127.0.0.1", "1.1.1.1"):
+        try:
+            socket.create_connection((host, port if host == "127.0.0.1" else 53), timeout=2)
+            out[host] = "connected"
+        except OSError as exc:
+            out[host] = type(exc).__name__
+    return out
+
+
+def _allocate(megabytes: int) -> str:
+    try:
+        block = bytearray(megabytes << 20)
+    except MemoryError:
+        return "MemoryError"
+    return f"allocated {len(block)}"
+
+
+@pytest.fixture
+def listener() -> Iterator[int]:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    yield server.getsockname()[1]
+    server.close()
+
+
+needs_bwrap = pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
+)
+
+
+@needs_bwrap
+def test_sandbox_isolates_files_network_and_memory(
+    tmp_path: Path, listener: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outside = tmp_path / "outside.txt"
+    monkeypatch.setenv("NIMBUS_SANDBOX_MEMORY", "1G")
+    prepared = prepare(Environment("jail", sandbox=True))
+    with EnvWorker(prepared) as worker:
+        seen = worker.run(_escape, str(outside), listener, str(Path.home()))
+        assert seen["inside"] is True and seen["cwd"].startswith(prepared.workdirs or "?")
+        assert Path(seen["cwd"], "inside.txt").read_text() == "ok"  # its directory is real
+        assert not outside.exists() and seen[str(outside)] in ("FileNotFoundError", "OSError")
+        assert seen["/etc/nimbus-escape"] == "OSError"  # read-only system (EROFS)
+        assert all(v != "written" for v in seen.values())
+        assert seen["127.0.0.1"] == "ConnectionRefusedError"  # its own loopback: nobody there
+        assert seen["1.1.1.1"] == "OSError"  # no route out
+        # a private /tmp: only the parents of what is granted (the environment, its directory)
+        assert set(seen["tmp"]) <= {Path(p).parts[2] for p in (prepared.workdirs or "/tmp/x",)}
+        assert worker.run(_allocate, 2048) == "MemoryError"  # past sandbox_memory
+        assert worker.run(_allocate, 64).startswith("allocated")
+
+
+@needs_bwrap
+def test_sandbox_with_requirements(wheelhouse: str) -> None:
+    prepared = prepare(
+        Environment("both", requirements=["six==1.16.0"], wheelhouse=wheelhouse, sandbox=True)
+    )
+    with EnvWorker(prepared) as worker:
+        six_file, _idna, _nimbus = worker.run(where_six)
+    assert prepared.venv is not None and six_file.startswith(prepared.venv)
+
+
+def test_missing_tool_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(EnvironmentBuildError, match=r"bwrap.*apt-get install"):
+        prepare(Environment("nobwrap", sandbox=True))
+
+
+# ---------------------------------------------------------------- podman
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    why = podman_unavailable()
+    if why:
+        pytest.skip(why)
+    from environment_support import remove_image
+
+    name = base_image(tmp_path_factory.mktemp("image"))
+    yield name
+    remove_image()
+
+
+def _look_around(path: str) -> dict[str, object]:
+    import os
+    import sys
+
+    with open(MARKER_PATH) as f:
+        marker = f.read()
+    return {
+        "marker": marker,
+        "host_file": os.path.exists(path),
+        "root": sorted(os.listdir("/")),
+        "python": sys.version,
+        "cwd": os.getcwd(),
+    }
+
+
+MARKER_PATH = MARKER
+
+
+def test_container_sees_its_image_and_what_is_granted(image: str, tmp_path: Path) -> None:
+    secret = tmp_path / "host-only.txt"
+    secret.write_text("not for containers")
+    prepared = prepare(Environment("box", image=image))
+    with EnvWorker(prepared) as worker:
+        seen = worker.run(_look_around, str(secret))
+    assert seen["marker"].startswith("made by")
+    assert seen["host_file"] is False
+    assert "work" not in seen["root"] or True  # granted paths appear under their own names
+    assert "home" not in seen["root"] and "usr" not in seen["root"]  # the image's root only
+    assert seen["python"] == sys.version
+
+
+def test_container_with_sandbox_has_no_network(image: str, listener: int, tmp_path: Path) -> None:
+    prepared = prepare(Environment("boxjail", image=image, sandbox=True))
+    with EnvWorker(prepared) as worker:
+        seen = worker.run(_escape, str(tmp_path / "x"), listener)
+    assert seen["127.0.0.1"] == "ConnectionRefusedError" and seen["1.1.1.1"] == "OSError"
+    assert seen["/etc/nimbus-escape"] == "OSError"
+
+
+def _containers() -> list[str]:
+    out = subprocess.run(
+        ["podman", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return [name for name in out if name.startswith("nimbus-")]
+
+
+def test_a_killed_container_worker_leaves_no_container(image: str) -> None:
+    import signal
+
+    prepared = prepare(Environment("box", image=image))
+    before = set(_containers())
+    worker = EnvWorker(prepared)
+    try:
+        assert worker.run(pow, 2, 10) == 1024
+        mine = set(_containers()) - before
+        assert len(mine) == 1
+        worker.proc.send_signal(signal.SIGKILL)  # as a manager stops a worker (timeout, cancel)
+        worker.proc.wait()
+        deadline = time.monotonic() + 20
+        while mine & set(_containers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not mine & set(_containers())
+    finally:
+        worker.close()
+
+
+def test_missing_image_fails_fast(image: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(EnvironmentBuildError, match="never pulls"):
+        prepare(Environment("gone", image="localhost/nimbus-no-such-image:9"))
+    assert time.monotonic() - started < 10
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def test_cli_build_list_remove(
+    wheelhouse: str, capsys: pytest.CaptureFixture[str], envdir: Path
+) -> None:
+    argv = ["environments", "build", "cli-env", "-r", "six==1.16.0", "--wheelhouse", wheelhouse]
+    assert cli_main(argv) == 0
+    assert "built" in capsys.readouterr().out
+    assert cli_main(["environments", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "cli-env" in out and "six==1.16.0" in out
+    assert cli_main(["environments", "list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["names"] == ["cli-env"] and rows[0]["state"] == "built"
+    assert cli_main(["environments", "remove", "cli-env"]) == 0
+    assert environments.cache().entries() == []
+    assert cli_main(["environments", "remove", "cli-env"]) == 2
+    assert "no environment named 'cli-env'" in capsys.readouterr().err
+    assert cli_main(["environments", "build", "x", "-r", "nimbus-no-such-package-h18"]) == 1
+    assert "nimbus-no-such-package-h18" in capsys.readouterr().err
+    assert cli_main(["environments", "build", "empty"]) == 2
+    assert "nothing to build" in capsys.readouterr().err
+    assert os.path.isdir(envdir)
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+QUICK_ROWS = ["--only", "venv5-built", "--only", "sandbox"]
+
+
+@needs_bwrap
+def test_bench_environments_smoke() -> None:
+    """bench/environments.py runs end to end and prints its table (two quick rows)."""
+    import nimbus
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(nimbus.__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [PY, str(root / "bench" / "environments.py"), "--repeat", "1", *QUICK_ROWS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("workload") and "over plain" in line for line in lines)
+    for row in ("venv5-built", "sandbox"):
+        line = next(line for line in lines if line.startswith(row))
+        assert "ERROR" not in line and ("PASS" in line or "MISS" in line)
