@@ -1,0 +1,157 @@
+"""The worker's side: what one task moved, read from its namespace's counters.
+
+::
+
+    begin():  nimbus0 rx/tx bytes, RetransSegs/OutSegs, co-location mark
+    end():    the same again; the difference is the task's, minus nimbus's own
+              connections (the state store), whose TCP_INFO byte counts are read
+              by sock_diag; TCP summary of the task's connections still open
+
+A worker knows it has a namespace of its own by the device ``nimbus0`` in
+``/proc/self/net/dev`` (see ``_link``); without one :meth:`TaskNet.here` is
+None and the socket counts of ``nimbus.telemetry`` stay (``net_source``
+"socket"). Co-location: every running task holds a file in
+``/dev/shm/nimbus-running``; their number at the task's start and end (the
+others) gives min / mean / max.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from nimbus.network._diag import Conn, connections, tcp_counters
+from nimbus.network._link import DEVICE
+
+__all__ = ["RUNNING", "TaskNet", "nimbus_port"]
+
+RUNNING = "/dev/shm/nimbus-running"
+_own_ports: set[int] = set()
+
+
+def nimbus_port(port: int) -> None:
+    """Count TCP connections to ``port`` as nimbus's own (state store), not the task's."""
+    _own_ports.add(port)
+
+
+def _store_port() -> int | None:
+    from nimbus.config import Settings
+
+    url = Settings.lookup("redis_url")
+    if not url:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).port or 6379
+    except ValueError:
+        return None
+
+
+class TaskNet:
+    """Counters of this worker's namespace, one task at a time."""
+
+    def __init__(self, dev_fd: int, snmp_fd: int) -> None:
+        self._dev, self._snmp = dev_fd, snmp_fd
+        port = _store_port()
+        if port:
+            _own_ports.add(port)
+        self._start = (0, 0, 0, 0)
+        self._own: dict[int, Conn] = {}  # inode -> nimbus's own connections at begin
+        self._look_own = True  # the last end found nimbus connections: baseline them
+        os.makedirs(RUNNING, mode=0o1777, exist_ok=True)
+        self._mark = os.path.join(RUNNING, str(os.getpid()))
+        self._others: list[int] = []
+
+    @classmethod
+    def here(cls) -> TaskNet | None:
+        """A meter if this process is in a worker namespace (``nimbus0``), else None."""
+        try:
+            dev = os.open("/proc/self/net/dev", os.O_RDONLY)
+        except OSError:
+            return None
+        if f" {DEVICE}:".encode() not in os.pread(dev, 65536, 0):
+            os.close(dev)
+            return None
+        return cls(dev, os.open("/proc/self/net/snmp", os.O_RDONLY))
+
+    def _bytes(self) -> tuple[int, int]:
+        data = os.pread(self._dev, 65536, 0)
+        at = data.index(f" {DEVICE}:".encode()) + len(DEVICE) + 2
+        fields = data[at : data.index(b"\n", at)].split()
+        return int(fields[0]), int(fields[8])  # received, sent
+
+    def _running(self) -> int:
+        try:
+            return len(os.listdir(RUNNING)) - 1
+        except OSError:
+            return 0
+
+    def begin(self) -> None:
+        try:
+            os.close(os.open(self._mark, os.O_CREAT | os.O_WRONLY, 0o644))
+        except OSError:
+            pass
+        self._others = [self._running()]
+        if self._look_own:
+            self._own = {c.inode: c for c in connections() if c.remote_port in _own_ports}
+        rin, rout = self._bytes()
+        retrans, segs = tcp_counters(self._snmp)
+        self._start = (rin, rout, retrans, segs)
+
+    def end(self, seconds: float) -> tuple[int, int, dict[str, Any]]:
+        """(bytes in, bytes out, the record's other network fields) of the task."""
+        rin, rout = self._bytes()
+        retrans, segs = tcp_counters(self._snmp)
+        sin, sout, sretrans, ssegs = self._start
+        nin, nout = rin - sin, rout - sout
+        self._others.append(self._running())
+        try:
+            os.unlink(self._mark)
+        except OSError:
+            pass
+        extra: dict[str, Any] = {"net_source": "netns"}
+        others = self._others
+        extra["colocated"] = {
+            "min": min(others),
+            "mean": sum(others) / len(others),
+            "max": max(others),
+        }
+        if nin == 0 and nout == 0:
+            return 0, 0, extra
+        conns = connections()
+        own_in = own_out = 0
+        task_conns: list[Conn] = []
+        own_seen = False
+        for c in conns:
+            if c.remote_port in _own_ports:
+                own_seen = True
+                before = self._own.get(c.inode)
+                own_in += c.bytes_in - (before.bytes_in if before else 0)
+                own_out += c.bytes_out - (before.bytes_out if before else 0)
+            else:
+                task_conns.append(c)
+        self._look_own = own_seen
+        # payload bytes of nimbus's connections; on the link they carry headers too
+        own_in, own_out = min(own_in, nin), min(own_out, nout)
+        extra["net_nimbus_in"], extra["net_nimbus_out"] = own_in, own_out
+        tcp: dict[str, Any] = {
+            "retransmits": retrans - sretrans,
+            "segments_out": segs - ssegs,
+            "connections": len(task_conns),
+        }
+        timed = [c for c in task_conns if c.rtt_us]
+        if timed:
+            tcp["rtt_ms"] = sum(c.rtt_us for c in timed) / len(timed) / 1000
+            tcp["min_rtt_ms"] = min(c.min_rtt_us for c in timed) / 1000
+            tcp["delivery_rate"] = max(c.delivery_rate for c in timed)
+        extra["tcp"] = tcp
+        return nin - own_in, nout - own_out, extra
+
+    def close(self) -> None:
+        for fd in (self._dev, self._snmp):
+            os.close(fd)
+        try:
+            os.unlink(self._mark)
+        except OSError:
+            pass
