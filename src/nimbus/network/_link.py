@@ -72,10 +72,19 @@ class Link:
                 f"link add {host} type veth peer name {DEVICE} netns {ns}\n"
                 f"addr add {node_ip}/30 dev {host}\n"
                 f"link set {host} up\n"
-                f"-n {ns} addr add {worker_ip}/30 dev {DEVICE}\n"
-                f"-n {ns} link set {DEVICE} up\n"
-                f"-n {ns} link set lo up\n"
-                f"-n {ns} route add default via {node_ip}\n"
+            ),
+        )
+        _sys.run(
+            "ip",
+            "-n",
+            ns,
+            "-batch",
+            "-",
+            stdin=(
+                f"addr add {worker_ip}/30 dev {DEVICE}\n"
+                f"link set {DEVICE} up\n"
+                "link set lo up\n"
+                f"route add default via {node_ip}\n"
             ),
         )
         with open(f"/proc/sys/net/ipv4/conf/{host}/route_localnet", "w") as f:

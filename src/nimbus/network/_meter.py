@@ -12,7 +12,8 @@ A worker knows it has a namespace of its own by the device ``nimbus0`` in
 None and the socket counts of ``nimbus.telemetry`` stay (``net_source``
 "socket"). Co-location: every running task holds a file in
 ``/dev/shm/nimbus-running``; their number at the task's start and end (the
-others) gives min / mean / max.
+others) gives min and mean; max is those at its start plus those started
+during it (an upper bound: some may have ended before others began).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = ["RUNNING", "TaskNet", "nimbus_port"]
 
 RUNNING = "/dev/shm/nimbus-running"
 _own_ports: set[int] = set()
+_KEY = f"\n{DEVICE}:".encode()  # its line in /proc/self/net/dev (names are right-aligned)
 
 
 def nimbus_port(port: int) -> None:
@@ -60,8 +62,15 @@ class TaskNet:
         self._own: dict[int, Conn] = {}  # inode -> nimbus's own connections at begin
         self._look_own = True  # the last end found nimbus connections: baseline them
         os.makedirs(RUNNING, mode=0o1777, exist_ok=True)
-        self._mark = os.path.join(RUNNING, str(os.getpid()))
+        self._pid = str(os.getpid())
+        self._mark = os.path.join(RUNNING, self._pid)
         self._others: list[int] = []
+        # one byte per task start, ever: how many started during a task (its size grows
+        # by a byte a task, a megabyte per million tasks, in memory until reboot)
+        self._starts = os.open(
+            os.path.join(RUNNING, ".starts"), os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o666
+        )
+        self._started_at = 0
 
     @classmethod
     def here(cls) -> TaskNet | None:
@@ -70,28 +79,46 @@ class TaskNet:
             dev = os.open("/proc/self/net/dev", os.O_RDONLY)
         except OSError:
             return None
-        if f" {DEVICE}:".encode() not in os.pread(dev, 65536, 0):
+        if _KEY not in os.pread(dev, 65536, 0).replace(b" ", b"\n"):
             os.close(dev)
             return None
         return cls(dev, os.open("/proc/self/net/snmp", os.O_RDONLY))
 
     def _bytes(self) -> tuple[int, int]:
         data = os.pread(self._dev, 65536, 0)
-        at = data.index(f" {DEVICE}:".encode()) + len(DEVICE) + 2
+        at = data.index(_KEY[1:]) + len(_KEY) - 1
         fields = data[at : data.index(b"\n", at)].split()
         return int(fields[0]), int(fields[8])  # received, sent
 
     def _running(self) -> int:
+        """Other tasks running on this host now (a dead worker's mark is removed)."""
         try:
-            return len(os.listdir(RUNNING)) - 1
+            names = os.listdir(RUNNING)
         except OSError:
             return 0
+        count = 0
+        for name in names:
+            if not name.isdigit() or name == self._pid:
+                continue
+            try:
+                os.kill(int(name), 0)
+                count += 1
+            except ProcessLookupError:
+                try:
+                    os.unlink(os.path.join(RUNNING, name))
+                except OSError:
+                    pass
+            except PermissionError:
+                count += 1
+        return count
 
     def begin(self) -> None:
         try:
             os.close(os.open(self._mark, os.O_CREAT | os.O_WRONLY, 0o644))
         except OSError:
             pass
+        os.write(self._starts, b".")
+        self._started_at = os.fstat(self._starts).st_size
         self._others = [self._running()]
         if self._look_own:
             self._own = {c.inode: c for c in connections() if c.remote_port in _own_ports}
@@ -149,7 +176,7 @@ class TaskNet:
         return nin - own_in, nout - own_out, extra
 
     def close(self) -> None:
-        for fd in (self._dev, self._snmp):
+        for fd in (self._dev, self._snmp, self._starts):
             os.close(fd)
         try:
             os.unlink(self._mark)

@@ -39,7 +39,7 @@ def run(*argv: str, stdin: str | None = None) -> str:
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip().splitlines()
         raise ConfigError(
-            f"worker network: {' '.join(argv[:6])} failed: {said[-1] if said else done.returncode}"
+            f"worker network: {' '.join(argv[:6])} failed: {' / '.join(said) if said else done.returncode}"
             f"; {FIX}"
         )
     return done.stdout
