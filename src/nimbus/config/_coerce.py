@@ -295,13 +295,15 @@ MAX_RATE = 400 * 10**9
 def bandwidth(value: object) -> int:
     """A rate in bits per second from ``200Mbit``, ``1Gbit``, ``25MB/s`` or ``2MiB/s``.
 
-    A bare number with a prefix (``500M``) is refused: bytes or bits is the question
+    A Python int is bits/s. A string without its unit (``500M``, ``500``) is refused: bytes or bits is the question
     a wrong answer costs a factor of 8 (or 1000) on.
     """
     accepted = "a rate with its unit: bits as 200Mbit / 1Gbit (also Mbps), bytes as 25MB/s / 2MiB/s"
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise Bad(accepted)
-    text = str(value).strip()
+    if isinstance(value, int):  # from Python (or a value already checked): bits/s
+        value = f"{value}bit"
+    text = value.strip()
     match = _RATE_RE.match(text)
     if not match or not match.group(3):
         hint = ""

@@ -126,8 +126,7 @@ class Link:
                 stdin=(
                     f"qdisc replace dev {dev} root handle 1: htb default 1\n"
                     f"class replace dev {dev} parent 1: classid 1:1 htb rate {rate}bit "
-                    f"ceil {rate}bit burst {burst}b cburst {burst}b\n"
-                    f"qdisc replace dev {dev} parent 1:1 handle 10: fq_codel\n"
+                    f"ceil {rate}bit burst {burst}b cburst {burst}b quantum 65536\n"
                 ),
             )
 
