@@ -20,8 +20,8 @@ How the worker measures (see ``nimbus.telemetry``):
 * ``net_bytes_in``/``net_bytes_out``: with ``net_source`` "netns" (a worker in
   a network namespace of its own, ``net_accounting``; see ``nimbus.network``),
   every byte the task's processes moved over IP, C libraries and children
-  included, as counted on the worker's link (so with IP/TCP headers: about
-  0.1 % with the veth's 64 KiB packets), less ``net_nimbus_in``/``_out``: the
+  included, as counted on the worker's link less 66 bytes of Ethernet, IPv4
+  and TCP headers a packet (TCP payload; a pure ACK counts 0), less ``net_nimbus_in``/``_out``: the
   payload of nimbus's own connections (the state store) meanwhile. With
   "socket" (the default, and where namespaces are not allowed): bytes the
   task moved through Python ``socket.socket`` objects (send*, recv*, sendfile)

@@ -3,7 +3,8 @@
 ::
 
     begin():  nimbus0 rx/tx bytes, RetransSegs/OutSegs, co-location mark
-    end():    the same again; the difference is the task's, minus nimbus's own
+    end():    the same again; the difference is the task's (payload: the link's
+              bytes less 66 header bytes a packet), minus nimbus's own
               connections (the state store), whose TCP_INFO byte counts are read
               by sock_diag; TCP summary of the task's connections still open
 
@@ -27,6 +28,10 @@ from nimbus.network._link import DEVICE
 __all__ = ["RUNNING", "TaskNet", "nimbus_port"]
 
 RUNNING = "/dev/shm/nimbus-running"
+# Ethernet (14) + IPv4 (20) + TCP with timestamps (32) bytes of one packet; a veth
+# packet is a whole GSO segment (up to 64 KiB), so a pure ACK counts 0 and a
+# data packet its payload
+HEADERS = 66
 _own_ports: set[int] = set()
 _KEY = f"\n{DEVICE}:".encode()  # its line in /proc/self/net/dev (names are right-aligned)
 
@@ -85,10 +90,11 @@ class TaskNet:
         return cls(dev, os.open("/proc/self/net/snmp", os.O_RDONLY))
 
     def _bytes(self) -> tuple[int, int]:
+        """Payload received and sent so far: the link's bytes less headers per packet."""
         data = os.pread(self._dev, 65536, 0)
         at = data.index(_KEY[1:]) + len(_KEY) - 1
-        fields = data[at : data.index(b"\n", at)].split()
-        return int(fields[0]), int(fields[8])  # received, sent
+        f = data[at : data.index(b"\n", at)].split()
+        return int(f[0]) - HEADERS * int(f[1]), int(f[8]) - HEADERS * int(f[9])
 
     def _running(self) -> int:
         """Other tasks running on this host now (a dead worker's mark is removed)."""
