@@ -384,3 +384,40 @@ def test_a_failed_setup_leaves_nothing(netns: pytest.MonkeyPatch) -> None:
     finally:
         subprocess.run(["ip", "link", "del", taken], capture_output=True)
         nets.close()
+
+
+# ------------------------------------------------------------------ the endpoint's options
+
+
+def test_endpoint_configure_refuses_a_rate_without_its_unit() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nimbus",
+            "endpoint",
+            "configure",
+            "hpc",
+            "--worker-bandwidth",
+            "500M",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+    )
+    assert done.returncode == 2
+    assert "--worker-bandwidth='500M'" in done.stderr
+    assert "say 500Mbit for bits/s or 500MB/s for bytes/s" in done.stderr
+
+
+def test_endpoint_limits_reach_its_agent_as_settings() -> None:
+    from nimbus.endpoint.config import EndpointConfig
+
+    config = EndpointConfig(
+        "hpc", "http://x", "id", "t", 2, worker_cpus=0.5, worker_memory=512 << 20,
+        worker_bandwidth=200_000_000,
+    )  # fmt: skip
+    env = config.worker_environment()
+    s = Settings.load(env)
+    assert (s.worker_cpus, s.worker_memory, s.worker_bandwidth) == (0.5, 512 << 20, 200_000_000)
+    assert EndpointConfig("hpc", "http://x", "id", "t", 2).worker_environment() == {}
