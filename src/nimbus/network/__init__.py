@@ -19,8 +19,36 @@ socket counts of ``nimbus.telemetry`` (``net_source`` says which); asking for
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 from nimbus.network._link import DEVICE, Link
 from nimbus.network._meter import TaskNet, nimbus_port
 from nimbus.network._workers import Limits, WorkerNetworks
 
-__all__ = ["DEVICE", "Limits", "Link", "TaskNet", "WorkerNetworks", "nimbus_port"]
+__all__ = ["DEVICE", "Limits", "Link", "TaskNet", "WorkerNetworks", "netbench", "nimbus_port"]
+
+
+def netbench(
+    concurrency: list[int],
+    directions: list[str],
+    seconds: float,
+    cap: int,
+    out: Path,
+    *,
+    share: float = 0.25,
+    progress: Callable[[str], object] = lambda _: None,
+) -> list[Path]:
+    """Run the offline co-location sweep and write its report into ``out``."""
+    from nimbus.network._bench import Offline
+    from nimbus.network._report import summarize, write
+
+    points = []
+    with Offline(workers=max(concurrency), cap=cap) as bench:
+        for direction in directions:
+            for n in concurrency:
+                run = bench.run(direction, n, seconds)
+                total = sum(p.mbit for p in run)
+                progress(f"{direction:>4} x{n}: aggregate {total:7.1f} Mbit/s")
+                points.extend(run)
+    return write(points, summarize(points, cap, share), out)
