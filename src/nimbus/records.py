@@ -30,7 +30,7 @@ How the worker measures (see ``nimbus.telemetry``):
 * ``tcp`` ("netns" only, when the task moved bytes): ``retransmits`` and
   ``segments_out`` of its namespace during the task; ``connections``,
   ``rtt_ms``, ``min_rtt_ms`` and ``delivery_rate`` (bytes/s) from ``TCP_INFO``
-  of its connections still open at its end.
+  of the worker process's connections still open at its end (not its children's).
 * ``colocated`` ("netns" only): other tasks running on the host, counted at
   the task's start and end (``min``/``mean``/``max``).
 """

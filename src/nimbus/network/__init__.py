@@ -21,12 +21,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from nimbus.network._link import DEVICE, Link
-from nimbus.network._meter import TaskNet, nimbus_port
-from nimbus.network._workers import Limits, WorkerNetworks
+# a worker imports this package for TaskNet alone: the rest (config, subprocess,
+# dataclasses) is imported on first use (PEP 562), as nimbus.errors does
+from nimbus.network._meter import DEVICE, TaskNet, nimbus_port
+
+if TYPE_CHECKING:
+    from nimbus.network._link import Link
+    from nimbus.network._workers import Limits, WorkerNetworks
 
 __all__ = ["DEVICE", "Limits", "Link", "TaskNet", "WorkerNetworks", "netbench", "nimbus_port"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Link":
+        from nimbus.network._link import Link
+
+        return Link
+    if name in ("Limits", "WorkerNetworks"):
+        from nimbus.network import _workers
+
+        return getattr(_workers, name)
+    raise AttributeError(f"module 'nimbus.network' has no attribute {name!r}")
 
 
 def netbench(

@@ -20,11 +20,10 @@ from __future__ import annotations
 import os
 
 from nimbus.network import _sys
+from nimbus.network._meter import DEVICE
 from nimbus.network._slots import Slot, addresses
 
 __all__ = ["DEVICE", "Link"]
-
-DEVICE = "nimbus0"  # the worker side's device: its name tells a worker where it is
 
 
 def _burst(rate: int) -> int:
