@@ -367,7 +367,7 @@ def test_bandwidth_limit_holds(netns: pytest.MonkeyPatch, server: int) -> None:
     with Executor(1) as ex:
         seconds = ex.submit(_timed_download, server, 10_000_000).result(timeout=60)
     rate = 10_000_000 * 8 / seconds
-    assert 0.85 * 40e6 < rate < 1.03 * 40e6, rate
+    assert 0.9 * 40e6 < rate < 1.05 * 40e6, rate
 
 
 @needs_root

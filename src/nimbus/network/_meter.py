@@ -128,7 +128,7 @@ class TaskNet:
         os.write(self._starts, b".")
         self._started_at = os.fstat(self._starts).st_size
         self._others = [self._running()]
-        if self._look_own:
+        if self._look_own and _own_ports:
             self._own = {c.inode: c for c in open_connections() if c.remote_port in _own_ports}
         rin, rout = self._bytes()
         # the namespace's TCP counters as the last task's end left them (reading them
@@ -155,7 +155,7 @@ class TaskNet:
         if nin == 0 and nout == 0:
             return 0, 0, extra
         self._tcp = retrans, segs = tcp_counters(self._snmp)
-        conns = open_connections()
+        conns = open_connections()  # its own: children's are not reachable here
         own_in = own_out = 0
         task_conns: list[Conn] = []
         own_seen = False
