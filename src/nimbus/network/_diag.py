@@ -27,6 +27,7 @@ class Conn(NamedTuple):
     min_rtt_us: int
     delivery_rate: int  # bytes/s
     inode: int
+    bytes_retrans: int = 0  # tcpi_bytes_retrans: sent again (on the link twice)
 
 
 def _conn(sock: socket.socket, inode: int) -> Conn | None:
@@ -42,7 +43,10 @@ def _conn(sock: socket.socket, inode: int) -> Conn | None:
     acked, received = struct.unpack_from("=QQ", info, 120)
     min_rtt = struct.unpack_from("=I", info, 148)[0]
     rate = struct.unpack_from("=Q", info, 160)[0]
-    return Conn(local, remote, info[0], received, acked, total_retrans, rtt, min_rtt, rate, inode)
+    again = struct.unpack_from("=Q", info, 208)[0] if len(info) >= 216 else 0
+    return Conn(
+        local, remote, info[0], received, acked, total_retrans, rtt, min_rtt, rate, inode, again
+    )
 
 
 def open_connections() -> list[Conn]:

@@ -165,6 +165,7 @@ class TaskNet:
                 before = self._own.get(c.inode)
                 own_in += c.bytes_in - (before.bytes_in if before else 0)
                 own_out += c.bytes_out - (before.bytes_out if before else 0)
+                own_out += c.bytes_retrans - (before.bytes_retrans if before else 0)
             else:
                 task_conns.append(c)
         self._look_own = own_seen
