@@ -9,6 +9,7 @@ no DNAT rule, no cgroup, no slot file. Skipped, with the reason, where not root.
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import shutil
 import subprocess
@@ -421,3 +422,44 @@ def test_endpoint_limits_reach_its_agent_as_settings() -> None:
     s = Settings.load(env)
     assert (s.worker_cpus, s.worker_memory, s.worker_bandwidth) == (0.5, 512 << 20, 200_000_000)
     assert EndpointConfig("hpc", "http://x", "id", "t", 2).worker_environment() == {}
+
+
+# ------------------------------------------------------------------ nimbus netbench --offline
+
+
+def _nimbus(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nimbus", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+    )
+
+
+def test_netbench_says_what_is_built() -> None:
+    done = _nimbus("netbench", "--concurrency", "1")
+    assert done.returncode == 2 and "add --offline" in done.stderr
+    done = _nimbus("netbench", "--offline", "--cap", "1G")
+    assert done.returncode == 2 and "say 1Gbit for bits/s" in done.stderr
+
+
+@needs_root
+def test_netbench_offline_shares_the_host_link(netns: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two workers behind a 200 Mbit/s host link: each gets about half; a report is written."""
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    done = _nimbus(
+        "netbench", "--offline", "--concurrency", "1,2", "--direction", "down",
+        "--seconds", "2", "--cap", "200Mbit", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for name in ("netbench.csv", "netbench.json", "netbench.html", "netbench-down.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    summary = json.loads((tmp_path / "netbench.json").read_text())
+    one, two = summary["runs"]
+    assert one["concurrency"] == 1 and two["concurrency"] == 2
+    for run in (one, two):
+        assert 0.85 * 200 < run["aggregate_mbit"] < 1.05 * 200, run
+        assert abs(run["link_vs_client_bytes"]) < 0.01, run  # the link's count is the task's
+    assert 0.4 * 200 < two["per_task_min_mbit"] <= two["per_task_max_mbit"] < 0.6 * 200, two
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == spaces

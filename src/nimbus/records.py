@@ -95,6 +95,10 @@ class TaskRecord:
         """Bytes per second the task sent, over its run time."""
         return self.net_bytes_out / self.run_seconds if self.run_seconds else 0.0
 
+    def network(self) -> dict[str, object]:
+        """The network fields beyond the byte counts, as :meth:`add_network` takes them."""
+        return {name: getattr(self, name) for name in _NETWORK}
+
     def add_network(self, extra: dict[str, object]) -> None:
         """The worker's network fields beyond the byte counts (``net_source``, ``tcp``...)."""
         for name in _NETWORK:
