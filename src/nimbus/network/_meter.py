@@ -2,8 +2,8 @@
 
 ::
 
-    begin():  nimbus0 rx/tx bytes, RetransSegs/OutSegs, co-location mark
-    end():    the same again; the difference is the task's (payload: the link's
+    begin():  nimbus0 rx/tx bytes, co-location mark
+    end():    the same again (and RetransSegs/OutSegs); the difference is the task's (payload: the link's
               bytes less 66 header bytes a packet), minus nimbus's own
               connections (the state store), whose TCP_INFO byte counts are read
               by sock_diag; TCP summary of the task's connections still open
@@ -11,9 +11,9 @@
 A worker knows it has a namespace of its own by the device ``nimbus0`` in
 ``/proc/self/net/dev`` (see ``_link``); without one :meth:`TaskNet.here` is
 None and the socket counts of ``nimbus.telemetry`` stay (``net_source``
-"socket"). Co-location: every running task holds a file in
-``/dev/shm/nimbus-running``; their number at the task's start and end (the
-others) gives min and mean; max is those at its start plus those started
+"socket"). Co-location (``_colocation``): every running task holds a cell of
+a map shared by the host's workers; their number at the task's start and end
+(the others) gives min and mean; max is those at its start plus those started
 during it (an upper bound: some may have ended before others began).
 """
 
@@ -22,13 +22,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from nimbus.network._colocation import Board, slot_of
 from nimbus.network._diag import Conn, open_connections, tcp_counters
 
-__all__ = ["DEVICE", "RUNNING", "TaskNet", "nimbus_port"]
+__all__ = ["DEVICE", "TaskNet", "nimbus_port"]
 
 DEVICE = "nimbus0"  # the worker side of its link (``_link``): its name tells a worker where it is
 
-RUNNING = "/dev/shm/nimbus-running"
 # Ethernet (14) + IPv4 (20) + TCP with timestamps (32) bytes of one packet; a veth
 # packet is a whole GSO segment (up to 64 KiB), so a pure ACK counts 0 and a
 # data packet its payload
@@ -68,16 +68,8 @@ class TaskNet:
         self._tcp = tcp_counters(snmp_fd)
         self._own: dict[int, Conn] = {}  # inode -> nimbus's own connections at begin
         self._look_own = True  # the last end found nimbus connections: baseline them
-        os.makedirs(RUNNING, mode=0o1777, exist_ok=True)
-        self._pid = str(os.getpid())
-        self._mark = os.path.join(RUNNING, self._pid)
+        self._board = Board(slot_of(DEVICE))
         self._others: list[int] = []
-        # one byte per task start, ever: how many started during a task (its size grows
-        # by a byte a task, a megabyte per million tasks, in memory until reboot)
-        self._starts = os.open(
-            os.path.join(RUNNING, ".starts"), os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o666
-        )
-        self._started_at = 0
 
     @classmethod
     def here(cls) -> TaskNet | None:
@@ -98,36 +90,8 @@ class TaskNet:
         f = data[at : data.index(b"\n", at)].split()
         return int(f[0]) - HEADERS * int(f[1]), int(f[8]) - HEADERS * int(f[9])
 
-    def _running(self) -> int:
-        """Other tasks running on this host now (a dead worker's mark is removed)."""
-        try:
-            names = os.listdir(RUNNING)
-        except OSError:
-            return 0
-        count = 0
-        for name in names:
-            if not name.isdigit() or name == self._pid:
-                continue
-            try:
-                os.kill(int(name), 0)
-                count += 1
-            except ProcessLookupError:
-                try:
-                    os.unlink(os.path.join(RUNNING, name))
-                except OSError:
-                    pass
-            except PermissionError:
-                count += 1
-        return count
-
     def begin(self) -> None:
-        try:
-            os.close(os.open(self._mark, os.O_CREAT | os.O_WRONLY, 0o644))
-        except OSError:
-            pass
-        os.write(self._starts, b".")
-        self._started_at = os.fstat(self._starts).st_size
-        self._others = [self._running()]
+        self._others = [self._board.begin()]
         if self._look_own and _own_ports:
             self._own = {c.inode: c for c in open_connections() if c.remote_port in _own_ports}
         rin, rout = self._bytes()
@@ -140,17 +104,14 @@ class TaskNet:
         rin, rout = self._bytes()
         sin, sout, sretrans, ssegs = self._start
         nin, nout = rin - sin, rout - sout
-        self._others.append(self._running())
-        try:
-            os.unlink(self._mark)
-        except OSError:
-            pass
+        others_now, started_since = self._board.end()
+        self._others.append(others_now)
         extra: dict[str, Any] = {"net_source": "netns"}
         others = self._others
         extra["colocated"] = {
             "min": min(others),
             "mean": sum(others) / len(others),
-            "max": max(others),
+            "max": max(*others, others[0] + started_since),
         }
         if nin == 0 and nout == 0:
             return 0, 0, extra
@@ -186,9 +147,6 @@ class TaskNet:
         return nin - own_in, nout - own_out, extra
 
     def close(self) -> None:
-        for fd in (self._dev, self._snmp, self._starts):
+        for fd in (self._dev, self._snmp):
             os.close(fd)
-        try:
-            os.unlink(self._mark)
-        except OSError:
-            pass
+        self._board.close()

@@ -23,6 +23,7 @@ from nimbus.config import Settings
 from nimbus.errors import ConfigError, MemoryLimitExceeded
 from nimbus.network import _sys
 from nimbus.network._cgroup import Cgroup
+from nimbus.network._colocation import clear
 from nimbus.network._link import Link
 from nimbus.network._slots import claim
 
@@ -116,6 +117,8 @@ class WorkerNetworks:
             held = self._held.pop(name, None)
         if held is None:
             return
+        if held.link is not None:
+            clear(held.link.slot.number)  # it may have died mid-task: it runs nothing now
         if held.cgroup is not None:
             kills = held.cgroup.oom_kills()
             if kills:
