@@ -463,3 +463,11 @@ def test_netbench_offline_shares_the_host_link(netns: pytest.MonkeyPatch, tmp_pa
         assert abs(run["link_vs_client_bytes"]) < 0.01, run  # the link's count is the task's
     assert 0.4 * 200 < two["per_task_min_mbit"] <= two["per_task_max_mbit"] < 0.6 * 200, two
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == spaces
+
+
+@needs_root
+def test_auto_takes_namespaces_where_allowed(netns: pytest.MonkeyPatch) -> None:
+    nets = WorkerNetworks("auto")
+    assert nets.netns and not nets.cgroups
+    assert WorkerNetworks("socket").command("w", ["python"]) == ["python"]  # the identity
+    nets.close()
