@@ -17,8 +17,6 @@ worker's channel, direct messaging) do not care about namespaces.
 
 from __future__ import annotations
 
-import os
-
 from nimbus.network import _sys
 from nimbus.network._meter import DEVICE
 from nimbus.network._slots import Slot, addresses
@@ -158,13 +156,3 @@ class Link:
         _sys.try_run("ip", "link", "del", self.host_dev)  # gone with the namespace, normally
         if free:
             self.slot.free()
-
-    def counters(self) -> tuple[int, int]:
-        """(bytes into the worker, bytes out of it) so far, read from the node's side."""
-        base = f"/sys/class/net/{self.host_dev}/statistics/"
-        with open(base + "tx_bytes") as tx, open(base + "rx_bytes") as rx:
-            return int(tx.read()), int(rx.read())
-
-
-def exists(ns: str) -> bool:
-    return os.path.exists(f"/run/netns/{ns}")
