@@ -110,6 +110,10 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "scheduler_options",
         "exclusive",
         "agent_listen",
+        "net_accounting",
+        "worker_cpus",
+        "worker_memory",
+        "worker_bandwidth",
     }
     assert isinstance(d["runtime_dir"], str)
 
@@ -256,6 +260,10 @@ BAD_ENV = [
     ("NIMBUS_MAX_IDLE", "0"),
     ("NIMBUS_EXCLUSIVE", "maybe"),
     ("NIMBUS_AGENT_LISTEN", "no-port"),
+    ("NIMBUS_NET_ACCOUNTING", "ebpf"),
+    ("NIMBUS_WORKER_CPUS", "0"),
+    ("NIMBUS_WORKER_MEMORY", "1M"),
+    ("NIMBUS_WORKER_BANDWIDTH", "500M"),
     ("NIMBUS_SERVICE_ADMINS", "root,<b>"),
 ]
 

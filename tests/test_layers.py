@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
     "messaging": 3,
     "providers": 3,
     "environments": 3,
+    "network": 3,  # per-worker namespaces, counters and limits (issue 19)
     # the state store (and shared files)
     "statestore": 2,
     "storage": 2,

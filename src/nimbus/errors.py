@@ -21,6 +21,8 @@ or ``except TimeoutError`` written for the stdlib keeps working::
     ├── TaskTimeoutError (TimeoutError)       a task ran past its timeout
     ├── TaskInterrupted                       a task raised SystemExit or
     │                                         KeyboardInterrupt
+    ├── MemoryLimitExceeded (MemoryError)     a task went over its worker's memory
+    │                                         limit (the worker's cgroup killed it)
     ├── MessagingError                        direct messaging between instances
     │   ├── PeerUnreachable (ConnectionError) no address or no answer in time
     │   ├── PeerLost (ConnectionError)        the peer died or its link broke
@@ -71,6 +73,7 @@ __all__ = [
     "ConfigError",
     "DeserializationError",
     "EnvironmentBuildError",
+    "MemoryLimitExceeded",
     "MessageDecodeError",
     "MessagingError",
     "MessagingTimeout",
@@ -170,6 +173,13 @@ class RemoteTraceback(NimbusError):
 
 class TaskTimeoutError(NimbusError, TimeoutError):
     """A task ran longer than its timeout; its worker was replaced."""
+
+
+class MemoryLimitExceeded(NimbusError, MemoryError):
+    """A task used more memory than its worker may (``worker_memory``): it was killed.
+
+    Raised in place of a lost worker; the message names the limit and how to raise it.
+    """
 
 
 class TaskInterrupted(NimbusError):

@@ -17,10 +17,22 @@ How the worker measures (see ``nimbus.telemetry``):
   worker's resident baseline, about 20 MB); it is read from ``getrusage`` or,
   where that carries the peak of the process the worker was started from,
   from ``VmHWM`` in ``/proc/self/status``. Elsewhere it is the worker's peak so far.
-* ``net_bytes_in``/``net_bytes_out``: bytes the task moved through Python
-  ``socket.socket`` objects (send*, recv*, sendfile) while it ran. Traffic
-  made by C libraries on their own sockets (libcurl, gRPC) and by child
-  processes is not counted; nor is the worker's own channel to the runtime.
+* ``net_bytes_in``/``net_bytes_out``: with ``net_source`` "netns" (a worker in
+  a network namespace of its own, ``net_accounting``; see ``nimbus.network``),
+  every byte the task's processes moved over IP, C libraries and children
+  included, as counted on the worker's link less 66 bytes of Ethernet, IPv4
+  and TCP headers a packet (TCP payload; a pure ACK counts 0), less ``net_nimbus_in``/``_out``: the
+  payload of nimbus's own connections (the state store) meanwhile. With
+  "socket" (the default, and where namespaces are not allowed): bytes the
+  task moved through Python ``socket.socket`` objects (send*, recv*, sendfile)
+  while it ran; C libraries and child processes are not counted. Never the
+  worker's own channel to the runtime (a Unix socket).
+* ``tcp`` ("netns" only, when the task moved bytes): ``retransmits`` and
+  ``segments_out`` of its namespace during the task; ``connections``,
+  ``rtt_ms``, ``min_rtt_ms`` and ``delivery_rate`` (bytes/s) from ``TCP_INFO``
+  of the worker process's connections still open at its end (not its children's).
+* ``colocated`` ("netns" only): other tasks running on the host, counted at
+  the task's start and end (``min``/``mean``/``max``).
 """
 
 from __future__ import annotations
@@ -66,6 +78,32 @@ class TaskRecord:
     peak_memory: int = 0
     net_bytes_in: int = 0
     net_bytes_out: int = 0
+    # -- issue 19 (nimbus.network): where the net bytes come from, and what else was seen
+    net_source: str = "socket"
+    net_nimbus_in: int = 0
+    net_nimbus_out: int = 0
+    tcp: dict[str, float] | None = None
+    colocated: dict[str, float] | None = None
+
+    @property
+    def net_throughput_in(self) -> float:
+        """Bytes per second the task received, over its run time."""
+        return self.net_bytes_in / self.run_seconds if self.run_seconds else 0.0
+
+    @property
+    def net_throughput_out(self) -> float:
+        """Bytes per second the task sent, over its run time."""
+        return self.net_bytes_out / self.run_seconds if self.run_seconds else 0.0
+
+    def network(self) -> dict[str, object]:
+        """The network fields beyond the byte counts, as :meth:`add_network` takes them."""
+        return {name: getattr(self, name) for name in _NETWORK}
+
+    def add_network(self, extra: dict[str, object]) -> None:
+        """The worker's network fields beyond the byte counts (``net_source``, ``tcp``...)."""
+        for name in _NETWORK:
+            if name in extra:
+                setattr(self, name, extra[name])
 
     @property
     def queued_seconds(self) -> float:
@@ -96,3 +134,4 @@ class TaskRecord:
 
 
 _NAMES = tuple(f.name for f in fields(TaskRecord))
+_NETWORK = ("net_source", "net_nimbus_in", "net_nimbus_out", "tcp", "colocated")

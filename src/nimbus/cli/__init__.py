@@ -31,6 +31,7 @@ import nimbus
 from nimbus import run as run_cmd
 from nimbus.cli import endpoint as endpoint_cli
 from nimbus.cli import environments as environments_cli
+from nimbus.cli import netbench as netbench_cli
 from nimbus.cli import service as service_cli
 from nimbus.config import Settings
 from nimbus.errors import ConfigError, NimbusError
@@ -210,6 +211,11 @@ COMMANDS: dict[str, Command] = {
         "run this node's manager, connected out to its agent (a block starts it)",
         _manager_setup,
         _manager_run,
+    ),
+    "netbench": Command(
+        "network bandwidth per task vs co-location (--offline: namespaces here)",
+        netbench_cli.setup,
+        netbench_cli.run,
     ),
 }
 

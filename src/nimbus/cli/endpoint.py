@@ -40,6 +40,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         help="tasks in flight per worker (default: the prefetch setting, NIMBUS_PREFETCH: 8)",
     )
     _provider_arguments(configure)
+    _limit_arguments(configure)
     start = sub.add_parser("start", help="start the endpoint's agent (configures it if new)")
     _name_argument(start)
     start.add_argument(
@@ -84,8 +85,32 @@ def _provider_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exclusive", action="store_true", default=None, help="whole nodes")
 
 
+# -- each worker's limits (issue 19): units checked as the settings check them
+_LIMIT_OPTIONS = {
+    "worker_cpus": "CPUs each worker may use, e.g. 0.5 (cgroup quota; root)",
+    "worker_memory": "memory each worker may use, e.g. 512M (cgroup; over it: MemoryLimitExceeded)",
+    "worker_bandwidth": "each way's bandwidth of each worker, with its unit: 200Mbit or 25MB/s",
+}
+
+
+def _limit_arguments(parser: argparse.ArgumentParser) -> None:
+    for key, text in _LIMIT_OPTIONS.items():
+        flag = "--" + key.replace("_", "-")
+        parser.add_argument(flag, type=_limit(key, flag), dest=key, help=text)
+
+
+def _limit(key: str, flag: str) -> Any:
+    def parse(text: str) -> object:
+        try:
+            return getattr(Settings.load({}).replace(**{key: text}), key)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc).replace(f"Settings.{key}", flag)) from None
+
+    return parse
+
+
 def _provider_values(args: argparse.Namespace) -> dict[str, object]:
-    keys = [*_PROVIDER_OPTIONS, "exclusive"]
+    keys = [*_PROVIDER_OPTIONS, "exclusive", *_LIMIT_OPTIONS]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -95,6 +120,8 @@ def _kept(settings: Settings) -> dict[str, Any]:
     for key in ("partition", "account", "qos"):
         kept[key] = kept[key] or ""
     kept["workers_per_node"] = kept["workers_per_node"] or 0
+    for key in _LIMIT_OPTIONS:
+        kept[key] = getattr(settings, key) or 0
     return kept
 
 
@@ -217,6 +244,7 @@ def start(config: EndpointConfig) -> int:
     with open(config.log_file, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "nimbus.endpoint.daemon", config.name],
+            env={**os.environ, **config.worker_environment()},  # its workers' limits
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,

@@ -18,7 +18,13 @@ No other module reads a ``NIMBUS_*`` variable to configure itself.
 
 from __future__ import annotations
 
-from nimbus.config._coerce import INLINE_MAX, INLINE_MIN, MAX_TIMEOUT, check_timeout
+from nimbus.config._coerce import (
+    INLINE_MAX,
+    INLINE_MIN,
+    MAX_TIMEOUT,
+    check_timeout,
+    parse_bandwidth,
+)
 from nimbus.config._places import (
     config_dir,
     private_dir,
@@ -34,6 +40,7 @@ __all__ = [
     "Settings",
     "check_timeout",
     "config_dir",
+    "parse_bandwidth",
     "private_dir",
     "untrusted_certificate",
 ]

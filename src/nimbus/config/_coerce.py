@@ -282,3 +282,89 @@ def walltime(value: object) -> str:
     if not isinstance(value, str) or not re.fullmatch(r"(\d+-)?\d+:\d{1,2}:\d{1,2}", value.strip()):
         raise Bad("[D-]HH:MM:SS, e.g. 00:30:00")
     return value.strip()
+
+
+# -- worker limits (issue 19): strict units, a kubernetes bug once read 500M as 500 kbit
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps|b/s|ib/s)?\s*$", re.IGNORECASE)
+_DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+MIN_RATE = 8_000  # bits/s: below this tc cannot hold a rate
+MAX_RATE = 400 * 10**9
+
+
+def bandwidth(value: object) -> int:
+    """A rate in bits per second from ``200Mbit``, ``1Gbit``, ``25MB/s`` or ``2MiB/s``.
+
+    A Python int is bits/s. A string without its unit (``500M``, ``500``) is refused: bytes or bits is the question
+    a wrong answer costs a factor of 8 (or 1000) on.
+    """
+    accepted = "a rate with its unit: bits as 200Mbit / 1Gbit (also Mbps), bytes as 25MB/s / 2MiB/s"
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise Bad(accepted)
+    if isinstance(value, int):  # from Python (or a value already checked): bits/s
+        value = f"{value}bit"
+    text = value.strip()
+    match = _RATE_RE.match(text)
+    if not match or not match.group(3):
+        hint = ""
+        if match:
+            hint = f" ({text!r} has no unit: say {text}bit for bits/s or {text}B/s for bytes/s)"
+        raise Bad(accepted + hint)
+    number, prefix, unit = float(match.group(1)), match.group(2), match.group(3).lower()
+    if unit in ("bit", "bps"):
+        rate = number * _DECIMAL[prefix.lower()]
+    elif unit == "b/s":
+        if text[-3] != "B":  # 25Mb/s: lower-case b is bits, but say it plainly
+            raise Bad(accepted + f" ({text!r}: write Mbit for bits or MB/s for bytes)")
+        rate = number * _DECIMAL[prefix.lower()] * 8
+    else:  # iB/s
+        rate = number * _BINARY[prefix.lower()] * 8
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise Bad(f"a rate from 8kbit to 400Gbit ({text!r} is {rate:.0f} bit/s)")
+    return int(rate)
+
+
+def optional_bandwidth(value: object) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
+        return None
+    return bandwidth(value)
+
+
+def optional_size(value: object) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
+        return None
+    result = size(value)
+    if result < 16 << 20:
+        raise Bad("a memory size of at least 16M (e.g. 512M, 2G), or 'none'")
+    return result
+
+
+def optional_cpus(value: object) -> float | None:
+    """A share of CPUs > 0 (0.5 is half a core), or none."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
+        return None
+    accepted = "a number of CPUs > 0 and <= 1024 (0.5: half a core), or 'none'"
+    try:
+        number = seconds(value)
+    except Bad:
+        raise Bad(accepted) from None
+    if number > 1024 or number < 0.01:
+        raise Bad(accepted)
+    return number
+
+
+def one_of(*choices: str) -> Callable[[object], str]:
+    def coerce(value: object) -> str:
+        if isinstance(value, str) and value.strip().lower() in choices:
+            return value.strip().lower()
+        raise Bad("one of " + ", ".join(choices))
+
+    return coerce
+
+
+def parse_bandwidth(text: str, what: str = "bandwidth") -> int:
+    """``bandwidth`` for callers outside config: a ConfigError naming ``what``."""
+    try:
+        return bandwidth(text)
+    except Bad as exc:
+        raise ConfigError(f"{what} {text!r}: expected {exc}") from None

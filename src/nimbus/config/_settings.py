@@ -250,6 +250,25 @@ class Settings:
         "0.0.0.0:0", c.host_port, "HOST:PORT where the agent accepts block managers"
     )
 
+    # -- per-worker network accounting and limits (issue 19; nimbus.network)
+    net_accounting: str = setting(
+        "socket",
+        c.one_of("socket", "netns", "auto"),
+        "what counts a task's network bytes: socket (Python sockets), netns (a namespace "
+        "per worker: every byte; root), auto (netns where allowed)",
+    )
+    worker_cpus: float | None = setting(
+        None, c.optional_cpus, "CPUs a worker may use (cgroup quota; 0.5 = half a core)"
+    )
+    worker_memory: int | None = setting(
+        None, c.optional_size, "memory a worker may use, bytes (cgroup limit; e.g. 512M)"
+    )
+    worker_bandwidth: int | None = setting(
+        None,
+        c.optional_bandwidth,
+        "each way's bandwidth of a worker's link, bits/s (200Mbit or 25MB/s; implies netns)",
+    )
+
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():
             value = getattr(self, name)

@@ -62,6 +62,10 @@ class EndpointConfig:
     scheduler_options: str = ""
     exclusive: bool = False
     agent_listen: str = "0.0.0.0:0"
+    # -- each worker's limits (issue 19, nimbus.network); 0: none
+    worker_cpus: float = 0.0
+    worker_memory: int = 0
+    worker_bandwidth: int = 0  # bits/s
 
     PROVIDER_KEYS = (
         "provider", "partition", "account", "qos", "nodes_per_block", "workers_per_node",
@@ -74,6 +78,17 @@ class EndpointConfig:
         out = {key: getattr(self, key) for key in self.PROVIDER_KEYS}
         for key in ("partition", "account", "qos", "workers_per_node"):
             out[key] = out[key] or None
+        return out
+
+    def worker_environment(self) -> dict[str, str]:
+        """The limits as the agent's environment (its managers read them as settings)."""
+        out: dict[str, str] = {}
+        if self.worker_cpus:
+            out["NIMBUS_WORKER_CPUS"] = str(self.worker_cpus)
+        if self.worker_memory:
+            out["NIMBUS_WORKER_MEMORY"] = str(self.worker_memory)
+        if self.worker_bandwidth:
+            out["NIMBUS_WORKER_BANDWIDTH"] = f"{self.worker_bandwidth}bit"
         return out
 
     @property

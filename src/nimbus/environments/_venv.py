@@ -44,7 +44,7 @@ QUOTED_LINES = 25
 def installer() -> tuple[str, str]:
     """``("uv", path)`` when uv is installed, else ``("pip", sys.executable)``."""
     try:
-        from uv import find_uv_bin  # type: ignore[import-not-found]
+        from uv import find_uv_bin
 
         return "uv", str(find_uv_bin())
     except (ImportError, FileNotFoundError):

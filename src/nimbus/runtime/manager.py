@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from nimbus import errors, serialization  # errors.WorkerLost: made at its first use
+from nimbus import errors, network, serialization  # errors.WorkerLost: made at first use
 from nimbus.errors import NimbusError, TaskTimeoutError
 from nimbus.runtime import worker as worker_module
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
@@ -154,6 +154,7 @@ class Manager:
         self._env = worker_environment(env)
         self._preload = list(preload)
         self._fork = fork  # workers are forks of this process (worker.fork_worker)
+        self._net = network.WorkerNetworks.configured()  # namespaces, limits: issue 19
         self._pending: deque[Task] = deque()
         self._cancels: deque[Task] = deque()
         self._workers: list[_Worker] = []
@@ -293,8 +294,9 @@ class Manager:
                 close += [lambda: os.close(self._wake_r), lambda: os.close(self._wake_w)]
                 proc = worker_module.fork_worker(child, close, self._preload)
             else:
+                argv = [self._python, "-u", "-c", WORKER_MAIN, str(child.fileno()), *self._preload]
                 proc = subprocess.Popen(
-                    [self._python, "-u", "-c", WORKER_MAIN, str(child.fileno()), *self._preload],
+                    self._net.command(f"{self.name}/w{self._counter}", argv),
                     pass_fds=(child.fileno(),),
                     env=self._env,
                     stdin=subprocess.DEVNULL,
@@ -360,6 +362,8 @@ class Manager:
             record = task.record
             (record.started, record.ended, record.cpu_user, record.cpu_system) = row[4:8]
             (record.peak_memory, record.net_bytes_in, record.net_bytes_out) = row[8:11]
+            if len(row) > 11:
+                record.add_network(row[11])
             record.worker, record.host, record.pid = worker.name, worker.host, worker.pid
             if status != Status.SKIPPED:
                 self._timed(task.fn_key, record.ended - record.started)
@@ -541,6 +545,7 @@ class Manager:
         except subprocess.TimeoutExpired:
             worker.proc.kill()
             code = worker.proc.wait()
+        self._net.release(worker.name)
         self._lost += 1
         if not worker.ready:
             self._start_failures += 1
@@ -589,7 +594,8 @@ class Manager:
             worker.inflight.popleft()
             self._fail(
                 head,
-                errors.WorkerLost(
+                self._net.lost(worker.name)
+                or errors.WorkerLost(
                     f"the worker {worker.name} (pid {worker.pid}) running this task "
                     f"{_how(code)}; it was replaced and the other tasks carry on"
                 ),
@@ -635,6 +641,7 @@ class Manager:
                 worker.proc.kill()
                 worker.proc.wait()
         self._workers.clear()
+        self._net.close()
         self._selector.close()
         wake_w, self._wake_w = self._wake_w, -1
         os.close(wake_w)

@@ -234,6 +234,7 @@ class NodeManager:
                     r.worker,
                     r.host,
                     r.pid,
+                    r.network(),  # issue 19: net_source, tcp, colocated...
                 ]
             )
         self._send(Link.RESULTS, rows, buffers)

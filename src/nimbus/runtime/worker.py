@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from nimbus import serialization
+from nimbus import network, serialization
 from nimbus.errors import (
     DeserializationError,
     SerializationError,
@@ -81,6 +81,7 @@ class Worker:
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
         self.meter = TaskMeter()
+        self.net = network.TaskNet.here()  # a namespace of its own: every byte counted
         self.functions: dict[str, Callable[..., Any]] = {}
         self.function_bytes: dict[str, bytes] = {}
         self.queue: deque[tuple[list[Any], list[Buffer], str | None]] = deque()
@@ -204,6 +205,8 @@ class Worker:
             self.wake.set()
         self.current = seq
         started = self.meter.begin()
+        if self.net is not None:
+            self.net.begin()
         status = Status.OK
         out: list[Any] = []
         result: Any = None
@@ -239,7 +242,11 @@ class Worker:
         self.current = None
         if self.watching:  # the flusher reads the channel: it is the main thread's again
             os.write(self.task_done_w, b"x")
-        self.add_result(seq, status, data, out, (started, *self.meter.end()))
+        measured: tuple[Any, ...] = (started, *self.meter.end())
+        if self.net is not None:  # the namespace's counts, and a dict of the rest
+            net_in, net_out, extra = self.net.end(measured[1] - started)
+            measured = (*measured[:5], net_in, net_out, extra)
+        self.add_result(seq, status, data, out, measured)
         return seq, fn_key
 
     @staticmethod

@@ -1,0 +1,302 @@
+"""Network visibility and limits (issue 19): accuracy, overhead, limits, latency. Root only.
+
+    python bench/netvis.py [--quick] [--json FILE]
+
+* accuracy: 4 tasks at once, each downloading a known payload with curl (a C
+  program) and with a child Python process, and uploading one with curl, from
+  a server on the node's 127.0.0.1; the record's bytes against the payload
+  (target: within 1 % or 4 KiB).
+* overhead: a bulk download from the node's 127.0.0.1 by a task, in a worker
+  with a namespace of its own (counted) and in one without (socket counts);
+  target: <= 3 % throughput loss.
+* limits: a worker limited to 50 / 200 / 800 Mbit/s downloads for 10 s
+  (target: within 5 % of the limit over the window).
+* latency: a no-op task's round trip with accounting on and off (<= 1.05x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from nimbus import Executor
+from nimbus.network._traffic import serve, transfer
+
+
+class _Files(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        size = int(self.path.strip("/"))
+        self.send_response(200)
+        self.send_header("Content-Length", str(size))
+        self.end_headers()
+        block = b"p" * 65536
+        while size > 0:
+            self.wfile.write(block[: min(size, 65536)])
+            size -= 65536
+
+    def do_PUT(self) -> None:
+        left = int(self.headers["Content-Length"])
+        while left > 0:
+            left -= len(self.rfile.read(min(left, 65536)))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextmanager
+def http_server() -> Iterator[int]:
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield srv.server_address[1]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@contextmanager
+def bulk_server() -> Iterator[int]:
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    stop = threading.Event()
+    thread = threading.Thread(target=serve, args=(listener, stop), daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+@contextmanager
+def settings(**env: str) -> Iterator[None]:
+    """NIMBUS_* variables for the managers made inside (they read them as settings)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _curl_and_child(port: int, get_curl: int, get_child: int, put: int) -> int:
+    url = f"http://127.0.0.1:{port}"
+    subprocess.run(["curl", "-sS", "-o", "/dev/null", f"{url}/{get_curl}"], check=True)
+    subprocess.run(
+        ["curl", "-sS", "-o", "/dev/null", "-X", "PUT", "-H", "Expect:", "--data-binary", "@-",
+         f"{url}/up"],
+        input=b"u" * put, check=True,
+    )  # fmt: skip
+    code = f"import urllib.request; urllib.request.urlopen('{url}/{get_child}').read()"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return get_curl + get_child
+
+
+def accuracy(quick: bool) -> list[dict[str, Any]]:
+    scale = 1 if quick else 4
+    sizes = [(3_000_000 * scale, 1_000_000 * scale, 500_000 * scale)] * 2 + [
+        (1_000_000 * scale, 2_000_000 * scale, 2_000_000 * scale)
+    ] * 2
+    rows = []
+    with http_server() as port, settings(NIMBUS_NET_ACCOUNTING="netns"), Executor(4) as ex:
+        futures = [ex.submit(_curl_and_child, port, *s) for s in sizes]
+        for i, (fut, (get_curl, get_child, put)) in enumerate(zip(futures, sizes, strict=True)):
+            fut.result()
+            r = fut.record
+            for way, payload, counted in (
+                ("in", get_curl + get_child, r.net_bytes_in),
+                ("out", put, r.net_bytes_out),
+            ):
+                rows.append(
+                    {
+                        "task": i + 1,
+                        "way": way,
+                        "payload": payload,
+                        "counted": counted,
+                        "error_bytes": counted - payload,
+                        "error_pct": round(100 * (counted - payload) / payload, 3),
+                        "ok": abs(counted - payload) <= max(0.01 * payload, 4096),
+                        "source": r.net_source,
+                        "colocated_max": (r.colocated or {}).get("max"),
+                    }
+                )
+    return rows
+
+
+def _bulk(port: int, seconds: float) -> float:
+    moved, took = transfer(("127.0.0.1", port), "down", seconds)
+    return moved * 8 / took / 1e6
+
+
+def overhead(quick: bool) -> dict[str, Any]:
+    seconds = 2.0 if quick else 3.0
+    out: dict[str, Any] = {}
+    with bulk_server() as port:
+        for mode in ("socket", "netns") * (2 if quick else 5):  # interleaved: load drifts
+            with settings(NIMBUS_NET_ACCOUNTING=mode), Executor(1) as ex:
+                out.setdefault(mode, []).append(ex.submit(_bulk, port, seconds).result())
+    best = {mode: max(v) for mode, v in out.items()}
+    return {
+        "mbit_socket": round(best["socket"], 1),
+        "mbit_netns": round(best["netns"], 1),
+        "loss_pct": round(100 * (1 - best["netns"] / best["socket"]), 2),
+        "runs": out,
+    }
+
+
+def _windowed(port: int, seconds: float) -> list[float]:
+    """Mbit/s over the whole window, and per second."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"D" + (0).to_bytes(8, "big"))
+    buf = bytearray(1 << 20)
+    started = time.monotonic()
+    marks, moved = [], 0
+    next_mark = started + 1.0
+    while (now := time.monotonic()) < started + seconds:
+        moved += sock.recv_into(buf)
+        if now >= next_mark:
+            marks.append(moved)
+            next_mark += 1.0
+    took = time.monotonic() - started
+    sock.close()
+    per_second = [(b - a) * 8 / 1e6 for a, b in zip([0, *marks], marks, strict=False)]
+    return [moved * 8 / took / 1e6, *per_second]
+
+
+def limits(quick: bool) -> list[dict[str, Any]]:
+    seconds = 3.0 if quick else 10.0
+    rows = []
+    with bulk_server() as port:
+        for rate in (50, 200, 800):
+            with settings(NIMBUS_WORKER_BANDWIDTH=f"{rate}Mbit"), Executor(1) as ex:
+                whole, *per_second = ex.submit(_windowed, port, seconds).result()
+            rows.append(
+                {
+                    "limit_mbit": rate,
+                    "window_s": seconds,
+                    "mbit": round(whole, 1),
+                    "error_pct": round(100 * (whole / rate - 1), 2),
+                    "ok": abs(whole / rate - 1) <= 0.05,
+                    "first_second_mbit": round(per_second[0], 1) if per_second else None,
+                }
+            )
+    return rows
+
+
+def _noop() -> None:
+    return None
+
+
+def _meter_cost() -> float:
+    """Microseconds of the namespace meter's begin + end, in this worker."""
+    from nimbus.runtime import worker
+
+    net = worker._worker.net if worker._worker is not None else None
+    if net is None:
+        return 0.0
+    started = time.perf_counter()
+    for _ in range(500):
+        net.begin()
+        net.end(0.0)
+    return (time.perf_counter() - started) / 500 * 1e6
+
+
+def latency(quick: bool) -> dict[str, Any]:
+    """Median no-op round trips, off and on, alternating (the machine's load drifts)."""
+    n = 300 if quick else 1000
+    medians: dict[str, list[float]] = {}
+    cost = []
+    for mode in ("socket", "netns") * (2 if quick else 5):
+        with settings(NIMBUS_NET_ACCOUNTING=mode), Executor(1) as ex:
+            for _ in range(50):
+                ex.submit(_noop).result()
+            times = []
+            for _ in range(n):
+                t = time.perf_counter()
+                ex.submit(_noop).result()
+                times.append(time.perf_counter() - t)
+            if mode == "netns":
+                cost.append(ex.submit(_meter_cost).result())
+        medians.setdefault(mode, []).append(statistics.median(times))
+    off, on = min(medians["socket"]), min(medians["netns"])
+    return {
+        "median_us_off": round(off * 1e6, 1),
+        "median_us_on": round(on * 1e6, 1),
+        "ratio": round(on / off, 3),
+        "ok": on / off <= 1.05,
+        "meter_us_per_task": round(min(cost), 1),
+        "medians_us": {k: [round(x * 1e6) for x in v] for k, v in medians.items()},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small payloads, short windows")
+    parser.add_argument("--json", help="write the results here too")
+    parser.add_argument(
+        "--only", default="accuracy,overhead,limits,latency", help="comma-separated parts"
+    )
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("bench/netvis.py needs root (namespaces, veths, tc)", file=sys.stderr)
+        return 2
+    parts = args.only.split(",")
+    results: dict[str, Any] = {}
+    if "accuracy" in parts:
+        results["accuracy"] = rows = accuracy(args.quick)
+        print("accuracy (4 concurrent tasks: curl + child process down, curl up)")
+        print(f"{'task':>4} {'way':>3} {'payload':>10} {'counted':>10} {'error':>8} {'%':>7} ok")
+        for r in rows:
+            print(
+                f"{r['task']:>4} {r['way']:>3} {r['payload']:>10} {r['counted']:>10} "
+                f"{r['error_bytes']:>8} {r['error_pct']:>7} {r['ok']}"
+            )
+    if "overhead" in parts:
+        results["overhead"] = o = overhead(args.quick)
+        print(
+            f"overhead (bulk download from 127.0.0.1): socket {o['mbit_socket']} Mbit/s, "
+            f"netns {o['mbit_netns']} Mbit/s, loss {o['loss_pct']} %"
+        )
+    if "limits" in parts:
+        results["limits"] = rows = limits(args.quick)
+        for r in rows:
+            print(
+                f"limit {r['limit_mbit']:>4} Mbit/s: {r['mbit']:>7} over {r['window_s']} s "
+                f"({r['error_pct']:+} %, first second {r['first_second_mbit']}) {r['ok']}"
+            )
+    if "latency" in parts:
+        results["latency"] = lat = latency(args.quick)
+        print(
+            f"latency (no-op round trip, median): off {lat['median_us_off']} us, "
+            f"on {lat['median_us_on']} us, ratio {lat['ratio']}; the meter itself "
+            f"{lat['meter_us_per_task']} us a task; medians {lat['medians_us']}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Every byte a task moves, and what a worker may use: nimbus's network layer.
+
+Two sides (see each module's drawing):
+
+* the manager's, :class:`WorkerNetworks`: each worker gets a network namespace
+  joined to the node by a veth pair (``_link``: counters, ``tc`` bandwidth
+  limits, the node's loopback kept reachable) and a cgroup (``_cgroup``: CPU and
+  memory limits); ``command(name, argv)`` is the start prefix that puts it there;
+* the worker's, :class:`TaskNet`: the namespace's counters read at a task's
+  start and end (``_meter``), its TCP summary (``_diag``) and co-location.
+
+Why a namespace and not eBPF cgroup counters: the veth is needed anyway for the
+bandwidth limits, its counters are exact for everything in the namespace (C
+libraries and children included) at the cost of two ``pread`` per task, and it
+needs no BPF toolchain. Without root, ``net_accounting=auto`` falls back to the
+socket counts of ``nimbus.telemetry`` (``net_source`` says which); asking for
+``netns`` or a limit without root is a ``ConfigError`` naming the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+# a worker imports this package for TaskNet alone: the rest (config, subprocess,
+# dataclasses) is imported on first use (PEP 562), as nimbus.errors does
+from nimbus.network._meter import DEVICE, TaskNet, nimbus_port
+
+if TYPE_CHECKING:
+    from nimbus.network._link import Link
+    from nimbus.network._workers import Limits, WorkerNetworks
+
+__all__ = ["DEVICE", "Limits", "Link", "TaskNet", "WorkerNetworks", "netbench", "nimbus_port"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Link":
+        from nimbus.network._link import Link
+
+        return Link
+    if name in ("Limits", "WorkerNetworks"):
+        from nimbus.network import _workers
+
+        return getattr(_workers, name)
+    raise AttributeError(f"module 'nimbus.network' has no attribute {name!r}")
+
+
+def netbench(
+    concurrency: list[int],
+    directions: list[str],
+    seconds: float,
+    cap: int,
+    out: Path,
+    *,
+    share: float = 0.25,
+    progress: Callable[[str], object] = lambda _: None,
+) -> list[Path]:
+    """Run the offline co-location sweep and write its report into ``out``."""
+    from nimbus.network._bench import Offline
+    from nimbus.network._report import summarize, write
+
+    points = []
+    with Offline(workers=max(concurrency), cap=cap) as bench:
+        for direction in directions:
+            for n in concurrency:
+                run = bench.run(direction, n, seconds)
+                total = sum(p.mbit for p in run)
+                progress(f"{direction:>4} x{n}: aggregate {total:7.1f} Mbit/s")
+                points.extend(run)
+    return write(points, summarize(points, cap, share), out)

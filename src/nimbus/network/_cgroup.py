@@ -1,0 +1,130 @@
+"""A worker's CPU and memory limits: a cgroup of its own (v2 where mounted, else v1).
+
+The cgroup is made under this process's own (so the node's limits still
+hold), the worker joins it before it runs anything (the start prefix writes
+its pid), and everything the worker starts stays in it. A worker over its
+memory limit is killed by the kernel; :meth:`Cgroup.oom_kills` tells the
+manager so, and the task fails with ``MemoryLimitExceeded``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from nimbus.errors import ConfigError
+from nimbus.network._sys import FIX
+
+__all__ = ["Cgroup"]
+
+ROOT = Path("/sys/fs/cgroup")
+PERIOD = 100_000  # µs: the CFS period the CPU quota is a share of
+
+
+def _own(controller: str) -> str:
+    """This process's cgroup path in ``controller``'s hierarchy ('' for v2)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _id, names, path = line.split(":", 2)
+        if controller in names.split(","):
+            return path
+    raise ConfigError(
+        f"worker limits: no {controller or 'cgroup2'} hierarchy here; {FIX}"
+    ) from None
+
+
+def _unified() -> bool:
+    return (ROOT / "cgroup.controllers").exists()
+
+
+class Cgroup:
+    """One worker's cgroup(s); :meth:`procs_files` are what its pid is written to."""
+
+    def __init__(self, name: str, cpus: float | None, memory: int | None) -> None:
+        self.cpus, self.memory = cpus, memory
+        self.dirs: list[Path] = []
+        self.v2 = _unified()
+        try:
+            if self.v2:
+                self._make_v2(name)
+            else:
+                self._make_v1(name)
+        except OSError as exc:
+            self.remove()
+            raise ConfigError(
+                f"worker limits: cannot set up cgroup {name!r} ({exc}); {FIX}"
+            ) from None
+        except BaseException:
+            self.remove()
+            raise
+
+    def _mkdir(self, path: Path) -> Path:
+        path.mkdir(exist_ok=True)
+        self.dirs.append(path)
+        return path
+
+    def _make_v2(self, name: str) -> None:
+        parent = ROOT / _own("").lstrip("/")
+        wanted = {"cpu"} if self.cpus else set()
+        if self.memory:
+            wanted.add("memory")
+        enabled = set((parent / "cgroup.subtree_control").read_text().split())
+        for ctl in wanted - enabled:
+            (parent / "cgroup.subtree_control").write_text(f"+{ctl}")
+        d = self._mkdir(parent / name)
+        if self.cpus:
+            (d / "cpu.max").write_text(f"{int(self.cpus * PERIOD)} {PERIOD}")
+        if self.memory:
+            (d / "memory.max").write_text(str(self.memory))
+            if (d / "memory.swap.max").exists():
+                (d / "memory.swap.max").write_text("0")
+
+    def _make_v1(self, name: str) -> None:
+        if self.cpus:
+            d = self._mkdir(ROOT / "cpu" / _own("cpu").lstrip("/") / name)
+            (d / "cpu.cfs_period_us").write_text(str(PERIOD))
+            (d / "cpu.cfs_quota_us").write_text(str(int(self.cpus * PERIOD)))
+        if self.memory:
+            d = self._mkdir(ROOT / "memory" / _own("memory").lstrip("/") / name)
+            (d / "memory.limit_in_bytes").write_text(str(self.memory))
+            if (d / "memory.memsw.limit_in_bytes").exists():  # no escape into swap
+                (d / "memory.memsw.limit_in_bytes").write_text(str(self.memory))
+
+    def procs_files(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs]
+
+    def oom_kills(self) -> int:
+        """How many processes the kernel killed here for going over the memory limit."""
+        name = "memory.events" if self.v2 else "memory.oom_control"
+        for d in self.dirs:
+            try:
+                for line in (d / name).read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+            except OSError:
+                continue
+        return 0
+
+    def remove(self) -> None:
+        """Kill what is left inside (a worker's orphans) and remove the directories."""
+        for d in reversed(self.dirs):
+            for _ in range(50):
+                try:
+                    pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
+                except OSError:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.02)
+        self.dirs.clear()

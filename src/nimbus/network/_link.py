@@ -1,0 +1,158 @@
+"""A worker's own network: a namespace joined to the node by a veth pair.
+
+::
+
+    node (root namespace)                         worker namespace nimbus-<slot>
+    127.0.0.1 services  <-DNAT- nmb<slot>h  ====veth====  nimbus0  <-DNAT- 127.0.0.0/8
+                               10.213.x.1/30              10.213.x.2/30   (the node's loopback)
+                               tc htb: to the worker      tc htb: from the worker
+
+Everything the worker's processes send or receive over IP crosses ``nimbus0``,
+so its counters are the worker's traffic, children and C libraries included.
+The namespace's loopback is the node's: 127.0.0.0/8 is rewritten to the node
+side's address and, there, back to 127.0.0.1 (``route_localnet`` on both ends),
+so a database on the node's 127.0.0.1 answers as before. Unix sockets (the
+worker's channel, direct messaging) do not care about namespaces.
+"""
+
+from __future__ import annotations
+
+from nimbus.network import _sys
+from nimbus.network._meter import DEVICE
+from nimbus.network._slots import Slot, addresses
+
+__all__ = ["DEVICE", "Link"]
+
+
+# the link's MTU: the loopback's, so traffic to the node's 127.0.0.1 moves in as few
+# packets as it did on lo (beyond the node, path MTU discovery finds the smaller one)
+MTU = 65535
+FRAME, PAYLOAD = MTU + 14, MTU - 52  # bytes of a full TCP packet on the link, its payload
+
+
+def _burst(rate: int) -> int:
+    """htb burst for ``rate`` bits/s: 10 ms of it, at least a 64 KiB GSO packet and more."""
+    return max(rate // 8 // 100, 96 * 1024)
+
+
+class Link:
+    """A namespace and its veth to the node, made by :meth:`create`, gone after :meth:`close`."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+        self.ns = f"nimbus-{slot.number}"
+        self.host_dev = f"nmb{slot.number}h"
+        self.node_ip, self.worker_ip = addresses(slot.number)
+        self._nat = ("-i", self.host_dev, "-d", self.node_ip, "-j", "DNAT")
+
+    @property
+    def netns_path(self) -> str:
+        return f"/run/netns/{self.ns}"
+
+    @classmethod
+    def create(cls, slot: Slot, rate: int | None = None) -> Link:
+        """Make the namespace, the veth and the loopback rewrite; shape at ``rate`` bits/s."""
+        link = cls(slot)
+        if slot.stale:
+            link.close(free=False)
+        try:
+            link._create()
+            if rate is not None:
+                link.shape(rate, rate)
+        except BaseException:
+            link.close()
+            raise
+        return link
+
+    def _create(self) -> None:
+        ns, host, node_ip, worker_ip = self.ns, self.host_dev, self.node_ip, self.worker_ip
+        _sys.run("ip", "netns", "add", ns)
+        _sys.run(
+            "ip",
+            "-batch",
+            "-",
+            stdin=(
+                f"link add {host} mtu {MTU} type veth peer name {DEVICE} mtu {MTU} netns {ns}\n"
+                f"addr add {node_ip}/30 dev {host}\n"
+                f"link set {host} up\n"
+            ),
+        )
+        _sys.run(
+            "ip",
+            "-n",
+            ns,
+            "-batch",
+            "-",
+            stdin=(
+                f"addr add {worker_ip}/30 dev {DEVICE}\n"
+                f"link set {DEVICE} up\n"
+                "link set lo up\n"
+                f"route add default via {node_ip}\n"
+            ),
+        )
+        with open(f"/proc/sys/net/ipv4/conf/{host}/route_localnet", "w") as f:
+            f.write("1")
+        _sys.run(
+            "iptables",
+            "-w",
+            "-t",
+            "nat",
+            "-A",
+            "PREROUTING",
+            *self._nat,
+            "--to-destination",
+            "127.0.0.1",
+        )
+        script = (
+            "echo 1 > /proc/sys/net/ipv4/conf/all/route_localnet && "
+            f"iptables -w -t nat -A OUTPUT -d 127.0.0.0/8 -j DNAT --to-destination {node_ip} && "
+            f"iptables -w -t nat -A POSTROUTING -o {DEVICE} -s 127.0.0.0/8 "
+            f"-j SNAT --to-source {worker_ip}"
+        )
+        _sys.run("nsenter", f"--net={self.netns_path}", "sh", "-c", script)
+
+    def shape(self, egress: int | None, ingress: int | None) -> None:
+        """Hold the worker's outgoing and incoming rates (bits/s; None: unlimited).
+
+        A rate is what the worker's TCP payload gets: htb counts every packet's
+        headers too (66 bytes a packet), so the link is given that much more.
+        """
+        for dev, rate, prefix in (
+            (DEVICE, egress, ("-n", self.ns)),
+            (self.host_dev, ingress, ()),
+        ):
+            if rate is None:
+                _sys.try_run("tc", *prefix, "qdisc", "del", "dev", dev, "root")
+                continue
+            rate = rate * FRAME // PAYLOAD
+            burst = _burst(rate)
+            _sys.run(
+                "tc",
+                *prefix,
+                "-batch",
+                "-",
+                stdin=(
+                    f"qdisc replace dev {dev} root handle 1: htb default 1\n"
+                    f"class replace dev {dev} parent 1: classid 1:1 htb rate {rate}bit "
+                    f"ceil {rate}bit burst {burst}b cburst {burst}b quantum 65536\n"
+                ),
+            )
+
+    def close(self, *, free: bool = True) -> None:
+        """Remove the namespace, the veth (with it) and the node's rewrite rule."""
+        while _sys.try_run(
+            "iptables",
+            "-w",
+            "-t",
+            "nat",
+            "-D",
+            "PREROUTING",
+            *self._nat,
+            "--to-destination",
+            "127.0.0.1",
+        ):
+            pass
+        _sys.try_run("ip", "netns", "del", self.ns)
+        _sys.try_run("ip", "link", "del", self.host_dev)  # gone with the namespace, normally
+        if free:
+            self.slot.free()

@@ -1,0 +1,141 @@
+"""A netbench's results: ``netbench.csv``, ``netbench.json``, PNG charts, ``netbench.html``.
+
+The CSV has one row per task of each run; the JSON has the summary per
+direction and concurrency (aggregate, per-task mean / min / max, the share a
+fair link would give, and the recommendation: the concurrency per host past
+which each task gets less than ``share`` of the link). Charts need
+matplotlib (``pip install nimbus[netbench]``); without it the CSV, JSON and an
+HTML page without pictures are still written, and the page says why.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from nimbus.network._bench import Point
+
+__all__ = ["summarize", "write"]
+
+PAYLOAD = 1448 / 1514  # TCP payload per byte on an Ethernet link of MTU 1500 (timestamps)
+
+
+def summarize(points: list[Point], cap: int, share: float = 0.25) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    for direction in sorted({p.direction for p in points}):
+        for n in sorted({p.concurrency for p in points if p.direction == direction}):
+            run = [p for p in points if p.direction == direction and p.concurrency == n]
+            rates = [p.mbit for p in run]
+            total = sum(rates)
+            fair = cap * PAYLOAD / 1e6 / n
+            rows.append(
+                {
+                    "direction": direction,
+                    "concurrency": n,
+                    "aggregate_mbit": round(total, 1),
+                    "per_task_mean_mbit": round(total / n, 1),
+                    "per_task_min_mbit": round(min(rates), 1),
+                    "per_task_max_mbit": round(max(rates), 1),
+                    "fair_share_mbit": round(fair, 1),
+                    "worst_vs_fair": round(min(rates) / fair - 1, 4),
+                    "aggregate_vs_payload_cap": round(total / (cap * PAYLOAD / 1e6) - 1, 4),
+                    "link_vs_client_bytes": round(
+                        sum(p.link_bytes for p in run) / max(1, sum(p.bytes for p in run)) - 1, 6
+                    ),
+                }
+            )
+    limit: dict[str, int] = {}
+    for row in rows:
+        if row["per_task_mean_mbit"] >= share * cap / 1e6:
+            limit[row["direction"]] = max(limit.get(row["direction"], 0), row["concurrency"])
+    return {
+        "cap_mbit": cap / 1e6,
+        "payload_cap_mbit": round(cap * PAYLOAD / 1e6, 1),
+        "runs": rows,
+        "recommendation": {
+            "share": share,
+            "most_tasks_per_host_each_getting_share": limit,
+        },
+    }
+
+
+def _charts(summary: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    for direction in sorted({r["direction"] for r in summary["runs"]}):
+        rows = [r for r in summary["runs"] if r["direction"] == direction]
+        n = [r["concurrency"] for r in rows]
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        ax.plot(n, [r["aggregate_mbit"] for r in rows], "o-", label="aggregate")
+        ax.plot(n, [r["per_task_mean_mbit"] for r in rows], "s-", label="per task (mean)")
+        ax.fill_between(
+            n,
+            [r["per_task_min_mbit"] for r in rows],
+            [r["per_task_max_mbit"] for r in rows],
+            alpha=0.25,
+            label="per task (min-max)",
+        )
+        ax.plot(n, [r["fair_share_mbit"] for r in rows], "k:", label="cap / n")
+        ax.axhline(summary["cap_mbit"], color="grey", linestyle="--", label="host link cap")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(n, [str(x) for x in n])
+        ax.set_xlabel("tasks on the host at once")
+        ax.set_ylabel("Mbit/s")
+        ax.set_title(f"{direction}load bandwidth vs co-location")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        name = f"netbench-{direction}.png"
+        fig.savefig(out / name, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        made.append(name)
+    return made
+
+
+def write(points: list[Point], summary: dict[str, Any], out: Path) -> list[Path]:
+    """Write the CSV, JSON, charts and HTML into ``out``; the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "netbench.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["direction", "concurrency", "task", "bytes", "seconds", "mbit", "link_bytes"])
+        for p in points:
+            w.writerow(
+                [p.direction, p.concurrency, p.task, p.bytes, f"{p.seconds:.4f}",
+                 f"{p.mbit:.2f}", p.link_bytes]
+            )  # fmt: skip
+    (out / "netbench.json").write_text(json.dumps(summary, indent=2) + "\n")
+    try:
+        charts = _charts(summary, out)
+        note = ""
+    except ImportError:
+        charts, note = (
+            [],
+            "<p>No charts: matplotlib is not installed (pip install nimbus[netbench]).</p>",
+        )
+    head = list(summary["runs"][0]) if summary["runs"] else []
+    table = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(r[k]))}</td>" for k in head) + "</tr>"
+        for r in summary["runs"]
+    )
+    page = (
+        "<!doctype html><meta charset=utf-8><title>nimbus netbench</title>"
+        "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px;"
+        "border-bottom:1px solid #ddd;text-align:right}</style>"
+        f"<h1>nimbus netbench</h1><p>Host link cap {summary['cap_mbit']:.0f} Mbit/s "
+        f"(TCP payload at most {summary['payload_cap_mbit']} Mbit/s).</p>{note}"
+        + "".join(f'<p><img src="{c}" alt="{c}"></p>' for c in charts)
+        + "<table><tr>"
+        + "".join(f"<th>{html.escape(k)}</th>" for k in head)
+        + f"</tr>{table}</table><h2>Recommendation</h2><pre>"
+        + html.escape(json.dumps(summary["recommendation"], indent=2))
+        + '</pre><p>Data: <a href="netbench.csv">netbench.csv</a>, '
+        '<a href="netbench.json">netbench.json</a></p>'
+    )
+    (out / "netbench.html").write_text(page)
+    return [out / n for n in ("netbench.csv", "netbench.json", "netbench.html", *charts)]

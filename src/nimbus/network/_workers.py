@@ -1,0 +1,143 @@
+"""The manager's side: give each worker its network and limits, take them back.
+
+::
+
+    manager._spawn:  argv = networks.command(name, argv)   # a prefix: join cgroup, enter netns
+    worker dies:     networks.release(name)                 # namespace, veth, cgroup removed
+    its task:        networks.lost(name)                    # MemoryLimitExceeded, or None
+    manager stops:   networks.close()
+
+The prefix composes with any other (an environment's ``Prepared.command``):
+``networks.command(name, prepared.command(argv))``. With ``net_accounting``
+``socket`` and no limits it is the identity and costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import threading
+from dataclasses import dataclass
+
+from nimbus.config import Settings
+from nimbus.errors import ConfigError, MemoryLimitExceeded
+from nimbus.network import _sys
+from nimbus.network._cgroup import Cgroup
+from nimbus.network._colocation import clear
+from nimbus.network._link import Link
+from nimbus.network._slots import claim
+
+__all__ = ["Limits", "WorkerNetworks"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one worker may use; None: no limit."""
+
+    cpus: float | None = None
+    memory: int | None = None
+    bandwidth: int | None = None  # bits/s, each way
+
+    @classmethod
+    def configured(cls) -> Limits:
+        return cls(
+            Settings.lookup("worker_cpus"),
+            Settings.lookup("worker_memory"),
+            Settings.lookup("worker_bandwidth"),
+        )
+
+
+class _Held:
+    __slots__ = ("cgroup", "link")
+
+    def __init__(self, link: Link | None, cgroup: Cgroup | None) -> None:
+        self.link, self.cgroup = link, cgroup
+
+
+class WorkerNetworks:
+    """Namespaces, links and cgroups of one manager's workers."""
+
+    def __init__(self, accounting: str = "socket", limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        why = _sys.can_manage()
+        wants_ns = accounting == "netns" or self.limits.bandwidth is not None
+        wants_cg = self.limits.cpus is not None or self.limits.memory is not None
+        if why is not None and (wants_ns or wants_cg):
+            what = "worker limits" if self.limits != Limits() else "net_accounting=netns"
+            raise ConfigError(f"{what}: {why}; {_sys.FIX}")
+        self.netns = wants_ns or (accounting == "auto" and why is None)
+        self.cgroups = wants_cg
+        self._held: dict[str, _Held] = {}
+        self._oom: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._next = os.getpid() % 4096  # where this manager starts looking for a free slot
+
+    @classmethod
+    def configured(cls) -> WorkerNetworks:
+        """As the settings say (``net_accounting``, ``worker_cpus/memory/bandwidth``)."""
+        return cls(Settings.lookup("net_accounting"), Limits.configured())
+
+    @property
+    def active(self) -> bool:
+        return self.netns or self.cgroups
+
+    def command(self, name: str, argv: list[str]) -> list[str]:
+        """``argv`` started inside worker ``name``'s cgroup and namespace (made now)."""
+        if not self.active:
+            return argv
+        link: Link | None = None
+        cgroup: Cgroup | None = None
+        try:
+            if self.netns:
+                slot = claim(self._next)
+                self._next = slot.number + 1
+                link = Link.create(slot, self.limits.bandwidth)
+            if self.cgroups:
+                tag = link.ns if link else f"nimbus-{os.getpid()}-{len(self._held)}"
+                cgroup = Cgroup(tag, self.limits.cpus, self.limits.memory)
+        except BaseException:
+            if link is not None:
+                link.close()
+            raise
+        with self._lock:
+            self._held[name] = _Held(link, cgroup)
+        script = "".join(
+            f"echo $$ > {shlex.quote(f)} && " for f in (cgroup.procs_files() if cgroup else [])
+        )
+        enter = f'exec nsenter --net={shlex.quote(link.netns_path)} "$@"' if link else 'exec "$@"'
+        return ["/bin/sh", "-c", script + enter, "nimbus-worker", *argv]
+
+    def link(self, name: str) -> Link | None:
+        held = self._held.get(name)
+        return held.link if held else None
+
+    def release(self, name: str) -> None:
+        """Worker ``name`` is gone: note a memory kill, remove what it had."""
+        with self._lock:
+            held = self._held.pop(name, None)
+        if held is None:
+            return
+        if held.link is not None:
+            clear(held.link.slot.number)  # it may have died mid-task: it runs nothing now
+        if held.cgroup is not None:
+            kills = held.cgroup.oom_kills()
+            if kills:
+                self._oom[name] = kills
+            held.cgroup.remove()
+        if held.link is not None:
+            held.link.close()
+
+    def lost(self, name: str) -> MemoryLimitExceeded | None:
+        """Why worker ``name`` (released) died, if it was its memory limit."""
+        if not self._oom.pop(name, 0):
+            return None
+        limit = self.limits.memory or 0
+        return MemoryLimitExceeded(
+            f"the task used more than its worker's memory limit of {limit >> 20} MiB "
+            f"(worker_memory) and was killed; raise worker_memory (e.g. nimbus endpoint "
+            f"configure NAME --worker-memory {max(2 * limit >> 20, 64)}M) or use less memory"
+        )
+
+    def close(self) -> None:
+        for name in list(self._held):
+            self.release(name)

@@ -1,0 +1,473 @@
+"""nimbus.network on this machine: real namespaces, veths, tc, cgroups and curl (root).
+
+Every test runs real workers (an Executor) whose tasks download from and upload
+to an HTTP server on the node's 127.0.0.1, reached from the workers' own
+namespaces. After each test nothing of nimbus's is left: no namespace, no veth,
+no DNAT rule, no cgroup, no slot file. Skipped, with the reason, where not root.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nimbus import Executor
+from nimbus.config import Settings, parse_bandwidth
+from nimbus.errors import ConfigError, MemoryLimitExceeded
+from nimbus.network import DEVICE, WorkerNetworks
+
+ROOT = os.geteuid() == 0 and all(shutil.which(t) for t in ("ip", "tc", "iptables", "curl"))
+needs_root = pytest.mark.skipif(
+    not ROOT, reason="needs root and ip, tc, iptables, curl (namespaces, veths, cgroups)"
+)
+
+
+# ------------------------------------------------------------------ units (anyone)
+
+
+def test_rates_need_their_unit() -> None:
+    assert parse_bandwidth("200Mbit") == 200_000_000
+    assert parse_bandwidth("1Gbit") == 1_000_000_000
+    assert parse_bandwidth("100Mbps") == 100_000_000
+    assert parse_bandwidth("25MB/s") == 200_000_000
+    assert parse_bandwidth("2MiB/s") == 2 * 1024 * 1024 * 8
+    for bad in ("500M", "500", "500Mb/s", "fast", "1bit", "1Tbit/s"):
+        with pytest.raises(ConfigError) as info:
+            parse_bandwidth(bad, "--worker-bandwidth")
+        assert "--worker-bandwidth" in str(info.value)
+    with pytest.raises(ConfigError, match="500Mbit for bits/s or 500MB/s"):
+        parse_bandwidth("500M")
+
+
+def test_limit_settings_are_checked() -> None:
+    s = Settings.load(
+        {
+            "NIMBUS_WORKER_BANDWIDTH": "50Mbit",
+            "NIMBUS_WORKER_MEMORY": "512M",
+            "NIMBUS_WORKER_CPUS": "0.5",
+            "NIMBUS_NET_ACCOUNTING": "netns",
+        }
+    )
+    assert (s.worker_bandwidth, s.worker_memory, s.worker_cpus) == (50_000_000, 512 << 20, 0.5)
+    assert s.net_accounting == "netns"
+    for name, value in (
+        ("NIMBUS_WORKER_BANDWIDTH", "500M"),
+        ("NIMBUS_WORKER_MEMORY", "1M"),
+        ("NIMBUS_WORKER_CPUS", "0"),
+        ("NIMBUS_NET_ACCOUNTING", "ebpf"),
+    ):
+        with pytest.raises(ConfigError, match=name):
+            Settings.load({name: value})
+
+
+# ------------------------------------------------------------------ the real thing
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        size = int(self.path.strip("/"))
+        self.send_response(200)
+        self.send_header("Content-Length", str(size))
+        self.end_headers()
+        block = b"n" * 65536
+        while size > 0:
+            self.wfile.write(block[: min(size, 65536)])
+            size -= 65536
+
+    def do_PUT(self) -> None:
+        left = int(self.headers["Content-Length"])
+        while left > 0:
+            left -= len(self.rfile.read(min(left, 65536)))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[int]:
+    """An HTTP server on the node's 127.0.0.1: GET /N sends N bytes, PUT swallows."""
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv.server_address[1]
+    srv.shutdown()
+    srv.server_close()
+    thread.join()
+
+
+def _ours() -> dict[str, list[str]]:
+    """What of nimbus's network is on this host now (by this process's managers)."""
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    rules = subprocess.run(["iptables", "-t", "nat", "-S"], capture_output=True, text=True).stdout
+    slots = Path("/run/nimbus-net")
+    mine = str(os.getpid())
+    return {
+        "namespaces": [line.split()[0] for line in spaces.splitlines() if "nimbus-" in line],
+        "rules": [line for line in rules.splitlines() if "nmb" in line],
+        "slots": [p.name for p in slots.glob("*") if p.read_text() == mine]
+        if slots.is_dir()
+        else [],
+        "cgroups": [
+            str(p)
+            for p in Path("/sys/fs/cgroup").glob("*/**/nimbus-*")
+            if p.is_dir() and (p / "cgroup.procs").exists()
+        ],
+    }
+
+
+@pytest.fixture
+def netns(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """Workers in namespaces of their own; afterwards, nothing of them is left."""
+    if not ROOT:
+        pytest.skip("needs root and ip, tc, iptables, curl (namespaces, veths, cgroups)")
+    before = _ours()
+    monkeypatch.setenv("NIMBUS_NET_ACCOUNTING", "netns")
+    yield monkeypatch
+    after = _ours()
+    for kind, names in after.items():
+        assert set(names) <= set(before[kind]), f"left behind: {kind} {names}"
+
+
+def _curl(port: int, get: int, put: int) -> str:
+    """Download ``get`` bytes and upload ``put`` with curl, a C program of its own."""
+    out = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{size_download}",
+            f"http://127.0.0.1:{port}/{get}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-X",
+            "PUT",
+            "-H",
+            "Expect:",
+            "--data-binary",
+            "@-",
+            f"http://127.0.0.1:{port}/up",
+        ],
+        input=b"u" * put,
+        capture_output=True,
+        check=True,
+    )
+    return out
+
+
+def _child(port: int, get: int) -> int:
+    """Download ``get`` bytes in a child Python process (urllib): not this process's sockets."""
+    code = (
+        "import sys, urllib.request; "
+        f"print(len(urllib.request.urlopen('http://127.0.0.1:{port}/{get}').read()))"
+    )
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout)
+
+
+def _task(port: int, get_curl: int, get_child: int, put: int) -> tuple[str, int]:
+    return _curl(port, get_curl, put), _child(port, get_child)
+
+
+def _close(measured: int, payload: int) -> bool:
+    return abs(measured - payload) <= max(payload * 0.01, 4096)
+
+
+@needs_root
+def test_every_byte_of_curl_and_children_counted(netns: pytest.MonkeyPatch, server: int) -> None:
+    sizes = [(3_000_000, 1_000_000, 500_000), (1_000_000, 2_000_000, 2_000_000)] * 2
+    with Executor(4) as ex:
+        futures = [ex.submit(_task, server, *size) for size in sizes]
+        for fut, (get_curl, get_child, put) in zip(futures, sizes, strict=True):
+            assert fut.result(timeout=60) == (str(get_curl), get_child)
+            r = fut.record
+            assert r.net_source == "netns"
+            assert _close(r.net_bytes_in, get_curl + get_child), (
+                r.net_bytes_in,
+                get_curl + get_child,
+            )
+            assert _close(r.net_bytes_out, put), (r.net_bytes_out, put)
+            assert r.tcp is not None and r.tcp["segments_out"] > 0
+            assert r.colocated is not None and 0 <= r.colocated["min"] <= r.colocated["max"] <= 3
+            assert r.net_throughput_in > 0
+    # 4 workers, 4 tasks: some ran side by side
+    assert max(f.record.colocated["max"] for f in futures) >= 1  # type: ignore[index]
+
+
+def test_socket_counting_without_a_namespace(monkeypatch: pytest.MonkeyPatch, server: int) -> None:
+    """The default: Python sockets only; curl's bytes are invisible, and the record says so."""
+    monkeypatch.setenv("NIMBUS_NET_ACCOUNTING", "socket")
+    with Executor(1) as ex:
+        fut = ex.submit(_curl, server, 1_000_000, 0)
+        assert fut.result(timeout=60) == "1000000"
+    assert fut.record.net_source == "socket"
+    assert fut.record.net_bytes_in < 100_000
+    assert fut.record.tcp is None and fut.record.colocated is None
+
+
+def _worker_net() -> tuple[bool, str]:
+    with open("/proc/self/net/dev") as f:
+        return f" {DEVICE}:" in f.read().replace("\n", " "), os.readlink("/proc/self/ns/net")
+
+
+@needs_root
+def test_each_worker_has_its_own_namespace(netns: pytest.MonkeyPatch) -> None:
+    with Executor(2) as ex:
+        results = {ex.submit(_worker_net).result(timeout=60) for _ in range(20)}
+        pids = {ex.submit(os.getpid).result(timeout=60) for _ in range(20)}
+    assert all(inside for inside, _ in results)
+    assert os.readlink("/proc/self/ns/net") not in {ns for _, ns in results}
+    assert len({ns for _, ns in results}) == len(pids)
+
+
+_clients: dict[str, object] = {}
+
+
+def _store_round_trip(url: str, size: int) -> int:
+    """Through a connection kept from task to task, as nimbus keeps its store's."""
+    import redis
+
+    client: Any = _clients.setdefault(url, redis.Redis.from_url(url))
+    key = f"nimbus-test-net-{os.getpid()}"
+    client.set(key, b"s" * size)
+    got = client.get(key)
+    client.delete(key)
+    return len(got or b"")
+
+
+@pytest.fixture
+def tcp_store() -> Iterator[str]:
+    """A state store (redis-server) on the node's 127.0.0.1 over TCP: its URL."""
+    import socket
+
+    from nimbus.statestore import redis_server_binary
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+@needs_root
+def test_state_store_traffic_reported_apart(netns: pytest.MonkeyPatch, tcp_store: str) -> None:
+    """The state store on the node's loopback is reached, and its bytes are nimbus's."""
+    netns.setenv("NIMBUS_REDIS_URL", tcp_store)
+    with Executor(1) as ex:
+        assert ex.submit(_store_round_trip, tcp_store, 10).result(timeout=60) == 10
+        fut = ex.submit(_store_round_trip, tcp_store, 2_000_000)
+        assert fut.result(timeout=60) == 2_000_000
+    r = fut.record
+    assert r.net_source == "netns"
+    assert _close(r.net_nimbus_out, 2_000_000) and _close(r.net_nimbus_in, 2_000_000), r
+    assert r.net_bytes_in < 8_000 and r.net_bytes_out < 8_000, r
+
+
+_held: list[object] = []
+
+
+def _open_connection(port: int, size: int) -> int:
+    """Download over a connection left open when the task ends (its TCP_INFO is read)."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(f"GET /{size} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    got = 0
+    while got < size:
+        got += len(sock.recv(1 << 20))
+    _held.append(sock)
+    return got
+
+
+@needs_root
+def test_tcp_summary_of_open_connections(netns: pytest.MonkeyPatch, server: int) -> None:
+    with Executor(1) as ex:
+        fut = ex.submit(_open_connection, server, 4_000_000)
+        assert fut.result(timeout=60) >= 4_000_000
+    tcp = fut.record.tcp
+    assert tcp is not None and tcp["connections"] == 1, tcp
+    assert tcp["rtt_ms"] > 0 and tcp["delivery_rate"] > 0 and tcp["retransmits"] >= 0, tcp
+
+
+def _hog(size: int) -> int:
+    block = bytearray(size)
+    for i in range(0, size, 4096):
+        block[i] = 1
+    return len(block)
+
+
+def _spin(seconds: float) -> float:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return seconds
+
+
+@needs_root
+def test_memory_and_cpu_limits(netns: pytest.MonkeyPatch) -> None:
+    netns.setenv("NIMBUS_NET_ACCOUNTING", "socket")  # cgroups alone, no namespace
+    netns.setenv("NIMBUS_WORKER_MEMORY", "96M")
+    netns.setenv("NIMBUS_WORKER_CPUS", "0.25")
+    with Executor(1) as ex:
+        with pytest.raises(MemoryLimitExceeded, match=r"96 MiB.*--worker-memory"):
+            ex.submit(_hog, 300 << 20).result(timeout=60)
+        assert ex.submit(_hog, 8 << 20).result(timeout=60) == 8 << 20  # a new worker serves
+        fut = ex.submit(_spin, 1.0)
+        fut.result(timeout=60)
+    used = fut.record.cpu_user + fut.record.cpu_system
+    assert 0.15 < used / fut.record.run_seconds < 0.35, (used, fut.record.run_seconds)
+
+
+def _timed_download(port: int, size: int) -> float:
+    started = time.monotonic()
+    _curl(port, size, 0)
+    return time.monotonic() - started
+
+
+@needs_root
+def test_bandwidth_limit_holds(netns: pytest.MonkeyPatch, server: int) -> None:
+    netns.setenv("NIMBUS_WORKER_BANDWIDTH", "40Mbit")
+    with Executor(1) as ex:
+        seconds = ex.submit(_timed_download, server, 10_000_000).result(timeout=60)
+    rate = 10_000_000 * 8 / seconds
+    assert 0.9 * 40e6 < rate < 1.05 * 40e6, rate
+
+
+@needs_root
+def test_a_failed_setup_leaves_nothing(netns: pytest.MonkeyPatch) -> None:
+    """A worker whose link cannot be made: a clear error, and nothing half made."""
+    nets = WorkerNetworks("netns")
+    taken = f"nmb{nets._next}h"  # the node side's name of the slot it will take: in use
+    subprocess.run(
+        ["ip", "link", "add", taken, "type", "veth", "peer", "name", taken + "x"], check=True
+    )
+    try:
+        with pytest.raises(ConfigError, match=r"worker network: ip .*File exists"):
+            nets.command("w1", [sys.executable, "-c", "pass"])
+    finally:
+        subprocess.run(["ip", "link", "del", taken], capture_output=True)
+        nets.close()
+
+
+# ------------------------------------------------------------------ the endpoint's options
+
+
+def test_endpoint_configure_refuses_a_rate_without_its_unit() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nimbus",
+            "endpoint",
+            "configure",
+            "hpc",
+            "--worker-bandwidth",
+            "500M",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+    )
+    assert done.returncode == 2
+    assert "--worker-bandwidth='500M'" in done.stderr
+    assert "say 500Mbit for bits/s or 500MB/s for bytes/s" in done.stderr
+
+
+def test_endpoint_limits_reach_its_agent_as_settings() -> None:
+    from nimbus.endpoint.config import EndpointConfig
+
+    config = EndpointConfig(
+        "hpc", "http://x", "id", "t", 2, worker_cpus=0.5, worker_memory=512 << 20,
+        worker_bandwidth=200_000_000,
+    )  # fmt: skip
+    env = config.worker_environment()
+    s = Settings.load(env)
+    assert (s.worker_cpus, s.worker_memory, s.worker_bandwidth) == (0.5, 512 << 20, 200_000_000)
+    assert EndpointConfig("hpc", "http://x", "id", "t", 2).worker_environment() == {}
+
+
+# ------------------------------------------------------------------ nimbus netbench --offline
+
+
+def _nimbus(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nimbus", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+    )
+
+
+def test_netbench_says_what_is_built() -> None:
+    done = _nimbus("netbench", "--concurrency", "1")
+    assert done.returncode == 2 and "add --offline" in done.stderr
+    done = _nimbus("netbench", "--offline", "--cap", "1G")
+    assert done.returncode == 2 and "say 1Gbit for bits/s" in done.stderr
+
+
+@needs_root
+def test_netbench_offline_shares_the_host_link(netns: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two workers behind a 200 Mbit/s host link: each gets about half; a report is written."""
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    done = _nimbus(
+        "netbench", "--offline", "--concurrency", "1,2", "--direction", "down",
+        "--seconds", "2", "--cap", "200Mbit", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for name in ("netbench.csv", "netbench.json", "netbench.html", "netbench-down.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    summary = json.loads((tmp_path / "netbench.json").read_text())
+    one, two = summary["runs"]
+    assert one["concurrency"] == 1 and two["concurrency"] == 2
+    for run in (one, two):
+        assert 0.85 * 200 < run["aggregate_mbit"] < 1.05 * 200, run
+        assert abs(run["link_vs_client_bytes"]) < 0.01, run  # the link's count is the task's
+    assert 0.4 * 200 < two["per_task_min_mbit"] <= two["per_task_max_mbit"] < 0.6 * 200, two
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == spaces
+
+
+@needs_root
+def test_auto_takes_namespaces_where_allowed(netns: pytest.MonkeyPatch) -> None:
+    nets = WorkerNetworks("auto")
+    assert nets.netns and not nets.cgroups
+    assert WorkerNetworks("socket").command("w", ["python"]) == ["python"]  # the identity
+    nets.close()
