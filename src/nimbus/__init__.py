@@ -55,6 +55,8 @@ _HOMES = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "data":  # nimbus.data.store() in task code, with only `import nimbus`
+        return importlib.import_module("nimbus.data")
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module 'nimbus' has no attribute {name!r}")

@@ -188,6 +188,12 @@ class Executor(cf.Executor):
         # a remote backend's workers cannot import the caller's own modules
         self._remote = bool(getattr(self._backend, "remote", False))
         self._functions = serialization.FunctionCache(by_value=self._remote)
+        # nimbus.put(obj, endpoint=...) goes through it, by the endpoint's name or id
+        self._places: set[str] = {
+            p for p in (endpoint, getattr(self._backend, "endpoint_id", None)) if p
+        }
+        for place in self._places if self._endpoint is not None else ():
+            data.register(place, None, opener=self._data)
         if shutdown_at_exit:
             _live.add(self)
 
@@ -300,25 +306,30 @@ class Executor(cf.Executor):
         def send() -> None:
             if future.done():
                 return
-            try:
+            try:  # a dependency that failed fails this task with its error
                 bound, bound_kw, holds = data.bind(args, kwargs, session)
-                future._holds = holds  # type: ignore[attr-defined]  # alive until it is done
-                self._launch(
-                    wrapped, (session.scope(keep), *bound), bound_kw, timeout, future, label=fn
-                )
             except BaseException as exc:
+                try:
+                    future.set_exception(exc)
+                except cf.InvalidStateError:
+                    pass
+                return
+            future._holds = holds  # type: ignore[attr-defined]  # alive until it is done
+            self._launch(wrapped, (session.scope(keep), *bound), bound_kw, timeout, future, fn)
+
+        def send_later() -> None:
+            try:
+                send()
+            except BaseException as exc:  # it cannot be sent (unpicklable, too large)
                 try:
                     future.set_exception(exc)
                 except cf.InvalidStateError:
                     pass
 
         if not waiting:
-            bound, bound_kw, holds = data.bind(args, kwargs, session)
-            future._holds = holds  # type: ignore[attr-defined]
-            return self._launch(
-                wrapped, (session.scope(keep), *bound), bound_kw, timeout, future, label=fn
-            )
-        data.when_done(waiting, lambda: self._deferred(send))
+            send()  # what cannot be sent raises here, at submit
+            return future
+        data.when_done(waiting, lambda: self._deferred(send_later))
         return future
 
     def _deferred(self, send: Callable[[], None]) -> None:
@@ -375,9 +386,11 @@ class Executor(cf.Executor):
             for future in list(self._futures.values()):
                 if not future.running():
                     future.cancel()
-        if self._session is not None and self._endpoint is not None:
-            self._session.close()  # what was released is freed while tasks still run
-            data.register(self._endpoint, None, self._session)
+        if self._endpoint is not None:
+            if self._session is not None:
+                self._session.close()  # what was released is freed while tasks still run
+            for place in self._places:
+                data.register(place, None, self._session)
         self._backend.shutdown(wait=wait)
         _live.discard(self)
 

@@ -130,6 +130,8 @@ def open_session(backend: Any, endpoint: str | None, call: Callable[..., Any]) -
     # the user's id, and a secret only their tokens' holder knows (a task's scope comes
     # from the client; another user who guesses the id alone does not find the store)
     secret = hashlib.sha256(b"nimbus-data\0" + str(token).encode()).hexdigest()[:24]
-    found = Session(f"{me['user_id']}.{secret}", str(me.get("name", "")), endpoint, call=call)
+    place = str(getattr(backend, "endpoint_id", endpoint))  # names differ between users
+    found = Session(f"{me['user_id']}.{secret}", str(me.get("name", "")), place, call=call)
+    register(place, found)
     register(endpoint, found)
     return found

@@ -157,17 +157,17 @@ class Session:
 
     def check(self, ref: Ref) -> None:
         """Refuse a Ref this session cannot pass to its tasks (before any task runs)."""
-        if ref.namespace != self.namespace:
-            raise DataAccessError(
-                f"{ref!r} belongs to user {ref.user!r}, and these tasks run as {self.user!r}: "
-                f"a reference can be used only by the user who made it; ask them for the "
-                f"object itself (ref.get()) and nimbus.put() it yourself"
-            )
         if ref.endpoint != self.endpoint:
             raise DataAccessError(
                 f"{ref!r} is kept on {ref.endpoint or 'the local runtime'}, and these tasks "
                 f"run on {self.endpoint or 'the local runtime'}; pass it to tasks there, or "
                 f"nimbus.put(ref.get(), endpoint={self.endpoint!r})"
+            )
+        if ref.namespace != self.namespace:
+            raise DataAccessError(
+                f"{ref!r} belongs to user {ref.user!r}, and these tasks run as {self.user!r}: "
+                f"a reference can be used only by the user who made it; ask them for the "
+                f"object itself (ref.get()) and nimbus.put() it yourself"
             )
         if ref._entry is None:  # unpickled here (inside a result): hold it too
             self.adopt(ref)
@@ -268,6 +268,9 @@ def session(endpoint: str | None) -> Session:
             found = _sessions[None] = Session(
                 local_namespace(), getpass.getuser(), None, store=NodeStore(local_namespace())
             )
+        make = _openers.get(endpoint) if found is None else None
+    if make is not None:
+        found = make()
     if found is None:
         raise DataError(
             f"no Executor(endpoint={endpoint!r}) is open in this process: open one first, "
@@ -276,13 +279,28 @@ def session(endpoint: str | None) -> Session:
     return found
 
 
-def register(endpoint: str, found: Session | None, closed: Session | None = None) -> None:
-    """The Executor's session for ``endpoint``; ``found`` None: ``closed`` closed."""
+# endpoint -> how to make its session (an Executor there that has not made it yet)
+_openers: dict[str | None, Callable[[], Session]] = {}
+
+
+def register(
+    endpoint: str,
+    found: Session | None,
+    closed: Session | None = None,
+    *,
+    opener: Callable[[], Session] | None = None,
+) -> None:
+    """The Executor's session for ``endpoint`` (or the ``opener`` that makes it on first
+    use); ``found`` None: ``closed`` closed (or the executor of ``opener`` did)."""
     with _sessions_lock:
-        if found is not None:
+        if opener is not None:
+            _openers[endpoint] = opener
+        elif found is not None:
             _sessions[endpoint] = found
-        elif _sessions.get(endpoint) is closed:
-            del _sessions[endpoint]
+        else:
+            if _sessions.get(endpoint) is closed:
+                del _sessions[endpoint]
+            _openers.pop(endpoint, None)
 
 
 def put(obj: object, endpoint: str | None = None) -> Ref:
