@@ -47,6 +47,11 @@ def sizes(*blobs: bytes) -> list[int]:
     return [len(b) for b in blobs]
 
 
+@nimbus.data.pure
+def squares(n: int) -> list[int]:
+    return [i * i for i in range(n)]
+
+
 def fail(x: int) -> int:
     raise ValueError(f"no {x}")
 
@@ -153,6 +158,20 @@ def test_a_lost_reference_fails_its_dependents_naming_it(ex: Executor) -> None:
     assert caught.value.ref_id == ref.id
     with pytest.raises(ReferenceLost):
         ref.get()
+
+
+def test_a_lost_result_of_a_pure_task_is_made_again(ex: Executor) -> None:
+    made = ex.options(keep=True).submit(squares, 10)
+    first = made.ref().id
+    _node().path(first).unlink()  # the node that kept it lost it
+    assert ex.submit(sum, made).result(timeout=60) == 285  # ran squares again, then sum
+    assert made.ref().id != first and _node().path(made.ref().id).exists()
+    _node().path(made.ref().id).unlink()
+    assert made.result(timeout=60) == squares(10)  # fetching it makes it again too
+    impure = ex.options(keep=True).submit(double, [1])
+    _node().path(impure.ref().id).unlink()
+    with pytest.raises(ReferenceLost):
+        ex.submit(sum, impure).result(timeout=60)  # not known to be pure: not run again
 
 
 def test_a_failed_dependency_fails_the_task_that_waits_for_it(ex: Executor) -> None:

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 from nimbus import _chunks, data, serialization
 from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings, check_timeout
-from nimbus.errors import ConfigError, PayloadTooLargeError, RemoteTraceback
+from nimbus.errors import ConfigError, PayloadTooLargeError, ReferenceLost, RemoteTraceback
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task
@@ -93,6 +93,8 @@ class KeptFuture(Future):
     """
 
     kept = True
+    _recipe: tuple[Any, ...] | None = None  # (fn, args, kwargs, timeout) of a pure task
+    _executor: Executor | None = None
 
     def ref(self, timeout: float | None = None) -> data.Ref:
         """The reference to the result, once the task is done."""
@@ -100,7 +102,14 @@ class KeptFuture(Future):
         return ref
 
     def result(self, timeout: float | None = None) -> Any:
-        return self.ref(timeout).get()
+        ref = self.ref(timeout)
+        try:
+            return ref.get()
+        except ReferenceLost:
+            if self._recipe is None or self._executor is None:
+                raise
+            again = self._executor._again(self)  # a pure task: made again, then fetched
+            return again.result(timeout)
 
 
 _UNSET: Any = object()
@@ -169,6 +178,10 @@ class Executor(cf.Executor):
         self._endpoint = endpoint if backend == "service" else None
         self._session: data.Session | None = None
         self._wrapped: dict[Callable[..., Any], partial[Any]] = {}
+        # reference id -> the kept future of the pure task that made it
+        self._producers: weakref.WeakValueDictionary[str, KeptFuture] = (
+            weakref.WeakValueDictionary()
+        )
         self._sends: list[Callable[[], None]] = []
         self._send_ready = threading.Condition(self._lock)
         self._sender: threading.Thread | None = None
@@ -299,6 +312,9 @@ class Executor(cf.Executor):
         waiting = data.waiting_on(args, kwargs, session)  # refuses another user's Refs now
         future: Future = KeptFuture() if keep else Future()
         future.record = TaskRecord("", function=getattr(fn, "__qualname__", ""))
+        if keep and getattr(fn, "__nimbus_pure__", False):
+            future._recipe = (fn, args, kwargs, timeout)  # type: ignore[attr-defined]
+            future._executor = self  # type: ignore[attr-defined]
         wrapped = self._wrapped.get(fn)
         if wrapped is None:
             wrapped = self._wrapped[fn] = partial(data.run, fn)
@@ -326,11 +342,46 @@ class Executor(cf.Executor):
                 except cf.InvalidStateError:
                     pass
 
+        future._resend = send_later  # type: ignore[attr-defined]
         if not waiting:
             send()  # what cannot be sent raises here, at submit
             return future
         data.when_done(waiting, lambda: self._deferred(send_later))
         return future
+
+    def _again(self, producer: KeptFuture) -> KeptFuture:
+        """Run a pure kept task again (its object was lost); ``producer`` names the new one."""
+        assert producer._recipe is not None
+        fn, args, kwargs, timeout = producer._recipe
+        again: KeptFuture = self._submit_data(fn, args, kwargs, timeout, True)  # type: ignore[assignment]
+
+        def made(f: cf.Future[Any]) -> None:
+            if f.exception() is None:
+                ref = again.ref()
+                with producer._condition:
+                    producer._result = ref
+                self._producers[ref.id] = producer
+
+        again.add_done_callback(made)
+        return again
+
+    def _recover(self, future: Future, error: ReferenceLost) -> bool:
+        """A task read a lost reference: when a pure task of this executor made it, run
+        that again and then this one (once per task); whether it does."""
+        producer = self._producers.get(error.ref_id)
+        resend = getattr(future, "_resend", None)
+        if producer is None or resend is None or getattr(future, "_recovered", False):
+            return False
+        future._recovered = True  # type: ignore[attr-defined]
+
+        def rerun() -> None:
+            again = self._again(producer)
+            again.add_done_callback(
+                lambda f: resend() if f.exception() is None else _fail(future, f.exception())
+            )
+
+        self._deferred(rerun)
+        return True
 
     def _deferred(self, send: Callable[[], None]) -> None:
         """Send a task whose dependencies are done, from this executor's sender thread
@@ -427,7 +478,9 @@ class Executor(cf.Executor):
             if future.cancelled():
                 self._futures.pop(task.seq, None)
                 continue
-            if task.attempts == 0:
+            if task.attempts == 0 and future.running():
+                pass  # sent again: a reference it reads was lost and made again
+            elif task.attempts == 0:
                 try:
                     if not future.set_running_or_notify_cancel():
                         self._futures.pop(task.seq, None)
@@ -454,12 +507,16 @@ class Executor(cf.Executor):
                     value = serialization.loads(task.data, task.result_buffers)
                     if type(future) is KeptFuture:
                         value = self._data().adopt(value)
+                        if future._recipe is not None:  # pure: made again if it is lost
+                            self._producers[value.id] = future
                     record.state = TaskState.SUCCESS
                     future.set_result(value)
                 elif task.status == Status.ERROR:
                     error, tb = serialization.loads(task.data)
                     if tb:
                         error.__cause__ = RemoteTraceback(tb)
+                    if type(error) is ReferenceLost and self._recover(future, error):
+                        continue  # its producer runs again, then it does
                     record.state = TaskState.FAILED
                     future.set_exception(error)
             except cf.InvalidStateError:
@@ -474,6 +531,7 @@ class Executor(cf.Executor):
             task.result_buffers = []
             if type(future) is not Future:  # the data path: its Refs go when it does
                 future._holds = None  # type: ignore[attr-defined]
+                future._resend = None  # type: ignore[attr-defined]  # (a cycle through it)
                 future._task = None  # no cycle with the task: the last Ref is freed at once
 
 
@@ -502,6 +560,13 @@ class _Options(cf.Executor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """A view owns nothing; shut down the executor itself."""
+
+
+def _fail(future: cf.Future[Any], error: BaseException | None) -> None:
+    try:
+        future.set_exception(error)
+    except cf.InvalidStateError:
+        pass
 
 
 def _map(

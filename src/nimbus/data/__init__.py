@@ -18,7 +18,7 @@ from __future__ import annotations
 from nimbus.data._bind import bind, open_session, uses_data, waiting_on, when_done
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore, default_root
-from nimbus.data._ref import LEASE, Ref, Scope, Session, get, put, register, session
+from nimbus.data._ref import LEASE, Ref, Scope, Session, get, pure, put, register, session
 from nimbus.data._task import free_objects, identity, renew_objects, run, store
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "get",
     "identity",
     "open_session",
+    "pure",
     "put",
     "register",
     "renew_objects",

@@ -23,12 +23,23 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from nimbus.data._node import NodeStore
 from nimbus.errors import DataAccessError, DataError, ReferenceLost
 
-__all__ = ["LEASE", "Ref", "Scope", "Session", "get", "new_id", "put", "register", "session"]
+__all__ = [
+    "LEASE",
+    "Ref",
+    "Scope",
+    "Session",
+    "get",
+    "new_id",
+    "pure",
+    "put",
+    "register",
+    "session",
+]
 
 LEASE = 300.0  # seconds an object outlives its holder's last renewal (a crashed client)
 
@@ -207,14 +218,15 @@ class Session:
         return self.call(identity, ref, keep=False).result()
 
     # -- leases ---------------------------------------------------------------
-    def flush(self) -> None:
+    def flush(self, *, renew: bool = True) -> None:
         """Free what was released and renew what is held (the renewer does it often)."""
         with self._lock:
             to_free, self._to_free = self._to_free, []
-        held = self.held()
+        held = self.held() if renew else []
         expires = time.time() + self.lease
         if self.store is not None:
-            self.store.renew(held, expires)
+            if held:
+                self.store.renew(held, expires)
             return
         from nimbus.data._task import free_objects, renew_objects
 
@@ -226,10 +238,18 @@ class Session:
             self.call(renew_objects, held, expires, keep=False)
 
     def _renewer(self) -> None:
-        every = min(self.lease / 3, 1.0 if self.store is None else self.lease / 3)
-        while not self._closed.wait(every):
+        """Free what was released (every second for an endpoint: one task for many) and
+        renew the leases of what is held (every third of a lease)."""
+        every = self.lease / 3
+        tick = every if self.store is not None else min(1.0, every)
+        renewed = time.monotonic()
+        while not self._closed.wait(tick):
             try:
-                self.flush()
+                if time.monotonic() - renewed >= every:
+                    renewed = time.monotonic()
+                    self.flush()
+                else:
+                    self.flush(renew=False)
             except Exception:  # the executor shut down under it: the leases run out
                 return
 
@@ -301,6 +321,17 @@ def register(
             if _sessions.get(endpoint) is closed:
                 del _sessions[endpoint]
             _openers.pop(endpoint, None)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def pure(fn: F) -> F:
+    """Mark ``fn`` pure (its result depends on its arguments only): a kept result of it
+    that is lost (its node died, its lease ran out) is made again by running it again,
+    instead of failing the tasks that read it with ``ReferenceLost``."""
+    fn.__nimbus_pure__ = True  # type: ignore[attr-defined]
+    return fn
 
 
 def put(obj: object, endpoint: str | None = None) -> Ref:
