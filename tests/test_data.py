@@ -133,6 +133,27 @@ def test_a_crashed_clients_objects_go_when_their_lease_runs_out() -> None:
     assert not path.exists()
 
 
+def test_a_held_object_outlives_its_lease_renewed() -> None:
+    local = nimbus.data.session(None)
+    lease, local.lease = local.lease, 0.6
+    try:
+        ref = nimbus.put(b"z" * 100)
+        time.sleep(1.0)  # longer than the lease: its holder renewed it meanwhile
+        _node().sweep()
+        assert ref.get() == b"z" * 100
+    finally:
+        local.lease = lease
+
+
+def test_large_containers_pass_as_they_are(ex: Executor) -> None:
+    big = list(range(nimbus.data.MAX_SCAN + 1))
+    assert not nimbus.data.uses_data((big,), {})
+    ref = nimbus.put(1)
+    assert nimbus.data.uses_data(([ref],), {}) and nimbus.data.uses_data((), {"x": {"k": ref}})
+    assert ex.submit(len, [*big, ref]).result() == len(big) + 1  # not looked into
+    assert ex.submit(sum, [ref, ref, 2]).result() == 4  # looked into: read in the worker
+
+
 def test_another_users_reference_is_refused_before_any_task_runs(
     ex: Executor, tmp_path: object
 ) -> None:

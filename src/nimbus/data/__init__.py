@@ -18,11 +18,12 @@ from __future__ import annotations
 from nimbus.data._bind import bind, open_session, uses_data, waiting_on, when_done
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore, default_root
-from nimbus.data._ref import LEASE, Ref, Scope, Session, get, pure, put, register, session
+from nimbus.data._ref import LEASE, MAX_SCAN, Ref, Scope, Session, get, pure, put, register, session
 from nimbus.data._task import free_objects, identity, renew_objects, run, store
 
 __all__ = [
     "LEASE",
+    "MAX_SCAN",
     "KeyValue",
     "NodeStore",
     "Ref",

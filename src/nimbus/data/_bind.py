@@ -9,7 +9,8 @@
                     until the task is done
 
 Arguments are looked at to the depth ``run`` resolves: the arguments themselves and
-the items of lists, tuples and dicts among them.
+the items of lists, tuples and dicts among them of at most ``MAX_SCAN`` items (a
+larger container is passed as it is: pass its futures as arguments, or in smaller lists).
 """
 
 from __future__ import annotations
@@ -20,34 +21,36 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from nimbus.data._ref import Ref, Session, register, session
+from nimbus.data._ref import MAX_SCAN, Ref, Session, register, session
 from nimbus.errors import DataError
 
 __all__ = ["bind", "open_session", "uses_data", "waiting_on", "when_done"]
 
-_CONTAINERS = (list, tuple, dict)
+
+def _items(value: Any) -> Any:
+    """The items of a list, tuple or dict argument that are looked at (small ones only)."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return value if len(value) <= MAX_SCAN else ()
+    if kind is dict:
+        return value.values() if len(value) <= MAX_SCAN else ()
+    return ()
 
 
 def _walk(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
     for value in (*args, *kwargs.values()):
         yield value
-        kind = type(value)
-        if kind is list or kind is tuple:
-            yield from value
-        elif kind is dict:
-            yield from value.values()
+        yield from _items(value)
+
+
+def _is_data(value: Any) -> bool:
+    return type(value) is Ref or isinstance(value, cf.Future)
 
 
 def uses_data(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a Ref or a future is among the arguments (the data path is needed)."""
     for value in (*args, *kwargs.values()):
-        kind = type(value)
-        if kind is Ref or isinstance(value, cf.Future):
-            return True
-        if kind in _CONTAINERS and any(
-            type(v) is Ref or isinstance(v, cf.Future)
-            for v in (value.values() if kind is dict else value)
-        ):
+        if _is_data(value) or any(map(_is_data, _items(value))):
             return True
     return False
 
@@ -89,6 +92,8 @@ def bind(
 
     def one(value: Any) -> Any:
         kind = type(value)
+        if not any(map(_is_data, _items(value))):
+            return _bound(value, where, holds)
         if kind is list:
             return [_bound(v, where, holds) for v in value]
         if kind is tuple:

@@ -30,6 +30,7 @@ from nimbus.errors import DataAccessError, DataError, ReferenceLost
 
 __all__ = [
     "LEASE",
+    "MAX_SCAN",
     "Ref",
     "Scope",
     "Session",
@@ -42,6 +43,7 @@ __all__ = [
 ]
 
 LEASE = 300.0  # seconds an object outlives its holder's last renewal (a crashed client)
+MAX_SCAN = 256  # items of a list, tuple or dict argument looked into for Refs and futures
 
 
 def new_id() -> str:
@@ -240,12 +242,10 @@ class Session:
     def _renewer(self) -> None:
         """Free what was released (every second for an endpoint: one task for many) and
         renew the leases of what is held (every third of a lease)."""
-        every = self.lease / 3
-        tick = every if self.store is not None else min(1.0, every)
         renewed = time.monotonic()
-        while not self._closed.wait(tick):
+        while not self._closed.wait(min(1.0, self.lease / 3)):
             try:
-                if time.monotonic() - renewed >= every:
+                if time.monotonic() - renewed >= self.lease / 3:
                     renewed = time.monotonic()
                     self.flush()
                 else:

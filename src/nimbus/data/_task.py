@@ -19,11 +19,12 @@ from typing import Any
 
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore
-from nimbus.data._ref import Ref, Scope, local_namespace, lost, new_id
+from nimbus.data._ref import MAX_SCAN, Ref, Scope, local_namespace, lost, new_id
 from nimbus.errors import DataAccessError
 
 __all__ = ["free_objects", "identity", "renew_objects", "run", "store"]
 
+_CONTAINERS = (list, tuple, dict)
 _current: Scope | None = None  # the scope of the task this worker runs now
 
 
@@ -48,8 +49,10 @@ def _resolve(value: Any, scope: Scope, seen: dict[str, Any], depth: int = 0) -> 
                 raise lost(value) from None
             seen[value.id] = got
         return got
-    if depth > 1:
+    if depth or kind not in _CONTAINERS or len(value) > MAX_SCAN:
         return value
+    if not any(type(v) is Ref for v in (value.values() if kind is dict else value)):
+        return value  # nothing to read: the same object, not a copy
     if kind is list:
         return [_resolve(v, scope, seen, depth + 1) for v in value]
     if kind is tuple:
