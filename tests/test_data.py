@@ -244,6 +244,26 @@ def test_remote_references_stay_on_the_endpoint(remote: Executor, lab: EndpointP
         remote.submit(len, nimbus.put([1]))  # a local Ref, to a task on lab
 
 
+def test_remote_references_are_freed_and_lost_ones_named(
+    remote: Executor, lab: EndpointProcess
+) -> None:
+    place = nimbus.data.session(lab.endpoint_id)
+    node = NodeStore(place.namespace)  # the endpoint runs on this machine, as this OS user
+    ref = nimbus.put(b"q" * 1000, endpoint="lab")
+    path = node.path(ref.id)
+    assert path.exists()
+    del ref
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # freed by the session's next batch (a task on the endpoint)
+    assert not path.exists()
+    ref = nimbus.put([1, 2, 3], endpoint="lab")
+    node.path(ref.id).unlink()
+    with pytest.raises(ReferenceLost, match=ref.id[:12]):
+        remote.submit(sum, ref).result(timeout=60)
+
+
 def test_remote_reference_of_another_user_is_refused(
     service: Service, remote: Executor, lab: EndpointProcess, alice: Client
 ) -> None:

@@ -177,7 +177,7 @@ class Executor(cf.Executor):
         self._lock = threading.Lock()
         self._endpoint = endpoint if backend == "service" else None
         self._session: data.Session | None = None
-        self._wrapped: dict[Callable[..., Any], partial[Any]] = {}
+        self._wrapped: dict[int, tuple[Callable[..., Any], partial[Any]]] = {}
         # reference id -> the kept future of the pure task that made it
         self._producers: weakref.WeakValueDictionary[str, KeptFuture] = (
             weakref.WeakValueDictionary()
@@ -315,9 +315,14 @@ class Executor(cf.Executor):
         if keep and getattr(fn, "__nimbus_pure__", False):
             future._recipe = (fn, args, kwargs, timeout)  # type: ignore[attr-defined]
             future._executor = self  # type: ignore[attr-defined]
-        wrapped = self._wrapped.get(fn)
-        if wrapped is None:
-            wrapped = self._wrapped[fn] = partial(data.run, fn)
+        entry = self._wrapped.get(id(fn))  # by identity, as the function cache
+        if entry is not None and entry[0] is fn:
+            wrapped = entry[1]
+        else:
+            if len(self._wrapped) >= 1024:  # bounded (new closures at every call)
+                self._wrapped.clear()
+            wrapped = partial(data.run, fn)
+            self._wrapped[id(fn)] = (fn, wrapped)
 
         def send() -> None:
             if future.done():
