@@ -40,7 +40,13 @@ from typing import Any, TypeVar
 from nimbus import _chunks, data, serialization
 from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings, check_timeout
-from nimbus.errors import ConfigError, PayloadTooLargeError, ReferenceLost, RemoteTraceback
+from nimbus.errors import (
+    ConfigError,
+    NimbusError,
+    PayloadTooLargeError,
+    ReferenceLost,
+    RemoteTraceback,
+)
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task
@@ -177,6 +183,7 @@ class Executor(cf.Executor):
         self._lock = threading.Lock()
         self._endpoint = endpoint if backend == "service" else None
         self._session: data.Session | None = None
+        self._unscoped_until = 0.0
         self._wrapped: dict[int, tuple[Callable[..., Any], partial[Any]]] = {}
         # reference id -> the kept future of the pure task that made it
         self._producers: weakref.WeakValueDictionary[str, KeptFuture] = (
@@ -235,9 +242,25 @@ class Executor(cf.Executor):
         timeout: float | None,
         keep: bool = False,
     ) -> Future:
-        if keep or self._remote or data.uses_data(args, kwargs):
+        if keep or data.uses_data(args, kwargs):
+            return self._submit_data(fn, args, kwargs, timeout, keep)
+        if self._remote and self._scoped():  # on an endpoint: its user's store() in the task
             return self._submit_data(fn, args, kwargs, timeout, keep)
         return self._launch(fn, args, kwargs, timeout)
+
+    def _scoped(self) -> bool:
+        """Whether plain tasks on the endpoint carry their user's scope: they do once the
+        service said who this is (not while it cannot be reached: they are not held up)."""
+        if self._session is not None:
+            return True
+        if time.monotonic() < self._unscoped_until:
+            return False
+        try:
+            self._data()
+        except NimbusError:
+            self._unscoped_until = time.monotonic() + 5.0  # ask again in a while
+            return False
+        return True
 
     def _launch(
         self,
