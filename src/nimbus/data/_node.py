@@ -166,8 +166,16 @@ class NodeStore:
         return removed
 
     def maybe_sweep(self) -> None:
+        """Every ``SWEEP_EVERY`` s at most: sweep every namespace of this node (a user who
+        never comes back leaves nothing behind once the leases ran out)."""
         if time.time() - self._swept > SWEEP_EVERY:
-            self.sweep()
+            self._swept = time.time()
+            for entry in os.scandir(self.dir.parent):
+                if entry.is_dir(follow_symlinks=False) and not entry.name.startswith("."):
+                    try:
+                        NodeStore(entry.name, self.dir.parent).sweep()
+                    except (OSError, ConfigError):
+                        pass
 
     def statistics(self) -> dict[str, int]:
         """``objects`` held here and their ``bytes``."""
