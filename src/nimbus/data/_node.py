@@ -6,7 +6,7 @@
                                       (mtime = when its lease runs out)
     <root>/<namespace>/kv/<key>       one value of ``nimbus.data.store()``
 
-``root`` is ``/dev/shm/nimbus-<uid>`` (memory; mode 0o700) where there is one, else a
+``root`` is ``/dev/shm/nimbus-data-<uid>`` (memory; mode 0o700) where there is one, else a
 directory of the same name under the system's temporary directory. A namespace is one
 user's (see :class:`~nimbus.data.Scope`). An object is written once, to a part file
 renamed into place; it is read by mapping the file, so out-of-band buffers (numpy
@@ -41,7 +41,7 @@ def default_root() -> Path:
     """This user's private directory of node stores (made 0o700 on first use)."""
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return base / f"nimbus-{os.getuid()}"
+    return base / f"nimbus-data-{os.getuid()}"  # not nimbus-<uid>: multiprocessing's heaps
 
 
 def _private_dir(path: Path) -> Path:
@@ -60,6 +60,22 @@ def _write_all(fd: int, data: Any) -> None:
     while view.nbytes:
         written = os.write(fd, view)
         view = view[written:]
+
+
+def _sweep(objects: Path, now: float) -> int:
+    """Remove the objects in ``objects`` whose lease ran out, and part files a writer left
+    (``PART_AGE`` ago); how many."""
+    removed = 0
+    with os.scandir(objects) as entries:
+        for entry in entries:
+            try:
+                part = entry.name.startswith(".")
+                if entry.stat().st_mtime < (now - PART_AGE if part else now):
+                    os.unlink(entry.path)
+                    removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 class NodeStore:
@@ -153,17 +169,7 @@ class NodeStore:
         """Remove the objects whose lease ran out (and part files left a lease ago)."""
         now = time.time() if now is None else now
         self._swept = now
-        removed = 0
-        with os.scandir(self.objects) as entries:
-            for entry in entries:
-                try:
-                    part = entry.name.startswith(".")
-                    if entry.stat().st_mtime < (now - PART_AGE if part else now):
-                        os.unlink(entry.path)
-                        removed += 1
-                except FileNotFoundError:
-                    pass
-        return removed
+        return _sweep(self.objects, now)
 
     def maybe_sweep(self) -> None:
         """Every ``SWEEP_EVERY`` s at most: sweep every namespace of this node (a user who
@@ -171,10 +177,11 @@ class NodeStore:
         if time.time() - self._swept > SWEEP_EVERY:
             self._swept = time.time()
             for entry in os.scandir(self.dir.parent):
-                if entry.is_dir(follow_symlinks=False) and not entry.name.startswith("."):
+                objects = Path(entry.path) / "obj"
+                if entry.is_dir(follow_symlinks=False) and objects.is_dir():
                     try:
-                        NodeStore(entry.name, self.dir.parent).sweep()
-                    except (OSError, ConfigError):
+                        _sweep(objects, time.time())
+                    except OSError:
                         pass
 
     def statistics(self) -> dict[str, int]:
