@@ -182,3 +182,17 @@ def test_bench_run_quick(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [row["program"] for row in rows] == ["no-op script", "script importing multiprocessing"]
     assert all(row["nimbus_run_s"] > 0 and row["python_s"] > 0 for row in rows)
+
+
+@pytest.mark.timeout(180)
+def test_bench_dataflow_quick_local(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    lines = _run(
+        "dataflow.py", "--quick", "--no-ray", "--no-service", "--json", str(out), timeout=170
+    )
+    _header(lines, "workload", "nimbus", "ratio", "target")
+    assert "10 MB out and back" in _row(lines, "10 MB out and back")
+    assert (
+        _row(lines, "campaign 40 x 1 MB, local runtime: through references").rstrip().endswith(" -")
+    )  # informational on one machine: no verdict
+    assert out.exists()

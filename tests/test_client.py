@@ -34,9 +34,11 @@ def test_public_names() -> None:
         "Executor",
         "Future",
         "NimbusError",
+        "Ref",
         "TaskRecord",
         "TaskState",
         "__version__",
+        "put",
     ]
     assert nimbus.Client is Client
     assert set(BACKENDS) == {"local", "forked", "service"}

@@ -50,6 +50,7 @@ LAYERS: dict[str, int] = {
     "network": 3,  # per-worker namespaces, counters and limits (issue 19)
     # the state store (and shared files)
     "statestore": 2,
+    "data": 2,  # references and the node stores they name (nimbus.data)
     "storage": 2,
     # contracts and plumbing every floor uses
     "protocol": 1,

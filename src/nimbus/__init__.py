@@ -1,7 +1,7 @@
 """nimbus: run Python functions and unmodified multiprocessing programs on warm workers.
 
 This package owns the SDK's public face: ``Executor``, ``Future``, ``Client``,
-``TaskRecord``, ``TaskState``, ``NimbusError``. Its subpackages, top down (the
+``TaskRecord``, ``TaskState``, ``NimbusError``, and ``Ref`` / ``put`` (``nimbus.data``). Its subpackages, top down (the
 layers of DESIGN.md, pinned by tests/test_layers.py): ``cli``; the SDK and
 ``multiprocessing``; ``backends``; ``runtime``, ``service``, ``endpoint``,
 ``messaging``; the state store; ``protocol``, ``serialization``, ``wire``,
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from nimbus.client import Client
+    from nimbus.data import Ref, put
     from nimbus.errors import NimbusError
     from nimbus.executor import Executor, Future
     from nimbus.records import TaskRecord, TaskState
@@ -33,9 +34,11 @@ __all__ = [
     "Executor",
     "Future",
     "NimbusError",
+    "Ref",
     "TaskRecord",
     "TaskState",
     "__version__",
+    "put",
 ]
 
 # public name -> the module that defines it
@@ -44,12 +47,16 @@ _HOMES = {
     "Executor": "nimbus.executor",
     "Future": "nimbus.executor",
     "NimbusError": "nimbus.errors",
+    "Ref": "nimbus.data",
+    "put": "nimbus.data",
     "TaskRecord": "nimbus.records",
     "TaskState": "nimbus.records",
 }
 
 
 def __getattr__(name: str) -> Any:
+    if name == "data":  # nimbus.data.store() in task code, with only `import nimbus`
+        return importlib.import_module("nimbus.data")
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module 'nimbus' has no attribute {name!r}")

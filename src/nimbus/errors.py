@@ -49,6 +49,13 @@ or ``except TimeoutError`` written for the stdlib keeps working::
     ├── ProviderError                         a provider cannot give nodes: the
     │                                         scheduler refused a block (its message
     │                                         quoted) or its command is missing
+    ├── DataError                             references (``nimbus.Ref``) and the
+    │   │                                     endpoint's data (``nimbus.data``)
+    │   ├── ReferenceLost (LookupError)       the object a Ref names is gone (its
+    │   │                                     holder died or its lease ran out) and
+    │   │                                     its task cannot be run again
+    │   └── DataAccessError (PermissionError) a Ref of another user, or of another
+    │                                         endpoint than the task's
     └── WorkerLost (BrokenProcessPool)        the worker running a task died
         └── RuntimeClosed                     the runtime shut down under a task
 
@@ -71,6 +78,8 @@ __all__ = [
     "AmbiguousEndpointError",
     "AuthError",
     "ConfigError",
+    "DataAccessError",
+    "DataError",
     "DeserializationError",
     "EnvironmentBuildError",
     "MemoryLimitExceeded",
@@ -87,6 +96,7 @@ __all__ = [
     "ProtocolError",
     "ProviderError",
     "QuotaExceeded",
+    "ReferenceLost",
     "RemoteError",
     "RemoteTraceback",
     "RuntimeClosed",
@@ -309,6 +319,29 @@ class ProviderError(NimbusError):
     """A provider could not submit, query or cancel a block; the message quotes the
     scheduler (``sbatch: error: invalid partition specified: nope``) or names the
     setting to fix (``provider``, ``partition``...)."""
+
+
+class DataError(NimbusError):
+    """Something about a reference (``nimbus.Ref``) or the endpoint's data is wrong."""
+
+
+class ReferenceLost(DataError, LookupError):
+    """The object a reference names is gone: the node that held it died, or its lease ran
+    out (its holder stopped renewing it), and the task that made it is not known to be
+    pure, so it is not run again. ``ref_id`` names the reference; make the object again
+    (``nimbus.put`` or the task that made it) and pass the new reference."""
+
+    def __init__(self, message: str, ref_id: str = "") -> None:
+        super().__init__(message)
+        self.ref_id = ref_id
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.ref_id))
+
+
+class DataAccessError(DataError, PermissionError):
+    """A reference was passed where it cannot be used: it belongs to another user, or
+    it lives on another endpoint than the one the task runs on."""
 
 
 _make_lock = threading.Lock()

@@ -10,6 +10,12 @@
 warm worker per core. Futures are ``concurrent.futures.Future`` objects, so
 ``wait`` and ``as_completed`` work unchanged; each carries its
 :class:`~nimbus.records.TaskRecord` as ``future.record``.
+
+Data between tasks (``nimbus.data``): ``map(..., keep=True)`` and
+``options(keep=True)`` keep results where they were made (a
+:class:`KeptFuture` holds a ``nimbus.Ref``; its ``result()`` fetches the
+object); Refs and futures passed as arguments are resolved where the task runs,
+and a task waits for the futures it is given before it is sent.
 """
 
 from __future__ import annotations
@@ -31,15 +37,21 @@ from concurrent.futures._base import (  # the states Future.cancel must set
 from functools import partial
 from typing import Any, TypeVar
 
-from nimbus import _chunks, serialization
+from nimbus import _chunks, data, serialization
 from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings, check_timeout
-from nimbus.errors import ConfigError, PayloadTooLargeError, RemoteTraceback
+from nimbus.errors import (
+    ConfigError,
+    NimbusError,
+    PayloadTooLargeError,
+    ReferenceLost,
+    RemoteTraceback,
+)
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task
 
-__all__ = ["Executor", "Future"]
+__all__ = ["Executor", "Future", "KeptFuture"]
 
 T = TypeVar("T")
 
@@ -77,6 +89,36 @@ class Future(cf.Future[Any]):
         self.record.state = TaskState.CANCELLED
         self._invoke_callbacks()  # type: ignore[attr-defined]
         return True
+
+
+class KeptFuture(Future):
+    """A future whose result stays where its task ran: it holds a ``nimbus.Ref``.
+
+    ``result()`` fetches the object (each call); ``ref()`` is the reference, to pass
+    to other tasks (or pass the future itself: it is a dependency).
+    """
+
+    kept = True
+    _recipe: tuple[Any, ...] | None = None  # (fn, args, kwargs, timeout) of a pure task
+    _executor: Executor | None = None
+
+    def ref(self, timeout: float | None = None) -> data.Ref:
+        """The reference to the result, once the task is done."""
+        ref: data.Ref = super().result(timeout)
+        return ref
+
+    def result(self, timeout: float | None = None) -> Any:
+        ref = self.ref(timeout)
+        try:
+            return ref.get()
+        except ReferenceLost:
+            if self._recipe is None or self._executor is None:
+                raise
+            again = self._executor._again(self)  # a pure task: made again, then fetched
+            return again.result(timeout)
+
+
+_UNSET: Any = object()
 
 
 def _check_timeout(timeout: float | None, what: str) -> float | None:
@@ -139,6 +181,19 @@ class Executor(cf.Executor):
         self._prefix = uuid.uuid4().int & ~((1 << 64) - 1)
         self._futures: dict[int, Future] = {}
         self._lock = threading.Lock()
+        self._endpoint = endpoint if backend == "service" else None
+        self._session: data.Session | None = None
+        self._unscoped_until = 0.0
+        self._wrapped: dict[int, tuple[Callable[..., Any], partial[Any]]] = {}
+        # reference id -> the kept future of the pure task that made it
+        self._producers: weakref.WeakValueDictionary[str, KeptFuture] = (
+            weakref.WeakValueDictionary()
+        )
+        self._sends: list[Callable[[], None]] = []
+        self._send_ready = threading.Condition(self._lock)
+        self._sender: threading.Thread | None = None
+        self._bytes_sent = 0
+        self._bytes_received = 0
         self._shutdown = False
         self._backend: Backend = BACKENDS[backend](
             workers=max_workers,
@@ -151,9 +206,14 @@ class Executor(cf.Executor):
             endpoint=endpoint,
         )
         # a remote backend's workers cannot import the caller's own modules
-        self._functions = serialization.FunctionCache(
-            by_value=getattr(self._backend, "remote", False)
-        )
+        self._remote = bool(getattr(self._backend, "remote", False))
+        self._functions = serialization.FunctionCache(by_value=self._remote)
+        # nimbus.put(obj, endpoint=...) goes through it, by the endpoint's name or id
+        self._places: set[str] = {
+            p for p in (endpoint, getattr(self._backend, "endpoint_id", None)) if p
+        }
+        for place in self._places if self._endpoint is not None else ():
+            data.register(place, None, opener=self._data)
         if shutdown_at_exit:
             _live.add(self)
 
@@ -165,9 +225,14 @@ class Executor(cf.Executor):
         """Schedule ``fn(*args, **kwargs)``; returns a :class:`Future`."""
         return self._submit(fn, args, kwargs, self._timeout)
 
-    def options(self, *, timeout: float | None) -> _Options:
-        """A view of this executor whose tasks have their own timeout."""
-        return _Options(self, _check_timeout(timeout, "timeout"))
+    def options(self, *, timeout: float | None = _UNSET, keep: bool = False) -> _Options:
+        """A view of this executor whose tasks have their own timeout; ``keep``: their
+        results stay where they were made (:class:`KeptFuture`)."""
+        if timeout is not _UNSET:
+            timeout = _check_timeout(timeout, "timeout")
+        else:
+            timeout = self._timeout
+        return _Options(self, timeout, keep=bool(keep))
 
     def _submit(
         self,
@@ -175,6 +240,36 @@ class Executor(cf.Executor):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float | None,
+        keep: bool = False,
+    ) -> Future:
+        if keep or data.uses_data(args, kwargs):
+            return self._submit_data(fn, args, kwargs, timeout, keep)
+        if self._remote and self._scoped():  # on an endpoint: its user's store() in the task
+            return self._submit_data(fn, args, kwargs, timeout, keep)
+        return self._launch(fn, args, kwargs, timeout)
+
+    def _scoped(self) -> bool:
+        """Whether plain tasks on the endpoint carry their user's scope: they do once the
+        service said who this is (not while it cannot be reached: they are not held up)."""
+        if self._session is not None:
+            return True
+        if time.monotonic() < self._unscoped_until:
+            return False
+        try:
+            self._data()
+        except NimbusError:
+            self._unscoped_until = time.monotonic() + 5.0  # ask again in a while
+            return False
+        return True
+
+    def _launch(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        future: Future | None = None,
+        label: Callable[..., Any] | None = None,
     ) -> Future:
         if self._shutdown:
             raise RuntimeError("cannot schedule new futures after shutdown")
@@ -183,18 +278,21 @@ class Executor(cf.Executor):
         fn_key, fn_bytes = self._functions.get(fn)
         payload, buffers = serialization.dumps((args, kwargs))
         size = len(payload) + sum(b.raw().nbytes for b in buffers)
+        named = fn if label is None else label
         if size > self.settings.max_payload:
             raise PayloadTooLargeError(
-                f"the arguments of {serialization.describe(fn)} pickle to {size} bytes, more than "
-                f"the limit of {self.settings.max_payload} bytes (NIMBUS_MAX_PAYLOAD)"
+                f"the arguments of {serialization.describe(named)} pickle to {size} bytes, more "
+                f"than the limit of {self.settings.max_payload} bytes (NIMBUS_MAX_PAYLOAD)"
             )
+        self._bytes_sent += size
         seq = next(self._seq)
         record = TaskRecord(
             str(uuid.UUID(int=self._prefix | seq)),
-            function=getattr(fn, "__qualname__", type(fn).__qualname__),
+            function=getattr(named, "__qualname__", type(named).__qualname__),
             submitted=time.time(),
         )
-        future = Future()
+        if future is None:
+            future = Future()
         future.record = record
         task = Task(seq, fn_key, fn_bytes, payload, buffers, record, timeout=timeout, owner=future)
         future._task = task
@@ -203,15 +301,161 @@ class Executor(cf.Executor):
         self._backend.submit([task])
         return future
 
+    # -- data between tasks (nimbus.data) -------------------------------
+    def _data(self) -> data.Session:
+        """This executor's session in its place's store (made on first use)."""
+        found = self._session
+        if found is None:
+            with self._lock:
+                found = self._session
+                if found is None:
+                    found = self._session = data.open_session(
+                        self._backend, self._endpoint, self._call
+                    )
+        return found
+
+    def _call(self, fn: Callable[..., Any], *args: Any, keep: bool = False) -> Future:
+        return self._submit_data(fn, args, {}, self._timeout, keep)
+
+    def _submit_data(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        keep: bool,
+    ) -> Future:
+        """Submit ``fn`` through ``nimbus.data.run``: Refs resolved where it runs, its
+        result kept when ``keep``; sent once the futures among its arguments are done."""
+        if self._shutdown:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        if not callable(fn):
+            raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
+        session = self._data()
+        waiting = data.waiting_on(args, kwargs, session)  # refuses another user's Refs now
+        future: Future = KeptFuture() if keep else Future()
+        future.record = TaskRecord("", function=getattr(fn, "__qualname__", ""))
+        if keep and getattr(fn, "__nimbus_pure__", False):
+            future._recipe = (fn, args, kwargs, timeout)  # type: ignore[attr-defined]
+            future._executor = self  # type: ignore[attr-defined]
+        entry = self._wrapped.get(id(fn))  # by identity, as the function cache
+        if entry is not None and entry[0] is fn:
+            wrapped = entry[1]
+        else:
+            if len(self._wrapped) >= 1024:  # bounded (new closures at every call)
+                self._wrapped.clear()
+            wrapped = partial(data.run, fn)
+            self._wrapped[id(fn)] = (fn, wrapped)
+
+        def send() -> None:
+            if future.done():
+                return
+            try:  # a dependency that failed fails this task with its error
+                bound, bound_kw, holds = data.bind(args, kwargs, session)
+            except BaseException as exc:
+                try:
+                    future.set_exception(exc)
+                except cf.InvalidStateError:
+                    pass
+                return
+            future._holds = holds  # type: ignore[attr-defined]  # alive until it is done
+            self._launch(wrapped, (session.scope(keep), *bound), bound_kw, timeout, future, fn)
+
+        def send_later() -> None:
+            try:
+                send()
+            except BaseException as exc:  # it cannot be sent (unpicklable, too large)
+                try:
+                    future.set_exception(exc)
+                except cf.InvalidStateError:
+                    pass
+
+        future._resend = send_later  # type: ignore[attr-defined]
+        if not waiting:
+            send()  # what cannot be sent raises here, at submit
+            return future
+        data.when_done(waiting, lambda: self._deferred(send_later))
+        return future
+
+    def _again(self, producer: KeptFuture) -> KeptFuture:
+        """Run a pure kept task again (its object was lost); ``producer`` names the new one."""
+        assert producer._recipe is not None
+        fn, args, kwargs, timeout = producer._recipe
+        again: KeptFuture = self._submit_data(fn, args, kwargs, timeout, True)  # type: ignore[assignment]
+
+        def made(f: cf.Future[Any]) -> None:
+            if f.exception() is None:
+                ref = again.ref()
+                with producer._condition:
+                    producer._result = ref
+                self._producers[ref.id] = producer
+
+        again.add_done_callback(made)
+        return again
+
+    def _recover(self, future: Future, error: ReferenceLost) -> bool:
+        """A task read a lost reference: when a pure task of this executor made it, run
+        that again and then this one (once per task); whether it does."""
+        producer = self._producers.get(error.ref_id)
+        resend = getattr(future, "_resend", None)
+        if producer is None or resend is None or getattr(future, "_recovered", False):
+            return False
+        future._recovered = True  # type: ignore[attr-defined]
+
+        def rerun() -> None:
+            again = self._again(producer)
+            again.add_done_callback(
+                lambda f: resend() if f.exception() is None else _fail(future, f.exception())
+            )
+
+        self._deferred(rerun)
+        return True
+
+    def _deferred(self, send: Callable[[], None]) -> None:
+        """Send a task whose dependencies are done, from this executor's sender thread
+        (not the runtime's, which delivered the results it waited for)."""
+        with self._lock:
+            self._sends.append(send)
+            if self._sender is None:
+                self._sender = threading.Thread(
+                    target=self._send_deferred, name="nimbus-deps", daemon=True
+                )
+                self._sender.start()
+            self._send_ready.notify()
+
+    def _send_deferred(self) -> None:
+        while True:
+            with self._lock:
+                while not self._sends:
+                    self._send_ready.wait()
+                batch, self._sends = self._sends, []
+            for send in batch:
+                send()
+
     def map(
         self,
         fn: Callable[..., T],
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
+        keep: bool = False,
     ) -> Iterator[T]:
-        """Like ``concurrent.futures.ProcessPoolExecutor.map``: in order, ``chunksize`` per task."""
+        """Like ``concurrent.futures.ProcessPoolExecutor.map``: in order, ``chunksize`` per task.
+
+        ``keep``: the results stay where they were made, and the list of
+        :class:`KeptFuture` (one per item) is returned, to pass to other tasks.
+        """
+        if keep:
+            return self._map_kept(fn, iterables, self._timeout)  # type: ignore[return-value]
         return _map(self.submit, fn, iterables, timeout, chunksize)
+
+    def _map_kept(
+        self, fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...], timeout: float | None
+    ) -> list[KeptFuture]:
+        return [
+            self._submit(fn, args, {}, timeout, keep=True)  # type: ignore[misc]
+            for args in zip(*iterables, strict=False)
+        ]
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking tasks; with ``cancel_futures`` drop those not yet running."""
@@ -221,6 +465,11 @@ class Executor(cf.Executor):
             for future in list(self._futures.values()):
                 if not future.running():
                     future.cancel()
+        if self._endpoint is not None:
+            if self._session is not None:
+                self._session.close()  # what was released is freed while tasks still run
+            for place in self._places:
+                data.register(place, None, self._session)
         self._backend.shutdown(wait=wait)
         _live.discard(self)
 
@@ -244,6 +493,8 @@ class Executor(cf.Executor):
         return {
             "outstanding": len(self._futures),
             "running": running,
+            "bytes_sent": self._bytes_sent,  # pickled arguments given to the backend
+            "bytes_received": self._bytes_received,  # pickled results it gave back
             "runtime": stats.statistics() if stats is not None else {},
         }
 
@@ -255,7 +506,9 @@ class Executor(cf.Executor):
             if future.cancelled():
                 self._futures.pop(task.seq, None)
                 continue
-            if task.attempts == 0:
+            if task.attempts == 0 and future.running():
+                pass  # sent again: a reference it reads was lost and made again
+            elif task.attempts == 0:
                 try:
                     if not future.set_running_or_notify_cancel():
                         self._futures.pop(task.seq, None)
@@ -276,13 +529,22 @@ class Executor(cf.Executor):
             record = task.record
             try:
                 if task.status == Status.OK:
+                    self._bytes_received += len(task.data) + sum(
+                        memoryview(b).nbytes for b in task.result_buffers
+                    )
                     value = serialization.loads(task.data, task.result_buffers)
+                    if type(future) is KeptFuture:
+                        value = self._data().adopt(value)
+                        if future._recipe is not None:  # pure: made again if it is lost
+                            self._producers[value.id] = future
                     record.state = TaskState.SUCCESS
                     future.set_result(value)
                 elif task.status == Status.ERROR:
                     error, tb = serialization.loads(task.data)
                     if tb:
                         error.__cause__ = RemoteTraceback(tb)
+                    if type(error) is ReferenceLost and self._recover(future, error):
+                        continue  # its producer runs again, then it does
                     record.state = TaskState.FAILED
                     future.set_exception(error)
             except cf.InvalidStateError:
@@ -295,17 +557,22 @@ class Executor(cf.Executor):
                     pass
             task.data = b""
             task.result_buffers = []
+            if type(future) is not Future:  # the data path: its Refs go when it does
+                future._holds = None  # type: ignore[attr-defined]
+                future._resend = None  # type: ignore[attr-defined]  # (a cycle through it)
+                future._task = None  # no cycle with the task: the last Ref is freed at once
 
 
 class _Options(cf.Executor):
     """An executor view that gives its tasks a timeout of their own."""
 
-    def __init__(self, executor: Executor, timeout: float | None) -> None:
+    def __init__(self, executor: Executor, timeout: float | None, *, keep: bool = False) -> None:
         self._executor = executor
         self._timeout = timeout
+        self._keep = keep
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future[T]:
-        return self._executor._submit(fn, args, kwargs, self._timeout)
+        return self._executor._submit(fn, args, kwargs, self._timeout, self._keep)
 
     def map(
         self,
@@ -313,11 +580,21 @@ class _Options(cf.Executor):
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
+        keep: bool = False,
     ) -> Iterator[T]:
+        if keep or self._keep:
+            return self._executor._map_kept(fn, iterables, self._timeout)  # type: ignore[return-value]
         return _map(self.submit, fn, iterables, timeout, chunksize)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """A view owns nothing; shut down the executor itself."""
+
+
+def _fail(future: cf.Future[Any], error: BaseException | None) -> None:
+    try:
+        future.set_exception(error)
+    except cf.InvalidStateError:
+        pass
 
 
 def _map(

@@ -264,10 +264,17 @@ _lock = threading.Lock()
 
 
 def _user_modules(fn: object) -> list[types.ModuleType]:
-    """The modules of ``fn`` (and of a partial's callables) that are the caller's own code."""
+    """The modules of ``fn`` (and of a partial's callables, nested too) that are the caller's
+    own code."""
     import sysconfig
 
-    targets = [fn.func, *fn.args] if isinstance(fn, functools.partial) else [fn]
+    targets = [fn]
+    while any(isinstance(t, functools.partial) for t in targets):  # partials of partials too
+        targets = [
+            x
+            for t in targets
+            for x in ([t.func, *t.args] if isinstance(t, functools.partial) else [t])
+        ]
     installed = [
         os.path.realpath(sysconfig.get_paths()[k]) + os.sep
         for k in ("stdlib", "platstdlib", "purelib", "platlib")

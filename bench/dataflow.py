@@ -1,0 +1,381 @@
+"""Data between functions (``nimbus.data``): references against passing by value, one run.
+
+::
+
+    big        100 MB out and back through a task: nimbus.put + task (kept) + get, against
+               Ray's ray.put + task + ray.get in the same run (Ray in bench/.venv-ray,
+               made on first use); and one way (put + a task that reads it)
+    campaign   Colmena-style: 1,000 tasks, 1 MB in and 1 MB out each, in 10 chains of
+               100, chained through references vs through the client (each result back
+               to the client, then sent out again); on the local runtime and on an
+               endpoint through the service; bytes that crossed the client's link
+    pipeline   a 2-stage pipeline of 10,000 tasks on an endpoint (stage 1 makes 10 KB
+               each, kept; stage 2 reads one and returns 8 bytes): the client's link
+               carries only the final results
+
+    python bench/dataflow.py                # everything
+    python bench/dataflow.py --quick        # small sizes, a smoke run
+    python bench/dataflow.py --only big --no-ray --json out.json
+
+Bytes across the client's link are the pickled arguments the Executor handed its
+backend and the pickled results it got back (``Executor.statistics()``), so the
+service's framing and the WebSocket's are not counted.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+sys.path.append(str(_HERE))  # after the stdlib: for _report and service, never multiprocessing
+from _report import grid  # noqa: E402
+
+RAY = "ray==2.60.0"
+RAY_VENV = _HERE / ".venv-ray"
+MB = 1 << 20
+
+
+def echo(blob: bytes) -> bytes:
+    return blob
+
+
+def length(blob: bytes) -> int:
+    return len(blob)
+
+
+def step(blob: bytes) -> bytes:
+    """A campaign step: 1 MB in, 1 MB out (a new object, made from the input)."""
+    return blob[1:] + blob[:1]
+
+
+def seed(i: int, size: int) -> bytes:
+    return bytes([i % 256]) * size
+
+
+def digest(blob: bytes) -> int:
+    return len(blob) + blob[0]
+
+
+def ms(values: list[float]) -> float:
+    return round(statistics.median(values) * 1000, 1)
+
+
+# ---------------------------------------------------------------- big: nimbus vs Ray
+
+
+def nimbus_big(size: int, reps: int) -> dict[str, float]:
+    import nimbus
+    from nimbus import Executor
+
+    data = os.urandom(size)
+    out: dict[str, list[float]] = {"echo": [], "oneway": []}
+    with Executor(2) as ex:
+        ex.submit(length, nimbus.put(b"x")).result()
+        kept = ex.options(keep=True)
+        for _ in range(reps):
+            start = time.perf_counter()
+            ref = nimbus.put(data)
+            back = kept.submit(echo, ref).result()
+            out["echo"].append(time.perf_counter() - start)
+            assert len(back) == size
+            del back, ref
+            start = time.perf_counter()
+            ref = nimbus.put(data)
+            assert ex.submit(length, ref).result() == size
+            out["oneway"].append(time.perf_counter() - start)
+            del ref
+    return {k: ms(v) for k, v in out.items()}
+
+
+RAY_DRIVER = """
+import json, os, statistics, sys, time
+import ray
+size, reps = int(sys.argv[1]), int(sys.argv[2])
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+         _node_ip_address="127.0.0.1")  # loopback only
+@ray.remote
+def echo(b):
+    return b
+@ray.remote
+def length(b):
+    return len(b)
+ray.get([length.remote(b"x") for _ in range(4)])
+data = os.urandom(size)
+out = {"echo": [], "oneway": []}
+for _ in range(reps):
+    s = time.perf_counter()
+    ref = ray.put(data)
+    back = ray.get(echo.remote(ref))
+    out["echo"].append(time.perf_counter() - s)
+    assert len(back) == size
+    del back, ref
+    s = time.perf_counter()
+    ref = ray.put(data)
+    assert ray.get(length.remote(ref)) == size
+    out["oneway"].append(time.perf_counter() - s)
+    del ref
+ray.shutdown()
+print(json.dumps({k: round(statistics.median(v) * 1000, 1) for k, v in out.items()}
+                 | {"ray": ray.__version__}))
+"""
+
+
+def ray_python() -> Path:
+    """bench/.venv-ray's python, with Ray installed in it (made on first use)."""
+    python = RAY_VENV / "bin" / "python"
+    ok = (
+        python.exists()
+        and not subprocess.run(
+            [str(python), "-c", "import ray"], capture_output=True, check=False
+        ).returncode
+    )
+    if ok:
+        return python
+    print(f"making {RAY_VENV} with {RAY} (once) ...", file=sys.stderr, flush=True)
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(RAY_VENV)], check=True)
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "--disable-pip-version-check", RAY],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1800,
+    )
+    if done.returncode:
+        raise RuntimeError(
+            f"pip could not install {RAY} into {RAY_VENV}: {done.stderr.strip()[-600:]}; "
+            f"make the venv by hand or run with --no-ray"
+        )
+    return python
+
+
+def ray_big(size: int, reps: int) -> dict[str, Any]:
+    python = ray_python()
+    (RAY_VENV / "home").mkdir(exist_ok=True)
+    done = subprocess.run(
+        [str(python), "-c", RAY_DRIVER, str(size), str(reps)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=900,
+        cwd=RAY_VENV,  # not bench/: its multiprocessing.py would shadow the stdlib's
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        | {
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "HOME": str(RAY_VENV / "home"),  # its auth token there, not in ~/.ray
+            # a loaded machine: give its agents time to start
+            "RAY_agent_register_timeout_ms": "300000",
+            "RAY_raylet_start_wait_time_s": "300",
+        },
+    )
+    if done.returncode:
+        raise RuntimeError(f"the Ray driver failed: {done.stderr.strip()[-1500:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def bench_big(args: argparse.Namespace) -> list[list[str]]:
+    size = (10 if args.quick else 100) * MB
+    reps = 2 if args.quick else 5
+    first = nimbus_big(size, reps)  # nimbus before and after Ray: the same load on both
+    ray = None if args.no_ray else ray_big(size, reps)
+    second = nimbus_big(size, reps)
+    ours = {k: min(first[k], second[k]) for k in first}
+    label = f"{size // MB} MB"
+    rows = []
+    for key, what in (
+        ("echo", "out and back: put + task + get"),
+        ("oneway", "one way: put + task"),
+    ):
+        theirs = ray[key] if ray else None
+        ratio = f"{ours[key] / theirs:.2f}x" if theirs else "-"
+        verdict = (
+            "-" if theirs is None or key != "echo" else ("PASS" if ours[key] <= theirs else "MISS")
+        )
+        rows.append(
+            [
+                f"{label} {what}",
+                f"{ours[key]} ms",
+                f"{theirs} ms" if theirs else "-",
+                ratio,
+                "<= 1.0x Ray" if key == "echo" else "",
+                verdict,
+            ]
+        )
+    RESULTS["big"] = {"nimbus_first": first, "nimbus_second": second, "ray": ray}
+    return rows
+
+
+# ---------------------------------------------------------------- campaign
+
+
+def campaign(ex: Any, chains: int, steps: int, size: int, *, refs: bool) -> tuple[float, int]:
+    """Seconds and client-link bytes for ``chains`` chains of ``steps`` 1 MB steps."""
+    stats = ex.statistics()
+    before = stats["bytes_sent"] + stats["bytes_received"]
+    start = time.perf_counter()
+    if refs:
+        kept = ex.options(keep=True)
+        ends = []
+        for c in range(chains):
+            future = kept.submit(seed, c, size)
+            for _ in range(steps - 1):
+                future = kept.submit(step, future)
+            ends.append(future)
+        finals = [f.result(timeout=600) for f in ends]
+    else:
+        finals = [b""] * chains
+
+        def chain(c: int) -> None:
+            value = ex.submit(seed, c, size).result(timeout=600)
+            for _ in range(steps - 1):
+                value = ex.submit(step, value).result(timeout=600)
+            finals[c] = value
+
+        threads = [threading.Thread(target=chain, args=(c,)) for c in range(chains)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    seconds = time.perf_counter() - start
+    assert all(len(f) == size for f in finals)
+    stats = ex.statistics()
+    return seconds, stats["bytes_sent"] + stats["bytes_received"] - before
+
+
+def campaign_rows(ex: Any, where: str, args: argparse.Namespace) -> list[list[str]]:
+    chains, steps = (4, 10) if args.quick else (10, 100)
+    size = MB
+    campaign(ex, 2, 2, size, refs=True)  # warm
+    campaign(ex, 2, 2, size, refs=False)
+    by_value, by_value_bytes = campaign(ex, chains, steps, size, refs=False)
+    by_ref, by_ref_bytes = campaign(ex, chains, steps, size, refs=True)
+    final = chains * size  # the last results, fetched by the client in both
+    tasks = chains * steps
+    RESULTS[f"campaign_{where}"] = {
+        "tasks": tasks,
+        "by_value_s": by_value,
+        "by_ref_s": by_ref,
+        "by_value_bytes": by_value_bytes,
+        "by_ref_bytes": by_ref_bytes,
+        "final_bytes": final,
+    }
+    speedup = by_value / by_ref
+    remote = where != "local runtime"  # locally there is no link to save: informational
+    target = ">= 2x; ~0 MB intermediate" if remote else "(no network link here)"
+    verdict = "PASS" if speedup >= 2 and by_ref_bytes - final < MB else "MISS"
+    return [
+        [
+            f"campaign {tasks} x 1 MB, {where}: through the client",
+            f"{by_value:.2f} s",
+            f"{by_value_bytes / MB:.0f} MB",
+            "",
+            "",
+            "",
+        ],
+        [
+            f"campaign {tasks} x 1 MB, {where}: through references",
+            f"{by_ref:.2f} s",
+            f"{by_ref_bytes / MB:.1f} MB ({max(0, by_ref_bytes - final) / MB:.2f} MB not final)",
+            f"{speedup:.2f}x faster",
+            target,
+            verdict if remote else "-",
+        ],
+    ]
+
+
+# ---------------------------------------------------------------- pipeline
+
+
+def pipeline_rows(ex: Any, args: argparse.Namespace) -> list[list[str]]:
+    n = 500 if args.quick else 10_000
+    size = 10 * 1024
+    stats = ex.statistics()
+    before_in, before_out = stats["bytes_received"], stats["bytes_sent"]
+    start = time.perf_counter()
+    first = ex.map(seed, range(n), [size] * n, keep=True)
+    second = [ex.submit(digest, f) for f in first]
+    results = [f.result(timeout=900) for f in second]
+    seconds = time.perf_counter() - start
+    assert results[5] == size + 5
+    stats = ex.statistics()
+    got = stats["bytes_received"] - before_in
+    sent = stats["bytes_sent"] - before_out
+    intermediate = n * size
+    RESULTS["pipeline"] = {
+        "tasks": 2 * n,
+        "seconds": seconds,
+        "bytes_received": got,
+        "bytes_sent": sent,
+        "intermediate_bytes": intermediate,
+    }
+    return [
+        [
+            f"2-stage pipeline, {2 * n} tasks on an endpoint",
+            f"{seconds:.2f} s",
+            f"{got / MB:.2f} MB in, {sent / MB:.2f} MB out",
+            f"({intermediate / MB:.0f} MB stayed)",
+            "only final results",
+            "PASS" if got < intermediate / 10 else "MISS",
+        ],
+    ]
+
+
+# ---------------------------------------------------------------- main
+
+RESULTS: dict[str, Any] = {}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    parser.add_argument("--only", action="append", choices=["big", "campaign", "pipeline"])
+    parser.add_argument("--no-ray", action="store_true", help="nimbus only in the big row")
+    parser.add_argument("--no-service", action="store_true", help="the local runtime only")
+    parser.add_argument("--json", help="write the figures to this file")
+    args = parser.parse_args()
+    only = set(args.only or ["big", "campaign", "pipeline"])
+    rows: list[list[str]] = []
+    from nimbus import Executor
+
+    if "big" in only:
+        rows += bench_big(args)
+    if "campaign" in only:
+        with Executor(2) as ex:
+            rows += campaign_rows(ex, "local runtime", args)
+    if not args.no_service and only & {"campaign", "pipeline"}:
+        import service as stackmod  # bench/service.py: a service and an endpoint
+
+        stack = stackmod.Stack(2)
+        stack.env["NIMBUS_MAX_PAYLOAD"] = str(64 * MB)
+        try:
+            stack.start_service()
+            stack.configure_endpoint("dataflow")
+            stack.start_agent("dataflow")
+            with Executor(endpoint="dataflow", settings=stack.settings) as ex:
+                if "campaign" in only:
+                    rows += campaign_rows(ex, "endpoint via service", args)
+                if "pipeline" in only:
+                    rows += pipeline_rows(ex, args)
+        finally:
+            stack.close()
+    print(grid(["workload", "nimbus", "Ray / bytes", "ratio", "target", ""], rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(RESULTS, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""``nimbus.data``: data between functions, kept where it is made.
+
+::
+
+    nimbus.put(obj, endpoint)  --> Ref  (the object in that endpoint's node store)
+    ex.map(fn, xs, keep=True)  --> futures whose results stay where they were made
+    ex.submit(g, ref, future)  --> g runs with the objects read where it runs (run())
+    inside a task: nimbus.data.store()  (the user's key-value store there)
+
+What happens under each failure:
+
+* the client dies: nobody renews its objects' leases (``LEASE``, 300 s); once they ran
+  out, the next sweep of the node (made by a write to any user's store there, every
+  10 s at most) removes them;
+* the node or worker that kept an object loses it (a reboot, ``/dev/shm`` wiped): a task
+  that reads it fails with ``ReferenceLost`` naming it, unless the task that made it is
+  ``@nimbus.data.pure`` and known to this executor: then it runs again first;
+* a task a future depends on fails: the dependent task fails with the same error and
+  never runs;
+* a Ref of another user, or of another place than the task's: ``DataAccessError`` at
+  ``submit``, before any task runs (and again in the worker, for a Ref hidden deeper).
+
+Limits: objects live in the store of the node that made them, so an endpoint of several
+nodes reads them only where they were made (no copy between nodes yet); a task's user on
+an endpoint is the namespace its client sends (its user id and a hash of its token), since
+the service does not tell the agent whose a task is.
+
+Modules: ``_node`` (a node's object store: files in a private memory directory,
+mapped on read, leases as modification times), ``_ref`` (``Ref``, the client's
+sessions: counting, leases, freeing), ``_task`` (the worker side: resolving,
+keeping, ``store()``), ``_kv`` (the key-value store), ``_bind`` (the client side of a
+task's arguments: dependencies, references, the session of an Executor).
+"""
+
+from __future__ import annotations
+
+from nimbus.data._bind import bind, open_session, uses_data, waiting_on, when_done
+from nimbus.data._kv import KeyValue
+from nimbus.data._node import NodeStore, default_root
+from nimbus.data._ref import LEASE, MAX_SCAN, Ref, Scope, Session, get, pure, put, register, session
+from nimbus.data._task import free_objects, identity, renew_objects, run, store
+
+__all__ = [
+    "LEASE",
+    "MAX_SCAN",
+    "KeyValue",
+    "NodeStore",
+    "Ref",
+    "Scope",
+    "Session",
+    "bind",
+    "default_root",
+    "free_objects",
+    "get",
+    "identity",
+    "open_session",
+    "pure",
+    "put",
+    "register",
+    "renew_objects",
+    "run",
+    "session",
+    "store",
+    "uses_data",
+    "waiting_on",
+    "when_done",
+]

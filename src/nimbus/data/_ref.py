@@ -1,0 +1,351 @@
+"""References (``nimbus.Ref``) and the client's side of them: who holds what, for how long.
+
+::
+
+    nimbus.put(obj) / a kept task's result --> Ref(id, namespace, user, endpoint, size)
+        |  client: a Session holds it (counted by the Python objects that name it);
+        |  a thread renews its lease every lease/3 s; the last Ref gone -> freed
+        v
+    passed to a task: pickled as its five fields, resolved in the worker from the
+    node store (``nimbus.data.run``), never through the client
+
+A :class:`Session` is the client's link to one place's store: ``local`` (this node's
+store, read and written directly) or an endpoint's (through tasks the Executor runs
+there: ``call``). Sessions are found by endpoint in a registry the Executor fills.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
+
+from nimbus.data._node import NodeStore
+from nimbus.errors import DataAccessError, DataError, ReferenceLost
+
+__all__ = [
+    "LEASE",
+    "MAX_SCAN",
+    "Ref",
+    "Scope",
+    "Session",
+    "get",
+    "new_id",
+    "pure",
+    "put",
+    "register",
+    "session",
+]
+
+LEASE = 300.0  # seconds an object outlives its holder's last renewal (a crashed client)
+MAX_SCAN = 256  # items of a list, tuple or dict argument looked into for Refs and futures
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Scope(NamedTuple):
+    """What a task of the data path carries: whose data, where, and what to do with it.
+
+    ``namespace`` names the user's store on the node; ``user`` is their name (for
+    messages); ``keep`` stores the result there and returns a Ref; ``lease`` is the
+    seconds a kept result lives without a renewal.
+    """
+
+    namespace: str
+    user: str
+    endpoint: str | None
+    keep: bool
+    lease: float
+
+
+class Ref:
+    """A reference to an object kept where it was made (a node's store on an endpoint).
+
+    Pass it to tasks (it is resolved where they run) or ``get()`` it. It is freed when
+    no Ref or future naming it remains in the client that holds it, or when its lease
+    runs out after that client died.
+    """
+
+    __slots__ = ("__weakref__", "_entry", "endpoint", "id", "namespace", "size", "user")
+
+    def __init__(self, id: str, namespace: str, user: str, endpoint: str | None, size: int) -> None:
+        self.id = id
+        self.namespace = namespace
+        self.user = user
+        self.endpoint = endpoint
+        self.size = size
+        self._entry: _Entry | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Ref, (self.id, self.namespace, self.user, self.endpoint, self.size))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Ref) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __repr__(self) -> str:
+        where = self.endpoint or "local"
+        return f"<nimbus.Ref {self.id[:12]} of {self.user} on {where}, {self.size} bytes>"
+
+    def get(self) -> Any:
+        """The object (fetched from where it is kept)."""
+        return session(self.endpoint).fetch(self)
+
+
+class _Entry:
+    """One held object: alive while a Ref or future of this client names it."""
+
+    __slots__ = ("__weakref__", "ref_id")
+
+    def __init__(self, ref_id: str) -> None:
+        self.ref_id = ref_id
+
+
+class Session:
+    """The client's holdings in one place's store.
+
+    ``store``: this node's store (local); else ``call(fn, *args, keep=...)`` runs
+    ``fn`` as a task of the data path there and returns its future, and ``ensure``
+    its user's scope.
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        user: str,
+        endpoint: str | None,
+        *,
+        store: NodeStore | None = None,
+        call: Callable[..., Any] | None = None,
+        lease: float | None = None,
+    ) -> None:
+        if store is None and call is None:
+            raise DataError("a data session needs a store or a way to run tasks")
+        self.namespace = namespace
+        self.user = user
+        self.endpoint = endpoint
+        self.store = store
+        self.call = call
+        self.lease = LEASE if lease is None else lease
+        self._entries: weakref.WeakValueDictionary[str, _Entry] = weakref.WeakValueDictionary()
+        self._to_free: list[str] = []
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.freed = 0  # objects freed so far (statistics)
+
+    def scope(self, keep: bool) -> Scope:
+        return Scope(self.namespace, self.user, self.endpoint, keep, self.lease)
+
+    # -- holding ------------------------------------------------------------
+    def adopt(self, ref: Ref) -> Ref:
+        """Hold ``ref`` (a Ref made for this session): counted, renewed, freed."""
+        with self._lock:
+            entry = self._entries.get(ref.id)
+            if entry is None:
+                entry = _Entry(ref.id)
+                self._entries[ref.id] = entry
+                weakref.finalize(entry, self._release, ref.id)
+        ref._entry = entry
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._renewer, name="nimbus-data-lease", daemon=True
+                    )
+                    self._thread.start()
+        return ref
+
+    def held(self) -> list[str]:
+        return list(self._entries.keys())
+
+    def check(self, ref: Ref) -> None:
+        """Refuse a Ref this session cannot pass to its tasks (before any task runs)."""
+        if ref.endpoint != self.endpoint:
+            raise DataAccessError(
+                f"{ref!r} is kept on {ref.endpoint or 'the local runtime'}, and these tasks "
+                f"run on {self.endpoint or 'the local runtime'}; pass it to tasks there, or "
+                f"nimbus.put(ref.get(), endpoint={self.endpoint!r})"
+            )
+        if ref.namespace != self.namespace:
+            raise DataAccessError(
+                f"{ref!r} belongs to user {ref.user!r}, and these tasks run as {self.user!r}: "
+                f"a reference can be used only by the user who made it; ask them for the "
+                f"object itself (ref.get()) and nimbus.put() it yourself"
+            )
+        if ref._entry is None:  # unpickled here (inside a result): hold it too
+            self.adopt(ref)
+
+    def _release(self, ref_id: str) -> None:
+        if self._closed.is_set():
+            return
+        if self.store is not None:
+            self.store.free([ref_id])
+            self.freed += 1
+            return
+        with self._lock:
+            self._to_free.append(ref_id)
+
+    # -- the store ----------------------------------------------------------
+    def put(self, obj: object) -> Ref:
+        if self.store is not None:
+            ref_id = new_id()
+            size = self.store.write(ref_id, obj, time.time() + self.lease)
+            return self.adopt(Ref(ref_id, self.namespace, self.user, self.endpoint, size))
+        from nimbus.data._task import identity
+
+        assert self.call is not None
+        ref: Ref = self.call(identity, obj, keep=True).ref()
+        return ref
+
+    def fetch(self, ref: Ref) -> Any:
+        self.check(ref)
+        if self.store is not None:
+            try:
+                return self.store.read(ref.id)
+            except FileNotFoundError:
+                raise lost(ref) from None
+        from nimbus.data._task import identity
+
+        assert self.call is not None
+        return self.call(identity, ref, keep=False).result()
+
+    # -- leases ---------------------------------------------------------------
+    def flush(self, *, renew: bool = True) -> None:
+        """Free what was released and renew what is held (the renewer does it often)."""
+        with self._lock:
+            to_free, self._to_free = self._to_free, []
+        held = self.held() if renew else []
+        expires = time.time() + self.lease
+        if self.store is not None:
+            if held:
+                self.store.renew(held, expires)
+            return
+        from nimbus.data._task import free_objects, renew_objects
+
+        assert self.call is not None
+        if to_free:
+            self.call(free_objects, to_free, keep=False)
+            self.freed += len(to_free)
+        if held:
+            self.call(renew_objects, held, expires, keep=False)
+
+    def _renewer(self) -> None:
+        """Free what was released (every second for an endpoint: one task for many) and
+        renew the leases of what is held (every third of a lease)."""
+        renewed = time.monotonic()
+        while not self._closed.wait(min(1.0, self.lease / 3)):
+            try:
+                if time.monotonic() - renewed >= self.lease / 3:
+                    renewed = time.monotonic()
+                    self.flush()
+                else:
+                    self.flush(renew=False)
+            except Exception:  # the executor shut down under it: the leases run out
+                return
+
+    def close(self) -> None:
+        """Free what is released; later releases are left to the leases."""
+        if self.store is None and not self._closed.is_set():
+            try:
+                self.flush()
+            except Exception:
+                pass
+        self._closed.set()
+
+
+def lost(ref: Ref) -> ReferenceLost:
+    return ReferenceLost(
+        f"{ref!r} is gone: the node that kept it lost it, or its lease ran out; make "
+        f"the object again (nimbus.put, or the task that made it) and pass the new reference",
+        ref.id,
+    )
+
+
+# endpoint (None: the local runtime) -> the session of this process there
+_sessions: dict[str | None, Session] = {}
+_sessions_lock = threading.Lock()
+
+
+def local_namespace() -> str:
+    return f"u{os.getuid()}"
+
+
+def session(endpoint: str | None) -> Session:
+    """This process's session for ``endpoint`` (None: the local runtime's, made on use)."""
+    with _sessions_lock:
+        found = _sessions.get(endpoint)
+        if found is None and endpoint is None:
+            found = _sessions[None] = Session(
+                local_namespace(), getpass.getuser(), None, store=NodeStore(local_namespace())
+            )
+        make = _openers.get(endpoint) if found is None else None
+    if make is not None:
+        found = make()
+    if found is None:
+        raise DataError(
+            f"no Executor(endpoint={endpoint!r}) is open in this process: open one first, "
+            f"objects are placed on an endpoint through it"
+        )
+    return found
+
+
+# endpoint -> how to make its session (an Executor there that has not made it yet)
+_openers: dict[str | None, Callable[[], Session]] = {}
+
+
+def register(
+    endpoint: str,
+    found: Session | None,
+    closed: Session | None = None,
+    *,
+    opener: Callable[[], Session] | None = None,
+) -> None:
+    """The Executor's session for ``endpoint`` (or the ``opener`` that makes it on first
+    use); ``found`` None: ``closed`` closed (or the executor of ``opener`` did)."""
+    with _sessions_lock:
+        if opener is not None:
+            _openers[endpoint] = opener
+        elif found is not None:
+            _sessions[endpoint] = found
+        else:
+            if _sessions.get(endpoint) is closed:
+                del _sessions[endpoint]
+            _openers.pop(endpoint, None)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def pure(fn: F) -> F:
+    """Mark ``fn`` pure (its result depends on its arguments only): a kept result of it
+    that is lost (its node died, its lease ran out) is made again by running it again,
+    instead of failing the tasks that read it with ``ReferenceLost``."""
+    fn.__nimbus_pure__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+def put(obj: object, endpoint: str | None = None) -> Ref:
+    """Place ``obj`` once in ``endpoint``'s store (None: this node's); a :class:`Ref` to it.
+
+    Pass the Ref to any number of tasks there: they read it where they run.
+    """
+    if isinstance(obj, Ref):
+        raise DataError(f"{obj!r} is a reference already; pass it to tasks as it is")
+    return session(endpoint).put(obj)
+
+
+def get(ref: Ref) -> Any:
+    """The object ``ref`` names."""
+    if not isinstance(ref, Ref):
+        raise TypeError(f"nimbus.data.get takes a nimbus.Ref, not {type(ref).__name__}")
+    return ref.get()

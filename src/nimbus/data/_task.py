@@ -1,0 +1,140 @@
+"""The data path inside a worker: references resolved where the task runs, results kept.
+
+::
+
+    Executor: fn(*args) with Refs / kept futures  -->  run(fn, scope, *args)  (one task)
+    worker:   run: each Ref in args (and in lists, tuples, dicts among them) read from
+              this node's store of scope.namespace  ->  fn(*args)
+              keep: the result written to the store, a Ref to it returned instead
+
+Within ``fn``, :func:`store` is the user's key-value store on this node.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any
+
+from nimbus.data._kv import KeyValue
+from nimbus.data._node import NodeStore
+from nimbus.data._ref import MAX_SCAN, Ref, Scope, local_namespace, lost, new_id
+from nimbus.errors import DataAccessError
+
+__all__ = ["free_objects", "identity", "renew_objects", "run", "store"]
+
+_CONTAINERS = (list, tuple, dict)
+_current: Scope | None = None  # the scope of the task this worker runs now
+
+
+@functools.lru_cache(maxsize=64)
+def _node(namespace: str) -> NodeStore:
+    return NodeStore(namespace)
+
+
+def _resolve(value: Any, scope: Scope, seen: dict[str, Any], depth: int = 0) -> Any:
+    kind = type(value)
+    if kind is Ref:
+        got = seen.get(value.id, seen)
+        if got is seen:
+            if value.namespace != scope.namespace:
+                raise DataAccessError(
+                    f"{value!r} belongs to user {value.user!r}, not to {scope.user!r}, who "
+                    f"runs this task: a reference can be used only by the user who made it"
+                )
+            try:
+                got = _node(scope.namespace).read(value.id)
+            except FileNotFoundError:
+                raise lost(value) from None
+            seen[value.id] = got
+        return got
+    if depth or kind not in _CONTAINERS or len(value) > MAX_SCAN:
+        return value
+    if not any(type(v) is Ref for v in (value.values() if kind is dict else value)):
+        return value  # nothing to read: the same object, not a copy
+    if kind is list:
+        return [_resolve(v, scope, seen, depth + 1) for v in value]
+    if kind is tuple:
+        return tuple(_resolve(v, scope, seen, depth + 1) for v in value)
+    if kind is dict:
+        return {k: _resolve(v, scope, seen, depth + 1) for k, v in value.items()}
+    return value
+
+
+def run(fn: Any, scope: Scope, /, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` with its references resolved here; keep its result."""
+    global _current
+    before, _current = _current, scope
+    try:
+        seen: dict[str, Any] = {}
+        args = tuple(_resolve(a, scope, seen) for a in args)
+        if kwargs:
+            kwargs = {k: _resolve(v, scope, seen) for k, v in kwargs.items()}
+        result = fn(*args, **kwargs)
+        del args, kwargs
+        if not scope.keep:
+            return result
+        ref_id = new_id()
+        node = _node(scope.namespace)
+        expires = time.time() + scope.lease
+        same = _argument(result, seen) if type(result) in _IMMUTABLE else None
+        if same is not None:  # an argument's object, unchanged: the same bytes, no copy
+            try:
+                os.link(node.path(same), node.path(ref_id))
+                os.utime(node.path(ref_id), (expires, expires))
+                return Ref(
+                    ref_id, scope.namespace, scope.user, scope.endpoint, same_size(node, ref_id)
+                )
+            except OSError:
+                pass
+        size = node.write(ref_id, result, expires)
+        return Ref(ref_id, scope.namespace, scope.user, scope.endpoint, size)
+    finally:
+        _current = before
+
+
+_IMMUTABLE = (bytes, str)
+
+
+def _argument(result: Any, seen: dict[str, Any]) -> str | None:
+    """The id of the reference ``result`` was read from, if it is one of them."""
+    for ref_id, value in seen.items():
+        if value is result:
+            return ref_id
+    return None
+
+
+def same_size(node: NodeStore, ref_id: str) -> int:
+    return node.path(ref_id).stat().st_size
+
+
+def identity(value: Any) -> Any:
+    """A task that returns its argument (to put, or to fetch a reference's object)."""
+    return value
+
+
+def free_objects(ref_ids: list[str]) -> int:
+    """A task: free these objects of the current user here."""
+    return _node(_scope().namespace).free(ref_ids)
+
+
+def renew_objects(ref_ids: list[str], expires: float) -> list[str]:
+    """A task: renew these objects' leases; the ids of those lost."""
+    return _node(_scope().namespace).renew(ref_ids, expires)
+
+
+def _scope() -> Scope:
+    if _current is not None:
+        return _current
+    return Scope(local_namespace(), "", None, False, 0.0)
+
+
+def store() -> KeyValue:
+    """The key-value store of the user whose task this is, on this node.
+
+    funcX's ``get_redis_client()``, with isolation: another user's tasks on the
+    same endpoint see other keys. Outside a task: this user's store here.
+    """
+    scope = _scope()
+    return KeyValue(_node(scope.namespace).dir / "kv", scope.user)

@@ -1,0 +1,282 @@
+"""Data between functions (``nimbus.data``): references, kept results, the user's store.
+
+On the real local runtime and on a real service on loopback with an endpoint.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import nimbus
+from nimbus import Client, Executor
+from nimbus.data import NodeStore, Ref, Scope, run, store
+from nimbus.errors import DataAccessError, DataError, ReferenceLost
+from service_support import EndpointProcess, Service
+
+MB = 1 << 20
+
+
+def double(xs: list[int]) -> list[int]:
+    return [x * 2 for x in xs]
+
+
+def total(*parts: list[int]) -> int:
+    return sum(sum(p) for p in parts)
+
+
+def blob(i: int) -> bytes:
+    return bytes([i % 256]) * MB
+
+
+def small_blob(i: int) -> bytes:
+    return bytes([i % 256]) * (MB // 4)
+
+
+def grow(b: bytes) -> bytes:
+    return b + b"!"
+
+
+def sizes(*blobs: bytes) -> list[int]:
+    return [len(b) for b in blobs]
+
+
+@nimbus.data.pure
+def squares(n: int) -> list[int]:
+    return [i * i for i in range(n)]
+
+
+def fail(x: int) -> int:
+    raise ValueError(f"no {x}")
+
+
+def remember(key: str, value: int) -> int:
+    s = store()
+    s.set(key, value)
+    return int(s.get(key)) + len(list(s.keys()))
+
+
+def recall(key: str) -> object:
+    return store().get(key, "missing")
+
+
+@pytest.fixture(scope="module")
+def ex() -> Iterator[Executor]:
+    with Executor(2) as executor:
+        yield executor
+
+
+def _node() -> NodeStore:
+    return nimbus.data.session(None).store  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------- the local runtime
+
+
+def test_put_passes_one_object_to_many_tasks(ex: Executor) -> None:
+    ref = nimbus.put(list(range(1000)))
+    assert isinstance(ref, nimbus.Ref)
+    assert [f.result() for f in [ex.submit(sum, ref) for _ in range(8)]] == [499500] * 8
+    assert ex.submit(len, [ref, ref]).result() == 2  # in a list too
+    assert ref.get() == list(range(1000))
+
+
+def test_kept_results_feed_a_task_without_crossing_the_client(ex: Executor) -> None:
+    before = ex.statistics()["bytes_received"]
+    parts = ex.map(blob, range(8), keep=True)
+    assert all(isinstance(p, nimbus.executor.KeptFuture) for p in parts)
+    assert ex.submit(sizes, *parts).result() == [MB] * 8
+    chained = ex.options(keep=True).submit(grow, parts[3])
+    assert ex.submit(len, chained).result() == MB + 1
+    # only references and the small results came back, not the 8 MB of the parts
+    assert ex.statistics()["bytes_received"] - before < 64 * 1024
+    assert parts[3].result() == bytes([3]) * MB  # fetched lazily, when asked
+    assert isinstance(parts[3].ref(), Ref) and parts[3].ref().size > MB
+
+
+def test_an_object_is_freed_when_nothing_holds_it(ex: Executor) -> None:
+    ref = nimbus.put(b"x" * MB)
+    path = _node().path(ref.id)
+    assert path.exists()
+    del ref
+    gc.collect()
+    assert not path.exists()
+    kept = ex.options(keep=True).submit(blob, 1)
+    path = _node().path(kept.ref().id)
+    assert path.exists()
+    del kept
+    assert not path.exists()  # the future was the last holder: freed at once
+
+
+def test_a_crashed_clients_objects_go_when_their_lease_runs_out() -> None:
+    code = (
+        "import os, nimbus\n"
+        "nimbus.data.session(None).lease = 1.0\n"
+        "ref = nimbus.put(b'y' * 1000)\n"
+        "print(ref.id, flush=True)\n"
+        "os._exit(9)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, timeout=60)
+    assert done.returncode == 9, done.stderr
+    path = _node().path(done.stdout.decode().strip())
+    assert path.exists()  # nobody freed it: its holder died
+    assert _node().sweep() >= 0 and path.exists()  # not before its lease runs out
+    time.sleep(1.2)
+    other = NodeStore(f"u-sweeper-{os.getpid()}")  # any user's write sweeps the node
+    other.write("a" * 32, b"", time.time() + 60)
+    assert not path.exists()
+    shutil.rmtree(other.dir)
+
+
+def test_a_held_object_outlives_its_lease_renewed() -> None:
+    local = nimbus.data.session(None)
+    lease, local.lease = local.lease, 0.6
+    try:
+        ref = nimbus.put(b"z" * 100)
+        time.sleep(1.0)  # longer than the lease: its holder renewed it meanwhile
+        _node().sweep()
+        assert ref.get() == b"z" * 100
+    finally:
+        local.lease = lease
+
+
+def test_large_containers_pass_as_they_are(ex: Executor) -> None:
+    big = list(range(nimbus.data.MAX_SCAN + 1))
+    assert not nimbus.data.uses_data((big,), {})
+    ref = nimbus.put(1)
+    assert nimbus.data.uses_data(([ref],), {}) and nimbus.data.uses_data((), {"x": {"k": ref}})
+    assert ex.submit(len, [*big, ref]).result() == len(big) + 1  # not looked into
+    assert ex.submit(sum, [ref, ref, 2]).result() == 4  # looked into: read in the worker
+
+
+def test_another_users_reference_is_refused_before_any_task_runs(
+    ex: Executor, tmp_path: object
+) -> None:
+    theirs = Ref("0" * 32, "u-someone-else", "mallory", None, 10)
+    marker = f"/tmp/nimbus-data-test-{os.getpid()}"
+    with pytest.raises(DataAccessError, match="belongs to user 'mallory'"):
+        ex.submit(open, marker, "w", theirs)
+    with pytest.raises(DataAccessError, match="mallory"):
+        ex.map(len, [theirs], keep=True)
+    assert not os.path.exists(marker)
+    assert ex.statistics()["outstanding"] == 0
+    # in the worker too (a Ref smuggled inside an object the client does not look into)
+    scope = Scope("u-me", "me", None, False, 60.0)
+    with pytest.raises(DataAccessError, match="mallory"):
+        run(len, scope, theirs)
+
+
+def test_a_lost_reference_fails_its_dependents_naming_it(ex: Executor) -> None:
+    ref = nimbus.put([1, 2, 3])
+    _node().path(ref.id).unlink()  # its holder lost it
+    with pytest.raises(ReferenceLost, match=ref.id[:12]) as caught:
+        ex.submit(sum, ref).result()
+    assert caught.value.ref_id == ref.id
+    with pytest.raises(ReferenceLost):
+        ref.get()
+
+
+def test_a_lost_result_of_a_pure_task_is_made_again(ex: Executor) -> None:
+    made = ex.options(keep=True).submit(squares, 10)
+    first = made.ref().id
+    _node().path(first).unlink()  # the node that kept it lost it
+    assert ex.submit(sum, made).result(timeout=60) == 285  # ran squares again, then sum
+    assert made.ref().id != first and _node().path(made.ref().id).exists()
+    _node().path(made.ref().id).unlink()
+    assert made.result(timeout=60) == squares(10)  # fetching it makes it again too
+    impure = ex.options(keep=True).submit(double, [1])
+    _node().path(impure.ref().id).unlink()
+    with pytest.raises(ReferenceLost):
+        ex.submit(sum, impure).result(timeout=60)  # not known to be pure: not run again
+
+
+def test_a_failed_dependency_fails_the_task_that_waits_for_it(ex: Executor) -> None:
+    bad = ex.options(keep=True).submit(fail, 7)
+    after = ex.submit(total, bad)
+    with pytest.raises(ValueError, match="no 7"):
+        after.result(timeout=30)
+
+
+def test_a_task_waits_for_the_futures_it_is_given(ex: Executor) -> None:
+    slow = ex.options(keep=True).submit(lambda: (time.sleep(0.3), [5])[1])
+    plain = ex.submit(lambda: [1, 2])  # not kept: its value is passed
+    assert ex.submit(total, slow, plain).result(timeout=30) == 8
+
+
+def test_store_is_the_users_on_this_node(ex: Executor) -> None:
+    key = f"k{os.getpid()}-{time.monotonic_ns()}"
+    assert ex.submit(remember, key, 41).result() >= 42
+    assert ex.submit(recall, key).result() == 41
+    assert store().get(key) == 41  # the same user, on the same node, outside a task
+    other = Scope(f"u-other-{os.getpid()}", "other", None, False, 60.0)
+    assert run(recall, other, key) == "missing"  # another user's tasks see other keys
+    shutil.rmtree(NodeStore(other.namespace).dir)
+    assert store().delete(key)
+    with pytest.raises(DataError, match="key"):
+        store().set("", 1)
+
+
+# ---------------------------------------------------------------- through the service
+
+
+@pytest.fixture(scope="module")
+def remote(service: Service, alice: Client, lab: EndpointProcess) -> Iterator[Executor]:
+    settings = service.user_settings(alice.token)
+    with Executor(endpoint="lab", settings=settings) as executor:
+        yield executor
+
+
+def test_remote_references_stay_on_the_endpoint(remote: Executor, lab: EndpointProcess) -> None:
+    ref = nimbus.put(list(range(100)), endpoint="lab")
+    assert ref.endpoint == lab.endpoint_id
+    assert remote.submit(sum, ref).result(timeout=60) == 4950
+    before = remote.statistics()["bytes_received"]
+    parts = remote.map(small_blob, range(8), keep=True)  # 2 MB that stays on lab
+    assert remote.submit(sizes, *parts).result(timeout=60) == [MB // 4] * 8
+    assert remote.statistics()["bytes_received"] - before < 64 * 1024
+    assert parts[2].result(timeout=60) == bytes([2]) * (MB // 4)  # fetched through the service
+    assert ref.get() == list(range(100))
+    with pytest.raises(DataAccessError, match="kept on the local runtime, and these tasks run on "):
+        remote.submit(len, nimbus.put([1]))  # a local Ref, to a task on lab
+
+
+def test_remote_references_are_freed_and_lost_ones_named(
+    remote: Executor, lab: EndpointProcess
+) -> None:
+    place = nimbus.data.session(lab.endpoint_id)
+    node = NodeStore(place.namespace)  # the endpoint runs on this machine, as this OS user
+    ref = nimbus.put(b"q" * 1000, endpoint="lab")
+    path = node.path(ref.id)
+    assert path.exists()
+    del ref
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # freed by the session's next batch (a task on the endpoint)
+    assert not path.exists()
+    ref = nimbus.put([1, 2, 3], endpoint="lab")
+    node.path(ref.id).unlink()
+    with pytest.raises(ReferenceLost, match=ref.id[:12]):
+        remote.submit(sum, ref).result(timeout=60)
+
+
+def test_remote_reference_of_another_user_is_refused(
+    service: Service, remote: Executor, lab: EndpointProcess, alice: Client
+) -> None:
+    ref = nimbus.put([1, 2], endpoint="lab")
+    bob_token = service.token("bob")
+    alice.share_endpoint(lab.endpoint_id, ["bob"])
+    settings = service.user_settings(bob_token)
+    with (
+        Executor(endpoint=lab.endpoint_id, settings=settings) as bob,
+        pytest.raises(DataAccessError, match="belongs to user 'alice'"),
+    ):
+        bob.submit(sum, ref)
