@@ -194,8 +194,12 @@ def _task(port: int, get_curl: int, get_child: int, put: int) -> tuple[str, int]
     return _curl(port, get_curl, put), _child(port, get_child)
 
 
-def _close(measured: int, payload: int) -> bool:
-    return abs(measured - payload) <= max(payload * 0.01, 4096)
+def _close(measured: int, payload: int, retransmits: int = 0) -> bool:
+    """Within 1 % or 4 KiB of the payload, plus what the task's own retransmits put
+    on the wire again (each up to one segment of the 65535-byte-MTU link): under a
+    loaded CPU a sender's timer fires before the ACK is read and a segment goes twice.
+    The record counts those bytes (they crossed the link) and says how many in ``tcp``."""
+    return abs(measured - payload) <= max(payload * 0.01, 4096) + retransmits * 65536
 
 
 @needs_root
@@ -211,8 +215,8 @@ def test_every_byte_of_curl_and_children_counted(netns: pytest.MonkeyPatch, serv
                 r.net_bytes_in,
                 get_curl + get_child,
             )
-            assert _close(r.net_bytes_out, put), (r.net_bytes_out, put)
             assert r.tcp is not None and r.tcp["segments_out"] > 0
+            assert _close(r.net_bytes_out, put, r.tcp["retransmits"]), (r.net_bytes_out, put, r.tcp)
             assert r.colocated is not None and 0 <= r.colocated["min"] <= r.colocated["max"] <= 3
             assert r.net_throughput_in > 0
     # 4 workers, 4 tasks: some ran side by side
