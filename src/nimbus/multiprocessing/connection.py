@@ -82,7 +82,6 @@ from nimbus.multiprocessing import _direct, _wait
 from nimbus.multiprocessing import _site as _state
 from nimbus.multiprocessing._direct import PipeLane
 from nimbus.multiprocessing._handover import LOOK, Consumer
-from nimbus.multiprocessing._pump import Pump
 from nimbus.multiprocessing._payload import (
     EOS,
     MESSAGE,
@@ -91,6 +90,7 @@ from nimbus.multiprocessing._payload import (
     as_message,
     load,
 )
+from nimbus.multiprocessing._pump import Pump
 from nimbus.multiprocessing._wait import seconds
 from nimbus.statestore import Keys, Program, link, program
 from nimbus.statestore import pack as pack_command
@@ -392,8 +392,8 @@ class Connection(_ConnectionBase):
     def _recv_item(self) -> Item:
         """The next message (waiting for it); :class:`EOFError` at end of stream."""
         if self._pump is not None and (pump := self._pumped()) is not None:
-            item: Item = pump.take()
-            return item
+            pumped: Item = pump.take()
+            return pumped
         if self._eof:
             raise EOFError
         item = self._next(None) if not self._eos_next else EOS
