@@ -293,32 +293,47 @@ DILL_PROGRAM = """
     import dill
     import multiprocessing
 
+    FACTOR = 2
+
     def row_func(x):
-        return math.sqrt(x)
+        return FACTOR * math.sqrt(x)
 
     def call(payload):
         return dill.loads(payload)(16)
 
+    def show(payload):
+        print("process", call(payload), flush=True)
+
     if __name__ == "__main__":
         with multiprocessing.Pool(1) as pool:
-            print(pool.map(call, [dill.dumps(row_func)]))
+            print(pool.map(call, [dill.dumps(row_func)]), flush=True)
+        p = multiprocessing.Process(target=show, args=(dill.dumps(row_func),))
+        p.start()
+        p.join()
+        print("exitcode", p.exitcode)
 """
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("stdin", [False, True], ids=["file", "stdin"])
 @pytest.mark.parametrize("launcher", [["-m", "nimbus", "run"], []], ids=["nimbus-run", "import"])
-def test_children_see_the_main_script_as_main(tmp_path: Path, launcher: list[str]) -> None:
-    """Issue 16 #2: a main-script function dill sends by value finds its globals (`math`)."""
+def test_children_see_the_main_script_as_main(
+    tmp_path: Path, launcher: list[str], stdin: bool
+) -> None:
+    """Issue 16 #2: a main-script function dill sends by value finds its globals (`math`,
+    `FACTOR`), also when the program comes on standard input (`nimbus run -`, `python -`)."""
     pytest.importorskip("dill")
     text = DILL_PROGRAM
     if not launcher:
         text = text.replace(
             "import multiprocessing", "import nimbus.multiprocessing as multiprocessing"
         )
-    prog = _script(tmp_path, text)
-    done = _python(*launcher, str(prog), cwd=tmp_path)
+    if stdin:
+        done = _python(*launcher, "-", cwd=tmp_path, stdin=textwrap.dedent(text))
+    else:
+        done = _python(*launcher, str(_script(tmp_path, text)), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "[4.0]\n"
+    assert done.stdout == "[8.0]\nprocess 8.0\nexitcode 0\n"
 
 
 def test_endpoint_option_and_the_cli_parser(tmp_path: Path) -> None:
