@@ -168,7 +168,7 @@ CHILDREN_PROGRAM = """
             for p in ps:
                 p.join()
         finally:
-            print("codes", [p.exitcode for p in ps], flush=True)
+            print(f"codes {[p.exitcode for p in ps]}", flush=True)
 """
 
 
@@ -201,6 +201,78 @@ def test_ctrl_c_ends_children(tmp_path: Path, launcher: list[str]) -> None:
     assert "codes [" in out
     assert proc.returncode in (-signal.SIGINT, 130, 1)
     assert "KeyboardInterrupt" in err
+
+
+GRANDCHILDREN_PROGRAM = """
+    import multiprocessing, sys, time
+
+    def sleeper(ready):
+        try:
+            ready.put(1)
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("grandchild interrupted", flush=True)
+            sys.exit(1)
+
+    def parent():
+        ready = multiprocessing.Queue()
+        ps = [multiprocessing.Process(target=sleeper, args=(ready,)) for _ in range(2)]
+        for p in ps:
+            p.start()
+        ready.get()
+        ready.get()
+        print("started", flush=True)
+        try:
+            for p in ps:
+                p.join()
+        except KeyboardInterrupt:
+            for p in ps:
+                p.join()
+            print(f"child interrupted {[p.exitcode for p in ps]}", flush=True)
+            sys.exit(1)
+
+    if __name__ == "__main__":
+        p = multiprocessing.Process(target=parent)
+        p.start()
+        try:
+            p.join()
+        finally:
+            print(f"codes {p.exitcode}", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "launcher", [[], ["-m", "nimbus", "run"], ["import"]], ids=["python", "nimbus-run", "import"]
+)
+def test_ctrl_c_reaches_grandchildren(tmp_path: Path, launcher: list[str]) -> None:
+    """A Process started by a Process gets Ctrl-C too, as every process of the group does
+    (under `nimbus run`, and in a program that imports nimbus.multiprocessing itself)."""
+    text = GRANDCHILDREN_PROGRAM
+    if launcher == ["import"]:
+        launcher = []
+        text = text.replace(
+            "import multiprocessing,", "import nimbus.multiprocessing as multiprocessing,"
+        )
+    prog = _script(tmp_path, text)
+    proc = subprocess.Popen(
+        [sys.executable, *launcher, str(prog)], cwd=tmp_path, env=ENV, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        preexec_fn=_interruptible,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "started\n"
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # as the terminal does
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert out.count("grandchild interrupted") == 2, err
+    assert "child interrupted [1, 1]" in out, err
+    assert proc.returncode in (-signal.SIGINT, 130, 1)
 
 
 NO_FILE_PROGRAM = """
