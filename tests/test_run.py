@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -421,3 +422,56 @@ def test_endpoint_option_and_the_cli_parser(tmp_path: Path) -> None:
     )
     assert via_cli.returncode == 4, via_cli.stderr
     assert via_cli.stdout == "nimbus.multiprocessing\n"
+
+
+ENDPOINT_PROGRAM = """
+    import os, sys
+    import multiprocessing
+    import psutil
+
+    def where(x):
+        return x * x, [p.pid for p in psutil.Process().parents()]
+
+    def child(q):
+        q.put(where(7))
+
+    if __name__ == "__main__":
+        with multiprocessing.Pool(2) as pool:
+            results = pool.map(where, range(8))
+        print("sum", sum(r for r, _ in results), flush=True)
+        q = multiprocessing.Queue()
+        p = multiprocessing.Process(target=child, args=(q,))
+        p.start()
+        square, chain = q.get()
+        p.join()
+        print("process", square, p.exitcode, multiprocessing.cpu_count(), flush=True)
+        print("chains", [c for _, c in results] + [chain], flush=True)
+        sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_nimbus_run_endpoint_runs_on_a_real_endpoint(
+    tmp_path: Path, service: Any, alice: Any, lab: Any
+) -> None:
+    """`nimbus run --endpoint lab script.py`: a real service on loopback and a real endpoint
+    agent; the unmodified program's processes run there, its output and exit code are its own."""
+    pytest.importorskip("psutil")
+    prog = _script(tmp_path, ENDPOINT_PROGRAM)
+    env = {
+        **service.env,
+        "PYTHONPATH": str(SRC),
+        "NIMBUS_SERVICE_URL": service.url,
+        "NIMBUS_TOKEN": alice.token,
+    }
+    env.pop("NIMBUS_ENDPOINT", None)  # the option says where
+    done = subprocess.run(
+        [sys.executable, "-m", "nimbus", "run", "--endpoint", "lab", str(prog), "5"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 5, done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines["sum"] == str(sum(i * i for i in range(8)))
+    assert lines["process"] == "49 0 2"  # the endpoint's 2 workers
+    for chain in eval(lines["chains"]):  # every process descends from the endpoint agent
+        assert lab.proc.pid in chain
