@@ -475,3 +475,62 @@ def test_nimbus_run_endpoint_runs_on_a_real_endpoint(
     assert lines["process"] == "49 0 2"  # the endpoint's 2 workers
     for chain in eval(lines["chains"]):  # every process descends from the endpoint agent
         assert lab.proc.pid in chain
+
+
+REPLACED_WORKERS_PROGRAM = """
+    import multiprocessing, os, time
+    import psutil
+
+    def count(q):
+        q.put(len(os.listdir("/proc/self/fd")))
+
+    def counts(n=6):
+        q = multiprocessing.Queue()
+        ps = [multiprocessing.Process(target=count, args=(q,)) for _ in range(n)]
+        for p in ps:
+            p.start()
+        got = [q.get(timeout=60) for _ in ps]
+        for p in ps:
+            p.join()
+        return got
+
+    def workers():  # the root's forked warm workers: its children with its command line
+        me, found = psutil.Process(), []
+        for c in me.children():
+            try:
+                if c.status() != psutil.STATUS_ZOMBIE and c.cmdline() == me.cmdline():
+                    found.append(c)
+            except psutil.Error:
+                pass
+        return found
+
+    if __name__ == "__main__":
+        before = counts()
+        opened = [open(__file__) for _ in range(4)] + [os.pipe() for _ in range(4)]
+        dead = workers()
+        for worker in dead:
+            worker.kill()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            now = workers()
+            if len(now) >= len(dead) and not set(now) & set(dead):
+                break
+            time.sleep(0.1)
+        print("replaced", len(dead) > 0 and not set(workers()) & set(dead), flush=True)
+        print("counts", max(before), max(counts()), flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+@pytest.mark.timeout(180)
+def test_replacement_workers_do_not_inherit_what_the_root_opened_since(tmp_path: Path) -> None:
+    """A worker that dies is replaced by a new fork of the root: its children have the
+    descriptors the first workers' children have, not the 12 the program opened meanwhile."""
+    pytest.importorskip("psutil")
+    prog = _script(tmp_path, REPLACED_WORKERS_PROGRAM)
+    done = _python("-m", "nimbus", "run", str(prog), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines["replaced"] == "True"
+    first, replaced = map(int, lines["counts"].split())
+    assert replaced <= first, done.stdout
