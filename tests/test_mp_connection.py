@@ -143,7 +143,7 @@ def test_context_manager_and_fileno() -> None:
     with a:
         assert isinstance(a.fileno(), int)  # a reading end's descriptor (tests/test_mp_pump.py)
     assert a.closed
-    r, w = Pipe(duplex=False)
+    _r, w = Pipe(duplex=False)
     with pytest.raises(OSError):
         w.fileno()  # a write-only end has none
     with pytest.raises(EOFError):
