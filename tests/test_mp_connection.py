@@ -140,9 +140,12 @@ def test_closed_handle_and_eof() -> None:
 
 def test_context_manager_and_fileno() -> None:
     a, b = Pipe()
-    with a, pytest.raises(OSError):
-        a.fileno()
+    with a:
+        assert isinstance(a.fileno(), int)  # a reading end's descriptor (tests/test_mp_pump.py)
     assert a.closed
+    _r, w = Pipe(duplex=False)
+    with pytest.raises(OSError):
+        w.fileno()  # a write-only end has none
     with pytest.raises(EOFError):
         b.recv()
 

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -168,7 +169,7 @@ CHILDREN_PROGRAM = """
             for p in ps:
                 p.join()
         finally:
-            print("codes", [p.exitcode for p in ps], flush=True)
+            print(f"codes {[p.exitcode for p in ps]}", flush=True)
 """
 
 
@@ -201,6 +202,78 @@ def test_ctrl_c_ends_children(tmp_path: Path, launcher: list[str]) -> None:
     assert "codes [" in out
     assert proc.returncode in (-signal.SIGINT, 130, 1)
     assert "KeyboardInterrupt" in err
+
+
+GRANDCHILDREN_PROGRAM = """
+    import multiprocessing, sys, time
+
+    def sleeper(ready):
+        try:
+            ready.put(1)
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("grandchild interrupted", flush=True)
+            sys.exit(1)
+
+    def parent():
+        ready = multiprocessing.Queue()
+        ps = [multiprocessing.Process(target=sleeper, args=(ready,)) for _ in range(2)]
+        for p in ps:
+            p.start()
+        ready.get()
+        ready.get()
+        print("started", flush=True)
+        try:
+            for p in ps:
+                p.join()
+        except KeyboardInterrupt:
+            for p in ps:
+                p.join()
+            print(f"child interrupted {[p.exitcode for p in ps]}", flush=True)
+            sys.exit(1)
+
+    if __name__ == "__main__":
+        p = multiprocessing.Process(target=parent)
+        p.start()
+        try:
+            p.join()
+        finally:
+            print(f"codes {p.exitcode}", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "launcher", [[], ["-m", "nimbus", "run"], ["import"]], ids=["python", "nimbus-run", "import"]
+)
+def test_ctrl_c_reaches_grandchildren(tmp_path: Path, launcher: list[str]) -> None:
+    """A Process started by a Process gets Ctrl-C too, as every process of the group does
+    (under `nimbus run`, and in a program that imports nimbus.multiprocessing itself)."""
+    text = GRANDCHILDREN_PROGRAM
+    if launcher == ["import"]:
+        launcher = []
+        text = text.replace(
+            "import multiprocessing,", "import nimbus.multiprocessing as multiprocessing,"
+        )
+    prog = _script(tmp_path, text)
+    proc = subprocess.Popen(
+        [sys.executable, *launcher, str(prog)], cwd=tmp_path, env=ENV, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        preexec_fn=_interruptible,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "started\n"
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # as the terminal does
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert out.count("grandchild interrupted") == 2, err
+    assert "child interrupted [1, 1]" in out, err
+    assert proc.returncode in (-signal.SIGINT, 130, 1)
 
 
 NO_FILE_PROGRAM = """
@@ -293,32 +366,47 @@ DILL_PROGRAM = """
     import dill
     import multiprocessing
 
+    FACTOR = 2
+
     def row_func(x):
-        return math.sqrt(x)
+        return FACTOR * math.sqrt(x)
 
     def call(payload):
         return dill.loads(payload)(16)
 
+    def show(payload):
+        print("process", call(payload), flush=True)
+
     if __name__ == "__main__":
         with multiprocessing.Pool(1) as pool:
-            print(pool.map(call, [dill.dumps(row_func)]))
+            print(pool.map(call, [dill.dumps(row_func)]), flush=True)
+        p = multiprocessing.Process(target=show, args=(dill.dumps(row_func),))
+        p.start()
+        p.join()
+        print("exitcode", p.exitcode)
 """
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("stdin", [False, True], ids=["file", "stdin"])
 @pytest.mark.parametrize("launcher", [["-m", "nimbus", "run"], []], ids=["nimbus-run", "import"])
-def test_children_see_the_main_script_as_main(tmp_path: Path, launcher: list[str]) -> None:
-    """Issue 16 #2: a main-script function dill sends by value finds its globals (`math`)."""
+def test_children_see_the_main_script_as_main(
+    tmp_path: Path, launcher: list[str], stdin: bool
+) -> None:
+    """Issue 16 #2: a main-script function dill sends by value finds its globals (`math`,
+    `FACTOR`), also when the program comes on standard input (`nimbus run -`, `python -`)."""
     pytest.importorskip("dill")
     text = DILL_PROGRAM
     if not launcher:
         text = text.replace(
             "import multiprocessing", "import nimbus.multiprocessing as multiprocessing"
         )
-    prog = _script(tmp_path, text)
-    done = _python(*launcher, str(prog), cwd=tmp_path)
+    if stdin:
+        done = _python(*launcher, "-", cwd=tmp_path, stdin=textwrap.dedent(text))
+    else:
+        done = _python(*launcher, str(_script(tmp_path, text)), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "[4.0]\n"
+    assert done.stdout == "[8.0]\nprocess 8.0\nexitcode 0\n"
 
 
 def test_endpoint_option_and_the_cli_parser(tmp_path: Path) -> None:
@@ -334,3 +422,115 @@ def test_endpoint_option_and_the_cli_parser(tmp_path: Path) -> None:
     )
     assert via_cli.returncode == 4, via_cli.stderr
     assert via_cli.stdout == "nimbus.multiprocessing\n"
+
+
+ENDPOINT_PROGRAM = """
+    import os, sys
+    import multiprocessing
+    import psutil
+
+    def where(x):
+        return x * x, [p.pid for p in psutil.Process().parents()]
+
+    def child(q):
+        q.put(where(7))
+
+    if __name__ == "__main__":
+        with multiprocessing.Pool(2) as pool:
+            results = pool.map(where, range(8))
+        print("sum", sum(r for r, _ in results), flush=True)
+        q = multiprocessing.Queue()
+        p = multiprocessing.Process(target=child, args=(q,))
+        p.start()
+        square, chain = q.get()
+        p.join()
+        print("process", square, p.exitcode, multiprocessing.cpu_count(), flush=True)
+        print("chains", [c for _, c in results] + [chain], flush=True)
+        sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_nimbus_run_endpoint_runs_on_a_real_endpoint(
+    tmp_path: Path, service: Any, alice: Any, lab: Any
+) -> None:
+    """`nimbus run --endpoint lab script.py`: a real service on loopback and a real endpoint
+    agent; the unmodified program's processes run there, its output and exit code are its own."""
+    pytest.importorskip("psutil")
+    prog = _script(tmp_path, ENDPOINT_PROGRAM)
+    env = {
+        **service.env,
+        "PYTHONPATH": str(SRC),
+        "NIMBUS_SERVICE_URL": service.url,
+        "NIMBUS_TOKEN": alice.token,
+    }
+    env.pop("NIMBUS_ENDPOINT", None)  # the option says where
+    done = subprocess.run(
+        [sys.executable, "-m", "nimbus", "run", "--endpoint", "lab", str(prog), "5"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 5, done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines["sum"] == str(sum(i * i for i in range(8)))
+    assert lines["process"] == "49 0 2"  # the endpoint's 2 workers
+    for chain in eval(lines["chains"]):  # every process descends from the endpoint agent
+        assert lab.proc.pid in chain
+
+
+REPLACED_WORKERS_PROGRAM = """
+    import multiprocessing, os, time
+    import psutil
+
+    def count(q):
+        q.put(len(os.listdir("/proc/self/fd")))
+
+    def counts(n=6):
+        q = multiprocessing.Queue()
+        ps = [multiprocessing.Process(target=count, args=(q,)) for _ in range(n)]
+        for p in ps:
+            p.start()
+        got = [q.get(timeout=60) for _ in ps]
+        for p in ps:
+            p.join()
+        return got
+
+    def workers():  # the root's forked warm workers: its children with its command line
+        me, found = psutil.Process(), []
+        for c in me.children():
+            try:
+                if c.status() != psutil.STATUS_ZOMBIE and c.cmdline() == me.cmdline():
+                    found.append(c)
+            except psutil.Error:
+                pass
+        return found
+
+    if __name__ == "__main__":
+        before = counts()
+        opened = [open(__file__) for _ in range(4)] + [os.pipe() for _ in range(4)]
+        dead = workers()
+        for worker in dead:
+            worker.kill()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            now = workers()
+            if len(now) >= len(dead) and not set(now) & set(dead):
+                break
+            time.sleep(0.1)
+        print("replaced", len(dead) > 0 and not set(workers()) & set(dead), flush=True)
+        print("counts", max(before), max(counts()), flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+@pytest.mark.timeout(180)
+def test_replacement_workers_do_not_inherit_what_the_root_opened_since(tmp_path: Path) -> None:
+    """A worker that dies is replaced by a new fork of the root: its children have the
+    descriptors the first workers' children have, not the 12 the program opened meanwhile."""
+    pytest.importorskip("psutil")
+    prog = _script(tmp_path, REPLACED_WORKERS_PROGRAM)
+    done = _python("-m", "nimbus", "run", str(prog), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines["replaced"] == "True"
+    first, replaced = map(int, lines["counts"].split())
+    assert replaced <= first, done.stdout

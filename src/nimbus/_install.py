@@ -28,6 +28,13 @@ where the stdlib would send one (``SyncManager``'s ``Pool``).
 
 The children of an installed program install it too (``popen_nimbus`` says
 so, and the warm worker installs before it imports the main module).
+
+Ctrl-C: the terminal signals its foreground process group, and nimbus's
+processes, forked by warm workers, are not in it. While SIGINT's handler is
+Python's own, a process that imported ``nimbus.multiprocessing`` (installed or
+not) passes an interrupt on to its live nimbus children first
+(``pass_interrupts``); they do the same, so a Process started by a Process
+sees it too, as every process of the group does under the stdlib.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import contextlib
 import copy
 import importlib
 import importlib.machinery
+import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -45,7 +53,15 @@ TYPE_CHECKING = False  # typing is not imported: `nimbus run` starts programs so
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["NIMBUS_MODULES", "STDLIB_MODULES", "install", "installed", "real", "watch"]
+__all__ = [
+    "NIMBUS_MODULES",
+    "STDLIB_MODULES",
+    "install",
+    "installed",
+    "pass_interrupts",
+    "real",
+    "watch",
+]
 
 # the submodules that are nimbus's own, standing in for the stdlib's
 NIMBUS_MODULES = (
@@ -279,8 +295,10 @@ _finder = _Finder()
 
 
 def watch() -> None:
-    """Put the finder first on ``sys.meta_path`` (nimbus's package does, when imported)."""
+    """Put the finder first on ``sys.meta_path`` (nimbus's package does, when imported),
+    and pass Ctrl-C on to this process's nimbus children from then on."""
     with _lock:
+        pass_interrupts()
         _remember()
         if _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
@@ -314,6 +332,7 @@ def install() -> None:
     """
     global _installed
     with _lock:
+        pass_interrupts()  # (again in a child forked from an installed worker)
         if _installed:
             return
         watch()
@@ -325,3 +344,27 @@ def install() -> None:
 def installed() -> bool:
     """Whether ``install()`` ran in this process."""
     return _installed
+
+
+def _on_interrupt(signum: int, frame: Any) -> None:
+    """SIGINT: to the live nimbus children first, then ``KeyboardInterrupt`` here."""
+    multiprocessing = sys.modules.get(NAME)
+    if multiprocessing is not None:
+        for child in multiprocessing.active_children():
+            popen = getattr(child, "_popen", None)
+            if popen is not None and getattr(popen, "method", None) == "nimbus":
+                with contextlib.suppress(Exception):  # one that just ended
+                    popen._send_signal(signal.SIGINT)
+    signal.default_int_handler(signum, frame)
+
+
+def pass_interrupts() -> None:
+    """Pass Ctrl-C on to this process's nimbus children, which the terminal does not reach.
+
+    Only while SIGINT's handler is Python's own (an ignored one, or the
+    program's, stays), and only from the main thread (where handlers are set).
+    """
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+    with contextlib.suppress(ValueError):  # not the main thread
+        signal.signal(signal.SIGINT, _on_interrupt)

@@ -15,7 +15,8 @@ own. Before it starts, ``nimbus.multiprocessing.install()`` makes every
 ``import multiprocessing`` (the program's and its libraries') nimbus's, and
 so ``concurrent.futures.ProcessPoolExecutor`` too. Ctrl-C is passed on to
 the program's processes, which the terminal does not reach (they are forked
-by warm workers): they see ``KeyboardInterrupt`` as the stdlib's children do.
+by warm workers), and by each to its own (``_install.pass_interrupts``):
+they see ``KeyboardInterrupt`` as the stdlib's children and grandchildren do.
 
 A script that does not exist exits with status 2 and names it, as ``python`` does.
 """
@@ -25,7 +26,6 @@ from __future__ import annotations
 import builtins
 import io
 import os
-import signal
 import sys
 import types
 from collections.abc import Sequence
@@ -113,8 +113,7 @@ def launch(endpoint: str | None, module: str | None, argv: list[str]) -> int:
         os.environ["NIMBUS_ENDPOINT"] = endpoint
     from nimbus import _install
 
-    _install.install()
-    _pass_interrupts()
+    _install.install()  # Ctrl-C is passed on to the program's processes from here
     try:
         if module is not None:
             code, main = _module(module, argv)
@@ -198,25 +197,3 @@ def _module(name: str, args: list[str]) -> tuple[types.CodeType, types.ModuleTyp
     )
     sys.argv[:] = [spec.origin, *args]
     return code, main
-
-
-def _pass_interrupts() -> None:
-    """Ctrl-C reaches the program's processes too, as the terminal's does a stdlib's.
-
-    The terminal signals its foreground process group; nimbus's processes,
-    forked by warm workers, are not in it. While the handler is Python's own,
-    an interrupt is sent on to the live children first.
-    """
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return  # ignored, or the program's own already
-
-    def on_interrupt(signum: int, frame: types.FrameType | None) -> None:
-        multiprocessing = sys.modules.get("multiprocessing")
-        if multiprocessing is not None:
-            for child in multiprocessing.active_children():
-                popen = getattr(child, "_popen", None)
-                if popen is not None and getattr(popen, "method", None) == "nimbus":
-                    popen._send_signal(signal.SIGINT)
-        signal.default_int_handler(signum, frame)
-
-    signal.signal(signal.SIGINT, on_interrupt)

@@ -50,6 +50,7 @@ CASES = [
     pytest.param("scientific.py", ("sklearn",), "sklearn {'C'", id="sklearn-joblib"),
     pytest.param("gym_async.py", (), "gym", id="gymnasium"),
     pytest.param("parmap_map.py", (), "parmap [6, 7", id="parmap"),
+    pytest.param("pebble_pool.py", (), "timeout\nafter 0.01\ndone True", id="pebble"),
 ]
 IMPORTS = {
     "tqdm": "tqdm",
@@ -60,6 +61,7 @@ IMPORTS = {
     "sklearn-joblib": "sklearn",
     "gymnasium": "gymnasium",
     "parmap": "parmap",
+    "pebble": "pebble",
 }
 
 

@@ -47,8 +47,9 @@ def wait(object_list: Iterable[Any], timeout: float | None, kind: type[Connectio
     seconds, in turn with the others (or alone, if it is the only one).
     """
     objects = list(object_list)
-    ours = [o for o in objects if isinstance(o, kind)]
-    others = [o for o in objects if not isinstance(o, kind)]
+    # an end with a descriptor (its pump reads it, see ``_pump``) is waited on as one
+    ours = [o for o in objects if isinstance(o, kind) and o._pump is None]
+    others = [o for o in objects if not (isinstance(o, kind) and o._pump is None)]
     for conn in ours:
         conn._check_closed()
     deadline = None if timeout is None else time.monotonic() + timeout

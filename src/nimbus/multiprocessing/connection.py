@@ -43,9 +43,10 @@ last copy of an end is closed an end-of-stream marker is pushed to the list the
 peer reads (or sent directly), so the peer's ``recv`` raises :class:`EOFError`
 once it has read everything before it; so does a direct reader whose only
 writer died. A send to an end whose copies are all closed is dropped
-(the stdlib raises ``BrokenPipeError``). :meth:`Connection.fileno` raises
-:class:`OSError`: there is no file descriptor; use :func:`wait` instead of
-``select``.
+(the stdlib raises ``BrokenPipeError``). A reading end's :meth:`Connection.fileno`
+is the read end of a private OS pipe, readable while a message is in hand (see
+``_pump``: a thread then reads the end, one message ahead), so ``select`` and
+``poll`` on it work as on the stdlib's; :func:`wait` needs no descriptor.
 
 ``Listener``, ``Client``, ``answer_challenge``, ``deliver_challenge``,
 ``BufferTooShort`` and ``AuthenticationError`` are the stdlib's own: they are
@@ -57,6 +58,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import threading
 import time
 from collections.abc import Iterable
 from multiprocessing import AuthenticationError, BufferTooShort, util
@@ -88,6 +90,7 @@ from nimbus.multiprocessing._payload import (
     as_message,
     load,
 )
+from nimbus.multiprocessing._pump import Pump
 from nimbus.multiprocessing._wait import seconds
 from nimbus.statestore import Keys, Program, link, program
 from nimbus.statestore import pack as pack_command
@@ -160,6 +163,8 @@ class Connection(_ConnectionBase):
         self._wait_forever: bytes | None = None  # BLPOP of the list, packed once
         self._misses = 0
         self._last = 0.0
+        self._pump: Pump | None = None  # once fileno() was asked (a reading end)
+        self._pumps: list[Pump] = []  # the same, for the finalizer
         self._finalize()
         # a process's bootstrap clears the finalizers (ours were made while its
         # process object was unpickled) and then runs the after-fork hooks
@@ -179,6 +184,10 @@ class Connection(_ConnectionBase):
         if previous is not None:
             previous.cancel()  # registered again after a fork: one release, not two
             self._new_direct()  # the parent's claims and switches stay the parent's
+            if self._pump is not None:  # and so do its pump thread and the message it holds
+                self._pump.forget()
+                self._pump = None
+                self._pumps = []
         self._finalizer = util.Finalize(
             self, _release_quietly, self._release_args(), exitpriority=10
         )
@@ -193,6 +202,7 @@ class Connection(_ConnectionBase):
             self._buffer,
             self._reader,
             self._writer,
+            self._pumps,
         )
 
     def __del__(self) -> None:
@@ -204,11 +214,29 @@ class Connection(_ConnectionBase):
         if held is not None and not self._eof:
             self._buffer.appendleft(as_message(held))
         _release(*self._release_args())
+        self._pump = None
 
     def fileno(self) -> int:
-        """There is no file descriptor: raises :class:`OSError` (use :func:`wait`)."""
+        """A descriptor readable while a message is in hand (a reading end; see ``_pump``).
+
+        A write-only end has none: :class:`OSError`.
+        """
         self._check_closed()
-        raise OSError("a nimbus Connection has no file descriptor; use nimbus wait()")
+        if not self._readable:
+            raise OSError(
+                "a write-only nimbus Connection has no file descriptor; use nimbus wait()"
+            )
+        if self._pump is None:
+            self._pump = Pump(self, Connection._poll, Connection._recv_item)
+            self._pumps.append(self._pump)
+        return self._pump.read_fd
+
+    def _pumped(self) -> Pump | None:
+        """The pump, if this end has one and the caller is not its thread."""
+        pump = self._pump
+        if pump is None or pump.thread is threading.current_thread():
+            return None
+        return pump
 
     # -- sending
 
@@ -244,11 +272,15 @@ class Connection(_ConnectionBase):
 
     def _direct_now(self) -> bool:
         """Whether direct messages may come to this end now (``wait`` slices its waits)."""
+        if self._pump is not None:
+            return False
         reader = self._reader
         return reader is not None and reader.active()
 
     def _ready(self) -> bool:
         """Whether a message (or end-of-stream) is in hand, without waiting."""
+        if self._pump is not None and (pump := self._pumped()) is not None:
+            return pump.ready()
         if self._eof or self._eos_next or self._held is not None:
             return True
         buffer, reader = self._buffer, self._reader
@@ -343,6 +375,8 @@ class Connection(_ConnectionBase):
 
     def _poll(self, timeout: float | None) -> bool:
         """Whether there is anything to read, waiting up to ``timeout`` (None: forever)."""
+        if self._pump is not None and (pump := self._pumped()) is not None:
+            return pump.wait(None if timeout is None else max(timeout, 0.0))
         if self._ready():
             return True
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
@@ -357,6 +391,9 @@ class Connection(_ConnectionBase):
 
     def _recv_item(self) -> Item:
         """The next message (waiting for it); :class:`EOFError` at end of stream."""
+        if self._pump is not None and (pump := self._pumped()) is not None:
+            pumped: Item = pump.take()
+            return pumped
         if self._eof:
             raise EOFError
         item = self._next(None) if not self._eos_next else EOS
@@ -410,7 +447,7 @@ class Connection(_ConnectionBase):
             self._check_closed()
             self._check_readable()
         reader = self._reader
-        if reader is not None and self._held is None and not self._buffer:
+        if reader is not None and self._held is None and not self._buffer and self._pump is None:
             # a direct reader's common case, no detour (see ``Consumer.receive_next``)
             item = None if self._eof or self._eos_next else reader.receive_next()
             if item is not None and item != EOS:
@@ -454,9 +491,14 @@ def _release(
     buffer: collections.deque[bytes],
     reader: Consumer | None = None,
     writer: _direct.PipeWriter | None = None,
+    pumps: list[Pump] | None = None,
 ) -> None:
     """Give back prefetched messages and this copy's reference (quietly at exit)."""
     try:
+        if pumps:  # its message in hand is the first to give back
+            pumped = pumps.pop().stop()
+            if pumped is not None:
+                buffer.appendleft(as_message(pumped))
         if buffer:
             _push_back(prog, read_key, buffer)
         left = None if refs is None else link(prog).eval(_RELEASE, (refs,), ())

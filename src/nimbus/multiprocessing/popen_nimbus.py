@@ -32,7 +32,7 @@ from multiprocessing import resource_sharer, spawn
 from typing import Any
 
 from nimbus import _install
-from nimbus.multiprocessing import _forking, _site
+from nimbus.multiprocessing import _forking, _main, _site
 from nimbus.multiprocessing import context as nimbus_context
 from nimbus.multiprocessing._forking import MAIN_KEYS, WARM_MODULES
 
@@ -92,7 +92,10 @@ class Popen:
         stdlib_context.set_spawning_popen(self)  # type: ignore[arg-type]
         try:
             program = _site.program()
-            data, buffers = _site.dumps(process_obj)
+            # no main module to import there: its names go with the process, as fork has them
+            data, buffers = _site.dumps(
+                _main.with_main(process_obj) if _site.main_by_value() else process_obj
+            )
         except BaseException:
             self._close_pipe()
             raise

@@ -155,6 +155,8 @@ class Manager:
         self._preload = list(preload)
         self._fork = fork  # workers are forks of this process (worker.fork_worker)
         self._net = network.WorkerNetworks.configured()  # namespaces, limits: issue 19
+        # the descriptors of the first forked workers: those forked later keep only these
+        self._descriptors: set[int] | None = None
         self._pending: deque[Task] = deque()
         self._cancels: deque[Task] = deque()
         self._workers: list[_Worker] = []
@@ -230,6 +232,8 @@ class Manager:
     # -- the loop thread ----------------------------------------------
     def _run(self) -> None:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        if self._fork:
+            self._descriptors = worker_module.open_descriptors()
         try:
             try:
                 for _ in range(self.size):
@@ -292,7 +296,7 @@ class Manager:
                 close: list[Callable[[], object]] = [parent.close, self._selector.close]
                 close += [s.close for s in others]
                 close += [lambda: os.close(self._wake_r), lambda: os.close(self._wake_w)]
-                proc = worker_module.fork_worker(child, close, self._preload)
+                proc = worker_module.fork_worker(child, close, self._preload, self._descriptors)
             else:
                 argv = [self._python, "-u", "-c", WORKER_MAIN, str(child.fileno()), *self._preload]
                 proc = subprocess.Popen(

@@ -508,7 +508,10 @@ class ForkedWorker:
 
 
 def fork_worker(
-    sock: socket.socket, close: list[Callable[[], object]], preload: list[str]
+    sock: socket.socket,
+    close: list[Callable[[], object]],
+    preload: list[str],
+    keep: set[int] | None = None,
 ) -> ForkedWorker:
     """Fork a worker from this process, serving on ``sock`` (its end of the channel).
 
@@ -520,6 +523,10 @@ def fork_worker(
     ``__main__`` (a task imports the program's main module as a new worker
     does), and nothing of its parent's but what it inherits; ``close`` are
     called in the child first (the manager's ends of the other channels).
+    With ``keep`` (:func:`open_descriptors` as the first worker forked), the
+    child closes every descriptor opened since, but its channel: a worker
+    forked later (one replacing a worker that died) has the descriptors the
+    first ones have, not those the program opened meanwhile.
     """
     for stream in (sys.stdout, sys.stderr):  # what is buffered is written once, here
         try:
@@ -533,6 +540,8 @@ def fork_worker(
     code = 1
     try:
         _become_worker(close)
+        if keep is not None:
+            _close_newer(keep, sock.fileno())
         code = main([str(sock.fileno()), *preload], preload_later=True)
     except BaseException:
         traceback.print_exc()
@@ -543,6 +552,34 @@ def fork_worker(
             except (OSError, ValueError, AttributeError):
                 pass
         os._exit(code)
+
+
+def open_descriptors() -> set[int]:
+    """This process's open descriptors."""
+    for where in ("/proc/self/fd", "/dev/fd"):
+        try:
+            names = os.listdir(where)
+        except OSError:
+            continue
+        found = set()
+        for name in names:
+            try:
+                os.fstat(int(name))
+            except (OSError, ValueError):  # the listing's own, closed by now
+                continue
+            found.add(int(name))
+        return found
+    return set()
+
+
+def _close_newer(keep: set[int], channel: int) -> None:
+    """Close the descriptors that are not in ``keep`` (but stdio and ``channel``)."""
+    for fd in open_descriptors() - keep:
+        if fd > 2 and fd != channel:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _become_worker(close: list[Callable[[], object]]) -> None:
