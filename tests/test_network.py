@@ -357,7 +357,8 @@ def test_memory_and_cpu_limits(netns: pytest.MonkeyPatch) -> None:
         fut = ex.submit(_spin, 1.0)
         fut.result(timeout=60)
     used = fut.record.cpu_user + fut.record.cpu_system
-    assert 0.15 < used / fut.record.run_seconds < 0.35, (used, fut.record.run_seconds)
+    # the quota is a ceiling: on a loaded machine the worker may get less, never more
+    assert 0.02 < used / fut.record.run_seconds < 0.35, (used, fut.record.run_seconds)
 
 
 def _timed_download(port: int, size: int) -> float:
