@@ -279,6 +279,8 @@ def _connect(program: statestore.Program) -> None:
     descriptors do not depend on how it was started.
     """
     global _connected
+    if program.booting():  # the first processes of a program: not on their path
+        return
     try:
         statestore.link(program).call(("PING",))
     except Exception:  # the store is unreachable now: the process reports it, if it uses it

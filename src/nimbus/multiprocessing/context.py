@@ -237,3 +237,7 @@ _contexts: dict[str, NimbusContext] = {
     "forkserver": ForkServerContext("forkserver"),
 }
 _default_context = DefaultContext()
+
+# imported with the package, not at the first start(): a program's first Process is
+# on a new program's path (issue 16: <= 50 ms), the package's import is not
+from nimbus.multiprocessing import popen_nimbus  # noqa: E402, F401

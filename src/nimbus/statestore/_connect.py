@@ -10,13 +10,16 @@
 Every client gets the same options: no read timeout (BLPOP and friends may block
 for long; a dead server closes the socket), no ``CLIENT SETINFO`` at connect, and
 for a ``rediss://`` URL the CAs of ``NIMBUS_CA_FILE`` (:func:`tls_options`).
+A connection to an embedded store that is still booting (:func:`booting`: a
+program's root launches its store and goes on) waits until it answers.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+import time
+from typing import Any, Protocol
 
 import redis
 import redis.asyncio as aioredis
@@ -25,7 +28,18 @@ from redis.retry import Retry
 
 from nimbus.errors import ConfigError, StateStoreError
 
-__all__ = ["connect", "connect_async", "forget", "pool", "probe", "redacted", "tls_options"]
+__all__ = [
+    "Booting",
+    "booting",
+    "connect",
+    "connect_async",
+    "forget",
+    "is_booting",
+    "pool",
+    "probe",
+    "redacted",
+    "tls_options",
+]
 
 # driver_info=None: no CLIENT SETINFO at connect (two round trips) and no lookup
 # of redis-py's version in the package metadata (about 6 ms per connection)
@@ -34,6 +48,70 @@ _POOL_OPTIONS: dict[str, Any] = {
     "socket_timeout": None,
     "driver_info": None,
 }
+
+
+class Booting(Protocol):
+    """An embedded store launched and maybe not answering yet (``EmbeddedRedis``)."""
+
+    owner_pid: int
+    start_timeout: float
+
+    def ready(self) -> object: ...
+
+
+# Embedded stores that boot while the program goes on (a Process needs no store), by
+# socket path: a connection to one waits until it answers. Its owner waits by the
+# server's own readiness; a process forked from the owner (which inherits this) for
+# its socket to take connections.
+_booting: dict[str, Booting] = {}
+
+
+def booting(server: Booting, url: str) -> None:
+    """Connections to ``url`` (``unix://``) wait until ``server`` answers."""
+    _booting[_path(url)] = server
+
+
+def is_booting(url: str) -> bool:
+    """Whether the store at ``url`` may not answer yet (never waits)."""
+    path = _path(url)
+    return path in _booting and not os.path.exists(path)
+
+
+def _path(url: str) -> str:
+    return url.removeprefix("unix://").partition("?")[0]
+
+
+class _UnixConnection(redis.UnixDomainSocketConnection):
+    """redis-py's Unix socket connection, which waits for a store that is booting."""
+
+    def _connect(self) -> Any:
+        server = _booting.get(self.path)
+        if server is None:
+            return super()._connect()
+        if server.owner_pid == os.getpid():
+            server.ready()  # its own StateStoreError if the server could not start
+            _booting.pop(self.path, None)
+            return super()._connect()
+        deadline = time.monotonic() + server.start_timeout
+        while True:
+            try:
+                sock = super()._connect()
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.002)
+                continue
+            _booting.pop(self.path, None)
+            return sock
+
+
+def _options(url: str) -> dict[str, Any]:
+    options = _POOL_OPTIONS | tls_options(url)
+    if url.startswith("unix://"):
+        options["connection_class"] = _UnixConnection
+    return options
+
+
 # Per-process clients by URL. Not a global default client: nothing reaches Redis without
 # a URL, which a shared object carries in its pickle so it finds its store after unpickling
 # in another process. Keyed by pid so a forked child never reuses its parent's sockets.
@@ -87,7 +165,7 @@ def connect(
     identity matters (its client id). ``timeout`` (with ``own``) bounds the
     connect and every reply, with no retries: a probe fails within about it.
     """
-    options = _POOL_OPTIONS | tls_options(url)
+    options = _options(url) if not own else _POOL_OPTIONS | tls_options(url)
     if own:
         if timeout is not None:
             options |= {
@@ -122,12 +200,13 @@ def redacted(url: str) -> str:
 
 def pool(url: str) -> redis.ConnectionPool:
     """A new connection pool to ``url``, with :func:`connect`'s options."""
-    return redis.ConnectionPool.from_url(url, **_POOL_OPTIONS, **tls_options(url))
+    return redis.ConnectionPool.from_url(url, **_options(url))
 
 
 def forget(url: str) -> None:
     """Close this process's clients of ``url`` now (its server is stopping), not
     whenever the collector gets to their sockets."""
+    _booting.pop(_path(url), None)
     with _lock:
         for key in [k for k in _clients if k[1] == url]:
             _clients.pop(key).connection_pool.disconnect()

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,8 @@ class EmbeddedRedis:
         self._server_created: float | None = None
         self._fallback_dir: Path | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
+        self._ready_lock = threading.Lock()
+        self._answered = False  # the launched server answered (ready() returned)
 
     @property
     def url(self) -> str:
@@ -169,6 +172,11 @@ class EmbeddedRedis:
 
     def start(self) -> EmbeddedRedis:
         """Start the server and wait until it answers PING; returns ``self``."""
+        return self.launch().ready()
+
+    def launch(self) -> EmbeddedRedis:
+        """Start the server without waiting for it (:meth:`ready` does): :attr:`url` is
+        final, and the server boots while the caller goes on; returns ``self``."""
         try:
             self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
@@ -177,6 +185,7 @@ class EmbeddedRedis:
             ) from exc
         _clean_stale(self.runtime_dir)
         self.owner_pid = os.getpid()
+        self._answered = False
         if not _fits_sun_path(self.socket_path):  # AF_UNIX paths are limited to ~107 bytes
             self._fallback_dir = Path(tempfile.mkdtemp(prefix="nimbus-", dir="/tmp"))  # 0700
             self.socket_path = self._fallback_dir / "redis.sock"
@@ -209,15 +218,28 @@ class EmbeddedRedis:
                 start_new_session=True,  # a Ctrl-C in the terminal goes to the owner only
             )
         atexit.register(self.stop)
-        try:
-            self.server_pid = self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        finally:
-            self._conf_file.unlink(missing_ok=True)
-        self._server_created = _create_time(self.server_pid)
-        self._write_state()
+        return self
+
+    def ready(self) -> EmbeddedRedis:
+        """Wait until the launched server answers (at once once it has); returns ``self``."""
+        with self._ready_lock:
+            if self._answered:
+                return self
+            if self._watchdog is None:
+                raise StateStoreError(
+                    f"the embedded redis-server on {self.socket_path} is stopped (it failed "
+                    f"to start, or was stopped); start it again"
+                )
+            try:
+                self.server_pid = self._wait_ready()
+            except BaseException:
+                self.stop()
+                raise
+            finally:
+                self._conf_file.unlink(missing_ok=True)
+            self._server_created = _create_time(self.server_pid)
+            self._write_state()
+            self._answered = True
         return self
 
     def alive(self) -> bool:
@@ -315,6 +337,7 @@ class EmbeddedRedis:
                 watchdog.kill()  # the server gets PR_SET_PDEATHSIG
                 watchdog.wait()
             _kill_if(self.server_pid, self._server_created, "redis-server")
+        self._conf_file.unlink(missing_ok=True)  # stopped before it was ready
         _remove_files(self.state_file, self.log_file, self.socket_path, self._fallback_dir)
 
     def __enter__(self) -> EmbeddedRedis:

@@ -42,7 +42,8 @@ import redis
 
 from nimbus.config import Settings
 from nimbus.errors import StateStoreError
-from nimbus.statestore._connect import connect
+from nimbus.statestore._connect import booting, connect, is_booting
+from nimbus.statestore._embedded import EmbeddedRedis
 from nimbus.statestore._store import StateStore
 from nimbus.statestore.keys import Keys
 
@@ -54,6 +55,7 @@ __all__ = [
     "current",
     "is_root",
     "open_local",
+    "open_store",
     "program",
     "root",
     "set_opener",
@@ -86,6 +88,10 @@ class Program:
     def client(self) -> redis.Redis:
         """This process's client of the program's store (cached per URL)."""
         return connect(self.url)
+
+    def booting(self) -> bool:
+        """Whether the program's store may not answer yet (:func:`open_store`; never waits)."""
+        return is_booting(self.url)
 
 
 class Root:
@@ -144,11 +150,28 @@ class Root:
 Opener = Callable[[Settings], Root]
 
 
-def open_local(settings: Settings) -> Root:
-    """The default opener: the settings' store (``NIMBUS_REDIS_URL`` or an embedded
-    Redis, kept up until the root closes) and a new program id."""
-    store = StateStore.from_settings(settings)
+def open_store(settings: Settings) -> StateStore:
+    """A root's store: ``NIMBUS_REDIS_URL``'s, or an embedded Redis kept up until the
+    root closes it.
+
+    The embedded one is launched, not awaited: it boots while the program goes on
+    (a program that only starts Processes never waits for it), and the first
+    connection to it, in the root or in a process it started, waits until it
+    answers (``_connect.booting``).
+    """
+    if settings.redis_url:
+        store = StateStore.from_settings(settings)
+    else:
+        server = EmbeddedRedis(settings.ensure_runtime_dir()).launch()
+        booting(server, server.url)
+        store = StateStore(server.url, server)
     store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
+    return store
+
+
+def open_local(settings: Settings) -> Root:
+    """The default opener: the settings' store (:func:`open_store`) and a new program id."""
+    store = open_store(settings)
     return Root(store, Program(store.url, Keys.program_id_new(), settings.key_ttl))
 
 
