@@ -238,6 +238,7 @@ _contexts: dict[str, NimbusContext] = {
 }
 _default_context = DefaultContext()
 
-# imported with the package, not at the first start(): a program's first Process is
-# on a new program's path (issue 16: <= 50 ms), the package's import is not
-from nimbus.multiprocessing import popen_nimbus  # noqa: E402, F401
+# imported with the package, not at the first start() or Queue(): a new program's
+# first Process and Pool are on its path (issue 16: <= 50 ms, <= 0.06 s), and the
+# root's warm workers, forks of it, then have them too (none imports them again)
+from nimbus.multiprocessing import popen_nimbus, queues, synchronize  # noqa: E402, F401

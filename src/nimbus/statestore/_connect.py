@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import redis
@@ -39,6 +40,8 @@ __all__ = [
     "probe",
     "redacted",
     "tls_options",
+    "untouched",
+    "when_ready",
 ]
 
 # driver_info=None: no CLIENT SETINFO at connect (two round trips) and no lookup
@@ -64,6 +67,7 @@ class Booting(Protocol):
 # server's own readiness; a process forked from the owner (which inherits this) for
 # its socket to take connections.
 _booting: dict[str, Booting] = {}
+_on_ready: dict[str, list[Callable[[], None]]] = {}  # its owner's work once it answers
 
 
 def booting(server: Booting, url: str) -> None:
@@ -71,10 +75,28 @@ def booting(server: Booting, url: str) -> None:
     _booting[_path(url)] = server
 
 
+def when_ready(url: str, fn: Callable[[], None]) -> bool:
+    """Have this process (the owner of a booting store) call ``fn`` once its first
+    connection to ``url`` found the store answering; False (and no call) if it is not
+    booting here: the caller does it now."""
+    path = _path(url)
+    server = _booting.get(path)
+    if server is None or server.owner_pid != os.getpid():
+        return False
+    _on_ready.setdefault(path, []).append(fn)
+    return True
+
+
 def is_booting(url: str) -> bool:
     """Whether the store at ``url`` may not answer yet (never waits)."""
     path = _path(url)
     return path in _booting and not os.path.exists(path)
+
+
+def untouched(url: str) -> bool:
+    """Whether ``url`` is a store this process launched and has not connected to yet."""
+    server = _booting.get(_path(url))
+    return server is not None and server.owner_pid == os.getpid()
 
 
 def _path(url: str) -> str:
@@ -91,6 +113,8 @@ class _UnixConnection(redis.UnixDomainSocketConnection):
         if server.owner_pid == os.getpid():
             server.ready()  # its own StateStoreError if the server could not start
             _booting.pop(self.path, None)
+            for fn in _on_ready.pop(self.path, ()):
+                fn()
             return super()._connect()
         deadline = time.monotonic() + server.start_timeout
         while True:
@@ -207,6 +231,7 @@ def forget(url: str) -> None:
     """Close this process's clients of ``url`` now (its server is stopping), not
     whenever the collector gets to their sockets."""
     _booting.pop(_path(url), None)
+    _on_ready.pop(_path(url), None)
     with _lock:
         for key in [k for k in _clients if k[1] == url]:
             _clients.pop(key).connection_pool.disconnect()

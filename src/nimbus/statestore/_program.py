@@ -42,7 +42,7 @@ import redis
 
 from nimbus.config import Settings
 from nimbus.errors import StateStoreError
-from nimbus.statestore._connect import booting, connect, is_booting
+from nimbus.statestore._connect import booting, connect, is_booting, untouched, when_ready
 from nimbus.statestore._embedded import EmbeddedRedis
 from nimbus.statestore._store import StateStore
 from nimbus.statestore.keys import Keys
@@ -116,7 +116,10 @@ class Root:
         self._thread = threading.Thread(
             target=self._keepalive, name="nimbus-keepalive", daemon=True
         )
-        self._thread.start()
+        # a booting store has no keys yet: kept alive from its first use (a program
+        # that only starts Processes starts no thread for it)
+        if not when_ready(program.url, self._thread.start):
+            self._thread.start()
         # last of the stdlib's exit finalizers: after connections' own clean-up
         util.Finalize(None, self.close, exitpriority=-100)
 
@@ -135,6 +138,15 @@ class Root:
         if os.getpid() != self.pid or self._stop.is_set():
             return
         self._stop.set()
+        # an embedded store this process never used (still booting, maybe) is not waited
+        # for at exit: its keys, a child's, go with it
+        if not untouched(self.program.url):
+            self._delete_keys()
+        if self.on_close is not None:
+            self.on_close()
+        self.store.close()
+
+    def _delete_keys(self) -> None:
         try:
             client = self.program.client()
             keys = list(client.scan_iter(match=self.program.keys.pattern(), count=1000))
@@ -142,9 +154,6 @@ class Root:
                 client.unlink(*keys[start : start + 500])
         except redis.RedisError:
             pass
-        if self.on_close is not None:
-            self.on_close()
-        self.store.close()
 
 
 Opener = Callable[[Settings], Root]
