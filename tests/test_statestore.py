@@ -161,6 +161,36 @@ def test_persisted_server_keeps_its_writes_when_its_owner_is_sigkilled(rt: Path)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux only")
+@pytest.mark.parametrize("setpriv", [True, False])
+def test_a_direct_server_is_the_owners_child_and_dies_when_it_is_sigkilled(
+    rt: Path, setpriv: bool
+) -> None:
+    # a program's root launches its store with no watchdog (it answers sooner); without
+    # util-linux's setpriv the child sets PR_SET_PDEATHSIG itself
+    code = (
+        "import json, os, shutil\nfrom pathlib import Path\n"
+        "from nimbus.statestore import EmbeddedRedis\n"
+        + ("" if setpriv else "shutil.which = lambda name: None\n")
+        + f"e = EmbeddedRedis(Path({str(rt)!r})).launch(direct=True).ready()\n"
+        "assert e._watchdog.pid == e.server_pid\n"
+        "print(json.dumps({'server': e.server_pid, 'parent': os.getpid()}), flush=True)\n"
+        "import time; time.sleep(60)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": SRC}
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert child.stdout is not None
+    pids = json.loads(child.stdout.readline())
+    assert psutil.Process(pids["server"]).ppid() == pids["parent"]
+    assert "redis-server" in " ".join(psutil.Process(pids["server"]).cmdline())
+    _reap(child)
+    assert _gone(pids["server"], 3)
+    EmbeddedRedis(rt).start().stop()  # the next launch removes the dead owner's files
+    assert list(rt.glob("redis-*")) == []
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux only")
 def test_server_dies_when_watchdog_is_sigkilled(rt: Path) -> None:
     server = EmbeddedRedis(rt).start()
     assert server._watchdog is not None
@@ -333,11 +363,12 @@ def test_a_roots_embedded_store_boots_while_it_goes_on_and_connections_wait(
     monkeypatch.setenv("NIMBUS_RUNTIME_DIR", str(rt))
     from nimbus.config import Settings
     from nimbus.statestore import open_store
+    from nimbus.statestore._connect import untouched
 
     store = open_store(Settings.load())
     try:
         program = Program(store.url, "p-boot", 30.0)
-        assert program.booting()  # launched, not answering yet
+        assert untouched(store.url)  # launched, not waited for (it may answer already)
         pid = os.fork()
         if pid == 0:  # a process forked while it boots: its first command waits too
             code = 1
@@ -346,7 +377,7 @@ def test_a_roots_embedded_store_boots_while_it_goes_on_and_connections_wait(
             finally:
                 os._exit(code)
         assert connect(store.url).set(b"k", b"v")
-        assert not program.booting()
+        assert not program.booting() and not untouched(store.url)
         assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     finally:
         store.close()

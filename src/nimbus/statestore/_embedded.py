@@ -14,11 +14,14 @@ a nimbus dependency: nothing is assumed installed on the machine.
 from __future__ import annotations
 
 import atexit
+import ctypes
+import functools
 import importlib.util
 import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -85,6 +88,32 @@ def redis_server_binary() -> Path:
 def _quick_client(socket_path: Path, password: str | None = None) -> redis.Redis:
     """A client for one command: no retries, no waiting."""
     return connect(f"unix://{socket_path}", own=True, timeout=1, password=password)
+
+
+def _direct_possible() -> bool:
+    """A server may be this process's own child (see ``EmbeddedRedis.launch``)."""
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return False
+    _libc()  # loaded before the fork: the child only calls it
+    return True
+
+
+@functools.cache
+def _setpriv() -> str:
+    """util-linux's ``setpriv`` (it sets ``PR_SET_PDEATHSIG`` and runs a command), or ''."""
+    return shutil.which("setpriv") or ""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with(owner: int) -> None:
+    """In the server's process before it runs: SIGKILL when the owner's main thread ends."""
+    _libc().prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != owner:  # it ended before that
+        os._exit(1)
 
 
 def _fits_sun_path(path: Path) -> bool:
@@ -174,9 +203,15 @@ class EmbeddedRedis:
         """Start the server and wait until it answers PING; returns ``self``."""
         return self.launch().ready()
 
-    def launch(self) -> EmbeddedRedis:
+    def launch(self, *, direct: bool = False) -> EmbeddedRedis:
         """Start the server without waiting for it (:meth:`ready` does): :attr:`url` is
-        final, and the server boots while the caller goes on; returns ``self``."""
+        final, and the server boots while the caller goes on; returns ``self``.
+
+        ``direct`` (Linux, called in the main thread): no watchdog, the server is
+        this process's child and dies with it (``PR_SET_PDEATHSIG`` on the main
+        thread, which lives as long as the process): it answers sooner, without
+        a Python interpreter to start first. Otherwise, or elsewhere, a watchdog.
+        """
         try:
             self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
@@ -209,14 +244,27 @@ class EmbeddedRedis:
             *self._access_args(),
             *self.options,
         ]
+        direct = direct and _direct_possible()
+        preexec = None
+        if not direct:
+            argv = [sys.executable, "-I", "-S", "-c", _WATCHDOG, _MARKER, str(os.getpid()), *argv]
+        elif _setpriv():  # the same without a Python function in the child: a quicker fork
+            argv = [_setpriv(), "--pdeathsig", "KILL", "--", *argv]
+        else:
+            preexec = functools.partial(_die_with, os.getpid())
         with open(self.log_file, "wb") as log:
             self._watchdog = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _WATCHDOG, _MARKER, str(os.getpid()), *argv],
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C in the terminal goes to the owner only
+                preexec_fn=preexec,
             )
+        if direct:  # the server itself: its pid in the state file, for _clean_stale
+            self.server_pid = self._watchdog.pid
+            self._server_created = _create_time(self.server_pid)
+            self._write_state()
         atexit.register(self.stop)
         return self
 

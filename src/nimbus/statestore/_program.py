@@ -171,7 +171,7 @@ def open_store(settings: Settings) -> StateStore:
     if settings.redis_url:
         store = StateStore.from_settings(settings)
     else:
-        server = EmbeddedRedis(settings.ensure_runtime_dir()).launch()
+        server = EmbeddedRedis(settings.ensure_runtime_dir()).launch(direct=True)
         booting(server, server.url)
         store = StateStore(server.url, server)
     store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
