@@ -17,7 +17,7 @@ import redis
 
 import nimbus.statestore
 from nimbus.errors import ConfigError, StateStoreError
-from nimbus.statestore import EmbeddedRedis, StateStore, connect, redis_server_binary
+from nimbus.statestore import EmbeddedRedis, Program, StateStore, connect, redis_server_binary
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 PACKAGE = Path(SRC) / "nimbus"
@@ -158,6 +158,36 @@ def test_persisted_server_keeps_its_writes_when_its_owner_is_sigkilled(rt: Path)
         ):
             assert client.get("k") == expected
     assert [p.name for p in disk.iterdir()] == ["appendonly.aof"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux only")
+@pytest.mark.parametrize("setpriv", [True, False])
+def test_a_direct_server_is_the_owners_child_and_dies_when_it_is_sigkilled(
+    rt: Path, setpriv: bool
+) -> None:
+    # a program's root launches its store with no watchdog (it answers sooner); without
+    # util-linux's setpriv the child sets PR_SET_PDEATHSIG itself
+    code = (
+        "import json, os, shutil\nfrom pathlib import Path\n"
+        "from nimbus.statestore import EmbeddedRedis\n"
+        + ("" if setpriv else "shutil.which = lambda name: None\n")
+        + f"e = EmbeddedRedis(Path({str(rt)!r})).launch(direct=True).ready()\n"
+        "assert e._watchdog.pid == e.server_pid\n"
+        "print(json.dumps({'server': e.server_pid, 'parent': os.getpid()}), flush=True)\n"
+        "import time; time.sleep(60)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": SRC}
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert child.stdout is not None
+    pids = json.loads(child.stdout.readline())
+    assert psutil.Process(pids["server"]).ppid() == pids["parent"]
+    assert "redis-server" in " ".join(psutil.Process(pids["server"]).cmdline())
+    _reap(child)
+    assert _gone(pids["server"], 3)
+    EmbeddedRedis(rt).start().stop()  # the next launch removes the dead owner's files
+    assert list(rt.glob("redis-*")) == []
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux only")
@@ -324,6 +354,53 @@ def test_connect_own_is_a_client_of_its_own_and_single_keeps_one_connection(rt: 
         assert time.monotonic() - start < 1
 
 
+def test_a_roots_embedded_store_boots_while_it_goes_on_and_connections_wait(
+    rt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # issue 16: a program that only starts Processes never waits for its store; the
+    # first connection to it (here or in a fork of this process) waits until it answers
+    monkeypatch.delenv("NIMBUS_REDIS_URL", raising=False)
+    monkeypatch.setenv("NIMBUS_RUNTIME_DIR", str(rt))
+    from nimbus.config import Settings
+    from nimbus.statestore import open_store
+    from nimbus.statestore._connect import untouched
+
+    store = open_store(Settings.load())
+    try:
+        program = Program(store.url, "p-boot", 30.0)
+        assert untouched(store.url)  # launched, not waited for (it may answer already)
+        pid = os.fork()
+        if pid == 0:  # a process forked while it boots: its first command waits too
+            code = 1
+            try:
+                code = 0 if connect(store.url).ping() else 3
+            finally:
+                os._exit(code)
+        assert connect(store.url).set(b"k", b"v")
+        assert not program.booting() and not untouched(store.url)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    finally:
+        store.close()
+    assert not program.booting()
+    with pytest.raises(redis.RedisError):  # stopped: an error at once, not a wait
+        connect(f"unix://{rt}/gone.sock", own=True, timeout=0.2).ping()
+
+
+def test_an_embedded_store_that_cannot_start_is_an_error_at_first_use(rt: Path) -> None:
+    from nimbus.statestore._connect import booting
+
+    server = EmbeddedRedis(rt, options=("--no-such-option", "1")).launch()
+    booting(server, server.url)
+    try:
+        # a redis error (as any connection's), which names what went wrong
+        with pytest.raises(redis.ConnectionError, match="exited at start"):
+            connect(server.url).ping()
+        with pytest.raises(redis.ConnectionError, match="stopped"):  # and every use after it
+            connect(server.url).ping()
+    finally:
+        server.stop()
+
+
 def test_public_names_are_pinned() -> None:
     assert sorted(nimbus.statestore.__all__) == sorted(
         [
@@ -331,7 +408,7 @@ def test_public_names_are_pinned() -> None:
             *("SKIP_REPLY", "Script", "StateStore", "adopt", "connect", "connect_async"),
             *("current", "is_root", "keys", "link", "lua", "open_local", "pack", "preload"),
             *("probe", "program", "redacted", "redis_server_binary", "root", "scripts"),
-            *("set_opener", "tls_options"),
+            *("set_opener", "tls_options", "open_store"),
         ]
     )
     assert all(hasattr(nimbus.statestore, name) for name in nimbus.statestore.__all__)

@@ -276,9 +276,13 @@ def _connect(program: statestore.Program) -> None:
     """Connect this thread's link to the program's store, so the process's first use is quick.
 
     Every local child does this first (a standby while it waits): a child's
-    descriptors do not depend on how it was started.
+    descriptors do not depend on how it was started. Not while the program's
+    embedded store still boots (its first processes): they need none to start,
+    and one that does waits for it at its first use.
     """
     global _connected
+    if program.booting():  # the first processes of a program: not on their path
+        return
     try:
         statestore.link(program).call(("PING",))
     except Exception:  # the store is unreachable now: the process reports it, if it uses it

@@ -43,7 +43,9 @@ from multiprocessing import (
 from pathlib import Path
 from typing import Any
 
+from nimbus.backends import local as _backend  # noqa: F401  (the forked backend, imported now)
 from nimbus.config import Settings
+from nimbus.executor import Executor
 from nimbus.multiprocessing._site import Site, StartFn
 from nimbus.statestore import Program, is_root
 
@@ -88,8 +90,6 @@ class LocalSite(_Here):
     imports_main = True  # its first start imports the main module in a worker
 
     def __init__(self, program: Program, preload: list[str]) -> None:
-        from nimbus.executor import Executor
-
         super().__init__(program)
         self.remote: dict[str, _Peer] = {}  # token -> the descendant that asked
         self.closed = False

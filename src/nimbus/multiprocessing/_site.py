@@ -200,8 +200,7 @@ def open_program(settings: Settings) -> Root:
         program_id = f"{handed.key_prefix}.{Keys.program_id_new()}"
         prog = Program(handed.url, program_id, settings.key_ttl, remote=True)
         return _EndpointRoot(StateStore(handed.url), prog, handed.workers, handed.yours)
-    store = StateStore.from_settings(settings)
-    store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
+    store = statestore.open_store(settings)  # booting while the program goes on
     program_id = Keys.program_id_new()
     shared = None
     # processes on a provider's nodes (NIMBUS_PROVIDER=slurm) are remote: their output

@@ -237,3 +237,8 @@ _contexts: dict[str, NimbusContext] = {
     "forkserver": ForkServerContext("forkserver"),
 }
 _default_context = DefaultContext()
+
+# imported with the package, not at the first start() or Queue(): a new program's
+# first Process and Pool are on its path (issue 16: <= 50 ms, <= 0.06 s), and the
+# root's warm workers, forks of it, then have them too (none imports them again)
+from nimbus.multiprocessing import popen_nimbus, queues, synchronize  # noqa: E402, F401

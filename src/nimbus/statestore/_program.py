@@ -42,7 +42,8 @@ import redis
 
 from nimbus.config import Settings
 from nimbus.errors import StateStoreError
-from nimbus.statestore._connect import connect
+from nimbus.statestore._connect import booting, connect, is_booting, untouched, when_ready
+from nimbus.statestore._embedded import EmbeddedRedis
 from nimbus.statestore._store import StateStore
 from nimbus.statestore.keys import Keys
 
@@ -54,6 +55,7 @@ __all__ = [
     "current",
     "is_root",
     "open_local",
+    "open_store",
     "program",
     "root",
     "set_opener",
@@ -87,6 +89,10 @@ class Program:
         """This process's client of the program's store (cached per URL)."""
         return connect(self.url)
 
+    def booting(self) -> bool:
+        """Whether the program's store may not answer yet (:func:`open_store`; never waits)."""
+        return is_booting(self.url)
+
 
 class Root:
     """The store, keepalive and cleanup owned by the program's root process.
@@ -110,7 +116,10 @@ class Root:
         self._thread = threading.Thread(
             target=self._keepalive, name="nimbus-keepalive", daemon=True
         )
-        self._thread.start()
+        # a booting store has no keys yet: kept alive from its first use (a program
+        # that only starts Processes starts no thread for it)
+        if not when_ready(program.url, self._thread.start):
+            self._thread.start()
         # last of the stdlib's exit finalizers: after connections' own clean-up
         util.Finalize(None, self.close, exitpriority=-100)
 
@@ -129,6 +138,15 @@ class Root:
         if os.getpid() != self.pid or self._stop.is_set():
             return
         self._stop.set()
+        # an embedded store this process never used (still booting, maybe) is not waited
+        # for at exit: its keys, a child's, go with it
+        if not untouched(self.program.url):
+            self._delete_keys()
+        if self.on_close is not None:
+            self.on_close()
+        self.store.close()
+
+    def _delete_keys(self) -> None:
         try:
             client = self.program.client()
             keys = list(client.scan_iter(match=self.program.keys.pattern(), count=1000))
@@ -136,19 +154,33 @@ class Root:
                 client.unlink(*keys[start : start + 500])
         except redis.RedisError:
             pass
-        if self.on_close is not None:
-            self.on_close()
-        self.store.close()
 
 
 Opener = Callable[[Settings], Root]
 
 
-def open_local(settings: Settings) -> Root:
-    """The default opener: the settings' store (``NIMBUS_REDIS_URL`` or an embedded
-    Redis, kept up until the root closes) and a new program id."""
-    store = StateStore.from_settings(settings)
+def open_store(settings: Settings) -> StateStore:
+    """A root's store: ``NIMBUS_REDIS_URL``'s, or an embedded Redis kept up until the
+    root closes it.
+
+    The embedded one is launched, not awaited: it boots while the program goes on
+    (a program that only starts Processes never waits for it), and the first
+    connection to it, in the root or in a process it started, waits until it
+    answers (``_connect.booting``).
+    """
+    if settings.redis_url:
+        store = StateStore.from_settings(settings)
+    else:
+        server = EmbeddedRedis(settings.ensure_runtime_dir()).launch(direct=True)
+        booting(server, server.url)
+        store = StateStore(server.url, server)
     store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
+    return store
+
+
+def open_local(settings: Settings) -> Root:
+    """The default opener: the settings' store (:func:`open_store`) and a new program id."""
+    store = open_store(settings)
     return Root(store, Program(store.url, Keys.program_id_new(), settings.key_ttl))
 
 
