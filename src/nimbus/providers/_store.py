@@ -51,9 +51,7 @@ def store_for_nodes(settings: Any) -> StateStore:
     error: StateStoreError | None = None
     for _ in range(_TRIES):
         port = _free_port(host)
-        server = EmbeddedRedis(
-            settings.ensure_runtime_dir(), tcp=(host, port), password=password
-        )
+        server = EmbeddedRedis(settings.ensure_runtime_dir(), tcp=(host, port), password=password)
         try:
             server.start()
         except StateStoreError as exc:  # the port went to someone else meanwhile
