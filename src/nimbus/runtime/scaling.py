@@ -36,6 +36,7 @@ from nimbus.errors import ConfigError, ProviderError
 from nimbus.providers import PROVIDERS, BlockState, Provider, walltime_seconds
 from nimbus.runtime.manager import worker_environment
 from nimbus.runtime.node import ADDRESS_ENV, SECRET_ENV
+from nimbus.runtime.node import MAIN as NODE_MAIN
 from nimbus.runtime.remote import new_secret
 
 __all__ = ["Block", "Scaler", "make_scaler"]
@@ -374,7 +375,8 @@ def make_scaler(
     secret = new_secret()
     address = agent.listen(secret, host=host.strip("[]"), port=int(port), prefetch=prefetch)
     workers = settings.workers_per_node
-    command = f"{shlex.quote(sys.executable)} -m nimbus manager --prefetch {prefetch}"
+    # nimbus manager, without the CLI's imports (node.MAIN): it joins sooner
+    command = f"{shlex.quote(sys.executable)} -c {shlex.quote(NODE_MAIN)} --prefetch {prefetch}"
     if workers:
         command += f" --workers {workers}"
     env = {
