@@ -266,11 +266,15 @@ class Scaler:
             + sum(self.agent.outstanding(m) for m in self.agent.remote_managers())
         )
 
-    def _grow(self, now: float) -> None:
+    def _wanted(self) -> int:
+        """Blocks the work asks for: ceil(parallelism * work / slots), within min..max."""
         work = self._work()
         slots = max(1, self.nodes_per_block * self.workers_per_node)
         wanted = math.ceil(self.parallelism * work / slots) if work else 0
-        wanted = min(self.max_blocks, max(self.min_blocks, wanted))
+        return min(self.max_blocks, max(self.min_blocks, wanted))
+
+    def _grow(self, now: float) -> None:
+        wanted = self._wanted()
         active = [b for b in self.blocks.values() if b.active]
         # a retiring block still holds scheduler resources; it does not count as capacity
         held = len([b for b in self.blocks.values() if not b.state.terminal and not b.cancelled])
@@ -303,6 +307,9 @@ class Scaler:
     def _shrink(self, now: float) -> None:
         pending = self.agent.pending
         active = [b for b in self.blocks.values() if b.active]
+        # a block with nothing while others hold queued work is not surplus: draining it
+        # would only have the work ask for it again
+        wanted = self._wanted()
         for block in self.blocks.values():
             if block.cancelled or block.state.terminal or not block.managers:
                 continue
@@ -326,7 +333,7 @@ class Scaler:
                 continue
             if block.idle_since is None:
                 block.idle_since = now
-            elif now - block.idle_since >= self.max_idle and len(active) > self.min_blocks:
+            elif now - block.idle_since >= self.max_idle and len(active) > wanted:
                 self._drain(block)
                 active.remove(block)
 
