@@ -326,6 +326,7 @@ def nimbus_throughput(cluster: Any, n: int) -> tuple[float, dict[str, Any]]:
         for f in [ex.submit(noop) for _ in range(200)]:
             f.result(timeout=60)
         calls0, t0 = ex._backend.scaler.status_calls, time.monotonic()
+        shimmed0 = squeue_calls()
         futures = [ex.submit(noop) for _ in range(n)]
         for f in futures:
             f.result(timeout=600)
@@ -333,8 +334,36 @@ def nimbus_throughput(cluster: Any, n: int) -> tuple[float, dict[str, Any]]:
         time.sleep(max(0.0, 6 - elapsed))  # at least three status periods with 4 blocks
         window = time.monotonic() - t0
         calls = ex._backend.scaler.status_calls - calls0
-    load = {"status_calls": calls, "seconds": round(window, 1), "blocks": 4}
+        shimmed = squeue_calls() - shimmed0
+    load = {
+        "status_calls": calls,
+        "squeue_runs_on_path": shimmed,
+        "seconds": round(window, 1),
+        "period": ex._backend.scaler.period,
+        "blocks": 4,
+    }
     return n / elapsed, load
+
+
+SQUEUE_LOG: Path | None = None  # the shim's log: one line per squeue run
+
+
+def install_squeue_shim(root: Path) -> None:
+    """Put an ``squeue`` on PATH that logs each run, then runs the real one."""
+    global SQUEUE_LOG
+    real = subprocess.run(["which", "squeue"], capture_output=True, text=True).stdout.strip()
+    shim = root / "shim"
+    shim.mkdir(exist_ok=True)
+    SQUEUE_LOG = root / "squeue.calls"
+    (shim / "squeue").write_text(f'#!/bin/sh\necho x >> {SQUEUE_LOG}\nexec {real} "$@"\n')
+    (shim / "squeue").chmod(0o755)
+    os.environ["PATH"] = f"{shim}:{os.environ['PATH']}"
+
+
+def squeue_calls() -> int:
+    if SQUEUE_LOG is None or not SQUEUE_LOG.exists():
+        return 0
+    return len(SQUEUE_LOG.read_text().split())
 
 
 def nimbus_churn(cluster: Any, n: int, log: Path) -> dict[str, Any]:
@@ -545,6 +574,7 @@ def main() -> int:
     cluster = Cluster(root).start()
     os.environ["SLURM_CONF"] = str(cluster.conf)
     os.environ["XDG_CONFIG_HOME"] = str(root / "config")  # the blocks' output goes there
+    install_squeue_shim(root)  # the scheduler load, counted outside nimbus
     try:
         out = measure(cluster, only, not args.no_parsl, sizes)
     finally:
