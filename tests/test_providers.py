@@ -53,6 +53,7 @@ def test_public_names_and_registry() -> None:
         "SingleNodeLauncher",
         "SlurmProvider",
         "SrunLauncher",
+        "store_for_nodes",
         "walltime_seconds",
     }
     assert {"local": LocalProvider, "slurm": SlurmProvider} == PROVIDERS
