@@ -2,25 +2,26 @@
 
 ::
 
-    sudo python bench/providers.py [--quick] [--no-parsl] [--json out.json]
+    sudo python bench/providers.py [--quick] [--no-parsl] [--only churn,...] [--json out.json]
 
 Starts the tests' private Slurm cluster (``tests/slurm_support.py``: munged,
 slurmctld, slurmd n1..n4 on this machine; root only), then measures on it:
 
 * first task with 0 blocks -> its result (nimbus: the task asks for a block at
   once; Parsl: its strategy tick, ``strategy_period`` 5 s), p50 and p95;
-* 10,000 no-op tasks over 4 single-node blocks (2 workers each), tasks/s;
-* churn: tasks of 0.2-1 s through blocks with a 30 s walltime and a block
-  scancelled mid-run: failed, lost, duplicate results (nimbus);
+* 10,000 no-op tasks over 4 single-node blocks (2 workers each), tasks/s, both;
+* churn: 1,000 tasks of 0.2-5 s through blocks with a 2-minute walltime and a
+  running block scancelled 20 s in (the forced scale-in), on both sides:
+  failed, lost, wrong and duplicate results, blocks ended at their walltime;
 * idle blocks: seconds from the last result to every block cancelled, against
   ``max_idle`` (nimbus);
 * a killed slurmd under load: seconds to the lost manager, tasks all done;
-* scheduler load: ``squeue`` calls per status period with 4 blocks (a shim on
-  PATH counts them);
+* scheduler load: ``squeue`` runs per status period with 4 blocks (a shim on
+  PATH counts them, beside the scaler's own count);
 * ``mp.Pool(16)`` map over 4 nodes vs 1 node (report).
 
 Parsl lives in its own venv (``bench/.venv-parsl``, as ``bench/_htex.py``
-makes it); its side runs in a subprocess of that venv's python, which runs this
+makes it on first use); its side runs in a subprocess of that venv's python, which runs this
 file with ``--parsl-driver``. Only the stdlib at the top: that python imports
 this file too.
 """
