@@ -2,25 +2,26 @@
 
 ::
 
-    sudo python bench/providers.py [--quick] [--no-parsl] [--json out.json]
+    sudo python bench/providers.py [--quick] [--no-parsl] [--only churn,...] [--json out.json]
 
 Starts the tests' private Slurm cluster (``tests/slurm_support.py``: munged,
 slurmctld, slurmd n1..n4 on this machine; root only), then measures on it:
 
 * first task with 0 blocks -> its result (nimbus: the task asks for a block at
   once; Parsl: its strategy tick, ``strategy_period`` 5 s), p50 and p95;
-* 10,000 no-op tasks over 4 single-node blocks (2 workers each), tasks/s;
-* churn: tasks of 0.2-1 s through blocks with a 30 s walltime and a block
-  scancelled mid-run: failed, lost, duplicate results (nimbus);
+* 10,000 no-op tasks over 4 single-node blocks (2 workers each), tasks/s, both;
+* churn: 1,000 tasks of 0.2-5 s through blocks with a 2-minute walltime and a
+  running block scancelled 20 s in (the forced scale-in), on both sides:
+  failed, lost, wrong and duplicate results, blocks ended at their walltime;
 * idle blocks: seconds from the last result to every block cancelled, against
   ``max_idle`` (nimbus);
 * a killed slurmd under load: seconds to the lost manager, tasks all done;
-* scheduler load: ``squeue`` calls per status period with 4 blocks (a shim on
-  PATH counts them);
+* scheduler load: ``squeue`` runs per status period with 4 blocks (a shim on
+  PATH counts them, beside the scaler's own count);
 * ``mp.Pool(16)`` map over 4 nodes vs 1 node (report).
 
 Parsl lives in its own venv (``bench/.venv-parsl``, as ``bench/_htex.py``
-makes it); its side runs in a subprocess of that venv's python, which runs this
+makes it on first use); its side runs in a subprocess of that venv's python, which runs this
 file with ``--parsl-driver``. Only the stdlib at the top: that python imports
 this file too.
 """
@@ -108,6 +109,8 @@ def parsl_driver(op: str, n: int, partition: str) -> dict[str, Any]:
                 parsl.clear()
             time.sleep(3)  # its block cancelled, the node idle again
         return {"first": times, "parsl": parsl.__version__}
+    if op == "churn":
+        return parsl_churn(n, partition, run_dir, path)
     # throughput over 4 single-node blocks, HTEX driven directly (as Globus Compute does)
     htex = HighThroughputExecutor(
         label="htex",
@@ -150,13 +153,126 @@ def parsl_driver(op: str, n: int, partition: str) -> dict[str, Any]:
             htex.shutdown()
 
 
+def parsl_churn(n: int, partition: str, run_dir: str, path: str) -> dict[str, Any]:
+    """The churn workload on HTEX + SlurmProvider, Parsl's defaults (retries 0)."""
+    import parsl
+    from parsl.config import Config
+    from parsl.executors import HighThroughputExecutor
+    from parsl.launchers import SingleNodeLauncher
+    from parsl.providers import SlurmProvider
+
+    htex = HighThroughputExecutor(
+        label="htex",
+        address="127.0.0.1",
+        max_workers_per_node=2,
+        provider=SlurmProvider(
+            partition=partition,
+            init_blocks=0,
+            min_blocks=0,
+            max_blocks=4,
+            nodes_per_block=1,
+            exclusive=True,
+            walltime=CHURN_WALLTIME,
+            launcher=SingleNodeLauncher(),
+            worker_init=f"export PATH={path}",
+        ),
+    )
+    config = Config(executors=[htex], run_dir=run_dir, strategy="htex_auto_scale", max_idletime=3.0)
+    dfk = parsl.load(config)
+    log = Path(run_dir) / "runs.log"
+    try:
+
+        @parsl.python_app
+        def app(i: int, seconds: float, log: str) -> int:
+            import os
+            import time
+
+            with open(log, "a") as f:
+                f.write(f"{i} {os.environ.get('SLURMD_NODENAME', '?')}\n")
+            time.sleep(seconds)
+            return i
+
+        rng = random.Random(17)
+        t0 = time.monotonic()
+        futures = [app(i, rng.uniform(*CHURN_SECONDS), str(log)) for i in range(n)]
+        out = churn_outcome(futures, n, log, t0, scale_in_at=CHURN_SCANCEL_AT)
+        out["parsl"] = parsl.__version__
+        return out
+    finally:
+        dfk.cleanup()
+        parsl.clear()
+
+
+def churn_outcome(
+    futures: list[Any], n: int, log: Path, t0: float, *, scale_in_at: float
+) -> dict[str, Any]:
+    """Wait for every future (scancel one running block ``scale_in_at`` s in); the counts."""
+    scancelled = ""
+    before, timed_out, sampled = timed_out_jobs(), set(), 0.0
+    results: dict[int, Any] = {}
+    errors: dict[str, int] = {}
+    deadline = t0 + CHURN_DEADLINE
+    pending = dict(enumerate(futures))
+    while pending and time.monotonic() < deadline:
+        if not scancelled and time.monotonic() - t0 >= scale_in_at:
+            scancelled = scancel_one_running() or "none running"
+        if time.monotonic() - sampled > 5:
+            sampled = time.monotonic()
+            timed_out |= timed_out_jobs() - before
+        for i, f in list(pending.items()):
+            if f.done():
+                del pending[i]
+                exc = f.exception()
+                if exc is None:
+                    results[i] = f.result()
+                else:
+                    name = type(exc).__name__
+                    errors[name] = errors.get(name, 0) + 1
+        time.sleep(0.2)
+    runs = [int(line.split()[0]) for line in log.read_text().splitlines()] if log.exists() else []
+    return {
+        "tasks": n,
+        "done": len(results),
+        "failed": sum(errors.values()),
+        "errors": errors,
+        "lost": len(pending),
+        "wrong": sum(r != i for i, r in results.items()),
+        "ran_twice": len(runs) - len(set(runs)),
+        "seconds": round(time.monotonic() - t0, 1),
+        "scancelled": scancelled,
+        "blocks_at_walltime": len(timed_out | (timed_out_jobs() - before)),
+    }
+
+
+def scancel_one_running() -> str:
+    """The forced scale-in: scancel one running job of this user (the first squeue lists)."""
+    out = subprocess.run(
+        ["squeue", "-h", "--states=RUNNING", "-o", "%i"], capture_output=True, text=True
+    ).stdout.split()
+    if out:
+        subprocess.run(["scancel", out[0]], capture_output=True)
+        return out[0]
+    return ""
+
+
+def timed_out_jobs() -> set[str]:
+    """Jobs that ended at their walltime (squeue keeps ended jobs MinJobAge s: sample often)."""
+    out = subprocess.run(
+        ["squeue", "-h", "--states=TIMEOUT", "-o", "%i"], capture_output=True, text=True
+    ).stdout
+    return set(out.split())
+
+
 def run_parsl(op: str, n: int, partition: str) -> dict[str, Any]:
-    python = PARSL_VENV / "bin" / "python"
-    if not python.exists():
-        return {"error": f"no Parsl venv at {PARSL_VENV} (see bench/_htex.py ensure_venv)"}
+    sys.path.insert(0, str(HERE))
+    try:
+        from _htex import ensure_venv
+    finally:
+        sys.path.remove(str(HERE))
+    python = ensure_venv(PARSL_VENV)  # made and installed on first use
     env = {**os.environ, "PATH": f"{python.parent}:{os.environ['PATH']}"}
     cmd = [str(python), __file__, "--parsl-driver", op, "--n", str(n), "--partition", partition]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
         return {"error": f"exit {done.returncode}: {done.stderr.strip()[-800:]}"}
@@ -211,6 +327,7 @@ def nimbus_throughput(cluster: Any, n: int) -> tuple[float, dict[str, Any]]:
         for f in [ex.submit(noop) for _ in range(200)]:
             f.result(timeout=60)
         calls0, t0 = ex._backend.scaler.status_calls, time.monotonic()
+        shimmed0 = squeue_calls()
         futures = [ex.submit(noop) for _ in range(n)]
         for f in futures:
             f.result(timeout=600)
@@ -218,38 +335,52 @@ def nimbus_throughput(cluster: Any, n: int) -> tuple[float, dict[str, Any]]:
         time.sleep(max(0.0, 6 - elapsed))  # at least three status periods with 4 blocks
         window = time.monotonic() - t0
         calls = ex._backend.scaler.status_calls - calls0
-    load = {"status_calls": calls, "seconds": round(window, 1), "blocks": 4}
+        shimmed = squeue_calls() - shimmed0
+    load = {
+        "status_calls": calls,
+        "squeue_runs_on_path": shimmed,
+        "seconds": round(window, 1),
+        "period": ex._backend.scaler.period,
+        "blocks": 4,
+    }
     return n / elapsed, load
+
+
+SQUEUE_LOG: Path | None = None  # the shim's log: one line per squeue run
+
+
+def install_squeue_shim(root: Path) -> None:
+    """Put an ``squeue`` on PATH that logs each run, then runs the real one."""
+    global SQUEUE_LOG
+    real = subprocess.run(["which", "squeue"], capture_output=True, text=True).stdout.strip()
+    shim = root / "shim"
+    shim.mkdir(exist_ok=True)
+    SQUEUE_LOG = root / "squeue.calls"
+    (shim / "squeue").write_text(f'#!/bin/sh\necho x >> {SQUEUE_LOG}\nexec {real} "$@"\n')
+    (shim / "squeue").chmod(0o755)
+    os.environ["PATH"] = f"{shim}:{os.environ['PATH']}"
+
+
+def squeue_calls() -> int:
+    if SQUEUE_LOG is None or not SQUEUE_LOG.exists():
+        return 0
+    return len(SQUEUE_LOG.read_text().split())
 
 
 def nimbus_churn(cluster: Any, n: int, log: Path) -> dict[str, Any]:
     from nimbus import Executor
 
-    s = settings(cluster, walltime="00:00:30", max_blocks=4, exclusive=True, max_idle=3.0)
+    s = settings(cluster, walltime=CHURN_WALLTIME, max_blocks=4, exclusive=True, max_idle=3.0)
     rng = random.Random(17)
-    failed = 0
     with Executor(settings=s) as ex:
-        futures = [ex.submit(sleepy, i, rng.uniform(0.2, 1.0), str(log)) for i in range(n)]
-        time.sleep(6)
-        managers = ex._backend.agent.remote_managers()
-        if managers:
-            cluster.run("scancel", managers[0].block, check=False)  # forced scale-in
-        results = []
-        for f in futures:
-            try:
-                results.append(f.result(timeout=600))
-            except Exception:
-                failed += 1
+        t0 = time.monotonic()
+        futures = [ex.submit(sleepy, i, rng.uniform(*CHURN_SECONDS), str(log)) for i in range(n)]
+        out = churn_outcome(futures, n, log, t0, scale_in_at=CHURN_SCANCEL_AT)
         stats = ex._backend.scaler.statistics()
-    runs = [int(line.split()[0]) for line in log.read_text().splitlines()]
-    return {
-        "tasks": n,
-        "failed": failed,
-        "lost": n - len(results) - failed,
-        "wrong": sum(r != i for i, r in enumerate(results)),
-        "ran_twice": len(runs) - len(set(runs)),
-        "blocks_submitted": stats["submitted"],
-    }
+        out["requeued"] = sum(count for _, _, count in ex._backend.agent.lost)
+        out["managers_lost"] = len(ex._backend.agent.lost)
+    out["blocks_submitted"] = stats["submitted"]
+    return out
 
 
 def nimbus_idle(cluster: Any, max_idle: float) -> float:
@@ -327,15 +458,100 @@ def nimbus_pool(cluster: Any, blocks: int) -> float:
     raise RuntimeError(f"the Pool program failed: {done.stderr[-800:]}")
 
 
+CHURN_WALLTIME = "00:02:00"  # the issue's 2-minute blocks
+CHURN_SECONDS = (0.2, 5.0)  # each task sleeps uniform(0.2, 5) s
+CHURN_SCANCEL_AT = 20.0  # the forced scale-in: a running block scancelled this far in
+CHURN_DEADLINE = 1800.0  # a task not done by then is lost
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+SECTIONS = ("first", "throughput", "churn", "idle", "slurmd", "pool")
+
+
+def measure(
+    cluster: Any, only: set[str], parsl: bool, sizes: tuple[int, int, int]
+) -> dict[str, Any]:
+    tries, tasks, churn = sizes
+    out: dict[str, Any] = {"sizes": {"tries": tries, "tasks": tasks, "churn": churn}}
+
+    def settle() -> None:
+        cluster.run("scancel", "--user", "root", check=False)
+        cluster.wait_idle(90)
+
+    if "first" in only:
+        out["first_nimbus"] = nimbus_first(cluster, tries)
+        settle()
+        if parsl:
+            out["parsl_first"] = run_parsl("first", tries, cluster.partition)
+            settle()
+    if "throughput" in only:
+        out["throughput_nimbus"], out["scheduler_load"] = nimbus_throughput(cluster, tasks)
+        settle()
+        if parsl:
+            out["parsl_throughput"] = run_parsl("throughput", tasks, cluster.partition)
+            settle()
+    if "churn" in only:
+        log = Path(tempfile.mkdtemp(prefix="nimbus-churn-")) / "runs.log"
+        out["churn"] = nimbus_churn(cluster, churn, log)
+        settle()
+        if parsl:
+            out["parsl_churn"] = run_parsl("churn", churn, cluster.partition)
+            settle()
+    if "idle" in only:
+        out["idle_seconds"], out["max_idle"] = nimbus_idle(cluster, 5.0), 5.0
+        settle()
+    if "slurmd" in only:
+        out["killed_slurmd"] = nimbus_killed_slurmd(cluster)
+        settle()
+    if "pool" in only:
+        out["pool_4_nodes"] = nimbus_pool(cluster, 4)
+        settle()
+        out["pool_1_node"] = nimbus_pool(cluster, 1)
+        settle()
+    return out
+
+
+def report(out: dict[str, Any]) -> None:
+    if "first_nimbus" in out:
+        first = out["first_nimbus"]
+        p50, p95 = pct(first, 0.5), pct(first, 0.95)
+        print(f"first task, 0 blocks: nimbus p50 {p50:.2f} s p95 {p95:.2f} s")
+        pf = out.get("parsl_first", {})
+        if "first" in pf:
+            p50, p95 = pct(pf["first"], 0.5), pct(pf["first"], 0.95)
+            print(f"   Parsl {pf['parsl']} HTEX + SlurmProvider: p50 {p50:.2f} s p95 {p95:.2f} s")
+        elif pf:
+            print(f"   Parsl: {pf.get('error')}")
+    if "throughput_nimbus" in out:
+        tasks = out["sizes"]["tasks"]
+        print(f"{tasks} no-ops over 4 blocks: nimbus {out['throughput_nimbus']:.0f}/s", end="")
+        pt = out.get("parsl_throughput", {})
+        if "throughput" in pt:
+            ratio = out["throughput_nimbus"] / pt["throughput"]
+            print(f", Parsl HTEX {pt['throughput']:.0f}/s ({ratio:.1f}x)")
+        else:
+            print(f", Parsl: {pt.get('error', 'not run')}")
+    for key in ("scheduler_load", "churn", "parsl_churn", "killed_slurmd"):
+        if key in out:
+            print(f"{key}: {out[key]}")
+    if "idle_seconds" in out:
+        print(f"idle blocks gone {out['idle_seconds']:.1f} s after the last result (max_idle 5 s)")
+    if "pool_1_node" in out:
+        four, one = out["pool_4_nodes"], out["pool_1_node"]
+        print(f"mp.Pool(16) map 256: 4 nodes {four:.2f} s, 1 node {one:.2f} s")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
     parser.add_argument("--no-parsl", action="store_true", help="nimbus only")
+    parser.add_argument(
+        "--only", default=",".join(SECTIONS), help=f"comma-separated of {', '.join(SECTIONS)}"
+    )
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--parsl-driver", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, default=0, help=argparse.SUPPRESS)
@@ -344,6 +560,9 @@ def main() -> int:
     if args.parsl_driver:
         print(json.dumps(parsl_driver(args.parsl_driver, args.n, args.partition)), flush=True)
         return 0
+    only = set(args.only.split(","))
+    if only - set(SECTIONS):
+        parser.error(f"--only: unknown {', '.join(sorted(only - set(SECTIONS)))}")
     sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
     from slurm_support import Cluster, unavailable
 
@@ -351,53 +570,17 @@ def main() -> int:
     if why:
         print(f"bench/providers.py: {why}", file=sys.stderr)
         return 2
-    tries, tasks, churn = (3, 2000, 60) if args.quick else (7, 10_000, 300)
+    sizes = (3, 2000, 100) if args.quick else (9, 10_000, 1000)
     root = Path(tempfile.mkdtemp(prefix="nimbus-bench-slurm-"))
     cluster = Cluster(root).start()
     os.environ["SLURM_CONF"] = str(cluster.conf)
     os.environ["XDG_CONFIG_HOME"] = str(root / "config")  # the blocks' output goes there
-    out: dict[str, Any] = {}
+    install_squeue_shim(root)  # the scheduler load, counted outside nimbus
     try:
-        out["first_nimbus"] = nimbus_first(cluster, tries)
-        out["throughput_nimbus"], out["scheduler_load"] = nimbus_throughput(cluster, tasks)
-        cluster.wait_idle(60)
-        if not args.no_parsl:
-            out["parsl_first"] = run_parsl("first", tries, cluster.partition)
-            cluster.run("scancel", "--user", "root", check=False)
-            cluster.wait_idle(60)
-            out["parsl_throughput"] = run_parsl("throughput", tasks, cluster.partition)
-            cluster.run("scancel", "--user", "root", check=False)
-            cluster.wait_idle(60)
-        out["churn"] = nimbus_churn(cluster, churn, root / "runs.log")
-        cluster.wait_idle(60)
-        out["idle_seconds"], out["max_idle"] = nimbus_idle(cluster, 5.0), 5.0
-        out["killed_slurmd"] = nimbus_killed_slurmd(cluster)
-        out["pool_4_nodes"] = nimbus_pool(cluster, 4)
-        cluster.wait_idle(60)
-        out["pool_1_node"] = nimbus_pool(cluster, 1)
+        out = measure(cluster, only, not args.no_parsl, sizes)
     finally:
         cluster.stop()
-    first = out["first_nimbus"]
-    print(f"first task, 0 blocks: nimbus p50 {pct(first, 0.5):.2f} s p95 {pct(first, 0.95):.2f} s")
-    pf = out.get("parsl_first", {})
-    if "first" in pf:
-        p50, p95 = pct(pf["first"], 0.5), pct(pf["first"], 0.95)
-        print(f"   Parsl {pf['parsl']} HTEX + SlurmProvider: p50 {p50:.2f} s p95 {p95:.2f} s")
-    elif pf:
-        print(f"   Parsl: {pf.get('error')}")
-    print(f"{tasks} no-ops over 4 blocks: nimbus {out['throughput_nimbus']:.0f}/s", end="")
-    pt = out.get("parsl_throughput", {})
-    if "throughput" in pt:
-        ratio = out["throughput_nimbus"] / pt["throughput"]
-        print(f", Parsl HTEX {pt['throughput']:.0f}/s ({ratio:.1f}x)")
-    else:
-        print(f", Parsl: {pt.get('error', 'not run')}")
-    for key in ("scheduler_load", "churn", "killed_slurmd"):
-        print(f"{key}: {out[key]}")
-    print(f"idle blocks gone {out['idle_seconds']:.1f} s after the last result (max_idle 5 s)")
-    print(
-        f"mp.Pool(16) map 256: 4 nodes {out['pool_4_nodes']:.2f} s, 1 node {out['pool_1_node']:.2f} s"
-    )
+    report(out)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     return 0

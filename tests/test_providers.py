@@ -53,6 +53,7 @@ def test_public_names_and_registry() -> None:
         "SingleNodeLauncher",
         "SlurmProvider",
         "SrunLauncher",
+        "store_for_nodes",
         "walltime_seconds",
     }
     assert {"local": LocalProvider, "slurm": SlurmProvider} == PROVIDERS
@@ -104,6 +105,41 @@ def test_slurm_block_runs_the_command_once_on_each_node(slurm_env: Any, tmp_path
     assert (tmp_path / "scripts" / f"block-{job}.out").exists()
     assert (tmp_path / "scripts").stat().st_mode & 0o777 == 0o700
     assert "export SECRET='a b'\"'\"'c'" in provider.script("x", 1, {"SECRET": "a b'c"})
+
+
+def test_slurm_script_has_every_block_setting(tmp_path: Path) -> None:
+    provider = SlurmProvider(
+        partition="debug",
+        account="proj1",
+        qos="short",
+        walltime="01:30:00",
+        exclusive=True,
+        scheduler_options="--mem=4G\n#SBATCH --constraint=haswell",
+        worker_init="module load python",
+        script_dir=tmp_path,
+    )
+    script = provider.script("nimbus-manager", 3, {"NIMBUS_AGENT_ADDRESS": "login1:5000"})
+    lines = script.splitlines()
+    for line in (
+        "#SBATCH --nodes=3",
+        "#SBATCH --time=01:30:00",
+        "#SBATCH --partition=debug",
+        "#SBATCH --account=proj1",
+        "#SBATCH --qos=short",
+        "#SBATCH --exclusive",
+        "#SBATCH --mem=4G",
+        "#SBATCH --constraint=haswell",
+        "export NIMBUS_AGENT_ADDRESS=login1:5000",
+        "module load python",
+    ):
+        assert line in lines, (line, script)
+    assert lines.index("module load python") < len(lines) - 1  # worker_init, then the launcher
+    assert lines[-1].startswith("srun --nodes=3 --ntasks=3 --ntasks-per-node=1")
+    assert lines[-1].endswith(" nimbus-manager")
+    # every #SBATCH line comes before the first command, or Slurm ignores it
+    first_command = next(i for i, line in enumerate(lines[1:], 1) if not line.startswith("#"))
+    assert all(not line.startswith("#SBATCH") for line in lines[first_command:])
+    assert SlurmProvider(script_dir=tmp_path).script("cmd", 1).splitlines()[-1] == "cmd"
 
 
 def test_slurm_status_is_one_call_for_many_blocks_and_cancel_ends_them(

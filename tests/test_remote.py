@@ -119,3 +119,14 @@ def test_pending_tasks_wait_for_a_block_and_nothing_is_lost(provided: Settings) 
         futures = [ex.submit(where, 0.01) for _ in range(50)]
         assert len({f.result(timeout=30) for f in futures}) >= 1
     assert first < 10
+
+
+def test_parallelism_sizes_the_blocks_to_the_work(provided: Settings) -> None:
+    # 8 tasks, 1 worker a block: parallelism 0.5 asks for ceil(0.5 * 8 / 1) = 4 blocks
+    settings = provided.replace(max_blocks=8, parallelism=0.5, max_idle=1.0)
+    with Executor(settings=settings, backend="provided") as ex:
+        results = list(ex.map(where, [0.5] * 8))
+        backend = ex._backend
+        assert isinstance(backend, ProvidedBackend)
+        assert backend.scaler.submitted == 4
+    assert len(results) == 8

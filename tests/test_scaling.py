@@ -145,6 +145,42 @@ def test_a_block_near_its_walltime_is_replaced_and_nothing_fails(settings: Setti
     assert all(r.startswith("n") for r in results)
 
 
+def stuck_the_first_time(marker: str) -> tuple[str, str]:
+    """Hangs on its first run (until its block is killed); its next run answers at once."""
+    with open(marker, "a") as f:
+        f.write(os.environ.get("SLURM_JOB_ID", "?") + "\n")
+    with open(marker) as f:
+        if len(f.read().split()) == 1:
+            time.sleep(600)
+    return os.environ.get("SLURM_JOB_ID", "?"), os.environ.get("SLURMD_NODENAME", "?")
+
+
+def test_a_block_killed_at_its_walltime_has_its_tasks_requeued_and_is_replaced(
+    settings: Settings, slurm: Any, tmp_path: Any
+) -> None:
+    # walltime 30 s: the block takes no new task from 20 s on (its replacement is asked
+    # for then, the stuck task is still work), and Slurm kills it at 30 s (slurmctld
+    # looks at time limits every 30 s: up to a minute)
+    s = settings.replace(walltime="00:00:30", max_blocks=1, max_idle=300.0)
+    marker = tmp_path / "runs"
+    with Executor(settings=s) as ex:
+        backend = backend_of(ex)
+        stuck = ex.submit(stuck_the_first_time, str(marker))
+        first_block = wait_for(lambda: marker.exists() and marker.read_text().split(), 30, "a run")
+        quick = [ex.submit(node_of, 0.05) for _ in range(20)]
+        assert all(n.startswith("n") for n in (f.result(timeout=30) for f in quick))
+        job, node = stuck.result(timeout=120)
+        assert node.startswith("n")
+        runs = marker.read_text().split()
+        assert runs == [first_block[0], job] and job != first_block[0], runs  # once each block
+        assert jobs(slurm)[first_block[0]] == "TIMEOUT"  # Slurm ended it, not the scaler
+        assert backend.scaler.submitted >= 2  # the replacement
+        lost = backend.agent.lost
+        assert lost and lost[0][2] >= 1, lost  # the stuck task was requeued, not failed
+        assert [f.exception() for f in quick] == [None] * 20
+        assert stuck.exception() is None
+
+
 def remote_node_of(seconds: float) -> str:  # sent by value to the endpoint
     import os
     import time
@@ -293,6 +329,97 @@ def test_multiprocessing_on_slurm_with_no_service(slurm: Any, tmp_path: Any) -> 
     # the program's exit cancelled its blocks
     out = slurm.run("squeue", "-h", "-o", "%i %T").stdout
     assert "RUNNING" not in out and "PENDING" not in out, out
+
+
+STORE_PROGRAM = """
+import nimbus.multiprocessing as mp
+from nimbus import statestore
+
+def on_a_node(counter, queue):
+    url = statestore.current().url
+    with counter.get_lock():
+        counter.value += 1
+    peer = statestore.current().client().client_info()  # this connection, as the server sees it
+    with open("/proc/self/environ", "rb") as f:  # the node's, whatever os.environ says
+        env = dict(v.split(b"=", 1) for v in f.read().split(b"\\0") if b"=" in v)
+    queue.put((env.get(b"SLURMD_NODENAME", b"?").decode(), url, peer["laddr"]))
+
+if __name__ == "__main__":
+    counter, queue = mp.Value("i", 0), mp.Queue()
+    procs = [mp.Process(target=on_a_node, args=(counter, queue)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    seen = [queue.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join()
+    print("COUNTER", counter.value)
+    for node, url, laddr in seen:
+        print("SEEN", node, url, laddr)
+"""
+
+
+def test_multiprocessing_on_slurm_reaches_its_store_over_tcp_with_a_password(
+    slurm: Any, tmp_path: Any
+) -> None:
+    import subprocess
+    import sys
+
+    import redis
+
+    program = tmp_path / "prog.py"
+    program.write_text(STORE_PROGRAM)
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(slurm.conf),
+        "XDG_CONFIG_HOME": str(tmp_path / "config"),
+        "NIMBUS_RUNTIME_DIR": str(tmp_path / "run"),
+        "NIMBUS_PROVIDER": "slurm",
+        "NIMBUS_PARTITION": slurm.partition,
+        "NIMBUS_WORKERS_PER_NODE": "4",
+        "NIMBUS_MAX_BLOCKS": "1",
+        "NIMBUS_AGENT_LISTEN": "127.0.0.1:0",
+    }
+    env.pop("NIMBUS_REDIS_URL", None)
+    done = subprocess.run(
+        [sys.executable, str(program)], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "COUNTER 4" in done.stdout, done.stdout
+    seen = re.findall(r"SEEN (\S+) (\S+) (\S+)", done.stdout)
+    assert len(seen) == 4 and all(node.startswith("n") for node, _, _ in seen), seen
+    urls = {url for _, url, _ in seen}
+    assert len(urls) == 1, urls
+    url = urls.pop()
+    m = re.fullmatch(r"redis://:([\w-]{40,})@127\.0\.0\.1:(\d+)/0", url)
+    assert m, url  # TCP, on agent_listen's host, with a generated password
+    assert {laddr for _, _, laddr in seen} == {f"127.0.0.1:{m.group(2)}"}  # not the socket
+    with pytest.raises(redis.exceptions.ConnectionError):  # the program's end stopped it
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+
+
+def test_the_store_for_nodes_refuses_a_client_without_its_password(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis
+
+    from nimbus.providers import store_for_nodes
+
+    monkeypatch.delenv("NIMBUS_REDIS_URL", raising=False)
+    s = Settings.load().replace(
+        provider="slurm", agent_listen="127.0.0.1:0", runtime_dir=tmp_path / "run"
+    )
+    store = store_for_nodes(s)
+    try:
+        assert store.client().ping()
+        url = redis.connection.parse_url(store.url)
+        anonymous = redis.Redis(host=url["host"], port=url["port"], socket_connect_timeout=2)
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            anonymous.set("k", "v")
+        wrong = redis.Redis(host=url["host"], port=url["port"], password="guess")
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            wrong.ping()
+    finally:
+        store.close()
 
 
 def test_blocks_that_die_before_a_manager_joins_fail_the_tasks_not_loop(

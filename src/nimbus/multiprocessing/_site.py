@@ -200,12 +200,19 @@ def open_program(settings: Settings) -> Root:
         program_id = f"{handed.key_prefix}.{Keys.program_id_new()}"
         prog = Program(handed.url, program_id, settings.key_ttl, remote=True)
         return _EndpointRoot(StateStore(handed.url), prog, handed.workers, handed.yours)
-    store = statestore.open_store(settings)  # booting while the program goes on
+    # processes on a provider's nodes (NIMBUS_PROVIDER=slurm) are remote: their output
+    # and exits come through the store, which they reach over TCP, and this host's
+    # memory is not theirs
+    remote = settings.provider != "local"
+    if remote:
+        from nimbus.providers import store_for_nodes
+
+        store = store_for_nodes(settings)
+        store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it
+    else:
+        store = statestore.open_store(settings)  # booting while the program goes on
     program_id = Keys.program_id_new()
     shared = None
-    # processes on a provider's nodes (NIMBUS_PROVIDER=slurm) are remote: their output
-    # and exits come through the store, and this host's memory is not theirs
-    remote = settings.provider != "local"
     if settings.shared_memory and not remote:
         shared = heap.directory(settings.runtime_dir, program_id)
     on_close = None if shared is None else functools.partial(heap.remove, shared)

@@ -17,6 +17,7 @@ from nimbus.providers._base import (
     SingleNodeLauncher,
     SrunLauncher,
 )
+from nimbus.providers._store import store_for_nodes
 from nimbus.providers.local import LocalProvider
 from nimbus.providers.slurm import SlurmProvider, walltime_seconds
 
@@ -30,6 +31,7 @@ __all__ = [
     "SingleNodeLauncher",
     "SlurmProvider",
     "SrunLauncher",
+    "store_for_nodes",
     "walltime_seconds",
 ]
 

@@ -35,7 +35,16 @@ from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Link
 from nimbus.runtime.task import Task
 from nimbus.wire import Channel, Frame, pack, unpack
 
-__all__ = ["ADDRESS_ENV", "SECRET_ENV", "NodeManager", "proof", "run"]
+__all__ = [
+    "ADDRESS_ENV",
+    "MAIN",
+    "SECRET_ENV",
+    "NodeManager",
+    "add_arguments",
+    "main",
+    "proof",
+    "run",
+]
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +104,8 @@ class NodeManager:
         self._early: list[Frame] = []  # frames that came with the WELCOME
 
     def _send(self, kind: int, meta: object, buffers: list[Any] | None = None) -> None:
-        assert self._channel is not None
+        if self._channel is None:
+            return  # not joined yet: nothing to tell (a notice of a worker's start)
         with self._send_lock:
             try:
                 self._channel.send(kind, pack(meta), buffers or [])
@@ -141,15 +151,25 @@ class NodeManager:
         return channel
 
     def run(self) -> int:
-        self._channel = channel = self.connect()
+        # the workers first, forked from this process while it has no other thread and no
+        # connection (milliseconds, where new interpreters take most of a second): they are
+        # warm when the agent's first tasks come, which it sends as soon as this joins
         manager = Manager(
             self.workers,
             on_results=self._results,
             on_notice=lambda notice: self._send(Link.NOTICE, notice),
             prefetch=self.prefetch,
             name="node",
+            fork=True,
         )
         manager.start()
+        try:
+            self._channel = channel = self.connect()
+        except BaseException:
+            manager.shutdown(wait=True, kill=True)
+            raise
+        # a worker forked again later (one was lost) must not keep the agent's link open
+        os.register_at_fork(after_in_child=channel.sock.close)
         beat = threading.Thread(target=self._beat, args=(manager,), daemon=True)
         beat.start()
         code = 1
@@ -249,6 +269,25 @@ class NodeManager:
 
 
 # ---------------------------------------------------------------- the command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``nimbus manager``."""
+    parser.add_argument("--address", help=f"the agent's host:port (default ${ADDRESS_ENV})")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="warm workers")
+    parser.add_argument("--prefetch", type=int, default=8, help="tasks in flight per worker")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``nimbus manager`` without the CLI's imports: what a block runs (see :data:`MAIN`)."""
+    parser = argparse.ArgumentParser(prog="nimbus manager", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+# the command line of ``nimbus manager`` a block runs: through an import, as the
+# workers are started, not ``-m nimbus``, whose CLI imports most of nimbus first
+MAIN = "import sys; from nimbus.runtime.node import main; sys.exit(main())"
 
 
 def run(args: argparse.Namespace) -> int:

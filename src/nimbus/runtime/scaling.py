@@ -36,6 +36,7 @@ from nimbus.errors import ConfigError, ProviderError
 from nimbus.providers import PROVIDERS, BlockState, Provider, walltime_seconds
 from nimbus.runtime.manager import worker_environment
 from nimbus.runtime.node import ADDRESS_ENV, SECRET_ENV
+from nimbus.runtime.node import MAIN as NODE_MAIN
 from nimbus.runtime.remote import new_secret
 
 __all__ = ["Block", "Scaler", "make_scaler"]
@@ -265,11 +266,15 @@ class Scaler:
             + sum(self.agent.outstanding(m) for m in self.agent.remote_managers())
         )
 
-    def _grow(self, now: float) -> None:
+    def _wanted(self) -> int:
+        """Blocks the work asks for: ceil(parallelism * work / slots), within min..max."""
         work = self._work()
         slots = max(1, self.nodes_per_block * self.workers_per_node)
         wanted = math.ceil(self.parallelism * work / slots) if work else 0
-        wanted = min(self.max_blocks, max(self.min_blocks, wanted))
+        return min(self.max_blocks, max(self.min_blocks, wanted))
+
+    def _grow(self, now: float) -> None:
+        wanted = self._wanted()
         active = [b for b in self.blocks.values() if b.active]
         # a retiring block still holds scheduler resources; it does not count as capacity
         held = len([b for b in self.blocks.values() if not b.state.terminal and not b.cancelled])
@@ -302,6 +307,9 @@ class Scaler:
     def _shrink(self, now: float) -> None:
         pending = self.agent.pending
         active = [b for b in self.blocks.values() if b.active]
+        # a block with nothing while others hold queued work is not surplus: draining it
+        # would only have the work ask for it again
+        wanted = self._wanted()
         for block in self.blocks.values():
             if block.cancelled or block.state.terminal or not block.managers:
                 continue
@@ -325,7 +333,7 @@ class Scaler:
                 continue
             if block.idle_since is None:
                 block.idle_since = now
-            elif now - block.idle_since >= self.max_idle and len(active) > self.min_blocks:
+            elif now - block.idle_since >= self.max_idle and len(active) > wanted:
                 self._drain(block)
                 active.remove(block)
 
@@ -374,7 +382,8 @@ def make_scaler(
     secret = new_secret()
     address = agent.listen(secret, host=host.strip("[]"), port=int(port), prefetch=prefetch)
     workers = settings.workers_per_node
-    command = f"{shlex.quote(sys.executable)} -m nimbus manager --prefetch {prefetch}"
+    # nimbus manager, without the CLI's imports (node.MAIN): it joins sooner
+    command = f"{shlex.quote(sys.executable)} -c {shlex.quote(NODE_MAIN)} --prefetch {prefetch}"
     if workers:
         command += f" --workers {workers}"
     env = {
