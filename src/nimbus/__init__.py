@@ -1,7 +1,7 @@
 """nimbus: run Python functions and unmodified multiprocessing programs on warm workers.
 
 This package owns the SDK's public face: ``Executor``, ``Future``, ``Client``,
-``TaskRecord``, ``TaskState``, ``NimbusError``. Its subpackages, top down (the
+``TaskRecord``, ``TaskState``, ``NimbusError``, ``Environment``. Its subpackages, top down (the
 layers of DESIGN.md, pinned by tests/test_layers.py): ``cli``; the SDK and
 ``multiprocessing``; ``backends``; ``runtime``, ``service``, ``endpoint``,
 ``messaging``; the state store; ``protocol``, ``serialization``, ``wire``,
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from nimbus.client import Client
+    from nimbus.environments import Environment
     from nimbus.errors import NimbusError
     from nimbus.executor import Executor, Future
     from nimbus.records import TaskRecord, TaskState
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Client",
+    "Environment",
     "Executor",
     "Future",
     "NimbusError",
@@ -41,6 +43,7 @@ __all__ = [
 # public name -> the module that defines it
 _HOMES = {
     "Client": "nimbus.client",
+    "Environment": "nimbus.environments",
     "Executor": "nimbus.executor",
     "Future": "nimbus.executor",
     "NimbusError": "nimbus.errors",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import itertools
+import json
 import threading
 import time
 import uuid
@@ -34,16 +35,40 @@ from typing import Any, TypeVar
 from nimbus import _chunks, serialization
 from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings, check_timeout
+from nimbus.environments import Environment
 from nimbus.errors import ConfigError, PayloadTooLargeError, RemoteTraceback
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
-from nimbus.runtime.task import Task
+from nimbus.runtime.task import Task, environment_tag
 
 __all__ = ["Executor", "Future"]
 
 T = TypeVar("T")
 
 _live: weakref.WeakSet[Executor] = weakref.WeakSet()
+_SAME: Any = object()  # options(): keep the executor's own
+
+
+def _check_environment(env: Any) -> tuple[Environment | None, str]:
+    """``env`` and its worker type; a name alone is refused with what to pass instead."""
+    if env is None:
+        return None, ""
+    if isinstance(env, str):  # NIMBUS_ENVIRONMENT: a name, or the JSON of a spec
+        text = env.strip()
+        try:
+            env = Environment.from_dict(json.loads(text)) if text.startswith("{") else None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"NIMBUS_ENVIRONMENT={text!r} is not JSON ({exc}); give a name, or "
+                f"json.dumps(Environment(...).to_dict())"
+            ) from None
+        env = env or Environment(text)
+    if not isinstance(env, Environment):
+        raise TypeError(
+            f"environment must be a nimbus.Environment such as Environment('geo', "
+            f"requirements=['shapely']), not {env!r}"
+        )
+    return env, environment_tag(env)
 
 
 class Future(cf.Future[Any]):
@@ -103,6 +128,10 @@ class Executor(cf.Executor):
     An executor not shut down is shut down at interpreter exit, as the stdlib's
     are, unless ``shutdown_at_exit=False``: then its owner does (after work of
     its own that still needs it, as ``nimbus.multiprocessing`` joins its processes).
+    ``environment`` (a :class:`~nimbus.Environment`; default
+    ``Settings.environment``, ``NIMBUS_ENVIRONMENT``, else the workers' own
+    Python) is what the tasks run in: workers of that environment, built once
+    per node; ``options(environment=...)`` chooses per call.
     """
 
     def __init__(
@@ -116,8 +145,12 @@ class Executor(cf.Executor):
         on_notice: Callable[[Any], None] | None = None,
         preload: Sequence[str] = (),
         shutdown_at_exit: bool = True,
+        environment: Environment | None = None,
     ) -> None:
         self.settings = settings if settings is not None else Settings.load()
+        self._environment, self._env = _check_environment(
+            self.settings.environment if environment is None else environment
+        )
         if max_workers is None:
             max_workers = self.settings.workers
         if isinstance(max_workers, bool) or not isinstance(max_workers, int):
@@ -163,11 +196,19 @@ class Executor(cf.Executor):
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future[T]:
         """Schedule ``fn(*args, **kwargs)``; returns a :class:`Future`."""
-        return self._submit(fn, args, kwargs, self._timeout)
+        return self._submit(fn, args, kwargs, self._timeout, self._environment, self._env)
 
-    def options(self, *, timeout: float | None) -> _Options:
-        """A view of this executor whose tasks have their own timeout."""
-        return _Options(self, _check_timeout(timeout, "timeout"))
+    def options(self, *, timeout: Any = _SAME, environment: Any = _SAME) -> _Options:
+        """A view of this executor whose tasks have their own timeout or environment."""
+        if timeout is not _SAME:
+            timeout = _check_timeout(timeout, "timeout")
+        else:
+            timeout = self._timeout
+        if environment is not _SAME:
+            env, tag = _check_environment(environment)
+        else:
+            env, tag = self._environment, self._env
+        return _Options(self, timeout, env, tag)
 
     def _submit(
         self,
@@ -175,6 +216,8 @@ class Executor(cf.Executor):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         timeout: float | None,
+        environment: Environment | None,
+        env: str,
     ) -> Future:
         if self._shutdown:
             raise RuntimeError("cannot schedule new futures after shutdown")
@@ -196,7 +239,18 @@ class Executor(cf.Executor):
         )
         future = Future()
         future.record = record
-        task = Task(seq, fn_key, fn_bytes, payload, buffers, record, timeout=timeout, owner=future)
+        task = Task(
+            seq,
+            fn_key,
+            fn_bytes,
+            payload,
+            buffers,
+            record,
+            timeout=timeout,
+            owner=future,
+            environment=environment,
+            env=env,
+        )
         future._task = task
         future._stop = self._backend.cancel
         self._futures[seq] = future
@@ -298,14 +352,18 @@ class Executor(cf.Executor):
 
 
 class _Options(cf.Executor):
-    """An executor view that gives its tasks a timeout of their own."""
+    """An executor view that gives its tasks a timeout or an environment of their own."""
 
-    def __init__(self, executor: Executor, timeout: float | None) -> None:
+    def __init__(
+        self, executor: Executor, timeout: float | None, environment: Environment | None, env: str
+    ) -> None:
         self._executor = executor
         self._timeout = timeout
+        self._environment = environment
+        self._env = env
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future[T]:
-        return self._executor._submit(fn, args, kwargs, self._timeout)
+        return self._executor._submit(fn, args, kwargs, self._timeout, self._environment, self._env)
 
     def map(
         self,

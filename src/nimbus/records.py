@@ -3,7 +3,9 @@
 A :class:`TaskRecord` is filled in by each layer a task passes through::
 
     caller          submitted        (time.time() at submit)
-    manager         dispatched       (sent to a worker)
+    manager         dispatched       (sent to a worker), build_seconds (the
+                    time the task waited for its environment to be built on
+                    the node; never counted against its timeout)
     worker          started, ended, cpu_user, cpu_system, peak_memory,
                     net_bytes_in, net_bytes_out, worker, host, pid
 
@@ -66,6 +68,7 @@ class TaskRecord:
     peak_memory: int = 0
     net_bytes_in: int = 0
     net_bytes_out: int = 0
+    build_seconds: float = 0.0
 
     @property
     def queued_seconds(self) -> float:

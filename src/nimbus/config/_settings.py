@@ -103,6 +103,12 @@ class Settings:
         c.optional_str("an endpoint name, or 'none'", bool),
         "default endpoint (none: the local runtime)",
     )
+    environment: str | None = setting(
+        None,
+        _any_text,
+        "environment of tasks: a name, or nimbus.Environment's to_dict() as JSON "
+        "(none: the workers' own Python)",
+    )
     service_url: str | None = setting(
         None,
         c.optional_str("an http:// or https:// URL, or 'none'", c.is_http_url),

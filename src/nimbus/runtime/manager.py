@@ -2,12 +2,25 @@
 
 ::
 
-    submit() --> pending --(window)--> worker 0 (inflight: t1 t2 t3)
-                   ^  ^              \\-> worker 1 (inflight: t4 t5)
-                   |  |                                 |
-                   |  +-- HANDBACK t2 t3 <-- RECALL ----+ worker 2 idle, t1 long
-                   +---- requeue the waiting tasks -----+ worker lost
-    on_results(tasks) <-------- RESULTS in send order --+
+    submit() --> pending[env] --(window)--> worker 0 of env (inflight: t1 t2 t3)
+                   ^  ^                   \\-> worker 1 of env (inflight: t4 t5)
+                   |  |                                    |
+                   |  +-- HANDBACK t2 t3 <-- RECALL -------+ worker 2 idle, t1 long
+                   +---- requeue the waiting tasks --------+ worker lost
+    on_results(tasks) <-------- RESULTS in send order -----+
+                   pending[env], no worker of env --> Layout: a slot for env
+                   (unused, or an idle environment's) --> build off the loop --> worker
+
+Workers are typed by environment (``nimbus.runtime.pool``): each
+environment has its own pending queue and its own workers; tasks go only to
+workers of their environment. The node's slots are shared out by a
+:class:`~nimbus.runtime.pool.Layout`: the agent reserves slots for the
+environments it routes here, and the manager itself grows an environment
+whose tasks wait, from unused slots, then from idle environments. An
+environment is built (``nimbus.environments.prepare``) on a thread, never on
+the loop; a build that fails fails the environment's waiting tasks with the
+builder's message, and the time a task waited for its build goes in its
+record (``build_seconds``), not against its timeout.
 
 Everything happens on one loop thread: a selector over the workers'
 channels and a wake-up pipe. A worker holds at most ``prefetch`` tasks and
@@ -36,7 +49,6 @@ from __future__ import annotations
 import logging
 import os
 import selectors
-import signal
 import socket
 import subprocess
 import sys
@@ -46,20 +58,20 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from nimbus import errors, serialization  # errors.WorkerLost: made at its first use
+from nimbus import environments, errors, serialization  # errors.WorkerLost: at first use
+from nimbus.environments import Environment, Prepared
 from nimbus.errors import NimbusError, TaskTimeoutError
 from nimbus.runtime import worker as worker_module
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
-from nimbus.runtime.task import Task
+from nimbus.runtime.pool import Builds, Layout, how, start, worker_environment
+from nimbus.runtime.pool import Worker as _Worker
+from nimbus.runtime.task import Task, environment_tag
 from nimbus.wire import Channel, ProtocolError, pack, unpack
 
-__all__ = ["Manager"]
+__all__ = ["Manager", "worker_environment"]
 
 log = logging.getLogger(__name__)
 
-# run through an import, not ``-m``, so the module is ``nimbus.runtime.worker`` for
-# the task code that calls its functions, not ``__main__``
-WORKER_MAIN = "import sys; from nimbus.runtime.worker import main; sys.exit(main())"
 START_FAILURES = 3
 QUEUED_SECONDS = 0.010  # work a worker holds ahead: deeper windows for short tasks
 STEAL_SECONDS = 0.050  # queued work worth moving to an idle worker (5 windows' worth)
@@ -67,64 +79,14 @@ FUNCTIONS_TIMED = 1024  # run-time estimates kept (one per function), oldest dro
 MAX_WINDOW = 256  # workers that die before saying hello, in a row, before giving up
 
 
-class _Worker:
-    __slots__ = (
-        "channel",
-        "deadline",
-        "functions",
-        "head_since",
-        "host",
-        "inflight",
-        "kill_reason",
-        "kill_task",
-        "name",
-        "pid",
-        "proc",
-        "ready",
-        "recalling",
-        "writing",
-    )
-
-    def __init__(self, name: str, proc: Any, channel: Channel) -> None:
-        self.name = name
-        self.proc = proc
-        self.channel = channel
-        self.inflight: deque[Task] = deque()
-        self.functions: set[str] = set()
-        self.ready = False
-        self.writing = False
-        self.pid = proc.pid
-        self.host = ""
-        self.deadline: float | None = None
-        self.kill_reason = ""
-        self.kill_task: Task | None = None
-        self.recalling = False  # a RECALL is on its way: wait for its HANDBACK
-        self.head_since = 0.0  # when the first inflight task was said to be running
-
-
-def worker_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for worker processes: this one, with this ``sys.path``."""
-    env = dict(os.environ)
-    paths = [p or os.getcwd() for p in sys.path]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    if extra:
-        env.update(extra)
-    return env
-
-
-def _how(returncode: int | None) -> str:
-    if returncode is None:
-        return "closed its channel"
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
 class Manager:
-    """Warm workers on this node, fed from a pending queue by one loop thread."""
+    """Warm workers on this node, fed from a pending queue per environment by one loop thread.
+
+    ``warm`` lists the environments of the workers started at once (default:
+    ``workers`` workers of the node's own Python, as before environments); the
+    other slots start unused. ``prepare`` makes an environment ready on the
+    node (``nimbus.environments.prepare``; the builders' seam).
+    """
 
     def __init__(
         self,
@@ -139,6 +101,8 @@ class Manager:
         preload: Sequence[str] = (),
         name: str = "manager",
         fork: bool = False,
+        warm: Sequence[Environment | None] | None = None,
+        prepare: Callable[[Environment], Prepared] = environments.prepare,
     ) -> None:
         if workers < 1:
             raise ValueError(f"a manager needs at least one worker, not {workers}")
@@ -154,8 +118,18 @@ class Manager:
         self._env = worker_environment(env)
         self._preload = list(preload)
         self._fork = fork  # workers are forks of this process (worker.fork_worker)
-        self._pending: deque[Task] = deque()
+        warm = [None] * workers if warm is None else list(warm)
+        self.layout = Layout(workers, [environment_tag(env) for env in warm])
+        for spec in warm:
+            self.layout.envs.setdefault(environment_tag(spec), spec)
+        self._builds = Builds(prepare, self._wake)
+        self._building: dict[str, int] = {}  # workers waiting for their environment's build
+        self._changes = -1  # the layout's changes the loop has acted on
+        self._env_failures: dict[str, int] = {}  # workers of an environment dead at start
+        self._pending: dict[str, deque[Task]] = {"": deque()}
         self._cancels: deque[Task] = deque()
+        self._reap: list[Any] = []  # retired workers' processes, not yet exited
+        self._retiring = False  # some worker waits to empty before it is retired
         self._workers: list[_Worker] = []
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
@@ -188,8 +162,26 @@ class Manager:
         """Queue tasks; results arrive through ``on_results``."""
         if self._closing:
             raise RuntimeError(f"cannot submit to {self.name}: it is shutting down")
-        self._pending.extend(tasks)
+        queues = self._pending
+        for task in tasks:
+            queue = queues.get(task.env)
+            if queue is None:
+                self.layout.envs.setdefault(task.env, task.environment)
+                queue = queues.setdefault(task.env, deque())
+            queue.append(task)
         self._wake()
+
+    def reserve(self, env: Environment | None, take_from: str | None = None) -> bool:
+        """One more worker slot for ``env``: an unused one, else one of ``take_from``'s."""
+        done = self.layout.reserve(environment_tag(env), env, take_from)
+        if done:
+            self._wake()
+        return done
+
+    def environments(self) -> tuple[dict[str, int], int, int]:
+        """Slots per environment tag, unused slots and tasks per worker (the window)."""
+        slots, unused = self.layout.snapshot()
+        return slots, unused, self.window()
 
     def cancel(self, task: Task) -> None:
         """Stop a task: drop it if queued, skip it at its worker, or kill the worker."""
@@ -206,11 +198,27 @@ class Manager:
             self._thread.join()
 
     def statistics(self) -> dict[str, Any]:
+        """What the node holds; ``environments``: per tag its ``slots``, ready ``workers``
+        and ``free`` (idle) ones; ``unused``: slots of no environment."""
+        workers = list(self._workers)
+        slots, unused = self.layout.snapshot()
+        envs: dict[str, dict[str, Any]] = {}
+        for tag in {*slots, *(w.env for w in workers)}:
+            env = self.layout.envs.get(tag)
+            mine = [w for w in workers if w.env == tag and w.ready and not w.retiring]
+            envs[tag] = {
+                "name": env.name if env is not None else "plain",
+                "slots": slots.get(tag, 0),
+                "workers": len(mine),
+                "free": sum(1 for w in mine if not w.inflight),
+            }
         return {
             "name": self.name,
-            "workers": len(self._workers),
-            "ready": sum(w.ready for w in self._workers),
-            "pending": len(self._pending),
+            "workers": len(workers),
+            "ready": sum(w.ready for w in workers),
+            "pending": sum(len(q) for q in list(self._pending.values())),
+            "environments": envs,
+            "unused": unused,
             "inflight": self._inflight(),
             "spawned": self._spawned,
             "lost": self._lost,
@@ -231,8 +239,7 @@ class Manager:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         try:
             try:
-                for _ in range(self.size):
-                    self._spawn()
+                self._reconcile()
             finally:
                 self._forked.set()
             while True:
@@ -259,8 +266,12 @@ class Manager:
                     break
                 self._do_cancels()
                 self._check_deadlines()
+                if self._builds.done:
+                    self._built()
                 self._dispatch()
-                if self._closing and not self._pending and not self._inflight():
+                if self.layout.changes != self._changes or self._retiring:
+                    self._reconcile()
+                if self._closing and not self._queued() and not self._inflight():
                     break
         except BaseException as exc:  # a bug here must not leave callers waiting forever
             log.exception("nimbus %s loop failed", self.name)
@@ -272,6 +283,79 @@ class Manager:
     def _inflight(self) -> int:
         return sum(len(w.inflight) for w in self._workers)
 
+    def _queued(self) -> int:
+        return sum(len(queue) for queue in list(self._pending.values()))
+
+    # -- workers of each environment (see nimbus.runtime.pool) -----------
+    def _reconcile(self) -> None:
+        """Make the workers match the layout: retire surplus ones, start missing ones."""
+        self._changes = self.layout.changes
+        slots, _ = self.layout.snapshot()
+        count: dict[str, int] = dict(self._building)
+        for worker in self._workers:
+            if not worker.retiring:
+                count[worker.env] = count.get(worker.env, 0) + 1
+        for tag, n in count.items():
+            surplus = n - slots.get(tag, 0)
+            mine = [w for w in self._workers if w.env == tag and not w.retiring]
+            mine.sort(key=lambda w: (w.ready, -len(w.inflight)))  # starting, then idle first
+            for worker in mine[:surplus]:
+                worker.retiring = True
+        self._retiring = False
+        for worker in [w for w in self._workers if w.retiring]:
+            if worker.inflight or not worker.ready:
+                self._retiring = True  # looked at again as it empties
+            else:
+                self._retire(worker)
+        free = self.size - len(self._workers) - sum(self._building.values())
+        for tag, want in slots.items():
+            missing = min(free, want - count.get(tag, 0))
+            for _ in range(max(0, missing)):
+                self._spawn(tag)
+                free -= 1
+
+    def _retire(self, worker: _Worker) -> None:
+        """Stop an idle worker whose slot went to another environment."""
+        self._selector.unregister(worker.channel.sock)
+        worker.channel.close()  # it reads the end of its channel and exits
+        self._workers.remove(worker)
+        self._reap.append(worker.proc)
+        self._reap = [p for p in self._reap if p.poll() is None]
+
+    def _built(self) -> None:
+        """Builds that ended: start their workers, or fail their environment's tasks."""
+        builds = self._builds
+        while builds.done:
+            tag = builds.done.popleft()
+            builds.running.discard(tag)
+            waiting = self._building.pop(tag, 0)
+            error = builds.failed.get(tag)
+            if error is not None:
+                self.layout.release(tag)
+                self._fail_env(tag, error)
+                continue
+            seconds = builds.seconds.get(tag, 0.0)
+            for task in self._pending.get(tag, ()):
+                task.record.build_seconds = seconds
+            for _ in range(waiting):
+                self._spawn(tag)
+
+    def _fail_env(self, tag: str, error: BaseException) -> None:
+        queue = self._pending.get(tag)
+        failed = list(queue or ())
+        if queue:
+            queue.clear()
+        for task in failed:
+            self._fail(task, error)
+        if failed:
+            self._deliver(failed)
+
+    def _idle_env(self, tag: str) -> bool:
+        """Nothing of ``tag`` waits here and one of its workers is idle: it can give a slot."""
+        if self._pending.get(tag):
+            return False
+        return any(w.env == tag and not w.inflight for w in self._workers) or tag in self._building
+
     def _timeout(self) -> float | None:
         deadlines = [w.deadline for w in self._workers if w.deadline is not None]
         if self._recheck is not None:
@@ -281,29 +365,32 @@ class Manager:
         # capped: epoll takes at most ~24 days, and a far deadline is looked at again anyway
         return min(3600.0, max(0.0, min(deadlines) - time.monotonic()))
 
-    def _spawn(self) -> None:
+    def _spawn(self, tag: str = "") -> None:
+        prepared: Prepared | None = None
+        if tag:
+            prepared = self._builds.prepared.get(tag)
+            if prepared is None:  # built off the loop; started when the build ends
+                env = self.layout.envs.get(tag)
+                assert env is not None
+                self._building[tag] = self._building.get(tag, 0) + 1
+                self._builds.start(tag, env)
+                return
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._counter += 1
         proc: Any
         try:
-            if self._fork:
+            if self._fork and not tag:
                 others = [w.channel.sock for w in self._workers]
                 close: list[Callable[[], object]] = [parent.close, self._selector.close]
                 close += [s.close for s in others]
                 close += [lambda: os.close(self._wake_r), lambda: os.close(self._wake_w)]
                 proc = worker_module.fork_worker(child, close, self._preload)
             else:
-                proc = subprocess.Popen(
-                    [self._python, "-u", "-c", WORKER_MAIN, str(child.fileno()), *self._preload],
-                    pass_fds=(child.fileno(),),
-                    env=self._env,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
+                proc = start(child, self._python, self._env, self._preload, prepared)
         finally:
             child.close()
         parent.setblocking(False)
-        worker = _Worker(f"{self.name}/w{self._counter}", proc, Channel(parent))
+        worker = _Worker(f"{self.name}/w{self._counter}", proc, Channel(parent), tag)
         self._workers.append(worker)
         self._selector.register(parent, selectors.EVENT_READ, worker)
         self._spawned += 1
@@ -340,6 +427,7 @@ class Manager:
                 worker.host = hello["host"]
                 worker.ready = True
                 self._start_failures = 0
+                self._env_failures.pop(worker.env, None)
 
     def _results(self, worker: _Worker, rows: list[list[Any]], buffers: list[Any]) -> None:
         done: list[Task] = []
@@ -396,10 +484,38 @@ class Manager:
 
     def _dispatch(self) -> None:
         self._recheck = None  # a past one would make the loop spin
-        pending = self._pending
         limit = self.window()
+        waiting = False
+        for tag, pending in list(self._pending.items()):
+            if pending:
+                self._deal(tag, pending, limit)
+            if pending:
+                waiting = True
+                self._grow(tag, pending, limit)
+        if not waiting:
+            self._steal()
+
+    def _grow(self, tag: str, pending: deque[Task], limit: int) -> None:
+        """Tasks of ``tag`` wait: fail them if its build failed, else plan more slots for it."""
+        error = self._builds.failed.get(tag)
+        if error is not None:
+            self._fail_env(tag, error)
+            return
+        layout = self.layout
+        if len(self._pending) == 1 and layout.unused <= 0:
+            return  # one environment on a full node: nothing to plan (the plain hot path)
+        inflight = sum(len(w.inflight) for w in self._workers if w.env == tag)
+        want = -(-(len(pending) + inflight) // limit)
+        if want > layout.slots.get(tag, 0):
+            layout.plan(tag, want, self._idle_env)
+
+    def _deal(self, tag: str, pending: deque[Task], limit: int) -> None:
         while pending:
-            ready = [w for w in self._workers if w.ready and len(w.inflight) < limit]
+            ready = [
+                w
+                for w in self._workers
+                if w.ready and w.env == tag and len(w.inflight) < limit and not w.retiring
+            ]
             if not ready:
                 return
             ready.sort(key=lambda w: len(w.inflight))  # idle workers first
@@ -415,8 +531,6 @@ class Manager:
                     self._send(worker, batch)
                 if not pending:
                     break
-        if not pending:
-            self._steal()
 
     def _steal(self) -> None:
         """Recall the queued tasks of busy workers when others are idle.
@@ -429,16 +543,23 @@ class Manager:
         it saves. A worker whose running task has said it started (it may be
         long) is looked at again a little later, as that task runs on.
         """
-        idle = sum(1 for w in self._workers if w.ready and not w.inflight)
+        idle: dict[str, int] = {}
+        for w in self._workers:
+            if w.ready and not w.inflight and not w.retiring:
+                idle[w.env] = idle.get(w.env, 0) + 1
         if not idle:
             return
-        busy = [w for w in self._workers if len(w.inflight) > 1 and not w.recalling]
+        busy = [
+            w for w in self._workers if len(w.inflight) > 1 and not w.recalling and idle.get(w.env)
+        ]
         if not busy:
             return
         busy.sort(key=lambda w: len(w.inflight), reverse=True)
         now = time.monotonic()
         times = self._fn_time
         for worker in busy:
+            if not idle.get(worker.env):
+                continue
             head = worker.inflight[0]
             wait = times.get(head.fn_key, float("inf"))
             if head.started:
@@ -457,9 +578,7 @@ class Manager:
             self._flush(worker)
             worker.recalling = True
             self._recalls += 1
-            idle -= 1
-            if not idle:
-                return
+            idle[worker.env] -= 1
 
     def _handed_back(self, worker: _Worker, seqs: list[int]) -> None:
         """Tasks a worker dropped unstarted at a RECALL go back to the front of the queue."""
@@ -471,7 +590,7 @@ class Manager:
         kept = [task for task in worker.inflight if task.seq not in back]
         worker.inflight.clear()
         worker.inflight.extend(kept)
-        self._pending.extendleft(reversed(tasks))
+        self._pending[worker.env].extendleft(reversed(tasks))
 
     def _send(self, worker: _Worker, batch: list[Task]) -> None:
         rows: list[list[Any]] = []
@@ -542,22 +661,36 @@ class Manager:
             worker.proc.kill()
             code = worker.proc.wait()
         self._lost += 1
+        tag = worker.env
         if not worker.ready:
-            self._start_failures += 1
+            if tag:
+                self._env_failures[tag] = self._env_failures.get(tag, 0) + 1
+            else:
+                self._start_failures += 1
         if worker.inflight:
             self._settle(worker, code)
         if self._closing:
             return
+        if self._env_failures.get(tag, 0) >= START_FAILURES:
+            # a worker that cannot start in its environment is a failed build of it
+            self._builds.failed[tag] = errors.WorkerLost(
+                f"{START_FAILURES} workers of environment {self.layout.envs[tag]!r} on "
+                f"{self.name} in a row {how(code)} before starting; see their output on stderr"
+            )
+            self.layout.release(tag)
+            self._fail_env(tag, self._builds.failed[tag])
+            self._reconcile()
+            return
         if self._start_failures >= START_FAILURES:
             self._fail_all(
                 errors.WorkerLost(
-                    f"{self._start_failures} workers of {self.name} in a row {_how(code)} "
+                    f"{self._start_failures} workers of {self.name} in a row {how(code)} "
                     f"before starting (python: {self._python}); see their output on stderr"
                 )
             )
             self._closing = True
             return
-        self._spawn()
+        self._reconcile()  # a new worker of its environment takes its place
 
     def _settle(self, worker: _Worker, code: int | None) -> None:
         """Decide the fate of the tasks a dead worker held.
@@ -591,7 +724,7 @@ class Manager:
                 head,
                 errors.WorkerLost(
                     f"the worker {worker.name} (pid {worker.pid}) running this task "
-                    f"{_how(code)}; it was replaced and the other tasks carry on"
+                    f"{how(code)}; it was replaced and the other tasks carry on"
                 ),
             )
         else:
@@ -599,20 +732,22 @@ class Manager:
         for task in worker.inflight:
             task.suspect = task.suspect or suspect
             task.started = False
-        self._pending.extendleft(reversed(worker.inflight))
+        self._pending[worker.env].extendleft(reversed(worker.inflight))
         worker.inflight.clear()
         if head is not None:
             self._deliver([head])
 
     @staticmethod
-    def _fail(task: Task, error: NimbusError) -> None:
+    def _fail(task: Task, error: BaseException) -> None:
         task.status = Status.ERROR
         task.data = serialization.dumps_exception(error, "")
         task.result_buffers = []
 
     def _fail_all(self, error: NimbusError) -> None:
-        failed: list[Task] = list(self._pending)
-        self._pending.clear()
+        failed: list[Task] = []
+        for queue in list(self._pending.values()):
+            failed.extend(queue)
+            queue.clear()
         for worker in self._workers:
             failed.extend(worker.inflight)
             worker.inflight.clear()
@@ -634,6 +769,12 @@ class Manager:
             except subprocess.TimeoutExpired:
                 worker.proc.kill()
                 worker.proc.wait()
+        for proc in self._reap:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         self._workers.clear()
         self._selector.close()
         wake_w, self._wake_w = self._wake_w, -1
