@@ -15,7 +15,9 @@
 An environment's *share* is the node slots in proportion to its work (tasks
 waiting plus tasks held by managers), at least one slot for any environment
 with work: an environment with no worker anywhere takes a slot even from busy
-ones, so none starves. ``plan`` is a pure function of the views; the agent
+ones, so none starves. An environment that has workers switches another's
+only when more than ``BACKLOG`` rounds of its workers' windows wait (a short
+wait on warm workers beats a cold start). ``plan`` is a pure function of the views; the agent
 applies its moves (``nimbus.runtime.agent``). ``mode="random"`` is the
 baseline of funcX's experiment: each task goes to a random free worker slot,
 which switches environment when it is not the task's; ``mode="fixed"`` only
@@ -32,6 +34,7 @@ __all__ = ["MODES", "Move", "View", "plan"]
 
 MODES = ("warm", "random", "fixed")
 HYSTERESIS = 0.5  # slots of deficit and surplus before a worker changes environment
+BACKLOG = 2  # rounds of its workers' windows an environment must have waiting to take one
 
 
 @dataclass
@@ -115,7 +118,9 @@ def plan(
             (t for t, n in waiting.items() if n > 0),
             key=lambda t: share[t] - held.get(t, 0),
         )
-        view, donor = _slot_for(tag, views, share, held)
+        window = max(v.window for v in views)
+        backlog = waiting[tag] > BACKLOG * held.get(tag, 0) * window
+        view, donor = _slot_for(tag, views, share, held, backlog)
         if view is None:
             break
         _claim(view, tag, donor, moves)
@@ -124,15 +129,16 @@ def plan(
 
 
 def _slot_for(
-    tag: str, views: list[View], share: dict[str, float], held: dict[str, int]
+    tag: str, views: list[View], share: dict[str, float], held: dict[str, int], backlog: bool
 ) -> tuple[View | None, str | None]:
-    """2. an unused slot, else 3. an idle worker of an environment above its share."""
+    """2. an unused slot, else 3. an idle worker of an environment above its share
+    (when ``tag`` has a backlog: a cold start costs more than a short wait)."""
     unused = [v for v in views if v.unused > 0]
     if unused:
         return max(unused, key=lambda v: v.unused), None
     deficit = share.get(tag, 0.0) - held.get(tag, 0)
     starving = held.get(tag, 0) == 0
-    if deficit < HYSTERESIS and not starving:
+    if (deficit < HYSTERESIS or not backlog) and not starving:
         return None, None
     best: tuple[float, View, str] | None = None
     for v in views:

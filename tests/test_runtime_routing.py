@@ -1,0 +1,276 @@
+"""Workers typed by environment and warming-aware routing (nimbus.runtime.routing, pool).
+
+The builders here are real: a virtualenv made with ``python -m venv`` (no pip:
+the worker finds nimbus through its PYTHONPATH), a slow one that also waits,
+and one that fails as a venv into an unwritable place fails. They stand in for
+``nimbus.environments.prepare`` through the manager's ``prepare`` seam.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nimbus import Environment, Executor
+from nimbus.environments import Prepared
+from nimbus.errors import ConfigError, TaskTimeoutError
+from nimbus.records import TaskRecord
+from nimbus.runtime import routing
+from nimbus.runtime.agent import Agent
+from nimbus.runtime.messages import Status
+from nimbus.runtime.task import Task, environment_tag
+from nimbus.serialization import FunctionCache, dumps, loads
+
+A = Environment("a")
+B = Environment("b")
+
+
+def venv_builder(root: Path, *, wait: float = 0.0, broken: bool = False) -> Any:
+    """Build a real virtualenv per environment (``broken``: one that cannot be made)."""
+    lock = threading.Lock()
+
+    def prepare(env: Environment) -> Prepared:
+        if env.plain and env.name == "plain":
+            return Prepared(env)
+        began = time.monotonic()
+        where = Path("/proc/nimbus-cannot-write-here") if broken else root / env.key
+        with lock:
+            if not (where / "bin" / "python").exists():
+                done = subprocess.run(
+                    [sys.executable, "-m", "venv", "--without-pip", str(where)],
+                    capture_output=True,
+                    text=True,
+                )
+                if done.returncode:
+                    raise ConfigError(
+                        f"environment {env.name!r}: python -m venv failed: {done.stderr.strip()}"
+                    )
+        time.sleep(max(0.0, wait - (time.monotonic() - began)))
+        return Prepared(
+            env, python=str(where / "bin" / "python"), build_seconds=time.monotonic() - began
+        )
+
+    return prepare
+
+
+def prefix() -> str:
+    return sys.prefix
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def nap(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def die() -> None:
+    os._exit(3)
+
+
+class Runtime:
+    """An agent, its managers, and tasks whose results are counted per task."""
+
+    def __init__(self, **agent: Any) -> None:
+        self.results: Counter[int] = Counter()
+        self.tasks: dict[int, Task] = {}
+        self.done = threading.Condition()
+        self.agent = Agent(on_results=self._on_results, **agent)
+        self._fns = FunctionCache()
+        self._seq = 0
+
+    def _on_results(self, tasks: list[Task]) -> None:
+        with self.done:
+            for task in tasks:
+                self.results[task.seq] += 1
+                task.record.ended = task.record.ended or time.time()
+            self.done.notify_all()
+
+    def submit(self, env: Environment | None, fn: Any, *args: Any, timeout: float | None = None):
+        key, body = self._fns.get(fn)
+        payload, buffers = dumps((args, {}))
+        self._seq += 1
+        task = Task(
+            self._seq,
+            key,
+            body,
+            payload,
+            buffers,
+            TaskRecord(str(self._seq), submitted=time.time()),
+            timeout=timeout,
+            environment=env,
+        )
+        self.tasks[task.seq] = task
+        self.agent.submit([task])
+        return task
+
+    def wait(self, timeout: float = 60.0) -> None:
+        with self.done:
+            assert self.done.wait_for(lambda: len(self.results) == len(self.tasks), timeout), (
+                f"{len(self.tasks) - len(self.results)} tasks got no result"
+            )
+
+    @staticmethod
+    def value(task: Task) -> Any:
+        if task.status == Status.OK:
+            return loads(task.data, task.result_buffers)
+        error, _ = loads(task.data)
+        return error
+
+    def spawned(self) -> int:
+        return sum(m.statistics()["spawned"] for m in self.agent._managers)
+
+
+@pytest.fixture
+def runtime():
+    made: list[Runtime] = []
+
+    def make(**agent: Any) -> Runtime:
+        made.append(Runtime(**agent))
+        return made[-1]
+
+    yield make
+    for rt in made:
+        rt.agent.shutdown(kill=True)
+
+
+def test_tasks_go_to_warm_workers_of_their_environment_first(runtime) -> None:
+    rt = runtime()
+    rt.agent.add_manager(2, warm=[A, A], prefetch=8)  # room for all: no backlog to switch for
+    rt.agent.add_manager(2, warm=[B, B], prefetch=8)
+    pairs = [(rt.submit(A, nap, 0.02), rt.submit(B, nap, 0.02)) for _ in range(12)]
+    rt.wait()
+    a_tasks, b_tasks = [a for a, _ in pairs], [b for _, b in pairs]
+    assert {t.record.worker.split("/w")[0] for t in a_tasks} == {"agent/m0"}
+    assert {t.record.worker.split("/w")[0] for t in b_tasks} == {"agent/m1"}
+    assert rt.spawned() == 4  # no cold start: every task found a warm worker of its own
+    stats = rt.agent._managers[0].statistics()
+    assert stats["environments"][environment_tag(A)]["slots"] == 2
+    assert stats["unused"] == 0
+
+
+def test_unused_slots_before_switching_a_warm_worker(runtime) -> None:
+    rt = runtime()
+    rt.agent.add_manager(3, warm=[A], prefetch=1)
+    first = rt.submit(A, nap, 0.01)
+    rt.wait()
+    b = rt.submit(B, pid)
+    rt.wait()
+    a = rt.submit(A, pid)
+    rt.wait()
+    assert a.record.worker == first.record.worker  # A's worker stayed: B took an unused slot
+    assert b.record.worker != first.record.worker
+    slots, unused, _ = rt.agent._managers[0].environments()
+    assert slots == {environment_tag(A): 1, environment_tag(B): 1} and unused == 1
+
+
+def test_an_environment_with_no_worker_does_not_starve(runtime) -> None:
+    rt = runtime()
+    rt.agent.add_manager(2, warm=[A, A], prefetch=1)
+    many = [rt.submit(A, nap, 0.05) for _ in range(60)]  # 1.5 s of work on two workers
+    late = rt.submit(B, pid)
+    rt.wait()
+    assert rt.value(late) != 0
+    last_a = max(t.record.ended for t in many)
+    assert late.record.ended < last_a - 0.5, "B waited for all of A's work"
+
+
+def test_the_plan_shares_slots_in_proportion_to_work() -> None:
+    views = [routing.View(m, {}, 4, 1) for m in ("m0", "m1")]
+    moves = routing.plan({"a": 60, "b": 20}, views)
+    claimed = Counter(m.env for m in moves if m.claim)
+    assert claimed == {"a": 6, "b": 2}
+    # a warm worker with room is used before any claim
+    views = [routing.View("m0", {"a": 1}, 1, 2)]
+    moves = routing.plan({"a": 2}, views)
+    assert [(m.env, m.tasks, m.claim) for m in moves] == [("a", 2, False)]
+
+
+def test_a_failed_build_fails_its_tasks_fast_with_the_builders_message(
+    runtime, tmp_path: Path
+) -> None:
+    rt = runtime()
+    rt.agent.add_manager(2, prefetch=1, prepare=venv_builder(tmp_path, broken=True))
+    began = time.monotonic()
+    bad = [rt.submit(A, pid) for _ in range(3)]
+    good = rt.submit(None, pid)
+    rt.wait(timeout=30)
+    assert time.monotonic() - began < 10
+    for task in bad:
+        error = rt.value(task)
+        assert isinstance(error, ConfigError)
+        assert "python -m venv failed" in str(error) and "environment 'a'" in str(error)
+    assert isinstance(rt.value(good), int)  # the node's own workers carry on
+    again = rt.submit(A, pid)  # stays failed for that spec: no new build
+    rt.wait(timeout=10)
+    assert isinstance(rt.value(again), ConfigError)
+
+
+def test_build_time_is_in_the_record_and_not_in_the_timeout(runtime, tmp_path: Path) -> None:
+    rt = runtime()
+    rt.agent.add_manager(1, warm=[], prefetch=1, prepare=venv_builder(tmp_path, wait=1.5))
+    task = rt.submit(A, time.sleep, 0.2, timeout=1.0)  # a builtin: nothing to import
+    rt.wait(timeout=60)
+    assert task.status == Status.OK, rt.value(task)
+    assert task.record.build_seconds >= 1.5
+    slow = rt.submit(A, time.sleep, 3.0, timeout=1.0)  # the timeout itself still holds
+    rt.wait(timeout=30)
+    assert isinstance(rt.value(slow), TaskTimeoutError)
+
+
+def test_two_environments_side_by_side_on_one_manager(runtime, tmp_path: Path) -> None:
+    rt = runtime()
+    geo = Environment("geo", requirements=["nothing-installed"])  # built as a bare venv here
+    rt.agent.add_manager(2, prefetch=2, prepare=venv_builder(tmp_path))
+    tasks = [rt.submit(geo if i % 2 else None, prefix) for i in range(20)]
+    rt.wait(timeout=60)
+    for i, task in enumerate(tasks):
+        expected = str(tmp_path / geo.key) if i % 2 else sys.prefix
+        assert rt.value(task) == expected
+    envs = rt.agent._managers[0].statistics()["environments"]
+    assert envs[environment_tag(geo)]["name"] == "geo" and envs[environment_tag(geo)]["workers"]
+
+
+def test_exactly_one_result_per_task_when_a_worker_of_one_environment_dies(runtime) -> None:
+    rt = runtime()
+    rt.agent.add_manager(2, warm=[A, B], prefetch=4)
+    rt.agent.add_manager(2, warm=[A, B], prefetch=4)
+    tasks = []
+    for i in range(40):
+        tasks.append(rt.submit(A if i % 2 else B, nap, 0.01))
+        if i == 10:
+            killer = rt.submit(A, die)
+    rt.wait(timeout=60)
+    assert set(rt.results.values()) == {1}
+    assert type(rt.value(killer)).__name__ == "WorkerLost"
+    assert all(isinstance(rt.value(t), int) for t in tasks)
+
+
+def test_executor_environment_and_options(tmp_path: Path) -> None:
+    with Executor(2, environment=A) as ex:
+        a = {ex.submit(pid).result(timeout=30) for _ in range(4)}
+        b = {ex.options(environment=B).submit(pid).result(timeout=30) for _ in range(4)}
+        plain = ex.options(environment=None).submit(pid).result(timeout=30)
+        assert a.isdisjoint(b) and plain not in a | b
+        with pytest.raises(TypeError, match="nimbus.Environment"):
+            ex.options(environment=42)
+        assert ex.options(environment="b")._env == environment_tag(B)  # a name: plain named
+
+
+def test_nimbus_environment_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NIMBUS_ENVIRONMENT", '{"name": "geo"}')
+    with Executor(1) as ex:
+        assert ex._environment == Environment("geo")
+    monkeypatch.setenv("NIMBUS_ENVIRONMENT", "{nope")
+    with pytest.raises(ConfigError, match="NIMBUS_ENVIRONMENT"):
+        Executor(1)
