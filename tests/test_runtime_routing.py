@@ -262,7 +262,7 @@ def test_executor_environment_and_options(tmp_path: Path) -> None:
         b = {ex.options(environment=B).submit(pid).result(timeout=30) for _ in range(4)}
         plain = ex.options(environment=None).submit(pid).result(timeout=30)
         assert a.isdisjoint(b) and plain not in a | b
-        with pytest.raises(TypeError, match="nimbus.Environment"):
+        with pytest.raises(TypeError, match=r"nimbus\.Environment"):
             ex.options(environment=42)
         assert ex.options(environment="b")._env == environment_tag(B)  # a name: plain named
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 import logging
 import os
 import selectors
-import socket
 import subprocess
 import sys
 import threading
@@ -58,28 +57,26 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from nimbus import environments, errors, serialization  # errors.WorkerLost: at first use
+from nimbus import environments, errors  # errors.WorkerLost: at first use
 from nimbus.environments import Environment, Prepared
-from nimbus.errors import NimbusError, TaskTimeoutError
-from nimbus.runtime import worker as worker_module
+from nimbus.errors import NimbusError
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
-from nimbus.runtime.pool import Builds, Layout, how, start, worker_environment
+from nimbus.runtime.pool import Builds, Layout, Workers, worker_environment
 from nimbus.runtime.pool import Worker as _Worker
 from nimbus.runtime.task import Task, environment_tag
-from nimbus.wire import Channel, ProtocolError, pack, unpack
+from nimbus.wire import ProtocolError, pack, unpack
 
 __all__ = ["Manager", "worker_environment"]
 
 log = logging.getLogger(__name__)
 
-START_FAILURES = 3
 QUEUED_SECONDS = 0.010  # work a worker holds ahead: deeper windows for short tasks
 STEAL_SECONDS = 0.050  # queued work worth moving to an idle worker (5 windows' worth)
 FUNCTIONS_TIMED = 1024  # run-time estimates kept (one per function), oldest dropped
-MAX_WINDOW = 256  # workers that die before saying hello, in a row, before giving up
+MAX_WINDOW = 256  # tasks a worker may hold at most, however short
 
 
-class Manager:
+class Manager(Workers):
     """Warm workers on this node, fed from a pending queue per environment by one loop thread.
 
     ``warm`` lists the environments of the workers started at once (default:
@@ -286,76 +283,6 @@ class Manager:
     def _queued(self) -> int:
         return sum(len(queue) for queue in list(self._pending.values()))
 
-    # -- workers of each environment (see nimbus.runtime.pool) -----------
-    def _reconcile(self) -> None:
-        """Make the workers match the layout: retire surplus ones, start missing ones."""
-        self._changes = self.layout.changes
-        slots, _ = self.layout.snapshot()
-        count: dict[str, int] = dict(self._building)
-        for worker in self._workers:
-            if not worker.retiring:
-                count[worker.env] = count.get(worker.env, 0) + 1
-        for tag, n in count.items():
-            surplus = n - slots.get(tag, 0)
-            mine = [w for w in self._workers if w.env == tag and not w.retiring]
-            mine.sort(key=lambda w: (w.ready, -len(w.inflight)))  # starting, then idle first
-            for worker in mine[:surplus]:
-                worker.retiring = True
-        self._retiring = False
-        for worker in [w for w in self._workers if w.retiring]:
-            if worker.inflight or not worker.ready:
-                self._retiring = True  # looked at again as it empties
-            else:
-                self._retire(worker)
-        free = self.size - len(self._workers) - sum(self._building.values())
-        for tag, want in slots.items():
-            missing = min(free, want - count.get(tag, 0))
-            for _ in range(max(0, missing)):
-                self._spawn(tag)
-                free -= 1
-
-    def _retire(self, worker: _Worker) -> None:
-        """Stop an idle worker whose slot went to another environment."""
-        self._selector.unregister(worker.channel.sock)
-        worker.channel.close()  # it reads the end of its channel and exits
-        self._workers.remove(worker)
-        self._reap.append(worker.proc)
-        self._reap = [p for p in self._reap if p.poll() is None]
-
-    def _built(self) -> None:
-        """Builds that ended: start their workers, or fail their environment's tasks."""
-        builds = self._builds
-        while builds.done:
-            tag = builds.done.popleft()
-            builds.running.discard(tag)
-            waiting = self._building.pop(tag, 0)
-            error = builds.failed.get(tag)
-            if error is not None:
-                self.layout.release(tag)
-                self._fail_env(tag, error)
-                continue
-            seconds = builds.seconds.get(tag, 0.0)
-            for task in self._pending.get(tag, ()):
-                task.record.build_seconds = seconds
-            for _ in range(waiting):
-                self._spawn(tag)
-
-    def _fail_env(self, tag: str, error: BaseException) -> None:
-        queue = self._pending.get(tag)
-        failed = list(queue or ())
-        if queue:
-            queue.clear()
-        for task in failed:
-            self._fail(task, error)
-        if failed:
-            self._deliver(failed)
-
-    def _idle_env(self, tag: str) -> bool:
-        """Nothing of ``tag`` waits here and one of its workers is idle: it can give a slot."""
-        if self._pending.get(tag):
-            return False
-        return any(w.env == tag and not w.inflight for w in self._workers) or tag in self._building
-
     def _timeout(self) -> float | None:
         deadlines = [w.deadline for w in self._workers if w.deadline is not None]
         if self._recheck is not None:
@@ -364,36 +291,6 @@ class Manager:
             return None
         # capped: epoll takes at most ~24 days, and a far deadline is looked at again anyway
         return min(3600.0, max(0.0, min(deadlines) - time.monotonic()))
-
-    def _spawn(self, tag: str = "") -> None:
-        prepared: Prepared | None = None
-        if tag:
-            prepared = self._builds.prepared.get(tag)
-            if prepared is None:  # built off the loop; started when the build ends
-                env = self.layout.envs.get(tag)
-                assert env is not None
-                self._building[tag] = self._building.get(tag, 0) + 1
-                self._builds.start(tag, env)
-                return
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._counter += 1
-        proc: Any
-        try:
-            if self._fork and not tag:
-                others = [w.channel.sock for w in self._workers]
-                close: list[Callable[[], object]] = [parent.close, self._selector.close]
-                close += [s.close for s in others]
-                close += [lambda: os.close(self._wake_r), lambda: os.close(self._wake_w)]
-                proc = worker_module.fork_worker(child, close, self._preload)
-            else:
-                proc = start(child, self._python, self._env, self._preload, prepared)
-        finally:
-            child.close()
-        parent.setblocking(False)
-        worker = _Worker(f"{self.name}/w{self._counter}", proc, Channel(parent), tag)
-        self._workers.append(worker)
-        self._selector.register(parent, selectors.EVENT_READ, worker)
-        self._spawned += 1
 
     def _read(self, worker: _Worker) -> None:
         try:
@@ -494,20 +391,6 @@ class Manager:
                 self._grow(tag, pending, limit)
         if not waiting:
             self._steal()
-
-    def _grow(self, tag: str, pending: deque[Task], limit: int) -> None:
-        """Tasks of ``tag`` wait: fail them if its build failed, else plan more slots for it."""
-        error = self._builds.failed.get(tag)
-        if error is not None:
-            self._fail_env(tag, error)
-            return
-        layout = self.layout
-        if len(self._pending) == 1 and layout.unused <= 0:
-            return  # one environment on a full node: nothing to plan (the plain hot path)
-        inflight = sum(len(w.inflight) for w in self._workers if w.env == tag)
-        want = -(-(len(pending) + inflight) // limit)
-        if want > layout.slots.get(tag, 0):
-            layout.plan(tag, want, self._idle_env)
 
     def _deal(self, tag: str, pending: deque[Task], limit: int) -> None:
         while pending:
@@ -650,98 +533,6 @@ class Manager:
         if not worker.kill_reason:
             worker.kill_reason, worker.kill_task = reason, task
             worker.proc.kill()
-
-    def _worker_lost(self, worker: _Worker) -> None:
-        self._selector.unregister(worker.channel.sock)
-        worker.channel.close()
-        self._workers.remove(worker)
-        try:
-            code = worker.proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            worker.proc.kill()
-            code = worker.proc.wait()
-        self._lost += 1
-        tag = worker.env
-        if not worker.ready:
-            if tag:
-                self._env_failures[tag] = self._env_failures.get(tag, 0) + 1
-            else:
-                self._start_failures += 1
-        if worker.inflight:
-            self._settle(worker, code)
-        if self._closing:
-            return
-        if self._env_failures.get(tag, 0) >= START_FAILURES:
-            # a worker that cannot start in its environment is a failed build of it
-            self._builds.failed[tag] = errors.WorkerLost(
-                f"{START_FAILURES} workers of environment {self.layout.envs[tag]!r} on "
-                f"{self.name} in a row {how(code)} before starting; see their output on stderr"
-            )
-            self.layout.release(tag)
-            self._fail_env(tag, self._builds.failed[tag])
-            self._reconcile()
-            return
-        if self._start_failures >= START_FAILURES:
-            self._fail_all(
-                errors.WorkerLost(
-                    f"{self._start_failures} workers of {self.name} in a row {how(code)} "
-                    f"before starting (python: {self._python}); see their output on stderr"
-                )
-            )
-            self._closing = True
-            return
-        self._reconcile()  # a new worker of its environment takes its place
-
-    def _settle(self, worker: _Worker, code: int | None) -> None:
-        """Decide the fate of the tasks a dead worker held.
-
-        The running task, when the worker said which, fails (or is counted as
-        cancelled or timed out when we killed it for that). When the worker had
-        not said, the task that killed it is not known: all go back to the
-        queue as suspects, which run with a started mark, so one that kills
-        its next worker too is known and failed then.
-        """
-        head: Task | None = worker.inflight[0]
-        assert head is not None
-        suspect = False
-        if worker.kill_reason and head is worker.kill_task:
-            worker.inflight.popleft()
-            if worker.kill_reason == "cancel":
-                head.status, head.data = Status.SKIPPED, b""
-            else:
-                self._fail(
-                    head,
-                    TaskTimeoutError(
-                        f"the task ran longer than its timeout of {head.timeout} s; "
-                        f"its worker {worker.name} (pid {worker.pid}) was stopped and replaced"
-                    ),
-                )
-        elif worker.kill_reason:
-            head = None  # killed for a task that had just finished: the rest is innocent
-        elif head.started:
-            worker.inflight.popleft()
-            self._fail(
-                head,
-                errors.WorkerLost(
-                    f"the worker {worker.name} (pid {worker.pid}) running this task "
-                    f"{how(code)}; it was replaced and the other tasks carry on"
-                ),
-            )
-        else:
-            head, suspect = None, True
-        for task in worker.inflight:
-            task.suspect = task.suspect or suspect
-            task.started = False
-        self._pending[worker.env].extendleft(reversed(worker.inflight))
-        worker.inflight.clear()
-        if head is not None:
-            self._deliver([head])
-
-    @staticmethod
-    def _fail(task: Task, error: BaseException) -> None:
-        task.status = Status.ERROR
-        task.data = serialization.dumps_exception(error, "")
-        task.result_buffers = []
 
     def _fail_all(self, error: NimbusError) -> None:
         failed: list[Task] = []
