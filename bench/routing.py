@@ -19,8 +19,8 @@ Every mode starts with no worker at all, and every worker start is a real one:
 of the node's Python); ``--kind sandbox`` ones run under bubblewrap (once the
 builders of issue 18 are in). A *cold start* is a worker started; completion
 is from the first submit to the last result. The last row compares a warm task
-in an environment with a warm task on today's plain worker (no-op round trip,
-median).
+in an environment (``Executor(environment=...)``) with a warm task on today's
+plain worker (an ``Executor`` with none): no-op round trips, alternated, median.
 
     python bench/routing.py                       # 3,000 tasks
     python bench/routing.py --tasks 600 --json out.json
@@ -118,11 +118,11 @@ def run(mode: str, order: list[Environment], args: argparse.Namespace) -> dict[s
 
 
 def warm_latency(kind: str, repeat: int) -> dict[str, float]:
-    """Median no-op round trip on a warm plain worker and on a warm environment worker."""
+    """Median no-op round trip: a warm worker of an environment (``Executor(environment=)``)
+    and today's plain worker (an ``Executor`` with no environment), alternated."""
     env = environments(kind, 1)[0]
-    out: dict[str, float] = {}
-    with Executor(2) as ex:
-        views = {"plain": ex, "environment": ex.options(environment=env)}
+    with Executor(1) as plain, Executor(1, environment=env) as typed:
+        views = {"plain": plain, "environment": typed}
         for view in views.values():
             for _ in range(20):
                 view.submit(int).result()
@@ -132,9 +132,7 @@ def warm_latency(kind: str, repeat: int) -> dict[str, float]:
                 t = time.perf_counter()
                 view.submit(int).result()
                 samples[name].append(time.perf_counter() - t)
-    for name, values in samples.items():
-        out[name] = statistics.median(values)
-    return out
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main() -> int:
@@ -148,6 +146,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--limit", type=float, default=1800.0, help="seconds per mode at most")
     parser.add_argument("--modes", default="warm,random,oracle")
+    parser.add_argument("--repeat", type=int, default=400, help="round trips for latency")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     envs = environments(args.kind, args.environments)
@@ -156,7 +155,7 @@ def main() -> int:
     for mode in args.modes.split(","):
         print(f"running {mode} ...", file=sys.stderr, flush=True)
         rows[mode] = run(mode, order, args)
-    latency = warm_latency(args.kind, 200)
+    latency = warm_latency(args.kind, args.repeat)
     print(
         f"{args.tasks} tasks x sleep({args.ms / 1000:g}) over {args.environments} {args.kind} "
         f"environments (weights {':'.join(map(str, WEIGHTS[: args.environments]))}), "

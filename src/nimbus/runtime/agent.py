@@ -230,6 +230,14 @@ class Agent:
     def submit(self, tasks: list[Task]) -> None:
         """Route tasks to managers, each given a share of its free capacity."""
         managers = self._managers
+        if len(managers) == 1 and self._listener is None:  # one node: it places them itself
+            manager = managers[0]
+            for task in tasks:
+                task.route = manager
+            with self._lock:
+                self._outstanding[manager] += len(tasks)
+            manager.submit(tasks)
+            return
         if self._typed or tasks[0].env or any(task.env for task in tasks):
             self._submit_typed(tasks)
             return
@@ -242,14 +250,6 @@ class Agent:
             return
         if not managers:
             raise RuntimeError(f"{self.name} has no managers to run tasks on")
-        if len(managers) == 1:
-            manager = managers[0]
-            for task in tasks:
-                task.route = manager
-            with self._lock:
-                self._outstanding[manager] += len(tasks)
-            manager.submit(tasks)
-            return
         with self._lock:
             shares: dict[Manager, list[Task]] = {}
             for task in tasks:
@@ -284,7 +284,9 @@ class Agent:
             if not getattr(m, "accepting", True):
                 continue
             slots, unused, window = m.environments()
-            views.append(routing.View(m, slots, unused, max(1, window), dict(self._held[m])))
+            view = routing.View(m, slots, unused, max(1, window), dict(self._held[m]))
+            view.run_seconds, view.start_seconds = m.costs()
+            views.append(view)
         return views
 
     def _route_typed(self) -> dict[Any, list[Task]]:

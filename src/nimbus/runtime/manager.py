@@ -140,6 +140,7 @@ class Manager(Workers):
         self._start_failures = 0
         self._counter = 0
         self._run_avg: float | None = None  # moving average of task run time, seconds
+        self._start_avg: float | None = None  # ... of a worker's start (a cold start)
         self._fn_time: dict[str, float] = {}  # function key -> its moving average run time
         self._recalls = 0
         self._recheck: float | None = None  # look again for work to steal then
@@ -179,6 +180,10 @@ class Manager(Workers):
         """Slots per environment tag, unused slots and tasks per worker (the window)."""
         slots, unused = self.layout.snapshot()
         return slots, unused, self.window()
+
+    def costs(self) -> tuple[float | None, float | None]:
+        """Seconds a task runs and a worker takes to start, on average (None: not seen)."""
+        return self._run_avg, self._start_avg
 
     def cancel(self, task: Task) -> None:
         """Stop a task: drop it if queued, skip it at its worker, or kill the worker."""
@@ -323,6 +328,9 @@ class Manager(Workers):
                 hello = unpack(frame.meta)
                 worker.host = hello["host"]
                 worker.ready = True
+                took = time.monotonic() - worker.born
+                avg = self._start_avg
+                self._start_avg = took if avg is None else avg + 0.25 * (took - avg)
                 self._start_failures = 0
                 self._env_failures.pop(worker.env, None)
 

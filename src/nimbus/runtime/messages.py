@@ -66,9 +66,10 @@ class Link(enum.IntEnum):
     Manager -> agent: JOIN {"proof", "nonce", "workers", "host", "pid", "block",
     "python"}; RESULTS [[wid, status, data | None, nbufs, started, ended, cpu_user,
     cpu_system, peak_memory, net_in, net_out, worker, host, pid], ...]; HEARTBEAT
-    {"held", "ready", "window", "slots", "unused", "environments"} (window: the node's
+    {"held", "ready", "window", "slots", "unused", "environments", "run", "start"} (window: the node's
     tasks per worker, grown for short tasks; slots: worker slots per environment tag,
-    unused: slots of none, environments: per tag its slots, ready and free workers); DRAINED {"held": n}; NOTICE (a worker's notice, as in Kind.NOTICE).
+    unused: slots of none, environments: per tag its slots, ready and free workers;
+    run, start: average seconds of a task's run and of a worker's start, or None); DRAINED {"held": n}; NOTICE (a worker's notice, as in Kind.NOTICE).
     """
 
     CHALLENGE = 30

@@ -261,6 +261,7 @@ class NodeManager:
             slots, unused, window = manager.environments()
             beat = {"held": len(self._tasks), "ready": stats["ready"], "window": window}
             beat.update(slots=slots, unused=unused, environments=stats["environments"])
+            beat["run"], beat["start"] = manager.costs()
             self._send(Link.HEARTBEAT, beat)
 
 

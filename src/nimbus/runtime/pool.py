@@ -64,6 +64,7 @@ class Worker:
     """One worker process of environment ``env`` (a tag; "" is the node's own Python)."""
 
     __slots__ = (
+        "born",
         "channel",
         "deadline",
         "env",
@@ -87,6 +88,7 @@ class Worker:
         self.proc = proc
         self.channel = channel
         self.env = env
+        self.born = time.monotonic()
         self.inflight: deque[Task] = deque()
         self.functions: set[str] = set()
         self.ready = False

@@ -71,6 +71,8 @@ class RemoteManager:
         self.accepting = True  # False: draining or near its walltime
         self.slots: dict[str, int] = {"": self.size}  # per environment, as its heartbeats say
         self.unused = 0
+        self.run_seconds: float | None = None  # a task's run, a worker's start: heartbeats
+        self.start_seconds: float | None = None
         self.joined = time.monotonic()
         self.last_seen = self.joined
         self.held = -1  # tasks it said it holds at its last DRAINED (-1: not asked)
@@ -175,6 +177,9 @@ class RemoteManager:
         """Slots per environment, unused slots and tasks per worker, as last heard."""
         return dict(self.slots), self.unused, self.window // max(1, self.size)
 
+    def costs(self) -> tuple[float | None, float | None]:
+        return self.run_seconds, self.start_seconds
+
     def reserve(self, env: Any, take_from: str | None = None) -> bool:
         """Count a slot for ``env`` until the next heartbeat; the node grows the
         environment itself when its tasks wait there."""
@@ -256,6 +261,7 @@ class RemoteManager:
                 self.window = self.size * max(self._prefetch, int(beat.get("window", 0)))
                 if "slots" in beat:
                     self.slots, self.unused = dict(beat["slots"]), int(beat["unused"])
+                    self.run_seconds, self.start_seconds = beat.get("run"), beat.get("start")
             elif frame.kind == Link.NOTICE:
                 if self._on_notice is not None:
                     try:

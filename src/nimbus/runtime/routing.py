@@ -16,8 +16,9 @@ An environment's *share* is the node slots in proportion to its work (tasks
 waiting plus tasks held by managers), at least one slot for any environment
 with work: an environment with no worker anywhere takes a slot even from busy
 ones, so none starves. An environment that has workers switches another's
-only when more than ``BACKLOG`` rounds of its workers' windows wait (a short
-wait on warm workers beats a cold start). ``plan`` is a pure function of the views; the agent
+only when its waiting tasks would wait on its warm workers longer than a
+worker takes to start (by the managers' averages; a short wait on warm workers
+beats a cold start). ``plan`` is a pure function of the views; the agent
 applies its moves (``nimbus.runtime.agent``). ``mode="random"`` is the
 baseline of funcX's experiment: each task goes to a random free worker slot,
 which switches environment when it is not the task's; ``mode="fixed"`` only
@@ -47,6 +48,8 @@ class View:
     unused: int
     window: int
     held: dict[str, int] = field(default_factory=dict)
+    run_seconds: float | None = None  # a task's run, on average (None: not known yet)
+    start_seconds: float | None = None  # a worker's start (a cold start), on average
 
     def room(self, tag: str) -> int:
         return self.slots.get(tag, 0) * self.window - self.held.get(tag, 0)
@@ -118,14 +121,27 @@ def plan(
             (t for t, n in waiting.items() if n > 0),
             key=lambda t: share[t] - held.get(t, 0),
         )
-        window = max(v.window for v in views)
-        backlog = waiting[tag] > BACKLOG * held.get(tag, 0) * window
+        backlog = _backlog(waiting[tag], held.get(tag, 0), views)
         view, donor = _slot_for(tag, views, share, held, backlog)
         if view is None:
             break
         _claim(view, tag, donor, moves)
         _give(view, tag, min(view.room(tag), waiting[tag]), waiting, moves)
     return moves
+
+
+def _backlog(waiting: int, workers: int, views: list[View]) -> bool:
+    """Do ``waiting`` tasks on ``workers`` warm workers wait longer than a cold start takes?
+
+    By the managers' averages of a task's run and a worker's start when they
+    know them; else more than ``BACKLOG`` rounds of the workers' windows.
+    """
+    runs = [v.run_seconds for v in views if v.run_seconds is not None]
+    starts = [v.start_seconds for v in views if v.start_seconds is not None]
+    if runs and starts and workers:
+        wait = waiting * (sum(runs) / len(runs)) / workers
+        return wait > sum(starts) / len(starts)
+    return waiting > BACKLOG * workers * max(v.window for v in views)
 
 
 def _slot_for(
