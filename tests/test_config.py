@@ -71,6 +71,7 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "inline_payload",
         "storage_dir",
         "endpoint",
+        "environment",
         "service_url",
         "token",
         "database_url",
@@ -252,6 +253,10 @@ BAD_ENV = [
     ("NIMBUS_EXCLUSIVE", "maybe"),
     ("NIMBUS_AGENT_LISTEN", "no-port"),
     ("NIMBUS_SERVICE_ADMINS", "root,<b>"),
+    # environments (issue 18)
+    ("NIMBUS_ENVIRONMENT", '{"requirements": ["x"]}'),
+    ("NIMBUS_ENVIRONMENT", "{not json"),
+    ("NIMBUS_ENVIRONMENT", "x" * 65),
 ]
 
 

@@ -74,9 +74,11 @@ def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, list[str]]:
         elif head.startswith("--endpoint="):
             endpoint, rest = head.split("=", 1)[1], rest[1:]
         elif head == "--environment" and len(rest) > 1:  # passed on as NIMBUS_ENVIRONMENT
-            os.environ["NIMBUS_ENVIRONMENT"], rest = rest[1], rest[2:]
+            os.environ["NIMBUS_ENVIRONMENT"] = rest[1]
+            rest = rest[2:]
         elif head.startswith("--environment="):
-            os.environ["NIMBUS_ENVIRONMENT"], rest = head.split("=", 1)[1], rest[1:]
+            os.environ["NIMBUS_ENVIRONMENT"] = head.split("=", 1)[1]
+            rest = rest[1:]
         elif head == "-c" and len(rest) > 1:  # as python -c: argv[0] is "-c"
             module, rest = None, rest
             break
