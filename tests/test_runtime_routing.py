@@ -274,3 +274,45 @@ def test_nimbus_environment_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NIMBUS_ENVIRONMENT", "{nope")
     with pytest.raises(ConfigError, match="NIMBUS_ENVIRONMENT"):
         Executor(1)
+
+
+@pytest.fixture
+def provided(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Executor(backend="provided", settings=...): the agent's managers are local blocks."""
+    from nimbus.backends import BACKENDS
+    from nimbus.backends.provided import ProvidedBackend
+    from nimbus.config import Settings
+
+    def factory(*, endpoint: object = None, **kwargs: Any) -> Any:
+        del endpoint
+        return ProvidedBackend(**kwargs)
+
+    monkeypatch.setitem(BACKENDS, "provided", factory)
+    return Settings.load().replace(
+        provider="local", workers_per_node=1, agent_listen="127.0.0.1:0", max_idle=60.0
+    )
+
+
+def test_the_environment_travels_to_managers_on_other_nodes(provided: Any) -> None:
+    with Executor(2, backend="provided", settings=provided, environment=A) as ex:
+        pids = {ex.submit(pid).result(timeout=60) for _ in range(4)}
+        assert ex.options(environment=B).submit(pid).result(timeout=60) not in pids
+        agent = ex._backend.agent  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10
+        seen: set[str] = set()
+        while time.monotonic() < deadline and environment_tag(B) not in seen:
+            time.sleep(0.2)  # the nodes say which environments they hold in their heartbeats
+            seen = {tag for m in agent.remote_managers() for tag in m.slots}
+        assert environment_tag(B) in seen
+
+
+def test_nimbus_run_passes_the_environment_on() -> None:
+    code = "import nimbus; print(nimbus.Executor(1)._environment.name)"
+    out = subprocess.run(
+        [sys.executable, "-m", "nimbus", "run", "--environment", "geo", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.stdout.strip() == "geo", out.stderr
