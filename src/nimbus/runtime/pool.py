@@ -291,12 +291,19 @@ class Workers:
         for worker in self._workers:
             if not worker.retiring:
                 count[worker.env] = count.get(worker.env, 0) + 1
-        for tag, n in count.items():
+        for worker in self._workers:  # about to retire, but its slot came back
+            if worker.retiring and count.get(worker.env, 0) < slots.get(worker.env, 0):
+                worker.retiring = False
+                count[worker.env] = count.get(worker.env, 0) + 1
+        for tag, n in list(count.items()):
             surplus = n - slots.get(tag, 0)
+            if surplus <= 0:
+                continue
             mine = [w for w in self._workers if w.env == tag and not w.retiring]
             mine.sort(key=lambda w: (w.ready, -len(w.inflight)))  # starting, then idle first
             for worker in mine[:surplus]:
                 worker.retiring = True
+                count[tag] -= 1
         self._retiring = False
         for worker in [w for w in self._workers if w.retiring]:
             if worker.inflight:
@@ -335,8 +342,8 @@ class Workers:
             seconds = builds.seconds.get(tag, 0.0)
             for task in self._pending.get(tag, ()):
                 task.record.build_seconds = seconds
-            for _ in range(waiting):
-                self._spawn(tag)
+            if waiting:
+                self._reconcile()  # as many as the layout wants now (it may have changed)
 
     def _fail_env(self, tag: str, error: BaseException) -> None:
         queue = self._pending.get(tag)
