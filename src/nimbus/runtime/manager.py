@@ -391,7 +391,11 @@ class Manager(Workers):
         self._recheck = None  # a past one would make the loop spin
         limit = self.window()
         waiting = False
-        for tag, pending in list(self._pending.items()):
+        queues = self._pending
+        # one environment (the plain hot path): no copy of the dict
+        for tag, pending in (
+            [next(iter(queues.items()))] if len(queues) == 1 else list(queues.items())
+        ):
             if pending:
                 self._deal(tag, pending, limit)
             if pending:
@@ -434,16 +438,14 @@ class Manager(Workers):
         it saves. A worker whose running task has said it started (it may be
         long) is looked at again a little later, as that task runs on.
         """
+        busy = [w for w in self._workers if len(w.inflight) > 1 and not w.recalling]
+        if not busy:
+            return
         idle: dict[str, int] = {}
         for w in self._workers:
             if w.ready and not w.inflight and not w.retiring:
                 idle[w.env] = idle.get(w.env, 0) + 1
         if not idle:
-            return
-        busy = [
-            w for w in self._workers if len(w.inflight) > 1 and not w.recalling and idle.get(w.env)
-        ]
-        if not busy:
             return
         busy.sort(key=lambda w: len(w.inflight), reverse=True)
         now = time.monotonic()
