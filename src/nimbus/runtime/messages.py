@@ -65,7 +65,7 @@ class Link(enum.IntEnum):
 
     Manager -> agent: JOIN {"proof", "nonce", "workers", "host", "pid", "block",
     "python"}; RESULTS [[wid, status, data | None, nbufs, started, ended, cpu_user,
-    cpu_system, peak_memory, net_in, net_out, worker, host, pid], ...]; HEARTBEAT
+    cpu_system, peak_memory, net_in, net_out, worker, host, pid, build_seconds], ...]; HEARTBEAT
     {"held", "ready", "window", "slots", "unused", "environments", "run", "start"} (window: the node's
     tasks per worker, grown for short tasks; slots: worker slots per environment tag,
     unused: slots of none, environments: per tag its slots, ready and free workers;

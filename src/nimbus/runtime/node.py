@@ -251,6 +251,7 @@ class NodeManager:
                     r.worker,
                     r.host,
                     r.pid,
+                    r.build_seconds,
                 ]
             )
         self._send(Link.RESULTS, rows, buffers)

@@ -291,6 +291,8 @@ class RemoteManager:
                 r = task.record
                 (r.started, r.ended, r.cpu_user, r.cpu_system, r.peak_memory) = row[4:9]
                 (r.net_bytes_in, r.net_bytes_out, r.worker, r.host, r.pid) = row[9:14]
+                if len(row) > 14:
+                    r.build_seconds = row[14]
                 r.worker = f"{self.node}:{r.worker}"
                 done.append(task)
         if done:
