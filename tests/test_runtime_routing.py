@@ -185,6 +185,17 @@ def test_an_environment_with_no_worker_does_not_starve(runtime) -> None:
     assert late.record.ended < last_a - 0.5, "B waited for all of A's work"
 
 
+def test_no_starvation_across_managers(runtime) -> None:
+    rt = runtime()
+    rt.agent.add_manager(1, warm=[A], prefetch=1)
+    rt.agent.add_manager(1, warm=[A], prefetch=1)
+    many = [rt.submit(A, nap, 0.05) for _ in range(60)]
+    late = rt.submit(B, pid)
+    rt.wait()
+    assert rt.value(late) != 0
+    assert late.record.ended < max(t.record.ended for t in many) - 0.5, "B waited for A"
+
+
 def test_the_plan_shares_slots_in_proportion_to_work() -> None:
     views = [routing.View(m, {}, 4, 1) for m in ("m0", "m1")]
     moves = routing.plan({"a": 60, "b": 20}, views)

@@ -36,8 +36,9 @@ known when it kills its next worker. Every task gets exactly one result.
 
 No task waits in one worker's window while another worker is idle: when a
 worker is idle and nothing is pending, the manager recalls the queued (not
-started) tasks of a worker whose window holds more than ``STEAL_SECONDS`` of
-work, counting its running task, and deals them out again (work stealing).
+started) tasks of a worker of the same environment whose window holds more
+than ``STEAL_SECONDS`` of work, counting its running task, and deals them out
+again (work stealing).
 The worker answers a RECALL at once, even while a task runs. How long a task
 takes is learned per function from its run times; a function not yet timed
 counts as long, so the first tasks of a fresh executor spread over the
