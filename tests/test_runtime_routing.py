@@ -34,14 +34,16 @@ B = Environment("b")
 
 
 def venv_builder(root: Path, *, wait: float = 0.0, broken: bool = False) -> Any:
-    """Build a real virtualenv per environment (``broken``: one that cannot be made)."""
+    """Build a real virtualenv per environment (``broken``: environment "a"'s cannot be made)."""
     lock = threading.Lock()
 
     def prepare(env: Environment) -> Prepared:
         if env.plain and env.name == "plain":
             return Prepared(env)
         began = time.monotonic()
-        where = Path("/proc/nimbus-cannot-write-here") if broken else root / env.key
+        where = root / env.key
+        if broken and env.name == "a":
+            where = Path("/proc/nimbus-cannot-write-here")
         with lock:
             if not (where / "bin" / "python").exists():
                 done = subprocess.run(
@@ -225,6 +227,24 @@ def test_a_failed_build_fails_its_tasks_fast_with_the_builders_message(
     again = rt.submit(A, pid)  # stays failed for that spec: no new build
     rt.wait(timeout=10)
     assert isinstance(rt.value(again), ConfigError)
+
+
+def test_a_failed_build_across_managers_leaves_the_others_working(runtime, tmp_path: Path) -> None:
+    rt = runtime()
+    for _ in range(2):
+        rt.agent.add_manager(1, warm=[B], prefetch=1, prepare=venv_builder(tmp_path, broken=True))
+    good = [rt.submit(B, nap, 0.02) for _ in range(10)]
+    began = time.monotonic()
+    bad = [rt.submit(A, pid) for _ in range(4)]
+    rt.wait(timeout=60)
+    assert all(isinstance(rt.value(t), ConfigError) for t in bad)
+    assert max(t.record.ended for t in bad) - time.time() + time.monotonic() - began < 10
+    assert all(isinstance(rt.value(t), int) for t in good)
+    later = [rt.submit(A, pid) for _ in range(3)] + [rt.submit(B, pid) for _ in range(3)]
+    rt.wait(timeout=30)
+    assert [type(rt.value(t)).__name__ for t in later] == ["ConfigError"] * 3 + ["int"] * 3
+    for m in rt.agent._managers:  # no slot held for the failed environment
+        assert environment_tag(A) not in m.environments()[0]
 
 
 def test_build_time_is_in_the_record_and_not_in_the_timeout(runtime, tmp_path: Path) -> None:

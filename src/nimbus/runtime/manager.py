@@ -171,8 +171,13 @@ class Manager(Workers):
         self._wake()
 
     def reserve(self, env: Environment | None, take_from: str | None = None) -> bool:
-        """One more worker slot for ``env``: an unused one, else one of ``take_from``'s."""
-        done = self.layout.reserve(environment_tag(env), env, take_from)
+        """One more worker slot for ``env``: an unused one, else one of ``take_from``'s.
+
+        Refused for an environment whose build failed here (its tasks fail at once)."""
+        tag = environment_tag(env)
+        if tag in self._builds.failed:
+            return False
+        done = self.layout.reserve(tag, env, take_from)
         if done:
             self._wake()
         return done

@@ -338,6 +338,8 @@ class Workers:
             if error is not None:
                 self.layout.release(tag)
                 self._fail_env(tag, error)
+                if waiting:
+                    self._reconcile()  # the slots it held while building go to others
                 continue
             seconds = builds.seconds.get(tag, 0.0)
             for task in self._pending.get(tag, ()):
@@ -363,6 +365,9 @@ class Workers:
 
     def _spawn(self, tag: str = "") -> None:
         prepared: Prepared | None = None
+        if tag in self._builds.failed:  # stays failed: its slots go back
+            self.layout.release(tag)
+            return
         if tag:
             prepared = self._builds.prepared.get(tag)
             if prepared is None:  # built off the loop; started when the build ends

@@ -31,7 +31,7 @@ from typing import Any
 
 from nimbus.runtime.messages import INLINE_LIMIT, Link
 from nimbus.runtime.node import HANDSHAKE_SECONDS, proof, receive_one
-from nimbus.runtime.task import Task
+from nimbus.runtime.task import Task, environment_tag
 from nimbus.wire import Channel, Frame, pack, unpack
 
 __all__ = ["Listener", "RemoteManager", "new_secret"]
@@ -183,8 +183,6 @@ class RemoteManager:
     def reserve(self, env: Any, take_from: str | None = None) -> bool:
         """Count a slot for ``env`` until the next heartbeat; the node grows the
         environment itself when its tasks wait there."""
-        from nimbus.runtime.task import environment_tag
-
         tag = environment_tag(env)
         if self.unused > 0:
             self.unused -= 1
