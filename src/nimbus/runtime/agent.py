@@ -22,7 +22,9 @@ queue of their environment and are routed warm-first (``nimbus.runtime.routing``
 to a manager with room in workers of their environment, then to an unused
 slot, then to an idle worker of another environment that switches, in
 proportion to each environment's work. Until the first such task, the agent
-routes as it did before environments (the plain path costs what it did).
+routes as it did before environments (the plain path costs what it did); an
+agent with one local manager and no listener (``Executor()``) hands every task
+to it, and the manager places them on workers of their environment itself.
 """
 
 from __future__ import annotations
