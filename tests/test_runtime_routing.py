@@ -8,6 +8,7 @@ and one that fails as a venv into an unwritable place fails. They stand in for
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -347,3 +348,19 @@ def test_nimbus_run_passes_the_environment_on() -> None:
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     assert out.stdout.strip() == "geo", out.stderr
+
+
+def test_bench_routing_runs(tmp_path: Path) -> None:
+    bench = Path(__file__).parent.parent / "bench" / "routing.py"
+    small = ["--tasks", "60", "--nodes", "2", "--slots", "2", "--repeat", "20"]
+    out = subprocess.run(
+        [sys.executable, str(bench), *small, "--modes", "warm,oracle", "--json", f"{tmp_path}/r"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "warm vs oracle" in out.stdout and "warm task round trip" in out.stdout
+    rows = json.loads((tmp_path / "r").read_text())["rows"]
+    assert rows["warm"]["failed"] == 0 and rows["oracle"]["cold_starts"] == 4
