@@ -31,6 +31,7 @@ def here(x: int) -> int:
 def test_public_names() -> None:
     assert nimbus.__all__ == [
         "Client",
+        "Environment",
         "Executor",
         "Future",
         "NimbusError",

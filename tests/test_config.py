@@ -74,6 +74,7 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "environments_max_size",
         "sandbox_memory",
         "endpoint",
+        "environment",
         "service_url",
         "token",
         "database_url",
@@ -265,6 +266,10 @@ BAD_ENV = [
     ("NIMBUS_WORKER_MEMORY", "1M"),
     ("NIMBUS_WORKER_BANDWIDTH", "500M"),
     ("NIMBUS_SERVICE_ADMINS", "root,<b>"),
+    # environments (issue 18)
+    ("NIMBUS_ENVIRONMENT", '{"requirements": ["x"]}'),
+    ("NIMBUS_ENVIRONMENT", "{not json"),
+    ("NIMBUS_ENVIRONMENT", "x" * 65),
 ]
 
 

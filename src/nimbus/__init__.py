@@ -1,10 +1,10 @@
 """nimbus: run Python functions and unmodified multiprocessing programs on warm workers.
 
 This package owns the SDK's public face: ``Executor``, ``Future``, ``Client``,
-``TaskRecord``, ``TaskState``, ``NimbusError``, and ``Ref`` / ``put`` (``nimbus.data``). Its subpackages, top down (the
-layers of DESIGN.md, pinned by tests/test_layers.py): ``cli``; the SDK and
-``multiprocessing``; ``backends``; ``runtime``, ``service``, ``endpoint``,
-``messaging``; the state store; ``protocol``, ``serialization``, ``wire``,
+``TaskRecord``, ``TaskState``, ``NimbusError``, ``Environment``, and ``Ref`` /
+``put`` (``nimbus.data``). Its subpackages, top down (the layers of DESIGN.md,
+pinned by tests/test_layers.py): ``cli``; the SDK and ``multiprocessing``;
+``backends``; ``runtime``, ``service``, ``endpoint``, ``messaging``; the state store; ``protocol``, ``serialization``, ``wire``,
 ``config``, ``errors`` and the other plumbing.
 
 Public names are re-exported here and imported on first use (PEP 562), so that
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from nimbus.client import Client
     from nimbus.data import Ref, put
+    from nimbus.environments import Environment
     from nimbus.errors import NimbusError
     from nimbus.executor import Executor, Future
     from nimbus.records import TaskRecord, TaskState
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Client",
+    "Environment",
     "Executor",
     "Future",
     "NimbusError",
@@ -44,6 +46,7 @@ __all__ = [
 # public name -> the module that defines it
 _HOMES = {
     "Client": "nimbus.client",
+    "Environment": "nimbus.environments",
     "Executor": "nimbus.executor",
     "Future": "nimbus.executor",
     "NimbusError": "nimbus.errors",

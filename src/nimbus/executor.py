@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import itertools
+import json
 import threading
 import time
 import uuid
@@ -40,6 +41,7 @@ from typing import Any, TypeVar
 from nimbus import _chunks, data, serialization
 from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings, check_timeout
+from nimbus.environments import Environment
 from nimbus.errors import (
     ConfigError,
     NimbusError,
@@ -49,13 +51,36 @@ from nimbus.errors import (
 )
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
-from nimbus.runtime.task import Task
+from nimbus.runtime.task import Task, environment_tag
 
 __all__ = ["Executor", "Future", "KeptFuture"]
 
 T = TypeVar("T")
 
 _live: weakref.WeakSet[Executor] = weakref.WeakSet()
+_SAME: Any = object()  # options(): keep the executor's own
+
+
+def _check_environment(env: Any) -> tuple[Environment | None, str]:
+    """``env`` and its worker type; a name alone is refused with what to pass instead."""
+    if env is None:
+        return None, ""
+    if isinstance(env, str):  # NIMBUS_ENVIRONMENT: a name, or the JSON of a spec
+        text = env.strip()
+        try:
+            env = Environment.from_dict(json.loads(text)) if text.startswith("{") else None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"NIMBUS_ENVIRONMENT={text!r} is not JSON ({exc}); give a name, or "
+                f"json.dumps(Environment(...).to_dict())"
+            ) from None
+        env = env or Environment(text)
+    if not isinstance(env, Environment):
+        raise TypeError(
+            f"environment must be a nimbus.Environment such as Environment('geo', "
+            f"requirements=['shapely']), not {env!r}"
+        )
+    return env, environment_tag(env)
 
 
 class Future(cf.Future[Any]):
@@ -118,9 +143,6 @@ class KeptFuture(Future):
             return again.result(timeout)
 
 
-_UNSET: Any = object()
-
-
 def _check_timeout(timeout: float | None, what: str) -> float | None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
         raise TypeError(f"{what} must be a number of seconds or None, not {timeout!r}")
@@ -145,6 +167,10 @@ class Executor(cf.Executor):
     An executor not shut down is shut down at interpreter exit, as the stdlib's
     are, unless ``shutdown_at_exit=False``: then its owner does (after work of
     its own that still needs it, as ``nimbus.multiprocessing`` joins its processes).
+    ``environment`` (a :class:`~nimbus.Environment`; default
+    ``Settings.environment``, ``NIMBUS_ENVIRONMENT``, else the workers' own
+    Python) is what the tasks run in: workers of that environment, built once
+    per node; ``options(environment=...)`` chooses per call.
     """
 
     def __init__(
@@ -158,8 +184,12 @@ class Executor(cf.Executor):
         on_notice: Callable[[Any], None] | None = None,
         preload: Sequence[str] = (),
         shutdown_at_exit: bool = True,
+        environment: Environment | None = None,
     ) -> None:
         self.settings = settings if settings is not None else Settings.load()
+        self._environment, self._env = _check_environment(
+            self.settings.environment if environment is None else environment
+        )
         if max_workers is None:
             max_workers = self.settings.workers
         if isinstance(max_workers, bool) or not isinstance(max_workers, int):
@@ -223,16 +253,24 @@ class Executor(cf.Executor):
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future[T]:
         """Schedule ``fn(*args, **kwargs)``; returns a :class:`Future`."""
-        return self._submit(fn, args, kwargs, self._timeout)
+        return self._submit(
+            fn, args, kwargs, self._timeout, environment=self._environment, env=self._env
+        )
 
-    def options(self, *, timeout: float | None = _UNSET, keep: bool = False) -> _Options:
-        """A view of this executor whose tasks have their own timeout; ``keep``: their
-        results stay where they were made (:class:`KeptFuture`)."""
-        if timeout is not _UNSET:
+    def options(
+        self, *, timeout: Any = _SAME, environment: Any = _SAME, keep: bool = False
+    ) -> _Options:
+        """A view of this executor whose tasks have their own timeout or environment;
+        ``keep``: their results stay where they were made (:class:`KeptFuture`)."""
+        if timeout is not _SAME:
             timeout = _check_timeout(timeout, "timeout")
         else:
             timeout = self._timeout
-        return _Options(self, timeout, keep=bool(keep))
+        if environment is not _SAME:
+            env, tag = _check_environment(environment)
+        else:
+            env, tag = self._environment, self._env
+        return _Options(self, timeout, env, tag, keep=bool(keep))
 
     def _submit(
         self,
@@ -241,12 +279,14 @@ class Executor(cf.Executor):
         kwargs: dict[str, Any],
         timeout: float | None,
         keep: bool = False,
+        environment: Environment | None = None,
+        env: str = "",
     ) -> Future:
         if keep or data.uses_data(args, kwargs):
-            return self._submit_data(fn, args, kwargs, timeout, keep)
+            return self._submit_data(fn, args, kwargs, timeout, keep, environment, env)
         if self._remote and self._scoped():  # on an endpoint: its user's store() in the task
-            return self._submit_data(fn, args, kwargs, timeout, keep)
-        return self._launch(fn, args, kwargs, timeout)
+            return self._submit_data(fn, args, kwargs, timeout, keep, environment, env)
+        return self._launch(fn, args, kwargs, timeout, environment=environment, env=env)
 
     def _scoped(self) -> bool:
         """Whether plain tasks on the endpoint carry their user's scope: they do once the
@@ -270,6 +310,9 @@ class Executor(cf.Executor):
         timeout: float | None,
         future: Future | None = None,
         label: Callable[..., Any] | None = None,
+        *,
+        environment: Environment | None = None,
+        env: str = "",
     ) -> Future:
         if self._shutdown:
             raise RuntimeError("cannot schedule new futures after shutdown")
@@ -294,7 +337,18 @@ class Executor(cf.Executor):
         if future is None:
             future = Future()
         future.record = record
-        task = Task(seq, fn_key, fn_bytes, payload, buffers, record, timeout=timeout, owner=future)
+        task = Task(
+            seq,
+            fn_key,
+            fn_bytes,
+            payload,
+            buffers,
+            record,
+            timeout=timeout,
+            owner=future,
+            environment=environment,
+            env=env,
+        )
         future._task = task
         future._stop = self._backend.cancel
         self._futures[seq] = future
@@ -315,7 +369,7 @@ class Executor(cf.Executor):
         return found
 
     def _call(self, fn: Callable[..., Any], *args: Any, keep: bool = False) -> Future:
-        return self._submit_data(fn, args, {}, self._timeout, keep)
+        return self._submit_data(fn, args, {}, self._timeout, keep, self._environment, self._env)
 
     def _submit_data(
         self,
@@ -324,6 +378,8 @@ class Executor(cf.Executor):
         kwargs: dict[str, Any],
         timeout: float | None,
         keep: bool,
+        environment: Environment | None = None,
+        env: str = "",
     ) -> Future:
         """Submit ``fn`` through ``nimbus.data.run``: Refs resolved where it runs, its
         result kept when ``keep``; sent once the futures among its arguments are done."""
@@ -336,7 +392,7 @@ class Executor(cf.Executor):
         future: Future = KeptFuture() if keep else Future()
         future.record = TaskRecord("", function=getattr(fn, "__qualname__", ""))
         if keep and getattr(fn, "__nimbus_pure__", False):
-            future._recipe = (fn, args, kwargs, timeout)  # type: ignore[attr-defined]
+            future._recipe = (fn, args, kwargs, timeout, environment, env)  # type: ignore[attr-defined]
             future._executor = self  # type: ignore[attr-defined]
         entry = self._wrapped.get(id(fn))  # by identity, as the function cache
         if entry is not None and entry[0] is fn:
@@ -359,7 +415,16 @@ class Executor(cf.Executor):
                     pass
                 return
             future._holds = holds  # type: ignore[attr-defined]  # alive until it is done
-            self._launch(wrapped, (session.scope(keep), *bound), bound_kw, timeout, future, fn)
+            self._launch(
+                wrapped,
+                (session.scope(keep), *bound),
+                bound_kw,
+                timeout,
+                future,
+                fn,
+                environment=environment,
+                env=env,
+            )
 
         def send_later() -> None:
             try:
@@ -380,8 +445,10 @@ class Executor(cf.Executor):
     def _again(self, producer: KeptFuture) -> KeptFuture:
         """Run a pure kept task again (its object was lost); ``producer`` names the new one."""
         assert producer._recipe is not None
-        fn, args, kwargs, timeout = producer._recipe
-        again: KeptFuture = self._submit_data(fn, args, kwargs, timeout, True)  # type: ignore[assignment]
+        fn, args, kwargs, timeout, environment, env = producer._recipe
+        again: KeptFuture = self._submit_data(  # type: ignore[assignment]
+            fn, args, kwargs, timeout, True, environment, env
+        )
 
         def made(f: cf.Future[Any]) -> None:
             if f.exception() is None:
@@ -446,16 +513,8 @@ class Executor(cf.Executor):
         :class:`KeptFuture` (one per item) is returned, to pass to other tasks.
         """
         if keep:
-            return self._map_kept(fn, iterables, self._timeout)  # type: ignore[return-value]
+            return self.options(keep=True).map(fn, *iterables)
         return _map(self.submit, fn, iterables, timeout, chunksize)
-
-    def _map_kept(
-        self, fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...], timeout: float | None
-    ) -> list[KeptFuture]:
-        return [
-            self._submit(fn, args, {}, timeout, keep=True)  # type: ignore[misc]
-            for args in zip(*iterables, strict=False)
-        ]
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking tasks; with ``cancel_futures`` drop those not yet running."""
@@ -564,15 +623,27 @@ class Executor(cf.Executor):
 
 
 class _Options(cf.Executor):
-    """An executor view that gives its tasks a timeout of their own."""
+    """An executor view that gives its tasks a timeout or an environment of their own."""
 
-    def __init__(self, executor: Executor, timeout: float | None, *, keep: bool = False) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        timeout: float | None,
+        environment: Environment | None,
+        env: str,
+        *,
+        keep: bool = False,
+    ) -> None:
         self._executor = executor
         self._timeout = timeout
+        self._environment = environment
+        self._env = env
         self._keep = keep
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future[T]:
-        return self._executor._submit(fn, args, kwargs, self._timeout, self._keep)
+        return self._executor._submit(
+            fn, args, kwargs, self._timeout, self._keep, self._environment, self._env
+        )
 
     def map(
         self,
@@ -583,7 +654,13 @@ class _Options(cf.Executor):
         keep: bool = False,
     ) -> Iterator[T]:
         if keep or self._keep:
-            return self._executor._map_kept(fn, iterables, self._timeout)  # type: ignore[return-value]
+            kept = [
+                self._executor._submit(
+                    fn, args, {}, self._timeout, True, self._environment, self._env
+                )
+                for args in zip(*iterables, strict=False)
+            ]
+            return kept  # type: ignore[return-value]  # a list of KeptFuture, to pass on
         return _map(self.submit, fn, iterables, timeout, chunksize)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:

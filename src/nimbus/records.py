@@ -3,7 +3,9 @@
 A :class:`TaskRecord` is filled in by each layer a task passes through::
 
     caller          submitted        (time.time() at submit)
-    manager         dispatched       (sent to a worker)
+    manager         dispatched       (sent to a worker), build_seconds (the
+                    time the task waited for its environment to be built on
+                    the node; never counted against its timeout)
     worker          started, ended, cpu_user, cpu_system, peak_memory,
                     net_bytes_in, net_bytes_out, worker, host, pid
 
@@ -84,6 +86,7 @@ class TaskRecord:
     net_nimbus_out: int = 0
     tcp: dict[str, float] | None = None
     colocated: dict[str, float] | None = None
+    build_seconds: float = 0.0
 
     @property
     def net_throughput_in(self) -> float:

@@ -6,6 +6,7 @@
     nimbus run -m package.module ARGS... # as `python -m package.module ARGS...`
     nimbus run -c "code" ARGS...         # as `python -c "code" ARGS...`
     nimbus run --endpoint hpc script.py  # its processes on the endpoint `hpc`
+    nimbus run --environment geo x.py    # its processes in that environment (NIMBUS_ENVIRONMENT)
     python -m nimbus run ...             # the same
 
 The program runs in this interpreter, as ``python`` would run it: its
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 __all__ = ["EXIT_USAGE", "main", "run", "setup"]
 
 EXIT_USAGE = 2
-USAGE = "usage: nimbus run [--endpoint NAME] (SCRIPT | -m MODULE | -c CODE) [ARGS ...]"
+USAGE = "usage: nimbus run [--endpoint NAME] [--environment NAME] (SCRIPT | -m MODULE | -c CODE) [ARGS ...]"
 
 
 def setup(parser: object) -> None:
@@ -43,6 +44,9 @@ def setup(parser: object) -> None:
     assert isinstance(parser, argparse.ArgumentParser)
     parser.usage = USAGE[len("usage: ") :]
     parser.add_argument("--endpoint", metavar="NAME", help="run the processes on this endpoint")
+    parser.add_argument(
+        "--environment", metavar="NAME", help="run the processes in this environment"
+    )
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m")
     parser.add_argument("-c", dest="command", metavar="CODE", help="run code, as python -c")
     parser.add_argument("argv", nargs=argparse.REMAINDER, help="the script and its arguments")
@@ -54,6 +58,8 @@ def run(args: object) -> int:
     module = getattr(args, "module", None)
     argv = list(getattr(args, "argv", []))
     command = getattr(args, "command", None)
+    if getattr(args, "environment", None):
+        os.environ["NIMBUS_ENVIRONMENT"] = args.environment  # type: ignore[attr-defined]
     return launch(endpoint, module, ["-c", command, *argv] if command is not None else argv)
 
 
@@ -67,6 +73,12 @@ def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, list[str]]:
             endpoint, rest = rest[1], rest[2:]
         elif head.startswith("--endpoint="):
             endpoint, rest = head.split("=", 1)[1], rest[1:]
+        elif head == "--environment" and len(rest) > 1:  # passed on as NIMBUS_ENVIRONMENT
+            os.environ["NIMBUS_ENVIRONMENT"] = rest[1]
+            rest = rest[2:]
+        elif head.startswith("--environment="):
+            os.environ["NIMBUS_ENVIRONMENT"] = head.split("=", 1)[1]
+            rest = rest[1:]
         elif head == "-c" and len(rest) > 1:  # as python -c: argv[0] is "-c"
             module, rest = None, rest
             break

@@ -14,6 +14,7 @@ the name. :data:`FIELDS` (name -> :class:`Spec`) is derived from the class, and
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import ssl
@@ -63,6 +64,17 @@ def setting(
 _any_text = c.optional_str("a string, or 'none'", lambda _: True)
 
 
+def _environment_spec(value: str) -> bool:
+    """A name of 1-64 characters, or a JSON object with a name (``Environment.to_dict()``)."""
+    if value.startswith("{"):
+        try:
+            spec = json.loads(value)
+        except ValueError:
+            return False
+        return isinstance(spec, dict) and isinstance(spec.get("name"), str)
+    return 0 < len(value) <= 64 and value.isprintable() and " " not in value
+
+
 def _cpu_count() -> int:
     return os.cpu_count() or 1
 
@@ -102,6 +114,12 @@ class Settings:
         None,
         c.optional_str("an endpoint name, or 'none'", bool),
         "default endpoint (none: the local runtime)",
+    )
+    environment: str | None = setting(
+        None,
+        c.optional_str("an environment name, its JSON spec, or 'none'", _environment_spec),
+        "environment of tasks: a name, or nimbus.Environment's to_dict() as JSON "
+        "(none: the workers' own Python)",
     )
     service_url: str | None = setting(
         None,

@@ -16,11 +16,21 @@ Managers on other nodes (blocks from a provider) connect to the agent after
 them at most its ``window`` of tasks and holds the rest in ``pending``; a
 manager that is lost gives its tasks back to the front of ``pending``.
 ``on_demand`` (the scaler) hears when tasks wait with no free capacity.
+
+Tasks of an environment (``task.env``, see ``nimbus.environments``) wait in a
+queue of their environment and are routed warm-first (``nimbus.runtime.routing``):
+to a manager with room in workers of their environment, then to an unused
+slot, then to an idle worker of another environment that switches, in
+proportion to each environment's work. Until the first such task, the agent
+routes as it did before environments (the plain path costs what it did); an
+agent with one local manager and no listener (``Executor()``) hands every task
+to it, and the manager places them on workers of their environment itself.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import threading
 import time
 from collections import deque
@@ -28,6 +38,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nimbus import errors, serialization
+from nimbus.environments import Environment, Prepared
+from nimbus.runtime import routing
 from nimbus.runtime.manager import Manager
 from nimbus.runtime.messages import Status
 from nimbus.runtime.remote import Listener, RemoteManager
@@ -35,6 +47,8 @@ from nimbus.runtime.task import Task
 from nimbus.wire import Channel
 
 __all__ = ["Agent"]
+
+_MODES = routing.MODES
 
 
 class Agent:
@@ -47,8 +61,14 @@ class Agent:
         on_dispatch: Callable[[list[Task]], list[Task]] | None = None,
         on_notice: Callable[[Any], None] | None = None,
         name: str = "agent",
+        routing: str = "warm",
+        seed: int | None = None,
     ) -> None:
+        if routing not in _MODES:
+            raise ValueError(f"routing must be one of {', '.join(_MODES)}, not {routing!r}")
         self.name = name
+        self.routing = routing
+        self._rng = random.Random(seed)
         self._on_results = on_results
         self._on_dispatch = on_dispatch
         self._on_notice = on_notice
@@ -56,6 +76,10 @@ class Agent:
         self._outstanding: dict[Any, int] = {}
         self._lock = threading.Lock()
         self._pending: deque[Task] = deque()  # no manager has room for them yet
+        self._queues: dict[str, deque[Task]] = {"": self._pending}  # the same, by environment
+        self._envs: dict[str, Environment | None] = {"": None}
+        self._held: dict[Any, dict[str, int]] = {}  # manager -> tasks it holds per environment
+        self._typed = False  # a task of an environment came: route by environment
         self._listener: Listener | None = None
         self._prefetch = 8
         self._closing = False
@@ -95,6 +119,7 @@ class Agent:
                 return
             self._managers.append(manager)
             self._outstanding[manager] = 0
+            self._held[manager] = {}
         manager.start()
         self._route()
         if self.on_change is not None:
@@ -105,11 +130,12 @@ class Agent:
             if manager in self._outstanding:
                 self._managers.remove(manager)
                 del self._outstanding[manager]
+                self._held.pop(manager, None)
             closing = self._closing
             if not closing:
                 for task in reversed(tasks):
                     task.route = None
-                    self._pending.appendleft(task)
+                    self._queue_of(task).appendleft(task)
         if closing:
             if tasks:
                 self.fail(tasks, errors.RuntimeClosed(f"{self.name} was shut down"))
@@ -125,7 +151,7 @@ class Agent:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no task is pending or held by a manager; False at ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._pending or any(self._outstanding.values()):
+        while self.pending or any(self._outstanding.values()):
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.02)
@@ -137,7 +163,7 @@ class Agent:
     @property
     def pending(self) -> int:
         """Tasks waiting for room at a manager."""
-        return len(self._pending)
+        return sum(len(queue) for queue in list(self._queues.values()))
 
     def outstanding(self, manager: Any) -> int:
         return self._outstanding.get(manager, 0)
@@ -151,8 +177,10 @@ class Agent:
 
     def fail_pending(self, error: Exception) -> int:
         with self._lock:
-            tasks = list(self._pending)
-            self._pending.clear()
+            tasks: list[Task] = []
+            for queue in self._queues.values():
+                tasks.extend(queue)
+                queue.clear()
         if tasks:
             self.fail(tasks, error)
         return len(tasks)
@@ -166,8 +194,15 @@ class Agent:
         env: Mapping[str, str] | None = None,
         preload: Sequence[str] = (),
         fork: bool = False,
+        warm: Sequence[Environment | None] | None = None,
+        prepare: Callable[[Environment], Prepared] | None = None,
     ) -> Manager:
-        """Start a manager with ``workers`` warm workers on this node."""
+        """Start a manager with ``workers`` slots on this node.
+
+        ``warm``: the environments of the workers it starts at once (default:
+        all of the node's own Python); ``prepare``: its builder (see ``Manager``).
+        """
+        extra: dict[str, Any] = {} if prepare is None else {"prepare": prepare}
         manager = Manager(
             workers,
             on_results=self._results,
@@ -179,10 +214,13 @@ class Agent:
             preload=preload,
             name=f"{self.name}/m{len(self._managers)}",
             fork=fork,
+            warm=warm,
+            **extra,
         )
         with self._lock:
             self._managers.append(manager)
             self._outstanding[manager] = 0
+            self._held[manager] = {}
         manager.start()
         return manager
 
@@ -194,6 +232,17 @@ class Agent:
     def submit(self, tasks: list[Task]) -> None:
         """Route tasks to managers, each given a share of its free capacity."""
         managers = self._managers
+        if len(managers) == 1 and self._listener is None:  # one node: it places them itself
+            manager = managers[0]
+            for task in tasks:
+                task.route = manager
+            with self._lock:
+                self._outstanding[manager] += len(tasks)
+            manager.submit(tasks)
+            return
+        if self._typed or tasks[0].env or any(task.env for task in tasks):
+            self._submit_typed(tasks)
+            return
         if self._listener is not None:
             with self._lock:
                 self._pending.extend(tasks)
@@ -203,14 +252,6 @@ class Agent:
             return
         if not managers:
             raise RuntimeError(f"{self.name} has no managers to run tasks on")
-        if len(managers) == 1:
-            manager = managers[0]
-            for task in tasks:
-                task.route = manager
-            with self._lock:
-                self._outstanding[manager] += len(tasks)
-            manager.submit(tasks)
-            return
         with self._lock:
             shares: dict[Manager, list[Task]] = {}
             for task in tasks:
@@ -221,8 +262,66 @@ class Agent:
         for manager, share in shares.items():
             manager.submit(share)
 
+    def _queue_of(self, task: Task) -> deque[Task]:
+        queue = self._queues.get(task.env)
+        if queue is None:
+            self._envs.setdefault(task.env, task.environment)
+            queue = self._queues.setdefault(task.env, deque())
+        return queue
+
+    def _submit_typed(self, tasks: list[Task]) -> None:
+        if not self._managers and self._listener is None:
+            raise RuntimeError(f"{self.name} has no managers to run tasks on")
+        with self._lock:
+            self._typed = True
+            for task in tasks:
+                self._queue_of(task).append(task)
+        self._route()
+        if self.pending and self.on_demand is not None:
+            self.on_demand()
+
+    def _views(self) -> list[routing.View]:
+        views = []
+        for m in self._managers:
+            if not getattr(m, "accepting", True):
+                continue
+            slots, unused, window = m.environments()
+            view = routing.View(m, slots, unused, max(1, window), dict(self._held[m]))
+            view.run_seconds, view.start_seconds = m.costs()
+            views.append(view)
+        return views
+
+    def _route_typed(self) -> dict[Any, list[Task]]:
+        """Deal waiting tasks by environment (holding ``_lock``): see ``routing.plan``."""
+        queues = self._queues
+        waiting = {tag: len(queue) for tag, queue in queues.items() if queue}
+        shares: dict[Any, list[Task]] = {}
+        if not waiting:
+            return shares
+        moves = routing.plan(waiting, self._views(), self.routing, self._rng)
+        for move in moves:
+            m = move.manager
+            if move.claim:
+                m.reserve(self._envs.get(move.env), move.take_from)
+            if not move.tasks:
+                continue
+            queue, batch = queues[move.env], shares.setdefault(m, [])
+            for _ in range(move.tasks):
+                task = queue.popleft()
+                task.route = m
+                batch.append(task)
+            held = self._held[m]
+            held[move.env] = held.get(move.env, 0) + move.tasks
+            self._outstanding[m] += move.tasks
+        return shares
+
     def _route(self) -> None:
         """Deal pending tasks to accepting managers, each up to its window."""
+        if self._typed:
+            with self._lock:
+                typed = self._route_typed()
+            self._send(typed)
+            return
         shares: dict[Any, list[Task]] = {}
         with self._lock:
             pending, out = self._pending, self._outstanding
@@ -246,6 +345,10 @@ class Agent:
                         task.route = m
                         batch.append(task)
                     out[m] += int(n)
+        self._send(shares)
+
+    def _send(self, shares: dict[Any, list[Task]]) -> None:
+        out = self._outstanding
         for manager, batch in shares.items():
             if isinstance(manager, RemoteManager) and self._on_dispatch is not None:
                 kept = self._on_dispatch(batch)
@@ -253,6 +356,7 @@ class Agent:
                     with self._lock:
                         if manager in out:
                             out[manager] -= len(batch) - len(kept)
+                            self._unhold(manager, [t for t in batch if t not in kept])
                 batch = kept
             if batch:
                 manager.submit(batch)
@@ -266,7 +370,7 @@ class Agent:
             return
         with self._lock:
             try:
-                self._pending.remove(task)
+                self._queue_of(task).remove(task)
             except ValueError:
                 return
         task.status, task.data, task.result_buffers = Status.SKIPPED, b"", []
@@ -278,9 +382,17 @@ class Agent:
             with self._lock:
                 if manager in self._outstanding:
                     self._outstanding[manager] -= len(tasks)
+                    if self._typed:
+                        self._unhold(manager, tasks)
         self._on_results(tasks)
-        if self._pending:
+        if self._pending or (self._typed and self.pending):
             self._route()
+
+    def _unhold(self, manager: Any, tasks: list[Task]) -> None:
+        held = self._held.get(manager)
+        if held is not None:
+            for task in tasks:
+                held[task.env] = held.get(task.env, 0) - 1
 
     def shutdown(self, wait: bool = True, *, kill: bool = False) -> None:
         if wait and not kill and self._listener is not None:
@@ -289,19 +401,19 @@ class Agent:
             self._closing = True
         if self._listener is not None:
             self._listener.close()
-            if kill and self._pending:
+            if kill and self.pending:
                 self.fail_pending(errors.RuntimeClosed(f"{self.name} was shut down"))
         for manager in list(self._managers):
             manager.shutdown(wait=False, kill=kill)
         if wait:
             for manager in list(self._managers):
                 manager.shutdown(wait=True, kill=kill)
-        if self._pending:
+        if self.pending:
             self.fail_pending(errors.RuntimeClosed(f"{self.name} was shut down"))
 
     def statistics(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "pending": len(self._pending),
+            "pending": self.pending,
             "managers": [m.statistics() for m in self._managers],
         }

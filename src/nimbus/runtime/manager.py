@@ -2,12 +2,25 @@
 
 ::
 
-    submit() --> pending --(window)--> worker 0 (inflight: t1 t2 t3)
-                   ^  ^              \\-> worker 1 (inflight: t4 t5)
-                   |  |                                 |
-                   |  +-- HANDBACK t2 t3 <-- RECALL ----+ worker 2 idle, t1 long
-                   +---- requeue the waiting tasks -----+ worker lost
-    on_results(tasks) <-------- RESULTS in send order --+
+    submit() --> pending[env] --(window)--> worker 0 of env (inflight: t1 t2 t3)
+                   ^  ^                   \\-> worker 1 of env (inflight: t4 t5)
+                   |  |                                    |
+                   |  +-- HANDBACK t2 t3 <-- RECALL -------+ worker 2 idle, t1 long
+                   +---- requeue the waiting tasks --------+ worker lost
+    on_results(tasks) <-------- RESULTS in send order -----+
+                   pending[env], no worker of env --> Layout: a slot for env
+                   (unused, or an idle environment's) --> build off the loop --> worker
+
+Workers are typed by environment (``nimbus.runtime.pool``): each
+environment has its own pending queue and its own workers; tasks go only to
+workers of their environment. The node's slots are shared out by a
+:class:`~nimbus.runtime.pool.Layout`: the agent reserves slots for the
+environments it routes here, and the manager itself grows an environment
+whose tasks wait, from unused slots, then from idle environments. An
+environment is built (``nimbus.environments.prepare``) on a thread, never on
+the loop; a build that fails fails the environment's waiting tasks with the
+builder's message, and the time a task waited for its build goes in its
+record (``build_seconds``), not against its timeout.
 
 Everything happens on one loop thread: a selector over the workers'
 channels and a wake-up pipe. A worker holds at most ``prefetch`` tasks and
@@ -23,8 +36,9 @@ known when it kills its next worker. Every task gets exactly one result.
 
 No task waits in one worker's window while another worker is idle: when a
 worker is idle and nothing is pending, the manager recalls the queued (not
-started) tasks of a worker whose window holds more than ``STEAL_SECONDS`` of
-work, counting its running task, and deals them out again (work stealing).
+started) tasks of a worker of the same environment whose window holds more
+than ``STEAL_SECONDS`` of work, counting its running task, and deals them out
+again (work stealing).
 The worker answers a RECALL at once, even while a task runs. How long a task
 takes is learned per function from its run times; a function not yet timed
 counts as long, so the first tasks of a fresh executor spread over the
@@ -36,8 +50,6 @@ from __future__ import annotations
 import logging
 import os
 import selectors
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -46,85 +58,34 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from nimbus import errors, network, serialization  # errors.WorkerLost: made at first use
-from nimbus.errors import NimbusError, TaskTimeoutError
+from nimbus import environments, errors, network  # errors.WorkerLost: at first use
+from nimbus.environments import Environment, Prepared
+from nimbus.errors import NimbusError
 from nimbus.runtime import worker as worker_module
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
-from nimbus.runtime.task import Task
-from nimbus.wire import Channel, ProtocolError, pack, unpack
+from nimbus.runtime.pool import Builds, Layout, Workers, worker_environment
+from nimbus.runtime.pool import Worker as _Worker
+from nimbus.runtime.task import Task, environment_tag
+from nimbus.wire import ProtocolError, pack, unpack
 
-__all__ = ["Manager"]
+__all__ = ["Manager", "worker_environment"]
 
 log = logging.getLogger(__name__)
 
-# run through an import, not ``-m``, so the module is ``nimbus.runtime.worker`` for
-# the task code that calls its functions, not ``__main__``
-WORKER_MAIN = "import sys; from nimbus.runtime.worker import main; sys.exit(main())"
-START_FAILURES = 3
 QUEUED_SECONDS = 0.010  # work a worker holds ahead: deeper windows for short tasks
 STEAL_SECONDS = 0.050  # queued work worth moving to an idle worker (5 windows' worth)
 FUNCTIONS_TIMED = 1024  # run-time estimates kept (one per function), oldest dropped
-MAX_WINDOW = 256  # workers that die before saying hello, in a row, before giving up
+MAX_WINDOW = 256  # tasks a worker may hold at most, however short
 
 
-class _Worker:
-    __slots__ = (
-        "channel",
-        "deadline",
-        "functions",
-        "head_since",
-        "host",
-        "inflight",
-        "kill_reason",
-        "kill_task",
-        "name",
-        "pid",
-        "proc",
-        "ready",
-        "recalling",
-        "writing",
-    )
+class Manager(Workers):
+    """Warm workers on this node, fed from a pending queue per environment by one loop thread.
 
-    def __init__(self, name: str, proc: Any, channel: Channel) -> None:
-        self.name = name
-        self.proc = proc
-        self.channel = channel
-        self.inflight: deque[Task] = deque()
-        self.functions: set[str] = set()
-        self.ready = False
-        self.writing = False
-        self.pid = proc.pid
-        self.host = ""
-        self.deadline: float | None = None
-        self.kill_reason = ""
-        self.kill_task: Task | None = None
-        self.recalling = False  # a RECALL is on its way: wait for its HANDBACK
-        self.head_since = 0.0  # when the first inflight task was said to be running
-
-
-def worker_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for worker processes: this one, with this ``sys.path``."""
-    env = dict(os.environ)
-    paths = [p or os.getcwd() for p in sys.path]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    if extra:
-        env.update(extra)
-    return env
-
-
-def _how(returncode: int | None) -> str:
-    if returncode is None:
-        return "closed its channel"
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
-class Manager:
-    """Warm workers on this node, fed from a pending queue by one loop thread."""
+    ``warm`` lists the environments of the workers started at once (default:
+    ``workers`` workers of the node's own Python, as before environments); the
+    other slots start unused. ``prepare`` makes an environment ready on the
+    node (``nimbus.environments.prepare``; the builders' seam).
+    """
 
     def __init__(
         self,
@@ -139,6 +100,8 @@ class Manager:
         preload: Sequence[str] = (),
         name: str = "manager",
         fork: bool = False,
+        warm: Sequence[Environment | None] | None = None,
+        prepare: Callable[[Environment], Prepared] = environments.prepare,
     ) -> None:
         if workers < 1:
             raise ValueError(f"a manager needs at least one worker, not {workers}")
@@ -157,8 +120,18 @@ class Manager:
         self._net = network.WorkerNetworks.configured()  # namespaces, limits: issue 19
         # the descriptors of the first forked workers: those forked later keep only these
         self._descriptors: set[int] | None = None
-        self._pending: deque[Task] = deque()
+        warm = [None] * workers if warm is None else list(warm)
+        self.layout = Layout(workers, [environment_tag(env) for env in warm])
+        for spec in warm:
+            self.layout.envs.setdefault(environment_tag(spec), spec)
+        self._builds = Builds(prepare, self._wake)
+        self._building: dict[str, int] = {}  # workers waiting for their environment's build
+        self._changes = -1  # the layout's changes the loop has acted on
+        self._env_failures: dict[str, int] = {}  # workers of an environment dead at start
+        self._pending: dict[str, deque[Task]] = {"": deque()}
         self._cancels: deque[Task] = deque()
+        self._reap: list[Any] = []  # retired workers' processes, not yet exited
+        self._retiring = False  # some worker waits to empty before it is retired
         self._workers: list[_Worker] = []
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
@@ -172,6 +145,7 @@ class Manager:
         self._start_failures = 0
         self._counter = 0
         self._run_avg: float | None = None  # moving average of task run time, seconds
+        self._start_avg: float | None = None  # ... of a worker's start (a cold start)
         self._fn_time: dict[str, float] = {}  # function key -> its moving average run time
         self._recalls = 0
         self._recheck: float | None = None  # look again for work to steal then
@@ -191,8 +165,35 @@ class Manager:
         """Queue tasks; results arrive through ``on_results``."""
         if self._closing:
             raise RuntimeError(f"cannot submit to {self.name}: it is shutting down")
-        self._pending.extend(tasks)
+        queues = self._pending
+        for task in tasks:
+            queue = queues.get(task.env)
+            if queue is None:
+                self.layout.envs.setdefault(task.env, task.environment)
+                queue = queues.setdefault(task.env, deque())
+            queue.append(task)
         self._wake()
+
+    def reserve(self, env: Environment | None, take_from: str | None = None) -> bool:
+        """One more worker slot for ``env``: an unused one, else one of ``take_from``'s.
+
+        Refused for an environment whose build failed here (its tasks fail at once)."""
+        tag = environment_tag(env)
+        if tag in self._builds.failed:
+            return False
+        done = self.layout.reserve(tag, env, take_from)
+        if done:
+            self._wake()
+        return done
+
+    def environments(self) -> tuple[dict[str, int], int, int]:
+        """Slots per environment tag, unused slots and tasks per worker (the window)."""
+        slots, unused = self.layout.snapshot()
+        return slots, unused, self.window()
+
+    def costs(self) -> tuple[float | None, float | None]:
+        """Seconds a task runs and a worker takes to start, on average (None: not seen)."""
+        return self._run_avg, self._start_avg
 
     def cancel(self, task: Task) -> None:
         """Stop a task: drop it if queued, skip it at its worker, or kill the worker."""
@@ -209,11 +210,27 @@ class Manager:
             self._thread.join()
 
     def statistics(self) -> dict[str, Any]:
+        """What the node holds; ``environments``: per tag its ``slots``, ready ``workers``
+        and ``free`` (idle) ones; ``unused``: slots of no environment."""
+        workers = list(self._workers)
+        slots, unused = self.layout.snapshot()
+        envs: dict[str, dict[str, Any]] = {}
+        for tag in {*slots, *(w.env for w in workers)}:
+            env = self.layout.envs.get(tag)
+            mine = [w for w in workers if w.env == tag and w.ready and not w.retiring]
+            envs[tag] = {
+                "name": env.name if env is not None else "plain",
+                "slots": slots.get(tag, 0),
+                "workers": len(mine),
+                "free": sum(1 for w in mine if not w.inflight),
+            }
         return {
             "name": self.name,
-            "workers": len(self._workers),
-            "ready": sum(w.ready for w in self._workers),
-            "pending": len(self._pending),
+            "workers": len(workers),
+            "ready": sum(w.ready for w in workers),
+            "pending": sum(len(q) for q in list(self._pending.values())),
+            "environments": envs,
+            "unused": unused,
             "inflight": self._inflight(),
             "spawned": self._spawned,
             "lost": self._lost,
@@ -236,8 +253,7 @@ class Manager:
             self._descriptors = worker_module.open_descriptors()
         try:
             try:
-                for _ in range(self.size):
-                    self._spawn()
+                self._reconcile()
             finally:
                 self._forked.set()
             while True:
@@ -264,8 +280,12 @@ class Manager:
                     break
                 self._do_cancels()
                 self._check_deadlines()
+                if self._builds.done:
+                    self._built()
                 self._dispatch()
-                if self._closing and not self._pending and not self._inflight():
+                if self.layout.changes != self._changes or self._retiring:
+                    self._reconcile()
+                if self._closing and not self._queued() and not self._inflight():
                     break
         except BaseException as exc:  # a bug here must not leave callers waiting forever
             log.exception("nimbus %s loop failed", self.name)
@@ -277,6 +297,9 @@ class Manager:
     def _inflight(self) -> int:
         return sum(len(w.inflight) for w in self._workers)
 
+    def _queued(self) -> int:
+        return sum(len(queue) for queue in list(self._pending.values()))
+
     def _timeout(self) -> float | None:
         deadlines = [w.deadline for w in self._workers if w.deadline is not None]
         if self._recheck is not None:
@@ -285,34 +308,6 @@ class Manager:
             return None
         # capped: epoll takes at most ~24 days, and a far deadline is looked at again anyway
         return min(3600.0, max(0.0, min(deadlines) - time.monotonic()))
-
-    def _spawn(self) -> None:
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._counter += 1
-        proc: Any
-        try:
-            if self._fork:
-                others = [w.channel.sock for w in self._workers]
-                close: list[Callable[[], object]] = [parent.close, self._selector.close]
-                close += [s.close for s in others]
-                close += [lambda: os.close(self._wake_r), lambda: os.close(self._wake_w)]
-                proc = worker_module.fork_worker(child, close, self._preload, self._descriptors)
-            else:
-                argv = [self._python, "-u", "-c", WORKER_MAIN, str(child.fileno()), *self._preload]
-                proc = subprocess.Popen(
-                    self._net.command(f"{self.name}/w{self._counter}", argv),
-                    pass_fds=(child.fileno(),),
-                    env=self._env,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-        finally:
-            child.close()
-        parent.setblocking(False)
-        worker = _Worker(f"{self.name}/w{self._counter}", proc, Channel(parent))
-        self._workers.append(worker)
-        self._selector.register(parent, selectors.EVENT_READ, worker)
-        self._spawned += 1
 
     def _read(self, worker: _Worker) -> None:
         try:
@@ -345,7 +340,11 @@ class Manager:
                 hello = unpack(frame.meta)
                 worker.host = hello["host"]
                 worker.ready = True
+                took = time.monotonic() - worker.born
+                avg = self._start_avg
+                self._start_avg = took if avg is None else avg + 0.25 * (took - avg)
                 self._start_failures = 0
+                self._env_failures.pop(worker.env, None)
 
     def _results(self, worker: _Worker, rows: list[list[Any]], buffers: list[Any]) -> None:
         done: list[Task] = []
@@ -404,10 +403,28 @@ class Manager:
 
     def _dispatch(self) -> None:
         self._recheck = None  # a past one would make the loop spin
-        pending = self._pending
         limit = self.window()
+        waiting = False
+        queues = self._pending
+        # one environment (the plain hot path): no copy of the dict
+        for tag, pending in (
+            [next(iter(queues.items()))] if len(queues) == 1 else list(queues.items())
+        ):
+            if pending:
+                self._deal(tag, pending, limit)
+            if pending:
+                waiting = True
+                self._grow(tag, pending, limit)
+        if not waiting:
+            self._steal()
+
+    def _deal(self, tag: str, pending: deque[Task], limit: int) -> None:
         while pending:
-            ready = [w for w in self._workers if w.ready and len(w.inflight) < limit]
+            ready = [
+                w
+                for w in self._workers
+                if w.ready and w.env == tag and len(w.inflight) < limit and not w.retiring
+            ]
             if not ready:
                 return
             ready.sort(key=lambda w: len(w.inflight))  # idle workers first
@@ -423,8 +440,6 @@ class Manager:
                     self._send(worker, batch)
                 if not pending:
                     break
-        if not pending:
-            self._steal()
 
     def _steal(self) -> None:
         """Recall the queued tasks of busy workers when others are idle.
@@ -437,16 +452,21 @@ class Manager:
         it saves. A worker whose running task has said it started (it may be
         long) is looked at again a little later, as that task runs on.
         """
-        idle = sum(1 for w in self._workers if w.ready and not w.inflight)
-        if not idle:
-            return
         busy = [w for w in self._workers if len(w.inflight) > 1 and not w.recalling]
         if not busy:
+            return
+        idle: dict[str, int] = {}
+        for w in self._workers:
+            if w.ready and not w.inflight and not w.retiring:
+                idle[w.env] = idle.get(w.env, 0) + 1
+        if not idle:
             return
         busy.sort(key=lambda w: len(w.inflight), reverse=True)
         now = time.monotonic()
         times = self._fn_time
         for worker in busy:
+            if not idle.get(worker.env):
+                continue
             head = worker.inflight[0]
             wait = times.get(head.fn_key, float("inf"))
             if head.started:
@@ -465,9 +485,7 @@ class Manager:
             self._flush(worker)
             worker.recalling = True
             self._recalls += 1
-            idle -= 1
-            if not idle:
-                return
+            idle[worker.env] -= 1
 
     def _handed_back(self, worker: _Worker, seqs: list[int]) -> None:
         """Tasks a worker dropped unstarted at a RECALL go back to the front of the queue."""
@@ -479,7 +497,7 @@ class Manager:
         kept = [task for task in worker.inflight if task.seq not in back]
         worker.inflight.clear()
         worker.inflight.extend(kept)
-        self._pending.extendleft(reversed(tasks))
+        self._pending[worker.env].extendleft(reversed(tasks))
 
     def _send(self, worker: _Worker, batch: list[Task]) -> None:
         rows: list[list[Any]] = []
@@ -540,89 +558,11 @@ class Manager:
             worker.kill_reason, worker.kill_task = reason, task
             worker.proc.kill()
 
-    def _worker_lost(self, worker: _Worker) -> None:
-        self._selector.unregister(worker.channel.sock)
-        worker.channel.close()
-        self._workers.remove(worker)
-        try:
-            code = worker.proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            worker.proc.kill()
-            code = worker.proc.wait()
-        self._net.release(worker.name)
-        self._lost += 1
-        if not worker.ready:
-            self._start_failures += 1
-        if worker.inflight:
-            self._settle(worker, code)
-        if self._closing:
-            return
-        if self._start_failures >= START_FAILURES:
-            self._fail_all(
-                errors.WorkerLost(
-                    f"{self._start_failures} workers of {self.name} in a row {_how(code)} "
-                    f"before starting (python: {self._python}); see their output on stderr"
-                )
-            )
-            self._closing = True
-            return
-        self._spawn()
-
-    def _settle(self, worker: _Worker, code: int | None) -> None:
-        """Decide the fate of the tasks a dead worker held.
-
-        The running task, when the worker said which, fails (or is counted as
-        cancelled or timed out when we killed it for that). When the worker had
-        not said, the task that killed it is not known: all go back to the
-        queue as suspects, which run with a started mark, so one that kills
-        its next worker too is known and failed then.
-        """
-        head: Task | None = worker.inflight[0]
-        assert head is not None
-        suspect = False
-        if worker.kill_reason and head is worker.kill_task:
-            worker.inflight.popleft()
-            if worker.kill_reason == "cancel":
-                head.status, head.data = Status.SKIPPED, b""
-            else:
-                self._fail(
-                    head,
-                    TaskTimeoutError(
-                        f"the task ran longer than its timeout of {head.timeout} s; "
-                        f"its worker {worker.name} (pid {worker.pid}) was stopped and replaced"
-                    ),
-                )
-        elif worker.kill_reason:
-            head = None  # killed for a task that had just finished: the rest is innocent
-        elif head.started:
-            worker.inflight.popleft()
-            self._fail(
-                head,
-                self._net.lost(worker.name)
-                or errors.WorkerLost(
-                    f"the worker {worker.name} (pid {worker.pid}) running this task "
-                    f"{_how(code)}; it was replaced and the other tasks carry on"
-                ),
-            )
-        else:
-            head, suspect = None, True
-        for task in worker.inflight:
-            task.suspect = task.suspect or suspect
-            task.started = False
-        self._pending.extendleft(reversed(worker.inflight))
-        worker.inflight.clear()
-        if head is not None:
-            self._deliver([head])
-
-    @staticmethod
-    def _fail(task: Task, error: NimbusError) -> None:
-        task.status = Status.ERROR
-        task.data = serialization.dumps_exception(error, "")
-        task.result_buffers = []
-
     def _fail_all(self, error: NimbusError) -> None:
-        failed: list[Task] = list(self._pending)
-        self._pending.clear()
+        failed: list[Task] = []
+        for queue in list(self._pending.values()):
+            failed.extend(queue)
+            queue.clear()
         for worker in self._workers:
             failed.extend(worker.inflight)
             worker.inflight.clear()
@@ -644,6 +584,12 @@ class Manager:
             except subprocess.TimeoutExpired:
                 worker.proc.kill()
                 worker.proc.wait()
+        for proc in self._reap:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         self._workers.clear()
         self._net.close()
         self._selector.close()

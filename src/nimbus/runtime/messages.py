@@ -59,13 +59,17 @@ class Link(enum.IntEnum):
 
     Agent -> manager: CHALLENGE {"nonce"}; WELCOME {"proof", "heartbeat"} (the agent
     proves it holds the secret too); TASKS [[wid, fn_key, fn_bytes | None, payload |
-    None, nbufs, timeout], ...] (payloads as in Kind.TASKS); CANCEL [wid, ...]; DRAIN
+    None, nbufs, timeout, environment | None], ...] (payloads as in Kind.TASKS;
+    environment: ``Environment.to_dict()``, None for the node's own Python); CANCEL [wid, ...]; DRAIN
     (take no more, say what you hold); STOP (finish and exit).
 
     Manager -> agent: JOIN {"proof", "nonce", "workers", "host", "pid", "block",
     "python"}; RESULTS [[wid, status, data | None, nbufs, started, ended, cpu_user,
-    cpu_system, peak_memory, net_in, net_out, worker, host, pid], ...]; HEARTBEAT
-    {"held", "ready", "window"} (window: the node's tasks per worker, grown for short tasks); DRAINED {"held": n}; NOTICE (a worker's notice, as in Kind.NOTICE).
+    cpu_system, peak_memory, net_in, net_out, worker, host, pid, build_seconds], ...]; HEARTBEAT
+    {"held", "ready", "window", "slots", "unused", "environments", "run", "start"} (window: the node's
+    tasks per worker, grown for short tasks; slots: worker slots per environment tag,
+    unused: slots of none, environments: per tag its slots, ready and free workers;
+    run, start: average seconds of a task's run and of a worker's start, or None); DRAINED {"held": n}; NOTICE (a worker's notice, as in Kind.NOTICE).
     """
 
     CHALLENGE = 30

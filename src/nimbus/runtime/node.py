@@ -29,6 +29,7 @@ import sys
 import threading
 from typing import Any
 
+from nimbus.environments import Environment
 from nimbus.records import TaskRecord
 from nimbus.runtime.manager import Manager
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Link
@@ -98,6 +99,7 @@ class NodeManager:
         self.block = block
         self._tasks: dict[int, Task] = {}
         self._fns: dict[str, bytes] = {}
+        self._envs: dict[str, Environment] = {}
         self._send_lock = threading.Lock()
         self._stopped = threading.Event()
         self._channel: Channel | None = None
@@ -210,7 +212,8 @@ class NodeManager:
     def _tasks_of(self, rows: list[list[Any]], buffers: list[Any]) -> list[Task]:
         tasks = []
         position = 0
-        for wid, fn_key, fn_bytes, payload, nbufs, timeout in rows:
+        for wid, fn_key, fn_bytes, payload, nbufs, timeout, *more in rows:
+            env = self._environment(more[0]) if more and more[0] else None
             if fn_bytes is not None:
                 self._fns[fn_key] = fn_bytes
             if payload is None:
@@ -220,11 +223,25 @@ class NodeManager:
                 bufs = buffers[position : position + nbufs]
             position += nbufs
             task = Task(
-                wid, fn_key, self._fns[fn_key], payload, list(bufs), TaskRecord(""), timeout=timeout
+                wid,
+                fn_key,
+                self._fns[fn_key],
+                payload,
+                list(bufs),
+                TaskRecord(""),
+                timeout=timeout,
+                environment=env,
             )
             self._tasks[wid] = task
             tasks.append(task)
         return tasks
+
+    def _environment(self, spec: dict[str, Any]) -> Environment:
+        key = repr(sorted(spec.items()))
+        env = self._envs.get(key)
+        if env is None:
+            env = self._envs[key] = Environment.from_dict(spec)
+        return env
 
     def _results(self, tasks: list[Task]) -> None:
         rows: list[list[Any]] = []
@@ -255,6 +272,7 @@ class NodeManager:
                     r.host,
                     r.pid,
                     r.network(),  # issue 19: net_source, tcp, colocated...
+                    r.build_seconds,
                 ]
             )
         self._send(Link.RESULTS, rows, buffers)
@@ -262,10 +280,11 @@ class NodeManager:
     def _beat(self, manager: Manager) -> None:
         while not self._stopped.wait(self.heartbeat):
             stats = manager.statistics()
-            self._send(
-                Link.HEARTBEAT,
-                {"held": len(self._tasks), "ready": stats["ready"], "window": manager.window()},
-            )
+            slots, unused, window = manager.environments()
+            beat = {"held": len(self._tasks), "ready": stats["ready"], "window": window}
+            beat.update(slots=slots, unused=unused, environments=stats["environments"])
+            beat["run"], beat["start"] = manager.costs()
+            self._send(Link.HEARTBEAT, beat)
 
 
 # ---------------------------------------------------------------- the command

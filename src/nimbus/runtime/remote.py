@@ -31,7 +31,7 @@ from typing import Any
 
 from nimbus.runtime.messages import INLINE_LIMIT, Link
 from nimbus.runtime.node import HANDSHAKE_SECONDS, proof, receive_one
-from nimbus.runtime.task import Task
+from nimbus.runtime.task import Task, environment_tag
 from nimbus.wire import Channel, Frame, pack, unpack
 
 __all__ = ["Listener", "RemoteManager", "new_secret"]
@@ -69,6 +69,10 @@ class RemoteManager:
         self._prefetch = prefetch
         self.window = self.size * prefetch  # tasks the agent lets it hold (see HEARTBEAT)
         self.accepting = True  # False: draining or near its walltime
+        self.slots: dict[str, int] = {"": self.size}  # per environment, as its heartbeats say
+        self.unused = 0
+        self.run_seconds: float | None = None  # a task's run, a worker's start: heartbeats
+        self.start_seconds: float | None = None
         self.joined = time.monotonic()
         self.last_seen = self.joined
         self.held = -1  # tasks it said it holds at its last DRAINED (-1: not asked)
@@ -124,12 +128,15 @@ class RemoteManager:
             if task.fn_key not in self._fns:
                 self._fns.add(task.fn_key)
                 fn_bytes = task.fn_bytes
+            env = task.environment.to_dict() if task.env and task.environment else None
             if len(task.payload) > INLINE_LIMIT:
-                rows.append([wid, task.fn_key, fn_bytes, None, len(task.buffers) + 1, task.timeout])
+                rows.append(
+                    [wid, task.fn_key, fn_bytes, None, len(task.buffers) + 1, task.timeout, env]
+                )
                 buffers.append(task.payload)
             else:
                 rows.append(
-                    [wid, task.fn_key, fn_bytes, task.payload, len(task.buffers), task.timeout]
+                    [wid, task.fn_key, fn_bytes, task.payload, len(task.buffers), task.timeout, env]
                 )
             buffers.extend(task.buffers)
             task.record.dispatched = now
@@ -165,6 +172,26 @@ class RemoteManager:
             self._channel.flush()
         except OSError:
             pass
+
+    def environments(self) -> tuple[dict[str, int], int, int]:
+        """Slots per environment, unused slots and tasks per worker, as last heard."""
+        return dict(self.slots), self.unused, self.window // max(1, self.size)
+
+    def costs(self) -> tuple[float | None, float | None]:
+        return self.run_seconds, self.start_seconds
+
+    def reserve(self, env: Any, take_from: str | None = None) -> bool:
+        """Count a slot for ``env`` until the next heartbeat; the node grows the
+        environment itself when its tasks wait there."""
+        tag = environment_tag(env)
+        if self.unused > 0:
+            self.unused -= 1
+        elif take_from is not None and self.slots.get(take_from, 0) > 0:
+            self.slots[take_from] -= 1
+        else:
+            return False
+        self.slots[tag] = self.slots.get(tag, 0) + 1
+        return True
 
     def cancel(self, task: Task) -> None:
         with self._lock:
@@ -230,6 +257,9 @@ class RemoteManager:
                 # the node's per-worker window grows for short tasks: so does ours
                 beat = unpack(frame.meta)
                 self.window = self.size * max(self._prefetch, int(beat.get("window", 0)))
+                if "slots" in beat:
+                    self.slots, self.unused = dict(beat["slots"]), int(beat["unused"])
+                    self.run_seconds, self.start_seconds = beat.get("run"), beat.get("start")
             elif frame.kind == Link.NOTICE:
                 if self._on_notice is not None:
                     try:
@@ -261,6 +291,8 @@ class RemoteManager:
                 (r.net_bytes_in, r.net_bytes_out, r.worker, r.host, r.pid) = row[9:14]
                 if len(row) > 14:
                     r.add_network(row[14])
+                if len(row) > 15:
+                    r.build_seconds = row[15]
                 r.worker = f"{self.node}:{r.worker}"
                 done.append(task)
         if done:

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from nimbus.environments import PLAIN, Environment
 from nimbus.records import TaskRecord
 
-__all__ = ["Task"]
+__all__ = ["Task", "environment_tag"]
+
+
+def environment_tag(env: Environment | None) -> str:
+    """The worker type of ``env``: "" for the node's own Python, else ``name@key``.
+
+    Workers are typed by name and content: two names with the same software
+    (plain named environments, say) are still two worker types, as a user who
+    named them asked; their builds are shared on a node (the cache is by key).
+    """
+    if env is None or env == PLAIN:
+        return ""
+    return f"{env.name}@{env.key}"
 
 
 class Task:
@@ -16,7 +29,9 @@ class Task:
     ``nimbus.serialization.dumps``); ``fn_bytes`` is the pickled function and
     ``fn_key`` its hash. ``owner`` belongs to whoever submitted the task (the
     runtime never looks inside it). When the task ends, ``status``, ``data``
-    and ``result_buffers`` hold what the worker sent back.
+    and ``result_buffers`` hold what the worker sent back. ``environment`` is
+    what its worker runs in (None: the node's own Python) and ``env`` its
+    worker type (:func:`environment_tag`), computed once by the submitter.
     """
 
     __slots__ = (
@@ -24,6 +39,8 @@ class Task:
         "buffers",
         "cancelled",
         "data",
+        "env",
+        "environment",
         "fn_bytes",
         "fn_key",
         "owner",
@@ -49,6 +66,8 @@ class Task:
         *,
         timeout: float | None = None,
         owner: Any = None,
+        environment: Environment | None = None,
+        env: str | None = None,
     ) -> None:
         self.seq = seq
         self.fn_key = fn_key
@@ -58,6 +77,8 @@ class Task:
         self.record = record
         self.timeout = timeout
         self.owner = owner
+        self.environment = environment
+        self.env = environment_tag(environment) if env is None else env
         self.cancelled = False
         self.attempts = 0
         self.route: Any = None  # the manager the agent gave it to

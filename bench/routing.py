@@ -1,0 +1,186 @@
+"""funcX's routing experiment in nimbus: warming-aware vs random routing vs an oracle.
+
+A trace of tasks over environments (default 3,000 tasks over 4 environments,
+drawn with weights 4:3:2:1, each a ``time.sleep`` of ``--ms``) runs on
+``--nodes`` managers of ``--slots`` worker slots each, in this process, three
+times in one run:
+
+* ``warm``: the agent's warming-aware routing (``nimbus.runtime.routing``):
+  warm workers of the task's environment first, then unused slots, then an idle
+  worker of another environment switches, in proportion to pending work;
+* ``random``: each task goes to a random free worker slot, which switches to
+  the task's environment when it is not already in it (funcX's baseline);
+* ``oracle``: knows the whole trace: lays the slots out in proportion to each
+  environment's tasks before the first task (those starts are counted) and
+  never switches.
+
+Every mode starts with no worker at all, and every worker start is a real one:
+``--kind plain`` environments are named plain environments (a worker start
+of the node's Python); ``--kind sandbox`` ones run under bubblewrap (once the
+builders of issue 18 are in). A *cold start* is a worker started; completion
+is from the first submit to the last result. The last row compares a warm task
+in an environment (``Executor(environment=...)``) with a warm task on today's
+plain worker (an ``Executor`` with none): no-op round trips, alternated, median.
+
+    python bench/routing.py                       # 3,000 tasks
+    python bench/routing.py --tasks 600 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+from nimbus import Environment, Executor  # noqa: E402
+from nimbus.records import TaskRecord  # noqa: E402
+from nimbus.runtime.agent import Agent  # noqa: E402
+from nimbus.runtime.messages import Status  # noqa: E402
+from nimbus.runtime.task import Task  # noqa: E402
+from nimbus.serialization import FunctionCache, dumps  # noqa: E402
+
+WEIGHTS = (4, 3, 2, 1)
+
+
+def environments(kind: str, n: int) -> list[Environment]:
+    if kind == "plain":
+        return [Environment(f"env{i}") for i in range(n)]
+    if kind == "sandbox":
+        return [Environment(f"env{i}", sandbox=True) for i in range(n)]
+    raise SystemExit(f"--kind must be plain or sandbox, not {kind!r}")
+
+
+def trace(envs: list[Environment], tasks: int, seed: int) -> list[Environment]:
+    rng = random.Random(seed)
+    weights = [WEIGHTS[i % len(WEIGHTS)] for i in range(len(envs))]
+    return rng.choices(envs, weights=weights, k=tasks)
+
+
+def oracle_layout(order: list[Environment], slots: int) -> list[Environment]:
+    """The slots shared out in proportion to each environment's tasks (largest remainder)."""
+    counts: dict[Environment, int] = {}
+    for env in order:
+        counts[env] = counts.get(env, 0) + 1
+    exact = {env: slots * n / len(order) for env, n in counts.items()}
+    share = {env: max(1, int(x)) for env, x in exact.items()}
+    for env in sorted(exact, key=lambda e: exact[e] - int(exact[e]), reverse=True):
+        if sum(share.values()) >= slots:
+            break
+        share[env] += 1
+    while sum(share.values()) > slots:
+        share[max(share, key=lambda e: share[e])] -= 1
+    return [env for env, n in share.items() for _ in range(n)]
+
+
+def run(mode: str, order: list[Environment], args: argparse.Namespace) -> dict[str, Any]:
+    done = threading.Event()
+    results: list[Task] = []
+    lock = threading.Lock()
+
+    def on_results(tasks: list[Task]) -> None:
+        with lock:
+            results.extend(tasks)
+            if len(results) >= len(order):
+                done.set()
+
+    routing = {"warm": "warm", "random": "random", "oracle": "fixed"}[mode]
+    agent = Agent(on_results=on_results, name=mode, routing=routing, seed=args.seed)
+    layout = oracle_layout(order, args.nodes * args.slots) if mode == "oracle" else []
+    key, body = FunctionCache().get(time.sleep)
+    payload, buffers = dumps(((args.ms / 1000,), {}))
+    tasks = [
+        Task(i, key, body, payload, buffers, TaskRecord(str(i)), environment=env)
+        for i, env in enumerate(order)
+    ]
+    began = time.monotonic()
+    try:
+        for n in range(args.nodes):
+            warm = layout[n * args.slots : (n + 1) * args.slots]
+            agent.add_manager(args.slots, prefetch=1, warm=warm)
+        agent.submit(tasks)
+        if not done.wait(args.limit):
+            raise SystemExit(f"{mode}: {len(order) - len(results)} tasks unfinished")
+        seconds = time.monotonic() - began
+        cold = sum(m.statistics()["spawned"] for m in agent._managers)
+    finally:
+        agent.shutdown(kill=True)
+    failed = sum(1 for t in results if t.status != Status.OK)
+    return {"mode": mode, "seconds": seconds, "cold_starts": cold, "failed": failed}
+
+
+def warm_latency(kind: str, repeat: int) -> dict[str, float]:
+    """Median no-op round trip: a warm worker of an environment (``Executor(environment=)``)
+    and today's plain worker (an ``Executor`` with no environment), alternated."""
+    env = environments(kind, 1)[0]
+    with Executor(1) as plain, Executor(1, environment=env) as typed:
+        views = {"plain": plain, "environment": typed}
+        for view in views.values():
+            for _ in range(20):
+                view.submit(int).result()
+        samples: dict[str, list[float]] = {name: [] for name in views}
+        for _ in range(repeat):
+            for name, view in views.items():  # alternate: drift hits both alike
+                t = time.perf_counter()
+                view.submit(int).result()
+                samples[name].append(time.perf_counter() - t)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", type=int, default=3000)
+    parser.add_argument("--environments", type=int, default=4)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=4, help="worker slots per node")
+    parser.add_argument("--ms", type=float, default=20.0, help="each task sleeps this long")
+    parser.add_argument("--kind", default="plain", help="plain or sandbox environments")
+    parser.add_argument("--seed", type=int, default=18)
+    parser.add_argument("--limit", type=float, default=1800.0, help="seconds per mode at most")
+    parser.add_argument("--modes", default="warm,random,oracle")
+    parser.add_argument("--repeat", type=int, default=400, help="round trips for latency")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    envs = environments(args.kind, args.environments)
+    order = trace(envs, args.tasks, args.seed)
+    rows = {}
+    for mode in args.modes.split(","):
+        print(f"running {mode} ...", file=sys.stderr, flush=True)
+        rows[mode] = run(mode, order, args)
+    latency = warm_latency(args.kind, args.repeat)
+    print(
+        f"{args.tasks} tasks x sleep({args.ms / 1000:g}) over {args.environments} {args.kind} "
+        f"environments (weights {':'.join(map(str, WEIGHTS[: args.environments]))}), "
+        f"{args.nodes} nodes x {args.slots} slots"
+    )
+    print(f"{'routing':8} {'completion':>11} {'cold starts':>12} {'failed':>7}")
+    for row in rows.values():
+        print(
+            f"{row['mode']:8} {row['seconds']:10.2f}s {row['cold_starts']:12d} {row['failed']:7d}"
+        )
+    if "warm" in rows and "random" in rows:
+        cut = 1 - rows["warm"]["seconds"] / rows["random"]["seconds"]
+        print(f"warm vs random: {cut:.0%} shorter completion (target >= 61 %)")
+    if "warm" in rows and "oracle" in rows:
+        over = rows["warm"]["seconds"] / rows["oracle"]["seconds"] - 1
+        print(f"warm vs oracle: {over:+.0%} (target within 10 %)")
+    ratio = latency["environment"] / latency["plain"]
+    print(
+        f"warm task round trip: environment {latency['environment'] * 1e6:.0f} us, "
+        f"plain {latency['plain'] * 1e6:.0f} us: {ratio:.2f}x (target <= 1.05x)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "latency": latency}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,515 @@
+"""A manager's workers, typed by environment: their slots, builds and processes.
+
+::
+
+    reserve(tag) / the manager's plan --> Layout.slots {tag: n}  (sum <= size)
+                                              |
+    the loop reconciles: too few of a tag --> Builds.start(env) --thread--> prepare(env)
+                                              |        (never on the loop)      |
+                                              |   <------- done (tag) ----------+
+                                              +--> start(prepared) --> Worker(env=tag)
+                         too many of a tag --> retiring: no new tasks; closed when idle
+
+A :class:`Layout` says how many of the node's worker slots each environment
+has (its *slots*); a slot of no environment is *unused*. Callers on any thread
+change it (:meth:`Layout.reserve`) and the manager's loop thread makes the
+workers match: it builds the environment off the loop (:class:`Builds`),
+starts workers in it with :meth:`Prepared.command` / :meth:`Prepared.environ`,
+and retires the idle workers of environments that gave up a slot. A build
+that fails stays failed for that spec on this node (:attr:`Builds.failed`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from nimbus import errors, serialization  # errors.WorkerLost: made at its first use
+from nimbus.environments import Environment, Prepared
+from nimbus.errors import NimbusError, TaskTimeoutError
+from nimbus.network import WorkerNetworks
+from nimbus.runtime import worker as worker_module
+from nimbus.runtime.messages import Status
+from nimbus.runtime.task import Task
+from nimbus.wire import Channel
+
+__all__ = [
+    "START_FAILURES",
+    "WORKER_MAIN",
+    "Builds",
+    "Layout",
+    "Worker",
+    "Workers",
+    "how",
+    "start",
+    "worker_environment",
+]
+
+START_FAILURES = 3  # workers that die before saying hello, in a row, before giving up
+
+# run through an import, not ``-m``, so the module is ``nimbus.runtime.worker`` for
+# the task code that calls its functions, not ``__main__``
+WORKER_MAIN = "import sys; from nimbus.runtime.worker import main; sys.exit(main())"
+
+
+class Worker:
+    """One worker process of environment ``env`` (a tag; "" is the node's own Python)."""
+
+    __slots__ = (
+        "born",
+        "channel",
+        "deadline",
+        "env",
+        "functions",
+        "head_since",
+        "host",
+        "inflight",
+        "kill_reason",
+        "kill_task",
+        "name",
+        "pid",
+        "proc",
+        "ready",
+        "recalling",
+        "retiring",
+        "writing",
+    )
+
+    def __init__(self, name: str, proc: Any, channel: Channel, env: str = "") -> None:
+        self.name = name
+        self.proc = proc
+        self.channel = channel
+        self.env = env
+        self.born = time.monotonic()
+        self.inflight: deque[Task] = deque()
+        self.functions: set[str] = set()
+        self.ready = False
+        self.writing = False
+        self.pid = proc.pid
+        self.host = ""
+        self.deadline: float | None = None
+        self.kill_reason = ""
+        self.kill_task: Task | None = None
+        self.recalling = False  # a RECALL is on its way: wait for its HANDBACK
+        self.retiring = False  # its slot went to another environment: closed when idle
+        self.head_since = 0.0  # when the first inflight task was said to be running
+
+
+def worker_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for worker processes: this one, with this ``sys.path``."""
+    env = dict(os.environ)
+    paths = [p or os.getcwd() for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if extra:
+        env.update(extra)
+    return env
+
+
+def how(returncode: int | None) -> str:
+    if returncode is None:
+        return "closed its channel"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def start(
+    child: socket.socket,
+    python: str,
+    environ: Mapping[str, str],
+    preload: list[str],
+    prepared: Prepared | None,
+    net: Callable[[list[str]], list[str]] | None = None,
+) -> subprocess.Popen[bytes]:
+    """A worker process on ``child`` (its end of the channel), in ``prepared`` if given,
+    in the network context ``net`` wraps it in (``nimbus.network``) if given."""
+    argv = [python, "-u", "-c", WORKER_MAIN, str(child.fileno()), *preload]
+    env: Mapping[str, str] = environ
+    if prepared is not None:
+        argv = prepared.command(argv)
+        env = prepared.environ(environ)
+    if net is not None:
+        argv = net(argv)
+    return subprocess.Popen(
+        argv,
+        pass_fds=(child.fileno(),),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+class Layout:
+    """How many of ``size`` worker slots each environment (tag) holds; thread-safe."""
+
+    def __init__(self, size: int, warm: list[str]) -> None:
+        self.size = size
+        self.lock = threading.Lock()
+        self.slots: dict[str, int] = {}
+        self.envs: dict[str, Environment | None] = {"": None}
+        for tag in warm[:size]:
+            self.slots[tag] = self.slots.get(tag, 0) + 1
+        self.changes = 0  # bumped at each change: the loop reconciles
+
+    @property
+    def unused(self) -> int:
+        return self.size - sum(self.slots.values())
+
+    def reserve(self, tag: str, env: Environment | None, take_from: str | None = None) -> bool:
+        """One more slot for ``tag``: an unused one, else one of ``take_from``'s."""
+        with self.lock:
+            self.envs.setdefault(tag, env)
+            return self._move(tag, take_from)
+
+    def _move(self, tag: str, take_from: str | None) -> bool:
+        slots = self.slots
+        if self.unused <= 0:
+            if take_from is None or take_from == tag or slots.get(take_from, 0) <= 0:
+                return False
+            slots[take_from] -= 1
+            if not slots[take_from]:
+                del slots[take_from]
+        slots[tag] = slots.get(tag, 0) + 1
+        self.changes += 1
+        return True
+
+    def release(self, tag: str) -> None:
+        """``tag`` gives up all its slots (its environment failed)."""
+        with self.lock:
+            if self.slots.pop(tag, 0):
+                self.changes += 1
+
+    def plan(self, tag: str, want: int, idle: Callable[[str], bool]) -> None:
+        """Grow ``tag`` towards ``want`` slots from unused ones, then from idle environments.
+
+        An environment with none gets one even from a busy environment (the one
+        with most slots), so none starves on a node full of other work.
+        """
+        with self.lock:
+            slots = self.slots
+            want = min(want, self.size)
+            while slots.get(tag, 0) < want:
+                donors = [t for t, n in slots.items() if t != tag and n > 0 and idle(t)]
+                if not donors and not slots.get(tag) and self.unused <= 0:
+                    donors = [t for t, n in slots.items() if t != tag and n > 1] or [
+                        t for t, n in slots.items() if t != tag and n > 0
+                    ]
+                donor = max(donors, key=lambda t: slots[t]) if donors else None
+                if not self._move(tag, donor):
+                    return
+
+    def snapshot(self) -> tuple[dict[str, int], int]:
+        with self.lock:
+            return dict(self.slots), self.unused
+
+
+class Builds:
+    """Environments being made ready on this node, one thread per build.
+
+    ``prepare`` runs off the loop (a build may take seconds); when it ends the
+    tag goes to ``done`` and ``wake`` is called. ``prepared`` and ``failed``
+    hold the outcomes, ``seconds`` how long each took.
+    """
+
+    def __init__(
+        self, prepare: Callable[[Environment], Prepared], wake: Callable[[], None]
+    ) -> None:
+        self._prepare = prepare
+        self._wake = wake
+        self.prepared: dict[str, Prepared] = {}
+        self.failed: dict[str, BaseException] = {}
+        self.seconds: dict[str, float] = {}
+        self.running: set[str] = set()
+        self.done: deque[str] = deque()
+
+    def start(self, tag: str, env: Environment) -> None:
+        if tag in self.running or tag in self.prepared or tag in self.failed:
+            return
+        self.running.add(tag)
+        threading.Thread(
+            target=self._build, args=(tag, env), name=f"nimbus-build-{env.name}", daemon=True
+        ).start()
+
+    def _build(self, tag: str, env: Environment) -> None:
+        began = time.monotonic()
+        try:
+            self.prepared[tag] = self._prepare(env)
+        except Exception as exc:  # the builder's own message reaches the tasks
+            self.failed[tag] = exc
+        self.seconds[tag] = time.monotonic() - began
+        self.done.append(tag)
+        self._wake()
+
+
+class Workers:
+    """The manager's side of its workers: start them in their environment, retire
+    them, and settle the tasks of those that die (mixed into ``Manager``, whose
+    loop thread alone calls these)."""
+
+    name: str
+    size: int
+    layout: Layout
+    _builds: Builds
+    _building: dict[str, int]
+    _changes: int
+    _retiring: bool
+    _reap: list[Any]
+    _env_failures: dict[str, int]
+    _start_failures: int
+    _closing: bool
+    _fork: bool
+    _python: str
+    _env: dict[str, str]
+    _preload: list[str]
+    _counter: int
+    _spawned: int
+    _lost: int
+    _workers: list[Worker]
+    _pending: dict[str, deque[Task]]
+    _selector: selectors.BaseSelector
+    _wake_r: int
+    _wake_w: int
+    _net: WorkerNetworks
+    _descriptors: set[int] | None
+
+    def _deliver(self, tasks: list[Task]) -> None:
+        raise NotImplementedError  # the manager's
+
+    def _fail_all(self, error: NimbusError) -> None:
+        raise NotImplementedError  # the manager's
+
+    def _reconcile(self) -> None:
+        """Make the workers match the layout: retire surplus ones, start missing ones."""
+        self._changes = self.layout.changes
+        slots, _ = self.layout.snapshot()
+        count: dict[str, int] = dict(self._building)
+        for worker in self._workers:
+            if not worker.retiring:
+                count[worker.env] = count.get(worker.env, 0) + 1
+        for worker in self._workers:  # about to retire, but its slot came back
+            if worker.retiring and count.get(worker.env, 0) < slots.get(worker.env, 0):
+                worker.retiring = False
+                count[worker.env] = count.get(worker.env, 0) + 1
+        for tag, n in list(count.items()):
+            surplus = n - slots.get(tag, 0)
+            if surplus <= 0:
+                continue
+            mine = [w for w in self._workers if w.env == tag and not w.retiring]
+            mine.sort(key=lambda w: (w.ready, -len(w.inflight)))  # starting, then idle first
+            for worker in mine[:surplus]:
+                worker.retiring = True
+                count[tag] -= 1
+        self._retiring = False
+        for worker in [w for w in self._workers if w.retiring]:
+            if worker.inflight:
+                self._retiring = True  # looked at again as it empties
+            else:
+                self._retire(worker)  # idle, or still starting: its start is not waited for
+        free = self.size - len(self._workers) - sum(self._building.values())
+        for tag, want in slots.items():
+            missing = min(free, want - count.get(tag, 0))
+            for _ in range(max(0, missing)):
+                self._spawn(tag)
+                free -= 1
+
+    def _retire(self, worker: Worker) -> None:
+        """Stop an idle worker whose slot went to another environment."""
+        self._selector.unregister(worker.channel.sock)
+        worker.channel.close()  # it reads the end of its channel and exits
+        if not worker.ready:
+            worker.proc.kill()  # still importing: no need to wait for it
+        self._workers.remove(worker)
+        self._reap.append(worker.proc)
+        self._reap = [p for p in self._reap if p.poll() is None]
+
+    def _built(self) -> None:
+        """Builds that ended: start their workers, or fail their environment's tasks."""
+        builds = self._builds
+        while builds.done:
+            tag = builds.done.popleft()
+            builds.running.discard(tag)
+            waiting = self._building.pop(tag, 0)
+            error = builds.failed.get(tag)
+            if error is not None:
+                self.layout.release(tag)
+                self._fail_env(tag, error)
+                if waiting:
+                    self._reconcile()  # the slots it held while building go to others
+                continue
+            seconds = builds.seconds.get(tag, 0.0)
+            for task in self._pending.get(tag, ()):
+                task.record.build_seconds = seconds
+            if waiting:
+                self._reconcile()  # as many as the layout wants now (it may have changed)
+
+    def _fail_env(self, tag: str, error: BaseException) -> None:
+        queue = self._pending.get(tag)
+        failed = list(queue or ())
+        if queue:
+            queue.clear()
+        for task in failed:
+            self._fail(task, error)
+        if failed:
+            self._deliver(failed)
+
+    def _idle_env(self, tag: str) -> bool:
+        """Nothing of ``tag`` waits here and one of its workers is idle: it can give a slot."""
+        if self._pending.get(tag):
+            return False
+        return any(w.env == tag and not w.inflight for w in self._workers) or tag in self._building
+
+    def _spawn(self, tag: str = "") -> None:
+        prepared: Prepared | None = None
+        if tag in self._builds.failed:  # stays failed: its slots go back
+            self.layout.release(tag)
+            return
+        if tag:
+            prepared = self._builds.prepared.get(tag)
+            if prepared is None:  # built off the loop; started when the build ends
+                env = self.layout.envs.get(tag)
+                assert env is not None
+                self._building[tag] = self._building.get(tag, 0) + 1
+                self._builds.start(tag, env)
+                return
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._counter += 1
+        name = f"{self.name}/w{self._counter}"
+        proc: Any
+        try:
+            if self._fork and not tag:
+                others = [w.channel.sock for w in self._workers]
+                close: list[Callable[[], object]] = [parent.close, self._selector.close]
+                close += [s.close for s in others]
+                close += [lambda: os.close(self._wake_r), lambda: os.close(self._wake_w)]
+                proc = worker_module.fork_worker(child, close, self._preload, self._descriptors)
+            else:
+                net = functools.partial(self._net.command, name)
+                proc = start(child, self._python, self._env, self._preload, prepared, net)
+        finally:
+            child.close()
+        parent.setblocking(False)
+        worker = Worker(name, proc, Channel(parent), tag)
+        self._workers.append(worker)
+        self._selector.register(parent, selectors.EVENT_READ, worker)
+        self._spawned += 1
+
+    def _grow(self, tag: str, pending: deque[Task], limit: int) -> None:
+        """Tasks of ``tag`` wait: fail them if its build failed, else plan more slots for it."""
+        error = self._builds.failed.get(tag)
+        if error is not None:
+            self._fail_env(tag, error)
+            return
+        layout = self.layout
+        if len(self._pending) == 1 and layout.unused <= 0:
+            return  # one environment on a full node: nothing to plan (the plain hot path)
+        inflight = sum(len(w.inflight) for w in self._workers if w.env == tag)
+        want = -(-(len(pending) + inflight) // limit)
+        if want > layout.slots.get(tag, 0):
+            layout.plan(tag, want, self._idle_env)
+
+    def _worker_lost(self, worker: Worker) -> None:
+        self._selector.unregister(worker.channel.sock)
+        worker.channel.close()
+        self._workers.remove(worker)
+        try:
+            code = worker.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            worker.proc.kill()
+            code = worker.proc.wait()
+        self._net.release(worker.name)
+        self._lost += 1
+        tag = worker.env
+        if not worker.ready:
+            if tag:
+                self._env_failures[tag] = self._env_failures.get(tag, 0) + 1
+            else:
+                self._start_failures += 1
+        if worker.inflight:
+            self._settle(worker, code)
+        if self._closing:
+            return
+        if self._env_failures.get(tag, 0) >= START_FAILURES:
+            # a worker that cannot start in its environment is a failed build of it
+            self._builds.failed[tag] = errors.WorkerLost(
+                f"{START_FAILURES} workers of environment {self.layout.envs[tag]!r} on "
+                f"{self.name} in a row {how(code)} before starting; see their output on stderr"
+            )
+            self.layout.release(tag)
+            self._fail_env(tag, self._builds.failed[tag])
+            self._reconcile()
+            return
+        if self._start_failures >= START_FAILURES:
+            self._fail_all(
+                errors.WorkerLost(
+                    f"{self._start_failures} workers of {self.name} in a row {how(code)} "
+                    f"before starting (python: {self._python}); see their output on stderr"
+                )
+            )
+            self._closing = True
+            return
+        self._reconcile()  # a new worker of its environment takes its place
+
+    def _settle(self, worker: Worker, code: int | None) -> None:
+        """Decide the fate of the tasks a dead worker held.
+
+        The running task, when the worker said which, fails (or is counted as
+        cancelled or timed out when we killed it for that). When the worker had
+        not said, the task that killed it is not known: all go back to the
+        queue as suspects, which run with a started mark, so one that kills
+        its next worker too is known and failed then.
+        """
+        head: Task | None = worker.inflight[0]
+        assert head is not None
+        suspect = False
+        if worker.kill_reason and head is worker.kill_task:
+            worker.inflight.popleft()
+            if worker.kill_reason == "cancel":
+                head.status, head.data = Status.SKIPPED, b""
+            else:
+                self._fail(
+                    head,
+                    TaskTimeoutError(
+                        f"the task ran longer than its timeout of {head.timeout} s; "
+                        f"its worker {worker.name} (pid {worker.pid}) was stopped and replaced"
+                    ),
+                )
+        elif worker.kill_reason:
+            head = None  # killed for a task that had just finished: the rest is innocent
+        elif head.started:
+            worker.inflight.popleft()
+            self._fail(
+                head,
+                self._net.lost(worker.name)  # over its memory limit: MemoryLimitExceeded
+                or errors.WorkerLost(
+                    f"the worker {worker.name} (pid {worker.pid}) running this task "
+                    f"{how(code)}; it was replaced and the other tasks carry on"
+                ),
+            )
+        else:
+            head, suspect = None, True
+        for task in worker.inflight:
+            task.suspect = task.suspect or suspect
+            task.started = False
+        self._pending[worker.env].extendleft(reversed(worker.inflight))
+        worker.inflight.clear()
+        if head is not None:
+            self._deliver([head])
+
+    @staticmethod
+    def _fail(task: Task, error: BaseException) -> None:
+        task.status = Status.ERROR
+        task.data = serialization.dumps_exception(error, "")
+        task.result_buffers = []
