@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from nimbus import Environment, Executor
-from nimbus.environments import Prepared
+from nimbus.environments import Prepared, _venv
 from nimbus.errors import ConfigError, TaskTimeoutError
 from nimbus.records import TaskRecord
 from nimbus.runtime import routing
@@ -56,9 +56,14 @@ def venv_builder(root: Path, *, wait: float = 0.0, broken: bool = False) -> Any:
                     raise ConfigError(
                         f"environment {env.name!r}: python -m venv failed: {done.stderr.strip()}"
                     )
+                # as the builders do: the node's import path after the venv's own
+                (_venv._site_packages(where) / _venv.PTH_NAME).write_text(_venv.PTH)
         time.sleep(max(0.0, wait - (time.monotonic() - began)))
         return Prepared(
-            env, python=str(where / "bin" / "python"), build_seconds=time.monotonic() - began
+            env,
+            python=str(where / "bin" / "python"),
+            venv=str(where),
+            build_seconds=time.monotonic() - began,
         )
 
     return prepare
