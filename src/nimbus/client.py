@@ -390,7 +390,7 @@ class Client:
         rows = []
         for a, k in zip(arg_list, kw_list, strict=True):
             data, buffers = serialization.dumps((tuple(a), dict(k)))
-            rows.append(SubmitRow(function_id, self.payload(data, buffers), timeout).wire())
+            rows.append(SubmitRow(function_id, self.payload(data, buffers), timeout))
         body = pack({"endpoint_id": endpoint_id, "tasks": rows})
         response = self.request(
             "POST", "/v1/tasks/batch", content=body, headers={"Content-Type": MSGPACK}

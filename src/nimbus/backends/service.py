@@ -76,6 +76,7 @@ from nimbus.protocol import (
     brief,
     decode_frame,
     decode_message,
+    new_row,
     pack_payload,
     payload_size,
 )
@@ -337,7 +338,7 @@ class ServiceBackend:
             await ws.send(message)
 
     def _submit_message(self, ref: int, tasks: list[Task]) -> bytes:
-        rows = [SubmitRow(t.route, self._payload(t), t.timeout) for t in tasks]
+        rows = [new_row(SubmitRow, (t.route, self._payload(t), t.timeout)) for t in tasks]
         return Submit(ref, self.endpoint_id, rows).encode()
 
     def _payload(self, task: Task) -> bytes | DataRef:

@@ -22,6 +22,7 @@ from nimbus.config import INLINE_MIN, MAX_TIMEOUT, check_timeout
 from nimbus.errors import NotFound, PayloadTooLargeError, ProtocolError, ServiceError
 from nimbus.protocol import (
     MSGPACK,
+    SUBMIT_ROW,
     Cancel,
     DataRef,
     ResultRow,
@@ -40,7 +41,7 @@ from nimbus.service.registry import Principal
 
 __all__ = ["cancel_tasks", "router", "submit_tasks", "wire_rows"]
 
-ROW = SubmitRow.ROW
+ROW = SUBMIT_ROW
 Row = tuple[str, bytes, float | None, str]
 
 
