@@ -52,6 +52,7 @@ from nimbus.protocol._codec import (
 from nimbus.protocol._messages import (
     Accepted,
     Ack,
+    Batch,
     Beat,
     Cancel,
     Hello,
@@ -98,6 +99,7 @@ __all__ = [
     "WS_CLIENT",
     "Accepted",
     "Ack",
+    "Batch",
     "Beat",
     "Cancel",
     "DataRef",

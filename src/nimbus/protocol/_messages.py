@@ -11,6 +11,7 @@ Each message is a msgpack map with an ``op``; its rows are positional lists::
                         Ack {ids}  (results stored: the daemon may forget them)
                         Cancel {ids}   Beat {t} (the echo of a heartbeat)
     client  -> service  Submit {ref, endpoint_id, tasks: [SubmitRow, ...]}
+                        (Batch {endpoint_id, tasks}: the same by POST /v1/tasks/batch)
                         Watch {ids}   Cancel {ids}
     service -> client   Accepted {ref, ids, group} | Refused {ref, status, detail}
                         Results {results: [ResultRow, ...]}  (as the daemon sent them or,
@@ -36,12 +37,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from nimbus.errors import ProtocolError
-from nimbus.protocol._codec import WRONG_SHAPE, brief, pack
-from nimbus.protocol._rows import Malformed, ResultRow, SubmitRow, TaskRow
+from nimbus.protocol._codec import WRONG_SHAPE, brief, pack, unpack
+from nimbus.protocol._rows import SUBMIT_ROW, Malformed, ResultRow, SubmitRow, TaskRow
 
 __all__ = [
     "Accepted",
     "Ack",
+    "Batch",
     "Beat",
     "Cancel",
     "Hello",
@@ -65,6 +67,14 @@ def _wrong(field: str, expected: str, value: object) -> ProtocolError:
 
 def _int_in(value: object, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _endpoint_id(value: object) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 64:
+        raise ProtocolError(
+            f"endpoint_id: expected an endpoint id, not {brief(value)}", WRONG_SHAPE
+        )
+    return value
 
 
 def _ids(msg: dict[str, Any], field: str, name: str = "ids") -> list[str]:
@@ -274,12 +284,37 @@ class Submit(Message):
 
     @classmethod
     def decode(cls, msg: dict[str, Any]) -> Submit:
-        endpoint_id = msg.get("endpoint_id", "")
-        if not isinstance(endpoint_id, str) or not 0 < len(endpoint_id) <= 64:
-            raise ProtocolError(
-                f"endpoint_id: expected an endpoint id, not {brief(endpoint_id)}", WRONG_SHAPE
-            )
+        endpoint_id = _endpoint_id(msg.get("endpoint_id", ""))
         return cls(msg.get("ref"), endpoint_id, SubmitRow.decode_all(msg.get("tasks")))
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """The body of ``POST /v1/tasks/batch`` (msgpack, not a WebSocket message): a client's
+    tasks for one endpoint, ``{endpoint_id, tasks: [SubmitRow, ...]}``; the service
+    answers ``{group_id, task_ids}``."""
+
+    endpoint_id: str
+    tasks: list[SubmitRow]
+
+    def encode(self) -> bytes:
+        return pack({"endpoint_id": self.endpoint_id, "tasks": self.tasks})
+
+    @classmethod
+    def decode(cls, body: bytes) -> Batch:
+        """A request body; ProtocolError naming what is wrong (not msgpack, not the map,
+        the endpoint id, the first bad row)."""
+        try:
+            msg = unpack(body)
+        except Exception as exc:
+            msg = exc
+        if not isinstance(msg, dict) or "endpoint_id" not in msg or "tasks" not in msg:
+            raise ProtocolError(
+                f"body: expected a msgpack map {{endpoint_id, tasks: [{SUBMIT_ROW}, ...]}}, "
+                f"not {brief(msg)}",
+                WRONG_SHAPE,
+            )
+        return cls(_endpoint_id(msg["endpoint_id"]), SubmitRow.decode_all(msg["tasks"]))
 
 
 @dataclass(frozen=True, slots=True)
