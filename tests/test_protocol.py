@@ -303,3 +303,22 @@ def test_the_socket_ends_on_a_refused_or_revoked_token_naming_it_and_the_fix() -
         return time.monotonic() - start
 
     assert asyncio.run(main()) < 5
+
+
+def test_ws_url_is_the_one_way_to_the_service_socket() -> None:
+    """Tests, bench and both peers build the WebSocket URL with ws_url (no ws:// by hand)."""
+    from pathlib import Path
+
+    from nimbus.protocol import WS_AGENT
+    from nimbus.protocol.wsclient import ws_url
+
+    assert ws_url("http://127.0.0.1:8000/", WS_AGENT) == "ws://127.0.0.1:8000/v1/ws/endpoint"
+    assert ws_url("https://h.example", "/v1/ws/client") == "wss://h.example/v1/ws/client"
+    root = Path(__file__).resolve().parent.parent
+    by_hand = [
+        str(path.relative_to(root))
+        for folder in ("tests", "bench", "src")
+        for path in (root / folder).rglob("*.py")
+        if '"ws://"' in path.read_text() and path.name not in ("wsclient.py", Path(__file__).name)
+    ]
+    assert not by_hand, f"build the WebSocket URL with protocol.wsclient.ws_url: {by_hand}"
