@@ -40,6 +40,7 @@ from nimbus.protocol import (
     Cancel,
     DataRef,
     Hello,
+    Malformed,
     Message,
     Refused,
     Result,
@@ -108,15 +109,17 @@ async def _close_malformed(ws: WebSocket, exc: ProtocolError, who: str) -> None:
 def _results(msg: dict[str, Any]) -> list[ResultRow]:
     """A daemon's result rows: each finished, with a result as sent (or a data-store
     reference); ProtocolError naming the first row that is not."""
-    rows = Results.decode(msg).rows()
+    rows = Results.decode(msg).results
     for i, row in enumerate(rows):
+        if isinstance(row, Malformed):
+            raise row.error
         if row.state not in DONE_STATES or type(row.result) is bytes:
             raise ProtocolError(
                 f"results.results[{i}]: expected [task_id, success|failed|cancelled, "
                 f"[status, data, buffers] | {{data: id}}, record], got {list(row)!r:.60}",
                 WRONG_SHAPE,
             )
-    return rows
+    return rows  # type: ignore[return-value]
 
 
 def _stored(row: ResultRow) -> list[Any]:
