@@ -83,10 +83,19 @@ for _, r in ipairs(t[5]) do
     redis.call('HSET', ARGV[4] .. r[5], 'task', id, 'endpoint', endpoint)
     redis.call('PERSIST', ARGV[4] .. r[5])
   end
-  redis.call('ZADD', KEYS[2], submitted, id)
-  redis.call('ZADD', KEYS[5], submitted, id)
-  redis.call('RPUSH', KEYS[1], id)
-  redis.call('RPUSH', KEYS[3], id)
+end
+for i = 1, #t[5], 1000 do  -- indexed and queued 1,000 at a time (one call each, not per task)
+  local ids, scored = {}, {}
+  for j = i, math.min(i + 999, #t[5]) do
+    local id = t[5][j][1]
+    ids[#ids + 1] = id
+    scored[#scored + 1] = submitted
+    scored[#scored + 1] = id
+  end
+  redis.call('ZADD', KEYS[2], unpack(scored))
+  redis.call('ZADD', KEYS[5], unpack(scored))
+  redis.call('RPUSH', KEYS[1], unpack(ids))
+  redis.call('RPUSH', KEYS[3], unpack(ids))
 end
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 return {#t[5], 0}
