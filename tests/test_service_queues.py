@@ -1,5 +1,6 @@
-"""The task store's submit script on a real Redis: a batch larger than the script's
-chunk of 1,000 is queued, indexed and taken whole and in order."""
+"""The task store's scripts on a real Redis: a batch larger than their chunk of 1,000
+is queued, indexed and taken whole and in order, and finishing it gives its owner's
+quota back (once per task, a second result ignored) and leaves nothing in flight."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def test_a_large_batch_is_queued_and_indexed_whole_and_in_order(store_url: str) 
                 assert batch and not broken
                 taken += [row[0] for row in batch]
             assert taken == ids  # queued in the order submitted
+            queued = keys.user_queued("o")
+            assert await redis.hmget(queued, ["tasks", "bytes"]) == [b"2345", b"2345"]
+            done = [(i, "success", b"r", b"", "") for i in ids]
+            stored, _ = await store.finish("ep", done[:1500] + done)  # a second result: ignored
+            assert stored == ids
+            assert await redis.hmget(queued, ["tasks", "bytes"]) == [b"0", b"0"]  # given back
+            assert await redis.hlen(keys.endpoint_inflight("ep")) == 0
         finally:
             async for key in store.redis.scan_iter(match=store.keys.pattern()):
                 await store.redis.delete(key)
