@@ -350,8 +350,9 @@ async def _simulated_agents(stack: Stack, tokens: list[str], seconds: float) -> 
     from websockets.asyncio.client import connect
 
     from nimbus.protocol import PYTHON, SERIALIZER, WS_AGENT, pack, unpack
+    from nimbus.protocol.wsclient import ws_url
 
-    url = stack.url.replace("http://", "ws://") + WS_AGENT
+    url = ws_url(stack.url, WS_AGENT)
     latencies: list[float] = []
 
     async def agent(token: str) -> None:

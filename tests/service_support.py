@@ -22,6 +22,7 @@ from websockets.sync.client import ClientConnection, connect
 from nimbus.client import Client
 from nimbus.config import Settings
 from nimbus.endpoint.config import EndpointConfig
+from nimbus.protocol.wsclient import ws_url
 from nimbus.service.registry import Registry
 
 CLI = "import sys; from nimbus.cli import main; sys.exit(main())"
@@ -234,7 +235,7 @@ def make_certificates(root: Path, name: str = "ca") -> tuple[Path, Path, Path]:
 
 def ws_connect(service: Service, path: str, token: str) -> ClientConnection:
     """A WebSocket to ``service`` at ``path`` (``/v1/ws/client`` or ``/v1/ws/endpoint``)."""
-    url = service.url.replace("http://", "ws://") + path
+    url = ws_url(service.url, path)
     return connect(
         url,
         additional_headers={"Authorization": f"Bearer {token}"},

@@ -26,6 +26,8 @@ def _all_keys(keys: Keys) -> list[str]:
         keys.pipe_holder("q", 1),
         keys.pipe_writer("q", 1),
         keys.pipe_mode("q", 1),
+        keys.pipe_writer_users("q", 1),
+        keys.giveup("i"),
         keys.dict("q"),
         keys.list("q"),
         keys.refcount("q"),
@@ -49,6 +51,18 @@ def test_layout() -> None:
     assert keys.pipe("p", 1) == "nimbus:{abc}:pipe:p:1"
     assert keys.directory() == "nimbus:{abc}:directory"
     assert keys.pattern() == "nimbus:{abc}:*"
+    # the layout of the keys that used to be built beside keys.py (kept: live programs)
+    assert keys.pipe_writer_users("p", 0) == "nimbus:{abc}:pipe:p:0:writer:users"
+    assert keys.giveup("i") == "nimbus:{abc}:queue:i:giveup"
+
+
+def test_every_key_is_built_here() -> None:
+    """No module builds a store key by extending another key's string."""
+    src = Path(__file__).resolve().parent.parent / "src" / "nimbus"
+    for path in src.rglob("*.py"):
+        text = path.read_text()
+        assert ':users"' not in text, path
+        assert 'queue_field(instance, "giveup")' not in text, path
 
 
 def test_kinds_never_collide() -> None:

@@ -16,6 +16,7 @@ from nimbus.protocol import (
     WRONG_SHAPE,
     Accepted,
     Ack,
+    Batch,
     Beat,
     Cancel,
     DataRef,
@@ -35,6 +36,7 @@ from nimbus.protocol import (
     Watch,
     decode_frame,
     decode_message,
+    new_row,
     pack,
     pack_payload,
     pack_result,
@@ -127,6 +129,37 @@ def test_payloads_and_results_pack_as_before() -> None:
     assert Result(0, b"data", [b"buf"]).pack().hex() == GOLDEN["result"]
     assert pack_result(0, b"data", [b"buf"]) == Result(0, b"data", [b"buf"]).pack()
     assert Result.unpack(bytes.fromhex(GOLDEN["result"])) == Result(0, b"data", [b"buf"])
+
+
+BATCH = "82ab656e64706f696e745f6964d92431623263336434652d356636302d343731382d386139622d306331643265336634613562a57461736b739293d94066666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666c41292c4067069636b6c6591c406627566666572c093d9406666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666666681a464617461a26433cb4014000000000000"
+
+
+def test_the_rest_batch_body_is_a_typed_message_with_the_bytes_of_before() -> None:
+    """POST /v1/tasks/batch's body, {endpoint_id, tasks}, as the SDK packed it by hand."""
+    batch = Batch(E, [SubmitRow(F, PAYLOAD, None), SubmitRow(F, DataRef("d3"), 5.0)])
+    assert batch.encode().hex() == BATCH
+    assert Batch.decode(bytes.fromhex(BATCH)) == batch
+    for body, field in [
+        (b"\xc1", "body"),
+        (pack([E]), "body"),
+        (pack({"endpoint_id": E}), "body"),
+        (pack({"endpoint_id": 5, "tasks": []}), "endpoint_id"),
+        (pack({"endpoint_id": E, "tasks": [[F, 7, None]]}), "tasks[0].payload"),
+    ]:
+        with pytest.raises(ProtocolError) as info:
+            Batch.decode(body)
+        assert str(info.value).startswith(f"{field}:"), str(info.value)
+
+
+def test_rows_are_tuples_that_pack_as_their_wire_lists() -> None:
+    """No conversion per row: a row is its wire list (a DataRef packs as {"data": id})."""
+    row = TaskRow(T1, F, None, PAYLOAD, 1.0)
+    assert pack(row) == pack([T1, F, None, PAYLOAD, 1.0])
+    assert pack(SubmitRow(F, DataRef("d"), None)) == pack([F, {"data": "d"}, None])
+    assert pack(Result(0, b"x", [memoryview(b"buf")])) == pack([0, b"x", [b"buf"]])
+    assert new_row(TaskRow, (T1, F, None, PAYLOAD, 1.0)) == row
+    with pytest.raises(TypeError, match="cannot pack"):
+        pack(object())
 
 
 def test_an_accepted_without_a_group_is_read() -> None:
@@ -270,3 +303,22 @@ def test_the_socket_ends_on_a_refused_or_revoked_token_naming_it_and_the_fix() -
         return time.monotonic() - start
 
     assert asyncio.run(main()) < 5
+
+
+def test_ws_url_is_the_one_way_to_the_service_socket() -> None:
+    """Tests, bench and both peers build the WebSocket URL with ws_url (no ws:// by hand)."""
+    from pathlib import Path
+
+    from nimbus.protocol import WS_AGENT
+    from nimbus.protocol.wsclient import ws_url
+
+    assert ws_url("http://127.0.0.1:8000/", WS_AGENT) == "ws://127.0.0.1:8000/v1/ws/endpoint"
+    assert ws_url("https://h.example", "/v1/ws/client") == "wss://h.example/v1/ws/client"
+    root = Path(__file__).resolve().parent.parent
+    by_hand = [
+        str(path.relative_to(root))
+        for folder in ("tests", "bench", "src")
+        for path in (root / folder).rglob("*.py")
+        if '"ws://"' in path.read_text() and path.name not in ("wsclient.py", Path(__file__).name)
+    ]
+    assert not by_hand, f"build the WebSocket URL with protocol.wsclient.ws_url: {by_hand}"

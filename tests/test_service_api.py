@@ -7,7 +7,8 @@ import base64
 import pytest
 
 from nimbus.errors import AuthError, NotFound, PayloadTooLargeError
-from nimbus.protocol import PYTHON, SERIALIZER, pack_payload
+from nimbus.protocol import PYTHON, SERIALIZER, WS_CLIENT, pack_payload
+from nimbus.protocol.wsclient import ws_url
 from service_support import Service
 
 PAYLOAD = base64.b64encode(pack_payload(b"x")).decode()  # packed arguments (never unpickled here)
@@ -164,7 +165,7 @@ def test_client_websocket_refuses_a_bad_token(service: Service) -> None:
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect
 
-    url = service.url.replace("http://", "ws://") + "/v1/ws/client"
+    url = ws_url(service.url, WS_CLIENT)
     with pytest.raises(InvalidStatus) as info:
         connect(url, additional_headers={"Authorization": "Bearer nimbus_wrong"}).close()
     assert info.value.response.status_code == 403  # refused before the upgrade

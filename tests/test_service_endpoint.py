@@ -21,6 +21,8 @@ from nimbus.errors import (
     TaskTimeoutError,
     VersionMismatchError,
 )
+from nimbus.protocol import WS_AGENT
+from nimbus.protocol.wsclient import ws_url
 from nimbus.statestore import StateStore
 from service_support import (
     CLI,
@@ -282,7 +284,7 @@ def test_first_result_wins(service: Service, alice: Client) -> None:
 
     agent = alice.register_endpoint("two-answers")
     ids = alice.batch_run(square, [(1,), (2,)], endpoint="two-answers")
-    url = service.url.replace("http://", "ws://") + "/v1/ws/endpoint"
+    url = ws_url(service.url, WS_AGENT)
 
     def row(task_id: str, value: str, pid: int) -> list[object]:
         data, buffers = serialization.dumps(value)
@@ -338,7 +340,7 @@ def test_executor_refuses_unknown_or_mismatched_endpoints(service: Service, alic
     with pytest.raises(NotFound, match="nope"):
         Executor(endpoint="nope", settings=settings)
     old = alice.register_endpoint("old-python")
-    url = service.url.replace("http://", "ws://") + "/v1/ws/endpoint"
+    url = ws_url(service.url, WS_AGENT)
     with connect(url, additional_headers={"Authorization": f"Bearer {old['token']}"}) as ws:
         ws.send(pack({"op": "hello", "python": "3.9", "serializer": SERIALIZER, "workers": 1}))
         deadline = time.monotonic() + 10

@@ -50,11 +50,11 @@ from nimbus.protocol import (
     MSGPACK,
     PYTHON,
     SERIALIZER,
+    Batch,
     DataRef,
     Result,
     SubmitRow,
     is_uuid,
-    pack,
     pack_payload,
     payload_size,
     slices,
@@ -390,8 +390,8 @@ class Client:
         rows = []
         for a, k in zip(arg_list, kw_list, strict=True):
             data, buffers = serialization.dumps((tuple(a), dict(k)))
-            rows.append(SubmitRow(function_id, self.payload(data, buffers), timeout).wire())
-        body = pack({"endpoint_id": endpoint_id, "tasks": rows})
+            rows.append(SubmitRow(function_id, self.payload(data, buffers), timeout))
+        body = Batch(endpoint_id, rows).encode()
         response = self.request(
             "POST", "/v1/tasks/batch", content=body, headers={"Content-Type": MSGPACK}
         )

@@ -76,6 +76,7 @@ from nimbus.protocol import (
     brief,
     decode_frame,
     decode_message,
+    new_row,
     pack_payload,
     payload_size,
 )
@@ -337,7 +338,7 @@ class ServiceBackend:
             await ws.send(message)
 
     def _submit_message(self, ref: int, tasks: list[Task]) -> bytes:
-        rows = [SubmitRow(t.route, self._payload(t), t.timeout) for t in tasks]
+        rows = [new_row(SubmitRow, (t.route, self._payload(t), t.timeout)) for t in tasks]
         return Submit(ref, self.endpoint_id, rows).encode()
 
     def _payload(self, task: Task) -> bytes | DataRef:
@@ -495,11 +496,14 @@ class ServiceBackend:
             if isinstance(row, Malformed):
                 error = _wrong_shape(task_id, row.error)
             else:
-                # packed when it comes from storage (a watch after a reconnect), else as sent
-                try:
-                    result, record = row.unpacked()
-                except ProtocolError as exc:
-                    error, record = _wrong_shape(task_id, exc), None
+                sent, record = row.result, row.record  # as sent, or packed when it comes
+                if not isinstance(sent, bytes) and type(record) is list:  # from storage (a
+                    result = sent  # watch after a reconnect)
+                else:
+                    try:
+                        result, record = row.unpacked()
+                    except ProtocolError as exc:
+                        error, record = _wrong_shape(task_id, exc), None
                 if record is not None:  # the worker's measures: keep our id, function,
                     mine = task.record  # state, submit time
                     for name, value in zip(_FIELDS, record):
@@ -524,11 +528,9 @@ class ServiceBackend:
                 self._fetches.add(fetch)  # delivered
                 fetch.add_done_callback(self._fetches.discard)
                 continue
-            task.status, task.data, task.result_buffers = (
-                result.status,
-                result.data,
-                list(result.buffers),
-            )
+            buffers = result.buffers
+            task.status, task.data = result.status, result.data
+            task.result_buffers = buffers if type(buffers) is list else list(buffers)
             done.append(task)
         self._deliver(done)
 

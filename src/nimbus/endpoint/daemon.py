@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -74,6 +73,7 @@ from nimbus.protocol import (
     batches,
     decode_frame,
     decode_message,
+    new_row,
     payload_size,
     too_large,
     unpack_payload,
@@ -350,8 +350,10 @@ class EndpointDaemon:
         for task in tasks:
             record = task.record
             record.state = STATES.get(Status(task.status), TaskState.FAILED)
-            result = Result(task.status, task.data, task.result_buffers)
-            rows.append(ResultRow(record.task_id, record.state, result, record.to_wire()))
+            result = new_row(Result, (task.status, task.data, task.result_buffers))
+            rows.append(
+                new_row(ResultRow, (record.task_id, record.state, result, record.to_wire()))
+            )
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._finished, rows)
 
@@ -406,7 +408,7 @@ class EndpointDaemon:
             self._finished([self._failure(task_id, row.function_id, error)])
             return
         self._fetching.discard(task_id)
-        self._start([dataclasses.replace(row, body=None, payload=payload)])
+        self._start([row._replace(body=None, payload=payload)])
 
     async def _send_large(self, row: ResultRow) -> None:
         """Send a large result: inline below the service's limit, else through the data store."""
@@ -437,7 +439,7 @@ class EndpointDaemon:
                     self._held.pop(task_id, None)
                     return
                 response.raise_for_status()
-                row = dataclasses.replace(row, result=DataRef(response.json()["data_id"]))
+                row = row._replace(result=DataRef(response.json()["data_id"]))
                 break
             except (httpx.HTTPError, OSError, ValueError) as exc:
                 log.info("storing the result of %s failed (%s); retrying", task_id, exc)

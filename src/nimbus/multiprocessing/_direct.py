@@ -60,11 +60,7 @@ class PipeLane(Lane):
     """A pipe direction's keys, with the count of its writing end's copies."""
 
     writer_refs: str
-
-    @property
-    def writers_users(self) -> str:
-        """The processes that have written this direction (a set)."""
-        return f"{self.writers}:users"
+    writers_users: str  # the processes that have written this direction (a set)
 
 
 def lanes(keys: Keys, name: str) -> tuple[PipeLane, PipeLane]:
@@ -76,6 +72,7 @@ def lanes(keys: Keys, name: str) -> tuple[PipeLane, PipeLane]:
             keys.pipe_mode(name, e),
             keys.pipe_writer(name, e),
             keys.pipe_refs(name, 1 - e),
+            keys.pipe_writer_users(name, e),
         )
         for e in (0, 1)
     )

@@ -119,7 +119,7 @@ def endpoint(prog: Program) -> Any:
 
 def giveup_key(prog: Program, instance: str) -> str:
     """The list where instance ``instance`` finds the claims it must give up."""
-    return prog.keys.queue_field(instance, "giveup")
+    return prog.keys.giveup(instance)
 
 
 # ---------------------------------------------------------------- the reader

@@ -2,7 +2,8 @@
 
 What crosses the network between them and nothing else: the WebSocket
 messages as dataclasses with their exact msgpack shapes
-(:mod:`~nimbus.protocol._messages`), the codec under them (msgpack, packed
+(:mod:`~nimbus.protocol._messages`) and the rows inside them as named tuples
+(:mod:`~nimbus.protocol._rows`), the codec under them (msgpack, packed
 payloads and results, frames, close codes, size limits, paths:
 :mod:`~nimbus.protocol._codec`), and, in :mod:`nimbus.protocol.wsclient`, the
 one WebSocket client both peers of the service use (connect, auth, reconnect
@@ -51,24 +52,29 @@ from nimbus.protocol._codec import (
 from nimbus.protocol._messages import (
     Accepted,
     Ack,
+    Batch,
     Beat,
     Cancel,
-    DataRef,
     Hello,
-    Malformed,
     Message,
     Refused,
-    Result,
-    ResultRow,
     Results,
     Running,
     Submit,
-    SubmitRow,
-    TaskRow,
     Tasks,
     Unknown,
     Watch,
     decode_message,
+)
+from nimbus.protocol._rows import (
+    SUBMIT_ROW,
+    DataRef,
+    Malformed,
+    Result,
+    ResultRow,
+    SubmitRow,
+    TaskRow,
+    new_row,
 )
 
 __all__ = [
@@ -86,12 +92,14 @@ __all__ = [
     "REPLACED",
     "REVOKED",
     "SERIALIZER",
+    "SUBMIT_ROW",
     "TEXT_FRAME",
     "WRONG_SHAPE",
     "WS_AGENT",
     "WS_CLIENT",
     "Accepted",
     "Ack",
+    "Batch",
     "Beat",
     "Cancel",
     "DataRef",
@@ -117,6 +125,7 @@ __all__ = [
     "decode_message",
     "is_result",
     "is_uuid",
+    "new_row",
     "pack",
     "pack_payload",
     "pack_result",

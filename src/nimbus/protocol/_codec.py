@@ -84,8 +84,20 @@ RECEIVE_MAX = 4 * MESSAGE_BYTES  # bytes of a message the SDK and agents accept 
 assert RECEIVE_MAX > FUNCTION_MAX + INLINE_MAX + (1 << 20)  # one row with its framing fits
 
 
+def _wire(obj: Any) -> Any:
+    """What msgpack cannot pack by itself: a reference's ``wire()``, a buffer's bytes."""
+    wire = getattr(obj, "wire", None)
+    if wire is not None:
+        return wire()
+    try:
+        return memoryview(obj)
+    except TypeError:
+        raise TypeError(f"cannot pack {brief(obj)} for the wire") from None
+
+
 def pack(obj: object) -> bytes:
-    data: bytes = msgpack.packb(obj, use_bin_type=True)
+    """``obj`` as msgpack; tuples (the rows) pack as lists, str Enums as their values."""
+    data: bytes = msgpack.packb(obj, use_bin_type=True, default=_wire)
     return data
 
 

@@ -83,10 +83,19 @@ for _, r in ipairs(t[5]) do
     redis.call('HSET', ARGV[4] .. r[5], 'task', id, 'endpoint', endpoint)
     redis.call('PERSIST', ARGV[4] .. r[5])
   end
-  redis.call('ZADD', KEYS[2], submitted, id)
-  redis.call('ZADD', KEYS[5], submitted, id)
-  redis.call('RPUSH', KEYS[1], id)
-  redis.call('RPUSH', KEYS[3], id)
+end
+for i = 1, #t[5], 1000 do  -- indexed and queued 1,000 at a time (one call each, not per task)
+  local ids, scored = {}, {}
+  for j = i, math.min(i + 999, #t[5]) do
+    local id = t[5][j][1]
+    ids[#ids + 1] = id
+    scored[#scored + 1] = submitted
+    scored[#scored + 1] = id
+  end
+  redis.call('ZADD', KEYS[2], unpack(scored))
+  redis.call('ZADD', KEYS[5], unpack(scored))
+  redis.call('RPUSH', KEYS[1], unpack(ids))
+  redis.call('RPUSH', KEYS[3], unpack(ids))
 end
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 return {#t[5], 0}
@@ -111,22 +120,31 @@ end
 return cmsgpack.pack(out)
 """
 
-_FINISH = (
-    _RELEASE
-    + """
+_FINISH = """
 local out, drop = {}, {}
+local freed, quotas = {}, {}  -- quota hash -> {tasks, bytes} given back, once per owner at the end
+local gone = {}  -- ids no longer in flight on the endpoint, 1,000 to a call at the end
 for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
   local id = r[1]
   local key = ARGV[1] .. id
-  local v = redis.call('HMGET', key, 'state', 'endpoint', 'data')
+  local v = redis.call('HMGET', key, 'state', 'endpoint', 'data', 'quota', 'size')
   local blob = ''  -- a result in the data store, if it was stored for this task
   if r[5] ~= '' and redis.call('HGET', ARGV[6] .. r[5], 'task') == id then blob = r[5] end
   local stored = false
   if v[2] == ARGV[4] then
     if v[1] == 'dispatched' or v[1] == 'running' or v[1] == 'waiting-for-endpoint' then
-      release(key)
+      if v[4] then  -- its share of its owner's quota (as release() does, summed per owner)
+        local f = freed[v[4]]
+        if not f then
+          f = {0, 0}
+          freed[v[4]] = f
+          quotas[#quotas + 1] = v[4]
+        end
+        f[1] = f[1] + 1
+        f[2] = f[2] + (tonumber(v[5] or 0) or 0)
+      end
       redis.call('HSET', key, 'state', r[2], 'result', r[3], 'record', r[4], 'ended', ARGV[2])
-      redis.call('HDEL', key, 'payload', 'data')
+      redis.call('HDEL', key, 'payload', 'data', 'quota')
       redis.call('EXPIRE', key, ARGV[3])
       if v[3] then
         redis.call('DEL', ARGV[6] .. v[3])
@@ -136,16 +154,23 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
       stored = true
       out[#out + 1] = id
     end
-    redis.call('HDEL', KEYS[1], id)
+    gone[#gone + 1] = id
   end
   if blob ~= '' and not stored then
     redis.call('DEL', ARGV[6] .. blob)
     drop[#drop + 1] = blob
   end
 end
+for i = 1, #gone, 1000 do
+  redis.call('HDEL', KEYS[1], unpack(gone, i, math.min(i + 999, #gone)))
+end
+for _, quota in ipairs(quotas) do
+  local f = freed[quota]
+  if redis.call('HINCRBY', quota, 'tasks', 0 - f[1]) < 0 then redis.call('HSET', quota, 'tasks', 0) end
+  if redis.call('HINCRBY', quota, 'bytes', 0 - f[2]) < 0 then redis.call('HSET', quota, 'bytes', 0) end
+end
 return {out, drop}
 """
-)
 
 _RUNNING = """
 for i = 3, #ARGV do

@@ -22,6 +22,7 @@ from nimbus.config import INLINE_MIN, MAX_TIMEOUT, check_timeout
 from nimbus.errors import NotFound, PayloadTooLargeError, ProtocolError, ServiceError
 from nimbus.protocol import (
     MSGPACK,
+    Batch,
     Cancel,
     DataRef,
     ResultRow,
@@ -38,21 +39,9 @@ from nimbus.service.deps import context, current_user
 from nimbus.service.queues import CANCELLED_RESULT, DONE
 from nimbus.service.registry import Principal
 
-__all__ = ["cancel_tasks", "router", "submit_tasks", "wire_rows"]
+__all__ = ["cancel_tasks", "router", "row_of", "submit_tasks"]
 
-ROW = SubmitRow.ROW
 Row = tuple[str, bytes, float | None, str]
-
-
-def wire_rows(tasks: object) -> list[Row]:
-    """Submitted ``[function_id, payload | {"data": id}, timeout]`` rows as Rows.
-
-    A row of the wrong shape or types is a ServiceError (422) naming it.
-    """
-    try:
-        return [row_of(row) for row in SubmitRow.decode_all(tasks)]
-    except ProtocolError as exc:
-        raise ServiceError(str(exc), 422) from None
 
 
 def row_of(row: SubmitRow) -> Row:
@@ -265,16 +254,11 @@ async def submit_batch(request: Request, user: User, ctx: Ctx) -> Response:
     if len(body) > ctx.settings.max_payload:  # sent without a Content-Length
         raise too_large("request body", len(body), ctx.settings.max_payload)
     try:
-        msg = unpack(body)
-    except Exception as exc:
-        msg = exc
-    if not isinstance(msg, dict) or "endpoint_id" not in msg or "tasks" not in msg:
-        raise ServiceError(
-            f"body: expected a msgpack map {{endpoint_id, tasks: [{ROW}, ...]}}, not {brief(msg)}",
-            422,
-        )
-    endpoint_id = msg["endpoint_id"]
-    rows = wire_rows(msg["tasks"])
+        batch = Batch.decode(body)
+    except ProtocolError as exc:
+        raise ServiceError(str(exc), 422) from None
+    endpoint_id = batch.endpoint_id
+    rows = [row_of(row) for row in batch.tasks]
     group_id, ids = await submit_tasks(ctx, user, endpoint_id, rows)
     ctx.hub.work_arrived(endpoint_id)
     return Response(pack({"group_id": group_id, "task_ids": ids}), 201, media_type=MSGPACK)

@@ -40,6 +40,7 @@ from nimbus.protocol import (
     Cancel,
     DataRef,
     Hello,
+    Malformed,
     Message,
     Refused,
     Result,
@@ -53,6 +54,7 @@ from nimbus.protocol import (
     Watch,
     batches,
     decode_frame,
+    new_row,
     pack,
 )
 from nimbus.records import TaskRecord, TaskState
@@ -107,15 +109,17 @@ async def _close_malformed(ws: WebSocket, exc: ProtocolError, who: str) -> None:
 def _results(msg: dict[str, Any]) -> list[ResultRow]:
     """A daemon's result rows: each finished, with a result as sent (or a data-store
     reference); ProtocolError naming the first row that is not."""
-    rows = Results.decode(msg).rows()
+    rows = Results.decode(msg).results
     for i, row in enumerate(rows):
+        if isinstance(row, Malformed):
+            raise row.error
         if row.state not in DONE_STATES or type(row.result) is bytes:
             raise ProtocolError(
                 f"results.results[{i}]: expected [task_id, success|failed|cancelled, "
-                f"[status, data, buffers] | {{data: id}}, record], got {row.wire()!r:.60}",
+                f"[status, data, buffers] | {{data: id}}, record], got {list(row)!r:.60}",
                 WRONG_SHAPE,
             )
-    return rows
+    return rows  # type: ignore[return-value]
 
 
 def _stored(row: ResultRow) -> list[Any]:
@@ -124,7 +128,7 @@ def _stored(row: ResultRow) -> list[Any]:
     result = row.result
     assert not isinstance(result, bytes)
     data_id = result.data_id if isinstance(result, DataRef) else ""
-    return [row.task_id, row.state.value, pack(result.wire()), pack(row.record), data_id]
+    return [row.task_id, row.state.value, pack(result), pack(row.record), data_id]
 
 
 async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
@@ -295,7 +299,7 @@ async def _dispatch(
                     body = b""  # deleted since: the agent fails the task with a clear error
                 known.add(function_id)
             sent_payload = DataRef(data_id) if data_id else payload
-            out.append(TaskRow(task_id, function_id, body, sent_payload, timeout))
+            out.append(new_row(TaskRow, (task_id, function_id, body, sent_payload, timeout)))
             sent.add(task_id)
         for batch in batches(out, _task_size):
             await peer.send(Tasks(batch).encode())

@@ -114,6 +114,10 @@ class Keys:
         """The writers of one direction of a pipe switched to direct sends (writer -> claim)."""
         return self._key("pipe", name, str(end), "writer")
 
+    def pipe_writer_users(self, name: str, end: int | str) -> str:
+        """The processes that have written one direction of a pipe (a set)."""
+        return self._key("pipe", name, str(end), "writer", "users")
+
     def pipe_mode(self, name: str, end: int | str) -> str:
         """Set once a second process read one direction of a pipe: store only, for good."""
         return self._key("pipe", name, str(end), "mode")
@@ -121,6 +125,11 @@ class Keys:
     def queue_field(self, name: str, field: str) -> str:
         """A counter or wake-up list of queue ``name`` (``count``, ``unfinished`` ...)."""
         return self._key("queue", name, field)
+
+    def giveup(self, instance_id: str) -> str:
+        """The list where instance ``instance_id`` finds the direct-read claims it must give
+        up (the handover engine's; among the queue fields, as it always was)."""
+        return self._key("queue", instance_id, "giveup")
 
     def wakeup(self, name: str) -> str:
         """A short-lived list that wakes one blocked waiter (``connection.wait``)."""
