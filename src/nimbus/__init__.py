@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from nimbus.client import Client
-    from nimbus.data import Ref, put
+    from nimbus.data import File, Ref, put
     from nimbus.errors import NimbusError
     from nimbus.executor import Executor, Future
     from nimbus.records import TaskRecord, TaskState
@@ -34,6 +34,7 @@ __all__ = [
     "Executor",
     "Future",
     "NimbusError",
+    "File",
     "Ref",
     "TaskRecord",
     "TaskState",
@@ -47,6 +48,7 @@ _HOMES = {
     "Executor": "nimbus.executor",
     "Future": "nimbus.executor",
     "NimbusError": "nimbus.errors",
+    "File": "nimbus.data",
     "Ref": "nimbus.data",
     "put": "nimbus.data",
     "TaskRecord": "nimbus.records",

@@ -35,6 +35,8 @@ task's arguments: dependencies, references, the session of an Executor).
 from __future__ import annotations
 
 from nimbus.data._bind import bind, open_session, uses_data, waiting_on, when_done
+from nimbus.data._file import File, close_sources, has_files
+from nimbus.data._file import stage as stage_files
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore, default_root
 from nimbus.data._ref import LEASE, MAX_SCAN, Ref, Scope, Session, get, pure, put, register, session
@@ -43,15 +45,18 @@ from nimbus.data._task import free_objects, identity, renew_objects, run, store
 __all__ = [
     "LEASE",
     "MAX_SCAN",
+    "File",
     "KeyValue",
     "NodeStore",
     "Ref",
     "Scope",
     "Session",
     "bind",
+    "close_sources",
     "default_root",
     "free_objects",
     "get",
+    "has_files",
     "identity",
     "open_session",
     "pure",
@@ -60,6 +65,7 @@ __all__ = [
     "renew_objects",
     "run",
     "session",
+    "stage_files",
     "store",
     "uses_data",
     "waiting_on",
