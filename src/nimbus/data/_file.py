@@ -73,7 +73,7 @@ class File:
 class Staged:
     """A file put in the task's endpoint's store (``ref``): the worker caches it as ``key``."""
 
-    ref: Ref
+    refs: tuple[Ref, ...]  # its parts, in order
     key: str
     name: str
     size: int
@@ -91,8 +91,8 @@ class Out:
 # ---------------------------------------------------------------- exports
 
 
-def exports_of(endpoint: str) -> list[Path] | None:
-    """The exports of ``endpoint`` (a name or an id) if its config is on this machine."""
+def exports_of(endpoint: str) -> tuple[str, list[Path]] | None:
+    """The name and exports of ``endpoint`` (a name or an id) if its config is here."""
     from nimbus.endpoint.config import EndpointConfig, endpoint_names
 
     for name in endpoint_names():
@@ -101,7 +101,7 @@ def exports_of(endpoint: str) -> list[Path] | None:
         except ConfigError:
             continue
         if endpoint in (config.name, config.endpoint_id):
-            return config.export_dirs()
+            return config.name, config.export_dirs()
     return None
 
 
@@ -122,19 +122,20 @@ def check_export(path: str, exports: list[Path], endpoint: str) -> Path:
 
 
 def _exported(endpoint: str, path: str) -> Path:
-    exports = exports_of(endpoint)
-    if exports is None:
+    found = exports_of(endpoint)
+    if found is None:
         raise FileRefused(f"endpoint {endpoint!r} is not configured on this machine")
-    return check_export(path, exports, endpoint)
+    return check_export(path, found[1], found[0])
 
 
-def read_export(endpoint: str, path: str) -> tuple[bytes, int, float, str]:
-    """A task on the owning endpoint: the file's bytes, size, mtime and sha256."""
+def read_export(endpoint: str, path: str, offset: int, length: int, mtime: float) -> bytes:
+    """A task on the owning endpoint: ``length`` bytes of the file from ``offset``."""
     real = _exported(endpoint, path)
     with open(real, "rb") as f:
-        body = f.read()
-        mtime = os.fstat(f.fileno()).st_mtime
-    return body, len(body), mtime, hashlib.sha256(body).hexdigest()
+        if os.fstat(f.fileno()).st_mtime != mtime:
+            raise DataError(f"{endpoint}:{path} changed while it was staged; submit again")
+        f.seek(offset)
+        return f.read(length)
 
 
 def stat_export(endpoint: str, path: str) -> tuple[int, float]:
@@ -167,7 +168,8 @@ def _cached(staged: Staged, files: Path) -> Path:
             return target
     except FileNotFoundError:
         pass
-    body = _node(files.parent.name).read(staged.ref.id)
+    node = _node(files.parent.name)
+    body = b"".join(bytes(node.read(ref.id)) for ref in staged.refs)
     if len(body) != staged.size or hashlib.sha256(body).hexdigest() != staged.sha256:
         raise DataError(
             f"{staged.name}: {len(body)} bytes arrived, {staged.size} were sent, or their "
@@ -224,6 +226,13 @@ def close_sources(executor: Any) -> None:
         source.shutdown(wait=False)
 
 
+def _step(executor: Any) -> int:
+    """The size of the parts a file travels in: half what the service takes at once."""
+    client = getattr(executor._backend, "client", None)
+    limit = int(client.limits().get("max_payload", 0)) if client is not None else 0
+    return max(limit // 2, 64 * 1024) if limit else 64 * 1024 * 1024
+
+
 def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.Future[Staged]:
     """The future of ``file`` staged into ``place``'s store (once per size and mtime)."""
     from nimbus.data._ref import put
@@ -234,6 +243,7 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
     else:
         size, mtime = _source(executor, source_id).submit(stat_export, source_id, file.path).result()
     key = (place, source_id or "", file.path, size, mtime)
+    step = _step(executor)
     with _lock:
         found = _cache.get(key)
         if found is not None and not (found.done() and found.exception()):
@@ -242,14 +252,21 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
         def transfer() -> Staged:
             if source_id is None:
                 body = Path(file.path).read_bytes()
-                sha = hashlib.sha256(body).hexdigest()
+                parts = [body[i : i + step] for i in range(0, len(body), step)] or [b""]
             else:
-                body, _, _, sha = (
-                    _source(executor, source_id).submit(read_export, source_id, file.path).result()
-                )
+                source = _source(executor, source_id)
+                reads = [
+                    source.submit(read_export, source_id, file.path, i, step, mtime)
+                    for i in range(0, size, step)
+                ] or [source.submit(read_export, source_id, file.path, 0, 0, mtime)]
+                parts = [r.result() for r in reads]
+            sha = hashlib.sha256()
+            for part in parts:
+                sha.update(part)
             name = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
-            ref = put(body, endpoint=place)
-            return Staged(ref, name, PurePosixPath(file.path).name, len(body), sha)
+            refs = tuple(put(part, endpoint=place) for part in parts)
+            total = sum(map(len, parts))
+            return Staged(refs, name, PurePosixPath(file.path).name, total, sha.hexdigest())
 
         future = _cache[key] = _pool.submit(transfer)
         if len(_cache) > 256:
@@ -268,7 +285,7 @@ def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
         owner = None if value.endpoint is None else _endpoint_id(executor, value.endpoint)
         local = exports_of(owner) if owner is not None else None
         if local is not None:  # its owner's config is here: refused now if outside
-            check_export(value.path, local, value.endpoint or "")
+            check_export(value.path, local[1], local[0])
         if out:
             if remote and owner != place:
                 raise DataError(
