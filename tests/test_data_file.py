@@ -58,7 +58,7 @@ def test_out_file_is_moved_to_its_path_after_the_task(ex: Executor, tmp_path: Pa
 
 
 def test_bad_files_are_refused_before_any_task(ex: Executor, tmp_path: Path) -> None:
-    with pytest.raises(FileRefused, match="'..'"):
+    with pytest.raises(FileRefused, match=r"'\.\.'"):
         nimbus.File("lab:/data/../etc/passwd")
     with pytest.raises(FileRefused, match="must be absolute"):
         nimbus.File("lab:data/x")
@@ -172,7 +172,9 @@ def test_out_file_to_another_endpoint_is_refused_at_submit(
         on_lab.submit(write, n=1, out=nimbus.File(f"vault:{exported}/r.npz"))
 
 
-def test_node_cache_is_in_the_users_store_on_the_node(on_lab: Executor, lab: EndpointProcess) -> None:
+def test_node_cache_is_in_the_users_store_on_the_node(
+    on_lab: Executor, lab: EndpointProcess
+) -> None:
     place = nimbus.data.session(lab.endpoint_id)
     files = NodeStore(place.namespace).dir / "files"
     assert any(p.name.endswith("-run42.h5") for p in files.iterdir())

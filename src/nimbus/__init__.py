@@ -32,9 +32,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Client",
     "Executor",
+    "File",
     "Future",
     "NimbusError",
-    "File",
     "Ref",
     "TaskRecord",
     "TaskState",

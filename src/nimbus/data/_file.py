@@ -241,7 +241,9 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
         st = os.stat(file.path)
         size, mtime = st.st_size, st.st_mtime
     else:
-        size, mtime = _source(executor, source_id).submit(stat_export, source_id, file.path).result()
+        size, mtime = (
+            _source(executor, source_id).submit(stat_export, source_id, file.path).result()
+        )
     key = (place, source_id or "", file.path, size, mtime)
     step = _step(executor)
     with _lock:
