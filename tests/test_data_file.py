@@ -178,3 +178,22 @@ def test_node_cache_is_in_the_users_store_on_the_node(
     place = nimbus.data.session(lab.endpoint_id)
     files = NodeStore(place.namespace).dir / "files"
     assert any(p.name.endswith("-run42.h5") for p in files.iterdir())
+
+
+def test_the_owners_config_here_refuses_before_any_task(
+    service: Service,
+    alice: Client,
+    vault: EndpointProcess,
+    exported: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", service.env["XDG_CONFIG_HOME"])  # vault's config
+    (tmp_path / "private.txt").write_text("no")
+    with Executor(endpoint="vault", settings=service.user_settings(alice.token)) as on_vault:
+        sent = on_vault.statistics()["bytes_sent"]
+        with pytest.raises(FileRefused, match="outside the directories endpoint 'vault'"):
+            on_vault.submit(describe, nimbus.File(f"vault:{tmp_path}/private.txt"))
+        with pytest.raises(FileRefused, match="outside the directories endpoint 'vault'"):
+            on_vault.submit(write, n=1, out=nimbus.File(f"vault:{tmp_path}/o.npz"))
+        assert on_vault.statistics()["bytes_sent"] == sent  # nothing was sent: no task ran

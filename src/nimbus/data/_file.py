@@ -31,12 +31,14 @@ import os
 import re
 import shutil
 import threading
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from nimbus.config import config_dir
 from nimbus.data._ref import Ref, new_id
-from nimbus.errors import ConfigError, DataError, FileRefused, NotFound
+from nimbus.errors import DataError, FileRefused, NotFound
 
 __all__ = ["File", "Out", "Staged", "check_export", "exports_of", "read_export", "stage"]
 
@@ -92,16 +94,17 @@ class Out:
 
 
 def exports_of(endpoint: str) -> tuple[str, list[Path]] | None:
-    """The name and exports of ``endpoint`` (a name or an id) if its config is here."""
-    from nimbus.endpoint.config import EndpointConfig, endpoint_names
-
-    for name in endpoint_names():
+    """The name and exports of ``endpoint`` (a name or an id) if its config is here
+    (``<config dir>/endpoints/<name>/endpoint.toml``, as ``nimbus.endpoint.config``)."""
+    root = config_dir() / "endpoints"
+    for path in sorted(root.glob("*/endpoint.toml")) if root.is_dir() else ():
         try:
-            config = EndpointConfig.load(name)
-        except ConfigError:
+            config = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError):
             continue
-        if endpoint in (config.name, config.endpoint_id):
-            return config.name, config.export_dirs()
+        if endpoint in (config.get("name"), config.get("endpoint_id")):
+            dirs = str(config.get("exports", "")).split(os.pathsep)
+            return str(config["name"]), [Path(d).expanduser() for d in dirs if d.strip()]
     return None
 
 
@@ -212,12 +215,10 @@ def _endpoint_id(executor: Any, name: str) -> str:
 
 
 def _source(executor: Any, endpoint_id: str) -> Any:
-    from nimbus.executor import Executor
-
-    with _lock:
+    with _lock:  # an Executor of the same user, to the file's endpoint
         sources = executor.__dict__.setdefault("_file_sources", {})
         if endpoint_id not in sources:
-            sources[endpoint_id] = Executor(endpoint=endpoint_id, settings=executor.settings)
+            sources[endpoint_id] = type(executor)(endpoint=endpoint_id, settings=executor.settings)
         return sources[endpoint_id]
 
 

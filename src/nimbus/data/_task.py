@@ -81,10 +81,10 @@ def run(fn: Any, scope: Scope, /, *args: Any, **kwargs: Any) -> Any:
             kwargs = {k: _resolve(v, scope, seen) for k, v in kwargs.items()}
         result = fn(*args, **kwargs)
         del args, kwargs
-        for key, (marker, written) in list(seen.items()):
-            if key.startswith("file:") and type(marker) is Out:
+        for key in [k for k in seen if k.startswith("file:")]:
+            marker, written = seen.pop(key)
+            if type(marker) is Out:  # out=File(...): the task's file moved where it goes
                 finish_out(marker, written, new_id())
-                del seen[key]
         if not scope.keep:
             return result
         ref_id = new_id()
