@@ -197,3 +197,24 @@ def test_the_owners_config_here_refuses_before_any_task(
         with pytest.raises(FileRefused, match="outside the directories endpoint 'vault'"):
             on_vault.submit(write, n=1, out=nimbus.File(f"vault:{tmp_path}/o.npz"))
         assert on_vault.statistics()["bytes_sent"] == sent  # nothing was sent: no task ran
+
+
+def test_configure_keeps_the_exports_in_the_endpoint_file(
+    service: Service, alice: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nimbus.cli.endpoint import configure
+    from nimbus.data._file import exports_of
+
+    for key, value in service.env.items():
+        if key.startswith("NIMBUS_") or key == "XDG_CONFIG_HOME":
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("NIMBUS_SERVICE_URL", service.url)
+    monkeypatch.setenv("NIMBUS_TOKEN", alice.token)
+    monkeypatch.setenv("NIMBUS_DATA_EXPORTS", f"{tmp_path}/a:~/b")
+    monkeypatch.chdir(tmp_path)
+    config = configure("depot", None, None)
+    assert config.exports == f"{tmp_path}/a:{Path('~/b').expanduser()}"
+    assert exports_of("depot") == ("depot", [tmp_path / "a", Path("~/b").expanduser()])
+    assert exports_of(config.endpoint_id) == exports_of("depot")
+    config = configure("depot2", None, None, data_exports="rel")  # --exports rel
+    assert config.exports == str(tmp_path / "rel")
