@@ -6,6 +6,9 @@
     ex.map(fn, xs, keep=True)  --> futures whose results stay where they were made
     ex.submit(g, ref, future)  --> g runs with the objects read where it runs (run())
     inside a task: nimbus.data.store()  (the user's key-value store there)
+    ex.submit(fn, nimbus.File("lab:/data/x.h5"), out=nimbus.File("hpc:/r/{task_id}"))
+                               --> fn gets pathlib.Paths: staged in, cached per node
+                                   (``_file``); out= moved where it goes after the task
 
 What happens under each failure:
 
@@ -28,7 +31,8 @@ the service does not tell the agent whose a task is.
 Modules: ``_node`` (a node's object store: files in a private memory directory,
 mapped on read, leases as modification times), ``_ref`` (``Ref``, the client's
 sessions: counting, leases, freeing), ``_task`` (the worker side: resolving,
-keeping, ``store()``), ``_kv`` (the key-value store), ``_bind`` (the client side of a
+keeping, ``store()``), ``_kv`` (the key-value store), ``_file`` (``File``: staging,
+exports, the node's file cache), ``_bind`` (the client side of a
 task's arguments: dependencies, references, the session of an Executor).
 """
 

@@ -198,6 +198,7 @@ def finish_out(out: Out, written: Path, task_id: str) -> None:
 # ---------------------------------------------------------------- the client's side
 
 _pool = cf.ThreadPoolExecutor(4, thread_name_prefix="nimbus-file")
+_parts = cf.ThreadPoolExecutor(4, thread_name_prefix="nimbus-file-part")  # puts at once
 _lock = threading.Lock()
 _cache: dict[tuple[str, str, str, int, float], cf.Future[Staged]] = {}
 
@@ -267,7 +268,7 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
             for part in parts:
                 sha.update(part)
             name = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
-            refs = tuple(put(part, endpoint=place) for part in parts)
+            refs = tuple(_parts.map(lambda part: put(part, endpoint=place), parts))
             total = sum(map(len, parts))
             return Staged(refs, name, PurePosixPath(file.path).name, total, sha.hexdigest())
 
