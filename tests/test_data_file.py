@@ -218,3 +218,13 @@ def test_configure_keeps_the_exports_in_the_endpoint_file(
     assert exports_of(config.endpoint_id) == exports_of("depot")
     config = configure("depot2", None, None, data_exports="rel")  # --exports rel
     assert config.exports == str(tmp_path / "rel")
+
+
+def test_a_file_of_an_offline_endpoint_fails_at_once_not_a_hang(
+    service: Service, alice: Client, on_lab: Executor
+) -> None:
+    alice.register_endpoint("asleep")  # registered, its agent never started
+    start = time.monotonic()
+    with pytest.raises(DataError, match="'asleep' is offline"):
+        on_lab.submit(describe, nimbus.File("asleep:/data/x"))
+    assert time.monotonic() - start < 10

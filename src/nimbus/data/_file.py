@@ -210,9 +210,19 @@ def _endpoint_id(executor: Any, name: str) -> str:
             raise FileRefused(f"endpoint {name!r} is not known here: no such endpoint")
         return name
     try:
-        return str(client.get_endpoint(name)["endpoint_id"])
+        info = client.get_endpoint(name)
     except NotFound:
         raise FileRefused(f"endpoint {name!r} is not known to the service") from None
+    if not info.get("online", True) and info["endpoint_id"] != executor_place(executor):
+        raise DataError(
+            f"endpoint {name!r} is offline: its files cannot be staged; start its agent "
+            f"(`nimbus endpoint start {name}`) and submit again"
+        )
+    return str(info["endpoint_id"])
+
+
+def executor_place(executor: Any) -> str:
+    return str(getattr(executor._backend, "endpoint_id", executor._endpoint))
 
 
 def _source(executor: Any, endpoint_id: str) -> Any:
@@ -226,6 +236,20 @@ def _source(executor: Any, endpoint_id: str) -> Any:
 def close_sources(executor: Any) -> None:
     for source in executor.__dict__.pop("_file_sources", {}).values():
         source.shutdown(wait=False)
+
+
+TIMEOUT = 600.0  # seconds a part of a file may take to come from its endpoint
+
+
+def _answer(future: cf.Future[Any], file: File) -> Any:
+    try:
+        return future.result(timeout=TIMEOUT)
+    except cf.TimeoutError:
+        future.cancel()
+        raise DataError(
+            f"{file!r}: its endpoint did not answer within {TIMEOUT:.0f} s; is its agent "
+            f"running? Submit again once it is"
+        ) from None
 
 
 def _step(executor: Any) -> int:
@@ -243,9 +267,8 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
         st = os.stat(file.path)
         size, mtime = st.st_size, st.st_mtime
     else:
-        size, mtime = (
-            _source(executor, source_id).submit(stat_export, source_id, file.path).result()
-        )
+        asked = _source(executor, source_id).submit(stat_export, source_id, file.path)
+        size, mtime = _answer(asked, file)
     key = (place, source_id or "", file.path, size, mtime)
     step = _step(executor)
     with _lock:
@@ -263,7 +286,7 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
                     source.submit(read_export, source_id, file.path, i, step, mtime)
                     for i in range(0, size, step)
                 ] or [source.submit(read_export, source_id, file.path, 0, 0, mtime)]
-                parts = [r.result() for r in reads]
+                parts = [_answer(r, file) for r in reads]
             sha = hashlib.sha256()
             for part in parts:
                 sha.update(part)
@@ -281,7 +304,7 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
 def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """``args`` and ``kwargs`` with their Files made ready for the task (checked now)."""
     remote = executor._endpoint is not None
-    place = str(getattr(executor._backend, "endpoint_id", executor._endpoint)) if remote else ""
+    place = executor_place(executor) if remote else ""
 
     def one(value: Any, out: bool = False) -> Any:
         if type(value) is not File:
