@@ -228,3 +228,12 @@ def test_a_file_of_an_offline_endpoint_fails_at_once_not_a_hang(
     with pytest.raises(DataError, match="'asleep' is offline"):
         on_lab.submit(describe, nimbus.File("asleep:/data/x"))
     assert time.monotonic() - start < 10
+
+
+def test_a_failed_transfer_fails_the_task_with_its_error(
+    on_lab: Executor, vault: EndpointProcess, exported: Path
+) -> None:
+    (exported / "a_directory").mkdir()  # stat works, reading it does not
+    future = on_lab.submit(describe, nimbus.File(f"vault:{exported}/a_directory"))
+    with pytest.raises(IsADirectoryError):
+        future.result(timeout=120)
