@@ -115,6 +115,7 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "worker_cpus",
         "worker_memory",
         "worker_bandwidth",
+        "data_exports",
     }
     assert isinstance(d["runtime_dir"], str)
 
@@ -307,6 +308,7 @@ def test_every_variable_has_a_bad_value() -> None:
         "NIMBUS_QOS",
         "NIMBUS_WORKER_INIT",
         "NIMBUS_SCHEDULER_OPTIONS",
+        "NIMBUS_DATA_EXPORTS",  # any directories (a file outside them is refused)
     }
 
 

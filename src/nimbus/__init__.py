@@ -2,7 +2,7 @@
 
 This package owns the SDK's public face: ``Executor``, ``Future``, ``Client``,
 ``TaskRecord``, ``TaskState``, ``NimbusError``, ``Environment``, and ``Ref`` /
-``put`` (``nimbus.data``). Its subpackages, top down (the layers of DESIGN.md,
+``put`` / ``File`` (``nimbus.data``). Its subpackages, top down (the layers of DESIGN.md,
 pinned by tests/test_layers.py): ``cli``; the SDK and ``multiprocessing``;
 ``backends``; ``runtime``, ``service``, ``endpoint``, ``messaging``; the state store; ``protocol``, ``serialization``, ``wire``,
 ``config``, ``errors`` and the other plumbing.
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from nimbus.client import Client
-    from nimbus.data import Ref, put
+    from nimbus.data import File, Ref, put
     from nimbus.environments import Environment
     from nimbus.errors import NimbusError
     from nimbus.executor import Executor, Future
@@ -34,6 +34,7 @@ __all__ = [
     "Client",
     "Environment",
     "Executor",
+    "File",
     "Future",
     "NimbusError",
     "Ref",
@@ -50,6 +51,7 @@ _HOMES = {
     "Executor": "nimbus.executor",
     "Future": "nimbus.executor",
     "NimbusError": "nimbus.errors",
+    "File": "nimbus.data",
     "Ref": "nimbus.data",
     "put": "nimbus.data",
     "TaskRecord": "nimbus.records",

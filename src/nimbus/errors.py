@@ -54,8 +54,11 @@ or ``except TimeoutError`` written for the stdlib keeps working::
     │   ├── ReferenceLost (LookupError)       the object a Ref names is gone (its
     │   │                                     holder died or its lease ran out) and
     │   │                                     its task cannot be run again
-    │   └── DataAccessError (PermissionError) a Ref of another user, or of another
-    │                                         endpoint than the task's
+    │   ├── DataAccessError (PermissionError) a Ref of another user, or of another
+    │   │                                     endpoint than the task's
+    │   └── FileRefused (PermissionError)     a ``nimbus.File`` outside what its
+    │                                         endpoint exports, escaping it (``..``,
+    │                                         a symlink), or of an unknown endpoint
     └── WorkerLost (BrokenProcessPool)        the worker running a task died
         └── RuntimeClosed                     the runtime shut down under a task
 
@@ -82,6 +85,7 @@ __all__ = [
     "DataError",
     "DeserializationError",
     "EnvironmentBuildError",
+    "FileRefused",
     "MemoryLimitExceeded",
     "MessageDecodeError",
     "MessagingError",
@@ -342,6 +346,12 @@ class ReferenceLost(DataError, LookupError):
 class DataAccessError(DataError, PermissionError):
     """A reference was passed where it cannot be used: it belongs to another user, or
     it lives on another endpoint than the one the task runs on."""
+
+
+class FileRefused(DataError, PermissionError):
+    """A ``nimbus.File`` cannot be read or written: its path is outside the directories
+    its endpoint's owner exports (``exports`` in the endpoint's config), escapes them
+    with ``..`` or a symlink, or its endpoint is not known."""
 
 
 _make_lock = threading.Lock()

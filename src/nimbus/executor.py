@@ -282,6 +282,8 @@ class Executor(cf.Executor):
         environment: Environment | None = None,
         env: str = "",
     ) -> Future:
+        if data.has_files(args, kwargs):  # checked now, staged before the task (nimbus.File)
+            args, kwargs = data.stage_files(self, args, kwargs)
         if keep or data.uses_data(args, kwargs):
             return self._submit_data(fn, args, kwargs, timeout, keep, environment, env)
         if self._remote and self._scoped():  # on an endpoint: its user's store() in the task
@@ -524,6 +526,7 @@ class Executor(cf.Executor):
             for future in list(self._futures.values()):
                 if not future.running():
                     future.cancel()
+        data.close_sources(self)
         if self._endpoint is not None:
             if self._session is not None:
                 self._session.close()  # what was released is freed while tasks still run

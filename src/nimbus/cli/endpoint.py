@@ -83,6 +83,12 @@ def _provider_arguments(parser: argparse.ArgumentParser) -> None:
             flag, type=kind, dest=key, help=f"{text} (default: NIMBUS_{key.upper()})"
         )
     parser.add_argument("--exclusive", action="store_true", default=None, help="whole nodes")
+    parser.add_argument(
+        "--exports",
+        dest="data_exports",
+        metavar="DIR[:DIR...]",
+        help="directories tasks' nimbus.File may read and write here (NIMBUS_DATA_EXPORTS)",
+    )
 
 
 # -- each worker's limits (issue 19): units checked as the settings check them
@@ -110,7 +116,7 @@ def _limit(key: str, flag: str) -> Any:
 
 
 def _provider_values(args: argparse.Namespace) -> dict[str, object]:
-    keys = [*_PROVIDER_OPTIONS, "exclusive", *_LIMIT_OPTIONS]
+    keys = [*_PROVIDER_OPTIONS, "exclusive", *_LIMIT_OPTIONS, "data_exports"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -122,6 +128,8 @@ def _kept(settings: Settings) -> dict[str, Any]:
     kept["workers_per_node"] = kept["workers_per_node"] or 0
     for key in _LIMIT_OPTIONS:
         kept[key] = getattr(settings, key) or 0
+    dirs = [d for d in settings.data_exports.split(os.pathsep) if d.strip()]
+    kept["exports"] = os.pathsep.join(os.path.abspath(os.path.expanduser(d)) for d in dirs)
     return kept
 
 

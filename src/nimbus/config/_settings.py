@@ -287,6 +287,14 @@ class Settings:
         "each way's bandwidth of a worker's link, bits/s (200Mbit or 25MB/s; implies netns)",
     )
 
+    # -- files tasks may read and write (issue 21; nimbus.File)
+    data_exports: str = setting(
+        "",
+        c.text,
+        "directories an endpoint's files may be staged from and to (nimbus.File), "
+        "separated by ':'; kept as `exports` in the endpoint's config",
+    )
+
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():
             value = getattr(self, name)

@@ -6,6 +6,9 @@
     ex.map(fn, xs, keep=True)  --> futures whose results stay where they were made
     ex.submit(g, ref, future)  --> g runs with the objects read where it runs (run())
     inside a task: nimbus.data.store()  (the user's key-value store there)
+    ex.submit(fn, nimbus.File("lab:/data/x.h5"), out=nimbus.File("hpc:/r/{task_id}"))
+                               --> fn gets pathlib.Paths: staged in, cached per node
+                                   (``_file``); out= moved where it goes after the task
 
 What happens under each failure:
 
@@ -28,13 +31,16 @@ the service does not tell the agent whose a task is.
 Modules: ``_node`` (a node's object store: files in a private memory directory,
 mapped on read, leases as modification times), ``_ref`` (``Ref``, the client's
 sessions: counting, leases, freeing), ``_task`` (the worker side: resolving,
-keeping, ``store()``), ``_kv`` (the key-value store), ``_bind`` (the client side of a
+keeping, ``store()``), ``_kv`` (the key-value store), ``_file`` (``File``: staging,
+exports, the node's file cache), ``_bind`` (the client side of a
 task's arguments: dependencies, references, the session of an Executor).
 """
 
 from __future__ import annotations
 
 from nimbus.data._bind import bind, open_session, uses_data, waiting_on, when_done
+from nimbus.data._file import File, close_sources, has_files
+from nimbus.data._file import stage as stage_files
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore, default_root
 from nimbus.data._ref import LEASE, MAX_SCAN, Ref, Scope, Session, get, pure, put, register, session
@@ -43,15 +49,18 @@ from nimbus.data._task import free_objects, identity, renew_objects, run, store
 __all__ = [
     "LEASE",
     "MAX_SCAN",
+    "File",
     "KeyValue",
     "NodeStore",
     "Ref",
     "Scope",
     "Session",
     "bind",
+    "close_sources",
     "default_root",
     "free_objects",
     "get",
+    "has_files",
     "identity",
     "open_session",
     "pure",
@@ -60,6 +69,7 @@ __all__ = [
     "renew_objects",
     "run",
     "session",
+    "stage_files",
     "store",
     "uses_data",
     "waiting_on",

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from nimbus.data._file import File, Out, Staged
 from nimbus.data._ref import MAX_SCAN, Ref, Session, register, session
 from nimbus.errors import DataError
 
@@ -44,7 +45,10 @@ def _walk(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
 
 
 def _is_data(value: Any) -> bool:
-    return type(value) is Ref or isinstance(value, cf.Future)
+    return type(value) in _DATA or isinstance(value, cf.Future)
+
+
+_DATA = (Ref, File, Out, Staged)
 
 
 def uses_data(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

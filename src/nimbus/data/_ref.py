@@ -318,8 +318,8 @@ def register(
         elif found is not None:
             _sessions[endpoint] = found
         else:
-            if _sessions.get(endpoint) is closed:
-                del _sessions[endpoint]
+            if endpoint in _sessions and _sessions[endpoint] is closed:
+                del _sessions[endpoint]  # (closed None: an executor that never opened one)
             _openers.pop(endpoint, None)
 
 

@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any
 
+from nimbus.data._file import File, Out, Staged, finish_out, local_path
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore
 from nimbus.data._ref import MAX_SCAN, Ref, Scope, local_namespace, lost, new_id
@@ -33,8 +34,15 @@ def _node(namespace: str) -> NodeStore:
     return NodeStore(namespace)
 
 
+_FILES = (File, Staged, Out)
+
+
 def _resolve(value: Any, scope: Scope, seen: dict[str, Any], depth: int = 0) -> Any:
     kind = type(value)
+    if kind in _FILES:  # a pathlib.Path on this node
+        got = local_path(value, _node(scope.namespace).dir / "files", scope.endpoint)
+        seen[f"file:{id(value)}"] = (value, got)
+        return got
     if kind is Ref:
         got = seen.get(value.id, seen)
         if got is seen:
@@ -73,6 +81,10 @@ def run(fn: Any, scope: Scope, /, *args: Any, **kwargs: Any) -> Any:
             kwargs = {k: _resolve(v, scope, seen) for k, v in kwargs.items()}
         result = fn(*args, **kwargs)
         del args, kwargs
+        for key in [k for k in seen if k.startswith("file:")]:
+            marker, written = seen.pop(key)
+            if type(marker) is Out:  # out=File(...): the task's file moved where it goes
+                finish_out(marker, written, new_id())
         if not scope.keep:
             return result
         ref_id = new_id()

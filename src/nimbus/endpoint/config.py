@@ -66,6 +66,8 @@ class EndpointConfig:
     worker_cpus: float = 0.0
     worker_memory: int = 0
     worker_bandwidth: int = 0  # bits/s
+    # -- directories whose files tasks may read and write (nimbus.File), ':' between
+    exports: str = ""
 
     PROVIDER_KEYS = (
         "provider", "partition", "account", "qos", "nodes_per_block", "workers_per_node",
@@ -90,6 +92,10 @@ class EndpointConfig:
         if self.worker_bandwidth:
             out["NIMBUS_WORKER_BANDWIDTH"] = f"{self.worker_bandwidth}bit"
         return out
+
+    def export_dirs(self) -> list[Path]:
+        """The directories this endpoint exports to ``nimbus.File`` (none: nothing)."""
+        return [Path(d).expanduser() for d in self.exports.split(os.pathsep) if d.strip()]
 
     @property
     def blocks_file(self) -> Path:

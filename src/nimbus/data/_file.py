@@ -1,0 +1,337 @@
+"""Files as task arguments: ``nimbus.File("endpoint:path")`` and ``nimbus.File("path")``.
+
+::
+
+    ex.submit(fn, File("lab:/data/x.h5"))  client: lab known? path inside lab's exports?
+        the task's own endpoint, or this machine on the local runtime: read in place
+        another endpoint: a task there reads it (its owner's exports checked there),
+        its bytes put once in the task's endpoint's store, cached by (endpoint, path,
+        size, mtime): 16 tasks using one file transfer it once
+    worker: the argument is a ``pathlib.Path``: the file itself, or its copy in the
+        node's cache (``<node store>/files/``), size and sha256 checked when written
+    out=File("lab:/results/{task_id}.npz"): the task gets a local ``pathlib.Path`` to
+        write; after it ends the file is moved to the path (``{task_id}`` filled in),
+        inside the exports of the endpoint the task runs on
+
+Exports: ``exports`` in an endpoint's config (``endpoint.toml``), directories separated
+by ``:``; a path outside them, with ``..``, or leaving them through a symlink is refused
+(``FileRefused``). A file of this machine (``File("path")``) is the user's own: read as
+it is, by the local runtime, or sent from the client to a remote endpoint.
+
+Limits: ``out=`` writes only to the endpoint the task runs on (or this machine, on the
+local runtime); a file staged from another endpoint travels through the client's link
+(a task there reads it, the client puts it where the task runs).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import os
+import re
+import shutil
+import threading
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from nimbus.config import config_dir
+from nimbus.data._ref import Ref, new_id
+from nimbus.errors import DataError, FileRefused, NotFound
+
+__all__ = ["File", "Out", "Staged", "check_export", "exports_of", "read_export", "stage"]
+
+_SPEC = re.compile(r"^([A-Za-z0-9_.@-]{1,200}):(.+)$")
+
+
+@dataclass(frozen=True, init=False)
+class File:
+    """A file on an endpoint (``"endpoint:path"``) or on this machine (``"path"``).
+
+    As an argument, the task gets a ``pathlib.Path`` to it where it runs; as
+    ``out=``, a ``pathlib.Path`` to write, moved there after the task ends.
+    """
+
+    endpoint: str | None
+    path: str
+
+    def __init__(self, spec: str | os.PathLike[str]) -> None:
+        text = os.fspath(spec)
+        found = _SPEC.match(text) if isinstance(text, str) else None
+        endpoint, path = (found.group(1), found.group(2)) if found else (None, text)
+        if ".." in PurePosixPath(path).parts:
+            raise FileRefused(f"{text!r} has '..' in its path: name the file inside an export")
+        if endpoint is not None and not path.startswith("/"):
+            raise FileRefused(f"{text!r}: a path on an endpoint must be absolute")
+        object.__setattr__(self, "endpoint", endpoint)
+        object.__setattr__(self, "path", path if endpoint else os.path.abspath(path))
+
+    def __repr__(self) -> str:
+        return f"nimbus.File({(self.endpoint + ':' if self.endpoint else '') + self.path!r})"
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A file put in the task's endpoint's store (``ref``): the worker caches it as ``key``."""
+
+    refs: tuple[Ref, ...]  # its parts, in order
+    key: str
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Out:
+    """``out=File(...)``: where the task's file goes after it ends (``{task_id}`` filled)."""
+
+    endpoint: str | None  # the endpoint id it is checked against; None: this machine
+    template: str
+
+
+# ---------------------------------------------------------------- exports
+
+
+def exports_of(endpoint: str) -> tuple[str, list[Path]] | None:
+    """The name and exports of ``endpoint`` (a name or an id) if its config is here
+    (``<config dir>/endpoints/<name>/endpoint.toml``, as ``nimbus.endpoint.config``)."""
+    root = config_dir() / "endpoints"
+    for path in sorted(root.glob("*/endpoint.toml")) if root.is_dir() else ():
+        try:
+            config = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError):
+            continue
+        if endpoint in (config.get("name"), config.get("endpoint_id")):
+            dirs = str(config.get("exports", "")).split(os.pathsep)
+            return str(config["name"]), [Path(d).expanduser() for d in dirs if d.strip()]
+    return None
+
+
+def check_export(path: str, exports: list[Path], endpoint: str) -> Path:
+    """``path`` resolved, if it is inside one of ``exports``; else ``FileRefused``."""
+    if ".." in PurePosixPath(path).parts:
+        raise FileRefused(f"{endpoint}:{path} has '..' in its path")
+    real = Path(os.path.realpath(path))
+    for top in exports:
+        if real.is_relative_to(os.path.realpath(top)):
+            return real
+    shown = ", ".join(map(str, exports)) or "nothing"
+    escaped = " (a symlink leads out of them)" if Path(os.path.abspath(path)) != real else ""
+    raise FileRefused(
+        f"{endpoint}:{path} is outside the directories endpoint {endpoint!r} exports "
+        f"({shown}){escaped}; its owner lists them as `exports` in its endpoint.toml"
+    )
+
+
+def _exported(endpoint: str, path: str) -> Path:
+    found = exports_of(endpoint)
+    if found is None:
+        raise FileRefused(f"endpoint {endpoint!r} is not configured on this machine")
+    return check_export(path, found[1], found[0])
+
+
+def read_export(endpoint: str, path: str, offset: int, length: int, mtime: float) -> bytes:
+    """A task on the owning endpoint: ``length`` bytes of the file from ``offset``."""
+    real = _exported(endpoint, path)
+    with open(real, "rb") as f:
+        if os.fstat(f.fileno()).st_mtime != mtime:
+            raise DataError(f"{endpoint}:{path} changed while it was staged; submit again")
+        f.seek(offset)
+        return f.read(length)
+
+
+def stat_export(endpoint: str, path: str) -> tuple[int, float]:
+    """A task on the owning endpoint: the file's size and mtime (its cache key)."""
+    st = _exported(endpoint, path).stat()
+    return st.st_size, st.st_mtime
+
+
+# ---------------------------------------------------------------- the worker's side
+
+
+def local_path(value: File | Staged | Out, files: Path, here: str | None) -> Path:
+    """What the task gets for ``value``: a path on this node (``files``: its cache)."""
+    if type(value) is File:
+        if value.endpoint is None:
+            return Path(value.path)
+        return _exported(value.endpoint, value.path)
+    if type(value) is Staged:
+        return _cached(value, files)
+    files.mkdir(parents=True, exist_ok=True)
+    return files / f"out-{new_id()}"
+
+
+def _cached(staged: Staged, files: Path) -> Path:
+    from nimbus.data._task import _node  # the node store of the task's user
+
+    target = files / f"{staged.key}-{staged.name}"
+    try:
+        if target.stat().st_size == staged.size:
+            return target
+    except FileNotFoundError:
+        pass
+    node = _node(files.parent.name)
+    body = b"".join(bytes(node.read(ref.id)) for ref in staged.refs)
+    if len(body) != staged.size or hashlib.sha256(body).hexdigest() != staged.sha256:
+        raise DataError(
+            f"{staged.name}: {len(body)} bytes arrived, {staged.size} were sent, or their "
+            f"sha256 differs: the transfer was damaged; submit the task again"
+        )
+    files.mkdir(parents=True, exist_ok=True)
+    tmp = files / f".{new_id()}"
+    tmp.write_bytes(body)
+    tmp.replace(target)
+    return target
+
+
+def finish_out(out: Out, written: Path, task_id: str) -> None:
+    """After the task: move what it wrote to ``out``'s path (inside the exports)."""
+    path = out.template.replace("{task_id}", task_id)
+    if not written.exists():
+        raise DataError(f"the task wrote nothing to {written} (its out= file {path})")
+    target = Path(path) if out.endpoint is None else _exported(out.endpoint, path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(written, target)  # a rename, or a copy from the node's memory store
+
+
+# ---------------------------------------------------------------- the client's side
+
+_pool = cf.ThreadPoolExecutor(4, thread_name_prefix="nimbus-file")
+_parts = cf.ThreadPoolExecutor(4, thread_name_prefix="nimbus-file-part")  # puts at once
+_lock = threading.Lock()
+_cache: dict[tuple[str, str, str, int, float], cf.Future[Staged]] = {}
+
+
+def _endpoint_id(executor: Any, name: str) -> str:
+    client = getattr(executor._backend, "client", None)
+    if client is None:
+        if exports_of(name) is None:
+            raise FileRefused(f"endpoint {name!r} is not known here: no such endpoint")
+        return name
+    try:
+        info = client.get_endpoint(name)
+    except NotFound:
+        raise FileRefused(f"endpoint {name!r} is not known to the service") from None
+    if not info.get("online", True) and info["endpoint_id"] != executor_place(executor):
+        raise DataError(
+            f"endpoint {name!r} is offline: its files cannot be staged; start its agent "
+            f"(`nimbus endpoint start {name}`) and submit again"
+        )
+    return str(info["endpoint_id"])
+
+
+def executor_place(executor: Any) -> str:
+    return str(getattr(executor._backend, "endpoint_id", executor._endpoint))
+
+
+def _source(executor: Any, endpoint_id: str) -> Any:
+    with _lock:  # an Executor of the same user, to the file's endpoint
+        sources = executor.__dict__.setdefault("_file_sources", {})
+        if endpoint_id not in sources:
+            sources[endpoint_id] = type(executor)(endpoint=endpoint_id, settings=executor.settings)
+        return sources[endpoint_id]
+
+
+def close_sources(executor: Any) -> None:
+    for source in executor.__dict__.pop("_file_sources", {}).values():
+        source.shutdown(wait=False)
+
+
+TIMEOUT = 600.0  # seconds a part of a file may take to come from its endpoint
+
+
+def _answer(future: cf.Future[Any], file: File) -> Any:
+    try:
+        return future.result(timeout=TIMEOUT)
+    except cf.TimeoutError:
+        future.cancel()
+        raise DataError(
+            f"{file!r}: its endpoint did not answer within {TIMEOUT:.0f} s; is its agent "
+            f"running? Submit again once it is"
+        ) from None
+
+
+def _step(executor: Any) -> int:
+    """The size of the parts a file travels in: half what the service takes at once."""
+    client = getattr(executor._backend, "client", None)
+    limit = int(client.limits().get("max_payload", 0)) if client is not None else 0
+    return max(limit // 2, 64 * 1024) if limit else 64 * 1024 * 1024
+
+
+def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.Future[Staged]:
+    """The future of ``file`` staged into ``place``'s store (once per size and mtime)."""
+    from nimbus.data._ref import put
+
+    if source_id is None:
+        st = os.stat(file.path)
+        size, mtime = st.st_size, st.st_mtime
+    else:
+        asked = _source(executor, source_id).submit(stat_export, source_id, file.path)
+        size, mtime = _answer(asked, file)
+    key = (place, source_id or "", file.path, size, mtime)
+    step = _step(executor)
+    with _lock:
+        found = _cache.get(key)
+        if found is not None and not (found.done() and found.exception()):
+            return found
+
+        def transfer() -> Staged:
+            if source_id is None:
+                body = Path(file.path).read_bytes()
+                parts = [body[i : i + step] for i in range(0, len(body), step)] or [b""]
+            else:
+                source = _source(executor, source_id)
+                reads = [
+                    source.submit(read_export, source_id, file.path, i, step, mtime)
+                    for i in range(0, size, step)
+                ] or [source.submit(read_export, source_id, file.path, 0, 0, mtime)]
+                parts = [_answer(r, file) for r in reads]
+            sha = hashlib.sha256()
+            for part in parts:
+                sha.update(part)
+            name = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+            refs = tuple(_parts.map(lambda part: put(part, endpoint=place), parts))
+            total = sum(map(len, parts))
+            return Staged(refs, name, PurePosixPath(file.path).name, total, sha.hexdigest())
+
+        future = _cache[key] = _pool.submit(transfer)
+        if len(_cache) > 256:
+            _cache.pop(next(iter(_cache)))
+    return future
+
+
+def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``args`` and ``kwargs`` with their Files made ready for the task (checked now)."""
+    remote = executor._endpoint is not None
+    place = executor_place(executor) if remote else ""
+
+    def one(value: Any, out: bool = False) -> Any:
+        if type(value) is not File:
+            return value
+        owner = None if value.endpoint is None else _endpoint_id(executor, value.endpoint)
+        local = exports_of(owner) if owner is not None else None
+        if local is not None:  # its owner's config is here: refused now if outside
+            check_export(value.path, local[1], local[0])
+        if out:
+            if remote and owner != place:
+                raise DataError(
+                    f"out={value!r}: a task's file can be written only to the endpoint it "
+                    f"runs on ({executor._endpoint!r}) for now"
+                )
+            if not remote and value.endpoint is not None and local is None:
+                raise FileRefused(f"out={value!r}: endpoint {value.endpoint!r} is not here")
+            return Out(owner, value.path)
+        if not remote:
+            return value
+        if owner == place:  # on the task's own endpoint: read in place there
+            return File(f"{owner}:{value.path}")
+        return _fetch(executor, value, owner, place)
+
+    new_args = tuple(one(a) for a in args)
+    new_kwargs = {k: one(v, out=(k == "out")) for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def has_files(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return any(type(v) is File for v in (*args, *kwargs.values()))

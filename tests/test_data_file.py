@@ -1,0 +1,239 @@
+"""nimbus.File: files staged into tasks and out of them, exports, refusals.
+
+The local runtime (a file of this machine read in place), then a real service on
+loopback with two real endpoints: "vault" (exports a directory) and "lab".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import nimbus
+from nimbus import Client, Executor
+from nimbus.data import NodeStore
+from nimbus.data._file import Staged, _cache, check_export
+from nimbus.errors import DataError, FileRefused
+from service_support import EndpointProcess, Service
+
+
+def describe(path: Path) -> tuple[str, str, int, str]:
+    body = path.read_bytes()
+    return type(path).__name__, str(path), len(body), hashlib.sha256(body).hexdigest()
+
+
+def write(out: Path, n: int) -> str:
+    out.write_bytes(b"r" * n)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def ex() -> Iterator[Executor]:
+    with Executor(max_workers=2) as executor:
+        yield executor
+
+
+# ---------------------------------------------------------------- this machine
+
+
+def test_a_file_of_this_machine_is_its_path_in_the_task(ex: Executor, tmp_path: Path) -> None:
+    (tmp_path / "a.bin").write_bytes(b"x" * 5000)
+    kind, path, size, sha = ex.submit(describe, nimbus.File(str(tmp_path / "a.bin"))).result(60)
+    assert (kind, path, size) == ("PosixPath", str(tmp_path / "a.bin"), 5000)  # read in place
+    assert sha == hashlib.sha256(b"x" * 5000).hexdigest()
+
+
+def test_out_file_is_moved_to_its_path_after_the_task(ex: Executor, tmp_path: Path) -> None:
+    written = ex.submit(write, n=300, out=nimbus.File(str(tmp_path / "res" / "{task_id}.npz")))
+    local = written.result(60)
+    assert not Path(local).exists()  # the task's local path, moved once it ended
+    (result,) = (tmp_path / "res").iterdir()
+    assert result.suffix == ".npz" and result.read_bytes() == b"r" * 300
+
+
+def test_bad_files_are_refused_before_any_task(ex: Executor, tmp_path: Path) -> None:
+    with pytest.raises(FileRefused, match=r"'\.\.'"):
+        nimbus.File("lab:/data/../etc/passwd")
+    with pytest.raises(FileRefused, match="must be absolute"):
+        nimbus.File("lab:data/x")
+    with pytest.raises(FileRefused, match="'nowhere' is not known"):
+        ex.submit(describe, nimbus.File("nowhere:/x"))
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "secret").write_text("s")
+    (tmp_path / "exp" / "link").symlink_to(tmp_path / "secret")
+    with pytest.raises(FileRefused, match="a symlink leads out"):
+        check_export(str(tmp_path / "exp" / "link"), [tmp_path / "exp"], "e")
+    with pytest.raises(FileRefused, match="outside the directories"):
+        check_export(str(tmp_path / "secret"), [tmp_path / "exp"], "e")
+    assert check_export(str(tmp_path / "exp"), [tmp_path / "exp"], "e") == tmp_path / "exp"
+
+
+def test_a_damaged_transfer_fails_the_task_naming_it(ex: Executor) -> None:
+    ref = nimbus.put(b"y" * 100)
+    damaged = Staged((ref,), "k" * 32, "d.bin", 100, "0" * 64)  # the hash of other bytes
+    with pytest.raises(DataError, match="sha256 differs"):
+        ex.submit(describe, damaged).result(60)
+
+
+# ---------------------------------------------------------------- two endpoints
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("exported")
+
+
+@pytest.fixture(scope="module")
+def vault(service: Service, alice: Client, exported: Path) -> Iterator[EndpointProcess]:
+    endpoint = EndpointProcess(service, alice, "vault")
+    endpoint.config = dataclasses.replace(endpoint.config, exports=str(exported))
+    old = os.environ.get("XDG_CONFIG_HOME")
+    os.environ["XDG_CONFIG_HOME"] = service.env["XDG_CONFIG_HOME"]
+    try:
+        endpoint.config.save()
+    finally:
+        if old is None:
+            del os.environ["XDG_CONFIG_HOME"]
+        else:
+            os.environ["XDG_CONFIG_HOME"] = old
+    endpoint.start(alice)
+    yield endpoint
+    endpoint.stop()
+
+
+@pytest.fixture(scope="module")
+def on_lab(service: Service, alice: Client, lab: EndpointProcess) -> Iterator[Executor]:
+    with Executor(endpoint="lab", settings=service.user_settings(alice.token)) as executor:
+        yield executor
+
+
+def test_a_file_of_another_endpoint_is_staged_once_for_16_tasks(
+    on_lab: Executor, vault: EndpointProcess, lab: EndpointProcess, exported: Path
+) -> None:
+    body = os.urandom(2 * 1024 * 1024)
+    (exported / "run42.h5").write_bytes(body)
+    file = nimbus.File(f"vault:{exported}/run42.h5")
+    futures = [on_lab.submit(describe, file) for _ in range(16)]
+    results = {f.result(timeout=120) for f in futures}
+    assert len(results) == 1  # one cached copy on lab's node
+    kind, path, size, sha = results.pop()
+    assert (kind, size, sha) == ("PosixPath", len(body), hashlib.sha256(body).hexdigest())
+    assert Path(path).name.endswith("-run42.h5") and "/files/" in path
+    transfers = [k for k in _cache if k[2] == str(exported / "run42.h5")]
+    assert len(transfers) == 1  # transferred once
+    # a changed file (size, mtime) is a new cache entry: staged again
+    time.sleep(0.01)
+    (exported / "run42.h5").write_bytes(body[:1000])
+    assert on_lab.submit(describe, file).result(timeout=120)[2] == 1000
+
+
+def test_files_outside_an_endpoints_exports_are_refused(
+    on_lab: Executor, vault: EndpointProcess, exported: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "private.txt").write_text("no")
+    (exported / "escape").symlink_to(tmp_path / "private.txt")
+    # the owner's config is not on the client's machine: refused by vault, at submit
+    with pytest.raises(FileRefused, match="outside the directories endpoint 'vault' exports"):
+        on_lab.submit(describe, nimbus.File(f"vault:{tmp_path}/private.txt"))
+    with pytest.raises(FileRefused, match="a symlink leads out"):
+        on_lab.submit(describe, nimbus.File(f"vault:{exported}/escape"))
+    with pytest.raises(FileRefused, match="'nowhere' is not known to the service"):
+        on_lab.submit(describe, nimbus.File("nowhere:/data/x"))
+
+
+def test_out_file_on_the_tasks_endpoint_inside_its_exports(
+    service: Service, alice: Client, vault: EndpointProcess, exported: Path
+) -> None:
+    settings = service.user_settings(alice.token)
+    with Executor(endpoint="vault", settings=settings) as on_vault:
+        out = nimbus.File(f"vault:{exported}/results/{{task_id}}.npz")
+        on_vault.submit(write, n=4096, out=out).result(timeout=120)
+        (result,) = (exported / "results").iterdir()
+        assert result.read_bytes() == b"r" * 4096
+        bad = nimbus.File(f"vault:{exported.parent}/x/{{task_id}}.npz")
+        with pytest.raises(FileRefused, match="outside the directories"):
+            on_vault.submit(write, n=1, out=bad).result(timeout=120)
+        # a file on vault read in place by a task on vault
+        (exported / "here.bin").write_bytes(b"h" * 10)
+        got = on_vault.submit(describe, nimbus.File(f"vault:{exported}/here.bin")).result(120)
+        assert got[1] == str(exported / "here.bin")
+
+
+def test_out_file_to_another_endpoint_is_refused_at_submit(
+    on_lab: Executor, vault: EndpointProcess, exported: Path
+) -> None:
+    with pytest.raises(DataError, match="only to the endpoint it runs on"):
+        on_lab.submit(write, n=1, out=nimbus.File(f"vault:{exported}/r.npz"))
+
+
+def test_node_cache_is_in_the_users_store_on_the_node(
+    on_lab: Executor, lab: EndpointProcess
+) -> None:
+    place = nimbus.data.session(lab.endpoint_id)
+    files = NodeStore(place.namespace).dir / "files"
+    assert any(p.name.endswith("-run42.h5") for p in files.iterdir())
+
+
+def test_the_owners_config_here_refuses_before_any_task(
+    service: Service,
+    alice: Client,
+    vault: EndpointProcess,
+    exported: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", service.env["XDG_CONFIG_HOME"])  # vault's config
+    (tmp_path / "private.txt").write_text("no")
+    with Executor(endpoint="vault", settings=service.user_settings(alice.token)) as on_vault:
+        sent = on_vault.statistics()["bytes_sent"]
+        with pytest.raises(FileRefused, match="outside the directories endpoint 'vault'"):
+            on_vault.submit(describe, nimbus.File(f"vault:{tmp_path}/private.txt"))
+        with pytest.raises(FileRefused, match="outside the directories endpoint 'vault'"):
+            on_vault.submit(write, n=1, out=nimbus.File(f"vault:{tmp_path}/o.npz"))
+        assert on_vault.statistics()["bytes_sent"] == sent  # nothing was sent: no task ran
+
+
+def test_configure_keeps_the_exports_in_the_endpoint_file(
+    service: Service, alice: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nimbus.cli.endpoint import configure
+    from nimbus.data._file import exports_of
+
+    for key, value in service.env.items():
+        if key.startswith("NIMBUS_") or key == "XDG_CONFIG_HOME":
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("NIMBUS_SERVICE_URL", service.url)
+    monkeypatch.setenv("NIMBUS_TOKEN", alice.token)
+    monkeypatch.setenv("NIMBUS_DATA_EXPORTS", f"{tmp_path}/a:~/b")
+    monkeypatch.chdir(tmp_path)
+    config = configure("depot", None, None)
+    assert config.exports == f"{tmp_path}/a:{Path('~/b').expanduser()}"
+    assert exports_of("depot") == ("depot", [tmp_path / "a", Path("~/b").expanduser()])
+    assert exports_of(config.endpoint_id) == exports_of("depot")
+    config = configure("depot2", None, None, data_exports="rel")  # --exports rel
+    assert config.exports == str(tmp_path / "rel")
+
+
+def test_a_file_of_an_offline_endpoint_fails_at_once_not_a_hang(
+    service: Service, alice: Client, on_lab: Executor
+) -> None:
+    alice.register_endpoint("asleep")  # registered, its agent never started
+    start = time.monotonic()
+    with pytest.raises(DataError, match="'asleep' is offline"):
+        on_lab.submit(describe, nimbus.File("asleep:/data/x"))
+    assert time.monotonic() - start < 10
+
+
+def test_a_failed_transfer_fails_the_task_with_its_error(
+    on_lab: Executor, vault: EndpointProcess, exported: Path
+) -> None:
+    (exported / "a_directory").mkdir()  # stat works, reading it does not
+    future = on_lab.submit(describe, nimbus.File(f"vault:{exported}/a_directory"))
+    with pytest.raises(IsADirectoryError):
+        future.result(timeout=120)
