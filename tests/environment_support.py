@@ -24,7 +24,7 @@ from typing import Any
 
 from nimbus import serialization
 from nimbus.environments import Prepared
-from nimbus.runtime.manager import WORKER_MAIN, worker_environment
+from nimbus.runtime.pool import WORKER_MAIN, worker_environment
 from nimbus.runtime.messages import PYTHON, Kind, Status
 from nimbus.wire import Channel, pack, unpack
 

@@ -33,6 +33,7 @@ def test_public_names() -> None:
         "Client",
         "Environment",
         "Executor",
+        "File",
         "Future",
         "NimbusError",
         "Ref",
