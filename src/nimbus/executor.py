@@ -209,9 +209,11 @@ class Executor(cf.Executor):
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
+        progress: bool = False,
     ) -> Iterator[T]:
-        """Like ``concurrent.futures.ProcessPoolExecutor.map``: in order, ``chunksize`` per task."""
-        return _map(self.submit, fn, iterables, timeout, chunksize)
+        """Like ``concurrent.futures.ProcessPoolExecutor.map``: in order, ``chunksize`` per task;
+        ``progress=True`` draws a bar of the items done on stderr (``nimbus._progress``)."""
+        return _map(self.submit, fn, iterables, timeout, chunksize, progress)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking tasks; with ``cancel_futures`` drop those not yet running."""
@@ -313,8 +315,9 @@ class _Options(cf.Executor):
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
+        progress: bool = False,
     ) -> Iterator[T]:
-        return _map(self.submit, fn, iterables, timeout, chunksize)
+        return _map(self.submit, fn, iterables, timeout, chunksize, progress)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """A view owns nothing; shut down the executor itself."""
@@ -326,15 +329,27 @@ def _map(
     iterables: tuple[Iterable[Any], ...],
     timeout: float | None,
     chunksize: int,
+    progress: bool = False,
 ) -> Iterator[Any]:
     if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1:
         raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
     end = None if timeout is None else timeout + time.monotonic()
     if chunksize == 1:
         futures = [submit(fn, *args) for args in zip(*iterables, strict=False)]
+        sizes = [1] * len(futures)
     else:
         run = partial(_chunks.run_chunk, fn)
-        futures = [submit(run, chunk) for chunk in _chunks.chunks(iterables, chunksize)]
+        chunks = list(_chunks.chunks(iterables, chunksize))
+        futures = [submit(run, chunk) for chunk in chunks]
+        sizes = [len(chunk) for chunk in chunks]
+    if progress:
+        from nimbus import _progress
+
+        shown = _progress.bar(sum(sizes), f"map {getattr(fn, '__name__', 'fn')}")
+        for future, size in zip(futures, sizes):
+            future.add_done_callback(lambda f, n=size: shown.done(0 if f.cancelled() else n))
+    else:
+        shown = None
 
     def results() -> Iterator[Any]:
         try:
@@ -350,6 +365,8 @@ def _map(
         finally:
             for future in futures:
                 future.cancel()
+            if shown is not None:
+                shown.close()
 
     return results()
 
