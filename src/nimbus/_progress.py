@@ -12,9 +12,10 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from typing import IO, Any
 
-__all__ = ["Bar", "bar"]
+__all__ = ["Bar", "bar", "count"]
 
 
 class Bar:
@@ -102,9 +103,14 @@ def bar(total: int, label: str, plain: bool = False) -> Bar | _Tqdm:
     """A bar of ``total`` items: tqdm's if it is installed (and not ``plain``), else :class:`Bar`."""
     if not plain:
         try:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # type: ignore[import-untyped,unused-ignore]
         except ImportError:
             pass
         else:
             return _Tqdm(tqdm, total, label)
     return Bar(total, label)
+
+
+def count(shown: Bar | _Tqdm, size: int, future: Future[Any]) -> None:
+    """A done-callback: ``size`` items more, unless ``future`` was cancelled."""
+    shown.done(0 if future.cancelled() else size)

@@ -345,9 +345,9 @@ def _map(
     if progress:
         from nimbus import _progress
 
-        shown = _progress.bar(sum(sizes), f"map {getattr(fn, '__name__', 'fn')}")
+        shown: Any = _progress.bar(sum(sizes), f"map {getattr(fn, '__name__', 'fn')}")
         for future, size in zip(futures, sizes):
-            future.add_done_callback(lambda f, n=size: shown.done(0 if f.cancelled() else n))
+            future.add_done_callback(partial(_progress.count, shown, size))
     else:
         shown = None
 
