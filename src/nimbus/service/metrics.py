@@ -21,34 +21,132 @@ it, so each queued task's state is read), never by the task history.
 Labels carry endpoint ids only (UUIDs the service made), never a name a user
 chose: the page is open, as Prometheus scrapes it without a token.
 
-Not yet exposed (issue 20): tasks finished by state, latency histograms,
-blocks and per-endpoint network bytes; those need counters the task path
-keeps, and the task hashes expire.
+Tasks finished, their latency histograms and network bytes are counters the
+task path keeps (:func:`observe`, called where an agent's results are stored):
+one hash per endpoint in the queue Redis, ``...:endpoint:<id>:metrics``, whose
+fields are bucket counts (``wait:3``, ``run:16`` for +Inf), ``*:sum``,
+``*:count``, ``net_in``, ``net_out`` and ``done:<state>``, added to with
+HINCRBY by whichever service process stored the result. So the counters are
+the service's, not one process's: a scrape of any process reads the same
+totals, and they survive a restart of the service (not of its Redis). The
+queue wait is the service's own clock (submitted to dispatched, from the task
+hash); the run time is the worker's (started to ended, from its record).
+
+Not yet exposed: blocks (the service does not see an endpoint's provider).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import msgpack
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from nimbus.records import TaskState
+from nimbus.records import TaskRecord, TaskState
 from nimbus.service.context import ServiceContext
 from nimbus.service.registry import Endpoint, Registry
 
-__all__ = ["CONTENT_TYPE", "render", "router"]
+__all__ = ["BUCKETS", "CONTENT_TYPE", "metrics_key", "observe", "render", "router"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 EXACT_QUEUE = 2_000  # queued ids whose state is read (cancelled ones are not waiting)
 LIVE_STATES = (TaskState.WAITING, TaskState.DISPATCHED, TaskState.RUNNING)
 
+# seconds: from a fast function on a warm worker to an hour-long job
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+           1800.0, 3600.0)  # fmt: skip
+HISTOGRAMS = {
+    "wait": ("nimbus_task_queue_wait_seconds", "Seconds from submit to dispatch to an agent."),
+    "run": ("nimbus_task_run_seconds", "Seconds a task ran on its worker."),
+}
+
 router = APIRouter()
+
+
+def metrics_key(store: Any, endpoint_id: str) -> str:
+    """The hash of an endpoint's counters in the queue Redis."""
+    status: str = store.keys.endpoint_status(endpoint_id)
+    return status.removesuffix("status") + "metrics"
+
+
+def _bucket(seconds: float) -> int:
+    for i, bound in enumerate(BUCKETS):
+        if seconds <= bound:
+            return i
+    return len(BUCKETS)
+
+
+def _record(raw: object) -> TaskRecord | None:
+    try:
+        row = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else raw
+        return TaskRecord.from_wire(row) if isinstance(row, list) else None
+    except Exception:  # a record an agent sent broken: counted as finished only
+        return None
+
+
+async def observe(store: Any, endpoint_id: str, rows: Sequence[Any], stored: set[str]) -> None:
+    """Count the results ``rows`` (``ResultRow``) of ``endpoint_id`` whose ids are in
+    ``stored`` (the first result of each task): finished by state, queue wait, run time,
+    network bytes. Two round trips to the queue Redis a batch of results."""
+    rows = [row for row in rows if row.task_id in stored]
+    if not rows:
+        return
+    pipe = store.redis.pipeline(transaction=False)
+    for row in rows:
+        pipe.hmget(store.keys.task(row.task_id), ["submitted", "dispatched"])
+    times: list[Any] = await pipe.execute(raise_on_error=False)
+    counts: dict[str, float] = {}
+
+    def add(field: str, value: float) -> None:
+        counts[field] = counts.get(field, 0) + value
+
+    for row, stamps in zip(rows, times):
+        add(f"done:{row.state.value}", 1)
+        if not isinstance(stamps, Exception) and stamps[0] and stamps[1]:
+            try:
+                wait = max(0.0, float(stamps[1]) - float(stamps[0]))
+            except ValueError:
+                wait = -1.0
+            if wait >= 0:
+                add(f"wait:{_bucket(wait)}", 1)
+                add("wait:sum", wait)
+                add("wait:count", 1)
+        record = _record(row.record)
+        if record is not None and record.started and record.ended:
+            add(f"run:{_bucket(record.run_seconds)}", 1)
+            add("run:sum", record.run_seconds)
+            add("run:count", 1)
+        if record is not None:
+            add("net_in", max(0, int(record.net_bytes_in)))
+            add("net_out", max(0, int(record.net_bytes_out)))
+    key = metrics_key(store, endpoint_id)
+    pipe = store.redis.pipeline(transaction=False)
+    for field, value in counts.items():
+        if field.endswith(":sum"):
+            pipe.hincrbyfloat(key, field, value)
+        elif value:
+            pipe.hincrby(key, field, int(value))
+    await pipe.execute()
+
+
+def _histogram(name: str, help_text: str, kind: str, saved: dict[str, dict[bytes, bytes]]) -> str:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+    for endpoint_id, fields in saved.items():
+        total = 0
+        for i, bound in enumerate((*BUCKETS, float("inf"))):
+            total += int(fields.get(f"{kind}:{i}".encode(), b"0"))
+            le = "+Inf" if bound == float("inf") else _number(bound)
+            lines.append(f"{name}_bucket{_label(endpoint_id, le=le)} {total}")
+        sum_ = float(fields.get(f"{kind}:sum".encode(), b"0"))
+        lines.append(f"{name}_sum{_label(endpoint_id)} {_number(round(sum_, 6))}")
+        lines.append(f"{name}_count{_label(endpoint_id)} {total}")
+    return "\n".join(lines) + "\n"
 
 
 def _endpoint_ids(registry: Registry) -> list[str]:
@@ -86,13 +184,15 @@ async def render(ctx: ServiceContext) -> str:
         pipe.llen(keys.endpoint_queue(endpoint_id))
         pipe.hkeys(keys.endpoint_inflight(endpoint_id))
         pipe.hgetall(keys.endpoint_status(endpoint_id))
+        pipe.hgetall(metrics_key(store, endpoint_id))
     replies: list[Any] = await pipe.execute() if ids else []
     queued: dict[str, int] = {}
     inflight: dict[str, list[str]] = {}
     status: dict[str, dict[bytes, bytes]] = {}
     heads: dict[str, list[str]] = {}
+    counters: dict[str, dict[bytes, bytes]] = {}
     for i, endpoint_id in enumerate(ids):
-        head, length, held, status[endpoint_id] = replies[4 * i : 4 * i + 4]
+        head, length, held, status[endpoint_id], counters[endpoint_id] = replies[5 * i : 5 * i + 5]
         heads[endpoint_id] = [task_id.decode() for task_id in head]
         queued[endpoint_id] = int(length) - len(head)  # beyond EXACT_QUEUE: counted as waiting
         inflight[endpoint_id] = [task_id.decode() for task_id in held]
@@ -179,6 +279,27 @@ async def render(ctx: ServiceContext) -> str:
                 "gauge",
                 "Seconds since an endpoint's last heartbeat (absent if it never beat).",
                 [(_label(e), round(age, 3)) for e, age in beats.items()],
+            ),
+            _family(
+                "nimbus_endpoint_tasks_finished_total",
+                "counter",
+                "Tasks an endpoint finished, by state.",
+                [
+                    (_label(e, state=s.value), int(counters[e].get(f"done:{s.value}".encode(), 0)))
+                    for e in ids
+                    for s in (TaskState.SUCCESS, TaskState.FAILED)
+                ],
+            ),
+            *(_histogram(name, text, kind, counters) for kind, (name, text) in HISTOGRAMS.items()),
+            _family(
+                "nimbus_endpoint_net_bytes_total",
+                "counter",
+                "Bytes an endpoint's tasks moved over the network (their records), by direction.",
+                [
+                    (_label(e, direction=d), int(counters[e].get(f"net_{d}".encode(), 0)))
+                    for e in ids
+                    for d in ("in", "out")
+                ],
             ),
         ]
     )
