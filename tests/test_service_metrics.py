@@ -105,15 +105,17 @@ def move_bytes(n: int) -> int:
     """Send ``n`` bytes over TCP on loopback to itself: ``n`` out and ``n`` in, by sockets."""
     import socket
 
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        with socket.create_connection(server.getsockname()) as out:
-            conn, _ = server.accept()
-            with conn:
-                out.sendall(b"x" * n)
-                out.shutdown(socket.SHUT_WR)
-                got = 0
-                while chunk := conn.recv(65536):
-                    got += len(chunk)
+    got = 0
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        socket.create_connection(server.getsockname()) as out,
+    ):
+        conn, _ = server.accept()
+        with conn:
+            out.sendall(b"x" * n)
+            out.shutdown(socket.SHUT_WR)
+            while chunk := conn.recv(65536):
+                got += len(chunk)
     return got
 
 
@@ -140,7 +142,8 @@ def test_histograms_and_net_bytes_are_the_same_from_every_service_process(
             eid = agent.endpoint_id
         a, b = scrape(first), scrape(second)
         names = ("nimbus_task_run_seconds", "nimbus_task_queue_wait_seconds")
-        counted = {k: v for k, v in a.items() if k[0].startswith(names + ("nimbus_endpoint_n",))}
+        kept = (*names, "nimbus_endpoint_net_bytes", "nimbus_endpoint_tasks_finished")
+        counted = {k: v for k, v in a.items() if k[0].startswith(kept)}
         assert counted and counted == {k: b[k] for k in counted}  # any process: the same totals
         for name in names:
             buckets = buckets_of(a, name, eid)
