@@ -7,6 +7,7 @@
     GET  /tasks?state=&endpoint=&function=&after=   a keyset page of your tasks
     GET  /tasks/stream?state=&endpoint=&function=   server-sent events: rows that changed
     GET  /tasks/{task_id}       one task: its record, its traceback
+    GET  /network?endpoint=&after=  your tasks' bytes and throughput; endpoints' totals
     GET  /static/{name}         the JS and CSS in this package
 
 Without a session a page answers 303 to /login (the stream and static files
@@ -33,8 +34,9 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from nimbus.errors import AuthError, NotFound
+from nimbus.service import metrics
 from nimbus.service.context import ServiceContext
-from nimbus.service.dashboard import _session
+from nimbus.service.dashboard import _network, _session
 from nimbus.service.dashboard._html import Html, age, esc, join, layout, when
 from nimbus.service.dashboard._tasks import (
     STATES,
@@ -431,7 +433,11 @@ async def task_page(request: Request, task_id: str) -> Response:
             ("Queued", f"{record.queued_seconds:.3f} s"),
             ("CPU", f"{record.cpu_user:.3f} s user, {record.cpu_system:.3f} s system"),
             ("Peak memory", f"{record.peak_memory} bytes"),
-        ]
+            ("Network in", f"{_network.amount(record.net_bytes_in)}, "
+             f"{_network.rate(record.net_throughput_in)} ({record.net_source})"),
+            ("Network out", f"{_network.amount(record.net_bytes_out)}, "
+             f"{_network.rate(record.net_throughput_out)}"),
+        ]  # fmt: skip
     body = Html(
         '<table id="task" class="record">'
         + join(Html(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>") for k, v in fields)
@@ -449,6 +455,62 @@ async def task_page(request: Request, task_id: str) -> Response:
             )
         )
     return _html(layout(f"Task {task_id[:8]}", body, user.user_name, who.csrf))
+
+
+# ---------------------------------------------------------------- network
+
+
+@router.get("/network", response_model=None)
+async def network_page(request: Request) -> Response:
+    ctx = _ctx(request)
+    who = await _session.viewer(request, ctx)
+    if who is None:
+        return _to_login(request)
+    user = who.principal
+    flt = Filter(endpoint=request.query_params.get("endpoint", "")[:64])
+    after = decode_cursor(request.query_params.get("after", ""))
+    key = index(ctx.store, user.user_id, _is_admin(ctx, user))
+    rows, cursor = await page(ctx.store, key, flt, after, PAGE_SIZE)
+    records = await _network.net_rows(ctx.store, rows)
+    names = _Names(ctx, user)
+    nets = [
+        _network.NetRow(
+            row,
+            await names.function(row.function_id),
+            await names.endpoint(row.endpoint_id),
+            record,
+        )
+        for row, record in zip(rows, records)
+    ]
+    endpoints = await _endpoints(ctx, user)
+    pipe = ctx.store.redis.pipeline(transaction=False)
+    for info in endpoints:
+        pipe.hmget(metrics.metrics_key(ctx.store, info.id), ["net_in", "net_out"])
+    totals = await pipe.execute() if endpoints else []
+    summary = join(
+        Html(
+            f'<tr data-endpoint="{esc(info.id)}"><td><a href="/network?'
+            f'{esc(urlencode({"endpoint": info.id}))}">{esc(info.name)}</a></td>'
+            f"<td>{esc(_network.amount(int(got or 0)))}</td>"
+            f"<td>{esc(_network.amount(int(sent or 0)))}</td></tr>"
+        )
+        for info, (got, sent) in zip(endpoints, totals)
+    )
+    body = Html(
+        '<h2>Endpoints</h2><table id="endpoint-bytes"><thead><tr><th>Endpoint</th>'
+        f"<th>Bytes in</th><th>Bytes out</th></tr></thead><tbody>{summary}</tbody></table>"
+        f"<h2>Tasks</h2>{_network.table(nets)}"
+        "<p>From each task's record: bytes its processes moved (source <code>netns</code>: "
+        "every IP byte; <code>socket</code>: Python sockets only), throughput over its run "
+        "time, other tasks on its host, TCP retransmits and round trip.</p>"
+    )
+    if cursor:
+        query = {"endpoint": flt.endpoint} if flt.endpoint else {}
+        body = Html(
+            body + f'<p><a id="next" href="/network?{esc(urlencode(query | {"after": cursor}))}">'
+            "Older tasks</a></p>"
+        )
+    return _html(layout("Network", body, user.user_name, who.csrf))
 
 
 @router.get("/static/{name}")
