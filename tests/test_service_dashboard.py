@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from nimbus import Client
+from nimbus import Client, Executor
 from service_support import EndpointProcess, Service, service_env
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -313,3 +313,47 @@ def in_bytes(text: str) -> float:
     """``"301.2 kB"`` as bytes."""
     value, unit = text.split()
     return float(value) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
+
+
+def test_the_progress_of_a_map_shows_live(
+    service: Service, alice: Client, lab: EndpointProcess, browser: Any, tmp_path: Path
+) -> None:
+    login(browser, service, alice.token)
+    browser.find_element(By.LINK_TEXT, "Batches").click()
+    WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "live").text == "live")
+    before = {
+        r.get_attribute("data-group")
+        for r in browser.find_elements(By.CSS_SELECTOR, "tr[data-group]")
+    }
+    settings = service.user_settings(alice.token)
+    with Executor(endpoint="lab", settings=settings) as ex:
+        results = ex.map(nap, [0.4] * 8)  # 2 workers: about 1.6 s
+        new_row = WebDriverWait(browser, 5, poll_frequency=0.05).until(
+            lambda d: [
+                r
+                for r in d.find_elements(By.CSS_SELECTOR, "#batches tr[data-group]")
+                if r.get_attribute("data-group") not in before
+            ]
+        )
+        assert len(new_row) == 1  # the map's 8 tasks went in one batch
+        group = new_row[0].get_attribute("data-group")
+        selector = f'tr[data-group="{group}"]'
+        seen: set[str] = set()
+
+        def finished(d: Any) -> bool:  # read in one go: the live rows' cells are replaced
+            seen.add(
+                d.execute_script(f"return document.querySelector('{selector} .done').textContent")
+            )
+            return "8/8" in seen
+
+        WebDriverWait(browser, 30, poll_frequency=0.05).until(finished)
+        assert list(results) == [0.4] * 8
+    assert len(seen) >= 3, seen  # part-way counts showed while it ran, not only the end
+    row = browser.find_element(By.CSS_SELECTOR, selector)
+    assert row.find_element(By.CLASS_NAME, "counts").text == "8 success"
+    bar = row.find_element(By.TAG_NAME, "progress")
+    assert bar.get_attribute("value") == "8" and bar.get_attribute("max") == "8"
+    no_alert(browser)
+    screenshot(browser, tmp_path / "batches.png")
+    login(browser, service, service.token("mallory"), "/batches")  # nothing of alice's
+    assert not browser.find_elements(By.CSS_SELECTOR, selector)

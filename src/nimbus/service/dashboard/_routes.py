@@ -8,6 +8,7 @@
     GET  /tasks/stream?state=&endpoint=&function=   server-sent events: rows that changed
     GET  /tasks/{task_id}       one task: its record, its traceback
     GET  /network?endpoint=&after=  your tasks' bytes and throughput; endpoints' totals
+    GET  /batches, /batches/stream  progress of your recent batches (live: events)
     GET  /static/{name}         the JS and CSS in this package
 
 Without a session a page answers 303 to /login (the stream and static files
@@ -36,7 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from nimbus.errors import AuthError, NotFound
 from nimbus.service import metrics
 from nimbus.service.context import ServiceContext
-from nimbus.service.dashboard import _network, _session
+from nimbus.service.dashboard import _batches, _network, _session
 from nimbus.service.dashboard._html import Html, age, esc, join, layout, when
 from nimbus.service.dashboard._tasks import (
     STATES,
@@ -56,6 +57,7 @@ __all__ = ["router"]
 router = APIRouter(include_in_schema=False)
 PAGE_SIZE = 50
 TICK = 0.25  # seconds between looks at the live window of an open tasks page
+BATCH_TICK = 0.5  # seconds between looks at the batches of an open batches page
 RECHECK = 5.0  # seconds between checks that a stream's session still holds
 KEEPALIVE = 15.0
 HEADERS = {
@@ -511,6 +513,79 @@ async def network_page(request: Request) -> Response:
             "Older tasks</a></p>"
         )
     return _html(layout("Network", body, user.user_name, who.csrf))
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _counts(batch: _batches.Batch) -> str:
+    return ", ".join(f"{n} {state}" for state, n in sorted(batch.counts.items()))
+
+
+def _batch_row(batch: _batches.Batch) -> Html:
+    return Html(
+        f'<tr data-group="{esc(batch.group_id)}"><td>{esc(batch.group_id[:8])}</td>'
+        f"<td>{esc(when(batch.submitted))}</td>"
+        f'<td><progress max="{max(1, batch.total)}" value="{batch.done}"></progress></td>'
+        f'<td class="done">{batch.done}/{batch.total}</td>'
+        f'<td class="counts">{esc(_counts(batch))}</td></tr>'
+    )
+
+
+@router.get("/batches", response_model=None)
+async def batches_page(request: Request) -> Response:
+    ctx = _ctx(request)
+    who = await _session.viewer(request, ctx)
+    if who is None:
+        return _to_login(request)
+    user = who.principal
+    key = index(ctx.store, user.user_id, _is_admin(ctx, user))
+    batches = await _batches.recent(ctx.store, key)
+    body = Html(
+        '<p id="live" class="live">live</p>'
+        '<table id="batches" data-stream="/batches/stream"><thead><tr><th>Batch</th>'
+        "<th>Submitted</th><th>Progress</th><th>Done</th><th>States</th></tr></thead>"
+        f"<tbody>{join(_batch_row(b) for b in batches)}</tbody></table>"
+        "<p>A batch is what one submit sent: a <code>batch_run</code>, or the tasks an "
+        "<code>Executor.map</code> sent together. States are counted for the first "
+        f"{_batches.CAP} tasks of a batch.</p>"
+    )
+    return _html(layout("Batches", body, user.user_name, who.csrf))
+
+
+@router.get("/batches/stream", response_model=None)
+async def batches_stream(request: Request) -> Response:
+    ctx = _ctx(request)
+    who = await _session.viewer(request, ctx)
+    if who is None:
+        return Response(status_code=401, headers=HEADERS)
+    key = index(ctx.store, who.principal.user_id, _is_admin(ctx, who.principal))
+
+    async def events() -> Any:
+        sent: dict[str, dict[str, object]] = {}
+        checked = beat = time.monotonic()
+        yield "retry: 1000\n\n"
+        while not ctx.hub.closing:
+            batches = await _batches.recent(ctx.store, key)
+            for batch in reversed(batches):  # oldest first: the page inserts each on top
+                view = batch.as_dict() | {"submitted": when(batch.submitted)}
+                view["states"] = _counts(batch)
+                if sent.get(batch.group_id) != view:
+                    sent[batch.group_id] = view
+                    yield f"event: batch\ndata: {json.dumps(view)}\n\n"
+            keep = {batch.group_id for batch in batches}
+            sent = {k: v for k, v in sent.items() if k in keep}
+            now = time.monotonic()
+            if now - beat > KEEPALIVE:
+                beat = now
+                yield ": keepalive\n\n"
+            if now - checked > RECHECK:
+                checked = now
+                if await _session.viewer(request, ctx) is None:
+                    return
+            await asyncio.sleep(BATCH_TICK)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
 
 
 @router.get("/static/{name}")
