@@ -38,6 +38,7 @@ Not yet exposed: blocks (the service does not see an endpoint's provider).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -75,13 +76,6 @@ def metrics_key(store: Any, endpoint_id: str) -> str:
     return status.removesuffix("status") + "metrics"
 
 
-def _bucket(seconds: float) -> int:
-    for i, bound in enumerate(BUCKETS):
-        if seconds <= bound:
-            return i
-    return len(BUCKETS)
-
-
 def _record(raw: object) -> TaskRecord | None:
     try:
         row = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else raw
@@ -90,49 +84,63 @@ def _record(raw: object) -> TaskRecord | None:
         return None
 
 
+_OBSERVE = """
+local bounds = cmsgpack.unpack(ARGV[2])
+local add = {}
+local function bucket(x)
+  for i, b in ipairs(bounds) do
+    if x <= b then return i - 1 end
+  end
+  return #bounds
+end
+local function inc(field, n) add[field] = (add[field] or 0) + n end
+for _, r in ipairs(cmsgpack.unpack(ARGV[3])) do
+  inc('done:' .. r[2], 1)
+  local t = redis.call('HMGET', ARGV[1] .. r[1], 'submitted', 'dispatched')
+  local s, d = tonumber(t[1]), tonumber(t[2])
+  if s and d and d > 0 then
+    local wait = math.max(0, d - s)
+    inc('wait:' .. bucket(wait), 1); inc('wait:sum', wait); inc('wait:count', 1)
+  end
+  if r[3] >= 0 then
+    inc('run:' .. bucket(r[3]), 1); inc('run:sum', r[3]); inc('run:count', 1)
+  end
+  inc('net_in', r[4]); inc('net_out', r[5])
+end
+for field, n in pairs(add) do
+  if string.sub(field, -4) == ':sum' then
+    redis.call('HINCRBYFLOAT', KEYS[1], field, tostring(n))
+  elseif n ~= 0 then
+    redis.call('HINCRBY', KEYS[1], field, n)
+  end
+end
+return 0
+"""
+_scripts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # per client
+
+
 async def observe(store: Any, endpoint_id: str, rows: Sequence[Any], stored: set[str]) -> None:
     """Count the results ``rows`` (``ResultRow``) of ``endpoint_id`` whose ids are in
     ``stored`` (the first result of each task): finished by state, queue wait, run time,
-    network bytes. Two round trips to the queue Redis a batch of results."""
-    rows = [row for row in rows if row.task_id in stored]
-    if not rows:
-        return
-    pipe = store.redis.pipeline(transaction=False)
+    network bytes. One script call on the queue Redis a batch of results."""
+    out = []
     for row in rows:
-        pipe.hmget(store.keys.task(row.task_id), ["submitted", "dispatched"])
-    times: list[Any] = await pipe.execute(raise_on_error=False)
-    counts: dict[str, float] = {}
-
-    def add(field: str, value: float) -> None:
-        counts[field] = counts.get(field, 0) + value
-
-    for row, stamps in zip(rows, times):
-        add(f"done:{row.state.value}", 1)
-        if not isinstance(stamps, Exception) and stamps[0] and stamps[1]:
-            try:
-                wait = max(0.0, float(stamps[1]) - float(stamps[0]))
-            except ValueError:
-                wait = -1.0
-            if wait >= 0:
-                add(f"wait:{_bucket(wait)}", 1)
-                add("wait:sum", wait)
-                add("wait:count", 1)
+        if row.task_id not in stored:
+            continue
         record = _record(row.record)
-        if record is not None and record.started and record.ended:
-            add(f"run:{_bucket(record.run_seconds)}", 1)
-            add("run:sum", record.run_seconds)
-            add("run:count", 1)
-        if record is not None:
-            add("net_in", max(0, int(record.net_bytes_in)))
-            add("net_out", max(0, int(record.net_bytes_out)))
-    key = metrics_key(store, endpoint_id)
-    pipe = store.redis.pipeline(transaction=False)
-    for field, value in counts.items():
-        if field.endswith(":sum"):
-            pipe.hincrbyfloat(key, field, value)
-        elif value:
-            pipe.hincrby(key, field, int(value))
-    await pipe.execute()
+        run = record.run_seconds if record is not None and record.started else -1.0
+        net_in = max(0, int(record.net_bytes_in)) if record is not None else 0
+        net_out = max(0, int(record.net_bytes_out)) if record is not None else 0
+        out.append([row.task_id, row.state.value, float(run), net_in, net_out])
+    if not out:
+        return
+    script = _scripts.get(store.redis)
+    if script is None:
+        script = _scripts[store.redis] = store.redis.register_script(_OBSERVE)
+    await script(
+        keys=[metrics_key(store, endpoint_id)],
+        args=[store.keys.task(""), msgpack.packb(list(BUCKETS)), msgpack.packb(out)],
+    )
 
 
 def _histogram(name: str, help_text: str, kind: str, saved: dict[str, dict[bytes, bytes]]) -> str:
