@@ -327,7 +327,7 @@ def test_the_progress_of_a_map_shows_live(
     }
     settings = service.user_settings(alice.token)
     with Executor(endpoint="lab", settings=settings) as ex:
-        results = ex.map(nap, [0.4] * 8)  # 2 workers: about 1.6 s
+        results = ex.map(nap, [0.5] * 12)  # 2 workers: about 3 s
         new_row = WebDriverWait(browser, 5, poll_frequency=0.05).until(
             lambda d: [
                 r
@@ -335,7 +335,7 @@ def test_the_progress_of_a_map_shows_live(
                 if r.get_attribute("data-group") not in before
             ]
         )
-        assert len(new_row) == 1  # the map's 8 tasks went in one batch
+        assert len(new_row) == 1  # the map's 12 tasks went in one batch
         group = new_row[0].get_attribute("data-group")
         selector = f'tr[data-group="{group}"]'
         seen: set[str] = set()
@@ -344,15 +344,15 @@ def test_the_progress_of_a_map_shows_live(
             seen.add(
                 d.execute_script(f"return document.querySelector('{selector} .done').textContent")
             )
-            return "8/8" in seen
+            return "12/12" in seen
 
         WebDriverWait(browser, 30, poll_frequency=0.05).until(finished)
-        assert list(results) == [0.4] * 8
+        assert list(results) == [0.5] * 12
     assert len(seen) >= 3, seen  # part-way counts showed while it ran, not only the end
     row = browser.find_element(By.CSS_SELECTOR, selector)
-    assert row.find_element(By.CLASS_NAME, "counts").text == "8 success"
+    assert row.find_element(By.CLASS_NAME, "counts").text == "12 success"
     bar = row.find_element(By.TAG_NAME, "progress")
-    assert bar.get_attribute("value") == "8" and bar.get_attribute("max") == "8"
+    assert bar.get_attribute("value") == "12" and bar.get_attribute("max") == "12"
     no_alert(browser)
     screenshot(browser, tmp_path / "batches.png")
     login(browser, service, service.token("mallory"), "/batches")  # nothing of alice's

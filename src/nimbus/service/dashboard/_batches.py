@@ -11,7 +11,7 @@ A group is what one submit sent: a ``Client.batch_run``, or the tasks an
 ``Executor.map`` are all its tasks up to the batch size. States are read for
 the first ``CAP`` tasks of a group; a larger group's counts are of those (the
 page says so). The cost of a look is bounded by RECENT + GROUPS x CAP,
-whatever the history holds.
+whatever the history holds; the live stream reads a finished batch once.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from nimbus.service.queues import TaskStore
 
 __all__ = ["Batch", "recent"]
 
-RECENT = 1000  # newest task ids whose group is read
+RECENT = 500  # newest task ids whose group is read
 GROUPS = 20  # groups shown
-CAP = 5000  # task states read of one group
+CAP = 1000  # task states read of one group
 DONE = tuple(state.value for state in TaskState if state.done)
 
 
@@ -54,9 +54,13 @@ class Batch:
         }
 
 
-async def recent(store: TaskStore, key: str, endpoint: str = "") -> list[Batch]:
+async def recent(
+    store: TaskStore, key: str, endpoint: str = "", finished: dict[str, Batch] | None = None
+) -> list[Batch]:
     """The newest ``GROUPS`` groups among the newest ``RECENT`` tasks of the index ``key``
-    (of ``endpoint`` only, if given), newest first, with their tasks' states counted."""
+    (of ``endpoint`` only, if given), newest first, with their tasks' states counted;
+    groups in ``finished`` (every task done when last read) are given as they were, unread."""
+    finished = finished or {}
     members = await store.redis.zrevrange(key, 0, RECENT - 1, withscores=True)
     pipe = store.redis.pipeline(transaction=False)
     for member, _ in members:
@@ -75,14 +79,18 @@ async def recent(store: TaskStore, key: str, endpoint: str = "") -> list[Batch]:
             batches[group] = Batch(group, float(score), 0)
     if not batches:
         return []
-    pipe = store.redis.pipeline(transaction=False)
     for group in batches:
-        pipe.llen(store.keys.group(group))
-        pipe.lrange(store.keys.group(group), 0, CAP - 1)
-    listed = await pipe.execute()
+        if group in finished:
+            batches[group] = finished[group]
+    todo = [batch for group, batch in batches.items() if group not in finished]
+    pipe = store.redis.pipeline(transaction=False)
+    for batch in todo:
+        pipe.llen(store.keys.group(batch.group_id))
+        pipe.lrange(store.keys.group(batch.group_id), 0, CAP - 1)
+    listed = await pipe.execute() if todo else []
     pipe = store.redis.pipeline(transaction=False)
     order: list[str] = []
-    for i, batch in enumerate(batches.values()):
+    for i, batch in enumerate(todo):
         batch.total = int(listed[2 * i])
         for task_id in listed[2 * i + 1]:
             pipe.hget(store.keys.task(task_id.decode()), "state")

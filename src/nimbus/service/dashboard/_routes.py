@@ -57,7 +57,7 @@ __all__ = ["router"]
 router = APIRouter(include_in_schema=False)
 PAGE_SIZE = 50
 TICK = 0.25  # seconds between looks at the live window of an open tasks page
-BATCH_TICK = 0.5  # seconds between looks at the batches of an open batches page
+BATCH_TICK = 1.0  # seconds between looks at the batches of an open batches page
 RECHECK = 5.0  # seconds between checks that a stream's session still holds
 KEEPALIVE = 15.0
 HEADERS = {
@@ -563,10 +563,12 @@ async def batches_stream(request: Request) -> Response:
 
     async def events() -> Any:
         sent: dict[str, dict[str, object]] = {}
+        finished: dict[str, _batches.Batch] = {}
         checked = beat = time.monotonic()
         yield "retry: 1000\n\n"
         while not ctx.hub.closing:
-            batches = await _batches.recent(ctx.store, key)
+            batches = await _batches.recent(ctx.store, key, finished=finished)
+            finished = {b.group_id: b for b in batches if b.total and b.done == b.total}
             for batch in reversed(batches):  # oldest first: the page inserts each on top
                 view = batch.as_dict() | {"submitted": when(batch.submitted)}
                 view["states"] = _counts(batch)
