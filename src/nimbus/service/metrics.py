@@ -37,6 +37,7 @@ Not yet exposed: blocks (the service does not see an endpoint's provider).
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -68,6 +69,7 @@ HISTOGRAMS = {
 }
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 
 def metrics_key(store: Any, endpoint_id: str) -> str:
@@ -137,10 +139,15 @@ async def observe(store: Any, endpoint_id: str, rows: Sequence[Any], stored: set
     script = _scripts.get(store.redis)
     if script is None:
         script = _scripts[store.redis] = store.redis.register_script(_OBSERVE)
-    await script(
-        keys=[metrics_key(store, endpoint_id)],
-        args=[store.keys.task(""), msgpack.packb(list(BUCKETS)), msgpack.packb(out)],
-    )
+    try:
+        await script(
+            keys=[metrics_key(store, endpoint_id)],
+            args=[store.keys.task(""), msgpack.packb(list(BUCKETS)), msgpack.packb(out)],
+        )
+    except Exception as exc:  # counters missed, never results: the task path goes on
+        log.warning(
+            "metrics of %d results of endpoint %s not counted: %s", len(out), endpoint_id, exc
+        )
 
 
 def _histogram(name: str, help_text: str, kind: str, saved: dict[str, dict[bytes, bytes]]) -> str:
