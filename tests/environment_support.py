@@ -24,8 +24,8 @@ from typing import Any
 
 from nimbus import serialization
 from nimbus.environments import Prepared
-from nimbus.runtime.pool import WORKER_MAIN, worker_environment
 from nimbus.runtime.messages import PYTHON, Kind, Status
+from nimbus.runtime.pool import WORKER_MAIN, worker_environment
 from nimbus.wire import Channel, pack, unpack
 
 IMAGE = "localhost/nimbus-test-base:1"

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from nimbus import Client
+from nimbus import Client, Executor
 from service_support import EndpointProcess, Service, service_env
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -58,6 +58,28 @@ hostile.__name__ = hostile.__qualname__ = XSS  # the name the dashboard shows
 
 def raises(message: str) -> None:
     raise ValueError(message)
+
+
+def ship(n: int) -> int:
+    """Send ``n`` bytes over TCP on loopback to itself (``n`` out, ``n`` in), over 0.2 s."""
+    import socket
+
+    got = 0
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        socket.create_connection(server.getsockname()) as out,
+    ):
+        conn, _ = server.accept()
+        with conn:
+            out.sendall(b"x" * n)
+            out.shutdown(socket.SHUT_WR)
+            while chunk := conn.recv(65536):
+                got += len(chunk)
+    time.sleep(0.2)
+    return got
+
+
+ship.__name__ = ship.__qualname__ = XSS + "ship"
 
 
 @pytest.fixture(scope="module")
@@ -179,10 +201,10 @@ def test_an_unauthorised_user_gets_nothing(
     task_id = alice.run(hostile, endpoint="lab")
     alice.get_result(task_id, timeout=30)
     browser.delete_all_cookies()
-    for path in ("/", "/tasks", f"/tasks/{task_id}"):  # nobody: the login form only
+    for path in ("/", "/tasks", f"/tasks/{task_id}", "/network"):  # nobody: the login form
         browser.get(service.url + path)
         assert "/login" in browser.current_url, path
-        assert not browser.find_elements(By.CSS_SELECTOR, "#task, #tasks, #endpoints")
+        assert not browser.find_elements(By.CSS_SELECTOR, "#task, #tasks, #endpoints, #network")
         assert XSS not in browser.page_source and lab.endpoint_id not in browser.page_source
     browser.find_element(By.NAME, "token").send_keys("nimbus_not-a-token")
     browser.find_element(By.CSS_SELECTOR, "form.login button").click()
@@ -250,3 +272,88 @@ def test_the_admin_sees_every_endpoint_and_task(
     assert XSS in browser.find_element(By.ID, "task").text
     no_alert(browser)
     screenshot(browser, tmp_path / "admin.png")
+
+
+def test_network_page_shows_bytes_and_throughput_of_each_task(
+    service: Service, alice: Client, lab: EndpointProcess, browser: Any, tmp_path: Path
+) -> None:
+    task_id = alice.run(ship, 300_000, endpoint="lab")
+    assert alice.get_result(task_id, timeout=30) == 300_000
+    record = alice.get_task(task_id)["record"]
+    login(browser, service, alice.token)
+    browser.find_element(By.LINK_TEXT, "Network").click()
+    WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith("/network"))
+    row = browser.find_element(By.CSS_SELECTOR, f'#network tr[data-task="{task_id}"]')
+    cells = [cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
+    assert cells[1] == XSS + "ship" and cells[2] == "lab" and cells[3] == "success"
+    assert record["net_bytes_in"] >= 300_000 and record["net_bytes_out"] >= 300_000
+    assert abs(in_bytes(cells[5]) - record["net_bytes_in"]) <= 100  # shown as kB, 1 decimal
+    assert abs(in_bytes(cells[6]) - record["net_bytes_out"]) <= 100
+    rate_in = record["net_bytes_in"] / (record["ended"] - record["started"])
+    shown_rate = cells[7].removesuffix("/s")
+    half_a_digit = in_bytes("0.05 " + shown_rate.split()[1])  # one decimal shown
+    assert abs(in_bytes(shown_rate) - rate_in) <= half_a_digit + 1, (cells[7], rate_in)
+    assert cells[9] == record["net_source"]
+    total = browser.find_element(
+        By.CSS_SELECTOR, f'#endpoint-bytes tr[data-endpoint="{lab.endpoint_id}"]'
+    )
+    name, got, sent = [cell.text for cell in total.find_elements(By.TAG_NAME, "td")]
+    assert name == "lab" and in_bytes(got) >= 300_000 and in_bytes(sent) >= 300_000
+    no_alert(browser)
+    screenshot(browser, tmp_path / "network.png")
+    row.find_element(By.LINK_TEXT, task_id[:8]).click()  # -> the task, with its bytes
+    WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith(f"/tasks/{task_id}"))
+    assert "Network in" in browser.find_element(By.ID, "task").text
+    login(browser, service, service.token("mallory"), "/network")  # nothing of alice's
+    assert task_id not in browser.page_source and XSS not in browser.page_source
+    assert not browser.find_elements(By.CSS_SELECTOR, f'tr[data-endpoint="{lab.endpoint_id}"]')
+
+
+def in_bytes(text: str) -> float:
+    """``"301.2 kB"`` as bytes."""
+    value, unit = text.split()
+    return float(value) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
+
+
+def test_the_progress_of_a_map_shows_live(
+    service: Service, alice: Client, lab: EndpointProcess, browser: Any, tmp_path: Path
+) -> None:
+    login(browser, service, alice.token)
+    browser.find_element(By.LINK_TEXT, "Batches").click()
+    WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "live").text == "live")
+    before = {
+        r.get_attribute("data-group")
+        for r in browser.find_elements(By.CSS_SELECTOR, "tr[data-group]")
+    }
+    settings = service.user_settings(alice.token)
+    with Executor(endpoint="lab", settings=settings) as ex:
+        results = ex.map(nap, [0.5] * 12)  # 2 workers: about 3 s
+        new_row = WebDriverWait(browser, 5, poll_frequency=0.05).until(
+            lambda d: [
+                r
+                for r in d.find_elements(By.CSS_SELECTOR, "#batches tr[data-group]")
+                if r.get_attribute("data-group") not in before
+            ]
+        )
+        assert len(new_row) == 1  # the map's 12 tasks went in one batch
+        group = new_row[0].get_attribute("data-group")
+        selector = f'tr[data-group="{group}"]'
+        seen: set[str] = set()
+
+        def finished(d: Any) -> bool:  # read in one go: the live rows' cells are replaced
+            seen.add(
+                d.execute_script(f"return document.querySelector('{selector} .done').textContent")
+            )
+            return "12/12" in seen
+
+        WebDriverWait(browser, 30, poll_frequency=0.05).until(finished)
+        assert list(results) == [0.5] * 12
+    assert len(seen) >= 3, seen  # part-way counts showed while it ran, not only the end
+    row = browser.find_element(By.CSS_SELECTOR, selector)
+    assert row.find_element(By.CLASS_NAME, "counts").text == "12 success"
+    bar = row.find_element(By.TAG_NAME, "progress")
+    assert bar.get_attribute("value") == "12" and bar.get_attribute("max") == "12"
+    no_alert(browser)
+    screenshot(browser, tmp_path / "batches.png")
+    login(browser, service, service.token("mallory"), "/batches")  # nothing of alice's
+    assert not browser.find_elements(By.CSS_SELECTOR, selector)

@@ -5,9 +5,14 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
+from pathlib import Path
+
+import pytest
 
 from nimbus import Client
-from service_support import EndpointProcess, Service
+from nimbus.service.metrics import BUCKETS
+from nimbus.statestore import StateStore
+from service_support import EndpointProcess, Service, free_port, service_env
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_]+="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 
@@ -23,7 +28,9 @@ def parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     typed: set[str] = set()
     for line in text.splitlines():
         if line.startswith("# TYPE "):
-            typed.add(line.split()[2])
+            _, _, family, kind = line.split()
+            suffixes = ("_bucket", "_sum", "_count") if kind == "histogram" else ("",)
+            typed.update(family + suffix for suffix in suffixes)
             continue
         if line.startswith("# HELP "):
             continue
@@ -92,3 +99,87 @@ def test_metrics_count_tasks_endpoints_and_heartbeats(
     m = scrape(service)
     assert m[("nimbus_endpoint_queue_depth", ep(offline.endpoint_id))] == 0
     assert m[("nimbus_endpoint_tasks", ep(lab.endpoint_id, state="waiting-for-endpoint"))] == 0
+
+
+def move_bytes(n: int) -> int:
+    """Send ``n`` bytes over TCP on loopback to itself: ``n`` out and ``n`` in, by sockets."""
+    import socket
+
+    got = 0
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        socket.create_connection(server.getsockname()) as out,
+    ):
+        conn, _ = server.accept()
+        with conn:
+            out.sendall(b"x" * n)
+            out.shutdown(socket.SHUT_WR)
+            while chunk := conn.recv(65536):
+                got += len(chunk)
+    return got
+
+
+def test_histograms_and_net_bytes_are_the_same_from_every_service_process(
+    tmp_path: Path,
+) -> None:
+    store = StateStore.open(None, tmp_path / "redis")  # the queue Redis both processes share
+    root = tmp_path / "svc"
+    root.mkdir()
+    env = service_env(root, NIMBUS_REDIS_URL=store.url)
+    first = Service(root, env, port=free_port()).start()
+    second = Service(root, env, port=free_port()).start()  # same registry, same Redis
+    agent = None
+    try:
+        with first.client(first.token("hugo")) as client:
+            agent = EndpointProcess(first, client, "histo").start(client)
+            naps = client.batch_run(nap, [(0.3,)] * 3, endpoint="histo")
+            moved = client.run(move_bytes, 100_000, endpoint="histo")
+            bad = client.run(int, "x", endpoint="histo")
+            assert [client.get_result(i, timeout=60) for i in naps] == [0.3] * 3
+            assert client.get_result(moved, timeout=60) == 100_000
+            with pytest.raises(ValueError):
+                client.get_result(bad, timeout=60)
+            eid = agent.endpoint_id
+        a, b = scrape(first), scrape(second)
+        names = ("nimbus_task_run_seconds", "nimbus_task_queue_wait_seconds")
+        kept = (*names, "nimbus_endpoint_net_bytes", "nimbus_endpoint_tasks_finished")
+        counted = {k: v for k, v in a.items() if k[0].startswith(kept)}
+        assert counted and counted == {k: b[k] for k in counted}  # any process: the same totals
+        for name in names:
+            buckets = buckets_of(a, name, eid)
+            assert buckets[-1][0] == float("inf") and len(buckets) == len(BUCKETS) + 1
+            values = [value for _, value in buckets]
+            assert values == sorted(values)  # cumulative
+            assert a[(f"{name}_count", ep(eid))] == values[-1] == 5
+        run = dict(buckets_of(a, "nimbus_task_run_seconds", eid))
+        assert run[0.25] <= 2 and run[0.5] == 5  # the three naps of 0.3 s sit in (0.25, 0.5]
+        assert 0.9 <= a[("nimbus_task_run_seconds_sum", ep(eid))] < 2.0
+        assert a[("nimbus_task_queue_wait_seconds_sum", ep(eid))] >= 0
+        assert a[("nimbus_endpoint_tasks_finished_total", ep(eid, state="success"))] == 4
+        assert a[("nimbus_endpoint_tasks_finished_total", ep(eid, state="failed"))] == 1
+        record = client_record(first, moved)
+        assert record["net_bytes_out"] >= 100_000 and record["net_bytes_in"] >= 100_000
+        for d in ("in", "out"):
+            assert a[("nimbus_endpoint_net_bytes_total", ep(eid, direction=d))] >= 100_000
+    finally:
+        if agent is not None:
+            agent.stop()
+        second.stop()
+        first.stop()
+        store.close()
+
+
+def buckets_of(
+    m: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, eid: str
+) -> list[tuple[float, float]]:
+    return sorted(
+        (float(dict(labels)["le"]), value)
+        for (sample, labels), value in m.items()
+        if sample == f"{name}_bucket" and ("endpoint_id", eid) in labels
+    )
+
+
+def client_record(service: Service, task_id: str) -> dict[str, float]:
+    with service.client(service.token("hugo")) as client:
+        record: dict[str, float] = client.get_task(task_id)["record"]
+    return record

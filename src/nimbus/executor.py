@@ -508,15 +508,17 @@ class Executor(cf.Executor):
         timeout: float | None = None,
         chunksize: int = 1,
         keep: bool = False,
+        progress: bool = False,
     ) -> Iterator[T]:
         """Like ``concurrent.futures.ProcessPoolExecutor.map``: in order, ``chunksize`` per task.
 
         ``keep``: the results stay where they were made, and the list of
         :class:`KeptFuture` (one per item) is returned, to pass to other tasks.
+        ``progress=True`` draws a bar of the items done on stderr (``nimbus._progress``).
         """
         if keep:
             return self.options(keep=True).map(fn, *iterables)
-        return _map(self.submit, fn, iterables, timeout, chunksize)
+        return _map(self.submit, fn, iterables, timeout, chunksize, progress)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking tasks; with ``cancel_futures`` drop those not yet running."""
@@ -655,6 +657,7 @@ class _Options(cf.Executor):
         timeout: float | None = None,
         chunksize: int = 1,
         keep: bool = False,
+        progress: bool = False,
     ) -> Iterator[T]:
         if keep or self._keep:
             kept = [
@@ -664,7 +667,7 @@ class _Options(cf.Executor):
                 for args in zip(*iterables, strict=False)
             ]
             return kept  # type: ignore[return-value]  # a list of KeptFuture, to pass on
-        return _map(self.submit, fn, iterables, timeout, chunksize)
+        return _map(self.submit, fn, iterables, timeout, chunksize, progress)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """A view owns nothing; shut down the executor itself."""
@@ -683,15 +686,27 @@ def _map(
     iterables: tuple[Iterable[Any], ...],
     timeout: float | None,
     chunksize: int,
+    progress: bool = False,
 ) -> Iterator[Any]:
     if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1:
         raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
     end = None if timeout is None else timeout + time.monotonic()
     if chunksize == 1:
         futures = [submit(fn, *args) for args in zip(*iterables, strict=False)]
+        sizes = [1] * len(futures)
     else:
         run = partial(_chunks.run_chunk, fn)
-        futures = [submit(run, chunk) for chunk in _chunks.chunks(iterables, chunksize)]
+        chunks = list(_chunks.chunks(iterables, chunksize))
+        futures = [submit(run, chunk) for chunk in chunks]
+        sizes = [len(chunk) for chunk in chunks]
+    if progress:
+        from nimbus import _progress
+
+        shown: Any = _progress.bar(sum(sizes), f"map {getattr(fn, '__name__', 'fn')}")
+        for future, size in zip(futures, sizes):
+            future.add_done_callback(partial(_progress.count, shown, size))
+    else:
+        shown = None
 
     def results() -> Iterator[Any]:
         try:
@@ -707,6 +722,8 @@ def _map(
         finally:
             for future in futures:
                 future.cancel()
+            if shown is not None:
+                shown.close()
 
     return results()
 

@@ -33,6 +33,7 @@ from nimbus.cli import endpoint as endpoint_cli
 from nimbus.cli import environments as environments_cli
 from nimbus.cli import netbench as netbench_cli
 from nimbus.cli import service as service_cli
+from nimbus.cli import tasks as tasks_cli
 from nimbus.config import Settings
 from nimbus.errors import ConfigError, NimbusError
 
@@ -205,7 +206,7 @@ COMMANDS: dict[str, Command] = {
         environments_cli.setup,
         environments_cli.run,
     ),
-    "tasks": Command("list your tasks, show one", service_cli.tasks_setup, service_cli.tasks_run),
+    "tasks": Command("list your tasks, show one, watch them live", tasks_cli.setup, tasks_cli.run),
     "run": Command("run a program with nimbus as its multiprocessing", run_cmd.setup, run_cmd.run),
     "manager": Command(
         "run this node's manager, connected out to its agent (a block starts it)",

@@ -284,7 +284,11 @@ DEFAULT_LIMIT = 50
 
 
 def tasks_setup(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    task_actions(parser.add_subparsers(dest="action", metavar="ACTION", required=True))
+
+
+def task_actions(sub: Any) -> None:
+    """Add ``list`` and ``show`` to the subparsers ``sub`` of ``nimbus tasks``."""
     listing = sub.add_parser("list", help="your recent tasks, newest first")
     listing.add_argument("--status", choices=[s.value for s in TaskState] + ["waiting"])
     listing.add_argument(

@@ -21,34 +21,147 @@ it, so each queued task's state is read), never by the task history.
 Labels carry endpoint ids only (UUIDs the service made), never a name a user
 chose: the page is open, as Prometheus scrapes it without a token.
 
-Not yet exposed (issue 20): tasks finished by state, latency histograms,
-blocks and per-endpoint network bytes; those need counters the task path
-keeps, and the task hashes expire.
+Tasks finished, their latency histograms and network bytes are counters the
+task path keeps (:func:`observe`, called where an agent's results are stored):
+one hash per endpoint in the queue Redis, ``...:endpoint:<id>:metrics``, whose
+fields are bucket counts (``wait:3``, ``run:16`` for +Inf), ``*:sum``,
+``*:count``, ``net_in``, ``net_out`` and ``done:<state>``, added to with
+HINCRBY by whichever service process stored the result. So the counters are
+the service's, not one process's: a scrape of any process reads the same
+totals, and they survive a restart of the service (not of its Redis). The
+queue wait is the service's own clock (submitted to dispatched, from the task
+hash); the run time is the worker's (started to ended, from its record).
+
+Not yet exposed: blocks (the service does not see an endpoint's provider).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import msgpack
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from nimbus.records import TaskState
+from nimbus.records import TaskRecord, TaskState
 from nimbus.service.context import ServiceContext
 from nimbus.service.registry import Endpoint, Registry
 
-__all__ = ["CONTENT_TYPE", "render", "router"]
+__all__ = ["BUCKETS", "CONTENT_TYPE", "metrics_key", "observe", "render", "router"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 EXACT_QUEUE = 2_000  # queued ids whose state is read (cancelled ones are not waiting)
 LIVE_STATES = (TaskState.WAITING, TaskState.DISPATCHED, TaskState.RUNNING)
 
+# seconds: from a fast function on a warm worker to an hour-long job
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+           1800.0, 3600.0)  # fmt: skip
+HISTOGRAMS = {
+    "wait": ("nimbus_task_queue_wait_seconds", "Seconds from submit to dispatch to an agent."),
+    "run": ("nimbus_task_run_seconds", "Seconds a task ran on its worker."),
+}
+
 router = APIRouter()
+log = logging.getLogger(__name__)
+
+
+def metrics_key(store: Any, endpoint_id: str) -> str:
+    """The hash of an endpoint's counters in the queue Redis."""
+    status: str = store.keys.endpoint_status(endpoint_id)
+    return status.removesuffix("status") + "metrics"
+
+
+def _record(raw: object) -> TaskRecord | None:
+    try:
+        row = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else raw
+        return TaskRecord.from_wire(row) if isinstance(row, list) else None
+    except Exception:  # a record an agent sent broken: counted as finished only
+        return None
+
+
+_OBSERVE = """
+local bounds = cmsgpack.unpack(ARGV[2])
+local add = {}
+local function bucket(x)
+  for i, b in ipairs(bounds) do
+    if x <= b then return i - 1 end
+  end
+  return #bounds
+end
+local function inc(field, n) add[field] = (add[field] or 0) + n end
+for _, r in ipairs(cmsgpack.unpack(ARGV[3])) do
+  inc('done:' .. r[2], 1)
+  local t = redis.call('HMGET', ARGV[1] .. r[1], 'submitted', 'dispatched')
+  local s, d = tonumber(t[1]), tonumber(t[2])
+  if s and d and d > 0 then
+    local wait = math.max(0, d - s)
+    inc('wait:' .. bucket(wait), 1); inc('wait:sum', wait); inc('wait:count', 1)
+  end
+  if r[3] >= 0 then
+    inc('run:' .. bucket(r[3]), 1); inc('run:sum', r[3]); inc('run:count', 1)
+  end
+  inc('net_in', r[4]); inc('net_out', r[5])
+end
+for field, n in pairs(add) do
+  if string.sub(field, -4) == ':sum' then
+    redis.call('HINCRBYFLOAT', KEYS[1], field, tostring(n))
+  elseif n ~= 0 then
+    redis.call('HINCRBY', KEYS[1], field, n)
+  end
+end
+return 0
+"""
+_scripts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # per client
+
+
+async def observe(store: Any, endpoint_id: str, rows: Sequence[Any], stored: set[str]) -> None:
+    """Count the results ``rows`` (``ResultRow``) of ``endpoint_id`` whose ids are in
+    ``stored`` (the first result of each task): finished by state, queue wait, run time,
+    network bytes. One script call on the queue Redis a batch of results."""
+    out = []
+    for row in rows:
+        if row.task_id not in stored:
+            continue
+        record = _record(row.record)
+        run = record.run_seconds if record is not None and record.started else -1.0
+        net_in = max(0, int(record.net_bytes_in)) if record is not None else 0
+        net_out = max(0, int(record.net_bytes_out)) if record is not None else 0
+        out.append([row.task_id, row.state.value, float(run), net_in, net_out])
+    if not out:
+        return
+    script = _scripts.get(store.redis)
+    if script is None:
+        script = _scripts[store.redis] = store.redis.register_script(_OBSERVE)
+    try:
+        await script(
+            keys=[metrics_key(store, endpoint_id)],
+            args=[store.keys.task(""), msgpack.packb(list(BUCKETS)), msgpack.packb(out)],
+        )
+    except Exception as exc:  # counters missed, never results: the task path goes on
+        log.warning(
+            "metrics of %d results of endpoint %s not counted: %s", len(out), endpoint_id, exc
+        )
+
+
+def _histogram(name: str, help_text: str, kind: str, saved: dict[str, dict[bytes, bytes]]) -> str:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+    for endpoint_id, fields in saved.items():
+        total = 0
+        for i, bound in enumerate((*BUCKETS, float("inf"))):
+            total += int(fields.get(f"{kind}:{i}".encode(), b"0"))
+            le = "+Inf" if bound == float("inf") else _number(bound)
+            lines.append(f"{name}_bucket{_label(endpoint_id, le=le)} {total}")
+        sum_ = float(fields.get(f"{kind}:sum".encode(), b"0"))
+        lines.append(f"{name}_sum{_label(endpoint_id)} {_number(round(sum_, 6))}")
+        lines.append(f"{name}_count{_label(endpoint_id)} {total}")
+    return "\n".join(lines) + "\n"
 
 
 def _endpoint_ids(registry: Registry) -> list[str]:
@@ -86,13 +199,15 @@ async def render(ctx: ServiceContext) -> str:
         pipe.llen(keys.endpoint_queue(endpoint_id))
         pipe.hkeys(keys.endpoint_inflight(endpoint_id))
         pipe.hgetall(keys.endpoint_status(endpoint_id))
+        pipe.hgetall(metrics_key(store, endpoint_id))
     replies: list[Any] = await pipe.execute() if ids else []
     queued: dict[str, int] = {}
     inflight: dict[str, list[str]] = {}
     status: dict[str, dict[bytes, bytes]] = {}
     heads: dict[str, list[str]] = {}
+    counters: dict[str, dict[bytes, bytes]] = {}
     for i, endpoint_id in enumerate(ids):
-        head, length, held, status[endpoint_id] = replies[4 * i : 4 * i + 4]
+        head, length, held, status[endpoint_id], counters[endpoint_id] = replies[5 * i : 5 * i + 5]
         heads[endpoint_id] = [task_id.decode() for task_id in head]
         queued[endpoint_id] = int(length) - len(head)  # beyond EXACT_QUEUE: counted as waiting
         inflight[endpoint_id] = [task_id.decode() for task_id in held]
@@ -179,6 +294,27 @@ async def render(ctx: ServiceContext) -> str:
                 "gauge",
                 "Seconds since an endpoint's last heartbeat (absent if it never beat).",
                 [(_label(e), round(age, 3)) for e, age in beats.items()],
+            ),
+            _family(
+                "nimbus_endpoint_tasks_finished_total",
+                "counter",
+                "Tasks an endpoint finished, by state.",
+                [
+                    (_label(e, state=s.value), int(counters[e].get(f"done:{s.value}".encode(), 0)))
+                    for e in ids
+                    for s in (TaskState.SUCCESS, TaskState.FAILED)
+                ],
+            ),
+            *(_histogram(name, text, kind, counters) for kind, (name, text) in HISTOGRAMS.items()),
+            _family(
+                "nimbus_endpoint_net_bytes_total",
+                "counter",
+                "Bytes an endpoint's tasks moved over the network (their records), by direction.",
+                [
+                    (_label(e, direction=d), int(counters[e].get(f"net_{d}".encode(), 0)))
+                    for e in ids
+                    for d in ("in", "out")
+                ],
             ),
         ]
     )

@@ -1,4 +1,6 @@
-"""The service's dashboard at ``/``: endpoints, tasks (paged, live), a task.
+"""The service's dashboard at ``/``: endpoints, tasks (paged, live), a task, network
+(per-task bytes and throughput, ``_network``), batches (each submit's progress, live,
+``_batches``).
 
 Server-rendered HTML, a little vanilla JavaScript, served by the service's own
 ASGI app (``app.include_router(router)``). Why this stack:

@@ -48,6 +48,7 @@ def layout(title: str, body: Html, user: str = "", csrf: str = "") -> Html:
     if user:
         nav = Html(
             f'<nav><a href="/">Endpoints</a> <a href="/tasks">Tasks</a> '
+            f'<a href="/batches">Batches</a> <a href="/network">Network</a> '
             f'<span class="who">{esc(user)}</span>'
             f'<form method="post" action="/logout" class="inline">'
             f'<input type="hidden" name="csrf" value="{esc(csrf)}">'

@@ -7,6 +7,8 @@
     GET  /tasks?state=&endpoint=&function=&after=   a keyset page of your tasks
     GET  /tasks/stream?state=&endpoint=&function=   server-sent events: rows that changed
     GET  /tasks/{task_id}       one task: its record, its traceback
+    GET  /network?endpoint=&after=  your tasks' bytes and throughput; endpoints' totals
+    GET  /batches, /batches/stream  progress of your recent batches (live: events)
     GET  /static/{name}         the JS and CSS in this package
 
 Without a session a page answers 303 to /login (the stream and static files
@@ -33,8 +35,9 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from nimbus.errors import AuthError, NotFound
+from nimbus.service import metrics
 from nimbus.service.context import ServiceContext
-from nimbus.service.dashboard import _session
+from nimbus.service.dashboard import _batches, _network, _session
 from nimbus.service.dashboard._html import Html, age, esc, join, layout, when
 from nimbus.service.dashboard._tasks import (
     STATES,
@@ -54,6 +57,7 @@ __all__ = ["router"]
 router = APIRouter(include_in_schema=False)
 PAGE_SIZE = 50
 TICK = 0.25  # seconds between looks at the live window of an open tasks page
+BATCH_TICK = 1.0  # seconds between looks at the batches of an open batches page
 RECHECK = 5.0  # seconds between checks that a stream's session still holds
 KEEPALIVE = 15.0
 HEADERS = {
@@ -431,7 +435,11 @@ async def task_page(request: Request, task_id: str) -> Response:
             ("Queued", f"{record.queued_seconds:.3f} s"),
             ("CPU", f"{record.cpu_user:.3f} s user, {record.cpu_system:.3f} s system"),
             ("Peak memory", f"{record.peak_memory} bytes"),
-        ]
+            ("Network in", f"{_network.amount(record.net_bytes_in)}, "
+             f"{_network.rate(record.net_throughput_in)} ({record.net_source})"),
+            ("Network out", f"{_network.amount(record.net_bytes_out)}, "
+             f"{_network.rate(record.net_throughput_out)}"),
+        ]  # fmt: skip
     body = Html(
         '<table id="task" class="record">'
         + join(Html(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>") for k, v in fields)
@@ -449,6 +457,137 @@ async def task_page(request: Request, task_id: str) -> Response:
             )
         )
     return _html(layout(f"Task {task_id[:8]}", body, user.user_name, who.csrf))
+
+
+# ---------------------------------------------------------------- network
+
+
+@router.get("/network", response_model=None)
+async def network_page(request: Request) -> Response:
+    ctx = _ctx(request)
+    who = await _session.viewer(request, ctx)
+    if who is None:
+        return _to_login(request)
+    user = who.principal
+    flt = Filter(endpoint=request.query_params.get("endpoint", "")[:64])
+    after = decode_cursor(request.query_params.get("after", ""))
+    key = index(ctx.store, user.user_id, _is_admin(ctx, user))
+    rows, cursor = await page(ctx.store, key, flt, after, PAGE_SIZE)
+    records = await _network.net_rows(ctx.store, rows)
+    names = _Names(ctx, user)
+    nets = [
+        _network.NetRow(
+            row,
+            await names.function(row.function_id),
+            await names.endpoint(row.endpoint_id),
+            record,
+        )
+        for row, record in zip(rows, records)
+    ]
+    endpoints = await _endpoints(ctx, user)
+    pipe = ctx.store.redis.pipeline(transaction=False)
+    for info in endpoints:
+        pipe.hmget(metrics.metrics_key(ctx.store, info.id), ["net_in", "net_out"])
+    totals = await pipe.execute() if endpoints else []
+    summary = join(
+        Html(
+            f'<tr data-endpoint="{esc(info.id)}"><td><a href="/network?'
+            f'{esc(urlencode({"endpoint": info.id}))}">{esc(info.name)}</a></td>'
+            f"<td>{esc(_network.amount(int(got or 0)))}</td>"
+            f"<td>{esc(_network.amount(int(sent or 0)))}</td></tr>"
+        )
+        for info, (got, sent) in zip(endpoints, totals)
+    )
+    body = Html(
+        '<h2>Endpoints</h2><table id="endpoint-bytes"><thead><tr><th>Endpoint</th>'
+        f"<th>Bytes in</th><th>Bytes out</th></tr></thead><tbody>{summary}</tbody></table>"
+        f"<h2>Tasks</h2>{_network.table(nets)}"
+        "<p>From each task's record: bytes its processes moved (source <code>netns</code>: "
+        "every IP byte; <code>socket</code>: Python sockets only), throughput over its run "
+        "time, other tasks on its host, TCP retransmits and round trip.</p>"
+    )
+    if cursor:
+        query = {"endpoint": flt.endpoint} if flt.endpoint else {}
+        body = Html(
+            body + f'<p><a id="next" href="/network?{esc(urlencode(query | {"after": cursor}))}">'
+            "Older tasks</a></p>"
+        )
+    return _html(layout("Network", body, user.user_name, who.csrf))
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _counts(batch: _batches.Batch) -> str:
+    return ", ".join(f"{n} {state}" for state, n in sorted(batch.counts.items()))
+
+
+def _batch_row(batch: _batches.Batch) -> Html:
+    return Html(
+        f'<tr data-group="{esc(batch.group_id)}"><td>{esc(batch.group_id[:8])}</td>'
+        f"<td>{esc(when(batch.submitted))}</td>"
+        f'<td><progress max="{max(1, batch.total)}" value="{batch.done}"></progress></td>'
+        f'<td class="done">{batch.done}/{batch.total}</td>'
+        f'<td class="counts">{esc(_counts(batch))}</td></tr>'
+    )
+
+
+@router.get("/batches", response_model=None)
+async def batches_page(request: Request) -> Response:
+    ctx = _ctx(request)
+    who = await _session.viewer(request, ctx)
+    if who is None:
+        return _to_login(request)
+    user = who.principal
+    key = index(ctx.store, user.user_id, _is_admin(ctx, user))
+    batches = await _batches.recent(ctx.store, key)
+    body = Html(
+        '<p id="live" class="live">live</p>'
+        '<table id="batches" data-stream="/batches/stream"><thead><tr><th>Batch</th>'
+        "<th>Submitted</th><th>Progress</th><th>Done</th><th>States</th></tr></thead>"
+        f"<tbody>{join(_batch_row(b) for b in batches)}</tbody></table>"
+        "<p>A batch is what one submit sent: a <code>batch_run</code>, or the tasks an "
+        "<code>Executor.map</code> sent together. States are counted for the first "
+        f"{_batches.CAP} tasks of a batch.</p>"
+    )
+    return _html(layout("Batches", body, user.user_name, who.csrf))
+
+
+@router.get("/batches/stream", response_model=None)
+async def batches_stream(request: Request) -> Response:
+    ctx = _ctx(request)
+    who = await _session.viewer(request, ctx)
+    if who is None:
+        return Response(status_code=401, headers=HEADERS)
+    key = index(ctx.store, who.principal.user_id, _is_admin(ctx, who.principal))
+
+    async def events() -> Any:
+        sent: dict[str, dict[str, object]] = {}
+        finished: dict[str, _batches.Batch] = {}
+        checked = beat = time.monotonic()
+        yield "retry: 1000\n\n"
+        while not ctx.hub.closing:
+            batches = await _batches.recent(ctx.store, key, finished=finished)
+            finished = {b.group_id: b for b in batches if b.total and b.done == b.total}
+            for batch in reversed(batches):  # oldest first: the page inserts each on top
+                view = batch.as_dict() | {"submitted": when(batch.submitted)}
+                view["states"] = _counts(batch)
+                if sent.get(batch.group_id) != view:
+                    sent[batch.group_id] = view
+                    yield f"event: batch\ndata: {json.dumps(view)}\n\n"
+            keep = {batch.group_id for batch in batches}
+            sent = {k: v for k, v in sent.items() if k in keep}
+            now = time.monotonic()
+            if now - beat > KEEPALIVE:
+                beat = now
+                yield ": keepalive\n\n"
+            if now - checked > RECHECK:
+                checked = now
+                if await _session.viewer(request, ctx) is None:
+                    return
+            await asyncio.sleep(BATCH_TICK)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
 
 
 @router.get("/static/{name}")

@@ -69,3 +69,64 @@
     }
   });
 })();
+
+// the batches page: each batch's progress, live
+(function () {
+  const table = document.getElementById("batches");
+  if (!table || !table.dataset.stream) {
+    return;
+  }
+  const body = table.tBodies[0];
+  const status = document.getElementById("live");
+
+  function cell(row, text, className) {
+    const td = document.createElement("td");
+    td.textContent = text;
+    if (className) {
+      td.className = className;
+    }
+    row.appendChild(td);
+    return td;
+  }
+
+  function upsert(batch) {
+    let row = null;
+    for (const tr of body.rows) {
+      if (tr.dataset.group === batch.group_id) {
+        row = tr;
+        break;
+      }
+    }
+    if (row === null) {
+      row = document.createElement("tr");
+      row.dataset.group = batch.group_id;
+      body.insertBefore(row, body.firstChild);
+    }
+    row.replaceChildren();
+    cell(row, batch.group_id.slice(0, 8));
+    cell(row, batch.submitted);
+    const bar = document.createElement("progress");
+    bar.max = Math.max(1, batch.total);
+    bar.value = batch.done;
+    cell(row, "").appendChild(bar);
+    cell(row, batch.done + "/" + batch.total, "done");
+    cell(row, batch.states, "counts");
+  }
+
+  const source = new EventSource(table.dataset.stream);
+  source.addEventListener("batch", function (event) {
+    upsert(JSON.parse(event.data));
+  });
+  source.addEventListener("open", function () {
+    if (status) {
+      status.textContent = "live";
+      status.classList.remove("down");
+    }
+  });
+  source.addEventListener("error", function () {
+    if (status) {
+      status.textContent = "reconnecting";
+      status.classList.add("down");
+    }
+  });
+})();

@@ -1,0 +1,104 @@
+"""Progress of your recent batches: each submit message is a task group.
+
+::
+
+    newest RECENT ids of your task index     ZREVRANGE + one pipeline of HMGET group
+    each of the newest GROUPS groups         LLEN + LRANGE 0..CAP-1 of Keys.group(id)
+                                             + one pipeline of HGET state
+
+A group is what one submit sent: a ``Client.batch_run``, or the tasks an
+``Executor`` (with ``endpoint=``) sent in one message, which for an
+``Executor.map`` are all its tasks up to the batch size. States are read for
+the first ``CAP`` tasks of a group; a larger group's counts are of those (the
+page says so). The cost of a look is bounded by RECENT + GROUPS x CAP,
+whatever the history holds; the live stream reads a finished batch once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nimbus.records import TaskState
+from nimbus.service.queues import TaskStore
+
+__all__ = ["Batch", "recent"]
+
+RECENT = 500  # newest task ids whose group is read
+GROUPS = 20  # groups shown
+CAP = 1000  # task states read of one group
+DONE = tuple(state.value for state in TaskState if state.done)
+
+
+@dataclass
+class Batch:
+    group_id: str
+    submitted: float
+    total: int
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def read(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def done(self) -> int:
+        return sum(self.counts.get(state, 0) for state in DONE)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "group_id": self.group_id,
+            "total": self.total,
+            "read": self.read,
+            "done": self.done,
+            "counts": dict(sorted(self.counts.items())),
+        }
+
+
+async def recent(
+    store: TaskStore, key: str, endpoint: str = "", finished: dict[str, Batch] | None = None
+) -> list[Batch]:
+    """The newest ``GROUPS`` groups among the newest ``RECENT`` tasks of the index ``key``
+    (of ``endpoint`` only, if given), newest first, with their tasks' states counted;
+    groups in ``finished`` (every task done when last read) are given as they were, unread."""
+    finished = finished or {}
+    members = await store.redis.zrevrange(key, 0, RECENT - 1, withscores=True)
+    pipe = store.redis.pipeline(transaction=False)
+    for member, _ in members:
+        pipe.hmget(store.keys.task(member.decode()), ["group", "endpoint"])
+    found = await pipe.execute(raise_on_error=False) if members else []
+    batches: dict[str, Batch] = {}
+    for (_, score), values in zip(members, found):
+        if isinstance(values, Exception) or not values[0]:
+            continue
+        group, where = values[0].decode(), (values[1] or b"").decode()
+        if endpoint and where != endpoint:
+            continue
+        if group not in batches:
+            if len(batches) == GROUPS:
+                break
+            batches[group] = Batch(group, float(score), 0)
+    if not batches:
+        return []
+    for group in batches:
+        if group in finished:
+            batches[group] = finished[group]
+    todo = [batch for group, batch in batches.items() if group not in finished]
+    pipe = store.redis.pipeline(transaction=False)
+    for batch in todo:
+        pipe.llen(store.keys.group(batch.group_id))
+        pipe.lrange(store.keys.group(batch.group_id), 0, CAP - 1)
+    listed = await pipe.execute() if todo else []
+    pipe = store.redis.pipeline(transaction=False)
+    order: list[str] = []
+    for i, batch in enumerate(todo):
+        batch.total = int(listed[2 * i])
+        for task_id in listed[2 * i + 1]:
+            pipe.hget(store.keys.task(task_id.decode()), "state")
+            order.append(batch.group_id)
+    states = await pipe.execute(raise_on_error=False) if order else []
+    for group, state in zip(order, states):
+        if isinstance(state, bytes):
+            name = state.decode(errors="replace")
+            counts = batches[group].counts
+            counts[name] = counts.get(name, 0) + 1
+    return list(batches.values())

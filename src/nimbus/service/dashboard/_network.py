@@ -1,0 +1,118 @@
+"""The dashboard's network page: per-task bytes and throughput, per-endpoint totals.
+
+::
+
+    GET /network?endpoint=&after=     your tasks, newest first (keyset pages, as /tasks),
+                                      each with its record's network fields
+                                      (one HMGET of ``record`` a row of the page)
+                                      and above them, each endpoint you see: bytes in
+                                      and out so far (the /metrics counters)
+
+From the task records only (``nimbus.records``): ``net_bytes_in``/``_out``,
+throughput over the run time, ``net_source`` (``netns`` exact, ``socket``
+Python sockets only), ``colocated`` (other tasks on the host) and ``tcp``
+(retransmits, RTT). Nothing is measured for the page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nimbus.records import TaskRecord
+from nimbus.service.dashboard._html import Html, esc, join
+from nimbus.service.dashboard._tasks import Row, record_of
+from nimbus.service.queues import TaskStore
+
+__all__ = ["NetRow", "amount", "net_rows", "rate", "row_html", "table"]
+
+
+@dataclass(frozen=True)
+class NetRow:
+    row: Row
+    function: str
+    endpoint: str
+    record: TaskRecord | None
+
+
+def amount(n: float) -> str:
+    """Bytes in units of 1000 (as network rates are given)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def rate(n: float) -> str:
+    return amount(n) + "/s"
+
+
+async def net_rows(store: TaskStore, rows: list[Row]) -> list[TaskRecord | None]:
+    """The record of each row (None when the task has none yet, or it expired)."""
+    pipe = store.redis.pipeline(transaction=False)
+    for row in rows:
+        pipe.hget(store.keys.task(row.task_id), "record")
+    raws = await pipe.execute(raise_on_error=False) if rows else []
+    return [record_of(raw) if isinstance(raw, bytes) else None for raw in raws]
+
+
+def _colocated(record: TaskRecord) -> str:
+    seen = record.colocated or {}
+    if not seen:
+        return ""
+    return f"{seen.get('mean', 0):.1f} (max {seen.get('max', 0):.0f})"
+
+
+def _tcp(record: TaskRecord) -> str:
+    tcp = record.tcp or {}
+    parts = []
+    if "retransmits" in tcp:
+        parts.append(f"{tcp['retransmits']:.0f} retr")
+    if "rtt_ms" in tcp:
+        parts.append(f"rtt {tcp['rtt_ms']:.2f} ms")
+    return ", ".join(parts)
+
+
+def row_html(net: NetRow) -> Html:
+    row, record = net.row, net.record
+    link = f"/tasks/{row.task_id}"
+    cells: list[str] = [net.function, net.endpoint, row.state]
+    if record is not None and record.ended:
+        cells += [
+            f"{record.run_seconds:.3f} s",
+            amount(record.net_bytes_in),
+            amount(record.net_bytes_out),
+            rate(record.net_throughput_in),
+            rate(record.net_throughput_out),
+            record.net_source,
+            _colocated(record),
+            _tcp(record),
+        ]
+    else:
+        cells += [""] * 8
+    return Html(
+        f'<tr data-task="{esc(row.task_id)}"><td><a href="{esc(link)}">{esc(row.task_id[:8])}'
+        f"</a></td>{join(Html(f'<td>{esc(c)}</td>') for c in cells)}</tr>"
+    )
+
+
+def table(rows: list[NetRow]) -> Html:
+    head = (
+        "Task",
+        "Function",
+        "Endpoint",
+        "State",
+        "Run",
+        "Bytes in",
+        "Bytes out",
+        "In",
+        "Out",
+        "Source",
+        "Co-located",
+        "TCP",
+    )
+    return Html(
+        '<table id="network"><thead><tr>'
+        + join(Html(f"<th>{esc(h)}</th>") for h in head)
+        + f"</tr></thead><tbody>{join(row_html(r) for r in rows)}</tbody></table>"
+    )
