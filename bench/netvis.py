@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import http.server
 import json
 import os
 import socket
@@ -31,44 +30,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from nimbus import Executor
+from nimbus.network._objects import object_server
 from nimbus.network._traffic import serve, transfer
-
-
-class _Files(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self) -> None:
-        size = int(self.path.strip("/"))
-        self.send_response(200)
-        self.send_header("Content-Length", str(size))
-        self.end_headers()
-        block = b"p" * 65536
-        while size > 0:
-            self.wfile.write(block[: min(size, 65536)])
-            size -= 65536
-
-    def do_PUT(self) -> None:
-        left = int(self.headers["Content-Length"])
-        while left > 0:
-            left -= len(self.rfile.read(min(left, 65536)))
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@contextmanager
-def http_server() -> Iterator[int]:
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield srv.server_address[1]
-    finally:
-        srv.shutdown()
-        srv.server_close()
 
 
 @contextmanager
@@ -119,7 +82,7 @@ def accuracy(quick: bool) -> list[dict[str, Any]]:
         (1_000_000 * scale, 2_000_000 * scale, 2_000_000 * scale)
     ] * 2
     rows = []
-    with http_server() as port, settings(NIMBUS_NET_ACCOUNTING="netns"), Executor(4) as ex:
+    with object_server() as port, settings(NIMBUS_NET_ACCOUNTING="netns"), Executor(4) as ex:
         futures = [ex.submit(_curl_and_child, port, *s) for s in sizes]
         for i, (fut, (get_curl, get_child, put)) in enumerate(zip(futures, sizes, strict=True)):
             fut.result()

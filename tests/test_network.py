@@ -8,13 +8,11 @@ no DNAT rule, no cgroup, no slot file. Skipped, with the reason, where not root.
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +24,7 @@ from nimbus import Executor
 from nimbus.config import Settings, parse_bandwidth
 from nimbus.errors import ConfigError, MemoryLimitExceeded
 from nimbus.network import DEVICE, WorkerNetworks
+from nimbus.network._objects import object_server
 
 ROOT = os.geteuid() == 0 and all(shutil.which(t) for t in ("ip", "tc", "iptables", "curl"))
 needs_root = pytest.mark.skipif(
@@ -74,41 +73,11 @@ def test_limit_settings_are_checked() -> None:
 # ------------------------------------------------------------------ the real thing
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self) -> None:
-        size = int(self.path.strip("/"))
-        self.send_response(200)
-        self.send_header("Content-Length", str(size))
-        self.end_headers()
-        block = b"n" * 65536
-        while size > 0:
-            self.wfile.write(block[: min(size, 65536)])
-            size -= 65536
-
-    def do_PUT(self) -> None:
-        left = int(self.headers["Content-Length"])
-        while left > 0:
-            left -= len(self.rfile.read(min(left, 65536)))
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture
 def server() -> Iterator[int]:
     """An HTTP server on the node's 127.0.0.1: GET /N sends N bytes, PUT swallows."""
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv.server_address[1]
-    srv.shutdown()
-    srv.server_close()
-    thread.join()
+    with object_server() as port:
+        yield port
 
 
 def _ours() -> dict[str, list[str]]:
