@@ -203,19 +203,22 @@ def test_socket_counting_without_a_namespace(monkeypatch: pytest.MonkeyPatch, se
     assert fut.record.tcp is None and fut.record.colocated is None
 
 
-def _worker_net() -> tuple[bool, str]:
+def _worker_net(seconds: float = 0.0) -> tuple[bool, str, int]:
+    time.sleep(seconds)
     with open("/proc/self/net/dev") as f:
-        return f" {DEVICE}:" in f.read().replace("\n", " "), os.readlink("/proc/self/ns/net")
+        inside = f" {DEVICE}:" in f.read().replace("\n", " ")
+    return inside, os.readlink("/proc/self/ns/net"), os.getpid()
 
 
 @needs_root
 def test_each_worker_has_its_own_namespace(netns: pytest.MonkeyPatch) -> None:
-    with Executor(2) as ex:
-        results = {ex.submit(_worker_net).result(timeout=60) for _ in range(20)}
-        pids = {ex.submit(os.getpid).result(timeout=60) for _ in range(20)}
-    assert all(inside for inside, _ in results)
-    assert os.readlink("/proc/self/ns/net") not in {ns for _, ns in results}
-    assert len({ns for _, ns in results}) == len(pids)
+    with Executor(2) as ex:  # tasks that overlap: both workers take some
+        results = {f.result(timeout=60) for f in [ex.submit(_worker_net, 0.2) for _ in range(8)]}
+    assert all(inside for inside, _, _ in results)
+    assert os.readlink("/proc/self/ns/net") not in {ns for _, ns, _ in results}
+    by_pid = {pid: ns for _, ns, pid in results}
+    assert len(by_pid) == 2  # two workers, each always in the same namespace ...
+    assert len({ns for _, ns, _ in results}) == 2  # ... and not the other's
 
 
 _clients: dict[str, object] = {}
