@@ -31,6 +31,7 @@ import httpx
 
 from nimbus import serialization
 from nimbus.config import Settings, check_timeout, config_dir, untrusted_certificate
+from nimbus.environments import Environment
 from nimbus.errors import (
     AmbiguousEndpointError,
     AuthError,
@@ -380,9 +381,18 @@ class Client:
         endpoint: str,
         kwargs: Iterable[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
+        environment: Environment | None = None,
     ) -> list[str]:
-        """Submit one task per tuple of ``args`` in one request; returns their task ids."""
+        """Submit one task per tuple of ``args`` in one request; returns their task ids.
+        ``environment`` is the :class:`~nimbus.Environment` they run in (default: the
+        endpoint workers' own Python)."""
         timeout = check_timeout(timeout)
+        if environment is not None and not isinstance(environment, Environment):
+            raise ConfigError(
+                f"environment must be a nimbus.Environment such as Environment('geo', "
+                f"requirements=[...]), not {type(environment).__name__}"
+            )
+        env = None if environment is None else environment.to_dict()
         function_id = self.register_function(fn)
         endpoint_id = self.get_endpoint(endpoint)["endpoint_id"]
         arg_list = list(args)
@@ -390,7 +400,7 @@ class Client:
         rows = []
         for a, k in zip(arg_list, kw_list, strict=True):
             data, buffers = serialization.dumps((tuple(a), dict(k)))
-            rows.append(SubmitRow(function_id, self.payload(data, buffers), timeout))
+            rows.append(SubmitRow(function_id, self.payload(data, buffers), timeout, env))
         body = Batch(endpoint_id, rows).encode()
         response = self.request(
             "POST", "/v1/tasks/batch", content=body, headers={"Content-Type": MSGPACK}

@@ -338,7 +338,10 @@ class ServiceBackend:
             await ws.send(message)
 
     def _submit_message(self, ref: int, tasks: list[Task]) -> bytes:
-        rows = [new_row(SubmitRow, (t.route, self._payload(t), t.timeout)) for t in tasks]
+        rows = [
+            new_row(SubmitRow, (t.route, self._payload(t), t.timeout, _environment(t)))
+            for t in tasks
+        ]
         return Submit(ref, self.endpoint_id, rows).encode()
 
     def _payload(self, task: Task) -> bytes | DataRef:
@@ -593,3 +596,9 @@ def _wrong_shape(task_id: str, why: object) -> ProtocolError:
         f"task {task_id}: the service sent a result of the wrong shape ({why}); "
         f"expected [status, data, buffers]"
     )
+
+
+def _environment(task: Task) -> dict[str, Any] | None:
+    """The task's environment as it travels (``to_dict()``), or None for the workers' own."""
+    env = task.environment
+    return None if env is None else env.to_dict()

@@ -43,6 +43,7 @@ from websockets.asyncio.client import ClientConnection
 from nimbus import _loop, serialization
 from nimbus.config import Settings
 from nimbus.endpoint.config import EndpointConfig
+from nimbus.environments import Environment
 from nimbus.errors import (
     ConfigError,
     DeserializationError,
@@ -83,7 +84,7 @@ from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.agent import Agent
 from nimbus.runtime.messages import Status
 from nimbus.runtime.scaling import Scaler, make_scaler
-from nimbus.runtime.task import Task
+from nimbus.runtime.task import Task, environment_tag
 
 __all__ = ["EndpointDaemon", "main"]
 
@@ -317,9 +318,25 @@ class EndpointDaemon:
                 )
                 failed.append(self._failure(task_id, function_id, error))
                 continue
+            environment: Environment | None = None
+            if row.environment is not None:
+                try:
+                    environment = Environment.from_dict(row.environment)
+                except ConfigError as exc:
+                    error = ProtocolError(f"task {task_id}: its environment: {exc}")
+                    failed.append(self._failure(task_id, function_id, error))
+                    continue
             record = TaskRecord(task_id, TaskState.RUNNING, function=function_id)
             task = Task(
-                next(self._seq), function_id, fn_bytes, data, buffers, record, timeout=row.timeout
+                next(self._seq),
+                function_id,
+                fn_bytes,
+                data,
+                buffers,
+                record,
+                timeout=row.timeout,
+                environment=environment,
+                env=environment_tag(environment),
             )
             self._held[task_id] = task
             batch.append(task)

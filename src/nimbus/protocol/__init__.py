@@ -74,6 +74,7 @@ from nimbus.protocol._rows import (
     ResultRow,
     SubmitRow,
     TaskRow,
+    check_environment,
     new_row,
 )
 
@@ -119,6 +120,7 @@ __all__ = [
     "Watch",
     "batches",
     "brief",
+    "check_environment",
     "check_payload",
     "data_ref",
     "decode_frame",

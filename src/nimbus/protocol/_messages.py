@@ -19,8 +19,8 @@ Each message is a msgpack map with an ``op``; its rows are positional lists::
                         Unknown {ids}  (watched tasks the service does not know: lost
                         when its queues restarted empty without --persist, or expired)
 
-    TaskRow    [task_id, function_id, body | None, payload | {"data": id}, timeout]
-    SubmitRow  [function_id, payload | {"data": id}, timeout]
+    TaskRow    [task_id, function_id, body | None, payload | {"data": id}, timeout, environment]
+    SubmitRow  [function_id, payload | {"data": id}, timeout, environment]
     ResultRow  [task_id, state, [status, data, [buffer, ...]] | {"data": id} | packed, record]
 
 The rows are :mod:`nimbus.protocol._rows`' (named tuples: msgpack packs them as

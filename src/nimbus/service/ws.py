@@ -290,7 +290,7 @@ async def _dispatch(
                     await asyncio.wait_for(wake.wait(), IDLE_POLL)
             continue
         out = []
-        for task_id, function_id, payload, timeout, data_id, _ in rows:
+        for task_id, function_id, payload, timeout, data_id, _, environment in rows:
             body: bytes | None = None
             if function_id not in known:
                 try:
@@ -299,7 +299,9 @@ async def _dispatch(
                     body = b""  # deleted since: the agent fails the task with a clear error
                 known.add(function_id)
             sent_payload = DataRef(data_id) if data_id else payload
-            out.append(new_row(TaskRow, (task_id, function_id, body, sent_payload, timeout)))
+            out.append(
+                new_row(TaskRow, (task_id, function_id, body, sent_payload, timeout, environment))
+            )
             sent.add(task_id)
         for batch in batches(out, _task_size):
             await peer.send(Tasks(batch).encode())
