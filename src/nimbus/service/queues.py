@@ -280,7 +280,10 @@ class TaskStore:
         owner: str,
         endpoint_id: str,
         group_id: str,
-        tasks: Sequence[tuple[str, str, bytes, float | None, str, dict[str, Any] | None]],
+        tasks: Sequence[
+            tuple[str, str, bytes, float | None, str]
+            | tuple[str, str, bytes, float | None, str, dict[str, Any] | None]
+        ],
         *,
         max_tasks: int,
         max_bytes: int,
@@ -289,7 +292,8 @@ class TaskStore:
         an endpoint.
 
         A row with a ``data_id`` has its payload in the data store (``payload`` is empty);
-        ``environment`` (an Environment's ``to_dict()``, or None) is stored packed.
+        ``environment`` (an Environment's ``to_dict()``, or None; a row may leave it out)
+        is stored packed.
         :class:`~nimbus.errors.QuotaExceeded` (429), and nothing queued, if the owner
         would then have more than ``max_tasks`` tasks or ``max_bytes`` inline payload
         bytes queued or running.
@@ -301,9 +305,9 @@ class TaskStore:
                 payload,
                 "" if timeout is None else repr(timeout),
                 data_id,
-                b"" if env is None else msgpack.packb(env),
+                msgpack.packb(env[0]) if env and env[0] is not None else b"",
             )
-            for task_id, fn, payload, timeout, data_id, env in tasks
+            for task_id, fn, payload, timeout, data_id, *env in tasks
         ]
         size = sum(len(row[2]) for row in rows)
         blob = _raw([owner, endpoint_id, group_id, repr(time.time()), rows, size])
