@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from nimbus import Client, Environment, Executor
-from nimbus.errors import EnvironmentBuildError, ProtocolError
-from nimbus.protocol import SubmitRow, TaskRow, pack, unpack
+from nimbus import Client, Environment, Executor, serialization
+from nimbus.errors import EnvironmentBuildError, ProtocolError, VersionMismatchError
+from nimbus.protocol import SubmitRow, TaskRow, pack, pack_payload, unpack
 from service_support import EndpointProcess, Service, service_env
 
 needs_bwrap = pytest.mark.skipif(
@@ -38,6 +38,9 @@ def listener() -> Iterator[int]:
     sock.listen(16)
     yield sock.getsockname()[1]
     sock.close()
+
+
+PAYLOAD = pack_payload(*serialization.dumps(((2,), {})))
 
 
 def connect(port: int) -> str:
@@ -159,3 +162,42 @@ def test_a_failed_build_fails_the_task_within_seconds(
     assert "no-such-package-xyz" in str(info.value)
     assert alice.get_task(task_id)["state"] == "failed"
     assert alice.get_result(alice.run(square, 5, endpoint="lab"), timeout=30) == 25
+
+
+# ---------------------------------------------------------------- versions, at submit
+
+OLD_PICKLE = Environment("old", requirements=["cloudpickle==2.2.1"])
+
+
+def test_another_cloudpickle_is_refused_at_submit_naming_both(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    import cloudpickle
+
+    ours = f"cloudpickle {cloudpickle.__version__}"
+    started = time.monotonic()
+    with Executor(endpoint="lab", settings=service.user_settings(alice.token)) as ex:
+        future = ex.options(environment=OLD_PICKLE).submit(square, 2)
+        with pytest.raises(VersionMismatchError) as info:
+            future.result(timeout=30)
+        assert ex.submit(square, 3).result(timeout=30) == 9  # the others still run
+    assert time.monotonic() - started < 10  # refused, not built
+    assert "cloudpickle 2.2.1" in str(info.value) and ours in str(info.value)
+    with pytest.raises(VersionMismatchError, match=r"cloudpickle 2\.2\.1"):
+        alice.batch_run(square, [(1,)], endpoint="lab", environment=OLD_PICKLE)
+
+
+def test_the_service_refuses_another_cloudpickle_naming_both(service: Service) -> None:
+    token = service.token("dave")
+    with service.client(token) as dave, service.http(token) as http:
+        endpoint = dave.register_endpoint("pins")["endpoint_id"]
+        function_id = dave.register_function(square)
+        row = SubmitRow(function_id, PAYLOAD, None, OLD_PICKLE.to_dict())
+        body = pack({"endpoint_id": endpoint, "tasks": [row]})
+        response = http.post(
+            "/v1/tasks/batch", content=body, headers={"Content-Type": "application/msgpack"}
+        )
+        assert response.status_code == 409, response.text
+        detail = response.json()["detail"]
+        assert "version mismatch" in detail and "cloudpickle==2.2.1" in detail
+        assert "serializer pickle5+cloudpickle3" in detail and "tasks[0].environment" in detail

@@ -40,7 +40,7 @@ from websockets.asyncio.client import ClientConnection
 
 from nimbus import _loop, serialization
 from nimbus.backends import DispatchCallback, ResultCallback
-from nimbus.client import Client, error_for
+from nimbus.client import Client, environment_mismatch, error_for
 from nimbus.config import Settings, untrusted_certificate
 from nimbus.errors import (
     ConfigError,
@@ -243,6 +243,11 @@ class ServiceBackend:
                 )
                 self._registered[task.fn_key] = function_id
             task.route = function_id
+            if task.environment is not None:
+                mismatch = environment_mismatch(task.environment)
+                if mismatch is not None:  # refused at submit: the future fails with it
+                    self._failed[task] = mismatch
+                    continue
             if payload_size(task.payload, task.buffers) > INLINE_MIN:
                 self._stage(task)
         with self._lock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import re
 import uuid
 from typing import Annotated, Any
 
@@ -38,7 +39,7 @@ from nimbus.records import TaskRecord, TaskState
 from nimbus.service.context import ServiceContext
 from nimbus.service.deps import context, current_user
 from nimbus.service.queues import CANCELLED_RESULT, DONE
-from nimbus.service.registry import Principal
+from nimbus.service.registry import FunctionInfo, Principal
 
 __all__ = ["cancel_tasks", "router", "row_of", "submit_tasks"]
 
@@ -90,6 +91,26 @@ def _check_rows(ctx: ServiceContext, rows: list[Row]) -> list[Row]:
     return out
 
 
+_PIN = re.compile(r"^\s*cloudpickle\s*===?\s*([0-9]+)[0-9A-Za-z.+!-]*\s*$", re.IGNORECASE)
+_MAJOR = re.compile(r"cloudpickle([0-9]+)")
+
+
+def _check_pins(fn: FunctionInfo, environment: dict[str, Any], index: int) -> None:
+    """Refuse (409) an environment that pins another cloudpickle major version than the
+    one the function was pickled with: its tasks could not be exchanged."""
+    ours = _MAJOR.search(fn.serializer)
+    for requirement in environment.get("requirements") or ():
+        pin = _PIN.match(requirement)
+        if pin and ours and pin.group(1) != ours.group(1):
+            raise ServiceError(
+                f"version mismatch: tasks[{index}].environment {environment.get('name')!r} "
+                f"pins {requirement!r}, but function {fn.name!r} ({fn.id}) was registered "
+                f"from Python {fn.python} with serializer {fn.serializer}; pin the "
+                f"client's cloudpickle in the environment's requirements (or drop the pin)",
+                409,
+            )
+
+
 async def submit_tasks(
     ctx: ServiceContext, user: Principal, endpoint_id: str, rows: list[Row]
 ) -> tuple[str, list[str]]:
@@ -102,9 +123,14 @@ async def submit_tasks(
         raise ServiceError(f"endpoint_id: expected an endpoint id, not {brief(endpoint_id)}", 422)
     rows = _check_rows(ctx, rows)
     endpoint = await ctx.endpoint(user, endpoint_id, cached=True)
+    functions = {}
     for fn_id in {row[0] for row in rows}:
         fn = await ctx.function(user, fn_id)
         await ctx.check_versions(fn, endpoint)
+        functions[fn_id] = fn
+    for i, row in enumerate(rows):
+        if row[4] is not None:
+            _check_pins(functions[row[0]], row[4], i)
     data_ids = [row[3] for row in rows if row[3]]
     if len(set(data_ids)) < len(data_ids):
         raise ServiceError("tasks.payload: each task needs its own data; upload it again", 409)
