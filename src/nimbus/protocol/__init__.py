@@ -50,6 +50,7 @@ from nimbus.protocol._codec import (
     unpack_result,
 )
 from nimbus.protocol._messages import (
+    MAX_ENVIRONMENTS,
     Accepted,
     Ack,
     Batch,
@@ -85,6 +86,7 @@ __all__ = [
     "FUNCTION_MAX",
     "INLINE_MIN",
     "LIMITS",
+    "MAX_ENVIRONMENTS",
     "MESSAGE_BYTES",
     "MSGPACK",
     "NOT_MSGPACK",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -183,6 +184,7 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
         )
     )
     saved = time.time()
+    last_held = ""
     malformed: ProtocolError | None = None
     try:
         while True:
@@ -201,7 +203,13 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
             elif op == "running":
                 await ctx.store.running(endpoint_id, Running.decode(msg).ids)
             elif op == "beat":
-                await peer.send(Beat.decode(msg).encode())
+                beat = Beat.decode(msg)
+                await peer.send(Beat(beat.t).encode())
+                if beat.environments is not None:  # what its nodes hold, for `environments list`
+                    held = json.dumps(beat.environments, separators=(",", ":"))
+                    if held != last_held:
+                        last_held = held
+                        await ctx.store.set_status(endpoint_id, environments=held)
                 now = time.time()
                 ctx.hub.beats[endpoint_id] = now
                 if now - saved > BEAT_SAVE_SECONDS:  # Redis keeps it for a restart
