@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +17,7 @@ import pytest
 from nimbus import Client, Environment, Executor, serialization
 from nimbus.errors import EnvironmentBuildError, ProtocolError, VersionMismatchError
 from nimbus.protocol import SubmitRow, TaskRow, pack, pack_payload, unpack
-from service_support import EndpointProcess, Service, service_env
+from service_support import CLI, EndpointProcess, Service, service_env
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
@@ -201,3 +204,43 @@ def test_the_service_refuses_another_cloudpickle_naming_both(service: Service) -
         detail = response.json()["detail"]
         assert "version mismatch" in detail and "cloudpickle==2.2.1" in detail
         assert "serializer pickle5+cloudpickle3" in detail and "tasks[0].environment" in detail
+
+
+# ---------------------------------------------------------------- nimbus environments list
+
+
+def _cli(service: Service, token: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = service.env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token}
+    return subprocess.run(
+        [sys.executable, "-c", CLI, "environments", "list", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_environments_list_endpoint_shows_what_its_nodes_hold(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    named = Environment("shown")
+    ids = alice.batch_run(square, [(i,) for i in range(2)], endpoint="lab", environment=named)
+    assert [alice.get_result(t, timeout=60) for t in ids] == [0, 1]
+    deadline = time.monotonic() + 20  # reported every 5 beats (0.3 s each here)
+    rows: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        rows = alice.get_endpoint("lab")["environments"]
+        if any(r["name"] == "shown" and r["state"] == "warm" for r in rows):
+            break
+        time.sleep(0.3)
+    warm = [r for r in rows if r["name"] == "shown" and r["state"] == "warm"]
+    assert warm and warm[0]["workers"] >= 1 and warm[0]["key"] == named.key, rows
+    out = _cli(service, alice.token, "--endpoint", "lab", "--json")
+    assert out.returncode == 0, out.stderr
+    assert any(r["name"] == "shown" for r in json.loads(out.stdout))
+    table = _cli(service, alice.token, "--endpoint", "lab")
+    assert table.returncode == 0 and "shown" in table.stdout and "warm" in table.stdout
+    unknown = _cli(service, alice.token, "--endpoint", "no-such-endpoint")
+    assert unknown.returncode != 0
+    assert "no endpoint 'no-such-endpoint'" in unknown.stderr, unknown.stderr
