@@ -16,7 +16,15 @@ import pytest
 
 from nimbus import Client, Environment, Executor, serialization
 from nimbus.errors import EnvironmentBuildError, ProtocolError, VersionMismatchError
-from nimbus.protocol import SubmitRow, TaskRow, pack, pack_payload, unpack
+from nimbus.protocol import (
+    Beat,
+    SubmitRow,
+    TaskRow,
+    decode_message,
+    pack,
+    pack_payload,
+    unpack,
+)
 from service_support import CLI, EndpointProcess, Service, service_env
 
 needs_bwrap = pytest.mark.skipif(
@@ -244,3 +252,13 @@ def test_environments_list_endpoint_shows_what_its_nodes_hold(
     unknown = _cli(service, alice.token, "--endpoint", "no-such-endpoint")
     assert unknown.returncode != 0
     assert "no endpoint 'no-such-endpoint'" in unknown.stderr, unknown.stderr
+
+
+def test_a_beat_carries_environments_and_refuses_wrong_ones() -> None:
+    rows = [{"node": "n1", "name": "geo", "key": "k", "state": "warm", "workers": 2, "free": 1}]
+    beat = Beat(1.5, rows)
+    assert decode_message(unpack(beat.encode()), {"beat": Beat}) == beat
+    assert Beat(1.5).encode() == pack({"op": "beat", "t": 1.5})  # none: as before
+    for wrong in ("warm", [["geo"]], [{"name": ["geo"]}]):
+        with pytest.raises(ProtocolError, match=r"beat\.environments"):
+            Beat.decode({"op": "beat", "t": 1.5, "environments": wrong})
