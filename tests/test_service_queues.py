@@ -1,5 +1,5 @@
 """The task store's scripts on a real Redis: a batch larger than their chunk of 1,000
-is queued, indexed and taken whole and in order, and finishing it gives its owner's
+is queued, indexed and taken whole and in order (each task with its environment), and finishing it gives its owner's
 quota back (once per task, a second result ignored) and leaves nothing in flight."""
 
 from __future__ import annotations
@@ -16,7 +16,11 @@ def test_a_large_batch_is_queued_and_indexed_whole_and_in_order(store_url: str) 
 
     async def scenario() -> None:
         try:
-            rows = [(str(uuid.uuid4()), "f", b"x", None, "") for _ in range(2_345)]
+            env = {"name": "geo", "requirements": ["six"], "sandbox": True}
+            rows = [
+                (str(uuid.uuid4()), "f", b"x", None, "", env if i % 2 else None)
+                for i in range(2_345)
+            ]
             ids = [row[0] for row in rows]
             await store.submit("o", "ep", "g", rows, max_tasks=10**6, max_bytes=10**9)
             keys, redis = store.keys, store.redis
@@ -25,11 +29,14 @@ def test_a_large_batch_is_queued_and_indexed_whole_and_in_order(store_url: str) 
             assert [i.decode() for i in await redis.lrange(keys.group("g"), 0, -1)] == ids
             assert await redis.ttl(keys.group("g")) > 0
             taken: list[str] = []
+            envs: list[object] = []
             while len(taken) < len(ids):
                 batch, broken = await store.take("ep", "conn", 700)
                 assert batch and not broken
                 taken += [row[0] for row in batch]
+                envs += [row[6] for row in batch]
             assert taken == ids  # queued in the order submitted
+            assert envs == [row[5] for row in rows]  # each with its environment, or None
             queued = keys.user_queued("o")
             assert await redis.hmget(queued, ["tasks", "bytes"]) == [b"2345", b"2345"]
             done = [(i, "success", b"r", b"", "") for i in ids]

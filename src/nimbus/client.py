@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -31,6 +32,7 @@ import httpx
 
 from nimbus import serialization
 from nimbus.config import Settings, check_timeout, config_dir, untrusted_certificate
+from nimbus.environments import Environment
 from nimbus.errors import (
     AmbiguousEndpointError,
     AuthError,
@@ -126,6 +128,30 @@ def error_for(status: int, detail: str) -> ServiceError | PayloadTooLargeError:
 
 class ServiceVersionMismatch(VersionMismatchError, ServiceError):
     """A 409 from the service: function and endpoint differ in Python or serializer."""
+
+
+_PIN = re.compile(r"^\s*cloudpickle\s*===?\s*([0-9][0-9A-Za-z.+!-]*)\s*$", re.IGNORECASE)
+
+
+def environment_mismatch(env: Environment) -> VersionMismatchError | None:
+    """The error for an environment whose requirements pin another cloudpickle than
+    this client's (its tasks could not be exchanged), naming both; else None.
+
+    Checked at submit, before anything is sent or built. Its Python is the node's
+    (which the service checks against the client's) unless it is an image: that one is
+    compared when the node builds it, and the task fails with VersionMismatchError."""
+    import cloudpickle
+
+    ours = cloudpickle.__version__
+    for requirement in env.requirements:
+        pin = _PIN.match(requirement)
+        if pin and pin.group(1) != ours:
+            return VersionMismatchError(
+                f"environment {env.name!r} pins cloudpickle {pin.group(1)} ({requirement!r}), "
+                f"but this client runs Python {PYTHON} with cloudpickle {ours}: tasks could "
+                f"not be exchanged; pin cloudpickle=={ours} in its requirements (or drop the pin)"
+            )
+    return None
 
 
 def decode_result(result: bytes | list[Any], fetch: Callable[[str], bytes]) -> Any:
@@ -380,9 +406,22 @@ class Client:
         endpoint: str,
         kwargs: Iterable[Mapping[str, Any]] | None = None,
         timeout: float | None = None,
+        environment: Environment | None = None,
     ) -> list[str]:
-        """Submit one task per tuple of ``args`` in one request; returns their task ids."""
+        """Submit one task per tuple of ``args`` in one request; returns their task ids.
+        ``environment`` is the :class:`~nimbus.Environment` they run in (default: the
+        endpoint workers' own Python)."""
         timeout = check_timeout(timeout)
+        if environment is not None and not isinstance(environment, Environment):
+            raise ConfigError(
+                f"environment must be a nimbus.Environment such as Environment('geo', "
+                f"requirements=[...]), not {type(environment).__name__}"
+            )
+        if environment is not None:
+            mismatch = environment_mismatch(environment)
+            if mismatch is not None:
+                raise mismatch
+        env = None if environment is None else environment.to_dict()
         function_id = self.register_function(fn)
         endpoint_id = self.get_endpoint(endpoint)["endpoint_id"]
         arg_list = list(args)
@@ -390,7 +429,7 @@ class Client:
         rows = []
         for a, k in zip(arg_list, kw_list, strict=True):
             data, buffers = serialization.dumps((tuple(a), dict(k)))
-            rows.append(SubmitRow(function_id, self.payload(data, buffers), timeout))
+            rows.append(SubmitRow(function_id, self.payload(data, buffers), timeout, env))
         body = Batch(endpoint_id, rows).encode()
         response = self.request(
             "POST", "/v1/tasks/batch", content=body, headers={"Content-Type": MSGPACK}

@@ -40,7 +40,7 @@ from websockets.asyncio.client import ClientConnection
 
 from nimbus import _loop, serialization
 from nimbus.backends import DispatchCallback, ResultCallback
-from nimbus.client import Client, error_for
+from nimbus.client import Client, environment_mismatch, error_for
 from nimbus.config import Settings, untrusted_certificate
 from nimbus.errors import (
     ConfigError,
@@ -243,6 +243,11 @@ class ServiceBackend:
                 )
                 self._registered[task.fn_key] = function_id
             task.route = function_id
+            if task.environment is not None:
+                mismatch = environment_mismatch(task.environment)
+                if mismatch is not None:  # refused at submit: the future fails with it
+                    self._failed[task] = mismatch
+                    continue
             if payload_size(task.payload, task.buffers) > INLINE_MIN:
                 self._stage(task)
         with self._lock:
@@ -338,7 +343,10 @@ class ServiceBackend:
             await ws.send(message)
 
     def _submit_message(self, ref: int, tasks: list[Task]) -> bytes:
-        rows = [new_row(SubmitRow, (t.route, self._payload(t), t.timeout)) for t in tasks]
+        rows = [
+            new_row(SubmitRow, (t.route, self._payload(t), t.timeout, _environment(t)))
+            for t in tasks
+        ]
         return Submit(ref, self.endpoint_id, rows).encode()
 
     def _payload(self, task: Task) -> bytes | DataRef:
@@ -593,3 +601,9 @@ def _wrong_shape(task_id: str, why: object) -> ProtocolError:
         f"task {task_id}: the service sent a result of the wrong shape ({why}); "
         f"expected [status, data, buffers]"
     )
+
+
+def _environment(task: Task) -> dict[str, Any] | None:
+    """The task's environment as it travels (``to_dict()``), or None for the workers' own."""
+    env = task.environment
+    return None if env is None else env.to_dict()

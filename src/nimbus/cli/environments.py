@@ -4,8 +4,9 @@
 ``-r REQUIREMENT`` repeated, ``--wheelhouse DIR``, ``--image IMAGE``,
 ``--sandbox``) and retries a spec whose earlier build failed; ``list`` shows
 what is built (or failed) here, with size and last use; ``remove`` deletes
-every entry of a name (or a key). This node only: ``--endpoint`` (the nodes of
-a remote endpoint) comes with the service side of environments.
+every entry of a name (or a key). ``list --endpoint NAME`` shows instead what
+the nodes of an endpoint hold, as its daemon last reported through the service
+(warm workers per environment; environments built or failed on its node).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def setup(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = sub.add_parser("list", help="environments built or failed on this node")
     listing.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    listing.add_argument(
+        "--endpoint", help="an endpoint's nodes (through the service), not this node"
+    )
     build = sub.add_parser("build", help="build an environment on this node now")
     build.add_argument("name", help="the environment's name")
     build.add_argument(
@@ -48,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from nimbus import environments
 
     if args.action == "list":
+        if args.endpoint:
+            return _list_endpoint(args.endpoint, args.json)
         return _list(environments.cache().entries(), args.json)
     if args.action == "build":
         env = environments.Environment(
@@ -110,6 +116,46 @@ def _list(entries: list[Entry], as_json: bool) -> int:
         )
         if e.message:
             print(f"{'':<16} {e.message.splitlines()[0]}")
+    return 0
+
+
+def _list_endpoint(name: str, as_json: bool) -> int:
+    """What the nodes of endpoint ``name`` hold, as its daemon last reported it."""
+    from nimbus.client import Client
+    from nimbus.errors import NotFound
+
+    with Client() as client:
+        try:
+            info = client.get_endpoint(name)
+        except NotFound as exc:
+            raise NotFound(
+                f"no endpoint {name!r} that you can use ({exc}); `nimbus endpoint list` "
+                f"shows yours",
+                404,
+            ) from None
+    rows = list(info.get("environments") or [])
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    label = info.get("name", name)
+    if not info.get("online"):
+        print(f"endpoint {label!r} is offline; as last reported:")
+    if not rows:
+        print(f"no environments reported by endpoint {label!r} yet")
+        return 0
+    print(
+        f"{'NODE':<20} {'NAME':<16} {'KEY':<16} {'STATE':<7} {'WORKERS':>12} {'SIZE':>9} LAST USE"
+    )
+    for r in rows:
+        last = r.get("last_use")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else ""
+        workers = f"{r.get('workers', 0)} ({r.get('free', 0)} free)" if "free" in r else ""
+        size = _size(int(r["size"])) if r.get("size") is not None else ""
+        print(
+            f"{str(r.get('node', '?'))[:20]:<20} {str(r.get('name', '?'))[:16]:<16} "
+            f"{str(r.get('key', ''))[:16]:<16} {r.get('state', '?')!s:<7} {workers:>12} "
+            f"{size:>9} {when}"
+        )
     return 0
 
 

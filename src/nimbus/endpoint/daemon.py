@@ -30,6 +30,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import ssl
 import sys
 import time
@@ -40,12 +41,14 @@ from typing import Any
 import httpx
 from websockets.asyncio.client import ClientConnection
 
-from nimbus import _loop, serialization
+from nimbus import _loop, environments, serialization
 from nimbus.config import Settings
 from nimbus.endpoint.config import EndpointConfig
+from nimbus.environments import Environment
 from nimbus.errors import (
     ConfigError,
     DeserializationError,
+    NimbusError,
     ProtocolError,
     RemoteError,
     ServiceError,
@@ -54,6 +57,7 @@ from nimbus.protocol import (
     DATA,
     INLINE_MIN,
     LIMITS,
+    MAX_ENVIRONMENTS,
     PYTHON,
     SERIALIZER,
     WS_AGENT,
@@ -83,7 +87,7 @@ from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.agent import Agent
 from nimbus.runtime.messages import Status
 from nimbus.runtime.scaling import Scaler, make_scaler
-from nimbus.runtime.task import Task
+from nimbus.runtime.task import Task, environment_tag
 
 __all__ = ["EndpointDaemon", "main"]
 
@@ -98,6 +102,7 @@ RUNNING_AFTER = 0.05  # seconds: shorter tasks go from dispatched to done unrepo
 MIN_WINDOW = 1024  # tasks in flight from the service: enough to cover its round trip
 SEND_CHUNK = 5000
 COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
+ENVIRONMENTS_EVERY = 5  # heartbeats between two reports of the environments held
 SERVICE_SENDS: dict[str, type[Message]] = {kind.op: kind for kind in (Tasks, Ack, Cancel, Beat)}
 
 
@@ -257,9 +262,57 @@ class EndpointDaemon:
                 await ws.send(Results(batch).encode())
 
     async def _beater(self, ws: ClientConnection) -> None:
+        beats = 0
         while True:
-            await ws.send(Beat(time.monotonic()).encode())
+            envs = None
+            if beats % ENVIRONMENTS_EVERY == 0:  # what the nodes hold, now and then
+                envs = await asyncio.to_thread(self._environments)
+            beats += 1
+            await ws.send(Beat(time.monotonic(), envs).encode())
             await asyncio.sleep(self.heartbeat)
+
+    def _environments(self) -> list[dict[str, Any]]:
+        """Rows ``{node, name, key, state, workers, free, size, last_use}``: the
+        environments the managers hold warm (their ready workers) and those built (or
+        failed) on this node, for ``nimbus environments list --endpoint``."""
+        here = socket.gethostname()
+        rows: list[dict[str, Any]] = []
+        try:
+            stats = self.runtime.statistics()
+        except Exception:  # the runtime is shutting down
+            stats = {"managers": []}
+        for manager in stats["managers"]:
+            node = str(manager.get("node") or manager.get("name") or here).split("/")[0]
+            for tag, env in (manager.get("environments") or {}).items():
+                if not env.get("workers"):
+                    continue
+                rows.append(
+                    {
+                        "node": node,
+                        "name": str(env.get("name", "plain")),
+                        "key": tag.partition("@")[2],
+                        "state": "warm",
+                        "workers": int(env["workers"]),
+                        "free": int(env.get("free", 0)),
+                    }
+                )
+        try:
+            entries = environments.cache().entries()
+        except (OSError, NimbusError) as exc:
+            log.warning("cannot read this node's environments: %s", exc)
+            entries = []
+        for entry in entries:
+            rows.append(
+                {
+                    "node": here,
+                    "name": ",".join(entry.names) or entry.key,
+                    "key": entry.key,
+                    "state": entry.state,
+                    "size": entry.size,
+                    "last_use": entry.last_use,
+                }
+            )
+        return rows[:MAX_ENVIRONMENTS]
 
     async def _marker(self, ws: ClientConnection) -> None:
         """Tell the service which tasks run (those still running RUNNING_AFTER after start)."""
@@ -317,9 +370,25 @@ class EndpointDaemon:
                 )
                 failed.append(self._failure(task_id, function_id, error))
                 continue
+            environment: Environment | None = None
+            if row.environment is not None:
+                try:
+                    environment = Environment.from_dict(row.environment)
+                except ConfigError as exc:
+                    error = ProtocolError(f"task {task_id}: its environment: {exc}")
+                    failed.append(self._failure(task_id, function_id, error))
+                    continue
             record = TaskRecord(task_id, TaskState.RUNNING, function=function_id)
             task = Task(
-                next(self._seq), function_id, fn_bytes, data, buffers, record, timeout=row.timeout
+                next(self._seq),
+                function_id,
+                fn_bytes,
+                data,
+                buffers,
+                record,
+                timeout=row.timeout,
+                environment=environment,
+                env=environment_tag(environment),
             )
             self._held[task_id] = task
             batch.append(task)

@@ -50,6 +50,7 @@ from nimbus.protocol._codec import (
     unpack_result,
 )
 from nimbus.protocol._messages import (
+    MAX_ENVIRONMENTS,
     Accepted,
     Ack,
     Batch,
@@ -74,6 +75,7 @@ from nimbus.protocol._rows import (
     ResultRow,
     SubmitRow,
     TaskRow,
+    check_environment,
     new_row,
 )
 
@@ -84,6 +86,7 @@ __all__ = [
     "FUNCTION_MAX",
     "INLINE_MIN",
     "LIMITS",
+    "MAX_ENVIRONMENTS",
     "MESSAGE_BYTES",
     "MSGPACK",
     "NOT_MSGPACK",
@@ -119,6 +122,7 @@ __all__ = [
     "Watch",
     "batches",
     "brief",
+    "check_environment",
     "check_payload",
     "data_ref",
     "decode_frame",

@@ -19,8 +19,8 @@ Each message is a msgpack map with an ``op``; its rows are positional lists::
                         Unknown {ids}  (watched tasks the service does not know: lost
                         when its queues restarted empty without --persist, or expired)
 
-    TaskRow    [task_id, function_id, body | None, payload | {"data": id}, timeout]
-    SubmitRow  [function_id, payload | {"data": id}, timeout]
+    TaskRow    [task_id, function_id, body | None, payload | {"data": id}, timeout, environment]
+    SubmitRow  [function_id, payload | {"data": id}, timeout, environment]
     ResultRow  [task_id, state, [status, data, [buffer, ...]] | {"data": id} | packed, record]
 
 The rows are :mod:`nimbus.protocol._rows`' (named tuples: msgpack packs them as
@@ -243,19 +243,48 @@ class Unknown(_Ids):
     op: ClassVar[str] = "unknown"
 
 
+MAX_ENVIRONMENTS = 1000  # rows of a beat's environments
+
+
 @dataclass(frozen=True, slots=True)
 class Beat(Message):
-    """A daemon's heartbeat (``t``: its monotonic clock), echoed by the service."""
+    """A daemon's heartbeat (``t``: its monotonic clock), echoed by the service.
+
+    ``environments`` (a daemon's beat only, left out when None): what its nodes hold,
+    one map per node and environment ``{node, name, key, state, workers, size,
+    last_use}`` (scalars), for ``nimbus environments list --endpoint``."""
 
     op: ClassVar[str] = "beat"
     t: Any
+    environments: list[dict[str, Any]] | None = None
 
     def wire(self) -> dict[str, Any]:
-        return {"op": "beat", "t": self.t}
+        if self.environments is None:
+            return {"op": "beat", "t": self.t}
+        return {"op": "beat", "t": self.t, "environments": self.environments}
 
     @classmethod
     def decode(cls, msg: dict[str, Any]) -> Beat:
-        return cls(msg.get("t"))
+        envs = msg.get("environments")
+        if envs is not None and not (
+            type(envs) is list
+            and len(envs) <= MAX_ENVIRONMENTS
+            and all(
+                type(e) is dict
+                and len(e) <= 16
+                and all(
+                    type(k) is str and (v is None or type(v) in (str, int, float, bool))
+                    for k, v in e.items()
+                )
+                for e in envs
+            )
+        ):
+            raise ProtocolError(
+                f"beat.environments: expected at most {MAX_ENVIRONMENTS} maps of names to "
+                f"scalars, got {brief(envs)}",
+                WRONG_SHAPE,
+            )
+        return cls(msg.get("t"), envs)
 
     def seconds(self) -> float:
         """``t`` as a number; ProtocolError otherwise (what a daemon checks of an echo)."""

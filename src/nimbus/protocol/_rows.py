@@ -6,10 +6,14 @@ thousand per message, at every hop); a :class:`DataRef` among them packs as
 ``{"data": data_id}`` (the codec's ``pack`` calls its ``wire``), and a
 result's out-of-band buffers as bytes::
 
-    TaskRow    [task_id, function_id, body | None, payload | {"data": id}, timeout]
-    SubmitRow  [function_id, payload | {"data": id}, timeout]
+    TaskRow    [task_id, function_id, body | None, payload | {"data": id}, timeout, environment]
+    SubmitRow  [function_id, payload | {"data": id}, timeout, environment]
     ResultRow  [task_id, state, [status, data, [buffer, ...]] | {"data": id} | packed, record]
     Result     [status, data, [buffer, ...]]
+
+``environment`` is the task's :class:`~nimbus.Environment` as its ``to_dict()``, or None
+(the workers' own Python); a row without it (five or three fields, from an older
+peer) reads as None.
 
 Reading checks every field: the usual row takes one fast path (its types
 checked, then the tuple made in one call), any other goes through the checks
@@ -38,10 +42,16 @@ __all__ = [
     "ResultRow",
     "SubmitRow",
     "TaskRow",
+    "check_environment",
     "new_row",
 ]
 
-SUBMIT_ROW = '[function_id, payload | {"data": data_id}, timeout]'
+SUBMIT_ROW = '[function_id, payload | {"data": data_id}, timeout, environment | None]'
+ENVIRONMENT = (
+    "None or an environment {name, requirements, wheelhouse, image, sandbox} "
+    "(Environment.to_dict())"
+)
+_ENV_FIELDS = {"name", "requirements", "wheelhouse", "image", "sandbox"}
 _STATES = {state.value: state for state in TaskState}
 _new = tuple.__new__  # a row from a list already checked, in one call
 new_row = tuple.__new__
@@ -51,6 +61,32 @@ task (calling the class goes through NamedTuple's generated ``__new__``, 2-3x sl
 
 def _wrong(field: str, expected: str, value: object) -> ProtocolError:
     return ProtocolError(f"{field}: expected {expected}, got {brief(value)}", WRONG_SHAPE)
+
+
+def check_environment(value: object, field: str) -> dict[str, Any] | None:
+    """``value`` if it is None or an environment's ``to_dict()``; ProtocolError naming
+    ``field`` (and the key that is wrong) otherwise."""
+    if value is None:
+        return None
+    if type(value) is not dict or not value.keys() <= _ENV_FIELDS:
+        raise _wrong(field, ENVIRONMENT, value)
+    name = value.get("name")
+    if type(name) is not str or not 0 < len(name) <= 64:
+        raise _wrong(f"{field}.name", "a name of 1-64 characters", name)
+    reqs = value.get("requirements", [])
+    if (
+        type(reqs) is not list
+        or len(reqs) > 1000
+        or not all(type(r) is str and 0 < len(r) <= 1000 for r in reqs)
+    ):
+        raise _wrong(f"{field}.requirements", "a list of requirement strings", reqs)
+    for key in ("wheelhouse", "image"):
+        item = value.get(key)
+        if item is not None and (type(item) is not str or not 0 < len(item) <= 4096):
+            raise _wrong(f"{field}.{key}", "a string or None", item)
+    if type(value.get("sandbox", False)) is not bool:
+        raise _wrong(f"{field}.sandbox", "true or false", value.get("sandbox"))
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,24 +154,31 @@ class TaskRow(NamedTuple):
     body: bytes | None
     payload: bytes | DataRef
     timeout: float | None
+    environment: dict[str, Any] | None = None
 
     @classmethod
     def read(cls, row: object, index: int) -> TaskRow | Malformed:
         """Row ``index`` of a Tasks message."""
-        if type(row) is not list or len(row) != 5 or type(row[0]) is not str:
+        if type(row) is not list or not 5 <= len(row) <= 6 or type(row[0]) is not str:
             field = f"tasks.tasks[{index}]"
-            error = _wrong(field, "[task_id, function_id, body | None, payload, timeout]", row)
+            error = _wrong(
+                field, "[task_id, function_id, body | None, payload, timeout, environment]", row
+            )
             return Malformed(None, "", error)
-        task_id, function_id, body, payload, timeout = row
+        if len(row) == 5:
+            row = [*row, None]
+        task_id, function_id, body, payload, timeout, environment = row
         if (  # the usual row, quickly
             type(function_id) is str
             and (body is None or type(body) is bytes)
             and type(payload) is bytes
             and (timeout is None or (type(timeout) is float and 0 < timeout <= MAX_TIMEOUT))
+            and environment is None
         ):
             return _new(cls, row)
         field = f"tasks.tasks[{index}]"
         try:
+            check_environment(environment, f"{field}.environment")
             if not isinstance(function_id, str):
                 raise _wrong(f"{field}.function_id", "a string", function_id)
             if body is not None and not isinstance(body, bytes):
@@ -149,15 +192,18 @@ class TaskRow(NamedTuple):
                 raise ProtocolError(str(exc), WRONG_SHAPE) from None
         except ProtocolError as exc:
             return Malformed(task_id, str(function_id), exc)
-        return cls(task_id, function_id, body, payload if ref is None else ref, timeout)
+        return cls(
+            task_id, function_id, body, payload if ref is None else ref, timeout, environment
+        )
 
 
 class SubmitRow(NamedTuple):
-    """A task a client submits: ``[function_id, payload | {"data": id}, timeout]``."""
+    """A task a client submits: ``[function_id, payload | {"data": id}, timeout, environment]``."""
 
     function_id: str
     payload: bytes | DataRef
     timeout: float | None
+    environment: dict[str, Any] | None = None
 
     @classmethod
     def decode(cls, row: object, field: str) -> SubmitRow:
@@ -165,15 +211,17 @@ class SubmitRow(NamedTuple):
         service's to check); ProtocolError naming the field otherwise."""
         if (  # the usual row, quickly
             type(row) is list
-            and len(row) == 3
+            and len(row) == 4
             and type(row[0]) is str
             and 0 < len(row[0]) <= 64
             and type(row[1]) is bytes
+            and row[3] is None
         ):
             return _new(cls, row)
-        if not isinstance(row, list | tuple) or len(row) != 3:
+        if not isinstance(row, list | tuple) or not 3 <= len(row) <= 4:
             raise ProtocolError(f"{field}: expected {SUBMIT_ROW}, not {brief(row)}", WRONG_SHAPE)
-        function_id, payload, timeout = row
+        function_id, payload, timeout, *rest = row
+        environment = check_environment(rest[0] if rest else None, f"{field}.environment")
         if not isinstance(function_id, str) or not 0 < len(function_id) <= 64:
             raise ProtocolError(
                 f"{field}.function_id: expected a function id, not {brief(function_id)}",
@@ -187,14 +235,14 @@ class SubmitRow(NamedTuple):
                     f"not {brief(payload)}",
                     WRONG_SHAPE,
                 )
-            return cls(function_id, ref, timeout)
+            return cls(function_id, ref, timeout, environment)
         if not isinstance(payload, bytes):
             raise ProtocolError(
                 f'{field}.payload: expected bytes (pack_payload) or {{"data": data_id}}, '
                 f"not {brief(payload)}",
                 WRONG_SHAPE,
             )
-        return cls(function_id, payload, timeout)
+        return cls(function_id, payload, timeout, environment)
 
     @classmethod
     def decode_all(cls, rows: object, field: str = "tasks") -> list[SubmitRow]:

@@ -18,6 +18,7 @@ one; several matches are an error listing them (409), never a guess.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import pickle
 import time
@@ -194,6 +195,7 @@ class ServiceContext:
             "workers": int(status.get("workers", 0)) if online else 0,
             "python": status.get("python", ""),
             "serializer": status.get("serializer", ""),
+            "environments": json.loads(status.get("environments") or "[]"),
             "last_heartbeat": max(
                 float(status.get("last_heartbeat", 0.0)), self.hub.beats.get(info.id, 0.0)
             ),

@@ -42,8 +42,8 @@ from nimbus.statestore import Keys
 __all__ = ["Broken", "Taken", "TaskStore"]
 
 Broken = tuple[str, str, str]  # a task taken whose stored record is broken: id, function, why
-Taken = tuple[str, str, bytes, float | None, str, str]  # id, function, payload, timeout,
-# data id, owner: a task taken to be sent to an agent
+Taken = tuple[str, str, bytes, float | None, str, str, dict[str, Any] | None]  # id, function,
+# payload, timeout, data id, owner, environment: a task taken to be sent to an agent
 
 DONE = (TaskState.SUCCESS.value, TaskState.FAILED.value, TaskState.CANCELLED.value)
 CANCELLED_RESULT = msgpack.packb([2, b"", []])  # Status.SKIPPED, as an agent would send
@@ -83,6 +83,7 @@ for _, r in ipairs(t[5]) do
     redis.call('HSET', ARGV[4] .. r[5], 'task', id, 'endpoint', endpoint)
     redis.call('PERSIST', ARGV[4] .. r[5])
   end
+  if r[6] ~= '' then redis.call('HSET', ARGV[1] .. id, 'env', r[6]) end  -- its environment
 end
 for i = 1, #t[5], 1000 do  -- indexed and queued 1,000 at a time (one call each, not per task)
   local ids, scored = {}, {}
@@ -109,11 +110,12 @@ while taken < n do
   local id = redis.call('LPOP', KEYS[1])
   if not id then break end
   local key = ARGV[3] .. id
-  local v = redis.call('HMGET', key, 'state', 'function', 'payload', 'timeout', 'data', 'owner')
+  local v = redis.call('HMGET', key, 'state', 'function', 'payload', 'timeout', 'data', 'owner',
+                       'env')
   if v[1] == 'waiting-for-endpoint' then
     redis.call('HSET', key, 'state', 'dispatched', 'dispatched', ARGV[4])
     redis.call('HSET', KEYS[2], id, ARGV[2])
-    out[#out + 1] = {id, v[2], v[3], v[4] or '', v[5] or '', v[6] or ''}
+    out[#out + 1] = {id, v[2], v[3], v[4] or '', v[5] or '', v[6] or '', v[7] or ''}
     taken = taken + 1
   end
 end
@@ -244,6 +246,19 @@ def _timeout(value: bytes | None) -> float | None:
     return seconds
 
 
+def _environment(value: bytes) -> dict[str, Any] | None:
+    """A stored environment (b"" for none); ValueError if the record is broken."""
+    if not value:
+        return None
+    try:
+        env = msgpack.unpackb(value)
+    except Exception:
+        env = None
+    if not isinstance(env, dict):
+        raise ValueError(f"environment {value[:40]!r} is not a packed environment")
+    return env
+
+
 class TaskStore:
     """Task queues and results of one service in one Redis (``keys`` names them)."""
 
@@ -265,21 +280,34 @@ class TaskStore:
         owner: str,
         endpoint_id: str,
         group_id: str,
-        tasks: Sequence[tuple[str, str, bytes, float | None, str]],
+        tasks: Sequence[
+            tuple[str, str, bytes, float | None, str]
+            | tuple[str, str, bytes, float | None, str, dict[str, Any] | None]
+        ],
         *,
         max_tasks: int,
         max_bytes: int,
     ) -> None:
-        """Queue ``(task_id, function_id, payload, timeout, data_id)`` rows for an endpoint.
+        """Queue ``(task_id, function_id, payload, timeout, data_id, environment)`` rows for
+        an endpoint.
 
-        A row with a ``data_id`` has its payload in the data store (``payload`` is empty).
+        A row with a ``data_id`` has its payload in the data store (``payload`` is empty);
+        ``environment`` (an Environment's ``to_dict()``, or None; a row may leave it out)
+        is stored packed.
         :class:`~nimbus.errors.QuotaExceeded` (429), and nothing queued, if the owner
         would then have more than ``max_tasks`` tasks or ``max_bytes`` inline payload
         bytes queued or running.
         """
         rows = [
-            (task_id, fn, payload, "" if timeout is None else repr(timeout), data_id)
-            for task_id, fn, payload, timeout, data_id in tasks
+            (
+                task_id,
+                fn,
+                payload,
+                "" if timeout is None else repr(timeout),
+                data_id,
+                msgpack.packb(env[0]) if env and env[0] is not None else b"",
+            )
+            for task_id, fn, payload, timeout, data_id, *env in tasks
         ]
         size = sum(len(row[2]) for row in rows)
         blob = _raw([owner, endpoint_id, group_id, repr(time.time()), rows, size])
@@ -325,7 +353,8 @@ class TaskStore:
     ) -> tuple[list[Taken], list[Broken]]:
         """Up to ``n`` waiting tasks of an endpoint, now in flight on ``conn_id``.
 
-        Rows are ``(task_id, function_id, payload, timeout, data_id, owner)``; a task whose
+        Rows are ``(task_id, function_id, payload, timeout, data_id, owner, environment)``;
+        a task whose
         stored record cannot be read (a bug, an older version) comes apart, as
         ``(task_id, function_id, why)``, for the caller to fail.
         """
@@ -337,10 +366,10 @@ class TaskStore:
         if not rows:  # cmsgpack packs an empty table as a map
             return [], []
         out, broken = [], []
-        for task_id, fn, payload, timeout, d, owner in rows:
+        for task_id, fn, payload, timeout, d, owner, env in rows:
             try:
                 row = (task_id.decode(), fn.decode(), payload, _timeout(timeout), _text(d))
-                out.append((*row, _text(owner)))
+                out.append((*row, _text(owner), _environment(env)))
             except ValueError as exc:
                 broken.append((_text(task_id), _text(fn), str(exc)))
         return out, broken

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import re
 import uuid
 from typing import Annotated, Any
 
@@ -28,6 +29,7 @@ from nimbus.protocol import (
     ResultRow,
     SubmitRow,
     brief,
+    check_environment,
     check_payload,
     pack,
     too_large,
@@ -37,18 +39,18 @@ from nimbus.records import TaskRecord, TaskState
 from nimbus.service.context import ServiceContext
 from nimbus.service.deps import context, current_user
 from nimbus.service.queues import CANCELLED_RESULT, DONE
-from nimbus.service.registry import Principal
+from nimbus.service.registry import FunctionInfo, Principal
 
 __all__ = ["cancel_tasks", "router", "row_of", "submit_tasks"]
 
-Row = tuple[str, bytes, float | None, str]
+Row = tuple[str, bytes, float | None, str, dict[str, Any] | None]
 
 
 def row_of(row: SubmitRow) -> Row:
-    """A submitted row as ``(function_id, payload, timeout, data_id)``."""
+    """A submitted row as ``(function_id, payload, timeout, data_id, environment)``."""
     if isinstance(row.payload, DataRef):
-        return row.function_id, b"", row.timeout, row.payload.data_id
-    return row.function_id, row.payload, row.timeout, ""
+        return row.function_id, b"", row.timeout, row.payload.data_id, row.environment
+    return row.function_id, row.payload, row.timeout, "", row.environment
 
 
 def _check_rows(ctx: ServiceContext, rows: list[Row]) -> list[Row]:
@@ -63,7 +65,7 @@ def _check_rows(ctx: ServiceContext, rows: list[Row]) -> list[Row]:
             422,
         )
     out = []
-    for i, (function_id, payload, timeout, data_id) in enumerate(rows):
+    for i, (function_id, payload, timeout, data_id, environment) in enumerate(rows):
         try:
             seconds = check_timeout(timeout, f"tasks[{i}].timeout")
         except ValueError as exc:
@@ -85,14 +87,35 @@ def _check_rows(ctx: ServiceContext, rows: list[Row]) -> list[Row]:
                     f"of {settings.inline_payload} bytes (NIMBUS_INLINE_PAYLOAD); upload larger "
                     f'arguments with PUT /v1/data and send {{"data": data_id}} in their place'
                 )
-        out.append((function_id, payload, seconds, data_id))
+        out.append((function_id, payload, seconds, data_id, environment))
     return out
+
+
+_PIN = re.compile(r"^\s*cloudpickle\s*===?\s*([0-9]+)[0-9A-Za-z.+!-]*\s*$", re.IGNORECASE)
+_MAJOR = re.compile(r"cloudpickle([0-9]+)")
+
+
+def _check_pins(fn: FunctionInfo, environment: dict[str, Any], index: int) -> None:
+    """Refuse (409) an environment that pins another cloudpickle major version than the
+    one the function was pickled with: its tasks could not be exchanged."""
+    ours = _MAJOR.search(fn.serializer)
+    for requirement in environment.get("requirements") or ():
+        pin = _PIN.match(requirement)
+        if pin and ours and pin.group(1) != ours.group(1):
+            raise ServiceError(
+                f"version mismatch: tasks[{index}].environment {environment.get('name')!r} "
+                f"pins {requirement!r}, but function {fn.name!r} ({fn.id}) was registered "
+                f"from Python {fn.python} with serializer {fn.serializer}; pin the "
+                f"client's cloudpickle in the environment's requirements (or drop the pin)",
+                409,
+            )
 
 
 async def submit_tasks(
     ctx: ServiceContext, user: Principal, endpoint_id: str, rows: list[Row]
 ) -> tuple[str, list[str]]:
-    """Queue ``(function_id, payload, timeout, data_id)`` rows; the group id and the task ids.
+    """Queue ``(function_id, payload, timeout, data_id, environment)`` rows; the group id
+    and the task ids.
 
     A row with a ``data_id`` has its payload in the data store, uploaded by ``user``.
     """
@@ -100,9 +123,14 @@ async def submit_tasks(
         raise ServiceError(f"endpoint_id: expected an endpoint id, not {brief(endpoint_id)}", 422)
     rows = _check_rows(ctx, rows)
     endpoint = await ctx.endpoint(user, endpoint_id, cached=True)
+    functions = {}
     for fn_id in {row[0] for row in rows}:
         fn = await ctx.function(user, fn_id)
         await ctx.check_versions(fn, endpoint)
+        functions[fn_id] = fn
+    for i, row in enumerate(rows):
+        if row[4] is not None:
+            _check_pins(functions[row[0]], row[4], i)
     data_ids = [row[3] for row in rows if row[3]]
     if len(set(data_ids)) < len(data_ids):
         raise ServiceError("tasks.payload: each task needs its own data; upload it again", 409)
@@ -198,6 +226,19 @@ class TaskIn(BaseModel):
         default=None, gt=0, le=MAX_TIMEOUT, allow_inf_nan=False, strict=True
     )
 
+    environment: dict[str, Any] | None = Field(
+        default=None,
+        description="the environment the task runs in (Environment.to_dict()), or null",
+    )
+
+    @field_validator("environment", mode="before")
+    @classmethod
+    def _environment(cls, value: object) -> object:
+        try:
+            return check_environment(value, "environment")
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from None
+
     @field_validator("payload", mode="before")
     @classmethod
     def _strict_base64(cls, value: object) -> object:
@@ -231,7 +272,7 @@ async def submit(body: SubmitBody, user: User, ctx: Ctx) -> dict[str, Any]:
     for i, t in enumerate(body.tasks):
         if t.data is not None and t.payload:
             raise ServiceError(f"tasks[{i}].data: give payload or data, not both", 422)
-    rows = [(t.function_id, t.payload, t.timeout, t.data or "") for t in body.tasks]
+    rows = [(t.function_id, t.payload, t.timeout, t.data or "", t.environment) for t in body.tasks]
     group_id, ids = await submit_tasks(ctx, user, body.endpoint_id, rows)
     ctx.hub.work_arrived(body.endpoint_id)
     return {"group_id": group_id, "task_ids": ids}
@@ -245,7 +286,7 @@ async def submit(body: SubmitBody, user: User, ctx: Ctx) -> dict[str, Any]:
         "requestBody": {
             "required": True,
             "content": {MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
-            "description": "msgpack map {endpoint_id, tasks: [[function_id, payload, timeout]]}",
+            "description": "msgpack map {endpoint_id, tasks: [[function_id, payload, timeout, environment]]}",
         }
     },
 )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -184,6 +185,7 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
         )
     )
     saved = time.time()
+    last_held = ""
     malformed: ProtocolError | None = None
     try:
         while True:
@@ -203,7 +205,13 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
             elif op == "running":
                 await ctx.store.running(endpoint_id, Running.decode(msg).ids)
             elif op == "beat":
-                await peer.send(Beat.decode(msg).encode())
+                beat = Beat.decode(msg)
+                await peer.send(Beat(beat.t).encode())
+                if beat.environments is not None:  # what its nodes hold, for `environments list`
+                    held = json.dumps(beat.environments, separators=(",", ":"))
+                    if held != last_held:
+                        last_held = held
+                        await ctx.store.set_status(endpoint_id, environments=held)
                 now = time.time()
                 ctx.hub.beats[endpoint_id] = now
                 if now - saved > BEAT_SAVE_SECONDS:  # Redis keeps it for a restart
@@ -292,7 +300,7 @@ async def _dispatch(
                     await asyncio.wait_for(wake.wait(), IDLE_POLL)
             continue
         out = []
-        for task_id, function_id, payload, timeout, data_id, _ in rows:
+        for task_id, function_id, payload, timeout, data_id, _, environment in rows:
             body: bytes | None = None
             if function_id not in known:
                 try:
@@ -301,7 +309,9 @@ async def _dispatch(
                     body = b""  # deleted since: the agent fails the task with a clear error
                 known.add(function_id)
             sent_payload = DataRef(data_id) if data_id else payload
-            out.append(new_row(TaskRow, (task_id, function_id, body, sent_payload, timeout)))
+            out.append(
+                new_row(TaskRow, (task_id, function_id, body, sent_payload, timeout, environment))
+            )
             sent.add(task_id)
         for batch in batches(out, _task_size):
             await peer.send(Tasks(batch).encode())

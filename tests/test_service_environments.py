@@ -1,0 +1,264 @@
+"""Environments through the service: client -> service -> endpoint daemon -> a worker of it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nimbus import Client, Environment, Executor, serialization
+from nimbus.errors import EnvironmentBuildError, ProtocolError, VersionMismatchError
+from nimbus.protocol import (
+    Beat,
+    SubmitRow,
+    TaskRow,
+    decode_message,
+    pack,
+    pack_payload,
+    unpack,
+)
+from service_support import CLI, EndpointProcess, Service, service_env
+
+needs_bwrap = pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
+)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    root = tmp_path_factory.mktemp("service")
+    env = service_env(root, NIMBUS_ENVIRONMENTS_DIR=str(root / "envs"))
+    svc = Service(root, env).start()
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def listener() -> Iterator[int]:
+    """A TCP port on the host's loopback that accepts connections."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+PAYLOAD = pack_payload(*serialization.dumps(((2,), {})))
+
+
+def connect(port: int) -> str:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            return "connected"
+    except OSError as exc:
+        return type(exc).__name__
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def _record(client: Client, task_id: str) -> dict[str, Any]:
+    return dict(client.get_task(task_id)["record"])
+
+
+# ---------------------------------------------------------------- the rows
+
+
+def test_rows_carry_an_environment_and_old_rows_still_read() -> None:
+    env = Environment("geo", requirements=["six"], sandbox=True).to_dict()
+    row = SubmitRow("f", b"p", None, env)
+    assert SubmitRow.decode(unpack(pack(row)), "tasks[0]") == row
+    assert SubmitRow.decode(["f", b"p", None], "tasks[0]") == SubmitRow("f", b"p", None, None)
+    task = TaskRow("t", "f", None, b"p", 2.0, env)
+    assert TaskRow.read(unpack(pack(task)), 0) == task
+    assert TaskRow.read(["t", "f", None, b"p", None], 0) == TaskRow("t", "f", None, b"p", None)
+
+
+@pytest.mark.parametrize(
+    ("env", "field"),
+    [
+        ("geo", "tasks[0].environment: expected None or an environment"),
+        ({"name": "geo", "shell": "rm -rf /"}, "tasks[0].environment: expected None"),
+        ({"name": ""}, "tasks[0].environment.name"),
+        ({"name": "g", "requirements": "six"}, "tasks[0].environment.requirements"),
+        ({"name": "g", "requirements": [1]}, "tasks[0].environment.requirements"),
+        ({"name": "g", "image": 5}, "tasks[0].environment.image"),
+        ({"name": "g", "sandbox": "yes"}, "tasks[0].environment.sandbox"),
+    ],
+)
+def test_a_wrong_environment_is_refused_naming_the_field(env: object, field: str) -> None:
+    with pytest.raises(ProtocolError, match=field.replace(".", r"\.").replace("[", r"\[")):
+        SubmitRow.decode(["f", b"p", None, env], "tasks[0]")
+    bad = TaskRow.read(["t", "f", None, b"p", None, env], 3)
+    assert not isinstance(bad, TaskRow)
+    assert bad.task_id == "t" and "tasks.tasks[3].environment" in str(bad.error)
+
+
+def test_the_service_refuses_a_wrong_environment(service: Service) -> None:
+    token = service.token("carol")
+    with service.client(token) as carol, service.http(token) as http:
+        endpoint = carol.register_endpoint("refuses")["endpoint_id"]
+        function_id = carol.register_function(square)
+        task = {"function_id": function_id, "payload": "", "environment": {"name": 7}}
+        response = http.post("/v1/tasks", json={"endpoint_id": endpoint, "tasks": [task]})
+        assert response.status_code == 422 and "environment.name" in response.text
+        row = ["f" * 8, b"", None, {"name": "g", "sandbox": "yes"}]
+        body = pack({"endpoint_id": endpoint, "tasks": [row]})
+        response = http.post(
+            "/v1/tasks/batch", content=body, headers={"Content-Type": "application/msgpack"}
+        )
+        assert response.status_code == 422 and "tasks[0].environment.sandbox" in response.text
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def alice(service: Service) -> Iterator[Client]:
+    with service.client(service.token("alice")) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def lab(service: Service, alice: Client) -> Iterator[EndpointProcess]:
+    endpoint = EndpointProcess(service, alice, "lab").start(alice)
+    yield endpoint
+    endpoint.stop()
+
+
+def test_a_named_environment_runs_in_workers_of_its_own(
+    alice: Client, lab: EndpointProcess
+) -> None:
+    plain = alice.batch_run(square, [(i,) for i in range(4)], endpoint="lab")
+    named = alice.batch_run(
+        square, [(i,) for i in range(4)], endpoint="lab", environment=Environment("named")
+    )
+    assert [alice.get_result(t, timeout=60) for t in plain + named] == [0, 1, 4, 9] * 2
+    plain_workers = {_record(alice, t)["worker"] for t in plain}
+    named_workers = {_record(alice, t)["worker"] for t in named}
+    assert plain_workers and named_workers and not plain_workers & named_workers
+
+
+@needs_bwrap
+def test_a_sandboxed_task_through_the_service_has_no_network(
+    service: Service, alice: Client, lab: EndpointProcess, listener: int
+) -> None:
+    settings = service.user_settings(alice.token)
+    with Executor(endpoint="lab", settings=settings) as ex:
+        assert ex.submit(connect, listener).result(timeout=60) == "connected"
+        jailed = ex.options(environment=Environment("jail", sandbox=True))
+        assert jailed.submit(connect, listener).result(timeout=120) == "ConnectionRefusedError"
+
+
+def test_a_failed_build_fails_the_task_within_seconds(
+    alice: Client, lab: EndpointProcess, tmp_path: Path
+) -> None:
+    wheelhouse = tmp_path / "wheels"
+    wheelhouse.mkdir()
+    env = Environment("bad", requirements=["no-such-package-xyz"], wheelhouse=str(wheelhouse))
+    started = time.monotonic()
+    (task_id,) = alice.batch_run(square, [(3,)], endpoint="lab", environment=env)
+    with pytest.raises(EnvironmentBuildError) as info:
+        alice.get_result(task_id, timeout=60)
+    assert time.monotonic() - started < 30
+    assert "no-such-package-xyz" in str(info.value)
+    assert alice.get_task(task_id)["state"] == "failed"
+    assert alice.get_result(alice.run(square, 5, endpoint="lab"), timeout=30) == 25
+
+
+# ---------------------------------------------------------------- versions, at submit
+
+OLD_PICKLE = Environment("old", requirements=["cloudpickle==2.2.1"])
+
+
+def test_another_cloudpickle_is_refused_at_submit_naming_both(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    import cloudpickle
+
+    ours = f"cloudpickle {cloudpickle.__version__}"
+    started = time.monotonic()
+    with Executor(endpoint="lab", settings=service.user_settings(alice.token)) as ex:
+        future = ex.options(environment=OLD_PICKLE).submit(square, 2)
+        with pytest.raises(VersionMismatchError) as info:
+            future.result(timeout=30)
+        assert ex.submit(square, 3).result(timeout=30) == 9  # the others still run
+    assert time.monotonic() - started < 10  # refused, not built
+    assert "cloudpickle 2.2.1" in str(info.value) and ours in str(info.value)
+    with pytest.raises(VersionMismatchError, match=r"cloudpickle 2\.2\.1"):
+        alice.batch_run(square, [(1,)], endpoint="lab", environment=OLD_PICKLE)
+
+
+def test_the_service_refuses_another_cloudpickle_naming_both(service: Service) -> None:
+    token = service.token("dave")
+    with service.client(token) as dave, service.http(token) as http:
+        endpoint = dave.register_endpoint("pins")["endpoint_id"]
+        function_id = dave.register_function(square)
+        row = SubmitRow(function_id, PAYLOAD, None, OLD_PICKLE.to_dict())
+        body = pack({"endpoint_id": endpoint, "tasks": [row]})
+        response = http.post(
+            "/v1/tasks/batch", content=body, headers={"Content-Type": "application/msgpack"}
+        )
+        assert response.status_code == 409, response.text
+        detail = response.json()["detail"]
+        assert "version mismatch" in detail and "cloudpickle==2.2.1" in detail
+        assert "serializer pickle5+cloudpickle3" in detail and "tasks[0].environment" in detail
+
+
+# ---------------------------------------------------------------- nimbus environments list
+
+
+def _cli(service: Service, token: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = service.env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token}
+    return subprocess.run(
+        [sys.executable, "-c", CLI, "environments", "list", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_environments_list_endpoint_shows_what_its_nodes_hold(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    named = Environment("shown")
+    ids = alice.batch_run(square, [(i,) for i in range(2)], endpoint="lab", environment=named)
+    assert [alice.get_result(t, timeout=60) for t in ids] == [0, 1]
+    deadline = time.monotonic() + 20  # reported every 5 beats (0.3 s each here)
+    rows: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        rows = alice.get_endpoint("lab")["environments"]
+        if any(r["name"] == "shown" and r["state"] == "warm" for r in rows):
+            break
+        time.sleep(0.3)
+    warm = [r for r in rows if r["name"] == "shown" and r["state"] == "warm"]
+    assert warm and warm[0]["workers"] >= 1 and warm[0]["key"] == named.key, rows
+    out = _cli(service, alice.token, "--endpoint", "lab", "--json")
+    assert out.returncode == 0, out.stderr
+    assert any(r["name"] == "shown" for r in json.loads(out.stdout))
+    table = _cli(service, alice.token, "--endpoint", "lab")
+    assert table.returncode == 0 and "shown" in table.stdout and "warm" in table.stdout
+    unknown = _cli(service, alice.token, "--endpoint", "no-such-endpoint")
+    assert unknown.returncode != 0
+    assert "no endpoint 'no-such-endpoint'" in unknown.stderr, unknown.stderr
+
+
+def test_a_beat_carries_environments_and_refuses_wrong_ones() -> None:
+    rows = [{"node": "n1", "name": "geo", "key": "k", "state": "warm", "workers": 2, "free": 1}]
+    beat = Beat(1.5, rows)
+    assert decode_message(unpack(beat.encode()), {"beat": Beat}) == beat
+    assert Beat(1.5).encode() == pack({"op": "beat", "t": 1.5})  # none: as before
+    for wrong in ("warm", [["geo"]], [{"name": ["geo"]}]):
+        with pytest.raises(ProtocolError, match=r"beat\.environments"):
+            Beat.decode({"op": "beat", "t": 1.5, "environments": wrong})
