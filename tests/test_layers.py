@@ -61,6 +61,7 @@ LAYERS: dict[str, int] = {
     "records": 1,
     "_loop": 1,
     "_chunks": 1,
+    "_progress": 1,
     # the exception tree, at the bottom
     "errors": 0,
 }
