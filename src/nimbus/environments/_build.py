@@ -224,7 +224,10 @@ def _prepared(
 ) -> Prepared:
     venv = store.entry(env.key) / "venv" if env.requirements else None
     python = str(_venv.venv_python(venv)) if venv is not None else sys.executable
-    grants = [*_venv.node_paths(), *([str(venv)] if venv is not None else [])]
+    # what a sandbox must still see where a private /tmp would hide it (a checkout
+    # or a virtualenv under /tmp): the node's Python, its import path, the venv
+    prefixes = [sys.prefix, sys.base_prefix]
+    grants = [*prefixes, *_venv.node_paths(), *([str(venv)] if venv is not None else [])]
     memory = int(Settings.lookup("sandbox_memory"))
     wrap: tuple[str, ...] = ()
     if env.image is not None:
