@@ -37,6 +37,7 @@ from multiprocessing import (
 )
 from typing import Any
 
+from nimbus._install import NIMBUS_MODULES as _NIMBUS_MODULES
 from nimbus._install import STDLIB_MODULES as _STDLIB_MODULES
 from nimbus._install import install as install
 from nimbus._install import watch as _watch
@@ -71,6 +72,10 @@ Process = context.Process
 def __getattr__(name: str) -> Any:
     if name in __all__:
         return getattr(_ctx, name)
+    if name in _NIMBUS_MODULES:  # ours, looked up as an attribute before it was imported
+        import importlib  # (``mp.connection.wait`` in concurrent.futures under ``nimbus run``)
+
+        return importlib.import_module(f"{__name__}.{name}")
     if name in _STDLIB_MODULES:  # the rest of the stdlib's module map, on first use
         import importlib
 
