@@ -88,3 +88,17 @@ def tcp_counters(fd: int) -> tuple[int, int]:
     names, values = lines[1].split(), lines[2].split(b"\n")[0].split()
     row = dict(zip(names, values, strict=False))
     return int(row[b"RetransSegs"]), int(row[b"OutSegs"])
+
+
+def duplicates_received(fd: int) -> int:
+    """Segments this namespace received twice (a sender's retransmit of what had come):
+    the D-SACKs it sent, from ``TcpExt`` of ``/proc/self/net/netstat`` open on ``fd``."""
+    ext = [
+        line.split()[1:]
+        for line in os.pread(fd, 16384, 0).splitlines()
+        if line.startswith(b"TcpExt:")
+    ]
+    if len(ext) < 2:
+        return 0
+    row = dict(zip(ext[0], ext[1], strict=False))
+    return int(row.get(b"TCPDSACKOldSent", 0)) + int(row.get(b"TCPDSACKOfoSent", 0))

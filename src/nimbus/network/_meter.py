@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 from nimbus.network._colocation import Board, slot_of
-from nimbus.network._diag import Conn, open_connections, tcp_counters
+from nimbus.network._diag import Conn, duplicates_received, open_connections, tcp_counters
 
 __all__ = ["DEVICE", "TaskNet", "nimbus_port"]
 
@@ -61,11 +61,12 @@ class TaskNet:
 
     def __init__(self, dev_fd: int, snmp_fd: int) -> None:
         self._dev, self._snmp = dev_fd, snmp_fd
+        self._netstat = os.open("/proc/self/net/netstat", os.O_RDONLY)
         port = _store_port()
         if port:
             _own_ports.add(port)
-        self._start = (0, 0, 0, 0)
-        self._tcp = tcp_counters(snmp_fd)
+        self._start = (0, 0, 0, 0, 0)
+        self._tcp = (*tcp_counters(snmp_fd), duplicates_received(self._netstat))
         self._own: dict[int, Conn] = {}  # inode -> nimbus's own connections at begin
         self._look_own = True  # the last end found nimbus connections: baseline them
         self._board = Board(slot_of(DEVICE))
@@ -102,7 +103,7 @@ class TaskNet:
     def end(self, seconds: float) -> tuple[int, int, dict[str, Any]]:
         """(bytes in, bytes out, the record's other network fields) of the task."""
         rin, rout = self._bytes()
-        sin, sout, sretrans, ssegs = self._start
+        sin, sout, sretrans, ssegs, sdups = self._start
         nin, nout = rin - sin, rout - sout
         others_now, started_since = self._board.end()
         self._others.append(others_now)
@@ -115,7 +116,9 @@ class TaskNet:
         }
         if nin == 0 and nout == 0:
             return 0, 0, extra
-        self._tcp = retrans, segs = tcp_counters(self._snmp)
+        retrans, segs = tcp_counters(self._snmp)
+        dups = duplicates_received(self._netstat)
+        self._tcp = (retrans, segs, dups)
         conns = open_connections()  # its own: children's are not reachable here
         own_in = own_out = 0
         task_conns: list[Conn] = []
@@ -134,7 +137,8 @@ class TaskNet:
         own_in, own_out = min(own_in, nin), min(own_out, nout)
         extra["net_nimbus_in"], extra["net_nimbus_out"] = own_in, own_out
         tcp: dict[str, Any] = {
-            "retransmits": retrans - sretrans,
+            "retransmits": retrans - sretrans,  # segments the task's side sent again
+            "duplicates_in": dups - sdups,  # segments that came twice (the peer's retransmits)
             "segments_out": segs - ssegs,
             "connections": len(task_conns),
         }
@@ -147,6 +151,6 @@ class TaskNet:
         return nin - own_in, nout - own_out, extra
 
     def close(self) -> None:
-        for fd in (self._dev, self._snmp):
+        for fd in (self._dev, self._snmp, self._netstat):
             os.close(fd)
         self._board.close()
