@@ -287,7 +287,13 @@ class Executor(cf.Executor):
         if keep or data.uses_data(args, kwargs):
             return self._submit_data(fn, args, kwargs, timeout, keep, environment, env)
         if self._remote and self._scoped():  # on an endpoint: its user's store() in the task
-            return self._submit_data(fn, args, kwargs, timeout, keep, environment, env)
+            if not callable(fn):
+                raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
+            scope = self._data().scope(False)  # no Refs to wait on or bind: straight out
+            return self._launch(
+                self._wrap(fn), (scope, *args), kwargs, timeout, None, fn,
+                environment=environment, env=env,
+            )  # fmt: skip
         return self._launch(fn, args, kwargs, timeout, environment=environment, env=env)
 
     def _scoped(self) -> bool:
@@ -373,6 +379,17 @@ class Executor(cf.Executor):
     def _call(self, fn: Callable[..., Any], *args: Any, keep: bool = False) -> Future:
         return self._submit_data(fn, args, {}, self._timeout, keep, self._environment, self._env)
 
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` run through ``nimbus.data.run`` (one partial per function, reused)."""
+        entry = self._wrapped.get(id(fn))  # by identity, as the function cache
+        if entry is not None and entry[0] is fn:
+            return entry[1]
+        if len(self._wrapped) >= 1024:  # bounded (new closures at every call)
+            self._wrapped.clear()
+        wrapped = partial(data.run, fn)
+        self._wrapped[id(fn)] = (fn, wrapped)
+        return wrapped
+
     def _submit_data(
         self,
         fn: Callable[..., Any],
@@ -396,14 +413,7 @@ class Executor(cf.Executor):
         if keep and getattr(fn, "__nimbus_pure__", False):
             future._recipe = (fn, args, kwargs, timeout, environment, env)  # type: ignore[attr-defined]
             future._executor = self  # type: ignore[attr-defined]
-        entry = self._wrapped.get(id(fn))  # by identity, as the function cache
-        if entry is not None and entry[0] is fn:
-            wrapped = entry[1]
-        else:
-            if len(self._wrapped) >= 1024:  # bounded (new closures at every call)
-                self._wrapped.clear()
-            wrapped = partial(data.run, fn)
-            self._wrapped[id(fn)] = (fn, wrapped)
+        wrapped = self._wrap(fn)
 
         def send() -> None:
             if future.done():

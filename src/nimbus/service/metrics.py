@@ -37,6 +37,7 @@ Not yet exposed: blocks (the service does not see an endpoint's provider).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -78,14 +79,6 @@ def metrics_key(store: Any, endpoint_id: str) -> str:
     return status.removesuffix("status") + "metrics"
 
 
-def _record(raw: object) -> TaskRecord | None:
-    try:
-        row = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else raw
-        return TaskRecord.from_wire(row) if isinstance(row, list) else None
-    except Exception:  # a record an agent sent broken: counted as finished only
-        return None
-
-
 _OBSERVE = """
 local bounds = cmsgpack.unpack(ARGV[2])
 local add = {}
@@ -96,6 +89,9 @@ local function bucket(x)
   return #bounds
 end
 local function inc(field, n) add[field] = (add[field] or 0) + n end
+-- each row: task id, state, the worker's record (TaskRecord.to_wire, packed) read
+-- here, so the service's loop does no per-task work for the counters
+local function num(x) if type(x) == 'number' then return x end return nil end
 for _, r in ipairs(cmsgpack.unpack(ARGV[3])) do
   inc('done:' .. r[2], 1)
   local t = redis.call('HMGET', ARGV[1] .. r[1], 'submitted', 'dispatched')
@@ -104,10 +100,17 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[3])) do
     local wait = math.max(0, d - s)
     inc('wait:' .. bucket(wait), 1); inc('wait:sum', wait); inc('wait:count', 1)
   end
-  if r[3] >= 0 then
-    inc('run:' .. bucket(r[3]), 1); inc('run:sum', r[3]); inc('run:count', 1)
+  local ok, rec = true, r[3]
+  if type(rec) == 'string' then ok, rec = pcall(cmsgpack.unpack, rec) end
+  if ok and type(rec) == 'table' then
+    local started, ended = num(rec[STARTED]), num(rec[ENDED])
+    if started and ended and started > 0 and ended > 0 then
+      local run = math.max(0, ended - started)
+      inc('run:' .. bucket(run), 1); inc('run:sum', run); inc('run:count', 1)
+    end
+    inc('net_in', math.max(0, math.floor(num(rec[NET_IN]) or 0)))
+    inc('net_out', math.max(0, math.floor(num(rec[NET_OUT]) or 0)))
   end
-  inc('net_in', r[4]); inc('net_out', r[5])
 end
 for field, n in pairs(add) do
   if string.sub(field, -4) == ':sum' then
@@ -118,6 +121,14 @@ for field, n in pairs(add) do
 end
 return 0
 """
+# 1-based places in the record's wire list (its fields in order), for the script
+_PLACES = {f.name: i + 1 for i, f in enumerate(dataclasses.fields(TaskRecord))}
+_OBSERVE = (
+    _OBSERVE.replace("STARTED", str(_PLACES["started"]))
+    .replace("ENDED", str(_PLACES["ended"]))
+    .replace("NET_IN", str(_PLACES["net_bytes_in"]))
+    .replace("NET_OUT", str(_PLACES["net_bytes_out"]))
+)
 _scripts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # per client
 
 
@@ -125,15 +136,11 @@ async def observe(store: Any, endpoint_id: str, rows: Sequence[Any], stored: set
     """Count the results ``rows`` (``ResultRow``) of ``endpoint_id`` whose ids are in
     ``stored`` (the first result of each task): finished by state, queue wait, run time,
     network bytes. One script call on the queue Redis a batch of results."""
-    out = []
-    for row in rows:
-        if row.task_id not in stored:
-            continue
-        record = _record(row.record)
-        run = record.run_seconds if record is not None and record.started else -1.0
-        net_in = max(0, int(record.net_bytes_in)) if record is not None else 0
-        net_out = max(0, int(record.net_bytes_out)) if record is not None else 0
-        out.append([row.task_id, row.state.value, float(run), net_in, net_out])
+    out = [
+        [row.task_id, row.state.value, row.record if isinstance(row.record, bytes | list) else b""]
+        for row in rows
+        if row.task_id in stored
+    ]
     if not out:
         return
     script = _scripts.get(store.redis)
