@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
 
 from nimbus import Client
 from nimbus.messaging import Entry
@@ -21,7 +23,6 @@ from service_support import EndpointProcess, Service
 from test_service_dashboard import (  # the browser, the admin's service, the hostile names
     XSS,
     browser,
-    hostile,
     login,
     nap,
     no_alert,
@@ -29,9 +30,6 @@ from test_service_dashboard import (  # the browser, the admin's service, the ho
     screenshot,
     service,
 )
-
-from selenium.webdriver.common.by import By  # noqa: E402  (skipped above without chromium)
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 __all__ = ["browser", "service"]  # fixtures of test_service_dashboard, used here
 
@@ -195,7 +193,9 @@ def test_the_directory_lists_the_users_messaging_instances(
         browser.find_element(By.LINK_TEXT, "Directory").click()
         WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith("/directory"))
         table = browser.find_element(By.CSS_SELECTOR, f'table[data-program="{keys.program_id}"]')
-        rows = {r[0]: r for r in cells(browser, f'table[data-program="{keys.program_id}"] tbody tr')}
+        rows = {
+            r[0]: r for r in cells(browser, f'table[data-program="{keys.program_id}"] tbody tr')
+        }
         assert rows["inst-1"][2:] == [str(os.getpid()), "/run/x/inst-1.sock", "", "alive"]
         assert rows[XSS][2:] == ["4242", "", "127.0.0.1:5555", "exited"]  # as text
         assert table.is_displayed()
@@ -221,17 +221,13 @@ def test_cancel_and_share_buttons_and_cross_site_posts_refused(
     assert "csrf" not in browser.current_url and "csrf" not in form.get_attribute("action")
     shot(browser, "task-running.png")
     form.find_element(By.TAG_NAME, "button").click()
-    WebDriverWait(browser, 10).until(
-        lambda d: "cancelled" in d.find_element(By.ID, "task").text
-    )
+    WebDriverWait(browser, 10).until(lambda d: "cancelled" in d.find_element(By.ID, "task").text)
     assert alice.get_task(task_id)["state"] == "cancelled"
 
     browser.get(service.url + f"/endpoints/{lab.endpoint_id}")
     browser.find_element(By.CSS_SELECTOR, "#share input[name=user]").send_keys("bob")
     browser.find_element(By.CSS_SELECTOR, "#share button").click()
-    WebDriverWait(browser, 10).until(
-        lambda d: "bob" in d.find_element(By.ID, "shared").text
-    )
+    WebDriverWait(browser, 10).until(lambda d: "bob" in d.find_element(By.ID, "shared").text)
     assert "bob" in alice.get_endpoint(lab.endpoint_id)["shared_with"]
     shot(browser, "endpoint-shared.png")
     browser.find_element(By.CSS_SELECTOR, "#shared button").click()  # stop sharing
