@@ -17,8 +17,9 @@ has no record yet, so it runs on its endpoint's "running" lane from its dispatch
 now; one not dispatched waits on the endpoint's "queued" lane. The queued part of a
 bar (submit to start) is light, the run coloured by its end state.
 
-Why the PNG is drawn on the server (matplotlib, a dependency already) and not with
-``canvas.toBlob`` in the browser: the file is the same whatever the window's size and
+Why the PNG is drawn on the server (matplotlib: the ``netbench`` extra; without
+it the export answers 503 saying so, and the page's "Save the canvas" button,
+``canvas.toBlob``, still saves what is on screen) rather than only in the browser: the file is the same whatever the window's size and
 the page's scroll (every lane, full resolution), it needs no script (a link, ``curl``
 with the session cookie), and its look is one function a test checks; the cost is one
 request's drawing (see ``bench``: about 0.3 s for WINDOW bars), only when asked.
@@ -195,7 +196,7 @@ async def timeline_page(request: Request) -> Response:
         f'<p id="live" class="live">live</p><p>Each task of {esc(what)} on its worker: '
         f"queued (light), then its run, coloured by state. {legend}"
         f'<a id="png" href="/timeline.png?{esc(query)}" download="timeline.png">'
-        "Export PNG</a></p>"
+        'Export PNG</a> <button type="button" id="png-canvas">Save the canvas</button></p>'
         f'<canvas id="timeline" width="1100" height="300" '
         f'data-stream="/timeline/stream?{esc(query)}" data-colours="{esc(json.dumps(COLOURS))}">'
         "</canvas>"
@@ -291,6 +292,13 @@ async def timeline_png(request: Request) -> Response:
     bars = await spans(ctx, _Names(ctx, user), ids, endpoint)
     lanes = len({bar.lane for bar in bars})
     title = f"nimbus: {len(bars)} tasks on {lanes} lanes" + (f", batch {group}" if group else "")
-    png = await run_in_threadpool(draw_png, bars, time.time(), title)
+    try:
+        png = await run_in_threadpool(draw_png, bars, time.time(), title)
+    except ImportError:
+        message = (
+            "the PNG export is drawn by matplotlib, which is not installed with this "
+            "service: pip install 'nimbus[netbench]' (or save the page's canvas)"
+        )
+        return Response(message, 503, media_type="text/plain", headers=HEADERS)
     headers = HEADERS | {"Content-Disposition": 'attachment; filename="timeline.png"'}
     return Response(png, media_type="image/png", headers=headers)

@@ -152,6 +152,18 @@ function nimbusLive(url, kind, onData) {
       Array.from(spans.values()).map((b) => [b.id, b.state])));
     later();
   });
+  const save = document.getElementById("png-canvas");
+  if (save) {
+    save.addEventListener("click", function () {
+      canvas.toBlob(function (blob) {
+        const link = document.createElement("a");
+        link.href = URL.createObjectURL(blob);
+        link.download = "timeline-canvas.png";
+        link.click();
+        window.setTimeout(() => URL.revokeObjectURL(link.href), 1000);
+      }, "image/png");
+    });
+  }
   window.setInterval(function () {
     if (canvas.dataset.running && canvas.dataset.running !== "0") {
       later(); // running bars grow with the clock
