@@ -31,15 +31,16 @@ import asyncio
 import io
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 from urllib.parse import urlencode
 
+import msgpack
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from nimbus.records import TaskState
+from nimbus.records import TaskRecord, TaskState
 from nimbus.service.context import ServiceContext
 from nimbus.service.dashboard import _session
 from nimbus.service.dashboard._html import Html, esc, join, layout
@@ -53,13 +54,15 @@ from nimbus.service.dashboard._routes import (
     _Names,
     _to_login,
 )
-from nimbus.service.dashboard._tasks import LIVE_WINDOW, index, record_of
+from nimbus.service.dashboard._tasks import LIVE_WINDOW, index
 from nimbus.service.registry import Principal
 
 __all__ = ["Span", "draw_png", "router", "spans"]
 
 router = APIRouter(include_in_schema=False)
+_NAMES = [f.name for f in fields(TaskRecord)]
 WINDOW = 1000  # tasks a timeline shows
+CHUNK = 250  # tasks one script call reads (Redis runs nothing else meanwhile: ~1-4 ms)
 TICK = 0.5  # seconds between looks at the watched tasks of an open timeline
 COLOURS = {
     "success": "#16a34a",
@@ -113,28 +116,71 @@ async def _visible_ids(
     return ids, ids[:LIVE_WINDOW]
 
 
+# One round trip and one small reply for a window: Redis reads each task's fields and
+# takes worker, started and ended out of its record (msgpack, positions of
+# TaskRecord's fields) itself. A pipeline of WINDOW HMGETs cost redis-py about 0.15 ms
+# a command to pack and parse, and decoding WINDOW whole records 30 ms more.
+_READ = """
+local at = cmsgpack.unpack(ARGV[3])
+local out = {}
+for i, id in ipairs(cmsgpack.unpack(ARGV[2])) do
+  local v = redis.pcall('HMGET', ARGV[1] .. id, 'state', 'endpoint', 'submitted',
+                        'dispatched', 'ended', 'record')
+  if type(v) ~= 'table' or v.err then
+    v = {false}
+  else
+    local ok, rec = false, nil
+    if v[6] then ok, rec = pcall(cmsgpack.unpack, v[6]) end
+    if ok and type(rec) == 'table' then
+      v[6] = rec[at[1]] or false
+      v[7] = rec[at[2]] or 0
+      v[8] = rec[at[3]] or 0
+    else
+      v[6], v[7], v[8] = false, 0, 0
+    end
+  end
+  out[i] = v
+end
+return cmsgpack.pack(out)
+"""
+_AT = msgpack.packb([_NAMES.index(name) + 1 for name in ("worker", "started", "ended")])
+_scripts: dict[Any, Any] = {}  # the queue Redis client -> its registered script
+
+
+async def _read(ctx: ServiceContext, ids: list[str]) -> list[list[Any]]:
+    """Each task's state, endpoint, submitted, dispatched, ended, and its record's
+    worker, started and ended (state None: unknown or expired; worker None: no record)."""
+    if not ids:
+        return []
+    redis = ctx.store.redis
+    script = _scripts.get(redis)
+    if script is None:
+        script = _scripts[redis] = redis.register_script(_READ)
+    prefix = ctx.store.keys.task("")
+    pipe = redis.pipeline(transaction=False)
+    for at in range(0, len(ids), CHUNK):  # other clients' commands run between chunks
+        await script(keys=[], args=[prefix, msgpack.packb(ids[at : at + CHUNK]), _AT], client=pipe)
+    rows: list[list[Any]] = []
+    for packed in await pipe.execute():
+        rows += msgpack.unpackb(packed, raw=True)
+    return [[None if v is False else v for v in row] for row in rows]
+
+
 async def spans(ctx: ServiceContext, names: _Names, ids: list[str], endpoint: str) -> list[Span]:
     """The bars of these tasks (those of ``endpoint`` only, if given; expired ones left out)."""
-    store = ctx.store
-    pipe = store.redis.pipeline(transaction=False)
-    for task_id in ids:
-        pipe.hmget(
-            store.keys.task(task_id),
-            ["state", "endpoint", "submitted", "dispatched", "ended", "record"],
-        )
     out: list[Span] = []
-    for task_id, got in zip(ids, await pipe.execute(raise_on_error=False) if ids else []):
-        if isinstance(got, Exception) or got[0] is None:
+    for task_id, got in zip(ids, await _read(ctx, ids)):
+        if got[0] is None:
             continue
         state, where = got[0].decode(errors="replace"), (got[1] or b"").decode()
         if endpoint and where != endpoint:
             continue
         submitted = float(got[2] or 0)
-        record = record_of(got[5])
-        if record is not None and record.worker and record.started:
-            lane, r0, r1 = record.worker, record.started, record.ended
+        worker, started, ended = got[5:8]
+        if worker and started:
+            lane, r0, r1 = worker.decode(errors="replace"), float(started), float(ended)
         else:
-            dispatched, ended = float(got[3] or 0), float(got[4] or 0)
+            dispatched, ended = float(got[3] or 0), float(got[4] or 0)  # the service's
             here = await names.endpoint(where)
             if state in DONE:  # cancelled, or failed by the service: no worker said
                 lane, r0, r1 = f"{here}: no worker record", dispatched or ended, ended
