@@ -292,35 +292,56 @@ async def timeline_stream(request: Request) -> Response:
     return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
 
 
+def _boxes(parts: list[tuple[float, float, float, float]]) -> Any:
+    """Rectangles (x, width, y, height) as an array of corners, shape (n, 4, 2)."""
+    import numpy as np
+
+    x, w, y, h = np.array(parts, dtype=float).T
+    return np.stack([np.c_[x, y], np.c_[x + w, y], np.c_[x + w, y + h], np.c_[x, y + h]], 1)
+
+
 def draw_png(bars: list[Span], now: float, title: str) -> bytes:
-    """The bars as a PNG: a lane per worker (matplotlib, the Agg backend, no display)."""
-    from matplotlib.figure import Figure  # imported on first export: the service starts fast
+    """The bars as a PNG: a lane per worker (matplotlib, the Agg backend, no display).
+    One PolyCollection a colour (``broken_barh`` a lane costs ~1 ms a bar in units)."""
+    from matplotlib.collections import PolyCollection  # imported on the first export
+    from matplotlib.figure import Figure
 
     lanes = sorted({bar.lane for bar in bars})
     row = {lane: i for i, lane in enumerate(lanes)}
-    fig = Figure(figsize=(12, 1.5 + 0.3 * max(1, len(lanes))), dpi=100)
+    height = 1.5 + 0.3 * max(1, len(lanes))  # inches
+    fig = Figure(figsize=(12, height), dpi=100)
+    fig.subplots_adjust(left=0.24, right=0.98, bottom=0.7 / height, top=1 - 0.45 / height)
     ax = fig.add_subplot()
     start = min((bar.q0 for bar in bars if bar.q0), default=now)
-    queued: dict[int, list[tuple[float, float]]] = {}
-    runs: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    parts: dict[str, list[tuple[float, float, float, float]]] = {}
     for bar in bars:
         y = row[bar.lane]
         begin = bar.r0 or now
         if bar.q0 and begin > bar.q0:
-            queued.setdefault(y, []).append((bar.q0 - start, begin - bar.q0))
+            parts.setdefault("queued", []).append((bar.q0 - start, begin - bar.q0, y - 0.4, 0.8))
         if bar.r0:
-            runs.setdefault((y, bar.state), []).append((bar.r0 - start, (bar.r1 or now) - bar.r0))
-    for y, parts in queued.items():
-        ax.broken_barh(parts, (y - 0.4, 0.8), facecolors=COLOURS["queued"])
-    for (y, state), parts in runs.items():
-        ax.broken_barh(parts, (y - 0.35, 0.7), facecolors=COLOURS.get(state, "#6b7280"))
+            run = (bar.r0 - start, (bar.r1 or now) - bar.r0, y - 0.33, 0.66)
+            parts.setdefault(bar.state, []).append(run)
+    for state in ["queued", *sorted(set(parts) - {"queued"})]:  # runs over their waits
+        if state in parts:
+            colour = COLOURS.get(state, "#6b7280")
+            edge = "none" if state == "queued" else "white"
+            boxes = PolyCollection(
+                _boxes(parts[state]),
+                closed=False,
+                facecolors=colour,
+                edgecolors=edge,
+                linewidths=0.3,
+            )
+            ax.add_collection(boxes)
+    end = max([now if not b.r1 and (b.r0 or b.q0) else b.r1 for b in bars] or [now])
+    ax.set_xlim(0, max(end - start, 0.001) * 1.02)
     ax.set_yticks(range(len(lanes)), [lane[-40:] for lane in lanes], fontsize=8)
     ax.set_ylim(-0.6, max(1, len(lanes)) - 0.4)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first submit")
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
     out = io.BytesIO()
     fig.savefig(out, format="png")
     return out.getvalue()
