@@ -94,6 +94,8 @@ def test_endpoint_page_shows_workers_busy_live_and_clicks_through_to_a_task(
     )
     assert pools(browser)[0][1] == "plain"
     shot(browser, "endpoint.png")
+    browser.execute_script("document.getElementById('blocks').scrollIntoView()")
+    shot(browser, "endpoint-workers.png")
     for task_id in running:
         alice.get_result(task_id, timeout=30)
 
@@ -298,6 +300,7 @@ def test_a_page_of_another_site_cannot_cancel_even_with_the_token(
         browser.get(f"http://localhost:{evil.server_address[1]}/evil.html")
         WebDriverWait(browser, 10).until(lambda d: d.current_url.startswith(service.url))
         assert "/login" in browser.current_url  # no cookie came along: asked to log in
+        assert f"next=%2Ftasks%2F{task_id}" in browser.current_url  # then to the task's page
         time.sleep(0.3)
         assert alice.get_task(task_id)["state"] in ("dispatched", "running")
     finally:

@@ -17,6 +17,7 @@ keeps the last one it heard for the dashboard's endpoint page.
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from nimbus.protocol import MAX_RUNTIME
@@ -26,7 +27,7 @@ __all__ = ["runtime_rows"]
 
 def _manager_rows(manager: dict[str, Any]) -> list[dict[str, Any]]:
     name = str(manager.get("name", ""))
-    node = str(manager.get("node") or name.split("/")[0])
+    node = str(manager.get("node") or socket.gethostname())  # none said: this process's
     workers = int(manager.get("workers", 0))
     envs = manager.get("environments")
     if isinstance(envs, dict):  # a manager in this process: per environment

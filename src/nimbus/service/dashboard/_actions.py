@@ -19,6 +19,8 @@ only the endpoint's owner), so a button never does more than its user's token co
 
 from __future__ import annotations
 
+from urllib.parse import urlencode
+
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 from pydantic import ValidationError
@@ -27,7 +29,7 @@ from nimbus.errors import ServiceError
 from nimbus.service import routes, tasks
 from nimbus.service.dashboard import _session
 from nimbus.service.dashboard._html import esc, layout
-from nimbus.service.dashboard._routes import HEADERS, _ctx, _html, _to_login
+from nimbus.service.dashboard._routes import HEADERS, _ctx, _html
 
 __all__ = ["router"]
 
@@ -41,6 +43,10 @@ def cross_site(request: Request, fields: dict[str, str], csrf: str) -> bool:
     return not _session.check_origin(request) or not _session.same(fields.get("csrf", ""), csrf)
 
 
+def _login_then(page: str) -> Response:
+    return RedirectResponse("/login?" + urlencode({"next": page}), 303, headers=HEADERS)
+
+
 def _refused(title: str, user: str, csrf: str) -> Response:
     body = esc("cross-site request refused: nothing was changed (use the page's own button)")
     return _html(layout(title, body, user, csrf), 403)
@@ -51,8 +57,8 @@ async def cancel_task(request: Request, task_id: str) -> Response:
     ctx = _ctx(request)
     who = await _session.viewer(request, ctx)
     fields = await _session.form(request)
-    if who is None:
-        return _to_login(request)
+    if who is None:  # logged in again, the task's page (a POST is not repeated)
+        return _login_then(f"/tasks/{task_id[:64]}")
     user = who.principal
     if cross_site(request, fields, who.csrf):
         return _refused("Cancel", user.user_name, who.csrf)
@@ -69,7 +75,7 @@ async def share_endpoint(request: Request, endpoint_id: str) -> Response:
     who = await _session.viewer(request, ctx)
     fields = await _session.form(request)
     if who is None:
-        return _to_login(request)
+        return _login_then(f"/endpoints/{endpoint_id[:64]}")
     user = who.principal
     if cross_site(request, fields, who.csrf):
         return _refused("Share", user.user_name, who.csrf)
