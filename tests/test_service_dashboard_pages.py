@@ -123,7 +123,7 @@ def test_endpoint_page_shows_workers_busy_live_and_clicks_through_to_a_task(
 def test_the_timeline_draws_each_task_on_its_worker_live_and_exports_a_png(
     service: Service, alice: Client, lab: EndpointProcess, browser: Any
 ) -> None:
-    first = [alice.run(nap, 0.3, endpoint="lab") for _ in range(4)]
+    first = alice.batch_run(nap, [(0.5,)] * 4, endpoint="lab")  # together: on both workers
     for task_id in first:
         alice.get_result(task_id, timeout=30)
     login(browser, service, alice.token)
@@ -173,7 +173,17 @@ def test_the_timeline_draws_each_task_on_its_worker_live_and_exports_a_png(
     DOCS.mkdir(parents=True, exist_ok=True)
     (DOCS / "timeline-export.png").write_bytes(png.content)
 
+    group = alice.get_task(first[0])["group_id"]  # one batch's timeline: its 4 tasks only
+    browser.get(service.url + f"/timeline?group={group}")
+    WebDriverWait(browser, 10).until(lambda d: len(states(d)) == 4)
+    assert set(states(browser)) == set(first)
+    assert sum(int(r[1]) for r in cells(browser, "#lanes tbody tr")) == 4
+
     login(browser, service, service.token("mallory"), "/timeline")  # nothing of alice's
+    WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "live").text == "live")
+    time.sleep(0.5)
+    assert states(browser) == {} and not cells(browser, "#lanes tbody tr")
+    browser.get(service.url + f"/timeline?group={group}")  # nor her batch, by its id
     WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "live").text == "live")
     time.sleep(0.5)
     assert states(browser) == {} and not cells(browser, "#lanes tbody tr")

@@ -261,14 +261,17 @@ async def timeline_stream(request: Request) -> Response:
     endpoint, group = _query(request)
     names = _Names(ctx, user)
 
+    key = index(ctx.store, user.user_id, _is_admin(ctx, user))
+
     async def events() -> Any:
+        """Every bar once, then each TICK the watched tasks not yet ended (a batch's
+        tasks, read once; else the index's newest LIVE_WINDOW, read each time)."""
         sent: dict[str, Span] = {}
+        todo, watched = await _visible_ids(ctx, user, endpoint, group)
         first = True
         checked = beat = time.monotonic()
         yield "retry: 1000\n\n"
         while not ctx.hub.closing:
-            shown, watched = await _visible_ids(ctx, user, endpoint, group)
-            todo = shown if first else [i for i in watched if i not in sent or sent[i].r1 == 0]
             changed = [s for s in await spans(ctx, names, todo, endpoint) if sent.get(s.id) != s]
             if first or changed:
                 for bar in changed:
@@ -276,9 +279,6 @@ async def timeline_stream(request: Request) -> Response:
                 data = json.dumps({"now": time.time(), "spans": [asdict(s) for s in changed]})
                 yield f"event: spans\ndata: {data}\n\n"
             first = False
-            if len(sent) > 4 * WINDOW:
-                keep = set(shown)
-                sent = {k: v for k, v in sent.items() if k in keep}
             now = time.monotonic()
             if now - beat > KEEPALIVE:
                 beat = now
@@ -288,6 +288,12 @@ async def timeline_stream(request: Request) -> Response:
                 if await _session.viewer(request, ctx) is None:
                     return
             await asyncio.sleep(TICK)
+            if not group:
+                newest = await ctx.store.redis.zrevrange(key, 0, LIVE_WINDOW - 1)
+                watched = [member.decode() for member in newest]
+            if len(sent) > 4 * WINDOW:
+                sent = {k: sent[k] for k in watched if k in sent}
+            todo = [i for i in watched if i not in sent or sent[i].r1 == 0]
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
 
