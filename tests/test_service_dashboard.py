@@ -139,7 +139,9 @@ def test_endpoint_to_task_with_a_hostile_name_inert(
     row = browser.find_element(By.CSS_SELECTOR, f'tr[data-endpoint="{lab.endpoint_id}"]')
     assert "online" in row.text and "alice" in row.text
     screenshot(browser, tmp_path / "endpoints.png")
-    row.find_element(By.LINK_TEXT, "lab").click()  # endpoint -> its tasks
+    row.find_element(By.LINK_TEXT, "lab").click()  # endpoint -> its page -> its tasks
+    WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.ID, "endpoint-tasks"))
+    browser.find_element(By.ID, "endpoint-tasks").click()
     WebDriverWait(browser, 10).until(lambda d: "/tasks?endpoint=" in d.current_url)
     task_row = browser.find_element(By.CSS_SELECTOR, f'tr[data-task="{task_id}"]')
     assert XSS in task_row.text and "success" in task_row.text  # shown as text

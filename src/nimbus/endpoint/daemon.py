@@ -43,6 +43,7 @@ from websockets.asyncio.client import ClientConnection
 
 from nimbus import _loop, environments, serialization
 from nimbus.config import Settings
+from nimbus.endpoint._summary import runtime_rows
 from nimbus.endpoint.config import EndpointConfig
 from nimbus.environments import Environment
 from nimbus.errors import (
@@ -263,13 +264,25 @@ class EndpointDaemon:
 
     async def _beater(self, ws: ClientConnection) -> None:
         beats = 0
+        said: list[dict[str, Any]] | None = None
         while True:
             envs = None
             if beats % ENVIRONMENTS_EVERY == 0:  # what the nodes hold, now and then
                 envs = await asyncio.to_thread(self._environments)
+            runtime = self._runtime()  # blocks, managers, workers: when it changed
+            send = runtime if runtime != said or beats % ENVIRONMENTS_EVERY == 0 else None
+            said = runtime
             beats += 1
-            await ws.send(Beat(time.monotonic(), envs).encode())
+            await ws.send(Beat(time.monotonic(), envs, send).encode())
             await asyncio.sleep(self.heartbeat)
+
+    def _runtime(self) -> list[dict[str, Any]]:
+        """``Beat.runtime``: the blocks, managers and workers busy or idle now."""
+        try:
+            scaler = self.scaler.statistics() if self.scaler is not None else None
+            return runtime_rows(self.runtime.statistics(), scaler)
+        except Exception:  # the runtime is shutting down
+            return []
 
     def _environments(self) -> list[dict[str, Any]]:
         """Rows ``{node, name, key, state, workers, free, size, last_use}``: the

@@ -51,6 +51,7 @@ from nimbus.protocol._codec import (
 )
 from nimbus.protocol._messages import (
     MAX_ENVIRONMENTS,
+    MAX_RUNTIME,
     Accepted,
     Ack,
     Batch,
@@ -87,6 +88,7 @@ __all__ = [
     "INLINE_MIN",
     "LIMITS",
     "MAX_ENVIRONMENTS",
+    "MAX_RUNTIME",
     "MESSAGE_BYTES",
     "MSGPACK",
     "NOT_MSGPACK",

@@ -5,7 +5,7 @@ Each message is a msgpack map with an ``op``; its rows are positional lists::
     daemon  -> service  Hello {python, serializer, workers, window, held}
                         Results {results: [ResultRow, ...]}
                         Running {ids}  (tasks on a worker for 50 ms or more)
-                        Beat {t}
+                        Beat {t, environments?, runtime?}
     service -> daemon   Tasks {tasks: [TaskRow, ...]}  (a function's body comes once per
                         connection)
                         Ack {ids}  (results stored: the daemon may forget them)
@@ -244,6 +244,29 @@ class Unknown(_Ids):
 
 
 MAX_ENVIRONMENTS = 1000  # rows of a beat's environments
+MAX_RUNTIME = 1000  # rows of a beat's runtime
+
+
+def _scalar_rows(field: str, rows: object, most: int) -> list[dict[str, Any]] | None:
+    """``rows`` if it is None or at most ``most`` maps of names to scalars; else ProtocolError."""
+    if rows is not None and not (
+        type(rows) is list
+        and len(rows) <= most
+        and all(
+            type(e) is dict
+            and len(e) <= 16
+            and all(
+                type(k) is str and (v is None or type(v) in (str, int, float, bool))
+                for k, v in e.items()
+            )
+            for e in rows
+        )
+    ):
+        raise ProtocolError(
+            f"beat.{field}: expected at most {most} maps of names to scalars, got {brief(rows)}",
+            WRONG_SHAPE,
+        )
+    return rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,39 +275,31 @@ class Beat(Message):
 
     ``environments`` (a daemon's beat only, left out when None): what its nodes hold,
     one map per node and environment ``{node, name, key, state, workers, size,
-    last_use}`` (scalars), for ``nimbus environments list --endpoint``."""
+    last_use}`` (scalars), for ``nimbus environments list --endpoint``.
+    ``runtime`` (a daemon's beat only, left out when None): its blocks, managers and
+    workers now, maps of scalars with a ``kind``: ``{kind: "block", id, state, nodes,
+    managers, busy, walltime_left, message}``, ``{kind: "manager", name, node, block,
+    workers, busy, accepting}``, ``{kind: "workers", manager, environment, workers,
+    busy, idle}`` (for the dashboard's endpoint page; an older service ignores it)."""
 
     op: ClassVar[str] = "beat"
     t: Any
     environments: list[dict[str, Any]] | None = None
+    runtime: list[dict[str, Any]] | None = None
 
     def wire(self) -> dict[str, Any]:
-        if self.environments is None:
-            return {"op": "beat", "t": self.t}
-        return {"op": "beat", "t": self.t, "environments": self.environments}
+        out: dict[str, Any] = {"op": "beat", "t": self.t}
+        if self.environments is not None:
+            out["environments"] = self.environments
+        if self.runtime is not None:
+            out["runtime"] = self.runtime
+        return out
 
     @classmethod
     def decode(cls, msg: dict[str, Any]) -> Beat:
-        envs = msg.get("environments")
-        if envs is not None and not (
-            type(envs) is list
-            and len(envs) <= MAX_ENVIRONMENTS
-            and all(
-                type(e) is dict
-                and len(e) <= 16
-                and all(
-                    type(k) is str and (v is None or type(v) in (str, int, float, bool))
-                    for k, v in e.items()
-                )
-                for e in envs
-            )
-        ):
-            raise ProtocolError(
-                f"beat.environments: expected at most {MAX_ENVIRONMENTS} maps of names to "
-                f"scalars, got {brief(envs)}",
-                WRONG_SHAPE,
-            )
-        return cls(msg.get("t"), envs)
+        envs = _scalar_rows("environments", msg.get("environments"), MAX_ENVIRONMENTS)
+        runtime = _scalar_rows("runtime", msg.get("runtime"), MAX_RUNTIME)
+        return cls(msg.get("t"), envs, runtime)
 
     def seconds(self) -> float:
         """``t`` as a number; ProtocolError otherwise (what a daemon checks of an echo)."""

@@ -174,6 +174,11 @@ class StoreServer:
         self._secret = secrets.token_bytes(32)
         self._users.clear()
 
+    @property
+    def client(self) -> redis.Redis:
+        """The admin's connection (the dashboard reads the programs' directories with it)."""
+        return self._admin
+
     def revive(self) -> None:
         """Start the stores Redis again if it died: empty, with new passwords, so the
         programs that used it fail clearly (their store is gone) instead of finding it empty."""

@@ -186,6 +186,7 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     )
     saved = time.time()
     last_held = ""
+    last_runtime: list[dict[str, Any]] | None = None
     malformed: ProtocolError | None = None
     try:
         while True:
@@ -212,6 +213,11 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                     if held != last_held:
                         last_held = held
                         await ctx.store.set_status(endpoint_id, environments=held)
+                if beat.runtime is not None and beat.runtime != last_runtime:
+                    last_runtime = beat.runtime  # blocks, managers, workers: for the dashboard
+                    await ctx.store.set_status(
+                        endpoint_id, runtime=json.dumps(beat.runtime, separators=(",", ":"))
+                    )
                 now = time.time()
                 ctx.hub.beats[endpoint_id] = now
                 if now - saved > BEAT_SAVE_SECONDS:  # Redis keeps it for a restart

@@ -1,6 +1,9 @@
-"""The service's dashboard at ``/``: endpoints, tasks (paged, live), a task, network
-(per-task bytes and throughput, ``_network``), batches (each submit's progress, live,
-``_batches``).
+"""The service's dashboard at ``/``: endpoints (blocks, managers, workers busy and
+idle, live, ``_endpoints``), tasks (paged, live), a task (record, traceback, output,
+``_task``), the task stream per worker and its PNG (``_timeline``), network (per-task
+bytes and throughput, ``_network``), batches (each submit's progress, live,
+``_batches``), the messaging directory (``_directory``), and the cancel and share
+buttons (``_actions``).
 
 Server-rendered HTML, a little vanilla JavaScript, served by the service's own
 ASGI app (``app.include_router(router)``). Why this stack:
@@ -24,6 +27,10 @@ queue Redis) with keyset pagination (``_tasks``), never a scan of the history.
 
 from __future__ import annotations
 
+from nimbus.service.dashboard import _actions, _directory, _endpoints, _task, _timeline
 from nimbus.service.dashboard._routes import router
+
+for _pages in (_endpoints, _task, _timeline, _directory, _actions):
+    router.include_router(_pages.router)  # after _routes' own: /tasks/stream before /tasks/{id}
 
 __all__ = ["router"]

@@ -42,22 +42,28 @@ def age(seconds: float | None) -> str:
     return f"{seconds:.1f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
 
 
-def layout(title: str, body: Html, user: str = "", csrf: str = "") -> Html:
-    """A whole page: the navigation (and a logout form when someone is logged in)."""
+def layout(
+    title: str, body: Html, user: str = "", csrf: str = "", scripts: tuple[str, ...] = ()
+) -> Html:
+    """A whole page: the navigation (and a logout form when someone is logged in);
+    ``scripts``: more of the package's static scripts the page runs."""
     nav = Html("")
     if user:
         nav = Html(
             f'<nav><a href="/">Endpoints</a> <a href="/tasks">Tasks</a> '
-            f'<a href="/batches">Batches</a> <a href="/network">Network</a> '
+            f'<a href="/batches">Batches</a> <a href="/timeline">Timeline</a> '
+            f'<a href="/network">Network</a> <a href="/directory">Directory</a> '
             f'<span class="who">{esc(user)}</span>'
             f'<form method="post" action="/logout" class="inline">'
             f'<input type="hidden" name="csrf" value="{esc(csrf)}">'
             f'<button type="submit">Log out</button></form></nav>'
         )
+    extra = join(Html(f'<script src="/static/{esc(name)}" defer></script>') for name in scripts)
     return Html(
         "<!doctype html>\n"
         f'<html lang="en"><head><meta charset="utf-8"><title>{esc(title)} - nimbus</title>'
         '<link rel="stylesheet" href="/static/dashboard.css">'
-        '<script src="/static/dashboard.js" defer></script></head>'
+        '<script src="/static/dashboard.js" defer></script>'
+        f"{extra}</head>"
         f"<body>{nav}<main><h1>{esc(title)}</h1>{body}</main></body></html>"
     )

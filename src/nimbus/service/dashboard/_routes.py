@@ -3,10 +3,10 @@
 ::
 
     GET  /login, POST /login, POST /logout          _session (cookie, CSRF)
-    GET  /                      endpoints you can use: online, heartbeat, workers
+    GET  /, /endpoints/{id}     endpoints: _endpoints; a task: _task; the timeline: _timeline
+    GET  /directory             messaging instances: _directory; POST buttons: _actions
     GET  /tasks?state=&endpoint=&function=&after=   a keyset page of your tasks
     GET  /tasks/stream?state=&endpoint=&function=   server-sent events: rows that changed
-    GET  /tasks/{task_id}       one task: its record, its traceback
     GET  /network?endpoint=&after=  your tasks' bytes and throughput; endpoints' totals
     GET  /batches, /batches/stream  progress of your recent batches (live: events)
     GET  /static/{name}         the JS and CSS in this package
@@ -38,7 +38,7 @@ from nimbus.errors import AuthError, NotFound
 from nimbus.service import metrics
 from nimbus.service.context import ServiceContext
 from nimbus.service.dashboard import _batches, _network, _session
-from nimbus.service.dashboard._html import Html, age, esc, join, layout, when
+from nimbus.service.dashboard._html import Html, esc, join, layout, when
 from nimbus.service.dashboard._tasks import (
     STATES,
     Filter,
@@ -47,8 +47,6 @@ from nimbus.service.dashboard._tasks import (
     index,
     live_window,
     page,
-    record_of,
-    traceback_text,
 )
 from nimbus.service.registry import Endpoint, EndpointInfo, Principal, Registry
 
@@ -69,7 +67,11 @@ HEADERS = {
     "Referrer-Policy": "same-origin",  # no-referrer would make Origin "null" on POSTs
     "Cache-Control": "no-store",
 }
-STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+STATIC = {
+    "dashboard.js": "text/javascript",
+    "pages.js": "text/javascript",
+    "dashboard.css": "text/css",
+}
 
 
 def _is_admin(ctx: ServiceContext, user: Principal) -> bool:
@@ -181,45 +183,6 @@ async def logout(request: Request) -> Response:
     response = RedirectResponse("/login", 303, headers=HEADERS)
     response.delete_cookie(_session.COOKIE, samesite="strict")
     return response
-
-
-# ---------------------------------------------------------------- endpoints
-
-
-@router.get("/", response_model=None)
-async def endpoints_page(request: Request) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return _to_login(request)
-    user = who.principal
-    infos = await _endpoints(ctx, user)
-    now = time.time()
-    rows = []
-    for info in infos:
-        status = await ctx.endpoint_status(info)
-        beat = float(status["last_heartbeat"])  # type: ignore[arg-type]
-        online = bool(status["online"])
-        link = "/tasks?" + urlencode({"endpoint": info.id})
-        rows.append(
-            Html(
-                f'<tr data-endpoint="{esc(info.id)}"><td><a href="{esc(link)}">'
-                f"{esc(info.name)}</a></td><td>{esc(info.owner)}</td>"
-                f'<td class="{"online" if online else "offline"}">'
-                f"{'online' if online else 'offline'}</td>"
-                f"<td>{esc(age(now - beat if beat else None))}</td>"
-                f"<td>{esc(status['workers'])}</td><td>{esc(status['agents'])}</td>"
-                f"<td>{esc(status['queued'])}</td><td>{esc(status['python'])}</td></tr>"
-            )
-        )
-    table = Html(
-        '<table id="endpoints"><thead><tr><th>Endpoint</th><th>Owner</th><th>State</th>'
-        "<th>Heartbeat</th><th>Workers</th><th>Agents</th><th>Queued</th><th>Python</th>"
-        f"</tr></thead><tbody>{join(rows)}</tbody></table>"
-        if rows
-        else "<p>No endpoints yet: <code>nimbus endpoint start NAME</code>.</p>"
-    )
-    return _html(layout("Endpoints", table, user.user_name, who.csrf))
 
 
 # ---------------------------------------------------------------- tasks
@@ -381,82 +344,6 @@ async def tasks_stream(request: Request) -> Response:
             await asyncio.sleep(TICK)
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
-
-
-@router.get("/tasks/{task_id}", response_model=None)
-async def task_page(request: Request, task_id: str) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return _to_login(request)
-    user = who.principal
-    try:
-        if _is_admin(ctx, user):
-            [found] = await ctx.store.info([task_id[:64]])
-            if found is None:
-                raise NotFound(f"task {task_id[:64]} not found", 404)
-            info = found
-        else:
-            info = await ctx.task(user, task_id[:64])
-    except NotFound as exc:
-        return _html(layout("Not found", esc(str(exc)), user.user_name, who.csrf), 404)
-    names = _Names(ctx, user)
-    row = Row(
-        task_id,
-        0.0,
-        str(info["state"]),
-        str(info["endpoint"]),
-        str(info["function"]),
-        float(str(info["submitted"] or 0)),
-        float(str(info["dispatched"] or 0)),
-        float(str(info["ended"] or 0)),
-    )
-    view = await names.row(row)
-    fields = [
-        ("Task", task_id),
-        ("State", view["state"]),
-        ("Function", view["function"]),
-        ("Function id", row.function_id),
-        ("Endpoint", view["endpoint"]),
-        ("Submitted", view["submitted"]),
-        ("Dispatched", view["dispatched"]),
-        ("Ended", view["ended"]),
-        ("Timeout", info["timeout"] or "none"),
-    ]
-    record = record_of(info.get("record"))
-    if record is not None:
-        record.submitted = row.submitted  # the service's clock, as the API shows it
-        fields += [
-            ("Worker", record.worker),
-            ("Host", record.host),
-            ("Pid", record.pid),
-            ("Started", when(record.started)),
-            ("Run", f"{record.run_seconds:.3f} s"),
-            ("Queued", f"{record.queued_seconds:.3f} s"),
-            ("CPU", f"{record.cpu_user:.3f} s user, {record.cpu_system:.3f} s system"),
-            ("Peak memory", f"{record.peak_memory} bytes"),
-            ("Network in", f"{_network.amount(record.net_bytes_in)}, "
-             f"{_network.rate(record.net_throughput_in)} ({record.net_source})"),
-            ("Network out", f"{_network.amount(record.net_bytes_out)}, "
-             f"{_network.rate(record.net_throughput_out)}"),
-        ]  # fmt: skip
-    body = Html(
-        '<table id="task" class="record">'
-        + join(Html(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>") for k, v in fields)
-        + "</table>"
-    )
-    if row.state == "failed":
-        [stored] = await ctx.store.results([task_id])
-        text = traceback_text(stored[1] if stored else None)
-        body = Html(
-            body
-            + (
-                f'<h2>Traceback</h2><pre id="traceback">{esc(text)}</pre>'
-                if text
-                else "<p>The worker sent no traceback text.</p>"
-            )
-        )
-    return _html(layout(f"Task {task_id[:8]}", body, user.user_name, who.csrf))
 
 
 # ---------------------------------------------------------------- network
