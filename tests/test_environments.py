@@ -23,7 +23,7 @@ import pytest
 import nimbus.environments as environments
 from environment_support import MARKER, EnvWorker, base_image, podman_unavailable
 from nimbus.cli import main as cli_main
-from nimbus.environments import Environment, _venv, prepare
+from nimbus.environments import WORKER_VARIABLE, Environment, _venv, prepare
 from nimbus.errors import EnvironmentBuildError, VersionMismatchError
 
 pytestmark = pytest.mark.timeout(300)
@@ -73,14 +73,23 @@ def where_six() -> tuple[str, str, str]:
 
 def test_public_names() -> None:
     assert sorted(environments.__all__) == sorted(
-        ["PLAIN", "Cache", "Entry", "Environment", "Prepared", "cache", "prepare"]
+        [
+            "PLAIN",
+            "WORKER_VARIABLE",
+            "Cache",
+            "Entry",
+            "Environment",
+            "Prepared",
+            "cache",
+            "prepare",
+        ]
     )
 
 
 def test_plain_is_the_node_python() -> None:
     prepared = prepare(Environment("p"))
     assert prepared.command([PY, "-c", "x"]) == [PY, "-c", "x"]
-    assert prepared.environ({"A": "1"}) == {"A": "1"}
+    assert prepared.environ({"A": "1"}) == {"A": "1", WORKER_VARIABLE: "p"}
 
 
 def test_virtualenv_from_a_wheelhouse_runs_a_task(wheelhouse: str, installer: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import socket
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from nimbus import Client, Environment, Executor, serialization
+from nimbus.environments import PLAIN
 from nimbus.errors import EnvironmentBuildError, ProtocolError, VersionMismatchError
 from nimbus.protocol import (
     Beat,
@@ -173,6 +175,72 @@ def test_a_failed_build_fails_the_task_within_seconds(
     assert "no-such-package-xyz" in str(info.value)
     assert alice.get_task(task_id)["state"] == "failed"
     assert alice.get_result(alice.run(square, 5, endpoint="lab"), timeout=30) == 25
+
+
+# ---------------------------------------------------------------- per registered function
+
+
+def where(x: int) -> tuple[int, str]:
+    """``x`` and the environment this task ran in ("" for the workers' own Python)."""
+    import os
+
+    return x, os.environ.get("NIMBUS_WORKER_ENVIRONMENT", "")
+
+
+def _ran_in(client: Client, task_ids: list[str]) -> set[str]:
+    results = [client.get_result(t, timeout=60) for t in task_ids]
+    assert [x for x, _ in results] == list(range(len(task_ids)))
+    return {env for _, env in results}
+
+
+def test_a_function_registered_with_an_environment_runs_in_it_unless_a_call_says_otherwise(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    registered = Environment("registered")
+    function_id = alice.register_function(where, environment=registered)
+    assert alice.get_function(function_id)["environment"] == registered.to_dict()
+    assert alice.register_function(where, environment=registered) == function_id
+    # the client's later submits of the function: its registered environment
+    assert _ran_in(alice, alice.batch_run(where, [(0,), (1,)], endpoint="lab")) == {"registered"}
+    # by function id alone, as anyone it is shared with would submit: the registry has it
+    with service.http(alice.token) as http:
+        payloads = [pack_payload(*serialization.dumps(((i,), {}))) for i in range(2)]
+        tasks = [
+            {"function_id": function_id, "payload": base64.b64encode(p).decode()}
+            for p in payloads
+        ]
+        response = http.post("/v1/tasks", json={"endpoint_id": lab.endpoint_id, "tasks": tasks})
+        assert response.status_code == 201, response.text
+        assert _ran_in(alice, response.json()["task_ids"]) == {"registered"}
+    # an executor registering on first use finds that registration; a call's own wins
+    with Executor(endpoint="lab", settings=service.user_settings(alice.token)) as ex:
+        assert ex.submit(where, 0).result(timeout=60) == (0, "registered")
+        other = ex.options(environment=Environment("other"))
+        assert other.submit(where, 1).result(timeout=60) == (1, "other")
+        plain = ex.options(environment=PLAIN)
+        assert plain.submit(where, 2).result(timeout=60) == (2, "")
+    assert _ran_in(
+        alice, alice.batch_run(where, [(0,)], endpoint="lab", environment=Environment("call"))
+    ) == {"call"}
+    # another environment is another function id; the first keeps its own
+    again = alice.register_function(where, environment=Environment("again"))
+    assert again != function_id
+    assert alice.get_function(function_id)["environment"] == registered.to_dict()
+    assert _ran_in(alice, alice.batch_run(where, [(0,)], endpoint="lab")) == {"again"}
+
+
+def test_registering_with_a_wrong_environment_is_refused(service: Service, alice: Client) -> None:
+    with pytest.raises(VersionMismatchError, match=r"cloudpickle 2\.2\.1"):
+        alice.register_function(where, environment=OLD_PICKLE)
+    body = {
+        "function": base64.b64encode(b"x").decode(),
+        "python": "3.11",
+        "serializer": "s",
+        "environment": {"name": "g", "sandbox": "yes"},
+    }
+    with service.http(alice.token) as http:
+        response = http.post("/v1/functions", json=body)
+    assert response.status_code == 422 and "environment.sandbox" in response.text
 
 
 # ---------------------------------------------------------------- versions, at submit

@@ -8,8 +8,17 @@ virtualenvs (uv, else pip); ``_isolate`` wraps a worker in bubblewrap or podman.
 
 from __future__ import annotations
 
-from nimbus.environments._build import Prepared, cache, prepare
+from nimbus.environments._build import WORKER_VARIABLE, Prepared, cache, prepare
 from nimbus.environments._cache import Cache, Entry
 from nimbus.environments._spec import PLAIN, Environment
 
-__all__ = ["PLAIN", "Cache", "Entry", "Environment", "Prepared", "cache", "prepare"]
+__all__ = [
+    "PLAIN",
+    "WORKER_VARIABLE",
+    "Cache",
+    "Entry",
+    "Environment",
+    "Prepared",
+    "cache",
+    "prepare",
+]
