@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +30,7 @@ from nimbus.protocol import (
     pack_payload,
     unpack,
 )
-from service_support import CLI, EndpointProcess, Service, service_env
+from service_support import CLI, EndpointProcess, Postgres, Service, service_env
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
@@ -241,6 +244,71 @@ def test_registering_with_a_wrong_environment_is_refused(service: Service, alice
     with service.http(alice.token) as http:
         response = http.post("/v1/functions", json=body)
     assert response.status_code == 422 and "environment.sandbox" in response.text
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def registry_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A registry database of each kind: a SQLite file, a private PostgreSQL cluster."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'registry.db'}"
+        return
+    why = Postgres.unavailable()
+    if why:
+        pytest.skip(f"PostgreSQL not available: {why}")
+    root = Path(tempfile.mkdtemp(prefix="nimbus-pg-"))  # reachable by the postgres user
+    os.chmod(root, 0o755)
+    pg = Postgres(root / "cluster")
+    try:
+        pg.start()
+        yield pg.url
+    finally:
+        pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_registry_keeps_a_functions_environment_and_adds_the_column_to_an_old_one(
+    registry_url: str,
+) -> None:
+    from sqlalchemy import text
+
+    from nimbus.service.registry import Registry
+
+    old = Registry(registry_url)  # as an older nimbus made it: no environment column
+    with old.engine.begin() as db:
+        db.execute(text("ALTER TABLE functions DROP COLUMN environment"))
+    old.create_user_token("ada")
+    ada = old.user_ids(["ada"])["ada"]
+    with old.engine.begin() as db:
+        db.execute(
+            text(
+                "INSERT INTO functions (id, owner_id, name, digest, body, python, serializer,"
+                " public, created) VALUES ('f-old', :ada, 'old', :digest, :body, '3.11', 's',"
+                " false, 1.0)"
+            ),
+            {"ada": ada, "digest": hashlib.sha256(b"old").hexdigest(), "body": b"old"},
+        )
+    old.close()
+    registry = Registry(registry_url)  # adds the column; the old row has none
+    try:
+        info = registry.function("f-old")
+        assert info is not None and info.environment is None
+        geo = Environment("geo", requirements=["six"], sandbox=True).to_dict()
+        fid = registry.add_function(ada, "f", b"body", "3.11", "s", environment=geo)
+        stored = registry.function(fid)
+        assert stored is not None and stored.environment == geo
+        assert stored.as_dict()["environment"] == geo
+        same = dict(reversed(list(geo.items())))  # the same spec, keys in another order
+        assert registry.add_function(ada, "f", b"body", "3.11", "s", environment=same) == fid
+        assert registry.add_function(ada, "f", b"body", "3.11", "s") == fid  # found, as is
+        box = Environment("box", image="localhost/x:1").to_dict()
+        other = registry.add_function(ada, "f", b"body", "3.11", "s", environment=box)
+        assert other != fid and registry.function(fid).environment == geo  # type: ignore[union-attr]
+        latest = registry.latest_function(ada, hashlib.sha256(b"body").hexdigest())
+        assert latest is not None and latest.id == other and latest.environment == box
+        assert registry.add_function(ada, "f", b"body", "3.11", "s") == other
+        assert registry.add_function(ada, "f", b"old", "3.11", "s") == "f-old"
+    finally:
+        registry.close()
 
 
 # ---------------------------------------------------------------- versions, at submit
