@@ -209,8 +209,7 @@ def test_a_function_registered_with_an_environment_runs_in_it_unless_a_call_says
     with service.http(alice.token) as http:
         payloads = [pack_payload(*serialization.dumps(((i,), {}))) for i in range(2)]
         tasks = [
-            {"function_id": function_id, "payload": base64.b64encode(p).decode()}
-            for p in payloads
+            {"function_id": function_id, "payload": base64.b64encode(p).decode()} for p in payloads
         ]
         response = http.post("/v1/tasks", json={"endpoint_id": lab.endpoint_id, "tasks": tasks})
         assert response.status_code == 201, response.text
@@ -388,6 +387,85 @@ def test_environments_list_endpoint_shows_what_its_nodes_hold(
     unknown = _cli(service, alice.token, "--endpoint", "no-such-endpoint")
     assert unknown.returncode != 0
     assert "no endpoint 'no-such-endpoint'" in unknown.stderr, unknown.stderr
+
+
+def _rows_until(client: Client, endpoint: str, ok: Any, timeout: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    rows: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        rows = client.get_endpoint(endpoint)["environments"]
+        if ok(rows):
+            return rows
+        time.sleep(0.3)
+    raise AssertionError(f"after {timeout} s the endpoint reports {rows}")
+
+
+def on_node(x: int) -> tuple[int, str]:
+    import os
+
+    return x, os.environ.get("SLURMD_NODENAME", "?")
+
+
+@needs_bwrap
+def test_environments_list_endpoint_shows_what_remote_managers_hold(
+    service: Service, alice: Client, slurm: Any
+) -> None:
+    import dataclasses
+
+    endpoint = EndpointProcess(service, alice, "hpc")
+    endpoint.config = dataclasses.replace(
+        endpoint.config,
+        provider="slurm",
+        partition=slurm.partition,
+        workers_per_node=2,
+        min_blocks=1,
+        init_blocks=1,
+        max_blocks=1,
+        max_idle=60.0,
+        walltime="00:05:00",
+        agent_listen="127.0.0.1:0",
+    )
+    old = dict(os.environ)
+    os.environ.update(service.env | {"SLURM_CONF": str(slurm.conf)})
+    try:
+        endpoint.config.save()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    service.env["SLURM_CONF"] = str(slurm.conf)
+    jail = Environment("remote-jail", sandbox=True)
+    try:
+        endpoint.start(alice)
+        ids = alice.batch_run(on_node, [(i,) for i in range(4)], endpoint="hpc", environment=jail)
+        nodes = {node for _, node in (alice.get_result(t, timeout=120) for t in ids)}
+        assert len(nodes) == 1 and next(iter(nodes)).startswith("n"), nodes
+        node = nodes.pop()
+
+        def shown(rows: list[dict[str, Any]]) -> bool:
+            return any(
+                r["node"] == node
+                and r["name"] == jail.name
+                and r["state"] == "warm"
+                and "last_use" in r  # its node's cache said it is built: every 5th beat
+                for r in rows
+            )
+
+        rows = _rows_until(alice, "hpc", shown, 30)
+        mine = [r for r in rows if r["node"] == node and r["key"] == jail.key]
+        assert len(mine) == 1, rows  # one row per node and environment
+        row = mine[0]
+        assert row["workers"] >= 1 and 0 <= row["free"] <= row["workers"], row
+        # from its node's cache: built there (a sandbox has no files of its own: size 0)
+        assert row["size"] == 0 and row["build_seconds"] >= 0, row
+        assert time.time() - 600 < row["last_use"] <= time.time(), row
+        assert not any(r["node"] == node and r["state"] == "failed" for r in rows)
+        out = _cli(service, alice.token, "--endpoint", "hpc")
+        assert out.returncode == 0, out.stderr
+        line = next(x for x in out.stdout.splitlines() if x.startswith(node) and "remote-" in x)
+        assert "warm" in line and "free" in line, out.stdout
+    finally:
+        endpoint.stop()
+        del service.env["SLURM_CONF"]
 
 
 def test_a_beat_carries_environments_and_refuses_wrong_ones() -> None:

@@ -171,7 +171,8 @@ def prepare(env: Environment, *, retry: bool = False) -> Prepared:
             return ready
         started = time.monotonic()
         try:
-            prepared = _build(store, env)
+            with store.building(env):
+                prepared = _build(store, env)
         except EnvironmentBuildError as exc:
             shutil.rmtree(store.entry(key), ignore_errors=True)
             store.remember_failure(env, "build", str(exc))
