@@ -20,8 +20,9 @@ times in one run:
 
 Every mode starts with no worker at all, and every worker start is a real one:
 ``--kind plain`` environments are named plain environments (a worker start
-of the node's Python); ``--kind sandbox`` ones run under bubblewrap (once the
-builders of issue 18 are in). A *cold start* is a worker started; completion
+of the node's Python); ``--kind sandbox`` ones run under bubblewrap; ``--kind venv`` ones are
+virtualenvs of one package each from a wheelhouse made here, built before the
+runs (a worker start is then the virtualenv's Python starting). A *cold start* is a worker started; completion
 is from the first submit to the last result. The last row compares a warm task
 in an environment (``Executor(environment=...)``) with a warm task on today's
 plain worker (an ``Executor`` with none): no-op round trips, alternated, median.
@@ -34,9 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -55,12 +60,37 @@ from nimbus.serialization import FunctionCache, dumps  # noqa: E402
 WEIGHTS = (4, 3, 2, 1)
 
 
-def environments(kind: str, n: int) -> list[Environment]:
+VENV_PACKAGES = ("six==1.16.0", "idna==3.4", "iniconfig==2.0.0", "packaging==24.0")
+
+
+def environments(kind: str, n: int, wheels: str | None = None) -> list[Environment]:
     if kind == "plain":
         return [Environment(f"env{i}") for i in range(n)]
     if kind == "sandbox":
         return [Environment(f"env{i}", sandbox=True) for i in range(n)]
-    raise SystemExit(f"--kind must be plain or sandbox, not {kind!r}")
+    if kind == "venv":
+        packages = [VENV_PACKAGES[i % len(VENV_PACKAGES)] for i in range(n)]
+        return [
+            Environment(f"env{i}", requirements=[p], wheelhouse=wheels)
+            for i, p in enumerate(packages)
+        ]
+    raise SystemExit(f"--kind must be plain, sandbox or venv, not {kind!r}")
+
+
+def venv_setup() -> str:
+    """For ``--kind venv``: a private environments directory and a wheelhouse (from the
+    package index); the virtualenvs are built before the runs, as on a node that
+    built them once (every mode then starts workers in them, cold)."""
+    tmp = tempfile.mkdtemp(prefix="nimbus-bench-routing-")
+    os.environ["NIMBUS_ENVIRONMENTS_DIR"] = os.path.join(tmp, "environments")
+    wheels = os.path.join(tmp, "wheels")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", wheels,
+         *VENV_PACKAGES],
+        check=True,
+        timeout=300,
+    )  # fmt: skip
+    return wheels
 
 
 def trace(envs: list[Environment], tasks: int, seed: int) -> list[Environment]:
@@ -133,10 +163,9 @@ def run(mode: str, order: list[Environment], args: argparse.Namespace) -> dict[s
     }
 
 
-def warm_latency(kind: str, repeat: int) -> dict[str, float]:
+def warm_latency(env: Environment, repeat: int) -> dict[str, float]:
     """Median no-op round trip: a warm worker of an environment (``Executor(environment=)``)
     and today's plain worker (an ``Executor`` with no environment), alternated."""
-    env = environments(kind, 1)[0]
     with Executor(1) as plain, Executor(1, environment=env) as typed:
         views = {"plain": plain, "environment": typed}
         for view in views.values():
@@ -158,20 +187,32 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--slots", type=int, default=4, help="worker slots per node")
     parser.add_argument("--ms", type=float, default=20.0, help="each task sleeps this long")
-    parser.add_argument("--kind", default="plain", help="plain or sandbox environments")
+    parser.add_argument("--kind", default="plain", help="plain, sandbox or venv environments")
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--limit", type=float, default=1800.0, help="seconds per mode at most")
     parser.add_argument("--modes", default="warm,random,oracle")
     parser.add_argument("--repeat", type=int, default=400, help="round trips for latency")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
-    envs = environments(args.kind, args.environments)
+    wheels = venv_setup() if args.kind == "venv" else None
+    try:
+        return _main(args, environments(args.kind, args.environments, wheels))
+    finally:
+        if wheels is not None:
+            shutil.rmtree(Path(wheels).parent, ignore_errors=True)
+
+
+def _main(args: argparse.Namespace, envs: list[Environment]) -> int:
+    from nimbus.environments import prepare
+
+    for env in envs:  # built once per node before the runs (venv): every start is cold
+        prepare(env)
     order = trace(envs, args.tasks, args.seed)
     rows = {}
     for mode in args.modes.split(","):
         print(f"running {mode} ...", file=sys.stderr, flush=True)
         rows[mode] = run(mode, order, args)
-    latency = warm_latency(args.kind, args.repeat)
+    latency = warm_latency(envs[0], args.repeat)
     print(
         f"{args.tasks} tasks x sleep({args.ms / 1000:g}) over {args.environments} {args.kind} "
         f"environments (weights {':'.join(map(str, WEIGHTS[: args.environments]))}), "
