@@ -157,7 +157,7 @@ def row_venv5_built(ctx: Context) -> Row:
 
     row = Row("venv5-built", "built venv, cold worker, one task", "<= 300 ms", 0.3, False)
     prepared = prepare(Environment("five", requirements=PACKAGES, wheelhouse=ctx.wheels))
-    side = alternate(ctx.repeat, {"plain": plain_side(), "env": lambda: cold(prepared, use_five)})
+    side = alternate(ctx.repeat, {"plain": plain_side(), "env": lambda: cold(prepared, use_one)})
     row.plain, row.env = side["plain"], side["env"]
     return row
 

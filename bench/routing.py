@@ -10,14 +10,19 @@ times in one run:
   worker of another environment switches, in proportion to pending work;
 * ``random``: each task goes to a random free worker slot, which switches to
   the task's environment when it is not already in it (funcX's baseline);
-* ``oracle``: knows the whole trace: lays the slots out in proportion to each
-  environment's tasks before the first task (those starts are counted) and
-  never switches.
+* ``oracle``: knows the whole trace: lays the slots out before the first task
+  (those starts are counted) so that the environment with the most tasks per
+  slot has the fewest it can (D'Hondt), and never switches. The trace draws
+  every task independently from one mix, so it has no phases: a layout that
+  changed during the run could only gain the rounding of the static one, and
+  would pay a worker start for it. The last line bounds every router from
+  below: a worker start plus the work spread perfectly over every slot.
 
 Every mode starts with no worker at all, and every worker start is a real one:
 ``--kind plain`` environments are named plain environments (a worker start
-of the node's Python); ``--kind sandbox`` ones run under bubblewrap (once the
-builders of issue 18 are in). A *cold start* is a worker started; completion
+of the node's Python); ``--kind sandbox`` ones run under bubblewrap; ``--kind venv`` ones are
+virtualenvs of one package each from a wheelhouse made here, built before the
+runs (a worker start is then the virtualenv's Python starting). A *cold start* is a worker started; completion
 is from the first submit to the last result. The last row compares a warm task
 in an environment (``Executor(environment=...)``) with a warm task on today's
 plain worker (an ``Executor`` with none): no-op round trips, alternated, median.
@@ -30,9 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -51,12 +60,37 @@ from nimbus.serialization import FunctionCache, dumps  # noqa: E402
 WEIGHTS = (4, 3, 2, 1)
 
 
-def environments(kind: str, n: int) -> list[Environment]:
+VENV_PACKAGES = ("six==1.16.0", "idna==3.4", "iniconfig==2.0.0", "packaging==24.0")
+
+
+def environments(kind: str, n: int, wheels: str | None = None) -> list[Environment]:
     if kind == "plain":
         return [Environment(f"env{i}") for i in range(n)]
     if kind == "sandbox":
         return [Environment(f"env{i}", sandbox=True) for i in range(n)]
-    raise SystemExit(f"--kind must be plain or sandbox, not {kind!r}")
+    if kind == "venv":
+        packages = [VENV_PACKAGES[i % len(VENV_PACKAGES)] for i in range(n)]
+        return [
+            Environment(f"env{i}", requirements=[p], wheelhouse=wheels)
+            for i, p in enumerate(packages)
+        ]
+    raise SystemExit(f"--kind must be plain, sandbox or venv, not {kind!r}")
+
+
+def venv_setup() -> str:
+    """For ``--kind venv``: a private environments directory and a wheelhouse (from the
+    package index); the virtualenvs are built before the runs, as on a node that
+    built them once (every mode then starts workers in them, cold)."""
+    tmp = tempfile.mkdtemp(prefix="nimbus-bench-routing-")
+    os.environ["NIMBUS_ENVIRONMENTS_DIR"] = os.path.join(tmp, "environments")
+    wheels = os.path.join(tmp, "wheels")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", wheels,
+         *VENV_PACKAGES],
+        check=True,
+        timeout=300,
+    )  # fmt: skip
+    return wheels
 
 
 def trace(envs: list[Environment], tasks: int, seed: int) -> list[Environment]:
@@ -66,19 +100,24 @@ def trace(envs: list[Environment], tasks: int, seed: int) -> list[Environment]:
 
 
 def oracle_layout(order: list[Environment], slots: int) -> list[Environment]:
-    """The slots shared out in proportion to each environment's tasks (largest remainder)."""
+    """The slots laid out to finish the whole trace soonest without switching: each
+    next slot to the environment with the most tasks per slot (D'Hondt), which
+    minimises the largest tasks-per-slot, i.e. the static layout's completion."""
     counts: dict[Environment, int] = {}
     for env in order:
         counts[env] = counts.get(env, 0) + 1
-    exact = {env: slots * n / len(order) for env, n in counts.items()}
-    share = {env: max(1, int(x)) for env, x in exact.items()}
-    for env in sorted(exact, key=lambda e: exact[e] - int(exact[e]), reverse=True):
-        if sum(share.values()) >= slots:
-            break
+    share = dict.fromkeys(counts, 1)  # every environment needs a worker
+    while sum(share.values()) < slots:
+        env = max(counts, key=lambda e: counts[e] / share[e])
         share[env] += 1
-    while sum(share.values()) > slots:
-        share[max(share, key=lambda e: share[e])] -= 1
     return [env for env, n in share.items() for _ in range(n)]
+
+
+def lower_bound(tasks: int, args: argparse.Namespace, start: float, run: float) -> float:
+    """Seconds no router can beat: every slot busy from its first worker start to the
+    end, the work (each task ``run`` seconds, as the workers measured it) spread
+    perfectly (no layout rounding, no dispatch cost)."""
+    return start + tasks * run / (args.nodes * args.slots)
 
 
 def run(mode: str, order: list[Environment], args: argparse.Namespace) -> dict[str, Any]:
@@ -111,16 +150,25 @@ def run(mode: str, order: list[Environment], args: argparse.Namespace) -> dict[s
             raise SystemExit(f"{mode}: {len(order) - len(results)} tasks unfinished")
         seconds = time.monotonic() - began
         cold = sum(m.statistics()["spawned"] for m in agent._managers)
+        starts = [s for m in agent._managers if (s := m.costs()[1]) is not None]
+        runs = [r for m in agent._managers if (r := m.costs()[0]) is not None]
     finally:
         agent.shutdown(kill=True)
     failed = sum(1 for t in results if t.status != Status.OK)
-    return {"mode": mode, "seconds": seconds, "cold_starts": cold, "failed": failed}
+    start = statistics.mean(starts) if starts else 0.0
+    return {
+        "mode": mode,
+        "seconds": seconds,
+        "cold_starts": cold,
+        "failed": failed,
+        "worker_start": start,
+        "task_run": statistics.mean(runs) if runs else args.ms / 1000,
+    }
 
 
-def warm_latency(kind: str, repeat: int) -> dict[str, float]:
+def warm_latency(env: Environment, repeat: int) -> dict[str, float]:
     """Median no-op round trip: a warm worker of an environment (``Executor(environment=)``)
     and today's plain worker (an ``Executor`` with no environment), alternated."""
-    env = environments(kind, 1)[0]
     with Executor(1) as plain, Executor(1, environment=env) as typed:
         views = {"plain": plain, "environment": typed}
         for view in views.values():
@@ -142,20 +190,32 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--slots", type=int, default=4, help="worker slots per node")
     parser.add_argument("--ms", type=float, default=20.0, help="each task sleeps this long")
-    parser.add_argument("--kind", default="plain", help="plain or sandbox environments")
+    parser.add_argument("--kind", default="plain", help="plain, sandbox or venv environments")
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--limit", type=float, default=1800.0, help="seconds per mode at most")
     parser.add_argument("--modes", default="warm,random,oracle")
     parser.add_argument("--repeat", type=int, default=400, help="round trips for latency")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
-    envs = environments(args.kind, args.environments)
+    wheels = venv_setup() if args.kind == "venv" else None
+    try:
+        return _main(args, environments(args.kind, args.environments, wheels))
+    finally:
+        if wheels is not None:
+            shutil.rmtree(Path(wheels).parent, ignore_errors=True)
+
+
+def _main(args: argparse.Namespace, envs: list[Environment]) -> int:
+    from nimbus.environments import prepare
+
+    for env in envs:  # built once per node before the runs (venv): every start is cold
+        prepare(env)
     order = trace(envs, args.tasks, args.seed)
     rows = {}
     for mode in args.modes.split(","):
         print(f"running {mode} ...", file=sys.stderr, flush=True)
         rows[mode] = run(mode, order, args)
-    latency = warm_latency(args.kind, args.repeat)
+    latency = warm_latency(envs[0], args.repeat)
     print(
         f"{args.tasks} tasks x sleep({args.ms / 1000:g}) over {args.environments} {args.kind} "
         f"environments (weights {':'.join(map(str, WEIGHTS[: args.environments]))}), "
@@ -172,13 +232,26 @@ def main() -> int:
     if "warm" in rows and "oracle" in rows:
         over = rows["warm"]["seconds"] / rows["oracle"]["seconds"] - 1
         print(f"warm vs oracle: {over:+.0%} (target within 10 %)")
+    starts = [r["worker_start"] for r in rows.values() if r["worker_start"]]
+    if starts:
+        task_run = min(r["task_run"] for r in rows.values())
+        bound = lower_bound(len(order), args, min(starts), task_run)
+        print(
+            f"lower bound (a worker start of {min(starts) * 1000:.0f} ms + {len(order)} tasks "
+            f"of {task_run * 1000:.1f} ms spread over every slot): {bound:.2f}s; "
+            + ", ".join(f"{m} {r['seconds'] / bound - 1:+.0%}" for m, r in rows.items())
+        )
+        rows_bound = {"lower_bound": bound}
+    else:
+        rows_bound = {}
     ratio = latency["environment"] / latency["plain"]
     print(
         f"warm task round trip: environment {latency['environment'] * 1e6:.0f} us, "
         f"plain {latency['plain'] * 1e6:.0f} us: {ratio:.2f}x (target <= 1.05x)"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "latency": latency}, indent=2))
+        figures = {"rows": rows, "latency": latency, **rows_bound}
+        Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0
 
 

@@ -23,7 +23,7 @@ import pytest
 import nimbus.environments as environments
 from environment_support import MARKER, EnvWorker, base_image, podman_unavailable
 from nimbus.cli import main as cli_main
-from nimbus.environments import Environment, _venv, prepare
+from nimbus.environments import WORKER_VARIABLE, Environment, _venv, prepare
 from nimbus.errors import EnvironmentBuildError, VersionMismatchError
 
 pytestmark = pytest.mark.timeout(300)
@@ -73,14 +73,24 @@ def where_six() -> tuple[str, str, str]:
 
 def test_public_names() -> None:
     assert sorted(environments.__all__) == sorted(
-        ["PLAIN", "Cache", "Entry", "Environment", "Prepared", "cache", "prepare"]
+        [
+            "PLAIN",
+            "WORKER_VARIABLE",
+            "Cache",
+            "Entry",
+            "Environment",
+            "Prepared",
+            "cache",
+            "held",
+            "prepare",
+        ]
     )
 
 
 def test_plain_is_the_node_python() -> None:
     prepared = prepare(Environment("p"))
     assert prepared.command([PY, "-c", "x"]) == [PY, "-c", "x"]
-    assert prepared.environ({"A": "1"}) == {"A": "1"}
+    assert prepared.environ({"A": "1"}) == {"A": "1", WORKER_VARIABLE: "p"}
 
 
 def test_virtualenv_from_a_wheelhouse_runs_a_task(wheelhouse: str, installer: str) -> None:
@@ -416,6 +426,60 @@ QUICK_ROWS = ["--only", "venv5-built", "--only", "sandbox"]
 
 
 @needs_bwrap
+def test_a_build_under_way_is_reported_as_building(envdir: Path) -> None:
+    store = environments.cache()
+    env = Environment("slow", sandbox=True)
+    store.ensure()
+    started = threading.Event()
+    finish = threading.Event()
+
+    def build() -> None:
+        with store.locked(env.key), store.building(env):
+            started.set()
+            finish.wait(30)
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    try:
+        assert started.wait(10)
+        (row,) = store.report()
+        assert (row["key"], row["name"], row["state"]) == (env.key, "slow", "building")
+    finally:
+        finish.set()
+        builder.join()
+    assert store.report() == []  # the build ended without an entry (killed, say): none
+    prepare(env)
+    (row,) = store.report()
+    assert (row["name"], row["state"], row["size"]) == ("slow", "built", 0)
+
+
+def test_held_gives_one_row_per_node_and_environment() -> None:
+    geo = Environment("geo", sandbox=True)
+    tag = f"geo@{geo.key}"
+    local_manager = {"name": "endpoint/lab/m0", "environments": {
+        "": {"name": "plain", "slots": 2, "workers": 2, "free": 1},
+        tag: {"name": "geo", "slots": 1, "workers": 0, "free": 0},
+    }}  # fmt: skip
+    remote = {"node": "n1", "environments": {tag: {"name": "geo", "slots": 2, "workers": 2,
+              "free": 2}}, "cache": [{"key": geo.key, "name": "geo", "state": "built",
+              "size": 10, "last_use": 5.0, "build_seconds": 0.5, "message": ""}]}  # fmt: skip
+    remote2 = {"node": "n1", "environments": {tag: {"name": "geo", "slots": 1, "workers": 1,
+               "free": 0}}, "cache": None}  # fmt: skip
+    local = [{"key": "bad", "name": "oops", "state": "failed", "size": 0, "last_use": 1.0,
+              "message": "no-such-package"}]  # fmt: skip
+    rows = environments.held([local_manager, remote, remote2], "login", local)
+    by = {(r["node"], r["name"]): r for r in rows}
+    assert set(by) == {("login", "plain"), ("login", "geo"), ("n1", "geo"), ("login", "oops")}
+    assert by["n1", "geo"] == {
+        "node": "n1", "name": "geo", "key": geo.key, "state": "warm", "workers": 3, "free": 2,
+        "slots": 3, "size": 10, "last_use": 5.0, "build_seconds": 0.5, "message": "",
+    }  # fmt: skip
+    assert by["login", "plain"]["state"] == "warm" and by["login", "plain"]["key"] == ""
+    assert by["login", "geo"]["state"] == "starting"  # a slot given, no worker ready yet
+    assert by["login", "oops"]["state"] == "failed" and by["login", "oops"]["workers"] == 0
+    assert [r["state"] for r in rows][:2] == ["warm", "warm"]  # warm first
+
+
 def test_bench_environments_smoke() -> None:
     """bench/environments.py runs end to end and prints its table (two quick rows)."""
     import nimbus

@@ -370,5 +370,6 @@ def test_bench_routing_runs(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "warm vs oracle" in out.stdout and "warm task round trip" in out.stdout
+    assert "lower bound" in out.stdout
     rows = json.loads((tmp_path / "r").read_text())["rows"]
     assert rows["warm"]["failed"] == 0 and rows["oracle"]["cold_starts"] == 4

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +19,7 @@ from typing import Any
 import pytest
 
 from nimbus import Client, Environment, Executor, serialization
+from nimbus.environments import PLAIN
 from nimbus.errors import EnvironmentBuildError, ProtocolError, VersionMismatchError
 from nimbus.protocol import (
     Beat,
@@ -25,7 +30,7 @@ from nimbus.protocol import (
     pack_payload,
     unpack,
 )
-from service_support import CLI, EndpointProcess, Service, service_env
+from service_support import CLI, EndpointProcess, Postgres, Service, service_env
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
@@ -175,6 +180,136 @@ def test_a_failed_build_fails_the_task_within_seconds(
     assert alice.get_result(alice.run(square, 5, endpoint="lab"), timeout=30) == 25
 
 
+# ---------------------------------------------------------------- per registered function
+
+
+def where(x: int) -> tuple[int, str]:
+    """``x`` and the environment this task ran in ("" for the workers' own Python)."""
+    import os
+
+    return x, os.environ.get("NIMBUS_WORKER_ENVIRONMENT", "")
+
+
+def _ran_in(client: Client, task_ids: list[str]) -> set[str]:
+    results = [client.get_result(t, timeout=60) for t in task_ids]
+    assert [x for x, _ in results] == list(range(len(task_ids)))
+    return {env for _, env in results}
+
+
+def test_a_function_registered_with_an_environment_runs_in_it_unless_a_call_says_otherwise(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    registered = Environment("registered")
+    function_id = alice.register_function(where, environment=registered)
+    assert alice.get_function(function_id)["environment"] == registered.to_dict()
+    assert alice.register_function(where, environment=registered) == function_id
+    # the client's later submits of the function: its registered environment
+    assert _ran_in(alice, alice.batch_run(where, [(0,), (1,)], endpoint="lab")) == {"registered"}
+    # by function id alone, as anyone it is shared with would submit: the registry has it
+    with service.http(alice.token) as http:
+        payloads = [pack_payload(*serialization.dumps(((i,), {}))) for i in range(2)]
+        tasks = [
+            {"function_id": function_id, "payload": base64.b64encode(p).decode()} for p in payloads
+        ]
+        response = http.post("/v1/tasks", json={"endpoint_id": lab.endpoint_id, "tasks": tasks})
+        assert response.status_code == 201, response.text
+        assert _ran_in(alice, response.json()["task_ids"]) == {"registered"}
+    # an executor registering on first use finds that registration; a call's own wins
+    with Executor(endpoint="lab", settings=service.user_settings(alice.token)) as ex:
+        assert ex.submit(where, 0).result(timeout=60) == (0, "registered")
+        other = ex.options(environment=Environment("other"))
+        assert other.submit(where, 1).result(timeout=60) == (1, "other")
+        plain = ex.options(environment=PLAIN)
+        assert plain.submit(where, 2).result(timeout=60) == (2, "")
+    assert _ran_in(
+        alice, alice.batch_run(where, [(0,)], endpoint="lab", environment=Environment("call"))
+    ) == {"call"}
+    # another environment is another function id; the first keeps its own
+    again = alice.register_function(where, environment=Environment("again"))
+    assert again != function_id
+    assert alice.get_function(function_id)["environment"] == registered.to_dict()
+    assert _ran_in(alice, alice.batch_run(where, [(0,)], endpoint="lab")) == {"again"}
+
+
+def test_registering_with_a_wrong_environment_is_refused(service: Service, alice: Client) -> None:
+    with pytest.raises(VersionMismatchError, match=r"cloudpickle 2\.2\.1"):
+        alice.register_function(where, environment=OLD_PICKLE)
+    body = {
+        "function": base64.b64encode(b"x").decode(),
+        "python": "3.11",
+        "serializer": "s",
+        "environment": {"name": "g", "sandbox": "yes"},
+    }
+    with service.http(alice.token) as http:
+        response = http.post("/v1/functions", json=body)
+    assert response.status_code == 422 and "environment.sandbox" in response.text
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def registry_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A registry database of each kind: a SQLite file, a private PostgreSQL cluster."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'registry.db'}"
+        return
+    why = Postgres.unavailable()
+    if why:
+        pytest.skip(f"PostgreSQL not available: {why}")
+    root = Path(tempfile.mkdtemp(prefix="nimbus-pg-"))  # reachable by the postgres user
+    os.chmod(root, 0o755)
+    pg = Postgres(root / "cluster")
+    try:
+        pg.start()
+        yield pg.url
+    finally:
+        pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_registry_keeps_a_functions_environment_and_adds_the_column_to_an_old_one(
+    registry_url: str,
+) -> None:
+    from sqlalchemy import text
+
+    from nimbus.service.registry import Registry
+
+    old = Registry(registry_url)  # as an older nimbus made it: no environment column
+    with old.engine.begin() as db:
+        db.execute(text("ALTER TABLE functions DROP COLUMN environment"))
+    old.create_user_token("ada")
+    ada = old.user_ids(["ada"])["ada"]
+    with old.engine.begin() as db:
+        db.execute(
+            text(
+                "INSERT INTO functions (id, owner_id, name, digest, body, python, serializer,"
+                " public, created) VALUES ('f-old', :ada, 'old', :digest, :body, '3.11', 's',"
+                " false, 1.0)"
+            ),
+            {"ada": ada, "digest": hashlib.sha256(b"old").hexdigest(), "body": b"old"},
+        )
+    old.close()
+    registry = Registry(registry_url)  # adds the column; the old row has none
+    try:
+        info = registry.function("f-old")
+        assert info is not None and info.environment is None
+        geo = Environment("geo", requirements=["six"], sandbox=True).to_dict()
+        fid = registry.add_function(ada, "f", b"body", "3.11", "s", environment=geo)
+        stored = registry.function(fid)
+        assert stored is not None and stored.environment == geo
+        assert stored.as_dict()["environment"] == geo
+        same = dict(reversed(list(geo.items())))  # the same spec, keys in another order
+        assert registry.add_function(ada, "f", b"body", "3.11", "s", environment=same) == fid
+        assert registry.add_function(ada, "f", b"body", "3.11", "s") == fid  # found, as is
+        box = Environment("box", image="localhost/x:1").to_dict()
+        other = registry.add_function(ada, "f", b"body", "3.11", "s", environment=box)
+        assert other != fid and registry.function(fid).environment == geo  # type: ignore[union-attr]
+        latest = registry.latest_function(ada, hashlib.sha256(b"body").hexdigest())
+        assert latest is not None and latest.id == other and latest.environment == box
+        assert registry.add_function(ada, "f", b"body", "3.11", "s") == other
+        assert registry.add_function(ada, "f", b"old", "3.11", "s") == "f-old"
+    finally:
+        registry.close()
+
+
 # ---------------------------------------------------------------- versions, at submit
 
 OLD_PICKLE = Environment("old", requirements=["cloudpickle==2.2.1"])
@@ -252,6 +387,85 @@ def test_environments_list_endpoint_shows_what_its_nodes_hold(
     unknown = _cli(service, alice.token, "--endpoint", "no-such-endpoint")
     assert unknown.returncode != 0
     assert "no endpoint 'no-such-endpoint'" in unknown.stderr, unknown.stderr
+
+
+def _rows_until(client: Client, endpoint: str, ok: Any, timeout: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    rows: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        rows = client.get_endpoint(endpoint)["environments"]
+        if ok(rows):
+            return rows
+        time.sleep(0.3)
+    raise AssertionError(f"after {timeout} s the endpoint reports {rows}")
+
+
+def on_node(x: int) -> tuple[int, str]:
+    import os
+
+    return x, os.environ.get("SLURMD_NODENAME", "?")
+
+
+@needs_bwrap
+def test_environments_list_endpoint_shows_what_remote_managers_hold(
+    service: Service, alice: Client, slurm: Any
+) -> None:
+    import dataclasses
+
+    endpoint = EndpointProcess(service, alice, "hpc")
+    endpoint.config = dataclasses.replace(
+        endpoint.config,
+        provider="slurm",
+        partition=slurm.partition,
+        workers_per_node=2,
+        min_blocks=1,
+        init_blocks=1,
+        max_blocks=1,
+        max_idle=60.0,
+        walltime="00:05:00",
+        agent_listen="127.0.0.1:0",
+    )
+    old = dict(os.environ)
+    os.environ.update(service.env | {"SLURM_CONF": str(slurm.conf)})
+    try:
+        endpoint.config.save()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    service.env["SLURM_CONF"] = str(slurm.conf)
+    jail = Environment("remote-jail", sandbox=True)
+    try:
+        endpoint.start(alice)
+        ids = alice.batch_run(on_node, [(i,) for i in range(4)], endpoint="hpc", environment=jail)
+        nodes = {node for _, node in (alice.get_result(t, timeout=120) for t in ids)}
+        assert len(nodes) == 1 and next(iter(nodes)).startswith("n"), nodes
+        node = nodes.pop()
+
+        def shown(rows: list[dict[str, Any]]) -> bool:
+            return any(
+                r["node"] == node
+                and r["name"] == jail.name
+                and r["state"] == "warm"
+                and "last_use" in r  # its node's cache said it is built: every 5th beat
+                for r in rows
+            )
+
+        rows = _rows_until(alice, "hpc", shown, 30)
+        mine = [r for r in rows if r["node"] == node and r["key"] == jail.key]
+        assert len(mine) == 1, rows  # one row per node and environment
+        row = mine[0]
+        assert row["workers"] >= 1 and 0 <= row["free"] <= row["workers"], row
+        # from its node's cache: built there (a sandbox has no files of its own: size 0)
+        assert row["size"] == 0 and row["build_seconds"] >= 0, row
+        assert time.time() - 600 < row["last_use"] <= time.time(), row
+        assert all(r["message"] for r in rows if r["state"] == "failed")  # the builder's words
+        out = _cli(service, alice.token, "--endpoint", "hpc")
+        assert out.returncode == 0, out.stderr
+        line = next(x for x in out.stdout.splitlines() if x.startswith(node) and "remote-" in x)
+        assert "warm" in line and "free" in line, out.stdout
+    finally:
+        endpoint.stop()
+        del service.env["SLURM_CONF"]
 
 
 def test_a_beat_carries_environments_and_refuses_wrong_ones() -> None:

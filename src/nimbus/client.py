@@ -19,6 +19,7 @@ themselves. Errors of the service come back as
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import json
 import os
 import re
@@ -154,6 +155,22 @@ def environment_mismatch(env: Environment) -> VersionMismatchError | None:
     return None
 
 
+def _usable_environment(environment: object) -> Environment | None:
+    """``environment`` if it is None or an :class:`~nimbus.Environment` this client's
+    functions can run in; ConfigError, or VersionMismatchError naming both versions."""
+    if environment is None:
+        return None
+    if not isinstance(environment, Environment):
+        raise ConfigError(
+            f"environment must be a nimbus.Environment such as Environment('geo', "
+            f"requirements=[...]), not {type(environment).__name__}"
+        )
+    mismatch = environment_mismatch(environment)
+    if mismatch is not None:
+        raise mismatch
+    return environment
+
+
 def decode_result(result: bytes | list[Any], fetch: Callable[[str], bytes]) -> Any:
     """The value of a finished task's result, or raise its exception.
 
@@ -209,6 +226,8 @@ class Client:
         )
         self._functions = serialization.FunctionCache(by_value=True)
         self._registered: dict[str, str] = {}
+        self._environments: dict[str, Environment | None] = {}  # by pickle: as registered
+        self._environment_of: dict[int, tuple[Callable[..., Any], Environment | None]] = {}
         self._limits: dict[str, int] | None = None
 
     # ------------------------------------------------------------ plumbing
@@ -303,29 +322,74 @@ class Client:
     def whoami(self) -> dict[str, Any]:
         return dict(self._json("GET", "/v1/whoami"))
 
-    def register_function(self, fn: Callable[..., Any], name: str | None = None) -> str:
-        """Register ``fn`` (once per pickle) and return its function id."""
+    def register_function(
+        self,
+        fn: Callable[..., Any],
+        name: str | None = None,
+        *,
+        environment: Environment | None = None,
+    ) -> str:
+        """Register ``fn`` (once per pickle) and return its function id.
+
+        With ``environment``, the function's tasks run in it (for everyone who runs
+        this function id) unless a call gives another (``ex.options(environment=...)``,
+        ``batch_run(..., environment=...)``); this client's and executors' later
+        submits of ``fn`` use that registration. Registering the same ``fn`` in
+        another environment makes another function id.
+        """
         key, body = self._functions.get(fn)
         found = self._registered.get(key)
-        if found is None:
+        if found is None or environment is not None:
+            env = _usable_environment(environment)
             label = str(name or getattr(fn, "__qualname__", type(fn).__qualname__))
-            found = self.register_function_bytes(body, label)
+            found = self.register_function_bytes(body, label, environment=env)
             self._registered[key] = found
+            if env is not None:
+                self._environments[key] = env
+                self._environment_of.pop(id(fn), None)
         return found
 
-    def register_function_bytes(self, body: bytes, name: str) -> str:
+    def registered_environment(self, fn: Callable[..., Any]) -> Environment | None:
+        """The environment your latest registration of ``fn`` gives its tasks (see
+        :meth:`register_function`), or None; asked of the service once per pickle.
+        An executor on an endpoint asks it for a call that names no environment."""
+        seen = self._environment_of.get(id(fn))
+        if seen is not None and seen[0] is fn:  # the same function object: no pickling
+            return seen[1]
+        key, body = self._functions.get(fn)
+        if key in self._environments:
+            return self._remember(fn, self._environments[key])
+        digest = hashlib.sha256(body).hexdigest()
+        env: Environment | None = None
+        for found in self._json("GET", "/v1/functions", params={"digest": digest})["functions"]:
+            spec = found.get("environment")
+            if found["python"] == PYTHON and found["serializer"] == SERIALIZER and spec:
+                env = Environment.from_dict(spec)
+        self._environments[key] = env
+        return self._remember(fn, env)
+
+    def _remember(self, fn: Callable[..., Any], env: Environment | None) -> Environment | None:
+        if len(self._environment_of) >= 1024:
+            self._environment_of.clear()
+        self._environment_of[id(fn)] = (fn, env)
+        return env
+
+    def register_function_bytes(
+        self, body: bytes, name: str, *, environment: Environment | None = None
+    ) -> str:
+        """Register a pickled function; without ``environment``, the owner's latest
+        registration of these bytes is found (with the environment it was given)."""
         import base64
 
-        data = self._json(
-            "POST",
-            "/v1/functions",
-            json={
-                "function": base64.b64encode(body).decode(),
-                "name": name[:200],
-                "python": PYTHON,
-                "serializer": SERIALIZER,
-            },
-        )
+        request: dict[str, Any] = {
+            "function": base64.b64encode(body).decode(),
+            "name": name[:200],
+            "python": PYTHON,
+            "serializer": SERIALIZER,
+        }
+        if environment is not None:
+            request["environment"] = environment.to_dict()
+        data = self._json("POST", "/v1/functions", json=request)
         return str(data["function_id"])
 
     def get_function(self, function_id: str) -> dict[str, Any]:
@@ -412,15 +476,7 @@ class Client:
         ``environment`` is the :class:`~nimbus.Environment` they run in (default: the
         endpoint workers' own Python)."""
         timeout = check_timeout(timeout)
-        if environment is not None and not isinstance(environment, Environment):
-            raise ConfigError(
-                f"environment must be a nimbus.Environment such as Environment('geo', "
-                f"requirements=[...]), not {type(environment).__name__}"
-            )
-        if environment is not None:
-            mismatch = environment_mismatch(environment)
-            if mismatch is not None:
-                raise mismatch
+        environment = _usable_environment(environment)
         env = None if environment is None else environment.to_dict()
         function_id = self.register_function(fn)
         endpoint_id = self.get_endpoint(endpoint)["endpoint_id"]

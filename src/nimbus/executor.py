@@ -282,6 +282,8 @@ class Executor(cf.Executor):
         environment: Environment | None = None,
         env: str = "",
     ) -> Future:
+        if environment is None and self._remote:  # as the function was registered, if it was
+            environment, env = self._registered(fn)
         if data.has_files(args, kwargs):  # checked now, staged before the task (nimbus.File)
             args, kwargs = data.stage_files(self, args, kwargs)
         if keep or data.uses_data(args, kwargs):
@@ -295,6 +297,18 @@ class Executor(cf.Executor):
                 environment=environment, env=env,
             )  # fmt: skip
         return self._launch(fn, args, kwargs, timeout, environment=environment, env=env)
+
+    def _registered(self, fn: Any) -> tuple[Environment | None, str]:
+        """The environment ``fn``'s registration on the service gives its tasks
+        (``Client.register_function(fn, environment=...)``), for a call that names none."""
+        client = getattr(self._backend, "client", None)
+        if client is None or not callable(fn):
+            return None, ""
+        try:
+            found = client.registered_environment(fn)
+        except NimbusError:  # the service cannot say now: the workers' own, as before
+            return None, ""
+        return (None, "") if found is None else (found, environment_tag(found))
 
     def _scoped(self) -> bool:
         """Whether plain tasks on the endpoint carry their user's scope: they do once the

@@ -5,8 +5,10 @@
 ``--sandbox``) and retries a spec whose earlier build failed; ``list`` shows
 what is built (or failed) here, with size and last use; ``remove`` deletes
 every entry of a name (or a key). ``list --endpoint NAME`` shows instead what
-the nodes of an endpoint hold, as its daemon last reported through the service
-(warm workers per environment; environments built or failed on its node).
+the nodes of an endpoint hold, as its daemon last reported through the service:
+one row per node and environment, its own node's and those of its remote managers
+(blocks, ``nimbus manager``): warm workers (and free ones), the build state there
+(``warm``, ``built``, ``building``, ``failed``), size and last use.
 """
 
 from __future__ import annotations
@@ -144,18 +146,20 @@ def _list_endpoint(name: str, as_json: bool) -> int:
         print(f"no environments reported by endpoint {label!r} yet")
         return 0
     print(
-        f"{'NODE':<20} {'NAME':<16} {'KEY':<16} {'STATE':<7} {'WORKERS':>12} {'SIZE':>9} LAST USE"
+        f"{'NODE':<20} {'NAME':<16} {'KEY':<16} {'STATE':<8} {'WORKERS':>12} {'SIZE':>9} LAST USE"
     )
     for r in rows:
         last = r.get("last_use")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else ""
-        workers = f"{r.get('workers', 0)} ({r.get('free', 0)} free)" if "free" in r else ""
-        size = _size(int(r["size"])) if r.get("size") is not None else ""
+        workers = f"{r.get('workers', 0)} ({r.get('free', 0)} free)" if r.get("workers") else ""
+        size = _size(int(r["size"])) if r.get("size") else ""
         print(
             f"{str(r.get('node', '?'))[:20]:<20} {str(r.get('name', '?'))[:16]:<16} "
-            f"{str(r.get('key', ''))[:16]:<16} {r.get('state', '?')!s:<7} {workers:>12} "
+            f"{str(r.get('key', ''))[:16]:<16} {r.get('state', '?')!s:<8} {workers:>12} "
             f"{size:>9} {when}"
         )
+        if r.get("message"):
+            print(f"{'':<20} {str(r['message'])[:200]}")
     return 0
 
 

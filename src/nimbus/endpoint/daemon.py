@@ -285,47 +285,19 @@ class EndpointDaemon:
             return []
 
     def _environments(self) -> list[dict[str, Any]]:
-        """Rows ``{node, name, key, state, workers, free, size, last_use}``: the
-        environments the managers hold warm (their ready workers) and those built (or
-        failed) on this node, for ``nimbus environments list --endpoint``."""
-        here = socket.gethostname()
-        rows: list[dict[str, Any]] = []
+        """What the nodes hold, one row per node and environment (warm workers, build
+        state, size, last use: ``nimbus.environments.held``), for ``nimbus
+        environments list --endpoint``; remote managers report their own node's."""
         try:
-            stats = self.runtime.statistics()
+            managers = self.runtime.statistics()["managers"]
         except Exception:  # the runtime is shutting down
-            stats = {"managers": []}
-        for manager in stats["managers"]:
-            node = str(manager.get("node") or manager.get("name") or here).split("/")[0]
-            for tag, env in (manager.get("environments") or {}).items():
-                if not env.get("workers"):
-                    continue
-                rows.append(
-                    {
-                        "node": node,
-                        "name": str(env.get("name", "plain")),
-                        "key": tag.partition("@")[2],
-                        "state": "warm",
-                        "workers": int(env["workers"]),
-                        "free": int(env.get("free", 0)),
-                    }
-                )
+            managers = []
         try:
-            entries = environments.cache().entries()
+            local = environments.cache().report()
         except (OSError, NimbusError) as exc:
             log.warning("cannot read this node's environments: %s", exc)
-            entries = []
-        for entry in entries:
-            rows.append(
-                {
-                    "node": here,
-                    "name": ",".join(entry.names) or entry.key,
-                    "key": entry.key,
-                    "state": entry.state,
-                    "size": entry.size,
-                    "last_use": entry.last_use,
-                }
-            )
-        return rows[:MAX_ENVIRONMENTS]
+            local = []
+        return environments.held(managers, socket.gethostname(), local)[:MAX_ENVIRONMENTS]
 
     async def _marker(self, ws: ClientConnection) -> None:
         """Tell the service which tasks run (those still running RUNNING_AFTER after start)."""

@@ -3,13 +3,25 @@
 ``_spec`` says what an environment is; ``_build`` makes one ready on a node
 (:func:`prepare`) and says how a worker starts in it; ``_cache`` keeps what is
 built on this node (:func:`cache`: list, remove, evict); ``_venv`` makes
-virtualenvs (uv, else pip); ``_isolate`` wraps a worker in bubblewrap or podman.
+virtualenvs (uv, else pip); ``_isolate`` wraps a worker in bubblewrap or podman;
+``_report`` says what an endpoint's nodes hold (:func:`held`).
 """
 
 from __future__ import annotations
 
-from nimbus.environments._build import Prepared, cache, prepare
+from nimbus.environments._build import WORKER_VARIABLE, Prepared, cache, prepare
 from nimbus.environments._cache import Cache, Entry
+from nimbus.environments._report import held
 from nimbus.environments._spec import PLAIN, Environment
 
-__all__ = ["PLAIN", "Cache", "Entry", "Environment", "Prepared", "cache", "prepare"]
+__all__ = [
+    "PLAIN",
+    "WORKER_VARIABLE",
+    "Cache",
+    "Entry",
+    "Environment",
+    "Prepared",
+    "cache",
+    "held",
+    "prepare",
+]

@@ -42,7 +42,11 @@ from nimbus.environments._cache import Cache, tree_size
 from nimbus.environments._spec import Environment
 from nimbus.errors import EnvironmentBuildError, VersionMismatchError
 
-__all__ = ["Prepared", "cache", "prepare"]
+__all__ = ["WORKER_VARIABLE", "Prepared", "cache", "prepare"]
+
+WORKER_VARIABLE = "NIMBUS_WORKER_ENVIRONMENT"
+"""Set to the environment's name in its workers (a task can ask what it runs in);
+unset in the workers of the node's own Python."""
 
 PROBE_TIMEOUT = 120.0
 PROBE = (
@@ -111,12 +115,13 @@ class Prepared:
         return str(path)
 
     def environ(self, base: Mapping[str, str]) -> dict[str, str]:
-        """The worker's environment variables: ``base`` plus the environment's own.
+        """The worker's environment variables: ``base`` plus the environment's own and
+        :data:`WORKER_VARIABLE`, its name.
 
         In a virtualenv, ``base``'s ``PYTHONPATH`` (the manager's import path) moves to
         ``NIMBUS_NODE_PATH``, which the virtualenv appends after its own packages.
         """
-        out = {**base, **self.variables}
+        out = {**base, **self.variables, WORKER_VARIABLE: self.environment.name}
         if self.venv is not None:
             paths = [p for p in out.pop("PYTHONPATH", "").split(os.pathsep) if p]
             paths += [p for p in _venv.node_paths() if p not in paths]
@@ -166,7 +171,8 @@ def prepare(env: Environment, *, retry: bool = False) -> Prepared:
             return ready
         started = time.monotonic()
         try:
-            prepared = _build(store, env)
+            with store.building(env):
+                prepared = _build(store, env)
         except EnvironmentBuildError as exc:
             shutil.rmtree(store.entry(key), ignore_errors=True)
             store.remember_failure(env, "build", str(exc))

@@ -8,6 +8,7 @@
         <key>/venv/          the virtualenv, when the spec has requirements
         <key>.lock           flock'd while the entry is built: one build per node
         <key>.failed         a build that failed: its message, until the spec changes
+        <key>.building       the spec of a build under way (while its lock is held)
         work/<key>-<pid>-<n> the writable directory of one sandboxed worker
 
 ``meta.json`` is written last: an entry without it is half built (a build that
@@ -131,6 +132,17 @@ class Cache:
         shutil.rmtree(self.entry(key), ignore_errors=True)
         self.forget_failure(key)
 
+    @contextlib.contextmanager
+    def building(self, env: Environment) -> Iterator[None]:
+        """Say, while the caller (holding ``env``'s lock) builds it, that it is built."""
+        path = self.root / f"{env.key}.building"
+        path.write_text(json.dumps({"spec": env.to_dict(), "since": time.time()}))
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
     # -- failures
     def failure(self, key: str) -> dict[str, Any] | None:
         try:
@@ -186,6 +198,43 @@ class Cache:
                     )
                 )
         return out
+
+    def report(self) -> list[dict[str, Any]]:
+        """The entries as rows of scalars ``{key, name, state, size, last_use,
+        build_seconds, message}`` (what a node tells its agent), with the builds under
+        way here as state ``building``."""
+        rows = [
+            {
+                "key": e.key,
+                "name": ",".join(e.names) or e.key,
+                "state": e.state,
+                "size": e.size,
+                "last_use": e.last_use,
+                "build_seconds": round(e.build_seconds, 3),
+                "message": e.message.splitlines()[0][:500] if e.message else "",
+            }
+            for e in self.entries()
+        ]
+        have = {row["key"] for row in rows}
+        for path in sorted(self.root.glob("*.building")) if self.root.is_dir() else ():
+            key = path.name[: -len(".building")]
+            if key in have or not self.busy(key):
+                continue  # done meanwhile, or a build that was killed
+            try:
+                info = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            spec = _spec(info.get("spec"))
+            rows.append(
+                {
+                    "key": key,
+                    "name": spec.name if spec else key,
+                    "state": "building",
+                    "size": 0,
+                    "last_use": float(info.get("since", 0.0)),
+                }
+            )
+        return rows
 
     def evict(self, limit: int, keep: str) -> list[str]:
         """Remove the least recently used built entries until they total ``limit`` bytes

@@ -69,7 +69,9 @@ class Link(enum.IntEnum):
     {"held", "ready", "window", "slots", "unused", "environments", "run", "start"} (window: the node's
     tasks per worker, grown for short tasks; slots: worker slots per environment tag,
     unused: slots of none, environments: per tag its slots, ready and free workers;
-    run, start: average seconds of a task's run and of a worker's start, or None); DRAINED {"held": n}; NOTICE (a worker's notice, as in Kind.NOTICE).
+    run, start: average seconds of a task's run and of a worker's start, or None; every
+    fifth beat also "cache": the node's ``Cache.report()`` rows); DRAINED {"held": n};
+    NOTICE (a worker's notice, as in Kind.NOTICE).
     """
 
     CHALLENGE = 30

@@ -29,7 +29,9 @@ import sys
 import threading
 from typing import Any
 
+from nimbus import environments
 from nimbus.environments import Environment
+from nimbus.errors import NimbusError
 from nimbus.records import TaskRecord
 from nimbus.runtime.manager import Manager
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Link
@@ -52,6 +54,7 @@ log = logging.getLogger(__name__)
 ADDRESS_ENV = "NIMBUS_AGENT_ADDRESS"
 SECRET_ENV = "NIMBUS_AGENT_SECRET"
 HANDSHAKE_SECONDS = 15.0
+CACHE_EVERY = 5  # heartbeats between two reports of the environments built on this node
 
 
 def proof(secret: str, nonce: bytes, role: bytes) -> bytes:
@@ -278,12 +281,19 @@ class NodeManager:
         self._send(Link.RESULTS, rows, buffers)
 
     def _beat(self, manager: Manager) -> None:
+        beats = 0
         while not self._stopped.wait(self.heartbeat):
             stats = manager.statistics()
             slots, unused, window = manager.environments()
             beat = {"held": len(self._tasks), "ready": stats["ready"], "window": window}
             beat.update(slots=slots, unused=unused, environments=stats["environments"])
             beat["run"], beat["start"] = manager.costs()
+            if beats % CACHE_EVERY == 0:  # what is built on this node, now and then
+                try:
+                    beat["cache"] = environments.cache().report()
+                except (OSError, NimbusError) as exc:
+                    log.warning("cannot read this node's environments: %s", exc)
+            beats += 1
             self._send(Link.HEARTBEAT, beat)
 
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nimbus import errors, serialization  # errors.WorkerLost: made at its first use
-from nimbus.environments import Environment, Prepared
+from nimbus.environments import WORKER_VARIABLE, Environment, Prepared
 from nimbus.errors import NimbusError, TaskTimeoutError
 from nimbus.network import WorkerNetworks
 from nimbus.runtime import worker as worker_module
@@ -141,6 +141,8 @@ def start(
     if prepared is not None:
         argv = prepared.command(argv)
         env = prepared.environ(environ)
+    elif WORKER_VARIABLE in environ:  # a node inside an environment's worker: not this one
+        env = {k: v for k, v in environ.items() if k != WORKER_VARIABLE}
     if net is not None:
         argv = net(argv)
     return subprocess.Popen(

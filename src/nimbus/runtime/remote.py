@@ -71,6 +71,9 @@ class RemoteManager:
         self.accepting = True  # False: draining or near its walltime
         self.slots: dict[str, int] = {"": self.size}  # per environment, as its heartbeats say
         self.unused = 0
+        # per environment tag its slots, ready and free workers; its node's cache rows
+        self.held_environments: dict[str, dict[str, Any]] = {}
+        self.cache: list[dict[str, Any]] | None = None
         self.run_seconds: float | None = None  # a task's run, a worker's start: heartbeats
         self.start_seconds: float | None = None
         self.joined = time.monotonic()
@@ -227,6 +230,8 @@ class RemoteManager:
             "inflight": self.holding,
             "accepting": self.accepting,
             "seen": round(time.monotonic() - self.last_seen, 1),
+            "environments": self.held_environments,
+            "cache": self.cache,
         }
 
     # -- the reader thread -------------------------------------------------
@@ -260,6 +265,9 @@ class RemoteManager:
                 if "slots" in beat:
                     self.slots, self.unused = dict(beat["slots"]), int(beat["unused"])
                     self.run_seconds, self.start_seconds = beat.get("run"), beat.get("start")
+                    self.held_environments = beat.get("environments") or {}
+                if "cache" in beat:  # its node's built environments, now and then
+                    self.cache = list(beat["cache"])
             elif frame.kind == Link.NOTICE:
                 if self._on_notice is not None:
                     try:

@@ -9,6 +9,7 @@ unpickles them. Calls are synchronous; the app runs them in a thread pool.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 import time
@@ -24,13 +25,16 @@ from sqlalchemy import (
     ForeignKey,
     LargeBinary,
     String,
+    Text,
     UniqueConstraint,
     create_engine,
     delete,
     event,
     func,
+    inspect,
     or_,
     select,
+    text,
 )
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -104,6 +108,13 @@ class Function(_Base):
     serializer: Mapped[str] = mapped_column(String(64))
     public: Mapped[bool] = mapped_column(Boolean, default=False)
     created: Mapped[float] = mapped_column(Float, default=time.time)
+    # the environment its tasks run in unless a call gives another: the JSON of
+    # Environment.to_dict() (keys sorted), NULL for the endpoint workers' own Python
+    environment: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+# columns added after a table was first made: ``Registry`` adds those a database lacks
+_ADDED_COLUMNS = (("functions", "environment", "TEXT"),)
 
 
 class Endpoint(_Base):
@@ -156,6 +167,7 @@ class FunctionInfo:
     created: float
     shared_with: tuple[str, ...]
     shared_ids: frozenset[str] = frozenset()  # the user ids of ``shared_with``
+    environment: dict[str, Any] | None = None  # Environment.to_dict(), None: the workers' own
 
     def usable_by(self, user_id: str) -> bool:
         """Whether the user ``user_id`` may run this function (own, shared or public)."""
@@ -171,6 +183,7 @@ class FunctionInfo:
             "public": self.public,
             "created": self.created,
             "shared_with": list(self.shared_with),
+            "environment": self.environment,
         }
 
 
@@ -210,6 +223,7 @@ class Registry:
                 parsed = parsed.set(drivername="postgresql+psycopg")
             self.engine = create_engine(parsed, pool_pre_ping=True)
         _Base.metadata.create_all(self.engine)
+        _add_columns(self.engine)
         self._session = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -346,22 +360,31 @@ class Registry:
         serializer: str,
         *,
         limit: int | None = None,
+        environment: dict[str, Any] | None = None,
     ) -> str:
         """Register a function; the same bytes from the same owner give the same id.
+
+        With an ``environment`` (``Environment.to_dict()``) the function's tasks run in
+        it unless a call gives another: the same bytes in another environment are
+        another function (an id's environment never changes). Without one, the owner's
+        latest registration of these bytes is found, whatever its environment, so an
+        SDK registering on first use gets the environment its owner registered.
 
         :class:`~nimbus.errors.QuotaExceeded` (429) if the owner already has ``limit``
         functions (``NIMBUS_MAX_FUNCTIONS``) and these bytes are not one of them.
         """
         digest = hashlib.sha256(body).hexdigest()
+        env = None if environment is None else _env_json(environment)
         with self._session.begin() as session:
-            existing = session.scalar(
-                select(Function.id).where(
-                    Function.owner_id == owner_id,
-                    Function.digest == digest,
-                    Function.python == python,
-                    Function.serializer == serializer,
-                )
+            query = select(Function.id).where(
+                Function.owner_id == owner_id,
+                Function.digest == digest,
+                Function.python == python,
+                Function.serializer == serializer,
             )
+            if env is not None:
+                query = query.where(Function.environment == env)
+            existing = session.scalar(query.order_by(Function.created.desc()).limit(1))
             if existing is not None:
                 return existing
             if limit is not None:
@@ -376,6 +399,7 @@ class Registry:
                 body=body,
                 python=python,
                 serializer=serializer,
+                environment=env,
             )
             session.add(fn)
             return fn.id
@@ -407,7 +431,20 @@ class Registry:
                 fn.created,
                 tuple(name for name, _ in shared),
                 frozenset(uid for _, uid in shared),
+                None if fn.environment is None else json.loads(fn.environment),
             )
+
+    def latest_function(self, owner_id: str, digest: str) -> FunctionInfo | None:
+        """The owner's latest registration of the function whose pickle has SHA-256
+        ``digest`` (the one the owner's submits of those bytes get), or None."""
+        with self._session() as session:
+            found = session.scalar(
+                select(Function.id)
+                .where(Function.owner_id == owner_id, Function.digest == digest)
+                .order_by(Function.created.desc())
+                .limit(1)
+            )
+        return None if found is None else self.function(found)
 
     def function_body(self, function_id: str) -> bytes | None:
         with self._session() as session:
@@ -564,6 +601,22 @@ def _check_count(
             f"({setting} on the service); delete some you no longer use",
             429,
         )
+
+
+def _env_json(environment: dict[str, Any]) -> str:
+    """An environment as stored: its JSON with sorted keys, so equal specs compare equal."""
+    return json.dumps(environment, sort_keys=True, separators=(",", ":"))
+
+
+def _add_columns(engine: Engine) -> None:
+    """Add the columns of ``_ADDED_COLUMNS`` that a registry made by an older nimbus
+    lacks (``create_all`` makes missing tables, never missing columns)."""
+    tables = inspect(engine)
+    for table, column, kind in _ADDED_COLUMNS:
+        have = {c["name"] for c in tables.get_columns(table)}
+        if column not in have:
+            with engine.begin() as connection:
+                connection.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
 
 
 def _sqlite_pragmas(dbapi_connection: object, record: object) -> None:

@@ -7,11 +7,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
-from pydantic import Base64Bytes, BaseModel, Field
+from pydantic import Base64Bytes, BaseModel, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
-from nimbus.errors import NotFound, PayloadTooLargeError, ServiceError
-from nimbus.protocol import FUNCTION_MAX
+from nimbus.errors import NotFound, PayloadTooLargeError, ProtocolError, ServiceError
+from nimbus.protocol import FUNCTION_MAX, check_environment
 from nimbus.service.context import AmbiguousName, ServiceContext
 from nimbus.service.deps import context, current_user
 from nimbus.service.registry import Principal
@@ -29,6 +29,19 @@ class FunctionIn(BaseModel):
     name: str = Field(default="", max_length=200)
     python: str = Field(pattern=r"^\d+\.\d+$", description="Python minor version, e.g. 3.11")
     serializer: str = Field(min_length=1, max_length=64)
+    environment: dict[str, Any] | None = Field(
+        default=None,
+        description="the environment its tasks run in unless a call gives another "
+        "(Environment.to_dict()); null: as registered before, else the workers' own",
+    )
+
+    @field_validator("environment", mode="before")
+    @classmethod
+    def _environment(cls, value: object) -> object:
+        try:
+            return check_environment(value, "environment")
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from None
 
 
 class EndpointIn(BaseModel):
@@ -62,7 +75,11 @@ async def register_function(body: FunctionIn, user: User, ctx: Ctx) -> dict[str,
             f"as arguments instead of capturing it in the function"
         )
     function_id = await run_in_threadpool(
-        partial(ctx.registry.add_function, limit=ctx.settings.max_functions),
+        partial(
+            ctx.registry.add_function,
+            limit=ctx.settings.max_functions,
+            environment=body.environment,
+        ),
         user.user_id,
         body.name,
         body.function,
@@ -73,7 +90,20 @@ async def register_function(body: FunctionIn, user: User, ctx: Ctx) -> dict[str,
 
 
 @router.get("/functions", tags=["functions"])
-async def list_functions(user: User, ctx: Ctx) -> dict[str, Any]:
+async def list_functions(
+    user: User,
+    ctx: Ctx,
+    digest: Annotated[
+        str | None,
+        Query(
+            pattern=r"^[0-9a-f]{64}$",
+            description="only your latest registration of the pickle of this SHA-256",
+        ),
+    ] = None,
+) -> dict[str, Any]:
+    if digest is not None:
+        found = await run_in_threadpool(ctx.registry.latest_function, user.user_id, digest)
+        return {"functions": [] if found is None else [found.as_dict()]}
     infos = await run_in_threadpool(ctx.registry.functions, user.user_id)
     return {"functions": [info.as_dict() for info in infos]}
 

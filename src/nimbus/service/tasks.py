@@ -128,6 +128,13 @@ async def submit_tasks(
         fn = await ctx.function(user, fn_id)
         await ctx.check_versions(fn, endpoint)
         functions[fn_id] = fn
+    if any(fn.environment is not None for fn in functions.values()):
+        rows = [  # a function's registered environment, where the call gives none
+            row
+            if row[4] is not None
+            else (row[0], row[1], row[2], row[3], functions[row[0]].environment)
+            for row in rows
+        ]
     for i, row in enumerate(rows):
         if row[4] is not None:
             _check_pins(functions[row[0]], row[4], i)

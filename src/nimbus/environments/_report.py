@@ -1,0 +1,65 @@
+"""What the nodes of an endpoint hold: one row per node and environment.
+
+::
+
+    Manager.statistics()["environments"]  {tag: {name, slots, workers, free}}  warm workers
+    Cache.report()                        [{key, name, state, size, last_use, ...}]  built here
+        local managers: the daemon's node and its cache;  remote managers (blocks,
+        ``nimbus manager``): their heartbeats carry both (``RemoteManager.statistics()``)
+                                 |
+                       held(managers, here, local) --> rows for ``nimbus environments list
+                                                       --endpoint`` (a daemon's Beat)
+
+A row is ``{node, name, key, state, workers, free, slots, size, last_use,
+build_seconds, message}`` of scalars: ``state`` is ``warm`` while the node has
+ready workers of the environment, else its build state there (``built``,
+``building``, ``failed``); ``workers``/``free``/``slots`` sum the node's managers.
+The node's own Python has ``key`` "" and name ``plain``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["held"]
+
+
+def held(
+    managers: Iterable[Mapping[str, Any]], here: str, local: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Rows per node and environment from the managers' statistics (a remote one has
+    ``node`` and its node's ``cache`` rows; a local one is on ``here``, whose cache
+    rows are ``local``), warm ones first."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    caches: dict[str, list[dict[str, Any]]] = {here: local}
+    for manager in managers:
+        node = str(manager.get("node") or here)
+        if manager.get("cache") is not None:
+            caches.setdefault(node, list(manager["cache"]))
+        for tag, env in (manager.get("environments") or {}).items():
+            workers, slots = int(env.get("workers", 0)), int(env.get("slots", 0))
+            if not workers and not slots:
+                continue
+            key = str(tag).partition("@")[2]
+            row = rows.setdefault(
+                (node, key),
+                {"node": node, "name": str(env.get("name", "plain")), "key": key, "state": ""},
+            )
+            row["workers"] = row.get("workers", 0) + workers
+            row["free"] = row.get("free", 0) + int(env.get("free", 0))
+            row["slots"] = row.get("slots", 0) + slots
+            if workers:
+                row["state"] = "warm"
+    for node, entries in caches.items():
+        for entry in entries:
+            key = str(entry.get("key", ""))
+            row = rows.setdefault((node, key), {"node": node, "key": key, "workers": 0, "free": 0})
+            for field in ("name", "size", "last_use", "build_seconds", "message"):
+                if field in entry and (field != "name" or "name" not in row):
+                    row[field] = entry[field]
+            if row.get("state") != "warm":
+                row["state"] = str(entry.get("state", ""))
+    for row in rows.values():
+        row["state"] = row["state"] or "starting"  # slots given, no worker ready yet
+    return sorted(rows.values(), key=lambda r: (r["state"] != "warm", r["node"], r["name"]))
