@@ -99,14 +99,18 @@ def _quick_client(socket_path: Path, password: str | None = None) -> redis.Redis
     return connect(f"unix://{socket_path}", own=True, timeout=1, password=password)
 
 
+def _command(*args: str) -> bytes:
+    """One command in the store's wire format."""
+    parts = [arg.encode() for arg in args]
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+
+
 def _shutdown(socket_path: Path, password: str | None) -> None:
     """SHUTDOWN NOSAVE, on a socket of its own: a program that never used its store
     does not import redis-py at exit to stop it."""
-    import hiredis
-
-    commands = bytes(hiredis.pack_command(("SHUTDOWN", "NOSAVE")))
+    commands = _command("SHUTDOWN", "NOSAVE")
     if password is not None:
-        commands = bytes(hiredis.pack_command(("AUTH", password))) + commands
+        commands = _command("AUTH", password) + commands
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(1)
