@@ -4,7 +4,7 @@ The warm worker only forks: the child is a copy of an interpreter that has
 nimbus and the program's modules already imported, so a Process starts in
 a few milliseconds and every started Process runs at once, however many.
 Better still, each worker keeps children forked ahead of need (*standbys*,
-already connected to the program's store): a start hands the process to one
+already connected to the program's store once it is used): a start hands the process to one
 through a pipe, and the fork is off the start's path. The worker forks one
 again as soon as it is idle and the others once it has been quiet a while, so
 a burst of starts does not compete with forks for the next.
@@ -219,8 +219,8 @@ class _Standby:
     A start hands the process over (one write) instead of forking, so the new
     process runs at once and the fork happens after it, off the start's path.
     While it waits it connects to the store of the last process started (the
-    next is most likely of the same program) and reads its environment, so
-    neither is on the path either.
+    next is most likely of the same program), if the program has used it, and
+    reads its environment, so neither is on the path either.
     A standby that is dropped (or whose worker ends) reads end-of-file and exits.
     """
 
