@@ -62,6 +62,7 @@ LAYERS: dict[str, int] = {
     "_loop": 1,
     "_chunks": 1,
     "_progress": 1,
+    "_lazy": 1,  # a module imported on first use (redis-py: at the first connection)
     # the exception tree, at the bottom
     "errors": 0,
 }

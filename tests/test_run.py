@@ -115,6 +115,49 @@ def test_nimbus_run_script_argv_and_exit_code(tmp_path: Path) -> None:
     ]
 
 
+FIRST_IMPORT_PROGRAM = """
+    import {first} as first
+    import multiprocessing
+    import multiprocessing.connection
+    from multiprocessing import Pipe, Process
+
+    def child(conn):
+        conn.send(conn.recv() * 2)
+        conn.close()
+
+    if __name__ == "__main__":
+        a, b = Pipe()
+        p = Process(target=child, args=(b,))
+        p.start()
+        a.send(21)
+        print(first.__name__, multiprocessing.__name__, multiprocessing.connection.__name__)
+        print(a.recv())
+        p.join()
+        print(p.exitcode)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "first",
+    ["nimbus.multiprocessing.connection", "nimbus.multiprocessing.pool", "nimbus.multiprocessing"],
+)
+def test_nimbus_run_program_whose_first_import_is_nimbus_multiprocessing(
+    tmp_path: Path, first: str
+) -> None:
+    """A program that imports a module of nimbus's package before any `multiprocessing`
+    runs under `nimbus run` as under python (it was a partially-initialised-module error)."""
+    prog = _script(tmp_path, FIRST_IMPORT_PROGRAM.format(first=first))
+    lines = [first, "nimbus.multiprocessing", "nimbus.multiprocessing.connection"]
+    for launcher in (["-m", "nimbus", "run"], []):
+        done = _python(*launcher, str(prog), cwd=tmp_path)
+        assert done.returncode == 0, (launcher, done.stderr)
+        if launcher:
+            assert done.stdout.splitlines() == [" ".join(lines), "42", "0"]
+        else:  # python: multiprocessing stays the stdlib's
+            assert done.stdout.splitlines()[1:] == ["42", "0"]
+
+
 @pytest.mark.timeout(120)
 def test_nimbus_run_module(tmp_path: Path) -> None:
     pkg = tmp_path / "pkg"

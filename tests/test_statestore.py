@@ -429,7 +429,13 @@ def _nimbus_imports(path: Path) -> set[str]:
 
 
 def test_the_state_store_stands_on_the_bottom_layer_only() -> None:
-    below = ("nimbus.statestore", "nimbus.errors", "nimbus.config", "nimbus.telemetry")
+    below = (
+        "nimbus.statestore",
+        "nimbus.errors",
+        "nimbus.config",
+        "nimbus.telemetry",
+        "nimbus._lazy",
+    )
     for path in sorted((PACKAGE / "statestore").glob("*.py")):
         upward = {name for name in _nimbus_imports(path) if not name.startswith(below)}
         assert not upward, f"statestore/{path.name} imports {upward}"

@@ -93,6 +93,7 @@ STDLIB_MODULES = (
 )
 
 NAME = "multiprocessing"
+PACKAGE = "nimbus.multiprocessing"
 _lock = threading.RLock()
 _real: dict[str, ModuleType] = {}  # the stdlib's modules by name, as imported
 _installed = False
@@ -256,16 +257,16 @@ class _Finder:
         if _busy.active:
             return None
         if fullname == NAME and _installed:  # the program's first `import multiprocessing`
-            _busy.active = True
-            try:
-                with real():
-                    importlib.import_module(NAME)  # the stdlib's, which nimbus imports
-                _alias_all()
-            finally:
-                _busy.active = False
+            _alias_first()
             return _given(fullname, sys.modules[NAME])
         if not _aliased():
-            return None
+            if not (_installed and fullname == PACKAGE and PACKAGE not in sys.modules):
+                return None
+            # the program's first import is nimbus's package (`import
+            # nimbus.multiprocessing.connection`): the stdlib's package first, then ours
+            # on it, as for `import multiprocessing`
+            _alias_first()
+            return _given(fullname, sys.modules[PACKAGE])
         if fullname == HOME or fullname.startswith(HOME + "."):
             module = _stdlib(NAME + fullname[len(HOME) :])
             _rehome(module)
@@ -279,6 +280,17 @@ class _Finder:
                 spec.loader = _OnRealStdlib(spec.loader)  # type: ignore[assignment]
             return spec
         return None
+
+
+def _alias_first() -> None:
+    """Import the stdlib's package, then alias ``multiprocessing`` to nimbus's map."""
+    _busy.active = True
+    try:
+        with real():
+            importlib.import_module(NAME)  # the stdlib's, which nimbus imports
+        _alias_all()
+    finally:
+        _busy.active = False
 
 
 def _given(fullname: str, module: ModuleType) -> importlib.machinery.ModuleSpec:

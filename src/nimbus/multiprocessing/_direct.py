@@ -33,8 +33,9 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from nimbus import messaging
+from nimbus._lazy import lazy
 from nimbus.errors import MessagingTimeout, PeerExited, PeerLost
 from nimbus.multiprocessing._handover import (
     CHECK,
@@ -49,6 +50,11 @@ from nimbus.multiprocessing._handover import (
 from nimbus.multiprocessing._payload import EOS
 from nimbus.statestore import Keys, Program, link
 from nimbus.statestore.lua import PIPE_SECOND as _SECOND
+
+if TYPE_CHECKING:
+    from nimbus import messaging
+else:  # on first use (it imports redis-py)
+    messaging = lazy("nimbus.messaging", globals())
 
 __all__ = ["PipeLane", "PipeReader", "PipeWriter", "lanes", "reader", "writer"]
 

@@ -4,7 +4,7 @@ The warm worker only forks: the child is a copy of an interpreter that has
 nimbus and the program's modules already imported, so a Process starts in
 a few milliseconds and every started Process runs at once, however many.
 Better still, each worker keeps children forked ahead of need (*standbys*,
-already connected to the program's store): a start hands the process to one
+already connected to the program's store once it is used): a start hands the process to one
 through a pipe, and the fork is off the start's path. The worker forks one
 again as soon as it is idle and the others once it has been quiet a while, so
 a burst of starts does not compete with forks for the next.
@@ -152,7 +152,7 @@ def start(
         else:  # forked before modules this process needs were imported
             standby.discard()
     if started is None:
-        statestore.link(program)  # its settings (a client's), made once here for every fork
+        _settle(program)
         started = _fork(args)
 
     # the next start skips the fork and the store's connection; this one is not held up
@@ -174,10 +174,17 @@ def _fork(args: tuple[Any, ...], remote: tuple[statestore.Program, str] | None =
     return pid
 
 
+def _settle(program: statestore.Program) -> None:
+    """The store's client settings, made once here for every fork, if a process of the
+    program used the store already (else they, and redis-py, wait for a first use)."""
+    if "redis" in sys.modules:
+        statestore.link(program)
+
+
 def _refill() -> None:
     """Fork a standby child if this worker has fewer than it keeps."""
     if len(_standbys) < _keep and _program is not None:
-        statestore.link(_program)  # the store's client settings, made once for all the children
+        _settle(_program)
         _standbys.append(_Standby(_program))
 
 
@@ -212,8 +219,8 @@ class _Standby:
     A start hands the process over (one write) instead of forking, so the new
     process runs at once and the fork happens after it, off the start's path.
     While it waits it connects to the store of the last process started (the
-    next is most likely of the same program) and reads its environment, so
-    neither is on the path either.
+    next is most likely of the same program), if the program has used it, and
+    reads its environment, so neither is on the path either.
     A standby that is dropped (or whose worker ends) reads end-of-file and exits.
     """
 
@@ -283,6 +290,8 @@ def _connect(program: statestore.Program) -> None:
     global _connected
     if program.booting():  # the first processes of a program: not on their path
         return
+    if "redis" not in sys.modules:  # no process of the program used the store yet: the
+        return  # connection (and redis-py's import) waits for this one's first use
     try:
         statestore.link(program).call(("PING",))
     except Exception:  # the store is unreachable now: the process reports it, if it uses it

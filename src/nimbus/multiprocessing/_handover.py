@@ -65,9 +65,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import util
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from nimbus import messaging
+from nimbus._lazy import lazy
 from nimbus.errors import ConfigError, MessagingTimeout, PeerExited, PeerLost, StateStoreError
 from nimbus.multiprocessing import _site as _state
 from nimbus.multiprocessing._payload import REVERT, Item, as_message
@@ -77,6 +77,11 @@ from nimbus.statestore.lua import HANDOVER_GIVE_UP as _GIVE_UP
 from nimbus.statestore.lua import HANDOVER_SHARE as _SHARE
 from nimbus.statestore.lua import HANDOVER_STEAL as _STEAL
 from nimbus.statestore.lua import HANDOVER_SWITCH as _SWITCH
+
+if TYPE_CHECKING:
+    from nimbus import messaging
+else:  # on first use: messaging imports redis-py, half of what importing nimbus costs
+    messaging = lazy("nimbus.messaging", globals())
 
 __all__ = ["ACK", "Consumer", "Lane", "Producer", "endpoint", "file_message", "giveup_key", "one"]
 

@@ -39,15 +39,20 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgpack
-import redis
 
+from nimbus._lazy import lazy
 from nimbus.config import Settings
 from nimbus.errors import StateStoreError
 from nimbus.multiprocessing._site import Site, StartFn, on_shared_endpoint
 from nimbus.statestore import Keys, Program, connect, redacted
+
+if TYPE_CHECKING:
+    import redis
+else:  # imported on first use (redis-py: at the first connection)
+    redis = lazy("redis", globals())
 
 __all__ = [
     "Forwarder",

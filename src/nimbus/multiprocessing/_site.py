@@ -60,6 +60,7 @@ __all__ = [
     "on_shared_endpoint",
     "open_program",
     "program",
+    "shared_program",
     "site",
 ]
 
@@ -165,6 +166,26 @@ def site(preload: list[str]) -> Site:
             if _site is None:
                 _site = _local.LocalSite(prog, preload)
         return _site
+
+
+def shared_program() -> Program:
+    """The program, for a shared object made in this process (a Queue, a lock ...).
+
+    Such an object uses the store, so the store's client (redis-py, and
+    messaging on it) is imported now, not at the package's import (a program
+    that only starts processes never needs it): in a root, before it forks
+    its warm workers, which then have it, as have the processes they start
+    (each would import it at its first use otherwise).
+    """
+    _import_clients()
+    return program()
+
+
+@functools.cache
+def _import_clients() -> None:
+    import redis  # noqa: F401
+
+    import nimbus.messaging  # noqa: F401
 
 
 def this_site() -> Site | None:

@@ -92,7 +92,7 @@ from nimbus.multiprocessing._payload import (
 )
 from nimbus.multiprocessing._pump import Pump
 from nimbus.multiprocessing._wait import seconds
-from nimbus.statestore import Keys, Program, link, program
+from nimbus.statestore import Keys, Program, link
 from nimbus.statestore import pack as pack_command
 from nimbus.statestore.lua import CONNECTION_RELEASE as _RELEASE
 
@@ -526,7 +526,7 @@ def _release_quietly(*args: Any) -> None:
 
 def Pipe(duplex: bool = True, *, prog: Program | None = None) -> tuple[Connection, Connection]:
     """Two connected :class:`Connection` s; one-way (read end, write end) if not ``duplex``."""
-    prog = prog if prog is not None else program()
+    prog = prog if prog is not None else _state.shared_program()  # (imports its clients)
     keys: Keys = prog.keys
     name = Keys.new_name()
     list0, list1 = keys.pipe(name, 0), keys.pipe(name, 1)

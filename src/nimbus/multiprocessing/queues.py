@@ -58,10 +58,10 @@ from queue import Empty, Full
 from typing import Any
 
 from nimbus.errors import StateStoreError
-from nimbus.multiprocessing import _qdirect
+from nimbus.multiprocessing import _qdirect, _site
 from nimbus.multiprocessing._payload import MESSAGE, load, pack, unpack
 from nimbus.multiprocessing.connection import Connection, link, seconds
-from nimbus.statestore import Keys, Program, program
+from nimbus.statestore import Keys, Program
 from nimbus.statestore.lua import QUEUE_RELEASE as _RELEASE
 from nimbus.statestore.lua import QUEUE_RESERVE as _RESERVE
 from nimbus.statestore.lua import QUEUE_TASK_DONE as _TASK_DONE
@@ -88,7 +88,7 @@ class Queue:
     """A process- and host-shared FIFO queue (``multiprocessing.Queue``)."""
 
     def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
-        self._setup(program(), Keys.new_name(), max(maxsize, 0))
+        self._setup(_site.shared_program(), Keys.new_name(), max(maxsize, 0))
 
     def _setup(self, prog: Program, name: str, maxsize: int) -> None:
         self._program = prog
@@ -410,7 +410,7 @@ class SimpleQueue:
     """A simplified queue (``multiprocessing.SimpleQueue``): ``put`` sends at once."""
 
     def __init__(self, *, ctx: Any = None) -> None:
-        self._setup(program(), Keys.new_name())
+        self._setup(_site.shared_program(), Keys.new_name())
 
     def _setup(self, prog: Program, name: str) -> None:
         self._program = prog

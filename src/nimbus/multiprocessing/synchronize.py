@@ -109,7 +109,7 @@ class _Shared:
     _name: str
 
     def __init__(self, program: Program | None) -> None:
-        self._setup(program if program is not None else _state.program(), Keys.new_name())
+        self._setup(program if program is not None else _state.shared_program(), Keys.new_name())
 
     def _setup(self, program: Program, name: str) -> None:
         self._program = program

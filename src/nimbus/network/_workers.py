@@ -59,9 +59,10 @@ class WorkerNetworks:
 
     def __init__(self, accounting: str = "socket", limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
-        why = _sys.can_manage()
         wants_ns = accounting == "netns" or self.limits.bandwidth is not None
         wants_cg = self.limits.cpus is not None or self.limits.memory is not None
+        # looked for only when asked for (five PATH searches on every manager's start)
+        why = _sys.can_manage() if wants_ns or wants_cg or accounting == "auto" else None
         if why is not None and (wants_ns or wants_cg):
             what = "worker limits" if self.limits != Limits() else "net_accounting=netns"
             raise ConfigError(f"{what}: {why}; {_sys.FIX}")

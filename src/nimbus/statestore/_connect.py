@@ -16,18 +16,22 @@ program's root launches its store and goes on) waits until it answers.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import redis
-import redis.asyncio as aioredis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
+from nimbus._lazy import lazy
 from nimbus.errors import ConfigError, StateStoreError
+
+if TYPE_CHECKING:
+    import redis
+    import redis.asyncio as aioredis
+else:  # imported at the first connection (redis-py is most of what importing nimbus costs)
+    redis = lazy("redis", globals())
+    aioredis = lazy("redis.asyncio", globals(), "aioredis")
 
 __all__ = [
     "Booting",
@@ -103,36 +107,53 @@ def _path(url: str) -> str:
     return url.removeprefix("unix://").partition("?")[0]
 
 
-class _UnixConnection(redis.UnixDomainSocketConnection):
-    """redis-py's Unix socket connection, which waits for a store that is booting."""
+def no_retry() -> Any:
+    """redis-py's retry policy of none: a dead store is an error at once."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
-    def _connect(self) -> Any:
-        server = _booting.get(self.path)
-        if server is None:
-            return super()._connect()
-        if server.owner_pid == os.getpid():
-            server.ready()  # its own StateStoreError if the server could not start
-            _booting.pop(self.path, None)
-            for fn in _on_ready.pop(self.path, ()):
-                fn()
-            return super()._connect()
-        deadline = time.monotonic() + server.start_timeout
-        while True:
-            try:
-                sock = super()._connect()
-            except (FileNotFoundError, ConnectionRefusedError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.002)
-                continue
-            _booting.pop(self.path, None)
-            return sock
+    return Retry(NoBackoff(), 0)
+
+
+@functools.cache
+def _unix_connection() -> type:
+    """redis-py's Unix socket connection, which waits for a store that is booting
+    (a class made on first use: redis-py is imported then)."""
+
+    class _UnixConnection(redis.UnixDomainSocketConnection):
+        _connect = _unix_connect
+
+    return _UnixConnection
+
+
+def _unix_connect(self: Any) -> Any:
+    """``_UnixConnection._connect``: wait for the store while it boots."""
+    server = _booting.get(self.path)
+    if server is None:
+        return redis.UnixDomainSocketConnection._connect(self)
+    if server.owner_pid == os.getpid():
+        server.ready()  # its own StateStoreError if the server could not start
+        _booting.pop(self.path, None)
+        for fn in _on_ready.pop(self.path, ()):
+            fn()
+        return redis.UnixDomainSocketConnection._connect(self)
+    deadline = time.monotonic() + server.start_timeout
+    while True:
+        try:
+            sock = redis.UnixDomainSocketConnection._connect(self)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.002)
+            continue
+        _booting.pop(self.path, None)
+        return sock
 
 
 def _options(url: str) -> dict[str, Any]:
     options = _POOL_OPTIONS | tls_options(url)
     if url.startswith("unix://"):
-        options["connection_class"] = _UnixConnection
+        options["connection_class"] = _unix_connection()
     return options
 
 
@@ -195,7 +216,7 @@ def connect(
             options |= {
                 "socket_connect_timeout": timeout,
                 "socket_timeout": timeout,
-                "retry": Retry(NoBackoff(), 0),
+                "retry": no_retry(),
             }
         if password is not None:
             options["password"] = password

@@ -25,19 +25,25 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
-import redis
 
+from nimbus._lazy import lazy
 from nimbus.errors import ConfigError, StateStoreError
 from nimbus.statestore._connect import connect
+
+if TYPE_CHECKING:
+    import redis
+else:  # imported on first use (redis-py: at the first connection)
+    redis = lazy("redis", globals())
 
 __all__ = ["EmbeddedRedis", "redis_server_binary"]
 
@@ -91,6 +97,29 @@ def redis_server_binary() -> Path:
 def _quick_client(socket_path: Path, password: str | None = None) -> redis.Redis:
     """A client for one command: no retries, no waiting."""
     return connect(f"unix://{socket_path}", own=True, timeout=1, password=password)
+
+
+def _command(*args: str) -> bytes:
+    """One command in the store's wire format."""
+    parts = [arg.encode() for arg in args]
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+
+
+def _shutdown(socket_path: Path, password: str | None) -> None:
+    """SHUTDOWN NOSAVE, on a socket of its own: a program that never used its store
+    does not import redis-py at exit to stop it."""
+    commands = _command("SHUTDOWN", "NOSAVE")
+    if password is not None:
+        commands = _command("AUTH", password) + commands
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(1)
+            sock.connect(str(socket_path))
+            sock.sendall(commands)
+            while sock.recv(4096):  # the server closes the connection as it exits
+                pass
+    except OSError:
+        pass  # gone already, or not answering: the caller ends it
 
 
 def _direct_possible() -> bool:
@@ -376,11 +405,7 @@ class EmbeddedRedis:
         atexit.unregister(self.stop)
         watchdog, self._watchdog = self._watchdog, None
         if watchdog is not None:
-            try:
-                with _quick_client(self.socket_path, self.password) as c:
-                    c.shutdown(nosave=True)
-            except redis.RedisError:
-                pass  # expected: the server closes the connection as it exits
+            _shutdown(self.socket_path, self.password)
             watchdog.terminate()  # wakes it: it reaps the server and exits
             try:
                 watchdog.wait(2)

@@ -32,18 +32,21 @@ import os
 import socket
 import threading
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import hiredis
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from nimbus import telemetry
+from nimbus._lazy import lazy
 from nimbus.errors import StateStoreError
-from nimbus.statestore._connect import connect
+from nimbus.statestore._connect import connect, no_retry
 from nimbus.statestore._program import Program
 from nimbus.statestore._script import Script
+
+if TYPE_CHECKING:
+    import redis
+else:  # imported on first use (redis-py: at the first connection)
+    redis = lazy("redis", globals())
 
 __all__ = ["MIN_WAIT", "SKIP_REPLY", "Link", "link", "pack", "preload"]
 
@@ -80,7 +83,7 @@ class Link:
         # (100 at most), and a process whose threads come and go makes links without end
         make, kwargs = _connection_settings(url)
         self.conn = cast(redis.connection.AbstractConnection, make(**kwargs))
-        self.conn.retry = Retry(NoBackoff(), 0)  # a dead store is an error at once
+        self.conn.retry = no_retry()  # a dead store is an error at once
         self._reader = hiredis.Reader(replyError=redis.ResponseError)
         self._owner: str | None = None
         self.held: dict[str, int] = {}  # lock owners key -> this thread's depth, as last known

@@ -37,15 +37,20 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import util
+from typing import TYPE_CHECKING
 
-import redis
-
+from nimbus._lazy import lazy
 from nimbus.config import Settings
 from nimbus.errors import StateStoreError
 from nimbus.statestore._connect import booting, connect, is_booting, untouched, when_ready
 from nimbus.statestore._embedded import EmbeddedRedis
 from nimbus.statestore._store import StateStore
 from nimbus.statestore.keys import Keys
+
+if TYPE_CHECKING:
+    import redis
+else:  # imported on first use (redis-py: at the first connection)
+    redis = lazy("redis", globals())
 
 __all__ = [
     "Opener",

@@ -20,13 +20,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-import redis
-
+from nimbus._lazy import lazy
 from nimbus.statestore._connect import forget, pool, probe
 from nimbus.statestore._embedded import EmbeddedRedis
 
 if TYPE_CHECKING:
     from nimbus.config import Settings
+
+
+if TYPE_CHECKING:
+    import redis
+else:  # imported on first use (redis-py: at the first connection)
+    redis = lazy("redis", globals())
 
 __all__ = ["StateStore"]
 
@@ -43,7 +48,13 @@ class StateStore:
         self.url = url
         self.embedded = server is not None
         self._server = server
-        self._pool = pool(url)
+        self._made: redis.ConnectionPool | None = None  # on first use: redis-py is imported then
+
+    @property
+    def _pool(self) -> redis.ConnectionPool:
+        if self._made is None:
+            self._made = pool(self.url)
+        return self._made
 
     @classmethod
     def open(
@@ -80,7 +91,8 @@ class StateStore:
         """Start the embedded server again, on the same URL, after it died: from its
         append-only file when it persists, else empty."""
         if self._server is not None:
-            self._pool.disconnect()
+            if self._made is not None:
+                self._made.disconnect()
             self._server.restart()
 
     def client(self) -> redis.Redis:
@@ -99,7 +111,8 @@ class StateStore:
 
     def close(self) -> None:
         """Close the pool and stop the embedded server if this store owns one."""
-        self._pool.disconnect()
+        if self._made is not None:
+            self._made.disconnect()
         if self._server is not None:
             self._server.stop()
             forget(self.url)
