@@ -25,6 +25,7 @@ from nimbus.config import Settings, parse_bandwidth
 from nimbus.errors import ConfigError, MemoryLimitExceeded
 from nimbus.network import DEVICE, WorkerNetworks
 from nimbus.network._objects import object_server
+from nimbus.network._slots import SLOTS, in_use
 
 ROOT = os.geteuid() == 0 and all(shutil.which(t) for t in ("ip", "tc", "iptables", "curl"))
 needs_root = pytest.mark.skipif(
@@ -205,6 +206,68 @@ def test_socket_counting_without_a_namespace(monkeypatch: pytest.MonkeyPatch, se
     assert fut.record.tcp is None and fut.record.colocated is None
 
 
+def _nap(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@needs_root
+def test_colocation_and_the_host_nic_sampled_while_tasks_run(netns: pytest.MonkeyPatch) -> None:
+    """Two tasks side by side see each other in samples taken while they run; the
+    host NIC's rate (the manager samples it for the host's workers) is in the record."""
+    with Executor(2) as ex:
+        ex.submit(_nap, 0).result(timeout=60)  # both workers up
+        futures = [ex.submit(_nap, 0.8) for _ in range(2)]
+        for fut in futures:
+            fut.result(timeout=60)
+    for fut in futures:
+        c = fut.record.colocated
+        # the first sample is taken as it starts (the other may start a few ms later)
+        assert c is not None and c["max"] == 1 and c["mean"] > 0.2, c
+        assert c["nic_in"] >= 0 and c["nic_out"] >= 0, c
+    assert max(f.record.colocated["mean"] for f in futures) >= 0.5  # type: ignore[index]
+
+
+def test_host_nic_rate_from_the_shared_sample(tmp_path: Path) -> None:
+    """The sampler's counters of a real interface (the loopback, here) reach a reader of
+    the shared map: a transfer during the samples shows as the NIC's rate."""
+    import socket
+    import threading
+
+    from nimbus.network._colocation import Board, summary
+    from nimbus.network._nic import NicSampler
+
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("needs a writable /dev/shm")
+    sampler = NicSampler("lo", period=0.05)
+    try:
+        board = Board(SLOTS - 1)  # a cell no worker has
+        time.sleep(0.2)
+        first = board.sample()
+        listener = socket.create_server(("127.0.0.1", 0))
+        got = []
+
+        def read() -> None:
+            conn = listener.accept()[0]
+            with conn:
+                got.append(sum(iter(lambda: len(conn.recv(1 << 20)), 0)))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        with socket.create_connection(listener.getsockname()) as sock:
+            sock.sendall(b"x" * 50_000_000)
+        reader.join()
+        listener.close()
+        time.sleep(0.2)
+        use = summary([first, board.sample()])
+        board.close()
+    finally:
+        sampler.close()
+    # 50 MB over the samples' span (some 0.3-2 s): well above what else moves on lo
+    assert use["nic_in"] > 5_000_000 and use["nic_out"] > 5_000_000, use
+    assert got == [50_000_000]
+    assert use["min"] >= 0 and "nic_utilisation" not in use  # lo has no speed
+
+
 def _worker_net(seconds: float = 0.0) -> tuple[bool, str, int]:
     time.sleep(seconds)
     with open("/proc/self/net/dev") as f:
@@ -354,7 +417,8 @@ def test_bandwidth_limit_holds(netns: pytest.MonkeyPatch, server: int) -> None:
 def test_a_failed_setup_leaves_nothing(netns: pytest.MonkeyPatch) -> None:
     """A worker whose link cannot be made: a clear error, and nothing half made."""
     nets = WorkerNetworks("netns")
-    taken = f"nmb{nets._next}h"  # the node side's name of the slot it will take: in use
+    lowest = min(set(range(SLOTS)) - set(in_use()))  # the slot it will take
+    taken = f"nmb{lowest}h"  # its node side's name: in use
     subprocess.run(
         ["ip", "link", "add", taken, "type", "veth", "peer", "name", taken + "x"], check=True
     )

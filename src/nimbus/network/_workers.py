@@ -23,9 +23,10 @@ from nimbus.config import Settings
 from nimbus.errors import ConfigError, MemoryLimitExceeded
 from nimbus.network import _sys
 from nimbus.network._cgroup import Cgroup
-from nimbus.network._colocation import clear
+from nimbus.network._colocation import clear, top_of
 from nimbus.network._link import Link
-from nimbus.network._slots import claim
+from nimbus.network._nic import NicSampler
+from nimbus.network._slots import claim, in_use
 
 __all__ = ["Limits", "WorkerNetworks"]
 
@@ -70,7 +71,7 @@ class WorkerNetworks:
         self._held: dict[str, _Held] = {}
         self._oom: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._next = os.getpid() % 4096  # where this manager starts looking for a free slot
+        self._nic: NicSampler | None = None  # the host NIC for record.colocated, once netns
 
     @classmethod
     def configured(cls) -> WorkerNetworks:
@@ -89,9 +90,11 @@ class WorkerNetworks:
         cgroup: Cgroup | None = None
         try:
             if self.netns:
-                slot = claim(self._next)
-                self._next = slot.number + 1
+                slot = claim()  # the lowest free: the co-location cells in use stay few
+                top_of(in_use())
                 link = Link.create(slot, self.limits.bandwidth)
+                if self._nic is None:
+                    self._nic = NicSampler()
             if self.cgroups:
                 tag = link.ns if link else f"nimbus-{os.getpid()}-{len(self._held)}"
                 cgroup = Cgroup(tag, self.limits.cpus, self.limits.memory)
@@ -126,6 +129,7 @@ class WorkerNetworks:
             held.cgroup.remove()
         if held.link is not None:
             held.link.close()
+            top_of(in_use())
 
     def lost(self, name: str) -> MemoryLimitExceeded | None:
         """Why worker ``name`` (released) died, if it was its memory limit."""
@@ -141,3 +145,6 @@ class WorkerNetworks:
     def close(self) -> None:
         for name in list(self._held):
             self.release(name)
+        if self._nic is not None:
+            self._nic.close()
+            self._nic = None
