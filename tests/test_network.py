@@ -414,6 +414,44 @@ def test_bandwidth_limit_holds(netns: pytest.MonkeyPatch, server: int) -> None:
 
 
 @needs_root
+def test_limits_of_one_task_from_its_options(netns: pytest.MonkeyPatch, server: int) -> None:
+    """options(bandwidth=, memory=, cpus=): its tasks run under them; the worker's own
+    (none here) are back for the next task."""
+    with Executor(1) as ex:
+        limited = ex.options(bandwidth="40Mbit", memory="96M", cpus=0.25)
+        seconds = limited.submit(_timed_download, server, 10_000_000).result(timeout=60)
+        unlimited = ex.submit(_timed_download, server, 10_000_000).result(timeout=60)
+        fut = limited.submit(_spin, 1.0)
+        fut.result(timeout=60)
+        free = ex.submit(_spin, 1.0)
+        free.result(timeout=60)
+        with pytest.raises(MemoryLimitExceeded, match=r"96 MiB.*options\(memory="):
+            limited.submit(_hog, 300 << 20).result(timeout=60)
+        assert ex.submit(_hog, 150 << 20).result(timeout=60) == 150 << 20
+    rate = 10_000_000 * 8 / seconds
+    assert 0.9 * 40e6 < rate < 1.05 * 40e6, rate
+    assert unlimited < seconds / 4, (unlimited, seconds)
+    share = (fut.record.cpu_user + fut.record.cpu_system) / fut.record.run_seconds
+    assert 0.02 < share < 0.35, share
+    # unlimited: as much as the loaded machine gives, more than the quota would
+    free_share = (free.record.cpu_user + free.record.cpu_system) / free.record.run_seconds
+    assert free_share > share, (free_share, share)
+
+
+def test_task_limits_are_checked_as_the_endpoint_config() -> None:
+    with Executor(1) as ex:
+        with pytest.raises(ConfigError, match=r"bandwidth='500M'.*bits"):
+            ex.options(bandwidth="500M")
+        with pytest.raises(ConfigError, match=r"memory='1M'"):
+            ex.options(memory="1M")
+        with pytest.raises(ConfigError, match=r"cpus=0"):
+            ex.options(cpus=0)
+        with pytest.raises(TypeError, match="bandwidht"):
+            ex.options(bandwidht="1Gbit")
+        assert ex.options(bandwidth="1Gbit", memory="1G", cpus=2) is not None
+
+
+@needs_root
 def test_a_failed_setup_leaves_nothing(netns: pytest.MonkeyPatch) -> None:
     """A worker whose link cannot be made: a clear error, and nothing half made."""
     nets = WorkerNetworks("netns")

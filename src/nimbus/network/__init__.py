@@ -31,7 +31,16 @@ if TYPE_CHECKING:
     from nimbus.network._link import Link
     from nimbus.network._workers import Limits, WorkerNetworks
 
-__all__ = ["DEVICE", "Limits", "Link", "TaskNet", "WorkerNetworks", "netbench", "nimbus_port"]
+__all__ = [
+    "DEVICE",
+    "Limits",
+    "Link",
+    "TaskNet",
+    "WorkerNetworks",
+    "netbench",
+    "nimbus_port",
+    "task_limits",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -44,6 +53,20 @@ def __getattr__(name: str) -> Any:
 
         return getattr(_workers, name)
     raise AttributeError(f"module 'nimbus.network' has no attribute {name!r}")
+
+
+def task_limits(**options: Any) -> Any:
+    """A task's own limits from ``Executor.options(bandwidth=, memory=, cpus=)``, checked
+    as the endpoint's ``worker_*`` are; a ConfigError naming what is wrong."""
+    from nimbus.network._limits import TaskLimits
+
+    unknown = set(options) - {"bandwidth", "memory", "cpus"}
+    if unknown:
+        raise TypeError(
+            f"options() got unexpected keyword(s) {', '.join(sorted(unknown))}; it takes "
+            "timeout, environment, keep, bandwidth, memory, cpus"
+        )
+    return TaskLimits.parse(**options)
 
 
 def netbench(

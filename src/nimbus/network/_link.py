@@ -111,22 +111,24 @@ class Link:
         )
         _sys.run("nsenter", f"--net={self.netns_path}", "sh", "-c", script)
 
-    def shape(self, egress: int | None, ingress: int | None) -> None:
+    def shape(self, egress: int | None, ingress: int | None, *, node: tuple[str, ...] = ()) -> None:
         """Hold the worker's outgoing and incoming rates (bits/s; None: unlimited).
 
         A rate is what the worker's TCP payload gets: htb counts every packet's
         headers too (66 bytes a packet), so the link is given that much more.
+        ``node``: the prefix that runs a command in the node's namespace (from a worker's).
         """
-        for dev, rate, prefix in (
-            (DEVICE, egress, ("-n", self.ns)),
-            (self.host_dev, ingress, ()),
+        for dev, rate, before, prefix in (
+            (DEVICE, egress, (), ("-n", self.ns)),
+            (self.host_dev, ingress, node, ()),
         ):
             if rate is None:
-                _sys.try_run("tc", *prefix, "qdisc", "del", "dev", dev, "root")
+                _sys.try_run(*before, "tc", *prefix, "qdisc", "del", "dev", dev, "root")
                 continue
             rate = rate * FRAME // PAYLOAD
             burst = _burst(rate)
             _sys.run(
+                *before,
                 "tc",
                 *prefix,
                 "-batch",

@@ -67,9 +67,9 @@ class WorkerNetworks:
             what = "worker limits" if self.limits != Limits() else "net_accounting=netns"
             raise ConfigError(f"{what}: {why}; {_sys.FIX}")
         self.netns = wants_ns or (accounting == "auto" and why is None)
-        self.cgroups = wants_cg
+        self.cgroups = wants_cg or self.netns  # a task's own cpus/memory are set there
         self._held: dict[str, _Held] = {}
-        self._oom: dict[str, int] = {}
+        self._oom: dict[str, int | None] = {}  # worker -> the memory limit it was killed at
         self._lock = threading.Lock()
         self._nic: NicSampler | None = None  # the host NIC for record.colocated, once netns
 
@@ -97,7 +97,7 @@ class WorkerNetworks:
                     self._nic = NicSampler()
             if self.cgroups:
                 tag = link.ns if link else f"nimbus-{os.getpid()}-{len(self._held)}"
-                cgroup = Cgroup(tag, self.limits.cpus, self.limits.memory)
+                cgroup = Cgroup(tag, self.limits.cpus, self.limits.memory, every=True)
         except BaseException:
             if link is not None:
                 link.close()
@@ -123,9 +123,8 @@ class WorkerNetworks:
         if held.link is not None:
             clear(held.link.slot.number)  # it may have died mid-task: it runs nothing now
         if held.cgroup is not None:
-            kills = held.cgroup.oom_kills()
-            if kills:
-                self._oom[name] = kills
+            if held.cgroup.oom_kills():
+                self._oom[name] = held.cgroup.memory_limit()
             held.cgroup.remove()
         if held.link is not None:
             held.link.close()
@@ -133,12 +132,13 @@ class WorkerNetworks:
 
     def lost(self, name: str) -> MemoryLimitExceeded | None:
         """Why worker ``name`` (released) died, if it was its memory limit."""
-        if not self._oom.pop(name, 0):
+        if name not in self._oom:
             return None
-        limit = self.limits.memory or 0
+        limit = self._oom.pop(name) or self.limits.memory or 0
         return MemoryLimitExceeded(
-            f"the task used more than its worker's memory limit of {limit >> 20} MiB "
-            f"(worker_memory) and was killed; raise worker_memory (e.g. nimbus endpoint "
+            f"the task used more than its memory limit of {limit >> 20} MiB (its "
+            f"options(memory=...), else the endpoint's worker_memory) and was killed; raise "
+            f"it (e.g. options(memory='{max(2 * limit >> 20, 64)}M') or nimbus endpoint "
             f"configure NAME --worker-memory {max(2 * limit >> 20, 64)}M) or use less memory"
         )
 
