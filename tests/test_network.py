@@ -368,6 +368,37 @@ def test_tcp_summary_of_open_connections(netns: pytest.MonkeyPatch, server: int)
     assert tcp["rtt_ms"] > 0 and tcp["delivery_rate"] > 0 and tcp["retransmits"] >= 0, tcp
 
 
+def _child_connection(port: int, size: int) -> int:
+    """A child process downloads over a connection it keeps open after the task ends."""
+    code = (
+        "import socket, sys, time\n"
+        f"s = socket.create_connection(('127.0.0.1', {port}))\n"
+        f"s.sendall(b'GET /{size} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n')\n"
+        "got = 0\n"
+        f"while got < {size}:\n"
+        "    got += len(s.recv(1 << 20))\n"
+        "print('got', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline() == "got\n"
+    return child.pid
+
+
+@needs_root
+def test_tcp_summary_of_a_child_process_connection(netns: pytest.MonkeyPatch, server: int) -> None:
+    """The namespace's connections are dumped (sock_diag), not only the worker's sockets."""
+    with Executor(1) as ex:
+        fut = ex.submit(_child_connection, server, 4_000_000)
+        pid = fut.result(timeout=60)
+        try:
+            tcp = fut.record.tcp
+            assert tcp is not None and tcp["connections"] == 1, tcp
+            assert tcp["rtt_ms"] > 0 and tcp["delivery_rate"] > 0, tcp
+        finally:
+            os.kill(pid, 9)
+
+
 def _hog(size: int) -> int:
     block = bytearray(size)
     for i in range(0, size, 4096):
@@ -549,6 +580,6 @@ def test_netbench_offline_shares_the_host_link(netns: pytest.MonkeyPatch, tmp_pa
 @needs_root
 def test_auto_takes_namespaces_where_allowed(netns: pytest.MonkeyPatch) -> None:
     nets = WorkerNetworks("auto")
-    assert nets.netns and not nets.cgroups
+    assert nets.netns and nets.cgroups  # a cgroup too: where a task's own limits are set
     assert WorkerNetworks("socket").command("w", ["python"]) == ["python"]  # the identity
     nets.close()

@@ -10,8 +10,9 @@
               a task that moved nothing): no bytes, and nothing else is read. Else the
               difference of the nimbus0 lines is the task's (payload: the link's bytes
               less 66 header bytes a packet) and, once a task, RetransSegs/OutSegs,
-              D-SACKs and TCP_INFO of the worker's connections: nimbus's own (the
-              state store) are taken off, the task's summarized
+              D-SACKs and TCP_INFO of the namespace's open connections (``_diag``:
+              children's too): nimbus's own (the state store) are taken off, the
+              task's summarized
 
 On a task's latency path are one ``pread`` and two memory writes. The end of
 one task is the start of the next when it starts within ``FRESH`` (a worker
@@ -36,7 +37,14 @@ import time
 from typing import Any
 
 from nimbus.network._colocation import Board, Sample, slot_of, summary
-from nimbus.network._diag import Conn, duplicates_received, open_connections, tcp_counters
+from nimbus.network._diag import (
+    Conn,
+    duplicates_received,
+    namespace_connections,
+    open_connections,
+    own_hash_table,
+    tcp_counters,
+)
 
 __all__ = ["DEVICE", "TaskNet", "nimbus_port"]
 
@@ -82,8 +90,10 @@ class TaskNet:
             _own_ports.add(port)
         self._tcp = (*tcp_counters(snmp_fd), duplicates_received(self._netstat))
         self._start_tcp = self._tcp
+        # the namespace's connections (children's too) where a dump is cheap, else its own
+        self._connections = namespace_connections if own_hash_table() else open_connections
         # nimbus's own connections (inode -> counts) as the last task's end left them
-        self._own = {c.inode: c for c in open_connections() if c.remote_port in _own_ports}
+        self._own = {c.inode: c for c in self._connections() if c.remote_port in _own_ports}
         self._board = Board(slot_of(DEVICE))
         self._dev_read = self._start = b""
         self._read_at = self._sampled_at = -FRESH  # when (monotonic) last read, sampled
@@ -158,7 +168,7 @@ class TaskNet:
         own_in = own_out = 0
         task_conns: list[Conn] = []
         own: dict[int, Conn] = {}
-        for c in open_connections():  # its own: children's are not reachable here
+        for c in self._connections():
             if c.remote_port in _own_ports:
                 before = self._own.get(c.inode)
                 own_in += c.bytes_in - (before.bytes_in if before else 0)

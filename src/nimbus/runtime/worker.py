@@ -56,6 +56,11 @@ from nimbus.errors import (
     VersionMismatchError,
 )
 from nimbus.network._gauge import SKIPPED, TaskGauge
+from nimbus.runtime._idle import idle as _idle
+from nimbus.runtime._idle import later as _later
+from nimbus.runtime._idle import run_idle as _run_idle
+from nimbus.runtime._idle import run_later as _run_later
+from nimbus.runtime._idle import when_idle, when_quiet
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
 from nimbus.wire import Buffer, Channel, pack, unpack
 
@@ -363,49 +368,6 @@ def notify(payload: object) -> None:
     if _worker is None:
         raise RuntimeError("nimbus.runtime.worker.notify() works only inside a nimbus worker")
     _worker.notify(payload)
-
-
-_idle: list[Callable[[], None]] = []
-
-
-def when_idle(fn: Callable[[], None]) -> None:
-    """Call ``fn`` once, in this worker's main thread, as soon as it has nothing to do.
-
-    For work that must not delay a task or its result (a task can ask for it).
-    """
-    _idle.append(fn)
-
-
-def _run_idle() -> None:
-    while _idle:
-        fn = _idle.pop(0)
-        try:
-            fn()
-        except Exception:
-            traceback.print_exc()
-
-
-_later: list[tuple[float, Callable[[], None]]] = []
-
-
-def when_quiet(fn: Callable[[], None], seconds: float) -> None:
-    """Call ``fn`` once, in this worker's main thread, after ``seconds`` with nothing to do.
-
-    For work that is worth doing before the next task only if none comes
-    soon: it must not take CPU time from the processes a burst of tasks
-    starts (the whole wait starts over whenever a task comes).
-    """
-    _later.append((seconds, fn))
-    _later.sort(key=lambda item: item[0])
-
-
-def _run_later() -> None:
-    """Run the first of the quiet-time work (the rest wait their own time after it)."""
-    _seconds, fn = _later.pop(0)
-    try:
-        fn()
-    except Exception:
-        traceback.print_exc()
 
 
 def close_in_child() -> None:
