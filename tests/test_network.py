@@ -536,7 +536,7 @@ def test_endpoint_limits_reach_its_agent_as_settings() -> None:
     assert EndpointConfig("hpc", "http://x", "id", "t", 2).worker_environment() == {}
 
 
-# ------------------------------------------------------------------ nimbus netbench --offline
+# ------------------------------------------------------------------ nimbus netbench
 
 
 def _nimbus(*args: str) -> subprocess.CompletedProcess[str]:
@@ -551,9 +551,27 @@ def _nimbus(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_netbench_says_what_is_built() -> None:
     done = _nimbus("netbench", "--concurrency", "1")
-    assert done.returncode == 2 and "add --offline" in done.stderr
+    assert done.returncode == 2 and "--offline" in done.stderr and "--endpoint NAME" in done.stderr
     done = _nimbus("netbench", "--offline", "--cap", "1G")
     assert done.returncode == 2 and "say 1Gbit for bits/s" in done.stderr
+
+
+def test_netbench_on_a_real_endpoint(service: Any, alice: Any, lab: Any, tmp_path: Path) -> None:
+    """--endpoint: the sweep's tasks run on the endpoint (a real agent with 2 workers)
+    against this machine's traffic server; the report is the offline one's."""
+    from nimbus.network import netbench_endpoint
+
+    with Executor(endpoint="lab", settings=service.user_settings(alice.token)) as ex:
+        written = netbench_endpoint(ex, "127.0.0.1", [1, 2], ["down", "up"], 1.0, tmp_path)
+        with pytest.raises(ConfigError, match=r"started only 2 of 3 tasks at once"):
+            netbench_endpoint(ex, "127.0.0.1", [3], ["down"], 0.5, tmp_path / "too-many")
+    assert {p.name for p in written} >= {"netbench.csv", "netbench.json", "netbench.html"}
+    summary = json.loads((tmp_path / "netbench.json").read_text())
+    runs = {(r["direction"], r["concurrency"]): r for r in summary["runs"]}
+    assert set(runs) == {("down", 1), ("down", 2), ("up", 1), ("up", 2)}
+    for run in runs.values():
+        assert run["aggregate_mbit"] > 10 and run["per_task_min_mbit"] > 0, run
+        assert abs(run["link_vs_client_bytes"]) < 0.02, run  # the records counted the bytes
 
 
 @needs_root

@@ -38,6 +38,7 @@ __all__ = [
     "TaskNet",
     "WorkerNetworks",
     "netbench",
+    "netbench_endpoint",
     "nimbus_port",
     "task_limits",
 ]
@@ -91,4 +92,32 @@ def netbench(
                 total = sum(p.mbit for p in run)
                 progress(f"{direction:>4} x{n}: aggregate {total:7.1f} Mbit/s")
                 points.extend(run)
+    return write(points, summarize(points, cap, share), out)
+
+
+def netbench_endpoint(
+    executor: Any,
+    server: str,
+    concurrency: list[int],
+    directions: list[str],
+    seconds: float,
+    out: Path,
+    *,
+    cap: int | None = None,
+    share: float = 0.25,
+    progress: Callable[[str], object] = lambda _: None,
+) -> list[Path]:
+    """The bandwidth sweep on ``executor``'s endpoint against a traffic server on
+    ``server`` (this machine's address as the endpoint reaches it); the report into ``out``."""
+    from nimbus.network._endpoint import sweep, traffic_server
+    from nimbus.network._report import PAYLOAD, summarize, write
+
+    with traffic_server(server) as address:
+        points = sweep(executor, address, concurrency, directions, seconds, progress)
+    if cap is None:  # the best aggregate seen stands for the link's capacity
+        best = max(
+            sum(p.mbit for p in points if (p.direction, p.concurrency) == key)
+            for key in {(p.direction, p.concurrency) for p in points}
+        )
+        cap = int(best * 1e6 / PAYLOAD)
     return write(points, summarize(points, cap, share), out)
