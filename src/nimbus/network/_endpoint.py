@@ -79,9 +79,8 @@ def sweep(
                 if record is not None:
                     counted = record.net_bytes_in if direction == "down" else record.net_bytes_out
                 run.append(Point(direction, n, task, moved, took, counted))
-            late = [
-                f for f in futures if getattr(f, "record", None) and f.record.started > start_at
-            ]
+            records = [getattr(f, "record", None) for f in futures]
+            late = [r for r in records if r is not None and r.started > start_at]
             if late:
                 raise ConfigError(
                     f"netbench --concurrency {n}: the endpoint started only {n - len(late)} of "
