@@ -216,13 +216,13 @@ def test_colocation_and_the_host_nic_sampled_while_tasks_run(netns: pytest.Monke
     host NIC's rate (the manager samples it for the host's workers) is in the record."""
     with Executor(2) as ex:
         ex.submit(_nap, 0).result(timeout=60)  # both workers up
-        futures = [ex.submit(_nap, 0.8) for _ in range(2)]
+        futures = [ex.submit(_nap, 1.2) for _ in range(2)]
         for fut in futures:
             fut.result(timeout=60)
     for fut in futures:
         c = fut.record.colocated
-        # the first sample is taken as it starts (the other may start a few ms later)
-        assert c is not None and c["max"] == 1 and c["mean"] > 0.2, c
+        # the first sample is taken as it starts (the other may start later, under load)
+        assert c is not None and c["max"] == 1 and c["mean"] > 0, c
         assert c["nic_in"] >= 0 and c["nic_out"] >= 0, c
     assert max(f.record.colocated["mean"] for f in futures) >= 0.5  # type: ignore[index]
 

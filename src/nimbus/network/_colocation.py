@@ -81,25 +81,19 @@ def read_nic(board: mmap.mmap) -> tuple[float, int, int, float, float, float] | 
 class Board:
     """The host's running tasks, as the worker of slot ``cell`` sees them.
 
-    :meth:`mark` and :meth:`unmark` are a task's start and end (one memory
-    write each); :meth:`sample` is taken off the task's latency path (before it,
-    and while it runs long).
+    ``cells[cell] = 1`` and ``= 0`` are a task's start and end (one memory write
+    each, made by the worker's meter itself); :meth:`sample` is taken off the
+    task's latency path where it can be (see ``_meter``).
     """
 
     def __init__(self, cell: int) -> None:
-        self._map = open_map()
-        self._cell = cell
+        self._map = self.cells = open_map()  # cells[cell] = 1 / 0: what mark / unmark do
+        self._cell = self.cell = cell
         self.raise_top()
 
     def raise_top(self) -> None:
         if struct.unpack_from("=I", self._map, TOP)[0] <= self._cell:
             struct.pack_into("=I", self._map, TOP, self._cell + 1)
-
-    def mark(self) -> None:
-        self._map[self._cell] = 1
-
-    def unmark(self) -> None:
-        self._map[self._cell] = 0
 
     def sample(self) -> Sample:
         """Tasks running on this host now, this worker's not counted; the NIC sample."""

@@ -34,7 +34,7 @@ class TaskGauge:
         """Start measuring a task; its wall-clock start."""
         started = self.meter.begin()
         if self.net is not None:
-            self.net.begin()
+            self.net.begin(started)
         return started
 
     def end(self, started: float) -> tuple[Any, ...]:
@@ -42,7 +42,7 @@ class TaskGauge:
         measured = self.meter.end()
         if self.net is None:
             return (started, *measured)
-        net_in, net_out, extra = self.net.end(measured[0] - started)
+        net_in, net_out, extra = self.net.end(measured[0])
         return (started, *measured[:4], net_in, net_out, extra)
 
     def sample(self) -> None:

@@ -96,10 +96,11 @@ class TaskNet:
         self._own = {c.inode: c for c in self._connections() if c.remote_port in _own_ports}
         self._board = Board(slot_of(DEVICE))
         self._dev_read = self._start = b""
-        self._read_at = self._sampled_at = -FRESH  # when (monotonic) last read, sampled
+        self._cells, self._cell = self._board.cells, self._board.cell  # marked on the path
+        self._read_at = self._sampled_at = -FRESH  # when (time.time()) last read, sampled
         self.samples: list[Sample] = []
         self._extra: dict[str, Any] = {}
-        self._read()
+        self._read(time.time())
 
     @classmethod
     def here(cls) -> TaskNet | None:
@@ -113,9 +114,9 @@ class TaskNet:
             return None
         return cls(dev, os.open("/proc/self/net/snmp", os.O_RDONLY))
 
-    def _read(self) -> bytes:
+    def _read(self, now: float) -> bytes:
         self._dev_read = data = os.pread(self._dev, 4096, 0)
-        self._read_at = time.monotonic()
+        self._read_at = now
         return data
 
     @staticmethod
@@ -126,18 +127,18 @@ class TaskNet:
         f = data[at : at + 240].split(None, 10)
         return int(f[0]) - HEADERS * int(f[1]), int(f[8]) - HEADERS * int(f[9])
 
-    def _resample(self) -> None:
+    def _resample(self, now: float) -> None:
         self.samples = [self._board.sample()]
-        self._sampled_at = time.monotonic()
+        self._sampled_at = now
         self._extra = {"net_source": "netns", "colocated": summary(self.samples)}
 
-    def begin(self) -> None:
-        self._board.mark()
-        now = time.monotonic()
-        if now - self._read_at > FRESH:  # idle a while: whatever moved meanwhile is no task's
-            self._read()
-        if now - self._sampled_at > RESAMPLE:
-            self._resample()
+    def begin(self, now: float) -> None:
+        """The task starts at ``now`` (``time.time()``, as its record's)."""
+        self._cells[self._cell] = 1
+        if not 0 <= now - self._read_at < FRESH:  # idle a while: what moved is no task's
+            self._read(now)
+        if not 0 <= now - self._sampled_at < RESAMPLE:
+            self._resample(now)
         self._start, self._start_tcp = self._dev_read, self._tcp
 
     def sample(self) -> None:
@@ -145,15 +146,15 @@ class TaskNet:
         samples = self.samples
         samples.append(self._board.sample())
 
-    def end(self, seconds: float) -> tuple[int, int, dict[str, Any]]:
-        """(bytes in, bytes out, the record's other network fields) of the task."""
-        data = self._read()
-        self._board.unmark()
-        samples = self.samples
+    def end(self, now: float) -> tuple[int, int, dict[str, Any]]:
+        """(bytes in, bytes out, the record's other network fields) of the task ended ``now``."""
+        data = self._read(now)
+        self._cells[self._cell] = 0
         extra = self._extra
-        if len(samples) > 1:
+        samples = self.samples
+        if len(samples) > 1:  # the flusher sampled it while it ran
             extra = {"net_source": "netns", "colocated": summary(samples)}
-        self.samples = [samples[-1]]  # if the next task comes at once: the latest
+            self.samples = [samples[-1]]  # if the next task comes at once: the latest
         if data == self._start:
             return 0, 0, extra
         (sin, sout), (rin, rout) = self._bytes(self._start), self._bytes(data)
