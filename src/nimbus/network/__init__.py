@@ -7,11 +7,16 @@ Two sides (see each module's drawing):
   limits, the node's loopback kept reachable) and a cgroup (``_cgroup``: CPU and
   memory limits); ``command(name, argv)`` is the start prefix that puts it there;
 * the worker's, :class:`TaskNet`: the namespace's counters read at a task's
-  start and end (``_meter``), its TCP summary (``_diag``) and co-location.
+  end (``_meter``; the last end is the next start), its TCP summary
+  (``_diag``), co-location and the host NIC's rate (``_colocation``, sampled by
+  one manager a host: ``_nic``); ``_gauge`` is what the worker calls around a
+  task, ``_limits`` a task's own limits (``Executor.options``);
+* ``nimbus netbench``: offline (``_bench``) or on an endpoint (``_endpoint``),
+  reported by ``_report``.
 
 Why a namespace and not eBPF cgroup counters: the veth is needed anyway for the
 bandwidth limits, its counters are exact for everything in the namespace (C
-libraries and children included) at the cost of two ``pread`` per task, and it
+libraries and children included) at the cost of one ``pread`` per task, and it
 needs no BPF toolchain. Without root, ``net_accounting=auto`` falls back to the
 socket counts of ``nimbus.telemetry`` (``net_source`` says which); asking for
 ``netns`` or a limit without root is a ``ConfigError`` naming the fix.
