@@ -63,6 +63,22 @@ class Cgroup:
             self.remove()
             raise
 
+    @classmethod
+    def existing(cls, name: str) -> Cgroup | None:
+        """The cgroup ``name`` under this process's, if a worker made it (``_limits``)."""
+        found = cls.__new__(cls)
+        found.cpus = found.memory = None
+        found.every, found.v2 = True, _unified()
+        try:
+            if found.v2:
+                candidates = [ROOT / _own("").lstrip("/") / name]
+            else:
+                candidates = [ROOT / c / _own(c).lstrip("/") / name for c in ("cpu", "memory")]
+        except ConfigError:
+            return None
+        found.dirs = [d for d in candidates if d.is_dir()]
+        return found if found.dirs else None
+
     def _mkdir(self, path: Path) -> Path:
         path.mkdir(exist_ok=True)
         self.dirs.append(path)

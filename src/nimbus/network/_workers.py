@@ -67,7 +67,7 @@ class WorkerNetworks:
             what = "worker limits" if self.limits != Limits() else "net_accounting=netns"
             raise ConfigError(f"{what}: {why}; {_sys.FIX}")
         self.netns = wants_ns or (accounting == "auto" and why is None)
-        self.cgroups = wants_cg or self.netns  # a task's own cpus/memory are set there
+        self.cgroups = wants_cg  # (a task's own limits make one on first use: ``_limits``)
         self._held: dict[str, _Held] = {}
         self._oom: dict[str, int | None] = {}  # worker -> the memory limit it was killed at
         self._lock = threading.Lock()
@@ -122,6 +122,8 @@ class WorkerNetworks:
             return
         if held.link is not None:
             clear(held.link.slot.number)  # it may have died mid-task: it runs nothing now
+            if held.cgroup is None:  # made by the worker for a task's own limits, if it was
+                held.cgroup = Cgroup.existing(held.link.ns)
         if held.cgroup is not None:
             if held.cgroup.oom_kills():
                 self._oom[name] = held.cgroup.memory_limit()
