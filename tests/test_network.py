@@ -25,6 +25,7 @@ from nimbus.config import Settings, parse_bandwidth
 from nimbus.errors import ConfigError, MemoryLimitExceeded
 from nimbus.network import DEVICE, WorkerNetworks
 from nimbus.network._objects import object_server
+from nimbus.network._slots import SLOTS, in_use
 
 ROOT = os.geteuid() == 0 and all(shutil.which(t) for t in ("ip", "tc", "iptables", "curl"))
 needs_root = pytest.mark.skipif(
@@ -205,6 +206,68 @@ def test_socket_counting_without_a_namespace(monkeypatch: pytest.MonkeyPatch, se
     assert fut.record.tcp is None and fut.record.colocated is None
 
 
+def _nap(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@needs_root
+def test_colocation_and_the_host_nic_sampled_while_tasks_run(netns: pytest.MonkeyPatch) -> None:
+    """Two tasks side by side see each other in samples taken while they run; the
+    host NIC's rate (the manager samples it for the host's workers) is in the record."""
+    with Executor(2) as ex:
+        ex.submit(_nap, 0).result(timeout=60)  # both workers up
+        futures = [ex.submit(_nap, 1.2) for _ in range(2)]
+        for fut in futures:
+            fut.result(timeout=60)
+    for fut in futures:
+        c = fut.record.colocated
+        # the first sample is taken as it starts (the other may start later, under load)
+        assert c is not None and c["max"] == 1 and c["mean"] > 0, c
+        assert c["nic_in"] >= 0 and c["nic_out"] >= 0, c
+    assert max(f.record.colocated["mean"] for f in futures) >= 0.5  # type: ignore[index]
+
+
+def test_host_nic_rate_from_the_shared_sample(tmp_path: Path) -> None:
+    """The sampler's counters of a real interface (the loopback, here) reach a reader of
+    the shared map: a transfer during the samples shows as the NIC's rate."""
+    import socket
+    import threading
+
+    from nimbus.network._colocation import Board, summary
+    from nimbus.network._nic import NicSampler
+
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("needs a writable /dev/shm")
+    sampler = NicSampler("lo", period=0.05)
+    try:
+        board = Board(SLOTS - 1)  # a cell no worker has
+        time.sleep(0.2)
+        first = board.sample()
+        listener = socket.create_server(("127.0.0.1", 0))
+        got = []
+
+        def read() -> None:
+            conn = listener.accept()[0]
+            with conn:
+                got.append(sum(iter(lambda: len(conn.recv(1 << 20)), 0)))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        with socket.create_connection(listener.getsockname()) as sock:
+            sock.sendall(b"x" * 50_000_000)
+        reader.join()
+        listener.close()
+        time.sleep(0.2)
+        use = summary([first, board.sample()])
+        board.close()
+    finally:
+        sampler.close()
+    # 50 MB over the samples' span (some 0.3-2 s): well above what else moves on lo
+    assert use["nic_in"] > 5_000_000 and use["nic_out"] > 5_000_000, use
+    assert got == [50_000_000]
+    assert use["min"] >= 0 and "nic_utilisation" not in use  # lo has no speed
+
+
 def _worker_net(seconds: float = 0.0) -> tuple[bool, str, int]:
     time.sleep(seconds)
     with open("/proc/self/net/dev") as f:
@@ -305,6 +368,37 @@ def test_tcp_summary_of_open_connections(netns: pytest.MonkeyPatch, server: int)
     assert tcp["rtt_ms"] > 0 and tcp["delivery_rate"] > 0 and tcp["retransmits"] >= 0, tcp
 
 
+def _child_connection(port: int, size: int) -> int:
+    """A child process downloads over a connection it keeps open after the task ends."""
+    code = (
+        "import socket, sys, time\n"
+        f"s = socket.create_connection(('127.0.0.1', {port}))\n"
+        f"s.sendall(b'GET /{size} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n')\n"
+        "got = 0\n"
+        f"while got < {size}:\n"
+        "    got += len(s.recv(1 << 20))\n"
+        "print('got', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline() == "got\n"
+    return child.pid
+
+
+@needs_root
+def test_tcp_summary_of_a_child_process_connection(netns: pytest.MonkeyPatch, server: int) -> None:
+    """The namespace's connections are dumped (sock_diag), not only the worker's sockets."""
+    with Executor(1) as ex:
+        fut = ex.submit(_child_connection, server, 4_000_000)
+        pid = fut.result(timeout=60)
+        try:
+            tcp = fut.record.tcp
+            assert tcp is not None and tcp["connections"] == 1, tcp
+            assert tcp["rtt_ms"] > 0 and tcp["delivery_rate"] > 0, tcp
+        finally:
+            os.kill(pid, 9)
+
+
 def _hog(size: int) -> int:
     block = bytearray(size)
     for i in range(0, size, 4096):
@@ -351,10 +445,49 @@ def test_bandwidth_limit_holds(netns: pytest.MonkeyPatch, server: int) -> None:
 
 
 @needs_root
+def test_limits_of_one_task_from_its_options(netns: pytest.MonkeyPatch, server: int) -> None:
+    """options(bandwidth=, memory=, cpus=): its tasks run under them; the worker's own
+    (none here) are back for the next task."""
+    with Executor(1) as ex:
+        limited = ex.options(bandwidth="40Mbit", memory="96M", cpus=0.25)
+        seconds = limited.submit(_timed_download, server, 10_000_000).result(timeout=60)
+        unlimited = ex.submit(_timed_download, server, 10_000_000).result(timeout=60)
+        fut = limited.submit(_spin, 1.0)
+        fut.result(timeout=60)
+        free = ex.submit(_spin, 1.0)
+        free.result(timeout=60)
+        with pytest.raises(MemoryLimitExceeded, match=r"96 MiB.*options\(memory="):
+            limited.submit(_hog, 300 << 20).result(timeout=60)
+        assert ex.submit(_hog, 150 << 20).result(timeout=60) == 150 << 20
+    rate = 10_000_000 * 8 / seconds
+    assert 0.9 * 40e6 < rate < 1.05 * 40e6, rate
+    assert unlimited < seconds / 4, (unlimited, seconds)
+    share = (fut.record.cpu_user + fut.record.cpu_system) / fut.record.run_seconds
+    assert 0.02 < share < 0.35, share
+    # unlimited: as much as the loaded machine gives, more than the quota would
+    free_share = (free.record.cpu_user + free.record.cpu_system) / free.record.run_seconds
+    assert free_share > share, (free_share, share)
+
+
+def test_task_limits_are_checked_as_the_endpoint_config() -> None:
+    with Executor(1) as ex:
+        with pytest.raises(ConfigError, match=r"bandwidth='500M'.*bits"):
+            ex.options(bandwidth="500M")
+        with pytest.raises(ConfigError, match=r"memory='1M'"):
+            ex.options(memory="1M")
+        with pytest.raises(ConfigError, match=r"cpus=0"):
+            ex.options(cpus=0)
+        with pytest.raises(TypeError, match="bandwidht"):
+            ex.options(bandwidht="1Gbit")
+        assert ex.options(bandwidth="1Gbit", memory="1G", cpus=2) is not None
+
+
+@needs_root
 def test_a_failed_setup_leaves_nothing(netns: pytest.MonkeyPatch) -> None:
     """A worker whose link cannot be made: a clear error, and nothing half made."""
     nets = WorkerNetworks("netns")
-    taken = f"nmb{nets._next}h"  # the node side's name of the slot it will take: in use
+    lowest = min(set(range(SLOTS)) - set(in_use()))  # the slot it will take
+    taken = f"nmb{lowest}h"  # its node side's name: in use
     subprocess.run(
         ["ip", "link", "add", taken, "type", "veth", "peer", "name", taken + "x"], check=True
     )
@@ -403,7 +536,7 @@ def test_endpoint_limits_reach_its_agent_as_settings() -> None:
     assert EndpointConfig("hpc", "http://x", "id", "t", 2).worker_environment() == {}
 
 
-# ------------------------------------------------------------------ nimbus netbench --offline
+# ------------------------------------------------------------------ nimbus netbench
 
 
 def _nimbus(*args: str) -> subprocess.CompletedProcess[str]:
@@ -418,9 +551,27 @@ def _nimbus(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_netbench_says_what_is_built() -> None:
     done = _nimbus("netbench", "--concurrency", "1")
-    assert done.returncode == 2 and "add --offline" in done.stderr
+    assert done.returncode == 2 and "--offline" in done.stderr and "--endpoint NAME" in done.stderr
     done = _nimbus("netbench", "--offline", "--cap", "1G")
     assert done.returncode == 2 and "say 1Gbit for bits/s" in done.stderr
+
+
+def test_netbench_on_a_real_endpoint(service: Any, alice: Any, lab: Any, tmp_path: Path) -> None:
+    """--endpoint: the sweep's tasks run on the endpoint (a real agent with 2 workers)
+    against this machine's traffic server; the report is the offline one's."""
+    from nimbus.network import netbench_endpoint
+
+    with Executor(endpoint="lab", settings=service.user_settings(alice.token)) as ex:
+        written = netbench_endpoint(ex, "127.0.0.1", [1, 2], ["down", "up"], 1.0, tmp_path)
+        with pytest.raises(ConfigError, match=r"started only 2 of 3 tasks at once"):
+            netbench_endpoint(ex, "127.0.0.1", [3], ["down"], 0.5, tmp_path / "too-many")
+    assert {p.name for p in written} >= {"netbench.csv", "netbench.json", "netbench.html"}
+    summary = json.loads((tmp_path / "netbench.json").read_text())
+    runs = {(r["direction"], r["concurrency"]): r for r in summary["runs"]}
+    assert set(runs) == {("down", 1), ("down", 2), ("up", 1), ("up", 2)}
+    for run in runs.values():
+        assert run["aggregate_mbit"] > 10 and run["per_task_min_mbit"] > 0, run
+        assert abs(run["link_vs_client_bytes"]) < 0.02, run  # the records counted the bytes
 
 
 @needs_root
@@ -447,6 +598,6 @@ def test_netbench_offline_shares_the_host_link(netns: pytest.MonkeyPatch, tmp_pa
 @needs_root
 def test_auto_takes_namespaces_where_allowed(netns: pytest.MonkeyPatch) -> None:
     nets = WorkerNetworks("auto")
-    assert nets.netns and not nets.cgroups
+    assert nets.netns and not nets.cgroups  # a task's own limits make one when asked
     assert WorkerNetworks("socket").command("w", ["python"]) == ["python"]  # the identity
     nets.close()

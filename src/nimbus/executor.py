@@ -258,10 +258,16 @@ class Executor(cf.Executor):
         )
 
     def options(
-        self, *, timeout: Any = _SAME, environment: Any = _SAME, keep: bool = False
+        self,
+        *,
+        timeout: Any = _SAME,
+        environment: Any = _SAME,
+        keep: bool = False,
+        **limits: Any,
     ) -> _Options:
         """A view of this executor whose tasks have their own timeout or environment;
-        ``keep``: their results stay where they were made (:class:`KeptFuture`)."""
+        ``keep``: their results stay where they were made (:class:`KeptFuture`);
+        ``bandwidth``, ``memory``, ``cpus``: limits of each task (``nimbus.network``)."""
         if timeout is not _SAME:
             timeout = _check_timeout(timeout, "timeout")
         else:
@@ -270,7 +276,12 @@ class Executor(cf.Executor):
             env, tag = _check_environment(environment)
         else:
             env, tag = self._environment, self._env
-        return _Options(self, timeout, env, tag, keep=bool(keep))
+        view = _Options(self, timeout, env, tag, keep=bool(keep))
+        if limits:
+            from nimbus.network import task_limits
+
+            view._limits = task_limits(**limits)
+        return view
 
     def _submit(
         self,
@@ -668,8 +679,11 @@ class _Options(cf.Executor):
         self._environment = environment
         self._env = env
         self._keep = keep
+        self._limits: Any = None  # a task's own limits: fn runs under them (nimbus.network)
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future[T]:
+        if self._limits:
+            fn = self._limits.wrap(fn)
         return self._executor._submit(
             fn, args, kwargs, self._timeout, self._keep, self._environment, self._env
         )
@@ -683,6 +697,8 @@ class _Options(cf.Executor):
         keep: bool = False,
         progress: bool = False,
     ) -> Iterator[T]:
+        if self._limits:
+            fn = self._limits.wrap(fn)
         if keep or self._keep:
             kept = [
                 self._executor._submit(

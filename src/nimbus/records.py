@@ -32,9 +32,13 @@ How the worker measures (see ``nimbus.telemetry``):
 * ``tcp`` ("netns" only, when the task moved bytes): ``retransmits`` and
   ``segments_out`` of its namespace during the task; ``connections``,
   ``rtt_ms``, ``min_rtt_ms`` and ``delivery_rate`` (bytes/s) from ``TCP_INFO``
-  of the worker process's connections still open at its end (not its children's).
-* ``colocated`` ("netns" only): other tasks running on the host, counted at
-  the task's start and end (``min``/``mean``/``max``).
+  of the namespace's connections still open at its end, its children's
+  included (where the kernel gives the namespace a socket table of its own,
+  Linux 6.1+; else the worker process's only).
+* ``colocated`` ("netns" only): other tasks running on the host
+  (``min``/``mean``/``max`` of samples: one just before the task, and every
+  0.25 s while it runs past 2 ms), and the host NIC's ``nic_in``/``nic_out``
+  bytes/s over those samples (``nic_utilisation`` where the NIC states its speed).
 """
 
 from __future__ import annotations

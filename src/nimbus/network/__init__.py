@@ -7,11 +7,16 @@ Two sides (see each module's drawing):
   limits, the node's loopback kept reachable) and a cgroup (``_cgroup``: CPU and
   memory limits); ``command(name, argv)`` is the start prefix that puts it there;
 * the worker's, :class:`TaskNet`: the namespace's counters read at a task's
-  start and end (``_meter``), its TCP summary (``_diag``) and co-location.
+  end (``_meter``; the last end is the next start), its TCP summary
+  (``_diag``), co-location and the host NIC's rate (``_colocation``, sampled by
+  one manager a host: ``_nic``); ``_gauge`` is what the worker calls around a
+  task, ``_limits`` a task's own limits (``Executor.options``);
+* ``nimbus netbench``: offline (``_bench``) or on an endpoint (``_endpoint``),
+  reported by ``_report``.
 
 Why a namespace and not eBPF cgroup counters: the veth is needed anyway for the
 bandwidth limits, its counters are exact for everything in the namespace (C
-libraries and children included) at the cost of two ``pread`` per task, and it
+libraries and children included) at the cost of one ``pread`` per task, and it
 needs no BPF toolchain. Without root, ``net_accounting=auto`` falls back to the
 socket counts of ``nimbus.telemetry`` (``net_source`` says which); asking for
 ``netns`` or a limit without root is a ``ConfigError`` naming the fix.
@@ -31,7 +36,17 @@ if TYPE_CHECKING:
     from nimbus.network._link import Link
     from nimbus.network._workers import Limits, WorkerNetworks
 
-__all__ = ["DEVICE", "Limits", "Link", "TaskNet", "WorkerNetworks", "netbench", "nimbus_port"]
+__all__ = [
+    "DEVICE",
+    "Limits",
+    "Link",
+    "TaskNet",
+    "WorkerNetworks",
+    "netbench",
+    "netbench_endpoint",
+    "nimbus_port",
+    "task_limits",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -44,6 +59,20 @@ def __getattr__(name: str) -> Any:
 
         return getattr(_workers, name)
     raise AttributeError(f"module 'nimbus.network' has no attribute {name!r}")
+
+
+def task_limits(**options: Any) -> Any:
+    """A task's own limits from ``Executor.options(bandwidth=, memory=, cpus=)``, checked
+    as the endpoint's ``worker_*`` are; a ConfigError naming what is wrong."""
+    from nimbus.network._limits import TaskLimits
+
+    unknown = set(options) - {"bandwidth", "memory", "cpus"}
+    if unknown:
+        raise TypeError(
+            f"options() got unexpected keyword(s) {', '.join(sorted(unknown))}; it takes "
+            "timeout, environment, keep, bandwidth, memory, cpus"
+        )
+    return TaskLimits.parse(**options)
 
 
 def netbench(
@@ -68,4 +97,32 @@ def netbench(
                 total = sum(p.mbit for p in run)
                 progress(f"{direction:>4} x{n}: aggregate {total:7.1f} Mbit/s")
                 points.extend(run)
+    return write(points, summarize(points, cap, share), out)
+
+
+def netbench_endpoint(
+    executor: Any,
+    server: str,
+    concurrency: list[int],
+    directions: list[str],
+    seconds: float,
+    out: Path,
+    *,
+    cap: int | None = None,
+    share: float = 0.25,
+    progress: Callable[[str], object] = lambda _: None,
+) -> list[Path]:
+    """The bandwidth sweep on ``executor``'s endpoint against a traffic server on
+    ``server`` (this machine's address as the endpoint reaches it); the report into ``out``."""
+    from nimbus.network._endpoint import sweep, traffic_server
+    from nimbus.network._report import PAYLOAD, summarize, write
+
+    with traffic_server(server) as address:
+        points = sweep(executor, address, concurrency, directions, seconds, progress)
+    if cap is None:  # the best aggregate seen stands for the link's capacity
+        best = max(
+            sum(p.mbit for p in points if (p.direction, p.concurrency) == key)
+            for key in {(p.direction, p.concurrency) for p in points}
+        )
+        cap = int(best * 1e6 / PAYLOAD)
     return write(points, summarize(points, cap, share), out)

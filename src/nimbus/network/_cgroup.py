@@ -41,8 +41,12 @@ def _unified() -> bool:
 class Cgroup:
     """One worker's cgroup(s); :meth:`procs_files` are what its pid is written to."""
 
-    def __init__(self, name: str, cpus: float | None, memory: int | None) -> None:
-        self.cpus, self.memory = cpus, memory
+    def __init__(
+        self, name: str, cpus: float | None, memory: int | None, *, every: bool = False
+    ) -> None:
+        """``every``: the cpu and memory controllers even without a limit (a task's own
+        limits are set there while it runs: ``_limits``)."""
+        self.cpus, self.memory, self.every = cpus, memory, every
         self.dirs: list[Path] = []
         self.v2 = _unified()
         try:
@@ -59,6 +63,22 @@ class Cgroup:
             self.remove()
             raise
 
+    @classmethod
+    def existing(cls, name: str) -> Cgroup | None:
+        """The cgroup ``name`` under this process's, if a worker made it (``_limits``)."""
+        found = cls.__new__(cls)
+        found.cpus = found.memory = None
+        found.every, found.v2 = True, _unified()
+        try:
+            if found.v2:
+                candidates = [ROOT / _own("").lstrip("/") / name]
+            else:
+                candidates = [ROOT / c / _own(c).lstrip("/") / name for c in ("cpu", "memory")]
+        except ConfigError:
+            return None
+        found.dirs = [d for d in candidates if d.is_dir()]
+        return found if found.dirs else None
+
     def _mkdir(self, path: Path) -> Path:
         path.mkdir(exist_ok=True)
         self.dirs.append(path)
@@ -66,8 +86,8 @@ class Cgroup:
 
     def _make_v2(self, name: str) -> None:
         parent = ROOT / _own("").lstrip("/")
-        wanted = {"cpu"} if self.cpus else set()
-        if self.memory:
+        wanted = {"cpu"} if self.cpus or self.every else set()
+        if self.memory or self.every:
             wanted.add("memory")
         enabled = set((parent / "cgroup.subtree_control").read_text().split())
         for ctl in wanted - enabled:
@@ -81,15 +101,17 @@ class Cgroup:
                 (d / "memory.swap.max").write_text("0")
 
     def _make_v1(self, name: str) -> None:
-        if self.cpus:
+        if self.cpus or self.every:
             d = self._mkdir(ROOT / "cpu" / _own("cpu").lstrip("/") / name)
-            (d / "cpu.cfs_period_us").write_text(str(PERIOD))
-            (d / "cpu.cfs_quota_us").write_text(str(int(self.cpus * PERIOD)))
-        if self.memory:
+            if self.cpus:
+                (d / "cpu.cfs_period_us").write_text(str(PERIOD))
+                (d / "cpu.cfs_quota_us").write_text(str(int(self.cpus * PERIOD)))
+        if self.memory or self.every:
             d = self._mkdir(ROOT / "memory" / _own("memory").lstrip("/") / name)
-            (d / "memory.limit_in_bytes").write_text(str(self.memory))
-            if (d / "memory.memsw.limit_in_bytes").exists():  # no escape into swap
-                (d / "memory.memsw.limit_in_bytes").write_text(str(self.memory))
+            if self.memory:
+                (d / "memory.limit_in_bytes").write_text(str(self.memory))
+                if (d / "memory.memsw.limit_in_bytes").exists():  # no escape into swap
+                    (d / "memory.memsw.limit_in_bytes").write_text(str(self.memory))
 
     def procs_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self.dirs]
@@ -106,6 +128,17 @@ class Cgroup:
             except OSError:
                 continue
         return 0
+
+    def memory_limit(self) -> int | None:
+        """The memory limit in force now (a task's own may differ from the worker's)."""
+        name = "memory.max" if self.v2 else "memory.limit_in_bytes"
+        for d in self.dirs:
+            try:
+                value = (d / name).read_text().strip()
+            except OSError:
+                continue
+            return int(value) if value.isdigit() and int(value) < 1 << 60 else None
+        return None
 
     def remove(self) -> None:
         """Kill what is left inside (a worker's orphans) and remove the directories."""

@@ -1,17 +1,23 @@
-"""Which tasks run on this host now: one byte per worker in a shared memory map.
+"""Which tasks run on this host now, and how busy its NIC is: a memory map its workers share.
 
 ::
 
-    /dev/shm/nimbus-tasks:  [cell 0 .. cell 16383][u64 tasks started, ever]
-    the worker of slot S:   cell S = 1 while its task runs, else 0
+    /dev/shm/nimbus-tasks:
+      [cell 0 .. cell 16383]            the worker of slot S: cell S = 1 while its task runs
+      [u64 unused][u32 top: cells at or above it unused]
+      [u64 seq][f64 when][u64 rx][u64 tx][f64 rx/s][f64 tx/s][f64 speed B/s]
+                                        the host NIC, written by one sampler (``_nic``)
 
 A worker's cell is its link's slot (``_slots``: unique on the host), found
-from its address on ``nimbus0``. Marking, unmarking and counting are memory
-operations (no system call per task: files made and listed cost some 0.2 ms
-a task under load; counting is ``find`` over the map, one call per running
-task). A worker that dies mid-task leaves its cell set; its manager clears it
-(:func:`clear`). The started count is incremented without a lock: two starts
-at the same instant may count once.
+from its address on ``nimbus0``; managers claim the lowest free slots and
+write ``top`` (the highest in use + 1) as they claim and free them, so
+counting is one ``count`` over a few bytes. Marking, unmarking, counting and
+reading the NIC sample are memory operations, no system call; only marking
+and unmarking are on a task's latency path. A worker that dies mid-task
+leaves its cell set; its manager clears it (:func:`clear`). ``top`` is
+written without a lock: one lowered by a race between two managers is raised
+again by the worker above it at its next sample. The NIC sample is a seqlock
+(odd ``seq``: being written).
 """
 
 from __future__ import annotations
@@ -21,18 +27,23 @@ import mmap
 import os
 import socket
 import struct
+import time
+from typing import NamedTuple
 
 from nimbus.network._slots import SLOTS
 
-__all__ = ["PATH", "Board", "clear", "slot_of"]
+__all__ = ["NIC", "PATH", "Board", "Sample", "clear", "open_map", "slot_of", "summary", "top_of"]
 
 PATH = "/dev/shm/nimbus-tasks"
 CELLS = SLOTS
-SIZE = CELLS + 8
+TOP, SEQ = CELLS + 8, CELLS + 16
+NIC = struct.Struct("=dQQddd")  # when (CLOCK_MONOTONIC), rx, tx bytes, rx/s, tx/s, speed B/s
+SIZE = CELLS + 128
 SIOCGIFADDR = 0x8915
+STALE = 2.0  # seconds: a NIC sample older than this is not shown (no sampler runs)
 
 
-def _open() -> mmap.mmap:
+def open_map() -> mmap.mmap:
     fd = os.open(PATH, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         if os.fstat(fd).st_size < SIZE:
@@ -50,46 +61,93 @@ def slot_of(device: str) -> int:
     return (a * 256 + b) // 4
 
 
+class Sample(NamedTuple):
+    """What a worker saw at one moment: other tasks running, and the host NIC's counters."""
+
+    others: int
+    nic: tuple[float, int, int, float, float, float] | None  # NIC, unpacked; None: no sampler
+
+
+def read_nic(board: mmap.mmap) -> tuple[float, int, int, float, float, float] | None:
+    """The last NIC sample (a consistent one), or None if none was written lately."""
+    for _ in range(4):
+        seq = struct.unpack_from("=Q", board, SEQ)[0]
+        sample = NIC.unpack_from(board, SEQ + 8)
+        if not seq & 1 and struct.unpack_from("=Q", board, SEQ)[0] == seq:
+            return sample if seq and sample[0] + STALE > time.monotonic() else None
+    return None
+
+
 class Board:
-    """The host's running tasks, as the worker of slot ``cell`` sees them."""
+    """The host's running tasks, as the worker of slot ``cell`` sees them.
+
+    ``cells[cell] = 1`` and ``= 0`` are a task's start and end (one memory write
+    each, made by the worker's meter itself); :meth:`sample` is taken off the
+    task's latency path where it can be (see ``_meter``).
+    """
 
     def __init__(self, cell: int) -> None:
-        self._map = _open()
-        self._cell = cell
-        self._started = 0
+        self._map = self.cells = open_map()  # cells[cell] = 1 / 0: what mark / unmark do
+        self._cell = self.cell = cell
+        self.raise_top()
 
-    def running(self) -> int:
-        """Tasks running on this host now, this worker's not counted."""
-        count, at, find = 0, -1, self._map.find
-        while (at := find(b"\x01", at + 1, CELLS)) >= 0:
-            count += at != self._cell
-        return count
+    def raise_top(self) -> None:
+        if struct.unpack_from("=I", self._map, TOP)[0] <= self._cell:
+            struct.pack_into("=I", self._map, TOP, self._cell + 1)
 
-    def started(self) -> int:
-        return int(struct.unpack_from("=Q", self._map, CELLS)[0])
-
-    def begin(self) -> int:
-        """Mark this worker's task running; the others running now."""
-        self._map[self._cell] = 1
-        self._started = self.started() + 1
-        struct.pack_into("=Q", self._map, CELLS, self._started)
-        return self.running()
-
-    def end(self) -> tuple[int, int]:
-        """Unmark; (the others running now, how many tasks started since :meth:`begin`)."""
-        others, since = self.running(), self.started() - self._started
-        self._map[self._cell] = 0
-        return others, since
+    def sample(self) -> Sample:
+        """Tasks running on this host now, this worker's not counted; the NIC sample."""
+        board = self._map
+        top = struct.unpack_from("=I", board, TOP)[0]
+        if top <= self._cell:  # lowered by a race with another manager: raised again
+            self.raise_top()
+            top = self._cell + 1
+        running = board[:top].count(1) - board[self._cell]
+        return Sample(running, read_nic(board))
 
     def close(self) -> None:
         self._map[self._cell] = 0
         self._map.close()
 
 
+def summary(samples: list[Sample]) -> dict[str, float]:
+    """``record.colocated`` from the samples of one task (the first taken just before it):
+    others running (min, mean, max), the host NIC's bytes/s in and out over the samples
+    (the last sample's rate if they span none) and its utilisation where its speed is known."""
+    counts = [s.others for s in samples]
+    out: dict[str, float] = {
+        "min": min(counts),
+        "mean": round(sum(counts) / len(counts), 3),
+        "max": max(counts),
+    }
+    nics = [s.nic for s in samples if s.nic is not None]
+    if nics:
+        first, last = nics[0], nics[-1]
+        if last[0] > first[0]:
+            took = last[0] - first[0]
+            rx, tx = (last[1] - first[1]) / took, (last[2] - first[2]) / took
+        else:
+            rx, tx = last[3], last[4]
+        out["nic_in"], out["nic_out"] = round(rx), round(tx)
+        if last[5]:
+            out["nic_utilisation"] = round(max(rx, tx) / last[5], 4)
+    return out
+
+
+def top_of(numbers: list[int]) -> None:
+    """The slots in use are ``numbers`` (a manager claimed or freed one): cells above are unused."""
+    try:
+        board = open_map()
+    except OSError:
+        return
+    struct.pack_into("=I", board, TOP, max(numbers, default=-1) + 1)
+    board.close()
+
+
 def clear(cell: int) -> None:
     """The worker of slot ``cell`` is gone: it runs no task."""
     try:
-        board = _open()
+        board = open_map()
     except OSError:
         return
     board[cell] = 0

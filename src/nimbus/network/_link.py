@@ -17,6 +17,11 @@ worker's channel, direct messaging) do not care about namespaces.
 
 from __future__ import annotations
 
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from nimbus.network import _sys
 from nimbus.network._meter import DEVICE
 from nimbus.network._slots import Slot, addresses
@@ -33,6 +38,39 @@ FRAME, PAYLOAD = MTU + 14, MTU - 52  # bytes of a full TCP packet on the link, i
 def _burst(rate: int) -> int:
     """htb burst for ``rate`` bits/s: 10 ms of it, at least a 64 KiB GSO packet and more."""
     return max(rate // 8 // 100, 96 * 1024)
+
+
+TCP_TABLE = 1024  # buckets of a worker namespace's own TCP socket table (``_diag``)
+_CHILD_TABLE = "/proc/sys/net/ipv4/tcp_child_ehash_entries"
+
+
+@contextmanager
+def _own_tcp_table() -> Iterator[None]:
+    """A namespace made inside gets a TCP socket table of its own (Linux 6.1+; elsewhere it
+    shares the node's and the TCP summary reads the worker's own sockets only). The
+    node's setting is put back after; a lock keeps two managers from interleaving."""
+    try:
+        lock = os.open("/run/nimbus-net/.tcp-table", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with open(_CHILD_TABLE) as f:
+                old = f.read().strip()
+            with open(_CHILD_TABLE, "w") as f:
+                f.write(str(TCP_TABLE))
+        except OSError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            with open(_CHILD_TABLE, "w") as f:
+                f.write(old)
+    finally:
+        os.close(lock)  # the lock goes with it
 
 
 class Link:
@@ -66,7 +104,8 @@ class Link:
 
     def _create(self) -> None:
         ns, host, node_ip, worker_ip = self.ns, self.host_dev, self.node_ip, self.worker_ip
-        _sys.run("ip", "netns", "add", ns)
+        with _own_tcp_table():
+            _sys.run("ip", "netns", "add", ns)
         _sys.run(
             "ip",
             "-batch",
@@ -111,22 +150,24 @@ class Link:
         )
         _sys.run("nsenter", f"--net={self.netns_path}", "sh", "-c", script)
 
-    def shape(self, egress: int | None, ingress: int | None) -> None:
+    def shape(self, egress: int | None, ingress: int | None, *, node: tuple[str, ...] = ()) -> None:
         """Hold the worker's outgoing and incoming rates (bits/s; None: unlimited).
 
         A rate is what the worker's TCP payload gets: htb counts every packet's
         headers too (66 bytes a packet), so the link is given that much more.
+        ``node``: the prefix that runs a command in the node's namespace (from a worker's).
         """
-        for dev, rate, prefix in (
-            (DEVICE, egress, ("-n", self.ns)),
-            (self.host_dev, ingress, ()),
+        for dev, rate, before, prefix in (
+            (DEVICE, egress, (), ("-n", self.ns)),
+            (self.host_dev, ingress, node, ()),
         ):
             if rate is None:
-                _sys.try_run("tc", *prefix, "qdisc", "del", "dev", dev, "root")
+                _sys.try_run(*before, "tc", *prefix, "qdisc", "del", "dev", dev, "root")
                 continue
             rate = rate * FRAME // PAYLOAD
             burst = _burst(rate)
             _sys.run(
+                *before,
                 "tc",
                 *prefix,
                 "-batch",

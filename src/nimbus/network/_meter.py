@@ -2,28 +2,49 @@
 
 ::
 
-    begin():  nimbus0 rx/tx bytes, co-location mark
-    end():    the same again (and RetransSegs/OutSegs); the difference is the task's (payload: the link's
-              bytes less 66 header bytes a packet), minus nimbus's own
-              connections (the state store), whose TCP_INFO byte counts are read
-              by sock_diag; TCP summary of the task's connections still open
+    begin():  mark the task running (a memory write); the counters its start needs are
+              those the last task's end read (see below); a co-location sample
+              (``_colocation``) if the last is older than ``RESAMPLE``
+    sample(): while the task runs long (the worker's flusher thread): another sample
+    end():    read /proc/self/net/dev (one pread); unmark. Unchanged (the usual case for
+              a task that moved nothing): no bytes, and nothing else is read. Else the
+              difference of the nimbus0 lines is the task's (payload: the link's bytes
+              less 66 header bytes a packet) and, once a task, RetransSegs/OutSegs,
+              D-SACKs and TCP_INFO of the namespace's open connections (``_diag``:
+              children's too): nimbus's own (the state store) are taken off, the
+              task's summarized
+
+On a task's latency path are one ``pread`` and two memory writes. The end of
+one task is the start of the next when it starts within ``FRESH`` (a worker
+runs nothing between tasks: what moved in between was moved by something an
+earlier task left running, and counts for the next); an idle worker's start
+reads the counters again. Work done after a result is sent is no cheaper: on
+a loaded host it takes the CPU the caller needs for that result
+(``bench/netvis.py``: +25 us a round trip where the pread costs 13). A task
+shorter than the flusher's first look (2 ms) has the latest sample, at most
+``RESAMPLE`` old; a longer one has samples while it ran.
 
 A worker knows it has a namespace of its own by the device ``nimbus0`` in
 ``/proc/self/net/dev`` (see ``_link``); without one :meth:`TaskNet.here` is
 None and the socket counts of ``nimbus.telemetry`` stay (``net_source``
-"socket"). Co-location (``_colocation``): every running task holds a cell of
-a map shared by the host's workers; their number at the task's start and end
-(the others) gives min and mean; max is those at its start plus those started
-during it (an upper bound: some may have ended before others began).
+"socket").
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
-from nimbus.network._colocation import Board, slot_of
-from nimbus.network._diag import Conn, duplicates_received, open_connections, tcp_counters
+from nimbus.network._colocation import Board, Sample, slot_of, summary
+from nimbus.network._diag import (
+    Conn,
+    duplicates_received,
+    namespace_connections,
+    open_connections,
+    own_hash_table,
+    tcp_counters,
+)
 
 __all__ = ["DEVICE", "TaskNet", "nimbus_port"]
 
@@ -33,6 +54,8 @@ DEVICE = "nimbus0"  # the worker side of its link (``_link``): its name tells a 
 # packet is a whole GSO segment (up to 64 KiB), so a pure ACK counts 0 and a
 # data packet its payload
 HEADERS = 66
+FRESH = 0.01  # seconds a read of the counters stands for a task's start
+RESAMPLE = 0.1  # seconds a co-location sample stands for the next tasks' (back to back)
 _own_ports: set[int] = set()
 _KEY = f"\n{DEVICE}:".encode()  # its line in /proc/self/net/dev (names are right-aligned)
 
@@ -65,12 +88,19 @@ class TaskNet:
         port = _store_port()
         if port:
             _own_ports.add(port)
-        self._start = (0, 0, 0, 0, 0)
         self._tcp = (*tcp_counters(snmp_fd), duplicates_received(self._netstat))
-        self._own: dict[int, Conn] = {}  # inode -> nimbus's own connections at begin
-        self._look_own = True  # the last end found nimbus connections: baseline them
+        self._start_tcp = self._tcp
+        # the namespace's connections (children's too) where a dump is cheap, else its own
+        self._connections = namespace_connections if own_hash_table() else open_connections
+        # nimbus's own connections (inode -> counts) as the last task's end left them
+        self._own = {c.inode: c for c in self._connections() if c.remote_port in _own_ports}
         self._board = Board(slot_of(DEVICE))
-        self._others: list[int] = []
+        self._dev_read = self._start = b""
+        self._cells, self._cell = self._board.cells, self._board.cell  # marked on the path
+        self._read_at = self._sampled_at = -FRESH  # when (time.time()) last read, sampled
+        self.samples: list[Sample] = []
+        self._extra: dict[str, Any] = {}
+        self._read(time.time())
 
     @classmethod
     def here(cls) -> TaskNet | None:
@@ -84,55 +114,71 @@ class TaskNet:
             return None
         return cls(dev, os.open("/proc/self/net/snmp", os.O_RDONLY))
 
-    def _bytes(self) -> tuple[int, int]:
-        """Payload received and sent so far: the link's bytes less headers per packet."""
-        data = os.pread(self._dev, 65536, 0)
-        at = data.index(_KEY[1:]) + len(_KEY) - 1
-        f = data[at : data.index(b"\n", at)].split()
+    def _read(self, now: float) -> bytes:
+        self._dev_read = data = os.pread(self._dev, 4096, 0)
+        self._read_at = now
+        return data
+
+    @staticmethod
+    def _bytes(data: bytes) -> tuple[int, int]:
+        """Payload received and sent in ``data`` (a read of /proc/self/net/dev): the link's
+        bytes less headers per packet."""
+        at = data.index(_KEY) + len(_KEY)
+        f = data[at : at + 240].split(None, 10)
         return int(f[0]) - HEADERS * int(f[1]), int(f[8]) - HEADERS * int(f[9])
 
-    def begin(self) -> None:
-        self._others = [self._board.begin()]
-        if self._look_own and _own_ports:
-            self._own = {c.inode: c for c in open_connections() if c.remote_port in _own_ports}
-        rin, rout = self._bytes()
-        # the namespace's TCP counters as the last task's end left them (reading them
-        # costs 0.1-0.3 ms: once a task, at its end, and only if it moved bytes)
-        self._start = (rin, rout, *self._tcp)
+    def _resample(self, now: float) -> None:
+        self.samples = [self._board.sample()]
+        self._sampled_at = now
+        self._extra = {"net_source": "netns", "colocated": summary(self.samples)}
 
-    def end(self, seconds: float) -> tuple[int, int, dict[str, Any]]:
-        """(bytes in, bytes out, the record's other network fields) of the task."""
-        rin, rout = self._bytes()
-        sin, sout, sretrans, ssegs, sdups = self._start
+    def begin(self, now: float) -> None:
+        """The task starts at ``now`` (``time.time()``, as its record's)."""
+        self._cells[self._cell] = 1
+        if not 0 <= now - self._read_at < FRESH:  # idle a while: what moved is no task's
+            self._read(now)
+        if not 0 <= now - self._sampled_at < RESAMPLE:
+            self._resample(now)
+        self._start, self._start_tcp = self._dev_read, self._tcp
+
+    def sample(self) -> None:
+        """The task runs long: one more co-location sample (from the flusher thread)."""
+        samples = self.samples
+        samples.append(self._board.sample())
+
+    def end(self, now: float) -> tuple[int, int, dict[str, Any]]:
+        """(bytes in, bytes out, the record's other network fields) of the task ended ``now``."""
+        data = self._read(now)
+        self._cells[self._cell] = 0
+        extra = self._extra
+        samples = self.samples
+        if len(samples) > 1:  # the flusher sampled it while it ran
+            extra = {"net_source": "netns", "colocated": summary(samples)}
+            self.samples = [samples[-1]]  # if the next task comes at once: the latest
+        if data == self._start:
+            return 0, 0, extra
+        (sin, sout), (rin, rout) = self._bytes(self._start), self._bytes(data)
         nin, nout = rin - sin, rout - sout
-        others_now, started_since = self._board.end()
-        self._others.append(others_now)
-        extra: dict[str, Any] = {"net_source": "netns"}
-        others = self._others
-        extra["colocated"] = {
-            "min": min(others),
-            "mean": sum(others) / len(others),
-            "max": max(*others, others[0] + started_since),
-        }
+        extra = dict(extra)
         if nin == 0 and nout == 0:
             return 0, 0, extra
+        sretrans, ssegs, sdups = self._start_tcp
         retrans, segs = tcp_counters(self._snmp)
         dups = duplicates_received(self._netstat)
         self._tcp = (retrans, segs, dups)
-        conns = open_connections()  # its own: children's are not reachable here
         own_in = own_out = 0
         task_conns: list[Conn] = []
-        own_seen = False
-        for c in conns:
+        own: dict[int, Conn] = {}
+        for c in self._connections():
             if c.remote_port in _own_ports:
-                own_seen = True
                 before = self._own.get(c.inode)
                 own_in += c.bytes_in - (before.bytes_in if before else 0)
                 own_out += c.bytes_out - (before.bytes_out if before else 0)
                 own_out += c.bytes_retrans - (before.bytes_retrans if before else 0)
+                own[c.inode] = c
             else:
                 task_conns.append(c)
-        self._look_own = own_seen
+        self._own = own  # the next task's baseline (their counts move only with bytes)
         # payload bytes of nimbus's connections; on the link they carry headers too
         own_in, own_out = min(own_in, nin), min(own_out, nout)
         extra["net_nimbus_in"], extra["net_nimbus_out"] = own_in, own_out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["SLOTS", "Slot", "addresses", "claim"]
+__all__ = ["SLOTS", "Slot", "addresses", "claim", "in_use"]
 
 SLOTS = 16384  # /30 subnets in 10.213.0.0/16
 DIR = Path("/run/nimbus-net")
@@ -67,3 +67,11 @@ def addresses(number: int) -> tuple[str, str]:
     base = number * 4
     prefix = f"10.213.{base >> 8}."
     return prefix + str((base & 255) + 1), prefix + str((base & 255) + 2)
+
+
+def in_use() -> list[int]:
+    """The slots claimed on this host (a dead owner's too, until taken over)."""
+    try:
+        return [int(name) for name in os.listdir(DIR) if name.isdigit()]
+    except OSError:
+        return []

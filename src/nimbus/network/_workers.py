@@ -23,9 +23,10 @@ from nimbus.config import Settings
 from nimbus.errors import ConfigError, MemoryLimitExceeded
 from nimbus.network import _sys
 from nimbus.network._cgroup import Cgroup
-from nimbus.network._colocation import clear
+from nimbus.network._colocation import clear, top_of
 from nimbus.network._link import Link
-from nimbus.network._slots import claim
+from nimbus.network._nic import NicSampler
+from nimbus.network._slots import claim, in_use
 
 __all__ = ["Limits", "WorkerNetworks"]
 
@@ -67,11 +68,11 @@ class WorkerNetworks:
             what = "worker limits" if self.limits != Limits() else "net_accounting=netns"
             raise ConfigError(f"{what}: {why}; {_sys.FIX}")
         self.netns = wants_ns or (accounting == "auto" and why is None)
-        self.cgroups = wants_cg
+        self.cgroups = wants_cg  # (a task's own limits make one on first use: ``_limits``)
         self._held: dict[str, _Held] = {}
-        self._oom: dict[str, int] = {}
+        self._oom: dict[str, int | None] = {}  # worker -> the memory limit it was killed at
         self._lock = threading.Lock()
-        self._next = os.getpid() % 4096  # where this manager starts looking for a free slot
+        self._nic: NicSampler | None = None  # the host NIC for record.colocated, once netns
 
     @classmethod
     def configured(cls) -> WorkerNetworks:
@@ -90,12 +91,14 @@ class WorkerNetworks:
         cgroup: Cgroup | None = None
         try:
             if self.netns:
-                slot = claim(self._next)
-                self._next = slot.number + 1
+                slot = claim()  # the lowest free: the co-location cells in use stay few
+                top_of(in_use())
                 link = Link.create(slot, self.limits.bandwidth)
+                if self._nic is None:
+                    self._nic = NicSampler()
             if self.cgroups:
                 tag = link.ns if link else f"nimbus-{os.getpid()}-{len(self._held)}"
-                cgroup = Cgroup(tag, self.limits.cpus, self.limits.memory)
+                cgroup = Cgroup(tag, self.limits.cpus, self.limits.memory, every=True)
         except BaseException:
             if link is not None:
                 link.close()
@@ -120,25 +123,31 @@ class WorkerNetworks:
             return
         if held.link is not None:
             clear(held.link.slot.number)  # it may have died mid-task: it runs nothing now
+            if held.cgroup is None:  # made by the worker for a task's own limits, if it was
+                held.cgroup = Cgroup.existing(held.link.ns)
         if held.cgroup is not None:
-            kills = held.cgroup.oom_kills()
-            if kills:
-                self._oom[name] = kills
+            if held.cgroup.oom_kills():
+                self._oom[name] = held.cgroup.memory_limit()
             held.cgroup.remove()
         if held.link is not None:
             held.link.close()
+            top_of(in_use())
 
     def lost(self, name: str) -> MemoryLimitExceeded | None:
         """Why worker ``name`` (released) died, if it was its memory limit."""
-        if not self._oom.pop(name, 0):
+        if name not in self._oom:
             return None
-        limit = self.limits.memory or 0
+        limit = self._oom.pop(name) or self.limits.memory or 0
         return MemoryLimitExceeded(
-            f"the task used more than its worker's memory limit of {limit >> 20} MiB "
-            f"(worker_memory) and was killed; raise worker_memory (e.g. nimbus endpoint "
+            f"the task used more than its memory limit of {limit >> 20} MiB (its "
+            f"options(memory=...), else the endpoint's worker_memory) and was killed; raise "
+            f"it (e.g. options(memory='{max(2 * limit >> 20, 64)}M') or nimbus endpoint "
             f"configure NAME --worker-memory {max(2 * limit >> 20, 64)}M) or use less memory"
         )
 
     def close(self) -> None:
         for name in list(self._held):
             self.release(name)
+        if self._nic is not None:
+            self._nic.close()
+            self._nic = None

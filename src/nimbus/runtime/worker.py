@@ -4,7 +4,7 @@
 
     manager ==TASKS/CANCEL==> [queue] -> run one task -> [results] ==RESULTS==> manager
                                                |
-                                          TaskMeter (cpu, memory, net bytes)
+                                     TaskGauge (cpu, memory, net bytes: nimbus.network)
 
 Started by its manager with ``python -u -c WORKER_MAIN FD [MODULE ...]``, where
 FD is its end of a socketpair with its manager and the modules are imported
@@ -48,15 +48,20 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from nimbus import network, serialization
+from nimbus import serialization
 from nimbus.errors import (
     DeserializationError,
     SerializationError,
     TaskInterrupted,
     VersionMismatchError,
 )
+from nimbus.network._gauge import SKIPPED, TaskGauge
+from nimbus.runtime._idle import idle as _idle
+from nimbus.runtime._idle import later as _later
+from nimbus.runtime._idle import run_idle as _run_idle
+from nimbus.runtime._idle import run_later as _run_later
+from nimbus.runtime._idle import when_idle, when_quiet
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
-from nimbus.telemetry import TaskMeter
 from nimbus.wire import Buffer, Channel, pack, unpack
 
 __all__ = [
@@ -74,14 +79,14 @@ BATCH_RESULTS = 64
 BATCH_SECONDS = 0.002
 LONG_TASK = 0.001
 PRELOAD_QUIET = 0.25  # seconds with no task before a forked worker imports its preload
-WATCH_POLL = 1.0  # seconds between checks that the watched task still runs (a pipe wakes sooner)
+WATCH_POLL = 0.25  # seconds between looks at the watched task (a pipe wakes sooner): still
+# running? a co-location sample (nimbus.network)
 
 
 class Worker:
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
-        self.meter = TaskMeter()
-        self.net = network.TaskNet.here()  # a namespace of its own: every byte counted
+        self.gauge = TaskGauge()
         self.functions: dict[str, Callable[..., Any]] = {}
         self.function_bytes: dict[str, bytes] = {}
         self.queue: deque[tuple[list[Any], list[Buffer], str | None]] = deque()
@@ -191,7 +196,7 @@ class Worker:
         seq, fn_key = int(seq), str(fn_key)
         if seq in self.skip:
             self.skip.discard(seq)
-            self.add_result(seq, Status.SKIPPED, b"", [], (0.0, 0.0, 0.0, 0.0, 0, 0, 0))
+            self.add_result(seq, Status.SKIPPED, b"", [], SKIPPED)
             return seq, fn_key
         # before the arming: the flusher's sleep starts after it, so a task it finds
         # still running has run BATCH_SECONDS at least
@@ -204,9 +209,7 @@ class Worker:
             self.armed = True
             self.wake.set()
         self.current = seq
-        started = self.meter.begin()
-        if self.net is not None:
-            self.net.begin()
+        started = self.gauge.begin()
         status = Status.OK
         out: list[Any] = []
         result: Any = None
@@ -242,11 +245,7 @@ class Worker:
         self.current = None
         if self.watching:  # the flusher reads the channel: it is the main thread's again
             os.write(self.task_done_w, b"x")
-        measured: tuple[Any, ...] = (started, *self.meter.end())
-        if self.net is not None:  # the namespace's counts, and a dict of the rest
-            net_in, net_out, extra = self.net.end(measured[1] - started)
-            measured = (*measured[:5], net_in, net_out, extra)
-        self.add_result(seq, status, data, out, measured)
+        self.add_result(seq, status, data, out, self.gauge.end(started))
         return seq, fn_key
 
     @staticmethod
@@ -323,8 +322,12 @@ class Worker:
         sock, done = self.channel.sock, self.task_done_r
         self.watching = True  # before the check: the main thread writes the pipe after it
         try:
+            self.gauge.sample()
             while self.current == seq:
                 readable = select.select([sock, done], [], [], WATCH_POLL)[0]
+                if not readable:
+                    self.gauge.sample()
+                    continue
                 if done in readable:
                     while True:
                         try:
@@ -365,49 +368,6 @@ def notify(payload: object) -> None:
     if _worker is None:
         raise RuntimeError("nimbus.runtime.worker.notify() works only inside a nimbus worker")
     _worker.notify(payload)
-
-
-_idle: list[Callable[[], None]] = []
-
-
-def when_idle(fn: Callable[[], None]) -> None:
-    """Call ``fn`` once, in this worker's main thread, as soon as it has nothing to do.
-
-    For work that must not delay a task or its result (a task can ask for it).
-    """
-    _idle.append(fn)
-
-
-def _run_idle() -> None:
-    while _idle:
-        fn = _idle.pop(0)
-        try:
-            fn()
-        except Exception:
-            traceback.print_exc()
-
-
-_later: list[tuple[float, Callable[[], None]]] = []
-
-
-def when_quiet(fn: Callable[[], None], seconds: float) -> None:
-    """Call ``fn`` once, in this worker's main thread, after ``seconds`` with nothing to do.
-
-    For work that is worth doing before the next task only if none comes
-    soon: it must not take CPU time from the processes a burst of tasks
-    starts (the whole wait starts over whenever a task comes).
-    """
-    _later.append((seconds, fn))
-    _later.sort(key=lambda item: item[0])
-
-
-def _run_later() -> None:
-    """Run the first of the quiet-time work (the rest wait their own time after it)."""
-    _seconds, fn = _later.pop(0)
-    try:
-        fn()
-    except Exception:
-        traceback.print_exc()
 
 
 def close_in_child() -> None:
