@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seconds {args.seconds}: expected 0.5 to 600")
     directions = ["down", "up"] if args.direction == "both" else [args.direction]
     if args.endpoint:
-        from nimbus import Executor
+        from nimbus.executor import Executor
         from nimbus.network import netbench_endpoint
 
         with Executor(endpoint=args.endpoint) as ex:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 # a worker imports this package for TaskNet alone: the rest (config, subprocess,
 # dataclasses) is imported on first use (PEP 562), as nimbus.errors does
+from nimbus.network._gauge import SKIPPED, TaskGauge
 from nimbus.network._meter import DEVICE, TaskNet, nimbus_port
 
 if TYPE_CHECKING:
@@ -38,8 +39,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEVICE",
+    "SKIPPED",
     "Limits",
     "Link",
+    "TaskGauge",
     "TaskNet",
     "WorkerNetworks",
     "netbench",

@@ -41,17 +41,17 @@ class TaskLimits:
     def parse(cls, cpus: Any = None, memory: Any = None, bandwidth: Any = None) -> TaskLimits:
         """Checked as ``nimbus endpoint configure --worker-*`` checks them (``500M`` is
         refused for a bandwidth: bits or bytes?); a ConfigError naming the option."""
-        from nimbus.config import _coerce
+        from nimbus import config
 
         out: dict[str, Any] = {}
         for name, value, check in (
-            ("cpus", cpus, _coerce.optional_cpus),
-            ("memory", memory, _coerce.optional_size),
-            ("bandwidth", bandwidth, _coerce.optional_bandwidth),
+            ("cpus", cpus, config.optional_cpus),
+            ("memory", memory, config.optional_size),
+            ("bandwidth", bandwidth, config.optional_bandwidth),
         ):
             try:
                 out[name] = check(value)
-            except _coerce.Bad as exc:
+            except config.Bad as exc:
                 raise ConfigError(f"options({name}={value!r}): expected {exc}") from None
         return cls(**out)
 

@@ -55,7 +55,7 @@ from nimbus.errors import (
     TaskInterrupted,
     VersionMismatchError,
 )
-from nimbus.network._gauge import SKIPPED, TaskGauge
+from nimbus.network import SKIPPED, TaskGauge
 from nimbus.runtime._idle import idle as _idle
 from nimbus.runtime._idle import later as _later
 from nimbus.runtime._idle import run_idle as _run_idle
