@@ -33,7 +33,9 @@ mapped on read, leases as modification times), ``_ref`` (``Ref``, the client's
 sessions: counting, leases, freeing), ``_task`` (the worker side: resolving,
 keeping, ``store()``), ``_kv`` (the key-value store), ``_file`` (``File``: staging,
 exports, the node's file cache), ``_bind`` (the client side of a
-task's arguments: dependencies, references, the session of an Executor).
+task's arguments: dependencies, references, the session of an Executor), ``_submit``
+(the Executor's data path: ``KeptFuture``, sending tasks once their inputs are done,
+making lost results of pure tasks again).
 """
 
 from __future__ import annotations
