@@ -13,7 +13,6 @@ from concurrent.futures._base import (  # the states Future.cancel must set
 from typing import Any
 
 from nimbus.records import TaskRecord, TaskState
-from nimbus.runtime.task import Task
 
 __all__ = ["Future"]
 
@@ -26,8 +25,8 @@ class Future(cf.Future[Any]):
     """
 
     record: TaskRecord
-    _task: Task | None = None
-    _stop: Callable[[Task], None] | None = None
+    _task: Any = None  # its nimbus.runtime.task.Task (a floor above this module)
+    _stop: Callable[[Any], None] | None = None
 
     def cancel(self) -> bool:
         """Cancel the task; a running task's worker is killed and replaced."""

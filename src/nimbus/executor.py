@@ -37,7 +37,7 @@ from nimbus import _chunks, data, serialization
 from nimbus._future import Future
 from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings, check_timeout
-from nimbus.data._submit import DataPath, KeptFuture
+from nimbus.data import DataPath, KeptFuture
 from nimbus.environments import Environment
 from nimbus.errors import (
     ConfigError,

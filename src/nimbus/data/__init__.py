@@ -46,12 +46,15 @@ from nimbus.data._file import stage as stage_files
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore, default_root
 from nimbus.data._ref import LEASE, MAX_SCAN, Ref, Scope, Session, get, pure, put, register, session
+from nimbus.data._submit import DataPath, KeptFuture
 from nimbus.data._task import free_objects, identity, renew_objects, run, store
 
 __all__ = [
     "LEASE",
     "MAX_SCAN",
+    "DataPath",
     "File",
+    "KeptFuture",
     "KeyValue",
     "NodeStore",
     "Ref",
