@@ -309,7 +309,7 @@ class Executor(cf.Executor):
             if session is not None:
                 session.close()  # what was released is freed while tasks still run
             for place in self._places:
-                data.register(place, None, session)
+                data.register(place, None, session, opener=self._path.open)
         self._backend.shutdown(wait=wait)
         _live.discard(self)
 

@@ -26,6 +26,7 @@ from typing import Any
 from nimbus import serialization
 from nimbus._future import Future
 from nimbus.data._bind import bind, open_session, waiting_on, when_done
+from nimbus.data._carry import carry
 from nimbus.data._ref import Ref, Session
 from nimbus.data._task import run
 from nimbus.errors import NimbusError, ReferenceLost
@@ -146,9 +147,13 @@ class DataPath:
         if not callable(fn):
             raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
         session = self.open()
+        if session.endpoint is not None:  # Refs of other endpoints: copied there first
+            args, kwargs = carry(args, kwargs, session)
         waiting = waiting_on(args, kwargs, session)  # refuses another user's Refs now
         future: Future = KeptFuture() if keep else Future()
         future.record = TaskRecord("", function=getattr(fn, "__qualname__", ""))
+        if keep:
+            future._maker = self  # type: ignore[attr-defined]  # (where its Ref is)
         if keep and getattr(fn, "__nimbus_pure__", False):
             future._recipe = (fn, args, kwargs, timeout, environment, env)  # type: ignore[attr-defined]
             future._path = self  # type: ignore[attr-defined]
