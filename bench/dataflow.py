@@ -346,41 +346,47 @@ def sha_of(path: Any) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def raw_link(path: Path, target: Path) -> float:
-    """Seconds a plain copy of ``path`` takes over the link the endpoints use (TCP on
-    loopback: sendfile into a socket, received into a file in memory), without nimbus."""
+RAW_SENDER = """
+import socket, sys
+with socket.create_connection(("127.0.0.1", int(sys.argv[1]))) as sock, open(sys.argv[2], "rb") as f:
+    sock.sendfile(f)
+    assert sock.recv(2) == b"OK"
+"""
+
+
+def raw_link(path: Path, target: Path, prefix: list[str]) -> float:
+    """Seconds a plain copy of ``path`` takes over the link the endpoints use (TCP to
+    127.0.0.1 from where the source agent runs: ``prefix``, its namespace, if shaped),
+    sendfile into a socket, received into a file in memory; without nimbus. Timed from
+    the connection to the last byte, as the nimbus transfer is not (that is timed from
+    the submit, tasks and all)."""
     import mmap
     import socket
 
     size = path.stat().st_size
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-
-    def receive() -> None:
-        conn, _ = listener.accept()
-        with conn, open(target, "w+b") as out:
-            out.truncate(size)
-            with mmap.mmap(out.fileno(), size) as mapped:
-                view, got = memoryview(mapped), 0
-                while got < size:
-                    got += conn.recv_into(view[got : got + (8 << 20)])
-                view.release()
-            conn.sendall(b"OK")
-
-    thread = threading.Thread(target=receive)
-    thread.start()
+    sender = subprocess.Popen([*prefix, sys.executable, "-c", RAW_SENDER, str(port), str(path)])
+    conn, _ = listener.accept()
     start = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port)) as sock, open(path, "rb") as f:
-        sock.sendfile(f)
-        assert sock.recv(2) == b"OK"
-    seconds = time.perf_counter() - start
-    thread.join()
+    with conn, open(target, "w+b") as out:
+        out.truncate(size)
+        with mmap.mmap(out.fileno(), size) as mapped:
+            view, got = memoryview(mapped), 0
+            while got < size:
+                got += conn.recv_into(view[got : got + (8 << 20)])
+            view.release()
+        seconds = time.perf_counter() - start
+        conn.sendall(b"OK")
+    sender.wait(60)
     listener.close()
     target.unlink()
     return seconds
 
 
-def file_rows(ex: Any, exported: Path, args: argparse.Namespace) -> list[list[str]]:
+def file_rows(
+    ex: Any, exported: Path, args: argparse.Namespace, prefix: list[str]
+) -> list[list[str]]:
     import nimbus
     from nimbus.data._file import _cache
 
@@ -391,7 +397,8 @@ def file_rows(ex: Any, exported: Path, args: argparse.Namespace) -> list[list[st
             f.write(os.urandom(64 * MB))
         f.write(os.urandom(size % (64 * MB)))
     sha_of(path)  # in the page cache, as a file just written on the source endpoint is
-    raws = [raw_link(path, Path("/dev/shm") / f"nimbus-bench-raw-{os.getpid()}") for _ in range(2)]
+    shm = Path("/dev/shm") / f"nimbus-bench-raw-{os.getpid()}"
+    raws = [raw_link(path, shm, prefix) for _ in range(2)]
     raw = min(raws)
     file = nimbus.File(f"source:{path}")
     start = time.perf_counter()
@@ -420,7 +427,8 @@ def file_rows(ex: Any, exported: Path, args: argparse.Namespace) -> list[list[st
     rate, raw_rate = size / staged / MB, size / raw / MB
     return [
         [
-            f"{size // MB} MB file staged source -> dataflow, then 16 tasks",
+            f"{size // MB} MB file staged source -> dataflow, then 16 tasks"
+            + (f" (link shaped to {args.shaped} Mbit/s)" if args.shaped else " (loopback)"),
             f"staged {staged:.2f} s ({rate:.0f} MB/s, "
             f"{'endpoint to endpoint' if direct else 'via the client'}); "
             f"16 tasks {sixteen:.2f} s",
@@ -487,6 +495,13 @@ def main() -> int:
     parser.add_argument("--no-service", action="store_true", help="the local runtime only")
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--file-mb", type=int, default=1024, help="the staged file's size")
+    parser.add_argument(
+        "--shaped",
+        type=int,
+        default=0,
+        help="file row: the source endpoint in a network namespace (nimbus.network), its "
+        "link shaped to this many Mbit/s (root); 0: loopback",
+    )
     parser.add_argument("--mr-mb", type=int, default=256, help="MapReduce input, all workers")
     args = parser.parse_args()
     only = set(args.only or ["big", "campaign", "pipeline", "file", "mapreduce"])
@@ -505,7 +520,8 @@ def main() -> int:
 
         stack = stackmod.Stack(2)
         stack.env["NIMBUS_MAX_PAYLOAD"] = str(64 * MB)
-        source = None
+        source = link = None
+        prefix: list[str] = []
         try:
             stack.start_service()
             if "file" in only:  # a second endpoint that exports a directory
@@ -518,7 +534,15 @@ def main() -> int:
                 stack.configure_endpoint("source")
                 config = EndpointConfig.load("source")
                 dataclasses.replace(config, exports=str(exported)).save()
-                stack.start_agent("source")
+                if args.shaped:  # the source agent behind a shaped veth (nimbus.network)
+                    from nimbus.network import Link
+                    from nimbus.network._slots import claim
+
+                    link = Link.create(claim(9000), args.shaped * 1_000_000)
+                    prefix = ["ip", "netns", "exec", link.ns]
+                    stack.start_agent("source", prefix)
+                else:
+                    stack.start_agent("source")
                 source = stack.agent
             stack.configure_endpoint("dataflow")
             stack.start_agent("dataflow")
@@ -528,12 +552,14 @@ def main() -> int:
                 if "pipeline" in only:
                     rows += pipeline_rows(ex, args)
                 if "file" in only:
-                    rows += file_rows(ex, exported, args)
+                    rows += file_rows(ex, exported, args, prefix)
         finally:
             if source is not None and source.poll() is None:
                 source.terminate()
                 source.wait(30)
             stack.close()
+            if link is not None:
+                link.close()
     print(grid(["workload", "nimbus", "Ray / bytes", "ratio", "target", ""], rows))
     if args.json:
         Path(args.json).write_text(json.dumps(RESULTS, indent=2))
