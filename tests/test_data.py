@@ -311,6 +311,12 @@ def test_a_reference_of_one_endpoint_is_copied_to_another_once_per_target(
         hpc_store = NodeStore(nimbus.data.session(hpc.endpoint_id).namespace)
         copies = [p for p in hpc_store.objects.iterdir() if p.stat().st_size > 4 * MB]
         assert len(copies) == 2  # lab's and one copy for the 8 tasks (one machine: one store)
+        del ref, results
+        gc.collect()
+        deadline = time.monotonic() + 30
+        while any(p.exists() for p in copies) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(p.exists() for p in copies)  # the original and its copy are freed
         lost = nimbus.put(b"z" * 100, endpoint="lab")
         NodeStore(nimbus.data.session(lab.endpoint_id).namespace).path(lost.id).unlink()
         with pytest.raises(ReferenceLost, match=lost.id[:12]):

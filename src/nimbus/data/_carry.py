@@ -9,8 +9,9 @@
                   -> Ref(new id, hpc), held by hpc's session -> the task is sent
     a kept future of another endpoint's executor: copied the same way once it is done
 
-Copies are remembered by (source id, target): 16 tasks on hpc reading one Ref of lab
-copy it once. A Ref of another user is not copied (refused at submit, as before).
+Copies are remembered by (source id, target) while the original is held here: 16 tasks
+on hpc reading one Ref of lab copy it once; the copy is freed (as any Ref) once the
+original's last Ref and the tasks that read the copy are gone. A Ref of another user is not copied (refused at submit, as before).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
+import weakref
 from typing import Any
 
 from nimbus.data._ref import MAX_SCAN, Ref, Session, new_id, session
@@ -89,8 +91,16 @@ def _copy(ref: Ref, where: Session) -> Copy:
         copy = _copies[key] = Copy()
         if len(_copies) > 1024:
             _copies.pop(next(iter(_copies)))
+    if ref._entry is not None:  # the copy is let go with the last Ref of the original
+        weakref.finalize(ref._entry, _forget, key, copy)
     _pool.submit(_transfer, ref, where, copy)
     return copy
+
+
+def _forget(key: tuple[str, str | None], copy: Copy) -> None:
+    with _lock:
+        if _copies.get(key) is copy:
+            del _copies[key]
 
 
 def _copy_later(future: Any, where: Session) -> Copy:
