@@ -180,8 +180,8 @@ def _cached(staged: Staged, files: Path) -> Path:
         pass
     if not staged.refs:  # sent here endpoint to endpoint: into another node's cache
         raise DataError(
-            f"{staged.name} was staged to another node of this endpoint than the one this "
-            f"task runs on (the cache is per node); submit the task again"
+            f"{staged.name} is not in this node's file cache: it was staged to another node "
+            f"of this endpoint (the cache is per node), or removed since; submit the task again"
         )
     node = _node(files.parent.name)
     body = b"".join(bytes(node.read(ref.id)) for ref in staged.refs)
