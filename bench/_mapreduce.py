@@ -142,6 +142,22 @@ def worker(parent: str, i: int, w: int, job: str, way: str, size: int, shared: s
     msg.send(parent, (start, shuffled, time.time(), out, sent, shuffled - mapped))
 
 
+def _answer(procs: list[Any], limit: float = 600.0) -> Any:
+    """The next worker's answer; a worker that died instead is named at once."""
+    import nimbus.messaging as msg
+    from nimbus.errors import MessagingTimeout
+
+    end = time.monotonic() + limit
+    while True:
+        try:
+            return msg.recv(timeout=2.0)
+        except MessagingTimeout:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > end:
+                codes = ", ".join(f"{p.name}: {p.exitcode}" for p in dead) or "none died"
+                raise RuntimeError(f"a MapReduce worker did not answer ({codes})") from None
+
+
 def run(job: str, way: str, w: int, size: int, root: Path) -> dict[str, Any]:
     """One job, ``w`` workers of ``size`` bytes of input each; its times and result."""
     import nimbus.messaging as msg
@@ -164,7 +180,7 @@ def run(job: str, way: str, w: int, size: int, root: Path) -> dict[str, Any]:
         begin = time.time()
         for peer in ids:
             msg.send(peer, "go")
-        done = [msg.recv(timeout=600) for _ in procs]
+        done = [_answer(procs) for _ in procs]
     finally:
         for p in procs:
             p.join(60)
