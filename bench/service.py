@@ -136,10 +136,11 @@ class Stack:
             name, self.url, registered["endpoint_id"], registered["token"], self.workers
         ).save()
 
-    def start_agent(self, name: str) -> None:
+    def start_agent(self, name: str, prefix: list[str] | None = None) -> None:
+        """The agent of endpoint ``name``; ``prefix``: what runs it (ip netns exec NS)."""
         with open(self.root / "agent.log", "ab") as log:
             self.agent = subprocess.Popen(
-                [sys.executable, "-m", "nimbus.endpoint.daemon", name],
+                [*(prefix or []), sys.executable, "-m", "nimbus.endpoint.daemon", name],
                 env=self.env,
                 stdout=log,
                 stderr=log,

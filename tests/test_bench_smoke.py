@@ -195,4 +195,5 @@ def test_bench_dataflow_quick_local(tmp_path: Path) -> None:
     assert (
         _row(lines, "campaign 40 x 1 MB, local runtime: through references").rstrip().endswith(" -")
     )  # informational on one machine: no verdict
+    assert "direct" in _row(lines, "MapReduce sort, 16 MB in, 4 workers")
     assert out.exists()

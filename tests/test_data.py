@@ -40,6 +40,10 @@ def small_blob(i: int) -> bytes:
     return bytes([i % 256]) * (MB // 4)
 
 
+def mbytes(n: int) -> bytes:
+    return os.urandom(n * MB)
+
+
 def grow(b: bytes) -> bytes:
     return b + b"!"
 
@@ -280,3 +284,40 @@ def test_remote_reference_of_another_user_is_refused(
         pytest.raises(DataAccessError, match="belongs to user 'alice'"),
     ):
         bob.submit(sum, ref)
+
+
+@pytest.fixture(scope="module")
+def hpc(service: Service, alice: Client) -> Iterator[EndpointProcess]:
+    endpoint = EndpointProcess(service, alice, "hpc")
+    endpoint.start(alice)
+    yield endpoint
+    endpoint.stop()
+
+
+def test_a_reference_of_one_endpoint_is_copied_to_another_once_per_target(
+    service: Service, alice: Client, remote: Executor, lab: EndpointProcess, hpc: EndpointProcess
+) -> None:
+    settings = service.user_settings(alice.token)
+    with Executor(endpoint="hpc", settings=settings) as on_hpc:
+        ref = remote.options(keep=True).submit(mbytes, 4).ref(timeout=60)  # kept on lab
+        before = (remote.statistics()["bytes_sent"], on_hpc.statistics()["bytes_received"])
+        results = [on_hpc.submit(sizes, ref) for _ in range(8)]
+        assert [f.result(timeout=120) for f in results] == [[4 * MB]] * 8
+        # a kept result of lab, passed before it is done, is copied once it is
+        parts = remote.map(small_blob, range(2), keep=True)
+        assert on_hpc.submit(sizes, *parts).result(timeout=120) == [MB // 4] * 2
+        assert remote.statistics()["bytes_sent"] - before[0] < 64 * 1024  # not via the client
+        assert on_hpc.statistics()["bytes_received"] - before[1] < 64 * 1024
+        hpc_store = NodeStore(nimbus.data.session(hpc.endpoint_id).namespace)
+        copies = [p for p in hpc_store.objects.iterdir() if p.stat().st_size > 4 * MB]
+        assert len(copies) == 2  # lab's and one copy for the 8 tasks (one machine: one store)
+        del ref, results
+        gc.collect()
+        deadline = time.monotonic() + 30
+        while any(p.exists() for p in copies) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(p.exists() for p in copies)  # the original and its copy are freed
+        lost = nimbus.put(b"z" * 100, endpoint="lab")
+        NodeStore(nimbus.data.session(lab.endpoint_id).namespace).path(lost.id).unlink()
+        with pytest.raises(ReferenceLost, match=lost.id[:12]):
+            on_hpc.submit(len, lost).result(timeout=120)

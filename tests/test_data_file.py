@@ -127,6 +127,11 @@ def test_a_file_of_another_endpoint_is_staged_once_for_16_tasks(
     assert Path(path).name.endswith("-run42.h5") and "/files/" in path
     transfers = [k for k in _cache if k[2] == str(exported / "run42.h5")]
     assert len(transfers) == 1  # transferred once
+    staged = _cache[transfers[0]].result()
+    assert staged.refs == ()  # vault sent it to lab directly: no part crossed this client
+    source = on_lab._file_sources[vault.endpoint_id]  # type: ignore[attr-defined]
+    assert source.statistics()["bytes_received"] < 64 * 1024
+    assert on_lab.statistics()["bytes_sent"] < 64 * 1024
     # a changed file (size, mtime) is a new cache entry: staged again
     time.sleep(0.01)
     (exported / "run42.h5").write_bytes(body[:1000])
@@ -237,3 +242,26 @@ def test_a_failed_transfer_fails_the_task_with_its_error(
     future = on_lab.submit(describe, nimbus.File(f"vault:{exported}/a_directory"))
     with pytest.raises(IsADirectoryError):
         future.result(timeout=120)
+
+
+# ---------------------------------------------------------------- the direct link itself
+
+
+def test_a_direct_transfer_checks_its_secret_and_its_peer(tmp_path: Path) -> None:
+    from nimbus.data._direct import Unreachable, _send, offer
+
+    body = os.urandom(3 * 1024 * 1024 + 17)
+    (tmp_path / "x.bin").write_bytes(body)
+    host, port, secret = offer("file", "k" * 32 + "-x.bin")  # this process's node cache
+    assert _send(tmp_path / "x.bin", host, port, secret, None) == (
+        len(body),
+        hashlib.sha256(body).hexdigest(),
+    )
+    cached = NodeStore(nimbus.data._ref.local_namespace()).dir / "files" / ("k" * 32 + "-x.bin")
+    assert cached.read_bytes() == body
+    host, port, _ = offer("file", "w" * 32 + "-x.bin")
+    with pytest.raises(DataError, match="refused the transfer: NO: a wrong secret"):
+        _send(tmp_path / "x.bin", host, port, "00" * 32, None)
+    assert not (cached.parent / ("w" * 32 + "-x.bin")).exists()
+    with pytest.raises(Unreachable, match="NIMBUS_DATA_HOST"):
+        _send(tmp_path / "x.bin", host, port, secret, None)  # its offer was used up: closed

@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {
     "statestore": 2,
     "data": 2,  # references and the node stores they name (nimbus.data)
     "storage": 2,
+    "_future": 2,  # nimbus.Future (the executor's, and the data path's KeptFuture)
     # contracts and plumbing every floor uses
     "protocol": 1,
     "serialization": 1,

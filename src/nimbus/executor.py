@@ -15,7 +15,8 @@ Data between tasks (``nimbus.data``): ``map(..., keep=True)`` and
 ``options(keep=True)`` keep results where they were made (a
 :class:`KeptFuture` holds a ``nimbus.Ref``; its ``result()`` fetches the
 object); Refs and futures passed as arguments are resolved where the task runs,
-and a task waits for the futures it is given before it is sent.
+and a task waits for the futures it is given before it is sent: that path is
+``nimbus.data._submit`` (``DataPath``, one per executor).
 """
 
 from __future__ import annotations
@@ -29,18 +30,14 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures._base import (  # the states Future.cancel must set
-    CANCELLED,
-    CANCELLED_AND_NOTIFIED,
-    FINISHED,
-    RUNNING,
-)
 from functools import partial
 from typing import Any, TypeVar
 
 from nimbus import _chunks, data, serialization
+from nimbus._future import Future
 from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings, check_timeout
+from nimbus.data import DataPath, KeptFuture
 from nimbus.environments import Environment
 from nimbus.errors import (
     ConfigError,
@@ -81,66 +78,6 @@ def _check_environment(env: Any) -> tuple[Environment | None, str]:
             f"requirements=['shapely']), not {env!r}"
         )
     return env, environment_tag(env)
-
-
-class Future(cf.Future[Any]):
-    """A ``concurrent.futures.Future`` whose ``cancel()`` also stops running tasks.
-
-    ``record`` is the task's :class:`~nimbus.records.TaskRecord`, complete
-    once the future is done.
-    """
-
-    record: TaskRecord
-    _task: Task | None = None
-    _stop: Callable[[Task], None] | None = None
-
-    def cancel(self) -> bool:
-        """Cancel the task; a running task's worker is killed and replaced."""
-        with self._condition:
-            if self._state == FINISHED:
-                return False
-            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED):
-                return True
-            running = self._state == RUNNING
-            self._state = CANCELLED_AND_NOTIFIED
-            for waiter in self._waiters:
-                waiter.add_cancelled(self)
-            self._condition.notify_all()
-        task = self._task
-        if task is not None:
-            task.cancelled = True
-            if running and self._stop is not None:
-                self._stop(task)
-        self.record.state = TaskState.CANCELLED
-        self._invoke_callbacks()  # type: ignore[attr-defined]
-        return True
-
-
-class KeptFuture(Future):
-    """A future whose result stays where its task ran: it holds a ``nimbus.Ref``.
-
-    ``result()`` fetches the object (each call); ``ref()`` is the reference, to pass
-    to other tasks (or pass the future itself: it is a dependency).
-    """
-
-    kept = True
-    _recipe: tuple[Any, ...] | None = None  # (fn, args, kwargs, timeout) of a pure task
-    _executor: Executor | None = None
-
-    def ref(self, timeout: float | None = None) -> data.Ref:
-        """The reference to the result, once the task is done."""
-        ref: data.Ref = super().result(timeout)
-        return ref
-
-    def result(self, timeout: float | None = None) -> Any:
-        ref = self.ref(timeout)
-        try:
-            return ref.get()
-        except ReferenceLost:
-            if self._recipe is None or self._executor is None:
-                raise
-            again = self._executor._again(self)  # a pure task: made again, then fetched
-            return again.result(timeout)
 
 
 def _check_timeout(timeout: float | None, what: str) -> float | None:
@@ -212,16 +149,7 @@ class Executor(cf.Executor):
         self._futures: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._endpoint = endpoint if backend == "service" else None
-        self._session: data.Session | None = None
-        self._unscoped_until = 0.0
-        self._wrapped: dict[int, tuple[Callable[..., Any], partial[Any]]] = {}
-        # reference id -> the kept future of the pure task that made it
-        self._producers: weakref.WeakValueDictionary[str, KeptFuture] = (
-            weakref.WeakValueDictionary()
-        )
-        self._sends: list[Callable[[], None]] = []
-        self._send_ready = threading.Condition(self._lock)
-        self._sender: threading.Thread | None = None
+        self._path = DataPath(self)  # tasks with Refs and futures as arguments
         self._bytes_sent = 0
         self._bytes_received = 0
         self._shutdown = False
@@ -243,7 +171,7 @@ class Executor(cf.Executor):
             p for p in (endpoint, getattr(self._backend, "endpoint_id", None)) if p
         }
         for place in self._places if self._endpoint is not None else ():
-            data.register(place, None, opener=self._data)
+            data.register(place, None, opener=self._path.open)
         if shutdown_at_exit:
             _live.add(self)
 
@@ -298,13 +226,13 @@ class Executor(cf.Executor):
         if data.has_files(args, kwargs):  # checked now, staged before the task (nimbus.File)
             args, kwargs = data.stage_files(self, args, kwargs)
         if keep or data.uses_data(args, kwargs):
-            return self._submit_data(fn, args, kwargs, timeout, keep, environment, env)
-        if self._remote and self._scoped():  # on an endpoint: its user's store() in the task
+            return self._path.submit(fn, args, kwargs, timeout, keep, environment, env)
+        if self._remote and self._path.scoped():  # on an endpoint: its user's store() in the task
             if not callable(fn):
                 raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
-            scope = self._data().scope(False)  # no Refs to wait on or bind: straight out
+            scope = self._path.open().scope(False)  # no Refs to wait on or bind: straight out
             return self._launch(
-                self._wrap(fn), (scope, *args), kwargs, timeout, None, fn,
+                self._path.wrap(fn), (scope, *args), kwargs, timeout, None, fn,
                 environment=environment, env=env,
             )  # fmt: skip
         return self._launch(fn, args, kwargs, timeout, environment=environment, env=env)
@@ -320,20 +248,6 @@ class Executor(cf.Executor):
         except NimbusError:  # the service cannot say now: the workers' own, as before
             return None, ""
         return (None, "") if found is None else (found, environment_tag(found))
-
-    def _scoped(self) -> bool:
-        """Whether plain tasks on the endpoint carry their user's scope: they do once the
-        service said who this is (not while it cannot be reached: they are not held up)."""
-        if self._session is not None:
-            return True
-        if time.monotonic() < self._unscoped_until:
-            return False
-        try:
-            self._data()
-        except NimbusError:
-            self._unscoped_until = time.monotonic() + 5.0  # ask again in a while
-            return False
-        return True
 
     def _launch(
         self,
@@ -388,154 +302,6 @@ class Executor(cf.Executor):
         self._backend.submit([task])
         return future
 
-    # -- data between tasks (nimbus.data) -------------------------------
-    def _data(self) -> data.Session:
-        """This executor's session in its place's store (made on first use)."""
-        found = self._session
-        if found is None:
-            with self._lock:
-                found = self._session
-                if found is None:
-                    found = self._session = data.open_session(
-                        self._backend, self._endpoint, self._call
-                    )
-        return found
-
-    def _call(self, fn: Callable[..., Any], *args: Any, keep: bool = False) -> Future:
-        return self._submit_data(fn, args, {}, self._timeout, keep, self._environment, self._env)
-
-    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` run through ``nimbus.data.run`` (one partial per function, reused)."""
-        entry = self._wrapped.get(id(fn))  # by identity, as the function cache
-        if entry is not None and entry[0] is fn:
-            return entry[1]
-        if len(self._wrapped) >= 1024:  # bounded (new closures at every call)
-            self._wrapped.clear()
-        wrapped = partial(data.run, fn)
-        self._wrapped[id(fn)] = (fn, wrapped)
-        return wrapped
-
-    def _submit_data(
-        self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-        keep: bool,
-        environment: Environment | None = None,
-        env: str = "",
-    ) -> Future:
-        """Submit ``fn`` through ``nimbus.data.run``: Refs resolved where it runs, its
-        result kept when ``keep``; sent once the futures among its arguments are done."""
-        if self._shutdown:
-            raise RuntimeError("cannot schedule new futures after shutdown")
-        if not callable(fn):
-            raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
-        session = self._data()
-        waiting = data.waiting_on(args, kwargs, session)  # refuses another user's Refs now
-        future: Future = KeptFuture() if keep else Future()
-        future.record = TaskRecord("", function=getattr(fn, "__qualname__", ""))
-        if keep and getattr(fn, "__nimbus_pure__", False):
-            future._recipe = (fn, args, kwargs, timeout, environment, env)  # type: ignore[attr-defined]
-            future._executor = self  # type: ignore[attr-defined]
-        wrapped = self._wrap(fn)
-
-        def send() -> None:
-            if future.done():
-                return
-            try:  # a dependency that failed fails this task with its error
-                bound, bound_kw, holds = data.bind(args, kwargs, session)
-            except BaseException as exc:
-                try:
-                    future.set_exception(exc)
-                except cf.InvalidStateError:
-                    pass
-                return
-            future._holds = holds  # type: ignore[attr-defined]  # alive until it is done
-            self._launch(
-                wrapped,
-                (session.scope(keep), *bound),
-                bound_kw,
-                timeout,
-                future,
-                fn,
-                environment=environment,
-                env=env,
-            )
-
-        def send_later() -> None:
-            try:
-                send()
-            except BaseException as exc:  # it cannot be sent (unpicklable, too large)
-                try:
-                    future.set_exception(exc)
-                except cf.InvalidStateError:
-                    pass
-
-        future._resend = send_later  # type: ignore[attr-defined]
-        if not waiting:
-            send()  # what cannot be sent raises here, at submit
-            return future
-        data.when_done(waiting, lambda: self._deferred(send_later))
-        return future
-
-    def _again(self, producer: KeptFuture) -> KeptFuture:
-        """Run a pure kept task again (its object was lost); ``producer`` names the new one."""
-        assert producer._recipe is not None
-        fn, args, kwargs, timeout, environment, env = producer._recipe
-        again: KeptFuture = self._submit_data(  # type: ignore[assignment]
-            fn, args, kwargs, timeout, True, environment, env
-        )
-
-        def made(f: cf.Future[Any]) -> None:
-            if f.exception() is None:
-                ref = again.ref()
-                with producer._condition:
-                    producer._result = ref
-                self._producers[ref.id] = producer
-
-        again.add_done_callback(made)
-        return again
-
-    def _recover(self, future: Future, error: ReferenceLost) -> bool:
-        """A task read a lost reference: when a pure task of this executor made it, run
-        that again and then this one (once per task); whether it does."""
-        producer = self._producers.get(error.ref_id)
-        resend = getattr(future, "_resend", None)
-        if producer is None or resend is None or getattr(future, "_recovered", False):
-            return False
-        future._recovered = True  # type: ignore[attr-defined]
-
-        def rerun() -> None:
-            again = self._again(producer)
-            again.add_done_callback(
-                lambda f: resend() if f.exception() is None else _fail(future, f.exception())
-            )
-
-        self._deferred(rerun)
-        return True
-
-    def _deferred(self, send: Callable[[], None]) -> None:
-        """Send a task whose dependencies are done, from this executor's sender thread
-        (not the runtime's, which delivered the results it waited for)."""
-        with self._lock:
-            self._sends.append(send)
-            if self._sender is None:
-                self._sender = threading.Thread(
-                    target=self._send_deferred, name="nimbus-deps", daemon=True
-                )
-                self._sender.start()
-            self._send_ready.notify()
-
-    def _send_deferred(self) -> None:
-        while True:
-            with self._lock:
-                while not self._sends:
-                    self._send_ready.wait()
-                batch, self._sends = self._sends, []
-            for send in batch:
-                send()
-
     def map(
         self,
         fn: Callable[..., T],
@@ -565,10 +331,11 @@ class Executor(cf.Executor):
                     future.cancel()
         data.close_sources(self)
         if self._endpoint is not None:
-            if self._session is not None:
-                self._session.close()  # what was released is freed while tasks still run
+            session = self._path.session
+            if session is not None:
+                session.close()  # what was released is freed while tasks still run
             for place in self._places:
-                data.register(place, None, self._session)
+                data.register(place, None, session, opener=self._path.open)
         self._backend.shutdown(wait=wait)
         _live.discard(self)
 
@@ -633,16 +400,14 @@ class Executor(cf.Executor):
                     )
                     value = serialization.loads(task.data, task.result_buffers)
                     if type(future) is KeptFuture:
-                        value = self._data().adopt(value)
-                        if future._recipe is not None:  # pure: made again if it is lost
-                            self._producers[value.id] = future
+                        value = self._path.kept(future, value)
                     record.state = TaskState.SUCCESS
                     future.set_result(value)
                 elif task.status == Status.ERROR:
                     error, tb = serialization.loads(task.data)
                     if tb:
                         error.__cause__ = RemoteTraceback(tb)
-                    if type(error) is ReferenceLost and self._recover(future, error):
+                    if type(error) is ReferenceLost and self._path.recover(future, error):
                         continue  # its producer runs again, then it does
                     record.state = TaskState.FAILED
                     future.set_exception(error)
@@ -657,9 +422,7 @@ class Executor(cf.Executor):
             task.data = b""
             task.result_buffers = []
             if type(future) is not Future:  # the data path: its Refs go when it does
-                future._holds = None  # type: ignore[attr-defined]
-                future._resend = None  # type: ignore[attr-defined]  # (a cycle through it)
-                future._task = None  # no cycle with the task: the last Ref is freed at once
+                DataPath.done(future)
 
 
 class _Options(cf.Executor):
@@ -711,13 +474,6 @@ class _Options(cf.Executor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """A view owns nothing; shut down the executor itself."""
-
-
-def _fail(future: cf.Future[Any], error: BaseException | None) -> None:
-    try:
-        future.set_exception(error)
-    except cf.InvalidStateError:
-        pass
 
 
 def _map(

@@ -20,20 +20,32 @@ What happens under each failure:
   ``@nimbus.data.pure`` and known to this executor: then it runs again first;
 * a task a future depends on fails: the dependent task fails with the same error and
   never runs;
-* a Ref of another user, or of another place than the task's: ``DataAccessError`` at
-  ``submit``, before any task runs (and again in the worker, for a Ref hidden deeper).
+* a Ref of another user, or of the local runtime passed to an endpoint: ``DataAccessError``
+  at ``submit``, before any task runs (and again in the worker, for a Ref hidden deeper);
+* a Ref of another endpoint (the same user): copied endpoint to endpoint before the task
+  is sent (``_carry``, ``_direct``), once per target; a copy that fails (the source lost
+  it: ``ReferenceLost``; a damaged transfer, a peer gone) fails the tasks waiting for it
+  with that error, within ``_direct.TIMEOUT`` at most;
+* a file staged between endpoints: sent by the source endpoint straight to the target's
+  node cache, sha256 checked on arrival; when the source cannot connect to the target it
+  travels through the client instead; any other failure fails the task with its error.
 
 Limits: objects live in the store of the node that made them, so an endpoint of several
 nodes reads them only where they were made (no copy between nodes yet); a task's user on
 an endpoint is the namespace its client sends (its user id and a hash of its token), since
-the service does not tell the agent whose a task is.
+the service does not tell the agent whose a task is; tasks wait for their input futures
+in the client (only the "done" signal and the Ref pass through it, never the data).
 
 Modules: ``_node`` (a node's object store: files in a private memory directory,
 mapped on read, leases as modification times), ``_ref`` (``Ref``, the client's
 sessions: counting, leases, freeing), ``_task`` (the worker side: resolving,
 keeping, ``store()``), ``_kv`` (the key-value store), ``_file`` (``File``: staging,
 exports, the node's file cache), ``_bind`` (the client side of a
-task's arguments: dependencies, references, the session of an Executor).
+task's arguments: dependencies, references, the session of an Executor), ``_submit``
+(the Executor's data path: ``KeptFuture``, sending tasks once their inputs are done,
+making lost results of pure tasks again), ``_direct`` (bytes sent endpoint to endpoint:
+a one-use connection the target offers) and ``_carry`` (Refs of another endpoint copied
+to the task's).
 """
 
 from __future__ import annotations
@@ -44,12 +56,15 @@ from nimbus.data._file import stage as stage_files
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore, default_root
 from nimbus.data._ref import LEASE, MAX_SCAN, Ref, Scope, Session, get, pure, put, register, session
+from nimbus.data._submit import DataPath, KeptFuture
 from nimbus.data._task import free_objects, identity, renew_objects, run, store
 
 __all__ = [
     "LEASE",
     "MAX_SCAN",
+    "DataPath",
     "File",
+    "KeptFuture",
     "KeyValue",
     "NodeStore",
     "Ref",

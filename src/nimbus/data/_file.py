@@ -18,9 +18,15 @@ by ``:``; a path outside them, with ``..``, or leaving them through a symlink is
 (``FileRefused``). A file of this machine (``File("path")``) is the user's own: read as
 it is, by the local runtime, or sent from the client to a remote endpoint.
 
+A file of another endpoint goes endpoint to endpoint (``_direct``: a task on the target
+offers a connection, a task on the source sends the file into it); only when the source
+cannot connect to the target (``Unreachable``) does it travel through the client's link
+(a task there reads it in parts, the client puts them where the task runs).
+
 Limits: ``out=`` writes only to the endpoint the task runs on (or this machine, on the
-local runtime); a file staged from another endpoint travels through the client's link
-(a task there reads it, the client puts it where the task runs).
+local runtime); a file sent directly lands in the cache of the target node that offered
+to take it (one node per endpoint: every task finds it; on an endpoint of several nodes
+a task on another node fails asking to submit again).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from nimbus.config import config_dir
+from nimbus.data._direct import Unreachable
 from nimbus.data._ref import Ref, new_id
 from nimbus.errors import DataError, FileRefused, NotFound
 
@@ -171,6 +178,11 @@ def _cached(staged: Staged, files: Path) -> Path:
             return target
     except FileNotFoundError:
         pass
+    if not staged.refs:  # sent here endpoint to endpoint: into another node's cache
+        raise DataError(
+            f"{staged.name} is not in this node's file cache: it was staged to another node "
+            f"of this endpoint (the cache is per node), or removed since; submit the task again"
+        )
     node = _node(files.parent.name)
     body = b"".join(bytes(node.read(ref.id)) for ref in staged.refs)
     if len(body) != staged.size or hashlib.sha256(body).hexdigest() != staged.sha256:
@@ -276,7 +288,15 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
         if found is not None and not (found.done() and found.exception()):
             return found
 
+        name = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+        base = PurePosixPath(file.path).name
+
         def transfer() -> Staged:
+            if source_id is not None:  # endpoint to endpoint, unless there is no path
+                try:
+                    return _direct(executor, file, source_id, mtime, f"{name}-{base}")
+                except Unreachable:
+                    pass  # carried through this client instead (below)
             if source_id is None:
                 body = Path(file.path).read_bytes()
                 parts = [body[i : i + step] for i in range(0, len(body), step)] or [b""]
@@ -290,15 +310,28 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
             sha = hashlib.sha256()
             for part in parts:
                 sha.update(part)
-            name = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
             refs = tuple(_parts.map(lambda part: put(part, endpoint=place), parts))
             total = sum(map(len, parts))
-            return Staged(refs, name, PurePosixPath(file.path).name, total, sha.hexdigest())
+            return Staged(refs, name, base, total, sha.hexdigest())
 
         future = _cache[key] = _pool.submit(transfer)
         if len(_cache) > 256:
             _cache.pop(next(iter(_cache)))
     return future
+
+
+def _direct(executor: Any, file: File, source_id: str, mtime: float, name: str) -> Staged:
+    """``file`` sent by its endpoint straight into the cache of the task's endpoint's
+    node (``_direct``): this client carries only where to and the secret."""
+    from nimbus.data._direct import offer, send_export
+
+    host, port, secret = _answer(executor._path.call(offer, "file", name), file)
+    sent = _source(executor, source_id).submit(
+        send_export, source_id, file.path, mtime, host, port, secret
+    )
+    got, sha, _ = _answer(sent, file)
+    key, base = name.split("-", 1)
+    return Staged((), key, base, got, sha)
 
 
 def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:

@@ -271,8 +271,9 @@ def lost(ref: Ref) -> ReferenceLost:
     )
 
 
-# endpoint (None: the local runtime) -> the session of this process there
-_sessions: dict[str | None, Session] = {}
+# endpoint (None: the local runtime) -> the sessions of this process there, the latest
+# last (two Executors of two users on one endpoint each have theirs)
+_sessions: dict[str | None, list[Session]] = {}
 _sessions_lock = threading.Lock()
 
 
@@ -284,23 +285,25 @@ def session(endpoint: str | None) -> Session:
     """This process's session for ``endpoint`` (None: the local runtime's, made on use)."""
     with _sessions_lock:
         found = _sessions.get(endpoint)
-        if found is None and endpoint is None:
-            found = _sessions[None] = Session(
-                local_namespace(), getpass.getuser(), None, store=NodeStore(local_namespace())
-            )
-        make = _openers.get(endpoint) if found is None else None
+        if not found and endpoint is None:
+            store = NodeStore(local_namespace())
+            found = _sessions[None] = [
+                Session(local_namespace(), getpass.getuser(), None, store=store)
+            ]
+        makers = _openers.get(endpoint) if not found else None
+        make = makers[-1] if makers else None
+    if found:
+        return found[-1]
     if make is not None:
-        found = make()
-    if found is None:
-        raise DataError(
-            f"no Executor(endpoint={endpoint!r}) is open in this process: open one first, "
-            f"objects are placed on an endpoint through it"
-        )
-    return found
+        return make()
+    raise DataError(
+        f"no Executor(endpoint={endpoint!r}) is open in this process: open one first, "
+        f"objects are placed on an endpoint through it"
+    )
 
 
-# endpoint -> how to make its session (an Executor there that has not made it yet)
-_openers: dict[str | None, Callable[[], Session]] = {}
+# endpoint -> how to make its session (Executors there that have not made it yet)
+_openers: dict[str | None, list[Callable[[], Session]]] = {}
 
 
 def register(
@@ -311,16 +314,20 @@ def register(
     opener: Callable[[], Session] | None = None,
 ) -> None:
     """The Executor's session for ``endpoint`` (or the ``opener`` that makes it on first
-    use); ``found`` None: ``closed`` closed (or the executor of ``opener`` did)."""
+    use); ``found`` None: the executor of ``opener`` shut down (``closed``, its session
+    if it made one, and ``opener`` are forgotten; other executors' stay)."""
     with _sessions_lock:
-        if opener is not None:
-            _openers[endpoint] = opener
-        elif found is not None:
-            _sessions[endpoint] = found
+        if found is not None:
+            there = _sessions.setdefault(endpoint, [])
+            if found not in there:
+                there.append(found)
+        elif closed is None and opener is not None and opener not in _openers.get(endpoint, []):
+            _openers.setdefault(endpoint, []).append(opener)
         else:
-            if endpoint in _sessions and _sessions[endpoint] is closed:
-                del _sessions[endpoint]  # (closed None: an executor that never opened one)
-            _openers.pop(endpoint, None)
+            if closed is not None and closed in _sessions.get(endpoint, []):
+                _sessions[endpoint].remove(closed)
+            if opener is not None and opener in _openers.get(endpoint, []):
+                _openers[endpoint].remove(opener)
 
 
 F = TypeVar("F", bound=Callable[..., Any])

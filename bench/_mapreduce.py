@@ -1,0 +1,195 @@
+"""MapReduce WordCount and Sort, the shuffle through a shared directory, the endpoint's
+store (``nimbus.data.store()``) or direct messaging (``nimbus.messaging``); one run.
+
+::
+
+    W workers (nimbus.multiprocessing processes: the same for the three ways), each
+    a mapper and a reducer:  make its shard (seeded) -> map -> W partitions
+        shuffle: partition j of worker i to worker j, by the way measured
+          shared   files <dir>/<job>/<i>-<j> (written, fsynced as a shared file system's
+                   close does, renamed in), read by j once all W are there (a directory
+                   on this machine's disk: a generous stand-in for NFS or Lustre)
+          store    store().set("<job>:<i>-<j>", bytes), j polls get() for W keys
+          direct   msg.send(peer j, bytes); j recv()s W-1
+    -> reduce (WordCount: counts merged; Sort: the keys sorted) -> checked
+
+The time is from the start signal to the last reducer's end (map + shuffle + reduce);
+coordination (the peers' ids, the start) goes through nimbus.messaging for all three.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import time
+import zlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+WORDS = [f"w{i:05d}" for i in range(20000)]
+
+
+def shard_text(i: int, size: int) -> bytes:
+    import numpy as np
+
+    rng = np.random.default_rng(i)
+    picks = rng.zipf(1.3, size // 7) % len(WORDS)
+    return " ".join(WORDS[k] for k in picks).encode()[:size]
+
+
+def shard_keys(i: int, size: int) -> Any:
+    import numpy as np
+
+    return np.random.default_rng(1000 + i).integers(0, 2**63, size // 8, dtype=np.uint64)
+
+
+def map_wordcount(text: bytes, w: int) -> list[bytes]:
+    counts = Counter(text.split())
+    parts: list[dict[bytes, int]] = [{} for _ in range(w)]
+    for word, n in counts.items():
+        parts[zlib.crc32(word) % w][word] = n
+    return [pickle.dumps(p, protocol=5) for p in parts]
+
+
+def map_sort(keys: Any, w: int) -> list[bytes]:
+    import numpy as np
+
+    bounds = np.linspace(0, 2**63, w + 1)[1:-1].astype(np.uint64)
+    which = np.searchsorted(bounds, keys, side="right")
+    return [keys[which == j].tobytes() for j in range(w)]
+
+
+def reduce_wordcount(parts: list[bytes]) -> int:
+    total: Counter[bytes] = Counter()
+    for p in parts:
+        total.update(pickle.loads(p))
+    return sum(total.values())
+
+
+def reduce_sort(parts: list[bytes]) -> int:
+    import numpy as np
+
+    keys = np.sort(np.concatenate([np.frombuffer(p, dtype=np.uint64) for p in parts]))
+    assert bool((keys[1:] >= keys[:-1]).all())
+    return int(keys.size)
+
+
+def worker(parent: str, i: int, w: int, job: str, way: str, size: int, shared: str) -> None:
+    import nimbus.data
+    import nimbus.messaging as msg
+
+    msg.send(parent, (i, msg.instance_id()))
+    group = msg.recv(source=parent)  # every worker's id, then the start
+    data: Any = shard_text(i, size) if job == "wordcount" else shard_keys(i, size)
+    msg.send(parent, "ready")
+    msg.recv(source=parent)
+    start = time.time()
+    parts = map_wordcount(data, w) if job == "wordcount" else map_sort(data, w)
+    mapped = time.time()
+    mine: list[bytes] = [parts[i]]
+    sent = sum(len(p) for j, p in enumerate(parts) if j != i)
+    if way == "shared":
+        top = Path(shared)
+        for j, p in enumerate(parts):
+            if j != i:
+                tmp = top / f".{i}-{j}"
+                with open(tmp, "wb") as f:  # a shared file system's close: on its server
+                    f.write(p)
+                    os.fsync(f.fileno())
+                tmp.rename(top / f"{i}-{j}")
+        want = [top / f"{k}-{i}" for k in range(w) if k != i]
+        while want:
+            left = []
+            for path in want:
+                if path.exists():
+                    mine.append(path.read_bytes())
+                else:
+                    left.append(path)
+            want = left
+            if want:
+                time.sleep(0.002)
+    elif way == "store":
+        kv = nimbus.data.store()
+        for j, p in enumerate(parts):
+            if j != i:
+                kv.set(f"{shared}:{i}-{j}", p)
+        keys = [f"{shared}:{k}-{i}" for k in range(w) if k != i]
+        while keys:
+            left = []
+            for key in keys:
+                got = kv.get(key, None)
+                if got is None:
+                    left.append(key)
+                else:
+                    mine.append(got)
+            keys = left
+            if keys:
+                time.sleep(0.002)
+    else:
+        for j, p in enumerate(parts):
+            if j != i:
+                msg.send(group[j], p)
+        for _ in range(w - 1):
+            mine.append(msg.recv())
+    shuffled = time.time()
+    del parts, data
+    out = reduce_wordcount(mine) if job == "wordcount" else reduce_sort(mine)
+    if way == "store":
+        for k in range(w):
+            kv.delete(f"{shared}:{k}-{i}")
+    msg.send(parent, (start, shuffled, time.time(), out, sent, shuffled - mapped))
+
+
+def _answer(procs: list[Any], limit: float = 600.0) -> Any:
+    """The next worker's answer; a worker that died instead is named at once."""
+    import nimbus.messaging as msg
+    from nimbus.errors import MessagingTimeout
+
+    end = time.monotonic() + limit
+    while True:
+        try:
+            return msg.recv(timeout=2.0)
+        except MessagingTimeout:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > end:
+                codes = ", ".join(f"{p.name}: {p.exitcode}" for p in dead) or "none died"
+                raise RuntimeError(f"a MapReduce worker did not answer ({codes})") from None
+
+
+def run(job: str, way: str, w: int, size: int, root: Path) -> dict[str, Any]:
+    """One job, ``w`` workers of ``size`` bytes of input each; its times and result."""
+    import nimbus.messaging as msg
+    import nimbus.multiprocessing as nmp
+
+    tag = f"{job}-{way}-{os.getpid()}-{time.monotonic_ns()}"
+    shared = str(root / tag) if way == "shared" else tag
+    if way == "shared":
+        os.makedirs(shared)
+    me = msg.instance_id()
+    procs = [nmp.Process(target=worker, args=(me, i, w, job, way, size, shared)) for i in range(w)]
+    for p in procs:
+        p.start()
+    try:
+        ids = [peer for _, peer in sorted(msg.recv(timeout=120) for _ in procs)]
+        for peer in ids:
+            msg.send(peer, ids)
+        for _ in procs:
+            msg.recv(timeout=300)
+        begin = time.time()
+        for peer in ids:
+            msg.send(peer, "go")
+        done = [_answer(procs) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(60)
+        if way == "shared":
+            shutil.rmtree(shared, ignore_errors=True)
+    end = max(d[2] for d in done)
+    return {
+        "seconds": end - begin,
+        "shuffle": max(d[5] for d in done),  # the slowest worker's, from its map's end
+        "result": sum(d[3] for d in done),
+        "shuffled_bytes": sum(d[4] for d in done),
+    }

@@ -1,0 +1,266 @@
+"""The Executor's data path: tasks whose arguments are Refs or futures, kept results.
+
+::
+
+    Executor._submit(fn, args, keep)  --uses data / keep-->  DataPath.submit
+        waiting_on: the futures not done yet; Refs of another user refused now
+        when they are done (on this path's sender thread): bind -> the task, sent
+        through ``run`` (``Executor._launch``) with the session's scope
+    a kept result (a Ref) --> KeptFuture.set_result; held by the session
+    a task that read a lost Ref made by a pure task --> that task again, then this one
+
+The executor keeps the runtime side (launching, results, cancelling); this module keeps
+what a task of the data path needs before it is sent and after its result is in.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from nimbus import serialization
+from nimbus._future import Future
+from nimbus.data._bind import bind, open_session, waiting_on, when_done
+from nimbus.data._carry import carry
+from nimbus.data._ref import Ref, Session
+from nimbus.data._task import run
+from nimbus.errors import NimbusError, ReferenceLost
+from nimbus.records import TaskRecord
+
+__all__ = ["DataPath", "KeptFuture"]
+
+
+class KeptFuture(Future):
+    """A future whose result stays where its task ran: it holds a ``nimbus.Ref``.
+
+    ``result()`` fetches the object (each call); ``ref()`` is the reference, to pass
+    to other tasks (or pass the future itself: it is a dependency).
+    """
+
+    kept = True
+    _recipe: tuple[Any, ...] | None = None  # (fn, args, kwargs, timeout, env) of a pure task
+    _path: DataPath | None = None
+
+    def ref(self, timeout: float | None = None) -> Ref:
+        """The reference to the result, once the task is done."""
+        ref: Ref = super().result(timeout)
+        return ref
+
+    def result(self, timeout: float | None = None) -> Any:
+        ref = self.ref(timeout)
+        try:
+            return ref.get()
+        except ReferenceLost:
+            if self._recipe is None or self._path is None:
+                raise
+            again = self._path.again(self)  # a pure task: made again, then fetched
+            return again.result(timeout)
+
+
+def fail(future: cf.Future[Any], error: BaseException | None) -> None:
+    try:
+        future.set_exception(error)
+    except cf.InvalidStateError:
+        pass
+
+
+class DataPath:
+    """One Executor's tasks of the data path (``executor``: what launches them)."""
+
+    def __init__(self, executor: Any) -> None:
+        self._ex = executor
+        self.session: Session | None = None
+        self._lock = threading.Lock()
+        self._opening = threading.Lock()
+        self._unscoped_until = 0.0
+        self._wrapped: dict[int, tuple[Callable[..., Any], partial[Any]]] = {}
+        # reference id -> the kept future of the pure task that made it
+        self._producers: weakref.WeakValueDictionary[str, KeptFuture] = (
+            weakref.WeakValueDictionary()
+        )
+        self._sends: list[Callable[[], None]] = []
+        self._send_ready = threading.Condition(self._lock)
+        self._sender: threading.Thread | None = None
+
+    # -- the session ---------------------------------------------------------
+    def open(self) -> Session:
+        """The executor's session in its place's store (made on first use)."""
+        found = self.session
+        if found is None:
+            with self._opening:
+                found = self.session
+                if found is None:
+                    ex = self._ex
+                    found = self.session = open_session(ex._backend, ex._endpoint, self.call)
+        return found
+
+    def scoped(self) -> bool:
+        """Whether plain tasks on the endpoint carry their user's scope: they do once the
+        service said who this is (not while it cannot be reached: they are not held up)."""
+        if self.session is not None:
+            return True
+        if time.monotonic() < self._unscoped_until:
+            return False
+        try:
+            self.open()
+        except NimbusError:
+            self._unscoped_until = time.monotonic() + 5.0  # ask again in a while
+            return False
+        return True
+
+    def call(self, fn: Callable[..., Any], *args: Any, keep: bool = False) -> Future:
+        ex = self._ex
+        return self.submit(fn, args, {}, ex._timeout, keep, ex._environment, ex._env)
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` run through ``nimbus.data.run`` (one partial per function, reused)."""
+        entry = self._wrapped.get(id(fn))  # by identity, as the function cache
+        if entry is not None and entry[0] is fn:
+            return entry[1]
+        if len(self._wrapped) >= 1024:  # bounded (new closures at every call)
+            self._wrapped.clear()
+        wrapped = partial(run, fn)
+        self._wrapped[id(fn)] = (fn, wrapped)
+        return wrapped
+
+    # -- submitting ------------------------------------------------------------
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        keep: bool,
+        environment: Any = None,
+        env: str = "",
+    ) -> Future:
+        """Submit ``fn`` through ``nimbus.data.run``: Refs resolved where it runs, its
+        result kept when ``keep``; sent once the futures among its arguments are done."""
+        ex = self._ex
+        if ex._shutdown:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        if not callable(fn):
+            raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
+        session = self.open()
+        if session.endpoint is not None:  # Refs of other endpoints: copied there first
+            args, kwargs = carry(args, kwargs, session)
+        waiting = waiting_on(args, kwargs, session)  # refuses another user's Refs now
+        future: Future = KeptFuture() if keep else Future()
+        future.record = TaskRecord("", function=getattr(fn, "__qualname__", ""))
+        if keep:
+            future._maker = self  # type: ignore[attr-defined]  # (where its Ref is)
+        if keep and getattr(fn, "__nimbus_pure__", False):
+            future._recipe = (fn, args, kwargs, timeout, environment, env)  # type: ignore[attr-defined]
+            future._path = self  # type: ignore[attr-defined]
+        wrapped = self.wrap(fn)
+
+        def send() -> None:
+            if future.done():
+                return
+            try:  # a dependency that failed fails this task with its error
+                bound, bound_kw, holds = bind(args, kwargs, session)
+            except BaseException as exc:
+                fail(future, exc)
+                return
+            future._holds = holds  # type: ignore[attr-defined]  # alive until it is done
+            ex._launch(
+                wrapped,
+                (session.scope(keep), *bound),
+                bound_kw,
+                timeout,
+                future,
+                fn,
+                environment=environment,
+                env=env,
+            )
+
+        def send_later() -> None:
+            try:
+                send()
+            except BaseException as exc:  # it cannot be sent (unpicklable, too large)
+                fail(future, exc)
+
+        future._resend = send_later  # type: ignore[attr-defined]
+        if not waiting:
+            send()  # what cannot be sent raises here, at submit
+            return future
+        when_done(waiting, lambda: self.deferred(send_later))
+        return future
+
+    # -- results ---------------------------------------------------------------
+    def kept(self, future: KeptFuture, ref: Ref) -> Ref:
+        """A kept task's result: held by the session; a pure task's remembered."""
+        ref = self.open().adopt(ref)
+        if future._recipe is not None:  # pure: made again if it is lost
+            self._producers[ref.id] = future
+        return ref
+
+    def again(self, producer: KeptFuture) -> KeptFuture:
+        """Run a pure kept task again (its object was lost); ``producer`` names the new one."""
+        assert producer._recipe is not None
+        fn, args, kwargs, timeout, environment, env = producer._recipe
+        again: KeptFuture = self.submit(  # type: ignore[assignment]
+            fn, args, kwargs, timeout, True, environment, env
+        )
+
+        def made(f: cf.Future[Any]) -> None:
+            if f.exception() is None:
+                ref = again.ref()
+                with producer._condition:
+                    producer._result = ref
+                self._producers[ref.id] = producer
+
+        again.add_done_callback(made)
+        return again
+
+    def recover(self, future: Future, error: ReferenceLost) -> bool:
+        """A task read a lost reference: when a pure task of this executor made it, run
+        that again and then this one (once per task); whether it does."""
+        producer = self._producers.get(error.ref_id)
+        resend = getattr(future, "_resend", None)
+        if producer is None or resend is None or getattr(future, "_recovered", False):
+            return False
+        future._recovered = True  # type: ignore[attr-defined]
+
+        def rerun() -> None:
+            again = self.again(producer)
+            again.add_done_callback(
+                lambda f: resend() if f.exception() is None else fail(future, f.exception())
+            )
+
+        self.deferred(rerun)
+        return True
+
+    @staticmethod
+    def done(future: Future) -> None:
+        """A task of the data path ended: its Refs go when it does."""
+        future._holds = None  # type: ignore[attr-defined]
+        future._resend = None  # type: ignore[attr-defined]  # (a cycle through it)
+        future._task = None  # no cycle with the task: the last Ref is freed at once
+
+    # -- sending ---------------------------------------------------------------
+    def deferred(self, send: Callable[[], None]) -> None:
+        """Send a task whose dependencies are done, from this path's sender thread
+        (not the runtime's, which delivered the results it waited for)."""
+        with self._lock:
+            self._sends.append(send)
+            if self._sender is None:
+                self._sender = threading.Thread(
+                    target=self._send_deferred, name="nimbus-deps", daemon=True
+                )
+                self._sender.start()
+            self._send_ready.notify()
+
+    def _send_deferred(self) -> None:
+        while True:
+            with self._lock:
+                while not self._sends:
+                    self._send_ready.wait()
+                batch, self._sends = self._sends, []
+            for send in batch:
+                send()
