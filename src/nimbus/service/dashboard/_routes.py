@@ -25,6 +25,7 @@ import json
 import secrets
 import time
 from importlib import resources
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import urlencode
 
@@ -222,6 +223,39 @@ async def endpoints_page(request: Request) -> Response:
     return _html(layout("Endpoints", table, user.user_name, who.csrf))
 
 
+# ---------------------------------------------------------------- live streams
+
+
+def _stream(
+    request: Request,
+    ctx: ServiceContext,
+    look: Callable[[], AsyncIterator[str]],
+    tick: float,
+) -> StreamingResponse:
+    """Server-sent events for an open page: the frames of ``look()`` (only what changed
+    since its last look) every ``tick`` seconds, a keepalive comment every
+    ``KEEPALIVE``, and the end of the stream once the viewer's session no longer holds
+    (logged out, token revoked: checked every ``RECHECK``)."""
+
+    async def events() -> AsyncIterator[str]:
+        checked = beat = time.monotonic()
+        yield "retry: 1000\n\n"
+        while not ctx.hub.closing:
+            async for frame in look():
+                yield frame
+            now = time.monotonic()
+            if now - beat > KEEPALIVE:
+                beat = now
+                yield ": keepalive\n\n"
+            if now - checked > RECHECK:
+                checked = now
+                if await _session.viewer(request, ctx) is None:
+                    return
+            await asyncio.sleep(tick)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
+
+
 # ---------------------------------------------------------------- tasks
 
 
@@ -356,31 +390,21 @@ async def tasks_stream(request: Request) -> Response:
     names = _Names(ctx, who.principal)
     key = index(ctx.store, who.principal.user_id, names.admin)
 
-    async def events() -> Any:
-        sent: dict[str, tuple[str, float, float]] = {}
-        checked = beat = time.monotonic()
-        yield "retry: 1000\n\n"
-        while not ctx.hub.closing:
-            rows = await live_window(ctx.store, key, flt)
-            for row in reversed(rows):  # oldest first: the page inserts each on top
-                seen = (row.state, row.dispatched, row.ended)
-                if sent.get(row.task_id) != seen:
-                    sent[row.task_id] = seen
-                    yield f"event: task\ndata: {json.dumps(await names.row(row))}\n\n"
-            if len(sent) > 4 * len(rows) + 100:
-                keep = {row.task_id for row in rows}
-                sent = {k: v for k, v in sent.items() if k in keep}
-            now = time.monotonic()
-            if now - beat > KEEPALIVE:
-                beat = now
-                yield ": keepalive\n\n"
-            if now - checked > RECHECK:
-                checked = now
-                if await _session.viewer(request, ctx) is None:
-                    return  # logged out, or the token was revoked
-            await asyncio.sleep(TICK)
+    sent: dict[str, tuple[str, float, float]] = {}
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
+    async def look() -> AsyncIterator[str]:
+        nonlocal sent
+        rows = await live_window(ctx.store, key, flt)
+        for row in reversed(rows):  # oldest first: the page inserts each on top
+            seen = (row.state, row.dispatched, row.ended)
+            if sent.get(row.task_id) != seen:
+                sent[row.task_id] = seen
+                yield f"event: task\ndata: {json.dumps(await names.row(row))}\n\n"
+        if len(sent) > 4 * len(rows) + 100:
+            keep = {row.task_id for row in rows}
+            sent = {k: v for k, v in sent.items() if k in keep}
+
+    return _stream(request, ctx, look, TICK)
 
 
 @router.get("/tasks/{task_id}", response_model=None)
@@ -561,33 +585,23 @@ async def batches_stream(request: Request) -> Response:
         return Response(status_code=401, headers=HEADERS)
     key = index(ctx.store, who.principal.user_id, _is_admin(ctx, who.principal))
 
-    async def events() -> Any:
-        sent: dict[str, dict[str, object]] = {}
-        finished: dict[str, _batches.Batch] = {}
-        checked = beat = time.monotonic()
-        yield "retry: 1000\n\n"
-        while not ctx.hub.closing:
-            batches = await _batches.recent(ctx.store, key, finished=finished)
-            finished = {b.group_id: b for b in batches if b.total and b.done == b.total}
-            for batch in reversed(batches):  # oldest first: the page inserts each on top
-                view = batch.as_dict() | {"submitted": when(batch.submitted)}
-                view["states"] = _counts(batch)
-                if sent.get(batch.group_id) != view:
-                    sent[batch.group_id] = view
-                    yield f"event: batch\ndata: {json.dumps(view)}\n\n"
-            keep = {batch.group_id for batch in batches}
-            sent = {k: v for k, v in sent.items() if k in keep}
-            now = time.monotonic()
-            if now - beat > KEEPALIVE:
-                beat = now
-                yield ": keepalive\n\n"
-            if now - checked > RECHECK:
-                checked = now
-                if await _session.viewer(request, ctx) is None:
-                    return
-            await asyncio.sleep(BATCH_TICK)
+    sent: dict[str, dict[str, object]] = {}
+    finished: dict[str, _batches.Batch] = {}
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
+    async def look() -> AsyncIterator[str]:
+        nonlocal sent, finished
+        batches = await _batches.recent(ctx.store, key, finished=finished)
+        finished = {b.group_id: b for b in batches if b.total and b.done == b.total}
+        for batch in reversed(batches):  # oldest first: the page inserts each on top
+            view = batch.as_dict() | {"submitted": when(batch.submitted)}
+            view["states"] = _counts(batch)
+            if sent.get(batch.group_id) != view:
+                sent[batch.group_id] = view
+                yield f"event: batch\ndata: {json.dumps(view)}\n\n"
+        keep = {batch.group_id for batch in batches}
+        sent = {k: v for k, v in sent.items() if k in keep}
+
+    return _stream(request, ctx, look, BATCH_TICK)
 
 
 @router.get("/static/{name}")
