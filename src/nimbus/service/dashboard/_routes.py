@@ -24,8 +24,8 @@ import asyncio
 import json
 import secrets
 import time
-from importlib import resources
 from collections.abc import AsyncIterator, Callable
+from importlib import resources
 from typing import Any
 from urllib.parse import urlencode
 
