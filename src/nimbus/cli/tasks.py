@@ -34,7 +34,7 @@ BAD_END = {TaskState.FAILED.value, TaskState.CANCELLED.value}
 
 
 _interval = number(float, 0.1, 60, "seconds")
-_timeout = number(float, 0, None, "a number of seconds", above=True)
+_timeout = number(float, 0.0, None, "a number of seconds", above=True)
 
 
 def setup(parser: argparse.ArgumentParser) -> None:
