@@ -13,9 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from nimbus import Client, Executor
-from service_support import EndpointProcess, Service, service_env, ship
+from nimbus.statestore import StateStore
+from service_support import EndpointProcess, Service, free_port, service_env, ship
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 XSS = "<script>alert(1)</script>"
@@ -341,3 +343,57 @@ def test_the_progress_of_a_map_shows_live(
     screenshot(browser, tmp_path / "batches.png")
     login(browser, service, service.token("mallory"), "/batches")  # nothing of alice's
     assert not browser.find_elements(By.CSS_SELECTOR, selector)
+
+
+def http_login(http: httpx.Client, token: str) -> None:
+    """Log ``http`` in to the dashboard as a browser does (login form, CSRF cookie)."""
+    csrf = re.search(r'name="csrf" value="([^"]+)"', http.get("/login").text)
+    assert csrf is not None
+    assert http.post("/login", data={"token": token, "csrf": csrf[1]}).status_code == 303
+
+
+def zrevranges(store: StateStore) -> int:
+    """How many ZREVRANGEs the queue Redis has answered (the live window's read)."""
+    with redis.Redis.from_url(store.url) as client:
+        stats = client.info("commandstats")
+    return int(stats.get("cmdstat_zrevrange", {}).get("calls", 0))
+
+
+def test_an_open_page_reads_nothing_until_a_task_moves_in_any_service_process(
+    tmp_path: Path,
+) -> None:
+    store = StateStore.open(None, tmp_path / "redis")  # the queue Redis both processes share
+    root = tmp_path / "svc"
+    root.mkdir()
+    env = service_env(root, NIMBUS_REDIS_URL=store.url)
+    first = Service(root, env, port=free_port()).start()
+    second = Service(root, env, port=free_port()).start()  # same registry, same Redis
+    try:
+        token = first.token("vera")
+        with first.client(token) as client, httpx.Client(base_url=second.url, timeout=10) as http:
+            client.register_endpoint("quiet")  # no agent: its tasks wait
+            http_login(http, token)
+            with http.stream("GET", "/tasks/stream") as stream:
+                lines = stream.iter_lines()
+                assert next(lines) == "retry: 1000"
+                time.sleep(1.0)  # the first look, and the one the subscription's start asks for
+                before = zrevranges(store)
+                time.sleep(3.0)
+                assert zrevranges(store) == before  # open, idle: the page read nothing
+                submitted = time.monotonic()
+                task_id = client.run(nap, 1, endpoint="quiet")  # through the other process
+                for line in lines:
+                    if line.startswith("data: ") and task_id in line:
+                        break
+                appeared = time.monotonic() - submitted
+                assert '"state": "waiting-for-endpoint"' in line
+                assert appeared <= 1.0, f"the task showed {appeared:.2f} s after its submit"
+                assert client.cancel(task_id)
+                for line in lines:
+                    if line.startswith("data: ") and task_id in line:
+                        break
+                assert '"state": "cancelled"' in line
+    finally:
+        second.stop()
+        first.stop()
+        store.close()

@@ -18,7 +18,8 @@ Each user's tasks queued or running, and their inline payload bytes, are
 counted in one hash (``Keys.user_queued``): submit refuses a batch that would
 pass the user's quota, and a task that ends (finish, cancel) gives its share back.
 
-Every step that moves a task is one Lua script, so a task is in exactly one of
+Each step that moves tasks publishes on the channel ``TaskStore.changes`` (no
+payload: open dashboard pages re-read what they show). Every step that moves a task is one Lua script, so a task is in exactly one of
 the queue, the inflight hash or a final state, and a result that arrives twice
 (an agent lost, its task run again) is kept once. Payloads and results are
 bytes the service stores and forwards; nothing here unpickles them.
@@ -99,6 +100,7 @@ for i = 1, #t[5], 1000 do  -- indexed and queued 1,000 at a time (one call each,
   redis.call('RPUSH', KEYS[3], unpack(ids))
 end
 redis.call('EXPIRE', KEYS[3], ARGV[3])
+redis.call('PUBLISH', ARGV[1] .. 'changed', '')  -- wakes open dashboard pages
 return {#t[5], 0}
 """
 
@@ -119,6 +121,7 @@ while taken < n do
     taken = taken + 1
   end
 end
+if taken > 0 then redis.call('PUBLISH', ARGV[3] .. 'changed', '') end
 return cmsgpack.pack(out)
 """
 
@@ -171,6 +174,7 @@ for _, quota in ipairs(quotas) do
   if redis.call('HINCRBY', quota, 'tasks', 0 - f[1]) < 0 then redis.call('HSET', quota, 'tasks', 0) end
   if redis.call('HINCRBY', quota, 'bytes', 0 - f[2]) < 0 then redis.call('HSET', quota, 'bytes', 0) end
 end
+if #out > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', '') end
 return {out, drop}
 """
 
@@ -182,6 +186,7 @@ for i = 3, #ARGV do
     redis.call('HSET', key, 'state', 'running')
   end
 end
+redis.call('PUBLISH', ARGV[1] .. 'changed', '')
 return 0
 """
 
@@ -200,6 +205,7 @@ for i = 1, #rows, 2 do
     redis.call('HDEL', KEYS[2], rows[i])
   end
 end
+if n > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', '') end
 return n
 """
 
@@ -267,6 +273,7 @@ class TaskStore:
         self.keys = keys
         self.result_ttl = max(1, int(result_ttl))
         self._task_prefix = keys.task("")
+        self.changes = self._task_prefix + "changed"  # pub/sub channel: tasks moved
         self._data_prefix = keys.data("")
         self._submit = redis.register_script(_SUBMIT)
         self._take = redis.register_script(_TAKE)
@@ -426,6 +433,7 @@ class TaskStore:
         )
         if done is None:
             return None
+        await self.redis.publish(self.changes, b"")
         conn, data = done
         return _text(conn), _text(data)
 

@@ -6,6 +6,7 @@
     GET  /                      endpoints you can use: online, heartbeat, workers
     GET  /tasks?state=&endpoint=&function=&after=   a keyset page of your tasks
     GET  /tasks/stream?state=&endpoint=&function=   server-sent events: rows that changed
+                                (pushed: ``_live``, a Redis subscription per process)
     GET  /tasks/{task_id}       one task: its record, its traceback
     GET  /network?endpoint=&after=  your tasks' bytes and throughput; endpoints' totals
     GET  /batches, /batches/stream  progress of your recent batches (live: events)
@@ -38,7 +39,7 @@ from starlette.concurrency import run_in_threadpool
 from nimbus.errors import AuthError, NotFound
 from nimbus.service import metrics
 from nimbus.service.context import ServiceContext
-from nimbus.service.dashboard import _batches, _network, _session
+from nimbus.service.dashboard import _batches, _live, _network, _session
 from nimbus.service.dashboard._html import Html, age, esc, join, layout, when
 from nimbus.service.dashboard._tasks import (
     STATES,
@@ -57,8 +58,9 @@ __all__ = ["router"]
 
 router = APIRouter(include_in_schema=False)
 PAGE_SIZE = 50
-TICK = 0.25  # seconds between looks at the live window of an open tasks page
-BATCH_TICK = 1.0  # seconds between looks at the batches of an open batches page
+TICK = 0.25  # seconds between looks at the live window of an open tasks page, at most
+BATCH_TICK = 1.0  # seconds between looks at the batches of an open batches page, at most
+WAKE = 1.0  # seconds an idle stream sleeps between checks that the service is stopping
 RECHECK = 5.0  # seconds between checks that a stream's session still holds
 KEEPALIVE = 15.0
 HEADERS = {
@@ -233,25 +235,32 @@ def _stream(
     tick: float,
 ) -> StreamingResponse:
     """Server-sent events for an open page: the frames of ``look()`` (only what changed
-    since its last look) every ``tick`` seconds, a keepalive comment every
-    ``KEEPALIVE``, and the end of the stream once the viewer's session no longer holds
-    (logged out, token revoked: checked every ``RECHECK``)."""
+    since its last look) each time tasks moved (``_live``: pushed, nothing is read while
+    nothing changes), at most once every ``tick`` seconds; a keepalive comment every
+    ``KEEPALIVE``; the end of the stream once the viewer's session no longer holds
+    (logged out, token revoked: checked every ``RECHECK``) or the service stops."""
+    live = _live.changes(request)
 
     async def events() -> AsyncIterator[str]:
-        checked = beat = time.monotonic()
-        yield "retry: 1000\n\n"
-        while not ctx.hub.closing:
-            async for frame in look():
-                yield frame
-            now = time.monotonic()
-            if now - beat > KEEPALIVE:
-                beat = now
-                yield ": keepalive\n\n"
-            if now - checked > RECHECK:
-                checked = now
-                if await _session.viewer(request, ctx) is None:
-                    return
-            await asyncio.sleep(tick)
+        async with live.watching():
+            checked = beat = drawn = time.monotonic()
+            shown = -1  # the version of the store the page shows
+            yield "retry: 1000\n\n"
+            while not ctx.hub.closing:
+                if live.version != shown:
+                    shown, drawn = live.version, time.monotonic()
+                    async for frame in look():
+                        yield frame
+                now = time.monotonic()
+                if now - beat > KEEPALIVE:
+                    beat = now
+                    yield ": keepalive\n\n"
+                if now - checked > RECHECK:
+                    checked = now
+                    if await _session.viewer(request, ctx) is None:
+                        return
+                if await live.wait(shown, WAKE) != shown:  # at most one look per tick
+                    await asyncio.sleep(max(0.0, drawn + tick - time.monotonic()))
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
 
