@@ -183,22 +183,41 @@ def login(url: str, token: str) -> httpx.Client:
     return http
 
 
-class Arrivals(threading.Thread):
-    """``rate`` new tasks a second through the service's submit API, 10 batches a second."""
+class Arrivals:
+    """``rate`` new tasks a second through the service's submit API: ``THREADS`` clients,
+    each sending 10 batches a second."""
 
-    def __init__(self, client: Any, rate: int) -> None:
-        super().__init__(daemon=True)
-        self.client, self.rate = client, rate
-        self.sent = 0
+    THREADS = 4
+
+    def __init__(self, clients: list[Any], rate: int) -> None:
+        self.clients, self.rate = clients, rate
+        self.sent = [0] * len(clients)
         self.halt = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._send, args=(i,), daemon=True) for i in range(len(clients))
+        ]
+        self.began = self.ended = 0.0
 
-    def run(self) -> None:
-        per = max(1, self.rate // 10)
-        start = time.monotonic()
+    def start(self) -> None:
+        self.began = time.monotonic()
+        for thread in self.threads:
+            thread.start()
+
+    def stop(self) -> float:
+        """Stop; the rate reached (tasks a second)."""
+        self.halt.set()
+        for thread in self.threads:
+            thread.join()
+        self.ended = time.monotonic()
+        return sum(self.sent) / max(1e-9, self.ended - self.began) if self.threads else 0.0
+
+    def _send(self, i: int) -> None:
+        rate = self.rate / len(self.clients)
+        per = max(1, int(rate // 10))
         while not self.halt.is_set():
-            self.client.batch_run(noop, [()] * per, endpoint="offline")
-            self.sent += per
-            ahead = start + self.sent / self.rate - time.monotonic()
+            self.clients[i].batch_run(noop, [()] * per, endpoint="offline")
+            self.sent[i] += per
+            ahead = self.began + self.sent[i] / rate - time.monotonic()
             if ahead > 0:
                 self.halt.wait(ahead)
 
@@ -266,8 +285,11 @@ def main() -> None:
         user_id = registry.principal(token).user_id  # type: ignore[union-attr]
         registry.close()
         client = Client(service.url, token, settings=settings)
-        others = Client(service.url, registry_token(settings, "others"), settings=settings)
-        others.register_endpoint("offline")
+        other_token = registry_token(settings, "others")
+        others = [
+            Client(service.url, other_token, settings=settings) for _ in range(Arrivals.THREADS)
+        ]
+        others[0].register_endpoint("offline")
         endpoint_id = client.register_endpoint("offline")["endpoint_id"]
         function_id = client.register_function(noop)
         keys = Keys(SERVICE_ID)
@@ -292,9 +314,8 @@ def main() -> None:
             time.sleep(0.2)
         rows.append(("records stored", f"{args.records:,}", f"in {filled:.1f} s (Lua, bulk)"))
 
-        arrivals = Arrivals(others, args.rate)  # other users' tasks: the page shows none
-        if args.rate:
-            arrivals.start()
+        arrivals = Arrivals(others if args.rate else [], args.rate)  # other users' tasks
+        arrivals.start()
         http = login(service.url, token)
         first_render = timed(http, "/tasks", 1)
         tasks = timed(http, "/tasks", args.repeat)
@@ -342,10 +363,11 @@ def main() -> None:
         rows.append(
             ("a new task on an open page, max", ms(live, 1.0), f"{len(live)}/5 seen; target 1 s")
         )
-        arrivals.halt.set()
-        if args.rate:
-            arrivals.join()
-        rows.append(("tasks arrived meanwhile", f"{arrivals.sent:,}", f"at {args.rate}/s"))
+        reached = arrivals.stop()
+        rows.append(
+            ("new tasks arriving meanwhile", f"{reached:.0f}/s", f"asked {args.rate}/s, "
+             f"{sum(arrivals.sent):,} in all")
+        )  # fmt: skip
 
         service_rss, redis_rss = (p.memory_info().rss for p in procs)
         used = store.info("memory")["used_memory"]
@@ -359,7 +381,8 @@ def main() -> None:
         store.close()
         http.close()
         client.close()
-        others.close()
+        for other in others:
+            other.close()
 
         service.stop()
         restart = service.start()
