@@ -359,7 +359,7 @@ def zrevranges(store: StateStore) -> int:
     return int(stats.get("cmdstat_zrevrange", {}).get("calls", 0))
 
 
-def test_an_open_page_reads_nothing_until_a_task_moves_in_any_service_process(
+def test_an_open_page_reads_nothing_until_its_users_task_moves_in_any_service_process(
     tmp_path: Path,
 ) -> None:
     store = StateStore.open(None, tmp_path / "redis")  # the queue Redis both processes share
@@ -370,16 +370,24 @@ def test_an_open_page_reads_nothing_until_a_task_moves_in_any_service_process(
     second = Service(root, env, port=free_port()).start()  # same registry, same Redis
     try:
         token = first.token("vera")
-        with first.client(token) as client, httpx.Client(base_url=second.url, timeout=10) as http:
+        with (
+            first.client(token) as client,
+            first.client(first.token("walt")) as walt,
+            httpx.Client(base_url=second.url, timeout=10) as http,
+        ):
             client.register_endpoint("quiet")  # no agent: its tasks wait
+            walt.register_endpoint("walts")
             http_login(http, token)
             with http.stream("GET", "/tasks/stream") as stream:
                 lines = stream.iter_lines()
                 assert next(lines) == "retry: 1000"
                 time.sleep(1.0)  # the first look, and the one the subscription's start asks for
                 before = zrevranges(store)
-                time.sleep(3.0)
+                time.sleep(2.0)
                 assert zrevranges(store) == before  # open, idle: the page read nothing
+                walt.batch_run(nap, [(1,)] * 50, endpoint="walts")  # another user's tasks
+                time.sleep(1.0)
+                assert zrevranges(store) == before  # not vera's: her page read nothing
                 submitted = time.monotonic()
                 task_id = client.run(nap, 1, endpoint="quiet")  # through the other process
                 for line in lines:

@@ -1,11 +1,13 @@
 """Wake-ups for the dashboard's open pages: one Redis subscription per service process.
 
 Every script of the task store that moves tasks publishes on ``TaskStore.changes``
-(``nimbus.service.queues``). While at least one page of this process streams,
-one subscriber task listens on that channel and bumps a version number; each
-stream waits for the version to pass the one it last drew, so an open page
-reads nothing while nothing changes, and all the processes of a service see
-every change (the publishes go through the shared queue Redis). With no page
+the ids of the tasks' owners (``nimbus.service.queues``; '' for anyone's). While
+at least one page of this process streams, one subscriber task listens on that
+channel and bumps a version number, noting it for each owner named; a stream
+waits until its user's mark (:meth:`Changes.mark`: any change for an admin)
+passes the one it last drew, so an open page reads nothing while nothing of its
+user's changes, and all the processes of a service see every change (the
+publishes go through the shared queue Redis). With no page
 open the subscription is dropped. If the subscription breaks (the queue Redis
 restarted) the version is bumped too, so pages re-read what they may have missed.
 """
@@ -33,6 +35,8 @@ class Changes:
     def __init__(self, store: TaskStore) -> None:
         self.store = store
         self.version = 0
+        self._anyone = 0  # the version of the last change published without owners
+        self._owners: dict[str, int] = {}  # owner id -> the version of their last change
         self._changed = asyncio.Condition()
         self._watchers = 0
         self._listener: asyncio.Task[None] | None = None
@@ -51,18 +55,29 @@ class Changes:
                 self._listener.cancel()
                 self._listener = None
 
-    async def wait(self, seen: int, timeout: float) -> int:
-        """The version once it is past ``seen``, or after ``timeout`` seconds."""
+    def mark(self, owner: str | None) -> int:
+        """The version of the last change to ``owner``'s tasks (None: anyone's)."""
+        if owner is None:
+            return self.version
+        return max(self._anyone, self._owners.get(owner, 0))
+
+    async def wait(self, owner: str | None, seen: int, timeout: float) -> int:
+        """:meth:`mark` once it is past ``seen``, or after ``timeout`` seconds."""
         async with self._changed:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self.version > seen), max(0.0, timeout)
+                    self._changed.wait_for(lambda: self.mark(owner) > seen), max(0.0, timeout)
                 )
-            return self.version
+            return self.mark(owner)
 
-    async def _bump(self) -> None:
+    async def _bump(self, owners: bytes = b"") -> None:
         async with self._changed:
             self.version += 1
+            if owners:
+                for owner in owners.decode(errors="replace").split():
+                    self._owners[owner] = self.version
+            else:
+                self._anyone = self.version
             self._changed.notify_all()
 
     async def _listen(self) -> None:
@@ -74,7 +89,7 @@ class Changes:
                 while True:
                     message = await pubsub.get_message(timeout=None)
                     if message is not None:
-                        await self._bump()
+                        await self._bump(message["data"])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the queue Redis went away: subscribe again

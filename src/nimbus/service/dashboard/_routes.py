@@ -233,10 +233,12 @@ def _stream(
     ctx: ServiceContext,
     look: Callable[[], AsyncIterator[str]],
     tick: float,
+    owner: str | None,
 ) -> StreamingResponse:
     """Server-sent events for an open page: the frames of ``look()`` (only what changed
-    since its last look) each time tasks moved (``_live``: pushed, nothing is read while
-    nothing changes), at most once every ``tick`` seconds; a keepalive comment every
+    since its last look) each time tasks of ``owner`` moved (None: anyone's, for an admin;
+    ``_live``: pushed, nothing is read while nothing changes), at most once every
+    ``tick`` seconds; a keepalive comment every
     ``KEEPALIVE``; the end of the stream once the viewer's session no longer holds
     (logged out, token revoked: checked every ``RECHECK``) or the service stops."""
     live = _live.changes(request)
@@ -247,8 +249,8 @@ def _stream(
             shown = -1  # the version of the store the page shows
             yield "retry: 1000\n\n"
             while not ctx.hub.closing:
-                if live.version != shown:
-                    shown, drawn = live.version, time.monotonic()
+                if live.mark(owner) != shown:
+                    shown, drawn = live.mark(owner), time.monotonic()
                     async for frame in look():
                         yield frame
                 now = time.monotonic()
@@ -259,7 +261,7 @@ def _stream(
                     checked = now
                     if await _session.viewer(request, ctx) is None:
                         return
-                if await live.wait(shown, WAKE) != shown:  # at most one look per tick
+                if await live.wait(owner, shown, WAKE) != shown:  # at most one look per tick
                     await asyncio.sleep(max(0.0, drawn + tick - time.monotonic()))
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
@@ -413,7 +415,7 @@ async def tasks_stream(request: Request) -> Response:
             keep = {row.task_id for row in rows}
             sent = {k: v for k, v in sent.items() if k in keep}
 
-    return _stream(request, ctx, look, TICK)
+    return _stream(request, ctx, look, TICK, None if names.admin else who.principal.user_id)
 
 
 @router.get("/tasks/{task_id}", response_model=None)
@@ -610,7 +612,8 @@ async def batches_stream(request: Request) -> Response:
         keep = {batch.group_id for batch in batches}
         sent = {k: v for k, v in sent.items() if k in keep}
 
-    return _stream(request, ctx, look, BATCH_TICK)
+    admin = _is_admin(ctx, who.principal)
+    return _stream(request, ctx, look, BATCH_TICK, None if admin else who.principal.user_id)
 
 
 @router.get("/static/{name}")
