@@ -438,3 +438,24 @@ def assert_first_results(path: Path, results: Sequence[str], lost: Collection[in
     }
     assert not wrong, f"results not of the first run (kept, first): {wrong}"
     return runs
+
+
+def ship(n: int, pause: float = 0.0) -> int:
+    """A task: send ``n`` bytes over TCP on loopback to itself (``n`` out, ``n`` in), then
+    wait ``pause`` seconds (a run long enough for a throughput to mean something)."""
+    import socket
+    import time
+
+    got = 0
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        socket.create_connection(server.getsockname()) as out,
+    ):
+        conn, _ = server.accept()
+        with conn:
+            out.sendall(b"x" * n)
+            out.shutdown(socket.SHUT_WR)
+            while chunk := conn.recv(65536):
+                got += len(chunk)
+    time.sleep(pause)
+    return got

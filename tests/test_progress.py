@@ -99,3 +99,81 @@ def test_plain_bar_closed_early_when_map_is_abandoned() -> None:
     bar.close()
     bar.done(7)
     assert bar.count == 3 and out.getvalue().splitlines()[-1].startswith("map f: [######")
+
+
+POOL_PROGRAM = textwrap.dedent(
+    """
+    import sys
+    import time
+    from multiprocessing import Pool
+    sys.modules["tqdm"] = None  # the plain bar: its lines are the test's to read
+
+    def square(x):
+        time.sleep(0.02)
+        return x * x
+
+    def bad(x):
+        if x == 7:
+            raise ValueError("seven")
+        return x
+
+    if __name__ == "__main__":
+        with Pool(2) as pool:
+            print(sum(pool.map(square, range(40), chunksize=4)))
+            print(sum(pool.starmap(pow, [(2, i) for i in range(10)])))
+            print(sum(pool.imap_unordered(square, range(20))))
+            if sys.argv[1:] == ["fail"]:
+                pool.map(bad, range(20), chunksize=1)
+    """
+)
+
+
+def _nimbus_run(
+    tmp_path: Path, *options: str, argv: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "pool_prog.py"
+    script.write_text(POOL_PROGRAM)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return subprocess.run(
+        [sys.executable, "-m", "nimbus", "run", *options, str(script), *argv],
+        capture_output=True, text=True, timeout=180, check=False, cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": src},
+    )  # fmt: skip
+
+
+def _bars(stderr: str) -> dict[str, list[tuple[int, int]]]:
+    """Each bar's (done, total) lines, by label, in order."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for label, done, total in re.findall(r"^(map \w+): \[[#.]+\] (\d+)/(\d+)", stderr, re.M):
+        out.setdefault(label, []).append((int(done), int(total)))
+    return out
+
+
+def test_nimbus_run_progress_draws_a_bar_for_each_pool_map(tmp_path: Path) -> None:
+    proc = _nimbus_run(tmp_path, "--progress")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(sum(x * x for x in range(40))), "1023",
+                                   str(sum(x * x for x in range(20)))]  # fmt: skip
+    bars = _bars(proc.stderr)
+    square = bars["map square"]  # the map, then the imap_unordered
+    first = square[: square.index((40, 40)) + 1]
+    assert first[0] == (0, 40) and len(first) >= 4  # moved as chunks came back, not at the end
+    assert [done for done, _ in first] == sorted(done for done, _ in first)
+    assert all(done % 4 == 0 for done, _ in first)  # whole chunks of 4 items
+    assert square[-1] == (20, 20)
+    assert bars["map pow"][-1] == (10, 10)
+
+
+def test_nimbus_run_progress_a_failed_map_ends_its_bar_and_the_program_as_python(
+    tmp_path: Path,
+) -> None:
+    proc = _nimbus_run(tmp_path, "--progress", argv=("fail",))
+    assert proc.returncode == 1 and "ValueError: seven" in proc.stderr
+    failed = _bars(proc.stderr)["map bad"]
+    assert failed[0] == (0, 20) and failed[-1][0] < 20
+
+
+def test_nimbus_run_without_progress_draws_no_bar(tmp_path: Path) -> None:
+    proc = _nimbus_run(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "map " not in proc.stderr

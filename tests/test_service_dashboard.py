@@ -6,15 +6,18 @@ from __future__ import annotations
 import os
 import re
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from nimbus import Client, Executor
-from service_support import EndpointProcess, Service, service_env
+from nimbus.statestore import StateStore
+from service_support import EndpointProcess, Service, free_port, service_env, ship
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 XSS = "<script>alert(1)</script>"
@@ -60,26 +63,9 @@ def raises(message: str) -> None:
     raise ValueError(message)
 
 
-def ship(n: int) -> int:
-    """Send ``n`` bytes over TCP on loopback to itself (``n`` out, ``n`` in), over 0.2 s."""
-    import socket
-
-    got = 0
-    with (
-        socket.create_server(("127.0.0.1", 0)) as server,
-        socket.create_connection(server.getsockname()) as out,
-    ):
-        conn, _ = server.accept()
-        with conn:
-            out.sendall(b"x" * n)
-            out.shutdown(socket.SHUT_WR)
-            while chunk := conn.recv(65536):
-                got += len(chunk)
-    time.sleep(0.2)
-    return got
-
-
-ship.__name__ = ship.__qualname__ = XSS + "ship"
+# ``ship`` (``service_support``) under a name that is markup, over 0.2 s
+hostile_ship = types.FunctionType(ship.__code__, ship.__globals__, XSS + "ship", (0.2,))
+hostile_ship.__name__ = hostile_ship.__qualname__ = XSS + "ship"
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +265,7 @@ def test_the_admin_sees_every_endpoint_and_task(
 def test_network_page_shows_bytes_and_throughput_of_each_task(
     service: Service, alice: Client, lab: EndpointProcess, browser: Any, tmp_path: Path
 ) -> None:
-    task_id = alice.run(ship, 300_000, endpoint="lab")
+    task_id = alice.run(hostile_ship, 300_000, endpoint="lab")
     assert alice.get_result(task_id, timeout=30) == 300_000
     record = alice.get_task(task_id)["record"]
     login(browser, service, alice.token)
@@ -359,3 +345,65 @@ def test_the_progress_of_a_map_shows_live(
     screenshot(browser, tmp_path / "batches.png")
     login(browser, service, service.token("mallory"), "/batches")  # nothing of alice's
     assert not browser.find_elements(By.CSS_SELECTOR, selector)
+
+
+def http_login(http: httpx.Client, token: str) -> None:
+    """Log ``http`` in to the dashboard as a browser does (login form, CSRF cookie)."""
+    csrf = re.search(r'name="csrf" value="([^"]+)"', http.get("/login").text)
+    assert csrf is not None
+    assert http.post("/login", data={"token": token, "csrf": csrf[1]}).status_code == 303
+
+
+def zrevranges(store: StateStore) -> int:
+    """How many ZREVRANGEs the queue Redis has answered (the live window's read)."""
+    with redis.Redis.from_url(store.url) as client:
+        stats = client.info("commandstats")
+    return int(stats.get("cmdstat_zrevrange", {}).get("calls", 0))
+
+
+def test_an_open_page_reads_nothing_until_its_users_task_moves_in_any_service_process(
+    tmp_path: Path,
+) -> None:
+    store = StateStore.open(None, tmp_path / "redis")  # the queue Redis both processes share
+    root = tmp_path / "svc"
+    root.mkdir()
+    env = service_env(root, NIMBUS_REDIS_URL=store.url)
+    first = Service(root, env, port=free_port()).start()
+    second = Service(root, env, port=free_port()).start()  # same registry, same Redis
+    try:
+        token = first.token("vera")
+        with (
+            first.client(token) as client,
+            first.client(first.token("walt")) as walt,
+            httpx.Client(base_url=second.url, timeout=10) as http,
+        ):
+            client.register_endpoint("quiet")  # no agent: its tasks wait
+            walt.register_endpoint("walts")
+            http_login(http, token)
+            with http.stream("GET", "/tasks/stream") as stream:
+                lines = stream.iter_lines()
+                assert next(lines) == "retry: 1000"
+                time.sleep(1.0)  # the first look, and the one the subscription's start asks for
+                before = zrevranges(store)
+                time.sleep(2.0)
+                assert zrevranges(store) == before  # open, idle: the page read nothing
+                walt.batch_run(nap, [(1,)] * 50, endpoint="walts")  # another user's tasks
+                time.sleep(1.0)
+                assert zrevranges(store) == before  # not vera's: her page read nothing
+                submitted = time.monotonic()
+                task_id = client.run(nap, 1, endpoint="quiet")  # through the other process
+                for line in lines:
+                    if line.startswith("data: ") and task_id in line:
+                        break
+                appeared = time.monotonic() - submitted
+                assert '"state": "waiting-for-endpoint"' in line
+                assert appeared <= 1.0, f"the task showed {appeared:.2f} s after its submit"
+                assert client.cancel(task_id)
+                for line in lines:
+                    if line.startswith("data: ") and task_id in line:
+                        break
+                assert '"state": "cancelled"' in line
+    finally:
+        second.stop()
+        first.stop()
+        store.close()

@@ -113,3 +113,33 @@ def test_pages_filters_and_latency(store: TaskStore, key: str) -> None:
             await store.redis.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_page_reads_only_its_rows_wherever_it_is_in_the_index(store: TaskStore, key: str) -> None:
+    """The EXPLAIN of a Redis read: the commands one page ran, from INFO commandstats
+    (a script's commands count too). A page of 50 near the end of 20,000 tasks reads
+    50 hashes and one range, never the history before it."""
+
+    async def calls() -> dict[str, int]:
+        stats = await store.redis.info("commandstats")
+        return {name: int(stat["calls"]) for name, stat in stats.items()}
+
+    async def scenario() -> None:
+        try:
+            newest_first = await _fill(store)
+            for after in (None, (float("inf"), newest_first[-101])):
+                before = await calls()
+                rows, _ = await page(store, key, Filter(), after, 50)
+                ran = {k: v - before.get(k, 0) for k, v in (await calls()).items()}
+                ran = {k: v for k, v in ran.items() if v and k != "cmdstat_info"}
+                assert len(rows) == 50
+                assert ran.get("cmdstat_hmget") == 50, ran
+                assert ran.get("cmdstat_zrevrange") == 1, ran
+                assert sum(ran.values()) <= 55, ran  # + EVALSHA, ZREVRANK: no scan
+        finally:
+            keys = [key async for key in store.redis.scan_iter(match=store.keys.pattern())]
+            for i in range(0, len(keys), 1000):
+                await store.redis.unlink(*keys[i : i + 1000])
+            await store.redis.aclose()
+
+    asyncio.run(scenario())

@@ -12,7 +12,7 @@ import pytest
 from nimbus import Client
 from nimbus.service.metrics import BUCKETS
 from nimbus.statestore import StateStore
-from service_support import EndpointProcess, Service, free_port, service_env
+from service_support import EndpointProcess, Service, free_port, service_env, ship
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_]+="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 
@@ -101,24 +101,6 @@ def test_metrics_count_tasks_endpoints_and_heartbeats(
     assert m[("nimbus_endpoint_tasks", ep(lab.endpoint_id, state="waiting-for-endpoint"))] == 0
 
 
-def move_bytes(n: int) -> int:
-    """Send ``n`` bytes over TCP on loopback to itself: ``n`` out and ``n`` in, by sockets."""
-    import socket
-
-    got = 0
-    with (
-        socket.create_server(("127.0.0.1", 0)) as server,
-        socket.create_connection(server.getsockname()) as out,
-    ):
-        conn, _ = server.accept()
-        with conn:
-            out.sendall(b"x" * n)
-            out.shutdown(socket.SHUT_WR)
-            while chunk := conn.recv(65536):
-                got += len(chunk)
-    return got
-
-
 def test_histograms_and_net_bytes_are_the_same_from_every_service_process(
     tmp_path: Path,
 ) -> None:
@@ -133,7 +115,7 @@ def test_histograms_and_net_bytes_are_the_same_from_every_service_process(
         with first.client(first.token("hugo")) as client:
             agent = EndpointProcess(first, client, "histo").start(client)
             naps = client.batch_run(nap, [(0.3,)] * 3, endpoint="histo")
-            moved = client.run(move_bytes, 100_000, endpoint="histo")
+            moved = client.run(ship, 100_000, endpoint="histo")
             bad = client.run(int, "x", endpoint="histo")
             assert [client.get_result(i, timeout=60) for i in naps] == [0.3] * 3
             assert client.get_result(moved, timeout=60) == 100_000

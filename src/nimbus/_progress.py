@@ -1,4 +1,6 @@
-"""A progress bar on stderr for ``Executor.map(..., progress=True)``.
+"""A progress bar on stderr for ``Executor.map(..., progress=True)`` and, under
+``nimbus run --progress``, for each map of a program's ``multiprocessing.Pool``
+(:func:`follow_pool_maps`).
 
 tqdm draws it when it is installed (the dev extras have it); without it a plain
 line ``map fn: 3/10 (30%) 1.2 s`` is rewritten in place on a terminal, or
@@ -15,7 +17,7 @@ import time
 from concurrent.futures import Future
 from typing import IO, Any
 
-__all__ = ["Bar", "bar", "count"]
+__all__ = ["Bar", "bar", "count", "follow_pool_maps"]
 
 
 class Bar:
@@ -41,6 +43,13 @@ class Bar:
             self._draw()
             if self.count >= self.total:
                 self._close()
+
+    def reach(self, n: int) -> None:
+        """At least ``n`` items done (a count read from the work itself)."""
+        with self._lock:
+            behind = n - self.count
+        if behind > 0:
+            self.done(behind)
 
     def close(self) -> None:
         with self._lock:
@@ -92,6 +101,12 @@ class _Tqdm:
                 self.closed = True
                 self._bar.close()
 
+    def reach(self, n: int) -> None:
+        with self._lock:
+            behind = n - self._bar.n
+        if behind > 0:
+            self.done(behind)
+
     def close(self) -> None:
         with self._lock:
             if not self.closed:
@@ -114,3 +129,78 @@ def bar(total: int, label: str, plain: bool = False) -> Bar | _Tqdm:
 def count(shown: Bar | _Tqdm, size: int, future: Future[Any]) -> None:
     """A done-callback: ``size`` items more, unless ``future`` was cancelled."""
     shown.done(0 if future.cancelled() else size)
+
+
+def _label(func: Any) -> str:
+    return f"map {getattr(func, '__name__', 'fn')}"
+
+
+def _map_result(result: Any, length: int, shown: Bar | _Tqdm) -> None:
+    """Move ``shown`` as the chunks of a pool's ``MapResult`` come back: the count is read
+    from the result itself (chunks left), so chunks that came back before this ran count.
+    A chunk that raised is not counted; the bar closes when the map has ended."""
+    original = result._set
+    chunksize = max(1, result._chunksize)
+    chunks = -(-length // chunksize)
+
+    failed = [0]  # chunks that raised: not items done
+
+    def _set(i: int, success_result: Any) -> None:
+        original(i, success_result)
+        failed[0] += 0 if success_result[0] else 1
+        shown.reach(min(length, (chunks - result._number_left - failed[0]) * chunksize))
+        if result.ready():
+            shown.close()
+
+    result._set = _set
+    if result.ready():  # every chunk came back (or one failed) before the bar existed
+        shown.reach(length if result.successful() else 0)
+        shown.close()
+
+
+def _items(items: Any, shown: Bar | _Tqdm) -> Any:
+    """The results of an ``imap``, counted as the program takes them."""
+    try:
+        for item in items:
+            yield item
+            shown.done(1)
+    finally:
+        shown.close()
+
+
+def follow_pool_maps(pool_class: Any) -> None:
+    """Draw a bar for every ``map``, ``starmap`` (and their ``_async``), ``imap`` and
+    ``imap_unordered`` of ``pool_class`` (a ``multiprocessing.pool.Pool``) from now on:
+    the items whose results came back, as the pool's result thread stores them (a map)
+    or as the program takes them (an imap). An imap over an iterable without a length
+    has a bar without a total (tqdm) or none (the plain bar)."""
+    if getattr(pool_class, "_nimbus_progress", False):
+        return
+    map_async, imap, imap_unordered = (
+        pool_class._map_async,
+        pool_class.imap,
+        pool_class.imap_unordered,
+    )
+
+    def _map_async(self: Any, func: Any, iterable: Any, mapper: Any, *args: Any) -> Any:
+        if not hasattr(iterable, "__len__"):
+            iterable = list(iterable)  # as the stdlib's _map_async does
+        result = map_async(self, func, iterable, mapper, *args)
+        _map_result(result, len(iterable), bar(len(iterable), _label(func)))
+        return result
+
+    def following(method: Any) -> Any:
+        def follow(self: Any, func: Any, iterable: Any, *args: Any, **kwargs: Any) -> Any:
+            if not hasattr(iterable, "__len__"):
+                return method(self, func, iterable, *args, **kwargs)
+            return _items(method(self, func, iterable, *args, **kwargs),
+                          bar(len(iterable), _label(func)))  # fmt: skip
+
+        follow.__name__ = method.__name__
+        follow.__doc__ = method.__doc__
+        return follow
+
+    pool_class._map_async = _map_async
+    pool_class.imap = following(imap)
+    pool_class.imap_unordered = following(imap_unordered)
+    pool_class._nimbus_progress = True

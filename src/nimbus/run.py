@@ -7,6 +7,7 @@
     nimbus run -c "code" ARGS...         # as `python -c "code" ARGS...`
     nimbus run --endpoint hpc script.py  # its processes on the endpoint `hpc`
     nimbus run --environment geo x.py    # its processes in that environment (NIMBUS_ENVIRONMENT)
+    nimbus run --progress script.py      # a bar on stderr for each of its Pool maps
     python -m nimbus run ...             # the same
 
 The program runs in this interpreter, as ``python`` would run it: its
@@ -34,7 +35,7 @@ from collections.abc import Sequence
 __all__ = ["EXIT_USAGE", "main", "run", "setup"]
 
 EXIT_USAGE = 2
-USAGE = "usage: nimbus run [--endpoint NAME] [--environment NAME] (SCRIPT | -m MODULE | -c CODE) [ARGS ...]"
+USAGE = "usage: nimbus run [--endpoint NAME] [--environment NAME] [--progress] (SCRIPT | -m MODULE | -c CODE) [ARGS ...]"
 
 
 def setup(parser: object) -> None:
@@ -46,6 +47,9 @@ def setup(parser: object) -> None:
     parser.add_argument("--endpoint", metavar="NAME", help="run the processes on this endpoint")
     parser.add_argument(
         "--environment", metavar="NAME", help="run the processes in this environment"
+    )
+    parser.add_argument(
+        "--progress", action="store_true", help="a progress bar for each Pool map of the program"
     )
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m")
     parser.add_argument("-c", dest="command", metavar="CODE", help="run code, as python -c")
@@ -60,16 +64,21 @@ def run(args: object) -> int:
     command = getattr(args, "command", None)
     if getattr(args, "environment", None):
         os.environ["NIMBUS_ENVIRONMENT"] = args.environment  # type: ignore[attr-defined]
-    return launch(endpoint, module, ["-c", command, *argv] if command is not None else argv)
+    program = ["-c", command, *argv] if command is not None else argv
+    return launch(endpoint, module, program, progress=bool(getattr(args, "progress", False)))
 
 
-def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, list[str]]:
-    """``[--endpoint NAME] (SCRIPT | -m MODULE) ARGS``; options end at the program."""
+def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, list[str], bool]:
+    """``[--endpoint NAME] [--progress] (SCRIPT | -m MODULE) ARGS``; options end at the
+    program."""
     endpoint = module = None
+    progress = False
     rest = list(argv)
     while rest:
         head = rest[0]
-        if head == "--endpoint" and len(rest) > 1:
+        if head == "--progress":
+            progress, rest = True, rest[1:]
+        elif head == "--endpoint" and len(rest) > 1:
             endpoint, rest = rest[1], rest[2:]
         elif head.startswith("--endpoint="):
             endpoint, rest = head.split("=", 1)[1], rest[1:]
@@ -99,7 +108,7 @@ def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, list[str]]:
             _usage(f"unknown option {head!r}")
         else:
             break
-    return endpoint, module, rest
+    return endpoint, module, rest, progress
 
 
 def _usage(message: str) -> None:
@@ -109,12 +118,15 @@ def _usage(message: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``nimbus run ARGS`` (``argv``: what follows ``run``) without the rest of the CLI."""
-    endpoint, module, rest = _parse(sys.argv[2:] if argv is None else argv)
-    return launch(endpoint, module, rest)
+    endpoint, module, rest, progress = _parse(sys.argv[2:] if argv is None else argv)
+    return launch(endpoint, module, rest, progress=progress)
 
 
-def launch(endpoint: str | None, module: str | None, argv: list[str]) -> int:
-    """Install nimbus as ``multiprocessing`` and run the program; its exit status."""
+def launch(
+    endpoint: str | None, module: str | None, argv: list[str], *, progress: bool = False
+) -> int:
+    """Install nimbus as ``multiprocessing`` and run the program; its exit status. With
+    ``progress``, each map of its pools draws a bar on stderr (``nimbus._progress``)."""
     if module is None and not argv:
         _usage("no script or -m MODULE to run")
     command = module is None and argv[0] == "-c"
@@ -126,6 +138,12 @@ def launch(endpoint: str | None, module: str | None, argv: list[str]) -> int:
     from nimbus import _install
 
     _install.install()  # Ctrl-C is passed on to the program's processes from here
+    if progress:  # (imports multiprocessing, nimbus's now, before the program does)
+        import multiprocessing.pool
+
+        from nimbus import _progress
+
+        _progress.follow_pool_maps(multiprocessing.pool.Pool)
     try:
         if module is not None:
             code, main = _module(module, argv)

@@ -29,6 +29,7 @@ from typing import NamedTuple, NoReturn
 
 import nimbus
 from nimbus import run as run_cmd
+from nimbus.cli import dashboard as dashboard_cli
 from nimbus.cli import endpoint as endpoint_cli
 from nimbus.cli import environments as environments_cli
 from nimbus.cli import netbench as netbench_cli
@@ -207,6 +208,11 @@ COMMANDS: dict[str, Command] = {
         environments_cli.run,
     ),
     "tasks": Command("list your tasks, show one, watch them live", tasks_cli.setup, tasks_cli.run),
+    "dashboard": Command(
+        "serve this machine's dashboard on 127.0.0.1 and print its URL",
+        dashboard_cli.setup,
+        dashboard_cli.run,
+    ),
     "run": Command("run a program with nimbus as its multiprocessing", run_cmd.setup, run_cmd.run),
     "manager": Command(
         "run this node's manager, connected out to its agent (a block starts it)",

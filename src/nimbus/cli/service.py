@@ -17,11 +17,14 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nimbus.cli._numbers import number
 from nimbus.config import Settings
 from nimbus.records import TaskState
 
 if TYPE_CHECKING:
     from nimbus.service.registry import Registry
+
+MAX_LIMIT = 10_000  # the service's largest page of tasks
 
 __all__ = [
     "endpoints_run",
@@ -177,24 +180,8 @@ def _user_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port: 0 to 65535 (0: any free port)")
-    return port
-
-
-def _limit(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_LIMIT:
-        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_LIMIT}, got {text!r}")
-    return value
+_port = number(int, 0, 65535, "a port")
+_limit = number(int, 1, MAX_LIMIT)
 
 
 def _task_id(text: str) -> str:
@@ -279,7 +266,6 @@ def endpoints_run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- nimbus tasks
 
 
-MAX_LIMIT = 10_000  # the service's largest page of tasks
 DEFAULT_LIMIT = 50
 
 

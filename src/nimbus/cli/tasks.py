@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from nimbus.cli import service as service_cli
+from nimbus.cli._numbers import number
 from nimbus.errors import ConfigError
 from nimbus.records import TaskState
 
@@ -32,24 +33,8 @@ FINISHED = {state.value for state in TaskState if state.done}
 BAD_END = {TaskState.FAILED.value, TaskState.CANCELLED.value}
 
 
-def _interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0.1 <= value <= 60:
-        raise argparse.ArgumentTypeError(f"expected seconds from 0.1 to 60, got {text!r}")
-    return value
-
-
-def _timeout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
+_interval = number(float, 0.1, 60, "seconds")
+_timeout = number(float, 0.0, None, "a number of seconds", above=True)
 
 
 def setup(parser: argparse.ArgumentParser) -> None:

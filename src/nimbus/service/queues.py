@@ -18,7 +18,10 @@ Each user's tasks queued or running, and their inline payload bytes, are
 counted in one hash (``Keys.user_queued``): submit refuses a batch that would
 pass the user's quota, and a task that ends (finish, cancel) gives its share back.
 
-Every step that moves a task is one Lua script, so a task is in exactly one of
+Each step that moves tasks publishes on the channel ``TaskStore.changes`` the
+ids of their owners, space-separated ('' for anyone's): open dashboard pages of
+those users re-read what they show. Every step that moves a task is one Lua
+script, so a task is in exactly one of
 the queue, the inflight hash or a final state, and a result that arrives twice
 (an agent lost, its task run again) is kept once. Payloads and results are
 bytes the service stores and forwards; nothing here unpickles them.
@@ -99,10 +102,23 @@ for i = 1, #t[5], 1000 do  -- indexed and queued 1,000 at a time (one call each,
   redis.call('RPUSH', KEYS[3], unpack(ids))
 end
 redis.call('EXPIRE', KEYS[3], ARGV[3])
+redis.call('PUBLISH', ARGV[1] .. 'changed', owner)  -- wakes the owner's open dashboard pages
 return {#t[5], 0}
 """
 
-_TAKE = """
+_OWNERS = """
+local owners, named = {}, {}  -- whose tasks moved: published for their dashboard pages
+local function moved(owner)
+  if owner and not named[owner] then
+    named[owner] = true
+    owners[#owners + 1] = owner
+  end
+end
+"""
+
+_TAKE = (
+    _OWNERS
+    + """
 local out = {}
 local n = tonumber(ARGV[1])
 local taken = 0
@@ -116,20 +132,25 @@ while taken < n do
     redis.call('HSET', key, 'state', 'dispatched', 'dispatched', ARGV[4])
     redis.call('HSET', KEYS[2], id, ARGV[2])
     out[#out + 1] = {id, v[2], v[3], v[4] or '', v[5] or '', v[6] or '', v[7] or ''}
+    moved(v[6])
     taken = taken + 1
   end
 end
+if taken > 0 then redis.call('PUBLISH', ARGV[3] .. 'changed', table.concat(owners, ' ')) end
 return cmsgpack.pack(out)
 """
+)
 
-_FINISH = """
+_FINISH = (
+    _OWNERS
+    + """
 local out, drop = {}, {}
 local freed, quotas = {}, {}  -- quota hash -> {tasks, bytes} given back, once per owner at the end
 local gone = {}  -- ids no longer in flight on the endpoint, 1,000 to a call at the end
 for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
   local id = r[1]
   local key = ARGV[1] .. id
-  local v = redis.call('HMGET', key, 'state', 'endpoint', 'data', 'quota', 'size')
+  local v = redis.call('HMGET', key, 'state', 'endpoint', 'data', 'quota', 'size', 'owner')
   local blob = ''  -- a result in the data store, if it was stored for this task
   if r[5] ~= '' and redis.call('HGET', ARGV[6] .. r[5], 'task') == id then blob = r[5] end
   local stored = false
@@ -155,6 +176,7 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
       if blob ~= '' then redis.call('EXPIRE', ARGV[6] .. blob, ARGV[3]) end
       stored = true
       out[#out + 1] = id
+      moved(v[6])
     end
     gone[#gone + 1] = id
   end
@@ -171,19 +193,26 @@ for _, quota in ipairs(quotas) do
   if redis.call('HINCRBY', quota, 'tasks', 0 - f[1]) < 0 then redis.call('HSET', quota, 'tasks', 0) end
   if redis.call('HINCRBY', quota, 'bytes', 0 - f[2]) < 0 then redis.call('HSET', quota, 'bytes', 0) end
 end
+if #out > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' ')) end
 return {out, drop}
 """
+)
 
-_RUNNING = """
+_RUNNING = (
+    _OWNERS
+    + """
 for i = 3, #ARGV do
   local key = ARGV[1] .. ARGV[i]
-  local v = redis.call('HMGET', key, 'state', 'endpoint')
+  local v = redis.call('HMGET', key, 'state', 'endpoint', 'owner')
   if v[1] == 'dispatched' and v[2] == ARGV[2] then
     redis.call('HSET', key, 'state', 'running')
+    moved(v[3])
   end
 end
+if #owners > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' ')) end
 return 0
 """
+)
 
 _REQUEUE = """
 local rows = redis.call('HGETALL', KEYS[2])
@@ -200,6 +229,7 @@ for i = 1, #rows, 2 do
     redis.call('HDEL', KEYS[2], rows[i])
   end
 end
+if n > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', '') end
 return n
 """
 
@@ -267,6 +297,7 @@ class TaskStore:
         self.keys = keys
         self.result_ttl = max(1, int(result_ttl))
         self._task_prefix = keys.task("")
+        self.changes = self._task_prefix + "changed"  # pub/sub channel: tasks moved
         self._data_prefix = keys.data("")
         self._submit = redis.register_script(_SUBMIT)
         self._take = redis.register_script(_TAKE)
@@ -426,6 +457,7 @@ class TaskStore:
         )
         if done is None:
             return None
+        await self.redis.publish(self.changes, b"")
         conn, data = done
         return _text(conn), _text(data)
 

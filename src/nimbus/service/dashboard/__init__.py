@@ -20,9 +20,13 @@ ASGI app (``app.include_router(router)``). Why this stack:
 - Live updates are server-sent events (``EventSource``): one HTTP response the
   server writes to when rows change, which browsers reconnect by themselves; the
   page never polls. htmx would add little over the ~60 lines of JS it needs.
+  The server does not poll either: the task store's scripts publish when tasks
+  move and one subscription per service process wakes its open streams
+  (``_live``), so an open page costs nothing while nothing changes.
 
 Reads go through the registry and the per-user task index (a sorted set in the
-queue Redis) with keyset pagination (``_tasks``), never a scan of the history.
+queue Redis) with keyset pagination (``_tasks``: one Lua call a page, reading only
+that page's rows), never a scan of the history.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@
     GET  /directory             messaging instances: _directory; POST buttons: _actions
     GET  /tasks?state=&endpoint=&function=&after=   a keyset page of your tasks
     GET  /tasks/stream?state=&endpoint=&function=   server-sent events: rows that changed
+                                (pushed: ``_live``, a Redis subscription per process)
     GET  /network?endpoint=&after=  your tasks' bytes and throughput; endpoints' totals
     GET  /batches, /batches/stream  progress of your recent batches (live: events)
     GET  /static/{name}         the JS and CSS in this package
@@ -24,6 +25,7 @@ import asyncio
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from typing import Any
 from urllib.parse import urlencode
@@ -37,7 +39,7 @@ from starlette.concurrency import run_in_threadpool
 from nimbus.errors import AuthError, NotFound
 from nimbus.service import metrics
 from nimbus.service.context import ServiceContext
-from nimbus.service.dashboard import _batches, _network, _session
+from nimbus.service.dashboard import _batches, _live, _network, _session
 from nimbus.service.dashboard._html import Html, esc, join, layout, when
 from nimbus.service.dashboard._tasks import (
     STATES,
@@ -54,8 +56,9 @@ __all__ = ["router"]
 
 router = APIRouter(include_in_schema=False)
 PAGE_SIZE = 50
-TICK = 0.25  # seconds between looks at the live window of an open tasks page
-BATCH_TICK = 1.0  # seconds between looks at the batches of an open batches page
+TICK = 0.25  # seconds between looks at the live window of an open tasks page, at most
+BATCH_TICK = 1.0  # seconds between looks at the batches of an open batches page, at most
+WAKE = 1.0  # seconds an idle stream sleeps between checks that the service is stopping
 RECHECK = 5.0  # seconds between checks that a stream's session still holds
 KEEPALIVE = 15.0
 HEADERS = {
@@ -183,6 +186,48 @@ async def logout(request: Request) -> Response:
     response = RedirectResponse("/login", 303, headers=HEADERS)
     response.delete_cookie(_session.COOKIE, samesite="strict")
     return response
+
+
+# ---------------------------------------------------------------- live streams
+
+
+def _stream(
+    request: Request,
+    ctx: ServiceContext,
+    look: Callable[[], AsyncIterator[str]],
+    tick: float,
+    owner: str | None,
+) -> StreamingResponse:
+    """Server-sent events for an open page: the frames of ``look()`` (only what changed
+    since its last look) each time tasks of ``owner`` moved (None: anyone's, for an admin;
+    ``_live``: pushed, nothing is read while nothing changes), at most once every
+    ``tick`` seconds; a keepalive comment every
+    ``KEEPALIVE``; the end of the stream once the viewer's session no longer holds
+    (logged out, token revoked: checked every ``RECHECK``) or the service stops."""
+    live = _live.changes(request)
+
+    async def events() -> AsyncIterator[str]:
+        async with live.watching():
+            checked = beat = drawn = time.monotonic()
+            shown = -1  # the version of the store the page shows
+            yield "retry: 1000\n\n"
+            while not ctx.hub.closing:
+                if live.mark(owner) != shown:
+                    shown, drawn = live.mark(owner), time.monotonic()
+                    async for frame in look():
+                        yield frame
+                now = time.monotonic()
+                if now - beat > KEEPALIVE:
+                    beat = now
+                    yield ": keepalive\n\n"
+                if now - checked > RECHECK:
+                    checked = now
+                    if await _session.viewer(request, ctx) is None:
+                        return
+                if await live.wait(owner, shown, WAKE) != shown:  # at most one look per tick
+                    await asyncio.sleep(max(0.0, drawn + tick - time.monotonic()))
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
 
 
 # ---------------------------------------------------------------- tasks
@@ -319,31 +364,21 @@ async def tasks_stream(request: Request) -> Response:
     names = _Names(ctx, who.principal)
     key = index(ctx.store, who.principal.user_id, names.admin)
 
-    async def events() -> Any:
-        sent: dict[str, tuple[str, float, float]] = {}
-        checked = beat = time.monotonic()
-        yield "retry: 1000\n\n"
-        while not ctx.hub.closing:
-            rows = await live_window(ctx.store, key, flt)
-            for row in reversed(rows):  # oldest first: the page inserts each on top
-                seen = (row.state, row.dispatched, row.ended)
-                if sent.get(row.task_id) != seen:
-                    sent[row.task_id] = seen
-                    yield f"event: task\ndata: {json.dumps(await names.row(row))}\n\n"
-            if len(sent) > 4 * len(rows) + 100:
-                keep = {row.task_id for row in rows}
-                sent = {k: v for k, v in sent.items() if k in keep}
-            now = time.monotonic()
-            if now - beat > KEEPALIVE:
-                beat = now
-                yield ": keepalive\n\n"
-            if now - checked > RECHECK:
-                checked = now
-                if await _session.viewer(request, ctx) is None:
-                    return  # logged out, or the token was revoked
-            await asyncio.sleep(TICK)
+    sent: dict[str, tuple[str, float, float]] = {}
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
+    async def look() -> AsyncIterator[str]:
+        nonlocal sent
+        rows = await live_window(ctx.store, key, flt)
+        for row in reversed(rows):  # oldest first: the page inserts each on top
+            seen = (row.state, row.dispatched, row.ended)
+            if sent.get(row.task_id) != seen:
+                sent[row.task_id] = seen
+                yield f"event: task\ndata: {json.dumps(await names.row(row))}\n\n"
+        if len(sent) > 4 * len(rows) + 100:
+            keep = {row.task_id for row in rows}
+            sent = {k: v for k, v in sent.items() if k in keep}
+
+    return _stream(request, ctx, look, TICK, None if names.admin else who.principal.user_id)
 
 
 # ---------------------------------------------------------------- network
@@ -448,33 +483,24 @@ async def batches_stream(request: Request) -> Response:
         return Response(status_code=401, headers=HEADERS)
     key = index(ctx.store, who.principal.user_id, _is_admin(ctx, who.principal))
 
-    async def events() -> Any:
-        sent: dict[str, dict[str, object]] = {}
-        finished: dict[str, _batches.Batch] = {}
-        checked = beat = time.monotonic()
-        yield "retry: 1000\n\n"
-        while not ctx.hub.closing:
-            batches = await _batches.recent(ctx.store, key, finished=finished)
-            finished = {b.group_id: b for b in batches if b.total and b.done == b.total}
-            for batch in reversed(batches):  # oldest first: the page inserts each on top
-                view = batch.as_dict() | {"submitted": when(batch.submitted)}
-                view["states"] = _counts(batch)
-                if sent.get(batch.group_id) != view:
-                    sent[batch.group_id] = view
-                    yield f"event: batch\ndata: {json.dumps(view)}\n\n"
-            keep = {batch.group_id for batch in batches}
-            sent = {k: v for k, v in sent.items() if k in keep}
-            now = time.monotonic()
-            if now - beat > KEEPALIVE:
-                beat = now
-                yield ": keepalive\n\n"
-            if now - checked > RECHECK:
-                checked = now
-                if await _session.viewer(request, ctx) is None:
-                    return
-            await asyncio.sleep(BATCH_TICK)
+    sent: dict[str, dict[str, object]] = {}
+    finished: dict[str, _batches.Batch] = {}
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
+    async def look() -> AsyncIterator[str]:
+        nonlocal sent, finished
+        batches = await _batches.recent(ctx.store, key, finished=finished)
+        finished = {b.group_id: b for b in batches if b.total and b.done == b.total}
+        for batch in reversed(batches):  # oldest first: the page inserts each on top
+            view = batch.as_dict() | {"submitted": when(batch.submitted)}
+            view["states"] = _counts(batch)
+            if sent.get(batch.group_id) != view:
+                sent[batch.group_id] = view
+                yield f"event: batch\ndata: {json.dumps(view)}\n\n"
+        keep = {batch.group_id for batch in batches}
+        sent = {k: v for k, v in sent.items() if k in keep}
+
+    admin = _is_admin(ctx, who.principal)
+    return _stream(request, ctx, look, BATCH_TICK, None if admin else who.principal.user_id)
 
 
 @router.get("/static/{name}")

@@ -1,0 +1,79 @@
+"""``nimbus dashboard``: the dashboard of this machine's own nimbus, in the browser.
+
+::
+
+    $ nimbus dashboard
+    nimbus dashboard: log in with this token (kept in the browser's session cookie only):
+        <token>
+    nimbus service listening on http://127.0.0.1:8421
+
+It runs the service of this runtime directory (``NIMBUS_RUNTIME_DIR``: the
+SQLite registry and the embedded Redis, kept on disk so the history survives a
+restart) on loopback only, with you (the login name) as its dashboard's admin:
+the endpoints started here (``nimbus endpoint start``) and the tasks sent
+through it, from an ``Executor(endpoint=...)`` or ``nimbus run --endpoint``
+with ``NIMBUS_SERVICE_URL`` set to the URL it prints, are on its pages, live.
+
+The token is printed, never put in the URL (the browser's history and the
+server logs would keep it): paste it into the login form. Ctrl-C or SIGTERM
+stop it cleanly (the embedded Redis and its socket go, the data stays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import getpass
+import sys
+from pathlib import Path
+
+from nimbus.cli._numbers import number
+from nimbus.config import Settings
+
+__all__ = ["run", "setup"]
+
+DEFAULT_PORT = 8421  # beside the service's default 8420
+
+
+def setup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--port", type=number(int, 0, 65535, "a port"), default=DEFAULT_PORT,
+        help=f"port on 127.0.0.1 (default {DEFAULT_PORT}; 0: any free port)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--url-file", type=Path, metavar="FILE",
+        help="write the dashboard's URL to FILE once it accepts connections (for scripts)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--user", default=None, metavar="NAME",
+        help="whom to log in as, the dashboard's admin (default: your login name)",
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from nimbus.service.registry import Registry, check_user_name
+    from nimbus.service.server import serve
+
+    settings = Settings.load()
+    settings.configure_logging()
+    try:
+        user = check_user_name(args.user or getpass.getuser())
+    except ValueError as exc:
+        print(f"nimbus dashboard: --user: {exc}", file=sys.stderr)
+        return 2
+    admins = {name.strip() for name in (settings.service_admins or "").split(",") if name}
+    settings = dataclasses.replace(settings, service_admins=",".join(sorted(admins | {user})))
+    registry = Registry(settings.registry_url)
+    try:
+        token = registry.create_user_token(user)
+    finally:
+        registry.close()
+    print(
+        f"nimbus dashboard: log in as {user} with this token (kept in the browser's session "
+        f"cookie only):\n    {token}",
+        flush=True,
+    )
+    persist = not settings.redis_url  # your own Redis keeps its data as you configured it
+    url_file = args.url_file
+    serve(settings, "127.0.0.1", args.port, url_file, persist=persist)
+    return 0

@@ -1,0 +1,94 @@
+"""``nimbus dashboard``: this machine's dashboard on loopback, its URL printed, you its
+admin; over HTTP as a browser logs in; stopped cleanly; its history kept across a restart."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from nimbus.client import Client
+from nimbus.config import Settings
+from nimbus.service.registry import Registry
+from service_support import CLI, service_env
+
+
+def start(root: Path) -> tuple[subprocess.Popen[str], str, str]:
+    """``nimbus dashboard --port 0``: the process, the token it printed, its URL."""
+    url_file = root / "url"
+    url_file.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLI, "dashboard", "--port", "0", "--user", "dana",
+         "--url-file", str(url_file)],
+        env=service_env(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    head = proc.stdout.readline()
+    assert head.startswith("nimbus dashboard: log in as dana with this token"), head
+    token = proc.stdout.readline().strip()
+    listening = proc.stdout.readline()
+    deadline = time.monotonic() + 60
+    while not url_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(stop(proc))
+        time.sleep(0.05)
+    url = url_file.read_text().strip()
+    assert listening.strip() == f"nimbus service listening on {url}"
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url) and token not in url
+    return proc, token, url
+
+
+def login(http: httpx.Client, token: str) -> None:
+    csrf = re.search(r'name="csrf" value="([^"]+)"', http.get("/login").text)
+    assert csrf is not None
+    assert http.post("/login", data={"token": token, "csrf": csrf[1]}).status_code == 303
+
+
+def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    """SIGTERM, as Ctrl-C's neighbour: its exit status and what it wrote on stderr."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return proc.returncode, err
+
+
+def test_nimbus_dashboard_serves_this_machine_prints_its_url_and_stops_cleanly(
+    tmp_path: Path,
+) -> None:
+    proc, token, url = start(tmp_path)
+    try:
+        settings = Settings.load(service_env(tmp_path))
+        registry = Registry(settings.registry_url)
+        other = registry.create_user_token("olga")  # another user of this machine
+        registry.close()
+        with Client(url, other, settings=settings) as olga:
+            olga.register_endpoint("olgas-lab")
+            [task_id] = olga.batch_run(abs, [(-1,)], endpoint="olgas-lab")  # stays queued
+        with httpx.Client(base_url=url, timeout=30) as http:
+            assert http.get("/", follow_redirects=False).status_code == 303  # no session
+            login(http, token)
+            assert "olgas-lab" in http.get("/").text  # you are its admin: every endpoint
+            assert task_id in http.get("/tasks").text
+        sockets = list((tmp_path / "rt").glob("redis-*.sock"))
+        assert sockets
+    finally:
+        code, err = stop(proc)
+    assert code == 0, err
+    assert not any(path.exists() for path in sockets)  # its Redis stopped, its files gone
+
+    proc, token, url = start(tmp_path)  # again: the history is still there
+    try:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            login(http, token)
+            assert task_id in http.get("/tasks").text
+    finally:
+        code, err = stop(proc)
+    assert code == 0, err
