@@ -211,14 +211,18 @@ class Stream(Channel):
         tail += data
         self._out_bytes += _SMALL.size + len(meta) + len(data)
 
-    def receive_message(self) -> Message | list[Frame] | None:
+    def receive_message(self, flags: int = _DONTWAIT) -> Message | list[Frame] | None:
         """As :meth:`receive`; but a read that is exactly one small message (the
         commonest case of all) comes back as ``(kind, seq, packed tag, data)``,
-        with no frame made: read as one ``bytes`` and cut with two slices."""
+        with no frame made: read as one ``bytes`` and cut with two slices.
+
+        ``flags`` 0: the first read waits for input as the socket says
+        (``_peer.wait_in_reads``); [] when none came.
+        """
         if self._kind >= 0 or self._big is not None or self._start != self._end:
             return self.receive()
         try:
-            read = _raw_recv(self.sock, _FIRST_READ, _DONTWAIT)
+            read = _raw_recv(self.sock, _FIRST_READ, flags)
         except (BlockingIOError, InterruptedError):
             return []
         n = len(read)
