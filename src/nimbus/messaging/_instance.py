@@ -435,7 +435,7 @@ class Instance(Sender):
                 and timeout >= 0.001
                 and not (self._shared_until and time.monotonic() < self._shared_until)
             ):
-                wait = min(timeout, BLOCK)
+                wait = timeout if timeout < BLOCK else BLOCK
                 if link.wait != wait:
                     _peer.wait_in_reads(link, wait)
                 flags = 0  # the read waits
