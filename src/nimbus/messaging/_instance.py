@@ -12,7 +12,9 @@ The sending half (links out, numbering, coalescing, the store fallback) is
 :class:`~nimbus.messaging._sending.Sender`; in-order delivery is the
 :class:`~nimbus.messaging._mailbox.Mailbox`. This module listens, accepts
 links in, reads them into the mailbox and waits in ``recv``, checking a
-silent peer's liveness every HEARTBEAT.
+silent peer's liveness every HEARTBEAT. ``recv_next`` is the lean wait of a
+reader of one writer (a Pipe's direction): one read of that writer's link,
+which waits in the kernel itself while no other thread reads (no poll first).
 """
 
 from __future__ import annotations
