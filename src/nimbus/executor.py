@@ -44,7 +44,6 @@ from nimbus.config import Settings, check_timeout
 from nimbus.environments import Environment
 from nimbus.errors import (
     ConfigError,
-    NimbusError,
     PayloadTooLargeError,
     ReferenceLost,
     RemoteTraceback,
@@ -213,7 +212,6 @@ class Executor(cf.Executor):
         self._lock = threading.Lock()
         self._endpoint = endpoint if backend == "service" else None
         self._session: data.Session | None = None
-        self._unscoped_until = 0.0
         self._wrapped: dict[int, tuple[Callable[..., Any], partial[Any]]] = {}
         # reference id -> the kept future of the pure task that made it
         self._producers: weakref.WeakValueDictionary[str, KeptFuture] = (
@@ -286,29 +284,7 @@ class Executor(cf.Executor):
             args, kwargs = data.stage_files(self, args, kwargs)
         if keep or data.uses_data(args, kwargs):
             return self._submit_data(fn, args, kwargs, timeout, keep, environment, env)
-        if self._remote and self._scoped():  # on an endpoint: its user's store() in the task
-            if not callable(fn):
-                raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
-            scope = self._data().scope(False)  # no Refs to wait on or bind: straight out
-            return self._launch(
-                self._wrap(fn), (scope, *args), kwargs, timeout, None, fn,
-                environment=environment, env=env,
-            )  # fmt: skip
         return self._launch(fn, args, kwargs, timeout, environment=environment, env=env)
-
-    def _scoped(self) -> bool:
-        """Whether plain tasks on the endpoint carry their user's scope: they do once the
-        service said who this is (not while it cannot be reached: they are not held up)."""
-        if self._session is not None:
-            return True
-        if time.monotonic() < self._unscoped_until:
-            return False
-        try:
-            self._data()
-        except NimbusError:
-            self._unscoped_until = time.monotonic() + 5.0  # ask again in a while
-            return False
-        return True
 
     def _launch(
         self,

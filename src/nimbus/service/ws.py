@@ -300,7 +300,7 @@ async def _dispatch(
                     await asyncio.wait_for(wake.wait(), IDLE_POLL)
             continue
         out = []
-        for task_id, function_id, payload, timeout, data_id, _, environment in rows:
+        for task_id, function_id, payload, timeout, data_id, owner, environment in rows:
             body: bytes | None = None
             if function_id not in known:
                 try:
@@ -310,7 +310,10 @@ async def _dispatch(
                 known.add(function_id)
             sent_payload = DataRef(data_id) if data_id else payload
             out.append(
-                new_row(TaskRow, (task_id, function_id, body, sent_payload, timeout, environment))
+                new_row(
+                    TaskRow,
+                    (task_id, function_id, body, sent_payload, timeout, environment, owner or None),
+                )
             )
             sent.add(task_id)
         for batch in batches(out, _task_size):
