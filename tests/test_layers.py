@@ -62,6 +62,7 @@ LAYERS: dict[str, int] = {
     "_loop": 1,
     "_chunks": 1,
     "_progress": 1,
+    "owners": 1,  # whom a task runs as on an endpoint (set by the agent, read by nimbus.data)
     # the exception tree, at the bottom
     "errors": 0,
 }

@@ -26,7 +26,7 @@ What happens under each failure:
 Limits: objects live in the store of the node that made them, so an endpoint of several
 nodes reads them only where they were made (no copy between nodes yet); a task's user on
 an endpoint is the one the service sends with the task (its owner: every token of a user
-sees the same store, another user's tasks another), see ``_task.owned``.
+sees the same store, another user's tasks another), see ``nimbus.owners``.
 
 Modules: ``_node`` (a node's object store: files in a private memory directory,
 mapped on read, leases as modification times), ``_ref`` (``Ref``, the client's
@@ -44,7 +44,7 @@ from nimbus.data._file import stage as stage_files
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore, default_root
 from nimbus.data._ref import LEASE, MAX_SCAN, Ref, Scope, Session, get, pure, put, register, session
-from nimbus.data._task import free_objects, identity, owned, renew_objects, run, store
+from nimbus.data._task import free_objects, identity, renew_objects, run, store
 
 __all__ = [
     "LEASE",
@@ -63,7 +63,6 @@ __all__ = [
     "has_files",
     "identity",
     "open_session",
-    "owned",
     "pure",
     "put",
     "register",

@@ -10,31 +10,28 @@
 Within ``fn``, :func:`store` is the user's key-value store on this node.
 
 On an endpoint, the agent runs each task as its owner, the user the service says
-submitted it (:func:`owned`: the function wrapped once per function and user, not
-per task): ``store()`` is that user's, and ``run`` reads and keeps in that user's
-namespace whatever the client's scope says.
+submitted it (``nimbus.owners``): ``store()`` is that user's, and ``run`` reads and
+keeps in that user's namespace whatever the client's scope says.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import pickle
 import time
 from typing import Any
 
-from nimbus import serialization
+from nimbus import owners
 from nimbus.data._file import File, Out, Staged, finish_out, local_path
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore
 from nimbus.data._ref import MAX_SCAN, Ref, Scope, local_namespace, lost, new_id, owner_namespace
 from nimbus.errors import DataAccessError
 
-__all__ = ["Owned", "free_objects", "identity", "owned", "renew_objects", "run", "store"]
+__all__ = ["free_objects", "identity", "renew_objects", "run", "store"]
 
 _CONTAINERS = (list, tuple, dict)
 _current: Scope | None = None  # the scope of the task this worker runs now
-_owner: Scope | None = None  # its owner's, as the service said (on an endpoint)
 
 
 @functools.lru_cache(maxsize=64)
@@ -81,8 +78,11 @@ def _resolve(value: Any, scope: Scope, seen: dict[str, Any], depth: int = 0) -> 
 def run(fn: Any, scope: Scope, /, *args: Any, **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` with its references resolved here; keep its result."""
     global _current
-    if _owner is not None and scope.namespace != _owner.namespace:
-        scope = scope._replace(namespace=_owner.namespace)  # the service's word, not the client's
+    owner = owners.current()
+    if owner is not None and scope.namespace != owner_namespace(owner):
+        scope = scope._replace(
+            namespace=owner_namespace(owner)
+        )  # the service's word, not the client's
     before, _current = _current, scope
     try:
         seen: dict[str, Any] = {}
@@ -119,39 +119,6 @@ def run(fn: Any, scope: Scope, /, *args: Any, **kwargs: Any) -> Any:
 _IMMUTABLE = (bytes, str)
 
 
-class Owned:
-    """A function run as the user ``owner`` (their id at the service): the worker
-    unpickles ``fn_bytes`` on the first call and caches this object like any function."""
-
-    __slots__ = ("fn", "fn_bytes", "owner", "scope")
-
-    def __init__(self, owner: str, fn_bytes: bytes) -> None:
-        self.owner = owner
-        self.fn_bytes = fn_bytes
-        self.fn: Any = None
-        self.scope = Scope(owner_namespace(owner), owner, None, False, 0.0)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Owned, (self.owner, self.fn_bytes))
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        global _current, _owner
-        fn = self.fn
-        if fn is None:
-            fn = self.fn = serialization.loads(self.fn_bytes)
-        before = _current, _owner
-        _current = _owner = self.scope
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _current, _owner = before
-
-
-def owned(owner: str, fn_bytes: bytes) -> bytes:
-    """The pickled function ``fn_bytes`` run as ``owner`` (:class:`Owned`)."""
-    return pickle.dumps(Owned(owner, fn_bytes), protocol=5)
-
-
 def _argument(result: Any, seen: dict[str, Any]) -> str | None:
     """The id of the reference ``result`` was read from, if it is one of them."""
     for ref_id, value in seen.items():
@@ -182,6 +149,9 @@ def renew_objects(ref_ids: list[str], expires: float) -> list[str]:
 def _scope() -> Scope:
     if _current is not None:
         return _current
+    owner = owners.current()
+    if owner is not None:  # a plain task on an endpoint: its owner's
+        return Scope(owner_namespace(owner), owner, None, False, 0.0)
     return Scope(local_namespace(), "", None, False, 0.0)
 
 

@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 from websockets.asyncio.client import ClientConnection
 
-from nimbus import _loop, data, environments, serialization
+from nimbus import _loop, environments, owners, serialization
 from nimbus.config import Settings
 from nimbus.endpoint.config import EndpointConfig
 from nimbus.environments import Environment
@@ -405,13 +405,13 @@ class EndpointDaemon:
             self._ready.set()
 
     def _as_owner(self, function_id: str, owner: str, fn_bytes: bytes) -> tuple[str, bytes]:
-        """The function ``function_id`` run as the user ``owner`` (``nimbus.data.owned``):
+        """The function ``function_id`` run as the user ``owner`` (``nimbus.owners``):
         a function key of its own, made once per function and user."""
         found = self._owned.get((function_id, owner))
         if found is None:
             if len(self._owned) >= 4096:  # bounded: made again on use
                 self._owned.clear()
-            found = (f"{function_id}:{owner}", data.owned(owner, fn_bytes))
+            found = (f"{function_id}:{owner}", owners.owned(owner, fn_bytes))
             self._owned[function_id, owner] = found
         return found
 

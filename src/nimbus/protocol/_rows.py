@@ -16,7 +16,7 @@ result's out-of-band buffers as bytes::
 (the workers' own Python); a row without it (five or three fields, from an older
 peer) reads as None. A task row's ``owner`` is the id of the user who submitted it
 (the service sets it, never the client: the endpoint keeps that user's data apart by
-it, see ``nimbus.data.owned``); a row of six or five fields reads as None.
+it, see ``nimbus.owners``); a row of six or five fields reads as None.
 
 Reading checks every field: the usual row takes one fast path (its types
 checked, then the tuple made in one call), any other goes through the checks

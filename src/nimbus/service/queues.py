@@ -20,7 +20,8 @@ pass the user's quota, and a task that ends (finish, cancel) gives its share bac
 
 Every step that moves a task is one Lua script, so a task is in exactly one of
 the queue, the inflight hash or a final state, and a result that arrives twice
-(an agent lost, its task run again) is kept once. Payloads and results are
+(an agent lost, its task run again) is kept once, and counted once (the finish
+script keeps the counters of ``nimbus.service.counters`` too). Payloads and results are
 bytes the service stores and forwards; nothing here unpickles them.
 """
 
@@ -37,6 +38,7 @@ import redis.asyncio as aioredis
 from nimbus.config import MAX_TIMEOUT
 from nimbus.errors import QuotaExceeded
 from nimbus.records import TaskState
+from nimbus.service.counters import COUNT, metrics_key
 from nimbus.statestore import Keys
 
 __all__ = ["Broken", "Taken", "TaskStore"]
@@ -122,14 +124,17 @@ end
 return cmsgpack.pack(out)
 """
 
-_FINISH = """
+_FINISH = (
+    COUNT
+    + """
 local out, drop = {}, {}
 local freed, quotas = {}, {}  -- quota hash -> {tasks, bytes} given back, once per owner at the end
 local gone = {}  -- ids no longer in flight on the endpoint, 1,000 to a call at the end
 for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
   local id = r[1]
   local key = ARGV[1] .. id
-  local v = redis.call('HMGET', key, 'state', 'endpoint', 'data', 'quota', 'size')
+  local v = redis.call('HMGET', key, 'state', 'endpoint', 'data', 'quota', 'size', 'submitted',
+                       'dispatched')
   local blob = ''  -- a result in the data store, if it was stored for this task
   if r[5] ~= '' and redis.call('HGET', ARGV[6] .. r[5], 'task') == id then blob = r[5] end
   local stored = false
@@ -155,6 +160,7 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
       if blob ~= '' then redis.call('EXPIRE', ARGV[6] .. blob, ARGV[3]) end
       stored = true
       out[#out + 1] = id
+      count(r[2], v[6], v[7], r[4])  -- the dashboard's and /metrics' counters (counters.py)
     end
     gone[#gone + 1] = id
   end
@@ -171,8 +177,10 @@ for _, quota in ipairs(quotas) do
   if redis.call('HINCRBY', quota, 'tasks', 0 - f[1]) < 0 then redis.call('HSET', quota, 'tasks', 0) end
   if redis.call('HINCRBY', quota, 'bytes', 0 - f[2]) < 0 then redis.call('HSET', quota, 'bytes', 0) end
 end
+flush(KEYS[2])
 return {out, drop}
 """
+)
 
 _RUNNING = """
 for i = 3, #ARGV do
@@ -377,7 +385,8 @@ class TaskStore:
     async def finish(
         self, endpoint_id: str, results: Sequence[Sequence[Any]]
     ) -> tuple[list[str], list[str]]:
-        """Store ``(task_id, state, result, record, result_data_id)`` rows (first wins).
+        """Store ``(task_id, state, result, record, result_data_id)`` rows (first wins),
+        and count the tasks stored on the endpoint's metrics hash (``counters``).
 
         Returns the ids stored and the data-store blobs no longer used (arguments of
         the tasks now done, results that came second), to remove.
@@ -391,7 +400,8 @@ class TaskStore:
             self._data_prefix,
         ]
         stored, drop = await self._finish(
-            keys=[self.keys.endpoint_inflight(endpoint_id)], args=args
+            keys=[self.keys.endpoint_inflight(endpoint_id), metrics_key(self.keys, endpoint_id)],
+            args=args,
         )
         return [value.decode() for value in stored], [value.decode() for value in drop]
 

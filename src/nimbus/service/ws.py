@@ -60,7 +60,6 @@ from nimbus.protocol import (
 )
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
-from nimbus.service import metrics
 from nimbus.service.context import ServiceContext
 from nimbus.service.hub import Peer
 from nimbus.service.registry import hash_token
@@ -196,7 +195,6 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                 done, drop = await ctx.store.finish(endpoint_id, [_stored(r) for r in rows])
                 ctx.data.drop(drop)
                 stored = set(done)
-                await metrics.observe(ctx.store, endpoint_id, rows, stored)
                 ids = [row.task_id for row in rows]
                 sent.difference_update(ids)
                 room.set()
