@@ -58,6 +58,7 @@ T = TypeVar("T")
 
 _live: weakref.WeakSet[Executor] = weakref.WeakSet()
 _SAME: Any = object()  # options(): keep the executor's own
+_PLAIN = frozenset((int, float, str, bytes, bool, type(None)))  # arguments with no data in them
 
 
 def _check_environment(env: Any) -> tuple[Environment | None, str]:
@@ -280,9 +281,10 @@ class Executor(cf.Executor):
         environment: Environment | None = None,
         env: str = "",
     ) -> Future:
-        if data.has_files(args, kwargs):  # checked now, staged before the task (nimbus.File)
+        plain = not kwargs and all(type(a) in _PLAIN for a in args)  # no File, Ref, future
+        if not plain and data.has_files(args, kwargs):  # checked now, staged before the task
             args, kwargs = data.stage_files(self, args, kwargs)
-        if keep or data.uses_data(args, kwargs):
+        if keep or (not plain and data.uses_data(args, kwargs)):
             return self._submit_data(fn, args, kwargs, timeout, keep, environment, env)
         return self._launch(fn, args, kwargs, timeout, environment=environment, env=env)
 
