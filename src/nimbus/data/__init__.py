@@ -23,10 +23,12 @@ What happens under each failure:
 * a Ref of another user, or of another place than the task's: ``DataAccessError`` at
   ``submit``, before any task runs (and again in the worker, for a Ref hidden deeper).
 
+Whose data: on an endpoint, a task's user is the owner the service sends with it
+(``nimbus.owners``): every token of a user sees the same store, another user's tasks
+another, whatever scope a client puts in its tasks.
+
 Limits: objects live in the store of the node that made them, so an endpoint of several
-nodes reads them only where they were made (no copy between nodes yet); a task's user on
-an endpoint is the one the service sends with the task (its owner: every token of a user
-sees the same store, another user's tasks another), see ``nimbus.owners``.
+nodes reads them only where they were made (no copy between nodes yet).
 
 Modules: ``_node`` (a node's object store: files in a private memory directory,
 mapped on read, leases as modification times), ``_ref`` (``Ref``, the client's
