@@ -558,7 +558,7 @@ class Executor(cf.Executor):
             if future.cancelled():
                 self._futures.pop(task.seq, None)
                 continue
-            if task.attempts == 0 and future.running():
+            if task.attempts == 0 and future._state == RUNNING:  # (no lock: set here only)
                 pass  # sent again: a reference it reads was lost and made again
             elif task.attempts == 0:
                 try:
@@ -581,9 +581,11 @@ class Executor(cf.Executor):
             record = task.record
             try:
                 if task.status == Status.OK:
-                    self._bytes_received += len(task.data) + sum(
-                        memoryview(b).nbytes for b in task.result_buffers
-                    )
+                    self._bytes_received += len(task.data)
+                    if task.result_buffers:
+                        self._bytes_received += sum(
+                            memoryview(b).nbytes for b in task.result_buffers
+                        )
                     value = serialization.loads(task.data, task.result_buffers)
                     if type(future) is KeptFuture:
                         value = self._data().adopt(value)
