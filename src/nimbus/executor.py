@@ -30,6 +30,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures._base import RUNNING  # read without the lock on the hot path
 from functools import partial
 from typing import Any, TypeVar
 
@@ -56,6 +57,7 @@ T = TypeVar("T")
 
 _live: weakref.WeakSet[Executor] = weakref.WeakSet()
 _SAME: Any = object()  # options(): keep the executor's own
+_PLAIN = frozenset((int, float, str, bytes, bool, type(None)))  # arguments with no data in them
 
 
 def _check_environment(env: Any) -> tuple[Environment | None, str]:
@@ -223,18 +225,11 @@ class Executor(cf.Executor):
     ) -> Future:
         if environment is None and self._remote:  # as the function was registered, if it was
             environment, env = self._registered(fn)
-        if data.has_files(args, kwargs):  # checked now, staged before the task (nimbus.File)
+        plain = not kwargs and all(type(a) in _PLAIN for a in args)  # no File, Ref, future
+        if not plain and data.has_files(args, kwargs):  # checked now, staged before the task
             args, kwargs = data.stage_files(self, args, kwargs)
-        if keep or data.uses_data(args, kwargs):
+        if keep or (not plain and data.uses_data(args, kwargs)):
             return self._path.submit(fn, args, kwargs, timeout, keep, environment, env)
-        if self._remote and self._path.scoped():  # on an endpoint: its user's store() in the task
-            if not callable(fn):
-                raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
-            scope = self._path.open().scope(False)  # no Refs to wait on or bind: straight out
-            return self._launch(
-                self._path.wrap(fn), (scope, *args), kwargs, timeout, None, fn,
-                environment=environment, env=env,
-            )  # fmt: skip
         return self._launch(fn, args, kwargs, timeout, environment=environment, env=env)
 
     def _registered(self, fn: Any) -> tuple[Environment | None, str]:
@@ -372,7 +367,7 @@ class Executor(cf.Executor):
             if future.cancelled():
                 self._futures.pop(task.seq, None)
                 continue
-            if task.attempts == 0 and future.running():
+            if task.attempts == 0 and future._state == RUNNING:  # (no lock: set here only)
                 pass  # sent again: a reference it reads was lost and made again
             elif task.attempts == 0:
                 try:
@@ -395,9 +390,11 @@ class Executor(cf.Executor):
             record = task.record
             try:
                 if task.status == Status.OK:
-                    self._bytes_received += len(task.data) + sum(
-                        memoryview(b).nbytes for b in task.result_buffers
-                    )
+                    self._bytes_received += len(task.data)
+                    if task.result_buffers:
+                        self._bytes_received += sum(
+                            memoryview(b).nbytes for b in task.result_buffers
+                        )
                     value = serialization.loads(task.data, task.result_buffers)
                     if type(future) is KeptFuture:
                         value = self._path.kept(future, value)

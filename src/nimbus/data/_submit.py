@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -29,7 +28,7 @@ from nimbus.data._bind import bind, open_session, waiting_on, when_done
 from nimbus.data._carry import carry
 from nimbus.data._ref import Ref, Session
 from nimbus.data._task import run
-from nimbus.errors import NimbusError, ReferenceLost
+from nimbus.errors import ReferenceLost
 from nimbus.records import TaskRecord
 
 __all__ = ["DataPath", "KeptFuture"]
@@ -77,7 +76,6 @@ class DataPath:
         self.session: Session | None = None
         self._lock = threading.Lock()
         self._opening = threading.Lock()
-        self._unscoped_until = 0.0
         self._wrapped: dict[int, tuple[Callable[..., Any], partial[Any]]] = {}
         # reference id -> the kept future of the pure task that made it
         self._producers: weakref.WeakValueDictionary[str, KeptFuture] = (
@@ -98,20 +96,6 @@ class DataPath:
                     ex = self._ex
                     found = self.session = open_session(ex._backend, ex._endpoint, self.call)
         return found
-
-    def scoped(self) -> bool:
-        """Whether plain tasks on the endpoint carry their user's scope: they do once the
-        service said who this is (not while it cannot be reached: they are not held up)."""
-        if self.session is not None:
-            return True
-        if time.monotonic() < self._unscoped_until:
-            return False
-        try:
-            self.open()
-        except NimbusError:
-            self._unscoped_until = time.monotonic() + 5.0  # ask again in a while
-            return False
-        return True
 
     def call(self, fn: Callable[..., Any], *args: Any, keep: bool = False) -> Future:
         ex = self._ex

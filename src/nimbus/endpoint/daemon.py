@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 from websockets.asyncio.client import ClientConnection
 
-from nimbus import _loop, environments, serialization
+from nimbus import _loop, environments, owners, serialization
 from nimbus.config import Settings
 from nimbus.endpoint._summary import runtime_rows
 from nimbus.endpoint.config import EndpointConfig
@@ -152,6 +152,7 @@ class EndpointDaemon:
         self._unacked: dict[str, ResultRow] = {}
         self._outbox: list[ResultRow] = []
         self._functions: dict[str, bytes] = {}
+        self._owned: dict[tuple[str, str], tuple[str, bytes]] = {}  # (function, owner) -> key, fn
         self._dispatched: dict[str, float] = {}  # task id -> when a worker got it
         self._fetching: set[str] = set()  # tasks whose arguments come from the data store
         self._jobs: set[asyncio.Task[None]] = set()  # data-store transfers under way
@@ -363,10 +364,13 @@ class EndpointDaemon:
                     error = ProtocolError(f"task {task_id}: its environment: {exc}")
                     failed.append(self._failure(task_id, function_id, error))
                     continue
+            fn_key = function_id
+            if row.owner is not None:  # run as its owner: their data scope in the worker
+                fn_key, fn_bytes = self._as_owner(function_id, row.owner, fn_bytes)
             record = TaskRecord(task_id, TaskState.RUNNING, function=function_id)
             task = Task(
                 next(self._seq),
-                function_id,
+                fn_key,
                 fn_bytes,
                 data,
                 buffers,
@@ -384,6 +388,17 @@ class EndpointDaemon:
         if failed or self._outbox:
             assert self._ready is not None
             self._ready.set()
+
+    def _as_owner(self, function_id: str, owner: str, fn_bytes: bytes) -> tuple[str, bytes]:
+        """The function ``function_id`` run as the user ``owner`` (``nimbus.owners``):
+        a function key of its own, made once per function and user."""
+        found = self._owned.get((function_id, owner))
+        if found is None:
+            if len(self._owned) >= 4096:  # bounded: made again on use
+                self._owned.clear()
+            found = (f"{function_id}:{owner}", owners.owned(owner, fn_bytes))
+            self._owned[function_id, owner] = found
+        return found
 
     def _on_dispatch(self, tasks: list[Task]) -> list[Task]:
         """On the runtime's thread: a cancelled task going (back) to a worker ends here."""
