@@ -69,7 +69,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from nimbus._lazy import lazy
 from nimbus.errors import ConfigError, MessagingTimeout, PeerExited, PeerLost, StateStoreError
-from nimbus.messaging._instance import NOTHING
 from nimbus.multiprocessing import _site as _state
 from nimbus.multiprocessing._payload import REVERT, Item, as_message
 from nimbus.statestore import Program, link
@@ -256,7 +255,7 @@ class Consumer:
             if only is None or self.pending:
                 return None
             message = messaging.current().recv_next(only, self.tag, LOOK)
-            if message is NOTHING:
+            if message is messaging.NOTHING:
                 return None  # nothing came, or not the simple case: the general way
             if type(message) is not list and message != REVERT:
                 return message  # type: ignore[no-any-return]
