@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import hashlib
 import itertools
 import json
 import threading
@@ -293,8 +294,6 @@ class Executor(cf.Executor):
         environment: Environment | None = None,
         env: str = "",
     ) -> Future:
-        if environment is None and self._remote:  # as the function was registered, if it was
-            environment, env = self._registered(fn)
         if data.has_files(args, kwargs):  # checked now, staged before the task (nimbus.File)
             args, kwargs = data.stage_files(self, args, kwargs)
         if keep or data.uses_data(args, kwargs):
@@ -308,18 +307,6 @@ class Executor(cf.Executor):
                 environment=environment, env=env,
             )  # fmt: skip
         return self._launch(fn, args, kwargs, timeout, environment=environment, env=env)
-
-    def _registered(self, fn: Any) -> tuple[Environment | None, str]:
-        """The environment ``fn``'s registration on the service gives its tasks
-        (``Client.register_function(fn, environment=...)``), for a call that names none."""
-        client = getattr(self._backend, "client", None)
-        if client is None or not callable(fn):
-            return None, ""
-        try:
-            found = client.registered_environment(fn)
-        except NimbusError:  # the service cannot say now: the workers' own, as before
-            return None, ""
-        return (None, "") if found is None else (found, environment_tag(found))
 
     def _scoped(self) -> bool:
         """Whether plain tasks on the endpoint carry their user's scope: they do once the
@@ -381,6 +368,7 @@ class Executor(cf.Executor):
             owner=future,
             environment=environment,
             env=env,
+            wraps=self._wraps(label),
         )
         future._task = task
         future._stop = self._backend.cancel
@@ -404,6 +392,11 @@ class Executor(cf.Executor):
     def _call(self, fn: Callable[..., Any], *args: Any, keep: bool = False) -> Future:
         return self._submit_data(fn, args, {}, self._timeout, keep, self._environment, self._env)
 
+    def _wraps(self, fn: Callable[..., Any] | None) -> str:
+        """The SHA-256 of ``fn``'s pickle if the task runs it wrapped (see :meth:`_wrap`)."""
+        entry = None if fn is None else self._wrapped.get(id(fn))
+        return entry[2] if entry is not None and entry[0] is fn else ""
+
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` run through ``nimbus.data.run`` (one partial per function, reused)."""
         entry = self._wrapped.get(id(fn))  # by identity, as the function cache
@@ -412,7 +405,10 @@ class Executor(cf.Executor):
         if len(self._wrapped) >= 1024:  # bounded (new closures at every call)
             self._wrapped.clear()
         wrapped = partial(data.run, fn)
-        self._wrapped[id(fn)] = (fn, wrapped)
+        wraps = ""  # on the service: registered with the environment fn was registered with
+        if self._remote:
+            wraps = hashlib.sha256(self._functions.get(fn)[1]).hexdigest()
+        self._wrapped[id(fn)] = (fn, wrapped, wraps)
         return wrapped
 
     def _submit_data(

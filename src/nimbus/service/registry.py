@@ -361,6 +361,7 @@ class Registry:
         *,
         limit: int | None = None,
         environment: dict[str, Any] | None = None,
+        wraps: str | None = None,
     ) -> str:
         """Register a function; the same bytes from the same owner give the same id.
 
@@ -368,7 +369,9 @@ class Registry:
         it unless a call gives another: the same bytes in another environment are
         another function (an id's environment never changes). Without one, the owner's
         latest registration of these bytes is found, whatever its environment, so an
-        SDK registering on first use gets the environment its owner registered.
+        SDK registering on first use gets the environment its owner registered; if
+        there is none, the environment of the owner's latest registration of the pickle
+        of SHA-256 ``wraps`` (the function these bytes wrap: an executor's scope) is given.
 
         :class:`~nimbus.errors.QuotaExceeded` (429) if the owner already has ``limit``
         functions (``NIMBUS_MAX_FUNCTIONS``) and these bytes are not one of them.
@@ -387,6 +390,18 @@ class Registry:
             existing = session.scalar(query.order_by(Function.created.desc()).limit(1))
             if existing is not None:
                 return existing
+            if env is None and wraps:
+                env = session.scalar(
+                    select(Function.environment)
+                    .where(
+                        Function.owner_id == owner_id,
+                        Function.digest == wraps,
+                        Function.python == python,
+                        Function.serializer == serializer,
+                    )
+                    .order_by(Function.created.desc())
+                    .limit(1)
+                )
             if limit is not None:
                 _check_count(
                     session, Function, owner_id, limit, "functions", "NIMBUS_MAX_FUNCTIONS"
@@ -433,18 +448,6 @@ class Registry:
                 frozenset(uid for _, uid in shared),
                 None if fn.environment is None else json.loads(fn.environment),
             )
-
-    def latest_function(self, owner_id: str, digest: str) -> FunctionInfo | None:
-        """The owner's latest registration of the function whose pickle has SHA-256
-        ``digest`` (the one the owner's submits of those bytes get), or None."""
-        with self._session() as session:
-            found = session.scalar(
-                select(Function.id)
-                .where(Function.owner_id == owner_id, Function.digest == digest)
-                .order_by(Function.created.desc())
-                .limit(1)
-            )
-        return None if found is None else self.function(found)
 
     def function_body(self, function_id: str) -> bytes | None:
         with self._session() as session:
