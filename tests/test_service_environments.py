@@ -271,7 +271,7 @@ class CountingProxy:
                     seen = tail + chunk
                     with self._lock:
                         for line in self.LINES:
-                            self.counts[line] += seen.count(line)
+                            self.counts[line] += seen.count(line) - tail.count(line)
                     tail = seen[-(max(map(len, self.LINES)) - 1) :]
         except OSError:
             pass
@@ -387,6 +387,46 @@ def test_the_registry_keeps_a_functions_environment_and_adds_the_column_to_an_ol
         assert registry.add_function(ada, "f", b"old", "3.11", "s") == "f-old"
     finally:
         registry.close()
+
+
+def test_services_starting_together_add_a_missing_column_once(registry_url: str) -> None:
+    """Two services on one database both find the column missing: neither fails."""
+    from sqlalchemy import text
+
+    from nimbus.service.migrate import add_columns
+    from nimbus.service.registry import Registry
+
+    first, second = Registry(registry_url), Registry(registry_url)
+    try:
+        for _ in range(5):
+            with first.engine.begin() as db:
+                db.execute(text("ALTER TABLE functions DROP COLUMN environment"))
+            barrier = threading.Barrier(2)
+            failed: list[BaseException] = []
+
+            def start(registry: Registry) -> None:
+                barrier.wait()
+                try:
+                    add_columns(registry.engine)
+                except BaseException as exc:
+                    failed.append(exc)
+
+            threads = [threading.Thread(target=start, args=(r,)) for r in (first, second)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert failed == []
+            first.create_user_token("ada")  # the table works with its column
+            ada = first.user_ids(["ada"])["ada"]
+            geo = Environment("geo").to_dict()
+            fid = second.add_function(ada, "f", b"body", "3.11", "s", environment=geo)
+            assert first.function(fid).environment == geo  # type: ignore[union-attr]
+            with first.engine.begin() as db:
+                db.execute(text("DELETE FROM functions"))
+    finally:
+        first.close()
+        second.close()
 
 
 # ---------------------------------------------------------------- versions, at submit

@@ -31,15 +31,14 @@ from sqlalchemy import (
     delete,
     event,
     func,
-    inspect,
     or_,
     select,
-    text,
 )
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from nimbus.errors import QuotaExceeded
+from nimbus.service.migrate import add_columns
 
 __all__ = ["Principal", "Registry", "TokenInfo", "check_user_name", "hash_token"]
 
@@ -111,10 +110,6 @@ class Function(_Base):
     # the environment its tasks run in unless a call gives another: the JSON of
     # Environment.to_dict() (keys sorted), NULL for the endpoint workers' own Python
     environment: Mapped[str | None] = mapped_column(Text, nullable=True)
-
-
-# columns added after a table was first made: ``Registry`` adds those a database lacks
-_ADDED_COLUMNS = (("functions", "environment", "TEXT"),)
 
 
 class Endpoint(_Base):
@@ -223,7 +218,7 @@ class Registry:
                 parsed = parsed.set(drivername="postgresql+psycopg")
             self.engine = create_engine(parsed, pool_pre_ping=True)
         _Base.metadata.create_all(self.engine)
-        _add_columns(self.engine)
+        add_columns(self.engine)
         self._session = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -609,17 +604,6 @@ def _check_count(
 def _env_json(environment: dict[str, Any]) -> str:
     """An environment as stored: its JSON with sorted keys, so equal specs compare equal."""
     return json.dumps(environment, sort_keys=True, separators=(",", ":"))
-
-
-def _add_columns(engine: Engine) -> None:
-    """Add the columns of ``_ADDED_COLUMNS`` that a registry made by an older nimbus
-    lacks (``create_all`` makes missing tables, never missing columns)."""
-    tables = inspect(engine)
-    for table, column, kind in _ADDED_COLUMNS:
-        have = {c["name"] for c in tables.get_columns(table)}
-        if column not in have:
-            with engine.begin() as connection:
-                connection.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
 
 
 def _sqlite_pragmas(dbapi_connection: object, record: object) -> None:
