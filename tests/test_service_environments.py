@@ -404,14 +404,18 @@ def test_services_starting_together_add_a_missing_column_once(registry_url: str)
             barrier = threading.Barrier(2)
             failed: list[BaseException] = []
 
-            def start(registry: Registry) -> None:
+            def start(
+                registry: Registry, barrier: threading.Barrier, failed: list[BaseException]
+            ) -> None:
                 barrier.wait()
                 try:
                     add_columns(registry.engine)
                 except BaseException as exc:
                     failed.append(exc)
 
-            threads = [threading.Thread(target=start, args=(r,)) for r in (first, second)]
+            threads = [
+                threading.Thread(target=start, args=(r, barrier, failed)) for r in (first, second)
+            ]
             for thread in threads:
                 thread.start()
             for thread in threads:

@@ -32,7 +32,7 @@ import httpx
 
 from nimbus import serialization
 from nimbus.config import Settings, check_timeout, config_dir, untrusted_certificate
-from nimbus.environments import Environment
+from nimbus.environments import Environment, as_environment
 from nimbus.errors import (
     AmbiguousEndpointError,
     AuthError,
@@ -157,13 +157,9 @@ def environment_mismatch(env: Environment) -> VersionMismatchError | None:
 def _usable_environment(environment: object) -> Environment | None:
     """``environment`` if it is None or an :class:`~nimbus.Environment` this client's
     functions can run in; ConfigError, or VersionMismatchError naming both versions."""
+    environment = as_environment(environment)
     if environment is None:
         return None
-    if not isinstance(environment, Environment):
-        raise ConfigError(
-            f"environment must be a nimbus.Environment such as Environment('geo', "
-            f"requirements=[...]), not {type(environment).__name__}"
-        )
     mismatch = environment_mismatch(environment)
     if mismatch is not None:
         raise mismatch

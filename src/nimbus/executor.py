@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 from nimbus import _chunks, data, serialization
 from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings, check_timeout
-from nimbus.environments import Environment
+from nimbus.environments import Environment, as_environment
 from nimbus.errors import (
     ConfigError,
     NimbusError,
@@ -76,11 +76,7 @@ def _check_environment(env: Any) -> tuple[Environment | None, str]:
                 f"json.dumps(Environment(...).to_dict())"
             ) from None
         env = env or Environment(text)
-    if not isinstance(env, Environment):
-        raise TypeError(
-            f"environment must be a nimbus.Environment such as Environment('geo', "
-            f"requirements=['shapely']), not {env!r}"
-        )
+    env = as_environment(env)  # ConfigError, as the client's, for anything else
     return env, environment_tag(env)
 
 
@@ -215,7 +211,7 @@ class Executor(cf.Executor):
         self._endpoint = endpoint if backend == "service" else None
         self._session: data.Session | None = None
         self._unscoped_until = 0.0
-        self._wrapped: dict[int, tuple[Callable[..., Any], partial[Any]]] = {}
+        self._wrapped: dict[int, tuple[Callable[..., Any], partial[Any], str]] = {}
         # reference id -> the kept future of the pure task that made it
         self._producers: weakref.WeakValueDictionary[str, KeptFuture] = (
             weakref.WeakValueDictionary()
