@@ -80,8 +80,10 @@ def test_public_names() -> None:
             "Entry",
             "Environment",
             "Prepared",
+            "as_environment",
             "cache",
             "held",
+            "pools",
             "prepare",
         ]
     )
