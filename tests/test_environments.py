@@ -80,8 +80,10 @@ def test_public_names() -> None:
             "Entry",
             "Environment",
             "Prepared",
+            "as_environment",
             "cache",
             "held",
+            "pools",
             "prepare",
         ]
     )
@@ -478,6 +480,48 @@ def test_held_gives_one_row_per_node_and_environment() -> None:
     assert by["login", "geo"]["state"] == "starting"  # a slot given, no worker ready yet
     assert by["login", "oops"]["state"] == "failed" and by["login", "oops"]["workers"] == 0
     assert [r["state"] for r in rows][:2] == ["warm", "warm"]  # warm first
+
+
+def test_held_takes_a_remote_managers_missing_counts_as_none() -> None:
+    """A remote manager's heartbeat with ``workers: None`` (say) gives 0, not a TypeError
+    that would stop the daemon's heartbeats."""
+    remote = {"node": "n2", "environments": {
+        "": {"name": "plain", "slots": 2, "workers": None, "free": None},
+        "geo@k": {"name": None, "slots": "x", "workers": 2, "free": 1},
+        "bad": None,
+    }}  # fmt: skip
+    assert environments.pools(remote) == [
+        {"tag": "", "name": "plain", "workers": 0, "free": 0, "slots": 2},
+        {"tag": "geo@k", "name": "plain", "workers": 2, "free": 1, "slots": 0},
+    ]
+    assert environments.pools({"environments": None}) == []
+    rows = environments.held([remote], "login", [])
+    assert [(r["node"], r["key"], r["state"], r["workers"]) for r in rows] == [
+        ("n2", "k", "warm", 2),
+        ("n2", "", "starting", 0),
+    ]
+
+
+def test_a_wrong_environment_is_one_error_for_client_and_executor() -> None:
+    """Client and executor check ``environment=`` with one function, one error type."""
+    from nimbus import Client, Executor
+    from nimbus.errors import ConfigError
+
+    client = Client("http://127.0.0.1:9", "token")  # refused before any request
+    try:
+        with pytest.raises(ConfigError, match=r"must be a nimbus\.Environment") as by_client:
+            client.register_function(len, environment=42)  # type: ignore[arg-type]
+    finally:
+        client.close()
+    with (
+        Executor(max_workers=1) as ex,
+        pytest.raises(ConfigError, match=r"must be a nimbus\.Environment") as by_executor,
+    ):
+        ex.options(environment=42)
+    assert str(by_client.value) == str(by_executor.value)
+    assert environments.as_environment(None) is None
+    geo = Environment("geo")
+    assert environments.as_environment(geo) is geo
 
 
 def test_bench_environments_smoke() -> None:

@@ -39,10 +39,9 @@ from nimbus._future import Future
 from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings, check_timeout
 from nimbus.data import DataPath, KeptFuture
-from nimbus.environments import Environment
+from nimbus.environments import Environment, as_environment
 from nimbus.errors import (
     ConfigError,
-    NimbusError,
     PayloadTooLargeError,
     ReferenceLost,
     RemoteTraceback,
@@ -74,11 +73,7 @@ def _check_environment(env: Any) -> tuple[Environment | None, str]:
                 f"json.dumps(Environment(...).to_dict())"
             ) from None
         env = env or Environment(text)
-    if not isinstance(env, Environment):
-        raise TypeError(
-            f"environment must be a nimbus.Environment such as Environment('geo', "
-            f"requirements=['shapely']), not {env!r}"
-        )
+    env = as_environment(env)  # ConfigError, as the client's, for anything else
     return env, environment_tag(env)
 
 
@@ -223,26 +218,12 @@ class Executor(cf.Executor):
         environment: Environment | None = None,
         env: str = "",
     ) -> Future:
-        if environment is None and self._remote:  # as the function was registered, if it was
-            environment, env = self._registered(fn)
         plain = not kwargs and all(type(a) in _PLAIN for a in args)  # no File, Ref, future
         if not plain and data.has_files(args, kwargs):  # checked now, staged before the task
             args, kwargs = data.stage_files(self, args, kwargs)
         if keep or (not plain and data.uses_data(args, kwargs)):
             return self._path.submit(fn, args, kwargs, timeout, keep, environment, env)
         return self._launch(fn, args, kwargs, timeout, environment=environment, env=env)
-
-    def _registered(self, fn: Any) -> tuple[Environment | None, str]:
-        """The environment ``fn``'s registration on the service gives its tasks
-        (``Client.register_function(fn, environment=...)``), for a call that names none."""
-        client = getattr(self._backend, "client", None)
-        if client is None or not callable(fn):
-            return None, ""
-        try:
-            found = client.registered_environment(fn)
-        except NimbusError:  # the service cannot say now: the workers' own, as before
-            return None, ""
-        return (None, "") if found is None else (found, environment_tag(found))
 
     def _launch(
         self,
@@ -290,6 +271,7 @@ class Executor(cf.Executor):
             owner=future,
             environment=environment,
             env=env,
+            wraps=self._path.wraps(label),
         )
         future._task = task
         future._stop = self._backend.cancel

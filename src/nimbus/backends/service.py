@@ -198,7 +198,7 @@ class ServiceBackend:
             function_id = self._registered.get(task.fn_key)
             if function_id is None:
                 function_id = self.client.register_function_bytes(
-                    task.fn_bytes, task.record.function
+                    task.fn_bytes, task.record.function, wraps=task.wraps
                 )
                 self._registered[task.fn_key] = function_id
             task.route = function_id

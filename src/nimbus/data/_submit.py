@@ -16,6 +16,7 @@ what a task of the data path needs before it is sent and after its result is in.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -76,7 +77,7 @@ class DataPath:
         self.session: Session | None = None
         self._lock = threading.Lock()
         self._opening = threading.Lock()
-        self._wrapped: dict[int, tuple[Callable[..., Any], partial[Any]]] = {}
+        self._wrapped: dict[int, tuple[Callable[..., Any], partial[Any], str]] = {}
         # reference id -> the kept future of the pure task that made it
         self._producers: weakref.WeakValueDictionary[str, KeptFuture] = (
             weakref.WeakValueDictionary()
@@ -109,8 +110,16 @@ class DataPath:
         if len(self._wrapped) >= 1024:  # bounded (new closures at every call)
             self._wrapped.clear()
         wrapped = partial(run, fn)
-        self._wrapped[id(fn)] = (fn, wrapped)
+        wraps = ""  # on the service: registered with the environment fn was registered with
+        if self._ex._remote:
+            wraps = hashlib.sha256(self._ex._functions.get(fn)[1]).hexdigest()
+        self._wrapped[id(fn)] = (fn, wrapped, wraps)
         return wrapped
+
+    def wraps(self, fn: Callable[..., Any] | None) -> str:
+        """The SHA-256 of ``fn``'s pickle if its task runs it wrapped (see :meth:`wrap`)."""
+        entry = None if fn is None else self._wrapped.get(id(fn))
+        return entry[2] if entry is not None and entry[0] is fn else ""
 
     # -- submitting ------------------------------------------------------------
     def submit(

@@ -124,6 +124,7 @@ class EndpointDaemon:
     ) -> None:
         self.service_url = service_url.rstrip("/")
         self._ssl: ssl.SSLContext | None = None  # verifies the service's certificate
+        self._runtime_failed = False  # _runtime said why it could not: once
         if self.service_url.startswith("https://"):
             self._ssl = (settings if settings is not None else Settings.load()).ssl_context()
         self.socket = ServiceSocket(
@@ -282,7 +283,10 @@ class EndpointDaemon:
         try:
             scaler = self.scaler.statistics() if self.scaler is not None else None
             return runtime_rows(self.runtime.statistics(), scaler)
-        except Exception:  # the runtime is shutting down
+        except Exception as exc:  # shutting down, or a row it cannot read: said once
+            if not self._runtime_failed:
+                self._runtime_failed = True
+                log.warning("cannot say the runtime in heartbeats: %r", exc, exc_info=True)
             return []
 
     def _environments(self) -> list[dict[str, Any]]:
@@ -298,7 +302,11 @@ class EndpointDaemon:
         except (OSError, NimbusError) as exc:
             log.warning("cannot read this node's environments: %s", exc)
             local = []
-        return environments.held(managers, socket.gethostname(), local)[:MAX_ENVIRONMENTS]
+        try:  # a heartbeat goes on whatever a manager's statistics say
+            return environments.held(managers, socket.gethostname(), local)[:MAX_ENVIRONMENTS]
+        except Exception as exc:
+            log.warning("cannot say the nodes' environments in heartbeats: %r", exc)
+            return []
 
     async def _marker(self, ws: ClientConnection) -> None:
         """Tell the service which tasks run (those still running RUNNING_AFTER after start)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from nimbus.errors import ConfigError
 
-__all__ = ["PLAIN", "Environment"]
+__all__ = ["PLAIN", "Environment", "as_environment"]
 
 
 @dataclass(frozen=True)
@@ -94,3 +94,14 @@ class Environment:
 
 PLAIN = Environment("plain")
 """Workers with the node's own Python and nothing more: today's workers."""
+
+
+def as_environment(value: object) -> Environment | None:
+    """``value`` if it is None or an :class:`Environment`: what a call's ``environment=``
+    takes (client and executor alike); ConfigError naming what to pass otherwise."""
+    if value is None or isinstance(value, Environment):
+        return value
+    raise ConfigError(
+        f"environment must be a nimbus.Environment such as Environment('geo', "
+        f"requirements=['shapely']), not {type(value).__name__} {value!r:.80}"
+    )

@@ -31,7 +31,9 @@ class Task:
     runtime never looks inside it). When the task ends, ``status``, ``data``
     and ``result_buffers`` hold what the worker sent back. ``environment`` is
     what its worker runs in (None: the node's own Python) and ``env`` its
-    worker type (:func:`environment_tag`), computed once by the submitter.
+    worker type (:func:`environment_tag`), computed once by the submitter. ``wraps``
+    is the SHA-256 of the pickle of the function ``fn_bytes`` wraps, if it wraps one
+    (an executor's ``nimbus.data.run`` partial on an endpoint), else "".
     """
 
     __slots__ = (
@@ -53,6 +55,7 @@ class Task:
         "status",
         "suspect",
         "timeout",
+        "wraps",
     )
 
     def __init__(
@@ -68,6 +71,7 @@ class Task:
         owner: Any = None,
         environment: Environment | None = None,
         env: str | None = None,
+        wraps: str = "",
     ) -> None:
         self.seq = seq
         self.fn_key = fn_key
@@ -79,6 +83,7 @@ class Task:
         self.owner = owner
         self.environment = environment
         self.env = environment_tag(environment) if env is None else env
+        self.wraps = wraps
         self.cancelled = False
         self.attempts = 0
         self.route: Any = None  # the manager the agent gave it to
