@@ -469,6 +469,54 @@ def test_limits_of_one_task_from_its_options(netns: pytest.MonkeyPatch, server: 
     assert free_share > share, (free_share, share)
 
 
+@needs_root
+def test_limits_of_a_task_leave_its_function_as_it_is(netns: pytest.MonkeyPatch) -> None:
+    """options(cpus=...) sends the function itself: one pickling, one key, so its worker
+    keeps the one it loaded (its default list grows) and a registration still holds."""
+
+    def count(seen: list[int] = []) -> int:  # noqa: B006  (the worker's copy's state)
+        seen.append(1)
+        return len(seen)
+
+    with Executor(1) as ex:
+        limited = ex.options(cpus=2)
+        counts = [limited.submit(count).result(timeout=60) for _ in range(3)]
+        counts.append(ex.submit(count).result(timeout=60))
+    assert counts == [1, 2, 3, 4], counts
+
+
+@needs_root
+def test_a_limit_half_set_is_taken_back(tmp_path: Path) -> None:
+    """cpus set on the worker's cgroup, then its bandwidth fails (no namespace): the cpu
+    quota is put back before the error, not left for the next task."""
+    from nimbus.network._cgroup import Cgroup
+
+    cgroup = Cgroup(f"nimbus-test-{os.getpid()}", None, None, every=True)
+    script = (
+        "import os, sys\n"
+        "for f in sys.argv[1:]: open(f, 'w').write(str(os.getpid()))\n"
+        "from nimbus.errors import ConfigError\n"
+        "from nimbus.network._limits import TaskLimits, _cgroup_dirs, apply\n"
+        "try:\n"
+        "    apply(TaskLimits(cpus=0.5, bandwidth=10**8), print)\n"
+        "except ConfigError as exc:\n"
+        "    print('refused:', exc)\n"
+        "d = _cgroup_dirs()\n"
+        "print('quota:', (d[''] / 'cpu.max' if '' in d else d['cpu'] / 'cpu.cfs_quota_us')"
+        ".read_text().split()[0])\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script, *cgroup.procs_files()],
+            capture_output=True, text=True, timeout=60,
+            env={k: v for k, v in os.environ.items() if not k.startswith("NIMBUS_WORKER_")},
+        )  # fmt: skip
+    finally:
+        cgroup.remove()
+    assert "refused: options(bandwidth=...): this worker has no network namespace" in done.stdout
+    assert done.stdout.splitlines()[-1] in ("quota: -1", "quota: max"), done.stdout + done.stderr
+
+
 def test_task_limits_are_checked_as_the_endpoint_config() -> None:
     with Executor(1) as ex:
         with pytest.raises(ConfigError, match=r"bandwidth='500M'.*bits"):

@@ -292,22 +292,25 @@ class Executor(cf.Executor):
         keep: bool = False,
         environment: Environment | None = None,
         env: str = "",
+        limits: Any = None,
     ) -> Future:
         if environment is None and self._remote:  # as the function was registered, if it was
             environment, env = self._registered(fn)
         if data.has_files(args, kwargs):  # checked now, staged before the task (nimbus.File)
             args, kwargs = data.stage_files(self, args, kwargs)
         if keep or data.uses_data(args, kwargs):
-            return self._submit_data(fn, args, kwargs, timeout, keep, environment, env)
+            return self._submit_data(fn, args, kwargs, timeout, keep, environment, env, limits)
         if self._remote and self._scoped():  # on an endpoint: its user's store() in the task
             if not callable(fn):
                 raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
             scope = self._data().scope(False)  # no Refs to wait on or bind: straight out
             return self._launch(
                 self._wrap(fn), (scope, *args), kwargs, timeout, None, fn,
-                environment=environment, env=env,
+                environment=environment, env=env, limits=limits,
             )  # fmt: skip
-        return self._launch(fn, args, kwargs, timeout, environment=environment, env=env)
+        return self._launch(
+            fn, args, kwargs, timeout, environment=environment, env=env, limits=limits
+        )
 
     def _registered(self, fn: Any) -> tuple[Environment | None, str]:
         """The environment ``fn``'s registration on the service gives its tasks
@@ -346,13 +349,17 @@ class Executor(cf.Executor):
         *,
         environment: Environment | None = None,
         env: str = "",
+        limits: Any = None,
     ) -> Future:
         if self._shutdown:
             raise RuntimeError("cannot schedule new futures after shutdown")
         if not callable(fn):
             raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
         fn_key, fn_bytes = self._functions.get(fn)
-        payload, buffers = serialization.dumps((args, kwargs))
+        # a task's own limits travel with its arguments: fn is sent as it is
+        payload, buffers = serialization.dumps(
+            (args, kwargs, limits.row()) if limits else (args, kwargs)
+        )
         size = len(payload) + sum(b.raw().nbytes for b in buffers)
         named = fn if label is None else label
         if size > self.settings.max_payload:
@@ -424,6 +431,7 @@ class Executor(cf.Executor):
         keep: bool,
         environment: Environment | None = None,
         env: str = "",
+        limits: Any = None,
     ) -> Future:
         """Submit ``fn`` through ``nimbus.data.run``: Refs resolved where it runs, its
         result kept when ``keep``; sent once the futures among its arguments are done."""
@@ -436,7 +444,7 @@ class Executor(cf.Executor):
         future: Future = KeptFuture() if keep else Future()
         future.record = TaskRecord("", function=getattr(fn, "__qualname__", ""))
         if keep and getattr(fn, "__nimbus_pure__", False):
-            future._recipe = (fn, args, kwargs, timeout, environment, env)  # type: ignore[attr-defined]
+            future._recipe = (fn, args, kwargs, timeout, environment, env, limits)  # type: ignore[attr-defined]
             future._executor = self  # type: ignore[attr-defined]
         wrapped = self._wrap(fn)
 
@@ -461,6 +469,7 @@ class Executor(cf.Executor):
                 fn,
                 environment=environment,
                 env=env,
+                limits=limits,
             )
 
         def send_later() -> None:
@@ -482,9 +491,9 @@ class Executor(cf.Executor):
     def _again(self, producer: KeptFuture) -> KeptFuture:
         """Run a pure kept task again (its object was lost); ``producer`` names the new one."""
         assert producer._recipe is not None
-        fn, args, kwargs, timeout, environment, env = producer._recipe
+        fn, args, kwargs, timeout, environment, env, limits = producer._recipe
         again: KeptFuture = self._submit_data(  # type: ignore[assignment]
-            fn, args, kwargs, timeout, True, environment, env
+            fn, args, kwargs, timeout, True, environment, env, limits
         )
 
         def made(f: cf.Future[Any]) -> None:
@@ -679,14 +688,13 @@ class _Options(cf.Executor):
         self._environment = environment
         self._env = env
         self._keep = keep
-        self._limits: Any = None  # a task's own limits: fn runs under them (nimbus.network)
+        self._limits: Any = None  # a task's own limits, with its arguments (nimbus.network)
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future[T]:
-        if self._limits:
-            fn = self._limits.wrap(fn)
         return self._executor._submit(
-            fn, args, kwargs, self._timeout, self._keep, self._environment, self._env
-        )
+            fn, args, kwargs, self._timeout, self._keep, self._environment, self._env,
+            self._limits,
+        )  # fmt: skip
 
     def map(
         self,
@@ -697,12 +705,10 @@ class _Options(cf.Executor):
         keep: bool = False,
         progress: bool = False,
     ) -> Iterator[T]:
-        if self._limits:
-            fn = self._limits.wrap(fn)
         if keep or self._keep:
             kept = [
                 self._executor._submit(
-                    fn, args, {}, self._timeout, True, self._environment, self._env
+                    fn, args, {}, self._timeout, True, self._environment, self._env, self._limits
                 )
                 for args in zip(*iterables, strict=False)
             ]

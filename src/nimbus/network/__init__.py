@@ -45,6 +45,7 @@ __all__ = [
     "TaskGauge",
     "TaskNet",
     "WorkerNetworks",
+    "apply_limits",
     "netbench",
     "netbench_endpoint",
     "nimbus_port",
@@ -76,6 +77,17 @@ def task_limits(**options: Any) -> Any:
             "timeout, environment, keep, bandwidth, memory, cpus"
         )
     return TaskLimits.parse(**options)
+
+
+def apply_limits(
+    row: tuple[Any, ...], failed: Callable[[BaseException], None]
+) -> Callable[[], None]:
+    """Set a task's own limits (what its payload carries: ``TaskLimits.row``) on this
+    worker; returns what puts the worker's own back. A limit that cannot be put back
+    goes to ``failed``; one that cannot be set raises (what it set is put back first)."""
+    from nimbus.network._limits import TaskLimits, apply
+
+    return apply(TaskLimits(*row), failed)
 
 
 def netbench(
