@@ -517,6 +517,27 @@ def test_a_limit_half_set_is_taken_back(tmp_path: Path) -> None:
     assert done.stdout.splitlines()[-1] in ("quota: -1", "quota: max"), done.stdout + done.stderr
 
 
+def _leave_own_cgroup() -> int:
+    """Move this worker out of its cgroup and remove it: its limits cannot be put back."""
+    from nimbus.network._limits import _cgroup_dirs
+
+    dirs = _cgroup_dirs()
+    for d in dirs.values():
+        (d.parent / "cgroup.procs").write_text(str(os.getpid()))
+    for d in set(dirs.values()):
+        if d.exists():
+            d.rmdir()
+    return os.getpid()
+
+
+@needs_root
+def test_a_limit_not_put_back_retires_its_worker(netns: pytest.MonkeyPatch) -> None:
+    """The task's result is its own; the worker that keeps a limit runs no other task."""
+    with Executor(1) as ex:
+        pid = ex.options(cpus=0.5).submit(_leave_own_cgroup).result(timeout=60)
+        assert ex.submit(os.getpid).result(timeout=60) != pid
+
+
 def test_task_limits_are_checked_as_the_endpoint_config() -> None:
     with Executor(1) as ex:
         with pytest.raises(ConfigError, match=r"bandwidth='500M'.*bits"):
