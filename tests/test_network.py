@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -230,7 +231,6 @@ def test_colocation_and_the_host_nic_sampled_while_tasks_run(netns: pytest.Monke
 def test_host_nic_rate_from_the_shared_sample(tmp_path: Path) -> None:
     """The sampler's counters of a real interface (the loopback, here) reach a reader of
     the shared map: a transfer during the samples shows as the NIC's rate."""
-    import socket
     import threading
 
     from nimbus.network._colocation import Board, summary
@@ -316,6 +316,29 @@ def test_a_nic_that_goes_away_is_let_go_of() -> None:
         assert info.st_uid == 0 and stat.S_IMODE(info.st_mode) & 0o022 == 0, oct(info.st_mode)
 
 
+def _two_quiet_ends() -> tuple[bool, bool]:
+    from nimbus.network import TaskNet
+
+    net = TaskNet.here()
+    assert net is not None
+    try:
+        ends = []
+        for _ in range(2):  # tasks that move no byte
+            now = time.time()
+            net.begin(now)
+            ends.append(net.end(now))
+    finally:
+        net.close()
+    (i1, o1, first), (i2, o2, second) = ends
+    return (i1, o1, i2, o2) == (0, 0, 0, 0), first is not second
+
+
+@needs_root
+def test_each_quiet_task_has_its_own_record_fields(netns: pytest.MonkeyPatch) -> None:
+    with Executor(1) as ex:
+        assert ex.submit(_two_quiet_ends).result(timeout=60) == (True, True)
+
+
 def _worker_net(seconds: float = 0.0) -> tuple[bool, str, int]:
     time.sleep(seconds)
     with open("/proc/self/net/dev") as f:
@@ -352,7 +375,6 @@ def _store_round_trip(url: str, size: int) -> int:
 @pytest.fixture
 def tcp_store() -> Iterator[str]:
     """A state store (redis-server) on the node's 127.0.0.1 over TCP: its URL."""
-    import socket
 
     from nimbus.statestore import redis_server_binary
 
@@ -395,7 +417,6 @@ _held: list[object] = []
 
 def _open_connection(port: int, size: int) -> int:
     """Download over a connection left open when the task ends (its TCP_INFO is read)."""
-    import socket
 
     sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall(f"GET /{size} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
@@ -689,6 +710,25 @@ def test_netbench_on_a_real_endpoint(service: Any, alice: Any, lab: Any, tmp_pat
     for run in runs.values():
         assert run["aggregate_mbit"] > 10 and run["per_task_min_mbit"] > 0, run
         assert abs(run["link_vs_client_bytes"]) < 0.02, run  # the records counted the bytes
+
+
+def test_netbench_refuses_a_server_its_endpoint_cannot_reach() -> None:
+    """--server 127.0.0.1 (the default) where the endpoint's nodes do not reach it: a
+    message saying which address to give, before any run of the sweep."""
+    from nimbus.network._endpoint import check_reach
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    with Executor(1) as ex:
+        with pytest.raises(
+            ConfigError,
+            match=r"--server 127\.0\.0\.1 is this machine's loopback.*"
+            r"give --server an address of this machine that the nodes reach",
+        ):
+            check_reach(ex, ("127.0.0.1", closed))
+        with socket.create_server(("127.0.0.1", 0)) as listening:
+            check_reach(ex, listening.getsockname())  # reached: nothing said
 
 
 @needs_root

@@ -129,10 +129,11 @@ def netbench_endpoint(
 ) -> list[Path]:
     """The bandwidth sweep on ``executor``'s endpoint against a traffic server on
     ``server`` (this machine's address as the endpoint reaches it); the report into ``out``."""
-    from nimbus.network._endpoint import sweep, traffic_server
+    from nimbus.network._endpoint import check_reach, sweep, traffic_server
     from nimbus.network._report import PAYLOAD, summarize, write
 
     with traffic_server(server) as address:
+        check_reach(executor, address)  # (--server 127.0.0.1, the default, on a remote one)
         points = sweep(executor, address, concurrency, directions, seconds, progress)
     if cap is None:  # the best aggregate seen stands for the link's capacity
         best = max(
