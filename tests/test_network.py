@@ -89,7 +89,12 @@ def _ours() -> dict[str, list[str]]:
     slots = Path("/run/nimbus-net")
     mine = str(os.getpid())
     return {
-        "namespaces": [line.split()[0] for line in spaces.splitlines() if "nimbus-" in line],
+        # the template goes with the last worker namespace (another process's may hold it)
+        "namespaces": [
+            line.split()[0]
+            for line in spaces.splitlines()
+            if "nimbus-" in line and line.split()[0] != "nimbus-template"
+        ],
         "rules": [line for line in rules.splitlines() if "nmb" in line],
         "slots": [p.name for p in slots.glob("*") if p.name.isdigit() and p.read_text() == mine]
         if slots.is_dir()
@@ -113,6 +118,14 @@ def netns(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     after = _ours()
     for kind, names in after.items():
         assert set(names) <= set(before[kind]), f"left behind: {kind} {names}"
+    _template_only_with_workers()
+
+
+def _template_only_with_workers() -> None:
+    names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    if "nimbus-template" in names:
+        workers = [n for n in names if n.startswith("nimbus-") and n[7:].isdigit()]
+        assert workers, "left behind: the namespace nimbus-template, with no worker's"
 
 
 def _curl(port: int, get: int, put: int) -> str:
@@ -618,6 +631,49 @@ def test_task_limits_are_checked_as_the_endpoint_config() -> None:
         with pytest.raises(TypeError, match="bandwidht"):
             ex.options(bandwidht="1Gbit")
         assert ex.options(bandwidth="1Gbit", memory="1G", cpus=2) is not None
+
+
+@needs_root
+def test_worker_namespaces_get_their_own_tcp_table_the_node_keeps_its(
+    netns: pytest.MonkeyPatch,
+) -> None:
+    """Made from the template namespace: each worker's has a TCP table of its own, and
+    the node's tcp_child_ehash_entries is never changed, not even for a moment."""
+    import threading
+
+    from nimbus.network._link import TCP_TABLE
+
+    node = Path("/proc/sys/net/ipv4/tcp_child_ehash_entries")
+    if not node.exists():
+        pytest.skip("Linux 6.1+ (per-namespace TCP tables)")
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.add(node.read_text().strip())
+
+    original = node.read_text().strip()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    nets = WorkerNetworks("netns")
+    try:
+        for i in range(3):
+            nets.command(f"w{i}", [sys.executable, "-c", "pass"])
+        link = nets.link("w2")
+        assert link is not None
+        table = subprocess.run(
+            ["ip", "netns", "exec", link.ns, "cat", "/proc/sys/net/ipv4/tcp_ehash_entries"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert int(table) == TCP_TABLE, table  # its own (negative: the node's, shared)
+        assert os.path.exists("/run/netns/nimbus-template")
+    finally:
+        nets.close()
+        stop.set()
+        watcher.join()
+    assert seen == {original}, seen
+    _template_only_with_workers()
 
 
 @needs_root
