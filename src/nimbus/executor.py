@@ -217,13 +217,16 @@ class Executor(cf.Executor):
         keep: bool = False,
         environment: Environment | None = None,
         env: str = "",
+        limits: Any = None,
     ) -> Future:
         plain = not kwargs and all(type(a) in _PLAIN for a in args)  # no File, Ref, future
         if not plain and data.has_files(args, kwargs):  # checked now, staged before the task
             args, kwargs = data.stage_files(self, args, kwargs)
         if keep or (not plain and data.uses_data(args, kwargs)):
-            return self._path.submit(fn, args, kwargs, timeout, keep, environment, env)
-        return self._launch(fn, args, kwargs, timeout, environment=environment, env=env)
+            return self._path.submit(fn, args, kwargs, timeout, keep, environment, env, limits)
+        return self._launch(
+            fn, args, kwargs, timeout, environment=environment, env=env, limits=limits
+        )
 
     def _launch(
         self,
@@ -236,13 +239,17 @@ class Executor(cf.Executor):
         *,
         environment: Environment | None = None,
         env: str = "",
+        limits: Any = None,
     ) -> Future:
         if self._shutdown:
             raise RuntimeError("cannot schedule new futures after shutdown")
         if not callable(fn):
             raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
         fn_key, fn_bytes = self._functions.get(fn)
-        payload, buffers = serialization.dumps((args, kwargs))
+        # a task's own limits travel with its arguments: fn is sent as it is
+        payload, buffers = serialization.dumps(
+            (args, kwargs, limits.row()) if limits else (args, kwargs)
+        )
         size = len(payload) + sum(b.raw().nbytes for b in buffers)
         named = fn if label is None else label
         if size > self.settings.max_payload:
@@ -421,14 +428,13 @@ class _Options(cf.Executor):
         self._environment = environment
         self._env = env
         self._keep = keep
-        self._limits: Any = None  # a task's own limits: fn runs under them (nimbus.network)
+        self._limits: Any = None  # a task's own limits, with its arguments (nimbus.network)
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future[T]:
-        if self._limits:
-            fn = self._limits.wrap(fn)
         return self._executor._submit(
-            fn, args, kwargs, self._timeout, self._keep, self._environment, self._env
-        )
+            fn, args, kwargs, self._timeout, self._keep, self._environment, self._env,
+            self._limits,
+        )  # fmt: skip
 
     def map(
         self,
@@ -439,12 +445,10 @@ class _Options(cf.Executor):
         keep: bool = False,
         progress: bool = False,
     ) -> Iterator[T]:
-        if self._limits:
-            fn = self._limits.wrap(fn)
         if keep or self._keep:
             kept = [
                 self._executor._submit(
-                    fn, args, {}, self._timeout, True, self._environment, self._env
+                    fn, args, {}, self._timeout, True, self._environment, self._env, self._limits
                 )
                 for args in zip(*iterables, strict=False)
             ]

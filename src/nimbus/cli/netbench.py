@@ -45,7 +45,8 @@ def setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", help="run the sweep on this endpoint instead")
     parser.add_argument("--server", default="127.0.0.1",
                         help="with --endpoint: this machine's address as the endpoint reaches "
-                        "it; the traffic server listens there (127.0.0.1)")  # fmt: skip
+                        "it; the traffic server listens there (127.0.0.1: an endpoint on "
+                        "this machine; refused if the nodes cannot reach it)")  # fmt: skip
     parser.add_argument("--concurrency", type=_concurrency, default=[1, 2, 4, 8],
                         help="tasks on the host at once, e.g. 1,2,4,8 (default)")  # fmt: skip
     parser.add_argument("--direction", choices=("down", "up", "both"), default="both")

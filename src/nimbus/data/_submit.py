@@ -43,7 +43,9 @@ class KeptFuture(Future):
     """
 
     kept = True
-    _recipe: tuple[Any, ...] | None = None  # (fn, args, kwargs, timeout, env) of a pure task
+    _recipe: tuple[Any, ...] | None = (
+        None  # (fn, args, kwargs, timeout, env, limits) of a pure task
+    )
     _path: DataPath | None = None
 
     def ref(self, timeout: float | None = None) -> Ref:
@@ -131,6 +133,7 @@ class DataPath:
         keep: bool,
         environment: Any = None,
         env: str = "",
+        limits: Any = None,
     ) -> Future:
         """Submit ``fn`` through ``nimbus.data.run``: Refs resolved where it runs, its
         result kept when ``keep``; sent once the futures among its arguments are done."""
@@ -148,7 +151,7 @@ class DataPath:
         if keep:
             future._maker = self  # type: ignore[attr-defined]  # (where its Ref is)
         if keep and getattr(fn, "__nimbus_pure__", False):
-            future._recipe = (fn, args, kwargs, timeout, environment, env)  # type: ignore[attr-defined]
+            future._recipe = (fn, args, kwargs, timeout, environment, env, limits)  # type: ignore[attr-defined]
             future._path = self  # type: ignore[attr-defined]
         wrapped = self.wrap(fn)
 
@@ -170,6 +173,7 @@ class DataPath:
                 fn,
                 environment=environment,
                 env=env,
+                limits=limits,
             )
 
         def send_later() -> None:
@@ -196,9 +200,9 @@ class DataPath:
     def again(self, producer: KeptFuture) -> KeptFuture:
         """Run a pure kept task again (its object was lost); ``producer`` names the new one."""
         assert producer._recipe is not None
-        fn, args, kwargs, timeout, environment, env = producer._recipe
+        fn, args, kwargs, timeout, environment, env, limits = producer._recipe
         again: KeptFuture = self.submit(  # type: ignore[assignment]
-            fn, args, kwargs, timeout, True, environment, env
+            fn, args, kwargs, timeout, True, environment, env, limits
         )
 
         def made(f: cf.Future[Any]) -> None:

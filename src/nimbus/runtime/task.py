@@ -26,7 +26,8 @@ class Task:
     """One invocation travelling through the runtime.
 
     ``payload`` and ``buffers`` are the pickled ``(args, kwargs)`` (see
-    ``nimbus.serialization.dumps``); ``fn_bytes`` is the pickled function and
+    ``nimbus.serialization.dumps``), or ``(args, kwargs, limits)`` for a task with
+    limits of its own (``Executor.options(cpus=...)``: set by its worker around it); ``fn_bytes`` is the pickled function and
     ``fn_key`` its hash. ``owner`` belongs to whoever submitted the task (the
     runtime never looks inside it). When the task ends, ``status``, ``data``
     and ``result_buffers`` hold what the worker sent back. ``environment`` is
