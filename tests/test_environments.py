@@ -24,7 +24,7 @@ import nimbus.environments as environments
 from environment_support import MARKER, EnvWorker, base_image, podman_unavailable
 from nimbus.cli import main as cli_main
 from nimbus.environments import WORKER_VARIABLE, Environment, _venv, prepare
-from nimbus.errors import EnvironmentBuildError, VersionMismatchError
+from nimbus.errors import ConfigError, EnvironmentBuildError, VersionMismatchError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,6 +85,29 @@ def test_public_names() -> None:
             "prepare",
         ]
     )
+
+
+@pytest.mark.parametrize("name", ["a b/c", "", "x" * 65, "../up", 3])
+def test_a_name_follows_the_endpoint_name_rule(name: object) -> None:
+    with pytest.raises(ConfigError, match=r"letters, digits, '_', '\.', '@' or '-'"):
+        Environment(name)  # type: ignore[arg-type]
+    assert Environment("geo-1.2_x@lab").name == "geo-1.2_x@lab"
+
+
+def test_sandbox_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="sandbox must be True or False, not 'yes'"):
+        Environment("x", sandbox="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="sandbox must be True or False"):
+        Environment.from_dict({"name": "x", "sandbox": "yes"})  # JSON from a user: one message
+    assert Environment("x", sandbox=True).key != Environment("x").key
+
+
+def test_a_wheelhouse_needs_requirements(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="without requirements installs nothing"):
+        Environment("x", wheelhouse=str(tmp_path))
+    with pytest.raises(ConfigError, match="wheelhouse must be a directory"):
+        Environment("x", requirements=["six"], wheelhouse="")
+    assert Environment("x", requirements=["six"], wheelhouse=str(tmp_path)).wheelhouse
 
 
 def test_plain_is_the_node_python() -> None:
