@@ -35,6 +35,7 @@ from nimbus.cli import environments as environments_cli
 from nimbus.cli import netbench as netbench_cli
 from nimbus.cli import service as service_cli
 from nimbus.cli import tasks as tasks_cli
+from nimbus.cli._usage import UsageError
 from nimbus.config import Settings
 from nimbus.errors import ConfigError, NimbusError
 
@@ -162,7 +163,9 @@ def _demo_run(args: argparse.Namespace) -> int:
     from nimbus import demo
 
     if args.tasks < 1 or args.samples < 1:
-        raise ConfigError(f"--tasks and --samples must be >= 1, got {args.tasks}, {args.samples}")
+        raise UsageError(
+            "nimbus demo", f"--tasks and --samples must be >= 1, got {args.tasks}, {args.samples}"
+        )
     Settings.load().configure_logging()
     return demo.run(n_tasks=args.tasks, samples_per_task=args.samples)
 
@@ -262,6 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
         os.close(devnull)
         return 1
+    except UsageError as exc:  # arguments that do not go together: as argparse says it
+        print(exc.line(), file=sys.stderr)
+        return EXIT_CONFIG
     except ConfigError as exc:
         print(f"nimbus: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

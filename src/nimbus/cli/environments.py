@@ -18,6 +18,7 @@ import json
 import time
 from typing import TYPE_CHECKING
 
+from nimbus.cli._usage import UsageError
 from nimbus.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -66,9 +67,10 @@ def run(args: argparse.Namespace) -> int:
             sandbox=args.sandbox,
         )
         if env.plain:
-            raise ConfigError(
+            raise UsageError(
+                "nimbus environments build",
                 f"environment {args.name!r} has nothing to build: give -r REQUIREMENT, "
-                f"--image IMAGE or --sandbox"
+                f"--image IMAGE or --sandbox",
             )
         prepared = environments.prepare(env, retry=True)
         how = f"in {prepared.build_seconds:.1f} s" if prepared.build_seconds else "(already)"
