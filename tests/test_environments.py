@@ -110,6 +110,28 @@ def test_a_wheelhouse_needs_requirements(tmp_path: Path) -> None:
     assert Environment("x", requirements=["six"], wheelhouse=str(tmp_path)).wheelhouse
 
 
+def test_a_failed_build_is_listed_with_its_cause() -> None:
+    from nimbus.cli.environments import cause
+
+    uv = (
+        "environment 'bad': uv failed (exit 1) installing nope:\n"
+        "error: No solution found when resolving dependencies\n"
+        "  cause: Because nope was not found in the package registry, ...unsatisfiable."
+    )
+    assert cause(uv) == (
+        "environment 'bad': uv failed (exit 1) installing nope: Because nope was not found "
+        "in the package registry, ...unsatisfiable."
+    )
+    pip = (
+        "environment 'bad': pip failed (exit 1) installing nope:\n\n"
+        "ERROR: Could not find a version that satisfies the requirement nope (from versions: "
+        "none)\nERROR: No matching distribution found for nope"
+    )
+    assert cause(pip).endswith("installing nope: Could not find a version that satisfies the "
+                               "requirement nope (from versions: none)")  # fmt: skip
+    assert cause("environment 'x': image missing") == "environment 'x': image missing"
+
+
 def test_plain_is_the_node_python() -> None:
     prepared = prepare(Environment("p"))
     assert prepared.command([PY, "-c", "x"]) == [PY, "-c", "x"]
@@ -437,6 +459,15 @@ def test_cli_build_list_remove(
     assert "no environment named 'cli-env'" in capsys.readouterr().err
     assert cli_main(["environments", "build", "x", "-r", "nimbus-no-such-package-h18"]) == 1
     assert "nimbus-no-such-package-h18" in capsys.readouterr().err
+    assert cli_main(["environments", "list"]) == 0  # the failed build: the builder's cause
+    failed = capsys.readouterr().out.splitlines()[-1].strip()
+    assert (
+        failed.startswith("environment 'x': ")
+        and "installing nimbus-no-such-package-h18: " in failed
+    )
+    assert failed.split("installing nimbus-no-such-package-h18: ")[1], (
+        failed
+    )  # not the header alone
     assert cli_main(["environments", "build", "empty"]) == 2
     assert "nothing to build" in capsys.readouterr().err
     assert os.path.isdir(envdir)

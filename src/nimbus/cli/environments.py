@@ -119,7 +119,7 @@ def _list(entries: list[Entry], as_json: bool) -> int:
             f"{when:<19} {what}"
         )
         if e.message:
-            print(f"{'':<16} {e.message.splitlines()[0]}")
+            print(f"{'':<16} {cause(e.message)}")
     return 0
 
 
@@ -131,10 +131,10 @@ def _list_endpoint(name: str, as_json: bool) -> int:
     with Client() as client:
         try:
             info = client.get_endpoint(name)
-        except NotFound as exc:
+        except NotFound:
             raise NotFound(
-                f"no endpoint {name!r} that you can use ({exc}); `nimbus endpoint list` "
-                f"shows yours",
+                f"no endpoint {name!r} that you can use: `nimbus endpoints list` shows those "
+                "you can (OWNER/NAME picks one of another user's)",
                 404,
             ) from None
     rows = list(info.get("environments") or [])
@@ -161,8 +161,27 @@ def _list_endpoint(name: str, as_json: bool) -> int:
             f"{size:>9} {when}"
         )
         if r.get("message"):
-            print(f"{'':<20} {str(r['message'])[:200]}")
+            print(f"{'':<20} {cause(str(r['message']))}")
     return 0
+
+
+_DECORATION = " \t×╰─▶│┃"
+
+
+def cause(message: str, width: int = 300) -> str:
+    """A failed build's message in one line: what failed and the builder's cause (uv's
+    ``cause:`` line, else its first ``error`` line, else its first line), not the
+    header alone ("uv failed (exit 1) installing X:")."""
+    lines = [line.strip(_DECORATION) for line in message.splitlines()]
+    head, said = lines[0].rstrip(":"), [line for line in lines[1:] if line]
+    if not said:
+        return head[:width]
+    why = next((line for line in said if line.lower().startswith("cause:")), None) or next(
+        (line for line in said if "error" in line.lower()), said[0]
+    )
+    if why.lower().startswith(("cause:", "error:")):
+        why = why.split(":", 1)[1].strip()
+    return f"{head}: {why}"[:width]
 
 
 def _size(n: int) -> str:
