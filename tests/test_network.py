@@ -595,7 +595,7 @@ def test_netbench_offline_stopped_by_sigterm_removes_its_namespaces(tmp_path: Pa
         assert spaces() == ours, proc.stderr.read() if proc.poll() is not None else "not built"
         time.sleep(1.0)  # into the first run: clients and server moving data
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -165,7 +165,7 @@ def _list_endpoint(name: str, as_json: bool) -> int:
     return 0
 
 
-_DECORATION = " \t×╰─▶│┃"
+_DECORATION = " \t\u00d7\u2570\u2500\u25b6\u2502\u2503"  # the marks of uv's error tree
 
 
 def cause(message: str, width: int = 300) -> str:

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from nimbus.endpoint.config import NAME_RULE, _NAME
+from nimbus.endpoint.config import _NAME, NAME_RULE
 from nimbus.errors import ConfigError
 
 __all__ = ["PLAIN", "Environment"]
