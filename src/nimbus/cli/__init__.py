@@ -175,8 +175,10 @@ def _demo_run(args: argparse.Namespace) -> int:
 
 def _manager_setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="the agent's host:port (default $NIMBUS_AGENT_ADDRESS)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="warm workers")
-    parser.add_argument("--prefetch", type=int, default=8, help="tasks in flight per worker")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="warm workers (default: one per core)")  # fmt: skip
+    parser.add_argument("--prefetch", type=int, default=8,
+                        help="tasks in flight per worker (default 8)")  # fmt: skip
 
 
 def _manager_run(args: argparse.Namespace) -> int:
@@ -237,6 +239,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_CONFIG, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
+def _sentence(text: str) -> str:
+    """A command's one-line help as its description: a sentence."""
+    return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="nimbus",
@@ -245,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"nimbus {nimbus.__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, command in COMMANDS.items():
-        sub = subparsers.add_parser(name, help=command.help, description=command.help)
+        sub = subparsers.add_parser(name, help=command.help, description=_sentence(command.help))
         command.setup(sub)
         sub.set_defaults(_run=command.run)
     return parser

@@ -29,12 +29,22 @@ __all__ = ["run", "setup"]
 
 def setup(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    listing = sub.add_parser("list", help="environments built or failed on this node")
+    listing = sub.add_parser(
+        "list",
+        help="environments built or failed on this node",
+        description="List the environments built (or failed) on this node, with size and last "
+        "use; --endpoint NAME: what the nodes of that endpoint hold.",
+    )
     listing.add_argument("--json", action="store_true", help="print machine-readable JSON")
     listing.add_argument(
         "--endpoint", help="an endpoint's nodes (through the service), not this node"
     )
-    build = sub.add_parser("build", help="build an environment on this node now")
+    build = sub.add_parser(
+        "build",
+        help="build an environment on this node now",
+        description="Build an environment on this node now (or retry one whose build failed), "
+        "so its first task does not wait for it.",
+    )
     build.add_argument("name", help="the environment's name")
     build.add_argument(
         "-r",
@@ -47,7 +57,12 @@ def setup(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--wheelhouse", help="install from this directory of wheels, not an index")
     build.add_argument("--image", help="a container image on this node (podman)")
     build.add_argument("--sandbox", action="store_true", help="run workers under bubblewrap")
-    remove = sub.add_parser("remove", help="remove an environment from this node")
+    remove = sub.add_parser(
+        "remove",
+        help="remove an environment from this node",
+        description="Remove every build of an environment (by name, or one by its key) from "
+        "this node.",
+    )
     remove.add_argument("name", help="a name (or key) shown by `nimbus environments list`")
 
 

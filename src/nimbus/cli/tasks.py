@@ -41,7 +41,10 @@ def setup(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     service_cli.task_actions(sub)
     watch_ = sub.add_parser(
-        "watch", help="follow tasks live: a line each time one appears or changes state"
+        "watch",
+        help="follow tasks live: a line each time one appears or changes state",
+        description="Follow tasks live, a line each time one appears or changes state, until "
+        "they finish (ids, --until-done), --timeout passes or Ctrl-C.",
     )
     watch_.add_argument("task_ids", nargs="*", metavar="TASK_ID", type=service_cli._task_id,
                         help="tasks to follow until they finish (default: your newest tasks)")  # fmt: skip
