@@ -24,7 +24,7 @@ import nimbus.environments as environments
 from environment_support import MARKER, EnvWorker, base_image, podman_unavailable
 from nimbus.cli import main as cli_main
 from nimbus.environments import WORKER_VARIABLE, Environment, _venv, prepare
-from nimbus.errors import EnvironmentBuildError, VersionMismatchError
+from nimbus.errors import ConfigError, EnvironmentBuildError, VersionMismatchError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -87,6 +87,51 @@ def test_public_names() -> None:
             "prepare",
         ]
     )
+
+
+@pytest.mark.parametrize("name", ["a b/c", "", "x" * 65, "../up", 3])
+def test_a_name_follows_the_endpoint_name_rule(name: object) -> None:
+    with pytest.raises(ConfigError, match=r"letters, digits, '_', '\.', '@' or '-'"):
+        Environment(name)  # type: ignore[arg-type]
+    assert Environment("geo-1.2_x@lab").name == "geo-1.2_x@lab"
+
+
+def test_sandbox_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="sandbox must be True or False, not 'yes'"):
+        Environment("x", sandbox="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="sandbox must be True or False"):
+        Environment.from_dict({"name": "x", "sandbox": "yes"})  # JSON from a user: one message
+    assert Environment("x", sandbox=True).key != Environment("x").key
+
+
+def test_a_wheelhouse_needs_requirements(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="without requirements installs nothing"):
+        Environment("x", wheelhouse=str(tmp_path))
+    with pytest.raises(ConfigError, match="wheelhouse must be a directory"):
+        Environment("x", requirements=["six"], wheelhouse="")
+    assert Environment("x", requirements=["six"], wheelhouse=str(tmp_path)).wheelhouse
+
+
+def test_a_failed_build_is_listed_with_its_cause() -> None:
+    from nimbus.cli.environments import cause
+
+    uv = (
+        "environment 'bad': uv failed (exit 1) installing nope:\n"
+        "error: No solution found when resolving dependencies\n"
+        "  cause: Because nope was not found in the package registry, ...unsatisfiable."
+    )
+    assert cause(uv) == (
+        "environment 'bad': uv failed (exit 1) installing nope: Because nope was not found "
+        "in the package registry, ...unsatisfiable."
+    )
+    pip = (
+        "environment 'bad': pip failed (exit 1) installing nope:\n\n"
+        "ERROR: Could not find a version that satisfies the requirement nope (from versions: "
+        "none)\nERROR: No matching distribution found for nope"
+    )
+    assert cause(pip).endswith("installing nope: Could not find a version that satisfies the "
+                               "requirement nope (from versions: none)")  # fmt: skip
+    assert cause("environment 'x': image missing") == "environment 'x': image missing"
 
 
 def test_plain_is_the_node_python() -> None:
@@ -416,6 +461,15 @@ def test_cli_build_list_remove(
     assert "no environment named 'cli-env'" in capsys.readouterr().err
     assert cli_main(["environments", "build", "x", "-r", "nimbus-no-such-package-h18"]) == 1
     assert "nimbus-no-such-package-h18" in capsys.readouterr().err
+    assert cli_main(["environments", "list"]) == 0  # the failed build: the builder's cause
+    failed = capsys.readouterr().out.splitlines()[-1].strip()
+    assert (
+        failed.startswith("environment 'x': ")
+        and "installing nimbus-no-such-package-h18: " in failed
+    )
+    assert failed.split("installing nimbus-no-such-package-h18: ")[1], (
+        failed
+    )  # not the header alone
     assert cli_main(["environments", "build", "empty"]) == 2
     assert "nothing to build" in capsys.readouterr().err
     assert os.path.isdir(envdir)

@@ -750,6 +750,57 @@ def test_netbench_says_what_is_built() -> None:
     assert done.returncode == 2 and "say 1Gbit for bits/s" in done.stderr
 
 
+def test_netbench_refuses_wrong_input_before_running(tmp_path: Path) -> None:
+    for args, says in [
+        (("--concurrency", "1,,2"), "expected numbers 1-64 separated by commas, got '1,,2'"),
+        (("--share", "2"), "--share: expected a fraction of the link from 0 to 1, got '2'"),
+        (("--share", "0"), "--share: expected a fraction of the link"),
+        (("--server", "1.2.3.4"), "--server 1.2.3.4 is where an endpoint's tasks reach"),
+        (("--out", "/proc/x"), "--out /proc/x: cannot write there"),
+    ]:
+        done = _nimbus("netbench", "--offline", *args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert says in done.stderr and done.stderr.count("\n") == 1, (args, done.stderr)
+        assert done.stderr.startswith("nimbus netbench: "), done.stderr  # said once
+        assert "configuration error" not in done.stderr and "Traceback" not in done.stderr
+
+
+@needs_root
+def test_netbench_offline_stopped_by_sigterm_removes_its_namespaces(tmp_path: Path) -> None:
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nimbus", "netbench", "--offline", "--concurrency", "1,2",
+         "--seconds", "30", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+    )  # fmt: skip
+    tag = f"nb{proc.pid % 100000}"
+    ours = {f"{tag}{n}" for n in ("s", "h", "1", "2")}
+
+    def spaces() -> set[str]:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return {line.split()[0] for line in listed.splitlines() if line.strip()} & ours
+
+    try:
+        deadline = time.monotonic() + 60
+        while spaces() != ours and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert spaces() == ours, proc.stderr.read() if proc.poll() is not None else "not built"
+        time.sleep(1.0)  # into the first run: clients and server moving data
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for ns in spaces():  # whatever the outcome, nothing of the test stays
+            subprocess.run(["ip", "netns", "del", ns], check=False)
+    assert proc.returncode == 130, err
+    assert err == "nimbus netbench: interrupted (SIGTERM); its namespaces are removed\n", err
+    assert not spaces()
+
+
 def test_netbench_on_a_real_endpoint(service: Any, alice: Any, lab: Any, tmp_path: Path) -> None:
     """--endpoint: the sweep's tasks run on the endpoint (a real agent with 2 workers)
     against this machine's traffic server; the report is the offline one's."""

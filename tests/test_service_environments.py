@@ -508,8 +508,9 @@ def test_environments_list_endpoint_shows_what_its_nodes_hold(
     table = _cli(service, alice.token, "--endpoint", "lab")
     assert table.returncode == 0 and "shown" in table.stdout and "warm" in table.stdout
     unknown = _cli(service, alice.token, "--endpoint", "no-such-endpoint")
-    assert unknown.returncode != 0
+    assert unknown.returncode == 1  # not found, as for every command
     assert "no endpoint 'no-such-endpoint'" in unknown.stderr, unknown.stderr
+    assert "`nimbus endpoints list`" in unknown.stderr and unknown.stderr.count("(") == 1
 
 
 def _rows_until(client: Client, endpoint: str, ok: Any, timeout: float) -> list[dict[str, Any]]:

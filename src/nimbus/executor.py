@@ -469,6 +469,9 @@ def _map(
 ) -> Iterator[Any]:
     if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1:
         raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
+    from nimbus import _progress
+
+    _progress.check(progress)
     end = None if timeout is None else timeout + time.monotonic()
     if chunksize == 1:
         futures = [submit(fn, *args) for args in zip(*iterables, strict=False)]
@@ -479,8 +482,6 @@ def _map(
         futures = [submit(run, chunk) for chunk in chunks]
         sizes = [len(chunk) for chunk in chunks]
     if progress:
-        from nimbus import _progress
-
         shown: Any = _progress.bar(sum(sizes), f"map {getattr(fn, '__name__', 'fn')}")
         for future, size in zip(futures, sizes):
             future.add_done_callback(partial(_progress.count, shown, size))
