@@ -17,7 +17,7 @@ import pytest
 
 import nimbus
 from nimbus import Client, Executor
-from nimbus.data import NodeStore
+from nimbus.data import NodeStore, default_root
 from nimbus.data._file import Staged, _cache, check_export
 from nimbus.errors import DataError, FileRefused
 from service_support import EndpointProcess, Service
@@ -178,10 +178,11 @@ def test_out_file_to_another_endpoint_is_refused_at_submit(
 
 
 def test_node_cache_is_in_the_users_store_on_the_node(
-    on_lab: Executor, lab: EndpointProcess
+    service: Service, on_lab: Executor, lab: EndpointProcess
 ) -> None:
     place = nimbus.data.session(lab.endpoint_id)
-    files = NodeStore(place.namespace).dir / "files"
+    root = default_root(service.env["NIMBUS_RUNTIME_DIR"])  # the endpoints' runtime
+    files = NodeStore(place.namespace, root).dir / "files"
     assert any(p.name.endswith("-run42.h5") for p in files.iterdir())
 
 
