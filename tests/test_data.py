@@ -5,6 +5,7 @@ On the real local runtime and on a real service on loopback with an endpoint.
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import shutil
@@ -362,6 +363,26 @@ def test_remote_references_are_freed_and_lost_ones_named(
     node.path(ref.id).unlink()
     with pytest.raises(ReferenceLost, match=ref.id[:12]):
         remote.submit(sum, ref).result(timeout=60)
+
+
+def test_an_endpoint_leaves_nothing_behind_when_it_stops(
+    service: Service, alice: Client, tmp_path: Path
+) -> None:
+    brief = EndpointProcess(service, alice, "brief")
+    brief.service = copy.copy(service)  # its own runtime directory: its own data
+    brief.service.env = dict(service.env, NIMBUS_RUNTIME_DIR=str(tmp_path / "rt"))
+    root = default_root(tmp_path / "rt")
+    brief.start(alice)
+    try:
+        with Executor(endpoint="brief", settings=service.user_settings(alice.token)) as ex:
+            ref = nimbus.put(b"x" * 1000, endpoint="brief")
+            kept = ex.options(keep=True).submit(mbytes, 1).ref(timeout=60)
+            assert ex.submit(len, kept).result(timeout=60) == MB
+            assert len(list(root.glob("*/obj/*"))) == 2  # both are there while it runs
+            del ref, kept
+    finally:
+        brief.stop()
+    assert not root.exists()  # the endpoint stopped: its objects went with it
 
 
 def test_remote_reference_of_another_user_is_refused(
