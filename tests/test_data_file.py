@@ -176,9 +176,12 @@ def test_a_missing_file_of_an_endpoint_is_refused_at_staging(
     with pytest.raises(FileRefused, match=f"input file {gone} does not exist on endpoint"):
         on_lab.submit(describe, nimbus.File(gone))
     settings = service.user_settings(alice.token)
-    with Executor(endpoint="vault", settings=settings) as on_vault:  # read in place there
-        with pytest.raises(FileRefused, match=f"{exported}/gone.h5 does not exist on endpoint"):
-            on_vault.submit(describe, nimbus.File(gone)).result(timeout=120)
+    at_vault = f"{exported}/gone.h5 does not exist on endpoint"
+    with (
+        Executor(endpoint="vault", settings=settings) as on_vault,  # read in place there
+        pytest.raises(FileRefused, match=at_vault),
+    ):
+        on_vault.submit(describe, nimbus.File(gone)).result(timeout=120)
 
 
 def test_out_file_on_the_tasks_endpoint_inside_its_exports(

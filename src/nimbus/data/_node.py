@@ -45,7 +45,7 @@ from typing import Any
 from nimbus import serialization
 from nimbus.errors import ConfigError, DataError
 
-__all__ = ["NodeStore", "data_base", "default_root", "Sweeper", "hold", "release", "sweep_all"]
+__all__ = ["NodeStore", "Sweeper", "data_base", "default_root", "hold", "release", "sweep_all"]
 
 MAGIC = b"NREF1\0\0\0"
 _HEAD = struct.Struct("<QQ")  # pickle length, number of buffers
