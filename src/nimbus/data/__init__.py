@@ -65,7 +65,7 @@ from nimbus.data._bind import bind, open_session, uses_data, waiting_on, when_do
 from nimbus.data._file import File, close_sources, has_files
 from nimbus.data._file import stage as stage_files
 from nimbus.data._kv import KeyValue
-from nimbus.data._node import NodeStore, default_root
+from nimbus.data._node import NodeStore, Sweeper, default_root
 from nimbus.data._ref import LEASE, MAX_SCAN, Ref, Scope, Session, get, pure, put, register, session
 from nimbus.data._submit import DataPath, KeptFuture
 from nimbus.data._task import free_objects, identity, renew_objects, run, store
@@ -81,6 +81,7 @@ __all__ = [
     "Ref",
     "Scope",
     "Session",
+    "Sweeper",
     "bind",
     "close_sources",
     "default_root",

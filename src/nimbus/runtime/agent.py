@@ -86,7 +86,7 @@ class Agent:
         self.on_demand: Callable[[], None] | None = None  # tasks wait with no room
         self.on_change: Callable[[], None] | None = None  # a manager joined or was lost
         self.lost: list[tuple[str, str, int]] = []  # (manager, why, tasks requeued)
-        from nimbus.data._node import Sweeper  # holds this runtime's data, sweeps the node's
+        from nimbus.data import Sweeper  # holds this runtime's data, sweeps the node's
 
         self._data = Sweeper()
 
