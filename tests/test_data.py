@@ -303,6 +303,20 @@ def test_the_sweep_removes_expired_objects_of_killed_clients_and_unused_files(
     assert release(mark) and not root.exists()
 
 
+def test_an_agent_sweeps_what_a_killed_runtime_left_when_it_starts(tmp_path: Path) -> None:
+    root = default_root(tmp_path / "killed")  # a runtime killed: no live holder
+    node = NodeStore("u-z", root)
+    node.write("e" * 32, b"x" * 1000, time.time() + 60)
+    past = time.time() - 1
+    os.utime(node.path("e" * 32), (past, past))  # its lease ran out since
+    with Executor(max_workers=1) as ex:  # another runtime's agent: sweeps the node's
+        deadline = time.monotonic() + 10
+        while root.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not root.exists()
+        assert ex.submit(len, b"ok").result(timeout=60) == 2
+
+
 def test_the_local_runtime_leaves_nothing_behind(tmp_path: Path) -> None:
     code = (
         "import nimbus\n"
