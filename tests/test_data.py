@@ -5,6 +5,7 @@ On the real local runtime and on a real service on loopback with an endpoint.
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import shutil
@@ -12,12 +13,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 import nimbus
 from nimbus import Client, Executor
-from nimbus.data import NodeStore, Ref, Scope, run, store
+from nimbus.data import NodeStore, Ref, Scope, default_root, run, store
+from nimbus.data._node import data_base, hold, release, sweep_all
 from nimbus.errors import DataAccessError, DataError, ReferenceLost
 from service_support import EndpointProcess, Service
 
@@ -79,6 +82,11 @@ def ex() -> Iterator[Executor]:
 
 def _node() -> NodeStore:
     return nimbus.data.session(None).store  # type: ignore[return-value]
+
+
+def on_endpoint(service: Service, namespace: str) -> NodeStore:
+    """A user's store of the endpoints of ``service`` (their runtime: its runtime dir)."""
+    return NodeStore(namespace, default_root(service.env["NIMBUS_RUNTIME_DIR"]))
 
 
 # ---------------------------------------------------------------- the local runtime
@@ -228,6 +236,105 @@ def test_store_is_the_users_on_this_node(ex: Executor) -> None:
         store().set("", 1)
 
 
+def _in(runtime: Path, code: str) -> str:
+    """Run ``code`` in a new Python whose NIMBUS_RUNTIME_DIR is ``runtime``; its output."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), NIMBUS_RUNTIME_DIR=str(runtime))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout.decode().strip()
+
+
+def test_two_runtimes_never_see_each_others_data(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    code = (
+        "import nimbus\n"
+        "from nimbus import Executor\n"
+        "from nimbus.data import store\n"
+        "def keep(k):\n"
+        "    store().set(k, 1)\n"
+        "    return sorted(store().keys())\n"
+        "def keys():\n"
+        "    return sorted(store().keys())\n"
+        "with Executor(max_workers=1) as ex:\n"
+        "    print(ex.submit(keep, {key!r}).result(60), sorted(store().keys()),\n"
+        "          ex.submit(keys).result(60), flush=True)\n"
+        "    print(nimbus.data.default_root(), flush=True)\n"
+    )
+    seen, root = _in(one, code.format(key="of-one")).splitlines()
+    assert seen == "['of-one'] ['of-one'] ['of-one']"  # its tasks and its client agree
+    seen2, root2 = _in(two, code.format(key="of-two")).splitlines()
+    assert seen2 == "['of-two'] ['of-two'] ['of-two']"  # not of-one: another runtime
+    assert root != root2 and Path(root).parent == Path(root2).parent == data_base()
+    assert root == str(default_root(one)) and root2 == str(default_root(two))
+    assert not Path(root).exists() and not Path(root2).exists()  # removed as they stopped
+
+
+def test_a_runtimes_data_goes_when_its_last_holder_stops(tmp_path: Path) -> None:
+    root = default_root(tmp_path / "rt")
+    first, second = hold(root), hold(root)
+    NodeStore("u-x", root).write("a" * 32, b"kept", time.time() + 60)
+    assert not release(first) and (root / "u-x" / "obj" / ("a" * 32)).exists()
+    assert release(second) and not root.exists()  # the last one: all of it goes
+    dead = root / ".holders" / "999999999-0-0"  # a holder that was killed
+    NodeStore("u-x", root).write("b" * 32, b"kept", time.time() + 60)
+    dead.parent.mkdir()
+    dead.touch()
+    sweep_all()
+    assert (root / "u-x" / "obj" / ("b" * 32)).exists()  # still leased: kept
+    sweep_all(now=time.time() + 61)
+    assert not root.exists()  # nobody alive holds it, nothing is leased: swept
+
+
+def test_the_sweep_removes_expired_objects_of_killed_clients_and_unused_files(
+    tmp_path: Path,
+) -> None:
+    root = default_root(tmp_path / "rt")
+    mark = hold(root)  # a live runtime: its directory stays, its expired objects go
+    node = NodeStore("u-y", root)
+    node.write("c" * 32, b"old", time.time() - 1)
+    node.write("d" * 32, b"new", time.time() + 60)
+    (node.dir / "files").mkdir()
+    (node.dir / "files" / "copy").write_bytes(b"f")
+    sweep_all()  # (or the write of d: a write sweeps its runtime every 10 s)
+    assert not node.exists("c" * 32) and node.exists("d" * 32)
+    assert (node.dir / "files" / "copy").exists()  # used less than a lease ago
+    sweep_all(now=time.time() + 400)
+    assert not (node.dir / "files" / "copy").exists() and root.exists()
+    assert release(mark) and not root.exists()
+
+
+def test_an_agent_sweeps_what_a_killed_runtime_left_when_it_starts(tmp_path: Path) -> None:
+    root = default_root(tmp_path / "killed")  # a runtime killed: no live holder
+    node = NodeStore("u-z", root)
+    node.write("e" * 32, b"x" * 1000, time.time() + 60)
+    past = time.time() - 1
+    os.utime(node.path("e" * 32), (past, past))  # its lease ran out since
+    with Executor(max_workers=1) as ex:  # another runtime's agent: sweeps the node's
+        deadline = time.monotonic() + 10
+        while root.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not root.exists()
+        assert ex.submit(len, b"ok").result(timeout=60) == 2
+
+
+def test_the_local_runtime_leaves_nothing_behind(tmp_path: Path) -> None:
+    code = (
+        "import nimbus\n"
+        "from nimbus import Executor\n"
+        "def big(n):\n"
+        "    return b'x' * n\n"
+        "with Executor(max_workers=2) as ex:\n"
+        "    kept = ex.map(big, [1 << 20] * 4, keep=True)\n"
+        "    ref = nimbus.put(b'y' * 1000)\n"
+        "    print(sum(ex.map(len, [f.ref() for f in kept] + [ref])), flush=True)\n"
+        "    nimbus.data.store().set('k', 1)\n"
+        "print(nimbus.data.default_root(), flush=True)\n"
+    )
+    total, root = _in(tmp_path / "rt", code).splitlines()
+    assert total == str(4 * MB + 1000)
+    assert not Path(root).exists()  # objects, keys: gone with the runtime
+
+
 # ---------------------------------------------------------------- through the service
 
 
@@ -253,10 +360,10 @@ def test_remote_references_stay_on_the_endpoint(remote: Executor, lab: EndpointP
 
 
 def test_remote_references_are_freed_and_lost_ones_named(
-    remote: Executor, lab: EndpointProcess
+    service: Service, remote: Executor, lab: EndpointProcess
 ) -> None:
     place = nimbus.data.session(lab.endpoint_id)
-    node = NodeStore(place.namespace)  # the endpoint runs on this machine, as this OS user
+    node = on_endpoint(service, place.namespace)  # this machine, as this OS user
     ref = nimbus.put(b"q" * 1000, endpoint="lab")
     path = node.path(ref.id)
     assert path.exists()
@@ -270,6 +377,26 @@ def test_remote_references_are_freed_and_lost_ones_named(
     node.path(ref.id).unlink()
     with pytest.raises(ReferenceLost, match=ref.id[:12]):
         remote.submit(sum, ref).result(timeout=60)
+
+
+def test_an_endpoint_leaves_nothing_behind_when_it_stops(
+    service: Service, alice: Client, tmp_path: Path
+) -> None:
+    brief = EndpointProcess(service, alice, "brief")
+    brief.service = copy.copy(service)  # its own runtime directory: its own data
+    brief.service.env = dict(service.env, NIMBUS_RUNTIME_DIR=str(tmp_path / "rt"))
+    root = default_root(tmp_path / "rt")
+    brief.start(alice)
+    try:
+        with Executor(endpoint="brief", settings=service.user_settings(alice.token)) as ex:
+            ref = nimbus.put(b"x" * 1000, endpoint="brief")
+            kept = ex.options(keep=True).submit(mbytes, 1).ref(timeout=60)
+            assert ex.submit(len, kept).result(timeout=60) == MB
+            assert len(list(root.glob("*/obj/*"))) == 2  # both are there while it runs
+            del ref, kept
+    finally:
+        brief.stop()
+    assert not root.exists()  # the endpoint stopped: its objects went with it
 
 
 def test_remote_reference_of_another_user_is_refused(
@@ -308,7 +435,7 @@ def test_a_reference_of_one_endpoint_is_copied_to_another_once_per_target(
         assert on_hpc.submit(sizes, *parts).result(timeout=120) == [MB // 4] * 2
         assert remote.statistics()["bytes_sent"] - before[0] < 64 * 1024  # not via the client
         assert on_hpc.statistics()["bytes_received"] - before[1] < 64 * 1024
-        hpc_store = NodeStore(nimbus.data.session(hpc.endpoint_id).namespace)
+        hpc_store = on_endpoint(service, nimbus.data.session(hpc.endpoint_id).namespace)
         copies = [p for p in hpc_store.objects.iterdir() if p.stat().st_size > 4 * MB]
         assert len(copies) == 2  # lab's and one copy for the 8 tasks (one machine: one store)
         del ref, results
@@ -318,7 +445,7 @@ def test_a_reference_of_one_endpoint_is_copied_to_another_once_per_target(
             time.sleep(0.1)
         assert not any(p.exists() for p in copies)  # the original and its copy are freed
         lost = nimbus.put(b"z" * 100, endpoint="lab")
-        NodeStore(nimbus.data.session(lab.endpoint_id).namespace).path(lost.id).unlink()
+        on_endpoint(service, nimbus.data.session(lab.endpoint_id).namespace).path(lost.id).unlink()
         with pytest.raises(ReferenceLost, match=lost.id[:12]):
             on_hpc.submit(len, lost).result(timeout=120)
 

@@ -17,7 +17,7 @@ import pytest
 
 import nimbus
 from nimbus import Client, Executor
-from nimbus.data import NodeStore
+from nimbus.data import NodeStore, default_root, run
 from nimbus.data._file import Staged, _cache, check_export
 from nimbus.errors import DataError, FileRefused
 from service_support import EndpointProcess, Service
@@ -72,6 +72,22 @@ def test_bad_files_are_refused_before_any_task(ex: Executor, tmp_path: Path) -> 
     with pytest.raises(FileRefused, match="outside the directories"):
         check_export(str(tmp_path / "secret"), [tmp_path / "exp"], "e")
     assert check_export(str(tmp_path / "exp"), [tmp_path / "exp"], "e") == tmp_path / "exp"
+
+
+def test_a_missing_input_empty_or_relative_path_is_refused_before_any_task(
+    ex: Executor, tmp_path: Path
+) -> None:
+    with pytest.raises(FileRefused, match="empty path"):
+        nimbus.File("")
+    with pytest.raises(FileRefused, match=r"relative path.*must be absolute.*as on an endpoint"):
+        nimbus.File("rel/x.h5")
+    missing = str(tmp_path / "nonexistent" / "x.h5")
+    with pytest.raises(FileRefused, match=f"input file {missing} does not exist on this machine"):
+        ex.submit(describe, nimbus.File(missing))
+    ex.submit(write, n=1, out=nimbus.File(str(tmp_path / "new.bin"))).result(60)  # out= may
+    assert (tmp_path / "new.bin").read_bytes() == b"r"
+    with pytest.raises(FileRefused, match="does not exist where the task runs"):
+        run(describe, nimbus.data.Scope("u-f", "f", None, False, 1.0), nimbus.File(missing))
 
 
 def test_a_damaged_transfer_fails_the_task_naming_it(ex: Executor) -> None:
@@ -152,6 +168,22 @@ def test_files_outside_an_endpoints_exports_are_refused(
         on_lab.submit(describe, nimbus.File("nowhere:/data/x"))
 
 
+def test_a_missing_file_of_an_endpoint_is_refused_at_staging(
+    service: Service, alice: Client, on_lab: Executor, vault: EndpointProcess, exported: Path
+) -> None:
+    gone = f"vault:{exported}/gone.h5"
+    # vault's config is not on this machine: vault itself says so when staging it
+    with pytest.raises(FileRefused, match=f"input file {gone} does not exist on endpoint"):
+        on_lab.submit(describe, nimbus.File(gone))
+    settings = service.user_settings(alice.token)
+    at_vault = f"{exported}/gone.h5 does not exist on endpoint"
+    with (
+        Executor(endpoint="vault", settings=settings) as on_vault,  # read in place there
+        pytest.raises(FileRefused, match=at_vault),
+    ):
+        on_vault.submit(describe, nimbus.File(gone)).result(timeout=120)
+
+
 def test_out_file_on_the_tasks_endpoint_inside_its_exports(
     service: Service, alice: Client, vault: EndpointProcess, exported: Path
 ) -> None:
@@ -178,10 +210,11 @@ def test_out_file_to_another_endpoint_is_refused_at_submit(
 
 
 def test_node_cache_is_in_the_users_store_on_the_node(
-    on_lab: Executor, lab: EndpointProcess
+    service: Service, on_lab: Executor, lab: EndpointProcess
 ) -> None:
     place = nimbus.data.session(lab.endpoint_id)
-    files = NodeStore(place.namespace).dir / "files"
+    root = default_root(service.env["NIMBUS_RUNTIME_DIR"])  # the endpoints' runtime
+    files = NodeStore(place.namespace, root).dir / "files"
     assert any(p.name.endswith("-run42.h5") for p in files.iterdir())
 
 

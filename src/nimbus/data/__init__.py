@@ -10,11 +10,22 @@
                                --> fn gets pathlib.Paths: staged in, cached per node
                                    (``_file``); out= moved where it goes after the task
 
+``store()`` (``_kv``): ``kv.set(k, v)`` / ``kv[k] = v``, ``kv.get(k, default)`` /
+``kv[k]``, ``kv.delete(k)``, ``k in kv``, ``kv.keys()``; str keys, picklable values.
+
+Where data lives: a runtime's data directory, ``/dev/shm/nimbus-data-<uid>/r<hash of
+its runtime dir>`` (``_node.default_root``): two runtimes (two ``NIMBUS_RUNTIME_DIR``)
+never see each other's objects or keys; the agent holds it while the runtime runs and
+it is removed when the last process holding it stops (the embedded runtime shut down,
+the endpoint stopped).
+
 What happens under each failure:
 
 * the client dies: nobody renews its objects' leases (``LEASE``, 300 s); once they ran
-  out, the next sweep of the node (made by a write to any user's store there, every
-  10 s at most) removes them;
+  out, the next sweep removes them: every agent sweeps all of its user's runtimes on
+  its node at start and every 10 s (a write to a store sweeps its runtime too), and
+  removes the directory of a runtime whose processes all died once nothing in it is
+  leased;
 * the node or worker that kept an object loses it (a reboot, ``/dev/shm`` wiped): a task
   that reads it fails with ``ReferenceLost`` naming it, unless the task that made it is
   ``@nimbus.data.pure`` and known to this executor: then it runs again first;
@@ -56,7 +67,7 @@ from nimbus.data._bind import bind, open_session, uses_data, waiting_on, when_do
 from nimbus.data._file import File, close_sources, has_files
 from nimbus.data._file import stage as stage_files
 from nimbus.data._kv import KeyValue
-from nimbus.data._node import NodeStore, default_root
+from nimbus.data._node import NodeStore, Sweeper, default_root
 from nimbus.data._ref import LEASE, MAX_SCAN, Ref, Scope, Session, get, pure, put, register, session
 from nimbus.data._submit import DataPath, KeptFuture
 from nimbus.data._task import free_objects, identity, renew_objects, run, store
@@ -72,6 +83,7 @@ __all__ = [
     "Ref",
     "Scope",
     "Session",
+    "Sweeper",
     "bind",
     "close_sources",
     "default_root",

@@ -13,6 +13,12 @@
         write; after it ends the file is moved to the path (``{task_id}`` filled in),
         inside the exports of the endpoint the task runs on
 
+An input must exist when the task is submitted: a missing file of this machine (or of
+an endpoint whose config is here) is refused by ``submit`` (``FileRefused`` naming it),
+one on another endpoint when it is staged, one read in place on the task's endpoint
+before the task runs. An ``out=`` file need not exist. Paths are absolute everywhere
+(``File("rel/x")`` and ``File("")`` are refused, as on an endpoint).
+
 Exports: ``exports`` in an endpoint's config (``endpoint.toml``), directories separated
 by ``:``; a path outside them, with ``..``, or leaving them through a symlink is refused
 (``FileRefused``). A file of this machine (``File("path")``) is the user's own: read as
@@ -67,12 +73,19 @@ class File:
         text = os.fspath(spec)
         found = _SPEC.match(text) if isinstance(text, str) else None
         endpoint, path = (found.group(1), found.group(2)) if found else (None, text)
+        if not path:
+            raise FileRefused("nimbus.File(''): an empty path names no file; give its path")
         if ".." in PurePosixPath(path).parts:
             raise FileRefused(f"{text!r} has '..' in its path: name the file inside an export")
         if endpoint is not None and not path.startswith("/"):
             raise FileRefused(f"{text!r}: a path on an endpoint must be absolute")
+        if not path.startswith("/"):  # as on an endpoint: the task may run elsewhere
+            raise FileRefused(
+                f"{text!r} is a relative path: a path must be absolute (as on an endpoint), "
+                f"e.g. nimbus.File({os.path.abspath(path)!r})"
+            )
         object.__setattr__(self, "endpoint", endpoint)
-        object.__setattr__(self, "path", path if endpoint else os.path.abspath(path))
+        object.__setattr__(self, "path", path)
 
     def __repr__(self) -> str:
         return f"nimbus.File({(self.endpoint + ':' if self.endpoint else '') + self.path!r})"
@@ -148,10 +161,24 @@ def read_export(endpoint: str, path: str, offset: int, length: int, mtime: float
         return f.read(length)
 
 
-def stat_export(endpoint: str, path: str) -> tuple[int, float]:
-    """A task on the owning endpoint: the file's size and mtime (its cache key)."""
-    st = _exported(endpoint, path).stat()
+def stat_export(endpoint: str, path: str, name: str = "") -> tuple[int, float]:
+    """A task on the owning endpoint: the file's size and mtime (its cache key); ``name``:
+    the endpoint as the user named it (for the message)."""
+    real = _exported(endpoint, path)
+    try:
+        st = real.stat()
+    except FileNotFoundError:
+        name = name or endpoint
+        raise missing(f"{name}:{path}", f"on endpoint {name!r}") from None
     return st.st_size, st.st_mtime
+
+
+def missing(name: str, where: str) -> FileRefused:
+    """An input file that is not there (an ``out=`` file need not exist yet)."""
+    return FileRefused(
+        f"the input file {name} does not exist {where}: an input must exist when the "
+        f"task is submitted (only an out= file may not exist yet); check its path"
+    )
 
 
 # ---------------------------------------------------------------- the worker's side
@@ -159,10 +186,13 @@ def stat_export(endpoint: str, path: str) -> tuple[int, float]:
 
 def local_path(value: File | Staged | Out, files: Path, here: str | None) -> Path:
     """What the task gets for ``value``: a path on this node (``files``: its cache)."""
-    if type(value) is File:
-        if value.endpoint is None:
-            return Path(value.path)
-        return _exported(value.endpoint, value.path)
+    if type(value) is File:  # an input: there before the task runs
+        path = Path(value.path) if value.endpoint is None else _exported(value.endpoint, value.path)
+        if not path.exists():
+            shown = f"{value.endpoint}:{value.path}" if value.endpoint else value.path
+            where = f"on endpoint {value.endpoint!r}" if value.endpoint else "where the task runs"
+            raise missing(shown, where)
+        return path
     if type(value) is Staged:
         return _cached(value, files)
     files.mkdir(parents=True, exist_ok=True)
@@ -175,6 +205,7 @@ def _cached(staged: Staged, files: Path) -> Path:
     target = files / f"{staged.key}-{staged.name}"
     try:
         if target.stat().st_size == staged.size:
+            os.utime(target)  # used now: the sweep removes copies unused for a lease
             return target
     except FileNotFoundError:
         pass
@@ -279,7 +310,9 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
         st = os.stat(file.path)
         size, mtime = st.st_size, st.st_mtime
     else:
-        asked = _source(executor, source_id).submit(stat_export, source_id, file.path)
+        asked = _source(executor, source_id).submit(
+            stat_export, source_id, file.path, file.endpoint or ""
+        )
         size, mtime = _answer(asked, file)
     key = (place, source_id or "", file.path, size, mtime)
     step = _step(executor)
@@ -355,6 +388,10 @@ def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
             if not remote and value.endpoint is not None and local is None:
                 raise FileRefused(f"out={value!r}: endpoint {value.endpoint!r} is not here")
             return Out(owner, value.path)
+        if value.endpoint is None and not os.path.exists(value.path):
+            raise missing(value.path, "on this machine")
+        if local is not None and not os.path.exists(value.path):
+            raise missing(f"{value.endpoint}:{value.path}", f"on endpoint {value.endpoint!r}")
         if not remote:
             return value
         if owner == place:  # on the task's own endpoint: read in place there

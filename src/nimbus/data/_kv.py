@@ -5,6 +5,19 @@
     task code --store().set(k, v)--> <root>/<namespace>/kv/<key as hex>  (pickled, renamed in)
     task code --store().get(k)-----> the value, or the default
 
+The API (``kv = nimbus.data.store()``; keys are ``str`` of 1 to 200 bytes of UTF-8,
+values anything picklable)::
+
+    kv.set(key, value)          kv[key] = value       store, replacing what was there
+    kv.get(key, default=None)   kv[key]               the value (``kv[key]``: KeyError)
+    kv.delete(key)                                    remove; whether it was there
+    key in kv                   kv.keys()             membership; the keys, in no order
+
+Where it lives: on an endpoint, the node's store of the task's user; locally, this
+runtime's data directory (one per ``NIMBUS_RUNTIME_DIR``, see ``_node.default_root``),
+removed with it when the runtime stops. Outside a task, ``store()`` is this user's
+store of this process's runtime.
+
 funcX gives functions on an endpoint a Redis beside it (``get_redis_client()``); this is
 the same idea with the isolation of references: a task sees only its own user's keys
 (the namespace of its :class:`~nimbus.data.Scope`). Writes are atomic (a part file

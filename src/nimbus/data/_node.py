@@ -2,25 +2,42 @@
 
 ::
 
-    <root>/<namespace>/obj/<ref id>   MAGIC | pickle length | buffer lengths | pickle | buffers
-                                      (mtime = when its lease runs out)
-    <root>/<namespace>/kv/<key>       one value of ``nimbus.data.store()``
+    <base>/<runtime>/<namespace>/obj/<ref id>   MAGIC | pickle length | buffer lengths |
+                                                pickle | buffers (mtime = end of its lease)
+    <base>/<runtime>/<namespace>/kv/<key>       one value of ``nimbus.data.store()``
+    <base>/<runtime>/<namespace>/files/         the node's file cache (mtime = last use)
+    <base>/<runtime>/.holders/<pid>-<start>-<n> a process using this runtime's data
 
-``root`` is ``/dev/shm/nimbus-data-<uid>`` (memory; mode 0o700) where there is one, else a
-directory of the same name under the system's temporary directory. A namespace is one
-user's (see :class:`~nimbus.data.Scope`). An object is written once, to a part file
-renamed into place; it is read by mapping the file, so out-of-band buffers (numpy
-arrays, large bytes) are not copied on their way into the reader's pickle. Its
-modification time is the end of its lease: the holder renews it, and :meth:`sweep`
-removes what nobody renewed (a client that crashed does not leak its objects forever).
+``base`` is ``/dev/shm/nimbus-data-<uid>`` (memory; mode 0o700) where there is one, else a
+directory of the same name under the system's temporary directory. ``runtime`` is
+``r`` + a hash of the runtime directory (``NIMBUS_RUNTIME_DIR``, see :func:`default_root`,
+the one place that names it): two runtimes never see each other's objects or keys,
+and a runtime's workers, which inherit its environment, find the same directory. A
+namespace is one user's (see :class:`~nimbus.data.Scope`). An object is written once,
+to a part file renamed into place; it is read by mapping the file, so out-of-band
+buffers (numpy arrays, large bytes) are not copied on their way into the reader's
+pickle. Its modification time is the end of its lease: the holder renews it, and
+:meth:`sweep` removes what nobody renewed (a client that crashed does not leak its
+objects forever).
+
+Who cleans up: every agent (an embedded runtime's, an endpoint's) holds its runtime's
+directory (:func:`hold`) and sweeps the whole ``base`` at start and every
+``SWEEP_EVERY`` s (:func:`sweep_all`: expired objects, file copies unused for a lease,
+the directories of runtimes whose processes all died once nothing in them is leased);
+when the last process holding a runtime's directory releases it (the runtime stops),
+the directory is removed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import mmap
 import os
+import shutil
 import struct
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,20 +45,223 @@ from typing import Any
 from nimbus import serialization
 from nimbus.errors import ConfigError, DataError
 
-__all__ = ["NodeStore", "default_root"]
+__all__ = ["NodeStore", "Sweeper", "data_base", "default_root", "hold", "release", "sweep_all"]
 
 MAGIC = b"NREF1\0\0\0"
 _HEAD = struct.Struct("<QQ")  # pickle length, number of buffers
 _LEN = struct.Struct("<Q")
 SWEEP_EVERY = 10.0  # seconds between sweeps a writer makes
 PART_AGE = 3600.0  # seconds after which a part file (a writer that died) is removed
+UNUSED = 300.0  # seconds after which a file copy nobody used is removed (a lease)
+HOLDERS = ".holders"
 
 
-def default_root() -> Path:
-    """This user's private directory of node stores (made 0o700 on first use)."""
+def data_base() -> Path:
+    """This user's private directory of the node stores of all their runtimes."""
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
     return base / f"nimbus-data-{os.getuid()}"  # not nimbus-<uid>: multiprocessing's heaps
+
+
+def _runtime_dir() -> Path:
+    from nimbus.config import Settings
+
+    try:
+        return Settings.load().runtime_dir
+    except Exception:  # a broken config fails where it is used, not here: its variables
+        named = os.environ.get("NIMBUS_RUNTIME_DIR", "").strip()
+        xdg = os.environ.get("XDG_RUNTIME_DIR", "").strip()
+        if named:
+            return Path(named)
+        return Path(xdg) / "nimbus" if xdg else Path("/tmp") / f"nimbus-{os.getuid()}"
+
+
+_roots: dict[tuple[str | None, ...], Path] = {}
+
+
+def default_root(runtime_dir: Path | str | None = None) -> Path:
+    """The data directory of the runtime of ``runtime_dir`` (default: this process's,
+    ``Settings.load().runtime_dir``, i.e. ``NIMBUS_RUNTIME_DIR``).
+
+    The one function that names it: the client, the agent and the workers (which
+    inherit the agent's environment) agree on it.
+    """
+    if runtime_dir is None:
+        key = tuple(
+            os.environ.get(k)
+            for k in ("NIMBUS_RUNTIME_DIR", "XDG_RUNTIME_DIR", "NIMBUS_CONFIG", "XDG_CONFIG_HOME")
+        )
+        found = _roots.get(key)
+        if found is None:
+            found = _roots[key] = default_root(_runtime_dir())
+        return found
+    text = os.path.abspath(os.path.expanduser(os.fspath(runtime_dir)))
+    return data_base() / ("r" + hashlib.sha256(text.encode()).hexdigest()[:16])
+
+
+# ---------------------------------------------------------------- holding a runtime's data
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
+
+
+_held = itertools.count()
+
+
+def hold(root: Path | None = None) -> Path:
+    """Mark ``root`` (default: this runtime's data directory) in use by this process
+    until :func:`release`; the mark (removed by release, ignored once this process died)."""
+    root = default_root() if root is None else root
+    holders = _private_dir(root) / HOLDERS
+    holders.mkdir(mode=0o700, exist_ok=True)
+    mark = holders / f"{os.getpid()}-{_start_time(os.getpid())}-{next(_held)}"
+    mark.touch()
+    return mark
+
+
+def _live_holders(root: Path) -> int:
+    live = 0
+    try:
+        names = os.listdir(root / HOLDERS)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        pid, _, rest = name.partition("-")
+        start = rest.rsplit("-", 1)[0]
+        if pid.isdigit() and _start_time(int(pid)) in (start, "?"):
+            live += 1
+        else:
+            try:
+                os.unlink(root / HOLDERS / name)  # its process died
+            except FileNotFoundError:
+                pass
+    return live
+
+
+def release(mark: Path) -> bool:
+    """Drop the mark :func:`hold` made; when no live process holds its runtime's
+    directory any more, remove the directory (objects, keys, file copies). Whether it did."""
+    try:
+        mark.unlink()
+    except FileNotFoundError:
+        pass
+    root = mark.parent.parent
+    if _live_holders(root):
+        return False
+    shutil.rmtree(root, ignore_errors=True)
+    return True
+
+
+def _idle(top: Path, now: float) -> bool:
+    """Nothing in ``top`` leased (objects) or used within ``UNUSED`` s (anything else)."""
+    for path, _, names in os.walk(top):
+        leased = os.path.basename(path) == "obj"
+        for name in names:
+            try:
+                mtime = os.lstat(os.path.join(path, name)).st_mtime
+            except FileNotFoundError:
+                continue
+            if mtime >= (now if leased and not name.startswith(".") else now - UNUSED):
+                return False
+    return True
+
+
+def _sweep_files(files: Path, now: float) -> int:
+    """Remove the file copies of ``files`` nobody used for ``UNUSED`` s (and part files
+    ``PART_AGE`` old); how many."""
+    removed = 0
+    with os.scandir(files) as entries:
+        for entry in entries:
+            try:
+                age = now - entry.stat(follow_symlinks=False).st_mtime
+                if age > (PART_AGE if entry.name.startswith(".") else UNUSED) and entry.is_file(
+                    follow_symlinks=False
+                ):
+                    os.unlink(entry.path)
+                    removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _sweep_namespace(space: Path, now: float) -> int:
+    removed = 0
+    for sub, sweep in (("obj", _sweep), ("files", _sweep_files)):
+        try:
+            removed += sweep(space / sub, now)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    return removed
+
+
+def sweep_all(now: float | None = None, base: Path | None = None) -> int:
+    """Sweep every runtime of this user on this node (``base``): expired objects, file
+    copies unused for ``UNUSED`` s; the directory of a runtime no live process holds
+    once nothing in it is leased or recently used (a runtime killed), and stores of the
+    layout before runtimes (namespaces right under ``base``) likewise. How many files
+    or directories it removed."""
+    now = time.time() if now is None else now
+    base = data_base() if base is None else base
+    removed = 0
+    try:
+        entries = [e for e in os.scandir(base) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        top = Path(entry.path)
+        try:
+            runtime = entry.name.startswith("r") and len(entry.name) == 17
+            spaces = [p for p in top.iterdir() if p.name != HOLDERS] if runtime else [top]
+            for space in spaces:
+                removed += _sweep_namespace(space, now)
+            if (not runtime or not _live_holders(top)) and _idle(top, now):
+                shutil.rmtree(top, ignore_errors=True)
+                removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+class Sweeper:
+    """A thread that runs :func:`sweep_all` now and every ``every`` s until closed, for
+    the agent of a runtime (which also holds its data directory while it runs)."""
+
+    def __init__(self, every: float = SWEEP_EVERY) -> None:
+        self.mark = hold()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(every,), name="nimbus-data-sweep", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, every: float) -> None:
+        while True:
+            try:
+                sweep_all()
+            except Exception:  # never the agent's failure: the next sweep tries again
+                pass
+            if self._stop.wait(every):
+                return
+
+    def close(self) -> None:
+        """Stop sweeping and release the runtime's directory (removed if it was the last)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=5)
+        release(self.mark)
 
 
 def _private_dir(path: Path) -> Path:
@@ -104,7 +324,12 @@ class NodeStore:
         head += b"".join(_LEN.pack(v.nbytes) for v in views)
         final = self.path(ref_id)
         part = self.objects / f".{ref_id}.part"
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except FileNotFoundError:  # the runtime's directory was removed (it stopped): again
+            _private_dir(self.dir.parent)
+            self.objects.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             _write_all(fd, head)
             _write_all(fd, data)

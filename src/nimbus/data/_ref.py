@@ -16,6 +16,7 @@ there: ``call``). Sessions are found by endpoint in a registry the Executor fill
 
 from __future__ import annotations
 
+import atexit
 import getpass
 import os
 import threading
@@ -25,7 +26,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
-from nimbus.data._node import NodeStore
+from nimbus.data._node import NodeStore, hold, release
 from nimbus.errors import DataAccessError, DataError, ReferenceLost
 
 __all__ = [
@@ -295,6 +296,7 @@ def session(endpoint: str | None) -> Session:
         found = _sessions.get(endpoint)
         if not found and endpoint is None:
             store = NodeStore(local_namespace())
+            atexit.register(release, hold(store.dir.parent))  # removed when the last goes
             found = _sessions[None] = [
                 Session(local_namespace(), getpass.getuser(), None, store=store)
             ]

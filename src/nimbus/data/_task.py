@@ -19,12 +19,13 @@ from __future__ import annotations
 import functools
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from nimbus import owners
 from nimbus.data._file import File, Out, Staged, finish_out, local_path
 from nimbus.data._kv import KeyValue
-from nimbus.data._node import NodeStore
+from nimbus.data._node import NodeStore, default_root
 from nimbus.data._ref import MAX_SCAN, Ref, Scope, local_namespace, lost, new_id, owner_namespace
 from nimbus.errors import DataAccessError
 
@@ -34,9 +35,14 @@ _CONTAINERS = (list, tuple, dict)
 _current: Scope | None = None  # the scope of the task this worker runs now
 
 
-@functools.lru_cache(maxsize=64)
 def _node(namespace: str) -> NodeStore:
-    return NodeStore(namespace)
+    """The store of ``namespace`` in this runtime's data directory (``default_root``)."""
+    return _store(namespace, default_root())
+
+
+@functools.lru_cache(maxsize=64)
+def _store(namespace: str, root: Path) -> NodeStore:
+    return NodeStore(namespace, root)
 
 
 _FILES = (File, Staged, Out)

@@ -86,6 +86,9 @@ class Agent:
         self.on_demand: Callable[[], None] | None = None  # tasks wait with no room
         self.on_change: Callable[[], None] | None = None  # a manager joined or was lost
         self.lost: list[tuple[str, str, int]] = []  # (manager, why, tasks requeued)
+        from nimbus.data import Sweeper  # holds this runtime's data, sweeps the node's
+
+        self._data = Sweeper()
 
     # -- managers on other nodes -----------------------------------------
     def listen(
@@ -410,6 +413,8 @@ class Agent:
                 manager.shutdown(wait=True, kill=kill)
         if self.pending:
             self.fail_pending(errors.RuntimeClosed(f"{self.name} was shut down"))
+        if wait or kill:  # its workers are gone: its data directory goes with the last agent
+            self._data.close()
 
     def statistics(self) -> dict[str, Any]:
         return {
