@@ -116,6 +116,7 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "worker_memory",
         "worker_bandwidth",
         "data_exports",
+        "data_host",
     }
     assert isinstance(d["runtime_dir"], str)
 
@@ -309,6 +310,7 @@ def test_every_variable_has_a_bad_value() -> None:
         "NIMBUS_WORKER_INIT",
         "NIMBUS_SCHEDULER_OPTIONS",
         "NIMBUS_DATA_EXPORTS",  # any directories (a file outside them is refused)
+        "NIMBUS_DATA_HOST",  # any address, as NIMBUS_MESSAGING_HOST
     }
 
 

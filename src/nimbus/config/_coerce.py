@@ -368,3 +368,8 @@ def parse_bandwidth(text: str, what: str = "bandwidth") -> int:
         return bandwidth(text)
     except Bad as exc:
         raise ConfigError(f"{what} {text!r}: expected {exc}") from None
+
+
+# the names of endpoints and environments (they become directory names)
+NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,200}$")
+NAME_RULE = "letters, digits, '_', '.', '@' or '-'"

@@ -294,6 +294,12 @@ class Settings:
         "directories an endpoint's files may be staged from and to (nimbus.File), "
         "separated by ':'; kept as `exports` in the endpoint's config",
     )
+    data_host: str = setting(
+        "127.0.0.1",
+        c.text,
+        "the address a node takes files and objects on, sent straight from another "
+        "endpoint's node (nimbus.File, Refs); one the other endpoints reach",
+    )
 
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nimbus.config import Settings
 from nimbus.errors import DataError
 
 __all__ = ["Unreachable", "offer", "send_export", "send_object"]
@@ -67,7 +68,7 @@ def offer(kind: str, name: str, expires: float = 0.0) -> tuple[str, int, str]:
     (``kind`` ``"file"``: the node's file cache; ``"obj"``: an object of the store, its
     lease ``expires``); where to send them, and the secret to send first."""
     target = _target(kind, name)
-    host = os.environ.get("NIMBUS_DATA_HOST", "127.0.0.1")
+    host = Settings.load().data_host  # NIMBUS_DATA_HOST
     listener = socket.create_server((host, 0))
     listener.settimeout(TIMEOUT)
     secret = secrets.token_bytes(32)

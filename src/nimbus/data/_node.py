@@ -65,15 +65,12 @@ def data_base() -> Path:
 
 def _runtime_dir() -> Path:
     from nimbus.config import Settings
+    from nimbus.errors import ConfigError
 
     try:
         return Settings.load().runtime_dir
-    except Exception:  # a broken config fails where it is used, not here: its variables
-        named = os.environ.get("NIMBUS_RUNTIME_DIR", "").strip()
-        xdg = os.environ.get("XDG_RUNTIME_DIR", "").strip()
-        if named:
-            return Path(named)
-        return Path(xdg) / "nimbus" if xdg else Path("/tmp") / f"nimbus-{os.getuid()}"
+    except ConfigError:  # a broken config fails where it is used (the runtime), not here
+        return Path(tempfile.gettempdir()) / f"nimbus-{os.getuid()}"
 
 
 _roots: dict[tuple[str | None, ...], Path] = {}

@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nimbus.config import config_dir
+from nimbus.config import NAME, NAME_RULE, config_dir
 from nimbus.errors import ConfigError
 
 __all__ = ["EndpointConfig", "endpoint_dir", "endpoint_names"]
 
-_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,200}$")
-NAME_RULE = "letters, digits, '_', '.', '@' or '-'"
-
 
 def endpoint_dir(name: str) -> Path:
-    if not _NAME.match(name):
+    if not NAME.match(name):
         raise ConfigError(f"endpoint name {name!r} must be {NAME_RULE}")
     return config_dir() / "endpoints" / name
 

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from nimbus.endpoint.config import _NAME, NAME_RULE
+from nimbus.config import NAME, NAME_RULE
 from nimbus.errors import ConfigError
 
 __all__ = ["PLAIN", "Environment", "as_environment"]
@@ -41,7 +41,7 @@ class Environment:
 
     def __post_init__(self) -> None:
         # the rule of endpoint names, at most 64 characters
-        if not isinstance(self.name, str) or not _NAME.match(self.name) or len(self.name) > 64:
+        if not isinstance(self.name, str) or not NAME.match(self.name) or len(self.name) > 64:
             raise ConfigError(
                 f"environment name {self.name!r}: use 1-64 characters, {NAME_RULE} "
                 f"(as endpoint names), e.g. 'geo-1.2'"
