@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import itertools
-import json
 import threading
 import time
 import uuid
@@ -39,6 +38,7 @@ from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings, check_timeout
 from nimbus.data import DataPath, KeptFuture
 from nimbus.environments import Environment
+from nimbus.environments import resolve as resolve_environment
 from nimbus.errors import (
     ConfigError,
     NimbusError,
@@ -62,16 +62,8 @@ def _check_environment(env: Any) -> tuple[Environment | None, str]:
     """``env`` and its worker type; a name alone is refused with what to pass instead."""
     if env is None:
         return None, ""
-    if isinstance(env, str):  # NIMBUS_ENVIRONMENT: a name, or the JSON of a spec
-        text = env.strip()
-        try:
-            env = Environment.from_dict(json.loads(text)) if text.startswith("{") else None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"NIMBUS_ENVIRONMENT={text!r} is not JSON ({exc}); give a name, or "
-                f"json.dumps(Environment(...).to_dict())"
-            ) from None
-        env = env or Environment(text)
+    if isinstance(env, str):  # NIMBUS_ENVIRONMENT: a name built on this node, or JSON
+        env = resolve_environment(env)
     if not isinstance(env, Environment):
         raise TypeError(
             f"environment must be a nimbus.Environment such as Environment('geo', "

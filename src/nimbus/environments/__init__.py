@@ -9,7 +9,7 @@ virtualenvs (uv, else pip); ``_isolate`` wraps a worker in bubblewrap or podman;
 
 from __future__ import annotations
 
-from nimbus.environments._build import WORKER_VARIABLE, Prepared, cache, prepare
+from nimbus.environments._build import WORKER_VARIABLE, Prepared, cache, prepare, resolve
 from nimbus.environments._cache import Cache, Entry
 from nimbus.environments._report import held
 from nimbus.environments._spec import PLAIN, Environment
@@ -24,4 +24,5 @@ __all__ = [
     "cache",
     "held",
     "prepare",
+    "resolve",
 ]
