@@ -58,12 +58,15 @@ _live: weakref.WeakSet[Executor] = weakref.WeakSet()
 _SAME: Any = object()  # options(): keep the executor's own
 
 
-def _check_environment(env: Any) -> tuple[Environment | None, str]:
-    """``env`` and its worker type; a name alone is refused with what to pass instead."""
+def _check_environment(
+    env: Any, given: str = "NIMBUS_ENVIRONMENT"
+) -> tuple[Environment | None, str]:
+    """``env`` and its worker type; a name not built on this node is refused with what to
+    pass instead."""
     if env is None:
         return None, ""
-    if isinstance(env, str):  # NIMBUS_ENVIRONMENT: a name built on this node, or JSON
-        env = resolve_environment(env)
+    if isinstance(env, str):  # a name built on this node (nimbus environments build), or JSON
+        env = resolve_environment(env, given)
     if not isinstance(env, Environment):
         raise TypeError(
             f"environment must be a nimbus.Environment such as Environment('geo', "
@@ -193,7 +196,7 @@ class Executor(cf.Executor):
         else:
             timeout = self._timeout
         if environment is not _SAME:
-            env, tag = _check_environment(environment)
+            env, tag = _check_environment(environment, "environment")
         else:
             env, tag = self._environment, self._env
         view = _Options(self, timeout, env, tag, keep=bool(keep))
