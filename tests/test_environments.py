@@ -83,6 +83,7 @@ def test_public_names() -> None:
             "cache",
             "held",
             "prepare",
+            "resolve",
         ]
     )
 

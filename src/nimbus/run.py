@@ -208,11 +208,15 @@ def _check_options(endpoint: str | None, environment: str | None) -> tuple[int, 
     options (else from ``NIMBUS_ENDPOINT``/``NIMBUS_ENVIRONMENT``), and pass them on in
     those variables (an environment as its JSON spec, which every node understands).
     A problem is ``(exit status, one line naming what was given)``."""
+    from nimbus.config import Settings
     from nimbus.errors import ConfigError, NimbusError, NotFound, ServiceUnavailable
 
     given = "--environment" if environment else "NIMBUS_ENVIRONMENT"
-    environment = environment or os.environ.get("NIMBUS_ENVIRONMENT", "").strip()
-    if environment and environment.lower() != "none":
+    try:
+        environment = environment or Settings.lookup("environment")
+    except ConfigError as exc:
+        return EXIT_USAGE, str(exc)
+    if environment and environment.strip().lower() != "none":
         import json
 
         from nimbus.environments import resolve
@@ -223,8 +227,11 @@ def _check_options(endpoint: str | None, environment: str | None) -> tuple[int, 
             return EXIT_USAGE, str(exc)
         os.environ["NIMBUS_ENVIRONMENT"] = json.dumps(spec.to_dict())
     given = "--endpoint" if endpoint else "NIMBUS_ENDPOINT"
-    endpoint = endpoint or os.environ.get("NIMBUS_ENDPOINT", "").strip()
-    if not endpoint or endpoint.lower() == "none":
+    try:
+        endpoint = endpoint or Settings.lookup("endpoint")
+    except ConfigError as exc:
+        return EXIT_USAGE, str(exc)
+    if not endpoint or endpoint.strip().lower() == "none":
         return None
     from nimbus.client import Client
 
