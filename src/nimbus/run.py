@@ -5,8 +5,10 @@
     nimbus run script.py ARGS...         # as `python script.py ARGS...`
     nimbus run -m package.module ARGS... # as `python -m package.module ARGS...`
     nimbus run -c "code" ARGS...         # as `python -c "code" ARGS...`
+    nimbus run DIR ARGS...               # DIR/__main__.py, as `python DIR ARGS...`
     nimbus run --endpoint hpc script.py  # its processes on the endpoint `hpc`
-    nimbus run --environment geo x.py    # its processes in that environment (NIMBUS_ENVIRONMENT)
+    nimbus run --environment geo x.py    # its processes in that environment (NIMBUS_ENVIRONMENT):
+                                         # a name built by `nimbus environments build`, or JSON
     nimbus run --progress script.py      # a bar on stderr for each of its Pool maps
     python -m nimbus run ...             # the same
 
@@ -21,6 +23,9 @@ by warm workers), and by each to its own (``_install.pass_interrupts``):
 they see ``KeyboardInterrupt`` as the stdlib's children and grandchildren do.
 
 A script that does not exist exits with status 2 and names it, as ``python`` does.
+So does an option without its value, and an ``--endpoint`` or ``--environment``
+(or ``NIMBUS_ENDPOINT``, ``NIMBUS_ENVIRONMENT``) that is not one: one line
+naming what was given, before the program starts.
 """
 
 from __future__ import annotations
