@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import nimbus
-from nimbus.cli import COMMANDS, main
+from nimbus.cli import COMMANDS, build_parser, main
 
 
 def nimbus_cmd(*args: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -172,3 +175,43 @@ def test_registry_has_the_subcommands() -> None:
 def test_main_in_process(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["version"]) == 0
     assert nimbus.__version__ in capsys.readouterr().out
+
+
+def _subcommands(parser: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
+    """Every subcommand's parser in the tree under ``parser``, with its words."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield " ".join((*path, name)), sub
+                yield from _subcommands(sub, (*path, name))
+
+
+def test_every_subcommand_says_what_it_does() -> None:
+    commands = dict(_subcommands(build_parser()))
+    assert {"environments list", "tasks show", "endpoint start", "endpoints list"} <= set(commands)
+    for words, parser in commands.items():
+        text = parser.description or ""
+        assert text[:1].isupper() and text.endswith("."), f"`nimbus {words}`: {text!r}"
+        for action in parser._actions:  # every option and argument has its help
+            if not isinstance(action, argparse._SubParsersAction):
+                assert action.help, f"`nimbus {words}` {action.option_strings or action.dest}"
+
+
+def test_help_states_defaults_once() -> None:
+    commands = dict(_subcommands(build_parser()))
+
+    def helps(words: str) -> dict[str, str]:
+        return {
+            a.option_strings[-1]: a.help or "" for a in commands[words]._actions if a.option_strings
+        }
+
+    assert "default ./netbench-report" in helps("netbench")["--out"]
+    assert "(down)" in helps("netbench")["--direction"]
+    assert "default: one per core" in helps("manager")["--workers"]
+    assert helps("endpoint configure")["--workers-per-node"].count("default") == 1
+    assert "state" in helps("tasks list")["--status"]
+
+
+def test_run_help_says_what_it_does(tmp_path: Path) -> None:
+    done = nimbus_cmd("run", "--help", tmp_path=tmp_path)
+    assert done.returncode == 0 and "Run a Python program with nimbus" in done.stdout

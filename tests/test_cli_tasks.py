@@ -81,6 +81,9 @@ def test_watch_wrong_input_says_what_was_wrong(wanda: tuple[Any, dict[str, str]]
     assert code == 1 and missing in err and "not found" in err and "Traceback" not in err
     code, _, err = _finish(_watch(env, missing, "--status", "running"))
     assert code == 2 and "not both" in err
+    assert err.startswith("nimbus tasks watch: give task ids") and "configuration error" not in err
+    code, _, err = _finish(_watch(env, missing, "--limit", "5"))  # --limit chooses, as in list
+    assert code == 2 and "not both" in err and err.count("nimbus tasks watch:") == 1
     code, _, err = _finish(_watch(env, "--interval", "0"))
     assert code == 2 and "--interval" in err and "0.1 to 60" in err
     code, _, err = _finish(_watch(env, "3f2a"))
@@ -93,3 +96,21 @@ def test_watch_timeout_exits_3(wanda: tuple[Any, dict[str, str]]) -> None:
     code, out, err = _finish(_watch(env, task_id, "--timeout", "0.5", "--interval", "0.1"))
     assert code == 3 and task_id in out and "--timeout 0.5 s passed with 1 tasks" in err
     client.get_result(task_id, timeout=30)
+
+
+def test_watch_counts_an_id_given_twice_once(wanda: tuple[Any, dict[str, str]]) -> None:
+    client, env = wanda
+    ok = client.run(abs, -3, endpoint="watch-ep")
+    code, out, err = _finish(_watch(env, ok, ok, "--interval", "0.1"))
+    assert code == 0, out + err
+    assert out.rstrip().endswith("all 1 finished: 1 success") and out.count(f"{ok}  abs") == 1
+
+
+def test_watch_timeout_with_nothing_pending_exits_0(wanda: tuple[Any, dict[str, str]]) -> None:
+    client, env = wanda
+    task_id = client.run(abs, -4, endpoint="watch-ep")
+    client.get_result(task_id, timeout=30)
+    code, out, err = _finish(_watch(env, "--limit", "1", "--timeout", "0.5", "--interval", "0.1"))
+    assert code == 0, out + err
+    assert "nothing left to watch (1 tasks followed, none unfinished)" in out
+    assert len([line for line in out.splitlines() if "  abs " in line]) == 1  # --limit 1 holds

@@ -321,3 +321,34 @@ def test_a_reference_of_one_endpoint_is_copied_to_another_once_per_target(
         NodeStore(nimbus.data.session(lab.endpoint_id).namespace).path(lost.id).unlink()
         with pytest.raises(ReferenceLost, match=lost.id[:12]):
             on_hpc.submit(len, lost).result(timeout=120)
+
+
+def recall_beside(ref: object, key: str) -> object:
+    """store() in a task of the data path (a Ref among its arguments)."""
+    return store().get(key, "missing")
+
+
+def claim(scope: Scope, key: str) -> object:
+    """recall(key) in the data path with a scope the client chose."""
+    return run(recall, scope, key)
+
+
+def test_on_an_endpoint_the_store_is_the_owners_whichever_token(
+    service: Service, remote: Executor, lab: EndpointProcess, alice: Client
+) -> None:
+    """The store is named from the task's owner, as the service sends it: a second token
+    of alice finds what the first stored (in plain tasks and in the data path), bob does
+    not, and a client that claims another user's namespace still gets its own."""
+    assert remote.submit(remember, "shared", 7).result(timeout=60) >= 8
+    alices = nimbus.data.session("lab").namespace
+    other = service.user_settings(service.token("alice"))  # a second token of alice
+    with Executor(endpoint="lab", settings=other) as again:
+        assert again.submit(recall, "shared").result(timeout=60) == 7
+        ref = nimbus.put(1, endpoint="lab")
+        assert again.submit(recall_beside, ref, "shared").result(timeout=60) == 7
+    alice.share_endpoint(lab.endpoint_id, ["bob"])
+    bob = service.user_settings(service.token("bob"))
+    with Executor(endpoint=lab.endpoint_id, settings=bob) as as_bob:
+        assert as_bob.submit(recall, "shared").result(timeout=60) == "missing"
+        claimed = Scope(alices, "bob", lab.endpoint_id, False, 300.0)
+        assert as_bob.submit(claim, claimed, "shared").result(timeout=60) == "missing"

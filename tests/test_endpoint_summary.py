@@ -97,6 +97,19 @@ def test_a_local_manager_reports_its_workers_per_environment() -> None:
         agent.shutdown()
 
 
+def test_a_manager_row_with_counts_of_none_still_gives_rows() -> None:
+    """The per-environment walk is nimbus.environments.pools, tolerant of None."""
+    manager = {"name": "m", "node": "n", "workers": None, "environments": {
+        "": {"name": "plain", "workers": 2, "free": None},
+        "geo@k": {"name": "geo", "workers": None, "free": 1},
+    }}  # fmt: skip
+    rows = runtime_rows({"managers": [manager]}, None)
+    assert rows[0]["kind"] == "manager" and (rows[0]["workers"], rows[0]["busy"]) == (0, 2)
+    assert [(r["environment"], r["workers"], r["busy"], r["idle"]) for r in rows[1:]] == [
+        ("plain", 2, 2, 0)
+    ]
+
+
 def test_a_beat_without_runtime_is_as_before_and_a_wrong_one_is_refused() -> None:
     assert Beat(1.5).encode() == pack({"op": "beat", "t": 1.5})
     assert Beat.decode({"op": "beat", "t": 1.5}).runtime is None  # an older daemon's

@@ -24,7 +24,7 @@ import nimbus.environments as environments
 from environment_support import MARKER, EnvWorker, base_image, podman_unavailable
 from nimbus.cli import main as cli_main
 from nimbus.environments import WORKER_VARIABLE, Environment, _venv, prepare
-from nimbus.errors import EnvironmentBuildError, VersionMismatchError
+from nimbus.errors import ConfigError, EnvironmentBuildError, VersionMismatchError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -80,12 +80,59 @@ def test_public_names() -> None:
             "Entry",
             "Environment",
             "Prepared",
+            "as_environment",
             "cache",
             "held",
+            "pools",
             "prepare",
             "resolve",
         ]
     )
+
+
+@pytest.mark.parametrize("name", ["a b/c", "", "x" * 65, "../up", 3])
+def test_a_name_follows_the_endpoint_name_rule(name: object) -> None:
+    with pytest.raises(ConfigError, match=r"letters, digits, '_', '\.', '@' or '-'"):
+        Environment(name)  # type: ignore[arg-type]
+    assert Environment("geo-1.2_x@lab").name == "geo-1.2_x@lab"
+
+
+def test_sandbox_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="sandbox must be True or False, not 'yes'"):
+        Environment("x", sandbox="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="sandbox must be True or False"):
+        Environment.from_dict({"name": "x", "sandbox": "yes"})  # JSON from a user: one message
+    assert Environment("x", sandbox=True).key != Environment("x").key
+
+
+def test_a_wheelhouse_needs_requirements(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="without requirements installs nothing"):
+        Environment("x", wheelhouse=str(tmp_path))
+    with pytest.raises(ConfigError, match="wheelhouse must be a directory"):
+        Environment("x", requirements=["six"], wheelhouse="")
+    assert Environment("x", requirements=["six"], wheelhouse=str(tmp_path)).wheelhouse
+
+
+def test_a_failed_build_is_listed_with_its_cause() -> None:
+    from nimbus.cli.environments import cause
+
+    uv = (
+        "environment 'bad': uv failed (exit 1) installing nope:\n"
+        "error: No solution found when resolving dependencies\n"
+        "  cause: Because nope was not found in the package registry, ...unsatisfiable."
+    )
+    assert cause(uv) == (
+        "environment 'bad': uv failed (exit 1) installing nope: Because nope was not found "
+        "in the package registry, ...unsatisfiable."
+    )
+    pip = (
+        "environment 'bad': pip failed (exit 1) installing nope:\n\n"
+        "ERROR: Could not find a version that satisfies the requirement nope (from versions: "
+        "none)\nERROR: No matching distribution found for nope"
+    )
+    assert cause(pip).endswith("installing nope: Could not find a version that satisfies the "
+                               "requirement nope (from versions: none)")  # fmt: skip
+    assert cause("environment 'x': image missing") == "environment 'x': image missing"
 
 
 def test_plain_is_the_node_python() -> None:
@@ -415,6 +462,15 @@ def test_cli_build_list_remove(
     assert "no environment named 'cli-env'" in capsys.readouterr().err
     assert cli_main(["environments", "build", "x", "-r", "nimbus-no-such-package-h18"]) == 1
     assert "nimbus-no-such-package-h18" in capsys.readouterr().err
+    assert cli_main(["environments", "list"]) == 0  # the failed build: the builder's cause
+    failed = capsys.readouterr().out.splitlines()[-1].strip()
+    assert (
+        failed.startswith("environment 'x': ")
+        and "installing nimbus-no-such-package-h18: " in failed
+    )
+    assert failed.split("installing nimbus-no-such-package-h18: ")[1], (
+        failed
+    )  # not the header alone
     assert cli_main(["environments", "build", "empty"]) == 2
     assert "nothing to build" in capsys.readouterr().err
     assert os.path.isdir(envdir)
@@ -479,6 +535,48 @@ def test_held_gives_one_row_per_node_and_environment() -> None:
     assert by["login", "geo"]["state"] == "starting"  # a slot given, no worker ready yet
     assert by["login", "oops"]["state"] == "failed" and by["login", "oops"]["workers"] == 0
     assert [r["state"] for r in rows][:2] == ["warm", "warm"]  # warm first
+
+
+def test_held_takes_a_remote_managers_missing_counts_as_none() -> None:
+    """A remote manager's heartbeat with ``workers: None`` (say) gives 0, not a TypeError
+    that would stop the daemon's heartbeats."""
+    remote = {"node": "n2", "environments": {
+        "": {"name": "plain", "slots": 2, "workers": None, "free": None},
+        "geo@k": {"name": None, "slots": "x", "workers": 2, "free": 1},
+        "bad": None,
+    }}  # fmt: skip
+    assert environments.pools(remote) == [
+        {"tag": "", "name": "plain", "workers": 0, "free": 0, "slots": 2},
+        {"tag": "geo@k", "name": "plain", "workers": 2, "free": 1, "slots": 0},
+    ]
+    assert environments.pools({"environments": None}) == []
+    rows = environments.held([remote], "login", [])
+    assert [(r["node"], r["key"], r["state"], r["workers"]) for r in rows] == [
+        ("n2", "k", "warm", 2),
+        ("n2", "", "starting", 0),
+    ]
+
+
+def test_a_wrong_environment_is_one_error_for_client_and_executor() -> None:
+    """Client and executor check ``environment=`` with one function, one error type."""
+    from nimbus import Client, Executor
+    from nimbus.errors import ConfigError
+
+    client = Client("http://127.0.0.1:9", "token")  # refused before any request
+    try:
+        with pytest.raises(ConfigError, match=r"must be a nimbus\.Environment") as by_client:
+            client.register_function(len, environment=42)  # type: ignore[arg-type]
+    finally:
+        client.close()
+    with (
+        Executor(max_workers=1) as ex,
+        pytest.raises(ConfigError, match=r"must be a nimbus\.Environment") as by_executor,
+    ):
+        ex.options(environment=42)
+    assert str(by_client.value) == str(by_executor.value)
+    assert environments.as_environment(None) is None
+    geo = Environment("geo")
+    assert environments.as_environment(geo) is geo
 
 
 def test_bench_environments_smoke() -> None:

@@ -64,6 +64,7 @@ LAYERS: dict[str, int] = {
     "_chunks": 1,
     "_progress": 1,
     "_lazy": 1,  # a module imported on first use (redis-py: at the first connection)
+    "owners": 1,  # whom a task runs as on an endpoint (set by the agent, read by nimbus.data)
     # the exception tree, at the bottom
     "errors": 0,
 }

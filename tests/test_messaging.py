@@ -39,7 +39,7 @@ from nimbus.errors import (
 )
 from nimbus.messaging import Directory, Entry, Instance
 from nimbus.messaging._directory import EXITED, socket_dir
-from nimbus.messaging._instance import HEARTBEAT
+from nimbus.messaging._instance import HEARTBEAT, NOTHING
 from nimbus.statestore import Program
 
 pytestmark = pytest.mark.timeout(90)
@@ -343,6 +343,73 @@ def test_threads_waiting_for_different_tags_each_get_theirs_in_order_once(
     for t in readers:
         t.join(30)
     assert got == {0: list(range(300)), 1: list(range(300))}
+
+
+def _recv_next(ep: Instance, source: str, tag: Any, within: float = 10.0) -> Any:
+    """``recv_next`` until it gives a message (NOTHING: none yet, or not its case: then
+    ``recv_with_source`` takes it, as ``nimbus.multiprocessing`` does)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        got = ep.recv_next(source, tag, 0.05)
+        if got is not NOTHING:
+            return got
+        try:
+            return ep.recv_with_source(source, 0.01, tag)[1]
+        except MessagingTimeout:
+            continue
+    raise AssertionError(f"nothing from {source} with tag {tag!r} within {within} s")
+
+
+def test_recv_next_gives_one_writers_messages_in_order_once_and_times_out(
+    instances: Any,
+) -> None:
+    """The reader of one writer: small bytes as they are, other objects, a burst, and
+    a message with another tag left for ``recv``; with nothing sent, NOTHING soon."""
+    a, b = instances(), instances()
+    a.send(b.id, b"hello", tag="lane")
+    assert _recv_next(b, a.id, "lane") == b"hello"
+    got = []
+    for i in range(200):
+        b.recv_next(a.id, "other", 0.0)  # a read counts as a receive: replies go at once
+        a.send(b.id, b"x%d" % i if i % 2 else {"i": i}, tag="lane")
+        got.append(_recv_next(b, a.id, "lane"))
+    assert got == [b"x%d" % i if i % 2 else {"i": i} for i in range(200)]
+    for i in range(300):  # a burst: coalesced into batches, delivered through the mail
+        a.send(b.id, i, tag="lane")
+    a.send(b.id, "aside", tag="other")
+    assert [_recv_next(b, a.id, "lane") for _ in range(300)] == list(range(300))
+    assert b.recv(source=a.id, timeout=10, tag="other") == "aside"
+    t0 = time.monotonic()
+    assert b.recv_next(a.id, "lane", 0.2) is NOTHING
+    assert time.monotonic() - t0 < 0.5  # the read waits at most BLOCK, a poll 0.2 s
+
+
+def test_recv_next_does_not_starve_another_thread_reading(instances: Any) -> None:
+    """While one thread waits in its writer's link, another thread's messages (another
+    link) still arrive promptly: the wait is short, then every reader polls."""
+    a, b, c = instances(), instances(), instances()
+    a.send(b.id, b"first", tag="lane")
+    assert _recv_next(b, a.id, "lane") == b"first"  # b reads a's link itself from here
+    stop = threading.Event()
+
+    def lane_reader() -> None:  # a writer that stays silent: recv_next waits and waits
+        while not stop.is_set():
+            b.recv_next(a.id, "lane", 0.05)
+
+    reader = threading.Thread(target=lane_reader)
+    reader.start()
+    try:
+        latencies = []
+        for i in range(20):
+            t0 = time.monotonic()
+            c.send(b.id, i, tag="side")
+            assert b.recv(source=c.id, timeout=10, tag="side") == i
+            latencies.append(time.monotonic() - t0)
+        assert sorted(latencies)[10] < 0.02, latencies  # the median: no BLOCK-long waits
+        assert max(latencies) < 1.0, latencies
+    finally:
+        stop.set()
+        reader.join(10)
 
 
 def test_exited_peer(instances: Any) -> None:

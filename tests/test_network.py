@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -88,9 +89,14 @@ def _ours() -> dict[str, list[str]]:
     slots = Path("/run/nimbus-net")
     mine = str(os.getpid())
     return {
-        "namespaces": [line.split()[0] for line in spaces.splitlines() if "nimbus-" in line],
+        # the template goes with the last worker namespace (another process's may hold it)
+        "namespaces": [
+            line.split()[0]
+            for line in spaces.splitlines()
+            if "nimbus-" in line and line.split()[0] != "nimbus-template"
+        ],
         "rules": [line for line in rules.splitlines() if "nmb" in line],
-        "slots": [p.name for p in slots.glob("*") if p.read_text() == mine]
+        "slots": [p.name for p in slots.glob("*") if p.name.isdigit() and p.read_text() == mine]
         if slots.is_dir()
         else [],
         "cgroups": [
@@ -112,6 +118,14 @@ def netns(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     after = _ours()
     for kind, names in after.items():
         assert set(names) <= set(before[kind]), f"left behind: {kind} {names}"
+    _template_only_with_workers()
+
+
+def _template_only_with_workers() -> None:
+    names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    if "nimbus-template" in names:
+        workers = [n for n in names if n.startswith("nimbus-") and n[7:].isdigit()]
+        assert workers, "left behind: the namespace nimbus-template, with no worker's"
 
 
 def _curl(port: int, get: int, put: int) -> str:
@@ -230,14 +244,13 @@ def test_colocation_and_the_host_nic_sampled_while_tasks_run(netns: pytest.Monke
 def test_host_nic_rate_from_the_shared_sample(tmp_path: Path) -> None:
     """The sampler's counters of a real interface (the loopback, here) reach a reader of
     the shared map: a transfer during the samples shows as the NIC's rate."""
-    import socket
     import threading
 
     from nimbus.network._colocation import Board, summary
     from nimbus.network._nic import NicSampler
 
-    if not os.access("/dev/shm", os.W_OK):
-        pytest.skip("needs a writable /dev/shm")
+    if os.geteuid() != 0:
+        pytest.skip("needs root (the shared map is root's, in /run/nimbus-net)")
     sampler = NicSampler("lo", period=0.05)
     try:
         board = Board(SLOTS - 1)  # a cell no worker has
@@ -266,6 +279,77 @@ def test_host_nic_rate_from_the_shared_sample(tmp_path: Path) -> None:
     assert use["nic_in"] > 5_000_000 and use["nic_out"] > 5_000_000, use
     assert got == [50_000_000]
     assert use["min"] >= 0 and "nic_utilisation" not in use  # lo has no speed
+
+
+@needs_root
+def test_a_nic_that_goes_away_is_let_go_of() -> None:
+    """The sampled NIC is removed: the sampler waits and looks again (no busy loop), and
+    takes it up again when it is back; its files are root's and no link is followed."""
+    import stat
+    import threading
+
+    from nimbus.network._colocation import PATH, open_map, read_nic
+    from nimbus.network._nic import LOCK, NicSampler
+
+    dev = f"nbtest{os.getpid() % 10000}"
+    veth = ["ip", "link", "add", dev, "type", "veth", "peer", "name", dev + "p"]
+    subprocess.run(veth, check=True)
+    sampler = NicSampler(dev, period=0.05)
+    try:
+        time.sleep(0.3)
+        subprocess.run(["ip", "link", "del", dev], check=True)
+        time.sleep(0.3)
+        thread = next(t for t in threading.enumerate() if t.name == "nimbus-nic")
+        tid = thread.native_id
+        ticks = os.sysconf("SC_CLK_TCK")
+
+        def cpu() -> float:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / ticks
+
+        before = cpu()
+        time.sleep(1.5)
+        spent = cpu() - before
+        assert spent < 0.2, spent  # it waited: no busy loop on a NIC that is gone
+        subprocess.run(veth, check=True)
+        time.sleep(1.5)
+        assert sampler._thread is not None and sampler._thread.is_alive()
+        board = open_map()
+        try:
+            sample = read_nic(board)  # sampled again (by it, or by another manager's)
+        finally:
+            board.close()
+        assert sample is not None and time.monotonic() - sample[0] < 0.5, sample
+    finally:
+        subprocess.run(["ip", "link", "del", dev], capture_output=True)
+        sampler.close()
+    for path in (PATH, LOCK):
+        info = os.lstat(path)
+        assert path.startswith("/run/nimbus-net/") and stat.S_ISREG(info.st_mode), path
+        assert info.st_uid == 0 and stat.S_IMODE(info.st_mode) & 0o022 == 0, oct(info.st_mode)
+
+
+def _two_quiet_ends() -> tuple[bool, bool]:
+    from nimbus.network import TaskNet
+
+    net = TaskNet.here()
+    assert net is not None
+    try:
+        ends = []
+        for _ in range(2):  # tasks that move no byte
+            now = time.time()
+            net.begin(now)
+            ends.append(net.end(now))
+    finally:
+        net.close()
+    (i1, o1, first), (i2, o2, second) = ends
+    return (i1, o1, i2, o2) == (0, 0, 0, 0), first is not second
+
+
+@needs_root
+def test_each_quiet_task_has_its_own_record_fields(netns: pytest.MonkeyPatch) -> None:
+    with Executor(1) as ex:
+        assert ex.submit(_two_quiet_ends).result(timeout=60) == (True, True)
 
 
 def _worker_net(seconds: float = 0.0) -> tuple[bool, str, int]:
@@ -304,7 +388,6 @@ def _store_round_trip(url: str, size: int) -> int:
 @pytest.fixture
 def tcp_store() -> Iterator[str]:
     """A state store (redis-server) on the node's 127.0.0.1 over TCP: its URL."""
-    import socket
 
     from nimbus.statestore import redis_server_binary
 
@@ -347,7 +430,6 @@ _held: list[object] = []
 
 def _open_connection(port: int, size: int) -> int:
     """Download over a connection left open when the task ends (its TCP_INFO is read)."""
-    import socket
 
     sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall(f"GET /{size} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
@@ -469,6 +551,75 @@ def test_limits_of_one_task_from_its_options(netns: pytest.MonkeyPatch, server: 
     assert free_share > share, (free_share, share)
 
 
+@needs_root
+def test_limits_of_a_task_leave_its_function_as_it_is(netns: pytest.MonkeyPatch) -> None:
+    """options(cpus=...) sends the function itself: one pickling, one key, so its worker
+    keeps the one it loaded (its default list grows) and a registration still holds."""
+
+    def count(seen: list[int] = []) -> int:  # noqa: B006  (the worker's copy's state)
+        seen.append(1)
+        return len(seen)
+
+    with Executor(1) as ex:
+        limited = ex.options(cpus=2)
+        counts = [limited.submit(count).result(timeout=60) for _ in range(3)]
+        counts.append(ex.submit(count).result(timeout=60))
+    assert counts == [1, 2, 3, 4], counts
+
+
+@needs_root
+def test_a_limit_half_set_is_taken_back(tmp_path: Path) -> None:
+    """cpus set on the worker's cgroup, then its bandwidth fails (no namespace): the cpu
+    quota is put back before the error, not left for the next task."""
+    from nimbus.network._cgroup import Cgroup
+
+    cgroup = Cgroup(f"nimbus-test-{os.getpid()}", None, None, every=True)
+    script = (
+        "import os, sys\n"
+        "for f in sys.argv[1:]: open(f, 'w').write(str(os.getpid()))\n"
+        "from nimbus.errors import ConfigError\n"
+        "from nimbus.network._limits import TaskLimits, _cgroup_dirs, apply\n"
+        "try:\n"
+        "    apply(TaskLimits(cpus=0.5, bandwidth=10**8), print)\n"
+        "except ConfigError as exc:\n"
+        "    print('refused:', exc)\n"
+        "d = _cgroup_dirs()\n"
+        "print('quota:', (d[''] / 'cpu.max' if '' in d else d['cpu'] / 'cpu.cfs_quota_us')"
+        ".read_text().split()[0])\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script, *cgroup.procs_files()],
+            capture_output=True, text=True, timeout=60,
+            env={k: v for k, v in os.environ.items() if not k.startswith("NIMBUS_WORKER_")},
+        )  # fmt: skip
+    finally:
+        cgroup.remove()
+    assert "refused: options(bandwidth=...): this worker has no network namespace" in done.stdout
+    assert done.stdout.splitlines()[-1] in ("quota: -1", "quota: max"), done.stdout + done.stderr
+
+
+def _leave_own_cgroup() -> int:
+    """Move this worker out of its cgroup and remove it: its limits cannot be put back."""
+    from nimbus.network._limits import _cgroup_dirs
+
+    dirs = _cgroup_dirs()
+    for d in dirs.values():
+        (d.parent / "cgroup.procs").write_text(str(os.getpid()))
+    for d in set(dirs.values()):
+        if d.exists():
+            d.rmdir()
+    return os.getpid()
+
+
+@needs_root
+def test_a_limit_not_put_back_retires_its_worker(netns: pytest.MonkeyPatch) -> None:
+    """The task's result is its own; the worker that keeps a limit runs no other task."""
+    with Executor(1) as ex:
+        pid = ex.options(cpus=0.5).submit(_leave_own_cgroup).result(timeout=60)
+        assert ex.submit(os.getpid).result(timeout=60) != pid
+
+
 def test_task_limits_are_checked_as_the_endpoint_config() -> None:
     with Executor(1) as ex:
         with pytest.raises(ConfigError, match=r"bandwidth='500M'.*bits"):
@@ -480,6 +631,49 @@ def test_task_limits_are_checked_as_the_endpoint_config() -> None:
         with pytest.raises(TypeError, match="bandwidht"):
             ex.options(bandwidht="1Gbit")
         assert ex.options(bandwidth="1Gbit", memory="1G", cpus=2) is not None
+
+
+@needs_root
+def test_worker_namespaces_get_their_own_tcp_table_the_node_keeps_its(
+    netns: pytest.MonkeyPatch,
+) -> None:
+    """Made from the template namespace: each worker's has a TCP table of its own, and
+    the node's tcp_child_ehash_entries is never changed, not even for a moment."""
+    import threading
+
+    from nimbus.network._link import TCP_TABLE
+
+    node = Path("/proc/sys/net/ipv4/tcp_child_ehash_entries")
+    if not node.exists():
+        pytest.skip("Linux 6.1+ (per-namespace TCP tables)")
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.add(node.read_text().strip())
+
+    original = node.read_text().strip()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    nets = WorkerNetworks("netns")
+    try:
+        for i in range(3):
+            nets.command(f"w{i}", [sys.executable, "-c", "pass"])
+        link = nets.link("w2")
+        assert link is not None
+        table = subprocess.run(
+            ["ip", "netns", "exec", link.ns, "cat", "/proc/sys/net/ipv4/tcp_ehash_entries"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert int(table) == TCP_TABLE, table  # its own (negative: the node's, shared)
+        assert os.path.exists("/run/netns/nimbus-template")
+    finally:
+        nets.close()
+        stop.set()
+        watcher.join()
+    assert seen == {original}, seen
+    _template_only_with_workers()
 
 
 @needs_root
@@ -556,6 +750,57 @@ def test_netbench_says_what_is_built() -> None:
     assert done.returncode == 2 and "say 1Gbit for bits/s" in done.stderr
 
 
+def test_netbench_refuses_wrong_input_before_running(tmp_path: Path) -> None:
+    for args, says in [
+        (("--concurrency", "1,,2"), "expected numbers 1-64 separated by commas, got '1,,2'"),
+        (("--share", "2"), "--share: expected a fraction of the link from 0 to 1, got '2'"),
+        (("--share", "0"), "--share: expected a fraction of the link"),
+        (("--server", "1.2.3.4"), "--server 1.2.3.4 is where an endpoint's tasks reach"),
+        (("--out", "/proc/x"), "--out /proc/x: cannot write there"),
+    ]:
+        done = _nimbus("netbench", "--offline", *args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert says in done.stderr and done.stderr.count("\n") == 1, (args, done.stderr)
+        assert done.stderr.startswith("nimbus netbench: "), done.stderr  # said once
+        assert "configuration error" not in done.stderr and "Traceback" not in done.stderr
+
+
+@needs_root
+def test_netbench_offline_stopped_by_sigterm_removes_its_namespaces(tmp_path: Path) -> None:
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nimbus", "netbench", "--offline", "--concurrency", "1,2",
+         "--seconds", "30", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+    )  # fmt: skip
+    tag = f"nb{proc.pid % 100000}"
+    ours = {f"{tag}{n}" for n in ("s", "h", "1", "2")}
+
+    def spaces() -> set[str]:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return {line.split()[0] for line in listed.splitlines() if line.strip()} & ours
+
+    try:
+        deadline = time.monotonic() + 60
+        while spaces() != ours and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert spaces() == ours, proc.stderr.read() if proc.poll() is not None else "not built"
+        time.sleep(1.0)  # into the first run: clients and server moving data
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for ns in spaces():  # whatever the outcome, nothing of the test stays
+            subprocess.run(["ip", "netns", "del", ns], check=False)
+    assert proc.returncode == 130, err
+    assert err == "nimbus netbench: interrupted (SIGTERM); its namespaces are removed\n", err
+    assert not spaces()
+
+
 def test_netbench_on_a_real_endpoint(service: Any, alice: Any, lab: Any, tmp_path: Path) -> None:
     """--endpoint: the sweep's tasks run on the endpoint (a real agent with 2 workers)
     against this machine's traffic server; the report is the offline one's."""
@@ -572,6 +817,25 @@ def test_netbench_on_a_real_endpoint(service: Any, alice: Any, lab: Any, tmp_pat
     for run in runs.values():
         assert run["aggregate_mbit"] > 10 and run["per_task_min_mbit"] > 0, run
         assert abs(run["link_vs_client_bytes"]) < 0.02, run  # the records counted the bytes
+
+
+def test_netbench_refuses_a_server_its_endpoint_cannot_reach() -> None:
+    """--server 127.0.0.1 (the default) where the endpoint's nodes do not reach it: a
+    message saying which address to give, before any run of the sweep."""
+    from nimbus.network._endpoint import check_reach
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    with Executor(1) as ex:
+        with pytest.raises(
+            ConfigError,
+            match=r"--server 127\.0\.0\.1 is this machine's loopback.*"
+            r"give --server an address of this machine that the nodes reach",
+        ):
+            check_reach(ex, ("127.0.0.1", closed))
+        with socket.create_server(("127.0.0.1", 0)) as listening:
+            check_reach(ex, listening.getsockname())  # reached: nothing said
 
 
 @needs_root

@@ -10,6 +10,8 @@ import textwrap
 import threading
 from pathlib import Path
 
+import pytest
+
 from nimbus._progress import Bar
 
 PROGRAM = textwrap.dedent(
@@ -99,6 +101,35 @@ def test_plain_bar_closed_early_when_map_is_abandoned() -> None:
     bar.close()
     bar.done(7)
     assert bar.count == 3 and out.getvalue().splitlines()[-1].startswith("map f: [######")
+
+
+def test_plain_bar_ends_once_when_a_failed_map_cancels_the_rest() -> None:
+    from concurrent.futures import Future
+    from functools import partial
+
+    from nimbus._progress import count
+
+    out = _Tty()
+    bar = Bar(100, "map f", out)
+    futures: list[Future[int]] = [Future() for _ in range(100)]
+    for future in futures:
+        future.add_done_callback(partial(count, bar, 1))
+    for future in futures[:50]:
+        future.set_result(1)
+    futures[50].set_exception(ValueError("one task failed"))
+    for future in futures[51:]:  # what Executor.map does when a result raises
+        future.cancel()
+    text = out.getvalue()
+    assert bar.closed and bar.count == 51
+    assert text.count("\r") == 52  # the first draw and one per finished task, none per cancel
+    assert text.endswith("51/100 (51%) " + text.rsplit(" ", 2)[-2] + " s\n")
+
+
+def test_progress_must_be_a_bool() -> None:
+    from nimbus import Executor
+
+    with Executor(max_workers=1) as ex, pytest.raises(TypeError, match="progress must be True"):
+        ex.map(abs, [1], progress="yes")  # type: ignore[arg-type]
 
 
 POOL_PROGRAM = textwrap.dedent(

@@ -1,17 +1,21 @@
 """The dashboard's endpoint, task, timeline and directory pages and its buttons, in a real
 browser (Debian's chromium, Selenium) against a real service, a real endpoint agent and
-real tasks. Screenshots go to docs/dashboard/ (the closing note shows them)."""
+real tasks. Screenshots go to $NIMBUS_SCREENSHOTS (docs/dashboard/ for the closing note)
+or, by default, a directory under the system's temporary one: a test run leaves the
+checkout as it was."""
 
 from __future__ import annotations
 
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -33,11 +37,11 @@ from test_service_dashboard import (  # the browser, the admin's service, the ho
 
 __all__ = ["browser", "service"]  # fixtures of test_service_dashboard, used here
 
-DOCS = Path(__file__).parent.parent / "docs" / "dashboard"
+DOCS = Path(os.environ.get("NIMBUS_SCREENSHOTS") or Path(tempfile.gettempdir()) / "nimbus-shots")
 
 
 def shot(driver: Any, name: str) -> Path:
-    """A screenshot into docs/dashboard/ (checked to be a PNG of some size)."""
+    """A screenshot into ``DOCS`` (checked to be a PNG of some size)."""
     DOCS.mkdir(parents=True, exist_ok=True)
     return screenshot(driver, DOCS / name)
 
@@ -229,10 +233,11 @@ def test_cancel_and_share_buttons_and_cross_site_posts_refused(
     task_id = alice.run(nap, 20, endpoint="lab")
     WebDriverWait(None, 10).until(lambda _: alice.get_task(task_id)["state"] == "running")
     login(browser, service, alice.token, f"/tasks/{task_id}")
-    form = browser.find_element(By.ID, "cancel")
-    assert "csrf" not in browser.current_url and "csrf" not in form.get_attribute("action")
+    live = WebDriverWait(browser, 10, ignored_exceptions=(StaleElementReferenceException,))
+    action = live.until(lambda d: d.find_element(By.ID, "cancel").get_attribute("action"))
+    assert "csrf" not in browser.current_url and "csrf" not in action
     shot(browser, "task-running.png")
-    form.find_element(By.TAG_NAME, "button").click()
+    live.until(lambda d: d.find_element(By.CSS_SELECTOR, "#cancel button").click() or True)
     WebDriverWait(browser, 10).until(lambda d: "cancelled" in d.find_element(By.ID, "task").text)
     assert alice.get_task(task_id)["state"] == "cancelled"
 

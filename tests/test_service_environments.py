@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -11,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,6 +234,77 @@ def test_a_function_registered_with_an_environment_runs_in_it_unless_a_call_says
     assert _ran_in(alice, alice.batch_run(where, [(0,)], endpoint="lab")) == {"again"}
 
 
+class CountingProxy:
+    """A TCP proxy on 127.0.0.1 in front of the service that counts the HTTP request
+    lines its clients send (``counts[b"GET /v1/functions"]``): what the service is asked."""
+
+    LINES = (b"GET /v1/functions", b"POST /v1/functions", b"GET /v1/endpoints")
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").rstrip("/").split(":")
+        self.upstream = (host, int(port))
+        self.counts = dict.fromkeys(self.LINES, 0)
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            far = socket.create_connection(self.upstream)
+            with self._lock:
+                self._sockets += [near, far]
+            threading.Thread(target=self._pump, args=(near, far, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(far, near, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        tail = b""
+        try:
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+                if count:  # a request line may straddle two chunks: keep the end of the last
+                    seen = tail + chunk
+                    with self._lock:
+                        for line in self.LINES:
+                            self.counts[line] += seen.count(line) - tail.count(line)
+                    tail = seen[-(max(map(len, self.LINES)) - 1) :]
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._server.close()
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+
+
+def test_submits_of_new_partials_ask_the_service_nothing_but_their_tasks(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """The service gives a function's registered environment to its tasks (submit_tasks):
+    an executor does not look it up, so a new ``partial`` per call costs no GET."""
+    proxy = CountingProxy(service.url)
+    try:
+        settings = service.user_settings(alice.token, NIMBUS_SERVICE_URL=proxy.url)
+        with Executor(endpoint="lab", settings=settings) as ex:
+            futures = [ex.submit(functools.partial(where, i)) for i in range(50)]
+            assert [f.result(timeout=120) for f in futures] == [(i, "") for i in range(50)]
+    finally:
+        proxy.close()
+    assert proxy.counts[b"GET /v1/endpoints"] >= 1  # the proxy saw the executor's requests
+    assert proxy.counts[b"POST /v1/functions"] == 50  # one registration per new pickle
+    assert proxy.counts[b"GET /v1/functions"] == 0
+
+
 def test_registering_with_a_wrong_environment_is_refused(service: Service, alice: Client) -> None:
     with pytest.raises(VersionMismatchError, match=r"cloudpickle 2\.2\.1"):
         alice.register_function(where, environment=OLD_PICKLE)
@@ -302,12 +376,61 @@ def test_the_registry_keeps_a_functions_environment_and_adds_the_column_to_an_ol
         box = Environment("box", image="localhost/x:1").to_dict()
         other = registry.add_function(ada, "f", b"body", "3.11", "s", environment=box)
         assert other != fid and registry.function(fid).environment == geo  # type: ignore[union-attr]
-        latest = registry.latest_function(ada, hashlib.sha256(b"body").hexdigest())
-        assert latest is not None and latest.id == other and latest.environment == box
         assert registry.add_function(ada, "f", b"body", "3.11", "s") == other
+        # a wrapper of those bytes (an executor's scope): their latest registration's
+        wrapper = registry.add_function(
+            ada, "w", b"wrapper", "3.11", "s", wraps=hashlib.sha256(b"body").hexdigest()
+        )
+        assert registry.function(wrapper).environment == box  # type: ignore[union-attr]
+        plain = registry.add_function(ada, "w", b"w2", "3.11", "s", wraps="0" * 64)
+        assert registry.function(plain).environment is None  # type: ignore[union-attr]
         assert registry.add_function(ada, "f", b"old", "3.11", "s") == "f-old"
     finally:
         registry.close()
+
+
+def test_services_starting_together_add_a_missing_column_once(registry_url: str) -> None:
+    """Two services on one database both find the column missing: neither fails."""
+    from sqlalchemy import text
+
+    from nimbus.service.migrate import add_columns
+    from nimbus.service.registry import Registry
+
+    first, second = Registry(registry_url), Registry(registry_url)
+    try:
+        for _ in range(5):
+            with first.engine.begin() as db:
+                db.execute(text("ALTER TABLE functions DROP COLUMN environment"))
+            barrier = threading.Barrier(2)
+            failed: list[BaseException] = []
+
+            def start(
+                registry: Registry, barrier: threading.Barrier, failed: list[BaseException]
+            ) -> None:
+                barrier.wait()
+                try:
+                    add_columns(registry.engine)
+                except BaseException as exc:
+                    failed.append(exc)
+
+            threads = [
+                threading.Thread(target=start, args=(r, barrier, failed)) for r in (first, second)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert failed == []
+            first.create_user_token("ada")  # the table works with its column
+            ada = first.user_ids(["ada"])["ada"]
+            geo = Environment("geo").to_dict()
+            fid = second.add_function(ada, "f", b"body", "3.11", "s", environment=geo)
+            assert first.function(fid).environment == geo  # type: ignore[union-attr]
+            with first.engine.begin() as db:
+                db.execute(text("DELETE FROM functions"))
+    finally:
+        first.close()
+        second.close()
 
 
 # ---------------------------------------------------------------- versions, at submit
@@ -385,8 +508,9 @@ def test_environments_list_endpoint_shows_what_its_nodes_hold(
     table = _cli(service, alice.token, "--endpoint", "lab")
     assert table.returncode == 0 and "shown" in table.stdout and "warm" in table.stdout
     unknown = _cli(service, alice.token, "--endpoint", "no-such-endpoint")
-    assert unknown.returncode != 0
+    assert unknown.returncode == 1  # not found, as for every command
     assert "no endpoint 'no-such-endpoint'" in unknown.stderr, unknown.stderr
+    assert "`nimbus endpoints list`" in unknown.stderr and unknown.stderr.count("(") == 1
 
 
 def _rows_until(client: Client, endpoint: str, ok: Any, timeout: float) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import Future
 from typing import IO, Any
 
-__all__ = ["Bar", "bar", "count", "follow_pool_maps"]
+__all__ = ["Bar", "bar", "check", "count", "follow_pool_maps"]
 
 
 class Bar:
@@ -37,8 +37,8 @@ class Bar:
 
     def done(self, n: int = 1) -> None:
         with self._lock:
-            if self.closed:
-                return
+            if self.closed or (n <= 0 and self.count < self.total):
+                return  # nothing new to draw
             self.count = min(self.total, self.count + n)
             self._draw()
             if self.count >= self.total:
@@ -127,8 +127,19 @@ def bar(total: int, label: str, plain: bool = False) -> Bar | _Tqdm:
 
 
 def count(shown: Bar | _Tqdm, size: int, future: Future[Any]) -> None:
-    """A done-callback: ``size`` items more, unless ``future`` was cancelled."""
-    shown.done(0 if future.cancelled() else size)
+    """A done-callback: ``size`` items more; a cancelled ``future`` means the map was
+    abandoned (a task failed, the program stopped reading): the bar ends where it is."""
+    if future.cancelled():
+        shown.close()
+    else:
+        shown.done(size)
+
+
+def check(progress: object) -> bool:
+    """``progress=`` as given to ``map``: True or False, else a TypeError."""
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False, not {progress!r}")
+    return progress
 
 
 def _label(func: Any) -> str:

@@ -19,7 +19,6 @@ themselves. Errors of the service come back as
 from __future__ import annotations
 
 import concurrent.futures as cf
-import hashlib
 import json
 import os
 import re
@@ -33,7 +32,7 @@ import httpx
 
 from nimbus import serialization
 from nimbus.config import Settings, check_timeout, config_dir, untrusted_certificate
-from nimbus.environments import Environment
+from nimbus.environments import Environment, as_environment
 from nimbus.errors import (
     AmbiguousEndpointError,
     AuthError,
@@ -158,13 +157,9 @@ def environment_mismatch(env: Environment) -> VersionMismatchError | None:
 def _usable_environment(environment: object) -> Environment | None:
     """``environment`` if it is None or an :class:`~nimbus.Environment` this client's
     functions can run in; ConfigError, or VersionMismatchError naming both versions."""
+    environment = as_environment(environment)
     if environment is None:
         return None
-    if not isinstance(environment, Environment):
-        raise ConfigError(
-            f"environment must be a nimbus.Environment such as Environment('geo', "
-            f"requirements=[...]), not {type(environment).__name__}"
-        )
     mismatch = environment_mismatch(environment)
     if mismatch is not None:
         raise mismatch
@@ -226,8 +221,6 @@ class Client:
         )
         self._functions = serialization.FunctionCache(by_value=True)
         self._registered: dict[str, str] = {}
-        self._environments: dict[str, Environment | None] = {}  # by pickle: as registered
-        self._environment_of: dict[int, tuple[Callable[..., Any], Environment | None]] = {}
         self._limits: dict[str, int] | None = None
 
     # ------------------------------------------------------------ plumbing
@@ -344,41 +337,15 @@ class Client:
             label = str(name or getattr(fn, "__qualname__", type(fn).__qualname__))
             found = self.register_function_bytes(body, label, environment=env)
             self._registered[key] = found
-            if env is not None:
-                self._environments[key] = env
-                self._environment_of.pop(id(fn), None)
         return found
 
-    def registered_environment(self, fn: Callable[..., Any]) -> Environment | None:
-        """The environment your latest registration of ``fn`` gives its tasks (see
-        :meth:`register_function`), or None; asked of the service once per pickle.
-        An executor on an endpoint asks it for a call that names no environment."""
-        seen = self._environment_of.get(id(fn))
-        if seen is not None and seen[0] is fn:  # the same function object: no pickling
-            return seen[1]
-        key, body = self._functions.get(fn)
-        if key in self._environments:
-            return self._remember(fn, self._environments[key])
-        digest = hashlib.sha256(body).hexdigest()
-        env: Environment | None = None
-        for found in self._json("GET", "/v1/functions", params={"digest": digest})["functions"]:
-            spec = found.get("environment")
-            if found["python"] == PYTHON and found["serializer"] == SERIALIZER and spec:
-                env = Environment.from_dict(spec)
-        self._environments[key] = env
-        return self._remember(fn, env)
-
-    def _remember(self, fn: Callable[..., Any], env: Environment | None) -> Environment | None:
-        if len(self._environment_of) >= 1024:
-            self._environment_of.clear()
-        self._environment_of[id(fn)] = (fn, env)
-        return env
-
     def register_function_bytes(
-        self, body: bytes, name: str, *, environment: Environment | None = None
+        self, body: bytes, name: str, *, environment: Environment | None = None, wraps: str = ""
     ) -> str:
         """Register a pickled function; without ``environment``, the owner's latest
-        registration of these bytes is found (with the environment it was given)."""
+        registration of these bytes is found (with the environment it was given), or,
+        if there is none and ``wraps`` is the SHA-256 of the pickle of a function these
+        bytes wrap, registered with the environment the owner registered that one with."""
         import base64
 
         request: dict[str, Any] = {
@@ -389,6 +356,8 @@ class Client:
         }
         if environment is not None:
             request["environment"] = environment.to_dict()
+        elif wraps:
+            request["wraps"] = wraps
         data = self._json("POST", "/v1/functions", json=request)
         return str(data["function_id"])
 

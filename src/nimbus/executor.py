@@ -29,6 +29,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures._base import RUNNING  # read without the lock on the hot path
 from functools import partial
 from typing import Any, TypeVar
 
@@ -37,11 +38,10 @@ from nimbus._future import Future
 from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings, check_timeout
 from nimbus.data import DataPath, KeptFuture
-from nimbus.environments import Environment
+from nimbus.environments import Environment, as_environment
 from nimbus.environments import resolve as resolve_environment
 from nimbus.errors import (
     ConfigError,
-    NimbusError,
     PayloadTooLargeError,
     ReferenceLost,
     RemoteTraceback,
@@ -56,6 +56,7 @@ T = TypeVar("T")
 
 _live: weakref.WeakSet[Executor] = weakref.WeakSet()
 _SAME: Any = object()  # options(): keep the executor's own
+_PLAIN = frozenset((int, float, str, bytes, bool, type(None)))  # arguments with no data in them
 
 
 def _check_environment(
@@ -67,11 +68,7 @@ def _check_environment(
         return None, ""
     if isinstance(env, str):  # a name built on this node (nimbus environments build), or JSON
         env = resolve_environment(env, given)
-    if not isinstance(env, Environment):
-        raise TypeError(
-            f"environment must be a nimbus.Environment such as Environment('geo', "
-            f"requirements=['shapely']), not {env!r}"
-        )
+    env = as_environment(env)  # ConfigError, as the client's, for anything else
     return env, environment_tag(env)
 
 
@@ -215,34 +212,16 @@ class Executor(cf.Executor):
         keep: bool = False,
         environment: Environment | None = None,
         env: str = "",
+        limits: Any = None,
     ) -> Future:
-        if environment is None and self._remote:  # as the function was registered, if it was
-            environment, env = self._registered(fn)
-        if data.has_files(args, kwargs):  # checked now, staged before the task (nimbus.File)
+        plain = not kwargs and all(type(a) in _PLAIN for a in args)  # no File, Ref, future
+        if not plain and data.has_files(args, kwargs):  # checked now, staged before the task
             args, kwargs = data.stage_files(self, args, kwargs)
-        if keep or data.uses_data(args, kwargs):
-            return self._path.submit(fn, args, kwargs, timeout, keep, environment, env)
-        if self._remote and self._path.scoped():  # on an endpoint: its user's store() in the task
-            if not callable(fn):
-                raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
-            scope = self._path.open().scope(False)  # no Refs to wait on or bind: straight out
-            return self._launch(
-                self._path.wrap(fn), (scope, *args), kwargs, timeout, None, fn,
-                environment=environment, env=env,
-            )  # fmt: skip
-        return self._launch(fn, args, kwargs, timeout, environment=environment, env=env)
-
-    def _registered(self, fn: Any) -> tuple[Environment | None, str]:
-        """The environment ``fn``'s registration on the service gives its tasks
-        (``Client.register_function(fn, environment=...)``), for a call that names none."""
-        client = getattr(self._backend, "client", None)
-        if client is None or not callable(fn):
-            return None, ""
-        try:
-            found = client.registered_environment(fn)
-        except NimbusError:  # the service cannot say now: the workers' own, as before
-            return None, ""
-        return (None, "") if found is None else (found, environment_tag(found))
+        if keep or (not plain and data.uses_data(args, kwargs)):
+            return self._path.submit(fn, args, kwargs, timeout, keep, environment, env, limits)
+        return self._launch(
+            fn, args, kwargs, timeout, environment=environment, env=env, limits=limits
+        )
 
     def _launch(
         self,
@@ -255,13 +234,17 @@ class Executor(cf.Executor):
         *,
         environment: Environment | None = None,
         env: str = "",
+        limits: Any = None,
     ) -> Future:
         if self._shutdown:
             raise RuntimeError("cannot schedule new futures after shutdown")
         if not callable(fn):
             raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
         fn_key, fn_bytes = self._functions.get(fn)
-        payload, buffers = serialization.dumps((args, kwargs))
+        # a task's own limits travel with its arguments: fn is sent as it is
+        payload, buffers = serialization.dumps(
+            (args, kwargs, limits.row()) if limits else (args, kwargs)
+        )
         size = len(payload) + sum(b.raw().nbytes for b in buffers)
         named = fn if label is None else label
         if size > self.settings.max_payload:
@@ -290,6 +273,7 @@ class Executor(cf.Executor):
             owner=future,
             environment=environment,
             env=env,
+            wraps=self._path.wraps(label),
         )
         future._task = task
         future._stop = self._backend.cancel
@@ -367,7 +351,7 @@ class Executor(cf.Executor):
             if future.cancelled():
                 self._futures.pop(task.seq, None)
                 continue
-            if task.attempts == 0 and future.running():
+            if task.attempts == 0 and future._state == RUNNING:  # (no lock: set here only)
                 pass  # sent again: a reference it reads was lost and made again
             elif task.attempts == 0:
                 try:
@@ -390,9 +374,11 @@ class Executor(cf.Executor):
             record = task.record
             try:
                 if task.status == Status.OK:
-                    self._bytes_received += len(task.data) + sum(
-                        memoryview(b).nbytes for b in task.result_buffers
-                    )
+                    self._bytes_received += len(task.data)
+                    if task.result_buffers:
+                        self._bytes_received += sum(
+                            memoryview(b).nbytes for b in task.result_buffers
+                        )
                     value = serialization.loads(task.data, task.result_buffers)
                     if type(future) is KeptFuture:
                         value = self._path.kept(future, value)
@@ -437,14 +423,13 @@ class _Options(cf.Executor):
         self._environment = environment
         self._env = env
         self._keep = keep
-        self._limits: Any = None  # a task's own limits: fn runs under them (nimbus.network)
+        self._limits: Any = None  # a task's own limits, with its arguments (nimbus.network)
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future[T]:
-        if self._limits:
-            fn = self._limits.wrap(fn)
         return self._executor._submit(
-            fn, args, kwargs, self._timeout, self._keep, self._environment, self._env
-        )
+            fn, args, kwargs, self._timeout, self._keep, self._environment, self._env,
+            self._limits,
+        )  # fmt: skip
 
     def map(
         self,
@@ -455,12 +440,10 @@ class _Options(cf.Executor):
         keep: bool = False,
         progress: bool = False,
     ) -> Iterator[T]:
-        if self._limits:
-            fn = self._limits.wrap(fn)
         if keep or self._keep:
             kept = [
                 self._executor._submit(
-                    fn, args, {}, self._timeout, True, self._environment, self._env
+                    fn, args, {}, self._timeout, True, self._environment, self._env, self._limits
                 )
                 for args in zip(*iterables, strict=False)
             ]
@@ -481,6 +464,9 @@ def _map(
 ) -> Iterator[Any]:
     if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1:
         raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
+    from nimbus import _progress
+
+    _progress.check(progress)
     end = None if timeout is None else timeout + time.monotonic()
     if chunksize == 1:
         futures = [submit(fn, *args) for args in zip(*iterables, strict=False)]
@@ -491,8 +477,6 @@ def _map(
         futures = [submit(run, chunk) for chunk in chunks]
         sizes = [len(chunk) for chunk in chunks]
     if progress:
-        from nimbus import _progress
-
         shown: Any = _progress.bar(sum(sizes), f"map {getattr(fn, '__name__', 'fn')}")
         for future, size in zip(futures, sizes):
             future.add_done_callback(partial(_progress.count, shown, size))

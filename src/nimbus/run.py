@@ -118,6 +118,7 @@ def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, str | None, lis
             break
         elif head in ("-h", "--help"):
             print(USAGE)
+            print("\nRun a Python program with nimbus as its multiprocessing: its processes on warm workers.")  # fmt: skip
             print(__doc__.split("::")[1].split("The program")[0].rstrip())
             raise SystemExit(0)
         elif head == "--":

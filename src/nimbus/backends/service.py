@@ -33,23 +33,21 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-import redis
 from websockets.asyncio.client import ClientConnection
 
 from nimbus import _loop, serialization
 from nimbus.backends import DispatchCallback, ResultCallback
+from nimbus.backends.handout import Store, open_store, probe_store
 from nimbus.client import Client, environment_mismatch, error_for
-from nimbus.config import Settings, untrusted_certificate
+from nimbus.config import Settings
 from nimbus.errors import (
     ConfigError,
     NimbusError,
-    NotFound,
     ProtocolError,
     ServiceError,
     ServiceUnavailable,
-    StateStoreError,
     TaskLost,
     VersionMismatchError,
 )
@@ -84,7 +82,6 @@ from nimbus.protocol.wsclient import ServiceSocket
 from nimbus.records import TaskRecord
 from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task
-from nimbus.statestore import connect, redacted
 
 __all__ = ["ServiceBackend", "Store", "probe_store"]
 
@@ -106,48 +103,10 @@ FIX = "ask the service admin for a new one (then `nimbus login` again, or set NI
 _STATUSES = frozenset(Status)
 
 
-class Store(NamedTuple):
-    """What the service handed out for a program on an endpoint."""
-
-    url: str  # the state store, as an ACL user of this user's
-    key_prefix: str  # the start of this user's program ids
-    yours: bool  # the endpoint is this user's own, not one shared with them
-    workers: int  # the endpoint's workers (its cpu_count)
-
-
 class ServiceBackend:
     """Runs an Executor's tasks on endpoint ``endpoint`` through the nimbus service."""
 
-    @staticmethod
-    def open_store(settings: Settings) -> Store:
-        """The store the service hands out for programs on ``settings.endpoint``, probed."""
-        endpoint = settings.endpoint
-        assert endpoint
-        try:
-            client = Client(settings=settings)
-        except ConfigError as exc:
-            raise ConfigError(
-                f"NIMBUS_ENDPOINT={endpoint} runs nimbus.multiprocessing on that endpoint "
-                f"through the nimbus service: {exc}; or unset NIMBUS_ENDPOINT to run locally"
-            ) from None
-        with client:
-            try:
-                store = client.store(endpoint)
-            except NotFound:
-                raise NotFound(
-                    f"NIMBUS_ENDPOINT={endpoint}: no endpoint of that name is visible to you "
-                    f"on {client.service_url}; `nimbus endpoints list` shows those you can use",
-                    404,
-                ) from None
-        if not store["online"]:
-            raise ServiceUnavailable(
-                f"endpoint {endpoint!r} is offline (no agent connected to {client.service_url}): "
-                f"start it with `nimbus endpoint start {endpoint}` on its machine, or unset "
-                f"NIMBUS_ENDPOINT to run locally"
-            )
-        url = str(store["url"])
-        probe_store(url, endpoint)
-        return Store(url, str(store["key_prefix"]), bool(store["yours"]), int(store["workers"]))
+    open_store = staticmethod(open_store)  # for nimbus.multiprocessing (backends.handout)
 
     def __init__(
         self,
@@ -239,7 +198,7 @@ class ServiceBackend:
             function_id = self._registered.get(task.fn_key)
             if function_id is None:
                 function_id = self.client.register_function_bytes(
-                    task.fn_bytes, task.record.function
+                    task.fn_bytes, task.record.function, wraps=task.wraps
                 )
                 self._registered[task.fn_key] = function_id
             task.route = function_id
@@ -577,23 +536,6 @@ class ServiceBackend:
                 self._outstanding -= n
                 if self._outstanding <= 0:
                     self._idle.notify_all()
-
-
-def probe_store(url: str, endpoint: str) -> None:
-    """PING the store handed out for ``endpoint``; a clear error when it does not answer."""
-    try:
-        with connect(url, own=True, timeout=5) as client:
-            client.ping()
-    except redis.RedisError as exc:
-        untrusted = untrusted_certificate(exc, f"the state store at {redacted(url)}")
-        if untrusted is not None:
-            raise untrusted from None
-        raise StateStoreError(
-            f"cannot reach the state store the service handed out for endpoint {endpoint!r} "
-            f"at {redacted(url)} ({redacted(str(exc))}); this machine and the endpoint's "
-            f"workers must both reach it: set NIMBUS_STORE_LISTEN on the service to an address "
-            f"both can reach"
-        ) from None
 
 
 def _wrong_shape(task_id: str, why: object) -> ProtocolError:

@@ -35,6 +35,7 @@ from nimbus.cli import environments as environments_cli
 from nimbus.cli import netbench as netbench_cli
 from nimbus.cli import service as service_cli
 from nimbus.cli import tasks as tasks_cli
+from nimbus.cli._usage import UsageError
 from nimbus.config import Settings
 from nimbus.errors import ConfigError, NimbusError
 
@@ -162,7 +163,9 @@ def _demo_run(args: argparse.Namespace) -> int:
     from nimbus import demo
 
     if args.tasks < 1 or args.samples < 1:
-        raise ConfigError(f"--tasks and --samples must be >= 1, got {args.tasks}, {args.samples}")
+        raise UsageError(
+            "nimbus demo", f"--tasks and --samples must be >= 1, got {args.tasks}, {args.samples}"
+        )
     Settings.load().configure_logging()
     return demo.run(n_tasks=args.tasks, samples_per_task=args.samples)
 
@@ -172,8 +175,10 @@ def _demo_run(args: argparse.Namespace) -> int:
 
 def _manager_setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="the agent's host:port (default $NIMBUS_AGENT_ADDRESS)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="warm workers")
-    parser.add_argument("--prefetch", type=int, default=8, help="tasks in flight per worker")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="warm workers (default: one per core)")  # fmt: skip
+    parser.add_argument("--prefetch", type=int, default=8,
+                        help="tasks in flight per worker (default 8)")  # fmt: skip
 
 
 def _manager_run(args: argparse.Namespace) -> int:
@@ -234,6 +239,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_CONFIG, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
+def _sentence(text: str) -> str:
+    """A command's one-line help as its description: a sentence."""
+    return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="nimbus",
@@ -242,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"nimbus {nimbus.__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, command in COMMANDS.items():
-        sub = subparsers.add_parser(name, help=command.help, description=command.help)
+        sub = subparsers.add_parser(name, help=command.help, description=_sentence(command.help))
         command.setup(sub)
         sub.set_defaults(_run=command.run)
     return parser
@@ -262,6 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
         os.close(devnull)
         return 1
+    except UsageError as exc:  # arguments that do not go together: as argparse says it
+        print(exc.line(), file=sys.stderr)
+        return EXIT_CONFIG
     except ConfigError as exc:
         print(f"nimbus: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

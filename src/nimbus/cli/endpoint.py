@@ -24,7 +24,11 @@ __all__ = ["run", "setup"]
 def setup(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     configure = sub.add_parser(
-        "configure", help="register an endpoint with the service and write its config"
+        "configure",
+        help="register an endpoint with the service and write its config",
+        description="Register an endpoint with the service (if new) and write its config "
+        "in ~/.config/nimbus/endpoints/NAME/: workers, where its nodes come from, "
+        "what its tasks may use.",
     )
     _name_argument(configure)
     configure.add_argument(
@@ -41,7 +45,12 @@ def setup(parser: argparse.ArgumentParser) -> None:
     )
     _provider_arguments(configure)
     _limit_arguments(configure)
-    start = sub.add_parser("start", help="start the endpoint's agent (configures it if new)")
+    start = sub.add_parser(
+        "start",
+        help="start the endpoint's agent (configures it if new)",
+        description="Start the endpoint's agent, which takes tasks from the service and runs "
+        "them on warm workers; an endpoint not configured yet is configured first.",
+    )
     _name_argument(start)
     start.add_argument(
         "--foreground",
@@ -49,11 +58,24 @@ def setup(parser: argparse.ArgumentParser) -> None:
         help="run the agent in this process, logging to stderr, until Ctrl-C or SIGTERM "
         "(default: in the background, logging to ~/.config/nimbus/endpoints/NAME/agent.log)",
     )
-    stop = sub.add_parser("stop", help="stop the endpoint's agent")
+    stop = sub.add_parser(
+        "stop",
+        help="stop the endpoint's agent",
+        description="Stop the endpoint's agent and its workers; its config stays.",
+    )
     _name_argument(stop)
-    status = sub.add_parser("status", help="is the agent running, and what the service sees")
+    status = sub.add_parser(
+        "status",
+        help="is the agent running, and what the service sees",
+        description="Say whether the endpoint's agent runs here and what the service sees of it.",
+    )
     _name_argument(status)
-    sub.add_parser("list", help="endpoints configured on this machine")
+    sub.add_parser(
+        "list",
+        help="endpoints configured on this machine",
+        description="List the endpoints configured on this machine (`nimbus endpoints list`: "
+        "those the service lets you use).",
+    )
 
 
 # -- where the endpoint's nodes come from (issue 17): one option per provider setting
@@ -63,7 +85,7 @@ _PROVIDER_OPTIONS: dict[str, tuple[type, str]] = {
     "account": (str, "Slurm account charged"),
     "qos": (str, "Slurm quality of service"),
     "nodes_per_block": (int, "nodes in one block (a manager on each)"),
-    "workers_per_node": (int, "workers of each node's manager (default: its cores)"),
+    "workers_per_node": (int, "workers of each node's manager, one per core if unset"),
     "min_blocks": (int, "blocks kept even when idle"),
     "max_blocks": (int, "most blocks at once"),
     "init_blocks": (int, "blocks asked for when the agent starts"),

@@ -18,6 +18,7 @@ import json
 import time
 from typing import TYPE_CHECKING
 
+from nimbus.cli._usage import UsageError
 from nimbus.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -28,12 +29,22 @@ __all__ = ["run", "setup"]
 
 def setup(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    listing = sub.add_parser("list", help="environments built or failed on this node")
+    listing = sub.add_parser(
+        "list",
+        help="environments built or failed on this node",
+        description="List the environments built (or failed) on this node, with size and last "
+        "use; --endpoint NAME: what the nodes of that endpoint hold.",
+    )
     listing.add_argument("--json", action="store_true", help="print machine-readable JSON")
     listing.add_argument(
         "--endpoint", help="an endpoint's nodes (through the service), not this node"
     )
-    build = sub.add_parser("build", help="build an environment on this node now")
+    build = sub.add_parser(
+        "build",
+        help="build an environment on this node now",
+        description="Build an environment on this node now (or retry one whose build failed), "
+        "so its first task does not wait for it.",
+    )
     build.add_argument("name", help="the environment's name")
     build.add_argument(
         "-r",
@@ -46,7 +57,12 @@ def setup(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--wheelhouse", help="install from this directory of wheels, not an index")
     build.add_argument("--image", help="a container image on this node (podman)")
     build.add_argument("--sandbox", action="store_true", help="run workers under bubblewrap")
-    remove = sub.add_parser("remove", help="remove an environment from this node")
+    remove = sub.add_parser(
+        "remove",
+        help="remove an environment from this node",
+        description="Remove every build of an environment (by name, or one by its key) from "
+        "this node.",
+    )
     remove.add_argument("name", help="a name (or key) shown by `nimbus environments list`")
 
 
@@ -66,9 +82,10 @@ def run(args: argparse.Namespace) -> int:
             sandbox=args.sandbox,
         )
         if env.plain:
-            raise ConfigError(
+            raise UsageError(
+                "nimbus environments build",
                 f"environment {args.name!r} has nothing to build: give -r REQUIREMENT, "
-                f"--image IMAGE or --sandbox"
+                f"--image IMAGE or --sandbox",
             )
         prepared = environments.prepare(env, retry=True)
         how = f"in {prepared.build_seconds:.1f} s" if prepared.build_seconds else "(already)"
@@ -117,7 +134,7 @@ def _list(entries: list[Entry], as_json: bool) -> int:
             f"{when:<19} {what}"
         )
         if e.message:
-            print(f"{'':<16} {e.message.splitlines()[0]}")
+            print(f"{'':<16} {cause(e.message)}")
     return 0
 
 
@@ -129,10 +146,10 @@ def _list_endpoint(name: str, as_json: bool) -> int:
     with Client() as client:
         try:
             info = client.get_endpoint(name)
-        except NotFound as exc:
+        except NotFound:
             raise NotFound(
-                f"no endpoint {name!r} that you can use ({exc}); `nimbus endpoint list` "
-                f"shows yours",
+                f"no endpoint {name!r} that you can use: `nimbus endpoints list` shows those "
+                "you can (OWNER/NAME picks one of another user's)",
                 404,
             ) from None
     rows = list(info.get("environments") or [])
@@ -159,8 +176,27 @@ def _list_endpoint(name: str, as_json: bool) -> int:
             f"{size:>9} {when}"
         )
         if r.get("message"):
-            print(f"{'':<20} {str(r['message'])[:200]}")
+            print(f"{'':<20} {cause(str(r['message']))}")
     return 0
+
+
+_DECORATION = " \t\u00d7\u2570\u2500\u25b6\u2502\u2503"  # the marks of uv's error tree
+
+
+def cause(message: str, width: int = 300) -> str:
+    """A failed build's message in one line: what failed and the builder's cause (uv's
+    ``cause:`` line, else its first ``error`` line, else its first line), not the
+    header alone ("uv failed (exit 1) installing X:")."""
+    lines = [line.strip(_DECORATION) for line in message.splitlines()]
+    head, said = lines[0].rstrip(":"), [line for line in lines[1:] if line]
+    if not said:
+        return head[:width]
+    why = next((line for line in said if line.lower().startswith("cause:")), None) or next(
+        (line for line in said if "error" in line.lower()), said[0]
+    )
+    if why.lower().startswith(("cause:", "error:")):
+        why = why.split(":", 1)[1].strip()
+    return f"{head}: {why}"[:width]
 
 
 def _size(n: int) -> str:

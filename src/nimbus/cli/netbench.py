@@ -11,17 +11,27 @@ endpoint reaches it at). Either moves data from 1..N tasks at once and writes
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
+import tempfile
 from pathlib import Path
+from types import FrameType
 
+from nimbus.cli._numbers import number
+from nimbus.cli._usage import UsageError
 from nimbus.config import parse_bandwidth
 from nimbus.errors import ConfigError
 
 __all__ = ["run", "setup"]
 
 
+PROG = "nimbus netbench"
+DEFAULT_OUT = Path("netbench-report")
+
+
 def _concurrency(text: str) -> list[int]:
     try:
-        values = sorted({int(x) for x in text.split(",") if x.strip()})
+        values = sorted({int(x) for x in text.split(",")})  # an empty item is refused
     except ValueError:
         values = []
     if not values or values[0] < 1 or values[-1] > 64:
@@ -43,31 +53,63 @@ def setup(parser: argparse.ArgumentParser) -> None:
         help="hosts in network namespaces on this machine, with a shaped host link (root)",
     )
     parser.add_argument("--endpoint", help="run the sweep on this endpoint instead")
-    parser.add_argument("--server", default="127.0.0.1",
+    parser.add_argument("--server", default=None,
                         help="with --endpoint: this machine's address as the endpoint reaches "
-                        "it; the traffic server listens there (127.0.0.1)")  # fmt: skip
+                        "it; the traffic server listens there (default 127.0.0.1: an "
+                        "endpoint on this machine; refused if the nodes cannot reach it)")  # fmt: skip
     parser.add_argument("--concurrency", type=_concurrency, default=[1, 2, 4, 8],
                         help="tasks on the host at once, e.g. 1,2,4,8 (default)")  # fmt: skip
-    parser.add_argument("--direction", choices=("down", "up", "both"), default="both")
-    parser.add_argument("--seconds", type=float, default=5.0, help="each run's length (5)")
+    parser.add_argument("--direction", choices=("down", "up", "both"), default="both",
+                        help="tasks download from the server (down), upload to it (up), "
+                        "or one sweep each (both, default)")  # fmt: skip
+    parser.add_argument("--seconds", type=number(float, 0.5, 600, "seconds"), default=5.0,
+                        help="each run's length (0.5-600, default 5)")  # fmt: skip
     parser.add_argument("--cap", type=_rate, default=None,
-                        help="the shared host link's rate, with its unit (offline: 1Gbit; "
-                        "endpoint: the best aggregate seen)")  # fmt: skip
-    parser.add_argument("--share", type=float, default=0.25,
-                        help="the recommendation: most tasks per host each getting this share "
-                        "of the link (0.25)")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("netbench-report"),
-                        help="directory for netbench.html, the PNGs, CSV and JSON")  # fmt: skip
+                        help="the shared host link's rate, with its unit (default offline: "
+                        "1Gbit; endpoint: the best aggregate seen)")  # fmt: skip
+    parser.add_argument("--share", type=number(float, 0.0, 1.0, "a fraction of the link",
+                                                above=True), default=0.25,
+                        help="the recommendation: most tasks per host each getting this "
+                        "fraction of the link (above 0, at most 1; default 0.25)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="directory for netbench.html, the PNGs, CSV and JSON "
+                        f"(default ./{DEFAULT_OUT})")  # fmt: skip
+
+
+def _writable(out: Path) -> None:
+    """Refuse an ``--out`` the report could not be written into, before the bench runs."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            PROG, f"--out {out}: cannot write there ({exc.strerror}); give a directory you can "
+            "write to"
+        ) from None  # fmt: skip
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (or Ctrl-C) in the main thread: stop once, so the namespaces are removed;
+    a second signal while they are being removed is ignored."""
+    del frame
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def run(args: argparse.Namespace) -> int:
     if bool(args.offline) == bool(args.endpoint):
-        raise ConfigError(
-            "nimbus netbench: say where: --offline (namespaces on this machine) or "
-            "--endpoint NAME (one of your endpoints), one of them"
-        )
-    if not 0.5 <= args.seconds <= 600:
-        raise ConfigError(f"--seconds {args.seconds}: expected 0.5 to 600")
+        raise UsageError(
+            PROG, "say where: --offline (namespaces on this machine) or --endpoint NAME "
+            "(one of your endpoints), one of them"
+        )  # fmt: skip
+    if args.server is not None and not args.endpoint:
+        raise UsageError(
+            PROG, f"--server {args.server} is where an endpoint's tasks reach this machine: "
+            "give it with --endpoint NAME (--offline has its own server)"
+        )  # fmt: skip
+    _writable(args.out)
     directions = ["down", "up"] if args.direction == "both" else [args.direction]
     if args.endpoint:
         from nimbus.executor import Executor
@@ -75,16 +117,26 @@ def run(args: argparse.Namespace) -> int:
 
         with Executor(endpoint=args.endpoint) as ex:
             written = netbench_endpoint(
-                ex, args.server, args.concurrency, directions, args.seconds, args.out,
-                cap=args.cap, share=args.share, progress=print,
+                ex, args.server or "127.0.0.1", args.concurrency, directions, args.seconds,
+                args.out, cap=args.cap, share=args.share, progress=print,
             )  # fmt: skip
     else:
         from nimbus.network import netbench
 
-        written = netbench(
-            args.concurrency, directions, args.seconds, args.cap or 1_000_000_000, args.out,
-            share=args.share, progress=print,
-        )  # fmt: skip
+        before = signal.signal(signal.SIGTERM, _interrupted), signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, _interrupted)
+        try:
+            written = netbench(
+                args.concurrency, directions, args.seconds, args.cap or 1_000_000_000,
+                args.out, share=args.share, progress=print,
+            )  # fmt: skip
+        except KeyboardInterrupt as exc:
+            print(f"{PROG}: interrupted ({exc or 'SIGINT'}); its namespaces are removed",
+                  file=sys.stderr)  # fmt: skip
+            return 130
+        finally:
+            signal.signal(signal.SIGTERM, before[0])
+            signal.signal(signal.SIGINT, before[1])
     for path in written:
         print(path)
     return 0

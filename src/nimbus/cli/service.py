@@ -80,17 +80,27 @@ def service_setup(parser: argparse.ArgumentParser) -> None:
         "registry it used and whether a service runs on it.",
     )
     token_sub = token.add_subparsers(dest="token_action", metavar="ACTION", required=True)
-    create = token_sub.add_parser("create", help="create a user (if new) and print a new token")
+    create = token_sub.add_parser(
+        "create",
+        help="create a user (if new) and print a new token",
+        description="Create a user (if new) and print a new token for them.",
+    )
     create.add_argument(
         "name",
         metavar="NAME",
         type=_user_name,
         help="the user's name: 1-200 letters, digits, '_', '.', '@' or '-'",
     )
-    listing = token_sub.add_parser("list", help="every token: ID, user, endpoint, created")
+    listing = token_sub.add_parser(
+        "list",
+        help="every token: ID, user, endpoint, created",
+        description="List every token: its ID, user, endpoint and when it was created.",
+    )
     listing.add_argument("--json", action="store_true", help="print JSON")
     revoke = token_sub.add_parser(
-        "revoke", help="revoke a user's tokens (NAME) or one token (ID); takes effect at once"
+        "revoke",
+        help="revoke a user's tokens (NAME) or one token (ID); takes effect at once",
+        description="Revoke a user's tokens (NAME) or one token (ID), at once.",
     )
     revoke.add_argument("target", metavar="NAME|ID", help="a user's name or a token's ID")
 
@@ -240,7 +250,12 @@ def login_run(args: argparse.Namespace) -> int:
 
 def endpoints_setup(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    listing = sub.add_parser("list", help="endpoints you can use, with their status")
+    listing = sub.add_parser(
+        "list",
+        help="endpoints you can use, with their status",
+        description="List the endpoints the service lets you use (yours, shared with you, "
+        "public), with their status.",
+    )
     listing.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -275,8 +290,17 @@ def tasks_setup(parser: argparse.ArgumentParser) -> None:
 
 def task_actions(sub: Any) -> None:
     """Add ``list`` and ``show`` to the subparsers ``sub`` of ``nimbus tasks``."""
-    listing = sub.add_parser("list", help="your recent tasks, newest first")
-    listing.add_argument("--status", choices=[s.value for s in TaskState] + ["waiting"])
+    listing = sub.add_parser(
+        "list",
+        help="your recent tasks, newest first",
+        description="List your recent tasks on the service, newest first: ID, function, "
+        "state, endpoint, times.",
+    )
+    listing.add_argument(
+        "--status",
+        choices=[s.value for s in TaskState] + ["waiting"],
+        help="only tasks in this state (waiting: any state before running)",
+    )
     listing.add_argument(
         "--limit",
         type=_limit,
@@ -286,7 +310,11 @@ def task_actions(sub: Any) -> None:
         "a cut list says so on stderr",
     )
     listing.add_argument("--json", action="store_true", help="print JSON")
-    show = sub.add_parser("show", help="one task's full record")
+    show = sub.add_parser(
+        "show",
+        help="one task's full record",
+        description="Print one task's full record: its state, times, endpoint, worker and error.",
+    )
     show.add_argument("task_id", metavar="TASK_ID", type=_task_id, help="a task's ID (a UUID)")
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from nimbus.cli import service as service_cli
 from nimbus.cli._numbers import number
-from nimbus.errors import ConfigError
+from nimbus.cli._usage import UsageError
 from nimbus.records import TaskState
 
 __all__ = ["run", "setup", "watch"]
@@ -41,31 +41,36 @@ def setup(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     service_cli.task_actions(sub)
     watch_ = sub.add_parser(
-        "watch", help="follow tasks live: a line each time one appears or changes state"
+        "watch",
+        help="follow tasks live: a line each time one appears or changes state",
+        description="Follow tasks live, a line each time one appears or changes state, until "
+        "they finish (ids, --until-done), --timeout passes or Ctrl-C.",
     )
     watch_.add_argument("task_ids", nargs="*", metavar="TASK_ID", type=service_cli._task_id,
                         help="tasks to follow until they finish (default: your newest tasks)")  # fmt: skip
     watch_.add_argument("--status", choices=[s.value for s in TaskState] + ["waiting"],
                         help="only tasks in this state (of your newest)")  # fmt: skip
     watch_.add_argument("--endpoint", metavar="NAME", help="only tasks sent to this endpoint")
-    watch_.add_argument("--limit", type=service_cli._limit, default=service_cli.DEFAULT_LIMIT,
-                        metavar="N", help="follow your newest N tasks "
-                        f"(default {service_cli.DEFAULT_LIMIT})")  # fmt: skip
+    watch_.add_argument("--limit", type=service_cli._limit, default=None, metavar="N",
+                        help="without ids: follow your newest N tasks, as `tasks list --limit` "
+                        f"shows them (default {service_cli.DEFAULT_LIMIT})")  # fmt: skip
     watch_.add_argument("--interval", type=_interval, default=1.0, metavar="SECONDS",
                         help="seconds between looks at the service (0.1-60, default 1)")  # fmt: skip
     watch_.add_argument("--until-done", action="store_true",
                         help="stop once every task followed has finished")  # fmt: skip
     watch_.add_argument("--timeout", type=_timeout, metavar="SECONDS",
-                        help="stop after this long, with exit status 3")  # fmt: skip
+                        help="stop after this long: exit status 3 if a task followed has not "
+                        "finished, 0 if none is left to watch")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action != "watch":
         return service_cli.tasks_run(args)
-    if args.task_ids and (args.status or args.endpoint):
-        raise ConfigError(
-            "nimbus tasks watch: give task ids, or --status/--endpoint to choose among your "
-            "newest tasks, not both"
+    if args.task_ids and (args.status or args.endpoint or args.limit is not None):
+        raise UsageError(
+            "nimbus tasks watch",
+            "give task ids, or --status/--endpoint/--limit to choose among your newest tasks, "
+            "not both",
         )
     from nimbus.client import Client
 
@@ -89,14 +94,16 @@ def watch(client: Any, args: argparse.Namespace) -> int:
     endpoint_id = client.get_endpoint(args.endpoint)["endpoint_id"] if args.endpoint else None
     status = TaskState.WAITING.value if args.status == "waiting" else args.status
     names = service_cli._function_names(client)
-    until_done = args.until_done or bool(args.task_ids)
+    task_ids = list(dict.fromkeys(args.task_ids or ()))  # an id given twice is one task
+    limit = service_cli.DEFAULT_LIMIT if args.limit is None else args.limit
+    until_done = args.until_done or bool(task_ids)
     end = None if args.timeout is None else time.monotonic() + args.timeout
     seen: dict[str, str] = {}
     while True:
-        if args.task_ids:
-            tasks = [client.get_task(task_id) for task_id in args.task_ids]
+        if task_ids:
+            tasks = [client.get_task(task_id) for task_id in task_ids]
         else:
-            tasks = client.list_tasks(status, endpoint=endpoint_id, limit=args.limit)
+            tasks = client.list_tasks(status, endpoint=endpoint_id, limit=limit)
             tasks.reverse()  # oldest first, as they happened
         for task in tasks:
             before = seen.get(task["task_id"])
@@ -112,6 +119,13 @@ def watch(client: Any, args: argparse.Namespace) -> int:
             return 1 if BAD_END & set(done) else 0
         if end is not None and time.monotonic() >= end:
             left = sum(1 for t in tasks if t["state"] not in FINISHED)
+            if not left:
+                print(
+                    f"--timeout {args.timeout:g} s passed: nothing left to watch "
+                    f"({len(tasks)} tasks followed, none unfinished)",
+                    flush=True,
+                )
+                return 0
             print(
                 f"nimbus tasks watch: --timeout {args.timeout:g} s passed with {left} tasks "
                 "not finished",

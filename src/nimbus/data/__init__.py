@@ -30,11 +30,13 @@ What happens under each failure:
   node cache, sha256 checked on arrival; when the source cannot connect to the target it
   travels through the client instead; any other failure fails the task with its error.
 
+Whose data: on an endpoint, a task's user is the owner the service sends with it
+(``nimbus.owners``): every token of a user sees the same store, another user's tasks
+another, whatever scope a client puts in its tasks.
+
 Limits: objects live in the store of the node that made them, so an endpoint of several
-nodes reads them only where they were made (no copy between nodes yet); a task's user on
-an endpoint is the namespace its client sends (its user id and a hash of its token), since
-the service does not tell the agent whose a task is; tasks wait for their input futures
-in the client (only the "done" signal and the Ref pass through it, never the data).
+nodes reads them only where they were made (no copy between nodes yet); tasks wait for their
+input futures in the client (only the "done" signal and the Ref pass through it, never the data).
 
 Modules: ``_node`` (a node's object store: files in a private memory directory,
 mapped on read, leases as modification times), ``_ref`` (``Ref``, the client's

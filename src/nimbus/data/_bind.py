@@ -16,13 +16,12 @@ larger container is passed as it is: pass its futures as arguments, or in smalle
 from __future__ import annotations
 
 import concurrent.futures as cf
-import hashlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from nimbus.data._file import File, Out, Staged
-from nimbus.data._ref import MAX_SCAN, Ref, Session, register, session
+from nimbus.data._ref import MAX_SCAN, Ref, Session, owner_namespace, register, session
 from nimbus.errors import DataError
 
 __all__ = ["bind", "open_session", "uses_data", "waiting_on", "when_done"]
@@ -136,11 +135,10 @@ def open_session(backend: Any, endpoint: str | None, call: Callable[..., Any]) -
     if not token:
         raise DataError("references on an endpoint need a service token (NIMBUS_TOKEN)")
     me = client.whoami()
-    # the user's id, and a secret only their tokens' holder knows (a task's scope comes
-    # from the client; another user who guesses the id alone does not find the store)
-    secret = hashlib.sha256(b"nimbus-data\0" + str(token).encode()).hexdigest()[:24]
+    # the store the endpoint gives this user's tasks: named from the owner the service
+    # passes with each task (every token of the user finds the same one)
     place = str(getattr(backend, "endpoint_id", endpoint))  # names differ between users
-    found = Session(f"{me['user_id']}.{secret}", str(me.get("name", "")), place, call=call)
+    found = Session(owner_namespace(str(me["user_id"])), str(me.get("name", "")), place, call=call)
     register(place, found)
     register(endpoint, found)
     return found

@@ -36,6 +36,7 @@ __all__ = [
     "Session",
     "get",
     "new_id",
+    "owner_namespace",
     "pure",
     "put",
     "register",
@@ -279,6 +280,13 @@ _sessions_lock = threading.Lock()
 
 def local_namespace() -> str:
     return f"u{os.getuid()}"
+
+
+def owner_namespace(owner: str) -> str:
+    """The namespace of the service's user ``owner`` (their id) on an endpoint: the
+    agent names a task's store from the owner the service sends with it, the client
+    its own from ``whoami`` (so every token of a user finds the same objects)."""
+    return f"user-{owner}"
 
 
 def session(endpoint: str | None) -> Session:

@@ -16,8 +16,8 @@ what a task of the data path needs before it is sent and after its result is in.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -29,7 +29,7 @@ from nimbus.data._bind import bind, open_session, waiting_on, when_done
 from nimbus.data._carry import carry
 from nimbus.data._ref import Ref, Session
 from nimbus.data._task import run
-from nimbus.errors import NimbusError, ReferenceLost
+from nimbus.errors import ReferenceLost
 from nimbus.records import TaskRecord
 
 __all__ = ["DataPath", "KeptFuture"]
@@ -43,7 +43,9 @@ class KeptFuture(Future):
     """
 
     kept = True
-    _recipe: tuple[Any, ...] | None = None  # (fn, args, kwargs, timeout, env) of a pure task
+    _recipe: tuple[Any, ...] | None = (
+        None  # (fn, args, kwargs, timeout, env, limits) of a pure task
+    )
     _path: DataPath | None = None
 
     def ref(self, timeout: float | None = None) -> Ref:
@@ -77,8 +79,7 @@ class DataPath:
         self.session: Session | None = None
         self._lock = threading.Lock()
         self._opening = threading.Lock()
-        self._unscoped_until = 0.0
-        self._wrapped: dict[int, tuple[Callable[..., Any], partial[Any]]] = {}
+        self._wrapped: dict[int, tuple[Callable[..., Any], partial[Any], str]] = {}
         # reference id -> the kept future of the pure task that made it
         self._producers: weakref.WeakValueDictionary[str, KeptFuture] = (
             weakref.WeakValueDictionary()
@@ -99,20 +100,6 @@ class DataPath:
                     found = self.session = open_session(ex._backend, ex._endpoint, self.call)
         return found
 
-    def scoped(self) -> bool:
-        """Whether plain tasks on the endpoint carry their user's scope: they do once the
-        service said who this is (not while it cannot be reached: they are not held up)."""
-        if self.session is not None:
-            return True
-        if time.monotonic() < self._unscoped_until:
-            return False
-        try:
-            self.open()
-        except NimbusError:
-            self._unscoped_until = time.monotonic() + 5.0  # ask again in a while
-            return False
-        return True
-
     def call(self, fn: Callable[..., Any], *args: Any, keep: bool = False) -> Future:
         ex = self._ex
         return self.submit(fn, args, {}, ex._timeout, keep, ex._environment, ex._env)
@@ -125,8 +112,16 @@ class DataPath:
         if len(self._wrapped) >= 1024:  # bounded (new closures at every call)
             self._wrapped.clear()
         wrapped = partial(run, fn)
-        self._wrapped[id(fn)] = (fn, wrapped)
+        wraps = ""  # on the service: registered with the environment fn was registered with
+        if self._ex._remote:
+            wraps = hashlib.sha256(self._ex._functions.get(fn)[1]).hexdigest()
+        self._wrapped[id(fn)] = (fn, wrapped, wraps)
         return wrapped
+
+    def wraps(self, fn: Callable[..., Any] | None) -> str:
+        """The SHA-256 of ``fn``'s pickle if its task runs it wrapped (see :meth:`wrap`)."""
+        entry = None if fn is None else self._wrapped.get(id(fn))
+        return entry[2] if entry is not None and entry[0] is fn else ""
 
     # -- submitting ------------------------------------------------------------
     def submit(
@@ -138,6 +133,7 @@ class DataPath:
         keep: bool,
         environment: Any = None,
         env: str = "",
+        limits: Any = None,
     ) -> Future:
         """Submit ``fn`` through ``nimbus.data.run``: Refs resolved where it runs, its
         result kept when ``keep``; sent once the futures among its arguments are done."""
@@ -155,7 +151,7 @@ class DataPath:
         if keep:
             future._maker = self  # type: ignore[attr-defined]  # (where its Ref is)
         if keep and getattr(fn, "__nimbus_pure__", False):
-            future._recipe = (fn, args, kwargs, timeout, environment, env)  # type: ignore[attr-defined]
+            future._recipe = (fn, args, kwargs, timeout, environment, env, limits)  # type: ignore[attr-defined]
             future._path = self  # type: ignore[attr-defined]
         wrapped = self.wrap(fn)
 
@@ -177,6 +173,7 @@ class DataPath:
                 fn,
                 environment=environment,
                 env=env,
+                limits=limits,
             )
 
         def send_later() -> None:
@@ -203,9 +200,9 @@ class DataPath:
     def again(self, producer: KeptFuture) -> KeptFuture:
         """Run a pure kept task again (its object was lost); ``producer`` names the new one."""
         assert producer._recipe is not None
-        fn, args, kwargs, timeout, environment, env = producer._recipe
+        fn, args, kwargs, timeout, environment, env, limits = producer._recipe
         again: KeptFuture = self.submit(  # type: ignore[assignment]
-            fn, args, kwargs, timeout, True, environment, env
+            fn, args, kwargs, timeout, True, environment, env, limits
         )
 
         def made(f: cf.Future[Any]) -> None:

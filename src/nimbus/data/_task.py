@@ -8,6 +8,10 @@
               keep: the result written to the store, a Ref to it returned instead
 
 Within ``fn``, :func:`store` is the user's key-value store on this node.
+
+On an endpoint, the agent runs each task as its owner, the user the service says
+submitted it (``nimbus.owners``): ``store()`` is that user's, and ``run`` reads and
+keeps in that user's namespace whatever the client's scope says.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import os
 import time
 from typing import Any
 
+from nimbus import owners
 from nimbus.data._file import File, Out, Staged, finish_out, local_path
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore
-from nimbus.data._ref import MAX_SCAN, Ref, Scope, local_namespace, lost, new_id
+from nimbus.data._ref import MAX_SCAN, Ref, Scope, local_namespace, lost, new_id, owner_namespace
 from nimbus.errors import DataAccessError
 
 __all__ = ["free_objects", "identity", "renew_objects", "run", "store"]
@@ -73,6 +78,11 @@ def _resolve(value: Any, scope: Scope, seen: dict[str, Any], depth: int = 0) -> 
 def run(fn: Any, scope: Scope, /, *args: Any, **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` with its references resolved here; keep its result."""
     global _current
+    owner = owners.current()
+    if owner is not None and scope.namespace != owner_namespace(owner):
+        scope = scope._replace(
+            namespace=owner_namespace(owner)
+        )  # the service's word, not the client's
     before, _current = _current, scope
     try:
         seen: dict[str, Any] = {}
@@ -139,6 +149,9 @@ def renew_objects(ref_ids: list[str], expires: float) -> list[str]:
 def _scope() -> Scope:
     if _current is not None:
         return _current
+    owner = owners.current()
+    if owner is not None:  # a plain task on an endpoint: its owner's
+        return Scope(owner_namespace(owner), owner, None, False, 0.0)
     return Scope(local_namespace(), "", None, False, 0.0)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from nimbus.environments import pools
 from nimbus.protocol import MAX_RUNTIME
 
 __all__ = ["runtime_rows"]
@@ -28,24 +29,23 @@ __all__ = ["runtime_rows"]
 def _manager_rows(manager: dict[str, Any]) -> list[dict[str, Any]]:
     name = str(manager.get("name", ""))
     node = str(manager.get("node") or socket.gethostname())  # none said: this process's
-    workers = int(manager.get("workers", 0))
-    envs = manager.get("environments")
-    if isinstance(envs, dict):  # a manager in this process: per environment
-        ready = [env for env in envs.values() if env.get("workers")]
-        busy_total = sum(int(e["workers"]) - int(e.get("free", 0)) for e in ready)
+    workers = int(manager.get("workers") or 0)  # None from an old remote manager: 0
+    if isinstance(manager.get("environments"), dict):  # in this process: per environment
+        ready = [pool for pool in pools(manager) if pool["workers"]]
         rows = [
             {
                 "kind": "workers",
                 "manager": name,
-                "environment": str(env.get("name", "plain")),
-                "workers": int(env["workers"]),
-                "busy": int(env["workers"]) - int(env.get("free", 0)),
-                "idle": int(env.get("free", 0)),
+                "environment": pool["name"],
+                "workers": pool["workers"],
+                "busy": max(0, pool["workers"] - pool["free"]),
+                "idle": min(pool["free"], pool["workers"]),
             }
-            for env in ready
+            for pool in ready
         ]
+        busy_total = sum(row["busy"] for row in rows)
     else:  # on another node: its size, and how many of its workers the tasks it holds fill
-        busy_total = min(workers, int(manager.get("inflight", 0)))
+        busy_total = min(workers, int(manager.get("inflight") or 0))
         rows = [
             {
                 "kind": "workers",

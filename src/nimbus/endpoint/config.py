@@ -22,11 +22,12 @@ from nimbus.errors import ConfigError
 __all__ = ["EndpointConfig", "endpoint_dir", "endpoint_names"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,200}$")
+NAME_RULE = "letters, digits, '_', '.', '@' or '-'"
 
 
 def endpoint_dir(name: str) -> Path:
     if not _NAME.match(name):
-        raise ConfigError(f"endpoint name {name!r} must be letters, digits, '_', '.', '@' or '-'")
+        raise ConfigError(f"endpoint name {name!r} must be {NAME_RULE}")
     return config_dir() / "endpoints" / name
 
 

@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 from websockets.asyncio.client import ClientConnection
 
-from nimbus import _loop, environments, serialization
+from nimbus import _loop, environments, owners, serialization
 from nimbus.config import Settings
 from nimbus.endpoint._summary import runtime_rows
 from nimbus.endpoint.config import EndpointConfig
@@ -124,6 +124,7 @@ class EndpointDaemon:
     ) -> None:
         self.service_url = service_url.rstrip("/")
         self._ssl: ssl.SSLContext | None = None  # verifies the service's certificate
+        self._runtime_failed = False  # _runtime said why it could not: once
         if self.service_url.startswith("https://"):
             self._ssl = (settings if settings is not None else Settings.load()).ssl_context()
         self.socket = ServiceSocket(
@@ -152,6 +153,7 @@ class EndpointDaemon:
         self._unacked: dict[str, ResultRow] = {}
         self._outbox: list[ResultRow] = []
         self._functions: dict[str, bytes] = {}
+        self._owned: dict[tuple[str, str], tuple[str, bytes]] = {}  # (function, owner) -> key, fn
         self._dispatched: dict[str, float] = {}  # task id -> when a worker got it
         self._fetching: set[str] = set()  # tasks whose arguments come from the data store
         self._jobs: set[asyncio.Task[None]] = set()  # data-store transfers under way
@@ -281,7 +283,10 @@ class EndpointDaemon:
         try:
             scaler = self.scaler.statistics() if self.scaler is not None else None
             return runtime_rows(self.runtime.statistics(), scaler)
-        except Exception:  # the runtime is shutting down
+        except Exception as exc:  # shutting down, or a row it cannot read: said once
+            if not self._runtime_failed:
+                self._runtime_failed = True
+                log.warning("cannot say the runtime in heartbeats: %r", exc, exc_info=True)
             return []
 
     def _environments(self) -> list[dict[str, Any]]:
@@ -297,7 +302,11 @@ class EndpointDaemon:
         except (OSError, NimbusError) as exc:
             log.warning("cannot read this node's environments: %s", exc)
             local = []
-        return environments.held(managers, socket.gethostname(), local)[:MAX_ENVIRONMENTS]
+        try:  # a heartbeat goes on whatever a manager's statistics say
+            return environments.held(managers, socket.gethostname(), local)[:MAX_ENVIRONMENTS]
+        except Exception as exc:
+            log.warning("cannot say the nodes' environments in heartbeats: %r", exc)
+            return []
 
     async def _marker(self, ws: ClientConnection) -> None:
         """Tell the service which tasks run (those still running RUNNING_AFTER after start)."""
@@ -363,10 +372,13 @@ class EndpointDaemon:
                     error = ProtocolError(f"task {task_id}: its environment: {exc}")
                     failed.append(self._failure(task_id, function_id, error))
                     continue
+            fn_key = function_id
+            if row.owner is not None:  # run as its owner: their data scope in the worker
+                fn_key, fn_bytes = self._as_owner(function_id, row.owner, fn_bytes)
             record = TaskRecord(task_id, TaskState.RUNNING, function=function_id)
             task = Task(
                 next(self._seq),
-                function_id,
+                fn_key,
                 fn_bytes,
                 data,
                 buffers,
@@ -384,6 +396,17 @@ class EndpointDaemon:
         if failed or self._outbox:
             assert self._ready is not None
             self._ready.set()
+
+    def _as_owner(self, function_id: str, owner: str, fn_bytes: bytes) -> tuple[str, bytes]:
+        """The function ``function_id`` run as the user ``owner`` (``nimbus.owners``):
+        a function key of its own, made once per function and user."""
+        found = self._owned.get((function_id, owner))
+        if found is None:
+            if len(self._owned) >= 4096:  # bounded: made again on use
+                self._owned.clear()
+            found = (f"{function_id}:{owner}", owners.owned(owner, fn_bytes))
+            self._owned[function_id, owner] = found
+        return found
 
     def _on_dispatch(self, tasks: list[Task]) -> list[Task]:
         """On the runtime's thread: a cancelled task going (back) to a worker ends here."""

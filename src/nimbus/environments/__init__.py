@@ -4,15 +4,16 @@
 (:func:`prepare`) and says how a worker starts in it; ``_cache`` keeps what is
 built on this node (:func:`cache`: list, remove, evict); ``_venv`` makes
 virtualenvs (uv, else pip); ``_isolate`` wraps a worker in bubblewrap or podman;
-``_report`` says what an endpoint's nodes hold (:func:`held`).
+``_report`` says what an endpoint's nodes hold (:func:`held`, from each manager's
+:func:`pools`).
 """
 
 from __future__ import annotations
 
 from nimbus.environments._build import WORKER_VARIABLE, Prepared, cache, prepare, resolve
 from nimbus.environments._cache import Cache, Entry
-from nimbus.environments._report import held
-from nimbus.environments._spec import PLAIN, Environment
+from nimbus.environments._report import held, pools
+from nimbus.environments._spec import PLAIN, Environment, as_environment
 
 __all__ = [
     "PLAIN",
@@ -21,8 +22,10 @@ __all__ = [
     "Entry",
     "Environment",
     "Prepared",
+    "as_environment",
     "cache",
     "held",
+    "pools",
     "prepare",
     "resolve",
 ]

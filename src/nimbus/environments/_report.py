@@ -22,7 +22,34 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["held"]
+__all__ = ["held", "pools"]
+
+
+def pools(manager: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A manager's worker pools, one per environment (``statistics()["environments"]``):
+    ``{tag, name, workers, free, slots}`` with ints, a missing or unreadable count (a
+    remote manager's heartbeat may carry None) as 0; [] if it says none."""
+    envs = manager.get("environments")
+    if not isinstance(envs, Mapping):
+        return []
+    return [
+        {
+            "tag": str(tag),
+            "name": str(env.get("name") or "plain"),
+            "workers": _count(env.get("workers")),
+            "free": _count(env.get("free")),
+            "slots": _count(env.get("slots")),
+        }
+        for tag, env in envs.items()
+        if isinstance(env, Mapping)
+    ]
+
+
+def _count(value: Any) -> int:
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError, OverflowError):
+        return 0
 
 
 def held(
@@ -37,17 +64,16 @@ def held(
         node = str(manager.get("node") or here)
         if manager.get("cache") is not None:
             caches.setdefault(node, list(manager["cache"]))
-        for tag, env in (manager.get("environments") or {}).items():
-            workers, slots = int(env.get("workers", 0)), int(env.get("slots", 0))
+        for pool in pools(manager):
+            workers, slots = pool["workers"], pool["slots"]
             if not workers and not slots:
                 continue
-            key = str(tag).partition("@")[2]
+            key = pool["tag"].partition("@")[2]
             row = rows.setdefault(
-                (node, key),
-                {"node": node, "name": str(env.get("name", "plain")), "key": key, "state": ""},
+                (node, key), {"node": node, "name": pool["name"], "key": key, "state": ""}
             )
             row["workers"] = row.get("workers", 0) + workers
-            row["free"] = row.get("free", 0) + int(env.get("free", 0))
+            row["free"] = row.get("free", 0) + pool["free"]
             row["slots"] = row.get("slots", 0) + slots
             if workers:
                 row["state"] = "warm"

@@ -15,9 +15,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from nimbus.endpoint.config import _NAME, NAME_RULE
 from nimbus.errors import ConfigError
 
-__all__ = ["PLAIN", "Environment"]
+__all__ = ["PLAIN", "Environment", "as_environment"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,16 @@ class Environment:
     sandbox: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or len(self.name) > 64:
-            raise ConfigError(f"an environment needs a name of 1-64 characters, got {self.name!r}")
+        # the rule of endpoint names, at most 64 characters
+        if not isinstance(self.name, str) or not _NAME.match(self.name) or len(self.name) > 64:
+            raise ConfigError(
+                f"environment name {self.name!r}: use 1-64 characters, {NAME_RULE} "
+                f"(as endpoint names), e.g. 'geo-1.2'"
+            )
+        if not isinstance(self.sandbox, bool):
+            raise TypeError(
+                f"environment {self.name!r}: sandbox must be True or False, not {self.sandbox!r}"
+            )
         reqs = self.requirements
         if isinstance(reqs, str):
             reqs = (reqs,)
@@ -56,6 +65,18 @@ class Environment:
             raise ConfigError(
                 f"environment {self.name!r}: image must be a name such as 'localhost/x:1'"
             )
+        if self.wheelhouse is not None:
+            if not isinstance(self.wheelhouse, str) or not self.wheelhouse:
+                raise ConfigError(
+                    f"environment {self.name!r}: wheelhouse must be a directory of wheels "
+                    f"(a path as a string), got {self.wheelhouse!r}"
+                )
+            if not self.requirements:
+                raise ConfigError(
+                    f"environment {self.name!r}: wheelhouse={self.wheelhouse!r} without "
+                    f"requirements installs nothing; name the packages to install from it, "
+                    f"e.g. requirements=['six']"
+                )
 
     @property
     def plain(self) -> bool:
@@ -86,7 +107,7 @@ class Environment:
                 requirements=tuple(data.get("requirements") or ()),
                 wheelhouse=data.get("wheelhouse"),
                 image=data.get("image"),
-                sandbox=bool(data.get("sandbox", False)),
+                sandbox=data.get("sandbox", False),
             )
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"not an environment description: {data!r} ({exc})") from None
@@ -94,3 +115,14 @@ class Environment:
 
 PLAIN = Environment("plain")
 """Workers with the node's own Python and nothing more: today's workers."""
+
+
+def as_environment(value: object) -> Environment | None:
+    """``value`` if it is None or an :class:`Environment`: what a call's ``environment=``
+    takes (client and executor alike); ConfigError naming what to pass otherwise."""
+    if value is None or isinstance(value, Environment):
+        return value
+    raise ConfigError(
+        f"environment must be a nimbus.Environment such as Environment('geo', "
+        f"requirements=['shapely']), not {type(value).__name__} {value!r:.80}"
+    )

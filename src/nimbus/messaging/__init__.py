@@ -36,10 +36,11 @@ from nimbus.messaging._api import (
     send,
 )
 from nimbus.messaging._directory import Directory, Entry
-from nimbus.messaging._instance import Instance, Transport
+from nimbus.messaging._instance import NOTHING, Instance, Transport
 
 __all__ = [
     "ANY",
+    "NOTHING",
     "Directory",
     "Entry",
     "Instance",

@@ -12,7 +12,9 @@ The sending half (links out, numbering, coalescing, the store fallback) is
 :class:`~nimbus.messaging._sending.Sender`; in-order delivery is the
 :class:`~nimbus.messaging._mailbox.Mailbox`. This module listens, accepts
 links in, reads them into the mailbox and waits in ``recv``, checking a
-silent peer's liveness every HEARTBEAT.
+silent peer's liveness every HEARTBEAT. ``recv_next`` is the lean wait of a
+reader of one writer (a Pipe's direction): one read of that writer's link,
+which waits in the kernel itself while no other thread reads (no poll first).
 """
 
 from __future__ import annotations
@@ -40,15 +42,19 @@ from nimbus.messaging._sending import Sender
 from nimbus.statestore import Keys
 from nimbus.wire import ProtocolError, unpack
 
-__all__ = ["ANY", "HEARTBEAT", "Instance", "Transport"]
+__all__ = ["ANY", "HEARTBEAT", "NOTHING", "Instance", "Transport"]
 
 ANY: Any = None
 HEARTBEAT = 0.5  # seconds: how soon a silent dead peer is noticed by a waiting recv
 IDLE_POLL = 5  # seconds an idle inbox waits in the store before it looks again
+SHARED = 1.0  # seconds recv_next polls after it saw another thread reading the sockets
+BLOCK = 0.01  # seconds recv_next waits in one link's read (other threads' input waits as long)
 log = logging.getLogger("nimbus.messaging")
 _READ = select.POLLIN | select.POLLERR | select.POLLHUP
+_DONTWAIT = socket.MSG_DONTWAIT
 _NOT_A_TAG = object()  # no message has it: ``Mailbox.take`` delivers to the mail
 _NOBODY = object()  # ``_progress`` waits for no message in particular
+NOTHING: Any = object()  # ``recv_next``: no message (yet), or not the simple case
 
 
 @runtime_checkable
@@ -90,6 +96,8 @@ class Instance(Sender):
         self._mailbox = Mailbox()
         self._io = threading.RLock()  # reading the inbound sockets
         self._in: dict[int, _peer.Peer] = {}
+        self._from: dict[str, _peer.Peer] = {}  # the link in from each peer (its latest)
+        self._shared_until = 0.0  # till then, recv_next polls: other threads read too
         self._new_in: list[_peer.Peer] = []
         self._poll = select.poll()
         self._wake_r, self._wake_w = os.pipe()
@@ -345,8 +353,12 @@ class Instance(Sender):
         than put in the mailbox: the caller waits for exactly it (``Mailbox.take``).
         """
         io = self._io
-        if not io.acquire(True, timeout):
-            return None  # another thread is reading; what it reads lands in the mailbox
+        if not io.acquire(False):
+            # another thread is reading: what it reads lands in the mailbox; for a while
+            # no reader blocks on one link only (``recv_next``), all of them poll
+            self._shared_until = time.monotonic() + SHARED
+            if not io.acquire(True, timeout):
+                return None
         found = None
         try:
             if seen is not None and seen != self._mailbox.arrivals:
@@ -362,33 +374,99 @@ class Instance(Sender):
                     events = poll.poll(timeout * 1000)
                 finally:
                     poll.unregister(writer.sock)
-            links = self._in
-            for fd, _ in events:
-                link = links.get(fd)
-                if link is not None:  # as ``_read``, inline: the common case
-                    try:
-                        got = link.channel.receive_message()
-                    except (OSError, ProtocolError):
-                        got = None
-                    if isinstance(got, tuple):  # one small message
-                        if found is None and (link.peer == want or want is None):
-                            found = self._mailbox.take(link, got, tag)
-                        else:
-                            self._mailbox.take(link, got, _NOT_A_TAG)
-                    elif got:
-                        self._mailbox.deliver(link, got)
-                    elif got is None:
-                        self._ended(link)
-                elif fd == self._wake_r:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                    self._adopt_new()
+            found = self._read_events(events, want, tag)
         finally:
             io.release()
         return found
+
+    def _read_events(self, events: list[tuple[int, int]], want: Any, tag: Any) -> Mail | None:
+        """Read the sockets ``poll`` found ready (``_io`` held); as :meth:`_progress`."""
+        found = None
+        links = self._in
+        for fd, _ in events:
+            link = links.get(fd)
+            if link is not None:  # as ``_read``, inline: the common case
+                try:
+                    got = link.channel.receive_message()
+                except (OSError, ProtocolError):
+                    got = None
+                if isinstance(got, tuple):  # one small message
+                    if found is None and (link.peer == want or want is None):
+                        found = self._mailbox.take(link, got, tag)
+                    else:
+                        self._mailbox.take(link, got, _NOT_A_TAG)
+                elif got:
+                    self._mailbox.deliver(link, got)
+                elif got is None:
+                    self._ended(link)
+            elif fd == self._wake_r:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                self._adopt_new()
+        return found
+
+    def recv_next(self, source: str, tag: Any, timeout: float) -> Any:
+        """The next message from ``source`` with ``tag``, as :meth:`recv` gives it, if it
+        comes within ``timeout`` seconds: the wait of a reader of one writer (a Pipe's
+        direction), one read of the writer's link with nothing around it.
+
+        The only thread reading waits in that read itself (up to BLOCK seconds; no
+        poll first); one that saw others reading lately (SHARED) polls every link.
+        :data:`NOTHING` when none came in time, or when anything else is going on
+        (mail waiting, another thread reading the sockets, input from another link,
+        a message out of its order or with another tag): what was read is in the
+        mailbox, and :meth:`recv_with_source` takes it from there (and raises for a
+        peer that ended).
+        """
+        self._recvs += 1
+        if self._dirty:
+            self._flush_dirty()
+        if self._mailbox.mail or self._new_in:
+            return NOTHING
+        io = self._io
+        if not io.acquire(False):
+            self._shared_until = time.monotonic() + SHARED
+            return NOTHING
+        try:
+            link = self._from.get(source)
+            if (
+                link is not None
+                and timeout >= 0.001
+                and not (self._shared_until and time.monotonic() < self._shared_until)
+            ):
+                wait = timeout if timeout < BLOCK else BLOCK
+                if link.wait != wait:
+                    _peer.wait_in_reads(link, wait)
+                flags = 0  # the read waits
+            else:
+                events = self._poll.poll(timeout * 1000.0)
+                link = self._in.get(events[0][0]) if len(events) == 1 else None
+                if link is None or link.peer != source:
+                    if events:
+                        self._read_events(events, _NOBODY, tag)
+                    return NOTHING
+                flags = _DONTWAIT
+            try:
+                got = link.channel.receive_message(flags)
+            except (OSError, ProtocolError):
+                got = None
+            if isinstance(got, tuple):
+                mail = self._mailbox.take(link, got, tag)
+                if mail is None:
+                    return NOTHING
+                if mail[3] is None:
+                    return mail[2]  # small bytes, sent as they are
+                return decode(source, mail[2], mail[3])
+            if got:
+                self._mailbox.deliver(link, got)
+            elif got is None:
+                self._ended(link)
+            return NOTHING
+        finally:
+            io.release()
 
     def _adopt_new(self) -> None:
         if self._new_in:
@@ -396,6 +474,7 @@ class Instance(Sender):
                 new, self._new_in = self._new_in, []
             for link in new:
                 self._in[link.fileno()] = link
+                self._from[link.peer] = link
                 self._poll.register(link.fileno(), _READ)
                 self._read(link)
 
@@ -414,6 +493,11 @@ class Instance(Sender):
         fd = link.fileno()
         self._poll.unregister(fd)
         del self._in[fd]
+        if self._from.get(link.peer) is link:
+            del self._from[link.peer]
+            for other in self._in.values():  # a second link from the peer (a race at connect)
+                if other.peer == link.peer:
+                    self._from[link.peer] = other
         link.close()
         self._mailbox.end(link.peer, EXITED if link.closed_cleanly else "lost")
 
@@ -451,6 +535,7 @@ class Instance(Sender):
         for link in list(self._in.values()):
             link.close()
         self._in.clear()
+        self._from.clear()
         os.close(self._wake_r)
         os.close(self._wake_w)
 

@@ -32,6 +32,7 @@ import hmac
 import logging
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -118,6 +119,7 @@ class Peer:
         "recvs",
         "sock",
         "tags",
+        "wait",
     )
 
     def __init__(self, sock: socket.socket, channel: Stream, peer: str) -> None:
@@ -136,6 +138,7 @@ class Peer:
         self.pending: collections.deque[tuple[Any, bytes, bool]] = collections.deque()
         self.queued = 0  # bytes in ``pending``: added to without a lock, so approximate
         self.armed = False  # the instance's flusher will frame and write ``pending``
+        self.wait = 0.0  # a link in: how long a read waits (0: reads never wait)
 
     def packed(self, tag: Any) -> bytes:
         """``tag`` packed with msgpack, kept for the next messages with it (up to TAGS)."""
@@ -201,6 +204,17 @@ class Peer:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def wait_in_reads(link: Peer, seconds: float) -> None:
+    """Make a read of link in ``link`` without ``MSG_DONTWAIT`` wait up to ``seconds``
+    for input (``SO_RCVTIMEO``); every other read of it passes ``MSG_DONTWAIT``."""
+    sock = link.sock
+    whole = int(seconds)
+    timeval = struct.pack("@ll", whole, int((seconds - whole) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setblocking(True)
+    link.wait = seconds
 
 
 def _one_frame(channel: Channel, what: str) -> Frame:

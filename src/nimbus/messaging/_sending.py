@@ -125,7 +125,16 @@ class Sender:
                 if link.error is None and not link.pending and link.recvs != self._recvs:
                     link.recvs = self._recvs
                     seq = next(link.count)  # type: ignore[arg-type]  # set on links out
-                    self._send_message(link, _RAW if raw else _PICKLE, seq, link.packed(tag), data)
+                    packed = link.tags.get(tag) if type(tag) is str else None
+                    if packed is None:
+                        packed = link.packed(tag)
+                    try:  # ``_send_message``, inline
+                        if link.channel.send_message(_RAW if raw else _PICKLE, seq, packed, data):
+                            return
+                    except OSError as exc:
+                        self._drop_out(link)
+                        raise PeerLost(f"instance {link.peer} is lost: {exc}") from exc
+                    self._flush(link)
                     return
             finally:
                 lock.release()

@@ -83,7 +83,8 @@ Message = tuple[int, int, bytes, bytes]
 _raw_send = _socket.socket.send
 _raw_recv_into = _socket.socket.recv_into
 _raw_recv = _socket.socket.recv
-_FIRST_READ = 16 * 1024  # bytes of a reader's first read (``Stream.receive_message``)
+_FIRST_READ = 16 * 1024  # most bytes of a reader's first read (``Stream.receive_message``)
+_FIRST_READ_MIN = 512  # its least: a read's buffer this small comes from Python's allocator
 _DONTWAIT = socket.MSG_DONTWAIT
 _COUNTS = telemetry.COUNTS
 
@@ -140,6 +141,9 @@ class Stream(Channel):
     def __init__(self, sock: Any) -> None:
         super().__init__(sock)
         self._tail = bytearray()  # small frames queued after ``_out``, one buffer
+        # bytes of the first read of ``receive_message``: doubled (to _FIRST_READ) each
+        # time a read fills it, so small messages never cost a large buffer and its shrink
+        self._first_read = _FIRST_READ_MIN
 
     def _seal(self) -> None:
         """Move the small frames queued in ``_tail`` to the end of ``_out``."""
@@ -211,22 +215,27 @@ class Stream(Channel):
         tail += data
         self._out_bytes += _SMALL.size + len(meta) + len(data)
 
-    def receive_message(self) -> Message | list[Frame] | None:
+    def receive_message(self, flags: int = _DONTWAIT) -> Message | list[Frame] | None:
         """As :meth:`receive`; but a read that is exactly one small message (the
         commonest case of all) comes back as ``(kind, seq, packed tag, data)``,
-        with no frame made: read as one ``bytes`` and cut with two slices."""
+        with no frame made: read as one ``bytes`` and cut with two slices.
+
+        ``flags`` 0: the first read waits for input as the socket says
+        (``_peer.wait_in_reads``); [] when none came.
+        """
         if self._kind >= 0 or self._big is not None or self._start != self._end:
             return self.receive()
+        size = self._first_read
         try:
-            read = _raw_recv(self.sock, _FIRST_READ, _DONTWAIT)
+            read = _raw_recv(self.sock, size, flags)
         except (BlockingIOError, InterruptedError):
             return []
         n = len(read)
         if n >= _MESSAGE_SIZE:
-            head, meta_len, size, seq = _MESSAGE_HEAD.unpack_from(read)
+            head, meta_len, length, seq = _MESSAGE_HEAD.unpack_from(read)
             kind = _MESSAGE_KINDS.get(head)
             d0 = _SMALL_SIZE + meta_len
-            if kind is not None and d0 + size == n:
+            if kind is not None and d0 + length == n:
                 _COUNTS[0] += n
                 self.bytes_in += n
                 return kind, seq, read[_MESSAGE_SIZE:d0], read[d0:]
@@ -237,7 +246,9 @@ class Stream(Channel):
         # anything else: into the scratch buffer, read on from there if it was full
         self._start = 0
         self._scratch[:n] = read
-        return self._frames(0, n, _FIRST_READ if n == _FIRST_READ else len(self._scratch))
+        if n == size and size < _FIRST_READ:
+            self._first_read = size * 2
+        return self._frames(0, n, size if n == size else len(self._scratch))
 
     def receive(self, block: bool = False) -> list[Frame] | None:
         """As :meth:`Channel.receive`. Between frames (the common case): one read

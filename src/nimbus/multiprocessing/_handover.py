@@ -254,7 +254,13 @@ class Consumer:
             only = self.solo
             if only is None or self.pending:
                 return None
-            return self._receive(only, LOOK)
+            message = messaging.current().recv_next(only, self.tag, LOOK)
+            if message is messaging.NOTHING:
+                return None  # nothing came, or not the simple case: the general way
+            if type(message) is not list and message != REVERT:
+                return message  # type: ignore[no-any-return]
+            file_message(self.pending, only, message)
+            return self._deliverable()
         finally:
             lock.release()
 
@@ -422,7 +428,16 @@ class Producer:
             now = time.monotonic()
             if now >= self._next_check and not self.off:
                 self._check(now)
-            return self.peer is not None and self.send_switched(message)
+            peer = self.peer
+            if peer is None:
+                return False
+            try:  # ``send_switched``, inline: the common case
+                messaging.current().send(peer, message, self.tag)
+                return True
+            except (PeerLost, PeerExited):  # the holder is gone: the list will do
+                self.dead = self.claim
+                self._revert(notify=False)
+                return False
         finally:
             lock.release()
 

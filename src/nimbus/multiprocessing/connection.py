@@ -89,7 +89,9 @@ from nimbus.multiprocessing._payload import (
     Item,
     as_message,
     load,
+    undecodable,
 )
+from nimbus.multiprocessing._payload import FRAMED as _FRAMED
 from nimbus.multiprocessing._pump import Pump
 from nimbus.multiprocessing._wait import seconds
 from nimbus.statestore import Keys, Program, link
@@ -112,6 +114,7 @@ PREFETCH = 64  # most messages a reader takes from the store at once
 _TIGHT_LOOP = 0.001  # a reader back within this many seconds is in a loop: prefetch more
 _PLAIN = (bytes, str)  # pickled the same with or without the program's reducers
 _SMALL = serialization.OOB_THRESHOLD  # below this, bytes are pickled in band anyway
+_COPIED = 4096  # a direct message up to this size is unpickled from a copy (``_payload.load``)
 
 # Decrement the references of an end (the key goes at zero); how many are left.
 # ---------------------------------------------------------------- Connection
@@ -266,7 +269,10 @@ class Connection(_ConnectionBase):
             data, buffers = _state.dumps(obj)
             # directly, the buffers travel as they are (no framing copy)
             message = (data, *buffers) if buffers else MESSAGE + data
-        self._send_message(message)
+        writer = self._writer  # ``_send_message``, inline (a round trip costs each call)
+        if writer is not None and writer.send(message):
+            return
+        self._push(as_message(message))
 
     # -- receiving
 
@@ -450,11 +456,14 @@ class Connection(_ConnectionBase):
         if reader is not None and self._held is None and not self._buffer and self._pump is None:
             # a direct reader's common case, no detour (see ``Consumer.receive_next``)
             item = None if self._eof or self._eos_next else reader.receive_next()
-            if item is not None and item != EOS:
-                self._last = time.monotonic()
-            else:
+            if item is None or item == EOS:
                 self._held = item  # end-of-stream, or nothing: the general way
                 item = self._recv_item()
+            elif type(item) is bytes and 1 < len(item) <= _COPIED and item[1] != _FRAMED:
+                try:  # a small plain pickle: ``load``, inline
+                    return pickle.loads(item[1:])
+                except Exception as exc:
+                    raise undecodable(exc) from exc
         else:
             item = self._recv_item()
         if isinstance(item, bytes):

@@ -45,6 +45,7 @@ __all__ = [
     "TaskGauge",
     "TaskNet",
     "WorkerNetworks",
+    "apply_limits",
     "netbench",
     "netbench_endpoint",
     "nimbus_port",
@@ -76,6 +77,17 @@ def task_limits(**options: Any) -> Any:
             "timeout, environment, keep, bandwidth, memory, cpus"
         )
     return TaskLimits.parse(**options)
+
+
+def apply_limits(
+    row: tuple[Any, ...], failed: Callable[[BaseException], None]
+) -> Callable[[], None]:
+    """Set a task's own limits (what its payload carries: ``TaskLimits.row``) on this
+    worker; returns what puts the worker's own back. A limit that cannot be put back
+    goes to ``failed``; one that cannot be set raises (what it set is put back first)."""
+    from nimbus.network._limits import TaskLimits, apply
+
+    return apply(TaskLimits(*row), failed)
 
 
 def netbench(
@@ -117,10 +129,11 @@ def netbench_endpoint(
 ) -> list[Path]:
     """The bandwidth sweep on ``executor``'s endpoint against a traffic server on
     ``server`` (this machine's address as the endpoint reaches it); the report into ``out``."""
-    from nimbus.network._endpoint import sweep, traffic_server
+    from nimbus.network._endpoint import check_reach, sweep, traffic_server
     from nimbus.network._report import PAYLOAD, summarize, write
 
     with traffic_server(server) as address:
+        check_reach(executor, address)  # (--server 127.0.0.1, the default, on a remote one)
         points = sweep(executor, address, concurrency, directions, seconds, progress)
     if cap is None:  # the best aggregate seen stands for the link's capacity
         best = max(

@@ -129,13 +129,19 @@ class Offline:
         stop = threading.Event()
         ready = threading.Event()
         box: list[socket.socket] = []
+        errors: list[BaseException] = []  # of the threads: raised here, not printed there
 
         def server() -> None:
-            enter(self.ns("s"))
-            listener = socket.create_server(("10.214.0.1", PORT), backlog=64)
-            box.append(listener)
-            ready.set()
-            serve(listener, stop)
+            try:
+                enter(self.ns("s"))
+                listener = socket.create_server(("10.214.0.1", PORT), backlog=64)
+                box.append(listener)
+                ready.set()
+                serve(listener, stop)
+            except BaseException as exc:  # handed to the main thread
+                if not stop.is_set():
+                    errors.append(exc)
+                ready.set()
 
         threading.Thread(target=server, daemon=True).start()
         ready.wait(10)
@@ -143,23 +149,38 @@ class Offline:
         start = threading.Barrier(concurrency)
 
         def client(i: int) -> None:
-            enter(self.ns(str(i + 1)))
-            with open("/proc/thread-self/net/dev", "rb") as dev:
-                start.wait()
-                before = _link_bytes(dev.read(), direction)
-                dev.seek(0)
-                moved, took = transfer(("10.214.0.1", PORT), direction, seconds)
-                after = _link_bytes(dev.read(), direction)
-            points[i] = Point(direction, concurrency, i + 1, moved, took, after - before)
+            try:
+                enter(self.ns(str(i + 1)))
+                with open("/proc/thread-self/net/dev", "rb") as dev:
+                    start.wait()
+                    before = _link_bytes(dev.read(), direction)
+                    dev.seek(0)
+                    moved, took = transfer(("10.214.0.1", PORT), direction, seconds)
+                    after = _link_bytes(dev.read(), direction)
+                points[i] = Point(direction, concurrency, i + 1, moved, took, after - before)
+            except BaseException as exc:  # handed to the main thread
+                start.abort()
+                if not stop.is_set():  # not one cut short by an interrupt
+                    errors.append(exc)
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        stop.set()
-        for listener in box:
-            listener.close()
+        # daemon threads: an interrupt (Ctrl-C, SIGTERM) returns at once to the caller,
+        # which removes the namespaces; the threads end with them, silently
+        threads = [
+            threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)
+        ]
+        try:
+            if errors:
+                raise errors[0]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            stop.set()
+            for listener in box:
+                listener.close()
+        if errors:
+            raise errors[0]
         time.sleep(0.3)  # the server's threads see their clients go
         return [p for p in points if p is not None]
 

@@ -2,7 +2,7 @@
 
 ::
 
-    /dev/shm/nimbus-tasks:
+    /run/nimbus-net/.tasks (root's: made with O_NOFOLLOW, 0644, where the slots are):
       [cell 0 .. cell 16383]            the worker of slot S: cell S = 1 while its task runs
       [u64 unused][u32 top: cells at or above it unused]
       [u64 seq][f64 when][u64 rx][u64 tx][f64 rx/s][f64 tx/s][f64 speed B/s]
@@ -30,11 +30,22 @@ import struct
 import time
 from typing import NamedTuple
 
-from nimbus.network._slots import SLOTS
+from nimbus.network._slots import DIR, SLOTS
 
-__all__ = ["NIC", "PATH", "Board", "Sample", "clear", "open_map", "slot_of", "summary", "top_of"]
+__all__ = [
+    "NIC",
+    "PATH",
+    "Board",
+    "Sample",
+    "clear",
+    "open_map",
+    "open_shared",
+    "slot_of",
+    "summary",
+    "top_of",
+]
 
-PATH = "/dev/shm/nimbus-tasks"
+PATH = str(DIR / ".tasks")  # (a dot: not a slot, as .tcp-table)
 CELLS = SLOTS
 TOP, SEQ = CELLS + 8, CELLS + 16
 NIC = struct.Struct("=dQQddd")  # when (CLOCK_MONOTONIC), rx, tx bytes, rx/s, tx/s, speed B/s
@@ -43,8 +54,15 @@ SIOCGIFADDR = 0x8915
 STALE = 2.0  # seconds: a NIC sample older than this is not shown (no sampler runs)
 
 
+def open_shared(path: str) -> int:
+    """``path`` in root's ``/run/nimbus-net`` opened (made) for reading and writing; a
+    link planted in its place is refused (O_NOFOLLOW), not followed."""
+    DIR.mkdir(mode=0o755, exist_ok=True)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+
+
 def open_map() -> mmap.mmap:
-    fd = os.open(PATH, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = open_shared(PATH)
     try:
         if os.fstat(fd).st_size < SIZE:
             os.ftruncate(fd, SIZE)

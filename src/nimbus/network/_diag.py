@@ -4,7 +4,8 @@
 namespace with its ``TCP_INFO`` (sock_diag netlink: children's and C
 libraries' connections included). A dump walks the namespace's socket hash
 table: some 40 us where the namespace has a table of its own (``_link``
-makes one of 1024 buckets, ``net.ipv4.tcp_child_ehash_entries``, Linux 6.1+),
+makes one of 1024 buckets, ``net.ipv4.tcp_child_ehash_entries`` of the template
+namespace it is made from, Linux 6.1+),
 20 ms on the node's shared one; there :func:`open_connections` reads this
 process's own sockets instead (``getsockopt`` on each descriptor of
 ``/proc/self/fd``). :func:`tcp_counters` the namespace's ``RetransSegs`` and

@@ -15,6 +15,7 @@ aggregate seen unless ``--cap`` says it.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import threading
 import time
@@ -27,7 +28,7 @@ from nimbus.errors import ConfigError
 from nimbus.network._bench import Point
 from nimbus.network._traffic import serve, transfer
 
-__all__ = ["move", "sweep", "traffic_server"]
+__all__ = ["check_reach", "move", "reaches", "sweep", "traffic_server"]
 
 START_AFTER = 1.0  # seconds from submit to the runs' common start: all tasks reach it
 
@@ -45,6 +46,43 @@ def traffic_server(host: str) -> Iterator[tuple[str, int]]:
         stop.set()
         thread.join()
         listener.close()
+
+
+def reaches(address: tuple[str, int]) -> str | None:
+    """A task: None if its node connects to ``address``, else why not (and where)."""
+    try:
+        socket.create_connection(address, timeout=10).close()
+    except OSError as exc:
+        return f"{exc.strerror or exc} on {socket.gethostname()}"
+    return None
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_reach(executor: Executor, address: tuple[str, int]) -> None:
+    """The endpoint's nodes reach the traffic server at ``address``; a ConfigError
+    saying which address to give otherwise (before any run of the sweep)."""
+    why = executor.submit(reaches, address).result(timeout=300)
+    if why is None:
+        return
+    host, port = address
+    if _loopback(host):
+        raise ConfigError(
+            f"netbench --endpoint: --server {host} is this machine's loopback and the "
+            f"endpoint's nodes are elsewhere: they cannot reach it ({why}); give --server "
+            f"an address of this machine that the nodes reach (e.g. its address on their "
+            f"network)"
+        )
+    raise ConfigError(
+        f"netbench --endpoint: the endpoint's nodes cannot reach --server {host} (the "
+        f"traffic server at {host}:{port}: {why}); give --server an address of this machine "
+        f"that the nodes reach, and let them connect to it"
+    )
 
 
 def move(address: tuple[str, int], direction: str, seconds: float, start_at: float) -> Any:

@@ -3,9 +3,14 @@
 ::
 
     client:  options(...) -> TaskLimits.parse (units checked as the endpoint's worker_*)
-             submit(fn)   -> Limited(limits, fn)           (pickled as the function)
-    worker:  Limited(...)(*args): set its link's rates (tc, both ends) and its cgroup's
-             cpu/memory -> fn(*args) -> the worker's own limits back (worker_* or none)
+             submit(fn)   -> payload (args, kwargs, limits.row())   (fn sent as it is:
+                             pickled once, its digest and registration unchanged)
+    worker:  apply(limits) sets its link's rates (tc, both ends) and its cgroup's
+             cpu/memory -> fn(*args) -> undo(): the worker's own limits back (worker_* or none)
+
+A limit half set (the cgroup's, then its link's failed) is taken back before
+the task fails with the error; a limit that cannot be put back is handed to
+``failed`` (the worker logs it and retires: no later task inherits it).
 
 The worker sets them on itself, as its task starts, and puts its own back
 when the task ends (a task queued behind it is not slowed). Bandwidth needs a
@@ -22,13 +27,14 @@ task over its memory limit is killed with its worker and fails with
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
 from nimbus.errors import ConfigError
 
-__all__ = ["Limited", "TaskLimits"]
+__all__ = ["TaskLimits", "apply"]
 
 
 @dataclass(frozen=True)
@@ -58,24 +64,9 @@ class TaskLimits:
     def __bool__(self) -> bool:
         return self != TaskLimits()
 
-    def wrap(self, fn: Any) -> Limited:
-        return Limited(self, fn)
-
-
-class Limited:
-    """``fn`` run under ``limits`` in its worker (what ``options(...)`` submits)."""
-
-    def __init__(self, limits: TaskLimits, fn: Any) -> None:
-        self.limits, self.fn = limits, fn
-        self.__name__ = getattr(fn, "__name__", "task")
-        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        undo = apply(self.limits)
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            undo()
+    def row(self) -> tuple[float | None, int | None, int | None]:
+        """What a task's payload carries (``TaskLimits(*row)`` where it runs)."""
+        return astuple(self)
 
 
 def _cgroup_dirs() -> dict[str, Path]:
@@ -147,7 +138,8 @@ def _own_limits() -> tuple[float | None, int | None, int | None]:
     )
 
 
-def _shape(rate: int | None) -> None:
+def _link() -> Callable[[int | None], None]:
+    """What sets this worker's link's rates (both ends); a ConfigError if it has none."""
     from nimbus.network._colocation import slot_of
     from nimbus.network._link import Link
     from nimbus.network._meter import DEVICE
@@ -162,33 +154,48 @@ def _shape(rate: int | None) -> None:
         ) from None
     # the node side of the link is in the namespace of the manager that made it
     node = ("nsenter", f"--net=/proc/{os.getppid()}/ns/net")
-    Link(Slot(slot, stale=False)).shape(rate, rate, node=node)
+    link = Link(Slot(slot, stale=False))
+    return lambda rate: link.shape(rate, rate, node=node)
 
 
-def apply(limits: TaskLimits) -> Any:
-    """Set ``limits`` on this worker; returns what puts the worker's own back."""
+def _undo(steps: list[Callable[[], None]], failed: Callable[[BaseException], None]) -> None:
+    """Run ``steps`` last first, each whatever the others did; a failure to ``failed``."""
+    for step in reversed(steps):
+        try:
+            step()
+        except Exception as exc:
+            failed(exc)
+
+
+def apply(limits: TaskLimits, failed: Callable[[BaseException], None]) -> Callable[[], None]:
+    """Set ``limits`` on this worker; returns what puts the worker's own back.
+
+    Each change is undone if a later one fails (then the error is raised); a
+    change that cannot be undone goes to ``failed``, never in place of the
+    task's own result or error."""
     cpus, memory, bandwidth = _own_limits()
-    dirs: dict[str, Path] = {}
-    if limits.cpus is not None or limits.memory is not None:
-        dirs = _cgroup_dirs()
-        needed = {"cpu"} if limits.cpus is not None else set()
-        if limits.memory is not None:
-            needed.add("memory")
-        if "" not in dirs and not needed <= set(dirs):
-            dirs = _own_cgroup()
-        if "" not in dirs and not needed <= set(dirs):
-            raise ConfigError(
-                "options(cpus=..., memory=...): this worker has no cgroup of its own; run "
-                "the endpoint as root with net_accounting=auto or netns (or worker limits)"
-            )
-        _set_cgroup(dirs, limits.cpus or cpus, limits.memory or memory)
-    if limits.bandwidth is not None:
-        _shape(limits.bandwidth)
-
-    def undo() -> None:
-        if dirs:
-            _set_cgroup(dirs, cpus, memory)
+    steps: list[Callable[[], None]] = []
+    try:
+        if limits.cpus is not None or limits.memory is not None:
+            dirs = _cgroup_dirs()
+            needed = {"cpu"} if limits.cpus is not None else set()
+            if limits.memory is not None:
+                needed.add("memory")
+            if "" not in dirs and not needed <= set(dirs):
+                dirs = _own_cgroup()
+            if "" not in dirs and not needed <= set(dirs):
+                raise ConfigError(
+                    "options(cpus=..., memory=...): this worker has no cgroup of its own; run "
+                    "the endpoint as root with net_accounting=auto or netns (or worker limits)"
+                )
+            # before the writes: one of several written is put back too
+            steps.append(lambda: _set_cgroup(dirs, cpus, memory))
+            _set_cgroup(dirs, limits.cpus or cpus, limits.memory or memory)
         if limits.bandwidth is not None:
-            _shape(bandwidth)
-
-    return undo
+            shape = _link()
+            steps.append(lambda: shape(bandwidth))
+            shape(limits.bandwidth)
+    except BaseException:
+        _undo(steps, failed)
+        raise
+    return lambda: _undo(steps, failed)

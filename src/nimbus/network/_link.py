@@ -42,35 +42,52 @@ def _burst(rate: int) -> int:
 
 TCP_TABLE = 1024  # buckets of a worker namespace's own TCP socket table (``_diag``)
 _CHILD_TABLE = "/proc/sys/net/ipv4/tcp_child_ehash_entries"
+TEMPLATE = "nimbus-template"  # the namespace worker namespaces are made from
+_LOCK = "/run/nimbus-net/.tcp-table"
 
 
 @contextmanager
-def _own_tcp_table() -> Iterator[None]:
-    """A namespace made inside gets a TCP socket table of its own (Linux 6.1+; elsewhere it
-    shares the node's and the TCP summary reads the worker's own sockets only). The
-    node's setting is put back after; a lock keeps two managers from interleaving."""
+def _locked() -> Iterator[None]:
+    """One manager at a time makes or removes a namespace (and the template with it)."""
     try:
-        lock = os.open("/run/nimbus-net/.tcp-table", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = os.open(_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError:
         yield
         return
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            with open(_CHILD_TABLE) as f:
-                old = f.read().strip()
-            with open(_CHILD_TABLE, "w") as f:
-                f.write(str(TCP_TABLE))
-        except OSError:
-            yield
-            return
-        try:
-            yield
-        finally:
-            with open(_CHILD_TABLE, "w") as f:
-                f.write(old)
+        yield
     finally:
         os.close(lock)  # the lock goes with it
+
+
+def _from_template() -> tuple[str, ...]:
+    """The prefix that makes a namespace inside the template, made now if it is not there:
+    a namespace made from a namespace whose ``tcp_child_ehash_entries`` is set gets a TCP
+    socket table of its own (Linux 6.1+), and the node's setting is never touched. ()
+    where the kernel has no such setting (the namespace shares the node's table; the TCP
+    summary reads the worker's own sockets only). Called holding ``_locked``."""
+    enter = ("nsenter", f"--net=/run/netns/{TEMPLATE}")
+    if os.path.exists(f"/run/netns/{TEMPLATE}"):
+        return enter
+    if not os.path.exists(_CHILD_TABLE):
+        return ()
+    if not _sys.try_run("ip", "netns", "add", TEMPLATE):
+        return ()
+    if not _sys.try_run(*enter, "sh", "-c", f"echo {TCP_TABLE} > {_CHILD_TABLE}"):
+        _sys.try_run("ip", "netns", "del", TEMPLATE)
+        return ()
+    return enter
+
+
+def _drop_template() -> None:
+    """The template goes with the last worker namespace (called holding ``_locked``)."""
+    try:
+        names = os.listdir("/run/netns")
+    except OSError:
+        return
+    if TEMPLATE in names and not any(n.startswith("nimbus-") and n[7:].isdigit() for n in names):
+        _sys.try_run("ip", "netns", "del", TEMPLATE)
 
 
 class Link:
@@ -104,8 +121,8 @@ class Link:
 
     def _create(self) -> None:
         ns, host, node_ip, worker_ip = self.ns, self.host_dev, self.node_ip, self.worker_ip
-        with _own_tcp_table():
-            _sys.run("ip", "netns", "add", ns)
+        with _locked():
+            _sys.run(*_from_template(), "ip", "netns", "add", ns)
         _sys.run(
             "ip",
             "-batch",
@@ -193,7 +210,9 @@ class Link:
             "127.0.0.1",
         ):
             pass
-        _sys.try_run("ip", "netns", "del", self.ns)
+        with _locked():
+            _sys.try_run("ip", "netns", "del", self.ns)
+            _drop_template()
         _sys.try_run("ip", "link", "del", self.host_dev)  # gone with the namespace, normally
         if free:
             self.slot.free()

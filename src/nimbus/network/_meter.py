@@ -156,7 +156,7 @@ class TaskNet:
             extra = {"net_source": "netns", "colocated": summary(samples)}
             self.samples = [samples[-1]]  # if the next task comes at once: the latest
         if data == self._start:
-            return 0, 0, extra
+            return 0, 0, dict(extra)  # the task's own: a caller may add to it
         (sin, sout), (rin, rout) = self._bytes(self._start), self._bytes(data)
         nin, nout = rin - sin, rout - sout
         extra = dict(extra)

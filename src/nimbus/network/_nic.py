@@ -2,12 +2,14 @@
 
 ::
 
-    manager (root namespace)  --every 0.1 s-->  /dev/shm/nimbus-tasks (seqlock)  <--  workers
+    manager (root namespace)  --every 0.1 s-->  /run/nimbus-net/.tasks (seqlock)  <--  workers
       rx/tx_bytes of the NIC of the default route (sysfs), its rate, its speed
 
 One sampler a host: a manager's :class:`NicSampler` holds an exclusive
-``flock`` on ``/dev/shm/nimbus-tasks.nic`` while it samples; the others retry
-every second and take over when it goes. A worker reads the sample at its
+``flock`` on ``/run/nimbus-net/.tasks.nic`` while it samples; the others retry
+every second and take over when it goes. A NIC that goes away (its counters
+cannot be read) is let go of: the lock released, and a second later the NIC
+of the default route looked up again (unless one was named). A worker reads the sample at its
 task's start and end (memory reads, no system call): the average of the
 samples in between, or the last rate for a task shorter than a sample.
 Sampling costs two ``pread`` of sysfs ten times a second.
@@ -23,12 +25,13 @@ import threading
 import time
 from pathlib import Path
 
-from nimbus.network._colocation import NIC, SEQ, open_map
+from nimbus.network._colocation import NIC, SEQ, open_map, open_shared
+from nimbus.network._slots import DIR
 
 __all__ = ["NicSampler", "host_nic"]
 
 PERIOD = 0.1
-LOCK = "/dev/shm/nimbus-tasks.nic"
+LOCK = str(DIR / ".tasks.nic")
 
 
 def host_nic() -> str | None:
@@ -69,6 +72,7 @@ class NicSampler:
     """Samples the host NIC into the shared map while this host has no other sampler."""
 
     def __init__(self, nic: str | None = None, period: float = PERIOD) -> None:
+        self.named = nic is not None  # else the default route's, looked up again if it goes
         self.nic = nic or host_nic()
         self.period = period
         self._stop = threading.Event()
@@ -78,16 +82,14 @@ class NicSampler:
             self._thread.start()
 
     def _run(self) -> None:
-        assert self.nic is not None
-        stats = f"/sys/class/net/{self.nic}/statistics/"
         try:
-            lock = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o666)
-            rx, tx = (
-                os.open(stats + "rx_bytes", os.O_RDONLY),
-                os.open(stats + "tx_bytes", os.O_RDONLY),
-            )
+            lock = open_shared(LOCK)
+        except OSError:
+            return
+        try:
             board = open_map()
         except OSError:
+            os.close(lock)
             return
         try:
             while not self._stop.is_set():
@@ -96,13 +98,39 @@ class NicSampler:
                 except BlockingIOError:  # another manager samples
                     self._stop.wait(1.0)
                     continue
-                self._sample(board, rx, tx)
+                try:
+                    self._sample(board)  # until stopped, or the NIC cannot be read
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)  # another manager's NIC may be there
+                if self._stop.wait(1.0):
+                    break
+                if not self.named:
+                    self.nic = host_nic()
         finally:
-            for fd in (lock, rx, tx):
-                os.close(fd)  # the lock goes with its descriptor
+            os.close(lock)  # the lock goes with its descriptor
             board.close()
 
-    def _sample(self, board: mmap.mmap, rx_fd: int, tx_fd: int) -> None:
+    def _sample(self, board: mmap.mmap) -> None:
+        """Sample the NIC into ``board`` until stopped; returns if it cannot be read."""
+        if self.nic is None:
+            return
+        stats = f"/sys/class/net/{self.nic}/statistics/"
+        try:
+            rx_fd = os.open(stats + "rx_bytes", os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            tx_fd = os.open(stats + "tx_bytes", os.O_RDONLY)
+        except OSError:
+            os.close(rx_fd)
+            return
+        try:
+            self._samples(board, rx_fd, tx_fd)
+        finally:
+            os.close(rx_fd)
+            os.close(tx_fd)
+
+    def _samples(self, board: mmap.mmap, rx_fd: int, tx_fd: int) -> None:
         speed = _speed(self.nic or "")
         last: tuple[float, int, int] | None = None
         while not self._stop.wait(0 if last is None else self.period):

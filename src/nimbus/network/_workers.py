@@ -94,8 +94,9 @@ class WorkerNetworks:
                 slot = claim()  # the lowest free: the co-location cells in use stay few
                 top_of(in_use())
                 link = Link.create(slot, self.limits.bandwidth)
-                if self._nic is None:
-                    self._nic = NicSampler()
+                with self._lock:  # (two workers started at once: one sampler)
+                    if self._nic is None:
+                        self._nic = NicSampler()
             if self.cgroups:
                 tag = link.ns if link else f"nimbus-{os.getpid()}-{len(self._held)}"
                 cgroup = Cgroup(tag, self.limits.cpus, self.limits.memory, every=True)
@@ -148,6 +149,7 @@ class WorkerNetworks:
     def close(self) -> None:
         for name in list(self._held):
             self.release(name)
-        if self._nic is not None:
-            self._nic.close()
-            self._nic = None
+        with self._lock:
+            nic, self._nic = self._nic, None
+        if nic is not None:
+            nic.close()

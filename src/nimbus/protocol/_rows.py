@@ -6,14 +6,17 @@ thousand per message, at every hop); a :class:`DataRef` among them packs as
 ``{"data": data_id}`` (the codec's ``pack`` calls its ``wire``), and a
 result's out-of-band buffers as bytes::
 
-    TaskRow    [task_id, function_id, body | None, payload | {"data": id}, timeout, environment]
+    TaskRow    [task_id, function_id, body | None, payload | {"data": id}, timeout, environment,
+                owner]
     SubmitRow  [function_id, payload | {"data": id}, timeout, environment]
     ResultRow  [task_id, state, [status, data, [buffer, ...]] | {"data": id} | packed, record]
     Result     [status, data, [buffer, ...]]
 
 ``environment`` is the task's :class:`~nimbus.Environment` as its ``to_dict()``, or None
 (the workers' own Python); a row without it (five or three fields, from an older
-peer) reads as None.
+peer) reads as None. A task row's ``owner`` is the id of the user who submitted it
+(the service sets it, never the client: the endpoint keeps that user's data apart by
+it, see ``nimbus.owners``); a row of six or five fields reads as None.
 
 Reading checks every field: the usual row takes one fast path (its types
 checked, then the tuple made in one call), any other goes through the checks
@@ -43,6 +46,7 @@ __all__ = [
     "SubmitRow",
     "TaskRow",
     "check_environment",
+    "check_owner",
     "new_row",
 ]
 
@@ -51,7 +55,9 @@ ENVIRONMENT = (
     "None or an environment {name, requirements, wheelhouse, image, sandbox} "
     "(Environment.to_dict())"
 )
+OWNER = "None or a user id (1-64 characters, no '/')"
 _ENV_FIELDS = {"name", "requirements", "wheelhouse", "image", "sandbox"}
+_TASK_ROW = "[task_id, function_id, body | None, payload, timeout, environment, owner]"
 _STATES = {state.value: state for state in TaskState}
 _new = tuple.__new__  # a row from a list already checked, in one call
 new_row = tuple.__new__
@@ -87,6 +93,13 @@ def check_environment(value: object, field: str) -> dict[str, Any] | None:
     if type(value.get("sandbox", False)) is not bool:
         raise _wrong(f"{field}.sandbox", "true or false", value.get("sandbox"))
     return value
+
+
+def check_owner(value: object, field: str) -> str | None:
+    """``value`` if it is None or a user id; ProtocolError naming ``field`` otherwise."""
+    if value is None or (type(value) is str and 0 < len(value) <= 64 and "/" not in value):
+        return value
+    raise _wrong(field, OWNER, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,30 +168,33 @@ class TaskRow(NamedTuple):
     payload: bytes | DataRef
     timeout: float | None
     environment: dict[str, Any] | None = None
+    owner: str | None = None
 
     @classmethod
     def read(cls, row: object, index: int) -> TaskRow | Malformed:
         """Row ``index`` of a Tasks message."""
-        if type(row) is not list or not 5 <= len(row) <= 6 or type(row[0]) is not str:
+        if type(row) is not list or not 5 <= len(row) <= 7 or type(row[0]) is not str:
             field = f"tasks.tasks[{index}]"
-            error = _wrong(
-                field, "[task_id, function_id, body | None, payload, timeout, environment]", row
-            )
+            error = _wrong(field, _TASK_ROW, row)
             return Malformed(None, "", error)
-        if len(row) == 5:
-            row = [*row, None]
-        task_id, function_id, body, payload, timeout, environment = row
+        if len(row) < 7:
+            row = [*row, None] if len(row) == 6 else [*row, None, None]
+        task_id, function_id, body, payload, timeout, environment, owner = row
         if (  # the usual row, quickly
             type(function_id) is str
             and (body is None or type(body) is bytes)
             and type(payload) is bytes
             and (timeout is None or (type(timeout) is float and 0 < timeout <= MAX_TIMEOUT))
             and environment is None
+            and (
+                owner is None or (type(owner) is str and 0 < len(owner) <= 64 and "/" not in owner)
+            )
         ):
             return _new(cls, row)
         field = f"tasks.tasks[{index}]"
         try:
             check_environment(environment, f"{field}.environment")
+            check_owner(owner, f"{field}.owner")
             if not isinstance(function_id, str):
                 raise _wrong(f"{field}.function_id", "a string", function_id)
             if body is not None and not isinstance(body, bytes):
@@ -193,7 +209,7 @@ class TaskRow(NamedTuple):
         except ProtocolError as exc:
             return Malformed(task_id, str(function_id), exc)
         return cls(
-            task_id, function_id, body, payload if ref is None else ref, timeout, environment
+            task_id, function_id, body, payload if ref is None else ref, timeout, environment, owner
         )
 
 

@@ -26,12 +26,15 @@ class Task:
     """One invocation travelling through the runtime.
 
     ``payload`` and ``buffers`` are the pickled ``(args, kwargs)`` (see
-    ``nimbus.serialization.dumps``); ``fn_bytes`` is the pickled function and
+    ``nimbus.serialization.dumps``), or ``(args, kwargs, limits)`` for a task with
+    limits of its own (``Executor.options(cpus=...)``: set by its worker around it); ``fn_bytes`` is the pickled function and
     ``fn_key`` its hash. ``owner`` belongs to whoever submitted the task (the
     runtime never looks inside it). When the task ends, ``status``, ``data``
     and ``result_buffers`` hold what the worker sent back. ``environment`` is
     what its worker runs in (None: the node's own Python) and ``env`` its
-    worker type (:func:`environment_tag`), computed once by the submitter.
+    worker type (:func:`environment_tag`), computed once by the submitter. ``wraps``
+    is the SHA-256 of the pickle of the function ``fn_bytes`` wraps, if it wraps one
+    (an executor's ``nimbus.data.run`` partial on an endpoint), else "".
     """
 
     __slots__ = (
@@ -53,6 +56,7 @@ class Task:
         "status",
         "suspect",
         "timeout",
+        "wraps",
     )
 
     def __init__(
@@ -68,6 +72,7 @@ class Task:
         owner: Any = None,
         environment: Environment | None = None,
         env: str | None = None,
+        wraps: str = "",
     ) -> None:
         self.seq = seq
         self.fn_key = fn_key
@@ -79,6 +84,7 @@ class Task:
         self.owner = owner
         self.environment = environment
         self.env = environment_tag(environment) if env is None else env
+        self.wraps = wraps
         self.cancelled = False
         self.attempts = 0
         self.route: Any = None  # the manager the agent gave it to

@@ -55,7 +55,7 @@ from nimbus.errors import (
     TaskInterrupted,
     VersionMismatchError,
 )
-from nimbus.network import SKIPPED, TaskGauge
+from nimbus.network import SKIPPED, TaskGauge, apply_limits
 from nimbus.runtime._idle import idle as _idle
 from nimbus.runtime._idle import later as _later
 from nimbus.runtime._idle import run_idle as _run_idle
@@ -104,6 +104,7 @@ class Worker:
         self.read_lock = threading.Lock()  # one reader of the channel at a time
         self.queue_lock = threading.Lock()  # a task is either started or handed back
         self.watching = False  # the flusher reads the channel while a task runs
+        self.retire = False  # a task's limits could not be put back: exit after its result
         self.task_done_r, self.task_done_w = os.pipe()
         os.set_blocking(self.task_done_r, False)
         threading.Thread(target=self.flusher, name="nimbus-flusher", daemon=True).start()
@@ -141,8 +142,11 @@ class Worker:
                     or not self.queue
                     or len(self.rows) >= BATCH_RESULTS
                     or started - self.first_result > BATCH_SECONDS
+                    or self.retire
                 ):
                     self.flush()
+                if self.retire:  # its manager starts another; the queued tasks go back
+                    return
             elif self.rows:
                 self.flush()
 
@@ -215,6 +219,7 @@ class Worker:
         result: Any = None
         args: Any = None
         kwargs: Any = None
+        undo: Callable[[], None] | None = None
         try:
             if refusal is not None:
                 raise VersionMismatchError(refusal)
@@ -228,7 +233,10 @@ class Worker:
                 del self.function_bytes[fn_key]
             if payload is None:
                 payload, buffers = buffers[0], buffers[1:]
-            args, kwargs = serialization.loads(payload, buffers)
+            loaded = serialization.loads(payload, buffers)
+            args, kwargs = loaded[0], loaded[1]
+            if len(loaded) > 2:  # the task's own limits (options(bandwidth=, memory=, cpus=))
+                undo = apply_limits(loaded[2], self.not_restored)
             result = fn(*args, **kwargs)
         except (SystemExit, KeyboardInterrupt) as exc:
             status, data, out = Status.ERROR, self.interrupted(exc), []
@@ -242,11 +250,23 @@ class Worker:
                 error = SerializationError(f"the task's result could not be sent back: {exc}")
                 status, data, out = Status.ERROR, serialization.dumps_exception(error, ""), []
         del result, args, kwargs, buffers
+        if undo is not None:
+            undo()  # the worker's own limits back (a failure: not_restored)
         self.current = None
         if self.watching:  # the flusher reads the channel: it is the main thread's again
             os.write(self.task_done_w, b"x")
         self.add_result(seq, status, data, out, self.gauge.end(started))
         return seq, fn_key
+
+    def not_restored(self, exc: BaseException) -> None:
+        """A task's limit stays on this worker: said, and the worker retires after the
+        task's result (no later task inherits it)."""
+        print(
+            f"nimbus worker {os.getpid()}: a task's limit could not be taken back ({exc}); "
+            "this worker exits after its result and its manager starts another",
+            file=sys.stderr,
+        )
+        self.retire = True
 
     @staticmethod
     def interrupted(exc: BaseException) -> bytes:

@@ -22,11 +22,12 @@ Labels carry endpoint ids only (UUIDs the service made), never a name a user
 chose: the page is open, as Prometheus scrapes it without a token.
 
 Tasks finished, their latency histograms and network bytes are counters the
-task path keeps (:func:`observe`, called where an agent's results are stored):
-one hash per endpoint in the queue Redis, ``...:endpoint:<id>:metrics``, whose
-fields are bucket counts (``wait:3``, ``run:16`` for +Inf), ``*:sum``,
-``*:count``, ``net_in``, ``net_out`` and ``done:<state>``, added to with
-HINCRBY by whichever service process stored the result. So the counters are
+task path keeps (``nimbus.service.counters``: the script that stores an agent's
+results counts them in the same call): one hash per endpoint in the queue Redis,
+``...:endpoint:<id>:metrics``, whose fields are bucket counts (``wait:3``,
+``run:16`` for +Inf), ``*:sum``, ``*:count``, ``net_in``, ``net_out`` and
+``done:<state>``, added to with HINCRBY by whichever service process stored the
+result. So the counters are
 the service's, not one process's: a scrape of any process reads the same
 totals, and they survive a restart of the service (not of its Redis). The
 queue wait is the service's own clock (submitted to dispatched, from the task
@@ -37,33 +38,29 @@ Not yet exposed: blocks (the service does not see an endpoint's provider).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
-import msgpack
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from nimbus.records import TaskRecord, TaskState
+from nimbus.records import TaskState
+from nimbus.service import counters
 from nimbus.service.context import ServiceContext
+from nimbus.service.counters import BUCKETS
 from nimbus.service.registry import Endpoint, Registry
 
-__all__ = ["BUCKETS", "CONTENT_TYPE", "metrics_key", "observe", "render", "router"]
+__all__ = ["BUCKETS", "CONTENT_TYPE", "metrics_key", "render", "router"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 EXACT_QUEUE = 2_000  # queued ids whose state is read (cancelled ones are not waiting)
 LIVE_STATES = (TaskState.WAITING, TaskState.DISPATCHED, TaskState.RUNNING)
 
-# seconds: from a fast function on a warm worker to an hour-long job
-BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
-           1800.0, 3600.0)  # fmt: skip
 HISTOGRAMS = {
     "wait": ("nimbus_task_queue_wait_seconds", "Seconds from submit to dispatch to an agent."),
     "run": ("nimbus_task_run_seconds", "Seconds a task ran on its worker."),
@@ -74,87 +71,8 @@ log = logging.getLogger(__name__)
 
 
 def metrics_key(store: Any, endpoint_id: str) -> str:
-    """The hash of an endpoint's counters in the queue Redis."""
-    status: str = store.keys.endpoint_status(endpoint_id)
-    return status.removesuffix("status") + "metrics"
-
-
-_OBSERVE = """
-local bounds = cmsgpack.unpack(ARGV[2])
-local add = {}
-local function bucket(x)
-  for i, b in ipairs(bounds) do
-    if x <= b then return i - 1 end
-  end
-  return #bounds
-end
-local function inc(field, n) add[field] = (add[field] or 0) + n end
--- each row: task id, state, the worker's record (TaskRecord.to_wire, packed) read
--- here, so the service's loop does no per-task work for the counters
-local function num(x) if type(x) == 'number' then return x end return nil end
-for _, r in ipairs(cmsgpack.unpack(ARGV[3])) do
-  inc('done:' .. r[2], 1)
-  local t = redis.call('HMGET', ARGV[1] .. r[1], 'submitted', 'dispatched')
-  local s, d = tonumber(t[1]), tonumber(t[2])
-  if s and d and d > 0 then
-    local wait = math.max(0, d - s)
-    inc('wait:' .. bucket(wait), 1); inc('wait:sum', wait); inc('wait:count', 1)
-  end
-  local ok, rec = true, r[3]
-  if type(rec) == 'string' then ok, rec = pcall(cmsgpack.unpack, rec) end
-  if ok and type(rec) == 'table' then
-    local started, ended = num(rec[STARTED]), num(rec[ENDED])
-    if started and ended and started > 0 and ended > 0 then
-      local run = math.max(0, ended - started)
-      inc('run:' .. bucket(run), 1); inc('run:sum', run); inc('run:count', 1)
-    end
-    inc('net_in', math.max(0, math.floor(num(rec[NET_IN]) or 0)))
-    inc('net_out', math.max(0, math.floor(num(rec[NET_OUT]) or 0)))
-  end
-end
-for field, n in pairs(add) do
-  if string.sub(field, -4) == ':sum' then
-    redis.call('HINCRBYFLOAT', KEYS[1], field, tostring(n))
-  elseif n ~= 0 then
-    redis.call('HINCRBY', KEYS[1], field, n)
-  end
-end
-return 0
-"""
-# 1-based places in the record's wire list (its fields in order), for the script
-_PLACES = {f.name: i + 1 for i, f in enumerate(dataclasses.fields(TaskRecord))}
-_OBSERVE = (
-    _OBSERVE.replace("STARTED", str(_PLACES["started"]))
-    .replace("ENDED", str(_PLACES["ended"]))
-    .replace("NET_IN", str(_PLACES["net_bytes_in"]))
-    .replace("NET_OUT", str(_PLACES["net_bytes_out"]))
-)
-_scripts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # per client
-
-
-async def observe(store: Any, endpoint_id: str, rows: Sequence[Any], stored: set[str]) -> None:
-    """Count the results ``rows`` (``ResultRow``) of ``endpoint_id`` whose ids are in
-    ``stored`` (the first result of each task): finished by state, queue wait, run time,
-    network bytes. One script call on the queue Redis a batch of results."""
-    out = [
-        [row.task_id, row.state.value, row.record if isinstance(row.record, bytes | list) else b""]
-        for row in rows
-        if row.task_id in stored
-    ]
-    if not out:
-        return
-    script = _scripts.get(store.redis)
-    if script is None:
-        script = _scripts[store.redis] = store.redis.register_script(_OBSERVE)
-    try:
-        await script(
-            keys=[metrics_key(store, endpoint_id)],
-            args=[store.keys.task(""), msgpack.packb(list(BUCKETS)), msgpack.packb(out)],
-        )
-    except Exception as exc:  # counters missed, never results: the task path goes on
-        log.warning(
-            "metrics of %d results of endpoint %s not counted: %s", len(out), endpoint_id, exc
-        )
+    """The hash of an endpoint's counters in the queue Redis (``store``: a TaskStore)."""
+    return counters.metrics_key(store.keys, endpoint_id)
 
 
 def _histogram(name: str, help_text: str, kind: str, saved: dict[str, dict[bytes, bytes]]) -> str:

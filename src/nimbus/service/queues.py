@@ -23,7 +23,8 @@ ids of their owners, space-separated ('' for anyone's): open dashboard pages of
 those users re-read what they show. Every step that moves a task is one Lua
 script, so a task is in exactly one of
 the queue, the inflight hash or a final state, and a result that arrives twice
-(an agent lost, its task run again) is kept once. Payloads and results are
+(an agent lost, its task run again) is kept once, and counted once (the finish
+script keeps the counters of ``nimbus.service.counters`` too). Payloads and results are
 bytes the service stores and forwards; nothing here unpickles them.
 """
 
@@ -40,6 +41,7 @@ import redis.asyncio as aioredis
 from nimbus.config import MAX_TIMEOUT
 from nimbus.errors import QuotaExceeded
 from nimbus.records import TaskState
+from nimbus.service.counters import COUNT, metrics_key
 from nimbus.statestore import Keys
 
 __all__ = ["Broken", "Taken", "TaskStore"]
@@ -143,6 +145,7 @@ return cmsgpack.pack(out)
 
 _FINISH = (
     _OWNERS
+    + COUNT
     + """
 local out, drop = {}, {}
 local freed, quotas = {}, {}  -- quota hash -> {tasks, bytes} given back, once per owner at the end
@@ -150,7 +153,8 @@ local gone = {}  -- ids no longer in flight on the endpoint, 1,000 to a call at 
 for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
   local id = r[1]
   local key = ARGV[1] .. id
-  local v = redis.call('HMGET', key, 'state', 'endpoint', 'data', 'quota', 'size', 'owner')
+  local v = redis.call('HMGET', key, 'state', 'endpoint', 'data', 'quota', 'size', 'owner',
+                       'submitted', 'dispatched')
   local blob = ''  -- a result in the data store, if it was stored for this task
   if r[5] ~= '' and redis.call('HGET', ARGV[6] .. r[5], 'task') == id then blob = r[5] end
   local stored = false
@@ -177,6 +181,7 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
       stored = true
       out[#out + 1] = id
       moved(v[6])
+      count(r[2], v[7], v[8], r[4])  -- the dashboard's and /metrics' counters (counters.py)
     end
     gone[#gone + 1] = id
   end
@@ -194,6 +199,7 @@ for _, quota in ipairs(quotas) do
   if redis.call('HINCRBY', quota, 'bytes', 0 - f[2]) < 0 then redis.call('HSET', quota, 'bytes', 0) end
 end
 if #out > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' ')) end
+flush(KEYS[2])
 return {out, drop}
 """
 )
@@ -408,7 +414,8 @@ class TaskStore:
     async def finish(
         self, endpoint_id: str, results: Sequence[Sequence[Any]]
     ) -> tuple[list[str], list[str]]:
-        """Store ``(task_id, state, result, record, result_data_id)`` rows (first wins).
+        """Store ``(task_id, state, result, record, result_data_id)`` rows (first wins),
+        and count the tasks stored on the endpoint's metrics hash (``counters``).
 
         Returns the ids stored and the data-store blobs no longer used (arguments of
         the tasks now done, results that came second), to remove.
@@ -422,7 +429,8 @@ class TaskStore:
             self._data_prefix,
         ]
         stored, drop = await self._finish(
-            keys=[self.keys.endpoint_inflight(endpoint_id)], args=args
+            keys=[self.keys.endpoint_inflight(endpoint_id), metrics_key(self.keys, endpoint_id)],
+            args=args,
         )
         return [value.decode() for value in stored], [value.decode() for value in drop]
 

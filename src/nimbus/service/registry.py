@@ -31,15 +31,14 @@ from sqlalchemy import (
     delete,
     event,
     func,
-    inspect,
     or_,
     select,
-    text,
 )
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from nimbus.errors import QuotaExceeded
+from nimbus.service.migrate import add_columns
 
 __all__ = ["Principal", "Registry", "TokenInfo", "check_user_name", "hash_token"]
 
@@ -111,10 +110,6 @@ class Function(_Base):
     # the environment its tasks run in unless a call gives another: the JSON of
     # Environment.to_dict() (keys sorted), NULL for the endpoint workers' own Python
     environment: Mapped[str | None] = mapped_column(Text, nullable=True)
-
-
-# columns added after a table was first made: ``Registry`` adds those a database lacks
-_ADDED_COLUMNS = (("functions", "environment", "TEXT"),)
 
 
 class Endpoint(_Base):
@@ -223,7 +218,7 @@ class Registry:
                 parsed = parsed.set(drivername="postgresql+psycopg")
             self.engine = create_engine(parsed, pool_pre_ping=True)
         _Base.metadata.create_all(self.engine)
-        _add_columns(self.engine)
+        add_columns(self.engine)
         self._session = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -361,6 +356,7 @@ class Registry:
         *,
         limit: int | None = None,
         environment: dict[str, Any] | None = None,
+        wraps: str | None = None,
     ) -> str:
         """Register a function; the same bytes from the same owner give the same id.
 
@@ -368,7 +364,9 @@ class Registry:
         it unless a call gives another: the same bytes in another environment are
         another function (an id's environment never changes). Without one, the owner's
         latest registration of these bytes is found, whatever its environment, so an
-        SDK registering on first use gets the environment its owner registered.
+        SDK registering on first use gets the environment its owner registered; if
+        there is none, the environment of the owner's latest registration of the pickle
+        of SHA-256 ``wraps`` (the function these bytes wrap: an executor's scope) is given.
 
         :class:`~nimbus.errors.QuotaExceeded` (429) if the owner already has ``limit``
         functions (``NIMBUS_MAX_FUNCTIONS``) and these bytes are not one of them.
@@ -387,6 +385,18 @@ class Registry:
             existing = session.scalar(query.order_by(Function.created.desc()).limit(1))
             if existing is not None:
                 return existing
+            if env is None and wraps:
+                env = session.scalar(
+                    select(Function.environment)
+                    .where(
+                        Function.owner_id == owner_id,
+                        Function.digest == wraps,
+                        Function.python == python,
+                        Function.serializer == serializer,
+                    )
+                    .order_by(Function.created.desc())
+                    .limit(1)
+                )
             if limit is not None:
                 _check_count(
                     session, Function, owner_id, limit, "functions", "NIMBUS_MAX_FUNCTIONS"
@@ -433,18 +443,6 @@ class Registry:
                 frozenset(uid for _, uid in shared),
                 None if fn.environment is None else json.loads(fn.environment),
             )
-
-    def latest_function(self, owner_id: str, digest: str) -> FunctionInfo | None:
-        """The owner's latest registration of the function whose pickle has SHA-256
-        ``digest`` (the one the owner's submits of those bytes get), or None."""
-        with self._session() as session:
-            found = session.scalar(
-                select(Function.id)
-                .where(Function.owner_id == owner_id, Function.digest == digest)
-                .order_by(Function.created.desc())
-                .limit(1)
-            )
-        return None if found is None else self.function(found)
 
     def function_body(self, function_id: str) -> bytes | None:
         with self._session() as session:
@@ -606,17 +604,6 @@ def _check_count(
 def _env_json(environment: dict[str, Any]) -> str:
     """An environment as stored: its JSON with sorted keys, so equal specs compare equal."""
     return json.dumps(environment, sort_keys=True, separators=(",", ":"))
-
-
-def _add_columns(engine: Engine) -> None:
-    """Add the columns of ``_ADDED_COLUMNS`` that a registry made by an older nimbus
-    lacks (``create_all`` makes missing tables, never missing columns)."""
-    tables = inspect(engine)
-    for table, column, kind in _ADDED_COLUMNS:
-        have = {c["name"] for c in tables.get_columns(table)}
-        if column not in have:
-            with engine.begin() as connection:
-                connection.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
 
 
 def _sqlite_pragmas(dbapi_connection: object, record: object) -> None:

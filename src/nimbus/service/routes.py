@@ -34,6 +34,12 @@ class FunctionIn(BaseModel):
         description="the environment its tasks run in unless a call gives another "
         "(Environment.to_dict()); null: as registered before, else the workers' own",
     )
+    wraps: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="the SHA-256 of the pickle of a function of yours this one wraps: "
+        "without environment and a registration of its own, it gets that one's environment",
+    )
 
     @field_validator("environment", mode="before")
     @classmethod
@@ -79,6 +85,7 @@ async def register_function(body: FunctionIn, user: User, ctx: Ctx) -> dict[str,
             ctx.registry.add_function,
             limit=ctx.settings.max_functions,
             environment=body.environment,
+            wraps=body.wraps,
         ),
         user.user_id,
         body.name,
@@ -90,20 +97,7 @@ async def register_function(body: FunctionIn, user: User, ctx: Ctx) -> dict[str,
 
 
 @router.get("/functions", tags=["functions"])
-async def list_functions(
-    user: User,
-    ctx: Ctx,
-    digest: Annotated[
-        str | None,
-        Query(
-            pattern=r"^[0-9a-f]{64}$",
-            description="only your latest registration of the pickle of this SHA-256",
-        ),
-    ] = None,
-) -> dict[str, Any]:
-    if digest is not None:
-        found = await run_in_threadpool(ctx.registry.latest_function, user.user_id, digest)
-        return {"functions": [] if found is None else [found.as_dict()]}
+async def list_functions(user: User, ctx: Ctx) -> dict[str, Any]:
     infos = await run_in_threadpool(ctx.registry.functions, user.user_id)
     return {"functions": [info.as_dict() for info in infos]}
 

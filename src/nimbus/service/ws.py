@@ -60,7 +60,6 @@ from nimbus.protocol import (
 )
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
-from nimbus.service import metrics
 from nimbus.service.context import ServiceContext
 from nimbus.service.hub import Peer
 from nimbus.service.registry import hash_token
@@ -197,7 +196,6 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                 done, drop = await ctx.store.finish(endpoint_id, [_stored(r) for r in rows])
                 ctx.data.drop(drop)
                 stored = set(done)
-                await metrics.observe(ctx.store, endpoint_id, rows, stored)
                 ids = [row.task_id for row in rows]
                 sent.difference_update(ids)
                 room.set()
@@ -306,7 +304,7 @@ async def _dispatch(
                     await asyncio.wait_for(wake.wait(), IDLE_POLL)
             continue
         out = []
-        for task_id, function_id, payload, timeout, data_id, _, environment in rows:
+        for task_id, function_id, payload, timeout, data_id, owner, environment in rows:
             body: bytes | None = None
             if function_id not in known:
                 try:
@@ -316,7 +314,10 @@ async def _dispatch(
                 known.add(function_id)
             sent_payload = DataRef(data_id) if data_id else payload
             out.append(
-                new_row(TaskRow, (task_id, function_id, body, sent_payload, timeout, environment))
+                new_row(
+                    TaskRow,
+                    (task_id, function_id, body, sent_payload, timeout, environment, owner or None),
+                )
             )
             sent.add(task_id)
         for batch in batches(out, _task_size):

@@ -280,9 +280,14 @@ async def endpoint_stream(request: Request, endpoint_id: str) -> Response:
             if now - beat > KEEPALIVE:
                 beat = now
                 yield ": keepalive\n\n"
-            if now - checked > RECHECK:
+            if now - checked > RECHECK:  # still logged in, and still shown the endpoint
                 checked = now
-                if await _session.viewer(request, ctx) is None:
+                viewer = await _session.viewer(request, ctx)
+                if viewer is None:
+                    return
+                try:
+                    await visible_endpoint(ctx, viewer.principal, endpoint_id)
+                except NotFound:  # no longer shared with them, or made private
                     return
             await asyncio.sleep(TICK)
 

@@ -124,12 +124,18 @@ async def form(request: Request) -> dict[str, str]:
     body = await request.body()
     if len(body) > FORM_MAX:
         raise AuthError(f"form: {len(body)} bytes, at most {FORM_MAX} are read", 400)
-    parsed: dict[str, Any] = parse_qs(body.decode(errors="replace"), max_num_fields=20)
+    try:
+        parsed: dict[str, Any] = parse_qs(body.decode(errors="replace"), max_num_fields=20)
+    except ValueError:  # more fields than any of the dashboard's forms has
+        raise AuthError(
+            "form: more than 20 fields; the dashboard's forms have a few", 400
+        ) from None
     return {name: values[0] for name, values in parsed.items()}
 
 
 def same(given: str, expected: str) -> bool:
-    return bool(given) and bool(expected) and hmac.compare_digest(given, expected)
+    """A constant-time comparison of two tokens (any text: bytes are compared)."""
+    return bool(given) and bool(expected) and hmac.compare_digest(given.encode(), expected.encode())
 
 
 def check_origin(request: Request) -> bool:
