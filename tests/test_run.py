@@ -528,7 +528,7 @@ def test_a_wrong_environment_is_one_line_before_the_program(tmp_path: Path) -> N
     prog = _script(tmp_path, f"open({str(marker)!r}, 'w')\n")
     env = {**ENV, "NIMBUS_ENVIRONMENTS_DIR": str(tmp_path / "envs")}
     cases = [
-        (["--environment", '{"name": 1}'], {}, "--environment='{\"name\": 1}': an environment"),
+        (["--environment", '{"name": 1}'], {}, "--environment='{\"name\": 1}': environment name 1"),
         (["--environment={nope"], {}, "--environment='{nope' is not JSON"),
         (["--environment", "nosuch"], {}, "--environment='nosuch': no environment of that name"),
         ([], {"NIMBUS_ENVIRONMENT": "nosuch"}, "NIMBUS_ENVIRONMENT='nosuch': no environment"),
