@@ -85,6 +85,7 @@ def test_public_names() -> None:
             "held",
             "pools",
             "prepare",
+            "resolve",
         ]
     )
 
@@ -599,3 +600,141 @@ def test_bench_environments_smoke() -> None:
     for row in ("venv5-built", "sandbox"):
         line = next(line for line in lines if line.startswith(row))
         assert "ERROR" not in line and ("PASS" in line or "MISS" in line)
+
+
+# ---------------------------------------------------------------- programs under `nimbus run`
+
+
+ENV_PROGRAM = """
+import os, sys
+import {mp} as mp
+
+def where(_=None):
+    import six
+    return six.__file__, os.environ.get("NIMBUS_WORKER_ENVIRONMENT"), sys.prefix
+
+def child(q):
+    q.put(where())
+    inner = mp.Process(target=grandchild, args=(q,))  # a process of a process: the same
+    inner.start()
+    inner.join()
+
+def grandchild(q):
+    q.put(where())
+
+if __name__ == "__main__":
+    with mp.Pool(2) as pool:
+        for found in pool.map(where, range(2)):
+            print(*found)
+    q = mp.Queue()
+    p = mp.Process(target=child, args=(q,))
+    p.start()
+    print(*q.get(timeout=60))
+    print(*q.get(timeout=60))
+    p.join()
+"""
+
+
+def _run_program(
+    tmp_path: Path, argv: list[str], environ: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src, **(environ or {})}
+    return subprocess.run(
+        [PY, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+        check=False,
+    )  # fmt: skip
+
+
+def _in_environment(done: subprocess.CompletedProcess[str], envdir: Path, name: str) -> None:
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert len(rows) == 4, done.stdout  # 2 pool tasks, a child, its child
+    for six_file, variable, prefix in rows:
+        assert six_file.startswith(str(envdir)) and prefix.startswith(str(envdir)), rows
+        assert variable == name
+
+
+def test_nimbus_run_environment_children_import_its_packages(
+    wheelhouse: str, envdir: Path, tmp_path: Path
+) -> None:
+    """Stranger #1: a program's processes (pool workers, children, grandchildren) under
+    `nimbus run --environment SPEC` and under NIMBUS_ENVIRONMENT=SPEC import the
+    environment's packages (they had its Python but the parent's sys.path)."""
+    spec = json.dumps(Environment("geo", ["six==1.16.0"], wheelhouse=wheelhouse).to_dict())
+    prog = tmp_path / "prog.py"
+    prog.write_text(ENV_PROGRAM.format(mp="multiprocessing"))
+    done = _run_program(tmp_path, ["-m", "nimbus", "run", "--environment", spec, str(prog)])
+    _in_environment(done, envdir, "geo")
+    direct = tmp_path / "direct.py"  # no `nimbus run`: the program imports nimbus's own
+    direct.write_text(ENV_PROGRAM.format(mp="nimbus.multiprocessing"))
+    _in_environment(
+        _run_program(tmp_path, [str(direct)], {"NIMBUS_ENVIRONMENT": spec}), envdir, "geo"
+    )
+
+
+def test_nimbus_run_environment_by_the_name_it_was_built_as(
+    wheelhouse: str, envdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stranger #2: `nimbus environments build NAME ...` then `nimbus run --environment NAME`
+    (or NIMBUS_ENVIRONMENT=NAME) runs the processes in it; a name not built is refused."""
+    argv = ["environments", "build", "geo2", "-r", "six==1.16.0", "--wheelhouse", wheelhouse]
+    assert cli_main(argv) == 0
+    capsys.readouterr()
+    prog = tmp_path / "prog.py"
+    prog.write_text(ENV_PROGRAM.format(mp="multiprocessing"))
+    done = _run_program(tmp_path, ["-m", "nimbus", "run", "--environment", "geo2", str(prog)])
+    _in_environment(done, envdir, "geo2")
+    by_variable = ["-m", "nimbus", "run", str(prog)]
+    _in_environment(
+        _run_program(tmp_path, by_variable, {"NIMBUS_ENVIRONMENT": "geo2"}), envdir, "geo2"
+    )
+    direct = tmp_path / "direct.py"
+    direct.write_text(ENV_PROGRAM.format(mp="nimbus.multiprocessing"))
+    _in_environment(
+        _run_program(tmp_path, [str(direct)], {"NIMBUS_ENVIRONMENT": "geo2"}), envdir, "geo2"
+    )
+    unknown = _run_program(tmp_path, ["-m", "nimbus", "run", "--environment", "geo3", str(prog)])
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert unknown.stderr.splitlines() == [
+        "nimbus run: --environment='geo3': no environment of that name is built on this node; "
+        "`nimbus environments list` shows those that are, `nimbus environments build geo3 "
+        "-r PACKAGE` builds one"
+    ]
+    assert environments.resolve("geo2") == Environment("geo2", ["six==1.16.0"], wheelhouse)
+
+
+SANDBOX_PROGRAM = """
+import multiprocessing, sys, time
+from multiprocessing import Pool, Process, Queue
+
+if __name__ == "__main__":
+    p = Process(target=print, args=("alone",))  # a process without shared state runs
+    p.start()
+    p.join()
+    print("exit", p.exitcode, flush=True)
+    for make in (lambda: Pool(2), Queue, lambda: multiprocessing.Value("i", 0)):
+        start = time.monotonic()
+        try:
+            make()
+        except Exception as exc:
+            print(type(exc).__name__, round(time.monotonic() - start), exc, flush=True)
+"""
+
+
+@needs_bwrap
+def test_shared_state_in_a_sandboxed_program_fails_at_once(tmp_path: Path) -> None:
+    """Stranger #3: a Pool (a Queue, a Value) for processes in a sandbox, which cannot reach
+    the program's store, is refused where it is made, saying so (it hung for ever)."""
+    spec = json.dumps(Environment("jail", sandbox=True).to_dict())
+    prog = tmp_path / "prog.py"
+    prog.write_text(SANDBOX_PROGRAM)
+    done = _run_program(tmp_path, ["-m", "nimbus", "run", "--environment", spec, str(prog)])
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["alone", "exit 0"], done.stdout
+    assert len(lines) == 5
+    for line in lines[2:]:
+        assert line.startswith("ConfigError 0 the program's processes run in the sandboxed "
+                               "environment 'jail'"), line  # fmt: skip
+        assert "shared state (Pool, Queue, Pipe, Lock, Value, Array) is not available" in line

@@ -453,10 +453,21 @@ def test_children_see_the_main_script_as_main(
 
 
 def test_endpoint_option_and_the_cli_parser(tmp_path: Path) -> None:
-    code = "import os, sys; print(os.environ['NIMBUS_ENDPOINT'], sys.argv)"
-    done = _python("-m", "nimbus", "run", "--endpoint", "hpc", "-c", code, "x", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == "hpc ['-c', 'x']\n"
+    """--endpoint is checked before the program starts: with no service configured (an
+    empty config directory) it is one line naming the option given, status 2."""
+    marker = tmp_path / "started"
+    code = f"open({str(marker)!r}, 'w')"
+    (tmp_path / "empty.toml").write_text("")
+    env = {**ENV, "XDG_CONFIG_HOME": str(tmp_path), "NIMBUS_CONFIG": str(tmp_path / "empty.toml")}
+    for key in ("NIMBUS_SERVICE_URL", "NIMBUS_TOKEN", "NIMBUS_ENDPOINT"):
+        env.pop(key, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "nimbus", "run", "--endpoint", "hpc", "-c", code, "x"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("nimbus run: --endpoint=hpc: no nimbus service configured")
+    assert len(done.stderr.splitlines()) == 1 and not marker.exists()
     prog = _script(
         tmp_path, "import sys, multiprocessing\nprint(multiprocessing.__name__)\nsys.exit(4)\n"
     )
@@ -465,6 +476,74 @@ def test_endpoint_option_and_the_cli_parser(tmp_path: Path) -> None:
     )
     assert via_cli.returncode == 4, via_cli.stderr
     assert via_cli.stdout == "nimbus.multiprocessing\n"
+
+
+def test_options_without_a_value_and_the_usage(tmp_path: Path) -> None:
+    """Stranger #7: `-m`, `-c`, `--environment`, `--endpoint` last say they need a value
+    (not "unknown option"); with nothing to run the usage names -c too; status 2."""
+    for option in ("-m", "-c", "--environment", "--endpoint", "--environment="):
+        done = _python("-m", "nimbus", "run", option, cwd=tmp_path)
+        assert done.returncode == 2, (option, done.stderr)
+        assert f"option {option.rstrip('=')} needs a value" in done.stderr, done.stderr
+    bare = _python("-m", "nimbus", "run", cwd=tmp_path)
+    assert bare.returncode == 2
+    assert "no script, -m MODULE or -c CODE to run" in bare.stderr and "-c CODE" in bare.stderr
+    glued = _python("-m", "nimbus", "run", "-cimport sys; print(sys.argv)", "a", cwd=tmp_path)
+    assert glued.returncode == 0 and glued.stdout == "['-c', 'a']\n", glued.stderr
+
+
+@pytest.mark.timeout(120)
+def test_nimbus_run_directory_with_main_runs_as_python_does(tmp_path: Path) -> None:
+    """Stranger #7: `nimbus run app ARGS` with app/__main__.py runs it as `python app ARGS`:
+    argv[0] is the directory, sys.path[0] the directory, its modules import, its Pool works."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "helper.py").write_text("def square(x):\n    return x * x\n")
+    (app / "__main__.py").write_text(
+        textwrap.dedent("""
+            import sys, multiprocessing
+            from helper import square
+            if __name__ == "__main__":
+                with multiprocessing.Pool(2) as pool:
+                    print(pool.map(square, [1, 2, 3]))
+                print(sys.argv, sys.path[0] == __import__("os").path.abspath("app"))
+                print(multiprocessing.__name__.split(".")[0])
+        """)
+    )
+    done = _python("-m", "nimbus", "run", "app", "x", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[1, 4, 9]", "['app', 'x'] True", "nimbus"]
+    plain = _python("app", "x", cwd=tmp_path)  # python itself: the same, stdlib multiprocessing
+    assert plain.stdout.splitlines()[:2] == done.stdout.splitlines()[:2], plain.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    missing = _python("-m", "nimbus", "run", "empty", cwd=tmp_path)
+    assert missing.returncode == 2 and "can't open file 'empty'" in missing.stderr
+
+
+def test_a_wrong_environment_is_one_line_before_the_program(tmp_path: Path) -> None:
+    """Stranger #5: --environment (or NIMBUS_ENVIRONMENT) that is not an environment is one
+    line naming what was given, status 2, and the program does not start."""
+    marker = tmp_path / "started"
+    prog = _script(tmp_path, f"open({str(marker)!r}, 'w')\n")
+    env = {**ENV, "NIMBUS_ENVIRONMENTS_DIR": str(tmp_path / "envs")}
+    cases = [
+        (["--environment", '{"name": 1}'], {}, "--environment='{\"name\": 1}': environment name 1"),
+        (["--environment={nope"], {}, "--environment='{nope' is not JSON"),
+        (["--environment", "nosuch"], {}, "--environment='nosuch': no environment of that name"),
+        ([], {"NIMBUS_ENVIRONMENT": "nosuch"}, "NIMBUS_ENVIRONMENT='nosuch': no environment"),
+    ]
+    for options, extra, expected in cases:
+        done = subprocess.run(
+            [sys.executable, "-m", "nimbus", "run", *options, str(prog)],
+            cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True, timeout=60,
+            check=False,
+        )  # fmt: skip
+        assert done.returncode == 2, (options, done.stderr)
+        assert done.stderr.startswith(f"nimbus run: {expected}"), done.stderr
+        assert len(done.stderr.splitlines()) == 1 and not marker.exists()
+    assert "`nimbus environments list`" in done.stderr
+    assert "`nimbus environments build nosuch" in done.stderr
 
 
 ENDPOINT_PROGRAM = """
@@ -513,6 +592,15 @@ def test_nimbus_run_endpoint_runs_on_a_real_endpoint(
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert done.returncode == 5, done.stderr
+    marker = tmp_path / "started"
+    nosuch = subprocess.run(  # stranger #5: refused before the program, naming the option
+        [sys.executable, "-m", "nimbus", "run", "--endpoint", "nosuch", "-c",
+         f"open({str(marker)!r}, 'w')"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert nosuch.returncode == 2 and not marker.exists(), nosuch.stderr
+    assert nosuch.stderr.startswith("nimbus run: --endpoint=nosuch: "), nosuch.stderr
+    assert "`nimbus endpoints list`" in nosuch.stderr and len(nosuch.stderr.splitlines()) == 1
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert lines["sum"] == str(sum(i * i for i in range(8)))
     assert lines["process"] == "49 0 2"  # the endpoint's 2 workers

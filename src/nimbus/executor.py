@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import itertools
-import json
 import threading
 import time
 import uuid
@@ -40,6 +39,7 @@ from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings, check_timeout
 from nimbus.data import DataPath, KeptFuture
 from nimbus.environments import Environment, as_environment
+from nimbus.environments import resolve as resolve_environment
 from nimbus.errors import (
     ConfigError,
     PayloadTooLargeError,
@@ -59,20 +59,15 @@ _SAME: Any = object()  # options(): keep the executor's own
 _PLAIN = frozenset((int, float, str, bytes, bool, type(None)))  # arguments with no data in them
 
 
-def _check_environment(env: Any) -> tuple[Environment | None, str]:
-    """``env`` and its worker type; a name alone is refused with what to pass instead."""
+def _check_environment(
+    env: Any, given: str = "NIMBUS_ENVIRONMENT"
+) -> tuple[Environment | None, str]:
+    """``env`` and its worker type; a name not built on this node is refused with what to
+    pass instead."""
     if env is None:
         return None, ""
-    if isinstance(env, str):  # NIMBUS_ENVIRONMENT: a name, or the JSON of a spec
-        text = env.strip()
-        try:
-            env = Environment.from_dict(json.loads(text)) if text.startswith("{") else None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"NIMBUS_ENVIRONMENT={text!r} is not JSON ({exc}); give a name, or "
-                f"json.dumps(Environment(...).to_dict())"
-            ) from None
-        env = env or Environment(text)
+    if isinstance(env, str):  # a name built on this node (nimbus environments build), or JSON
+        env = resolve_environment(env, given)
     env = as_environment(env)  # ConfigError, as the client's, for anything else
     return env, environment_tag(env)
 
@@ -198,7 +193,7 @@ class Executor(cf.Executor):
         else:
             timeout = self._timeout
         if environment is not _SAME:
-            env, tag = _check_environment(environment)
+            env, tag = _check_environment(environment, "environment")
         else:
             env, tag = self._environment, self._env
         view = _Options(self, timeout, env, tag, keep=bool(keep))

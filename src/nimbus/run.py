@@ -5,8 +5,10 @@
     nimbus run script.py ARGS...         # as `python script.py ARGS...`
     nimbus run -m package.module ARGS... # as `python -m package.module ARGS...`
     nimbus run -c "code" ARGS...         # as `python -c "code" ARGS...`
+    nimbus run DIR ARGS...               # DIR/__main__.py, as `python DIR ARGS...`
     nimbus run --endpoint hpc script.py  # its processes on the endpoint `hpc`
-    nimbus run --environment geo x.py    # its processes in that environment (NIMBUS_ENVIRONMENT)
+    nimbus run --environment geo x.py    # its processes in that environment (NIMBUS_ENVIRONMENT):
+                                         # a name built by `nimbus environments build`, or JSON
     nimbus run --progress script.py      # a bar on stderr for each of its Pool maps
     python -m nimbus run ...             # the same
 
@@ -21,6 +23,9 @@ by warm workers), and by each to its own (``_install.pass_interrupts``):
 they see ``KeyboardInterrupt`` as the stdlib's children and grandchildren do.
 
 A script that does not exist exits with status 2 and names it, as ``python`` does.
+So does an option without its value, and an ``--endpoint`` or ``--environment``
+(or ``NIMBUS_ENDPOINT``, ``NIMBUS_ENVIRONMENT``) that is not one: one line
+naming what was given, before the program starts.
 """
 
 from __future__ import annotations
@@ -62,39 +67,53 @@ def run(args: object) -> int:
     module = getattr(args, "module", None)
     argv = list(getattr(args, "argv", []))
     command = getattr(args, "command", None)
-    if getattr(args, "environment", None):
-        os.environ["NIMBUS_ENVIRONMENT"] = args.environment  # type: ignore[attr-defined]
+    environment = getattr(args, "environment", None)
     program = ["-c", command, *argv] if command is not None else argv
-    return launch(endpoint, module, program, progress=bool(getattr(args, "progress", False)))
+    return launch(
+        endpoint,
+        module,
+        program,
+        progress=bool(getattr(args, "progress", False)),
+        environment=environment,
+    )
 
 
-def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, list[str], bool]:
-    """``[--endpoint NAME] [--progress] (SCRIPT | -m MODULE) ARGS``; options end at the
-    program."""
-    endpoint = module = None
+def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, str | None, list[str], bool]:
+    """``[--endpoint NAME] [--environment NAME] [--progress] (SCRIPT | -m MODULE | -c CODE)
+    ARGS``: endpoint, environment, module, the program's argv, progress. Options end at
+    the program."""
+    endpoint = environment = module = None
     progress = False
     rest = list(argv)
     while rest:
         head = rest[0]
+        name, eq, value = head.partition("=")
         if head == "--progress":
             progress, rest = True, rest[1:]
-        elif head == "--endpoint" and len(rest) > 1:
-            endpoint, rest = rest[1], rest[2:]
-        elif head.startswith("--endpoint="):
-            endpoint, rest = head.split("=", 1)[1], rest[1:]
-        elif head == "--environment" and len(rest) > 1:  # passed on as NIMBUS_ENVIRONMENT
-            os.environ["NIMBUS_ENVIRONMENT"] = rest[1]
-            rest = rest[2:]
-        elif head.startswith("--environment="):
-            os.environ["NIMBUS_ENVIRONMENT"] = head.split("=", 1)[1]
+        elif name in ("--endpoint", "--environment"):
+            if not eq:
+                value = rest[1] if len(rest) > 1 else ""
+                rest = rest[1:]
             rest = rest[1:]
-        elif head == "-c" and len(rest) > 1:  # as python -c: argv[0] is "-c"
-            module, rest = None, rest
+            if not value:
+                _usage(f"option {name} needs a value")
+            if name == "--endpoint":
+                endpoint = value
+            else:
+                environment = value
+        elif head == "-c":  # as python -c: argv[0] is "-c"
+            if len(rest) < 2:
+                _usage("option -c needs a value (the code to run)")
             break
-        elif head == "-m" and len(rest) > 1:
+        elif head.startswith("-c"):
+            rest = ["-c", head[2:], *rest[1:]]
+            break
+        elif head == "-m":
+            if len(rest) < 2:
+                _usage("option -m needs a value (the module to run)")
             module, rest = rest[1], rest[2:]
             break
-        elif head.startswith("-m") and len(head) > 2:
+        elif head.startswith("-m"):
             module, rest = head[2:], rest[1:]
             break
         elif head in ("-h", "--help"):
@@ -109,7 +128,7 @@ def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, list[str], bool
             _usage(f"unknown option {head!r}")
         else:
             break
-    return endpoint, module, rest, progress
+    return endpoint, environment, module, rest, progress
 
 
 def _usage(message: str) -> None:
@@ -119,23 +138,34 @@ def _usage(message: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``nimbus run ARGS`` (``argv``: what follows ``run``) without the rest of the CLI."""
-    endpoint, module, rest, progress = _parse(sys.argv[2:] if argv is None else argv)
-    return launch(endpoint, module, rest, progress=progress)
+    endpoint, environment, module, rest, progress = _parse(sys.argv[2:] if argv is None else argv)
+    return launch(endpoint, module, rest, progress=progress, environment=environment)
 
 
 def launch(
-    endpoint: str | None, module: str | None, argv: list[str], *, progress: bool = False
+    endpoint: str | None,
+    module: str | None,
+    argv: list[str],
+    *,
+    progress: bool = False,
+    environment: str | None = None,
 ) -> int:
     """Install nimbus as ``multiprocessing`` and run the program; its exit status. With
-    ``progress``, each map of its pools draws a bar on stderr (``nimbus._progress``)."""
+    ``progress``, each map of its pools draws a bar on stderr (``nimbus._progress``).
+    ``endpoint`` and ``environment`` (else ``NIMBUS_ENDPOINT``, ``NIMBUS_ENVIRONMENT``)
+    are checked before the program starts: a wrong one is one line and status 2."""
     if module is None and not argv:
-        _usage("no script or -m MODULE to run")
+        _usage("no script, -m MODULE or -c CODE to run")
     command = module is None and argv[0] == "-c"
-    if module is None and argv[0] != "-" and not command and not os.path.isfile(argv[0]):
+    folder = module is None and not command and _main_folder(argv[0])
+    script = module is None and argv[0] != "-" and not command and not folder
+    if script and not os.path.isfile(argv[0]):
         print(f"nimbus run: can't open file {argv[0]!r}: no such file", file=sys.stderr)
         return EXIT_USAGE
-    if endpoint:
-        os.environ["NIMBUS_ENDPOINT"] = endpoint
+    problem = _check_options(endpoint, environment)
+    if problem is not None:
+        print(f"nimbus run: {problem[1]}", file=sys.stderr)
+        return problem[0]
     from nimbus import _install
 
     _install.install()  # Ctrl-C is passed on to the program's processes from here
@@ -150,6 +180,8 @@ def launch(
             code, main = _module(module, argv)
         elif command:
             code, main = _command(argv[1], argv[2:])
+        elif folder:
+            code, main = _folder(argv[0], argv[1:])
         else:
             code, main = _script(argv[0], argv[1:])
     except _NotFound as exc:
@@ -170,6 +202,61 @@ def launch(
 
 class _NotFound(Exception):
     pass
+
+
+def _main_folder(path: str) -> bool:
+    """Whether ``path`` is a directory with a ``__main__.py``, which python runs."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "__main__.py"))
+
+
+def _check_options(endpoint: str | None, environment: str | None) -> tuple[int, str] | None:
+    """Check the endpoint and environment the program's processes are to use, given as
+    options (else from ``NIMBUS_ENDPOINT``/``NIMBUS_ENVIRONMENT``), and pass them on in
+    those variables (an environment as its JSON spec, which every node understands).
+    A problem is ``(exit status, one line naming what was given)``."""
+    from nimbus.config import Settings
+    from nimbus.errors import ConfigError, NimbusError, NotFound, ServiceUnavailable
+
+    given = "--environment" if environment else "NIMBUS_ENVIRONMENT"
+    try:
+        environment = environment or Settings.lookup("environment")
+    except ConfigError as exc:
+        return EXIT_USAGE, str(exc)
+    if environment and environment.strip().lower() != "none":
+        import json
+
+        from nimbus.environments import resolve
+
+        try:
+            spec = resolve(environment, given)
+        except ConfigError as exc:
+            return EXIT_USAGE, str(exc)
+        os.environ["NIMBUS_ENVIRONMENT"] = json.dumps(spec.to_dict())
+    given = "--endpoint" if endpoint else "NIMBUS_ENDPOINT"
+    try:
+        endpoint = endpoint or Settings.lookup("endpoint")
+    except ConfigError as exc:
+        return EXIT_USAGE, str(exc)
+    if not endpoint or endpoint.strip().lower() == "none":
+        return None
+    from nimbus.client import Client
+
+    try:
+        with Client() as client:
+            info = client.get_endpoint(endpoint)
+    except ServiceUnavailable as exc:
+        return 1, f"{given}={endpoint}: {exc}"
+    except NimbusError as exc:
+        listed = not isinstance(exc, NotFound) or "list" in str(exc)
+        hint = "" if listed else "; `nimbus endpoints list` shows those you can use"
+        return EXIT_USAGE, f"{given}={endpoint}: {exc}{hint}"
+    if not info.get("online", True):
+        return 1, (
+            f"{given}={endpoint}: the endpoint is offline: start it with `nimbus endpoint "
+            f"start {endpoint}` on its machine, or run without {given} to run locally"
+        )
+    os.environ["NIMBUS_ENDPOINT"] = endpoint
+    return None
 
 
 def _fresh_main() -> types.ModuleType:
@@ -195,6 +282,30 @@ def _script(path: str, args: list[str]) -> tuple[types.CodeType, types.ModuleTyp
     main.__loader__ = None
     sys.argv[:] = [path, *args]
     return compile(source, name, "exec"), main
+
+
+def _folder(path: str, args: list[str]) -> tuple[types.CodeType, types.ModuleType]:
+    """A directory's ``__main__.py`` and the ``__main__`` it runs in (as ``python path args``:
+    the directory first on ``sys.path``, its ``__main__`` module run by name)."""
+    import runpy
+
+    sys.path[0] = os.path.abspath(path)
+    try:
+        _name, spec, code = runpy._get_main_module_details()  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise _NotFound(str(exc)) from None
+    main = _fresh_main()
+    main.__dict__.update(
+        __name__="__main__",
+        __file__=spec.origin,
+        __cached__=spec.cached,
+        __doc__=None,
+        __loader__=spec.loader,
+        __package__="",
+        __spec__=spec,
+    )
+    sys.argv[:] = [path, *args]
+    return code, main
 
 
 def _command(text: str, args: list[str]) -> tuple[types.CodeType, types.ModuleType]:

@@ -118,8 +118,8 @@ class Settings:
     environment: str | None = setting(
         None,
         c.optional_str("an environment name, its JSON spec, or 'none'", _environment_spec),
-        "environment of tasks: a name, or nimbus.Environment's to_dict() as JSON "
-        "(none: the workers' own Python)",
+        "environment of tasks: a name built with `nimbus environments build`, or "
+        "nimbus.Environment's to_dict() as JSON (none: the workers' own Python)",
     )
     service_url: str | None = setting(
         None,

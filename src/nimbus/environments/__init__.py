@@ -10,7 +10,7 @@ virtualenvs (uv, else pip); ``_isolate`` wraps a worker in bubblewrap or podman;
 
 from __future__ import annotations
 
-from nimbus.environments._build import WORKER_VARIABLE, Prepared, cache, prepare
+from nimbus.environments._build import WORKER_VARIABLE, Prepared, cache, prepare, resolve
 from nimbus.environments._cache import Cache, Entry
 from nimbus.environments._report import held, pools
 from nimbus.environments._spec import PLAIN, Environment, as_environment
@@ -27,4 +27,5 @@ __all__ = [
     "held",
     "pools",
     "prepare",
+    "resolve",
 ]

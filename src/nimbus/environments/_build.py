@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -40,9 +41,9 @@ from nimbus.config import Settings
 from nimbus.environments import _isolate, _venv
 from nimbus.environments._cache import Cache, tree_size
 from nimbus.environments._spec import Environment
-from nimbus.errors import EnvironmentBuildError, VersionMismatchError
+from nimbus.errors import ConfigError, EnvironmentBuildError, VersionMismatchError
 
-__all__ = ["WORKER_VARIABLE", "Prepared", "cache", "prepare"]
+__all__ = ["WORKER_VARIABLE", "Prepared", "cache", "prepare", "resolve"]
 
 WORKER_VARIABLE = "NIMBUS_WORKER_ENVIRONMENT"
 """Set to the environment's name in its workers (a task can ask what it runs in);
@@ -144,6 +145,38 @@ def cache(settings: Settings | None = None) -> Cache:
     else:
         root = settings.environments_path
     return Cache(Path(root))
+
+
+def resolve(text: str, given: str = "NIMBUS_ENVIRONMENT") -> Environment:
+    """The environment ``text`` names: ``Environment.to_dict()`` as JSON, or the name of
+    one built on this node (``nimbus environments build NAME ...``). Anything else is a
+    :class:`ConfigError` naming ``given`` (the option or variable it came from) and
+    what to give instead."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"{given}={text!r} is not JSON ({exc}); give a name built with `nimbus "
+                f"environments build`, or json.dumps(Environment(...).to_dict())"
+            ) from None
+        if not isinstance(data, dict):
+            raise ConfigError(f'{given}={text!r} is not a JSON object such as {{"name": "geo"}}')
+        try:
+            return Environment.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{given}={text!r}: {exc}") from None
+    built = [e for e in cache().entries() if e.state == "built" and text in e.names and e.spec]
+    if not built:
+        raise ConfigError(
+            f"{given}={text!r}: no environment of that name is built on this node; "
+            f"`nimbus environments list` shows those that are, `nimbus environments build "
+            f"{text or 'NAME'} -r PACKAGE` builds one"
+        )
+    spec = max(built, key=lambda e: e.last_use).spec
+    assert spec is not None
+    return dataclasses.replace(spec, name=text)
 
 
 def prepare(env: Environment, *, retry: bool = False) -> Prepared:

@@ -30,6 +30,8 @@ from multiprocessing import current_process, resource_tracker, spawn
 from typing import Any
 
 from nimbus import _install, serialization, statestore
+from nimbus.environments import WORKER_VARIABLE
+from nimbus.environments._venv import NODE_PATH
 from nimbus.multiprocessing import _local, _main, _remote
 from nimbus.multiprocessing import context as nimbus_context
 
@@ -39,6 +41,31 @@ PR_SET_PDEATHSIG = 1
 
 MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 _mains: set[tuple[str, str]] = set()
+
+# A worker started in an environment (``Prepared.command``/``environ``): its import path
+# (the environment's packages first) and the variables that say so, as it started. The
+# parent's sys.path and os.environ, which its children take as spawn's do, lack them.
+_OWN_PATH = [p for p in sys.path if p] if WORKER_VARIABLE in os.environ else None
+_OWN_ENVIRON = {k: os.environ[k] for k in (WORKER_VARIABLE, NODE_PATH) if k in os.environ}
+
+
+def _sys_path(prep: dict[str, Any]) -> list[str]:
+    """The child's ``sys.path``: the parent's, but in an environment's worker the
+    environment's own entries come right after the parent's first (its script's directory)."""
+    path = list(prep.get("sys_path", sys.path))
+    if _OWN_PATH is None or not path:
+        return path
+    return [path[0], *_OWN_PATH, *(p for p in path[1:] if p not in _OWN_PATH)]
+
+
+def _child_environ(prep_environ: dict[str, str]) -> dict[str, str]:
+    """The child's ``os.environ``: the parent's, keeping this environment's variables (and
+    none of the parent's ``PYTHONPATH``, which would put its packages before the environment's)."""
+    if not _OWN_ENVIRON:
+        return prep_environ
+    out = {k: v for k, v in prep_environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    out.update(_OWN_ENVIRON)
+    return out
 
 
 def _import_main(prep: dict[str, Any]) -> None:
@@ -56,7 +83,7 @@ def _import_main(prep: dict[str, Any]) -> None:
         if key in prep and (key, prep[key]) not in _mains:
             try:
                 with _bootstrapping():
-                    spawn.prepare({key: prep[key], "sys_path": prep.get("sys_path", sys.path)})
+                    spawn.prepare({key: prep[key], "sys_path": _sys_path(prep)})
             except RuntimeError as exc:
                 if _from_main_guard(exc):
                     raise
@@ -401,7 +428,9 @@ def _child(
         _local.set_relay_address(prep.pop("relay", None))
         environ = prep.pop("environ", None)
         if environ is not None:
-            _set_environ(environ)
+            _set_environ(_child_environ(environ))
+        if "sys_path" in prep:
+            prep["sys_path"] = _sys_path(prep)
         # sys.path, argv, cwd, the parent's authkey (handing over connections
         # checks it while unpickling) and the main module if not imported yet
         method = prep.pop("nimbus_start_method", None)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from nimbus import serialization, statestore
 from nimbus.config import Settings
-from nimbus.errors import SerializationError
+from nimbus.errors import ConfigError, SerializationError
 from nimbus.multiprocessing import _heap as heap
 from nimbus.statestore import Keys, Program, Root, StateStore, adopt, current, is_root, program
 
@@ -177,8 +177,33 @@ def shared_program() -> Program:
     its warm workers, which then have it, as have the processes they start
     (each would import it at its first use otherwise).
     """
+    _refuse_in_sandbox(Settings.lookup("environment"))
     _import_clients()
     return program()
+
+
+@functools.lru_cache(maxsize=4)
+def _refuse_in_sandbox(environment: str | None) -> None:
+    """Shared state lives in the program's store (and this host's shared memory), which a
+    process in a sandbox (``Environment(sandbox=True)``: no network, its own /tmp, /dev
+    and IPC) cannot reach: a shared object made for such processes would leave them
+    waiting for ever. It is refused here, where it is made, saying so."""
+    if not environment or environment.lower() == "none":
+        return
+    from nimbus.environments import resolve
+
+    try:
+        env = resolve(environment)
+    except ConfigError:
+        return  # (the program's Executor says what is wrong with it)
+    if env.sandbox:
+        raise ConfigError(
+            f"the program's processes run in the sandboxed environment {env.name!r} "
+            f"(NIMBUS_ENVIRONMENT, sandbox=True), which cannot reach the program's state "
+            f"store: shared state (Pool, Queue, Pipe, Lock, Value, Array) is not available "
+            f"in a sandbox; use an environment without sandbox=True, or Process with "
+            f"arguments and exit codes alone, or nimbus.Executor, whose tasks return results"
+        )
 
 
 @functools.cache

@@ -269,7 +269,7 @@ class SharedArray(_Raw):
 def RawValue(typecode_or_type: Any, *args: Any, program: Program | None = None) -> Any:
     """A shared ctypes value, initialised as ``ctype(*args)``; no lock."""
     ctype = _ctype(typecode_or_type)
-    prog = program if program is not None else _site.program()
+    prog = program if program is not None else _site.shared_program()
     return _new(prog, ctype, None, bytes(ctype(*args)))
 
 
@@ -278,7 +278,7 @@ def RawArray(
 ) -> Any:
     """A shared ctypes array of a length or of the items of a sequence; no lock."""
     ctype = _ctype(typecode_or_type)
-    prog = program if program is not None else _site.program()
+    prog = program if program is not None else _site.shared_program()
     if isinstance(size_or_initializer, int):
         if size_or_initializer < 0:
             raise ValueError("array size must be >= 0")
@@ -336,7 +336,7 @@ def Value(
     program: Program | None = None,
 ) -> Any:
     """A shared value guarded by ``lock`` (True: a new RLock; False: none, a raw value)."""
-    prog = program if program is not None else _site.program()
+    prog = program if program is not None else _site.shared_program()
     if lock not in (True, False, None):
         _checked(lock)
     obj = RawValue(typecode_or_type, *args, program=prog)
@@ -354,7 +354,7 @@ def Array(
     program: Program | None = None,
 ) -> Any:
     """A shared array guarded by ``lock`` (True: a new RLock; False: none, a raw array)."""
-    prog = program if program is not None else _site.program()
+    prog = program if program is not None else _site.shared_program()
     if lock not in (True, False, None):
         _checked(lock)
     obj = RawArray(typecode_or_type, size_or_initializer, program=prog)
