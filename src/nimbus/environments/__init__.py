@@ -14,8 +14,10 @@ from nimbus.environments._build import WORKER_VARIABLE, Prepared, cache, prepare
 from nimbus.environments._cache import Cache, Entry
 from nimbus.environments._report import held, pools
 from nimbus.environments._spec import PLAIN, Environment, as_environment
+from nimbus.environments._venv import NODE_PATH
 
 __all__ = [
+    "NODE_PATH",
     "PLAIN",
     "WORKER_VARIABLE",
     "Cache",

@@ -30,8 +30,7 @@ from multiprocessing import current_process, resource_tracker, spawn
 from typing import Any
 
 from nimbus import _install, serialization, statestore
-from nimbus.environments import WORKER_VARIABLE
-from nimbus.environments._venv import NODE_PATH
+from nimbus.environments import NODE_PATH, WORKER_VARIABLE
 from nimbus.multiprocessing import _local, _main, _remote
 from nimbus.multiprocessing import context as nimbus_context
 
