@@ -238,17 +238,17 @@ def test_cancel_and_share_buttons_and_cross_site_posts_refused(
     assert "csrf" not in browser.current_url and "csrf" not in action
     shot(browser, "task-running.png")
     live.until(lambda d: d.find_element(By.CSS_SELECTOR, "#cancel button").click() or True)
-    WebDriverWait(browser, 10).until(lambda d: "cancelled" in d.find_element(By.ID, "task").text)
+    live.until(lambda d: "cancelled" in d.find_element(By.ID, "task").text)
     assert alice.get_task(task_id)["state"] == "cancelled"
 
     browser.get(service.url + f"/endpoints/{lab.endpoint_id}")
     browser.find_element(By.CSS_SELECTOR, "#share input[name=user]").send_keys("bob")
-    browser.find_element(By.CSS_SELECTOR, "#share button").click()
-    WebDriverWait(browser, 10).until(lambda d: "bob" in d.find_element(By.ID, "shared").text)
+    live.until(lambda d: d.find_element(By.CSS_SELECTOR, "#share button").click() or True)
+    live.until(lambda d: "bob" in d.find_element(By.ID, "shared").text)
     assert "bob" in alice.get_endpoint(lab.endpoint_id)["shared_with"]
     shot(browser, "endpoint-shared.png")
-    browser.find_element(By.CSS_SELECTOR, "#shared button").click()  # stop sharing
-    WebDriverWait(browser, 10).until(lambda d: "bob" not in d.find_element(By.ID, "shared").text)
+    live.until(lambda d: d.find_element(By.CSS_SELECTOR, "#shared button").click() or True)
+    live.until(lambda d: "bob" not in d.find_element(By.ID, "shared").text)
     assert alice.get_endpoint(lab.endpoint_id)["shared_with"] == []
 
     # a page of another site posting to the dashboard: refused, nothing changed
