@@ -31,6 +31,7 @@ import asyncio
 import io
 import json
 import time
+import weakref
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 from urllib.parse import urlencode
@@ -97,16 +98,11 @@ async def _visible_ids(
     if group:
         listed = await store.redis.lrange(store.keys.group(group[:64]), 0, WINDOW - 1)
         ids = [m.decode() for m in listed]
-        pipe = store.redis.pipeline(transaction=False)
-        for task_id in ids:
-            pipe.hmget(store.keys.task(task_id), ["owner", "endpoint"])
-        found = await pipe.execute(raise_on_error=False) if ids else []
         ids = [
             task_id
-            for task_id, got in zip(ids, found)
-            if not isinstance(got, Exception)
-            and got[0] is not None
-            and (admin or got[0].decode() == user.user_id)
+            for task_id, got in zip(ids, await _read(ctx, ids))
+            if got[8] is not None  # its owner: another user's task of the group is not shown
+            and (admin or got[8].decode() == user.user_id)
             and (not endpoint or (got[1] or b"").decode() == endpoint)
         ]
         return ids, ids
@@ -125,10 +121,11 @@ local at = cmsgpack.unpack(ARGV[3])
 local out = {}
 for i, id in ipairs(cmsgpack.unpack(ARGV[2])) do
   local v = redis.pcall('HMGET', ARGV[1] .. id, 'state', 'endpoint', 'submitted',
-                        'dispatched', 'ended', 'record')
+                        'dispatched', 'ended', 'record', 'owner')
   if type(v) ~= 'table' or v.err then
-    v = {false}
+    v = {false, false, false, false, false, false, false, false, false}
   else
+    v[9] = v[7]
     local ok, rec = false, nil
     if v[6] then ok, rec = pcall(cmsgpack.unpack, v[6]) end
     if ok and type(rec) == 'table' then
@@ -144,12 +141,14 @@ end
 return cmsgpack.pack(out)
 """
 _AT = msgpack.packb([_NAMES.index(name) + 1 for name in ("worker", "started", "ended")])
-_scripts: dict[Any, Any] = {}  # the queue Redis client -> its registered script
+# the queue Redis client -> its registered script (not keeping a client alive)
+_scripts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 async def _read(ctx: ServiceContext, ids: list[str]) -> list[list[Any]]:
-    """Each task's state, endpoint, submitted, dispatched, ended, and its record's
-    worker, started and ended (state None: unknown or expired; worker None: no record)."""
+    """Each task's state, endpoint, submitted, dispatched, ended, its record's worker,
+    started and ended, and its owner (state None: unknown or expired; worker None: no
+    record)."""
     if not ids:
         return []
     redis = ctx.store.redis
