@@ -27,18 +27,18 @@ request's drawing (see ``bench``: about 0.3 s for WINDOW bars), only when asked.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import time
 import weakref
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 from urllib.parse import urlencode
 
 import msgpack
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from nimbus.records import TaskRecord, TaskState
@@ -47,12 +47,11 @@ from nimbus.service.dashboard import _session
 from nimbus.service.dashboard._html import Html, esc, join, layout
 from nimbus.service.dashboard._routes import (
     HEADERS,
-    KEEPALIVE,
-    RECHECK,
     _ctx,
     _html,
     _is_admin,
     _Names,
+    _stream,
     _to_login,
 )
 from nimbus.service.dashboard._tasks import LIVE_WINDOW, index
@@ -260,41 +259,37 @@ async def timeline_stream(request: Request) -> Response:
     endpoint, group = _query(request)
     names = _Names(ctx, user)
 
-    key = index(ctx.store, user.user_id, _is_admin(ctx, user))
+    admin = _is_admin(ctx, user)
+    key = index(ctx.store, user.user_id, admin)
 
-    async def events() -> Any:
-        """Every bar once, then each TICK the watched tasks not yet ended (a batch's
-        tasks, read once; else the index's newest LIVE_WINDOW, read each time)."""
-        sent: dict[str, Span] = {}
-        todo, watched = await _visible_ids(ctx, user, endpoint, group)
-        first = True
-        checked = beat = time.monotonic()
-        yield "retry: 1000\n\n"
-        while not ctx.hub.closing:
-            changed = [s for s in await spans(ctx, names, todo, endpoint) if sent.get(s.id) != s]
-            if first or changed:
-                for bar in changed:
-                    sent[bar.id] = bar
-                data = json.dumps({"now": time.time(), "spans": [asdict(s) for s in changed]})
-                yield f"event: spans\ndata: {data}\n\n"
-            first = False
-            now = time.monotonic()
-            if now - beat > KEEPALIVE:
-                beat = now
-                yield ": keepalive\n\n"
-            if now - checked > RECHECK:
-                checked = now
-                if await _session.viewer(request, ctx) is None:
-                    return
-            await asyncio.sleep(TICK)
-            if not group:
-                newest = await ctx.store.redis.zrevrange(key, 0, LIVE_WINDOW - 1)
-                watched = [member.decode() for member in newest]
-            if len(sent) > 4 * WINDOW:
-                sent = {k: sent[k] for k in watched if k in sent}
+    sent: dict[str, Span] = {}
+    todo: list[str] = []
+    watched: list[str] = []
+    first = True
+
+    async def look() -> AsyncIterator[str]:
+        """Every bar once, then, each time the user's tasks moved (pushed: ``_stream``),
+        the watched tasks not yet ended (a batch's tasks, read once; else the index's
+        newest LIVE_WINDOW, read each time)."""
+        nonlocal sent, todo, watched, first
+        if first:
+            todo, watched = await _visible_ids(ctx, user, endpoint, group)
+        elif not group:
+            newest = await ctx.store.redis.zrevrange(key, 0, LIVE_WINDOW - 1)
+            watched = [member.decode() for member in newest]
+        if len(sent) > 4 * WINDOW:
+            sent = {k: sent[k] for k in watched if k in sent}
+        if not first:
             todo = [i for i in watched if i not in sent or sent[i].r1 == 0]
+        changed = [s for s in await spans(ctx, names, todo, endpoint) if sent.get(s.id) != s]
+        if first or changed:
+            for bar in changed:
+                sent[bar.id] = bar
+            data = json.dumps({"now": time.time(), "spans": [asdict(s) for s in changed]})
+            yield f"event: spans\ndata: {data}\n\n"
+        first = False
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
+    return _stream(request, ctx, look, TICK, None if admin else user.user_id)
 
 
 def _boxes(parts: list[tuple[float, float, float, float]]) -> Any:
