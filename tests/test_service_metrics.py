@@ -117,6 +117,8 @@ def test_histograms_and_net_bytes_are_the_same_from_every_service_process(
             naps = client.batch_run(nap, [(0.3,)] * 3, endpoint="histo")
             moved = client.run(ship, 100_000, endpoint="histo")
             bad = client.run(int, "x", endpoint="histo")
+            slow = client.run(nap, 60, endpoint="histo")
+            assert client.cancel(slow)  # counted by state; no run for the histograms
             assert [client.get_result(i, timeout=60) for i in naps] == [0.3] * 3
             assert client.get_result(moved, timeout=60) == 100_000
             with pytest.raises(ValueError):
@@ -139,6 +141,7 @@ def test_histograms_and_net_bytes_are_the_same_from_every_service_process(
         assert a[("nimbus_task_queue_wait_seconds_sum", ep(eid))] >= 0
         assert a[("nimbus_endpoint_tasks_finished_total", ep(eid, state="success"))] == 4
         assert a[("nimbus_endpoint_tasks_finished_total", ep(eid, state="failed"))] == 1
+        assert a[("nimbus_endpoint_tasks_finished_total", ep(eid, state="cancelled"))] == 1
         record = client_record(first, moved)
         assert record["net_bytes_out"] >= 100_000 and record["net_bytes_in"] >= 100_000
         for d in ("in", "out"):

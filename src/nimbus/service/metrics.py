@@ -227,7 +227,7 @@ async def render(ctx: ServiceContext) -> str:
                 [
                     (_label(e, state=s.value), int(counters[e].get(f"done:{s.value}".encode(), 0)))
                     for e in ids
-                    for s in (TaskState.SUCCESS, TaskState.FAILED)
+                    for s in (TaskState.SUCCESS, TaskState.FAILED, TaskState.CANCELLED)
                 ],
             ),
             *(_histogram(name, text, kind, counters) for kind, (name, text) in HISTOGRAMS.items()),

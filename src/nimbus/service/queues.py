@@ -241,10 +241,13 @@ return n
 
 _CANCEL = (
     _RELEASE
+    + COUNT
     + """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st or st == 'success' or st == 'failed' or st == 'cancelled' then return false end
 release(KEYS[1])
+count('cancelled', nil, nil, nil)  -- by state only: it has no run to put in the histograms
+flush(KEYS[3])
 local data = redis.call('HGET', KEYS[1], 'data')
 redis.call('HSET', KEYS[1], 'state', 'cancelled', 'result', ARGV[1], 'ended', ARGV[2])
 redis.call('HDEL', KEYS[1], 'payload', 'data')
@@ -460,7 +463,11 @@ class TaskStore:
         """Cancel a task not yet done (None if it was): the agent connection holding it
         ('' if none) and the data-store blob of its arguments ('' if none), to remove."""
         done = await self._cancel(
-            keys=[self._task_prefix + task_id, self.keys.endpoint_inflight(endpoint_id)],
+            keys=[
+                self._task_prefix + task_id,
+                self.keys.endpoint_inflight(endpoint_id),
+                metrics_key(self.keys, endpoint_id),
+            ],
             args=[CANCELLED_RESULT, repr(time.time()), self.result_ttl, task_id, self._data_prefix],
         )
         if done is None:
