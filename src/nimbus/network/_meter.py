@@ -156,12 +156,12 @@ class TaskNet:
             extra = {"net_source": "netns", "colocated": summary(samples)}
             self.samples = [samples[-1]]  # if the next task comes at once: the latest
         if data == self._start:
-            return 0, 0, dict(extra)  # the task's own: a caller may add to it
+            return 0, 0, extra  # the last task's while unchanged (the gauge sends it once)
         (sin, sout), (rin, rout) = self._bytes(self._start), self._bytes(data)
         nin, nout = rin - sin, rout - sout
-        extra = dict(extra)
         if nin == 0 and nout == 0:
             return 0, 0, extra
+        extra = dict(extra)
         sretrans, ssegs, sdups = self._start_tcp
         retrans, segs = tcp_counters(self._snmp)
         dups = duplicates_received(self._netstat)
