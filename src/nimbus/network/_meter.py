@@ -24,6 +24,13 @@ a loaded host it takes the CPU the caller needs for that result
 shorter than the flusher's first look (2 ms) has the latest sample, at most
 ``RESAMPLE`` old; a longer one has samples while it ran.
 
+The pread is the cheapest exact read found (in a worker namespace, after a
+200 us pause as between tasks; 100k back-to-back reads in brackets): this one
+7.0 us (4.8); netlink ``RTM_GETSTATS`` (``IFLA_STATS_LINK_64``, the same
+counts) 9.0 us (3.4): two system calls; ``RTM_GETLINK`` (6.4); sysfs
+``statistics/*`` is not there (``nsenter --net`` keeps the node's ``/sys``)
+and takes four reads for bytes and packets (6.0, under ``ip netns exec``).
+
 A worker knows it has a namespace of its own by the device ``nimbus0`` in
 ``/proc/self/net/dev`` (see ``_link``); without one :meth:`TaskNet.here` is
 None and the socket counts of ``nimbus.telemetry`` stay (``net_source``
@@ -156,12 +163,12 @@ class TaskNet:
             extra = {"net_source": "netns", "colocated": summary(samples)}
             self.samples = [samples[-1]]  # if the next task comes at once: the latest
         if data == self._start:
-            return 0, 0, dict(extra)  # the task's own: a caller may add to it
+            return 0, 0, extra  # the last task's while unchanged (the gauge sends it once)
         (sin, sout), (rin, rout) = self._bytes(self._start), self._bytes(data)
         nin, nout = rin - sin, rout - sout
-        extra = dict(extra)
         if nin == 0 and nout == 0:
             return 0, 0, extra
+        extra = dict(extra)
         sretrans, ssegs, sdups = self._start_tcp
         retrans, segs = tcp_counters(self._snmp)
         dups = duplicates_received(self._netstat)

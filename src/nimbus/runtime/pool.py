@@ -77,6 +77,7 @@ class Worker:
         "kill_reason",
         "kill_task",
         "name",
+        "net",
         "pid",
         "proc",
         "ready",
@@ -103,6 +104,7 @@ class Worker:
         self.recalling = False  # a RECALL is on its way: wait for its HANDBACK
         self.retiring = False  # its slot went to another environment: closed when idle
         self.head_since = 0.0  # when the first inflight task was said to be running
+        self.net: dict[str, Any] | None = None  # its last network fields (a row's None: these)
 
 
 def worker_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
