@@ -214,7 +214,7 @@ class Executor(cf.Executor):
         env: str = "",
         limits: Any = None,
     ) -> Future:
-        plain = not kwargs and all(type(a) in _PLAIN for a in args)  # no File, Ref, future
+        plain = not kwargs and _PLAIN.issuperset(map(type, args))  # no File, Ref, future
         if not plain and data.has_files(args, kwargs):  # checked now, staged before the task
             args, kwargs = data.stage_files(self, args, kwargs)
         if keep or (not plain and data.uses_data(args, kwargs)):
@@ -273,7 +273,7 @@ class Executor(cf.Executor):
             owner=future,
             environment=environment,
             env=env,
-            wraps=self._path.wraps(label),
+            wraps="" if label is None else self._path.wraps(label),
         )
         future._task = task
         future._stop = self._backend.cancel

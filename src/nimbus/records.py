@@ -44,6 +44,7 @@ How the worker measures (see ``nimbus.telemetry``):
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, fields
 
 __all__ = ["TaskRecord", "TaskState"]
@@ -124,7 +125,7 @@ class TaskRecord:
 
     def to_wire(self) -> list[object]:
         """A compact list for msgpack (the state as its value)."""
-        row = [getattr(self, name) for name in _NAMES]  # astuple deep-copies: 15x slower
+        row = list(_VALUES(self))  # one C call; astuple deep-copies: 15x slower
         row[1] = self.state.value
         return row
 
@@ -141,4 +142,5 @@ class TaskRecord:
 
 
 _NAMES = tuple(f.name for f in fields(TaskRecord))
+_VALUES = operator.attrgetter(*_NAMES)  # every field's value, in order (to_wire)
 _NETWORK = ("net_source", "net_nimbus_in", "net_nimbus_out", "tcp", "colocated")
