@@ -74,6 +74,7 @@ def where_six() -> tuple[str, str, str]:
 def test_public_names() -> None:
     assert sorted(environments.__all__) == sorted(
         [
+            "NODE_PATH",
             "PLAIN",
             "WORKER_VARIABLE",
             "Cache",

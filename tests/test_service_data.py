@@ -226,10 +226,13 @@ def _raw(service: Service, *parts: bytes, timeout: float = 60) -> tuple[bytes, f
     start = time.monotonic()
     reply = b""
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-        for part in parts:
-            sock.sendall(part)
-        while chunk := sock.recv(65536):
-            reply += chunk
+        try:
+            for part in parts:
+                sock.sendall(part)
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except (ConnectionResetError, BrokenPipeError):  # it answered and closed with our
+            pass  # bytes unread: the kernel resets the connection (what came is kept)
     return reply, time.monotonic() - start
 
 
