@@ -24,7 +24,7 @@ from nimbus.data._file import File, Out, Staged
 from nimbus.data._ref import MAX_SCAN, Ref, Session, owner_namespace, register, session
 from nimbus.errors import DataError
 
-__all__ = ["bind", "open_session", "uses_data", "waiting_on", "when_done"]
+__all__ = ["bind", "failed_among", "open_session", "uses_data", "waiting_on", "when_done"]
 
 
 def _items(value: Any) -> Any:
@@ -67,6 +67,17 @@ def waiting_on(args: tuple[Any, ...], kwargs: dict[str, Any], where: Session) ->
         elif isinstance(value, cf.Future) and not value.done():
             waiting.append(value)
     return waiting
+
+
+def failed_among(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[cf.Future]:
+    """The futures among the arguments that failed or were cancelled."""
+    return [
+        value
+        for value in _walk(args, kwargs)
+        if isinstance(value, cf.Future)
+        and value.done()
+        and (value.cancelled() or value.exception() is not None)
+    ]
 
 
 def _bound(value: Any, where: Session, holds: list[Ref], promised: Collection[Any] = ()) -> Any:

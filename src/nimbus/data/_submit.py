@@ -29,7 +29,7 @@ from typing import Any
 
 from nimbus import serialization
 from nimbus._future import Future
-from nimbus.data._bind import bind, open_session, waiting_on, when_done
+from nimbus.data._bind import bind, failed_among, open_session, waiting_on, when_done
 from nimbus.data._carry import carry
 from nimbus.data._ref import Ref, Session, new_id
 from nimbus.data._task import run
@@ -69,6 +69,10 @@ class KeptFuture(Future):
                 raise
             again = self._path.again(self)  # a pure task: made again, then fetched
             return again.result(timeout)
+
+
+def _done_well(future: cf.Future[Any]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def fail(future: cf.Future[Any], error: BaseException | None) -> None:
@@ -163,6 +167,8 @@ class DataPath:
                 scope = scope._replace(ref_id=new_id())
                 where = (session.namespace, session.user, session.endpoint, 0)
                 future._promise = Ref(scope.ref_id, *where)  # type: ignore[attr-defined]
+        if ahead:  # inputs that failed already: InputFailed as for the others
+            waiting += failed_among(args, kwargs)
         ahead = ahead and all(self.made(f) for f in waiting)
         if keep and getattr(fn, "__nimbus_pure__", False):
             future._recipe = (fn, args, kwargs, timeout, environment, env, limits)  # type: ignore[attr-defined]
@@ -172,7 +178,9 @@ class DataPath:
         def send() -> None:
             if future.done():
                 return
-            after = {f for f in waiting if not f.done()} if ahead else set()
+            # ahead: every input not done, or failed (the backend fails this task with
+            # InputFailed naming it), is named; those done well are bound as they are
+            after = {f for f in waiting if not _done_well(f)} if ahead else set()
             try:  # a dependency that failed fails this task with its error
                 bound, bound_kw, holds = bind(args, kwargs, session, after)
             except BaseException as exc:

@@ -17,7 +17,8 @@ and the dependent's arguments name it by the reference the client chose for it
 
 from __future__ import annotations
 
-import functools
+import asyncio
+import logging
 import pickle
 
 from nimbus.errors import InputFailed
@@ -27,6 +28,8 @@ from nimbus.service.context import STATUS_ERROR, ServiceContext
 from nimbus.service.queues import Held
 
 __all__ = ["held_by", "settle"]
+
+log = logging.getLogger(__name__)
 
 MAX_ROUNDS = 10_000  # a chain of held tasks failed link by link (a guard, never reached)
 _WHAT = {"failed": "failed", "cancelled": "was cancelled"}
@@ -59,5 +62,24 @@ async def settle(ctx: ServiceContext, woken: list[str], failed: list[Held]) -> N
 
 
 def held_by(ctx: ServiceContext) -> None:
-    """Let ``ctx``'s task store settle held tasks through ``ctx`` (its hub and data)."""
-    ctx.store.settle = functools.partial(settle, ctx)
+    """Let ``ctx``'s task store settle held tasks through ``ctx`` (its hub and data):
+    dispatchers are woken at once; held tasks are failed just after (in a task of the
+    loop), so that the input's own result, delivered by the caller of the step that
+    ended it, reaches its client first."""
+    running: set[asyncio.Task[None]] = set()
+
+    async def settled(woken: list[str], failed: list[Held]) -> None:
+        for endpoint_id in woken:
+            ctx.hub.work_arrived(endpoint_id)
+        if failed:
+            job = asyncio.ensure_future(settle(ctx, [], failed))
+            running.add(job)
+            job.add_done_callback(_logged)
+            job.add_done_callback(running.discard)
+
+    ctx.store.settle = settled
+
+
+def _logged(job: asyncio.Task[None]) -> None:
+    if not job.cancelled() and job.exception() is not None:
+        log.error("failing tasks held for a failed input failed", exc_info=job.exception())
