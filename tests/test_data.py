@@ -22,7 +22,7 @@ from nimbus import Client, Executor, serialization
 from nimbus.data import NodeStore, Ref, Scope, default_root, run, store
 from nimbus.data._node import data_base, hold, release, sweep_all
 from nimbus.errors import DataAccessError, DataError, InputFailed, ReferenceLost, ServiceError
-from nimbus.protocol import MSGPACK, Batch, SubmitRow
+from nimbus.protocol import MSGPACK, Batch, submit_row
 from service_support import EndpointProcess, Service
 
 MB = 1 << 20
@@ -601,7 +601,7 @@ def test_a_dependency_on_another_owners_task_is_refused(
             (["0" * 32], 404, "is not known"),
             ([0], 422, "not the place of an earlier task"),
         ):
-            row = SubmitRow(function_id, payload, None, None, after)
+            row = submit_row(function_id, payload, None, None, after)
             body = Batch(lab.endpoint_id, [row]).encode()
             with pytest.raises(ServiceError, match=why) as caught:
                 bob.request(

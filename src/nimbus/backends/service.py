@@ -78,6 +78,7 @@ from nimbus.protocol import (
     new_row,
     pack_payload,
     payload_size,
+    submit_row,
 )
 from nimbus.protocol.wsclient import ServiceSocket
 from nimbus.records import TaskRecord
@@ -331,8 +332,7 @@ class ServiceBackend:
         for future in task.owner._after:
             place = places.get(future._task)
             after.append(future.record.task_id if place is None else place)
-        row = (task.route, self._payload(task), task.timeout, _environment(task), after)
-        return new_row(SubmitRow, row)
+        return submit_row(task.route, self._payload(task), task.timeout, _environment(task), after)
 
     def _ready(self, tasks: list[Task]) -> list[Task]:
         """``tasks`` that can go in one message now. A task whose inputs are not all

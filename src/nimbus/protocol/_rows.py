@@ -49,7 +49,9 @@ __all__ = [
     "TaskRow",
     "check_environment",
     "check_owner",
+    "inputs_of",
     "new_row",
+    "submit_row",
 ]
 
 SUBMIT_ROW = '[function_id, payload | {"data": data_id}, timeout, environment | None, after?]'
@@ -233,13 +235,14 @@ class TaskRow(NamedTuple):
 
 class SubmitRow(NamedTuple):
     """A task a client submits: ``[function_id, payload | {"data": id}, timeout,
-    environment, after]`` (``after`` only when it has inputs)."""
+    environment]``, and a fifth item, ``after``, when it has inputs: such a row is made
+    with :func:`submit_row` and read with :func:`inputs_of` (a row without inputs packs
+    to the four items of before)."""
 
     function_id: str
     payload: bytes | DataRef
     timeout: float | None
     environment: dict[str, Any] | None = None
-    after: list[str | int] | None = None
 
     @classmethod
     def decode(cls, row: object, field: str) -> SubmitRow:
@@ -272,14 +275,14 @@ class SubmitRow(NamedTuple):
                     f"not {brief(payload)}",
                     WRONG_SHAPE,
                 )
-            return cls(function_id, ref, timeout, environment, after)
+            return submit_row(function_id, ref, timeout, environment, after)
         if not isinstance(payload, bytes):
             raise ProtocolError(
                 f'{field}.payload: expected bytes (pack_payload) or {{"data": data_id}}, '
                 f"not {brief(payload)}",
                 WRONG_SHAPE,
             )
-        return cls(function_id, payload, timeout, environment, after)
+        return submit_row(function_id, payload, timeout, environment, after)
 
     @classmethod
     def decode_all(cls, rows: object, field: str = "tasks") -> list[SubmitRow]:
@@ -290,6 +293,24 @@ class SubmitRow(NamedTuple):
             )
         decode = cls.decode
         return [decode(row, f"{field}[%d]" % i) for i, row in enumerate(rows)]
+
+
+def submit_row(
+    function_id: str,
+    payload: bytes | DataRef,
+    timeout: float | None,
+    environment: dict[str, Any] | None,
+    after: list[str | int] | None,
+) -> SubmitRow:
+    """A submitted row, with ``after`` (the inputs it names) as its fifth item if any."""
+    if after:
+        return _new(SubmitRow, (function_id, payload, timeout, environment, after))
+    return _new(SubmitRow, (function_id, payload, timeout, environment))
+
+
+def inputs_of(row: SubmitRow) -> list[str | int] | None:
+    """The inputs a submitted row names (its fifth item), or None."""
+    return row[4] if len(row) > 4 else None
 
 
 class ResultRow(NamedTuple):

@@ -32,6 +32,7 @@ from nimbus.protocol import (
     brief,
     check_environment,
     check_payload,
+    inputs_of,
     pack,
     too_large,
     unpack,
@@ -49,9 +50,8 @@ Row = tuple[str, bytes, float | None, str, dict[str, Any] | None]
 
 def after_of(rows: list[SubmitRow]) -> list[list[str | int] | None] | None:
     """The inputs each submitted row names (``after``), or None if none names any."""
-    if all(len(row) < 5 or not row[4] for row in rows):
-        return None
-    return [row[4] if len(row) >= 5 else None for row in rows]
+    after = [inputs_of(row) for row in rows]
+    return after if any(after) else None
 
 
 def _inputs(after: list[list[str | int] | None], ids: list[str]) -> list[list[str] | None]:
