@@ -42,6 +42,7 @@ from nimbus.config import MAX_TIMEOUT
 from nimbus.errors import AuthError, NotFound, QuotaExceeded
 from nimbus.records import TaskState
 from nimbus.service.counters import COUNT, metrics_key
+from nimbus.service.held import fail_held_lua, settle_lua
 from nimbus.statestore import Keys
 
 __all__ = ["Broken", "Held", "Taken", "TaskStore"]
@@ -69,47 +70,6 @@ local function release(key)
   end
 end
 """
-
-
-def _settle(prefix: int, then: int, queue: int) -> str:
-    """The Lua of ``settle(id, state)``: a task that ended releases the tasks held for it
-    (``after``). On success each waits for one input less and, at none, joins its
-    endpoint's queue (``woken`` names the endpoints); otherwise each is to fail
-    (``failed``: ``{dependent, input, state}``; the caller makes the error and fails it
-    with ``fail_held``). The task prefix, the suffix of a task's set of dependents and an
-    endpoint queue's key (around the endpoint id: ``queue``, ``queue + 1``) are read
-    from those ARGV places."""
-    return (
-        """
-local woken, failed, named_ep = {}, {}, {}
-local function settle(id, state)
-  local set = ARGV[P] .. id .. ARGV[T]
-  local deps = redis.call('SMEMBERS', set)
-  if #deps == 0 then return end
-  redis.call('DEL', set)
-  for _, d in ipairs(deps) do
-    local dk = ARGV[P] .. d
-    local w = redis.call('HMGET', dk, 'state', 'waits', 'endpoint')
-    if w[1] == 'waiting-for-endpoint' and w[2] then
-      if state ~= 'success' then
-        failed[#failed + 1] = {d, id, state}
-      elseif redis.call('HINCRBY', dk, 'waits', -1) <= 0 then
-        redis.call('HDEL', dk, 'waits')
-        redis.call('RPUSH', ARGV[Q] .. w[3] .. ARGV[R], d)
-        if not named_ep[w[3]] then
-          named_ep[w[3]] = true
-          woken[#woken + 1] = w[3]
-        end
-      end
-    end
-  end
-end
-""".replace("ARGV[P]", f"ARGV[{prefix}]")
-        .replace("ARGV[T]", f"ARGV[{then}]")
-        .replace("ARGV[Q]", f"ARGV[{queue}]")
-        .replace("ARGV[R]", f"ARGV[{queue + 1}]")
-    )
-
 
 _SUBMIT = """
 local t = cmsgpack.unpack(ARGV[2])
@@ -221,7 +181,7 @@ return cmsgpack.pack(out)
 _FINISH = (
     _OWNERS
     + COUNT
-    + _settle(1, 7, 8)
+    + settle_lua(1, 7, 8)
     + """
 local out, drop = {}, {}
 local freed, quotas = {}, {}  -- quota hash -> {tasks, bytes} given back, once per owner at the end
@@ -319,7 +279,7 @@ return n
 _CANCEL = (
     _RELEASE
     + COUNT
-    + _settle(6, 7, 8)
+    + settle_lua(6, 7, 8)
     + """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st or st == 'success' or st == 'failed' or st == 'cancelled' then return false end
@@ -336,36 +296,6 @@ redis.call('HDEL', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[1], 'waits')
 settle(ARGV[4], 'cancelled')
 return {conn or '', data or '', failed}
-"""
-)
-
-# Fail held tasks whose input failed ([[task_id, result], ...] in ARGV[4]), as cancel
-# does (their quota given back); those held for them are returned to fail in turn.
-_FAIL_HELD = (
-    _OWNERS
-    + _RELEASE
-    + _settle(1, 5, 7)
-    + """
-local out, drop = {}, {}
-for _, r in ipairs(cmsgpack.unpack(ARGV[4])) do
-  local key = ARGV[1] .. r[1]
-  local v = redis.call('HMGET', key, 'state', 'waits', 'data', 'owner')
-  if v[1] == 'waiting-for-endpoint' and v[2] then
-    release(key)
-    redis.call('HSET', key, 'state', 'failed', 'result', r[2], 'ended', ARGV[2])
-    redis.call('HDEL', key, 'payload', 'data', 'waits')
-    redis.call('EXPIRE', key, ARGV[3])
-    if v[3] then
-      redis.call('DEL', ARGV[6] .. v[3])
-      drop[#drop + 1] = v[3]
-    end
-    out[#out + 1] = r[1]
-    moved(v[4])
-    settle(r[1], 'failed')
-  end
-end
-if #out > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' ')) end
-return {out, drop, failed}
 """
 )
 
@@ -428,7 +358,7 @@ class TaskStore:
         self._requeue = redis.register_script(_REQUEUE)
         self._running = redis.register_script(_RUNNING)
         self._cancel = redis.register_script(_CANCEL)
-        self._fail_held = redis.register_script(_FAIL_HELD)
+        self._fail_held = redis.register_script(fail_held_lua(_OWNERS, _RELEASE))
         self._then = keys.task_dependents("-")[len(keys.task("-")) :]  # ":then"
         self._queue = keys.endpoint_queue("\0").split("\0")  # around the endpoint id
         # what to do when tasks held for others are released or are to fail (the
