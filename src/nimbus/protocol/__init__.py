@@ -77,7 +77,9 @@ from nimbus.protocol._rows import (
     SubmitRow,
     TaskRow,
     check_environment,
+    inputs_of,
     new_row,
+    submit_row,
 )
 
 __all__ = [
@@ -129,6 +131,7 @@ __all__ = [
     "data_ref",
     "decode_frame",
     "decode_message",
+    "inputs_of",
     "is_result",
     "is_uuid",
     "new_row",
@@ -138,6 +141,7 @@ __all__ = [
     "payload_size",
     "slices",
     "str_list",
+    "submit_row",
     "too_large",
     "unpack",
     "unpack_payload",

@@ -14,7 +14,10 @@ The secret comes in ``NIMBUS_AGENT_SECRET`` (set by the agent in the block's
 environment, never on a command line); proofs are HMAC-SHA256 of the peer's
 nonce, so the secret never crosses the network. The tasks run on the same
 :class:`~nimbus.runtime.manager.Manager` (and workers) as the embedded runtime.
-When the agent goes away, the manager kills its workers and exits.
+When the agent goes away, the manager kills its workers and exits. As the agent
+does on its node, the manager holds its runtime's data directory on this node while
+it runs (removed with its last holder) and sweeps the node's expired objects and
+unused file copies (``nimbus.data.Sweeper``: at start and every 10 s).
 """
 
 from __future__ import annotations
@@ -168,10 +171,14 @@ class NodeManager:
             fork=True,
         )
         manager.start()
+        from nimbus.data import Sweeper  # as the agent: holds this node's data, sweeps it
+
+        data = Sweeper()  # (a thread: after the workers are forked)
         try:
             self._channel = channel = self.connect()
         except BaseException:
             manager.shutdown(wait=True, kill=True)
+            data.close()
             raise
         # a worker forked again later (one was lost) must not keep the agent's link open
         os.register_at_fork(after_in_child=channel.sock.close)
@@ -195,6 +202,7 @@ class NodeManager:
         finally:
             self._stopped.set()
             channel.close()
+            data.close()  # the node's data directory goes with its last holder
         return code
 
     def _handle(self, frames: list[Frame], manager: Manager) -> bool:

@@ -63,7 +63,7 @@ from nimbus.runtime.messages import Status
 from nimbus.service.context import ServiceContext
 from nimbus.service.hub import Peer
 from nimbus.service.registry import hash_token
-from nimbus.service.tasks import cancel_tasks, row_of, submit_tasks
+from nimbus.service.tasks import after_of, cancel_tasks, row_of, submit_tasks
 
 __all__ = ["agent_socket", "client_socket", "tell_lost"]
 
@@ -361,6 +361,10 @@ async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     await ws.accept()
     peer = Peer(uuid.uuid4().hex, ws.send_bytes, digest=hash_token(token or ""), close=ws.close)
     ctx.hub.peers[peer.conn_id] = peer
+
+    def watching(ids: list[str]) -> None:  # before they are queued: a held task may fail at once
+        ctx.hub.watch(ids, peer)
+
     try:
         while True:
             msg = await _receive(ws, CLIENT_SENDS)
@@ -371,7 +375,9 @@ async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                     submit = Submit.decode(msg)
                     endpoint_id = submit.endpoint_id
                     rows = [row_of(row) for row in submit.tasks]
-                    group_id, ids = await submit_tasks(ctx, user, endpoint_id, rows)
+                    group_id, ids = await submit_tasks(
+                        ctx, user, endpoint_id, rows, after_of(submit.tasks), watching
+                    )
                 except (ServiceError, PayloadTooLargeError) as exc:
                     status = exc.status if isinstance(exc, ServiceError) else 413
                     await peer.send(Refused(ref, status or 422, str(exc)).encode())
