@@ -787,3 +787,72 @@ def test_an_older_agent_is_not_sent_an_order(service: Service, alice: Client) ->
     assert "endpoint 'elder' runs an older nimbus" in out.stderr, out.stderr
     assert "nimbus endpoint start elder" in out.stderr
     assert "beat" in heard and "order" not in heard  # sent nothing it would not understand
+
+
+def env_node(x: int) -> tuple[int, str, str]:
+    import os
+
+    import orderpkg  # type: ignore[import-not-found]
+
+    return x, orderpkg.VERSION, os.environ.get("SLURMD_NODENAME", "?")
+
+
+def test_build_and_remove_endpoint_reach_a_slurm_blocks_manager(
+    service: Service, alice: Client, slurm: Any, tmp_path: Path
+) -> None:
+    import dataclasses
+
+    endpoint = EndpointProcess(service, alice, "hpc-orders")
+    endpoint.config = dataclasses.replace(
+        endpoint.config,
+        provider="slurm",
+        partition=slurm.partition,
+        workers_per_node=2,
+        min_blocks=1,
+        init_blocks=1,
+        max_blocks=1,
+        max_idle=60.0,
+        walltime="00:05:00",
+        agent_listen="127.0.0.1:0",
+    )
+    old = dict(os.environ)
+    os.environ.update(service.env | {"SLURM_CONF": str(slurm.conf)})
+    try:
+        endpoint.config.save()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    service.env["SLURM_CONF"] = str(slurm.conf)
+    wheels = _wheel(tmp_path / "wheels", version="2.0")
+    env = Environment("blocked", requirements=["orderpkg==2.0"], wheelhouse=wheels)
+    spec = ["-r", "orderpkg==2.0", "--wheelhouse", wheels, "--endpoint", "hpc-orders"]
+    try:
+        endpoint.start(alice)
+        deadline = time.monotonic() + 90
+        while True:  # until the block's manager has joined the agent
+            out = _env_cli(service, alice.token, "build", "blocked", *spec)
+            if "has no nodes now" not in out.stderr or time.monotonic() > deadline:
+                break
+            assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+            time.sleep(1)
+        assert out.returncode == 0, out.stdout + out.stderr
+        head, line = out.stdout.splitlines()[:2]
+        node = head.rpartition(": ")[2]
+        assert node.startswith("n") and "on 1 node of endpoint hpc-orders" in head, out.stdout
+        assert line.startswith(f"{node}: built in "), out.stdout
+        rows = _rows_until(
+            alice,
+            "hpc-orders",
+            lambda rs: any(r["node"] == node and r["key"] == env.key for r in rs),
+            30,
+        )
+        mine = [r["state"] for r in rows if r["key"] == env.key and r["node"] == node]
+        assert mine == ["built"], rows  # (the agent's machine shares this test's cache)
+        ids = alice.batch_run(env_node, [(1,)], endpoint="hpc-orders", environment=env)
+        assert alice.get_result(ids[0], timeout=120) == (1, "2.0", node)
+        assert _record(alice, ids[0])["build_seconds"] == 0.0  # built before: no build
+        gone = _env_cli(service, alice.token, "remove", "blocked", "--endpoint", "hpc-orders")
+        assert gone.returncode == 0 and f"{node}: removed" in gone.stdout, gone.stdout + gone.stderr
+    finally:
+        endpoint.stop()
+        del service.env["SLURM_CONF"]
