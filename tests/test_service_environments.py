@@ -757,7 +757,6 @@ def test_build_and_remove_endpoint_refuse_wrong_input_doing_nothing(
 
 def test_an_older_agent_is_not_sent_an_order(service: Service, alice: Client) -> None:
     from nimbus.protocol import WS_AGENT, Hello
-
     from service_support import ws_connect
 
     registered = alice.register_endpoint("elder")
