@@ -723,9 +723,13 @@ def test_build_endpoint_with_a_failing_spec_prints_the_cause_per_node(
     line = out.stdout.splitlines()[1]
     assert line.startswith(f"{socket.gethostname()}: failed: environment 'broken'"), out.stdout
     assert "no-such-package-xyz" in line
-    # --no-wait returns once the nodes are asked
+    # --no-wait returns once the nodes are asked; --timeout says who did not say in time
     quick = _env_cli(service, alice.token, *args, "--endpoint", "shop", "--no-wait")
     assert quick.returncode == 0 and "not waiting" in quick.stdout, quick.stdout
+    late = _env_cli(service, alice.token, *args, "--endpoint", "shop", "--timeout", "0")
+    assert late.returncode == 1, late.stdout + late.stderr
+    assert f"{socket.gethostname()}: still building after 0 s" in late.stdout, late.stdout
+    assert "`nimbus environments list --endpoint shop`" in late.stdout
 
 
 def test_build_and_remove_endpoint_refuse_wrong_input_doing_nothing(
