@@ -41,6 +41,14 @@ WAIT_SECONDS = 900.0  # how long `build|remove --endpoint` waits for every node 
 POLL = 0.3  # seconds between two looks at how the nodes do
 
 
+EPILOG = (
+    "With --endpoint: a line per node as it ends; exit status 0 when every node did it, "
+    "1 when one failed (the builder's cause is printed) or did not say in time, 2 when "
+    "nothing was done (unknown endpoint or environment, endpoint offline or too old, "
+    "tasks of the environment not done)."
+)
+
+
 def setup(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = sub.add_parser(
@@ -60,6 +68,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         "so its first task does not wait for it. With --endpoint NAME: on every node of that "
         "endpoint (its own and its blocks'), with the spec given here or, if none is given, "
         "the spec of the environment of that name built on this machine.",
+        epilog=EPILOG,
     )
     build.add_argument("name", help="the environment's name")
     build.add_argument(
@@ -79,6 +88,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         description="Remove every build of an environment (by name, or one by its key) from "
         "this node. With --endpoint NAME: from every node of that endpoint; refused, with "
         "nothing removed, while tasks of it are queued or running there.",
+        epilog=EPILOG,
     )
     remove.add_argument("name", help="a name (or key) shown by `nimbus environments list`")
     for action in (build, remove):

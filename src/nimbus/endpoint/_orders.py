@@ -74,7 +74,9 @@ class Orders:
                 )
             busy = self._runtime.busy(name)
             if busy:
-                said = ", ".join(f"{n} on {m}" for m, n in busy.items())
+                said = ", ".join(
+                    f"{n} queued" if m == "queued" else f"{n} on {m}" for m, n in busy.items()
+                )
                 return Ordered(
                     ref,
                     409,
