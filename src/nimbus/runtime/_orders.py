@@ -34,6 +34,7 @@ __all__ = ["DONE", "KEPT", "ORDERS", "NodeOrders", "named"]
 ORDERS = "orders"  # what a manager that carries out orders says in its JOIN's "can"
 KEPT = 32  # orders whose outcome a manager remembers
 DONE = frozenset({"built", "removed", "failed"})
+_SAYING = threading.Lock()  # orders' outcomes change on several threads
 
 
 def named(tag: str, name: str) -> bool:
@@ -77,11 +78,13 @@ class NodeOrders:
             self._wake()
 
     def _said(self, ref: str, state: str, message: str = "", seconds: float = 0.0) -> None:
-        orders = self.orders
-        orders.pop(ref, None)  # re-inserted: the dict's order is the last change
-        orders[ref] = {"state": state, "message": message[:2000], "seconds": round(seconds, 3)}
-        while len(orders) > KEPT:
-            del orders[next(iter(orders))]
+        said = {"state": state, "message": message[:2000], "seconds": round(seconds, 3)}
+        with _SAYING:  # build threads and the loop: one change at a time
+            orders = self.orders
+            orders.pop(ref, None)  # re-inserted: the dict's order is the last change
+            orders[ref] = said
+            while len(orders) > KEPT:
+                del orders[next(iter(orders))]
 
     def _build_ordered(self, ref: str, env: Environment) -> None:
         began = time.monotonic()

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nimbus.runtime._orders import ORDERS
+from nimbus.runtime._orders import KEPT, ORDERS
 from nimbus.runtime.messages import INLINE_LIMIT, Link
 from nimbus.runtime.node import HANDSHAKE_SECONDS, proof, receive_one
 from nimbus.runtime.task import Task, environment_tag
@@ -290,8 +290,9 @@ class RemoteManager:
                     self.held_environments = beat.get("environments") or {}
                 if "cache" in beat:  # its node's built environments, now and then
                     self.cache = list(beat["cache"])
-                if "orders" in beat:
-                    self.orders.update(beat["orders"])
+                if "orders" in beat:  # how its environment orders went (its last KEPT)
+                    orders = {**self.orders, **beat["orders"]}
+                    self.orders = dict(list(orders.items())[-2 * KEPT :])
             elif frame.kind == Link.NOTICE:
                 if self._on_notice is not None:
                     try:
