@@ -43,7 +43,16 @@ class OrderIn(BaseModel):
             raise ValueError(str(exc)) from None
 
 
-@router.post("/endpoints/{endpoint_id}/environments", status_code=202, tags=["endpoints"])
+@router.post(
+    "/endpoints/{endpoint_id}/environments",
+    status_code=202,
+    tags=["endpoints"],
+    responses={
+        404: {"description": "no such endpoint you may use, or (remove) no node holds the name"},
+        409: {"description": "the endpoint is offline, too old, has no nodes, or (remove) busy"},
+        504: {"description": "its agent did not answer in time"},
+    },
+)
 async def order_environment(endpoint_id: str, body: OrderIn, user: User, ctx: Ctx) -> Any:
     """Build (or remove) an environment on every node of the endpoint now: 202 with the
     order's id and the nodes asked; 409 when the endpoint is offline, its agent too old,
