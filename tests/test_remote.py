@@ -166,3 +166,31 @@ def test_a_block_manager_holds_and_sweeps_its_nodes_data(tmp_path: Path) -> None
         agent.shutdown()
         manager.wait(30)
     assert not any(m.name.startswith(f"{manager.pid}-") for m in holders.iterdir())
+
+
+def test_a_node_too_old_for_orders_fails_them_at_once_saying_why() -> None:
+    """A manager whose JOIN says nothing of orders (an older nimbus on the node) is sent
+    none: its order fails at once, naming the upgrade, instead of never ending."""
+    import socket
+
+    from nimbus.runtime.remote import RemoteManager
+    from nimbus.wire import Channel
+
+    mine, theirs = socket.socketpair()
+    manager = RemoteManager(
+        Channel(mine),
+        {"workers": 2, "node": "n9"},
+        prefetch=2,
+        on_results=lambda tasks: None,
+        on_lost=lambda m, tasks, why: None,
+    )
+    try:
+        manager.order("r1", "remove", "geo")
+        said = manager.orders["r1"]
+        assert said["state"] == "failed" and "nimbus manager on n9 is older" in said["message"]
+        theirs.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing was sent to it
+            theirs.recv(1)
+    finally:
+        mine.close()
+        theirs.close()

@@ -51,6 +51,7 @@ from nimbus.protocol._codec import (
 )
 from nimbus.protocol._messages import (
     MAX_ENVIRONMENTS,
+    MAX_ORDERS,
     MAX_RUNTIME,
     Accepted,
     Ack,
@@ -68,6 +69,7 @@ from nimbus.protocol._messages import (
     Watch,
     decode_message,
 )
+from nimbus.protocol._orders import ACTIONS, ORDERS, Order, Ordered
 from nimbus.protocol._rows import (
     SUBMIT_ROW,
     DataRef,
@@ -83,6 +85,7 @@ from nimbus.protocol._rows import (
 )
 
 __all__ = [
+    "ACTIONS",
     "API",
     "DATA",
     "DELETED",
@@ -90,10 +93,12 @@ __all__ = [
     "INLINE_MIN",
     "LIMITS",
     "MAX_ENVIRONMENTS",
+    "MAX_ORDERS",
     "MAX_RUNTIME",
     "MESSAGE_BYTES",
     "MSGPACK",
     "NOT_MSGPACK",
+    "ORDERS",
     "PYTHON",
     "RECEIVE_MAX",
     "REPLACED",
@@ -113,6 +118,8 @@ __all__ = [
     "Hello",
     "Malformed",
     "Message",
+    "Order",
+    "Ordered",
     "Refused",
     "Result",
     "ResultRow",

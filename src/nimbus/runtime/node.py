@@ -36,6 +36,7 @@ from nimbus import environments
 from nimbus.environments import Environment
 from nimbus.errors import NimbusError
 from nimbus.records import TaskRecord
+from nimbus.runtime._orders import ORDERS
 from nimbus.runtime.manager import Manager
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Link
 from nimbus.runtime.task import Task
@@ -147,6 +148,7 @@ class NodeManager:
                     "pid": os.getpid(),
                     "block": self.block,
                     "python": PYTHON,
+                    "can": [ORDERS],  # environment orders (Link.ORDER)
                 }
             ),
         )
@@ -218,6 +220,11 @@ class NodeManager:
                 self._send(Link.DRAINED, {"held": len(self._tasks)})
             elif frame.kind == Link.STOP:
                 return True
+            elif frame.kind == Link.ORDER:
+                order = unpack(frame.meta)
+                spec = order.get("environment")
+                env = self._environment(spec) if spec else None
+                manager.order(str(order["ref"]), str(order["action"]), str(order["name"]), env)
         return False
 
     def _tasks_of(self, rows: list[list[Any]], buffers: list[Any]) -> list[Task]:
@@ -290,13 +297,18 @@ class NodeManager:
 
     def _beat(self, manager: Manager) -> None:
         beats = 0
+        said: dict[str, Any] = {}
         while not self._stopped.wait(self.heartbeat):
             stats = manager.statistics()
             slots, unused, window = manager.environments()
             beat = {"held": len(self._tasks), "ready": stats["ready"], "window": window}
             beat.update(slots=slots, unused=unused, environments=stats["environments"])
             beat["run"], beat["start"] = manager.costs()
-            if beats % CACHE_EVERY == 0:  # what is built on this node, now and then
+            orders = dict(manager.orders)  # how the environment orders went here
+            if orders:
+                beat["orders"] = orders
+            if beats % CACHE_EVERY == 0 or orders != said:  # what is built here: now and then
+                said = orders
                 try:
                     beat["cache"] = environments.cache().report()
                 except (OSError, NimbusError) as exc:
