@@ -40,6 +40,8 @@ from nimbus.service import metrics, routes, stores, tasks
 from nimbus.service.context import ServiceContext
 from nimbus.service.dashboard import router as dashboard_router
 from nimbus.service.data import DataStore
+from nimbus.service.flusher import Flusher
+from nimbus.service.history import History
 from nimbus.service.hub import Hub
 from nimbus.service.limits import BodyTimeout
 from nimbus.service.queues import TaskStore
@@ -140,9 +142,11 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         store = TaskStore(client, keys, result_ttl=settings.result_ttl)
         data = DataStore(client, keys, settings.service_dir / "data", limit=settings.max_payload)
         await store.requeue_all()
+        store.history = await run_in_threadpool(History, registry.engine)
         app.state.queue_redis = client
         ctx = app.state.ctx = ServiceContext(settings, registry, store, Hub(), data)
         jobs = [
+            asyncio.create_task(Flusher(store, store.history).run()),
             asyncio.create_task(_every(SWEEP_SECONDS, data.sweep, "sweeping the data store")),
             asyncio.create_task(
                 _every(REVOCATION_POLL, _Revocations(ctx, app.state), "revoking tokens")

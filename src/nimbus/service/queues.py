@@ -30,6 +30,7 @@ bytes the service stores and forwards; nothing here unpickles them.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ from nimbus.config import MAX_TIMEOUT
 from nimbus.errors import QuotaExceeded
 from nimbus.records import TaskState
 from nimbus.service.counters import COUNT, metrics_key
+from nimbus.service.history import History
 from nimbus.statestore import Keys
 
 __all__ = ["Broken", "Taken", "TaskStore"]
@@ -198,7 +200,10 @@ for _, quota in ipairs(quotas) do
   if redis.call('HINCRBY', quota, 'tasks', 0 - f[1]) < 0 then redis.call('HSET', quota, 'tasks', 0) end
   if redis.call('HINCRBY', quota, 'bytes', 0 - f[2]) < 0 then redis.call('HSET', quota, 'bytes', 0) end
 end
-if #out > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' ')) end
+if #out > 0 then
+  redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' '))
+  redis.call('XADD', ARGV[7], '*', 'ids', table.concat(out, ' '))  -- for the SQL history
+end
 flush(KEYS[2])
 return {out, drop}
 """
@@ -253,6 +258,7 @@ redis.call('HSET', KEYS[1], 'state', 'cancelled', 'result', ARGV[1], 'ended', AR
 redis.call('HDEL', KEYS[1], 'payload', 'data')
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if data then redis.call('DEL', ARGV[5] .. data) end
+redis.call('XADD', ARGV[6], '*', 'ids', ARGV[4])  -- for the SQL history (history.py)
 local conn = redis.call('HGET', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[2], ARGV[4])
 return {conn or '', data or ''}
@@ -307,6 +313,9 @@ class TaskStore:
         self.result_ttl = max(1, int(result_ttl))
         self._task_prefix = keys.task("")
         self.changes = self._task_prefix + "changed"  # pub/sub channel: tasks moved
+        # stream of the ids of tasks ended, that the flusher moves to the SQL history
+        self.finished = self._task_prefix + "finished"
+        self.history: History | None = None  # where tasks no longer in Redis are read
         self._data_prefix = keys.data("")
         self._submit = redis.register_script(_SUBMIT)
         self._take = redis.register_script(_TAKE)
@@ -430,6 +439,7 @@ class TaskStore:
             endpoint_id,
             _raw([list(row) for row in results]),
             self._data_prefix,
+            self.finished,
         ]
         stored, drop = await self._finish(
             keys=[self.keys.endpoint_inflight(endpoint_id), metrics_key(self.keys, endpoint_id)],
@@ -468,7 +478,14 @@ class TaskStore:
                 self.keys.endpoint_inflight(endpoint_id),
                 metrics_key(self.keys, endpoint_id),
             ],
-            args=[CANCELLED_RESULT, repr(time.time()), self.result_ttl, task_id, self._data_prefix],
+            args=[
+                CANCELLED_RESULT,
+                repr(time.time()),
+                self.result_ttl,
+                task_id,
+                self._data_prefix,
+                self.finished,
+            ],
         )
         if done is None:
             return None
@@ -496,7 +513,23 @@ class TaskStore:
             except ValueError:
                 info["timeout"] = None  # a broken record: its dispatch fails the task
             out.append(info)
+        if self.history is not None and None in out:
+            await self._from_history(task_ids, out)
         return out
+
+    async def _from_history(
+        self, task_ids: Sequence[str], out: list[Any], result: bool = False
+    ) -> None:
+        """Fill the ``None`` of ``out`` with the tasks the SQL history holds."""
+        assert self.history is not None
+        missing = [task_id for task_id, got in zip(task_ids, out) if got is None]
+        found = await asyncio.to_thread(self.history.info, missing)
+        for i, task_id in enumerate(task_ids):
+            if out[i] is None and (info := found.get(task_id)) is not None:
+                if result:
+                    out[i] = (info["state"], info["result"] or b"", info["record"] or b"")
+                else:
+                    out[i] = {k: v for k, v in info.items() if k != "result"}
 
     async def results(self, task_ids: Sequence[str]) -> list[tuple[str, bytes, bytes] | None]:
         """``(state, result, record)`` of each finished task, None for one not finished."""
@@ -504,7 +537,8 @@ class TaskStore:
         for task_id in task_ids:
             pipe.hmget(self._task_prefix + task_id, ["state", "result", "record"])
         out: list[tuple[str, bytes, bytes] | None] = []
-        for values in await pipe.execute(raise_on_error=False):
+        gone = []  # not in Redis (any more): the SQL history may hold them
+        for task_id, values in zip(task_ids, await pipe.execute(raise_on_error=False)):
             if isinstance(values, Exception):  # not a hash: a broken record
                 out.append(None)
                 continue
@@ -513,6 +547,14 @@ class TaskStore:
                 out.append((state.decode(), result or b"", record or b""))
             else:
                 out.append(None)
+                if state is None:
+                    gone.append(task_id)
+        if self.history is not None and gone:
+            found: list[Any] = [None] * len(gone)
+            await self._from_history(gone, found, result=True)
+            where = {task_id: i for i, task_id in enumerate(task_ids)}
+            for task_id, got in zip(gone, found):
+                out[where[task_id]] = got
         return out
 
     async def user_task_ids(self, owner: str, limit: int) -> list[str]:
