@@ -102,6 +102,8 @@ class Flusher:
         self._saved = self.redis.register_script(_SAVED)
         self._next_claim = 0.0
         self.recent = RECENT
+        self.claim_idle = CLAIM_IDLE
+        self.batch = BATCH
         self.written = 0  # rows this flusher wrote
 
     async def start(self) -> bool:
@@ -154,19 +156,19 @@ class Flusher:
         entries: list[tuple[Any, Any]] = []
         now = time.monotonic()
         if now >= self._next_claim:  # entries of a process that died with them
-            self._next_claim = now + CLAIM_IDLE / 2
+            self._next_claim = now + self.claim_idle / 2
             claimed = await self.redis.xautoclaim(
                 self.store.finished,
                 GROUP,
                 self.consumer,
-                int(CLAIM_IDLE * 1000),
+                int(self.claim_idle * 1000),
                 start_id="0-0",
-                count=BATCH,
+                count=self.batch,
             )
             entries += claimed[1]
         if not entries:
             got = await self.redis.xreadgroup(
-                GROUP, self.consumer, {self.store.finished: ">"}, count=BATCH,
+                GROUP, self.consumer, {self.store.finished: ">"}, count=self.batch,
                 block=int(block * 1000) or None,
             )  # fmt: skip
             for _, messages in got or ():
