@@ -92,7 +92,9 @@ def test_pages_filters_and_latency(store: TaskStore, key: str) -> None:
 
             assert len(await every(Filter(state="running"))) == 4  # in the oldest batch
             assert len(await every(Filter(state="dispatched"))) == 6
-            g_on_b, cursor = await page(store, key, Filter(endpoint="ep-b", function="g"), None, 50, None)
+            g_on_b, cursor = await page(
+                store, key, Filter(endpoint="ep-b", function="g"), None, 50, None
+            )
             assert len(g_on_b) == 50 and cursor
             assert {(row.endpoint_id, row.function_id) for row in g_on_b} == {("ep-b", "g")}
 

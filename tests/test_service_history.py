@@ -155,9 +155,7 @@ def test_flushers_move_finished_tasks_once_and_redis_keeps_a_window(
     engine.dispose()
 
 
-def test_an_entry_a_dead_flusher_took_is_written_by_another(
-    store_url: str, tmp_path: Path
-) -> None:
+def test_an_entry_a_dead_flusher_took_is_written_by_another(store_url: str, tmp_path: Path) -> None:
     keys = Keys(Keys.program_id_new())
     engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
 

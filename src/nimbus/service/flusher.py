@@ -44,7 +44,9 @@ __all__ = ["CLAIM_IDLE", "GROUP", "RECENT", "Flusher"]
 
 GROUP = "history"
 RECENT = 10_000  # saved tasks an index keeps in Redis, newest
-CLAIM_IDLE = 30.0  # seconds an entry taken by a process stays unacknowledged before another takes it
+CLAIM_IDLE = (
+    30.0  # seconds an entry taken by a process stays unacknowledged before another takes it
+)
 BATCH = 500  # stream entries read at once (an entry holds the ids of one finish call)
 GATHER = 0.2  # seconds a flusher waits after a write, so that the next is larger
 TRIM_SCAN = 2000  # oldest members of an index looked at by one trim

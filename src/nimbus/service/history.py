@@ -42,7 +42,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 
-__all__ = ["FIELDS", "History", "Query", "SCAN_CAP"]
+__all__ = ["FIELDS", "SCAN_CAP", "History", "Query"]
 
 SCAN_CAP = 5000  # rows a filtered page without an index reads at most
 # the columns a row carries, in the order History.write takes them (the task hash's fields)

@@ -17,7 +17,6 @@ Python sockets only), ``colocated`` (other tasks on the host) and ``tcp``
 from __future__ import annotations
 
 import asyncio
-
 from dataclasses import dataclass
 
 from nimbus.records import TaskRecord
