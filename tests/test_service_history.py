@@ -6,6 +6,7 @@ written by another; Redis keeps a bounded window and the pages still show every 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,3 +187,42 @@ def test_an_entry_a_dead_flusher_took_is_written_by_another(store_url: str, tmp_
 
     asyncio.run(scenario())
     engine.dispose()
+
+
+def test_history_survives_a_restart_that_lost_the_queue_redis(tmp_path: Path) -> None:
+    """Tasks run through a real service and endpoint; the service restarts with a new,
+    empty queue Redis (no ``--persist``): its tasks, their results and records are
+    still listed and read, from the SQL history."""
+    from nimbus.service.registry import Registry
+    from service_support import EndpointProcess, Service, service_env
+
+    service = Service(tmp_path, service_env(tmp_path)).start()
+    try:
+        token = service.token("rita")
+        with service.client(token) as client:
+            agent = EndpointProcess(service, client, "hist-ep", workers=1).start(client)
+            try:
+                ids = [client.run(abs, -i, endpoint="hist-ep") for i in range(5)]
+                assert [client.get_result(i, timeout=60) for i in ids] == list(range(5))
+            finally:
+                agent.stop()
+        registry = Registry(service.settings().registry_url)
+        try:
+            history = History(registry.engine)
+            deadline = time.monotonic() + 30
+            while set(history.info(ids)) != set(ids):  # the flusher moved them
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        finally:
+            registry.close()
+        service.stop()
+        service.start()  # a new embedded Redis: nothing of the old queues
+        with service.client(token) as client:
+            listed = [t["task_id"] for t in client.list_tasks(None, limit=10)]
+            assert set(listed) == set(ids)
+            task = client.get_task(ids[3])
+            assert task["state"] == "success" and task["record"] is not None
+            assert task["record"]["function"] == task["function_id"]  # the worker's record
+            assert client.get_result(ids[3], timeout=10) == 3
+    finally:
+        service.stop()
