@@ -39,7 +39,6 @@ from sqlalchemy import (
     select,
     tuple_,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 
 __all__ = ["FIELDS", "SCAN_CAP", "History", "Query"]
@@ -126,33 +125,27 @@ class History:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         _meta.create_all(engine)
-        name = engine.dialect.name
-        self._insert: Any = (postgresql if name == "postgresql" else sqlite).insert
+        mark = "?" if engine.dialect.paramstyle == "qmark" else "%s"
+        self._insert = (
+            f"INSERT INTO task_history ({', '.join(c.name for c in history.columns)}) "
+            f"VALUES ({', '.join([mark] * len(history.columns))}) "
+            "ON CONFLICT (task_id) DO NOTHING"
+        )
 
     def write(self, rows: Iterable[Sequence[Any]]) -> int:
         """Store finished tasks, each a sequence in :data:`FIELDS` order (bytes or str;
         a task already stored is kept as it was); how many rows were given."""
         values = [
-            {
-                "task_id": _text(r[0]),
-                "owner_id": _text(r[1]),
-                "endpoint_id": _text(r[2]),
-                "function_id": _text(r[3]),
-                "group_id": _text(r[4]),
-                "state": _text(r[5]),
-                "submitted": _number(r[6]),
-                "dispatched": _number(r[7]),
-                "ended": _number(r[8]),
-                "timeout": _number(r[9]) or None,
-                "result": bytes(r[10] or b""),
-                "record": bytes(r[11] or b""),
-            }
+            (
+                _text(r[0]), _text(r[1]), _text(r[2]), _text(r[3]), _text(r[4]), _text(r[5]),
+                _number(r[6]), _number(r[7]), _number(r[8]), _number(r[9]) or None,
+                bytes(r[10] or b""), bytes(r[11] or b""),
+            )
             for r in rows
-        ]
-        if values:
-            statement = self._insert(history).on_conflict_do_nothing(index_elements=["task_id"])
+        ]  # fmt: skip
+        if values:  # the driver's executemany: a third of SQLAlchemy's cost a row
             with self.engine.begin() as connection:
-                connection.execute(statement, values)
+                connection.exec_driver_sql(self._insert, values)
         return len(values)
 
     def page(
