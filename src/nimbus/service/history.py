@@ -7,6 +7,7 @@
       indexes    (owner, submitted, id)  (owner, state, submitted, id)
                  (submitted, id)         (state, submitted, id)
                  (endpoint, submitted, id)  (group, submitted, id)
+                 (function, submitted, id)
 
 Rows arrive in bulk from :mod:`nimbus.service.flusher` (the finish and cancel
 scripts append the ids they ended to a Redis stream; a flusher per service
@@ -14,9 +15,9 @@ process moves them here). :meth:`History.write` is idempotent (a task's first
 row wins), so a batch written twice, after a flusher died between its commit and
 its acknowledgement, is stored once.
 
-A page costs O(log n + the rows read) with an index for its filters (the owner,
-state, endpoint or group); a function filter walks the owner's (or everyone's)
-index and stops after ``SCAN_CAP`` rows, like the Redis reads it joins.
+A page costs O(log n + the rows read) when an index leads with its filter (the
+owner, state, endpoint, group or function); filters combined (an owner's tasks
+on one endpoint) walk the most selective index the database picks.
 Calls are synchronous: the service runs them in a thread.
 """
 
@@ -41,9 +42,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Engine
 
-__all__ = ["FIELDS", "SCAN_CAP", "History", "Query"]
+__all__ = ["FIELDS", "History", "Query"]
 
-SCAN_CAP = 5000  # rows a filtered page without an index reads at most
 # the columns a row carries, in the order History.write takes them (the task hash's fields)
 FIELDS = (
     "task_id",
@@ -82,6 +82,7 @@ history = Table(
     Index("ix_history_state", "state", "submitted", "task_id"),
     Index("ix_history_endpoint", "endpoint_id", "submitted", "task_id"),
     Index("ix_history_group", "group_id", "submitted", "task_id"),
+    Index("ix_history_function", "function_id", "submitted", "task_id"),
 )
 _ROW = (
     history.c.task_id,
@@ -162,6 +163,7 @@ class History:
             (c.state, query.state),
             (c.endpoint_id, query.endpoint),
             (c.group_id, query.group),
+            (c.function_id, query.function),
         ):
             if value:
                 where.append(column == value)
@@ -169,28 +171,11 @@ class History:
             where.append(tuple_(c.submitted, c.task_id) < tuple_(after[0], after[1]))
         order = (c.submitted.desc(), c.task_id.desc())
         with self.engine.connect() as connection:
-            if not query.function:
-                rows = connection.execute(
-                    select(*_ROW).where(and_(True, *where)).order_by(*order).limit(size)
-                ).all()
-                out = [tuple(row) for row in rows]
-                return out, (f"{out[-1][1]!r}~{out[-1][0]}" if len(out) == size else "")
-            # no index for functions: read at most SCAN_CAP rows, then give a cursor
-            scanned = connection.execute(
-                select(*_ROW, c.function_id.label("fn"))
-                .where(and_(True, *where))
-                .order_by(*order)
-                .limit(SCAN_CAP)
+            rows = connection.execute(
+                select(*_ROW).where(and_(True, *where)).order_by(*order).limit(size)
             ).all()
-        out = []
-        for row in scanned:
-            if row[-1] == query.function:
-                out.append(tuple(row[:-1]))
-                if len(out) == size:
-                    return out, f"{row[1]!r}~{row[0]}"
-        if len(scanned) == SCAN_CAP:
-            return out, f"{scanned[-1][1]!r}~{scanned[-1][0]}"
-        return out, ""
+        out = [tuple(row) for row in rows]
+        return out, (f"{out[-1][1]!r}~{out[-1][0]}" if len(out) == size else "")
 
     def info(self, task_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The stored tasks among ``task_ids``, as ``TaskStore.info`` gives them, by id."""
