@@ -54,6 +54,7 @@ Taken = tuple[str, str, bytes, float | None, str, str, dict[str, Any] | None]  #
 
 DONE = (TaskState.SUCCESS.value, TaskState.FAILED.value, TaskState.CANCELLED.value)
 CANCELLED_RESULT = msgpack.packb([2, b"", []])  # Status.SKIPPED, as an agent would send
+ENDPOINT_MARK = "ep:"  # on ``changes``, before an endpoint id whose summary changed
 
 # Rows travel to and from the scripts as one msgpack string (Redis's Lua has
 # cmsgpack, which reads the old "raw" string type: packed with use_bin_type=False).
@@ -591,6 +592,11 @@ class TaskStore:
 
     async def set_status(self, endpoint_id: str, **fields: Any) -> None:
         await self.redis.hset(self.keys.endpoint_status(endpoint_id), mapping=fields)
+
+    async def endpoint_changed(self, endpoint_id: str) -> None:
+        """Say on ``changes`` that an endpoint's summary or connections changed (its
+        dashboard page reads its state again; nothing is read while nothing changes)."""
+        await self.redis.publish(self.changes, ENDPOINT_MARK + endpoint_id)
 
     async def status(self, endpoint_id: str) -> dict[str, str]:
         raw = await self.redis.hgetall(self.keys.endpoint_status(endpoint_id))
