@@ -226,3 +226,38 @@ def test_history_survives_a_restart_that_lost_the_queue_redis(tmp_path: Path) ->
             assert client.get_result(ids[3], timeout=10) == 3
     finally:
         service.stop()
+
+
+def test_tasks_an_older_nimbus_kept_in_redis_only_are_moved_and_a_lost_group_is_made_again(
+    store_url: str, tmp_path: Path
+) -> None:
+    keys = Keys(Keys.program_id_new())
+    engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
+
+    async def scenario() -> None:
+        store = TaskStore(connect_async(store_url), keys, result_ttl=600)
+        store.history = History(engine)
+        flusher = Flusher(store, store.history)
+        try:
+            ids = await _finished(store, "olaf", "ep", 25)
+            await store.redis.delete(store.finished)  # as an older nimbus left Redis
+            await flusher.prepare()  # the first start of this version: they are queued
+            assert await flusher.step(0.1) == 25
+            assert set(store.history.info(ids)) == set(ids)
+            await store.redis.delete(store.finished)  # the queue Redis lost the group
+            job = asyncio.create_task(flusher.run())
+            more = await _finished(store, "olaf", "ep", 5)
+            for _ in range(100):
+                if set(store.history.info(more)) == set(more):
+                    break
+                await asyncio.sleep(0.1)
+            assert set(store.history.info(more)) == set(more)
+            job.cancel()
+        finally:
+            rest = [k async for k in store.redis.scan_iter(match=keys.pattern())]
+            if rest:
+                await store.redis.unlink(*rest)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())
+    engine.dispose()

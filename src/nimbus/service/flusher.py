@@ -138,19 +138,31 @@ class Flusher:
                 await self.redis.xadd(self.store.finished, {"ids": b" ".join(done)})
                 total += len(done)
 
-    async def run(self) -> None:
+    async def prepare(self) -> None:
+        """The consumer group, made if missing; then the older layout's tasks queued."""
         if await self.start():
             queued = await self.backfill()
             if queued:
                 log.info("moving %d finished tasks kept in Redis to the SQL history", queued)
+
+    async def run(self) -> None:
+        ready = False
         while True:
             try:
+                if not ready:
+                    await self.prepare()
+                    ready = True
                 if await self.step():
                     await asyncio.sleep(GATHER)
             except asyncio.CancelledError:
                 raise
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                ready = False  # the queue Redis started again empty: make the group again
             except Exception:  # the queue Redis or the database away: try again
                 log.exception("moving finished tasks to the SQL history")
+                ready = False
                 await asyncio.sleep(1.0)
 
     async def step(self, block: float = 1.0) -> int:
