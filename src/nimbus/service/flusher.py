@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 import redis
+from sqlalchemy.exc import OperationalError
 
 from nimbus.service.history import History
 from nimbus.service.queues import DONE, TaskStore
@@ -160,7 +161,14 @@ class Flusher:
                 if "NOGROUP" not in str(exc):
                     raise
                 ready = False  # the queue Redis started again empty: make the group again
-            except Exception:  # the queue Redis or the database away: try again
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                log.debug("the queue Redis is away (%s): finished tasks wait in it", exc)
+                ready = False  # (its outage is said once, by the service's supervisor)
+                await asyncio.sleep(1.0)
+            except OperationalError as exc:  # the database away or locked: they wait too
+                log.warning("cannot write finished tasks to the SQL history yet: %s", exc)
+                await asyncio.sleep(1.0)
+            except Exception:
                 log.exception("moving finished tasks to the SQL history")
                 ready = False
                 await asyncio.sleep(1.0)
