@@ -179,6 +179,10 @@ def test_an_entry_a_dead_flusher_took_is_written_by_another(store_url: str, tmp_
             assert await live.step(0.05) == 10
             assert set(store.history.info(ids)) == set(ids)
             assert (await store.redis.xpending(store.finished, GROUP))["pending"] == 0
+            live.gone_ms = 0  # the dead process's consumer, nothing pending, is dropped
+            await live.prepare()
+            consumers = await store.redis.xinfo_consumers(store.finished, GROUP)
+            assert b"dead-process" not in {c["name"] for c in consumers}
         finally:
             rest = [k async for k in store.redis.scan_iter(match=keys.pattern())]
             if rest:

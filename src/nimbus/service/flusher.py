@@ -50,6 +50,7 @@ CLAIM_IDLE = (
 )
 BATCH = 500  # stream entries read at once (an entry holds the ids of one finish call)
 GATHER = 0.2  # seconds a flusher waits after a write, so that the next is larger
+GONE_MS = 3_600_000  # a consumer idle this long, with nothing pending, is dropped
 TRIM_SCAN = 2000  # oldest members of an index looked at by one trim
 _FIELDS = ("owner", "endpoint", "function", "group", "state", "submitted", "dispatched",
            "ended", "timeout", "result", "record")  # fmt: skip
@@ -107,6 +108,7 @@ class Flusher:
         self.recent = RECENT
         self.claim_idle = CLAIM_IDLE
         self.batch = BATCH
+        self.gone_ms = GONE_MS
         self.written = 0  # rows this flusher wrote
 
     async def start(self) -> bool:
@@ -140,11 +142,18 @@ class Flusher:
                 total += len(done)
 
     async def prepare(self) -> None:
-        """The consumer group, made if missing; then the older layout's tasks queued."""
-        if await self.start():
-            queued = await self.backfill()
-            if queued:
-                log.info("moving %d finished tasks kept in Redis to the SQL history", queued)
+        """The consumer group, made if missing (then the older layout's tasks queued);
+        the consumers of processes gone (nothing pending, idle an hour) dropped."""
+        if not await self.start():
+            for consumer in await self.redis.xinfo_consumers(self.store.finished, GROUP):
+                if consumer["pending"] == 0 and consumer["idle"] >= self.gone_ms:
+                    await self.redis.xgroup_delconsumer(
+                        self.store.finished, GROUP, consumer["name"]
+                    )
+            return
+        queued = await self.backfill()
+        if queued:
+            log.info("moving %d finished tasks kept in Redis to the SQL history", queued)
 
     async def run(self) -> None:
         ready = False
