@@ -36,7 +36,7 @@ from nimbus.config import Settings
 from nimbus.errors import PayloadTooLargeError, ServiceError
 from nimbus.protocol import WS_AGENT, WS_CLIENT, too_large
 from nimbus.service import data as data_routes
-from nimbus.service import metrics, routes, stores, tasks
+from nimbus.service import local_history, metrics, routes, stores, tasks
 from nimbus.service.context import ServiceContext
 from nimbus.service.dashboard import router as dashboard_router
 from nimbus.service.data import DataStore
@@ -142,11 +142,18 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         store = TaskStore(client, keys, result_ttl=settings.result_ttl)
         data = DataStore(client, keys, settings.service_dir / "data", limit=settings.max_payload)
         await store.requeue_all()
-        store.history = await run_in_threadpool(History, registry.engine)
+        store.history = history = await run_in_threadpool(History, registry.engine)
         app.state.queue_redis = client
         ctx = app.state.ctx = ServiceContext(settings, registry, store, Hub(), data)
         jobs = [
             asyncio.create_task(Flusher(store, store.history).run()),
+            asyncio.create_task(
+                _every(
+                    local_history.INGEST_EVERY,
+                    lambda: run_in_threadpool(local_history.ingest, settings, history),
+                    "keeping local tasks in the history",
+                )
+            ),
             asyncio.create_task(_every(SWEEP_SECONDS, data.sweep, "sweeping the data store")),
             asyncio.create_task(
                 _every(REVOCATION_POLL, _Revocations(ctx, app.state), "revoking tokens")
