@@ -2,10 +2,9 @@
 
 Starts a real service (uvicorn, SQLite, the embedded Redis kept on disk with
 ``--persist``) in a subprocess and stores ``--records`` finished task records
-in its queue Redis directly, in the layout the task store's scripts write (a
-hash per task with its record and result, the user's and the admin's index),
-``FILL`` at a time by one Lua script: the history the pages read, without running
-a million tasks. Then, while ``--rate`` new tasks a second arrive through the
+in its SQL history directly (``nimbus.service.history``, as the flusher writes
+them), ``FILL`` at a time: the history the pages read, without running a
+million tasks. Then, while ``--rate`` new tasks a second arrive through the
 service's submit API (to an endpoint that stays offline), it measures from this
 process:
 
@@ -16,7 +15,7 @@ process:
                         user's page (the arrivals are other users'), an admin's (all)
                         (side by side, alternated, ``--seconds`` each)
     live                submit one task -> its row's event on an open stream
-    memory              the service's and its Redis's resident memory
+    memory              the service's and its Redis's resident memory, the SQLite file
     restart             stop the service, start it again: records still there,
                         first render and p95 again
 
@@ -56,37 +55,6 @@ from _report import grid  # noqa: E402
 CLI = "import sys; from nimbus.cli import main; sys.exit(main())"
 FILL = 10_000  # records stored by one script call
 PROFILE = os.environ.get("BENCH_PROFILE", "").split()  # e.g. "-m cProfile -o FILE"
-
-# ARGV: task prefix, owner, endpoint, function, newest time, first index, count, total,
-# record, result, ttl; KEYS: the user's index, the admin's index
-_FILL = """
-local prefix, owner, endpoint, fn = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local newest, first, count, total = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]),
-  tonumber(ARGV[8])
-local scored = {}
-for i = first, first + count - 1 do
-  local id = string.format('00000000-0000-4000-8000-%012x', i)
-  local t = newest - (total - i) * 0.002
-  local key = prefix .. id
-  redis.call('HSET', key, 'state', 'success', 'owner', owner, 'endpoint', endpoint,
-             'function', fn, 'group', '', 'submitted', t, 'dispatched', t + 0.001,
-             'ended', t + 0.011, 'timeout', '', 'size', 0, 'result', ARGV[10],
-             'record', ARGV[9])
-  redis.call('EXPIRE', key, ARGV[11])
-  scored[#scored + 1] = t
-  scored[#scored + 1] = id
-  if #scored >= 2000 then
-    redis.call('ZADD', KEYS[1], unpack(scored))
-    redis.call('ZADD', KEYS[2], unpack(scored))
-    scored = {}
-  end
-end
-if #scored > 0 then
-  redis.call('ZADD', KEYS[1], unpack(scored))
-  redis.call('ZADD', KEYS[2], unpack(scored))
-end
-return count
-"""
 
 
 def noop() -> None:
@@ -301,20 +269,25 @@ def main() -> None:
         record_bytes = msgpack.packb(record.to_wire())
         result = msgpack.packb([0, msgpack.packb(None), []])
         store = service.redis()
-        fill = store.register_script(_FILL)
+        from sqlalchemy.engine import make_url
+
+        from nimbus.service.history import History
+
+        registry = Registry(settings.registry_url)
+        history = History(registry.engine)
         filled = time.perf_counter()
-        for first in range(0, args.records, FILL):
-            fill(
-                keys=[keys.user_tasks(user_id), keys.all_tasks()],
-                args=[keys.task(""), user_id, endpoint_id, function_id, now, first,
-                      min(FILL, args.records - first), args.records, record_bytes, result,
-                      int(settings.result_ttl)],
-            )  # fmt: skip
+        for first in range(0, args.records, FILL):  # in the SQL history, as the flusher writes
+            batch = []
+            for i in range(first, min(first + FILL, args.records)):
+                t = now - (args.records - i) * 0.002
+                batch.append((f"00000000-0000-4000-8000-{i:012x}", user_id, endpoint_id,
+                              function_id, "", "success", t, t + 0.001, t + 0.011, None,
+                              result, record_bytes))  # fmt: skip
+            history.write(batch)
         filled = time.perf_counter() - filled
-        store.bgrewriteaof()  # what Redis would do by itself soon: not during the figures
-        while store.info("persistence")["aof_rewrite_in_progress"]:
-            time.sleep(0.2)
-        rows.append(("records stored", f"{args.records:,}", f"in {filled:.1f} s (Lua, bulk)"))
+        registry.close()
+        database = Path(make_url(settings.registry_url).database or "")
+        rows.append(("records stored", f"{args.records:,}", f"in {filled:.1f} s (SQL, bulk)"))
 
         arrivals = Arrivals(others if args.rate else [], args.rate)  # other users' tasks
         arrivals.start()
@@ -390,6 +363,8 @@ def main() -> None:
                 f"its Redis {redis_rss / 2**20:.0f} MB RSS ({used / 2**20:.0f} MB used)",
             )
         )
+        disk = sum(f.stat().st_size for f in database.parent.glob(database.name + "*"))
+        rows.append(("SQLite registry + history on disk", f"{disk / 2**20:.0f} MB", ""))
         store.close()
         http.close()
         client.close()
@@ -399,7 +374,9 @@ def main() -> None:
         service.stop()
         restart = service.start()
         store = service.redis()
-        kept = store.zcard(keys.all_tasks())
+        registry = Registry(settings.registry_url)
+        kept = History(registry.engine).count() + store.zcard(keys.all_tasks())
+        registry.close()
         http = login(service.url, token)
         first_render = timed(http, "/tasks", 1)
         tasks = timed(http, "/tasks", args.repeat)

@@ -92,3 +92,35 @@ def test_nimbus_dashboard_serves_this_machine_prints_its_url_and_stops_cleanly(
     finally:
         code, err = stop(proc)
     assert code == 0, err
+
+
+def shout(word: str) -> str:
+    return word.upper()
+
+
+def test_a_local_executors_tasks_show_on_the_page_nimbus_dashboard_serves(
+    tmp_path: Path,
+) -> None:
+    """Not through the service: a local Executor of the same runtime directory hands its
+    finished records (files) to the service, which keeps them in the history it reads."""
+    from nimbus import Executor
+
+    proc, token, url = start(tmp_path)
+    try:
+        settings = Settings.load(service_env(tmp_path))
+        with Executor(max_workers=1, settings=settings) as pool:
+            futures = [pool.submit(shout, w) for w in ("a", "b", "c")]
+            assert [f.result(timeout=60) for f in futures] == ["A", "B", "C"]
+            ids = [f.record.task_id for f in futures]  # type: ignore[attr-defined]
+        with httpx.Client(base_url=url, timeout=30) as http:
+            login(http, token)
+            deadline = time.monotonic() + 20  # the service reads them each second
+            while not all(task_id in (page := http.get("/tasks").text) for task_id in ids):
+                assert time.monotonic() < deadline, page[-3000:]
+                time.sleep(0.2)
+            assert not list((tmp_path / "rt" / "service" / "local-history").iterdir())
+            task = http.get(f"/tasks/{ids[0]}")
+            assert task.status_code == 200 and "shout" in task.text and "success" in task.text
+    finally:
+        code, err = stop(proc)
+    assert code == 0, err

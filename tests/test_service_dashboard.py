@@ -361,6 +361,52 @@ def zrevranges(store: StateStore) -> int:
     return int(stats.get("cmdstat_zrevrange", {}).get("calls", 0))
 
 
+def _llens(store: StateStore) -> int:
+    """How many LLENs the queue Redis has answered (an endpoint page's read of its queue)."""
+    with redis.Redis.from_url(store.url) as client:
+        stats = client.info("commandstats")
+    return int(stats.get("cmdstat_llen", {}).get("calls", 0))
+
+
+def test_an_open_endpoint_page_reads_nothing_between_heartbeats_and_is_told_it_went_offline(
+    tmp_path: Path,
+) -> None:
+    """Its endpoint beats, its summary unchanged: the page reads nothing; the agent stops:
+    the page shows it offline at once (the service publishes connections and summaries)."""
+    store = StateStore.open(None, tmp_path / "redis")
+    root = tmp_path / "svc"
+    root.mkdir()
+    service = Service(root, service_env(root, NIMBUS_REDIS_URL=store.url)).start()
+    agent = None
+    try:
+        token = service.token("ena")
+        with service.client(token) as client, httpx.Client(base_url=service.url) as http:
+            agent = EndpointProcess(service, client, "beating", workers=1).start(client)
+            http_login(http, token)
+            path = f"/endpoints/{agent.endpoint_id}/stream"
+            with http.stream("GET", path, timeout=30) as stream:
+                lines = stream.iter_lines()
+                assert next(lines) == "retry: 1000"
+                for line in lines:
+                    if line.startswith("data: ") and '"online"' in line:
+                        break
+                time.sleep(1.5)
+                before = _llens(store)
+                time.sleep(float(service.settings().heartbeat) * 3 + 1)  # beats arrive
+                assert _llens(store) == before  # open, its endpoint idle: nothing read
+                stopped = time.monotonic()
+                agent.stop()
+                for line in lines:
+                    if line.startswith("data: ") and '"offline"' in line:
+                        break
+                assert time.monotonic() - stopped < 5.0
+    finally:
+        if agent is not None:
+            agent.stop()
+        service.stop()
+        store.close()
+
+
 def test_an_open_page_reads_nothing_until_its_users_task_moves_in_any_service_process(
     tmp_path: Path,
 ) -> None:

@@ -58,7 +58,7 @@ def test_pages_filters_and_latency(store: TaskStore, key: str) -> None:
             took: list[float] = []
             while True:  # every task once, in the index's order
                 start = time.perf_counter()
-                rows, cursor = await page(store, key, Filter(), after, 500)
+                rows, cursor = await page(store, key, Filter(), after, 500, None)
                 took.append(time.perf_counter() - start)
                 seen += [row.task_id for row in rows]
                 if not cursor:
@@ -73,7 +73,7 @@ def test_pages_filters_and_latency(store: TaskStore, key: str) -> None:
             deep = decode_cursor(f"0.0~{newest_first[-101]}")  # a cursor near the end
             assert deep is not None
             start = time.perf_counter()
-            rows, cursor = await page(store, key, Filter(), (float("inf"), deep[1]), 50)
+            rows, cursor = await page(store, key, Filter(), (float("inf"), deep[1]), 50, None)
             deep_ms = (time.perf_counter() - start) * 1000
             print(f"a page of 50 at position {N - 100} of {N}: {deep_ms:.1f} ms")
             assert [row.task_id for row in rows] == newest_first[-100:-50]
@@ -83,7 +83,7 @@ def test_pages_filters_and_latency(store: TaskStore, key: str) -> None:
                 out: list[str] = []
                 after = None
                 while True:
-                    rows, cursor = await page(store, key, flt, after, 50)
+                    rows, cursor = await page(store, key, flt, after, 50, None)
                     assert flt.state == "" or {row.state for row in rows} <= {flt.state}
                     out += [row.task_id for row in rows]
                     if not cursor:
@@ -92,16 +92,18 @@ def test_pages_filters_and_latency(store: TaskStore, key: str) -> None:
 
             assert len(await every(Filter(state="running"))) == 4  # in the oldest batch
             assert len(await every(Filter(state="dispatched"))) == 6
-            g_on_b, cursor = await page(store, key, Filter(endpoint="ep-b", function="g"), None, 50)
+            g_on_b, cursor = await page(
+                store, key, Filter(endpoint="ep-b", function="g"), None, 50, None
+            )
             assert len(g_on_b) == 50 and cursor
             assert {(row.endpoint_id, row.function_id) for row in g_on_b} == {("ep-b", "g")}
 
             # the cursor's own task leaves the index (expired): the next page is the same
-            _, cursor = await page(store, key, Filter(), None, 50)
+            _, cursor = await page(store, key, Filter(), None, 50, None)
             nxt = decode_cursor(cursor)
             assert nxt is not None
             await store.redis.zrem(key, nxt[1])
-            second, _ = await page(store, key, Filter(), nxt, 50)
+            second, _ = await page(store, key, Filter(), nxt, 50, None)
             assert [row.task_id for row in second] == newest_first[50:100]
 
             live = await live_window(store, key, Filter(state="waiting-for-endpoint"))
@@ -129,7 +131,7 @@ def test_a_page_reads_only_its_rows_wherever_it_is_in_the_index(store: TaskStore
             newest_first = await _fill(store)
             for after in (None, (float("inf"), newest_first[-101])):
                 before = await calls()
-                rows, _ = await page(store, key, Filter(), after, 50)
+                rows, _ = await page(store, key, Filter(), after, 50, None)
                 ran = {k: v - before.get(k, 0) for k, v in (await calls()).items()}
                 ran = {k: v for k, v in ran.items() if v and k != "cmdstat_info"}
                 assert len(rows) == 50

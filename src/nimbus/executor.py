@@ -51,6 +51,8 @@ from nimbus.errors import (
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task, environment_tag
+from nimbus.service import local_history
+from nimbus.service.local_history import LocalHistory
 
 __all__ = ["Executor", "Future", "KeptFuture"]
 
@@ -147,6 +149,11 @@ class Executor(cf.Executor):
         self._bytes_sent = 0
         self._bytes_received = 0
         self._shutdown = False
+        # a local run's finished records, kept for `nimbus dashboard` (local_history.py)
+        self._history: LocalHistory | None = None
+        if backend == "local" and local_history.enabled(self.settings):
+            self._history = local_history.LocalHistory(self.settings)
+        self._keep = None if self._history is None else self._history.add
         self._backend: Backend = BACKENDS[backend](
             workers=max_workers,
             prefetch=self.settings.prefetch,
@@ -318,6 +325,8 @@ class Executor(cf.Executor):
             for place in self._places:
                 data.register(place, None, session, opener=self._path.open)
         self._backend.shutdown(wait=wait)
+        if self._history is not None:
+            self._history.close()
         _live.discard(self)
 
     def statistics(self) -> dict[str, Any]:
@@ -370,6 +379,7 @@ class Executor(cf.Executor):
 
     def _on_results(self, tasks: list[Task]) -> None:
         futures = self._futures
+        keep = self._keep
         for task in tasks:
             future: Future = task.owner
             futures.pop(task.seq, None)
@@ -406,6 +416,8 @@ class Executor(cf.Executor):
                     pass
             task.data = b""
             task.result_buffers = []
+            if keep is not None:
+                keep(record)
             if type(future) is not Future:  # the data path: its Refs go when it does
                 DataPath.done(future)
 

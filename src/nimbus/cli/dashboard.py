@@ -13,6 +13,9 @@ restart) on loopback only, with you (the login name) as its dashboard's admin:
 the endpoints started here (``nimbus endpoint start``) and the tasks sent
 through it, from an ``Executor(endpoint=...)`` or ``nimbus run --endpoint``
 with ``NIMBUS_SERVICE_URL`` set to the URL it prints, are on its pages, live.
+A local ``Executor()`` of this runtime directory (a program's, or ``nimbus run``'s)
+writes its finished tasks to the same history (``nimbus.service.local_history``):
+they are on the tasks and task pages too, once finished.
 
 The token is printed, never put in the URL (the browser's history and the
 server logs would keep it): paste it into the login form. Ctrl-C or SIGTERM

@@ -36,10 +36,12 @@ from nimbus.config import Settings
 from nimbus.errors import PayloadTooLargeError, ServiceError
 from nimbus.protocol import WS_AGENT, WS_CLIENT, too_large
 from nimbus.service import data as data_routes
-from nimbus.service import dependencies, environments, metrics, routes, stores, tasks
+from nimbus.service import dependencies, environments, local_history, metrics, routes, stores, tasks
 from nimbus.service.context import ServiceContext
 from nimbus.service.dashboard import router as dashboard_router
 from nimbus.service.data import DataStore
+from nimbus.service.flusher import Flusher
+from nimbus.service.history import History
 from nimbus.service.hub import Hub
 from nimbus.service.limits import BodyTimeout
 from nimbus.service.queues import TaskStore
@@ -140,10 +142,19 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         store = TaskStore(client, keys, result_ttl=settings.result_ttl)
         data = DataStore(client, keys, settings.service_dir / "data", limit=settings.max_payload)
         await store.requeue_all()
+        store.history = history = await run_in_threadpool(History, registry.engine)
         app.state.queue_redis = client
         ctx = app.state.ctx = ServiceContext(settings, registry, store, Hub(), data)
         dependencies.held_by(ctx)  # tasks held for their inputs: released, or failed
         jobs = [
+            asyncio.create_task(Flusher(store, store.history).run()),
+            asyncio.create_task(
+                _every(
+                    local_history.INGEST_EVERY,
+                    lambda: run_in_threadpool(local_history.ingest, settings, history),
+                    "keeping local tasks in the history",
+                )
+            ),
             asyncio.create_task(_every(SWEEP_SECONDS, data.sweep, "sweeping the data store")),
             asyncio.create_task(
                 _every(REVOCATION_POLL, _Revocations(ctx, app.state), "revoking tokens")

@@ -79,7 +79,10 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[4])) do
     settle(r[1], 'failed')
   end
 end
-if #out > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' ')) end
+if #out > 0 then
+  redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' '))
+  redis.call('XADD', ARGV[9], '*', 'ids', table.concat(out, ' '))  -- for the SQL history
+end
 return {out, drop, failed}
 """
     )

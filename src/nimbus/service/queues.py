@@ -30,6 +30,7 @@ bytes the service stores and forwards; nothing here unpickles them.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -43,6 +44,7 @@ from nimbus.errors import AuthError, NotFound, QuotaExceeded
 from nimbus.records import TaskState
 from nimbus.service.counters import COUNT, metrics_key
 from nimbus.service.held import fail_held_lua, settle_lua
+from nimbus.service.history import History
 from nimbus.statestore import Keys
 
 __all__ = ["Broken", "Held", "Taken", "TaskStore"]
@@ -54,6 +56,7 @@ Taken = tuple[str, str, bytes, float | None, str, str, dict[str, Any] | None]  #
 
 DONE = (TaskState.SUCCESS.value, TaskState.FAILED.value, TaskState.CANCELLED.value)
 CANCELLED_RESULT = msgpack.packb([2, b"", []])  # Status.SKIPPED, as an agent would send
+ENDPOINT_MARK = "ep:"  # on ``changes``, before an endpoint id whose summary changed
 
 # Rows travel to and from the scripts as one msgpack string (Redis's Lua has
 # cmsgpack, which reads the old "raw" string type: packed with use_bin_type=False).
@@ -181,7 +184,7 @@ return cmsgpack.pack(out)
 _FINISH = (
     _OWNERS
     + COUNT
-    + settle_lua(1, 7, 8)
+    + settle_lua(1, 8, 9)
     + """
 local out, drop = {}, {}
 local freed, quotas = {}, {}  -- quota hash -> {tasks, bytes} given back, once per owner at the end
@@ -235,7 +238,10 @@ for _, quota in ipairs(quotas) do
   if redis.call('HINCRBY', quota, 'tasks', 0 - f[1]) < 0 then redis.call('HSET', quota, 'tasks', 0) end
   if redis.call('HINCRBY', quota, 'bytes', 0 - f[2]) < 0 then redis.call('HSET', quota, 'bytes', 0) end
 end
-if #out > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' ')) end
+if #out > 0 then
+  redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' '))
+  redis.call('XADD', ARGV[7], '*', 'ids', table.concat(out, ' '))  -- for the SQL history
+end
 flush(KEYS[2])
 return {out, drop, woken, failed}
 """
@@ -279,7 +285,7 @@ return n
 _CANCEL = (
     _RELEASE
     + COUNT
-    + settle_lua(6, 7, 8)
+    + settle_lua(7, 8, 9)
     + """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st or st == 'success' or st == 'failed' or st == 'cancelled' then return false end
@@ -291,6 +297,7 @@ redis.call('HSET', KEYS[1], 'state', 'cancelled', 'result', ARGV[1], 'ended', AR
 redis.call('HDEL', KEYS[1], 'payload', 'data')
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if data then redis.call('DEL', ARGV[5] .. data) end
+redis.call('XADD', ARGV[6], '*', 'ids', ARGV[4])  -- for the SQL history (history.py)
 local conn = redis.call('HGET', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[1], 'waits')
@@ -351,6 +358,9 @@ class TaskStore:
         self.result_ttl = max(1, int(result_ttl))
         self._task_prefix = keys.task("")
         self.changes = self._task_prefix + "changed"  # pub/sub channel: tasks moved
+        # stream of the ids of tasks ended, that the flusher moves to the SQL history
+        self.finished = self._task_prefix + "finished"
+        self.history: History | None = None  # where tasks no longer in Redis are read
         self._data_prefix = keys.data("")
         self._submit = redis.register_script(_SUBMIT)
         self._take = redis.register_script(_TAKE)
@@ -506,6 +516,7 @@ class TaskStore:
             endpoint_id,
             _raw([list(row) for row in results]),
             self._data_prefix,
+            self.finished,
             self._then,
             *self._queue,
         ]
@@ -535,6 +546,7 @@ class TaskStore:
                 self._then,
                 self._data_prefix,
                 *self._queue,
+                self.finished,
             ]
         )
         return [_text(value) for value in stored], [_text(value) for value in drop], _held(failed)
@@ -576,6 +588,7 @@ class TaskStore:
                 self.result_ttl,
                 task_id,
                 self._data_prefix,
+                self.finished,
                 self._task_prefix,
                 self._then,
                 *self._queue,
@@ -608,7 +621,23 @@ class TaskStore:
             except ValueError:
                 info["timeout"] = None  # a broken record: its dispatch fails the task
             out.append(info)
+        if self.history is not None and None in out:
+            await self._from_history(task_ids, out)
         return out
+
+    async def _from_history(
+        self, task_ids: Sequence[str], out: list[Any], result: bool = False
+    ) -> None:
+        """Fill the ``None`` of ``out`` with the tasks the SQL history holds."""
+        assert self.history is not None
+        missing = [task_id for task_id, got in zip(task_ids, out) if got is None]
+        found = await asyncio.to_thread(self.history.info, missing)
+        for i, task_id in enumerate(task_ids):
+            if out[i] is None and (info := found.get(task_id)) is not None:
+                if result:
+                    out[i] = (info["state"], info["result"] or b"", info["record"] or b"")
+                else:
+                    out[i] = {k: v for k, v in info.items() if k != "result"}
 
     async def results(self, task_ids: Sequence[str]) -> list[tuple[str, bytes, bytes] | None]:
         """``(state, result, record)`` of each finished task, None for one not finished."""
@@ -616,7 +645,8 @@ class TaskStore:
         for task_id in task_ids:
             pipe.hmget(self._task_prefix + task_id, ["state", "result", "record"])
         out: list[tuple[str, bytes, bytes] | None] = []
-        for values in await pipe.execute(raise_on_error=False):
+        gone = []  # not in Redis (any more): the SQL history may hold them
+        for task_id, values in zip(task_ids, await pipe.execute(raise_on_error=False)):
             if isinstance(values, Exception):  # not a hash: a broken record
                 out.append(None)
                 continue
@@ -625,6 +655,14 @@ class TaskStore:
                 out.append((state.decode(), result or b"", record or b""))
             else:
                 out.append(None)
+                if state is None:
+                    gone.append(task_id)
+        if self.history is not None and gone:
+            found: list[Any] = [None] * len(gone)
+            await self._from_history(gone, found, result=True)
+            where = {task_id: i for i, task_id in enumerate(task_ids)}
+            for task_id, got in zip(gone, found):
+                out[where[task_id]] = got
         return out
 
     async def user_task_ids(self, owner: str, limit: int) -> list[str]:
@@ -661,6 +699,11 @@ class TaskStore:
 
     async def set_status(self, endpoint_id: str, **fields: Any) -> None:
         await self.redis.hset(self.keys.endpoint_status(endpoint_id), mapping=fields)
+
+    async def endpoint_changed(self, endpoint_id: str) -> None:
+        """Say on ``changes`` that an endpoint's summary or connections changed (its
+        dashboard page reads its state again; nothing is read while nothing changes)."""
+        await self.redis.publish(self.changes, ENDPOINT_MARK + endpoint_id)
 
     async def status(self, endpoint_id: str) -> dict[str, str]:
         raw = await self.redis.hgetall(self.keys.endpoint_status(endpoint_id))

@@ -39,6 +39,7 @@ from nimbus.protocol import (
 )
 from nimbus.records import TaskRecord, TaskState
 from nimbus.service.context import ServiceContext
+from nimbus.service.dashboard._tasks import Filter, page
 from nimbus.service.deps import context, current_user
 from nimbus.service.queues import CANCELLED_RESULT, DONE
 from nimbus.service.registry import FunctionInfo, Principal
@@ -372,19 +373,12 @@ async def list_tasks(
     endpoint_id: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
 ) -> dict[str, Any]:
-    ids = await ctx.store.user_task_ids(user.user_id, 10 * limit if status else limit)
-    infos = await ctx.store.info(ids)
-    await ctx.store.forget(user.user_id, [i for i, info in zip(ids, infos) if info is None])
-    out = []
-    for info in infos:
-        if info is None or (status is not None and info["state"] != status.value):
-            continue
-        if endpoint_id is not None and info["endpoint"] != endpoint_id:
-            continue
-        out.append(task_view(info))
-        if len(out) >= limit:
-            break
-    return {"tasks": out}
+    """Your tasks, newest first: those running or recent (Redis) and the SQL history."""
+    flt = Filter(state=status.value if status else "", endpoint=endpoint_id or "")
+    key = ctx.store.keys.user_tasks(user.user_id)
+    rows, _ = await page(ctx.store, key, flt, None, limit, user.user_id)
+    infos = await ctx.store.info([row.task_id for row in rows])
+    return {"tasks": [task_view(info) for info in infos if info is not None]}
 
 
 @router.get("/tasks/{task_id}")

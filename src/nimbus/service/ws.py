@@ -179,6 +179,7 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     ctx.versions[endpoint_id] = (python, serializer)
     ctx.orders.joined(conn_id, can)  # environment orders only to an agent that knows them
     ctx.hub.add_agent(endpoint_id, peer)
+    await ctx.store.endpoint_changed(endpoint_id)  # its open dashboard pages read it again
     sent: set[str] = set()
     room = asyncio.Event()
     dispatcher = asyncio.create_task(
@@ -225,6 +226,7 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                     await ctx.store.set_status(
                         endpoint_id, runtime=json.dumps(beat.runtime, separators=(",", ":"))
                     )
+                    await ctx.store.endpoint_changed(endpoint_id)
                 now = time.time()
                 ctx.hub.beats[endpoint_id] = now
                 if now - saved > BEAT_SAVE_SECONDS:  # Redis keeps it for a restart
@@ -250,6 +252,8 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
         ctx.orders.left(conn_id)
         if await ctx.store.requeue(endpoint_id, conn_id):
             ctx.hub.work_arrived(endpoint_id)
+        with contextlib.suppress(Exception):  # the queue Redis may be what went away
+            await ctx.store.endpoint_changed(endpoint_id)
         if malformed is not None:
             await _close_malformed(ws, malformed, f"{who} (connection {conn_id})")
         with contextlib.suppress(Exception):

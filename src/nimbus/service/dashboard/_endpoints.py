@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 from nimbus.errors import NotFound
 from nimbus.service.context import ServiceContext
-from nimbus.service.dashboard import _session
+from nimbus.service.dashboard import _live, _session
 from nimbus.service.dashboard._html import Html, age, esc, join, layout
 from nimbus.service.dashboard._routes import (
     HEADERS,
@@ -46,7 +46,7 @@ from nimbus.service.registry import EndpointInfo, Principal
 __all__ = ["router", "visible_endpoint"]
 
 router = APIRouter(include_in_schema=False)
-TICK = 1.0  # seconds between looks at an open endpoint page's status
+TICK = 1.0  # seconds between looks at an open endpoint page's status, at most
 
 
 async def visible_endpoint(ctx: ServiceContext, user: Principal, endpoint_id: str) -> EndpointInfo:
@@ -262,20 +262,31 @@ async def endpoint_stream(request: Request, endpoint_id: str) -> Response:
     except NotFound:
         return Response(status_code=404, headers=HEADERS)
 
+    live = _live.changes(request)  # its summary and connections are published (ws.py)
+
     async def events() -> Any:
+        async with live.watching():
+            async for frame in look():
+                yield frame
+
+    async def look() -> Any:  # read when its summary or connections changed, or tasks moved
         sent: dict[str, Any] = {}
         checked = beat = time.monotonic()
+        shown = -1
         yield "retry: 1000\n\n"
+        drawn = 0.0
         while not ctx.hub.closing:
-            state = await _state(ctx, info)
-            view = {
-                "state": "online" if state["online"] else "offline",
-                **{k: state[k] for k in ("heartbeat", "agents", "workers", "queued")},
-                **_rows(state),
-            }
-            if view != sent:
-                sent = view
-                yield f"event: endpoint\ndata: {json.dumps(view)}\n\n"
+            if live.mark(None) != shown:  # nothing is read while nothing changed
+                shown, drawn = live.mark(None), time.monotonic()
+                state = await _state(ctx, info)
+                view = {
+                    "state": "online" if state["online"] else "offline",
+                    **{k: state[k] for k in ("heartbeat", "agents", "workers", "queued")},
+                    **_rows(state),
+                }
+                if view != sent:
+                    sent = view
+                    yield f"event: endpoint\ndata: {json.dumps(view)}\n\n"
             now = time.monotonic()
             if now - beat > KEEPALIVE:
                 beat = now
@@ -289,6 +300,8 @@ async def endpoint_stream(request: Request, endpoint_id: str) -> Response:
                     await visible_endpoint(ctx, viewer.principal, endpoint_id)
                 except NotFound:  # no longer shared with them, or made private
                     return
-            await asyncio.sleep(TICK)
+            wait = min(beat + KEEPALIVE, checked + RECHECK) - time.monotonic()
+            if await live.wait(None, shown, max(0.1, wait)) != shown:  # at most once a TICK
+                await asyncio.sleep(max(0.0, drawn + TICK - time.monotonic()))
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)

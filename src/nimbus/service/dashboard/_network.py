@@ -16,6 +16,7 @@ Python sockets only), ``colocated`` (other tasks on the host) and ``tcp``
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from nimbus.records import TaskRecord
@@ -53,6 +54,13 @@ async def net_rows(store: TaskStore, rows: list[Row]) -> list[TaskRecord | None]
     for row in rows:
         pipe.hget(store.keys.task(row.task_id), "record")
     raws = await pipe.execute(raise_on_error=False) if rows else []
+    missing = [row.task_id for row, raw in zip(rows, raws) if not isinstance(raw, bytes)]
+    if missing and store.history is not None:  # no longer in Redis: in the SQL history
+        found = await asyncio.to_thread(store.history.info, missing)
+        raws = [
+            raw if isinstance(raw, bytes) else found.get(row.task_id, {}).get("record")
+            for row, raw in zip(rows, raws)
+        ]
     return [record_of(raw) if isinstance(raw, bytes) else None for raw in raws]
 
 

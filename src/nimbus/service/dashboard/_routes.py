@@ -322,8 +322,11 @@ async def tasks_page(request: Request) -> Response:
     flt = _filter(request)
     after_text = request.query_params.get("after", "")
     after = decode_cursor(after_text)
-    key = index(ctx.store, user.user_id, _is_admin(ctx, user))
-    rows, cursor = await page(ctx.store, key, flt, after, PAGE_SIZE)
+    admin = _is_admin(ctx, user)
+    key = index(ctx.store, user.user_id, admin)
+    rows, cursor = await page(
+        ctx.store, key, flt, after, PAGE_SIZE, None if admin else user.user_id
+    )
     names = _Names(ctx, user)
     views = [await names.row(row) for row in rows]
     endpoints = await _endpoints(ctx, user)
@@ -393,8 +396,11 @@ async def network_page(request: Request) -> Response:
     user = who.principal
     flt = Filter(endpoint=request.query_params.get("endpoint", "")[:64])
     after = decode_cursor(request.query_params.get("after", ""))
-    key = index(ctx.store, user.user_id, _is_admin(ctx, user))
-    rows, cursor = await page(ctx.store, key, flt, after, PAGE_SIZE)
+    admin = _is_admin(ctx, user)
+    key = index(ctx.store, user.user_id, admin)
+    rows, cursor = await page(
+        ctx.store, key, flt, after, PAGE_SIZE, None if admin else user.user_id
+    )
     records = await _network.net_rows(ctx.store, rows)
     names = _Names(ctx, user)
     nets = [

@@ -14,6 +14,10 @@ all in one Lua script call (``_PAGE``): one round trip a page, the rows
 decoded by Redis rather than by the service (a pipeline of 200 HMGETs cost the
 service ~30 ms of packing and parsing).
 
+Redis holds the live tasks and a recent window (``nimbus.service.flusher``); the
+finished ones are in the SQL history (``nimbus.service.history``): :func:`page`
+reads both, keyset, and merges them.
+
 A page costs O(log n + the rows read), whatever the history holds: the cursor
 is a position in the index, never an offset counted from the start. A filter
 (state, endpoint, function) reads batches of 200 until the page is full or ``SCAN_CAP``
@@ -23,12 +27,14 @@ batch submit share one score, which is why the cursor carries the id too.
 
 from __future__ import annotations
 
+import asyncio
 import pickletools
 from dataclasses import dataclass
 
 import msgpack
 
 from nimbus.records import TaskRecord, TaskState
+from nimbus.service.history import Query
 from nimbus.service.queues import TaskStore
 
 __all__ = [
@@ -188,11 +194,35 @@ async def _read(
 
 
 async def page(
-    store: TaskStore, key: str, flt: Filter, after: tuple[float, str] | None, size: int
+    store: TaskStore,
+    key: str,
+    flt: Filter,
+    after: tuple[float, str] | None,
+    size: int,
+    owner: str | None,
 ) -> tuple[list[Row], str]:
     """Up to ``size`` tasks of the index ``key`` (:func:`index`) that ``flt`` keeps, newest
-    first, from after the cursor ``after``; and the cursor of the next page ('' at the end)."""
-    return await _read(store, key, flt, after, size, SCAN_CAP)
+    first, from after the cursor ``after``; and the cursor of the next page ('' at the end).
+
+    The tasks Redis holds (live, and the recent window) and those of the SQL history
+    (``owner``'s, everyone's if None) are read side by side and merged: rows are kept
+    down to where both reads are complete, so no task between them is skipped.
+    """
+    live, live_cursor = await _read(store, key, flt, after, size, SCAN_CAP)
+    if store.history is None:
+        return live, live_cursor
+    query = Query(owner, flt.state, flt.endpoint, flt.function)
+    saved, saved_cursor = await asyncio.to_thread(store.history.page, query, after, size)
+    rows = {row.task_id: row for row in (Row(*values) for values in saved)}
+    rows.update((row.task_id, row) for row in live)  # Redis's is the fresher
+    merged = sorted(rows.values(), key=lambda row: (row.score, row.task_id), reverse=True)
+    ends = [c for text in (live_cursor, saved_cursor) if (c := decode_cursor(text))]
+    frontier = max(ends, default=None)  # both reads are complete down to here
+    if frontier is not None:
+        merged = [row for row in merged if (row.score, row.task_id) >= frontier]
+    if len(merged) >= size:
+        return merged[:size], merged[size - 1].cursor
+    return merged, "" if frontier is None else f"{frontier[0]!r}~{frontier[1]}"
 
 
 async def live_window(store: TaskStore, key: str, flt: Filter) -> list[Row]:

@@ -1,0 +1,245 @@
+"""Moving finished tasks from the queue Redis to the SQL history, in bulk, off the task path.
+
+::
+
+    finish / cancel script ---XADD ids---> stream TaskStore.finished
+                                              | consumer group "history": each entry to one
+                                              v service process's Flusher
+    Flusher (one per service process): XREADGROUP (or XAUTOCLAIM of entries another
+    process took and did not acknowledge within CLAIM_IDLE) -> HMGET the tasks' fields
+    -> History.write (one transaction, idempotent) -> one script: XACK + XDEL the
+    entries, mark the tasks saved, trim the indexes
+
+The scripts that end tasks only append their ids (one XADD a call); the rest is
+here. Two processes never write an entry at once (the group hands each entry to
+one consumer), and an entry is acknowledged only after its rows are committed:
+a process that dies in between leaves it pending, and another (or the next start)
+claims it after ``CLAIM_IDLE`` and writes it again, which the history's
+first-row-wins insert makes harmless. So nothing an agent's result was
+acknowledged for is lost, as long as the queue Redis keeps its stream
+(``--persist``).
+
+Redis keeps what is live and a recent window: each index (everyone's, a user's)
+keeps at most ``RECENT`` tasks once they are saved; a saved task beyond that is
+dropped from the index, and from Redis when it leaves everyone's. An index whose
+oldest ``TRIM_SCAN`` tasks are all still live is not trimmed further until they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+from typing import Any
+
+import redis
+from sqlalchemy.exc import OperationalError
+
+from nimbus.service.history import History
+from nimbus.service.queues import DONE, TaskStore
+
+__all__ = ["CLAIM_IDLE", "GROUP", "RECENT", "Flusher"]
+
+GROUP = "history"
+RECENT = 10_000  # saved tasks an index keeps in Redis, newest
+CLAIM_IDLE = (
+    30.0  # seconds an entry taken by a process stays unacknowledged before another takes it
+)
+BATCH = 500  # stream entries read at once (an entry holds the ids of one finish call)
+GATHER = 0.2  # seconds a flusher waits after a write, so that the next is larger
+GONE_MS = 3_600_000  # a consumer idle this long, with nothing pending, is dropped
+TRIM_SCAN = 2000  # oldest members of an index looked at by one trim
+_FIELDS = ("owner", "endpoint", "function", "group", "state", "submitted", "dispatched",
+           "ended", "timeout", "result", "record")  # fmt: skip
+
+# KEYS: the stream, everyone's index, the users' indexes; ARGV: group, task prefix,
+# RECENT, TRIM_SCAN, number of entries, entry ids..., task ids saved...
+_SAVED = """
+local n = tonumber(ARGV[5])
+local entries = {}
+for i = 6, 5 + n do entries[#entries + 1] = ARGV[i] end
+for i = 6 + n, #ARGV do
+  local key = ARGV[2] .. ARGV[i]
+  if redis.call('EXISTS', key) == 1 then redis.call('HSET', key, 'saved', 1) end
+end
+for i = 1, #entries, 1000 do
+  local part = {unpack(entries, i, math.min(i + 999, #entries))}
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(part))
+  redis.call('XDEL', KEYS[1], unpack(part))
+end
+local recent, scan, trimmed = tonumber(ARGV[3]), tonumber(ARGV[4]), 0
+for k = 2, #KEYS do
+  local excess = redis.call('ZCARD', KEYS[k]) - recent
+  if excess > 0 then
+    local drop = {}
+    for _, id in ipairs(redis.call('ZRANGE', KEYS[k], 0, math.min(excess, scan) - 1)) do
+      local key = ARGV[2] .. id
+      local v = redis.call('HMGET', key, 'state', 'saved')
+      if not v[1] or v[2] then  -- in the SQL history (or expired): out of this index
+        drop[#drop + 1] = id
+        if k == 2 then redis.call('DEL', key) end  -- out of everyone's: out of Redis
+      end
+    end
+    for i = 1, #drop, 1000 do
+      redis.call('ZREM', KEYS[k], unpack(drop, i, math.min(i + 999, #drop)))
+    end
+    trimmed = trimmed + #drop
+  end
+end
+return trimmed
+"""
+
+log = logging.getLogger(__name__)
+
+
+class Flusher:
+    """This process's consumer of the finished-tasks stream; :meth:`run` until cancelled."""
+
+    def __init__(self, store: TaskStore, history: History) -> None:
+        self.store = store
+        self.history = history
+        self.redis: Any = store.redis
+        self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._saved = self.redis.register_script(_SAVED)
+        self._next_claim = 0.0
+        self.recent = RECENT
+        self.claim_idle = CLAIM_IDLE
+        self.batch = BATCH
+        self.gone_ms = GONE_MS
+        self.written = 0  # rows this flusher wrote
+
+    async def start(self) -> bool:
+        """Make the consumer group if it is missing; True if this call made it."""
+        try:
+            await self.redis.xgroup_create(self.store.finished, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+            return False
+        return True
+
+    async def backfill(self) -> int:
+        """Queue for the history the finished tasks an older nimbus kept in Redis only
+        (its everyone's index, oldest first); how many."""
+        index = self.store.keys.all_tasks()
+        prefix = self.store.keys.task("")
+        total, start = 0, 0
+        while True:
+            ids = await self.redis.zrange(index, start, start + 999)
+            if not ids:
+                return total
+            start += len(ids)
+            pipe = self.redis.pipeline(transaction=False)
+            for task_id in ids:
+                pipe.hget(prefix + task_id.decode(), "state")
+            states = await pipe.execute(raise_on_error=False)
+            done = [i for i, s in zip(ids, states) if isinstance(s, bytes) and s.decode() in DONE]
+            if done:
+                await self.redis.xadd(self.store.finished, {"ids": b" ".join(done)})
+                total += len(done)
+
+    async def prepare(self) -> None:
+        """The consumer group, made if missing (then the older layout's tasks queued);
+        the consumers of processes gone (nothing pending, idle an hour) dropped."""
+        if not await self.start():
+            for consumer in await self.redis.xinfo_consumers(self.store.finished, GROUP):
+                if consumer["pending"] == 0 and consumer["idle"] >= self.gone_ms:
+                    await self.redis.xgroup_delconsumer(
+                        self.store.finished, GROUP, consumer["name"]
+                    )
+            return
+        queued = await self.backfill()
+        if queued:
+            log.info("moving %d finished tasks kept in Redis to the SQL history", queued)
+
+    async def run(self) -> None:
+        ready = False
+        while True:
+            try:
+                if not ready:
+                    await self.prepare()
+                    ready = True
+                if await self.step():
+                    await asyncio.sleep(GATHER)
+            except asyncio.CancelledError:
+                raise
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                ready = False  # the queue Redis started again empty: make the group again
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                log.debug("the queue Redis is away (%s): finished tasks wait in it", exc)
+                ready = False  # (its outage is said once, by the service's supervisor)
+                await asyncio.sleep(1.0)
+            except OperationalError as exc:  # the database away or locked: they wait too
+                log.warning("cannot write finished tasks to the SQL history yet: %s", exc)
+                await asyncio.sleep(1.0)
+            except Exception:
+                log.exception("moving finished tasks to the SQL history")
+                ready = False
+                await asyncio.sleep(1.0)
+
+    async def step(self, block: float = 1.0) -> int:
+        """Read, write and acknowledge one batch of entries; the rows written."""
+        entries: list[tuple[Any, Any]] = []
+        now = time.monotonic()
+        if now >= self._next_claim:  # entries of a process that died with them
+            self._next_claim = now + self.claim_idle / 2
+            claimed = await self.redis.xautoclaim(
+                self.store.finished,
+                GROUP,
+                self.consumer,
+                int(self.claim_idle * 1000),
+                start_id="0-0",
+                count=self.batch,
+            )
+            entries += claimed[1]
+        if not entries:
+            got = await self.redis.xreadgroup(
+                GROUP, self.consumer, {self.store.finished: ">"}, count=self.batch,
+                block=int(block * 1000) or None,
+            )  # fmt: skip
+            for _, messages in got or ():
+                entries += messages
+        if not entries:
+            return 0
+        ids: list[bytes] = []
+        for _, fields in entries:
+            if fields:  # None: deleted meanwhile (acknowledged by another process)
+                ids += fields.get(b"ids", b"").split()
+        ids = list(dict.fromkeys(ids))
+        prefix = self.store.keys.task("")
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in ids:
+            pipe.hmget(prefix + task_id.decode(), _FIELDS)
+        rows, owners = [], set()
+        for task_id, values in zip(ids, await pipe.execute(raise_on_error=False) if ids else []):
+            if isinstance(values, Exception) or not values[4]:  # expired, or broken
+                continue
+            if values[4].decode(errors="replace") not in DONE:
+                continue
+            rows.append((task_id, *values))
+            owners.add(values[0].decode(errors="replace"))
+        await asyncio.to_thread(self.history.write, rows)
+        keys = self.store.keys
+        await self._saved(
+            keys=[
+                self.store.finished,
+                keys.all_tasks(),
+                *(keys.user_tasks(owner) for owner in sorted(owners) if owner),
+            ],
+            args=[
+                GROUP,
+                prefix,
+                self.recent,
+                TRIM_SCAN,
+                len(entries),
+                *(entry_id for entry_id, _ in entries),
+                *(row[0] for row in rows),
+            ],
+        )
+        self.written += len(rows)
+        return len(rows)

@@ -1,0 +1,155 @@
+"""A local Executor's finished tasks in this machine's history, for ``nimbus dashboard``.
+
+::
+
+    Executor (local backend)  _on_results: deque.append(record)        (the runtime's thread)
+    LocalHistory thread       every FLUSH_EVERY s: the records so far, packed in one
+                              msgpack file, renamed into <service dir>/local-history/
+    the service (nimbus dashboard, nimbus service start) every INGEST_EVERY s:
+                              ingest(): each file claimed (renamed), its rows written to
+                              the SQL history (History.write, idempotent), then removed
+
+The program pays a deque append a task and, once a second on a thread, the
+packing of its records (a few microseconds each): the SQL insert and its indexes
+are the service's work, not the program's. It is on when this runtime directory
+has a service registry (``NIMBUS_RUNTIME_DIR``/service/registry.sqlite3, made by
+``nimbus dashboard`` or ``nimbus service start``), off otherwise: a program never
+creates a service's files by running tasks. Rows carry the owner
+``local:<user>`` and the endpoint ``local``: the dashboard's admin
+(``nimbus dashboard``'s user) sees them on the tasks and task pages.
+
+Two service processes never ingest one file twice at once: a file is claimed by
+renaming it (one rename wins); a claimed file left by a process that died is
+taken again after ``STALE`` seconds (its rows written twice are kept once).
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgpack
+
+from nimbus.config import Settings
+from nimbus.records import TaskRecord
+
+if TYPE_CHECKING:
+    from nimbus.service.history import History
+
+__all__ = ["ENDPOINT", "FLUSH_EVERY", "INGEST_EVERY", "LocalHistory", "enabled", "ingest"]
+
+ENDPOINT = "local"  # the endpoint id of a local Executor's rows
+FLUSH_EVERY = 1.0  # seconds between a program's files
+INGEST_EVERY = 1.0  # seconds between a service's reads of them
+STALE = 60.0  # seconds after which a claimed file not removed is taken again
+log = logging.getLogger(__name__)
+
+
+def directory(settings: Settings) -> Path:
+    """Where programs leave their finished records for the service."""
+    return settings.service_dir / "local-history"
+
+
+def enabled(settings: Settings) -> bool:
+    """Whether this runtime directory has a service to hand a local history to."""
+    return (settings.service_dir / "registry.sqlite3").exists()
+
+
+def _owner() -> str:
+    try:
+        return "local:" + getpass.getuser()
+    except Exception:  # no user name (a container without one): still the machine's
+        return "local:"
+
+
+class LocalHistory:
+    """The writer thread of one local Executor; ``add(record)`` on the runtime's thread."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._dir = directory(settings)
+        self._owner = _owner()
+        self._records: deque[TaskRecord] = deque()
+        # the deque's own append: no Python frame per task on the runtime's thread
+        self.add = self._records.append
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nimbus-local-history", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Hand over what is left, then stop the thread."""
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stop.wait(FLUSH_EVERY)
+            try:
+                self._hand_over()
+            except OSError as exc:  # the directory is gone or full: these are not kept
+                log.warning("local tasks are not kept for nimbus dashboard: %s", exc)
+            if stopping:
+                return
+
+    def _hand_over(self) -> None:
+        records = self._records
+        wire = []
+        while records:
+            wire.append(records.popleft().to_wire())
+        if not wire:
+            return
+        self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        name = f"{time.time():.6f}-{os.getpid()}-{secrets.token_hex(4)}.msgpack"
+        part = self._dir / ("." + name)
+        part.write_bytes(msgpack.packb([self._owner, wire]))
+        part.rename(self._dir / name)  # whole, or not there
+
+
+def ingest(settings: Settings, history: History) -> int:
+    """Write the files programs left to the SQL history, and remove them; the rows."""
+    folder = directory(settings)
+    try:
+        names = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return 0
+    total = 0
+    for name in names:
+        path = folder / name
+        if name.startswith("."):
+            continue
+        if ".taken-" in name:  # claimed by a service process: taken again once stale
+            try:
+                if time.time() - path.stat().st_mtime < STALE:
+                    continue
+            except FileNotFoundError:
+                continue
+        claimed = folder / f"{name.split('.taken-')[0]}.taken-{secrets.token_hex(4)}"
+        try:
+            path.rename(claimed)
+            os.utime(claimed)
+            owner, wire = msgpack.unpackb(claimed.read_bytes())
+        except FileNotFoundError:  # another process claimed it first
+            continue
+        except (ValueError, msgpack.UnpackException) as exc:
+            log.warning("%s is not a local history file (%s): removed", name, exc)
+            claimed.unlink(missing_ok=True)
+            continue
+        rows = []
+        for fields in wire:
+            try:
+                r = TaskRecord.from_wire(fields)
+            except Exception:  # written by another version: not shown
+                continue
+            rows.append(
+                (r.task_id, owner, ENDPOINT, r.function, "", r.state.value, r.submitted,
+                 r.dispatched, r.ended, None, b"", msgpack.packb(fields))
+            )  # fmt: skip
+        total += history.write(rows)
+        claimed.unlink(missing_ok=True)
+    return total

@@ -1,0 +1,267 @@
+"""The finished-task history in SQL (SQLite, and a real PostgreSQL), filled by the flusher
+from a real Redis with the real queue scripts: keyset pages, owners, filters; two
+flushers never double-write; an entry a flusher took and did not acknowledge is
+written by another; Redis keeps a bounded window and the pages still show every task."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from sqlalchemy import create_engine, event
+
+from nimbus.service.dashboard._tasks import Filter, index, page
+from nimbus.service.flusher import GROUP, Flusher
+from nimbus.service.history import History, Query
+from nimbus.service.queues import TaskStore
+from nimbus.statestore import Keys, connect_async
+from test_service_postgres import postgres  # noqa: F401  (the fixture)
+
+OK = msgpack.packb([0, b"result", []])
+
+
+def _row(i: int, owner: str, *, score: float, state: str = "success", ep: str = "e1") -> tuple:
+    return (f"t{i:05d}", owner, ep, "f", "g1", state, score, score + 1, score + 2, None, OK, b"")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def history(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[History]:
+    if request.param == "sqlite":
+        engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
+        event.listen(engine, "connect", lambda c, _: c.execute("PRAGMA journal_mode=WAL"))
+    else:
+        pg = request.getfixturevalue("postgres")
+        engine = create_engine(pg.url.replace("postgresql://", "postgresql+psycopg://"))
+        with engine.begin() as connection:
+            connection.exec_driver_sql("DROP TABLE IF EXISTS task_history")
+    yield History(engine)
+    engine.dispose()
+
+
+def test_keyset_pages_owners_filters_and_a_row_written_twice_kept_once(history: History) -> None:
+    rows = [_row(i, "alice" if i % 2 else "bob", score=float(i // 10)) for i in range(300)]
+    rows[7] = _row(7, "alice", score=0.0, state="failed", ep="e2")
+    assert history.write(rows) == 300
+    history.write([_row(7, "alice", score=0.0, state="success")])  # a flusher's retry
+    assert history.count() == 300
+    assert history.info(["t00007"])["t00007"]["state"] == "failed"  # the first row won
+
+    def every(query: Query) -> list[str]:
+        seen, after = [], None
+        while True:
+            got, cursor = history.page(query, after, 7)  # pages end inside ties of 10
+            seen += [row[0] for row in got]
+            if not cursor:
+                return seen
+            score, _, task_id = cursor.partition("~")
+            after = (float(score), task_id)
+
+    everyone = every(Query(None))
+    assert everyone == sorted(everyone, key=lambda t: (int(t[1:]) // 10, t), reverse=True)
+    assert len(everyone) == 300
+    alice = every(Query("alice"))
+    assert len(alice) == 150 and all(int(t[1:]) % 2 for t in alice)
+    assert every(Query("alice", state="failed")) == ["t00007"]
+    assert every(Query(None, endpoint="e2")) == ["t00007"]
+    assert every(Query("bob", state="failed")) == []
+    assert len(every(Query("bob", function="f"))) == 150
+    assert len(every(Query(None, group="g1"))) == 300
+
+
+async def _finished(store: TaskStore, owner: str, endpoint: str, n: int) -> list[str]:
+    """``n`` tasks of ``owner`` submitted, taken and finished by the real scripts."""
+    ids = [str(uuid.uuid4()) for _ in range(n)]
+    await store.submit(
+        owner, endpoint, str(uuid.uuid4()), [(i, "fn", b"x", None, "") for i in ids],
+        max_tasks=10**9, max_bytes=10**12,
+    )  # fmt: skip
+    taken, _ = await store.take(endpoint, "conn", n)
+    assert len(taken) == n
+    stored, _ = await store.finish(endpoint, [(i, "success", OK, b"", "") for i in ids])
+    assert sorted(stored) == sorted(ids)
+    await asyncio.sleep(0.002)  # the next batch gets a later score
+    return ids
+
+
+def test_flushers_move_finished_tasks_once_and_redis_keeps_a_window(
+    store_url: str, tmp_path: Path
+) -> None:
+    keys = Keys(Keys.program_id_new())
+    engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
+
+    async def scenario() -> None:
+        store = TaskStore(connect_async(store_url), keys, result_ttl=600)
+        store.history = History(engine)
+        a, b = Flusher(store, store.history), Flusher(store, store.history)
+        for flusher in (a, b):
+            flusher.recent, flusher.batch = 50, 3
+        try:
+            assert await a.start() and not await b.start()  # one group for both
+            ids: list[str] = []
+            for _ in range(20):
+                ids += await _finished(store, "alice", "ep", 30)
+            waiting = [str(uuid.uuid4())]  # a live task stays in Redis, whatever its age
+            await store.submit("alice", "ep", "g", [(waiting[0], "fn", b"x", None, "")],
+                               max_tasks=10**9, max_bytes=10**12)  # fmt: skip
+            # the two processes' flushers drain the stream side by side
+            while sum(await asyncio.gather(a.step(0.1), b.step(0.1))):
+                pass
+            assert a.written + b.written == 600 and a.written and b.written
+            assert store.history.count() == 600
+            assert await store.redis.xlen(store.finished) == 0  # acknowledged and deleted
+            pending = await store.redis.xpending(store.finished, GROUP)
+            assert pending["pending"] == 0
+            # Redis keeps the live task and at most `recent` saved ones an index
+            kept = await store.redis.zcard(keys.all_tasks())
+            assert kept <= 50 + 30 + 1, kept  # trims go by the oldest TRIM_SCAN, each step
+            assert await store.redis.zscore(keys.all_tasks(), waiting[0]) is not None
+            assert await store.redis.exists(keys.task(ids[0])) == 0  # out of Redis
+            # ... and what left Redis is read from SQL: status, result, the pages
+            [info] = await store.info([ids[0]])
+            assert info is not None and info["state"] == "success" and info["owner"] == "alice"
+            [result] = await store.results([ids[0]])
+            assert result is not None and result[1] == OK
+            newest_first = [waiting[0], *reversed(ids)]  # batches newest first, ids in a
+            seen: list[str] = []  # batch (one score) by id, descending
+            after = None
+            while True:
+                rows, cursor = await page(
+                    store, index(store, "alice", False), Filter(), after, 45, "alice"
+                )
+                seen += [row.task_id for row in rows]
+                if not cursor:
+                    break
+                score, _, task_id = cursor.partition("~")
+                after = (float(score), task_id)
+            assert len(seen) == len(set(seen)) == 601
+            assert set(seen) == set(newest_first)
+            order = {task_id: i for i, task_id in enumerate(seen)}
+            for older, newer in zip(ids[::30][:-1], ids[::30][1:]):  # batches in order
+                assert order[newer] < order[older]
+            rows, _ = await page(store, index(store, "bob", False), Filter(), None, 45, "bob")
+            assert rows == []  # bob sees none of alice's
+        finally:
+            rest = [k async for k in store.redis.scan_iter(match=keys.pattern())]
+            if rest:
+                await store.redis.unlink(*rest)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())
+    engine.dispose()
+
+
+def test_an_entry_a_dead_flusher_took_is_written_by_another(store_url: str, tmp_path: Path) -> None:
+    keys = Keys(Keys.program_id_new())
+    engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
+
+    async def scenario() -> None:
+        store = TaskStore(connect_async(store_url), keys, result_ttl=600)
+        store.history = History(engine)
+        live = Flusher(store, store.history)
+        live.claim_idle = 0.2
+        try:
+            await live.start()
+            ids = await _finished(store, "alice", "ep", 10)
+            # a process took the entry, then died before writing it (no acknowledgement)
+            got: Any = await store.redis.xreadgroup(
+                GROUP, "dead-process", {store.finished: ">"}, count=10
+            )
+            assert got and got[0][1]
+            assert await live.step(0.05) == 0  # not yet: the dead one may still be working
+            await asyncio.sleep(0.3)
+            live._next_claim = 0.0
+            assert await live.step(0.05) == 10
+            assert set(store.history.info(ids)) == set(ids)
+            assert (await store.redis.xpending(store.finished, GROUP))["pending"] == 0
+            live.gone_ms = 0  # the dead process's consumer, nothing pending, is dropped
+            await live.prepare()
+            consumers = await store.redis.xinfo_consumers(store.finished, GROUP)
+            assert b"dead-process" not in {c["name"] for c in consumers}
+        finally:
+            rest = [k async for k in store.redis.scan_iter(match=keys.pattern())]
+            if rest:
+                await store.redis.unlink(*rest)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())
+    engine.dispose()
+
+
+def test_history_survives_a_restart_that_lost_the_queue_redis(tmp_path: Path) -> None:
+    """Tasks run through a real service and endpoint; the service restarts with a new,
+    empty queue Redis (no ``--persist``): its tasks, their results and records are
+    still listed and read, from the SQL history."""
+    from nimbus.service.registry import Registry
+    from service_support import EndpointProcess, Service, service_env
+
+    service = Service(tmp_path, service_env(tmp_path)).start()
+    try:
+        token = service.token("rita")
+        with service.client(token) as client:
+            agent = EndpointProcess(service, client, "hist-ep", workers=1).start(client)
+            try:
+                ids = [client.run(abs, -i, endpoint="hist-ep") for i in range(5)]
+                assert [client.get_result(i, timeout=60) for i in ids] == list(range(5))
+            finally:
+                agent.stop()
+        registry = Registry(service.settings().registry_url)
+        try:
+            history = History(registry.engine)
+            deadline = time.monotonic() + 30
+            while set(history.info(ids)) != set(ids):  # the flusher moved them
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        finally:
+            registry.close()
+        service.stop()
+        service.start()  # a new embedded Redis: nothing of the old queues
+        with service.client(token) as client:
+            listed = [t["task_id"] for t in client.list_tasks(None, limit=10)]
+            assert set(listed) == set(ids)
+            task = client.get_task(ids[3])
+            assert task["state"] == "success" and task["record"] is not None
+            assert task["record"]["function"] == task["function_id"]  # the worker's record
+            assert client.get_result(ids[3], timeout=10) == 3
+    finally:
+        service.stop()
+
+
+def test_tasks_an_older_nimbus_kept_in_redis_only_are_moved_and_a_lost_group_is_made_again(
+    store_url: str, tmp_path: Path
+) -> None:
+    keys = Keys(Keys.program_id_new())
+    engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
+
+    async def scenario() -> None:
+        store = TaskStore(connect_async(store_url), keys, result_ttl=600)
+        store.history = History(engine)
+        flusher = Flusher(store, store.history)
+        try:
+            ids = await _finished(store, "olaf", "ep", 25)
+            await store.redis.delete(store.finished)  # as an older nimbus left Redis
+            await flusher.prepare()  # the first start of this version: they are queued
+            assert await flusher.step(0.1) == 25
+            assert set(store.history.info(ids)) == set(ids)
+            await store.redis.delete(store.finished)  # the queue Redis lost the group
+            job = asyncio.create_task(flusher.run())
+            more = await _finished(store, "olaf", "ep", 5)
+            for _ in range(100):
+                if set(store.history.info(more)) == set(more):
+                    break
+                await asyncio.sleep(0.1)
+            assert set(store.history.info(more)) == set(more)
+            job.cancel()
+        finally:
+            rest = [k async for k in store.redis.scan_iter(match=keys.pattern())]
+            if rest:
+                await store.redis.unlink(*rest)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())
+    engine.dispose()

@@ -1,0 +1,45 @@
+"""A local Executor's records handed to the service in files: written whole, ingested
+once into the SQL history, a claimed file of a dead process taken again once stale."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from sqlalchemy import create_engine
+
+from nimbus.config import Settings
+from nimbus.records import TaskRecord, TaskState
+from nimbus.service import local_history
+from nimbus.service.history import History, Query
+from nimbus.service.registry import Registry
+
+
+def test_records_are_handed_over_in_files_and_ingested_once(tmp_path: Path) -> None:
+    settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
+    assert not local_history.enabled(settings)  # no service here: nothing is kept
+    Registry(settings.registry_url).close()
+    assert local_history.enabled(settings)
+    writer = local_history.LocalHistory(settings)
+    for i in range(30):
+        writer.add(TaskRecord(f"task-{i}", TaskState.SUCCESS, "shout", submitted=1000.0 + i))
+    writer.close()
+    folder = local_history.directory(settings)
+    [handed] = list(folder.iterdir())  # one file, whole (no partial name left)
+    engine = create_engine(settings.registry_url)
+    history = History(engine)
+    try:
+        fresh = folder / "1.0-1-x.msgpack.taken-aaaa"  # another process is ingesting it
+        fresh.write_bytes(handed.read_bytes())
+        assert local_history.ingest(settings, history) == 30
+        assert local_history.ingest(settings, history) == 0
+        assert [p.name for p in folder.iterdir()] == [fresh.name]
+        rows, _ = history.page(Query(None, endpoint=local_history.ENDPOINT), None, 100)
+        assert [row[0] for row in rows] == [f"task-{i}" for i in reversed(range(30))]
+        old = time.time() - local_history.STALE - 1  # that process died: taken again
+        os.utime(fresh, (old, old))
+        assert local_history.ingest(settings, history) == 30
+        assert history.count() == 30 and not list(folder.iterdir())
+    finally:
+        engine.dispose()
