@@ -478,6 +478,27 @@ def test_endpoint_option_and_the_cli_parser(tmp_path: Path) -> None:
     assert via_cli.stdout == "nimbus.multiprocessing\n"
 
 
+def test_the_default_config_file_is_read_before_the_program(tmp_path: Path) -> None:
+    """An endpoint set only in the default config file ($XDG_CONFIG_HOME/nimbus/config.toml,
+    where nimbus.config looks) is checked before the program starts, as one given by
+    NIMBUS_ENDPOINT; without the file the program runs."""
+    marker = tmp_path / "started"
+    code = f"open({str(marker)!r}, 'w')"
+    env = {**ENV, "XDG_CONFIG_HOME": str(tmp_path)}
+    for key in ("NIMBUS_SERVICE_URL", "NIMBUS_TOKEN", "NIMBUS_ENDPOINT", "NIMBUS_CONFIG"):
+        env.pop(key, None)
+    argv = [sys.executable, "-m", "nimbus", "run", "-c", code]
+    ran = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and marker.exists(), ran.stderr
+    marker.unlink()
+    (tmp_path / "nimbus").mkdir()
+    (tmp_path / "nimbus" / "config.toml").write_text('endpoint = "hpc"\n')
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("nimbus run: NIMBUS_ENDPOINT=hpc: no nimbus service configured")
+    assert not marker.exists()
+
+
 def test_options_without_a_value_and_the_usage(tmp_path: Path) -> None:
     """Stranger #7: `-m`, `-c`, `--environment`, `--endpoint` last say they need a value
     (not "unknown option"); with nothing to run the usage names -c too; status 2."""

@@ -215,12 +215,14 @@ def _main_folder(path: str) -> bool:
 
 def _set() -> bool:
     """Whether an endpoint or an environment may be set other than by the options: by
-    their variables or a config file (where ``config.default_config_file`` looks). Only
-    then is the configuration read before the program (it costs a no-op program ~2x)."""
+    their variables or a config file. Only then is the configuration read before the
+    program (``Settings`` would cost a no-op program ~2x; ``nimbus.config`` imports it
+    on first use, and where the file is without it)."""
     if any(k in os.environ for k in ("NIMBUS_ENDPOINT", "NIMBUS_ENVIRONMENT", "NIMBUS_CONFIG")):
         return True
-    base = os.environ.get("XDG_CONFIG_HOME", "").strip() or os.path.expanduser("~/.config")
-    return os.path.exists(os.path.join(base, "nimbus", "config.toml"))
+    from nimbus.config import default_config_path
+
+    return os.path.exists(default_config_path(os.environ))
 
 
 def _check_options(endpoint: str | None, environment: str | None) -> tuple[int, str] | None:
