@@ -25,13 +25,14 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from importlib import resources
-from typing import Any
+from typing import Annotated, Any, NamedTuple
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
@@ -108,6 +109,58 @@ def _html(body: Html, status: int = 200, **headers: str) -> HTMLResponse:
 def _to_login(request: Request) -> RedirectResponse:
     target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     return RedirectResponse("/login?" + urlencode({"next": target}), 303, headers=HEADERS)
+
+
+class Viewing(NamedTuple):
+    """Who asks (logged in) and the service asked: what a page or a stream opens with."""
+
+    ctx: ServiceContext
+    who: _session.Viewer
+
+
+class _SignedOut(Exception):
+    """Raised by :func:`_page_viewer` or :func:`_stream_viewer` without a session:
+    ``response`` answers the request instead of its route (:class:`Route`)."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+class Route(APIRoute):
+    """A dashboard route: a request its dependencies find signed out is answered with
+    their login redirect or 401 (``_SignedOut``), not an error."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except _SignedOut as out:
+                return out.response
+
+        return route
+
+
+async def _page_viewer(request: Request) -> Viewing:
+    ctx = _ctx(request)
+    who = await _session.viewer(request, ctx)
+    if who is None:
+        raise _SignedOut(_to_login(request))
+    return Viewing(ctx, who)
+
+
+async def _stream_viewer(request: Request) -> Viewing:
+    ctx = _ctx(request)
+    who = await _session.viewer(request, ctx)
+    if who is None:
+        raise _SignedOut(Response(status_code=401, headers=HEADERS))
+    return Viewing(ctx, who)
+
+
+Page = Annotated[Viewing, Depends(_page_viewer)]  # a page: signed out, 303 to /login
+Stream = Annotated[Viewing, Depends(_stream_viewer)]  # a stream or a file: signed out, 401
 
 
 def _safe_next(target: str) -> str:
