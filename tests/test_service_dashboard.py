@@ -10,6 +10,7 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import pytest
@@ -211,6 +212,14 @@ def test_an_unauthorised_user_gets_nothing(
     with httpx.Client(base_url=service.url, timeout=10) as http:
         assert http.get("/tasks/stream").status_code == 401
         assert http.get("/tasks", follow_redirects=False).status_code == 303
+        for path in ("/", f"/endpoints/{lab.endpoint_id}", f"/tasks/{task_id}", "/timeline?group=g", "/directory"):  # fmt: skip
+            out = http.get(path, follow_redirects=False)  # no session: the login form, then back
+            assert out.status_code == 303 and out.content == b"", path
+            assert out.headers["location"] == "/login?" + urlencode({"next": path}), path
+        for path in (f"/endpoints/{lab.endpoint_id}/stream", "/timeline/stream", "/timeline.png"):
+            out = http.get(path)
+            assert out.status_code == 401 and out.content == b"", path
+            assert "script-src 'self'" in out.headers["content-security-policy"], path
         # an endpoint's token (not a user's) cannot log in either
         page = http.get("/login")
         csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
