@@ -18,7 +18,7 @@ import redis
 
 from nimbus import Client, Executor
 from nimbus.statestore import StateStore
-from service_support import EndpointProcess, Service, free_port, service_env, ship
+from service_support import EndpointProcess, Service, service_env, ship, two_services
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 XSS = "<script>alert(1)</script>"
@@ -373,13 +373,7 @@ def zrevranges(store: StateStore) -> int:
 def test_an_open_page_reads_nothing_until_its_users_task_moves_in_any_service_process(
     tmp_path: Path,
 ) -> None:
-    store = StateStore.open(None, tmp_path / "redis")  # the queue Redis both processes share
-    root = tmp_path / "svc"
-    root.mkdir()
-    env = service_env(root, NIMBUS_REDIS_URL=store.url)
-    first = Service(root, env, port=free_port()).start()
-    second = Service(root, env, port=free_port()).start()  # same registry, same Redis
-    try:
+    with two_services(tmp_path) as (first, second, store):
         token = first.token("vera")
         with (
             first.client(token) as client,
@@ -412,7 +406,3 @@ def test_an_open_page_reads_nothing_until_its_users_task_moves_in_any_service_pr
                     if line.startswith("data: ") and task_id in line:
                         break
                 assert '"state": "cancelled"' in line
-    finally:
-        second.stop()
-        first.stop()
-        store.close()
