@@ -25,7 +25,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from importlib import resources
 from typing import Annotated, Any, NamedTuple
 from urllib.parse import urlencode
@@ -119,8 +119,8 @@ class Viewing(NamedTuple):
 
 
 class _SignedOut(Exception):
-    """Raised by :func:`_page_viewer` or :func:`_stream_viewer` without a session:
-    ``response`` answers the request instead of its route (:class:`Route`)."""
+    """Raised by the ``Page`` and ``Stream`` dependencies without a session: ``response``
+    answers the request instead of its route (:class:`Route`)."""
 
     def __init__(self, response: Response) -> None:
         super().__init__(response.status_code)
@@ -143,24 +143,25 @@ class Route(APIRoute):
         return route
 
 
-async def _page_viewer(request: Request) -> Viewing:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        raise _SignedOut(_to_login(request))
-    return Viewing(ctx, who)
+def _viewing(refuse: Callable[[Request], Response]) -> Callable[[Request], Awaitable[Viewing]]:
+    """A dependency: the request's viewer, else ``refuse(request)`` answers it."""
+
+    async def viewing(request: Request) -> Viewing:
+        ctx = _ctx(request)
+        who = await _session.viewer(request, ctx)
+        if who is None:
+            raise _SignedOut(refuse(request))
+        return Viewing(ctx, who)
+
+    return viewing
 
 
-async def _stream_viewer(request: Request) -> Viewing:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        raise _SignedOut(Response(status_code=401, headers=HEADERS))
-    return Viewing(ctx, who)
+def _unauthorised(request: Request) -> Response:
+    return Response(status_code=401, headers=HEADERS)
 
 
-Page = Annotated[Viewing, Depends(_page_viewer)]  # a page: signed out, 303 to /login
-Stream = Annotated[Viewing, Depends(_stream_viewer)]  # a stream or a file: signed out, 401
+Page = Annotated[Viewing, Depends(_viewing(_to_login))]  # a page: signed out, 303 to /login
+Stream = Annotated[Viewing, Depends(_viewing(_unauthorised))]  # a stream, a file: 401
 
 
 def _safe_next(target: str) -> str:
