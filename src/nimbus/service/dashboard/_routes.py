@@ -297,33 +297,34 @@ class _Names:
         self.endpoints: dict[str, str] = {}
 
     async def function(self, function_id: str) -> str:
-        if function_id not in self.functions:
-            try:
-                if self.admin:
-                    found = await run_in_threadpool(self.ctx.registry.function, function_id)
-                    if found is None:
-                        raise NotFound(function_id)
-                    name = found.name
-                else:
-                    name = (await self.ctx.function(self.user, function_id)).name
-                self.functions[function_id] = name or function_id
-            except NotFound:
-                self.functions[function_id] = function_id
-        return self.functions[function_id]
+        registry = self.ctx.registry
+        return await self._name(self.functions, function_id, registry.function, self.ctx.function)
 
     async def endpoint(self, endpoint_id: str) -> str:
-        if endpoint_id not in self.endpoints:
+        registry = self.ctx.registry
+        return await self._name(self.endpoints, endpoint_id, registry.endpoint, self.ctx.endpoint)
+
+    async def _name(
+        self,
+        names: dict[str, str],
+        key: str,
+        anyones: Callable[[str], Any],
+        visible: Callable[[Principal, str], Awaitable[Any]],
+    ) -> str:
+        """The name of function or endpoint ``key`` (its id when it has none, or the user
+        may not see it), asked once: ``anyones`` for an admin, else what the user sees."""
+        if key not in names:
             try:
                 if self.admin:
-                    info = await run_in_threadpool(self.ctx.registry.endpoint, endpoint_id)
-                    if info is None:
-                        raise NotFound(endpoint_id)
+                    found = await run_in_threadpool(anyones, key)
+                    if found is None:
+                        raise NotFound(key)
                 else:
-                    info = await self.ctx.endpoint(self.user, endpoint_id)
-                self.endpoints[endpoint_id] = info.name
+                    found = await visible(self.user, key)
+                names[key] = found.name or key
             except NotFound:
-                self.endpoints[endpoint_id] = endpoint_id
-        return self.endpoints[endpoint_id]
+                names[key] = key
+        return names[key]
 
     async def row(self, row: Row) -> dict[str, Any]:
         return {
