@@ -32,14 +32,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse  # noqa: E402
-import glob  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
 import shutil  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -47,109 +41,20 @@ from typing import Any  # noqa: E402
 import httpx  # noqa: E402
 import msgpack  # noqa: E402
 import psutil  # noqa: E402
-import redis  # noqa: E402
 
-sys.path.append(str(_HERE))  # after the stdlib: for _report
+sys.path.append(str(_HERE))  # after the stdlib: for _report, _dashboard
+from _dashboard import Service, isolated, login, ms, new_user, timed  # noqa: E402
 from _report import grid  # noqa: E402
 
-CLI = "import sys; from nimbus.cli import main; sys.exit(main())"
 FILL = 10_000  # records stored by one script call
-PROFILE = os.environ.get("BENCH_PROFILE", "").split()  # e.g. "-m cProfile -o FILE"
 
 
 def noop() -> None:
     """Never runs: its endpoint stays offline."""
 
 
-class Service:
-    """``nimbus service start --persist`` in ``root``, and its embedded Redis."""
-
-    def __init__(self, root: Path, env: dict[str, str]) -> None:
-        self.root, self.env = root, env
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = ""
-
-    def start(self) -> float:
-        url_file = self.root / "url"
-        url_file.unlink(missing_ok=True)
-        cmd = [
-            sys.executable,
-            *PROFILE,
-            "-m",
-            "nimbus",
-            "service",
-            "start",
-            "--port",
-            "0",
-            "--persist",
-        ]
-        started = time.perf_counter()
-        with open(self.root / "service.log", "ab") as log:
-            self.proc = subprocess.Popen(
-                [*cmd, "--url-file", str(url_file)], env=self.env, stdout=log, stderr=log
-            )
-        deadline = time.monotonic() + 300
-        while not url_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((self.root / "service.log").read_text()[-2000:])
-            time.sleep(0.05)
-        self.url = url_file.read_text().strip()
-        return time.perf_counter() - started
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(120)
-
-    def redis_state(self) -> dict[str, Any]:
-        [path] = glob.glob(str(self.root / "rt" / "redis-*.json"))
-        state: dict[str, Any] = json.loads(Path(path).read_text())
-        return state
-
-    def processes(self) -> list[psutil.Process]:
-        assert self.proc is not None
-        return [psutil.Process(self.proc.pid), psutil.Process(self.redis_state()["server"][0])]
-
-    def redis(self) -> redis.Redis:
-        return redis.Redis(unix_socket_path=self.redis_state()["socket"])
-
-
-def registry_token(settings: Any, user: str) -> str:
-    from nimbus.service.registry import Registry
-
-    registry = Registry(settings.registry_url)
-    try:
-        return registry.create_user_token(user)
-    finally:
-        registry.close()
-
-
 def cpu(processes: list[psutil.Process]) -> float:
     return sum(t.user + t.system for t in (p.cpu_times() for p in processes))
-
-
-def timed(http: httpx.Client, path: str, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        start = time.perf_counter()
-        response = http.get(path)
-        out.append(time.perf_counter() - start)
-        response.raise_for_status()
-    return out
-
-
-def ms(values: list[float], q: float) -> str:
-    values = sorted(values)
-    return f"{values[min(len(values) - 1, int(q * len(values)))] * 1000:.0f} ms"
-
-
-def login(url: str, token: str) -> httpx.Client:
-    http = httpx.Client(base_url=url, timeout=60)
-    csrf = re.search(r'name="csrf" value="([^"]+)"', http.get("/login").text)
-    assert csrf is not None
-    response = http.post("/login", data={"token": token, "csrf": csrf[1]})
-    assert response.status_code == 303, response.text
-    return http
 
 
 class Arrivals:
@@ -229,16 +134,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=10.0, help="per CPU sample")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="nimbus-bench-dash-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NIMBUS_")}
-    env.update(
-        NIMBUS_RUNTIME_DIR=str(root / "rt"),
-        XDG_CONFIG_HOME=str(root / "cfg"),
+    root, env = isolated(
+        "nimbus-bench-dash-",
         NIMBUS_MAX_QUEUED_TASKS=str(10_000_000),
         NIMBUS_SERVICE_ADMINS="boss",  # whose pages show every user's tasks
     )
-    os.environ.update({k: env[k] for k in ("XDG_CONFIG_HOME", "NIMBUS_RUNTIME_DIR")})
-    service = Service(root, env)
+    service = Service(root, env, persist=True)
     service.start()
     rows: list[tuple[str, str, str]] = []
     try:
@@ -246,16 +147,12 @@ def main() -> None:
         from nimbus.config import Settings
         from nimbus.records import TaskRecord, TaskState
         from nimbus.service.app import SERVICE_ID
-        from nimbus.service.registry import Registry
         from nimbus.statestore import Keys
 
         settings = Settings.load(env)
-        registry = Registry(settings.registry_url)
-        token = registry.create_user_token("bench")
-        user_id = registry.principal(token).user_id  # type: ignore[union-attr]
-        registry.close()
+        token, user_id = new_user(settings, "bench")
         client = Client(service.url, token, settings=settings)
-        other_token = registry_token(settings, "others")
+        other_token, _ = new_user(settings, "others")
         others = [
             Client(service.url, other_token, settings=settings) for _ in range(Arrivals.THREADS)
         ]
@@ -272,6 +169,7 @@ def main() -> None:
         from sqlalchemy.engine import make_url
 
         from nimbus.service.history import History
+        from nimbus.service.registry import Registry
 
         registry = Registry(settings.registry_url)
         history = History(registry.engine)
@@ -302,7 +200,7 @@ def main() -> None:
         ]
 
         procs = service.processes()
-        boss = registry_token(settings, "boss")
+        boss, _ = new_user(settings, "boss")
         samples: dict[str, list[float]] = {"none": [], "open": [], "admin": []}
         for _ in range(2):
             for kind in samples:

@@ -27,53 +27,18 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
+import contextlib  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 
-import httpx  # noqa: E402
-
-sys.path.append(str(_HERE))  # after the stdlib: for _report
+sys.path.append(str(_HERE))  # after the stdlib: for _report, _dashboard
+from _dashboard import Service, isolated, login, ms, new_user, timed  # noqa: E402
 from _report import grid  # noqa: E402
-
-CLI = "import sys; from nimbus.cli import main; sys.exit(main())"
 
 
 def noop(i: int) -> int:
     return i
-
-
-def start(root: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
-    url_file = root / "url"
-    cmd = [sys.executable, "-c", CLI, "service", "start", "--port", "0"]
-    with open(root / "service.log", "ab") as log:
-        proc = subprocess.Popen(
-            [*cmd, "--url-file", str(url_file)], env=env, stdout=log, stderr=log
-        )
-    deadline = time.monotonic() + 60
-    while not url_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError((root / "service.log").read_text()[-2000:])
-        time.sleep(0.05)
-    return proc, url_file.read_text().strip()
-
-
-def timed(http: httpx.Client, path: str, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        start = time.perf_counter()
-        response = http.get(path)
-        out.append(time.perf_counter() - start)
-        response.raise_for_status()
-    return out
-
-
-def ms(values: list[float], q: float) -> str:
-    values = sorted(values)
-    return f"{values[min(len(values) - 1, int(q * len(values)))] * 1000:.0f} ms"
 
 
 def main() -> None:
@@ -81,16 +46,14 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=40)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="nimbus-bench-pages-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NIMBUS_")}
-    env.update(
-        NIMBUS_RUNTIME_DIR=str(root / "rt"),
-        XDG_CONFIG_HOME=str(root / "cfg"),
+    root, env = isolated(
+        "nimbus-bench-pages-",
         NIMBUS_MAX_QUEUED_TASKS=str(args.tasks + 1000),
         NIMBUS_HEARTBEAT="0.5",
     )
-    os.environ.update({k: env[k] for k in ("XDG_CONFIG_HOME", "NIMBUS_RUNTIME_DIR")})
-    proc, url = start(root, env)
+    service = Service(root, env)
+    service.start()
+    url = service.url
     daemon: subprocess.Popen[bytes] | None = None
     try:
         from nimbus import Executor
@@ -98,12 +61,9 @@ def main() -> None:
         from nimbus.config import Settings
         from nimbus.endpoint.config import EndpointConfig
         from nimbus.messaging import Directory, Entry
-        from nimbus.service.registry import Registry
         from nimbus.statestore import Keys, connect
 
-        registry = Registry(Settings.load(env).registry_url)
-        token = registry.create_user_token("bench")
-        registry.close()
+        token, _ = new_user(Settings.load(env), "bench")
         settings = Settings.load(env | {"NIMBUS_SERVICE_URL": url, "NIMBUS_TOKEN": token})
         with Client(url, token, settings=Settings.load(env)) as client:
             ep = client.register_endpoint("lab")
@@ -131,12 +91,7 @@ def main() -> None:
             for i in range(20):
                 directory.set_local(f"inst-{i}", Entry("host/boot", 1000 + i, f"/s/{i}", None))
             directory.publish()
-            with httpx.Client(base_url=url, timeout=120) as http:
-                form = http.get("/login").text
-                csrf = re.search(r'name="csrf" value="([^"]+)"', form)
-                assert csrf is not None
-                login = http.post("/login", data={"token": token, "csrf": csrf[1]})
-                assert login.status_code == 303, login.text
+            with contextlib.closing(login(url, token)) as http:
                 listed = client.list_tasks(limit=2)  # the newest but one: of the map
                 group = listed[-1].get("group_id", "") if len(listed) == 2 else ""
                 paths = [
@@ -160,8 +115,7 @@ def main() -> None:
         if daemon is not None:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(30)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        service.stop()
 
 
 if __name__ == "__main__":

@@ -66,33 +66,42 @@ def sleepy(i: int, seconds: float, log: str) -> int:
 # ---------------------------------------------------------------- Parsl side
 
 
-def parsl_driver(op: str, n: int, partition: str) -> dict[str, Any]:
-    import parsl
-    from parsl.config import Config
+def slurm_htex(partition: str, path: str, blocks: tuple[int, int, int], walltime: str) -> Any:
+    """HTEX of 2 workers a node on single-node, whole-node Slurm blocks of ``partition``
+    (``blocks``: init, min, max); the workers find python on ``path``."""
     from parsl.executors import HighThroughputExecutor
     from parsl.launchers import SingleNodeLauncher
     from parsl.providers import SlurmProvider
+
+    init, least, most = blocks
+    return HighThroughputExecutor(
+        label="htex",
+        address="127.0.0.1",
+        max_workers_per_node=2,
+        provider=SlurmProvider(
+            partition=partition,
+            init_blocks=init,
+            min_blocks=least,
+            max_blocks=most,
+            nodes_per_block=1,
+            exclusive=True,  # (SlurmProvider's default)
+            walltime=walltime,
+            launcher=SingleNodeLauncher(),
+            worker_init=f"export PATH={path}",
+        ),
+    )
+
+
+def parsl_driver(op: str, n: int, partition: str) -> dict[str, Any]:
+    import parsl
+    from parsl.config import Config
 
     run_dir = tempfile.mkdtemp(prefix="parsl-bench-")
     path = os.environ["PATH"]
     if op == "first":  # each try a fresh DFK with 0 blocks, Parsl's default strategy
         times = []
         for i in range(n):
-            htex = HighThroughputExecutor(
-                label="htex",
-                address="127.0.0.1",
-                max_workers_per_node=2,
-                provider=SlurmProvider(
-                    partition=partition,
-                    init_blocks=0,
-                    min_blocks=0,
-                    max_blocks=1,
-                    nodes_per_block=1,
-                    walltime="00:10:00",
-                    launcher=SingleNodeLauncher(),
-                    worker_init=f"export PATH={path}",
-                ),
-            )
+            htex = slurm_htex(partition, path, (0, 0, 1), "00:10:00")
             config = Config(executors=[htex], run_dir=f"{run_dir}/{i}", strategy="simple")
             dfk = parsl.load(config)
             try:
@@ -112,22 +121,7 @@ def parsl_driver(op: str, n: int, partition: str) -> dict[str, Any]:
     if op == "churn":
         return parsl_churn(n, partition, run_dir, path)
     # throughput over 4 single-node blocks, HTEX driven directly (as Globus Compute does)
-    htex = HighThroughputExecutor(
-        label="htex",
-        address="127.0.0.1",
-        max_workers_per_node=2,
-        provider=SlurmProvider(
-            partition=partition,
-            init_blocks=4,
-            min_blocks=4,
-            max_blocks=4,
-            nodes_per_block=1,
-            exclusive=True,
-            walltime="00:10:00",
-            launcher=SingleNodeLauncher(),
-            worker_init=f"export PATH={path}",
-        ),
-    )
+    htex = slurm_htex(partition, path, (4, 4, 4), "00:10:00")
     htex.run_dir = run_dir
     htex.provider.script_dir = os.path.join(run_dir, "submit_scripts")
     os.makedirs(htex.provider.script_dir, exist_ok=True)
@@ -157,26 +151,8 @@ def parsl_churn(n: int, partition: str, run_dir: str, path: str) -> dict[str, An
     """The churn workload on HTEX + SlurmProvider, Parsl's defaults (retries 0)."""
     import parsl
     from parsl.config import Config
-    from parsl.executors import HighThroughputExecutor
-    from parsl.launchers import SingleNodeLauncher
-    from parsl.providers import SlurmProvider
 
-    htex = HighThroughputExecutor(
-        label="htex",
-        address="127.0.0.1",
-        max_workers_per_node=2,
-        provider=SlurmProvider(
-            partition=partition,
-            init_blocks=0,
-            min_blocks=0,
-            max_blocks=4,
-            nodes_per_block=1,
-            exclusive=True,
-            walltime=CHURN_WALLTIME,
-            launcher=SingleNodeLauncher(),
-            worker_init=f"export PATH={path}",
-        ),
-    )
+    htex = slurm_htex(partition, path, (0, 0, 4), CHURN_WALLTIME)
     config = Config(executors=[htex], run_dir=run_dir, strategy="htex_auto_scale", max_idletime=3.0)
     dfk = parsl.load(config)
     log = Path(run_dir) / "runs.log"

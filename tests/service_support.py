@@ -5,6 +5,8 @@ every run answers with a token of its own.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -12,8 +14,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 from websockets.exceptions import ConnectionClosed
@@ -24,6 +27,7 @@ from nimbus.config import Settings
 from nimbus.endpoint.config import EndpointConfig
 from nimbus.protocol.wsclient import ws_url
 from nimbus.service.registry import Registry
+from nimbus.statestore import StateStore
 
 CLI = "import sys; from nimbus.cli import main; sys.exit(main())"
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
@@ -268,6 +272,52 @@ def service_env(root: Path, **extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def two_services(tmp_path: Path) -> Iterator[tuple[Service, Service, StateStore]]:
+    """Two service processes on one registry and one queue Redis (an embedded one in
+    ``tmp_path``), as behind a load balancer; both stopped and the Redis closed after."""
+    store = StateStore.open(None, tmp_path / "redis")  # the queue Redis both processes share
+    root = tmp_path / "svc"
+    root.mkdir()
+    env = service_env(root, NIMBUS_REDIS_URL=store.url)
+    started: list[Service] = []
+    try:
+        for _ in range(2):  # same registry, same Redis
+            started.append(Service(root, env, port=free_port()).start())
+        yield started[0], started[1], store
+    finally:
+        for service in reversed(started):
+            service.stop()
+        store.close()
+
+
+def slurm_endpoint(
+    service: Service, client: Client, name: str, slurm: Any, **config: object
+) -> EndpointProcess:
+    """Endpoint ``name`` of ``client`` whose blocks are jobs of the test cluster ``slurm``
+    (``slurm_support.Cluster``): its config saved with ``config`` besides the partition,
+    a 5-minute walltime and the agent on loopback; ``SLURM_CONF`` in the service's env
+    (for the agents it starts: delete it when done)."""
+    endpoint = EndpointProcess(service, client, name)
+    endpoint.config = dataclasses.replace(
+        endpoint.config,
+        provider="slurm",
+        partition=slurm.partition,
+        walltime="00:05:00",
+        agent_listen="127.0.0.1:0",
+        **config,
+    )
+    old = dict(os.environ)
+    os.environ.update(service.env | {"SLURM_CONF": str(slurm.conf)})
+    try:
+        endpoint.config.save()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    service.env["SLURM_CONF"] = str(slurm.conf)
+    return endpoint
 
 
 # ---------------------------------------------------------------- PostgreSQL

@@ -571,3 +571,33 @@ def test_no_module_reads_a_nimbus_variable_but_config() -> None:
         if path.parent.name != "config" and reads.search(path.read_text())
     ]
     assert readers == []
+
+
+def test_the_namespace_imports_each_name_from_its_module_on_first_use() -> None:
+    import subprocess
+    import sys
+
+    import nimbus.config
+
+    assert set(nimbus.config.__all__) <= set(dir(nimbus.config))
+    for name in nimbus.config.__all__:
+        assert getattr(nimbus.config, name) is not None
+    with pytest.raises(AttributeError, match="no_such_name"):
+        nimbus.config.no_such_name  # noqa: B018
+    code = (
+        "import sys\n"
+        "before = set(sys.modules)\n"
+        "def new(*names): return [n for n in names if n in set(sys.modules) - before]\n"
+        "import os\n"
+        "from nimbus.config import default_config_path\n"
+        "default_config_path(os.environ)\n"
+        "print(sorted(new('nimbus.config', 'nimbus.config._places', 'nimbus.config._settings')),"
+        " new('pathlib', 'nimbus.errors'))\n"
+        "from nimbus.config import Settings\n"
+        "Settings.load({})\n"
+        "print(new('ssl', 'tomllib', 'logging'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == ["['nimbus.config', 'nimbus.config._places'] []", "[]"]

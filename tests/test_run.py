@@ -222,12 +222,12 @@ def _interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("launcher", [[], ["-m", "nimbus", "run"]], ids=["python", "nimbus-run"])
-def test_ctrl_c_ends_children(tmp_path: Path, launcher: list[str]) -> None:
-    prog = _script(tmp_path, CHILDREN_PROGRAM)
+def _ctrl_c(prog: Path, launcher: list[str]) -> tuple[str, str, int]:
+    """Run ``prog`` (under ``launcher``) in a session of its own until it prints "started",
+    then Ctrl-C it as a terminal does (SIGINT to its process group): its output, errors
+    and exit status."""
     proc = subprocess.Popen(
-        [sys.executable, *launcher, str(prog)], cwd=tmp_path, env=ENV, text=True,
+        [sys.executable, *launcher, str(prog)], cwd=prog.parent, env=ENV, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         preexec_fn=_interruptible,
     )  # fmt: skip
@@ -241,9 +241,17 @@ def test_ctrl_c_ends_children(tmp_path: Path, launcher: list[str]) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    return out, err, proc.returncode
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", [[], ["-m", "nimbus", "run"]], ids=["python", "nimbus-run"])
+def test_ctrl_c_ends_children(tmp_path: Path, launcher: list[str]) -> None:
+    prog = _script(tmp_path, CHILDREN_PROGRAM)
+    out, err, returncode = _ctrl_c(prog, launcher)
     assert out.count("child interrupted") == 2, err
     assert "codes [" in out
-    assert proc.returncode in (-signal.SIGINT, 130, 1)
+    assert returncode in (-signal.SIGINT, 130, 1)
     assert "KeyboardInterrupt" in err
 
 
@@ -299,24 +307,10 @@ def test_ctrl_c_reaches_grandchildren(tmp_path: Path, launcher: list[str]) -> No
             "import multiprocessing,", "import nimbus.multiprocessing as multiprocessing,"
         )
     prog = _script(tmp_path, text)
-    proc = subprocess.Popen(
-        [sys.executable, *launcher, str(prog)], cwd=tmp_path, env=ENV, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        preexec_fn=_interruptible,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == "started\n"
-        time.sleep(0.5)
-        os.killpg(proc.pid, signal.SIGINT)  # as the terminal does
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    out, err, returncode = _ctrl_c(prog, launcher)
     assert out.count("grandchild interrupted") == 2, err
     assert "child interrupted [1, 1]" in out, err
-    assert proc.returncode in (-signal.SIGINT, 130, 1)
+    assert returncode in (-signal.SIGINT, 130, 1)
 
 
 NO_FILE_PROGRAM = """
@@ -476,6 +470,27 @@ def test_endpoint_option_and_the_cli_parser(tmp_path: Path) -> None:
     )
     assert via_cli.returncode == 4, via_cli.stderr
     assert via_cli.stdout == "nimbus.multiprocessing\n"
+
+
+def test_the_default_config_file_is_read_before_the_program(tmp_path: Path) -> None:
+    """An endpoint set only in the default config file ($XDG_CONFIG_HOME/nimbus/config.toml,
+    where nimbus.config looks) is checked before the program starts, as one given by
+    NIMBUS_ENDPOINT; without the file the program runs."""
+    marker = tmp_path / "started"
+    code = f"open({str(marker)!r}, 'w')"
+    env = {**ENV, "XDG_CONFIG_HOME": str(tmp_path)}
+    for key in ("NIMBUS_SERVICE_URL", "NIMBUS_TOKEN", "NIMBUS_ENDPOINT", "NIMBUS_CONFIG"):
+        env.pop(key, None)
+    argv = [sys.executable, "-m", "nimbus", "run", "-c", code]
+    ran = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and marker.exists(), ran.stderr
+    marker.unlink()
+    (tmp_path / "nimbus").mkdir()
+    (tmp_path / "nimbus" / "config.toml").write_text('endpoint = "hpc"\n')
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("nimbus run: NIMBUS_ENDPOINT=hpc: no nimbus service configured")
+    assert not marker.exists()
 
 
 def test_options_without_a_value_and_the_usage(tmp_path: Path) -> None:

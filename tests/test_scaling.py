@@ -98,13 +98,19 @@ def _spread(settings: Settings) -> Settings:
     return settings.replace(exclusive=True, min_blocks=2, init_blocks=2, max_idle=60.0)
 
 
+def _busy_on_two_blocks(ex: Executor) -> tuple[Any, list[Any], Any]:
+    """Once both blocks' managers joined, 40 tasks of 0.3 s: the backend, their futures,
+    and the first manager (running some of them)."""
+    backend = backend_of(ex)
+    wait_for(lambda: len(backend.agent.remote_managers()) == 2, 30, "two blocks to join")
+    futures = [ex.submit(node_of, 0.3) for _ in range(40)]
+    time.sleep(0.8)
+    return backend, futures, backend.agent.remote_managers()[0]
+
+
 def test_a_block_scancelled_from_outside_loses_no_task(settings: Settings, slurm: Any) -> None:
     with Executor(settings=_spread(settings)) as ex:
-        backend = backend_of(ex)
-        wait_for(lambda: len(backend.agent.remote_managers()) == 2, 30, "two blocks to join")
-        futures = [ex.submit(node_of, 0.3) for _ in range(40)]
-        time.sleep(0.8)
-        victim = backend.agent.remote_managers()[0]
+        backend, futures, victim = _busy_on_two_blocks(ex)
         slurm.run("scancel", victim.block)
         nodes = [f.result(timeout=60) for f in futures]
         assert len(nodes) == 40
@@ -114,11 +120,7 @@ def test_a_block_scancelled_from_outside_loses_no_task(settings: Settings, slurm
 
 def test_a_killed_slurmd_requeues_its_tasks_elsewhere(settings: Settings, slurm: Any) -> None:
     with Executor(settings=_spread(settings)) as ex:
-        backend = backend_of(ex)
-        wait_for(lambda: len(backend.agent.remote_managers()) == 2, 30, "two blocks to join")
-        futures = [ex.submit(node_of, 0.3) for _ in range(40)]
-        time.sleep(0.8)
-        victim = backend.agent.remote_managers()[0]
+        backend, futures, victim = _busy_on_two_blocks(ex)
         killed = time.monotonic()
         slurm.kill_slurmd(victim.node)
         try:
@@ -192,32 +194,15 @@ def remote_node_of(seconds: float) -> str:  # sent by value to the endpoint
 def test_an_endpoint_on_slurm_grows_from_zero_blocks_and_shows_them(
     service: Any, alice: Any, slurm: Any
 ) -> None:
-    import dataclasses
     import subprocess
     import sys
 
-    from service_support import EndpointProcess
+    from service_support import slurm_endpoint
 
-    endpoint = EndpointProcess(service, alice, "hpc")
-    endpoint.config = dataclasses.replace(
-        endpoint.config,
-        provider="slurm",
-        partition=slurm.partition,
-        workers_per_node=2,
-        max_blocks=2,
-        max_idle=30.0,
-        walltime="00:05:00",
-        agent_listen="127.0.0.1:0",
+    endpoint = slurm_endpoint(
+        service, alice, "hpc", slurm, workers_per_node=2, max_blocks=2, max_idle=30.0
     )
-    env = {**service.env, "SLURM_CONF": str(slurm.conf)}
-    old = dict(os.environ)
-    os.environ.update(env)
-    try:
-        endpoint.config.save()
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
-    service.env["SLURM_CONF"] = str(slurm.conf)
+    env = dict(service.env)  # with SLURM_CONF
     try:
         endpoint.start(alice)
         token = service.token("alice")

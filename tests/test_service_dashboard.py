@@ -10,6 +10,7 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import pytest
@@ -17,7 +18,7 @@ import redis
 
 from nimbus import Client, Executor
 from nimbus.statestore import StateStore
-from service_support import EndpointProcess, Service, free_port, service_env, ship
+from service_support import EndpointProcess, Service, service_env, ship, two_services
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 XSS = "<script>alert(1)</script>"
@@ -211,6 +212,14 @@ def test_an_unauthorised_user_gets_nothing(
     with httpx.Client(base_url=service.url, timeout=10) as http:
         assert http.get("/tasks/stream").status_code == 401
         assert http.get("/tasks", follow_redirects=False).status_code == 303
+        for path in ("/", f"/endpoints/{lab.endpoint_id}", f"/tasks/{task_id}", "/timeline?group=g", "/directory"):  # fmt: skip
+            out = http.get(path, follow_redirects=False)  # no session: the login form, then back
+            assert out.status_code == 303 and out.content == b"", path
+            assert out.headers["location"] == "/login?" + urlencode({"next": path}), path
+        for path in (f"/endpoints/{lab.endpoint_id}/stream", "/timeline/stream", "/timeline.png"):
+            out = http.get(path)
+            assert out.status_code == 401 and out.content == b"", path
+            assert "script-src 'self'" in out.headers["content-security-policy"], path
         # an endpoint's token (not a user's) cannot log in either
         page = http.get("/login")
         csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
@@ -410,13 +419,7 @@ def test_an_open_endpoint_page_reads_nothing_between_heartbeats_and_is_told_it_w
 def test_an_open_page_reads_nothing_until_its_users_task_moves_in_any_service_process(
     tmp_path: Path,
 ) -> None:
-    store = StateStore.open(None, tmp_path / "redis")  # the queue Redis both processes share
-    root = tmp_path / "svc"
-    root.mkdir()
-    env = service_env(root, NIMBUS_REDIS_URL=store.url)
-    first = Service(root, env, port=free_port()).start()
-    second = Service(root, env, port=free_port()).start()  # same registry, same Redis
-    try:
+    with two_services(tmp_path) as (first, second, store):
         token = first.token("vera")
         with (
             first.client(token) as client,
@@ -449,7 +452,3 @@ def test_an_open_page_reads_nothing_until_its_users_task_moves_in_any_service_pr
                     if line.startswith("data: ") and task_id in line:
                         break
                 assert '"state": "cancelled"' in line
-    finally:
-        second.stop()
-        first.stop()
-        store.close()

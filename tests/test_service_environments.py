@@ -534,29 +534,19 @@ def on_node(x: int) -> tuple[int, str]:
 def test_environments_list_endpoint_shows_what_remote_managers_hold(
     service: Service, alice: Client, slurm: Any
 ) -> None:
-    import dataclasses
+    from service_support import slurm_endpoint
 
-    endpoint = EndpointProcess(service, alice, "hpc")
-    endpoint.config = dataclasses.replace(
-        endpoint.config,
-        provider="slurm",
-        partition=slurm.partition,
+    endpoint = slurm_endpoint(
+        service,
+        alice,
+        "hpc",
+        slurm,
         workers_per_node=2,
         min_blocks=1,
         init_blocks=1,
         max_blocks=1,
         max_idle=60.0,
-        walltime="00:05:00",
-        agent_listen="127.0.0.1:0",
     )
-    old = dict(os.environ)
-    os.environ.update(service.env | {"SLURM_CONF": str(slurm.conf)})
-    try:
-        endpoint.config.save()
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
-    service.env["SLURM_CONF"] = str(slurm.conf)
     jail = Environment("remote-jail", sandbox=True)
     try:
         endpoint.start(alice)

@@ -11,8 +11,7 @@ import pytest
 
 from nimbus import Client
 from nimbus.service.metrics import BUCKETS
-from nimbus.statestore import StateStore
-from service_support import EndpointProcess, Service, free_port, service_env, ship
+from service_support import EndpointProcess, Service, ship, two_services
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_]+="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 
@@ -104,54 +103,46 @@ def test_metrics_count_tasks_endpoints_and_heartbeats(
 def test_histograms_and_net_bytes_are_the_same_from_every_service_process(
     tmp_path: Path,
 ) -> None:
-    store = StateStore.open(None, tmp_path / "redis")  # the queue Redis both processes share
-    root = tmp_path / "svc"
-    root.mkdir()
-    env = service_env(root, NIMBUS_REDIS_URL=store.url)
-    first = Service(root, env, port=free_port()).start()
-    second = Service(root, env, port=free_port()).start()  # same registry, same Redis
     agent = None
-    try:
-        with first.client(first.token("hugo")) as client:
-            agent = EndpointProcess(first, client, "histo").start(client)
-            naps = client.batch_run(nap, [(0.3,)] * 3, endpoint="histo")
-            moved = client.run(ship, 100_000, endpoint="histo")
-            bad = client.run(int, "x", endpoint="histo")
-            slow = client.run(nap, 60, endpoint="histo")
-            assert client.cancel(slow)  # counted by state; no run for the histograms
-            assert [client.get_result(i, timeout=60) for i in naps] == [0.3] * 3
-            assert client.get_result(moved, timeout=60) == 100_000
-            with pytest.raises(ValueError):
-                client.get_result(bad, timeout=60)
-            eid = agent.endpoint_id
-        a, b = scrape(first), scrape(second)
-        names = ("nimbus_task_run_seconds", "nimbus_task_queue_wait_seconds")
-        kept = (*names, "nimbus_endpoint_net_bytes", "nimbus_endpoint_tasks_finished")
-        counted = {k: v for k, v in a.items() if k[0].startswith(kept)}
-        assert counted and counted == {k: b[k] for k in counted}  # any process: the same totals
-        for name in names:
-            buckets = buckets_of(a, name, eid)
-            assert buckets[-1][0] == float("inf") and len(buckets) == len(BUCKETS) + 1
-            values = [value for _, value in buckets]
-            assert values == sorted(values)  # cumulative
-            assert a[(f"{name}_count", ep(eid))] == values[-1] == 5
-        run = dict(buckets_of(a, "nimbus_task_run_seconds", eid))
-        assert run[0.25] <= 2 and run[0.5] == 5  # the three naps of 0.3 s sit in (0.25, 0.5]
-        assert 0.9 <= a[("nimbus_task_run_seconds_sum", ep(eid))] < 2.0
-        assert a[("nimbus_task_queue_wait_seconds_sum", ep(eid))] >= 0
-        assert a[("nimbus_endpoint_tasks_finished_total", ep(eid, state="success"))] == 4
-        assert a[("nimbus_endpoint_tasks_finished_total", ep(eid, state="failed"))] == 1
-        assert a[("nimbus_endpoint_tasks_finished_total", ep(eid, state="cancelled"))] == 1
-        record = client_record(first, moved)
-        assert record["net_bytes_out"] >= 100_000 and record["net_bytes_in"] >= 100_000
-        for d in ("in", "out"):
-            assert a[("nimbus_endpoint_net_bytes_total", ep(eid, direction=d))] >= 100_000
-    finally:
-        if agent is not None:
-            agent.stop()
-        second.stop()
-        first.stop()
-        store.close()
+    with two_services(tmp_path) as (first, second, _store):
+        try:
+            with first.client(first.token("hugo")) as client:
+                agent = EndpointProcess(first, client, "histo").start(client)
+                naps = client.batch_run(nap, [(0.3,)] * 3, endpoint="histo")
+                moved = client.run(ship, 100_000, endpoint="histo")
+                bad = client.run(int, "x", endpoint="histo")
+                slow = client.run(nap, 60, endpoint="histo")
+                assert client.cancel(slow)  # counted by state; no run for the histograms
+                assert [client.get_result(i, timeout=60) for i in naps] == [0.3] * 3
+                assert client.get_result(moved, timeout=60) == 100_000
+                with pytest.raises(ValueError):
+                    client.get_result(bad, timeout=60)
+                eid = agent.endpoint_id
+            a, b = scrape(first), scrape(second)
+            names = ("nimbus_task_run_seconds", "nimbus_task_queue_wait_seconds")
+            kept = (*names, "nimbus_endpoint_net_bytes", "nimbus_endpoint_tasks_finished")
+            counted = {k: v for k, v in a.items() if k[0].startswith(kept)}
+            assert counted and counted == {k: b[k] for k in counted}  # any process: the same totals
+            for name in names:
+                buckets = buckets_of(a, name, eid)
+                assert buckets[-1][0] == float("inf") and len(buckets) == len(BUCKETS) + 1
+                values = [value for _, value in buckets]
+                assert values == sorted(values)  # cumulative
+                assert a[(f"{name}_count", ep(eid))] == values[-1] == 5
+            run = dict(buckets_of(a, "nimbus_task_run_seconds", eid))
+            assert run[0.25] <= 2 and run[0.5] == 5  # the three naps of 0.3 s sit in (0.25, 0.5]
+            assert 0.9 <= a[("nimbus_task_run_seconds_sum", ep(eid))] < 2.0
+            assert a[("nimbus_task_queue_wait_seconds_sum", ep(eid))] >= 0
+            assert a[("nimbus_endpoint_tasks_finished_total", ep(eid, state="success"))] == 4
+            assert a[("nimbus_endpoint_tasks_finished_total", ep(eid, state="failed"))] == 1
+            assert a[("nimbus_endpoint_tasks_finished_total", ep(eid, state="cancelled"))] == 1
+            record = client_record(first, moved)
+            assert record["net_bytes_out"] >= 100_000 and record["net_bytes_in"] >= 100_000
+            for d in ("in", "out"):
+                assert a[("nimbus_endpoint_net_bytes_total", ep(eid, direction=d))] >= 100_000
+        finally:
+            if agent is not None:
+                agent.stop()
 
 
 def buckets_of(

@@ -37,6 +37,10 @@ import sys
 import types
 from collections.abc import Sequence
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from importlib.machinery import ModuleSpec
+
 __all__ = ["EXIT_USAGE", "main", "run", "setup"]
 
 EXIT_USAGE = 2
@@ -211,12 +215,14 @@ def _main_folder(path: str) -> bool:
 
 def _set() -> bool:
     """Whether an endpoint or an environment may be set other than by the options: by
-    their variables or a config file (where ``config.default_config_file`` looks). Only
-    then is the configuration read before the program (it costs a no-op program ~2x)."""
+    their variables or a config file. Only then is the configuration read before the
+    program (``Settings`` would cost a no-op program ~2x; ``nimbus.config`` imports it
+    on first use, and where the file is without it)."""
     if any(k in os.environ for k in ("NIMBUS_ENDPOINT", "NIMBUS_ENVIRONMENT", "NIMBUS_CONFIG")):
         return True
-    base = os.environ.get("XDG_CONFIG_HOME", "").strip() or os.path.expanduser("~/.config")
-    return os.path.exists(os.path.join(base, "nimbus", "config.toml"))
+    from nimbus.config import default_config_path
+
+    return os.path.exists(default_config_path(os.environ))
 
 
 def _check_options(endpoint: str | None, environment: str | None) -> tuple[int, str] | None:
@@ -269,15 +275,45 @@ def _check_options(endpoint: str | None, environment: str | None) -> tuple[int, 
     return None
 
 
-def _fresh_main() -> types.ModuleType:
+def _fresh_main(spec: ModuleSpec | None = None, file: str | None = None) -> types.ModuleType:
+    """An empty ``__main__`` to run a program in, filled as ``python`` fills it: from the
+    module ``spec`` it was found by (``-m``, a directory), else with no spec or loader
+    and, for a script, its ``file``."""
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
+    if spec is None:
+        if file is not None:
+            main.__file__ = file
+        main.__spec__ = None
+        main.__loader__ = None
+    else:  # as runpy's _run_module_as_main
+        main.__dict__.update(
+            __file__=spec.origin,
+            __cached__=spec.cached,
+            __loader__=spec.loader,
+            __package__=spec.parent,
+            __spec__=spec,
+        )
     return main
+
+
+def _found(name: str | None) -> tuple[types.CodeType, types.ModuleType]:
+    """Module ``name``'s code (None: the ``__main__`` of ``sys.path[0]``, a directory's),
+    found as runpy finds it, and the ``__main__`` it runs in."""
+    import runpy
+
+    try:
+        if name is None:
+            _name, spec, code = runpy._get_main_module_details()  # type: ignore[attr-defined]
+        else:
+            _name, spec, code = runpy._get_module_details(name)  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise _NotFound(str(exc)) from None
+    return code, _fresh_main(spec)
 
 
 def _script(path: str, args: list[str]) -> tuple[types.CodeType, types.ModuleType]:
     """A script's code, and the ``__main__`` it runs in (as ``python path args``)."""
-    main = _fresh_main()
     if path == "-":  # the program on standard input
         source = sys.stdin.buffer.read()
         name = "<stdin>"
@@ -287,65 +323,29 @@ def _script(path: str, args: list[str]) -> tuple[types.CodeType, types.ModuleTyp
             source = f.read()
         name = path
         sys.path[0] = os.path.dirname(os.path.abspath(path))
-    main.__file__ = name
-    main.__spec__ = None
-    main.__loader__ = None
     sys.argv[:] = [path, *args]
-    return compile(source, name, "exec"), main
+    return compile(source, name, "exec"), _fresh_main(file=name)
 
 
 def _folder(path: str, args: list[str]) -> tuple[types.CodeType, types.ModuleType]:
     """A directory's ``__main__.py`` and the ``__main__`` it runs in (as ``python path args``:
     the directory first on ``sys.path``, its ``__main__`` module run by name)."""
-    import runpy
-
     sys.path[0] = os.path.abspath(path)
-    try:
-        _name, spec, code = runpy._get_main_module_details()  # type: ignore[attr-defined]
-    except ImportError as exc:
-        raise _NotFound(str(exc)) from None
-    main = _fresh_main()
-    main.__dict__.update(
-        __name__="__main__",
-        __file__=spec.origin,
-        __cached__=spec.cached,
-        __doc__=None,
-        __loader__=spec.loader,
-        __package__="",
-        __spec__=spec,
-    )
+    code, main = _found(None)
     sys.argv[:] = [path, *args]
     return code, main
 
 
 def _command(text: str, args: list[str]) -> tuple[types.CodeType, types.ModuleType]:
     """A command's code, and the ``__main__`` it runs in (as ``python -c text args``)."""
-    main = _fresh_main()
-    main.__spec__ = None
-    main.__loader__ = None
     sys.path[0] = ""
     sys.argv[:] = ["-c", *args]
-    return compile(text, "<string>", "exec"), main
+    return compile(text, "<string>", "exec"), _fresh_main()
 
 
 def _module(name: str, args: list[str]) -> tuple[types.CodeType, types.ModuleType]:
     """A module's code, and the ``__main__`` it runs in (as ``python -m name args``)."""
-    import runpy
-
     sys.path[0] = os.getcwd()
-    try:
-        _name, spec, code = runpy._get_module_details(name)  # type: ignore[attr-defined]
-    except ImportError as exc:
-        raise _NotFound(str(exc)) from None
-    main = _fresh_main()
-    main.__dict__.update(
-        __name__="__main__",
-        __file__=spec.origin,
-        __cached__=spec.cached,
-        __doc__=None,
-        __loader__=spec.loader,
-        __package__=spec.parent,
-        __spec__=spec,
-    )
-    sys.argv[:] = [spec.origin, *args]
+    code, main = _found(name)
+    sys.argv[:] = [str(main.__file__), *args]  # its origin: runpy finds none without
     return code, main

@@ -14,29 +14,39 @@ This package owns every ``NIMBUS_*`` variable: each setting is declared once,
 as a field of :class:`Settings` (``_settings``); the checks of values are in
 ``_coerce``, and where nimbus keeps things on this machine in ``_places``.
 No other module reads a ``NIMBUS_*`` variable to configure itself.
+
+Each name is imported from its module on first use (``import nimbus.config``
+costs nothing): ``nimbus run`` asks where the config file is before every
+program, and needs neither ``Settings`` nor the checks of values for that.
 """
 
 from __future__ import annotations
 
-from nimbus.config._coerce import (
-    INLINE_MAX,
-    INLINE_MIN,
-    MAX_TIMEOUT,
-    NAME,
-    NAME_RULE,
-    Bad,
-    check_timeout,
-    optional_bandwidth,
-    optional_cpus,
-    optional_size,
-    parse_bandwidth,
-)
-from nimbus.config._places import (
-    config_dir,
-    private_dir,
-    untrusted_certificate,
-)
-from nimbus.config._settings import CONFIG_ENV, Settings
+import importlib
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from nimbus.config._coerce import (
+        INLINE_MAX,
+        INLINE_MIN,
+        MAX_TIMEOUT,
+        NAME,
+        NAME_RULE,
+        Bad,
+        check_timeout,
+        optional_bandwidth,
+        optional_cpus,
+        optional_size,
+        parse_bandwidth,
+    )
+    from nimbus.config._places import (
+        config_dir,
+        default_config_file,
+        default_config_path,
+        private_dir,
+        untrusted_certificate,
+    )
+    from nimbus.config._settings import CONFIG_ENV, Settings
 
 __all__ = [
     "CONFIG_ENV",
@@ -49,6 +59,8 @@ __all__ = [
     "Settings",
     "check_timeout",
     "config_dir",
+    "default_config_file",
+    "default_config_path",
     "optional_bandwidth",
     "optional_cpus",
     "optional_size",
@@ -56,3 +68,37 @@ __all__ = [
     "private_dir",
     "untrusted_certificate",
 ]
+
+_HOMES = {
+    **dict.fromkeys(
+        ("INLINE_MAX", "INLINE_MIN", "MAX_TIMEOUT", "NAME", "NAME_RULE", "Bad", "check_timeout"),
+        "_coerce",
+    ),
+    **dict.fromkeys(
+        ("optional_bandwidth", "optional_cpus", "optional_size", "parse_bandwidth"), "_coerce"
+    ),
+    **dict.fromkeys(
+        (
+            "config_dir",
+            "default_config_file",
+            "default_config_path",
+            "private_dir",
+            "untrusted_certificate",
+        ),
+        "_places",
+    ),
+    **dict.fromkeys(("CONFIG_ENV", "Settings"), "_settings"),
+}
+
+
+def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # later uses are plain lookups
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -11,12 +11,18 @@ from __future__ import annotations
 import math
 import os
 import re
-import ssl
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from nimbus._lazy import lazy
 from nimbus.errors import ConfigError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import ssl
+else:  # imported when a CA file is checked (ssl is most of what importing nimbus.config cost)
+    ssl = lazy("ssl", globals())
 
 __all__ = [
     "INLINE_MAX",
@@ -44,7 +50,9 @@ __all__ = [
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+_SIZE_RE = (
+    r"(?i)^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$"  # compiled on first use (re caches it)
+)
 _NONE_WORDS = ("", "none", "null")
 _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("0", "false", "no", "off")
@@ -133,7 +141,7 @@ def optional_seconds(value: object) -> float | None:
 def size(value: object) -> int:
     accepted = "a number of bytes >= 1, optionally with a suffix K, M, G or T (e.g. 512M, 2G)"
     if isinstance(value, str):
-        match = _SIZE_RE.match(value)
+        match = re.match(_SIZE_RE, value)
         if not match:
             raise Bad(accepted)
         value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
@@ -285,7 +293,7 @@ def walltime(value: object) -> str:
 
 
 # -- worker limits (issue 19): strict units, a kubernetes bug once read 500M as 500 kbit
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps|b/s|ib/s)?\s*$", re.IGNORECASE)
+_RATE_RE = r"(?i)^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps|b/s|ib/s)?\s*$"  # compiled on first use
 _DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 MIN_RATE = 8_000  # bits/s: below this tc cannot hold a rate
@@ -304,7 +312,7 @@ def bandwidth(value: object) -> int:
     if isinstance(value, int):  # from Python (or a value already checked): bits/s
         value = f"{value}bit"
     text = value.strip()
-    match = _RATE_RE.match(text)
+    match = re.match(_RATE_RE, text)
     if not match or not match.group(3):
         hint = ""
         if match:

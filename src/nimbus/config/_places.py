@@ -8,15 +8,27 @@ error that names what to fix when a TLS certificate is not trusted.
 from __future__ import annotations
 
 import os
-import ssl
 from collections.abc import Mapping
-from pathlib import Path
 
-from nimbus.errors import ConfigError
+from nimbus._lazy import lazy
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import pathlib
+    import ssl
+    from pathlib import Path
+
+    from nimbus import errors
+else:  # each imported on first use: `nimbus run` asks where the config file is
+    # (default_config_path) before every program, and needs none of them for that
+    errors = lazy("nimbus.errors", globals())
+    pathlib = lazy("pathlib", globals())
+    ssl = lazy("ssl", globals())
 
 __all__ = [
     "config_dir",
     "default_config_file",
+    "default_config_path",
     "default_runtime_dir",
     "private_dir",
     "untrusted_certificate",
@@ -27,16 +39,23 @@ def default_runtime_dir(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     xdg = env.get("XDG_RUNTIME_DIR", "").strip()
     if xdg:
-        return Path(xdg) / "nimbus"
-    return Path("/tmp") / f"nimbus-{os.getuid()}"
+        return pathlib.Path(xdg) / "nimbus"
+    return pathlib.Path("/tmp") / f"nimbus-{os.getuid()}"
+
+
+def default_config_path(env: Mapping[str, str]) -> str:
+    """Where the config file is looked for: ``$XDG_CONFIG_HOME/nimbus/config.toml``,
+    else ``~/.config/nimbus/config.toml`` (``$HOME``'s)."""
+    base = env.get("XDG_CONFIG_HOME", "").strip()
+    if not base:
+        home = env.get("HOME", "").strip() or os.path.expanduser("~")
+        base = os.path.join(home, ".config")
+    return os.path.join(base, "nimbus", "config.toml")
 
 
 def default_config_file(env: Mapping[str, str]) -> Path:
-    xdg = env.get("XDG_CONFIG_HOME", "").strip()
-    if xdg:
-        return Path(xdg) / "nimbus" / "config.toml"
-    home = env.get("HOME", "").strip()
-    return (Path(home) if home else Path.home()) / ".config" / "nimbus" / "config.toml"
+    """:func:`default_config_path` as a ``Path``."""
+    return pathlib.Path(default_config_path(env))
 
 
 def config_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -51,13 +70,15 @@ def private_dir(path: Path, what: str, fix: str) -> Path:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = path.stat()
     except OSError as exc:
-        raise ConfigError(f"{what} {path} cannot be created ({exc.strerror}); {fix}") from exc
+        raise errors.ConfigError(
+            f"{what} {path} cannot be created ({exc.strerror}); {fix}"
+        ) from exc
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise ConfigError(f"{what} {path} must belong to you with mode 0700; {fix}")
+        raise errors.ConfigError(f"{what} {path} must belong to you with mode 0700; {fix}")
     return path
 
 
-def untrusted_certificate(exc: BaseException, where: str) -> ConfigError | None:
+def untrusted_certificate(exc: BaseException, where: str) -> errors.ConfigError | None:
     """A ConfigError naming what to fix when ``exc`` (or what caused it) is a failed
     verification of the TLS certificate of ``where``: NIMBUS_CA_FILE for an unknown
     CA, the host name for a certificate of another host; else None."""
@@ -72,11 +93,11 @@ def untrusted_certificate(exc: BaseException, where: str) -> ConfigError | None:
         return None
     reason = getattr(said[0], "verify_message", None) or str(said[0])
     if "mismatch" in reason:  # a good certificate, for another host name
-        return ConfigError(
+        return errors.ConfigError(
             f"the TLS certificate of {where} does not name that host ({reason}): use "
             f"the host name the certificate was made for, or a certificate for this one"
         )
-    return ConfigError(
+    return errors.ConfigError(
         f"the TLS certificate of {where} is not trusted ({reason}): set NIMBUS_CA_FILE "
         f"(or ca_file in the config file) to the PEM file of the CA that signed it"
     )

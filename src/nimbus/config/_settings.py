@@ -14,20 +14,30 @@ the name. :data:`FIELDS` (name -> :class:`Spec`) is derived from the class, and
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import os
-import ssl
 import stat
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from nimbus._lazy import lazy
 from nimbus.config import _coerce as c
 from nimbus.config._places import default_config_file, default_runtime_dir
 from nimbus.errors import ConfigError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import json
+    import logging
+    import ssl
+    import tomllib
+else:  # each imported on first use: a program that reads a setting or two (`nimbus run`
+    # of a script) needs none of them, and they were most of what this module cost
+    json = lazy("json", globals())
+    logging = lazy("logging", globals())
+    ssl = lazy("ssl", globals())
+    tomllib = lazy("tomllib", globals())
 
 __all__ = ["CONFIG_ENV", "FIELDS", "Settings", "Spec"]
 

@@ -27,15 +27,14 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from nimbus.messaging import Entry
-from nimbus.service.dashboard import _session
 from nimbus.service.dashboard._html import Html, esc, join, layout
-from nimbus.service.dashboard._routes import _ctx, _html, _is_admin, _to_login
+from nimbus.service.dashboard._routes import Page, Route, _html, _is_admin
 from nimbus.service.stores import key_prefix
 from nimbus.statestore import Keys
 
 __all__ = ["Program", "directories", "router"]
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, route_class=Route)
 SCAN_KEYS = 100_000  # keys of the stores Redis examined for one page at most
 PROGRAMS = 100
 INSTANCES = 1000  # of one program
@@ -111,11 +110,8 @@ def _program_html(program: Program) -> Html:
 
 
 @router.get("/directory", response_model=None)
-async def directory_page(request: Request) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return _to_login(request)
+async def directory_page(request: Request, seen: Page) -> Response:
+    ctx, who = seen
     user = who.principal
     server = getattr(request.app.state, "store_server", None)
     intro = Html(

@@ -35,17 +35,18 @@ from nimbus.service.dashboard._routes import (
     HEADERS,
     KEEPALIVE,
     RECHECK,
-    _ctx,
+    Page,
+    Route,
+    Stream,
     _endpoints,
     _html,
     _is_admin,
-    _to_login,
 )
 from nimbus.service.registry import EndpointInfo, Principal
 
 __all__ = ["router", "visible_endpoint"]
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, route_class=Route)
 TICK = 1.0  # seconds between looks at an open endpoint page's status, at most
 
 
@@ -130,11 +131,8 @@ def _rows(state: dict[str, Any]) -> dict[str, list[list[object]]]:
 
 
 @router.get("/", response_model=None)
-async def endpoints_page(request: Request) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return _to_login(request)
+async def endpoints_page(request: Request, seen: Page) -> Response:
+    ctx, who = seen
     user = who.principal
     rows = []
     for info in await _endpoints(ctx, user):
@@ -196,11 +194,8 @@ def _share_form(info: EndpointInfo, csrf: str) -> Html:
 
 
 @router.get("/endpoints/{endpoint_id}", response_model=None)
-async def endpoint_page(request: Request, endpoint_id: str) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return _to_login(request)
+async def endpoint_page(request: Request, endpoint_id: str, seen: Page) -> Response:
+    ctx, who = seen
     user = who.principal
     try:
         info = await visible_endpoint(ctx, user, endpoint_id)
@@ -252,11 +247,8 @@ async def endpoint_page(request: Request, endpoint_id: str) -> Response:
 
 
 @router.get("/endpoints/{endpoint_id}/stream", response_model=None)
-async def endpoint_stream(request: Request, endpoint_id: str) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return Response(status_code=401, headers=HEADERS)
+async def endpoint_stream(request: Request, endpoint_id: str, seen: Stream) -> Response:
+    ctx, who = seen
     try:
         info = await visible_endpoint(ctx, who.principal, endpoint_id)
     except NotFound:

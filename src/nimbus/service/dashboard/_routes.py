@@ -25,13 +25,14 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from importlib import resources
-from typing import Any
+from typing import Annotated, Any, NamedTuple
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
@@ -108,6 +109,59 @@ def _html(body: Html, status: int = 200, **headers: str) -> HTMLResponse:
 def _to_login(request: Request) -> RedirectResponse:
     target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     return RedirectResponse("/login?" + urlencode({"next": target}), 303, headers=HEADERS)
+
+
+class Viewing(NamedTuple):
+    """Who asks (logged in) and the service asked: what a page or a stream opens with."""
+
+    ctx: ServiceContext
+    who: _session.Viewer
+
+
+class _SignedOut(Exception):
+    """Raised by the ``Page`` and ``Stream`` dependencies without a session: ``response``
+    answers the request instead of its route (:class:`Route`)."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+class Route(APIRoute):
+    """A dashboard route: a request its dependencies find signed out is answered with
+    their login redirect or 401 (``_SignedOut``), not an error."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except _SignedOut as out:
+                return out.response
+
+        return route
+
+
+def _viewing(refuse: Callable[[Request], Response]) -> Callable[[Request], Awaitable[Viewing]]:
+    """A dependency: the request's viewer, else ``refuse(request)`` answers it."""
+
+    async def viewing(request: Request) -> Viewing:
+        ctx = _ctx(request)
+        who = await _session.viewer(request, ctx)
+        if who is None:
+            raise _SignedOut(refuse(request))
+        return Viewing(ctx, who)
+
+    return viewing
+
+
+def _unauthorised(request: Request) -> Response:
+    return Response(status_code=401, headers=HEADERS)
+
+
+Page = Annotated[Viewing, Depends(_viewing(_to_login))]  # a page: signed out, 303 to /login
+Stream = Annotated[Viewing, Depends(_viewing(_unauthorised))]  # a stream, a file: 401
 
 
 def _safe_next(target: str) -> str:
@@ -243,33 +297,34 @@ class _Names:
         self.endpoints: dict[str, str] = {}
 
     async def function(self, function_id: str) -> str:
-        if function_id not in self.functions:
-            try:
-                if self.admin:
-                    found = await run_in_threadpool(self.ctx.registry.function, function_id)
-                    if found is None:
-                        raise NotFound(function_id)
-                    name = found.name
-                else:
-                    name = (await self.ctx.function(self.user, function_id)).name
-                self.functions[function_id] = name or function_id
-            except NotFound:
-                self.functions[function_id] = function_id
-        return self.functions[function_id]
+        registry = self.ctx.registry
+        return await self._name(self.functions, function_id, registry.function, self.ctx.function)
 
     async def endpoint(self, endpoint_id: str) -> str:
-        if endpoint_id not in self.endpoints:
+        registry = self.ctx.registry
+        return await self._name(self.endpoints, endpoint_id, registry.endpoint, self.ctx.endpoint)
+
+    async def _name(
+        self,
+        names: dict[str, str],
+        key: str,
+        anyones: Callable[[str], Any],
+        visible: Callable[[Principal, str], Awaitable[Any]],
+    ) -> str:
+        """The name of function or endpoint ``key`` (its id when it has none, or the user
+        may not see it), asked once: ``anyones`` for an admin, else what the user sees."""
+        if key not in names:
             try:
                 if self.admin:
-                    info = await run_in_threadpool(self.ctx.registry.endpoint, endpoint_id)
-                    if info is None:
-                        raise NotFound(endpoint_id)
+                    found = await run_in_threadpool(anyones, key)
+                    if found is None:
+                        raise NotFound(key)
                 else:
-                    info = await self.ctx.endpoint(self.user, endpoint_id)
-                self.endpoints[endpoint_id] = info.name
+                    found = await visible(self.user, key)
+                names[key] = found.name or key
             except NotFound:
-                self.endpoints[endpoint_id] = endpoint_id
-        return self.endpoints[endpoint_id]
+                names[key] = key
+        return names[key]
 
     async def row(self, row: Row) -> dict[str, Any]:
         return {

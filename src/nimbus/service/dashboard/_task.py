@@ -24,14 +24,14 @@ from fastapi.responses import Response
 
 from nimbus.errors import NotFound
 from nimbus.records import TaskState
-from nimbus.service.dashboard import _network, _session
+from nimbus.service.dashboard import _network
 from nimbus.service.dashboard._html import Html, esc, join, layout, when
-from nimbus.service.dashboard._routes import _ctx, _html, _is_admin, _Names, _to_login
+from nimbus.service.dashboard._routes import Page, Route, _html, _is_admin, _Names
 from nimbus.service.dashboard._tasks import Row, record_of, traceback_text
 
 __all__ = ["output_text", "router"]
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, route_class=Route)
 OUTPUT_MAX = 1 << 16  # characters of an output shown
 _PLAIN = {
     "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE",
@@ -68,11 +68,8 @@ def _cancel_form(task_id: str, csrf: str) -> Html:
 
 
 @router.get("/tasks/{task_id}", response_model=None)
-async def task_page(request: Request, task_id: str) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return _to_login(request)
+async def task_page(request: Request, task_id: str, seen: Page) -> Response:
+    ctx, who = seen
     user = who.principal
     task_id = task_id[:64]
     try:

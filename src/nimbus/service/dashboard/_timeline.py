@@ -43,23 +43,23 @@ from starlette.concurrency import run_in_threadpool
 
 from nimbus.records import TaskRecord, TaskState
 from nimbus.service.context import ServiceContext
-from nimbus.service.dashboard import _session
 from nimbus.service.dashboard._html import Html, esc, join, layout
 from nimbus.service.dashboard._routes import (
     HEADERS,
-    _ctx,
+    Page,
+    Route,
+    Stream,
     _html,
     _is_admin,
     _Names,
     _stream,
-    _to_login,
 )
 from nimbus.service.dashboard._tasks import LIVE_WINDOW, index
 from nimbus.service.registry import Principal
 
 __all__ = ["Span", "draw_png", "router", "spans"]
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, route_class=Route)
 _NAMES = [f.name for f in fields(TaskRecord)]
 WINDOW = 1000  # tasks a timeline shows
 CHUNK = 250  # tasks one script call reads (Redis runs nothing else meanwhile: ~1-4 ms)
@@ -218,11 +218,8 @@ def _query(request: Request) -> tuple[str, str]:
 
 
 @router.get("/timeline", response_model=None)
-async def timeline_page(request: Request) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return _to_login(request)
+async def timeline_page(request: Request, seen: Page) -> Response:
+    ctx, who = seen
     user = who.principal
     endpoint, group = _query(request)
     ids, _ = await _visible_ids(ctx, user, endpoint, group)
@@ -250,11 +247,8 @@ async def timeline_page(request: Request) -> Response:
 
 
 @router.get("/timeline/stream", response_model=None)
-async def timeline_stream(request: Request) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return Response(status_code=401, headers=HEADERS)
+async def timeline_stream(request: Request, seen: Stream) -> Response:
+    ctx, who = seen
     user = who.principal
     endpoint, group = _query(request)
     names = _Names(ctx, user)
@@ -348,11 +342,8 @@ def draw_png(bars: list[Span], now: float, title: str) -> bytes:
 
 
 @router.get("/timeline.png", response_model=None)
-async def timeline_png(request: Request) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return Response(status_code=401, headers=HEADERS)
+async def timeline_png(request: Request, seen: Stream) -> Response:
+    ctx, who = seen
     user = who.principal
     endpoint, group = _query(request)
     ids, _ = await _visible_ids(ctx, user, endpoint, group)

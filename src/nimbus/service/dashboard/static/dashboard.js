@@ -1,10 +1,32 @@
-// nimbus dashboard: live rows of the tasks and batches pages over server-sent events.
+// nimbus dashboard: live pages over server-sent events. follow() opens a page's stream
+// (pages.js builds on it too); the live rows of the tasks and batches pages are here.
 // Rows are built with textContent only: what a user controls is never markup.
 "use strict";
 
-(function () {
+// Follow the stream at `url`: each `event` carries one JSON item for `onItem(item)`, and
+// the page's "live" mark says whether the stream is open or reconnecting.
+function follow(url, event, onItem) {
   const status = document.getElementById("live");
+  const source = new EventSource(url);
+  source.addEventListener(event, function (message) {
+    onItem(JSON.parse(message.data));
+  });
+  source.addEventListener("open", function () {
+    if (status) {
+      status.textContent = "live";
+      status.classList.remove("down");
+    }
+  });
+  source.addEventListener("error", function () {
+    if (status) {
+      status.textContent = "reconnecting";
+      status.classList.add("down");
+    }
+  });
+  return source;
+}
 
+(function () {
   function cell(row, text, className) {
     const td = document.createElement("td");
     td.textContent = text;
@@ -17,15 +39,13 @@
 
   // Follow the stream named by the table's data-stream: each `event` carries one item,
   // whose `field` names its row (the row's data-`attribute`); `fill(row, item)` draws it.
-  function follow(tableId, event, attribute, field, fill, flash) {
+  function followRows(tableId, event, attribute, field, fill, flash) {
     const table = document.getElementById(tableId);
     if (!table || !table.dataset.stream) {
       return;
     }
     const body = table.tBodies[0];
-    const source = new EventSource(table.dataset.stream);
-    source.addEventListener(event, function (message) {
-      const item = JSON.parse(message.data);
+    follow(table.dataset.stream, event, function (item) {
       let row = null;
       for (const tr of body.rows) {
         if (tr.dataset[attribute] === item[field]) {
@@ -46,22 +66,10 @@
         row.classList.add("fresh");
       }
     });
-    source.addEventListener("open", function () {
-      if (status) {
-        status.textContent = "live";
-        status.classList.remove("down");
-      }
-    });
-    source.addEventListener("error", function () {
-      if (status) {
-        status.textContent = "reconnecting";
-        status.classList.add("down");
-      }
-    });
   }
 
   const columns = ["state", "function", "endpoint", "submitted", "dispatched", "ended"];
-  follow("tasks", "task", "task", "task_id", function (row, task) {
+  followRows("tasks", "task", "task", "task_id", function (row, task) {
     const link = document.createElement("a");
     link.href = "/tasks/" + encodeURIComponent(task.task_id);
     link.textContent = task.task_id.slice(0, 8);
@@ -71,7 +79,7 @@
     }
   }, true);
 
-  follow("batches", "batch", "group", "group_id", function (row, batch) {
+  followRows("batches", "batch", "group", "group_id", function (row, batch) {
     cell(row, batch.group_id.slice(0, 8));
     cell(row, batch.submitted);
     const bar = document.createElement("progress");

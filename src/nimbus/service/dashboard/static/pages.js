@@ -1,27 +1,7 @@
 // nimbus dashboard: the endpoint page and the timeline, live over server-sent events.
 // Text is placed with textContent and drawn on a canvas with fillText: never markup.
+// Their streams are opened by dashboard.js's follow() (every page loads it first).
 "use strict";
-
-function nimbusLive(url, kind, onData) {
-  const status = document.getElementById("live");
-  const source = new EventSource(url);
-  source.addEventListener(kind, function (event) {
-    onData(JSON.parse(event.data));
-  });
-  source.addEventListener("open", function () {
-    if (status) {
-      status.textContent = "live";
-      status.classList.remove("down");
-    }
-  });
-  source.addEventListener("error", function () {
-    if (status) {
-      status.textContent = "reconnecting";
-      status.classList.add("down");
-    }
-  });
-  return source;
-}
 
 // the endpoint page: its status, blocks, managers and workers as the last heartbeat said
 (function () {
@@ -48,7 +28,7 @@ function nimbusLive(url, kind, onData) {
     }
   }
 
-  nimbusLive(table.dataset.stream, "endpoint", function (view) {
+  follow(table.dataset.stream, "endpoint", function (view) {
     for (const cell of table.querySelectorAll("td[data-field]")) {
       const value = view[cell.dataset.field];
       if (value !== undefined) {
@@ -143,7 +123,7 @@ function nimbusLive(url, kind, onData) {
     }
   }
 
-  nimbusLive(canvas.dataset.stream, "spans", function (data) {
+  follow(canvas.dataset.stream, "spans", function (data) {
     skew = data.now - Date.now() / 1000;
     for (const b of data.spans) {
       spans.set(b.id, b);
