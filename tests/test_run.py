@@ -196,17 +196,21 @@ def test_signal_ends_program_as_python(tmp_path: Path) -> None:
 CHILDREN_PROGRAM = """
     import multiprocessing, sys, time
 
-    def sleeper():
+    def sleeper(ready):
         try:
+            ready.put(1)
             time.sleep(60)
         except KeyboardInterrupt:
             print("child interrupted", flush=True)
             sys.exit(1)
 
     if __name__ == "__main__":
-        ps = [multiprocessing.Process(target=sleeper) for _ in range(2)]
+        ready = multiprocessing.Queue()
+        ps = [multiprocessing.Process(target=sleeper, args=(ready,)) for _ in range(2)]
         for p in ps:
             p.start()
+        ready.get()  # both children in their sleep, whatever the machine's load
+        ready.get()
         print("started", flush=True)
         try:
             for p in ps:
