@@ -368,6 +368,57 @@ def test_each_worker_has_its_own_namespace(netns: pytest.MonkeyPatch) -> None:
     assert len({ns for _, ns, _ in results}) == 2  # ... and not the other's
 
 
+def _device_counts() -> list[int]:
+    """nimbus0's bytes and packets, in and out, as /proc/self/net/dev has them."""
+    with open("/proc/self/net/dev") as f:
+        line = next(x for x in f if x.strip().startswith(f"{DEVICE}:"))
+    fields = line.split(":", 1)[1].split()
+    return [int(fields[i]) for i in (0, 1, 8, 9)]
+
+
+def _in_memory_and_on_the_device(port: int) -> tuple[bool, list[int], list[int]]:
+    import struct
+
+    from nimbus.runtime import worker
+
+    net = worker._worker.gauge.net if worker._worker is not None else None
+    counters = net._counters if net is not None else None
+    if counters is None:
+        return False, [], []
+    dev0, mem0 = _device_counts(), struct.unpack("4Q", counters.read())
+    _curl(port, 1_500_000, 700_000)
+    dev1, mem1 = _device_counts(), struct.unpack("4Q", counters.read())
+    return (
+        True,
+        [b - a for a, b in zip(dev0, dev1, strict=True)],
+        [b - a for a, b in zip(mem0, mem1, strict=True)],
+    )
+
+
+@needs_root
+def test_link_counters_in_memory_are_the_devices(netns: pytest.MonkeyPatch, server: int) -> None:
+    """A worker reads its link's counts from memory (eBPF, no system call on a task's
+    path): the same payload as the device's own counters give. (Coming in, the same
+    bytes and packets; going out, the device counts a few more header-only packets
+    (pure ACKs, 66 bytes) during an upload, which carry no payload.)"""
+    from nimbus.network._meter import HEADERS
+
+    with Executor(1) as ex:
+        mapped, device, memory = ex.submit(_in_memory_and_on_the_device, server).result(timeout=60)
+    assert mapped, "the worker reads /proc/self/net/dev: eBPF refused on this machine"
+    assert device[:2] == memory[:2] and device[0] > 1_500_000, (device, memory)
+    payload = [c[2] - HEADERS * c[3] for c in (device, memory)]
+    assert payload[0] == payload[1] and 700_000 <= payload[0] < 704_096, (device, memory)
+
+
+def test_link_counters_refused_leave_nothing_open() -> None:
+    from nimbus.network._bpf import LinkCounters
+
+    before = set(os.listdir("/proc/self/fd"))
+    assert LinkCounters.attach("no-such-device0") is None
+    assert set(os.listdir("/proc/self/fd")) <= before
+
+
 _clients: dict[str, object] = {}
 
 
