@@ -868,6 +868,78 @@ def test_netbench_on_a_real_endpoint(service: Any, alice: Any, lab: Any, tmp_pat
         assert abs(run["link_vs_client_bytes"]) < 0.02, run  # the records counted the bytes
 
 
+@pytest.fixture(scope="module")
+def sized(service: Any, alice: Any) -> Iterator[Any]:
+    """Alice's endpoint "sized": a real agent whose workers have namespaces (and so
+    cgroups for a task's memory and CPU limits)."""
+    from service_support import EndpointProcess
+
+    if not ROOT:
+        pytest.skip("needs root and ip, tc, iptables, curl (namespaces, veths, cgroups)")
+    endpoint = EndpointProcess(service, alice, "sized")
+    service.env["NIMBUS_NET_ACCOUNTING"] = "netns"  # (the agent's environment, at its start)
+    try:
+        endpoint.start(alice)
+    finally:
+        del service.env["NIMBUS_NET_ACCOUNTING"]
+    yield endpoint
+    endpoint.stop()
+
+
+def test_netbench_sizes_objects_and_cost_on_a_real_endpoint(
+    service: Any, alice: Any, sized: Any, tmp_path: Path
+) -> None:
+    """--sizes: at each worker size, one task downloads then one uploads the objects from
+    this machine's object server; time per object, rate and the cost of a million tasks
+    under the price table, with the smallest size within 5 % of the best rate."""
+    from nimbus.network import netbench_endpoint
+    from nimbus.network._sizes import Prices
+
+    prices = Prices(gb_second=0.001, request=0.5)
+    with Executor(endpoint="sized", settings=service.user_settings(alice.token)) as ex:
+        written = netbench_endpoint(
+            ex, "127.0.0.1", [1], ["down"], 0.5, tmp_path, sizes=[128 << 20, 512 << 20],
+            objects=4, object_size=2 << 20, prices=prices,
+        )  # fmt: skip
+    names = {p.name for p in written}
+    assert {"netbench-sizes.csv", "netbench-sizes.png", "netbench.html"} <= names
+    sizes = json.loads((tmp_path / "netbench.json").read_text())["sizes"]
+    assert sizes["prices"] == {"gb_second": 0.001, "request": 0.5}
+    points = sizes["points"]
+    assert [p["memory"] for p in points] == [128 << 20, 512 << 20]
+    for p in points:
+        assert p["objects"] == 4 and 0 < p["down_median_s"] <= p["down_p95_s"], p
+        assert p["down_mbit"] > 10 and p["up_mbit"] > 10, p
+        assert p["cpus"] == round(p["memory"] / (1769 << 20), 3), p
+        # a million tasks: the request price alone is 500,000; memory-seconds on top
+        assert p["cost_per_million_down"] > 500_000, p
+        assert p["net_source"] == "netns"  # every byte of the task's counted
+        assert abs(p["counted_in"] - 4 * (2 << 20)) < 0.02 * 4 * (2 << 20), p
+    pick = sizes["recommendation"]
+    assert pick["smallest_size_within"] in {"128M", "512M"}
+    best = max(p["down_mbit"] for p in points)
+    chosen = next(p for p in points if f"{p['memory'] >> 20}M" == pick["smallest_size_within"])
+    assert chosen["down_mbit"] >= 0.95 * best
+    assert all(p["down_mbit"] < 0.95 * best for p in points if p["memory"] < chosen["memory"])
+    page = (tmp_path / "netbench.html").read_text()
+    assert "Worker size" in page and "netbench-sizes.png" in page
+    csv_rows = (tmp_path / "netbench-sizes.csv").read_text().splitlines()
+    assert len(csv_rows) == 3 and csv_rows[0].startswith("memory,cpus,objects")
+
+
+def test_netbench_sizes_need_an_endpoint_and_their_unit(tmp_path: Path) -> None:
+    for argv, said in (
+        (["--offline", "--sizes", "128M"], "--sizes sweeps an endpoint"),
+        (["--endpoint", "x", "--sizes", "128"], "worker memory sizes with their unit"),
+        (["--endpoint", "x", "--sizes", "1G", "--object-size", "0"], "from 1 byte to 1G"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "nimbus", "netbench", *argv, "--out", str(tmp_path)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2 and said in done.stderr, (argv, done.stderr)
+
+
 def test_netbench_refuses_a_server_its_endpoint_cannot_reach() -> None:
     """--server 127.0.0.1 (the default) where the endpoint's nodes do not reach it: a
     message saying which address to give, before any run of the sweep."""
