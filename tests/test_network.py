@@ -725,6 +725,43 @@ def test_worker_namespaces_get_their_own_tcp_table_the_node_keeps_its(
     _template_only_with_workers()
 
 
+def _in_a_cgroup2_mount(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` where /sys/fs/cgroup is a cgroup2 mount (a mount namespace of its
+    own: the node's hierarchies are untouched)."""
+    script = f'mount -t cgroup2 none /sys/fs/cgroup && exec {sys.executable} -c "$0"'
+    return subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, code],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+
+
+@needs_root
+def test_cgroup_v2_without_the_controllers_is_refused_in_one_line() -> None:
+    """Where cpu and memory are held by cgroup v1 hierarchies (this machine), a cgroup2
+    mount offers neither: limits are refused naming the controller, nothing made."""
+    offered = Path("/proc/cgroups").read_text()
+    held = {f.split()[0] for f in offered.splitlines()[1:] if f.split()[1] != "0"}
+    if not {"cpu", "memory"} <= held:
+        pytest.skip("cpu and memory are not held by cgroup v1 here: cpu.max is reachable")
+    done = _in_a_cgroup2_mount(
+        "import os\n"
+        "from nimbus.errors import ConfigError\n"
+        "from nimbus.network._cgroup import Cgroup\n"
+        "for cpus, memory in ((0.5, None), (None, 256 << 20)):\n"
+        "    try:\n"
+        "        Cgroup('nimbus-v2test', cpus, memory)\n"
+        "    except ConfigError as exc:\n"
+        "        print(exc)\n"
+        "print('left:', os.path.exists('/sys/fs/cgroup/nimbus-v2test'))\n"
+    )
+    assert done.returncode == 0, done.stderr
+    cpu, memory, left = done.stdout.splitlines()
+    assert "cgroup v2 hierarchy at /sys/fs/cgroup has no cpu controller" in cpu, cpu
+    assert "has no memory controller" in memory and "give no CPU or memory limits" in memory
+    assert left == "left: False"
+
+
 @needs_root
 def test_a_failed_setup_leaves_nothing(netns: pytest.MonkeyPatch) -> None:
     """A worker whose link cannot be made: a clear error, and nothing half made."""
