@@ -930,13 +930,11 @@ def test_netbench_sizes_objects_and_cost_on_a_real_endpoint(
     this machine's object server; time per object, rate and the cost of a million tasks
     under the price table, with the smallest size within 5 % of the best rate."""
     from nimbus.network import netbench_endpoint
-    from nimbus.network._sizes import Prices
 
-    prices = Prices(gb_second=0.001, request=0.5)
     with Executor(endpoint="sized", settings=service.user_settings(alice.token)) as ex:
         written = netbench_endpoint(
             ex, "127.0.0.1", [1], ["down"], 0.5, tmp_path, sizes=[128 << 20, 512 << 20],
-            objects=4, object_size=2 << 20, prices=prices,
+            objects=4, object_size=2 << 20, price_gb_second=0.001, price_request=0.5,
         )  # fmt: skip
     names = {p.name for p in written}
     assert {"netbench-sizes.csv", "netbench-sizes.png", "netbench.html"} <= names

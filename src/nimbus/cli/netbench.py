@@ -65,8 +65,7 @@ def _sizes(text: str) -> list[int]:
 
 
 def _object_size(text: str) -> int:
-    from nimbus.config import Bad
-    from nimbus.config._coerce import size
+    from nimbus.config import Bad, size
 
     try:
         value = size(text)
@@ -166,14 +165,14 @@ def run(args: argparse.Namespace) -> int:
     if args.endpoint:
         from nimbus.executor import Executor
         from nimbus.network import netbench_endpoint
-        from nimbus.network._sizes import Prices
 
         with Executor(endpoint=args.endpoint) as ex:
             written = netbench_endpoint(
                 ex, args.server or "127.0.0.1", args.concurrency, directions, args.seconds,
                 args.out, cap=args.cap, share=args.share, sizes=args.sizes,
                 objects=args.objects, object_size=args.object_size,
-                prices=Prices(args.price_gb_second, args.price_request), progress=print,
+                price_gb_second=args.price_gb_second, price_request=args.price_request,
+                progress=print,
             )  # fmt: skip
     else:
         from nimbus.network import netbench

@@ -30,6 +30,7 @@ from nimbus.config._coerce import (
     optional_cpus,
     optional_size,
     parse_bandwidth,
+    size,
 )
 from nimbus.config._places import (
     config_dir,
@@ -54,5 +55,6 @@ __all__ = [
     "optional_size",
     "parse_bandwidth",
     "private_dir",
+    "size",
     "untrusted_certificate",
 ]

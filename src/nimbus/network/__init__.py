@@ -128,13 +128,15 @@ def netbench_endpoint(
     sizes: list[int] | None = None,
     objects: int = 100,
     object_size: int = 10 << 20,
-    prices: Any = None,
+    price_gb_second: float | None = None,
+    price_request: float | None = None,
     progress: Callable[[str], object] = lambda _: None,
 ) -> list[Path]:
     """The bandwidth sweep on ``executor``'s endpoint against a traffic server on
     ``server`` (this machine's address as the endpoint reaches it) and, given ``sizes``
-    (bytes of worker memory), the object workload at each size (``_sizes``); the
-    report into ``out``."""
+    (bytes of worker memory), the object workload at each size (``_sizes``), its cost
+    under the prices given (USD; None: ``_sizes.Prices``'s defaults); the report into
+    ``out``."""
     from nimbus.network._endpoint import check_reach, sweep, traffic_server
     from nimbus.network._objects import object_server
     from nimbus.network._report import PAYLOAD, summarize, write
@@ -145,7 +147,11 @@ def netbench_endpoint(
         points = sweep(executor, address, concurrency, directions, seconds, progress)
     sized: dict[str, Any] | None = None
     if sizes:
-        prices = prices or Prices()
+        prices = Prices()
+        prices = Prices(
+            prices.gb_second if price_gb_second is None else price_gb_second,
+            prices.request if price_request is None else price_request,
+        )
         with object_server(server) as port:
             at = size_sweep(executor, (server, port), sizes, objects, object_size, prices, progress)
         sized = {
