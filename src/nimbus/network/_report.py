@@ -109,10 +109,12 @@ def _size_chart(sizes: dict[str, Any], out: Path) -> str:
     rows = sizes["points"]
     mib = [r["memory"] >> 20 for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for way, mark in (("down", "o-"), ("up", "s-")):
-        left.plot(mib, [r[f"{way}_median_s"] * 1e3 for r in rows], mark, label=f"{way} (median)")
-        left.plot(mib, [r[f"{way}_p95_s"] * 1e3 for r in rows], ":", label=f"{way} (p95)")
-        right.plot(mib, [r[f"cost_per_million_{way}"] for r in rows], mark, label=way)
+    for way, mark, color in (("down", "o-", "C0"), ("up", "s-", "C1")):
+        left.plot(mib, [r[f"{way}_median_s"] * 1e3 for r in rows], mark, color=color,
+                  label=f"{way} (median)")  # fmt: skip
+        left.plot(mib, [r[f"{way}_p95_s"] * 1e3 for r in rows], ":", color=color,
+                  label=f"{way} (p95)")  # fmt: skip
+        right.plot(mib, [r[f"cost_per_million_{way}"] for r in rows], mark, color=color, label=way)
     size_mib = rows[0]["object_size"] >> 20
     left.set_title(f"time per {size_mib} MiB object vs worker size")
     left.set_ylabel("ms")
