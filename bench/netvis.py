@@ -8,7 +8,10 @@
   (target: within 1 % or 4 KiB).
 * overhead: a bulk download from the node's 127.0.0.1 by a task, in a worker
   with a namespace of its own (counted) and in one without (socket counts);
-  target: <= 3 % throughput loss.
+  target: <= 3 % throughput loss. Throughput on a loaded machine varies by
+  half from run to run, so the CPU seconds per GB moved (the server's threads
+  and the task: loopback and veth work runs in the processes at either end)
+  are reported beside it.
 * limits: a worker limited to 50 / 200 / 800 Mbit/s downloads for 10 s
   (target: within 5 % of the limit over the window).
 * latency: a no-op task's round trip with accounting on and off (<= 1.05x).
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -111,23 +115,42 @@ def accuracy(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def _bulk(port: int, seconds: float) -> float:
-    moved, took = transfer(("127.0.0.1", port), "down", seconds)
-    return moved * 8 / took / 1e6
+def _bulk(port: int, seconds: float) -> tuple[int, float]:
+    return transfer(("127.0.0.1", port), "down", seconds)
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def overhead(quick: bool) -> dict[str, Any]:
     seconds = 2.0 if quick else 3.0
     out: dict[str, Any] = {}
+    cpu: dict[str, list[float]] = {}
     with bulk_server() as port:
-        for mode in ("socket", "netns") * (2 if quick else 5):  # interleaved: load drifts
+        for mode in ("socket", "netns") * (2 if quick else 9):  # interleaved: load drifts
             with settings(NIMBUS_NET_ACCOUNTING=mode), Executor(1) as ex:
-                out.setdefault(mode, []).append(ex.submit(_bulk, port, seconds).result())
+                before = _cpu()  # the server's threads (this process is otherwise idle)
+                fut = ex.submit(_bulk, port, seconds)
+                moved, took = fut.result()
+                used = _cpu() - before + fut.record.cpu_user + fut.record.cpu_system
+                out.setdefault(mode, []).append(moved * 8 / took / 1e6)
+                # softirq work runs in the sending and receiving processes: counted there
+                cpu.setdefault(mode, []).append(used / (moved / 1e9))
     best = {mode: max(v) for mode, v in out.items()}
+    cpu_s = {mode: statistics.median(v) for mode, v in cpu.items()}
+    # each netns run against the socket run just before it (the load drifts by the second)
+    pairs = [n / s for s, n in zip(out["socket"], out["netns"], strict=True)]
     return {
         "mbit_socket": round(best["socket"], 1),
         "mbit_netns": round(best["netns"], 1),
         "loss_pct": round(100 * (1 - best["netns"] / best["socket"]), 2),
+        "loss_pct_pair_median": round(100 * (1 - statistics.median(pairs)), 2),
+        # CPU seconds per GB moved (server + task): what the load does not blur
+        "cpu_s_per_gb_socket": round(cpu_s["socket"], 4),
+        "cpu_s_per_gb_netns": round(cpu_s["netns"], 4),
+        "cpu_extra_pct": round(100 * (cpu_s["netns"] / cpu_s["socket"] - 1), 2),
         "runs": out,
     }
 
@@ -260,7 +283,10 @@ def main() -> int:
         results["overhead"] = o = overhead(args.quick)
         print(
             f"overhead (bulk download from 127.0.0.1): socket {o['mbit_socket']} Mbit/s, "
-            f"netns {o['mbit_netns']} Mbit/s, loss {o['loss_pct']} %"
+            f"netns {o['mbit_netns']} Mbit/s, loss {o['loss_pct']} % (best of each); "
+            f"median of pairs {o['loss_pct_pair_median']} %; CPU s/GB socket "
+            f"{o['cpu_s_per_gb_socket']}, netns {o['cpu_s_per_gb_netns']} "
+            f"({o['cpu_extra_pct']:+} %)"
         )
     if "limits" in parts:
         results["limits"] = rows = limits(args.quick)

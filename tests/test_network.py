@@ -368,6 +368,57 @@ def test_each_worker_has_its_own_namespace(netns: pytest.MonkeyPatch) -> None:
     assert len({ns for _, ns, _ in results}) == 2  # ... and not the other's
 
 
+def _device_counts() -> list[int]:
+    """nimbus0's bytes and packets, in and out, as /proc/self/net/dev has them."""
+    with open("/proc/self/net/dev") as f:
+        line = next(x for x in f if x.strip().startswith(f"{DEVICE}:"))
+    fields = line.split(":", 1)[1].split()
+    return [int(fields[i]) for i in (0, 1, 8, 9)]
+
+
+def _in_memory_and_on_the_device(port: int) -> tuple[bool, list[int], list[int]]:
+    import struct
+
+    from nimbus.runtime import worker
+
+    net = worker._worker.gauge.net if worker._worker is not None else None
+    counters = net._counters if net is not None else None
+    if counters is None:
+        return False, [], []
+    dev0, mem0 = _device_counts(), struct.unpack("4Q", counters.read())
+    _curl(port, 1_500_000, 700_000)
+    dev1, mem1 = _device_counts(), struct.unpack("4Q", counters.read())
+    return (
+        True,
+        [b - a for a, b in zip(dev0, dev1, strict=True)],
+        [b - a for a, b in zip(mem0, mem1, strict=True)],
+    )
+
+
+@needs_root
+def test_link_counters_in_memory_are_the_devices(netns: pytest.MonkeyPatch, server: int) -> None:
+    """A worker reads its link's counts from memory (eBPF, no system call on a task's
+    path): the same payload as the device's own counters give. (Coming in, the same
+    bytes and packets; going out, the device counts a few more header-only packets
+    (pure ACKs, 66 bytes) during an upload, which carry no payload.)"""
+    from nimbus.network._meter import HEADERS
+
+    with Executor(1) as ex:
+        mapped, device, memory = ex.submit(_in_memory_and_on_the_device, server).result(timeout=60)
+    assert mapped, "the worker reads /proc/self/net/dev: eBPF refused on this machine"
+    assert device[:2] == memory[:2] and device[0] > 1_500_000, (device, memory)
+    payload = [c[2] - HEADERS * c[3] for c in (device, memory)]
+    assert payload[0] == payload[1] and 700_000 <= payload[0] < 704_096, (device, memory)
+
+
+def test_link_counters_refused_leave_nothing_open() -> None:
+    from nimbus.network._bpf import LinkCounters
+
+    before = set(os.listdir("/proc/self/fd"))
+    assert LinkCounters.attach("no-such-device0") is None
+    assert set(os.listdir("/proc/self/fd")) <= before
+
+
 _clients: dict[str, object] = {}
 
 
@@ -674,6 +725,43 @@ def test_worker_namespaces_get_their_own_tcp_table_the_node_keeps_its(
     _template_only_with_workers()
 
 
+def _in_a_cgroup2_mount(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` where /sys/fs/cgroup is a cgroup2 mount (a mount namespace of its
+    own: the node's hierarchies are untouched)."""
+    script = f'mount -t cgroup2 none /sys/fs/cgroup && exec {sys.executable} -c "$0"'
+    return subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, code],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+
+
+@needs_root
+def test_cgroup_v2_without_the_controllers_is_refused_in_one_line() -> None:
+    """Where cpu and memory are held by cgroup v1 hierarchies (this machine), a cgroup2
+    mount offers neither: limits are refused naming the controller, nothing made."""
+    offered = Path("/proc/cgroups").read_text()
+    held = {f.split()[0] for f in offered.splitlines()[1:] if f.split()[1] != "0"}
+    if not {"cpu", "memory"} <= held:
+        pytest.skip("cpu and memory are not held by cgroup v1 here: cpu.max is reachable")
+    done = _in_a_cgroup2_mount(
+        "import os\n"
+        "from nimbus.errors import ConfigError\n"
+        "from nimbus.network._cgroup import Cgroup\n"
+        "for cpus, memory in ((0.5, None), (None, 256 << 20)):\n"
+        "    try:\n"
+        "        Cgroup('nimbus-v2test', cpus, memory)\n"
+        "    except ConfigError as exc:\n"
+        "        print(exc)\n"
+        "print('left:', os.path.exists('/sys/fs/cgroup/nimbus-v2test'))\n"
+    )
+    assert done.returncode == 0, done.stderr
+    cpu, memory, left = done.stdout.splitlines()
+    assert "cgroup v2 hierarchy at /sys/fs/cgroup has no cpu controller" in cpu, cpu
+    assert "has no memory controller" in memory and "give no CPU or memory limits" in memory
+    assert left == "left: False"
+
+
 @needs_root
 def test_a_failed_setup_leaves_nothing(netns: pytest.MonkeyPatch) -> None:
     """A worker whose link cannot be made: a clear error, and nothing half made."""
@@ -815,6 +903,76 @@ def test_netbench_on_a_real_endpoint(service: Any, alice: Any, lab: Any, tmp_pat
     for run in runs.values():
         assert run["aggregate_mbit"] > 10 and run["per_task_min_mbit"] > 0, run
         assert abs(run["link_vs_client_bytes"]) < 0.02, run  # the records counted the bytes
+
+
+@pytest.fixture(scope="module")
+def sized(service: Any, alice: Any) -> Iterator[Any]:
+    """Alice's endpoint "sized": a real agent whose workers have namespaces (and so
+    cgroups for a task's memory and CPU limits)."""
+    from service_support import EndpointProcess
+
+    if not ROOT:
+        pytest.skip("needs root and ip, tc, iptables, curl (namespaces, veths, cgroups)")
+    endpoint = EndpointProcess(service, alice, "sized")
+    service.env["NIMBUS_NET_ACCOUNTING"] = "netns"  # (the agent's environment, at its start)
+    try:
+        endpoint.start(alice)
+    finally:
+        del service.env["NIMBUS_NET_ACCOUNTING"]
+    yield endpoint
+    endpoint.stop()
+
+
+def test_netbench_sizes_objects_and_cost_on_a_real_endpoint(
+    service: Any, alice: Any, sized: Any, tmp_path: Path
+) -> None:
+    """--sizes: at each worker size, one task downloads then one uploads the objects from
+    this machine's object server; time per object, rate and the cost of a million tasks
+    under the price table, with the smallest size within 5 % of the best rate."""
+    from nimbus.network import netbench_endpoint
+
+    with Executor(endpoint="sized", settings=service.user_settings(alice.token)) as ex:
+        written = netbench_endpoint(
+            ex, "127.0.0.1", [1], ["down"], 0.5, tmp_path, sizes=[128 << 20, 512 << 20],
+            objects=4, object_size=2 << 20, price_gb_second=0.001, price_request=0.5,
+        )  # fmt: skip
+    names = {p.name for p in written}
+    assert {"netbench-sizes.csv", "netbench-sizes.png", "netbench.html"} <= names
+    sizes = json.loads((tmp_path / "netbench.json").read_text())["sizes"]
+    assert sizes["prices"] == {"gb_second": 0.001, "request": 0.5}
+    points = sizes["points"]
+    assert [p["memory"] for p in points] == [128 << 20, 512 << 20]
+    for p in points:
+        assert p["objects"] == 4 and 0 < p["down_median_s"] <= p["down_p95_s"], p
+        assert p["down_mbit"] > 10 and p["up_mbit"] > 10, p
+        assert p["cpus"] == round(p["memory"] / (1769 << 20), 3), p
+        # a million tasks: the request price alone is 500,000; memory-seconds on top
+        assert p["cost_per_million_down"] > 500_000, p
+        assert p["net_source"] == "netns"  # every byte of the task's counted
+        assert abs(p["counted_in"] - 4 * (2 << 20)) < 0.02 * 4 * (2 << 20), p
+    pick = sizes["recommendation"]
+    assert pick["smallest_size_within"] in {"128M", "512M"}
+    best = max(p["down_mbit"] for p in points)
+    chosen = next(p for p in points if f"{p['memory'] >> 20}M" == pick["smallest_size_within"])
+    assert chosen["down_mbit"] >= 0.95 * best
+    assert all(p["down_mbit"] < 0.95 * best for p in points if p["memory"] < chosen["memory"])
+    page = (tmp_path / "netbench.html").read_text()
+    assert "Worker size" in page and "netbench-sizes.png" in page
+    csv_rows = (tmp_path / "netbench-sizes.csv").read_text().splitlines()
+    assert len(csv_rows) == 3 and csv_rows[0].startswith("memory,cpus,objects")
+
+
+def test_netbench_sizes_need_an_endpoint_and_their_unit(tmp_path: Path) -> None:
+    for argv, said in (
+        (["--offline", "--sizes", "128M"], "--sizes sweeps an endpoint"),
+        (["--endpoint", "x", "--sizes", "128"], "worker memory sizes with their unit"),
+        (["--endpoint", "x", "--sizes", "1G", "--object-size", "0"], "from 1 byte to 1G"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "nimbus", "netbench", *argv, "--out", str(tmp_path)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2 and said in done.stderr, (argv, done.stderr)
 
 
 def test_netbench_refuses_a_server_its_endpoint_cannot_reach() -> None:

@@ -6,6 +6,9 @@ to 8 workers behind it); ``--endpoint NAME`` runs the tasks on that endpoint
 against a traffic server on this machine (``--server``: the address the
 endpoint reaches it at). Either moves data from 1..N tasks at once and writes
 ``netbench.html`` with PNG charts and the CSV and JSON behind them into ``--out``.
+With ``--endpoint``, ``--sizes`` adds the worker-size sweep: ``--objects`` objects of
+``--object-size`` down and up at each size, and the cost per million tasks under
+``--price-gb-second`` / ``--price-request`` (``nimbus.network._sizes``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,35 @@ def _rate(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _sizes(text: str) -> list[int]:
+    from nimbus.config import Bad, optional_size
+
+    try:
+        values = sorted({optional_size(x) or 0 for x in text.split(",")})
+    except Bad:
+        values = [0]
+    if not values or values[0] < 16 << 20 or len(values) > 16:
+        raise argparse.ArgumentTypeError(
+            f"expected worker memory sizes with their unit separated by commas (each at least "
+            f"16M, at most 16 of them), e.g. 128M,512M,1G,3G; got {text!r}"
+        )
+    return values
+
+
+def _object_size(text: str) -> int:
+    from nimbus.config import Bad, size
+
+    try:
+        value = size(text)
+    except Bad:
+        value = 0
+    if not 1 <= value <= 1 << 30:
+        raise argparse.ArgumentTypeError(
+            f"expected a size from 1 byte to 1G with its unit (e.g. 10M), got {text!r}"
+        )
+    return value
+
+
 def setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--offline",
@@ -71,6 +103,21 @@ def setup(parser: argparse.ArgumentParser) -> None:
                                                 above=True), default=0.25,
                         help="the recommendation: most tasks per host each getting this "
                         "fraction of the link (above 0, at most 1; default 0.25)")  # fmt: skip
+    parser.add_argument("--sizes", type=_sizes, default=None,
+                        help="with --endpoint: worker memory sizes to sweep, e.g. 128M,512M,1G,"
+                        "3G (CPU in proportion: one CPU at 1769M); each size's tasks move "
+                        "--objects objects down and up")  # fmt: skip
+    parser.add_argument("--objects", type=number(int, 1, 10000, "objects"), default=100,
+                        help="objects each way at each size (default 100)")  # fmt: skip
+    parser.add_argument("--object-size", type=_object_size, default=10 << 20,
+                        help="bytes of one object, with its unit (default 10M)")  # fmt: skip
+    parser.add_argument("--price-gb-second", type=number(float, 0.0, 1.0, "USD"),
+                        default=0.0000166667,
+                        help="price of a GiB of worker memory for a second, USD "
+                        "(default 0.0000166667, AWS Lambda x86)")  # fmt: skip
+    parser.add_argument("--price-request", type=number(float, 0.0, 1.0, "USD"),
+                        default=0.0000002,
+                        help="price of one task, USD (default 0.0000002)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="directory for netbench.html, the PNGs, CSV and JSON "
                         f"(default ./{DEFAULT_OUT})")  # fmt: skip
@@ -109,6 +156,10 @@ def run(args: argparse.Namespace) -> int:
             PROG, f"--server {args.server} is where an endpoint's tasks reach this machine: "
             "give it with --endpoint NAME (--offline has its own server)"
         )  # fmt: skip
+    if args.sizes and not args.endpoint:
+        raise UsageError(
+            PROG, "--sizes sweeps an endpoint's worker sizes: give it with --endpoint NAME"
+        )
     _writable(args.out)
     directions = ["down", "up"] if args.direction == "both" else [args.direction]
     if args.endpoint:
@@ -118,7 +169,10 @@ def run(args: argparse.Namespace) -> int:
         with Executor(endpoint=args.endpoint) as ex:
             written = netbench_endpoint(
                 ex, args.server or "127.0.0.1", args.concurrency, directions, args.seconds,
-                args.out, cap=args.cap, share=args.share, progress=print,
+                args.out, cap=args.cap, share=args.share, sizes=args.sizes,
+                objects=args.objects, object_size=args.object_size,
+                price_gb_second=args.price_gb_second, price_request=args.price_request,
+                progress=print,
             )  # fmt: skip
     else:
         from nimbus.network import netbench

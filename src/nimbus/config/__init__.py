@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         optional_cpus,
         optional_size,
         parse_bandwidth,
+        size,
     )
     from nimbus.config._places import (
         config_dir,
@@ -66,6 +67,7 @@ __all__ = [
     "optional_size",
     "parse_bandwidth",
     "private_dir",
+    "size",
     "untrusted_certificate",
 ]
 
@@ -75,7 +77,8 @@ _HOMES = {
         "_coerce",
     ),
     **dict.fromkeys(
-        ("optional_bandwidth", "optional_cpus", "optional_size", "parse_bandwidth"), "_coerce"
+        ("optional_bandwidth", "optional_cpus", "optional_size", "parse_bandwidth", "size"),
+        "_coerce",
     ),
     **dict.fromkeys(
         (

@@ -125,20 +125,47 @@ def netbench_endpoint(
     *,
     cap: int | None = None,
     share: float = 0.25,
+    sizes: list[int] | None = None,
+    objects: int = 100,
+    object_size: int = 10 << 20,
+    price_gb_second: float | None = None,
+    price_request: float | None = None,
     progress: Callable[[str], object] = lambda _: None,
 ) -> list[Path]:
     """The bandwidth sweep on ``executor``'s endpoint against a traffic server on
-    ``server`` (this machine's address as the endpoint reaches it); the report into ``out``."""
+    ``server`` (this machine's address as the endpoint reaches it) and, given ``sizes``
+    (bytes of worker memory), the object workload at each size (``_sizes``), its cost
+    under the prices given (USD; None: ``_sizes.Prices``'s defaults); the report into
+    ``out``."""
     from nimbus.network._endpoint import check_reach, sweep, traffic_server
+    from nimbus.network._objects import object_server
     from nimbus.network._report import PAYLOAD, summarize, write
+    from nimbus.network._sizes import Prices, recommend, size_sweep
 
     with traffic_server(server) as address:
         check_reach(executor, address)  # (--server 127.0.0.1, the default, on a remote one)
         points = sweep(executor, address, concurrency, directions, seconds, progress)
+    sized: dict[str, Any] | None = None
+    if sizes:
+        prices = Prices()
+        prices = Prices(
+            prices.gb_second if price_gb_second is None else price_gb_second,
+            prices.request if price_request is None else price_request,
+        )
+        with object_server(server) as port:
+            at = size_sweep(executor, (server, port), sizes, objects, object_size, prices, progress)
+        sized = {
+            "prices": {"gb_second": prices.gb_second, "request": prices.request},
+            "points": [p.row() for p in at],
+            "recommendation": recommend(at),
+        }
     if cap is None:  # the best aggregate seen stands for the link's capacity
         best = max(
             sum(p.mbit for p in points if (p.direction, p.concurrency) == key)
             for key in {(p.direction, p.concurrency) for p in points}
         )
         cap = int(best * 1e6 / PAYLOAD)
-    return write(points, summarize(points, cap, share), out)
+    summary = summarize(points, cap, share)
+    if sized is not None:
+        summary["sizes"] = sized
+    return write(points, summary, out)

@@ -89,6 +89,15 @@ class Cgroup:
         wanted = {"cpu"} if self.cpus or self.every else set()
         if self.memory or self.every:
             wanted.add("memory")
+        offered = set((parent / "cgroup.controllers").read_text().split())
+        if wanted - offered:
+            raise ConfigError(
+                f"worker limits: the cgroup v2 hierarchy at {parent} has no "
+                f"{' or '.join(sorted(wanted - offered))} controller (it offers "
+                f"{', '.join(sorted(offered)) or 'none'}; a controller mounted as cgroup v1 "
+                "is not offered here: see /proc/cgroups); enable it for this cgroup, or "
+                "give no CPU or memory limits"
+            )
         enabled = set((parent / "cgroup.subtree_control").read_text().split())
         for ctl in wanted - enabled:
             (parent / "cgroup.subtree_control").write_text(f"+{ctl}")

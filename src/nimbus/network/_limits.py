@@ -19,7 +19,7 @@ CPU and memory a worker cgroup: the endpoint's (``worker_cpus``/``_memory``),
 else one the worker makes and joins for the first such task (its manager
 removes it with the worker's link; made at every worker's start, a loopback
 bulk download lost 29-33 % of the rate without namespaces here, against
-11-18 % with the namespace alone). A
+11-18 % with the namespace alone as it was then, with DNAT in it). A
 task over its memory limit is killed with its worker and fails with
 ``MemoryLimitExceeded`` naming the limit it had.
 """

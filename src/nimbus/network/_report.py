@@ -3,7 +3,9 @@
 The CSV has one row per task of each run; the JSON has the summary per
 direction and concurrency (aggregate, per-task mean / min / max, the share a
 fair link would give, and the recommendation: the concurrency per host past
-which each task gets less than ``share`` of the link). Charts need
+which each task gets less than ``share`` of the link) and, from ``--endpoint
+--sizes``, the worker-size sweep (``_sizes``: ``netbench-sizes.csv``, a chart of
+seconds per object and cost per million tasks against size). Charts need
 matplotlib (``pip install nimbus[netbench]``); without it the CSV, JSON and an
 HTML page without pictures are still written, and the page says why.
 """
@@ -98,6 +100,67 @@ def _charts(summary: dict[str, Any], out: Path) -> list[str]:
     return made
 
 
+def _size_chart(sizes: dict[str, Any], out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sizes["points"]
+    mib = [r["memory"] >> 20 for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for way, mark, color in (("down", "o-", "C0"), ("up", "s-", "C1")):
+        left.plot(mib, [r[f"{way}_median_s"] * 1e3 for r in rows], mark, color=color,
+                  label=f"{way} (median)")  # fmt: skip
+        left.plot(mib, [r[f"{way}_p95_s"] * 1e3 for r in rows], ":", color=color,
+                  label=f"{way} (p95)")  # fmt: skip
+        right.plot(mib, [r[f"cost_per_million_{way}"] for r in rows], mark, color=color, label=way)
+    size_mib = rows[0]["object_size"] >> 20
+    left.set_title(f"time per {size_mib} MiB object vs worker size")
+    left.set_ylabel("ms")
+    right.set_title("cost per million tasks (one object each)")
+    right.set_ylabel("USD")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(mib, [str(m) for m in mib])
+        ax.set_xlabel("worker memory (MiB; CPU in proportion)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.savefig(out / "netbench-sizes.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return "netbench-sizes.png"
+
+
+def _sizes(sizes: dict[str, Any], out: Path, charts: bool) -> tuple[list[Path], str]:
+    """The worker-size sweep's CSV (and chart); its part of the page."""
+    rows = sizes["points"]
+    with open(out / "netbench-sizes.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    made = [out / "netbench-sizes.csv"]
+    picture = ""
+    if charts:
+        made.append(out / _size_chart(sizes, out))
+        picture = '<p><img src="netbench-sizes.png" alt="netbench-sizes.png"></p>'
+    head = list(rows[0])
+    page = (
+        f"<h2>Worker size</h2><p>Prices: {html.escape(json.dumps(sizes['prices']))}</p>"
+        + picture
+        + "<table><tr>"
+        + "".join(f"<th>{html.escape(k)}</th>" for k in head)
+        + "</tr>"
+        + "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(r[k]))}</td>" for k in head) + "</tr>"
+            for r in rows
+        )
+        + "</table><pre>"
+        + html.escape(json.dumps(sizes["recommendation"], indent=2))
+        + '</pre><p>Data: <a href="netbench-sizes.csv">netbench-sizes.csv</a></p>'
+    )
+    return made, page
+
+
 def write(points: list[Point], summary: dict[str, Any], out: Path) -> list[Path]:
     """Write the CSV, JSON, charts and HTML into ``out``; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
@@ -118,6 +181,10 @@ def write(points: list[Point], summary: dict[str, Any], out: Path) -> list[Path]
             [],
             "<p>No charts: matplotlib is not installed (pip install nimbus[netbench]).</p>",
         )
+    sized: list[Path] = []
+    size_page = ""
+    if summary.get("sizes"):
+        sized, size_page = _sizes(summary["sizes"], out, charts=not note)
     head = list(summary["runs"][0]) if summary["runs"] else []
     table = "".join(
         "<tr>" + "".join(f"<td>{html.escape(str(r[k]))}</td>" for k in head) + "</tr>"
@@ -135,7 +202,8 @@ def write(points: list[Point], summary: dict[str, Any], out: Path) -> list[Path]
         + f"</tr>{table}</table><h2>Recommendation</h2><pre>"
         + html.escape(json.dumps(summary["recommendation"], indent=2))
         + '</pre><p>Data: <a href="netbench.csv">netbench.csv</a>, '
-        '<a href="netbench.json">netbench.json</a></p>'
+        '<a href="netbench.json">netbench.json</a></p>' + size_page
     )
     (out / "netbench.html").write_text(page)
-    return [out / n for n in ("netbench.csv", "netbench.json", "netbench.html", *charts)]
+    written = [out / n for n in ("netbench.csv", "netbench.json", "netbench.html", *charts)]
+    return written + sized
