@@ -149,6 +149,8 @@ def unpack_result(blob: bytes) -> tuple[int, bytes, list[bytes]]:
 
 def payload_size(data: bytes, buffers: Sequence[Any] = ()) -> int:
     """The bytes of a pickle and its out-of-band buffers."""
+    if not buffers:  # the usual task: its arguments or result all in the pickle
+        return len(data)
     return len(data) + sum(memoryview(b).nbytes for b in buffers)
 
 
