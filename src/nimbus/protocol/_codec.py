@@ -117,6 +117,8 @@ def unpack_payload(blob: bytes) -> tuple[bytes, list[bytes]]:
         value = msgpack.unpackb(blob, raw=False)
     except Exception as exc:
         raise ValueError(f"not msgpack ({type(exc).__name__}: {exc})") from None
+    if type(value) is list and len(value) == 2 and type(value[0]) is bytes and value[1] == []:
+        return value[0], value[1]  # the usual payload: a pickle without buffers
     if (
         not isinstance(value, list)
         or len(value) != 2

@@ -82,8 +82,8 @@ def _check_rows(ctx: ServiceContext, rows: list[Row]) -> list[Row]:
         )
     out = []
     for i, (function_id, payload, timeout, data_id, environment) in enumerate(rows):
-        try:
-            seconds = check_timeout(timeout, f"tasks[{i}].timeout")
+        try:  # (no timeout: nothing to check, no field name to make)
+            seconds = None if timeout is None else check_timeout(timeout, f"tasks[{i}].timeout")
         except ValueError as exc:
             raise ServiceError(str(exc), 422) from None
         if not data_id:
