@@ -138,7 +138,7 @@ class Executor(cf.Executor):
         self._max_workers = max_workers
         self._seq = itertools.count()
         self._prefix = uuid.uuid4().int & ~((1 << 64) - 1)
-        head = "%032x" % self._prefix  # str(UUID(int=prefix | seq)) is head + seq's 16 digits
+        head = f"{self._prefix:032x}"  # str(UUID(int=prefix | seq)) is head + seq's 16 digits
         self._id_head = f"{head[:8]}-{head[8:12]}-{head[12:16]}-"
         self._futures: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -261,7 +261,7 @@ class Executor(cf.Executor):
             )
         self._bytes_sent += size
         seq = next(self._seq)
-        digits = "%016x" % seq  # the id: str(uuid.UUID(int=self._prefix | seq)), made cheaply
+        digits = f"{seq:016x}"  # the id: str(uuid.UUID(int=self._prefix | seq)), made cheaply
         record = TaskRecord(
             self._id_head + digits[:4] + "-" + digits[4:]
             if len(digits) == 16

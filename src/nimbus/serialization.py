@@ -106,7 +106,7 @@ def _wrap_top(obj: object) -> object:
     if kind in (bytes, bytearray):
         return _wrap(obj)
     if kind is tuple:
-        if _UNMARKED.issuperset(map(type, obj)):  # the usual arguments: nothing to mark
+        if _UNMARKED.issuperset(map(type, obj)):  # type: ignore[call-overload]  # nothing to mark
             return obj
         items = tuple([_wrap_top(v) if type(v) in (tuple, dict) else _wrap(v) for v in obj])  # type: ignore[attr-defined]
         return items

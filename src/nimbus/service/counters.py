@@ -108,6 +108,7 @@ def measures(record: object) -> tuple[Any, ...] | None:
         return picked
     return None
 
+
 COUNT = (
     _COUNT.replace("BOUNDS", ", ".join(repr(b) for b in BUCKETS))
     .replace("STARTED", str(_PLACES["started"]))

@@ -56,10 +56,9 @@ def new_ids(n: int) -> list[str]:
     raw = os.urandom(16 * n)
     out = []
     for i in range(0, 16 * n, 16):
-        h = "%032x" % (int.from_bytes(raw[i : i + 16], "big") & _UUID_CLEAR | _UUID4)
+        h = f"{int.from_bytes(raw[i : i + 16], 'big') & _UUID_CLEAR | _UUID4:032x}"
         out.append(f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
     return out
-
 
 
 def row_of(row: SubmitRow) -> Row:
