@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import base64
+import uuid
 
 import pytest
 
 from nimbus.errors import AuthError, NotFound, PayloadTooLargeError
 from nimbus.protocol import PYTHON, SERIALIZER, WS_CLIENT, pack_payload
 from nimbus.protocol.wsclient import ws_url
+from nimbus.service.tasks import new_ids
 from service_support import Service
 
 PAYLOAD = base64.b64encode(pack_payload(b"x")).decode()  # packed arguments (never unpickled here)
@@ -198,3 +200,11 @@ def test_groups_and_batch_status(service: Service) -> None:
         assert a.post(f"/v1/tasks/{ids[0]}/cancel").json()["cancelled"] is True
         results = a.post("/v1/tasks/results", json={"task_ids": ids[:1]}).json()["results"]
         assert results[ids[0]]["state"] == "cancelled"
+
+
+def test_task_ids_are_version_4_uuids_as_uuid4_writes_them() -> None:
+    ids = new_ids(2_000)
+    assert len(set(ids)) == 2_000 and new_ids(0) == []
+    for text in ids:
+        parsed = uuid.UUID(text)
+        assert parsed.version == 4 and parsed.variant == uuid.RFC_4122 and str(parsed) == text

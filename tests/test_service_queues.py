@@ -5,8 +5,13 @@ quota back (once per task, a second result ignored) and leaves nothing in flight
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
+import msgpack
+
+from nimbus.records import TaskRecord, TaskState
+from nimbus.service.counters import measures, metrics_key
 from nimbus.service.queues import TaskStore
 from nimbus.statestore import Keys, connect_async
 
@@ -44,6 +49,53 @@ def test_a_large_batch_is_queued_and_indexed_whole_and_in_order(store_url: str) 
             assert stored == ids
             assert await redis.hmget(queued, ["tasks", "bytes"]) == [b"0", b"0"]  # given back
             assert await redis.hlen(keys.endpoint_inflight("ep")) == 0
+        finally:
+            async for key in store.redis.scan_iter(match=store.keys.pattern()):
+                await store.redis.delete(key)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_the_counters_are_the_same_whether_the_service_picks_the_measures_or_not(
+    store_url: str,
+) -> None:
+    """The finish script counts a record's run and net bytes from ``counters.measures``
+    (what the service passes) exactly as from the packed record (rows without them)."""
+    store = TaskStore(connect_async(store_url), Keys(Keys.program_id_new()), result_ttl=60)
+    records = []
+    for i in range(40):
+        record = TaskRecord(str(uuid.uuid4()), TaskState.SUCCESS, function="f")
+        record.started, record.ended = 1000.0 + i, 1000.0 + i + 0.01 * i  # spread over buckets
+        record.net_bytes_in, record.net_bytes_out = 10 * i, 7 * i
+        records.append(record.to_wire())
+    records[3][[f.name for f in dataclasses.fields(TaskRecord)].index("started")] = 0.0  # never ran
+
+    async def counted(endpoint: str, with_measures: bool) -> dict[bytes, bytes]:
+        rows = [(str(uuid.uuid4()), "f", b"x", None, "") for _ in records]
+        await store.submit("o", endpoint, "g" + endpoint, rows, max_tasks=10**6, max_bytes=10**9)
+        taken, _ = await store.take(endpoint, "conn", len(rows))
+        assert len(taken) == len(rows)
+        done = [
+            (row[0], "success", msgpack.packb([0, b"", []]), msgpack.packb(record), "")
+            + ((measures(record),) if with_measures else ())
+            for row, record in zip(rows, records)
+        ]
+        stored, _ = await store.finish(endpoint, done)
+        assert len(stored) == len(rows)
+        counts: dict[bytes, bytes] = await store.redis.hgetall(metrics_key(store.keys, endpoint))
+        return counts
+
+    async def scenario() -> None:
+        try:
+            picked = await counted("a", with_measures=True)
+            read = await counted("b", with_measures=False)
+            assert picked[b"run:count"] == read[b"run:count"] == b"39"  # one never ran
+            assert picked[b"net_in"] == read[b"net_in"] == str(10 * sum(range(40))).encode()
+            assert picked[b"done:success"] == b"40"
+            for field in picked.keys() | read.keys():  # wait: the clock of each submit
+                if not field.startswith(b"wait:"):
+                    assert picked[field] == read[field], field
         finally:
             async for key in store.redis.scan_iter(match=store.keys.pattern()):
                 await store.redis.delete(key)

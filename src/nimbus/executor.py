@@ -142,6 +142,8 @@ class Executor(cf.Executor):
         self._max_workers = max_workers
         self._seq = itertools.count()
         self._prefix = uuid.uuid4().int & ~((1 << 64) - 1)
+        head = f"{self._prefix:032x}"  # str(UUID(int=prefix | seq)) is head + seq's 16 digits
+        self._id_head = f"{head[:8]}-{head[8:12]}-{head[12:16]}-"
         self._futures: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._endpoint = endpoint if backend == "service" else None
@@ -164,6 +166,7 @@ class Executor(cf.Executor):
             settings=self.settings,
             endpoint=endpoint,
         )
+        self._stop_task = self._backend.cancel  # each future's _stop (one bound method)
         # a remote backend's workers cannot import the caller's own modules
         self._remote = bool(getattr(self._backend, "remote", False))
         self._functions = serialization.FunctionCache(by_value=self._remote)
@@ -182,6 +185,10 @@ class Executor(cf.Executor):
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future[T]:
         """Schedule ``fn(*args, **kwargs)``; returns a :class:`Future`."""
+        if not kwargs and _PLAIN.issuperset(map(type, args)):  # as _submit: nothing to stage
+            return self._launch(
+                fn, args, kwargs, self._timeout, environment=self._environment, env=self._env
+            )
         return self._submit(
             fn, args, kwargs, self._timeout, environment=self._environment, env=self._env
         )
@@ -263,8 +270,11 @@ class Executor(cf.Executor):
             )
         self._bytes_sent += size
         seq = next(self._seq)
+        digits = f"{seq:016x}"  # the id: str(uuid.UUID(int=self._prefix | seq)), made cheaply
         record = TaskRecord(
-            str(uuid.UUID(int=self._prefix | seq)),
+            self._id_head + digits[:4] + "-" + digits[4:]
+            if len(digits) == 16
+            else str(uuid.UUID(int=self._prefix | seq)),
             function=getattr(named, "__qualname__", type(named).__qualname__),
             submitted=time.time(),
         )
@@ -285,7 +295,7 @@ class Executor(cf.Executor):
             wraps="" if label is None else self._path.wraps(label),
         )
         future._task = task
-        future._stop = self._backend.cancel
+        future._stop = self._stop_task
         self._futures[seq] = future
         self._backend.submit([task])
         return future

@@ -97,14 +97,21 @@ def _wrap(value: object) -> object:
     return value
 
 
+_UNMARKED = frozenset((int, float, str, bool, type(None)))  # never marked, nothing inside
+
+
 def _wrap_top(obj: object) -> object:
     """Mark the large bytes values at the top of ``obj`` for out-of-band sending."""
     kind = type(obj)
     if kind in (bytes, bytearray):
         return _wrap(obj)
     if kind is tuple:
-        items = tuple(_wrap_top(v) if type(v) in (tuple, dict) else _wrap(v) for v in obj)  # type: ignore[attr-defined]
+        if _UNMARKED.issuperset(map(type, obj)):  # type: ignore[call-overload]  # nothing to mark
+            return obj
+        items = tuple([_wrap_top(v) if type(v) in (tuple, dict) else _wrap(v) for v in obj])  # type: ignore[attr-defined]
         return items
+    if kind is dict and not obj:
+        return obj
     if kind is list:
         return [_wrap(v) for v in obj]  # type: ignore[attr-defined]
     if kind is dict:

@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -91,6 +92,9 @@ log = logging.getLogger(__name__)
 
 _FIELDS = [f.name for f in dataclasses.fields(TaskRecord)]
 _OURS = frozenset(("task_id", "state", "function", "submitted"))
+_THEIRS = [i for i, name in enumerate(_FIELDS) if name not in _OURS]  # the worker's measures:
+_THEIR_NAMES = [_FIELDS[i] for i in _THEIRS]  # a full record's are copied in one call
+_pick_theirs = operator.itemgetter(*_THEIRS)
 
 CONNECT_TIMEOUT = 15.0
 KEEPALIVE = 5.0  # seconds between WebSocket pings to the service
@@ -548,9 +552,12 @@ class ServiceBackend:
                         error, record = _wrong_shape(task_id, exc), None
                 if record is not None:  # the worker's measures: keep our id, function,
                     mine = task.record  # state, submit time
-                    for name, value in zip(_FIELDS, record):
-                        if name not in _OURS:
-                            setattr(mine, name, value)
+                    if len(record) == len(_FIELDS):  # (TaskRecord: a plain dataclass)
+                        vars(mine).update(zip(_THEIR_NAMES, _pick_theirs(record)))
+                    else:  # an older or newer peer's record: the fields both know
+                        for name, value in zip(_FIELDS, record):
+                            if name not in _OURS:
+                                setattr(mine, name, value)
             if isinstance(result, Result):
                 if result.status not in _STATUSES:
                     error = _wrong_shape(task_id, f"status {result.status!r}")

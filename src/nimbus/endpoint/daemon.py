@@ -404,7 +404,7 @@ class EndpointDaemon:
                 record,
                 timeout=row.timeout,
                 environment=environment,
-                env=environment_tag(environment),
+                env="" if environment is None else environment_tag(environment),
             )
             self._held[task_id] = task
             batch.append(task)

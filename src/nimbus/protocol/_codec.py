@@ -117,6 +117,8 @@ def unpack_payload(blob: bytes) -> tuple[bytes, list[bytes]]:
         value = msgpack.unpackb(blob, raw=False)
     except Exception as exc:
         raise ValueError(f"not msgpack ({type(exc).__name__}: {exc})") from None
+    if type(value) is list and len(value) == 2 and type(value[0]) is bytes and value[1] == []:
+        return value[0], value[1]  # the usual payload: a pickle without buffers
     if (
         not isinstance(value, list)
         or len(value) != 2
@@ -149,6 +151,8 @@ def unpack_result(blob: bytes) -> tuple[int, bytes, list[bytes]]:
 
 def payload_size(data: bytes, buffers: Sequence[Any] = ()) -> int:
     """The bytes of a pickle and its out-of-band buffers."""
+    if not buffers:  # the usual task: its arguments or result all in the pickle
+        return len(data)
     return len(data) + sum(memoryview(b).nbytes for b in buffers)
 
 

@@ -221,7 +221,7 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
       stored = true
       out[#out + 1] = id
       moved(v[6])
-      count(r[2], v[7], v[8], r[4])  -- the dashboard's and /metrics' counters (counters.py)
+      count(r[2], v[7], v[8], r[4], r[6])  -- the dashboard's and /metrics' counters (counters.py)
     end
     gone[#gone + 1] = id
   end
@@ -503,8 +503,9 @@ class TaskStore:
     async def finish(
         self, endpoint_id: str, results: Sequence[Sequence[Any]]
     ) -> tuple[list[str], list[str]]:
-        """Store ``(task_id, state, result, record, result_data_id)`` rows (first wins),
-        and count the tasks stored on the endpoint's metrics hash (``counters``).
+        """Store ``(task_id, state, result, record, result_data_id[, measures])`` rows (first
+        wins), and count the tasks stored on the endpoint's metrics hash (``counters``;
+        ``measures``: ``counters.measures`` of the record, else the script reads the record).
 
         Returns the ids stored and the data-store blobs no longer used (arguments of
         the tasks now done, results that came second), to remove.

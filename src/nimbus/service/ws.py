@@ -62,6 +62,7 @@ from nimbus.protocol import (
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
 from nimbus.service.context import ServiceContext
+from nimbus.service.counters import measures
 from nimbus.service.hub import Peer
 from nimbus.service.registry import hash_token
 from nimbus.service.tasks import after_of, cancel_tasks, row_of, submit_tasks
@@ -127,12 +128,13 @@ def _results(msg: dict[str, Any]) -> list[ResultRow]:
 
 
 def _stored(row: ResultRow) -> list[Any]:
-    """A result row as the task store keeps it: ``[task_id, state, result, record, data_id]``
-    with the result and record packed."""
+    """A result row as the task store keeps it: ``[task_id, state, result, record, data_id,
+    measures]`` with the result and record packed (``measures``: what the counters read)."""
     result = row.result
     assert not isinstance(result, bytes)
     data_id = result.data_id if isinstance(result, DataRef) else ""
-    return [row.task_id, row.state.value, pack(result), pack(row.record), data_id]
+    record = row.record
+    return [row.task_id, row.state.value, pack(result), pack(record), data_id, measures(record)]
 
 
 async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
