@@ -975,3 +975,27 @@ def test_the_forked_backend_runs_tasks_on_forks_of_this_process() -> None:
             if new != pid:
                 break
         assert new != pid
+
+
+def _slow_task(i: int) -> int:
+    time.sleep(2)
+    return i
+
+
+def test_shutdown_cancel_futures_is_the_stdlibs_running_ones_finish() -> None:
+    """2 workers, 6 tasks of 2 s: the 2 running finish, the 4 others are cancelled, each run."""
+    for _ in range(2):
+        ex = Executor(max_workers=2)
+        futures = [ex.submit(_slow_task, i) for i in range(6)]
+        deadline = time.monotonic() + 30
+        while sum(f._task.started for f in futures) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        start = time.monotonic()
+        ex.shutdown(wait=False, cancel_futures=True)
+        assert time.monotonic() - start < 0.3
+        assert [f.cancelled() for f in futures] == [False] * 2 + [True] * 4
+        assert [f.result(timeout=10) for f in futures[:2]] == [0, 1]
+        time.sleep(0.2)
+        assert all(f.done() for f in futures)
+        ex._backend.shutdown(wait=True)

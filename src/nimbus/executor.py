@@ -306,10 +306,9 @@ class Executor(cf.Executor):
         """Stop taking tasks; with ``cancel_futures`` drop those not yet running."""
         with self._lock:
             self._shutdown = True
-        if cancel_futures:
+        if cancel_futures:  # as the stdlib: those not running are cancelled, the others finish
             for future in list(self._futures.values()):
-                if not future.running():
-                    future.cancel()
+                future.cancel_unstarted()
         data.close_sources(self)
         if self._endpoint is not None:
             session = self._path.session

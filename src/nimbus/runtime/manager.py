@@ -545,7 +545,8 @@ class Manager(Workers):
             for worker in self._workers:
                 if task in worker.inflight:
                     if worker.inflight[0] is task and task.started:
-                        self._kill_worker(worker, "cancel", task)
+                        if not task.skip_only:  # shutdown(cancel_futures): a running one runs on
+                            self._kill_worker(worker, "cancel", task)
                     else:
                         worker.channel.send(Kind.CANCEL, pack([task.seq]))
                         self._flush(worker)
