@@ -999,3 +999,70 @@ def test_shutdown_cancel_futures_is_the_stdlibs_running_ones_finish() -> None:
         time.sleep(0.2)
         assert all(f.done() for f in futures)
         ex._backend.shutdown(wait=True)
+
+
+_CTRL_C_SCRIPT = """
+import atexit, sys, time
+fs = []
+# registered before nimbus's own: runs after it, and says what became of each task
+atexit.register(lambda: print(*[f._state for f in fs], flush=True))
+import nimbus
+def slow(seconds):
+    time.sleep(seconds)
+if __name__ == "__main__":
+    ex = nimbus.Executor(2)
+    fs.extend(ex.submit(slow, float(sys.argv[1])) for i in range(4))
+    while sum(f._task.started for f in fs) < 2:
+        time.sleep(0.01)
+    print(*ex.statistics()["runtime"]["managers"][0]["pids"], flush=True)
+    for f in fs:
+        f.result()
+"""
+
+
+def _ctrl_c(tmp_path: Path, seconds: float, presses: int) -> tuple[int, float, list[int], str]:
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(seconds)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]  # type: ignore[union-attr]
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: to the whole process group
+        if presses > 1:
+            time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=60)
+        return rc, time.monotonic() - start, pids, proc.stdout.read().strip()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ctrl_c_cancels_the_queued_tasks_and_waits_for_the_running(tmp_path: Path) -> None:
+    rc, took, pids, states = _ctrl_c(tmp_path, 3.0, 1)
+    assert rc == -signal.SIGINT  # 130 in a shell
+    assert took < 5.5  # the 2 running (3 s), not the 2 queued after them (6 s)
+    assert states == "FINISHED FINISHED CANCELLED_AND_NOTIFIED CANCELLED_AND_NOTIFIED"
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_second_ctrl_c_stops_the_workers_before_exiting(tmp_path: Path) -> None:
+    rc, took, pids, _ = _ctrl_c(tmp_path, 30.0, 2)
+    assert rc == -signal.SIGINT
+    assert took < 10.0
+    assert [pid for pid in pids if _alive(pid)] == []  # none left orphaned

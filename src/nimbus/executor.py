@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import itertools
+import sys
 import threading
 import time
 import uuid
@@ -508,6 +509,18 @@ def _map(
 
 @atexit.register
 def _shutdown_live() -> None:
-    """Finish the work of executors the program never shut down, as the stdlib does."""
-    for executor in list(_live):
-        executor.shutdown(wait=True)
+    """Finish the work of executors the program never shut down, as the stdlib does.
+
+    After a Ctrl-C (the program ended on ``KeyboardInterrupt``) the queued tasks are
+    cancelled and only the running ones are waited for; a second Ctrl-C while they
+    run stops the workers (killed, waited for) before the process exits.
+    """
+    interrupted = getattr(sys, "last_type", None) is KeyboardInterrupt
+    try:
+        for executor in list(_live):
+            executor.shutdown(wait=True, cancel_futures=interrupted)
+    except KeyboardInterrupt:
+        for executor in list(_live):
+            executor._backend.shutdown(wait=True, kill=True)
+            _live.discard(executor)
+        raise

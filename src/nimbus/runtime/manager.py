@@ -206,8 +206,14 @@ class Manager(Workers):
         self._closing = True
         self._kill = self._kill or kill
         self._wake()
-        if wait and self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+        if (
+            wait
+            and self._thread.ident is not None
+            and threading.current_thread() is not self._thread
+        ):
+            # not join(): on 3.11 a join interrupted by Ctrl-C marks the thread stopped
+            # (bpo-45274), and a second shutdown (kill) would not wait for its workers
+            self.stopped.wait()
 
     def statistics(self) -> dict[str, Any]:
         """What the node holds; ``environments``: per tag its ``slots``, ready ``workers``
