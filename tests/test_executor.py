@@ -1066,3 +1066,51 @@ def test_a_second_ctrl_c_stops_the_workers_before_exiting(tmp_path: Path) -> Non
     assert rc == -signal.SIGINT
     assert took < 10.0
     assert [pid for pid in pids if _alive(pid)] == []  # none left orphaned
+
+
+def test_more_workers_than_the_node_holds_is_refused_naming_the_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from nimbus.runtime._limits import max_workers
+
+    limit, _ = max_workers()
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"max_workers=1000000 .* at most {limit} "):
+        Executor(max_workers=1_000_000)
+    monkeypatch.setenv("NIMBUS_WORKERS", "1000000")
+    with pytest.raises(ConfigError, match=rf"NIMBUS_WORKERS=1000000 .* at most {limit} "):
+        Executor()
+    assert time.monotonic() - start < 2  # refused before any worker starts
+    assert 1 <= limit < 1_000_000
+
+
+_START_FAILS = """
+import os, resource, sys, time
+from nimbus.runtime.agent import Agent
+from nimbus.runtime.task import Task
+from nimbus.records import TaskRecord
+got = []
+agent = Agent(on_results=got.extend)
+# room for a few descriptors: the workers' starts fail (EMFILE) part way through
+n = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (n + 12, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+agent.add_manager(8)
+try:
+    agent.submit([Task(0, "k", b"", b"", [], TaskRecord("t"))])
+except RuntimeError as exc:
+    print("refused:", exc)
+deadline = time.monotonic() + 20
+while not got and not agent._managers[0].stopped.is_set() and time.monotonic() < deadline:
+    time.sleep(0.05)
+agent.shutdown(wait=True, kill=True)
+print("stopped", agent._managers[0].stopped.is_set())
+"""
+
+
+def test_worker_starts_that_fail_do_not_hang_the_runtime() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", _START_FAILS], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert "stopped True" in out.stdout, out.stderr[-2000:]
+    assert "Too many open files" in out.stderr  # the cause, said

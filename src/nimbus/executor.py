@@ -75,6 +75,18 @@ def _check_environment(
     return env, environment_tag(env)
 
 
+def _check_workers(count: int, given: str) -> None:
+    """Refuse more workers than this node can start (they all start at once)."""
+    from nimbus.runtime._limits import max_workers
+
+    limit, why = max_workers()
+    if count > limit:
+        raise ConfigError(
+            f"{given}={count} is more workers than this node can start: at most {limit} "
+            f"({why}); every worker starts at once, so choose a smaller {given}"
+        )
+
+
 def _check_timeout(timeout: float | None, what: str) -> float | None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
         raise TypeError(f"{what} must be a number of seconds or None, not {timeout!r}")
@@ -84,7 +96,9 @@ def _check_timeout(timeout: float | None, what: str) -> float | None:
 class Executor(cf.Executor):
     """Run callables on warm worker processes.
 
-    ``max_workers`` defaults to ``Settings.workers`` (the number of cores).
+    ``max_workers`` defaults to ``Settings.workers`` (the number of cores); more than
+    the node can start (``nimbus.runtime._limits``: memory, RLIMIT_NPROC, RLIMIT_NOFILE)
+    is refused with a ``ConfigError``, as every worker starts at once.
     ``task_timeout`` (seconds) stops any task that runs longer: its worker
     is killed and replaced and its future raises
     :class:`~nimbus.errors.TaskTimeoutError`. ``settings`` defaults to
@@ -122,12 +136,15 @@ class Executor(cf.Executor):
         self._environment, self._env = _check_environment(
             self.settings.environment if environment is None else environment
         )
+        given = "max_workers"
         if max_workers is None:
-            max_workers = self.settings.workers
+            max_workers, given = self.settings.workers, "NIMBUS_WORKERS"
         if isinstance(max_workers, bool) or not isinstance(max_workers, int):
             raise TypeError(f"max_workers must be an int, not {max_workers!r}")
         if max_workers <= 0:
             raise ValueError("max_workers must be greater than 0")
+        if backend in (None, "local") and not (endpoint or self.settings.endpoint):
+            _check_workers(max_workers, given)
         if task_timeout is None:
             task_timeout = self.settings.task_timeout
         self._timeout = _check_timeout(task_timeout, "task_timeout")
