@@ -448,8 +448,10 @@ def _imported(name: str) -> bool:
     return name in sys.modules
 
 
-def test_preload_imports_modules_before_the_first_task() -> None:
-    with Executor(max_workers=1, preload=["json.tool", "no_such_module_xyz"]) as ex:
+def test_preload_imports_modules_before_the_first_task(tmp_path, monkeypatch) -> None:
+    (tmp_path / "nimbus_test_bad_preload.py").write_text("raise ImportError('broken')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with Executor(max_workers=1, preload=["json.tool", "nimbus_test_bad_preload"]) as ex:
         assert ex.submit(_imported, "json.tool").result(timeout=30)  # and the bad one skipped
     with Executor(max_workers=1) as ex:
         assert not ex.submit(_imported, "json.tool").result(timeout=30)
@@ -1114,3 +1116,12 @@ def test_worker_starts_that_fail_do_not_hang_the_runtime() -> None:
     )
     assert "stopped True" in out.stdout, out.stderr[-2000:]
     assert "Too many open files" in out.stderr  # the cause, said
+
+
+def test_option_errors_name_the_argument_given() -> None:
+    with pytest.raises(ConfigError, match=r"^environment='nope'"):  # not NIMBUS_ENVIRONMENT
+        Executor(max_workers=1, environment="nope")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"endpoint must be .* not 123"):
+        Executor(max_workers=1, endpoint=123)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"preload names module 'nonexistent_mod_xyz'"):
+        Executor(max_workers=1, preload=["nonexistent_mod_xyz"])

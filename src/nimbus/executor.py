@@ -87,6 +87,22 @@ def _check_workers(count: int, given: str) -> None:
         )
 
 
+def _check_preload(names: Sequence[str]) -> None:
+    """A module to preload that is nowhere on this Python's path: refused now, by name."""
+    import importlib.util
+
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # its package is missing, or the name is not one
+            found = False
+        if not found:
+            raise ConfigError(
+                f"preload names module {name!r}, which this Python cannot find; "
+                "check its spelling, or install it where the workers run"
+            )
+
+
 def _check_timeout(timeout: float | None, what: str) -> float | None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
         raise TypeError(f"{what} must be a number of seconds or None, not {timeout!r}")
@@ -106,8 +122,9 @@ class Executor(cf.Executor):
     called, on the runtime's thread, with what task code sends with
     ``nimbus.runtime.worker.notify`` (progress, events). ``preload`` names
     modules every worker imports when it starts, before it takes a task (as
-    ``multiprocessing.set_forkserver_preload``; one that fails to import is
-    skipped and imported again by the task that needs it). ``endpoint``
+    ``multiprocessing.set_forkserver_preload``; one this Python cannot find is
+    refused with a ``ConfigError``, one that fails to import is skipped and
+    imported again by the task that needs it). ``endpoint``
     (default ``Settings.endpoint``, ``NIMBUS_ENDPOINT``) runs the tasks on that
     remote endpoint through the nimbus service (the ``service`` backend) instead.
     An executor not shut down is shut down at interpreter exit, as the stdlib's
@@ -133,9 +150,16 @@ class Executor(cf.Executor):
         environment: Environment | None = None,
     ) -> None:
         self.settings = settings if settings is not None else Settings.load()
-        self._environment, self._env = _check_environment(
-            self.settings.environment if environment is None else environment
+        self._environment, self._env = (
+            _check_environment(self.settings.environment)
+            if environment is None
+            else _check_environment(environment, "environment")
         )
+        if endpoint is not None and not isinstance(endpoint, str):
+            raise TypeError(
+                f"endpoint must be an endpoint's name or id (a str), not {endpoint!r}; "
+                "see nimbus endpoint list"
+            )
         given = "max_workers"
         if max_workers is None:
             max_workers, given = self.settings.workers, "NIMBUS_WORKERS"
@@ -153,6 +177,8 @@ class Executor(cf.Executor):
         if backend is None:
             endpoint = endpoint or self.settings.endpoint
             backend = "service" if endpoint else "local"
+            if backend == "local":  # (an endpoint's workers may have modules this has not;
+                _check_preload(preload)  # nimbus.multiprocessing's, stdlib-like, are skipped)
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; known: {', '.join(sorted(BACKENDS))}")
         self._max_workers = max_workers
