@@ -50,6 +50,18 @@ def test_operator_flow(service: Service) -> None:
         assert nimbus(service, "tasks", "list", "--status", "running").count("\n") == 1  # header
         shown = json.loads(nimbus(service, "tasks", "show", task_id))
         assert shown["state"] == "success" and shown["record"]["cpu_user"] >= 0
+        assert "error" not in shown
+        listed = nimbus(service, "tasks", "list").splitlines()
+        assert listed[0].split()[3] == "ENDPOINT" and listed[1].split()[3] == "cli-ep"
+        with service.client(token) as client:
+            failed = client.run(int, "not a number", endpoint="cli-ep")
+            with pytest.raises(ValueError):
+                client.get_result(failed, timeout=30)
+        shown = json.loads(nimbus(service, "tasks", "show", failed))
+        assert shown["state"] == "failed"
+        assert shown["error"]["type"] == "ValueError"
+        assert "invalid literal for int()" in shown["error"]["message"]
+        assert shown["error"]["traceback"].startswith("Traceback (most recent call last)")
     finally:
         assert "stopped" in nimbus(service, "endpoint", "stop", "cli-ep")
     assert "stopped" in nimbus(service, "endpoint", "list")

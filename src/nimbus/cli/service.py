@@ -323,22 +323,30 @@ def tasks_run(args: argparse.Namespace) -> int:
 
     with Client() as client:
         if args.action == "show":
-            print(json.dumps(client.get_task(args.task_id), indent=2))
+            task = client.get_task(args.task_id)
+            if task["state"] == TaskState.FAILED.value:
+                task["error"] = _error_of(client, args.task_id)
+            print(json.dumps(task, indent=2))
             return 0
         status = TaskState.WAITING.value if args.status == "waiting" else args.status
         rows = client.list_tasks(status, limit=min(args.limit + 1, MAX_LIMIT))
         names = {} if args.json else _function_names(client)
+        places = {} if args.json else {e["endpoint_id"]: e["name"] for e in client.endpoints()}
     cut = len(rows) > args.limit
     rows = rows[: args.limit]
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(f"{'TASK':<36} {'FUNCTION':<24} {'STATE':<20} {'SUBMITTED':>10} {'RUN (s)':>9}")
+        print(
+            f"{'TASK':<36} {'FUNCTION':<24} {'STATE':<20} {'ENDPOINT':<16} "
+            f"{'SUBMITTED':>10} {'RUN (s)':>9}"
+        )
         now = time.time()
         for row in rows:
             function = names.get(row["function_id"]) or row["function_id"][:8]
+            place = places.get(row["endpoint_id"]) or (row["endpoint_id"] or "-")[:8]
             print(
-                f"{row['task_id']:<36} {function[:24]:<24} {row['state']:<20} "
+                f"{row['task_id']:<36} {function[:24]:<24} {row['state']:<20} {place[:16]:<16} "
                 f"{_ago(row['submitted']):>10} {_run_seconds(row, now):>9}"
             )
     if cut:
@@ -348,6 +356,22 @@ def tasks_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _error_of(client: Any, task_id: str) -> dict[str, str]:
+    """A failed task's exception (type and message) and traceback, as the dashboard's task
+    page shows them: the text inside its result, read without unpickling it."""
+    from nimbus.protocol import MSGPACK, unpack
+    from nimbus.service.dashboard._tasks import traceback_text
+
+    response = client.request(
+        "GET", f"/v1/tasks/{task_id}/result", params={"wait": 0}, headers={"Accept": MSGPACK}
+    )
+    result = unpack(response.content)["result"]
+    text = traceback_text(result) if isinstance(result, bytes) else ""
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    kind, _, message = last.partition(": ")
+    return {"type": kind, "message": message, "traceback": text}
 
 
 def _function_names(client: Any) -> dict[str, str]:
