@@ -353,3 +353,38 @@ def test_registry_refuses_user_names_an_endpoint_could_not_have(
     with pytest.raises(ValueError, match="is not a user name: 1-200 letters, digits"):
         service.token(name)
     assert name not in _cli(service, "service", "token", "list").stdout.split()
+
+
+def _cli(service: Service, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", CLI, *args],
+        env=service.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_endpoint_provider_checked_at_configure_and_a_dying_agent_said_at_start(
+    service: Service,
+) -> None:
+    token = nimbus(service, "service", "token", "create", "pavel").strip()
+    nimbus(service, "login", "--service", service.url, "--token", token)
+    refused = _cli(service, "endpoint", "configure", "lab2", "--provider", "nope")
+    assert refused.returncode == 2
+    assert "--provider: unknown provider 'nope'; known providers: local, slurm" in refused.stderr
+    assert "lab2" not in nimbus(service, "endpoint", "list")  # nothing written
+    # an endpoint file edited by hand (or by an older nimbus) that its agent cannot run
+    nimbus(service, "endpoint", "configure", "lab2", "--workers", "1")
+    toml = Path(service.env["XDG_CONFIG_HOME"]) / "nimbus" / "endpoints" / "lab2" / "endpoint.toml"
+    text = toml.read_text()
+    assert 'provider = "local"' in text
+    toml.write_text(text.replace('provider = "local"', 'provider = "nope"'))
+    start = _cli(service, "endpoint", "start", "lab2")
+    if start.returncode == 0:
+        _cli(service, "endpoint", "stop", "lab2")
+    assert start.returncode == 1, start.stdout + start.stderr
+    assert "started" not in start.stdout
+    assert "its agent exited at start" in start.stderr and "'nope'" in start.stderr
+    assert "stopped" in nimbus(service, "endpoint", "list")
