@@ -388,3 +388,29 @@ def test_endpoint_provider_checked_at_configure_and_a_dying_agent_said_at_start(
     assert "started" not in start.stdout
     assert "its agent exited at start" in start.stderr and "'nope'" in start.stderr
     assert "stopped" in nimbus(service, "endpoint", "list")
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """`nimbus service start` and `nimbus dashboard` on a busy port: a usage error."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = service_env(tmp_path)
+        for command in (["service", "start"], ["dashboard", "--user", "dana"]):
+            proc = subprocess.run(
+                [sys.executable, "-c", CLI, *command, "--port", str(port)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            assert proc.returncode == 2, proc.stderr
+            assert proc.stderr == (
+                f"nimbus {command[0]}{' start' if command[0] == 'service' else ''}: port {port} "
+                "is in use (a service already runs there?): choose another with --port\n"
+            )
+            assert proc.stdout == ""  # no token made for the dashboard either

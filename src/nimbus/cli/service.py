@@ -119,8 +119,14 @@ def service_run(args: argparse.Namespace) -> int:
             )
             return 2
         tls = None if args.tls_cert is None else (args.tls_cert, args.tls_key)
-        serve(settings, args.host, args.port, args.url_file, persist=args.persist, tls=tls)
-        return 0
+        return serve_on(
+            "service start",
+            args.host,
+            args.port,
+            lambda: serve(
+                settings, args.host, args.port, args.url_file, persist=args.persist, tls=tls
+            ),
+        )
     from nimbus.service.registry import Registry
 
     print(f"nimbus: {_which_registry(settings)}", file=sys.stderr)
@@ -191,6 +197,45 @@ def _user_name(text: str) -> str:
 
 
 _port = number(int, 0, 65535, "a port")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether ``host:port`` is taken: a bind test, as the server would bind it."""
+    import errno
+    import socket
+
+    if port == 0:
+        return False
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def serve_on(command: str, host: str, port: int, serve: Any) -> int:
+    """Run ``serve()`` on ``host:port``; a port in use is a usage error (exit 2, one line),
+    found before anything starts, or from the server's failure to bind (a race)."""
+    said = (
+        f"nimbus {command}: port {port} is in use (a service already runs there?): "
+        "choose another with --port"
+    )
+    if port_in_use(host, port):
+        print(said, file=sys.stderr)
+        return 2
+    try:
+        serve()
+    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
+        if exc.code not in (0, None) and port_in_use(host, port):
+            print(said, file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
 _limit = number(int, 1, MAX_LIMIT)
 
 
