@@ -50,18 +50,7 @@ def test_operator_flow(service: Service) -> None:
         assert nimbus(service, "tasks", "list", "--status", "running").count("\n") == 1  # header
         shown = json.loads(nimbus(service, "tasks", "show", task_id))
         assert shown["state"] == "success" and shown["record"]["cpu_user"] >= 0
-        assert "error" not in shown
-        listed = nimbus(service, "tasks", "list").splitlines()
-        assert listed[0].split()[3] == "ENDPOINT" and listed[1].split()[3] == "cli-ep"
-        with service.client(token) as client:
-            failed = client.run(int, "not a number", endpoint="cli-ep")
-            with pytest.raises(ValueError):
-                client.get_result(failed, timeout=30)
-        shown = json.loads(nimbus(service, "tasks", "show", failed))
-        assert shown["state"] == "failed"
-        assert shown["error"]["type"] == "ValueError"
-        assert "invalid literal for int()" in shown["error"]["message"]
-        assert shown["error"]["traceback"].startswith("Traceback (most recent call last)")
+
     finally:
         assert "stopped" in nimbus(service, "endpoint", "stop", "cli-ep")
     assert "stopped" in nimbus(service, "endpoint", "list")
@@ -298,9 +287,9 @@ def test_tasks_list_names_functions_times_running_tasks_and_says_when_cut(
     code, out, err = _run_as(service, token, "tasks", "list")
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0].split() == ["TASK", "FUNCTION", "STATE", "SUBMITTED", "RUN", "(s)"]
+    assert lines[0].split() == ["TASK", "FUNCTION", "STATE", "ENDPOINT", "SUBMITTED", "RUN", "(s)"]
     [running] = [line for line in lines if slow in line]
-    assert running.split()[1:3] == ["sleep", "running"]
+    assert running.split()[1:4] == ["sleep", "running", "lab"]
     assert running.split()[-1].endswith("+") and float(running.split()[-1][:-1]) >= 0.3
     [done] = [line for line in lines if quick[0] in line]
     assert done.split()[1:3] == ["pow", "success"] and float(done.split()[-1]) >= 0
@@ -309,6 +298,23 @@ def test_tasks_list_names_functions_times_running_tasks_and_says_when_cut(
     assert code == 0 and len(out.splitlines()) == 3  # the header and two tasks
     assert "showing the newest 2 tasks" in err and "--limit" in err
     assert alice.get_result(slow, timeout=30) is None
+
+
+def test_tasks_show_gives_a_failed_tasks_exception_and_traceback(
+    service: Service, alice: Any, lab: Any
+) -> None:
+    token = service.token("alice")
+    failed = alice.run(int, "not a number", endpoint="lab")
+    with pytest.raises(ValueError):
+        alice.get_result(failed, timeout=30)
+    code, out, err = _run_as(service, token, "tasks", "show", failed)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["state"] == "failed"
+    assert shown["error"]["type"] == "ValueError"
+    assert "invalid literal for int()" in shown["error"]["message"]
+    assert shown["error"]["traceback"].startswith("Traceback (most recent call last)")
+    assert "not a number" in shown["error"]["traceback"]
 
 
 def test_tasks_list_into_a_closed_pipe_ends_quietly(service: Service, alice: Any, lab: Any) -> None:
