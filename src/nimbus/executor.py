@@ -351,8 +351,14 @@ class Executor(cf.Executor):
         with self._lock:
             self._shutdown = True
         if cancel_futures:  # as the stdlib: those not running are cancelled, the others finish
+            # a local runtime knows which tasks a worker has started; of other backends,
+            # those sent on (RUNNING) are left to finish
+            known = getattr(self._backend, "tells_started", False)
             for future in list(self._futures.values()):
-                future.cancel_unstarted()
+                if known:
+                    future.cancel_unstarted()
+                elif not future.running():
+                    future.cancel()
         data.close_sources(self)
         if self._endpoint is not None:
             session = self._path.session
