@@ -128,7 +128,9 @@ class Executor(cf.Executor):
     (default ``Settings.endpoint``, ``NIMBUS_ENDPOINT``) runs the tasks on that
     remote endpoint through the nimbus service (the ``service`` backend) instead.
     An executor not shut down is shut down at interpreter exit, as the stdlib's
-    are, unless ``shutdown_at_exit=False``: then its owner does (after work of
+    are (after a Ctrl-C its queued tasks are cancelled and only the running ones
+    waited for; a second Ctrl-C stops its workers before the process exits),
+    unless ``shutdown_at_exit=False``: then its owner does (after work of
     its own that still needs it, as ``nimbus.multiprocessing`` joins its processes).
     ``environment`` (a :class:`~nimbus.Environment`; default
     ``Settings.environment``, ``NIMBUS_ENVIRONMENT``, else the workers' own
