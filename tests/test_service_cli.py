@@ -338,7 +338,9 @@ def test_tasks_list_into_a_closed_pipe_ends_quietly(service: Service, alice: Any
         timeout=60,
         check=False,
     )
-    assert piped.stdout.split() == ["TASK", "FUNCTION", "STATE", "SUBMITTED", "RUN", "(s)"]
+    assert piped.stdout.split() == [
+        "TASK", "FUNCTION", "STATE", "ENDPOINT", "SUBMITTED", "RUN", "(s)"
+    ]  # fmt: skip
     assert "Traceback" not in piped.stderr
 
 
