@@ -407,9 +407,32 @@ def test_bad_file_value(
 
 
 def test_unknown_file_key(env: dict[str, str], tmp_path: Path) -> None:
-    f = write(tmp_path / "c.toml", "[nimbus]\nworker = 4\n")
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) worker; known keys: workers"):
+    f = write(tmp_path / "c.toml", "[nimbus]\nzzz = 4\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) zzz; known keys: workers"):
         Settings.load(env, file=f)
+
+
+def test_unknown_file_key_says_what_was_meant(env: dict[str, str], tmp_path: Path) -> None:
+    f = write(tmp_path / "c.toml", "[nimbus]\nworker = 4\n")
+    with pytest.raises(ConfigError) as info:
+        Settings.load(env, file=f)
+    assert str(info.value) == (
+        f"config file {f}: unknown key(s) worker (did you mean 'workers'?)"
+    )  # no list of every key when each one has its guess
+
+
+def test_a_misspelled_nimbus_variable_is_warned_of_once(env: dict[str, str]) -> None:
+    from nimbus.config import _settings
+
+    _settings._warned.discard("NIMBUS_WORKRES")
+    with pytest.warns(UserWarning, match="NIMBUS_WORKRES .* did you mean NIMBUS_WORKERS"):
+        Settings.load({**env, "NIMBUS_WORKRES": "3"})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the second load says nothing
+        Settings.load({**env, "NIMBUS_WORKRES": "3"})
+        Settings.load({**env, "NIMBUS_MESSAGING_TOKEN": "x", "NIMBUS_ZZZ_MINE": "1"})
 
 
 def test_unknown_table(env: dict[str, str], tmp_path: Path) -> None:

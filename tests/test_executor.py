@@ -448,8 +448,10 @@ def _imported(name: str) -> bool:
     return name in sys.modules
 
 
-def test_preload_imports_modules_before_the_first_task() -> None:
-    with Executor(max_workers=1, preload=["json.tool", "no_such_module_xyz"]) as ex:
+def test_preload_imports_modules_before_the_first_task(tmp_path, monkeypatch) -> None:
+    (tmp_path / "nimbus_test_bad_preload.py").write_text("raise ImportError('broken')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with Executor(max_workers=1, preload=["json.tool", "nimbus_test_bad_preload"]) as ex:
         assert ex.submit(_imported, "json.tool").result(timeout=30)  # and the bad one skipped
     with Executor(max_workers=1) as ex:
         assert not ex.submit(_imported, "json.tool").result(timeout=30)
@@ -975,3 +977,151 @@ def test_the_forked_backend_runs_tasks_on_forks_of_this_process() -> None:
             if new != pid:
                 break
         assert new != pid
+
+
+def _slow_task(i: int) -> int:
+    time.sleep(2)
+    return i
+
+
+def test_shutdown_cancel_futures_is_the_stdlibs_running_ones_finish() -> None:
+    """2 workers, 6 tasks of 2 s: the 2 running finish, the 4 others are cancelled, each run."""
+    for _ in range(2):
+        ex = Executor(max_workers=2)
+        futures = [ex.submit(_slow_task, i) for i in range(6)]
+        deadline = time.monotonic() + 30
+        while sum(f._task.started for f in futures) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        start = time.monotonic()
+        ex.shutdown(wait=False, cancel_futures=True)
+        assert time.monotonic() - start < 0.3
+        assert [f.cancelled() for f in futures] == [False] * 2 + [True] * 4
+        assert [f.result(timeout=10) for f in futures[:2]] == [0, 1]
+        time.sleep(0.2)
+        assert all(f.done() for f in futures)
+        ex._backend.shutdown(wait=True)
+
+
+_CTRL_C_SCRIPT = """
+import atexit, sys, time
+fs = []
+# registered before nimbus's own: runs after it, and says what became of each task
+atexit.register(lambda: print(*[f._state for f in fs], flush=True))
+import nimbus
+def slow(seconds):
+    time.sleep(seconds)
+if __name__ == "__main__":
+    ex = nimbus.Executor(2)
+    fs.extend(ex.submit(slow, float(sys.argv[1])) for i in range(4))
+    while sum(f._task.started for f in fs) < 2:
+        time.sleep(0.01)
+    print(*ex.statistics()["runtime"]["managers"][0]["pids"], flush=True)
+    for f in fs:
+        f.result()
+"""
+
+
+def _ctrl_c(tmp_path: Path, seconds: float, presses: int) -> tuple[int, float, list[int], str]:
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(seconds)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]  # type: ignore[union-attr]
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: to the whole process group
+        if presses > 1:
+            time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=60)
+        return rc, time.monotonic() - start, pids, proc.stdout.read().strip()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ctrl_c_cancels_the_queued_tasks_and_waits_for_the_running(tmp_path: Path) -> None:
+    rc, took, pids, states = _ctrl_c(tmp_path, 3.0, 1)
+    assert rc == -signal.SIGINT  # 130 in a shell
+    assert took < 5.5  # the 2 running (3 s), not the 2 queued after them (6 s)
+    assert states == "FINISHED FINISHED CANCELLED_AND_NOTIFIED CANCELLED_AND_NOTIFIED"
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_second_ctrl_c_stops_the_workers_before_exiting(tmp_path: Path) -> None:
+    rc, took, pids, _ = _ctrl_c(tmp_path, 30.0, 2)
+    assert rc == -signal.SIGINT
+    assert took < 10.0
+    assert [pid for pid in pids if _alive(pid)] == []  # none left orphaned
+
+
+def test_more_workers_than_the_node_holds_is_refused_naming_the_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from nimbus.runtime._limits import max_workers
+
+    limit, _ = max_workers()
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"max_workers=1000000 .* at most {limit} "):
+        Executor(max_workers=1_000_000)
+    monkeypatch.setenv("NIMBUS_WORKERS", "1000000")
+    with pytest.raises(ConfigError, match=rf"NIMBUS_WORKERS=1000000 .* at most {limit} "):
+        Executor()
+    assert time.monotonic() - start < 2  # refused before any worker starts
+    assert 1 <= limit < 1_000_000
+
+
+_START_FAILS = """
+import os, resource, sys, time
+from nimbus.runtime.agent import Agent
+from nimbus.runtime.task import Task
+from nimbus.records import TaskRecord
+got = []
+agent = Agent(on_results=got.extend)
+# room for a few descriptors: the workers' starts fail (EMFILE) part way through
+n = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (n + 12, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+agent.add_manager(8)
+try:
+    agent.submit([Task(0, "k", b"", b"", [], TaskRecord("t"))])
+except RuntimeError as exc:
+    print("refused:", exc)
+deadline = time.monotonic() + 20
+while not got and not agent._managers[0].stopped.is_set() and time.monotonic() < deadline:
+    time.sleep(0.05)
+agent.shutdown(wait=True, kill=True)
+print("stopped", agent._managers[0].stopped.is_set())
+"""
+
+
+def test_worker_starts_that_fail_do_not_hang_the_runtime() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", _START_FAILS], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert "stopped True" in out.stdout, out.stderr[-2000:]
+    assert "Too many open files" in out.stderr  # the cause, said
+
+
+def test_option_errors_name_the_argument_given() -> None:
+    with pytest.raises(ConfigError, match=r"^environment='nope'"):  # not NIMBUS_ENVIRONMENT
+        Executor(max_workers=1, environment="nope")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"endpoint must be .* not 123"):
+        Executor(max_workers=1, endpoint=123)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"preload names module 'nonexistent_mod_xyz'"):
+        Executor(max_workers=1, preload=["nonexistent_mod_xyz"])

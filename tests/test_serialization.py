@@ -372,3 +372,15 @@ def test_dumps_exception_never_raises(exc: BaseException) -> None:
     # RemoteError itself survives another round trip
     again = pickle.loads(pickle.dumps(back))
     assert again.type_name == back.type_name
+
+
+def test_a_main_function_over_a_global_lock_is_named_with_the_global() -> None:
+    namespace = {"__name__": "__main__", "lock": threading.Lock()}
+    exec("def uses_lock():\n    with lock:\n        return 1\n", namespace)
+    with pytest.raises(SerializationError) as info:
+        serialization.dumps_function(namespace["uses_lock"])
+    message = str(info.value)
+    assert message.startswith("cannot pickle the function uses_lock (module __main__): ")
+    assert "global 'lock', a threading.Lock, which cannot be pickled" in message
+    assert "create it in the task" in message
+    assert "builtins.function" not in message

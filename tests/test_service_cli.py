@@ -50,6 +50,7 @@ def test_operator_flow(service: Service) -> None:
         assert nimbus(service, "tasks", "list", "--status", "running").count("\n") == 1  # header
         shown = json.loads(nimbus(service, "tasks", "show", task_id))
         assert shown["state"] == "success" and shown["record"]["cpu_user"] >= 0
+
     finally:
         assert "stopped" in nimbus(service, "endpoint", "stop", "cli-ep")
     assert "stopped" in nimbus(service, "endpoint", "list")
@@ -286,9 +287,9 @@ def test_tasks_list_names_functions_times_running_tasks_and_says_when_cut(
     code, out, err = _run_as(service, token, "tasks", "list")
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0].split() == ["TASK", "FUNCTION", "STATE", "SUBMITTED", "RUN", "(s)"]
+    assert lines[0].split() == ["TASK", "FUNCTION", "STATE", "ENDPOINT", "SUBMITTED", "RUN", "(s)"]
     [running] = [line for line in lines if slow in line]
-    assert running.split()[1:3] == ["sleep", "running"]
+    assert running.split()[1:4] == ["sleep", "running", "lab"]
     assert running.split()[-1].endswith("+") and float(running.split()[-1][:-1]) >= 0.3
     [done] = [line for line in lines if quick[0] in line]
     assert done.split()[1:3] == ["pow", "success"] and float(done.split()[-1]) >= 0
@@ -297,6 +298,23 @@ def test_tasks_list_names_functions_times_running_tasks_and_says_when_cut(
     assert code == 0 and len(out.splitlines()) == 3  # the header and two tasks
     assert "showing the newest 2 tasks" in err and "--limit" in err
     assert alice.get_result(slow, timeout=30) is None
+
+
+def test_tasks_show_gives_a_failed_tasks_exception_and_traceback(
+    service: Service, alice: Any, lab: Any
+) -> None:
+    token = service.token("alice")
+    failed = alice.run(int, "not a number", endpoint="lab")
+    with pytest.raises(ValueError):
+        alice.get_result(failed, timeout=30)
+    code, out, err = _run_as(service, token, "tasks", "show", failed)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["state"] == "failed"
+    assert shown["error"]["type"] == "ValueError"
+    assert "invalid literal for int()" in shown["error"]["message"]
+    assert shown["error"]["traceback"].startswith("Traceback (most recent call last)")
+    assert "not a number" in shown["error"]["traceback"]
 
 
 def test_tasks_list_into_a_closed_pipe_ends_quietly(service: Service, alice: Any, lab: Any) -> None:
@@ -320,7 +338,9 @@ def test_tasks_list_into_a_closed_pipe_ends_quietly(service: Service, alice: Any
         timeout=60,
         check=False,
     )
-    assert piped.stdout.split() == ["TASK", "FUNCTION", "STATE", "SUBMITTED", "RUN", "(s)"]
+    assert piped.stdout.split() == [
+        "TASK", "FUNCTION", "STATE", "ENDPOINT", "SUBMITTED", "RUN", "(s)"
+    ]  # fmt: skip
     assert "Traceback" not in piped.stderr
 
 
@@ -341,3 +361,64 @@ def test_registry_refuses_user_names_an_endpoint_could_not_have(
     with pytest.raises(ValueError, match="is not a user name: 1-200 letters, digits"):
         service.token(name)
     assert name not in _cli(service, "service", "token", "list").stdout.split()
+
+
+def _cli(service: Service, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", CLI, *args],
+        env=service.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_endpoint_provider_checked_at_configure_and_a_dying_agent_said_at_start(
+    service: Service,
+) -> None:
+    token = nimbus(service, "service", "token", "create", "pavel").strip()
+    nimbus(service, "login", "--service", service.url, "--token", token)
+    refused = _cli(service, "endpoint", "configure", "lab2", "--provider", "nope")
+    assert refused.returncode == 2
+    assert "--provider: unknown provider 'nope'; known providers: local, slurm" in refused.stderr
+    assert "lab2" not in nimbus(service, "endpoint", "list")  # nothing written
+    # an endpoint file edited by hand (or by an older nimbus) that its agent cannot run
+    nimbus(service, "endpoint", "configure", "lab2", "--workers", "1")
+    toml = Path(service.env["XDG_CONFIG_HOME"]) / "nimbus" / "endpoints" / "lab2" / "endpoint.toml"
+    text = toml.read_text()
+    assert 'provider = "local"' in text
+    toml.write_text(text.replace('provider = "local"', 'provider = "nope"'))
+    start = _cli(service, "endpoint", "start", "lab2")
+    if start.returncode == 0:
+        _cli(service, "endpoint", "stop", "lab2")
+    assert start.returncode == 1, start.stdout + start.stderr
+    assert "started" not in start.stdout
+    assert "its agent exited at start" in start.stderr and "'nope'" in start.stderr
+    assert "stopped" in nimbus(service, "endpoint", "list")
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """`nimbus service start` and `nimbus dashboard` on a busy port: a usage error."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = service_env(tmp_path)
+        for command in (["service", "start"], ["dashboard", "--user", "dana"]):
+            proc = subprocess.run(
+                [sys.executable, "-c", CLI, *command, "--port", str(port)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            assert proc.returncode == 2, proc.stderr
+            assert proc.stderr == (
+                f"nimbus {command[0]}{' start' if command[0] == 'service' else ''}: port {port} "
+                "is in use (a service already runs there?): choose another with --port\n"
+            )
+            assert proc.stdout == ""  # no token made for the dashboard either

@@ -49,3 +49,32 @@ class Future(cf.Future[Any]):
         self.record.state = TaskState.CANCELLED
         self._invoke_callbacks()  # type: ignore[attr-defined]
         return True
+
+    def cancel_unstarted(self) -> bool:
+        """Cancel the task unless a worker has said it runs it (``shutdown(cancel_futures=True)``).
+
+        As the stdlib: the running one finishes and its future resolves. A task a
+        worker holds queued is skipped there; one that started in the instant
+        between is left to finish (its worker is never killed for it).
+        """
+        task = self._task
+        if task is not None and task.started:
+            return False
+        with self._condition:
+            if self._state == FINISHED:
+                return False
+            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED):
+                return True
+            queued = self._state == RUNNING  # in a worker's window, not started
+            self._state = CANCELLED_AND_NOTIFIED
+            for waiter in self._waiters:
+                waiter.add_cancelled(self)
+            self._condition.notify_all()
+        if task is not None:
+            task.skip_only = True
+            task.cancelled = True
+            if queued and self._stop is not None:
+                self._stop(task)
+        self.record.state = TaskState.CANCELLED
+        self._invoke_callbacks()  # type: ignore[attr-defined]
+        return True

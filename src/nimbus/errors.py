@@ -375,7 +375,10 @@ _make_lock = threading.Lock()
 
 def _make_worker_lost() -> None:
     global WorkerLost, RuntimeClosed
-    from concurrent.futures.process import BrokenProcessPool
+    try:
+        from concurrent.futures.process import BrokenProcessPool
+    except RuntimeError:  # first needed as the interpreter exits (a second Ctrl-C): its base
+        from concurrent.futures import BrokenExecutor as BrokenProcessPool  # type: ignore[assignment]
 
     class WorkerLost(NimbusError, BrokenProcessPool):
         """The worker running a task died (killed, ``os._exit``, segfault)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import itertools
+import sys
 import threading
 import time
 import uuid
@@ -76,6 +77,34 @@ def _check_environment(
     return env, environment_tag(env)
 
 
+def _check_workers(count: int, given: str) -> None:
+    """Refuse more workers than this node can start (they all start at once)."""
+    from nimbus.runtime._limits import max_workers
+
+    limit, why = max_workers()
+    if count > limit:
+        raise ConfigError(
+            f"{given}={count} is more workers than this node can start: at most {limit} "
+            f"({why}); every worker starts at once, so choose a smaller {given}"
+        )
+
+
+def _check_preload(names: Sequence[str]) -> None:
+    """A module to preload that is nowhere on this Python's path: refused now, by name."""
+    import importlib.util
+
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # its package is missing, or the name is not one
+            found = False
+        if not found:
+            raise ConfigError(
+                f"preload names module {name!r}, which this Python cannot find; "
+                "check its spelling, or install it where the workers run"
+            )
+
+
 def _check_timeout(timeout: float | None, what: str) -> float | None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
         raise TypeError(f"{what} must be a number of seconds or None, not {timeout!r}")
@@ -85,7 +114,9 @@ def _check_timeout(timeout: float | None, what: str) -> float | None:
 class Executor(cf.Executor):
     """Run callables on warm worker processes.
 
-    ``max_workers`` defaults to ``Settings.workers`` (the number of cores).
+    ``max_workers`` defaults to ``Settings.workers`` (the number of cores); more than
+    the node can start (``nimbus.runtime._limits``: memory, RLIMIT_NPROC, RLIMIT_NOFILE)
+    is refused with a ``ConfigError``, as every worker starts at once.
     ``task_timeout`` (seconds) stops any task that runs longer: its worker
     is killed and replaced and its future raises
     :class:`~nimbus.errors.TaskTimeoutError`. ``settings`` defaults to
@@ -93,12 +124,15 @@ class Executor(cf.Executor):
     called, on the runtime's thread, with what task code sends with
     ``nimbus.runtime.worker.notify`` (progress, events). ``preload`` names
     modules every worker imports when it starts, before it takes a task (as
-    ``multiprocessing.set_forkserver_preload``; one that fails to import is
-    skipped and imported again by the task that needs it). ``endpoint``
+    ``multiprocessing.set_forkserver_preload``; one this Python cannot find is
+    refused with a ``ConfigError``, one that fails to import is skipped and
+    imported again by the task that needs it). ``endpoint``
     (default ``Settings.endpoint``, ``NIMBUS_ENDPOINT``) runs the tasks on that
     remote endpoint through the nimbus service (the ``service`` backend) instead.
     An executor not shut down is shut down at interpreter exit, as the stdlib's
-    are, unless ``shutdown_at_exit=False``: then its owner does (after work of
+    are (after a Ctrl-C its queued tasks are cancelled and only the running ones
+    waited for; a second Ctrl-C stops its workers before the process exits),
+    unless ``shutdown_at_exit=False``: then its owner does (after work of
     its own that still needs it, as ``nimbus.multiprocessing`` joins its processes).
     ``environment`` (a :class:`~nimbus.Environment`; default
     ``Settings.environment``, ``NIMBUS_ENVIRONMENT``, else the workers' own
@@ -120,15 +154,25 @@ class Executor(cf.Executor):
         environment: Environment | None = None,
     ) -> None:
         self.settings = settings if settings is not None else Settings.load()
-        self._environment, self._env = _check_environment(
-            self.settings.environment if environment is None else environment
+        self._environment, self._env = (
+            _check_environment(self.settings.environment)
+            if environment is None
+            else _check_environment(environment, "environment")
         )
+        if endpoint is not None and not isinstance(endpoint, str):
+            raise TypeError(
+                f"endpoint must be an endpoint's name or id (a str), not {endpoint!r}; "
+                "see nimbus endpoint list"
+            )
+        given = "max_workers"
         if max_workers is None:
-            max_workers = self.settings.workers
+            max_workers, given = self.settings.workers, "NIMBUS_WORKERS"
         if isinstance(max_workers, bool) or not isinstance(max_workers, int):
             raise TypeError(f"max_workers must be an int, not {max_workers!r}")
         if max_workers <= 0:
             raise ValueError("max_workers must be greater than 0")
+        if backend in (None, "local") and not (endpoint or self.settings.endpoint):
+            _check_workers(max_workers, given)
         if task_timeout is None:
             task_timeout = self.settings.task_timeout
         self._timeout = _check_timeout(task_timeout, "task_timeout")
@@ -137,6 +181,8 @@ class Executor(cf.Executor):
         if backend is None:
             endpoint = endpoint or self.settings.endpoint
             backend = "service" if endpoint else "local"
+            if backend == "local":  # (an endpoint's workers may have modules this has not;
+                _check_preload(preload)  # nimbus.multiprocessing's, stdlib-like, are skipped)
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; known: {', '.join(sorted(BACKENDS))}")
         self._max_workers = max_workers
@@ -323,9 +369,14 @@ class Executor(cf.Executor):
         """Stop taking tasks; with ``cancel_futures`` drop those not yet running."""
         with self._lock:
             self._shutdown = True
-        if cancel_futures:
+        if cancel_futures:  # as the stdlib: those not running are cancelled, the others finish
+            # a local runtime knows which tasks a worker has started; of other backends,
+            # those sent on (RUNNING) are left to finish
+            known = getattr(self._backend, "tells_started", False)
             for future in list(self._futures.values()):
-                if not future.running():
+                if known:
+                    future.cancel_unstarted()
+                elif not future.running():
                     future.cancel()
         data.close_sources(self)
         if self._endpoint is not None:
@@ -531,6 +582,18 @@ def _map(
 
 @atexit.register
 def _shutdown_live() -> None:
-    """Finish the work of executors the program never shut down, as the stdlib does."""
-    for executor in list(_live):
-        executor.shutdown(wait=True)
+    """Finish the work of executors the program never shut down, as the stdlib does.
+
+    After a Ctrl-C (the program ended on ``KeyboardInterrupt``) the queued tasks are
+    cancelled and only the running ones are waited for; a second Ctrl-C while they
+    run stops the workers (killed, waited for) before the process exits.
+    """
+    interrupted = getattr(sys, "last_type", None) is KeyboardInterrupt
+    try:
+        for executor in list(_live):
+            executor.shutdown(wait=True, cancel_futures=interrupted)
+    except KeyboardInterrupt:
+        for executor in list(_live):
+            executor._backend.shutdown(wait=True, kill=True)
+            _live.discard(executor)
+        raise

@@ -262,9 +262,54 @@ def dumps_function(fn: Callable[..., object], *, by_value: bool = False) -> byte
             data = cloudpickle.dumps(fn, protocol=PROTOCOL)
         return data
     except Exception as exc:
-        raise SerializationError(
-            f"cannot pickle the function {describe(fn)}: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise SerializationError(_function_refusal(fn, exc)) from exc
+
+
+_TYPE_NAMES = {"_thread.lock": "threading.Lock", "_thread.RLock": "threading.RLock"}
+
+
+def _function_name(fn: object) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if not isinstance(name, str):
+        return describe(fn)
+    module = getattr(fn, "__module__", None)
+    return f"{name} (module {module})" if module else name
+
+
+def _function_refusal(fn: object, exc: Exception) -> str:
+    """Why ``fn`` cannot be pickled: the global, closure variable or default it carries
+    that cannot be (best effort), else the error itself."""
+    import cloudpickle
+
+    what = f"cannot pickle the function {_function_name(fn)}"
+    cause = f"{type(exc).__name__}: {exc}"
+    code = getattr(fn, "__code__", None)
+    names: list[tuple[str, str, object]] = []
+    if code is not None:
+        namespace = getattr(fn, "__globals__", {})
+        names += [("global", n, namespace[n]) for n in code.co_names if n in namespace]
+        for n, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False):
+            try:
+                names.append(("variable of its closure", n, cell.cell_contents))
+            except ValueError:  # an empty cell
+                pass
+        for value in getattr(fn, "__defaults__", None) or ():
+            names.append(("default", describe(value, 40), value))
+    for kind, name, value in names:
+        if isinstance(value, types.FunctionType | types.ModuleType):
+            continue  # functions and modules: looked at through their own pickling
+        try:
+            cloudpickle.dumps(value, protocol=PROTOCOL)
+        except Exception as inner:
+            held = type(value)
+            typename = f"{held.__module__}.{held.__qualname__}"
+            typename = _TYPE_NAMES.get(typename, typename)
+            return (
+                f"{what}: it refers to {kind} {name!r}, a {typename}, which cannot be pickled "
+                f"({type(inner).__name__}: {inner}); create it in the task, or pass what "
+                "the task needs as an argument"
+            )
+    return f"{what}: {cause}"
 
 
 _lock = threading.Lock()

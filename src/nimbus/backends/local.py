@@ -23,6 +23,8 @@ class LocalBackend:
     they need: a multiprocessing program's root), not new interpreters.
     """
 
+    tells_started = True  # task.started: its worker said it runs it (shutdown(cancel_futures))
+
     def __init__(
         self,
         *,

@@ -524,7 +524,8 @@ class ServiceBackend:
             task.status, task.data = Status.ERROR, serialization.dumps_exception(error, "")
             lost.append(task)
         if lost:
-            log.warning("%d tasks were lost by the service at %s", len(lost), url)
+            were = "task was" if len(lost) == 1 else "tasks were"
+            log.warning("%d %s lost by the service at %s", len(lost), were, url)
         self._deliver(lost)
 
     def _results(self, rows: list[ResultRow | Malformed]) -> None:

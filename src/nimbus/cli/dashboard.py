@@ -54,11 +54,14 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nimbus.cli.service import port_in_use, serve_on
     from nimbus.service.registry import Registry, check_user_name
     from nimbus.service.server import serve
 
     settings = Settings.load()
     settings.configure_logging()
+    if port_in_use("127.0.0.1", args.port):  # before its token is made
+        return serve_on("dashboard", "127.0.0.1", args.port, lambda: None)
     try:
         user = check_user_name(args.user or getpass.getuser())
     except ValueError as exc:
@@ -78,5 +81,9 @@ def run(args: argparse.Namespace) -> int:
     )
     persist = not settings.redis_url  # your own Redis keeps its data as you configured it
     url_file = args.url_file
-    serve(settings, "127.0.0.1", args.port, url_file, persist=persist)
-    return 0
+    return serve_on(
+        "dashboard",
+        "127.0.0.1",
+        args.port,
+        lambda: serve(settings, "127.0.0.1", args.port, url_file, persist=persist),
+    )

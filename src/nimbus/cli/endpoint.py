@@ -7,6 +7,7 @@ A ``setup``/``run`` pair registered in ``nimbus.cli.COMMANDS``; the daemon itsel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,6 +20,8 @@ from nimbus.endpoint.config import EndpointConfig, endpoint_dir, endpoint_names
 from nimbus.errors import ConfigError
 
 __all__ = ["run", "setup"]
+
+START_WAIT = 60.0  # seconds `endpoint start` waits at most for its agent to come up or die
 
 
 def setup(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +105,10 @@ def _provider_arguments(parser: argparse.ArgumentParser) -> None:
     for key, (kind, text) in _PROVIDER_OPTIONS.items():
         flag = "--" + key.replace("_", "-")
         parser.add_argument(
-            flag, type=kind, dest=key, help=f"{text} (default: NIMBUS_{key.upper()})"
+            flag,
+            type=_provider if key == "provider" else kind,
+            dest=key,
+            help=f"{text} (default: NIMBUS_{key.upper()})",
         )
     parser.add_argument("--exclusive", action="store_true", default=None, help="whole nodes")
     parser.add_argument(
@@ -111,6 +117,17 @@ def _provider_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR[:DIR...]",
         help="directories tasks' nimbus.File may read and write here (NIMBUS_DATA_EXPORTS)",
     )
+
+
+def _provider(text: str) -> str:
+    """--provider: a provider nimbus knows (``nimbus.providers.PROVIDERS``), checked now."""
+    from nimbus.providers import PROVIDERS
+
+    if text not in PROVIDERS:
+        raise argparse.ArgumentTypeError(
+            f"unknown provider {text!r}; known providers: {', '.join(sorted(PROVIDERS))}"
+        )
+    return text
 
 
 # -- each worker's limits (issue 19): units checked as the settings check them
@@ -272,6 +289,7 @@ def start(config: EndpointConfig) -> int:
         return 0
     config.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(config.log_file, "ab") as log:
+        logged = log.tell()  # what this start writes comes after
         proc = subprocess.Popen(
             [sys.executable, "-m", "nimbus.endpoint.daemon", config.name],
             env={**os.environ, **config.worker_environment()},  # its workers' limits
@@ -280,13 +298,44 @@ def start(config: EndpointConfig) -> int:
             stderr=log,
             start_new_session=True,
         )
-    config.pid_file.write_text(f"{proc.pid}\n")
-    time.sleep(0.5)
-    if proc.poll() is not None:
-        print(f"endpoint {config.name} exited at start; see {config.log_file}", file=sys.stderr)
+    # up: the daemon writes its pid file once it is made (its provider, its settings
+    # checked); one that cannot start dies first
+    with contextlib.suppress(OSError):
+        config.pid_file.unlink()
+    deadline = time.monotonic() + START_WAIT
+    while proc.poll() is None and time.monotonic() < deadline and not _wrote(config, proc.pid):
+        time.sleep(0.05)
+    if proc.returncode is None:
+        config.pid_file.write_text(f"{proc.pid}\n")
+    else:
+        with contextlib.suppress(OSError):
+            config.pid_file.unlink()
+        print(
+            f"endpoint {config.name}: its agent exited at start (status {proc.returncode}): "
+            f"{_cause(config.log_file, logged)}\n(the whole log: {config.log_file})",
+            file=sys.stderr,
+        )
         return 1
     print(f"endpoint {config.name} started (pid {proc.pid}, log {config.log_file})")
     return 0
+
+
+def _wrote(config: EndpointConfig, pid: int) -> bool:
+    try:
+        return config.pid_file.read_text().strip() == str(pid)
+    except OSError:
+        return False
+
+
+def _cause(log_file: Any, offset: int) -> str:
+    """The cause an agent that died gave, in what it logged from ``offset``: its last line."""
+    try:
+        with open(log_file, "rb") as log:
+            log.seek(offset)
+            lines = log.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        lines = []
+    return lines[-1] if lines else "it logged nothing"
 
 
 def stop(config: EndpointConfig) -> int:

@@ -119,8 +119,14 @@ def service_run(args: argparse.Namespace) -> int:
             )
             return 2
         tls = None if args.tls_cert is None else (args.tls_cert, args.tls_key)
-        serve(settings, args.host, args.port, args.url_file, persist=args.persist, tls=tls)
-        return 0
+        return serve_on(
+            "service start",
+            args.host,
+            args.port,
+            lambda: serve(
+                settings, args.host, args.port, args.url_file, persist=args.persist, tls=tls
+            ),
+        )
     from nimbus.service.registry import Registry
 
     print(f"nimbus: {_which_registry(settings)}", file=sys.stderr)
@@ -191,6 +197,45 @@ def _user_name(text: str) -> str:
 
 
 _port = number(int, 0, 65535, "a port")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether ``host:port`` is taken: a bind test, as the server would bind it."""
+    import errno
+    import socket
+
+    if port == 0:
+        return False
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def serve_on(command: str, host: str, port: int, serve: Any) -> int:
+    """Run ``serve()`` on ``host:port``; a port in use is a usage error (exit 2, one line),
+    found before anything starts, or from the server's failure to bind (a race)."""
+    said = (
+        f"nimbus {command}: port {port} is in use (a service already runs there?): "
+        "choose another with --port"
+    )
+    if port_in_use(host, port):
+        print(said, file=sys.stderr)
+        return 2
+    try:
+        serve()
+    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
+        if exc.code not in (0, None) and port_in_use(host, port):
+            print(said, file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
 _limit = number(int, 1, MAX_LIMIT)
 
 
@@ -323,22 +368,30 @@ def tasks_run(args: argparse.Namespace) -> int:
 
     with Client() as client:
         if args.action == "show":
-            print(json.dumps(client.get_task(args.task_id), indent=2))
+            task = client.get_task(args.task_id)
+            if task["state"] == TaskState.FAILED.value:
+                task["error"] = _error_of(client, args.task_id)
+            print(json.dumps(task, indent=2))
             return 0
         status = TaskState.WAITING.value if args.status == "waiting" else args.status
         rows = client.list_tasks(status, limit=min(args.limit + 1, MAX_LIMIT))
         names = {} if args.json else _function_names(client)
+        places = {} if args.json else {e["endpoint_id"]: e["name"] for e in client.endpoints()}
     cut = len(rows) > args.limit
     rows = rows[: args.limit]
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(f"{'TASK':<36} {'FUNCTION':<24} {'STATE':<20} {'SUBMITTED':>10} {'RUN (s)':>9}")
+        print(
+            f"{'TASK':<36} {'FUNCTION':<24} {'STATE':<20} {'ENDPOINT':<16} "
+            f"{'SUBMITTED':>10} {'RUN (s)':>9}"
+        )
         now = time.time()
         for row in rows:
             function = names.get(row["function_id"]) or row["function_id"][:8]
+            place = places.get(row["endpoint_id"]) or (row["endpoint_id"] or "-")[:8]
             print(
-                f"{row['task_id']:<36} {function[:24]:<24} {row['state']:<20} "
+                f"{row['task_id']:<36} {function[:24]:<24} {row['state']:<20} {place[:16]:<16} "
                 f"{_ago(row['submitted']):>10} {_run_seconds(row, now):>9}"
             )
     if cut:
@@ -348,6 +401,22 @@ def tasks_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _error_of(client: Any, task_id: str) -> dict[str, str]:
+    """A failed task's exception (type and message) and traceback, as the dashboard's task
+    page shows them: the text inside its result, read without unpickling it."""
+    from nimbus.protocol import MSGPACK, unpack
+    from nimbus.service.dashboard._tasks import traceback_text
+
+    response = client.request(
+        "GET", f"/v1/tasks/{task_id}/result", params={"wait": 0}, headers={"Accept": MSGPACK}
+    )
+    result = unpack(response.content)["result"]
+    text = traceback_text(result) if isinstance(result, bytes) else ""
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    kind, _, message = last.partition(": ")
+    return {"type": kind, "message": message, "traceback": text}
 
 
 def _function_names(client: Any) -> dict[str, str]:

@@ -346,6 +346,7 @@ class Settings:
             if spec.env in env:
                 values[name] = _coerce(spec, env[spec.env], spec.env)
                 sources[name] = f"env {spec.env}"
+        _warn_misspelled(env)
 
         settings = cls(**values)  # type: ignore[arg-type]
         object.__setattr__(settings, "_sources", sources)
@@ -495,6 +496,7 @@ FIELDS: dict[str, Spec] = {
     f.name: Spec(ENV_PREFIX + f.name.upper(), *f.metadata[_SPEC])
     for f in dataclasses.fields(Settings)
 }
+_ENV_NAMES = frozenset(spec.env for spec in FIELDS.values())
 _base: dict[str, Any] = {}  # Settings.lookup's file values and defaults, read once
 
 
@@ -530,8 +532,52 @@ def _read_toml(file: Path) -> dict[str, object]:
     merged: dict[str, object] = {**data, **table}
     unknown = sorted(set(merged) - set(FIELDS))
     if unknown:
-        raise ConfigError(
-            f"config file {file}: unknown key(s) {', '.join(unknown)}; known keys: "
-            f"{', '.join(FIELDS)}"
+        guesses = {key: _close(key, FIELDS) for key in unknown}
+        named = ", ".join(
+            f"{key} (did you mean {guesses[key]!r}?)" if guesses[key] else key for key in unknown
         )
+        known = "" if all(guesses.values()) else f"; known keys: {', '.join(FIELDS)}"
+        raise ConfigError(f"config file {file}: unknown key(s) {named}{known}")
     return merged
+
+
+# NIMBUS_* variables that are no setting: hand-overs to the processes nimbus starts
+HANDED_OVER = frozenset(
+    {
+        "NIMBUS_MESSAGING_TOKEN",
+        "NIMBUS_AGENT_ADDRESS",
+        "NIMBUS_AGENT_SECRET",
+        "NIMBUS_BLOCK_ID",
+        "NIMBUS_NODE_PATH",
+        "NIMBUS_WORKER_ENVIRONMENT",
+        "NIMBUS_MODULES",
+        "NIMBUS_NODE",
+    }
+)
+_warned: set[str] = set()
+
+
+def _close(name: str, known: Any) -> str | None:
+    import difflib
+
+    found = difflib.get_close_matches(name, list(known), n=1, cutoff=0.8)
+    return found[0] if found else None
+
+
+def _warn_misspelled(env: Mapping[str, str]) -> None:
+    """Warn once for each NIMBUS_* variable that is no setting but is close to one (as
+    Dask warns of unknown config): a typo, which would be ignored."""
+    names = [k for k in env if k.startswith(ENV_PREFIX) and k not in _ENV_NAMES]
+    for name in names:
+        if name in _warned or name in HANDED_OVER or name == CONFIG_ENV:
+            continue
+        guess = _close(name, _ENV_NAMES)
+        if guess is not None:
+            import warnings
+
+            _warned.add(name)
+            warnings.warn(
+                f"{name} is no nimbus setting and is ignored: did you mean {guess}?",
+                UserWarning,
+                stacklevel=3,
+            )

@@ -209,8 +209,14 @@ class Manager(Workers, NodeOrders):
         self._closing = True
         self._kill = self._kill or kill
         self._wake()
-        if wait and self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+        if (
+            wait
+            and self._thread.ident is not None
+            and threading.current_thread() is not self._thread
+        ):
+            # not join(): on 3.11 a join interrupted by Ctrl-C marks the thread stopped
+            # (bpo-45274), and a second shutdown (kill) would not wait for its workers
+            self.stopped.wait()
 
     def statistics(self) -> dict[str, Any]:
         """What the node holds; ``environments``: per tag its ``slots``, ready ``workers``
@@ -550,7 +556,8 @@ class Manager(Workers, NodeOrders):
             for worker in self._workers:
                 if task in worker.inflight:
                     if worker.inflight[0] is task and task.started:
-                        self._kill_worker(worker, "cancel", task)
+                        if not task.skip_only:  # shutdown(cancel_futures): a running one runs on
+                            self._kill_worker(worker, "cancel", task)
                     else:
                         worker.channel.send(Kind.CANCEL, pack([task.seq]))
                         self._flush(worker)

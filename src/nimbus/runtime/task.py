@@ -52,6 +52,7 @@ class Task:
         "result_buffers",
         "route",
         "seq",
+        "skip_only",
         "started",
         "status",
         "suspect",
@@ -89,6 +90,7 @@ class Task:
         self.attempts = 0
         self.route: Any = None  # the manager the agent gave it to
         self.started = False  # its worker said it is running it
+        self.skip_only = False  # cancelled at shutdown: skipped if not started, never killed
         self.suspect = False  # it was with a worker that died, not known to be running
         self.status = -1
         self.data: Any = b""
