@@ -18,6 +18,11 @@
     pipeline   a 2-stage pipeline of 10,000 tasks on an endpoint (stage 1 makes 10 KB
                each, kept; stage 2 reads one and returns 8 bytes): the client's link
                carries only the final results
+    deps       tasks given futures on an endpoint: held by the service (sent at once,
+               released when their input ends) against held by the client (sent when
+               their input is done: ``dependencies`` off, the path of before), in the
+               same run, alternated: a 2-stage pipeline of 1,000 tiny tasks (submit to
+               last result) and a chain of 100 (seconds per link)
 
     python bench/dataflow.py                # everything
     python bench/dataflow.py --quick        # small sizes, a smoke run
@@ -339,6 +344,74 @@ def pipeline_rows(ex: Any, args: argparse.Namespace) -> list[list[str]]:
     ]
 
 
+# ---------------------------------------------------------------- deps
+
+
+def tiny(i: int) -> int:
+    return i
+
+
+def inc(i: int) -> int:
+    return i + 1
+
+
+def deps_pipeline(ex: Any, n: int) -> float:
+    kept = ex.options(keep=True)
+    start = time.perf_counter()
+    first = [kept.submit(tiny, i) for i in range(n)]
+    second = [ex.submit(inc, f) for f in first]
+    results = [f.result(timeout=600) for f in second]
+    seconds = time.perf_counter() - start
+    assert results[-1] == n
+    return seconds
+
+
+def deps_chain(ex: Any, links: int) -> float:
+    kept = ex.options(keep=True)
+    start = time.perf_counter()
+    f = kept.submit(tiny, 0)
+    for _ in range(links - 2):
+        f = kept.submit(inc, f)
+    last = ex.submit(inc, f)
+    assert last.result(timeout=600) == links - 1
+    return time.perf_counter() - start
+
+
+def deps_rows(ex: Any, args: argparse.Namespace) -> list[list[str]]:
+    n, links, reps = (200, 30, 1) if args.quick else (1000, 100, 3)
+    backend = ex._backend
+    times: dict[tuple[str, bool], list[float]] = {}
+    deps_pipeline(ex, 50)  # warm: functions registered, workers up
+    for _ in range(reps):
+        for service_side in (True, False):
+            backend.dependencies = service_side
+            times.setdefault(("pipeline", service_side), []).append(deps_pipeline(ex, n))
+            times.setdefault(("chain", service_side), []).append(deps_chain(ex, links))
+    backend.dependencies = True
+    med = {key: statistics.median(values) for key, values in times.items()}
+    RESULTS["deps"] = {f"{k}-{'service' if s else 'client'}": v for (k, s), v in times.items()}
+    pipe_new, pipe_old = med["pipeline", True], med["pipeline", False]
+    chain_new, chain_old = med["chain", True] / links, med["chain", False] / links
+    return [
+        [
+            f"2-stage pipeline, {n} + {n} tiny tasks, held by the service vs the client",
+            f"{pipe_new:.2f} s",
+            f"{pipe_old:.2f} s",
+            f"{pipe_old / pipe_new:.2f}x",
+            "faster",
+            "PASS" if pipe_new < pipe_old else "MISS",
+        ],
+        [
+            f"chain of {links} dependent tasks, per link, service vs client",
+            f"{chain_new * 1000:.1f} ms",
+            f"{chain_old * 1000:.1f} ms",
+            f"{chain_old / chain_new:.2f}x",
+            "faster",
+            "PASS" if chain_new < chain_old else "MISS",
+        ],
+    ]
+
+
 def sha_of(path: Any) -> str:
     import hashlib
 
@@ -495,7 +568,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     parser.add_argument(
-        "--only", action="append", choices=["big", "campaign", "pipeline", "file", "mapreduce"]
+        "--only",
+        action="append",
+        choices=["big", "campaign", "pipeline", "deps", "file", "mapreduce"],
     )
     parser.add_argument("--no-ray", action="store_true", help="nimbus only in the big row")
     parser.add_argument("--no-service", action="store_true", help="the local runtime only")
@@ -510,7 +585,7 @@ def main() -> int:
     )
     parser.add_argument("--mr-mb", type=int, default=256, help="MapReduce input, all workers")
     args = parser.parse_args()
-    only = set(args.only or ["big", "campaign", "pipeline", "file", "mapreduce"])
+    only = set(args.only or ["big", "campaign", "pipeline", "deps", "file", "mapreduce"])
     rows: list[list[str]] = []
     from nimbus import Executor
 
@@ -521,7 +596,7 @@ def main() -> int:
     if "campaign" in only:
         with Executor(2) as ex:
             rows += campaign_rows(ex, "local runtime", args)
-    if not args.no_service and only & {"campaign", "pipeline", "file"}:
+    if not args.no_service and only & {"campaign", "pipeline", "deps", "file"}:
         import service as stackmod  # bench/service.py: a service and an endpoint
 
         stack = stackmod.Stack(2)
@@ -557,6 +632,8 @@ def main() -> int:
                     rows += campaign_rows(ex, "endpoint via service", args)
                 if "pipeline" in only:
                     rows += pipeline_rows(ex, args)
+                if "deps" in only:
+                    rows += deps_rows(ex, args)
                 if "file" in only:
                     rows += file_rows(ex, exported, args, prefix)
         finally:

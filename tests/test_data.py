@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 import nimbus
-from nimbus import Client, Executor
+from nimbus import Client, Executor, serialization
 from nimbus.data import NodeStore, Ref, Scope, default_root, run, store
 from nimbus.data._node import data_base, hold, release, sweep_all
-from nimbus.errors import DataAccessError, DataError, ReferenceLost
+from nimbus.errors import DataAccessError, DataError, InputFailed, ReferenceLost, ServiceError
+from nimbus.protocol import MSGPACK, Batch, submit_row
 from service_support import EndpointProcess, Service
 
 MB = 1 << 20
@@ -479,3 +480,131 @@ def test_on_an_endpoint_the_store_is_the_owners_whichever_token(
         assert as_bob.submit(recall, "shared").result(timeout=60) == "missing"
         claimed = Scope(alices, "bob", lab.endpoint_id, False, 300.0)
         assert as_bob.submit(claim, claimed, "shared").result(timeout=60) == "missing"
+
+
+# ------------------------------------------- dependencies held by the service
+
+
+def slow(value: object, seconds: float) -> object:
+    time.sleep(seconds)
+    return value
+
+
+def fail_after(seconds: float) -> int:
+    time.sleep(seconds)
+    raise ValueError(f"no value after {seconds} s")
+
+
+def plus_one(x: int) -> int:
+    return x + 1
+
+
+def _accepted(ex: Executor, *futures: object, timeout: float = 30) -> None:
+    """Wait until the service accepted these tasks (they have its task ids)."""
+    backend = ex._backend
+    deadline = time.monotonic() + timeout
+    while not all(f.record.task_id in backend._by_id or f.done() for f in futures):  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "not accepted in time"
+        time.sleep(0.01)
+
+
+def test_a_task_given_a_future_is_held_by_the_service_and_runs_after_it(
+    remote: Executor, alice: Client
+) -> None:
+    first = remote.options(keep=True).submit(slow, [1, 2, 3], 2.0)
+    second = remote.submit(sum, first)
+    _accepted(remote, second)
+    assert not first.done()  # sent while its input runs: not held by the client
+    assert alice.get_task(second.record.task_id)["state"] == "waiting-for-endpoint"
+    assert second.result(timeout=60) == 6
+    assert second.record.started >= first.record.ended - 0.05  # after it, not beside it
+    chain = remote.options(keep=True).submit(slow, 0, 0.5)
+    for _ in range(5):  # a chain, sent whole while its first link runs
+        chain = remote.options(keep=True).submit(plus_one, chain)
+    last = remote.submit(plus_one, chain)
+    _accepted(remote, last)
+    assert not chain.done()
+    assert last.result(timeout=60) == 6
+    assert chain.result(timeout=60) == 5  # a kept input's value is still there
+
+
+def test_a_failed_or_cancelled_input_fails_its_dependents_naming_it(remote: Executor) -> None:
+    first = remote.options(keep=True).submit(fail_after, 1.0)
+    second = remote.options(keep=True).submit(plus_one, first)
+    third = remote.submit(plus_one, second)  # the failure goes down the chain
+    _accepted(remote, first, second, third)
+    with pytest.raises(InputFailed, match=f"its input, task {first.record.task_id}, failed"):
+        second.result(timeout=60)
+    with pytest.raises(InputFailed, match=f"its input, task {second.record.task_id}, failed"):
+        third.result(timeout=60)
+    assert second.exception().input_id == first.record.task_id  # type: ignore[union-attr]
+    assert isinstance(first.exception(), ValueError)
+    late = remote.submit(plus_one, first)  # an input that failed before: the same
+    with pytest.raises(InputFailed, match=first.record.task_id) as caught:
+        late.result(timeout=60)
+    assert isinstance(caught.value.__cause__, ValueError)
+
+    running = remote.options(keep=True).submit(slow, 1, 60.0)
+    waiting = remote.submit(plus_one, running)
+    _accepted(remote, running, waiting)
+    assert running.cancel()
+    with pytest.raises(InputFailed, match=f"task {running.record.task_id}, was cancelled"):
+        waiting.result(timeout=60)
+
+
+CHAIN = """
+import os, sys, time
+from nimbus import Executor
+
+def inc(x):
+    return x + 1
+
+ex = Executor(endpoint="lab")
+kept = ex.options(keep=True)
+f = kept.submit(time.sleep, 1.0)
+f = kept.submit(lambda _: 0, f)
+for _ in range(8):
+    f = kept.submit(inc, f)
+last = ex.submit(inc, f)
+backend = ex._backend
+while backend._unsent or backend._blocked:  # every task accepted by the service
+    time.sleep(0.01)
+print(last.record.task_id, flush=True)
+os._exit(0)  # no shutdown, no result waited for
+"""
+
+
+def test_a_chain_completes_after_its_client_exits(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    settings = service.user_settings(alice.token)
+    env = os.environ | service.env | {"NIMBUS_SERVICE_URL": settings.service_url}
+    env |= {"NIMBUS_TOKEN": alice.token, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", CHAIN], capture_output=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    task_id = done.stdout.decode().split()[-1]
+    assert alice.get_result(task_id, timeout=60) == 9  # by its task id, as any task's
+
+
+def test_a_dependency_on_another_owners_task_is_refused(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    [theirs] = alice.batch_run(plus_one, [(1,)], endpoint="lab")
+    bob_token = service.token("bob")
+    alice.share_endpoint(lab.endpoint_id, ["bob"])
+    with service.client(bob_token) as bob:
+        function_id = bob.register_function(plus_one)
+        data, buffers = serialization.dumps(((1,), {}))
+        payload = bob.payload(data, buffers)
+        for after, status, why in (
+            ([theirs], 403, f"task {theirs} is not yours"),
+            (["0" * 32], 404, "is not known"),
+            ([0], 422, "not the place of an earlier task"),
+        ):
+            row = submit_row(function_id, payload, None, None, after)
+            body = Batch(lab.endpoint_id, [row]).encode()
+            with pytest.raises(ServiceError, match=why) as caught:
+                bob.request(
+                    "POST", "/v1/tasks/batch", content=body, headers={"Content-Type": MSGPACK}
+                )
+            assert caught.value.status == status

@@ -369,3 +369,32 @@ def test_ws_url_is_the_one_way_to_the_service_socket() -> None:
         if '"ws://"' in path.read_text() and path.name not in ("wsclient.py", Path(__file__).name)
     ]
     assert not by_hand, f"build the WebSocket URL with protocol.wsclient.ws_url: {by_hand}"
+
+
+def test_environment_orders_round_trip_and_refuse_wrong_fields() -> None:
+    from nimbus.protocol import ORDERS, Order, Ordered
+
+    spec = {"name": "geo", "requirements": ["six"], "wheelhouse": None, "image": None}
+    kinds: dict[str, type[Message]] = {"order": Order, "ordered": Ordered, "hello": Hello}
+    for msg in (
+        Order("r1", "build", "geo", spec),
+        Order("r2", "remove", "geo"),
+        Ordered("r1", 0, "", ["n1", "n2"]),
+        Ordered("r2", 409, "busy"),
+        Hello("3.12", "s", 4, 1024, [], (ORDERS,)),
+    ):
+        assert decode_message(unpack(msg.encode()), kinds) == msg
+    beat = Beat(1.0, None, None, [{"ref": "r1", "node": "n1", "state": "built", "seconds": 1.5}])
+    assert Beat.decode(unpack(beat.encode())) == beat
+    for fields, field in (
+        ({"ref": "r", "action": "delete", "name": "geo"}, "order.action"),
+        ({"ref": 5, "action": "remove", "name": "geo"}, "order.ref"),
+        ({"ref": "r", "action": "build", "name": "geo"}, "order.environment"),
+        ({"ref": "r", "action": "build", "name": "g", "environment": {"name": 5}}, "order.environment.name"),
+    ):  # fmt: skip
+        with pytest.raises(ProtocolError, match=field.replace(".", r"\.")):
+            Order.decode({"op": "order", **fields})
+    with pytest.raises(ProtocolError, match=r"ordered\.status"):
+        Ordered.decode({"op": "ordered", "ref": "r", "status": "ok"})
+    with pytest.raises(ProtocolError, match=r"beat\.orders"):
+        Beat.decode({"op": "beat", "t": 1.0, "orders": "built"})

@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,8 +18,10 @@ from nimbus import Executor
 from nimbus.backends import BACKENDS
 from nimbus.backends.provided import ProvidedBackend
 from nimbus.config import Settings
+from nimbus.data import NodeStore, default_root
+from nimbus.data._node import HOLDERS, SWEEP_EVERY
 from nimbus.runtime.agent import Agent
-from nimbus.runtime.node import NodeManager
+from nimbus.runtime.node import ADDRESS_ENV, MAIN, SECRET_ENV, NodeManager
 
 
 def where(seconds: float) -> tuple[int, int]:
@@ -130,3 +135,62 @@ def test_parallelism_sizes_the_blocks_to_the_work(provided: Settings) -> None:
         assert isinstance(backend, ProvidedBackend)
         assert backend.scaler.submitted == 4
     assert len(results) == 8
+
+
+def test_a_block_manager_holds_and_sweeps_its_nodes_data(tmp_path: Path) -> None:
+    """A block's manager, as the agent on its node: holds the runtime's data directory
+    while it runs and sweeps what a killed runtime left, at its start (not only when
+    the agent's next sweep, 10 s on, comes)."""
+    agent = Agent(on_results=lambda tasks: None)  # sweeps this node now, then in 10 s
+    address = agent.listen("block secret", host="127.0.0.1")
+    time.sleep(0.5)  # (its first sweep is done)
+    root = default_root(tmp_path / "killed")  # a runtime killed on the block's node
+    node = NodeStore("u-m", root)
+    node.write("f" * 32, b"x" * 1000, time.time() + 60)
+    past = time.time() - 1
+    os.utime(node.path("f" * 32), (past, past))  # its lease ran out since
+    started = time.monotonic()
+    env = dict(os.environ, **{SECRET_ENV: "block secret", ADDRESS_ENV: address})
+    manager = subprocess.Popen([sys.executable, "-c", MAIN, "--workers", "1"], env=env)
+    try:
+        while root.exists() and time.monotonic() - started < SWEEP_EVERY:
+            time.sleep(0.05)
+        assert not root.exists()
+        assert time.monotonic() - started < SWEEP_EVERY - 1  # the manager's sweep
+        holders = default_root() / HOLDERS
+        deadline = time.monotonic() + 30
+        while not any(m.name.startswith(f"{manager.pid}-") for m in holders.iterdir()):
+            assert time.monotonic() < deadline, "the manager does not hold the node's data"
+            time.sleep(0.05)
+    finally:
+        agent.shutdown()
+        manager.wait(30)
+    assert not any(m.name.startswith(f"{manager.pid}-") for m in holders.iterdir())
+
+
+def test_a_node_too_old_for_orders_fails_them_at_once_saying_why() -> None:
+    """A manager whose JOIN says nothing of orders (an older nimbus on the node) is sent
+    none: its order fails at once, naming the upgrade, instead of never ending."""
+    import socket
+
+    from nimbus.runtime.remote import RemoteManager
+    from nimbus.wire import Channel
+
+    mine, theirs = socket.socketpair()
+    manager = RemoteManager(
+        Channel(mine),
+        {"workers": 2, "node": "n9"},
+        prefetch=2,
+        on_results=lambda tasks: None,
+        on_lost=lambda m, tasks, why: None,
+    )
+    try:
+        manager.order("r1", "remove", "geo")
+        said = manager.orders["r1"]
+        assert said["state"] == "failed" and "nimbus manager on n9 is older" in said["message"]
+        theirs.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing was sent to it
+            theirs.recv(1)
+    finally:
+        mine.close()
+        theirs.close()

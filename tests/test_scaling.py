@@ -449,3 +449,21 @@ def test_blocks_pending_in_the_queue_are_capacity_not_lost(settings: Settings) -
         assert sorted(b["state"] for b in blocks) == ["pending"] + ["running"] * 4
         assert backend.scaler.submitted == 5 and backend.scaler.cancelled == 0
         assert not backend.agent.lost and backend.scaler.error == ""
+
+
+def holders_here() -> tuple[int, list[str]]:
+    """The pid of this worker's manager and who holds this runtime's data on this node."""
+    from nimbus.data import default_root
+    from nimbus.data._node import HOLDERS
+
+    return os.getppid(), [mark.name for mark in (default_root() / HOLDERS).iterdir()]
+
+
+def test_a_slurm_blocks_manager_holds_and_sweeps_its_nodes_data(settings: Settings) -> None:
+    """Its manager holds the runtime's data directory on its node while it runs (and so
+    sweeps the node's expired objects and unused file copies, as the agent does on its
+    own: ``nimbus.data.Sweeper``); the mark goes with the block."""
+    with Executor(settings=settings) as ex:
+        manager, holders = ex.submit(holders_here).result(timeout=60)
+        assert any(mark.startswith(f"{manager}-") for mark in holders), (manager, holders)
+        assert manager != os.getpid()  # a block's manager, not this agent

@@ -590,3 +590,262 @@ def test_a_beat_carries_environments_and_refuses_wrong_ones() -> None:
     for wrong in ("warm", [["geo"]], [{"name": ["geo"]}]):
         with pytest.raises(ProtocolError, match=r"beat\.environments"):
             Beat.decode({"op": "beat", "t": 1.5, "environments": wrong})
+
+
+# ---------------------------------------------------------------- build|remove --endpoint
+
+
+def _wheel(where: Path, name: str = "orderpkg", version: str = "1.0") -> str:
+    """A pure-Python wheel made here (no package index): ``import orderpkg`` says its version."""
+    import zipfile
+
+    files = {
+        f"{name}/__init__.py": f"VERSION = {version!r}\n",
+        f"{name}-{version}.dist-info/METADATA": (
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        ),
+        f"{name}-{version}.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
+    record.append(f"{name}-{version}.dist-info/RECORD,,")
+    files[f"{name}-{version}.dist-info/RECORD"] = "\n".join(record) + "\n"
+    where.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(where / f"{name}-{version}-py3-none-any.whl", "w") as whl:
+        for path, text in files.items():
+            whl.writestr(path, text)
+    return str(where)
+
+
+def _env_cli(
+    service: Service, token: str, *args: str, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    env = service.env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token}
+    return subprocess.run(
+        [sys.executable, "-c", CLI, "environments", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def orderpkg_version(x: int) -> tuple[int, str, str]:
+    import os
+
+    import orderpkg  # type: ignore[import-not-found]
+
+    return x, orderpkg.VERSION, os.environ.get("NIMBUS_WORKER_ENVIRONMENT", "")
+
+
+def slow_in_env(seconds: float) -> str:
+    import os
+    import time
+
+    time.sleep(seconds)
+    return os.environ.get("NIMBUS_WORKER_ENVIRONMENT", "")
+
+
+@pytest.fixture(scope="module")
+def shop(service: Service, alice: Client) -> Iterator[EndpointProcess]:
+    endpoint = EndpointProcess(service, alice, "shop").start(alice)
+    yield endpoint
+    endpoint.stop()
+
+
+def test_build_endpoint_builds_on_its_node_before_any_task_and_remove_removes_it(
+    service: Service, alice: Client, shop: EndpointProcess, tmp_path: Path
+) -> None:
+    wheels = _wheel(tmp_path / "wheels")
+    spec = ["-r", "orderpkg==1.0", "--wheelhouse", wheels]
+    out = _env_cli(service, alice.token, "build", "ordered", *spec, "--endpoint", "shop")
+    assert out.returncode == 0, out.stdout + out.stderr
+    node = socket.gethostname()
+    env = Environment("ordered", requirements=["orderpkg==1.0"], wheelhouse=wheels)
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"building ordered (key {env.key}) on 1 node of endpoint shop: {node}"
+    assert lines[1].startswith(f"{node}: built in "), out.stdout
+    # built there, as the endpoint reports it, before any task
+    rows = _rows_until(
+        alice, "shop", lambda rs: any(r["key"] == env.key and r["state"] == "built" for r in rs), 20
+    )
+    assert [r["node"] for r in rows if r["key"] == env.key] == [node]
+    # the first task starts in it with no build in its path
+    (task_id,) = alice.batch_run(orderpkg_version, [(1,)], endpoint="shop", environment=env)
+    assert alice.get_result(task_id, timeout=60) == (1, "1.0", "ordered")
+    assert _record(alice, task_id)["build_seconds"] == 0.0
+    # again: nothing to build
+    again = _env_cli(service, alice.token, "build", "ordered", *spec, "--endpoint", "shop")
+    assert again.returncode == 0 and f"{node}: built (already)" in again.stdout, again.stdout
+    # busy: a task of it runs, so nothing is removed
+    (slow,) = alice.batch_run(slow_in_env, [(4.0,)], endpoint="shop", environment=env)
+    deadline = time.monotonic() + 30
+    while alice.get_task(slow)["state"] != "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    busy = _env_cli(service, alice.token, "remove", "ordered", "--endpoint", "shop")
+    assert busy.returncode == 2, busy.stdout + busy.stderr
+    assert "is busy on endpoint 'shop'" in busy.stderr and "nothing was removed" in busy.stderr
+    assert alice.get_result(slow, timeout=60) == "ordered"
+    # idle now: removed from its node, and its workers with it
+    gone = _env_cli(service, alice.token, "remove", "ordered", "--endpoint", "shop")
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+    assert gone.stdout.splitlines()[1] == f"{node}: removed", gone.stdout
+    _rows_until(alice, "shop", lambda rs: all(r["key"] != env.key for r in rs), 20)
+    assert not (Path(service.env["NIMBUS_ENVIRONMENTS_DIR"]) / env.key).exists()
+    # a task of it afterwards builds it again, as at any first use
+    (task_id,) = alice.batch_run(orderpkg_version, [(2,)], endpoint="shop", environment=env)
+    assert alice.get_result(task_id, timeout=60) == (2, "1.0", "ordered")
+    assert _record(alice, task_id)["build_seconds"] > 0
+
+
+def test_build_endpoint_with_a_failing_spec_prints_the_cause_per_node(
+    service: Service, alice: Client, shop: EndpointProcess, tmp_path: Path
+) -> None:
+    wheels = _wheel(tmp_path / "wheels")
+    args = ["build", "broken", "-r", "no-such-package-xyz", "--wheelhouse", wheels]
+    out = _env_cli(service, alice.token, *args, "--endpoint", "shop")
+    assert out.returncode == 1, out.stdout + out.stderr
+    line = out.stdout.splitlines()[1]
+    assert line.startswith(f"{socket.gethostname()}: failed: environment 'broken'"), out.stdout
+    assert "no-such-package-xyz" in line
+    # --no-wait returns once the nodes are asked; --timeout says who did not say in time
+    quick = _env_cli(service, alice.token, *args, "--endpoint", "shop", "--no-wait")
+    assert quick.returncode == 0 and "not waiting" in quick.stdout, quick.stdout
+    late = _env_cli(service, alice.token, *args, "--endpoint", "shop", "--timeout", "0")
+    assert late.returncode == 1, late.stdout + late.stderr
+    assert f"{socket.gethostname()}: still building after 0 s" in late.stdout, late.stdout
+    assert "`nimbus environments list --endpoint shop`" in late.stdout
+
+
+def test_build_and_remove_endpoint_refuse_wrong_input_doing_nothing(
+    service: Service, alice: Client, shop: EndpointProcess
+) -> None:
+    def refused(*args: str, token: str = alice.token) -> str:
+        out = _env_cli(service, token, *args)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert out.stdout == "" and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        return out.stderr
+
+    sandbox = ("build", "jailed", "--sandbox", "--endpoint")
+    said = refused(*sandbox, "no-such-endpoint")
+    assert "no endpoint named 'no-such-endpoint'" in said and "`nimbus endpoints list`" in said
+    alice.register_endpoint("sleepy")  # registered, never started
+    said = refused(*sandbox, "sleepy")
+    assert "endpoint 'sleepy' is offline" in said and "nimbus endpoint start sleepy" in said
+    said = refused("build", "never-built-here", "--endpoint", "shop")
+    assert "'never-built-here' is not built on this machine" in said and "-r REQUIREMENT" in said
+    said = refused("remove", "never-built-anywhere", "--endpoint", "shop")
+    assert "no environment named 'never-built-anywhere' on the nodes of endpoint 'shop'" in said
+    bob = service.token("bob")  # shop is alice's, not shared with bob
+    said = refused(*sandbox, "shop", token=bob)
+    assert "no endpoint named 'shop' is visible to you" in said
+    said = refused(*sandbox, shop.endpoint_id, token=bob)
+    assert f"endpoint {shop.endpoint_id} not found" in said
+    assert all(r["name"] != "jailed" for r in alice.get_endpoint("shop")["environments"])
+
+
+def test_an_older_agent_is_not_sent_an_order(service: Service, alice: Client) -> None:
+    from nimbus.protocol import WS_AGENT, Hello
+    from service_support import ws_connect
+
+    registered = alice.register_endpoint("elder")
+    heard: list[str] = []
+    with ws_connect(service, WS_AGENT, registered["token"]) as ws:
+        ws.send(Hello("3.11", "x", 1, 1024, []).encode())  # says nothing of orders
+        stop = threading.Event()
+
+        def beat() -> None:  # an agent alive, as an older one is: beats, and reads
+            while not stop.is_set():
+                ws.send(Beat(time.monotonic()).encode())
+                with contextlib.suppress(TimeoutError):
+                    heard.append(unpack(ws.recv(timeout=0.1))["op"])
+
+        beater = threading.Thread(target=beat, daemon=True)
+        beater.start()
+        try:
+            deadline = time.monotonic() + 10
+            while not alice.get_endpoint("elder")["online"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            args = ("build", "jailed", "--sandbox", "--endpoint", "elder")
+            out = _env_cli(service, alice.token, *args)
+        finally:
+            stop.set()
+            beater.join(timeout=5)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "endpoint 'elder' runs an older nimbus" in out.stderr, out.stderr
+    assert "nimbus endpoint start elder" in out.stderr
+    assert "beat" in heard and "order" not in heard  # sent nothing it would not understand
+
+
+def env_node(x: int) -> tuple[int, str, str]:
+    import os
+
+    import orderpkg  # type: ignore[import-not-found]
+
+    return x, orderpkg.VERSION, os.environ.get("SLURMD_NODENAME", "?")
+
+
+def test_build_and_remove_endpoint_reach_a_slurm_blocks_manager(
+    service: Service, alice: Client, slurm: Any, tmp_path: Path
+) -> None:
+    import dataclasses
+
+    endpoint = EndpointProcess(service, alice, "hpc-orders")
+    endpoint.config = dataclasses.replace(
+        endpoint.config,
+        provider="slurm",
+        partition=slurm.partition,
+        workers_per_node=2,
+        min_blocks=1,
+        init_blocks=1,
+        max_blocks=1,
+        max_idle=60.0,
+        walltime="00:05:00",
+        agent_listen="127.0.0.1:0",
+    )
+    old = dict(os.environ)
+    os.environ.update(service.env | {"SLURM_CONF": str(slurm.conf)})
+    try:
+        endpoint.config.save()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    service.env["SLURM_CONF"] = str(slurm.conf)
+    wheels = _wheel(tmp_path / "wheels", version="2.0")
+    env = Environment("blocked", requirements=["orderpkg==2.0"], wheelhouse=wheels)
+    spec = ["-r", "orderpkg==2.0", "--wheelhouse", wheels, "--endpoint", "hpc-orders"]
+    try:
+        endpoint.start(alice)
+        deadline = time.monotonic() + 90
+        while True:  # until the block's manager has joined the agent
+            out = _env_cli(service, alice.token, "build", "blocked", *spec)
+            if "has no nodes now" not in out.stderr or time.monotonic() > deadline:
+                break
+            assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+            time.sleep(1)
+        assert out.returncode == 0, out.stdout + out.stderr
+        head, line = out.stdout.splitlines()[:2]
+        node = head.rpartition(": ")[2]
+        assert node.startswith("n") and "on 1 node of endpoint hpc-orders" in head, out.stdout
+        assert line.startswith(f"{node}: built in "), out.stdout
+        rows = _rows_until(
+            alice,
+            "hpc-orders",
+            lambda rs: any(r["node"] == node and r["key"] == env.key for r in rs),
+            30,
+        )
+        mine = [r["state"] for r in rows if r["key"] == env.key and r["node"] == node]
+        assert mine == ["built"], rows  # (the agent's machine shares this test's cache)
+        ids = alice.batch_run(env_node, [(1,)], endpoint="hpc-orders", environment=env)
+        assert alice.get_result(ids[0], timeout=120) == (1, "2.0", node)
+        assert _record(alice, ids[0])["build_seconds"] == 0.0  # built before: no build
+        gone = _env_cli(service, alice.token, "remove", "blocked", "--endpoint", "hpc-orders")
+        assert gone.returncode == 0 and f"{node}: removed" in gone.stdout, gone.stdout + gone.stderr
+    finally:
+        endpoint.stop()
+        del service.env["SLURM_CONF"]

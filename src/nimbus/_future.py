@@ -27,6 +27,7 @@ class Future(cf.Future[Any]):
     record: TaskRecord
     _task: Any = None  # its nimbus.runtime.task.Task (a floor above this module)
     _stop: Callable[[Any], None] | None = None
+    _after: list[cf.Future[Any]] | None = None  # the futures of the tasks whose results it takes
 
     def cancel(self) -> bool:
         """Cancel the task; a running task's worker is killed and replaced."""

@@ -400,6 +400,24 @@ class Client:
             return dict(self._json("GET", f"/v1/endpoints/{endpoint}"))
         return dict(self._json("GET", "/v1/endpoints/resolve", params={"name": endpoint}))
 
+    def order_environment(
+        self, endpoint: str, action: str, name: str, environment: Environment | None = None
+    ) -> dict[str, Any]:
+        """Build ``environment`` (``action="build"``) on every node of ``endpoint`` now,
+        or remove the environment ``name`` there (``action="remove"``; refused while
+        tasks of it are not done): ``{order_id, endpoint_id, action, name, nodes: [{node,
+        state, message, seconds}], done}``; follow it with :meth:`environment_order`."""
+        endpoint_id = str(self.get_endpoint(endpoint)["endpoint_id"])
+        spec = environment.to_dict() if environment is not None else None
+        body = {"action": action, "name": name, "environment": spec}
+        out = dict(self._json("POST", f"/v1/endpoints/{endpoint_id}/environments", json=body))
+        return {**out, "endpoint_id": endpoint_id}
+
+    def environment_order(self, endpoint_id: str, order_id: str) -> dict[str, Any]:
+        """How each node does with an order of :meth:`order_environment`; ``done`` when
+        every node said built, removed or failed."""
+        return dict(self._json("GET", f"/v1/endpoints/{endpoint_id}/environments/{order_id}"))
+
     def share_endpoint(
         self,
         endpoint_id: str,

@@ -56,6 +56,8 @@ or ``except TimeoutError`` written for the stdlib keeps working::
     │   │                                     its task cannot be run again
     │   ├── DataAccessError (PermissionError) a Ref of another user, or of another
     │   │                                     endpoint than the task's
+    │   ├── InputFailed                       a task's input (a future passed to it)
+    │   │                                     failed or was cancelled: it did not run
     │   └── FileRefused (PermissionError)     a ``nimbus.File`` outside what its
     │                                         endpoint exports, escaping it (``..``,
     │                                         a symlink), or of an unknown endpoint
@@ -86,6 +88,7 @@ __all__ = [
     "DeserializationError",
     "EnvironmentBuildError",
     "FileRefused",
+    "InputFailed",
     "MemoryLimitExceeded",
     "MessageDecodeError",
     "MessagingError",
@@ -346,6 +349,19 @@ class ReferenceLost(DataError, LookupError):
 class DataAccessError(DataError, PermissionError):
     """A reference was passed where it cannot be used: it belongs to another user, or
     it lives on another endpoint than the one the task runs on."""
+
+
+class InputFailed(DataError):
+    """A task did not run because a task whose result it takes (a future passed as its
+    argument) failed or was cancelled; ``input_id`` names that task (the input's own
+    error is its ``__cause__`` where the client still has the input's future)."""
+
+    def __init__(self, message: str, input_id: str = "") -> None:
+        super().__init__(message)
+        self.input_id = input_id
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.input_id))
 
 
 class FileRefused(DataError, PermissionError):

@@ -14,9 +14,10 @@ warm worker per core. Futures are ``concurrent.futures.Future`` objects, so
 Data between tasks (``nimbus.data``): ``map(..., keep=True)`` and
 ``options(keep=True)`` keep results where they were made (a
 :class:`KeptFuture` holds a ``nimbus.Ref``; its ``result()`` fetches the
-object); Refs and futures passed as arguments are resolved where the task runs,
-and a task waits for the futures it is given before it is sent: that path is
-``nimbus.data._submit`` (``DataPath``, one per executor).
+object); Refs and futures passed as arguments are resolved where the task runs.
+A task given futures of kept tasks on an endpoint is sent at once and held by
+the service until they succeed; otherwise it waits for the futures it is given
+before it is sent: that path is ``nimbus.data._submit`` (``DataPath``, one per executor).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from nimbus.environments import Environment, as_environment
 from nimbus.environments import resolve as resolve_environment
 from nimbus.errors import (
     ConfigError,
+    InputFailed,
     PayloadTooLargeError,
     ReferenceLost,
     RemoteTraceback,
@@ -390,6 +392,8 @@ class Executor(cf.Executor):
                         error.__cause__ = RemoteTraceback(tb)
                     if type(error) is ReferenceLost and self._path.recover(future, error):
                         continue  # its producer runs again, then it does
+                    if type(error) is InputFailed:
+                        DataPath.explain(future, error)
                     record.state = TaskState.FAILED
                     future.set_exception(error)
             except cf.InvalidStateError:

@@ -44,6 +44,7 @@ from nimbus.client import Client, environment_mismatch, error_for
 from nimbus.config import Settings
 from nimbus.errors import (
     ConfigError,
+    InputFailed,
     NimbusError,
     ProtocolError,
     ServiceError,
@@ -77,6 +78,7 @@ from nimbus.protocol import (
     new_row,
     pack_payload,
     payload_size,
+    submit_row,
 )
 from nimbus.protocol.wsclient import ServiceSocket
 from nimbus.records import TaskRecord
@@ -129,6 +131,9 @@ class ServiceBackend:
             )
         self.capacity = workers
         self.remote = True  # the Executor pickles the caller's own functions by value
+        # a task's owner (its future) may name its inputs (``_after``: their futures):
+        # the service holds it until they succeed (``nimbus.service.dependencies``)
+        self.dependencies = True
         self.client = Client(settings=settings)
         try:
             info = self.client.get_endpoint(endpoint)
@@ -163,6 +168,8 @@ class ServiceBackend:
         self._delayed = False
         self._refs = itertools.count()
         self._unaccepted: dict[int, list[Task]] = {}
+        self._unsent: set[Task] = set()  # submitted, not yet accepted by the service
+        self._blocked: list[Task] = []  # their inputs not yet accepted: sent after them
         self._packed: dict[Task, bytes | DataRef] = {}  # staged payloads (large ones)
         self._failed: dict[Task, BaseException] = {}  # staging failed: the task fails
         self._fetches: set[asyncio.Task[None]] = set()
@@ -211,6 +218,7 @@ class ServiceBackend:
                 self._stage(task)
         with self._lock:
             self._pending.extend(batch)
+            self._unsent.update(batch)
             self._outstanding += len(batch)
             if self._scheduled:
                 return
@@ -262,11 +270,13 @@ class ServiceBackend:
 
     def _fail_all(self, error: BaseException) -> None:
         """Fail every task waiting for the service (which refuses this client now)."""
-        tasks = list(self._by_id.values())
+        tasks = list(self._by_id.values()) + self._blocked
         for batch in self._unaccepted.values():
             tasks.extend(batch)
         self._by_id.clear()
         self._unaccepted.clear()
+        self._blocked = []
+        self._unsent.clear()
         self._early.clear()
         self._packed.clear()
         data = serialization.dumps_exception(error, "")
@@ -302,11 +312,58 @@ class ServiceBackend:
             await ws.send(message)
 
     def _submit_message(self, ref: int, tasks: list[Task]) -> bytes:
-        rows = [
-            new_row(SubmitRow, (t.route, self._payload(t), t.timeout, _environment(t)))
-            for t in tasks
-        ]
+        places: dict[Task, int] | None = None
+        rows = []
+        for t in tasks:
+            if getattr(t.owner, "_after", None) is None:
+                row = (t.route, self._payload(t), t.timeout, _environment(t))
+                rows.append(new_row(SubmitRow, row))
+                continue
+            if places is None:
+                places = {t: i for i, t in enumerate(tasks)}
+            rows.append(self._row_after(t, places))
         return Submit(ref, self.endpoint_id, rows).encode()
+
+    def _row_after(self, task: Task, places: dict[Task, int]) -> SubmitRow:
+        """The row of a task that takes its inputs' results: each named by its place in
+        this message (``places``) or else by its task id (``_ready`` made sure it is one
+        or the other)."""
+        after: list[str | int] = []
+        for future in task.owner._after:
+            place = places.get(future._task)
+            after.append(future.record.task_id if place is None else place)
+        return submit_row(task.route, self._payload(task), task.timeout, _environment(task), after)
+
+    def _ready(self, tasks: list[Task]) -> list[Task]:
+        """``tasks`` that can go in one message now. A task whose inputs are not all
+        accepted by the service or earlier in this message waits (``_blocked``) until
+        they are; one whose input failed or was cancelled here fails with InputFailed."""
+        ready: list[Task] = []
+        here: set[Task] = set()
+        failed = []
+        for task in tasks:
+            inputs = getattr(task.owner, "_after", None)
+            if inputs is not None:
+                if task.cancelled:
+                    self._unsent.discard(task)
+                    self._done(1)
+                    continue
+                why = _input_failed(task, inputs)
+                if why is not None:
+                    self._unsent.discard(task)
+                    task.status, task.data = Status.ERROR, serialization.dumps_exception(why, "")
+                    failed.append(task)
+                    continue
+                if any(
+                    f._task is not None and f._task in self._unsent and f._task not in here
+                    for f in inputs
+                ):
+                    self._blocked.append(task)
+                    continue
+            ready.append(task)
+            here.add(task)
+        self._deliver(failed)
+        return ready
 
     def _payload(self, task: Task) -> bytes | DataRef:
         packed = self._packed.get(task)
@@ -338,18 +395,25 @@ class ServiceBackend:
             for task in set(batch).difference(kept):  # cancelled before they were sent
                 self._packed.pop(task, None)
                 self._failed.pop(task, None)
+                self._unsent.discard(task)
             batch = kept
         if self._refused is not None:  # the service refuses our token: fail, do not queue
             for task in batch:
                 self._failed.setdefault(task, self._refused)
         failed = {task for task in batch if task in self._failed}
         if failed:
+            self._unsent.difference_update(failed)
             for task in failed:
                 task.status = Status.ERROR
                 task.data = serialization.dumps_exception(self._failed.pop(task), "")
             self._deliver(list(failed))
             batch = [task for task in batch if task not in failed]
+        if self._blocked:  # older: first
+            batch, self._blocked = self._blocked + batch, []
         for tasks in batches(batch, self._size):
+            tasks = self._ready(tasks)
+            if not tasks:
+                continue
             ref = next(self._refs)
             self._unaccepted[ref] = tasks
             self._outbox.put_nowait(self._submit_message(ref, tasks))
@@ -396,22 +460,33 @@ class ServiceBackend:
             cancels = self._accepted(msg.ref, msg.ids)
             if cancels:
                 await ws.send(Cancel(cancels).encode())
+            self._unblock()
         elif isinstance(msg, Refused):
             if msg.status == 503:
                 self._loop.call_later(RETRY_503, self._resend, msg.ref)
                 return
             tasks = self._unaccepted.pop(msg.ref, [])
             data = serialization.dumps_exception(error_for(msg.status, msg.detail), "")
+            self._unsent.difference_update(tasks)
             for task in tasks:
                 self._packed.pop(task, None)
                 task.status, task.data = Status.ERROR, data
             self._deliver(tasks)
+            self._unblock()
+
+    def _unblock(self) -> None:
+        """Inputs were accepted (or refused): send the tasks that waited for them."""
+        if self._blocked and not self._scheduled:
+            with self._lock:
+                self._scheduled = True
+            self._loop.call_soon(self._flush)
 
     def _accepted(self, ref: int, ids: list[str]) -> list[str]:
         """The service queued batch ``ref`` as tasks ``ids``; those cancelled meanwhile."""
         tasks = self._unaccepted.pop(ref, [])
         early = []
         cancels = []
+        self._unsent.difference_update(tasks)
         for task, task_id in zip(tasks, ids):
             self._packed.pop(task, None)
             task.record.task_id = task_id
@@ -543,6 +618,29 @@ def _wrong_shape(task_id: str, why: object) -> ProtocolError:
         f"task {task_id}: the service sent a result of the wrong shape ({why}); "
         f"expected [status, data, buffers]"
     )
+
+
+def _input_failed(task: Task, inputs: list[Any]) -> InputFailed | None:
+    """The error of a task whose input (a future) failed or was cancelled, or None."""
+    for future in inputs:
+        if not future.done():
+            continue
+        if future.cancelled():
+            why: BaseException | None = None
+            what = "was cancelled"
+        else:
+            why = future.exception()
+            what = f"failed ({type(why).__name__}: {why})"
+            if why is None:
+                continue
+        error = InputFailed(
+            f"a task of {task.record.function} did not run: its input, task "
+            f"{future.record.task_id}, {what}",
+            future.record.task_id,
+        )
+        error.__cause__ = why
+        return error
+    return None
 
 
 def _environment(task: Task) -> dict[str, Any] | None:

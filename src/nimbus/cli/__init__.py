@@ -208,7 +208,7 @@ COMMANDS: dict[str, Command] = {
         service_cli.endpoints_run,
     ),
     "environments": Command(
-        "environments built on this node: list, build NAME, remove NAME",
+        "environments of this node or an endpoint's: list, build NAME, remove NAME",
         environments_cli.setup,
         environments_cli.run,
     ),

@@ -1,4 +1,5 @@
-"""``nimbus environments list|build NAME|remove NAME``: this node's environments.
+"""``nimbus environments list|build NAME|remove NAME``: this node's environments, or
+(``--endpoint NAME``) those of every node of an endpoint.
 
 ``build`` makes an environment ready ahead of time (the spec from its options:
 ``-r REQUIREMENT`` repeated, ``--wheelhouse DIR``, ``--image IMAGE``,
@@ -9,6 +10,16 @@ the nodes of an endpoint hold, as its daemon last reported through the service:
 one row per node and environment, its own node's and those of its remote managers
 (blocks, ``nimbus manager``): warm workers (and free ones), the build state there
 (``warm``, ``built``, ``building``, ``failed``), size and last use.
+
+``build NAME --endpoint X`` builds the environment on every node of endpoint X now
+(its local manager's node and its blocks' nodes), with no task needed, and
+``remove NAME --endpoint X`` removes it there (refused, with nothing removed, while
+tasks of it are not done). The spec travels from here: the options given, else the
+spec of the environment of that name built on this machine. Both wait until every
+node has said how it went (``--timeout``; ``--no-wait`` returns at once) and print a
+line per node; exit status 0 when every node built (removed) it, 1 when one failed
+(the builder's cause is printed) or did not say in time, 2 when nothing was done
+(unknown endpoint or environment, endpoint offline or too old, busy).
 """
 
 from __future__ import annotations
@@ -16,15 +27,26 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nimbus.cli._usage import UsageError
-from nimbus.errors import ConfigError
+from nimbus.errors import ConfigError, ServiceError, ServiceUnavailable
 
 if TYPE_CHECKING:
     from nimbus.environments import Entry, Environment
 
 __all__ = ["run", "setup"]
+
+WAIT_SECONDS = 900.0  # how long `build|remove --endpoint` waits for every node by default
+POLL = 0.3  # seconds between two looks at how the nodes do
+
+
+EPILOG = (
+    "With --endpoint: a line per node as it ends; exit status 0 when every node did it, "
+    "1 when one failed (the builder's cause is printed) or did not say in time, 2 when "
+    "nothing was done (unknown endpoint or environment, endpoint offline or too old, "
+    "tasks of the environment not done)."
+)
 
 
 def setup(parser: argparse.ArgumentParser) -> None:
@@ -41,9 +63,12 @@ def setup(parser: argparse.ArgumentParser) -> None:
     )
     build = sub.add_parser(
         "build",
-        help="build an environment on this node now",
+        help="build an environment on this node (or every node of an endpoint) now",
         description="Build an environment on this node now (or retry one whose build failed), "
-        "so its first task does not wait for it.",
+        "so its first task does not wait for it. With --endpoint NAME: on every node of that "
+        "endpoint (its own and its blocks'), with the spec given here or, if none is given, "
+        "the spec of the environment of that name built on this machine.",
+        epilog=EPILOG,
     )
     build.add_argument("name", help="the environment's name")
     build.add_argument(
@@ -59,11 +84,29 @@ def setup(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--sandbox", action="store_true", help="run workers under bubblewrap")
     remove = sub.add_parser(
         "remove",
-        help="remove an environment from this node",
+        help="remove an environment from this node (or every node of an endpoint)",
         description="Remove every build of an environment (by name, or one by its key) from "
-        "this node.",
+        "this node. With --endpoint NAME: from every node of that endpoint; refused, with "
+        "nothing removed, while tasks of it are queued or running there.",
+        epilog=EPILOG,
     )
     remove.add_argument("name", help="a name (or key) shown by `nimbus environments list`")
+    for action in (build, remove):
+        action.add_argument(
+            "--endpoint", help="on every node of this endpoint (through the service), not here"
+        )
+        action.add_argument(
+            "--no-wait",
+            action="store_true",
+            help="with --endpoint: return once the nodes are asked, without waiting for them",
+        )
+        action.add_argument(
+            "--timeout",
+            type=float,
+            default=WAIT_SECONDS,
+            metavar="SECONDS",
+            help=f"with --endpoint: wait at most this long for every node (default {WAIT_SECONDS:.0f})",
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,14 +116,14 @@ def run(args: argparse.Namespace) -> int:
         if args.endpoint:
             return _list_endpoint(args.endpoint, args.json)
         return _list(environments.cache().entries(), args.json)
-    if args.action == "build":
-        env = environments.Environment(
-            args.name,
-            requirements=tuple(args.requirements),
-            wheelhouse=args.wheelhouse,
-            image=args.image,
-            sandbox=args.sandbox,
+    if args.endpoint:
+        return _order(args)
+    if args.no_wait or args.timeout != WAIT_SECONDS:
+        raise UsageError(
+            f"nimbus environments {args.action}", "--no-wait and --timeout go with --endpoint NAME"
         )
+    if args.action == "build":
+        env = _spec(args)
         if env.plain:
             raise UsageError(
                 "nimbus environments build",
@@ -103,6 +146,107 @@ def run(args: argparse.Namespace) -> int:
         store.remove(entry.key)
         print(f"removed {', '.join(entry.names) or entry.key} ({entry.key})")
     return 0
+
+
+def _spec(args: argparse.Namespace) -> Environment:
+    from nimbus.environments import Environment
+
+    return Environment(
+        args.name,
+        requirements=tuple(args.requirements),
+        wheelhouse=args.wheelhouse,
+        image=args.image,
+        sandbox=args.sandbox,
+    )
+
+
+def _built_here(name: str, prog: str) -> Environment:
+    """The spec of the environment ``name`` built on this machine (its newest use)."""
+    import dataclasses
+
+    from nimbus import environments
+
+    built = [e for e in environments.cache().entries() if e.state == "built" and e.spec]
+    mine = [e for e in built if name in e.names]
+    if not mine:
+        raise UsageError(
+            prog,
+            f"environment {name!r} is not built on this machine, so its spec is not known "
+            f"here: give it (-r REQUIREMENT, --wheelhouse DIR, --image IMAGE, --sandbox), or "
+            f"build it here first (`nimbus environments build {name} -r PACKAGE`)",
+        )
+    spec = max(mine, key=lambda e: e.last_use).spec
+    assert spec is not None
+    return dataclasses.replace(spec, name=name)
+
+
+def _order(args: argparse.Namespace) -> int:
+    """``build|remove NAME --endpoint X``: on every node of X; a line per node."""
+    import sys
+
+    from nimbus.client import Client
+
+    prog = f"nimbus environments {args.action}"
+    env = None
+    if args.action == "build":
+        env = _spec(args)
+        if env.plain:  # no spec given: the one built here travels
+            env = _built_here(args.name, prog)
+    with Client() as client:
+        try:
+            placed = client.order_environment(args.endpoint, args.action, args.name, env)
+        except ServiceError as exc:
+            if isinstance(exc, ServiceUnavailable) or (exc.status or 0) >= 500:
+                raise
+            print(f"{prog}: {exc}", file=sys.stderr)  # refused: nothing was done
+            return 2
+        nodes = [row["node"] for row in placed["nodes"]]
+        what = f"{args.name} (key {env.key})" if env is not None else args.name
+        doing = "building" if args.action == "build" else "removing"
+        print(
+            f"{doing} {what} on {len(nodes)} node{'s' * (len(nodes) != 1)} of endpoint "
+            f"{args.endpoint}: {', '.join(nodes)}"
+        )
+        if args.no_wait:
+            print(
+                f"not waiting: `nimbus environments list --endpoint {args.endpoint}` shows "
+                f"each node's {'build state' if env is not None else 'environments'}"
+            )
+            return 0
+        return _follow(client, placed, args.endpoint, args.timeout)
+
+
+def _follow(client: Any, placed: dict[str, Any], endpoint: str, timeout: float) -> int:
+    """Print each node's outcome as it comes; 0 if all went well, 1 otherwise."""
+    deadline = time.monotonic() + timeout
+    said: set[str] = set()
+    order = placed
+    while True:
+        for row in order["nodes"]:
+            if row["state"] in ("built", "removed", "failed") and row["node"] not in said:
+                said.add(row["node"])
+                print(f"{row['node']}: {_outcome(row)}", flush=True)
+        if order["done"] or time.monotonic() > deadline:
+            break
+        time.sleep(POLL)
+        order = client.environment_order(placed["endpoint_id"], placed["order_id"])
+    late = [row for row in order["nodes"] if row["node"] not in said]
+    for row in late:
+        print(
+            f"{row['node']}: still {row['state']} after {timeout:.0f} s: `nimbus environments "
+            f"list --endpoint {endpoint}` shows when it ends"
+        )
+    failed = [row for row in order["nodes"] if row["state"] == "failed"]
+    return 1 if failed or late else 0
+
+
+def _outcome(row: dict[str, Any]) -> str:
+    seconds, message = float(row.get("seconds") or 0.0), str(row.get("message") or "")
+    if row["state"] == "failed":
+        return f"failed: {cause(message)}"
+    if row["state"] == "built":
+        return f"built in {seconds:.1f} s" if message != "already built" else "built (already)"
+    return "removed" if not message or "build" in message else f"removed ({message})"
 
 
 def _list(entries: list[Entry], as_json: bool) -> int:

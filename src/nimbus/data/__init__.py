@@ -29,8 +29,13 @@ What happens under each failure:
 * the node or worker that kept an object loses it (a reboot, ``/dev/shm`` wiped): a task
   that reads it fails with ``ReferenceLost`` naming it, unless the task that made it is
   ``@nimbus.data.pure`` and known to this executor: then it runs again first;
-* a task a future depends on fails: the dependent task fails with the same error and
-  never runs;
+* a task a future depends on fails: the dependent task fails and never runs: on an
+  endpoint, where the service held it (a kept future of the same executor), with
+  ``InputFailed`` naming the input's task id (its ``__cause__`` the input's error where
+  the client has it), a cancelled input likewise; elsewhere with the input's own error;
+* the client exits after submitting a chain on an endpoint: the service holds and
+  releases its tasks without it; results are there by task id (``Client.get_result``),
+  kept objects until their leases run out;
 * a Ref of another user, or of the local runtime passed to an endpoint: ``DataAccessError``
   at ``submit``, before any task runs (and again in the worker, for a Ref hidden deeper);
 * a Ref of another endpoint (the same user): copied endpoint to endpoint before the task
@@ -46,8 +51,14 @@ Whose data: on an endpoint, a task's user is the owner the service sends with it
 another, whatever scope a client puts in its tasks.
 
 Limits: objects live in the store of the node that made them, so an endpoint of several
-nodes reads them only where they were made (no copy between nodes yet); tasks wait for their
-input futures in the client (only the "done" signal and the Ref pass through it, never the data).
+nodes reads them only where they were made (no copy between nodes yet). A task given
+kept futures of its own executor on an endpoint goes to the service at once, naming
+them (their task ids); the service holds it until they succeed
+(``nimbus.service.dependencies``), and its arguments name their results by the Refs
+the client chose for them (``Scope.ref_id``): nothing of theirs passes through the
+client. Other futures (not kept, of another executor or endpoint, or on the local
+runtime) are waited for in the client, as before (only the "done" signal and the Ref
+pass through it, never the data).
 
 Modules: ``_node`` (a node's object store: files in a private memory directory,
 mapped on read, leases as modification times), ``_ref`` (``Ref``, the client's
@@ -55,7 +66,7 @@ sessions: counting, leases, freeing), ``_task`` (the worker side: resolving,
 keeping, ``store()``), ``_kv`` (the key-value store), ``_file`` (``File``: staging,
 exports, the node's file cache), ``_bind`` (the client side of a
 task's arguments: dependencies, references, the session of an Executor), ``_submit``
-(the Executor's data path: ``KeptFuture``, sending tasks once their inputs are done,
+(the Executor's data path: ``KeptFuture``, sending tasks at once or once their inputs are done,
 making lost results of pure tasks again), ``_direct`` (bytes sent endpoint to endpoint:
 a one-use connection the target offers) and ``_carry`` (Refs of another endpoint copied
 to the task's).

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from nimbus.data._file import File, Out, Staged
 from nimbus.data._ref import MAX_SCAN, Ref, Session, owner_namespace, register, session
 from nimbus.errors import DataError
 
-__all__ = ["bind", "open_session", "uses_data", "waiting_on", "when_done"]
+__all__ = ["bind", "failed_among", "open_session", "uses_data", "waiting_on", "when_done"]
 
 
 def _items(value: Any) -> Any:
@@ -69,12 +69,26 @@ def waiting_on(args: tuple[Any, ...], kwargs: dict[str, Any], where: Session) ->
     return waiting
 
 
-def _bound(value: Any, where: Session, holds: list[Ref]) -> Any:
+def failed_among(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[cf.Future]:
+    """The futures among the arguments that failed or were cancelled."""
+    return [
+        value
+        for value in _walk(args, kwargs)
+        if isinstance(value, cf.Future)
+        and value.done()
+        and (value.cancelled() or value.exception() is not None)
+    ]
+
+
+def _bound(value: Any, where: Session, holds: list[Ref], promised: Collection[Any] = ()) -> Any:
     if type(value) is Ref:
         where.check(value)
         holds.append(value)
         return value
     if isinstance(value, cf.Future):
+        if value in promised:  # not done: the Ref its task will make (it runs first)
+            promise: Ref = value._promise  # type: ignore[attr-defined]
+            return promise
         if getattr(value, "kept", False):
             ref: Ref = value.ref()  # type: ignore[attr-defined]
             where.check(ref)
@@ -85,25 +99,30 @@ def _bound(value: Any, where: Session, holds: list[Ref]) -> Any:
 
 
 def bind(
-    args: tuple[Any, ...], kwargs: dict[str, Any], where: Session
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    where: Session,
+    promised: Collection[Any] = (),
 ) -> tuple[tuple[Any, ...], dict[str, Any], list[Ref]]:
     """The arguments with done futures replaced, and the Refs the task holds.
 
     A future that failed raises its exception here: the dependent task fails with it.
+    The kept futures in ``promised`` (not done: the service runs the task after them)
+    are replaced by the Refs their tasks will make (``KeptFuture._promise``).
     """
     holds: list[Ref] = []
 
     def one(value: Any) -> Any:
         kind = type(value)
         if not any(map(_is_data, _items(value))):
-            return _bound(value, where, holds)
+            return _bound(value, where, holds, promised)
         if kind is list:
-            return [_bound(v, where, holds) for v in value]
+            return [_bound(v, where, holds, promised) for v in value]
         if kind is tuple:
-            return tuple(_bound(v, where, holds) for v in value)
+            return tuple(_bound(v, where, holds, promised) for v in value)
         if kind is dict:
-            return {k: _bound(v, where, holds) for k, v in value.items()}
-        return _bound(value, where, holds)
+            return {k: _bound(v, where, holds, promised) for k, v in value.items()}
+        return _bound(value, where, holds, promised)
 
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}, holds
 

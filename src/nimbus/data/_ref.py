@@ -57,7 +57,9 @@ class Scope(NamedTuple):
 
     ``namespace`` names the user's store on the node; ``user`` is their name (for
     messages); ``keep`` stores the result there and returns a Ref; ``lease`` is the
-    seconds a kept result lives without a renewal.
+    seconds a kept result lives without a renewal; ``ref_id``, if given, is the id
+    its kept result takes (chosen by the client, so that tasks submitted before it
+    ends can name it: ``Executor`` on an endpoint), else a new one.
     """
 
     namespace: str
@@ -65,6 +67,7 @@ class Scope(NamedTuple):
     endpoint: str | None
     keep: bool
     lease: float
+    ref_id: str = ""
 
 
 class Ref:

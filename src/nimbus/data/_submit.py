@@ -4,7 +4,11 @@
 
     Executor._submit(fn, args, keep)  --uses data / keep-->  DataPath.submit
         waiting_on: the futures not done yet; Refs of another user refused now
-        when they are done (on this path's sender thread): bind -> the task, sent
+        on an endpoint (the backend takes ``dependencies``), when they are kept futures
+        of this path: sent at once, each input named (``_after``) and replaced by the
+        Ref its task will make (``_promise``); the service holds the task until they
+        succeed, and fails it (InputFailed) if one does not
+        else, when they are done (on this path's sender thread): bind -> the task, sent
         through ``run`` (``Executor._launch``) with the session's scope
     a kept result (a Ref) --> KeptFuture.set_result; held by the session
     a task that read a lost Ref made by a pure task --> that task again, then this one
@@ -25,11 +29,11 @@ from typing import Any
 
 from nimbus import serialization
 from nimbus._future import Future
-from nimbus.data._bind import bind, open_session, waiting_on, when_done
+from nimbus.data._bind import bind, failed_among, open_session, waiting_on, when_done
 from nimbus.data._carry import carry
-from nimbus.data._ref import Ref, Session
+from nimbus.data._ref import Ref, Session, new_id
 from nimbus.data._task import run
-from nimbus.errors import ReferenceLost
+from nimbus.errors import InputFailed, ReferenceLost
 from nimbus.records import TaskRecord
 
 __all__ = ["DataPath", "KeptFuture"]
@@ -47,6 +51,9 @@ class KeptFuture(Future):
         None  # (fn, args, kwargs, timeout, env, limits) of a pure task
     )
     _path: DataPath | None = None
+    # on an endpoint: the Ref its task will make (its id chosen here), for the tasks
+    # that take it before it is done (the service holds them until it is)
+    _promise: Ref | None = None
 
     def ref(self, timeout: float | None = None) -> Ref:
         """The reference to the result, once the task is done."""
@@ -62,6 +69,10 @@ class KeptFuture(Future):
                 raise
             again = self._path.again(self)  # a pure task: made again, then fetched
             return again.result(timeout)
+
+
+def _done_well(future: cf.Future[Any]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def fail(future: cf.Future[Any], error: BaseException | None) -> None:
@@ -148,8 +159,17 @@ class DataPath:
         waiting = waiting_on(args, kwargs, session)  # refuses another user's Refs now
         future: Future = KeptFuture() if keep else Future()
         future.record = TaskRecord("", function=getattr(fn, "__qualname__", ""))
+        scope = session.scope(keep)
+        ahead = getattr(ex._backend, "dependencies", False)  # the service holds dependents
         if keep:
             future._maker = self  # type: ignore[attr-defined]  # (where its Ref is)
+            if ahead:
+                scope = scope._replace(ref_id=new_id())
+                where = (session.namespace, session.user, session.endpoint, 0)
+                future._promise = Ref(scope.ref_id, *where)  # type: ignore[attr-defined]
+        if ahead:  # inputs that failed already: InputFailed as for the others
+            waiting += failed_among(args, kwargs)
+        ahead = ahead and all(self.made(f) for f in waiting)
         if keep and getattr(fn, "__nimbus_pure__", False):
             future._recipe = (fn, args, kwargs, timeout, environment, env, limits)  # type: ignore[attr-defined]
             future._path = self  # type: ignore[attr-defined]
@@ -158,15 +178,20 @@ class DataPath:
         def send() -> None:
             if future.done():
                 return
+            # ahead: every input not done, or failed (the backend fails this task with
+            # InputFailed naming it), is named; those done well are bound as they are
+            after = {f for f in waiting if not _done_well(f)} if ahead else set()
             try:  # a dependency that failed fails this task with its error
-                bound, bound_kw, holds = bind(args, kwargs, session)
+                bound, bound_kw, holds = bind(args, kwargs, session, after)
             except BaseException as exc:
                 fail(future, exc)
                 return
-            future._holds = holds  # type: ignore[attr-defined]  # alive until it is done
+            # alive until it is done: its Refs, and its inputs (whose Refs it reads)
+            future._holds = (holds, waiting) if after else holds  # type: ignore[attr-defined]
+            future._after = [f for f in waiting if f in after] or None
             ex._launch(
                 wrapped,
-                (session.scope(keep), *bound),
+                (scope, *bound),
                 bound_kw,
                 timeout,
                 future,
@@ -183,11 +208,21 @@ class DataPath:
                 fail(future, exc)
 
         future._resend = send_later  # type: ignore[attr-defined]
-        if not waiting:
+        if not waiting or ahead:  # (ahead: sent now, held by the service until its inputs)
             send()  # what cannot be sent raises here, at submit
             return future
         when_done(waiting, lambda: self.deferred(send_later))
         return future
+
+    def made(self, future: cf.Future[Any]) -> bool:
+        """Whether ``future`` is a kept task of this path sent to the service (or done),
+        whose Ref is known before it is done: a task taking it can be sent at once."""
+        return (
+            type(future) is KeptFuture
+            and future._promise is not None
+            and getattr(future, "_maker", None) is self
+            and (future._task is not None or future.done())
+        )
 
     # -- results ---------------------------------------------------------------
     def kept(self, future: KeptFuture, ref: Ref) -> Ref:
@@ -237,8 +272,19 @@ class DataPath:
     def done(future: Future) -> None:
         """A task of the data path ended: its Refs go when it does."""
         future._holds = None  # type: ignore[attr-defined]
+        future._after = None
         future._resend = None  # type: ignore[attr-defined]  # (a cycle through it)
         future._task = None  # no cycle with the task: the last Ref is freed at once
+
+    @staticmethod
+    def explain(future: Future, error: InputFailed) -> None:
+        """A task failed because its input did: the input's own error is its cause."""
+        for source in future._after or ():
+            record = getattr(source, "record", None)
+            mine = record is not None and record.task_id == error.input_id
+            mine = mine and error.__cause__ is None
+            if mine and source.done() and not source.cancelled():
+                error.__cause__ = source.exception()
 
     # -- sending ---------------------------------------------------------------
     def deferred(self, send: Callable[[], None]) -> None:

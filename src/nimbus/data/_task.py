@@ -103,7 +103,7 @@ def run(fn: Any, scope: Scope, /, *args: Any, **kwargs: Any) -> Any:
                 finish_out(marker, written, new_id())
         if not scope.keep:
             return result
-        ref_id = new_id()
+        ref_id = scope.ref_id or new_id()
         node = _node(scope.namespace)
         expires = time.time() + scope.lease
         same = _argument(result, seen) if type(result) in _IMMUTABLE else None

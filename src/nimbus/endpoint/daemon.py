@@ -43,6 +43,7 @@ from websockets.asyncio.client import ClientConnection
 
 from nimbus import _loop, environments, owners, serialization
 from nimbus.config import Settings
+from nimbus.endpoint._orders import Orders
 from nimbus.endpoint._summary import runtime_rows
 from nimbus.endpoint.config import EndpointConfig
 from nimbus.environments import Environment
@@ -59,6 +60,7 @@ from nimbus.protocol import (
     INLINE_MIN,
     LIMITS,
     MAX_ENVIRONMENTS,
+    ORDERS,
     PYTHON,
     SERIALIZER,
     WS_AGENT,
@@ -69,6 +71,7 @@ from nimbus.protocol import (
     Hello,
     Malformed,
     Message,
+    Order,
     Result,
     ResultRow,
     Results,
@@ -104,7 +107,10 @@ MIN_WINDOW = 1024  # tasks in flight from the service: enough to cover its round
 SEND_CHUNK = 5000
 COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
 ENVIRONMENTS_EVERY = 5  # heartbeats between two reports of the environments held
-SERVICE_SENDS: dict[str, type[Message]] = {kind.op: kind for kind in (Tasks, Ack, Cancel, Beat)}
+ORDER_POLL = 0.25  # seconds between beats while a node has not said how an order went
+SERVICE_SENDS: dict[str, type[Message]] = {
+    kind.op: kind for kind in (Tasks, Ack, Cancel, Beat, Order)
+}
 
 
 class EndpointDaemon:
@@ -172,6 +178,7 @@ class EndpointDaemon:
             self.scaler.start()
         else:
             self.runtime.add_manager(workers, prefetch=prefetch)
+        self.orders = Orders(self.runtime, name)  # environment orders (build, remove)
 
     # ------------------------------------------------------------ running
 
@@ -208,7 +215,7 @@ class EndpointDaemon:
 
     async def _session(self, ws: ClientConnection) -> None:
         assert self._ready is not None
-        hello = Hello(PYTHON, SERIALIZER, self.workers, self.window, list(self._held))
+        hello = Hello(PYTHON, SERIALIZER, self.workers, self.window, list(self._held), (ORDERS,))
         await ws.send(hello.encode())
         self._outbox = list(self._unacked.values())
         self._ready.set()
@@ -234,7 +241,11 @@ class EndpointDaemon:
         reconnect), with its close code and one log line."""
         try:
             async for data in ws:
-                self._handle(decode_message(decode_frame(data, SERVICE_SENDS), SERVICE_SENDS))
+                msg = decode_message(decode_frame(data, SERVICE_SENDS), SERVICE_SENDS)
+                if isinstance(msg, Order):  # answered at once; the nodes report in beats
+                    await ws.send((await asyncio.to_thread(self.orders.take, msg)).encode())
+                    continue
+                self._handle(msg)
         except ProtocolError as exc:
             log.warning("closing the connection to %s: malformed frame: %s", self.url, exc)
             await ws.close(exc.code, str(exc).encode()[:120].decode(errors="ignore"))
@@ -269,14 +280,22 @@ class EndpointDaemon:
         said: list[dict[str, Any]] | None = None
         while True:
             envs = None
-            if beats % ENVIRONMENTS_EVERY == 0:  # what the nodes hold, now and then
+            orders = self.orders.changed()  # how the nodes do with environment orders
+            if beats % ENVIRONMENTS_EVERY == 0 or self.orders.finished:  # what nodes hold
+                self.orders.finished = False
                 envs = await asyncio.to_thread(self._environments)
             runtime = self._runtime()  # blocks, managers, workers: when it changed
             send = runtime if runtime != said or beats % ENVIRONMENTS_EVERY == 0 else None
             said = runtime
             beats += 1
-            await ws.send(Beat(time.monotonic(), envs, send).encode())
-            await asyncio.sleep(self.heartbeat)
+            await ws.send(Beat(time.monotonic(), envs, send, orders).encode())
+            if not self.orders.unfinished:
+                await asyncio.sleep(self.heartbeat)
+                continue
+            for _ in range(max(1, round(self.heartbeat / ORDER_POLL))):  # say an end soon
+                await asyncio.sleep(min(ORDER_POLL, self.heartbeat))
+                if self.orders.rows() != self.orders.said:
+                    break
 
     def _runtime(self) -> list[dict[str, Any]]:
         """``Beat.runtime``: the blocks, managers and workers busy or idle now."""

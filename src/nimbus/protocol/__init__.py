@@ -51,6 +51,7 @@ from nimbus.protocol._codec import (
 )
 from nimbus.protocol._messages import (
     MAX_ENVIRONMENTS,
+    MAX_ORDERS,
     MAX_RUNTIME,
     Accepted,
     Ack,
@@ -68,6 +69,7 @@ from nimbus.protocol._messages import (
     Watch,
     decode_message,
 )
+from nimbus.protocol._orders import ACTIONS, ORDERS, Order, Ordered
 from nimbus.protocol._rows import (
     SUBMIT_ROW,
     DataRef,
@@ -77,10 +79,13 @@ from nimbus.protocol._rows import (
     SubmitRow,
     TaskRow,
     check_environment,
+    inputs_of,
     new_row,
+    submit_row,
 )
 
 __all__ = [
+    "ACTIONS",
     "API",
     "DATA",
     "DELETED",
@@ -88,10 +93,12 @@ __all__ = [
     "INLINE_MIN",
     "LIMITS",
     "MAX_ENVIRONMENTS",
+    "MAX_ORDERS",
     "MAX_RUNTIME",
     "MESSAGE_BYTES",
     "MSGPACK",
     "NOT_MSGPACK",
+    "ORDERS",
     "PYTHON",
     "RECEIVE_MAX",
     "REPLACED",
@@ -111,6 +118,8 @@ __all__ = [
     "Hello",
     "Malformed",
     "Message",
+    "Order",
+    "Ordered",
     "Refused",
     "Result",
     "ResultRow",
@@ -129,6 +138,7 @@ __all__ = [
     "data_ref",
     "decode_frame",
     "decode_message",
+    "inputs_of",
     "is_result",
     "is_uuid",
     "new_row",
@@ -138,6 +148,7 @@ __all__ = [
     "payload_size",
     "slices",
     "str_list",
+    "submit_row",
     "too_large",
     "unpack",
     "unpack_payload",

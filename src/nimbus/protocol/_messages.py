@@ -2,14 +2,17 @@
 
 Each message is a msgpack map with an ``op``; its rows are positional lists::
 
-    daemon  -> service  Hello {python, serializer, workers, window, held}
+    daemon  -> service  Hello {python, serializer, workers, window, held, can?}
                         Results {results: [ResultRow, ...]}
                         Running {ids}  (tasks on a worker for 50 ms or more)
-                        Beat {t, environments?, runtime?}
+                        Beat {t, environments?, runtime?, orders?}
+                        Ordered {ref, status, detail, nodes}  (its answer to an Order)
     service -> daemon   Tasks {tasks: [TaskRow, ...]}  (a function's body comes once per
                         connection)
                         Ack {ids}  (results stored: the daemon may forget them)
                         Cancel {ids}   Beat {t} (the echo of a heartbeat)
+                        Order {ref, action, name, environment}  (build or remove an
+                        environment on every node: only to a daemon whose Hello can "orders")
     client  -> service  Submit {ref, endpoint_id, tasks: [SubmitRow, ...]}
                         (Batch {endpoint_id, tasks}: the same by POST /v1/tasks/batch)
                         Watch {ids}   Cancel {ids}
@@ -105,7 +108,9 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
-    """A daemon's first message on each connection."""
+    """A daemon's first message on each connection; ``can`` names what it understands
+    beyond tasks (``"orders"``: :class:`~nimbus.protocol.Order`); an older daemon says
+    nothing, and is sent none."""
 
     op: ClassVar[str] = "hello"
     python: str
@@ -113,9 +118,10 @@ class Hello(Message):
     workers: int
     window: int
     held: list[str]
+    can: tuple[str, ...] = ()
 
     def wire(self) -> dict[str, Any]:
-        return {
+        msg = {
             "op": "hello",
             "python": self.python,
             "serializer": self.serializer,
@@ -123,6 +129,9 @@ class Hello(Message):
             "window": self.window,
             "held": self.held,
         }
+        if self.can:
+            msg["can"] = list(self.can)
+        return msg
 
     @classmethod
     def decode(cls, msg: dict[str, Any]) -> Hello:
@@ -137,7 +146,8 @@ class Hello(Message):
             if not ok:
                 raise ProtocolError(f"hello.{name}: {value!r:.40} is not accepted", WRONG_SHAPE)
         held = _ids(msg, "hello", "held") if "held" in msg else []
-        return cls(python, serializer, workers, window, held)
+        can = _ids(msg, "hello", "can") if "can" in msg else []
+        return cls(python, serializer, workers, window, held, tuple(can[:32]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +255,7 @@ class Unknown(_Ids):
 
 MAX_ENVIRONMENTS = 1000  # rows of a beat's environments
 MAX_RUNTIME = 1000  # rows of a beat's runtime
+MAX_ORDERS = 1000  # rows of a beat's orders
 
 
 def _scalar_rows(field: str, rows: object, most: int) -> list[dict[str, Any]] | None:
@@ -280,12 +291,16 @@ class Beat(Message):
     workers now, maps of scalars with a ``kind``: ``{kind: "block", id, state, nodes,
     managers, busy, walltime_left, message}``, ``{kind: "manager", name, node, block,
     workers, busy, accepting}``, ``{kind: "workers", manager, environment, workers,
-    busy, idle}`` (for the dashboard's endpoint page; an older service ignores it)."""
+    busy, idle}`` (for the dashboard's endpoint page; an older service ignores it).
+    ``orders`` (a daemon's beat, left out when None): how each node carries out the
+    recent :class:`~nimbus.protocol.Order` s, ``{ref, node, state, message, seconds}``
+    (state ``building``, ``built``, ``removing``, ``removed``, ``failed``)."""
 
     op: ClassVar[str] = "beat"
     t: Any
     environments: list[dict[str, Any]] | None = None
     runtime: list[dict[str, Any]] | None = None
+    orders: list[dict[str, Any]] | None = None
 
     def wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"op": "beat", "t": self.t}
@@ -293,13 +308,16 @@ class Beat(Message):
             out["environments"] = self.environments
         if self.runtime is not None:
             out["runtime"] = self.runtime
+        if self.orders is not None:
+            out["orders"] = self.orders
         return out
 
     @classmethod
     def decode(cls, msg: dict[str, Any]) -> Beat:
         envs = _scalar_rows("environments", msg.get("environments"), MAX_ENVIRONMENTS)
         runtime = _scalar_rows("runtime", msg.get("runtime"), MAX_RUNTIME)
-        return cls(msg.get("t"), envs, runtime)
+        orders = _scalar_rows("orders", msg.get("orders"), MAX_ORDERS)
+        return cls(msg.get("t"), envs, runtime, orders)
 
     def seconds(self) -> float:
         """``t`` as a number; ProtocolError otherwise (what a daemon checks of an echo)."""

@@ -8,13 +8,15 @@ result's out-of-band buffers as bytes::
 
     TaskRow    [task_id, function_id, body | None, payload | {"data": id}, timeout, environment,
                 owner]
-    SubmitRow  [function_id, payload | {"data": id}, timeout, environment]
+    SubmitRow  [function_id, payload | {"data": id}, timeout, environment, after]
     ResultRow  [task_id, state, [status, data, [buffer, ...]] | {"data": id} | packed, record]
     Result     [status, data, [buffer, ...]]
 
 ``environment`` is the task's :class:`~nimbus.Environment` as its ``to_dict()``, or None
 (the workers' own Python); a row without it (five or three fields, from an older
-peer) reads as None. A task row's ``owner`` is the id of the user who submitted it
+peer) reads as None. A submitted row's ``after`` (left out when it has none) names
+the tasks whose results it takes: their task ids, or the places of earlier rows of the
+same message (ints); the service holds it until they succeed. A task row's ``owner`` is the id of the user who submitted it
 (the service sets it, never the client: the endpoint keeps that user's data apart by
 it, see ``nimbus.owners``); a row of six or five fields reads as None.
 
@@ -47,10 +49,13 @@ __all__ = [
     "TaskRow",
     "check_environment",
     "check_owner",
+    "inputs_of",
     "new_row",
+    "submit_row",
 ]
 
-SUBMIT_ROW = '[function_id, payload | {"data": data_id}, timeout, environment | None]'
+SUBMIT_ROW = '[function_id, payload | {"data": data_id}, timeout, environment | None, after?]'
+MAX_AFTER = 256  # inputs of one task (the data path looks at no more arguments than this)
 ENVIRONMENT = (
     "None or an environment {name, requirements, wheelhouse, image, sandbox} "
     "(Environment.to_dict())"
@@ -67,6 +72,21 @@ task (calling the class goes through NamedTuple's generated ``__new__``, 2-3x sl
 
 def _wrong(field: str, expected: str, value: object) -> ProtocolError:
     return ProtocolError(f"{field}: expected {expected}, got {brief(value)}", WRONG_SHAPE)
+
+
+def _after(value: object, field: str) -> list[str | int] | None:
+    """A submitted row's inputs: None, or a list of task ids and places of earlier rows."""
+    if value is None:
+        return None
+    if type(value) is not list or not 0 < len(value) <= MAX_AFTER:
+        raise _wrong(field, f"a list of 1 to {MAX_AFTER} task ids or row places", value)
+    for item in value:
+        if not (
+            (type(item) is str and 0 < len(item) <= 64)
+            or (type(item) is int and 0 <= item < 1 << 20)
+        ):
+            raise _wrong(field, "task ids (strings) or places of earlier rows (ints)", item)
+    return value
 
 
 def check_environment(value: object, field: str) -> dict[str, Any] | None:
@@ -214,7 +234,10 @@ class TaskRow(NamedTuple):
 
 
 class SubmitRow(NamedTuple):
-    """A task a client submits: ``[function_id, payload | {"data": id}, timeout, environment]``."""
+    """A task a client submits: ``[function_id, payload | {"data": id}, timeout,
+    environment]``, and a fifth item, ``after``, when it has inputs: such a row is made
+    with :func:`submit_row` and read with :func:`inputs_of` (a row without inputs packs
+    to the four items of before)."""
 
     function_id: str
     payload: bytes | DataRef
@@ -234,10 +257,11 @@ class SubmitRow(NamedTuple):
             and row[3] is None
         ):
             return _new(cls, row)
-        if not isinstance(row, list | tuple) or not 3 <= len(row) <= 4:
+        if not isinstance(row, list | tuple) or not 3 <= len(row) <= 5:
             raise ProtocolError(f"{field}: expected {SUBMIT_ROW}, not {brief(row)}", WRONG_SHAPE)
         function_id, payload, timeout, *rest = row
         environment = check_environment(rest[0] if rest else None, f"{field}.environment")
+        after = _after(rest[1] if len(rest) > 1 else None, f"{field}.after")
         if not isinstance(function_id, str) or not 0 < len(function_id) <= 64:
             raise ProtocolError(
                 f"{field}.function_id: expected a function id, not {brief(function_id)}",
@@ -251,14 +275,14 @@ class SubmitRow(NamedTuple):
                     f"not {brief(payload)}",
                     WRONG_SHAPE,
                 )
-            return cls(function_id, ref, timeout, environment)
+            return submit_row(function_id, ref, timeout, environment, after)
         if not isinstance(payload, bytes):
             raise ProtocolError(
                 f'{field}.payload: expected bytes (pack_payload) or {{"data": data_id}}, '
                 f"not {brief(payload)}",
                 WRONG_SHAPE,
             )
-        return cls(function_id, payload, timeout, environment)
+        return submit_row(function_id, payload, timeout, environment, after)
 
     @classmethod
     def decode_all(cls, rows: object, field: str = "tasks") -> list[SubmitRow]:
@@ -269,6 +293,24 @@ class SubmitRow(NamedTuple):
             )
         decode = cls.decode
         return [decode(row, f"{field}[%d]" % i) for i, row in enumerate(rows)]
+
+
+def submit_row(
+    function_id: str,
+    payload: bytes | DataRef,
+    timeout: float | None,
+    environment: dict[str, Any] | None,
+    after: list[str | int] | None,
+) -> SubmitRow:
+    """A submitted row, with ``after`` (the inputs it names) as its fifth item if any."""
+    if after:
+        return _new(SubmitRow, (function_id, payload, timeout, environment, after))
+    return _new(SubmitRow, (function_id, payload, timeout, environment))
+
+
+def inputs_of(row: SubmitRow) -> list[str | int] | None:
+    """The inputs a submitted row names (its fifth item), or None."""
+    return row[4] if len(row) > 4 else None
 
 
 class ResultRow(NamedTuple):

@@ -40,6 +40,7 @@ from typing import Any
 from nimbus import errors, serialization
 from nimbus.environments import Environment, Prepared
 from nimbus.runtime import routing
+from nimbus.runtime._orders import named
 from nimbus.runtime.manager import Manager
 from nimbus.runtime.messages import Status
 from nimbus.runtime.remote import Listener, RemoteManager
@@ -363,6 +364,39 @@ class Agent:
                 batch = kept
             if batch:
                 manager.submit(batch)
+
+    def order(
+        self, ref: str, action: str, name: str, environment: Environment | None = None
+    ) -> list[Any]:
+        """Ask every manager (this node's, and those on other nodes) to build
+        ``environment`` on its node or to remove the environment ``name`` there
+        (``nimbus.runtime._orders``); the managers asked, whose ``orders[ref]`` says
+        how it goes."""
+        with self._lock:
+            managers = [m for m in self._managers if not getattr(m, "closing", False)]
+        for manager in managers:
+            manager.order(ref, action, name, environment)
+        return managers
+
+    def busy(self, name: str) -> dict[str, int]:
+        """Tasks of the environment ``name`` (or key) not done: per manager (its name)
+        those it holds or its workers run, and "queued" those no manager has yet."""
+        with self._lock:
+            queued = sum(len(q) for tag, q in self._queues.items() if named(tag, name))
+            held = {
+                m: sum(n for t, n in h.items() if named(t, name)) for m, h in self._held.items()
+            }
+        out = {"queued": queued} if queued else {}
+        for manager, count in held.items():
+            envs = manager.statistics().get("environments") or {}
+            running = sum(
+                max(0, int(e.get("workers") or 0) - int(e.get("free") or 0))
+                for tag, e in envs.items()
+                if named(str(tag), name) and isinstance(e, dict)
+            )
+            if max(count, running):
+                out[manager.name] = max(count, running)
+        return out
 
     def cancel(self, task: Task) -> None:
         """Stop a task wherever it is (see ``Manager.cancel``)."""

@@ -50,7 +50,6 @@ from __future__ import annotations
 import logging
 import os
 import selectors
-import subprocess
 import sys
 import threading
 import time
@@ -62,6 +61,7 @@ from nimbus import environments, errors, network  # errors.WorkerLost: at first 
 from nimbus.environments import Environment, Prepared
 from nimbus.errors import NimbusError
 from nimbus.runtime import worker as worker_module
+from nimbus.runtime._orders import NodeOrders
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
 from nimbus.runtime.pool import Builds, Layout, Workers, worker_environment
 from nimbus.runtime.pool import Worker as _Worker
@@ -78,13 +78,14 @@ FUNCTIONS_TIMED = 1024  # run-time estimates kept (one per function), oldest dro
 MAX_WINDOW = 256  # tasks a worker may hold at most, however short
 
 
-class Manager(Workers):
+class Manager(Workers, NodeOrders):
     """Warm workers on this node, fed from a pending queue per environment by one loop thread.
 
     ``warm`` lists the environments of the workers started at once (default:
     ``workers`` workers of the node's own Python, as before environments); the
     other slots start unused. ``prepare`` makes an environment ready on the
-    node (``nimbus.environments.prepare``; the builders' seam).
+    node (``nimbus.environments.prepare``; the builders' seam). ``order`` builds or
+    removes an environment here when asked (``nimbus.runtime._orders``).
     """
 
     def __init__(
@@ -130,6 +131,8 @@ class Manager(Workers):
         self._env_failures: dict[str, int] = {}  # workers of an environment dead at start
         self._pending: dict[str, deque[Task]] = {"": deque()}
         self._cancels: deque[Task] = deque()
+        self.orders: dict[str, dict[str, Any]] = {}  # environment orders: ref -> outcome
+        self._ordered: deque[tuple[str, str]] = deque()  # removals for the loop
         self._reap: list[Any] = []  # retired workers' processes, not yet exited
         self._retiring = False  # some worker waits to empty before it is retired
         self._workers: list[_Worker] = []
@@ -279,6 +282,8 @@ class Manager(Workers):
                     self._fail_all(errors.RuntimeClosed(f"{self.name} was shut down"))
                     break
                 self._do_cancels()
+                if self._ordered:
+                    self._do_orders()
                 self._check_deadlines()
                 if self._builds.done:
                     self._built()
@@ -576,29 +581,3 @@ class Manager(Workers):
             self._fail(task, error)
         if failed:
             self._deliver(failed)
-
-    def _stop_workers(self) -> None:
-        self._closing = True
-        for worker in self._workers:
-            worker.channel.close()
-            if self._kill:
-                worker.proc.kill()
-        deadline = time.monotonic() + 2.0
-        for worker in self._workers:
-            try:
-                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                worker.proc.kill()
-                worker.proc.wait()
-        for proc in self._reap:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._workers.clear()
-        self._net.close()
-        self._selector.close()
-        wake_w, self._wake_w = self._wake_w, -1
-        os.close(wake_w)
-        os.close(self._wake_r)

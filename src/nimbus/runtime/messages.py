@@ -61,7 +61,9 @@ class Link(enum.IntEnum):
     proves it holds the secret too); TASKS [[wid, fn_key, fn_bytes | None, payload |
     None, nbufs, timeout, environment | None], ...] (payloads as in Kind.TASKS;
     environment: ``Environment.to_dict()``, None for the node's own Python); CANCEL [wid, ...]; DRAIN
-    (take no more, say what you hold); STOP (finish and exit).
+    (take no more, say what you hold); STOP (finish and exit); ORDER {"ref", "action",
+    "name", "environment"} (build or remove an environment on the node: only to a
+    manager whose JOIN has "can": ["orders"]).
 
     Manager -> agent: JOIN {"proof", "nonce", "workers", "host", "pid", "block",
     "python"}; RESULTS [[wid, status, data | None, nbufs, started, ended, cpu_user,
@@ -70,7 +72,8 @@ class Link(enum.IntEnum):
     tasks per worker, grown for short tasks; slots: worker slots per environment tag,
     unused: slots of none, environments: per tag its slots, ready and free workers;
     run, start: average seconds of a task's run and of a worker's start, or None; every
-    fifth beat also "cache": the node's ``Cache.report()`` rows); DRAINED {"held": n};
+    fifth beat also "cache": the node's ``Cache.report()`` rows; "orders": the outcome
+    of its recent ORDERs, ``{ref: {state, message, seconds}}``); DRAINED {"held": n};
     NOTICE (a worker's notice, as in Kind.NOTICE).
     """
 
@@ -80,6 +83,7 @@ class Link(enum.IntEnum):
     CANCEL = 33
     DRAIN = 34
     STOP = 35
+    ORDER = 36
     JOIN = 40
     RESULTS = 41
     HEARTBEAT = 42

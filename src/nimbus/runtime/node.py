@@ -14,7 +14,10 @@ The secret comes in ``NIMBUS_AGENT_SECRET`` (set by the agent in the block's
 environment, never on a command line); proofs are HMAC-SHA256 of the peer's
 nonce, so the secret never crosses the network. The tasks run on the same
 :class:`~nimbus.runtime.manager.Manager` (and workers) as the embedded runtime.
-When the agent goes away, the manager kills its workers and exits.
+When the agent goes away, the manager kills its workers and exits. As the agent
+does on its node, the manager holds its runtime's data directory on this node while
+it runs (removed with its last holder) and sweeps the node's expired objects and
+unused file copies (``nimbus.data.Sweeper``: at start and every 10 s).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from nimbus import environments
 from nimbus.environments import Environment
 from nimbus.errors import NimbusError
 from nimbus.records import TaskRecord
+from nimbus.runtime._orders import ORDERS
 from nimbus.runtime.manager import Manager
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Link
 from nimbus.runtime.task import Task
@@ -144,6 +148,7 @@ class NodeManager:
                     "pid": os.getpid(),
                     "block": self.block,
                     "python": PYTHON,
+                    "can": [ORDERS],  # environment orders (Link.ORDER)
                 }
             ),
         )
@@ -168,10 +173,14 @@ class NodeManager:
             fork=True,
         )
         manager.start()
+        from nimbus.data import Sweeper  # as the agent: holds this node's data, sweeps it
+
+        data = Sweeper()  # (a thread: after the workers are forked)
         try:
             self._channel = channel = self.connect()
         except BaseException:
             manager.shutdown(wait=True, kill=True)
+            data.close()
             raise
         # a worker forked again later (one was lost) must not keep the agent's link open
         os.register_at_fork(after_in_child=channel.sock.close)
@@ -195,6 +204,7 @@ class NodeManager:
         finally:
             self._stopped.set()
             channel.close()
+            data.close()  # the node's data directory goes with its last holder
         return code
 
     def _handle(self, frames: list[Frame], manager: Manager) -> bool:
@@ -210,6 +220,11 @@ class NodeManager:
                 self._send(Link.DRAINED, {"held": len(self._tasks)})
             elif frame.kind == Link.STOP:
                 return True
+            elif frame.kind == Link.ORDER:
+                order = unpack(frame.meta)
+                spec = order.get("environment")
+                env = self._environment(spec) if spec else None
+                manager.order(str(order["ref"]), str(order["action"]), str(order["name"]), env)
         return False
 
     def _tasks_of(self, rows: list[list[Any]], buffers: list[Any]) -> list[Task]:
@@ -282,13 +297,18 @@ class NodeManager:
 
     def _beat(self, manager: Manager) -> None:
         beats = 0
+        said: dict[str, Any] = {}
         while not self._stopped.wait(self.heartbeat):
             stats = manager.statistics()
             slots, unused, window = manager.environments()
             beat = {"held": len(self._tasks), "ready": stats["ready"], "window": window}
             beat.update(slots=slots, unused=unused, environments=stats["environments"])
             beat["run"], beat["start"] = manager.costs()
-            if beats % CACHE_EVERY == 0:  # what is built on this node, now and then
+            orders = dict(manager.orders)  # how the environment orders went here
+            if orders:
+                beat["orders"] = orders
+            if beats % CACHE_EVERY == 0 or orders != said:  # what is built here: now and then
+                said = orders
                 try:
                     beat["cache"] = environments.cache().report()
                 except (OSError, NimbusError) as exc:

@@ -274,6 +274,7 @@ class Workers:
     _env_failures: dict[str, int]
     _start_failures: int
     _closing: bool
+    _kill: bool
     _fork: bool
     _python: str
     _env: dict[str, str]
@@ -294,6 +295,34 @@ class Workers:
 
     def _fail_all(self, error: NimbusError) -> None:
         raise NotImplementedError  # the manager's
+
+    def _stop_workers(self) -> None:
+        """The loop ends: close every worker's channel (kill them with ``_kill``), wait
+        for them (2 s, then kill) and for the retired ones, and close the loop's files."""
+        self._closing = True
+        for worker in self._workers:
+            worker.channel.close()
+            if self._kill:
+                worker.proc.kill()
+        deadline = time.monotonic() + 2.0
+        for worker in self._workers:
+            try:
+                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.proc.kill()
+                worker.proc.wait()
+        for proc in self._reap:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._workers.clear()
+        self._net.close()
+        self._selector.close()
+        wake_w, self._wake_w = self._wake_w, -1
+        os.close(wake_w)
+        os.close(self._wake_r)
 
     def _reconcile(self) -> None:
         """Make the workers match the layout: retire surplus ones, start missing ones."""

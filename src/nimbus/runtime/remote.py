@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nimbus.runtime._orders import KEPT, ORDERS
 from nimbus.runtime.messages import INLINE_LIMIT, Link
 from nimbus.runtime.node import HANDSHAKE_SECONDS, proof, receive_one
 from nimbus.runtime.task import Task, environment_tag
@@ -74,6 +75,8 @@ class RemoteManager:
         # per environment tag its slots, ready and free workers; its node's cache rows
         self.held_environments: dict[str, dict[str, Any]] = {}
         self.cache: list[dict[str, Any]] | None = None
+        self.can = set(info.get("can") or ())  # "orders": it builds and removes when asked
+        self.orders: dict[str, dict[str, Any]] = {}  # ref -> outcome, as its heartbeats say
         self.run_seconds: float | None = None  # a task's run, a worker's start: heartbeats
         self.start_seconds: float | None = None
         self.joined = time.monotonic()
@@ -196,6 +199,25 @@ class RemoteManager:
         self.slots[tag] = self.slots.get(tag, 0) + 1
         return True
 
+    def order(self, ref: str, action: str, name: str, environment: Any = None) -> None:
+        """Build ``environment`` on its node, or remove ``name`` there (``orders[ref]``
+        says how it went, from its heartbeats); a node too old to know orders fails it."""
+        if ORDERS not in self.can:
+            self.orders[ref] = {
+                "state": "failed",
+                "message": f"the nimbus manager on {self.node} is older than its agent and "
+                "cannot build or remove environments on request: upgrade nimbus there (its "
+                "next block does); meanwhile it builds an environment at its first task",
+                "seconds": 0.0,
+            }
+            return
+        spec = environment.to_dict() if environment is not None else None
+        self.orders[ref] = {"state": "building" if spec else "removing", "message": ""}
+        with self._lock:
+            self._write(
+                Link.ORDER, {"ref": ref, "action": action, "name": name, "environment": spec}
+            )
+
     def cancel(self, task: Task) -> None:
         with self._lock:
             wid = self._wids.get(id(task))
@@ -268,6 +290,9 @@ class RemoteManager:
                     self.held_environments = beat.get("environments") or {}
                 if "cache" in beat:  # its node's built environments, now and then
                     self.cache = list(beat["cache"])
+                if "orders" in beat:  # how its environment orders went (its last KEPT)
+                    orders = {**self.orders, **beat["orders"]}
+                    self.orders = dict(list(orders.items())[-2 * KEPT :])
             elif frame.kind == Link.NOTICE:
                 if self._on_notice is not None:
                     try:

@@ -36,7 +36,7 @@ from nimbus.config import Settings
 from nimbus.errors import PayloadTooLargeError, ServiceError
 from nimbus.protocol import WS_AGENT, WS_CLIENT, too_large
 from nimbus.service import data as data_routes
-from nimbus.service import metrics, routes, stores, tasks
+from nimbus.service import dependencies, environments, metrics, routes, stores, tasks
 from nimbus.service.context import ServiceContext
 from nimbus.service.dashboard import router as dashboard_router
 from nimbus.service.data import DataStore
@@ -142,6 +142,7 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         await store.requeue_all()
         app.state.queue_redis = client
         ctx = app.state.ctx = ServiceContext(settings, registry, store, Hub(), data)
+        dependencies.held_by(ctx)  # tasks held for their inputs: released, or failed
         jobs = [
             asyncio.create_task(_every(SWEEP_SECONDS, data.sweep, "sweeping the data store")),
             asyncio.create_task(
@@ -164,6 +165,7 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         lifespan=lifespan,
     )
     app.include_router(routes.router)
+    app.include_router(environments.router)
     app.include_router(tasks.router)
     app.include_router(stores.router)
     app.include_router(data_routes.router)

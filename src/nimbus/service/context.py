@@ -34,6 +34,7 @@ from nimbus.errors import AuthError, NotFound, ServiceError
 from nimbus.protocol import DELETED, REPLACED, REVOKED, Cancel, ResultRow, is_uuid, pack
 from nimbus.records import TaskState
 from nimbus.service.hub import Hub
+from nimbus.service.orders import OrderBook
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import EndpointInfo, FunctionInfo, Principal, Registry, hash_token
 
@@ -76,6 +77,7 @@ class ServiceContext:
         # registry sweep (app.py) never closes one first with the wrong reason
         self._revoking = asyncio.Lock()
         self._jobs: set[asyncio.Task[None]] = set()
+        self.orders = OrderBook()  # environment orders to the agents connected here
 
     # ------------------------------------------------------------ auth
 

@@ -32,20 +32,22 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
 
 from nimbus.config import MAX_TIMEOUT
-from nimbus.errors import QuotaExceeded
+from nimbus.errors import AuthError, NotFound, QuotaExceeded
 from nimbus.records import TaskState
 from nimbus.service.counters import COUNT, metrics_key
+from nimbus.service.held import fail_held_lua, settle_lua
 from nimbus.statestore import Keys
 
-__all__ = ["Broken", "Taken", "TaskStore"]
+__all__ = ["Broken", "Held", "Taken", "TaskStore"]
 
+Held = tuple[str, str, str]  # a held task to fail: its id, its input's, the input's state
 Broken = tuple[str, str, str]  # a task taken whose stored record is broken: id, function, why
 Taken = tuple[str, str, bytes, float | None, str, str, dict[str, Any] | None]  # id, function,
 # payload, timeout, data id, owner, environment: a task taken to be sent to an agent
@@ -72,12 +74,24 @@ end
 _SUBMIT = """
 local t = cmsgpack.unpack(ARGV[2])
 local owner, endpoint, group, submitted, size = t[1], t[2], t[3], t[4], t[6]
+local earlier = {}  -- a row's inputs: tasks of this owner, stored or earlier in this batch
+for i, r in ipairs(t[5]) do
+  for _, a in ipairs(r[7] or {}) do
+    if not earlier[a] then
+      local o = redis.pcall('HGET', ARGV[1] .. a, 'owner')
+      if type(o) ~= 'string' then return {-3, i - 1, a} end
+      if o ~= owner then return {-4, i - 1, a} end
+    end
+  end
+  earlier[r[1]] = true
+end
 local q = redis.call('HMGET', KEYS[4], 'tasks', 'bytes')
 local tasks, bytes = tonumber(q[1] or 0) or 0, tonumber(q[2] or 0) or 0
 if tasks + #t[5] > tonumber(ARGV[5]) then return {-1, tasks} end
 if bytes + size > tonumber(ARGV[6]) then return {-2, bytes} end
 redis.call('HINCRBY', KEYS[4], 'tasks', #t[5])
 redis.call('HINCRBY', KEYS[4], 'bytes', size)
+local held, fail = {}, {}
 for _, r in ipairs(t[5]) do
   local id = r[1]
   redis.call('HSET', ARGV[1] .. id, 'state', 'waiting-for-endpoint', 'owner', owner,
@@ -89,23 +103,44 @@ for _, r in ipairs(t[5]) do
     redis.call('PERSIST', ARGV[4] .. r[5])
   end
   if r[6] ~= '' then redis.call('HSET', ARGV[1] .. id, 'env', r[6]) end  -- its environment
+  if r[7] then  -- held ('waits': inputs not done) until its inputs succeed
+    local waits, failed = 0, nil
+    for _, a in ipairs(r[7]) do
+      local st = redis.call('HGET', ARGV[1] .. a, 'state')
+      if st == 'failed' or st == 'cancelled' then
+        failed = failed or {id, a, st}
+      elseif st ~= 'success' then
+        redis.call('SADD', ARGV[1] .. a .. ARGV[7], id)
+        waits = waits + 1
+      end
+    end
+    if failed then  -- failed by the caller (it makes the error), as a held task
+      fail[#fail + 1] = failed
+      waits = waits + 1
+    end
+    if waits > 0 then
+      redis.call('HSET', ARGV[1] .. id, 'waits', waits)
+      held[id] = true
+    end
+  end
 end
 for i = 1, #t[5], 1000 do  -- indexed and queued 1,000 at a time (one call each, not per task)
-  local ids, scored = {}, {}
+  local ids, scored, ready = {}, {}, {}
   for j = i, math.min(i + 999, #t[5]) do
     local id = t[5][j][1]
     ids[#ids + 1] = id
     scored[#scored + 1] = submitted
     scored[#scored + 1] = id
+    if not held[id] then ready[#ready + 1] = id end
   end
   redis.call('ZADD', KEYS[2], unpack(scored))
   redis.call('ZADD', KEYS[5], unpack(scored))
-  redis.call('RPUSH', KEYS[1], unpack(ids))
+  if #ready > 0 then redis.call('RPUSH', KEYS[1], unpack(ready)) end
   redis.call('RPUSH', KEYS[3], unpack(ids))
 end
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 redis.call('PUBLISH', ARGV[1] .. 'changed', owner)  -- wakes the owner's open dashboard pages
-return {#t[5], 0}
+return {#t[5], 0, fail}
 """
 
 _OWNERS = """
@@ -146,6 +181,7 @@ return cmsgpack.pack(out)
 _FINISH = (
     _OWNERS
     + COUNT
+    + settle_lua(1, 7, 8)
     + """
 local out, drop = {}, {}
 local freed, quotas = {}, {}  -- quota hash -> {tasks, bytes} given back, once per owner at the end
@@ -171,7 +207,8 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
         f[2] = f[2] + (tonumber(v[5] or 0) or 0)
       end
       redis.call('HSET', key, 'state', r[2], 'result', r[3], 'record', r[4], 'ended', ARGV[2])
-      redis.call('HDEL', key, 'payload', 'data', 'quota')
+      redis.call('HDEL', key, 'payload', 'data', 'quota', 'waits')
+      settle(id, r[2])
       redis.call('EXPIRE', key, ARGV[3])
       if v[3] then
         redis.call('DEL', ARGV[6] .. v[3])
@@ -200,7 +237,7 @@ for _, quota in ipairs(quotas) do
 end
 if #out > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' ')) end
 flush(KEYS[2])
-return {out, drop}
+return {out, drop, woken, failed}
 """
 )
 
@@ -242,6 +279,7 @@ return n
 _CANCEL = (
     _RELEASE
     + COUNT
+    + settle_lua(6, 7, 8)
     + """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st or st == 'success' or st == 'failed' or st == 'cancelled' then return false end
@@ -255,7 +293,9 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 if data then redis.call('DEL', ARGV[5] .. data) end
 local conn = redis.call('HGET', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[2], ARGV[4])
-return {conn or '', data or ''}
+redis.call('HDEL', KEYS[1], 'waits')
+settle(ARGV[4], 'cancelled')
+return {conn or '', data or '', failed}
 """
 )
 
@@ -270,6 +310,10 @@ def _raw(obj: object) -> bytes:
 
 def _text(value: bytes | None) -> str:
     return value.decode(errors="replace") if value else ""
+
+
+def _held(rows: list[list[bytes]]) -> list[Held]:
+    return [(_text(d), _text(i), _text(st)) for d, i, st in rows]
 
 
 def _timeout(value: bytes | None) -> float | None:
@@ -314,6 +358,13 @@ class TaskStore:
         self._requeue = redis.register_script(_REQUEUE)
         self._running = redis.register_script(_RUNNING)
         self._cancel = redis.register_script(_CANCEL)
+        self._fail_held = redis.register_script(fail_held_lua(_OWNERS, _RELEASE))
+        self._then = keys.task_dependents("-")[len(keys.task("-")) :]  # ":then"
+        self._queue = keys.endpoint_queue("\0").split("\0")  # around the endpoint id
+        # what to do when tasks held for others are released or are to fail (the
+        # service's ``dependencies.settle``): called with the endpoints whose queues
+        # grew and the [dependent, input, state] rows to fail
+        self.settle: Callable[[list[str], list[Held]], Awaitable[None]] | None = None
 
     async def submit(
         self,
@@ -327,9 +378,15 @@ class TaskStore:
         *,
         max_tasks: int,
         max_bytes: int,
+        after: Sequence[Sequence[str] | None] | None = None,
     ) -> None:
         """Queue ``(task_id, function_id, payload, timeout, data_id, environment)`` rows for
         an endpoint.
+
+        ``after`` (one entry per row, or None): the ids of the tasks whose results a row
+        takes. Such a task is held (not queued) until they succeed, and fails (``settle``)
+        if one fails or is cancelled; an input that is not known, or not ``owner``'s,
+        refuses the whole batch (NotFound, AuthError) before anything is queued.
 
         A row with a ``data_id`` has its payload in the data store (``payload`` is empty);
         ``environment`` (an Environment's ``to_dict()``, or None; a row may leave it out)
@@ -349,9 +406,11 @@ class TaskStore:
             )
             for task_id, fn, payload, timeout, data_id, *env in tasks
         ]
+        if after is not None:
+            rows = [(*row, list(a)) if a else row for row, a in zip(rows, after)]  # type: ignore[misc]
         size = sum(len(row[2]) for row in rows)
         blob = _raw([owner, endpoint_id, group_id, repr(time.time()), rows, size])
-        queued, have = await self._submit(
+        queued, have, *held = await self._submit(
             keys=[
                 self.keys.endpoint_queue(endpoint_id),
                 self.keys.user_tasks(owner),
@@ -366,8 +425,22 @@ class TaskStore:
                 self._data_prefix,
                 max_tasks,
                 max_bytes,
+                self._then,
             ],
         )
+        if queued == -3:
+            raise NotFound(
+                f"tasks[{have}].after: task {_text(held[0])} is not known (it never was, or "
+                f"it ended more than the service's result time ago); pass only futures of "
+                f"tasks still known to the service",
+                404,
+            )
+        if queued == -4:
+            raise AuthError(
+                f"tasks[{have}].after: task {_text(held[0])} is not yours: a task can take "
+                f"the results of its owner's tasks only",
+                403,
+            )
         if queued == -1:
             raise QuotaExceeded(
                 f"quota: you have {have} tasks queued or running and may have at most "
@@ -382,6 +455,9 @@ class TaskStore:
                 f"{len(rows)} tasks add {size}; wait for some to finish or cancel them",
                 429,
             )
+        failed = _held(held[0]) if held else []
+        if failed and self.settle is not None:  # an input had failed already
+            await self.settle([], failed)
 
     async def queued(self, owner: str) -> tuple[int, int]:
         """The tasks and inline payload bytes ``owner`` has queued or running."""
@@ -430,12 +506,38 @@ class TaskStore:
             endpoint_id,
             _raw([list(row) for row in results]),
             self._data_prefix,
+            self._then,
+            *self._queue,
         ]
-        stored, drop = await self._finish(
+        stored, drop, woken, failed = await self._finish(
             keys=[self.keys.endpoint_inflight(endpoint_id), metrics_key(self.keys, endpoint_id)],
             args=args,
         )
+        await self._settled(woken, failed)
         return [value.decode() for value in stored], [value.decode() for value in drop]
+
+    async def _settled(self, woken: list[bytes], failed: list[list[bytes]]) -> None:
+        if (woken or failed) and self.settle is not None:
+            await self.settle([_text(e) for e in woken], _held(failed))
+
+    async def fail_held(
+        self, rows: Sequence[tuple[str, bytes]]
+    ) -> tuple[list[str], list[str], list[Held]]:
+        """Fail held tasks ``(task_id, packed result)`` (their input failed): those failed
+        (not cancelled or ended meanwhile), the data-store blobs to remove, and the tasks
+        held for them, to fail in turn."""
+        stored, drop, failed = await self._fail_held(
+            args=[
+                self._task_prefix,
+                repr(time.time()),
+                self.result_ttl,
+                _raw([list(row) for row in rows]),
+                self._then,
+                self._data_prefix,
+                *self._queue,
+            ]
+        )
+        return [_text(value) for value in stored], [_text(value) for value in drop], _held(failed)
 
     async def running(self, endpoint_id: str, task_ids: Sequence[str]) -> None:
         """Mark dispatched tasks of ``endpoint_id`` as running (its agent said so)."""
@@ -468,12 +570,22 @@ class TaskStore:
                 self.keys.endpoint_inflight(endpoint_id),
                 metrics_key(self.keys, endpoint_id),
             ],
-            args=[CANCELLED_RESULT, repr(time.time()), self.result_ttl, task_id, self._data_prefix],
+            args=[
+                CANCELLED_RESULT,
+                repr(time.time()),
+                self.result_ttl,
+                task_id,
+                self._data_prefix,
+                self._task_prefix,
+                self._then,
+                *self._queue,
+            ],
         )
         if done is None:
             return None
         await self.redis.publish(self.changes, b"")
-        conn, data = done
+        conn, data, failed = done
+        await self._settled([], failed)
         return _text(conn), _text(data)
 
     async def info(self, task_ids: Sequence[str]) -> list[dict[str, Any] | None]:

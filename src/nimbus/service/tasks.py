@@ -13,6 +13,7 @@ import binascii
 import math
 import re
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -31,6 +32,7 @@ from nimbus.protocol import (
     brief,
     check_environment,
     check_payload,
+    inputs_of,
     pack,
     too_large,
     unpack,
@@ -41,9 +43,38 @@ from nimbus.service.deps import context, current_user
 from nimbus.service.queues import CANCELLED_RESULT, DONE
 from nimbus.service.registry import FunctionInfo, Principal
 
-__all__ = ["cancel_tasks", "router", "row_of", "submit_tasks"]
+__all__ = ["after_of", "cancel_tasks", "router", "row_of", "submit_tasks"]
 
 Row = tuple[str, bytes, float | None, str, dict[str, Any] | None]
+
+
+def after_of(rows: list[SubmitRow]) -> list[list[str | int] | None] | None:
+    """The inputs each submitted row names (``after``), or None if none names any."""
+    after = [inputs_of(row) for row in rows]
+    return after if any(after) else None
+
+
+def _inputs(after: list[list[str | int] | None], ids: list[str]) -> list[list[str] | None]:
+    """Each row's inputs as task ids (a place ``i`` names row ``i``, an earlier one),
+    each once."""
+    out: list[list[str] | None] = []
+    for index, names in enumerate(after):
+        if not names:
+            out.append(None)
+            continue
+        found: dict[str, None] = {}
+        for name in names:
+            if type(name) is int:
+                if not 0 <= name < index:
+                    raise ServiceError(
+                        f"tasks[{index}].after: {name} is not the place of an earlier task of "
+                        f"this batch (0 to {index - 1})",
+                        422,
+                    )
+                name = ids[name]
+            found[str(name)] = None
+        out.append(list(found))
+    return out
 
 
 def row_of(row: SubmitRow) -> Row:
@@ -112,12 +143,21 @@ def _check_pins(fn: FunctionInfo, environment: dict[str, Any], index: int) -> No
 
 
 async def submit_tasks(
-    ctx: ServiceContext, user: Principal, endpoint_id: str, rows: list[Row]
+    ctx: ServiceContext,
+    user: Principal,
+    endpoint_id: str,
+    rows: list[Row],
+    after: list[list[str | int] | None] | None = None,
+    watch: Callable[[list[str]], None] | None = None,
 ) -> tuple[str, list[str]]:
     """Queue ``(function_id, payload, timeout, data_id, environment)`` rows; the group id
     and the task ids.
 
     A row with a ``data_id`` has its payload in the data store, uploaded by ``user``.
+    ``after`` (one entry per row): the tasks whose results a row takes (task ids of
+    ``user``, or places of earlier rows); it is held until they succeed
+    (``nimbus.service.dependencies``). ``watch`` is given the ids before they are
+    queued (a held task may fail at once: its watcher hears it).
     """
     if not isinstance(endpoint_id, str) or not 0 < len(endpoint_id) <= 64:
         raise ServiceError(f"endpoint_id: expected an endpoint id, not {brief(endpoint_id)}", 422)
@@ -144,14 +184,26 @@ async def submit_tasks(
     await ctx.data.check_arguments(user.user_id, data_ids)
     group_id = str(uuid.uuid4())
     ids = [str(uuid.uuid4()) for _ in rows]
-    await ctx.store.submit(
-        user.user_id,
-        endpoint.id,
-        group_id,
-        [(task_id, *row) for task_id, row in zip(ids, rows)],
-        max_tasks=ctx.settings.max_queued_tasks,
-        max_bytes=ctx.settings.max_queued_bytes,
-    )
+    if after is not None and len(after) != len(rows):
+        raise ServiceError(f"tasks.after: {len(after)} entries for {len(rows)} tasks", 422)
+    inputs = None if after is None else _inputs(after, ids)
+    watched = watch is not None and inputs is not None
+    if watch is not None and watched:
+        watch(ids)
+    try:
+        await ctx.store.submit(
+            user.user_id,
+            endpoint.id,
+            group_id,
+            [(task_id, *row) for task_id, row in zip(ids, rows)],
+            max_tasks=ctx.settings.max_queued_tasks,
+            max_bytes=ctx.settings.max_queued_bytes,
+            after=inputs,
+        )
+    except BaseException:
+        for task_id in ids if watched else ():
+            ctx.hub.watchers.pop(task_id, None)
+        raise
     return group_id, ids
 
 
@@ -307,7 +359,7 @@ async def submit_batch(request: Request, user: User, ctx: Ctx) -> Response:
         raise ServiceError(str(exc), 422) from None
     endpoint_id = batch.endpoint_id
     rows = [row_of(row) for row in batch.tasks]
-    group_id, ids = await submit_tasks(ctx, user, endpoint_id, rows)
+    group_id, ids = await submit_tasks(ctx, user, endpoint_id, rows, after_of(batch.tasks))
     ctx.hub.work_arrived(endpoint_id)
     return Response(pack({"group_id": group_id, "task_ids": ids}), 201, media_type=MSGPACK)
 

@@ -43,6 +43,7 @@ from nimbus.protocol import (
     Hello,
     Malformed,
     Message,
+    Ordered,
     Refused,
     Result,
     ResultRow,
@@ -63,7 +64,7 @@ from nimbus.runtime.messages import Status
 from nimbus.service.context import ServiceContext
 from nimbus.service.hub import Peer
 from nimbus.service.registry import hash_token
-from nimbus.service.tasks import cancel_tasks, row_of, submit_tasks
+from nimbus.service.tasks import after_of, cancel_tasks, row_of, submit_tasks
 
 __all__ = ["agent_socket", "client_socket", "tell_lost"]
 
@@ -76,7 +77,9 @@ STOP_SECONDS = 2.0  # a dispatcher gets this long to stop when its connection en
 RESTART_MAX = 5.0  # seconds between restarts of a dispatcher that keeps failing
 DONE_STATES = frozenset(state for state in TaskState if state.done)
 LOST_CHUNK = 10_000  # task ids looked up, or named in one "unknown" message
-AGENT_SENDS: dict[str, type[Message]] = {kind.op: kind for kind in (Results, Running, Beat)}
+AGENT_SENDS: dict[str, type[Message]] = {
+    kind.op: kind for kind in (Results, Running, Beat, Ordered)
+}
 CLIENT_SENDS: dict[str, type[Message]] = {kind.op: kind for kind in (Submit, Watch, Cancel)}
 
 
@@ -147,11 +150,12 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     silence = 3 * ctx.settings.heartbeat
     try:
         hello = Hello.decode(await asyncio.wait_for(_receive(ws, {"hello": Hello}), silence))
-        python, serializer, workers, window = (
+        python, serializer, workers, window, can = (
             hello.python,
             hello.serializer,
             hello.workers,
             hello.window,
+            hello.can,
         )
     except WebSocketDisconnect:
         return
@@ -173,6 +177,7 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
         last_heartbeat=repr(time.time()),
     )
     ctx.versions[endpoint_id] = (python, serializer)
+    ctx.orders.joined(conn_id, can)  # environment orders only to an agent that knows them
     ctx.hub.add_agent(endpoint_id, peer)
     sent: set[str] = set()
     room = asyncio.Event()
@@ -203,6 +208,8 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                 await peer.send(Ack(ids).encode())
             elif op == "running":
                 await ctx.store.running(endpoint_id, Running.decode(msg).ids)
+            elif op == "ordered":
+                ctx.orders.answered(conn_id, Ordered.decode(msg))
             elif op == "beat":
                 beat = Beat.decode(msg)
                 await peer.send(Beat(beat.t).encode())
@@ -211,6 +218,8 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                     if held != last_held:
                         last_held = held
                         await ctx.store.set_status(endpoint_id, environments=held)
+                if beat.orders:  # how its nodes do with environment orders
+                    ctx.orders.heard(endpoint_id, beat.orders)
                 if beat.runtime is not None and beat.runtime != last_runtime:
                     last_runtime = beat.runtime  # blocks, managers, workers: for the dashboard
                     await ctx.store.set_status(
@@ -238,6 +247,7 @@ async def agent_socket(ctx: ServiceContext, ws: WebSocket) -> None:
         if not dispatcher.done():
             log.warning("the dispatcher of connection %s did not stop in time", conn_id)
         ctx.hub.drop_agent(endpoint_id, peer)
+        ctx.orders.left(conn_id)
         if await ctx.store.requeue(endpoint_id, conn_id):
             ctx.hub.work_arrived(endpoint_id)
         if malformed is not None:
@@ -361,6 +371,10 @@ async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
     await ws.accept()
     peer = Peer(uuid.uuid4().hex, ws.send_bytes, digest=hash_token(token or ""), close=ws.close)
     ctx.hub.peers[peer.conn_id] = peer
+
+    def watching(ids: list[str]) -> None:  # before they are queued: a held task may fail at once
+        ctx.hub.watch(ids, peer)
+
     try:
         while True:
             msg = await _receive(ws, CLIENT_SENDS)
@@ -371,7 +385,9 @@ async def client_socket(ctx: ServiceContext, ws: WebSocket) -> None:
                     submit = Submit.decode(msg)
                     endpoint_id = submit.endpoint_id
                     rows = [row_of(row) for row in submit.tasks]
-                    group_id, ids = await submit_tasks(ctx, user, endpoint_id, rows)
+                    group_id, ids = await submit_tasks(
+                        ctx, user, endpoint_id, rows, after_of(submit.tasks), watching
+                    )
                 except (ServiceError, PayloadTooLargeError) as exc:
                     status = exc.status if isinstance(exc, ServiceError) else 413
                     await peer.send(Refused(ref, status or 422, str(exc)).encode())

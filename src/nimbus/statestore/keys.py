@@ -167,6 +167,11 @@ class Keys:
         """A task's hash: state, owner, endpoint, function, payload, result, record."""
         return self._key("task", task_id)
 
+    def task_dependents(self, task_id: str) -> str:
+        """The set of ids of tasks held until task ``task_id`` ends (they take its result):
+        ``task(task_id)`` and a suffix (the task store's scripts join the two)."""
+        return self._key("task", task_id, "then")
+
     def endpoint_queue(self, endpoint_id: str) -> str:
         """The list of task ids waiting for an endpoint (oldest at the head)."""
         return self._key("endpoint", endpoint_id, "queue")

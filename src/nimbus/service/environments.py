@@ -1,0 +1,83 @@
+"""``/v1/endpoints/{id}/environments``: build or remove an environment on every node of an
+endpoint (``nimbus environments build|remove NAME --endpoint X``), and follow it.
+
+Whoever may use the endpoint may ask (as for its tasks); the endpoint must be
+online, its agent new enough to know orders, and the agent refuses what it cannot
+do before doing any of it (see ``nimbus.service.orders``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, Field, field_validator
+
+from nimbus.errors import ProtocolError, ServiceError
+from nimbus.protocol import Order, check_environment
+from nimbus.service.context import ServiceContext
+from nimbus.service.deps import context, current_user
+from nimbus.service.orders import new_order_id
+from nimbus.service.registry import Principal
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1")
+User = Annotated[Principal, Depends(current_user)]
+Ctx = Annotated[ServiceContext, Depends(context)]
+
+
+class OrderIn(BaseModel):
+    action: Literal["build", "remove"]
+    name: str = Field(min_length=1, max_length=200, description="the environment's name (or key)")
+    environment: dict[str, Any] | None = Field(
+        default=None, description="build: the spec (Environment.to_dict()), required"
+    )
+
+    @field_validator("environment", mode="before")
+    @classmethod
+    def _environment(cls, value: object) -> object:
+        try:
+            return check_environment(value, "environment")
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from None
+
+
+@router.post(
+    "/endpoints/{endpoint_id}/environments",
+    status_code=202,
+    tags=["endpoints"],
+    responses={
+        404: {"description": "no such endpoint you may use, or (remove) no node holds the name"},
+        409: {"description": "the endpoint is offline, too old, has no nodes, or (remove) busy"},
+        504: {"description": "its agent did not answer in time"},
+    },
+)
+async def order_environment(endpoint_id: str, body: OrderIn, user: User, ctx: Ctx) -> Any:
+    """Build (or remove) an environment on every node of the endpoint now: 202 with the
+    order's id and the nodes asked; 409 when the endpoint is offline, its agent too old,
+    or the environment busy (remove); 404 when no node holds the name (remove)."""
+    info = await ctx.endpoint(user, endpoint_id)
+    if body.action == "build" and body.environment is None:
+        raise ServiceError("environment: a build needs the spec (Environment.to_dict())", 422)
+    agents = [
+        peer
+        for conn_id in list(ctx.hub.endpoint_agents.get(info.id, ()))
+        if (peer := ctx.hub.agents.get(conn_id)) is not None and not peer.closed
+    ]
+    if not agents:
+        raise ServiceError(
+            f"endpoint {info.name!r} is offline: start it where it is configured (`nimbus "
+            f"endpoint start {info.name}`), then ask again; nothing was done",
+            409,
+        )
+    order = Order(new_order_id(), body.action, body.name, body.environment)
+    return await ctx.orders.place(info.id, info.name, user.user_id, agents, order)
+
+
+@router.get("/endpoints/{endpoint_id}/environments/{order_id}", tags=["endpoints"])
+async def environment_order(endpoint_id: str, order_id: str, user: User, ctx: Ctx) -> Any:
+    """How each node does with your order: ``{order_id, action, name, nodes:
+    [{node, state, message, seconds}], done}``."""
+    info = await ctx.endpoint(user, endpoint_id)
+    return ctx.orders.status(info.id, user.user_id, order_id)

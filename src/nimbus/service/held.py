@@ -1,0 +1,85 @@
+"""The task store's Lua for tasks held until their inputs end (``after``).
+
+``settle_lua`` is spliced into the scripts that end a task (finish, cancel) and into
+``fail_held_lua``, which fails held tasks whose input failed. The store's other scripts and
+the Python side are ``nimbus.service.queues``; what the service does with what they
+return, ``nimbus.service.dependencies``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["fail_held_lua", "settle_lua"]
+
+
+def settle_lua(prefix: int, then: int, queue: int) -> str:
+    """The Lua of ``settle(id, state)``: a task that ended releases the tasks held for it
+    (``after``). On success each waits for one input less and, at none, joins its
+    endpoint's queue (``woken`` names the endpoints); otherwise each is to fail
+    (``failed``: ``{dependent, input, state}``; the caller makes the error and fails it
+    with ``fail_held``). The task prefix, the suffix of a task's set of dependents and an
+    endpoint queue's key (around the endpoint id: ``queue``, ``queue + 1``) are read
+    from those ARGV places."""
+    return (
+        """
+local woken, failed, named_ep = {}, {}, {}
+local function settle(id, state)
+  local set = ARGV[P] .. id .. ARGV[T]
+  local deps = redis.call('SMEMBERS', set)
+  if #deps == 0 then return end
+  redis.call('DEL', set)
+  for _, d in ipairs(deps) do
+    local dk = ARGV[P] .. d
+    local w = redis.call('HMGET', dk, 'state', 'waits', 'endpoint')
+    if w[1] == 'waiting-for-endpoint' and w[2] then
+      if state ~= 'success' then
+        failed[#failed + 1] = {d, id, state}
+      elseif redis.call('HINCRBY', dk, 'waits', -1) <= 0 then
+        redis.call('HDEL', dk, 'waits')
+        redis.call('RPUSH', ARGV[Q] .. w[3] .. ARGV[R], d)
+        if not named_ep[w[3]] then
+          named_ep[w[3]] = true
+          woken[#woken + 1] = w[3]
+        end
+      end
+    end
+  end
+end
+""".replace("ARGV[P]", f"ARGV[{prefix}]")
+        .replace("ARGV[T]", f"ARGV[{then}]")
+        .replace("ARGV[Q]", f"ARGV[{queue}]")
+        .replace("ARGV[R]", f"ARGV[{queue + 1}]")
+    )
+
+
+def fail_held_lua(owners: str, release: str) -> str:
+    """The script that fails held tasks whose input failed (``[[task_id, result], ...]``
+    in ARGV[4]), as cancel does (their quota given back: ``release``, the store's
+    ``release(key)``; ``owners``, its ``moved(owner)``); it returns those failed, the
+    data-store blobs to remove and the tasks held for them, to fail in turn."""
+    return (
+        owners
+        + release
+        + settle_lua(1, 5, 7)
+        + """
+local out, drop = {}, {}
+for _, r in ipairs(cmsgpack.unpack(ARGV[4])) do
+  local key = ARGV[1] .. r[1]
+  local v = redis.call('HMGET', key, 'state', 'waits', 'data', 'owner')
+  if v[1] == 'waiting-for-endpoint' and v[2] then
+    release(key)
+    redis.call('HSET', key, 'state', 'failed', 'result', r[2], 'ended', ARGV[2])
+    redis.call('HDEL', key, 'payload', 'data', 'waits')
+    redis.call('EXPIRE', key, ARGV[3])
+    if v[3] then
+      redis.call('DEL', ARGV[6] .. v[3])
+      drop[#drop + 1] = v[3]
+    end
+    out[#out + 1] = r[1]
+    moved(v[4])
+    settle(r[1], 'failed')
+  end
+end
+if #out > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' ')) end
+return {out, drop, failed}
+"""
+    )
