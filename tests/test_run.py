@@ -686,3 +686,65 @@ def test_replacement_workers_do_not_inherit_what_the_root_opened_since(tmp_path:
     assert lines["replaced"] == "True"
     first, replaced = map(int, lines["counts"].split())
     assert replaced <= first, done.stdout
+
+
+PACKAGE_MAIN = """
+    import sys
+    import multiprocessing as mp
+
+    def sq(x):
+        return x * x
+
+    if __name__ == "__main__":
+        with mp.Pool(2) as pool:
+            print(pool.map(sq, range(5)))
+        p = mp.Process(target=sq, args=(3,))
+        p.start()
+        p.join()
+        print("exit", p.exitcode, __spec__.name if __spec__ else None)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_functions_of_a_package_or_directory_main_run_in_pool_and_process(tmp_path: Path) -> None:
+    """Issue 16 fixrun #1: `nimbus run -m mypkg` and `nimbus run DIR` with a __main__.py
+    defining the function: children import it as __mp_main__ (the stdlib's spawn leaves
+    out a `.__main__` module; every child failed to unpickle `sq` and Pool.map hung)."""
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    _script(pkg, PACKAGE_MAIN, "__main__.py")
+    app = tmp_path / "app"
+    app.mkdir()
+    _script(app, PACKAGE_MAIN, "__main__.py")
+    for args, spec in ((["-m", "mypkg"], "mypkg.__main__"), (["app"], "__main__")):
+        done = _python("-m", "nimbus", "run", *args, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == ["[0, 1, 4, 9, 16]", f"exit 0 {spec}"], done.stderr
+        plain = _python(*args, cwd=tmp_path)
+        assert plain.stdout == done.stdout, plain.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_task_its_worker_cannot_unpickle_fails_the_map(tmp_path: Path) -> None:
+    """Issue 16 fixrun #1: a task whose function the pool's children cannot find fails the
+    map with the DeserializationError, as a task that raises does: it never hangs, and the
+    pool's workers live on."""
+    path = _script(
+        tmp_path,
+        """
+        import multiprocessing as mp
+        if __name__ == "__main__":
+            def sq(x):  # not in the module the children import
+                return x * x
+            with mp.Pool(2) as pool:
+                try:
+                    pool.map(sq, range(20))
+                except Exception as exc:
+                    print("failed:", type(exc).__name__, "'sq'" in str(exc))
+                print(pool.map(abs, [-1, -2]))
+        """,
+    )
+    done = _python("-m", "nimbus", "run", str(path), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["failed: DeserializationError True", "[1, 2]"]
