@@ -748,3 +748,47 @@ def test_a_pool_task_its_worker_cannot_unpickle_fails_the_map(tmp_path: Path) ->
     done = _python("-m", "nimbus", "run", str(path), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["failed: DeserializationError True", "[1, 2]"]
+
+
+UNGUARDED = """
+    import math
+    import multiprocessing as mp
+    import threading
+
+    def sq(x):
+        return math.sqrt(x) * 2
+
+    class Box:
+        def __init__(self, v):
+            self.v = v
+
+    def child(q, lock, rlock, box):
+        with lock:
+            q.put(("child", box.v, sq(16), rlock.acquire(blocking=False)))
+
+    print("start", mp.get_start_method())
+    with mp.Pool(2) as pool:
+        print(pool.map(sq, [1, 4, 9]))
+    q = mp.Queue()
+    rlock = threading.RLock()
+    rlock.acquire()
+    p = mp.Process(target=child, args=(q, threading.Lock(), rlock, Box(7)))
+    p.start()
+    print(q.get())
+    p.join()
+    print("exit", p.exitcode)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_the_main_guard_runs_as_with_fork(tmp_path: Path) -> None:
+    """Issue 16 fixrun #2: a fork-style script (no `if __name__ == "__main__":`) runs under
+    `nimbus run` as under python's fork: its top level runs once, its functions and classes
+    go to the children by value; thread locks passed to a Process arrive in their state."""
+    path = _script(tmp_path, UNGUARDED)
+    done = _python("-m", "nimbus", "run", str(path), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    plain = _python(str(path), cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    assert done.stdout == plain.stdout
+    assert done.stdout.splitlines()[2] == "('child', 7, 8.0, True)"
