@@ -539,7 +539,11 @@ def test_nimbus_run_directory_with_main_runs_as_python_does(tmp_path: Path) -> N
     empty = tmp_path / "empty"
     empty.mkdir()
     missing = _python("-m", "nimbus", "run", "empty", cwd=tmp_path)
-    assert missing.returncode == 2 and "can't open file 'empty'" in missing.stderr
+    # issue 16 fixrun #3: as python says it, status 1
+    python = _python("empty", cwd=tmp_path)
+    assert python.returncode == missing.returncode == 1, missing.stderr
+    said = f"can't find '__main__' module in {str(empty)!r}\n"
+    assert python.stderr.endswith(": " + said) and missing.stderr == "nimbus run: " + said
 
 
 def test_a_wrong_environment_is_one_line_before_the_program(tmp_path: Path) -> None:
@@ -792,3 +796,41 @@ def test_a_script_without_the_main_guard_runs_as_with_fork(tmp_path: Path) -> No
     assert plain.returncode == 0, plain.stderr
     assert done.stdout == plain.stdout
     assert done.stdout.splitlines()[2] == "('child', 7, 8.0, True)"
+
+
+def test_syntax_error_and_interrupt_show_only_the_programs_frames(tmp_path: Path) -> None:
+    """Issue 16 fixrun #4: a SyntaxError in the script and a KeyboardInterrupt in it are
+    shown as python shows them, with no frame of nimbus's launcher or Ctrl-C handler."""
+    bad = _script(tmp_path, "x = 1\ndef (:\n", "bad.py")
+    interrupted = _script(tmp_path, "def f():\n    raise KeyboardInterrupt\nf()\n", "ki.py")
+    for path in (bad, interrupted):
+        done = _python("-m", "nimbus", "run", str(path), cwd=tmp_path)
+        plain = _python(str(path), cwd=tmp_path)
+        assert (done.returncode, done.stderr) == (plain.returncode, plain.stderr)
+        assert "nimbus" not in done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bad_config_and_an_unreachable_store_are_one_line(tmp_path: Path) -> None:
+    """Issue 16 fixrun #4: nimbus's own configuration error while starting the program's
+    processes is one line and status 2; a store it cannot reach one line and status 1."""
+    path = _script(
+        tmp_path,
+        """
+        import multiprocessing as mp
+        if __name__ == "__main__":
+            with mp.Pool(2) as pool:
+                print(pool.map(abs, [-1]))
+        """,
+    )
+    for variable, value, status, named in (
+        ("NIMBUS_WORKERS", "abc", 2, "NIMBUS_WORKERS='abc'"),
+        ("NIMBUS_REDIS_URL", "redis://127.0.0.1:1", 1, "redis://127.0.0.1:1"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "nimbus", "run", str(path)], cwd=tmp_path,
+            env={**ENV, variable: value}, capture_output=True, text=True, timeout=100, check=False,
+        )  # fmt: skip
+        assert done.returncode == status, done.stderr
+        assert done.stderr.count("\n") == 1 and named in done.stderr, done.stderr
+        assert done.stderr.startswith("nimbus run: ")
