@@ -834,3 +834,72 @@ def test_bad_config_and_an_unreachable_store_are_one_line(tmp_path: Path) -> Non
         assert done.returncode == status, done.stderr
         assert done.stderr.count("\n") == 1 and named in done.stderr, done.stderr
         assert done.stderr.startswith("nimbus run: ")
+
+
+@pytest.mark.timeout(120)
+def test_what_a_killed_program_left_is_removed_when_the_next_starts(tmp_path: Path) -> None:
+    """Issue 16 fixrun #5: SIGKILL of a program using Pipes (messaging sockets), a Pool
+    and a Process leaves its store's files, its relay, its m-<id> sockets and its shared
+    memory directory; the next program's start removes all of them, in one pass."""
+    import shutil
+    import tempfile
+
+    runtime = Path(tempfile.mkdtemp(prefix="nr", dir="/tmp"))  # short: Unix socket paths
+    env = {**ENV, "NIMBUS_RUNTIME_DIR": str(runtime)}
+    killed = _script(
+        tmp_path,
+        """
+        import multiprocessing as mp, time
+        def echo(c):
+            c.send(c.recv())
+            time.sleep(60)
+        if __name__ == "__main__":
+            a, b = mp.Pipe()
+            p = mp.Process(target=echo, args=(b,))
+            p.start()
+            b.close()
+            a.send("x")
+            with mp.Pool(2) as pool:
+                print(a.recv(), pool.map(abs, [-1]), flush=True)
+            time.sleep(60)
+        """,
+        "killed.py",
+    )
+    nxt = _script(
+        tmp_path,
+        """
+        import multiprocessing as mp
+        if __name__ == "__main__":
+            p = mp.Process(target=print, args=("next",))
+            p.start()
+            p.join()
+        """,
+        "next.py",
+    )
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nimbus", "run", str(killed)], cwd=tmp_path, env=env,
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == "x [1]\n"
+            left = sorted(p.name for p in runtime.iterdir())
+            assert any(n.startswith("m-") for n in left) and any(
+                n.startswith("relay-") for n in left
+            )
+            assert any(n.startswith("redis-") for n in left), left
+            shm = list(Path("/dev/shm").glob(f"*/*-{proc.pid}-*"))
+            assert shm
+        finally:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()  # type: ignore[union-attr]
+        done = subprocess.run(
+            [sys.executable, "-m", "nimbus", "run", str(nxt)], cwd=tmp_path, env=env,
+            capture_output=True, text=True, timeout=100, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0 and done.stdout == "next\n", done.stderr
+        assert sorted(p.name for p in runtime.iterdir()) == []
+        assert not [p for p in shm if p.exists()]
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
