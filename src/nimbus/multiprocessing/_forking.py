@@ -39,7 +39,7 @@ __all__ = ["MAIN_KEYS", "WARM_MODULES", "start"]
 PR_SET_PDEATHSIG = 1
 
 MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
-_mains: set[tuple[str, str]] = set()
+_mains: set[tuple[str, str, str]] = set()
 
 # A worker started in an environment (``Prepared.command``/``environ``): its import path
 # (the environment's packages first) and the variables that say so, as it started. The
@@ -131,7 +131,7 @@ def _import_package_main(name: str) -> None:
         __package__=spec.parent,
         __spec__=spec,
     )
-    spawn.old_main_modules.append(sys.modules["__main__"])  # type: ignore[attr-defined]
+    spawn.old_main_modules.append(sys.modules["__main__"])
     sys.modules["__main__"] = sys.modules["__mp_main__"] = main
     exec(code, main.__dict__)
 
