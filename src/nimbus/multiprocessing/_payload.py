@@ -87,7 +87,11 @@ def unpack(message: bytes | memoryview) -> Any:
         parts.append(view[pos : pos + size])
         pos += size
     buffers: list[Any] = [pickle.PickleBuffer(p) for p in parts[1:]]
-    return serialization.loads(parts[0], buffers)
+    try:
+        return serialization.loads(parts[0], buffers)
+    except DeserializationError as exc:
+        exc.message = (parts[0], buffers)  # type: ignore[attr-defined]
+        raise
 
 
 def load(message: bytes) -> Any:
@@ -103,7 +107,8 @@ def load(message: bytes) -> Any:
 
 def undecodable(exc: Exception, message: Any = None) -> DeserializationError:
     """The error of a message that cannot be unpickled here (as ``serialization.loads``);
-    its ``message`` (a plain pickle) kept on it, for a Pool's worker to name the task that failed."""
+    its ``message`` (a plain pickle, or one and its buffers) kept on it, for a Pool's worker
+    to name the task that failed."""
     error = DeserializationError(f"cannot unpickle payload: {type(exc).__name__}: {exc}")
     error.message = message  # type: ignore[attr-defined]
     return error

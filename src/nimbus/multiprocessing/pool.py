@@ -137,8 +137,9 @@ def _undecodable_task(exc: DeserializationError) -> tuple[Any, ...] | None:
             except Exception:
                 return None
 
+    data, buffers = message if isinstance(message, tuple) else (message, ())
     try:
-        task = Lenient(io.BytesIO(bytes(message))).load()
+        task = Lenient(io.BytesIO(bytes(data)), buffers=buffers).load()
         job, i = task[0], task[1]
     except Exception:
         return None
