@@ -22,7 +22,15 @@ the program's processes, which the terminal does not reach (they are forked
 by warm workers), and by each to its own (``_install.pass_interrupts``):
 they see ``KeyboardInterrupt`` as the stdlib's children and grandchildren do.
 
-A script that does not exist exits with status 2 and names it, as ``python`` does.
+A program written for fork runs unmodified: a main module with no ``if __name__ ==
+"__main__":`` block is not imported by its processes, its functions and classes go
+to them by value, as a forked child has them (``_site.main_by_value``). A SyntaxError
+or a Ctrl-C shows the program's frames only, as ``python`` shows them. nimbus's own
+configuration error while the program starts its processes (``NIMBUS_WORKERS=abc``)
+is one line and status 2; a state store it cannot reach, one line and status 1.
+
+A script that does not exist exits with status 2 and names it, as ``python`` does
+(a directory without ``__main__.py``: python's message, status 1).
 So does an option without its value, and an ``--endpoint`` or ``--environment``
 (or ``NIMBUS_ENDPOINT``, ``NIMBUS_ENVIRONMENT``) that is not one: one line
 naming what was given, before the program starts.
