@@ -95,6 +95,7 @@ class Popen:
         try:
             program = _site.program()
             # no main module to import there: its names go with the process, as fork has them
+            _copying.locks = prep["nimbus_start_method"] == "fork"  # its thread locks, as fork
             data, buffers = _site.dumps(
                 _main.with_main(process_obj) if _site.main_by_value() else process_obj
             )
@@ -102,6 +103,7 @@ class Popen:
             self._close_pipe()
             raise
         finally:
+            _copying.locks = False
             stdlib_context.set_spawning_popen(None)
         self._site = where = site()
         where.register(self._token, self)
@@ -211,8 +213,15 @@ def _await_main_import(forked: Any) -> None:
 
 
 # A thread lock passed to a Process: a forked child has a copy of it, in the state it was
-# in; so does a nimbus child, a fresh lock of the same kind, locked if it was (an RLock
-# held by the starting thread is held by the child's main thread, as many times).
+# in; so does a nimbus child of the fork method, a fresh lock of the same kind, locked if
+# it was (an RLock held by the starting thread is held by the child's main thread, as
+# many times). Elsewhere (spawn, a queue) it is the stdlib's TypeError.
+
+_copying = threading.local()
+
+
+def _refuse(lock: Any) -> None:
+    raise TypeError(f"cannot pickle '{type(lock).__module__}.{type(lock).__name__}' object")
 
 
 def _rebuild_lock(locked: bool) -> Any:
@@ -230,10 +239,14 @@ def _rebuild_rlock(count: int) -> Any:
 
 
 def _reduce_lock(lock: Any) -> tuple[Any, ...]:
+    if not getattr(_copying, "locks", False):
+        _refuse(lock)
     return _rebuild_lock, (lock.locked(),)
 
 
 def _reduce_rlock(lock: Any) -> tuple[Any, ...]:
+    if not getattr(_copying, "locks", False):
+        _refuse(lock)
     held = lock._is_owned()  # by this thread, the one that starts the child
     count = int(repr(lock).split("count=")[1].split()[0]) if held else 0
     return _rebuild_rlock, (count,)
