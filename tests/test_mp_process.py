@@ -562,7 +562,7 @@ def test_a_thread_lock_goes_to_a_fork_child_as_a_copy() -> None:
     assert p.exitcode == 0
     from multiprocessing.reduction import ForkingPickler
 
-    with pytest.raises(TypeError, match="cannot pickle '_thread.lock' object"):
+    with pytest.raises(TypeError, match=r"cannot pickle '_thread\.lock' object"):
         ForkingPickler.dumps(threading.Lock())
 
 
