@@ -98,6 +98,10 @@ def _print_then_wait(event: mp.Event) -> None:
     event.wait(30)
 
 
+def _lock_state(lock: Any, rlock: Any, q: Any) -> None:
+    q.put((lock.locked(), rlock.acquire(blocking=False)))
+
+
 def _takes_lock(lock: object) -> None:
     pass
 
@@ -527,7 +531,7 @@ def test_child_stdout_appears_live(capfd: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.timeout(30)
 def test_unpicklable_argument_raises_at_start() -> None:
-    p = mp.Process(target=_takes_lock, args=(threading.Lock(),))
+    p = mp.get_context("spawn").Process(target=_takes_lock, args=(threading.Lock(),))
     with pytest.raises((TypeError, pickle.PicklingError), match="pickle") as info:
         p.start()
     assert "_thread.lock" in str(info.value)
@@ -539,9 +543,27 @@ def test_unpicklable_argument_raises_at_start() -> None:
 def test_unpicklable_argument_error_is_a_typeerror_as_in_stdlib() -> None:
     # the stdlib (spawn) raises TypeError: cannot pickle '_thread.lock' object;
     # code written for it catches TypeError
-    p = mp.Process(target=_takes_lock, args=(threading.Lock(),))
+    p = mp.get_context("spawn").Process(target=_takes_lock, args=(threading.Lock(),))
     with pytest.raises(TypeError):
         p.start()
+
+
+@pytest.mark.timeout(30)
+def test_a_thread_lock_goes_to_a_fork_child_as_a_copy() -> None:
+    """As under the stdlib's fork (issue 16 fixrun #2): a copy in the state it was in;
+    pickled elsewhere (a queue), it is still the stdlib's TypeError."""
+    lock = threading.Lock()
+    lock.acquire()
+    q = mp.Queue()
+    p = mp.get_context("fork").Process(target=_lock_state, args=(lock, threading.RLock(), q))
+    p.start()
+    assert q.get(timeout=20) == (True, True)
+    p.join(20)
+    assert p.exitcode == 0
+    from multiprocessing.reduction import ForkingPickler
+
+    with pytest.raises(TypeError, match=r"cannot pickle '_thread\.lock' object"):
+        ForkingPickler.dumps(threading.Lock())
 
 
 # -- at the parent's exit (a separate program) ------------------------------------

@@ -537,7 +537,11 @@ def test_nimbus_run_directory_with_main_runs_as_python_does(tmp_path: Path) -> N
     empty = tmp_path / "empty"
     empty.mkdir()
     missing = _python("-m", "nimbus", "run", "empty", cwd=tmp_path)
-    assert missing.returncode == 2 and "can't open file 'empty'" in missing.stderr
+    # issue 16 fixrun #3: as python says it, status 1
+    python = _python("empty", cwd=tmp_path)
+    assert python.returncode == missing.returncode == 1, missing.stderr
+    said = f"can't find '__main__' module in {str(empty)!r}\n"
+    assert python.stderr.endswith(": " + said) and missing.stderr == "nimbus run: " + said
 
 
 def test_a_wrong_environment_is_one_line_before_the_program(tmp_path: Path) -> None:
@@ -684,3 +688,216 @@ def test_replacement_workers_do_not_inherit_what_the_root_opened_since(tmp_path:
     assert lines["replaced"] == "True"
     first, replaced = map(int, lines["counts"].split())
     assert replaced <= first, done.stdout
+
+
+PACKAGE_MAIN = """
+    import sys
+    import multiprocessing as mp
+
+    def sq(x):
+        return x * x
+
+    if __name__ == "__main__":
+        with mp.Pool(2) as pool:
+            print(pool.map(sq, range(5)))
+        p = mp.Process(target=sq, args=(3,))
+        p.start()
+        p.join()
+        print("exit", p.exitcode, __spec__.name if __spec__ else None)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_functions_of_a_package_or_directory_main_run_in_pool_and_process(tmp_path: Path) -> None:
+    """Issue 16 fixrun #1: `nimbus run -m mypkg` and `nimbus run DIR` with a __main__.py
+    defining the function: children import it as __mp_main__ (the stdlib's spawn leaves
+    out a `.__main__` module; every child failed to unpickle `sq` and Pool.map hung)."""
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    _script(pkg, PACKAGE_MAIN, "__main__.py")
+    app = tmp_path / "app"
+    app.mkdir()
+    _script(app, PACKAGE_MAIN, "__main__.py")
+    for args, spec in ((["-m", "mypkg"], "mypkg.__main__"), (["app"], "__main__")):
+        done = _python("-m", "nimbus", "run", *args, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == ["[0, 1, 4, 9, 16]", f"exit 0 {spec}"], done.stderr
+        plain = _python(*args, cwd=tmp_path)
+        assert plain.stdout == done.stdout, plain.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_task_its_worker_cannot_unpickle_fails_the_map(tmp_path: Path) -> None:
+    """Issue 16 fixrun #1: a task whose function the pool's children cannot find fails the
+    map with the DeserializationError, as a task that raises does: it never hangs, and the
+    pool's workers live on."""
+    path = _script(
+        tmp_path,
+        """
+        import multiprocessing as mp
+        if __name__ == "__main__":
+            def sq(x):  # not in the module the children import
+                return x * x
+            with mp.Pool(2) as pool:
+                try:
+                    pool.map(sq, range(20))
+                except Exception as exc:
+                    print("failed:", type(exc).__name__, "'sq'" in str(exc))
+                print(pool.map(abs, [-1, -2]))
+        """,
+    )
+    done = _python("-m", "nimbus", "run", str(path), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["failed: DeserializationError True", "[1, 2]"]
+
+
+UNGUARDED = """
+    import math
+    import multiprocessing as mp
+    import threading
+
+    def sq(x):
+        return math.sqrt(x) * 2
+
+    class Box:
+        def __init__(self, v):
+            self.v = v
+
+    def child(q, lock, rlock, box):
+        with lock:
+            q.put(("child", box.v, sq(16), rlock.acquire(blocking=False)))
+
+    print("start", mp.get_start_method())
+    with mp.Pool(2) as pool:
+        print(pool.map(sq, [1, 4, 9]))
+    q = mp.Queue()
+    rlock = threading.RLock()
+    rlock.acquire()
+    p = mp.Process(target=child, args=(q, threading.Lock(), rlock, Box(7)))
+    p.start()
+    print(q.get())
+    p.join()
+    print("exit", p.exitcode)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_the_main_guard_runs_as_with_fork(tmp_path: Path) -> None:
+    """Issue 16 fixrun #2: a fork-style script (no `if __name__ == "__main__":`) runs under
+    `nimbus run` as under python's fork: its top level runs once, its functions and classes
+    go to the children by value; thread locks passed to a Process arrive in their state."""
+    path = _script(tmp_path, UNGUARDED)
+    done = _python("-m", "nimbus", "run", str(path), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    plain = _python(str(path), cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    assert done.stdout == plain.stdout
+    assert done.stdout.splitlines()[2] == "('child', 7, 8.0, True)"
+
+
+def test_syntax_error_and_interrupt_show_only_the_programs_frames(tmp_path: Path) -> None:
+    """Issue 16 fixrun #4: a SyntaxError in the script and a KeyboardInterrupt in it are
+    shown as python shows them, with no frame of nimbus's launcher or Ctrl-C handler."""
+    bad = _script(tmp_path, "x = 1\ndef (:\n", "bad.py")
+    interrupted = _script(tmp_path, "def f():\n    raise KeyboardInterrupt\nf()\n", "ki.py")
+    for path in (bad, interrupted):
+        done = _python("-m", "nimbus", "run", str(path), cwd=tmp_path)
+        plain = _python(str(path), cwd=tmp_path)
+        assert (done.returncode, done.stderr) == (plain.returncode, plain.stderr)
+        assert "nimbus" not in done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bad_config_and_an_unreachable_store_are_one_line(tmp_path: Path) -> None:
+    """Issue 16 fixrun #4: nimbus's own configuration error while starting the program's
+    processes is one line and status 2; a store it cannot reach one line and status 1."""
+    path = _script(
+        tmp_path,
+        """
+        import multiprocessing as mp
+        if __name__ == "__main__":
+            with mp.Pool(2) as pool:
+                print(pool.map(abs, [-1]))
+        """,
+    )
+    for variable, value, status, named in (
+        ("NIMBUS_WORKERS", "abc", 2, "NIMBUS_WORKERS='abc'"),
+        ("NIMBUS_REDIS_URL", "redis://127.0.0.1:1", 1, "redis://127.0.0.1:1"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "nimbus", "run", str(path)], cwd=tmp_path,
+            env={**ENV, variable: value}, capture_output=True, text=True, timeout=100, check=False,
+        )  # fmt: skip
+        assert done.returncode == status, done.stderr
+        assert done.stderr.count("\n") == 1 and named in done.stderr, done.stderr
+        assert done.stderr.startswith("nimbus run: ")
+
+
+@pytest.mark.timeout(120)
+def test_what_a_killed_program_left_is_removed_when_the_next_starts(tmp_path: Path) -> None:
+    """Issue 16 fixrun #5: SIGKILL of a program using Pipes (messaging sockets), a Pool
+    and a Process leaves its store's files, its relay, its m-<id> sockets and its shared
+    memory directory; the next program's start removes all of them, in one pass."""
+    import shutil
+    import tempfile
+
+    runtime = Path(tempfile.mkdtemp(prefix="nr", dir="/tmp"))  # short: Unix socket paths
+    env = {**ENV, "NIMBUS_RUNTIME_DIR": str(runtime)}
+    killed = _script(
+        tmp_path,
+        """
+        import multiprocessing as mp, time
+        def echo(c):
+            c.send(c.recv())
+            time.sleep(60)
+        if __name__ == "__main__":
+            a, b = mp.Pipe()
+            p = mp.Process(target=echo, args=(b,))
+            p.start()
+            b.close()
+            a.send("x")
+            with mp.Pool(2) as pool:
+                print(a.recv(), pool.map(abs, [-1]), flush=True)
+            time.sleep(60)
+        """,
+        "killed.py",
+    )
+    nxt = _script(
+        tmp_path,
+        """
+        import multiprocessing as mp
+        if __name__ == "__main__":
+            p = mp.Process(target=print, args=("next",))
+            p.start()
+            p.join()
+        """,
+        "next.py",
+    )
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nimbus", "run", str(killed)], cwd=tmp_path, env=env,
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == "x [1]\n"
+            left = sorted(p.name for p in runtime.iterdir())
+            assert any(n.startswith("m-") for n in left) and any(
+                n.startswith("relay-") for n in left
+            )
+            assert any(n.startswith("redis-") for n in left), left
+            shm = list(Path("/dev/shm").glob(f"*/*-{proc.pid}-*"))
+            assert shm
+        finally:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()  # type: ignore[union-attr]
+        done = subprocess.run(
+            [sys.executable, "-m", "nimbus", "run", str(nxt)], cwd=tmp_path, env=env,
+            capture_output=True, text=True, timeout=100, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0 and done.stdout == "next\n", done.stderr
+        assert sorted(p.name for p in runtime.iterdir()) == []
+        assert not [p for p in shm if p.exists()]
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)

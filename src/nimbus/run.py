@@ -22,7 +22,15 @@ the program's processes, which the terminal does not reach (they are forked
 by warm workers), and by each to its own (``_install.pass_interrupts``):
 they see ``KeyboardInterrupt`` as the stdlib's children and grandchildren do.
 
-A script that does not exist exits with status 2 and names it, as ``python`` does.
+A program written for fork runs unmodified: a main module with no ``if __name__ ==
+"__main__":`` block is not imported by its processes, its functions and classes go
+to them by value, as a forked child has them (``_site.main_by_value``). A SyntaxError
+or a Ctrl-C shows the program's frames only, as ``python`` shows them. nimbus's own
+configuration error while the program starts its processes (``NIMBUS_WORKERS=abc``)
+is one line and status 2; a state store it cannot reach, one line and status 1.
+
+A script that does not exist exits with status 2 and names it, as ``python`` does
+(a directory without ``__main__.py``: python's message, status 1).
 So does an option without its value, and an ``--endpoint`` or ``--environment``
 (or ``NIMBUS_ENDPOINT``, ``NIMBUS_ENVIRONMENT``) that is not one: one line
 naming what was given, before the program starts.
@@ -163,6 +171,10 @@ def launch(
     command = module is None and argv[0] == "-c"
     folder = module is None and not command and _main_folder(argv[0])
     script = module is None and argv[0] != "-" and not command and not folder
+    if script and os.path.isdir(argv[0]):  # as python: a directory without __main__.py
+        found = os.path.abspath(argv[0])
+        print(f"nimbus run: can't find '__main__' module in {found!r}", file=sys.stderr)
+        return 1
     if script and not os.path.isfile(argv[0]):
         print(f"nimbus run: can't open file {argv[0]!r}: no such file", file=sys.stderr)
         return EXIT_USAGE
@@ -191,17 +203,70 @@ def launch(
     except _NotFound as exc:
         print(f"nimbus run: {exc}", file=sys.stderr)
         return 1
+    except SyntaxError as exc:  # as python shows it: the error in the program, no frames
+        sys.excepthook(type(exc), exc.with_traceback(None), None)
+        return 1
     sys.modules["__main__"] = main
     try:
         exec(code, main.__dict__)
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit:
         raise
-    except BaseException:  # as python reports it: the program's frames, status 1
-        kind, value, tb = sys.exc_info()
-        assert kind is not None and value is not None and tb is not None
-        sys.excepthook(kind, value.with_traceback(tb.tb_next), tb.tb_next)
+    except KeyboardInterrupt:  # python reports it and ends by SIGINT: its frames only
+        hook = sys.excepthook
+
+        def trimming(kind: type[BaseException], value: BaseException, tb: object) -> None:
+            own = _trimmed(value.__traceback__)
+            hook(kind, value.with_traceback(own), own)
+
+        sys.excepthook = trimming
+        raise
+    except BaseException as exc:  # as python reports it: the program's frames, status 1
+        failed = _own_failure(exc)
+        if failed is not None:
+            print(f"nimbus run: {exc}", file=sys.stderr)
+            return failed
+        tb = _trimmed(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         return 1
     return 0
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _trimmed(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The program's frames of ``tb``, as python shows them: without the launcher's (up
+    to the ``exec`` in :func:`launch`) nor nimbus's Ctrl-C handler (``_install``) last."""
+    frames = []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    starts = [i for i, t in enumerate(frames) if t.tb_frame.f_code is launch.__code__]
+    if starts:
+        del frames[: starts[-1] + 1]
+    install = os.path.join(_PACKAGE, "_install.py")
+    while frames and os.path.abspath(frames[-1].tb_frame.f_code.co_filename) == install:
+        frames.pop()
+    out = None
+    for t in reversed(frames):
+        out = types.TracebackType(out, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return out
+
+
+def _own_failure(exc: BaseException) -> int | None:
+    """The status for nimbus's own failure to start the program's runtime (raised by
+    nimbus, not the program), reported as one line: a configuration error 2, a store or
+    service it cannot reach 1. None for anything else (the program's traceback)."""
+    from nimbus.errors import ConfigError, ServiceUnavailable, StateStoreError
+
+    if not isinstance(exc, ConfigError | StateStoreError | ServiceUnavailable):
+        return None
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE):
+        return None
+    return EXIT_USAGE if isinstance(exc, ConfigError) else 1
 
 
 class _NotFound(Exception):
@@ -319,9 +384,9 @@ def _script(path: str, args: list[str]) -> tuple[types.CodeType, types.ModuleTyp
         name = "<stdin>"
         sys.path[0] = ""
     else:
-        with io.open_code(os.path.abspath(path)) as f:
+        name = os.path.abspath(path)  # as python 3.9+: __file__ and the frames' file
+        with io.open_code(name) as f:
             source = f.read()
-        name = path
         sys.path[0] = os.path.dirname(os.path.abspath(path))
     sys.argv[:] = [path, *args]
     return compile(source, name, "exec"), _fresh_main(file=name)

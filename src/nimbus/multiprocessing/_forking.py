@@ -39,7 +39,7 @@ __all__ = ["MAIN_KEYS", "WARM_MODULES", "start"]
 PR_SET_PDEATHSIG = 1
 
 MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
-_mains: set[tuple[str, str]] = set()
+_mains: set[tuple[str, str, str]] = set()
 
 # A worker started in an environment (``Prepared.command``/``environ``): its import path
 # (the environment's packages first) and the variables that say so, as it started. The
@@ -79,18 +79,61 @@ def _import_main(prep: dict[str, Any]) -> None:
     again in every worker and child).
     """
     for key in MAIN_KEYS:
-        if key in prep and (key, prep[key]) not in _mains:
+        if key not in prep:
+            continue
+        path = _sys_path(prep)
+        # a directory's "__main__" is the one of its own sys.path[0]
+        mark = (key, prep[key], path[0] if path and prep[key] == "__main__" else "")
+        if mark not in _mains:
             try:
                 with _bootstrapping():
-                    spawn.prepare({key: prep[key], "sys_path": _sys_path(prep)})
+                    _prepare({key: prep[key], "sys_path": path})
             except RuntimeError as exc:
                 if _from_main_guard(exc):
                     raise
                 return
             except BaseException:
                 return
-            _mains.add((key, prep[key]))
+            _mains.add(mark)
         prep.pop(key, None)
+
+
+def _prepare(prep: dict[str, Any]) -> None:
+    """``spawn.prepare``, and a package's or a directory's ``__main__`` module imported
+    as ``__mp_main__`` too, which spawn leaves out (``python -m pkg``, ``python DIR``):
+    the child finds the functions defined there, as a forked child does."""
+    name = prep.get("init_main_from_name")
+    package_main = name == "__main__" or (name or "").endswith(".__main__")
+    if package_main:
+        prep = {k: v for k, v in prep.items() if k != "init_main_from_name"}
+    spawn.prepare(prep)
+    if package_main:
+        _import_package_main(str(name))
+
+
+def _import_package_main(name: str) -> None:
+    """Run module ``name`` (``__main__``: the one on ``sys.path[0]``) as ``__mp_main__``,
+    as ``spawn`` runs a script's, and make it this process's ``__main__``."""
+    import builtins
+    import runpy
+    import types
+
+    if name == "__main__":
+        _name, spec, code = runpy._get_main_module_details()  # type: ignore[attr-defined]
+    else:
+        _name, spec, code = runpy._get_module_details(name)  # type: ignore[attr-defined]
+    main = types.ModuleType("__mp_main__")
+    main.__dict__.update(
+        __builtins__=builtins,
+        __file__=spec.origin,
+        __cached__=spec.cached,
+        __loader__=spec.loader,
+        __package__=spec.parent,
+        __spec__=spec,
+    )
+    spawn.old_main_modules.append(sys.modules["__main__"])
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = main
+    exec(code, main.__dict__)
 
 
 @contextlib.contextmanager
@@ -434,7 +477,7 @@ def _child(
         # checks it while unpickling) and the main module if not imported yet
         method = prep.pop("nimbus_start_method", None)
         with _bootstrapping():
-            spawn.prepare(prep)
+            _prepare(prep)
         _main.become_main()
         if method:
             nimbus_context._default_context.set_start_method(method, force=True)

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import threading
+import time
 import traceback
 import uuid
 from concurrent.futures import Future
@@ -258,14 +260,83 @@ class RelayedSite(_Here):
 
 
 def _remove_stale(directory: Path) -> None:
-    """Remove the relay sockets of roots that died without closing them (SIGKILL)."""
+    """Remove what programs that died without a word (SIGKILL) left in the runtime
+    directory, in one pass as a program starts: the relay sockets of dead roots (a
+    reused pid is told by its start time, later than its socket's), and the messaging
+    sockets no process listens on, with their program's directory (``m-<id>``)."""
     for path in directory.glob("relay-*"):
         try:
-            os.kill(int(path.name.split("-")[1]), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
+            if not _alive_since(int(path.name.split("-")[1]), path.lstat().st_mtime):
+                path.unlink(missing_ok=True)
         except (ValueError, IndexError, OSError):
-            pass  # not ours, or a live process of another user
+            pass  # not ours
+    folders = [(d, list(d.glob("*.sock"))) for d in directory.glob("m-*")]
+    bound = _bound_sockets()  # read after the listing: a socket bound before it is here
+    if bound is None:
+        return
+    for folder, sockets in folders:
+        removed = 0
+        for sock in sockets:
+            if str(sock) not in bound and _refused(sock):
+                sock.unlink(missing_ok=True)
+                removed += 1
+        try:
+            old = time.time() - folder.stat().st_mtime > _EMPTY_GRACE_S
+            if (removed or old) and not any(folder.iterdir()):
+                folder.rmdir()  # (a program binding its first socket now makes it again)
+        except OSError:
+            pass
+
+
+_EMPTY_GRACE_S = 60.0  # an empty m-<id> of no dead socket is removed only this old
+
+
+def _alive_since(pid: int, when: float) -> bool:
+    """Whether process ``pid`` runs and started by ``when`` (else it is a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime"))
+    except FileNotFoundError:
+        return False
+    except (OSError, StopIteration, IndexError, ValueError):
+        try:  # no /proc: whether it runs
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
+    if fields[0] == b"Z":
+        return False
+    started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return started <= when + 1.0  # btime is in whole seconds
+
+
+def _bound_sockets() -> set[str] | None:
+    """The paths of the Unix sockets bound in this network namespace (None: unknown)."""
+    try:
+        with open("/proc/net/unix") as f:
+            return {parts[7] for line in f if len(parts := line.split()) >= 8}
+    except OSError:
+        return None
+
+
+def _refused(path: Path) -> bool:
+    """Whether no process listens on the Unix socket ``path`` (one in another network
+    namespace is not in this one's list, but it accepts)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.2)
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
 
 
 def _stdio_ids() -> list[tuple[int, int] | None]:

@@ -78,7 +78,7 @@ def unpack(message: bytes | memoryview) -> Any:
         try:
             return pickle.loads(view)
         except Exception as exc:
-            raise undecodable(exc) from exc
+            raise undecodable(exc, view) from exc
     (count,) = struct.unpack_from("<I", view, 1)
     sizes = struct.unpack_from(f"<{count + 1}Q", view, 5)
     pos = 5 + 8 * (count + 1)
@@ -87,7 +87,11 @@ def unpack(message: bytes | memoryview) -> Any:
         parts.append(view[pos : pos + size])
         pos += size
     buffers: list[Any] = [pickle.PickleBuffer(p) for p in parts[1:]]
-    return serialization.loads(parts[0], buffers)
+    try:
+        return serialization.loads(parts[0], buffers)
+    except DeserializationError as exc:
+        exc.message = (parts[0], buffers)  # type: ignore[attr-defined]
+        raise
 
 
 def load(message: bytes) -> Any:
@@ -101,6 +105,10 @@ def load(message: bytes) -> Any:
     return unpack(memoryview(message)[1:])
 
 
-def undecodable(exc: Exception) -> DeserializationError:
-    """The error of a message that cannot be unpickled here (as ``serialization.loads``)."""
-    return DeserializationError(f"cannot unpickle payload: {type(exc).__name__}: {exc}")
+def undecodable(exc: Exception, message: Any = None) -> DeserializationError:
+    """The error of a message that cannot be unpickled here (as ``serialization.loads``);
+    its ``message`` (a plain pickle, or one and its buffers) kept on it, for a Pool's worker
+    to name the task that failed."""
+    error = DeserializationError(f"cannot unpickle payload: {type(exc).__name__}: {exc}")
+    error.message = message  # type: ignore[attr-defined]
+    return error

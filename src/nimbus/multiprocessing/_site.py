@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import re
 import sys
 import threading
 from abc import ABC, abstractmethod
@@ -297,7 +298,29 @@ def main_by_value() -> bool:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     path = getattr(main, "__file__", None)
-    return getattr(spec, "name", None) is None and (path is None or not os.path.isfile(path))
+    if path is None or not os.path.isfile(path):
+        return getattr(spec, "name", None) is None
+    from nimbus import _install
+
+    # under `nimbus run` (or install()) an unmodified fork-style program runs; with nimbus
+    # imported by name, the README's guard is asked for, with the stdlib's own message
+    return _install.installed() and not _guarded(path)
+
+
+_GUARD = re.compile(
+    rb"^if\s+\(?\s*(__name__\s*==\s*['\"]__main__['\"]|['\"]__main__['\"]\s*==\s*__name__)", re.M
+)
+
+
+def _guarded(path: str) -> bool:
+    """Whether the main module at ``path`` has an ``if __name__ == "__main__":`` block at
+    its top level. One that has none (fork-style: it starts its processes at its top
+    level) is not imported by the children: its names go by value, as fork has them."""
+    try:
+        with open(path, "rb") as f:
+            return _GUARD.search(f.read()) is not None
+    except OSError:
+        return True
 
 
 def dumps(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:

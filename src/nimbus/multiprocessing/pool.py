@@ -28,6 +28,7 @@ from multiprocessing.pool import (  # noqa: F401
 )
 from typing import Any
 
+from nimbus.errors import DeserializationError
 from nimbus.multiprocessing.context import NimbusContext
 
 __all__ = [
@@ -75,6 +76,12 @@ class Pool(stdlib_pool.Pool):
             context = _default_context.get_context()
         super().__init__(processes, initializer, initargs, maxtasksperchild, _PoolContext(context))
 
+    @staticmethod
+    def Process(ctx: Any, *args: Any, **kwds: Any) -> Any:
+        if kwds.get("target") is stdlib_pool.worker:
+            kwds["target"] = _worker
+        return ctx.Process(*args, **kwds)
+
     def _setup_queues(self) -> None:
         from nimbus.multiprocessing.queues import SimpleQueue
 
@@ -85,3 +92,59 @@ class Pool(stdlib_pool.Pool):
 
     def _get_sentinels(self) -> list[Any]:
         return [self._change_notifier._reader]
+
+
+def _worker(inqueue: Any, outqueue: Any, *rest: Any) -> None:
+    """The stdlib's pool worker, but a task it cannot unpickle (a function the child does
+    not find) fails that task with the error, as a task that raises does, instead of
+    ending the worker: the stdlib's pool would wait for its result for ever."""
+    stdlib_pool.worker(_Tasks(inqueue), outqueue, *rest)
+
+
+class _Tasks:
+    """The pool's task queue, its undecodable tasks made tasks that raise the error."""
+
+    def __init__(self, inqueue: Any) -> None:
+        self._inqueue = inqueue
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inqueue, name)
+
+    def get(self) -> Any:
+        try:
+            return self._inqueue.get()
+        except DeserializationError as exc:
+            task = _undecodable_task(exc)
+            if task is None:
+                raise
+            return task
+
+
+def _undecodable_task(exc: DeserializationError) -> tuple[Any, ...] | None:
+    """``(job, i, raiser, (), {})`` for a task message that failed to unpickle, read again
+    with its missing classes and functions left out; None if even that fails."""
+    import io
+    import pickle
+
+    message = getattr(exc, "message", None)
+    if message is None:
+        return None
+
+    class Lenient(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            try:
+                return super().find_class(module, name)
+            except Exception:
+                return None
+
+    data, buffers = message if isinstance(message, tuple) else (message, ())
+    try:
+        task = Lenient(io.BytesIO(bytes(data)), buffers=buffers).load()
+        job, i = task[0], task[1]
+    except Exception:
+        return None
+
+    def raiser() -> None:
+        raise exc
+
+    return (job, i, raiser, (), {})

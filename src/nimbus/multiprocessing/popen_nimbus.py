@@ -29,6 +29,7 @@ import uuid
 from multiprocessing import context as stdlib_context
 from multiprocessing import process as stdlib_process
 from multiprocessing import resource_sharer, spawn
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from nimbus import _install
@@ -77,8 +78,9 @@ class Popen:
         self._done = threading.Event()
         # raises the stdlib's RuntimeError about the __main__ guard in a child importing main
         prep = spawn.get_preparation_data(process_obj._name)
-        if _site.main_by_value():  # `python - < script.py`: no file to import, as with
-            prep.pop("init_main_from_path", None)  # fork; __main__'s functions go by value
+        if _site.main_by_value():  # `python - < script.py`, or no __main__ guard: as with
+            for key in _forking.MAIN_KEYS:  # fork, __main__'s functions go by value
+                prep.pop(key, None)
         self.sentinel, self._exit_w = os.pipe()
         self._token = uuid.uuid4().hex
         # the child's default context: its process's own method, else the parent's default
@@ -93,6 +95,7 @@ class Popen:
         try:
             program = _site.program()
             # no main module to import there: its names go with the process, as fork has them
+            _copying.locks = prep["nimbus_start_method"] == "fork"  # its thread locks, as fork
             data, buffers = _site.dumps(
                 _main.with_main(process_obj) if _site.main_by_value() else process_obj
             )
@@ -100,6 +103,7 @@ class Popen:
             self._close_pipe()
             raise
         finally:
+            _copying.locks = False
             stdlib_context.set_spawning_popen(None)
         self._site = where = site()
         where.register(self._token, self)
@@ -206,3 +210,47 @@ def _await_main_import(forked: Any) -> None:
             raise RuntimeError(str(exc)) from None
         return  # reported by _on_forked, as any failed start
     _main_imported = True
+
+
+# A thread lock passed to a Process: a forked child has a copy of it, in the state it was
+# in; so does a nimbus child of the fork method, a fresh lock of the same kind, locked if
+# it was (an RLock held by the starting thread is held by the child's main thread, as
+# many times). Elsewhere (spawn, a queue) it is the stdlib's TypeError.
+
+_copying = threading.local()
+
+
+def _refuse(lock: Any) -> None:
+    raise TypeError(f"cannot pickle '{type(lock).__module__}.{type(lock).__name__}' object")
+
+
+def _rebuild_lock(locked: bool) -> Any:
+    lock = threading.Lock()
+    if locked:
+        lock.acquire()
+    return lock
+
+
+def _rebuild_rlock(count: int) -> Any:
+    lock = threading.RLock()
+    for _ in range(count):
+        lock.acquire()
+    return lock
+
+
+def _reduce_lock(lock: Any) -> tuple[Any, ...]:
+    if not getattr(_copying, "locks", False):
+        _refuse(lock)
+    return _rebuild_lock, (lock.locked(),)
+
+
+def _reduce_rlock(lock: Any) -> tuple[Any, ...]:
+    if not getattr(_copying, "locks", False):
+        _refuse(lock)
+    held = lock._is_owned()  # by this thread, the one that starts the child
+    count = int(repr(lock).split("count=")[1].split()[0]) if held else 0
+    return _rebuild_rlock, (count,)
+
+
+ForkingPickler.register(type(threading.Lock()), _reduce_lock)
+ForkingPickler.register(type(threading.RLock()), _reduce_rlock)
