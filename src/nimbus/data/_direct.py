@@ -28,14 +28,20 @@ the client cannot deliver bytes to the offer, and bytes damaged on the way or al
 anyone on the path (who can read and rewrite the stream, but not forge the tag) are
 refused, as are a truncated transfer and a forged "OK". It does not hide the bytes: the
 link is not encrypted (use endpoints on a trusted network, or the path through the
-client and service, which is TLS). The sender hashes the file as it is read for sending;
-a file rewritten in place during the transfer fails it (or, if rewritten before its
-mtime moved, is caught by the mtime check the client asked for).
+client and service, which is TLS). The sender hashes the file with a second read of
+it beside ``sendfile``'s: a file rewritten in place during the transfer fails it when
+the two reads saw different bytes; one changed before is caught by the mtime the client
+got from its stat.
 
-Costs: two sha256 passes (one each side, on another thread than the copy) are the whole
-overhead on a fast link; the receiver copies each buffer into place with ``pwrite`` from
-a buffer still in the CPU's cache, which costs about half what receiving into a mapping
-(a page fault per 4 KiB) did, and hashes it from there.
+Costs (measured on 2 loaded cores with SHA-NI, per GB): a raw loopback copy takes
+about 1.1 CPU-seconds, this transfer about 3.0: two sha256 passes (one each side, each
+on a thread of its own beside the copy) are 1.7 of it. sha256 is the cheapest
+tamper-evident check the standard library has on such a CPU (``blake2b`` runs at 0.4x
+its speed there), so on loopback, where the copy itself is CPU, the transfer runs at
+about half a raw copy's rate; on a network link (1 Gbit/s) the hashing hides behind it.
+The receiver takes the bytes into a few 1 MiB buffers and ``pwrite``s them into place
+(no mapping of a size the peer announced, no page fault per 4 KiB) while a thread hashes
+the buffer before.
 """
 
 from __future__ import annotations
