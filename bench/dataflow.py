@@ -706,6 +706,10 @@ def main() -> int:
     )
     parser.add_argument("--mr-mb", type=int, default=256, help="MapReduce input, all workers")
     args = parser.parse_args()
+    import signal
+
+    # a SIGTERM ends the run as an exception does: the agents stopped, the namespaces gone
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     only = set(args.only or ["big", "campaign", "pipeline", "deps", "file", "mapreduce"])
     rows: list[list[str]] = []
     from nimbus import Executor
