@@ -421,10 +421,58 @@ def sha_of(path: Any) -> str:
 
 RAW_SENDER = """
 import socket, sys
-with socket.create_connection(("127.0.0.1", int(sys.argv[1]))) as sock, open(sys.argv[2], "rb") as f:
+host = sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1"
+with socket.create_connection((host, int(sys.argv[1]))) as sock, open(sys.argv[2], "rb") as f:
     sock.sendfile(f)
     assert sock.recv(2) == b"OK"
 """
+
+RAW_RECEIVER = """
+import mmap, socket, sys, time
+host, size, target = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+listener = socket.create_server((host, 0))
+print(listener.getsockname()[1], flush=True)
+conn, _ = listener.accept()
+start = time.perf_counter()
+with conn, open(target, "w+b") as out:
+    out.truncate(size)
+    with mmap.mmap(out.fileno(), size) as mapped:
+        view, got = memoryview(mapped), 0
+        while got < size:
+            got += conn.recv_into(view[got : got + (8 << 20)])
+        view.release()
+    print(time.perf_counter() - start, flush=True)
+    conn.sendall(b"OK")
+"""
+
+
+def raw_between(path: Path, target: Path, source: list[str], dest: tuple[list[str], str]) -> float:
+    """:func:`raw_link` between two namespaces: the receiver runs under ``dest``'s prefix,
+    listening on its address (the one its agent takes data on)."""
+    prefix, host = dest
+    size = path.stat().st_size
+    receiver = subprocess.Popen(
+        [*prefix, sys.executable, "-c", RAW_RECEIVER, host, str(size), str(target)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert receiver.stdout is not None
+        port = receiver.stdout.readline().strip()
+        sender = subprocess.run(
+            [*source, sys.executable, "-c", RAW_SENDER, port, str(path), host],
+            check=True,
+            timeout=600,
+        )
+        assert not sender.returncode
+        seconds = float(receiver.stdout.readline())
+        receiver.wait(60)
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+            receiver.wait()
+        target.unlink(missing_ok=True)
+    return seconds
 
 
 def raw_link(path: Path, target: Path, prefix: list[str]) -> float:
@@ -458,7 +506,11 @@ def raw_link(path: Path, target: Path, prefix: list[str]) -> float:
 
 
 def file_rows(
-    ex: Any, exported: Path, args: argparse.Namespace, prefix: list[str]
+    ex: Any,
+    exported: Path,
+    args: argparse.Namespace,
+    prefix: list[str],
+    dest: tuple[list[str], str] | None = None,
 ) -> list[list[str]]:
     import nimbus
     from nimbus.data._file import _cache
@@ -471,7 +523,10 @@ def file_rows(
         f.write(os.urandom(size % (64 * MB)))
     sha_of(path)  # in the page cache, as a file just written on the source endpoint is
     shm = Path("/dev/shm") / f"nimbus-bench-raw-{os.getpid()}"
-    raws = [raw_link(path, shm, prefix) for _ in range(2)]
+    if dest is None:
+        raws = [raw_link(path, shm, prefix) for _ in range(2)]
+    else:  # from the source's namespace into the target's, as the staged bytes go
+        raws = [raw_between(path, shm, prefix, dest) for _ in range(2)]
     raw = min(raws)
     (exported / "tiny.bin").write_bytes(b"t")  # the same steps for 1 byte: their overhead
     start = time.perf_counter()
@@ -504,13 +559,22 @@ def file_rows(
         "client_bytes": ex.statistics()["bytes_sent"] + ex.statistics()["bytes_received"],
     }
     rate, raw_rate = size / staged / MB, size / raw / MB
+    alone = size / max(staged - overhead, 1e-9) / MB  # without the tasks' fixed cost
+    RESULTS["file"]["transfer_alone_mb_s"] = alone
     return [
         [
             f"{size // MB} MB file staged source -> dataflow, then 16 tasks"
-            + (f" (link shaped to {args.shaped} Mbit/s)" if args.shaped else " (loopback)"),
+            + (
+                f" (each endpoint in its own namespace, links shaped to {args.netns} Mbit/s)"
+                if args.netns
+                else f" (link shaped to {args.shaped} Mbit/s)"
+                if args.shaped
+                else " (loopback)"
+            ),
             f"staged {staged:.2f} s ({rate:.0f} MB/s, "
             f"{'endpoint to endpoint' if direct else 'via the client'}); "
-            f"16 tasks {sixteen:.2f} s; 1 byte staged {overhead:.2f} s",
+            f"16 tasks {sixteen:.2f} s; 1 byte staged {overhead:.2f} s, so the bytes alone "
+            f"{alone:.0f} MB/s = {alone / raw_rate:.2f}x raw",
             f"raw TCP copy on the same link {raw_rate:.0f} MB/s; transfers: {transfers}",
             f"{rate / raw_rate:.2f}x",
             ">= 0.8x raw, once",
@@ -559,6 +623,54 @@ def mapreduce_rows(args: argparse.Namespace) -> list[list[str]]:
     return rows
 
 
+# ---------------------------------------------------------------- endpoints in namespaces
+
+
+class Isolated:
+    """Endpoint agents each in a network namespace of its own (``--netns``): a
+    ``nimbus.network.Link`` (a veth to the node, shaped both ways, the node's 127.0.0.1
+    reachable, so the service is), forwarding on between the links (on their node-side
+    devices only, which go with them), the agent taking data on its namespace's address.
+    :meth:`close` stops the agents and removes every namespace."""
+
+    def __init__(self, stack: Any, mbits: int) -> None:
+        self.stack, self.rate = stack, mbits * 1_000_000
+        self.links: list[Any] = []
+        self.agents: list[subprocess.Popen[bytes]] = []
+
+    def start_agent(self, name: str) -> tuple[list[str], str]:
+        """Start endpoint ``name``'s agent in a new namespace: its prefix and address."""
+        from nimbus.network import Link
+        from nimbus.network._slots import claim
+
+        link = Link.create(claim(9000 + len(self.links)), self.rate)
+        self.links.append(link)
+        with open(f"/proc/sys/net/ipv4/conf/{link.host_dev}/forwarding", "w") as f:
+            f.write("1")  # from this namespace to the others' addresses, via the node
+        prefix = ["ip", "netns", "exec", link.ns]
+        self.stack.env["NIMBUS_DATA_HOST"] = link.worker_ip
+        try:
+            self.stack.start_agent(name, prefix)
+        finally:
+            del self.stack.env["NIMBUS_DATA_HOST"]
+            if self.stack.agent is not None:
+                self.agents.append(self.stack.agent)
+        return prefix, link.worker_ip
+
+    def close(self) -> None:
+        for agent in self.agents:
+            if agent.poll() is None:
+                agent.terminate()
+                try:
+                    agent.wait(30)
+                except subprocess.TimeoutExpired:
+                    agent.kill()
+                    agent.wait()
+        for link in self.links:
+            link.close()
+        self.links.clear()
+
+
 # ---------------------------------------------------------------- main
 
 RESULTS: dict[str, Any] = {}
@@ -583,8 +695,21 @@ def main() -> int:
         help="file row: the source endpoint in a network namespace (nimbus.network), its "
         "link shaped to this many Mbit/s (root); 0: loopback",
     )
+    parser.add_argument(
+        "--netns",
+        type=int,
+        default=0,
+        help="every endpoint's agent in a network namespace of its own (nimbus.network's "
+        "Link), its link shaped to this many Mbit/s both ways, taking data on its "
+        "namespace's address (NIMBUS_DATA_HOST); endpoints reach each other through the "
+        "node (root); 0: all on the node's loopback",
+    )
     parser.add_argument("--mr-mb", type=int, default=256, help="MapReduce input, all workers")
     args = parser.parse_args()
+    import signal
+
+    # a SIGTERM ends the run as an exception does: the agents stopped, the namespaces gone
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     only = set(args.only or ["big", "campaign", "pipeline", "deps", "file", "mapreduce"])
     rows: list[list[str]] = []
     from nimbus import Executor
@@ -603,6 +728,8 @@ def main() -> int:
         stack.env["NIMBUS_MAX_PAYLOAD"] = str(64 * MB)
         source = link = None
         prefix: list[str] = []
+        isolated = Isolated(stack, args.netns)
+        dest: tuple[list[str], str] | None = None
         try:
             stack.start_service()
             if "file" in only:  # a second endpoint that exports a directory
@@ -615,7 +742,9 @@ def main() -> int:
                 stack.configure_endpoint("source")
                 config = EndpointConfig.load("source")
                 dataclasses.replace(config, exports=str(exported)).save()
-                if args.shaped:  # the source agent behind a shaped veth (nimbus.network)
+                if args.netns:
+                    prefix, _ = isolated.start_agent("source")
+                elif args.shaped:  # the source agent behind a shaped veth (nimbus.network)
                     from nimbus.network import Link
                     from nimbus.network._slots import claim
 
@@ -626,7 +755,10 @@ def main() -> int:
                     stack.start_agent("source")
                 source = stack.agent
             stack.configure_endpoint("dataflow")
-            stack.start_agent("dataflow")
+            if args.netns:
+                dest = isolated.start_agent("dataflow")
+            else:
+                stack.start_agent("dataflow")
             with Executor(endpoint="dataflow", settings=stack.settings) as ex:
                 if "campaign" in only:
                     rows += campaign_rows(ex, "endpoint via service", args)
@@ -635,8 +767,9 @@ def main() -> int:
                 if "deps" in only:
                     rows += deps_rows(ex, args)
                 if "file" in only:
-                    rows += file_rows(ex, exported, args, prefix)
+                    rows += file_rows(ex, exported, args, prefix, dest)
         finally:
+            isolated.close()
             if source is not None and source.poll() is None:
                 source.terminate()
                 source.wait(30)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -298,3 +300,59 @@ def test_a_direct_transfer_checks_its_secret_and_its_peer(tmp_path: Path) -> Non
     assert not (cached.parent / ("w" * 32 + "-x.bin")).exists()
     with pytest.raises(Unreachable, match="NIMBUS_DATA_HOST"):
         _send(tmp_path / "x.bin", host, port, secret, None)  # its offer was used up: closed
+
+
+def _relay(port: int, flip_at: int, seen: bytearray) -> tuple[int, threading.Thread]:
+    """A party on the path: forwards one connection to ``port``, flipping the byte at
+    ``flip_at`` of what the sender sends (-1: none), recording it in ``seen``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        with (
+            listener,
+            listener.accept()[0] as a,
+            socket.create_connection(("127.0.0.1", port)) as b,
+        ):
+
+            def back() -> None:
+                while data := b.recv(65536):
+                    a.sendall(data)
+                a.close()
+
+            answer = threading.Thread(target=back, daemon=True)
+            answer.start()
+            while data := a.recv(65536):
+                chunk = bytearray(data)
+                if 0 <= flip_at - len(seen) < len(chunk):
+                    chunk[flip_at - len(seen)] ^= 0xFF
+                seen.extend(data)
+                b.sendall(chunk)
+            b.shutdown(socket.SHUT_WR)
+            answer.join(10)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return listener.getsockname()[1], thread
+
+
+def test_a_direct_transfer_refuses_bytes_altered_on_the_way(tmp_path: Path) -> None:
+    """The secret never crosses the link, and a byte changed by a party on the path (who
+    can rewrite the stream, and so the digest that follows it) fails the transfer."""
+    from nimbus.data._direct import _send, offer
+
+    body = os.urandom(2 * 1024 * 1024 + 5)
+    (tmp_path / "x.bin").write_bytes(body)
+    cache = NodeStore(nimbus.data._ref.local_namespace()).dir / "files"
+    host, port, secret = offer("file", "r" * 32 + "-x.bin")
+    seen = bytearray()
+    relay, thread = _relay(port, -1, seen)  # an honest relay: the transfer goes through
+    assert _send(tmp_path / "x.bin", host, relay, secret, None)[0] == len(body)
+    thread.join(10)
+    assert bytes.fromhex(secret) not in seen and len(seen) == 32 + 8 + len(body) + 32
+    host, port, secret = offer("file", "a" * 32 + "-x.bin")
+    relay, thread = _relay(port, 32 + 8 + 1_000_000, bytearray())
+    with pytest.raises(DataError, match=r"differs from the sender's.*altered on the way"):
+        _send(tmp_path / "x.bin", host, relay, secret, None)
+    thread.join(10)
+    assert not (cache / ("a" * 32 + "-x.bin")).exists()
+    assert (cache / ("r" * 32 + "-x.bin")).read_bytes() == body

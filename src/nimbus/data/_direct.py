@@ -6,11 +6,13 @@
       | offer(kind, name) -------> listens (a thread of the worker), returns
       |  <-- (host, port, secret)     host, port and a one-use secret
       | send_*(..., host, port, secret) ----------------------------> connects, sends:
-      |                    <-- secret | size (8 bytes) | the bytes (sendfile) | sha256
-      |                               checks the secret, receives into the node's
-      |                               store (mapped), hashes as it goes (a thread),
-      |                               compares the digests, renames into place
-      |  <-- (size, sha256)           --> "OK" (or why not)       <-- returns when OK
+      |         <-- proof (HMAC of the secret) | size (8 bytes) | the bytes (sendfile) | tag
+      |                               checks the proof; receives into a few 1 MiB
+      |                               buffers, writes each into the node's store while
+      |                               a thread hashes the one before (sha256), checks
+      |                               the tag, renames into place
+      |  <-- (size, sha256)           --> "OK" | HMAC of its sha256  <-- returns when it
+      |                                                                  matches its own
 
 The client carries only the three small answers; the bytes cross the link between the
 two endpoints once. The target listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``:
@@ -18,6 +20,28 @@ endpoints of one machine; set it to the address the other endpoints reach it by)
 sender that cannot connect raises :class:`Unreachable` (the client then falls back to
 carrying the bytes itself); any other failure (damaged bytes, a wrong secret, a peer
 that died) fails the transfer with what went wrong, within ``TIMEOUT`` seconds at most.
+
+What the check protects against: the secret itself never crosses the link (the sender
+proves it knows it with an HMAC), and the bytes' sha256 travels as an HMAC keyed by it
+(the ``tag``), as does the receiver's answer. So a party that did not get the secret from
+the client cannot deliver bytes to the offer, and bytes damaged on the way or altered by
+anyone on the path (who can read and rewrite the stream, but not forge the tag) are
+refused, as are a truncated transfer and a forged "OK". It does not hide the bytes: the
+link is not encrypted (use endpoints on a trusted network, or the path through the
+client and service, which is TLS). The sender hashes the file with a second read of
+it beside ``sendfile``'s: a file rewritten in place during the transfer fails it when
+the two reads saw different bytes; one changed before is caught by the mtime the client
+got from its stat.
+
+Costs (measured on 2 loaded cores with SHA-NI, per GB): a raw loopback copy takes
+about 1.1 CPU-seconds, this transfer about 3.0: two sha256 passes (one each side, each
+on a thread of its own beside the copy) are 1.7 of it. sha256 is the cheapest
+tamper-evident check the standard library has on such a CPU (``blake2b`` runs at 0.4x
+its speed there), so on loopback, where the copy itself is CPU, the transfer runs at
+about half a raw copy's rate; on a network link (1 Gbit/s) the hashing hides behind it.
+The receiver takes the bytes into a few 1 MiB buffers and ``pwrite``s them into place
+(no mapping of a size the peer announced, no page fault per 4 KiB) while a thread hashes
+the buffer before.
 """
 
 from __future__ import annotations
@@ -25,8 +49,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import mmap
 import os
+import queue
 import secrets
 import socket
 import threading
@@ -40,8 +64,18 @@ from nimbus.errors import DataError
 __all__ = ["Unreachable", "offer", "send_export", "send_object"]
 
 TIMEOUT = 120.0  # seconds a transfer may wait for its peer (to connect, or for bytes)
-_STEP = 8 << 20  # bytes hashed at once
+_STEP = 1 << 20  # bytes received, written and hashed at once (a buffer kept in the cache)
+_BUFFERS = 4  # buffers in flight on the receiving side
 _OK = b"OK"
+
+
+def _mac(secret: bytes, what: bytes, *parts: bytes) -> bytes:
+    """The HMAC-SHA256 of ``parts`` keyed by the transfer's secret, for ``what``."""
+    return hmac.new(secret, b"nimbus-data/" + what + b"\0" + b"".join(parts), "sha256").digest()
+
+
+def _tag(secret: bytes, size: int, sha: bytes) -> bytes:
+    return _mac(secret, b"bytes", size.to_bytes(8, "little"), sha)
 
 
 class Unreachable(DataError, ConnectionError):
@@ -101,54 +135,46 @@ def _receive(listener: socket.socket, secret: bytes, target: Path, expires: floa
     with conn:
         conn.settimeout(TIMEOUT)
         try:
-            if not hmac.compare_digest(_recv_exactly(conn, 32), secret):
+            if not hmac.compare_digest(_recv_exactly(conn, 32), _mac(secret, b"connect")):
                 conn.sendall(b"NO: a wrong secret")
                 return
             size = int.from_bytes(_recv_exactly(conn, 8), "little")
-            digest = _receive_into(conn, target, size, expires)
-            conn.sendall(_OK + digest)
+            digest = _receive_into(conn, target, size, expires, secret)
+            conn.sendall(_OK + _mac(secret, b"ok", digest))
         except Exception as exc:  # said to the sender, whose task fails with it
             with contextlib.suppress(OSError):
                 conn.sendall(f"NO: {type(exc).__name__}: {exc}".encode()[:2000])
 
 
-def _receive_into(conn: socket.socket, target: Path, size: int, expires: float) -> bytes:
+def _receive_into(
+    conn: socket.socket, target: Path, size: int, expires: float, secret: bytes
+) -> bytes:
     part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, size)
-        mapped = mmap.mmap(fd, size) if size else None
-        view = memoryview(mapped) if mapped is not None else memoryview(b"")
+        sha = hashlib.sha256()
+        free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        full: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
+        for _ in range(_BUFFERS):
+            free.put(bytearray(_STEP))
+        hasher = threading.Thread(target=_hash, args=(sha, full, free), daemon=True)
+        hasher.start()  # hashes a buffer while the next arrives (hashlib frees the GIL)
         try:
-            sha = hashlib.sha256()
-            got = [0]
-            ready = threading.Condition()
-            hasher = threading.Thread(target=_follow, args=(view, size, got, ready, sha))
-            hasher.start()  # hashes what arrived while more arrives (hashlib frees the GIL)
-            try:
-                while got[0] < size:
-                    n = conn.recv_into(view[got[0] : got[0] + _STEP])
-                    if not n:
-                        raise DataError(
-                            f"the sender closed the link after {got[0]} of {size} bytes"
-                        )
-                    with ready:
-                        got[0] += n
-                        ready.notify()
-            finally:
-                with ready:
-                    got[0] = size if got[0] >= size else -1 - got[0]  # done, or stopped
-                    ready.notify()
-                hasher.join()
-            theirs = _recv_exactly(conn, 32)
+            got = 0
+            while got < size:
+                buffer = free.get()
+                n = _fill(conn, memoryview(buffer), min(_STEP, size - got), got, size)
+                os.pwrite(fd, memoryview(buffer)[:n], got)
+                got += n
+                full.put((buffer, n))
         finally:
-            view.release()
-            if mapped is not None:
-                mapped.close()
-        if not hmac.compare_digest(theirs, sha.digest()):
+            full.put(None)
+            hasher.join()
+        theirs = _recv_exactly(conn, 32)
+        if not hmac.compare_digest(theirs, _tag(secret, size, sha.digest())):
             raise DataError(
                 f"{size} bytes arrived whose sha256 differs from the sender's: the transfer "
-                f"was damaged; submit again"
+                f"was damaged or altered on the way; submit again"
             )
         if expires:
             os.utime(fd, (expires, expires))
@@ -161,19 +187,26 @@ def _receive_into(conn: socket.socket, target: Path, size: int, expires: float) 
         os.close(fd)
 
 
-def _follow(
-    view: memoryview, size: int, got: list[int], ready: threading.Condition, sha: Any
+def _fill(conn: socket.socket, view: memoryview, want: int, got: int, size: int) -> int:
+    """``want`` bytes of the link into ``view``."""
+    n = 0
+    while n < want:
+        k = conn.recv_into(view[n:want])
+        if not k:
+            raise DataError(f"the sender closed the link after {got + n} of {size} bytes")
+        n += k
+    return n
+
+
+def _hash(
+    sha: Any,
+    full: queue.SimpleQueue[tuple[bytearray, int] | None],
+    free: queue.SimpleQueue[bytearray],
 ) -> None:
-    done = 0
-    while done < size:
-        with ready:
-            while got[0] >= 0 and got[0] - done < min(_STEP, size - done):
-                ready.wait()
-            upto = got[0]
-        if upto < 0:
-            return  # the receive stopped
-        sha.update(view[done:upto])
-        done = upto
+    while (item := full.get()) is not None:
+        buffer, n = item
+        sha.update(memoryview(buffer)[:n])
+        free.put(buffer)
 
 
 # ---------------------------------------------------------------- the source's side
@@ -198,6 +231,7 @@ def _file_digest(fd: int, key: tuple[str, int, float]) -> bytes:
 
 
 def _send(path: Path, host: str, port: int, secret: str, mtime: float | None) -> tuple[int, str]:
+    mac_key = bytes.fromhex(secret)
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
         if mtime is not None and st.st_mtime != mtime:
@@ -217,19 +251,19 @@ def _send(path: Path, host: str, port: int, secret: str, mtime: float | None) ->
                 ) from None
             with sock:
                 try:
-                    sock.sendall(bytes.fromhex(secret) + size.to_bytes(8, "little"))
+                    sock.sendall(_mac(mac_key, b"connect") + size.to_bytes(8, "little"))
                     sent = sock.sendfile(f, 0, size) if size else 0
                     if sent != size:
                         raise DataError(f"{path}: {sent} of {size} bytes went; submit again")
                     hasher.join()
-                    sock.sendall(digest[0])
+                    sock.sendall(_tag(mac_key, size, digest[0]))
                     answer = sock.recv(2000)
                 except OSError as exc:  # the receiver stopped: what it said, if it did
                     answer = _said(sock) or f"the link broke ({exc})".encode()
                     digest.append(b"")
         finally:
             hasher.join()
-    if answer[:2] != _OK or answer[2:] != digest[0] or len(digest) != 1:
+    if len(digest) != 1 or answer != _OK + _mac(mac_key, b"ok", digest[0]):
         said = answer.decode(errors="replace") or "the receiver closed the link"
         raise DataError(f"{path}: the target endpoint refused the transfer: {said}")
     return size, digest[0].hex()
