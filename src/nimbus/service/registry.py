@@ -342,12 +342,7 @@ class Registry:
             if row is None:
                 return None
             fn, owner = row
-            shared = session.execute(
-                select(User.name, User.id)
-                .join(Share, Share.user_id == User.id)
-                .where(Share.kind == "function", Share.resource_id == fn.id)
-                .order_by(User.name)
-            ).all()
+            shared = self._sharers(session, "function", fn.id)
             return FunctionInfo(
                 fn.id,
                 fn.owner_id,
@@ -492,13 +487,18 @@ class Registry:
 
     @staticmethod
     def _shared_with(session: Session, kind: str, resource_id: str) -> tuple[str, ...]:
-        names = session.scalars(
-            select(User.name)
+        return tuple(name for name, _ in Registry._sharers(session, kind, resource_id))
+
+    @staticmethod
+    def _sharers(session: Session, kind: str, resource_id: str) -> list[tuple[str, str]]:
+        """The users a resource is shared with, as ``(name, id)``, by name."""
+        rows = session.execute(
+            select(User.name, User.id)
             .join(Share, Share.user_id == User.id)
             .where(Share.kind == kind, Share.resource_id == resource_id)
             .order_by(User.name)
         )
-        return tuple(names)
+        return [(name, user_id) for name, user_id in rows]
 
 
 def _check_count(
