@@ -60,7 +60,7 @@ from typing import Any
 from nimbus import environments, errors, network  # errors.WorkerLost: at first use
 from nimbus.environments import Environment, Prepared
 from nimbus.errors import NimbusError
-from nimbus.runtime import worker as worker_module
+from nimbus.runtime import popen_fork
 from nimbus.runtime._orders import NodeOrders
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
 from nimbus.runtime.pool import Builds, Layout, Workers, worker_environment
@@ -117,7 +117,7 @@ class Manager(Workers, NodeOrders):
         self._python = python or sys.executable
         self._env = worker_environment(env)
         self._preload = list(preload)
-        self._fork = fork  # workers are forks of this process (worker.fork_worker)
+        self._fork = fork  # workers are forks of this process (popen_fork.fork_worker)
         self._net = network.WorkerNetworks.configured()  # namespaces, limits: issue 19
         # the descriptors of the first forked workers: those forked later keep only these
         self._descriptors: set[int] | None = None
@@ -259,7 +259,7 @@ class Manager(Workers, NodeOrders):
     def _run(self) -> None:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         if self._fork:
-            self._descriptors = worker_module.open_descriptors()
+            self._descriptors = popen_fork.open_descriptors()
         try:
             try:
                 self._reconcile()

@@ -38,7 +38,7 @@ from nimbus import errors, serialization  # errors.WorkerLost: made at its first
 from nimbus.environments import WORKER_VARIABLE, Environment, Prepared
 from nimbus.errors import NimbusError, TaskTimeoutError
 from nimbus.network import WorkerNetworks
-from nimbus.runtime import worker as worker_module
+from nimbus.runtime import popen_fork
 from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task
 from nimbus.wire import Channel
@@ -427,7 +427,7 @@ class Workers:
                 close: list[Callable[[], object]] = [parent.close, self._selector.close]
                 close += [s.close for s in others]
                 close += [lambda: os.close(self._wake_r), lambda: os.close(self._wake_w)]
-                proc = worker_module.fork_worker(child, close, self._preload, self._descriptors)
+                proc = popen_fork.fork_worker(child, close, self._preload, self._descriptors)
             else:
                 net = functools.partial(self._net.command, name)
                 proc = start(child, self._python, self._env, self._preload, prepared, net)

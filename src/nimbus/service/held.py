@@ -1,9 +1,9 @@
 """The task store's Lua for tasks held until their inputs end (``after``).
 
 ``settle_lua`` is spliced into the scripts that end a task (finish, cancel) and into
-``fail_held_lua``, which fails held tasks whose input failed. The store's other scripts and
-the Python side are ``nimbus.service.queues``; what the service does with what they
-return, ``nimbus.service.dependencies``.
+``fail_held_lua``, which fails held tasks whose input failed. The store's other scripts are
+``nimbus.service.scripts``, its Python side ``nimbus.service.queues``; what the service does
+with what they return, ``nimbus.service.dependencies``.
 """
 
 from __future__ import annotations

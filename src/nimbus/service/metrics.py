@@ -53,7 +53,8 @@ from nimbus.records import TaskState
 from nimbus.service import counters
 from nimbus.service.context import ServiceContext
 from nimbus.service.counters import BUCKETS
-from nimbus.service.registry import Endpoint, Registry
+from nimbus.service.registry import Registry
+from nimbus.service.tables import Endpoint
 
 __all__ = ["BUCKETS", "CONTENT_TYPE", "metrics_key", "render", "router"]
 

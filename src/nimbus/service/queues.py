@@ -21,7 +21,7 @@ pass the user's quota, and a task that ends (finish, cancel) gives its share bac
 Each step that moves tasks publishes on the channel ``TaskStore.changes`` the
 ids of their owners, space-separated ('' for anyone's): open dashboard pages of
 those users re-read what they show. Every step that moves a task is one Lua
-script, so a task is in exactly one of
+script (``nimbus.service.scripts``), so a task is in exactly one of
 the queue, the inflight hash or a final state, and a result that arrives twice
 (an agent lost, its task run again) is kept once, and counted once (the finish
 script keeps the counters of ``nimbus.service.counters`` too). Payloads and results are
@@ -42,8 +42,8 @@ import redis.asyncio as aioredis
 from nimbus.config import MAX_TIMEOUT
 from nimbus.errors import AuthError, NotFound, QuotaExceeded
 from nimbus.records import TaskState
-from nimbus.service.counters import COUNT, metrics_key
-from nimbus.service.held import fail_held_lua, settle_lua
+from nimbus.service import scripts
+from nimbus.service.counters import metrics_key
 from nimbus.service.history import History
 from nimbus.statestore import Keys
 
@@ -57,254 +57,6 @@ Taken = tuple[str, str, bytes, float | None, str, str, dict[str, Any] | None]  #
 DONE = (TaskState.SUCCESS.value, TaskState.FAILED.value, TaskState.CANCELLED.value)
 CANCELLED_RESULT = msgpack.packb([2, b"", []])  # Status.SKIPPED, as an agent would send
 ENDPOINT_MARK = "ep:"  # on ``changes``, before an endpoint id whose summary changed
-
-# Rows travel to and from the scripts as one msgpack string (Redis's Lua has
-# cmsgpack, which reads the old "raw" string type: packed with use_bin_type=False).
-# A task leaving the queue and the inflight hash for a final state gives its
-# share of its owner's quota back (``key``: the task hash).
-_RELEASE = """
-local function release(key)
-  local q = redis.call('HMGET', key, 'quota', 'size')
-  if q[1] then
-    if redis.call('HINCRBY', q[1], 'tasks', -1) < 0 then redis.call('HSET', q[1], 'tasks', 0) end
-    local size = tonumber(q[2] or 0) or 0
-    if redis.call('HINCRBY', q[1], 'bytes', 0 - size) < 0 then redis.call('HSET', q[1], 'bytes', 0) end
-    redis.call('HDEL', key, 'quota')
-  end
-end
-"""
-
-_SUBMIT = """
-local t = cmsgpack.unpack(ARGV[2])
-local owner, endpoint, group, submitted, size = t[1], t[2], t[3], t[4], t[6]
-local earlier = {}  -- a row's inputs: tasks of this owner, stored or earlier in this batch
-for i, r in ipairs(t[5]) do
-  for _, a in ipairs(r[7] or {}) do
-    if not earlier[a] then
-      local o = redis.pcall('HGET', ARGV[1] .. a, 'owner')
-      if type(o) ~= 'string' then return {-3, i - 1, a} end
-      if o ~= owner then return {-4, i - 1, a} end
-    end
-  end
-  earlier[r[1]] = true
-end
-local q = redis.call('HMGET', KEYS[4], 'tasks', 'bytes')
-local tasks, bytes = tonumber(q[1] or 0) or 0, tonumber(q[2] or 0) or 0
-if tasks + #t[5] > tonumber(ARGV[5]) then return {-1, tasks} end
-if bytes + size > tonumber(ARGV[6]) then return {-2, bytes} end
-redis.call('HINCRBY', KEYS[4], 'tasks', #t[5])
-redis.call('HINCRBY', KEYS[4], 'bytes', size)
-local held, fail = {}, {}
-for _, r in ipairs(t[5]) do
-  local id = r[1]
-  redis.call('HSET', ARGV[1] .. id, 'state', 'waiting-for-endpoint', 'owner', owner,
-             'endpoint', endpoint, 'function', r[2], 'group', group, 'submitted', submitted,
-             'payload', r[3], 'timeout', r[4], 'quota', KEYS[4], 'size', #r[3])
-  if r[5] ~= '' then  -- its arguments are in the data store: the task claims them
-    redis.call('HSET', ARGV[1] .. id, 'data', r[5])
-    redis.call('HSET', ARGV[4] .. r[5], 'task', id, 'endpoint', endpoint)
-    redis.call('PERSIST', ARGV[4] .. r[5])
-  end
-  if r[6] ~= '' then redis.call('HSET', ARGV[1] .. id, 'env', r[6]) end  -- its environment
-  if r[7] then  -- held ('waits': inputs not done) until its inputs succeed
-    local waits, failed = 0, nil
-    for _, a in ipairs(r[7]) do
-      local st = redis.call('HGET', ARGV[1] .. a, 'state')
-      if st == 'failed' or st == 'cancelled' then
-        failed = failed or {id, a, st}
-      elseif st ~= 'success' then
-        redis.call('SADD', ARGV[1] .. a .. ARGV[7], id)
-        waits = waits + 1
-      end
-    end
-    if failed then  -- failed by the caller (it makes the error), as a held task
-      fail[#fail + 1] = failed
-      waits = waits + 1
-    end
-    if waits > 0 then
-      redis.call('HSET', ARGV[1] .. id, 'waits', waits)
-      held[id] = true
-    end
-  end
-end
-for i = 1, #t[5], 1000 do  -- indexed and queued 1,000 at a time (one call each, not per task)
-  local ids, scored, ready = {}, {}, {}
-  for j = i, math.min(i + 999, #t[5]) do
-    local id = t[5][j][1]
-    ids[#ids + 1] = id
-    scored[#scored + 1] = submitted
-    scored[#scored + 1] = id
-    if not held[id] then ready[#ready + 1] = id end
-  end
-  redis.call('ZADD', KEYS[2], unpack(scored))
-  redis.call('ZADD', KEYS[5], unpack(scored))
-  if #ready > 0 then redis.call('RPUSH', KEYS[1], unpack(ready)) end
-  redis.call('RPUSH', KEYS[3], unpack(ids))
-end
-redis.call('EXPIRE', KEYS[3], ARGV[3])
-redis.call('PUBLISH', ARGV[1] .. 'changed', owner)  -- wakes the owner's open dashboard pages
-return {#t[5], 0, fail}
-"""
-
-_OWNERS = """
-local owners, named = {}, {}  -- whose tasks moved: published for their dashboard pages
-local function moved(owner)
-  if owner and not named[owner] then
-    named[owner] = true
-    owners[#owners + 1] = owner
-  end
-end
-"""
-
-_TAKE = (
-    _OWNERS
-    + """
-local out = {}
-local n = tonumber(ARGV[1])
-local taken = 0
-while taken < n do
-  local id = redis.call('LPOP', KEYS[1])
-  if not id then break end
-  local key = ARGV[3] .. id
-  local v = redis.call('HMGET', key, 'state', 'function', 'payload', 'timeout', 'data', 'owner',
-                       'env')
-  if v[1] == 'waiting-for-endpoint' then
-    redis.call('HSET', key, 'state', 'dispatched', 'dispatched', ARGV[4])
-    redis.call('HSET', KEYS[2], id, ARGV[2])
-    out[#out + 1] = {id, v[2], v[3], v[4] or '', v[5] or '', v[6] or '', v[7] or ''}
-    moved(v[6])
-    taken = taken + 1
-  end
-end
-if taken > 0 then redis.call('PUBLISH', ARGV[3] .. 'changed', table.concat(owners, ' ')) end
-return cmsgpack.pack(out)
-"""
-)
-
-_FINISH = (
-    _OWNERS
-    + COUNT
-    + settle_lua(1, 8, 9)
-    + """
-local out, drop = {}, {}
-local freed, quotas = {}, {}  -- quota hash -> {tasks, bytes} given back, once per owner at the end
-local gone = {}  -- ids no longer in flight on the endpoint, 1,000 to a call at the end
-for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
-  local id = r[1]
-  local key = ARGV[1] .. id
-  local v = redis.call('HMGET', key, 'state', 'endpoint', 'data', 'quota', 'size', 'owner',
-                       'submitted', 'dispatched')
-  local blob = ''  -- a result in the data store, if it was stored for this task
-  if r[5] ~= '' and redis.call('HGET', ARGV[6] .. r[5], 'task') == id then blob = r[5] end
-  local stored = false
-  if v[2] == ARGV[4] then
-    if v[1] == 'dispatched' or v[1] == 'running' or v[1] == 'waiting-for-endpoint' then
-      if v[4] then  -- its share of its owner's quota (as release() does, summed per owner)
-        local f = freed[v[4]]
-        if not f then
-          f = {0, 0}
-          freed[v[4]] = f
-          quotas[#quotas + 1] = v[4]
-        end
-        f[1] = f[1] + 1
-        f[2] = f[2] + (tonumber(v[5] or 0) or 0)
-      end
-      redis.call('HSET', key, 'state', r[2], 'result', r[3], 'record', r[4], 'ended', ARGV[2])
-      redis.call('HDEL', key, 'payload', 'data', 'quota', 'waits')
-      settle(id, r[2])
-      redis.call('EXPIRE', key, ARGV[3])
-      if v[3] then
-        redis.call('DEL', ARGV[6] .. v[3])
-        drop[#drop + 1] = v[3]
-      end
-      if blob ~= '' then redis.call('EXPIRE', ARGV[6] .. blob, ARGV[3]) end
-      stored = true
-      out[#out + 1] = id
-      moved(v[6])
-      count(r[2], v[7], v[8], r[4], r[6])  -- the dashboard's and /metrics' counters (counters.py)
-    end
-    gone[#gone + 1] = id
-  end
-  if blob ~= '' and not stored then
-    redis.call('DEL', ARGV[6] .. blob)
-    drop[#drop + 1] = blob
-  end
-end
-for i = 1, #gone, 1000 do
-  redis.call('HDEL', KEYS[1], unpack(gone, i, math.min(i + 999, #gone)))
-end
-for _, quota in ipairs(quotas) do
-  local f = freed[quota]
-  if redis.call('HINCRBY', quota, 'tasks', 0 - f[1]) < 0 then redis.call('HSET', quota, 'tasks', 0) end
-  if redis.call('HINCRBY', quota, 'bytes', 0 - f[2]) < 0 then redis.call('HSET', quota, 'bytes', 0) end
-end
-if #out > 0 then
-  redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' '))
-  redis.call('XADD', ARGV[7], '*', 'ids', table.concat(out, ' '))  -- for the SQL history
-end
-flush(KEYS[2])
-return {out, drop, woken, failed}
-"""
-)
-
-_RUNNING = (
-    _OWNERS
-    + """
-for i = 3, #ARGV do
-  local key = ARGV[1] .. ARGV[i]
-  local v = redis.call('HMGET', key, 'state', 'endpoint', 'owner')
-  if v[1] == 'dispatched' and v[2] == ARGV[2] then
-    redis.call('HSET', key, 'state', 'running')
-    moved(v[3])
-  end
-end
-if #owners > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' ')) end
-return 0
-"""
-)
-
-_REQUEUE = """
-local rows = redis.call('HGETALL', KEYS[2])
-local n = 0
-for i = 1, #rows, 2 do
-  if ARGV[2] == '' or rows[i + 1] == ARGV[2] then
-    local key = ARGV[1] .. rows[i]
-    local st = redis.call('HGET', key, 'state')
-    if st == 'dispatched' or st == 'running' then
-      redis.call('HSET', key, 'state', 'waiting-for-endpoint')
-      redis.call('LPUSH', KEYS[1], rows[i])
-      n = n + 1
-    end
-    redis.call('HDEL', KEYS[2], rows[i])
-  end
-end
-if n > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', '') end
-return n
-"""
-
-_CANCEL = (
-    _RELEASE
-    + COUNT
-    + settle_lua(7, 8, 9)
-    + """
-local st = redis.call('HGET', KEYS[1], 'state')
-if not st or st == 'success' or st == 'failed' or st == 'cancelled' then return false end
-release(KEYS[1])
-count('cancelled', nil, nil, nil)  -- by state only: it has no run to put in the histograms
-flush(KEYS[3])
-local data = redis.call('HGET', KEYS[1], 'data')
-redis.call('HSET', KEYS[1], 'state', 'cancelled', 'result', ARGV[1], 'ended', ARGV[2])
-redis.call('HDEL', KEYS[1], 'payload', 'data')
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-if data then redis.call('DEL', ARGV[5] .. data) end
-redis.call('XADD', ARGV[6], '*', 'ids', ARGV[4])  -- for the SQL history (history.py)
-local conn = redis.call('HGET', KEYS[2], ARGV[4])
-redis.call('HDEL', KEYS[2], ARGV[4])
-redis.call('HDEL', KEYS[1], 'waits')
-settle(ARGV[4], 'cancelled')
-return {conn or '', data or '', failed}
-"""
-)
 
 _FIELDS = ("state", "owner", "endpoint", "function", "group", "submitted", "dispatched", "ended")
 
@@ -362,13 +114,13 @@ class TaskStore:
         self.finished = self._task_prefix + "finished"
         self.history: History | None = None  # where tasks no longer in Redis are read
         self._data_prefix = keys.data("")
-        self._submit = redis.register_script(_SUBMIT)
-        self._take = redis.register_script(_TAKE)
-        self._finish = redis.register_script(_FINISH)
-        self._requeue = redis.register_script(_REQUEUE)
-        self._running = redis.register_script(_RUNNING)
-        self._cancel = redis.register_script(_CANCEL)
-        self._fail_held = redis.register_script(fail_held_lua(_OWNERS, _RELEASE))
+        self._submit = redis.register_script(scripts.SUBMIT)
+        self._take = redis.register_script(scripts.TAKE)
+        self._finish = redis.register_script(scripts.FINISH)
+        self._requeue = redis.register_script(scripts.REQUEUE)
+        self._running = redis.register_script(scripts.RUNNING)
+        self._cancel = redis.register_script(scripts.CANCEL)
+        self._fail_held = redis.register_script(scripts.FAIL_HELD)
         self._then = keys.task_dependents("-")[len(keys.task("-")) :]  # ":then"
         self._queue = keys.endpoint_queue("\0").split("\0")  # around the endpoint id
         # what to do when tasks held for others are released or are to fail (the

@@ -1,7 +1,7 @@
 """The service's registry: users, tokens, functions, endpoints and shares.
 
 SQLAlchemy 2 on SQLite by default (``Settings.registry_url``) or PostgreSQL by
-URL. Tokens are stored as SHA-256 hashes; a token is shown once, when made.
+URL; the tables are ``nimbus.service.tables``. Tokens are stored as SHA-256 hashes; a token is shown once, when made.
 Function bodies are stored as the bytes the client sent: the registry never
 unpickles them. Calls are synchronous; the app runs them in a thread pool.
 """
@@ -13,32 +13,18 @@ import json
 import re
 import secrets
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import (
-    Boolean,
-    Float,
-    ForeignKey,
-    LargeBinary,
-    String,
-    Text,
-    UniqueConstraint,
-    create_engine,
-    delete,
-    event,
-    func,
-    or_,
-    select,
-)
+from sqlalchemy import create_engine, delete, event, func, or_, select
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
 from nimbus.errors import QuotaExceeded
 from nimbus.service.migrate import add_columns
+from nimbus.service.tables import Base, Endpoint, Function, Revocation, Share, Token, User, new_id
 
 __all__ = ["Principal", "Registry", "TokenInfo", "check_user_name", "hash_token"]
 
@@ -61,74 +47,6 @@ def check_user_name(name: str) -> str:
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
-
-
-def _new_id() -> str:
-    return str(uuid.uuid4())
-
-
-class _Base(DeclarativeBase):
-    pass
-
-
-class User(_Base):
-    __tablename__ = "users"
-    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=_new_id)
-    name: Mapped[str] = mapped_column(String(200), unique=True)
-    created: Mapped[float] = mapped_column(Float, default=time.time)
-
-
-class Token(_Base):
-    __tablename__ = "tokens"
-    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
-    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
-    endpoint_id: Mapped[str | None] = mapped_column(String(36), nullable=True, index=True)
-    created: Mapped[float] = mapped_column(Float, default=time.time)
-
-
-class Revocation(_Base):
-    """A revoked token's digest, so that a running service drops it at once."""
-
-    __tablename__ = "revocations"
-    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
-    revoked: Mapped[float] = mapped_column(Float, default=time.time, index=True)
-    # the user whose own (not an endpoint's) token this was: their store credentials go too
-    user_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
-
-
-class Function(_Base):
-    __tablename__ = "functions"
-    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=_new_id)
-    owner_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
-    name: Mapped[str] = mapped_column(String(200))
-    digest: Mapped[str] = mapped_column(String(64), index=True)
-    body: Mapped[bytes] = mapped_column(LargeBinary)
-    python: Mapped[str] = mapped_column(String(16))
-    serializer: Mapped[str] = mapped_column(String(64))
-    public: Mapped[bool] = mapped_column(Boolean, default=False)
-    created: Mapped[float] = mapped_column(Float, default=time.time)
-    # the environment its tasks run in unless a call gives another: the JSON of
-    # Environment.to_dict() (keys sorted), NULL for the endpoint workers' own Python
-    environment: Mapped[str | None] = mapped_column(Text, nullable=True)
-
-
-class Endpoint(_Base):
-    __tablename__ = "endpoints"
-    __table_args__ = (UniqueConstraint("owner_id", "name"),)
-    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=_new_id)
-    owner_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
-    name: Mapped[str] = mapped_column(String(200))
-    public: Mapped[bool] = mapped_column(Boolean, default=False)
-    created: Mapped[float] = mapped_column(Float, default=time.time)
-
-
-class Share(_Base):
-    __tablename__ = "shares"
-    kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # function | endpoint
-    resource_id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    user_id: Mapped[str] = mapped_column(
-        ForeignKey("users.id", ondelete="CASCADE"), primary_key=True
-    )
 
 
 @dataclass(frozen=True)
@@ -217,7 +135,7 @@ class Registry:
             if parsed.drivername in ("postgresql", "postgres"):
                 parsed = parsed.set(drivername="postgresql+psycopg")
             self.engine = create_engine(parsed, pool_pre_ping=True)
-        _Base.metadata.create_all(self.engine)
+        Base.metadata.create_all(self.engine)
         add_columns(self.engine)
         self._session = sessionmaker(self.engine, expire_on_commit=False)
 
@@ -236,7 +154,7 @@ class Registry:
         with self._session.begin() as session:
             user = session.scalar(select(User).where(User.name == name))
             if user is None:
-                user = User(id=_new_id(), name=name)
+                user = User(id=new_id(), name=name)
                 session.add(user)
                 session.flush()
             session.add(Token(digest=hash_token(token), user_id=user.id))
@@ -402,7 +320,7 @@ class Registry:
                     session, Function, owner_id, limit, "functions", "NIMBUS_MAX_FUNCTIONS"
                 )
             fn = Function(
-                id=_new_id(),
+                id=new_id(),
                 owner_id=owner_id,
                 name=name,
                 digest=digest,
@@ -424,12 +342,7 @@ class Registry:
             if row is None:
                 return None
             fn, owner = row
-            shared = session.execute(
-                select(User.name, User.id)
-                .join(Share, Share.user_id == User.id)
-                .where(Share.kind == "function", Share.resource_id == fn.id)
-                .order_by(User.name)
-            ).all()
+            shared = self._sharers(session, "function", fn.id)
             return FunctionInfo(
                 fn.id,
                 fn.owner_id,
@@ -487,7 +400,7 @@ class Registry:
                 _check_count(
                     session, Endpoint, owner_id, limit, "endpoints", "NIMBUS_MAX_ENDPOINTS"
                 )
-            endpoint = Endpoint(id=_new_id(), owner_id=owner_id, name=name)
+            endpoint = Endpoint(id=new_id(), owner_id=owner_id, name=name)
             session.add(endpoint)
         return endpoint.id, True
 
@@ -574,13 +487,18 @@ class Registry:
 
     @staticmethod
     def _shared_with(session: Session, kind: str, resource_id: str) -> tuple[str, ...]:
-        names = session.scalars(
-            select(User.name)
+        return tuple(name for name, _ in Registry._sharers(session, kind, resource_id))
+
+    @staticmethod
+    def _sharers(session: Session, kind: str, resource_id: str) -> list[tuple[str, str]]:
+        """The users a resource is shared with, as ``(name, id)``, by name."""
+        rows = session.execute(
+            select(User.name, User.id)
             .join(Share, Share.user_id == User.id)
             .where(Share.kind == kind, Share.resource_id == resource_id)
             .order_by(User.name)
         )
-        return tuple(names)
+        return [(name, user_id) for name, user_id in rows]
 
 
 def _check_count(

@@ -51,7 +51,8 @@ from nimbus.service.dashboard._tasks import (
     live_window,
     page,
 )
-from nimbus.service.registry import Endpoint, EndpointInfo, Principal, Registry
+from nimbus.service.registry import EndpointInfo, Principal, Registry
+from nimbus.service.tables import Endpoint
 
 __all__ = ["router"]
 

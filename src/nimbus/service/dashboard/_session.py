@@ -32,7 +32,8 @@ from starlette.concurrency import run_in_threadpool
 
 from nimbus.errors import AuthError
 from nimbus.service.context import ServiceContext
-from nimbus.service.registry import Principal, Registry, Token, hash_token
+from nimbus.service.registry import Principal, Registry, hash_token
+from nimbus.service.tables import Token
 
 __all__ = [
     "COOKIE",
