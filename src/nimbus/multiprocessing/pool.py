@@ -28,6 +28,7 @@ from multiprocessing.pool import (  # noqa: F401
 )
 from typing import Any
 
+from nimbus.multiprocessing import _hostqueue, _site
 from nimbus.multiprocessing.context import NimbusContext
 
 __all__ = [
@@ -76,10 +77,17 @@ class Pool(stdlib_pool.Pool):
         super().__init__(processes, initializer, initargs, maxtasksperchild, _PoolContext(context))
 
     def _setup_queues(self) -> None:
-        from nimbus.multiprocessing.queues import SimpleQueue
+        program = _site.program()
+        self._inqueue: Any
+        self._outqueue: Any
+        if _hostqueue.usable(program):  # every process here: OS pipes, no store (no redis-py)
+            self._inqueue = _hostqueue.HostSimpleQueue(program)
+            self._outqueue = _hostqueue.HostSimpleQueue(program)
+        else:
+            from nimbus.multiprocessing.queues import SimpleQueue
 
-        self._inqueue = SimpleQueue()
-        self._outqueue = SimpleQueue()
+            self._inqueue = SimpleQueue()
+            self._outqueue = SimpleQueue()
         self._quick_put = self._inqueue.put
         self._quick_get = self._outqueue.get
 
