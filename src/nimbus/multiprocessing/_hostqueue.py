@@ -28,6 +28,7 @@ import os
 import stat
 import sys
 import types
+import weakref
 from multiprocessing.connection import Connection as _StdlibConnection
 from typing import Any
 
@@ -65,12 +66,11 @@ class HostSimpleQueue:
 
     def __init__(self, program: Program) -> None:
         read, write = os.pipe()
-        self._setup(
-            _End(read, writable=False),
-            _End(write, readable=False),
-            _mutex.HostLock.new(program),
-            _mutex.HostLock.new(program),
-        )
+        rlock, wlock = _mutex.HostLock.new(program), _mutex.HostLock.new(program)
+        self._setup(_End(read, writable=False), _End(write, readable=False), rlock, wlock)
+        # the locks' files go with the queue (a program may make many Pools); mapped
+        # copies stay valid, and no process attaches to a queue that is gone
+        weakref.finalize(self, _remove, [rlock._block.path, wlock._block.path])
 
     def _setup(self, reader: _End, writer: _End, rlock: Any, wlock: Any) -> None:
         self._reader = reader
@@ -134,6 +134,14 @@ def _attach(
     queue = HostSimpleQueue.__new__(HostSimpleQueue)
     queue._setup(_End(read, writable=False), _End(write, readable=False), rlock, wlock)
     return queue
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass  # the program's directory went first, at exit
 
 
 def _open(maker: int, fd: int, inode: int, flags: int) -> int:

@@ -28,7 +28,7 @@ from multiprocessing.pool import (  # noqa: F401
 )
 from typing import Any
 
-from nimbus.multiprocessing import _hostqueue, _site
+from nimbus.multiprocessing import _hostqueue, _site, popen_nimbus
 from nimbus.multiprocessing.context import NimbusContext
 
 __all__ = [
@@ -81,6 +81,7 @@ class Pool(stdlib_pool.Pool):
         self._inqueue: Any
         self._outqueue: Any
         if _hostqueue.usable(program):  # every process here: OS pipes, no store (no redis-py)
+            popen_nimbus.site()  # first: the warm workers it forks then hold no copy of them
             self._inqueue = _hostqueue.HostSimpleQueue(program)
             self._outqueue = _hostqueue.HostSimpleQueue(program)
         else:
