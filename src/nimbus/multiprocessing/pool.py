@@ -1,8 +1,11 @@
-"""``Pool``: the stdlib's pool, its processes on warm workers, its queues in the store.
+"""``Pool``: the stdlib's pool, its processes on warm workers, its queues pipes or the store.
 
 Pool processes are long-lived nimbus processes (forked by warm workers, so
-creating a Pool starts no interpreter) fed from a job queue in the state
-store; results come back through a second one. ``chunksize``,
+creating a Pool starts no interpreter) fed from a job queue; results come
+back through a second one. In a program whose processes are all on this host
+both are OS pipes with host locks (``_hostqueue``: no store, no redis-py, as
+the stdlib's); where its processes run elsewhere (``NIMBUS_ENDPOINT``, a
+provider's nodes) they are lists in the state store. ``chunksize``,
 ``maxtasksperchild``, ``initializer``, ``imap`` (lazy) and ``imap_unordered``
 (completion order) are the stdlib's own code. ``ThreadPool`` stays local threads.
 """
@@ -60,7 +63,7 @@ class _PoolContext(NimbusContext):
 
 
 class Pool(stdlib_pool.Pool):
-    """``multiprocessing.Pool`` with nimbus processes and store-backed queues."""
+    """``multiprocessing.Pool`` with nimbus processes; its queues pipes here, else the store's."""
 
     def __init__(
         self,
@@ -77,6 +80,7 @@ class Pool(stdlib_pool.Pool):
         super().__init__(processes, initializer, initargs, maxtasksperchild, _PoolContext(context))
 
     def _setup_queues(self) -> None:
+        _site.refuse_in_sandbox()  # its processes could not reach the queues, either kind
         program = _site.program()
         self._inqueue: Any
         self._outqueue: Any
