@@ -383,3 +383,45 @@ def test_a_script_read_from_stdin_runs_as_with_fork(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == [str(sum(x * x for x in range(1000))), "child", "0"]
     assert res.stderr == ""
+
+
+@pytest.mark.timeout(90)
+def test_a_local_programs_pool_runs_on_pipes_and_imports_no_redis(tmp_path: Path) -> None:
+    """Its job and result queues are OS pipes (``_hostqueue``): neither the program nor its
+    pool processes, nor the warm workers that start them, import redis-py."""
+    res = _run_script(
+        tmp_path,
+        """
+        import sys
+        import nimbus.multiprocessing as multiprocessing
+
+        def init(tag):
+            global TAG
+            TAG = tag
+
+        def work(x):
+            if x == 13:
+                raise ValueError("thirteen")
+            return x * x, TAG, "redis" in sys.modules
+
+        if __name__ == "__main__":
+            with multiprocessing.Pool(4, init, ("t",), maxtasksperchild=5) as pool:
+                print(type(pool._inqueue).__name__, type(pool._outqueue).__name__)
+                out = list(pool.imap(work, [x for x in range(40) if x != 13], chunksize=2))
+                print(out == [(x * x, "t", False) for x in range(40) if x != 13])
+                try:
+                    pool.apply(work, (13,))
+                except ValueError as exc:
+                    print("raised", exc)
+                pool.close()
+                pool.join()
+            print("redis" in sys.modules)
+        """,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split("\n")[:4] == [
+        "HostSimpleQueue HostSimpleQueue",
+        "True",
+        "raised thirteen",
+        "False",
+    ]

@@ -34,7 +34,7 @@ from nimbus.environments import NODE_PATH, WORKER_VARIABLE
 from nimbus.multiprocessing import _local, _main, _remote
 from nimbus.multiprocessing import context as nimbus_context
 
-__all__ = ["MAIN_KEYS", "WARM_MODULES", "start"]
+__all__ = ["MAIN_KEYS", "STORE_MODULES", "WARM_MODULES", "start"]
 
 PR_SET_PDEATHSIG = 1
 
@@ -169,18 +169,39 @@ def _from_main_guard(exc: BaseException) -> bool:
 WARM_MODULES = (
     "multiprocessing.managers",
     "multiprocessing.pool",
-    "nimbus.messaging",
     "nimbus.multiprocessing",
     "nimbus.multiprocessing.connection",
     "nimbus.multiprocessing.queues",
     "nimbus.multiprocessing.sharedctypes",
     "nimbus.multiprocessing.synchronize",
 )
+# the store's client (redis-py and messaging on it: 100-300 ms), imported by the worker
+# only once a start says its program uses the store (``prep["store"]``): a program that
+# never does (its Pools' queues are pipes, ``_hostqueue``) never imports it anywhere
+STORE_MODULES = ("nimbus.messaging",)
+WARM_QUIET = 0.05  # seconds without a start before a worker imports WARM_MODULES
+
+
+_warming: set[Callable[[], None]] = set()  # asked for once each
+
+
+def _warm_later(fn: Callable[[], None]) -> None:
+    if fn not in _warming:
+        from nimbus.runtime import worker
+
+        _warming.add(fn)
+        worker.when_quiet(fn, WARM_QUIET)
 
 
 @functools.cache
 def _warm_up() -> None:
     for name in WARM_MODULES:
+        importlib.import_module(name)
+
+
+@functools.cache
+def _warm_store() -> None:
+    for name in STORE_MODULES:
         importlib.import_module(name)
 
 
@@ -190,7 +211,11 @@ def start(
     """Start the process in a standby child (or a new fork); the reaper reports its exit."""
     from nimbus.runtime import worker
 
-    worker.when_idle(_warm_up)  # not on this start's path (a forked worker has not yet)
+    # not on the path of this start, nor of the next ones of a burst (a Pool's): after a
+    # quiet moment (a forked worker imports its preload, the same modules, later still)
+    _warm_later(_warm_up)
+    if prep.pop("store", False):  # the process will likely use it too: import it once
+        _warm_store()  # here, for this worker's children, rather than in each of them
     _libc()  # loaded once here, not in every child
     if prep.get("install") and not prep.get("forward"):  # this local worker is the program's:
         _install.install()  # before main and the modules are imported, as in the parent

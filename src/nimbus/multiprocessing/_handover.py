@@ -49,7 +49,7 @@ never to switch to that claim again. A holder killed
 by a signal loses what was sent to it directly and not yet delivered; the
 next reader replaces its claim. A holder that exits normally gives its claim
 up and forwards until each switched writer sent ``R``, is gone, or has sent
-nothing for QUIET seconds (GRACE at most).
+nothing for QUIET seconds (GRACE at most; ``_forward``).
 
 *Store only.* Shared lanes, processes of another program or that cannot be
 instances, ``NIMBUS_MESSAGING_DIRECT=0``.
@@ -70,7 +70,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from nimbus._lazy import lazy
 from nimbus.errors import ConfigError, MessagingTimeout, PeerExited, PeerLost, StateStoreError
 from nimbus.multiprocessing import _site as _state
-from nimbus.multiprocessing._payload import REVERT, Item, as_message
+from nimbus.multiprocessing._forward import Forwarder, file_message, stop_all, take_direct
+from nimbus.multiprocessing._payload import REVERT, Item
 from nimbus.statestore import Program, link
 from nimbus.statestore.lua import HANDOVER_CLAIM as _CLAIM
 from nimbus.statestore.lua import HANDOVER_GIVE_UP as _GIVE_UP
@@ -83,23 +84,13 @@ if TYPE_CHECKING:
 else:  # on first use: messaging imports redis-py, half of what importing nimbus costs
     messaging = lazy("nimbus.messaging", globals())
 
-__all__ = ["ACK", "Consumer", "Lane", "Producer", "endpoint", "file_message", "giveup_key", "one"]
+__all__ = ["Consumer", "Lane", "Producer", "endpoint", "file_message", "giveup_key", "one"]
 
-ACK = b"F"  # the holder to a writer: your direct messages are in the list
 CHECK = 0.02  # seconds between a sending writer's looks at the claim
 CLAIM_RETRY = 0.05  # seconds between a reader's tries to claim
 LOOK = 0.05  # seconds a direct reader waits on its socket before it looks at the list
-QUIET = 0.5  # at exit: a switched writer silent this long is done
-GRACE = 3.0  # at exit: the most a holder forwards
-_BATCH = 512  # messages a forward pushes per command
-_PULL = 64  # direct messages (each one message or a batch) taken from the socket at once
 
 
-# A reader claims the lane. {0}: shared (store only); {1}: claimed; {2, holder}.
-# A second reader: shared for good, the claim goes (its holder gives it up).
-# The holder is dead: its claim is replaced.
-# A writer switches to the holder: -1 shared (never again), 0 not now, else the claim.
-# The holder gives its claim up: the writers switched to it (taken out of "writers").
 @dataclass(frozen=True)
 class Lane:
     """The keys of one lane: its list, the claim, shared-for-good, the switched writers."""
@@ -214,7 +205,7 @@ class Consumer:
         if self.active():
             with self.lock:
                 if self.claim is not None:
-                    _take_direct(self.tag, self.pending)
+                    take_direct(self.tag, self.pending)
         return sum(len(q) for q in list(self.pending.values()))
 
     def take(self) -> Item | None:
@@ -224,7 +215,7 @@ class Consumer:
                 return None
             item = self._deliverable()
             if item is None:
-                _take_direct(self.tag, self.pending)
+                take_direct(self.tag, self.pending)
                 item = self._deliverable()
             return item
 
@@ -313,93 +304,12 @@ class Consumer:
             switched = link(self.prog).eval(_GIVE_UP, [lane.holder, lane.writers], [claim])
             pending, self.pending, self.opened = self.pending, {}, set()
             self.solo = None
-            forwarder = _Forwarder(self.prog, lane.list, self.tag, switched, pending)
+            forwarder = Forwarder(self.prog, lane.list, self.tag, switched, pending)
             if not read_again:
                 forwarder.quiet = 0.0
             forwarder.step()
         if forwarder.waiting:
             forwarder.start(at_exit)
-
-
-class _Forwarder:
-    """A given-up claim's direct messages, to the list: each writer's up to its "R"."""
-
-    def __init__(
-        self,
-        prog: Program,
-        list_key: str,
-        tag: str,
-        switched: list[bytes],
-        pending: dict[str, collections.deque[Item]],
-    ) -> None:
-        self.prog = prog
-        self.list = list_key
-        self.tag = tag
-        self.waiting = {s.decode() for s in switched} | set(pending)
-        self.pending = pending
-        self.last = time.monotonic()  # of the last direct message forwarded
-        self.thread: threading.Thread | None = None
-        self.stop = threading.Event()
-        self.quiet = QUIET  # at exit: how long a silent writer is waited for
-
-    def step(self) -> None:
-        """Forward what waits; "F" to each writer whose "R" came."""
-        ep, tag = messaging.current(), self.tag
-        items = self.pending
-        self.pending = {}
-        if _take_direct(tag, items):
-            self.last = time.monotonic()
-        done = []
-        store = link(self.prog)
-        ttl = self.prog.ttl_ms
-        for source, queue in items.items():
-            out: list[bytes] = []
-            for item in queue:
-                if item == REVERT:
-                    done.append(source)
-                    break
-                out.append(as_message(item))
-            for start in range(0, len(out), _BATCH):
-                batch = out[start : start + _BATCH]
-                store.call(("RPUSH", self.list, *batch), ("PEXPIRE", self.list, ttl))
-        for source in done:
-            self.waiting.discard(source)
-            try:
-                ep.send(source, ACK, tag + "|ack")
-            except (PeerLost, PeerExited):
-                pass
-
-    def start(self, at_exit: bool) -> None:
-        self.thread = threading.Thread(target=self._run, name="nimbus-forward", daemon=True)
-        with _lock:
-            _forwarders.append(self)
-        if at_exit:
-            self.stop.set()
-        self.thread.start()
-
-    def _run(self) -> None:
-        ep = messaging.current()
-        started = time.monotonic()
-        next_look = started + 0.5
-        try:
-            while self.waiting:
-                ep.poll_tagged(None, self.tag, 0.1)
-                self.step()
-                now = time.monotonic()
-                if now >= next_look:  # writers gone (killed, exited) send no "R"
-                    next_look = now + 0.5
-                    gone = [s for s in self.waiting if not ep.alive(s)]
-                    if gone:
-                        self.step()
-                        self.waiting.difference_update(gone)
-                if self.stop.is_set() and (now - self.last > self.quiet or now - started > GRACE):
-                    return
-        except Exception as exc:  # the store or the endpoint closed under us at exit
-            util.debug(f"nimbus: forwarding {self.list} stopped: {exc!r}")
-        finally:
-            with _lock:
-                if self in _forwarders:
-                    _forwarders.remove(self)
 
 
 # ---------------------------------------------------------------- the writer
@@ -502,37 +412,9 @@ class Producer:
 # ---------------------------------------------------------------- this process's
 
 
-def _take_direct(tag: Any, into: dict[str, collections.deque[Item]]) -> int:
-    """Move up to _PULL direct messages with ``tag`` into ``into`` (per writer, in
-    order; bounded: writers may send faster than we read); how many came."""
-    ep = messaging.current()
-    for n in range(_PULL):
-        if not ep.poll_tagged(None, tag, 0):
-            return n
-        try:
-            source, message = ep.recv_with_source(None, 0, tag)
-        except MessagingTimeout:
-            return n
-        file_message(into, source, message)
-    return _PULL
-
-
-def file_message(into: dict[str, collections.deque[Item]], source: str, message: Any) -> None:
-    """File a direct message (one, or a batch: a list) under its writer (a writer has
-    an entry while something of it waits: ``Consumer.pending`` is empty when nothing does)."""
-    items = message if isinstance(message, list) else (message,)
-    if not items:
-        return
-    found = into.get(source)
-    if found is None:
-        found = into[source] = collections.deque()
-    found.extend(items)
-
-
 _lock = threading.Lock()
 _sides: dict[tuple[str, str, str], Any] = {}  # (store, list, kind): this process's side
 _claimed: list[Consumer] = []
-_forwarders: list[_Forwarder] = []
 _watchers: set[str] = set()  # giveup lists with a thread waiting on them
 _exit_registered: list[util.Finalize] = []
 
@@ -597,13 +479,7 @@ def _at_exit() -> None:
             c.give_up(at_exit=True)
         except Exception as exc:  # nobody to raise to at exit
             util.debug(f"nimbus: giving up {c.lane.list} failed: {exc!r}")
-    with _lock:
-        found = list(_forwarders)
-    for f in found:
-        f.stop.set()
-    for f in found:
-        if f.thread is not None and f.quiet:  # quiet 0: no reader left to forward to
-            f.thread.join(GRACE + 1.0)
+    stop_all()
 
 
 def _forget() -> None:
@@ -612,7 +488,6 @@ def _forget() -> None:
     _lock = threading.Lock()
     _sides.clear()
     _claimed.clear()
-    _forwarders.clear()
     _watchers.clear()
     _exit_registered.clear()
 

@@ -61,6 +61,7 @@ __all__ = [
     "on_shared_endpoint",
     "open_program",
     "program",
+    "refuse_in_sandbox",
     "shared_program",
     "site",
 ]
@@ -178,9 +179,15 @@ def shared_program() -> Program:
     its warm workers, which then have it, as have the processes they start
     (each would import it at its first use otherwise).
     """
-    _refuse_in_sandbox(Settings.lookup("environment"))
+    refuse_in_sandbox()
     _import_clients()
     return program()
+
+
+def refuse_in_sandbox() -> None:
+    """Raise ``ConfigError`` if the program's processes run in a sandbox, which cannot
+    reach its shared state (the store, this host's shared memory and pipes)."""
+    _refuse_in_sandbox(Settings.lookup("environment"))
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,8 +1,11 @@
-"""``Pool``: the stdlib's pool, its processes on warm workers, its queues in the store.
+"""``Pool``: the stdlib's pool, its processes on warm workers, its queues pipes or the store.
 
 Pool processes are long-lived nimbus processes (forked by warm workers, so
-creating a Pool starts no interpreter) fed from a job queue in the state
-store; results come back through a second one. ``chunksize``,
+creating a Pool starts no interpreter) fed from a job queue; results come
+back through a second one. In a program whose processes are all on this host
+both are OS pipes with host locks (``_hostqueue``: no store, no redis-py, as
+the stdlib's); where its processes run elsewhere (``NIMBUS_ENDPOINT``, a
+provider's nodes) they are lists in the state store. ``chunksize``,
 ``maxtasksperchild``, ``initializer``, ``imap`` (lazy) and ``imap_unordered``
 (completion order) are the stdlib's own code. ``ThreadPool`` stays local threads.
 """
@@ -29,6 +32,7 @@ from multiprocessing.pool import (  # noqa: F401
 from typing import Any
 
 from nimbus.errors import DeserializationError
+from nimbus.multiprocessing import _hostqueue, _site, popen_nimbus
 from nimbus.multiprocessing.context import NimbusContext
 
 __all__ = [
@@ -60,7 +64,7 @@ class _PoolContext(NimbusContext):
 
 
 class Pool(stdlib_pool.Pool):
-    """``multiprocessing.Pool`` with nimbus processes and store-backed queues."""
+    """``multiprocessing.Pool`` with nimbus processes; its queues pipes here, else the store's."""
 
     def __init__(
         self,
@@ -83,10 +87,19 @@ class Pool(stdlib_pool.Pool):
         return ctx.Process(*args, **kwds)
 
     def _setup_queues(self) -> None:
-        from nimbus.multiprocessing.queues import SimpleQueue
+        _site.refuse_in_sandbox()  # its processes could not reach the queues, either kind
+        program = _site.program()
+        self._inqueue: Any
+        self._outqueue: Any
+        if _hostqueue.usable(program):  # every process here: OS pipes, no store (no redis-py)
+            popen_nimbus.site()  # first: the warm workers it forks then hold no copy of them
+            self._inqueue = _hostqueue.HostSimpleQueue(program)
+            self._outqueue = _hostqueue.HostSimpleQueue(program)
+        else:
+            from nimbus.multiprocessing.queues import SimpleQueue
 
-        self._inqueue = SimpleQueue()
-        self._outqueue = SimpleQueue()
+            self._inqueue = SimpleQueue()
+            self._outqueue = SimpleQueue()
         self._quick_put = self._inqueue.put
         self._quick_get = self._outqueue.get
 

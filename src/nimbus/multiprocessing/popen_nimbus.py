@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import uuid
 from multiprocessing import context as stdlib_context
@@ -91,6 +92,7 @@ class Popen:
         prep["modules"] = _modules_of(process_obj)
         prep["environ"] = dict(os.environ)  # as at start(), as a forked or spawned child has it
         prep["install"] = _install.installed()  # nimbus is `multiprocessing` there too
+        prep["store"] = "redis" in sys.modules  # the program uses its store: warm its client
         stdlib_context.set_spawning_popen(self)  # type: ignore[arg-type]
         try:
             program = _site.program()
