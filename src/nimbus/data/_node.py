@@ -5,7 +5,8 @@
     <base>/<runtime>/<namespace>/obj/<ref id>   MAGIC | pickle length | buffer lengths |
                                                 pickle | buffers (mtime = end of its lease)
     <base>/<runtime>/<namespace>/kv/<key>       one value of ``nimbus.data.store()``
-    <base>/<runtime>/<namespace>/files/         the node's file cache (mtime = last use)
+    <base>/<runtime>/<namespace>/files/         the node's file cache (mtime = last use;
+                                                kept while an object <key><id> is leased)
     <base>/<runtime>/.holders/<pid>-<start>-<n> a process using this runtime's data
 
 ``base`` is ``/dev/shm/nimbus-data-<uid>`` (memory; mode 0o700) where there is one, else a
@@ -175,12 +176,35 @@ def _idle(top: Path, now: float) -> bool:
     return True
 
 
+def pinned(objects: Path, now: float) -> set[str]:
+    """The cache keys whose file copies are pinned: a leased object of ``objects`` named
+    ``<key><id>`` (64 hex digits; written when the copy was staged, held as a Ref by the
+    client that may still send tasks using it, gone with its last Ref or its lease)."""
+    keys = set()
+    try:
+        with os.scandir(objects) as entries:
+            for entry in entries:
+                if len(entry.name) == 64 and not entry.name.startswith("."):
+                    try:
+                        if entry.stat().st_mtime >= now:
+                            keys.add(entry.name[:32])
+                    except FileNotFoundError:
+                        pass
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return keys
+
+
 def _sweep_files(files: Path, now: float) -> int:
-    """Remove the file copies of ``files`` nobody used for ``UNUSED`` s (and part files
-    ``PART_AGE`` old); how many."""
+    """Remove the file copies of ``files`` nobody used for ``UNUSED`` s and nobody pins
+    (:func:`pinned`: tasks that need it may be queued), and part files ``PART_AGE`` old;
+    how many."""
     removed = 0
+    keep = pinned(files.parent / "obj", now)
     with os.scandir(files) as entries:
         for entry in entries:
+            if entry.name.split("-", 1)[0] in keep:
+                continue
             try:
                 age = now - entry.stat(follow_symlinks=False).st_mtime
                 if age > (PART_AGE if entry.name.startswith(".") else UNUSED) and entry.is_file(
