@@ -232,9 +232,18 @@ def sweep_all(now: float | None = None, base: Path | None = None) -> int:
     copies unused for ``UNUSED`` s; the directory of a runtime no live process holds
     once nothing in it is leased or recently used (a runtime killed), and stores of the
     layout before runtimes (namespaces right under ``base``) likewise. How many files
-    or directories it removed."""
-    now = time.time() if now is None else now
+    or directories it removed.
+
+    A ``now`` ahead of the clock (a test's) needs its own ``base``: over this user's real
+    one it would remove the objects and file copies of every live runtime of the node
+    (leased, pinned, their tasks queued) as if their leases had run out."""
     base = data_base() if base is None else base
+    if now is not None and now > time.time() + 1 and base.name == f"nimbus-data-{os.getuid()}":
+        raise DataError(
+            "sweep_all(now=<a time ahead of the clock>) sweeps every runtime of this user "
+            "on this node as if their leases had run out; give it its own base="
+        )
+    now = time.time() if now is None else now
     removed = 0
     try:
         entries = [e for e in os.scandir(base) if e.is_dir(follow_symlinks=False)]
