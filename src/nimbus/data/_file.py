@@ -29,6 +29,12 @@ offers a connection, a task on the source sends the file into it); only when the
 cannot connect to the target (``Unreachable``) does it travel through the client's link
 (a task there reads it in parts, the client puts them where the task runs).
 
+A copy sent directly is the only one on its node (no parts in the store to make it again
+from): the target writes a pin beside it, an empty object leased like a Ref's, which the
+client holds (``Staged.pin``, renewed, freed with its cache entry); the node's sweep keeps
+a pinned copy however long the tasks that need it wait, and removes it once the pin is
+freed, or its lease ran out (the client died), and nobody used it for a lease.
+
 Limits: ``out=`` writes only to the endpoint the task runs on (or this machine, on the
 local runtime); a file sent directly lands in the cache of the target node that offered
 to take it (one node per endpoint: every task finds it; on an endpoint of several nodes
