@@ -270,8 +270,23 @@ def test_two_runtimes_never_see_each_others_data(tmp_path: Path) -> None:
     assert not Path(root).exists() and not Path(root2).exists()  # removed as they stopped
 
 
-def test_a_runtimes_data_goes_when_its_last_holder_stops(tmp_path: Path) -> None:
+@pytest.fixture
+def own_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A data base of this test alone: a sweep with its clock ahead (a lease run out)
+    must not sweep the live runtimes of the machine (other tests', a benchmark's)."""
+    base = tmp_path / "base"
+    monkeypatch.setattr("nimbus.data._node.data_base", lambda: base)
+    return base
+
+
+def test_a_sweep_with_a_clock_ahead_over_the_real_data_is_refused() -> None:
+    with pytest.raises(DataError, match="give it its own base="):
+        sweep_all(now=time.time() + 400)
+
+
+def test_a_runtimes_data_goes_when_its_last_holder_stops(tmp_path: Path, own_base: Path) -> None:
     root = default_root(tmp_path / "rt")
+    assert root.parent == own_base
     first, second = hold(root), hold(root)
     NodeStore("u-x", root).write("a" * 32, b"kept", time.time() + 60)
     assert not release(first) and (root / "u-x" / "obj" / ("a" * 32)).exists()
@@ -287,9 +302,10 @@ def test_a_runtimes_data_goes_when_its_last_holder_stops(tmp_path: Path) -> None
 
 
 def test_the_sweep_removes_expired_objects_of_killed_clients_and_unused_files(
-    tmp_path: Path,
+    tmp_path: Path, own_base: Path
 ) -> None:
     root = default_root(tmp_path / "rt")
+    assert root.parent == own_base
     mark = hold(root)  # a live runtime: its directory stays, its expired objects go
     node = NodeStore("u-y", root)
     node.write("c" * 32, b"old", time.time() - 1)

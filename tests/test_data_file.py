@@ -21,6 +21,7 @@ import nimbus
 from nimbus import Client, Executor
 from nimbus.data import NodeStore, default_root, run
 from nimbus.data._file import Staged, _cache, check_export
+from nimbus.data._node import UNUSED, sweep_all
 from nimbus.errors import DataError, FileRefused
 from service_support import EndpointProcess, Service
 
@@ -154,6 +155,32 @@ def test_a_file_of_another_endpoint_is_staged_once_for_16_tasks(
     time.sleep(0.01)
     (exported / "run42.h5").write_bytes(body[:1000])
     assert on_lab.submit(describe, file).result(timeout=120)[2] == 1000
+
+
+def test_a_staged_copy_is_kept_while_its_client_may_send_tasks_using_it(
+    on_lab: Executor, vault: EndpointProcess, exported: Path
+) -> None:
+    """The bench's lost copy ("run42.bin is not in this node's file cache"): a copy sent
+    endpoint to endpoint is the only one; the node's sweep kept it only for UNUSED s
+    after its last use, so tasks queued longer (or a sweep with another clock) found it
+    gone. Now the client pins it (a leased object it renews) while it may send tasks."""
+    body = os.urandom(256 * 1024)
+    (exported / "pinned.bin").write_bytes(body)
+    file = nimbus.File(f"vault:{exported}/pinned.bin")
+    path = Path(on_lab.submit(describe, file).result(timeout=120)[1])
+    past = time.time() - UNUSED - 60  # its next tasks waited longer than a lease in a queue
+    os.utime(path, (past, past))
+    sweep_all()  # what every agent and block manager of this user does every 10 s
+    assert path.exists(), "the sweep removed a copy its client still uses"
+    futures = [on_lab.submit(describe, file) for _ in range(4)]
+    assert {f.result(timeout=120)[3] for f in futures} == {hashlib.sha256(body).hexdigest()}
+    # the client crashed (its pin no longer renewed): swept once its lease ran out
+    pins = [p for p in (path.parent.parent / "obj").iterdir() if p.name[:32] in path.name]
+    assert len(pins) == 1 and pins[0].stat().st_mtime > time.time()
+    os.utime(path, (past, past))
+    os.utime(pins[0], (past, past))
+    sweep_all()
+    assert not path.exists() and not pins[0].exists()
 
 
 def test_files_outside_an_endpoints_exports_are_refused(

@@ -97,11 +97,21 @@ def _target(kind: str, name: str) -> Path:
     raise DataError(f"unknown kind of transfer {kind!r}")
 
 
-def offer(kind: str, name: str, expires: float = 0.0) -> tuple[str, int, str]:
+def offer(kind: str, name: str, expires: float = 0.0, pin: str = "") -> tuple[str, int, str]:
     """A task on the target endpoint: wait (in a thread) for the bytes named ``name``
     (``kind`` ``"file"``: the node's file cache; ``"obj"``: an object of the store, its
-    lease ``expires``); where to send them, and the secret to send first."""
+    lease ``expires``); where to send them, and the secret to send first.
+
+    ``pin`` (a file): the id of an empty object leased until ``expires`` that the client
+    holds as a Ref while it may send tasks that use the copy: the node's sweep keeps a
+    copy whose pin is leased (``_node.pinned``), however long its tasks wait."""
     target = _target(kind, name)
+    if kind == "file" and pin:
+        from nimbus.data._task import _node, _scope
+
+        if not pin.startswith(name.split("-", 1)[0]):
+            raise DataError(f"the pin {pin!r} does not name the copy {name!r}")
+        _node(_scope().namespace).write(pin, None, expires)
     host = Settings.load().data_host  # NIMBUS_DATA_HOST
     listener = socket.create_server((host, 0))
     listener.settimeout(TIMEOUT)

@@ -29,6 +29,12 @@ offers a connection, a task on the source sends the file into it); only when the
 cannot connect to the target (``Unreachable``) does it travel through the client's link
 (a task there reads it in parts, the client puts them where the task runs).
 
+A copy sent directly is the only one on its node (no parts in the store to make it again
+from): the target writes a pin beside it, an empty object leased like a Ref's, which the
+client holds (``Staged.pin``, renewed, freed with its cache entry); the node's sweep keeps
+a pinned copy however long the tasks that need it wait, and removes it once the pin is
+freed, or its lease ran out (the client died), and nobody used it for a lease.
+
 Limits: ``out=`` writes only to the endpoint the task runs on (or this machine, on the
 local runtime); a file sent directly lands in the cache of the target node that offered
 to take it (one node per endpoint: every task finds it; on an endpoint of several nodes
@@ -100,6 +106,7 @@ class Staged:
     name: str
     size: int
     sha256: str
+    pin: Ref | None = None  # sent directly: the copy's pin on its node (see ``_direct.offer``)
 
 
 @dataclass(frozen=True)
@@ -356,15 +363,21 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
 def _direct(executor: Any, file: File, source_id: str, mtime: float, name: str) -> Staged:
     """``file`` sent by its endpoint straight into the cache of the task's endpoint's
     node (``_direct``): this client carries only where to and the secret."""
+    import time
+
     from nimbus.data._direct import offer, send_export
 
-    host, port, secret = _answer(executor._path.call(offer, "file", name), file)
+    where = executor._path.open()  # the pin: leased there, held (renewed) by this client
+    key, base = name.split("-", 1)
+    pin = key + new_id()
+    expires = time.time() + where.lease
+    host, port, secret = _answer(executor._path.call(offer, "file", name, expires, pin), file)
+    held = where.adopt(Ref(pin, where.namespace, where.user, where.endpoint, 0))
     sent = _source(executor, source_id).submit(
         send_export, source_id, file.path, mtime, host, port, secret
     )
     got, sha, _ = _answer(sent, file)
-    key, base = name.split("-", 1)
-    return Staged((), key, base, got, sha)
+    return Staged((), key, base, got, sha, held)
 
 
 def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:

@@ -5,7 +5,8 @@
     <base>/<runtime>/<namespace>/obj/<ref id>   MAGIC | pickle length | buffer lengths |
                                                 pickle | buffers (mtime = end of its lease)
     <base>/<runtime>/<namespace>/kv/<key>       one value of ``nimbus.data.store()``
-    <base>/<runtime>/<namespace>/files/         the node's file cache (mtime = last use)
+    <base>/<runtime>/<namespace>/files/         the node's file cache (mtime = last use;
+                                                kept while an object <key><id> is leased)
     <base>/<runtime>/.holders/<pid>-<start>-<n> a process using this runtime's data
 
 ``base`` is ``/dev/shm/nimbus-data-<uid>`` (memory; mode 0o700) where there is one, else a
@@ -175,12 +176,35 @@ def _idle(top: Path, now: float) -> bool:
     return True
 
 
+def pinned(objects: Path, now: float) -> set[str]:
+    """The cache keys whose file copies are pinned: a leased object of ``objects`` named
+    ``<key><id>`` (64 hex digits; written when the copy was staged, held as a Ref by the
+    client that may still send tasks using it, gone with its last Ref or its lease)."""
+    keys = set()
+    try:
+        with os.scandir(objects) as entries:
+            for entry in entries:
+                if len(entry.name) == 64 and not entry.name.startswith("."):
+                    try:
+                        if entry.stat().st_mtime >= now:
+                            keys.add(entry.name[:32])
+                    except FileNotFoundError:
+                        pass
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return keys
+
+
 def _sweep_files(files: Path, now: float) -> int:
-    """Remove the file copies of ``files`` nobody used for ``UNUSED`` s (and part files
-    ``PART_AGE`` old); how many."""
+    """Remove the file copies of ``files`` nobody used for ``UNUSED`` s and nobody pins
+    (:func:`pinned`: tasks that need it may be queued), and part files ``PART_AGE`` old;
+    how many."""
     removed = 0
+    keep = pinned(files.parent / "obj", now)
     with os.scandir(files) as entries:
         for entry in entries:
+            if entry.name.split("-", 1)[0] in keep:
+                continue
             try:
                 age = now - entry.stat(follow_symlinks=False).st_mtime
                 if age > (PART_AGE if entry.name.startswith(".") else UNUSED) and entry.is_file(
@@ -208,9 +232,18 @@ def sweep_all(now: float | None = None, base: Path | None = None) -> int:
     copies unused for ``UNUSED`` s; the directory of a runtime no live process holds
     once nothing in it is leased or recently used (a runtime killed), and stores of the
     layout before runtimes (namespaces right under ``base``) likewise. How many files
-    or directories it removed."""
-    now = time.time() if now is None else now
+    or directories it removed.
+
+    A ``now`` ahead of the clock (a test's) needs its own ``base``: over this user's real
+    one it would remove the objects and file copies of every live runtime of the node
+    (leased, pinned, their tasks queued) as if their leases had run out."""
     base = data_base() if base is None else base
+    if now is not None and now > time.time() + 1 and base.name == f"nimbus-data-{os.getuid()}":
+        raise DataError(
+            "sweep_all(now=<a time ahead of the clock>) sweeps every runtime of this user "
+            "on this node as if their leases had run out; give it its own base="
+        )
+    now = time.time() if now is None else now
     removed = 0
     try:
         entries = [e for e in os.scandir(base) if e.is_dir(follow_symlinks=False)]
