@@ -115,7 +115,7 @@ def test_a_wheelhouse_needs_requirements(tmp_path: Path) -> None:
 
 
 def test_a_failed_build_is_listed_with_its_cause() -> None:
-    from nimbus.cli.environments import cause
+    from nimbus.environments import cause
 
     uv = (
         "environment 'bad': uv failed (exit 1) installing nope:\n"
@@ -475,6 +475,68 @@ def test_cli_build_list_remove(
     assert cli_main(["environments", "build", "empty"]) == 2
     assert "nothing to build" in capsys.readouterr().err
     assert os.path.isdir(envdir)
+
+
+def test_a_name_means_one_build_and_remove_takes_only_that_name(
+    wheelhouse: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Newcomer #1: `remove geo` also removed `x` (same spec, same key), and two builds
+    named geo lived side by side. A name now refers to one build; removing a name keeps a
+    build other names share; building a name with another spec moves the name."""
+    six = ["-r", "six==1.16.0", "--wheelhouse", wheelhouse]
+    ini = ["-r", "iniconfig==2.0.0", "--wheelhouse", wheelhouse]
+    assert cli_main(["environments", "build", "geo", *six]) == 0
+    assert cli_main(["environments", "build", "x", *six]) == 0
+    key_six = Environment("geo", ["six==1.16.0"], wheelhouse).key
+    capsys.readouterr()
+    assert cli_main(["environments", "remove", "geo"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"removed the name geo; its build ({key_six}) is kept for x"
+    ]
+    [entry] = environments.cache().entries()
+    assert entry.key == key_six and entry.names == ("x",)
+    assert environments.resolve("x").requirements == ("six==1.16.0",)
+
+    assert cli_main(["environments", "build", "geo", *six]) == 0  # geo: six again
+    assert cli_main(["environments", "build", "geo", *ini]) == 0  # geo: now iniconfig
+    key_ini = Environment("geo", ["iniconfig==2.0.0"], wheelhouse).key
+    out = capsys.readouterr().out
+    assert (
+        f"geo now refers to key {key_ini}; the previous build (key {key_six}) stays for "
+        f"tasks still using it" in out
+    )
+    names = {e.key: e.names for e in environments.cache().entries()}
+    assert names == {key_six: ("x",), key_ini: ("geo",)}
+    assert environments.resolve("geo").requirements == ("iniconfig==2.0.0",)
+    prepare(Environment("geo", ["six==1.16.0"], wheelhouse))  # a task of the old spec
+    assert environments.resolve("geo").requirements == ("iniconfig==2.0.0",)  # still
+
+    assert cli_main(["environments", "remove", "x"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"removed x ({key_six})"]
+    assert [e.key for e in environments.cache().entries()] == [key_ini]
+    assert cli_main(["environments", "remove", "geo"]) == 0
+    assert environments.cache().entries() == []
+
+
+def test_run_with_a_failed_environment_says_why_and_how_to_retry(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Newcomer #2: `nimbus run --environment bad` after bad's build failed said it was
+    not built and to build it; it names the build's cause and the command that retries."""
+    assert cli_main(["environments", "build", "bad", "-r", "nimbus-no-such-package-h18"]) == 1
+    capsys.readouterr()
+    with pytest.raises(ConfigError) as raised:
+        environments.resolve("bad", "--environment")
+    said = str(raised.value)
+    assert said.startswith("--environment='bad': the build of that environment on this node "
+                           "failed: environment 'bad': ")  # fmt: skip
+    assert "installing nimbus-no-such-package-h18: " in said and "not built" not in said
+    assert said.endswith("try again: `nimbus environments build bad -r nimbus-no-such-package-h18`")
+    prog = tmp_path / "prog.py"
+    prog.write_text("print('ran')\n")
+    done = _run_program(tmp_path, ["-m", "nimbus", "run", "--environment", "bad", str(prog)])
+    assert done.returncode == 2 and done.stdout == ""
+    assert "the build of that environment on this node failed" in done.stderr, done.stderr
 
 
 # ---------------------------------------------------------------- the benchmark
