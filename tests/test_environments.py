@@ -539,6 +539,39 @@ def test_run_with_a_failed_environment_says_why_and_how_to_retry(
     assert "the build of that environment on this node failed" in done.stderr, done.stderr
 
 
+def _zombie_children() -> list[str]:
+    """This process's children that exited and were not waited for: ``pid (comm)``."""
+    out = []
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue  # reaped meanwhile
+            if stat.rsplit(")", 1)[1].split()[0] == "Z":
+                out.append(stat.split(" ", 2)[0] + " " + stat.split(" ", 2)[1])
+    return out
+
+
+@needs_bwrap
+def test_no_zombie_children_after_tasks_in_environments(wheelhouse: str) -> None:
+    """Newcomer #3: a daemon kept a `[python] <defunct>` for minutes after tasks ran in an
+    environment. A worker retired for another environment's task (one slot here, so each
+    switch retires one: built, sandboxed, plain) is waited for once it exits, though the
+    manager's loop has nothing else to do."""
+    from nimbus import Executor
+
+    geo = Environment("geo", ["six==1.16.0"], wheelhouse=wheelhouse)
+    jail = Environment("jail", sandbox=True)
+    with Executor(1) as ex:
+        for env in (geo, jail, environments.PLAIN, geo):
+            assert ex.options(environment=env).submit(os.getpid).result(timeout=120) > 0
+        deadline = time.monotonic() + 5.0
+        while _zombie_children() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _zombie_children() == []
+
+
 # ---------------------------------------------------------------- the benchmark
 
 
