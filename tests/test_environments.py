@@ -572,6 +572,42 @@ def test_no_zombie_children_after_tasks_in_environments(wheelhouse: str) -> None
         assert _zombie_children() == []
 
 
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            out += [int(child), *_descendants(int(child))]
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+@needs_bwrap
+@pytest.mark.parametrize("killed", ["the worker's process", "its python in the sandbox"])
+def test_a_killed_sandboxed_worker_leaves_nothing_running(killed: str) -> None:
+    """Newcomer #3: bwrap's init inside the sandbox was seen outliving a SIGKILLed worker.
+    Whichever is killed (the process the manager started, or the Python inside), every
+    process of the sandbox ends (--die-with-parent); one that is only not yet waited for
+    by its new parent (the machine's init) is a zombie, not a survivor."""
+    prepared = prepare(Environment("jail", sandbox=True))
+    with EnvWorker(prepared) as worker:
+        assert worker.run(os.getpid) == 2  # pid 1 is bwrap's init in the sandbox
+        inside = _descendants(worker.proc.pid)
+        assert len(inside) == 2, inside  # bwrap's init and the worker's Python
+        os.kill(worker.proc.pid if killed.startswith("the worker") else inside[-1], 9)
+        worker.proc.wait(timeout=10)
+        deadline = time.monotonic() + 5.0
+        while any(_alive(pid) for pid in inside) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid in inside if _alive(pid)] == []
+
+
 # ---------------------------------------------------------------- the benchmark
 
 
