@@ -83,6 +83,7 @@ def test_public_names() -> None:
             "Prepared",
             "as_environment",
             "cache",
+            "cause",
             "held",
             "pools",
             "prepare",
@@ -606,6 +607,33 @@ def test_a_killed_sandboxed_worker_leaves_nothing_running(killed: str) -> None:
         while any(_alive(pid) for pid in inside) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert [pid for pid in inside if _alive(pid)] == []
+
+
+def _imports(*names: str) -> dict[str, str]:
+    import importlib
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = str(getattr(importlib.import_module(name), "__file__", ""))
+        except ImportError as exc:
+            out[name] = f"ImportError: {exc}"
+    return out
+
+
+def test_an_environment_sees_nimbus_runtime_not_the_whole_nimbus_venv(wheelhouse: str) -> None:
+    """Newcomer #4: in an environment of `six` alone, `import attrs` succeeded from the
+    nimbus venv, hiding a missing requirement. Its workers now see nimbus and nimbus's
+    runtime dependencies from the node, not the rest of the node's site-packages."""
+    import attrs  # the node has it (a test dependency), nimbus does not need it
+
+    assert attrs
+    prepared = prepare(Environment("geo", ["six==1.16.0"], wheelhouse=wheelhouse))
+    with EnvWorker(prepared) as worker:
+        found = worker.run(_imports, "six", "cloudpickle", "msgpack", "nimbus", "attrs")
+    assert found["six"].startswith(str(prepared.venv))
+    assert found["attrs"].startswith("ImportError"), found
+    assert not any(v.startswith("ImportError") for k, v in found.items() if k != "attrs")
 
 
 # ---------------------------------------------------------------- the benchmark

@@ -93,6 +93,7 @@ class Prepared:
     venv: str | None = None
     workdirs: str | None = None
     installer: str = ""
+    node_view: str | None = None
 
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` (whose first item is a Python) run inside the environment."""
@@ -128,7 +129,7 @@ class Prepared:
         if self.venv is not None:
             paths = [p for p in out.pop("PYTHONPATH", "").split(os.pathsep) if p]
             paths += [p for p in _venv.node_paths() if p not in paths]
-            out[_venv.NODE_PATH] = os.pathsep.join(paths)
+            out[_venv.NODE_PATH] = os.pathsep.join(_venv.worker_paths(paths, self.node_view))
             out.pop("PYTHONHOME", None)
         return out
 
@@ -293,7 +294,8 @@ def _prepared(
     # what a sandbox must still see where a private /tmp would hide it (a checkout
     # or a virtualenv under /tmp): the node's Python, its import path, the venv
     prefixes = [sys.prefix, sys.base_prefix]
-    grants = [*prefixes, *_venv.node_paths(), *([str(venv)] if venv is not None else [])]
+    view = _venv.node_view(store.root) if venv is not None else None
+    grants = [*prefixes, *_venv.node_paths(), *([str(venv), view] if view else [])]
     memory = int(Settings.lookup("sandbox_memory"))
     wrap: tuple[str, ...] = ()
     if env.image is not None:
@@ -308,6 +310,7 @@ def _prepared(
         venv=str(venv) if venv is not None else None,
         workdirs=str(store.root / "work") if wrap else None,
         installer=str(meta.get("installer", "")),
+        node_view=view,
     )
 
 
