@@ -192,7 +192,8 @@ def _is_site(path: str) -> bool:
 def _runtime_links() -> tuple[tuple[str, str], ...]:
     """``(name, target)`` of every top-level module of nimbus and of its runtime
     dependencies (their closure, extras left out), where installed on this node."""
-    wanted, seen, links = ["nimbus"], set(), {}
+    wanted, seen = ["nimbus"], set()
+    links: dict[str, str] = {}
     while wanted:
         name = re.sub(r"[-_.]+", "-", wanted.pop()).lower()
         if name in seen:
