@@ -83,6 +83,7 @@ def test_public_names() -> None:
             "Prepared",
             "as_environment",
             "cache",
+            "cause",
             "held",
             "pools",
             "prepare",
@@ -115,7 +116,7 @@ def test_a_wheelhouse_needs_requirements(tmp_path: Path) -> None:
 
 
 def test_a_failed_build_is_listed_with_its_cause() -> None:
-    from nimbus.cli.environments import cause
+    from nimbus.environments import cause
 
     uv = (
         "environment 'bad': uv failed (exit 1) installing nope:\n"
@@ -475,6 +476,164 @@ def test_cli_build_list_remove(
     assert cli_main(["environments", "build", "empty"]) == 2
     assert "nothing to build" in capsys.readouterr().err
     assert os.path.isdir(envdir)
+
+
+def test_a_name_means_one_build_and_remove_takes_only_that_name(
+    wheelhouse: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Newcomer #1: `remove geo` also removed `x` (same spec, same key), and two builds
+    named geo lived side by side. A name now refers to one build; removing a name keeps a
+    build other names share; building a name with another spec moves the name."""
+    six = ["-r", "six==1.16.0", "--wheelhouse", wheelhouse]
+    ini = ["-r", "iniconfig==2.0.0", "--wheelhouse", wheelhouse]
+    assert cli_main(["environments", "build", "geo", *six]) == 0
+    assert cli_main(["environments", "build", "x", *six]) == 0
+    key_six = Environment("geo", ["six==1.16.0"], wheelhouse).key
+    capsys.readouterr()
+    assert cli_main(["environments", "remove", "geo"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"removed the name geo; its build ({key_six}) is kept for x"
+    ]
+    [entry] = environments.cache().entries()
+    assert entry.key == key_six and entry.names == ("x",)
+    assert environments.resolve("x").requirements == ("six==1.16.0",)
+
+    assert cli_main(["environments", "build", "geo", *six]) == 0  # geo: six again
+    assert cli_main(["environments", "build", "geo", *ini]) == 0  # geo: now iniconfig
+    key_ini = Environment("geo", ["iniconfig==2.0.0"], wheelhouse).key
+    out = capsys.readouterr().out
+    assert (
+        f"geo now refers to key {key_ini}; the previous build (key {key_six}) stays for "
+        f"tasks still using it" in out
+    )
+    names = {e.key: e.names for e in environments.cache().entries()}
+    assert names == {key_six: ("x",), key_ini: ("geo",)}
+    assert environments.resolve("geo").requirements == ("iniconfig==2.0.0",)
+    prepare(Environment("geo", ["six==1.16.0"], wheelhouse))  # a task of the old spec
+    assert environments.resolve("geo").requirements == ("iniconfig==2.0.0",)  # still
+
+    assert cli_main(["environments", "remove", "x"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"removed x ({key_six})"]
+    assert [e.key for e in environments.cache().entries()] == [key_ini]
+    assert cli_main(["environments", "remove", "geo"]) == 0
+    assert environments.cache().entries() == []
+
+
+def test_run_with_a_failed_environment_says_why_and_how_to_retry(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Newcomer #2: `nimbus run --environment bad` after bad's build failed said it was
+    not built and to build it; it names the build's cause and the command that retries."""
+    assert cli_main(["environments", "build", "bad", "-r", "nimbus-no-such-package-h18"]) == 1
+    capsys.readouterr()
+    with pytest.raises(ConfigError) as raised:
+        environments.resolve("bad", "--environment")
+    said = str(raised.value)
+    assert said.startswith("--environment='bad': the build of that environment on this node "
+                           "failed: environment 'bad': ")  # fmt: skip
+    assert "installing nimbus-no-such-package-h18: " in said and "not built" not in said
+    assert said.endswith("try again: `nimbus environments build bad -r nimbus-no-such-package-h18`")
+    prog = tmp_path / "prog.py"
+    prog.write_text("print('ran')\n")
+    done = _run_program(tmp_path, ["-m", "nimbus", "run", "--environment", "bad", str(prog)])
+    assert done.returncode == 2 and done.stdout == ""
+    assert "the build of that environment on this node failed" in done.stderr, done.stderr
+
+
+def _zombie_children() -> list[str]:
+    """This process's children that exited and were not waited for: ``pid (comm)``."""
+    out = []
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue  # reaped meanwhile
+            if stat.rsplit(")", 1)[1].split()[0] == "Z":
+                out.append(stat.split(" ", 2)[0] + " " + stat.split(" ", 2)[1])
+    return out
+
+
+@needs_bwrap
+def test_no_zombie_children_after_tasks_in_environments(wheelhouse: str) -> None:
+    """Newcomer #3: a daemon kept a `[python] <defunct>` for minutes after tasks ran in an
+    environment. A worker retired for another environment's task (one slot here, so each
+    switch retires one: built, sandboxed, plain) is waited for once it exits, though the
+    manager's loop has nothing else to do."""
+    from nimbus import Executor
+
+    geo = Environment("geo", ["six==1.16.0"], wheelhouse=wheelhouse)
+    jail = Environment("jail", sandbox=True)
+    with Executor(1) as ex:
+        for env in (geo, jail, environments.PLAIN, geo):
+            assert ex.options(environment=env).submit(os.getpid).result(timeout=120) > 0
+        deadline = time.monotonic() + 5.0
+        while _zombie_children() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _zombie_children() == []
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            out += [int(child), *_descendants(int(child))]
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+@needs_bwrap
+@pytest.mark.parametrize("killed", ["the worker's process", "its python in the sandbox"])
+def test_a_killed_sandboxed_worker_leaves_nothing_running(killed: str) -> None:
+    """Newcomer #3: bwrap's init inside the sandbox was seen outliving a SIGKILLed worker.
+    Whichever is killed (the process the manager started, or the Python inside), every
+    process of the sandbox ends (--die-with-parent); one that is only not yet waited for
+    by its new parent (the machine's init) is a zombie, not a survivor."""
+    prepared = prepare(Environment("jail", sandbox=True))
+    with EnvWorker(prepared) as worker:
+        assert worker.run(os.getpid) == 2  # pid 1 is bwrap's init in the sandbox
+        inside = _descendants(worker.proc.pid)
+        assert len(inside) == 2, inside  # bwrap's init and the worker's Python
+        os.kill(worker.proc.pid if killed.startswith("the worker") else inside[-1], 9)
+        worker.proc.wait(timeout=10)
+        deadline = time.monotonic() + 5.0
+        while any(_alive(pid) for pid in inside) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid in inside if _alive(pid)] == []
+
+
+def _imports(*names: str) -> dict[str, str]:
+    import importlib
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = str(getattr(importlib.import_module(name), "__file__", ""))
+        except ImportError as exc:
+            out[name] = f"ImportError: {exc}"
+    return out
+
+
+def test_an_environment_sees_nimbus_runtime_not_the_whole_nimbus_venv(wheelhouse: str) -> None:
+    """Newcomer #4: in an environment of `six` alone, `import attrs` succeeded from the
+    nimbus venv, hiding a missing requirement. Its workers now see nimbus and nimbus's
+    runtime dependencies from the node, not the rest of the node's site-packages."""
+    import attrs  # the node has it (a test dependency), nimbus does not need it
+
+    assert attrs
+    prepared = prepare(Environment("geo", ["six==1.16.0"], wheelhouse=wheelhouse))
+    with EnvWorker(prepared) as worker:
+        found = worker.run(_imports, "six", "cloudpickle", "msgpack", "nimbus", "attrs")
+    assert found["six"].startswith(str(prepared.venv))
+    assert found["attrs"].startswith("ImportError"), found
+    assert not any(v.startswith("ImportError") for k, v in found.items() if k != "attrs")
 
 
 # ---------------------------------------------------------------- the benchmark

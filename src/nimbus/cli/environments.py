@@ -4,8 +4,10 @@
 ``build`` makes an environment ready ahead of time (the spec from its options:
 ``-r REQUIREMENT`` repeated, ``--wheelhouse DIR``, ``--image IMAGE``,
 ``--sandbox``) and retries a spec whose earlier build failed; ``list`` shows
-what is built (or failed) here, with size and last use; ``remove`` deletes
-every entry of a name (or a key). ``list --endpoint NAME`` shows instead what
+what is built (or failed) here, with size and last use; ``remove NAME`` makes the
+name refer to nothing here (a build that other names share stays for them; one no
+name refers to any more is deleted), ``remove KEY`` deletes that build. A name
+refers to one build: building it with another spec moves the name (and says so). ``list --endpoint NAME`` shows instead what
 the nodes of an endpoint hold, as its daemon last reported through the service:
 one row per node and environment, its own node's and those of its remote managers
 (blocks, ``nimbus manager``): warm workers (and free ones), the build state there
@@ -85,8 +87,8 @@ def setup(parser: argparse.ArgumentParser) -> None:
     remove = sub.add_parser(
         "remove",
         help="remove an environment from this node (or every node of an endpoint)",
-        description="Remove every build of an environment (by name, or one by its key) from "
-        "this node. With --endpoint NAME: from every node of that endpoint; refused, with "
+        description="Remove an environment's name from this node, and its build unless "
+        "another name shares it (same spec); a key removes that build. With --endpoint NAME: from every node of that endpoint; refused, with "
         "nothing removed, while tasks of it are queued or running there.",
         epilog=EPILOG,
     )
@@ -130,21 +132,32 @@ def run(args: argparse.Namespace) -> int:
                 f"environment {args.name!r} has nothing to build: give -r REQUIREMENT, "
                 f"--image IMAGE or --sandbox",
             )
+        store = environments.cache()
+        before = store.named(env.name)
         prepared = environments.prepare(env, retry=True)
         how = f"in {prepared.build_seconds:.1f} s" if prepared.build_seconds else "(already)"
         print(f"{env.name}: built {how}, key {env.key}")
+        store.claim(env.key, env.name)  # an existing build of the spec: the name moves too
+        if before is not None and before != env.key:
+            print(
+                f"{env.name} now refers to key {env.key}; the previous build (key {before}) "
+                f"stays for tasks still using it: `nimbus environments remove {before}` "
+                f"removes it, else it is evicted when unused"
+            )
         return 0
     store = environments.cache()
-    found = [e for e in store.entries() if args.name in e.names or args.name == e.key]
-    if not found:
+    gone = store.forget(args.name)
+    if not gone:
         known = sorted({n for e in store.entries() for n in e.names})
         raise ConfigError(
             f"no environment named {args.name!r} on this node"
             + (f"; there are: {', '.join(known)}" if known else "")
         )
-    for entry in found:
-        store.remove(entry.key)
-        print(f"removed {', '.join(entry.names) or entry.key} ({entry.key})")
+    for key, what in gone:
+        if what == "removed":
+            print(f"removed {args.name} ({key})")
+        else:  # a build of the same spec under other names
+            print(f"removed the name {args.name}; its build ({key}) is {what}")
     return 0
 
 
@@ -241,15 +254,19 @@ def _follow(client: Any, placed: dict[str, Any], endpoint: str, timeout: float) 
 
 
 def _outcome(row: dict[str, Any]) -> str:
+    from nimbus import environments
+
     seconds, message = float(row.get("seconds") or 0.0), str(row.get("message") or "")
     if row["state"] == "failed":
-        return f"failed: {cause(message)}"
+        return f"failed: {environments.cause(message)}"
     if row["state"] == "built":
         return f"built in {seconds:.1f} s" if message != "already built" else "built (already)"
     return "removed" if not message or "build" in message else f"removed ({message})"
 
 
 def _list(entries: list[Entry], as_json: bool) -> int:
+    from nimbus import environments
+
     rows = [
         {
             "key": e.key,
@@ -278,12 +295,13 @@ def _list(entries: list[Entry], as_json: bool) -> int:
             f"{when:<19} {what}"
         )
         if e.message:
-            print(f"{'':<16} {cause(e.message)}")
+            print(f"{'':<16} {environments.cause(e.message)}")
     return 0
 
 
 def _list_endpoint(name: str, as_json: bool) -> int:
     """What the nodes of endpoint ``name`` hold, as its daemon last reported it."""
+    from nimbus import environments
     from nimbus.client import Client
     from nimbus.errors import NotFound
 
@@ -320,27 +338,8 @@ def _list_endpoint(name: str, as_json: bool) -> int:
             f"{size:>9} {when}"
         )
         if r.get("message"):
-            print(f"{'':<20} {cause(str(r['message']))}")
+            print(f"{'':<20} {environments.cause(str(r['message']))}")
     return 0
-
-
-_DECORATION = " \t\u00d7\u2570\u2500\u25b6\u2502\u2503"  # the marks of uv's error tree
-
-
-def cause(message: str, width: int = 300) -> str:
-    """A failed build's message in one line: what failed and the builder's cause (uv's
-    ``cause:`` line, else its first ``error`` line, else its first line), not the
-    header alone ("uv failed (exit 1) installing X:")."""
-    lines = [line.strip(_DECORATION) for line in message.splitlines()]
-    head, said = lines[0].rstrip(":"), [line for line in lines[1:] if line]
-    if not said:
-        return head[:width]
-    why = next((line for line in said if line.lower().startswith("cause:")), None) or next(
-        (line for line in said if "error" in line.lower()), said[0]
-    )
-    if why.lower().startswith(("cause:", "error:")):
-        why = why.split(":", 1)[1].strip()
-    return f"{head}: {why}"[:width]
 
 
 def _size(n: int) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from nimbus.environments._build import WORKER_VARIABLE, Prepared, cache, prepare, resolve
 from nimbus.environments._cache import Cache, Entry
-from nimbus.environments._report import held, pools
+from nimbus.environments._report import cause, held, pools
 from nimbus.environments._spec import PLAIN, Environment, as_environment
 from nimbus.environments._venv import NODE_PATH
 
@@ -26,6 +26,7 @@ __all__ = [
     "Prepared",
     "as_environment",
     "cache",
+    "cause",
     "held",
     "pools",
     "prepare",

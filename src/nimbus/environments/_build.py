@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,7 @@ import cloudpickle
 from nimbus.config import Settings
 from nimbus.environments import _isolate, _venv
 from nimbus.environments._cache import Cache, tree_size
+from nimbus.environments._report import cause
 from nimbus.environments._spec import Environment
 from nimbus.errors import ConfigError, EnvironmentBuildError, VersionMismatchError
 
@@ -91,6 +93,7 @@ class Prepared:
     venv: str | None = None
     workdirs: str | None = None
     installer: str = ""
+    node_view: str | None = None
 
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` (whose first item is a Python) run inside the environment."""
@@ -126,7 +129,7 @@ class Prepared:
         if self.venv is not None:
             paths = [p for p in out.pop("PYTHONPATH", "").split(os.pathsep) if p]
             paths += [p for p in _venv.node_paths() if p not in paths]
-            out[_venv.NODE_PATH] = os.pathsep.join(paths)
+            out[_venv.NODE_PATH] = os.pathsep.join(_venv.worker_paths(paths, self.node_view))
             out.pop("PYTHONHOME", None)
         return out
 
@@ -167,7 +170,17 @@ def resolve(text: str, given: str = "NIMBUS_ENVIRONMENT") -> Environment:
             return Environment.from_dict(data)
         except ConfigError as exc:
             raise ConfigError(f"{given}={text!r}: {exc}") from None
-    built = [e for e in cache().entries() if e.state == "built" and text in e.names and e.spec]
+    entries = cache().entries()
+    built = [e for e in entries if e.state == "built" and text in e.names and e.spec]
+    failed = [e for e in entries if e.state == "failed" and text in e.names and e.spec]
+    if not built and failed:
+        last = max(failed, key=lambda e: e.last_use)
+        assert last.spec is not None
+        raise ConfigError(
+            f"{given}={text!r}: the build of that environment on this node failed: "
+            f"{cause(last.message)}; fix the cause (or the spec) and try again: "
+            f"`{retry_command(last.spec)}`"
+        )
     if not built:
         raise ConfigError(
             f"{given}={text!r}: no environment of that name is built on this node; "
@@ -177,6 +190,20 @@ def resolve(text: str, given: str = "NIMBUS_ENVIRONMENT") -> Environment:
     spec = max(built, key=lambda e: e.last_use).spec
     assert spec is not None
     return dataclasses.replace(spec, name=text)
+
+
+def retry_command(env: Environment) -> str:
+    """The ``nimbus environments build`` command line that builds ``env`` again."""
+    words = ["nimbus", "environments", "build", env.name]
+    for requirement in env.requirements:
+        words += ["-r", requirement]
+    if env.wheelhouse:
+        words += ["--wheelhouse", env.wheelhouse]
+    if env.image:
+        words += ["--image", env.image]
+    if env.sandbox:
+        words.append("--sandbox")
+    return shlex.join(words)
 
 
 def prepare(env: Environment, *, retry: bool = False) -> Prepared:
@@ -227,6 +254,7 @@ def prepare(env: Environment, *, retry: bool = False) -> Prepared:
         }
         store.write_meta(key, meta)
         store.touch(key, env.name)
+        store.claim(key, env.name)  # a name means one build: this one now
     limit = int(Settings.lookup("environments_max_size"))
     with contextlib.suppress(OSError):
         store.evict(limit, keep=key)
@@ -266,7 +294,8 @@ def _prepared(
     # what a sandbox must still see where a private /tmp would hide it (a checkout
     # or a virtualenv under /tmp): the node's Python, its import path, the venv
     prefixes = [sys.prefix, sys.base_prefix]
-    grants = [*prefixes, *_venv.node_paths(), *([str(venv)] if venv is not None else [])]
+    view = _venv.node_view(store.root) if venv is not None else None
+    grants = [*prefixes, *_venv.node_paths(), *([str(venv), view] if view else [])]
     memory = int(Settings.lookup("sandbox_memory"))
     wrap: tuple[str, ...] = ()
     if env.image is not None:
@@ -281,6 +310,7 @@ def _prepared(
         venv=str(venv) if venv is not None else None,
         workdirs=str(store.root / "work") if wrap else None,
         installer=str(meta.get("installer", "")),
+        node_view=view,
     )
 
 

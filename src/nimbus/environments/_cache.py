@@ -9,6 +9,7 @@
         <key>.lock           flock'd while the entry is built: one build per node
         <key>.failed         a build that failed: its message, until the spec changes
         <key>.building       the spec of a build under way (while its lock is held)
+        names.lock           flock'd while a name moves from one build to another
         work/<key>-<pid>-<n> the writable directory of one sandboxed worker
 
 ``meta.json`` is written last: an entry without it is half built (a build that
@@ -16,6 +17,12 @@ was killed) and is built again. A failed build is remembered in
 ``<key>.failed`` so that a second :func:`~nimbus.environments.prepare` fails at
 once; a different spec has a different key, and ``nimbus environments build``
 tries again.
+
+A name refers to one build: building a name with another spec moves the name to
+the new build (:meth:`Cache.claim`); the previous one stays, under its other names
+or none, for the tasks still using it, until evicted or removed by its key. Builds
+of one spec share a key: removing one of their names (:meth:`Cache.forget`) keeps
+the build for the others, and removes it with the last.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ __all__ = ["Cache", "Entry"]
 
 META = "meta.json"
 LAST_USE = "last_use"
+NAMES = "names"  # the lock taken while names move between builds (<root>/names.lock)
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,7 @@ class Cache:
     # -- the lock: one build of a key at a time, across threads and processes
     @contextlib.contextmanager
     def locked(self, key: str) -> Iterator[None]:
+        self.ensure()
         fd = os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # per open file: threads of one process too
@@ -105,13 +114,74 @@ class Cache:
         os.replace(tmp, path)
 
     def touch(self, key: str, name: str) -> None:
-        """Record a use now (the LRU clock), and the name it was used by if new."""
+        """Record a use now (the LRU clock), and the name it was used by if that name
+        refers to no other build yet (a name means one build: :meth:`claim` moves it)."""
         entry = self.entry(key)
         (entry / LAST_USE).touch()
         meta = self.meta(key)
-        if meta is not None and name not in meta.get("names", []):
-            meta["names"] = [*meta.get("names", []), name]
+        if meta is None or name in meta.get("names", []):
+            return
+        with self.locked(NAMES):
+            if self.named(name) is None:
+                self._rename(key, add=name)
+
+    def named(self, name: str) -> str | None:
+        """The key of the build ``name`` refers to on this node, if any."""
+        for entry in self.entries():
+            if entry.state == "built" and name in entry.names:
+                return entry.key
+        return None
+
+    def claim(self, key: str, name: str) -> list[str]:
+        """Make ``name`` refer to ``key`` alone (a build of ``name`` with another spec
+        replaces what it meant). Returns the keys it referred to before; those builds
+        stay (tasks may still run in them) under their other names, or none."""
+        with self.locked(NAMES):
+            before = [
+                e.key
+                for e in self.entries()
+                if e.state == "built" and name in e.names and e.key != key
+            ]
+            for other in before:
+                self._rename(other, drop=name)
+            self._rename(key, add=name)
+        return before
+
+    def forget(self, name: str) -> list[tuple[str, str]]:
+        """``nimbus environments remove NAME``: ``name`` no longer refers to anything here;
+        a build no other name refers to any more is removed. ``name`` may be a key: that
+        build goes, whatever its names. Returns ``(key, what became of it)`` per build
+        touched: ``"removed"`` or ``"kept for NAMES"``."""
+        out: list[tuple[str, str]] = []
+        with self.locked(NAMES):
+            for entry in self.entries():
+                if entry.key == name:
+                    self.remove(entry.key)
+                    out.append((entry.key, "removed"))
+                elif name in entry.names:
+                    if entry.state == "failed":
+                        self.forget_failure(entry.key)
+                        out.append((entry.key, "removed"))
+                        continue
+                    left = self._rename(entry.key, drop=name)
+                    if left:
+                        out.append((entry.key, f"kept for {', '.join(left)}"))
+                    else:
+                        self.remove(entry.key)
+                        out.append((entry.key, "removed"))
+        return out
+
+    def _rename(self, key: str, add: str = "", drop: str = "") -> list[str]:
+        meta = self.meta(key)
+        if meta is None:
+            return []
+        names = [n for n in meta.get("names", []) if n != drop]
+        if add and add not in names:
+            names.append(add)
+        if names != meta.get("names", []):
+            meta["names"] = names
             self.write_meta(key, meta)
+        return names
 
     def last_use(self, key: str) -> float:
         try:

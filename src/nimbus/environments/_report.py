@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["held", "pools"]
+__all__ = ["cause", "held", "pools"]
 
 
 def pools(manager: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -89,3 +89,22 @@ def held(
     for row in rows.values():
         row["state"] = row["state"] or "starting"  # slots given, no worker ready yet
     return sorted(rows.values(), key=lambda r: (r["state"] != "warm", r["node"], r["name"]))
+
+
+_DECORATION = " \t\u00d7\u2570\u2500\u25b6\u2502\u2503"  # the marks of uv's error tree
+
+
+def cause(message: str, width: int = 300) -> str:
+    """A failed build's message in one line: what failed and the builder's cause (uv's
+    ``cause:`` line, else its first ``error`` line, else its first line), not the
+    header alone ("uv failed (exit 1) installing X:")."""
+    lines = [line.strip(_DECORATION) for line in message.splitlines()]
+    head, said = lines[0].rstrip(":"), [line for line in lines[1:] if line]
+    if not said:
+        return head[:width]
+    why = next((line for line in said if line.lower().startswith("cause:")), None) or next(
+        (line for line in said if "error" in line.lower()), said[0]
+    )
+    if why.lower().startswith(("cause:", "error:")):
+        why = why.split(":", 1)[1].strip()
+    return f"{head}: {why}"[:width]

@@ -19,17 +19,32 @@ which would otherwise come first.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import os
+import re
 import shutil
+import site
 import subprocess
 import sys
 import sysconfig
+import threading
+from importlib import metadata
 from pathlib import Path
 
 from nimbus.environments._spec import Environment
 from nimbus.errors import EnvironmentBuildError
 
-__all__ = ["NODE_PATH", "build_venv", "installer", "node_paths", "venv_python"]
+__all__ = [
+    "NODE_PATH",
+    "build_venv",
+    "installer",
+    "node_paths",
+    "node_view",
+    "venv_python",
+    "worker_paths",
+]
 
 NODE_PATH = "NIMBUS_NODE_PATH"
 PTH_NAME = "_nimbus_node_path.pth"
@@ -161,3 +176,86 @@ def _run(env: Environment, tool: str, argv: list[str]) -> None:
             env.name,
             env.key,
         )
+
+
+def _site_dirs() -> set[str]:
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    return {os.path.realpath(d) for d in dirs if d}
+
+
+def _is_site(path: str) -> bool:
+    real = os.path.realpath(path)
+    return real in _site_dirs() or real.endswith(("site-packages", "dist-packages"))
+
+
+@functools.lru_cache(maxsize=1)
+def _runtime_links() -> tuple[tuple[str, str], ...]:
+    """``(name, target)`` of every top-level module of nimbus and of its runtime
+    dependencies (their closure, extras left out), where installed on this node."""
+    wanted, seen = ["nimbus"], set()
+    links: dict[str, str] = {}
+    while wanted:
+        name = re.sub(r"[-_.]+", "-", wanted.pop()).lower()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        for requirement in dist.requires or ():
+            if "extra ==" not in requirement.replace('extra=="', 'extra == "'):
+                found = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+                if found:
+                    wanted.append(found.group(1))
+        for file in dist.files or ():
+            top = file.parts[0] if file.parts else ""
+            if (
+                not top
+                or top == ".."
+                or top.endswith((".dist-info", ".pth"))
+                or top
+                in (
+                    "__pycache__",
+                    "bin",
+                )
+            ):
+                continue
+            target = os.path.realpath(str(dist.locate_file(top)))
+            if os.path.exists(target):
+                links.setdefault(top, target)
+    return tuple(sorted(links.items()))
+
+
+def node_view(root: Path) -> str:
+    """A directory (under ``root``, made once per set of versions) that shows nimbus and
+    its runtime dependencies alone, by symbolic links: what an environment's workers
+    import from the node instead of the node's whole site-packages."""
+    installed = []  # what is installed where (cheap: the dist-info names carry versions)
+    for where in sorted(_site_dirs()):
+        with contextlib.suppress(OSError):
+            installed.append((where, sorted(os.listdir(where))))
+    tag = hashlib.sha256(repr((sys.executable, installed)).encode()).hexdigest()[:16]
+    view = root / f"node-{tag}"
+    if view.is_dir():
+        return str(view)
+    links = _runtime_links()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".node-{tag}.{os.getpid()}.{threading.get_ident()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for name, target in links:
+        (tmp / name).symlink_to(target)
+    try:
+        tmp.rename(view)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(view)
+
+
+def worker_paths(paths: list[str], view: str | None) -> list[str]:
+    """``paths`` (the manager's import path) for an environment's worker: the
+    site-packages directories replaced by ``view`` (nimbus's runtime alone)."""
+    if view is None:
+        return paths
+    return [p for p in paths if not _is_site(p)] + [view]

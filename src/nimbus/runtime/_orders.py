@@ -138,9 +138,8 @@ class NodeOrders:
             store = environments.cache()
             found = [e for e in store.entries() if name in e.names or e.key == name]
             busy = [e.key for e in found if store.busy(e.key)]
-            for entry in found:
-                if entry.key not in busy:
-                    store.remove(entry.key)
+            if not busy:
+                store.forget(name)  # a build other names share stays for them
         except OSError as exc:
             self._said(ref, "failed", f"cannot remove {name!r} here: {exc}")
             return

@@ -76,6 +76,7 @@ QUEUED_SECONDS = 0.010  # work a worker holds ahead: deeper windows for short ta
 STEAL_SECONDS = 0.050  # queued work worth moving to an idle worker (5 windows' worth)
 FUNCTIONS_TIMED = 1024  # run-time estimates kept (one per function), oldest dropped
 MAX_WINDOW = 256  # tasks a worker may hold at most, however short
+REAP_EVERY = 0.1  # seconds between two looks at retired workers not yet exited
 
 
 class Manager(Workers, NodeOrders):
@@ -315,6 +316,8 @@ class Manager(Workers, NodeOrders):
         deadlines = [w.deadline for w in self._workers if w.deadline is not None]
         if self._recheck is not None:
             deadlines.append(self._recheck)
+        if self._reaped():  # a retired worker still exiting: wait for it soon
+            deadlines.append(time.monotonic() + REAP_EVERY)
         if not deadlines:
             return None
         # capped: epoll takes at most ~24 days, and a far deadline is looked at again anyway

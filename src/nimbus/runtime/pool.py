@@ -366,7 +366,14 @@ class Workers:
             worker.proc.kill()  # still importing: no need to wait for it
         self._workers.remove(worker)
         self._reap.append(worker.proc)
-        self._reap = [p for p in self._reap if p.poll() is None]
+        self._reaped()
+
+    def _reaped(self) -> bool:
+        """Wait for the retired workers that exited (else each stays a zombie until the
+        next retirement); True while some have not exited yet (the loop looks again soon)."""
+        if self._reap:
+            self._reap = [p for p in self._reap if p.poll() is None]
+        return bool(self._reap)
 
     def _built(self) -> None:
         """Builds that ended: start their workers, or fail their environment's tasks."""
