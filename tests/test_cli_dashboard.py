@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import httpx
 from nimbus.client import Client
 from nimbus.config import Settings
 from nimbus.service.registry import Registry
-from service_support import CLI, service_env
+from service_support import CLI, Service, service_env
 
 
 def start(root: Path) -> tuple[subprocess.Popen[str], str, str]:
@@ -49,9 +50,9 @@ def login(http: httpx.Client, token: str) -> None:
     assert http.post("/login", data={"token": token, "csrf": csrf[1]}).status_code == 303
 
 
-def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    """SIGTERM, as Ctrl-C's neighbour: its exit status and what it wrote on stderr."""
-    proc.send_signal(signal.SIGTERM)
+def stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> tuple[int, str]:
+    """SIGTERM (or ``sig``): its exit status and what it wrote on stderr."""
+    proc.send_signal(sig)
     try:
         _, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
@@ -124,3 +125,78 @@ def test_a_local_executors_tasks_show_on_the_page_nimbus_dashboard_serves(
     finally:
         code, err = stop(proc)
     assert code == 0, err
+
+
+def test_the_dashboards_token_is_revoked_when_it_stops_by_sigterm_or_ctrl_c(
+    tmp_path: Path,
+) -> None:
+    """A registry token made for one run: accepted while it runs, then refused (401) by
+    any service on the same registry; a run that cannot listen makes none."""
+    env = service_env(tmp_path)
+    tokens = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        proc, token, url = start(tmp_path)
+        try:
+            with httpx.Client(base_url=url, timeout=30) as http:
+                whoami = http.get("/v1/whoami", headers={"Authorization": f"Bearer {token}"})
+                assert whoami.status_code == 200, whoami.text
+        finally:
+            code, err = stop(proc, sig)
+        assert code == (0 if sig == signal.SIGTERM else 130), err
+        tokens.append(token)
+    with socket.socket() as busy:  # a port in use: no token made, no service started
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        failed = subprocess.run(
+            [sys.executable, "-c", CLI, "dashboard", "--port", str(port), "--user", "dana"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert failed.returncode == 1 and "in use" in failed.stderr, failed.stderr
+    assert "token" not in failed.stdout
+    registry = Registry(Settings.load(env).registry_url)
+    try:
+        assert registry.tokens() == []  # none left behind
+    finally:
+        registry.close()
+    service = Service(tmp_path, env).start()  # the real service, same registry
+    try:
+        with service.http() as http:
+            for token in tokens:
+                answer = http.get("/v1/whoami", headers={"Authorization": f"Bearer {token}"})
+                assert answer.status_code == 401, answer.text
+            fresh = service.token("dana")
+            answer = http.get("/v1/whoami", headers={"Authorization": f"Bearer {fresh}"})
+            assert answer.status_code == 200  # the check can fail: a live token passes
+    finally:
+        service.stop()
+
+
+def test_nimbus_dashboard_beside_a_running_service_points_to_it_and_starts_none(
+    tmp_path: Path,
+) -> None:
+    env = service_env(tmp_path)
+    service = Service(tmp_path, env).start()
+    try:
+        state = tmp_path / "rt" / "service" / "service.json"
+        before = state.read_text()
+        done = subprocess.run(
+            [sys.executable, "-c", CLI, "dashboard", "--port", "0", "--user", "dana"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert f"a service runs at {service.url}" in done.stdout, done.stdout
+        assert f"its dashboard is at {service.url}/" in done.stdout
+        assert "nimbus service token create dana" in done.stdout
+        assert "listening" not in done.stdout  # no second service
+        assert state.read_text() == before  # service.json untouched
+        registry = Registry(service.settings().registry_url)
+        try:
+            assert registry.tokens() == []  # no token made
+        finally:
+            registry.close()
+        token = service.token("dana")
+        with service.http(token) as http:
+            assert http.get("/v1/whoami").status_code == 200
+    finally:
+        service.stop()
