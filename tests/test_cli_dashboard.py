@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -200,3 +201,44 @@ def test_nimbus_dashboard_beside_a_running_service_points_to_it_and_starts_none(
             assert http.get("/v1/whoami").status_code == 200
     finally:
         service.stop()
+
+
+def test_a_local_executors_tasks_appear_on_an_open_tasks_page_without_a_reload(
+    tmp_path: Path,
+) -> None:
+    """The service publishes the ingested rows' owner on the task store's channel: the
+    admin's open stream reads the history and sends them as events."""
+    from nimbus import Executor
+
+    proc, token, url = start(tmp_path)
+    try:
+        settings = Settings.load(service_env(tmp_path))
+        lines: list[str] = []
+        with httpx.Client(base_url=url, timeout=30) as http:
+            login(http, token)
+            opened = threading.Event()
+
+            def read() -> None:
+                with http.stream("GET", "/tasks/stream", timeout=60) as stream:
+                    for line in stream.iter_lines():
+                        lines.append(line)
+                        opened.set()
+                        if sum(line.startswith("data: {") for line in lines) >= 3:
+                            return
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            assert opened.wait(30)
+            time.sleep(0.5)  # its first look done: what follows is pushed
+            with Executor(max_workers=1, settings=settings) as pool:
+                futures = [pool.submit(shout, w) for w in ("x", "y", "z")]
+                assert [f.result(timeout=60) for f in futures] == ["X", "Y", "Z"]
+                ids = [f.record.task_id for f in futures]  # type: ignore[attr-defined]
+            reader.join(30)
+            assert not reader.is_alive(), lines[-20:]
+        text = "\n".join(lines)
+        assert all(task_id in text for task_id in ids), text[-2000:]
+        assert "shout" in text and "success" in text
+    finally:
+        code, err = stop(proc)
+    assert code == 0, err

@@ -153,7 +153,7 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
             asyncio.create_task(
                 _every(
                     local_history.INGEST_EVERY,
-                    lambda: run_in_threadpool(local_history.ingest, settings, history),
+                    lambda: local_history.ingest_and_tell(settings, history, store),
                     "keeping local tasks in the history",
                 )
             ),

@@ -43,6 +43,7 @@ from nimbus.service.context import ServiceContext
 from nimbus.service.dashboard import _batches, _live, _network, _session
 from nimbus.service.dashboard._html import Html, esc, join, layout, when
 from nimbus.service.dashboard._tasks import (
+    LIVE_WINDOW,
     STATES,
     Filter,
     Row,
@@ -51,6 +52,7 @@ from nimbus.service.dashboard._tasks import (
     live_window,
     page,
 )
+from nimbus.service.history import Query
 from nimbus.service.registry import Endpoint, EndpointInfo, FunctionInfo, Principal, Registry
 
 __all__ = ["router"]
@@ -415,10 +417,20 @@ async def tasks_stream(request: Request) -> Response:
     key = index(ctx.store, who.principal.user_id, names.admin)
 
     sent: dict[str, tuple[str, float, float]] = {}
+    live = _live.changes(request)
+    local = live.local  # a local Executor's rows: in the SQL history only
 
     async def look() -> AsyncIterator[str]:
-        nonlocal sent
+        nonlocal sent, local
         rows = await live_window(ctx.store, key, flt)
+        if names.admin and live.local != local and ctx.store.history is not None:
+            local = live.local  # a local program's tasks were ingested: the newest of all
+            query = Query(None, flt.state, flt.endpoint, flt.function)
+            saved, _ = await asyncio.to_thread(ctx.store.history.page, query, None, LIVE_WINDOW)
+            merged = {row.task_id: row for row in (Row(*values) for values in saved)}
+            merged.update((row.task_id, row) for row in rows)
+            rows = sorted(merged.values(), key=lambda r: (r.score, r.task_id), reverse=True)
+            rows = rows[:LIVE_WINDOW]
         for row in reversed(rows):  # oldest first: the page inserts each on top
             seen = (row.state, row.dispatched, row.ended)
             if sent.get(row.task_id) != seen:
