@@ -145,6 +145,14 @@ def test_the_dashboards_token_is_revoked_when_it_stops_by_sigterm_or_ctrl_c(
             code, err = stop(proc, sig)
         assert code == (0 if sig == signal.SIGTERM else 130), err
         tokens.append(token)
+    early = subprocess.Popen(
+        [sys.executable, "-c", CLI, "dashboard", "--port", "0", "--user", "dana"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert early.stdout is not None
+    assert "log in as dana" in early.stdout.readline()
+    code, err = stop(early)  # SIGTERM at once: while its service starts
+    assert code == 0, err
     with socket.socket() as busy:  # a port in use: no token made, no service started
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -42,13 +42,9 @@ import socket
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
 
 from nimbus.cli._numbers import number
 from nimbus.config import Settings
-
-if TYPE_CHECKING:
-    from nimbus.service.registry import Registry
 
 __all__ = ["run", "setup"]
 
@@ -71,7 +67,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nimbus.service.registry import Registry, check_user_name
+    from nimbus.service.registry import Registry, check_user_name, hash_token
     from nimbus.service.server import running_service, serve
 
     settings = Settings.load()
@@ -98,10 +94,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     persist = not settings.redis_url  # your own Redis keeps its data as you configured it
     previous = signal.signal(signal.SIGTERM, _terminated)  # till serve() takes it: revoke
+    stops = {signal.SIGTERM, signal.SIGINT}
+    unmasked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # the token made whole
     registry = Registry(settings.registry_url)
     try:
         token = registry.create_user_token(user)
         try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)  # one held arrives here
             print(
                 f"nimbus dashboard: log in as {user} with this token (valid while this "
                 f"dashboard runs, revoked when it stops):\n    {token}",
@@ -111,10 +110,12 @@ def run(args: argparse.Namespace) -> int:
         except _Terminated:
             pass  # SIGTERM before the server was up
         finally:
-            _revoke(registry, token)
+            signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # the revocation made whole
+            registry.revoke(hash_token(token))  # the full digest: this one token
     finally:
         registry.close()
         signal.signal(signal.SIGTERM, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)  # one held meanwhile: now
     return 0
 
 
@@ -124,18 +125,6 @@ class _Terminated(Exception):
 
 def _terminated(signum: int, frame: FrameType | None) -> None:
     raise _Terminated
-
-
-def _revoke(registry: Registry, token: str) -> None:
-    """Revoke this run's token, shielded from a second SIGTERM or Ctrl-C meanwhile."""
-    from nimbus.service.registry import hash_token
-
-    mask = {signal.SIGTERM, signal.SIGINT}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, mask)
-    try:
-        registry.revoke(hash_token(token))  # the full digest: this one token
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _port_in_use(port: int) -> str | None:
