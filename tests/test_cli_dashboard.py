@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import httpx
 from nimbus.client import Client
 from nimbus.config import Settings
 from nimbus.service.registry import Registry
-from service_support import CLI, service_env
+from service_support import CLI, Service, service_env
 
 
 def start(root: Path) -> tuple[subprocess.Popen[str], str, str]:
@@ -49,9 +51,9 @@ def login(http: httpx.Client, token: str) -> None:
     assert http.post("/login", data={"token": token, "csrf": csrf[1]}).status_code == 303
 
 
-def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    """SIGTERM, as Ctrl-C's neighbour: its exit status and what it wrote on stderr."""
-    proc.send_signal(signal.SIGTERM)
+def stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> tuple[int, str]:
+    """SIGTERM (or ``sig``): its exit status and what it wrote on stderr."""
+    proc.send_signal(sig)
     try:
         _, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
@@ -121,6 +123,130 @@ def test_a_local_executors_tasks_show_on_the_page_nimbus_dashboard_serves(
             assert not list((tmp_path / "rt" / "service" / "local-history").iterdir())
             task = http.get(f"/tasks/{ids[0]}")
             assert task.status_code == 200 and "shout" in task.text and "success" in task.text
+    finally:
+        code, err = stop(proc)
+    assert code == 0, err
+
+
+def test_the_dashboards_token_is_revoked_when_it_stops_by_sigterm_or_ctrl_c(
+    tmp_path: Path,
+) -> None:
+    """A registry token made for one run: accepted while it runs, then refused (401) by
+    any service on the same registry; a run that cannot listen makes none."""
+    env = service_env(tmp_path)
+    tokens = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        proc, token, url = start(tmp_path)
+        try:
+            with httpx.Client(base_url=url, timeout=30) as http:
+                whoami = http.get("/v1/whoami", headers={"Authorization": f"Bearer {token}"})
+                assert whoami.status_code == 200, whoami.text
+        finally:
+            code, err = stop(proc, sig)
+        assert code == (0 if sig == signal.SIGTERM else 130), err
+        tokens.append(token)
+    early = subprocess.Popen(
+        [sys.executable, "-c", CLI, "dashboard", "--port", "0", "--user", "dana"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert early.stdout is not None
+    assert "log in as dana" in early.stdout.readline()
+    code, err = stop(early)  # SIGTERM at once: while its service starts
+    assert code == 0, err
+    with socket.socket() as busy:  # a port in use: no token made, no service started
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        failed = subprocess.run(
+            [sys.executable, "-c", CLI, "dashboard", "--port", str(port), "--user", "dana"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert failed.returncode == 2 and "in use" in failed.stderr, failed.stderr
+    assert "token" not in failed.stdout
+    registry = Registry(Settings.load(env).registry_url)
+    try:
+        assert registry.tokens() == []  # none left behind
+    finally:
+        registry.close()
+    service = Service(tmp_path, env).start()  # the real service, same registry
+    try:
+        with service.http() as http:
+            for token in tokens:
+                answer = http.get("/v1/whoami", headers={"Authorization": f"Bearer {token}"})
+                assert answer.status_code == 401, answer.text
+            fresh = service.token("dana")
+            answer = http.get("/v1/whoami", headers={"Authorization": f"Bearer {fresh}"})
+            assert answer.status_code == 200  # the check can fail: a live token passes
+    finally:
+        service.stop()
+
+
+def test_nimbus_dashboard_beside_a_running_service_points_to_it_and_starts_none(
+    tmp_path: Path,
+) -> None:
+    env = service_env(tmp_path)
+    service = Service(tmp_path, env).start()
+    try:
+        state = tmp_path / "rt" / "service" / "service.json"
+        before = state.read_text()
+        done = subprocess.run(
+            [sys.executable, "-c", CLI, "dashboard", "--port", "0", "--user", "dana"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert f"a service runs at {service.url}" in done.stdout, done.stdout
+        assert f"its dashboard is at {service.url}/" in done.stdout
+        assert "nimbus service token create dana" in done.stdout
+        assert "listening" not in done.stdout  # no second service
+        assert state.read_text() == before  # service.json untouched
+        registry = Registry(service.settings().registry_url)
+        try:
+            assert registry.tokens() == []  # no token made
+        finally:
+            registry.close()
+        token = service.token("dana")
+        with service.http(token) as http:
+            assert http.get("/v1/whoami").status_code == 200
+    finally:
+        service.stop()
+
+
+def test_a_local_executors_tasks_appear_on_an_open_tasks_page_without_a_reload(
+    tmp_path: Path,
+) -> None:
+    """The service publishes the ingested rows' owner on the task store's channel: the
+    admin's open stream reads the history and sends them as events."""
+    from nimbus import Executor
+
+    proc, token, url = start(tmp_path)
+    try:
+        settings = Settings.load(service_env(tmp_path))
+        lines: list[str] = []
+        with httpx.Client(base_url=url, timeout=30) as http:
+            login(http, token)
+            opened = threading.Event()
+
+            def read() -> None:
+                with http.stream("GET", "/tasks/stream", timeout=60) as stream:
+                    for line in stream.iter_lines():
+                        lines.append(line)
+                        opened.set()
+                        if sum(line.startswith("data: {") for line in lines) >= 3:
+                            return
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            assert opened.wait(30)
+            time.sleep(0.5)  # its first look done: what follows is pushed
+            with Executor(max_workers=1, settings=settings) as pool:
+                futures = [pool.submit(shout, w) for w in ("x", "y", "z")]
+                assert [f.result(timeout=60) for f in futures] == ["X", "Y", "Z"]
+                ids = [f.record.task_id for f in futures]  # type: ignore[attr-defined]
+            reader.join(30)
+            assert not reader.is_alive(), lines[-20:]
+        text = "\n".join(lines)
+        assert all(task_id in text for task_id in ids), text[-2000:]
+        assert "shout" in text and "success" in text
     finally:
         code, err = stop(proc)
     assert code == 0, err

@@ -79,6 +79,7 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "token",
         "database_url",
         "result_ttl",
+        "history_days",
         "heartbeat",
         "log_level",
         "store_listen",
@@ -241,6 +242,8 @@ BAD_ENV = [
     ("NIMBUS_MAX_MESSAGE", "2G"),
     ("NIMBUS_DATABASE_URL", "mysql://db/nimbus"),
     ("NIMBUS_RESULT_TTL", "0"),
+    ("NIMBUS_HISTORY_DAYS", "-1"),
+    ("NIMBUS_HISTORY_DAYS", "a month"),
     ("NIMBUS_HEARTBEAT", "soon"),
     ("NIMBUS_CA_FILE", "/nonexistent/ca.pem"),
     ("NIMBUS_CA_FILE", "/etc/hostname"),  # not PEM

@@ -265,3 +265,36 @@ def test_tasks_an_older_nimbus_kept_in_redis_only_are_moved_and_a_lost_group_is_
 
     asyncio.run(scenario())
     engine.dispose()
+
+
+def test_the_flusher_deletes_tasks_older_than_the_history_keeps_in_batches(
+    history: History, store_url: str
+) -> None:
+    """``history_days``: rows submitted before it go (several transactions of a few), the
+    others stay; None keeps everything."""
+    day = 86400.0
+    now = time.time()
+    old = [_row(i, "alice", score=now - 40 * day + i) for i in range(23)]
+    new = [_row(100 + i, "alice", score=now - 29 * day + i) for i in range(5)]
+    history.write(old + new)
+
+    async def scenario() -> None:
+        store = TaskStore(connect_async(store_url), Keys(Keys.program_id_new()), result_ttl=600)
+        store.history = history
+        try:
+            forever = Flusher(store, history)
+            assert await forever.expire() == 0 and history.count() == 28
+            flusher = Flusher(store, history, keep=30 * day)
+            flusher.expire_batch = 4  # 23 rows: six transactions
+            job = asyncio.create_task(flusher.run())  # expires at once, then every few minutes
+            deadline = time.monotonic() + 20
+            while history.count() > 5:
+                assert time.monotonic() < deadline, history.count()
+                await asyncio.sleep(0.05)
+            job.cancel()
+            await asyncio.gather(job, return_exceptions=True)
+            assert sorted(history.info([r[0] for r in old + new])) == [r[0] for r in new]
+        finally:
+            await store.redis.aclose()
+
+    asyncio.run(scenario())

@@ -3,7 +3,8 @@
 ::
 
     $ nimbus dashboard
-    nimbus dashboard: log in with this token (kept in the browser's session cookie only):
+    nimbus dashboard: log in as you with this token (valid while this dashboard runs,
+    revoked when it stops):
         <token>
     nimbus service listening on http://127.0.0.1:8421
 
@@ -18,8 +19,16 @@ writes its finished tasks to the same history (``nimbus.service.local_history``)
 they are on the tasks and task pages too, once finished.
 
 The token is printed, never put in the URL (the browser's history and the
-server logs would keep it): paste it into the login form. Ctrl-C or SIGTERM
-stop it cleanly (the embedded Redis and its socket go, the data stays).
+server logs would keep it): paste it into the login form. It is a registry
+token (an admin's: every service on this registry accepts it) made for this run
+only: revoked when the dashboard stops, whether it served or failed to start
+(a port in use is found before any token is made). Ctrl-C or SIGTERM stop it
+cleanly (the embedded Redis and its socket go, the data stays); a run killed
+outright (SIGKILL) leaves its token: ``nimbus service token revoke ID``.
+
+When ``nimbus service start`` already runs on this runtime directory, its
+dashboard is the one: ``nimbus dashboard`` says where it is and exits (status 0),
+starting no second service on the same registry.
 """
 
 from __future__ import annotations
@@ -27,8 +36,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import getpass
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 
 from nimbus.cli._numbers import number
 from nimbus.config import Settings
@@ -55,13 +66,11 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nimbus.cli.service import port_in_use, serve_on
-    from nimbus.service.registry import Registry, check_user_name
-    from nimbus.service.server import serve
+    from nimbus.service.registry import Registry, check_user_name, hash_token
+    from nimbus.service.server import running_service, serve
 
     settings = Settings.load()
     settings.configure_logging()
-    if port_in_use("127.0.0.1", args.port):  # before its token is made
-        return serve_on("dashboard", "127.0.0.1", args.port, lambda: None)
     try:
         user = check_user_name(args.user or getpass.getuser())
     except ValueError as exc:
@@ -69,21 +78,54 @@ def run(args: argparse.Namespace) -> int:
         return 2
     admins = {name.strip() for name in (settings.service_admins or "").split(",") if name}
     settings = dataclasses.replace(settings, service_admins=",".join(sorted(admins | {user})))
+    running = running_service(settings)
+    if running is not None:
+        print(
+            f"nimbus dashboard: a service runs at {running} on this runtime directory "
+            f"({settings.runtime_dir}): its dashboard is at {running}/ (log in with a token: "
+            f"`nimbus service token create {user}`)",
+            flush=True,
+        )
+        return 0
+    if port_in_use("127.0.0.1", args.port):  # before a token is made
+        return serve_on("dashboard", "127.0.0.1", args.port, lambda: None)
+    persist = not settings.redis_url  # your own Redis keeps its data as you configured it
+    previous = signal.signal(signal.SIGTERM, _terminated)  # till serve() takes it: revoke
+    stops = {signal.SIGTERM, signal.SIGINT}
+    unmasked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # the token made whole
     registry = Registry(settings.registry_url)
+    code = 0
     try:
         token = registry.create_user_token(user)
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)  # one held arrives here
+            print(
+                f"nimbus dashboard: log in as {user} with this token (valid while this "
+                f"dashboard runs, revoked when it stops):\n    {token}",
+                flush=True,
+            )
+            url_file = args.url_file
+            code = serve_on(
+                "dashboard",
+                "127.0.0.1",
+                args.port,
+                lambda: serve(settings, "127.0.0.1", args.port, url_file, persist=persist),
+            )
+        except _Terminated:
+            pass  # SIGTERM before the server was up
+        finally:
+            signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # the revocation made whole
+            registry.revoke(hash_token(token))  # the full digest: this one token
     finally:
         registry.close()
-    print(
-        f"nimbus dashboard: log in as {user} with this token (kept in the browser's session "
-        f"cookie only):\n    {token}",
-        flush=True,
-    )
-    persist = not settings.redis_url  # your own Redis keeps its data as you configured it
-    url_file = args.url_file
-    return serve_on(
-        "dashboard",
-        "127.0.0.1",
-        args.port,
-        lambda: serve(settings, "127.0.0.1", args.port, url_file, persist=persist),
-    )
+        signal.signal(signal.SIGTERM, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)  # one held meanwhile: now
+    return code
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived before :func:`serve` took it over."""
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated

@@ -406,8 +406,7 @@ def tasks_run(args: argparse.Namespace) -> int:
 def _error_of(client: Any, task_id: str) -> dict[str, str]:
     """A failed task's exception (type and message) and traceback, as the dashboard's task
     page shows them: the text inside its result, read without unpickling it."""
-    from nimbus.protocol import MSGPACK, unpack
-    from nimbus.service.dashboard._tasks import traceback_text
+    from nimbus.protocol import MSGPACK, traceback_text, unpack
 
     response = client.request(
         "GET", f"/v1/tasks/{task_id}/result", params={"wait": 0}, headers={"Accept": MSGPACK}

@@ -151,6 +151,11 @@ class Settings:
     result_ttl: float = setting(
         7 * 86400.0, c.seconds, "seconds the service keeps a finished task's result"
     )
+    history_days: int = setting(
+        30,
+        c.int_at_least(0),
+        "days the service keeps finished tasks in its SQL history (0: forever)",
+    )
     heartbeat: float = setting(
         2.0, c.seconds, "seconds between endpoint heartbeats (lost after 3 missed)"
     )

@@ -149,6 +149,25 @@ def unpack_result(blob: bytes) -> tuple[int, bytes, list[bytes]]:
     return status, data, buffers
 
 
+def traceback_text(result: bytes | None, limit: int = 1 << 20) -> str:
+    """The traceback text inside a failed task's result, read from the pickle's opcodes
+    without unpickling it (the service never runs what a worker sent); '' if none."""
+    import pickletools  # only the dashboard and `nimbus tasks show` read tracebacks
+
+    if not result or len(result) > limit:
+        return ""
+    try:
+        _, data, _ = unpack_result(result)
+        texts = [
+            arg
+            for _, arg, _ in pickletools.genops(bytes(data))
+            if isinstance(arg, str) and "Traceback (most recent call last)" in arg
+        ]
+    except Exception:  # not a result nimbus packed: nothing to show
+        return ""
+    return texts[-1] if texts else ""
+
+
 def payload_size(data: bytes, buffers: Sequence[Any] = ()) -> int:
     """The bytes of a pickle and its out-of-band buffers."""
     if not buffers:  # the usual task: its arguments or result all in the pickle

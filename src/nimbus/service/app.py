@@ -147,11 +147,13 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         ctx = app.state.ctx = ServiceContext(settings, registry, store, Hub(), data)
         dependencies.held_by(ctx)  # tasks held for their inputs: released, or failed
         jobs = [
-            asyncio.create_task(Flusher(store, store.history).run()),
+            asyncio.create_task(
+                Flusher(store, history, settings.history_days * 86400.0 or None).run()
+            ),
             asyncio.create_task(
                 _every(
                     local_history.INGEST_EVERY,
-                    lambda: run_in_threadpool(local_history.ingest, settings, history),
+                    lambda: local_history.ingest_and_tell(settings, history, store),
                     "keeping local tasks in the history",
                 )
             ),

@@ -23,6 +23,12 @@ Redis keeps what is live and a recent window: each index (everyone's, a user's)
 keeps at most ``RECENT`` tasks once they are saved; a saved task beyond that is
 dropped from the index, and from Redis when it leaves everyone's. An index whose
 oldest ``TRIM_SCAN`` tasks are all still live is not trimmed further until they end.
+
+The SQL history keeps ``keep`` seconds (the ``history_days`` setting; None:
+forever): every ``EXPIRE_EVERY`` seconds a flusher deletes the rows submitted
+before that, ``EXPIRE_BATCH`` a transaction with a pause between them, so
+that the writes of finished tasks (and the other processes' flushers, which
+may delete the same rows: harmless) go on meanwhile.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from sqlalchemy.exc import OperationalError
 from nimbus.service.history import History
 from nimbus.service.queues import DONE, TaskStore
 
-__all__ = ["CLAIM_IDLE", "GROUP", "RECENT", "Flusher"]
+__all__ = ["CLAIM_IDLE", "EXPIRE_EVERY", "GROUP", "RECENT", "Flusher"]
 
 GROUP = "history"
 RECENT = 10_000  # saved tasks an index keeps in Redis, newest
@@ -52,6 +58,9 @@ BATCH = 500  # stream entries read at once (an entry holds the ids of one finish
 GATHER = 0.2  # seconds a flusher waits after a write, so that the next is larger
 GONE_MS = 3_600_000  # a consumer idle this long, with nothing pending, is dropped
 TRIM_SCAN = 2000  # oldest members of an index looked at by one trim
+EXPIRE_EVERY = 300.0  # seconds between two deletions of the history's expired rows
+EXPIRE_BATCH = 2000  # rows deleted by one transaction
+EXPIRE_PAUSE = 0.05  # seconds between two such transactions
 _FIELDS = ("owner", "endpoint", "function", "group", "state", "submitted", "dispatched",
            "ended", "timeout", "result", "record")  # fmt: skip
 
@@ -98,9 +107,12 @@ log = logging.getLogger(__name__)
 class Flusher:
     """This process's consumer of the finished-tasks stream; :meth:`run` until cancelled."""
 
-    def __init__(self, store: TaskStore, history: History) -> None:
+    def __init__(self, store: TaskStore, history: History, keep: float | None = None) -> None:
         self.store = store
         self.history = history
+        self.keep = keep  # seconds the SQL history keeps a task (None: forever)
+        self._next_expire = 0.0
+        self.expire_batch = EXPIRE_BATCH
         self.redis: Any = store.redis
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self._saved = self.redis.register_script(_SAVED)
@@ -164,6 +176,11 @@ class Flusher:
                     ready = True
                 if await self.step():
                     await asyncio.sleep(GATHER)
+                if self.keep is not None and time.monotonic() >= self._next_expire:
+                    self._next_expire = time.monotonic() + EXPIRE_EVERY
+                    expired = await self.expire()
+                    if expired:
+                        log.info("%d tasks older than the history keeps deleted", expired)
             except asyncio.CancelledError:
                 raise
             except redis.ResponseError as exc:
@@ -181,6 +198,19 @@ class Flusher:
                 log.exception("moving finished tasks to the SQL history")
                 ready = False
                 await asyncio.sleep(1.0)
+
+    async def expire(self) -> int:
+        """Delete the history's rows submitted more than ``keep`` seconds ago, in
+        batches; how many went."""
+        if self.keep is None:
+            return 0
+        before, total = time.time() - self.keep, 0
+        while True:
+            n = await asyncio.to_thread(self.history.trim, before, self.expire_batch)
+            total += n
+            if n < self.expire_batch:
+                return total
+            await asyncio.sleep(EXPIRE_PAUSE)
 
     async def step(self, block: float = 1.0) -> int:
         """Read, write and acknowledge one batch of entries; the rows written."""

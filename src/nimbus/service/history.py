@@ -13,7 +13,9 @@ Rows arrive in bulk from :mod:`nimbus.service.flusher` (the finish and cancel
 scripts append the ids they ended to a Redis stream; a flusher per service
 process moves them here). :meth:`History.write` is idempotent (a task's first
 row wins), so a batch written twice, after a flusher died between its commit and
-its acknowledgement, is stored once.
+its acknowledgement, is stored once. Rows older than the service's
+``history_days`` are deleted by the flushers too (:meth:`History.trim`, in
+batches, every few minutes), never by a task's own path.
 
 A page costs O(log n + the rows read) when an index leads with its filter (the
 owner, state, endpoint, group or function); filters combined (an owner's tasks
@@ -216,6 +218,17 @@ class History:
                     select(c.task_id).where(c.group_id == group_id).limit(limit)
                 ).all()
             )
+
+    def trim(self, before: float, limit: int) -> int:
+        """Delete up to ``limit`` of the oldest tasks submitted before ``before`` (a Unix
+        time), in one short transaction (walking the ``submitted`` index); how many went."""
+        c = history.c
+        oldest = select(c.task_id).where(c.submitted < before).order_by(c.submitted).limit(limit)
+        with self.engine.begin() as connection:
+            ids = list(connection.scalars(oldest))
+            if ids:
+                connection.execute(history.delete().where(c.task_id.in_(ids)))
+        return len(ids)
 
     def count(self) -> int:
         with self.engine.connect() as connection:

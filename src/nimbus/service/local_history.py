@@ -18,6 +18,12 @@ creates a service's files by running tasks. Rows carry the owner
 ``local:<user>`` and the endpoint ``local``: the dashboard's admin
 (``nimbus dashboard``'s user) sees them on the tasks and task pages.
 
+Once rows are written, :func:`ingest_and_tell` publishes their owners on the
+task store's channel (``TaskStore.changes``), as the task store's scripts do
+for the tasks they move: an admin's open tasks page (``/tasks/stream``) sees
+that a ``local:`` owner changed and reads the history's newest rows, so a
+local task shows without a reload.
+
 Two service processes never ingest one file twice at once: a file is claimed by
 renaming it (one rename wins); a claimed file left by a process that died is
 taken again after ``STALE`` seconds (its rows written twice are kept once).
@@ -25,6 +31,7 @@ taken again after ``STALE`` seconds (its rows written twice are kept once).
 
 from __future__ import annotations
 
+import asyncio
 import getpass
 import logging
 import os
@@ -42,10 +49,21 @@ from nimbus.records import TaskRecord
 
 if TYPE_CHECKING:
     from nimbus.service.history import History
+    from nimbus.service.queues import TaskStore
 
-__all__ = ["ENDPOINT", "FLUSH_EVERY", "INGEST_EVERY", "LocalHistory", "enabled", "ingest"]
+__all__ = [
+    "ENDPOINT",
+    "FLUSH_EVERY",
+    "INGEST_EVERY",
+    "OWNER_PREFIX",
+    "LocalHistory",
+    "enabled",
+    "ingest",
+    "ingest_and_tell",
+]
 
 ENDPOINT = "local"  # the endpoint id of a local Executor's rows
+OWNER_PREFIX = "local:"  # their owner: this prefix and the program's user name
 FLUSH_EVERY = 1.0  # seconds between a program's files
 INGEST_EVERY = 1.0  # seconds between a service's reads of them
 STALE = 60.0  # seconds after which a claimed file not removed is taken again
@@ -64,9 +82,9 @@ def enabled(settings: Settings) -> bool:
 
 def _owner() -> str:
     try:
-        return "local:" + getpass.getuser()
+        return OWNER_PREFIX + getpass.getuser()
     except Exception:  # no user name (a container without one): still the machine's
-        return "local:"
+        return OWNER_PREFIX
 
 
 class LocalHistory:
@@ -111,8 +129,19 @@ class LocalHistory:
         part.rename(self._dir / name)  # whole, or not there
 
 
-def ingest(settings: Settings, history: History) -> int:
-    """Write the files programs left to the SQL history, and remove them; the rows."""
+async def ingest_and_tell(settings: Settings, history: History, store: TaskStore) -> int:
+    """:func:`ingest` (in a thread), then the owners of the rows written published on
+    the task store's channel, for the open pages; the rows."""
+    owners: set[str] = set()
+    total = await asyncio.to_thread(ingest, settings, history, owners)
+    if owners:
+        await store.redis.publish(store.changes, " ".join(sorted(owners)))
+    return total
+
+
+def ingest(settings: Settings, history: History, owners: set[str] | None = None) -> int:
+    """Write the files programs left to the SQL history, and remove them; the rows
+    (their owners added to ``owners``)."""
     folder = directory(settings)
     try:
         names = sorted(os.listdir(folder))
@@ -151,5 +180,7 @@ def ingest(settings: Settings, history: History) -> int:
                  r.dispatched, r.ended, None, b"", msgpack.packb(fields))
             )  # fmt: skip
         total += history.write(rows)
+        if rows and owners is not None:
+            owners.add(str(owner))
         claimed.unlink(missing_ok=True)
     return total

@@ -10,6 +10,9 @@ user's changes, and all the processes of a service see every change (the
 publishes go through the shared queue Redis). With no page
 open the subscription is dropped. If the subscription breaks (the queue Redis
 restarted) the version is bumped too, so pages re-read what they may have missed.
+:attr:`Changes.local` is the version of the last change to a local Executor's
+tasks (owners ``local:<user>``, published by ``local_history.ingest_and_tell``):
+those are in the SQL history only, which an admin's tasks stream then reads.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
+from nimbus.service.local_history import OWNER_PREFIX
 from nimbus.service.queues import TaskStore
 
 __all__ = ["Changes", "changes"]
@@ -36,6 +40,7 @@ class Changes:
         self.store = store
         self.version = 0
         self._anyone = 0  # the version of the last change published without owners
+        self.local = 0  # the version of the last change to a local Executor's tasks
         self._owners: dict[str, int] = {}  # owner id -> the version of their last change
         self._changed = asyncio.Condition()
         self._watchers = 0
@@ -76,6 +81,8 @@ class Changes:
             if owners:
                 for owner in owners.decode(errors="replace").split():
                     self._owners[owner] = self.version
+                    if owner.startswith(OWNER_PREFIX):
+                        self.local = self.version
             else:
                 self._anyone = self.version
             self._changed.notify_all()

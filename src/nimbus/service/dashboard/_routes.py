@@ -22,6 +22,7 @@ scripts from this origin only, so even markup that slipped through would not run
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import secrets
 import time
@@ -43,6 +44,7 @@ from nimbus.service.context import ServiceContext
 from nimbus.service.dashboard import _batches, _live, _network, _session
 from nimbus.service.dashboard._html import Html, esc, join, layout, when
 from nimbus.service.dashboard._tasks import (
+    LIVE_WINDOW,
     STATES,
     Filter,
     Row,
@@ -51,13 +53,15 @@ from nimbus.service.dashboard._tasks import (
     live_window,
     page,
 )
-from nimbus.service.registry import EndpointInfo, Principal, Registry
+from nimbus.service.history import Query
+from nimbus.service.registry import EndpointInfo, FunctionInfo, Principal, Registry
 from nimbus.service.tables import Endpoint
 
 __all__ = ["router"]
 
 router = APIRouter(include_in_schema=False)
 PAGE_SIZE = 50
+CHOICES_SECONDS = 2.0  # how long a viewer's filter choices (endpoints, functions) are reused
 TICK = 0.25  # seconds between looks at the live window of an open tasks page, at most
 BATCH_TICK = 1.0  # seconds between looks at the batches of an open batches page, at most
 WAKE = 1.0  # seconds an idle stream sleeps between checks that the service is stopping
@@ -348,16 +352,60 @@ def _filter(request: Request) -> Filter:
     )
 
 
-def _task_row(view: dict[str, Any]) -> Html:
-    link = f"/tasks/{view['task_id']}"
+def _row_html(
+    task_id: str, state: str, function: str, endpoint: str, *times: str, _e: Any = html.escape
+) -> Html:
+    """A task's row of the tasks table, every value escaped (``html.escape`` straight:
+    rows are most of a page's rendering)."""
+    tid = _e(task_id)
+    st = _e(state)
+    submitted, dispatched, ended = (_e(t) for t in times)
     return Html(
-        f'<tr data-task="{esc(view["task_id"])}"><td><a href="{esc(link)}">'
-        f"{esc(view['task_id'][:8])}</a></td>"
-        f'<td class="state {esc(view["state"])}">{esc(view["state"])}</td>'
-        f"<td>{esc(view['function'])}</td><td>{esc(view['endpoint'])}</td>"
-        f"<td>{esc(view['submitted'])}</td><td>{esc(view['dispatched'])}</td>"
-        f"<td>{esc(view['ended'])}</td></tr>"
+        f'<tr data-task="{tid}"><td><a href="/tasks/{tid}">{_e(task_id[:8])}</a></td>'
+        f'<td class="state {st}">{st}</td><td>{_e(function)}</td><td>{_e(endpoint)}</td>'
+        f"<td>{submitted}</td><td>{dispatched}</td><td>{ended}</td></tr>"
     )
+
+
+async def _rows_html(names: _Names, rows: list[Row]) -> Html:
+    """The table's rows: each function's and endpoint's name looked up once."""
+    functions = {f: await names.function(f) for f in {row.function_id for row in rows}}
+    endpoints = {e: await names.endpoint(e) for e in {row.endpoint_id for row in rows}}
+    return Html(
+        "".join(
+            _row_html(
+                row.task_id, row.state, functions[row.function_id], endpoints[row.endpoint_id],
+                when(row.submitted), when(row.dispatched), when(row.ended),
+            )
+            for row in rows
+        )
+    )  # fmt: skip
+
+
+def _choices_of(
+    registry: Registry, user_id: str, admin: bool
+) -> tuple[list[EndpointInfo], list[FunctionInfo]]:
+    endpoints = _all_endpoints(registry) if admin else registry.endpoints(user_id)
+    return endpoints, registry.functions(user_id)
+
+
+async def _choices(
+    request: Request, ctx: ServiceContext, user: Principal, admin: bool
+) -> tuple[list[EndpointInfo], list[FunctionInfo]]:
+    """The endpoints and functions of a viewer's filters, read in one go and reused for
+    ``CHOICES_SECONDS`` (one new endpoint or function shows that much later)."""
+    cache: dict[tuple[str, bool], Any] = request.app.state.__dict__.setdefault(
+        "dashboard_choices", {}
+    )
+    now = time.monotonic()
+    hit = cache.get((user.user_id, admin))
+    if hit is not None and hit[0] > now:
+        return hit[1]  # type: ignore[no-any-return]
+    got = await run_in_threadpool(_choices_of, ctx.registry, user.user_id, admin)
+    if len(cache) > 1000:
+        cache.clear()
+    cache[(user.user_id, admin)] = (now + CHOICES_SECONDS, got)
+    return got
 
 
 def _options(name: str, current: str, choices: list[tuple[str, str]]) -> Html:
@@ -380,13 +428,14 @@ async def tasks_page(request: Request) -> Response:
     after = decode_cursor(after_text)
     admin = _is_admin(ctx, user)
     key = index(ctx.store, user.user_id, admin)
-    rows, cursor = await page(
-        ctx.store, key, flt, after, PAGE_SIZE, None if admin else user.user_id
+    (rows, cursor), (endpoints, functions) = await asyncio.gather(
+        page(ctx.store, key, flt, after, PAGE_SIZE, None if admin else user.user_id),
+        _choices(request, ctx, user, admin),
     )
     names = _Names(ctx, user)
-    views = [await names.row(row) for row in rows]
-    endpoints = await _endpoints(ctx, user)
-    functions = await run_in_threadpool(ctx.registry.functions, user.user_id)
+    if admin:  # every endpoint is in the choices: no lookup each
+        names.endpoints.update((e.id, e.name) for e in endpoints)
+    body = await _rows_html(names, rows)
     query = {k: v for k, v in vars(flt).items() if v}
     filters = Html(
         '<form method="get" action="/tasks" class="filters">'
@@ -401,7 +450,7 @@ async def tasks_page(request: Request) -> Response:
         f'<table id="tasks" data-stream="{esc(stream) if live else ""}"><thead><tr>'
         "<th>Task</th><th>State</th><th>Function</th><th>Endpoint</th><th>Submitted</th>"
         f"<th>Dispatched</th><th>Ended</th></tr></thead>"
-        f"<tbody>{join(_task_row(v) for v in views)}</tbody></table>"
+        f"<tbody>{body}</tbody></table>"
     )
     more = Html("")
     if cursor:
@@ -424,10 +473,20 @@ async def tasks_stream(request: Request) -> Response:
     key = index(ctx.store, who.principal.user_id, names.admin)
 
     sent: dict[str, tuple[str, float, float]] = {}
+    live = _live.changes(request)
+    local = live.local  # a local Executor's rows: in the SQL history only
 
     async def look() -> AsyncIterator[str]:
-        nonlocal sent
+        nonlocal sent, local
         rows = await live_window(ctx.store, key, flt)
+        if names.admin and live.local != local and ctx.store.history is not None:
+            local = live.local  # a local program's tasks were ingested: the newest of all
+            query = Query(None, flt.state, flt.endpoint, flt.function)
+            saved, _ = await asyncio.to_thread(ctx.store.history.page, query, None, LIVE_WINDOW)
+            merged = {row.task_id: row for row in (Row(*values) for values in saved)}
+            merged.update((row.task_id, row) for row in rows)
+            rows = sorted(merged.values(), key=lambda r: (r.score, r.task_id), reverse=True)
+            rows = rows[:LIVE_WINDOW]
         for row in reversed(rows):  # oldest first: the page inserts each on top
             seen = (row.state, row.dispatched, row.ended)
             if sent.get(row.task_id) != seen:

@@ -23,11 +23,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from nimbus.errors import NotFound
+from nimbus.protocol import traceback_text
 from nimbus.records import TaskState
 from nimbus.service.dashboard import _network
 from nimbus.service.dashboard._html import Html, esc, join, layout, when
 from nimbus.service.dashboard._routes import Page, Route, _html, _is_admin, _Names
-from nimbus.service.dashboard._tasks import Row, record_of, traceback_text
+from nimbus.service.dashboard._tasks import Row, record_of
 
 __all__ = ["output_text", "router"]
 

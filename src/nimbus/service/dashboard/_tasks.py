@@ -28,7 +28,6 @@ batch submit share one score, which is why the cursor carries the id too.
 from __future__ import annotations
 
 import asyncio
-import pickletools
 from dataclasses import dataclass
 
 import msgpack
@@ -46,7 +45,6 @@ __all__ = [
     "live_window",
     "page",
     "record_of",
-    "traceback_text",
 ]
 
 SCAN_CAP = 5000  # ids read for one filtered page at most
@@ -243,20 +241,3 @@ def record_of(raw: bytes | None) -> TaskRecord | None:
         return TaskRecord.from_wire(msgpack.unpackb(raw, raw=False))
     except Exception:  # sent by an agent or stored by an older version: not shown
         return None
-
-
-def traceback_text(result: bytes | None, limit: int = 1 << 20) -> str:
-    """The traceback text inside a failed task's result, read from the pickle's opcodes
-    without unpickling it (the service never runs what a worker sent); '' if none."""
-    if not result or len(result) > limit:
-        return ""
-    try:
-        _, data, _ = msgpack.unpackb(result, raw=False)
-        texts = [
-            arg
-            for _, arg, _ in pickletools.genops(bytes(data))
-            if isinstance(arg, str) and "Traceback (most recent call last)" in arg
-        ]
-    except Exception:  # not a result nimbus packed: nothing to show
-        return ""
-    return texts[-1] if texts else ""
