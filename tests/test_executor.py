@@ -1073,7 +1073,7 @@ def test_a_second_ctrl_c_stops_the_workers_before_exiting(tmp_path: Path) -> Non
 def test_more_workers_than_the_node_holds_is_refused_naming_the_setting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from nimbus.runtime._limits import max_workers
+    from nimbus.runtime.limits import max_workers
 
     limit, _ = max_workers()
     start = time.monotonic()

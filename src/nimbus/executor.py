@@ -79,7 +79,7 @@ def _check_environment(
 
 def _check_workers(count: int, given: str) -> None:
     """Refuse more workers than this node can start (they all start at once)."""
-    from nimbus.runtime._limits import max_workers
+    from nimbus.runtime.limits import max_workers
 
     limit, why = max_workers()
     if count > limit:
@@ -115,7 +115,7 @@ class Executor(cf.Executor):
     """Run callables on warm worker processes.
 
     ``max_workers`` defaults to ``Settings.workers`` (the number of cores); more than
-    the node can start (``nimbus.runtime._limits``: memory, RLIMIT_NPROC, RLIMIT_NOFILE)
+    the node can start (``nimbus.runtime.limits``: memory, RLIMIT_NPROC, RLIMIT_NOFILE)
     is refused with a ``ConfigError``, as every worker starts at once.
     ``task_timeout`` (seconds) stops any task that runs longer: its worker
     is killed and replaced and its future raises
