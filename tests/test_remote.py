@@ -194,3 +194,38 @@ def test_a_node_too_old_for_orders_fails_them_at_once_saying_why() -> None:
     finally:
         mine.close()
         theirs.close()
+
+
+def test_orders_of_a_manager_that_goes_away_fail_saying_so() -> None:
+    """A manager's link ends while it builds: its order fails naming the node (instead of
+    "building" forever), and an order after that fails at once, nothing sent."""
+    import socket
+    import threading
+
+    from nimbus.environments import Environment
+    from nimbus.runtime.remote import RemoteManager
+    from nimbus.wire import Channel
+
+    mine, theirs = socket.socketpair()
+    lost = threading.Event()
+    manager = RemoteManager(
+        Channel(mine),
+        {"workers": 2, "node": "n7", "can": ["orders"]},
+        prefetch=2,
+        on_results=lambda tasks: None,
+        on_lost=lambda m, tasks, why: lost.set(),
+    )
+    manager.start()
+    try:
+        manager.order("r1", "build", "geo", Environment("geo", requirements=["x==1"]))
+        assert manager.orders["r1"]["state"] == "building"
+        theirs.close()  # the node goes away
+        assert lost.wait(10)
+        said = manager.orders["r1"]
+        assert said["state"] == "failed" and "manager on n7 went away" in said["message"]
+        manager.order("r2", "remove", "geo")
+        assert manager.orders["r2"]["state"] == "failed"
+        assert "manager on n7 is stopping" in manager.orders["r2"]["message"]
+    finally:
+        manager.shutdown(kill=True)
+        mine.close()
