@@ -893,3 +893,60 @@ def test_ordered_builds_wait_their_turn_and_a_removal_during_a_build_wins(
         assert all(environment_tag(env) in manager._builds.prepared for env in envs[1:])
     finally:
         manager.shutdown(kill=True)
+
+
+def test_only_the_owner_removes_and_a_user_has_a_few_orders_in_flight(
+    service: Service, alice: Client
+) -> None:
+    """On a public endpoint another user may order builds, at most USER_ORDERS not done
+    at a time (429 naming the limit), and no removal (403 naming the owner)."""
+    import httpx
+
+    from nimbus.protocol import ORDERS, WS_AGENT, Hello, Order, Ordered
+    from nimbus.service.orders import USER_ORDERS
+    from service_support import ws_connect
+
+    registered = alice.register_endpoint("depot")
+    depot = registered["endpoint_id"]
+    carol = service.token("carol")
+    spec = Environment("jailed", sandbox=True).to_dict()
+    with ws_connect(service, WS_AGENT, registered["token"]) as ws:
+        ws.send(Hello("3.11", "x", 1, 1024, [], (ORDERS,)).encode())
+        stop = threading.Event()
+
+        def agent() -> None:  # answers every order, never says a node is done
+            while not stop.is_set():
+                ws.send(Beat(time.monotonic()).encode())
+                with contextlib.suppress(TimeoutError):
+                    msg = unpack(ws.recv(timeout=0.1))
+                    if msg["op"] == "order":
+                        ws.send(Ordered(Order.decode(msg).ref, 0, "", ["n1"]).encode())
+
+        answering = threading.Thread(target=agent, daemon=True)
+        answering.start()
+        try:
+            headers = {"Authorization": f"Bearer {alice.token}"}
+            with httpx.Client(base_url=service.url, headers=headers, timeout=30) as http:
+                http.post(f"/v1/endpoints/{depot}/share", json={"public": True}).raise_for_status()
+                deadline = time.monotonic() + 10
+                while not alice.get_endpoint("depot")["online"]:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                url = f"/v1/endpoints/{depot}/environments"
+                theirs = {"Authorization": f"Bearer {carol}"}
+                removal = {"action": "remove", "name": "jailed"}
+                said = http.post(url, json=removal, headers=theirs)
+                assert said.status_code == 403, said.text
+                assert "belongs to alice: only they may remove" in said.json()["detail"]
+                build = {"action": "build", "name": "jailed", "environment": spec}
+                for _ in range(USER_ORDERS):
+                    placed = http.post(url, json=build, headers=theirs)
+                    assert placed.status_code == 202, placed.text
+                said = http.post(url, json=build, headers=theirs)
+                assert said.status_code == 429, said.text
+                assert f"at most {USER_ORDERS} at a time" in said.json()["detail"]
+                assert http.post(url, json=build).status_code == 202  # alice's own count
+                assert http.post(url, json=removal).status_code == 202  # the owner's
+        finally:
+            stop.set()
+            answering.join(timeout=5)

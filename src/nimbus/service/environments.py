@@ -1,9 +1,12 @@
 """``/v1/endpoints/{id}/environments``: build or remove an environment on every node of an
 endpoint (``nimbus environments build|remove NAME --endpoint X``), and follow it.
 
-Whoever may use the endpoint may ask (as for its tasks); the endpoint must be
-online, its agent new enough to know orders, and the agent refuses what it cannot
-do before doing any of it (see ``nimbus.service.orders``).
+Whoever may use the endpoint may order a build (as for its tasks), at most
+:data:`~nimbus.service.orders.USER_ORDERS` orders of theirs not done at a time; only
+its owner may order a removal. The endpoint must be online, its agent new enough to
+know orders, and the agent refuses what it cannot do before doing any of it (see
+``nimbus.service.orders``); each node runs a few ordered builds at a time, the others
+wait their turn there.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field, field_validator
 
-from nimbus.errors import ProtocolError, ServiceError
+from nimbus.errors import AuthError, ProtocolError, ServiceError
 from nimbus.protocol import Order, check_environment
 from nimbus.service.context import ServiceContext
 from nimbus.service.deps import context, current_user
@@ -48,8 +51,10 @@ class OrderIn(BaseModel):
     status_code=202,
     tags=["endpoints"],
     responses={
+        403: {"description": "remove: the endpoint is not yours"},
         404: {"description": "no such endpoint you may use, or (remove) no node holds the name"},
         409: {"description": "the endpoint is offline, too old, has no nodes, or (remove) busy"},
+        429: {"description": "you have USER_ORDERS orders not done yet"},
         504: {"description": "its agent did not answer in time"},
     },
 )
@@ -60,6 +65,12 @@ async def order_environment(endpoint_id: str, body: OrderIn, user: User, ctx: Ct
     info = await ctx.endpoint(user, endpoint_id)
     if body.action == "build" and body.environment is None:
         raise ServiceError("environment: a build needs the spec (Environment.to_dict())", 422)
+    if body.action == "remove" and info.owner_id != user.user_id:
+        raise AuthError(
+            f"endpoint {info.name!r} belongs to {info.owner}: only they may remove "
+            f"environments from its nodes (you may build one there); nothing was done",
+            403,
+        )
     agents = [
         peer
         for conn_id in list(ctx.hub.endpoint_agents.get(info.id, ()))
