@@ -11,6 +11,7 @@ wait their turn there.
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends
@@ -22,8 +23,12 @@ from nimbus.service.context import ServiceContext
 from nimbus.service.deps import context, current_user
 from nimbus.service.orders import new_order_id
 from nimbus.service.registry import Principal
+from nimbus.service.ws import BEAT_SAVE_SECONDS
 
 __all__ = ["router"]
+
+# an agent whose heartbeat another process saved this recently is connected there
+ELSEWHERE_SECONDS = 2 * BEAT_SAVE_SECONDS + 5.0
 
 router = APIRouter(prefix="/v1")
 User = Annotated[Principal, Depends(current_user)]
@@ -77,6 +82,18 @@ async def order_environment(endpoint_id: str, body: OrderIn, user: User, ctx: Ct
         if (peer := ctx.hub.agents.get(conn_id)) is not None and not peer.closed
     ]
     if not agents:
+        status = await ctx.store.status(info.id)
+        beat = float(status.get("last_heartbeat", 0.0) or 0.0)
+        if time.time() - beat < ELSEWHERE_SECONDS and beat > ctx.hub.beats.get(info.id, 0.0):
+            raise ServiceError(
+                f"endpoint {info.name!r} is online, but its agent is connected to another "
+                f"process of this service (its heartbeat reached that one "
+                f"{max(0.0, time.time() - beat):.0f} s ago), and an order goes through that "
+                f"process only: ask again (behind a load balancer another attempt may reach "
+                f"it), or set NIMBUS_SERVICE_URL to the address the endpoint connects to; "
+                f"nothing was done",
+                409,
+            )
         raise ServiceError(
             f"endpoint {info.name!r} is offline: start it where it is configured (`nimbus "
             f"endpoint start {info.name}`), then ask again; nothing was done",

@@ -170,7 +170,9 @@ class OrderBook:
         if order is None or order.endpoint_id != endpoint_id or order.user_id != user_id:
             raise NotFound(
                 f"environment order {order_id} not found (orders are kept for "
-                f"{KEEP_SECONDS / 60:.0f} minutes by the service the endpoint is connected to)",
+                f"{KEEP_SECONDS / 60:.0f} minutes by the service process the endpoint's agent "
+                f"is connected to: with several processes behind one address, ask again, "
+                f"another attempt may reach that one)",
                 404,
             )
         return self._view(order_id, order)
