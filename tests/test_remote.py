@@ -265,7 +265,9 @@ def test_an_endpoints_order_rows_fit_a_beat_unfinished_and_newest_first() -> Non
         assert len(rows) == MAX_ORDERS
         assert [r["ref"] for r in rows[:40]] == ["r00"] * 40  # not done: first
         assert rows[40]["ref"] == f"r{KEPT - 1:02}"  # then the newest
-        assert {r["ref"] for r in rows[40:]} == {f"r{k:02}" for k in range(KEPT - 1, KEPT - 25, -1)}  # 24 x 40
+        assert {r["ref"] for r in rows[40:]} == {
+            f"r{k:02}" for k in range(KEPT - 1, KEPT - 25, -1)
+        }  # 24 x 40
         beat = Beat(1.0, None, None, rows)
         assert decode_message(unpack(beat.encode()), {"beat": Beat}) == beat
     finally:

@@ -866,7 +866,9 @@ def test_ordered_builds_wait_their_turn_and_a_removal_during_a_build_wins(
     envs = []
     for i in range(BUILDS_AT_ONCE + 1):
         _wheel(wheels, version=f"1.{i}")
-        envs.append(Environment(f"turn{i}", requirements=[f"orderpkg==1.{i}"], wheelhouse=str(wheels)))
+        envs.append(
+            Environment(f"turn{i}", requirements=[f"orderpkg==1.{i}"], wheelhouse=str(wheels))
+        )
     manager = Manager(1, on_results=lambda tasks: None, name="m1")
     manager.start()
     try:
@@ -960,44 +962,43 @@ def test_an_order_to_another_service_process_says_where_the_agent_is(tmp_path: P
     from nimbus.protocol import ORDERS, WS_AGENT, Hello, Order, Ordered
     from service_support import two_services, ws_connect
 
-    with two_services(tmp_path) as (first, second, _):
-        with first.client(first.token("alice")) as alice:
-            registered = alice.register_endpoint("twin")
-            twin = registered["endpoint_id"]
-            with ws_connect(first, WS_AGENT, registered["token"]) as ws:
-                ws.send(Hello("3.11", "x", 1, 1024, [], (ORDERS,)).encode())
-                stop = threading.Event()
+    with two_services(tmp_path) as (first, second, _), first.client(first.token("alice")) as alice:
+        registered = alice.register_endpoint("twin")
+        twin = registered["endpoint_id"]
+        with ws_connect(first, WS_AGENT, registered["token"]) as ws:
+            ws.send(Hello("3.11", "x", 1, 1024, [], (ORDERS,)).encode())
+            stop = threading.Event()
 
-                def agent() -> None:
-                    while not stop.is_set():
-                        ws.send(Beat(time.monotonic()).encode())
-                        with contextlib.suppress(TimeoutError):
-                            msg = unpack(ws.recv(timeout=0.1))
-                            if msg["op"] == "order":
-                                ws.send(Ordered(Order.decode(msg).ref, 0, "", ["n1"]).encode())
+            def agent() -> None:
+                while not stop.is_set():
+                    ws.send(Beat(time.monotonic()).encode())
+                    with contextlib.suppress(TimeoutError):
+                        msg = unpack(ws.recv(timeout=0.1))
+                        if msg["op"] == "order":
+                            ws.send(Ordered(Order.decode(msg).ref, 0, "", ["n1"]).encode())
 
-                answering = threading.Thread(target=agent, daemon=True)
-                answering.start()
-                try:
-                    deadline = time.monotonic() + 10
-                    while not alice.get_endpoint("twin")["online"]:
-                        assert time.monotonic() < deadline
-                        time.sleep(0.05)
-                    spec = Environment("jailed", sandbox=True).to_dict()
-                    body = {"action": "build", "name": "jailed", "environment": spec}
-                    url = f"/v1/endpoints/{twin}/environments"
-                    headers = {"Authorization": f"Bearer {alice.token}"}
-                    said = httpx.post(second.url + url, json=body, headers=headers, timeout=30)
-                    assert said.status_code == 409, said.text
-                    detail = said.json()["detail"]
-                    assert "is online, but its agent is connected to another process" in detail
-                    assert "ask again" in detail and "offline" not in detail
-                    placed = httpx.post(first.url + url, json=body, headers=headers, timeout=30)
-                    assert placed.status_code == 202, placed.text
-                    order_id = placed.json()["order_id"]
-                    got = httpx.get(f"{second.url}{url}/{order_id}", headers=headers, timeout=30)
-                    assert got.status_code == 404
-                    assert "the service process the endpoint's agent" in got.json()["detail"]
-                finally:
-                    stop.set()
-                    answering.join(timeout=5)
+            answering = threading.Thread(target=agent, daemon=True)
+            answering.start()
+            try:
+                deadline = time.monotonic() + 10
+                while not alice.get_endpoint("twin")["online"]:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                spec = Environment("jailed", sandbox=True).to_dict()
+                body = {"action": "build", "name": "jailed", "environment": spec}
+                url = f"/v1/endpoints/{twin}/environments"
+                headers = {"Authorization": f"Bearer {alice.token}"}
+                said = httpx.post(second.url + url, json=body, headers=headers, timeout=30)
+                assert said.status_code == 409, said.text
+                detail = said.json()["detail"]
+                assert "is online, but its agent is connected to another process" in detail
+                assert "ask again" in detail and "offline" not in detail
+                placed = httpx.post(first.url + url, json=body, headers=headers, timeout=30)
+                assert placed.status_code == 202, placed.text
+                order_id = placed.json()["order_id"]
+                got = httpx.get(f"{second.url}{url}/{order_id}", headers=headers, timeout=30)
+                assert got.status_code == 404
+                assert "the service process the endpoint's agent" in got.json()["detail"]
+            finally:
+                stop.set()
+                answering.join(timeout=5)

@@ -55,7 +55,9 @@ class Orders:
         try:
             return self.take(order)
         except Exception as exc:
-            log.exception("environment order %s (%s %r) failed", order.ref, order.action, order.name)
+            log.exception(
+                "environment order %s (%s %r) failed", order.ref, order.action, order.name
+            )
             return Ordered(
                 order.ref,
                 500,

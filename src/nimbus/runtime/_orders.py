@@ -185,7 +185,9 @@ class NodeOrders:
             return
         for waiting in [w for w in self._order_waiting if named(w[1], name)]:
             self._order_waiting.remove(waiting)
-            self._said(waiting[0], "failed", f"environment {name!r} was removed before it was built")
+            self._said(
+                waiting[0], "failed", f"environment {name!r} was removed before it was built"
+            )
         under_way = {r for r, t in self._order_building.items() if named(t, name)}
         if under_way:  # the removal wins: it goes on when they end, their outcome dropped
             self._overruled |= under_way
