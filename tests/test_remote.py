@@ -295,3 +295,22 @@ def test_an_order_that_fails_unforeseen_is_answered_500_and_logged(
     assert "KeyError" in answer.detail and "see the endpoint daemon's log" in answer.detail
     assert "agent.log" in answer.detail
     assert any(r.exc_info and "environment order r1" in r.getMessage() for r in caplog.records)
+
+
+def test_an_order_on_a_manager_that_stopped_fails_in_the_rows() -> None:
+    """This node's manager stops with an order not done: its row fails, saying so,
+    instead of "building" forever."""
+    from nimbus.endpoint._orders import Orders
+    from nimbus.runtime.agent import Agent
+    from nimbus.runtime.manager import Manager
+
+    manager = Manager(1, on_results=lambda tasks: None, name="m1")
+    manager.start()
+    orders = Orders(Agent(on_results=lambda tasks: None), "lab")
+    manager.orders["r1"] = {"state": "building", "message": "", "seconds": 0.0}
+    orders._orders["r1"] = ("build", [manager])
+    assert orders.rows()[0]["state"] == "building"
+    manager.shutdown(kill=True)
+    assert manager.stopped.wait(30)
+    (row,) = orders.rows()
+    assert row["state"] == "failed" and "stopped before it said how this went" in row["message"]

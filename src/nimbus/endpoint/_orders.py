@@ -139,6 +139,17 @@ class Orders:
             nodes: dict[str, list[dict[str, Any]]] = {}
             for manager in managers:
                 said = manager.orders.get(ref) or {}
+                stopped = getattr(manager, "stopped", None)  # this node's manager's loop
+                if (
+                    said.get("state") not in DONE
+                    and isinstance(stopped, threading.Event)
+                    and stopped.is_set()  # nothing will say how it went now
+                ):
+                    said = {
+                        "state": "failed",
+                        "message": f"the nimbus manager on {self._node(manager)} stopped "
+                        "before it said how this went",
+                    }
                 nodes.setdefault(self._node(manager), []).append(said)
             start = "building" if action == "build" else "removing"
             for node, said in nodes.items():

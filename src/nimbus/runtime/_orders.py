@@ -65,7 +65,8 @@ class NodeOrders:
     _order_waiting: deque[tuple[str, str, Environment]]  # the loop's: builds not started
     _order_building: dict[str, str]  # the loop's: ref -> tag of the ordered builds under way
     _overruled: set[str]  # the loop's: builds a removal came after (their outcome is dropped)
-    _removals_waiting: list[tuple[str, str]]  # the loop's: removals waiting for those builds
+    # the loop's: removals waiting for the builds they overruled (ref, name, those builds)
+    _removals_waiting: list[tuple[str, str, set[str]]]
 
     def _init_orders(self) -> None:
         self.orders = {}  # environment orders: ref -> outcome
@@ -165,11 +166,15 @@ class NodeOrders:
             built = outcome.build_seconds
             self._said(ref, "built", "" if built else "already built", built)
         waiting, self._removals_waiting = self._removals_waiting, []
-        for removal in waiting:  # those whose builds all ended go on now
-            self._remove(*removal)
+        for removal, name, builds in waiting:  # those whose builds all ended go on now
+            if builds & self._order_building.keys():
+                self._removals_waiting.append((removal, name, builds))
+            else:  # builds ordered after it are not overruled: the later order wins
+                self._remove(removal, name, overrule=False)
 
-    def _remove(self, ref: str, name: str) -> None:
-        """On the loop: remove ``name`` here, unless tasks of it are here."""
+    def _remove(self, ref: str, name: str, *, overrule: bool = True) -> None:
+        """On the loop: remove ``name`` here, unless tasks of it are here; ordered builds
+        of it waiting are dropped, those under way overruled (with ``overrule``)."""
         builds = self._builds
         tags = {t for t in (*self.layout.envs, *builds.prepared, *builds.failed) if named(t, name)}
         queued = sum(len(self._pending.get(t, ())) for t in tags)
@@ -183,15 +188,15 @@ class NodeOrders:
                 f"; remove it when they are done (or cancel them)",
             )
             return
-        for waiting in [w for w in self._order_waiting if named(w[1], name)]:
+        for waiting in [w for w in self._order_waiting if overrule and named(w[1], name)]:
             self._order_waiting.remove(waiting)
             self._said(
                 waiting[0], "failed", f"environment {name!r} was removed before it was built"
             )
-        under_way = {r for r, t in self._order_building.items() if named(t, name)}
+        under_way = {r for r, t in self._order_building.items() if overrule and named(t, name)}
         if under_way:  # the removal wins: it goes on when they end, their outcome dropped
             self._overruled |= under_way
-            self._removals_waiting.append((ref, name))
+            self._removals_waiting.append((ref, name, under_way))
             return
         for tag in tags:
             self.layout.release(tag)  # its idle workers are retired
