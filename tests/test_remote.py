@@ -194,3 +194,123 @@ def test_a_node_too_old_for_orders_fails_them_at_once_saying_why() -> None:
     finally:
         mine.close()
         theirs.close()
+
+
+def test_orders_of_a_manager_that_goes_away_fail_saying_so() -> None:
+    """A manager's link ends while it builds: its order fails naming the node (instead of
+    "building" forever), and an order after that fails at once, nothing sent."""
+    import socket
+    import threading
+
+    from nimbus.environments import Environment
+    from nimbus.runtime.remote import RemoteManager
+    from nimbus.wire import Channel
+
+    mine, theirs = socket.socketpair()
+    lost = threading.Event()
+    manager = RemoteManager(
+        Channel(mine),
+        {"workers": 2, "node": "n7", "can": ["orders"]},
+        prefetch=2,
+        on_results=lambda tasks: None,
+        on_lost=lambda m, tasks, why: lost.set(),
+    )
+    manager.start()
+    try:
+        manager.order("r1", "build", "geo", Environment("geo", requirements=["x==1"]))
+        assert manager.orders["r1"]["state"] == "building"
+        theirs.close()  # the node goes away
+        assert lost.wait(10)
+        said = manager.orders["r1"]
+        assert said["state"] == "failed" and "manager on n7 went away" in said["message"]
+        manager.order("r2", "remove", "geo")
+        assert manager.orders["r2"]["state"] == "failed"
+        assert "manager on n7 is stopping" in manager.orders["r2"]["message"]
+    finally:
+        manager.shutdown(kill=True)
+        mine.close()
+
+
+def test_an_endpoints_order_rows_fit_a_beat_unfinished_and_newest_first() -> None:
+    """32 orders on 40 nodes are more rows than a beat carries: the daemon says those
+    not done first, then the newest, and the beat is one the service accepts."""
+    import socket
+
+    from nimbus.endpoint._orders import KEPT, Orders
+    from nimbus.protocol import MAX_ORDERS, Beat, decode_message, unpack
+    from nimbus.runtime.agent import Agent
+    from nimbus.runtime.remote import RemoteManager
+    from nimbus.wire import Channel
+
+    pairs = [socket.socketpair() for _ in range(40)]
+    managers = [
+        RemoteManager(
+            Channel(mine),
+            {"workers": 1, "node": f"n{i:02}", "can": ["orders"]},
+            prefetch=1,
+            on_results=lambda tasks: None,
+            on_lost=lambda m, tasks, why: None,
+        )
+        for i, (mine, _) in enumerate(pairs)
+    ]
+    try:
+        orders = Orders(Agent(on_results=lambda tasks: None), "wide")
+        for k in range(KEPT):
+            ref = f"r{k:02}"
+            for manager in managers:
+                state = "building" if k == 0 else "built"  # the oldest is not done
+                manager.orders[ref] = {"state": state, "message": "", "seconds": 1.0}
+            orders._orders[ref] = ("build", managers)
+        rows = orders.rows()
+        assert len(rows) == MAX_ORDERS
+        assert [r["ref"] for r in rows[:40]] == ["r00"] * 40  # not done: first
+        assert rows[40]["ref"] == f"r{KEPT - 1:02}"  # then the newest
+        assert {r["ref"] for r in rows[40:]} == {
+            f"r{k:02}" for k in range(KEPT - 1, KEPT - 25, -1)
+        }  # 24 x 40
+        beat = Beat(1.0, None, None, rows)
+        assert decode_message(unpack(beat.encode()), {"beat": Beat}) == beat
+    finally:
+        for mine, theirs in pairs:
+            mine.close()
+            theirs.close()
+
+
+def test_an_order_that_fails_unforeseen_is_answered_500_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """take() raising what no one foresaw answers 500 pointing at the daemon's log (the
+    traceback is there) instead of dropping the daemon's connection to the service."""
+    from nimbus.endpoint._orders import Orders
+    from nimbus.protocol import Order
+    from nimbus.runtime.agent import Agent
+
+    class Broken(Agent):
+        def statistics(self) -> dict[str, Any]:
+            raise KeyError("managers")  # a bug, say
+
+    orders = Orders(Broken(on_results=lambda tasks: None), "lab")
+    answer = orders.answer(Order("r1", "remove", "geo"))
+    assert answer.status == 500 and answer.ref == "r1"
+    assert "KeyError" in answer.detail and "see the endpoint daemon's log" in answer.detail
+    assert "agent.log" in answer.detail
+    assert any(r.exc_info and "environment order r1" in r.getMessage() for r in caplog.records)
+
+
+def test_an_order_on_a_manager_that_stopped_fails_in_the_rows() -> None:
+    """This node's manager stops with an order not done: its row fails, saying so,
+    instead of "building" forever."""
+    from nimbus.endpoint._orders import Orders
+    from nimbus.runtime.agent import Agent
+    from nimbus.runtime.manager import Manager
+
+    manager = Manager(1, on_results=lambda tasks: None, name="m1")
+    manager.start()
+    orders = Orders(Agent(on_results=lambda tasks: None), "lab")
+    manager.orders["r1"] = {"state": "building", "message": "", "seconds": 0.0}
+    orders._orders["r1"] = ("build", [manager])
+    assert orders.rows()[0]["state"] == "building"
+    manager.shutdown(kill=True)
+    assert manager.stopped.wait(30)
+    (row,) = orders.rows()
+    assert row["state"] == "failed" and "stopped before it said how this went" in row["message"]

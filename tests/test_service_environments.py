@@ -849,3 +849,156 @@ def test_build_and_remove_endpoint_reach_a_slurm_blocks_manager(
     finally:
         endpoint.stop()
         del service.env["SLURM_CONF"]
+
+
+def test_ordered_builds_wait_their_turn_and_a_removal_during_a_build_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A manager runs at most BUILDS_AT_ONCE ordered builds (the others wait, saying so);
+    a build's outcome is applied by the manager's loop, and a removal ordered while it
+    runs wins: the build is not registered when it ends."""
+    from nimbus.runtime._orders import BUILDS_AT_ONCE, DONE
+    from nimbus.runtime.manager import Manager
+    from nimbus.runtime.task import environment_tag
+
+    monkeypatch.setenv("NIMBUS_ENVIRONMENTS_DIR", str(tmp_path / "envs"))
+    wheels = tmp_path / "wheels"
+    envs = []
+    for i in range(BUILDS_AT_ONCE + 1):
+        _wheel(wheels, version=f"1.{i}")
+        envs.append(
+            Environment(f"turn{i}", requirements=[f"orderpkg==1.{i}"], wheelhouse=str(wheels))
+        )
+    manager = Manager(1, on_results=lambda tasks: None, name="m1")
+    manager.start()
+    try:
+        for i, env in enumerate(envs):
+            manager.order(f"b{i}", "build", env.name, env)
+        last = f"b{BUILDS_AT_ONCE}"
+        deadline = time.monotonic() + 10
+        while "waiting its turn" not in manager.orders[last]["message"]:
+            assert time.monotonic() < deadline, manager.orders
+            time.sleep(0.01)
+        assert manager.orders["b0"] == {"state": "building", "message": "", "seconds": 0.0}
+        manager.order("r0", "remove", "turn0")  # while it builds
+        deadline = time.monotonic() + 180
+        while any(said["state"] not in DONE for said in list(manager.orders.values())):
+            assert time.monotonic() < deadline, manager.orders
+            time.sleep(0.05)
+        said = manager.orders
+        assert said["b0"]["state"] == "failed", said
+        assert "was removed on m1 while it was being built" in said["b0"]["message"]
+        assert said["r0"]["state"] == "removed", said
+        assert all(said[f"b{i}"]["state"] == "built" for i in range(1, len(envs))), said
+        gone = environment_tag(envs[0])
+        assert gone not in manager.layout.envs and gone not in manager._builds.prepared
+        assert all(environment_tag(env) in manager._builds.prepared for env in envs[1:])
+    finally:
+        manager.shutdown(kill=True)
+
+
+def test_only_the_owner_removes_and_a_user_has_a_few_orders_in_flight(
+    service: Service, alice: Client
+) -> None:
+    """On a public endpoint another user may order builds, at most USER_ORDERS not done
+    at a time (429 naming the limit), and no removal (403 naming the owner)."""
+    import httpx
+
+    from nimbus.protocol import ORDERS, WS_AGENT, Hello, Order, Ordered
+    from nimbus.service.orders import USER_ORDERS
+    from service_support import ws_connect
+
+    registered = alice.register_endpoint("depot")
+    depot = registered["endpoint_id"]
+    carol = service.token("carol")
+    spec = Environment("jailed", sandbox=True).to_dict()
+    with ws_connect(service, WS_AGENT, registered["token"]) as ws:
+        ws.send(Hello("3.11", "x", 1, 1024, [], (ORDERS,)).encode())
+        stop = threading.Event()
+
+        def agent() -> None:  # answers every order, never says a node is done
+            while not stop.is_set():
+                ws.send(Beat(time.monotonic()).encode())
+                with contextlib.suppress(TimeoutError):
+                    msg = unpack(ws.recv(timeout=0.1))
+                    if msg["op"] == "order":
+                        ws.send(Ordered(Order.decode(msg).ref, 0, "", ["n1"]).encode())
+
+        answering = threading.Thread(target=agent, daemon=True)
+        answering.start()
+        try:
+            headers = {"Authorization": f"Bearer {alice.token}"}
+            with httpx.Client(base_url=service.url, headers=headers, timeout=30) as http:
+                http.post(f"/v1/endpoints/{depot}/share", json={"public": True}).raise_for_status()
+                deadline = time.monotonic() + 10
+                while not alice.get_endpoint("depot")["online"]:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                url = f"/v1/endpoints/{depot}/environments"
+                theirs = {"Authorization": f"Bearer {carol}"}
+                removal = {"action": "remove", "name": "jailed"}
+                said = http.post(url, json=removal, headers=theirs)
+                assert said.status_code == 403, said.text
+                assert "belongs to alice: only they may remove" in said.json()["detail"]
+                build = {"action": "build", "name": "jailed", "environment": spec}
+                for _ in range(USER_ORDERS):
+                    placed = http.post(url, json=build, headers=theirs)
+                    assert placed.status_code == 202, placed.text
+                said = http.post(url, json=build, headers=theirs)
+                assert said.status_code == 429, said.text
+                assert f"at most {USER_ORDERS} at a time" in said.json()["detail"]
+                assert http.post(url, json=build).status_code == 202  # alice's own count
+                assert http.post(url, json=removal).status_code == 202  # the owner's
+        finally:
+            stop.set()
+            answering.join(timeout=5)
+
+
+def test_an_order_to_another_service_process_says_where_the_agent_is(tmp_path: Path) -> None:
+    """Two service processes: an order asked of the one the endpoint's agent is not
+    connected to says so and what to do (not "offline"); the other one takes it."""
+    import httpx
+
+    from nimbus.protocol import ORDERS, WS_AGENT, Hello, Order, Ordered
+    from service_support import two_services, ws_connect
+
+    with two_services(tmp_path) as (first, second, _), first.client(first.token("alice")) as alice:
+        registered = alice.register_endpoint("twin")
+        twin = registered["endpoint_id"]
+        with ws_connect(first, WS_AGENT, registered["token"]) as ws:
+            ws.send(Hello("3.11", "x", 1, 1024, [], (ORDERS,)).encode())
+            stop = threading.Event()
+
+            def agent() -> None:
+                while not stop.is_set():
+                    ws.send(Beat(time.monotonic()).encode())
+                    with contextlib.suppress(TimeoutError):
+                        msg = unpack(ws.recv(timeout=0.1))
+                        if msg["op"] == "order":
+                            ws.send(Ordered(Order.decode(msg).ref, 0, "", ["n1"]).encode())
+
+            answering = threading.Thread(target=agent, daemon=True)
+            answering.start()
+            try:
+                deadline = time.monotonic() + 10
+                while not alice.get_endpoint("twin")["online"]:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                spec = Environment("jailed", sandbox=True).to_dict()
+                body = {"action": "build", "name": "jailed", "environment": spec}
+                url = f"/v1/endpoints/{twin}/environments"
+                headers = {"Authorization": f"Bearer {alice.token}"}
+                said = httpx.post(second.url + url, json=body, headers=headers, timeout=30)
+                assert said.status_code == 409, said.text
+                detail = said.json()["detail"]
+                assert "is online, but its agent is connected to another process" in detail
+                assert "ask again" in detail and "offline" not in detail
+                placed = httpx.post(first.url + url, json=body, headers=headers, timeout=30)
+                assert placed.status_code == 202, placed.text
+                order_id = placed.json()["order_id"]
+                got = httpx.get(f"{second.url}{url}/{order_id}", headers=headers, timeout=30)
+                assert got.status_code == 404
+                assert "the service process the endpoint's agent" in got.json()["detail"]
+            finally:
+                stop.set()
+                answering.join(timeout=5)

@@ -17,17 +17,21 @@ builds an environment at its first task, as before.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from typing import Any
 
 from nimbus import environments
+from nimbus.endpoint.config import endpoint_dir
 from nimbus.environments import Environment
 from nimbus.errors import ConfigError, NimbusError
-from nimbus.protocol import Order, Ordered
+from nimbus.protocol import MAX_ORDERS, Order, Ordered
 from nimbus.runtime.agent import Agent
 
 __all__ = ["Orders"]
+
+log = logging.getLogger(__name__)
 
 KEPT = 32  # orders whose rows a daemon keeps saying
 DONE = frozenset({"built", "removed", "failed"})
@@ -44,6 +48,24 @@ class Orders:
         self._lock = threading.Lock()  # take() runs on a thread, rows() on the loop
         self.said: list[dict[str, Any]] = []
         self.finished = False  # an order ended since the last beat: report the environments
+
+    def answer(self, order: Order) -> Ordered:
+        """:meth:`take`, or a 500 pointing at this daemon's log (where the traceback
+        goes) for a failure no one foresaw: the connection to the service stays."""
+        try:
+            return self.take(order)
+        except Exception as exc:
+            log.exception(
+                "environment order %s (%s %r) failed", order.ref, order.action, order.name
+            )
+            return Ordered(
+                order.ref,
+                500,
+                f"endpoint {self._endpoint!r} failed to carry out the order to "
+                f"{order.action} {order.name!r} ({type(exc).__name__}: {exc}); see the "
+                f"endpoint daemon's log ({endpoint_dir(self._endpoint) / 'agent.log'} where "
+                f"it runs); nothing more was done",
+            )
 
     def take(self, order: Order) -> Ordered:
         """Carry out ``order`` on every node, or say why not (nothing done then)."""
@@ -108,7 +130,8 @@ class Orders:
         return str(getattr(manager, "node", "") or self._here)
 
     def rows(self) -> list[dict[str, Any]]:
-        """One row per order and node: ``{ref, node, state, message, seconds}``."""
+        """One row per order and node: ``{ref, node, state, message, seconds}``; at most
+        MAX_ORDERS (a beat's most), those not done first, then the newest."""
         out = []
         with self._lock:
             orders = list(self._orders.items())
@@ -116,6 +139,17 @@ class Orders:
             nodes: dict[str, list[dict[str, Any]]] = {}
             for manager in managers:
                 said = manager.orders.get(ref) or {}
+                stopped = getattr(manager, "stopped", None)  # this node's manager's loop
+                if (
+                    said.get("state") not in DONE
+                    and isinstance(stopped, threading.Event)
+                    and stopped.is_set()  # nothing will say how it went now
+                ):
+                    said = {
+                        "state": "failed",
+                        "message": f"the nimbus manager on {self._node(manager)} stopped "
+                        "before it said how this went",
+                    }
                 nodes.setdefault(self._node(manager), []).append(said)
             start = "building" if action == "build" else "removing"
             for node, said in nodes.items():
@@ -138,6 +172,9 @@ class Orders:
                         "seconds": round(seconds, 3),
                     }
                 )
+        if len(out) > MAX_ORDERS:
+            newest = sorted(reversed(out), key=lambda row: row["state"] in DONE)
+            out = newest[:MAX_ORDERS]
         return out
 
     def changed(self) -> list[dict[str, Any]] | None:

@@ -243,7 +243,7 @@ class EndpointDaemon:
             async for data in ws:
                 msg = decode_message(decode_frame(data, SERVICE_SENDS), SERVICE_SENDS)
                 if isinstance(msg, Order):  # answered at once; the nodes report in beats
-                    await ws.send((await asyncio.to_thread(self.orders.take, msg)).encode())
+                    await ws.send((await asyncio.to_thread(self.orders.answer, msg)).encode())
                     continue
                 self._handle(msg)
         except ProtocolError as exc:

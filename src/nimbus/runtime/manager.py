@@ -132,8 +132,7 @@ class Manager(Workers, NodeOrders):
         self._env_failures: dict[str, int] = {}  # workers of an environment dead at start
         self._pending: dict[str, deque[Task]] = {"": deque()}
         self._cancels: deque[Task] = deque()
-        self.orders: dict[str, dict[str, Any]] = {}  # environment orders: ref -> outcome
-        self._ordered: deque[tuple[str, str]] = deque()  # removals for the loop
+        self._init_orders()  # environment orders: build, remove (nimbus.runtime._orders)
         self._reap: list[Any] = []  # retired workers' processes, not yet exited
         self._retiring = False  # some worker waits to empty before it is retired
         self._workers: list[_Worker] = []

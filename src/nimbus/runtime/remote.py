@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nimbus.runtime._orders import KEPT, ORDERS
+from nimbus.runtime._orders import DONE, KEPT, ORDERS
 from nimbus.runtime.messages import INLINE_LIMIT, Link
 from nimbus.runtime.node import HANDSHAKE_SECONDS, proof, receive_one
 from nimbus.runtime.task import Task, environment_tag
@@ -211,6 +211,14 @@ class RemoteManager:
                 "seconds": 0.0,
             }
             return
+        if self._gone or self.closing:
+            self.orders[ref] = {
+                "state": "failed",
+                "message": f"the nimbus manager on {self.node} is stopping (its block ends): "
+                "nothing was done there",
+                "seconds": 0.0,
+            }
+            return
         spec = environment.to_dict() if environment is not None else None
         self.orders[ref] = {"state": "building" if spec else "removing", "message": ""}
         with self._lock:
@@ -342,6 +350,15 @@ class RemoteManager:
             self._wids.clear()
         self._outbox.set()  # the writer ends
         self._channel.close()
+        for ref, said in list(self.orders.items()):  # no heartbeat will say how they went
+            if said.get("state") not in DONE:
+                self.orders[ref] = {
+                    "state": "failed",
+                    "message": f"the nimbus manager on {self.node} went away ({reason}) before "
+                    "it said how this went: `nimbus environments list --endpoint` shows what "
+                    "its node holds",
+                    "seconds": float(said.get("seconds") or 0.0),
+                }
         self._on_lost(self, tasks, reason)
 
 

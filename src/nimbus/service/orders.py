@@ -24,15 +24,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from nimbus.errors import NotFound, ServiceError
+from nimbus.errors import NotFound, QuotaExceeded, ServiceError
 from nimbus.protocol import ORDERS, Order, Ordered
 from nimbus.service.hub import Peer
 
-__all__ = ["ANSWER_SECONDS", "OrderBook"]
+__all__ = ["ANSWER_SECONDS", "USER_ORDERS", "OrderBook"]
 
 ANSWER_SECONDS = 15.0  # an agent answers an order at once: it only asks its managers
 KEPT = 1000
 KEEP_SECONDS = 3600.0
+USER_ORDERS = 8  # orders of one user not done yet (each node runs a few builds at a time)
 DONE = frozenset({"built", "removed", "failed"})
 
 
@@ -54,6 +55,7 @@ class OrderBook:
         self._can: dict[str, frozenset[str]] = {}  # agent connection -> its Hello's can
         self._orders: dict[str, _Order] = {}
         self._answers: dict[tuple[str, str], asyncio.Future[Ordered]] = {}  # (ref, conn)
+        self._placing: dict[str, int] = {}  # user -> orders sent, not answered yet
 
     def joined(self, conn_id: str, can: tuple[str, ...]) -> None:
         self._can[conn_id] = frozenset(can)
@@ -97,11 +99,24 @@ class OrderBook:
                 409,
             )
         self._trim()
+        mine = [
+            o
+            for o in self._orders.values()
+            if o.user_id == user_id and not all(r["state"] in DONE for r in o.nodes.values())
+        ]
+        if len(mine) + self._placing.get(user_id, 0) >= USER_ORDERS:
+            raise QuotaExceeded(
+                f"you have {len(mine) + self._placing.get(user_id, 0)} environment orders not done yet (at most {USER_ORDERS} "
+                f"at a time): wait for them (`nimbus environments build|remove` waits for its "
+                f"order), then ask again; nothing was done",
+                429,
+            )
         ref = order.ref
         loop = asyncio.get_running_loop()
         futures = {}
         for peer in agents:
             futures[peer.conn_id] = self._answers[ref, peer.conn_id] = loop.create_future()
+        self._placing[user_id] = self._placing.get(user_id, 0) + 1
         try:
             for peer in agents:
                 await peer.send(order.encode())
@@ -109,6 +124,10 @@ class OrderBook:
         finally:
             for conn_id in futures:
                 self._answers.pop((ref, conn_id), None)
+            if self._placing[user_id] > 1:
+                self._placing[user_id] -= 1
+            else:
+                del self._placing[user_id]
         if waiting:
             raise ServiceError(
                 f"endpoint {endpoint!r} did not answer within {ANSWER_SECONDS:.0f} s (its agent "
@@ -151,7 +170,9 @@ class OrderBook:
         if order is None or order.endpoint_id != endpoint_id or order.user_id != user_id:
             raise NotFound(
                 f"environment order {order_id} not found (orders are kept for "
-                f"{KEEP_SECONDS / 60:.0f} minutes by the service the endpoint is connected to)",
+                f"{KEEP_SECONDS / 60:.0f} minutes by the service process the endpoint's agent "
+                f"is connected to: with several processes behind one address, ask again, "
+                f"another attempt may reach that one)",
                 404,
             )
         return self._view(order_id, order)
