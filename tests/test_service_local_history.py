@@ -43,3 +43,23 @@ def test_records_are_handed_over_in_files_and_ingested_once(tmp_path: Path) -> N
         assert history.count() == 30 and not list(folder.iterdir())
     finally:
         engine.dispose()
+
+
+def test_a_file_naming_an_owner_not_local_is_removed_unread(tmp_path: Path) -> None:
+    """The files give local tasks only: one that names a service user's owner (anyone who
+    can write the folder) adds nothing to that user's history."""
+    import msgpack
+
+    settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
+    Registry(settings.registry_url).close()
+    folder = local_history.directory(settings)
+    folder.mkdir(parents=True, exist_ok=True)
+    record = TaskRecord("forged", TaskState.SUCCESS, "shout", submitted=1000.0)
+    (folder / "1.0-1-x.msgpack").write_bytes(msgpack.packb(["alice", [record.to_wire()]]))
+    engine = create_engine(settings.registry_url)
+    try:
+        history = History(engine)
+        assert local_history.ingest(settings, history) == 0
+        assert history.count() == 0 and not list(folder.iterdir())
+    finally:
+        engine.dispose()

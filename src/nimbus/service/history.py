@@ -182,15 +182,18 @@ class History:
     def info(self, task_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The stored tasks among ``task_ids``, as ``TaskStore.info`` gives them, by id."""
         c = history.c
-        if not task_ids:
+        ids = list(task_ids)
+        if not ids:
             return {}
+        rows: list[Any] = []
         with self.engine.connect() as connection:
-            rows = connection.execute(
-                select(
-                    c.task_id, c.state, c.owner_id, c.endpoint_id, c.function_id, c.group_id,
-                    c.submitted, c.dispatched, c.ended, c.record, c.timeout, c.result,
-                ).where(c.task_id.in_(list(task_ids)))
-            ).all()  # fmt: skip
+            for at in range(0, len(ids), 500):  # SQLite's bound parameters are limited
+                rows += connection.execute(
+                    select(
+                        c.task_id, c.state, c.owner_id, c.endpoint_id, c.function_id, c.group_id,
+                        c.submitted, c.dispatched, c.ended, c.record, c.timeout, c.result,
+                    ).where(c.task_id.in_(ids[at : at + 500]))
+                ).all()  # fmt: skip
         out = {}
         for task_id, state, owner, endpoint, fn, group, sub, disp, end, rec, tmo, res in rows:
             out[task_id] = {

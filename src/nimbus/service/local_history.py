@@ -169,6 +169,10 @@ def ingest(settings: Settings, history: History, owners: set[str] | None = None)
             log.warning("%s is not a local history file (%s): removed", name, exc)
             claimed.unlink(missing_ok=True)
             continue
+        if not isinstance(owner, str) or not owner.startswith(OWNER_PREFIX):
+            log.warning("%s names the owner %r, not a local one: removed", name, owner)
+            claimed.unlink(missing_ok=True)  # a file never gives a service user's tasks
+            continue
         rows = []
         for fields in wire:
             try:
