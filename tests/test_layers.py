@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {
     "statestore": 2,
     "data": 2,  # references and the node stores they name (nimbus.data)
     "storage": 2,
+    "local_history": 2,  # a local Executor's records handed to this machine's service
     "_future": 2,  # nimbus.Future (the executor's, and the data path's KeptFuture)
     # contracts and plumbing every floor uses
     "protocol": 1,

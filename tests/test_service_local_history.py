@@ -9,6 +9,7 @@ from pathlib import Path
 
 from sqlalchemy import create_engine
 
+from nimbus import local_history as writer_side
 from nimbus.config import Settings
 from nimbus.records import TaskRecord, TaskState
 from nimbus.service import local_history
@@ -18,14 +19,14 @@ from nimbus.service.registry import Registry
 
 def test_records_are_handed_over_in_files_and_ingested_once(tmp_path: Path) -> None:
     settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
-    assert not local_history.enabled(settings)  # no service here: nothing is kept
+    assert not writer_side.enabled(settings)  # no service here: nothing is kept
     Registry(settings.registry_url).close()
-    assert local_history.enabled(settings)
-    writer = local_history.LocalHistory(settings)
+    assert writer_side.enabled(settings)
+    writer = writer_side.LocalHistory(settings)
     for i in range(30):
         writer.add(TaskRecord(f"task-{i}", TaskState.SUCCESS, "shout", submitted=1000.0 + i))
     writer.close()
-    folder = local_history.directory(settings)
+    folder = writer_side.directory(settings)
     [handed] = list(folder.iterdir())  # one file, whole (no partial name left)
     engine = create_engine(settings.registry_url)
     history = History(engine)
@@ -35,7 +36,7 @@ def test_records_are_handed_over_in_files_and_ingested_once(tmp_path: Path) -> N
         assert local_history.ingest(settings, history) == 30
         assert local_history.ingest(settings, history) == 0
         assert [p.name for p in folder.iterdir()] == [fresh.name]
-        rows, _ = history.page(Query(None, endpoint=local_history.ENDPOINT), None, 100)
+        rows, _ = history.page(Query(None, endpoint=writer_side.ENDPOINT), None, 100)
         assert [row[0] for row in rows] == [f"task-{i}" for i in reversed(range(30))]
         old = time.time() - local_history.STALE - 1  # that process died: taken again
         os.utime(fresh, (old, old))
@@ -52,7 +53,7 @@ def test_a_file_naming_an_owner_not_local_is_removed_unread(tmp_path: Path) -> N
 
     settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
     Registry(settings.registry_url).close()
-    folder = local_history.directory(settings)
+    folder = writer_side.directory(settings)
     folder.mkdir(parents=True, exist_ok=True)
     record = TaskRecord("forged", TaskState.SUCCESS, "shout", submitted=1000.0)
     (folder / "1.0-1-x.msgpack").write_bytes(msgpack.packb(["alice", [record.to_wire()]]))

@@ -35,7 +35,7 @@ from concurrent.futures._base import RUNNING  # read without the lock on the hot
 from functools import partial
 from typing import Any, TypeVar
 
-from nimbus import _chunks, data, serialization
+from nimbus import _chunks, data, local_history, serialization
 from nimbus._future import Future
 from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings, check_timeout
@@ -52,8 +52,6 @@ from nimbus.errors import (
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task, environment_tag
-from nimbus.service import local_history
-from nimbus.service.local_history import LocalHistory
 
 __all__ = ["Executor", "Future", "KeptFuture"]
 
@@ -198,7 +196,7 @@ class Executor(cf.Executor):
         self._bytes_received = 0
         self._shutdown = False
         # a local run's finished records, kept for `nimbus dashboard` (local_history.py)
-        self._history: LocalHistory | None = None
+        self._history: local_history.LocalHistory | None = None
         if backend == "local" and local_history.enabled(self.settings):
             self._history = local_history.LocalHistory(self.settings)
         self._keep = None if self._history is None else self._history.add

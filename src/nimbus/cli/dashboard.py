@@ -15,7 +15,7 @@ the endpoints started here (``nimbus endpoint start``) and the tasks sent
 through it, from an ``Executor(endpoint=...)`` or ``nimbus run --endpoint``
 with ``NIMBUS_SERVICE_URL`` set to the URL it prints, are on its pages, live.
 A local ``Executor()`` of this runtime directory (a program's, or ``nimbus run``'s)
-writes its finished tasks to the same history (``nimbus.service.local_history``):
+writes its finished tasks to the same history (``nimbus.local_history``):
 they are on the tasks and task pages too, once finished.
 
 The token is printed, never put in the URL (the browser's history and the
