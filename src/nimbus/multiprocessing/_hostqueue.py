@@ -29,9 +29,9 @@ import stat
 import sys
 import types
 import weakref
-from multiprocessing.connection import Connection as _StdlibConnection
 from typing import Any
 
+from nimbus._install import real
 from nimbus.errors import DeserializationError, SerializationError
 from nimbus.multiprocessing import _mutex
 from nimbus.multiprocessing._payload import pack, unpack
@@ -50,15 +50,29 @@ def usable(program: Program) -> bool:
     )
 
 
-class _End(_StdlibConnection):
-    """The stdlib's pipe connection, pickling as nimbus does (``send``/``recv`` of
-    objects are used by the stdlib Pool's clean-up, which drains the job queue)."""
+def _end(fd: int, **kwargs: bool) -> Any:
+    """An end of the pipe: the stdlib's pipe connection, pickling as nimbus does
+    (``send``/``recv`` of objects are used by the stdlib Pool's clean-up, which drains
+    the job queue). Its class is made on first use, from the stdlib's module whatever
+    ``sys.modules`` then says (a child may first import this module while unpickling a
+    queue, with ``multiprocessing`` standing for nimbus's)."""
+    global _End
+    if _End is None:
+        with real():
+            from multiprocessing.connection import Connection
 
-    def send(self, obj: Any) -> None:
-        self.send_bytes(pack(obj))
+        class End(Connection):
+            def send(self, obj: Any) -> None:
+                self.send_bytes(pack(obj))
 
-    def recv(self) -> Any:
-        return unpack(self.recv_bytes())
+            def recv(self) -> Any:
+                return unpack(self.recv_bytes())
+
+        _End = End
+    return _End(fd, **kwargs)
+
+
+_End: Any = None
 
 
 class HostSimpleQueue:
@@ -67,12 +81,12 @@ class HostSimpleQueue:
     def __init__(self, program: Program) -> None:
         read, write = os.pipe()
         rlock, wlock = _mutex.HostLock.new(program), _mutex.HostLock.new(program)
-        self._setup(_End(read, writable=False), _End(write, readable=False), rlock, wlock)
+        self._setup(_end(read, writable=False), _end(write, readable=False), rlock, wlock)
         # the locks' files go with the queue (a program may make many Pools); mapped
         # copies stay valid, and no process attaches to a queue that is gone
         weakref.finalize(self, _remove, [rlock._block.path, wlock._block.path])
 
-    def _setup(self, reader: _End, writer: _End, rlock: Any, wlock: Any) -> None:
+    def _setup(self, reader: Any, writer: Any, rlock: Any, wlock: Any) -> None:
         self._reader = reader
         self._writer = writer
         self._rlock = rlock
@@ -132,7 +146,7 @@ def _attach(
             os.close(read)
             raise
     queue = HostSimpleQueue.__new__(HostSimpleQueue)
-    queue._setup(_End(read, writable=False), _End(write, readable=False), rlock, wlock)
+    queue._setup(_end(read, writable=False), _end(write, readable=False), rlock, wlock)
     return queue
 
 
