@@ -102,3 +102,47 @@ def test_the_counters_are_the_same_whether_the_service_picks_the_measures_or_not
             await store.redis.aclose()
 
     asyncio.run(scenario())
+
+
+def test_an_endpoints_held_tasks_are_among_its_tasks_and_failing_them_frees_them(
+    store_url: str,
+) -> None:
+    """A task held on ep2 for an input on ep1 is one of ep2's tasks (deleting ep2 fails
+    it: the service finishes them as failed); failed there, its input's success no longer
+    queues it on ep2, and its quota is given back."""
+    store = TaskStore(connect_async(store_url), Keys(Keys.program_id_new()), result_ttl=60)
+
+    async def scenario() -> None:
+        try:
+            a, b = str(uuid.uuid4()), str(uuid.uuid4())
+            keys, redis = store.keys, store.redis
+            limits = {"max_tasks": 100, "max_bytes": 10**6}
+            await store.submit("o", "ep1", "g1", [(a, "f", b"x", None, "")], **limits)
+            await store.submit("o", "ep2", "g2", [(b, "f", b"y", None, "")], after=[[a]], **limits)
+            assert await store.endpoint_task_ids("ep2") == [b]  # held: in no queue
+            gone = [[b, "failed", b"deleted", b"", ""]]
+            assert (await store.finish("ep2", gone))[0] == [b]  # as delete_endpoint does
+            assert await store.endpoint_task_ids("ep2") == []
+            await store.forget_endpoint("ep2")
+            taken, _ = await store.take("ep1", "conn", 10)
+            await store.finish("ep1", [(a, "success", b"r", b"", "")])
+            assert await redis.exists(keys.endpoint_queue("ep2")) == 0  # not queued again
+            assert await redis.hmget(keys.user_queued("o"), ["tasks", "bytes"]) == [b"0", b"0"]
+            c, d = str(uuid.uuid4()), str(uuid.uuid4())  # released: out of the held set
+            await store.submit("o", "ep1", "g3", [(c, "f", b"x", None, "")], **limits)
+            await store.submit("o", "ep2", "g4", [(d, "f", b"y", None, "")], after=[[c]], **limits)
+            await store.take("ep1", "conn", 10)
+            await store.finish("ep1", [(c, "success", b"r", b"", "")])
+            assert await redis.smembers(keys.endpoint_held("ep2")) == set()
+            assert await store.endpoint_task_ids("ep2") == [d]  # queued now
+            e, f = str(uuid.uuid4()), str(uuid.uuid4())  # cancelled: out of the held set
+            await store.submit("o", "ep1", "g5", [(e, "f", b"x", None, "")], **limits)
+            await store.submit("o", "ep2", "g6", [(f, "f", b"y", None, "")], after=[[e]], **limits)
+            assert await store.cancel(f, "ep2") is not None
+            assert await redis.smembers(keys.endpoint_held("ep2")) == set()
+        finally:
+            async for key in store.redis.scan_iter(match=store.keys.pattern()):
+                await store.redis.delete(key)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())

@@ -71,6 +71,8 @@ def held_by(ctx: ServiceContext) -> None:
     async def settled(woken: list[str], failed: list[Held]) -> None:
         for endpoint_id in woken:
             ctx.hub.work_arrived(endpoint_id)
+        if woken:
+            await ctx.released_on_deleted(woken)
         if failed:
             job = asyncio.ensure_future(settle(ctx, [], failed))
             running.add(job)

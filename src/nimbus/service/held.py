@@ -13,12 +13,13 @@ __all__ = ["fail_held_lua", "settle_lua"]
 
 def settle_lua(prefix: int, then: int, queue: int) -> str:
     """The Lua of ``settle(id, state)``: a task that ended releases the tasks held for it
-    (``after``). On success each waits for one input less and, at none, joins its
-    endpoint's queue (``woken`` names the endpoints); otherwise each is to fail
-    (``failed``: ``{dependent, input, state}``; the caller makes the error and fails it
-    with ``fail_held``). The task prefix, the suffix of a task's set of dependents and an
-    endpoint queue's key (around the endpoint id: ``queue``, ``queue + 1``) are read
-    from those ARGV places."""
+    (``after``). On success each waits for one input less and, at none, leaves its
+    endpoint's set of held tasks for its queue (``woken`` names the endpoints); otherwise
+    each is to fail (``failed``: ``{dependent, input, state}``; the caller makes the error
+    and fails it with ``fail_held``). The task prefix, the suffix of a task's set of
+    dependents, an endpoint queue's key and its set of held tasks' (each around the
+    endpoint id: ``queue``, ``queue + 1``; ``queue + 2``, ``queue + 3``) are read from
+    those ARGV places."""
     return (
         """
 local woken, failed, named_ep = {}, {}, {}
@@ -35,6 +36,7 @@ local function settle(id, state)
         failed[#failed + 1] = {d, id, state}
       elseif redis.call('HINCRBY', dk, 'waits', -1) <= 0 then
         redis.call('HDEL', dk, 'waits')
+        redis.call('SREM', ARGV[HQ] .. w[3] .. ARGV[HR], d)
         redis.call('RPUSH', ARGV[Q] .. w[3] .. ARGV[R], d)
         if not named_ep[w[3]] then
           named_ep[w[3]] = true
@@ -48,6 +50,8 @@ end
         .replace("ARGV[T]", f"ARGV[{then}]")
         .replace("ARGV[Q]", f"ARGV[{queue}]")
         .replace("ARGV[R]", f"ARGV[{queue + 1}]")
+        .replace("ARGV[HQ]", f"ARGV[{queue + 2}]")
+        .replace("ARGV[HR]", f"ARGV[{queue + 3}]")
     )
 
 
@@ -64,9 +68,10 @@ def fail_held_lua(owners: str, release: str) -> str:
 local out, drop = {}, {}
 for _, r in ipairs(cmsgpack.unpack(ARGV[4])) do
   local key = ARGV[1] .. r[1]
-  local v = redis.call('HMGET', key, 'state', 'waits', 'data', 'owner')
+  local v = redis.call('HMGET', key, 'state', 'waits', 'data', 'owner', 'endpoint')
   if v[1] == 'waiting-for-endpoint' and v[2] then
     release(key)
+    redis.call('SREM', ARGV[9] .. (v[5] or '') .. ARGV[10], r[1])
     redis.call('HSET', key, 'state', 'failed', 'result', r[2], 'ended', ARGV[2])
     redis.call('HDEL', key, 'payload', 'data', 'waits')
     redis.call('EXPIRE', key, ARGV[3])
@@ -81,7 +86,7 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[4])) do
 end
 if #out > 0 then
   redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' '))
-  redis.call('XADD', ARGV[9], '*', 'ids', table.concat(out, ' '))  -- for the SQL history
+  redis.call('XADD', ARGV[11], '*', 'ids', table.concat(out, ' '))  -- for the SQL history
 end
 return {out, drop, failed}
 """

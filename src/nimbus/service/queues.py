@@ -122,7 +122,11 @@ class TaskStore:
         self._cancel = redis.register_script(scripts.CANCEL)
         self._fail_held = redis.register_script(scripts.FAIL_HELD)
         self._then = keys.task_dependents("-")[len(keys.task("-")) :]  # ":then"
-        self._queue = keys.endpoint_queue("\0").split("\0")  # around the endpoint id
+        # an endpoint's queue and its set of held tasks, around the endpoint id
+        self._queue = [
+            *keys.endpoint_queue("\0").split("\0"),
+            *keys.endpoint_held("\0").split("\0"),
+        ]
         # what to do when tasks held for others are released or are to fail (the
         # service's ``dependencies.settle``): called with the endpoints whose queues
         # grew and the [dependent, input, state] rows to fail
@@ -179,6 +183,7 @@ class TaskStore:
                 self.keys.group(group_id),
                 self.keys.user_queued(owner),
                 self.keys.all_tasks(),
+                self.keys.endpoint_held(endpoint_id),
             ],
             args=[
                 self._task_prefix,
@@ -274,7 +279,11 @@ class TaskStore:
             *self._queue,
         ]
         stored, drop, woken, failed = await self._finish(
-            keys=[self.keys.endpoint_inflight(endpoint_id), metrics_key(self.keys, endpoint_id)],
+            keys=[
+                self.keys.endpoint_inflight(endpoint_id),
+                metrics_key(self.keys, endpoint_id),
+                self.keys.endpoint_held(endpoint_id),
+            ],
             args=args,
         )
         await self._settled(woken, failed)
@@ -334,6 +343,7 @@ class TaskStore:
                 self._task_prefix + task_id,
                 self.keys.endpoint_inflight(endpoint_id),
                 metrics_key(self.keys, endpoint_id),
+                self.keys.endpoint_held(endpoint_id),
             ],
             args=[
                 CANCELLED_RESULT,
@@ -431,18 +441,21 @@ class TaskStore:
         return [i.decode() for i in await self.redis.lrange(self.keys.group(group_id), 0, -1)]
 
     async def endpoint_task_ids(self, endpoint_id: str) -> list[str]:
-        """The tasks queued for an endpoint or in flight on its agents (one snapshot)."""
+        """The tasks queued for an endpoint, in flight on its agents or held there until
+        their inputs end (one snapshot)."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.hkeys(self.keys.endpoint_inflight(endpoint_id))
         pipe.lrange(self.keys.endpoint_queue(endpoint_id), 0, -1)
-        inflight, queued = await pipe.execute()
-        return list(dict.fromkeys(i.decode() for i in [*inflight, *queued]))
+        pipe.smembers(self.keys.endpoint_held(endpoint_id))
+        inflight, queued, held = await pipe.execute()
+        return list(dict.fromkeys(i.decode() for i in [*inflight, *queued, *sorted(held)]))
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
         """Drop a deleted endpoint's queue, in-flight index and status (its tasks are done)."""
         await self.redis.delete(
             self.keys.endpoint_queue(endpoint_id),
             self.keys.endpoint_inflight(endpoint_id),
+            self.keys.endpoint_held(endpoint_id),
             self.keys.endpoint_status(endpoint_id),
         )
 

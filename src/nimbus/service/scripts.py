@@ -101,6 +101,7 @@ for _, r in ipairs(t[5]) do
     end
     if waits > 0 then
       redis.call('HSET', ARGV[1] .. id, 'waits', waits)
+      redis.call('SADD', KEYS[6], id)  -- the endpoint's held tasks (deleting it fails them)
       held[id] = true
     end
   end
@@ -188,6 +189,7 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
         f[2] = f[2] + (tonumber(v[5] or 0) or 0)
       end
       redis.call('HSET', key, 'state', r[2], 'result', r[3], 'record', r[4], 'ended', ARGV[2])
+      if v[1] == 'waiting-for-endpoint' then redis.call('SREM', KEYS[3], id) end
       redis.call('HDEL', key, 'payload', 'data', 'quota', 'waits')
       settle(id, r[2])
       redis.call('EXPIRE', key, ARGV[3])
@@ -279,6 +281,7 @@ redis.call('XADD', ARGV[6], '*', 'ids', ARGV[4])  -- for the SQL history (histor
 local conn = redis.call('HGET', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[1], 'waits')
+redis.call('SREM', KEYS[4], ARGV[4])  -- if it was held
 settle(ARGV[4], 'cancelled')
 return {conn or '', data or '', failed}
 """
