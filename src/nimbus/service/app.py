@@ -148,6 +148,7 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         dependencies.held_by(ctx)  # tasks held for their inputs: released, or failed
         jobs = [
             asyncio.create_task(Flusher(store, store.history).run()),
+            asyncio.create_task(dependencies.fail_held(ctx)),  # held tasks whose input failed
             asyncio.create_task(
                 _every(
                     local_history.INGEST_EVERY,

@@ -8,21 +8,28 @@ with what they return, ``nimbus.service.dependencies``.
 
 from __future__ import annotations
 
-__all__ = ["fail_held_lua", "settle_lua"]
+__all__ = ["TO_FAIL", "fail_held_lua", "settle_lua"]
+
+# The stream (after the task prefix) of held tasks to fail: {d: dependent, i: input,
+# s: its state}, appended by the script that ended the input (or by submit, for an input
+# that had failed already), so that no crash between that script and ``fail_held`` leaves
+# them held forever; a consumer group reads it (``nimbus.service.dependencies``), and
+# ``fail_held`` acknowledges the entries it handled in the same script.
+TO_FAIL = "tofail"
 
 
 def settle_lua(prefix: int, then: int, queue: int) -> str:
     """The Lua of ``settle(id, state)``: a task that ended releases the tasks held for it
     (``after``). On success each waits for one input less and, at none, leaves its
     endpoint's set of held tasks for its queue (``woken`` names the endpoints); otherwise
-    each is to fail (``failed``: ``{dependent, input, state}``; the caller makes the error
-    and fails it with ``fail_held``). The task prefix, the suffix of a task's set of
+    each is to fail: ``{dependent, input, state}`` appended to the stream ``TO_FAIL`` (its
+    consumer makes the error and fails it with ``fail_held``). The task prefix, the suffix of a task's set of
     dependents, an endpoint queue's key and its set of held tasks' (each around the
     endpoint id: ``queue``, ``queue + 1``; ``queue + 2``, ``queue + 3``) are read from
     those ARGV places."""
     return (
         """
-local woken, failed, named_ep = {}, {}, {}
+local woken, named_ep = {}, {}
 local function settle(id, state)
   local set = ARGV[P] .. id .. ARGV[T]
   local deps = redis.call('SMEMBERS', set)
@@ -33,7 +40,7 @@ local function settle(id, state)
     local w = redis.call('HMGET', dk, 'state', 'waits', 'endpoint')
     if w[1] == 'waiting-for-endpoint' and w[2] then
       if state ~= 'success' then
-        failed[#failed + 1] = {d, id, state}
+        redis.call('XADD', ARGV[P] .. 'TO_FAIL', '*', 'd', d, 'i', id, 's', state)
       elseif redis.call('HINCRBY', dk, 'waits', -1) <= 0 then
         redis.call('HDEL', dk, 'waits')
         redis.call('SREM', ARGV[HQ] .. w[3] .. ARGV[HR], d)
@@ -46,7 +53,8 @@ local function settle(id, state)
     end
   end
 end
-""".replace("ARGV[P]", f"ARGV[{prefix}]")
+""".replace("TO_FAIL", TO_FAIL)
+        .replace("ARGV[P]", f"ARGV[{prefix}]")
         .replace("ARGV[T]", f"ARGV[{then}]")
         .replace("ARGV[Q]", f"ARGV[{queue}]")
         .replace("ARGV[R]", f"ARGV[{queue + 1}]")
@@ -58,8 +66,10 @@ end
 def fail_held_lua(owners: str, release: str) -> str:
     """The script that fails held tasks whose input failed (``[[task_id, result], ...]``
     in ARGV[4]), as cancel does (their quota given back: ``release``, the store's
-    ``release(key)``; ``owners``, its ``moved(owner)``); it returns those failed, the
-    data-store blobs to remove and the tasks held for them, to fail in turn."""
+    ``release(key)``; ``owners``, its ``moved(owner)``), and acknowledges the entries of
+    the stream ``TO_FAIL`` that named them (ARGV[12] the group, ARGV[13...] the entries);
+    it returns those failed and the data-store blobs to remove. The tasks held for them
+    are appended to the stream in turn."""
     return (
         owners
         + release
@@ -88,6 +98,12 @@ if #out > 0 then
   redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' '))
   redis.call('XADD', ARGV[11], '*', 'ids', table.concat(out, ' '))  -- for the SQL history
 end
-return {out, drop, failed}
-"""
+local stream = ARGV[1] .. 'TO_FAIL'
+for i = 13, #ARGV, 1000 do
+  local part = {unpack(ARGV, i, math.min(i + 999, #ARGV))}
+  redis.call('XACK', stream, ARGV[12], unpack(part))
+  redis.call('XDEL', stream, unpack(part))
+end
+return {out, drop}
+""".replace("TO_FAIL", TO_FAIL)
     )

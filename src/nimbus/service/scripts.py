@@ -10,7 +10,9 @@
              and held tasks released (``held``)
     CANCEL   any state not final -> cancelled
     REQUEUE  inflight on a lost connection -> back to the queue head
-    FAIL_HELD  held tasks whose input failed -> failed (``held.fail_held_lua``)
+    FAIL_HELD  held tasks whose input failed -> failed (``held.fail_held_lua``); the
+             scripts that end an input append its held dependents to fail to the
+             stream ``held.TO_FAIL``, whose consumer calls it
 
 Each reads its keys and arguments from the KEYS and ARGV places the Python call
 sites of ``nimbus.service.queues.TaskStore`` pass (see each method there); the
@@ -21,7 +23,7 @@ counting Lua is ``nimbus.service.counters``, the Lua of tasks held for others
 from __future__ import annotations
 
 from nimbus.service.counters import COUNT
-from nimbus.service.held import fail_held_lua, settle_lua
+from nimbus.service.held import TO_FAIL, fail_held_lua, settle_lua
 
 __all__ = [
     "CANCEL",
@@ -72,7 +74,7 @@ if tasks + #t[5] > tonumber(ARGV[5]) then return {-1, tasks} end
 if bytes + size > tonumber(ARGV[6]) then return {-2, bytes} end
 redis.call('HINCRBY', KEYS[4], 'tasks', #t[5])
 redis.call('HINCRBY', KEYS[4], 'bytes', size)
-local held, fail = {}, {}
+local held = {}
 for _, r in ipairs(t[5]) do
   local id = r[1]
   redis.call('HSET', ARGV[1] .. id, 'state', 'waiting-for-endpoint', 'owner', owner,
@@ -95,8 +97,8 @@ for _, r in ipairs(t[5]) do
         waits = waits + 1
       end
     end
-    if failed then  -- failed by the caller (it makes the error), as a held task
-      fail[#fail + 1] = failed
+    if failed then  -- failed as a held task (the stream's consumer makes the error)
+      redis.call('XADD', ARGV[1] .. 'TO_FAIL', '*', 'd', failed[1], 'i', failed[2], 's', failed[3])
       waits = waits + 1
     end
     if waits > 0 then
@@ -122,8 +124,8 @@ for i = 1, #t[5], 1000 do  -- indexed and queued 1,000 at a time (one call each,
 end
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 redis.call('PUBLISH', ARGV[1] .. 'changed', owner)  -- wakes the owner's open dashboard pages
-return {#t[5], 0, fail}
-"""
+return {#t[5], 0}
+""".replace("TO_FAIL", TO_FAIL)
 
 OWNERS = """
 local owners, named = {}, {}  -- whose tasks moved: published for their dashboard pages
@@ -223,7 +225,7 @@ if #out > 0 then
   redis.call('XADD', ARGV[7], '*', 'ids', table.concat(out, ' '))  -- for the SQL history
 end
 flush(KEYS[2])
-return {out, drop, woken, failed}
+return {out, drop, woken}
 """
 )
 
@@ -283,7 +285,7 @@ redis.call('HDEL', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[1], 'waits')
 redis.call('SREM', KEYS[4], ARGV[4])  -- if it was held
 settle(ARGV[4], 'cancelled')
-return {conn or '', data or '', failed}
+return {conn or '', data or ''}
 """
 )
 
