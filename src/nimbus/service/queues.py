@@ -175,26 +175,16 @@ class TaskStore:
         if after is not None:
             rows = [(*row, list(a)) if a else row for row, a in zip(rows, after)]  # type: ignore[misc]
         size = sum(len(row[2]) for row in rows)
-        blob = _raw([owner, endpoint_id, group_id, repr(time.time()), rows, size])
-        queued, have, *missing = await self._submit(
-            keys=[
-                self.keys.endpoint_queue(endpoint_id),
-                self.keys.user_tasks(owner),
-                self.keys.group(group_id),
-                self.keys.user_queued(owner),
-                self.keys.all_tasks(),
-                self.keys.endpoint_held(endpoint_id),
-            ],
-            args=[
-                self._task_prefix,
-                blob,
-                self.result_ttl,
-                self._data_prefix,
-                max_tasks,
-                max_bytes,
-                self._then,
-            ],
-        )
+        ended: dict[str, str] = {}  # inputs out of Redis, in the SQL history: their state
+        while True:
+            queued, have, *missing = await self._submit_rows(
+                owner, endpoint_id, group_id, rows, size, ended, max_tasks, max_bytes
+            )
+            if queued != -3 or self.history is None or ended or after is None:
+                break
+            ended = await self._ended(owner, after)  # saved and dropped from Redis
+            if not ended:
+                break
         if queued == -3:
             raise NotFound(
                 f"tasks[{have}].after: task {_text(missing[0])} is not known (it never was, or "
@@ -222,6 +212,63 @@ class TaskStore:
                 f"{len(rows)} tasks add {size}; wait for some to finish or cancel them",
                 429,
             )
+
+    async def _submit_rows(
+        self,
+        owner: str,
+        endpoint_id: str,
+        group_id: str,
+        rows: list[Any],
+        size: int,
+        ended: dict[str, str],
+        max_tasks: int,
+        max_bytes: int,
+    ) -> list[Any]:
+        blob = _raw([owner, endpoint_id, group_id, repr(time.time()), rows, size, ended])
+        reply: list[Any] = await self._submit(
+            keys=[
+                self.keys.endpoint_queue(endpoint_id),
+                self.keys.user_tasks(owner),
+                self.keys.group(group_id),
+                self.keys.user_queued(owner),
+                self.keys.all_tasks(),
+                self.keys.endpoint_held(endpoint_id),
+            ],
+            args=[
+                self._task_prefix,
+                blob,
+                self.result_ttl,
+                self._data_prefix,
+                max_tasks,
+                max_bytes,
+                self._then,
+            ],
+        )
+        return reply
+
+    async def _ended(self, owner: str, after: Sequence[Sequence[str] | None]) -> dict[str, str]:
+        """The inputs named in ``after`` that are no longer in Redis but in the SQL history
+        (saved, then dropped by the flusher's trim): their final state. AuthError (403) for
+        one that is not ``owner``'s."""
+        assert self.history is not None
+        named = list(dict.fromkeys(a for row in after if row for a in row))
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in named:
+            pipe.exists(self._task_prefix + task_id)
+        gone = [a for a, n in zip(named, await pipe.execute()) if not n]
+        found = await asyncio.to_thread(self.history.info, gone) if gone else {}
+        out = {}
+        for task_id, info in found.items():
+            if info["owner"] != owner:
+                place = next(i for i, row in enumerate(after) if row and task_id in row)
+                raise AuthError(
+                    f"tasks[{place}].after: task {task_id} is not yours: a task can take "
+                    f"the results of its owner's tasks only",
+                    403,
+                )
+            if info["state"] in DONE:
+                out[task_id] = info["state"]
+        return out
 
     async def queued(self, owner: str) -> tuple[int, int]:
         """The tasks and inline payload bytes ``owner`` has queued or running."""

@@ -57,10 +57,11 @@ end
 SUBMIT = """
 local t = cmsgpack.unpack(ARGV[2])
 local owner, endpoint, group, submitted, size = t[1], t[2], t[3], t[4], t[6]
+local ended = t[7] or {}  -- inputs no longer in Redis, by their state in the SQL history
 local earlier = {}  -- a row's inputs: tasks of this owner, stored or earlier in this batch
 for i, r in ipairs(t[5]) do
   for _, a in ipairs(r[7] or {}) do
-    if not earlier[a] then
+    if not earlier[a] and not ended[a] then
       local o = redis.pcall('HGET', ARGV[1] .. a, 'owner')
       if type(o) ~= 'string' then return {-3, i - 1, a} end
       if o ~= owner then return {-4, i - 1, a} end
@@ -89,7 +90,7 @@ for _, r in ipairs(t[5]) do
   if r[7] then  -- held ('waits': inputs not done) until its inputs succeed
     local waits, failed = 0, nil
     for _, a in ipairs(r[7]) do
-      local st = redis.call('HGET', ARGV[1] .. a, 'state')
+      local st = ended[a] or redis.call('HGET', ARGV[1] .. a, 'state')
       if st == 'failed' or st == 'cancelled' then
         failed = failed or {id, a, st}
       elseif st ~= 'success' then
