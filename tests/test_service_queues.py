@@ -180,6 +180,8 @@ def test_held_tasks_to_fail_wait_in_a_stream_until_failed_whoever_reads_them(
             chain = await store.read_to_fail("next", count=10, block=0.1)
             assert [row for _, row in chain] == [(c, b, "failed")]
             await store.fail_held([(c, b"input failed")], [e for e, _ in chain])
+            counted = await redis.hget(metrics_key(store.keys, "ep"), "done:failed")
+            assert counted == b"3"  # a (finished failed), then b and c (failed held)
             assert (await redis.xpending(store.to_fail, "fail"))["pending"] == 0
             assert await redis.xlen(store.to_fail) == 0
             assert await redis.hmget(store.keys.user_queued("o"), ["tasks", "bytes"]) == [

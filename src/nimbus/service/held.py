@@ -63,19 +63,23 @@ end
     )
 
 
-def fail_held_lua(owners: str, release: str) -> str:
+def fail_held_lua(owners: str, release: str, count: str) -> str:
     """The script that fails held tasks whose input failed (``[[task_id, result], ...]``
     in ARGV[4]), as cancel does (their quota given back: ``release``, the store's
-    ``release(key)``; ``owners``, its ``moved(owner)``), and acknowledges the entries of
-    the stream ``TO_FAIL`` that named them (ARGV[12] the group, ARGV[13...] the entries);
+    ``release(key)``; ``owners``, its ``moved(owner)``), counted on their endpoints'
+    metrics hashes as cancel counts (``count``: ``counters.COUNT``; the hash's key around
+    the endpoint id: ARGV[13], ARGV[14]), and acknowledges the entries of the stream
+    ``TO_FAIL`` that named them (ARGV[12] the group, ARGV[15...] the entries);
     it returns those failed and the data-store blobs to remove. The tasks held for them
     are appended to the stream in turn."""
     return (
         owners
         + release
+        + count
         + settle_lua(1, 5, 7)
         + """
 local out, drop = {}, {}
+local adds = {}  -- the counters' sums (count's ``add``) of each endpoint
 for _, r in ipairs(cmsgpack.unpack(ARGV[4])) do
   local key = ARGV[1] .. r[1]
   local v = redis.call('HMGET', key, 'state', 'waits', 'data', 'owner', 'endpoint')
@@ -90,6 +94,10 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[4])) do
       drop[#drop + 1] = v[3]
     end
     out[#out + 1] = r[1]
+    local ep = v[5] or ''
+    if not adds[ep] then adds[ep] = {} end
+    add = adds[ep]
+    count('failed', nil, nil, nil)  -- by state only: it has no run (as cancel)
     moved(v[4])
     settle(r[1], 'failed')
   end
@@ -98,8 +106,12 @@ if #out > 0 then
   redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' '))
   redis.call('XADD', ARGV[11], '*', 'ids', table.concat(out, ' '))  -- for the SQL history
 end
+for ep, sums in pairs(adds) do
+  add = sums
+  flush(ARGV[13] .. ep .. ARGV[14])
+end
 local stream = ARGV[1] .. 'TO_FAIL'
-for i = 13, #ARGV, 1000 do
+for i = 15, #ARGV, 1000 do
   local part = {unpack(ARGV, i, math.min(i + 999, #ARGV))}
   redis.call('XACK', stream, ARGV[12], unpack(part))
   redis.call('XDEL', stream, unpack(part))

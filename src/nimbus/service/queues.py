@@ -352,6 +352,7 @@ class TaskStore:
                 *self._queue,
                 self.finished,
                 TO_FAIL_GROUP,
+                *metrics_key(self.keys, "\0").split("\0"),
                 *entries,
             ]
         )

@@ -290,4 +290,4 @@ return {conn or '', data or ''}
 """
 )
 
-FAIL_HELD = fail_held_lua(OWNERS, RELEASE)
+FAIL_HELD = fail_held_lua(OWNERS, RELEASE, COUNT)
