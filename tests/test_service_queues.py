@@ -200,3 +200,36 @@ def test_held_tasks_to_fail_wait_in_a_stream_until_failed_whoever_reads_them(
             await store.redis.aclose()
 
     asyncio.run(scenario())
+
+
+def test_held_tasks_joining_a_queue_are_published_for_every_service_process(
+    store_url: str,
+) -> None:
+    """The finish that releases held tasks publishes their endpoints on ``woken`` (every
+    service process wakes its dispatchers of them, wherever the agents are connected)."""
+    store = TaskStore(connect_async(store_url), Keys(Keys.program_id_new()), result_ttl=60)
+
+    async def scenario() -> None:
+        pubsub = store.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(store.woken)
+            a, b = str(uuid.uuid4()), str(uuid.uuid4())
+            limits = {"max_tasks": 100, "max_bytes": 10**6}
+            await store.submit("o", "ep1", "g1", [(a, "f", b"x", None, "")], **limits)
+            await store.submit("o", "ep2", "g2", [(b, "f", b"y", None, "")], after=[[a]], **limits)
+            await store.take("ep1", "conn", 10)
+            await store.finish("ep1", [(a, "success", b"r", b"", "")])
+            got = []  # (a subscription's confirmation reads as None)
+            for _ in range(5):
+                message = await pubsub.get_message(timeout=1)
+                if message is not None:
+                    got.append(message["data"])
+                    break
+            assert got == [b"ep2"]
+        finally:
+            await pubsub.aclose()
+            async for key in store.redis.scan_iter(match=store.keys.pattern()):
+                await store.redis.delete(key)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())

@@ -149,6 +149,7 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         jobs = [
             asyncio.create_task(Flusher(store, store.history).run()),
             asyncio.create_task(dependencies.fail_held(ctx)),  # held tasks whose input failed
+            asyncio.create_task(dependencies.wake_dispatchers(ctx)),  # held tasks queued
             asyncio.create_task(
                 _every(
                     local_history.INGEST_EVERY,

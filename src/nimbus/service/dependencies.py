@@ -23,6 +23,7 @@ and the dependent's arguments name it by the reference the client chose for it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import pickle
@@ -35,7 +36,7 @@ from nimbus.protocol import ResultRow, pack
 from nimbus.records import TaskState
 from nimbus.service.context import STATUS_ERROR, ServiceContext
 
-__all__ = ["fail_held", "held_by"]
+__all__ = ["fail_held", "held_by", "wake_dispatchers"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,30 @@ async def fail_held(ctx: ServiceContext) -> None:
             log.exception("failing tasks held for a failed input failed; retrying")
             claim = CLAIM_IDLE
             await asyncio.sleep(RETRY)
+
+
+async def wake_dispatchers(ctx: ServiceContext) -> None:
+    """Until cancelled: wake this process's dispatchers of the endpoints whose queues
+    held tasks joined in any service process (the channel ``TaskStore.woken``), so that
+    a chain's next link does not wait for the dispatchers' idle poll when its endpoint's
+    agents are connected here and its input ended on another process."""
+    while True:
+        pubsub = ctx.store.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(ctx.store.woken)
+            while True:
+                message = await pubsub.get_message(timeout=None)
+                if message is not None:
+                    for endpoint_id in message["data"].decode(errors="replace").split():
+                        ctx.hub.work_arrived(endpoint_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the queue Redis went away: subscribe again
+            log.debug("subscription to held tasks' wake-ups lost: %s", exc)
+            await asyncio.sleep(RETRY)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pubsub.aclose())
 
 
 def held_by(ctx: ServiceContext) -> None:

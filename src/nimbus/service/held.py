@@ -8,7 +8,7 @@ with what they return, ``nimbus.service.dependencies``.
 
 from __future__ import annotations
 
-__all__ = ["TO_FAIL", "fail_held_lua", "settle_lua"]
+__all__ = ["TO_FAIL", "WOKEN", "fail_held_lua", "settle_lua"]
 
 # The stream (after the task prefix) of held tasks to fail: {d: dependent, i: input,
 # s: its state}, appended by the script that ended the input (or by submit, for an input
@@ -16,6 +16,10 @@ __all__ = ["TO_FAIL", "fail_held_lua", "settle_lua"]
 # them held forever; a consumer group reads it (``nimbus.service.dependencies``), and
 # ``fail_held`` acknowledges the entries it handled in the same script.
 TO_FAIL = "tofail"
+# The pub/sub channel (after the task prefix) of the endpoints whose queues held tasks
+# joined (ids space-separated): every service process wakes its dispatchers of them (an
+# endpoint's agents may be connected to another process than the one that ended the input).
+WOKEN = "woken"
 
 
 def settle_lua(prefix: int, then: int, queue: int) -> str:

@@ -44,7 +44,7 @@ from nimbus.errors import AuthError, NotFound, QuotaExceeded
 from nimbus.records import TaskState
 from nimbus.service import scripts
 from nimbus.service.counters import metrics_key
-from nimbus.service.held import TO_FAIL
+from nimbus.service.held import TO_FAIL, WOKEN
 from nimbus.service.history import History
 from nimbus.statestore import Keys
 
@@ -113,6 +113,8 @@ class TaskStore:
         # stream of the held tasks to fail (their input failed), read by a consumer group
         # (``nimbus.service.dependencies``): rows {d: dependent, i: input, s: its state}
         self.to_fail = self._task_prefix + TO_FAIL
+        # pub/sub channel: endpoints whose queues held tasks joined (``finish`` publishes)
+        self.woken = self._task_prefix + WOKEN
         self.history: History | None = None  # where tasks no longer in Redis are read
         self._data_prefix = keys.data("")
         self._submit = redis.register_script(scripts.SUBMIT)

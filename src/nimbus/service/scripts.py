@@ -23,7 +23,7 @@ counting Lua is ``nimbus.service.counters``, the Lua of tasks held for others
 from __future__ import annotations
 
 from nimbus.service.counters import COUNT
-from nimbus.service.held import TO_FAIL, fail_held_lua, settle_lua
+from nimbus.service.held import TO_FAIL, WOKEN, fail_held_lua, settle_lua
 
 __all__ = [
     "CANCEL",
@@ -226,8 +226,11 @@ if #out > 0 then
   redis.call('XADD', ARGV[7], '*', 'ids', table.concat(out, ' '))  -- for the SQL history
 end
 flush(KEYS[2])
+if #woken > 0 then  -- every service process wakes its dispatchers of these endpoints
+  redis.call('PUBLISH', ARGV[1] .. 'WOKEN', table.concat(woken, ' '))
+end
 return {out, drop, woken}
-"""
+""".replace("WOKEN", WOKEN)
 )
 
 RUNNING = (
