@@ -22,7 +22,7 @@ from nimbus import Client, Executor, serialization
 from nimbus.data import NodeStore, Ref, Scope, default_root, run, store
 from nimbus.data._node import data_base, hold, release, sweep_all
 from nimbus.errors import DataAccessError, DataError, InputFailed, ReferenceLost, ServiceError
-from nimbus.protocol import MSGPACK, Batch, submit_row
+from nimbus.protocol import MSGPACK, Batch, submit_row, unpack
 from service_support import EndpointProcess, Service
 
 MB = 1 << 20
@@ -608,3 +608,29 @@ def test_a_dependency_on_another_owners_task_is_refused(
                     "POST", "/v1/tasks/batch", content=body, headers={"Content-Type": MSGPACK}
                 )
             assert caught.value.status == status
+
+
+def test_deleting_an_endpoint_fails_the_tasks_held_there(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """A task held on a second endpoint for an input running on lab is one of that
+    endpoint's tasks: deleting it fails the task at once, naming it, and the input's
+    success later queues nothing there (the task does not wait for ever)."""
+    [first] = alice.batch_run(slow, [(1, 3.0)], endpoint="lab")
+    other = alice.register_endpoint("held-target")["endpoint_id"]
+    function_id = alice.register_function(plus_one)
+    data, buffers = serialization.dumps(((1,), {}))
+    row = submit_row(function_id, alice.payload(data, buffers), None, None, [first])
+    response = alice.request(
+        "POST", "/v1/tasks/batch", content=Batch(other, [row]).encode(),
+        headers={"Content-Type": MSGPACK},
+    )  # fmt: skip
+    [held] = unpack(response.content)["task_ids"]
+    assert alice.get_task(held)["state"] == "waiting-for-endpoint"
+    alice.delete_endpoint(other)
+    assert alice.get_task(held)["state"] == "failed"  # before its input ended
+    with pytest.raises(ServiceError, match=f"endpoint held-target \\({other}\\) .* was deleted"):
+        alice.get_result(held, timeout=30)
+    assert alice.get_result(first, timeout=60) == 1
+    time.sleep(0.5)
+    assert alice.get_task(held)["state"] == "failed"
