@@ -5,6 +5,7 @@ On the real local runtime and on a real service on loopback with an endpoint.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import gc
 import os
@@ -23,7 +24,10 @@ from nimbus.data import NodeStore, Ref, Scope, default_root, run, store
 from nimbus.data._node import data_base, hold, release, sweep_all
 from nimbus.errors import DataAccessError, DataError, InputFailed, ReferenceLost, ServiceError
 from nimbus.protocol import MSGPACK, Batch, submit_row, unpack
-from service_support import EndpointProcess, Service
+from nimbus.service.app import SERVICE_ID
+from nimbus.service.queues import TaskStore
+from nimbus.statestore import Keys, StateStore, connect_async
+from service_support import EndpointProcess, Service, free_port, service_env
 
 MB = 1 << 20
 
@@ -634,3 +638,52 @@ def test_deleting_an_endpoint_fails_the_tasks_held_there(
     assert alice.get_result(first, timeout=60) == 1
     time.sleep(0.5)
     assert alice.get_task(held)["state"] == "failed"
+
+
+def _submit_after(client: Client, endpoint_id: str, input_id: str) -> str:
+    """A task of ``plus_one`` held until task ``input_id`` ends (the batch API)."""
+    function_id = client.register_function(plus_one)
+    data, buffers = serialization.dumps(((1,), {}))
+    row = submit_row(function_id, client.payload(data, buffers), None, None, [input_id])
+    response = client.request(
+        "POST", "/v1/tasks/batch", content=Batch(endpoint_id, [row]).encode(),
+        headers={"Content-Type": MSGPACK},
+    )  # fmt: skip
+    [task_id] = unpack(response.content)["task_ids"]
+    return str(task_id)
+
+
+def test_a_held_task_whose_input_ended_while_no_service_ran_fails_at_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """The input of a held task is cancelled in the queue Redis while the service is
+    down (as if it crashed between the script that ended the input and failing its
+    dependents): the next start fails the held task, naming its input."""
+    redis = StateStore.open(None, tmp_path / "redis")
+    root = tmp_path / "svc"
+    root.mkdir()
+    service = Service(root, service_env(root, NIMBUS_REDIS_URL=redis.url), port=free_port())
+    try:
+        service.start()
+        token = service.token("ida")
+        with service.client(token) as client:
+            endpoint_id = client.register_endpoint("idle")["endpoint_id"]  # no agent
+            [first] = client.batch_run(plus_one, [(1,)], endpoint="idle")
+            held = _submit_after(client, endpoint_id, first)
+        service.stop()
+
+        async def cancel() -> None:
+            store = TaskStore(connect_async(redis.url), Keys(SERVICE_ID), result_ttl=60)
+            try:
+                assert await store.cancel(first, endpoint_id) is not None
+            finally:
+                await store.redis.aclose()
+
+        asyncio.run(cancel())
+        service.start()
+        with service.client(token) as client:
+            with pytest.raises(InputFailed, match=f"its input, task {first}, was cancelled"):
+                client.get_result(held, timeout=30)
+    finally:
+        service.stop()
+        redis.close()
