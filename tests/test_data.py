@@ -681,9 +681,9 @@ def test_a_held_task_whose_input_ended_while_no_service_ran_fails_at_the_next_st
 
         asyncio.run(cancel())
         service.start()
-        with service.client(token) as client:
-            with pytest.raises(InputFailed, match=f"its input, task {first}, was cancelled"):
-                client.get_result(held, timeout=30)
+        failed = pytest.raises(InputFailed, match=f"its input, task {first}, was cancelled")
+        with service.client(token) as client, failed:
+            client.get_result(held, timeout=30)
     finally:
         service.stop()
         redis.close()
