@@ -687,3 +687,22 @@ def test_a_held_task_whose_input_ended_while_no_service_ran_fails_at_the_next_st
     finally:
         service.stop()
         redis.close()
+
+
+def test_a_user_who_loses_an_endpoint_has_the_tasks_held_there_failed(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """Bob's task held on alice's second endpoint for his input running on lab fails
+    when alice stops sharing that endpoint with him (it would have run there after)."""
+    other = alice.register_endpoint("held-shared")["endpoint_id"]
+    token = service.token("bob")
+    alice.share_endpoint(lab.endpoint_id, ["bob"])
+    alice.share_endpoint(other, ["bob"])
+    with service.client(token) as bob:
+        [first] = bob.batch_run(slow, [(1, 3.0)], endpoint=lab.endpoint_id)
+        held = _submit_after(bob, other, first)
+        alice.share_endpoint(other, remove=["bob"])
+        assert bob.get_task(held)["state"] == "failed"  # before its input ended
+        with pytest.raises(ServiceError, match="is no longer shared with you"):
+            bob.get_result(held, timeout=30)
+        assert bob.get_result(first, timeout=60) == 1
