@@ -26,6 +26,7 @@ from nimbus.errors import DataAccessError, DataError, InputFailed, ReferenceLost
 from nimbus.protocol import MSGPACK, Batch, submit_row, unpack
 from nimbus.service.app import SERVICE_ID
 from nimbus.service.queues import TaskStore
+from nimbus.service.registry import Registry
 from nimbus.statestore import Keys, StateStore, connect_async
 from service_support import EndpointProcess, Service, free_port, service_env
 
@@ -706,3 +707,23 @@ def test_a_user_who_loses_an_endpoint_has_the_tasks_held_there_failed(
         with pytest.raises(ServiceError, match="is no longer shared with you"):
             bob.get_result(held, timeout=30)
         assert bob.get_result(first, timeout=60) == 1
+
+
+def test_a_held_task_released_onto_an_endpoint_deleted_meanwhile_fails_naming_it(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """An endpoint deleted in the registry while a task is held there (a deletion that
+    raced with the task's submit, so its sweep missed it): the input's success fails
+    the task, naming the endpoint, instead of queueing it where no agent will come."""
+    [first] = alice.batch_run(slow, [(1, 3.5)], endpoint="lab")
+    other = alice.register_endpoint("held-race")["endpoint_id"]
+    held = _submit_after(alice, other, first)
+    registry = Registry(service.settings().registry_url)
+    try:
+        registry.delete_endpoint(other)  # not through the service: nothing failed yet
+    finally:
+        registry.close()
+    assert alice.get_task(held)["state"] == "waiting-for-endpoint"
+    with pytest.raises(ServiceError, match=f"endpoint {other} was deleted before"):
+        alice.get_result(held, timeout=60)
+    assert alice.get_result(first, timeout=60) == 1
