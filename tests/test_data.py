@@ -28,7 +28,7 @@ from nimbus.service.app import SERVICE_ID
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import Registry
 from nimbus.statestore import Keys, StateStore, connect_async
-from service_support import EndpointProcess, Service, free_port, service_env
+from service_support import EndpointProcess, Service, free_port, service_env, two_services
 
 MB = 1 << 20
 
@@ -727,3 +727,30 @@ def test_a_held_task_released_onto_an_endpoint_deleted_meanwhile_fails_naming_it
     with pytest.raises(ServiceError, match=f"endpoint {other} was deleted before"):
         alice.get_result(held, timeout=60)
     assert alice.get_result(first, timeout=60) == 1
+
+
+def test_a_held_task_queued_on_one_service_process_runs_at_once_on_the_other(
+    tmp_path: Path,
+) -> None:
+    """Two service processes: the input's agent is connected to the first, the held
+    task's endpoint's agent to the second. The second's dispatcher is woken when the
+    first queues the held task (not at its idle poll, IDLE_POLL = 5 s later)."""
+    agents: list[EndpointProcess] = []
+    with two_services(tmp_path) as (first, second, _redis):
+        try:
+            token = first.token("hal")
+            with first.client(token) as client, second.client(token) as there:
+                agents.append(EndpointProcess(first, client, "near").start(client))
+                agents.append(EndpointProcess(second, there, "far").start(there))
+                far = agents[1].endpoint_id
+                waits = []
+                for _ in range(3):
+                    [one] = client.batch_run(slow, [(1, 0.5)], endpoint="near")
+                    held = _submit_after(client, far, one)
+                    assert client.get_result(held, timeout=60) == 2
+                    ended = float(client.get_task(one)["ended"])
+                    waits.append(float(client.get_task(held)["dispatched"]) - ended)
+                assert max(waits) < 1.5, waits
+        finally:
+            for agent in agents:
+                agent.stop()
