@@ -3,10 +3,14 @@
 ::
 
     submit(rows, after=[[input ids], ...])  --> a row with inputs not done is held
-        (task hash: 'waits' = inputs left; the input's set of dependents names it)
-    an input ends (finish, cancel)  --> settle(woken, failed):
+        (task hash: 'waits' = inputs left; the input's set of dependents and its
+        endpoint's set of held tasks name it: deleting the endpoint fails it)
+    an input ends (finish, cancel)  --> the script's settle():
         success: its dependents wait for one input less; at none they join their
-                 endpoint's queue, whose dispatchers are woken here
+                 endpoint's queue, whose dispatchers are woken here and, through the
+                 channel TaskStore.woken, in every service process (``held_by``,
+                 ``wake_dispatchers``); one queued for an endpoint deleted meanwhile
+                 fails naming it
         failed / cancelled: its dependents are appended, in the same script, to the
                  stream TaskStore.to_fail; a consumer group (one consumer per service
                  process: ``fail_held``) fails them with InputFailed naming it, and
