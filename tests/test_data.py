@@ -729,6 +729,7 @@ def test_a_held_task_released_onto_an_endpoint_deleted_meanwhile_fails_naming_it
     assert alice.get_result(first, timeout=60) == 1
 
 
+@pytest.mark.timeout(300)  # two services and two agents start: slow on a loaded machine
 def test_a_held_task_queued_on_one_service_process_runs_at_once_on_the_other(
     tmp_path: Path,
 ) -> None:
