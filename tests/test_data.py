@@ -5,6 +5,7 @@ On the real local runtime and on a real service on loopback with an endpoint.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import gc
 import os
@@ -22,8 +23,12 @@ from nimbus import Client, Executor, serialization
 from nimbus.data import NodeStore, Ref, Scope, default_root, run, store
 from nimbus.data._node import data_base, hold, release, sweep_all
 from nimbus.errors import DataAccessError, DataError, InputFailed, ReferenceLost, ServiceError
-from nimbus.protocol import MSGPACK, Batch, submit_row
-from service_support import EndpointProcess, Service
+from nimbus.protocol import MSGPACK, Batch, submit_row, unpack
+from nimbus.service.app import SERVICE_ID
+from nimbus.service.queues import TaskStore
+from nimbus.service.registry import Registry
+from nimbus.statestore import Keys, StateStore, connect_async
+from service_support import EndpointProcess, Service, free_port, service_env, two_services
 
 MB = 1 << 20
 
@@ -624,3 +629,145 @@ def test_a_dependency_on_another_owners_task_is_refused(
                     "POST", "/v1/tasks/batch", content=body, headers={"Content-Type": MSGPACK}
                 )
             assert caught.value.status == status
+
+
+def test_deleting_an_endpoint_fails_the_tasks_held_there(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """A task held on a second endpoint for an input running on lab is one of that
+    endpoint's tasks: deleting it fails the task at once, naming it, and the input's
+    success later queues nothing there (the task does not wait for ever)."""
+    [first] = alice.batch_run(slow, [(1, 3.0)], endpoint="lab")
+    other = alice.register_endpoint("held-target")["endpoint_id"]
+    function_id = alice.register_function(plus_one)
+    data, buffers = serialization.dumps(((1,), {}))
+    row = submit_row(function_id, alice.payload(data, buffers), None, None, [first])
+    response = alice.request(
+        "POST", "/v1/tasks/batch", content=Batch(other, [row]).encode(),
+        headers={"Content-Type": MSGPACK},
+    )  # fmt: skip
+    [held] = unpack(response.content)["task_ids"]
+    assert alice.get_task(held)["state"] == "waiting-for-endpoint"
+    alice.delete_endpoint(other)
+    assert alice.get_task(held)["state"] == "failed"  # before its input ended
+    with pytest.raises(ServiceError, match=f"endpoint held-target \\({other}\\) .* was deleted"):
+        alice.get_result(held, timeout=30)
+    assert alice.get_result(first, timeout=60) == 1
+    time.sleep(0.5)
+    assert alice.get_task(held)["state"] == "failed"
+
+
+def _submit_after(client: Client, endpoint_id: str, input_id: str) -> str:
+    """A task of ``plus_one`` held until task ``input_id`` ends (the batch API)."""
+    function_id = client.register_function(plus_one)
+    data, buffers = serialization.dumps(((1,), {}))
+    row = submit_row(function_id, client.payload(data, buffers), None, None, [input_id])
+    response = client.request(
+        "POST", "/v1/tasks/batch", content=Batch(endpoint_id, [row]).encode(),
+        headers={"Content-Type": MSGPACK},
+    )  # fmt: skip
+    [task_id] = unpack(response.content)["task_ids"]
+    return str(task_id)
+
+
+def test_a_held_task_whose_input_ended_while_no_service_ran_fails_at_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """The input of a held task is cancelled in the queue Redis while the service is
+    down (as if it crashed between the script that ended the input and failing its
+    dependents): the next start fails the held task, naming its input."""
+    redis = StateStore.open(None, tmp_path / "redis")
+    root = tmp_path / "svc"
+    root.mkdir()
+    service = Service(root, service_env(root, NIMBUS_REDIS_URL=redis.url), port=free_port())
+    try:
+        service.start()
+        token = service.token("ida")
+        with service.client(token) as client:
+            endpoint_id = client.register_endpoint("idle")["endpoint_id"]  # no agent
+            [first] = client.batch_run(plus_one, [(1,)], endpoint="idle")
+            held = _submit_after(client, endpoint_id, first)
+        service.stop()
+
+        async def cancel() -> None:
+            store = TaskStore(connect_async(redis.url), Keys(SERVICE_ID), result_ttl=60)
+            try:
+                assert await store.cancel(first, endpoint_id) is not None
+            finally:
+                await store.redis.aclose()
+
+        asyncio.run(cancel())
+        service.start()
+        failed = pytest.raises(InputFailed, match=f"its input, task {first}, was cancelled")
+        with service.client(token) as client, failed:
+            client.get_result(held, timeout=30)
+    finally:
+        service.stop()
+        redis.close()
+
+
+def test_a_user_who_loses_an_endpoint_has_the_tasks_held_there_failed(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """Bob's task held on alice's second endpoint for his input running on lab fails
+    when alice stops sharing that endpoint with him (it would have run there after)."""
+    other = alice.register_endpoint("held-shared")["endpoint_id"]
+    token = service.token("bob")
+    alice.share_endpoint(lab.endpoint_id, ["bob"])
+    alice.share_endpoint(other, ["bob"])
+    with service.client(token) as bob:
+        [first] = bob.batch_run(slow, [(1, 3.0)], endpoint=lab.endpoint_id)
+        held = _submit_after(bob, other, first)
+        alice.share_endpoint(other, remove=["bob"])
+        assert bob.get_task(held)["state"] == "failed"  # before its input ended
+        with pytest.raises(ServiceError, match="is no longer shared with you"):
+            bob.get_result(held, timeout=30)
+        assert bob.get_result(first, timeout=60) == 1
+
+
+def test_a_held_task_released_onto_an_endpoint_deleted_meanwhile_fails_naming_it(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """An endpoint deleted in the registry while a task is held there (a deletion that
+    raced with the task's submit, so its sweep missed it): the input's success fails
+    the task, naming the endpoint, instead of queueing it where no agent will come."""
+    [first] = alice.batch_run(slow, [(1, 3.5)], endpoint="lab")
+    other = alice.register_endpoint("held-race")["endpoint_id"]
+    held = _submit_after(alice, other, first)
+    registry = Registry(service.settings().registry_url)
+    try:
+        registry.delete_endpoint(other)  # not through the service: nothing failed yet
+    finally:
+        registry.close()
+    assert alice.get_task(held)["state"] == "waiting-for-endpoint"
+    with pytest.raises(ServiceError, match=f"endpoint {other} was deleted before"):
+        alice.get_result(held, timeout=60)
+    assert alice.get_result(first, timeout=60) == 1
+
+
+@pytest.mark.timeout(300)  # two services and two agents start: slow on a loaded machine
+def test_a_held_task_queued_on_one_service_process_runs_at_once_on_the_other(
+    tmp_path: Path,
+) -> None:
+    """Two service processes: the input's agent is connected to the first, the held
+    task's endpoint's agent to the second. The second's dispatcher is woken when the
+    first queues the held task (not at its idle poll, IDLE_POLL = 5 s later)."""
+    agents: list[EndpointProcess] = []
+    with two_services(tmp_path) as (first, second, _redis):
+        try:
+            token = first.token("hal")
+            with first.client(token) as client, second.client(token) as there:
+                agents.append(EndpointProcess(first, client, "near").start(client))
+                agents.append(EndpointProcess(second, there, "far").start(there))
+                far = agents[1].endpoint_id
+                waits = []
+                for _ in range(3):
+                    [one] = client.batch_run(slow, [(1, 0.5)], endpoint="near")
+                    held = _submit_after(client, far, one)
+                    assert client.get_result(held, timeout=60) == 2
+                    ended = float(client.get_task(one)["ended"])
+                    waits.append(float(client.get_task(held)["dispatched"]) - ended)
+                assert max(waits) < 1.5, waits
+        finally:
+            for agent in agents:
+                agent.stop()

@@ -298,3 +298,52 @@ def test_the_flusher_deletes_tasks_older_than_the_history_keeps_in_batches(
             await store.redis.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_dependent_of_a_task_only_the_history_holds_is_accepted(
+    store_url: str, tmp_path: Path
+) -> None:
+    """An input the flusher saved and dropped from Redis (its index over ``RECENT``) is
+    read from the SQL history by submit: a success is done (the dependent is queued), a
+    failure fails the dependent (the stream of held tasks to fail names it), another
+    owner's is refused (403) and an id neither holds is not known (404)."""
+    keys = Keys(Keys.program_id_new())
+    engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
+
+    async def scenario() -> None:
+        store = TaskStore(connect_async(store_url), keys, result_ttl=600)
+        store.history = History(engine)
+        flusher = Flusher(store, store.history)
+        limits = {"max_tasks": 100, "max_bytes": 10**6}
+        try:
+            await flusher.start()
+            await store.to_fail_group()
+            [ok] = await _finished(store, "alice", "ep", 1)
+            bad = str(uuid.uuid4())
+            await store.submit("alice", "ep", "g", [(bad, "fn", b"x", None, "")], **limits)
+            await store.take("ep", "conn", 1)
+            await store.finish("ep", [(bad, "failed", OK, b"", "")])
+            [theirs] = await _finished(store, "bob", "ep", 1)
+            while await flusher.step(0.1):
+                pass
+            assert store.history.count() == 3
+            await store.redis.delete(*(keys.task(i) for i in (ok, bad, theirs)))  # trimmed
+            d1, d2 = str(uuid.uuid4()), str(uuid.uuid4())
+            rows = [(d1, "fn", b"y", None, ""), (d2, "fn", b"z", None, "")]
+            await store.submit("alice", "ep", "g2", rows, after=[[ok], [ok, bad]], **limits)
+            assert await store.endpoint_task_ids("ep") == [d1, d2]  # d1 queued, d2 held
+            assert await store.queue_length("ep") == 1
+            entries = await store.read_to_fail("c", count=10, block=0.1)
+            assert [row for _, row in entries] == [(d2, bad, "failed")]
+            for after, error in (([theirs], "is not yours"), ([str(uuid.uuid4())], "not known")):
+                with pytest.raises(Exception, match=error):
+                    row = [(str(uuid.uuid4()), "fn", b"w", None, "")]
+                    await store.submit("alice", "ep", "g3", row, after=[after], **limits)
+        finally:
+            rest = [k async for k in store.redis.scan_iter(match=keys.pattern())]
+            if rest:
+                await store.redis.unlink(*rest)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())
+    engine.dispose()

@@ -102,3 +102,134 @@ def test_the_counters_are_the_same_whether_the_service_picks_the_measures_or_not
             await store.redis.aclose()
 
     asyncio.run(scenario())
+
+
+def test_an_endpoints_held_tasks_are_among_its_tasks_and_failing_them_frees_them(
+    store_url: str,
+) -> None:
+    """A task held on ep2 for an input on ep1 is one of ep2's tasks (deleting ep2 fails
+    it: the service finishes them as failed); failed there, its input's success no longer
+    queues it on ep2, and its quota is given back."""
+    store = TaskStore(connect_async(store_url), Keys(Keys.program_id_new()), result_ttl=60)
+
+    async def scenario() -> None:
+        try:
+            a, b = str(uuid.uuid4()), str(uuid.uuid4())
+            keys, redis = store.keys, store.redis
+            limits = {"max_tasks": 100, "max_bytes": 10**6}
+            await store.submit("o", "ep1", "g1", [(a, "f", b"x", None, "")], **limits)
+            await store.submit("o", "ep2", "g2", [(b, "f", b"y", None, "")], after=[[a]], **limits)
+            assert await store.endpoint_task_ids("ep2") == [b]  # held: in no queue
+            gone = [[b, "failed", b"deleted", b"", ""]]
+            assert (await store.finish("ep2", gone))[0] == [b]  # as delete_endpoint does
+            assert await store.endpoint_task_ids("ep2") == []
+            await store.forget_endpoint("ep2")
+            await store.take("ep1", "conn", 10)
+            await store.finish("ep1", [(a, "success", b"r", b"", "")])
+            assert await redis.exists(keys.endpoint_queue("ep2")) == 0  # not queued again
+            assert await redis.hmget(keys.user_queued("o"), ["tasks", "bytes"]) == [b"0", b"0"]
+            c, d = str(uuid.uuid4()), str(uuid.uuid4())  # released: out of the held set
+            await store.submit("o", "ep1", "g3", [(c, "f", b"x", None, "")], **limits)
+            await store.submit("o", "ep2", "g4", [(d, "f", b"y", None, "")], after=[[c]], **limits)
+            await store.take("ep1", "conn", 10)
+            await store.finish("ep1", [(c, "success", b"r", b"", "")])
+            assert await redis.smembers(keys.endpoint_held("ep2")) == set()
+            assert await store.endpoint_task_ids("ep2") == [d]  # queued now
+            e, f = str(uuid.uuid4()), str(uuid.uuid4())  # cancelled: out of the held set
+            await store.submit("o", "ep1", "g5", [(e, "f", b"x", None, "")], **limits)
+            await store.submit("o", "ep2", "g6", [(f, "f", b"y", None, "")], after=[[e]], **limits)
+            assert await store.cancel(f, "ep2") is not None
+            assert await redis.smembers(keys.endpoint_held("ep2")) == set()
+        finally:
+            async for key in store.redis.scan_iter(match=store.keys.pattern()):
+                await store.redis.delete(key)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_held_tasks_to_fail_wait_in_a_stream_until_failed_whoever_reads_them(
+    store_url: str,
+) -> None:
+    """The script that fails an input appends its held dependents to the stream
+    ``to_fail`` at once: a consumer that took them and died leaves them pending, another
+    claims them, and ``fail_held`` fails them and acknowledges them in one script (theirs
+    appended in turn); a dependent submitted after its input failed is appended too."""
+    store = TaskStore(connect_async(store_url), Keys(Keys.program_id_new()), result_ttl=60)
+
+    async def scenario() -> None:
+        try:
+            a, b, c = (str(uuid.uuid4()) for _ in range(3))
+            redis = store.redis
+            limits = {"max_tasks": 100, "max_bytes": 10**6}
+            await store.to_fail_group()
+            await store.submit("o", "ep", "g1", [(a, "f", b"x", None, "")], **limits)
+            rows = [(b, "f", b"y", None, ""), (c, "f", b"z", None, "")]
+            await store.submit("o", "ep", "g2", rows, after=[[a], [b]], **limits)
+            await store.take("ep", "conn", 10)
+            await store.finish("ep", [(a, "failed", b"err", b"", "")])
+            taken = await store.read_to_fail("dead", count=10, block=0.1)
+            assert [row for _, row in taken] == [(b, a, "failed")]
+            # "dead" stops here: nothing acknowledged, b still held
+            assert (await store.info([b]))[0]["state"] == "waiting-for-endpoint"  # type: ignore[index]
+            assert await store.read_to_fail("next", count=10, block=0.1) == []
+            claimed = await store.read_to_fail("next", count=10, claim=0)
+            assert [row for _, row in claimed] == [(b, a, "failed")]
+            stored, _ = await store.fail_held([(b, b"input failed")], [e for e, _ in claimed])
+            assert stored == [b]
+            chain = await store.read_to_fail("next", count=10, block=0.1)
+            assert [row for _, row in chain] == [(c, b, "failed")]
+            await store.fail_held([(c, b"input failed")], [e for e, _ in chain])
+            counted = await redis.hget(metrics_key(store.keys, "ep"), "done:failed")
+            assert counted == b"3"  # a (finished failed), then b and c (failed held)
+            assert (await redis.xpending(store.to_fail, "fail"))["pending"] == 0
+            assert await redis.xlen(store.to_fail) == 0
+            assert await redis.hmget(store.keys.user_queued("o"), ["tasks", "bytes"]) == [
+                b"0",
+                b"0",
+            ]
+            late = str(uuid.uuid4())
+            await store.submit(
+                "o", "ep", "g3", [(late, "f", b"w", None, "")], after=[[a]], **limits
+            )
+            again = await store.read_to_fail("next", count=10, block=0.1)
+            assert [row for _, row in again] == [(late, a, "failed")]
+        finally:
+            async for key in store.redis.scan_iter(match=store.keys.pattern()):
+                await store.redis.delete(key)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_held_tasks_joining_a_queue_are_published_for_every_service_process(
+    store_url: str,
+) -> None:
+    """The finish that releases held tasks publishes their endpoints on ``woken`` (every
+    service process wakes its dispatchers of them, wherever the agents are connected)."""
+    store = TaskStore(connect_async(store_url), Keys(Keys.program_id_new()), result_ttl=60)
+
+    async def scenario() -> None:
+        pubsub = store.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(store.woken)
+            a, b = str(uuid.uuid4()), str(uuid.uuid4())
+            limits = {"max_tasks": 100, "max_bytes": 10**6}
+            await store.submit("o", "ep1", "g1", [(a, "f", b"x", None, "")], **limits)
+            await store.submit("o", "ep2", "g2", [(b, "f", b"y", None, "")], after=[[a]], **limits)
+            await store.take("ep1", "conn", 10)
+            await store.finish("ep1", [(a, "success", b"r", b"", "")])
+            got = []  # (a subscription's confirmation reads as None)
+            for _ in range(5):
+                message = await pubsub.get_message(timeout=1)
+                if message is not None:
+                    got.append(message["data"])
+                    break
+            assert got == [b"ep2"]
+        finally:
+            await pubsub.aclose()
+            async for key in store.redis.scan_iter(match=store.keys.pattern()):
+                await store.redis.delete(key)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())

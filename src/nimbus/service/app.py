@@ -150,6 +150,8 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
             asyncio.create_task(
                 Flusher(store, history, settings.history_days * 86400.0 or None).run()
             ),
+            asyncio.create_task(dependencies.fail_held(ctx)),  # held tasks whose input failed
+            asyncio.create_task(dependencies.wake_dispatchers(ctx)),  # held tasks queued
             asyncio.create_task(
                 _every(
                     local_history.INGEST_EVERY,

@@ -296,6 +296,23 @@ class ServiceContext:
         self.hub.beats.pop(info.id, None)
         self._again(self._drop_endpoint_tasks(info.id, message))
 
+    async def released_on_deleted(self, endpoint_ids: list[str]) -> None:
+        """Tasks held for their inputs were just queued for ``endpoint_ids``: those of an
+        endpoint deleted meanwhile (a race with its deletion) fail, naming it."""
+        for endpoint_id in endpoint_ids:
+            hit = self._endpoints.get(endpoint_id)
+            if hit is not None and hit[1] > time.monotonic():
+                continue
+            info = await run_in_threadpool(self.registry.endpoint, endpoint_id)
+            if info is not None:
+                self._endpoints[endpoint_id] = (info, time.monotonic() + CACHE_SECONDS)
+                continue
+            message = (
+                f"endpoint {endpoint_id} was deleted before this task's inputs ended; "
+                f"submit it to another endpoint"
+            )
+            await self._drop_endpoint_tasks(endpoint_id, message)
+
     async def _drop_endpoint_tasks(self, endpoint_id: str, message: str) -> int:
         """A deleted endpoint's tasks fail; its queue and status go."""
         failed = await self._fail_endpoint_tasks(endpoint_id, message)

@@ -3,12 +3,21 @@
 ::
 
     submit(rows, after=[[input ids], ...])  --> a row with inputs not done is held
-        (task hash: 'waits' = inputs left; the input's set of dependents names it)
-    an input ends (finish, cancel)  --> settle(woken, failed):
+        (task hash: 'waits' = inputs left; the input's set of dependents and its
+        endpoint's set of held tasks name it: deleting the endpoint fails it)
+    an input ends (finish, cancel)  --> the script's settle():
         success: its dependents wait for one input less; at none they join their
-                 endpoint's queue, whose dispatchers are woken here
-        failed / cancelled: its dependents fail with InputFailed naming it (and theirs
-                 in turn), their results delivered to whoever waits
+                 endpoint's queue, whose dispatchers are woken here and, through the
+                 channel TaskStore.woken, in every service process (``held_by``,
+                 ``wake_dispatchers``); one queued for an endpoint deleted meanwhile
+                 fails naming it
+        failed / cancelled: its dependents are appended, in the same script, to the
+                 stream TaskStore.to_fail; a consumer group (one consumer per service
+                 process: ``fail_held``) fails them with InputFailed naming it, and
+                 acknowledges them in the script that fails them (theirs appended in
+                 turn), their results delivered to whoever waits. A process that dies
+                 in between leaves its entries pending: the next start (any process)
+                 claims them, so no held task waits for ever on a failed input.
 
 The data of an input never passes here: a kept input's result stays on its endpoint,
 and the dependent's arguments name it by the reference the client chose for it
@@ -18,20 +27,26 @@ and the dependent's arguments name it by the reference the client chose for it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import pickle
+import secrets
+import socket
+import time
 
 from nimbus.errors import InputFailed
 from nimbus.protocol import ResultRow, pack
 from nimbus.records import TaskState
 from nimbus.service.context import STATUS_ERROR, ServiceContext
-from nimbus.service.queues import Held
 
-__all__ = ["held_by", "settle"]
+__all__ = ["fail_held", "held_by", "wake_dispatchers"]
 
 log = logging.getLogger(__name__)
 
-MAX_ROUNDS = 10_000  # a chain of held tasks failed link by link (a guard, never reached)
+BATCH = 500  # entries of the stream of held tasks to fail read at once
+CLAIM_IDLE = 30.0  # seconds an entry taken stays unacknowledged before any process takes it
+RETRY = 1.0  # seconds before reading the stream again after an error (Redis away)
 _WHAT = {"failed": "failed", "cancelled": "was cancelled"}
 
 
@@ -46,40 +61,80 @@ def failure(task_id: str, input_id: str, state: str) -> bytes:
     return pack([STATUS_ERROR, pickle.dumps((error, ""), 5), []])
 
 
-async def settle(ctx: ServiceContext, woken: list[str], failed: list[Held]) -> None:
-    """Wake the dispatchers of ``woken`` endpoints; fail the held tasks ``failed``."""
-    for endpoint_id in woken:
-        ctx.hub.work_arrived(endpoint_id)
-    rounds = 0
-    while failed and rounds < MAX_ROUNDS:
-        rounds += 1
-        results = {
-            task_id: failure(task_id, input_id, state) for task_id, input_id, state in failed
-        }
-        stored, drop, failed = await ctx.store.fail_held(list(results.items()))
-        ctx.data.drop(drop)
-        await ctx.hub.deliver([ResultRow(i, TaskState.FAILED, results[i], b"") for i in stored])
+async def fail_step(
+    ctx: ServiceContext, consumer: str, *, block: float, claim: float | None
+) -> int:
+    """Fail the held tasks of one batch of the stream ``to_fail`` (new entries, or with
+    ``claim`` those left unacknowledged that long); how many entries it held."""
+    entries = await ctx.store.read_to_fail(consumer, count=BATCH, block=block, claim=claim)
+    if not entries:
+        return 0
+    results: dict[str, bytes] = {}
+    for _, (task_id, input_id, state) in entries:
+        results.setdefault(task_id, failure(task_id, input_id, state))
+    stored, drop = await ctx.store.fail_held(list(results.items()), [e for e, _ in entries])
+    ctx.data.drop(drop)
+    await ctx.hub.deliver([ResultRow(i, TaskState.FAILED, results[i], b"") for i in stored])
+    return len(entries)
+
+
+async def fail_held(ctx: ServiceContext) -> None:
+    """The service process's consumer of ``to_fail``, until cancelled: at start it takes
+    every entry left unacknowledged (by a process that stopped, or this one before a
+    restart), then reads new ones as they come, and every ``CLAIM_IDLE`` those another
+    process took and did not acknowledge in that time."""
+    consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    claim: float | None = 0.0  # at start: all pending entries, whoever took them
+    next_claim = 0.0
+    while True:
+        try:
+            if claim is None and time.monotonic() >= next_claim:
+                claim = CLAIM_IDLE
+            if claim is not None:
+                await ctx.store.to_fail_group()
+                while await fail_step(ctx, consumer, block=0, claim=claim) >= BATCH:
+                    pass
+                claim, next_claim = None, time.monotonic() + CLAIM_IDLE / 2
+            await fail_step(ctx, consumer, block=1.0, claim=None)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # Redis away: entries stay pending, claimed again later
+            log.exception("failing tasks held for a failed input failed; retrying")
+            claim = CLAIM_IDLE
+            await asyncio.sleep(RETRY)
+
+
+async def wake_dispatchers(ctx: ServiceContext) -> None:
+    """Until cancelled: wake this process's dispatchers of the endpoints whose queues
+    held tasks joined in any service process (the channel ``TaskStore.woken``), so that
+    a chain's next link does not wait for the dispatchers' idle poll when its endpoint's
+    agents are connected here and its input ended on another process."""
+    while True:
+        pubsub = ctx.store.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(ctx.store.woken)
+            while True:
+                message = await pubsub.get_message(timeout=None)
+                if message is not None:
+                    for endpoint_id in message["data"].decode(errors="replace").split():
+                        ctx.hub.work_arrived(endpoint_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the queue Redis went away: subscribe again
+            log.debug("subscription to held tasks' wake-ups lost: %s", exc)
+            await asyncio.sleep(RETRY)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pubsub.aclose())
 
 
 def held_by(ctx: ServiceContext) -> None:
-    """Let ``ctx``'s task store settle held tasks through ``ctx`` (its hub and data):
-    dispatchers are woken at once; held tasks are failed just after (in a task of the
-    loop), so that the input's own result, delivered by the caller of the step that
-    ended it, reaches its client first."""
-    running: set[asyncio.Task[None]] = set()
+    """Let ``ctx``'s task store wake the dispatchers of the endpoints whose held tasks
+    were queued (an endpoint deleted meanwhile fails them)."""
 
-    async def settled(woken: list[str], failed: list[Held]) -> None:
+    async def settled(woken: list[str]) -> None:
         for endpoint_id in woken:
             ctx.hub.work_arrived(endpoint_id)
-        if failed:
-            job = asyncio.ensure_future(settle(ctx, [], failed))
-            running.add(job)
-            job.add_done_callback(_logged)
-            job.add_done_callback(running.discard)
+        await ctx.released_on_deleted(woken)
 
     ctx.store.settle = settled
-
-
-def _logged(job: asyncio.Task[None]) -> None:
-    if not job.cancelled() and job.exception() is not None:
-        log.error("failing tasks held for a failed input failed", exc_info=job.exception())

@@ -44,6 +44,7 @@ from nimbus.errors import AuthError, NotFound, QuotaExceeded
 from nimbus.records import TaskState
 from nimbus.service import scripts
 from nimbus.service.counters import metrics_key
+from nimbus.service.held import TO_FAIL, WOKEN
 from nimbus.service.history import History
 from nimbus.statestore import Keys
 
@@ -56,6 +57,7 @@ Taken = tuple[str, str, bytes, float | None, str, str, dict[str, Any] | None]  #
 
 DONE = (TaskState.SUCCESS.value, TaskState.FAILED.value, TaskState.CANCELLED.value)
 CANCELLED_RESULT = msgpack.packb([2, b"", []])  # Status.SKIPPED, as an agent would send
+TO_FAIL_GROUP = "fail"  # the consumer group of ``TaskStore.to_fail``
 ENDPOINT_MARK = "ep:"  # on ``changes``, before an endpoint id whose summary changed
 
 _FIELDS = ("state", "owner", "endpoint", "function", "group", "submitted", "dispatched", "ended")
@@ -69,10 +71,6 @@ def _raw(obj: object) -> bytes:
 
 def _text(value: bytes | None) -> str:
     return value.decode(errors="replace") if value else ""
-
-
-def _held(rows: list[list[bytes]]) -> list[Held]:
-    return [(_text(d), _text(i), _text(st)) for d, i, st in rows]
 
 
 def _timeout(value: bytes | None) -> float | None:
@@ -112,6 +110,11 @@ class TaskStore:
         self.changes = self._task_prefix + "changed"  # pub/sub channel: tasks moved
         # stream of the ids of tasks ended, that the flusher moves to the SQL history
         self.finished = self._task_prefix + "finished"
+        # stream of the held tasks to fail (their input failed), read by a consumer group
+        # (``nimbus.service.dependencies``): rows {d: dependent, i: input, s: its state}
+        self.to_fail = self._task_prefix + TO_FAIL
+        # pub/sub channel: endpoints whose queues held tasks joined (``finish`` publishes)
+        self.woken = self._task_prefix + WOKEN
         self.history: History | None = None  # where tasks no longer in Redis are read
         self._data_prefix = keys.data("")
         self._submit = redis.register_script(scripts.SUBMIT)
@@ -122,11 +125,14 @@ class TaskStore:
         self._cancel = redis.register_script(scripts.CANCEL)
         self._fail_held = redis.register_script(scripts.FAIL_HELD)
         self._then = keys.task_dependents("-")[len(keys.task("-")) :]  # ":then"
-        self._queue = keys.endpoint_queue("\0").split("\0")  # around the endpoint id
-        # what to do when tasks held for others are released or are to fail (the
-        # service's ``dependencies.settle``): called with the endpoints whose queues
-        # grew and the [dependent, input, state] rows to fail
-        self.settle: Callable[[list[str], list[Held]], Awaitable[None]] | None = None
+        # an endpoint's queue and its set of held tasks, around the endpoint id
+        self._queue = [
+            *keys.endpoint_queue("\0").split("\0"),
+            *keys.endpoint_held("\0").split("\0"),
+        ]
+        # what to do when tasks held for others are released (the service's
+        # ``dependencies.held_by``): called with the endpoints whose queues grew
+        self.settle: Callable[[list[str]], Awaitable[None]] | None = None
 
     async def submit(
         self,
@@ -146,8 +152,8 @@ class TaskStore:
         an endpoint.
 
         ``after`` (one entry per row, or None): the ids of the tasks whose results a row
-        takes. Such a task is held (not queued) until they succeed, and fails (``settle``)
-        if one fails or is cancelled; an input that is not known, or not ``owner``'s,
+        takes. Such a task is held (not queued) until they succeed, and fails (the stream
+        ``to_fail``) if one fails or is cancelled; an input that is not known, or not ``owner``'s,
         refuses the whole batch (NotFound, AuthError) before anything is queued.
 
         A row with a ``data_id`` has its payload in the data store (``payload`` is empty);
@@ -171,35 +177,26 @@ class TaskStore:
         if after is not None:
             rows = [(*row, list(a)) if a else row for row, a in zip(rows, after)]  # type: ignore[misc]
         size = sum(len(row[2]) for row in rows)
-        blob = _raw([owner, endpoint_id, group_id, repr(time.time()), rows, size])
-        queued, have, *held = await self._submit(
-            keys=[
-                self.keys.endpoint_queue(endpoint_id),
-                self.keys.user_tasks(owner),
-                self.keys.group(group_id),
-                self.keys.user_queued(owner),
-                self.keys.all_tasks(),
-            ],
-            args=[
-                self._task_prefix,
-                blob,
-                self.result_ttl,
-                self._data_prefix,
-                max_tasks,
-                max_bytes,
-                self._then,
-            ],
-        )
+        ended: dict[str, str] = {}  # inputs out of Redis, in the SQL history: their state
+        while True:
+            queued, have, *missing = await self._submit_rows(
+                owner, endpoint_id, group_id, rows, size, ended, max_tasks, max_bytes
+            )
+            if queued != -3 or self.history is None or ended or after is None:
+                break
+            ended = await self._ended(owner, after)  # saved and dropped from Redis
+            if not ended:
+                break
         if queued == -3:
             raise NotFound(
-                f"tasks[{have}].after: task {_text(held[0])} is not known (it never was, or "
+                f"tasks[{have}].after: task {_text(missing[0])} is not known (it never was, or "
                 f"it ended more than the service's result time ago); pass only futures of "
                 f"tasks still known to the service",
                 404,
             )
         if queued == -4:
             raise AuthError(
-                f"tasks[{have}].after: task {_text(held[0])} is not yours: a task can take "
+                f"tasks[{have}].after: task {_text(missing[0])} is not yours: a task can take "
                 f"the results of its owner's tasks only",
                 403,
             )
@@ -217,9 +214,63 @@ class TaskStore:
                 f"{len(rows)} tasks add {size}; wait for some to finish or cancel them",
                 429,
             )
-        failed = _held(held[0]) if held else []
-        if failed and self.settle is not None:  # an input had failed already
-            await self.settle([], failed)
+
+    async def _submit_rows(
+        self,
+        owner: str,
+        endpoint_id: str,
+        group_id: str,
+        rows: list[Any],
+        size: int,
+        ended: dict[str, str],
+        max_tasks: int,
+        max_bytes: int,
+    ) -> list[Any]:
+        blob = _raw([owner, endpoint_id, group_id, repr(time.time()), rows, size, ended])
+        reply: list[Any] = await self._submit(
+            keys=[
+                self.keys.endpoint_queue(endpoint_id),
+                self.keys.user_tasks(owner),
+                self.keys.group(group_id),
+                self.keys.user_queued(owner),
+                self.keys.all_tasks(),
+                self.keys.endpoint_held(endpoint_id),
+            ],
+            args=[
+                self._task_prefix,
+                blob,
+                self.result_ttl,
+                self._data_prefix,
+                max_tasks,
+                max_bytes,
+                self._then,
+            ],
+        )
+        return reply
+
+    async def _ended(self, owner: str, after: Sequence[Sequence[str] | None]) -> dict[str, str]:
+        """The inputs named in ``after`` that are no longer in Redis but in the SQL history
+        (saved, then dropped by the flusher's trim): their final state. AuthError (403) for
+        one that is not ``owner``'s."""
+        assert self.history is not None
+        named = list(dict.fromkeys(a for row in after if row for a in row))
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in named:
+            pipe.exists(self._task_prefix + task_id)
+        gone = [a for a, n in zip(named, await pipe.execute()) if not n]
+        found = await asyncio.to_thread(self.history.info, gone) if gone else {}
+        out = {}
+        for task_id, info in found.items():
+            if info["owner"] != owner:
+                place = next(i for i, row in enumerate(after) if row and task_id in row)
+                raise AuthError(
+                    f"tasks[{place}].after: task {task_id} is not yours: a task can take "
+                    f"the results of its owner's tasks only",
+                    403,
+                )
+            if info["state"] in DONE:
+                out[task_id] = info["state"]
+        return out
 
     async def queued(self, owner: str) -> tuple[int, int]:
         """The tasks and inline payload bytes ``owner`` has queued or running."""
@@ -273,24 +324,26 @@ class TaskStore:
             self._then,
             *self._queue,
         ]
-        stored, drop, woken, failed = await self._finish(
-            keys=[self.keys.endpoint_inflight(endpoint_id), metrics_key(self.keys, endpoint_id)],
+        stored, drop, woken = await self._finish(
+            keys=[
+                self.keys.endpoint_inflight(endpoint_id),
+                metrics_key(self.keys, endpoint_id),
+                self.keys.endpoint_held(endpoint_id),
+            ],
             args=args,
         )
-        await self._settled(woken, failed)
+        if woken and self.settle is not None:
+            await self.settle([_text(e) for e in woken])
         return [value.decode() for value in stored], [value.decode() for value in drop]
 
-    async def _settled(self, woken: list[bytes], failed: list[list[bytes]]) -> None:
-        if (woken or failed) and self.settle is not None:
-            await self.settle([_text(e) for e in woken], _held(failed))
-
     async def fail_held(
-        self, rows: Sequence[tuple[str, bytes]]
-    ) -> tuple[list[str], list[str], list[Held]]:
-        """Fail held tasks ``(task_id, packed result)`` (their input failed): those failed
-        (not cancelled or ended meanwhile), the data-store blobs to remove, and the tasks
-        held for them, to fail in turn."""
-        stored, drop, failed = await self._fail_held(
+        self, rows: Sequence[tuple[str, bytes]], entries: Sequence[bytes | str] = ()
+    ) -> tuple[list[str], list[str]]:
+        """Fail held tasks ``(task_id, packed result)`` (their input failed) and acknowledge
+        the ``entries`` of ``to_fail`` that named them (group ``group``): those failed (not
+        cancelled or ended meanwhile) and the data-store blobs to remove. The tasks held
+        for them are appended to ``to_fail`` in turn."""
+        stored, drop = await self._fail_held(
             args=[
                 self._task_prefix,
                 repr(time.time()),
@@ -300,9 +353,44 @@ class TaskStore:
                 self._data_prefix,
                 *self._queue,
                 self.finished,
+                TO_FAIL_GROUP,
+                *metrics_key(self.keys, "\0").split("\0"),
+                *entries,
             ]
         )
-        return [_text(value) for value in stored], [_text(value) for value in drop], _held(failed)
+        return [_text(value) for value in stored], [_text(value) for value in drop]
+
+    async def to_fail_group(self) -> None:
+        """Make the consumer group of ``to_fail`` if it is missing."""
+        try:
+            await self.redis.xgroup_create(self.to_fail, TO_FAIL_GROUP, id="0", mkstream=True)
+        except aioredis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read_to_fail(
+        self, consumer: str, *, count: int, block: float | None = None, claim: float | None = None
+    ) -> list[tuple[bytes, Held]]:
+        """Entries of ``to_fail`` for ``consumer``: new ones (waiting up to ``block``
+        seconds for one), or with ``claim`` those any consumer took more than ``claim``
+        seconds ago and did not acknowledge (it died, or failed them partly)."""
+        if claim is not None:
+            got = await self.redis.xautoclaim(
+                self.to_fail, TO_FAIL_GROUP, consumer, int(claim * 1000), "0-0", count=count
+            )
+            messages = got[1]
+        else:
+            reply = await self.redis.xreadgroup(
+                TO_FAIL_GROUP, consumer, {self.to_fail: ">"}, count=count,
+                block=None if block is None else max(1, int(block * 1000)),
+            )  # fmt: skip
+            messages = [m for _, batch in reply or () for m in batch]
+        out = []
+        for entry, fields in messages:
+            if fields:  # None: deleted meanwhile (acknowledged by another process)
+                row = (_text(fields.get(b"d")), _text(fields.get(b"i")), _text(fields.get(b"s")))
+                out.append((entry, row))
+        return out
 
     async def running(self, endpoint_id: str, task_ids: Sequence[str]) -> None:
         """Mark dispatched tasks of ``endpoint_id`` as running (its agent said so)."""
@@ -334,6 +422,7 @@ class TaskStore:
                 self._task_prefix + task_id,
                 self.keys.endpoint_inflight(endpoint_id),
                 metrics_key(self.keys, endpoint_id),
+                self.keys.endpoint_held(endpoint_id),
             ],
             args=[
                 CANCELLED_RESULT,
@@ -350,8 +439,7 @@ class TaskStore:
         if done is None:
             return None
         await self.redis.publish(self.changes, b"")
-        conn, data, failed = done
-        await self._settled([], failed)
+        conn, data = done
         return _text(conn), _text(data)
 
     async def info(self, task_ids: Sequence[str]) -> list[dict[str, Any] | None]:
@@ -431,18 +519,21 @@ class TaskStore:
         return [i.decode() for i in await self.redis.lrange(self.keys.group(group_id), 0, -1)]
 
     async def endpoint_task_ids(self, endpoint_id: str) -> list[str]:
-        """The tasks queued for an endpoint or in flight on its agents (one snapshot)."""
+        """The tasks queued for an endpoint, in flight on its agents or held there until
+        their inputs end (one snapshot)."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.hkeys(self.keys.endpoint_inflight(endpoint_id))
         pipe.lrange(self.keys.endpoint_queue(endpoint_id), 0, -1)
-        inflight, queued = await pipe.execute()
-        return list(dict.fromkeys(i.decode() for i in [*inflight, *queued]))
+        pipe.smembers(self.keys.endpoint_held(endpoint_id))
+        inflight, queued, held = await pipe.execute()
+        return list(dict.fromkeys(i.decode() for i in [*inflight, *queued, *sorted(held)]))
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
         """Drop a deleted endpoint's queue, in-flight index and status (its tasks are done)."""
         await self.redis.delete(
             self.keys.endpoint_queue(endpoint_id),
             self.keys.endpoint_inflight(endpoint_id),
+            self.keys.endpoint_held(endpoint_id),
             self.keys.endpoint_status(endpoint_id),
         )
 

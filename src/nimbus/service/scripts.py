@@ -10,7 +10,9 @@
              and held tasks released (``held``)
     CANCEL   any state not final -> cancelled
     REQUEUE  inflight on a lost connection -> back to the queue head
-    FAIL_HELD  held tasks whose input failed -> failed (``held.fail_held_lua``)
+    FAIL_HELD  held tasks whose input failed -> failed (``held.fail_held_lua``); the
+             scripts that end an input append its held dependents to fail to the
+             stream ``held.TO_FAIL``, whose consumer calls it
 
 Each reads its keys and arguments from the KEYS and ARGV places the Python call
 sites of ``nimbus.service.queues.TaskStore`` pass (see each method there); the
@@ -21,7 +23,7 @@ counting Lua is ``nimbus.service.counters``, the Lua of tasks held for others
 from __future__ import annotations
 
 from nimbus.service.counters import COUNT
-from nimbus.service.held import fail_held_lua, settle_lua
+from nimbus.service.held import TO_FAIL, WOKEN, fail_held_lua, settle_lua
 
 __all__ = [
     "CANCEL",
@@ -55,10 +57,11 @@ end
 SUBMIT = """
 local t = cmsgpack.unpack(ARGV[2])
 local owner, endpoint, group, submitted, size = t[1], t[2], t[3], t[4], t[6]
+local ended = t[7] or {}  -- inputs no longer in Redis, by their state in the SQL history
 local earlier = {}  -- a row's inputs: tasks of this owner, stored or earlier in this batch
 for i, r in ipairs(t[5]) do
   for _, a in ipairs(r[7] or {}) do
-    if not earlier[a] then
+    if not earlier[a] and not ended[a] then
       local o = redis.pcall('HGET', ARGV[1] .. a, 'owner')
       if type(o) ~= 'string' then return {-3, i - 1, a} end
       if o ~= owner then return {-4, i - 1, a} end
@@ -72,7 +75,7 @@ if tasks + #t[5] > tonumber(ARGV[5]) then return {-1, tasks} end
 if bytes + size > tonumber(ARGV[6]) then return {-2, bytes} end
 redis.call('HINCRBY', KEYS[4], 'tasks', #t[5])
 redis.call('HINCRBY', KEYS[4], 'bytes', size)
-local held, fail = {}, {}
+local held = {}
 for _, r in ipairs(t[5]) do
   local id = r[1]
   redis.call('HSET', ARGV[1] .. id, 'state', 'waiting-for-endpoint', 'owner', owner,
@@ -87,7 +90,7 @@ for _, r in ipairs(t[5]) do
   if r[7] then  -- held ('waits': inputs not done) until its inputs succeed
     local waits, failed = 0, nil
     for _, a in ipairs(r[7]) do
-      local st = redis.call('HGET', ARGV[1] .. a, 'state')
+      local st = ended[a] or redis.call('HGET', ARGV[1] .. a, 'state')
       if st == 'failed' or st == 'cancelled' then
         failed = failed or {id, a, st}
       elseif st ~= 'success' then
@@ -95,12 +98,13 @@ for _, r in ipairs(t[5]) do
         waits = waits + 1
       end
     end
-    if failed then  -- failed by the caller (it makes the error), as a held task
-      fail[#fail + 1] = failed
+    if failed then  -- failed as a held task (the stream's consumer makes the error)
+      redis.call('XADD', ARGV[1] .. 'TO_FAIL', '*', 'd', failed[1], 'i', failed[2], 's', failed[3])
       waits = waits + 1
     end
     if waits > 0 then
       redis.call('HSET', ARGV[1] .. id, 'waits', waits)
+      redis.call('SADD', KEYS[6], id)  -- the endpoint's held tasks (deleting it fails them)
       held[id] = true
     end
   end
@@ -121,8 +125,8 @@ for i = 1, #t[5], 1000 do  -- indexed and queued 1,000 at a time (one call each,
 end
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 redis.call('PUBLISH', ARGV[1] .. 'changed', owner)  -- wakes the owner's open dashboard pages
-return {#t[5], 0, fail}
-"""
+return {#t[5], 0}
+""".replace("TO_FAIL", TO_FAIL)
 
 OWNERS = """
 local owners, named = {}, {}  -- whose tasks moved: published for their dashboard pages
@@ -188,6 +192,7 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
         f[2] = f[2] + (tonumber(v[5] or 0) or 0)
       end
       redis.call('HSET', key, 'state', r[2], 'result', r[3], 'record', r[4], 'ended', ARGV[2])
+      if v[1] == 'waiting-for-endpoint' then redis.call('SREM', KEYS[3], id) end
       redis.call('HDEL', key, 'payload', 'data', 'quota', 'waits')
       settle(id, r[2])
       redis.call('EXPIRE', key, ARGV[3])
@@ -221,8 +226,11 @@ if #out > 0 then
   redis.call('XADD', ARGV[7], '*', 'ids', table.concat(out, ' '))  -- for the SQL history
 end
 flush(KEYS[2])
-return {out, drop, woken, failed}
-"""
+if #woken > 0 then  -- every service process wakes its dispatchers of these endpoints
+  redis.call('PUBLISH', ARGV[1] .. 'WOKEN', table.concat(woken, ' '))
+end
+return {out, drop, woken}
+""".replace("WOKEN", WOKEN)
 )
 
 RUNNING = (
@@ -279,9 +287,10 @@ redis.call('XADD', ARGV[6], '*', 'ids', ARGV[4])  -- for the SQL history (histor
 local conn = redis.call('HGET', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[1], 'waits')
+redis.call('SREM', KEYS[4], ARGV[4])  -- if it was held
 settle(ARGV[4], 'cancelled')
-return {conn or '', data or '', failed}
+return {conn or '', data or ''}
 """
 )
 
-FAIL_HELD = fail_held_lua(OWNERS, RELEASE)
+FAIL_HELD = fail_held_lua(OWNERS, RELEASE, COUNT)

@@ -176,6 +176,11 @@ class Keys:
         """The list of task ids waiting for an endpoint (oldest at the head)."""
         return self._key("endpoint", endpoint_id, "queue")
 
+    def endpoint_held(self, endpoint_id: str) -> str:
+        """The set of ids of an endpoint's tasks held until their inputs end (in neither its
+        queue nor its inflight hash: deleting the endpoint fails them too)."""
+        return self._key("endpoint", endpoint_id, "held")
+
     def endpoint_inflight(self, endpoint_id: str) -> str:
         """The hash of task id -> agent connection id of tasks sent to an endpoint."""
         return self._key("endpoint", endpoint_id, "inflight")
