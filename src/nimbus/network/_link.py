@@ -16,10 +16,12 @@ the node's 127.0.0.1 answers as before, with no address rewritten on the way
 (rewriting them with DNAT and SNAT in the namespace cost a loopback bulk
 transfer 11-18 % of its rate: conntrack on every packet). The node's own
 conntrack still saw every such packet (its nat rule below loads it): a raw
-``NOTRACK`` for that source address leaves it out, which took the worker's
-extra CPU per GB over a worker without a namespace from a median of +7.5 % to
-+3 % (bench/netvis.py, 2026-11-26). Traffic to the node's link address keeps
-its own source and conntrack, which its rewrite needs. A process in the namespace can still bind
+``NOTRACK`` for that source address leaves it out: the worker's extra CPU per
+GB over a worker without a namespace went from a median of +8.1 % to +3.2 %
+(bench/netvis.py --quick, 7 rounds each; GRO on the veth ends changed nothing,
++3.9 % against +3.8 %; the qdisc is noqueue already, the MTU 64K already).
+Traffic to the node's link address keeps its own source and conntrack, which
+its rewrite needs. A process in the namespace can still bind
 127.0.0.1 (lo keeps it) but reaches the node's there, as it did before. The node
 side's address is rewritten to 127.0.0.1 on the node (DNAT) for what connects
 to it by that address. Unix sockets (the
