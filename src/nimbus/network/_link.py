@@ -17,9 +17,11 @@ the node's 127.0.0.1 answers as before, with no address rewritten on the way
 transfer 11-18 % of its rate: conntrack on every packet). The node's own
 conntrack still saw every such packet (its nat rule below loads it): a raw
 ``NOTRACK`` for that source address leaves it out: the worker's extra CPU per
-GB over a worker without a namespace went from a median of +8.1 % to +3.2 %
-(bench/netvis.py --quick, 7 rounds each; GRO on the veth ends changed nothing,
-+3.9 % against +3.8 %; the qdisc is noqueue already, the MTU 64K already).
+GB over a worker without a namespace went from a median of +7.7 % (9 rounds)
+to +3.6 % (12 rounds), its throughput loss in full runs from 3.8 / 6.6 % to
+1.7 / 2.7 % (bench/netvis.py, interleaved; a round varies by +-3 points; GRO on
+the veth ends changed nothing, +3.9 % against +3.8 %; the qdisc is noqueue and
+the MTU 64K already).
 Traffic to the node's link address keeps its own source and conntrack, which
 its rewrite needs. A process in the namespace can still bind
 127.0.0.1 (lo keeps it) but reaches the node's there, as it did before. The node
