@@ -85,7 +85,10 @@ def server() -> Iterator[int]:
 def _ours() -> dict[str, list[str]]:
     """What of nimbus's network is on this host now (by this process's managers)."""
     spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    rules = subprocess.run(["iptables", "-t", "nat", "-S"], capture_output=True, text=True).stdout
+    rules = "".join(
+        subprocess.run(["iptables", "-t", t, "-S"], capture_output=True, text=True).stdout
+        for t in ("nat", "raw")
+    )
     slots = Path("/run/nimbus-net")
     mine = str(os.getpid())
     return {
@@ -95,7 +98,7 @@ def _ours() -> dict[str, list[str]]:
             for line in spaces.splitlines()
             if "nimbus-" in line and line.split()[0] != "nimbus-template"
         ],
-        "rules": [line for line in rules.splitlines() if "nmb" in line],
+        "rules": [line for line in rules.splitlines() if "nmb" in line or "10.214." in line],
         "slots": [p.name for p in slots.glob("*") if p.name.isdigit() and p.read_text() == mine]
         if slots.is_dir()
         else [],
@@ -366,6 +369,49 @@ def test_each_worker_has_its_own_namespace(netns: pytest.MonkeyPatch) -> None:
     by_pid = {pid: ns for _, ns, pid in results}
     assert len(by_pid) == 2  # two workers, each always in the same namespace ...
     assert len({ns for _, ns, _ in results}) == 2  # ... and not the other's
+
+
+def _get_from(host: str, port: int) -> tuple[str, int]:
+    """(this end's address, body length) of a GET /1000 from ``host``."""
+    import http.client
+
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    try:
+        conn.request("GET", "/1000")
+        body = conn.getresponse().read()
+        assert conn.sock is not None
+        return conn.sock.getsockname()[0], len(body)
+    finally:
+        conn.close()
+
+
+def _node_loopback_and_link_address(port: int) -> list[tuple[str, int]]:
+    """The node's 127.0.0.1 server reached by that address and by the link's node side."""
+    with open("/proc/net/route") as f:
+        gateway = next(
+            line.split()[2] for line in f.read().splitlines()[1:] if line.split()[1] == "00000000"
+        )
+    node = socket.inet_ntoa(int(gateway, 16).to_bytes(4, "little"))
+    return [_get_from("127.0.0.1", port), _get_from(node, port)]
+
+
+def test_node_loopback_traffic_is_left_out_of_the_nodes_conntrack(
+    netns: pytest.MonkeyPatch, server: int
+) -> None:
+    """The worker's traffic to the node's 127.0.0.0/8 leaves from its own 10.214.x.y
+    address, which the node leaves out of conntrack (raw NOTRACK, both ways); traffic
+    to the link's node address keeps the worker's 10.213 one and reaches 127.0.0.1 by
+    its DNAT rule (conntrack). Both rules go with the worker."""
+    with Executor(1) as ex:
+        (loop_src, loop_len), (link_src, link_len) = ex.submit(
+            _node_loopback_and_link_address, server
+        ).result(timeout=60)
+        raw = subprocess.run(["iptables", "-t", "raw", "-S"], capture_output=True, text=True)
+    assert loop_len == link_len == 1000
+    assert loop_src.startswith("10.214.") and link_src.startswith("10.213."), (loop_src, link_src)
+    assert loop_src.split(".")[2:] == link_src.split(".")[2:]
+    untracked = [line for line in raw.stdout.splitlines() if loop_src in line]
+    assert len(untracked) == 2 and all("NOTRACK" in line for line in untracked), raw.stdout
 
 
 def _device_counts() -> list[int]:
