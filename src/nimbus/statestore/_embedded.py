@@ -343,6 +343,8 @@ class EmbeddedRedis:
             self.server_pid = self._watchdog.pid
             self._server_created = _create_time(self.server_pid)
             self._write_state()
+        elif owner != os.getpid():  # the watchdog's pid, for the owner's stop()
+            self._write_state()
         if owner == os.getpid():  # (a server started for its owner by another process of
             atexit.register(self.stop)  # its program ends with the owner, by its watchdog)
         return self
@@ -460,9 +462,30 @@ class EmbeddedRedis:
                 watchdog.kill()  # the server gets PR_SET_PDEATHSIG
                 watchdog.wait()
             _kill_if(self.server_pid, self._server_created, "redis-server")
+        elif self._deferred:  # started for this owner by another process of its program
+            self._stop_theirs()
         self._conf_file.unlink(missing_ok=True)  # stopped before it was ready
         (self.runtime_dir / f".{self.name}.lock").unlink(missing_ok=True)  # (defer())
         _remove_files(self.state_file, self.log_file, self.socket_path, self._fallback_dir)
+
+    def _stop_theirs(self) -> None:
+        """Stop a deferred server that another process started (its state file says which)."""
+        import fcntl
+
+        try:
+            with open(self.runtime_dir / f".{self.name}.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # its starter wrote all of it
+                state: dict[str, Any] = json.loads(self.state_file.read_text())
+            (watchdog_pid, watchdog_created), (server_pid, server_created) = (
+                state["watchdog"],
+                state["server"],
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # never started
+        _shutdown(self.socket_path, self.password)
+        _kill_if(int(watchdog_pid), watchdog_created, _MARKER)
+        if server_pid:
+            _kill_if(int(server_pid), server_created, "redis-server")
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
