@@ -165,7 +165,10 @@ def test_a_block_manager_holds_and_sweeps_its_nodes_data(tmp_path: Path) -> None
     finally:
         agent.shutdown()
         manager.wait(30)
-    assert not any(m.name.startswith(f"{manager.pid}-") for m in holders.iterdir())
+    # let go of: its hold gone, or the whole directory with the runtime's last holder
+    assert not holders.exists() or not any(
+        m.name.startswith(f"{manager.pid}-") for m in holders.iterdir()
+    )
 
 
 def test_a_node_too_old_for_orders_fails_them_at_once_saying_why() -> None:
