@@ -20,6 +20,12 @@ from nimbus.service.registry import Registry
 from service_support import CLI, Service, service_env
 
 
+def _interruptible() -> None:
+    """SIGINT as a terminal's program has it: a test run started in the background
+    (CI's shell, `&`) inherits it ignored, and Python keeps an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(root: Path) -> tuple[subprocess.Popen[str], str, str]:
     """``nimbus dashboard --port 0``: the process, the token it printed, its URL."""
     url_file = root / "url"
@@ -28,6 +34,7 @@ def start(root: Path) -> tuple[subprocess.Popen[str], str, str]:
         [sys.executable, "-c", CLI, "dashboard", "--port", "0", "--user", "dana",
          "--url-file", str(url_file)],
         env=service_env(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_interruptible,
     )  # fmt: skip
     assert proc.stdout is not None
     head = proc.stdout.readline()

@@ -1022,6 +1022,12 @@ if __name__ == "__main__":
 """
 
 
+def _interruptible() -> None:
+    """SIGINT as a terminal's program has it: a test run started in the background
+    (CI's shell, `&`) inherits it ignored, and Python keeps an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _ctrl_c(tmp_path: Path, seconds: float, presses: int) -> tuple[int, float, list[int], str]:
     script = tmp_path / "ctrl_c.py"
     script.write_text(_CTRL_C_SCRIPT)
@@ -1029,7 +1035,7 @@ def _ctrl_c(tmp_path: Path, seconds: float, presses: int) -> tuple[int, float, l
     proc = subprocess.Popen(
         [sys.executable, str(script), str(seconds)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=_interruptible,
     )  # fmt: skip
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]  # type: ignore[union-attr]
