@@ -35,6 +35,8 @@ import secrets
 import socket
 import time
 
+import redis
+
 from nimbus.errors import InputFailed
 from nimbus.protocol import ResultRow, pack
 from nimbus.records import TaskState
@@ -98,7 +100,13 @@ async def fail_held(ctx: ServiceContext) -> None:
             await fail_step(ctx, consumer, block=1.0, claim=None)
         except asyncio.CancelledError:
             raise
-        except Exception:  # Redis away: entries stay pending, claimed again later
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            # the queue Redis is away (its outage is said once, by the service's
+            # supervisor): entries stay pending, claimed again later
+            log.debug("held tasks to fail wait in the queue Redis (%s)", exc)
+            claim = CLAIM_IDLE
+            await asyncio.sleep(RETRY)
+        except Exception:  # entries stay pending, claimed again later
             log.exception("failing tasks held for a failed input failed; retrying")
             claim = CLAIM_IDLE
             await asyncio.sleep(RETRY)

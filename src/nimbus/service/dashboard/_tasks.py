@@ -133,9 +133,10 @@ while read < cap do
   for i = 1, #members, 2 do
     local id = members[i]
     last_id, last_score, read = id, members[i + 1], read + 1
-    local v = redis.call('HMGET', prefix .. id, 'state', 'endpoint', 'function', 'submitted',
-                         'dispatched', 'ended')
-    if not v[1] then
+    local v = redis.pcall('HMGET', prefix .. id, 'state', 'endpoint', 'function', 'submitted',
+                          'dispatched', 'ended')
+    if v.err then  -- not a task's hash (a broken record): not listed, left to its own routes
+    elseif not v[1] then
       gone[#gone + 1] = id  -- expired (its result's time to live passed): unindexed
     elseif (state == '' or v[1] == state) and (endpoint == '' or v[2] == endpoint)
         and (fn == '' or v[3] == fn) then
