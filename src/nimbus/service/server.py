@@ -75,8 +75,16 @@ def serve(
             "Redis: configure its persistence there (appendonly yes)"
         )
     persist_dir = settings.service_dir / "redis" if persist else None
-    previous = _stop_on_sigterm()
+    # a SIGTERM while the handler is swapped waits for the try below (it arrived as the
+    # service started: stop it cleanly, not from inside signal.signal)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
+        previous = _stop_on_sigterm()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        raise
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         _serve(settings, host, port, url_file, persist_dir, tls, context)
     except _Terminated:
         log.info("nimbus service stopped (SIGTERM)")
