@@ -17,10 +17,10 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field, field_validator
 
-from nimbus.errors import AuthError, ProtocolError, ServiceError
-from nimbus.protocol import Order, check_environment
+from nimbus.errors import AuthError, ServiceError
+from nimbus.protocol import Order
 from nimbus.service.context import ServiceContext
-from nimbus.service.deps import context, current_user
+from nimbus.service.deps import context, current_user, environment_field
 from nimbus.service.orders import new_order_id
 from nimbus.service.registry import Principal
 from nimbus.service.ws import BEAT_SAVE_SECONDS
@@ -45,10 +45,7 @@ class OrderIn(BaseModel):
     @field_validator("environment", mode="before")
     @classmethod
     def _environment(cls, value: object) -> object:
-        try:
-            return check_environment(value, "environment")
-        except ProtocolError as exc:
-            raise ValueError(str(exc)) from None
+        return environment_field(value)
 
 
 @router.post(

@@ -10,10 +10,10 @@ from fastapi.responses import JSONResponse
 from pydantic import Base64Bytes, BaseModel, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
-from nimbus.errors import NotFound, PayloadTooLargeError, ProtocolError, ServiceError
-from nimbus.protocol import FUNCTION_MAX, check_environment
+from nimbus.errors import NotFound, PayloadTooLargeError, ServiceError
+from nimbus.protocol import FUNCTION_MAX
 from nimbus.service.context import AmbiguousName, ServiceContext
-from nimbus.service.deps import context, current_user
+from nimbus.service.deps import context, current_user, environment_field
 from nimbus.service.registry import Principal
 
 __all__ = ["router"]
@@ -44,10 +44,7 @@ class FunctionIn(BaseModel):
     @field_validator("environment", mode="before")
     @classmethod
     def _environment(cls, value: object) -> object:
-        try:
-            return check_environment(value, "environment")
-        except ProtocolError as exc:
-            raise ValueError(str(exc)) from None
+        return environment_field(value)
 
 
 class EndpointIn(BaseModel):

@@ -31,7 +31,6 @@ from nimbus.protocol import (
     ResultRow,
     SubmitRow,
     brief,
-    check_environment,
     check_payload,
     inputs_of,
     pack,
@@ -41,7 +40,7 @@ from nimbus.protocol import (
 from nimbus.records import TaskRecord, TaskState
 from nimbus.service.context import ServiceContext
 from nimbus.service.dashboard._tasks import Filter, page
-from nimbus.service.deps import context, current_user
+from nimbus.service.deps import context, current_user, environment_field
 from nimbus.service.queues import CANCELLED_RESULT, DONE
 from nimbus.service.registry import FunctionInfo, Principal
 
@@ -309,10 +308,7 @@ class TaskIn(BaseModel):
     @field_validator("environment", mode="before")
     @classmethod
     def _environment(cls, value: object) -> object:
-        try:
-            return check_environment(value, "environment")
-        except ProtocolError as exc:
-            raise ValueError(str(exc)) from None
+        return environment_field(value)
 
     @field_validator("payload", mode="before")
     @classmethod
