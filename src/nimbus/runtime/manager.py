@@ -447,18 +447,20 @@ class Manager(Workers, NodeOrders):
             if not ready:
                 return
             ready.sort(key=lambda w: len(w.inflight))  # idle workers first
-            share = -(-len(pending) // len(ready))
-            for worker in ready:
-                room = min(limit - len(worker.inflight), share)
-                batch: list[Task] = []
-                while pending and len(batch) < room:
-                    batch.append(pending.popleft())
+            # dealt in turn, as cards: the first tasks start first (2 workers
+            # run tasks 0 and 1, then 2 and 3; not 0 and 2)
+            rooms = [limit - len(worker.inflight) for worker in ready]
+            batches: list[list[Task]] = [[] for _ in ready]
+            while pending and any(rooms):
+                for i, room in enumerate(rooms):
+                    if room and pending:
+                        batches[i].append(pending.popleft())
+                        rooms[i] = room - 1
+            for worker, batch in zip(ready, batches):
                 if batch and self._on_dispatch is not None:
                     batch = self._on_dispatch(batch)
                 if batch:
                     self._send(worker, batch)
-                if not pending:
-                    break
 
     def _steal(self) -> None:
         """Recall the queued tasks of busy workers when others are idle.
