@@ -329,12 +329,46 @@ class _Reader:
         self.proc.wait()
 
 
-def packets(quick: bool) -> dict[str, Any]:
+class _Sampled:
+    """``perf record -a`` over the middle of a run: the CPU seconds sampled in the
+    sender's and reader's processes (``udpblast``), the softirq work done on their
+    stacks included, and in ``ksoftirqd`` (what the kernel deferred there)."""
+
+    HZ = 4999
+
+    def __init__(self, tmp: str, seconds: float) -> None:
+        time.sleep(0.5)
+        self.window = seconds - 1.0
+        self.data = os.path.join(tmp, "perf.data")
+        self.proc = subprocess.Popen(
+            ["perf", "record", "-a", "-F", str(self.HZ), "-o", self.data, "--",
+             "sleep", str(self.window)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def cpu(self) -> float:
+        self.proc.wait()
+        done = subprocess.run(
+            ["perf", "report", "-i", self.data, "--sort", "comm", "-n", "--stdio", "-g", "none"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        samples = 0
+        for line in done.stdout.splitlines():
+            f = line.split()
+            if len(f) == 3 and (f[2] == "udpblast" or f[2].startswith("ksoftirqd/")):
+                samples += int(f[1])
+        return samples / self.HZ
+
+
+def packets(quick: bool, rate: int = RATE) -> dict[str, Any]:
     """The CPU the accounting costs at RATE packets/s: on (a namespace) vs off, the
     same traffic, two executors alive side by side, alternating runs."""
+    import shutil
+    import tempfile
+
     seconds, rounds = (2.0, 3) if quick else (4.0, 8)
     runs: dict[str, list[dict[str, float]]] = {"socket": [], "netns": []}
-    import tempfile
+    perf = shutil.which("perf") is not None
 
     with _blast() as blast, tempfile.TemporaryDirectory() as tmp:
         reader = _Reader(blast, tmp)
@@ -346,12 +380,13 @@ def packets(quick: bool) -> dict[str, Any]:
                 Executor(1) as on,
             ):
                 for ex in (off, on):  # warm: each worker's first task
-                    ex.submit(_paced, blast, reader.port, 0.3, RATE).result()
+                    ex.submit(_paced, blast, reader.port, 0.3, rate).result()
                 for i in range(rounds):
                     for mode, ex in (("socket", off), ("netns", on))[:: 1 if i % 2 else -1]:
                         time.sleep(0.2)  # the reader drains the last run's datagrams
                         count, reader_cpu, (busy, softirq) = reader.count(), reader.cpu(), _stat()
-                        fut = ex.submit(_paced, blast, reader.port, seconds, RATE)
+                        fut = ex.submit(_paced, blast, reader.port, seconds, rate)
+                        sampled = _Sampled(tmp, seconds) if perf else None
                         sent, task_cpu = fut.result()
                         time.sleep(0.2)  # the reader takes what is still queued
                         busy2, softirq2 = _stat()
@@ -369,6 +404,10 @@ def packets(quick: bool) -> dict[str, Any]:
                                 "source": fut.record.net_source == mode,
                             }
                         )
+                        if sampled is not None:  # CPU a packet in the sender's and reader's
+                            runs[mode][-1]["perf_s_per_packet"] = sampled.cpu() / (
+                                sampled.window * sent / seconds
+                            )
         finally:
             reader.close()
 
@@ -377,7 +416,7 @@ def packets(quick: bool) -> dict[str, Any]:
 
     # % of one core at RATE packets/s: each run's CPU a packet x RATE (the machine may
     # not reach RATE; the cost is per packet)
-    out: dict[str, Any] = {"rate": RATE, "datagram": DATAGRAM, "rounds": rounds}
+    out: dict[str, Any] = {"rate": rate, "datagram": DATAGRAM, "rounds": rounds}
     for name, keys in (
         ("processes", ("task_cpu", "reader_cpu")),
         ("processes_softirq", ("task_cpu", "reader_cpu", "softirq")),
@@ -390,11 +429,23 @@ def packets(quick: bool) -> dict[str, Any]:
         out[f"{name}_on_pct"] = round(100 * RATE * statistics.median(on_pk), 2)
         out[f"{name}_cost_pct"] = round(statistics.median(pairs), 2)  # the pairs' median
         out[f"{name}_pairs"] = [round(x, 2) for x in pairs]
+    if perf:
+        off_pk = [r["perf_s_per_packet"] for r in runs["socket"]]
+        on_pk = [r["perf_s_per_packet"] for r in runs["netns"]]
+        pairs = [100 * RATE * (n - s) for s, n in zip(off_pk, on_pk, strict=True)]
+        out["perf_off_pct"] = round(100 * RATE * statistics.median(off_pk), 2)
+        out["perf_on_pct"] = round(100 * RATE * statistics.median(on_pk), 2)
+        out["perf_cost_pct"] = round(statistics.median(pairs), 2)
+        out["perf_pairs"] = [round(x, 2) for x in pairs]
     for mode in ("socket", "netns"):
         out[f"sent_per_s_{mode}"] = round(statistics.median(r["sent_per_s"] for r in runs[mode]))
         out[f"received_per_s_{mode}"] = round(
             statistics.median(r["received_per_s"] for r in runs[mode])
         )
+        for key in ("task_cpu", "reader_cpu", "softirq"):  # % of a core, as measured
+            out[f"{key}_pct_{mode}"] = round(
+                statistics.median(100 * r[key] / r["seconds"] for r in runs[mode]), 2
+            )
     out["ok"] = out["processes_softirq_cost_pct"] <= 2.0
     out["sources_right"] = all(r["source"] for v in runs.values() for r in v)
     return out
@@ -404,6 +455,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small payloads, short windows")
     parser.add_argument("--json", help="write the results here too")
+    parser.add_argument(
+        "--rate", type=int, default=RATE, help=f"packets/s of the packets row (default {RATE})"
+    )
     parser.add_argument(
         "--only", default="accuracy,overhead,limits,latency,packets", help="comma-separated parts"
     )
@@ -449,7 +503,7 @@ def main() -> int:
             f"{lat['meter_us_per_task']} us a task; medians {lat['medians_us']}"
         )
     if "packets" in parts:
-        results["packets"] = pk = packets(args.quick)
+        results["packets"] = pk = packets(args.quick, args.rate)
         print(
             f"packets ({pk['rate']} UDP datagrams/s of {pk['datagram']} B from a task to "
             f"127.0.0.1; sent {pk['sent_per_s_socket']} / {pk['sent_per_s_netns']} a second, "
@@ -460,6 +514,13 @@ def main() -> int:
             f"processes alone {pk['processes_cost_pct']} %; the whole machine "
             f"{pk['machine_cost_pct']} % (pairs {pk['machine_pairs']}) {pk['ok']}"
         )
+        if "perf_cost_pct" in pk:
+            print(
+                f"packets, by perf sampling (the sender's and reader's processes, softirq on "
+                f"their stacks included): off {pk['perf_off_pct']} %, on {pk['perf_on_pct']} "
+                f"%, accounting costs {pk['perf_cost_pct']} % of a core (pairs "
+                f"{pk['perf_pairs']})"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
