@@ -979,6 +979,7 @@ def test_netbench_sizes_objects_and_cost_on_a_real_endpoint(
     workers) too, each task's rate and the aggregate, and per size the concurrency past
     which each task gets less than the share of the link."""
     from nimbus.network import netbench_endpoint
+    from nimbus.network._grid import grid
 
     with Executor(endpoint="sized", settings=service.user_settings(alice.token)) as ex:
         written = netbench_endpoint(
@@ -986,6 +987,9 @@ def test_netbench_sizes_objects_and_cost_on_a_real_endpoint(
             objects=4, object_size=2 << 20, price_gb_second=0.001, price_request=0.5,
             share=0.01,
         )  # fmt: skip
+        refused = r"started only 2 of 3 tasks of 128M at once.*sweep to 2 at most"
+        with object_server() as port, pytest.raises(ConfigError, match=refused):
+            grid(ex, ("127.0.0.1", port), [128 << 20], [3], 1, 1 << 20)  # 2 workers
     names = {p.name for p in written}
     assert {"netbench-sizes.csv", "netbench-sizes.png", "netbench.html"} <= names
     assert {"netbench-grid.csv", "netbench-grid.png"} <= names
