@@ -15,14 +15,16 @@
 * limits: a worker limited to 50 / 200 / 800 Mbit/s downloads for 10 s
   (target: within 5 % of the limit over the window).
 * latency: a no-op task's round trip with accounting on and off (<= 1.05x).
-* packets: a task sends 64-byte UDP datagrams at 100k packets/s to a reader on
-  the node's 127.0.0.1 for a few seconds, in a worker with a namespace of its
-  own (on) and in one without (off: today's socket counting, which the task's
-  Python socket pays in both), alternating; the CPU the accounting costs is
-  the difference in CPU seconds (the task's, the reader thread's, and the
-  machine's softirq time, where the veth's receive work is charged) per second
-  of traffic, as a % of one core (target: <= 2 %). The whole machine's busy
-  time (/proc/stat) is printed beside it; it carries the other tenants' load.
+* packets: a task's child (``_udpblast.c``, built with cc: Python's own sends
+  cost more than the path measured) sends 64-byte UDP datagrams with sendmmsg
+  at 100k packets/s (``--rate``) to a recvmmsg reader on the node's 127.0.0.1,
+  in a worker with a namespace of its own (on) and in one without (off),
+  alternating; the CPU the accounting costs is the difference in CPU seconds
+  a packet (the child's, the reader's, and the machine's softirq time, where
+  the veth's receive work is charged) times 100k, as a % of one core (target:
+  <= 2 %). Where ``perf`` exists, a second figure samples the two processes
+  (the softirq work on their stacks included). The whole machine's busy time
+  (/proc/stat) is printed too; it carries the other tenants' load.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import socket
 import statistics
 import subprocess
@@ -363,7 +366,6 @@ class _Sampled:
 def packets(quick: bool, rate: int = RATE) -> dict[str, Any]:
     """The CPU the accounting costs at RATE packets/s: on (a namespace) vs off, the
     same traffic, two executors alive side by side, alternating runs."""
-    import shutil
     import tempfile
 
     seconds, rounds = (2.0, 3) if quick else (4.0, 8)
@@ -502,7 +504,9 @@ def main() -> int:
             f"{lat['ratio_per_round_median']}); the meter itself "
             f"{lat['meter_us_per_task']} us a task; medians {lat['medians_us']}"
         )
-    if "packets" in parts:
+    if "packets" in parts and shutil.which("cc") is None:
+        print("packets: skipped (needs cc to build bench/_udpblast.c)")
+    elif "packets" in parts:
         results["packets"] = pk = packets(args.quick, args.rate)
         print(
             f"packets ({pk['rate']} UDP datagrams/s of {pk['datagram']} B from a task to "
