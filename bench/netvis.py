@@ -15,6 +15,16 @@
 * limits: a worker limited to 50 / 200 / 800 Mbit/s downloads for 10 s
   (target: within 5 % of the limit over the window).
 * latency: a no-op task's round trip with accounting on and off (<= 1.05x).
+* packets: a task's child (``_udpblast.c``, built with cc: Python's own sends
+  cost more than the path measured) sends 64-byte UDP datagrams with sendmmsg
+  at 100k packets/s (``--rate``) to a recvmmsg reader on the node's 127.0.0.1,
+  in a worker with a namespace of its own (on) and in one without (off),
+  alternating; the CPU the accounting costs is the difference in CPU seconds
+  a packet (the child's, the reader's, and the machine's softirq time, where
+  the veth's receive work is charged) times 100k, as a % of one core (target:
+  <= 2 %). Where ``perf`` exists, a second figure samples the two processes
+  (the softirq work on their stacks included). The whole machine's busy time
+  (/proc/stat) is printed too; it carries the other tenants' load.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import socket
 import statistics
 import subprocess
@@ -255,12 +266,202 @@ def latency(quick: bool) -> dict[str, Any]:
     }
 
 
+RATE = 100_000  # packets/s
+DATAGRAM = 64  # bytes of UDP payload
+
+
+def _stat() -> tuple[float, float]:
+    """The machine's (busy, softirq) CPU seconds so far (/proc/stat's first line)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / tick, fields[6] / tick
+
+
+@contextmanager
+def _blast() -> Iterator[str]:
+    """``bench/_udpblast.c`` built into a temporary directory: the packets' sender and
+    reader (sendmmsg / recvmmsg: Python's own sends cost more than the path measured)."""
+    import tempfile
+
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_udpblast.c")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "udpblast")
+        subprocess.run(["cc", "-O2", "-o", exe, source], check=True)
+        os.chmod(tmp, 0o755)  # a worker may run as another user
+        yield exe
+
+
+def _paced(blast: str, port: int, seconds: float, rate: int) -> tuple[int, float]:
+    """A task: its child sends DATAGRAM-byte UDP datagrams to the node's 127.0.0.1 at
+    ``rate`` a second for ``seconds``; (sent, the child's CPU seconds)."""
+    done = subprocess.run(
+        [blast, "send", str(port), str(rate), str(seconds)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    sent, cpu = done.stdout.split()
+    return int(sent), float(cpu)
+
+
+class _Reader:
+    """The reader on 127.0.0.1 (a child process); its count and CPU seconds."""
+
+    def __init__(self, blast: str, tmp: str) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.file = os.path.join(tmp, "count")
+        self.proc = subprocess.Popen([blast, "recv", str(self.port), self.file])
+        time.sleep(0.3)
+
+    def count(self) -> int:
+        try:
+            with open(self.file) as f:
+                return int(f.read() or 0)
+        except FileNotFoundError:
+            return 0
+
+    def cpu(self) -> float:
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+
+
+class _Sampled:
+    """``perf record -a`` over the middle of a run: the CPU seconds sampled in the
+    sender's and reader's processes (``udpblast``), the softirq work done on their
+    stacks included, and in ``ksoftirqd`` (what the kernel deferred there)."""
+
+    HZ = 4999
+
+    def __init__(self, tmp: str, seconds: float) -> None:
+        time.sleep(0.5)
+        self.window = seconds - 1.0
+        self.data = os.path.join(tmp, "perf.data")
+        self.proc = subprocess.Popen(
+            ["perf", "record", "-a", "-F", str(self.HZ), "-o", self.data, "--",
+             "sleep", str(self.window)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def cpu(self) -> float:
+        self.proc.wait()
+        done = subprocess.run(
+            ["perf", "report", "-i", self.data, "--sort", "comm", "-n", "--stdio", "-g", "none"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        samples = 0
+        for line in done.stdout.splitlines():
+            f = line.split()
+            if len(f) == 3 and (f[2] == "udpblast" or f[2].startswith("ksoftirqd/")):
+                samples += int(f[1])
+        return samples / self.HZ
+
+
+def packets(quick: bool, rate: int = RATE) -> dict[str, Any]:
+    """The CPU the accounting costs at RATE packets/s: on (a namespace) vs off, the
+    same traffic, two executors alive side by side, alternating runs."""
+    import tempfile
+
+    seconds, rounds = (2.0, 3) if quick else (4.0, 8)
+    runs: dict[str, list[dict[str, float]]] = {"socket": [], "netns": []}
+    perf = shutil.which("perf") is not None
+
+    with _blast() as blast, tempfile.TemporaryDirectory() as tmp:
+        reader = _Reader(blast, tmp)
+        try:
+            with (
+                settings(NIMBUS_NET_ACCOUNTING="socket"),
+                Executor(1) as off,
+                settings(NIMBUS_NET_ACCOUNTING="netns"),
+                Executor(1) as on,
+            ):
+                for ex in (off, on):  # warm: each worker's first task
+                    ex.submit(_paced, blast, reader.port, 0.3, rate).result()
+                for i in range(rounds):
+                    for mode, ex in (("socket", off), ("netns", on))[:: 1 if i % 2 else -1]:
+                        time.sleep(0.2)  # the reader drains the last run's datagrams
+                        count, reader_cpu, (busy, softirq) = reader.count(), reader.cpu(), _stat()
+                        fut = ex.submit(_paced, blast, reader.port, seconds, rate)
+                        sampled = _Sampled(tmp, seconds) if perf else None
+                        sent, task_cpu = fut.result()
+                        time.sleep(0.2)  # the reader takes what is still queued
+                        busy2, softirq2 = _stat()
+                        took = seconds
+                        runs[mode].append(
+                            {
+                                "seconds": took,
+                                "sent_per_s": sent / took,
+                                "received_per_s": (reader.count() - count) / took,
+                                "task_cpu": task_cpu,
+                                "reader_cpu": reader.cpu() - reader_cpu,
+                                "softirq": softirq2 - softirq,
+                                "machine_busy": busy2 - busy,
+                                "packets": sent,
+                                "source": fut.record.net_source == mode,
+                            }
+                        )
+                        if sampled is not None:  # CPU a packet in the sender's and reader's
+                            runs[mode][-1]["perf_s_per_packet"] = sampled.cpu() / (
+                                sampled.window * sent / seconds
+                            )
+        finally:
+            reader.close()
+
+    def per_packet(run: dict[str, float], *keys: str) -> float:
+        return sum(run[k] for k in keys) / max(1, run["packets"])  # CPU seconds a packet
+
+    # % of one core at RATE packets/s: each run's CPU a packet x RATE (the machine may
+    # not reach RATE; the cost is per packet)
+    out: dict[str, Any] = {"rate": rate, "datagram": DATAGRAM, "rounds": rounds}
+    for name, keys in (
+        ("processes", ("task_cpu", "reader_cpu")),
+        ("processes_softirq", ("task_cpu", "reader_cpu", "softirq")),
+        ("machine", ("machine_busy",)),
+    ):
+        off_pk = [per_packet(r, *keys) for r in runs["socket"]]
+        on_pk = [per_packet(r, *keys) for r in runs["netns"]]
+        pairs = [100 * RATE * (n - s) for s, n in zip(off_pk, on_pk, strict=True)]
+        out[f"{name}_off_pct"] = round(100 * RATE * statistics.median(off_pk), 2)
+        out[f"{name}_on_pct"] = round(100 * RATE * statistics.median(on_pk), 2)
+        out[f"{name}_cost_pct"] = round(statistics.median(pairs), 2)  # the pairs' median
+        out[f"{name}_pairs"] = [round(x, 2) for x in pairs]
+    if perf:
+        off_pk = [r["perf_s_per_packet"] for r in runs["socket"]]
+        on_pk = [r["perf_s_per_packet"] for r in runs["netns"]]
+        pairs = [100 * RATE * (n - s) for s, n in zip(off_pk, on_pk, strict=True)]
+        out["perf_off_pct"] = round(100 * RATE * statistics.median(off_pk), 2)
+        out["perf_on_pct"] = round(100 * RATE * statistics.median(on_pk), 2)
+        out["perf_cost_pct"] = round(statistics.median(pairs), 2)
+        out["perf_pairs"] = [round(x, 2) for x in pairs]
+    for mode in ("socket", "netns"):
+        out[f"sent_per_s_{mode}"] = round(statistics.median(r["sent_per_s"] for r in runs[mode]))
+        out[f"received_per_s_{mode}"] = round(
+            statistics.median(r["received_per_s"] for r in runs[mode])
+        )
+        for key in ("task_cpu", "reader_cpu", "softirq"):  # % of a core, as measured
+            out[f"{key}_pct_{mode}"] = round(
+                statistics.median(100 * r[key] / r["seconds"] for r in runs[mode]), 2
+            )
+    out["ok"] = out["processes_softirq_cost_pct"] <= 2.0
+    out["sources_right"] = all(r["source"] for v in runs.values() for r in v)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small payloads, short windows")
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument(
-        "--only", default="accuracy,overhead,limits,latency", help="comma-separated parts"
+        "--rate", type=int, default=RATE, help=f"packets/s of the packets row (default {RATE})"
+    )
+    parser.add_argument(
+        "--only", default="accuracy,overhead,limits,latency,packets", help="comma-separated parts"
     )
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -303,6 +504,27 @@ def main() -> int:
             f"{lat['ratio_per_round_median']}); the meter itself "
             f"{lat['meter_us_per_task']} us a task; medians {lat['medians_us']}"
         )
+    if "packets" in parts and shutil.which("cc") is None:
+        print("packets: skipped (needs cc to build bench/_udpblast.c)")
+    elif "packets" in parts:
+        results["packets"] = pk = packets(args.quick, args.rate)
+        print(
+            f"packets ({pk['rate']} UDP datagrams/s of {pk['datagram']} B from a task to "
+            f"127.0.0.1; sent {pk['sent_per_s_socket']} / {pk['sent_per_s_netns']} a second, "
+            f"received {pk['received_per_s_socket']} / {pk['received_per_s_netns']}, off / on): "
+            f"accounting costs {pk['processes_softirq_cost_pct']} % of a core (task + reader "
+            f"+ softirq: off {pk['processes_softirq_off_pct']} %, on "
+            f"{pk['processes_softirq_on_pct']} %; pairs {pk['processes_softirq_pairs']}); "
+            f"processes alone {pk['processes_cost_pct']} %; the whole machine "
+            f"{pk['machine_cost_pct']} % (pairs {pk['machine_pairs']}) {pk['ok']}"
+        )
+        if "perf_cost_pct" in pk:
+            print(
+                f"packets, by perf sampling (the sender's and reader's processes, softirq on "
+                f"their stacks included): off {pk['perf_off_pct']} %, on {pk['perf_on_pct']} "
+                f"%, accounting costs {pk['perf_cost_pct']} % of a core (pairs "
+                f"{pk['perf_pairs']})"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

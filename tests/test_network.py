@@ -974,16 +974,25 @@ def test_netbench_sizes_objects_and_cost_on_a_real_endpoint(
 ) -> None:
     """--sizes: at each worker size, one task downloads then one uploads the objects from
     this machine's object server; time per object, rate and the cost of a million tasks
-    under the price table, with the smallest size within 5 % of the best rate."""
+    under the price table, with the smallest size within 5 % of the best rate. With
+    --concurrency 1,2 the grid: at each size 2 tasks at once (on the endpoint's 2
+    workers) too, each task's rate and the aggregate, and per size the concurrency past
+    which each task gets less than the share of the link."""
     from nimbus.network import netbench_endpoint
+    from nimbus.network._grid import grid
 
     with Executor(endpoint="sized", settings=service.user_settings(alice.token)) as ex:
         written = netbench_endpoint(
-            ex, "127.0.0.1", [1], ["down"], 0.5, tmp_path, sizes=[128 << 20, 512 << 20],
+            ex, "127.0.0.1", [1, 2], ["down"], 0.5, tmp_path, sizes=[128 << 20, 512 << 20],
             objects=4, object_size=2 << 20, price_gb_second=0.001, price_request=0.5,
+            share=0.01,
         )  # fmt: skip
+        refused = r"started only 2 of 3 tasks of 128M at once.*sweep to 2 at most"
+        with object_server() as port, pytest.raises(ConfigError, match=refused):
+            grid(ex, ("127.0.0.1", port), [128 << 20], [3], 1, 1 << 20)  # 2 workers
     names = {p.name for p in written}
     assert {"netbench-sizes.csv", "netbench-sizes.png", "netbench.html"} <= names
+    assert {"netbench-grid.csv", "netbench-grid.png"} <= names
     sizes = json.loads((tmp_path / "netbench.json").read_text())["sizes"]
     assert sizes["prices"] == {"gb_second": 0.001, "request": 0.5}
     points = sizes["points"]
@@ -1006,6 +1015,36 @@ def test_netbench_sizes_objects_and_cost_on_a_real_endpoint(
     assert "Worker size" in page and "netbench-sizes.png" in page
     csv_rows = (tmp_path / "netbench-sizes.csv").read_text().splitlines()
     assert len(csv_rows) == 3 and csv_rows[0].startswith("memory,cpus,objects")
+    grid = sizes["grid"]
+    cells = {(c["memory"] >> 20, c["concurrency"], c["direction"]): c for c in grid["cells"]}
+    assert set(cells) == {(m, n, d) for m in (128, 512) for n in (1, 2) for d in ("down", "up")}
+    for (_, n, _), c in cells.items():
+        assert 0 < c["per_task_min_mbit"] <= c["per_task_mean_mbit"] <= c["per_task_max_mbit"]
+        # n tasks at once: the aggregate is about their sum (their spans overlap)
+        assert c["aggregate_mbit"] >= 0.5 * n * c["per_task_min_mbit"], c
+        assert c["aggregate_mbit"] <= 1.05 * n * c["per_task_max_mbit"], c
+    tasks = grid["tasks"]
+    assert len(tasks) == 2 * 2 * (1 + 2)  # sizes x directions x (1 + 2 tasks)
+    for t in tasks:  # every task's bytes counted by its own worker's link
+        assert t["net_source"] == "netns" and abs(t["counted"] - t["bytes"]) < 0.02 * t["bytes"]
+    # the lone tasks are the size sweep's points
+    alone = {(t["memory"], t["direction"]): t["mbit"] for t in tasks if t["concurrency"] == 1}
+    assert [alone[p["memory"], "down"] for p in points] == [p["down_mbit"] for p in points]
+    pick = grid["recommendation"]
+    assert pick["share"] == 0.01 and pick["cap_mbit"] > 0
+    most = pick["most_tasks_per_host_each_getting_share"]
+    assert set(most) == {"128M", "512M"}
+    for memory, ways in most.items():
+        for way, n in ways.items():
+            threshold = pick["share"] * pick["cap_mbit"]
+            assert n == max(
+                [c["concurrency"] for (m, _, d), c in cells.items()
+                 if f"{m}M" == memory and d == way and c["per_task_mean_mbit"] >= threshold]
+                or [0]
+            )  # fmt: skip
+    assert "Worker size x concurrency" in page and "netbench-grid.png" in page
+    grid_csv = (tmp_path / "netbench-grid.csv").read_text().splitlines()
+    assert len(grid_csv) == 1 + 12 and grid_csv[0].startswith("memory,concurrency,direction")
 
 
 def test_netbench_sizes_need_an_endpoint_and_their_unit(tmp_path: Path) -> None:

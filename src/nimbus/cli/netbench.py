@@ -8,7 +8,9 @@ endpoint reaches it at). Either moves data from 1..N tasks at once and writes
 ``netbench.html`` with PNG charts and the CSV and JSON behind them into ``--out``.
 With ``--endpoint``, ``--sizes`` adds the worker-size sweep: ``--objects`` objects of
 ``--object-size`` down and up at each size, and the cost per million tasks under
-``--price-gb-second`` / ``--price-request`` (``nimbus.network._sizes``).
+``--price-gb-second`` / ``--price-request`` (``nimbus.network._sizes``), on a grid
+of size x concurrency: at each size 1 and each ``--concurrency`` tasks at once, each
+on a worker of its own (``nimbus.network._grid``).
 """
 
 from __future__ import annotations
@@ -105,8 +107,8 @@ def setup(parser: argparse.ArgumentParser) -> None:
                         "fraction of the link (above 0, at most 1; default 0.25)")  # fmt: skip
     parser.add_argument("--sizes", type=_sizes, default=None,
                         help="with --endpoint: worker memory sizes to sweep, e.g. 128M,512M,1G,"
-                        "3G (CPU in proportion: one CPU at 1769M); each size's tasks move "
-                        "--objects objects down and up")  # fmt: skip
+                        "3G (CPU in proportion: one CPU at 1769M); at each size 1 and each "
+                        "--concurrency tasks at once move --objects objects down, then up")  # fmt: skip
     parser.add_argument("--objects", type=number(int, 1, 10000, "objects"), default=100,
                         help="objects each way at each size (default 100)")  # fmt: skip
     parser.add_argument("--object-size", type=_object_size, default=10 << 20,

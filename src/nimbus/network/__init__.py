@@ -134,31 +134,19 @@ def netbench_endpoint(
 ) -> list[Path]:
     """The bandwidth sweep on ``executor``'s endpoint against a traffic server on
     ``server`` (this machine's address as the endpoint reaches it) and, given ``sizes``
-    (bytes of worker memory), the object workload at each size (``_sizes``), its cost
-    under the prices given (USD; None: ``_sizes.Prices``'s defaults); the report into
-    ``out``."""
+    (bytes of worker memory), the object workload on the size x concurrency grid
+    (``_grid``: at each size, 1 and each of ``concurrency`` tasks at once), the cost of
+    the lone tasks under the prices given (USD; None: ``_sizes.Prices``'s defaults);
+    the report into ``out``."""
     from nimbus.network._endpoint import check_reach, sweep, traffic_server
+    from nimbus.network._grid import grid, past_which
     from nimbus.network._objects import object_server
     from nimbus.network._report import PAYLOAD, summarize, write
-    from nimbus.network._sizes import Prices, recommend, size_sweep
+    from nimbus.network._sizes import Prices, recommend, size_points
 
     with traffic_server(server) as address:
         check_reach(executor, address)  # (--server 127.0.0.1, the default, on a remote one)
         points = sweep(executor, address, concurrency, directions, seconds, progress)
-    sized: dict[str, Any] | None = None
-    if sizes:
-        prices = Prices()
-        prices = Prices(
-            prices.gb_second if price_gb_second is None else price_gb_second,
-            prices.request if price_request is None else price_request,
-        )
-        with object_server(server) as port:
-            at = size_sweep(executor, (server, port), sizes, objects, object_size, prices, progress)
-        sized = {
-            "prices": {"gb_second": prices.gb_second, "request": prices.request},
-            "points": [p.row() for p in at],
-            "recommendation": recommend(at),
-        }
     if cap is None:  # the best aggregate seen stands for the link's capacity
         best = max(
             sum(p.mbit for p in points if (p.direction, p.concurrency) == key)
@@ -166,6 +154,25 @@ def netbench_endpoint(
         )
         cap = int(best * 1e6 / PAYLOAD)
     summary = summarize(points, cap, share)
-    if sized is not None:
-        summary["sizes"] = sized
+    if sizes:
+        prices = Prices()
+        prices = Prices(
+            prices.gb_second if price_gb_second is None else price_gb_second,
+            prices.request if price_request is None else price_request,
+        )
+        with object_server(server) as port:
+            cells, tasks = grid(
+                executor, (server, port), sizes, concurrency, objects, object_size, progress
+            )
+        at = size_points(tasks, prices)
+        summary["sizes"] = {
+            "prices": {"gb_second": prices.gb_second, "request": prices.request},
+            "points": [p.row() for p in at],
+            "recommendation": recommend(at),
+            "grid": {
+                "cells": [c.row() for c in cells],
+                "tasks": [t.row() for t in tasks],
+                "recommendation": past_which(cells, cap * PAYLOAD / 1e6, share),
+            },
+        }
     return write(points, summary, out)

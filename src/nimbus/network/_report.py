@@ -5,7 +5,10 @@ direction and concurrency (aggregate, per-task mean / min / max, the share a
 fair link would give, and the recommendation: the concurrency per host past
 which each task gets less than ``share`` of the link) and, from ``--endpoint
 --sizes``, the worker-size sweep (``_sizes``: ``netbench-sizes.csv``, a chart of
-seconds per object and cost per million tasks against size). Charts need
+seconds per object and cost per million tasks against size) and its grid of
+size x concurrency (``_grid``: ``netbench-grid.csv`` with a row per task, a chart
+of per-task and aggregate rates against concurrency with a line per size, and
+per size the concurrency past which each task gets less than ``share``). Charts need
 matplotlib (``pip install nimbus[netbench]``); without it the CSV, JSON and an
 HTML page without pictures are still written, and the page says why.
 """
@@ -131,6 +134,77 @@ def _size_chart(sizes: dict[str, Any], out: Path) -> str:
     return "netbench-sizes.png"
 
 
+def _grid_chart(grid: dict[str, Any], out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = grid["cells"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, direction in zip(axes, ("down", "up"), strict=True):
+        for i, memory in enumerate(sorted({c["memory"] for c in cells})):
+            run = [c for c in cells if (c["memory"], c["direction"]) == (memory, direction)]
+            n = [c["concurrency"] for c in run]
+            ax.plot(n, [c["per_task_mean_mbit"] for c in run], "o-", color=f"C{i}",
+                    label=f"{memory >> 20}M per task")  # fmt: skip
+            ax.plot(n, [c["aggregate_mbit"] for c in run], "--", color=f"C{i}",
+                    label=f"{memory >> 20}M aggregate")  # fmt: skip
+        share = grid["recommendation"]
+        ax.axhline(share["share"] * share["cap_mbit"], color="grey", linestyle=":",
+                   label=f"{share['share']:g} of the link")  # fmt: skip
+        levels = sorted({c["concurrency"] for c in cells})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(x) for x in levels])
+        ax.set_xlabel("tasks on the host at once")
+        ax.set_title(f"objects {direction}: bandwidth vs worker size and co-location")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("Mbit/s")
+    axes[1].legend(fontsize="small")
+    fig.savefig(out / "netbench-grid.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return "netbench-grid.png"
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = list(rows[0])
+    return (
+        "<table><tr>"
+        + "".join(f"<th>{html.escape(k)}</th>" for k in head)
+        + "</tr>"
+        + "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(r[k]))}</td>" for k in head) + "</tr>"
+            for r in rows
+        )
+        + "</table>"
+    )
+
+
+def _grid(grid: dict[str, Any], out: Path, charts: bool) -> tuple[list[Path], str]:
+    """The size x concurrency grid's CSV (a row per task) and chart; its part of the page."""
+    tasks = grid["tasks"]
+    with open(out / "netbench-grid.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(tasks[0]))
+        w.writeheader()
+        w.writerows(tasks)
+    made = [out / "netbench-grid.csv"]
+    picture = ""
+    if charts:
+        made.append(out / _grid_chart(grid, out))
+        picture = '<p><img src="netbench-grid.png" alt="netbench-grid.png"></p>'
+    page = (
+        "<h2>Worker size x concurrency</h2><p>At each size, n tasks at once, each on a "
+        "worker of its own, move the objects from one instant: the rate of each task and "
+        "of all together.</p>"
+        + picture
+        + _table(grid["cells"])
+        + "<h3>Recommendation</h3><pre>"
+        + html.escape(json.dumps(grid["recommendation"], indent=2))
+        + '</pre><p>Data: <a href="netbench-grid.csv">netbench-grid.csv</a></p>'
+    )
+    return made, page
+
+
 def _sizes(sizes: dict[str, Any], out: Path, charts: bool) -> tuple[list[Path], str]:
     """The worker-size sweep's CSV (and chart); its part of the page."""
     rows = sizes["points"]
@@ -143,21 +217,17 @@ def _sizes(sizes: dict[str, Any], out: Path, charts: bool) -> tuple[list[Path], 
     if charts:
         made.append(out / _size_chart(sizes, out))
         picture = '<p><img src="netbench-sizes.png" alt="netbench-sizes.png"></p>'
-    head = list(rows[0])
     page = (
         f"<h2>Worker size</h2><p>Prices: {html.escape(json.dumps(sizes['prices']))}</p>"
         + picture
-        + "<table><tr>"
-        + "".join(f"<th>{html.escape(k)}</th>" for k in head)
-        + "</tr>"
-        + "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(r[k]))}</td>" for k in head) + "</tr>"
-            for r in rows
-        )
-        + "</table><pre>"
+        + _table(rows)
+        + "<pre>"
         + html.escape(json.dumps(sizes["recommendation"], indent=2))
         + '</pre><p>Data: <a href="netbench-sizes.csv">netbench-sizes.csv</a></p>'
     )
+    if sizes.get("grid"):
+        gridded, grid_page = _grid(sizes["grid"], out, charts)
+        made, page = made + gridded, page + grid_page
     return made, page
 
 

@@ -6,7 +6,8 @@
     the endpoint: for each size, one task limited to memory=size and
                   cpus=size / MB_PER_CPU downloads --objects objects of --object-size
                   one after another (keep-alive HTTP, as an S3 client), then one uploads
-                  as many; each object's time is taken in the task
+                  as many; each object's time is taken in the task (these are the
+                  size x concurrency grid's cells at concurrency 1: ``_grid``)
 
 As on the seed's platform, a bigger function gets a bigger CPU share (one CPU
 at ``MB_PER_CPU``): whether more memory buys more bandwidth is what the sweep
@@ -28,12 +29,10 @@ from __future__ import annotations
 import http.client
 import statistics
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["MB_PER_CPU", "Prices", "SizePoint", "recommend", "size_sweep", "transfer_objects"]
+__all__ = ["MB_PER_CPU", "Prices", "SizePoint", "recommend", "size_points", "transfer_objects"]
 
 MB_PER_CPU = 1769  # MiB of memory per CPU on the seed's platform (AWS Lambda)
 WITHIN = 0.05  # the recommendation: the smallest size within this of the best rate
@@ -107,42 +106,26 @@ def _p95(times: list[float]) -> float:
     return sorted(times)[min(len(times) - 1, int(0.95 * len(times)))]
 
 
-def size_sweep(
-    executor: Executor,
-    address: tuple[str, int],
-    sizes: list[int],
-    count: int,
-    size: int,
-    prices: Prices,
-    progress: Callable[[str], object] = lambda _: None,
-) -> list[SizePoint]:
-    """The object workload at each worker size, one task each way at a time."""
+def size_points(tasks: list[Any], prices: Prices) -> list[SizePoint]:
+    """Each worker size's point from the grid's tasks that ran alone (``_grid``:
+    concurrency 1, one down and one up a size)."""
+    alone = {(t.memory, t.direction): t for t in tasks if t.concurrency == 1}
     points = []
-    for memory in sizes:
+    for memory in sorted({m for m, _ in alone}):
+        down, up = alone[memory, "down"], alone[memory, "up"]
         cpus = round(memory / (MB_PER_CPU << 20), 3)
-        limited: Any = executor.options(memory=memory, cpus=max(cpus, 0.01))  # type: ignore[attr-defined]
-        runs: dict[str, tuple[list[float], Any]] = {}
-        for direction in ("down", "up"):
-            fut = limited.submit(transfer_objects, address, direction, count, size)
-            runs[direction] = (fut.result(timeout=600 + count * 60), getattr(fut, "record", None))
-        (down, rec_down), (up, rec_up) = runs["down"], runs["up"]
+        count, size = len(down.times), down.bytes // max(1, len(down.times))
         point = SizePoint(
             memory=memory, cpus=cpus, objects=count, object_size=size,
-            down_median_s=round(statistics.median(down), 5), down_p95_s=round(_p95(down), 5),
-            up_median_s=round(statistics.median(up), 5), up_p95_s=round(_p95(up), 5),
-            down_mbit=round(count * size * 8 / sum(down) / 1e6, 1),
-            up_mbit=round(count * size * 8 / sum(up) / 1e6, 1),
-            counted_in=rec_down.net_bytes_in if rec_down is not None else 0,
-            counted_out=rec_up.net_bytes_out if rec_up is not None else 0,
-            net_source=str(getattr(rec_down, "net_source", "") or ""),
-            cost_per_million_down=round(prices.per_million(memory, statistics.mean(down)), 4),
-            cost_per_million_up=round(prices.per_million(memory, statistics.mean(up)), 4),
+            down_median_s=round(statistics.median(down.times), 5),
+            down_p95_s=round(_p95(list(down.times)), 5),
+            up_median_s=round(statistics.median(up.times), 5),
+            up_p95_s=round(_p95(list(up.times)), 5),
+            down_mbit=down.mbit, up_mbit=up.mbit,
+            counted_in=down.counted, counted_out=up.counted, net_source=down.net_source,
+            cost_per_million_down=round(prices.per_million(memory, statistics.mean(down.times)), 4),
+            cost_per_million_up=round(prices.per_million(memory, statistics.mean(up.times)), 4),
         )  # fmt: skip
-        progress(
-            f"size {memory >> 20:>5} MiB ({cpus:.2f} CPU): {count} x {size >> 20} MiB objects "
-            f"down {point.down_median_s * 1e3:.1f} ms each ({point.down_mbit} Mbit/s), "
-            f"up {point.up_median_s * 1e3:.1f} ms ({point.up_mbit} Mbit/s)"
-        )
         points.append(point)
     return points
 
