@@ -129,6 +129,7 @@ BAD_ARGUMENTS = [
         "http://127.0.0.1:8420 ",
     ),
     (["login", "--service", "127.0.0.1:8420", "--token", "t"], "argument --service", "http(s)://"),
+    (["login", "--service", "http://[::1", "--token", "t"], "argument --service", "http(s)://"),
     (["tasks", "show", "../../etc"], "argument TASK_ID", "a UUID"),
 ]
 

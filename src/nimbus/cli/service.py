@@ -249,8 +249,12 @@ def _task_id(text: str) -> str:
 
 
 def _service_url(text: str) -> str:
-    url = urllib.parse.urlsplit(text)
-    if url.scheme not in ("http", "https") or not url.hostname:
+    try:
+        url = urllib.parse.urlsplit(text)
+        host = url.hostname
+    except ValueError:  # 'http://[::1': an unclosed IPv6 bracket, a bad port
+        host = None
+    if host is None or url.scheme not in ("http", "https"):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not the service's URL: http(s)://HOST:PORT, as `nimbus service start` "
             "prints it"

@@ -17,7 +17,7 @@ from nimbus.protocol import REVOKED, Malformed, ResultRow, Results
 
 __all__ = ["ADMIN_REVOKED", "Hub", "Peer"]
 
-ADMIN_REVOKED = "token revoked by the service admin: ask them for a new one"
+ADMIN_REVOKED = "token revoked by the service admin"  # the client says what to do
 REASON_BYTES = 120  # a WebSocket close reason holds at most 123 bytes
 GONE_KEPT = 100_000  # revoked digests remembered for agents still saying hello
 
