@@ -446,10 +446,16 @@ with conn, open(target, "w+b") as out:
 """
 
 
-def raw_between(path: Path, target: Path, source: list[str], dest: tuple[list[str], str]) -> float:
-    """:func:`raw_link` between two namespaces: the receiver runs under ``dest``'s prefix,
-    listening on its address (the one its agent takes data on)."""
-    prefix, host = dest
+def raw_copy(
+    path: Path, target: Path, source: list[str], dest: tuple[list[str], str] | None = None
+) -> float:
+    """Seconds a plain copy of ``path`` takes over the link the endpoints use, without
+    nimbus: sendfile into a TCP socket from where the source agent runs (``source``, its
+    namespace's prefix, if any), received into a file in memory where the target agent
+    runs (``dest``: its prefix and the address it takes data on; by default this host's
+    127.0.0.1). Timed by the receiver from the connection to the last byte, as the
+    nimbus transfer is not (that is timed from the submit, tasks and all)."""
+    prefix, host = dest or ([], "127.0.0.1")
     size = path.stat().st_size
     receiver = subprocess.Popen(
         [*prefix, sys.executable, "-c", RAW_RECEIVER, host, str(size), str(target)],
@@ -475,36 +481,6 @@ def raw_between(path: Path, target: Path, source: list[str], dest: tuple[list[st
     return seconds
 
 
-def raw_link(path: Path, target: Path, prefix: list[str]) -> float:
-    """Seconds a plain copy of ``path`` takes over the link the endpoints use (TCP to
-    127.0.0.1 from where the source agent runs: ``prefix``, its namespace, if shaped),
-    sendfile into a socket, received into a file in memory; without nimbus. Timed from
-    the connection to the last byte, as the nimbus transfer is not (that is timed from
-    the submit, tasks and all)."""
-    import mmap
-    import socket
-
-    size = path.stat().st_size
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    sender = subprocess.Popen([*prefix, sys.executable, "-c", RAW_SENDER, str(port), str(path)])
-    conn, _ = listener.accept()
-    start = time.perf_counter()
-    with conn, open(target, "w+b") as out:
-        out.truncate(size)
-        with mmap.mmap(out.fileno(), size) as mapped:
-            view, got = memoryview(mapped), 0
-            while got < size:
-                got += conn.recv_into(view[got : got + (8 << 20)])
-            view.release()
-        seconds = time.perf_counter() - start
-        conn.sendall(b"OK")
-    sender.wait(60)
-    listener.close()
-    target.unlink()
-    return seconds
-
-
 def file_rows(
     ex: Any,
     exported: Path,
@@ -523,10 +499,8 @@ def file_rows(
         f.write(os.urandom(size % (64 * MB)))
     sha_of(path)  # in the page cache, as a file just written on the source endpoint is
     shm = Path("/dev/shm") / f"nimbus-bench-raw-{os.getpid()}"
-    if dest is None:
-        raws = [raw_link(path, shm, prefix) for _ in range(2)]
-    else:  # from the source's namespace into the target's, as the staged bytes go
-        raws = [raw_between(path, shm, prefix, dest) for _ in range(2)]
+    # from the source's namespace (if any) into the target's, as the staged bytes go
+    raws = [raw_copy(path, shm, prefix, dest) for _ in range(2)]
     raw = min(raws)
     (exported / "tiny.bin").write_bytes(b"t")  # the same steps for 1 byte: their overhead
     start = time.perf_counter()

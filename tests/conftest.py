@@ -27,6 +27,24 @@ def program(store_url: str) -> Iterator[Program]:
         client.unlink(*keys)
 
 
+@pytest.fixture
+def provided(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Settings for ``Executor(backend="provided", settings=...)``: the agent's managers
+    are local blocks of one worker each."""
+    from nimbus.backends import BACKENDS
+    from nimbus.backends.provided import ProvidedBackend
+    from nimbus.config import Settings
+
+    def factory(*, endpoint: object = None, **kwargs: Any) -> Any:
+        del endpoint
+        return ProvidedBackend(**kwargs)
+
+    monkeypatch.setitem(BACKENDS, "provided", factory)
+    return Settings.load().replace(
+        provider="local", workers_per_node=1, agent_listen="127.0.0.1:0", max_idle=60.0
+    )
+
+
 # ---------------------------------------------------------------- the service
 
 

@@ -13,12 +13,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
@@ -399,6 +401,36 @@ class Postgres:
             self._as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "fast", "stop")
         except subprocess.CalledProcessError:
             pass
+
+
+@contextlib.contextmanager
+def postgres_cluster() -> Iterator[Postgres]:
+    """A private PostgreSQL cluster, stopped and removed after. The test is skipped only
+    where this machine cannot have one (not root, no server binaries); as root with
+    apt, a PostgreSQL that is missing or does not start fails it."""
+    why = Postgres.unavailable()
+    if why:
+        if os.geteuid() == 0 and shutil.which("apt-get"):
+            pytest.fail(
+                f"PostgreSQL can run here (root, apt) but {why}; "
+                "install it (.ci/run does: apt-get install -y postgresql-15)"
+            )
+        pytest.skip(f"PostgreSQL not available: {why}")
+    root = Path(tempfile.mkdtemp(prefix="nimbus-pg-"))  # reachable by the postgres user
+    os.chmod(root, 0o755)
+    pg = Postgres(root / "cluster")
+    try:
+        pg.start()
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        log = pg.root / "pg.log"
+        said = log.read_text()[-2000:] if log.exists() else ""
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+        pytest.fail(f"PostgreSQL could not be started: {Postgres.explain(exc)}\n{said}")
+    try:
+        yield pg
+    finally:
+        pg.stop()
+        subprocess.run(["rm", "-rf", str(root)], check=False)
 
 
 # ---------------------------------------------------------------- runs of a task

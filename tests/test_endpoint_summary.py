@@ -4,13 +4,10 @@ scaler with local process blocks, managers, and workers busy or idle per environ
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from nimbus import Executor
-from nimbus.backends import BACKENDS
 from nimbus.backends.provided import ProvidedBackend
 from nimbus.config import Settings
 from nimbus.endpoint._summary import runtime_rows
@@ -25,17 +22,9 @@ def nap(seconds: float) -> float:
 
 
 @pytest.fixture
-def provided(monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
-    """Executor(backend="provided", settings=...): the agent's managers are local blocks."""
-
-    def factory(*, endpoint: object = None, **kwargs: Any) -> Any:
-        del endpoint
-        return ProvidedBackend(**kwargs)
-
-    monkeypatch.setitem(BACKENDS, "provided", factory)
-    yield Settings.load().replace(
-        provider="local", workers_per_node=2, agent_listen="127.0.0.1:0", max_idle=60.0
-    )
+def provided(provided: Settings) -> Settings:
+    """conftest's, with two workers a block."""
+    return provided.replace(workers_per_node=2)
 
 
 def test_blocks_managers_and_busy_workers_of_a_scaled_runtime(provided: Settings) -> None:

@@ -8,14 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from nimbus import Executor
-from nimbus.backends import BACKENDS
 from nimbus.backends.provided import ProvidedBackend
 from nimbus.config import Settings
 from nimbus.data import NodeStore, default_root
@@ -28,20 +26,6 @@ def where(seconds: float) -> tuple[int, int]:
     """Sleep, then say which manager (its pid: the worker's parent) and worker ran it."""
     time.sleep(seconds)
     return os.getppid(), os.getpid()
-
-
-@pytest.fixture
-def provided(monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
-    """Executor(backend="provided", settings=...): the agent's managers are local blocks."""
-
-    def factory(*, endpoint: object = None, **kwargs: Any) -> Any:
-        del endpoint
-        return ProvidedBackend(**kwargs)
-
-    monkeypatch.setitem(BACKENDS, "provided", factory)
-    yield Settings.load().replace(
-        provider="local", workers_per_node=1, agent_listen="127.0.0.1:0", max_idle=60.0
-    )
 
 
 def test_a_manager_with_a_wrong_secret_is_refused() -> None:

@@ -317,23 +317,6 @@ def test_nimbus_environment_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         Executor(1)
 
 
-@pytest.fixture
-def provided(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Executor(backend="provided", settings=...): the agent's managers are local blocks."""
-    from nimbus.backends import BACKENDS
-    from nimbus.backends.provided import ProvidedBackend
-    from nimbus.config import Settings
-
-    def factory(*, endpoint: object = None, **kwargs: Any) -> Any:
-        del endpoint
-        return ProvidedBackend(**kwargs)
-
-    monkeypatch.setitem(BACKENDS, "provided", factory)
-    return Settings.load().replace(
-        provider="local", workers_per_node=1, agent_listen="127.0.0.1:0", max_idle=60.0
-    )
-
-
 def test_the_environment_travels_to_managers_on_other_nodes(provided: Any) -> None:
     with Executor(2, backend="provided", settings=provided, environment=A) as ex:
         pids = {ex.submit(pid).result(timeout=60) for _ in range(4)}

@@ -14,15 +14,21 @@ import pytest
 from service_support import CLI, Service, service_env
 
 
-def nimbus(service: Service, *args: str, timeout: float = 60) -> str:
-    proc = subprocess.run(
+def _cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``nimbus *args`` run in a new process with environment ``env``."""
+    return subprocess.run(
         [sys.executable, "-c", CLI, *args],
-        env=service.env,
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
     )
+
+
+def nimbus(service: Service, *args: str, timeout: float = 60) -> str:
+    """What ``nimbus *args`` prints, it having exited 0."""
+    proc = _cli(service.env, *args, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -57,42 +63,17 @@ def test_operator_flow(service: Service) -> None:
 
 
 def test_bad_token_login_fails_cleanly(service: Service) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", CLI, "login", "--service", service.url, "--token", "nimbus_bad"],
-        env=service.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = _cli(service.env, "login", "--service", service.url, "--token", "nimbus_bad")
     assert proc.returncode == 1
     assert "invalid token" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_persist_is_for_the_embedded_redis_only(tmp_path: Path) -> None:
     env = service_env(tmp_path, NIMBUS_REDIS_URL="redis://127.0.0.1:1")
-    proc = subprocess.run(
-        [sys.executable, "-c", CLI, "service", "start", "--port", "0", "--persist"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = _cli(env, "service", "start", "--port", "0", "--persist")
     assert proc.returncode == 2
     assert "--persist" in proc.stderr and "NIMBUS_REDIS_URL" in proc.stderr
     assert "Traceback" not in proc.stderr
-
-
-def _cli(service: Service, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", CLI, *args],
-        env=service.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def _refused_soon(service: Service, token: str) -> bool:
@@ -161,13 +142,13 @@ def test_revoking_a_user_disconnects_their_agent_and_clients(service: Service) -
 
 
 def test_token_revoke_bad_input(service: Service) -> None:
-    unknown = _cli(service, "service", "token", "revoke", "nobody-at-all")
+    unknown = _cli(service.env, "service", "token", "revoke", "nobody-at-all")
     assert unknown.returncode == 1
     assert "no user named 'nobody-at-all'" in unknown.stderr
     assert "nimbus service token list" in unknown.stderr and "Traceback" not in unknown.stderr
-    no_such_id = _cli(service, "service", "token", "revoke", "ffffff000000")
+    no_such_id = _cli(service.env, "service", "token", "revoke", "ffffff000000")
     assert no_such_id.returncode == 1 and "no token with ID ffffff000000" in no_such_id.stderr
-    missing = _cli(service, "service", "token", "revoke")
+    missing = _cli(service.env, "service", "token", "revoke")
     assert missing.returncode == 2 and "NAME|ID" in missing.stderr
     nimbus(service, "service", "token", "create", "sam")
     assert nimbus(service, "service", "token", "revoke", "sam").startswith("revoked token")
@@ -250,21 +231,14 @@ def test_sigterm_stops_the_service_and_removes_its_redis_files(tmp_path: Path) -
 def test_token_commands_name_the_registry_and_service_they_use(
     service: Service, tmp_path: Path
 ) -> None:
-    here = _cli(service, "service", "token", "create", "tess")
+    here = _cli(service.env, "service", "token", "create", "tess")
     assert here.returncode == 0, here.stderr
     registry = f"{service.env['NIMBUS_RUNTIME_DIR']}/service/registry.sqlite3"
     assert registry in here.stderr and f"service running at {service.url}" in here.stderr
     assert here.stdout.startswith("nimbus_")  # only the token on stdout, for scripts
     # another runtime directory: another registry, and no service runs on it
     other = service.env | {"NIMBUS_RUNTIME_DIR": str(tmp_path / "other")}
-    elsewhere = subprocess.run(
-        [sys.executable, "-c", CLI, "service", "token", "list"],
-        env=other,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    elsewhere = _cli(other, "service", "token", "list")
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert f"{tmp_path}/other/service/registry.sqlite3" in elsewhere.stderr
     assert f"no service runs with runtime directory {tmp_path}/other" in elsewhere.stderr
@@ -360,18 +334,7 @@ def test_registry_refuses_user_names_an_endpoint_could_not_have(
 ) -> None:
     with pytest.raises(ValueError, match="is not a user name: 1-200 letters, digits"):
         service.token(name)
-    assert name not in _cli(service, "service", "token", "list").stdout.split()
-
-
-def _cli(service: Service, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", CLI, *args],
-        env=service.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    assert name not in _cli(service.env, "service", "token", "list").stdout.split()
 
 
 def test_endpoint_provider_checked_at_configure_and_a_dying_agent_said_at_start(
@@ -379,7 +342,7 @@ def test_endpoint_provider_checked_at_configure_and_a_dying_agent_said_at_start(
 ) -> None:
     token = nimbus(service, "service", "token", "create", "pavel").strip()
     nimbus(service, "login", "--service", service.url, "--token", token)
-    refused = _cli(service, "endpoint", "configure", "lab2", "--provider", "nope")
+    refused = _cli(service.env, "endpoint", "configure", "lab2", "--provider", "nope")
     assert refused.returncode == 2
     assert "--provider: unknown provider 'nope'; known providers: local, slurm" in refused.stderr
     assert "lab2" not in nimbus(service, "endpoint", "list")  # nothing written
@@ -389,9 +352,9 @@ def test_endpoint_provider_checked_at_configure_and_a_dying_agent_said_at_start(
     text = toml.read_text()
     assert 'provider = "local"' in text
     toml.write_text(text.replace('provider = "local"', 'provider = "nope"'))
-    start = _cli(service, "endpoint", "start", "lab2")
+    start = _cli(service.env, "endpoint", "start", "lab2")
     if start.returncode == 0:
-        _cli(service, "endpoint", "stop", "lab2")
+        _cli(service.env, "endpoint", "stop", "lab2")
     assert start.returncode == 1, start.stdout + start.stderr
     assert "started" not in start.stdout
     assert "its agent exited at start" in start.stderr and "'nope'" in start.stderr
@@ -408,14 +371,7 @@ def test_a_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
         port = busy.getsockname()[1]
         env = service_env(tmp_path)
         for command in (["service", "start"], ["dashboard", "--user", "dana"]):
-            proc = subprocess.run(
-                [sys.executable, "-c", CLI, *command, "--port", str(port)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=False,
-            )
+            proc = _cli(env, *command, "--port", str(port))
             assert proc.returncode == 2, proc.stderr
             assert proc.stderr == (
                 f"nimbus {command[0]}{' start' if command[0] == 'service' else ''}: port {port} "

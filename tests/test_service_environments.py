@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from nimbus.protocol import (
     pack_payload,
     unpack,
 )
-from service_support import CLI, EndpointProcess, Postgres, Service, service_env
+from service_support import CLI, EndpointProcess, Service, postgres_cluster, service_env
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
@@ -130,19 +129,6 @@ def test_the_service_refuses_a_wrong_environment(service: Service) -> None:
 # ---------------------------------------------------------------- end to end
 
 
-@pytest.fixture(scope="module")
-def alice(service: Service) -> Iterator[Client]:
-    with service.client(service.token("alice")) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def lab(service: Service, alice: Client) -> Iterator[EndpointProcess]:
-    endpoint = EndpointProcess(service, alice, "lab").start(alice)
-    yield endpoint
-    endpoint.stop()
-
-
 def test_a_named_environment_runs_in_workers_of_its_own(
     alice: Client, lab: EndpointProcess
 ) -> None:
@@ -188,7 +174,6 @@ def test_a_failed_build_fails_the_task_within_seconds(
 
 def where(x: int) -> tuple[int, str]:
     """``x`` and the environment this task ran in ("" for the workers' own Python)."""
-    import os
 
     return x, os.environ.get("NIMBUS_WORKER_ENVIRONMENT", "")
 
@@ -325,18 +310,8 @@ def registry_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'registry.db'}"
         return
-    why = Postgres.unavailable()
-    if why:
-        pytest.skip(f"PostgreSQL not available: {why}")
-    root = Path(tempfile.mkdtemp(prefix="nimbus-pg-"))  # reachable by the postgres user
-    os.chmod(root, 0o755)
-    pg = Postgres(root / "cluster")
-    try:
-        pg.start()
+    with postgres_cluster() as pg:
         yield pg.url
-    finally:
-        pg.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_the_registry_keeps_a_functions_environment_and_adds_the_column_to_an_old_one(
@@ -525,7 +500,6 @@ def _rows_until(client: Client, endpoint: str, ok: Any, timeout: float) -> list[
 
 
 def on_node(x: int) -> tuple[int, str]:
-    import os
 
     return x, os.environ.get("SLURMD_NODENAME", "?")
 
@@ -636,7 +610,6 @@ def _env_cli(
 
 
 def orderpkg_version(x: int) -> tuple[int, str, str]:
-    import os
 
     import orderpkg  # type: ignore[import-not-found]
 
@@ -644,7 +617,6 @@ def orderpkg_version(x: int) -> tuple[int, str, str]:
 
 
 def slow_in_env(seconds: float) -> str:
-    import os
     import time
 
     time.sleep(seconds)
@@ -749,33 +721,49 @@ def test_build_and_remove_endpoint_refuse_wrong_input_doing_nothing(
     assert all(r["name"] != "jailed" for r in alice.get_endpoint("shop")["environments"])
 
 
-def test_an_older_agent_is_not_sent_an_order(service: Service, alice: Client) -> None:
-    from nimbus.protocol import WS_AGENT, Hello
+@contextlib.contextmanager
+def _bare_agent(
+    service: Service, client: Client, name: str, *, orders: bool = True
+) -> Iterator[tuple[str, list[str]]]:
+    """A bare agent for ``client``'s new endpoint ``name``, on ``service``'s WebSocket: it
+    beats and, with ``orders``, answers every order as built on node n1 (never saying
+    a node is done); without, it says nothing of orders, as an older agent. Yields,
+    once the endpoint is online, its id and the ops the service sent it."""
+    from nimbus.protocol import ORDERS, WS_AGENT, Hello, Order, Ordered
     from service_support import ws_connect
 
-    registered = alice.register_endpoint("elder")
+    registered = client.register_endpoint(name)
     heard: list[str] = []
     with ws_connect(service, WS_AGENT, registered["token"]) as ws:
-        ws.send(Hello("3.11", "x", 1, 1024, []).encode())  # says nothing of orders
+        ws.send(Hello("3.11", "x", 1, 1024, [], (ORDERS,) if orders else ()).encode())
         stop = threading.Event()
 
-        def beat() -> None:  # an agent alive, as an older one is: beats, and reads
+        def agent() -> None:
             while not stop.is_set():
                 ws.send(Beat(time.monotonic()).encode())
                 with contextlib.suppress(TimeoutError):
-                    heard.append(unpack(ws.recv(timeout=0.1))["op"])
+                    msg = unpack(ws.recv(timeout=0.1))
+                    heard.append(msg["op"])
+                    if orders and msg["op"] == "order":
+                        ws.send(Ordered(Order.decode(msg).ref, 0, "", ["n1"]).encode())
 
-        beater = threading.Thread(target=beat, daemon=True)
-        beater.start()
+        answering = threading.Thread(target=agent, daemon=True)
+        answering.start()
         try:
             deadline = time.monotonic() + 10
-            while not alice.get_endpoint("elder")["online"] and time.monotonic() < deadline:
+            while not client.get_endpoint(name)["online"]:
+                assert time.monotonic() < deadline, f"endpoint {name} not online"
                 time.sleep(0.05)
-            args = ("build", "jailed", "--sandbox", "--endpoint", "elder")
-            out = _env_cli(service, alice.token, *args)
+            yield registered["endpoint_id"], heard
         finally:
             stop.set()
-            beater.join(timeout=5)
+            answering.join(timeout=5)
+
+
+def test_an_older_agent_is_not_sent_an_order(service: Service, alice: Client) -> None:
+    with _bare_agent(service, alice, "elder", orders=False) as (_, heard):
+        args = ("build", "jailed", "--sandbox", "--endpoint", "elder")
+        out = _env_cli(service, alice.token, *args)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "endpoint 'elder' runs an older nimbus" in out.stderr, out.stderr
     assert "nimbus endpoint start elder" in out.stderr
@@ -783,7 +771,6 @@ def test_an_older_agent_is_not_sent_an_order(service: Service, alice: Client) ->
 
 
 def env_node(x: int) -> tuple[int, str, str]:
-    import os
 
     import orderpkg  # type: ignore[import-not-found]
 
@@ -793,29 +780,12 @@ def env_node(x: int) -> tuple[int, str, str]:
 def test_build_and_remove_endpoint_reach_a_slurm_blocks_manager(
     service: Service, alice: Client, slurm: Any, tmp_path: Path
 ) -> None:
-    import dataclasses
+    from service_support import slurm_endpoint
 
-    endpoint = EndpointProcess(service, alice, "hpc-orders")
-    endpoint.config = dataclasses.replace(
-        endpoint.config,
-        provider="slurm",
-        partition=slurm.partition,
-        workers_per_node=2,
-        min_blocks=1,
-        init_blocks=1,
-        max_blocks=1,
-        max_idle=60.0,
-        walltime="00:05:00",
-        agent_listen="127.0.0.1:0",
-    )
-    old = dict(os.environ)
-    os.environ.update(service.env | {"SLURM_CONF": str(slurm.conf)})
-    try:
-        endpoint.config.save()
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
-    service.env["SLURM_CONF"] = str(slurm.conf)
+    endpoint = slurm_endpoint(
+        service, alice, "hpc-orders", slurm,
+        workers_per_node=2, min_blocks=1, init_blocks=1, max_blocks=1, max_idle=60.0,
+    )  # fmt: skip
     wheels = _wheel(tmp_path / "wheels", version="2.0")
     env = Environment("blocked", requirements=["orderpkg==2.0"], wheelhouse=wheels)
     spec = ["-r", "orderpkg==2.0", "--wheelhouse", wheels, "--endpoint", "hpc-orders"]
@@ -904,54 +874,29 @@ def test_only_the_owner_removes_and_a_user_has_a_few_orders_in_flight(
     at a time (429 naming the limit), and no removal (403 naming the owner)."""
     import httpx
 
-    from nimbus.protocol import ORDERS, WS_AGENT, Hello, Order, Ordered
     from nimbus.service.orders import USER_ORDERS
-    from service_support import ws_connect
 
-    registered = alice.register_endpoint("depot")
-    depot = registered["endpoint_id"]
     carol = service.token("carol")
     spec = Environment("jailed", sandbox=True).to_dict()
-    with ws_connect(service, WS_AGENT, registered["token"]) as ws:
-        ws.send(Hello("3.11", "x", 1, 1024, [], (ORDERS,)).encode())
-        stop = threading.Event()
-
-        def agent() -> None:  # answers every order, never says a node is done
-            while not stop.is_set():
-                ws.send(Beat(time.monotonic()).encode())
-                with contextlib.suppress(TimeoutError):
-                    msg = unpack(ws.recv(timeout=0.1))
-                    if msg["op"] == "order":
-                        ws.send(Ordered(Order.decode(msg).ref, 0, "", ["n1"]).encode())
-
-        answering = threading.Thread(target=agent, daemon=True)
-        answering.start()
-        try:
-            headers = {"Authorization": f"Bearer {alice.token}"}
-            with httpx.Client(base_url=service.url, headers=headers, timeout=30) as http:
-                http.post(f"/v1/endpoints/{depot}/share", json={"public": True}).raise_for_status()
-                deadline = time.monotonic() + 10
-                while not alice.get_endpoint("depot")["online"]:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.05)
-                url = f"/v1/endpoints/{depot}/environments"
-                theirs = {"Authorization": f"Bearer {carol}"}
-                removal = {"action": "remove", "name": "jailed"}
-                said = http.post(url, json=removal, headers=theirs)
-                assert said.status_code == 403, said.text
-                assert "belongs to alice: only they may remove" in said.json()["detail"]
-                build = {"action": "build", "name": "jailed", "environment": spec}
-                for _ in range(USER_ORDERS):
-                    placed = http.post(url, json=build, headers=theirs)
-                    assert placed.status_code == 202, placed.text
-                said = http.post(url, json=build, headers=theirs)
-                assert said.status_code == 429, said.text
-                assert f"at most {USER_ORDERS} at a time" in said.json()["detail"]
-                assert http.post(url, json=build).status_code == 202  # alice's own count
-                assert http.post(url, json=removal).status_code == 202  # the owner's
-        finally:
-            stop.set()
-            answering.join(timeout=5)
+    with _bare_agent(service, alice, "depot") as (depot, _):
+        headers = {"Authorization": f"Bearer {alice.token}"}
+        with httpx.Client(base_url=service.url, headers=headers, timeout=30) as http:
+            http.post(f"/v1/endpoints/{depot}/share", json={"public": True}).raise_for_status()
+            url = f"/v1/endpoints/{depot}/environments"
+            theirs = {"Authorization": f"Bearer {carol}"}
+            removal = {"action": "remove", "name": "jailed"}
+            said = http.post(url, json=removal, headers=theirs)
+            assert said.status_code == 403, said.text
+            assert "belongs to alice: only they may remove" in said.json()["detail"]
+            build = {"action": "build", "name": "jailed", "environment": spec}
+            for _ in range(USER_ORDERS):
+                placed = http.post(url, json=build, headers=theirs)
+                assert placed.status_code == 202, placed.text
+            said = http.post(url, json=build, headers=theirs)
+            assert said.status_code == 429, said.text
+            assert f"at most {USER_ORDERS} at a time" in said.json()["detail"]
+            assert http.post(url, json=build).status_code == 202  # alice's own count
+            assert http.post(url, json=removal).status_code == 202  # the owner's
 
 
 def test_an_order_to_another_service_process_says_where_the_agent_is(tmp_path: Path) -> None:
@@ -959,46 +904,25 @@ def test_an_order_to_another_service_process_says_where_the_agent_is(tmp_path: P
     connected to says so and what to do (not "offline"); the other one takes it."""
     import httpx
 
-    from nimbus.protocol import ORDERS, WS_AGENT, Hello, Order, Ordered
-    from service_support import two_services, ws_connect
+    from service_support import two_services
 
-    with two_services(tmp_path) as (first, second, _), first.client(first.token("alice")) as alice:
-        registered = alice.register_endpoint("twin")
-        twin = registered["endpoint_id"]
-        with ws_connect(first, WS_AGENT, registered["token"]) as ws:
-            ws.send(Hello("3.11", "x", 1, 1024, [], (ORDERS,)).encode())
-            stop = threading.Event()
-
-            def agent() -> None:
-                while not stop.is_set():
-                    ws.send(Beat(time.monotonic()).encode())
-                    with contextlib.suppress(TimeoutError):
-                        msg = unpack(ws.recv(timeout=0.1))
-                        if msg["op"] == "order":
-                            ws.send(Ordered(Order.decode(msg).ref, 0, "", ["n1"]).encode())
-
-            answering = threading.Thread(target=agent, daemon=True)
-            answering.start()
-            try:
-                deadline = time.monotonic() + 10
-                while not alice.get_endpoint("twin")["online"]:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.05)
-                spec = Environment("jailed", sandbox=True).to_dict()
-                body = {"action": "build", "name": "jailed", "environment": spec}
-                url = f"/v1/endpoints/{twin}/environments"
-                headers = {"Authorization": f"Bearer {alice.token}"}
-                said = httpx.post(second.url + url, json=body, headers=headers, timeout=30)
-                assert said.status_code == 409, said.text
-                detail = said.json()["detail"]
-                assert "is online, but its agent is connected to another process" in detail
-                assert "ask again" in detail and "offline" not in detail
-                placed = httpx.post(first.url + url, json=body, headers=headers, timeout=30)
-                assert placed.status_code == 202, placed.text
-                order_id = placed.json()["order_id"]
-                got = httpx.get(f"{second.url}{url}/{order_id}", headers=headers, timeout=30)
-                assert got.status_code == 404
-                assert "the service process the endpoint's agent" in got.json()["detail"]
-            finally:
-                stop.set()
-                answering.join(timeout=5)
+    with (
+        two_services(tmp_path) as (first, second, _),
+        first.client(first.token("alice")) as alice,
+        _bare_agent(first, alice, "twin") as (twin, _),
+    ):
+        spec = Environment("jailed", sandbox=True).to_dict()
+        body = {"action": "build", "name": "jailed", "environment": spec}
+        url = f"/v1/endpoints/{twin}/environments"
+        headers = {"Authorization": f"Bearer {alice.token}"}
+        said = httpx.post(second.url + url, json=body, headers=headers, timeout=30)
+        assert said.status_code == 409, said.text
+        detail = said.json()["detail"]
+        assert "is online, but its agent is connected to another process" in detail
+        assert "ask again" in detail and "offline" not in detail
+        placed = httpx.post(first.url + url, json=body, headers=headers, timeout=30)
+        assert placed.status_code == 202, placed.text
+        order_id = placed.json()["order_id"]
+        got = httpx.get(f"{second.url}{url}/{order_id}", headers=headers, timeout=30)
+        assert got.status_code == 404
+        assert "the service process the endpoint's agent" in got.json()["detail"]

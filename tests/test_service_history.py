@@ -6,9 +6,10 @@ written by another; Redis keeps a bounded window and the pages still show every 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,29 @@ def history(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[History]
             connection.exec_driver_sql("DROP TABLE IF EXISTS task_history")
     yield History(engine)
     engine.dispose()
+
+
+@pytest.fixture
+def sqlite_history(tmp_path: Path) -> Iterator[History]:
+    """A history in SQLite, as a service's default registry keeps it."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
+    yield History(engine)
+    engine.dispose()
+
+
+@contextlib.asynccontextmanager
+async def _task_store(store_url: str, history: History) -> AsyncIterator[TaskStore]:
+    """The real queues on the store at ``store_url`` under a new program's keys, saving to
+    ``history``; every key of theirs is removed after."""
+    store = TaskStore(connect_async(store_url), Keys(Keys.program_id_new()), result_ttl=600)
+    store.history = history
+    try:
+        yield store
+    finally:
+        rest = [k async for k in store.redis.scan_iter(match=store.keys.pattern())]
+        if rest:
+            await store.redis.unlink(*rest)
+        await store.redis.aclose()
 
 
 def test_keyset_pages_owners_filters_and_a_row_written_twice_kept_once(history: History) -> None:
@@ -90,18 +114,13 @@ async def _finished(store: TaskStore, owner: str, endpoint: str, n: int) -> list
 
 
 def test_flushers_move_finished_tasks_once_and_redis_keeps_a_window(
-    store_url: str, tmp_path: Path
+    store_url: str, sqlite_history: History
 ) -> None:
-    keys = Keys(Keys.program_id_new())
-    engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
-
     async def scenario() -> None:
-        store = TaskStore(connect_async(store_url), keys, result_ttl=600)
-        store.history = History(engine)
-        a, b = Flusher(store, store.history), Flusher(store, store.history)
-        for flusher in (a, b):
-            flusher.recent, flusher.batch = 50, 3
-        try:
+        async with _task_store(store_url, sqlite_history) as store:
+            a, b = Flusher(store, store.history), Flusher(store, store.history)
+            for flusher in (a, b):
+                flusher.recent, flusher.batch = 50, 3
             assert await a.start() and not await b.start()  # one group for both
             ids: list[str] = []
             for _ in range(20):
@@ -118,10 +137,10 @@ def test_flushers_move_finished_tasks_once_and_redis_keeps_a_window(
             pending = await store.redis.xpending(store.finished, GROUP)
             assert pending["pending"] == 0
             # Redis keeps the live task and at most `recent` saved ones an index
-            kept = await store.redis.zcard(keys.all_tasks())
+            kept = await store.redis.zcard(store.keys.all_tasks())
             assert kept <= 50 + 30 + 1, kept  # trims go by the oldest TRIM_SCAN, each step
-            assert await store.redis.zscore(keys.all_tasks(), waiting[0]) is not None
-            assert await store.redis.exists(keys.task(ids[0])) == 0  # out of Redis
+            assert await store.redis.zscore(store.keys.all_tasks(), waiting[0]) is not None
+            assert await store.redis.exists(store.keys.task(ids[0])) == 0  # out of Redis
             # ... and what left Redis is read from SQL: status, result, the pages
             [info] = await store.info([ids[0]])
             assert info is not None and info["state"] == "success" and info["owner"] == "alice"
@@ -146,26 +165,17 @@ def test_flushers_move_finished_tasks_once_and_redis_keeps_a_window(
                 assert order[newer] < order[older]
             rows, _ = await page(store, index(store, "bob", False), Filter(), None, 45, "bob")
             assert rows == []  # bob sees none of alice's
-        finally:
-            rest = [k async for k in store.redis.scan_iter(match=keys.pattern())]
-            if rest:
-                await store.redis.unlink(*rest)
-            await store.redis.aclose()
 
     asyncio.run(scenario())
-    engine.dispose()
 
 
-def test_an_entry_a_dead_flusher_took_is_written_by_another(store_url: str, tmp_path: Path) -> None:
-    keys = Keys(Keys.program_id_new())
-    engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
-
+def test_an_entry_a_dead_flusher_took_is_written_by_another(
+    store_url: str, sqlite_history: History
+) -> None:
     async def scenario() -> None:
-        store = TaskStore(connect_async(store_url), keys, result_ttl=600)
-        store.history = History(engine)
-        live = Flusher(store, store.history)
-        live.claim_idle = 0.2
-        try:
+        async with _task_store(store_url, sqlite_history) as store:
+            live = Flusher(store, store.history)
+            live.claim_idle = 0.2
             await live.start()
             ids = await _finished(store, "alice", "ep", 10)
             # a process took the entry, then died before writing it (no acknowledgement)
@@ -183,14 +193,8 @@ def test_an_entry_a_dead_flusher_took_is_written_by_another(store_url: str, tmp_
             await live.prepare()
             consumers = await store.redis.xinfo_consumers(store.finished, GROUP)
             assert b"dead-process" not in {c["name"] for c in consumers}
-        finally:
-            rest = [k async for k in store.redis.scan_iter(match=keys.pattern())]
-            if rest:
-                await store.redis.unlink(*rest)
-            await store.redis.aclose()
 
     asyncio.run(scenario())
-    engine.dispose()
 
 
 def test_history_survives_a_restart_that_lost_the_queue_redis(tmp_path: Path) -> None:
@@ -233,16 +237,11 @@ def test_history_survives_a_restart_that_lost_the_queue_redis(tmp_path: Path) ->
 
 
 def test_tasks_an_older_nimbus_kept_in_redis_only_are_moved_and_a_lost_group_is_made_again(
-    store_url: str, tmp_path: Path
+    store_url: str, sqlite_history: History
 ) -> None:
-    keys = Keys(Keys.program_id_new())
-    engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
-
     async def scenario() -> None:
-        store = TaskStore(connect_async(store_url), keys, result_ttl=600)
-        store.history = History(engine)
-        flusher = Flusher(store, store.history)
-        try:
+        async with _task_store(store_url, sqlite_history) as store:
+            flusher = Flusher(store, store.history)
             ids = await _finished(store, "olaf", "ep", 25)
             await store.redis.delete(store.finished)  # as an older nimbus left Redis
             await flusher.prepare()  # the first start of this version: they are queued
@@ -257,14 +256,8 @@ def test_tasks_an_older_nimbus_kept_in_redis_only_are_moved_and_a_lost_group_is_
                 await asyncio.sleep(0.1)
             assert set(store.history.info(more)) == set(more)
             job.cancel()
-        finally:
-            rest = [k async for k in store.redis.scan_iter(match=keys.pattern())]
-            if rest:
-                await store.redis.unlink(*rest)
-            await store.redis.aclose()
 
     asyncio.run(scenario())
-    engine.dispose()
 
 
 def test_the_flusher_deletes_tasks_older_than_the_history_keeps_in_batches(
@@ -279,9 +272,7 @@ def test_the_flusher_deletes_tasks_older_than_the_history_keeps_in_batches(
     history.write(old + new)
 
     async def scenario() -> None:
-        store = TaskStore(connect_async(store_url), Keys(Keys.program_id_new()), result_ttl=600)
-        store.history = history
-        try:
+        async with _task_store(store_url, history) as store:
             forever = Flusher(store, history)
             assert await forever.expire() == 0 and history.count() == 28
             flusher = Flusher(store, history, keep=30 * day)
@@ -294,28 +285,22 @@ def test_the_flusher_deletes_tasks_older_than_the_history_keeps_in_batches(
             job.cancel()
             await asyncio.gather(job, return_exceptions=True)
             assert sorted(history.info([r[0] for r in old + new])) == [r[0] for r in new]
-        finally:
-            await store.redis.aclose()
 
     asyncio.run(scenario())
 
 
 def test_a_dependent_of_a_task_only_the_history_holds_is_accepted(
-    store_url: str, tmp_path: Path
+    store_url: str, sqlite_history: History
 ) -> None:
     """An input the flusher saved and dropped from Redis (its index over ``RECENT``) is
     read from the SQL history by submit: a success is done (the dependent is queued), a
     failure fails the dependent (the stream of held tasks to fail names it), another
     owner's is refused (403) and an id neither holds is not known (404)."""
-    keys = Keys(Keys.program_id_new())
-    engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
 
     async def scenario() -> None:
-        store = TaskStore(connect_async(store_url), keys, result_ttl=600)
-        store.history = History(engine)
-        flusher = Flusher(store, store.history)
-        limits = {"max_tasks": 100, "max_bytes": 10**6}
-        try:
+        async with _task_store(store_url, sqlite_history) as store:
+            flusher = Flusher(store, store.history)
+            limits = {"max_tasks": 100, "max_bytes": 10**6}
             await flusher.start()
             await store.to_fail_group()
             [ok] = await _finished(store, "alice", "ep", 1)
@@ -327,7 +312,7 @@ def test_a_dependent_of_a_task_only_the_history_holds_is_accepted(
             while await flusher.step(0.1):
                 pass
             assert store.history.count() == 3
-            await store.redis.delete(*(keys.task(i) for i in (ok, bad, theirs)))  # trimmed
+            await store.redis.delete(*(store.keys.task(i) for i in (ok, bad, theirs)))  # trimmed
             d1, d2 = str(uuid.uuid4()), str(uuid.uuid4())
             rows = [(d1, "fn", b"y", None, ""), (d2, "fn", b"z", None, "")]
             await store.submit("alice", "ep", "g2", rows, after=[[ok], [ok, bad]], **limits)
@@ -339,11 +324,5 @@ def test_a_dependent_of_a_task_only_the_history_holds_is_accepted(
                 with pytest.raises(Exception, match=error):
                     row = [(str(uuid.uuid4()), "fn", b"w", None, "")]
                     await store.submit("alice", "ep", "g3", row, after=[after], **limits)
-        finally:
-            rest = [k async for k in store.redis.scan_iter(match=keys.pattern())]
-            if rest:
-                await store.redis.unlink(*rest)
-            await store.redis.aclose()
 
     asyncio.run(scenario())
-    engine.dispose()

@@ -7,10 +7,7 @@ as root with apt, a PostgreSQL that is missing or does not start fails the run.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +23,7 @@ from service_support import (
     Service,
     assert_first_results,
     free_port,
+    postgres_cluster,
     process_tree,
     service_env,
     tokened_run,
@@ -38,27 +36,8 @@ def cube(x: int) -> int:
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[Postgres]:
-    why = Postgres.unavailable()
-    if why:
-        if os.geteuid() == 0 and shutil.which("apt-get"):
-            pytest.fail(
-                f"PostgreSQL can run here (root, apt) but {why}; "
-                "install it (.ci/run does: apt-get install -y postgresql-15)"
-            )
-        pytest.skip(f"PostgreSQL not available: {why}")
-    root = Path(tempfile.mkdtemp(prefix="nimbus-pg-"))  # reachable by the postgres user
-    os.chmod(root, 0o755)
-    pg = Postgres(root / "cluster")
-    try:
-        pg.start()
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
-        log = pg.root / "pg.log"
-        said = log.read_text()[-2000:] if log.exists() else ""
-        subprocess.run(["rm", "-rf", str(root)], check=False)
-        pytest.fail(f"PostgreSQL could not be started: {Postgres.explain(exc)}\n{said}")
-    yield pg
-    pg.stop()
-    subprocess.run(["rm", "-rf", str(root)], check=False)
+    with postgres_cluster() as pg:
+        yield pg
 
 
 def test_registry_on_postgres_survives_service_restart(postgres: Postgres, tmp_path: Path) -> None:

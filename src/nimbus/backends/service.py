@@ -22,16 +22,16 @@ Whatever the service sends is checked: a frame that is not a well-formed
 message (or larger than ``RECEIVE_MAX``) closes the connection with a code,
 one log line, and it reconnects; a result of the wrong shape fails its task
 alone. Tasks the service says it does not know (``unknown``: lost when its
-queues restarted empty) fail with :class:`~nimbus.errors.TaskLost`.
+queues restarted empty) fail with :class:`~nimbus.errors.TaskLost`. This module
+keeps the connection and which task waits for which reply; reading one task's
+row into its outcome is ``nimbus.backends._outcomes``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
-import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,17 +40,16 @@ from websockets.asyncio.client import ClientConnection
 
 from nimbus import _loop, serialization
 from nimbus.backends import DispatchCallback, ResultCallback
+from nimbus.backends._outcomes import fail, input_failed, lost, outcome, stored
 from nimbus.backends.handout import Store, open_store, probe_store
 from nimbus.client import Client, environment_mismatch, error_for
 from nimbus.config import Settings
 from nimbus.errors import (
     ConfigError,
-    InputFailed,
     NimbusError,
     ProtocolError,
     ServiceError,
     ServiceUnavailable,
-    TaskLost,
     VersionMismatchError,
 )
 from nimbus.protocol import (
@@ -65,7 +64,6 @@ from nimbus.protocol import (
     Malformed,
     Message,
     Refused,
-    Result,
     ResultRow,
     Results,
     Submit,
@@ -82,19 +80,12 @@ from nimbus.protocol import (
     submit_row,
 )
 from nimbus.protocol.wsclient import ServiceSocket
-from nimbus.records import TaskRecord
 from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task
 
 __all__ = ["ServiceBackend", "Store", "probe_store"]
 
 log = logging.getLogger(__name__)
-
-_FIELDS = [f.name for f in dataclasses.fields(TaskRecord)]
-_OURS = frozenset(("task_id", "state", "function", "submitted"))
-_THEIRS = [i for i, name in enumerate(_FIELDS) if name not in _OURS]  # the worker's measures:
-_THEIR_NAMES = [_FIELDS[i] for i in _THEIRS]  # a full record's are copied in one call
-_pick_theirs = operator.itemgetter(*_THEIRS)
 
 CONNECT_TIMEOUT = 15.0
 KEEPALIVE = 5.0  # seconds between WebSocket pings to the service
@@ -106,7 +97,6 @@ SERVICE_SENDS: dict[str, type[Message]] = {
 }
 WHOSE = "this client's token (NIMBUS_TOKEN, or the one `nimbus login` saved)"
 FIX = "ask the service admin for a new one (then `nimbus login` again, or set NIMBUS_TOKEN)"
-_STATUSES = frozenset(Status)
 
 
 class ServiceBackend:
@@ -352,11 +342,10 @@ class ServiceBackend:
                     self._unsent.discard(task)
                     self._done(1)
                     continue
-                why = _input_failed(task, inputs)
+                why = input_failed(task, inputs)
                 if why is not None:
                     self._unsent.discard(task)
-                    task.status, task.data = Status.ERROR, serialization.dumps_exception(why, "")
-                    failed.append(task)
+                    failed.append(fail(task, why))
                     continue
                 if any(
                     f._task is not None and f._task in self._unsent and f._task not in here
@@ -407,10 +396,7 @@ class ServiceBackend:
         failed = {task for task in batch if task in self._failed}
         if failed:
             self._unsent.difference_update(failed)
-            for task in failed:
-                task.status = Status.ERROR
-                task.data = serialization.dumps_exception(self._failed.pop(task), "")
-            self._deliver(list(failed))
+            self._deliver([fail(task, self._failed.pop(task)) for task in failed])
             batch = [task for task in batch if task not in failed]
         if self._blocked:  # older: first
             batch, self._blocked = self._blocked + batch, []
@@ -509,24 +495,16 @@ class ServiceBackend:
     def _lost(self, ids: list[str]) -> None:
         """The service does not know these tasks: they fail with TaskLost."""
         url = self.client.service_url
-        lost = []
+        gone = []
         for task_id in ids:
             task = self._by_id.pop(task_id, None)
             if task is None:
                 continue
-            error = TaskLost(
-                f"task {task_id} was lost by the service at {url}: it no longer knows it "
-                f"(its task queues restarted empty, or its result expired); it may or may "
-                f"not have run: submit it again (a service started with --persist keeps "
-                f"its tasks across such restarts)",
-                410,
-            )
-            task.status, task.data = Status.ERROR, serialization.dumps_exception(error, "")
-            lost.append(task)
-        if lost:
-            were = "task was" if len(lost) == 1 else "tasks were"
-            log.warning("%d %s lost by the service at %s", len(lost), were, url)
-        self._deliver(lost)
+            gone.append(fail(task, lost(task_id, url)))
+        if gone:
+            were = "task was" if len(gone) == 1 else "tasks were"
+            log.warning("%d %s lost by the service at %s", len(gone), were, url)
+        self._deliver(gone)
 
     def _results(self, rows: list[ResultRow | Malformed]) -> None:
         done = []
@@ -538,40 +516,9 @@ class ServiceBackend:
                 if self._unaccepted:  # it overtook the reply that names it
                     self._early[task_id] = row
                 continue
-            error: ServiceError | None = None
-            result: Result | DataRef | None = None
-            if isinstance(row, Malformed):
-                error = _wrong_shape(task_id, row.error)
-            else:
-                sent, record = row.result, row.record  # as sent, or packed when it comes
-                if not isinstance(sent, bytes) and type(record) is list:  # from storage (a
-                    result = sent  # watch after a reconnect)
-                else:
-                    try:
-                        result, record = row.unpacked()
-                    except ProtocolError as exc:
-                        error, record = _wrong_shape(task_id, exc), None
-                if record is not None:  # the worker's measures: keep our id, function,
-                    mine = task.record  # state, submit time
-                    if len(record) == len(_FIELDS):  # (TaskRecord: a plain dataclass)
-                        vars(mine).update(zip(_THEIR_NAMES, _pick_theirs(record)))
-                    else:  # an older or newer peer's record: the fields both know
-                        for name, value in zip(_FIELDS, record):
-                            if name not in _OURS:
-                                setattr(mine, name, value)
-            if isinstance(result, Result):
-                if result.status not in _STATUSES:
-                    error = _wrong_shape(task_id, f"status {result.status!r}")
-                elif result.status == Status.SKIPPED and not task.cancelled:
-                    error = ServiceError(
-                        f"task {task_id} was cancelled on the service (by the owner of its "
-                        f"endpoint, say) before it ran",
-                        409,
-                    )
-            if error is not None or result is None:
-                error = error or _wrong_shape(task_id, "no result")
-                task.status, task.data = Status.ERROR, serialization.dumps_exception(error, "")
-                done.append(task)
+            result = outcome(task, row)
+            if isinstance(result, BaseException):
+                done.append(fail(task, result))
                 continue
             if isinstance(result, DataRef):  # in the data store: fetched in a thread, then
                 fetch = asyncio.ensure_future(self._fetch_result(task, result.data_id))
@@ -588,24 +535,9 @@ class ServiceBackend:
         try:
             blob = await asyncio.to_thread(self.client.download, data_id)
         except NimbusError as exc:
-            task.status, task.data = Status.ERROR, serialization.dumps_exception(exc, "")
-            self._deliver([task])
+            self._deliver([fail(task, exc)])
             return
-        try:
-            result = Result.unpack(blob)
-            if result.status not in _STATUSES:
-                raise ValueError(f"status {result.status!r}")
-            task.status, task.data, task.result_buffers = (
-                result.status,
-                result.data,
-                list(result.buffers),
-            )
-        except ValueError as exc:  # not a packed result (ProtocolError is one too)
-            error = ProtocolError(
-                f"task {task.record.task_id}: its result {data_id} in the service's data "
-                f"store is not a packed result ({type(exc).__name__}: {exc})"
-            )
-            task.status, task.data = Status.ERROR, serialization.dumps_exception(error, "")
+        stored(task, data_id, blob)
         self._deliver([task])
 
     def _deliver(self, tasks: list[Task]) -> None:
@@ -619,36 +551,6 @@ class ServiceBackend:
                 self._outstanding -= n
                 if self._outstanding <= 0:
                     self._idle.notify_all()
-
-
-def _wrong_shape(task_id: str, why: object) -> ProtocolError:
-    return ProtocolError(
-        f"task {task_id}: the service sent a result of the wrong shape ({why}); "
-        f"expected [status, data, buffers]"
-    )
-
-
-def _input_failed(task: Task, inputs: list[Any]) -> InputFailed | None:
-    """The error of a task whose input (a future) failed or was cancelled, or None."""
-    for future in inputs:
-        if not future.done():
-            continue
-        if future.cancelled():
-            why: BaseException | None = None
-            what = "was cancelled"
-        else:
-            why = future.exception()
-            what = f"failed ({type(why).__name__}: {why})"
-            if why is None:
-                continue
-        error = InputFailed(
-            f"a task of {task.record.function} did not run: its input, task "
-            f"{future.record.task_id}, {what}",
-            future.record.task_id,
-        )
-        error.__cause__ = why
-        return error
-    return None
 
 
 def _environment(task: Task) -> dict[str, Any] | None:

@@ -122,30 +122,33 @@ class ServiceContext:
 
     # ------------------------------------------------------------ functions
 
-    async def function(
-        self, user: Principal, function_id: str, *, own: bool = False
-    ) -> FunctionInfo:
+    async def _function(self, function_id: str) -> FunctionInfo | None:
+        """Function ``function_id``, from the cache or else the registry; None if unknown."""
         info = self._functions.get(function_id)
         if info is None:
             info = await run_in_threadpool(self.registry.function, function_id)
-            if info is None:
-                raise NotFound(f"function {function_id} not found", 404)
-            self._functions[function_id] = info
+            if info is not None:
+                self._functions[function_id] = info
+        return info
+
+    async def function(
+        self, user: Principal, function_id: str, *, own: bool = False
+    ) -> FunctionInfo:
+        info = await self._function(function_id)
+        if info is None:
+            raise NotFound(f"function {function_id} not found", 404)
         self._check(user, "function", function_id, info, own)
         return info
 
     async def unrunnable(self, owner_id: str, function_id: str) -> str | None:
         """Why a task user ``owner_id`` queued may not run ``function_id`` now (it was
         deleted, or is no longer shared with them), or None if it may."""
-        info = self._functions.get(function_id)
+        info = await self._function(function_id)
         if info is None:
-            info = await run_in_threadpool(self.registry.function, function_id)
-            if info is None:
-                return (
-                    f"function {function_id} was deleted by its owner before this task was "
-                    f"sent to an endpoint; register it again and submit the task again"
-                )
-            self._functions[function_id] = info
+            return (
+                f"function {function_id} was deleted by its owner before this task was "
+                f"sent to an endpoint; register it again and submit the task again"
+            )
         if info.usable_by(owner_id):
             return None
         return (
