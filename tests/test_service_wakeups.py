@@ -1,0 +1,70 @@
+"""Two service processes on one Redis: a task that ends on one wakes those who wait
+for it on the other (``nimbus.service.wakeups``): a result long-poll, a client's
+WebSocket."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from nimbus import Executor
+from service_support import EndpointProcess, two_services
+
+
+def nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+@pytest.mark.timeout(300)  # two services and an agent start: slow on a loaded machine
+def test_a_result_long_poll_on_one_process_returns_when_the_task_ends_on_the_other(
+    tmp_path: Path,
+) -> None:
+    """The agent is connected to the second process; the client long-polls the first
+    (GET .../result?wait=): it returns within a second of the task's end, not at the
+    end of its poll."""
+    agent = None
+    with two_services(tmp_path) as (first, second, _redis):
+        try:
+            token = first.token("wanda")
+            with first.client(token) as here, second.client(token) as there:
+                agent = EndpointProcess(second, there, "far").start(there)
+                late = []
+                for seconds in (0.5, 1.0, 0.2):
+                    task_id = there.run(nap, seconds, endpoint="far")
+                    assert here.get_result(task_id, timeout=20) == seconds  # one poll of 20 s
+                    returned = time.time()
+                    late.append(returned - float(here.get_task(task_id)["ended"]))
+                assert max(late) < 1.0, late
+        finally:
+            if agent is not None:
+                agent.stop()
+
+
+@pytest.mark.timeout(300)
+def test_an_executor_on_one_process_gets_results_of_tasks_ended_on_the_other(
+    tmp_path: Path,
+) -> None:
+    """An executor's WebSocket to the first process, the endpoint's agent on the second:
+    the futures end when their tasks do (the second delivers to no one of its own)."""
+    agent = None
+    with two_services(tmp_path) as (first, second, _redis):
+        try:
+            token = first.token("wilma")
+            with second.client(token) as there:
+                agent = EndpointProcess(second, there, "far").start(there)
+            executor = Executor(endpoint="far", settings=first.user_settings(token))
+            ended = False
+            try:
+                start = time.monotonic()
+                futures = [executor.submit(nap, 0.1 * i) for i in range(6)]
+                assert [f.result(timeout=30) for f in futures] == [0.1 * i for i in range(6)]
+                assert time.monotonic() - start < 10  # the dispatcher's idle poll is 5 s
+                ended = True
+            finally:  # a future sent that never ends would hold a `with`'s exit for ever
+                executor.shutdown(wait=ended)
+        finally:
+            if agent is not None:
+                agent.stop()
