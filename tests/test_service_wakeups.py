@@ -4,12 +4,18 @@ WebSocket."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from nimbus import Executor
+from nimbus.service.queues import TaskStore
+from nimbus.service.wakeups import ENDED
+from nimbus.statestore import Keys, connect_async
 from service_support import EndpointProcess, two_services
 
 
@@ -68,3 +74,56 @@ def test_an_executor_on_one_process_gets_results_of_tasks_ended_on_the_other(
         finally:
             if agent is not None:
                 agent.stop()
+
+
+def test_ended_tasks_are_published_only_while_more_than_one_process_listens(
+    store_url: str,
+) -> None:
+    """The scripts that end tasks (finish, cancel, fail a held task) publish their ids on
+    ``<prefix>ended`` when two processes subscribe to it, and nothing for a lone one
+    (which wakes its own waiters)."""
+    store = TaskStore(connect_async(store_url), Keys(Keys.program_id_new()), result_ttl=60)
+    channel = store.keys.task("") + ENDED
+    limits = {"max_tasks": 100, "max_bytes": 10**6}
+
+    async def heard(pubsub: Any) -> list[bytes]:
+        """What came on the channel, once it is quiet (a confirmation reads as None)."""
+        got, quiet = [], 0
+        while quiet < 3:
+            message = await pubsub.get_message(timeout=0.3)
+            if message is None:
+                quiet += 1
+            else:
+                got.append(message["data"])
+        return got
+
+    async def end_three() -> list[str]:
+        a, b, c = (str(uuid.uuid4()) for _ in range(3))
+        await store.submit("o", "ep", "g", [(a, "f", b"x", None, "")], **limits)
+        await store.submit("o", "ep", "g2", [(b, "f", b"y", None, "")], after=[[a]], **limits)
+        await store.submit("o", "ep", "g3", [(c, "f", b"z", None, "")], **limits)
+        await store.take("ep", "conn", 10)
+        assert await store.fail_held([(b, b"failed")]) == ([b], [])
+        assert await store.cancel(c, "ep") is not None
+        assert await store.finish("ep", [(a, "success", b"r", b"", "")]) == ([a], [])
+        return [b, c, a]
+
+    async def scenario() -> None:
+        one = store.redis.pubsub(ignore_subscribe_messages=True)
+        two = store.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await one.subscribe(channel)
+            await end_three()
+            assert await heard(one) == []  # a lone process: nothing published
+            await two.subscribe(channel)
+            ended = await end_three()
+            want = [i.encode() for i in ended]
+            assert await heard(one) == want and await heard(two) == want
+        finally:
+            await one.aclose()
+            await two.aclose()
+            async for key in store.redis.scan_iter(match=store.keys.pattern()):
+                await store.redis.delete(key)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())

@@ -93,17 +93,25 @@ async def listen(ctx: ServiceContext) -> None:
     whenever the queue Redis goes away."""
     store = ctx.store
     channel = store.keys.task("") + ENDED
+    ended_channel = channel.encode()
     while True:
-        pubsub = store.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub = store.redis.pubsub()
         try:
             await pubsub.subscribe(store.woken, channel)
-            await _caught_up(ctx)
+            confirmed = 0
             while True:
                 message = await pubsub.get_message(timeout=None)
                 if message is None:
                     continue
+                if message["type"] == "subscribe":
+                    confirmed += 1
+                    if confirmed == 2:  # both heard from now on: what ended before, now
+                        await _caught_up(ctx)
+                    continue
+                if message["type"] != "message":
+                    continue
                 ids = message["data"].decode(errors="replace").split()
-                if message["channel"] == channel.encode():
+                if message["channel"] == ended_channel:
                     await ended(ctx, ids)
                 else:
                     for endpoint_id in ids:
