@@ -161,7 +161,8 @@ class Hub:
     async def wait_done(
         self, task_id: str, timeout: float, done: Callable[[], Awaitable[bool]]
     ) -> None:
-        """Wait until ``task_id`` finishes (``done()`` is asked once the wait is registered)."""
+        """Wait until ``task_id`` finishes (``done()`` is asked once the wait is registered):
+        woken by ``deliver`` when it ends here, by ``ended`` when on another process."""
         if self.closing:
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
