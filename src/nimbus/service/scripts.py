@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from nimbus.service.counters import COUNT
 from nimbus.service.held import TO_FAIL, WOKEN, fail_held_lua, settle_lua
+from nimbus.service.wakeups import tell_ended
 
 __all__ = [
     "CANCEL",
@@ -229,8 +230,9 @@ flush(KEYS[2])
 if #woken > 0 then  -- every service process wakes its dispatchers of these endpoints
   redis.call('PUBLISH', ARGV[1] .. 'WOKEN', table.concat(woken, ' '))
 end
-return {out, drop, woken}
 """.replace("WOKEN", WOKEN)
+    + tell_ended("ARGV[1]", "out")  # wakes their waiters in other service processes
+    + "return {out, drop, woken}\n"
 )
 
 RUNNING = (
@@ -289,8 +291,9 @@ redis.call('HDEL', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[1], 'waits')
 redis.call('SREM', KEYS[4], ARGV[4])  -- if it was held
 settle(ARGV[4], 'cancelled')
-return {conn or '', data or ''}
 """
+    + tell_ended("ARGV[7]", "{ARGV[4]}")  # wakes its waiters in other service processes
+    + "return {conn or '', data or ''}\n"
 )
 
 FAIL_HELD = fail_held_lua(OWNERS, RELEASE, COUNT)
