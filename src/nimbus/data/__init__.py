@@ -44,7 +44,10 @@ What happens under each failure:
   with that error, within ``_direct.TIMEOUT`` at most;
 * a file staged between endpoints: sent by the source endpoint straight to the target's
   node cache, sha256 checked on arrival; when the source cannot connect to the target it
-  travels through the client instead; any other failure fails the task with its error.
+  travels through the client instead; any other failure fails the task with its error;
+* a task on another node of that endpoint than the one holding the copy: it fetches the
+  copy from that node's agent or block manager (``_serve``: the copy's secret, sha256
+  checked); that node gone, or the copy freed: the task fails saying so, never a hang;
 
 Whose data: on an endpoint, a task's user is the owner the service sends with it
 (``nimbus.owners``): every token of a user sees the same store, another user's tasks
@@ -68,8 +71,8 @@ exports, the node's file cache), ``_bind`` (the client side of a
 task's arguments: dependencies, references, the session of an Executor), ``_submit``
 (the Executor's data path: ``KeptFuture``, sending tasks at once or once their inputs are done,
 making lost results of pure tasks again), ``_direct`` (bytes sent endpoint to endpoint:
-a one-use connection the target offers) and ``_carry`` (Refs of another endpoint copied
-to the task's).
+a one-use connection the target offers), ``_serve`` (a node's file cache served to the
+endpoint's other nodes) and ``_carry`` (Refs of another endpoint copied to the task's).
 """
 
 from __future__ import annotations

@@ -266,10 +266,12 @@ def sweep_all(now: float | None = None, base: Path | None = None) -> int:
 
 class Sweeper:
     """A thread that runs :func:`sweep_all` now and every ``every`` s until closed, for
-    the agent of a runtime (which also holds its data directory while it runs)."""
+    the agent of a runtime or a block's manager (which also holds its data directory
+    while it runs, and serves its file cache to the other nodes: ``_serve``)."""
 
     def __init__(self, every: float = SWEEP_EVERY) -> None:
         self.mark = hold()
+        self.server = _serve_cache(self.mark.parent.parent)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(every,), name="nimbus-data-sweep", daemon=True
@@ -291,7 +293,21 @@ class Sweeper:
             return
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.server is not None:
+            self.server.close()
         release(self.mark)
+
+
+def _serve_cache(root: Path) -> Any:
+    """This node's file cache served to the endpoint's other nodes (``_serve``); None
+    where it cannot listen (the copies it holds are then used only here)."""
+    from nimbus.config import Settings
+    from nimbus.data._serve import Server
+
+    try:
+        return Server(root, Settings.load().data_host)
+    except (OSError, ConfigError):
+        return None
 
 
 def _private_dir(path: Path) -> Path:
