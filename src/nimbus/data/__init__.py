@@ -54,14 +54,17 @@ Whose data: on an endpoint, a task's user is the owner the service sends with it
 another, whatever scope a client puts in its tasks.
 
 Limits: objects live in the store of the node that made them, so an endpoint of several
-nodes reads them only where they were made (no copy between nodes yet). A task given
-kept futures of its own executor on an endpoint goes to the service at once, naming
-them (their task ids); the service holds it until they succeed
+nodes reads them only where they were made (no copy between nodes yet; staged files are
+fetched between nodes: ``_serve``). A task given kept futures of its own executor on an
+endpoint goes to the service at once, naming them (their task ids); so does one given
+kept futures of another Executor of the same user on the same endpoint and service,
+once the service accepted them; the service holds it until they succeed
 (``nimbus.service.dependencies``), and its arguments name their results by the Refs
 the client chose for them (``Scope.ref_id``): nothing of theirs passes through the
-client. Other futures (not kept, of another executor or endpoint, or on the local
-runtime) are waited for in the client, as before (only the "done" signal and the Ref
-pass through it, never the data).
+client (their Refs stay their own executor's: it must not shut down before the dependent
+ran, as when the dependent waited in the client). Other futures (not kept, of another
+endpoint, not yet accepted, or on the local runtime) are waited for in the client, as
+before (only the "done" signal and the Ref pass through it, never the data).
 
 Modules: ``_node`` (a node's object store: files in a private memory directory,
 mapped on read, leases as modification times), ``_ref`` (``Ref``, the client's

@@ -92,6 +92,7 @@ class Server:
         part.write_text(self._text)
         os.replace(part, root / ADDRESS)  # the newest live holder's: any serves the same
         self._closed = False
+        os.register_at_fork(after_in_child=self._listener.close)  # a worker forked later
         threading.Thread(target=self._accept, name="nimbus-data-serve", daemon=True).start()
 
     def _accept(self) -> None:
