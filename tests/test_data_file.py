@@ -148,6 +148,7 @@ def test_a_file_of_another_endpoint_is_staged_once_for_16_tasks(
     assert len(transfers) == 1  # transferred once
     staged = _cache[transfers[0]].result()
     assert staged.refs == ()  # vault sent it to lab directly: no part crossed this client
+    assert staged.holder is not None  # where lab's node serves it to its other nodes
     source = on_lab._file_sources[vault.endpoint_id]  # type: ignore[attr-defined]
     assert source.statistics()["bytes_received"] < 64 * 1024
     assert on_lab.statistics()["bytes_sent"] < 64 * 1024
