@@ -406,8 +406,18 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
         holder = (*server.address, copy_secret)
         other = tmp_path / "node-b"
         other.mkdir()
-        fetch(holder, space, name, pin, len(body), sha, other / name)
+        fetchers = [  # tasks of one node that need it at once: one fetch
+            threading.Thread(
+                target=fetch, args=(holder, space, name, pin, len(body), sha, other / name)
+            )
+            for _ in range(4)
+        ]
+        for thread in fetchers:
+            thread.start()
+        for thread in fetchers:
+            thread.join(60)
         assert (other / name).read_bytes() == body
+        assert server.statistics() == {"served": 1, "bytes": len(body), "refused": 0}
         with pytest.raises(DataError, match="wrong secret"):
             fetch((*server.address, "00" * 32), space, name, pin, len(body), sha, other / "y")
         with pytest.raises(DataError, match="sha256 differs"):
@@ -419,6 +429,7 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
         with pytest.raises(DataError, match="no longer held on this node"):
             fetch(holder, space, name, pin, len(body), sha, other / "v")
         assert sorted(p.name for p in other.iterdir() if not p.name.endswith(".lock")) == [name]
+        assert server.statistics()["refused"] == 3  # (the bad sha256: served, refused there)
     finally:
         server.close()
     assert server_address(root) is None

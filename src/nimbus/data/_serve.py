@@ -92,6 +92,7 @@ class Server:
         part.write_text(self._text)
         os.replace(part, root / ADDRESS)  # the newest live holder's: any serves the same
         self._closed = False
+        self._counts = {"served": 0, "bytes": 0, "refused": 0}
         os.register_at_fork(after_in_child=self._listener.close)  # a worker forked later
         threading.Thread(target=self._accept, name="nimbus-data-serve", daemon=True).start()
 
@@ -121,7 +122,10 @@ class Server:
                     if size:
                         conn.sendfile(f, 0, size)
                     os.utime(f.fileno())  # used now (the sweep keeps it a lease longer)
+                self._counts["served"] += 1
+                self._counts["bytes"] += size
             except Exception as exc:  # said to the fetcher, whose task fails with it
+                self._counts["refused"] += 1
                 with contextlib.suppress(OSError):
                     conn.sendall(f"NO{type(exc).__name__}: {exc}".encode()[:2000])
 
@@ -151,6 +155,10 @@ class Server:
         if not path.is_file():
             raise DataError(f"{name} is no longer in this node's file cache")
         return path
+
+    def statistics(self) -> dict[str, int]:
+        """Copies ``served`` (and their ``bytes``), requests ``refused`` or failed."""
+        return dict(self._counts)
 
     def close(self) -> None:
         if self._closed:
