@@ -40,6 +40,7 @@ import hashlib
 import hmac
 import json
 import os
+import queue
 import secrets
 import socket
 import threading
@@ -231,24 +232,40 @@ def _fetch(
             got = int.from_bytes(_recv_exactly(sock, 8), "little")
             if got != size:
                 raise DataError(f"it holds {got} bytes where {size} were staged")
-            sha = hashlib.sha256()
-            buffer = bytearray(_STEP)
-            view = memoryview(buffer)
-            with open(part, "wb") as out:
-                done = 0
-                while done < size:
-                    n = sock.recv_into(view[: min(_STEP, size - done)])
-                    if not n:
-                        raise DataError(f"the link closed after {done} of {size} bytes")
-                    sha.update(view[:n])
-                    out.write(view[:n])
-                    done += n
-            if sha.hexdigest() != sha256:
+            if _receive(sock, part, size) != sha256:
                 raise DataError("the bytes' sha256 differs from the staged copy's")
             os.rename(part, target)
         except (DataError, OSError) as exc:
             part.unlink(missing_ok=True)
             raise DataError(f"cannot fetch {where}: {exc}; submit the task again") from None
+
+
+def _receive(sock: socket.socket, part: Path, size: int) -> str:
+    """``size`` bytes of ``sock`` written to ``part`` while a thread hashes the buffer
+    before (as ``_direct``'s receiver); their sha256."""
+    from nimbus.data._direct import _BUFFERS, _fill, _hash
+
+    sha = hashlib.sha256()
+    free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+    full: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
+    for _ in range(_BUFFERS):
+        free.put(bytearray(_STEP))
+    hasher = threading.Thread(target=_hash, args=(sha, full, free), daemon=True)
+    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    hasher.start()
+    try:
+        got = 0
+        while got < size:
+            buffer = free.get()
+            n = _fill(sock, memoryview(buffer), min(_STEP, size - got), got, size)
+            os.pwrite(fd, memoryview(buffer)[:n], got)
+            got += n
+            full.put((buffer, n))
+    finally:
+        full.put(None)
+        hasher.join()
+        os.close(fd)
+    return sha.hexdigest()
 
 
 def _rest(sock: socket.socket) -> bytes:
