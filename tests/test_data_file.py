@@ -435,3 +435,16 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
     assert server_address(root) is None
     with pytest.raises(DataError, match="is that node's manager running"):
         fetch(holder, space, name, pin, len(body), sha, tmp_path / "u")
+
+
+def test_a_node_cache_made_again_after_a_sweep_keeps_its_runtime_private(tmp_path: Path) -> None:
+    """A runtime's directory removed by a sweep (no process held it) and then a cache
+    written into it: made again private (it was made with the default mode, 0o755, and
+    from then on every store of that runtime refused it: "must belong to this user with
+    mode 0o700")."""
+    from nimbus.data._node import node_dir
+
+    root = tmp_path / "runtime"
+    files = node_dir(root / "u-x" / "files")
+    assert files.is_dir() and (root.stat().st_mode & 0o777) == 0o700
+    NodeStore("u-x", root)  # not refused

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from nimbus.config import Settings
+from nimbus.data._node import node_dir
 from nimbus.errors import DataError
 
 __all__ = ["Unreachable", "offer", "send_export", "send_object"]
@@ -89,8 +90,7 @@ def _target(kind: str, name: str) -> Path:
     if kind == "obj":
         return node.path(name)
     if kind == "file":
-        files = node.dir / "files"
-        files.mkdir(parents=True, exist_ok=True)
+        files = node_dir(node.dir / "files")
         if "/" in name or name.startswith("."):
             raise DataError(f"{name!r} is not a cache name")
         return files / name

@@ -59,6 +59,7 @@ from typing import Any
 
 from nimbus.config import config_dir
 from nimbus.data._direct import Unreachable
+from nimbus.data._node import node_dir
 from nimbus.data._ref import Ref, new_id
 from nimbus.errors import DataError, FileRefused, NotFound
 
@@ -206,7 +207,7 @@ def local_path(value: File | Staged | Out, files: Path, here: str | None) -> Pat
         return path
     if type(value) is Staged:
         return _cached(value, files)
-    files.mkdir(parents=True, exist_ok=True)
+    node_dir(files)
     return files / f"out-{new_id()}"
 
 
@@ -223,7 +224,7 @@ def _cached(staged: Staged, files: Path) -> Path:
     if not staged.refs and staged.holder is not None and staged.pin is not None:
         from nimbus.data._serve import fetch  # sent directly into another node's cache
 
-        files.mkdir(parents=True, exist_ok=True)
+        node_dir(files)
         fetch(
             staged.holder,
             files.parent.name,
@@ -246,7 +247,7 @@ def _cached(staged: Staged, files: Path) -> Path:
             f"{staged.name}: {len(body)} bytes arrived, {staged.size} were sent, or their "
             f"sha256 differs: the transfer was damaged; submit the task again"
         )
-    files.mkdir(parents=True, exist_ok=True)
+    node_dir(files)
     tmp = files / f".{new_id()}"
     tmp.write_bytes(body)
     tmp.replace(target)

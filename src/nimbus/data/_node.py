@@ -321,6 +321,16 @@ def _private_dir(path: Path) -> Path:
     return path
 
 
+def node_dir(path: Path) -> Path:
+    """``path`` (a directory inside a namespace of a runtime's data directory: its file
+    cache, its keys) made if it is not there, the runtime's directory with it private:
+    ``mkdir(parents=True)`` alone would remake a runtime directory a sweep removed with
+    the default mode, refused from then on by every store of that runtime."""
+    _private_dir(path.parent.parent)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
 def _write_all(fd: int, data: Any) -> None:
     view = memoryview(data).cast("B")
     while view.nbytes:
