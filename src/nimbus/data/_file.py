@@ -41,7 +41,10 @@ there once (``_serve``: that node's agent or manager serves its cache to the hol
 the copy's secret, sha256 checked) and finds it in its own cache after.
 
 Limits: ``out=`` writes only to the endpoint the task runs on (or this machine, on the
-local runtime).
+local runtime). A copy whose holding node left (its block ended) before another node
+fetched it: tasks there fail naming that node, and this client's cache entry for the
+file stays (it is staged again once the file's size or mtime changes, or in a new
+client process).
 """
 
 from __future__ import annotations
