@@ -397,7 +397,7 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
     body = os.urandom(2 * 1024 * 1024 + 5)
     sha = hashlib.sha256(body).hexdigest()
     copy_secret = os.urandom(32).hex()
-    NodeStore(space, root).write(pin, copy_secret, time.time() + 60)
+    NodeStore(space, root).write_secret(pin, copy_secret, time.time() + 60)
     (root / space / "files").mkdir()
     (root / space / "files" / name).write_bytes(body)
     server = Server(root, "127.0.0.1")
@@ -424,12 +424,16 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
             fetch(holder, space, name, pin, len(body), "0" * 64, other / "z")
         with pytest.raises(DataError, match="does not name the copy"):
             fetch(holder, space, name, "e" * 64, len(body), sha, other / "w")
+        pickled = key + "f" * 32  # an object a task wrote: the server unpickles nothing
+        NodeStore(space, root).write(pickled, copy_secret, time.time() + 60)
+        with pytest.raises(DataError, match="wrong secret"):
+            fetch(holder, space, name, pickled, len(body), sha, other / "p")
         past = time.time() - 1  # the client freed its pin (or died): not served any more
         os.utime(root / space / "obj" / pin, (past, past))
         with pytest.raises(DataError, match="no longer held on this node"):
             fetch(holder, space, name, pin, len(body), sha, other / "v")
         assert sorted(p.name for p in other.iterdir() if not p.name.endswith(".lock")) == [name]
-        assert server.statistics()["refused"] == 3  # (the bad sha256: served, refused there)
+        assert server.statistics()["refused"] == 4  # (the bad sha256: served, refused there)
     finally:
         server.close()
     assert server_address(root) is None

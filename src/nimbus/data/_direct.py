@@ -120,7 +120,7 @@ def offer(
             raise DataError(f"the pin {pin!r} does not name the copy {name!r}")
         node = _node(_scope().namespace)
         copy_secret = secrets.token_hex(32)
-        node.write(pin, copy_secret, expires)
+        node.write_secret(pin, copy_secret, expires)
         served = server_address(node.dir.parent)
         holder = None if served is None else (*served, copy_secret)
     host = Settings.load().data_host  # NIMBUS_DATA_HOST

@@ -49,6 +49,7 @@ from nimbus.errors import ConfigError, DataError
 __all__ = ["NodeStore", "Sweeper", "data_base", "default_root", "hold", "release", "sweep_all"]
 
 MAGIC = b"NREF1\0\0\0"
+SECRET = b"NPIN1\0\0\0"  # a pin's file: this, then its secret (hex), nothing pickled
 _HEAD = struct.Struct("<QQ")  # pickle length, number of buffers
 _LEN = struct.Struct("<Q")
 SWEEP_EVERY = 10.0  # seconds between sweeps a writer makes
@@ -397,6 +398,27 @@ class NodeStore:
         os.rename(part, final)
         self.maybe_sweep()
         return len(head) + len(data) + sum(v.nbytes for v in views)
+
+    def write_secret(self, ref_id: str, secret: str, expires: float) -> None:
+        """A pin (``_direct.offer``): an object leased until ``expires`` holding only a
+        secret, read back by :meth:`read_secret` without unpickling anything (the node's
+        manager reads it: it never unpickles what a user's task wrote)."""
+        part = self.objects / f".{ref_id}.part"
+        final = self.path(ref_id)
+        self.objects.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, SECRET + secret.encode())
+        finally:
+            os.close(fd)
+        os.utime(part, (expires, expires))
+        os.rename(part, final)
+
+    def read_secret(self, ref_id: str) -> str | None:
+        """The secret of a pin written by :meth:`write_secret` (None: not one)."""
+        with open(self.path(ref_id), "rb") as f:
+            data = f.read(len(SECRET) + 200)
+        return data[len(SECRET) :].decode() if data.startswith(SECRET) else None
 
     def read(self, ref_id: str) -> Any:
         """The object stored under ``ref_id``; FileNotFoundError when it is not here."""

@@ -147,8 +147,8 @@ class Server:
             raise DataError(f"{name} is no longer held on this node (its client freed it)")
         from nimbus.data._node import NodeStore
 
-        secret = NodeStore(space, self.root).read(pin)
-        if not isinstance(secret, str) or not hmac.compare_digest(
+        secret = NodeStore(space, self.root).read_secret(pin)  # (nothing unpickled)
+        if secret is None or not hmac.compare_digest(
             mac, _mac(bytes.fromhex(secret), challenge, header)
         ):
             raise DataError("a wrong secret for this copy")
