@@ -229,6 +229,22 @@ def test_orphan_server_of_dead_owner_is_cleaned_at_next_start(rt: Path) -> None:
     assert list(rt.iterdir()) == []
 
 
+def test_a_program_that_never_starts_its_store_still_sweeps_a_dead_owners(rt: Path) -> None:
+    """The sweep runs when a program opens its store (``defer()``), not when the store
+    starts: a program that never starts one (a local Pool) removes a killed one's files."""
+    child, pids = _spawn_owner(rt)
+    _reap(child)
+    assert _gone(pids["server"], 3)
+    (rt / f".{Path(pids['socket']).stem}.lock").touch()  # as a child's serve() leaves it
+    left = sorted(p.name for p in rt.iterdir())
+    assert any(n.endswith(".json") for n in left), left
+    server = EmbeddedRedis(rt).defer()
+    assert list(rt.iterdir()) == []
+    assert not server.socket_path.exists()  # not started
+    server.stop()
+    assert list(rt.iterdir()) == []
+
+
 def test_live_owner_entries_and_unrelated_pids_are_left_alone(rt: Path) -> None:
     child, pids = _spawn_owner(rt)
     try:

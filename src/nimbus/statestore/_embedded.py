@@ -251,6 +251,8 @@ class EmbeddedRedis:
         """Make :attr:`url` final without starting the server: the first connection to
         it, in this process or one forked from it, starts it (:meth:`serve`)."""
         self._deferred = True
+        self._make_runtime_dir()
+        _clean_stale(self.runtime_dir)  # (here: a program that never starts its store sweeps too)
         if not _fits_sun_path(self.socket_path):
             self._fallback_dir = Path(tempfile.mkdtemp(prefix="nimbus-", dir="/tmp"))  # 0700
             self.socket_path = self._fallback_dir / "redis.sock"
@@ -289,13 +291,9 @@ class EmbeddedRedis:
         thread, which lives as long as the process): it answers sooner, without
         a Python interpreter to start first. Otherwise, or elsewhere, a watchdog.
         """
-        try:
-            self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StateStoreError(
-                f"cannot create runtime directory {self.runtime_dir}: {exc}"
-            ) from exc
-        _clean_stale(self.runtime_dir)
+        self._make_runtime_dir()
+        if not self._deferred:  # (a deferred one swept at defer())
+            _clean_stale(self.runtime_dir)
         owner = os.getpid() if watch is None else watch
         self.owner_pid = owner
         self._answered = False
@@ -348,6 +346,14 @@ class EmbeddedRedis:
         if owner == os.getpid():  # (a server started for its owner by another process of
             atexit.register(self.stop)  # its program ends with the owner, by its watchdog)
         return self
+
+    def _make_runtime_dir(self) -> None:
+        try:
+            self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StateStoreError(
+                f"cannot create runtime directory {self.runtime_dir}: {exc}"
+            ) from exc
 
     def ready(self) -> EmbeddedRedis:
         """Wait until the launched server answers (at once once it has); returns ``self``."""
@@ -518,6 +524,7 @@ def _clean_stale(runtime_dir: Path) -> list[Path]:
             _kill_if(int(server_pid), server_created, "redis-server")
             fallback = state.get("fallback_dir")
             log_file = state_file.with_suffix(".log")
+            state_file.with_name(f".{state_file.stem}.lock").unlink(missing_ok=True)  # (serve())
             _remove_files(state_file, log_file, Path(state["socket"]), fallback and Path(fallback))
             cleaned.append(state_file)
         except (OSError, ValueError, KeyError, TypeError):
