@@ -112,8 +112,15 @@ class Popen:
         prep["authkey"] = bytes(prep["authkey"])
         where.prepare(prep)
         # the fork is under way when start() returns; its pid is awaited on first use
-        # the root's first start imports main in a worker (a relayed one's root did already)
-        first = not _main_imported and where.imports_main and any(key in prep for key in MAIN_KEYS)
+        # the root's first start imports main in a worker (a relayed one's root did already);
+        # awaited only if main may start processes as it is imported (no guard found): the
+        # other starts of a guarded program's Pool go at once
+        first = (
+            not _main_imported
+            and where.imports_main
+            and any(key in prep for key in MAIN_KEYS)
+            and not _site.main_guarded()
+        )
         try:
             self._forked = where.start(_forking.start, self._token, prep, program, data, buffers)
             if first:
