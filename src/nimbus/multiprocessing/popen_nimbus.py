@@ -93,6 +93,7 @@ class Popen:
         prep["environ"] = dict(os.environ)  # as at start(), as a forked or spawned child has it
         prep["install"] = _install.installed()  # nimbus is `multiprocessing` there too
         prep["store"] = "redis" in sys.modules  # the program uses its store: warm its client
+        prep["pool"] = getattr(process_obj, "_nimbus_pool", False)  # a Pool's process
         stdlib_context.set_spawning_popen(self)  # type: ignore[arg-type]
         try:
             program = _site.program()
