@@ -306,7 +306,9 @@ def _top_up_later(quiet: float) -> None:
 # burst of starts it has served (processes started while its others ran), up to
 # STANDBYS_MAX. When a start takes the last, one is forked as soon as the worker is
 # idle; the others once it has been quiet for STANDBY_QUIET seconds, so that the
-# CPU a burst of starts needs does not go to forking for the next burst.
+# CPU a burst of starts needs does not go to forking for the next burst. A Pool's
+# processes (a burst of processes that stay and work) neither grow the number kept nor
+# start a fork until the worker has been quiet for POOL_QUIET seconds.
 STANDBYS_MAX = 3
 STANDBY_QUIET = 0.02
 POOL_QUIET = 0.25  # after a Pool's process started: the quiet before warm-up and standbys
