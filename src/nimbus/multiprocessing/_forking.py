@@ -185,12 +185,12 @@ WARM_QUIET = 0.05  # seconds without a start before a worker imports WARM_MODULE
 _warming: set[Callable[[], None]] = set()  # asked for once each
 
 
-def _warm_later(fn: Callable[[], None]) -> None:
+def _warm_later(fn: Callable[[], None], quiet: float) -> None:
     if fn not in _warming:
         from nimbus.runtime import worker
 
         _warming.add(fn)
-        worker.when_quiet(fn, WARM_QUIET)
+        worker.when_quiet(fn, quiet)
 
 
 @functools.cache
@@ -211,9 +211,12 @@ def start(
     """Start the process in a standby child (or a new fork); the reaper reports its exit."""
     from nimbus.runtime import worker
 
+    # a Pool's processes start together and then work: no warm-up nor standby forks take
+    # CPU from them (nor hold up the reaper's exit notices) until the worker is quite quiet
+    pool = prep.pop("pool", False)
     # not on the path of this start, nor of the next ones of a burst (a Pool's): after a
     # quiet moment (a forked worker imports its preload, the same modules, later still)
-    _warm_later(_warm_up)
+    _warm_later(_warm_up, POOL_QUIET if pool else WARM_QUIET)
     if prep.pop("store", False):  # the process will likely use it too: import it once
         _warm_store()  # here, for this worker's children, rather than in each of them
     _libc()  # loaded once here, not in every child
@@ -237,7 +240,8 @@ def start(
     global _program, _keep
     with _reaper.lock:  # processes of this worker running now: is this start part of a burst?
         running = sum(1 for token in _reaper.tokens.values() if token is not None)
-    _keep = max(_keep, min(STANDBYS_MAX, running + 2))
+    if not pool:  # (a Pool's burst is of processes that stay: it starts no more soon)
+        _keep = max(_keep, min(STANDBYS_MAX, running + 2))
     started = None
     while started is None and _standbys:
         standby = _standbys.pop()
@@ -251,9 +255,9 @@ def start(
 
     # the next start skips the fork and the store's connection; this one is not held up
     _program = program
-    if not _standbys:
+    if not _standbys and not pool:
         worker.when_idle(_refill)
-    _top_up_later()
+    _top_up_later(POOL_QUIET if pool else STANDBY_QUIET)
     return started
 
 
@@ -286,25 +290,28 @@ def _top_up() -> None:
     global _topping_up
     _topping_up = False
     _refill()
-    _top_up_later()
+    _top_up_later(STANDBY_QUIET)
 
 
-def _top_up_later() -> None:
+def _top_up_later(quiet: float) -> None:
     global _topping_up
     if not _topping_up and len(_standbys) < _keep:
         from nimbus.runtime import worker
 
         _topping_up = True
-        worker.when_quiet(_top_up, STANDBY_QUIET)
+        worker.when_quiet(_top_up, quiet)
 
 
 # Children each worker keeps forked ahead of need: two, or one more than the largest
 # burst of starts it has served (processes started while its others ran), up to
 # STANDBYS_MAX. When a start takes the last, one is forked as soon as the worker is
 # idle; the others once it has been quiet for STANDBY_QUIET seconds, so that the
-# CPU a burst of starts needs does not go to forking for the next burst.
+# CPU a burst of starts needs does not go to forking for the next burst. A Pool's
+# processes (a burst of processes that stay and work) neither grow the number kept nor
+# start a fork until the worker has been quiet for POOL_QUIET seconds.
 STANDBYS_MAX = 3
 STANDBY_QUIET = 0.02
+POOL_QUIET = 0.25  # after a Pool's process started: the quiet before warm-up and standbys
 
 
 class _Standby:

@@ -84,7 +84,9 @@ class Pool(stdlib_pool.Pool):
     def Process(ctx: Any, *args: Any, **kwds: Any) -> Any:
         if kwds.get("target") is stdlib_pool.worker:
             kwds["target"] = _worker
-        return ctx.Process(*args, **kwds)
+        process = ctx.Process(*args, **kwds)
+        process._nimbus_pool = True  # long-lived, started in a burst (popen_nimbus, _forking)
+        return process
 
     def _setup_queues(self) -> None:
         _site.refuse_in_sandbox()  # its processes could not reach the queues, either kind
