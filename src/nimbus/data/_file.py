@@ -202,6 +202,7 @@ def local_path(value: File | Staged | Out, files: Path, here: str | None) -> Pat
         return path
     if type(value) is Staged:
         return _cached(value, files)
+    assert isinstance(value, Out)  # the last kind left
     return _out_path(value, files)
 
 
