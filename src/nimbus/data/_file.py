@@ -10,8 +10,9 @@
     worker: the argument is a ``pathlib.Path``: the file itself, or its copy in the
         node's cache (``<node store>/files/``), size and sha256 checked when written
     out=File("lab:/results/{task_id}.npz"): the task gets a local ``pathlib.Path`` to
-        write; after it ends the file is moved to the path (``{task_id}`` filled in),
-        inside the exports of the endpoint the task runs on
+        write (``<cache>/out-<id>/<id>.npz``: the file's own name, ``{task_id}`` = <id>);
+        after it ends the file is moved to the path, inside the exports of the endpoint
+        the task runs on, and ``out-<id>/`` removed (also when the task failed)
 
 An input must exist when the task is submitted: a missing file of this machine (or of
 an endpoint whose config is here) is refused by ``submit`` (``FileRefused`` naming it),
