@@ -60,6 +60,46 @@ def test_out_file_is_moved_to_its_path_after_the_task(ex: Executor, tmp_path: Pa
     assert result.suffix == ".npz" and result.read_bytes() == b"r" * 300
 
 
+def savez(out: Path) -> str:
+    import numpy as np  # np.savez appends .npz to a path that does not end with it
+
+    np.savez(out, a=np.arange(3))
+    return os.fspath(out)
+
+
+def test_out_file_keeps_its_name_so_np_savez_writes_it(ex: Executor, tmp_path: Path) -> None:
+    pytest.importorskip("numpy")
+    import numpy as np
+
+    local = ex.submit(savez, out=nimbus.File(str(tmp_path / "res" / "{task_id}.npz"))).result(60)
+    (result,) = (tmp_path / "res").iterdir()  # what the task wrote, under its out= name
+    assert Path(local).name == result.name and result.suffix == ".npz"
+    assert np.load(result)["a"].tolist() == [0, 1, 2]
+    assert not Path(local).parent.exists()  # its private directory: removed
+
+
+def write_beside(out: Path) -> None:
+    (out.parent / (out.name + ".npz")).write_bytes(b"a suffix the task added")
+    raise ValueError(str(out))
+
+
+def write_elsewhere(out: Path) -> str:
+    (out.parent / (out.name + ".tmp")).write_bytes(b"x")
+    return str(out)
+
+
+def test_an_out_file_that_fails_leaves_nothing_behind(ex: Executor, tmp_path: Path) -> None:
+    out = nimbus.File(str(tmp_path / "res" / "{task_id}.dat"))
+    with pytest.raises(ValueError) as raised:  # the task failed: its files are removed
+        ex.submit(write_beside, out=out).result(60)
+    assert not Path(str(raised.value)).parent.exists()
+    with pytest.raises(DataError, match=r"wrote nothing to .*\.dat.*wrote \S+\.dat\.tmp beside"):
+        ex.submit(write_elsewhere, out=out).result(60)
+    private = Path(str(raised.value)).parent.parent  # the node's file cache
+    assert not [p for p in private.iterdir() if p.name.startswith("out-")]
+    assert not (tmp_path / "res").exists()
+
+
 def test_bad_files_are_refused_before_any_task(ex: Executor, tmp_path: Path) -> None:
     with pytest.raises(FileRefused, match=r"'\.\.'"):
         nimbus.File("lab:/data/../etc/passwd")

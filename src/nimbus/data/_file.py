@@ -10,8 +10,9 @@
     worker: the argument is a ``pathlib.Path``: the file itself, or its copy in the
         node's cache (``<node store>/files/``), size and sha256 checked when written
     out=File("lab:/results/{task_id}.npz"): the task gets a local ``pathlib.Path`` to
-        write; after it ends the file is moved to the path (``{task_id}`` filled in),
-        inside the exports of the endpoint the task runs on
+        write (``<cache>/out-<id>/<id>.npz``: the file's own name, ``{task_id}`` = <id>);
+        after it ends the file is moved to the path, inside the exports of the endpoint
+        the task runs on, and ``out-<id>/`` removed (also when the task failed)
 
 An input must exist when the task is submitted: a missing file of this machine (or of
 an endpoint whose config is here) is refused by ``submit`` (``FileRefused`` naming it),
@@ -210,8 +211,30 @@ def local_path(value: File | Staged | Out, files: Path, here: str | None) -> Pat
         return path
     if type(value) is Staged:
         return _cached(value, files)
-    node_dir(files)
-    return files / f"out-{new_id()}"
+    assert isinstance(value, Out)  # the last kind left
+    return _out_path(value, files)
+
+
+def _out_path(out: Out, files: Path) -> Path:
+    """A private directory ``out-<id>`` in ``files`` with the out= file's own name inside
+    (``{task_id}`` filled with ``<id>``): writers that add or check a suffix (``np.savez``,
+    ``to_hdf``) write the name the task was given."""
+    out_id = new_id()
+    private = node_dir(files) / f"out-{out_id}"
+    private.mkdir()
+    name = out.template.rsplit("/", 1)[-1].replace("{task_id}", out_id)
+    return private / (name or "out")
+
+
+def out_id(written: Path) -> str:
+    """The id that fills ``{task_id}`` for the path :func:`local_path` gave an out= file."""
+    return written.parent.name.removeprefix("out-")
+
+
+def discard_out(written: Path) -> None:
+    """When the task has ended: remove the private directory of an out= file (what it
+    wrote, if not moved, and any temporary files beside it)."""
+    shutil.rmtree(written.parent, ignore_errors=True)
 
 
 def _cached(staged: Staged, files: Path) -> Path:
@@ -261,7 +284,12 @@ def finish_out(out: Out, written: Path, task_id: str) -> None:
     """After the task: move what it wrote to ``out``'s path (inside the exports)."""
     path = out.template.replace("{task_id}", task_id)
     if not written.exists():
-        raise DataError(f"the task wrote nothing to {written} (its out= file {path})")
+        others = sorted(p.name for p in written.parent.iterdir()) if written.parent.is_dir() else []
+        instead = f"; it wrote {', '.join(others)} beside it instead" if others else ""
+        raise DataError(
+            f"the task wrote nothing to {written} (its out= file {path}){instead}: "
+            f"write the path the task is given, as it is"
+        )
     target = Path(path) if out.endpoint is None else _exported(out.endpoint, path)
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(written, target)  # a rename, or a copy from the node's memory store
