@@ -952,6 +952,41 @@ def test_netbench_on_a_real_endpoint(service: Any, alice: Any, lab: Any, tmp_pat
         assert abs(run["link_vs_client_bytes"]) < 0.02, run  # the records counted the bytes
 
 
+def test_grid_tasks_start_when_all_have_arrived_not_by_a_clock() -> None:
+    """Review 5 #7: "at once" was the worker's clock against the client's + 1 s, so a
+    cold worker or skew refused even one task. Now the cell's tasks meet: one arriving
+    1.5 s after the others still runs with them; too few by the window: all stop, a late
+    comer too, and the count is said."""
+    from nimbus.network._starts import Starts, wait_start
+
+    starts = Starts("127.0.0.1")
+    went: list[tuple[bool, float]] = []
+
+    def task(key: str, after: float) -> None:
+        time.sleep(after)
+        go = wait_start(starts.address, key, 30)
+        went.append((go, time.monotonic()))
+
+    try:
+        threads = [threading.Thread(target=task, args=("a", d)) for d in (0, 0, 1.5)]
+        for t in threads:
+            t.start()
+        assert starts.gather("a", 3, within=20) == 3
+        for t in threads:
+            t.join()
+        assert [g for g, _ in went] == [True] * 3
+        assert max(w for _, w in went) - min(w for _, w in went) < 0.5  # all at once
+        went.clear()
+        early = threading.Thread(target=task, args=("b", 0))
+        early.start()
+        assert starts.gather("b", 2, within=1) == 1
+        early.join()
+        task("b", 0)  # the second, after the window
+        assert [g for g, _ in went] == [False, False]
+    finally:
+        starts.close()
+
+
 @pytest.fixture(scope="module")
 def sized(service: Any, alice: Any) -> Iterator[Any]:
     """Alice's endpoint "sized": a real agent whose workers have namespaces (and so
@@ -1054,41 +1089,6 @@ def test_netbench_sizes_objects_and_cost_on_a_real_endpoint(
     assert "Worker size x concurrency" in page and "netbench-grid.png" in page
     grid_csv = (tmp_path / "netbench-grid.csv").read_text().splitlines()
     assert len(grid_csv) == 1 + 12 and grid_csv[0].startswith("memory,concurrency,direction")
-
-
-def test_grid_tasks_start_when_all_have_arrived_not_by_a_clock() -> None:
-    """Review 5 #7: "at once" was the worker's clock against the client's + 1 s, so a
-    cold worker or skew refused even one task. Now the cell's tasks meet: one arriving
-    1.5 s after the others still runs with them; too few by the window: all stop, a late
-    comer too, and the count is said."""
-    from nimbus.network._starts import Starts, wait_start
-
-    starts = Starts("127.0.0.1")
-    went: list[tuple[bool, float]] = []
-
-    def task(key: str, after: float) -> None:
-        time.sleep(after)
-        go = wait_start(starts.address, key, 30)
-        went.append((go, time.monotonic()))
-
-    try:
-        threads = [threading.Thread(target=task, args=("a", d)) for d in (0, 0, 1.5)]
-        for t in threads:
-            t.start()
-        assert starts.gather("a", 3, within=20) == 3
-        for t in threads:
-            t.join()
-        assert [g for g, _ in went] == [True] * 3
-        assert max(w for _, w in went) - min(w for _, w in went) < 0.5  # all at once
-        went.clear()
-        early = threading.Thread(target=task, args=("b", 0))
-        early.start()
-        assert starts.gather("b", 2, within=1) == 1
-        early.join()
-        task("b", 0)  # the second, after the window
-        assert [g for g, _ in went] == [False, False]
-    finally:
-        starts.close()
 
 
 def test_netbench_sizes_need_an_endpoint_and_their_unit(tmp_path: Path) -> None:
