@@ -957,6 +957,7 @@ def test_grid_tasks_start_when_all_have_arrived_not_by_a_clock() -> None:
     cold worker or skew refused even one task. Now the cell's tasks meet: one arriving
     1.5 s after the others still runs with them; too few by the window: all stop, a late
     comer too, and the count is said."""
+    from nimbus.network._grid import objects_at
     from nimbus.network._starts import Starts, wait_start
 
     starts = Starts("127.0.0.1")
@@ -964,7 +965,7 @@ def test_grid_tasks_start_when_all_have_arrived_not_by_a_clock() -> None:
 
     def task(key: str, after: float) -> None:
         time.sleep(after)
-        go = wait_start(starts.address, key, 30)
+        go = wait_start(socket.create_connection(starts.address), key, 30)
         went.append((go, time.monotonic()))
 
     try:
@@ -985,6 +986,8 @@ def test_grid_tasks_start_when_all_have_arrived_not_by_a_clock() -> None:
         assert [g for g, _ in went] == [False, False]
     finally:
         starts.close()
+    with pytest.raises(ConfigError, match=r"cannot reach the grid's meeting point 127.0.0.1"):
+        objects_at(("127.0.0.1", 1), starts.address, "c", 5, "down", 1, 1)  # (closed now)
 
 
 @pytest.fixture(scope="module")

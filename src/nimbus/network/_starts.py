@@ -95,10 +95,11 @@ def _answer(conns: list[socket.socket], word: bytes) -> None:
             conn.close()
 
 
-def wait_start(starts: tuple[str, int], key: str, patience: float) -> bool:
-    """In a task: arrive at ``starts`` for cell ``key`` and wait (``patience``
-    seconds at most); True when all its cell's tasks are there, False when told to stop."""
-    with socket.create_connection(starts, timeout=30) as conn:
+def wait_start(conn: socket.socket, key: str, patience: float) -> bool:
+    """In a task, on ``conn`` to the meeting point: arrive for cell ``key`` and wait
+    (``patience`` seconds at most); True when all its cell's tasks are there, False
+    when told to stop."""
+    with conn:
         conn.sendall(key.encode() + b"\n")
         conn.settimeout(patience)
         return conn.makefile("rb").readline(10) == GO
