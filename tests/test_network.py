@@ -938,11 +938,13 @@ def test_netbench_on_a_real_endpoint(service: Any, alice: Any, lab: Any, tmp_pat
     """--endpoint: the sweep's tasks run on the endpoint (a real agent with 2 workers)
     against this machine's traffic server; the report is the offline one's."""
     from nimbus.network import netbench_endpoint
+    from nimbus.network._endpoint import sweep, traffic_server
 
     with Executor(endpoint="lab", settings=service.user_settings(alice.token)) as ex:
         written = netbench_endpoint(ex, "127.0.0.1", [1, 2], ["down", "up"], 1.0, tmp_path)
-        with pytest.raises(ConfigError, match=r"started only 2 of 3 tasks at once"):
-            netbench_endpoint(ex, "127.0.0.1", [3], ["down"], 0.5, tmp_path / "too-many")
+        with traffic_server("127.0.0.1") as at, pytest.raises(ConfigError) as refused:
+            sweep(ex, at, [3], ["down"], 0.5, within=3)  # 2 workers
+    assert "started only 2 of 3 tasks within 3 s" in str(refused.value)
     assert {p.name for p in written} >= {"netbench.csv", "netbench.json", "netbench.html"}
     summary = json.loads((tmp_path / "netbench.json").read_text())
     runs = {(r["direction"], r["concurrency"]): r for r in summary["runs"]}
