@@ -114,22 +114,43 @@ def sweep(
     progress: Callable[[str], object] = lambda _: None,
     within: float = START_WITHIN,
 ) -> list[Point]:
-    """Every (direction, n): n tasks on ``executor`` at once; a point per task. A
-    ConfigError when n tasks did not all start within ``within`` s."""
+    """Every (direction, n): n tasks on ``executor`` at once; a point per task. A run
+    whose n tasks did not all start within ``within`` s is not run (said to
+    ``progress``), nor the larger ones of its direction; a ConfigError if none ran."""
     points: list[Point] = []
+    refused = ""
     with closing(Starts(address[0])) as starts:
         for direction in directions:
+            most: int | None = None  # (where refused: how many started)
             for n in concurrency:
-                run = _run(executor, starts, within, address, direction, n, seconds)
+                if most is not None and n > most:
+                    progress(f"{direction:>4} x{n}: not tried: {refused}")
+                    continue
+                run, came = _run(executor, starts, within, address, direction, n, seconds)
+                if came < n:
+                    most, refused = (
+                        came,
+                        (
+                            f"the endpoint started only {came} of {n} tasks within {within:g} s "
+                            f"(the others waited for a worker); give it more workers or sweep "
+                            f"to {came} at most"
+                        ),
+                    )
+                    progress(f"{direction:>4} x{n}: not run: {refused}")
+                    continue
                 progress(f"{direction:>4} x{n}: aggregate {sum(p.mbit for p in run):7.1f} Mbit/s")
                 points.extend(run)
+    if not points:
+        raise ConfigError(f"netbench --endpoint: no run of the sweep ran: {refused}")
     return points
 
 
 def _run(
     executor: Executor, starts: Starts, within: float, address: tuple[str, int],
     direction: str, n: int, seconds: float,
-) -> list[Point]:  # fmt: skip
+) -> tuple[list[Point], int]:  # fmt: skip
+    """One run's points, from the instant all n tasks have started; and how many
+    started (fewer than n: none moved anything, no points)."""
     key = uuid.uuid4().hex
     futures = [
         executor.submit(move, address, starts.address, key, within + 60, direction, seconds)
@@ -146,10 +167,4 @@ def _run(
             if record is not None:
                 counted = record.net_bytes_in if direction == "down" else record.net_bytes_out
             run.append(Point(direction, n, task, moved, took, counted))
-    if came < n:
-        raise ConfigError(
-            f"netbench --concurrency {n}: the endpoint started only {came} of {n} tasks "
-            f"within {within:g} s (the others waited for a worker); give it more workers "
-            f"or sweep to {came} at most"
-        )
-    return run
+    return run, came
