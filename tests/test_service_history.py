@@ -16,7 +16,7 @@ import msgpack
 import pytest
 from sqlalchemy import create_engine, event
 
-from nimbus.service.dashboard._tasks import Filter, index, page
+from nimbus.service.listing import Filter, index, page
 from nimbus.service.flusher import GROUP, Flusher
 from nimbus.service.history import History, Query
 from nimbus.service.queues import TaskStore

@@ -39,8 +39,8 @@ from nimbus.protocol import (
 )
 from nimbus.records import TaskRecord, TaskState
 from nimbus.service.context import ServiceContext
-from nimbus.service.dashboard._tasks import Filter, page
 from nimbus.service.deps import context, current_user, environment_field
+from nimbus.service.listing import Filter, page
 from nimbus.service.queues import CANCELLED_RESULT, DONE
 from nimbus.service.registry import FunctionInfo, Principal
 

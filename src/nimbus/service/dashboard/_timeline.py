@@ -54,7 +54,7 @@ from nimbus.service.dashboard._routes import (
     _Names,
     _stream,
 )
-from nimbus.service.dashboard._tasks import LIVE_WINDOW, index
+from nimbus.service.listing import LIVE_WINDOW, index
 from nimbus.service.registry import Principal
 
 __all__ = ["Span", "draw_png", "router", "spans"]

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from nimbus.service.dashboard._tasks import Filter, decode_cursor, index, live_window, page
+from nimbus.service.listing import Filter, decode_cursor, index, live_window, page
 from nimbus.service.queues import TaskStore
 from nimbus.statestore import Keys, connect_async
 
