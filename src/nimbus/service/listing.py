@@ -19,6 +19,11 @@ Redis holds the live tasks and a recent window (``nimbus.service.flusher``); the
 finished ones are in the SQL history (``nimbus.service.history``): :func:`page`
 reads both, keyset, and merges them.
 
+A batch (a task group: one submit) is read the same way: its ids from Redis's
+list ``Keys.group(id)``, else (the list gone) from the history's group index
+(:func:`group_ids`), and each task Redis no longer holds from the history
+(:func:`saved`), so a batch older than Redis's window still shows whole.
+
 A page costs O(log n + the rows read), whatever the history holds: the cursor
 is a position in the index, never an offset counted from the start. A filter
 (state, endpoint, function) reads batches of 200 until the page is full or ``SCAN_CAP``
@@ -29,23 +34,28 @@ batch submit share one score, which is why the cursor carries the id too.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import msgpack
+from sqlalchemy import column, func, select, table
 
 from nimbus.records import TaskRecord, TaskState
-from nimbus.service.history import Query
+from nimbus.service.history import History, Query
 from nimbus.service.queues import TaskStore
 
 __all__ = [
     "STATES",
     "Filter",
     "Row",
+    "Saved",
     "decode_cursor",
+    "group_ids",
+    "group_size",
     "index",
     "live_window",
     "page",
     "record_of",
+    "saved",
 ]
 
 SCAN_CAP = 5000  # ids read for one filtered page at most
@@ -243,3 +253,97 @@ def record_of(raw: bytes | None) -> TaskRecord | None:
         return TaskRecord.from_wire(msgpack.unpackb(raw, raw=False))
     except Exception:  # sent by an agent or stored by an older version: not shown
         return None
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A finished task as the SQL history holds it: what the group pages show of it
+    (``worker``, ``started``, ``run_ended`` from its record: '' and 0 without one)."""
+
+    state: str
+    owner: str
+    endpoint: str
+    submitted: float
+    dispatched: float
+    ended: float
+    worker: str
+    started: float
+    run_ended: float
+
+
+_NAMES = [f.name for f in fields(TaskRecord)]
+_AT = [_NAMES.index(name) for name in ("worker", "started", "ended")]  # in a record's wire list
+_CHUNK = 500  # ids one SQL query reads (SQLite's bound parameters are limited)
+# the columns of ``nimbus.service.history``'s table that these reads use (read-only)
+history = table(
+    "task_history",
+    *(column(name) for name in ("task_id", "state", "owner_id", "endpoint_id", "group_id",
+                                "submitted", "dispatched", "ended", "record")),
+)  # fmt: skip
+
+
+def _saved_rows(table: History, task_ids: list[str]) -> dict[str, Saved]:
+    c = history.c
+    out: dict[str, Saved] = {}
+    with table.engine.connect() as connection:
+        for at in range(0, len(task_ids), _CHUNK):
+            for task_id, state, owner, endpoint, sub, disp, end, record in connection.execute(
+                select(
+                    c.task_id, c.state, c.owner_id, c.endpoint_id, c.submitted, c.dispatched,
+                    c.ended, c.record,
+                ).where(c.task_id.in_(task_ids[at : at + _CHUNK]))
+            ):  # fmt: skip
+                worker, started, run_ended = "", 0.0, 0.0
+                try:
+                    wire = msgpack.unpackb(record, raw=False) if record else None
+                    if isinstance(wire, list) and len(wire) > max(_AT):
+                        worker = str(wire[_AT[0]] or "")
+                        started, run_ended = float(wire[_AT[1]] or 0), float(wire[_AT[2]] or 0)
+                except (ValueError, TypeError, msgpack.UnpackException):
+                    pass  # stored by another version: shown without its worker
+                out[task_id] = Saved(
+                    state, owner, endpoint, sub, disp, end, worker, started, run_ended
+                )
+    return out
+
+
+async def saved(store: TaskStore, task_ids: list[str]) -> dict[str, Saved]:
+    """The tasks among ``task_ids`` that the SQL history holds, by id (none without one)."""
+    if store.history is None or not task_ids:
+        return {}
+    return await asyncio.to_thread(_saved_rows, store.history, list(task_ids))
+
+
+def _group_rows(table: History, group_id: str, limit: int) -> list[str]:
+    c = history.c  # the index (group_id, submitted, task_id): O(log n + limit)
+    query = (
+        select(c.task_id)
+        .where(c.group_id == group_id)
+        .order_by(c.submitted, c.task_id)
+        .limit(limit)
+    )
+    with table.engine.connect() as connection:
+        return list(connection.scalars(query))
+
+
+async def group_ids(store: TaskStore, group_id: str, limit: int) -> list[str]:
+    """The first ``limit`` task ids of a batch in the order submitted: Redis's list of the
+    group, or, when Redis no longer has it, the SQL history's (empty: no such batch)."""
+    listed = await store.redis.lrange(store.keys.group(group_id), 0, limit - 1)
+    if listed or store.history is None:
+        return [member.decode() for member in listed]
+    return await asyncio.to_thread(_group_rows, store.history, group_id, limit)
+
+
+async def group_size(store: TaskStore, group_id: str) -> int:
+    """How many tasks a batch has (Redis's list, or the SQL history's count)."""
+    size = int(await store.redis.llen(store.keys.group(group_id)))
+    if size or store.history is None:
+        return size
+    return await asyncio.to_thread(_group_count, store.history, group_id)
+
+
+def _group_count(table: History, group_id: str) -> int:
+    query = select(func.count()).select_from(history).where(history.c.group_id == group_id)
+    with table.engine.connect() as connection:
+        return int(connection.scalar(query) or 0)

@@ -5,6 +5,7 @@
     newest RECENT ids of your task index     ZREVRANGE + one pipeline of HMGET group
     each of the newest GROUPS groups         LLEN + LRANGE 0..CAP-1 of Keys.group(id)
                                              + one pipeline of HGET state
+    the tasks Redis no longer holds          their states from the SQL history
 
 A group is what one submit sent: a ``Client.batch_run``, or the tasks an
 ``Executor`` (with ``endpoint=``) sent in one message, which for an
@@ -24,6 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from nimbus.records import TaskState
+from nimbus.service import listing
 from nimbus.service.dashboard._html import Html, esc, join, layout, when
 from nimbus.service.dashboard._routes import Page, Route, Stream, _html, _is_admin, _stream
 from nimbus.service.listing import index
@@ -100,18 +102,24 @@ async def recent(
         pipe.lrange(store.keys.group(batch.group_id), 0, CAP - 1)
     listed = await pipe.execute() if todo else []
     pipe = store.redis.pipeline(transaction=False)
-    order: list[str] = []
+    order: list[tuple[str, str]] = []  # (group, task id) of each state read
     for i, batch in enumerate(todo):
         batch.total = int(listed[2 * i])
         for task_id in listed[2 * i + 1]:
             pipe.hget(store.keys.task(task_id.decode()), "state")
-            order.append(batch.group_id)
+            order.append((batch.group_id, task_id.decode()))
     states = await pipe.execute(raise_on_error=False) if order else []
-    for group, state in zip(order, states):
+    gone = [task_id for (_, task_id), state in zip(order, states) if state is None]
+    found = await listing.saved(store, gone)  # out of Redis: the SQL history's
+    for (group, task_id), state in zip(order, states):
         if isinstance(state, bytes):
             name = state.decode(errors="replace")
-            counts = batches[group].counts
-            counts[name] = counts.get(name, 0) + 1
+        elif state is None and task_id in found:
+            name = found[task_id].state
+        else:
+            continue
+        counts = batches[group].counts
+        counts[name] = counts.get(name, 0) + 1
     return list(batches.values())
 
 
