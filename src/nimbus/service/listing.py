@@ -34,7 +34,9 @@ batch submit share one score, which is why the cursor carries the id too.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass, fields
+from typing import Any
 
 import msgpack
 from sqlalchemy import column, func, select, table
@@ -166,6 +168,10 @@ return {out, why, last_id, last_score}
 """
 
 
+# the queue Redis client -> its registered page script (not keeping a client alive)
+_scripts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
 def _text(value: bytes) -> str:
     return value.decode(errors="replace")
 
@@ -175,7 +181,9 @@ async def _read(
 ) -> tuple[list[Row], str]:
     """One script call: up to ``size`` rows ``flt`` keeps from after ``after``, reading at
     most ``cap`` ids; and the cursor to go on from ('' at the end of the index)."""
-    script = store.redis.register_script(_PAGE)  # EVALSHA, loaded once per Redis
+    script = _scripts.get(store.redis)
+    if script is None:  # EVALSHA, loaded once per Redis; its sha1 taken once per client
+        script = _scripts[store.redis] = store.redis.register_script(_PAGE)
     score, task_id = after if after is not None else (0.0, "")
     raw, why, last_id, last_score = await script(
         keys=[key],
@@ -218,11 +226,14 @@ async def page(
     (``owner``'s, everyone's if None) are read side by side and merged: rows are kept
     down to where both reads are complete, so no task between them is skipped.
     """
-    live, live_cursor = await _read(store, key, flt, after, size, SCAN_CAP)
     if store.history is None:
-        return live, live_cursor
+        return await _read(store, key, flt, after, size, SCAN_CAP)
     query = Query(owner, flt.state, flt.endpoint, flt.function)
-    saved, saved_cursor = await asyncio.to_thread(store.history.page, query, after, size)
+    # side by side: Redis's script runs while a thread reads SQL
+    (live, live_cursor), (saved, saved_cursor) = await asyncio.gather(
+        _read(store, key, flt, after, size, SCAN_CAP),
+        asyncio.to_thread(store.history.page, query, after, size),
+    )
     rows = {row.task_id: row for row in (Row(*values) for values in saved)}
     rows.update((row.task_id, row) for row in live)  # Redis's is the fresher
     merged = sorted(rows.values(), key=lambda row: (row.score, row.task_id), reverse=True)
