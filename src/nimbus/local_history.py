@@ -44,6 +44,7 @@ __all__ = [
     "ended",
     "keep",
     "new_id",
+    "wanted",
 ]
 
 ENDPOINT = "local"  # the endpoint id of a local Executor's rows
@@ -164,6 +165,11 @@ def keep(record: TaskRecord, soon: bool = False) -> None:
     writer.add(record)
     if soon and time.monotonic() - writer.handed > SOON:
         writer.hand_over_now()
+
+
+def wanted() -> bool:
+    """False once this process found no service to hand records to (skip making them)."""
+    return _writer is not False
 
 
 def ended() -> None:

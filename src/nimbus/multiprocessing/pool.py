@@ -172,7 +172,8 @@ class _Results:
 
     def put(self, result: Any) -> None:
         name, taken = self._tasks.taken
-        if taken:  # kept before the result goes: the pool may terminate this worker then
+        if taken and local_history.wanted():  # kept before the result goes: the pool
+            # may terminate this worker right after
             self._tasks.taken = ("", 0.0)
             ok = isinstance(result, tuple) and len(result) == 3 and result[2][0]
             record = TaskRecord(local_history.new_id(), TaskState.SUCCESS if ok else
