@@ -39,6 +39,7 @@ __all__ = [
     "FLUSH_EVERY",
     "OWNER_PREFIX",
     "LocalHistory",
+    "active",
     "directory",
     "enabled",
     "ended",
@@ -152,6 +153,16 @@ def keep(record: TaskRecord, soon: bool = False) -> None:
     dashboard``, if this runtime directory has a service; a few microseconds. ``soon``:
     handed over on this thread now if the last hand-over is ``SOON`` seconds old (a pool
     worker, before it puts the task's result: its pool may terminate it right after)."""
+    writer = _here()
+    if writer is None:
+        return
+    writer.add(record)
+    if soon and time.monotonic() - writer.handed > SOON:
+        writer.hand_over_now()
+
+
+def _here() -> LocalHistory | None:
+    """This process's writer, made at its first use (None: no service to hand over to)."""
     global _writer, _writer_pid, _settings
     writer = _writer
     if writer is None or (writer is not False and _writer_pid != os.getpid()):
@@ -159,12 +170,12 @@ def keep(record: TaskRecord, soon: bool = False) -> None:
             _settings = Settings.load()
         writer = _writer = LocalHistory(_settings) if enabled(_settings) else False
         _writer_pid = os.getpid()
-    if writer is False:
-        return
-    assert isinstance(writer, LocalHistory)
-    writer.add(record)
-    if soon and time.monotonic() - writer.handed > SOON:
-        writer.hand_over_now()
+    return writer if isinstance(writer, LocalHistory) else None
+
+
+def active() -> bool:
+    """Whether this process hands records over (its writer made now if it is)."""
+    return _here() is not None
 
 
 def wanted() -> bool:

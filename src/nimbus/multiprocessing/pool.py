@@ -121,7 +121,8 @@ def _worker(inqueue: Any, outqueue: Any, *rest: Any) -> None:
     not find) fails that task with the error, as a task that raises does, instead of
     ending the worker: the stdlib's pool would wait for its result for ever."""
     tasks = _Tasks(inqueue)
-    signal.signal(signal.SIGTERM, _terminated)  # Pool.terminate(): records handed over first
+    if local_history.active():  # Pool.terminate(): records handed over first
+        signal.signal(signal.SIGTERM, _terminated)
     stdlib_pool.worker(tasks, _Results(outqueue, tasks), *rest)
 
 
