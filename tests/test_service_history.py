@@ -17,9 +17,9 @@ import msgpack
 import pytest
 from sqlalchemy import create_engine, event
 
-from nimbus.service.dashboard._tasks import Filter, index, page
 from nimbus.service.flusher import GROUP, Flusher
 from nimbus.service.history import History, Query
+from nimbus.service.listing import Filter, index, page
 from nimbus.service.queues import TaskStore
 from nimbus.statestore import Keys, connect_async
 from test_service_postgres import postgres  # noqa: F401  (the fixture)

@@ -7,6 +7,7 @@ is placed, so nothing a user controls is ever markup.
 
 from __future__ import annotations
 
+import functools
 import html
 import time
 from collections.abc import Iterable
@@ -30,10 +31,17 @@ def join(parts: Iterable[Html]) -> Html:
 
 
 def when(seconds: float) -> str:
-    """A time as UTC ``HH:MM:SS`` with the date, or '' for none."""
+    """A time as UTC ``HH:MM:SS`` with the date, or '' for none (digits, dashes, colons
+    and a space only: nothing to escape)."""
     if not seconds:
         return ""
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds))
+    return _second(int(seconds))
+
+
+@functools.lru_cache(maxsize=4096)
+def _second(second: int) -> str:
+    """One second's text, formatted once (a page's rows share a few seconds)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(second))
 
 
 def age(seconds: float | None) -> str:

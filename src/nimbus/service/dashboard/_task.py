@@ -28,7 +28,7 @@ from nimbus.records import TaskState
 from nimbus.service.dashboard import _network
 from nimbus.service.dashboard._html import Html, esc, join, layout, when
 from nimbus.service.dashboard._routes import Page, Route, _html, _is_admin, _Names
-from nimbus.service.dashboard._tasks import Row, record_of
+from nimbus.service.listing import Row, record_of
 
 __all__ = ["output_text", "router"]
 
