@@ -34,17 +34,20 @@ may delete the same rows: harmless) go on meanwhile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import redis
 from sqlalchemy.exc import OperationalError
 
-from nimbus.service.history import History
+from nimbus.service.history import FIELDS, History
 from nimbus.service.queues import DONE, TaskStore
 
 __all__ = ["CLAIM_IDLE", "EXPIRE_EVERY", "GROUP", "RECENT", "Flusher"]
@@ -54,8 +57,10 @@ RECENT = 10_000  # saved tasks an index keeps in Redis, newest
 CLAIM_IDLE = (
     30.0  # seconds an entry taken by a process stays unacknowledged before another takes it
 )
-BATCH = 500  # stream entries read at once (an entry holds the ids of one finish call)
-GATHER = 0.2  # seconds a flusher waits after a write, so that the next is larger
+BATCH = 500  # stream entries read at once (an entry holds the rows of one finish call)
+DELAY = 2.0  # seconds a finished task waits at most for its write while tasks keep ending
+BACKLOG = 1000  # entries waiting that start a write at once
+TICK = 0.2  # seconds between two looks at the stream's length
 GONE_MS = 3_600_000  # a consumer idle this long, with nothing pending, is dropped
 TRIM_SCAN = 2000  # oldest members of an index looked at by one trim
 EXPIRE_EVERY = 300.0  # seconds between two deletions of the history's expired rows
@@ -63,15 +68,16 @@ EXPIRE_BATCH = 2000  # rows deleted by one transaction
 EXPIRE_PAUSE = 0.05  # seconds between two such transactions
 _FIELDS = ("owner", "endpoint", "function", "group", "state", "submitted", "dispatched",
            "ended", "timeout", "result", "record")  # fmt: skip
+_WIDTH = len(FIELDS)  # the values of one row in a stream entry's flat "rows"
 
 # KEYS: the stream, everyone's index, the users' indexes; ARGV: group, task prefix,
-# RECENT, TRIM_SCAN, number of entries, entry ids..., task ids saved...
+# RECENT, TRIM_SCAN, the slack an index may exceed RECENT by before it is trimmed,
+# the entry ids and the task ids saved (each one string, space-separated)
 _SAVED = """
-local n = tonumber(ARGV[5])
-local entries = {}
-for i = 6, 5 + n do entries[#entries + 1] = ARGV[i] end
-for i = 6 + n, #ARGV do
-  local key = ARGV[2] .. ARGV[i]
+local entries, n = {}, 0
+for id in string.gmatch(ARGV[6], '%S+') do entries[#entries + 1] = id end
+for id in string.gmatch(ARGV[7], '%S+') do
+  local key = ARGV[2] .. id
   if redis.call('EXISTS', key) == 1 then redis.call('HSET', key, 'saved', 1) end
 end
 for i = 1, #entries, 1000 do
@@ -79,10 +85,10 @@ for i = 1, #entries, 1000 do
   redis.call('XACK', KEYS[1], ARGV[1], unpack(part))
   redis.call('XDEL', KEYS[1], unpack(part))
 end
-local recent, scan, trimmed = tonumber(ARGV[3]), tonumber(ARGV[4]), 0
+local recent, scan, slack, trimmed = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), 0
 for k = 2, #KEYS do
   local excess = redis.call('ZCARD', KEYS[k]) - recent
-  if excess > 0 then
+  if excess > slack then
     local drop = {}
     for _, id in ipairs(redis.call('ZRANGE', KEYS[k], 0, math.min(excess, scan) - 1)) do
       local key = ARGV[2] .. id
@@ -121,6 +127,8 @@ class Flusher:
         self.claim_idle = CLAIM_IDLE
         self.batch = BATCH
         self.gone_ms = GONE_MS
+        self.delay = DELAY
+        self.backlog = BACKLOG
         self.written = 0  # rows this flusher wrote
 
     async def start(self) -> bool:
@@ -168,36 +176,61 @@ class Flusher:
             log.info("moving %d finished tasks kept in Redis to the SQL history", queued)
 
     async def run(self) -> None:
-        ready = False
-        while True:
-            try:
-                if not ready:
-                    await self.prepare()
-                    ready = True
-                if await self.step():
-                    await asyncio.sleep(GATHER)
-                if self.keep is not None and time.monotonic() >= self._next_expire:
-                    self._next_expire = time.monotonic() + EXPIRE_EVERY
-                    expired = await self.expire()
-                    if expired:
-                        log.info("%d tasks older than the history keeps deleted", expired)
-            except asyncio.CancelledError:
-                raise
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+        """Write the finished tasks when none ended for a ``TICK`` (the service is idle),
+        when ``BACKLOG`` entries wait or when the oldest waited ``DELAY``; and, as the
+        service stops (cancelled), those still waiting."""
+        ready, since, seen = False, 0.0, 0
+        try:
+            while True:
+                try:
+                    if not ready:
+                        await self.prepare()
+                        ready = True
+                    waiting = await self.redis.xlen(self.store.finished)
+                    now = time.monotonic()
+                    if not seen:
+                        since = now
+                    if waiting and (
+                        waiting == seen or waiting >= self.backlog or now - since >= self.delay
+                    ):
+                        await self.drain()
+                        waiting = 0
+                    seen = waiting
+                    if self.keep is not None and time.monotonic() >= self._next_expire:
+                        self._next_expire = time.monotonic() + EXPIRE_EVERY
+                        expired = await self.expire()
+                        if expired:
+                            log.info("%d tasks older than the history keeps deleted", expired)
+                    await asyncio.sleep(TICK)
+                except asyncio.CancelledError:
                     raise
-                ready = False  # the queue Redis started again empty: make the group again
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                log.debug("the queue Redis is away (%s): finished tasks wait in it", exc)
-                ready = False  # (its outage is said once, by the service's supervisor)
-                await asyncio.sleep(1.0)
-            except OperationalError as exc:  # the database away or locked: they wait too
-                log.warning("cannot write finished tasks to the SQL history yet: %s", exc)
-                await asyncio.sleep(1.0)
-            except Exception:
-                log.exception("moving finished tasks to the SQL history")
-                ready = False
-                await asyncio.sleep(1.0)
+                except redis.ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    ready = False  # the queue Redis started again empty: make the group again
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    log.debug("the queue Redis is away (%s): finished tasks wait in it", exc)
+                    ready = False  # (its outage is said once, by the service's supervisor)
+                    await asyncio.sleep(1.0)
+                except OperationalError as exc:  # the database away or locked: they wait too
+                    log.warning("cannot write finished tasks to the SQL history yet: %s", exc)
+                    await asyncio.sleep(1.0)
+                except Exception:
+                    log.exception("moving finished tasks to the SQL history")
+                    ready = False
+                    await asyncio.sleep(1.0)
+        except asyncio.CancelledError:
+            if ready:  # the service stops: what ended last is written now, not at its next start
+                with contextlib.suppress(Exception):
+                    await self.drain()
+            raise
+
+    async def drain(self) -> int:
+        """Write the entries waiting, a batch at a time, until none is left; the rows."""
+        total = 0
+        while written := await self.step(0):
+            total += written
+        return total
 
     async def expire(self) -> int:
         """Delete the history's rows submitted more than ``keep`` seconds ago, in
@@ -236,39 +269,47 @@ class Flusher:
                 entries += messages
         if not entries:
             return 0
-        ids: list[bytes] = []
+        rows: list[Sequence[Any]] = []
+        ids: list[bytes] = []  # of entries without their rows (a held task failed, backfill)
         for _, fields in entries:
-            if fields:  # None: deleted meanwhile (acknowledged by another process)
+            if not fields:  # deleted meanwhile (acknowledged by another process)
+                continue
+            if b"rows" in fields:
+                flat = msgpack.unpackb(fields[b"rows"], raw=True)
+                rows += [flat[i : i + _WIDTH] for i in range(0, len(flat), _WIDTH)]
+            else:
                 ids += fields.get(b"ids", b"").split()
-        ids = list(dict.fromkeys(ids))
         prefix = self.store.keys.task("")
-        pipe = self.redis.pipeline(transaction=False)
-        for task_id in ids:
-            pipe.hmget(prefix + task_id.decode(), _FIELDS)
-        rows, owners = [], set()
-        for task_id, values in zip(ids, await pipe.execute(raise_on_error=False) if ids else []):
-            if isinstance(values, Exception) or not values[4]:  # expired, or broken
-                continue
-            if values[4].decode(errors="replace") not in DONE:
-                continue
-            rows.append((task_id, *values))
-            owners.add(values[0].decode(errors="replace"))
+        if ids:
+            pipe = self.redis.pipeline(transaction=False)
+            for task_id in dict.fromkeys(ids):
+                pipe.hmget(prefix + task_id.decode(), _FIELDS)
+            for task_id, values in zip(dict.fromkeys(ids), await pipe.execute(False)):
+                if isinstance(values, Exception) or not values[4]:  # expired, or broken
+                    continue
+                if values[4].decode(errors="replace") in DONE:
+                    rows.append((task_id, *values))
+        owners = {row[1] or b"" for row in rows}
         await asyncio.to_thread(self.history.write, rows)
         keys = self.store.keys
         await self._saved(
             keys=[
                 self.store.finished,
                 keys.all_tasks(),
-                *(keys.user_tasks(owner) for owner in sorted(owners) if owner),
+                *(
+                    keys.user_tasks(owner.decode(errors="replace"))
+                    for owner in sorted(owners)
+                    if owner
+                ),
             ],
             args=[
                 GROUP,
                 prefix,
                 self.recent,
                 TRIM_SCAN,
-                len(entries),
-                *(entry_id for entry_id, _ in entries),
-                *(row[0] for row in rows),
+                self.recent // 10,
+                b" ".join(entry_id for entry_id, _ in entries),
+                b" ".join(row[0] for row in rows),
             ],
         )
         self.written += len(rows)
