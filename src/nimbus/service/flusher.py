@@ -129,6 +129,7 @@ class Flusher:
         self.gone_ms = GONE_MS
         self.delay = DELAY
         self.backlog = BACKLOG
+        self.tick = TICK
         self.written = 0  # rows this flusher wrote
 
     async def start(self) -> bool:
@@ -201,7 +202,7 @@ class Flusher:
                         expired = await self.expire()
                         if expired:
                             log.info("%d tasks older than the history keeps deleted", expired)
-                    await asyncio.sleep(TICK)
+                    await asyncio.sleep(self.tick)
                 except asyncio.CancelledError:
                     raise
                 except redis.ResponseError as exc:
@@ -222,6 +223,7 @@ class Flusher:
         except asyncio.CancelledError:
             if ready:  # the service stops: what ended last is written now, not at its next start
                 with contextlib.suppress(Exception):
+                    await self.step(0, own=True)  # (a write the cancellation interrupted)
                     await self.drain()
             raise
 
@@ -245,8 +247,9 @@ class Flusher:
                 return total
             await asyncio.sleep(EXPIRE_PAUSE)
 
-    async def step(self, block: float = 1.0) -> int:
-        """Read, write and acknowledge one batch of entries; the rows written."""
+    async def step(self, block: float = 1.0, own: bool = False) -> int:
+        """Read, write and acknowledge one batch of entries (``own``: of those this
+        flusher read before and did not acknowledge); the rows written."""
         entries: list[tuple[Any, Any]] = []
         now = time.monotonic()
         if now >= self._next_claim:  # entries of a process that died with them
@@ -262,7 +265,7 @@ class Flusher:
             entries += claimed[1]
         if not entries:
             got = await self.redis.xreadgroup(
-                GROUP, self.consumer, {self.store.finished: ">"}, count=self.batch,
+                GROUP, self.consumer, {self.store.finished: "0" if own else ">"}, count=self.batch,
                 block=int(block * 1000) or None,
             )  # fmt: skip
             for _, messages in got or ():

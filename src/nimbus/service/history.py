@@ -142,9 +142,11 @@ class History:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         _meta.create_all(engine)
-        with engine.begin() as connection:
+        with engine.begin() as connection:  # a table an earlier version made: its indexes now
             for name in _DROPPED:
                 connection.exec_driver_sql(f"DROP INDEX IF EXISTS {name}")
+            for index in history.indexes:
+                index.create(connection, checkfirst=True)
         mark = "?" if engine.dialect.paramstyle == "qmark" else "%s"
         self._insert = (
             f"INSERT INTO task_history ({', '.join(c.name for c in history.columns)}) "
