@@ -2,27 +2,36 @@
 
 ::
 
-    finish / cancel script ---XADD ids---> stream TaskStore.finished
+    finish / cancel script ---XADD ids + rows---> stream TaskStore.finished
                                               | consumer group "history": each entry to one
                                               v service process's Flusher
-    Flusher (one per service process): XREADGROUP (or XAUTOCLAIM of entries another
-    process took and did not acknowledge within CLAIM_IDLE) -> HMGET the tasks' fields
-    -> History.write (one transaction, idempotent) -> one script: XACK + XDEL the
-    entries, mark the tasks saved, trim the indexes
+    Flusher (one per service process), when no task ended for a TICK, BACKLOG entries
+    wait or the oldest waited DELAY: XREADGROUP (or XAUTOCLAIM of entries another
+    process took and did not acknowledge within CLAIM_IDLE) -> the rows the entries
+    carry -> History.write (one transaction, idempotent) -> one script: XACK + XDEL
+    the entries, mark the tasks saved, trim the indexes
 
-The scripts that end tasks only append their ids (one XADD a call); the rest is
-here. Two processes never write an entry at once (the group hands each entry to
-one consumer), and an entry is acknowledged only after its rows are committed:
-a process that dies in between leaves it pending, and another (or the next start)
-claims it after ``CLAIM_IDLE`` and writes it again, which the history's
-first-row-wins insert makes harmless. So nothing an agent's result was
-acknowledged for is lost, as long as the queue Redis keeps its stream
-(``--persist``).
+The scripts that end tasks append, in one XADD a call, the ids and the history's
+row of each task they ended (its fields as they were then: nothing is read back
+from the task hashes, which may have expired meanwhile); entries with ids only
+(held tasks failed, tasks an older nimbus kept in Redis) are read from the hashes.
+The writes wait while tasks keep ending, at most ``DELAY`` (so they are few and
+large, and a task reaches the history within about that), and when the service
+stops the entries waiting are written. Two processes never write an entry at once
+(the group hands each entry to one consumer), and an entry is acknowledged only
+after its rows are committed: a process that dies in between leaves it pending,
+and another (or the next start) claims it after ``CLAIM_IDLE`` and writes it
+again, which the history's first-row-wins insert makes harmless. So nothing an
+agent's result was acknowledged for is lost, as long as the queue Redis keeps its
+stream (``--persist``). While the database is away, the entries (results
+included) wait in the queue Redis.
 
 Redis keeps what is live and a recent window: each index (everyone's, a user's)
-keeps at most ``RECENT`` tasks once they are saved; a saved task beyond that is
-dropped from the index, and from Redis when it leaves everyone's. An index whose
-oldest ``TRIM_SCAN`` tasks are all still live is not trimmed further until they end.
+keeps ``RECENT`` tasks once they are saved, and a tenth more before it is trimmed
+(twice as many while tasks keep ending: the trim's deletions wait for a pause); a
+saved task beyond that is dropped from the index, and from Redis when it leaves
+everyone's. An index whose oldest ``TRIM_SCAN`` tasks are all still live is not
+trimmed further until they end.
 
 The SQL history keeps ``keep`` seconds (the ``history_days`` setting; None:
 forever): every ``EXPIRE_EVERY`` seconds a flusher deletes the rows submitted
@@ -191,10 +200,9 @@ class Flusher:
                     now = time.monotonic()
                     if not seen:
                         since = now
-                    if waiting and (
-                        waiting == seen or waiting >= self.backlog or now - since >= self.delay
-                    ):
-                        await self.drain()
+                    idle = waiting == seen  # no task ended since the last look
+                    if waiting and (idle or waiting >= self.backlog or now - since >= self.delay):
+                        await self.drain(busy=not idle)
                         waiting = 0
                     seen = waiting
                     if self.keep is not None and time.monotonic() >= self._next_expire:
@@ -227,10 +235,11 @@ class Flusher:
                     await self.drain()
             raise
 
-    async def drain(self) -> int:
-        """Write the entries waiting, a batch at a time, until none is left; the rows."""
+    async def drain(self, busy: bool = False) -> int:
+        """Write the entries waiting, a batch at a time, until none is left; the rows.
+        ``busy``: tasks keep ending, so the indexes are trimmed only past twice ``recent``."""
         total = 0
-        while written := await self.step(0):
+        while written := await self.step(0, busy=busy):
             total += written
         return total
 
@@ -247,9 +256,11 @@ class Flusher:
                 return total
             await asyncio.sleep(EXPIRE_PAUSE)
 
-    async def step(self, block: float = 1.0, own: bool = False) -> int:
+    async def step(self, block: float = 1.0, own: bool = False, busy: bool = False) -> int:
         """Read, write and acknowledge one batch of entries (``own``: of those this
-        flusher read before and did not acknowledge); the rows written."""
+        flusher read before and did not acknowledge); the rows written. An index is
+        trimmed once it holds a tenth more than ``recent`` saved tasks, or twice as many
+        when ``busy`` (the trim's deletions wait for a pause)."""
         entries: list[tuple[Any, Any]] = []
         now = time.monotonic()
         if now >= self._next_claim:  # entries of a process that died with them
@@ -310,7 +321,7 @@ class Flusher:
                 prefix,
                 self.recent,
                 TRIM_SCAN,
-                self.recent // 10,
+                self.recent if busy else self.recent // 10,
                 b" ".join(entry_id for entry_id, _ in entries),
                 b" ".join(row[0] for row in rows),
             ],
