@@ -410,7 +410,7 @@ def test_the_flusher_writes_within_its_delay_while_tasks_keep_ending_and_all_as_
         store = TaskStore(connect_async(store_url), keys, result_ttl=600)
         store.history = History(engine)
         flusher = Flusher(store, store.history)
-        flusher.delay, flusher.tick = 0.5, 0.05
+        flusher.delay, flusher.tick, flusher.recent = 0.5, 0.05, 20
         job = asyncio.create_task(flusher.run())
         try:
             first = await _finished(store, "alice", "ep", 2)
@@ -420,6 +420,10 @@ def test_the_flusher_writes_within_its_delay_while_tasks_keep_ending_and_all_as_
                 if written_at is None and set(store.history.info(first)) == set(first):
                     written_at = time.monotonic() - start
             assert written_at is not None and written_at < 3.0, written_at
+            deadline = time.monotonic() + 10  # a pause: Redis keeps `recent` and a tenth more
+            while await store.redis.zcard(keys.all_tasks()) > 20 + 2:
+                assert time.monotonic() < deadline, await store.redis.zcard(keys.all_tasks())
+                await asyncio.sleep(0.05)
             job.cancel()
             await asyncio.gather(job, return_exceptions=True)
             # a flusher that looks only every 30 s: the service stops before it looked

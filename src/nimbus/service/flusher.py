@@ -139,6 +139,7 @@ class Flusher:
         self.delay = DELAY
         self.backlog = BACKLOG
         self.tick = TICK
+        self._untrimmed: set[bytes] = set()  # owners whose indexes a busy write left over
         self.written = 0  # rows this flusher wrote
 
     async def start(self) -> bool:
@@ -205,6 +206,8 @@ class Flusher:
                         await self.drain(busy=not idle)
                         waiting = 0
                     seen = waiting
+                    if not waiting and self._untrimmed:  # a pause: the trims that waited
+                        await self.trim()
                     if self.keep is not None and time.monotonic() >= self._next_expire:
                         self._next_expire = time.monotonic() + EXPIRE_EVERY
                         expired = await self.expire()
@@ -305,26 +308,53 @@ class Flusher:
                     rows.append((task_id, *values))
         owners = {row[1] or b"" for row in rows}
         await asyncio.to_thread(self.history.write, rows)
-        keys = self.store.keys
-        await self._saved(
-            keys=[
-                self.store.finished,
-                keys.all_tasks(),
-                *(
-                    keys.user_tasks(owner.decode(errors="replace"))
-                    for owner in sorted(owners)
-                    if owner
-                ),
-            ],
-            args=[
-                GROUP,
-                prefix,
-                self.recent,
-                TRIM_SCAN,
-                self.recent if busy else self.recent // 10,
-                b" ".join(entry_id for entry_id, _ in entries),
-                b" ".join(row[0] for row in rows),
-            ],
-        )
+        await self._trim(owners, busy, entries, rows)
         self.written += len(rows)
         return len(rows)
+
+    async def trim(self) -> int:
+        """Trim the indexes a busy write left over ``recent`` (a tenth more kept), a
+        ``TRIM_SCAN`` at a time; how many tasks left them."""
+        total = 0
+        while self._untrimmed:
+            trimmed = await self._trim(self._untrimmed)
+            total += trimmed
+            if trimmed < TRIM_SCAN:
+                self._untrimmed.clear()
+            await asyncio.sleep(0)  # (other clients of Redis between two)
+        return total
+
+    async def _trim(
+        self,
+        owners: set[bytes],
+        busy: bool = False,
+        entries: Sequence[tuple[Any, Any]] = (),
+        rows: Sequence[Sequence[Any]] = (),
+    ) -> int:
+        """The script that acknowledges ``entries``, marks ``rows`` saved and trims
+        everyone's index and ``owners``' indexes; how many tasks left them."""
+        if busy:
+            self._untrimmed |= owners
+        keys = self.store.keys
+        return int(
+            await self._saved(
+                keys=[
+                    self.store.finished,
+                    keys.all_tasks(),
+                    *(
+                        keys.user_tasks(owner.decode(errors="replace"))
+                        for owner in sorted(owners)
+                        if owner
+                    ),
+                ],
+                args=[
+                    GROUP,
+                    keys.task(""),
+                    self.recent,
+                    TRIM_SCAN,
+                    self.recent if busy else self.recent // 10,
+                    b" ".join(entry_id for entry_id, _ in entries),
+                    b" ".join(row[0] for row in rows),
+                ],
+            )
+        )
