@@ -46,6 +46,7 @@ from sqlalchemy import (
     tuple_,
 )
 from sqlalchemy.engine import Engine
+from sqlalchemy.schema import CreateIndex
 
 __all__ = ["FIELDS", "History", "Query"]
 
@@ -162,8 +163,8 @@ class History:
         with engine.begin() as connection:  # a table an earlier version made: its indexes now
             for name in _DROPPED:
                 connection.exec_driver_sql(f"DROP INDEX IF EXISTS {name}")
-            for index in history.indexes:
-                index.create(connection, checkfirst=True)
+            for index in history.indexes:  # (IF NOT EXISTS: processes may start together)
+                connection.execute(CreateIndex(index, if_not_exists=True))
         mark = "?" if engine.dialect.paramstyle == "qmark" else "%s"
         self._insert = (
             f"INSERT INTO task_history ({', '.join(c.name for c in history.columns)}) "
