@@ -16,6 +16,7 @@ import httpx
 
 from nimbus.client import Client
 from nimbus.config import Settings
+from nimbus.service.dashboard._html import short
 from nimbus.service.registry import Registry
 from service_support import CLI, Service, service_env
 
@@ -128,6 +129,9 @@ def test_a_local_executors_tasks_show_on_the_page_nimbus_dashboard_serves(
                 assert time.monotonic() < deadline, page[-3000:]
                 time.sleep(0.2)
             assert not list((tmp_path / "rt" / "service" / "local-history").iterdir())
+            # a local executor's ids differ at their end: the rows say which is which
+            shown = [short(task_id) for task_id in ids]
+            assert len(set(shown)) == 3 and all(f">{s}</a>" in page for s in shown)
             task = http.get(f"/tasks/{ids[0]}")
             assert task.status_code == 200 and "shout" in task.text and "success" in task.text
     finally:

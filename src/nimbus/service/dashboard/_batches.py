@@ -26,7 +26,7 @@ from fastapi.responses import Response
 
 from nimbus.records import TaskState
 from nimbus.service import listing
-from nimbus.service.dashboard._html import Html, esc, join, layout, when
+from nimbus.service.dashboard._html import Html, esc, join, layout, short, when
 from nimbus.service.dashboard._routes import Page, Route, Stream, _html, _is_admin, _stream
 from nimbus.service.listing import index
 from nimbus.service.queues import TaskStore
@@ -129,7 +129,7 @@ def _counts(batch: Batch) -> str:
 
 def _batch_row(batch: Batch) -> Html:
     return Html(
-        f'<tr data-group="{esc(batch.group_id)}"><td>{esc(batch.group_id[:8])}</td>'
+        f'<tr data-group="{esc(batch.group_id)}"><td>{esc(short(batch.group_id))}</td>'
         f"<td>{esc(when(batch.submitted))}</td>"
         f'<td><progress max="{max(1, batch.total)}" value="{batch.done}"></progress></td>'
         f'<td class="done">{batch.done}/{batch.total}</td>'

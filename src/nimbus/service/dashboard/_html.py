@@ -12,7 +12,7 @@ import html
 import time
 from collections.abc import Iterable
 
-__all__ = ["Html", "age", "esc", "join", "layout", "when"]
+__all__ = ["Html", "age", "esc", "join", "layout", "short", "when"]
 
 
 class Html(str):
@@ -24,6 +24,13 @@ def esc(value: object) -> Html:
     if isinstance(value, Html):
         return value
     return Html(html.escape(str(value), quote=True))
+
+
+def short(task_id: str) -> str:
+    """A task's or batch's id as the pages show it: its head and its tail (a local
+    executor's ids share their head and differ only at the end); dashboard.js's
+    ``short`` is the same."""
+    return task_id if len(task_id) <= 13 else f"{task_id[:8]}…{task_id[-4:]}"
 
 
 def join(parts: Iterable[Html]) -> Html:

@@ -25,7 +25,7 @@ from fastapi.responses import Response
 
 from nimbus.records import TaskRecord
 from nimbus.service import metrics
-from nimbus.service.dashboard._html import Html, esc, join, layout
+from nimbus.service.dashboard._html import Html, esc, join, layout, short
 from nimbus.service.dashboard._routes import (
     PAGE_SIZE,
     Page,
@@ -115,7 +115,7 @@ def row_html(net: NetRow) -> Html:
     else:
         cells += [""] * 8
     return Html(
-        f'<tr data-task="{esc(row.task_id)}"><td><a href="{esc(link)}">{esc(row.task_id[:8])}'
+        f'<tr data-task="{esc(row.task_id)}"><td><a href="{esc(link)}">{esc(short(row.task_id))}'
         f"</a></td>{join(Html(f'<td>{esc(c)}</td>') for c in cells)}</tr>"
     )
 

@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from nimbus.service.context import ServiceContext
 from nimbus.service.dashboard import _live
-from nimbus.service.dashboard._html import Html, esc, join, layout, when
+from nimbus.service.dashboard._html import Html, esc, join, layout, short, when
 from nimbus.service.dashboard._routes import (
     PAGE_SIZE,
     Page,
@@ -76,7 +76,7 @@ def _row_html(
     st = _e(state)
     submitted, dispatched, ended = times  # when()'s: nothing to escape
     return Html(
-        f'<tr data-task="{tid}"><td><a href="/tasks/{tid}">{_e(task_id[:8])}</a></td>'
+        f'<tr data-task="{tid}"><td><a href="/tasks/{tid}">{_e(short(task_id))}</a></td>'
         f'<td class="state {st}">{st}</td><td>{_e(function)}</td><td>{_e(endpoint)}</td>'
         f"<td>{submitted}</td><td>{dispatched}</td><td>{ended}</td></tr>"
     )

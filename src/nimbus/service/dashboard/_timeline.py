@@ -44,7 +44,7 @@ from starlette.concurrency import run_in_threadpool
 from nimbus.records import TaskRecord, TaskState
 from nimbus.service import listing
 from nimbus.service.context import ServiceContext
-from nimbus.service.dashboard._html import Html, esc, join, layout
+from nimbus.service.dashboard._html import Html, esc, join, layout, short
 from nimbus.service.dashboard._routes import (
     HEADERS,
     Page,
@@ -237,7 +237,7 @@ async def timeline_page(request: Request, seen: Page) -> Response:
     names = _Names(ctx, user)
     bars = await spans(ctx, names, ids, endpoint)
     query = urlencode({k: v for k, v in (("endpoint", endpoint), ("group", group)) if v})
-    what = f"batch {group[:8]}" if group else f"the newest {WINDOW} tasks"
+    what = f"batch {short(group)}" if group else f"the newest {WINDOW} tasks"
     if endpoint:
         what += f" on {await names.endpoint(endpoint)}"
     legend = join(
