@@ -140,7 +140,7 @@ def _reclassed(value: Any, old: type, new: type) -> Any:
         parts = [_reclassed(f, old, new) for f in (value.fget, value.fset, value.fdel)]
         if parts == [value.fget, value.fset, value.fdel]:
             return value
-        return property(*parts, value.__doc__)
+        return type(value)(*parts, value.__doc__)
     if not isinstance(value, types.FunctionType) or value.__closure__ is None:
         return value
     names, cells = value.__code__.co_freevars, value.__closure__
