@@ -137,10 +137,10 @@ def _reclassed(value: Any, old: type, new: type) -> Any:
         func = _reclassed(value.__func__, old, new)
         return value if func is value.__func__ else type(value)(func)
     if isinstance(value, property):
-        parts = [_reclassed(f, old, new) for f in (value.fget, value.fset, value.fdel)]
-        if parts == [value.fget, value.fset, value.fdel]:
+        fget, fset, fdel = (_reclassed(f, old, new) for f in (value.fget, value.fset, value.fdel))
+        if (fget, fset, fdel) == (value.fget, value.fset, value.fdel):
             return value
-        return type(value)(*parts, value.__doc__)
+        return type(value)(fget, fset, fdel, doc=value.__doc__)
     if not isinstance(value, types.FunctionType) or value.__closure__ is None:
         return value
     names, cells = value.__code__.co_freevars, value.__closure__
