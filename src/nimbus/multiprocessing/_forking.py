@@ -23,16 +23,19 @@ import importlib
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing import current_process, resource_tracker, spawn
 from typing import Any
 
-from nimbus import _install, serialization, statestore
+from nimbus import _install, local_history, serialization, statestore
 from nimbus.environments import NODE_PATH, WORKER_VARIABLE
 from nimbus.multiprocessing import _local, _main, _remote
 from nimbus.multiprocessing import context as nimbus_context
+from nimbus.records import TaskRecord, TaskState
 
 __all__ = ["MAIN_KEYS", "STORE_MODULES", "WARM_MODULES", "start"]
 
@@ -522,19 +525,33 @@ def _child(
         if not inbox and _connected != program.url:  # as a standby is: every child alike
             _connect(program)
         process_obj = serialization.loads(data, buffers)
+        began = time.time()
         code = process_obj._bootstrap(parent_sentinel=_parent_sentinel(process_obj._parent_pid))
+        _keep_record(process_obj, began, code)
     except BaseException:
         import traceback
 
         traceback.print_exc()
     finally:
         try:
+            local_history.ended()  # before os._exit: its records handed over
             sys.stdout.flush()
             sys.stderr.flush()
             if forwarder is not None:
                 forwarder.close()
         finally:
             os._exit(code)
+
+
+def _keep_record(process_obj: Any, began: float, code: int) -> None:
+    """This Process's record for ``nimbus dashboard`` (``local_history``; a no-op without
+    a service in the runtime directory): its target's name, success if it exited 0."""
+    target = getattr(process_obj, "_target", None)
+    name = getattr(target, "__qualname__", "") or process_obj.name
+    state = TaskState.SUCCESS if code == 0 else TaskState.FAILED
+    record = TaskRecord(local_history.new_id(), state, name, f"process/{process_obj.name}",
+                        socket.gethostname(), os.getpid(), began, began, began, time.time())  # fmt: skip
+    local_history.keep(record)
 
 
 def _share_tracker(tracker: tuple[int, int] | None) -> None:
