@@ -4,7 +4,9 @@
 
     this machine: traffic server (``_traffic.serve``) on --server HOST
     the endpoint: n tasks at once (n in --concurrency), each downloading (or
-                  uploading) for --seconds from it, all starting at the same instant
+                  uploading) for --seconds from it, all starting at the same instant:
+                  when the last has started (``_starts``: they meet on this machine;
+                  no worker's clock is compared with this one's)
 
 Each task's point has the bytes its client saw and those its record counted
 (``net_bytes_in``/``out``: every byte where the endpoint's workers have
@@ -18,19 +20,20 @@ from __future__ import annotations
 import ipaddress
 import socket
 import threading
-import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import Any
 
 from nimbus.errors import ConfigError
 from nimbus.network._bench import Point
+from nimbus.network._starts import Starts, wait_start
 from nimbus.network._traffic import serve, transfer
 
 __all__ = ["check_reach", "move", "reaches", "sweep", "traffic_server"]
 
-START_AFTER = 1.0  # seconds from submit to the runs' common start: all tasks reach it
+START_WITHIN = 60.0  # seconds from submit for a run's n tasks to start (cold workers too)
 
 
 @contextmanager
@@ -85,12 +88,21 @@ def check_reach(executor: Executor, address: tuple[str, int]) -> None:
     )
 
 
-def move(address: tuple[str, int], direction: str, seconds: float, start_at: float) -> Any:
-    """A task: from ``start_at`` (``time.time()``), move data for ``seconds``."""
-    delay = start_at - time.time()
-    if delay > 0:
-        time.sleep(delay)
-    return transfer(address, direction, seconds)
+def move(
+    address: tuple[str, int], starts: tuple[str, int], key: str, patience: float,
+    direction: str, seconds: float,
+) -> Any:  # fmt: skip
+    """A task: once all its run's tasks have started (``_starts``), move data for
+    ``seconds``; None when told to stop (not all started in time)."""
+    try:
+        conn = socket.create_connection(starts, timeout=30)
+    except OSError as exc:
+        raise ConfigError(
+            f"netbench --endpoint: a task on {socket.gethostname()} cannot reach the "
+            f"sweep's meeting point {starts[0]}:{starts[1]} on this machine ({exc}); let "
+            f"the endpoint's nodes connect to every port of --server {starts[0]}"
+        ) from None
+    return transfer(address, direction, seconds) if wait_start(conn, key, patience) else None
 
 
 def sweep(
@@ -100,31 +112,59 @@ def sweep(
     directions: list[str],
     seconds: float,
     progress: Callable[[str], object] = lambda _: None,
+    within: float = START_WITHIN,
 ) -> list[Point]:
-    """Every (direction, n): n tasks on ``executor`` at once; a point per task."""
+    """Every (direction, n): n tasks on ``executor`` at once; a point per task. A run
+    whose n tasks did not all start within ``within`` s is not run (said to
+    ``progress``), nor the larger ones of its direction; a ConfigError if none ran."""
     points: list[Point] = []
-    for direction in directions:
-        for n in concurrency:
-            start_at = time.time() + START_AFTER
-            futures = [
-                executor.submit(move, address, direction, seconds, start_at) for _ in range(n)
-            ]
-            run = []
-            for task, fut in enumerate(futures, start=1):
-                moved, took = fut.result(timeout=START_AFTER + seconds + 300)
-                record = getattr(fut, "record", None)
-                counted = 0
-                if record is not None:
-                    counted = record.net_bytes_in if direction == "down" else record.net_bytes_out
-                run.append(Point(direction, n, task, moved, took, counted))
-            records = [getattr(f, "record", None) for f in futures]
-            late = [r for r in records if r is not None and r.started > start_at]
-            if late:
-                raise ConfigError(
-                    f"netbench --concurrency {n}: the endpoint started only {n - len(late)} of "
-                    f"{n} tasks at once (the others waited for a worker); give it more workers "
-                    f"or sweep to {n - len(late)} at most"
-                )
-            progress(f"{direction:>4} x{n}: aggregate {sum(p.mbit for p in run):7.1f} Mbit/s")
-            points.extend(run)
+    refused = ""
+    with closing(Starts(address[0])) as starts:
+        for direction in directions:
+            most: int | None = None  # (where refused: how many started)
+            for n in concurrency:
+                if most is not None and n > most:
+                    progress(f"{direction:>4} x{n}: not tried: {refused}")
+                    continue
+                run, came = _run(executor, starts, within, address, direction, n, seconds)
+                if came < n:
+                    most, refused = (
+                        came,
+                        (
+                            f"the endpoint started only {came} of {n} tasks within {within:g} s "
+                            f"(the others waited for a worker); give it more workers or sweep "
+                            f"to {came} at most"
+                        ),
+                    )
+                    progress(f"{direction:>4} x{n}: not run: {refused}")
+                    continue
+                progress(f"{direction:>4} x{n}: aggregate {sum(p.mbit for p in run):7.1f} Mbit/s")
+                points.extend(run)
+    if not points:
+        raise ConfigError(f"netbench --endpoint: no run of the sweep ran: {refused}")
     return points
+
+
+def _run(
+    executor: Executor, starts: Starts, within: float, address: tuple[str, int],
+    direction: str, n: int, seconds: float,
+) -> tuple[list[Point], int]:  # fmt: skip
+    """One run's points, from the instant all n tasks have started; and how many
+    started (fewer than n: none moved anything, no points)."""
+    key = uuid.uuid4().hex
+    futures = [
+        executor.submit(move, address, starts.address, key, within + 60, direction, seconds)
+        for _ in range(n)
+    ]
+    came = starts.gather(key, n, within)
+    run = []
+    for task, fut in enumerate(futures, start=1):
+        out = fut.result(timeout=within + seconds + 300)
+        if out is not None:  # (None: told to stop)
+            moved, took = out
+            record = getattr(fut, "record", None)
+            counted = 0
+            if record is not None:
+                counted = record.net_bytes_in if direction == "down" else record.net_bytes_out
+            run.append(Point(direction, n, task, moved, took, counted))
+    return run, came

@@ -8,9 +8,14 @@
               downloading --objects objects of --object-size from the object
               server, all from one instant; then up: the same uploading
 
+The instant is when the last of the n has started (``_starts``: they meet on this
+machine, no clock compared with another's); a cell whose n tasks did not all start
+within ``START_WITHIN`` s (not enough workers) is in the report as not run, with
+how many started, and so are the larger ones of its size, not tried.
+
 A cell is one (size, n, direction): each task's rate (its bytes over the sum of
 its objects' times), their mean / min / max, the aggregate (all the cell's bytes
-over the span from the common start to the last task's end) and the median and
+over the longest task's span, each timed on its own worker's clock) and the median and
 p95 seconds per object over all its tasks. The recommendation, per size and
 direction: the most tasks per host at which each task still gets ``share`` of
 the link (the mean per-task rate at least ``share`` x the cap's payload rate; the
@@ -21,8 +26,10 @@ cells at n = 1 are the size sweep's points (``_sizes.SizePoint``).
 
 from __future__ import annotations
 
+import socket
 import statistics
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
@@ -30,23 +37,33 @@ from typing import Any
 
 from nimbus.errors import ConfigError
 from nimbus.network._sizes import MB_PER_CPU, transfer_objects
+from nimbus.network._starts import Starts, wait_start
 
 __all__ = ["Cell", "GridTask", "grid", "objects_at", "past_which"]
 
-START_AFTER = 1.0  # seconds from submit to a cell's common start: all its tasks reach it
+START_WITHIN = 60.0  # seconds from submit for a cell's n tasks to start (cold workers too)
 
 
 def objects_at(
-    address: tuple[str, int], direction: str, count: int, size: int, start_at: float
-) -> tuple[list[float], float, float]:
-    """A task: from ``start_at`` (``time.time()``), move the objects; each one's seconds,
-    and the wall-clock start and end of the transfer."""
-    delay = start_at - time.time()
-    if delay > 0:
-        time.sleep(delay)
-    began = time.time()
+    address: tuple[str, int], starts: tuple[str, int], key: str, patience: float,
+    direction: str, count: int, size: int,
+) -> tuple[list[float], float] | None:  # fmt: skip
+    """A task: once all its cell's tasks have started (``_starts``), move the objects;
+    each one's seconds and the transfer's span (this worker's clock). None when its
+    cell does not run (not all its tasks started in time)."""
+    try:
+        conn = socket.create_connection(starts, timeout=30)
+    except OSError as exc:
+        raise ConfigError(
+            f"netbench --sizes: a task on {socket.gethostname()} cannot reach the grid's "
+            f"meeting point {starts[0]}:{starts[1]} on this machine ({exc}); let the "
+            f"endpoint's nodes connect to every port of --server {starts[0]}"
+        ) from None
+    if not wait_start(conn, key, patience):
+        return None
+    began = time.perf_counter()
     times = transfer_objects(address, direction, count, size)
-    return times, began, time.time()
+    return times, time.perf_counter() - began
 
 
 @dataclass(frozen=True)
@@ -63,12 +80,11 @@ class GridTask:
     counted: int  # bytes its record counted that way (0 without a record)
     net_source: str  # what counted them (the record's)
     times: tuple[float, ...]
-    began: float
-    ended: float
+    span: float  # seconds from its cell's go to its end, on its worker's clock
 
     def row(self) -> dict[str, Any]:
         row = asdict(self)
-        del row["times"], row["began"], row["ended"]
+        del row["times"], row["span"]
         return row
 
 
@@ -86,6 +102,7 @@ class Cell:
     aggregate_mbit: float
     object_median_s: float
     object_p95_s: float
+    not_run: str = ""  # why the cell did not run ("": it ran)
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,7 +115,7 @@ def _p95(times: list[float]) -> float:
 def _cell(memory: int, cpus: float, run: list[GridTask]) -> Cell:
     rates = [t.mbit for t in run]
     times = [x for t in run for x in t.times]
-    span = max(t.ended for t in run) - min(t.began for t in run)
+    span = max(t.span for t in run)  # they went at once: the last to end ends the cell
     return Cell(
         memory=memory, cpus=cpus, concurrency=run[0].concurrency, direction=run[0].direction,
         per_task_mean_mbit=round(statistics.mean(rates), 1),
@@ -109,16 +126,24 @@ def _cell(memory: int, cpus: float, run: list[GridTask]) -> Cell:
 
 
 def _run_cell(
-    limited: Any, memory: int, n: int, direction: str, address: tuple[str, int],
-    count: int, size: int,
-) -> list[GridTask]:  # fmt: skip
-    start_at = time.time() + START_AFTER
+    limited: Any, starts: Starts, within: float, memory: int, n: int, direction: str,
+    address: tuple[str, int], count: int, size: int,
+) -> tuple[list[GridTask], int]:  # fmt: skip
+    """The cell's n tasks, from the instant all have started; and how many started
+    within ``within`` s (fewer than n: no task moved anything, no tasks)."""
+    key = uuid.uuid4().hex
     futures = [
-        limited.submit(objects_at, address, direction, count, size, start_at) for _ in range(n)
-    ]
+        limited.submit(objects_at, address, starts.address, key, within + 60, direction,
+                       count, size)
+        for _ in range(n)
+    ]  # fmt: skip
+    came = starts.gather(key, n, within)
     run = []
     for task, fut in enumerate(futures, start=1):
-        times, began, ended = fut.result(timeout=START_AFTER + 600 + count * 60)
+        moved = fut.result(timeout=within + 600 + count * 60)
+        if moved is None:  # told to stop: the cell does not run
+            continue
+        times, span = moved
         record = getattr(fut, "record", None)
         counted, source = 0, ""
         if record is not None:
@@ -128,17 +153,14 @@ def _run_cell(
         rate = round(count * size * 8 / took / 1e6, 1)
         point = GridTask(
             memory, n, direction, task, count * size, round(took, 5), rate, counted,
-            source, tuple(times), began, ended,
+            source, tuple(times), span,
         )  # fmt: skip
         run.append(point)
-    late = [f for f in futures if getattr(f, "record", None) and f.record.started > start_at]
-    if late:
-        raise ConfigError(
-            f"netbench --sizes --concurrency {n}: the endpoint started only {n - len(late)} of "
-            f"{n} tasks of {memory >> 20}M at once (the others waited for a worker); give it "
-            f"more workers or sweep to {n - len(late)} at most"
-        )
-    return run
+    return (run, came) if came >= n else ([], came)
+
+
+def _not_run(memory: int, cpus: float, n: int, direction: str, why: str) -> Cell:
+    return Cell(memory, cpus, n, direction, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, not_run=why)
 
 
 def grid(
@@ -149,25 +171,50 @@ def grid(
     count: int,
     size: int,
     progress: Callable[[str], object] = lambda _: None,
+    within: float = START_WITHIN,
 ) -> tuple[list[Cell], list[GridTask]]:
     """Every (size, n, direction) of the grid, n from ``{1} | concurrency``; its cells
-    and their tasks."""
+    (those whose n tasks did not all start within ``within`` s: not run, saying how
+    many did) and the tasks of those that ran."""
     cells: list[Cell] = []
     tasks: list[GridTask] = []
-    for memory in sizes:
-        cpus = round(memory / (MB_PER_CPU << 20), 3)
-        limited: Any = executor.options(memory=memory, cpus=max(cpus, 0.01))  # type: ignore[attr-defined]
-        for n in sorted({1, *concurrency}):
-            for direction in ("down", "up"):
-                run = _run_cell(limited, memory, n, direction, address, count, size)
-                cell = _cell(memory, cpus, run)
-                progress(
-                    f"size {memory >> 20:>5} MiB x{n} {direction:>4}: per task "
-                    f"{cell.per_task_mean_mbit} Mbit/s (min {cell.per_task_min_mbit}), "
-                    f"aggregate {cell.aggregate_mbit}"
-                )
-                cells.append(cell)
-                tasks.extend(run)
+    starts = Starts(address[0])
+    try:
+        for memory in sizes:
+            cpus = round(memory / (MB_PER_CPU << 20), 3)
+            limited: Any = executor.options(memory=memory, cpus=max(cpus, 0.01))  # type: ignore[attr-defined]
+            refused = ""  # why a larger n of this size is not tried
+            most = 0  # the most tasks of this size that started at once where it refused
+            for n in sorted({1, *concurrency}):
+                for direction in ("down", "up"):
+                    if refused and n > most:
+                        cells.append(_not_run(memory, cpus, n, direction, f"not tried: {refused}"))
+                        progress(f"size {memory >> 20:>5} MiB x{n} {direction:>4}: not tried")
+                        continue
+                    run, came = _run_cell(limited, starts, within, memory, n, direction,
+                                          address, count, size)  # fmt: skip
+                    if came < n:
+                        most, refused = (
+                            came,
+                            (
+                                f"only {came} of {n} tasks of {memory >> 20}M started within "
+                                f"{within:g} s (the others waited for a worker); give the "
+                                f"endpoint more workers or sweep to {came} at most"
+                            ),
+                        )
+                        cells.append(_not_run(memory, cpus, n, direction, refused))
+                        progress(f"size {memory >> 20:>5} MiB x{n} {direction:>4}: {refused}")
+                        continue
+                    cell = _cell(memory, cpus, run)
+                    progress(
+                        f"size {memory >> 20:>5} MiB x{n} {direction:>4}: per task "
+                        f"{cell.per_task_mean_mbit} Mbit/s (min {cell.per_task_min_mbit}), "
+                        f"aggregate {cell.aggregate_mbit}"
+                    )
+                    cells.append(cell)
+                    tasks.extend(run)
+    finally:
+        starts.close()
     return cells, tasks
 
 
@@ -176,6 +223,8 @@ def past_which(cells: list[Cell], cap_mbit: float, share: float) -> dict[str, An
     ``cap_mbit`` (the mean per-task rate); 0 where even one task alone gets less."""
     most: dict[str, dict[str, int]] = {}
     for c in cells:
+        if c.not_run:
+            continue
         at = most.setdefault(f"{c.memory >> 20}M", {}).setdefault(c.direction, 0)
         if c.per_task_mean_mbit >= share * cap_mbit:
             most[f"{c.memory >> 20}M"][c.direction] = max(at, c.concurrency)

@@ -140,7 +140,7 @@ def _grid_chart(grid: dict[str, Any], out: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = grid["cells"]
+    cells = [c for c in grid["cells"] if not c["not_run"]]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, direction in zip(axes, ("down", "up"), strict=True):
         for i, memory in enumerate(sorted({c["memory"] for c in cells})):
@@ -184,12 +184,12 @@ def _grid(grid: dict[str, Any], out: Path, charts: bool) -> tuple[list[Path], st
     """The size x concurrency grid's CSV (a row per task) and chart; its part of the page."""
     tasks = grid["tasks"]
     with open(out / "netbench-grid.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(tasks[0]))
+        w = csv.DictWriter(f, fieldnames=list(tasks[0]) if tasks else ["memory"])
         w.writeheader()
         w.writerows(tasks)
     made = [out / "netbench-grid.csv"]
     picture = ""
-    if charts:
+    if charts and tasks:
         made.append(out / _grid_chart(grid, out))
         picture = '<p><img src="netbench-grid.png" alt="netbench-grid.png"></p>'
     page = (
@@ -207,20 +207,20 @@ def _grid(grid: dict[str, Any], out: Path, charts: bool) -> tuple[list[Path], st
 
 def _sizes(sizes: dict[str, Any], out: Path, charts: bool) -> tuple[list[Path], str]:
     """The worker-size sweep's CSV (and chart); its part of the page."""
-    rows = sizes["points"]
+    rows = sizes["points"]  # (none: no size's lone task started)
     with open(out / "netbench-sizes.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["memory"])
         w.writeheader()
         w.writerows(rows)
     made = [out / "netbench-sizes.csv"]
     picture = ""
-    if charts:
+    if charts and rows:
         made.append(out / _size_chart(sizes, out))
         picture = '<p><img src="netbench-sizes.png" alt="netbench-sizes.png"></p>'
     page = (
         f"<h2>Worker size</h2><p>Prices: {html.escape(json.dumps(sizes['prices']))}</p>"
         + picture
-        + _table(rows)
+        + (_table(rows) if rows else "")
         + "<pre>"
         + html.escape(json.dumps(sizes["recommendation"], indent=2))
         + '</pre><p>Data: <a href="netbench-sizes.csv">netbench-sizes.csv</a></p>'

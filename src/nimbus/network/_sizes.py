@@ -108,10 +108,10 @@ def _p95(times: list[float]) -> float:
 
 def size_points(tasks: list[Any], prices: Prices) -> list[SizePoint]:
     """Each worker size's point from the grid's tasks that ran alone (``_grid``:
-    concurrency 1, one down and one up a size)."""
+    concurrency 1, one down and one up a size; a size without both, none)."""
     alone = {(t.memory, t.direction): t for t in tasks if t.concurrency == 1}
     points = []
-    for memory in sorted({m for m, _ in alone}):
+    for memory in sorted({m for m, _ in alone if (m, "up") in alone and (m, "down") in alone}):
         down, up = alone[memory, "down"], alone[memory, "up"]
         cpus = round(memory / (MB_PER_CPU << 20), 3)
         count, size = len(down.times), down.bytes // max(1, len(down.times))
@@ -132,6 +132,8 @@ def size_points(tasks: list[Any], prices: Prices) -> list[SizePoint]:
 
 def recommend(points: list[SizePoint]) -> dict[str, Any]:
     """The smallest size within ``WITHIN`` of the best download rate, and its cost."""
+    if not points:
+        return {"within": WITHIN, "smallest_size_within": None, "why": "no size ran a task"}
     best = max(p.down_mbit for p in points)
     enough = [p for p in points if p.down_mbit >= (1 - WITHIN) * best]
     pick = min(enough, key=lambda p: p.memory)
