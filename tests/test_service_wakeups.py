@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from nimbus import Executor
+from nimbus.service.held import WOKEN
 from nimbus.service.queues import TaskStore
-from nimbus.service.wakeups import ENDED
+from nimbus.service.wakeups import ENDED, RETRY
 from nimbus.statestore import Keys, connect_async
 from service_support import EndpointProcess, two_services
 
@@ -130,3 +132,72 @@ def test_ended_tasks_are_published_only_while_more_than_one_process_listens(
             await store.redis.aclose()
 
     asyncio.run(scenario())
+
+
+def dispatch_delay(client: Any, task_id: str) -> float:
+    """Seconds from the task's submit to its dispatch to an agent."""
+    record = client.get_task(task_id)
+    return float(record["dispatched"]) - float(record["submitted"])
+
+
+@pytest.mark.timeout(300)
+def test_a_task_submitted_on_one_process_starts_at_once_on_an_agent_of_the_other(
+    tmp_path: Path,
+) -> None:
+    """The agent is connected to the second process, idle; a task submitted through the
+    first is dispatched within a second (the submit script publishes its endpoint on
+    ``TaskStore.woken``), not at the dispatcher's idle poll (5 s)."""
+    agent = None
+    with two_services(tmp_path) as (first, second, _redis):
+        try:
+            token = first.token("xena")
+            with first.client(token) as here, second.client(token) as there:
+                agent = EndpointProcess(second, there, "far").start(there)
+                delays = []
+                for _ in range(3):  # each after the last ended: the dispatcher just idle
+                    task_id = here.run(nap, 0.05, endpoint="far")
+                    assert here.get_result(task_id, timeout=20) == 0.05
+                    delays.append(dispatch_delay(here, task_id))
+                assert max(delays) < 1.0, delays
+        finally:
+            if agent is not None:
+                agent.stop()
+
+
+@pytest.mark.timeout(300)
+def test_what_was_submitted_while_the_subscriptions_were_lost_starts_when_they_are_back(
+    tmp_path: Path,
+) -> None:
+    """The queue Redis drops both processes' subscriptions (as when it goes away); a task
+    submitted through the first before they are back is published to no one, and the
+    second's dispatcher takes it when it has subscribed again (``wakeups.RETRY``), not at
+    its idle poll's end."""
+    agent = None
+    with two_services(tmp_path) as (first, second, store):
+        try:
+            token = first.token("yara")
+            with (
+                first.client(token) as here,
+                second.client(token) as there,
+                redis.Redis.from_url(store.url) as queue_redis,
+            ):
+                agent = EndpointProcess(second, there, "far").start(there)
+                assert here.get_result(here.run(nap, 0.05, endpoint="far"), timeout=20) == 0.05
+                (woken,) = queue_redis.pubsub_channels(f"*{WOKEN}")
+
+                def listening() -> int:
+                    return int(dict(queue_redis.pubsub_numsub(woken))[woken])
+
+                assert listening() == 2
+                queue_redis.client_kill_filter(_type="pubsub")  # both: subscribed again in 1 s
+                assert listening() == 0
+                task_id = here.run(nap, 0.05, endpoint="far")
+                assert listening() < 2, (
+                    "subscribed again before the submit: the test proves nothing"
+                )
+                assert here.get_result(task_id, timeout=20) == 0.05
+                delay = dispatch_delay(here, task_id)
+                assert delay < RETRY + 1.0, delay  # the idle poll would be ~5 s
+        finally:
+            if agent is not None:
+                agent.stop()
