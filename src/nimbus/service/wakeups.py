@@ -117,14 +117,15 @@ async def listen(ctx: ServiceContext) -> None:
         pubsub = store.redis.pubsub()
         try:
             await pubsub.subscribe(store.woken, channel)
-            confirmed = 0
             while True:
                 message = await pubsub.get_message(timeout=None)
                 if message is None:
                     continue
                 if message["type"] == "subscribe":
-                    confirmed += 1
-                    if confirmed == 2:  # both heard from now on: what ended before, now
+                    # data: the channels this connection now hears. Both (again, after
+                    # redis-py reconnected and subscribed by itself, raising nothing):
+                    # what ended or was queued before, now
+                    if message["data"] == 2:
                         await _caught_up(ctx)
                     continue
                 if message["type"] != "message":
