@@ -17,7 +17,7 @@ from nimbus import Executor
 from nimbus.service.held import WOKEN
 from nimbus.service.queues import TaskStore
 from nimbus.service.wakeups import ENDED, RETRY
-from nimbus.statestore import Keys, connect_async
+from nimbus.statestore import Keys, StateStore, connect_async
 from service_support import EndpointProcess, two_services
 
 
@@ -79,12 +79,14 @@ def test_an_executor_on_one_process_gets_results_of_tasks_ended_on_the_other(
 
 
 def test_ended_tasks_are_published_only_while_more_than_one_process_listens(
-    store_url: str,
+    tmp_path: Path,
 ) -> None:
     """The scripts that end tasks (finish, cancel, fail a held task) publish their ids on
     ``<prefix>ended`` when two processes subscribe to it, and nothing for a lone one
-    (which wakes its own waiters)."""
-    store = TaskStore(connect_async(store_url), Keys(Keys.program_id_new()), result_ttl=60)
+    (which wakes its own waiters). On a Redis of its own: the module's shared store
+    (``store_url``) is found closed after an Executor ran in this process."""
+    redis_server = StateStore.open(None, tmp_path / "redis")
+    store = TaskStore(connect_async(redis_server.url), Keys(Keys.program_id_new()), result_ttl=60)
     channel = store.keys.task("") + ENDED
     limits = {"max_tasks": 100, "max_bytes": 10**6}
 
@@ -131,7 +133,10 @@ def test_ended_tasks_are_published_only_while_more_than_one_process_listens(
                 await store.redis.delete(key)
             await store.redis.aclose()
 
-    asyncio.run(scenario())
+    try:
+        asyncio.run(scenario())
+    finally:
+        redis_server.close()
 
 
 def dispatch_delay(client: Any, task_id: str) -> float:
@@ -202,3 +207,54 @@ def test_what_was_queued_while_the_subscriptions_were_lost_starts_when_they_are_
         finally:
             if agent is not None:
                 agent.stop()
+
+
+def test_a_submit_publishes_its_endpoint_only_while_more_than_one_process_listens(
+    tmp_path: Path,
+) -> None:
+    """The submit script publishes its endpoint on ``TaskStore.woken`` when tasks joined
+    its queue and two processes subscribe; nothing for a lone one (which wakes its own
+    dispatchers), nothing for tasks that are all held."""
+    redis_server = StateStore.open(None, tmp_path / "redis")
+    store = TaskStore(connect_async(redis_server.url), Keys(Keys.program_id_new()), result_ttl=60)
+    limits = {"max_tasks": 100, "max_bytes": 10**6}
+
+    async def heard(pubsub: Any) -> list[bytes]:
+        await store.redis.publish(store.woken, b"mark")
+        got: list[bytes] = []
+        while True:
+            message = await asyncio.wait_for(pubsub.get_message(timeout=1), 10)
+            if message is not None and message["data"] == b"mark":
+                return got
+            if message is not None:
+                got.append(message["data"])
+
+    async def scenario() -> None:
+        one = store.redis.pubsub(ignore_subscribe_messages=True)
+        two = store.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await one.subscribe(store.woken)
+            a = str(uuid.uuid4())
+            await store.submit("o", "ep", "g", [(a, "f", b"x", None, "")], **limits)
+            assert await heard(one) == []  # a lone process: nothing published
+            await two.subscribe(store.woken)
+            await store.submit(
+                "o", "ep2", "g2", [(str(uuid.uuid4()), "f", b"y", None, "")], **limits
+            )
+            held = str(uuid.uuid4())
+            await store.submit(
+                "o", "ep3", "g3", [(held, "f", b"z", None, "")], after=[[a]], **limits
+            )
+            assert await heard(one) == [b"ep2"]  # the held task's endpoint: not yet
+            assert await heard(two) == [b"ep2"]
+        finally:
+            await one.aclose()
+            await two.aclose()
+            async for key in store.redis.scan_iter(match=store.keys.pattern()):
+                await store.redis.delete(key)
+            await store.redis.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        redis_server.close()
