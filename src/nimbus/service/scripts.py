@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from nimbus.service.counters import COUNT
 from nimbus.service.held import TO_FAIL, WOKEN, fail_held_lua, settle_lua
-from nimbus.service.wakeups import tell_ended
+from nimbus.service.wakeups import tell_ended, tell_woken
 
 __all__ = [
     "CANCEL",
@@ -55,7 +55,8 @@ local function release(key)
 end
 """
 
-SUBMIT = """
+SUBMIT = (
+    """
 local t = cmsgpack.unpack(ARGV[2])
 local owner, endpoint, group, submitted, size = t[1], t[2], t[3], t[4], t[6]
 local ended = t[7] or {}  -- inputs no longer in Redis, by their state in the SQL history
@@ -76,7 +77,7 @@ if tasks + #t[5] > tonumber(ARGV[5]) then return {-1, tasks} end
 if bytes + size > tonumber(ARGV[6]) then return {-2, bytes} end
 redis.call('HINCRBY', KEYS[4], 'tasks', #t[5])
 redis.call('HINCRBY', KEYS[4], 'bytes', size)
-local held = {}
+local held, queued = {}, false
 for _, r in ipairs(t[5]) do
   local id = r[1]
   redis.call('HSET', ARGV[1] .. id, 'state', 'waiting-for-endpoint', 'owner', owner,
@@ -121,13 +122,18 @@ for i = 1, #t[5], 1000 do  -- indexed and queued 1,000 at a time (one call each,
   end
   redis.call('ZADD', KEYS[2], unpack(scored))
   redis.call('ZADD', KEYS[5], unpack(scored))
-  if #ready > 0 then redis.call('RPUSH', KEYS[1], unpack(ready)) end
+  if #ready > 0 then
+    redis.call('RPUSH', KEYS[1], unpack(ready))
+    queued = true
+  end
   redis.call('RPUSH', KEYS[3], unpack(ids))
 end
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 redis.call('PUBLISH', ARGV[1] .. 'changed', owner)  -- wakes the owner's open dashboard pages
-return {#t[5], 0}
 """.replace("TO_FAIL", TO_FAIL)
+    + tell_woken(f"ARGV[1] .. '{WOKEN}'", "endpoint", "queued")  # its agents on other processes
+    + "return {#t[5], 0}\n"
+)
 
 OWNERS = """
 local owners, named = {}, {}  -- whose tasks moved: published for their dashboard pages

@@ -5,9 +5,10 @@ balancer): an endpoint's agent connected to one, the clients that wait for its t
 to another. What a process cannot see by itself comes on two channels, both heard by
 one subscription per process (``listen``)::
 
-    TaskStore.woken  endpoint ids: held tasks joined their queues (the finish script's
-                     settle, ``nimbus.service.held``) --> this process's dispatchers of
-                     those endpoints look at their queues now
+    TaskStore.woken  endpoint ids: tasks joined their queues (submitted: the script
+                     SUBMIT; held ones released: the finish script's settle,
+                     ``nimbus.service.held``) --> this process's dispatchers of those
+                     endpoints look at their queues now
     <prefix>ended    task ids: tasks ended (the scripts FINISH, CANCEL, FAIL_HELD)
                      --> this process's result long-polls of them answer
                      (``Hub.wait_done``) and its client WebSockets watching them get
@@ -15,13 +16,15 @@ one subscription per process (``listen``)::
                      ``Keys.task('')``)
 
 The scripts that end tasks publish their ids on ``ended`` (``tell_ended``: one
-message a script call) only while more than one process subscribes to it, so a lone
+message a script call), the submit script its endpoint on ``woken`` when tasks joined
+its queue (``tell_woken``), only while more than one process subscribes, so a lone
 service process publishes nothing, hears nothing and pays one O(1) ``PUBSUB NUMSUB``
-a script call: it wakes its own waiters itself (``Hub.deliver``). With several, each
-process hears its own messages too: the waiters it woke are gone by then and it
-finds nothing to do. After each (re)subscription a process wakes its long-polls and
-reads the results of the tasks its WebSockets watch, so what ended while no message
-could reach it (at its start, or Redis away) is not waited for until a poll's end.
+a script call: it wakes its own waiters and dispatchers itself (``Hub.deliver``,
+``Hub.work_arrived``). With several, each process hears its own messages too: the
+waiters it woke are gone by then and it finds nothing to do. After each
+(re)subscription a process wakes its long-polls and dispatchers and reads the results
+of the tasks its WebSockets watch, so what ended or was queued while no message could
+reach it (at its start, or Redis away) is not waited for until a poll's end.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from nimbus.records import TaskState
 if TYPE_CHECKING:
     from nimbus.service.context import ServiceContext
 
-__all__ = ["ENDED", "listen", "tell_ended"]
+__all__ = ["ENDED", "listen", "tell_ended", "tell_woken"]
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +51,29 @@ RETRY = 1.0  # seconds before subscribing again after the queue Redis went away
 CHUNK = 1000  # watched tasks whose results are read at once after a (re)subscription
 
 
+def _tell(channel: str, when: str, what: str) -> str:
+    """The Lua that publishes ``what`` on ``channel`` (Lua expressions) when ``when``
+    holds and more than one service process listens to it."""
+    return (
+        f"if {when} and redis.call('PUBSUB', 'NUMSUB', {channel})[2] > 1 then\n"
+        f"  redis.call('PUBLISH', {channel}, {what})  -- wakeups.py\n"
+        f"end\n"
+    )
+
+
 def tell_ended(prefix: str, ids: str) -> str:
     """The Lua that publishes the tasks of the Lua table ``ids`` (just ended) on
     ``<prefix>ended`` if more than one service process listens (``prefix``: the Lua
     expression of the task key prefix, ``TaskStore``'s ``keys.task('')``)."""
-    channel = f"{prefix} .. '{ENDED}'"
-    return (
-        f"if #{ids} > 0 and redis.call('PUBSUB', 'NUMSUB', {channel})[2] > 1 then\n"
-        f"  redis.call('PUBLISH', {channel}, table.concat({ids}, ' '))  -- wakeups.py\n"
-        f"end\n"
-    )
+    return _tell(f"{prefix} .. '{ENDED}'", f"#{ids} > 0", f"table.concat({ids}, ' ')")
+
+
+def tell_woken(channel: str, endpoint: str, when: str) -> str:
+    """The Lua that publishes ``endpoint`` (tasks just joined its queue) on ``channel``
+    (``TaskStore.woken``) when ``when`` holds and more than one service process listens
+    (Lua expressions all): the dispatchers of its agents connected to another process
+    than the submitter's take them now, not at their idle poll's end."""
+    return _tell(channel, when, endpoint)
 
 
 async def ended(ctx: ServiceContext, task_ids: list[str]) -> None:
@@ -82,8 +98,11 @@ async def _deliver(ctx: ServiceContext, task_ids: list[str]) -> None:
 
 
 async def _caught_up(ctx: ServiceContext) -> None:
-    """Just (re)subscribed: what ended before is answered now, not at a poll's end."""
+    """Just (re)subscribed: what ended before is answered now, not at a poll's end, and
+    what joined a queue before is taken now by this process's dispatchers."""
     ctx.hub.wake_all()
+    for endpoint_id in list(ctx.hub.endpoint_agents):
+        ctx.hub.work_arrived(endpoint_id)
     await _deliver(ctx, list(ctx.hub.watchers))
 
 
@@ -98,14 +117,15 @@ async def listen(ctx: ServiceContext) -> None:
         pubsub = store.redis.pubsub()
         try:
             await pubsub.subscribe(store.woken, channel)
-            confirmed = 0
             while True:
                 message = await pubsub.get_message(timeout=None)
                 if message is None:
                     continue
                 if message["type"] == "subscribe":
-                    confirmed += 1
-                    if confirmed == 2:  # both heard from now on: what ended before, now
+                    # data: the channels this connection now hears. Both (again, after
+                    # redis-py reconnected and subscribed by itself, raising nothing):
+                    # what ended or was queued before, now
+                    if message["data"] == 2:
                         await _caught_up(ctx)
                     continue
                 if message["type"] != "message":
