@@ -596,12 +596,24 @@ def test_a_file_of_another_endpoint_reaches_tasks_on_every_node_of_a_slurm_endpo
         assert path.startswith(f"{default_root(node)}/") and path.endswith("-run42.h5")
 
 
+def busy_if_holding(pin: str, seconds: float) -> bool:  # sent by value
+    import time
+
+    from nimbus.data import default_root
+
+    if not any(default_root().glob(f"*/obj/{pin}")):
+        return False
+    time.sleep(seconds)
+    return True
+
+
 def test_a_staged_files_pin_is_renewed_on_its_node_whichever_node_runs_the_renewal(
     service: Any, alice: Any, slurm: Any, tmp_path: Any
 ) -> None:
     """The client renews a staged copy's pin with an ordinary task, which either node of
     the endpoint runs: one on the other node forwards it to the holding node's server.
-    With a lease of 3 s for 15 s (five leases), the pin stays leased on its node, and a
+    With a lease of 3 s for 15 s (five leases) while the holding node's only worker is
+    busy (so the renewals run on the other node), the pin stays leased on its node, and a
     task on the other node whose cache lost the copy fetches it from there again."""
     import dataclasses
     import hashlib
@@ -654,11 +666,16 @@ def test_a_staged_files_pin_is_renewed_on_its_node_whichever_node_runs_the_renew
             pins = [p for o in objects for p in o.iterdir() if len(p.name) == 64]
             assert len(pins) == 1, pins  # on the node that took the copy
             (pin,) = pins
+            # the holding node's only worker kept busy: renewals run on the other node
+            busy = [ex.submit(busy_if_holding, pin.name, 5 * lease + 1) for _ in range(2)]
+            time.sleep(1.0)
             started = time.monotonic()
             seen = []
             while time.monotonic() - started < 5 * lease:
-                seen.append((time.time(), pin.stat().st_mtime))
+                mtime = pin.stat().st_mtime if pin.exists() else 0.0  # 0: swept (ran out)
+                seen.append((time.time(), mtime))
                 time.sleep(0.25)
+            assert sorted(f.result(timeout=60) for f in busy) == [False, True]
             late = [(round(t - seen[0][0], 2), round(m - t, 2)) for t, m in seen if m <= t]
             assert not late, f"the pin's lease ran out on its node at {late}"
             for _, path, _, _ in first:  # the other node's cache loses its fetched copy
