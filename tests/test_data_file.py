@@ -510,10 +510,10 @@ def test_a_node_cache_made_again_after_a_sweep_keeps_its_runtime_private(tmp_pat
     NodeStore("u-x", root)  # not refused
 
 
-def _served_copy(root: Path) -> tuple[str, str, str, bytes, str]:
+def _served_copy(root: Path, space: str = "u-serve") -> tuple[str, str, str, bytes, str]:
     """A pinned copy in ``root`` (a node's data directory): space, name, pin, body, secret."""
     root.mkdir(mode=0o700, exist_ok=True)
-    space, key = "u-serve", "c" * 32
+    key = "c" * 32
     name, pin = f"{key}-x.bin", key + "d" * 32
     body = os.urandom(64 * 1024 + 3)
     secret = os.urandom(32).hex()
@@ -676,3 +676,38 @@ def test_the_sweep_leaves_held_out_dirs_and_fetch_locks_and_removes_stale_ones(
         os.close(lock_fd)
     assert _sweep_files(files, time.time()) == 2  # the task ended: nobody holds either
     assert not held.exists() and not lock.exists()
+
+
+def test_renewals_forward_a_pin_to_its_node_and_note_a_node_gone(tmp_path: Path) -> None:
+    """``renew_objects`` on a node without the pin renews it through the holding node's
+    server; a holder that is gone leaves the pin in the session's ``gone`` (the client
+    then stages the file again instead of giving tasks a copy nobody can fetch)."""
+    import concurrent.futures as cf
+
+    from nimbus.data._ref import Ref, Session, local_namespace
+    from nimbus.data._serve import Server
+
+    root = tmp_path / "node-a"  # the renewal runs in this process: this user's namespace
+    space, _, pin, _, secret = _served_copy(root, local_namespace())
+    server = Server(root, "127.0.0.1")
+    closed = socket.create_server(("127.0.0.1", 0))
+    nobody = closed.getsockname()[1]
+    closed.close()
+    dead = "b" * 64
+    pool = cf.ThreadPoolExecutor(1)
+    session = Session(space, "me", "ep", call=lambda fn, *a, keep: pool.submit(fn, *a), lease=600)
+    try:
+        refs = [session.adopt(Ref(p, space, "me", "ep", 0)) for p in (pin, dead)]
+        session.served(pin, (*server.address, secret))
+        session.served(dead, ("127.0.0.1", nobody, secret))
+        before = (root / space / "obj" / pin).stat().st_mtime
+        session.flush()
+        pool.submit(lambda: None).result(30)  # the renewal ran
+        time.sleep(0.1)
+        assert (root / space / "obj" / pin).stat().st_mtime > before + 300
+        assert session.gone == {dead}
+        del refs
+    finally:
+        session.close()
+        pool.shutdown()
+        server.close()

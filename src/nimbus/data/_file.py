@@ -43,9 +43,9 @@ the copy's secret, sha256 checked) and finds it in its own cache after.
 
 Limits: ``out=`` writes only to the endpoint the task runs on (or this machine, on the
 local runtime). A copy whose holding node left (its block ended) before another node
-fetched it: tasks there fail naming that node, and this client's cache entry for the
-file stays (it is staged again once the file's size or mtime changes, or in a new
-client process).
+fetched it: tasks there fail naming that node; the client stages the file again for
+tasks submitted once a renewal of the copy's pin (every third of a lease) found that
+node gone, or at once when the file's size or mtime changes.
 """
 
 from __future__ import annotations
@@ -273,8 +273,8 @@ def _cached(staged: Staged, files: Path) -> Path:
     if not staged.refs:  # sent here endpoint to endpoint: into another node's cache
         raise DataError(
             f"{staged.name} is not in this node's file cache: it was staged to another node "
-            f"of this endpoint (the cache is per node), or removed since: touch the file (or "
-            f"use a new Executor) to stage it again"
+            f"of this endpoint (the cache is per node), or removed since: touch the file to "
+            f"stage it again"
         )
     node = _node(files.parent.name)
     body = b"".join(bytes(node.read(ref.id)) for ref in staged.refs)
@@ -385,7 +385,9 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
     step = _step(executor)
     with _lock:
         found = _cache.get(key)
-        if found is not None and not (found.done() and found.exception()):
+        if found is not None and not (
+            found.done() and (found.exception() or _gone(executor, found))
+        ):
             return found
 
         name = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
@@ -418,6 +420,13 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
         if len(_cache) > 256:
             _cache.pop(next(iter(_cache)))
     return future
+
+
+def _gone(executor: Any, staged: cf.Future[Staged]) -> bool:
+    """A copy sent directly whose node a renewal of its pin found gone (its block
+    ended): staged again rather than given to tasks that would fail to fetch it."""
+    pin = staged.result().pin
+    return pin is not None and pin.id in executor._path.open().gone
 
 
 def _direct(executor: Any, file: File, source_id: str, mtime: float, name: str) -> Staged:

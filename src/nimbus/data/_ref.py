@@ -144,6 +144,7 @@ class Session:
         self._entries: weakref.WeakValueDictionary[str, _Entry] = weakref.WeakValueDictionary()
         self._to_free: list[str] = []
         self._holders: dict[str, tuple[str, int, str]] = {}  # pin -> its node's server
+        self.gone: set[str] = set()  # pins whose node a renewal found gone (its copy too)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -254,9 +255,20 @@ class Session:
             with self._lock:
                 where = {i: self._holders[i] for i in held if i in self._holders}
             if where:  # (pins of staged copies: forwarded to their nodes where not here)
-                self.call(renew_objects, held, expires, where, keep=False)
+                renewed = self.call(renew_objects, held, expires, where, keep=False)
+                renewed.add_done_callback(self._note_gone)
             else:
                 self.call(renew_objects, held, expires, keep=False)
+
+    def _note_gone(self, renewed: Any) -> None:
+        """A renewal's lost ids: the pins of staged copies among them are gone with their
+        node (the client's cache entry for the file is dropped: ``_file._fetch``)."""
+        try:
+            lost = renewed.result()
+        except BaseException:  # the renewal itself failed: nothing learnt
+            return
+        with self._lock:
+            self.gone.update(i for i in lost if i in self._holders)
 
     def _renewer(self) -> None:
         """Free what was released (every second for an endpoint: one task for many) and

@@ -297,8 +297,9 @@ def _request(
     except OSError as exc:
         raise DataError(
             f"cannot {what} from {where}: {exc}. That node's block or agent has stopped "
-            f"(the copy went with it): touch the file (or use a new Executor) to stage it "
-            f"again; or it is not reachable: if the nodes are separate machines, set "
+            f"(the copy went with it): submit the task again in a few minutes (the client "
+            f"stages it again once a renewal of its pin finds that node gone) or touch the file to stage "
+            f"it again now; or it is not reachable: if the nodes are separate machines, set "
             f"NIMBUS_DATA_HOST on each to an address the others reach it by"
         ) from None
     try:
