@@ -123,7 +123,10 @@ def offer(
         node.write_secret(pin, copy_secret, expires)
         served = server_address(node.dir.parent)
         holder = None if served is None else (*served, copy_secret)
+    from nimbus.data._serve import advertised
+
     host = Settings.load().data_host  # NIMBUS_DATA_HOST
+    shown = advertised(host)  # (a wildcard: this node's name, or refused)
     listener = socket.create_server((host, 0))
     listener.settimeout(TIMEOUT)
     secret = secrets.token_bytes(32)
@@ -134,7 +137,7 @@ def offer(
         daemon=True,
     ).start()
     port = listener.getsockname()[1]
-    return host, port, secret.hex(), holder
+    return shown, port, secret.hex(), holder
 
 
 def recv_exactly(

@@ -55,6 +55,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,15 @@ ADDRESS = ".server-"  # in a runtime's data directory: ADDRESS<pid>-<n>, "host p
 _MAX_HEADER = 4096
 _WILDCARD = ("", "0.0.0.0", "::", "*")
 _servers = itertools.count()
+_live: weakref.WeakSet[Server] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for server in list(_live):
+        server._listener.close()
+
+
+os.register_at_fork(after_in_child=_close_in_child)  # (once: closed servers go with _live)
 
 
 def _mac(secret: bytes, challenge: bytes, header: bytes) -> bytes:
@@ -144,7 +154,7 @@ class Server:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._counts = {"served": 0, "bytes": 0, "renewed": 0, "refused": 0, "busy": 0}
-        os.register_at_fork(after_in_child=self._listener.close)  # a worker forked later
+        _live.add(self)  # a worker forked later closes its copy of the listener
         threading.Thread(target=self._accept, name="nimbus-data-serve", daemon=True).start()
 
     def _count(self, **added: int) -> None:
@@ -282,6 +292,7 @@ class Server:
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+        _live.discard(self)
         self._file.unlink(missing_ok=True)
 
 
