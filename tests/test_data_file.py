@@ -586,6 +586,13 @@ def test_silent_and_trickling_connections_do_not_stop_the_server(
         time.sleep(0.5)  # every slot freed by the deadline
         _serve.fetch((*server.address, secret), space, name, pin, len(body), sha, tmp_path / "a")
         assert (tmp_path / "a").read_bytes() == body
+        monkeypatch.setattr(_serve, "HANDSHAKE", 60.0)
+        waiting = socket.create_connection(server.address, timeout=5)
+        silent.append(waiting)
+        assert len(waiting.recv(32, socket.MSG_WAITALL)) == 32  # its challenge
+        started = time.monotonic()
+        server.close()  # ends the connections it serves (their directory may go next)
+        assert waiting.recv(10) == b"" and time.monotonic() - started < 2
     finally:
         for sock in silent:
             sock.close()

@@ -153,6 +153,7 @@ class Server:
         self._closed = False
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._conns: set[socket.socket] = set()  # being served (closed by close())
         self._counts = {"served": 0, "bytes": 0, "renewed": 0, "refused": 0, "busy": 0}
         _live.add(self)  # a worker forked later closes its copy of the listener
         threading.Thread(target=self._accept, name="nimbus-data-serve", daemon=True).start()
@@ -181,18 +182,24 @@ class Server:
                     conn.setblocking(False)
                     conn.send(b"NObusy: the node serves too many at once; try again")
                 continue
+            with self._lock:
+                self._conns.add(conn)
             try:
                 threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
             except RuntimeError:  # no thread could start
-                self._slots.release()
-                conn.close()
+                self._forget(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            with conn:
-                self._answer(conn)
+            self._answer(conn)
         finally:
-            self._slots.release()
+            self._forget(conn)
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+        conn.close()
+        self._slots.release()
 
     def _answer(self, conn: socket.socket) -> None:
         try:
@@ -293,6 +300,11 @@ class Server:
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         _live.discard(self)
+        with self._lock:  # no copy is read from a directory about to be released
+            serving = list(self._conns)
+        for conn in serving:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
         self._file.unlink(missing_ok=True)
 
 
