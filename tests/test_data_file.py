@@ -428,7 +428,8 @@ def test_a_direct_transfer_refuses_bytes_altered_on_the_way(tmp_path: Path) -> N
 
 def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: Path) -> None:
     """``_serve``: what another node of the endpoint fetches a directly staged copy from."""
-    from nimbus.data._serve import Server, fetch, server_address
+    from nimbus.data._file import Staged
+    from nimbus.data._serve import Server, fetch, renew, server_address
 
     root = tmp_path / "node-a"
     root.mkdir(mode=0o700)
@@ -457,8 +458,15 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
         for thread in fetchers:
             thread.join(60)
         assert (other / name).read_bytes() == body
-        assert server.statistics() == {"served": 1, "bytes": len(body), "refused": 0}
-        with pytest.raises(DataError, match="wrong secret"):
+        assert server.statistics() == {
+            "served": 1,
+            "bytes": len(body),
+            "renewed": 0,
+            "refused": 0,
+            "busy": 0,
+        }
+        assert "secret" not in repr(Staged((), key, "x.bin", 1, sha, None, holder))
+        with pytest.raises(DataError, match="holds no such copy for that secret"):
             fetch((*server.address, "00" * 32), space, name, pin, len(body), sha, other / "y")
         with pytest.raises(DataError, match="sha256 differs"):
             fetch(holder, space, name, pin, len(body), "0" * 64, other / "z")
@@ -466,18 +474,26 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
             fetch(holder, space, name, "e" * 64, len(body), sha, other / "w")
         pickled = key + "f" * 32  # an object a task wrote: the server unpickles nothing
         NodeStore(space, root).write(pickled, copy_secret, time.time() + 60)
-        with pytest.raises(DataError, match="wrong secret"):
+        with pytest.raises(DataError, match="holds no such copy for that secret"):
             fetch(holder, space, name, pickled, len(body), sha, other / "p")
         past = time.time() - 1  # the client freed its pin (or died): not served any more
         os.utime(root / space / "obj" / pin, (past, past))
-        with pytest.raises(DataError, match="no longer held on this node"):
+        with pytest.raises(DataError, match="its pin's lease ran out"):
             fetch(holder, space, name, pin, len(body), sha, other / "v")
         assert sorted(p.name for p in other.iterdir() if not p.name.endswith(".lock")) == [name]
         assert server.statistics()["refused"] == 4  # (the bad sha256: served, refused there)
+        later = time.time() + 60  # renewed by its holder (from a task on another node)
+        renew(holder, space, pin, later)
+        assert (root / space / "obj" / pin).stat().st_mtime == pytest.approx(later)
+        fetch(holder, space, name, pin, len(body), sha, other / "v")
+        with pytest.raises(DataError, match="holds no such copy for that secret"):
+            renew((*server.address, "00" * 32), space, pin, later + 600)
+        assert (root / space / "obj" / pin).stat().st_mtime == pytest.approx(later)
+        assert server.statistics()["renewed"] == 1
     finally:
         server.close()
     assert server_address(root) is None
-    with pytest.raises(DataError, match="is that node's manager running"):
+    with pytest.raises(DataError, match="touch the file"):
         fetch(holder, space, name, pin, len(body), sha, tmp_path / "u")
 
 
@@ -492,3 +508,213 @@ def test_a_node_cache_made_again_after_a_sweep_keeps_its_runtime_private(tmp_pat
     files = node_dir(root / "u-x" / "files")
     assert files.is_dir() and (root.stat().st_mode & 0o777) == 0o700
     NodeStore("u-x", root)  # not refused
+
+
+def _served_copy(root: Path, space: str = "u-serve") -> tuple[str, str, str, bytes, str]:
+    """A pinned copy in ``root`` (a node's data directory): space, name, pin, body, secret."""
+    root.mkdir(mode=0o700, exist_ok=True)
+    key = "c" * 32
+    name, pin = f"{key}-x.bin", key + "d" * 32
+    body = os.urandom(64 * 1024 + 3)
+    secret = os.urandom(32).hex()
+    NodeStore(space, root).write_secret(pin, secret, time.time() + 60)
+    (root / space / "files").mkdir(exist_ok=True)
+    (root / space / "files" / name).write_bytes(body)
+    return space, name, pin, body, secret
+
+
+def test_two_servers_of_one_node_directory_each_advertise_until_they_close(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two blocks on one node (or an agent and a block manager on one machine) share the
+    runtime's data directory: the one that closes first leaves the other advertised (the
+    last writer's close used to remove the only address file). A server that cannot
+    bind says so, naming NIMBUS_DATA_HOST; a wildcard is not advertised as is."""
+    from nimbus.data._node import _serve_cache
+    from nimbus.data._serve import Server, advertised, server_address
+
+    root = tmp_path / "node"
+    root.mkdir(mode=0o700)
+    first = Server(root, "127.0.0.1")
+    second = Server(root, "127.0.0.1")
+    try:
+        assert server_address(root) in (first.address, second.address)
+        second.close()
+        assert server_address(root) == first.address
+    finally:
+        first.close()
+        second.close()
+    assert server_address(root) is None
+    monkeypatch.setenv("NIMBUS_DATA_HOST", "192.0.2.1")  # TEST-NET: not this node's
+    with caplog.at_level("WARNING", logger="nimbus.data._node"):
+        assert _serve_cache(root) is None
+    assert "NIMBUS_DATA_HOST='192.0.2.1'" in caplog.text
+    try:
+        shown = advertised("0.0.0.0")
+    except DataError as exc:  # this machine's name resolves to loopback: refused, said why
+        assert "set NIMBUS_DATA_HOST" in str(exc)
+    else:
+        assert shown not in ("0.0.0.0", "") and not shown.startswith("127.")
+
+
+def test_silent_and_trickling_connections_do_not_stop_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connections that send nothing, or a byte at a time, hold a slot for HANDSHAKE s
+    at most, and no more than MAX_CONNECTIONS at once (the rest are told "busy")."""
+    from nimbus.data import _serve
+
+    monkeypatch.setattr(_serve, "MAX_CONNECTIONS", 8)
+    monkeypatch.setattr(_serve, "HANDSHAKE", 1.0)
+    root = tmp_path / "node"
+    space, name, pin, body, secret = _served_copy(root)
+    sha = hashlib.sha256(body).hexdigest()
+    server = _serve.Server(root, "127.0.0.1")
+    threads = threading.active_count()
+    silent = [socket.create_connection(server.address, timeout=5) for _ in range(30)]
+    try:
+        time.sleep(0.3)
+        assert threading.active_count() <= threads + 8  # one thread per slot, no more
+        assert server.statistics()["busy"] >= 20
+        trickle = silent[0]
+        started = time.monotonic()
+        with pytest.raises(OSError):  # closed by the server within its deadline
+            while time.monotonic() - started < 10:
+                trickle.sendall(b"\0")
+                time.sleep(0.1)
+        assert time.monotonic() - started < 5
+        time.sleep(0.5)  # every slot freed by the deadline
+        _serve.fetch((*server.address, secret), space, name, pin, len(body), sha, tmp_path / "a")
+        assert (tmp_path / "a").read_bytes() == body
+        monkeypatch.setattr(_serve, "HANDSHAKE", 60.0)
+        waiting = socket.create_connection(server.address, timeout=5)
+        silent.append(waiting)
+        assert len(waiting.recv(32, socket.MSG_WAITALL)) == 32  # its challenge
+        started = time.monotonic()
+        server.close()  # ends the connections it serves (their directory may go next)
+        assert waiting.recv(10) == b"" and time.monotonic() - started < 2
+    finally:
+        for sock in silent:
+            sock.close()
+        server.close()
+
+
+_EMFILE = """
+import os, resource, socket, sys, threading, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from test_data_file import _served_copy
+from nimbus.data._serve import Server, fetch
+import hashlib
+
+root = Path({root!r})
+space, name, pin, body, secret = _served_copy(root)
+server = Server(root, "127.0.0.1")
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+clients = []
+try:
+    for _ in range(200):
+        clients.append(socket.create_connection(server.address, timeout=5))
+except OSError:
+    pass
+time.sleep(1.0)  # the server has no descriptor left to accept with
+for sock in clients:
+    sock.close()
+clients.clear()
+time.sleep(0.5)
+fetch((*server.address, secret), space, name, pin, len(body), hashlib.sha256(body).hexdigest(),
+      root / "fetched")
+assert (root / "fetched").read_bytes() == body
+print("served after EMFILE", len([t for t in threading.enumerate() if t.name == "nimbus-data-serve"]))
+server.close()
+"""
+
+
+def test_the_server_accepts_again_after_running_out_of_file_descriptors(tmp_path: Path) -> None:
+    """With RLIMIT_NOFILE at 64, connections that exhaust the process's descriptors made
+    the accept thread exit for good (EMFILE); it waits and accepts again."""
+    import subprocess
+    import sys
+
+    script = _EMFILE.format(tests=str(Path(__file__).parent), root=str(tmp_path / "node"))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "served after EMFILE 1" in done.stdout
+    assert "cannot accept now" in done.stderr  # (it did run out)
+
+
+def test_the_sweep_leaves_held_out_dirs_and_fetch_locks_and_removes_stale_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker killed during a task left its ``out-<id>/`` directory until the endpoint
+    stopped: the sweep removes one older than a lease that no task holds. A fetch's lock
+    file held longer than PART_AGE is not swept under it; waiting for it is bounded."""
+    import fcntl
+
+    from nimbus.data import _serve
+    from nimbus.data._node import PART_AGE, _sweep_files, hold_out
+
+    files = tmp_path / "u-x" / "files"
+    files.mkdir(parents=True)
+    held, stale = files / "out-held", files / "out-stale"
+    for d in (held, stale):
+        d.mkdir()
+        (d / "result.npz").write_bytes(b"x")
+    fd = hold_out(held)
+    lock = files / ".k-x.bin.lock"
+    lock.touch()
+    lock_fd = os.open(lock, os.O_RDWR)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)  # a fetch in progress
+    try:
+        old = time.time() - PART_AGE - 60
+        for path in (held, stale, lock):
+            os.utime(path, (old, old))
+        assert _sweep_files(files, time.time()) == 1
+        assert held.is_dir() and not stale.exists() and lock.exists()
+        monkeypatch.setattr(_serve, "LOCK_WAIT", 0.3)
+        with pytest.raises(DataError, match="another task of this node has been fetching"):
+            _serve.fetch(
+                ("127.0.0.1", 1, "00" * 32), "u-x", "k-x.bin", "p", 1, "", files / "k-x.bin"
+            )
+    finally:
+        os.close(fd)
+        os.close(lock_fd)
+    assert _sweep_files(files, time.time()) == 2  # the task ended: nobody holds either
+    assert not held.exists() and not lock.exists()
+
+
+def test_renewals_forward_a_pin_to_its_node_and_note_a_node_gone(tmp_path: Path) -> None:
+    """``renew_objects`` on a node without the pin renews it through the holding node's
+    server; a holder that is gone leaves the pin in the session's ``gone`` (the client
+    then stages the file again instead of giving tasks a copy nobody can fetch)."""
+    import concurrent.futures as cf
+
+    from nimbus.data._ref import Ref, Session, local_namespace
+    from nimbus.data._serve import Server
+
+    root = tmp_path / "node-a"  # the renewal runs in this process: this user's namespace
+    space, _, pin, _, secret = _served_copy(root, local_namespace())
+    server = Server(root, "127.0.0.1")
+    closed = socket.create_server(("127.0.0.1", 0))
+    nobody = closed.getsockname()[1]
+    closed.close()
+    dead = "b" * 64
+    pool = cf.ThreadPoolExecutor(1)
+    session = Session(space, "me", "ep", call=lambda fn, *a, keep: pool.submit(fn, *a), lease=600)
+    try:
+        refs = [session.adopt(Ref(p, space, "me", "ep", 0)) for p in (pin, dead)]
+        session.served(pin, (*server.address, secret))
+        session.served(dead, ("127.0.0.1", nobody, secret))
+        before = (root / space / "obj" / pin).stat().st_mtime
+        session.flush()
+        pool.submit(lambda: None).result(30)  # the renewal ran
+        time.sleep(0.1)
+        assert (root / space / "obj" / pin).stat().st_mtime > before + 300
+        assert session.gone == {dead}
+        del refs
+    finally:
+        session.close()
+        pool.shutdown()
+        server.close()

@@ -62,7 +62,7 @@ from nimbus.config import Settings
 from nimbus.data._node import node_dir
 from nimbus.errors import DataError
 
-__all__ = ["Unreachable", "offer", "send_export", "send_object"]
+__all__ = ["Unreachable", "offer", "receive_hashed", "recv_exactly", "send_export", "send_object"]
 
 TIMEOUT = 120.0  # seconds a transfer may wait for its peer (to connect, or for bytes)
 _STEP = 1 << 20  # bytes received, written and hashed at once (a buffer kept in the cache)
@@ -123,7 +123,10 @@ def offer(
         node.write_secret(pin, copy_secret, expires)
         served = server_address(node.dir.parent)
         holder = None if served is None else (*served, copy_secret)
+    from nimbus.data._serve import advertised
+
     host = Settings.load().data_host  # NIMBUS_DATA_HOST
+    shown = advertised(host)  # (a wildcard: this node's name, or refused)
     listener = socket.create_server((host, 0))
     listener.settimeout(TIMEOUT)
     secret = secrets.token_bytes(32)
@@ -134,15 +137,25 @@ def offer(
         daemon=True,
     ).start()
     port = listener.getsockname()[1]
-    return host, port, secret.hex(), holder
+    return shown, port, secret.hex(), holder
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def recv_exactly(
+    sock: socket.socket, n: int, who: str = "the sender", deadline: float | None = None
+) -> bytes:
+    """``n`` bytes of ``sock`` (a DataError naming ``who`` if it closes the link first);
+    by ``deadline`` (``time.monotonic()``) if given, else within the socket's timeout
+    for each read."""
     out = bytearray()
     while len(out) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DataError(f"{who} sent {len(out)} of {n} bytes in the time allowed")
+            sock.settimeout(left)
         got = sock.recv(n - len(out))
         if not got:
-            raise DataError(f"the sender closed the link after {len(out)} of {n} bytes")
+            raise DataError(f"{who} closed the link after {len(out)} of {n} bytes")
         out += got
     return bytes(out)
 
@@ -156,10 +169,10 @@ def _receive(listener: socket.socket, secret: bytes, target: Path, expires: floa
     with conn:
         conn.settimeout(TIMEOUT)
         try:
-            if not hmac.compare_digest(_recv_exactly(conn, 32), _mac(secret, b"connect")):
+            if not hmac.compare_digest(recv_exactly(conn, 32), _mac(secret, b"connect")):
                 conn.sendall(b"NO: a wrong secret")
                 return
-            size = int.from_bytes(_recv_exactly(conn, 8), "little")
+            size = int.from_bytes(recv_exactly(conn, 8), "little")
             digest = _receive_into(conn, target, size, expires, secret)
             conn.sendall(_OK + _mac(secret, b"ok", digest))
         except Exception as exc:  # said to the sender, whose task fails with it
@@ -173,25 +186,8 @@ def _receive_into(
     part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        sha = hashlib.sha256()
-        free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        full: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
-        for _ in range(_BUFFERS):
-            free.put(bytearray(_STEP))
-        hasher = threading.Thread(target=_hash, args=(sha, full, free), daemon=True)
-        hasher.start()  # hashes a buffer while the next arrives (hashlib frees the GIL)
-        try:
-            got = 0
-            while got < size:
-                buffer = free.get()
-                n = _fill(conn, memoryview(buffer), min(_STEP, size - got), got, size)
-                os.pwrite(fd, memoryview(buffer)[:n], got)
-                got += n
-                full.put((buffer, n))
-        finally:
-            full.put(None)
-            hasher.join()
-        theirs = _recv_exactly(conn, 32)
+        sha = receive_hashed(conn, fd, size)
+        theirs = recv_exactly(conn, 32)
         if not hmac.compare_digest(theirs, _tag(secret, size, sha.digest())):
             raise DataError(
                 f"{size} bytes arrived whose sha256 differs from the sender's: the transfer "
@@ -200,7 +196,8 @@ def _receive_into(
         if expires:
             os.utime(fd, (expires, expires))
         os.rename(part, target)
-        return sha.digest()
+        digest: bytes = sha.digest()
+        return digest
     except BaseException:
         part.unlink(missing_ok=True)
         raise
@@ -208,13 +205,38 @@ def _receive_into(
         os.close(fd)
 
 
-def _fill(conn: socket.socket, view: memoryview, want: int, got: int, size: int) -> int:
+def receive_hashed(conn: socket.socket, fd: int, size: int, who: str = "the sender") -> Any:
+    """``size`` bytes of ``conn`` written into ``fd`` (``pwrite``, from offset 0) through a
+    few 1 MiB buffers while a thread hashes the buffer before (hashlib frees the GIL);
+    their sha256 (a hashlib object)."""
+    sha = hashlib.sha256()
+    free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+    full: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
+    for _ in range(_BUFFERS):
+        free.put(bytearray(_STEP))
+    hasher = threading.Thread(target=_hash, args=(sha, full, free), daemon=True)
+    hasher.start()
+    try:
+        got = 0
+        while got < size:
+            buffer = free.get()
+            n = _fill(conn, memoryview(buffer), min(_STEP, size - got), got, size, who)
+            os.pwrite(fd, memoryview(buffer)[:n], got)
+            got += n
+            full.put((buffer, n))
+    finally:
+        full.put(None)
+        hasher.join()
+    return sha
+
+
+def _fill(conn: socket.socket, view: memoryview, want: int, got: int, size: int, who: str) -> int:
     """``want`` bytes of the link into ``view``."""
     n = 0
     while n < want:
         k = conn.recv_into(view[n:want])
         if not k:
-            raise DataError(f"the sender closed the link after {got + n} of {size} bytes")
+            raise DataError(f"{who} closed the link after {got + n} of {size} bytes")
         n += k
     return n
 

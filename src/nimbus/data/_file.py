@@ -43,9 +43,9 @@ the copy's secret, sha256 checked) and finds it in its own cache after.
 
 Limits: ``out=`` writes only to the endpoint the task runs on (or this machine, on the
 local runtime). A copy whose holding node left (its block ended) before another node
-fetched it: tasks there fail naming that node, and this client's cache entry for the
-file stays (it is staged again once the file's size or mtime changes, or in a new
-client process).
+fetched it: tasks there fail naming that node; the client stages the file again for
+tasks submitted once a renewal of the copy's pin (every third of a lease) found that
+node gone, or at once when the file's size or mtime changes.
 """
 
 from __future__ import annotations
@@ -57,13 +57,13 @@ import re
 import shutil
 import threading
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from nimbus.config import config_dir
 from nimbus.data._direct import Unreachable
-from nimbus.data._node import node_dir
+from nimbus.data._node import hold_out, node_dir
 from nimbus.data._ref import Ref, new_id
 from nimbus.errors import DataError, FileRefused, NotFound
 
@@ -115,7 +115,9 @@ class Staged:
     size: int
     sha256: str
     pin: Ref | None = None  # sent directly: the copy's pin on its node (see ``_direct.offer``)
-    holder: tuple[str, int, str] | None = None  # sent directly: where its node serves it
+    # sent directly: where its node serves it, and the copy's secret (kept out of reprs;
+    # it travels in the task's payload, as the Staged does)
+    holder: tuple[str, int, str] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,9 @@ def local_path(value: File | Staged | Out, files: Path, here: str | None) -> Pat
     return _out_path(value, files)
 
 
+_out_holds: dict[str, int] = {}  # a running task's out= directory -> its held fd
+
+
 def _out_path(out: Out, files: Path) -> Path:
     """A private directory ``out-<id>`` in ``files`` with the out= file's own name inside
     (``{task_id}`` filled with ``<id>``): writers that add or check a suffix (``np.savez``,
@@ -222,6 +227,7 @@ def _out_path(out: Out, files: Path) -> Path:
     out_id = new_id()
     private = node_dir(files) / f"out-{out_id}"
     private.mkdir()
+    _out_holds[str(private)] = hold_out(private)  # the sweep leaves it while the task runs
     name = out.template.rsplit("/", 1)[-1].replace("{task_id}", out_id)
     return private / (name or "out")
 
@@ -235,6 +241,9 @@ def discard_out(written: Path) -> None:
     """When the task has ended: remove the private directory of an out= file (what it
     wrote, if not moved, and any temporary files beside it)."""
     shutil.rmtree(written.parent, ignore_errors=True)
+    fd = _out_holds.pop(str(written.parent), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _cached(staged: Staged, files: Path) -> Path:
@@ -264,7 +273,8 @@ def _cached(staged: Staged, files: Path) -> Path:
     if not staged.refs:  # sent here endpoint to endpoint: into another node's cache
         raise DataError(
             f"{staged.name} is not in this node's file cache: it was staged to another node "
-            f"of this endpoint (the cache is per node), or removed since; submit the task again"
+            f"of this endpoint (the cache is per node), or removed since: touch the file to "
+            f"stage it again"
         )
     node = _node(files.parent.name)
     body = b"".join(bytes(node.read(ref.id)) for ref in staged.refs)
@@ -375,7 +385,9 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
     step = _step(executor)
     with _lock:
         found = _cache.get(key)
-        if found is not None and not (found.done() and found.exception()):
+        if found is not None and not (
+            found.done() and (found.exception() or _gone(executor, found))
+        ):
             return found
 
         name = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
@@ -410,6 +422,13 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
     return future
 
 
+def _gone(executor: Any, staged: cf.Future[Staged]) -> bool:
+    """A copy sent directly whose node a renewal of its pin found gone (its block
+    ended): staged again rather than given to tasks that would fail to fetch it."""
+    pin = staged.result().pin
+    return pin is not None and pin.id in executor._path.open().gone
+
+
 def _direct(executor: Any, file: File, source_id: str, mtime: float, name: str) -> Staged:
     """``file`` sent by its endpoint straight into the cache of the task's endpoint's
     node (``_direct``): this client carries only where to and the secret."""
@@ -426,6 +445,8 @@ def _direct(executor: Any, file: File, source_id: str, mtime: float, name: str) 
     served = answer[3] if len(answer) > 3 else None  # (None from an older endpoint)
     holder = None if not served else (str(served[0]), int(served[1]), str(served[2]))
     held = where.adopt(Ref(pin, where.namespace, where.user, where.endpoint, 0))
+    if holder is not None:
+        where.served(pin, holder)  # renewed through that node, wherever the renewal runs
     sent = _source(executor, source_id).submit(
         send_export, source_id, file.path, mtime, host, port, secret
     )

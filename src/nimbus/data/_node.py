@@ -31,8 +31,10 @@ the directory is removed.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
+import logging
 import mmap
 import os
 import shutil
@@ -101,7 +103,7 @@ def default_root(runtime_dir: Path | str | None = None) -> Path:
 # ---------------------------------------------------------------- holding a runtime's data
 
 
-def _start_time(pid: int) -> str | None:
+def start_time(pid: int) -> str | None:
     """When process ``pid`` started (clock ticks since boot), None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -125,7 +127,7 @@ def hold(root: Path | None = None) -> Path:
     root = default_root() if root is None else root
     holders = _private_dir(root) / HOLDERS
     holders.mkdir(mode=0o700, exist_ok=True)
-    mark = holders / f"{os.getpid()}-{_start_time(os.getpid())}-{next(_held)}"
+    mark = holders / f"{os.getpid()}-{start_time(os.getpid())}-{next(_held)}"
     mark.touch()
     return mark
 
@@ -139,7 +141,7 @@ def _live_holders(root: Path) -> int:
     for name in names:
         pid, _, rest = name.partition("-")
         start = rest.rsplit("-", 1)[0]
-        if pid.isdigit() and _start_time(int(pid)) in (start, "?"):
+        if pid.isdigit() and start_time(int(pid)) in (start, "?"):
             live += 1
         else:
             try:
@@ -198,7 +200,9 @@ def pinned(objects: Path, now: float) -> set[str]:
 
 def _sweep_files(files: Path, now: float) -> int:
     """Remove the file copies of ``files`` nobody used for ``UNUSED`` s and nobody pins
-    (:func:`pinned`: tasks that need it may be queued), and part files ``PART_AGE`` old;
+    (:func:`pinned`: tasks that need it may be queued), part files and fetch locks
+    ``PART_AGE`` old (a lock only while no fetch holds it), and the ``out-<id>``
+    directories of out= files ``UNUSED`` old that no task holds (its worker was killed);
     how many."""
     removed = 0
     keep = pinned(files.parent / "obj", now)
@@ -208,14 +212,45 @@ def _sweep_files(files: Path, now: float) -> int:
                 continue
             try:
                 age = now - entry.stat(follow_symlinks=False).st_mtime
+                if entry.name.startswith("out-") and entry.is_dir(follow_symlinks=False):
+                    if age > UNUSED and _unused(entry.path):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                        removed += 1
+                    continue
                 if age > (PART_AGE if entry.name.startswith(".") else UNUSED) and entry.is_file(
                     follow_symlinks=False
                 ):
+                    if entry.name.endswith(".lock") and not _unused(entry.path):
+                        continue
                     os.unlink(entry.path)
                     removed += 1
             except FileNotFoundError:
                 pass
     return removed
+
+
+def _unused(path: str) -> bool:
+    """No process holds a lock on ``path`` (a fetch's lock file, a task's out= directory:
+    ``hold_out``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def hold_out(directory: Path) -> int:
+    """Mark ``directory`` (a task's out= directory) in use until the fd it returns is
+    closed, by the task's end or its worker's death: the sweep leaves it alone."""
+    fd = os.open(directory, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
 
 
 def _sweep_namespace(space: Path, now: float) -> int:
@@ -305,9 +340,18 @@ def _serve_cache(root: Path) -> Any:
     from nimbus.config import Settings
     from nimbus.data._serve import Server
 
+    host = "127.0.0.1"
     try:
-        return Server(root, Settings.load().data_host)
-    except (OSError, ConfigError):
+        host = Settings.load().data_host
+        return Server(root, host)
+    except (OSError, ConfigError, DataError) as exc:
+        logging.getLogger(__name__).warning(
+            "this node does not serve its file cache to the endpoint's other nodes (tasks "
+            "there cannot use files staged here): cannot listen on NIMBUS_DATA_HOST=%r: %s; "
+            "set it to an address of this node the others reach",
+            host,
+            exc,
+        )
         return None
 
 

@@ -143,6 +143,8 @@ class Session:
         self.lease = LEASE if lease is None else lease
         self._entries: weakref.WeakValueDictionary[str, _Entry] = weakref.WeakValueDictionary()
         self._to_free: list[str] = []
+        self._holders: dict[str, tuple[str, int, str]] = {}  # pin -> its node's server
+        self.gone: set[str] = set()  # pins whose node a renewal found gone (its copy too)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -170,6 +172,12 @@ class Session:
                     self._thread.start()
         return ref
 
+    def served(self, ref_id: str, holder: tuple[str, int, str]) -> None:
+        """``ref_id`` (held) is a staged copy's pin on the node that serves it at
+        ``holder``: a renewal that runs on another node forwards it there."""
+        with self._lock:
+            self._holders[ref_id] = holder
+
     def held(self) -> list[str]:
         return list(self._entries.keys())
 
@@ -191,6 +199,8 @@ class Session:
             self.adopt(ref)
 
     def _release(self, ref_id: str) -> None:
+        with self._lock:
+            self._holders.pop(ref_id, None)
         if self._closed.is_set():
             return
         if self.store is not None:
@@ -242,7 +252,23 @@ class Session:
             self.call(free_objects, to_free, keep=False)
             self.freed += len(to_free)
         if held:
-            self.call(renew_objects, held, expires, keep=False)
+            with self._lock:
+                where = {i: self._holders[i] for i in held if i in self._holders}
+            if where:  # (pins of staged copies: forwarded to their nodes where not here)
+                renewed = self.call(renew_objects, held, expires, where, keep=False)
+                renewed.add_done_callback(self._note_gone)
+            else:
+                self.call(renew_objects, held, expires, keep=False)
+
+    def _note_gone(self, renewed: Any) -> None:
+        """A renewal's lost ids: the pins of staged copies among them are gone with their
+        node (the client's cache entry for the file is dropped: ``_file._fetch``)."""
+        try:
+            lost = renewed.result()
+        except BaseException:  # the renewal itself failed: nothing learnt
+            return
+        with self._lock:
+            self.gone.update(i for i in lost if i in self._holders)
 
     def _renewer(self) -> None:
         """Free what was released (every second for an endpoint: one task for many) and

@@ -5,7 +5,7 @@
     node A (holds the copy)                          node B (a task that needs it)
     Server (in its agent or block manager:           _file._cached: not in B's cache
       started with the node's Sweeper), address      -> fetch(staged.holder, ...):
-      in <runtime data dir>/.server                     connects to A's server
+      in <runtime data dir>/.server-<pid>-<n>           connects to A's server
       <-- connect ------------------------------------
       challenge (32 random bytes) ------------------>
       <-- header (namespace, name, pin) | HMAC(copy's secret, challenge, header)
@@ -28,6 +28,16 @@ leased; the bytes' sha256 is the one the client got when the copy was made, so b
 altered on the way are refused. The secret never crosses the link (a challenge and an
 HMAC). The link is not encrypted, as ``_direct``'s.
 
+The client renews the pin (its lease) through an ordinary task, which the endpoint runs
+on any node: a node that does not hold the pin forwards the renewal to the holding
+node's server (:func:`renew`: the same challenge, an HMAC with the copy's secret), so
+the pin lives as long as the client holds the copy.
+
+Limits that keep one client from stopping the server: at most ``MAX_CONNECTIONS`` at
+once (more are told "busy" and closed), ``HANDSHAKE`` seconds for the whole request
+before the check; an accept that fails (no file descriptors left) is retried after a
+short pause, never the end of serving.
+
 The server listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``), as offers do: on an
 endpoint of several machines, set it on each node to the address the others reach it by.
 """
@@ -36,130 +46,251 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import hmac
+import itertools
 import json
+import logging
 import os
-import queue
 import secrets
 import socket
 import threading
 import time
+import weakref
 from pathlib import Path
+from typing import Any
 
+from nimbus.data._direct import receive_hashed, recv_exactly
 from nimbus.errors import DataError
 
-__all__ = ["Server", "fetch", "server_address"]
+__all__ = ["Server", "advertised", "fetch", "renew", "server_address"]
 
-TIMEOUT = 120.0  # seconds a fetch may wait for its peer
-ADDRESS = ".server"  # in a runtime's data directory: "host port" of a live server
-_STEP = 1 << 20
+log = logging.getLogger(__name__)
+
+TIMEOUT = 120.0  # seconds a fetch may wait for its peer (the bytes)
+HANDSHAKE = 5.0  # seconds a client has for its whole request (length, header, mac)
+LOCK_WAIT = 600.0  # seconds a task waits for another task of its node fetching the copy
+MAX_CONNECTIONS = 64  # served at once; more are told "busy"
+ADDRESS = ".server-"  # in a runtime's data directory: ADDRESS<pid>-<n>, "host port pid start"
 _MAX_HEADER = 4096
+_WILDCARD = ("", "0.0.0.0", "::", "*")
+_servers = itertools.count()
+_live: weakref.WeakSet[Server] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for server in list(_live):
+        server._listener.close()
+
+
+os.register_at_fork(after_in_child=_close_in_child)  # (once: closed servers go with _live)
 
 
 def _mac(secret: bytes, challenge: bytes, header: bytes) -> bytes:
     return hmac.new(secret, b"nimbus-data/fetch\0" + challenge + header, "sha256").digest()
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        got = sock.recv(n - len(out))
-        if not got:
-            raise DataError(f"the peer closed the link after {len(out)} of {n} bytes")
-        out += got
-    return bytes(out)
+def advertised(host: str) -> str:
+    """The address other nodes reach a listener on ``host`` by (``NIMBUS_DATA_HOST``):
+    itself, or for a wildcard this machine's name when it does not resolve to loopback."""
+    if host not in _WILDCARD:
+        return host
+    name = socket.gethostname()
+    try:
+        resolved = socket.gethostbyname(name)
+    except OSError:
+        resolved = "127.0.0.1"
+    if resolved.startswith("127."):
+        raise DataError(
+            f"NIMBUS_DATA_HOST={host!r} listens on every address, but this node's name "
+            f"{name!r} resolves to loopback ({resolved}): set NIMBUS_DATA_HOST to the "
+            f"address the endpoint's other nodes reach this one by"
+        )
+    return name
 
 
 def server_address(root: Path) -> tuple[str, int] | None:
-    """Where the cache of the runtime whose data directory is ``root`` is served."""
+    """Where the cache of the runtime whose data directory is ``root`` is served: the
+    newest live server's (the files of servers whose process died are removed)."""
+    from nimbus.data._node import start_time
+
+    found: list[tuple[float, str, int]] = []
     try:
-        host, port = (root / ADDRESS).read_text().split()
-        return host, int(port)
-    except (OSError, ValueError):
+        names = [n for n in os.listdir(root) if n.startswith(ADDRESS)]
+    except OSError:
         return None
+    for name in names:
+        try:
+            path = root / name
+            shown, port, pid, start = path.read_text().split()
+            if start_time(int(pid)) in (start, "?"):
+                found.append((path.stat().st_mtime, shown, int(port)))
+            else:
+                path.unlink(missing_ok=True)  # its process died
+        except (OSError, ValueError):
+            pass
+    if not found:
+        return None
+    _, shown, number = max(found)
+    return shown, number
 
 
 class Server:
     """Serves the file copies of ``root`` (a runtime's data directory on this node) to
-    the holders of their secrets; a thread, until :meth:`close`."""
+    the holders of their secrets, and renews their pins; a thread, until :meth:`close`."""
 
     def __init__(self, root: Path, host: str) -> None:
+        from nimbus.data._node import start_time
+
         self.root = root
+        shown = advertised(host)
         self._listener = socket.create_server((host, 0))
-        self.address = (host, int(self._listener.getsockname()[1]))
-        self._text = f"{host} {self.address[1]}\n"
-        part = root / f"{ADDRESS}.{secrets.token_hex(4)}"
-        part.write_text(self._text)
-        os.replace(part, root / ADDRESS)  # the newest live holder's: any serves the same
+        self.address = (shown, int(self._listener.getsockname()[1]))
+        pid = os.getpid()
+        self._file = root / f"{ADDRESS}{pid}-{next(_servers)}"
+        part = root / f".part-server-{secrets.token_hex(4)}"
+        part.write_text(f"{shown} {self.address[1]} {pid} {start_time(pid)}\n")
+        os.replace(part, self._file)  # one file per server: readers pick a live one
         self._closed = False
-        self._counts = {"served": 0, "bytes": 0, "refused": 0}
-        os.register_at_fork(after_in_child=self._listener.close)  # a worker forked later
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._conns: set[socket.socket] = set()  # being served (closed by close())
+        self._counts = {"served": 0, "bytes": 0, "renewed": 0, "refused": 0, "busy": 0}
+        _live.add(self)  # a worker forked later closes its copy of the listener
         threading.Thread(target=self._accept, name="nimbus-data-serve", daemon=True).start()
 
+    def _count(self, **added: int) -> None:
+        with self._lock:
+            for key, n in added.items():
+                self._counts[key] += n
+
     def _accept(self) -> None:
-        while True:
+        told = False
+        while not self._closed:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            except OSError as exc:
+                if self._closed:
+                    return
+                if not told:  # (no file descriptors left, a connection aborted): later
+                    log.warning("the node's data server cannot accept now (%s); retrying", exc)
+                    told = True
+                time.sleep(0.2)
+                continue
+            if not self._slots.acquire(blocking=False):
+                self._count(busy=1)
+                with conn, contextlib.suppress(OSError):
+                    conn.setblocking(False)
+                    conn.send(b"NObusy: the node serves too many at once; try again")
+                continue
+            with self._lock:
+                self._conns.add(conn)
+            try:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            except RuntimeError:  # no thread could start
+                self._forget(conn)
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(TIMEOUT)
-            try:
-                challenge = secrets.token_bytes(32)
-                conn.sendall(challenge)
-                length = int.from_bytes(_recv_exactly(conn, 4), "little")
-                if length > _MAX_HEADER:
-                    raise DataError("a header too long")
-                header = _recv_exactly(conn, length)
-                mac = _recv_exactly(conn, 32)
-                path = self._check(challenge, header, mac)
-                with open(path, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    conn.sendall(b"OK" + size.to_bytes(8, "little"))
-                    if size:
-                        conn.sendfile(f, 0, size)
-                    os.utime(f.fileno())  # used now (the sweep keeps it a lease longer)
-                self._counts["served"] += 1
-                self._counts["bytes"] += size
-            except Exception as exc:  # said to the fetcher, whose task fails with it
-                self._counts["refused"] += 1
-                with contextlib.suppress(OSError):
-                    conn.sendall(f"NO{type(exc).__name__}: {exc}".encode()[:2000])
+        try:
+            self._answer(conn)
+        finally:
+            self._forget(conn)
 
-    def _check(self, challenge: bytes, header: bytes, mac: bytes) -> Path:
-        asked = json.loads(header)
-        space, name, pin = str(asked["namespace"]), str(asked["name"]), str(asked["pin"])
-        for part in (space, name, pin):
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+        conn.close()
+        self._slots.release()
+
+    def _answer(self, conn: socket.socket) -> None:
+        try:
+            deadline = time.monotonic() + HANDSHAKE
+            challenge = secrets.token_bytes(32)
+            conn.settimeout(HANDSHAKE)
+            conn.sendall(challenge)
+            length = int.from_bytes(recv_exactly(conn, 4, "the peer", deadline), "little")
+            if length > _MAX_HEADER:
+                raise DataError("a header too long")
+            header = recv_exactly(conn, length, "the peer", deadline)
+            mac = recv_exactly(conn, 32, "the peer", deadline)
+            conn.settimeout(TIMEOUT)
+            asked = json.loads(header)
+            if asked.get("op") == "renew":
+                self._renew(challenge, header, mac, asked)
+                conn.sendall(b"OK")
+                self._count(renewed=1)
+                return
+            path = self._check(challenge, header, mac, asked)
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                conn.sendall(b"OK" + size.to_bytes(8, "little"))
+                if size:
+                    conn.sendfile(f, 0, size)
+                os.utime(f.fileno())  # used now (the sweep keeps it a lease longer)
+            self._count(served=1, bytes=size)
+        except Exception as exc:  # said to the peer, whose task fails with it
+            self._count(refused=1)
+            said = str(exc) if isinstance(exc, DataError) else "it could not read the request"
+            with contextlib.suppress(OSError):
+                conn.sendall(f"NO{said}".encode()[:2000])
+
+    def _pin(self, challenge: bytes, header: bytes, mac: bytes, space: str, pin: str) -> Path:
+        """The pin's path, once the request's HMAC proves its secret (one answer for an
+        unknown pin and a wrong secret)."""
+        for part in (space, pin):
             if not part or "/" in part or part.startswith(".") or "\0" in part:
                 raise DataError(f"{part!r} is not a plain name")
-        if not pin.isalnum() or not pin.startswith(name.split("-", 1)[0]):
+        if len(pin) != 64 or not all(c in "0123456789abcdef" for c in pin):
+            raise DataError(f"{pin!r} is not the id of a copy's pin")
+        from nimbus.data._node import NodeStore
+
+        try:
+            secret = NodeStore(space, self.root).read_secret(pin)  # (nothing unpickled)
+        except (OSError, DataError):
+            secret = None
+        if secret is None or not hmac.compare_digest(
+            mac, _mac(bytes.fromhex(secret), challenge, header)
+        ):
+            raise DataError(
+                "refused: this node holds no such copy for that secret (its pin was freed "
+                "and removed, or the node's data directory was removed)"
+            )
+        return self.root / space / "obj" / pin
+
+    def _renew(self, challenge: bytes, header: bytes, mac: bytes, asked: dict[str, Any]) -> None:
+        pin = self._pin(challenge, header, mac, str(asked["namespace"]), str(asked["pin"]))
+        expires = float(asked["expires"])
+        try:
+            os.utime(pin, (expires, expires))
+        except FileNotFoundError:
+            raise DataError("refused: the pin was removed meanwhile") from None
+
+    def _check(self, challenge: bytes, header: bytes, mac: bytes, asked: dict[str, Any]) -> Path:
+        space, name, pin = str(asked["namespace"]), str(asked["name"]), str(asked["pin"])
+        if not name or "/" in name or name.startswith(".") or "\0" in name:
+            raise DataError(f"{name!r} is not a plain name")
+        key = name.split("-", 1)[0]
+        if len(key) != 32 or pin[:32] != key:
             raise DataError(f"the pin {pin!r} does not name the copy {name!r}")
-        pin_path = self.root / space / "obj" / pin
+        pin_path = self._pin(challenge, header, mac, space, pin)
         try:
             leased = pin_path.stat().st_mtime >= time.time()
         except FileNotFoundError:
             leased = False
         if not leased:
-            raise DataError(f"{name} is no longer held on this node (its client freed it)")
-        from nimbus.data._node import NodeStore
-
-        secret = NodeStore(space, self.root).read_secret(pin)  # (nothing unpickled)
-        if secret is None or not hmac.compare_digest(
-            mac, _mac(bytes.fromhex(secret), challenge, header)
-        ):
-            raise DataError("a wrong secret for this copy")
+            raise DataError(
+                f"{name} is no longer held on this node: its pin's lease ran out (its "
+                f"client freed it, or did not renew it: it stopped)"
+            )
         path = self.root / space / "files" / name
         if not path.is_file():
             raise DataError(f"{name} is no longer in this node's file cache")
         return path
 
     def statistics(self) -> dict[str, int]:
-        """Copies ``served`` (and their ``bytes``), requests ``refused`` or failed."""
-        return dict(self._counts)
+        """Copies ``served`` (and their ``bytes``), pins ``renewed``, requests ``refused``
+        or failed, connections turned away ``busy``."""
+        with self._lock:
+            return dict(self._counts)
 
     def close(self) -> None:
         if self._closed:
@@ -168,9 +299,52 @@ class Server:
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
-        with contextlib.suppress(OSError):  # ours still: no other holder wrote it since
-            if (self.root / ADDRESS).read_text() == self._text:
-                (self.root / ADDRESS).unlink()
+        _live.discard(self)
+        with self._lock:  # no copy is read from a directory about to be released
+            serving = list(self._conns)
+        for conn in serving:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._file.unlink(missing_ok=True)
+
+
+def _request(
+    holder: tuple[str, int, str], header: dict[str, Any], what: str, timeout: float = TIMEOUT
+) -> tuple[socket.socket, str]:
+    """A connection to ``holder``'s server with ``header`` sent (proved with the copy's
+    secret) and its "OK" read; the socket (open) and how to name the node."""
+    host, port, secret = holder
+    where = f"the node that holds it ({host}:{port})"
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise DataError(
+            f"cannot {what} from {where}: {exc}. That node's block or agent has stopped "
+            f"(the copy went with it): submit the task again in a few minutes (the client "
+            f"stages it again once a renewal of its pin finds that node gone) or touch the file to stage "
+            f"it again now; or it is not reachable: if the nodes are separate machines, set "
+            f"NIMBUS_DATA_HOST on each to an address the others reach it by"
+        ) from None
+    try:
+        challenge = recv_exactly(sock, 32, "the node")
+        body = json.dumps(header).encode()
+        sock.sendall(len(body).to_bytes(4, "little") + body)
+        sock.sendall(_mac(bytes.fromhex(secret), challenge, body))
+        status = sock.recv(2, socket.MSG_WAITALL)
+        if status != b"OK":
+            said = (status + _rest(sock)).decode(errors="replace")[2:]
+            raise DataError(f"the node refused: {said or 'it closed the link'}")
+    except (DataError, OSError) as exc:
+        sock.close()
+        raise DataError(f"cannot {what} from {where}: {exc}") from None
+    return sock, where
+
+
+def renew(holder: tuple[str, int, str], namespace: str, pin: str, expires: float) -> None:
+    """Move the lease of ``pin`` (a copy's, on the node ``holder``) to ``expires``."""
+    header = {"op": "renew", "namespace": namespace, "pin": pin, "expires": expires}
+    sock, _ = _request(holder, header, "renew the pin of a staged file", 2 * HANDSHAKE)
+    sock.close()
 
 
 def fetch(
@@ -184,24 +358,33 @@ def fetch(
 ) -> None:
     """The copy ``name`` (``size`` bytes, ``sha256``) from the node ``holder`` (its
     server's host and port, the copy's secret) into ``target``, a path of this node's
-    cache; one fetch of it at a time on this node."""
-    host, port, secret = holder
+    cache; one fetch of it at a time on this node (waiting ``LOCK_WAIT`` s at most)."""
     lock = target.with_name(f".{target.name}.lock")
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # another task of this node may be fetching it
+        deadline = time.monotonic() + LOCK_WAIT
+        while True:  # another task of this node may be fetching it
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise DataError(
+                        f"{name}: another task of this node has been fetching it for "
+                        f"{LOCK_WAIT:.0f} s; submit the task again once the node is less busy"
+                    ) from None
+                time.sleep(0.1)
+        os.utime(fd)  # in use (the sweep leaves a lock file held, or recently made, alone)
         with contextlib.suppress(FileNotFoundError):
             if target.stat().st_size == size:
                 return
-        _fetch(host, port, bytes.fromhex(secret), namespace, name, pin, size, sha256, target)
+        _fetch(holder, namespace, name, pin, size, sha256, target)
     finally:
         os.close(fd)  # (the lock file stays: the sweep removes it with old part files)
 
 
 def _fetch(
-    host: str,
-    port: int,
-    secret: bytes,
+    holder: tuple[str, int, str],
     namespace: str,
     name: str,
     pin: str,
@@ -209,63 +392,28 @@ def _fetch(
     sha256: str,
     target: Path,
 ) -> None:
-    where = f"{name} from the node that holds it ({host}:{port})"
-    try:
-        sock = socket.create_connection((host, port), timeout=TIMEOUT)
-    except OSError as exc:
-        raise DataError(
-            f"cannot fetch {where}: {exc}; is that node's manager running? If the nodes "
-            f"are separate machines, set NIMBUS_DATA_HOST on each to an address the others "
-            f"reach it by; submit the task again"
-        ) from None
+    header = {"op": "fetch", "namespace": namespace, "name": name, "pin": pin}
+    sock, where = _request(holder, header, f"fetch {name}")
     part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
     with sock:
         try:
-            challenge = _recv_exactly(sock, 32)
-            header = json.dumps({"namespace": namespace, "name": name, "pin": pin}).encode()
-            sock.sendall(len(header).to_bytes(4, "little") + header)
-            sock.sendall(_mac(secret, challenge, header))
-            status = sock.recv(2, socket.MSG_WAITALL)
-            if status != b"OK":
-                said = (status + _rest(sock)).decode(errors="replace")[2:]
-                raise DataError(f"the node refused: {said or 'it closed the link'}")
-            got = int.from_bytes(_recv_exactly(sock, 8), "little")
+            got = int.from_bytes(recv_exactly(sock, 8, "the node"), "little")
             if got != size:
                 raise DataError(f"it holds {got} bytes where {size} were staged")
-            if _receive(sock, part, size) != sha256:
+            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                digest = receive_hashed(sock, fd, size, "the node").hexdigest()
+            finally:
+                os.close(fd)
+            if digest != sha256:
                 raise DataError("the bytes' sha256 differs from the staged copy's")
             os.rename(part, target)
         except (DataError, OSError) as exc:
             part.unlink(missing_ok=True)
-            raise DataError(f"cannot fetch {where}: {exc}; submit the task again") from None
-
-
-def _receive(sock: socket.socket, part: Path, size: int) -> str:
-    """``size`` bytes of ``sock`` written to ``part`` while a thread hashes the buffer
-    before (as ``_direct``'s receiver); their sha256."""
-    from nimbus.data._direct import _BUFFERS, _fill, _hash
-
-    sha = hashlib.sha256()
-    free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-    full: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
-    for _ in range(_BUFFERS):
-        free.put(bytearray(_STEP))
-    hasher = threading.Thread(target=_hash, args=(sha, full, free), daemon=True)
-    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    hasher.start()
-    try:
-        got = 0
-        while got < size:
-            buffer = free.get()
-            n = _fill(sock, memoryview(buffer), min(_STEP, size - got), got, size)
-            os.pwrite(fd, memoryview(buffer)[:n], got)
-            got += n
-            full.put((buffer, n))
-    finally:
-        full.put(None)
-        hasher.join()
-        os.close(fd)
-    return sha.hexdigest()
+            raise DataError(
+                f"cannot fetch {name} from {where}: {exc}; submit the task again (a link "
+                f"that broke), or touch the file to stage it again"
+            ) from None
 
 
 def _rest(sock: socket.socket) -> bytes:

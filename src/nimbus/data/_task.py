@@ -27,7 +27,7 @@ from nimbus.data._file import File, Out, Staged, discard_out, finish_out, local_
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore, default_root
 from nimbus.data._ref import MAX_SCAN, Ref, Scope, local_namespace, lost, new_id, owner_namespace
-from nimbus.errors import DataAccessError
+from nimbus.errors import DataAccessError, DataError
 
 __all__ = ["free_objects", "identity", "renew_objects", "run", "store"]
 
@@ -153,9 +153,23 @@ def free_objects(ref_ids: list[str]) -> int:
     return _node(_scope().namespace).free(ref_ids)
 
 
-def renew_objects(ref_ids: list[str], expires: float) -> list[str]:
-    """A task: renew these objects' leases; the ids of those lost."""
-    return _node(_scope().namespace).renew(ref_ids, expires)
+def renew_objects(
+    ref_ids: list[str], expires: float, holders: dict[str, tuple[str, int, str]] | None = None
+) -> list[str]:
+    """A task: renew these objects' leases; the ids of those lost. A pin of a staged copy
+    not on this node is renewed on the node that holds it (``holders``: ``_serve.renew``)."""
+    node = _node(_scope().namespace)
+    lost = node.renew(ref_ids, expires)
+    if holders:
+        from nimbus.data._serve import renew
+
+        for ref_id in [i for i in lost if i in holders]:
+            try:
+                renew(holders[ref_id], node.namespace, ref_id, expires)
+                lost.remove(ref_id)
+            except DataError:
+                pass  # that node is gone (its copy with it): the pin is lost
+    return lost
 
 
 def _scope() -> Scope:
