@@ -114,6 +114,7 @@ def _provider_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exports",
         dest="data_exports",
+        type=_exports,
         metavar="DIR[:DIR...]",
         help="directories tasks' nimbus.File may read and write here (NIMBUS_DATA_EXPORTS)",
     )
@@ -127,6 +128,19 @@ def _provider(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"unknown provider {text!r}; known providers: {', '.join(sorted(PROVIDERS))}"
         )
+    return text
+
+
+def _exports(text: str) -> str:
+    """--exports: directories of this machine (the endpoint's), each existing now."""
+    for item in text.split(os.pathsep):
+        path = os.path.expanduser(item.strip())
+        if path and not os.path.isdir(path):
+            what = "is not a directory" if os.path.exists(path) else "does not exist"
+            raise argparse.ArgumentTypeError(
+                f"{item.strip()} {what} on this machine, where the endpoint runs; create it "
+                f"first, or give directories that exist ({os.pathsep!r} between them)"
+            )
     return text
 
 
