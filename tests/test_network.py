@@ -1052,6 +1052,14 @@ def test_netbench_sizes_need_an_endpoint_and_their_unit(tmp_path: Path) -> None:
         (["--offline", "--sizes", "128M"], "--sizes sweeps an endpoint"),
         (["--endpoint", "x", "--sizes", "128"], "worker memory sizes with their unit"),
         (["--endpoint", "x", "--sizes", "1G", "--object-size", "0"], "from 1 byte to 1G"),
+        # the size sweep's options without it: refused, not ignored (they were, offline)
+        (["--offline", "--object-size", "10"], "--object-size goes with the worker-size sweep"),
+        (
+            ["--offline", "--objects", "5", "--price-request", "0.1"],
+            "--objects and --price-request go with the worker-size sweep: give --endpoint NAME "
+            "--sizes SIZES too",
+        ),
+        (["--endpoint", "x", "--objects", "5"], "--objects goes with the worker-size sweep"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "nimbus", "netbench", *argv, "--out", str(tmp_path)],
