@@ -860,6 +860,48 @@ def test_endpoint_limits_reach_its_agent_as_settings() -> None:
     s = Settings.load(env)
     assert (s.worker_cpus, s.worker_memory, s.worker_bandwidth) == (0.5, 512 << 20, 200_000_000)
     assert EndpointConfig("hpc", "http://x", "id", "t", 2).worker_environment() == {}
+    # `nimbus endpoint configure NAME --net-accounting netns`: what netbench --sizes and a
+    # task's limits need, kept in endpoint.toml and given to the agent at its start
+    netns = EndpointConfig("hpc", "http://x", "id", "t", 2, net_accounting="netns")
+    assert Settings.load(netns.worker_environment()).net_accounting == "netns"
+
+
+def test_endpoint_configure_net_accounting_is_kept_for_its_agent(
+    service: Any, alice: Any, tmp_path: Path
+) -> None:
+    env = service.env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": alice.token}
+    argv = [sys.executable, "-m", "nimbus", "endpoint", "configure", "acct"]
+    done = subprocess.run([*argv, "--net-accounting", "auto"], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    config = Path(env["XDG_CONFIG_HOME"]) / "nimbus" / "endpoints" / "acct" / "endpoint.toml"
+    assert 'net_accounting = "auto"' in config.read_text()
+    bad = subprocess.run([*argv, "--net-accounting", "bpf"], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "argument --net-accounting: invalid choice" in bad.stderr
+
+
+def test_netbench_sizes_on_workers_without_namespaces_is_refused_before_any_sweep(
+    service: Any, alice: Any, lab: Any, tmp_path: Path
+) -> None:
+    """Stranger 5: the bandwidth sweep ran (10 s), then the grid's first task failed
+    naming net_accounting, no option of `nimbus endpoint configure`, said to run as root
+    an endpoint that was, and nothing was written. Now: refused first, naming the option."""
+    from nimbus.network import netbench_endpoint
+
+    said: list[str] = []
+    settings = service.user_settings(alice.token)
+    with Executor(endpoint="lab", settings=settings) as ex, pytest.raises(ConfigError) as refused:
+        netbench_endpoint(
+            ex, "127.0.0.1", [1], ["down"], 0.5, tmp_path / "nb", sizes=[128 << 20],
+            progress=said.append,
+        )  # fmt: skip
+    assert said == []  # no sweep ran
+    message = str(refused.value)
+    assert message.startswith("netbench --sizes runs each task limited to a size"), message
+    assert "`nimbus endpoint configure NAME --net-accounting netns`" in message
+    assert "NIMBUS_NET_ACCOUNTING=netns" in message and "nothing was measured" in message
+    assert ("as root" in message) == (os.geteuid() != 0), message
 
 
 # ------------------------------------------------------------------ nimbus netbench

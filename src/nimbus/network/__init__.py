@@ -138,14 +138,17 @@ def netbench_endpoint(
     (``_grid``: at each size, 1 and each of ``concurrency`` tasks at once), the cost of
     the lone tasks under the prices given (USD; None: ``_sizes.Prices``'s defaults);
     the report into ``out``."""
+    from nimbus.errors import ConfigError
     from nimbus.network._endpoint import check_reach, sweep, traffic_server
-    from nimbus.network._grid import grid, past_which
+    from nimbus.network._grid import check_sizes, grid, past_which
     from nimbus.network._objects import object_server
     from nimbus.network._report import PAYLOAD, summarize, write
     from nimbus.network._sizes import Prices, recommend, size_points
 
     with traffic_server(server) as address:
         check_reach(executor, address)  # (--server 127.0.0.1, the default, on a remote one)
+        if sizes:
+            check_sizes(executor, sizes)  # limits the workers cannot take: before any run
         points = sweep(executor, address, concurrency, directions, seconds, progress)
     if cap is None:  # the best aggregate seen stands for the link's capacity
         best = max(
@@ -160,10 +163,16 @@ def netbench_endpoint(
             prices.gb_second if price_gb_second is None else price_gb_second,
             prices.request if price_request is None else price_request,
         )
-        with object_server(server) as port:
-            cells, tasks = grid(
-                executor, (server, port), sizes, concurrency, objects, object_size, progress
-            )
+        try:
+            with object_server(server) as port:
+                cells, tasks = grid(
+                    executor, (server, port), sizes, concurrency, objects, object_size, progress
+                )
+        except ConfigError as exc:  # the bandwidth sweep's results are kept
+            write(points, summary, out)
+            raise ConfigError(
+                f"{exc} (the bandwidth sweep's report is written in {out}; the size sweep is not)"
+            ) from None
         at = size_points(tasks, prices)
         summary["sizes"] = {
             "prices": {"gb_second": prices.gb_second, "request": prices.request},
