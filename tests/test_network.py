@@ -1089,6 +1089,28 @@ def test_netbench_sizes_objects_and_cost_on_a_real_endpoint(
     assert len(grid_csv) == 1 + 12 and grid_csv[0].startswith("memory,concurrency,direction")
 
 
+def test_a_size_sweep_that_fails_keeps_the_bandwidth_sweeps_report(
+    service: Any, alice: Any, sized: Any, tmp_path: Path
+) -> None:
+    """Stranger 5: the grid's failure threw the bandwidth sweep's results away. An
+    upload of a 512M object from a 128M worker (killed: MemoryLimitExceeded) fails the
+    size sweep after the bandwidth sweep: its report is written, the error is raised."""
+    from nimbus.errors import MemoryLimitExceeded
+    from nimbus.network import netbench_endpoint
+
+    said: list[str] = []
+    settings = service.user_settings(alice.token)
+    with Executor(endpoint="sized", settings=settings) as ex, pytest.raises(MemoryLimitExceeded):
+        netbench_endpoint(
+            ex, "127.0.0.1", [1], ["down"], 0.5, tmp_path, sizes=[128 << 20], objects=1,
+            object_size=512 << 20, progress=said.append,
+        )  # fmt: skip
+    assert said[-1] == f"the size sweep failed; the bandwidth sweep's report is in {tmp_path}"
+    summary = json.loads((tmp_path / "netbench.json").read_text())
+    assert [(r["direction"], r["concurrency"]) for r in summary["runs"]] == [("down", 1)]
+    assert "sizes" not in summary and (tmp_path / "netbench.html").exists()
+
+
 def test_netbench_sizes_need_an_endpoint_and_their_unit(tmp_path: Path) -> None:
     for argv, said in (
         (["--offline", "--sizes", "128M"], "--sizes sweeps an endpoint"),

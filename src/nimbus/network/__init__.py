@@ -138,7 +138,6 @@ def netbench_endpoint(
     (``_grid``: at each size, 1 and each of ``concurrency`` tasks at once), the cost of
     the lone tasks under the prices given (USD; None: ``_sizes.Prices``'s defaults);
     the report into ``out``."""
-    from nimbus.errors import ConfigError
     from nimbus.network._endpoint import check_reach, sweep, traffic_server
     from nimbus.network._grid import check_sizes, grid, past_which
     from nimbus.network._objects import object_server
@@ -168,11 +167,10 @@ def netbench_endpoint(
                 cells, tasks = grid(
                     executor, (server, port), sizes, concurrency, objects, object_size, progress
                 )
-        except ConfigError as exc:  # the bandwidth sweep's results are kept
+        except Exception:  # the bandwidth sweep's results are kept; the error as it was
             write(points, summary, out)
-            raise ConfigError(
-                f"{exc} (the bandwidth sweep's report is written in {out}; the size sweep is not)"
-            ) from None
+            progress(f"the size sweep failed; the bandwidth sweep's report is in {out}")
+            raise
         at = size_points(tasks, prices)
         summary["sizes"] = {
             "prices": {"gb_second": prices.gb_second, "request": prices.request},
