@@ -33,6 +33,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import multiprocessing  # noqa: E402
 import shutil  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -57,43 +58,60 @@ def cpu(processes: list[psutil.Process]) -> float:
     return sum(t.user + t.system for t in (p.cpu_times() for p in processes))
 
 
+def _arrive(url: str, token: str, rate: float, halt: Any, sent: Any) -> None:
+    """One sender process's loop: ``rate`` tasks a second, 10 batches a second."""
+    from nimbus.client import Client
+    from nimbus.config import Settings
+
+    client = Client(url, token, settings=Settings.load())
+    per = max(1, int(rate // 10))
+    began, mine = time.monotonic(), 0
+    while not halt.is_set():
+        client.batch_run(noop, [()] * per, endpoint="offline")
+        mine += per
+        with sent.get_lock():
+            sent.value += per
+        ahead = began + mine / rate - time.monotonic()
+        if ahead > 0:
+            halt.wait(ahead)
+    client.close()
+
+
 class Arrivals:
-    """``rate`` new tasks a second through the service's submit API: ``THREADS`` clients,
-    each sending 10 batches a second."""
+    """``rate`` new tasks a second through the service's submit API, from ``PROCESSES``
+    sender processes (not threads of this one: their work would hold this process's GIL
+    while it times a page, adding their time to the page's), each sending 10 batches a
+    second."""
 
-    THREADS = 4
+    PROCESSES = 2
 
-    def __init__(self, clients: list[Any], rate: int) -> None:
-        self.clients, self.rate = clients, rate
-        self.sent = [0] * len(clients)
-        self.halt = threading.Event()
-        self.threads = [
-            threading.Thread(target=self._send, args=(i,), daemon=True) for i in range(len(clients))
+    def __init__(self, url: str, token: str, rate: int) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        self.halt = spawn.Event()
+        self.sent = spawn.Value("q", 0)
+        per = rate / self.PROCESSES
+        self.procs = [
+            spawn.Process(target=_arrive, args=(url, token, per, self.halt, self.sent))
+            for _ in range(self.PROCESSES if rate else 0)
         ]
         self.began = self.ended = 0.0
 
     def start(self) -> None:
         self.began = time.monotonic()
-        for thread in self.threads:
-            thread.start()
+        for proc in self.procs:
+            proc.start()
 
     def stop(self) -> float:
         """Stop; the rate reached (tasks a second)."""
         self.halt.set()
-        for thread in self.threads:
-            thread.join()
+        for proc in self.procs:
+            proc.join(60)
         self.ended = time.monotonic()
-        return sum(self.sent) / max(1e-9, self.ended - self.began) if self.threads else 0.0
+        return self.total / max(1e-9, self.ended - self.began) if self.procs else 0.0
 
-    def _send(self, i: int) -> None:
-        rate = self.rate / len(self.clients)
-        per = max(1, int(rate // 10))
-        while not self.halt.is_set():
-            self.clients[i].batch_run(noop, [()] * per, endpoint="offline")
-            self.sent[i] += per
-            ahead = self.began + self.sent[i] / rate - time.monotonic()
-            if ahead > 0:
-                self.halt.wait(ahead)
+    @property
+    def total(self) -> int:
+        return int(self.sent.value)
 
 
 class Reader(threading.Thread):
@@ -153,10 +171,9 @@ def main() -> None:
         token, user_id = new_user(settings, "bench")
         client = Client(service.url, token, settings=settings)
         other_token, _ = new_user(settings, "others")
-        others = [
-            Client(service.url, other_token, settings=settings) for _ in range(Arrivals.THREADS)
-        ]
-        others[0].register_endpoint("offline")
+        other = Client(service.url, other_token, settings=settings)
+        other.register_endpoint("offline")
+        other.close()
         endpoint_id = client.register_endpoint("offline")["endpoint_id"]
         function_id = client.register_function(noop)
         keys = Keys(SERVICE_ID)
@@ -187,7 +204,7 @@ def main() -> None:
         database = Path(make_url(settings.registry_url).database or "")
         rows.append(("records stored", f"{args.records:,}", f"in {filled:.1f} s (SQL, bulk)"))
 
-        arrivals = Arrivals(others if args.rate else [], args.rate)  # other users' tasks
+        arrivals = Arrivals(service.url, other_token, args.rate)  # other users' tasks
         arrivals.start()
         http = login(service.url, token)
         first_render = timed(http, "/tasks", 1)
@@ -249,7 +266,7 @@ def main() -> None:
         reached = arrivals.stop()
         rows.append(
             ("new tasks arriving meanwhile", f"{reached:.0f}/s", f"asked {args.rate}/s, "
-             f"{sum(arrivals.sent):,} in all")
+             f"{arrivals.total:,} in all")
         )  # fmt: skip
 
         service_rss, redis_rss = (p.memory_info().rss for p in procs)
@@ -266,8 +283,6 @@ def main() -> None:
         store.close()
         http.close()
         client.close()
-        for other in others:
-            other.close()
 
         service.stop()
         restart = service.start()

@@ -12,7 +12,8 @@
     file       a 1 GB file on endpoint "source" (nimbus.File("source:path"), exported)
                staged to endpoint "dataflow", then used by 16 tasks there: staged once,
                endpoint to endpoint (nimbus.data._direct), against a raw TCP copy of the
-               file over the same link (loopback), without nimbus
+               file over the same link (loopback), without nimbus; then used by 16 tasks
+               on each of two more endpoints at once (4 endpoints): once per endpoint
     mapreduce  WordCount and Sort, 4 workers, the shuffle through a shared directory, the
                node's store (nimbus.data.store()) and direct messaging (bench/_mapreduce.py)
     pipeline   a 2-stage pipeline of 10,000 tasks on an endpoint (stage 1 makes 10 KB
@@ -557,6 +558,61 @@ def file_rows(
     ]
 
 
+def fanout_rows(settings: Any, exported: Path, targets: list[str]) -> list[list[str]]:
+    """The file of :func:`file_rows` used by 16 tasks on each of ``targets`` (two more
+    endpoints: four in all, with source and dataflow) at once: staged once per endpoint,
+    each straight from source, while the client carries only the answers."""
+    import nimbus
+    from nimbus import Executor
+    from nimbus.data._file import _cache
+
+    path = exported / "run42.bin"
+    want = sha_of(path)
+    file = nimbus.File(f"source:{path}")
+    executors = [Executor(endpoint=t, settings=settings) for t in targets]
+    try:
+        before = {k for k in _cache if k[2] == str(path)}
+        start = time.perf_counter()
+        futures = [ex.submit(sha_of, file) for ex in executors]  # staged to both at once
+        for key in [k for k in _cache if k[2] == str(path) and k not in before]:
+            _cache[key].result(timeout=900)
+        staging = time.perf_counter() - start
+        futures += [ex.submit(sha_of, file) for ex in executors for _ in range(15)]
+        shas = {f.result(timeout=900) for f in futures}
+        seconds = time.perf_counter() - start
+        client = sum(
+            ex.statistics()["bytes_sent"] + ex.statistics()["bytes_received"] for ex in executors
+        )
+    finally:
+        for ex in executors:
+            ex.shutdown()
+    staged = [f.result() for k, f in _cache.items() if k[2] == str(path)]
+    direct = all(not s.refs for s in staged)
+    size = path.stat().st_size
+    RESULTS["fanout"] = {
+        "endpoints": len(targets),
+        "staged_seconds": staging,
+        "seconds": seconds,
+        "transfers": len(staged),
+        "direct": direct,
+        "client_bytes": client,
+    }
+    assert shas == {want}, "a task saw other bytes"
+    return [
+        [
+            f"the same file on {len(targets)} more endpoints at once, 16 tasks each",
+            f"staged to both {staging:.2f} s ({len(targets) * size / staging / MB:.0f} MB/s "
+            f"in all, {'endpoint to endpoint' if direct else 'via the client'}); "
+            f"with the {16 * len(targets)} tasks {seconds:.2f} s",
+            f"transfers: {len(staged)} for {len(targets) + 1} target endpoints; client "
+            f"{client / MB:.2f} MB",
+            "",
+            "once per endpoint",
+            "PASS" if len(staged) == len(targets) + 1 and direct else "MISS",
+        ],
+    ]
+
+
 def mapreduce_rows(args: argparse.Namespace) -> list[list[str]]:
     """WordCount and Sort, the shuffle three ways (``_mapreduce``), side by side."""
     import _mapreduce as mr
@@ -648,6 +704,7 @@ class Isolated:
 # ---------------------------------------------------------------- main
 
 RESULTS: dict[str, Any] = {}
+FANOUT = ["dataflow2", "dataflow3"]  # with source and dataflow: the issue's 4 endpoints
 
 
 def main() -> int:
@@ -704,6 +761,7 @@ def main() -> int:
         prefix: list[str] = []
         isolated = Isolated(stack, args.netns)
         dest: tuple[list[str], str] | None = None
+        extra: list[subprocess.Popen[bytes]] = []  # the fan-out's agents
         try:
             stack.start_service()
             if "file" in only:  # a second endpoint that exports a directory
@@ -733,6 +791,18 @@ def main() -> int:
                 dest = isolated.start_agent("dataflow")
             else:
                 stack.start_agent("dataflow")
+            for name in FANOUT if "file" in only else ():  # endpoints 3 and 4
+                stack.configure_endpoint(name)
+                if args.netns:
+                    isolated.start_agent(name)
+                else:
+                    last = stack.agent
+                    try:
+                        stack.start_agent(name)
+                    finally:  # stopped below; the stack's own agent stays dataflow's
+                        if stack.agent is not None and stack.agent is not last:
+                            extra.append(stack.agent)
+                        stack.agent = last
             with Executor(endpoint="dataflow", settings=stack.settings) as ex:
                 if "campaign" in only:
                     rows += campaign_rows(ex, "endpoint via service", args)
@@ -742,8 +812,13 @@ def main() -> int:
                     rows += deps_rows(ex, args)
                 if "file" in only:
                     rows += file_rows(ex, exported, args, prefix, dest)
+                    rows += fanout_rows(stack.settings, exported, FANOUT)
         finally:
             isolated.close()
+            for agent in extra:
+                if agent.poll() is None:
+                    agent.terminate()
+                    agent.wait(30)
             if source is not None and source.poll() is None:
                 source.terminate()
                 source.wait(30)

@@ -13,7 +13,11 @@ from nimbus.statestore import Keys, Program
 
 @pytest.fixture(scope="module")
 def store_url() -> str:
-    return _state.program().url
+    """The URL of this test process's embedded store, started (a program's store starts
+    at its first connection through nimbus; these tests also connect with redis-py)."""
+    program = _state.program()
+    program.client().ping()
+    return program.url
 
 
 @pytest.fixture

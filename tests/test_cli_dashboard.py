@@ -16,6 +16,7 @@ import httpx
 
 from nimbus.client import Client
 from nimbus.config import Settings
+from nimbus.service.dashboard._html import short
 from nimbus.service.registry import Registry
 from service_support import CLI, Service, service_env
 
@@ -128,6 +129,9 @@ def test_a_local_executors_tasks_show_on_the_page_nimbus_dashboard_serves(
                 assert time.monotonic() < deadline, page[-3000:]
                 time.sleep(0.2)
             assert not list((tmp_path / "rt" / "service" / "local-history").iterdir())
+            # a local executor's ids differ at their end: the rows say which is which
+            shown = [short(task_id) for task_id in ids]
+            assert len(set(shown)) == 3 and all(f">{s}</a>" in page for s in shown)
             task = http.get(f"/tasks/{ids[0]}")
             assert task.status_code == 200 and "shout" in task.text and "success" in task.text
     finally:
@@ -260,6 +264,70 @@ def test_a_local_executors_tasks_appear_on_an_open_tasks_page_without_a_reload(
         text = "\n".join(lines)
         assert all(task_id in text for task_id in ids), text[-2000:]
         assert "shout" in text and "success" in text
+    finally:
+        code, err = stop(proc)
+    assert code == 0, err
+
+
+POOL_PROGRAM = """
+import multiprocessing as mp
+import sys
+
+
+def square(x):
+    return x * x
+
+
+def fails():
+    sys.exit(3)
+
+
+if __name__ == "__main__":
+    with mp.Pool(2) as pool:
+        print(sum(pool.map(square, range(20), chunksize=5)))
+    p = mp.Process(target=fails)
+    p.start()
+    p.join()
+    print("exit", p.exitcode)
+"""
+
+
+def test_a_nimbus_run_programs_processes_and_pool_tasks_show_on_the_tasks_page(
+    tmp_path: Path,
+) -> None:
+    """``nimbus run`` of a Pool program: each Pool task (a map's chunk) and each Process
+    (one that exits 3) hands its record over from the process that ran it, though the
+    pool's workers are terminated by ``with``; the tasks page lists them all."""
+    proc, token, url = start(tmp_path)
+    try:
+        program = tmp_path / "squares.py"
+        program.write_text(POOL_PROGRAM)
+        ran = subprocess.run(
+            [sys.executable, "-c", CLI, "run", str(program)],
+            env=service_env(tmp_path), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.split() == ["2470", "exit", "3"]
+        with httpx.Client(base_url=url, timeout=30) as http:
+            login(http, token)
+            deadline = time.monotonic() + 20  # the service reads the files each second
+            while True:
+                page = http.get("/tasks").text
+                rows = re.findall(
+                    r'<tr data-task="([^"]+)">.*?<td class="state (\w+)">\w+</td><td>([^<]*)</td>',
+                    page,
+                )
+                names = sorted((fn, state) for _, state, fn in rows)
+                if names.count(("square", "success")) == 4 and ("fails", "failed") in names:
+                    break
+                assert time.monotonic() < deadline, names
+                time.sleep(0.2)
+            # the pool's processes are listed when they end by themselves; terminated
+            # by the pool (``with``), they are not (their tasks are)
+            assert names.count(("_worker", "success")) <= 2, names
+            [chunk] = [task_id for task_id, _, fn in rows if fn == "square"][:1]
+            task = http.get(f"/tasks/{chunk}")
+            assert task.status_code == 200 and "pool/" in task.text
     finally:
         code, err = stop(proc)
     assert code == 0, err

@@ -549,6 +549,28 @@ def test_a_task_given_a_future_is_held_by_the_service_and_runs_after_it(
     assert chain.result(timeout=60) == 5  # a kept input's value is still there
 
 
+def test_a_task_given_another_executors_future_is_held_by_the_service(
+    remote: Executor, service: Service, alice: Client
+) -> None:
+    """A kept future of another Executor of the same user, on the same endpoint through
+    the same service, is named by its task id as the executor's own: the dependent is
+    sent at once and held by the service, not by this client."""
+    first = remote.options(keep=True).submit(slow, [1, 2, 3], 3.0)
+    _accepted(remote, first)
+    with Executor(endpoint="lab", settings=service.user_settings(alice.token)) as other:
+        second = other.submit(sum, first)
+        _accepted(other, second)
+        assert not first.done()  # sent while its input runs: not held by the client
+        assert alice.get_task(second.record.task_id)["state"] == "waiting-for-endpoint"
+        assert second.result(timeout=60) == 6
+        assert second.record.started >= first.record.ended - 0.05
+        failing = remote.options(keep=True).submit(fail_after, 1.0)
+        _accepted(remote, failing)
+        late = other.submit(plus_one, failing)
+        with pytest.raises(InputFailed, match=f"its input, task {failing.record.task_id}, fail"):
+            late.result(timeout=60)
+
+
 def test_a_failed_or_cancelled_input_fails_its_dependents_naming_it(remote: Executor) -> None:
     first = remote.options(keep=True).submit(fail_after, 1.0)
     second = remote.options(keep=True).submit(plus_one, first)

@@ -60,6 +60,46 @@ def test_out_file_is_moved_to_its_path_after_the_task(ex: Executor, tmp_path: Pa
     assert result.suffix == ".npz" and result.read_bytes() == b"r" * 300
 
 
+def savez(out: Path) -> str:
+    import numpy as np  # np.savez appends .npz to a path that does not end with it
+
+    np.savez(out, a=np.arange(3))
+    return os.fspath(out)
+
+
+def test_out_file_keeps_its_name_so_np_savez_writes_it(ex: Executor, tmp_path: Path) -> None:
+    pytest.importorskip("numpy")
+    import numpy as np
+
+    local = ex.submit(savez, out=nimbus.File(str(tmp_path / "res" / "{task_id}.npz"))).result(60)
+    (result,) = (tmp_path / "res").iterdir()  # what the task wrote, under its out= name
+    assert Path(local).name == result.name and result.suffix == ".npz"
+    assert np.load(result)["a"].tolist() == [0, 1, 2]
+    assert not Path(local).parent.exists()  # its private directory: removed
+
+
+def write_beside(out: Path) -> None:
+    (out.parent / (out.name + ".npz")).write_bytes(b"a suffix the task added")
+    raise ValueError(str(out))
+
+
+def write_elsewhere(out: Path) -> str:
+    (out.parent / (out.name + ".tmp")).write_bytes(b"x")
+    return str(out)
+
+
+def test_an_out_file_that_fails_leaves_nothing_behind(ex: Executor, tmp_path: Path) -> None:
+    out = nimbus.File(str(tmp_path / "res" / "{task_id}.dat"))
+    with pytest.raises(ValueError) as raised:  # the task failed: its files are removed
+        ex.submit(write_beside, out=out).result(60)
+    assert not Path(str(raised.value)).parent.exists()
+    with pytest.raises(DataError, match=r"wrote nothing to .*\.dat.*wrote \S+\.dat\.tmp beside"):
+        ex.submit(write_elsewhere, out=out).result(60)
+    private = Path(str(raised.value)).parent.parent  # the node's file cache
+    assert not [p for p in private.iterdir() if p.name.startswith("out-")]
+    assert not (tmp_path / "res").exists()
+
+
 def test_bad_files_are_refused_before_any_task(ex: Executor, tmp_path: Path) -> None:
     with pytest.raises(FileRefused, match=r"'\.\.'"):
         nimbus.File("lab:/data/../etc/passwd")
@@ -148,6 +188,7 @@ def test_a_file_of_another_endpoint_is_staged_once_for_16_tasks(
     assert len(transfers) == 1  # transferred once
     staged = _cache[transfers[0]].result()
     assert staged.refs == ()  # vault sent it to lab directly: no part crossed this client
+    assert staged.holder is not None  # where lab's node serves it to its other nodes
     source = on_lab._file_sources[vault.endpoint_id]  # type: ignore[attr-defined]
     assert source.statistics()["bytes_received"] < 64 * 1024
     assert on_lab.statistics()["bytes_sent"] < 64 * 1024
@@ -314,14 +355,14 @@ def test_a_direct_transfer_checks_its_secret_and_its_peer(tmp_path: Path) -> Non
 
     body = os.urandom(3 * 1024 * 1024 + 17)
     (tmp_path / "x.bin").write_bytes(body)
-    host, port, secret = offer("file", "k" * 32 + "-x.bin")  # this process's node cache
+    host, port, secret, _ = offer("file", "k" * 32 + "-x.bin")  # this process's node cache
     assert _send(tmp_path / "x.bin", host, port, secret, None) == (
         len(body),
         hashlib.sha256(body).hexdigest(),
     )
     cached = NodeStore(nimbus.data._ref.local_namespace()).dir / "files" / ("k" * 32 + "-x.bin")
     assert cached.read_bytes() == body
-    host, port, _ = offer("file", "w" * 32 + "-x.bin")
+    host, port, _, _ = offer("file", "w" * 32 + "-x.bin")
     with pytest.raises(DataError, match="refused the transfer: NO: a wrong secret"):
         _send(tmp_path / "x.bin", host, port, "00" * 32, None)
     assert not (cached.parent / ("w" * 32 + "-x.bin")).exists()
@@ -370,16 +411,84 @@ def test_a_direct_transfer_refuses_bytes_altered_on_the_way(tmp_path: Path) -> N
     body = os.urandom(2 * 1024 * 1024 + 5)
     (tmp_path / "x.bin").write_bytes(body)
     cache = NodeStore(nimbus.data._ref.local_namespace()).dir / "files"
-    host, port, secret = offer("file", "r" * 32 + "-x.bin")
+    host, port, secret, _ = offer("file", "r" * 32 + "-x.bin")
     seen = bytearray()
     relay, thread = _relay(port, -1, seen)  # an honest relay: the transfer goes through
     assert _send(tmp_path / "x.bin", host, relay, secret, None)[0] == len(body)
     thread.join(10)
     assert bytes.fromhex(secret) not in seen and len(seen) == 32 + 8 + len(body) + 32
-    host, port, secret = offer("file", "a" * 32 + "-x.bin")
+    host, port, secret, _ = offer("file", "a" * 32 + "-x.bin")
     relay, thread = _relay(port, 32 + 8 + 1_000_000, bytearray())
     with pytest.raises(DataError, match=r"differs from the sender's.*altered on the way"):
         _send(tmp_path / "x.bin", host, relay, secret, None)
     thread.join(10)
     assert not (cache / ("a" * 32 + "-x.bin")).exists()
     assert (cache / ("r" * 32 + "-x.bin")).read_bytes() == body
+
+
+def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: Path) -> None:
+    """``_serve``: what another node of the endpoint fetches a directly staged copy from."""
+    from nimbus.data._serve import Server, fetch, server_address
+
+    root = tmp_path / "node-a"
+    root.mkdir(mode=0o700)
+    space, key = "u-serve", "c" * 32
+    name, pin = f"{key}-x.bin", key + "d" * 32
+    body = os.urandom(2 * 1024 * 1024 + 5)
+    sha = hashlib.sha256(body).hexdigest()
+    copy_secret = os.urandom(32).hex()
+    NodeStore(space, root).write_secret(pin, copy_secret, time.time() + 60)
+    (root / space / "files").mkdir()
+    (root / space / "files" / name).write_bytes(body)
+    server = Server(root, "127.0.0.1")
+    try:
+        assert server_address(root) == server.address
+        holder = (*server.address, copy_secret)
+        other = tmp_path / "node-b"
+        other.mkdir()
+        fetchers = [  # tasks of one node that need it at once: one fetch
+            threading.Thread(
+                target=fetch, args=(holder, space, name, pin, len(body), sha, other / name)
+            )
+            for _ in range(4)
+        ]
+        for thread in fetchers:
+            thread.start()
+        for thread in fetchers:
+            thread.join(60)
+        assert (other / name).read_bytes() == body
+        assert server.statistics() == {"served": 1, "bytes": len(body), "refused": 0}
+        with pytest.raises(DataError, match="wrong secret"):
+            fetch((*server.address, "00" * 32), space, name, pin, len(body), sha, other / "y")
+        with pytest.raises(DataError, match="sha256 differs"):
+            fetch(holder, space, name, pin, len(body), "0" * 64, other / "z")
+        with pytest.raises(DataError, match="does not name the copy"):
+            fetch(holder, space, name, "e" * 64, len(body), sha, other / "w")
+        pickled = key + "f" * 32  # an object a task wrote: the server unpickles nothing
+        NodeStore(space, root).write(pickled, copy_secret, time.time() + 60)
+        with pytest.raises(DataError, match="wrong secret"):
+            fetch(holder, space, name, pickled, len(body), sha, other / "p")
+        past = time.time() - 1  # the client freed its pin (or died): not served any more
+        os.utime(root / space / "obj" / pin, (past, past))
+        with pytest.raises(DataError, match="no longer held on this node"):
+            fetch(holder, space, name, pin, len(body), sha, other / "v")
+        assert sorted(p.name for p in other.iterdir() if not p.name.endswith(".lock")) == [name]
+        assert server.statistics()["refused"] == 4  # (the bad sha256: served, refused there)
+    finally:
+        server.close()
+    assert server_address(root) is None
+    with pytest.raises(DataError, match="is that node's manager running"):
+        fetch(holder, space, name, pin, len(body), sha, tmp_path / "u")
+
+
+def test_a_node_cache_made_again_after_a_sweep_keeps_its_runtime_private(tmp_path: Path) -> None:
+    """A runtime's directory removed by a sweep (no process held it) and then a cache
+    written into it: made again private (it was made with the default mode, 0o755, and
+    from then on every store of that runtime refused it: "must belong to this user with
+    mode 0o700")."""
+    from nimbus.data._node import node_dir
+
+    root = tmp_path / "runtime"
+    files = node_dir(root / "u-x" / "files")
+    assert files.is_dir() and (root.stat().st_mode & 0o777) == 0o700
+    NodeStore("u-x", root)  # not refused

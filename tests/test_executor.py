@@ -1028,12 +1028,14 @@ def _interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _ctrl_c(tmp_path: Path, seconds: float, presses: int) -> tuple[int, float, list[int], str]:
+def _ctrl_c(
+    tmp_path: Path, seconds: float, presses: int, text: str = _CTRL_C_SCRIPT
+) -> tuple[int, float, list[int], str]:
     script = tmp_path / "ctrl_c.py"
-    script.write_text(_CTRL_C_SCRIPT)
+    script.write_text(text)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(seconds)],
+        [sys.executable, str(script), str(seconds), str(tmp_path / "ended")],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         start_new_session=True, preexec_fn=_interruptible,
     )  # fmt: skip
@@ -1074,6 +1076,55 @@ def test_a_second_ctrl_c_stops_the_workers_before_exiting(tmp_path: Path) -> Non
     assert rc == -signal.SIGINT
     assert took < 10.0
     assert [pid for pid in pids if _alive(pid)] == []  # none left orphaned
+
+
+_CTRL_C_MAP_SCRIPT = """
+import sys, threading, time
+import nimbus
+def slow(seconds, ended):
+    time.sleep(seconds)
+    with open(ended, "a") as f:  # the tasks that ran to their end
+        f.write("ended\\n")
+def started(ex):
+    while len(ex.statistics()["running"]) < 2:
+        time.sleep(0.01)
+    print(*ex.statistics()["runtime"]["managers"][0]["pids"], flush=True)
+if __name__ == "__main__":
+    with nimbus.Executor(2) as ex:
+        threading.Thread(target=started, args=(ex,), daemon=True).start()
+        list(ex.map(slow, [float(sys.argv[1])] * 4, [sys.argv[2]] * 4))
+"""
+
+
+def test_ctrl_c_in_a_map_inside_with_cancels_the_queued_and_waits_for_the_running(
+    tmp_path: Path,
+) -> None:
+    """Stranger 5 #2: Ctrl-C in `with Executor() as ex: list(ex.map(...))` once tasks run:
+    the 2 queued are cancelled, the 2 running finish, and it exits (it waited forever)."""
+    rc, took, pids, _ = _ctrl_c(tmp_path, 3.0, 1, _CTRL_C_MAP_SCRIPT)
+    assert rc == -signal.SIGINT
+    assert took < 5.5  # the 2 running (3 s), not the 2 queued after them (6 s)
+    assert (tmp_path / "ended").read_text() == "ended\n" * 2
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_second_ctrl_c_in_a_map_inside_with_stops_the_workers(tmp_path: Path) -> None:
+    rc, took, pids, _ = _ctrl_c(tmp_path, 30.0, 2, _CTRL_C_MAP_SCRIPT)
+    assert rc == -signal.SIGINT
+    assert took < 10.0
+    assert not (tmp_path / "ended").exists()  # none ran to its end
+    assert [pid for pid in pids if _alive(pid)] == []
+
+
+@pytest.mark.timeout(60)
+def test_a_map_left_on_its_timeout_inside_with_ends() -> None:
+    """Its running tasks are cancelled (their workers killed), and the queued tasks they held
+    go back, cancelled, to a closing manager that starts no worker: they are answered as
+    skipped, and the shutdown of `with` ends (it waited forever)."""
+    start = time.monotonic()
+    with pytest.raises(TimeoutError), Executor(max_workers=2) as ex:
+        list(ex.map(time.sleep, [10] * 4, timeout=1))
+    assert time.monotonic() - start < 8
 
 
 def test_more_workers_than_the_node_holds_is_refused_naming_the_setting(

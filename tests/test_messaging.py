@@ -36,6 +36,7 @@ from nimbus.errors import (
     PeerExited,
     PeerLost,
     PeerRefused,
+    PeerUnknown,
 )
 from nimbus.messaging import Directory, Entry, Instance
 from nimbus.messaging._directory import EXITED, socket_dir
@@ -188,6 +189,29 @@ def test_peer_killed_mid_conversation_fails_fast() -> None:
     with pytest.raises(PeerLost):
         for _ in range(3):  # the first write may still land in the socket buffer
             msg.send(child, "anyone?")
+
+
+def test_send_to_a_peer_that_exited_normally_is_peer_exited() -> None:
+    p, child = _start(_echo)
+    msg.send(child, 1)
+    assert msg.recv(source=child, timeout=30) == 1
+    msg.send(child, None)  # it returns: exit 0, its goodbye sent
+    p.join(30)
+    assert p.exitcode == 0
+    with pytest.raises(PeerExited, match=f"instance {child} has exited .*only while it runs"):
+        for _ in range(3):  # a send after a send is queued: a later one raises
+            msg.send(child, "anyone?")
+            time.sleep(0.1)  # the flusher writes it, finds the link closed
+
+
+def test_send_or_recv_naming_no_instance_id_says_so() -> None:
+    for bogus in ("bogus-id", "", "0123456789ABCDEF", 42, ["a"]):
+        with pytest.raises(PeerUnknown, match=r"is not an instance id .*instance_id\(\)"):
+            msg.send(bogus, 1)  # type: ignore[arg-type]
+    with pytest.raises(PeerUnknown, match="'bogus-id' is not an instance id"):
+        msg.recv(source="bogus-id", timeout=0.1)
+    with pytest.raises(ValueError, match="'nope' is not"):  # a ValueError, as it is one
+        msg.recv_with_source(source="nope", timeout=0.1)
 
 
 def test_silent_peer_killed_is_noticed_within_a_heartbeat() -> None:
@@ -421,9 +445,18 @@ def test_exited_peer(instances: Any) -> None:
     assert a.recv(source=b.id, timeout=10) == "last words"
     with pytest.raises(PeerExited):
         a.recv(source=b.id, timeout=10)
-    with pytest.raises((PeerExited, PeerLost)):
-        for _ in range(3):
+    with pytest.raises(PeerExited, match="has exited"):
+        for _ in range(3):  # a send after a send is queued: a later one raises
             a.send(b.id, "anyone?")
+            time.sleep(0.1)
+    c = instances()  # it never sent to a: no goodbye comes in, the directory says it
+    a.send(c.id, "hi")
+    assert c.recv(timeout=10) == "hi"
+    c.close()
+    with pytest.raises(PeerExited, match="has exited"):
+        for _ in range(3):
+            a.send(c.id, "anyone?")
+            time.sleep(0.1)
 
 
 def test_many_small_messages_coalesced_arrive_in_order(instances: Any) -> None:

@@ -356,6 +356,68 @@ def test_guarded_pool_script_runs(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(90)
+def test_a_guarded_programs_starts_do_not_wait_for_a_worker_to_import_its_main(
+    tmp_path: Path,
+) -> None:
+    """Only a main module without the guard (it may start processes as it is imported)
+    has its first start wait for a worker's import of it: a guarded one's Pool starts its
+    processes at once (here the import takes 1.5 s; the Pool is made long before)."""
+    res = _run_script(
+        tmp_path,
+        """
+        import time
+        import nimbus.multiprocessing as multiprocessing
+
+        if __name__ == "__mp_main__":
+            time.sleep(1.5)  # a slow import, in the workers only
+
+        def work(x):
+            return x * x
+
+        if __name__ == "__main__":
+            t0 = time.monotonic()
+            pool = multiprocessing.Pool(4)
+            made = time.monotonic() - t0
+            print(pool.map(work, range(8)), made < 1.0, made)
+            pool.close()
+            pool.join()
+        """,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split()[:-1] == ["[0,", "1,", "4,", "9,", "16,", "25,", "36,", "49]", "True"]
+
+
+@pytest.mark.timeout(90)
+def test_a_pools_processes_run_with_no_standby_forked_beside_them(tmp_path: Path) -> None:
+    """A Pool's processes start together and stay: their warm workers fork no standbys
+    for later starts while the Pool works (it took the CPU of its map and held up its
+    processes' exit notices), only once they have been quiet a while."""
+    res = _run_script(
+        tmp_path,
+        """
+        import time, psutil
+        import nimbus.multiprocessing as multiprocessing
+
+        def work(x):
+            return x
+
+        def forked_by_workers():
+            return {g.pid for c in psutil.Process().children() for g in c.children()}
+
+        if __name__ == "__main__":
+            with multiprocessing.Pool(4) as pool:
+                pool.map(work, range(64))
+                time.sleep(0.1)
+                print(forked_by_workers() == {p.pid for p in pool._pool})
+                time.sleep(1.0)  # quiet: the workers fork standbys for the next starts
+                print(len(forked_by_workers()) > 4)
+        """,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.timeout(90)
 def test_a_script_read_from_stdin_runs_as_with_fork(tmp_path: Path) -> None:
     """`python - < script.py` (no file behind __main__, no guard needed with fork): the
     Pool and a Process run it, their __main__ functions by value, no main to import."""

@@ -631,6 +631,61 @@ def test_nimbus_run_endpoint_runs_on_a_real_endpoint(
         assert lab.proc.pid in chain
 
 
+QUEUE_SUBCLASS_PROGRAM = """
+    import multiprocessing
+    import multiprocessing.queues
+    from concurrent.futures import ProcessPoolExecutor
+
+    class Tagged(multiprocessing.queues.Queue):  # a user's subclass, as the stdlib's _SafeQueue
+        tag = "t"  # (its instance attributes do not pickle, as with the stdlib's spawn)
+
+        def __init__(self):
+            super().__init__(ctx=multiprocessing.get_context())
+
+        def put(self, obj, block=True, timeout=None):
+            super().put((self.tag, obj), block, timeout)
+
+    def child(q):
+        q.put("from child")
+
+    if __name__ == "__main__":
+        with ProcessPoolExecutor(2) as ex:
+            print("ppe", ex.submit(pow, 2, 5).result(), flush=True)
+        q = Tagged()
+        p = multiprocessing.Process(target=child, args=(q,))
+        p.start()
+        print("subclass", q.get(timeout=120), flush=True)
+        p.join()
+        print("exit", p.exitcode, flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_queue_subclasses_reach_an_endpoints_processes(
+    tmp_path: Path, service: Any, alice: Any, lab: Any
+) -> None:
+    """Stranger 5 #1: concurrent.futures' ProcessPoolExecutor (its call queue is the stdlib's
+    ``_SafeQueue``, a subclass of ``multiprocessing.queues.Queue``) and a user's subclass of
+    it work under `nimbus run --endpoint`, whose shared workers imported the program's main
+    module (so concurrent.futures.process, and the user's class) on the stdlib's multiprocessing."""
+    prog = _script(tmp_path, QUEUE_SUBCLASS_PROGRAM)
+    env = {
+        **service.env,
+        "PYTHONPATH": str(SRC),
+        "NIMBUS_SERVICE_URL": service.url,
+        "NIMBUS_TOKEN": alice.token,
+    }
+    env.pop("NIMBUS_ENDPOINT", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "nimbus", "run", "--endpoint", "lab", str(prog)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["ppe 32", "subclass ('t', 'from child')", "exit 0"]
+    local = _python("-m", "nimbus", "run", str(prog), cwd=tmp_path)  # as it runs locally
+    assert local.stdout == done.stdout, local.stderr
+
+
 REPLACED_WORKERS_PROGRAM = """
     import multiprocessing, os, time
     import psutil

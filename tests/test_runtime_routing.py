@@ -167,6 +167,30 @@ def test_tasks_go_to_warm_workers_of_their_environment_first(runtime) -> None:
     assert stats["unused"] == 0
 
 
+def test_tasks_pending_at_once_start_in_order_over_ready_workers(runtime) -> None:
+    """Two ready workers and four long tasks queued in one go: tasks 1 and 2 run first
+    (dealt in turn, as the stdlib's pool would start them), not 1 and 3."""
+    rt = runtime()
+    rt.agent.add_manager(2, prefetch=8)
+    manager = rt.agent._managers[0]
+    deadline = time.monotonic() + 30
+    while manager.statistics()["ready"] < 2:
+        assert time.monotonic() < deadline, "the 2 workers never became ready"
+        time.sleep(0.02)
+    key, body = rt._fns.get(nap)
+    tasks = []
+    for seq in range(1, 5):
+        payload, buffers = dumps(((1.0,), {}))
+        task = Task(seq, key, body, payload, buffers, TaskRecord(str(seq), submitted=time.time()))
+        rt.tasks[seq] = task
+        tasks.append(task)
+    rt.agent.submit(tasks)  # all four pending when the manager deals them
+    rt.wait()
+    first, then = tasks[:2], tasks[2:]
+    assert max(t.record.started for t in first) < min(t.record.started for t in then) - 0.5
+    assert {t.record.worker for t in first} == {t.record.worker for t in then}  # both workers
+
+
 def test_unused_slots_before_switching_a_warm_worker(runtime) -> None:
     rt = runtime()
     rt.agent.add_manager(3, warm=[A], prefetch=1)

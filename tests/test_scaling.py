@@ -467,3 +467,129 @@ def test_a_slurm_blocks_manager_holds_and_sweeps_its_nodes_data(settings: Settin
         manager, holders = ex.submit(holders_here).result(timeout=60)
         assert any(mark.startswith(f"{manager}-") for mark in holders), (manager, holders)
         assert manager != os.getpid()  # a block's manager, not this agent
+
+
+def staged_here(path: Any) -> tuple[str, str, int, str]:
+    """Which node (its data directory's runtime) ran it, and the staged file it got."""
+    import hashlib
+
+    time.sleep(0.5)  # the other node's worker takes the next task
+    body = path.read_bytes()
+    return os.environ["NIMBUS_RUNTIME_DIR"], str(path), len(body), hashlib.sha256(body).hexdigest()
+
+
+def test_a_file_staged_to_one_node_is_fetched_by_tasks_on_the_other_nodes(
+    settings: Settings, tmp_path: Any
+) -> None:
+    """A file sent endpoint to endpoint lands in the cache of the one node whose task
+    offered to take it; tasks that run on the endpoint's other nodes fetch it from that
+    node's manager (``nimbus.data._serve``). Each block here has a data directory of its
+    own (as separate machines have: ``/dev/shm`` is per machine)."""
+    import hashlib
+
+    from nimbus.data._direct import _send, offer
+    from nimbus.data._file import Staged
+    from nimbus.data._ref import Ref, new_id
+
+    s = settings.replace(
+        workers_per_node=1,
+        init_blocks=2,
+        min_blocks=2,
+        max_blocks=2,
+        exclusive=True,  # two nodes
+        worker_init=f'export NIMBUS_RUNTIME_DIR="{tmp_path}/node-$NIMBUS_BLOCK_ID"',
+    )
+    body = os.urandom(3 * 1024 * 1024 + 11)
+    (tmp_path / "run42.h5").write_bytes(body)
+    with Executor(settings=s) as ex:
+        backend = backend_of(ex)
+        wait_for(lambda: len(backend.agent.remote_managers()) == 2, 60, "two managers")
+        # what nimbus.data._file._direct does, with this process as the source endpoint
+        where = ex._path.open()
+        key = "f" * 32
+        name, pin = f"{key}-run42.h5", key + new_id()
+        answer = ex._path.call(offer, "file", name, time.time() + 300, pin).result(60)
+        host, port, secret, holder = answer
+        assert holder is not None, "the node that took the copy serves no cache"
+        size, sha = _send(tmp_path / "run42.h5", host, port, secret, None)
+        held = where.adopt(Ref(pin, where.namespace, where.user, where.endpoint, 0))
+        staged = Staged((), key, "run42.h5", size, sha, held, tuple(holder))
+        futures = [ex.submit(staged_here, staged) for _ in range(8)]
+        results = [f.result(timeout=120) for f in futures]
+    nodes = {node for node, _, _, _ in results}
+    assert len(nodes) == 2, results  # tasks ran on both nodes
+    assert {(size, digest) for _, _, size, digest in results} == {
+        (len(body), hashlib.sha256(body).hexdigest())
+    }
+    from nimbus.data import default_root
+
+    for node, path, _, _ in results:  # each in its own node's cache
+        assert path.startswith(f"{default_root(node)}/") and path.endswith(f"/files/{name}")
+
+
+def remote_staged_here(path: Any) -> tuple[str, str, int, str]:  # sent by value
+    import hashlib
+    import os
+    import time
+
+    time.sleep(0.5)
+    body = path.read_bytes()
+    return os.environ["NIMBUS_RUNTIME_DIR"], str(path), len(body), hashlib.sha256(body).hexdigest()
+
+
+def test_a_file_of_another_endpoint_reaches_tasks_on_every_node_of_a_slurm_endpoint(
+    service: Any, alice: Any, slurm: Any, tmp_path: Any
+) -> None:
+    """``nimbus.File("vault:...")`` used by tasks of an endpoint of two Slurm nodes (each
+    its own data directory, as separate machines): vault sends it to the one node whose
+    task offered to take it; the tasks on the other node fetch it from that node."""
+    import dataclasses
+    import hashlib
+
+    import nimbus
+    from nimbus.data import default_root
+    from service_support import EndpointProcess, slurm_endpoint
+
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    body = os.urandom(2 * 1024 * 1024 + 3)
+    (exported / "run42.h5").write_bytes(body)
+    vault = EndpointProcess(service, alice, "vault-nodes")
+    vault.config = dataclasses.replace(vault.config, exports=str(exported))
+    old = dict(os.environ)
+    os.environ["XDG_CONFIG_HOME"] = service.env["XDG_CONFIG_HOME"]
+    try:
+        vault.config.save()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    hpc = slurm_endpoint(
+        service,
+        alice,
+        "hpc-nodes",
+        slurm,
+        workers_per_node=1,
+        init_blocks=2,
+        min_blocks=2,
+        max_blocks=2,
+        exclusive=True,
+        max_idle=60.0,
+        worker_init=f'export NIMBUS_RUNTIME_DIR="{tmp_path}/node-$NIMBUS_BLOCK_ID"',
+    )
+    try:
+        vault.start(alice)
+        hpc.start(alice)
+        with Executor(endpoint="hpc-nodes", settings=service.user_settings(alice.token)) as ex:
+            file = nimbus.File(f"vault-nodes:{exported}/run42.h5")
+            futures = [ex.submit(remote_staged_here, file) for _ in range(8)]
+            results = [f.result(timeout=180) for f in futures]
+    finally:
+        hpc.stop()
+        vault.stop()
+        del service.env["SLURM_CONF"]
+    assert len({node for node, _, _, _ in results}) == 2, results  # both nodes ran tasks
+    assert {(size, digest) for _, _, size, digest in results} == {
+        (len(body), hashlib.sha256(body).hexdigest())
+    }
+    for node, path, _, _ in results:  # each in its own node's cache
+        assert path.startswith(f"{default_root(node)}/") and path.endswith("-run42.h5")

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from nimbus import Client, Executor
+from nimbus.service.dashboard._html import short
 from nimbus.statestore import StateStore
 from service_support import EndpointProcess, Service, service_env, ship, two_services
 
@@ -134,7 +135,7 @@ def test_endpoint_to_task_with_a_hostile_name_inert(
     assert XSS in task_row.text and "success" in task_row.text  # shown as text
     no_alert(browser)
     screenshot(browser, tmp_path / "tasks.png")
-    task_row.find_element(By.LINK_TEXT, task_id[:8]).click()  # -> the task
+    task_row.find_element(By.LINK_TEXT, short(task_id)).click()  # -> the task
     WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith(f"/tasks/{task_id}"))
     record = browser.find_element(By.ID, "task").text
     assert XSS in record and "endpoint/lab/" in record and "success" in record
@@ -264,7 +265,7 @@ def test_the_admin_sees_every_endpoint_and_task(
     browser.get(service.url + "/tasks")
     row = browser.find_element(By.CSS_SELECTOR, f'tr[data-task="{task_id}"]')
     assert XSS in row.text and "lab" in row.text
-    row.find_element(By.LINK_TEXT, task_id[:8]).click()
+    row.find_element(By.LINK_TEXT, short(task_id)).click()
     WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith(f"/tasks/{task_id}"))
     assert XSS in browser.find_element(By.ID, "task").text
     no_alert(browser)
@@ -298,7 +299,7 @@ def test_network_page_shows_bytes_and_throughput_of_each_task(
     assert name == "lab" and in_bytes(got) >= 300_000 and in_bytes(sent) >= 300_000
     no_alert(browser)
     screenshot(browser, tmp_path / "network.png")
-    row.find_element(By.LINK_TEXT, task_id[:8]).click()  # -> the task, with its bytes
+    row.find_element(By.LINK_TEXT, short(task_id)).click()  # -> the task, with its bytes
     WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith(f"/tasks/{task_id}"))
     assert "Network in" in browser.find_element(By.ID, "task").text
     login(browser, service, service.token("mallory"), "/network")  # nothing of alice's

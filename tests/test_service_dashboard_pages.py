@@ -22,6 +22,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from nimbus import Client
 from nimbus.messaging import Entry
 from nimbus.messaging._directory import Directory, host_id
+from nimbus.service.dashboard._html import short
 from nimbus.statestore import Keys, connect
 from service_support import EndpointProcess, Service
 from test_service_dashboard import (  # the browser, the admin's service, the hostile names
@@ -106,7 +107,7 @@ def test_endpoint_page_shows_workers_busy_live_and_clicks_through_to_a_task(
     browser.find_element(By.ID, "endpoint-tasks").click()  # -> its tasks
     WebDriverWait(browser, 10).until(lambda d: "/tasks?endpoint=" in d.current_url)
     task_row = browser.find_element(By.CSS_SELECTOR, f'tr[data-task="{done_id}"]')
-    task_row.find_element(By.LINK_TEXT, done_id[:8]).click()  # -> the task
+    task_row.find_element(By.LINK_TEXT, short(done_id)).click()  # -> the task
     WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith(f"/tasks/{done_id}"))
     assert browser.find_element(By.ID, "output").text == repr("out:" + XSS)  # as text
     assert not browser.find_elements(By.ID, "cancel")  # done: nothing to cancel

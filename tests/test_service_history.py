@@ -17,9 +17,9 @@ import msgpack
 import pytest
 from sqlalchemy import create_engine, event
 
-from nimbus.service.dashboard._tasks import Filter, index, page
 from nimbus.service.flusher import GROUP, Flusher
 from nimbus.service.history import History, Query
+from nimbus.service.listing import Filter, index, page
 from nimbus.service.queues import TaskStore
 from nimbus.statestore import Keys, connect_async
 from test_service_postgres import postgres  # noqa: F401  (the fixture)
@@ -326,3 +326,139 @@ def test_a_dependent_of_a_task_only_the_history_holds_is_accepted(
                     await store.submit("alice", "ep", "g3", row, after=[after], **limits)
 
     asyncio.run(scenario())
+
+
+def test_an_ended_task_is_written_from_its_stream_entry_even_once_its_hash_is_gone(
+    store_url: str, sqlite_history: History
+) -> None:
+    """The finish and cancel scripts put each task's row in their stream entry: the
+    flusher writes the fields the hash had (owner, endpoint, function, group, state,
+    times, timeout, result, record) even when the hash expired before the write."""
+
+    async def scenario() -> None:
+        async with _task_store(store_url, sqlite_history) as store:
+            keys = store.keys
+            flusher = Flusher(store, store.history)
+            await flusher.start()
+            ok, bad, waiting = (str(uuid.uuid4()) for _ in range(3))
+            rows = [(ok, "fn", b"x", 5.0, ""), (bad, "fn2", b"y", None, ""),
+                    (waiting, "fn", b"z", 7.5, "")]  # fmt: skip
+            await store.submit("alice", "ep", "g7", rows, max_tasks=100, max_bytes=10**6)
+            await store.take("ep", "conn", 2)
+            await store.finish("ep", [(ok, "success", OK, b"rec-ok", ""),
+                                      (bad, "failed", b"boom", b"rec-bad", "")])  # fmt: skip
+            assert await store.cancel(waiting, "ep") is not None
+            ids = [ok, bad, waiting]
+            before = (await store.info(ids), await store.results(ids))
+            await store.redis.delete(*(keys.task(i) for i in ids))  # expired before the write
+            assert await flusher.step(0.1) == 3
+            after = (await store.info(ids), await store.results(ids))  # read from SQL
+            assert after[1] == before[1]  # states, results, records
+            assert after[1][1] == ("failed", b"boom", b"rec-bad")
+            for was, now in zip(*before[0:1], *after[0:1]):
+                assert was is not None and now is not None
+                for field in ("state", "owner", "endpoint", "function", "group", "timeout"):
+                    assert now[field] == was[field], (field, now, was)
+                for field in ("submitted", "dispatched", "ended"):
+                    assert float(now[field] or 0) == float(was[field] or 0), (field, now, was)
+            assert [i["timeout"] for i in after[0] if i] == [5.0, None, 7.5]
+            assert [i["state"] for i in after[0] if i] == ["success", "failed", "cancelled"]
+            assert {i["group"] for i in after[0] if i} == {"g7"}
+
+    asyncio.run(scenario())
+
+
+def test_the_flusher_writes_within_its_delay_while_tasks_keep_ending_and_all_as_it_stops(
+    store_url: str, sqlite_history: History
+) -> None:
+    """Tasks ending without a pause are written after ``delay`` (not only when they
+    stop); those still waiting when the service stops are written as it stops."""
+
+    async def scenario() -> None:
+        async with _task_store(store_url, sqlite_history) as store:
+            keys = store.keys
+            flusher = Flusher(store, store.history)
+            flusher.delay, flusher.tick, flusher.recent = 0.5, 0.05, 20
+            job = asyncio.create_task(flusher.run())
+            try:
+                first = await _finished(store, "alice", "ep", 2)
+                start, written_at = time.monotonic(), None
+                while time.monotonic() - start < 4.0:  # a task ends every few milliseconds
+                    await _finished(store, "alice", "ep", 1)
+                    if written_at is None and set(store.history.info(first)) == set(first):
+                        written_at = time.monotonic() - start
+                assert written_at is not None and written_at < 3.0, written_at
+                deadline = time.monotonic() + 10  # a pause: Redis keeps `recent` and a tenth more
+                while await store.redis.zcard(keys.all_tasks()) > 20 + 2:
+                    assert time.monotonic() < deadline, await store.redis.zcard(keys.all_tasks())
+                    await asyncio.sleep(0.05)
+                job.cancel()
+                await asyncio.gather(job, return_exceptions=True)
+                # a flusher that looks only every 30 s: the service stops before it looked
+                flusher.tick, flusher.delay = 30.0, 60.0
+                job = asyncio.create_task(flusher.run())
+                await asyncio.sleep(0.3)  # its first look: nothing waits
+                last = await _finished(store, "alice", "ep", 3)
+                job.cancel()
+                await asyncio.gather(job, return_exceptions=True)
+                assert set(store.history.info(last)) == set(last)
+                assert await store.redis.xlen(store.finished) == 0
+            finally:
+                job.cancel()
+                await asyncio.gather(job, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_each_page_query_walks_an_index_and_the_earlier_indexes_are_dropped(
+    tmp_path: Path,
+) -> None:
+    """SQLite's plan of every page the dashboard and ``GET /v1/tasks`` ask for (an
+    owner's or everyone's, by state, endpoint or function, from a cursor) walks an
+    index, none sorts; a table made by an earlier version loses the indexes no page
+    needs when opened (every write paid for each)."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
+    with engine.begin() as connection:  # as an earlier version left it
+        connection.exec_driver_sql(
+            "CREATE TABLE task_history (task_id VARCHAR(64) PRIMARY KEY, owner_id TEXT, "
+            "endpoint_id TEXT, function_id TEXT, group_id TEXT, state TEXT, submitted FLOAT, "
+            "dispatched FLOAT, ended FLOAT, timeout FLOAT, result BLOB, record BLOB)"
+        )
+        for name, columns in (("ix_history_owner", "owner_id"), ("ix_history_all", ""),
+                              ("ix_history_endpoint", "endpoint_id"),
+                              ("ix_history_function", "function_id"),
+                              ("ix_history_group", "group_id"), ("ix_history_state", "state"),
+                              ("ix_history_owner_state", "owner_id, state")):  # fmt: skip
+            columns = f"{columns}, " if columns else ""
+            connection.exec_driver_sql(
+                f"CREATE INDEX {name} ON task_history ({columns}submitted, task_id)"
+            )
+    history = History(engine)
+    history.write([_row(i, f"u{i % 7}", score=float(i), state=("success", "failed",
+                   "cancelled")[i % 3], ep=f"e{i % 5}") for i in range(500)])  # fmt: skip
+    with engine.connect() as connection:
+        names = {r[0] for r in connection.exec_driver_sql("SELECT name FROM sqlite_master")}
+    assert not names & {"ix_history_state", "ix_history_owner_state"}
+    assert "ix_history_group" in names  # a batch older than Redis keeps (service.listing)
+    asked: list[tuple[str, Any]] = []
+    event.listen(engine, "before_cursor_execute", lambda *a: asked.append((a[2], a[3])))
+    for owner in (None, "u3"):
+        for flt in ({}, {"state": "failed"}, {"state": "success"}, {"state": "cancelled"},
+                    {"endpoint": "e2"}, {"function": "f"}):  # fmt: skip
+            for after in (None, (250.0, "t00250")):
+                asked.clear()
+                rows, _ = history.page(Query(owner, **flt), after, 10)
+                assert rows and all(after is None or row[1] < after[0] for row in rows)
+                [(sql, params)] = asked
+                with engine.connect() as connection:
+                    plan = [r[3] for r in connection.exec_driver_sql(
+                        "EXPLAIN QUERY PLAN " + sql, params)]  # fmt: skip
+                assert all("USING INDEX" in step or "PRIMARY KEY" in step for step in plan), (
+                    owner, flt, plan)  # fmt: skip
+                assert not any("TEMP B-TREE" in step for step in plan), (owner, flt, plan)
+                column = {"state": "state", "endpoint": "endpoint_id", "function": "function_id"}
+                leads = {column[k] for k, v in flt.items() if v != "success"}
+                leads |= {"owner_id"} if owner else set()
+                if leads:  # an index that leads with one of the filters, not a walk of all
+                    assert any(f"{c}=?" in " ".join(plan) for c in leads), (owner, flt, plan)
+    engine.dispose()

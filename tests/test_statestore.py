@@ -229,6 +229,22 @@ def test_orphan_server_of_dead_owner_is_cleaned_at_next_start(rt: Path) -> None:
     assert list(rt.iterdir()) == []
 
 
+def test_a_program_that_never_starts_its_store_still_sweeps_a_dead_owners(rt: Path) -> None:
+    """The sweep runs when a program opens its store (``defer()``), not when the store
+    starts: a program that never starts one (a local Pool) removes a killed one's files."""
+    child, pids = _spawn_owner(rt)
+    _reap(child)
+    assert _gone(pids["server"], 3)
+    (rt / f".{Path(pids['socket']).stem}.lock").touch()  # as a child's serve() leaves it
+    left = sorted(p.name for p in rt.iterdir())
+    assert any(n.endswith(".json") for n in left), left
+    server = EmbeddedRedis(rt).defer()
+    assert list(rt.iterdir()) == []
+    assert not server.socket_path.exists()  # not started
+    server.stop()
+    assert list(rt.iterdir()) == []
+
+
 def test_live_owner_entries_and_unrelated_pids_are_left_alone(rt: Path) -> None:
     child, pids = _spawn_owner(rt)
     try:
@@ -467,3 +483,56 @@ def test_every_lua_script_is_listed_without_importing_multiprocessing() -> None:
         check=True,
     ).stdout.split()
     assert out[0] == out[1] == out[2]  # the modules that run them make no others
+
+
+_FIRST_USE = """\
+import glob, os, sys
+import nimbus.multiprocessing as mp
+from nimbus.config import Settings
+from nimbus.statestore import program
+
+
+def servers():
+    return glob.glob(os.path.join(Settings.load().runtime_dir, "redis-*.json"))
+
+
+def f(x):
+    return x
+
+
+def child():
+    q = mp.Queue()  # the first use of the store, in a child: it starts the store
+    q.put(7)
+    assert q.get(timeout=30) == 7
+
+
+if __name__ == "__main__":
+    program()
+    with mp.Pool(2) as pool:  # its queues are this host's pipes
+        assert pool.map(f, range(8)) == list(range(8))
+    print(len(servers()))
+    p = mp.Process(target=child)
+    p.start()
+    p.join()
+    print(p.exitcode, len(servers()))
+    q = mp.Queue()  # the root finds the store the child started
+    q.put(8)
+    print(q.get(timeout=30))
+"""
+
+
+def test_a_programs_store_starts_at_its_first_use_by_any_of_its_processes(tmp_path: Path) -> None:
+    script = tmp_path / "first_use.py"
+    script.write_text(_FIRST_USE)
+    env = os.environ | {"PYTHONPATH": SRC, "NIMBUS_RUNTIME_DIR": str(tmp_path / "run")}
+    env.pop("NIMBUS_REDIS_URL", None)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "0", "1", "8"]
+    # the root is gone: the server a child started for it ends with it (by its watchdog)
+    deadline = time.monotonic() + 5
+    while _ours(str(tmp_path / "run")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _ours(str(tmp_path / "run"))

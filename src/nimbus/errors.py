@@ -24,6 +24,8 @@ or ``except TimeoutError`` written for the stdlib keeps working::
     ├── MemoryLimitExceeded (MemoryError)     a task went over its worker's memory
     │                                         limit (the worker's cgroup killed it)
     ├── MessagingError                        direct messaging between instances
+    │   ├── PeerUnknown (ValueError)          not an instance id (not one that
+    │   │                                     ``instance_id()`` gives)
     │   ├── PeerUnreachable (ConnectionError) no address or no answer in time
     │   ├── PeerLost (ConnectionError)        the peer died or its link broke
     │   ├── PeerExited (EOFError)             the peer exited; nothing more comes
@@ -99,6 +101,7 @@ __all__ = [
     "PeerExited",
     "PeerLost",
     "PeerRefused",
+    "PeerUnknown",
     "PeerUnreachable",
     "ProtocolError",
     "ProviderError",
@@ -224,6 +227,10 @@ if TYPE_CHECKING:  # as mypy sees them; made on first use by _make_worker_lost b
 
 class MessagingError(NimbusError):
     """Direct messaging between instances failed (see ``nimbus.messaging``)."""
+
+
+class PeerUnknown(MessagingError, ValueError):
+    """The peer named is not an instance id: no instance can ever have it."""
 
 
 class PeerUnreachable(MessagingError, ConnectionError):

@@ -361,21 +361,14 @@ class Executor(cf.Executor):
         """
         if keep:
             return self.options(keep=True).map(fn, *iterables)
-        return _map(self.submit, fn, iterables, timeout, chunksize, progress)
+        return _map(self.submit, fn, iterables, timeout, chunksize, progress, self._cancel_queued)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking tasks; with ``cancel_futures`` drop those not yet running."""
         with self._lock:
             self._shutdown = True
         if cancel_futures:  # as the stdlib: those not running are cancelled, the others finish
-            # a local runtime knows which tasks a worker has started; of other backends,
-            # those sent on (RUNNING) are left to finish
-            known = getattr(self._backend, "tells_started", False)
-            for future in list(self._futures.values()):
-                if known:
-                    future.cancel_unstarted()
-                elif not future.running():
-                    future.cancel()
+            self._cancel_queued(list(self._futures.values()))
         data.close_sources(self)
         if self._endpoint is not None:
             session = self._path.session
@@ -383,10 +376,26 @@ class Executor(cf.Executor):
                 session.close()  # what was released is freed while tasks still run
             for place in self._places:
                 data.register(place, None, session, opener=self._path.open)
-        self._backend.shutdown(wait=wait)
-        if self._history is not None:
-            self._history.close()
-        _live.discard(self)
+        try:
+            self._backend.shutdown(wait=wait)
+        except KeyboardInterrupt:  # a (second) Ctrl-C while it waits: stop the workers
+            self._backend.shutdown(wait=True, kill=True)
+            raise
+        finally:
+            if self._history is not None:
+                self._history.close()
+            _live.discard(self)
+
+    def _cancel_queued(self, futures: list[Any]) -> None:
+        """Cancel the tasks of ``futures`` not running yet; the running ones finish."""
+        # a local runtime knows which tasks a worker has started; of other backends,
+        # those sent on (RUNNING) are left to finish
+        known = getattr(self._backend, "tells_started", False)
+        for future in futures:
+            if known:
+                future.cancel_unstarted()
+            elif not future.running():
+                future.cancel()
 
     def statistics(self) -> dict[str, Any]:
         """What this executor holds: ``outstanding`` tasks (not finished), ``running`` (the
@@ -523,7 +532,8 @@ class _Options(cf.Executor):
                 for args in zip(*iterables, strict=False)
             ]
             return kept  # type: ignore[return-value]  # a list of KeptFuture, to pass on
-        return _map(self.submit, fn, iterables, timeout, chunksize, progress)
+        cancel = self._executor._cancel_queued
+        return _map(self.submit, fn, iterables, timeout, chunksize, progress, cancel)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """A view owns nothing; shut down the executor itself."""
@@ -535,8 +545,13 @@ def _map(
     iterables: tuple[Iterable[Any], ...],
     timeout: float | None,
     chunksize: int,
-    progress: bool = False,
+    progress: bool,
+    cancel_queued: Callable[[list[Any]], None],
 ) -> Iterator[Any]:
+    """The results of ``fn`` over ``iterables``, in order. Left early (an error, a timeout,
+    the iterator closed), the tasks not done are cancelled, the running ones killed; after
+    a Ctrl-C only the queued ones are: the running ones finish, as ``shutdown`` waits for
+    them (a second Ctrl-C there stops the workers), as in a loop of ``submit``."""
     if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1:
         raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
     from nimbus import _progress
@@ -559,6 +574,7 @@ def _map(
         shown = None
 
     def results() -> Iterator[Any]:
+        interrupted = False
         try:
             futures.reverse()
             while futures:
@@ -569,9 +585,15 @@ def _map(
                     yield value
                 else:
                     yield from value
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
-            for future in futures:
-                future.cancel()
+            if interrupted:
+                cancel_queued(futures)
+            else:
+                for future in futures:
+                    future.cancel()
             if shown is not None:
                 shown.close()
 

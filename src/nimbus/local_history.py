@@ -5,6 +5,16 @@ format). The service's side, which writes them to its SQL history, is
 
 A file is ``msgpack([owner, [record.to_wire(), ...]])``, written whole under a
 dot-name and renamed into ``directory(settings)``; the owner is ``local:<user>``.
+
+A ``nimbus run`` program's processes (and any nimbus Process) and its Pool's tasks
+are kept the same way, by the process that ran them (:func:`keep`, :func:`ended`):
+one record a Process when it ends (its target's name, success when its exit code
+is 0), one a Pool task (a map's chunk: the function's name) when the pool worker
+puts its result. Fork-safe: a process's writer thread starts at its first record,
+and a process forked from one that had a writer starts its own (the copy it
+inherited, whose thread did not survive the fork, is dropped unused: no lock of
+the parent's is taken in the child); a process hands over what is left
+synchronously when it ends (:func:`ended`), before its ``os._exit``.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import os
 import secrets
 import threading
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 
@@ -23,11 +34,25 @@ import msgpack
 from nimbus.config import Settings
 from nimbus.records import TaskRecord
 
-__all__ = ["ENDPOINT", "FLUSH_EVERY", "OWNER_PREFIX", "LocalHistory", "directory", "enabled"]
+__all__ = [
+    "ENDPOINT",
+    "FLUSH_EVERY",
+    "OWNER_PREFIX",
+    "LocalHistory",
+    "active",
+    "directory",
+    "enabled",
+    "ended",
+    "keep",
+    "new_id",
+    "wanted",
+]
 
 ENDPOINT = "local"  # the endpoint id of a local Executor's rows
 OWNER_PREFIX = "local:"  # their owner: this prefix and the program's user name
 FLUSH_EVERY = 1.0  # seconds between a program's files
+SOON = 0.05  # seconds between a pool worker's own hand-overs (keep(soon=True)), at least
+WRITE_WAIT = 2.0  # seconds an ending process waits for its thread's file in progress
 log = logging.getLogger(__name__)
 
 
@@ -58,6 +83,8 @@ class LocalHistory:
         # the deque's own append: no Python frame per task on the runtime's thread
         self.add = self._records.append
         self._stop = threading.Event()
+        self._writing = threading.Lock()  # held while the thread writes a file
+        self.handed = time.monotonic()  # when records were last handed over
         self._thread = threading.Thread(target=self._run, name="nimbus-local-history", daemon=True)
         self._thread.start()
 
@@ -66,17 +93,32 @@ class LocalHistory:
         self._stop.set()
         self._thread.join(30)
 
+    def hand_over_now(self) -> None:
+        """Hand over what is waiting, on this thread (a process about to end), once the
+        thread's hand-over in progress, if any, is written (else its records would die
+        half-written with the process). Maybe in a signal handler: the wait is bounded."""
+        got = self._writing.acquire(timeout=WRITE_WAIT)
+        try:
+            self._hand_over()
+        except OSError as exc:
+            log.warning("local tasks are not kept for nimbus dashboard: %s", exc)
+        finally:
+            if got:
+                self._writing.release()
+
     def _run(self) -> None:
         while True:
             stopping = self._stop.wait(FLUSH_EVERY)
             try:
-                self._hand_over()
+                with self._writing:
+                    self._hand_over()
             except OSError as exc:  # the directory is gone or full: these are not kept
                 log.warning("local tasks are not kept for nimbus dashboard: %s", exc)
             if stopping:
                 return
 
     def _hand_over(self) -> None:
+        self.handed = time.monotonic()
         records = self._records
         wire = []
         while records:
@@ -88,3 +130,66 @@ class LocalHistory:
         part = self._dir / ("." + name)
         part.write_bytes(msgpack.packb([self._owner, wire]))
         part.rename(self._dir / name)  # whole, or not there
+
+
+# this process's writer (None: not made yet; False: no service to hand records to)
+_writer: LocalHistory | bool | None = None
+_writer_pid = 0
+_settings: Settings | None = None  # loaded once (a forked process inherits it)
+
+
+def _forget_writer() -> None:
+    """In a forked child: the parent's writer (its thread gone) is not used."""
+    global _writer
+    if _writer is not False:
+        _writer = None
+
+
+os.register_at_fork(after_in_child=_forget_writer)
+
+
+def keep(record: TaskRecord, soon: bool = False) -> None:
+    """Keep one finished record of this process (a Process, a Pool task) for ``nimbus
+    dashboard``, if this runtime directory has a service; a few microseconds. ``soon``:
+    handed over on this thread now if the last hand-over is ``SOON`` seconds old (a pool
+    worker, before it puts the task's result: its pool may terminate it right after)."""
+    writer = _here()
+    if writer is None:
+        return
+    writer.add(record)
+    if soon and time.monotonic() - writer.handed > SOON:
+        writer.hand_over_now()
+
+
+def _here() -> LocalHistory | None:
+    """This process's writer, made at its first use (None: no service to hand over to)."""
+    global _writer, _writer_pid, _settings
+    writer = _writer
+    if writer is None or (writer is not False and _writer_pid != os.getpid()):
+        if _settings is None:
+            _settings = Settings.load()
+        writer = _writer = LocalHistory(_settings) if enabled(_settings) else False
+        _writer_pid = os.getpid()
+    return writer if isinstance(writer, LocalHistory) else None
+
+
+def active() -> bool:
+    """Whether this process hands records over (its writer made now if it is)."""
+    return _here() is not None
+
+
+def wanted() -> bool:
+    """False once this process found no service to hand records to (skip making them)."""
+    return _writer is not False
+
+
+def ended() -> None:
+    """This process is ending: hand over its records now (its daemon thread dies with it)."""
+    writer = _writer
+    if isinstance(writer, LocalHistory) and _writer_pid == os.getpid():
+        writer.hand_over_now()
+
+
+def new_id() -> str:
+    """A task id for a record kept here (as ``uuid4()``)."""
+    return str(uuid.uuid4())

@@ -251,7 +251,7 @@ class ServiceBackend:
         try:
             await self._socket.run(self._connection)
         except (ServiceError, ConfigError) as exc:  # the token refused or revoked: we end
-            log.error("%s", exc)
+            log.info("%s", exc)  # raised by every result and submit: not printed twice
             self._refused = exc
             self._fail_all(exc)
             self._connected.set()  # a constructor waiting for the first connection: it ends

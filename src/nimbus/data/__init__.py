@@ -44,21 +44,27 @@ What happens under each failure:
   with that error, within ``_direct.TIMEOUT`` at most;
 * a file staged between endpoints: sent by the source endpoint straight to the target's
   node cache, sha256 checked on arrival; when the source cannot connect to the target it
-  travels through the client instead; any other failure fails the task with its error.
+  travels through the client instead; any other failure fails the task with its error;
+* a task on another node of that endpoint than the one holding the copy: it fetches the
+  copy from that node's agent or block manager (``_serve``: the copy's secret, sha256
+  checked); that node gone, or the copy freed: the task fails saying so, never a hang;
 
 Whose data: on an endpoint, a task's user is the owner the service sends with it
 (``nimbus.owners``): every token of a user sees the same store, another user's tasks
 another, whatever scope a client puts in its tasks.
 
 Limits: objects live in the store of the node that made them, so an endpoint of several
-nodes reads them only where they were made (no copy between nodes yet). A task given
-kept futures of its own executor on an endpoint goes to the service at once, naming
-them (their task ids); the service holds it until they succeed
+nodes reads them only where they were made (no copy between nodes yet; staged files are
+fetched between nodes: ``_serve``). A task given kept futures of its own executor on an
+endpoint goes to the service at once, naming them (their task ids); so does one given
+kept futures of another Executor of the same user on the same endpoint and service,
+once the service accepted them; the service holds it until they succeed
 (``nimbus.service.dependencies``), and its arguments name their results by the Refs
 the client chose for them (``Scope.ref_id``): nothing of theirs passes through the
-client. Other futures (not kept, of another executor or endpoint, or on the local
-runtime) are waited for in the client, as before (only the "done" signal and the Ref
-pass through it, never the data).
+client (their Refs stay their own executor's: it must not shut down before the dependent
+ran, as when the dependent waited in the client). Other futures (not kept, of another
+endpoint, not yet accepted, or on the local runtime) are waited for in the client, as
+before (only the "done" signal and the Ref pass through it, never the data).
 
 Modules: ``_node`` (a node's object store: files in a private memory directory,
 mapped on read, leases as modification times), ``_ref`` (``Ref``, the client's
@@ -68,8 +74,8 @@ exports, the node's file cache), ``_bind`` (the client side of a
 task's arguments: dependencies, references, the session of an Executor), ``_submit``
 (the Executor's data path: ``KeptFuture``, sending tasks at once or once their inputs are done,
 making lost results of pure tasks again), ``_direct`` (bytes sent endpoint to endpoint:
-a one-use connection the target offers) and ``_carry`` (Refs of another endpoint copied
-to the task's).
+a one-use connection the target offers), ``_serve`` (a node's file cache served to the
+endpoint's other nodes) and ``_carry`` (Refs of another endpoint copied to the task's).
 """
 
 from __future__ import annotations

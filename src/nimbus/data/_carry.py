@@ -134,7 +134,7 @@ def _transfer(ref: Ref, where: Session, copy: Copy) -> None:
         ref_id = new_id()
         expires = time.time() + where.lease
         assert where.call is not None and source.call is not None
-        host, port, secret = where.call(offer, "obj", ref_id, expires).result(TIMEOUT)
+        host, port, secret = where.call(offer, "obj", ref_id, expires).result(TIMEOUT)[:3]
         size, _ = source.call(send_object, ref.id, host, port, secret).result(TIMEOUT)
         made = Ref(ref_id, where.namespace, where.user, where.endpoint, size)
         copy.set_result(where.adopt(made))

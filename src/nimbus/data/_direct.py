@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from nimbus.config import Settings
+from nimbus.data._node import node_dir
 from nimbus.errors import DataError
 
 __all__ = ["Unreachable", "offer", "send_export", "send_object"]
@@ -89,29 +90,39 @@ def _target(kind: str, name: str) -> Path:
     if kind == "obj":
         return node.path(name)
     if kind == "file":
-        files = node.dir / "files"
-        files.mkdir(parents=True, exist_ok=True)
+        files = node_dir(node.dir / "files")
         if "/" in name or name.startswith("."):
             raise DataError(f"{name!r} is not a cache name")
         return files / name
     raise DataError(f"unknown kind of transfer {kind!r}")
 
 
-def offer(kind: str, name: str, expires: float = 0.0, pin: str = "") -> tuple[str, int, str]:
+def offer(
+    kind: str, name: str, expires: float = 0.0, pin: str = ""
+) -> tuple[str, int, str, tuple[str, int, str] | None]:
     """A task on the target endpoint: wait (in a thread) for the bytes named ``name``
     (``kind`` ``"file"``: the node's file cache; ``"obj"``: an object of the store, its
-    lease ``expires``); where to send them, and the secret to send first.
+    lease ``expires``); where to send them, the secret to send first, and (a pinned file)
+    where this node serves the copy to the endpoint's other nodes with the copy's own
+    secret (``_serve``; None for an object, or a node that serves nothing).
 
-    ``pin`` (a file): the id of an empty object leased until ``expires`` that the client
+    ``pin`` (a file): the id of an object leased until ``expires`` that the client
     holds as a Ref while it may send tasks that use the copy: the node's sweep keeps a
-    copy whose pin is leased (``_node.pinned``), however long its tasks wait."""
+    copy whose pin is leased (``_node.pinned``), however long its tasks wait; it holds
+    the copy's secret, which the node's server checks."""
     target = _target(kind, name)
+    holder = None
     if kind == "file" and pin:
+        from nimbus.data._serve import server_address
         from nimbus.data._task import _node, _scope
 
         if not pin.startswith(name.split("-", 1)[0]):
             raise DataError(f"the pin {pin!r} does not name the copy {name!r}")
-        _node(_scope().namespace).write(pin, None, expires)
+        node = _node(_scope().namespace)
+        copy_secret = secrets.token_hex(32)
+        node.write_secret(pin, copy_secret, expires)
+        served = server_address(node.dir.parent)
+        holder = None if served is None else (*served, copy_secret)
     host = Settings.load().data_host  # NIMBUS_DATA_HOST
     listener = socket.create_server((host, 0))
     listener.settimeout(TIMEOUT)
@@ -123,7 +134,7 @@ def offer(kind: str, name: str, expires: float = 0.0, pin: str = "") -> tuple[st
         daemon=True,
     ).start()
     port = listener.getsockname()[1]
-    return host, port, secret.hex()
+    return host, port, secret.hex(), holder
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:

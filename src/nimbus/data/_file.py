@@ -10,8 +10,9 @@
     worker: the argument is a ``pathlib.Path``: the file itself, or its copy in the
         node's cache (``<node store>/files/``), size and sha256 checked when written
     out=File("lab:/results/{task_id}.npz"): the task gets a local ``pathlib.Path`` to
-        write; after it ends the file is moved to the path (``{task_id}`` filled in),
-        inside the exports of the endpoint the task runs on
+        write (``<cache>/out-<id>/<id>.npz``: the file's own name, ``{task_id}`` = <id>);
+        after it ends the file is moved to the path, inside the exports of the endpoint
+        the task runs on, and ``out-<id>/`` removed (also when the task failed)
 
 An input must exist when the task is submitted: a missing file of this machine (or of
 an endpoint whose config is here) is refused by ``submit`` (``FileRefused`` naming it),
@@ -35,10 +36,16 @@ client holds (``Staged.pin``, renewed, freed with its cache entry); the node's s
 a pinned copy however long the tasks that need it wait, and removes it once the pin is
 freed, or its lease ran out (the client died), and nobody used it for a lease.
 
+A file sent directly lands in the cache of the target node that offered to take it; a
+task on another node of that endpoint (a block's manager, the agent) fetches it from
+there once (``_serve``: that node's agent or manager serves its cache to the holders of
+the copy's secret, sha256 checked) and finds it in its own cache after.
+
 Limits: ``out=`` writes only to the endpoint the task runs on (or this machine, on the
-local runtime); a file sent directly lands in the cache of the target node that offered
-to take it (one node per endpoint: every task finds it; on an endpoint of several nodes
-a task on another node fails asking to submit again).
+local runtime). A copy whose holding node left (its block ended) before another node
+fetched it: tasks there fail naming that node, and this client's cache entry for the
+file stays (it is staged again once the file's size or mtime changes, or in a new
+client process).
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from typing import Any
 
 from nimbus.config import config_dir
 from nimbus.data._direct import Unreachable
+from nimbus.data._node import node_dir
 from nimbus.data._ref import Ref, new_id
 from nimbus.errors import DataError, FileRefused, NotFound
 
@@ -107,6 +115,7 @@ class Staged:
     size: int
     sha256: str
     pin: Ref | None = None  # sent directly: the copy's pin on its node (see ``_direct.offer``)
+    holder: tuple[str, int, str] | None = None  # sent directly: where its node serves it
 
 
 @dataclass(frozen=True)
@@ -202,8 +211,30 @@ def local_path(value: File | Staged | Out, files: Path, here: str | None) -> Pat
         return path
     if type(value) is Staged:
         return _cached(value, files)
-    files.mkdir(parents=True, exist_ok=True)
-    return files / f"out-{new_id()}"
+    assert isinstance(value, Out)  # the last kind left
+    return _out_path(value, files)
+
+
+def _out_path(out: Out, files: Path) -> Path:
+    """A private directory ``out-<id>`` in ``files`` with the out= file's own name inside
+    (``{task_id}`` filled with ``<id>``): writers that add or check a suffix (``np.savez``,
+    ``to_hdf``) write the name the task was given."""
+    out_id = new_id()
+    private = node_dir(files) / f"out-{out_id}"
+    private.mkdir()
+    name = out.template.rsplit("/", 1)[-1].replace("{task_id}", out_id)
+    return private / (name or "out")
+
+
+def out_id(written: Path) -> str:
+    """The id that fills ``{task_id}`` for the path :func:`local_path` gave an out= file."""
+    return written.parent.name.removeprefix("out-")
+
+
+def discard_out(written: Path) -> None:
+    """When the task has ended: remove the private directory of an out= file (what it
+    wrote, if not moved, and any temporary files beside it)."""
+    shutil.rmtree(written.parent, ignore_errors=True)
 
 
 def _cached(staged: Staged, files: Path) -> Path:
@@ -216,6 +247,20 @@ def _cached(staged: Staged, files: Path) -> Path:
             return target
     except FileNotFoundError:
         pass
+    if not staged.refs and staged.holder is not None and staged.pin is not None:
+        from nimbus.data._serve import fetch  # sent directly into another node's cache
+
+        node_dir(files)
+        fetch(
+            staged.holder,
+            files.parent.name,
+            target.name,
+            staged.pin.id,
+            staged.size,
+            staged.sha256,
+            target,
+        )
+        return target
     if not staged.refs:  # sent here endpoint to endpoint: into another node's cache
         raise DataError(
             f"{staged.name} is not in this node's file cache: it was staged to another node "
@@ -228,7 +273,7 @@ def _cached(staged: Staged, files: Path) -> Path:
             f"{staged.name}: {len(body)} bytes arrived, {staged.size} were sent, or their "
             f"sha256 differs: the transfer was damaged; submit the task again"
         )
-    files.mkdir(parents=True, exist_ok=True)
+    node_dir(files)
     tmp = files / f".{new_id()}"
     tmp.write_bytes(body)
     tmp.replace(target)
@@ -239,7 +284,12 @@ def finish_out(out: Out, written: Path, task_id: str) -> None:
     """After the task: move what it wrote to ``out``'s path (inside the exports)."""
     path = out.template.replace("{task_id}", task_id)
     if not written.exists():
-        raise DataError(f"the task wrote nothing to {written} (its out= file {path})")
+        others = sorted(p.name for p in written.parent.iterdir()) if written.parent.is_dir() else []
+        instead = f"; it wrote {', '.join(others)} beside it instead" if others else ""
+        raise DataError(
+            f"the task wrote nothing to {written} (its out= file {path}){instead}: "
+            f"write the path the task is given, as it is"
+        )
     target = Path(path) if out.endpoint is None else _exported(out.endpoint, path)
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(written, target)  # a rename, or a copy from the node's memory store
@@ -371,13 +421,16 @@ def _direct(executor: Any, file: File, source_id: str, mtime: float, name: str) 
     key, base = name.split("-", 1)
     pin = key + new_id()
     expires = time.time() + where.lease
-    host, port, secret = _answer(executor._path.call(offer, "file", name, expires, pin), file)
+    answer = _answer(executor._path.call(offer, "file", name, expires, pin), file)
+    host, port, secret = answer[:3]
+    served = answer[3] if len(answer) > 3 else None  # (None from an older endpoint)
+    holder = None if not served else (str(served[0]), int(served[1]), str(served[2]))
     held = where.adopt(Ref(pin, where.namespace, where.user, where.endpoint, 0))
     sent = _source(executor, source_id).submit(
         send_export, source_id, file.path, mtime, host, port, secret
     )
     got, sha, _ = _answer(sent, file)
-    return Staged((), key, base, got, sha, held)
+    return Staged((), key, base, got, sha, held, holder)
 
 
 def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from nimbus import serialization
+from nimbus.data._node import node_dir
 from nimbus.errors import DataError
 
 __all__ = ["KeyValue"]
@@ -47,7 +48,7 @@ class KeyValue:
     def __init__(self, directory: Path, user: str = "") -> None:
         self.dir = directory
         self.user = user
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        node_dir(directory)
 
     def _path(self, key: str) -> Path:
         if not isinstance(key, str):

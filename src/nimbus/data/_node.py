@@ -49,6 +49,7 @@ from nimbus.errors import ConfigError, DataError
 __all__ = ["NodeStore", "Sweeper", "data_base", "default_root", "hold", "release", "sweep_all"]
 
 MAGIC = b"NREF1\0\0\0"
+SECRET = b"NPIN1\0\0\0"  # a pin's file: this, then its secret (hex), nothing pickled
 _HEAD = struct.Struct("<QQ")  # pickle length, number of buffers
 _LEN = struct.Struct("<Q")
 SWEEP_EVERY = 10.0  # seconds between sweeps a writer makes
@@ -266,10 +267,12 @@ def sweep_all(now: float | None = None, base: Path | None = None) -> int:
 
 class Sweeper:
     """A thread that runs :func:`sweep_all` now and every ``every`` s until closed, for
-    the agent of a runtime (which also holds its data directory while it runs)."""
+    the agent of a runtime or a block's manager (which also holds its data directory
+    while it runs, and serves its file cache to the other nodes: ``_serve``)."""
 
     def __init__(self, every: float = SWEEP_EVERY) -> None:
         self.mark = hold()
+        self.server = _serve_cache(self.mark.parent.parent)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(every,), name="nimbus-data-sweep", daemon=True
@@ -291,7 +294,21 @@ class Sweeper:
             return
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.server is not None:
+            self.server.close()
         release(self.mark)
+
+
+def _serve_cache(root: Path) -> Any:
+    """This node's file cache served to the endpoint's other nodes (``_serve``); None
+    where it cannot listen (the copies it holds are then used only here)."""
+    from nimbus.config import Settings
+    from nimbus.data._serve import Server
+
+    try:
+        return Server(root, Settings.load().data_host)
+    except (OSError, ConfigError):
+        return None
 
 
 def _private_dir(path: Path) -> Path:
@@ -302,6 +319,16 @@ def _private_dir(path: Path) -> Path:
             f"{path} must belong to this user with mode 0o700 (it holds task data); "
             f"remove it or fix its owner and mode"
         )
+    return path
+
+
+def node_dir(path: Path) -> Path:
+    """``path`` (a directory inside a namespace of a runtime's data directory: its file
+    cache, its keys) made if it is not there, the runtime's directory with it private:
+    ``mkdir(parents=True)`` alone would remake a runtime directory a sweep removed with
+    the default mode, refused from then on by every store of that runtime."""
+    _private_dir(path.parent.parent)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
 
 
@@ -371,6 +398,27 @@ class NodeStore:
         os.rename(part, final)
         self.maybe_sweep()
         return len(head) + len(data) + sum(v.nbytes for v in views)
+
+    def write_secret(self, ref_id: str, secret: str, expires: float) -> None:
+        """A pin (``_direct.offer``): an object leased until ``expires`` holding only a
+        secret, read back by :meth:`read_secret` without unpickling anything (the node's
+        manager reads it: it never unpickles what a user's task wrote)."""
+        part = self.objects / f".{ref_id}.part"
+        final = self.path(ref_id)
+        self.objects.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, SECRET + secret.encode())
+        finally:
+            os.close(fd)
+        os.utime(part, (expires, expires))
+        os.rename(part, final)
+
+    def read_secret(self, ref_id: str) -> str | None:
+        """The secret of a pin written by :meth:`write_secret` (None: not one)."""
+        with open(self.path(ref_id), "rb") as f:
+            data = f.read(len(SECRET) + 200)
+        return data[len(SECRET) :].decode() if data.startswith(SECRET) else None
 
     def read(self, ref_id: str) -> Any:
         """The object stored under ``ref_id``; FileNotFoundError when it is not here."""

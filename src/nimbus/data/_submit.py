@@ -5,7 +5,8 @@
     Executor._submit(fn, args, keep)  --uses data / keep-->  DataPath.submit
         waiting_on: the futures not done yet; Refs of another user refused now
         on an endpoint (the backend takes ``dependencies``), when they are kept futures
-        of this path: sent at once, each input named (``_after``) and replaced by the
+        of this path (or of another Executor of the same user on the same endpoint and
+        service, accepted there): sent at once, each input named (``_after``) and replaced by the
         Ref its task will make (``_promise``); the service holds the task until they
         succeed, and fails it (InputFailed) if one does not
         else, when they are done (on this path's sender thread): bind -> the task, sent
@@ -215,13 +216,29 @@ class DataPath:
         return future
 
     def made(self, future: cf.Future[Any]) -> bool:
-        """Whether ``future`` is a kept task of this path sent to the service (or done),
-        whose Ref is known before it is done: a task taking it can be sent at once."""
+        """Whether ``future`` is a kept task sent to the service (or done), whose Ref is
+        known before it is done: a task taking it can be sent at once. Of this path; or
+        of another Executor's whose tasks the same user runs on the same endpoint through
+        the same service, once the service accepted it (it is named by its task id)."""
+        if type(future) is not KeptFuture or future._promise is None:
+            return False
+        maker = getattr(future, "_maker", None)
+        if maker is self:
+            return future._task is not None or future.done()
+        return isinstance(maker, DataPath) and bool(future.record.task_id) and self._shares(maker)
+
+    def _shares(self, other: DataPath) -> bool:
+        """Whether ``other``'s tasks run as this path's: same service, user and endpoint."""
+        mine, theirs = self.session, other.session
+        if mine is None or theirs is None or mine.endpoint is None:
+            return False
+        client = getattr(self._ex._backend, "client", None)
+        their_client = getattr(other._ex._backend, "client", None)
         return (
-            type(future) is KeptFuture
-            and future._promise is not None
-            and getattr(future, "_maker", None) is self
-            and (future._task is not None or future.done())
+            client is not None
+            and their_client is not None
+            and client.service_url == their_client.service_url
+            and (mine.namespace, mine.endpoint) == (theirs.namespace, theirs.endpoint)
         )
 
     # -- results ---------------------------------------------------------------

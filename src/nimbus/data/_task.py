@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nimbus import owners
-from nimbus.data._file import File, Out, Staged, finish_out, local_path
+from nimbus.data._file import File, Out, Staged, discard_out, finish_out, local_path, out_id
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore, default_root
 from nimbus.data._ref import MAX_SCAN, Ref, Scope, local_namespace, lost, new_id, owner_namespace
@@ -90,17 +90,23 @@ def run(fn: Any, scope: Scope, /, *args: Any, **kwargs: Any) -> Any:
             namespace=owner_namespace(owner)
         )  # the service's word, not the client's
     before, _current = _current, scope
+    seen: dict[str, Any] = {}
     try:
-        seen: dict[str, Any] = {}
-        args = tuple(_resolve(a, scope, seen) for a in args)
-        if kwargs:
-            kwargs = {k: _resolve(v, scope, seen) for k, v in kwargs.items()}
-        result = fn(*args, **kwargs)
-        del args, kwargs
-        for key in [k for k in seen if k.startswith("file:")]:
-            marker, written = seen.pop(key)
-            if type(marker) is Out:  # out=File(...): the task's file moved where it goes
-                finish_out(marker, written, new_id())
+        try:
+            args = tuple(_resolve(a, scope, seen) for a in args)
+            if kwargs:
+                kwargs = {k: _resolve(v, scope, seen) for k, v in kwargs.items()}
+            result = fn(*args, **kwargs)
+            del args, kwargs
+            for key in [k for k in seen if k.startswith("file:")]:
+                marker, written = seen[key]
+                if type(marker) is Out:  # out=File(...): the task's file moved where it goes
+                    finish_out(marker, written, out_id(written))
+        finally:  # out= files' private directories: nothing left, whatever happened
+            for key in [k for k in seen if k.startswith("file:")]:
+                marker, written = seen.pop(key)
+                if type(marker) is Out:
+                    discard_out(written)
         if not scope.keep:
             return result
         ref_id = scope.ref_id or new_id()

@@ -13,7 +13,7 @@ collectives; it stands on the state store and wire frames.
     obj = msg.recv(timeout=5)         # from anyone; recv(source=peer) from one
     total = msg.allreduce(group, array)   # group: the same list of instance ids everywhere
 
-Errors are in :mod:`nimbus.errors` (``PeerLost``, ``PeerExited``,
+Errors are in :mod:`nimbus.errors` (``PeerLost``, ``PeerExited``, ``PeerUnknown``,
 ``PeerUnreachable``, ``PeerRefused``, ``MessageDecodeError``,
 ``MessagingTimeout``, all ``MessagingError``).
 """

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import secrets
 import shutil
 import threading
@@ -23,7 +24,7 @@ import redis
 
 from nimbus import statestore
 from nimbus.config import Settings
-from nimbus.errors import StateStoreError
+from nimbus.errors import PeerUnknown, StateStoreError
 from nimbus.messaging._directory import socket_dir
 from nimbus.messaging._instance import ANY, Instance
 
@@ -130,14 +131,39 @@ def instance_id() -> str:
     return current().id
 
 
+_ID = re.compile(r"[0-9a-f]{16}")  # what ``Instance`` makes: secrets.token_hex(8)
+_ids: set[str] = set()  # ids checked already (a set lookup per send, not a match)
+
+
+def _check_id(peer: object) -> None:
+    """Raise :class:`PeerUnknown` if ``peer`` cannot be an instance's id.
+
+    An id of the right form is taken even if no instance has it yet: its
+    messages wait in the store until it listens (see :func:`send`).
+    """
+    if type(peer) is str and _ID.fullmatch(peer):
+        if len(_ids) >= 65536:
+            _ids.clear()
+        _ids.add(peer)
+        return
+    raise PeerUnknown(
+        f"{peer!r} is not an instance id (an id is the 16 hex digits "
+        f"nimbus.messaging.instance_id() returns in that instance): send to an id "
+        f"the instance gave you, e.g. in its first message"
+    )
+
+
 def send(peer: str, obj: object) -> None:
     """Send ``obj`` to instance ``peer``.
 
     Goes straight over a socket when ``peer`` listens, through the state store
     while it does not yet; messages from one sender arrive once and in order.
-    Raises :class:`~nimbus.errors.PeerLost` or
-    :class:`~nimbus.errors.PeerExited` when ``peer`` is gone.
+    Raises :class:`~nimbus.errors.PeerLost` when ``peer`` died or its link
+    broke, :class:`~nimbus.errors.PeerExited` when it exited normally, and
+    :class:`~nimbus.errors.PeerUnknown` when ``peer`` is not an instance id.
     """
+    if type(peer) is not str or peer not in _ids:
+        _check_id(peer)
     instance = _current
     if instance is None or instance.pid != _pid:
         instance = current()
@@ -150,8 +176,11 @@ def recv(source: str | None = ANY, timeout: float | None = None) -> Any:
     Raises :class:`~nimbus.errors.MessagingTimeout` after ``timeout`` seconds,
     :class:`~nimbus.errors.PeerLost` within a heartbeat when ``source`` dies,
     and :class:`~nimbus.errors.MessageDecodeError` (naming the sender) for a
-    message that cannot be unpickled here.
+    message that cannot be unpickled here, and :class:`~nimbus.errors.PeerUnknown`
+    when ``source`` is not an instance id.
     """
+    if source is not ANY and (type(source) is not str or source not in _ids):
+        _check_id(source)
     instance = _current
     if instance is None or instance.pid != _pid:
         instance = current()
@@ -160,4 +189,6 @@ def recv(source: str | None = ANY, timeout: float | None = None) -> Any:
 
 def recv_with_source(source: str | None = ANY, timeout: float | None = None) -> tuple[str, Any]:
     """Like :func:`recv`, returning ``(sender instance id, obj)``."""
+    if source is not ANY and (type(source) is not str or source not in _ids):
+        _check_id(source)
     return current().recv_with_source(source, timeout)

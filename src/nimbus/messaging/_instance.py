@@ -488,6 +488,10 @@ class Instance(Sender):
         elif frames is None:
             self._ended(link)
 
+    def _ended_as(self, peer: str) -> str | None:
+        """How ``peer``'s link in ended ("exited": its goodbye came; "lost"), if it did."""
+        return self._mailbox.ended.get(peer)
+
     def _ended(self, link: _peer.Peer) -> None:
         """``link`` reached its end of stream: forget it; its peer exited or is lost."""
         fd = link.fileno()

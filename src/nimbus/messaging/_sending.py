@@ -32,7 +32,13 @@ from typing import Any
 import redis
 
 from nimbus import serialization
-from nimbus.errors import PeerExited, PeerLost, PeerUnreachable, StateStoreError
+from nimbus.errors import (
+    MessagingError,
+    PeerExited,
+    PeerLost,
+    PeerUnreachable,
+    StateStoreError,
+)
 from nimbus.messaging import _peer
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, socket_path
 from nimbus.statestore import Keys
@@ -133,7 +139,7 @@ class Sender:
                             return
                     except OSError as exc:
                         self._drop_out(link)
-                        raise PeerLost(f"instance {link.peer} is lost: {exc}") from exc
+                        raise self._gone(link.peer, exc) from exc
                     self._flush(link)
                     return
             finally:
@@ -156,7 +162,7 @@ class Sender:
             return
         with link.lock:
             if link.error is not None:
-                raise PeerLost(f"instance {peer} is lost: {link.error}")
+                raise self._gone(peer, link.error)
             if link.pending:
                 link.frame_pending(self._number)  # what waits goes first
             seq = next(self._seq[peer])
@@ -184,7 +190,7 @@ class Sender:
                 return
         except OSError as exc:
             self._drop_out(link)
-            raise PeerLost(f"instance {link.peer} is lost: {exc}") from exc
+            raise self._gone(link.peer, exc) from exc
         self._flush(link)
 
     def _number(self, peer: str, n: int) -> int:
@@ -245,7 +251,7 @@ class Sender:
                 link.armed = False
                 try:
                     self._write(link)
-                except PeerLost as exc:
+                except MessagingError as exc:  # PeerLost or PeerExited
                     link.error = exc
 
     def _open(self, peer: str) -> _peer.Peer | None:
@@ -264,7 +270,7 @@ class Sender:
             if entry is not None and entry.state == ALIVE and entry.host == self.entry.host:
                 entry = self.directory.refresh(peer)  # its socket went away: did it exit?
             if entry is not None and entry.state == EXITED:
-                raise PeerExited(f"instance {peer} has exited")
+                raise _exited(peer)
             if entry is None or entry.host == self.entry.host or entry.tcp is None:
                 self._retry_at[peer] = now + RETRY
                 return None
@@ -315,7 +321,26 @@ class Sender:
                 self._progress(0.05, writer=link)
         except OSError as exc:
             self._drop_out(link)
-            raise PeerLost(f"instance {link.peer} is lost: {exc}") from exc
+            raise self._gone(link.peer, exc) from exc
+
+    def _gone(self, peer: str, exc: BaseException) -> MessagingError:
+        """The error of a link to ``peer`` that broke: :class:`PeerExited` if the peer
+        exited normally (its goodbye came in, or the directory says so), else
+        :class:`PeerLost`."""
+        exited = self._ended_as(peer) == EXITED
+        if not exited:
+            try:
+                entry = self.directory.refresh(peer)
+            except StateStoreError:
+                entry = None
+            exited = entry is not None and entry.state == EXITED
+        if exited:
+            return _exited(peer)
+        return PeerLost(str(exc) if type(exc) is PeerLost else f"instance {peer} is lost: {exc}")
+
+    def _ended_as(self, peer: str) -> str | None:
+        """How ``peer``'s link in ended ("exited", "lost"), if it did (the instance's)."""
+        return None
 
     def _drop_out(self, link: _peer.Peer) -> None:
         with self._out_lock:
@@ -338,3 +363,10 @@ class Sender:
                 pass
             link.close()
         self._out.clear()
+
+
+def _exited(peer: str) -> PeerExited:
+    return PeerExited(
+        f"instance {peer} has exited (normally): it takes no more messages; send to "
+        f"an instance only while it runs (e.g. before joining its process)"
+    )

@@ -23,16 +23,19 @@ import importlib
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing import current_process, resource_tracker, spawn
 from typing import Any
 
-from nimbus import _install, serialization, statestore
+from nimbus import _install, local_history, serialization, statestore
 from nimbus.environments import NODE_PATH, WORKER_VARIABLE
 from nimbus.multiprocessing import _local, _main, _remote
 from nimbus.multiprocessing import context as nimbus_context
+from nimbus.records import TaskRecord, TaskState
 
 __all__ = ["MAIN_KEYS", "STORE_MODULES", "WARM_MODULES", "start"]
 
@@ -185,12 +188,12 @@ WARM_QUIET = 0.05  # seconds without a start before a worker imports WARM_MODULE
 _warming: set[Callable[[], None]] = set()  # asked for once each
 
 
-def _warm_later(fn: Callable[[], None]) -> None:
+def _warm_later(fn: Callable[[], None], quiet: float) -> None:
     if fn not in _warming:
         from nimbus.runtime import worker
 
         _warming.add(fn)
-        worker.when_quiet(fn, WARM_QUIET)
+        worker.when_quiet(fn, quiet)
 
 
 @functools.cache
@@ -211,9 +214,12 @@ def start(
     """Start the process in a standby child (or a new fork); the reaper reports its exit."""
     from nimbus.runtime import worker
 
+    # a Pool's processes start together and then work: no warm-up nor standby forks take
+    # CPU from them (nor hold up the reaper's exit notices) until the worker is quite quiet
+    pool = prep.pop("pool", False)
     # not on the path of this start, nor of the next ones of a burst (a Pool's): after a
     # quiet moment (a forked worker imports its preload, the same modules, later still)
-    _warm_later(_warm_up)
+    _warm_later(_warm_up, POOL_QUIET if pool else WARM_QUIET)
     if prep.pop("store", False):  # the process will likely use it too: import it once
         _warm_store()  # here, for this worker's children, rather than in each of them
     _libc()  # loaded once here, not in every child
@@ -237,7 +243,8 @@ def start(
     global _program, _keep
     with _reaper.lock:  # processes of this worker running now: is this start part of a burst?
         running = sum(1 for token in _reaper.tokens.values() if token is not None)
-    _keep = max(_keep, min(STANDBYS_MAX, running + 2))
+    if not pool:  # (a Pool's burst is of processes that stay: it starts no more soon)
+        _keep = max(_keep, min(STANDBYS_MAX, running + 2))
     started = None
     while started is None and _standbys:
         standby = _standbys.pop()
@@ -251,9 +258,9 @@ def start(
 
     # the next start skips the fork and the store's connection; this one is not held up
     _program = program
-    if not _standbys:
+    if not _standbys and not pool:
         worker.when_idle(_refill)
-    _top_up_later()
+    _top_up_later(POOL_QUIET if pool else STANDBY_QUIET)
     return started
 
 
@@ -286,25 +293,28 @@ def _top_up() -> None:
     global _topping_up
     _topping_up = False
     _refill()
-    _top_up_later()
+    _top_up_later(STANDBY_QUIET)
 
 
-def _top_up_later() -> None:
+def _top_up_later(quiet: float) -> None:
     global _topping_up
     if not _topping_up and len(_standbys) < _keep:
         from nimbus.runtime import worker
 
         _topping_up = True
-        worker.when_quiet(_top_up, STANDBY_QUIET)
+        worker.when_quiet(_top_up, quiet)
 
 
 # Children each worker keeps forked ahead of need: two, or one more than the largest
 # burst of starts it has served (processes started while its others ran), up to
 # STANDBYS_MAX. When a start takes the last, one is forked as soon as the worker is
 # idle; the others once it has been quiet for STANDBY_QUIET seconds, so that the
-# CPU a burst of starts needs does not go to forking for the next burst.
+# CPU a burst of starts needs does not go to forking for the next burst. A Pool's
+# processes (a burst of processes that stay and work) neither grow the number kept nor
+# start a fork until the worker has been quiet for POOL_QUIET seconds.
 STANDBYS_MAX = 3
 STANDBY_QUIET = 0.02
+POOL_QUIET = 0.25  # after a Pool's process started: the quiet before warm-up and standbys
 
 
 class _Standby:
@@ -515,19 +525,33 @@ def _child(
         if not inbox and _connected != program.url:  # as a standby is: every child alike
             _connect(program)
         process_obj = serialization.loads(data, buffers)
+        began = time.time()
         code = process_obj._bootstrap(parent_sentinel=_parent_sentinel(process_obj._parent_pid))
+        _keep_record(process_obj, began, code)
     except BaseException:
         import traceback
 
         traceback.print_exc()
     finally:
         try:
+            local_history.ended()  # before os._exit: its records handed over
             sys.stdout.flush()
             sys.stderr.flush()
             if forwarder is not None:
                 forwarder.close()
         finally:
             os._exit(code)
+
+
+def _keep_record(process_obj: Any, began: float, code: int) -> None:
+    """This Process's record for ``nimbus dashboard`` (``local_history``; a no-op without
+    a service in the runtime directory): its target's name, success if it exited 0."""
+    target = getattr(process_obj, "_target", None)
+    name = getattr(target, "__qualname__", "") or process_obj.name
+    state = TaskState.SUCCESS if code == 0 else TaskState.FAILED
+    record = TaskRecord(local_history.new_id(), state, name, f"process/{process_obj.name}",
+                        socket.gethostname(), os.getpid(), began, began, began, time.time())  # fmt: skip
+    local_history.keep(record)
 
 
 def _share_tracker(tracker: tuple[int, int] | None) -> None:

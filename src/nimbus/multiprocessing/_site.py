@@ -58,6 +58,7 @@ __all__ = [
     "dumps",
     "is_root",
     "main_by_value",
+    "main_guarded",
     "on_shared_endpoint",
     "open_program",
     "program",
@@ -312,6 +313,14 @@ def main_by_value() -> bool:
     # under `nimbus run` (or install()) an unmodified fork-style program runs; with nimbus
     # imported by name, the README's guard is asked for, with the stdlib's own message
     return _install.installed() and not _guarded(path)
+
+
+@functools.cache
+def main_guarded() -> bool:
+    """Whether the main module is a file with an ``if __name__ == "__main__":`` block at
+    its top level (its import in a worker starts no processes, as a rule)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return path is not None and os.path.isfile(path) and _guarded(path)
 
 
 _GUARD = re.compile(

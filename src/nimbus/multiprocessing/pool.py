@@ -13,6 +13,10 @@ provider's nodes) they are lists in the state store. ``chunksize``,
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import socket
+import time
 from multiprocessing import pool as stdlib_pool
 from multiprocessing.pool import (  # noqa: F401
     CLOSE,
@@ -31,9 +35,11 @@ from multiprocessing.pool import (  # noqa: F401
 )
 from typing import Any
 
+from nimbus import local_history
 from nimbus.errors import DeserializationError
 from nimbus.multiprocessing import _hostqueue, _site, popen_nimbus
 from nimbus.multiprocessing.context import NimbusContext
+from nimbus.records import TaskRecord, TaskState
 
 __all__ = [
     "ApplyResult",
@@ -45,6 +51,9 @@ __all__ = [
     "Pool",
     "ThreadPool",
 ]
+
+
+_HOST = socket.gethostname()
 
 
 class _PoolContext(NimbusContext):
@@ -84,7 +93,9 @@ class Pool(stdlib_pool.Pool):
     def Process(ctx: Any, *args: Any, **kwds: Any) -> Any:
         if kwds.get("target") is stdlib_pool.worker:
             kwds["target"] = _worker
-        return ctx.Process(*args, **kwds)
+        process = ctx.Process(*args, **kwds)
+        process._nimbus_pool = True  # long-lived, started in a burst (popen_nimbus, _forking)
+        return process
 
     def _setup_queues(self) -> None:
         _site.refuse_in_sandbox()  # its processes could not reach the queues, either kind
@@ -111,26 +122,68 @@ def _worker(inqueue: Any, outqueue: Any, *rest: Any) -> None:
     """The stdlib's pool worker, but a task it cannot unpickle (a function the child does
     not find) fails that task with the error, as a task that raises does, instead of
     ending the worker: the stdlib's pool would wait for its result for ever."""
-    stdlib_pool.worker(_Tasks(inqueue), outqueue, *rest)
+    tasks = _Tasks(inqueue)
+    if local_history.active():  # Pool.terminate(): records handed over first
+        signal.signal(signal.SIGTERM, _terminated)
+    stdlib_pool.worker(tasks, _Results(outqueue, tasks), *rest)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    """SIGTERM in a pool worker (``Pool.terminate``, the end of ``with Pool()``): its
+    tasks' records handed over, then the signal's default action, as without this."""
+    signal.signal(signum, signal.SIG_IGN)  # a second one does not interrupt the hand-over
+    local_history.ended()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 class _Tasks:
-    """The pool's task queue, its undecodable tasks made tasks that raise the error."""
+    """The pool's task queue, its undecodable tasks made tasks that raise the error; the
+    task taken last (its function's name, when it was taken) for its record."""
 
     def __init__(self, inqueue: Any) -> None:
         self._inqueue = inqueue
+        self.taken: tuple[str, float] = ("", 0.0)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inqueue, name)
 
     def get(self) -> Any:
         try:
-            return self._inqueue.get()
+            task = self._inqueue.get()
         except DeserializationError as exc:
             task = _undecodable_task(exc)
             if task is None:
                 raise
-            return task
+        if task is not None:
+            func, args = task[2], task[3]
+            if func in (stdlib_pool.mapstar, stdlib_pool.starmapstar) and args:
+                func = args[0][0]  # a map's chunk: the mapped function
+            self.taken = (getattr(func, "__qualname__", "") or repr(func), time.time())
+        return task
+
+
+class _Results:
+    """The pool's result queue; each result put keeps its task's record for ``nimbus
+    dashboard`` (``local_history``: a no-op without a service in the runtime directory)."""
+
+    def __init__(self, outqueue: Any, tasks: _Tasks) -> None:
+        self._outqueue, self._tasks = outqueue, tasks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._outqueue, name)
+
+    def put(self, result: Any) -> None:
+        name, taken = self._tasks.taken
+        if taken and local_history.wanted():  # kept before the result goes: the pool
+            # may terminate this worker right after
+            self._tasks.taken = ("", 0.0)
+            ok = isinstance(result, tuple) and len(result) == 3 and result[2][0]
+            record = TaskRecord(local_history.new_id(), TaskState.SUCCESS if ok else
+                                TaskState.FAILED, name, f"pool/{os.getpid()}", _HOST,
+                                os.getpid(), taken, taken, taken, time.time())  # fmt: skip
+            local_history.keep(record, soon=True)
+        self._outqueue.put(result)
 
 
 def _undecodable_task(exc: DeserializationError) -> tuple[Any, ...] | None:

@@ -93,6 +93,7 @@ class Popen:
         prep["environ"] = dict(os.environ)  # as at start(), as a forked or spawned child has it
         prep["install"] = _install.installed()  # nimbus is `multiprocessing` there too
         prep["store"] = "redis" in sys.modules  # the program uses its store: warm its client
+        prep["pool"] = getattr(process_obj, "_nimbus_pool", False)  # a Pool's process
         stdlib_context.set_spawning_popen(self)  # type: ignore[arg-type]
         try:
             program = _site.program()
@@ -112,8 +113,15 @@ class Popen:
         prep["authkey"] = bytes(prep["authkey"])
         where.prepare(prep)
         # the fork is under way when start() returns; its pid is awaited on first use
-        # the root's first start imports main in a worker (a relayed one's root did already)
-        first = not _main_imported and where.imports_main and any(key in prep for key in MAIN_KEYS)
+        # the root's first start imports main in a worker (a relayed one's root did already);
+        # awaited only if main may start processes as it is imported (no guard found): the
+        # other starts of a guarded program's Pool go at once
+        first = (
+            not _main_imported
+            and where.imports_main
+            and any(key in prep for key in MAIN_KEYS)
+            and not _site.main_guarded()
+        )
         try:
             self._forked = where.start(_forking.start, self._token, prep, program, data, buffers)
             if first:

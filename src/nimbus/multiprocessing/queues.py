@@ -79,9 +79,84 @@ _sentinel = object()
 
 
 def _rebuild(cls: type[Queue], prog: Program, name: str, maxsize: int) -> Queue:
+    if not issubclass(cls, Queue):  # the stdlib's subclass, bound before nimbus was installed
+        cls = _on_nimbus(cls)
     queue = cls.__new__(cls)
     queue._setup(prog, name, maxsize)
     return queue
+
+
+_STDLIB_QUEUES = ("Queue", "JoinableQueue")  # of multiprocessing.queues, nimbus's stand in
+_rebased: dict[type, type] = {}  # a stdlib-based subclass -> the same on nimbus's queue
+_rebased_from: dict[type, type] = {}  # and back: it pickles as the original
+
+
+def _on_nimbus(cls: type) -> type[Queue]:
+    """``cls``, a subclass of the stdlib's ``multiprocessing.queues.Queue``, made again on
+    nimbus's (its own attributes, each class of its chain; ``super()`` in its methods works).
+
+    A module a process imported before nimbus was installed keeps the stdlib's classes:
+    ``concurrent.futures.process._SafeQueue`` (a ProcessPoolExecutor's call queue) or a
+    user's subclass in the main module, both imported by an endpoint's shared worker,
+    which stays uninstalled, before it forks the program's process. The queue such a
+    process unpickles is this class's instance (``isinstance`` of the original is False).
+    """
+    if cls.__module__ == "multiprocessing.queues" and cls.__name__ in _STDLIB_QUEUES:
+        made: type[Queue] = globals()[cls.__name__]
+        return made
+    if issubclass(cls, Queue):
+        return cls
+    made = _rebased.get(cls)  # type: ignore[assignment]
+    if made is None:
+        bases = tuple(_on_nimbus(base) if _stdlib_queue(base) else base for base in cls.__bases__)
+        slots = cls.__dict__.get("__slots__", ())
+        slots = (slots,) if isinstance(slots, str) else tuple(slots)
+        skip = {"__dict__", "__weakref__", *slots}
+        namespace = {k: v for k, v in vars(cls).items() if k not in skip}
+        made = type(cls)(cls.__name__, bases, namespace)
+        made.__qualname__ = cls.__qualname__
+        for key, value in namespace.items():  # their `__class__` cell: the new class
+            fixed = _reclassed(value, cls, made)
+            if fixed is not value:
+                setattr(made, key, fixed)
+        _rebased[cls], _rebased_from[made] = made, cls
+    return made
+
+
+def _stdlib_queue(cls: type) -> bool:
+    return any(
+        c.__module__ == "multiprocessing.queues" and c.__name__ in _STDLIB_QUEUES
+        for c in cls.__mro__
+    )
+
+
+def _reclassed(value: Any, old: type, new: type) -> Any:
+    """``value`` (a function, or a static/class method or property of functions) with a
+    ``__class__`` cell of ``old`` (what ``super()`` uses) re-made with one of ``new``."""
+    if isinstance(value, (staticmethod, classmethod)):
+        func = _reclassed(value.__func__, old, new)
+        return value if func is value.__func__ else type(value)(func)
+    if isinstance(value, property):
+        fget, fset, fdel = (_reclassed(f, old, new) for f in (value.fget, value.fset, value.fdel))
+        if (fget, fset, fdel) == (value.fget, value.fset, value.fdel):
+            return value
+        return type(value)(fget, fset, fdel, doc=value.__doc__)
+    if not isinstance(value, types.FunctionType) or value.__closure__ is None:
+        return value
+    names, cells = value.__code__.co_freevars, value.__closure__
+    if "__class__" not in names or cells[names.index("__class__")].cell_contents is not old:
+        return value
+    closure = tuple(
+        types.CellType(new) if n == "__class__" else c for n, c in zip(names, cells, strict=True)
+    )
+    func = types.FunctionType(
+        value.__code__, value.__globals__, value.__name__, value.__defaults__, closure
+    )
+    func.__kwdefaults__ = value.__kwdefaults__
+    func.__dict__.update(value.__dict__)
+    func.__qualname__ = value.__qualname__
+    func.__doc__ = value.__doc__
+    return func
 
 
 class Queue:
@@ -124,7 +199,8 @@ class Queue:
         self._reader._reader = self._consumer  # reads directly, after the list's markers
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), self._program, self._name, self._maxsize))
+        cls = _rebased_from.get(type(self), type(self))  # (see _on_nimbus)
+        return (_rebuild, (cls, self._program, self._name, self._maxsize))
 
     def _after_fork(self) -> None:
         self._direct_sides()  # the parent's claim and switch stay the parent's

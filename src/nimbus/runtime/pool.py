@@ -479,8 +479,8 @@ class Workers:
                 self._start_failures += 1
         if worker.inflight:
             self._settle(worker, code)
-        if self._closing:
-            return
+        if self._closing and not self._drop_cancelled(tag):
+            return  # (tasks still to run, given back by it: a worker takes its place)
         if self._env_failures.get(tag, 0) >= START_FAILURES:
             # a worker that cannot start in its environment is a failed build of it
             self._builds.failed[tag] = errors.WorkerLost(
@@ -501,6 +501,20 @@ class Workers:
             self._closing = True
             return
         self._reconcile()  # a new worker of its environment takes its place
+
+    def _drop_cancelled(self, tag: str) -> bool:
+        """Answer the cancelled tasks waiting for a worker of ``tag`` as skipped (a
+        closing manager starts no worker to drop them at dispatch); True if others wait."""
+        queue = self._pending.get(tag)
+        if not queue:
+            return False
+        dropped = [task for task in queue if task.cancelled]
+        if dropped:
+            for task in dropped:
+                queue.remove(task)
+                task.status, task.data, task.result_buffers = Status.SKIPPED, b"", []
+            self._deliver(dropped)
+        return bool(queue)
 
     def _settle(self, worker: Worker, code: int | None) -> None:
         """Decide the fate of the tasks a dead worker held.

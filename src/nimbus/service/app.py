@@ -36,7 +36,16 @@ from nimbus.config import Settings
 from nimbus.errors import PayloadTooLargeError, ServiceError
 from nimbus.protocol import WS_AGENT, WS_CLIENT, too_large
 from nimbus.service import data as data_routes
-from nimbus.service import dependencies, environments, local_history, metrics, routes, stores, tasks
+from nimbus.service import (
+    dependencies,
+    environments,
+    local_history,
+    metrics,
+    routes,
+    stores,
+    tasks,
+    wakeups,
+)
 from nimbus.service.context import ServiceContext
 from nimbus.service.dashboard import router as dashboard_router
 from nimbus.service.data import DataStore
@@ -151,7 +160,8 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
                 Flusher(store, history, settings.history_days * 86400.0 or None).run()
             ),
             asyncio.create_task(dependencies.fail_held(ctx)),  # held tasks whose input failed
-            asyncio.create_task(dependencies.wake_dispatchers(ctx)),  # held tasks queued
+            # held tasks queued, tasks ended: told by the other service processes
+            asyncio.create_task(wakeups.listen(ctx)),
             asyncio.create_task(
                 _every(
                     local_history.INGEST_EVERY,

@@ -9,7 +9,7 @@
         success: its dependents wait for one input less; at none they join their
                  endpoint's queue, whose dispatchers are woken here and, through the
                  channel TaskStore.woken, in every service process (``held_by``,
-                 ``wake_dispatchers``); one queued for an endpoint deleted meanwhile
+                 ``nimbus.service.wakeups``); one queued for an endpoint deleted meanwhile
                  fails naming it
         failed / cancelled: its dependents are appended, in the same script, to the
                  stream TaskStore.to_fail; a consumer group (one consumer per service
@@ -27,7 +27,6 @@ and the dependent's arguments name it by the reference the client chose for it
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import pickle
@@ -42,7 +41,7 @@ from nimbus.protocol import ResultRow, pack
 from nimbus.records import TaskState
 from nimbus.service.context import STATUS_ERROR, ServiceContext
 
-__all__ = ["fail_held", "held_by", "wake_dispatchers"]
+__all__ = ["fail_held", "held_by"]
 
 log = logging.getLogger(__name__)
 
@@ -110,30 +109,6 @@ async def fail_held(ctx: ServiceContext) -> None:
             log.exception("failing tasks held for a failed input failed; retrying")
             claim = CLAIM_IDLE
             await asyncio.sleep(RETRY)
-
-
-async def wake_dispatchers(ctx: ServiceContext) -> None:
-    """Until cancelled: wake this process's dispatchers of the endpoints whose queues
-    held tasks joined in any service process (the channel ``TaskStore.woken``), so that
-    a chain's next link does not wait for the dispatchers' idle poll when its endpoint's
-    agents are connected here and its input ended on another process."""
-    while True:
-        pubsub = ctx.store.redis.pubsub(ignore_subscribe_messages=True)
-        try:
-            await pubsub.subscribe(ctx.store.woken)
-            while True:
-                message = await pubsub.get_message(timeout=None)
-                if message is not None:
-                    for endpoint_id in message["data"].decode(errors="replace").split():
-                        ctx.hub.work_arrived(endpoint_id)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the queue Redis went away: subscribe again
-            log.debug("subscription to held tasks' wake-ups lost: %s", exc)
-            await asyncio.sleep(RETRY)
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(pubsub.aclose())
 
 
 def held_by(ctx: ServiceContext) -> None:

@@ -2,27 +2,36 @@
 
 ::
 
-    finish / cancel script ---XADD ids---> stream TaskStore.finished
+    finish / cancel script ---XADD ids + rows---> stream TaskStore.finished
                                               | consumer group "history": each entry to one
                                               v service process's Flusher
-    Flusher (one per service process): XREADGROUP (or XAUTOCLAIM of entries another
-    process took and did not acknowledge within CLAIM_IDLE) -> HMGET the tasks' fields
-    -> History.write (one transaction, idempotent) -> one script: XACK + XDEL the
-    entries, mark the tasks saved, trim the indexes
+    Flusher (one per service process), when no task ended for a TICK, BACKLOG entries
+    wait or the oldest waited DELAY: XREADGROUP (or XAUTOCLAIM of entries another
+    process took and did not acknowledge within CLAIM_IDLE) -> the rows the entries
+    carry -> History.write (one transaction, idempotent) -> one script: XACK + XDEL
+    the entries, mark the tasks saved, trim the indexes
 
-The scripts that end tasks only append their ids (one XADD a call); the rest is
-here. Two processes never write an entry at once (the group hands each entry to
-one consumer), and an entry is acknowledged only after its rows are committed:
-a process that dies in between leaves it pending, and another (or the next start)
-claims it after ``CLAIM_IDLE`` and writes it again, which the history's
-first-row-wins insert makes harmless. So nothing an agent's result was
-acknowledged for is lost, as long as the queue Redis keeps its stream
-(``--persist``).
+The scripts that end tasks append, in one XADD a call, the ids and the history's
+row of each task they ended (its fields as they were then: nothing is read back
+from the task hashes, which may have expired meanwhile); entries with ids only
+(held tasks failed, tasks an older nimbus kept in Redis) are read from the hashes.
+The writes wait while tasks keep ending, at most ``DELAY`` (so they are few and
+large, and a task reaches the history within about that), and when the service
+stops the entries waiting are written. Two processes never write an entry at once
+(the group hands each entry to one consumer), and an entry is acknowledged only
+after its rows are committed: a process that dies in between leaves it pending,
+and another (or the next start) claims it after ``CLAIM_IDLE`` and writes it
+again, which the history's first-row-wins insert makes harmless. So nothing an
+agent's result was acknowledged for is lost, as long as the queue Redis keeps its
+stream (``--persist``). While the database is away, the entries (results
+included) wait in the queue Redis.
 
 Redis keeps what is live and a recent window: each index (everyone's, a user's)
-keeps at most ``RECENT`` tasks once they are saved; a saved task beyond that is
-dropped from the index, and from Redis when it leaves everyone's. An index whose
-oldest ``TRIM_SCAN`` tasks are all still live is not trimmed further until they end.
+keeps ``RECENT`` tasks once they are saved, and a tenth more before it is trimmed
+(twice as many while tasks keep ending: the trim's deletions wait for a pause); a
+saved task beyond that is dropped from the index, and from Redis when it leaves
+everyone's. An index whose oldest ``TRIM_SCAN`` tasks are all still live is not
+trimmed further until they end.
 
 The SQL history keeps ``keep`` seconds (the ``history_days`` setting; None:
 forever): every ``EXPIRE_EVERY`` seconds a flusher deletes the rows submitted
@@ -34,17 +43,20 @@ may delete the same rows: harmless) go on meanwhile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import redis
 from sqlalchemy.exc import OperationalError
 
-from nimbus.service.history import History
+from nimbus.service.history import FIELDS, History
 from nimbus.service.queues import DONE, TaskStore
 
 __all__ = ["CLAIM_IDLE", "EXPIRE_EVERY", "GROUP", "RECENT", "Flusher"]
@@ -54,8 +66,10 @@ RECENT = 10_000  # saved tasks an index keeps in Redis, newest
 CLAIM_IDLE = (
     30.0  # seconds an entry taken by a process stays unacknowledged before another takes it
 )
-BATCH = 500  # stream entries read at once (an entry holds the ids of one finish call)
-GATHER = 0.2  # seconds a flusher waits after a write, so that the next is larger
+BATCH = 500  # stream entries read at once (an entry holds the rows of one finish call)
+DELAY = 2.0  # seconds a finished task waits at most for its write while tasks keep ending
+BACKLOG = 1000  # entries waiting that start a write at once
+TICK = 0.2  # seconds between two looks at the stream's length
 GONE_MS = 3_600_000  # a consumer idle this long, with nothing pending, is dropped
 TRIM_SCAN = 2000  # oldest members of an index looked at by one trim
 EXPIRE_EVERY = 300.0  # seconds between two deletions of the history's expired rows
@@ -63,15 +77,16 @@ EXPIRE_BATCH = 2000  # rows deleted by one transaction
 EXPIRE_PAUSE = 0.05  # seconds between two such transactions
 _FIELDS = ("owner", "endpoint", "function", "group", "state", "submitted", "dispatched",
            "ended", "timeout", "result", "record")  # fmt: skip
+_WIDTH = len(FIELDS)  # the values of one row in a stream entry's flat "rows"
 
 # KEYS: the stream, everyone's index, the users' indexes; ARGV: group, task prefix,
-# RECENT, TRIM_SCAN, number of entries, entry ids..., task ids saved...
+# RECENT, TRIM_SCAN, the slack an index may exceed RECENT by before it is trimmed,
+# the entry ids and the task ids saved (each one string, space-separated)
 _SAVED = """
-local n = tonumber(ARGV[5])
-local entries = {}
-for i = 6, 5 + n do entries[#entries + 1] = ARGV[i] end
-for i = 6 + n, #ARGV do
-  local key = ARGV[2] .. ARGV[i]
+local entries, n = {}, 0
+for id in string.gmatch(ARGV[6], '%S+') do entries[#entries + 1] = id end
+for id in string.gmatch(ARGV[7], '%S+') do
+  local key = ARGV[2] .. id
   if redis.call('EXISTS', key) == 1 then redis.call('HSET', key, 'saved', 1) end
 end
 for i = 1, #entries, 1000 do
@@ -79,10 +94,10 @@ for i = 1, #entries, 1000 do
   redis.call('XACK', KEYS[1], ARGV[1], unpack(part))
   redis.call('XDEL', KEYS[1], unpack(part))
 end
-local recent, scan, trimmed = tonumber(ARGV[3]), tonumber(ARGV[4]), 0
+local recent, scan, slack, trimmed = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), 0
 for k = 2, #KEYS do
   local excess = redis.call('ZCARD', KEYS[k]) - recent
-  if excess > 0 then
+  if excess > slack then
     local drop = {}
     for _, id in ipairs(redis.call('ZRANGE', KEYS[k], 0, math.min(excess, scan) - 1)) do
       local key = ARGV[2] .. id
@@ -121,6 +136,10 @@ class Flusher:
         self.claim_idle = CLAIM_IDLE
         self.batch = BATCH
         self.gone_ms = GONE_MS
+        self.delay = DELAY
+        self.backlog = BACKLOG
+        self.tick = TICK
+        self._untrimmed: set[bytes] = set()  # owners whose indexes a busy write left over
         self.written = 0  # rows this flusher wrote
 
     async def start(self) -> bool:
@@ -168,36 +187,64 @@ class Flusher:
             log.info("moving %d finished tasks kept in Redis to the SQL history", queued)
 
     async def run(self) -> None:
-        ready = False
-        while True:
-            try:
-                if not ready:
-                    await self.prepare()
-                    ready = True
-                if await self.step():
-                    await asyncio.sleep(GATHER)
-                if self.keep is not None and time.monotonic() >= self._next_expire:
-                    self._next_expire = time.monotonic() + EXPIRE_EVERY
-                    expired = await self.expire()
-                    if expired:
-                        log.info("%d tasks older than the history keeps deleted", expired)
-            except asyncio.CancelledError:
-                raise
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+        """Write the finished tasks when none ended for a ``TICK`` (the service is idle),
+        when ``BACKLOG`` entries wait or when the oldest waited ``DELAY``; and, as the
+        service stops (cancelled), those still waiting."""
+        ready, since, seen = False, 0.0, 0
+        try:
+            while True:
+                try:
+                    if not ready:
+                        await self.prepare()
+                        ready = True
+                    waiting = await self.redis.xlen(self.store.finished)
+                    now = time.monotonic()
+                    if not seen:
+                        since = now
+                    idle = waiting == seen  # no task ended since the last look
+                    if waiting and (idle or waiting >= self.backlog or now - since >= self.delay):
+                        await self.drain(busy=not idle)
+                        waiting = 0
+                    seen = waiting
+                    if not waiting and self._untrimmed:  # a pause: the trims that waited
+                        await self.trim()
+                    if self.keep is not None and time.monotonic() >= self._next_expire:
+                        self._next_expire = time.monotonic() + EXPIRE_EVERY
+                        expired = await self.expire()
+                        if expired:
+                            log.info("%d tasks older than the history keeps deleted", expired)
+                    await asyncio.sleep(self.tick)
+                except asyncio.CancelledError:
                     raise
-                ready = False  # the queue Redis started again empty: make the group again
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                log.debug("the queue Redis is away (%s): finished tasks wait in it", exc)
-                ready = False  # (its outage is said once, by the service's supervisor)
-                await asyncio.sleep(1.0)
-            except OperationalError as exc:  # the database away or locked: they wait too
-                log.warning("cannot write finished tasks to the SQL history yet: %s", exc)
-                await asyncio.sleep(1.0)
-            except Exception:
-                log.exception("moving finished tasks to the SQL history")
-                ready = False
-                await asyncio.sleep(1.0)
+                except redis.ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    ready = False  # the queue Redis started again empty: make the group again
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    log.debug("the queue Redis is away (%s): finished tasks wait in it", exc)
+                    ready = False  # (its outage is said once, by the service's supervisor)
+                    await asyncio.sleep(1.0)
+                except OperationalError as exc:  # the database away or locked: they wait too
+                    log.warning("cannot write finished tasks to the SQL history yet: %s", exc)
+                    await asyncio.sleep(1.0)
+                except Exception:
+                    log.exception("moving finished tasks to the SQL history")
+                    ready = False
+                    await asyncio.sleep(1.0)
+        except asyncio.CancelledError:
+            if ready:  # the service stops: what ended last is written now, not at its next start
+                with contextlib.suppress(Exception):
+                    await self.step(0, own=True)  # (a write the cancellation interrupted)
+                    await self.drain()
+            raise
+
+    async def drain(self, busy: bool = False) -> int:
+        """Write the entries waiting, a batch at a time, until none is left; the rows.
+        ``busy``: tasks keep ending, so the indexes are trimmed only past twice ``recent``."""
+        total = 0
+        while written := await self.step(0, busy=busy):
+            total += written
+        return total
 
     async def expire(self) -> int:
         """Delete the history's rows submitted more than ``keep`` seconds ago, in
@@ -212,8 +259,11 @@ class Flusher:
                 return total
             await asyncio.sleep(EXPIRE_PAUSE)
 
-    async def step(self, block: float = 1.0) -> int:
-        """Read, write and acknowledge one batch of entries; the rows written."""
+    async def step(self, block: float = 1.0, own: bool = False, busy: bool = False) -> int:
+        """Read, write and acknowledge one batch of entries (``own``: of those this
+        flusher read before and did not acknowledge); the rows written. An index is
+        trimmed once it holds a tenth more than ``recent`` saved tasks, or twice as many
+        when ``busy`` (the trim's deletions wait for a pause)."""
         entries: list[tuple[Any, Any]] = []
         now = time.monotonic()
         if now >= self._next_claim:  # entries of a process that died with them
@@ -229,47 +279,82 @@ class Flusher:
             entries += claimed[1]
         if not entries:
             got = await self.redis.xreadgroup(
-                GROUP, self.consumer, {self.store.finished: ">"}, count=self.batch,
+                GROUP, self.consumer, {self.store.finished: "0" if own else ">"}, count=self.batch,
                 block=int(block * 1000) or None,
             )  # fmt: skip
             for _, messages in got or ():
                 entries += messages
         if not entries:
             return 0
-        ids: list[bytes] = []
+        rows: list[Sequence[Any]] = []
+        ids: list[bytes] = []  # of entries without their rows (a held task failed, backfill)
         for _, fields in entries:
-            if fields:  # None: deleted meanwhile (acknowledged by another process)
+            if not fields:  # deleted meanwhile (acknowledged by another process)
+                continue
+            if b"rows" in fields:
+                flat = msgpack.unpackb(fields[b"rows"], raw=True)
+                rows += [flat[i : i + _WIDTH] for i in range(0, len(flat), _WIDTH)]
+            else:
                 ids += fields.get(b"ids", b"").split()
-        ids = list(dict.fromkeys(ids))
         prefix = self.store.keys.task("")
-        pipe = self.redis.pipeline(transaction=False)
-        for task_id in ids:
-            pipe.hmget(prefix + task_id.decode(), _FIELDS)
-        rows, owners = [], set()
-        for task_id, values in zip(ids, await pipe.execute(raise_on_error=False) if ids else []):
-            if isinstance(values, Exception) or not values[4]:  # expired, or broken
-                continue
-            if values[4].decode(errors="replace") not in DONE:
-                continue
-            rows.append((task_id, *values))
-            owners.add(values[0].decode(errors="replace"))
+        if ids:
+            pipe = self.redis.pipeline(transaction=False)
+            for task_id in dict.fromkeys(ids):
+                pipe.hmget(prefix + task_id.decode(), _FIELDS)
+            for task_id, values in zip(dict.fromkeys(ids), await pipe.execute(False)):
+                if isinstance(values, Exception) or not values[4]:  # expired, or broken
+                    continue
+                if values[4].decode(errors="replace") in DONE:
+                    rows.append((task_id, *values))
+        owners = {row[1] or b"" for row in rows}
         await asyncio.to_thread(self.history.write, rows)
-        keys = self.store.keys
-        await self._saved(
-            keys=[
-                self.store.finished,
-                keys.all_tasks(),
-                *(keys.user_tasks(owner) for owner in sorted(owners) if owner),
-            ],
-            args=[
-                GROUP,
-                prefix,
-                self.recent,
-                TRIM_SCAN,
-                len(entries),
-                *(entry_id for entry_id, _ in entries),
-                *(row[0] for row in rows),
-            ],
-        )
+        await self._trim(owners, busy, entries, rows)
         self.written += len(rows)
         return len(rows)
+
+    async def trim(self) -> int:
+        """Trim the indexes a busy write left over ``recent`` (a tenth more kept), a
+        ``TRIM_SCAN`` at a time; how many tasks left them."""
+        total = 0
+        while self._untrimmed:
+            trimmed = await self._trim(self._untrimmed)
+            total += trimmed
+            if trimmed < TRIM_SCAN:
+                self._untrimmed.clear()
+            await asyncio.sleep(0)  # (other clients of Redis between two)
+        return total
+
+    async def _trim(
+        self,
+        owners: set[bytes],
+        busy: bool = False,
+        entries: Sequence[tuple[Any, Any]] = (),
+        rows: Sequence[Sequence[Any]] = (),
+    ) -> int:
+        """The script that acknowledges ``entries``, marks ``rows`` saved and trims
+        everyone's index and ``owners``' indexes; how many tasks left them."""
+        if busy:
+            self._untrimmed |= owners
+        keys = self.store.keys
+        return int(
+            await self._saved(
+                keys=[
+                    self.store.finished,
+                    keys.all_tasks(),
+                    *(
+                        keys.user_tasks(owner.decode(errors="replace"))
+                        for owner in sorted(owners)
+                        if owner
+                    ),
+                ],
+                args=[
+                    GROUP,
+                    keys.task(""),
+                    self.recent,
+                    TRIM_SCAN,
+                    self.recent if busy else self.recent // 10,
+                    b" ".join(entry_id for entry_id, _ in entries),
+                    b" ".join(row[0] for row in rows),
+                ],
+            )
+        )

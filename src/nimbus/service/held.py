@@ -8,6 +8,8 @@ with what they return, ``nimbus.service.dependencies``.
 
 from __future__ import annotations
 
+from nimbus.service.wakeups import tell_ended
+
 __all__ = ["TO_FAIL", "WOKEN", "fail_held_lua", "settle_lua"]
 
 # The stream (after the task prefix) of held tasks to fail: {d: dependent, i: input,
@@ -120,6 +122,7 @@ for i = 15, #ARGV, 1000 do
   redis.call('XACK', stream, ARGV[12], unpack(part))
   redis.call('XDEL', stream, unpack(part))
 end
-return {out, drop}
 """.replace("TO_FAIL", TO_FAIL)
+        + tell_ended("ARGV[1]", "out")  # wakes their waiters in other service processes
+        + "return {out, drop}\n"
     )

@@ -4,10 +4,10 @@
 
     task_history  one row a finished task: ids, state, times, timeout, result, record
       keyset reads, newest first: (submitted, task_id) < the cursor's, LIMIT n
-      indexes    (owner, submitted, id)  (owner, state, submitted, id)
-                 (submitted, id)         (state, submitted, id)
-                 (endpoint, submitted, id)  (group, submitted, id)
-                 (function, submitted, id)
+      indexes    (owner, submitted, id)     (submitted, id)
+                 (endpoint, submitted, id)  (function, submitted, id)
+                 only the tasks that did not succeed (partial):
+                 (owner, state, submitted, id)  (state, submitted, id)
 
 Rows arrive in bulk from :mod:`nimbus.service.flusher` (the finish and cancel
 scripts append the ids they ended to a Redis stream; a flusher per service
@@ -18,8 +18,11 @@ its acknowledgement, is stored once. Rows older than the service's
 batches, every few minutes), never by a task's own path.
 
 A page costs O(log n + the rows read) when an index leads with its filter (the
-owner, state, endpoint, group or function); filters combined (an owner's tasks
-on one endpoint) walk the most selective index the database picks.
+owner, endpoint or function; a state but success); filters combined (an owner's
+tasks on one endpoint) walk the most selective index the database picks. The
+successes, most of the rows, are found by walking the owner's or everyone's index:
+an index of their own would make every write dearer (each index is a B-tree
+insert a row, the most of what a write costs) for pages whose rows are dense there.
 Calls are synchronous: the service runs them in a thread.
 """
 
@@ -43,6 +46,7 @@ from sqlalchemy import (
     tuple_,
 )
 from sqlalchemy.engine import Engine
+from sqlalchemy.schema import CreateIndex
 
 __all__ = ["FIELDS", "History", "Query"]
 
@@ -79,13 +83,25 @@ history = Table(
     Column("result", LargeBinary, nullable=False),
     Column("record", LargeBinary, nullable=False),
     Index("ix_history_owner", "owner_id", "submitted", "task_id"),
-    Index("ix_history_owner_state", "owner_id", "state", "submitted", "task_id"),
     Index("ix_history_all", "submitted", "task_id"),
-    Index("ix_history_state", "state", "submitted", "task_id"),
     Index("ix_history_endpoint", "endpoint_id", "submitted", "task_id"),
-    Index("ix_history_group", "group_id", "submitted", "task_id"),
     Index("ix_history_function", "function_id", "submitted", "task_id"),
+    Index("ix_history_group", "group_id", "submitted", "task_id"),  # a batch Redis no longer holds
 )
+_UNSUCCESSFUL = history.c.state != "success"  # the partial indexes' rows (and the pages' term)
+for _name, *_columns in (
+    ("ix_history_owner_unsuccessful", "owner_id", "state", "submitted", "task_id"),
+    ("ix_history_unsuccessful", "state", "submitted", "task_id"),
+):
+    Index(
+        _name,
+        *(history.c[column] for column in _columns),
+        sqlite_where=_UNSUCCESSFUL,
+        postgresql_where=_UNSUCCESSFUL,
+    )
+# indexes of earlier versions that every write paid for and no page needs (the state's
+# index holds only the tasks that did not succeed)
+_DROPPED = ("ix_history_owner_state", "ix_history_state")
 _ROW = (
     history.c.task_id,
     history.c.submitted,
@@ -122,12 +138,34 @@ def _text(value: Any) -> str:
     return str(value or "")
 
 
+def _values(r: Sequence[Any]) -> tuple[Any, ...]:
+    """A row's values as the table takes them."""
+    try:  # the flusher's rows: bytes, in one step (most of a write's Python cost was here)
+        task_id, owner, endpoint, fn, group, state, sub, disp, end, timeout, result, rec = r
+        return (
+            task_id.decode(), owner.decode(), endpoint.decode(), fn.decode(), group.decode(),
+            state.decode(), float(sub or 0), float(disp or 0), float(end or 0),
+            float(timeout or 0) or None, bytes(result or b""), bytes(rec or b""),
+        )  # fmt: skip
+    except (AttributeError, TypeError, ValueError):  # str, None, a number, broken text
+        return (
+            _text(r[0]), _text(r[1]), _text(r[2]), _text(r[3]), _text(r[4]), _text(r[5]),
+            _number(r[6]), _number(r[7]), _number(r[8]), _number(r[9]) or None,
+            bytes(r[10] or b""), bytes(r[11] or b""),
+        )  # fmt: skip
+
+
 class History:
     """The ``task_history`` table on ``engine`` (made if missing)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         _meta.create_all(engine)
+        with engine.begin() as connection:  # a table an earlier version made: its indexes now
+            for name in _DROPPED:
+                connection.exec_driver_sql(f"DROP INDEX IF EXISTS {name}")
+            for index in history.indexes:  # (IF NOT EXISTS: processes may start together)
+                connection.execute(CreateIndex(index, if_not_exists=True))
         mark = "?" if engine.dialect.paramstyle == "qmark" else "%s"
         self._insert = (
             f"INSERT INTO task_history ({', '.join(c.name for c in history.columns)}) "
@@ -138,14 +176,7 @@ class History:
     def write(self, rows: Iterable[Sequence[Any]]) -> int:
         """Store finished tasks, each a sequence in :data:`FIELDS` order (bytes or str;
         a task already stored is kept as it was); how many rows were given."""
-        values = [
-            (
-                _text(r[0]), _text(r[1]), _text(r[2]), _text(r[3]), _text(r[4]), _text(r[5]),
-                _number(r[6]), _number(r[7]), _number(r[8]), _number(r[9]) or None,
-                bytes(r[10] or b""), bytes(r[11] or b""),
-            )
-            for r in rows
-        ]  # fmt: skip
+        values = [_values(r) for r in rows]
         if values:  # the driver's executemany: a third of SQLAlchemy's cost a row
             with self.engine.begin() as connection:
                 connection.exec_driver_sql(self._insert, values)
@@ -169,6 +200,8 @@ class History:
         ):
             if value:
                 where.append(column == value)
+        if query.state and query.state != "success":
+            where.append(_UNSUCCESSFUL)  # implies the partial indexes' condition (SQLite)
         if after is not None:
             where.append(tuple_(c.submitted, c.task_id) < tuple_(after[0], after[1]))
         order = (c.submitted.desc(), c.task_id.desc())
@@ -211,16 +244,6 @@ class History:
                 "result": res,
             }
         return out
-
-    def group(self, group_id: str, limit: int = 100_000) -> list[str]:
-        """The ids of a batch's finished tasks (one submit)."""
-        c = history.c
-        with self.engine.connect() as connection:
-            return list(
-                connection.scalars(
-                    select(c.task_id).where(c.group_id == group_id).limit(limit)
-                ).all()
-            )
 
     def trim(self, before: float, limit: int) -> int:
         """Delete up to ``limit`` of the oldest tasks submitted before ``before`` (a Unix

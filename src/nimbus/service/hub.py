@@ -98,10 +98,29 @@ class Hub:
     def close(self) -> None:
         """The service stops: every long-poll answers now with what it has."""
         self.closing = True
+        self.wake_all()
+
+    def wake_all(self) -> None:
+        """Every long-poll answers now with what it has (its client asks again)."""
         for waiting in self.waiters.values():
             for future in waiting:
                 if not future.done():
                     future.set_result(None)
+
+    def ended(self, task_ids: list[str]) -> list[str]:
+        """Tasks ended (said by another service process, ``wakeups``): their long-polls
+        answer now; returns those of them a client connection here watches (whose
+        results are to be read and delivered)."""
+        waiters, watchers = self.waiters, self.watchers
+        watched = []
+        for task_id in task_ids:
+            if task_id in waiters:
+                for future in waiters.pop(task_id):
+                    if not future.done():
+                        future.set_result(None)
+            if task_id in watchers:
+                watched.append(task_id)
+        return watched
 
     def wakeup(self, endpoint_id: str) -> asyncio.Event:
         return self._wakeups[endpoint_id]
@@ -142,7 +161,8 @@ class Hub:
     async def wait_done(
         self, task_id: str, timeout: float, done: Callable[[], Awaitable[bool]]
     ) -> None:
-        """Wait until ``task_id`` finishes (``done()`` is asked once the wait is registered)."""
+        """Wait until ``task_id`` finishes (``done()`` is asked once the wait is registered):
+        woken by ``deliver`` when it ends here, by ``ended`` when on another process."""
         if self.closing:
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()

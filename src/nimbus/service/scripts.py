@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from nimbus.service.counters import COUNT
 from nimbus.service.held import TO_FAIL, WOKEN, fail_held_lua, settle_lua
+from nimbus.service.wakeups import tell_ended
 
 __all__ = [
     "CANCEL",
@@ -163,19 +164,30 @@ return cmsgpack.pack(out)
 """
 )
 
+# The finish and cancel scripts hand the SQL history its rows in the stream entry
+# they append (``flusher``): the fields of each task ended, in ``history.FIELDS``
+# order, flat, so that the flusher reads no task hash back.
+HISTORY_ROW = """
+local function history_row(rows, ...)
+  for i = 1, 12 do rows[#rows + 1] = select(i, ...) or '' end
+end
+"""
+
 FINISH = (
     OWNERS
+    + HISTORY_ROW
     + COUNT
     + settle_lua(1, 8, 9)
     + """
 local out, drop = {}, {}
 local freed, quotas = {}, {}  -- quota hash -> {tasks, bytes} given back, once per owner at the end
 local gone = {}  -- ids no longer in flight on the endpoint, 1,000 to a call at the end
+local rows = {}  -- the SQL history's rows of the tasks ended (history.FIELDS, flat)
 for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
   local id = r[1]
   local key = ARGV[1] .. id
   local v = redis.call('HMGET', key, 'state', 'endpoint', 'data', 'quota', 'size', 'owner',
-                       'submitted', 'dispatched')
+                       'submitted', 'dispatched', 'function', 'group', 'timeout')
   local blob = ''  -- a result in the data store, if it was stored for this task
   if r[5] ~= '' and redis.call('HGET', ARGV[6] .. r[5], 'task') == id then blob = r[5] end
   local stored = false
@@ -203,6 +215,7 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
       if blob ~= '' then redis.call('EXPIRE', ARGV[6] .. blob, ARGV[3]) end
       stored = true
       out[#out + 1] = id
+      history_row(rows, id, v[6], v[2], v[9], v[10], r[2], v[7], v[8], ARGV[2], v[11], r[3], r[4])
       moved(v[6])
       count(r[2], v[7], v[8], r[4], r[6])  -- the dashboard's and /metrics' counters (counters.py)
     end
@@ -223,14 +236,15 @@ for _, quota in ipairs(quotas) do
 end
 if #out > 0 then
   redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' '))
-  redis.call('XADD', ARGV[7], '*', 'ids', table.concat(out, ' '))  -- for the SQL history
+  redis.call('XADD', ARGV[7], '*', 'ids', table.concat(out, ' '), 'rows', cmsgpack.pack(rows))
 end
 flush(KEYS[2])
 if #woken > 0 then  -- every service process wakes its dispatchers of these endpoints
   redis.call('PUBLISH', ARGV[1] .. 'WOKEN', table.concat(woken, ' '))
 end
-return {out, drop, woken}
 """.replace("WOKEN", WOKEN)
+    + tell_ended("ARGV[1]", "out")  # wakes their waiters in other service processes
+    + "return {out, drop, woken}\n"
 )
 
 RUNNING = (
@@ -270,10 +284,13 @@ return n
 
 CANCEL = (
     RELEASE
+    + HISTORY_ROW
     + COUNT
     + settle_lua(7, 8, 9)
     + """
-local st = redis.call('HGET', KEYS[1], 'state')
+local v = redis.call('HMGET', KEYS[1], 'state', 'owner', 'endpoint', 'function', 'group',
+                     'submitted', 'dispatched', 'timeout', 'record')
+local st = v[1]
 if not st or st == 'success' or st == 'failed' or st == 'cancelled' then return false end
 release(KEYS[1])
 count('cancelled', nil, nil, nil)  -- by state only: it has no run to put in the histograms
@@ -283,14 +300,18 @@ redis.call('HSET', KEYS[1], 'state', 'cancelled', 'result', ARGV[1], 'ended', AR
 redis.call('HDEL', KEYS[1], 'payload', 'data')
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if data then redis.call('DEL', ARGV[5] .. data) end
-redis.call('XADD', ARGV[6], '*', 'ids', ARGV[4])  -- for the SQL history (history.py)
+local rows = {}  -- for the SQL history (flusher.py)
+history_row(rows, ARGV[4], v[2], v[3], v[4], v[5], 'cancelled', v[6], v[7], ARGV[2], v[8],
+            ARGV[1], v[9])
+redis.call('XADD', ARGV[6], '*', 'ids', ARGV[4], 'rows', cmsgpack.pack(rows))
 local conn = redis.call('HGET', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[1], 'waits')
 redis.call('SREM', KEYS[4], ARGV[4])  -- if it was held
 settle(ARGV[4], 'cancelled')
-return {conn or '', data or ''}
 """
+    + tell_ended("ARGV[7]", "{ARGV[4]}")  # wakes its waiters in other service processes
+    + "return {conn or '', data or ''}\n"
 )
 
 FAIL_HELD = fail_held_lua(OWNERS, RELEASE, COUNT)

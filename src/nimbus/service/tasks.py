@@ -38,15 +38,17 @@ from nimbus.protocol import (
     unpack,
 )
 from nimbus.records import TaskRecord, TaskState
+from nimbus.service import listing
 from nimbus.service.context import ServiceContext
-from nimbus.service.dashboard._tasks import Filter, page
 from nimbus.service.deps import context, current_user, environment_field
+from nimbus.service.listing import Filter, page
 from nimbus.service.queues import CANCELLED_RESULT, DONE
 from nimbus.service.registry import FunctionInfo, Principal
 
 __all__ = ["after_of", "cancel_tasks", "router", "row_of", "submit_tasks"]
 
 Row = tuple[str, bytes, float | None, str, dict[str, Any] | None]
+GROUP_MAX = 1_000_000  # task ids GET /v1/groups/{id} lists (Redis's list, else the history's)
 
 _UUID_CLEAR = ~((0xF000 << 64) | (0xC000 << 48)) & ((1 << 128) - 1)  # version and variant bits
 _UUID4 = (0x4000 << 64) | (0x8000 << 48)  # version 4, RFC 4122 variant
@@ -458,7 +460,7 @@ async def cancel(task_id: str, user: User, ctx: Ctx) -> dict[str, Any]:
 
 @router.get("/groups/{group_id}")
 async def group(group_id: str, user: User, ctx: Ctx) -> dict[str, Any]:
-    ids = await ctx.store.group(group_id)
+    ids = await listing.group_ids(ctx.store, group_id, GROUP_MAX)
     infos = await ctx.store.info(ids[:1])
     if not ids or infos[0] is None or infos[0]["owner"] != user.user_id:
         raise NotFound(f"task group {group_id} not found", 404)

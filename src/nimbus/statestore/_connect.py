@@ -63,7 +63,7 @@ class Booting(Protocol):
     owner_pid: int
     start_timeout: float
 
-    def ready(self) -> object: ...
+    def serve(self) -> bool: ...
 
 
 # Embedded stores that boot while the program goes on (a Process needs no store), by
@@ -131,8 +131,8 @@ def _unix_connect(self: Any) -> Any:
     server = _booting.get(self.path)
     if server is None:
         return redis.UnixDomainSocketConnection._connect(self)
-    if server.owner_pid == os.getpid():
-        server.ready()  # its own StateStoreError if the server could not start
+    # started now if deferred; its own StateStoreError if the server could not start
+    if server.serve():
         _booting.pop(self.path, None)
         for fn in _on_ready.pop(self.path, ()):
             fn()
@@ -147,6 +147,9 @@ def _unix_connect(self: Any) -> Any:
             time.sleep(0.002)
             continue
         _booting.pop(self.path, None)
+        if server.owner_pid == os.getpid():  # (started by another process of its program)
+            for fn in _on_ready.pop(self.path, ()):
+                fn()
         return sock
 
 

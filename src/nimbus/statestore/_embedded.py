@@ -63,8 +63,19 @@ def die_with_parent():
 server = subprocess.Popen(sys.argv[3:], stdin=subprocess.DEVNULL,
                           preexec_fn=die_with_parent if sys.platform == "linux" else None)
 signal.signal(signal.SIGTERM, lambda *_: (server.kill(), server.wait(), os._exit(0)))
+parent = os.getppid()  # the owner, or a process of its program that launched the server
+def owner_gone():
+    if parent == owner:
+        return os.getppid() != owner
+    try:
+        os.kill(owner, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass
+    return False
 while server.poll() is None:
-    if os.getppid() != owner:
+    if owner_gone():
         server.kill(); server.wait(); break
     time.sleep(0.1)
 """
@@ -226,6 +237,7 @@ class EmbeddedRedis:
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._ready_lock = threading.Lock()
         self._answered = False  # the launched server answered (ready() returned)
+        self._deferred = False  # started by the first connection (defer())
 
     @property
     def url(self) -> str:
@@ -235,7 +247,42 @@ class EmbeddedRedis:
         """Start the server and wait until it answers PING; returns ``self``."""
         return self.launch().ready()
 
-    def launch(self, *, direct: bool = False) -> EmbeddedRedis:
+    def defer(self) -> EmbeddedRedis:
+        """Make :attr:`url` final without starting the server: the first connection to
+        it, in this process or one forked from it, starts it (:meth:`serve`)."""
+        self._deferred = True
+        self._make_runtime_dir()
+        _clean_stale(self.runtime_dir)  # (here: a program that never starts its store sweeps too)
+        if not _fits_sun_path(self.socket_path):
+            self._fallback_dir = Path(tempfile.mkdtemp(prefix="nimbus-", dir="/tmp"))  # 0700
+            self.socket_path = self._fallback_dir / "redis.sock"
+        return self
+
+    def serve(self) -> bool:
+        """At a first connection: start a deferred server if no process of the owner's
+        program did yet (a lock file decides who); True if it is this process's own
+        and answers now, False if another's (the caller waits for its socket)."""
+        if self._watchdog is not None or not self._deferred:
+            if os.getpid() != self.owner_pid:
+                return False
+            self.ready()
+            return True
+        import fcntl
+
+        lock_path = self.runtime_dir / f".{self.name}.lock"
+        with open(lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.state_file.exists() or self._watchdog is not None:
+                return False  # another process of the program started it
+            owner = self.owner_pid
+            self.launch(direct=os.getpid() == owner, watch=owner)
+        if os.getpid() != owner:
+            return False
+        lock_path.unlink(missing_ok=True)
+        self.ready()
+        return True
+
+    def launch(self, *, direct: bool = False, watch: int | None = None) -> EmbeddedRedis:
         """Start the server without waiting for it (:meth:`ready` does): :attr:`url` is
         final, and the server boots while the caller goes on; returns ``self``.
 
@@ -244,14 +291,11 @@ class EmbeddedRedis:
         thread, which lives as long as the process): it answers sooner, without
         a Python interpreter to start first. Otherwise, or elsewhere, a watchdog.
         """
-        try:
-            self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StateStoreError(
-                f"cannot create runtime directory {self.runtime_dir}: {exc}"
-            ) from exc
-        _clean_stale(self.runtime_dir)
-        self.owner_pid = os.getpid()
+        self._make_runtime_dir()
+        if not self._deferred:  # (a deferred one swept at defer())
+            _clean_stale(self.runtime_dir)
+        owner = os.getpid() if watch is None else watch
+        self.owner_pid = owner
         self._answered = False
         if not _fits_sun_path(self.socket_path):  # AF_UNIX paths are limited to ~107 bytes
             self._fallback_dir = Path(tempfile.mkdtemp(prefix="nimbus-", dir="/tmp"))  # 0700
@@ -279,7 +323,7 @@ class EmbeddedRedis:
         direct = direct and _direct_possible()
         preexec = None
         if not direct:
-            argv = [sys.executable, "-I", "-S", "-c", _WATCHDOG, _MARKER, str(os.getpid()), *argv]
+            argv = [sys.executable, "-I", "-S", "-c", _WATCHDOG, _MARKER, str(owner), *argv]
         elif _setpriv():  # the same without a Python function in the child: a quicker fork
             argv = [_setpriv(), "--pdeathsig", "KILL", "--", *argv]
         else:
@@ -297,8 +341,19 @@ class EmbeddedRedis:
             self.server_pid = self._watchdog.pid
             self._server_created = _create_time(self.server_pid)
             self._write_state()
-        atexit.register(self.stop)
+        elif owner != os.getpid():  # the watchdog's pid, for the owner's stop()
+            self._write_state()
+        if owner == os.getpid():  # (a server started for its owner by another process of
+            atexit.register(self.stop)  # its program ends with the owner, by its watchdog)
         return self
+
+    def _make_runtime_dir(self) -> None:
+        try:
+            self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StateStoreError(
+                f"cannot create runtime directory {self.runtime_dir}: {exc}"
+            ) from exc
 
     def ready(self) -> EmbeddedRedis:
         """Wait until the launched server answers (at once once it has); returns ``self``."""
@@ -413,8 +468,30 @@ class EmbeddedRedis:
                 watchdog.kill()  # the server gets PR_SET_PDEATHSIG
                 watchdog.wait()
             _kill_if(self.server_pid, self._server_created, "redis-server")
+        elif self._deferred:  # started for this owner by another process of its program
+            self._stop_theirs()
         self._conf_file.unlink(missing_ok=True)  # stopped before it was ready
+        (self.runtime_dir / f".{self.name}.lock").unlink(missing_ok=True)  # (defer())
         _remove_files(self.state_file, self.log_file, self.socket_path, self._fallback_dir)
+
+    def _stop_theirs(self) -> None:
+        """Stop a deferred server that another process started (its state file says which)."""
+        import fcntl
+
+        try:
+            with open(self.runtime_dir / f".{self.name}.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # its starter wrote all of it
+                state: dict[str, Any] = json.loads(self.state_file.read_text())
+            (watchdog_pid, watchdog_created), (server_pid, server_created) = (
+                state["watchdog"],
+                state["server"],
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # never started
+        _shutdown(self.socket_path, self.password)
+        _kill_if(int(watchdog_pid), watchdog_created, _MARKER)
+        if server_pid:
+            _kill_if(int(server_pid), server_created, "redis-server")
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
@@ -447,6 +524,7 @@ def _clean_stale(runtime_dir: Path) -> list[Path]:
             _kill_if(int(server_pid), server_created, "redis-server")
             fallback = state.get("fallback_dir")
             log_file = state_file.with_suffix(".log")
+            state_file.with_name(f".{state_file.stem}.lock").unlink(missing_ok=True)  # (serve())
             _remove_files(state_file, log_file, Path(state["socket"]), fallback and Path(fallback))
             cleaned.append(state_file)
         except (OSError, ValueError, KeyError, TypeError):

@@ -168,15 +168,16 @@ def open_store(settings: Settings) -> StateStore:
     """A root's store: ``NIMBUS_REDIS_URL``'s, or an embedded Redis kept up until the
     root closes it.
 
-    The embedded one is launched, not awaited: it boots while the program goes on
-    (a program that only starts Processes never waits for it), and the first
-    connection to it, in the root or in a process it started, waits until it
-    answers (``_connect.booting``).
+    The embedded one is not started here: its address is fixed now, and the first
+    connection to it, in the root or in a process it started (a lock file decides
+    which one starts it), starts it and waits until it answers (``_connect.booting``,
+    ``EmbeddedRedis.serve``): a program that only starts Processes or runs Pools
+    (their queues are this host's pipes) never starts it.
     """
     if settings.redis_url:
         store = StateStore.from_settings(settings)
     else:
-        server = EmbeddedRedis(settings.ensure_runtime_dir()).launch(direct=True)
+        server = EmbeddedRedis(settings.ensure_runtime_dir()).defer()
         booting(server, server.url)
         store = StateStore(server.url, server)
     store.stop_at_close_only()  # Pools' and Queues' exit finalizers still use it

@@ -25,16 +25,26 @@ ASGI app (``app.include_router(router)``). Why this stack:
   (``_live``), so an open page costs nothing while nothing changes.
 
 Reads go through the registry and the per-user task index (a sorted set in the
-queue Redis) with keyset pagination (``_tasks``: one Lua call a page, reading only
+queue Redis) with keyset pagination (``nimbus.service.listing``: one Lua call a page, reading only
 that page's rows), never a scan of the history.
 """
 
 from __future__ import annotations
 
-from nimbus.service.dashboard import _actions, _directory, _endpoints, _task, _timeline
+from nimbus.service.dashboard import (
+    _actions,
+    _batches,
+    _directory,
+    _endpoints,
+    _network,
+    _task,
+    _tasks,
+    _timeline,
+)
 from nimbus.service.dashboard._routes import router
 
-for _pages in (_endpoints, _task, _timeline, _directory, _actions):
-    router.include_router(_pages.router)  # after _routes' own: /tasks/stream before /tasks/{id}
+_PAGES = (_endpoints, _tasks, _task, _timeline, _network, _batches, _directory, _actions)
+for _pages in _PAGES:
+    router.include_router(_pages.router)  # _tasks before _task: /tasks/stream before /tasks/{id}
 
 __all__ = ["router"]

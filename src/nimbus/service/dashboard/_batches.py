@@ -5,6 +5,7 @@
     newest RECENT ids of your task index     ZREVRANGE + one pipeline of HMGET group
     each of the newest GROUPS groups         LLEN + LRANGE 0..CAP-1 of Keys.group(id)
                                              + one pipeline of HGET state
+    the tasks Redis no longer holds          their states from the SQL history
 
 A group is what one submit sent: a ``Client.batch_run``, or the tasks an
 ``Executor`` (with ``endpoint=``) sent in one message, which for an
@@ -16,12 +17,24 @@ whatever the history holds; the live stream reads a finished batch once.
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
 from nimbus.records import TaskState
+from nimbus.service import listing
+from nimbus.service.dashboard._html import Html, esc, join, layout, short, when
+from nimbus.service.dashboard._routes import Page, Route, Stream, _html, _is_admin, _stream
+from nimbus.service.listing import index
 from nimbus.service.queues import TaskStore
 
-__all__ = ["Batch", "recent"]
+__all__ = ["Batch", "recent", "router"]
+
+router = APIRouter(include_in_schema=False, route_class=Route)
+BATCH_TICK = 1.0  # seconds between looks at the batches of an open batches page, at most
 
 RECENT = 500  # newest task ids whose group is read
 GROUPS = 20  # groups shown
@@ -89,16 +102,79 @@ async def recent(
         pipe.lrange(store.keys.group(batch.group_id), 0, CAP - 1)
     listed = await pipe.execute() if todo else []
     pipe = store.redis.pipeline(transaction=False)
-    order: list[str] = []
+    order: list[tuple[str, str]] = []  # (group, task id) of each state read
     for i, batch in enumerate(todo):
         batch.total = int(listed[2 * i])
         for task_id in listed[2 * i + 1]:
             pipe.hget(store.keys.task(task_id.decode()), "state")
-            order.append(batch.group_id)
+            order.append((batch.group_id, task_id.decode()))
     states = await pipe.execute(raise_on_error=False) if order else []
-    for group, state in zip(order, states):
+    gone = [task_id for (_, task_id), state in zip(order, states) if state is None]
+    found = await listing.saved(store, gone)  # out of Redis: the SQL history's
+    for (group, task_id), state in zip(order, states):
         if isinstance(state, bytes):
             name = state.decode(errors="replace")
-            counts = batches[group].counts
-            counts[name] = counts.get(name, 0) + 1
+        elif state is None and task_id in found:
+            name = found[task_id].state
+        else:
+            continue
+        counts = batches[group].counts
+        counts[name] = counts.get(name, 0) + 1
     return list(batches.values())
+
+
+def _counts(batch: Batch) -> str:
+    return ", ".join(f"{n} {state}" for state, n in sorted(batch.counts.items()))
+
+
+def _batch_row(batch: Batch) -> Html:
+    return Html(
+        f'<tr data-group="{esc(batch.group_id)}"><td>{esc(short(batch.group_id))}</td>'
+        f"<td>{esc(when(batch.submitted))}</td>"
+        f'<td><progress max="{max(1, batch.total)}" value="{batch.done}"></progress></td>'
+        f'<td class="done">{batch.done}/{batch.total}</td>'
+        f'<td class="counts">{esc(_counts(batch))}</td></tr>'
+    )
+
+
+@router.get("/batches", response_model=None)
+async def batches_page(request: Request, seen: Page) -> Response:
+    ctx, who = seen
+    user = who.principal
+    key = index(ctx.store, user.user_id, _is_admin(ctx, user))
+    batches = await recent(ctx.store, key)
+    body = Html(
+        '<p id="live" class="live">live</p>'
+        '<table id="batches" data-stream="/batches/stream"><thead><tr><th>Batch</th>'
+        "<th>Submitted</th><th>Progress</th><th>Done</th><th>States</th></tr></thead>"
+        f"<tbody>{join(_batch_row(b) for b in batches)}</tbody></table>"
+        "<p>A batch is what one submit sent: a <code>batch_run</code>, or the tasks an "
+        "<code>Executor.map</code> sent together. States are counted for the first "
+        f"{CAP} tasks of a batch.</p>"
+    )
+    return _html(layout("Batches", body, user.user_name, who.csrf))
+
+
+@router.get("/batches/stream", response_model=None)
+async def batches_stream(request: Request, seen: Stream) -> Response:
+    ctx, who = seen
+    key = index(ctx.store, who.principal.user_id, _is_admin(ctx, who.principal))
+
+    sent: dict[str, dict[str, object]] = {}
+    finished: dict[str, Batch] = {}
+
+    async def look() -> AsyncIterator[str]:
+        nonlocal sent, finished
+        batches = await recent(ctx.store, key, finished=finished)
+        finished = {b.group_id: b for b in batches if b.total and b.done == b.total}
+        for batch in reversed(batches):  # oldest first: the page inserts each on top
+            view = batch.as_dict() | {"submitted": when(batch.submitted)}
+            view["states"] = _counts(batch)
+            if sent.get(batch.group_id) != view:
+                sent[batch.group_id] = view
+                yield f"event: batch\ndata: {json.dumps(view)}\n\n"
+        keep = {batch.group_id for batch in batches}
+        sent = {k: v for k, v in sent.items() if k in keep}
+
+    admin = _is_admin(ctx, who.principal)
+    return _stream(request, ctx, look, BATCH_TICK, None if admin else who.principal.user_id)

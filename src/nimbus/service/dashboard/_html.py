@@ -7,11 +7,12 @@ is placed, so nothing a user controls is ever markup.
 
 from __future__ import annotations
 
+import functools
 import html
 import time
 from collections.abc import Iterable
 
-__all__ = ["Html", "age", "esc", "join", "layout", "when"]
+__all__ = ["Html", "age", "esc", "join", "layout", "short", "when"]
 
 
 class Html(str):
@@ -25,15 +26,29 @@ def esc(value: object) -> Html:
     return Html(html.escape(str(value), quote=True))
 
 
+def short(task_id: str) -> str:
+    """A task's or batch's id as the pages show it: its head and its tail (a local
+    executor's ids share their head and differ only at the end); dashboard.js's
+    ``short`` is the same."""
+    return task_id if len(task_id) <= 13 else f"{task_id[:8]}…{task_id[-4:]}"
+
+
 def join(parts: Iterable[Html]) -> Html:
     return Html("".join(esc(part) for part in parts))
 
 
 def when(seconds: float) -> str:
-    """A time as UTC ``HH:MM:SS`` with the date, or '' for none."""
+    """A time as UTC ``HH:MM:SS`` with the date, or '' for none (digits, dashes, colons
+    and a space only: nothing to escape)."""
     if not seconds:
         return ""
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds))
+    return _second(int(seconds))
+
+
+@functools.lru_cache(maxsize=4096)
+def _second(second: int) -> str:
+    """One second's text, formatted once (a page's rows share a few seconds)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(second))
 
 
 def age(seconds: float | None) -> str:

@@ -18,13 +18,29 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from nimbus.records import TaskRecord
-from nimbus.service.dashboard._html import Html, esc, join
-from nimbus.service.dashboard._tasks import Row, record_of
+from nimbus.service import metrics
+from nimbus.service.dashboard._html import Html, esc, join, layout, short
+from nimbus.service.dashboard._routes import (
+    PAGE_SIZE,
+    Page,
+    Route,
+    _endpoints,
+    _html,
+    _is_admin,
+    _Names,
+)
+from nimbus.service.listing import Filter, Row, decode_cursor, index, page, record_of
 from nimbus.service.queues import TaskStore
 
-__all__ = ["NetRow", "amount", "net_rows", "rate", "row_html", "table"]
+__all__ = ["NetRow", "amount", "net_rows", "rate", "router", "row_html", "table"]
+
+router = APIRouter(include_in_schema=False, route_class=Route)
 
 
 @dataclass(frozen=True)
@@ -99,7 +115,7 @@ def row_html(net: NetRow) -> Html:
     else:
         cells += [""] * 8
     return Html(
-        f'<tr data-task="{esc(row.task_id)}"><td><a href="{esc(link)}">{esc(row.task_id[:8])}'
+        f'<tr data-task="{esc(row.task_id)}"><td><a href="{esc(link)}">{esc(short(row.task_id))}'
         f"</a></td>{join(Html(f'<td>{esc(c)}</td>') for c in cells)}</tr>"
     )
 
@@ -124,3 +140,56 @@ def table(rows: list[NetRow]) -> Html:
         + join(Html(f"<th>{esc(h)}</th>") for h in head)
         + f"</tr></thead><tbody>{join(row_html(r) for r in rows)}</tbody></table>"
     )
+
+
+@router.get("/network", response_model=None)
+async def network_page(request: Request, seen: Page) -> Response:
+    ctx, who = seen
+    user = who.principal
+    flt = Filter(endpoint=request.query_params.get("endpoint", "")[:64])
+    after = decode_cursor(request.query_params.get("after", ""))
+    admin = _is_admin(ctx, user)
+    key = index(ctx.store, user.user_id, admin)
+    rows, cursor = await page(
+        ctx.store, key, flt, after, PAGE_SIZE, None if admin else user.user_id
+    )
+    records = await net_rows(ctx.store, rows)
+    names = _Names(ctx, user)
+    nets = [
+        NetRow(
+            row,
+            await names.function(row.function_id),
+            await names.endpoint(row.endpoint_id),
+            record,
+        )
+        for row, record in zip(rows, records)
+    ]
+    endpoints = await _endpoints(ctx, user)
+    pipe = ctx.store.redis.pipeline(transaction=False)
+    for info in endpoints:
+        pipe.hmget(metrics.metrics_key(ctx.store, info.id), ["net_in", "net_out"])
+    totals = await pipe.execute() if endpoints else []
+    summary = join(
+        Html(
+            f'<tr data-endpoint="{esc(info.id)}"><td><a href="/network?'
+            f'{esc(urlencode({"endpoint": info.id}))}">{esc(info.name)}</a></td>'
+            f"<td>{esc(amount(int(got or 0)))}</td>"
+            f"<td>{esc(amount(int(sent or 0)))}</td></tr>"
+        )
+        for info, (got, sent) in zip(endpoints, totals)
+    )
+    body = Html(
+        '<h2>Endpoints</h2><table id="endpoint-bytes"><thead><tr><th>Endpoint</th>'
+        f"<th>Bytes in</th><th>Bytes out</th></tr></thead><tbody>{summary}</tbody></table>"
+        f"<h2>Tasks</h2>{table(nets)}"
+        "<p>From each task's record: bytes its processes moved (source <code>netns</code>: "
+        "every IP byte; <code>socket</code>: Python sockets only), throughput over its run "
+        "time, other tasks on its host, TCP retransmits and round trip.</p>"
+    )
+    if cursor:
+        query = {"endpoint": flt.endpoint} if flt.endpoint else {}
+        body = Html(
+            body + f'<p><a id="next" href="/network?{esc(urlencode(query | {"after": cursor}))}">'
+            "Older tasks</a></p>"
+        )
+    return _html(layout("Network", body, user.user_name, who.csrf))

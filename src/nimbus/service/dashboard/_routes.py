@@ -1,16 +1,15 @@
-"""The dashboard's routes: login, endpoints, tasks (paged, live), a task, static files.
+"""The dashboard's routes: login, static files, and what every page module shares
+(the ``Page``/``Stream`` dependencies, ``_stream``, ``_Names``).
 
 ::
 
     GET  /login, POST /login, POST /logout          _session (cookie, CSRF)
-    GET  /, /endpoints/{id}     endpoints: _endpoints; a task: _task; the timeline: _timeline
-    GET  /directory             messaging instances: _directory; POST buttons: _actions
-    GET  /tasks?state=&endpoint=&function=&after=   a keyset page of your tasks
-    GET  /tasks/stream?state=&endpoint=&function=   server-sent events: rows that changed
-                                (pushed: ``_live``, a Redis subscription per process)
-    GET  /network?endpoint=&after=  your tasks' bytes and throughput; endpoints' totals
-    GET  /batches, /batches/stream  progress of your recent batches (live: events)
     GET  /static/{name}         the JS and CSS in this package
+    GET  /, /endpoints/{id}     endpoints: _endpoints; a task: _task; the timeline: _timeline
+    GET  /tasks, /tasks/stream  a keyset page of your tasks, live: _tasks
+    GET  /directory             messaging instances: _directory; POST buttons: _actions
+    GET  /network?endpoint=&after=  your tasks' bytes and throughput; endpoints' totals: _network
+    GET  /batches, /batches/stream  progress of your recent batches (live: events): _batches
 
 Without a session a page answers 303 to /login (the stream and static files
 excepted: 401, and files that hold nothing of anyone's). Another user's task is
@@ -22,8 +21,6 @@ scripts from this origin only, so even markup that slipped through would not run
 from __future__ import annotations
 
 import asyncio
-import html
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -39,31 +36,19 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from nimbus.errors import AuthError, NotFound
-from nimbus.service import metrics
 from nimbus.service.context import ServiceContext
-from nimbus.service.dashboard import _batches, _live, _network, _session
-from nimbus.service.dashboard._html import Html, esc, join, layout, when
-from nimbus.service.dashboard._tasks import (
-    LIVE_WINDOW,
-    STATES,
-    Filter,
+from nimbus.service.dashboard import _live, _session
+from nimbus.service.dashboard._html import Html, esc, layout, when
+from nimbus.service.listing import (
     Row,
-    decode_cursor,
-    index,
-    live_window,
-    page,
 )
-from nimbus.service.history import Query
-from nimbus.service.registry import EndpointInfo, FunctionInfo, Principal, Registry
+from nimbus.service.registry import EndpointInfo, Principal, Registry
 from nimbus.service.tables import Endpoint
 
 __all__ = ["router"]
 
 router = APIRouter(include_in_schema=False)
 PAGE_SIZE = 50
-CHOICES_SECONDS = 2.0  # how long a viewer's filter choices (endpoints, functions) are reused
-TICK = 0.25  # seconds between looks at the live window of an open tasks page, at most
-BATCH_TICK = 1.0  # seconds between looks at the batches of an open batches page, at most
 WAKE = 1.0  # seconds an idle stream sleeps between checks that the service is stopping
 RECHECK = 5.0  # seconds between checks that a stream's session still holds
 KEEPALIVE = 15.0
@@ -341,287 +326,6 @@ class _Names:
             "dispatched": when(row.dispatched),
             "ended": when(row.ended),
         }
-
-
-def _filter(request: Request) -> Filter:
-    params = request.query_params
-    return Filter(
-        params.get("state", "")[:64],
-        params.get("endpoint", "")[:64],
-        params.get("function", "")[:64],
-    )
-
-
-def _row_html(
-    task_id: str, state: str, function: str, endpoint: str, *times: str, _e: Any = html.escape
-) -> Html:
-    """A task's row of the tasks table, every value escaped (``html.escape`` straight:
-    rows are most of a page's rendering)."""
-    tid = _e(task_id)
-    st = _e(state)
-    submitted, dispatched, ended = (_e(t) for t in times)
-    return Html(
-        f'<tr data-task="{tid}"><td><a href="/tasks/{tid}">{_e(task_id[:8])}</a></td>'
-        f'<td class="state {st}">{st}</td><td>{_e(function)}</td><td>{_e(endpoint)}</td>'
-        f"<td>{submitted}</td><td>{dispatched}</td><td>{ended}</td></tr>"
-    )
-
-
-async def _rows_html(names: _Names, rows: list[Row]) -> Html:
-    """The table's rows: each function's and endpoint's name looked up once."""
-    functions = {f: await names.function(f) for f in {row.function_id for row in rows}}
-    endpoints = {e: await names.endpoint(e) for e in {row.endpoint_id for row in rows}}
-    return Html(
-        "".join(
-            _row_html(
-                row.task_id, row.state, functions[row.function_id], endpoints[row.endpoint_id],
-                when(row.submitted), when(row.dispatched), when(row.ended),
-            )
-            for row in rows
-        )
-    )  # fmt: skip
-
-
-def _choices_of(
-    registry: Registry, user_id: str, admin: bool
-) -> tuple[list[EndpointInfo], list[FunctionInfo]]:
-    endpoints = _all_endpoints(registry) if admin else registry.endpoints(user_id)
-    return endpoints, registry.functions(user_id)
-
-
-async def _choices(
-    request: Request, ctx: ServiceContext, user: Principal, admin: bool
-) -> tuple[list[EndpointInfo], list[FunctionInfo]]:
-    """The endpoints and functions of a viewer's filters, read in one go and reused for
-    ``CHOICES_SECONDS`` (one new endpoint or function shows that much later)."""
-    cache: dict[tuple[str, bool], Any] = request.app.state.__dict__.setdefault(
-        "dashboard_choices", {}
-    )
-    now = time.monotonic()
-    hit = cache.get((user.user_id, admin))
-    if hit is not None and hit[0] > now:
-        return hit[1]  # type: ignore[no-any-return]
-    got = await run_in_threadpool(_choices_of, ctx.registry, user.user_id, admin)
-    if len(cache) > 1000:
-        cache.clear()
-    cache[(user.user_id, admin)] = (now + CHOICES_SECONDS, got)
-    return got
-
-
-def _options(name: str, current: str, choices: list[tuple[str, str]]) -> Html:
-    opts = [Html('<option value="">any</option>')]
-    for value, label in choices:
-        chosen = " selected" if value == current else ""
-        opts.append(Html(f'<option value="{esc(value)}"{chosen}>{esc(label)}</option>'))
-    return Html(f'<label>{esc(name)} <select name="{esc(name)}">{join(opts)}</select></label> ')
-
-
-@router.get("/tasks", response_model=None)
-async def tasks_page(request: Request) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return _to_login(request)
-    user = who.principal
-    flt = _filter(request)
-    after_text = request.query_params.get("after", "")
-    after = decode_cursor(after_text)
-    admin = _is_admin(ctx, user)
-    key = index(ctx.store, user.user_id, admin)
-    (rows, cursor), (endpoints, functions) = await asyncio.gather(
-        page(ctx.store, key, flt, after, PAGE_SIZE, None if admin else user.user_id),
-        _choices(request, ctx, user, admin),
-    )
-    names = _Names(ctx, user)
-    if admin:  # every endpoint is in the choices: no lookup each
-        names.endpoints.update((e.id, e.name) for e in endpoints)
-    body = await _rows_html(names, rows)
-    query = {k: v for k, v in vars(flt).items() if v}
-    filters = Html(
-        '<form method="get" action="/tasks" class="filters">'
-        f"{_options('state', flt.state, [(s, s) for s in STATES])}"
-        f"{_options('endpoint', flt.endpoint, [(e.id, e.name) for e in endpoints])}"
-        f"{_options('function', flt.function, [(f.id, f.name or f.id) for f in functions])}"
-        '<button type="submit">Filter</button></form>'
-    )
-    live = not after_text
-    stream = "/tasks/stream?" + urlencode(query)
-    table = Html(
-        f'<table id="tasks" data-stream="{esc(stream) if live else ""}"><thead><tr>'
-        "<th>Task</th><th>State</th><th>Function</th><th>Endpoint</th><th>Submitted</th>"
-        f"<th>Dispatched</th><th>Ended</th></tr></thead>"
-        f"<tbody>{body}</tbody></table>"
-    )
-    more = Html("")
-    if cursor:
-        more = Html(
-            f'<p><a id="next" href="/tasks?{esc(urlencode(query | {"after": cursor}))}">'
-            "Older tasks</a></p>"
-        )
-    note = Html('<p id="live" class="live">live</p>' if live else "")
-    return _html(layout("Tasks", Html(filters + note + table + more), user.user_name, who.csrf))
-
-
-@router.get("/tasks/stream", response_model=None)
-async def tasks_stream(request: Request) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return Response(status_code=401, headers=HEADERS)
-    flt = _filter(request)
-    names = _Names(ctx, who.principal)
-    key = index(ctx.store, who.principal.user_id, names.admin)
-
-    sent: dict[str, tuple[str, float, float]] = {}
-    live = _live.changes(request)
-    local = live.local  # a local Executor's rows: in the SQL history only
-
-    async def look() -> AsyncIterator[str]:
-        nonlocal sent, local
-        rows = await live_window(ctx.store, key, flt)
-        if names.admin and live.local != local and ctx.store.history is not None:
-            local = live.local  # a local program's tasks were ingested: the newest of all
-            query = Query(None, flt.state, flt.endpoint, flt.function)
-            saved, _ = await asyncio.to_thread(ctx.store.history.page, query, None, LIVE_WINDOW)
-            merged = {row.task_id: row for row in (Row(*values) for values in saved)}
-            merged.update((row.task_id, row) for row in rows)
-            rows = sorted(merged.values(), key=lambda r: (r.score, r.task_id), reverse=True)
-            rows = rows[:LIVE_WINDOW]
-        for row in reversed(rows):  # oldest first: the page inserts each on top
-            seen = (row.state, row.dispatched, row.ended)
-            if sent.get(row.task_id) != seen:
-                sent[row.task_id] = seen
-                yield f"event: task\ndata: {json.dumps(await names.row(row))}\n\n"
-        if len(sent) > 4 * len(rows) + 100:
-            keep = {row.task_id for row in rows}
-            sent = {k: v for k, v in sent.items() if k in keep}
-
-    return _stream(request, ctx, look, TICK, None if names.admin else who.principal.user_id)
-
-
-# ---------------------------------------------------------------- network
-
-
-@router.get("/network", response_model=None)
-async def network_page(request: Request) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return _to_login(request)
-    user = who.principal
-    flt = Filter(endpoint=request.query_params.get("endpoint", "")[:64])
-    after = decode_cursor(request.query_params.get("after", ""))
-    admin = _is_admin(ctx, user)
-    key = index(ctx.store, user.user_id, admin)
-    rows, cursor = await page(
-        ctx.store, key, flt, after, PAGE_SIZE, None if admin else user.user_id
-    )
-    records = await _network.net_rows(ctx.store, rows)
-    names = _Names(ctx, user)
-    nets = [
-        _network.NetRow(
-            row,
-            await names.function(row.function_id),
-            await names.endpoint(row.endpoint_id),
-            record,
-        )
-        for row, record in zip(rows, records)
-    ]
-    endpoints = await _endpoints(ctx, user)
-    pipe = ctx.store.redis.pipeline(transaction=False)
-    for info in endpoints:
-        pipe.hmget(metrics.metrics_key(ctx.store, info.id), ["net_in", "net_out"])
-    totals = await pipe.execute() if endpoints else []
-    summary = join(
-        Html(
-            f'<tr data-endpoint="{esc(info.id)}"><td><a href="/network?'
-            f'{esc(urlencode({"endpoint": info.id}))}">{esc(info.name)}</a></td>'
-            f"<td>{esc(_network.amount(int(got or 0)))}</td>"
-            f"<td>{esc(_network.amount(int(sent or 0)))}</td></tr>"
-        )
-        for info, (got, sent) in zip(endpoints, totals)
-    )
-    body = Html(
-        '<h2>Endpoints</h2><table id="endpoint-bytes"><thead><tr><th>Endpoint</th>'
-        f"<th>Bytes in</th><th>Bytes out</th></tr></thead><tbody>{summary}</tbody></table>"
-        f"<h2>Tasks</h2>{_network.table(nets)}"
-        "<p>From each task's record: bytes its processes moved (source <code>netns</code>: "
-        "every IP byte; <code>socket</code>: Python sockets only), throughput over its run "
-        "time, other tasks on its host, TCP retransmits and round trip.</p>"
-    )
-    if cursor:
-        query = {"endpoint": flt.endpoint} if flt.endpoint else {}
-        body = Html(
-            body + f'<p><a id="next" href="/network?{esc(urlencode(query | {"after": cursor}))}">'
-            "Older tasks</a></p>"
-        )
-    return _html(layout("Network", body, user.user_name, who.csrf))
-
-
-# ---------------------------------------------------------------- batches
-
-
-def _counts(batch: _batches.Batch) -> str:
-    return ", ".join(f"{n} {state}" for state, n in sorted(batch.counts.items()))
-
-
-def _batch_row(batch: _batches.Batch) -> Html:
-    return Html(
-        f'<tr data-group="{esc(batch.group_id)}"><td>{esc(batch.group_id[:8])}</td>'
-        f"<td>{esc(when(batch.submitted))}</td>"
-        f'<td><progress max="{max(1, batch.total)}" value="{batch.done}"></progress></td>'
-        f'<td class="done">{batch.done}/{batch.total}</td>'
-        f'<td class="counts">{esc(_counts(batch))}</td></tr>'
-    )
-
-
-@router.get("/batches", response_model=None)
-async def batches_page(request: Request) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return _to_login(request)
-    user = who.principal
-    key = index(ctx.store, user.user_id, _is_admin(ctx, user))
-    batches = await _batches.recent(ctx.store, key)
-    body = Html(
-        '<p id="live" class="live">live</p>'
-        '<table id="batches" data-stream="/batches/stream"><thead><tr><th>Batch</th>'
-        "<th>Submitted</th><th>Progress</th><th>Done</th><th>States</th></tr></thead>"
-        f"<tbody>{join(_batch_row(b) for b in batches)}</tbody></table>"
-        "<p>A batch is what one submit sent: a <code>batch_run</code>, or the tasks an "
-        "<code>Executor.map</code> sent together. States are counted for the first "
-        f"{_batches.CAP} tasks of a batch.</p>"
-    )
-    return _html(layout("Batches", body, user.user_name, who.csrf))
-
-
-@router.get("/batches/stream", response_model=None)
-async def batches_stream(request: Request) -> Response:
-    ctx = _ctx(request)
-    who = await _session.viewer(request, ctx)
-    if who is None:
-        return Response(status_code=401, headers=HEADERS)
-    key = index(ctx.store, who.principal.user_id, _is_admin(ctx, who.principal))
-
-    sent: dict[str, dict[str, object]] = {}
-    finished: dict[str, _batches.Batch] = {}
-
-    async def look() -> AsyncIterator[str]:
-        nonlocal sent, finished
-        batches = await _batches.recent(ctx.store, key, finished=finished)
-        finished = {b.group_id: b for b in batches if b.total and b.done == b.total}
-        for batch in reversed(batches):  # oldest first: the page inserts each on top
-            view = batch.as_dict() | {"submitted": when(batch.submitted)}
-            view["states"] = _counts(batch)
-            if sent.get(batch.group_id) != view:
-                sent[batch.group_id] = view
-                yield f"event: batch\ndata: {json.dumps(view)}\n\n"
-        keep = {batch.group_id for batch in batches}
-        sent = {k: v for k, v in sent.items() if k in keep}
-
-    admin = _is_admin(ctx, who.principal)
-    return _stream(request, ctx, look, BATCH_TICK, None if admin else who.principal.user_id)
 
 
 @router.get("/static/{name}")

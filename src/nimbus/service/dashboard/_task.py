@@ -26,9 +26,9 @@ from nimbus.errors import NotFound
 from nimbus.protocol import traceback_text
 from nimbus.records import TaskState
 from nimbus.service.dashboard import _network
-from nimbus.service.dashboard._html import Html, esc, join, layout, when
+from nimbus.service.dashboard._html import Html, esc, join, layout, short, when
 from nimbus.service.dashboard._routes import Page, Route, _html, _is_admin, _Names
-from nimbus.service.dashboard._tasks import Row, record_of
+from nimbus.service.listing import Row, record_of
 
 __all__ = ["output_text", "router"]
 
@@ -158,4 +158,4 @@ async def task_page(request: Request, task_id: str, seen: Page) -> Response:
                     "(not read by the service: <code>Client.get_result</code> gives it).</p>"
                 )
             )
-    return _html(layout(f"Task {task_id[:8]}", body, user.user_name, who.csrf))
+    return _html(layout(f"Task {short(task_id)}", body, user.user_name, who.csrf))

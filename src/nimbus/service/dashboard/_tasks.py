@@ -1,244 +1,210 @@
-"""Reading a user's tasks for the dashboard: keyset pages and the live window.
+"""The tasks pages: a keyset page of your tasks, filtered, and its live rows.
 
 ::
 
-    Keys.user_tasks(user)  sorted set, score = submit time, member = task id
-    (Keys.all_tasks() for an admin: NIMBUS_SERVICE_ADMINS)
-        page(after=None)        ZREVRANGE 0..size-1             newest first
-        page(after=(s, id))     ZREVRANK id -> r; ZREVRANGE r+1..r+size
-                                (id gone: ZCOUNT (s..+inf, plus the ties
-                                 of score s with a larger id)
-        each id read            HMGET of six fields (no payloads, no results)
+    GET  /tasks?state=&endpoint=&function=&after=   a page (``nimbus.service.listing``)
+    GET  /tasks/stream?state=&endpoint=&function=   server-sent events: rows that changed
+                                (pushed: ``_live``, a Redis subscription per process)
 
-all in one Lua script call (``_PAGE``): one round trip a page, the rows
-decoded by Redis rather than by the service (a pipeline of 200 HMGETs cost the
-service ~30 ms of packing and parsing).
-
-Redis holds the live tasks and a recent window (``nimbus.service.flusher``); the
-finished ones are in the SQL history (``nimbus.service.history``): :func:`page`
-reads both, keyset, and merges them.
-
-A page costs O(log n + the rows read), whatever the history holds: the cursor
-is a position in the index, never an offset counted from the start. A filter
-(state, endpoint, function) reads batches of 200 until the page is full or ``SCAN_CAP``
-ids were read; the page then ends with a cursor to go on from. Tasks of a
-batch submit share one score, which is why the cursor carries the id too.
+An admin's page shows every task (the index ``Keys.all_tasks``) and, on its live
+stream, a local program's tasks as they are ingested into the SQL history.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import html
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlencode
 
-import msgpack
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
-from nimbus.records import TaskRecord, TaskState
+from nimbus.service.context import ServiceContext
+from nimbus.service.dashboard import _live
+from nimbus.service.dashboard._html import Html, esc, join, layout, short, when
+from nimbus.service.dashboard._routes import (
+    PAGE_SIZE,
+    Page,
+    Route,
+    Stream,
+    _all_endpoints,
+    _html,
+    _is_admin,
+    _Names,
+    _stream,
+)
 from nimbus.service.history import Query
-from nimbus.service.queues import TaskStore
+from nimbus.service.listing import (
+    LIVE_WINDOW,
+    STATES,
+    Filter,
+    Row,
+    decode_cursor,
+    index,
+    live_window,
+    page,
+)
+from nimbus.service.registry import EndpointInfo, FunctionInfo, Principal, Registry
 
-__all__ = [
-    "STATES",
-    "Filter",
-    "Row",
-    "decode_cursor",
-    "index",
-    "live_window",
-    "page",
-    "record_of",
-]
+__all__ = ["router"]
 
-SCAN_CAP = 5000  # ids read for one filtered page at most
-LIVE_WINDOW = 100  # newest tasks the live stream watches
-_FIELDS = ("state", "endpoint", "function", "submitted", "dispatched", "ended")
-STATES = tuple(state.value for state in TaskState if state is not TaskState.RECEIVED)
+router = APIRouter(include_in_schema=False, route_class=Route)
+CHOICES_SECONDS = 2.0  # how long a viewer's filter choices (endpoints, functions) are reused
+TICK = 0.25  # seconds between looks at the live window of an open tasks page, at most
 
 
-@dataclass(frozen=True)
-class Filter:
-    state: str = ""
-    endpoint: str = ""
-    function: str = ""
+def _filter(request: Request) -> Filter:
+    params = request.query_params
+    return Filter(
+        params.get("state", "")[:64],
+        params.get("endpoint", "")[:64],
+        params.get("function", "")[:64],
+    )
 
-    def keeps(self, row: Row) -> bool:
-        return (
-            (not self.state or row.state == self.state)
-            and (not self.endpoint or row.endpoint_id == self.endpoint)
-            and (not self.function or row.function_id == self.function)
+
+def _row_html(
+    task_id: str, state: str, function: str, endpoint: str, *times: str, _e: Any = html.escape
+) -> Html:
+    """A task's row of the tasks table, every value escaped (``html.escape`` straight:
+    rows are most of a page's rendering)."""
+    tid = _e(task_id)
+    st = _e(state)
+    submitted, dispatched, ended = times  # when()'s: nothing to escape
+    return Html(
+        f'<tr data-task="{tid}"><td><a href="/tasks/{tid}">{_e(short(task_id))}</a></td>'
+        f'<td class="state {st}">{st}</td><td>{_e(function)}</td><td>{_e(endpoint)}</td>'
+        f"<td>{submitted}</td><td>{dispatched}</td><td>{ended}</td></tr>"
+    )
+
+
+async def _rows_html(names: _Names, rows: list[Row]) -> Html:
+    """The table's rows: each function's and endpoint's name looked up once."""
+    functions = {f: await names.function(f) for f in {row.function_id for row in rows}}
+    endpoints = {e: await names.endpoint(e) for e in {row.endpoint_id for row in rows}}
+    return Html(
+        "".join(
+            _row_html(
+                row.task_id, row.state, functions[row.function_id], endpoints[row.endpoint_id],
+                when(row.submitted), when(row.dispatched), when(row.ended),
+            )
+            for row in rows
         )
-
-
-@dataclass(frozen=True)
-class Row:
-    task_id: str
-    score: float
-    state: str
-    endpoint_id: str
-    function_id: str
-    submitted: float
-    dispatched: float
-    ended: float
-
-    @property
-    def cursor(self) -> str:
-        return f"{self.score!r}~{self.task_id}"
-
-
-def decode_cursor(text: str) -> tuple[float, str] | None:
-    score, sep, task_id = text.partition("~")
-    try:
-        return (float(score), task_id) if sep and task_id else None
-    except ValueError:
-        return None
-
-
-def _seconds(value: bytes | None) -> float:
-    try:
-        return float(value or 0)
-    except ValueError:
-        return 0.0
-
-
-_PAGE = """
-local key, prefix = KEYS[1], ARGV[1]
-local size, cap = tonumber(ARGV[2]), tonumber(ARGV[3])
-local state, endpoint, fn = ARGV[4], ARGV[5], ARGV[6]
-local after_score, after_id = ARGV[7], ARGV[8]
-local pos = 0
-if after_id ~= '' then
-  local rank = redis.call('ZREVRANK', key, after_id)
-  if rank then
-    pos = rank + 1
-  else  -- the cursor's task left the index (expired): after the higher scores and the
-    pos = redis.call('ZCOUNT', key, '(' .. after_score, '+inf')  -- larger ids of its own
-    local offset = 0
-    while true do
-      local ties = redis.call('ZREVRANGEBYSCORE', key, after_score, after_score, 'LIMIT',
-                              offset, 1000)
-      local n = 0
-      for _, m in ipairs(ties) do if m > after_id then n = n + 1 end end
-      pos = pos + n
-      if #ties < 1000 or n < #ties then break end
-      offset = offset + 1000
-    end
-  end
-end
-local filtered = state ~= '' or endpoint ~= '' or fn ~= ''
-local batch = filtered and 200 or size
-local out, gone, read = {}, {}, 0
-local last_id, last_score, why = '', '', 'end'
-while read < cap do
-  local members = redis.call('ZREVRANGE', key, pos, pos + batch - 1, 'WITHSCORES')
-  if #members == 0 then break end
-  pos = pos + #members / 2
-  for i = 1, #members, 2 do
-    local id = members[i]
-    last_id, last_score, read = id, members[i + 1], read + 1
-    local v = redis.pcall('HMGET', prefix .. id, 'state', 'endpoint', 'function', 'submitted',
-                          'dispatched', 'ended')
-    if v.err then  -- not a task's hash (a broken record): not listed, left to its own routes
-    elseif not v[1] then
-      gone[#gone + 1] = id  -- expired (its result's time to live passed): unindexed
-    elseif (state == '' or v[1] == state) and (endpoint == '' or v[2] == endpoint)
-        and (fn == '' or v[3] == fn) then
-      out[#out + 1] = {id, last_score, v[1], v[2] or '', v[3] or '', v[4] or '', v[5] or '',
-                       v[6] or ''}
-      if #out == size then why = 'full' break end
-    end
-    if read >= cap then why = 'cap' break end
-  end
-  if why ~= 'end' then break end
-end
-for i = 1, #gone, 1000 do
-  redis.call('ZREM', key, unpack(gone, i, math.min(i + 999, #gone)))
-end
-return {out, why, last_id, last_score}
-"""
-
-
-def _text(value: bytes) -> str:
-    return value.decode(errors="replace")
-
-
-async def _read(
-    store: TaskStore, key: str, flt: Filter, after: tuple[float, str] | None, size: int, cap: int
-) -> tuple[list[Row], str]:
-    """One script call: up to ``size`` rows ``flt`` keeps from after ``after``, reading at
-    most ``cap`` ids; and the cursor to go on from ('' at the end of the index)."""
-    script = store.redis.register_script(_PAGE)  # EVALSHA, loaded once per Redis
-    score, task_id = after if after is not None else (0.0, "")
-    raw, why, last_id, last_score = await script(
-        keys=[key],
-        args=[store.keys.task(""), size, cap, flt.state, flt.endpoint, flt.function,
-              repr(score), task_id],
     )  # fmt: skip
-    rows = [
-        Row(
-            _text(task_id),
-            float(score),
-            _text(state),
-            _text(endpoint),
-            _text(function),
-            _seconds(submitted),
-            _seconds(dispatched),
-            _seconds(ended),
+
+
+def _choices_of(
+    registry: Registry, user_id: str, admin: bool
+) -> tuple[list[EndpointInfo], list[FunctionInfo]]:
+    endpoints = _all_endpoints(registry) if admin else registry.endpoints(user_id)
+    return endpoints, registry.functions(user_id)
+
+
+async def _choices(
+    request: Request, ctx: ServiceContext, user: Principal, admin: bool
+) -> tuple[list[EndpointInfo], list[FunctionInfo]]:
+    """The endpoints and functions of a viewer's filters, read in one go and reused for
+    ``CHOICES_SECONDS`` (one new endpoint or function shows that much later)."""
+    cache: dict[tuple[str, bool], Any] = request.app.state.__dict__.setdefault(
+        "dashboard_choices", {}
+    )
+    now = time.monotonic()
+    hit = cache.get((user.user_id, admin))
+    if hit is not None and hit[0] > now:
+        return hit[1]  # type: ignore[no-any-return]
+    got = await run_in_threadpool(_choices_of, ctx.registry, user.user_id, admin)
+    if len(cache) > 1000:
+        cache.clear()
+    cache[(user.user_id, admin)] = (now + CHOICES_SECONDS, got)
+    return got
+
+
+def _options(name: str, current: str, choices: list[tuple[str, str]]) -> Html:
+    opts = [Html('<option value="">any</option>')]
+    for value, label in choices:
+        chosen = " selected" if value == current else ""
+        opts.append(Html(f'<option value="{esc(value)}"{chosen}>{esc(label)}</option>'))
+    return Html(f'<label>{esc(name)} <select name="{esc(name)}">{join(opts)}</select></label> ')
+
+
+@router.get("/tasks", response_model=None)
+async def tasks_page(request: Request, seen: Page) -> Response:
+    ctx, who = seen
+    user = who.principal
+    flt = _filter(request)
+    after_text = request.query_params.get("after", "")
+    after = decode_cursor(after_text)
+    admin = _is_admin(ctx, user)
+    key = index(ctx.store, user.user_id, admin)
+    (rows, cursor), (endpoints, functions) = await asyncio.gather(
+        page(ctx.store, key, flt, after, PAGE_SIZE, None if admin else user.user_id),
+        _choices(request, ctx, user, admin),
+    )
+    names = _Names(ctx, user)
+    # the choices are what the viewer sees (an admin: every endpoint, their own
+    # functions): those names need no lookup (a thread and a query each)
+    names.endpoints.update((e.id, e.name) for e in endpoints)
+    names.functions.update((f.id, f.name or f.id) for f in functions)
+    body = await _rows_html(names, rows)
+    query = {k: v for k, v in vars(flt).items() if v}
+    filters = Html(
+        '<form method="get" action="/tasks" class="filters">'
+        f"{_options('state', flt.state, [(s, s) for s in STATES])}"
+        f"{_options('endpoint', flt.endpoint, [(e.id, e.name) for e in endpoints])}"
+        f"{_options('function', flt.function, [(f.id, f.name or f.id) for f in functions])}"
+        '<button type="submit">Filter</button></form>'
+    )
+    live = not after_text
+    stream = "/tasks/stream?" + urlencode(query)
+    table = Html(
+        f'<table id="tasks" data-stream="{esc(stream) if live else ""}"><thead><tr>'
+        "<th>Task</th><th>State</th><th>Function</th><th>Endpoint</th><th>Submitted</th>"
+        f"<th>Dispatched</th><th>Ended</th></tr></thead>"
+        f"<tbody>{body}</tbody></table>"
+    )
+    more = Html("")
+    if cursor:
+        more = Html(
+            f'<p><a id="next" href="/tasks?{esc(urlencode(query | {"after": cursor}))}">'
+            "Older tasks</a></p>"
         )
-        for task_id, score, state, endpoint, function, submitted, dispatched, ended in raw
-    ]
-    why = _text(why)
-    if why == "full":
-        return rows, rows[-1].cursor
-    if why == "cap":
-        return rows, f"{float(last_score)!r}~{_text(last_id)}"
-    return rows, ""
+    note = Html('<p id="live" class="live">live</p>' if live else "")
+    return _html(layout("Tasks", Html(filters + note + table + more), user.user_name, who.csrf))
 
 
-async def page(
-    store: TaskStore,
-    key: str,
-    flt: Filter,
-    after: tuple[float, str] | None,
-    size: int,
-    owner: str | None,
-) -> tuple[list[Row], str]:
-    """Up to ``size`` tasks of the index ``key`` (:func:`index`) that ``flt`` keeps, newest
-    first, from after the cursor ``after``; and the cursor of the next page ('' at the end).
+@router.get("/tasks/stream", response_model=None)
+async def tasks_stream(request: Request, seen: Stream) -> Response:
+    ctx, who = seen
+    flt = _filter(request)
+    names = _Names(ctx, who.principal)
+    key = index(ctx.store, who.principal.user_id, names.admin)
 
-    The tasks Redis holds (live, and the recent window) and those of the SQL history
-    (``owner``'s, everyone's if None) are read side by side and merged: rows are kept
-    down to where both reads are complete, so no task between them is skipped.
-    """
-    live, live_cursor = await _read(store, key, flt, after, size, SCAN_CAP)
-    if store.history is None:
-        return live, live_cursor
-    query = Query(owner, flt.state, flt.endpoint, flt.function)
-    saved, saved_cursor = await asyncio.to_thread(store.history.page, query, after, size)
-    rows = {row.task_id: row for row in (Row(*values) for values in saved)}
-    rows.update((row.task_id, row) for row in live)  # Redis's is the fresher
-    merged = sorted(rows.values(), key=lambda row: (row.score, row.task_id), reverse=True)
-    ends = [c for text in (live_cursor, saved_cursor) if (c := decode_cursor(text))]
-    frontier = max(ends, default=None)  # both reads are complete down to here
-    if frontier is not None:
-        merged = [row for row in merged if (row.score, row.task_id) >= frontier]
-    if len(merged) >= size:
-        return merged[:size], merged[size - 1].cursor
-    return merged, "" if frontier is None else f"{frontier[0]!r}~{frontier[1]}"
+    sent: dict[str, tuple[str, float, float]] = {}
+    live = _live.changes(request)
+    local = live.local  # a local Executor's rows: in the SQL history only
 
+    async def look() -> AsyncIterator[str]:
+        nonlocal sent, local
+        rows = await live_window(ctx.store, key, flt)
+        if names.admin and live.local != local and ctx.store.history is not None:
+            local = live.local  # a local program's tasks were ingested: the newest of all
+            query = Query(None, flt.state, flt.endpoint, flt.function)
+            saved, _ = await asyncio.to_thread(ctx.store.history.page, query, None, LIVE_WINDOW)
+            merged = {row.task_id: row for row in (Row(*values) for values in saved)}
+            merged.update((row.task_id, row) for row in rows)
+            rows = sorted(merged.values(), key=lambda r: (r.score, r.task_id), reverse=True)
+            rows = rows[:LIVE_WINDOW]
+        for row in reversed(rows):  # oldest first: the page inserts each on top
+            seen = (row.state, row.dispatched, row.ended)
+            if sent.get(row.task_id) != seen:
+                sent[row.task_id] = seen
+                yield f"event: task\ndata: {json.dumps(await names.row(row))}\n\n"
+        if len(sent) > 4 * len(rows) + 100:
+            keep = {row.task_id for row in rows}
+            sent = {k: v for k, v in sent.items() if k in keep}
 
-async def live_window(store: TaskStore, key: str, flt: Filter) -> list[Row]:
-    """The newest ``LIVE_WINDOW`` tasks of the index ``key`` that ``flt`` keeps."""
-    rows, _ = await _read(store, key, flt, None, LIVE_WINDOW, LIVE_WINDOW)
-    return rows
-
-
-def index(store: TaskStore, user_id: str, admin: bool) -> str:
-    """The task index a user's pages read: every task for an admin, else their own."""
-    return store.keys.all_tasks() if admin else store.keys.user_tasks(user_id)
-
-
-def record_of(raw: bytes | None) -> TaskRecord | None:
-    if not raw:
-        return None
-    try:
-        return TaskRecord.from_wire(msgpack.unpackb(raw, raw=False))
-    except Exception:  # sent by an agent or stored by an older version: not shown
-        return None
+    return _stream(request, ctx, look, TICK, None if names.admin else who.principal.user_id)

@@ -42,8 +42,9 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from nimbus.records import TaskRecord, TaskState
+from nimbus.service import listing
 from nimbus.service.context import ServiceContext
-from nimbus.service.dashboard._html import Html, esc, join, layout
+from nimbus.service.dashboard._html import Html, esc, join, layout, short
 from nimbus.service.dashboard._routes import (
     HEADERS,
     Page,
@@ -54,7 +55,8 @@ from nimbus.service.dashboard._routes import (
     _Names,
     _stream,
 )
-from nimbus.service.dashboard._tasks import LIVE_WINDOW, index
+from nimbus.service.listing import LIVE_WINDOW, index
+from nimbus.service.queues import TaskStore
 from nimbus.service.registry import Principal
 
 __all__ = ["Span", "draw_png", "router", "spans"]
@@ -95,11 +97,10 @@ async def _visible_ids(
     store = ctx.store
     admin = _is_admin(ctx, user)
     if group:
-        listed = await store.redis.lrange(store.keys.group(group[:64]), 0, WINDOW - 1)
-        ids = [m.decode() for m in listed]
+        ids = await listing.group_ids(store, group[:64], WINDOW)
         ids = [
             task_id
-            for task_id, got in zip(ids, await _read(ctx, ids))
+            for task_id, got in zip(ids, await _read(ctx.store, ids))
             if got[8] is not None  # its owner: another user's task of the group is not shown
             and (admin or got[8].decode() == user.user_id)
             and (not endpoint or (got[1] or b"").decode() == endpoint)
@@ -144,30 +145,40 @@ _AT = msgpack.packb([_NAMES.index(name) + 1 for name in ("worker", "started", "e
 _scripts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-async def _read(ctx: ServiceContext, ids: list[str]) -> list[list[Any]]:
+async def _read(store: TaskStore, ids: list[str]) -> list[list[Any]]:
     """Each task's state, endpoint, submitted, dispatched, ended, its record's worker,
     started and ended, and its owner (state None: unknown or expired; worker None: no
-    record)."""
+    record): from Redis, else from the SQL history."""
     if not ids:
         return []
-    redis = ctx.store.redis
+    redis = store.redis
     script = _scripts.get(redis)
     if script is None:
         script = _scripts[redis] = redis.register_script(_READ)
-    prefix = ctx.store.keys.task("")
+    prefix = store.keys.task("")
     pipe = redis.pipeline(transaction=False)
     for at in range(0, len(ids), CHUNK):  # other clients' commands run between chunks
         await script(keys=[], args=[prefix, msgpack.packb(ids[at : at + CHUNK]), _AT], client=pipe)
     rows: list[list[Any]] = []
     for packed in await pipe.execute():
         rows += msgpack.unpackb(packed, raw=True)
-    return [[None if v is False else v for v in row] for row in rows]
+    out = [[None if v is False else v for v in row] for row in rows]
+    gone = [task_id for task_id, row in zip(ids, out) if row[0] is None]
+    if gone:  # out of Redis (an old batch): the SQL history's
+        found = await listing.saved(store, gone)
+        for i, task_id in enumerate(ids):
+            if out[i][0] is None and (t := found.get(task_id)) is not None:
+                out[i] = [
+                    t.state.encode(), t.endpoint.encode(), t.submitted, t.dispatched, t.ended,
+                    t.worker.encode() or None, t.started, t.run_ended, t.owner.encode(),
+                ]  # fmt: skip
+    return out
 
 
 async def spans(ctx: ServiceContext, names: _Names, ids: list[str], endpoint: str) -> list[Span]:
     """The bars of these tasks (those of ``endpoint`` only, if given; expired ones left out)."""
     out: list[Span] = []
-    for task_id, got in zip(ids, await _read(ctx, ids)):
+    for task_id, got in zip(ids, await _read(ctx.store, ids)):
         if got[0] is None:
             continue
         state, where = got[0].decode(errors="replace"), (got[1] or b"").decode()
@@ -226,7 +237,7 @@ async def timeline_page(request: Request, seen: Page) -> Response:
     names = _Names(ctx, user)
     bars = await spans(ctx, names, ids, endpoint)
     query = urlencode({k: v for k, v in (("endpoint", endpoint), ("group", group)) if v})
-    what = f"batch {group[:8]}" if group else f"the newest {WINDOW} tasks"
+    what = f"batch {short(group)}" if group else f"the newest {WINDOW} tasks"
     if endpoint:
         what += f" on {await names.endpoint(endpoint)}"
     legend = join(

@@ -68,11 +68,16 @@ function follow(url, event, onItem) {
     });
   }
 
+  // a task's or batch's id: its head and its tail, as _html.short
+  function short(id) {
+    return id.length <= 13 ? id : id.slice(0, 8) + "\u2026" + id.slice(-4);
+  }
+
   const columns = ["state", "function", "endpoint", "submitted", "dispatched", "ended"];
   followRows("tasks", "task", "task", "task_id", function (row, task) {
     const link = document.createElement("a");
     link.href = "/tasks/" + encodeURIComponent(task.task_id);
-    link.textContent = task.task_id.slice(0, 8);
+    link.textContent = short(task.task_id);
     cell(row, "").appendChild(link);
     for (const name of columns) {
       cell(row, task[name], name === "state" ? "state " + task.state : "");
@@ -80,7 +85,7 @@ function follow(url, event, onItem) {
   }, true);
 
   followRows("batches", "batch", "group", "group_id", function (row, batch) {
-    cell(row, batch.group_id.slice(0, 8));
+    cell(row, short(batch.group_id));
     cell(row, batch.submitted);
     const bar = document.createElement("progress");
     bar.max = Math.max(1, batch.total);

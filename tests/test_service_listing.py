@@ -1,16 +1,24 @@
-"""The dashboard's task reads on a real Redis with real queue scripts: keyset pages in
-order across ties, filters, an expired cursor, and the time a page takes deep in a
-large index."""
+"""The task listing on a real Redis with real queue scripts: keyset pages in order
+across ties, filters, an expired cursor, the time a page takes deep in a large index,
+and a batch older than Redis's window read from the SQL history."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
+from pathlib import Path
 
+import msgpack
 import pytest
+from sqlalchemy import create_engine
 
-from nimbus.service.dashboard._tasks import Filter, decode_cursor, index, live_window, page
+from nimbus.records import TaskRecord, TaskState
+from nimbus.service import listing
+from nimbus.service.dashboard import _batches, _timeline
+from nimbus.service.flusher import Flusher
+from nimbus.service.history import History
+from nimbus.service.listing import Filter, decode_cursor, index, live_window, page
 from nimbus.service.queues import TaskStore
 from nimbus.statestore import Keys, connect_async
 
@@ -145,3 +153,77 @@ def test_a_page_reads_only_its_rows_wherever_it_is_in_the_index(store: TaskStore
             await store.redis.aclose()
 
     asyncio.run(scenario())
+
+
+OK = msgpack.packb([0, b"result", []])
+
+
+async def _finish(store: TaskStore, owner: str, group: str, n: int) -> list[str]:
+    """``n`` tasks of ``owner`` in batch ``group`` submitted, taken and finished by the real
+    scripts, each with a record naming its worker; in the order submitted."""
+    ids = [str(uuid.uuid4()) for _ in range(n)]
+    await store.submit(owner, "ep", group, [(i, "fn", b"x", None, "") for i in ids],
+                       max_tasks=10**9, max_bytes=10**12)  # fmt: skip
+    taken, _ = await store.take("ep", "conn", n)
+    assert len(taken) == n
+    now = time.time()
+    rows = []
+    for i in ids:
+        record = TaskRecord(i, TaskState.SUCCESS, "fn", "ep/w1", "node1")
+        record.submitted, record.started, record.ended = now, now + 0.1, now + 0.2
+        rows.append((i, "success", OK, msgpack.packb(record.to_wire()), ""))
+    await store.finish("ep", rows)
+    await asyncio.sleep(0.002)  # the next batch gets a later score
+    return ids
+
+
+def test_a_batch_older_than_redis_keeps_is_read_from_the_sql_history(
+    store_url: str, tmp_path: Path
+) -> None:
+    """A batch whose tasks the flusher moved to SQL and dropped from Redis (its index past
+    ``recent``) still shows whole: its ids (also once Redis's list of it is gone), each
+    task's state, worker and times for the timeline, and its counts on the batches page."""
+    keys = Keys(Keys.program_id_new())
+    engine = create_engine(f"sqlite:///{tmp_path / 'registry.db'}")
+
+    async def scenario() -> None:
+        store = TaskStore(connect_async(store_url), keys, result_ttl=600)
+        store.history = History(engine)
+        flusher = Flusher(store, store.history)
+        flusher.recent = 40
+        try:
+            assert await flusher.start()
+            old = await _finish(store, "alice", "old-batch", 30)
+            big = await _finish(store, "alice", "big-batch", 60)  # 40 of it leave Redis
+            for i in range(2):
+                await _finish(store, "alice", f"newer-{i}", 10)
+            while await flusher.step(0.1):
+                pass
+            for task_id in old:
+                assert not await store.redis.exists(keys.task(task_id))
+            assert sum([await store.redis.exists(keys.task(i)) for i in big]) == 20
+            assert await listing.group_ids(store, "old-batch", 1000) == old  # Redis's list
+            # the timeline's reads: every task of the old batch, from SQL
+            got = await _timeline._read(store, old)
+            assert [row[0] for row in got] == [b"success"] * 30
+            assert {row[5] for row in got} == {b"ep/w1"} and {row[8] for row in got} == {b"alice"}
+            assert all(row[7] > row[6] > row[2] > 0 for row in got)  # ended, started, submitted
+            # Redis lost the batch's list too (an older layout, a queue Redis started empty)
+            await store.redis.delete(keys.group("old-batch"))
+            assert sorted(await listing.group_ids(store, "old-batch", 1000)) == sorted(old)
+            assert await listing.group_size(store, "old-batch") == 30
+            assert await listing.group_ids(store, "no-such-batch", 1000) == []
+            # the batches page: the big batch, partly out of Redis, counted whole
+            batches = await _batches.recent(store, index(store, "alice", False))
+            by_group = {batch.group_id: batch for batch in batches}
+            assert by_group["big-batch"].total == 60
+            assert by_group["big-batch"].counts == {"success": 60}, by_group["big-batch"]
+            assert by_group["big-batch"].done == 60
+        finally:
+            rest = [k async for k in store.redis.scan_iter(match=keys.pattern())]
+            if rest:
+                await store.redis.unlink(*rest)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())
+    engine.dispose()
