@@ -141,6 +141,7 @@ BAD_ARGUMENTS = [
         "argument --exports",
         "/etc/hostname is not a directory",
     ),
+    (["service", "start", "--url-file", "/proc/nope/x"], "--url-file", "cannot write there"),
     (["environments", "build", "x", "--timeout", "-1"], "argument --timeout", "seconds > 0"),
     (["environments", "remove", "x", "--timeout", "0"], "argument --timeout", "seconds > 0"),
 ]

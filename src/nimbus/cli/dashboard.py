@@ -41,12 +41,11 @@ import dataclasses
 import getpass
 import signal
 import sys
-import tempfile
 from pathlib import Path
 from types import FrameType
 
 from nimbus.cli._numbers import number
-from nimbus.cli._usage import UsageError
+from nimbus.cli._usage import writable_file
 from nimbus.config import NAME, NAME_RULE, Settings
 
 __all__ = ["run", "setup"]
@@ -89,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     if args.url_file is not None:
-        _writable(args.url_file)
+        writable_file("nimbus dashboard", "--url-file", args.url_file)
     from nimbus.cli.service import port_in_use, serve_on
     from nimbus.service.registry import Registry, hash_token
     from nimbus.service.server import serve
@@ -132,20 +131,6 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         signal.pthread_sigmask(signal.SIG_SETMASK, unmasked)  # one held meanwhile: now
     return code
-
-
-def _writable(url_file: Path) -> None:
-    """Refuse a ``--url-file`` whose directory cannot be made or written, before a start."""
-    try:
-        url_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=url_file.parent):
-            pass
-    except OSError as exc:
-        raise UsageError(
-            "nimbus dashboard",
-            f"--url-file {url_file}: cannot write there ({exc.strerror}); give a file in a "
-            "directory you can write to",
-        ) from None
 
 
 class _Terminated(Exception):
