@@ -131,6 +131,19 @@ BAD_ARGUMENTS = [
     (["login", "--service", "127.0.0.1:8420", "--token", "t"], "argument --service", "http(s)://"),
     (["login", "--service", "http://[::1", "--token", "t"], "argument --service", "http(s)://"),
     (["tasks", "show", "../../etc"], "argument TASK_ID", "a UUID"),
+    (
+        ["endpoint", "configure", "lab", "--exports", "/nonexistent"],
+        "argument --exports",
+        "/nonexistent does not exist on this machine",
+    ),
+    (
+        ["endpoint", "configure", "lab", "--exports", "/etc/hostname"],
+        "argument --exports",
+        "/etc/hostname is not a directory",
+    ),
+    (["service", "start", "--url-file", "/proc/nope/x"], "--url-file", "cannot write there"),
+    (["environments", "build", "x", "--timeout", "-1"], "argument --timeout", "seconds > 0"),
+    (["environments", "remove", "x", "--timeout", "0"], "argument --timeout", "seconds > 0"),
 ]
 
 

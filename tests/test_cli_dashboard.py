@@ -48,7 +48,7 @@ def start(root: Path) -> tuple[subprocess.Popen[str], str, str]:
             raise AssertionError(stop(proc))
         time.sleep(0.05)
     url = url_file.read_text().strip()
-    assert listening.strip() == f"nimbus service listening on {url}"
+    assert listening.strip() == f"nimbus dashboard listening on {url}"  # no service started
     assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url) and token not in url
     return proc, token, url
 
@@ -200,11 +200,17 @@ def test_nimbus_dashboard_beside_a_running_service_points_to_it_and_starts_none(
     try:
         state = tmp_path / "rt" / "service" / "service.json"
         before = state.read_text()
+        heavy = (
+            "; print(sorted(m for m in ('fastapi', 'uvicorn', 'sqlalchemy') if m in sys.modules))"
+        )
         done = subprocess.run(
-            [sys.executable, "-c", CLI, "dashboard", "--port", "0", "--user", "dana"],
+            [sys.executable, "-c", CLI.replace("; sys.exit(main())", f"; code = main(){heavy}; "
+             "sys.exit(code)"), "dashboard", "--port", "0", "--user", "dana"],
             env=env, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
+        # it took 5.5 s (10 s loaded): the server's imports, before it read service.json
+        assert done.stdout.splitlines()[-1] == "[]", done.stdout
         assert f"a service runs at {service.url}" in done.stdout, done.stdout
         assert f"its dashboard is at {service.url}/" in done.stdout
         assert "nimbus service token create dana" in done.stdout
@@ -325,3 +331,19 @@ def test_a_nimbus_run_programs_processes_and_pool_tasks_show_on_the_tasks_page(
     finally:
         code, err = stop(proc)
     assert code == 0, err
+
+
+def test_nimbus_dashboard_refuses_a_url_file_it_cannot_write_in_one_line(tmp_path: Path) -> None:
+    """It printed pathlib's traceback (FileNotFoundError: '/proc/nope') once its service
+    was up; now one line naming the path, status 2, before any token or service."""
+    env = service_env(tmp_path)
+    for where in ("/proc/nope/x", str(tmp_path / "file" / "x")):
+        (tmp_path / "file").write_text("a file, not a directory")
+        done = subprocess.run(
+            [sys.executable, "-c", CLI, "dashboard", "--port", "0", "--url-file", where],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        [line] = done.stderr.splitlines()
+        assert line.startswith(f"nimbus dashboard: --url-file {where}: cannot write there ("), line
+        assert "Traceback" not in done.stderr and "token" not in done.stdout

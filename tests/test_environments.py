@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -476,6 +477,41 @@ def test_cli_build_list_remove(
     assert cli_main(["environments", "build", "empty"]) == 2
     assert "nothing to build" in capsys.readouterr().err
     assert os.path.isdir(envdir)
+
+
+def test_input_refused_before_a_build_leaves_no_failed_entry(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Stranger 5: `-r 'not a req ==='`, `--wheelhouse /nope` and `--image nosuch:latest`
+    were refused at once, yet each left a "failed" entry in `nimbus environments list`
+    (and `remove nosuch` answered "there are: e1"). A build that succeeds says so."""
+    assert cli_main(["environments", "build", "e1", "-r", "not a req ==="]) == 2
+    assert "'not a req ===' is not a requirement" in capsys.readouterr().err
+    nope = str(tmp_path / "nope")
+    assert cli_main(["environments", "build", "e3", "-r", "six", "--wheelhouse", nope]) == 1
+    assert f"wheelhouse {nope} is not a directory on this node" in capsys.readouterr().err
+    if podman_unavailable() is None:
+        assert cli_main(["environments", "build", "e4", "--image", "nosuch:latest"]) == 1
+        assert "never pulls" in capsys.readouterr().err
+    assert environments.cache().entries() == []
+    assert cli_main(["environments", "list"]) == 0
+    assert capsys.readouterr().out == "no environments on this node\n"
+    assert cli_main(["environments", "remove", "nosuch"]) == 2
+    assert capsys.readouterr().err == (
+        "nimbus: configuration error: no environment named 'nosuch' on this node\n"
+    )
+
+
+def test_a_local_build_says_it_built_and_in_how_long(
+    wheelhouse: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    six = ["-r", "six==1.16.0", "--wheelhouse", wheelhouse]
+    key = Environment("geo", ["six==1.16.0"], wheelhouse).key
+    assert cli_main(["environments", "build", "geo", *six]) == 0
+    out = capsys.readouterr().out
+    assert re.fullmatch(rf"geo: built in \d+\.\d s, key {key}\n", out), out
+    assert cli_main(["environments", "build", "geo", *six]) == 0
+    assert capsys.readouterr().out == f"geo: built (already), key {key}\n"
 
 
 def test_a_name_means_one_build_and_remove_takes_only_that_name(

@@ -861,6 +861,48 @@ def test_endpoint_limits_reach_its_agent_as_settings() -> None:
     s = Settings.load(env)
     assert (s.worker_cpus, s.worker_memory, s.worker_bandwidth) == (0.5, 512 << 20, 200_000_000)
     assert EndpointConfig("hpc", "http://x", "id", "t", 2).worker_environment() == {}
+    # `nimbus endpoint configure NAME --net-accounting netns`: what netbench --sizes and a
+    # task's limits need, kept in endpoint.toml and given to the agent at its start
+    netns = EndpointConfig("hpc", "http://x", "id", "t", 2, net_accounting="netns")
+    assert Settings.load(netns.worker_environment()).net_accounting == "netns"
+
+
+def test_endpoint_configure_net_accounting_is_kept_for_its_agent(
+    service: Any, alice: Any, tmp_path: Path
+) -> None:
+    env = service.env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": alice.token}
+    argv = [sys.executable, "-m", "nimbus", "endpoint", "configure", "acct"]
+    done = subprocess.run([*argv, "--net-accounting", "auto"], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    config = Path(env["XDG_CONFIG_HOME"]) / "nimbus" / "endpoints" / "acct" / "endpoint.toml"
+    assert 'net_accounting = "auto"' in config.read_text()
+    bad = subprocess.run([*argv, "--net-accounting", "bpf"], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "argument --net-accounting: invalid choice" in bad.stderr
+
+
+def test_netbench_sizes_on_workers_without_namespaces_is_refused_before_any_sweep(
+    service: Any, alice: Any, lab: Any, tmp_path: Path
+) -> None:
+    """Stranger 5: the bandwidth sweep ran (10 s), then the grid's first task failed
+    naming net_accounting, no option of `nimbus endpoint configure`, said to run as root
+    an endpoint that was, and nothing was written. Now: refused first, naming the option."""
+    from nimbus.network import netbench_endpoint
+
+    said: list[str] = []
+    settings = service.user_settings(alice.token)
+    with Executor(endpoint="lab", settings=settings) as ex, pytest.raises(ConfigError) as refused:
+        netbench_endpoint(
+            ex, "127.0.0.1", [1], ["down"], 0.5, tmp_path / "nb", sizes=[128 << 20],
+            progress=said.append,
+        )  # fmt: skip
+    assert said == []  # no sweep ran
+    message = str(refused.value)
+    assert message.startswith("netbench --sizes runs each task limited to a size"), message
+    assert "`nimbus endpoint configure NAME --net-accounting netns`" in message
+    assert "NIMBUS_NET_ACCOUNTING=netns" in message and "nothing was measured" in message
+    assert ("as root" in message) == (os.geteuid() != 0), message
 
 
 # ------------------------------------------------------------------ nimbus netbench
@@ -1099,11 +1141,41 @@ def test_netbench_sizes_objects_and_cost_on_a_real_endpoint(
     assert len(grid_csv) == 1 + 12 and grid_csv[0].startswith("memory,concurrency,direction")
 
 
+def test_a_size_sweep_that_fails_keeps_the_bandwidth_sweeps_report(
+    service: Any, alice: Any, sized: Any, tmp_path: Path
+) -> None:
+    """Stranger 5: the grid's failure threw the bandwidth sweep's results away. An
+    upload of a 512M object from a 128M worker (killed: MemoryLimitExceeded) fails the
+    size sweep after the bandwidth sweep: its report is written, the error is raised."""
+    from nimbus.errors import MemoryLimitExceeded
+    from nimbus.network import netbench_endpoint
+
+    said: list[str] = []
+    settings = service.user_settings(alice.token)
+    with Executor(endpoint="sized", settings=settings) as ex, pytest.raises(MemoryLimitExceeded):
+        netbench_endpoint(
+            ex, "127.0.0.1", [1], ["down"], 0.5, tmp_path, sizes=[128 << 20], objects=1,
+            object_size=512 << 20, progress=said.append,
+        )  # fmt: skip
+    assert said[-1] == f"the size sweep failed; the bandwidth sweep's report is in {tmp_path}"
+    summary = json.loads((tmp_path / "netbench.json").read_text())
+    assert [(r["direction"], r["concurrency"]) for r in summary["runs"]] == [("down", 1)]
+    assert "sizes" not in summary and (tmp_path / "netbench.html").exists()
+
+
 def test_netbench_sizes_need_an_endpoint_and_their_unit(tmp_path: Path) -> None:
     for argv, said in (
         (["--offline", "--sizes", "128M"], "--sizes sweeps an endpoint"),
         (["--endpoint", "x", "--sizes", "128"], "worker memory sizes with their unit"),
         (["--endpoint", "x", "--sizes", "1G", "--object-size", "0"], "from 1 byte to 1G"),
+        # the size sweep's options without it: refused, not ignored (they were, offline)
+        (["--offline", "--object-size", "10"], "--object-size goes with the worker-size sweep"),
+        (
+            ["--offline", "--objects", "5", "--price-request", "0.1"],
+            "--objects and --price-request go with the worker-size sweep: give --endpoint NAME "
+            "--sizes SIZES too",
+        ),
+        (["--endpoint", "x", "--objects", "5"], "--objects goes with the worker-size sweep"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "nimbus", "netbench", *argv, "--out", str(tmp_path)],

@@ -8,9 +8,12 @@ and exits with status 2, as a bad argument does; called from Python it is a
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from nimbus.errors import ConfigError
 
-__all__ = ["UsageError"]
+__all__ = ["UsageError", "writable_file"]
 
 
 class UsageError(ConfigError):
@@ -22,3 +25,18 @@ class UsageError(ConfigError):
 
     def line(self) -> str:
         return f"{self.prog}: {self.message} (see `{self.prog} --help`)"
+
+
+def writable_file(prog: str, flag: str, path: Path) -> None:
+    """Refuse a ``flag`` file (``--url-file``) whose directory cannot be made or written
+    in, before the command starts anything; the directory is made (mode 0o700)."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            prog,
+            f"{flag} {path}: cannot write there ({exc.strerror}); give a file in a directory "
+            "you can write to",
+        ) from None

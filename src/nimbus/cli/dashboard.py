@@ -6,7 +6,7 @@
     nimbus dashboard: log in as you with this token (valid while this dashboard runs,
     revoked when it stops):
         <token>
-    nimbus service listening on http://127.0.0.1:8421
+    nimbus dashboard listening on http://127.0.0.1:8421
 
 It runs the service of this runtime directory (``NIMBUS_RUNTIME_DIR``: the
 SQLite registry and the embedded Redis, kept on disk so the history survives a
@@ -28,7 +28,10 @@ outright (SIGKILL) leaves its token: ``nimbus service token revoke ID``.
 
 When ``nimbus service start`` already runs on this runtime directory, its
 dashboard is the one: ``nimbus dashboard`` says where it is and exits (status 0),
-starting no second service on the same registry.
+starting no second service on the same registry. It finds out from the service's
+``service.json`` alone (``nimbus.service.running``), before importing the server: at
+once. A ``--url-file`` it could not write is refused (one line, status 2) before
+anything starts.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from pathlib import Path
 from types import FrameType
 
 from nimbus.cli._numbers import number
-from nimbus.config import Settings
+from nimbus.cli._usage import writable_file
+from nimbus.config import NAME, NAME_RULE, Settings
 
 __all__ = ["run", "setup"]
 
@@ -65,19 +69,15 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nimbus.cli.service import port_in_use, serve_on
-    from nimbus.service.registry import Registry, check_user_name, hash_token
-    from nimbus.service.server import running_service, serve
+    from nimbus.service.running import running_service  # light: before the server's imports
 
     settings = Settings.load()
     settings.configure_logging()
-    try:
-        user = check_user_name(args.user or getpass.getuser())
-    except ValueError as exc:
-        print(f"nimbus dashboard: --user: {exc}", file=sys.stderr)
+    user = args.user or getpass.getuser()
+    if not NAME.fullmatch(user):  # check_user_name's rule, without the registry's import
+        print(f"nimbus dashboard: --user: {user!r} is not a user name: 1-200 {NAME_RULE}",
+              file=sys.stderr)  # fmt: skip
         return 2
-    admins = {name.strip() for name in (settings.service_admins or "").split(",") if name}
-    settings = dataclasses.replace(settings, service_admins=",".join(sorted(admins | {user})))
     running = running_service(settings)
     if running is not None:
         print(
@@ -87,6 +87,14 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         return 0
+    if args.url_file is not None:
+        writable_file("nimbus dashboard", "--url-file", args.url_file)
+    from nimbus.cli.service import port_in_use, serve_on
+    from nimbus.service.registry import Registry, hash_token
+    from nimbus.service.server import serve
+
+    admins = {name.strip() for name in (settings.service_admins or "").split(",") if name}
+    settings = dataclasses.replace(settings, service_admins=",".join(sorted(admins | {user})))
     if port_in_use("127.0.0.1", args.port):  # before a token is made
         return serve_on("dashboard", "127.0.0.1", args.port, lambda: None)
     persist = not settings.redis_url  # your own Redis keeps its data as you configured it
@@ -109,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
                 "dashboard",
                 "127.0.0.1",
                 args.port,
-                lambda: serve(settings, "127.0.0.1", args.port, url_file, persist=persist),
+                lambda: serve(
+                    settings, "127.0.0.1", args.port, url_file, persist=persist, name="dashboard"
+                ),
             )
         except _Terminated:
             pass  # SIGTERM before the server was up

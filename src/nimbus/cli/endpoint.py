@@ -48,6 +48,14 @@ def setup(parser: argparse.ArgumentParser) -> None:
     )
     _provider_arguments(configure)
     _limit_arguments(configure)
+    configure.add_argument(
+        "--net-accounting",
+        choices=("socket", "netns", "auto"),
+        help="what counts a task's network bytes: socket (Python sockets), netns (a network "
+        "namespace per worker, root: every byte, and what a task's options(bandwidth=, "
+        "memory=, cpus=) need), auto (netns where allowed); default: NIMBUS_NET_ACCOUNTING "
+        "in the agent's environment, else socket",
+    )
     start = sub.add_parser(
         "start",
         help="start the endpoint's agent (configures it if new)",
@@ -114,6 +122,7 @@ def _provider_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exports",
         dest="data_exports",
+        type=_exports,
         metavar="DIR[:DIR...]",
         help="directories tasks' nimbus.File may read and write here (NIMBUS_DATA_EXPORTS)",
     )
@@ -127,6 +136,19 @@ def _provider(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"unknown provider {text!r}; known providers: {', '.join(sorted(PROVIDERS))}"
         )
+    return text
+
+
+def _exports(text: str) -> str:
+    """--exports: directories of this machine (the endpoint's), each existing now."""
+    for item in text.split(os.pathsep):
+        path = os.path.expanduser(item.strip())
+        if path and not os.path.isdir(path):
+            what = "is not a directory" if os.path.exists(path) else "does not exist"
+            raise argparse.ArgumentTypeError(
+                f"{item.strip()} {what} on this machine, where the endpoint runs; create it "
+                f"first, or give directories that exist ({os.pathsep!r} between them)"
+            )
     return text
 
 
@@ -230,7 +252,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:<20} {state:<22} {config.service_url:<28} {config.endpoint_id}")
         return 0
     if args.action == "configure":
-        config = configure(args.name, args.workers, args.prefetch, **_provider_values(args))
+        config = configure(
+            args.name, args.workers, args.prefetch, args.net_accounting, **_provider_values(args)
+        )
         print(f"endpoint {config.name} ({config.endpoint_id}) configured in {config.dir}")
         return 0
     if args.action == "start":
@@ -261,7 +285,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def configure(
-    name: str, workers: int | None, prefetch: int | None, **provider: object
+    name: str,
+    workers: int | None,
+    prefetch: int | None,
+    net_accounting: str | None = None,
+    **provider: object,
 ) -> EndpointConfig:
     from nimbus.client import Client
 
@@ -276,6 +304,7 @@ def configure(
         token=registered["token"],
         workers=workers or settings.workers,
         prefetch=prefetch or settings.prefetch,
+        net_accounting=net_accounting or "",
         **_kept(settings),
     )
     config.save()

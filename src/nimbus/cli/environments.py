@@ -31,6 +31,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
+from nimbus.cli._numbers import number
 from nimbus.cli._usage import UsageError
 from nimbus.errors import ConfigError, ServiceError, ServiceUnavailable
 
@@ -104,7 +105,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         )
         action.add_argument(
             "--timeout",
-            type=float,
+            type=number(float, 0.0, None, "seconds", above=True),
             default=WAIT_SECONDS,
             metavar="SECONDS",
             help=f"with --endpoint: wait at most this long for every node (default {WAIT_SECONDS:.0f})",
@@ -239,14 +240,15 @@ def _follow(client: Any, placed: dict[str, Any], endpoint: str, timeout: float) 
             if row["state"] in ("built", "removed", "failed") and row["node"] not in said:
                 said.add(row["node"])
                 print(f"{row['node']}: {_outcome(row)}", flush=True)
-        if order["done"] or time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if order["done"] or left <= 0:
             break
-        time.sleep(POLL)
+        time.sleep(min(POLL, left))  # then a last look: the placement's rows say only "asked"
         order = client.environment_order(placed["endpoint_id"], placed["order_id"])
     late = [row for row in order["nodes"] if row["node"] not in said]
-    for row in late:
+    for row in late:  # its row says "building" till it answers, built already or not
         print(
-            f"{row['node']}: still {row['state']} after {timeout:.0f} s: `nimbus environments "
+            f"{row['node']}: no answer yet after {timeout:g} s: `nimbus environments "
             f"list --endpoint {endpoint}` shows when it ends"
         )
     failed = [row for row in order["nodes"] if row["state"] == "failed"]

@@ -109,17 +109,18 @@ def setup(parser: argparse.ArgumentParser) -> None:
                         help="with --endpoint: worker memory sizes to sweep, e.g. 128M,512M,1G,"
                         "3G (CPU in proportion: one CPU at 1769M); at each size 1 and each "
                         "--concurrency tasks at once move --objects objects down, then up")  # fmt: skip
-    parser.add_argument("--objects", type=number(int, 1, 10000, "objects"), default=100,
-                        help="objects each way at each size (default 100)")  # fmt: skip
-    parser.add_argument("--object-size", type=_object_size, default=10 << 20,
-                        help="bytes of one object, with its unit (default 10M)")  # fmt: skip
+    # the worker-size sweep's own options (None: not given; refused without --sizes)
+    parser.add_argument("--objects", type=number(int, 1, 10000, "objects"), default=None,
+                        help="with --sizes: objects each way at each size (default 100)")  # fmt: skip
+    parser.add_argument("--object-size", type=_object_size, default=None,
+                        help="with --sizes: bytes of one object, with its unit (default 10M)")  # fmt: skip
     parser.add_argument("--price-gb-second", type=number(float, 0.0, 1.0, "USD"),
-                        default=0.0000166667,
-                        help="price of a GiB of worker memory for a second, USD "
+                        default=None,
+                        help="with --sizes: price of a GiB of worker memory for a second, USD "
                         "(default 0.0000166667, AWS Lambda x86)")  # fmt: skip
     parser.add_argument("--price-request", type=number(float, 0.0, 1.0, "USD"),
-                        default=0.0000002,
-                        help="price of one task, USD (default 0.0000002)")  # fmt: skip
+                        default=None,
+                        help="with --sizes: price of one task, USD (default 0.0000002)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="directory for netbench.html, the PNGs, CSV and JSON "
                         f"(default ./{DEFAULT_OUT})")  # fmt: skip
@@ -162,6 +163,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             PROG, "--sizes sweeps an endpoint's worker sizes: give it with --endpoint NAME"
         )
+    sized = ("objects", "object_size", "price_gb_second", "price_request")
+    given = [f"--{name.replace('_', '-')}" for name in sized if getattr(args, name) is not None]
+    if given and not args.sizes:
+        raise UsageError(
+            PROG, f"{' and '.join(given)} {'go' if len(given) > 1 else 'goes'} with the "
+            "worker-size sweep: give --endpoint NAME --sizes SIZES too (without it nothing "
+            "moves objects)"
+        )  # fmt: skip
     _writable(args.out)
     directions = ["down", "up"] if args.direction == "both" else [args.direction]
     if args.endpoint:
@@ -172,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
             written = netbench_endpoint(
                 ex, args.server or "127.0.0.1", args.concurrency, directions, args.seconds,
                 args.out, cap=args.cap, share=args.share, sizes=args.sizes,
-                objects=args.objects, object_size=args.object_size,
+                objects=args.objects or 100, object_size=args.object_size or 10 << 20,
                 price_gb_second=args.price_gb_second, price_request=args.price_request,
                 progress=print,
             )  # fmt: skip

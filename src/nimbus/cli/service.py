@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nimbus.cli._numbers import number
+from nimbus.cli._usage import writable_file
 from nimbus.config import Settings
 from nimbus.records import TaskState
 
@@ -119,6 +120,8 @@ def service_run(args: argparse.Namespace) -> int:
             )
             return 2
         tls = None if args.tls_cert is None else (args.tls_cert, args.tls_key)
+        if args.url_file is not None:
+            writable_file("nimbus service start", "--url-file", args.url_file)
         return serve_on(
             "service start",
             args.host,

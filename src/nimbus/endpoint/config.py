@@ -63,6 +63,7 @@ class EndpointConfig:
     worker_cpus: float = 0.0
     worker_memory: int = 0
     worker_bandwidth: int = 0  # bits/s
+    net_accounting: str = ""  # socket, netns or auto; "": the agent's own setting
     # -- directories whose files tasks may read and write (nimbus.File), ':' between
     exports: str = ""
 
@@ -80,7 +81,8 @@ class EndpointConfig:
         return out
 
     def worker_environment(self) -> dict[str, str]:
-        """The limits as the agent's environment (its managers read them as settings)."""
+        """The limits and net_accounting as the agent's environment (its managers read
+        them as settings)."""
         out: dict[str, str] = {}
         if self.worker_cpus:
             out["NIMBUS_WORKER_CPUS"] = str(self.worker_cpus)
@@ -88,6 +90,8 @@ class EndpointConfig:
             out["NIMBUS_WORKER_MEMORY"] = str(self.worker_memory)
         if self.worker_bandwidth:
             out["NIMBUS_WORKER_BANDWIDTH"] = f"{self.worker_bandwidth}bit"
+        if self.net_accounting:
+            out["NIMBUS_NET_ACCOUNTING"] = self.net_accounting
         return out
 
     def export_dirs(self) -> list[Path]:

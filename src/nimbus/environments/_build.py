@@ -229,6 +229,7 @@ def prepare(env: Environment, *, retry: bool = False) -> Prepared:
         ready = _cached(store, env)
         if ready is not None:
             return ready
+        _check_input(env)  # refused before anything is built: not remembered as a failure
         started = time.monotonic()
         try:
             with store.building(env):
@@ -317,13 +318,26 @@ def _prepared(
 def _build(store: Cache, env: Environment) -> Prepared:
     entry = store.fresh(env.key)
     tool = ""
-    if env.image is not None:
-        _check_image(env)
     if env.requirements:
         tool = _venv.build_venv(env, entry / "venv")
     prepared = _prepared(store, env, {"installer": tool}, build_seconds=0.0)
     _probe(prepared)
     return prepared
+
+
+def _check_input(env: Environment) -> None:
+    """What this node lacks for ``env`` (its wheelhouse, its image): an EnvironmentBuildError
+    before the build, which is not remembered (``nimbus environments list`` shows no failed
+    build for a path or image mistyped; the next use looks again)."""
+    if env.wheelhouse is not None and not os.path.isdir(env.wheelhouse):
+        raise EnvironmentBuildError(
+            f"environment {env.name!r}: wheelhouse {env.wheelhouse} is not a directory on "
+            f"this node; make it (pip wheel -w DIR ...) or drop wheelhouse= to use the index",
+            env.name,
+            env.key,
+        )
+    if env.image is not None:
+        _check_image(env)
 
 
 def _check_image(env: Environment) -> None:

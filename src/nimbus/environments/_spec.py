@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,26 @@ from nimbus.config import NAME, NAME_RULE
 from nimbus.errors import ConfigError
 
 __all__ = ["PLAIN", "Environment", "as_environment"]
+
+
+# a requirement's project name, its extras, and what may follow them (PEP 508): a version
+# specifier, a marker, a direct reference ("@ URL") or a parenthesised specifier
+_NAMED = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?\s*(?:\[[^\]]*\])?\s*(.*)", re.S)
+
+
+def _check_requirement(name: str, req: str) -> None:
+    """Refuse a requirement that starts with a project name followed by something no
+    installer accepts (``'not a req ==='``), before any build; paths and URLs pass."""
+    named = _NAMED.fullmatch(req)
+    if named is None or "://" in req:
+        return  # a path, a URL, an option: the installer judges it
+    rest = named[1]
+    if rest and rest[0] not in "<>=!~;@(":
+        raise ConfigError(
+            f"environment {name!r}: {req!r} is not a requirement: a project name, then "
+            f"optionally [extras], a version such as '==1.0' or '>=2', '; marker' or "
+            f"'@ URL' (e.g. 'numpy==2.1.0')"
+        )
 
 
 @dataclass(frozen=True)
@@ -61,6 +82,8 @@ class Environment:
                 f"'numpy==2.1.0', got {bad[0]!r}"
             )
         object.__setattr__(self, "requirements", tuple(r.strip() for r in reqs))
+        for req in self.requirements:
+            _check_requirement(self.name, req)
         if self.image is not None and (not isinstance(self.image, str) or not self.image):
             raise ConfigError(
                 f"environment {self.name!r}: image must be a name such as 'localhost/x:1'"

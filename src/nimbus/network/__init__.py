@@ -139,13 +139,15 @@ def netbench_endpoint(
     the lone tasks under the prices given (USD; None: ``_sizes.Prices``'s defaults);
     the report into ``out``."""
     from nimbus.network._endpoint import check_reach, sweep, traffic_server
-    from nimbus.network._grid import grid, past_which
+    from nimbus.network._grid import check_sizes, grid, past_which
     from nimbus.network._objects import object_server
     from nimbus.network._report import PAYLOAD, summarize, write
     from nimbus.network._sizes import Prices, recommend, size_points
 
     with traffic_server(server) as address:
         check_reach(executor, address)  # (--server 127.0.0.1, the default, on a remote one)
+        if sizes:
+            check_sizes(executor, sizes)  # limits the workers cannot take: before any run
         points = sweep(executor, address, concurrency, directions, seconds, progress)
     if cap is None:  # the best aggregate seen stands for the link's capacity
         best = max(
@@ -160,10 +162,15 @@ def netbench_endpoint(
             prices.gb_second if price_gb_second is None else price_gb_second,
             prices.request if price_request is None else price_request,
         )
-        with object_server(server) as port:
-            cells, tasks = grid(
-                executor, (server, port), sizes, concurrency, objects, object_size, progress
-            )
+        try:
+            with object_server(server) as port:
+                cells, tasks = grid(
+                    executor, (server, port), sizes, concurrency, objects, object_size, progress
+                )
+        except Exception:  # the bandwidth sweep's results are kept; the error as it was
+            write(points, summary, out)
+            progress(f"the size sweep failed; the bandwidth sweep's report is in {out}")
+            raise
         at = size_points(tasks, prices)
         summary["sizes"] = {
             "prices": {"gb_second": prices.gb_second, "request": prices.request},

@@ -39,7 +39,7 @@ from nimbus.errors import ConfigError
 from nimbus.network._sizes import MB_PER_CPU, transfer_objects
 from nimbus.network._starts import Starts, wait_start
 
-__all__ = ["Cell", "GridTask", "grid", "objects_at", "past_which"]
+__all__ = ["Cell", "GridTask", "check_sizes", "grid", "objects_at", "past_which"]
 
 START_WITHIN = 60.0  # seconds from submit for a cell's n tasks to start (cold workers too)
 
@@ -64,6 +64,25 @@ def objects_at(
     began = time.perf_counter()
     times = transfer_objects(address, direction, count, size)
     return times, time.perf_counter() - began
+
+
+def limited() -> None:
+    """A task that does nothing: run under a size's limits, it says they can be set."""
+
+
+def check_sizes(executor: Executor, sizes: list[int]) -> None:
+    """The endpoint's workers take a task's memory and CPU limits; a ConfigError naming
+    the endpoint setting that gives them (before any run of any sweep) otherwise."""
+    memory = min(sizes)
+    cpus = round(memory / (MB_PER_CPU << 20), 3)
+    sized: Any = executor.options(memory=memory, cpus=max(cpus, 0.01))  # type: ignore[attr-defined]
+    try:
+        sized.submit(limited).result(timeout=300)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"netbench --sizes runs each task limited to a size, which this endpoint's "
+            f"workers cannot take: {exc}; nothing was measured"
+        ) from None
 
 
 @dataclass(frozen=True)

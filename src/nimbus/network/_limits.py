@@ -148,14 +148,24 @@ def _link() -> Callable[[int | None], None]:
     try:
         slot = slot_of(DEVICE)
     except OSError:
-        raise ConfigError(
-            "options(bandwidth=...): this worker has no network namespace of its own; "
-            "run the endpoint as root with net_accounting=auto or netns"
-        ) from None
+        raise ConfigError(_no_own("options(bandwidth=...)", "network namespace")) from None
     # the node side of the link is in the namespace of the manager that made it
     node = ("nsenter", f"--net=/proc/{os.getppid()}/ns/net")
     link = Link(Slot(slot, stale=False))
     return lambda rate: link.shape(rate, rate, node=node)
+
+
+def _no_own(option: str, what: str) -> str:
+    """Why a task's ``option`` cannot be applied here, and the endpoint setting that fixes it."""
+    from nimbus.config import Settings
+
+    root = "" if os.geteuid() == 0 else "run the endpoint as root and "
+    return (
+        f"{option}: this worker has no {what} of its own (its endpoint's net_accounting is "
+        f"{Settings.lookup('net_accounting')}); {root}give its workers namespaces of their own: "
+        "`nimbus endpoint configure NAME --net-accounting netns` (or auto; in the agent's "
+        "environment: NIMBUS_NET_ACCOUNTING=netns), then restart the endpoint"
+    )
 
 
 def _undo(steps: list[Callable[[], None]], failed: Callable[[BaseException], None]) -> None:
@@ -184,10 +194,7 @@ def apply(limits: TaskLimits, failed: Callable[[BaseException], None]) -> Callab
             if "" not in dirs and not needed <= set(dirs):
                 dirs = _own_cgroup()
             if "" not in dirs and not needed <= set(dirs):
-                raise ConfigError(
-                    "options(cpus=..., memory=...): this worker has no cgroup of its own; run "
-                    "the endpoint as root with net_accounting=auto or netns (or worker limits)"
-                )
+                raise ConfigError(_no_own("options(cpus=..., memory=...)", "cgroup"))
             # before the writes: one of several written is put back too
             steps.append(lambda: _set_cgroup(dirs, cpus, memory))
             _set_cgroup(dirs, limits.cpus or cpus, limits.memory or memory)

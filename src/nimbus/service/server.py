@@ -46,12 +46,12 @@ from nimbus import _loop
 from nimbus.config import Settings
 from nimbus.errors import ConfigError, StateStoreError
 from nimbus.service.limits import HeadLimit
+from nimbus.service.running import STATE_FILE, running_service
 from nimbus.statestore import StateStore
 
 __all__ = ["check_tls", "running_service", "serve"]
 
 log = logging.getLogger(__name__)
-STATE_FILE = "service.json"  # in Settings.service_dir while the service runs
 SUPERVISE_SECONDS = 0.5  # how often the embedded queue Redis is checked
 QUIET = 30.0  # seconds between log lines about errors of one queue Redis outage
 
@@ -64,9 +64,11 @@ def serve(
     *,
     persist: bool = False,
     tls: tuple[Path, Path] | None = None,
+    name: str = "service",
 ) -> None:
     """Run the service until SIGTERM or SIGINT; ``persist`` keeps the embedded Redis on disk;
-    ``tls`` is (certificate chain, private key), PEM files, to serve HTTPS."""
+    ``tls`` is (certificate chain, private key), PEM files, to serve HTTPS; ``name`` is
+    what it says is listening (``nimbus NAME listening on URL``: service, dashboard)."""
     context = None if tls is None else check_tls(*tls)
 
     if persist and settings.redis_url:
@@ -85,7 +87,7 @@ def serve(
         raise
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        _serve(settings, host, port, url_file, persist_dir, tls, context)
+        _serve(settings, host, port, url_file, persist_dir, tls, context, name)
     except _Terminated:
         log.info("nimbus service stopped (SIGTERM)")
     finally:
@@ -121,6 +123,7 @@ def _serve(
     persist_dir: Path | None,
     tls: tuple[Path, Path] | None,
     context: ssl.SSLContext | None,
+    name: str,
 ) -> None:
     from nimbus.service.app import create_app
 
@@ -156,6 +159,7 @@ def _serve(
                 persist_dir,
                 settings.service_dir / STATE_FILE,
                 "http" if tls is None else "https",
+                name,
             )
         )
     finally:
@@ -301,6 +305,7 @@ async def _run(
     persist_dir: Path | None,
     state: Path,
     scheme: str,
+    name: str,
 ) -> None:
     task = asyncio.create_task(server.serve())
     ender = asyncio.create_task(_end_waits_at_exit(server, app))
@@ -314,7 +319,7 @@ async def _run(
     sock = server.servers[0].sockets[0]
     host, port = sock.getsockname()[:2]
     url = f"{scheme}://{host}:{port}"
-    print(f"nimbus service listening on {url}", flush=True)
+    print(f"nimbus {name} listening on {url}", flush=True)
     if url_file is not None:
         _write(url_file, url + "\n")
     _write(state, json.dumps({"url": url, "pid": os.getpid()}))
@@ -329,13 +334,3 @@ def _write(path: Path, text: str) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)
     tmp.replace(path)
-
-
-def running_service(settings: Settings) -> str | None:
-    """The URL of the service running with ``settings``' runtime directory, if one runs."""
-    try:
-        state = json.loads((settings.service_dir / STATE_FILE).read_text())
-        os.kill(int(state["pid"]), 0)
-        return str(state["url"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # none, or it died without removing the file
