@@ -479,3 +479,47 @@ def test_a_subscription_dropped_silently_is_made_again(
         asyncio.run(scenario())
     finally:
         redis_server.close()
+
+
+def test_a_requeue_publishes_its_endpoint_while_more_than_one_process_listens(
+    tmp_path: Path,
+) -> None:
+    """An agent's connection dropped: its tasks go back to the queue, and the endpoint
+    is published on ``TaskStore.woken`` (agents connected to other processes take them
+    now); nothing when no task went back."""
+    redis_server = StateStore.open(None, tmp_path / "redis")
+    here = Watched(redis_server.url)
+    store = here.store
+
+    async def heard(pubsub: Any) -> list[bytes]:
+        await store.redis.publish(store.woken, b"mark")
+        got: list[bytes] = []
+        while True:
+            message = await asyncio.wait_for(pubsub.get_message(timeout=1), 10)
+            if message is not None and message["data"] == b"mark":
+                return got
+            if message is not None:
+                got.append(message["data"])
+
+    async def scenario() -> None:
+        one = store.redis.pubsub(ignore_subscribe_messages=True)
+        two = store.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await one.subscribe(store.woken)
+            await two.subscribe(store.woken)
+            rows = [(str(uuid.uuid4()), "f", b"x", None, "")]
+            await store.submit("o", "ep", "g", rows, max_tasks=100, max_bytes=10**6)
+            assert await heard(one) == [b"ep"]  # (the submit)
+            await store.take("ep", "conn", 10)
+            assert await store.requeue("ep", "other-conn") == 0
+            assert await store.requeue("ep", "conn") == 1
+            assert await heard(one) == [b"ep"]  # the second requeue's only
+        finally:
+            await one.aclose()
+            await two.aclose()
+            await here.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        redis_server.close()
