@@ -109,7 +109,11 @@ async def deliver_stored(ctx: ServiceContext, task_ids: list[str]) -> None:
 
 
 def _row_size(row: ResultRow) -> int:
-    return len(row.result) + len(row.record)
+    """Bytes of a stored result row (read from Redis: packed bytes both)."""
+    result, record = row.result, row.record
+    return (len(result) if isinstance(result, bytes) else 64) + (
+        len(record) if isinstance(record, bytes) else 0
+    )
 
 
 class Deliveries:
