@@ -7,7 +7,8 @@ one subscription per process (``listen``)::
 
     TaskStore.woken  endpoint ids: tasks joined their queues (submitted: the script
                      SUBMIT; held ones released: the finish script's settle,
-                     ``nimbus.service.held``) --> this process's dispatchers of those
+                     ``nimbus.service.held``; put back by REQUEUE, an agent's
+                     connection lost) --> this process's dispatchers of those
                      endpoints look at their queues now
     <prefix>ended    task ids: tasks ended (the scripts FINISH, CANCEL, FAIL_HELD)
                      --> this process's result long-polls of them answer
