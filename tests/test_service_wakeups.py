@@ -5,16 +5,20 @@ WebSocket."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
 
 from nimbus import Executor
+from nimbus.protocol import MESSAGE_BYTES, Results, decode_frame
+from nimbus.service import wakeups
 from nimbus.service.held import WOKEN
+from nimbus.service.hub import Hub, Peer
 from nimbus.service.queues import TaskStore
 from nimbus.service.wakeups import ENDED, RETRY
 from nimbus.statestore import Keys, StateStore, connect_async
@@ -253,6 +257,267 @@ def test_a_submit_publishes_its_endpoint_only_while_more_than_one_process_listen
             async for key in store.redis.scan_iter(match=store.keys.pattern()):
                 await store.redis.delete(key)
             await store.redis.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        redis_server.close()
+
+
+class Watched:
+    """A ``listen`` of a service process (its real hub and task store, on a Redis of
+    its own) and the tasks ended for its watchers: what each test needs around it."""
+
+    def __init__(self, url: str) -> None:
+        self.store = TaskStore(connect_async(url), Keys(Keys.program_id_new()), result_ttl=60)
+        self.hub = Hub()
+        self.channel = self.store.keys.task("") + ENDED
+
+    async def end(self, count: int, size: int = 1) -> list[str]:
+        """``count`` tasks ended with results of ``size`` bytes each: their ids."""
+        ids = [str(uuid.uuid4()) for _ in range(count)]
+        rows = [(i, "f", b"x", None, "") for i in ids]
+        await self.store.submit("o", "ep", "g", rows, max_tasks=10**4, max_bytes=10**9)
+        await self.store.take("ep", "conn", count)
+        results = [(i, "success", bytes(size), b"", "") for i in ids]
+        assert await self.store.finish("ep", results) == (ids, [])
+        return ids
+
+    async def subscribed(self, redis_url: str) -> None:
+        """Until this process's subscription is made."""
+        with redis.Redis.from_url(redis_url) as plain:
+            deadline = time.monotonic() + 10
+            while int(dict(plain.pubsub_numsub(self.channel))[self.channel.encode()]) < 1:
+                assert time.monotonic() < deadline, "listen did not subscribe"
+                await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        async for key in self.store.redis.scan_iter(match=self.store.keys.pattern()):
+            await self.store.redis.delete(key)
+        await self.store.redis.aclose()
+
+
+def reader() -> tuple[Peer, asyncio.Queue[list[str]]]:
+    """A client connection that reads at once: the task ids of each message it got."""
+    got: asyncio.Queue[list[str]] = asyncio.Queue()
+
+    async def send(data: bytes) -> None:
+        rows = Results.decode(decode_frame(data, {"results"})).results
+        await got.put([row.task_id for row in rows])
+
+    return Peer(uuid.uuid4().hex, send), got
+
+
+async def heard(got: asyncio.Queue[list[str]], want: set[str], within: float) -> int:
+    """Messages until all of ``want`` were heard (``within`` seconds)."""
+    seen: set[str] = set()
+    messages = 0
+    async with asyncio.timeout(within):
+        while not want <= seen:
+            seen.update(await got.get())
+            messages += 1
+    return messages
+
+
+def test_a_client_that_never_reads_delays_no_other_clients_results(tmp_path: Path) -> None:
+    """Two client connections watch tasks that end in one message on ``ended``; the
+    first never reads (its send never returns): the second gets its result at once,
+    and so does a later one (the subscription's loop does not wait on the first)."""
+    redis_server = StateStore.open(None, tmp_path / "redis")
+    here = Watched(redis_server.url)
+
+    async def never(data: bytes) -> None:
+        await asyncio.Event().wait()
+
+    async def scenario() -> None:
+        listener = asyncio.create_task(wakeups.listen(cast(Any, here)))
+        try:
+            await here.subscribed(redis_server.url)
+            stuck, (peer, got) = Peer("stuck", never), reader()
+            (a, b) = await here.end(2)
+            here.hub.watch([a], stuck)
+            here.hub.watch([b], peer)
+            await here.store.redis.publish(here.channel, f"{a} {b}")
+            await heard(got, {b}, within=5)
+            (c,) = await here.end(1)
+            here.hub.watch([c], peer)
+            await here.store.redis.publish(here.channel, c)
+            await heard(got, {c}, within=5)
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+            await here.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        redis_server.close()
+
+
+def test_results_larger_than_a_message_are_sent_in_several(tmp_path: Path) -> None:
+    """Watched tasks whose results add up to more than ``MESSAGE_BYTES`` are delivered
+    in several messages of about that size, not one (the SDK refuses a message over
+    ``RECEIVE_MAX``)."""
+    redis_server = StateStore.open(None, tmp_path / "redis")
+    here = Watched(redis_server.url)
+    size = MESSAGE_BYTES // 3
+
+    async def scenario() -> None:
+        listener = asyncio.create_task(wakeups.listen(cast(Any, here)))
+        try:
+            await here.subscribed(redis_server.url)
+            (peer, got) = reader()
+            sizes: list[int] = []
+            send = peer._send
+
+            async def sized(data: bytes) -> None:
+                sizes.append(len(data))
+                await send(data)
+
+            peer._send = sized
+            ids = await here.end(6, size)
+            here.hub.watch(ids, peer)
+            await here.store.redis.publish(here.channel, " ".join(ids))
+            assert await heard(got, set(ids), within=30) >= 2
+            assert max(sizes) < MESSAGE_BYTES + size, sizes
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+            await here.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        redis_server.close()
+
+
+class Blackhole:
+    """A TCP proxy on loopback to a Unix-socket Redis that can stop passing bytes on
+    the connections it has, keeping them open (a NAT or load balancer that dropped
+    them without a reset); later connections pass."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.flowing: list[asyncio.Event] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"redis://127.0.0.1:{port}"
+
+    def drop_silently(self) -> None:
+        for flowing in self.flowing:
+            flowing.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_unix_connection(self.path)
+        flowing = asyncio.Event()
+        flowing.set()
+        self.flowing.append(flowing)
+        self.writers += [writer, up_writer]
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    await flowing.wait()
+                    dst.write(data)
+                    await dst.drain()
+
+        for task in (pump(reader, up_writer), pump(up_reader, writer)):
+            self.tasks.add(asyncio.create_task(task))
+
+    async def close(self) -> None:
+        self.server.close()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for writer in self.writers:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+        await self.server.wait_closed()
+
+
+def test_a_subscription_dropped_silently_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection of the subscription stops passing bytes without a reset: within
+    twice ``HEALTH`` (and ``RETRY``) the process has subscribed again and caught up (a
+    task that ended meanwhile reaches its watcher)."""
+    monkeypatch.setattr(wakeups, "HEALTH", 0.5)
+    redis_server = StateStore.open(None, tmp_path / "redis")
+    direct = Watched(redis_server.url)  # the test's own commands: not through the proxy
+
+    async def scenario() -> None:
+        proxy = Blackhole(redis_server.url.removeprefix("unix://"))
+        here = Watched(await proxy.start())
+        here.store = TaskStore(here.store.redis, direct.store.keys, result_ttl=60)
+        here.channel = direct.channel
+        listener = asyncio.create_task(wakeups.listen(cast(Any, here)))
+        try:
+            await here.subscribed(redis_server.url)
+            proxy.drop_silently()  # (its only connection: the subscription's)
+            peer, got = reader()
+            (a,) = await direct.end(1)
+            here.hub.watch([a], peer)  # ended unheard: only the catch-up delivers it
+            start = time.monotonic()
+            await heard(got, {a}, within=10)
+            assert time.monotonic() - start < 2 * 0.5 + RETRY + 2
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+            await proxy.close()
+            await here.store.redis.aclose()
+            await direct.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        redis_server.close()
+
+
+def test_a_requeue_publishes_its_endpoint_while_more_than_one_process_listens(
+    tmp_path: Path,
+) -> None:
+    """An agent's connection dropped: its tasks go back to the queue, and the endpoint
+    is published on ``TaskStore.woken`` (agents connected to other processes take them
+    now); nothing when no task went back."""
+    redis_server = StateStore.open(None, tmp_path / "redis")
+    here = Watched(redis_server.url)
+    store = here.store
+
+    async def heard(pubsub: Any) -> list[bytes]:
+        await store.redis.publish(store.woken, b"mark")
+        got: list[bytes] = []
+        while True:
+            message = await asyncio.wait_for(pubsub.get_message(timeout=1), 10)
+            if message is not None and message["data"] == b"mark":
+                return got
+            if message is not None:
+                got.append(message["data"])
+
+    async def scenario() -> None:
+        one = store.redis.pubsub(ignore_subscribe_messages=True)
+        two = store.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await one.subscribe(store.woken)
+            await two.subscribe(store.woken)
+            rows = [(str(uuid.uuid4()), "f", b"x", None, "")]
+            await store.submit("o", "ep", "g", rows, max_tasks=100, max_bytes=10**6)
+            assert await heard(one) == [b"ep"]  # (the submit)
+            await store.take("ep", "conn", 10)
+            assert await store.requeue("ep", "other-conn") == 0
+            assert await store.requeue("ep", "conn") == 1
+            assert await heard(one) == [b"ep"]  # the second requeue's only
+        finally:
+            await one.aclose()
+            await two.aclose()
+            await here.close()
 
     try:
         asyncio.run(scenario())

@@ -401,7 +401,7 @@ class TaskStore:
         """Put tasks in flight on ``conn_id`` (all if empty) back at the queue head."""
         n: int = await self._requeue(
             keys=[self.keys.endpoint_queue(endpoint_id), self.keys.endpoint_inflight(endpoint_id)],
-            args=[self._task_prefix, conn_id],
+            args=[self._task_prefix, conn_id, endpoint_id],
         )
         return n
 

@@ -269,7 +269,8 @@ return 0
 """
 )
 
-REQUEUE = """
+REQUEUE = (
+    """
 local rows = redis.call('HGETALL', KEYS[2])
 local n = 0
 for i = 1, #rows, 2 do
@@ -285,8 +286,10 @@ for i = 1, #rows, 2 do
   end
 end
 if n > 0 then redis.call('PUBLISH', ARGV[1] .. 'changed', '') end
-return n
 """
+    + tell_woken(f"ARGV[1] .. '{WOKEN}'", "ARGV[3]", "n > 0")  # its agents on other processes
+    + "return n\n"
+)
 
 CANCEL = (
     RELEASE

@@ -66,6 +66,7 @@ from nimbus.service.counters import measures
 from nimbus.service.hub import Peer
 from nimbus.service.registry import hash_token
 from nimbus.service.tasks import after_of, cancel_tasks, row_of, submit_tasks
+from nimbus.service.wakeups import deliver_stored
 
 __all__ = ["agent_socket", "client_socket", "tell_lost"]
 
@@ -425,13 +426,7 @@ async def _watch(ctx: ServiceContext, user_id: str, ids: list[str], peer: Peer) 
         for start in range(0, len(unknown), LOST_CHUNK):
             await peer.send(Unknown(unknown[start : start + LOST_CHUNK]).encode())
     ctx.hub.watch(mine, peer)
-    done = []
-    for task_id, result in zip(mine, await ctx.store.results(mine)):
-        if result is not None:
-            state, packed, record = result
-            done.append(ResultRow(task_id, TaskState(state), packed, record))
-    for batch in batches(done, lambda row: len(row.result)):
-        await ctx.hub.deliver(batch)
+    await deliver_stored(ctx, mine)
 
 
 async def tell_lost(ctx: ServiceContext) -> int:
