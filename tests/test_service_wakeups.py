@@ -58,15 +58,18 @@ def on_a_redis(tmp_path: Path, scenario: Callable[[str], Coroutine[Any, Any, Non
 
 
 @contextlib.asynccontextmanager
-async def two_subscribers(store: TaskStore) -> AsyncIterator[tuple[Any, Any]]:
-    """Two pubsub connections on ``store``'s Redis (as of two processes): closed after."""
-    one = store.redis.pubsub(ignore_subscribe_messages=True)
-    two = store.redis.pubsub(ignore_subscribe_messages=True)
+async def two_subscribers(url: str) -> AsyncIterator[tuple[Watched, Any, Any]]:
+    """A process's task store on the Redis at ``url`` (``Watched``) and two pubsub
+    connections to it (as of two processes): closed after, the store's keys deleted."""
+    here = Watched(url)
+    one = here.store.redis.pubsub(ignore_subscribe_messages=True)
+    two = here.store.redis.pubsub(ignore_subscribe_messages=True)
     try:
-        yield one, two
+        yield here, one, two
     finally:
         await one.aclose()
         await two.aclose()
+        await here.close()
 
 
 async def heard_before_a_mark(store: TaskStore, channel: str, pubsub: Any) -> list[bytes]:
@@ -132,32 +135,27 @@ def test_ended_tasks_are_published_only_while_more_than_one_process_listens(
     (``store_url``) is found closed after an Executor ran in this process."""
     limits = {"max_tasks": 100, "max_bytes": 10**6}
 
+    async def end_three(store: TaskStore) -> list[str]:
+        a, b, c = (str(uuid.uuid4()) for _ in range(3))
+        await store.submit("o", "ep", "g", [(a, "f", b"x", None, "")], **limits)
+        await store.submit("o", "ep", "g2", [(b, "f", b"y", None, "")], after=[[a]], **limits)
+        await store.submit("o", "ep", "g3", [(c, "f", b"z", None, "")], **limits)
+        await store.take("ep", "conn", 10)
+        assert await store.fail_held([(b, b"failed")]) == ([b], [])
+        assert await store.cancel(c, "ep") is not None
+        assert await store.finish("ep", [(a, "success", b"r", b"", "")]) == ([a], [])
+        return [b, c, a]
+
     async def scenario(url: str) -> None:
-        here = Watched(url)
-        store, channel = here.store, here.channel
-
-        async def end_three() -> list[str]:
-            a, b, c = (str(uuid.uuid4()) for _ in range(3))
-            await store.submit("o", "ep", "g", [(a, "f", b"x", None, "")], **limits)
-            await store.submit("o", "ep", "g2", [(b, "f", b"y", None, "")], after=[[a]], **limits)
-            await store.submit("o", "ep", "g3", [(c, "f", b"z", None, "")], **limits)
-            await store.take("ep", "conn", 10)
-            assert await store.fail_held([(b, b"failed")]) == ([b], [])
-            assert await store.cancel(c, "ep") is not None
-            assert await store.finish("ep", [(a, "success", b"r", b"", "")]) == ([a], [])
-            return [b, c, a]
-
-        try:
-            async with two_subscribers(store) as (one, two):
-                await one.subscribe(channel)
-                await end_three()
-                assert await heard_before_a_mark(store, channel, one) == []  # a lone process
-                await two.subscribe(channel)
-                want = [i.encode() for i in await end_three()]
-                assert await heard_before_a_mark(store, channel, one) == want
-                assert await heard_before_a_mark(store, channel, two) == want  # (up to one's mark)
-        finally:
-            await here.close()
+        async with two_subscribers(url) as (here, one, two):
+            store, channel = here.store, here.channel
+            await one.subscribe(channel)
+            await end_three(store)
+            assert await heard_before_a_mark(store, channel, one) == []  # a lone process
+            await two.subscribe(channel)
+            want = [i.encode() for i in await end_three(store)]
+            assert await heard_before_a_mark(store, channel, one) == want
+            assert await heard_before_a_mark(store, channel, two) == want  # (up to one's mark)
 
     on_a_redis(tmp_path, scenario)
 
@@ -228,27 +226,23 @@ def test_a_submit_publishes_its_endpoint_only_while_more_than_one_process_listen
     limits = {"max_tasks": 100, "max_bytes": 10**6}
 
     async def scenario(url: str) -> None:
-        here = Watched(url)
-        store = here.store
-        try:
-            async with two_subscribers(store) as (one, two):
-                await one.subscribe(store.woken)
-                a = str(uuid.uuid4())
-                await store.submit("o", "ep", "g", [(a, "f", b"x", None, "")], **limits)
-                assert await heard_before_a_mark(store, store.woken, one) == []  # a lone one
-                await two.subscribe(store.woken)
-                await store.submit(
-                    "o", "ep2", "g2", [(str(uuid.uuid4()), "f", b"y", None, "")], **limits
-                )
-                held = str(uuid.uuid4())
-                await store.submit(
-                    "o", "ep3", "g3", [(held, "f", b"z", None, "")], after=[[a]], **limits
-                )
-                # the held task's endpoint: not yet
-                assert await heard_before_a_mark(store, store.woken, one) == [b"ep2"]
-                assert await heard_before_a_mark(store, store.woken, two) == [b"ep2"]
-        finally:
-            await here.close()
+        async with two_subscribers(url) as (here, one, two):
+            store = here.store
+            await one.subscribe(store.woken)
+            a = str(uuid.uuid4())
+            await store.submit("o", "ep", "g", [(a, "f", b"x", None, "")], **limits)
+            assert await heard_before_a_mark(store, store.woken, one) == []  # a lone one
+            await two.subscribe(store.woken)
+            await store.submit(
+                "o", "ep2", "g2", [(str(uuid.uuid4()), "f", b"y", None, "")], **limits
+            )
+            held = str(uuid.uuid4())
+            await store.submit(
+                "o", "ep3", "g3", [(held, "f", b"z", None, "")], after=[[a]], **limits
+            )
+            # the held task's endpoint: not yet
+            assert await heard_before_a_mark(store, store.woken, one) == [b"ep2"]
+            assert await heard_before_a_mark(store, store.woken, two) == [b"ep2"]
 
     on_a_redis(tmp_path, scenario)
 
@@ -467,21 +461,17 @@ def test_a_requeue_publishes_its_endpoint_while_more_than_one_process_listens(
     now); nothing when no task went back."""
 
     async def scenario(url: str) -> None:
-        here = Watched(url)
-        store = here.store
-        try:
-            async with two_subscribers(store) as (one, two):
-                await one.subscribe(store.woken)
-                await two.subscribe(store.woken)
-                rows = [(str(uuid.uuid4()), "f", b"x", None, "")]
-                await store.submit("o", "ep", "g", rows, max_tasks=100, max_bytes=10**6)
-                assert await heard_before_a_mark(store, store.woken, one) == [b"ep"]  # (submit)
-                await store.take("ep", "conn", 10)
-                assert await store.requeue("ep", "other-conn") == 0
-                assert await store.requeue("ep", "conn") == 1
-                # the second requeue's only
-                assert await heard_before_a_mark(store, store.woken, one) == [b"ep"]
-        finally:
-            await here.close()
+        async with two_subscribers(url) as (here, one, two):
+            store = here.store
+            await one.subscribe(store.woken)
+            await two.subscribe(store.woken)
+            rows = [(str(uuid.uuid4()), "f", b"x", None, "")]
+            await store.submit("o", "ep", "g", rows, max_tasks=100, max_bytes=10**6)
+            assert await heard_before_a_mark(store, store.woken, one) == [b"ep"]  # (submit)
+            await store.take("ep", "conn", 10)
+            assert await store.requeue("ep", "other-conn") == 0
+            assert await store.requeue("ep", "conn") == 1
+            # the second requeue's only
+            assert await heard_before_a_mark(store, store.woken, one) == [b"ep"]
 
     on_a_redis(tmp_path, scenario)
