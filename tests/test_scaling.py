@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -538,25 +539,19 @@ def remote_staged_here(path: Any) -> tuple[str, str, int, str]:  # sent by value
     return os.environ["NIMBUS_RUNTIME_DIR"], str(path), len(body), hashlib.sha256(body).hexdigest()
 
 
-def test_a_file_of_another_endpoint_reaches_tasks_on_every_node_of_a_slurm_endpoint(
-    service: Any, alice: Any, slurm: Any, tmp_path: Any
-) -> None:
-    """``nimbus.File("vault:...")`` used by tasks of an endpoint of two Slurm nodes (each
-    its own data directory, as separate machines): vault sends it to the one node whose
-    task offered to take it; the tasks on the other node fetch it from that node."""
+@contextlib.contextmanager
+def vault_and_two_nodes(
+    service: Any, alice: Any, slurm: Any, tmp_path: Path, vault_name: str, hpc_name: str
+) -> Iterator[None]:
+    """Endpoint ``vault_name`` exporting ``tmp_path/exported`` and endpoint ``hpc_name``
+    of two Slurm nodes, one worker each, each its own data directory (as separate
+    machines): both started; stopped after."""
     import dataclasses
-    import hashlib
 
-    import nimbus
-    from nimbus.data import default_root
     from service_support import EndpointProcess, slurm_endpoint
 
-    exported = tmp_path / "exported"
-    exported.mkdir()
-    body = os.urandom(2 * 1024 * 1024 + 3)
-    (exported / "run42.h5").write_bytes(body)
-    vault = EndpointProcess(service, alice, "vault-nodes")
-    vault.config = dataclasses.replace(vault.config, exports=str(exported))
+    vault = EndpointProcess(service, alice, vault_name)
+    vault.config = dataclasses.replace(vault.config, exports=str(tmp_path / "exported"))
     old = dict(os.environ)
     os.environ["XDG_CONFIG_HOME"] = service.env["XDG_CONFIG_HOME"]
     try:
@@ -567,7 +562,7 @@ def test_a_file_of_another_endpoint_reaches_tasks_on_every_node_of_a_slurm_endpo
     hpc = slurm_endpoint(
         service,
         alice,
-        "hpc-nodes",
+        hpc_name,
         slurm,
         workers_per_node=1,
         init_blocks=2,
@@ -580,14 +575,35 @@ def test_a_file_of_another_endpoint_reaches_tasks_on_every_node_of_a_slurm_endpo
     try:
         vault.start(alice)
         hpc.start(alice)
-        with Executor(endpoint="hpc-nodes", settings=service.user_settings(alice.token)) as ex:
-            file = nimbus.File(f"vault-nodes:{exported}/run42.h5")
-            futures = [ex.submit(remote_staged_here, file) for _ in range(8)]
-            results = [f.result(timeout=180) for f in futures]
+        yield
     finally:
         hpc.stop()
         vault.stop()
         del service.env["SLURM_CONF"]
+
+
+def test_a_file_of_another_endpoint_reaches_tasks_on_every_node_of_a_slurm_endpoint(
+    service: Any, alice: Any, slurm: Any, tmp_path: Any
+) -> None:
+    """``nimbus.File("vault:...")`` used by tasks of an endpoint of two Slurm nodes (each
+    its own data directory, as separate machines): vault sends it to the one node whose
+    task offered to take it; the tasks on the other node fetch it from that node."""
+    import hashlib
+
+    import nimbus
+    from nimbus.data import default_root
+
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    body = os.urandom(2 * 1024 * 1024 + 3)
+    (exported / "run42.h5").write_bytes(body)
+    with (
+        vault_and_two_nodes(service, alice, slurm, tmp_path, "vault-nodes", "hpc-nodes"),
+        Executor(endpoint="hpc-nodes", settings=service.user_settings(alice.token)) as ex,
+    ):
+        file = nimbus.File(f"vault-nodes:{exported}/run42.h5")
+        futures = [ex.submit(remote_staged_here, file) for _ in range(8)]
+        results = [f.result(timeout=180) for f in futures]
     assert len({node for node, _, _, _ in results}) == 2, results  # both nodes ran tasks
     assert {(size, digest) for _, _, size, digest in results} == {
         (len(body), hashlib.sha256(body).hexdigest())
@@ -615,80 +631,50 @@ def test_a_staged_files_pin_is_renewed_on_its_node_whichever_node_runs_the_renew
     With a lease of 3 s for 15 s (five leases) while the holding node's only worker is
     busy (so the renewals run on the other node), the pin stays leased on its node, and a
     task on the other node whose cache lost the copy fetches it from there again."""
-    import dataclasses
     import hashlib
 
     import nimbus
     from nimbus.data import default_root
-    from service_support import EndpointProcess, slurm_endpoint
 
     exported = tmp_path / "exported"
     exported.mkdir()
     body = os.urandom(1024 * 1024 + 7)
     (exported / "run7.h5").write_bytes(body)
-    vault = EndpointProcess(service, alice, "vault-lease")
-    vault.config = dataclasses.replace(vault.config, exports=str(exported))
-    old = dict(os.environ)
-    os.environ["XDG_CONFIG_HOME"] = service.env["XDG_CONFIG_HOME"]
-    try:
-        vault.config.save()
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
-    hpc = slurm_endpoint(
-        service,
-        alice,
-        "hpc-lease",
-        slurm,
-        workers_per_node=1,
-        init_blocks=2,
-        min_blocks=2,
-        max_blocks=2,
-        exclusive=True,
-        max_idle=60.0,
-        worker_init=f'export NIMBUS_RUNTIME_DIR="{tmp_path}/node-$NIMBUS_BLOCK_ID"',
-    )
     lease = 3.0
-    try:
-        vault.start(alice)
-        hpc.start(alice)
-        with Executor(endpoint="hpc-lease", settings=service.user_settings(alice.token)) as ex:
-            where = ex._path.open()
-            where.lease = lease  # renewed every second, by a task on either node
-            file = nimbus.File(f"vault-lease:{exported}/run7.h5")
-            first = [
-                f.result(timeout=180)
-                for f in [ex.submit(remote_staged_here, file) for _ in range(8)]
-            ]
-            nodes = {node for node, _, _, _ in first}
-            assert len(nodes) == 2, first
-            objects = [default_root(node) / where.namespace / "obj" for node in nodes]
-            pins = [p for o in objects for p in o.iterdir() if len(p.name) == 64]
-            assert len(pins) == 1, pins  # on the node that took the copy
-            (pin,) = pins
-            # the holding node's only worker kept busy: renewals run on the other node
-            busy = [ex.submit(busy_if_holding, pin.name, 5 * lease + 1) for _ in range(2)]
-            time.sleep(1.0)
-            started = time.monotonic()
-            seen = []
-            while time.monotonic() - started < 5 * lease:
-                mtime = pin.stat().st_mtime if pin.exists() else 0.0  # 0: swept (ran out)
-                seen.append((time.time(), mtime))
-                time.sleep(0.25)
-            assert sorted(f.result(timeout=60) for f in busy) == [False, True]
-            late = [(round(t - seen[0][0], 2), round(m - t, 2)) for t, m in seen if m <= t]
-            assert not late, f"the pin's lease ran out on its node at {late}"
-            for _, path, _, _ in first:  # the other node's cache loses its fetched copy
-                if not path.startswith(str(pin.parent.parent.parent)):
-                    Path(path).unlink(missing_ok=True)
-            later = [
-                f.result(timeout=180)
-                for f in [ex.submit(remote_staged_here, file) for _ in range(8)]
-            ]
-    finally:
-        hpc.stop()
-        vault.stop()
-        del service.env["SLURM_CONF"]
+    with (
+        vault_and_two_nodes(service, alice, slurm, tmp_path, "vault-lease", "hpc-lease"),
+        Executor(endpoint="hpc-lease", settings=service.user_settings(alice.token)) as ex,
+    ):
+        where = ex._path.open()
+        where.lease = lease  # renewed every second, by a task on either node
+        file = nimbus.File(f"vault-lease:{exported}/run7.h5")
+        first = [
+            f.result(timeout=180) for f in [ex.submit(remote_staged_here, file) for _ in range(8)]
+        ]
+        nodes = {node for node, _, _, _ in first}
+        assert len(nodes) == 2, first
+        objects = [default_root(node) / where.namespace / "obj" for node in nodes]
+        pins = [p for o in objects for p in o.iterdir() if len(p.name) == 64]
+        assert len(pins) == 1, pins  # on the node that took the copy
+        (pin,) = pins
+        # the holding node's only worker kept busy: renewals run on the other node
+        busy = [ex.submit(busy_if_holding, pin.name, 5 * lease + 1) for _ in range(2)]
+        time.sleep(1.0)
+        started = time.monotonic()
+        seen = []
+        while time.monotonic() - started < 5 * lease:
+            mtime = pin.stat().st_mtime if pin.exists() else 0.0  # 0: swept (ran out)
+            seen.append((time.time(), mtime))
+            time.sleep(0.25)
+        assert sorted(f.result(timeout=60) for f in busy) == [False, True]
+        late = [(round(t - seen[0][0], 2), round(m - t, 2)) for t, m in seen if m <= t]
+        assert not late, f"the pin's lease ran out on its node at {late}"
+        for _, path, _, _ in first:  # the other node's cache loses its fetched copy
+            if not path.startswith(str(pin.parent.parent.parent)):
+                Path(path).unlink(missing_ok=True)
+        later = [
+            f.result(timeout=180) for f in [ex.submit(remote_staged_here, file) for _ in range(8)]
+        ]
     assert len({node for node, _, _, _ in later}) == 2, later
     digest = hashlib.sha256(body).hexdigest()
     assert {(n, d) for _, _, n, d in first + later} == {(len(body), digest)}

@@ -43,6 +43,14 @@ async def _fill(store: TaskStore) -> list[str]:
     return [member.decode() for member in scores]
 
 
+async def _drop(store: TaskStore) -> None:
+    """Every key of ``store``'s program unlinked (1,000 a command), its connection closed."""
+    keys = [key async for key in store.redis.scan_iter(match=store.keys.pattern())]
+    for i in range(0, len(keys), 1000):
+        await store.redis.unlink(*keys[i : i + 1000])
+    await store.redis.aclose()
+
+
 @pytest.fixture
 def store(store_url: str) -> TaskStore:
     return TaskStore(connect_async(store_url), Keys(Keys.program_id_new()), result_ttl=60)
@@ -117,10 +125,7 @@ def test_pages_filters_and_latency(store: TaskStore, key: str) -> None:
             live = await live_window(store, key, Filter(state="waiting-for-endpoint"))
             assert live and all(row.state == "waiting-for-endpoint" for row in live)
         finally:
-            keys = [key async for key in store.redis.scan_iter(match=store.keys.pattern())]
-            for i in range(0, len(keys), 1000):
-                await store.redis.unlink(*keys[i : i + 1000])
-            await store.redis.aclose()
+            await _drop(store)
 
     asyncio.run(scenario())
 
@@ -147,10 +152,7 @@ def test_a_page_reads_only_its_rows_wherever_it_is_in_the_index(store: TaskStore
                 assert ran.get("cmdstat_zrevrange") == 1, ran
                 assert sum(ran.values()) <= 55, ran  # + EVALSHA, ZREVRANK: no scan
         finally:
-            keys = [key async for key in store.redis.scan_iter(match=store.keys.pattern())]
-            for i in range(0, len(keys), 1000):
-                await store.redis.unlink(*keys[i : i + 1000])
-            await store.redis.aclose()
+            await _drop(store)
 
     asyncio.run(scenario())
 
@@ -220,10 +222,7 @@ def test_a_batch_older_than_redis_keeps_is_read_from_the_sql_history(
             assert by_group["big-batch"].counts == {"success": 60}, by_group["big-batch"]
             assert by_group["big-batch"].done == 60
         finally:
-            rest = [k async for k in store.redis.scan_iter(match=keys.pattern())]
-            if rest:
-                await store.redis.unlink(*rest)
-            await store.redis.aclose()
+            await _drop(store)
 
     asyncio.run(scenario())
     engine.dispose()

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -22,12 +23,67 @@ from nimbus.service.hub import Hub, Peer
 from nimbus.service.queues import TaskStore
 from nimbus.service.wakeups import ENDED, RETRY
 from nimbus.statestore import Keys, StateStore, connect_async
-from service_support import EndpointProcess, two_services
+from service_support import EndpointProcess, Service, two_services
 
 
 def nap(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
+
+
+@contextlib.contextmanager
+def agent_on_the_second(
+    tmp_path: Path, user: str
+) -> Iterator[tuple[Service, Service, StateStore, str]]:
+    """Two service processes on one queue Redis (``two_services``), ``user``'s token,
+    and the agent of its endpoint "far" connected to the second: stopped after."""
+    with two_services(tmp_path) as (first, second, store):
+        token = first.token(user)
+        with second.client(token) as there:
+            agent = EndpointProcess(second, there, "far")
+            try:
+                agent.start(there)
+                yield first, second, store, token
+            finally:
+                agent.stop()
+
+
+def on_a_redis(tmp_path: Path, scenario: Callable[[str], Coroutine[Any, Any, None]]) -> None:
+    """``scenario(url)`` run on a Redis of its own (in ``tmp_path``), closed after."""
+    redis_server = StateStore.open(None, tmp_path / "redis")
+    try:
+        asyncio.run(scenario(redis_server.url))
+    finally:
+        redis_server.close()
+
+
+@contextlib.asynccontextmanager
+async def two_subscribers(url: str) -> AsyncIterator[tuple[Watched, Any, Any]]:
+    """A process's task store on the Redis at ``url`` (``Watched``) and two pubsub
+    connections to it (as of two processes): closed after, the store's keys deleted."""
+    here = Watched(url)
+    one = here.store.redis.pubsub(ignore_subscribe_messages=True)
+    two = here.store.redis.pubsub(ignore_subscribe_messages=True)
+    try:
+        yield here, one, two
+    finally:
+        await one.aclose()
+        await two.aclose()
+        await here.close()
+
+
+async def heard_before_a_mark(store: TaskStore, channel: str, pubsub: Any) -> list[bytes]:
+    """What was published on ``channel`` to ``pubsub``: all before a mark published now."""
+    await store.redis.publish(channel, b"mark")
+    got: list[bytes] = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        message = await pubsub.get_message(timeout=1)  # (None: a subscription confirmed)
+        if message is not None and message["data"] == b"mark":
+            return got
+        if message is not None:
+            got.append(message["data"])
+    raise AssertionError(f"no mark on the channel after {got}")
 
 
 @pytest.mark.timeout(300)  # two services and an agent start: slow on a loaded machine
@@ -37,22 +93,18 @@ def test_a_result_long_poll_on_one_process_returns_when_the_task_ends_on_the_oth
     """The agent is connected to the second process; the client long-polls the first
     (GET .../result?wait=): it returns within a second of the task's end, not at the
     end of its poll."""
-    agent = None
-    with two_services(tmp_path) as (first, second, _redis):
-        try:
-            token = first.token("wanda")
-            with first.client(token) as here, second.client(token) as there:
-                agent = EndpointProcess(second, there, "far").start(there)
-                late = []
-                for seconds in (0.5, 1.0, 0.2):
-                    task_id = there.run(nap, seconds, endpoint="far")
-                    assert here.get_result(task_id, timeout=20) == seconds  # one poll of 20 s
-                    returned = time.time()
-                    late.append(returned - float(here.get_task(task_id)["ended"]))
-                assert max(late) < 1.0, late
-        finally:
-            if agent is not None:
-                agent.stop()
+    with (
+        agent_on_the_second(tmp_path, "wanda") as (first, second, _redis, token),
+        first.client(token) as here,
+        second.client(token) as there,
+    ):
+        late = []
+        for seconds in (0.5, 1.0, 0.2):
+            task_id = there.run(nap, seconds, endpoint="far")
+            assert here.get_result(task_id, timeout=20) == seconds  # one poll of 20 s
+            returned = time.time()
+            late.append(returned - float(here.get_task(task_id)["ended"]))
+        assert max(late) < 1.0, late
 
 
 @pytest.mark.timeout(300)
@@ -61,25 +113,17 @@ def test_an_executor_on_one_process_gets_results_of_tasks_ended_on_the_other(
 ) -> None:
     """An executor's WebSocket to the first process, the endpoint's agent on the second:
     the futures end when their tasks do (the second delivers to no one of its own)."""
-    agent = None
-    with two_services(tmp_path) as (first, second, _redis):
+    with agent_on_the_second(tmp_path, "wilma") as (first, _second, _redis, token):
+        executor = Executor(endpoint="far", settings=first.user_settings(token))
+        ended = False
         try:
-            token = first.token("wilma")
-            with second.client(token) as there:
-                agent = EndpointProcess(second, there, "far").start(there)
-            executor = Executor(endpoint="far", settings=first.user_settings(token))
-            ended = False
-            try:
-                start = time.monotonic()
-                futures = [executor.submit(nap, 0.1 * i) for i in range(6)]
-                assert [f.result(timeout=30) for f in futures] == [0.1 * i for i in range(6)]
-                assert time.monotonic() - start < 10  # the dispatcher's idle poll is 5 s
-                ended = True
-            finally:  # a future sent that never ends would hold a `with`'s exit for ever
-                executor.shutdown(wait=ended)
-        finally:
-            if agent is not None:
-                agent.stop()
+            start = time.monotonic()
+            futures = [executor.submit(nap, 0.1 * i) for i in range(6)]
+            assert [f.result(timeout=30) for f in futures] == [0.1 * i for i in range(6)]
+            assert time.monotonic() - start < 10  # the dispatcher's idle poll is 5 s
+            ended = True
+        finally:  # a future sent that never ends would hold a `with`'s exit for ever
+            executor.shutdown(wait=ended)
 
 
 def test_ended_tasks_are_published_only_while_more_than_one_process_listens(
@@ -89,25 +133,9 @@ def test_ended_tasks_are_published_only_while_more_than_one_process_listens(
     ``<prefix>ended`` when two processes subscribe to it, and nothing for a lone one
     (which wakes its own waiters). On a Redis of its own: the module's shared store
     (``store_url``) is found closed after an Executor ran in this process."""
-    redis_server = StateStore.open(None, tmp_path / "redis")
-    store = TaskStore(connect_async(redis_server.url), Keys(Keys.program_id_new()), result_ttl=60)
-    channel = store.keys.task("") + ENDED
     limits = {"max_tasks": 100, "max_bytes": 10**6}
 
-    async def heard(pubsub: Any) -> list[bytes]:
-        """What the scripts published on the channel: all before a mark published now."""
-        await store.redis.publish(channel, b"mark")
-        got: list[bytes] = []
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            message = await pubsub.get_message(timeout=1)  # (None: a subscription confirmed)
-            if message is not None and message["data"] == b"mark":
-                return got
-            if message is not None:
-                got.append(message["data"])
-        raise AssertionError(f"no mark on the channel after {got}")
-
-    async def end_three() -> list[str]:
+    async def end_three(store: TaskStore) -> list[str]:
         a, b, c = (str(uuid.uuid4()) for _ in range(3))
         await store.submit("o", "ep", "g", [(a, "f", b"x", None, "")], **limits)
         await store.submit("o", "ep", "g2", [(b, "f", b"y", None, "")], after=[[a]], **limits)
@@ -118,29 +146,18 @@ def test_ended_tasks_are_published_only_while_more_than_one_process_listens(
         assert await store.finish("ep", [(a, "success", b"r", b"", "")]) == ([a], [])
         return [b, c, a]
 
-    async def scenario() -> None:
-        one = store.redis.pubsub(ignore_subscribe_messages=True)
-        two = store.redis.pubsub(ignore_subscribe_messages=True)
-        try:
+    async def scenario(url: str) -> None:
+        async with two_subscribers(url) as (here, one, two):
+            store, channel = here.store, here.channel
             await one.subscribe(channel)
-            await end_three()
-            assert await heard(one) == []  # a lone process: nothing published
+            await end_three(store)
+            assert await heard_before_a_mark(store, channel, one) == []  # a lone process
             await two.subscribe(channel)
-            ended = await end_three()
-            want = [i.encode() for i in ended]
-            assert await heard(one) == want
-            assert await heard(two) == want  # (up to the mark published for one)
-        finally:
-            await one.aclose()
-            await two.aclose()
-            async for key in store.redis.scan_iter(match=store.keys.pattern()):
-                await store.redis.delete(key)
-            await store.redis.aclose()
+            want = [i.encode() for i in await end_three(store)]
+            assert await heard_before_a_mark(store, channel, one) == want
+            assert await heard_before_a_mark(store, channel, two) == want  # (up to one's mark)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        redis_server.close()
+    on_a_redis(tmp_path, scenario)
 
 
 def dispatch_delay(client: Any, task_id: str) -> float:
@@ -156,21 +173,16 @@ def test_a_task_submitted_on_one_process_starts_at_once_on_an_agent_of_the_other
     """The agent is connected to the second process, idle; a task submitted through the
     first is dispatched within a second (the submit script publishes its endpoint on
     ``TaskStore.woken``), not at the dispatcher's idle poll (5 s)."""
-    agent = None
-    with two_services(tmp_path) as (first, second, _redis):
-        try:
-            token = first.token("xena")
-            with first.client(token) as here, second.client(token) as there:
-                agent = EndpointProcess(second, there, "far").start(there)
-                delays = []
-                for _ in range(3):  # each after the last ended: the dispatcher just idle
-                    task_id = here.run(nap, 0.05, endpoint="far")
-                    assert here.get_result(task_id, timeout=20) == 0.05
-                    delays.append(dispatch_delay(here, task_id))
-                assert max(delays) < 1.0, delays
-        finally:
-            if agent is not None:
-                agent.stop()
+    with (
+        agent_on_the_second(tmp_path, "xena") as (first, _second, _redis, token),
+        first.client(token) as here,
+    ):
+        delays = []
+        for _ in range(3):  # each after the last ended: the dispatcher just idle
+            task_id = here.run(nap, 0.05, endpoint="far")
+            assert here.get_result(task_id, timeout=20) == 0.05
+            delays.append(dispatch_delay(here, task_id))
+        assert max(delays) < 1.0, delays
 
 
 @pytest.mark.timeout(300)
@@ -181,36 +193,28 @@ def test_what_was_queued_while_the_subscriptions_were_lost_starts_when_they_are_
     while (as when it goes away); a task submitted through the first meanwhile is
     published to no one, and the second's dispatcher takes it when the second has
     subscribed again (``wakeups.RETRY``), not at its idle poll's end (5 s)."""
-    agent = None
-    with two_services(tmp_path) as (first, second, store):
+    with (
+        agent_on_the_second(tmp_path, "yara") as (first, _second, store, token),
+        first.client(token) as here,
+        redis.Redis.from_url(store.url) as queue_redis,
+    ):
+        assert here.get_result(here.run(nap, 0.05, endpoint="far"), timeout=20) == 0.05
+        (woken,) = queue_redis.pubsub_channels(f"*{WOKEN}")
+
+        def listening() -> int:
+            return int(dict(queue_redis.pubsub_numsub(woken))[woken])
+
+        assert listening() == 2
+        queue_redis.execute_command("ACL", "SETUSER", "default", "-subscribe")
         try:
-            token = first.token("yara")
-            with (
-                first.client(token) as here,
-                second.client(token) as there,
-                redis.Redis.from_url(store.url) as queue_redis,
-            ):
-                agent = EndpointProcess(second, there, "far").start(there)
-                assert here.get_result(here.run(nap, 0.05, endpoint="far"), timeout=20) == 0.05
-                (woken,) = queue_redis.pubsub_channels(f"*{WOKEN}")
-
-                def listening() -> int:
-                    return int(dict(queue_redis.pubsub_numsub(woken))[woken])
-
-                assert listening() == 2
-                queue_redis.execute_command("ACL", "SETUSER", "default", "-subscribe")
-                try:
-                    queue_redis.client_kill_filter(_type="pubsub")
-                    assert listening() == 0
-                    task_id = here.run(nap, 0.05, endpoint="far")  # published to no one
-                finally:
-                    queue_redis.execute_command("ACL", "SETUSER", "default", "+subscribe")
-                assert here.get_result(task_id, timeout=20) == 0.05
-                delay = dispatch_delay(here, task_id)
-                assert delay < RETRY + 1.0, delay
+            queue_redis.client_kill_filter(_type="pubsub")
+            assert listening() == 0
+            task_id = here.run(nap, 0.05, endpoint="far")  # published to no one
         finally:
-            if agent is not None:
-                agent.stop()
+            queue_redis.execute_command("ACL", "SETUSER", "default", "+subscribe")
+        assert here.get_result(task_id, timeout=20) == 0.05
+        delay = dispatch_delay(here, task_id)
+        assert delay < RETRY + 1.0, delay
 
 
 def test_a_submit_publishes_its_endpoint_only_while_more_than_one_process_listens(
@@ -219,28 +223,15 @@ def test_a_submit_publishes_its_endpoint_only_while_more_than_one_process_listen
     """The submit script publishes its endpoint on ``TaskStore.woken`` when tasks joined
     its queue and two processes subscribe; nothing for a lone one (which wakes its own
     dispatchers), nothing for tasks that are all held."""
-    redis_server = StateStore.open(None, tmp_path / "redis")
-    store = TaskStore(connect_async(redis_server.url), Keys(Keys.program_id_new()), result_ttl=60)
     limits = {"max_tasks": 100, "max_bytes": 10**6}
 
-    async def heard(pubsub: Any) -> list[bytes]:
-        await store.redis.publish(store.woken, b"mark")
-        got: list[bytes] = []
-        while True:
-            message = await asyncio.wait_for(pubsub.get_message(timeout=1), 10)
-            if message is not None and message["data"] == b"mark":
-                return got
-            if message is not None:
-                got.append(message["data"])
-
-    async def scenario() -> None:
-        one = store.redis.pubsub(ignore_subscribe_messages=True)
-        two = store.redis.pubsub(ignore_subscribe_messages=True)
-        try:
+    async def scenario(url: str) -> None:
+        async with two_subscribers(url) as (here, one, two):
+            store = here.store
             await one.subscribe(store.woken)
             a = str(uuid.uuid4())
             await store.submit("o", "ep", "g", [(a, "f", b"x", None, "")], **limits)
-            assert await heard(one) == []  # a lone process: nothing published
+            assert await heard_before_a_mark(store, store.woken, one) == []  # a lone one
             await two.subscribe(store.woken)
             await store.submit(
                 "o", "ep2", "g2", [(str(uuid.uuid4()), "f", b"y", None, "")], **limits
@@ -249,19 +240,11 @@ def test_a_submit_publishes_its_endpoint_only_while_more_than_one_process_listen
             await store.submit(
                 "o", "ep3", "g3", [(held, "f", b"z", None, "")], after=[[a]], **limits
             )
-            assert await heard(one) == [b"ep2"]  # the held task's endpoint: not yet
-            assert await heard(two) == [b"ep2"]
-        finally:
-            await one.aclose()
-            await two.aclose()
-            async for key in store.redis.scan_iter(match=store.keys.pattern()):
-                await store.redis.delete(key)
-            await store.redis.aclose()
+            # the held task's endpoint: not yet
+            assert await heard_before_a_mark(store, store.woken, one) == [b"ep2"]
+            assert await heard_before_a_mark(store, store.woken, two) == [b"ep2"]
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        redis_server.close()
+    on_a_redis(tmp_path, scenario)
 
 
 class Watched:
@@ -297,6 +280,19 @@ class Watched:
         await self.store.redis.aclose()
 
 
+@contextlib.asynccontextmanager
+async def listen_running(here: Watched, redis_url: str) -> AsyncIterator[None]:
+    """``wakeups.listen`` of ``here`` running, its subscription made; cancelled after."""
+    listener = asyncio.create_task(wakeups.listen(cast(Any, here)))
+    try:
+        await here.subscribed(redis_url)
+        yield
+    finally:
+        listener.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await listener
+
+
 def reader() -> tuple[Peer, asyncio.Queue[list[str]]]:
     """A client connection that reads at once: the task ids of each message it got."""
     got: asyncio.Queue[list[str]] = asyncio.Queue()
@@ -323,74 +319,58 @@ def test_a_client_that_never_reads_delays_no_other_clients_results(tmp_path: Pat
     """Two client connections watch tasks that end in one message on ``ended``; the
     first never reads (its send never returns): the second gets its result at once,
     and so does a later one (the subscription's loop does not wait on the first)."""
-    redis_server = StateStore.open(None, tmp_path / "redis")
-    here = Watched(redis_server.url)
 
     async def never(data: bytes) -> None:
         await asyncio.Event().wait()
 
-    async def scenario() -> None:
-        listener = asyncio.create_task(wakeups.listen(cast(Any, here)))
+    async def scenario(url: str) -> None:
+        here = Watched(url)
         try:
-            await here.subscribed(redis_server.url)
-            stuck, (peer, got) = Peer("stuck", never), reader()
-            (a, b) = await here.end(2)
-            here.hub.watch([a], stuck)
-            here.hub.watch([b], peer)
-            await here.store.redis.publish(here.channel, f"{a} {b}")
-            await heard(got, {b}, within=5)
-            (c,) = await here.end(1)
-            here.hub.watch([c], peer)
-            await here.store.redis.publish(here.channel, c)
-            await heard(got, {c}, within=5)
+            async with listen_running(here, url):
+                stuck, (peer, got) = Peer("stuck", never), reader()
+                (a, b) = await here.end(2)
+                here.hub.watch([a], stuck)
+                here.hub.watch([b], peer)
+                await here.store.redis.publish(here.channel, f"{a} {b}")
+                await heard(got, {b}, within=5)
+                (c,) = await here.end(1)
+                here.hub.watch([c], peer)
+                await here.store.redis.publish(here.channel, c)
+                await heard(got, {c}, within=5)
         finally:
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
             await here.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        redis_server.close()
+    on_a_redis(tmp_path, scenario)
 
 
 def test_results_larger_than_a_message_are_sent_in_several(tmp_path: Path) -> None:
     """Watched tasks whose results add up to more than ``MESSAGE_BYTES`` are delivered
     in several messages of about that size, not one (the SDK refuses a message over
     ``RECEIVE_MAX``)."""
-    redis_server = StateStore.open(None, tmp_path / "redis")
-    here = Watched(redis_server.url)
     size = MESSAGE_BYTES // 3
 
-    async def scenario() -> None:
-        listener = asyncio.create_task(wakeups.listen(cast(Any, here)))
+    async def scenario(url: str) -> None:
+        here = Watched(url)
         try:
-            await here.subscribed(redis_server.url)
-            (peer, got) = reader()
-            sizes: list[int] = []
-            send = peer._send
+            async with listen_running(here, url):
+                (peer, got) = reader()
+                sizes: list[int] = []
+                send = peer._send
 
-            async def sized(data: bytes) -> None:
-                sizes.append(len(data))
-                await send(data)
+                async def sized(data: bytes) -> None:
+                    sizes.append(len(data))
+                    await send(data)
 
-            peer._send = sized
-            ids = await here.end(6, size)
-            here.hub.watch(ids, peer)
-            await here.store.redis.publish(here.channel, " ".join(ids))
-            assert await heard(got, set(ids), within=30) >= 2
-            assert max(sizes) < MESSAGE_BYTES + size, sizes
+                peer._send = sized
+                ids = await here.end(6, size)
+                here.hub.watch(ids, peer)
+                await here.store.redis.publish(here.channel, " ".join(ids))
+                assert await heard(got, set(ids), within=30) >= 2
+                assert max(sizes) < MESSAGE_BYTES + size, sizes
         finally:
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
             await here.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        redis_server.close()
+    on_a_redis(tmp_path, scenario)
 
 
 class Blackhole:
@@ -449,36 +429,28 @@ def test_a_subscription_dropped_silently_is_made_again(
     twice ``HEALTH`` (and ``RETRY``) the process has subscribed again and caught up (a
     task that ended meanwhile reaches its watcher)."""
     monkeypatch.setattr(wakeups, "HEALTH", 0.5)
-    redis_server = StateStore.open(None, tmp_path / "redis")
-    direct = Watched(redis_server.url)  # the test's own commands: not through the proxy
 
-    async def scenario() -> None:
-        proxy = Blackhole(redis_server.url.removeprefix("unix://"))
+    async def scenario(url: str) -> None:
+        direct = Watched(url)  # the test's own commands: not through the proxy
+        proxy = Blackhole(url.removeprefix("unix://"))
         here = Watched(await proxy.start())
         here.store = TaskStore(here.store.redis, direct.store.keys, result_ttl=60)
         here.channel = direct.channel
-        listener = asyncio.create_task(wakeups.listen(cast(Any, here)))
         try:
-            await here.subscribed(redis_server.url)
-            proxy.drop_silently()  # (its only connection: the subscription's)
-            peer, got = reader()
-            (a,) = await direct.end(1)
-            here.hub.watch([a], peer)  # ended unheard: only the catch-up delivers it
-            start = time.monotonic()
-            await heard(got, {a}, within=10)
-            assert time.monotonic() - start < 2 * 0.5 + RETRY + 2
+            async with listen_running(here, url):
+                proxy.drop_silently()  # (its only connection: the subscription's)
+                peer, got = reader()
+                (a,) = await direct.end(1)
+                here.hub.watch([a], peer)  # ended unheard: only the catch-up delivers it
+                start = time.monotonic()
+                await heard(got, {a}, within=10)
+                assert time.monotonic() - start < 2 * 0.5 + RETRY + 2
         finally:
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
             await proxy.close()
             await here.store.redis.aclose()
             await direct.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        redis_server.close()
+    on_a_redis(tmp_path, scenario)
 
 
 def test_a_requeue_publishes_its_endpoint_while_more_than_one_process_listens(
@@ -487,39 +459,19 @@ def test_a_requeue_publishes_its_endpoint_while_more_than_one_process_listens(
     """An agent's connection dropped: its tasks go back to the queue, and the endpoint
     is published on ``TaskStore.woken`` (agents connected to other processes take them
     now); nothing when no task went back."""
-    redis_server = StateStore.open(None, tmp_path / "redis")
-    here = Watched(redis_server.url)
-    store = here.store
 
-    async def heard(pubsub: Any) -> list[bytes]:
-        await store.redis.publish(store.woken, b"mark")
-        got: list[bytes] = []
-        while True:
-            message = await asyncio.wait_for(pubsub.get_message(timeout=1), 10)
-            if message is not None and message["data"] == b"mark":
-                return got
-            if message is not None:
-                got.append(message["data"])
-
-    async def scenario() -> None:
-        one = store.redis.pubsub(ignore_subscribe_messages=True)
-        two = store.redis.pubsub(ignore_subscribe_messages=True)
-        try:
+    async def scenario(url: str) -> None:
+        async with two_subscribers(url) as (here, one, two):
+            store = here.store
             await one.subscribe(store.woken)
             await two.subscribe(store.woken)
             rows = [(str(uuid.uuid4()), "f", b"x", None, "")]
             await store.submit("o", "ep", "g", rows, max_tasks=100, max_bytes=10**6)
-            assert await heard(one) == [b"ep"]  # (the submit)
+            assert await heard_before_a_mark(store, store.woken, one) == [b"ep"]  # (submit)
             await store.take("ep", "conn", 10)
             assert await store.requeue("ep", "other-conn") == 0
             assert await store.requeue("ep", "conn") == 1
-            assert await heard(one) == [b"ep"]  # the second requeue's only
-        finally:
-            await one.aclose()
-            await two.aclose()
-            await here.close()
+            # the second requeue's only
+            assert await heard_before_a_mark(store, store.woken, one) == [b"ep"]
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        redis_server.close()
+    on_a_redis(tmp_path, scenario)

@@ -56,13 +56,25 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nimbus.config import Settings
 from nimbus.data._node import node_dir
 from nimbus.errors import DataError
 
-__all__ = ["Unreachable", "offer", "receive_hashed", "recv_exactly", "send_export", "send_object"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = [
+    "Unreachable",
+    "connect",
+    "offer",
+    "receive_hashed",
+    "recv_exactly",
+    "said",
+    "send_export",
+    "send_object",
+]
 
 TIMEOUT = 120.0  # seconds a transfer may wait for its peer (to connect, or for bytes)
 _STEP = 1 << 20  # bytes received, written and hashed at once (a buffer kept in the cache)
@@ -285,13 +297,15 @@ def _send(path: Path, host: str, port: int, secret: str, mtime: float | None) ->
         hasher = threading.Thread(target=lambda: digest.append(_file_digest(f.fileno(), key)))
         hasher.start()  # the digest is made while the bytes go (a second reader of the file)
         try:
-            try:
-                sock = socket.create_connection((host, port), timeout=TIMEOUT)
-            except OSError as exc:
-                raise Unreachable(
+            sock = connect(
+                host,
+                port,
+                TIMEOUT,
+                lambda exc: Unreachable(
                     f"cannot connect to the target endpoint at {host}:{port} ({exc}): set "
                     f"NIMBUS_DATA_HOST on its agent to an address this endpoint reaches"
-                ) from None
+                ),
+            )
             with sock:
                 try:
                     sock.sendall(_mac(mac_key, b"connect") + size.to_bytes(8, "little"))
@@ -302,17 +316,29 @@ def _send(path: Path, host: str, port: int, secret: str, mtime: float | None) ->
                     sock.sendall(_tag(mac_key, size, digest[0]))
                     answer = sock.recv(2000)
                 except OSError as exc:  # the receiver stopped: what it said, if it did
-                    answer = _said(sock) or f"the link broke ({exc})".encode()
+                    answer = said(sock) or f"the link broke ({exc})".encode()
                     digest.append(b"")
         finally:
             hasher.join()
     if len(digest) != 1 or answer != _OK + _mac(mac_key, b"ok", digest[0]):
-        said = answer.decode(errors="replace") or "the receiver closed the link"
-        raise DataError(f"{path}: the target endpoint refused the transfer: {said}")
+        why = answer.decode(errors="replace") or "the receiver closed the link"
+        raise DataError(f"{path}: the target endpoint refused the transfer: {why}")
     return size, digest[0].hex()
 
 
-def _said(sock: socket.socket) -> bytes:
+def connect(
+    host: str, port: int, timeout: float, failed: Callable[[OSError], DataError]
+) -> socket.socket:
+    """A connection to ``host``:``port``; where there is none, ``failed(the OSError)``
+    raised (the error naming what was to be done)."""
+    try:
+        return socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise failed(exc) from None
+
+
+def said(sock: socket.socket) -> bytes:
+    """What the peer said (2,000 bytes at most, within 5 s); nothing where it said none."""
     try:
         sock.settimeout(5.0)
         return sock.recv(2000)

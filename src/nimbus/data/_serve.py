@@ -57,10 +57,13 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nimbus.data._direct import receive_hashed, recv_exactly
+from nimbus.data._direct import connect, receive_hashed, recv_exactly, said
 from nimbus.errors import DataError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 __all__ = ["Server", "advertised", "fetch", "renew", "server_address"]
 
@@ -315,16 +318,18 @@ def _request(
     secret) and its "OK" read; the socket (open) and how to name the node."""
     host, port, secret = holder
     where = f"the node that holds it ({host}:{port})"
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as exc:
-        raise DataError(
+    sock = connect(
+        host,
+        port,
+        timeout,
+        lambda exc: DataError(
             f"cannot {what} from {where}: {exc}. That node's block or agent has stopped "
             f"(the copy went with it): submit the task again in a few minutes (the client "
             f"stages it again once a renewal of its pin finds that node gone) or touch the file to stage "
             f"it again now; or it is not reachable: if the nodes are separate machines, set "
             f"NIMBUS_DATA_HOST on each to an address the others reach it by"
-        ) from None
+        ),
+    )
     try:
         challenge = recv_exactly(sock, 32, "the node")
         body = json.dumps(header).encode()
@@ -332,8 +337,8 @@ def _request(
         sock.sendall(_mac(bytes.fromhex(secret), challenge, body))
         status = sock.recv(2, socket.MSG_WAITALL)
         if status != b"OK":
-            said = (status + _rest(sock)).decode(errors="replace")[2:]
-            raise DataError(f"the node refused: {said or 'it closed the link'}")
+            why = (status + said(sock)).decode(errors="replace")[2:]
+            raise DataError(f"the node refused: {why or 'it closed the link'}")
     except (DataError, OSError) as exc:
         sock.close()
         raise DataError(f"cannot {what} from {where}: {exc}") from None
@@ -359,6 +364,38 @@ def fetch(
     """The copy ``name`` (``size`` bytes, ``sha256``) from the node ``holder`` (its
     server's host and port, the copy's secret) into ``target``, a path of this node's
     cache; one fetch of it at a time on this node (waiting ``LOCK_WAIT`` s at most)."""
+    with _fetching(target, name):
+        with contextlib.suppress(FileNotFoundError):
+            if target.stat().st_size == size:
+                return
+        header = {"op": "fetch", "namespace": namespace, "name": name, "pin": pin}
+        sock, where = _request(holder, header, f"fetch {name}")
+        part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
+        with sock:
+            try:
+                got = int.from_bytes(recv_exactly(sock, 8, "the node"), "little")
+                if got != size:
+                    raise DataError(f"it holds {got} bytes where {size} were staged")
+                fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    digest = receive_hashed(sock, fd, size, "the node").hexdigest()
+                finally:
+                    os.close(fd)
+                if digest != sha256:
+                    raise DataError("the bytes' sha256 differs from the staged copy's")
+                os.rename(part, target)
+            except (DataError, OSError) as exc:
+                part.unlink(missing_ok=True)
+                raise DataError(
+                    f"cannot fetch {name} from {where}: {exc}; submit the task again (a link "
+                    f"that broke), or touch the file to stage it again"
+                ) from None
+
+
+@contextlib.contextmanager
+def _fetching(target: Path, name: str) -> Iterator[None]:
+    """This node's lock on fetching ``target`` (the copy ``name``) held, waiting
+    ``LOCK_WAIT`` s at most for another task of this node fetching it."""
     lock = target.with_name(f".{target.name}.lock")
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -375,49 +412,6 @@ def fetch(
                     ) from None
                 time.sleep(0.1)
         os.utime(fd)  # in use (the sweep leaves a lock file held, or recently made, alone)
-        with contextlib.suppress(FileNotFoundError):
-            if target.stat().st_size == size:
-                return
-        _fetch(holder, namespace, name, pin, size, sha256, target)
+        yield
     finally:
         os.close(fd)  # (the lock file stays: the sweep removes it with old part files)
-
-
-def _fetch(
-    holder: tuple[str, int, str],
-    namespace: str,
-    name: str,
-    pin: str,
-    size: int,
-    sha256: str,
-    target: Path,
-) -> None:
-    header = {"op": "fetch", "namespace": namespace, "name": name, "pin": pin}
-    sock, where = _request(holder, header, f"fetch {name}")
-    part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
-    with sock:
-        try:
-            got = int.from_bytes(recv_exactly(sock, 8, "the node"), "little")
-            if got != size:
-                raise DataError(f"it holds {got} bytes where {size} were staged")
-            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                digest = receive_hashed(sock, fd, size, "the node").hexdigest()
-            finally:
-                os.close(fd)
-            if digest != sha256:
-                raise DataError("the bytes' sha256 differs from the staged copy's")
-            os.rename(part, target)
-        except (DataError, OSError) as exc:
-            part.unlink(missing_ok=True)
-            raise DataError(
-                f"cannot fetch {name} from {where}: {exc}; submit the task again (a link "
-                f"that broke), or touch the file to stage it again"
-            ) from None
-
-
-def _rest(sock: socket.socket) -> bytes:
-    with contextlib.suppress(OSError):
-        sock.settimeout(5.0)
-        return sock.recv(2000)
-    return b""

@@ -28,7 +28,7 @@ from typing import Any
 
 from nimbus.errors import ConfigError
 from nimbus.network._bench import Point
-from nimbus.network._starts import Starts, wait_start
+from nimbus.network._starts import Starts, meet
 from nimbus.network._traffic import serve, transfer
 
 __all__ = ["check_reach", "move", "reaches", "sweep", "traffic_server"]
@@ -94,15 +94,8 @@ def move(
 ) -> Any:  # fmt: skip
     """A task: once all its run's tasks have started (``_starts``), move data for
     ``seconds``; None when told to stop (not all started in time)."""
-    try:
-        conn = socket.create_connection(starts, timeout=30)
-    except OSError as exc:
-        raise ConfigError(
-            f"netbench --endpoint: a task on {socket.gethostname()} cannot reach the "
-            f"sweep's meeting point {starts[0]}:{starts[1]} on this machine ({exc}); let "
-            f"the endpoint's nodes connect to every port of --server {starts[0]}"
-        ) from None
-    return transfer(address, direction, seconds) if wait_start(conn, key, patience) else None
+    started = meet(starts, key, patience, "--endpoint", "sweep")
+    return transfer(address, direction, seconds) if started else None
 
 
 def sweep(

@@ -26,7 +26,6 @@ cells at n = 1 are the size sweep's points (``_sizes.SizePoint``).
 
 from __future__ import annotations
 
-import socket
 import statistics
 import time
 import uuid
@@ -37,7 +36,7 @@ from typing import Any
 
 from nimbus.errors import ConfigError
 from nimbus.network._sizes import MB_PER_CPU, transfer_objects
-from nimbus.network._starts import Starts, wait_start
+from nimbus.network._starts import Starts, meet
 
 __all__ = ["Cell", "GridTask", "check_sizes", "grid", "objects_at", "past_which"]
 
@@ -51,15 +50,7 @@ def objects_at(
     """A task: once all its cell's tasks have started (``_starts``), move the objects;
     each one's seconds and the transfer's span (this worker's clock). None when its
     cell does not run (not all its tasks started in time)."""
-    try:
-        conn = socket.create_connection(starts, timeout=30)
-    except OSError as exc:
-        raise ConfigError(
-            f"netbench --sizes: a task on {socket.gethostname()} cannot reach the grid's "
-            f"meeting point {starts[0]}:{starts[1]} on this machine ({exc}); let the "
-            f"endpoint's nodes connect to every port of --server {starts[0]}"
-        ) from None
-    if not wait_start(conn, key, patience):
+    if not meet(starts, key, patience, "--sizes", "grid"):
         return None
     began = time.perf_counter()
     times = transfer_objects(address, direction, count, size)

@@ -19,9 +19,12 @@ import csv
 import html
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nimbus.network._bench import Point
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["summarize", "write"]
 
@@ -180,18 +183,27 @@ def _table(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def _rows_and_chart(
+    rows: list[dict[str, Any]], out: Path, name: str, chart: Callable[[], str] | None
+) -> tuple[list[Path], str]:
+    """``rows`` written to ``out/<name>.csv`` and, with ``chart`` (and rows to draw),
+    its chart drawn: the files made and the page's picture ("" without one)."""
+    with open(out / f"{name}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["memory"])
+        w.writeheader()
+        w.writerows(rows)
+    made = [out / f"{name}.csv"]
+    picture = ""
+    if chart is not None and rows:
+        made.append(out / chart())
+        picture = f'<p><img src="{name}.png" alt="{name}.png"></p>'
+    return made, picture
+
+
 def _grid(grid: dict[str, Any], out: Path, charts: bool) -> tuple[list[Path], str]:
     """The size x concurrency grid's CSV (a row per task) and chart; its part of the page."""
-    tasks = grid["tasks"]
-    with open(out / "netbench-grid.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(tasks[0]) if tasks else ["memory"])
-        w.writeheader()
-        w.writerows(tasks)
-    made = [out / "netbench-grid.csv"]
-    picture = ""
-    if charts and tasks:
-        made.append(out / _grid_chart(grid, out))
-        picture = '<p><img src="netbench-grid.png" alt="netbench-grid.png"></p>'
+    drawn = (lambda: _grid_chart(grid, out)) if charts else None
+    made, picture = _rows_and_chart(grid["tasks"], out, "netbench-grid", drawn)
     page = (
         "<h2>Worker size x concurrency</h2><p>At each size, n tasks at once, each on a "
         "worker of its own, move the objects from one instant: the rate of each task and "
@@ -208,15 +220,8 @@ def _grid(grid: dict[str, Any], out: Path, charts: bool) -> tuple[list[Path], st
 def _sizes(sizes: dict[str, Any], out: Path, charts: bool) -> tuple[list[Path], str]:
     """The worker-size sweep's CSV (and chart); its part of the page."""
     rows = sizes["points"]  # (none: no size's lone task started)
-    with open(out / "netbench-sizes.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["memory"])
-        w.writeheader()
-        w.writerows(rows)
-    made = [out / "netbench-sizes.csv"]
-    picture = ""
-    if charts and rows:
-        made.append(out / _size_chart(sizes, out))
-        picture = '<p><img src="netbench-sizes.png" alt="netbench-sizes.png"></p>'
+    drawn = (lambda: _size_chart(sizes, out)) if charts else None
+    made, picture = _rows_and_chart(rows, out, "netbench-sizes", drawn)
     page = (
         f"<h2>Worker size</h2><p>Prices: {html.escape(json.dumps(sizes['prices']))}</p>"
         + picture

@@ -19,7 +19,9 @@ import socket
 import threading
 import time
 
-__all__ = ["GO", "Starts", "wait_start"]
+from nimbus.errors import ConfigError
+
+__all__ = ["GO", "Starts", "meet", "wait_start"]
 
 GO = b"go\n"
 STOP = b"stop\n"
@@ -103,3 +105,17 @@ def wait_start(conn: socket.socket, key: str, patience: float) -> bool:
         conn.sendall(key.encode() + b"\n")
         conn.settimeout(patience)
         return conn.makefile("rb").readline(10) == GO
+
+
+def meet(starts: tuple[str, int], key: str, patience: float, option: str, run: str) -> bool:
+    """In a task of netbench ``option``: ``wait_start`` at the meeting point ``starts``
+    of its ``run`` (the sweep, the grid); a ConfigError where the task cannot reach it."""
+    try:
+        conn = socket.create_connection(starts, timeout=30)
+    except OSError as exc:
+        raise ConfigError(
+            f"netbench {option}: a task on {socket.gethostname()} cannot reach the {run}'s "
+            f"meeting point {starts[0]}:{starts[1]} on this machine ({exc}); let the "
+            f"endpoint's nodes connect to every port of --server {starts[0]}"
+        ) from None
+    return wait_start(conn, key, patience)
