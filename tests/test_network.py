@@ -1114,9 +1114,11 @@ def test_netbench_sizes_objects_and_cost_on_a_real_endpoint(
     assert set(cells) == {(m, n, d) for m in (128, 512) for n in (1, 2) for d in ("down", "up")}
     for (_, n, _), c in cells.items():
         assert 0 < c["per_task_min_mbit"] <= c["per_task_mean_mbit"] <= c["per_task_max_mbit"]
-        # n tasks at once: the aggregate is about their sum (their spans overlap)
-        assert c["aggregate_mbit"] >= 0.5 * n * c["per_task_min_mbit"], c
-        assert c["aggregate_mbit"] <= 1.05 * n * c["per_task_max_mbit"], c
+        # n tasks at once: the aggregate (all bytes over the longest span, gaps between
+        # objects included) is at most their sum; no lower bound: at 0.072 of a core a
+        # worker's CPU quota stretches the gaps far beyond these 2 MiB objects' transfers
+        # (that the n start together: test_grid_tasks_start_when_all_have_arrived_not_by_a_clock)
+        assert 0 < c["aggregate_mbit"] <= 1.05 * n * c["per_task_max_mbit"], c
     tasks = grid["tasks"]
     assert len(tasks) == 2 * 2 * (1 + 2)  # sizes x directions x (1 + 2 tasks)
     for t in tasks:  # every task's bytes counted by its own worker's link
