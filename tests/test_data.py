@@ -661,14 +661,7 @@ def test_deleting_an_endpoint_fails_the_tasks_held_there(
     success later queues nothing there (the task does not wait for ever)."""
     [first] = alice.batch_run(slow, [(1, 3.0)], endpoint="lab")
     other = alice.register_endpoint("held-target")["endpoint_id"]
-    function_id = alice.register_function(plus_one)
-    data, buffers = serialization.dumps(((1,), {}))
-    row = submit_row(function_id, alice.payload(data, buffers), None, None, [first])
-    response = alice.request(
-        "POST", "/v1/tasks/batch", content=Batch(other, [row]).encode(),
-        headers={"Content-Type": MSGPACK},
-    )  # fmt: skip
-    [held] = unpack(response.content)["task_ids"]
+    held = _submit_after(alice, other, first)
     assert alice.get_task(held)["state"] == "waiting-for-endpoint"
     alice.delete_endpoint(other)
     assert alice.get_task(held)["state"] == "failed"  # before its input ended
