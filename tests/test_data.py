@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 
 import nimbus
 from nimbus import Client, Executor, serialization
-from nimbus.data import NodeStore, Ref, Scope, default_root, run, store
+from nimbus.data import NodeStore, Ref, Scope, _carry, default_root, run, store
 from nimbus.data._node import data_base, hold, release, sweep_all
 from nimbus.errors import DataAccessError, DataError, InputFailed, ReferenceLost, ServiceError
 from nimbus.protocol import MSGPACK, Batch, submit_row, unpack
@@ -117,6 +118,47 @@ def test_kept_results_feed_a_task_without_crossing_the_client(ex: Executor) -> N
     assert ex.statistics()["bytes_received"] - before < 64 * 1024
     assert parts[3].result() == bytes([3]) * MB  # fetched lazily, when asked
     assert isinstance(parts[3].ref(), Ref) and parts[3].ref().size > MB
+
+
+def _collect_holding(lock: threading.Lock) -> bool:
+    """Run the cyclic GC in a thread that holds ``lock``: whether it came back."""
+
+    def inside() -> None:
+        with lock:
+            gc.collect()
+
+    thread = threading.Thread(target=inside, daemon=True)
+    thread.start()
+    thread.join(10)
+    return not thread.is_alive()
+
+
+def test_a_ref_freed_by_the_cyclic_gc_inside_its_sessions_lock_does_not_deadlock(
+    ex: Executor,
+) -> None:
+    """The GC frees a Ref in a cycle in whichever thread allocates, even one inside its
+    session's lock (the manager's loop thread adopting kept results): the runtime hung."""
+    gc.disable()
+    try:
+        ref = nimbus.put(b"x" * 100)
+        path = _node().path(ref.id)
+        cycle: list[object] = [ref]
+        cycle.append(cycle)
+        del ref, cycle
+        assert _collect_holding(nimbus.data.session(None)._lock), "deadlocked in _release"
+        assert not path.exists()  # and freed at once
+    finally:
+        gc.enable()
+    # a copy's finalizer (the original Ref's last holder gone) likewise takes no lock
+    done = threading.Thread(target=_forget_inside_the_copies_lock, daemon=True)
+    done.start()
+    done.join(10)
+    assert not done.is_alive(), "deadlocked in the copy's finalizer"
+
+
+def _forget_inside_the_copies_lock() -> None:
+    with _carry._lock:
+        _carry._forget(("some-ref", "lab"), _carry.Copy())
 
 
 def test_an_object_is_freed_when_nothing_holds_it(ex: Executor) -> None:

@@ -98,9 +98,10 @@ def _copy(ref: Ref, where: Session) -> Copy:
 
 
 def _forget(key: tuple[str, str | None], copy: Copy) -> None:
-    with _lock:
-        if _copies.get(key) is copy:
-            del _copies[key]
+    # A finalizer: the cyclic GC may run it inside ``with _lock`` in this very thread,
+    # so no lock (at worst a newer copy is forgotten, and made again when next needed).
+    if _copies.get(key) is copy:
+        _copies.pop(key, None)
 
 
 def _copy_later(future: Any, where: Session) -> Copy:

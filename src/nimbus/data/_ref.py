@@ -17,6 +17,7 @@ there: ``call``). Sessions are found by endpoint in a registry the Executor fill
 from __future__ import annotations
 
 import atexit
+import collections
 import getpass
 import os
 import threading
@@ -142,7 +143,7 @@ class Session:
         self.call = call
         self.lease = LEASE if lease is None else lease
         self._entries: weakref.WeakValueDictionary[str, _Entry] = weakref.WeakValueDictionary()
-        self._to_free: list[str] = []
+        self._to_free: collections.deque[str] = collections.deque()  # released, not yet freed
         self._holders: dict[str, tuple[str, int, str]] = {}  # pin -> its node's server
         self.gone: set[str] = set()  # pins whose node a renewal found gone (its copy too)
         self._lock = threading.Lock()
@@ -199,16 +200,17 @@ class Session:
             self.adopt(ref)
 
     def _release(self, ref_id: str) -> None:
-        with self._lock:
-            self._holders.pop(ref_id, None)
+        # A finalizer: the cyclic GC runs it in whichever thread allocates, even one
+        # inside ``with self._lock`` (a plain Lock would wait on itself for ever), so it
+        # takes no lock: dict.pop and deque.append are atomic.
+        self._holders.pop(ref_id, None)
         if self._closed.is_set():
             return
         if self.store is not None:
             self.store.free([ref_id])
             self.freed += 1
             return
-        with self._lock:
-            self._to_free.append(ref_id)
+        self._to_free.append(ref_id)
 
     # -- the store ----------------------------------------------------------
     def put(self, obj: object) -> Ref:
@@ -237,8 +239,12 @@ class Session:
     # -- leases ---------------------------------------------------------------
     def flush(self, *, renew: bool = True) -> None:
         """Free what was released and renew what is held (the renewer does it often)."""
-        with self._lock:
-            to_free, self._to_free = self._to_free, []
+        to_free = []
+        try:
+            while True:
+                to_free.append(self._to_free.popleft())
+        except IndexError:  # drained
+            pass
         held = self.held() if renew else []
         expires = time.time() + self.lease
         if self.store is not None:
@@ -252,8 +258,7 @@ class Session:
             self.call(free_objects, to_free, keep=False)
             self.freed += len(to_free)
         if held:
-            with self._lock:
-                where = {i: self._holders[i] for i in held if i in self._holders}
+            where = {i: h for i in held if (h := self._holders.get(i)) is not None}
             if where:  # (pins of staged copies: forwarded to their nodes where not here)
                 renewed = self.call(renew_objects, held, expires, where, keep=False)
                 renewed.add_done_callback(self._note_gone)
