@@ -55,14 +55,16 @@ _TCX_NEXT = -1  # on to the next program, the link's qdiscs: the packet's way is
 _PASS = 1  # a cgroup_skb program's "let it through"
 _LOAD_BYTES = 26  # bpf_skb_load_bytes(skb, offset, to, len)
 _VALUE = 32  # in bytes, in packets, out bytes, out packets (u64 each)
+_CGROUP_VALUE = 64  # and: duplicates in (bytes, segments), retransmits out (bytes, segments)
+_RCV_NXT, _SND_NXT = 16, 20  # in struct bpf_tcp_sock
 
 
 def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
     return struct.pack("<BBhi", code, dst | src << 4, off, imm)
 
 
-def _add(map_fd: int, offset: int, length: int, verdict: int) -> bytes:
-    """value[offset] += r<length>; value[offset + 8] += 1; return ``verdict``."""
+def _count(map_fd: int, offset: int, length: int) -> bytes:
+    """value[offset] += r<length>; value[offset + 8] += 1 (r1, r2 clobbered)."""
     return b"".join(
         (
             _insn(0x18, 1, 2, 0, map_fd),  # r1 = the map's value (BPF_PSEUDO_MAP_VALUE) ...
@@ -70,97 +72,124 @@ def _add(map_fd: int, offset: int, length: int, verdict: int) -> bytes:
             _insn(0xDB, 1, length, 0, 0),  # lock *(u64 *)(r1 + 0) += r<length>
             _insn(0xB7, 2, 0, 0, 1),  # r2 = 1
             _insn(0xDB, 1, 2, 8, 0),  # lock *(u64 *)(r1 + 8) += r2
-            _insn(0xB7, 0, 0, 0, verdict),  # r0 = verdict
-            _insn(0x95),  # exit
         )
     )
 
 
 def _link_program(map_fd: int, offset: int) -> bytes:
     """r2 = skb->len; count it (a link's packets: the reader takes the headers off)."""
-    return _insn(0x61, 2, 1) + _add(map_fd, offset, 2, _TCX_NEXT)  # r2 = __sk_buff.len
-
-
-def _byte_at(offset_reg: int | None, offset: int = 0) -> bytes:
-    """r2 = the packet's byte at r<offset_reg> + offset (or at ``offset``); r0 != 0: none."""
-    at = (
-        _insn(0xB7, 2, 0, 0, offset)  # r2 = offset
-        if offset_reg is None
-        else _insn(0xBF, 2, offset_reg) + _insn(0x07, 2, imm=offset)  # r2 = r<reg> + offset
-    )
     return b"".join(
         (
-            _insn(0xBF, 1, 6),  # r1 = skb
-            at,
-            _insn(0xBF, 3, 10),  # r3 = fp
-            _insn(0x07, 3, imm=-8),  # r3 -= 8
-            _insn(0xB7, 4, 0, 0, 1),  # r4 = 1
-            _insn(0x85, imm=_LOAD_BYTES),  # r0 = bpf_skb_load_bytes(r1, r2, r3, r4)
-            _insn(0x71, 2, 10, -8),  # r2 = *(u8 *)(fp - 8) (read after r0 is looked at)
+            _insn(0x61, 2, 1),  # r2 = __sk_buff.len
+            _count(map_fd, offset, 2),
+            _insn(0xB7, 0, 0, 0, _TCX_NEXT),  # r0 = TCX_NEXT
+            _insn(0x95),  # exit
         )
     )
 
 
-def _cgroup_program(map_fd: int, offset: int) -> bytes:
-    """Payload bytes of an IP packet at a cgroup's socket: skb->len less its IP header
-    and its TCP (data offset) or UDP header; what cannot be read counts whole."""
-    out: list[bytes] = []
-    labels: dict[str, int] = {}
-    jumps: list[tuple[int, str, int, int, int]] = []  # (at, label, code, dst, imm)
+class _Asm:
+    """Instructions with forward jumps to labels (filled in by :meth:`code`)."""
 
-    def emit(chunk: bytes) -> None:
-        out.append(chunk)
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.labels: dict[str, int] = {}
+        self.jumps: list[tuple[int, str]] = []
 
-    def here() -> int:
-        return sum(len(c) for c in out) // 8
+    def __call__(self, *insns: bytes) -> None:
+        for insn in insns:
+            self.out += insn
 
-    def jump(code: int, dst: int, imm: int, label: str) -> None:
-        jumps.append((here(), label, code, dst, imm))
-        emit(_insn(code, dst, 0, 0, imm))  # (its offset is filled in below)
+    def at(self, label: str) -> None:
+        self.labels[label] = len(self.out) // 8
 
-    def load(offset_reg: int | None, offset: int = 0) -> None:
-        chunk = _byte_at(offset_reg, offset)
-        emit(chunk[:-8])  # up to the call
-        jump(0x55, 0, 0, "add")  # if r0 != 0 goto add
-        emit(chunk[-8:])  # r2 = the byte
+    def jump(self, code: int, dst: int, label: str, imm: int = 0, src: int = 0) -> None:
+        self.jumps.append((len(self.out) // 8, label))
+        self(_insn(code, dst, src, 0, imm))
 
-    emit(_insn(0xBF, 6, 1))  # r6 = skb
-    emit(_insn(0x61, 7, 6))  # r7 = skb->len
-    emit(_insn(0xB7, 8, 0, 0, 0))  # r8 = 0: header bytes
-    load(None, 0)  # version and IHL
-    emit(_insn(0xBF, 3, 2))  # r3 = r2
-    emit(_insn(0x77, 3, imm=4))  # r3 >>= 4: the version
-    jump(0x15, 3, 6, "v6")  # if r3 == 6 goto v6
-    jump(0x55, 3, 4, "add")  # if r3 != 4 goto add
-    emit(_insn(0x57, 2, imm=15))  # r2 &= 15
-    emit(_insn(0x67, 2, imm=2))  # r2 <<= 2: the IPv4 header's length
-    emit(_insn(0xBF, 8, 2))  # r8 = r2
-    load(None, 9)  # the IPv4 protocol
-    jump(0x05, 0, 0, "proto")
-    labels["v6"] = here()
-    emit(_insn(0xB7, 8, 0, 0, 40))  # r8 = 40: the IPv6 header
-    load(None, 6)  # its next header
-    labels["proto"] = here()
-    jump(0x15, 2, 17, "udp")  # if r2 == 17 goto udp
-    jump(0x55, 2, 6, "add")  # if r2 != 6 goto add
-    load(8, 12)  # TCP: the data offset's byte
-    emit(_insn(0x77, 2, imm=4))  # r2 >>= 4
-    emit(_insn(0x67, 2, imm=2))  # r2 <<= 2: the TCP header's length
-    emit(_insn(0x0F, 8, 2))  # r8 += r2
-    jump(0x05, 0, 0, "add")
-    labels["udp"] = here()
-    emit(_insn(0x07, 8, imm=8))  # r8 += 8
-    labels["add"] = here()
-    jump(0x3D, 7, 0, "sub")  # (patched below: if r7 >= r8 goto sub)
-    emit(_insn(0xBF, 8, 7))  # r8 = r7 (a malformed packet: no bytes, not below 0)
-    labels["sub"] = here()
-    emit(_insn(0x1F, 7, 8))  # r7 -= r8
-    emit(_add(map_fd, offset, 7, _PASS))
-    code = bytearray(b"".join(out))
-    for at, label, op, dst, imm in jumps:
-        src = 8 if op == 0x3D else 0  # the one register compare: r7 >= r8
-        struct.pack_into("<BBhi", code, at * 8, op, dst | src << 4, labels[label] - at - 1, imm)
-    return bytes(code)
+    def load(self, size: int, fail: str, offset: int, reg: int | None = None) -> None:
+        """r2 = the packet's ``size`` bytes at r<reg> + offset (or at ``offset``), as they
+        are (network order); to ``fail`` if they cannot be read (r1-r5 clobbered)."""
+        self(_insn(0xBF, 1, 6))  # r1 = skb
+        if reg is None:
+            self(_insn(0xB7, 2, 0, 0, offset))  # r2 = offset
+        else:
+            self(_insn(0xBF, 2, reg), _insn(0x07, 2, imm=offset))  # r2 = r<reg> + offset
+        self(
+            _insn(0xBF, 3, 10),  # r3 = fp
+            _insn(0x07, 3, imm=-8),  # r3 -= 8
+            _insn(0xB7, 4, 0, 0, size),  # r4 = size
+            _insn(0x85, imm=_LOAD_BYTES),  # r0 = bpf_skb_load_bytes(r1, r2, r3, r4)
+        )
+        self.jump(0x55, 0, fail)  # if r0 != 0 goto fail
+        self(_insn({1: 0x71, 4: 0x61}[size], 2, 10, -8))  # r2 = *(u8 or u32 *)(fp - 8)
+
+    def code(self) -> bytes:
+        out = bytearray(self.out)
+        for at, label in self.jumps:
+            struct.pack_into("<h", out, at * 8 + 2, self.labels[label] - at - 1)
+        return bytes(out)
+
+
+def _cgroup_program(map_fd: int, offset: int, nxt: int) -> bytes:
+    """Payload bytes of an IP packet at a cgroup's socket (at ``offset``: bytes, packets):
+    skb->len less its IP header and its TCP (data offset) or UDP header; what cannot be
+    read counts whole. TCP payload already sent or received (sequence numbers below the
+    socket's ``snd_nxt`` or ``rcv_nxt``, at ``nxt`` in ``struct bpf_tcp_sock``: a
+    retransmit, a duplicate) is counted again at ``offset + 32`` (bytes, segments)."""
+    asm = _Asm()
+    asm(
+        _insn(0xBF, 6, 1),  # r6 = skb
+        _insn(0x61, 7, 6),  # r7 = skb->len
+        _insn(0xB7, 8, 0, 0, 0),  # r8 = 0: header bytes
+        _insn(0xB7, 9, 0, 0, 0),  # r9 = 0: the IP header's length, where TCP
+    )
+    asm.load(1, "add", 0)  # version and IHL
+    asm(_insn(0xBF, 3, 2), _insn(0x77, 3, imm=4))  # r3 = r2 >> 4: the version
+    asm.jump(0x15, 3, "v6", 6)  # if r3 == 6 goto v6
+    asm.jump(0x55, 3, "add", 4)  # if r3 != 4 goto add
+    asm(_insn(0x57, 2, imm=15), _insn(0x67, 2, imm=2))  # r2 = (r2 & 15) << 2: IPv4 header
+    asm(_insn(0xBF, 8, 2))  # r8 = r2
+    asm.load(1, "add", 9)  # the IPv4 protocol
+    asm.jump(0x05, 0, "proto")
+    asm.at("v6")
+    asm(_insn(0xB7, 8, 0, 0, 40))  # r8 = 40: the IPv6 header
+    asm.load(1, "add", 6)  # its next header
+    asm.at("proto")
+    asm.jump(0x15, 2, "udp", 17)  # if r2 == 17 goto udp
+    asm.jump(0x55, 2, "add", 6)  # if r2 != 6 goto add
+    asm.load(1, "add", 12, reg=8)  # TCP: the data offset's byte
+    asm(_insn(0x77, 2, imm=4), _insn(0x67, 2, imm=2))  # r2 = (r2 >> 4) << 2: TCP header
+    asm(_insn(0xBF, 9, 8), _insn(0x0F, 8, 2))  # r9 = r8; r8 += r2
+    asm.jump(0x05, 0, "add")
+    asm.at("udp")
+    asm(_insn(0x07, 8, imm=8))  # r8 += 8
+    asm.at("add")
+    asm.jump(0x3D, 7, "sub", src=8)  # if r7 >= r8 goto sub
+    asm(_insn(0xBF, 8, 7))  # r8 = r7 (a malformed packet: no bytes, not below 0)
+    asm.at("sub")
+    asm(_insn(0x1F, 7, 8))  # r7 -= r8: the payload
+    asm(_count(map_fd, offset, 7))
+    asm.jump(0x15, 9, "out", 0)  # not TCP: done
+    asm.jump(0x15, 7, "out", 0)  # no payload: done
+    asm.load(4, "out", 4, reg=9)  # the sequence number
+    asm(_insn(0xBF, 8, 2), _insn(0xDC, 8, imm=32))  # r8 = be32toh(r2)
+    asm(_insn(0x79, 1, 6, 168))  # r1 = skb->sk
+    asm.jump(0x15, 1, "out", 0)
+    asm(_insn(0x85, imm=95))  # r0 = bpf_sk_fullsock(r1)
+    asm.jump(0x15, 0, "out", 0)
+    asm(_insn(0xBF, 1, 0), _insn(0x85, imm=96))  # r0 = bpf_tcp_sock(r0)
+    asm.jump(0x15, 0, "out", 0)
+    asm(_insn(0x61, 2, 0, nxt))  # r2 = its snd_nxt or rcv_nxt
+    asm(_insn(0x1C, 2, 8))  # w2 -= w8: how far below it the segment starts (mod 2^32)
+    asm.jump(0xD6, 2, "out", 0)  # if (s32) w2 <= 0 goto out: new bytes
+    asm.jump(0xBD, 2, "again", src=7)  # if r2 <= r7 goto again
+    asm(_insn(0xBF, 2, 7))  # r2 = r7 (all of it)
+    asm.at("again")
+    asm(_insn(0xBF, 7, 2), _count(map_fd, offset + 32, 7))
+    asm.at("out")
+    asm(_insn(0xB7, 0, 0, 0, _PASS), _insn(0x95))  # r0 = 1 (let it through); exit
+    return asm.code()
 
 
 class _Loader:
@@ -198,7 +227,7 @@ class _Loader:
         return mmap.mmap(map_fd, mmap.PAGESIZE)
 
     def new_map(self) -> int:
-        return self.call(_MAP_CREATE, struct.pack("5I", _ARRAY, 4, _VALUE, 1, _MMAPABLE))
+        return self.call(_MAP_CREATE, struct.pack("5I", _ARRAY, 4, _CGROUP_VALUE, 1, _MMAPABLE))
 
     def close(self) -> None:
         for fd in self.fds:
@@ -258,8 +287,8 @@ class CgroupCounters(LinkCounters):
             bpf.fds.append(directory)
             map_fd = bpf.new_map()
             hooks = (
-                (_CGROUP_INGRESS, _cgroup_program(map_fd, 0)),
-                (_CGROUP_EGRESS, _cgroup_program(map_fd, 16)),
+                (_CGROUP_INGRESS, _cgroup_program(map_fd, 0, _RCV_NXT)),
+                (_CGROUP_EGRESS, _cgroup_program(map_fd, 16, _SND_NXT)),
             )
             view = bpf.counted(map_fd, directory, _CGROUP_SKB, hooks)
         except OSError:
@@ -268,3 +297,8 @@ class CgroupCounters(LinkCounters):
         bpf.fds.remove(directory)  # the links hold the cgroup; the directory is not needed
         os.close(directory)
         return cls(bpf.fds, view)
+
+    def read(self) -> bytes:
+        """The counts now (64 bytes, eight native u64: payload in bytes, in packets, out
+        bytes, out packets; of those, duplicates in (bytes, segments), retransmits out)."""
+        return self._view[:_CGROUP_VALUE]
