@@ -265,12 +265,20 @@ def test_a_workers_cgroup_goes_with_it_and_takes_its_orphans(counted: pytest.Mon
         first, orphan = ex.submit(_orphan).result(timeout=60)
         path = mine / Path(first).name
         assert path.is_dir() and str(orphan) in (path / "cgroup.procs").read_text()
+        made = path.stat().st_ino
         with pytest.raises(WorkerLost):
             ex.submit(_die).result(timeout=60)
+
+        def same() -> bool:  # (the next worker may take the same slot: a new directory)
+            try:
+                return path.stat().st_ino == made
+            except FileNotFoundError:
+                return False
+
         deadline = time.monotonic() + 10
-        while path.exists() and time.monotonic() < deadline:
+        while same() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not path.exists(), f"{path} left after its worker died"
+        assert not same(), f"{path} left after its worker died"
         assert _gone(orphan)
         second = mine / Path(ex.submit(_where).result(timeout=60)[1]).name
         assert second.is_dir() and second.name.startswith("nimbus-")
@@ -348,4 +356,20 @@ def test_a_tasks_own_memory_limit_in_a_counted_worker(counted: pytest.MonkeyPatc
             ex.options(memory="96M").submit(_hog, 300 << 20).result(timeout=60)
         fut = ex.submit(_hog, 150 << 20)
         assert fut.result(timeout=60) == 150 << 20
+        assert fut.record.net_source == "cgroup"
+
+
+def _nested_meter() -> tuple[bool, str]:
+    """What a process the task starts (a manager of its own, say) finds: in the worker's
+    cgroup, but not counted by it."""
+    code = "from nimbus.network import TaskNet; print(TaskNet.here())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return "NIMBUS_NET_COUNTED" in os.environ, done.stdout.strip()
+
+
+@needs_root
+def test_a_tasks_own_processes_are_not_counted_workers(counted: pytest.MonkeyPatch) -> None:
+    with Executor(1) as ex:
+        fut = ex.submit(_nested_meter)
+        assert fut.result(timeout=60) == (False, "None")
         assert fut.record.net_source == "cgroup"

@@ -17,8 +17,9 @@ route or socket lookup more; ``bench/netvis.py``'s packets row). The
 directory is made in the cgroup v2 hierarchy wherever it is mounted (a
 hybrid host's ``/sys/fs/cgroup/unified`` too: no controller is needed), under
 this process's own cgroup, and named after the worker's slot (``_slots``:
-unique on the host, and the worker's cell on the co-location board), so the
-worker knows it is counted by its cgroup's name alone. A dead manager's
+unique on the host, and the worker's cell on the co-location board); the
+worker knows it is counted by ``NIMBUS_NET_COUNTED`` in its environment (taken
+out at once: its tasks' processes do not inherit it) and its cgroup's name. A dead manager's
 directory is found by its slot and removed when the slot is taken over.
 """
 
@@ -32,9 +33,10 @@ from pathlib import Path
 from nimbus.errors import ConfigError
 from nimbus.network._slots import Slot
 
-__all__ = ["CountedGroup", "can_count", "counting_group", "hierarchy"]
+__all__ = ["COUNTED", "CountedGroup", "can_count", "counting_group", "hierarchy", "named_group"]
 
 PREFIX = "nimbus-"
+COUNTED = "NIMBUS_NET_COUNTED"  # set for the worker its manager put in a counting cgroup
 
 
 def hierarchy() -> Path | None:
@@ -60,7 +62,16 @@ def hierarchy() -> Path | None:
 
 
 def counting_group() -> tuple[str, int] | None:
-    """(directory, slot) of this worker's counting cgroup, if it is in one (its name)."""
+    """(directory, slot) of this worker's counting cgroup, if its manager put it in one
+    (``COUNTED``, taken out of the environment here: a manager that a task starts, and
+    its workers, are in the same cgroup but not counted by it)."""
+    if os.environ.pop(COUNTED, None) is None:
+        return None
+    return named_group()
+
+
+def named_group() -> tuple[str, int] | None:
+    """(directory, slot) of the counting cgroup this process is in (by its name), if any."""
     here = hierarchy()
     if here is None or not here.name.startswith(PREFIX) or not here.name[7:].isdigit():
         return None

@@ -89,7 +89,7 @@ def _cgroup_dirs() -> dict[str, Path]:
 def _own_cgroup() -> dict[str, Path]:
     """Make this worker a cgroup of its own and join it (its manager removes it with the
     worker's link or counting cgroup: it has their name); {} where it has neither."""
-    from nimbus.network._cgcount import counting_group
+    from nimbus.network._cgcount import named_group
     from nimbus.network._cgroup import Cgroup
     from nimbus.network._colocation import slot_of
     from nimbus.network._meter import DEVICE
@@ -97,7 +97,7 @@ def _own_cgroup() -> dict[str, Path]:
     try:
         name = f"nimbus-{slot_of(DEVICE)}"
     except OSError:
-        group = counting_group()
+        group = named_group()
         if group is None:
             return {}
         name = f"nimbus-{group[1]}"

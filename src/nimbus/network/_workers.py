@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from nimbus.config import Settings
 from nimbus.errors import ConfigError, MemoryLimitExceeded
 from nimbus.network import _sys
-from nimbus.network._cgcount import CountedGroup, can_count
+from nimbus.network._cgcount import COUNTED, CountedGroup, can_count
 from nimbus.network._cgroup import Cgroup
 from nimbus.network._colocation import clear, top_of
 from nimbus.network._link import Link
@@ -149,6 +149,8 @@ class WorkerNetworks:
             procs.append(counted.procs)
         script = "".join(f"echo $$ > {shlex.quote(f)} && " for f in procs)
         enter = f'exec nsenter --net={shlex.quote(link.netns_path)} "$@"' if link else 'exec "$@"'
+        if counted is not None:  # the worker itself (its children and tasks do not inherit it)
+            enter = f"export {COUNTED}=1 && {enter}"
         return ["/bin/sh", "-c", script + enter, "nimbus-worker", *argv]
 
     def link(self, name: str) -> Link | None:
