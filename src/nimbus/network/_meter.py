@@ -36,7 +36,7 @@ and takes four reads for bytes and packets (6.0, under ``ip netns exec``).
 
 A worker knows it has a namespace of its own by the device ``nimbus0`` in
 ``/proc/self/net/dev`` (see ``_link``), and that it is counted by its cgroup
-by the cgroup's name (``_cgcount``): there the counters are its cgroup's
+by what its manager said and the cgroup's name (``_cgcount``): there the counters are its cgroup's
 (``_bpf``: payload already, no header taken off), the TCP summary is of the
 worker process's own connections (the node's socket table is shared: a dump
 walks all of it); ``retransmits`` and ``duplicates_in`` are the cgroup's own,
@@ -99,7 +99,7 @@ def _store_port() -> int | None:
 
 
 class TaskNet:
-    """Counters of this worker's namespace, one task at a time."""
+    """Counters of this worker's namespace or counting cgroup, one task at a time."""
 
     def __init__(self, dev_fd: int, snmp_fd: int, group: Any = None, slot: int = 0) -> None:
         """A namespace's meter (``dev_fd``, ``snmp_fd``: its /proc/self/net files), or with
