@@ -373,3 +373,12 @@ def test_a_tasks_own_processes_are_not_counted_workers(counted: pytest.MonkeyPat
         fut = ex.submit(_nested_meter)
         assert fut.result(timeout=60) == (False, "None")
         assert fut.record.net_source == "cgroup"
+
+
+def test_cgroup_is_a_net_accounting_setting_and_endpoint_option() -> None:
+    from nimbus.config import Settings
+    from nimbus.endpoint.config import EndpointConfig
+
+    assert Settings.load({"NIMBUS_NET_ACCOUNTING": "cgroup"}).net_accounting == "cgroup"
+    config = EndpointConfig("hpc", "http://x", "id", "t", 2, net_accounting="cgroup")
+    assert Settings.load(config.worker_environment()).net_accounting == "cgroup"
