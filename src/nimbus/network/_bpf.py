@@ -31,7 +31,9 @@ subtracts nothing.
 The programs are attached by ``BPF_LINK_CREATE``: the links go with the last
 descriptor, so a worker that dies takes them with it. Where ``bpf(2)`` is refused
 (no ``CAP_BPF``, an older kernel without ``tcx``), :meth:`attach` returns None and
-the worker reads ``/proc/self/net/dev`` as before. An egress packet a shaping
+the worker reads ``/proc/self/net/dev`` as before (a cgroup's: the socket
+counts, ``net_source`` "socket"; its manager tried the same before it chose
+a cgroup, ``_cgcount.can_count``). An egress packet a shaping
 qdisc drops afterwards has been counted (TCP sends it again and the record's
 ``tcp.retransmits`` says so).
 """
