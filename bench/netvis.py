@@ -1,29 +1,33 @@
 """Network visibility and limits (issue 19): accuracy, overhead, limits, latency. Root only.
 
-    python bench/netvis.py [--quick] [--json FILE]
+    python bench/netvis.py [--quick] [--json FILE] [--on cgroup|netns] [--only PARTS]
+
+"On" is ``--on``'s accounting: ``cgroup`` (the default: eBPF counters on each
+worker's cgroup, no namespace; what ``auto`` takes where no bandwidth limit is
+set) or ``netns`` (a namespace and veth per worker, as bandwidth limits need);
+"off" is socket counting.
 
 * accuracy: 4 tasks at once, each downloading a known payload with curl (a C
   program) and with a child Python process, and uploading one with curl, from
   a server on the node's 127.0.0.1; the record's bytes against the payload
   (target: within 1 % or 4 KiB).
 * overhead: a bulk download from the node's 127.0.0.1 by a task, in a worker
-  with a namespace of its own (counted) and in one without (socket counts);
-  target: <= 3 % throughput loss. Throughput on a loaded machine varies by
-  half from run to run, so the CPU seconds per GB moved (the server's threads
-  and the task: loopback and veth work runs in the processes at either end)
-  are reported beside it.
+  counted (on) and in one with socket counts (off); target: <= 3 % throughput
+  loss. Throughput on a loaded machine varies by half from run to run, so the
+  CPU seconds per GB moved (the server's threads and the task: loopback and
+  veth work runs in the processes at either end) are reported beside it.
 * limits: a worker limited to 50 / 200 / 800 Mbit/s downloads for 10 s
-  (target: within 5 % of the limit over the window).
+  (target: within 5 % of the limit over the window; a namespace whatever ``--on``).
 * latency: a no-op task's round trip with accounting on and off (<= 1.05x).
 * packets: a task's child (``_udpblast.c``, built with cc: Python's own sends
   cost more than the path measured) sends 64-byte UDP datagrams with sendmmsg
   at 100k packets/s (``--rate``) to a recvmmsg reader on the node's 127.0.0.1,
-  in a worker with a namespace of its own (on) and in one without (off),
-  alternating; the CPU the accounting costs is the difference in CPU seconds
-  a packet (the child's, the reader's, and the machine's softirq time, where
-  the veth's receive work is charged) times 100k, as a % of one core (target:
-  <= 2 %). Where ``perf`` exists, a second figure samples the two processes
-  (the softirq work on their stacks included). The whole machine's busy time
+  in a worker counted (on) and in one with socket counts (off), alternating;
+  the CPU the accounting costs is the difference in CPU seconds a packet (the
+  child's, the reader's, and the machine's softirq time, where a veth's
+  receive work is charged) times 100k, as a % of one core (target: <= 2 %).
+  Where ``perf`` exists, a second figure samples the two processes (the
+  softirq work on their stacks included). The whole machine's busy time
   (/proc/stat) is printed too; it carries the other tenants' load.
 """
 
@@ -91,13 +95,13 @@ def _curl_and_child(port: int, get_curl: int, get_child: int, put: int) -> int:
     return get_curl + get_child
 
 
-def accuracy(quick: bool) -> list[dict[str, Any]]:
+def accuracy(quick: bool, on: str = "cgroup") -> list[dict[str, Any]]:
     scale = 1 if quick else 4
     sizes = [(3_000_000 * scale, 1_000_000 * scale, 500_000 * scale)] * 2 + [
         (1_000_000 * scale, 2_000_000 * scale, 2_000_000 * scale)
     ] * 2
     rows = []
-    with object_server() as port, settings(NIMBUS_NET_ACCOUNTING="netns"), Executor(4) as ex:
+    with object_server() as port, settings(NIMBUS_NET_ACCOUNTING=on), Executor(4) as ex:
         futures = [ex.submit(_curl_and_child, port, *s) for s in sizes]
         for i, (fut, (get_curl, get_child, put)) in enumerate(zip(futures, sizes, strict=True)):
             fut.result()
@@ -135,12 +139,12 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def overhead(quick: bool) -> dict[str, Any]:
+def overhead(quick: bool, on: str = "cgroup") -> dict[str, Any]:
     seconds = 2.0 if quick else 3.0
     out: dict[str, Any] = {}
     cpu: dict[str, list[float]] = {}
     with bulk_server() as port:
-        for mode in ("socket", "netns") * (2 if quick else 9):  # interleaved: load drifts
+        for mode in ("socket", on) * (2 if quick else 9):  # interleaved: load drifts
             with settings(NIMBUS_NET_ACCOUNTING=mode), Executor(1) as ex:
                 before = _cpu()  # the server's threads (this process is otherwise idle)
                 fut = ex.submit(_bulk, port, seconds)
@@ -151,17 +155,18 @@ def overhead(quick: bool) -> dict[str, Any]:
                 cpu.setdefault(mode, []).append(used / (moved / 1e9))
     best = {mode: max(v) for mode, v in out.items()}
     cpu_s = {mode: statistics.median(v) for mode, v in cpu.items()}
-    # each netns run against the socket run just before it (the load drifts by the second)
-    pairs = [n / s for s, n in zip(out["socket"], out["netns"], strict=True)]
+    # each run on against the socket run just before it (the load drifts by the second)
+    pairs = [n / s for s, n in zip(out["socket"], out[on], strict=True)]
     return {
+        "on": on,
         "mbit_socket": round(best["socket"], 1),
-        "mbit_netns": round(best["netns"], 1),
-        "loss_pct": round(100 * (1 - best["netns"] / best["socket"]), 2),
+        "mbit_on": round(best[on], 1),
+        "loss_pct": round(100 * (1 - best[on] / best["socket"]), 2),
         "loss_pct_pair_median": round(100 * (1 - statistics.median(pairs)), 2),
         # CPU seconds per GB moved (server + task): what the load does not blur
         "cpu_s_per_gb_socket": round(cpu_s["socket"], 4),
-        "cpu_s_per_gb_netns": round(cpu_s["netns"], 4),
-        "cpu_extra_pct": round(100 * (cpu_s["netns"] / cpu_s["socket"] - 1), 2),
+        "cpu_s_per_gb_on": round(cpu_s[on], 4),
+        "cpu_extra_pct": round(100 * (cpu_s[on] / cpu_s["socket"] - 1), 2),
         "runs": out,
     }
 
@@ -236,26 +241,27 @@ def _round_trips(ex: Executor, n: int) -> float:
     return statistics.median(times)
 
 
-def latency(quick: bool) -> dict[str, Any]:
+def latency(quick: bool, on_mode: str = "cgroup") -> dict[str, Any]:
     """Median no-op round trips, accounting off and on: two executors alive side by side,
     short runs alternating between them (the machine's load drifts by the second)."""
     rounds, n = (10, 100) if quick else (30, 200)
-    medians: dict[str, list[float]] = {"socket": [], "netns": []}
+    medians: dict[str, list[float]] = {"socket": [], "on": []}
     with (
         settings(NIMBUS_NET_ACCOUNTING="socket"),
         Executor(1) as off,
-        settings(NIMBUS_NET_ACCOUNTING="netns"),
+        settings(NIMBUS_NET_ACCOUNTING=on_mode),
         Executor(1) as on,
     ):
         for ex in (off, on):
             _round_trips(ex, 100)
         for i in range(rounds):
-            for mode, ex in (("socket", off), ("netns", on))[:: 1 if i % 2 else -1]:
+            for mode, ex in (("socket", off), ("on", on))[:: 1 if i % 2 else -1]:
                 medians[mode].append(_round_trips(ex, n))
         cost = [on.submit(_meter_cost).result() for _ in range(3)]
-    off_us, on_us = statistics.median(medians["socket"]), statistics.median(medians["netns"])
-    ratios = sorted(b / a for a, b in zip(medians["socket"], medians["netns"], strict=True))
+    off_us, on_us = statistics.median(medians["socket"]), statistics.median(medians["on"])
+    ratios = sorted(b / a for a, b in zip(medians["socket"], medians["on"], strict=True))
     return {
+        "on": on_mode,
         "median_us_off": round(off_us * 1e6, 1),
         "median_us_on": round(on_us * 1e6, 1),
         "ratio": round(on_us / off_us, 3),
@@ -363,13 +369,13 @@ class _Sampled:
         return samples / self.HZ
 
 
-def packets(quick: bool, rate: int = RATE) -> dict[str, Any]:
-    """The CPU the accounting costs at RATE packets/s: on (a namespace) vs off, the
+def packets(quick: bool, rate: int = RATE, on_mode: str = "cgroup") -> dict[str, Any]:
+    """The CPU the accounting costs at RATE packets/s: on (``on_mode``) vs off, the
     same traffic, two executors alive side by side, alternating runs."""
     import tempfile
 
     seconds, rounds = (2.0, 3) if quick else (4.0, 8)
-    runs: dict[str, list[dict[str, float]]] = {"socket": [], "netns": []}
+    runs: dict[str, list[dict[str, float]]] = {"socket": [], on_mode: []}
     perf = shutil.which("perf") is not None
 
     with _blast() as blast, tempfile.TemporaryDirectory() as tmp:
@@ -378,13 +384,13 @@ def packets(quick: bool, rate: int = RATE) -> dict[str, Any]:
             with (
                 settings(NIMBUS_NET_ACCOUNTING="socket"),
                 Executor(1) as off,
-                settings(NIMBUS_NET_ACCOUNTING="netns"),
+                settings(NIMBUS_NET_ACCOUNTING=on_mode),
                 Executor(1) as on,
             ):
                 for ex in (off, on):  # warm: each worker's first task
                     ex.submit(_paced, blast, reader.port, 0.3, rate).result()
                 for i in range(rounds):
-                    for mode, ex in (("socket", off), ("netns", on))[:: 1 if i % 2 else -1]:
+                    for mode, ex in (("socket", off), (on_mode, on))[:: 1 if i % 2 else -1]:
                         time.sleep(0.2)  # the reader drains the last run's datagrams
                         count, reader_cpu, (busy, softirq) = reader.count(), reader.cpu(), _stat()
                         fut = ex.submit(_paced, blast, reader.port, seconds, rate)
@@ -418,14 +424,14 @@ def packets(quick: bool, rate: int = RATE) -> dict[str, Any]:
 
     # % of one core at RATE packets/s: each run's CPU a packet x RATE (the machine may
     # not reach RATE; the cost is per packet)
-    out: dict[str, Any] = {"rate": rate, "datagram": DATAGRAM, "rounds": rounds}
+    out: dict[str, Any] = {"rate": rate, "datagram": DATAGRAM, "rounds": rounds, "on": on_mode}
     for name, keys in (
         ("processes", ("task_cpu", "reader_cpu")),
         ("processes_softirq", ("task_cpu", "reader_cpu", "softirq")),
         ("machine", ("machine_busy",)),
     ):
         off_pk = [per_packet(r, *keys) for r in runs["socket"]]
-        on_pk = [per_packet(r, *keys) for r in runs["netns"]]
+        on_pk = [per_packet(r, *keys) for r in runs[on_mode]]
         pairs = [100 * RATE * (n - s) for s, n in zip(off_pk, on_pk, strict=True)]
         out[f"{name}_off_pct"] = round(100 * RATE * statistics.median(off_pk), 2)
         out[f"{name}_on_pct"] = round(100 * RATE * statistics.median(on_pk), 2)
@@ -433,19 +439,19 @@ def packets(quick: bool, rate: int = RATE) -> dict[str, Any]:
         out[f"{name}_pairs"] = [round(x, 2) for x in pairs]
     if perf:
         off_pk = [r["perf_s_per_packet"] for r in runs["socket"]]
-        on_pk = [r["perf_s_per_packet"] for r in runs["netns"]]
+        on_pk = [r["perf_s_per_packet"] for r in runs[on_mode]]
         pairs = [100 * RATE * (n - s) for s, n in zip(off_pk, on_pk, strict=True)]
         out["perf_off_pct"] = round(100 * RATE * statistics.median(off_pk), 2)
         out["perf_on_pct"] = round(100 * RATE * statistics.median(on_pk), 2)
         out["perf_cost_pct"] = round(statistics.median(pairs), 2)
         out["perf_pairs"] = [round(x, 2) for x in pairs]
-    for mode in ("socket", "netns"):
-        out[f"sent_per_s_{mode}"] = round(statistics.median(r["sent_per_s"] for r in runs[mode]))
-        out[f"received_per_s_{mode}"] = round(
+    for mode, key_ in (("socket", "off"), (on_mode, "on")):
+        out[f"sent_per_s_{key_}"] = round(statistics.median(r["sent_per_s"] for r in runs[mode]))
+        out[f"received_per_s_{key_}"] = round(
             statistics.median(r["received_per_s"] for r in runs[mode])
         )
         for key in ("task_cpu", "reader_cpu", "softirq"):  # % of a core, as measured
-            out[f"{key}_pct_{mode}"] = round(
+            out[f"{key}_pct_{key_}"] = round(
                 statistics.median(100 * r[key] / r["seconds"] for r in runs[mode]), 2
             )
     out["ok"] = out["processes_softirq_cost_pct"] <= 2.0
@@ -463,6 +469,13 @@ def main() -> int:
     parser.add_argument(
         "--only", default="accuracy,overhead,limits,latency,packets", help="comma-separated parts"
     )
+    parser.add_argument(
+        "--on",
+        default="cgroup",
+        choices=("cgroup", "netns"),
+        help="the accounting measured against socket counting (default cgroup: eBPF on each "
+        "worker's cgroup; netns: a namespace and veth per worker, as bandwidth limits need)",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("bench/netvis.py needs root (namespaces, veths, tc)", file=sys.stderr)
@@ -470,8 +483,8 @@ def main() -> int:
     parts = args.only.split(",")
     results: dict[str, Any] = {}
     if "accuracy" in parts:
-        results["accuracy"] = rows = accuracy(args.quick)
-        print("accuracy (4 concurrent tasks: curl + child process down, curl up)")
+        results["accuracy"] = rows = accuracy(args.quick, args.on)
+        print(f"accuracy ({args.on}; 4 concurrent tasks: curl + child process down, curl up)")
         print(
             f"{'task':>4} {'way':>3} {'payload':>10} {'counted':>10} {'error':>8} {'%':>7} twice ok"
         )
@@ -481,12 +494,12 @@ def main() -> int:
                 f"{r['error_bytes']:>8} {r['error_pct']:>7} {r['segments_twice']:>5} {r['ok']}"
             )
     if "overhead" in parts:
-        results["overhead"] = o = overhead(args.quick)
+        results["overhead"] = o = overhead(args.quick, args.on)
         print(
             f"overhead (bulk download from 127.0.0.1): socket {o['mbit_socket']} Mbit/s, "
-            f"netns {o['mbit_netns']} Mbit/s, loss {o['loss_pct']} % (best of each); "
+            f"{args.on} {o['mbit_on']} Mbit/s, loss {o['loss_pct']} % (best of each); "
             f"median of pairs {o['loss_pct_pair_median']} %; CPU s/GB socket "
-            f"{o['cpu_s_per_gb_socket']}, netns {o['cpu_s_per_gb_netns']} "
+            f"{o['cpu_s_per_gb_socket']}, {args.on} {o['cpu_s_per_gb_on']} "
             f"({o['cpu_extra_pct']:+} %)"
         )
     if "limits" in parts:
@@ -497,9 +510,9 @@ def main() -> int:
                 f"({r['error_pct']:+} %, first second {r['first_second_mbit']}) {r['ok']}"
             )
     if "latency" in parts:
-        results["latency"] = lat = latency(args.quick)
+        results["latency"] = lat = latency(args.quick, args.on)
         print(
-            f"latency (no-op round trip, median): off {lat['median_us_off']} us, "
+            f"latency ({args.on}; no-op round trip, median): off {lat['median_us_off']} us, "
             f"on {lat['median_us_on']} us, ratio {lat['ratio']} (per round: median "
             f"{lat['ratio_per_round_median']}); the meter itself "
             f"{lat['meter_us_per_task']} us a task; medians {lat['medians_us']}"
@@ -507,11 +520,11 @@ def main() -> int:
     if "packets" in parts and shutil.which("cc") is None:
         print("packets: skipped (needs cc to build bench/_udpblast.c)")
     elif "packets" in parts:
-        results["packets"] = pk = packets(args.quick, args.rate)
+        results["packets"] = pk = packets(args.quick, args.rate, args.on)
         print(
             f"packets ({pk['rate']} UDP datagrams/s of {pk['datagram']} B from a task to "
-            f"127.0.0.1; sent {pk['sent_per_s_socket']} / {pk['sent_per_s_netns']} a second, "
-            f"received {pk['received_per_s_socket']} / {pk['received_per_s_netns']}, off / on): "
+            f"127.0.0.1, on: {args.on}; sent {pk['sent_per_s_off']} / {pk['sent_per_s_on']} a "
+            f"second, received {pk['received_per_s_off']} / {pk['received_per_s_on']}, off / on): "
             f"accounting costs {pk['processes_softirq_cost_pct']} % of a core (task + reader "
             f"+ softirq: off {pk['processes_softirq_off_pct']} %, on "
             f"{pk['processes_softirq_on_pct']} %; pairs {pk['processes_softirq_pairs']}); "

@@ -1227,8 +1227,9 @@ def test_netbench_offline_shares_the_host_link(netns: pytest.MonkeyPatch, tmp_pa
 
 
 @needs_root
-def test_auto_takes_namespaces_where_allowed(netns: pytest.MonkeyPatch) -> None:
+def test_auto_takes_a_counting_cgroup_where_allowed(netns: pytest.MonkeyPatch) -> None:
+    """(no namespace: the cheaper exact count, ``_cgcount``; test_network_cgcount.py)"""
     nets = WorkerNetworks("auto")
-    assert nets.netns and not nets.cgroups  # a task's own limits make one when asked
+    assert nets.counted and not nets.netns and not nets.cgroups  # (a task's limits: on use)
     assert WorkerNetworks("socket").command("w", ["python"]) == ["python"]  # the identity
     nets.close()

@@ -25,17 +25,22 @@ How the worker measures (see ``nimbus.telemetry``):
   included, as counted on the worker's link less 66 bytes of Ethernet, IPv4
   and TCP headers a packet (TCP payload; a pure ACK counts 0), less ``net_nimbus_in``/``_out``: the
   payload of nimbus's own connections (the state store) meanwhile. With
+  "cgroup" (a worker counted by eBPF on a cgroup of its own, no namespace) the
+  same bytes counted at its sockets: IP, TCP and UDP headers taken off exactly,
+  and TCP payload once (a segment sent again or received twice is in ``tcp``:
+  ``retransmits``, ``duplicates_in``, ``bytes_retransmitted``, the cgroup's
+  own). With
   "socket" (the default, and where namespaces are not allowed): bytes the
   task moved through Python ``socket.socket`` objects (send*, recv*, sendfile)
   while it ran; C libraries and child processes are not counted. Never the
   worker's own channel to the runtime (a Unix socket).
-* ``tcp`` ("netns" only, when the task moved bytes): ``retransmits`` and
+* ``tcp`` ("netns" and "cgroup", when the task moved bytes): ``retransmits`` and
   ``segments_out`` of its namespace during the task; ``connections``,
   ``rtt_ms``, ``min_rtt_ms`` and ``delivery_rate`` (bytes/s) from ``TCP_INFO``
   of the namespace's connections still open at its end, its children's
   included (where the kernel gives the namespace a socket table of its own,
   Linux 6.1+; else the worker process's only).
-* ``colocated`` ("netns" only): other tasks running on the host
+* ``colocated`` ("netns" and "cgroup"): other tasks running on the host
   (``min``/``mean``/``max`` of samples: one just before the task, and every
   0.25 s while it runs past 2 ms), and the host NIC's ``nic_in``/``nic_out``
   bytes/s over those samples (``nic_utilisation`` where the NIC states its speed).

@@ -50,11 +50,12 @@ def setup(parser: argparse.ArgumentParser) -> None:
     _limit_arguments(configure)
     configure.add_argument(
         "--net-accounting",
-        choices=("socket", "netns", "auto"),
-        help="what counts a task's network bytes: socket (Python sockets), netns (a network "
-        "namespace per worker, root: every byte, and what a task's options(bandwidth=, "
-        "memory=, cpus=) need), auto (netns where allowed); default: NIMBUS_NET_ACCOUNTING "
-        "in the agent's environment, else socket",
+        choices=("socket", "cgroup", "netns", "auto"),
+        help="what counts a task's network bytes: socket (Python sockets), cgroup (eBPF on a "
+        "cgroup per worker, root: every byte, the cheapest), netns (a network namespace per "
+        "worker, root: every byte, and what a task's options(bandwidth=) needs), auto "
+        "(cgroup, else netns, where allowed); default: NIMBUS_NET_ACCOUNTING in the agent's "
+        "environment, else socket",
     )
     start = sub.add_parser(
         "start",

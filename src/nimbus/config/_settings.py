@@ -286,9 +286,10 @@ class Settings:
     # -- per-worker network accounting and limits (issue 19; nimbus.network)
     net_accounting: str = setting(
         "socket",
-        c.one_of("socket", "netns", "auto"),
-        "what counts a task's network bytes: socket (Python sockets), netns (a namespace "
-        "per worker: every byte; root), auto (netns where allowed)",
+        c.one_of("socket", "cgroup", "netns", "auto"),
+        "what counts a task's network bytes: socket (Python sockets), cgroup (eBPF on a "
+        "cgroup per worker: every byte; root), netns (a namespace per worker: every byte, "
+        "and a task's own bandwidth limits; root), auto (cgroup, else netns, where allowed)",
     )
     worker_cpus: float | None = setting(
         None, c.optional_cpus, "CPUs a worker may use (cgroup quota; 0.5 = half a core)"

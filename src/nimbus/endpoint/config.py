@@ -63,7 +63,7 @@ class EndpointConfig:
     worker_cpus: float = 0.0
     worker_memory: int = 0
     worker_bandwidth: int = 0  # bits/s
-    net_accounting: str = ""  # socket, netns or auto; "": the agent's own setting
+    net_accounting: str = ""  # socket, cgroup, netns or auto; "": the agent's own setting
     # -- directories whose files tasks may read and write (nimbus.File), ':' between
     exports: str = ""
 

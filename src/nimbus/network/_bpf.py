@@ -1,12 +1,14 @@
-"""A worker link's counters in memory: two eBPF programs and a map the worker maps.
+"""A worker's counters in memory: two eBPF programs and a map the worker maps.
 
 ::
 
-    counters = LinkCounters.attach("nimbus0")   # None where eBPF is not allowed
-    counters.read()                             # 32 bytes: in bytes, in packets, out, out
-    counters.close()                            # (or the worker exits: both detach)
+    counters = LinkCounters.attach("nimbus0")     # None where eBPF is not allowed
+    counters = CgroupCounters.attach(directory)   # (a cgroup v2 directory: the same)
+    counters.read()                               # 32 bytes: in bytes, in packets, out, out
+    counters.close()                              # (or the worker exits: both detach)
 
-At the link's ``tcx`` ingress and egress hooks (Linux 6.6+) a program of seven
+**A link** (a worker in a namespace of its own, ``_link``): at the link's
+``tcx`` ingress and egress hooks (Linux 6.6+) a program of seven
 instructions adds each packet's length (Ethernet header included, a GSO
 packet whole) and 1 to its direction's pair in a one-entry array map
 (``BPF_F_MMAPABLE``), read with no system call. Coming in, the same bytes and
@@ -17,10 +19,21 @@ record's bytes are payload (the bytes less 66 a packet): the same either way
 (``test_link_counters_in_memory_are_the_devices``). Reading them cold (after a pause as between tasks) costs 2.8 us where the
 pread of ``/proc/self/net/dev`` costs 10.7 (``bench/netvis.py``'s latency row).
 
+**A cgroup** (a worker without a namespace, ``_cgcount``): ``cgroup_skb``
+programs on the worker's cgroup v2 directory see every IP packet of every
+socket its processes made (children included), at the socket, with no
+device of its own on the way. They count payload itself: the packet's length
+less its IP header and its TCP (data offset) or UDP header, read with
+``bpf_skb_load_bytes`` (a GSO packet has one header for all its segments:
+exact whatever the MTU); so the map holds payload bytes, and the reader
+subtracts nothing.
+
 The programs are attached by ``BPF_LINK_CREATE``: the links go with the last
 descriptor, so a worker that dies takes them with it. Where ``bpf(2)`` is refused
 (no ``CAP_BPF``, an older kernel without ``tcx``), :meth:`attach` returns None and
-the worker reads ``/proc/self/net/dev`` as before. An egress packet a shaping
+the worker reads ``/proc/self/net/dev`` as before (a cgroup's: the socket
+counts, ``net_source`` "socket"; its manager tried the same before it chose
+a cgroup, ``_cgcount.can_count``). An egress packet a shaping
 qdisc drops afterwards has been counted (TCP sends it again and the record's
 ``tcp.retransmits`` says so).
 """
@@ -33,34 +46,195 @@ import os
 import socket
 import struct
 
-__all__ = ["LinkCounters"]
+__all__ = ["CgroupCounters", "LinkCounters"]
 
 _SYS_BPF = {"x86_64": 321, "aarch64": 280}.get(os.uname().machine)
 _MAP_CREATE, _PROG_LOAD, _LINK_CREATE = 0, 5, 28
-_ARRAY, _MMAPABLE, _SCHED_CLS = 2, 1 << 10, 3
+_ARRAY, _MMAPABLE, _SCHED_CLS, _CGROUP_SKB = 2, 1 << 10, 3, 8
 _TCX_INGRESS, _TCX_EGRESS = 46, 47
+_CGROUP_INGRESS, _CGROUP_EGRESS = 0, 1
 _TCX_NEXT = -1  # on to the next program, the link's qdiscs: the packet's way is unchanged
+_PASS = 1  # a cgroup_skb program's "let it through"
+_LOAD_BYTES = 26  # bpf_skb_load_bytes(skb, offset, to, len)
 _VALUE = 32  # in bytes, in packets, out bytes, out packets (u64 each)
+_CGROUP_VALUE = 64  # and: duplicates in (bytes, segments), retransmits out (bytes, segments)
+_RCV_NXT, _SND_NXT = 16, 20  # in struct bpf_tcp_sock
 
 
 def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
     return struct.pack("<BBhi", code, dst | src << 4, off, imm)
 
 
-def _program(map_fd: int, offset: int) -> bytes:
-    """r2 = skb->len; r1 = &value[offset]; value[offset] += r2; value[offset + 8] += 1."""
+def _count(map_fd: int, offset: int, length: int) -> bytes:
+    """value[offset] += r<length>; value[offset + 8] += 1 (r1, r2 clobbered)."""
     return b"".join(
         (
-            _insn(0x61, 2, 1),  # r2 = *(u32 *)(r1 + 0): __sk_buff.len
             _insn(0x18, 1, 2, 0, map_fd),  # r1 = the map's value (BPF_PSEUDO_MAP_VALUE) ...
             _insn(0, imm=offset),  # ... + offset
-            _insn(0xDB, 1, 2, 0, 0),  # lock *(u64 *)(r1 + 0) += r2
+            _insn(0xDB, 1, length, 0, 0),  # lock *(u64 *)(r1 + 0) += r<length>
             _insn(0xB7, 2, 0, 0, 1),  # r2 = 1
             _insn(0xDB, 1, 2, 8, 0),  # lock *(u64 *)(r1 + 8) += r2
+        )
+    )
+
+
+def _link_program(map_fd: int, offset: int) -> bytes:
+    """r2 = skb->len; count it (a link's packets: the reader takes the headers off)."""
+    return b"".join(
+        (
+            _insn(0x61, 2, 1),  # r2 = __sk_buff.len
+            _count(map_fd, offset, 2),
             _insn(0xB7, 0, 0, 0, _TCX_NEXT),  # r0 = TCX_NEXT
             _insn(0x95),  # exit
         )
     )
+
+
+class _Asm:
+    """Instructions with forward jumps to labels (filled in by :meth:`code`)."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.labels: dict[str, int] = {}
+        self.jumps: list[tuple[int, str]] = []
+
+    def __call__(self, *insns: bytes) -> None:
+        for insn in insns:
+            self.out += insn
+
+    def at(self, label: str) -> None:
+        self.labels[label] = len(self.out) // 8
+
+    def jump(self, code: int, dst: int, label: str, imm: int = 0, src: int = 0) -> None:
+        self.jumps.append((len(self.out) // 8, label))
+        self(_insn(code, dst, src, 0, imm))
+
+    def load(self, size: int, fail: str, offset: int, reg: int | None = None) -> None:
+        """r2 = the packet's ``size`` bytes at r<reg> + offset (or at ``offset``), as they
+        are (network order); to ``fail`` if they cannot be read (r1-r5 clobbered)."""
+        self(_insn(0xBF, 1, 6))  # r1 = skb
+        if reg is None:
+            self(_insn(0xB7, 2, 0, 0, offset))  # r2 = offset
+        else:
+            self(_insn(0xBF, 2, reg), _insn(0x07, 2, imm=offset))  # r2 = r<reg> + offset
+        self(
+            _insn(0xBF, 3, 10),  # r3 = fp
+            _insn(0x07, 3, imm=-8),  # r3 -= 8
+            _insn(0xB7, 4, 0, 0, size),  # r4 = size
+            _insn(0x85, imm=_LOAD_BYTES),  # r0 = bpf_skb_load_bytes(r1, r2, r3, r4)
+        )
+        self.jump(0x55, 0, fail)  # if r0 != 0 goto fail
+        self(_insn({1: 0x71, 4: 0x61}[size], 2, 10, -8))  # r2 = *(u8 or u32 *)(fp - 8)
+
+    def code(self) -> bytes:
+        out = bytearray(self.out)
+        for at, label in self.jumps:
+            struct.pack_into("<h", out, at * 8 + 2, self.labels[label] - at - 1)
+        return bytes(out)
+
+
+def _cgroup_program(map_fd: int, offset: int, nxt: int) -> bytes:
+    """Payload bytes of an IP packet at a cgroup's socket (at ``offset``: bytes, packets):
+    skb->len less its IP header and its TCP (data offset) or UDP header; what cannot be
+    read counts whole. TCP payload already sent or received (sequence numbers below the
+    socket's ``snd_nxt`` or ``rcv_nxt``, at ``nxt`` in ``struct bpf_tcp_sock``: a
+    retransmit, a duplicate) is counted again at ``offset + 32`` (bytes, segments)."""
+    asm = _Asm()
+    asm(
+        _insn(0xBF, 6, 1),  # r6 = skb
+        _insn(0x61, 7, 6),  # r7 = skb->len
+        _insn(0xB7, 8, 0, 0, 0),  # r8 = 0: header bytes
+        _insn(0xB7, 9, 0, 0, 0),  # r9 = 0: the IP header's length, where TCP
+    )
+    asm.load(1, "add", 0)  # version and IHL
+    asm(_insn(0xBF, 3, 2), _insn(0x77, 3, imm=4))  # r3 = r2 >> 4: the version
+    asm.jump(0x15, 3, "v6", 6)  # if r3 == 6 goto v6
+    asm.jump(0x55, 3, "add", 4)  # if r3 != 4 goto add
+    asm(_insn(0x57, 2, imm=15), _insn(0x67, 2, imm=2))  # r2 = (r2 & 15) << 2: IPv4 header
+    asm(_insn(0xBF, 8, 2))  # r8 = r2
+    asm.load(1, "add", 9)  # the IPv4 protocol
+    asm.jump(0x05, 0, "proto")
+    asm.at("v6")
+    asm(_insn(0xB7, 8, 0, 0, 40))  # r8 = 40: the IPv6 header
+    asm.load(1, "add", 6)  # its next header
+    asm.at("proto")
+    asm.jump(0x15, 2, "udp", 17)  # if r2 == 17 goto udp
+    asm.jump(0x55, 2, "add", 6)  # if r2 != 6 goto add
+    asm.load(1, "add", 12, reg=8)  # TCP: the data offset's byte
+    asm(_insn(0x77, 2, imm=4), _insn(0x67, 2, imm=2))  # r2 = (r2 >> 4) << 2: TCP header
+    asm(_insn(0xBF, 9, 8), _insn(0x0F, 8, 2))  # r9 = r8; r8 += r2
+    asm.jump(0x05, 0, "add")
+    asm.at("udp")
+    asm(_insn(0x07, 8, imm=8))  # r8 += 8
+    asm.at("add")
+    asm.jump(0x3D, 7, "sub", src=8)  # if r7 >= r8 goto sub
+    asm(_insn(0xBF, 8, 7))  # r8 = r7 (a malformed packet: no bytes, not below 0)
+    asm.at("sub")
+    asm(_insn(0x1F, 7, 8))  # r7 -= r8: the payload
+    asm(_count(map_fd, offset, 7))
+    asm.jump(0x15, 9, "out", 0)  # not TCP: done
+    asm.jump(0x15, 7, "out", 0)  # no payload: done
+    asm.load(4, "out", 4, reg=9)  # the sequence number
+    asm(_insn(0xBF, 8, 2), _insn(0xDC, 8, imm=32))  # r8 = be32toh(r2)
+    asm(_insn(0x79, 1, 6, 168))  # r1 = skb->sk
+    asm.jump(0x15, 1, "out", 0)
+    asm(_insn(0x85, imm=95))  # r0 = bpf_sk_fullsock(r1)
+    asm.jump(0x15, 0, "out", 0)
+    asm(_insn(0xBF, 1, 0), _insn(0x85, imm=96))  # r0 = bpf_tcp_sock(r0)
+    asm.jump(0x15, 0, "out", 0)
+    asm(_insn(0x61, 2, 0, nxt))  # r2 = its snd_nxt or rcv_nxt
+    asm(_insn(0x1C, 2, 8))  # w2 -= w8: how far below it the segment starts (mod 2^32)
+    asm.jump(0xD6, 2, "out", 0)  # if (s32) w2 <= 0 goto out: new bytes
+    asm.jump(0xBD, 2, "again", src=7)  # if r2 <= r7 goto again
+    asm(_insn(0xBF, 2, 7))  # r2 = r7 (all of it)
+    asm.at("again")
+    asm(_insn(0xBF, 7, 2), _count(map_fd, offset + 32, 7))
+    asm.at("out")
+    asm(_insn(0xB7, 0, 0, 0, _PASS), _insn(0x95))  # r0 = 1 (let it through); exit
+    return asm.code()
+
+
+class _Loader:
+    """``bpf(2)`` calls whose descriptors are kept (all closed if a later one fails)."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.syscall.restype = ctypes.c_long
+        self._license = ctypes.create_string_buffer(b"GPL")
+
+    def call(self, cmd: int, attr: bytes) -> int:
+        buf = ctypes.create_string_buffer(attr, 144)
+        fd = self._libc.syscall(_SYS_BPF, cmd, buf, 144)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self.fds.append(fd)
+        return int(fd)
+
+    def counted(
+        self, map_fd: int, target: int, kind: int, hooks: tuple[tuple[int, bytes], ...]
+    ) -> mmap.mmap:
+        """A program of ``kind`` on each (hook, code) of ``target``; the map, mapped."""
+        for hook, code_bytes in hooks:
+            code = ctypes.create_string_buffer(code_bytes)
+            insns = (len(code.raw) - 1) // 8  # (the buffer's own NUL)
+            attr = struct.pack(
+                "IIQQIIQII16sII", kind, insns, ctypes.addressof(code),
+                ctypes.addressof(self._license), 0, 0, 0, 0, 0, b"nimbus_count", 0,
+                hook if kind == _CGROUP_SKB else 0,
+            )  # fmt: skip
+            prog = self.call(_PROG_LOAD, attr)
+            self.call(_LINK_CREATE, struct.pack("4I", prog, target, hook, 0))
+        return mmap.mmap(map_fd, mmap.PAGESIZE)
+
+    def new_map(self) -> int:
+        return self.call(_MAP_CREATE, struct.pack("5I", _ARRAY, 4, _CGROUP_VALUE, 1, _MMAPABLE))
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
 
 class LinkCounters:
@@ -74,38 +248,19 @@ class LinkCounters:
         """Count ``device``'s packets from now on; None where the system does not allow it."""
         if _SYS_BPF is None:
             return None
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.syscall.restype = ctypes.c_long
-        fds: list[int] = []
-
-        def bpf(cmd: int, attr: bytes) -> int:
-            buf = ctypes.create_string_buffer(attr, 144)
-            fd = libc.syscall(_SYS_BPF, cmd, buf, 144)
-            if fd < 0:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err))
-            fds.append(fd)
-            return int(fd)
-
+        bpf = _Loader()
         try:
             ifindex = socket.if_nametoindex(device)
-            map_fd = bpf(_MAP_CREATE, struct.pack("5I", _ARRAY, 4, _VALUE, 1, _MMAPABLE))
-            view = mmap.mmap(map_fd, mmap.PAGESIZE)
-            license_ = ctypes.create_string_buffer(b"GPL")
-            for offset, hook in ((0, _TCX_INGRESS), (16, _TCX_EGRESS)):
-                code = ctypes.create_string_buffer(_program(map_fd, offset))
-                insns = (len(code.raw) - 1) // 8  # (the buffer's own NUL)
-                attr = struct.pack(
-                    "IIQQIIQII16s", _SCHED_CLS, insns, ctypes.addressof(code),
-                    ctypes.addressof(license_), 0, 0, 0, 0, 0, b"nimbus_count",
-                )  # fmt: skip
-                prog = bpf(_PROG_LOAD, attr)
-                bpf(_LINK_CREATE, struct.pack("4I", prog, ifindex, hook, 0))
+            map_fd = bpf.new_map()
+            hooks = (
+                (_TCX_INGRESS, _link_program(map_fd, 0)),
+                (_TCX_EGRESS, _link_program(map_fd, 16)),
+            )
+            view = bpf.counted(map_fd, ifindex, _SCHED_CLS, hooks)
         except (OSError, ValueError):
-            for fd in fds:
-                os.close(fd)
+            bpf.close()
             return None
-        return cls(fds, view)
+        return cls(bpf.fds, view)
 
     def read(self) -> bytes:
         """The counts now (32 bytes, four native u64: in bytes, in packets, out bytes, out packets)."""
@@ -116,3 +271,36 @@ class LinkCounters:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+
+class CgroupCounters(LinkCounters):
+    """Payload bytes and packets of every socket made in one cgroup v2 directory (and
+    below it), counted by eBPF into memory this process maps (in, out: as a link's)."""
+
+    @classmethod
+    def attach(cls, device: str) -> CgroupCounters | None:
+        """Count the sockets of the cgroup directory ``device`` from now on; None where
+        the system does not allow it."""
+        if _SYS_BPF is None:
+            return None
+        bpf = _Loader()
+        try:
+            directory = os.open(device, os.O_RDONLY | os.O_DIRECTORY)
+            bpf.fds.append(directory)
+            map_fd = bpf.new_map()
+            hooks = (
+                (_CGROUP_INGRESS, _cgroup_program(map_fd, 0, _RCV_NXT)),
+                (_CGROUP_EGRESS, _cgroup_program(map_fd, 16, _SND_NXT)),
+            )
+            view = bpf.counted(map_fd, directory, _CGROUP_SKB, hooks)
+        except OSError:
+            bpf.close()
+            return None
+        bpf.fds.remove(directory)  # the links hold the cgroup; the directory is not needed
+        os.close(directory)
+        return cls(bpf.fds, view)
+
+    def read(self) -> bytes:
+        """The counts now (64 bytes, eight native u64: payload in bytes, in packets, out
+        bytes, out packets; of those, duplicates in (bytes, segments), retransmits out)."""
+        return self._view[:_CGROUP_VALUE]

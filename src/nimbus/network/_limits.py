@@ -14,7 +14,8 @@ the task fails with the error; a limit that cannot be put back is handed to
 
 The worker sets them on itself, as its task starts, and puts its own back
 when the task ends (a task queued behind it is not slowed). Bandwidth needs a
-worker in a namespace of its own (``net_accounting`` netns or auto, as root);
+worker in a namespace of its own (``net_accounting`` netns, or a worker bandwidth
+limit; as root: cgroup and auto count without one);
 CPU and memory a worker cgroup: the endpoint's (``worker_cpus``/``_memory``),
 else one the worker makes and joins for the first such task (its manager
 removes it with the worker's link; made at every worker's start, a loopback
@@ -71,12 +72,13 @@ class TaskLimits:
 
 def _cgroup_dirs() -> dict[str, Path]:
     """This worker's own cgroup directories by controller ("" for v2), if it has them."""
-    from nimbus.network._cgroup import ROOT
+    from nimbus.network._cgroup import ROOT, _unified
 
     found: dict[str, Path] = {}
+    v2 = _unified()  # (a hybrid host's v2 line is a counting cgroup's: no controllers)
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _id, names, path = line.split(":", 2)
-        if not Path(path).name.startswith("nimbus-"):
+        if not Path(path).name.startswith("nimbus-") or (not names and not v2):
             continue
         for ctl in names.split(",") if names else [""]:
             if ctl in ("cpu", "memory", ""):
@@ -86,7 +88,8 @@ def _cgroup_dirs() -> dict[str, Path]:
 
 def _own_cgroup() -> dict[str, Path]:
     """Make this worker a cgroup of its own and join it (its manager removes it with the
-    worker's link: it has the link's name); {} where this worker has no link."""
+    worker's link or counting cgroup: it has their name); {} where it has neither."""
+    from nimbus.network._cgcount import named_group
     from nimbus.network._cgroup import Cgroup
     from nimbus.network._colocation import slot_of
     from nimbus.network._meter import DEVICE
@@ -94,7 +97,10 @@ def _own_cgroup() -> dict[str, Path]:
     try:
         name = f"nimbus-{slot_of(DEVICE)}"
     except OSError:
-        return {}
+        group = named_group()
+        if group is None:
+            return {}
+        name = f"nimbus-{group[1]}"
     cgroup = Cgroup(name, None, None, every=True)
     for procs in cgroup.procs_files():
         _write(Path(procs), str(os.getpid()))
@@ -163,7 +169,7 @@ def _no_own(option: str, what: str) -> str:
     return (
         f"{option}: this worker has no {what} of its own (its endpoint's net_accounting is "
         f"{Settings.lookup('net_accounting')}); {root}give its workers namespaces of their own: "
-        "`nimbus endpoint configure NAME --net-accounting netns` (or auto; in the agent's "
+        "`nimbus endpoint configure NAME --net-accounting netns` (in the agent's "
         "environment: NIMBUS_NET_ACCOUNTING=netns), then restart the endpoint"
     )
 

@@ -35,9 +35,15 @@ counts) 9.0 us (3.4): two system calls; ``RTM_GETLINK`` (6.4); sysfs
 and takes four reads for bytes and packets (6.0, under ``ip netns exec``).
 
 A worker knows it has a namespace of its own by the device ``nimbus0`` in
-``/proc/self/net/dev`` (see ``_link``); without one :meth:`TaskNet.here` is
-None and the socket counts of ``nimbus.telemetry`` stay (``net_source``
-"socket").
+``/proc/self/net/dev`` (see ``_link``), and that it is counted by its cgroup
+by what its manager said and the cgroup's name (``_cgcount``): there the counters are its cgroup's
+(``_bpf``: payload already, no header taken off), the TCP summary is of the
+worker process's own connections (the node's socket table is shared: a dump
+walks all of it); ``retransmits`` and ``duplicates_in`` are the cgroup's own,
+counted by its programs, whose bytes are payload once (a segment sent again or
+received twice is taken off: within 1 % of the payload under load too), and
+``net_source`` is "cgroup". Without either :meth:`TaskNet.here` is None and
+the socket counts of ``nimbus.telemetry`` stay (``net_source`` "socket").
 """
 
 from __future__ import annotations
@@ -93,29 +99,40 @@ def _store_port() -> int | None:
 
 
 class TaskNet:
-    """Counters of this worker's namespace, one task at a time."""
+    """Counters of this worker's namespace or counting cgroup, one task at a time."""
 
-    def __init__(self, dev_fd: int, snmp_fd: int) -> None:
+    def __init__(self, dev_fd: int, snmp_fd: int, group: Any = None, slot: int = 0) -> None:
+        """A namespace's meter (``dev_fd``, ``snmp_fd``: its /proc/self/net files), or with
+        ``group`` (``_bpf.CgroupCounters``) a counting cgroup's (the worker of ``slot``)."""
         self._dev, self._snmp = dev_fd, snmp_fd
-        # the link's counts in memory where eBPF is allowed (``_bpf``), else one pread
-        from nimbus.network._bpf import LinkCounters  # (ctypes: only in a namespace)
+        self.source = "netns" if group is None else "cgroup"
+        self._counters = group
+        if group is None:
+            # the link's counts in memory where eBPF is allowed (``_bpf``), else one pread
+            from nimbus.network._bpf import LinkCounters  # (ctypes: only in a namespace)
 
-        self._counters = LinkCounters.attach(DEVICE)
+            self._counters = LinkCounters.attach(DEVICE)
+            slot = slot_of(DEVICE)
         self._fetch: Callable[[], bytes] = partial(os.pread, dev_fd, 4096, 0)
         self._parse = self._bytes
         if self._counters is not None:
-            self._fetch, self._parse = self._counters.read, self._mapped_bytes
-        self._netstat = os.open("/proc/self/net/netstat", os.O_RDONLY)
+            self._fetch = self._counters.read
+            self._parse = self._mapped_bytes if group is None else self._payload
+        self._netstat = os.open("/proc/self/net/netstat", os.O_RDONLY) if group is None else -1
         port = _store_port()
         if port:
             _own_ports.add(port)
-        self._tcp = (*tcp_counters(snmp_fd), duplicates_received(self._netstat))
+        # the namespace's TCP counters (a cgroup's: none, the node's are everyone's)
+        self._tcp = (
+            (0, 0, 0) if group else (*tcp_counters(snmp_fd), duplicates_received(self._netstat))
+        )
         self._start_tcp = self._tcp
         # the namespace's connections (children's too) where a dump is cheap, else its own
-        self._connections = namespace_connections if own_hash_table() else open_connections
+        dump = group is None and own_hash_table()
+        self._connections = namespace_connections if dump else open_connections
         # nimbus's own connections (inode -> counts) as the last task's end left them
         self._own = {c.inode: c for c in self._connections() if c.remote_port in _own_ports}
-        self._board = Board(slot_of(DEVICE))
+        self._board = Board(slot)
         self._dev_read = self._start = b""
         self._cells, self._cell = self._board.cells, self._board.cell  # marked on the path
         self._read_at = self._sampled_at = -FRESH  # when (time.time()) last read, sampled
@@ -132,8 +149,22 @@ class TaskNet:
             return None
         if _KEY not in os.pread(dev, 65536, 0).replace(b" ", b"\n"):
             os.close(dev)
-            return None
+            return cls.counted()
         return cls(dev, os.open("/proc/self/net/snmp", os.O_RDONLY))
+
+    @classmethod
+    def counted(cls) -> TaskNet | None:
+        """A meter if this process is in a counting cgroup (``_cgcount``) whose counters it
+        may attach, else None."""
+        from nimbus.network._cgcount import counting_group
+
+        group = counting_group()
+        if group is None:
+            return None
+        from nimbus.network._bpf import CgroupCounters  # (ctypes: only in such a cgroup)
+
+        counters = CgroupCounters.attach(group[0])
+        return None if counters is None else cls(-1, -1, counters, group[1])
 
     def _read(self, now: float) -> bytes:
         self._dev_read = data = self._fetch()
@@ -154,10 +185,17 @@ class TaskNet:
         bin_, pin, bout, pout = struct.unpack("4Q", data)
         return bin_ - HEADERS * pin, bout - HEADERS * pout
 
+    @staticmethod
+    def _payload(data: bytes) -> tuple[int, int]:
+        """As :meth:`_bytes`, of a read of a cgroup's counters (``_bpf``: payload already,
+        each byte once: what came twice or was sent again is taken off)."""
+        bin_, _, bout, _, dup, _, again, _ = struct.unpack("8Q", data)
+        return bin_ - dup, bout - again
+
     def _resample(self, now: float) -> None:
         self.samples = [self._board.sample()]
         self._sampled_at = now
-        self._extra = {"net_source": "netns", "colocated": summary(self.samples)}
+        self._extra = {"net_source": self.source, "colocated": summary(self.samples)}
 
     def begin(self, now: float) -> None:
         """The task starts at ``now`` (``time.time()``, as its record's)."""
@@ -180,7 +218,7 @@ class TaskNet:
         extra = self._extra
         samples = self.samples
         if len(samples) > 1:  # the flusher sampled it while it ran
-            extra = {"net_source": "netns", "colocated": summary(samples)}
+            extra = {"net_source": self.source, "colocated": summary(samples)}
             self.samples = [samples[-1]]  # if the next task comes at once: the latest
         if data == self._start:
             return 0, 0, extra  # the last task's while unchanged (the gauge sends it once)
@@ -190,9 +228,10 @@ class TaskNet:
             return 0, 0, extra
         extra = dict(extra)
         sretrans, ssegs, sdups = self._start_tcp
-        retrans, segs = tcp_counters(self._snmp)
-        dups = duplicates_received(self._netstat)
-        self._tcp = (retrans, segs, dups)
+        if self._snmp >= 0:
+            retrans, segs = tcp_counters(self._snmp)
+            dups = duplicates_received(self._netstat)
+            self._tcp = (retrans, segs, dups)
         own_in = own_out = 0
         task_conns: list[Conn] = []
         own: dict[int, Conn] = {}
@@ -209,12 +248,16 @@ class TaskNet:
         # payload bytes of nimbus's connections; on the link they carry headers too
         own_in, own_out = min(own_in, nin), min(own_out, nout)
         extra["net_nimbus_in"], extra["net_nimbus_out"] = own_in, own_out
-        tcp: dict[str, Any] = {
-            "retransmits": retrans - sretrans,  # segments the task's side sent again
-            "duplicates_in": dups - sdups,  # segments that came twice (the peer's retransmits)
-            "segments_out": segs - ssegs,
-            "connections": len(task_conns),
-        }
+        tcp: dict[str, Any] = {"connections": len(task_conns)}
+        if self._snmp >= 0:  # the namespace's counters
+            tcp["retransmits"] = retrans - sretrans  # segments the task's side sent again
+            tcp["duplicates_in"] = dups - sdups  # segments that came twice (the peer's retransmits)
+            tcp["segments_out"] = segs - ssegs
+        else:  # the cgroup's own (``_bpf``): segments sent again, and those that came twice
+            start, now_ = struct.unpack("8Q", self._start), struct.unpack("8Q", data)
+            tcp["retransmits"] = now_[7] - start[7]
+            tcp["duplicates_in"] = now_[5] - start[5]
+            tcp["bytes_retransmitted"] = now_[6] - start[6]
         timed = [c for c in task_conns if c.rtt_us]
         if timed:
             tcp["rtt_ms"] = sum(c.rtt_us for c in timed) / len(timed) / 1000
@@ -227,5 +270,6 @@ class TaskNet:
         if self._counters is not None:
             self._counters.close()
         for fd in (self._dev, self._snmp, self._netstat):
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self._board.close()

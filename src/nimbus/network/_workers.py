@@ -10,6 +10,23 @@
 The prefix composes with any other (an environment's ``Prepared.command``):
 ``networks.command(name, prepared.command(argv))``. With ``net_accounting``
 ``socket`` and no limits it is the identity and costs nothing.
+
+Which context a worker gets (``net_accounting``, and ``worker_bandwidth``):
+
+=============  ==========================  =====================================
+ setting        no bandwidth limit          a bandwidth limit
+=============  ==========================  =====================================
+ socket         none (Python sockets)       a namespace (``tc`` needs its link)
+ cgroup         a counting cgroup          a namespace
+ netns          a namespace                 a namespace
+ auto           cgroup, else netns, else    a namespace, else a ConfigError
+                socket (what is allowed)
+=============  ==========================  =====================================
+
+A counting cgroup (``_cgcount``) counts every byte as a namespace does, at a
+fraction of the CPU per packet (no veth: ``bench/netvis.py``'s packets row);
+a namespace is what a task's own ``options(bandwidth=...)`` and a TCP summary
+of its children's connections need (``netns``).
 """
 
 from __future__ import annotations
@@ -22,6 +39,7 @@ from dataclasses import dataclass
 from nimbus.config import Settings
 from nimbus.errors import ConfigError, MemoryLimitExceeded
 from nimbus.network import _sys
+from nimbus.network._cgcount import COUNTED, CountedGroup, can_count
 from nimbus.network._cgroup import Cgroup
 from nimbus.network._colocation import clear, top_of
 from nimbus.network._link import Link
@@ -49,10 +67,12 @@ class Limits:
 
 
 class _Held:
-    __slots__ = ("cgroup", "link")
+    __slots__ = ("cgroup", "counted", "link")
 
-    def __init__(self, link: Link | None, cgroup: Cgroup | None) -> None:
-        self.link, self.cgroup = link, cgroup
+    def __init__(
+        self, link: Link | None, cgroup: Cgroup | None, counted: CountedGroup | None
+    ) -> None:
+        self.link, self.cgroup, self.counted = link, cgroup, counted
 
 
 class WorkerNetworks:
@@ -62,12 +82,23 @@ class WorkerNetworks:
         self.limits = limits or Limits()
         wants_ns = accounting == "netns" or self.limits.bandwidth is not None
         wants_cg = self.limits.cpus is not None or self.limits.memory is not None
+        counting = accounting in ("cgroup", "auto") and not wants_ns
         # looked for only when asked for (five PATH searches on every manager's start)
         why = _sys.can_manage() if wants_ns or wants_cg or accounting == "auto" else None
         if why is not None and (wants_ns or wants_cg):
-            what = "worker limits" if self.limits != Limits() else "net_accounting=netns"
+            what = "worker limits" if self.limits != Limits() else f"net_accounting={accounting}"
             raise ConfigError(f"{what}: {why}; {_sys.FIX}")
-        self.netns = wants_ns or (accounting == "auto" and why is None)
+        self.counted = False  # a counting cgroup a worker (``_cgcount``), no namespace
+        if counting:  # (root, a cgroup v2 mount and cgroup_skb programs: tried, not guessed)
+            why_not = can_count()
+            if why_not is None:
+                self.counted = True
+            elif accounting == "cgroup":
+                raise ConfigError(
+                    f"net_accounting=cgroup: {why_not}; run the endpoint as root where cgroup v2 "
+                    "is mounted, or set net_accounting=netns (a namespace per worker) or socket"
+                )
+        self.netns = wants_ns or (accounting == "auto" and why is None and not self.counted)
         self.cgroups = wants_cg  # (a task's own limits make one on first use: ``_limits``)
         self._held: dict[str, _Held] = {}
         self._oom: dict[str, int | None] = {}  # worker -> the memory limit it was killed at
@@ -81,7 +112,7 @@ class WorkerNetworks:
 
     @property
     def active(self) -> bool:
-        return self.netns or self.cgroups
+        return self.netns or self.cgroups or self.counted
 
     def command(self, name: str, argv: list[str]) -> list[str]:
         """``argv`` started inside worker ``name``'s cgroup and namespace (made now)."""
@@ -89,27 +120,37 @@ class WorkerNetworks:
             return argv
         link: Link | None = None
         cgroup: Cgroup | None = None
+        counted: CountedGroup | None = None
         try:
-            if self.netns:
+            if self.netns or self.counted:
                 slot = claim()  # the lowest free: the co-location cells in use stay few
                 top_of(in_use())
-                link = Link.create(slot, self.limits.bandwidth)
+                if self.netns:
+                    link = Link.create(slot, self.limits.bandwidth)
+                else:
+                    counted = CountedGroup.create(slot)
                 with self._lock:  # (two workers started at once: one sampler)
                     if self._nic is None:
                         self._nic = NicSampler()
             if self.cgroups:
-                tag = link.ns if link else f"nimbus-{os.getpid()}-{len(self._held)}"
+                tag = link.ns if link else counted.name if counted else None
+                tag = tag or f"nimbus-{os.getpid()}-{len(self._held)}"
                 cgroup = Cgroup(tag, self.limits.cpus, self.limits.memory, every=True)
         except BaseException:
             if link is not None:
                 link.close()
+            if counted is not None:
+                counted.close()
             raise
         with self._lock:
-            self._held[name] = _Held(link, cgroup)
-        script = "".join(
-            f"echo $$ > {shlex.quote(f)} && " for f in (cgroup.procs_files() if cgroup else [])
-        )
+            self._held[name] = _Held(link, cgroup, counted)
+        procs = cgroup.procs_files() if cgroup else []
+        if counted is not None and counted.procs not in procs:  # (v2: the same directory)
+            procs.append(counted.procs)
+        script = "".join(f"echo $$ > {shlex.quote(f)} && " for f in procs)
         enter = f'exec nsenter --net={shlex.quote(link.netns_path)} "$@"' if link else 'exec "$@"'
+        if counted is not None:  # the worker itself (its children and tasks do not inherit it)
+            enter = f"export {COUNTED}=1 && {enter}"
         return ["/bin/sh", "-c", script + enter, "nimbus-worker", *argv]
 
     def link(self, name: str) -> Link | None:
@@ -122,16 +163,17 @@ class WorkerNetworks:
             held = self._held.pop(name, None)
         if held is None:
             return
-        if held.link is not None:
-            clear(held.link.slot.number)  # it may have died mid-task: it runs nothing now
+        owner = held.link or held.counted
+        if owner is not None:
+            clear(owner.slot.number)  # it may have died mid-task: it runs nothing now
             if held.cgroup is None:  # made by the worker for a task's own limits, if it was
-                held.cgroup = Cgroup.existing(held.link.ns)
+                held.cgroup = Cgroup.existing(f"nimbus-{owner.slot.number}")
         if held.cgroup is not None:
             if held.cgroup.oom_kills():
                 self._oom[name] = held.cgroup.memory_limit()
             held.cgroup.remove()
-        if held.link is not None:
-            held.link.close()
+        if owner is not None:
+            owner.close()
             top_of(in_use())
 
     def lost(self, name: str) -> MemoryLimitExceeded | None:
