@@ -47,7 +47,10 @@ What happens under each failure:
   travels through the client instead; any other failure fails the task with its error;
 * a task on another node of that endpoint than the one holding the copy: it fetches the
   copy from that node's agent or block manager (``_serve``: the copy's secret, sha256
-  checked); that node gone, or the copy freed: the task fails saying so, never a hang;
+  checked); that node gone, or the copy freed, before the task's node fetched it: the
+  client stages the file again from its endpoint and sends the task again; with no
+  source left (that endpoint offline, the file gone) the task fails with the staging's
+  error, never a hang;
 
 Whose data: on an endpoint, a task's user is the owner the service sends with it
 (``nimbus.owners``): every token of a user sees the same store, another user's tasks

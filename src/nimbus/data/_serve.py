@@ -33,6 +33,11 @@ on any node: a node that does not hold the pin forwards the renewal to the holdi
 node's server (:func:`renew`: the same challenge, an HMAC with the copy's secret), so
 the pin lives as long as the client holds the copy.
 
+The holding node gone (its block ended, its manager killed) or no longer holding the
+copy: the fetch fails with ``ReferenceLost`` naming the copy's pin, and the client that
+staged it stages the file again from its endpoint and sends the task again
+(``_submit.DataPath.recover``); a node merely busy ("busy") is an ordinary error.
+
 Limits that keep one client from stopping the server: at most ``MAX_CONNECTIONS`` at
 once (more are told "busy" and closed), ``HANDSHAKE`` seconds for the whole request
 before the check; an accept that fails (no file descriptors left) is retried after a
@@ -60,7 +65,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nimbus.data._direct import connect, receive_hashed, recv_exactly, said
-from nimbus.errors import DataError
+from nimbus.errors import DataError, ReferenceLost
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -311,23 +316,27 @@ class Server:
         self._file.unlink(missing_ok=True)
 
 
+class _Gone(DataError):
+    """The holding node cannot serve the copy: it is not there (its block or agent
+    stopped), or it no longer holds the copy (freed, its data directory removed)."""
+
+
 def _request(
     holder: tuple[str, int, str], header: dict[str, Any], what: str, timeout: float = TIMEOUT
 ) -> tuple[socket.socket, str]:
     """A connection to ``holder``'s server with ``header`` sent (proved with the copy's
-    secret) and its "OK" read; the socket (open) and how to name the node."""
+    secret) and its "OK" read; the socket (open) and how to name the node. A node that
+    is not there or refuses (it holds no such copy): :class:`_Gone`."""
     host, port, secret = holder
     where = f"the node that holds it ({host}:{port})"
     sock = connect(
         host,
         port,
         timeout,
-        lambda exc: DataError(
+        lambda exc: _Gone(
             f"cannot {what} from {where}: {exc}. That node's block or agent has stopped "
-            f"(the copy went with it): submit the task again in a few minutes (the client "
-            f"stages it again once a renewal of its pin finds that node gone) or touch the file to stage "
-            f"it again now; or it is not reachable: if the nodes are separate machines, set "
-            f"NIMBUS_DATA_HOST on each to an address the others reach it by"
+            f"(the copy went with it); or it is not reachable: if the nodes are separate "
+            f"machines, set NIMBUS_DATA_HOST on each to an address the others reach it by"
         ),
     )
     try:
@@ -341,7 +350,8 @@ def _request(
             raise DataError(f"the node refused: {why or 'it closed the link'}")
     except (DataError, OSError) as exc:
         sock.close()
-        raise DataError(f"cannot {what} from {where}: {exc}") from None
+        busy = str(exc).startswith("the node refused: busy")  # (there: try again later)
+        raise (DataError if busy else _Gone)(f"cannot {what} from {where}: {exc}") from None
     return sock, where
 
 
@@ -363,13 +373,24 @@ def fetch(
 ) -> None:
     """The copy ``name`` (``size`` bytes, ``sha256``) from the node ``holder`` (its
     server's host and port, the copy's secret) into ``target``, a path of this node's
-    cache; one fetch of it at a time on this node (waiting ``LOCK_WAIT`` s at most)."""
+    cache; one fetch of it at a time on this node (waiting ``LOCK_WAIT`` s at most).
+
+    That node gone, or holding the copy no more: ``ReferenceLost`` naming the copy's pin
+    (the client stages the file again and sends the task again: ``_submit.recover``)."""
     with _fetching(target, name):
         with contextlib.suppress(FileNotFoundError):
             if target.stat().st_size == size:
                 return
         header = {"op": "fetch", "namespace": namespace, "name": name, "pin": pin}
-        sock, where = _request(holder, header, f"fetch {name}")
+        try:
+            sock, where = _request(holder, header, f"fetch {name}")
+        except _Gone as exc:
+            raise ReferenceLost(
+                f"the staged copy {name} is gone: {exc}; its client stages the file again "
+                f"from its endpoint and sends the task again (a few times at most; then "
+                f"submit it again)",
+                pin,
+            ) from None
         part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
         with sock:
             try:

@@ -30,14 +30,42 @@ from typing import Any
 
 from nimbus import serialization
 from nimbus._future import Future
-from nimbus.data._bind import bind, failed_among, open_session, waiting_on, when_done
+from nimbus.data._bind import bind, failed_among, open_session, waiting_on, walk, when_done
 from nimbus.data._carry import carry
-from nimbus.data._ref import Ref, Session, new_id
+from nimbus.data._file import copy_names, restage
+from nimbus.data._ref import MAX_SCAN, Ref, Session, new_id
 from nimbus.data._task import run
 from nimbus.errors import InputFailed, ReferenceLost
 from nimbus.records import TaskRecord
 
 __all__ = ["DataPath", "KeptFuture"]
+
+
+RESTAGE = 3  # times a task's staged file is staged again (its copy's node left)
+
+
+def _stagings(given: list[Any]) -> list[cf.Future[Any]]:
+    """The futures of staged files among a task's arguments (``_file.stage``'s)."""
+    args, kwargs = given
+    return [v for v in walk(args, kwargs) if isinstance(v, cf.Future) and hasattr(v, "staging")]
+
+
+def _replaced(
+    args: tuple[Any, ...], kwargs: dict[str, Any], old: Any, new: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with ``old`` (at the depth ``bind`` looks) made ``new``."""
+
+    def one(value: Any) -> Any:
+        if value is old:
+            return new
+        kind = type(value)
+        if kind in (list, tuple) and len(value) <= MAX_SCAN and any(v is old for v in value):
+            return kind(new if v is old else v for v in value)
+        if kind is dict and len(value) <= MAX_SCAN and any(v is old for v in value.values()):
+            return {k: new if v is old else v for k, v in value.items()}
+        return value
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
 class KeptFuture(Future):
@@ -175,6 +203,7 @@ class DataPath:
             future._recipe = (fn, args, kwargs, timeout, environment, env, limits)  # type: ignore[attr-defined]
             future._path = self  # type: ignore[attr-defined]
         wrapped = self.wrap(fn)
+        given = future._given = [args, kwargs]  # type: ignore[attr-defined]  # (restage)
 
         def send() -> None:
             if future.done():
@@ -183,7 +212,7 @@ class DataPath:
             # InputFailed naming it), is named; those done well are bound as they are
             after = {f for f in waiting if not _done_well(f)} if ahead else set()
             try:  # a dependency that failed fails this task with its error
-                bound, bound_kw, holds = bind(args, kwargs, session, after)
+                bound, bound_kw, holds = bind(given[0], given[1], session, after)
             except BaseException as exc:
                 fail(future, exc)
                 return
@@ -269,7 +298,12 @@ class DataPath:
 
     def recover(self, future: Future, error: ReferenceLost) -> bool:
         """A task read a lost reference: when a pure task of this executor made it, run
-        that again and then this one (once per task); whether it does."""
+        that again and then this one (once per task); when it is a staged file's copy
+        (its node left before the task's fetched it), stage the file again from its
+        endpoint and send the task again (``RESTAGE`` times per task at most); whether
+        it does."""
+        if self._restage(future, error):
+            return True
         producer = self._producers.get(error.ref_id)
         resend = getattr(future, "_resend", None)
         if producer is None or resend is None or getattr(future, "_recovered", False):
@@ -285,12 +319,34 @@ class DataPath:
         self.deferred(rerun)
         return True
 
+    def _restage(self, future: Future, error: ReferenceLost) -> bool:
+        given = getattr(future, "_given", None)
+        resend = getattr(future, "_resend", None)
+        tries = getattr(future, "_restaged", 0)
+        if given is None or resend is None or tries >= RESTAGE or not error.ref_id:
+            return False
+        found = [s for s in _stagings(given) if error.ref_id in copy_names(s)]
+        if not found:
+            return False
+        future._restaged = tries + 1  # type: ignore[attr-defined]
+        old = found[0]
+
+        def again() -> None:
+            new = restage(self._ex, old)
+            given[0], given[1] = _replaced(given[0], given[1], old, new)
+            new.add_done_callback(lambda _: self.deferred(resend))
+
+        # (a thread of its own: staging asks the file's endpoint, which may take a while)
+        threading.Thread(target=again, name="nimbus-restage", daemon=True).start()
+        return True
+
     @staticmethod
     def done(future: Future) -> None:
         """A task of the data path ended: its Refs go when it does."""
         future._holds = None  # type: ignore[attr-defined]
         future._after = None
         future._resend = None  # type: ignore[attr-defined]  # (a cycle through it)
+        future._given = None  # type: ignore[attr-defined]
         future._task = None  # no cycle with the task: the last Ref is freed at once
 
     @staticmethod
