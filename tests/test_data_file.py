@@ -22,7 +22,7 @@ from nimbus import Client, Executor
 from nimbus.data import NodeStore, default_root, run
 from nimbus.data._file import Staged, _cache, check_export
 from nimbus.data._node import UNUSED, sweep_all
-from nimbus.errors import DataError, FileRefused
+from nimbus.errors import DataError, FileRefused, ReferenceLost
 from service_support import EndpointProcess, Service
 
 
@@ -478,7 +478,7 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
             fetch(holder, space, name, pickled, len(body), sha, other / "p")
         past = time.time() - 1  # the client freed its pin (or died): not served any more
         os.utime(root / space / "obj" / pin, (past, past))
-        with pytest.raises(DataError, match="its pin's lease ran out"):
+        with pytest.raises(ReferenceLost, match="its pin's lease ran out"):
             fetch(holder, space, name, pin, len(body), sha, other / "v")
         assert sorted(p.name for p in other.iterdir() if not p.name.endswith(".lock")) == [name]
         assert server.statistics()["refused"] == 4  # (the bad sha256: served, refused there)
@@ -493,8 +493,9 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
     finally:
         server.close()
     assert server_address(root) is None
-    with pytest.raises(DataError, match="touch the file"):
+    with pytest.raises(ReferenceLost, match="stages the file again") as lost:  # node gone
         fetch(holder, space, name, pin, len(body), sha, tmp_path / "u")
+    assert lost.value.ref_id == pin  # (its client stages it again: _submit.recover)
 
 
 def test_a_node_cache_made_again_after_a_sweep_keeps_its_runtime_private(tmp_path: Path) -> None:
