@@ -462,6 +462,7 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
             "served": 1,
             "bytes": len(body),
             "renewed": 0,
+            "freed": 0,
             "refused": 0,
             "busy": 0,
         }
@@ -715,6 +716,41 @@ def test_renewals_forward_a_pin_to_its_node_and_note_a_node_gone(tmp_path: Path)
         assert (root / space / "obj" / pin).stat().st_mtime > before + 300
         assert session.gone == {dead}
         del refs
+    finally:
+        session.close()
+        pool.shutdown()
+        server.close()
+
+
+def test_freeing_a_pin_is_forwarded_to_its_node_as_its_renewals_are(tmp_path: Path) -> None:
+    """The client lets a staged copy go (its last Ref): the task that frees the pin runs
+    on any node; on one without the pin it frees it through the holding node's server
+    (the pin did last its whole lease there, 300 s), and only with the copy's secret."""
+    import concurrent.futures as cf
+
+    from nimbus.data._ref import Ref, Session, local_namespace
+    from nimbus.data._serve import Server, free
+    from nimbus.data._task import free_objects
+
+    root = tmp_path / "node-a"  # the freeing runs in this process: another node
+    space, _, pin, _, secret = _served_copy(root, local_namespace())
+    pin_path = root / space / "obj" / pin
+    server = Server(root, "127.0.0.1")
+    pool = cf.ThreadPoolExecutor(1)
+    session = Session(space, "me", "ep", call=lambda fn, *a, keep: pool.submit(fn, *a), lease=600)
+    try:
+        with pytest.raises(DataError, match="holds no such copy for that secret"):
+            free((*server.address, "00" * 32), space, pin)
+        assert pin_path.exists()  # not freed by one who lacks the secret
+        ref = session.adopt(Ref(pin, space, "me", "ep", 0))
+        session.served(pin, (*server.address, secret))
+        del ref  # the client let the copy go
+        session.flush(renew=False)
+        pool.submit(lambda: None).result(30)  # the freeing task ran
+        assert not pin_path.exists()
+        assert server.statistics()["freed"] == 1 and session.freed == 1
+        # a node gone (or the pin freed already): nothing to free there, no error
+        assert free_objects([pin], {pin: (*server.address, secret)}) == 0
     finally:
         session.close()
         pool.shutdown()

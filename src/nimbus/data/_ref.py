@@ -144,6 +144,7 @@ class Session:
         self._entries: weakref.WeakValueDictionary[str, _Entry] = weakref.WeakValueDictionary()
         self._to_free: list[str] = []
         self._holders: dict[str, tuple[str, int, str]] = {}  # pin -> its node's server
+        self._free_where: dict[str, tuple[str, int, str]] = {}  # (of pins in _to_free)
         self.gone: set[str] = set()  # pins whose node a renewal found gone (its copy too)
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -200,7 +201,7 @@ class Session:
 
     def _release(self, ref_id: str) -> None:
         with self._lock:
-            self._holders.pop(ref_id, None)
+            holder = self._holders.pop(ref_id, None)
         if self._closed.is_set():
             return
         if self.store is not None:
@@ -209,6 +210,8 @@ class Session:
             return
         with self._lock:
             self._to_free.append(ref_id)
+            if holder is not None:  # a staged copy's pin: freed on its node
+                self._free_where[ref_id] = holder
 
     # -- the store ----------------------------------------------------------
     def put(self, obj: object) -> Ref:
@@ -239,6 +242,7 @@ class Session:
         """Free what was released and renew what is held (the renewer does it often)."""
         with self._lock:
             to_free, self._to_free = self._to_free, []
+            free_where, self._free_where = self._free_where, {}
         held = self.held() if renew else []
         expires = time.time() + self.lease
         if self.store is not None:
@@ -248,8 +252,11 @@ class Session:
         from nimbus.data._task import free_objects, renew_objects
 
         assert self.call is not None
-        if to_free:
-            self.call(free_objects, to_free, keep=False)
+        if to_free:  # (pins of staged copies: forwarded to their nodes where not here)
+            if free_where:
+                self.call(free_objects, to_free, free_where, keep=False)
+            else:
+                self.call(free_objects, to_free, keep=False)
             self.freed += len(to_free)
         if held:
             with self._lock:

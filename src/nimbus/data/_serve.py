@@ -31,7 +31,8 @@ HMAC). The link is not encrypted, as ``_direct``'s.
 The client renews the pin (its lease) through an ordinary task, which the endpoint runs
 on any node: a node that does not hold the pin forwards the renewal to the holding
 node's server (:func:`renew`: the same challenge, an HMAC with the copy's secret), so
-the pin lives as long as the client holds the copy.
+the pin lives as long as the client holds the copy. Its freeing (the client let the copy
+go) is forwarded the same way (:func:`free`), so the pin does not outlive it by a lease.
 
 The holding node gone (its block ended, its manager killed) or no longer holding the
 copy: the fetch fails with ``ReferenceLost`` naming the copy's pin, and the client that
@@ -70,7 +71,7 @@ from nimbus.errors import DataError, ReferenceLost
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["Server", "advertised", "fetch", "renew", "server_address"]
+__all__ = ["Server", "advertised", "fetch", "free", "renew", "server_address"]
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class Server:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._conns: set[socket.socket] = set()  # being served (closed by close())
-        self._counts = {"served": 0, "bytes": 0, "renewed": 0, "refused": 0, "busy": 0}
+        self._counts = {"served": 0, "bytes": 0, "renewed": 0, "freed": 0, "refused": 0, "busy": 0}
         _live.add(self)  # a worker forked later closes its copy of the listener
         threading.Thread(target=self._accept, name="nimbus-data-serve", daemon=True).start()
 
@@ -226,6 +227,12 @@ class Server:
                 self._renew(challenge, header, mac, asked)
                 conn.sendall(b"OK")
                 self._count(renewed=1)
+                return
+            if asked.get("op") == "free":
+                space, pin = str(asked["namespace"]), str(asked["pin"])
+                self._pin(challenge, header, mac, space, pin).unlink(missing_ok=True)
+                self._count(freed=1)  # (before its answer: counted once the peer knows)
+                conn.sendall(b"OK")
                 return
             path = self._check(challenge, header, mac, asked)
             with open(path, "rb") as f:
@@ -295,7 +302,7 @@ class Server:
         return path
 
     def statistics(self) -> dict[str, int]:
-        """Copies ``served`` (and their ``bytes``), pins ``renewed``, requests ``refused``
+        """Copies ``served`` (and their ``bytes``), pins ``renewed`` and ``freed``, requests ``refused``
         or failed, connections turned away ``busy``."""
         with self._lock:
             return dict(self._counts)
@@ -359,6 +366,14 @@ def renew(holder: tuple[str, int, str], namespace: str, pin: str, expires: float
     """Move the lease of ``pin`` (a copy's, on the node ``holder``) to ``expires``."""
     header = {"op": "renew", "namespace": namespace, "pin": pin, "expires": expires}
     sock, _ = _request(holder, header, "renew the pin of a staged file", 2 * HANDSHAKE)
+    sock.close()
+
+
+def free(holder: tuple[str, int, str], namespace: str, pin: str) -> None:
+    """Free ``pin`` (a copy's, on the node ``holder``): its client let the copy go, so
+    the node's sweep removes the copy once nobody used it for a lease."""
+    header = {"op": "free", "namespace": namespace, "pin": pin}
+    sock, _ = _request(holder, header, "free the pin of a staged file", 2 * HANDSHAKE)
     sock.close()
 
 
