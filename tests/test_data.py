@@ -401,6 +401,28 @@ def test_remote_references_are_freed_and_lost_ones_named(
         remote.submit(sum, ref).result(timeout=60)
 
 
+def test_a_lost_remote_result_is_made_again_if_pure_else_its_dependents_fail_naming_it(
+    service: Service, remote: Executor, lab: EndpointProcess
+) -> None:
+    """The issue's failure clause on an endpoint: a kept result whose holder lost it is
+    made again when its task is known here and pure (then the dependent runs), else the
+    dependent tasks fail with ``ReferenceLost`` naming it."""
+    node = on_endpoint(service, nimbus.data.session(lab.endpoint_id).namespace)
+    made = remote.options(keep=True).submit(squares, 10)
+    first = made.ref(timeout=60).id
+    node.path(first).unlink()  # the node that kept it lost it
+    assert remote.submit(sum, made).result(timeout=60) == 285  # squares ran again first
+    assert made.ref().id != first and node.path(made.ref().id).exists()
+    impure = remote.options(keep=True).submit(double, [1, 2])
+    lost_id = impure.ref(timeout=60).id
+    node.path(lost_id).unlink()
+    dependents = [remote.submit(sum, impure) for _ in range(2)]
+    for dependent in dependents:
+        with pytest.raises(ReferenceLost, match=lost_id[:12]) as caught:
+            dependent.result(timeout=60)
+        assert caught.value.ref_id == lost_id
+
+
 def test_an_endpoint_leaves_nothing_behind_when_it_stops(
     service: Service, alice: Client, tmp_path: Path
 ) -> None:
