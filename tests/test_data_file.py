@@ -465,6 +465,7 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
             "freed": 0,
             "refused": 0,
             "busy": 0,
+            "received": 0,
         }
         assert "secret" not in repr(Staged((), key, "x.bin", 1, sha, None, holder))
         with pytest.raises(DataError, match="holds no such copy for that secret"):

@@ -164,6 +164,7 @@ class Server:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._conns: set[socket.socket] = set()  # being served (closed by close())
         self._counts = {"served": 0, "bytes": 0, "renewed": 0, "freed": 0, "refused": 0, "busy": 0}
+        self._counts["received"] = 0  # objects sent here by another endpoint (``_put``)
         _live.add(self)  # a worker forked later closes its copy of the listener
         threading.Thread(target=self._accept, name="nimbus-data-serve", daemon=True).start()
 
@@ -228,6 +229,9 @@ class Server:
                 conn.sendall(b"OK")
                 self._count(renewed=1)
                 return
+            if asked.get("op") == "put":
+                self._put(conn, challenge, header, mac, asked)
+                return
             if asked.get("op") == "free":
                 space, pin = str(asked["namespace"]), str(asked["pin"])
                 self._pin(challenge, header, mac, space, pin).unlink(missing_ok=True)
@@ -279,6 +283,36 @@ class Server:
         except FileNotFoundError:
             raise DataError("refused: the pin was removed meanwhile") from None
 
+    def _put(
+        self,
+        conn: socket.socket,
+        challenge: bytes,
+        header: bytes,
+        mac: bytes,
+        asked: dict[str, Any],
+    ) -> None:
+        """An object sent by a task of another endpoint into this node's store, as the
+        pin's holder expects (``_direct.expect_object``); received as ``_direct``'s offer
+        receives (the pin's secret, the bytes' tag), leased as the pin was; the pin goes."""
+        from nimbus.data._direct import _OK, _receive_into
+        from nimbus.data._direct import _mac as transfer_mac
+        from nimbus.data._node import NodeStore
+
+        space, pin = str(asked["namespace"]), str(asked["pin"])
+        pin_path = self._pin(challenge, header, mac, space, pin)
+        secret = NodeStore(space, self.root).read_secret(pin)
+        assert secret is not None  # (_pin checked it)
+        key = bytes.fromhex(secret)
+        expires = pin_path.stat().st_mtime
+        conn.sendall(b"OK")
+        if not hmac.compare_digest(recv_exactly(conn, 32), transfer_mac(key, b"connect")):
+            raise DataError("a wrong secret")
+        size = int.from_bytes(recv_exactly(conn, 8), "little")
+        digest = _receive_into(conn, self.root / space / "obj" / pin[:32], size, expires, key)
+        conn.sendall(_OK + transfer_mac(key, b"ok", digest))
+        pin_path.unlink(missing_ok=True)  # (one object per pin)
+        self._count(received=1)
+
     def _check(self, challenge: bytes, header: bytes, mac: bytes, asked: dict[str, Any]) -> Path:
         space, name, pin = str(asked["namespace"]), str(asked["name"]), str(asked["pin"])
         if not name or "/" in name or name.startswith(".") or "\0" in name:
@@ -302,7 +336,8 @@ class Server:
         return path
 
     def statistics(self) -> dict[str, int]:
-        """Copies ``served`` (and their ``bytes``), pins ``renewed`` and ``freed``, requests ``refused``
+        """Copies ``served`` (and their ``bytes``), objects ``received``, pins ``renewed``
+        and ``freed``, requests ``refused``
         or failed, connections turned away ``busy``."""
         with self._lock:
             return dict(self._counts)

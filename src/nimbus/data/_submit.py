@@ -140,9 +140,13 @@ class DataPath:
                     found = self.session = open_session(ex._backend, ex._endpoint, self.call)
         return found
 
-    def call(self, fn: Callable[..., Any], *args: Any, keep: bool = False) -> Future:
+    def call(
+        self, fn: Callable[..., Any], *args: Any, keep: bool = False, after: Any = ()
+    ) -> Future:
         ex = self._ex
-        return self.submit(fn, args, {}, ex._timeout, keep, ex._environment, ex._env)
+        return self.submit(
+            fn, args, {}, ex._timeout, keep, ex._environment, ex._env, after=list(after)
+        )
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` run through ``nimbus.data.run`` (one partial per function, reused)."""
@@ -174,18 +178,22 @@ class DataPath:
         environment: Any = None,
         env: str = "",
         limits: Any = None,
+        after: list[Any] | None = None,
     ) -> Future:
         """Submit ``fn`` through ``nimbus.data.run``: Refs resolved where it runs, its
-        result kept when ``keep``; sent once the futures among its arguments are done."""
+        result kept when ``keep``; sent once the futures among its arguments (and those
+        ``after`` names) are done."""
         ex = self._ex
         if ex._shutdown:
             raise RuntimeError("cannot schedule new futures after shutdown")
         if not callable(fn):
             raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
         session = self.open()
+        relays: list[Any] = list(after or ())  # (kept futures of another endpoint: their relays)
         if session.endpoint is not None:  # Refs of other endpoints: copied there first
-            args, kwargs = carry(args, kwargs, session)
+            args, kwargs = carry(args, kwargs, session, self, relays)
         waiting = waiting_on(args, kwargs, session)  # refuses another user's Refs now
+        waiting += [f for f in relays if not _done_well(f)]
         future: Future = KeptFuture() if keep else Future()
         future.record = TaskRecord("", function=getattr(fn, "__qualname__", ""))
         scope = session.scope(keep)
@@ -211,6 +219,15 @@ class DataPath:
             # ahead: every input not done, or failed (the backend fails this task with
             # InputFailed naming it), is named; those done well are bound as they are
             after = {f for f in waiting if not _done_well(f)} if ahead else set()
+            for relay in relays if not ahead else ():  # (ahead: InputFailed, by the backend)
+                if relay.done() and not _done_well(relay):
+                    fail(
+                        future,
+                        relay.exception()
+                        if not relay.cancelled()
+                        else InputFailed("a task this one waited for was cancelled"),
+                    )
+                    return
             try:  # a dependency that failed fails this task with its error
                 bound, bound_kw, holds = bind(given[0], given[1], session, after)
             except BaseException as exc:
@@ -249,12 +266,38 @@ class DataPath:
         known before it is done: a task taking it can be sent at once. Of this path; or
         of another Executor's whose tasks the same user runs on the same endpoint through
         the same service, once the service accepted it (it is named by its task id)."""
+        maker = getattr(future, "_maker", None)
+        if getattr(future, "_relay", False):  # another endpoint's relay (``_carry``)
+            task_id = future.record.task_id  # type: ignore[attr-defined]
+            return bool(task_id) and maker is not self and self._one_service(maker)
         if type(future) is not KeptFuture or future._promise is None:
             return False
-        maker = getattr(future, "_maker", None)
         if maker is self:
             return future._task is not None or future.done()
         return isinstance(maker, DataPath) and bool(future.record.task_id) and self._shares(maker)
+
+    def relays_with(self, source: Any, future: cf.Future[Any]) -> bool:
+        """Whether a kept ``future`` of ``source`` (another endpoint's DataPath) can reach
+        this path's tasks through the service alone: both through one service, which
+        holds tasks after their inputs, the future sent there (``_carry._relay``)."""
+        if source is self or not isinstance(source, DataPath) or not source.made(future):
+            return False
+        return self._one_service(source)
+
+    def _one_service(self, source: Any) -> bool:
+        """Whether ``source`` (a DataPath) sends its tasks to this path's service, and
+        the service holds tasks after their inputs for both."""
+        if not isinstance(source, DataPath):
+            return False
+        mine = getattr(self._ex._backend, "client", None)
+        theirs = getattr(source._ex._backend, "client", None)
+        return (
+            getattr(self._ex._backend, "dependencies", False)
+            and getattr(source._ex._backend, "dependencies", False)
+            and mine is not None
+            and theirs is not None
+            and mine.service_url == theirs.service_url
+        )
 
     def _shares(self, other: DataPath) -> bool:
         """Whether ``other``'s tasks run as this path's: same service, user and endpoint."""
