@@ -7,7 +7,10 @@
         a thread: offer on hpc (a new id in the user's store there)
                   send_object on lab (the stored bytes, straight to hpc: ``_direct``)
                   -> Ref(new id, hpc), held by hpc's session -> the task is sent
-    a kept future of another endpoint's executor: copied the same way once it is done
+    a kept future of another endpoint's executor, not done, through the same service
+    (``_relay``): no wait here: expect_object on hpc (its node's server, a pin's secret),
+    push_object on lab held by the service after the future, the task held after it
+    (any other: copied the same way as a Ref once it is done)
 
 Copies are remembered by (source id, target) while the original is held here: 16 tasks
 on hpc reading one Ref of lab copy it once; the copy is freed (as any Ref) once the
@@ -192,7 +195,7 @@ def _relay(future: Any, where: Session, path: Any) -> tuple[Ref, Any] | None:
     relay._pin = held_pin  # the pin lives until the relay ended
     relay.add_done_callback(lambda f: setattr(f, "_pin", None))
     deadline = time.monotonic() + ACCEPTED  # named by its task id: accepted, not ended
-    while not (relay.record.task_id or relay.done()) and time.monotonic() < deadline:
+    while not source.accepted(relay) and time.monotonic() < deadline:
         time.sleep(0.005)
     copy = where.adopt(Ref(copy_id, where.namespace, where.user, where.endpoint, 0))
     with _lock:

@@ -268,13 +268,29 @@ class DataPath:
         the same service, once the service accepted it (it is named by its task id)."""
         maker = getattr(future, "_maker", None)
         if getattr(future, "_relay", False):  # another endpoint's relay (``_carry``)
-            task_id = future.record.task_id  # type: ignore[attr-defined]
-            return bool(task_id) and maker is not self and self._one_service(maker)
+            if maker is self or not isinstance(maker, DataPath):
+                return False
+            return self._one_service(maker) and maker.accepted(future)
         if type(future) is not KeptFuture or future._promise is None:
             return False
         if maker is self:
             return future._task is not None or future.done()
-        return isinstance(maker, DataPath) and bool(future.record.task_id) and self._shares(maker)
+        return isinstance(maker, DataPath) and maker.accepted(future) and self._shares(maker)
+
+    def accepted(self, future: cf.Future[Any]) -> bool:
+        """Whether the service accepted ``future``'s task (it is known there by its task
+        id: the id the executor gave it at launch is its own until then), or it is done."""
+        if future.done():
+            return True
+        task = getattr(future, "_task", None)
+        by_id = getattr(self._ex._backend, "_by_id", None)
+        record = getattr(future, "record", None)
+        return (
+            task is not None
+            and by_id is not None
+            and record is not None
+            and by_id.get(record.task_id) is task
+        )
 
     def relays_with(self, source: Any, future: cf.Future[Any]) -> bool:
         """Whether a kept ``future`` of ``source`` (another endpoint's DataPath) can reach
