@@ -756,3 +756,40 @@ def test_freeing_a_pin_is_forwarded_to_its_node_as_its_renewals_are(tmp_path: Pa
         session.close()
         pool.shutdown()
         server.close()
+
+
+def test_a_node_takes_an_object_only_from_a_holder_of_its_pins_secret(tmp_path: Path) -> None:
+    """``_serve``'s "put" (a relay, ``_direct.push_object``): the node's server writes
+    the object the pin names, leased as the pin was, once the sender proves the pin's
+    secret; the pin goes with it (one object per pin); a wrong secret writes nothing."""
+    from nimbus.data._direct import _send
+    from nimbus.data._serve import Server, _request
+
+    root = tmp_path / "node-a"
+    root.mkdir(mode=0o700)
+    space, ref_id = "u-put", "a" * 32
+    pin = ref_id + "b" * 32
+    secret = os.urandom(32).hex()
+    expires = time.time() + 120
+    NodeStore(space, root).write_secret(pin, secret, expires)
+    source = tmp_path / "object"
+    source.write_bytes(os.urandom(1024 * 1024 + 9))
+    server = Server(root, "127.0.0.1")
+    header = {"op": "put", "namespace": space, "pin": pin, "ref": ref_id}
+    target = (*server.address, secret)
+    try:
+        wrong = (*server.address, "00" * 32)
+        with pytest.raises(DataError, match="holds no such copy for that secret"):
+            _send(source, "", 0, "00" * 32, None, lambda: _request(wrong, header, "put")[0])
+        assert not (root / space / "obj" / ref_id).exists()
+        size, sha = _send(source, "", 0, secret, None, lambda: _request(target, header, "put")[0])
+        stored = root / space / "obj" / ref_id
+        assert stored.read_bytes() == source.read_bytes() and size == stored.stat().st_size
+        assert sha == hashlib.sha256(source.read_bytes()).hexdigest()
+        assert stored.stat().st_mtime == pytest.approx(expires)  # leased as the pin was
+        assert not (root / space / "obj" / pin).exists()  # the pin went with it
+        with pytest.raises(DataError, match="holds no such copy"):  # used once
+            _send(source, "", 0, secret, None, lambda: _request(target, header, "put")[0])
+        assert server.statistics()["received"] == 1
+    finally:
+        server.close()

@@ -15,7 +15,12 @@
       |                                                                  matches its own
 
 The client carries only the three small answers; the bytes cross the link between the
-two endpoints once. The target listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``:
+two endpoints once.
+
+A relay (a kept future not done yet, ``_carry._relay``) needs no listener waiting: the
+target's node server takes the object when it comes (``expect_object`` writes a pin with
+its secret), and ``push_object``, held by the service until the object is made, sends it
+there on the server's request (``_serve``'s "put") with the same proof, tag and answer. The target listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``:
 endpoints of one machine; set it to the address the other endpoints reach it by). A
 sender that cannot connect raises :class:`Unreachable` (the client then falls back to
 carrying the bytes itself); any other failure (damaged bytes, a wrong secret, a peer
