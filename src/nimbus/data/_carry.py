@@ -177,7 +177,8 @@ def _relay(future: Any, where: Session, path: Any) -> tuple[Ref, Any] | None:
     key = (promise.id, where.endpoint)
     with _lock:
         found = _relays.get(key)
-    if found is not None:  # (its copy still held: the entry goes with its last Ref)
+    failed = found is not None and found[1].done() and not _succeeded(found[1])
+    if found is not None and not failed:  # (its copy held: the entry goes with its last Ref)
         copy_id, relay = found
         return where.adopt(Ref(copy_id, where.namespace, where.user, where.endpoint, 0)), relay
     copy_id = new_id()
@@ -205,6 +206,10 @@ def _relay(future: Any, where: Session, path: Any) -> tuple[Ref, Any] | None:
     assert copy._entry is not None
     weakref.finalize(copy._entry, _forget_relay, key, relay)
     return copy, relay
+
+
+def _succeeded(future: Any) -> bool:
+    return not future.cancelled() and future.exception() is None
 
 
 def _forget_relay(key: tuple[str, str | None], relay: Any) -> None:

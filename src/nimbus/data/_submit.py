@@ -225,7 +225,11 @@ class DataPath:
                         future,
                         relay.exception()
                         if not relay.cancelled()
-                        else InputFailed("a task this one waited for was cancelled"),
+                        else InputFailed(
+                            f"task {relay.record.task_id}, which copies this task's input "
+                            f"from another endpoint, was cancelled; submit it again",
+                            relay.record.task_id,
+                        ),
                     )
                     return
             try:  # a dependency that failed fails this task with its error
@@ -439,3 +443,6 @@ class DataPath:
                 batch, self._sends = self._sends, []
             for send in batch:
                 send()
+            # not kept while waiting for the next: a send's closure holds its task's
+            # arguments (Refs, copies), which would live until another task is deferred
+            del batch, send
