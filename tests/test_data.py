@@ -443,6 +443,28 @@ def test_remote_references_are_freed_and_lost_ones_named(
         remote.submit(sum, ref).result(timeout=60)
 
 
+def test_a_lost_remote_result_is_made_again_if_pure_else_its_dependents_fail_naming_it(
+    service: Service, remote: Executor, lab: EndpointProcess
+) -> None:
+    """The issue's failure clause on an endpoint: a kept result whose holder lost it is
+    made again when its task is known here and pure (then the dependent runs), else the
+    dependent tasks fail with ``ReferenceLost`` naming it."""
+    node = on_endpoint(service, nimbus.data.session(lab.endpoint_id).namespace)
+    made = remote.options(keep=True).submit(squares, 10)
+    first = made.ref(timeout=60).id
+    node.path(first).unlink()  # the node that kept it lost it
+    assert remote.submit(sum, made).result(timeout=60) == 285  # squares ran again first
+    assert made.ref().id != first and node.path(made.ref().id).exists()
+    impure = remote.options(keep=True).submit(double, [1, 2])
+    lost_id = impure.ref(timeout=60).id
+    node.path(lost_id).unlink()
+    dependents = [remote.submit(sum, impure) for _ in range(2)]
+    for dependent in dependents:
+        with pytest.raises(ReferenceLost, match=lost_id[:12]) as caught:
+            dependent.result(timeout=60)
+        assert caught.value.ref_id == lost_id
+
+
 def test_an_endpoint_leaves_nothing_behind_when_it_stops(
     service: Service, alice: Client, tmp_path: Path
 ) -> None:
@@ -522,6 +544,46 @@ def recall_beside(ref: object, key: str) -> object:
 def claim(scope: Scope, key: str) -> object:
     """recall(key) in the data path with a scope the client chose."""
     return run(recall, scope, key)
+
+
+def late_mbytes(n: int, seconds: float) -> bytes:
+    time.sleep(seconds)
+    return bytes([n]) * (n * MB)
+
+
+def test_a_future_of_another_endpoint_is_waited_for_by_the_service_not_the_client(
+    service: Service, alice: Client, remote: Executor, lab: EndpointProcess, hpc: EndpointProcess
+) -> None:
+    """A kept future of lab, not done, passed to tasks on hpc: hpc's node expects the
+    object, a relay task on lab (held by the service until the future's task ran) sends
+    it there, and the tasks on hpc are held by the service until the relay ran: sent at
+    once, none waits in the client, and the 4 MB cross no client link."""
+    settings = service.user_settings(alice.token)
+    with Executor(endpoint="hpc", settings=settings) as on_hpc:
+        before = [ex.statistics() for ex in (remote, on_hpc)]
+        made = remote.options(keep=True).submit(late_mbytes, 4, 3.0)
+        takers = [on_hpc.submit(sizes, made) for _ in range(4)]
+        _accepted(on_hpc, *takers)
+        assert not made.done()  # sent while their input runs on lab: held by the service
+        assert {alice.get_task(t.record.task_id)["state"] for t in takers} == {
+            "waiting-for-endpoint"
+        }
+        assert [t.result(timeout=120) for t in takers] == [[4 * MB]] * 4
+        assert min(t.record.started for t in takers) >= made.record.ended - 0.05
+        after = [ex.statistics() for ex in (remote, on_hpc)]
+        for old, new in zip(before, after, strict=True):
+            for key in ("bytes_sent", "bytes_received"):
+                assert new[key] - old[key] < 64 * 1024, (key, old, new)
+        hpc_store = on_endpoint(service, nimbus.data.session(hpc.endpoint_id).namespace)
+        copies = [p for p in hpc_store.objects.iterdir() if p.stat().st_size >= 4 * MB]
+        assert len(copies) == 2  # lab's and one copy for the 4 tasks (one machine: one store)
+        assert not [p for p in hpc_store.objects.iterdir() if len(p.name) == 64]  # pin gone
+        # its input failing: the relay does not run, nor the tasks on hpc (InputFailed)
+        failing = remote.options(keep=True).submit(fail_after, 5.0)
+        late = on_hpc.submit(sizes, failing)
+        _accepted(on_hpc, late)
+        with pytest.raises(InputFailed, match="did not run: its input"):
+            late.result(timeout=60)
 
 
 def test_on_an_endpoint_the_store_is_the_owners_whichever_token(

@@ -22,7 +22,7 @@ from nimbus import Client, Executor
 from nimbus.data import NodeStore, default_root, run
 from nimbus.data._file import Staged, _cache, check_export
 from nimbus.data._node import UNUSED, sweep_all
-from nimbus.errors import DataError, FileRefused
+from nimbus.errors import DataError, FileRefused, ReferenceLost
 from service_support import EndpointProcess, Service
 
 
@@ -462,8 +462,10 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
             "served": 1,
             "bytes": len(body),
             "renewed": 0,
+            "freed": 0,
             "refused": 0,
             "busy": 0,
+            "received": 0,
         }
         assert "secret" not in repr(Staged((), key, "x.bin", 1, sha, None, holder))
         with pytest.raises(DataError, match="holds no such copy for that secret"):
@@ -478,7 +480,7 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
             fetch(holder, space, name, pickled, len(body), sha, other / "p")
         past = time.time() - 1  # the client freed its pin (or died): not served any more
         os.utime(root / space / "obj" / pin, (past, past))
-        with pytest.raises(DataError, match="its pin's lease ran out"):
+        with pytest.raises(ReferenceLost, match="its pin's lease ran out"):
             fetch(holder, space, name, pin, len(body), sha, other / "v")
         assert sorted(p.name for p in other.iterdir() if not p.name.endswith(".lock")) == [name]
         assert server.statistics()["refused"] == 4  # (the bad sha256: served, refused there)
@@ -493,8 +495,9 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
     finally:
         server.close()
     assert server_address(root) is None
-    with pytest.raises(DataError, match="touch the file"):
+    with pytest.raises(ReferenceLost, match="stages the file again") as lost:  # node gone
         fetch(holder, space, name, pin, len(body), sha, tmp_path / "u")
+    assert lost.value.ref_id == pin  # (its client stages it again: _submit.recover)
 
 
 def test_a_node_cache_made_again_after_a_sweep_keeps_its_runtime_private(tmp_path: Path) -> None:
@@ -717,4 +720,76 @@ def test_renewals_forward_a_pin_to_its_node_and_note_a_node_gone(tmp_path: Path)
     finally:
         session.close()
         pool.shutdown()
+        server.close()
+
+
+def test_freeing_a_pin_is_forwarded_to_its_node_as_its_renewals_are(tmp_path: Path) -> None:
+    """The client lets a staged copy go (its last Ref): the task that frees the pin runs
+    on any node; on one without the pin it frees it through the holding node's server
+    (the pin did last its whole lease there, 300 s), and only with the copy's secret."""
+    import concurrent.futures as cf
+
+    from nimbus.data._ref import Ref, Session, local_namespace
+    from nimbus.data._serve import Server, free
+    from nimbus.data._task import free_objects
+
+    root = tmp_path / "node-a"  # the freeing runs in this process: another node
+    space, _, pin, _, secret = _served_copy(root, local_namespace())
+    pin_path = root / space / "obj" / pin
+    server = Server(root, "127.0.0.1")
+    pool = cf.ThreadPoolExecutor(1)
+    session = Session(space, "me", "ep", call=lambda fn, *a, keep: pool.submit(fn, *a), lease=600)
+    try:
+        with pytest.raises(DataError, match="holds no such copy for that secret"):
+            free((*server.address, "00" * 32), space, pin)
+        assert pin_path.exists()  # not freed by one who lacks the secret
+        ref = session.adopt(Ref(pin, space, "me", "ep", 0))
+        session.served(pin, (*server.address, secret))
+        del ref  # the client let the copy go
+        session.flush(renew=False)
+        pool.submit(lambda: None).result(30)  # the freeing task ran
+        assert not pin_path.exists()
+        assert server.statistics()["freed"] == 1 and session.freed == 1
+        # a node gone (or the pin freed already): nothing to free there, no error
+        assert free_objects([pin], {pin: (*server.address, secret)}) == 0
+    finally:
+        session.close()
+        pool.shutdown()
+        server.close()
+
+
+def test_a_node_takes_an_object_only_from_a_holder_of_its_pins_secret(tmp_path: Path) -> None:
+    """``_serve``'s "put" (a relay, ``_direct.push_object``): the node's server writes
+    the object the pin names, leased as the pin was, once the sender proves the pin's
+    secret; the pin goes with it (one object per pin); a wrong secret writes nothing."""
+    from nimbus.data._direct import _send
+    from nimbus.data._serve import Server, _request
+
+    root = tmp_path / "node-a"
+    root.mkdir(mode=0o700)
+    space, ref_id = "u-put", "a" * 32
+    pin = ref_id + "b" * 32
+    secret = os.urandom(32).hex()
+    expires = time.time() + 120
+    NodeStore(space, root).write_secret(pin, secret, expires)
+    source = tmp_path / "object"
+    source.write_bytes(os.urandom(1024 * 1024 + 9))
+    server = Server(root, "127.0.0.1")
+    header = {"op": "put", "namespace": space, "pin": pin, "ref": ref_id}
+    target = (*server.address, secret)
+    try:
+        wrong = (*server.address, "00" * 32)
+        with pytest.raises(DataError, match="holds no such copy for that secret"):
+            _send(source, "", 0, "00" * 32, None, lambda: _request(wrong, header, "put")[0])
+        assert not (root / space / "obj" / ref_id).exists()
+        size, sha = _send(source, "", 0, secret, None, lambda: _request(target, header, "put")[0])
+        stored = root / space / "obj" / ref_id
+        assert stored.read_bytes() == source.read_bytes() and size == stored.stat().st_size
+        assert sha == hashlib.sha256(source.read_bytes()).hexdigest()
+        assert stored.stat().st_mtime == pytest.approx(expires)  # leased as the pin was
+        assert not (root / space / "obj" / pin).exists()  # the pin went with it
+        with pytest.raises(DataError, match="holds no such copy"):  # used once
+            _send(source, "", 0, secret, None, lambda: _request(target, header, "put")[0])
+        assert server.statistics()["received"] == 1
+    finally:
         server.close()

@@ -542,10 +542,10 @@ def remote_staged_here(path: Any) -> tuple[str, str, int, str]:  # sent by value
 @contextlib.contextmanager
 def vault_and_two_nodes(
     service: Any, alice: Any, slurm: Any, tmp_path: Path, vault_name: str, hpc_name: str
-) -> Iterator[None]:
+) -> Iterator[Any]:
     """Endpoint ``vault_name`` exporting ``tmp_path/exported`` and endpoint ``hpc_name``
     of two Slurm nodes, one worker each, each its own data directory (as separate
-    machines): both started; stopped after."""
+    machines): both started (vault's ``EndpointProcess`` given); stopped after."""
     import dataclasses
 
     from service_support import EndpointProcess, slurm_endpoint
@@ -575,7 +575,7 @@ def vault_and_two_nodes(
     try:
         vault.start(alice)
         hpc.start(alice)
-        yield
+        yield vault
     finally:
         hpc.stop()
         vault.stop()
@@ -678,3 +678,100 @@ def test_a_staged_files_pin_is_renewed_on_its_node_whichever_node_runs_the_renew
     assert len({node for node, _, _, _ in later}) == 2, later
     digest = hashlib.sha256(body).hexdigest()
     assert {(n, d) for _, _, n, d in first + later} == {(len(body), digest)}
+
+
+def staged_on_node(path: Any, *_: Any) -> tuple[str, str, int, str]:  # sent by value
+    import hashlib
+    import os
+    import time
+
+    time.sleep(0.3)
+    body = path.read_bytes()
+    return os.environ["NIMBUS_RUNTIME_DIR"], str(path), len(body), hashlib.sha256(body).hexdigest()
+
+
+def holding_node(namespace: str) -> tuple[Path, int]:
+    """The data directory of the live node holding a staged copy's pin (of this test's
+    user, ``namespace``), and the pid of the process serving it (its block's manager)."""
+    from nimbus.data._node import data_base
+
+    found = []
+    for space in data_base().glob(f"r*/{namespace}"):
+        root = space.parent
+        pids = [int(p.read_text().split()[2]) for p in root.glob(".server-*")]
+        live = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+        if live and any(len(p.name) == 64 for p in (root / namespace / "obj").glob("*")):
+            found.append((root, live[0]))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def stop_holder(namespace: str, results: list[Any]) -> Path:
+    """The node holding the staged copy stopped (its manager killed by pid), the copies
+    fetched by the other nodes removed (as if they had not fetched it before): the
+    holder's data directory."""
+    import signal
+
+    root, pid = holding_node(namespace)
+    for _, path, _, _ in results:
+        if not path.startswith(f"{root}/"):
+            Path(path).unlink(missing_ok=True)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not Path(f"/proc/{pid}").exists(), 10, "the holder's manager to die")
+    time.sleep(1.0)  # its agent saw its link close: no task goes to it
+    return root
+
+
+@pytest.mark.timeout(600)
+def test_a_staged_file_whose_holding_node_left_is_staged_again_for_its_tasks(
+    service: Any, alice: Any, slurm: Any, tmp_path: Any
+) -> None:
+    """The node that took a copy sent endpoint to endpoint stops (its block's manager
+    killed) before the endpoint's other nodes fetched it: their tasks find it gone
+    (``ReferenceLost`` naming its pin) and the client stages the file again from its
+    endpoint and sends them again: they run. With its endpoint stopped too, no source
+    is left: the tasks fail with the staging's error, naming it, never a hang."""
+    import concurrent.futures as cf
+    import hashlib
+
+    import nimbus
+    from nimbus.data._file import _cache
+    from nimbus.errors import DataError
+
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    body = os.urandom(1024 * 1024 + 5)
+    (exported / "run9.h5").write_bytes(body)
+    digest = hashlib.sha256(body).hexdigest()
+    with (
+        vault_and_two_nodes(service, alice, slurm, tmp_path, "vault-gone", "hpc-gone") as vault,
+        Executor(endpoint="hpc-gone", settings=service.user_settings(alice.token)) as ex,
+    ):
+        namespace = ex._path.open().namespace
+        file = nimbus.File(f"vault-gone:{exported}/run9.h5")
+        first = [f.result(timeout=180) for f in [ex.submit(staged_on_node, file) for _ in range(8)]]
+        assert len({node for node, _, _, _ in first}) == 2, first
+        (key,) = [k for k in _cache if k[2] == str(exported / "run9.h5")]
+        old_pin = _cache[key].result().pin
+        gone = stop_holder(namespace, first)
+        started = time.monotonic()
+        later = [f.result(timeout=180) for f in [ex.submit(staged_on_node, file) for _ in range(8)]]
+        took = time.monotonic() - started
+        assert {(n, d) for _, _, n, d in later} == {(len(body), digest)}
+        assert not any(path.startswith(f"{gone}/") for _, path, _, _ in later)
+        new_pin = _cache[key].result().pin  # staged again (not by a renewal: 100 s apart)
+        assert old_pin is not None and new_pin is not None and new_pin.id != old_pin.id
+        assert took < 120, took
+        # no source left: tasks submitted (staged: the copy is there), then the file's
+        # endpoint stopped and the new copy's node too, then the tasks sent (the gate)
+        gate: cf.Future[None] = cf.Future()
+        failing = [ex.submit(staged_on_node, file, gate) for _ in range(4)]
+        vault.stop()
+        wait_for(lambda: not alice.get_endpoint(vault.endpoint_id)["online"], 60, "vault offline")
+        stop_holder(namespace, later)
+        started = time.monotonic()
+        gate.set_result(None)
+        for future in failing:
+            with pytest.raises(DataError, match="offline"):
+                future.result(timeout=120)
+        assert time.monotonic() - started < 120

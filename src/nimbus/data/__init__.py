@@ -47,7 +47,10 @@ What happens under each failure:
   travels through the client instead; any other failure fails the task with its error;
 * a task on another node of that endpoint than the one holding the copy: it fetches the
   copy from that node's agent or block manager (``_serve``: the copy's secret, sha256
-  checked); that node gone, or the copy freed: the task fails saying so, never a hang;
+  checked); that node gone, or the copy freed, before the task's node fetched it: the
+  client stages the file again from its endpoint and sends the task again; with no
+  source left (that endpoint offline, the file gone) the task fails with the staging's
+  error, never a hang;
 
 Whose data: on an endpoint, a task's user is the owner the service sends with it
 (``nimbus.owners``): every token of a user sees the same store, another user's tasks
@@ -62,9 +65,14 @@ once the service accepted them; the service holds it until they succeed
 (``nimbus.service.dependencies``), and its arguments name their results by the Refs
 the client chose for them (``Scope.ref_id``): nothing of theirs passes through the
 client (their Refs stay their own executor's: it must not shut down before the dependent
-ran, as when the dependent waited in the client). Other futures (not kept, of another
-endpoint, not yet accepted, or on the local runtime) are waited for in the client, as
-before (only the "done" signal and the Ref pass through it, never the data).
+ran, as when the dependent waited in the client). A kept future of another endpoint (not
+done) through the same service is relayed there (``_carry._relay``): the task's node
+expects the object, a relay task on the future's endpoint, held by the service until the
+future's task succeeded, sends it straight there, and the task is held by the service
+until the relay succeeded; nothing of it waits in the client, and its data crosses only
+the link between the endpoints. Other futures (not kept, of another service, not yet
+accepted, done, or on the local runtime) are waited for in the client, as before (only
+the "done" signal and the Ref pass through it, never the data).
 
 Modules: ``_node`` (a node's object store: files in a private memory directory,
 mapped on read, leases as modification times), ``_ref`` (``Ref``, the client's

@@ -24,7 +24,15 @@ from nimbus.data._file import File, Out, Staged
 from nimbus.data._ref import MAX_SCAN, Ref, Session, owner_namespace, register, session
 from nimbus.errors import DataError
 
-__all__ = ["bind", "failed_among", "open_session", "uses_data", "waiting_on", "when_done"]
+__all__ = [
+    "bind",
+    "failed_among",
+    "open_session",
+    "uses_data",
+    "waiting_on",
+    "walk",
+    "when_done",
+]
 
 
 def _items(value: Any) -> Any:
@@ -37,7 +45,7 @@ def _items(value: Any) -> Any:
     return ()
 
 
-def _walk(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
+def walk(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
     for value in (*args, *kwargs.values()):
         yield value
         yield from _items(value)
@@ -61,7 +69,7 @@ def uses_data(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 def waiting_on(args: tuple[Any, ...], kwargs: dict[str, Any], where: Session) -> list[cf.Future]:
     """The futures among the arguments not done yet; a Ref ``where`` cannot use is refused."""
     waiting = []
-    for value in _walk(args, kwargs):
+    for value in walk(args, kwargs):
         if type(value) is Ref:
             where.check(value)
         elif isinstance(value, cf.Future) and not value.done():
@@ -73,7 +81,7 @@ def failed_among(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[cf.Futur
     """The futures among the arguments that failed or were cancelled."""
     return [
         value
-        for value in _walk(args, kwargs)
+        for value in walk(args, kwargs)
         if isinstance(value, cf.Future)
         and value.done()
         and (value.cancelled() or value.exception() is not None)

@@ -7,7 +7,10 @@
         a thread: offer on hpc (a new id in the user's store there)
                   send_object on lab (the stored bytes, straight to hpc: ``_direct``)
                   -> Ref(new id, hpc), held by hpc's session -> the task is sent
-    a kept future of another endpoint's executor: copied the same way once it is done
+    a kept future of another endpoint's executor, not done, through the same service
+    (``_relay``): no wait here: expect_object on hpc (its node's server, a pin's secret),
+    push_object on lab held by the service after the future, the task held after it
+    (any other: copied the same way as a Ref once it is done)
 
 Copies are remembered by (source id, target) while the original is held here: 16 tasks
 on hpc reading one Ref of lab copy it once; the copy is freed (as any Ref) once the
@@ -52,17 +55,27 @@ def _elsewhere(value: Any, where: Session) -> bool:
     return False
 
 
-def _one(value: Any, where: Session) -> Any:
-    if type(value) is Ref:
-        return _copy(value, where)
-    return _copy_later(value, where)
-
-
 def carry(
-    args: tuple[Any, ...], kwargs: dict[str, Any], where: Session
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    where: Session,
+    path: Any = None,
+    relays: list[Any] | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args`` and ``kwargs`` with the Refs (and kept futures) of another endpoint
-    replaced by futures of their copies where the task runs."""
+    replaced by futures of their copies where the task runs; a kept future not done yet
+    whose endpoint and the task's share a service (``path``: the task's DataPath) by the
+    Ref its copy will be, its relay task appended to ``relays`` (:func:`_relay`)."""
+
+    def _one(value: Any, where: Session) -> Any:
+        if type(value) is Ref:
+            return _copy(value, where)
+        if relays is not None and path is not None and not value.done():
+            relayed = _relay(value, where, path)
+            if relayed is not None:
+                relays.append(relayed[1])
+                return relayed[0]
+        return _copy_later(value, where)
 
     def one(value: Any) -> Any:
         if _elsewhere(value, where):
@@ -141,3 +154,66 @@ def _transfer(ref: Ref, where: Session, copy: Copy) -> None:
         copy.set_result(where.adopt(made))
     except BaseException as exc:
         copy.set_exception(exc)
+
+
+# ---------------------------------------------------------------- relayed by the service
+
+ACCEPTED = 30.0  # seconds a relay task may take to be accepted by the service
+_relays: dict[tuple[str, str | None], tuple[str, Any]] = {}
+
+
+def _relay(future: Any, where: Session, path: Any) -> tuple[Ref, Any] | None:
+    """A kept future of another endpoint (not done) copied to ``where`` without the
+    client waiting for it: the target's node expects the object (``expect_object``: its
+    server, a pin's secret), a relay task on the source endpoint, held by the service
+    until the future's task succeeds, sends it there (``push_object``), and the task that
+    takes it is held by the service until the relay succeeds. The Ref the copy will be,
+    and the relay's future; None where this cannot be (then ``_copy_later``)."""
+    from nimbus.data._direct import expect_object, push_object
+
+    source = getattr(future, "_maker", None)
+    promise = getattr(future, "_promise", None)
+    if promise is None or source is None or not path.relays_with(source, future):
+        return None
+    key = (promise.id, where.endpoint)
+    with _lock:
+        found = _relays.get(key)
+    failed = found is not None and found[1].done() and not _succeeded(found[1])
+    if found is not None and not failed:  # (its copy held: the entry goes with its last Ref)
+        copy_id, relay = found
+        return where.adopt(Ref(copy_id, where.namespace, where.user, where.endpoint, 0)), relay
+    copy_id = new_id()
+    pin = copy_id + new_id()
+    assert where.call is not None
+    target = where.call(expect_object, copy_id, pin, time.time() + where.lease).result(TIMEOUT)
+    if target is None:
+        return None
+    target = tuple(target)
+    held_pin = where.adopt(Ref(pin, where.namespace, where.user, where.endpoint, 0))
+    where.served(pin, target)  # renewed (and freed) on that node, wherever it runs
+    relay = source.call(push_object, promise.id, target, pin, after=[future])
+    relay._relay = True
+    relay._maker = source
+    relay._pin = held_pin  # the pin lives until the relay ended
+    relay.add_done_callback(lambda f: setattr(f, "_pin", None))
+    deadline = time.monotonic() + ACCEPTED  # named by its task id: accepted, not ended
+    while not source.accepted(relay) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    copy = where.adopt(Ref(copy_id, where.namespace, where.user, where.endpoint, 0))
+    with _lock:
+        _relays[key] = (copy_id, relay)
+        if len(_relays) > 1024:
+            _relays.pop(next(iter(_relays)))
+    assert copy._entry is not None
+    weakref.finalize(copy._entry, _forget_relay, key, relay)
+    return copy, relay
+
+
+def _succeeded(future: Any) -> bool:
+    return not future.cancelled() and future.exception() is None
+
+
+def _forget_relay(key: tuple[str, str | None], relay: Any) -> None:
+    with _lock:
+        if _relays.get(key, (None, None))[1] is relay:
+            del _relays[key]

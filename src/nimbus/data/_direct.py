@@ -15,7 +15,12 @@
       |                                                                  matches its own
 
 The client carries only the three small answers; the bytes cross the link between the
-two endpoints once. The target listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``:
+two endpoints once.
+
+A relay (a kept future not done yet, ``_carry._relay``) needs no listener waiting: the
+target's node server takes the object when it comes (``expect_object`` writes a pin with
+its secret), and ``push_object``, held by the service until the object is made, sends it
+there on the server's request (``_serve``'s "put") with the same proof, tag and answer. The target listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``:
 endpoints of one machine; set it to the address the other endpoints reach it by). A
 sender that cannot connect raises :class:`Unreachable` (the client then falls back to
 carrying the bytes itself); any other failure (damaged bytes, a wrong secret, a peer
@@ -68,7 +73,9 @@ if TYPE_CHECKING:
 __all__ = [
     "Unreachable",
     "connect",
+    "expect_object",
     "offer",
+    "push_object",
     "receive_hashed",
     "recv_exactly",
     "said",
@@ -285,7 +292,16 @@ def _file_digest(fd: int, key: tuple[str, int, float]) -> bytes:
     return _hashes[key]
 
 
-def _send(path: Path, host: str, port: int, secret: str, mtime: float | None) -> tuple[int, str]:
+def _send(
+    path: Path,
+    host: str,
+    port: int,
+    secret: str,
+    mtime: float | None,
+    opened: Callable[[], socket.socket] | None = None,
+) -> tuple[int, str]:
+    """``path`` sent to the offer at ``host``:``port`` (or on the socket ``opened``
+    gives: a node's server that took a request to receive it); its size and sha256."""
     mac_key = bytes.fromhex(secret)
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
@@ -297,14 +313,18 @@ def _send(path: Path, host: str, port: int, secret: str, mtime: float | None) ->
         hasher = threading.Thread(target=lambda: digest.append(_file_digest(f.fileno(), key)))
         hasher.start()  # the digest is made while the bytes go (a second reader of the file)
         try:
-            sock = connect(
-                host,
-                port,
-                TIMEOUT,
-                lambda exc: Unreachable(
-                    f"cannot connect to the target endpoint at {host}:{port} ({exc}): set "
-                    f"NIMBUS_DATA_HOST on its agent to an address this endpoint reaches"
-                ),
+            sock = (
+                opened()
+                if opened is not None
+                else connect(
+                    host,
+                    port,
+                    TIMEOUT,
+                    lambda exc: Unreachable(
+                        f"cannot connect to the target endpoint at {host}:{port} ({exc}): "
+                        f"set NIMBUS_DATA_HOST on its agent to an address this endpoint reaches"
+                    ),
+                )
             )
             with sock:
                 try:
@@ -366,4 +386,53 @@ def send_object(ref_id: str, host: str, port: int, secret: str) -> Any:
     except FileNotFoundError:
         from nimbus.data._ref import lost
 
+        raise lost(Ref(ref_id, node.namespace, _scope().user, _scope().endpoint, 0)) from None
+
+
+# ---------------------------------------------------------------- a relay (no client wait)
+
+
+def expect_object(ref_id: str, pin: str, expires: float) -> tuple[str, int, str] | None:
+    """A task on the target endpoint: let the node's server (``_serve``) take the object
+    ``ref_id`` from a sender that proves the secret of ``pin`` (written here, leased until
+    ``expires``); where the server listens and that secret (None: it serves nothing).
+
+    Unlike :func:`offer`, nothing waits here: the sender may come much later (when the
+    task that makes the object has run, held by the service meanwhile)."""
+    from nimbus.data._serve import server_address
+    from nimbus.data._task import _node, _scope
+
+    if not ref_id.isalnum() or not pin.startswith(ref_id) or len(pin) != 64:
+        raise DataError(f"the pin {pin!r} does not name the object {ref_id!r}")
+    node = _node(_scope().namespace)
+    served = server_address(node.dir.parent)
+    if served is None:
+        return None
+    secret = secrets.token_hex(32)
+    node.write_secret(pin, secret, expires)
+    return served[0], served[1], secret
+
+
+def push_object(ref_id: str, target: tuple[str, int, str], pin: str) -> tuple[int, str]:
+    """A task on the Ref's endpoint (held by the service until the task that makes the
+    object has run): send the stored object ``ref_id`` to the node of the target
+    endpoint that expects it (:func:`expect_object`: its server, the pin's secret);
+    its size and sha256."""
+    from nimbus.data._ref import Ref, lost
+    from nimbus.data._serve import _request
+    from nimbus.data._task import _node, _scope
+
+    node = _node(_scope().namespace)
+    header = {"op": "put", "namespace": node.namespace, "pin": pin, "ref": pin[:32]}
+    host, port, secret = target
+    try:
+        return _send(
+            node.path(ref_id),
+            host,
+            port,
+            secret,
+            None,
+            lambda: _request(target, header, "send an object")[0],
+        )
+    except FileNotFoundError:
         raise lost(Ref(ref_id, node.namespace, _scope().user, _scope().endpoint, 0)) from None

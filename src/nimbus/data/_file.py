@@ -41,11 +41,16 @@ task on another node of that endpoint (a block's manager, the agent) fetches it 
 there once (``_serve``: that node's agent or manager serves its cache to the holders of
 the copy's secret, sha256 checked) and finds it in its own cache after.
 
+A copy whose holding node left (its block ended) before another node fetched it: a task
+there fails to fetch it with ``ReferenceLost`` naming the copy's pin; the client stages
+the file again from its endpoint (:func:`restage`: once for all the tasks that found it
+gone) and sends the task again with the new copy (``_submit``; ``RESTAGE`` times per task
+at most). Its endpoint offline or the file gone there (no source left): the task fails
+with that error. Tasks submitted later get the new copy; a renewal of the pin that found
+its node gone (every third of a lease) drops the old one too.
+
 Limits: ``out=`` writes only to the endpoint the task runs on (or this machine, on the
-local runtime). A copy whose holding node left (its block ended) before another node
-fetched it: tasks there fail naming that node; the client stages the file again for
-tasks submitted once a renewal of the copy's pin (every third of a lease) found that
-node gone, or at once when the file's size or mtime changes.
+local runtime).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ from nimbus.config import config_dir
 from nimbus.data._direct import Unreachable
 from nimbus.data._node import hold_out, node_dir
 from nimbus.data._ref import Ref, new_id
-from nimbus.errors import DataError, FileRefused, NotFound
+from nimbus.errors import DataError, FileRefused, NotFound, ReferenceLost
 
 __all__ = ["File", "Out", "Staged", "check_export", "exports_of", "read_export", "stage"]
 
@@ -271,13 +276,22 @@ def _cached(staged: Staged, files: Path) -> Path:
         )
         return target
     if not staged.refs:  # sent here endpoint to endpoint: into another node's cache
-        raise DataError(
+        raise ReferenceLost(
             f"{staged.name} is not in this node's file cache: it was staged to another node "
-            f"of this endpoint (the cache is per node), or removed since: touch the file to "
-            f"stage it again"
+            f"of this endpoint (the cache is per node), or removed since; its client stages "
+            f"it again (or touch the file to stage it again)",
+            staged.pin.id if staged.pin is not None else "",
         )
     node = _node(files.parent.name)
-    body = b"".join(bytes(node.read(ref.id)) for ref in staged.refs)
+    try:
+        body = b"".join(bytes(node.read(ref.id)) for ref in staged.refs)
+    except FileNotFoundError:  # its parts are on another node, or were lost
+        missing_ref = next(r for r in staged.refs if not node.exists(r.id))
+        raise ReferenceLost(
+            f"{staged.name}: a part of it ({missing_ref.id[:12]}) is not in this node's "
+            f"store (the node that kept it lost it); its client stages it again",
+            missing_ref.id,
+        ) from None
     if len(body) != staged.size or hashlib.sha256(body).hexdigest() != staged.sha256:
         raise DataError(
             f"{staged.name}: {len(body)} bytes arrived, {staged.size} were sent, or their "
@@ -417,9 +431,42 @@ def _fetch(executor: Any, file: File, source_id: str | None, place: str) -> cf.F
             return Staged(refs, name, base, total, sha.hexdigest())
 
         future = _cache[key] = _pool.submit(transfer)
+        future.staging = (file, source_id, place, key)  # type: ignore[attr-defined]
         if len(_cache) > 256:
             _cache.pop(next(iter(_cache)))
     return future
+
+
+def copy_names(staging: Any) -> set[str]:
+    """The ids a task names (``ReferenceLost.ref_id``) when the copy that ``staging``
+    (a future :func:`stage` gave) made is gone: its pin's, its parts'."""
+    if getattr(staging, "staging", None) is None or not staging.done():
+        return set()
+    if staging.cancelled() or staging.exception() is not None:
+        return set()
+    staged: Staged = staging.result()
+    return {r.id for r in staged.refs} | ({staged.pin.id} if staged.pin is not None else set())
+
+
+def restage(executor: Any, staging: cf.Future[Staged]) -> cf.Future[Staged]:
+    """The file of ``staging`` staged again from its endpoint (its copy is gone: the node
+    that held it left before the others fetched it): the future of the new copy, one for
+    all the tasks that found the old one gone. Its endpoint offline, or the transfer
+    failing: the future's error, which fails the tasks."""
+    file, source_id, place, key = staging.staging  # type: ignore[attr-defined]
+    with _lock:
+        found = _cache.get(key)
+        if found is not None and found is not staging:
+            return found  # staged again already (another task found the copy gone)
+        _cache.pop(key, None)
+    try:
+        if source_id is not None:  # offline: said now, not a task queued there for long
+            _endpoint_id(executor, file.endpoint or source_id)
+        return _fetch(executor, file, source_id, place)
+    except BaseException as exc:
+        failed: cf.Future[Staged] = cf.Future()
+        failed.set_exception(exc)
+        return failed
 
 
 def _gone(executor: Any, staged: cf.Future[Staged]) -> bool:

@@ -143,7 +143,10 @@ class Session:
         self.call = call
         self.lease = LEASE if lease is None else lease
         self._entries: weakref.WeakValueDictionary[str, _Entry] = weakref.WeakValueDictionary()
-        self._to_free: collections.deque[str] = collections.deque()  # released, not yet freed
+        # released, not yet freed (with the node that holds a staged copy's pin)
+        self._to_free: collections.deque[tuple[str, tuple[str, int, str] | None]] = (
+            collections.deque()
+        )
         self._holders: dict[str, tuple[str, int, str]] = {}  # pin -> its node's server
         self.gone: set[str] = set()  # pins whose node a renewal found gone (its copy too)
         self._lock = threading.Lock()
@@ -203,14 +206,14 @@ class Session:
         # A finalizer: the cyclic GC runs it in whichever thread allocates, even one
         # inside ``with self._lock`` (a plain Lock would wait on itself for ever), so it
         # takes no lock: dict.pop and deque.append are atomic.
-        self._holders.pop(ref_id, None)
+        holder = self._holders.pop(ref_id, None)
         if self._closed.is_set():
             return
         if self.store is not None:
             self.store.free([ref_id])
             self.freed += 1
             return
-        self._to_free.append(ref_id)
+        self._to_free.append((ref_id, holder))  # a staged copy's pin: freed on its node
 
     # -- the store ----------------------------------------------------------
     def put(self, obj: object) -> Ref:
@@ -239,10 +242,14 @@ class Session:
     # -- leases ---------------------------------------------------------------
     def flush(self, *, renew: bool = True) -> None:
         """Free what was released and renew what is held (the renewer does it often)."""
-        to_free = []
+        to_free: list[str] = []
+        free_where: dict[str, tuple[str, int, str]] = {}
         try:
             while True:
-                to_free.append(self._to_free.popleft())
+                ref_id, holder = self._to_free.popleft()
+                to_free.append(ref_id)
+                if holder is not None:
+                    free_where[ref_id] = holder
         except IndexError:  # drained
             pass
         held = self.held() if renew else []
@@ -254,8 +261,11 @@ class Session:
         from nimbus.data._task import free_objects, renew_objects
 
         assert self.call is not None
-        if to_free:
-            self.call(free_objects, to_free, keep=False)
+        if to_free:  # (pins of staged copies: forwarded to their nodes where not here)
+            if free_where:
+                self.call(free_objects, to_free, free_where, keep=False)
+            else:
+                self.call(free_objects, to_free, keep=False)
             self.freed += len(to_free)
         if held:
             where = {i: h for i in held if (h := self._holders.get(i)) is not None}

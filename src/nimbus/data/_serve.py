@@ -31,7 +31,13 @@ HMAC). The link is not encrypted, as ``_direct``'s.
 The client renews the pin (its lease) through an ordinary task, which the endpoint runs
 on any node: a node that does not hold the pin forwards the renewal to the holding
 node's server (:func:`renew`: the same challenge, an HMAC with the copy's secret), so
-the pin lives as long as the client holds the copy.
+the pin lives as long as the client holds the copy. Its freeing (the client let the copy
+go) is forwarded the same way (:func:`free`), so the pin does not outlive it by a lease.
+
+The holding node gone (its block ended, its manager killed) or no longer holding the
+copy: the fetch fails with ``ReferenceLost`` naming the copy's pin, and the client that
+staged it stages the file again from its endpoint and sends the task again
+(``_submit.DataPath.recover``); a node merely busy ("busy") is an ordinary error.
 
 Limits that keep one client from stopping the server: at most ``MAX_CONNECTIONS`` at
 once (more are told "busy" and closed), ``HANDSHAKE`` seconds for the whole request
@@ -60,12 +66,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nimbus.data._direct import connect, receive_hashed, recv_exactly, said
-from nimbus.errors import DataError
+from nimbus.errors import DataError, ReferenceLost
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["Server", "advertised", "fetch", "renew", "server_address"]
+__all__ = ["Server", "advertised", "fetch", "free", "renew", "server_address"]
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +163,8 @@ class Server:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._conns: set[socket.socket] = set()  # being served (closed by close())
-        self._counts = {"served": 0, "bytes": 0, "renewed": 0, "refused": 0, "busy": 0}
+        self._counts = {"served": 0, "bytes": 0, "renewed": 0, "freed": 0, "refused": 0, "busy": 0}
+        self._counts["received"] = 0  # objects sent here by another endpoint (``_put``)
         _live.add(self)  # a worker forked later closes its copy of the listener
         threading.Thread(target=self._accept, name="nimbus-data-serve", daemon=True).start()
 
@@ -222,6 +229,15 @@ class Server:
                 conn.sendall(b"OK")
                 self._count(renewed=1)
                 return
+            if asked.get("op") == "put":
+                self._put(conn, challenge, header, mac, asked)
+                return
+            if asked.get("op") == "free":
+                space, pin = str(asked["namespace"]), str(asked["pin"])
+                self._pin(challenge, header, mac, space, pin).unlink(missing_ok=True)
+                self._count(freed=1)  # (before its answer: counted once the peer knows)
+                conn.sendall(b"OK")
+                return
             path = self._check(challenge, header, mac, asked)
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -267,6 +283,36 @@ class Server:
         except FileNotFoundError:
             raise DataError("refused: the pin was removed meanwhile") from None
 
+    def _put(
+        self,
+        conn: socket.socket,
+        challenge: bytes,
+        header: bytes,
+        mac: bytes,
+        asked: dict[str, Any],
+    ) -> None:
+        """An object sent by a task of another endpoint into this node's store, as the
+        pin's holder expects (``_direct.expect_object``); received as ``_direct``'s offer
+        receives (the pin's secret, the bytes' tag), leased as the pin was; the pin goes."""
+        from nimbus.data._direct import _OK, _receive_into
+        from nimbus.data._direct import _mac as transfer_mac
+        from nimbus.data._node import NodeStore
+
+        space, pin = str(asked["namespace"]), str(asked["pin"])
+        pin_path = self._pin(challenge, header, mac, space, pin)
+        secret = NodeStore(space, self.root).read_secret(pin)
+        assert secret is not None  # (_pin checked it)
+        key = bytes.fromhex(secret)
+        expires = pin_path.stat().st_mtime
+        conn.sendall(b"OK")
+        if not hmac.compare_digest(recv_exactly(conn, 32), transfer_mac(key, b"connect")):
+            raise DataError("a wrong secret")
+        size = int.from_bytes(recv_exactly(conn, 8), "little")
+        digest = _receive_into(conn, self.root / space / "obj" / pin[:32], size, expires, key)
+        conn.sendall(_OK + transfer_mac(key, b"ok", digest))
+        pin_path.unlink(missing_ok=True)  # (one object per pin)
+        self._count(received=1)
+
     def _check(self, challenge: bytes, header: bytes, mac: bytes, asked: dict[str, Any]) -> Path:
         space, name, pin = str(asked["namespace"]), str(asked["name"]), str(asked["pin"])
         if not name or "/" in name or name.startswith(".") or "\0" in name:
@@ -290,7 +336,8 @@ class Server:
         return path
 
     def statistics(self) -> dict[str, int]:
-        """Copies ``served`` (and their ``bytes``), pins ``renewed``, requests ``refused``
+        """Copies ``served`` (and their ``bytes``), objects ``received``, pins ``renewed``
+        and ``freed``, requests ``refused``
         or failed, connections turned away ``busy``."""
         with self._lock:
             return dict(self._counts)
@@ -311,23 +358,27 @@ class Server:
         self._file.unlink(missing_ok=True)
 
 
+class _Gone(DataError):
+    """The holding node cannot serve the copy: it is not there (its block or agent
+    stopped), or it no longer holds the copy (freed, its data directory removed)."""
+
+
 def _request(
     holder: tuple[str, int, str], header: dict[str, Any], what: str, timeout: float = TIMEOUT
 ) -> tuple[socket.socket, str]:
     """A connection to ``holder``'s server with ``header`` sent (proved with the copy's
-    secret) and its "OK" read; the socket (open) and how to name the node."""
+    secret) and its "OK" read; the socket (open) and how to name the node. A node that
+    is not there or refuses (it holds no such copy): :class:`_Gone`."""
     host, port, secret = holder
     where = f"the node that holds it ({host}:{port})"
     sock = connect(
         host,
         port,
         timeout,
-        lambda exc: DataError(
+        lambda exc: _Gone(
             f"cannot {what} from {where}: {exc}. That node's block or agent has stopped "
-            f"(the copy went with it): submit the task again in a few minutes (the client "
-            f"stages it again once a renewal of its pin finds that node gone) or touch the file to stage "
-            f"it again now; or it is not reachable: if the nodes are separate machines, set "
-            f"NIMBUS_DATA_HOST on each to an address the others reach it by"
+            f"(the copy went with it); or it is not reachable: if the nodes are separate "
+            f"machines, set NIMBUS_DATA_HOST on each to an address the others reach it by"
         ),
     )
     try:
@@ -341,7 +392,8 @@ def _request(
             raise DataError(f"the node refused: {why or 'it closed the link'}")
     except (DataError, OSError) as exc:
         sock.close()
-        raise DataError(f"cannot {what} from {where}: {exc}") from None
+        busy = str(exc).startswith("the node refused: busy")  # (there: try again later)
+        raise (DataError if busy else _Gone)(f"cannot {what} from {where}: {exc}") from None
     return sock, where
 
 
@@ -349,6 +401,14 @@ def renew(holder: tuple[str, int, str], namespace: str, pin: str, expires: float
     """Move the lease of ``pin`` (a copy's, on the node ``holder``) to ``expires``."""
     header = {"op": "renew", "namespace": namespace, "pin": pin, "expires": expires}
     sock, _ = _request(holder, header, "renew the pin of a staged file", 2 * HANDSHAKE)
+    sock.close()
+
+
+def free(holder: tuple[str, int, str], namespace: str, pin: str) -> None:
+    """Free ``pin`` (a copy's, on the node ``holder``): its client let the copy go, so
+    the node's sweep removes the copy once nobody used it for a lease."""
+    header = {"op": "free", "namespace": namespace, "pin": pin}
+    sock, _ = _request(holder, header, "free the pin of a staged file", 2 * HANDSHAKE)
     sock.close()
 
 
@@ -363,13 +423,24 @@ def fetch(
 ) -> None:
     """The copy ``name`` (``size`` bytes, ``sha256``) from the node ``holder`` (its
     server's host and port, the copy's secret) into ``target``, a path of this node's
-    cache; one fetch of it at a time on this node (waiting ``LOCK_WAIT`` s at most)."""
+    cache; one fetch of it at a time on this node (waiting ``LOCK_WAIT`` s at most).
+
+    That node gone, or holding the copy no more: ``ReferenceLost`` naming the copy's pin
+    (the client stages the file again and sends the task again: ``_submit.recover``)."""
     with _fetching(target, name):
         with contextlib.suppress(FileNotFoundError):
             if target.stat().st_size == size:
                 return
         header = {"op": "fetch", "namespace": namespace, "name": name, "pin": pin}
-        sock, where = _request(holder, header, f"fetch {name}")
+        try:
+            sock, where = _request(holder, header, f"fetch {name}")
+        except _Gone as exc:
+            raise ReferenceLost(
+                f"the staged copy {name} is gone: {exc}; its client stages the file again "
+                f"from its endpoint and sends the task again (a few times at most; then "
+                f"submit it again)",
+                pin,
+            ) from None
         part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
         with sock:
             try:

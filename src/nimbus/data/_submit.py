@@ -30,14 +30,42 @@ from typing import Any
 
 from nimbus import serialization
 from nimbus._future import Future
-from nimbus.data._bind import bind, failed_among, open_session, waiting_on, when_done
+from nimbus.data._bind import bind, failed_among, open_session, waiting_on, walk, when_done
 from nimbus.data._carry import carry
-from nimbus.data._ref import Ref, Session, new_id
+from nimbus.data._file import copy_names, restage
+from nimbus.data._ref import MAX_SCAN, Ref, Session, new_id
 from nimbus.data._task import run
 from nimbus.errors import InputFailed, ReferenceLost
 from nimbus.records import TaskRecord
 
 __all__ = ["DataPath", "KeptFuture"]
+
+
+RESTAGE = 3  # times a task's staged file is staged again (its copy's node left)
+
+
+def _stagings(given: list[Any]) -> list[cf.Future[Any]]:
+    """The futures of staged files among a task's arguments (``_file.stage``'s)."""
+    args, kwargs = given
+    return [v for v in walk(args, kwargs) if isinstance(v, cf.Future) and hasattr(v, "staging")]
+
+
+def _replaced(
+    args: tuple[Any, ...], kwargs: dict[str, Any], old: Any, new: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with ``old`` (at the depth ``bind`` looks) made ``new``."""
+
+    def one(value: Any) -> Any:
+        if value is old:
+            return new
+        kind = type(value)
+        if kind in (list, tuple) and len(value) <= MAX_SCAN and any(v is old for v in value):
+            return kind(new if v is old else v for v in value)
+        if kind is dict and len(value) <= MAX_SCAN and any(v is old for v in value.values()):
+            return {k: new if v is old else v for k, v in value.items()}
+        return value
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
 class KeptFuture(Future):
@@ -112,9 +140,13 @@ class DataPath:
                     found = self.session = open_session(ex._backend, ex._endpoint, self.call)
         return found
 
-    def call(self, fn: Callable[..., Any], *args: Any, keep: bool = False) -> Future:
+    def call(
+        self, fn: Callable[..., Any], *args: Any, keep: bool = False, after: Any = ()
+    ) -> Future:
         ex = self._ex
-        return self.submit(fn, args, {}, ex._timeout, keep, ex._environment, ex._env)
+        return self.submit(
+            fn, args, {}, ex._timeout, keep, ex._environment, ex._env, after=list(after)
+        )
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` run through ``nimbus.data.run`` (one partial per function, reused)."""
@@ -146,18 +178,22 @@ class DataPath:
         environment: Any = None,
         env: str = "",
         limits: Any = None,
+        after: list[Any] | None = None,
     ) -> Future:
         """Submit ``fn`` through ``nimbus.data.run``: Refs resolved where it runs, its
-        result kept when ``keep``; sent once the futures among its arguments are done."""
+        result kept when ``keep``; sent once the futures among its arguments (and those
+        ``after`` names) are done."""
         ex = self._ex
         if ex._shutdown:
             raise RuntimeError("cannot schedule new futures after shutdown")
         if not callable(fn):
             raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
         session = self.open()
+        relays: list[Any] = list(after or ())  # (kept futures of another endpoint: their relays)
         if session.endpoint is not None:  # Refs of other endpoints: copied there first
-            args, kwargs = carry(args, kwargs, session)
+            args, kwargs = carry(args, kwargs, session, self, relays)
         waiting = waiting_on(args, kwargs, session)  # refuses another user's Refs now
+        waiting += [f for f in relays if not _done_well(f)]
         future: Future = KeptFuture() if keep else Future()
         future.record = TaskRecord("", function=getattr(fn, "__qualname__", ""))
         scope = session.scope(keep)
@@ -175,6 +211,7 @@ class DataPath:
             future._recipe = (fn, args, kwargs, timeout, environment, env, limits)  # type: ignore[attr-defined]
             future._path = self  # type: ignore[attr-defined]
         wrapped = self.wrap(fn)
+        given = future._given = [args, kwargs]  # type: ignore[attr-defined]  # (restage)
 
         def send() -> None:
             if future.done():
@@ -182,8 +219,21 @@ class DataPath:
             # ahead: every input not done, or failed (the backend fails this task with
             # InputFailed naming it), is named; those done well are bound as they are
             after = {f for f in waiting if not _done_well(f)} if ahead else set()
+            for relay in relays if not ahead else ():  # (ahead: InputFailed, by the backend)
+                if relay.done() and not _done_well(relay):
+                    fail(
+                        future,
+                        relay.exception()
+                        if not relay.cancelled()
+                        else InputFailed(
+                            f"task {relay.record.task_id}, which copies this task's input "
+                            f"from another endpoint, was cancelled; submit it again",
+                            relay.record.task_id,
+                        ),
+                    )
+                    return
             try:  # a dependency that failed fails this task with its error
-                bound, bound_kw, holds = bind(args, kwargs, session, after)
+                bound, bound_kw, holds = bind(given[0], given[1], session, after)
             except BaseException as exc:
                 fail(future, exc)
                 return
@@ -220,12 +270,54 @@ class DataPath:
         known before it is done: a task taking it can be sent at once. Of this path; or
         of another Executor's whose tasks the same user runs on the same endpoint through
         the same service, once the service accepted it (it is named by its task id)."""
+        maker = getattr(future, "_maker", None)
+        if getattr(future, "_relay", False):  # another endpoint's relay (``_carry``)
+            if maker is self or not isinstance(maker, DataPath):
+                return False
+            return self._one_service(maker) and maker.accepted(future)
         if type(future) is not KeptFuture or future._promise is None:
             return False
-        maker = getattr(future, "_maker", None)
         if maker is self:
             return future._task is not None or future.done()
-        return isinstance(maker, DataPath) and bool(future.record.task_id) and self._shares(maker)
+        return isinstance(maker, DataPath) and maker.accepted(future) and self._shares(maker)
+
+    def accepted(self, future: cf.Future[Any]) -> bool:
+        """Whether the service accepted ``future``'s task (it is known there by its task
+        id: the id the executor gave it at launch is its own until then), or it is done."""
+        if future.done():
+            return True
+        task = getattr(future, "_task", None)
+        by_id = getattr(self._ex._backend, "_by_id", None)
+        record = getattr(future, "record", None)
+        return (
+            task is not None
+            and by_id is not None
+            and record is not None
+            and by_id.get(record.task_id) is task
+        )
+
+    def relays_with(self, source: Any, future: cf.Future[Any]) -> bool:
+        """Whether a kept ``future`` of ``source`` (another endpoint's DataPath) can reach
+        this path's tasks through the service alone: both through one service, which
+        holds tasks after their inputs, the future sent there (``_carry._relay``)."""
+        if source is self or not isinstance(source, DataPath) or not source.made(future):
+            return False
+        return self._one_service(source)
+
+    def _one_service(self, source: Any) -> bool:
+        """Whether ``source`` (a DataPath) sends its tasks to this path's service, and
+        the service holds tasks after their inputs for both."""
+        if not isinstance(source, DataPath):
+            return False
+        mine = getattr(self._ex._backend, "client", None)
+        theirs = getattr(source._ex._backend, "client", None)
+        return (
+            getattr(self._ex._backend, "dependencies", False)
+            and getattr(source._ex._backend, "dependencies", False)
+            and mine is not None
+            and theirs is not None
+            and mine.service_url == theirs.service_url
+        )
 
     def _shares(self, other: DataPath) -> bool:
         """Whether ``other``'s tasks run as this path's: same service, user and endpoint."""
@@ -269,7 +361,12 @@ class DataPath:
 
     def recover(self, future: Future, error: ReferenceLost) -> bool:
         """A task read a lost reference: when a pure task of this executor made it, run
-        that again and then this one (once per task); whether it does."""
+        that again and then this one (once per task); when it is a staged file's copy
+        (its node left before the task's fetched it), stage the file again from its
+        endpoint and send the task again (``RESTAGE`` times per task at most); whether
+        it does."""
+        if self._restage(future, error):
+            return True
         producer = self._producers.get(error.ref_id)
         resend = getattr(future, "_resend", None)
         if producer is None or resend is None or getattr(future, "_recovered", False):
@@ -285,12 +382,34 @@ class DataPath:
         self.deferred(rerun)
         return True
 
+    def _restage(self, future: Future, error: ReferenceLost) -> bool:
+        given = getattr(future, "_given", None)
+        resend = getattr(future, "_resend", None)
+        tries = getattr(future, "_restaged", 0)
+        if given is None or resend is None or tries >= RESTAGE or not error.ref_id:
+            return False
+        found = [s for s in _stagings(given) if error.ref_id in copy_names(s)]
+        if not found:
+            return False
+        future._restaged = tries + 1  # type: ignore[attr-defined]
+        old = found[0]
+
+        def again() -> None:
+            new = restage(self._ex, old)
+            given[0], given[1] = _replaced(given[0], given[1], old, new)
+            new.add_done_callback(lambda _: self.deferred(resend))
+
+        # (a thread of its own: staging asks the file's endpoint, which may take a while)
+        threading.Thread(target=again, name="nimbus-restage", daemon=True).start()
+        return True
+
     @staticmethod
     def done(future: Future) -> None:
         """A task of the data path ended: its Refs go when it does."""
         future._holds = None  # type: ignore[attr-defined]
         future._after = None
         future._resend = None  # type: ignore[attr-defined]  # (a cycle through it)
+        future._given = None  # type: ignore[attr-defined]
         future._task = None  # no cycle with the task: the last Ref is freed at once
 
     @staticmethod
@@ -324,3 +443,6 @@ class DataPath:
                 batch, self._sends = self._sends, []
             for send in batch:
                 send()
+            # not kept while waiting for the next: a send's closure holds its task's
+            # arguments (Refs, copies), which would live until another task is deferred
+            del batch, send

@@ -148,9 +148,22 @@ def identity(value: Any) -> Any:
     return value
 
 
-def free_objects(ref_ids: list[str]) -> int:
-    """A task: free these objects of the current user here."""
-    return _node(_scope().namespace).free(ref_ids)
+def free_objects(ref_ids: list[str], holders: dict[str, tuple[str, int, str]] | None = None) -> int:
+    """A task: free these objects of the current user here; how many. A pin of a staged
+    copy not on this node is freed on the node that holds it (``holders``:
+    ``_serve.free``), as its renewals are."""
+    node = _node(_scope().namespace)
+    freed = node.free(ref_ids)
+    if holders:
+        from nimbus.data._serve import free
+
+        for ref_id in [i for i in ref_ids if i in holders and not node.exists(i)]:
+            try:
+                free(holders[ref_id], node.namespace, ref_id)
+                freed += 1
+            except DataError:
+                pass  # that node is gone (its copy with it), or freed it already
+    return freed
 
 
 def renew_objects(
