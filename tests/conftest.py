@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,6 +48,16 @@ def provided(monkeypatch: pytest.MonkeyPatch) -> Any:
     return Settings.load().replace(
         provider="local", workers_per_node=1, agent_listen="127.0.0.1:0", max_idle=60.0
     )
+
+
+@pytest.fixture
+def listener() -> Iterator[int]:
+    """A TCP port on the host's loopback that accepts connections."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    yield server.getsockname()[1]
+    server.close()
 
 
 # ---------------------------------------------------------------- the service
