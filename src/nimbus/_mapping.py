@@ -12,25 +12,58 @@ what happens to the tasks left when the caller stops reading.
              left on a Ctrl-C: only the queued ones are (cancel_queued); the running
                  ones finish, as the executor's shutdown waits for them
 
-Used by ``nimbus.executor`` alone (``Executor.map`` and its ``options()`` views);
-``tests/test_layers.py`` pins what it imports and who imports it.
+:class:`Mapper` is ``map`` built on ``submit`` (as the stdlib's ``Executor.map``), the one
+``map`` of ``Executor`` and of its ``options()`` views. Used by ``nimbus.executor`` alone
+(and its ``_options``); ``tests/test_layers.py`` pins what it imports and who imports it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from nimbus import _chunks
 
-__all__ = ["map_results"]
+__all__ = ["Mapper", "map_results"]
+
+T = TypeVar("T")
+
+
+class Mapper(cf.Executor):
+    """``map`` on ``submit``; ``_cancel_queued(futures)`` cancels those not running yet (the
+    Ctrl-C rule below) and ``_map_kept(fn, iterables)`` submits one kept task an item."""
+
+    _keeps = False  # every task of this executor keeps its result (options(keep=True))
+    _cancel_queued: Callable[[list[Any]], None]
+    _map_kept: Callable[[Callable[..., Any], tuple[Iterable[Any], ...]], list[Any]]
+
+    def map(
+        self,
+        fn: Callable[..., T],
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+        keep: bool = False,
+        progress: bool = False,
+    ) -> Iterator[T]:
+        """Like ``concurrent.futures.ProcessPoolExecutor.map``: in order, ``chunksize`` per task.
+
+        ``keep``: the results stay where they were made, and the list of
+        :class:`~nimbus.KeptFuture` (one per item) is returned, to pass to other tasks.
+        ``progress=True`` draws a bar of the items done on stderr (``nimbus._progress``).
+        """
+        if keep or self._keeps:
+            return self._map_kept(fn, iterables)  # type: ignore[return-value]  # to pass on
+        return map_results(
+            self.submit, fn, iterables, timeout, chunksize, progress, self._cancel_queued
+        )
 
 
 def map_results(
-    submit: Callable[..., Future[Any]],
+    submit: Callable[..., cf.Future[Any]],
     fn: Callable[..., Any],
     iterables: tuple[Iterable[Any], ...],
     timeout: float | None,

@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures._base import RUNNING  # read without the lock on the hot path
 from typing import Any, TypeVar
 
@@ -65,7 +65,7 @@ _SAME: Any = object()  # options(): keep the executor's own
 _PLAIN = frozenset((int, float, str, bytes, bool, type(None)))  # arguments with no data in them
 
 
-class Executor(cf.Executor):
+class Executor(_mapping.Mapper):
     """Run callables on warm worker processes.
 
     ``max_workers`` defaults to ``Settings.workers`` (the number of cores); more than
@@ -300,26 +300,10 @@ class Executor(cf.Executor):
         self._backend.submit([task])
         return future
 
-    def map(
-        self,
-        fn: Callable[..., T],
-        *iterables: Iterable[Any],
-        timeout: float | None = None,
-        chunksize: int = 1,
-        keep: bool = False,
-        progress: bool = False,
-    ) -> Iterator[T]:
-        """Like ``concurrent.futures.ProcessPoolExecutor.map``: in order, ``chunksize`` per task.
-
-        ``keep``: the results stay where they were made, and the list of
-        :class:`KeptFuture` (one per item) is returned, to pass to other tasks.
-        ``progress=True`` draws a bar of the items done on stderr (``nimbus._progress``).
-        """
-        if keep:
-            return self.options(keep=True).map(fn, *iterables)
-        return _mapping.map_results(
-            self.submit, fn, iterables, timeout, chunksize, progress, self._cancel_queued
-        )
+    def _map_kept(
+        self, fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...]
+    ) -> list[Any]:  # map(keep=True): as a view that keeps does
+        return self.options(keep=True)._map_kept(fn, iterables)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking tasks; with ``cancel_futures`` drop those not yet running."""
