@@ -92,7 +92,9 @@ def test_environments_list_endpoint_shows_what_remote_managers_hold(
                 r["node"] == node
                 and r["name"] == jail.name
                 and r["state"] == "warm"
-                and "last_use" in r  # its node's cache said it is built: every 5th beat
+                # its node's cache said it is built (every 5th beat; a build still under
+                # way there, its lock not yet let go, has a row with no build_seconds)
+                and "build_seconds" in r
                 for r in rows
             )
 
