@@ -11,12 +11,7 @@ from typing import Any
 
 import pytest
 
-from environment_support import (
-    environments_cli,
-    environments_service,
-    needs_bwrap,
-    rows_until,
-)
+from environment_support import environments_cli, environments_service, needs_bwrap, rows_until
 from nimbus import Client, Environment
 from service_support import EndpointProcess, Service
 

@@ -10,11 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from environment_support import (
-    environments_service,
-    needs_bwrap,
-    task_record,
-)
+from environment_support import environments_service, needs_bwrap, task_record
 from nimbus import Client, Environment, Executor
 from nimbus.errors import EnvironmentBuildError
 from service_support import EndpointProcess, Service

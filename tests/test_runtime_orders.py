@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from environment_support import (
-    wheel,
-)
+from environment_support import wheel
 from nimbus import Environment
 
 

@@ -23,10 +23,7 @@ from environment_support import (
     wheel,
 )
 from nimbus import Client, Environment
-from nimbus.protocol import (
-    Beat,
-    unpack,
-)
+from nimbus.protocol import Beat, unpack
 from service_support import EndpointProcess, Service
 
 

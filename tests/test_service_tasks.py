@@ -15,17 +15,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from environment_support import (
-    environments_service,
-)
+from environment_support import environments_service
 from nimbus import Client, Environment, Executor, serialization
 from nimbus.environments import PLAIN
 from nimbus.errors import VersionMismatchError
-from nimbus.protocol import (
-    SubmitRow,
-    pack,
-    pack_payload,
-)
+from nimbus.protocol import SubmitRow, pack, pack_payload
 from service_support import EndpointProcess, Service
 
 
