@@ -66,12 +66,9 @@ def listener() -> Iterator[int]:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A real nimbus service (uvicorn on 127.0.0.1, SQLite, embedded Redis) for a module."""
-    from service_support import Service, service_env
+    from service_support import serve
 
-    root = tmp_path_factory.mktemp("service")
-    svc = Service(root, service_env(root)).start()
-    yield svc
-    svc.stop()
+    yield from serve(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

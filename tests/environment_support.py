@@ -177,14 +177,9 @@ needs_bwrap = pytest.mark.skipif(
 def environments_service(factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A real service for a test module (its ``service`` fixture): the endpoints started
     from its ``env`` build their environments in a directory of its own."""
-    from service_support import Service, service_env
+    from service_support import serve
 
-    root = factory.mktemp("service")
-    svc = Service(root, service_env(root, NIMBUS_ENVIRONMENTS_DIR=str(root / "envs"))).start()
-    try:
-        yield svc
-    finally:
-        svc.stop()
+    yield from serve(factory, NIMBUS_ENVIRONMENTS_DIR=str(factory.mktemp("envs")))
 
 
 def environments_cli(

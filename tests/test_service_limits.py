@@ -48,7 +48,7 @@ from nimbus.protocol import (
     pack_payload,
     unpack,
 )
-from service_support import Service, closed_with, free_port, service_env, ws_connect
+from service_support import Service, closed_with, free_port, serve, ws_connect
 
 CLOSE_CODES = {TEXT_FRAME, NOT_MSGPACK, WRONG_SHAPE}
 MAX_TASKS = 20
@@ -61,9 +61,9 @@ def square(x: int) -> int:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    root = tmp_path_factory.mktemp("limits")
-    env = service_env(
-        root,
+    yield from serve(
+        tmp_path_factory,
+        "limits",
         NIMBUS_MAX_FUNCTIONS="5",
         NIMBUS_MAX_ENDPOINTS="3",
         NIMBUS_MAX_MESSAGE="16M",
@@ -73,9 +73,6 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         NIMBUS_MAX_QUEUED_BYTES="300K",
         NIMBUS_HEARTBEAT="5",  # the tests' own agents need not beat
     )
-    svc = Service(root, env).start()
-    yield svc
-    svc.stop()
 
 
 def _arguments(*args: Any) -> bytes:
