@@ -60,7 +60,7 @@ LAYERS: dict[str, int] = {
     # parts of the executor in modules of their own (PARTS: imported by it alone)
     "_arguments": 5,  # its arguments' checks
     "_options": 5,  # the views options() returns
-    "_mapping": 1,  # map's ordered results, and what is cancelled when they are left
+    "_mapping": 1,  # map on submit: its ordered results, what is cancelled when they are left
     # contracts and plumbing every floor uses
     "protocol": 1,
     "serialization": 1,
