@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,18 +50,25 @@ def provided(monkeypatch: pytest.MonkeyPatch) -> Any:
     )
 
 
+@pytest.fixture
+def listener() -> Iterator[int]:
+    """A TCP port on the host's loopback that accepts connections."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    yield server.getsockname()[1]
+    server.close()
+
+
 # ---------------------------------------------------------------- the service
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A real nimbus service (uvicorn on 127.0.0.1, SQLite, embedded Redis) for a module."""
-    from service_support import Service, service_env
+    from service_support import serve
 
-    root = tmp_path_factory.mktemp("service")
-    svc = Service(root, service_env(root)).start()
-    yield svc
-    svc.stop()
+    yield from serve(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

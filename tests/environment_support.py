@@ -5,7 +5,9 @@
 socketpair, ``python -u -c WORKER_MAIN FD``) and runs tasks through it over its
 channel. :func:`base_image` makes a container image on this machine without any
 registry: a root filesystem of the shared libraries the node's Python needs,
-plus a marker file, ``podman import``-ed.
+plus a marker file, ``podman import``-ed. For the tests of environments through a
+service: its ``service`` fixture, ``nimbus environments`` in a process, what an
+endpoint reports, a wheel made here.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from nimbus import serialization
 from nimbus.environments import Prepared
@@ -161,3 +165,79 @@ def base_image(workdir: Path) -> str:
 
 def remove_image() -> None:
     subprocess.run(["podman", "rmi", "-f", IMAGE], check=False, capture_output=True)
+
+
+# ---------------------------------------------------------------- through a service
+
+needs_bwrap = pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
+)
+
+
+def environments_service(factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real service for a test module (its ``service`` fixture): the endpoints started
+    from its ``env`` build their environments in a directory of its own."""
+    from service_support import serve
+
+    yield from serve(factory, NIMBUS_ENVIRONMENTS_DIR=str(factory.mktemp("envs")))
+
+
+def environments_cli(
+    service: Any, token: str, *args: str, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """``nimbus environments ARGS`` as ``token``'s user of ``service``, in a process."""
+    from service_support import CLI
+
+    env = service.env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token}
+    return subprocess.run(
+        [sys.executable, "-c", CLI, "environments", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def rows_until(client: Any, endpoint: str, ok: Any, timeout: float) -> list[dict[str, Any]]:
+    """The environments ``endpoint`` reports, once ``ok(rows)`` (its beats carry them)."""
+    deadline = time.monotonic() + timeout
+    rows: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        rows = client.get_endpoint(endpoint)["environments"]
+        if ok(rows):
+            return rows
+        time.sleep(0.3)
+    raise AssertionError(f"after {timeout} s the endpoint reports {rows}")
+
+
+def task_record(client: Any, task_id: str) -> dict[str, Any]:
+    return dict(client.get_task(task_id)["record"])
+
+
+def wheel(where: Path, name: str = "orderpkg", version: str = "1.0") -> str:
+    """A pure-Python wheel made here (no package index): ``import orderpkg`` says its version."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {
+        f"{name}/__init__.py": f"VERSION = {version!r}\n",
+        f"{name}-{version}.dist-info/METADATA": (
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        ),
+        f"{name}-{version}.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
+    record.append(f"{name}-{version}.dist-info/RECORD,,")
+    files[f"{name}-{version}.dist-info/RECORD"] = "\n".join(record) + "\n"
+    where.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(where / f"{name}-{version}-py3-none-any.whl", "w") as whl:
+        for path, text in files.items():
+            whl.writestr(path, text)
+    return str(where)

@@ -276,6 +276,19 @@ def service_env(root: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def serve(
+    factory: pytest.TempPathFactory, name: str = "service", args: Sequence[str] = (), **extra: str
+) -> Iterator[Service]:
+    """A started service for a test module's fixture (``yield from serve(...)``), in a new
+    directory ``name``, with ``extra`` on top of :func:`service_env`; stopped after."""
+    root = factory.mktemp(name)
+    svc = Service(root, service_env(root, **extra), args=args).start()
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
 @contextlib.contextmanager
 def two_services(tmp_path: Path) -> Iterator[tuple[Service, Service, StateStore]]:
     """Two service processes on one registry and one queue Redis (an embedded one in

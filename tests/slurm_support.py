@@ -11,6 +11,7 @@ Every node is ``NodeAddr=127.0.0.1`` with its own port; ``SlurmdParameters=
 config_overrides`` lets four slurmd share this machine's cores. No cgroups
 (``proctrack/linuxproc``, ``task/none``), no accounting (``squeue`` shows ended jobs
 for ``MinJobAge`` seconds). Every daemon is stopped by its pid afterwards.
+:func:`wait_for` is how the tests of blocks on it (providers, scaling) wait for a state.
 """
 
 from __future__ import annotations
@@ -22,10 +23,23 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 NODES = ("n1", "n2", "n3", "n4")
 CPUS = 4  # per node, as slurm.conf claims (config_overrides: not checked)
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 30, what: str = "") -> Any:
+    """``check()``'s first true value, polled every 0.1 s; AssertionError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what or check}")
 
 
 def free_port() -> int:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import nimbus.environments as environments
-from environment_support import MARKER, EnvWorker, base_image, podman_unavailable
+from environment_support import MARKER, EnvWorker, base_image, needs_bwrap, podman_unavailable
 from nimbus.cli import main as cli_main
 from nimbus.environments import WORKER_VARIABLE, Environment, _venv, prepare
 from nimbus.errors import ConfigError, EnvironmentBuildError, VersionMismatchError
@@ -301,20 +299,6 @@ def _allocate(megabytes: int) -> str:
     except MemoryError:
         return "MemoryError"
     return f"allocated {len(block)}"
-
-
-@pytest.fixture
-def listener() -> Iterator[int]:
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    yield server.getsockname()[1]
-    server.close()
-
-
-needs_bwrap = pytest.mark.skipif(
-    shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
-)
 
 
 @needs_bwrap

@@ -1,13 +1,16 @@
 """The layers of DESIGN.md, pinned: every import in src/nimbus, read with ``ast``.
 
 A module belongs to its top-level package (``nimbus.service.app`` to ``service``;
-``nimbus.errors`` to ``errors``; ``nimbus/__init__.py`` to ``nimbus``). Three rules:
+``nimbus.errors`` to ``errors``; ``nimbus/__init__.py`` to ``nimbus``). Four rules:
 
 * an import runs down the layers of :data:`LAYERS`, or stays on its own floor;
 * the graph of imports between top-level packages has no cycle;
 * no import of another package's private module or name (``nimbus.x._y`` or
   ``from nimbus.x import _y`` from outside ``nimbus.x``); ``nimbus._loop`` and
-  ``nimbus._chunks`` are the whole library's own.
+  ``nimbus._chunks`` are the whole library's own;
+* a part split out of one module (:data:`PARTS`, ``nimbus._mapping`` out of
+  ``nimbus.executor``) is imported by that module alone and imports only what its
+  entry names.
 
 Every import counts: at the top of a module, inside a function (imported on first
 use) and under ``TYPE_CHECKING``. There are no exceptions.
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 SRC = Path(__file__).parent.parent / "src"
@@ -54,6 +57,10 @@ LAYERS: dict[str, int] = {
     "storage": 2,
     "local_history": 2,  # a local Executor's records handed to this machine's service
     "_future": 2,  # nimbus.Future (the executor's, and the data path's KeptFuture)
+    # parts of the executor in modules of their own (PARTS: imported by it alone)
+    "_arguments": 5,  # its arguments' checks
+    "_options": 5,  # the views options() returns
+    "_mapping": 1,  # map on submit: its ordered results, what is cancelled when they are left
     # contracts and plumbing every floor uses
     "protocol": 1,
     "serialization": 1,
@@ -68,6 +75,15 @@ LAYERS: dict[str, int] = {
     "owners": 1,  # whom a task runs as on an endpoint (set by the agent, read by nimbus.data)
     # the exception tree, at the bottom
     "errors": 0,
+}
+
+
+# A part split out of one module to keep that module small: the module it belongs to
+# (its only importer), and every nimbus package the part may import.
+PARTS: dict[str, tuple[str, frozenset[str]]] = {
+    "_arguments": ("executor", frozenset({"config", "environments", "errors", "runtime"})),
+    "_options": ("executor", frozenset({"_mapping", "environments"})),
+    "_mapping": ("executor", frozenset({"_chunks", "_progress"})),
 }
 
 
@@ -149,6 +165,19 @@ def _violations() -> dict[str, str]:
     return found
 
 
+def _misplaced_parts(edges: Iterable[str]) -> list[str]:
+    """Edges that import a part from outside its module, or from a part beyond its list."""
+    found = []
+    for edge in edges:
+        importer, target = (_package(module) for module in edge.split(" -> "))
+        owner = PARTS[target][0] if target in PARTS else ""
+        if owner and owner not in (importer, PARTS.get(importer, ("",))[0]):
+            found.append(f"{edge}: {target} is {PARTS[target][0]}'s part, for it alone")
+        elif importer in PARTS and target not in PARTS[importer][1]:
+            found.append(f"{edge}: {importer} may import only {sorted(PARTS[importer][1])}")
+    return found
+
+
 def test_every_package_has_a_floor() -> None:
     packages = {_package(module) for module, _ in _modules()}
     missing = sorted(packages - set(LAYERS))
@@ -161,6 +190,14 @@ def test_imports_run_down_the_layers_into_public_names() -> None:
     assert not new, "\n".join(
         f"{edge}: {why} ({', '.join(edges[edge])})" for edge, why in sorted(new.items())
     )
+
+
+def test_a_part_is_imported_by_its_module_alone_and_imports_only_its_list() -> None:
+    edges = _edges()
+    found = _misplaced_parts(edges)
+    assert not found, "\n".join(found)
+    imported = {_package(edge.split(" -> ")[1]) for edge in edges}
+    assert not set(PARTS) - imported, "a part no module imports: remove it from PARTS"
 
 
 def test_no_cycle_between_packages() -> None:
@@ -215,3 +252,7 @@ def test_the_checks_can_fail() -> None:
     assert not _private("nimbus.backends.service", "nimbus._loop")
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+    assert _misplaced_parts(["nimbus.multiprocessing.pool -> nimbus._mapping"])
+    assert _misplaced_parts(["nimbus._mapping -> nimbus.runtime.task"])
+    assert not _misplaced_parts(["nimbus.executor -> nimbus._mapping"])
+    assert not _misplaced_parts(["nimbus._options -> nimbus._mapping"])

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from nimbus import Environment
 from nimbus.errors import ProtocolError
 from nimbus.protocol import (
     NOT_MSGPACK,
@@ -398,3 +399,46 @@ def test_environment_orders_round_trip_and_refuse_wrong_fields() -> None:
         Ordered.decode({"op": "ordered", "ref": "r", "status": "ok"})
     with pytest.raises(ProtocolError, match=r"beat\.orders"):
         Beat.decode({"op": "beat", "t": 1.0, "orders": "built"})
+
+
+# ---------------------------------------------------------------- environments in rows and beats
+
+
+def test_rows_carry_an_environment_and_old_rows_still_read() -> None:
+    env = Environment("geo", requirements=["six"], sandbox=True).to_dict()
+    row = SubmitRow("f", b"p", None, env)
+    assert SubmitRow.decode(unpack(pack(row)), "tasks[0]") == row
+    assert SubmitRow.decode(["f", b"p", None], "tasks[0]") == SubmitRow("f", b"p", None, None)
+    task = TaskRow("t", "f", None, b"p", 2.0, env)
+    assert TaskRow.read(unpack(pack(task)), 0) == task
+    assert TaskRow.read(["t", "f", None, b"p", None], 0) == TaskRow("t", "f", None, b"p", None)
+
+
+@pytest.mark.parametrize(
+    ("env", "field"),
+    [
+        ("geo", "tasks[0].environment: expected None or an environment"),
+        ({"name": "geo", "shell": "rm -rf /"}, "tasks[0].environment: expected None"),
+        ({"name": ""}, "tasks[0].environment.name"),
+        ({"name": "g", "requirements": "six"}, "tasks[0].environment.requirements"),
+        ({"name": "g", "requirements": [1]}, "tasks[0].environment.requirements"),
+        ({"name": "g", "image": 5}, "tasks[0].environment.image"),
+        ({"name": "g", "sandbox": "yes"}, "tasks[0].environment.sandbox"),
+    ],
+)
+def test_a_wrong_environment_is_refused_naming_the_field(env: object, field: str) -> None:
+    with pytest.raises(ProtocolError, match=field.replace(".", r"\.").replace("[", r"\[")):
+        SubmitRow.decode(["f", b"p", None, env], "tasks[0]")
+    bad = TaskRow.read(["t", "f", None, b"p", None, env], 3)
+    assert not isinstance(bad, TaskRow)
+    assert bad.task_id == "t" and "tasks.tasks[3].environment" in str(bad.error)
+
+
+def test_a_beat_carries_environments_and_refuses_wrong_ones() -> None:
+    rows = [{"node": "n1", "name": "geo", "key": "k", "state": "warm", "workers": 2, "free": 1}]
+    beat = Beat(1.5, rows)
+    assert decode_message(unpack(beat.encode()), {"beat": Beat}) == beat
+    assert Beat(1.5).encode() == pack({"op": "beat", "t": 1.5})  # none: as before
+    for wrong in ("warm", [["geo"]], [{"name": ["geo"]}]):
+        with pytest.raises(ProtocolError, match=r"beat\.environments"):
+            Beat.decode({"op": "beat", "t": 1.5, "environments": wrong})

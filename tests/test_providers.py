@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +18,7 @@ from nimbus.providers import (
     SlurmProvider,
     walltime_seconds,
 )
-
-
-def wait_for(check: Callable[[], Any], timeout: float = 30, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what or check}")
+from slurm_support import wait_for
 
 
 def states(provider: Provider, ids: list[str]) -> dict[str, BlockState]:

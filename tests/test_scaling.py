@@ -6,7 +6,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,21 +16,12 @@ from nimbus import Executor
 from nimbus.backends.provided import ProvidedBackend
 from nimbus.config import Settings
 from nimbus.errors import ProviderError
+from slurm_support import wait_for
 
 
 def node_of(seconds: float) -> str:
     time.sleep(seconds)
     return os.environ.get("SLURMD_NODENAME", "?")
-
-
-def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import redis
 from nimbus import Client, Executor
 from nimbus.service.dashboard._html import short
 from nimbus.statestore import StateStore
-from service_support import EndpointProcess, Service, service_env, ship, two_services
+from service_support import EndpointProcess, Service, serve, service_env, ship, two_services
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 XSS = "<script>alert(1)</script>"
@@ -73,10 +73,7 @@ hostile_ship.__name__ = hostile_ship.__qualname__ = XSS + "ship"
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """The module's service (as conftest's), with user "boss" as the dashboard's admin."""
-    root = tmp_path_factory.mktemp("service")
-    svc = Service(root, service_env(root, NIMBUS_SERVICE_ADMINS="boss")).start()
-    yield svc
-    svc.stop()
+    yield from serve(tmp_path_factory, NIMBUS_SERVICE_ADMINS="boss")
 
 
 @pytest.fixture(scope="module")

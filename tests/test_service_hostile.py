@@ -36,7 +36,7 @@ from nimbus.protocol import (
     unpack,
 )
 from nimbus.statestore import Keys
-from service_support import EndpointProcess, Service, closed_with, service_env, ws_connect
+from service_support import EndpointProcess, Service, closed_with, serve, ws_connect
 
 CLOSE_CODES = {TEXT_FRAME, NOT_MSGPACK, WRONG_SHAPE}
 
@@ -53,18 +53,15 @@ def nap(seconds: float) -> float:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory, store_url: str) -> Iterator[Service]:
     """A service with small quotas, whose queue Redis the tests can reach."""
-    root = tmp_path_factory.mktemp("hostile")
-    env = service_env(
-        root,
+    yield from serve(
+        tmp_path_factory,
+        "hostile",
         NIMBUS_REDIS_URL=store_url,
         NIMBUS_INLINE_PAYLOAD="64K",
         NIMBUS_MAX_QUEUED_TASKS="40",
         NIMBUS_MAX_QUEUED_BYTES="600K",
         NIMBUS_MAX_BATCH="30",
     )
-    svc = Service(root, env).start()
-    yield svc
-    svc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import threading
 import time
@@ -47,7 +48,7 @@ from nimbus.protocol import (
     pack_payload,
     unpack,
 )
-from service_support import Service, closed_with, free_port, service_env, ws_connect
+from service_support import Service, closed_with, free_port, serve, ws_connect
 
 CLOSE_CODES = {TEXT_FRAME, NOT_MSGPACK, WRONG_SHAPE}
 MAX_TASKS = 20
@@ -60,9 +61,9 @@ def square(x: int) -> int:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    root = tmp_path_factory.mktemp("limits")
-    env = service_env(
-        root,
+    yield from serve(
+        tmp_path_factory,
+        "limits",
         NIMBUS_MAX_FUNCTIONS="5",
         NIMBUS_MAX_ENDPOINTS="3",
         NIMBUS_MAX_MESSAGE="16M",
@@ -72,9 +73,6 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         NIMBUS_MAX_QUEUED_BYTES="300K",
         NIMBUS_HEARTBEAT="5",  # the tests' own agents need not beat
     )
-    svc = Service(root, env).start()
-    yield svc
-    svc.stop()
 
 
 def _arguments(*args: Any) -> bytes:
@@ -253,17 +251,29 @@ def _submit(http: Any, endpoint_id: str, function_id: str, *args: Any) -> str:
     return str(task_id)
 
 
+@contextlib.contextmanager
+def _one_sent_one_queued(
+    service: Service, http: Any, registered: dict[str, Any], fn: str, x: int, y: int
+) -> Iterator[tuple[FakeAgent, str, str, list[list[Any]]]]:
+    """A fake agent of the endpoint ``registered`` with room for one task: of the tasks
+    ``fn(x)`` and ``fn(y)``, the first is sent to it, the second stays queued. Yields the
+    agent, the two task ids and the rows it was sent."""
+    endpoint = registered["endpoint_id"]
+    with ws_connect(service, "/v1/ws/endpoint", registered["token"]) as ws:
+        agent = FakeAgent(ws)
+        first = _submit(http, endpoint, fn, x)
+        second = _submit(http, endpoint, fn, y)
+        rows = agent.next_tasks(10)
+        assert rows is not None and [r[0] for r in rows] == [first]
+        yield agent, first, second, rows
+
+
 def test_a_deleted_function_no_longer_runs_its_queued_tasks(service: Service) -> None:
     with service.client(service.token("dee")) as dee, service.http(dee.token) as http:
         registered = dee.register_endpoint("held")
-        endpoint = registered["endpoint_id"]
         fn = dee.register_function(square)
-        with ws_connect(service, "/v1/ws/endpoint", registered["token"]) as ws:
-            agent = FakeAgent(ws)
-            first = _submit(http, endpoint, fn, 3)
-            second = _submit(http, endpoint, fn, 4)
-            rows = agent.next_tasks(10)
-            assert rows is not None and [r[0] for r in rows] == [first]
+        with _one_sent_one_queued(service, http, registered, fn, 3, 4) as sent:
+            agent, first, second, rows = sent
             assert rows[0][2], "the function's body comes with its first task"
             dee.delete_function(fn)
             agent.finish(first, 9)  # room for one more: the second is not sent
@@ -286,13 +296,8 @@ def test_an_unshared_function_no_longer_runs_the_lost_users_queued_tasks(
         fn = ada.register_function(square)
         assert ada.share_function(fn, ["bob"])["shared_with"] == ["bob"]
         registered = bob.register_endpoint("bobs")
-        endpoint = registered["endpoint_id"]
-        with ws_connect(service, "/v1/ws/endpoint", registered["token"]) as ws:
-            agent = FakeAgent(ws)
-            first = _submit(http, endpoint, fn, 5)
-            second = _submit(http, endpoint, fn, 6)
-            rows = agent.next_tasks(10)
-            assert rows is not None and [r[0] for r in rows] == [first]
+        with _one_sent_one_queued(service, http, registered, fn, 5, 6) as sent:
+            agent, first, second, _ = sent
             assert ada.share_function(fn, remove=["bob"])["shared_with"] == []
             agent.finish(first, 25)
             assert agent.next_tasks(1.5) is None
@@ -300,7 +305,7 @@ def test_an_unshared_function_no_longer_runs_the_lost_users_queued_tasks(
                 bob.get_result(second, timeout=10)
             assert info.value.status == 410
             ada.share_function(fn, ["bob"])  # shared again: bob's tasks run again
-            third = _submit(http, endpoint, fn, 7)
+            third = _submit(http, registered["endpoint_id"], fn, 7)
             rows = agent.next_tasks(10)
             assert rows is not None and [r[0] for r in rows] == [third]
 

@@ -40,6 +40,23 @@ def postgres() -> Iterator[Postgres]:
         yield pg
 
 
+def _persisted_service(postgres: Postgres, tmp_path: Path) -> Service:
+    """A ``--persist`` service (its queue Redis saved in its runtime directory) on the
+    PostgreSQL registry, started."""
+    root = tmp_path / "svc"
+    root.mkdir()
+    env = service_env(root, NIMBUS_DATABASE_URL=postgres.url)
+    return Service(root, env, port=free_port(), args=["--persist"]).start()
+
+
+def _wait_ended(runs: Path, count: int) -> None:
+    """Until ``count`` runs have ended (``tokened_run`` writes an ``end`` line for each)."""
+    deadline = time.monotonic() + 60
+    while not runs.exists() or runs.read_text().count("end ") < count:
+        assert time.monotonic() < deadline, f"fewer than {count} runs ended in 60 s"
+        time.sleep(0.01)
+
+
 def test_registry_on_postgres_survives_service_restart(postgres: Postgres, tmp_path: Path) -> None:
     store = StateStore.open(None, tmp_path / "redis")
     root = tmp_path / "svc"
@@ -78,10 +95,7 @@ def test_service_killed_mid_run_restarts_from_postgres_and_its_persisted_redis(
     """SIGKILL the service mid-batch; started again on the same data, every task of an
     Executor and of a Client ends with exactly one result, its first run's (agent and
     SDK reconnect; every run answers with a token of its own)."""
-    root = tmp_path / "svc"
-    root.mkdir()
-    env = service_env(root, NIMBUS_DATABASE_URL=postgres.url)
-    service = Service(root, env, port=free_port(), args=["--persist"]).start()
+    service = _persisted_service(postgres, tmp_path)
     runs = tmp_path / "runs.txt"
     n = 16
     endpoint = None
@@ -94,10 +108,7 @@ def test_service_killed_mid_run_restarts_from_postgres_and_its_persisted_redis(
                 ids = client.batch_run(
                     tokened_run, [(str(runs), n + i, 0.2) for i in range(n)], endpoint="pg-phoenix"
                 )
-                deadline = time.monotonic() + 60
-                while not runs.exists() or runs.read_text().count("end ") < 6:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.02)
+                _wait_ended(runs, 6)
                 assert service.proc is not None
                 service.proc.kill()  # no shutdown at all: queues and results as they were
                 service.proc.wait()
@@ -163,10 +174,7 @@ def test_kill_matrix(postgres: Postgres, tmp_path: Path, victim: str) -> None:
     """
     from nimbus.errors import WorkerLost
 
-    root = tmp_path / "svc"
-    root.mkdir()
-    env = service_env(root, NIMBUS_DATABASE_URL=postgres.url)
-    service = Service(root, env, port=free_port(), args=["--persist"]).start()
+    service = _persisted_service(postgres, tmp_path)
     runs = tmp_path / "runs.txt"
     n = 40
     endpoint = None
@@ -179,10 +187,7 @@ def test_kill_matrix(postgres: Postgres, tmp_path: Path, victim: str) -> None:
             settings = service.user_settings(token)
             with Executor(endpoint=name, settings=settings) as ex:
                 futures = [ex.submit(tokened_run, str(runs), i, 0.1) for i in range(n)]
-                deadline = time.monotonic() + 60
-                while not runs.exists() or runs.read_text().count("end ") < 8:
-                    assert time.monotonic() < deadline, "the map did not start"
-                    time.sleep(0.01)
+                _wait_ended(runs, 8)
                 lost: set[int] = set()
                 if victim == "worker":
                     pid = _running_worker(runs, endpoint.proc.pid)

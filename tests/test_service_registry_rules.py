@@ -33,6 +33,14 @@ def mark_and_nap(path: str, i: int, seconds: float) -> str:
     return token
 
 
+def _wait_marked(runs: Path) -> None:
+    """Until a task of ``mark_and_nap`` has started (it writes ``runs``)."""
+    deadline = time.monotonic() + 30
+    while not runs.exists():
+        assert time.monotonic() < deadline, f"no task started in 30 s ({runs} not written)"
+        time.sleep(0.02)
+
+
 def _exits(endpoint: EndpointProcess, within: float) -> tuple[int, float]:
     """The agent's exit status and how long it took to exit."""
     assert endpoint.proc is not None
@@ -52,10 +60,7 @@ def test_reconfigure_revokes_the_old_token_and_stops_its_agent_at_once(
         runs = tmp_path / "runs.txt"
         try:
             [held] = uma.batch_run(mark_and_nap, [(str(runs), 0, 1.0)], endpoint="reconf")
-            deadline = time.monotonic() + 30
-            while not runs.exists():  # the old agent runs it now
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            _wait_marked(runs)  # the old agent runs it now
             with service.http(old.token) as http:  # the old token is known (cached) here
                 assert http.get("/v1/whoami").status_code == 403  # an endpoint's token
             new = EndpointProcess(service, uma, "reconf")  # `nimbus endpoint configure reconf`
@@ -98,10 +103,7 @@ def test_deleting_an_endpoint_stops_its_agent_and_fails_its_tasks(
             dora.share_endpoint(doomed.endpoint_id, ["dirk"])
             runs = tmp_path / "runs.txt"
             running = dora.run(mark_and_nap, str(runs), 0, 30.0, endpoint="doomed")
-            deadline = time.monotonic() + 30
-            while not runs.exists():
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            _wait_marked(runs)
             queued = dora.batch_run(square, [(i,) for i in range(5)], endpoint="doomed")
             settings = service.user_settings(dirk.token)
             with Executor(endpoint="dora/doomed", settings=settings) as ex:
@@ -257,10 +259,7 @@ def test_unsharing_cancels_the_removed_users_tasks_held_by_the_agent(
             val.share_endpoint(ep.endpoint_id, ["wes"])
             runs = tmp_path / "runs.txt"
             first = wes.run(mark_and_nap, str(runs), 0, 1.5, endpoint="val/val-lab")
-            deadline = time.monotonic() + 30
-            while not runs.exists():
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            _wait_marked(runs)
             held = wes.batch_run(
                 mark_and_nap, [(str(runs), i, 0.0) for i in (1, 2, 3)], endpoint="val/val-lab"
             )

@@ -22,7 +22,14 @@ from nimbus.config import Settings, untrusted_certificate
 from nimbus.errors import ConfigError, ServiceUnavailable
 from nimbus.service.tunnel import TLSTunnel
 from nimbus.statestore import EmbeddedRedis
-from service_support import EndpointProcess, Service, free_port, make_certificates, service_env
+from service_support import (
+    EndpointProcess,
+    Service,
+    free_port,
+    make_certificates,
+    serve,
+    service_env,
+)
 
 pytestmark = pytest.mark.skipif(
     subprocess.run(["openssl", "version"], capture_output=True).returncode != 0,
@@ -46,12 +53,8 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def tls_service(
     tmp_path_factory: pytest.TempPathFactory, certs: dict[str, Path]
 ) -> Iterator[Service]:
-    root = tmp_path_factory.mktemp("tls-service")
-    env = service_env(root, NIMBUS_CA_FILE=str(certs["ca"]))
     args = ["--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"])]
-    svc = Service(root, env, args=args).start()
-    yield svc
-    svc.stop()
+    yield from serve(tmp_path_factory, "tls-service", args, NIMBUS_CA_FILE=str(certs["ca"]))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,10 @@ object); Refs and futures passed as arguments are resolved where the task runs.
 A task given futures of kept tasks on an endpoint is sent at once and held by
 the service until they succeed; otherwise it waits for the futures it is given
 before it is sent: that path is ``nimbus.data._submit`` (``DataPath``, one per executor).
+
+Three parts of it have modules of their own: its arguments' checks (``nimbus._arguments``),
+``map``'s ordered results and what is cancelled when they are left early or on a
+Ctrl-C (``nimbus._mapping``), and the views ``options()`` returns (``nimbus._options``).
 """
 
 from __future__ import annotations
@@ -30,18 +34,17 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures._base import RUNNING  # read without the lock on the hot path
-from functools import partial
 from typing import Any, TypeVar
 
-from nimbus import _chunks, data, local_history, serialization
+from nimbus import _arguments, _mapping, data, local_history, serialization
 from nimbus._future import Future
+from nimbus._options import Options
 from nimbus.backends import BACKENDS, Backend
-from nimbus.config import Settings, check_timeout
+from nimbus.config import Settings
 from nimbus.data import DataPath, KeptFuture
-from nimbus.environments import Environment, as_environment
-from nimbus.environments import resolve as resolve_environment
+from nimbus.environments import Environment
 from nimbus.errors import (
     ConfigError,
     InputFailed,
@@ -51,7 +54,7 @@ from nimbus.errors import (
 )
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.messages import Status
-from nimbus.runtime.task import Task, environment_tag
+from nimbus.runtime.task import Task
 
 __all__ = ["Executor", "Future", "KeptFuture"]
 
@@ -62,54 +65,7 @@ _SAME: Any = object()  # options(): keep the executor's own
 _PLAIN = frozenset((int, float, str, bytes, bool, type(None)))  # arguments with no data in them
 
 
-def _check_environment(
-    env: Any, given: str = "NIMBUS_ENVIRONMENT"
-) -> tuple[Environment | None, str]:
-    """``env`` and its worker type; a name not built on this node is refused with what to
-    pass instead."""
-    if env is None:
-        return None, ""
-    if isinstance(env, str):  # a name built on this node (nimbus environments build), or JSON
-        env = resolve_environment(env, given)
-    env = as_environment(env)  # ConfigError, as the client's, for anything else
-    return env, environment_tag(env)
-
-
-def _check_workers(count: int, given: str) -> None:
-    """Refuse more workers than this node can start (they all start at once)."""
-    from nimbus.runtime.limits import max_workers
-
-    limit, why = max_workers()
-    if count > limit:
-        raise ConfigError(
-            f"{given}={count} is more workers than this node can start: at most {limit} "
-            f"({why}); every worker starts at once, so choose a smaller {given}"
-        )
-
-
-def _check_preload(names: Sequence[str]) -> None:
-    """A module to preload that is nowhere on this Python's path: refused now, by name."""
-    import importlib.util
-
-    for name in names:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):  # its package is missing, or the name is not one
-            found = False
-        if not found:
-            raise ConfigError(
-                f"preload names module {name!r}, which this Python cannot find; "
-                "check its spelling, or install it where the workers run"
-            )
-
-
-def _check_timeout(timeout: float | None, what: str) -> float | None:
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
-        raise TypeError(f"{what} must be a number of seconds or None, not {timeout!r}")
-    return check_timeout(timeout, what)  # finite, > 0, at most MAX_TIMEOUT (ValueError)
-
-
-class Executor(cf.Executor):
+class Executor(_mapping.Mapper):
     """Run callables on warm worker processes.
 
     ``max_workers`` defaults to ``Settings.workers`` (the number of cores); more than
@@ -153,9 +109,9 @@ class Executor(cf.Executor):
     ) -> None:
         self.settings = settings if settings is not None else Settings.load()
         self._environment, self._env = (
-            _check_environment(self.settings.environment)
+            _arguments.check_environment(self.settings.environment)
             if environment is None
-            else _check_environment(environment, "environment")
+            else _arguments.check_environment(environment, "environment")
         )
         if endpoint is not None and not isinstance(endpoint, str):
             raise TypeError(
@@ -165,22 +121,20 @@ class Executor(cf.Executor):
         given = "max_workers"
         if max_workers is None:
             max_workers, given = self.settings.workers, "NIMBUS_WORKERS"
-        if isinstance(max_workers, bool) or not isinstance(max_workers, int):
-            raise TypeError(f"max_workers must be an int, not {max_workers!r}")
-        if max_workers <= 0:
-            raise ValueError("max_workers must be greater than 0")
-        if backend in (None, "local") and not (endpoint or self.settings.endpoint):
-            _check_workers(max_workers, given)
+        here = backend in (None, "local") and not (endpoint or self.settings.endpoint)
+        _arguments.check_workers(max_workers, given, here=here)
         if task_timeout is None:
             task_timeout = self.settings.task_timeout
-        self._timeout = _check_timeout(task_timeout, "task_timeout")
+        self._timeout = _arguments.check_timeout(task_timeout, "task_timeout")
         if isinstance(preload, str) or not all(isinstance(name, str) for name in preload):
             raise TypeError(f"preload must be a list of module names, not {preload!r}")
         if backend is None:
             endpoint = endpoint or self.settings.endpoint
             backend = "service" if endpoint else "local"
             if backend == "local":  # (an endpoint's workers may have modules this has not;
-                _check_preload(preload)  # nimbus.multiprocessing's, stdlib-like, are skipped)
+                _arguments.check_preload(
+                    preload
+                )  # nimbus.multiprocessing's, stdlib-like, are skipped)
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; known: {', '.join(sorted(BACKENDS))}")
         self._max_workers = max_workers
@@ -244,24 +198,26 @@ class Executor(cf.Executor):
         environment: Any = _SAME,
         keep: bool = False,
         **limits: Any,
-    ) -> _Options:
+    ) -> Options:
         """A view of this executor whose tasks have their own timeout or environment;
         ``keep``: their results stay where they were made (:class:`KeptFuture`);
         ``bandwidth``, ``memory``, ``cpus``: limits of each task (``nimbus.network``)."""
         if timeout is not _SAME:
-            timeout = _check_timeout(timeout, "timeout")
+            timeout = _arguments.check_timeout(timeout, "timeout")
         else:
             timeout = self._timeout
         if environment is not _SAME:
-            env, tag = _check_environment(environment, "environment")
+            env, tag = _arguments.check_environment(environment, "environment")
         else:
             env, tag = self._environment, self._env
-        view = _Options(self, timeout, env, tag, keep=bool(keep))
+        own = None  # a task's own limits, with its arguments
         if limits:
             from nimbus.network import task_limits
 
-            view._limits = task_limits(**limits)
-        return view
+            own = task_limits(**limits)
+        return Options(
+            self._submit, self._cancel_queued, timeout, env, tag, keep=bool(keep), limits=own
+        )
 
     def _submit(
         self,
@@ -344,24 +300,10 @@ class Executor(cf.Executor):
         self._backend.submit([task])
         return future
 
-    def map(
-        self,
-        fn: Callable[..., T],
-        *iterables: Iterable[Any],
-        timeout: float | None = None,
-        chunksize: int = 1,
-        keep: bool = False,
-        progress: bool = False,
-    ) -> Iterator[T]:
-        """Like ``concurrent.futures.ProcessPoolExecutor.map``: in order, ``chunksize`` per task.
-
-        ``keep``: the results stay where they were made, and the list of
-        :class:`KeptFuture` (one per item) is returned, to pass to other tasks.
-        ``progress=True`` draws a bar of the items done on stderr (``nimbus._progress``).
-        """
-        if keep:
-            return self.options(keep=True).map(fn, *iterables)
-        return _map(self.submit, fn, iterables, timeout, chunksize, progress, self._cancel_queued)
+    def _map_kept(
+        self, fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...]
+    ) -> list[Any]:  # map(keep=True): as a view that keeps does
+        return self.options(keep=True)._map_kept(fn, iterables)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking tasks; with ``cancel_futures`` drop those not yet running."""
@@ -488,116 +430,6 @@ class Executor(cf.Executor):
                 keep(record)
             if type(future) is not Future:  # the data path: its Refs go when it does
                 DataPath.done(future)
-
-
-class _Options(cf.Executor):
-    """An executor view that gives its tasks a timeout or an environment of their own."""
-
-    def __init__(
-        self,
-        executor: Executor,
-        timeout: float | None,
-        environment: Environment | None,
-        env: str,
-        *,
-        keep: bool = False,
-    ) -> None:
-        self._executor = executor
-        self._timeout = timeout
-        self._environment = environment
-        self._env = env
-        self._keep = keep
-        self._limits: Any = None  # a task's own limits, with its arguments (nimbus.network)
-
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> cf.Future[T]:
-        return self._executor._submit(
-            fn, args, kwargs, self._timeout, self._keep, self._environment, self._env,
-            self._limits,
-        )  # fmt: skip
-
-    def map(
-        self,
-        fn: Callable[..., T],
-        *iterables: Iterable[Any],
-        timeout: float | None = None,
-        chunksize: int = 1,
-        keep: bool = False,
-        progress: bool = False,
-    ) -> Iterator[T]:
-        if keep or self._keep:
-            kept = [
-                self._executor._submit(
-                    fn, args, {}, self._timeout, True, self._environment, self._env, self._limits
-                )
-                for args in zip(*iterables, strict=False)
-            ]
-            return kept  # type: ignore[return-value]  # a list of KeptFuture, to pass on
-        cancel = self._executor._cancel_queued
-        return _map(self.submit, fn, iterables, timeout, chunksize, progress, cancel)
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """A view owns nothing; shut down the executor itself."""
-
-
-def _map(
-    submit: Callable[..., cf.Future[Any]],
-    fn: Callable[..., Any],
-    iterables: tuple[Iterable[Any], ...],
-    timeout: float | None,
-    chunksize: int,
-    progress: bool,
-    cancel_queued: Callable[[list[Any]], None],
-) -> Iterator[Any]:
-    """The results of ``fn`` over ``iterables``, in order. Left early (an error, a timeout,
-    the iterator closed), the tasks not done are cancelled, the running ones killed; after
-    a Ctrl-C only the queued ones are: the running ones finish, as ``shutdown`` waits for
-    them (a second Ctrl-C there stops the workers), as in a loop of ``submit``."""
-    if isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1:
-        raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
-    from nimbus import _progress
-
-    _progress.check(progress)
-    end = None if timeout is None else timeout + time.monotonic()
-    if chunksize == 1:
-        futures = [submit(fn, *args) for args in zip(*iterables, strict=False)]
-        sizes = [1] * len(futures)
-    else:
-        run = partial(_chunks.run_chunk, fn)
-        chunks = list(_chunks.chunks(iterables, chunksize))
-        futures = [submit(run, chunk) for chunk in chunks]
-        sizes = [len(chunk) for chunk in chunks]
-    if progress:
-        shown: Any = _progress.bar(sum(sizes), f"map {getattr(fn, '__name__', 'fn')}")
-        for future, size in zip(futures, sizes):
-            future.add_done_callback(partial(_progress.count, shown, size))
-    else:
-        shown = None
-
-    def results() -> Iterator[Any]:
-        interrupted = False
-        try:
-            futures.reverse()
-            while futures:
-                future = futures[-1]
-                value = future.result() if end is None else future.result(end - time.monotonic())
-                futures.pop()
-                if chunksize == 1:
-                    yield value
-                else:
-                    yield from value
-        except KeyboardInterrupt:
-            interrupted = True
-            raise
-        finally:
-            if interrupted:
-                cancel_queued(futures)
-            else:
-                for future in futures:
-                    future.cancel()
-            if shown is not None:
-                shown.close()
-
-    return results()
 
 
 @atexit.register

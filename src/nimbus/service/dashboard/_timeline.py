@@ -228,14 +228,22 @@ def _query(request: Request) -> tuple[str, str]:
     return params.get("endpoint", "")[:64], params.get("group", "")[:64]
 
 
+async def _shown(
+    request: Request, ctx: ServiceContext, user: Principal
+) -> tuple[list[Span], _Names, str, str]:
+    """The bars of what the page and its PNG show (the query's endpoint and batch, as
+    ``user`` may see them), the names they use, that endpoint and batch."""
+    endpoint, group = _query(request)
+    ids, _ = await _visible_ids(ctx, user, endpoint, group)
+    names = _Names(ctx, user)
+    return await spans(ctx, names, ids, endpoint), names, endpoint, group
+
+
 @router.get("/timeline", response_model=None)
 async def timeline_page(request: Request, seen: Page) -> Response:
     ctx, who = seen
     user = who.principal
-    endpoint, group = _query(request)
-    ids, _ = await _visible_ids(ctx, user, endpoint, group)
-    names = _Names(ctx, user)
-    bars = await spans(ctx, names, ids, endpoint)
+    bars, names, endpoint, group = await _shown(request, ctx, user)
     query = urlencode({k: v for k, v in (("endpoint", endpoint), ("group", group)) if v})
     what = f"batch {short(group)}" if group else f"the newest {WINDOW} tasks"
     if endpoint:
@@ -355,10 +363,7 @@ def draw_png(bars: list[Span], now: float, title: str) -> bytes:
 @router.get("/timeline.png", response_model=None)
 async def timeline_png(request: Request, seen: Stream) -> Response:
     ctx, who = seen
-    user = who.principal
-    endpoint, group = _query(request)
-    ids, _ = await _visible_ids(ctx, user, endpoint, group)
-    bars = await spans(ctx, _Names(ctx, user), ids, endpoint)
+    bars, _, _, group = await _shown(request, ctx, who.principal)
     lanes = len({bar.lane for bar in bars})
     title = f"nimbus: {len(bars)} tasks on {lanes} lanes" + (f", batch {group}" if group else "")
     try:
