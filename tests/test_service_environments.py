@@ -40,10 +40,13 @@ def orderpkg_version(x: int) -> tuple[int, str, str]:
     return x, orderpkg.VERSION, os.environ.get("NIMBUS_WORKER_ENVIRONMENT", "")
 
 
-def slow_in_env(seconds: float) -> str:
+def slow_in_env(until: str) -> str:
+    """Runs until the file ``until`` exists (at most 120 s): busy for as long as asked."""
     import time
 
-    time.sleep(seconds)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(until) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return os.environ.get("NIMBUS_WORKER_ENVIRONMENT", "")
 
 
@@ -86,13 +89,15 @@ def test_build_endpoint_builds_on_its_node_before_any_task_and_remove_removes_it
     assert said in (f"{node}: built (already)", f"{node}: no answer yet after 0.01 s: "
                     "`nimbus environments list --endpoint shop` shows when it ends"), quick.stdout  # fmt: skip
     # busy: a task of it runs, so nothing is removed
-    (slow,) = alice.batch_run(slow_in_env, [(4.0,)], endpoint="shop", environment=env)
+    done = tmp_path / "done"  # the task runs until the refusal is seen (a loaded CI)
+    (slow,) = alice.batch_run(slow_in_env, [(str(done),)], endpoint="shop", environment=env)
     deadline = time.monotonic() + 30
     while alice.get_task(slow)["state"] != "running" and time.monotonic() < deadline:
         time.sleep(0.1)
     busy = environments_cli(service, alice.token, "remove", "ordered", "--endpoint", "shop")
     assert busy.returncode == 2, busy.stdout + busy.stderr
     assert "is busy on endpoint 'shop'" in busy.stderr and "nothing was removed" in busy.stderr
+    done.touch()
     assert alice.get_result(slow, timeout=60) == "ordered"
     # idle now: removed from its node, and its workers with it
     gone = environments_cli(service, alice.token, "remove", "ordered", "--endpoint", "shop")
