@@ -536,3 +536,118 @@ def test_a_programs_store_starts_at_its_first_use_by_any_of_its_processes(tmp_pa
     while _ours(str(tmp_path / "run")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _ours(str(tmp_path / "run"))
+
+
+def _hold_lock(path: Path) -> subprocess.Popen[str]:
+    """Another process holding the lock file ``path`` until its stdin closes."""
+    code = (
+        "import sys\nfrom nimbus._lockfile import lock_file\n"
+        "with lock_file(sys.argv[1], 5):\n"
+        "    print('held', flush=True)\n    sys.stdin.readline()\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONPATH": SRC},
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    return holder
+
+
+def _let_go(holder: subprocess.Popen[str]) -> None:
+    assert holder.stdin is not None and holder.stdout is not None
+    holder.stdin.close()
+    holder.wait(10)
+    holder.stdout.close()
+
+
+def test_the_first_connection_lock_is_not_held_by_a_child_forked_under_it(rt: Path) -> None:
+    """review6 #2: a process forked while another thread of its parent held the lock
+    of a first connection (serve()) kept it held (an flock) for as long as it lived."""
+    from nimbus._lockfile import lock_file
+
+    server = EmbeddedRedis(rt).defer()
+    lock = rt / f".{server.name}.lock"
+    with lock_file(lock, 1):  # what serve() does, and a fork in that window
+        child = os.fork()
+        if child == 0:
+            time.sleep(30)
+            os._exit(0)
+    try:
+        start = time.monotonic()
+        server._stop_theirs()  # the root at its exit: not blocked by the child
+        assert time.monotonic() - start < 1.5
+        other = EmbeddedRedis(rt, start_timeout=3).defer()
+        other.name, other.state_file = server.name, server.state_file
+        other.socket_path, other.owner_pid = server.socket_path, os.getpid()
+        assert other.serve()  # another first connection takes it and starts the store
+        assert connect(other.url, own=True, timeout=2).ping()
+        other.stop()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        server.stop()
+
+
+def test_a_lock_held_for_ever_is_an_error_naming_it_and_stop_skips_it(rt: Path) -> None:
+    server = EmbeddedRedis(rt, start_timeout=0.5).defer()
+    lock = rt / f".{server.name}.lock"
+    holder = _hold_lock(lock)  # a stuck process of the program
+    try:
+        start = time.monotonic()
+        with pytest.raises(StateStoreError, match=f"{lock}.*remove that file"):
+            server.serve()
+        server._stop_theirs()  # skips it after about 2 s
+        assert time.monotonic() - start < 5
+    finally:
+        _let_go(holder)
+        server.stop()
+
+
+def test_a_store_that_died_is_an_error_at_once_naming_it(rt: Path) -> None:
+    """review6 #2 (related): another process of the program started the store and it
+    died (SIGKILL); a first connection here failed after start_timeout with a bare
+    FileNotFoundError. Now at once, with what happened and what to do."""
+    from nimbus.statestore._connect import booting, forget
+
+    server = EmbeddedRedis(rt, start_timeout=10).defer()
+    booting(server, server.url)
+    try:
+        child = os.fork()
+        if child == 0:  # a process of the program that uses the store first
+            code = 1
+            try:
+                code = 0 if connect(server.url).ping() else 3
+            finally:
+                os._exit(code)
+        assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+        watchdog = json.loads(server.state_file.read_text())["watchdog"][0]
+        for proc in psutil.Process(watchdog).children():
+            proc.kill()  # the server (its watchdog then ends)
+        assert _gone(watchdog, 5)
+        start = time.monotonic()
+        with pytest.raises(redis.ConnectionError, match=f"state store .*{rt}.* died"):
+            connect(server.url).ping()
+        assert time.monotonic() - start < 3
+    finally:
+        forget(server.url)
+        server.stop()
+
+
+def test_lock_files_and_sockets_with_no_state_file_are_swept_once_old(rt: Path) -> None:
+    old = time.time() - 120
+    for name in (".redis-0ld00000.lock", "redis-0ld00001.sock"):
+        (rt / name).touch()
+        os.utime(rt / name, (old, old))
+    (rt / ".redis-n3w00000.lock").touch()  # being made now: its state file comes next
+    (rt / ".redis-l1ve0000.lock").touch()
+    os.utime(rt / ".redis-l1ve0000.lock", (old, old))
+    (rt / "redis-l1ve0000.json").write_text("{}")  # (unreadable state: left alone)
+    server = EmbeddedRedis(rt).defer()
+    left = sorted(p.name for p in rt.iterdir())
+    assert left == [".redis-l1ve0000.lock", ".redis-n3w00000.lock", "redis-l1ve0000.json"]
+    server.stop()
+    for name in left:
+        (rt / name).unlink()

@@ -65,6 +65,8 @@ class Booting(Protocol):
 
     def serve(self) -> bool: ...
 
+    def gone(self) -> bool: ...
+
 
 # Embedded stores that boot while the program goes on (a Process needs no store), by
 # socket path: a connection to one waits until it answers. Its owner waits by the
@@ -138,12 +140,21 @@ def _unix_connect(self: Any) -> Any:
             fn()
         return redis.UnixDomainSocketConnection._connect(self)
     deadline = time.monotonic() + server.start_timeout
+    check = time.monotonic() + 0.1  # whether it died: a few times a second
     while True:
         try:
             sock = redis.UnixDomainSocketConnection._connect(self)
-        except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline:
-                raise
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            now = time.monotonic()
+            if now > deadline or (now > check and server.gone()):
+                why = "died" if server.gone() else f"took no connection in {server.start_timeout} s"
+                raise StateStoreError(
+                    f"this program's state store ({self.path}) {why} ({exc.strerror}): what it "
+                    f"held is lost; run the program again (or set NIMBUS_REDIS_URL to a Redis "
+                    f"server of your own)"
+                ) from exc
+            if now > check:
+                check = now + 0.1
             time.sleep(0.002)
             continue
         _booting.pop(self.path, None)
