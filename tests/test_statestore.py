@@ -671,3 +671,51 @@ def test_lock_files_and_sockets_with_no_state_file_are_swept_once_old(rt: Path) 
     server.stop()
     for name in left:
         (rt / name).unlink()
+
+
+def _keepalive(sock: Any) -> tuple[int, ...]:
+    import socket
+
+    return (
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+    )
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="TCP_KEEPIDLE and friends: Linux")
+def test_every_network_client_has_tcp_keepalive(rt: Path) -> None:
+    """review6 #6: with no read timeout, a command on a connection whose peer vanished
+    without a reset (a NAT that dropped the flow) waited for ever; keepalive ends it."""
+    import asyncio
+
+    from nimbus.statestore import connect_async
+    from nimbus.statestore._connect import forget
+    from service_support import free_port
+
+    port = free_port()
+    with EmbeddedRedis(rt, tcp=("127.0.0.1", port), password="pw") as server:
+        url = f"redis://default:pw@127.0.0.1:{port}/0"
+        shared = connect(url)
+        assert shared.ping()
+        (conn,) = shared.connection_pool._available_connections
+        assert _keepalive(conn._sock) == (1, 15, 5, 3)
+        with connect(url, own=True, single=True) as own:
+            assert own.ping()
+            assert _keepalive(own.connection._sock) == (1, 15, 5, 3)
+        forget(url)
+
+        async def asynchronous() -> tuple[int, ...]:
+            client = connect_async(url)
+            try:
+                await client.ping()
+                (conn,) = client.connection_pool._available_connections
+                return _keepalive(conn._writer.get_extra_info("socket"))
+            finally:
+                await client.aclose()
+
+        assert asyncio.run(asynchronous()) == (1, 15, 5, 3)
+        unix = connect(server.url, own=True, single=True, password="pw")  # (no keepalive)
+        with unix:
+            assert unix.ping()
