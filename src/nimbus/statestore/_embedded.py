@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from nimbus._lazy import lazy
-from nimbus._lockfile import lock_file
 from nimbus.errors import ConfigError, StateStoreError
 from nimbus.statestore._connect import connect
 
@@ -270,6 +269,8 @@ class EmbeddedRedis:
                 return False
             self.ready()
             return True
+        from nimbus._lockfile import lock_file  # (on first use: a program's import stays light)
+
         lock_path = self.runtime_dir / f".{self.name}.lock"
         try:
             with lock_file(lock_path, self.start_timeout):  # (forks do not inherit it)
@@ -494,6 +495,8 @@ class EmbeddedRedis:
 
     def _stop_theirs(self) -> None:
         """Stop a deferred server that another process started (its state file says which)."""
+        from nimbus._lockfile import lock_file
+
         try:
             with lock_file(self.runtime_dir / f".{self.name}.lock", _STOP_LOCK_WAIT):
                 pass  # its starter wrote all of it (or is stuck: the file is whole anyway)
