@@ -176,3 +176,13 @@ def test_files_beyond_the_bound_are_dropped_oldest_first_said_once(
         assert {row[0].split("-")[0] for row in rows} == {f"t{i}" for i in range(10 - kept, 10)}
     finally:
         engine.dispose()
+
+
+def test_programs_look_for_the_state_file_the_service_writes(tmp_path: Path) -> None:
+    from nimbus.service import running
+
+    settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
+    assert writer_side.SERVICE_STATE == running.STATE_FILE
+    _running_here(settings)
+    state = writer_side.service_state(settings)
+    assert state is not None and running.running_service(settings) == state["url"]

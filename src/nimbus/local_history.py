@@ -56,7 +56,9 @@ FLUSH_EVERY = 1.0  # seconds between a program's files
 SOON = 0.05  # seconds between a pool worker's own hand-overs (keep(soon=True)), at least
 WRITE_WAIT = 2.0  # seconds an ending process waits for its thread's file in progress
 LOOK_EVERY = 5.0  # seconds between looks whether the service (still) runs
-SERVICE_STATE = "service.json"  # in Settings.service_dir while a service runs (its url, pid)
+# in Settings.service_dir while a service runs (its url, pid): nimbus.service.running's
+# STATE_FILE (read here too, not imported: that module stays light for `nimbus dashboard`)
+SERVICE_STATE = "service.json"
 log = logging.getLogger(__name__)
 
 

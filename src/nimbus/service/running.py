@@ -8,15 +8,21 @@ only asks (``nimbus dashboard`` beside a running service) answers at once.
 
 from __future__ import annotations
 
+import json
+import os
+
 from nimbus.config import Settings
-from nimbus.local_history import SERVICE_STATE as STATE_FILE
-from nimbus.local_history import service_state
 
 __all__ = ["STATE_FILE", "running_service"]
 
+STATE_FILE = "service.json"  # in Settings.service_dir while the service runs
+
 
 def running_service(settings: Settings) -> str | None:
-    """The URL of the service running with ``settings``' runtime directory, if one runs
-    (read where local programs read it too: they hand their records to a running one)."""
-    state = service_state(settings)  # (None: none, or it died without removing the file)
-    return None if state is None or "url" not in state else str(state["url"])
+    """The URL of the service running with ``settings``' runtime directory, if one runs."""
+    try:
+        state = json.loads((settings.service_dir / STATE_FILE).read_text())
+        os.kill(int(state["pid"]), 0)
+        return str(state["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # none, or it died without removing the file
