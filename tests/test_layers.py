@@ -71,6 +71,7 @@ LAYERS: dict[str, int] = {
     "_loop": 1,
     "_chunks": 1,
     "_progress": 1,
+    "_lockfile": 1,  # a lock file with a deadline, not inherited by forks
     "_lazy": 1,  # a module imported on first use (redis-py: at the first connection)
     "owners": 1,  # whom a task runs as on an endpoint (set by the agent, read by nimbus.data)
     # the exception tree, at the bottom

@@ -450,3 +450,17 @@ def test_an_open_page_reads_nothing_until_its_users_task_moves_in_any_service_pr
                     if line.startswith("data: ") and task_id in line:
                         break
                 assert '"state": "cancelled"' in line
+
+
+def test_a_page_asked_after_a_cursor_that_is_no_number_is_a_422_naming_it(
+    service: Service,
+) -> None:
+    """review6 #12: ``?after=nan~x`` reached the page script, which refused it: a 500."""
+    with httpx.Client(base_url=service.url, timeout=30) as http:
+        http_login(http, service.token("boss"))
+        for path in ("/tasks", "/network"):
+            assert http.get(path).status_code == 200
+            for cursor in ("nan~x", "inf~x"):
+                answer = http.get(path, params={"after": cursor})
+                assert answer.status_code == 422, answer.text
+                assert cursor in answer.json()["detail"]

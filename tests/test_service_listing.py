@@ -226,3 +226,15 @@ def test_a_batch_older_than_redis_keeps_is_read_from_the_sql_history(
 
     asyncio.run(scenario())
     engine.dispose()
+
+
+def test_a_cursor_is_decoded_or_refused_naming_it() -> None:
+    """review6 #12: ``nan`` reached the page script (ZCOUNT refused it): a 500."""
+    from nimbus.errors import ServiceError
+
+    assert decode_cursor("") is None  # the first page
+    assert decode_cursor("1700000000.25~t-1") == (1700000000.25, "t-1")
+    for bad in ("nan~t", "inf~t", "-inf~t", "NaN~t", "x~t", "1.0~", "1.0", "~t"):
+        with pytest.raises(ServiceError, match="cursor") as raised:
+            decode_cursor(bad)
+        assert raised.value.status == 422 and repr(bad) in str(raised.value)

@@ -3,10 +3,14 @@ once into the SQL history, a claimed file of a dead process taken again once sta
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import pytest
 from sqlalchemy import create_engine
 
 from nimbus import local_history as writer_side
@@ -16,11 +20,23 @@ from nimbus.service import local_history
 from nimbus.service.history import History, Query
 from nimbus.service.registry import Registry
 
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _running_here(settings: Settings, pid: int | None = None) -> None:
+    """The state file of a service running on ``settings``' runtime directory (as
+    ``nimbus.service.server`` writes it), its process ``pid`` (this one by default)."""
+    settings.service_dir.mkdir(parents=True, exist_ok=True)
+    state = {"url": "http://127.0.0.1:1", "pid": pid or os.getpid()}
+    (settings.service_dir / writer_side.SERVICE_STATE).write_text(json.dumps(state))
+
 
 def test_records_are_handed_over_in_files_and_ingested_once(tmp_path: Path) -> None:
     settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
     assert not writer_side.enabled(settings)  # no service here: nothing is kept
     Registry(settings.registry_url).close()
+    assert not writer_side.enabled(settings)  # one ran here once: not enough
+    _running_here(settings)
     assert writer_side.enabled(settings)
     writer = writer_side.LocalHistory(settings)
     for i in range(30):
@@ -64,3 +80,109 @@ def test_a_file_naming_an_owner_not_local_is_removed_unread(tmp_path: Path) -> N
         assert history.count() == 0 and not list(folder.iterdir())
     finally:
         engine.dispose()
+
+
+_POOL = """\
+import sys, time
+import nimbus.multiprocessing as mp
+
+def f(x):
+    return x
+
+if __name__ == "__main__":
+    with mp.Pool(2) as pool:
+        for _ in range(3):
+            assert pool.map(f, range(200), chunksize=1) == list(range(200))
+"""
+
+
+def test_no_file_is_written_while_no_service_runs(tmp_path: Path) -> None:
+    """review6 #5: once a service had run on a runtime directory (its registry stays),
+    every program wrote its records in files that nobody read, for ever."""
+    settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
+    Registry(settings.registry_url).close()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _running_here(settings, gone.pid)  # a service that died without removing its file
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL)
+    env = os.environ | {"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt"), "PYTHONPATH": SRC}
+    env.pop("NIMBUS_REDIS_URL", None)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    folder = writer_side.directory(settings)
+    assert not folder.exists() or not list(folder.iterdir())
+    _running_here(settings)  # and the same program while one runs: kept
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert list(folder.iterdir())
+
+
+def test_a_writer_stops_writing_once_its_service_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer_side, "LOOK_EVERY", 0.2)
+    settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
+    service = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _running_here(settings, service.pid)
+        writer = writer_side.LocalHistory(settings)
+        writer.add(TaskRecord("before", TaskState.SUCCESS, "shout", submitted=1000.0))
+        writer.hand_over_now()
+        folder = writer_side.directory(settings)
+        assert len(list(folder.iterdir())) == 1
+    finally:
+        service.kill()
+        service.wait()
+    time.sleep(0.3)
+    for i in range(3):
+        writer.add(TaskRecord(f"after-{i}", TaskState.SUCCESS, "shout", submitted=1001.0))
+        writer.hand_over_now()
+    writer.close()
+    assert len(list(folder.iterdir())) == 1  # dropped: nobody would read them
+
+
+def test_files_beyond_the_bound_are_dropped_oldest_first_said_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import msgpack
+
+    monkeypatch.setattr(local_history, "KEEP_BYTES", 3000)
+    settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
+    folder = writer_side.directory(settings)
+    folder.mkdir(parents=True)
+    for i in range(10):  # ~1 kB each, oldest first by name (time-pid-random)
+        records = [
+            TaskRecord(f"t{i}-{j}", TaskState.SUCCESS, "x" * 80, submitted=1000.0 + i).to_wire()
+            for j in range(10)
+        ]
+        (folder / f"{1000 + i}.000000-1-x.msgpack").write_bytes(
+            msgpack.packb(["local:me", records])
+        )
+    size = (folder / "1000.000000-1-x.msgpack").stat().st_size
+    kept = 3000 // size
+    engine = create_engine(settings.registry_url)
+    try:
+        history = History(engine)
+        with caplog.at_level("WARNING", logger=local_history.__name__):
+            assert local_history.ingest(settings, history) == 10 * kept
+        said = [r for r in caplog.records if "dropped unread" in r.getMessage()]
+        assert len(said) == 1, caplog.text
+        rows, _ = history.page(Query(None, endpoint=writer_side.ENDPOINT), None, 1000)
+        assert {row[0].split("-")[0] for row in rows} == {f"t{i}" for i in range(10 - kept, 10)}
+    finally:
+        engine.dispose()
+
+
+def test_programs_look_for_the_state_file_the_service_writes(tmp_path: Path) -> None:
+    from nimbus.service import running
+
+    settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
+    assert writer_side.SERVICE_STATE == running.STATE_FILE
+    _running_here(settings)
+    state = writer_side.service_state(settings)
+    assert state is not None and running.running_service(settings) == state["url"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -380,6 +382,7 @@ class Blackhole:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.silent = False  # later connections pass nothing either (the host is gone)
         self.flowing: list[asyncio.Event] = []
         self.tasks: set[asyncio.Task[None]] = set()
         self.writers: list[asyncio.StreamWriter] = []
@@ -393,10 +396,16 @@ class Blackhole:
         for flowing in self.flowing:
             flowing.clear()
 
+    def go_silent(self) -> None:
+        """Pass no more bytes, on any connection, now or later."""
+        self.silent = True
+        self.drop_silently()
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_unix_connection(self.path)
         flowing = asyncio.Event()
-        flowing.set()
+        if not self.silent:
+            flowing.set()
         self.flowing.append(flowing)
         self.writers += [writer, up_writer]
 
@@ -475,3 +484,56 @@ def test_a_requeue_publishes_its_endpoint_while_more_than_one_process_listens(
             assert await heard_before_a_mark(store, store.woken, one) == [b"ep"]
 
     on_a_redis(tmp_path, scenario)
+
+
+@contextlib.contextmanager
+def blackhole_in_a_thread(path: str) -> Iterator[tuple[Blackhole, str, asyncio.AbstractEventLoop]]:
+    """A :class:`Blackhole` to the Redis at Unix socket ``path``, run by a loop of its own
+    in a thread (for another process to connect through): its URL, closed after."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    proxy = Blackhole(path)
+    try:
+        url = asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(10)
+        yield proxy, url, loop
+    finally:
+        asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@pytest.mark.timeout(200)
+def test_a_service_stops_when_its_queue_redis_went_silent(tmp_path: Path) -> None:
+    """review6 #6: the queue Redis stops answering without a reset; SIGTERM stopped the
+    jobs and waited for them with no bound (the flusher's last commands never return):
+    ``nimbus service stop`` never ended."""
+    from nimbus.service.app import STOP_WAIT
+    from service_support import free_port, service_env
+
+    store = StateStore.open(None, tmp_path / "redis")
+    root = tmp_path / "svc"
+    root.mkdir()
+    try:
+        with blackhole_in_a_thread(store.url.removeprefix("unix://")) as (proxy, url, loop):
+            service = Service(root, service_env(root, NIMBUS_REDIS_URL=url), port=free_port())
+            service.start()
+            assert service.proc is not None
+            try:
+                with service.http() as http:
+                    assert http.get("/v1/health").status_code == 200  # (a pooled connection)
+                time.sleep(1)
+                loop.call_soon_threadsafe(proxy.go_silent)
+                time.sleep(0.5)
+                start = time.monotonic()
+                service.proc.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    service.proc.wait(STOP_WAIT + 30)
+                stopped = service.proc.poll() is not None
+                assert stopped, "the service did not stop"
+                assert time.monotonic() - start < STOP_WAIT + 20
+            finally:
+                service.stop()  # (SIGKILL if still running)
+    finally:
+        store.close()

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -451,6 +452,7 @@ def test_the_state_store_stands_on_the_bottom_layer_only() -> None:
         "nimbus.config",
         "nimbus.telemetry",
         "nimbus._lazy",
+        "nimbus._lockfile",
     )
     for path in sorted((PACKAGE / "statestore").glob("*.py")):
         upward = {name for name in _nimbus_imports(path) if not name.startswith(below)}
@@ -536,3 +538,184 @@ def test_a_programs_store_starts_at_its_first_use_by_any_of_its_processes(tmp_pa
     while _ours(str(tmp_path / "run")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _ours(str(tmp_path / "run"))
+
+
+def _hold_lock(path: Path) -> subprocess.Popen[str]:
+    """Another process holding the lock file ``path`` until its stdin closes."""
+    code = (
+        "import sys\nfrom nimbus._lockfile import lock_file\n"
+        "with lock_file(sys.argv[1], 5):\n"
+        "    print('held', flush=True)\n    sys.stdin.readline()\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONPATH": SRC},
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    return holder
+
+
+def _let_go(holder: subprocess.Popen[str]) -> None:
+    assert holder.stdin is not None and holder.stdout is not None
+    holder.stdin.close()
+    holder.wait(10)
+    holder.stdout.close()
+
+
+class _ForksAtLaunch(EmbeddedRedis):
+    """Forks a long-lived child (a standby, a Process) as it launches, i.e. under the
+    lock of the first connection: as a worker's main thread does while another of its
+    threads (a Queue's feeder, messaging) makes the process's first connection."""
+
+    standby = 0
+
+    def launch(self, *, direct: bool = False, watch: int | None = None) -> EmbeddedRedis:
+        self.standby = os.fork()
+        if self.standby == 0:
+            time.sleep(30)
+            os._exit(0)
+        return super().launch(direct=direct, watch=watch)
+
+
+def test_the_first_connection_lock_is_not_held_by_a_child_forked_under_it(rt: Path) -> None:
+    """review6 #2: the lock was an flock, which a child forked under it keeps held for
+    as long as it lives: the root's stop() at exit (and every other first connection)
+    waited for it with no timeout."""
+    server = _ForksAtLaunch(rt).defer()
+    read, write = os.pipe()
+    worker = os.fork()
+    if worker == 0:  # a process of the program (not its root) that uses the store first
+        code = 1
+        try:
+            code = 0 if server.serve() is False else 3
+            os.write(write, b"%d" % server.standby)
+        finally:
+            os._exit(code)
+    os.close(write)
+    standby = int(os.read(read, 100) or 0)
+    os.close(read)
+    try:
+        assert os.waitstatus_to_exitcode(os.waitpid(worker, 0)[1]) == 0
+        assert standby and psutil.pid_exists(standby)
+        stopping = threading.Thread(target=server.stop)  # the root at its exit
+        stopping.start()
+        stopping.join(5)
+        assert not stopping.is_alive(), "stop() waits for the lock a forked child holds"
+    finally:
+        if standby:
+            os.kill(standby, signal.SIGKILL)  # (not our child: W's, reaped by init)
+            assert _gone(standby, 5)
+        server.stop()
+
+
+def test_a_lock_held_for_ever_is_an_error_naming_it_and_stop_skips_it(rt: Path) -> None:
+    server = EmbeddedRedis(rt, start_timeout=0.5).defer()
+    lock = rt / f".{server.name}.lock"
+    holder = _hold_lock(lock)  # a stuck process of the program
+    try:
+        start = time.monotonic()
+        with pytest.raises(StateStoreError, match=f"{lock}.*remove that file"):
+            server.serve()
+        server._stop_theirs()  # skips it after about 2 s
+        assert time.monotonic() - start < 5
+    finally:
+        _let_go(holder)
+        server.stop()
+
+
+def test_a_store_that_died_is_an_error_at_once_naming_it(rt: Path) -> None:
+    """review6 #2 (related): another process of the program started the store and it
+    died (SIGKILL); a first connection here failed after start_timeout with a bare
+    FileNotFoundError. Now at once, with what happened and what to do."""
+    from nimbus.statestore._connect import booting, forget
+
+    server = EmbeddedRedis(rt, start_timeout=10).defer()
+    booting(server, server.url)
+    try:
+        child = os.fork()
+        if child == 0:  # a process of the program that uses the store first
+            code = 1
+            try:
+                code = 0 if connect(server.url).ping() else 3
+            finally:
+                os._exit(code)
+        assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+        watchdog = json.loads(server.state_file.read_text())["watchdog"][0]
+        for proc in psutil.Process(watchdog).children():
+            proc.kill()  # the server (its watchdog then ends)
+        assert _gone(watchdog, 5)
+        start = time.monotonic()
+        with pytest.raises(redis.ConnectionError, match=f"state store .*{rt}.* died"):
+            connect(server.url).ping()
+        assert time.monotonic() - start < 3
+    finally:
+        forget(server.url)
+        server.stop()
+
+
+def test_lock_files_and_sockets_with_no_state_file_are_swept_once_old(rt: Path) -> None:
+    old = time.time() - 120
+    for name in (".redis-0ld00000.lock", "redis-0ld00001.sock"):
+        (rt / name).touch()
+        os.utime(rt / name, (old, old))
+    (rt / ".redis-n3w00000.lock").touch()  # being made now: its state file comes next
+    (rt / ".redis-l1ve0000.lock").touch()
+    os.utime(rt / ".redis-l1ve0000.lock", (old, old))
+    (rt / "redis-l1ve0000.json").write_text("{}")  # (unreadable state: left alone)
+    server = EmbeddedRedis(rt).defer()
+    left = sorted(p.name for p in rt.iterdir())
+    assert left == [".redis-l1ve0000.lock", ".redis-n3w00000.lock", "redis-l1ve0000.json"]
+    server.stop()
+    for name in left:
+        (rt / name).unlink()
+
+
+def _keepalive(sock: Any) -> tuple[int, ...]:
+    import socket
+
+    return (
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+    )
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="TCP_KEEPIDLE and friends: Linux")
+def test_every_network_client_has_tcp_keepalive(rt: Path) -> None:
+    """review6 #6: with no read timeout, a command on a connection whose peer vanished
+    without a reset (a NAT that dropped the flow) waited for ever; keepalive ends it."""
+    import asyncio
+
+    from nimbus.statestore import connect_async
+    from nimbus.statestore._connect import forget
+    from service_support import free_port
+
+    port = free_port()
+    with EmbeddedRedis(rt, tcp=("127.0.0.1", port), password="pw") as server:
+        url = f"redis://default:pw@127.0.0.1:{port}/0"
+        shared = connect(url)
+        assert shared.ping()
+        (conn,) = shared.connection_pool._available_connections
+        assert _keepalive(conn._sock) == (1, 15, 5, 3)
+        with connect(url, own=True, single=True) as own:
+            assert own.ping()
+            assert _keepalive(own.connection._sock) == (1, 15, 5, 3)
+        forget(url)
+
+        async def asynchronous() -> tuple[int, ...]:
+            client = connect_async(url)
+            try:
+                await client.ping()
+                (conn,) = client.connection_pool._available_connections
+                return _keepalive(conn._writer.get_extra_info("socket"))
+            finally:
+                await client.aclose()
+
+        assert asyncio.run(asynchronous()) == (1, 15, 5, 3)
+        unix = connect(server.url, own=True, single=True, password="pw")  # (no keepalive)
+        with unix:
+            assert unix.ping()

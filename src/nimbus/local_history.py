@@ -20,6 +20,7 @@ synchronously when it ends (:func:`ended`), before its ``os._exit``.
 from __future__ import annotations
 
 import getpass
+import json
 import logging
 import os
 import secrets
@@ -45,6 +46,7 @@ __all__ = [
     "ended",
     "keep",
     "new_id",
+    "service_state",
     "wanted",
 ]
 
@@ -53,6 +55,10 @@ OWNER_PREFIX = "local:"  # their owner: this prefix and the program's user name
 FLUSH_EVERY = 1.0  # seconds between a program's files
 SOON = 0.05  # seconds between a pool worker's own hand-overs (keep(soon=True)), at least
 WRITE_WAIT = 2.0  # seconds an ending process waits for its thread's file in progress
+LOOK_EVERY = 5.0  # seconds between looks whether the service (still) runs
+# in Settings.service_dir while a service runs (its url, pid): nimbus.service.running's
+# STATE_FILE (read here too, not imported: that module stays light for `nimbus dashboard`)
+SERVICE_STATE = "service.json"
 log = logging.getLogger(__name__)
 
 
@@ -61,9 +67,24 @@ def directory(settings: Settings) -> Path:
     return settings.service_dir / "local-history"
 
 
+def service_state(settings: Settings) -> dict[str, object] | None:
+    """The state file of the service running on this runtime directory (its ``url`` and
+    ``pid``, written by ``nimbus.service.server``), or None when none runs: no file, or
+    the process it names is gone."""
+    try:
+        state = json.loads((settings.service_dir / SERVICE_STATE).read_text())
+        os.kill(int(state["pid"]), 0)
+    except PermissionError:  # (a live process of another user)
+        return dict(state)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return dict(state)
+
+
 def enabled(settings: Settings) -> bool:
-    """Whether this runtime directory has a service to hand a local history to."""
-    return (settings.service_dir / "registry.sqlite3").exists()
+    """Whether a service runs on this runtime directory to hand a local history to (not
+    only existed once: nobody would read the files, which would pile up for ever)."""
+    return service_state(settings) is not None
 
 
 def _owner() -> str:
@@ -78,6 +99,9 @@ class LocalHistory:
 
     def __init__(self, settings: Settings) -> None:
         self._dir = directory(settings)
+        self._settings = settings
+        self._serving = True  # the service ran at the last look (made when it did)
+        self._next_look = time.monotonic() + LOOK_EVERY
         self._owner = _owner()
         self._records: deque[TaskRecord] = deque()
         # the deque's own append: no Python frame per task on the runtime's thread
@@ -125,6 +149,12 @@ class LocalHistory:
             wire.append(records.popleft().to_wire())
         if not wire:
             return
+        now = time.monotonic()
+        if now >= self._next_look:  # (a file read, each LOOK_EVERY s at most)
+            self._next_look = now + LOOK_EVERY
+            self._serving = enabled(self._settings)
+        if not self._serving:
+            return  # the service stopped: nobody would read them (dropped)
         self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         name = f"{time.time():.6f}-{os.getpid()}-{secrets.token_hex(4)}.msgpack"
         part = self._dir / ("." + name)
@@ -136,6 +166,7 @@ class LocalHistory:
 _writer: LocalHistory | bool | None = None
 _writer_pid = 0
 _settings: Settings | None = None  # loaded once (a forked process inherits it)
+_next_look = 0.0  # when a process with no service to hand over to looks again
 
 
 def _forget_writer() -> None:
@@ -163,13 +194,18 @@ def keep(record: TaskRecord, soon: bool = False) -> None:
 
 def _here() -> LocalHistory | None:
     """This process's writer, made at its first use (None: no service to hand over to)."""
-    global _writer, _writer_pid, _settings
+    global _writer, _writer_pid, _settings, _next_look
     writer = _writer
-    if writer is None or (writer is not False and _writer_pid != os.getpid()):
+    if (
+        writer is None
+        or (writer is False and time.monotonic() >= _next_look)  # a service since?
+        or (writer is not False and _writer_pid != os.getpid())
+    ):
         if _settings is None:
             _settings = Settings.load()
         writer = _writer = LocalHistory(_settings) if enabled(_settings) else False
         _writer_pid = os.getpid()
+        _next_look = time.monotonic() + LOOK_EVERY
     return writer if isinstance(writer, LocalHistory) else None
 
 
@@ -179,8 +215,9 @@ def active() -> bool:
 
 
 def wanted() -> bool:
-    """False once this process found no service to hand records to (skip making them)."""
-    return _writer is not False
+    """False once this process found no service to hand records to (skip making them),
+    until it is time to look again."""
+    return _writer is not False or time.monotonic() >= _next_look
 
 
 def ended() -> None:

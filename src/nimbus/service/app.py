@@ -66,6 +66,7 @@ HEALTH_PING = 2.0  # seconds /v1/health waits for the queue Redis
 SWEEP_SECONDS = 30.0
 REVOCATION_POLL = 1.0  # seconds between looks for revoked tokens in the registry
 REVOCATION_SLACK = 5.0
+STOP_WAIT = 10.0  # seconds a stop waits for the background jobs to end once cancelled
 log = logging.getLogger(__name__)
 QUEUE_UNAVAILABLE = (
     "the service's task queues (Redis) are unavailable, being restarted perhaps; "
@@ -179,7 +180,19 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         finally:
             for job in jobs:
                 job.cancel()
-            await asyncio.gather(*jobs, return_exceptions=True)
+            # bounded: a job's last commands (the flusher's drain) on a queue Redis that
+            # went silent never return; what it did not acknowledge, the next start claims
+            ended, late = await asyncio.wait(jobs, timeout=STOP_WAIT)
+            for job in ended:  # (their errors were logged where they happened)
+                if not job.cancelled():
+                    job.exception()
+            if late:
+                log.warning(
+                    "stopping without waiting for %d background job(s) after %s s: the "
+                    "queue Redis does not answer (the next start takes up what they left)",
+                    len(late),
+                    STOP_WAIT,
+                )
             await client.aclose()
             registry.close()
 

@@ -34,6 +34,7 @@ batch submit share one score, which is why the cursor carries the id too.
 from __future__ import annotations
 
 import asyncio
+import math
 import weakref
 from dataclasses import dataclass, fields
 from typing import Any
@@ -41,6 +42,7 @@ from typing import Any
 import msgpack
 from sqlalchemy import column, func, select, table
 
+from nimbus.errors import ServiceError
 from nimbus.records import TaskRecord, TaskState
 from nimbus.service.history import History, Query
 from nimbus.service.queues import TaskStore
@@ -97,11 +99,23 @@ class Row:
 
 
 def decode_cursor(text: str) -> tuple[float, str] | None:
+    """A page's cursor (``Row.cursor``: ``<score>~<task id>``), None for the first page
+    (no cursor); a :class:`ServiceError` (422) naming it when it is not one (``nan``
+    or ``inf`` too: the page script cannot compare with them)."""
+    if not text:
+        return None
     score, sep, task_id = text.partition("~")
     try:
-        return (float(score), task_id) if sep and task_id else None
+        value = float(score)
     except ValueError:
-        return None
+        value = math.nan
+    if not (sep and task_id and math.isfinite(value)):
+        raise ServiceError(
+            f"the cursor {text[:100]!r} is not one a page gave (<score>~<task id>, the score "
+            f"a finite number); follow the page's links, or drop 'after' for the first page",
+            422,
+        )
+    return value, task_id
 
 
 def _seconds(value: bytes | None) -> float:

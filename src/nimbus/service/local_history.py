@@ -11,10 +11,12 @@
 
 The program pays a deque append a task and, once a second on a thread, the
 packing of its records (a few microseconds each): the SQL insert and its indexes
-are the service's work, not the program's. It is on when this runtime directory
-has a service registry (``NIMBUS_RUNTIME_DIR``/service/registry.sqlite3, made by
-``nimbus dashboard`` or ``nimbus service start``), off otherwise: a program never
-creates a service's files by running tasks. Rows carry the owner
+are the service's work, not the program's. It is on while a service runs on this
+runtime directory (``nimbus dashboard`` or ``nimbus service start``: its state file
+names a live process, looked at again every ``LOOK_EVERY`` s), off otherwise: a
+program never creates a service's files by running tasks, nor leaves files that
+nobody reads. Files beyond ``KEEP_BYTES`` (a service that could not keep up, or
+stopped while programs still wrote) are dropped, oldest first, at ingest. Rows carry the owner
 ``local:<user>`` and the endpoint ``local``: the dashboard's admin
 (``nimbus dashboard``'s user) sees them on the tasks and task pages.
 
@@ -38,6 +40,7 @@ import logging
 import os
 import secrets
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -50,10 +53,11 @@ if TYPE_CHECKING:
     from nimbus.service.history import History
     from nimbus.service.queues import TaskStore
 
-__all__ = ["INGEST_EVERY", "STALE", "ingest", "ingest_and_tell"]
+__all__ = ["INGEST_EVERY", "KEEP_BYTES", "STALE", "ingest", "ingest_and_tell"]
 
 INGEST_EVERY = 1.0  # seconds between a service's reads of them
 STALE = 60.0  # seconds after which a claimed file not removed is taken again
+KEEP_BYTES = 64 << 20  # the files waiting, at most: the oldest beyond are dropped
 log = logging.getLogger(__name__)
 
 
@@ -75,6 +79,7 @@ def ingest(settings: Settings, history: History, owners: set[str] | None = None)
         names = sorted(os.listdir(folder))
     except FileNotFoundError:
         return 0
+    names = _within_bound(folder, names)
     total = 0
     for name in names:
         path = folder / name
@@ -116,3 +121,32 @@ def ingest(settings: Settings, history: History, owners: set[str] | None = None)
             owners.add(str(owner))
         claimed.unlink(missing_ok=True)
     return total
+
+
+def _within_bound(folder: Path, names: list[str]) -> list[str]:
+    """``names`` (oldest first) without the oldest files beyond ``KEEP_BYTES``, which
+    are removed (said once in the log): history the dashboard will not show."""
+    sizes = []
+    for name in names:
+        try:
+            claimed = name.startswith(".") or ".taken-" in name  # (being written or read)
+            sizes.append(0 if claimed else (folder / name).stat().st_size)
+        except OSError:
+            sizes.append(0)
+    over = sum(sizes) - KEEP_BYTES
+    if over <= 0:
+        return names
+    dropped = freed = 0
+    for i, name in enumerate(names):
+        if freed >= over:
+            break
+        if sizes[i]:
+            (folder / name).unlink(missing_ok=True)
+            names[i] = ""
+            dropped, freed = dropped + 1, freed + sizes[i]
+    log.warning(
+        "%d local history files (%d bytes, the oldest) dropped unread: %s held more than "
+        "%d bytes (local programs wrote faster than the service took them in)",
+        dropped, freed, folder, KEEP_BYTES,
+    )  # fmt: skip
+    return [name for name in names if name]

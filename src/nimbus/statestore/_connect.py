@@ -8,7 +8,8 @@
     Link(url) (``_link``)         -> one thread's hiredis wire, made from connect(url)'s settings
 
 Every client gets the same options: no read timeout (BLPOP and friends may block
-for long; a dead server closes the socket), no ``CLIENT SETINFO`` at connect, and
+for long; a dead server closes the socket, a vanished one is found by TCP keepalive:
+:data:`KEEPALIVE`), no ``CLIENT SETINFO`` at connect, and
 for a ``rediss://`` URL the CAs of ``NIMBUS_CA_FILE`` (:func:`tls_options`).
 A connection to an embedded store that is still booting (:func:`booting`: a
 program's root launches its store and goes on) waits until it answers.
@@ -56,6 +57,28 @@ _POOL_OPTIONS: dict[str, Any] = {
     "driver_info": None,
 }
 
+# TCP keepalive for every network client: a peer gone without a reset (a NAT or load
+# balancer that dropped the flow, a host powered off) ends its connections in about
+# 15 + 5 x 3 s, where a command on them (no read timeout) would wait for ever
+KEEPALIVE = (15, 5, 3)  # seconds idle, seconds between probes, probes
+
+
+def _keepalive(url: str) -> dict[str, Any]:
+    if url.startswith("unix://"):
+        return {}
+    import socket
+
+    idle, interval, count = KEEPALIVE
+    options = {
+        getattr(socket, "TCP_KEEPIDLE", None) or getattr(socket, "TCP_KEEPALIVE", None): idle,
+        getattr(socket, "TCP_KEEPINTVL", None): interval,
+        getattr(socket, "TCP_KEEPCNT", None): count,
+    }
+    return {
+        "socket_keepalive": True,
+        "socket_keepalive_options": {k: v for k, v in options.items() if k is not None},
+    }
+
 
 class Booting(Protocol):
     """An embedded store launched and maybe not answering yet (``EmbeddedRedis``)."""
@@ -64,6 +87,8 @@ class Booting(Protocol):
     start_timeout: float
 
     def serve(self) -> bool: ...
+
+    def gone(self) -> bool: ...
 
 
 # Embedded stores that boot while the program goes on (a Process needs no store), by
@@ -138,12 +163,21 @@ def _unix_connect(self: Any) -> Any:
             fn()
         return redis.UnixDomainSocketConnection._connect(self)
     deadline = time.monotonic() + server.start_timeout
+    check = time.monotonic() + 0.1  # whether it died: a few times a second
     while True:
         try:
             sock = redis.UnixDomainSocketConnection._connect(self)
-        except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline:
-                raise
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            now = time.monotonic()
+            if now > deadline or (now > check and server.gone()):
+                why = "died" if server.gone() else f"took no connection in {server.start_timeout} s"
+                raise StateStoreError(
+                    f"this program's state store ({self.path}) {why} ({exc.strerror}): what it "
+                    f"held is lost; run the program again (or set NIMBUS_REDIS_URL to a Redis "
+                    f"server of your own)"
+                ) from exc
+            if now > check:
+                check = now + 0.1
             time.sleep(0.002)
             continue
         _booting.pop(self.path, None)
@@ -154,7 +188,7 @@ def _unix_connect(self: Any) -> Any:
 
 
 def _options(url: str) -> dict[str, Any]:
-    options = _POOL_OPTIONS | tls_options(url)
+    options = _POOL_OPTIONS | tls_options(url) | _keepalive(url)
     if url.startswith("unix://"):
         options["connection_class"] = _unix_connection()
     return options
@@ -213,7 +247,7 @@ def connect(
     identity matters (its client id). ``timeout`` (with ``own``) bounds the
     connect and every reply, with no retries: a probe fails within about it.
     """
-    options = _options(url) if not own else _POOL_OPTIONS | tls_options(url)
+    options = _options(url) if not own else _POOL_OPTIONS | tls_options(url) | _keepalive(url)
     if own:
         if timeout is not None:
             options |= {
@@ -237,7 +271,7 @@ def connect(
 def connect_async(url: str) -> aioredis.Redis:
     """A new asyncio client of the state store at ``url`` (the service's task queues),
     with :func:`connect`'s options; the caller closes it (``aclose``)."""
-    return aioredis.Redis.from_url(url, **_POOL_OPTIONS, **tls_options(url))
+    return aioredis.Redis.from_url(url, **_POOL_OPTIONS, **tls_options(url), **_keepalive(url))
 
 
 def redacted(url: str) -> str:

@@ -49,6 +49,8 @@ __all__ = ["EmbeddedRedis", "redis_server_binary"]
 
 _SUN_PATH_MAX = 103 if sys.platform == "darwin" else 107  # bytes, without the NUL
 _MARKER = "nimbus-redis-watchdog"
+_ORPHAN_AGE = 60.0  # s; a lock file or socket with no state file beside it, then swept
+_STOP_LOCK_WAIT = 2.0  # s; stop() reads the state file without the lock after it
 # Runs as its own process: argv = [-c, marker, owner pid, redis argv...]. Exits redis
 # when its parent (the owner) is gone; redis gets SIGKILL if this process is killed.
 # PDEATHSIG fires when the *thread* that forked exits: safe here, the watchdog has one.
@@ -267,15 +269,21 @@ class EmbeddedRedis:
                 return False
             self.ready()
             return True
-        import fcntl
+        from nimbus._lockfile import lock_file  # (on first use: a program's import stays light)
 
         lock_path = self.runtime_dir / f".{self.name}.lock"
-        with open(lock_path, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if self.state_file.exists() or self._watchdog is not None:
-                return False  # another process of the program started it
-            owner = self.owner_pid
-            self.launch(direct=os.getpid() == owner, watch=owner)
+        try:
+            with lock_file(lock_path, self.start_timeout):  # (forks do not inherit it)
+                if self.state_file.exists() or self._watchdog is not None:
+                    return False  # another process of the program started it
+                owner = self.owner_pid
+                self.launch(direct=os.getpid() == owner, watch=owner)
+        except TimeoutError:
+            raise StateStoreError(
+                f"another process of this program held {lock_path} for {self.start_timeout}"
+                f" s while starting the program's state store; if it is stuck, end it (or "
+                f"the program) and remove that file"
+            ) from None
         if os.getpid() != owner:
             return False
         lock_path.unlink(missing_ok=True)
@@ -386,6 +394,17 @@ class EmbeddedRedis:
             and _is_alive(self.server_pid, self._server_created)
         )
 
+    def gone(self) -> bool:
+        """Whether the state file names the server's processes and none of them runs
+        (it died after it started: SIGKILL, the OOM killer); False while it is written."""
+        try:
+            state: dict[str, Any] = json.loads(self.state_file.read_text())
+            known = [(int(pid), created) for pid, created in (state["watchdog"], state["server"])]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        known = [(pid, created) for pid, created in known if pid]
+        return bool(known) and not any(_is_alive(pid, created) for pid, created in known)
+
     def restart(self) -> EmbeddedRedis:
         """Start the server again on the same socket (after it died): from its
         append-only file with ``persist_dir``, else empty."""
@@ -476,12 +495,15 @@ class EmbeddedRedis:
 
     def _stop_theirs(self) -> None:
         """Stop a deferred server that another process started (its state file says which)."""
-        import fcntl
+        from nimbus._lockfile import lock_file
 
         try:
-            with open(self.runtime_dir / f".{self.name}.lock", "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # its starter wrote all of it
-                state: dict[str, Any] = json.loads(self.state_file.read_text())
+            with lock_file(self.runtime_dir / f".{self.name}.lock", _STOP_LOCK_WAIT):
+                pass  # its starter wrote all of it (or is stuck: the file is whole anyway)
+        except TimeoutError:
+            pass
+        try:
+            state: dict[str, Any] = json.loads(self.state_file.read_text())
             (watchdog_pid, watchdog_created), (server_pid, server_created) = (
                 state["watchdog"],
                 state["server"],
@@ -529,4 +551,19 @@ def _clean_stale(runtime_dir: Path) -> list[Path]:
             cleaned.append(state_file)
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being written or removed by someone else
+    _clean_orphans(runtime_dir)
     return cleaned
+
+
+def _clean_orphans(runtime_dir: Path) -> None:
+    """Remove lock files and sockets whose state file is gone (their owner was killed
+    between the two), once older than :data:`_ORPHAN_AGE` (a state file is written
+    right after either is made)."""
+    old = time.time() - _ORPHAN_AGE
+    for path in [*runtime_dir.glob(".redis-*.lock"), *runtime_dir.glob("redis-*.sock")]:
+        name = path.name.removeprefix(".").rpartition(".")[0]
+        try:
+            if not (runtime_dir / f"{name}.json").exists() and path.lstat().st_mtime < old:
+                path.unlink()
+        except OSError:
+            continue  # removed by someone else
