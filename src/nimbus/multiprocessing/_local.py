@@ -95,8 +95,8 @@ class LocalSite(_Here):
         super().__init__(program)
         self.remote: dict[str, _Peer] = {}  # token -> the descendant that asked
         self.closed = False
+        self.swept = threading.Event()  # the relay's thread removed what dead programs left
         directory = Settings.load().ensure_runtime_dir()
-        _remove_stale(directory)
         address = str(directory / f"relay-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.listener = connection.Listener(
             address, "AF_UNIX", authkey=bytes(current_process().authkey)
@@ -112,7 +112,9 @@ class LocalSite(_Here):
         self.executor = Executor(
             backend=backend, on_notice=self.notice, preload=preload, shutdown_at_exit=False
         )
-        threading.Thread(target=self._accept, name="nimbus-relay", daemon=True).start()
+        threading.Thread(
+            target=self._accept, args=(directory,), name="nimbus-relay", daemon=True
+        ).start()
 
     def start(self, fn: StartFn, token: str, *args: Any) -> Future[int]:
         return self.executor.submit(fn, token, *args)
@@ -128,7 +130,13 @@ class LocalSite(_Here):
         else:
             self.exited(token, code)
 
-    def _accept(self) -> None:
+    def _accept(self, directory: Path) -> None:
+        # what dead programs left: off the first start's path (its relay's connections
+        # wait), and done before the program ends (close() waits for it)
+        try:
+            _remove_stale(directory)
+        finally:
+            self.swept.set()
         while True:
             try:
                 conn = self.listener.accept()
@@ -166,6 +174,7 @@ class LocalSite(_Here):
             return
         self.closed = True
         self.join_children()
+        self.swept.wait(5.0)
         try:
             self.listener.close()  # unlinks the socket
         except OSError:
