@@ -24,6 +24,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -463,7 +464,10 @@ class _Reaper:
             if remote is not None and token is not None:
                 _remote.report_exit(*remote, token, os.waitstatus_to_exitcode(status))
             elif token is not None:
-                worker.notify(["exit", token, os.waitstatus_to_exitcode(status)])
+                try:
+                    worker.notify(["exit", token, os.waitstatus_to_exitcode(status)])
+                except OSError:  # the manager is gone: its program ended, having had the
+                    return  # exit code from the child itself (popen_nimbus), or not needing it
 
     def killer(self, pid: int) -> Callable[[int], None]:
         """``kill(sig)`` for child ``pid``, a no-op once it is reaped (its pid may be reused)."""
@@ -487,6 +491,7 @@ def _child(
 ) -> None:
     code = 1
     forwarder = None
+    exit_fd = _exit_pipe(prep.pop("exit_to", None))
     try:
         from nimbus.runtime import worker
 
@@ -540,7 +545,40 @@ def _child(
             if forwarder is not None:
                 forwarder.close()
         finally:
+            if exit_fd is not None:
+                try:  # the parent has it at once, not after the reaper's notice's hops
+                    os.write(exit_fd, _EXIT.pack(os.getpid(), code))
+                except OSError:
+                    pass
             os._exit(code)
+
+
+_EXIT = struct.Struct("ii")  # popen_nimbus reads it: pid, exit code
+
+
+def _exit_pipe(where: tuple[int, int, int] | None) -> int | None:
+    """The write end of the Popen's sentinel pipe in the parent (pid, fd, the pipe's inode),
+    opened through ``/proc`` (None where it cannot be: the parent learns the exit from the
+    reaper's notice). Processes this one forks do not keep it (it must end at our exit)."""
+    if where is None:
+        return None
+    pid, fd, inode = where
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        if os.readlink(path) != f"pipe:[{inode}]":
+            return None  # not the parent's pipe (another pid namespace): never write there
+        exit_fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    os.register_at_fork(after_in_child=functools.partial(_close_quietly, exit_fd))
+    return exit_fd
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _keep_record(process_obj: Any, began: float, code: int) -> None:

@@ -64,6 +64,8 @@ class _Here(Site):
     """A site on this host: children are signalled by pid and share this process's
     resource tracker, and its stdout/stderr when they moved since the workers started."""
 
+    same_host = True
+
     def __init__(self, program: Program) -> None:
         super().__init__(program)
         self.stdio = _stdio_ids()  # what the workers inherited
