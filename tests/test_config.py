@@ -655,5 +655,5 @@ def test_settings_load_reads_once_until_what_it_is_made_of_changes(
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     assert Settings.load().workers == (os.cpu_count() or 1)
     monkeypatch.setenv("NIMBUS_CONFIG", str(tmp_path / "missing.toml"))
-    with pytest.raises(ConfigError, match="missing.toml"):
+    with pytest.raises(ConfigError, match=r"missing\.toml"):
         Settings.load()

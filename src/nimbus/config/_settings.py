@@ -543,6 +543,8 @@ def _inputs() -> tuple[object, ...] | None:
     except OSError:
         return None
     return names, places, os.getuid(), str(path), content
+
+
 _base: dict[str, Any] = {}  # Settings.lookup's file values and defaults, read once
 
 

@@ -38,7 +38,7 @@ from nimbus.multiprocessing import _local, _main, _remote
 from nimbus.multiprocessing import context as nimbus_context
 from nimbus.records import TaskRecord, TaskState
 
-__all__ = ["MAIN_KEYS", "STORE_MODULES", "WARM_MODULES", "start"]
+__all__ = ["MAIN_KEYS", "STORE_MODULES", "WARM_MODULES", "import_main_ahead", "main_ahead", "start"]
 
 PR_SET_PDEATHSIG = 1
 
@@ -100,6 +100,30 @@ def _import_main(prep: dict[str, Any]) -> None:
                 return
             _mains.add(mark)
         prep.pop(key, None)
+
+
+def main_ahead() -> dict[str, Any] | None:
+    """In the root, as it forks its warm workers: what they need to import the program's
+    main module at once (``import_main_ahead``), or None. Only a file with the
+    ``if __name__ == "__main__":`` guard (its import starts nothing) whose functions go by
+    reference; a start's own preparation data decides again (the same main: done)."""
+    from nimbus.multiprocessing import _site
+
+    if _site.main_by_value() or not _site.main_guarded():
+        return None
+    prep = spawn.get_preparation_data("MainProcess")
+    ahead = {key: prep[key] for key in (*MAIN_KEYS, "sys_path") if key in prep}
+    return ahead if any(key in ahead for key in MAIN_KEYS) else None
+
+
+def import_main_ahead(prep: dict[str, Any]) -> None:
+    """In the root's first warm worker, just forked: import the program's main module as
+    soon as it has said hello, as its first start would (on that start's path otherwise:
+    milliseconds, more for a script importing much), while the root still starts the
+    others and sends that start (which the manager gives to this worker, the first)."""
+    from nimbus.runtime import worker
+
+    worker.when_idle(functools.partial(_import_main, dict(prep)))
 
 
 def _prepare(prep: dict[str, Any]) -> None:

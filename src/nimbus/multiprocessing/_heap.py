@@ -16,6 +16,7 @@ the runtime directory.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import shutil
@@ -25,7 +26,7 @@ import psutil
 
 from nimbus.config import private_dir
 from nimbus.errors import StateStoreError
-from nimbus.statestore import Keys
+from nimbus.statestore import Keys, later
 
 __all__ = ["Block", "directory", "remove", "sweep"]
 
@@ -35,7 +36,7 @@ _SHM = Path("/dev/shm")
 def directory(runtime_dir: Path, program_id: str) -> str:
     """A new private directory for the blocks of the program this process is the root of."""
     base = _base(runtime_dir)
-    sweep(base)
+    later(functools.partial(sweep, base))  # (off the program's first start)
     pid = os.getpid()
     path = base / f"{_namespace()}-{pid}-{_started(pid)}-{program_id}"
     path.mkdir(mode=0o700)

@@ -49,7 +49,7 @@ from nimbus.backends import local as _backend  # noqa: F401  (the forked backend
 from nimbus.config import Settings
 from nimbus.executor import Executor
 from nimbus.multiprocessing._site import Site, StartFn
-from nimbus.statestore import Program, is_root
+from nimbus.statestore import Program, is_root, later
 
 __all__ = [
     "LocalSite",
@@ -97,8 +97,8 @@ class LocalSite(_Here):
         super().__init__(program)
         self.remote: dict[str, _Peer] = {}  # token -> the descendant that asked
         self.closed = False
-        self.swept = threading.Event()  # the relay's thread removed what dead programs left
         directory = Settings.load().ensure_runtime_dir()
+        later(functools.partial(_remove_stale, directory))  # (off the first start)
         address = str(directory / f"relay-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.listener = connection.Listener(
             address, "AF_UNIX", authkey=bytes(current_process().authkey)
@@ -110,13 +110,19 @@ class LocalSite(_Here):
         # forked mid-scan of the runtime directory would keep the scan's descriptor (its
         # children one more than other workers')
         backend = "forked" if is_root() else "local"
+        if backend == "forked":  # each imports the main module as it is forked
+            from nimbus.multiprocessing import _forking
+            from nimbus.runtime import popen_fork
+
+            ahead = _forking.main_ahead()
+            if ahead is not None:
+                main = functools.partial(_forking.import_main_ahead, ahead)
+                popen_fork.at_worker_start(main, once=True)  # the first (its first start)
         # shut down by close(), after joining children
         self.executor = Executor(
             backend=backend, on_notice=self.notice, preload=preload, shutdown_at_exit=False
         )
-        threading.Thread(
-            target=self._accept, args=(directory,), name="nimbus-relay", daemon=True
-        ).start()
+        threading.Thread(target=self._accept, name="nimbus-relay", daemon=True).start()
 
     def start(self, fn: StartFn, token: str, *args: Any) -> Future[int]:
         return self.executor.submit(fn, token, *args)
@@ -132,13 +138,7 @@ class LocalSite(_Here):
         else:
             self.exited(token, code)
 
-    def _accept(self, directory: Path) -> None:
-        # what dead programs left: off the first start's path (its relay's connections
-        # wait), and done before the program ends (close() waits for it)
-        try:
-            _remove_stale(directory)
-        finally:
-            self.swept.set()
+    def _accept(self) -> None:
         while True:
             try:
                 conn = self.listener.accept()
@@ -176,7 +176,6 @@ class LocalSite(_Here):
             return
         self.closed = True
         self.join_children()
-        self.swept.wait(5.0)
         try:
             self.listener.close()  # unlinks the socket
         except OSError:

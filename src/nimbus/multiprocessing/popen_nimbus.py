@@ -225,7 +225,6 @@ class Popen:
                 return
             self._exited(code)
 
-
     def _send_signal(self, sig: int) -> None:
         if self.returncode is None:
             self._site.signal(self._token, self._forked, sig)
