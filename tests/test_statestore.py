@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -536,3 +537,43 @@ def test_a_programs_store_starts_at_its_first_use_by_any_of_its_processes(tmp_pa
     while _ours(str(tmp_path / "run")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _ours(str(tmp_path / "run"))
+
+
+# ---------------------------------------------------------------- chores (off the first start)
+
+
+def test_chores_run_later_on_their_thread_or_at_once_when_asked(tmp_path: Path) -> None:
+    """``later(fn)`` does not run ``fn`` now; its thread runs it after CHORES_AFTER s, or
+    at once when ``run_now`` (the exit handler) asks; a fork runs none of them."""
+    code = textwrap.dedent(
+        """
+        import os, sys, threading, time
+        from nimbus.statestore import _chores, later
+        ran = []
+        t0 = time.monotonic()
+        later(lambda: ran.append(("a", threading.current_thread().name, time.monotonic())))
+        assert ran == []
+        deadline = time.monotonic() + 10
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ran and ran[0][1] == "nimbus-chores", ran
+        assert ran[0][2] - t0 >= _chores.CHORES_AFTER * 0.9, ran  # not at once
+        later(lambda: ran.append("b"))
+        pid = os.fork()
+        if pid == 0:  # the child's copy of the chore never runs
+            later(lambda: ran.append("child"))
+            _chores.run_now()
+            os._exit(0 if ran[1:] == ["child"] else 3)
+        assert os.waitpid(pid, 0)[1] == 0
+        t1 = time.monotonic()
+        _chores.run_now()  # (the exit handler): at once
+        assert ran[1:] == ["b"] and time.monotonic() - t1 < _chores.CHORES_AFTER / 2, ran
+        later(lambda: print("at exit", flush=True))
+        print("end", flush=True)
+        """
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["at exit", "end"]  # ran before the exit
