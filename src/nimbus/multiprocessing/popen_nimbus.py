@@ -203,7 +203,7 @@ class Popen:
                     self._done.wait(left)
                     return
                 try:
-                    ready = select.select([self.sentinel], [], [], left)[0]
+                    ready = _readable(self.sentinel, left)
                 except (OSError, ValueError):  # closed meanwhile by close()
                     self._done.wait(left)
                     return
@@ -212,9 +212,12 @@ class Popen:
                 with self._reading:
                     if self.returncode is not None or self._seen is not None:
                         continue
-                    if not select.select([self.sentinel], [], [], 0)[0]:
-                        continue  # another thread read it
-                    got = os.read(self.sentinel, _EXIT.size)
+                    try:
+                        if not _readable(self.sentinel, 0):
+                            continue  # another thread read it
+                        got = os.read(self.sentinel, _EXIT.size)
+                    except (OSError, ValueError):  # closed meanwhile by close()
+                        got = b""
                 if len(got) != _EXIT.size:  # end of file: the notice closed the pipe
                     self._done.wait(left)
                     return
@@ -270,9 +273,17 @@ def _ended(pid: int, timeout: float | None) -> bool:
             timeout = None if timeout is None else timeout - 0.001
         return False
     try:
-        return bool(select.select([fd], [], [], timeout)[0])
+        return _readable(fd, timeout)
     finally:
         os.close(fd)
+
+
+def _readable(fd: int, timeout: float | None) -> bool:
+    """Whether ``fd`` is readable (or at its end) within ``timeout`` seconds (any fd
+    number: ``select.select`` takes none above 1023)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))))
 
 
 _main_imported = False  # a start of this process's has imported the main module in a worker
