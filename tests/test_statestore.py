@@ -571,8 +571,8 @@ def test_chores_run_later_on_their_thread_or_at_once_when_asked(tmp_path: Path) 
         t1 = time.monotonic()
         _chores.run_now()  # (the exit handler): at once
         assert ran[1:] == ["b"] and time.monotonic() - t1 < _chores.CHORES_AFTER / 2, ran
-        later(lambda: print("at exit", flush=True))
-        print("end", flush=True)
+        later(lambda: os.write(1, b"at exit\\n"))
+        os.write(1, b"end\\n")
         """
     )
     res = subprocess.run(
