@@ -6,13 +6,19 @@
                                      |                                        | fork()
             pid <----------------- result ------------------------------------+
                                                                               |  child: _bootstrap()
-            returncode, sentinel <- notice ["exit", token, code] <- reaper thread (waitpid)
+            returncode, sentinel <- (pid, code) written to the sentinel's pipe <-+ as it ends
+                                 <- its pidfd readable: it has ended               |
+                              (or) <- notice ["exit", token, code] <- reaper thread (waitpid)
 
 The warm worker only forks (``_forking``): the child is a copy of an
 interpreter that has nimbus and the program's modules already imported, so a
 Process starts in a few milliseconds and every started Process runs at once.
 Its exit code becomes ``Popen.returncode`` and the sentinel (a pipe) becomes
-readable; ``terminate``/``kill`` signal the child by pid (same host).
+readable: a local child writes its code to that pipe itself (opened through
+``/proc``) and the parent, reading it, waits for the child's pidfd, so a join
+does not wait for the worker's reaper and its notice's hops; a child killed
+(or that could not write) ends by the notice, which wakes the pipe too.
+``terminate``/``kill`` signal the child by pid (same host).
 The warm workers are where this process's *site* says (``_site``): the
 program root's (``_local``; a process the program started asks the root to
 start its own children, through its relay), or with ``NIMBUS_ENDPOINT`` set
