@@ -38,7 +38,7 @@ from nimbus.multiprocessing import _local, _main, _remote
 from nimbus.multiprocessing import context as nimbus_context
 from nimbus.records import TaskRecord, TaskState
 
-__all__ = ["MAIN_KEYS", "STORE_MODULES", "WARM_MODULES", "main_ahead", "start", "start_ahead"]
+__all__ = ["MAIN_KEYS", "STORE_MODULES", "WARM_MODULES", "import_main_ahead", "main_ahead", "start"]
 
 PR_SET_PDEATHSIG = 1
 
@@ -104,7 +104,7 @@ def _import_main(prep: dict[str, Any]) -> None:
 
 def main_ahead() -> dict[str, Any] | None:
     """In the root, as it forks its warm workers: what they need to import the program's
-    main module at once (:func:`start_ahead`), or None. Only a file with the
+    main module at once (``import_main_ahead``), or None. Only a file with the
     ``if __name__ == "__main__":`` guard (its import starts nothing) whose functions go by
     reference; a start's own preparation data decides again (the same main: done)."""
     from nimbus.multiprocessing import _site
@@ -116,26 +116,14 @@ def main_ahead() -> dict[str, Any] | None:
     return ahead if any(key in ahead for key in MAIN_KEYS) else None
 
 
-def start_ahead(main: dict[str, Any] | None, program: statestore.Program) -> None:
-    """In the root's first warm worker, just forked: as soon as it has said hello, do what
-    its first start would (on that start's path otherwise): import the program's main
-    module (``main``: :func:`main_ahead`) and fork a standby child, while the root still
-    starts the others and sends that start (which the manager gives to this worker)."""
+def import_main_ahead(prep: dict[str, Any]) -> None:
+    """In the root's first warm worker, just forked: import the program's main module as
+    soon as it has said hello, as its first start would (on that start's path otherwise:
+    milliseconds, more for a script importing much), while the root still starts the
+    others and sends that start (which the manager gives to this worker, the first)."""
     from nimbus.runtime import worker
 
-    worker.when_idle(functools.partial(_ahead, main, program))
-
-
-def _ahead(main: dict[str, Any] | None, program: statestore.Program) -> None:
-    global _program
-    if _install.installed():  # as start() does for an installed program's
-        _install.install()
-    if main is not None:
-        _import_main(dict(main))
-    if _program is None and not _standbys:  # (no start came first)
-        _program = program
-        _settle(program)
-        _standbys.append(_Standby(program))
+    worker.when_idle(functools.partial(_import_main, dict(prep)))
 
 
 def _prepare(prep: dict[str, Any]) -> None:

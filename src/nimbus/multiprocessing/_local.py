@@ -110,12 +110,14 @@ class LocalSite(_Here):
         # forked mid-scan of the runtime directory would keep the scan's descriptor (its
         # children one more than other workers')
         backend = "forked" if is_root() else "local"
-        if backend == "forked":  # the first readies its first start as it comes up
+        if backend == "forked":  # each imports the main module as it is forked
             from nimbus.multiprocessing import _forking
             from nimbus.runtime import popen_fork
 
-            ahead = functools.partial(_forking.start_ahead, _forking.main_ahead(), program)
-            popen_fork.at_worker_start(ahead, once=True)
+            ahead = _forking.main_ahead()
+            if ahead is not None:
+                main = functools.partial(_forking.import_main_ahead, ahead)
+                popen_fork.at_worker_start(main, once=True)  # the first (its first start)
         # shut down by close(), after joining children
         self.executor = Executor(
             backend=backend, on_notice=self.notice, preload=preload, shutdown_at_exit=False
