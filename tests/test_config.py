@@ -627,3 +627,33 @@ def test_the_namespace_imports_each_name_from_its_module_on_first_use() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.splitlines()
     assert out == ["['nimbus.config', 'nimbus.config._places'] []", "[]"]
+
+
+# ---------------------------------------------------------------- read once per process
+
+
+def test_settings_load_reads_once_until_what_it_is_made_of_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process's callers of ``Settings.load()`` share one object, made again when a
+    NIMBUS_* variable, the config file's place or its bytes change (same size too)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    monkeypatch.delenv("NIMBUS_CONFIG", raising=False)
+    monkeypatch.delenv("NIMBUS_PREFETCH", raising=False)
+    monkeypatch.delenv("NIMBUS_WORKERS", raising=False)
+    first = Settings.load()
+    assert Settings.load() is first
+    monkeypatch.setenv("NIMBUS_PREFETCH", "3")
+    changed = Settings.load()
+    assert changed is not first and changed.prefetch == 3
+    assert Settings.load() is changed
+    file = write(tmp_path / "home" / ".config" / "nimbus" / "config.toml", "workers = 2\n")
+    assert Settings.load().workers == 2
+    file.write_text("workers = 3\n")  # the same size, maybe the same mtime
+    assert Settings.load().workers == 3
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    assert Settings.load().workers == (os.cpu_count() or 1)
+    monkeypatch.setenv("NIMBUS_CONFIG", str(tmp_path / "missing.toml"))
+    with pytest.raises(ConfigError, match=r"missing\.toml"):
+        Settings.load()

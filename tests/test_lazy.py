@@ -73,3 +73,38 @@ def test_redis_py_is_imported_when_the_store_is_first_used(tmp_path: Path) -> No
         "process False 0",
         "queue True True",
     ]
+
+
+@pytest.mark.timeout(120)
+def test_package_metadata_is_not_read_by_the_import_nor_the_first_start(tmp_path: Path) -> None:
+    """``importlib.metadata`` (18 ms of ``import nimbus.multiprocessing``) is imported
+    where a package's version is looked up (an environment is built), not before."""
+    script = tmp_path / "prog.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import nimbus.multiprocessing as mp
+
+            def child():
+                pass
+
+            if __name__ == "__main__":
+                print("importlib.metadata" in sys.modules)
+                p = mp.Process(target=child)
+                p.start()
+                p.join()
+                print("importlib.metadata" in sys.modules, p.exitcode)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False", "0"]

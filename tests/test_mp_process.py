@@ -737,3 +737,85 @@ def test_the_roots_warm_workers_are_forks_of_it_and_a_childs_threads_are_waited_
     assert forks, "the root's warm workers are forks of it (nimbus already imported)"
     for worker in forks:
         assert worker.pid == os.getsid(worker.pid)  # a session of its own, as a new one
+
+
+def _stop_my_worker(pid_of_worker: Any) -> None:
+    """Stop the warm worker that forked this process (its reaper cannot report our exit)."""
+    pid_of_worker.value = os.getppid()
+    os.kill(os.getppid(), signal.SIGSTOP)
+    sys.exit(7)
+
+
+@pytest.mark.timeout(60)
+def test_join_has_the_exit_code_while_the_worker_that_forked_it_is_stopped() -> None:
+    """The child writes its exit code to its Popen's pipe and the parent waits for its
+    pidfd: join() does not wait for the worker's reaper and notice (held up here)."""
+    worker = mp.Value("i", 0)
+    p = mp.Process(target=_stop_my_worker, args=(worker,))
+    p.start()
+    try:
+        p.join(20)
+        assert p.exitcode == 7
+        assert not p.is_alive()
+        assert multiprocessing.connection.wait([p.sentinel], timeout=5) == [p.sentinel]
+    finally:
+        if worker.value:
+            os.kill(worker.value, signal.SIGCONT)
+
+
+def _sleep_long() -> None:
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_childs_exit_comes_by_the_notice_and_wakes_its_sentinel() -> None:
+    """A child that cannot write its code (killed) ends by the worker's notice, which
+    wakes a wait on its sentinel too."""
+    p = mp.Process(target=_sleep_long)
+    p.start()
+    woke: list[Any] = []
+    waiter = threading.Thread(
+        target=lambda: woke.append(multiprocessing.connection.wait([p.sentinel], timeout=20))
+    )
+    waiter.start()
+    p.kill()
+    p.join(20)
+    waiter.join(20)
+    assert p.exitcode == -signal.SIGKILL
+    assert woke == [[p.sentinel]]
+
+
+@pytest.mark.timeout(90)
+def test_the_first_warm_worker_imports_a_guarded_main_before_the_first_start(
+    tmp_path: Path,
+) -> None:
+    """The root's first warm worker imports the main module as it comes up, not when the
+    first start reaches it (that start would wait for the import)."""
+    res = _run_script(
+        tmp_path,
+        """
+        import os, time
+        import nimbus.multiprocessing as mp
+        from nimbus.multiprocessing import popen_nimbus
+
+        if __name__ == "__mp_main__":
+            with open("imported", "a") as f:
+                f.write(f"{os.getpid()}\\n")
+
+        def child():
+            pass
+
+        if __name__ == "__main__":
+            popen_nimbus.site()  # the warm workers, no start yet
+            deadline = time.monotonic() + 20
+            while not os.path.exists("imported") and time.monotonic() < deadline:
+                time.sleep(0.02)
+            print(os.path.exists("imported"))
+            p = mp.Process(target=child)
+            p.start()
+            p.join()
+            print(p.exitcode, len(open("imported").read().split()))
+        """,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["True", "0", "1"]

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -231,8 +232,9 @@ def test_orphan_server_of_dead_owner_is_cleaned_at_next_start(rt: Path) -> None:
 
 
 def test_a_program_that_never_starts_its_store_still_sweeps_a_dead_owners(rt: Path) -> None:
-    """The sweep runs when a program opens its store (``defer()``), not when the store
-    starts: a program that never starts one (a local Pool) removes a killed one's files."""
+    """The sweep is asked for when a program opens its store (``defer()``), not when the
+    store starts: a program that never starts one (a local Pool) removes a killed one's
+    files (on the chores' thread, off the first start: at once here, as at exit)."""
     child, pids = _spawn_owner(rt)
     _reap(child)
     assert _gone(pids["server"], 3)
@@ -240,6 +242,7 @@ def test_a_program_that_never_starts_its_store_still_sweeps_a_dead_owners(rt: Pa
     left = sorted(p.name for p in rt.iterdir())
     assert any(n.endswith(".json") for n in left), left
     server = EmbeddedRedis(rt).defer()
+    nimbus.statestore._chores.run_now()
     assert list(rt.iterdir()) == []
     assert not server.socket_path.exists()  # not started
     server.stop()
@@ -423,7 +426,8 @@ def test_public_names_are_pinned() -> None:
         [
             *("EmbeddedRedis", "Keys", "Link", "MIN_WAIT", "Opener", "Program", "Root"),
             *("SKIP_REPLY", "Script", "StateStore", "adopt", "connect", "connect_async"),
-            *("current", "is_root", "keys", "link", "lua", "open_local", "pack", "preload"),
+            *("current", "is_root", "keys", "later", "link", "lua", "open_local", "pack"),
+            "preload",
             *("probe", "program", "redacted", "redis_server_binary", "root", "scripts"),
             *("set_opener", "tls_options", "open_store"),
         ]
@@ -719,3 +723,43 @@ def test_every_network_client_has_tcp_keepalive(rt: Path) -> None:
         unix = connect(server.url, own=True, single=True, password="pw")  # (no keepalive)
         with unix:
             assert unix.ping()
+
+
+# ---------------------------------------------------------------- chores (off the first start)
+
+
+def test_chores_run_later_on_their_thread_or_at_once_when_asked(tmp_path: Path) -> None:
+    """``later(fn)`` does not run ``fn`` now; its thread runs it after CHORES_AFTER s, or
+    at once when ``run_now`` (the exit handler) asks; a fork runs none of them."""
+    code = textwrap.dedent(
+        """
+        import os, sys, threading, time
+        from nimbus.statestore import _chores, later
+        ran = []
+        t0 = time.monotonic()
+        later(lambda: ran.append(("a", threading.current_thread().name, time.monotonic())))
+        assert ran == []
+        deadline = time.monotonic() + 10
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ran and ran[0][1] == "nimbus-chores", ran
+        assert ran[0][2] - t0 >= _chores.CHORES_AFTER * 0.9, ran  # not at once
+        later(lambda: ran.append("b"))
+        pid = os.fork()
+        if pid == 0:  # the child's copy of the chore never runs
+            later(lambda: ran.append("child"))
+            _chores.run_now()
+            os._exit(0 if ran[1:] == ["child"] else 3)
+        assert os.waitpid(pid, 0)[1] == 0
+        t1 = time.monotonic()
+        _chores.run_now()  # (the exit handler): at once
+        assert ran[1:] == ["b"] and time.monotonic() - t1 < _chores.CHORES_AFTER / 2, ran
+        later(lambda: os.write(1, b"at exit\\n"))
+        os.write(1, b"end\\n")
+        """
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["at exit", "end"]  # ran before the exit

@@ -326,8 +326,25 @@ class Settings:
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, file: Path | None = None) -> Settings:
-        """Defaults < TOML file < environment. ``env`` defaults to ``os.environ``."""
-        env = os.environ if env is None else env
+        """Defaults < TOML file < environment. ``env`` defaults to ``os.environ``.
+
+        Without arguments, read once per process for as long as what they are made of
+        stays the same (the ``NIMBUS_*`` variables, the few that say where the file is,
+        the file's bytes): a process's many callers share one object (it is frozen),
+        and a fork's children inherit it.
+        """
+        if env is None and file is None:
+            key = _inputs()
+            if key is not None and key == _loaded[0]:
+                return _loaded[1]  # type: ignore[return-value]
+            settings = cls._load(os.environ, None)
+            if key is not None:
+                _loaded[:] = [key, settings]
+            return settings
+        return cls._load(os.environ if env is None else env, file)
+
+    @classmethod
+    def _load(cls, env: Mapping[str, str], file: Path | None) -> Settings:
         values: dict[str, object] = {"runtime_dir": default_runtime_dir(env)}
         sources = dict.fromkeys(FIELDS, "default")
 
@@ -503,6 +520,32 @@ FIELDS: dict[str, Spec] = {
     for f in dataclasses.fields(Settings)
 }
 _ENV_NAMES = frozenset(spec.env for spec in FIELDS.values())
+_PLACES = ("HOME", "XDG_CONFIG_HOME", "XDG_RUNTIME_DIR")  # where the file and runtime are
+_loaded: list[object] = [None, None]  # Settings.load()'s inputs and what it made of them
+
+
+def _inputs() -> tuple[object, ...] | None:
+    """What ``Settings.load()`` is made of now: the ``NIMBUS_*`` variables, those of
+    :data:`_PLACES`, the user and the config file's bytes (a few tens of microseconds,
+    where parsing and checking them all takes a millisecond). None: the file cannot be
+    read (load says why)."""
+    env = os.environ
+    names = tuple(sorted((k, v) for k, v in env.items() if k.startswith(ENV_PREFIX)))
+    places = tuple(env.get(k) for k in _PLACES)
+    explicit = env.get(CONFIG_ENV, "").strip()
+    path = Path(explicit).expanduser() if explicit else default_config_file(env)
+    try:
+        with open(path, "rb") as f:
+            content: bytes | None = f.read()
+    except FileNotFoundError:
+        if explicit:
+            return None
+        content = None
+    except OSError:
+        return None
+    return names, places, os.getuid(), str(path), content
+
+
 _base: dict[str, Any] = {}  # Settings.lookup's file values and defaults, read once
 
 

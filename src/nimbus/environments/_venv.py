@@ -30,11 +30,17 @@ import subprocess
 import sys
 import sysconfig
 import threading
-from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from nimbus._lazy import lazy
 from nimbus.environments._spec import Environment
 from nimbus.errors import EnvironmentBuildError
+
+if TYPE_CHECKING:
+    from importlib import metadata
+else:  # imported when a package's version is looked up (an environment is built)
+    metadata = lazy("importlib.metadata", globals())
 
 __all__ = [
     "NODE_PATH",

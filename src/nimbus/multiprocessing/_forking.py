@@ -24,6 +24,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -37,7 +38,7 @@ from nimbus.multiprocessing import _local, _main, _remote
 from nimbus.multiprocessing import context as nimbus_context
 from nimbus.records import TaskRecord, TaskState
 
-__all__ = ["MAIN_KEYS", "STORE_MODULES", "WARM_MODULES", "start"]
+__all__ = ["MAIN_KEYS", "STORE_MODULES", "WARM_MODULES", "import_main_ahead", "main_ahead", "start"]
 
 PR_SET_PDEATHSIG = 1
 
@@ -99,6 +100,30 @@ def _import_main(prep: dict[str, Any]) -> None:
                 return
             _mains.add(mark)
         prep.pop(key, None)
+
+
+def main_ahead() -> dict[str, Any] | None:
+    """In the root, as it forks its warm workers: what they need to import the program's
+    main module at once (``import_main_ahead``), or None. Only a file with the
+    ``if __name__ == "__main__":`` guard (its import starts nothing) whose functions go by
+    reference; a start's own preparation data decides again (the same main: done)."""
+    from nimbus.multiprocessing import _site
+
+    if _site.main_by_value() or not _site.main_guarded():
+        return None
+    prep = spawn.get_preparation_data("MainProcess")
+    ahead = {key: prep[key] for key in (*MAIN_KEYS, "sys_path") if key in prep}
+    return ahead if any(key in ahead for key in MAIN_KEYS) else None
+
+
+def import_main_ahead(prep: dict[str, Any]) -> None:
+    """In the root's first warm worker, just forked: import the program's main module as
+    soon as it has said hello, as its first start would (on that start's path otherwise:
+    milliseconds, more for a script importing much), while the root still starts the
+    others and sends that start (which the manager gives to this worker, the first)."""
+    from nimbus.runtime import worker
+
+    worker.when_idle(functools.partial(_import_main, dict(prep)))
 
 
 def _prepare(prep: dict[str, Any]) -> None:
@@ -463,7 +488,10 @@ class _Reaper:
             if remote is not None and token is not None:
                 _remote.report_exit(*remote, token, os.waitstatus_to_exitcode(status))
             elif token is not None:
-                worker.notify(["exit", token, os.waitstatus_to_exitcode(status)])
+                try:
+                    worker.notify(["exit", token, os.waitstatus_to_exitcode(status)])
+                except OSError:  # the manager is gone: its program ended, having had the
+                    return  # exit code from the child itself (popen_nimbus), or not needing it
 
     def killer(self, pid: int) -> Callable[[int], None]:
         """``kill(sig)`` for child ``pid``, a no-op once it is reaped (its pid may be reused)."""
@@ -487,6 +515,7 @@ def _child(
 ) -> None:
     code = 1
     forwarder = None
+    exit_fd = _exit_pipe(prep.pop("exit_to", None))
     try:
         from nimbus.runtime import worker
 
@@ -540,7 +569,40 @@ def _child(
             if forwarder is not None:
                 forwarder.close()
         finally:
+            if exit_fd is not None:
+                try:  # the parent has it at once, not after the reaper's notice's hops
+                    os.write(exit_fd, _EXIT.pack(os.getpid(), code))
+                except OSError:
+                    pass
             os._exit(code)
+
+
+_EXIT = struct.Struct("ii")  # popen_nimbus reads it: pid, exit code
+
+
+def _exit_pipe(where: tuple[int, int, int] | None) -> int | None:
+    """The write end of the Popen's sentinel pipe in the parent (pid, fd, the pipe's inode),
+    opened through ``/proc`` (None where it cannot be: the parent learns the exit from the
+    reaper's notice). Processes this one forks do not keep it (it must end at our exit)."""
+    if where is None:
+        return None
+    pid, fd, inode = where
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        if os.readlink(path) != f"pipe:[{inode}]":
+            return None  # not the parent's pipe (another pid namespace): never write there
+        exit_fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    os.register_at_fork(after_in_child=functools.partial(_close_quietly, exit_fd))
+    return exit_fd
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _keep_record(process_obj: Any, began: float, code: int) -> None:

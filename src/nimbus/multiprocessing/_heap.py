@@ -16,16 +16,22 @@ the runtime directory.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import psutil
-
+from nimbus._lazy import lazy
 from nimbus.config import private_dir
 from nimbus.errors import StateStoreError
-from nimbus.statestore import Keys
+from nimbus.statestore import Keys, later
+
+if TYPE_CHECKING:
+    import psutil
+else:  # imported where there is no /proc only (see _started)
+    psutil = lazy("psutil", globals())
 
 __all__ = ["Block", "directory", "remove", "sweep"]
 
@@ -35,7 +41,7 @@ _SHM = Path("/dev/shm")
 def directory(runtime_dir: Path, program_id: str) -> str:
     """A new private directory for the blocks of the program this process is the root of."""
     base = _base(runtime_dir)
-    sweep(base)
+    later(functools.partial(sweep, base))  # (off the program's first start)
     pid = os.getpid()
     path = base / f"{_namespace()}-{pid}-{_started(pid)}-{program_id}"
     path.mkdir(mode=0o700)
@@ -80,11 +86,33 @@ def _base(runtime_dir: Path) -> Path:
 
 
 def _started(pid: int) -> str:
-    """When process ``pid`` started, in hundredths of a second ('' if there is none)."""
+    """When process ``pid`` started, in hundredths of a second ('' if there is none):
+    ``psutil.Process(pid).create_time()``'s figure, read from ``/proc`` as psutil does
+    (psutil itself is imported only where there is no ``/proc``: a program's first
+    start asks this of its root)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = f.read().rsplit(b")", 1)[1].split()[19]
+        return str(int((float(ticks) / _clock_ticks() + _boot_time()) * 100))
+    except FileNotFoundError:
+        return ""
+    except (OSError, IndexError, ValueError):
+        pass
     try:
         return str(int(psutil.Process(pid).create_time() * 100))
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return ""
+
+
+@functools.cache
+def _clock_ticks() -> int:
+    return os.sysconf("SC_CLK_TCK")
+
+
+@functools.cache
+def _boot_time() -> float:
+    with open("/proc/stat", "rb") as f:
+        return next(float(line.split()[1]) for line in f if line.startswith(b"btime"))
 
 
 class Block:

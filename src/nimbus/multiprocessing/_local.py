@@ -49,7 +49,7 @@ from nimbus.backends import local as _backend  # noqa: F401  (the forked backend
 from nimbus.config import Settings
 from nimbus.executor import Executor
 from nimbus.multiprocessing._site import Site, StartFn
-from nimbus.statestore import Program, is_root
+from nimbus.statestore import Program, is_root, later
 
 __all__ = [
     "LocalSite",
@@ -63,6 +63,8 @@ __all__ = [
 class _Here(Site):
     """A site on this host: children are signalled by pid and share this process's
     resource tracker, and its stdout/stderr when they moved since the workers started."""
+
+    same_host = True
 
     def __init__(self, program: Program) -> None:
         super().__init__(program)
@@ -96,7 +98,7 @@ class LocalSite(_Here):
         self.remote: dict[str, _Peer] = {}  # token -> the descendant that asked
         self.closed = False
         directory = Settings.load().ensure_runtime_dir()
-        _remove_stale(directory)
+        later(functools.partial(_remove_stale, directory))  # (off the first start)
         address = str(directory / f"relay-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.listener = connection.Listener(
             address, "AF_UNIX", authkey=bytes(current_process().authkey)
@@ -108,6 +110,14 @@ class LocalSite(_Here):
         # forked mid-scan of the runtime directory would keep the scan's descriptor (its
         # children one more than other workers')
         backend = "forked" if is_root() else "local"
+        if backend == "forked":  # each imports the main module as it is forked
+            from nimbus.multiprocessing import _forking
+            from nimbus.runtime import popen_fork
+
+            ahead = _forking.main_ahead()
+            if ahead is not None:
+                main = functools.partial(_forking.import_main_ahead, ahead)
+                popen_fork.at_worker_start(main, once=True)  # the first (its first start)
         # shut down by close(), after joining children
         self.executor = Executor(
             backend=backend, on_notice=self.notice, preload=preload, shutdown_at_exit=False

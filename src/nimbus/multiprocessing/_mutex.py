@@ -49,14 +49,18 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psutil
-
+from nimbus._lazy import lazy
 from nimbus.multiprocessing import _heap
 from nimbus.multiprocessing.synchronize import Lock, _Acquirable, _NotOwnedError
 from nimbus.statestore import Keys, Program, current
 from nimbus.statestore import link as _link
+
+if TYPE_CHECKING:
+    import psutil
+else:  # imported when a lock's holder must be looked for (it may have died)
+    psutil = lazy("psutil", globals())
 
 __all__ = ["HostLock", "HostRLock", "available"]
 

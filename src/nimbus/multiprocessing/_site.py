@@ -74,6 +74,7 @@ class Site(ABC):
     """Where this process's children run: start them, signal them, learn their exits."""
 
     imports_main = False  # its first start imports the main module in a worker (awaited)
+    same_host = False  # its children run on this host (they write their exit to the Popen)
 
     def __init__(self, program: Program) -> None:
         self.program = program

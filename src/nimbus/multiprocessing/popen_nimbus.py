@@ -6,13 +6,19 @@
                                      |                                        | fork()
             pid <----------------- result ------------------------------------+
                                                                               |  child: _bootstrap()
-            returncode, sentinel <- notice ["exit", token, code] <- reaper thread (waitpid)
+            returncode, sentinel <- (pid, code) written to the sentinel's pipe <-+ as it ends
+                                 <- its pidfd readable: it has ended               |
+                              (or) <- notice ["exit", token, code] <- reaper thread (waitpid)
 
 The warm worker only forks (``_forking``): the child is a copy of an
 interpreter that has nimbus and the program's modules already imported, so a
 Process starts in a few milliseconds and every started Process runs at once.
 Its exit code becomes ``Popen.returncode`` and the sentinel (a pipe) becomes
-readable; ``terminate``/``kill`` signal the child by pid (same host).
+readable: a local child writes its code to that pipe itself (opened through
+``/proc``) and the parent, reading it, waits for the child's pidfd, so a join
+does not wait for the worker's reaper and its notice's hops; a child killed
+(or that could not write) ends by the notice, which wakes the pipe too.
+``terminate``/``kill`` signal the child by pid (same host).
 The warm workers are where this process's *site* says (``_site``): the
 program root's (``_local``; a process the program started asks the root to
 start its own children, through its relay), or with ``NIMBUS_ENDPOINT`` set
@@ -23,9 +29,12 @@ travelling through the program's state store (``_remote``).
 from __future__ import annotations
 
 import os
+import select
 import signal
+import struct
 import sys
 import threading
+import time
 import uuid
 from multiprocessing import context as stdlib_context
 from multiprocessing import process as stdlib_process
@@ -83,6 +92,8 @@ class Popen:
             for key in _forking.MAIN_KEYS:  # fork, __main__'s functions go by value
                 prep.pop(key, None)
         self.sentinel, self._exit_w = os.pipe()
+        self._seen: tuple[int, int] | None = None  # (pid, code) the child wrote: it exits
+        self._reading = threading.Lock()
         self._token = uuid.uuid4().hex
         # the child's default context: its process's own method, else the parent's default
         prep.pop("start_method", None)
@@ -112,6 +123,8 @@ class Popen:
         where.register(self._token, self)
         prep["authkey"] = bytes(prep["authkey"])
         where.prepare(prep)
+        if where.same_host:  # the child writes its exit code to the sentinel's pipe itself
+            prep["exit_to"] = (os.getpid(), self._exit_w, os.fstat(self._exit_w).st_ino)
         # the fork is under way when start() returns; its pid is awaited on first use
         # the root's first start imports main in a worker (a relayed one's root did already);
         # awaited only if main may start processes as it is imported (no guard found): the
@@ -162,18 +175,64 @@ class Popen:
     def _exited(self, code: int) -> None:
         self.returncode = code
         self._done.set()
-        if self._exit_w >= 0:
-            os.close(self._exit_w)
-            self._exit_w = -1
+        with self._reading:
+            if self._exit_w >= 0:
+                try:  # wakes a wait() on the sentinel that a grandchild's copy keeps open
+                    os.write(self._exit_w, b"x")
+                except OSError:
+                    pass
+                os.close(self._exit_w)
+                self._exit_w = -1
 
     def poll(self, flag: int = os.WNOHANG) -> int | None:
         if flag & os.WNOHANG:
+            if self.returncode is None:
+                self._await_exit(0.0)
             return self.returncode
         return self.wait()
 
     def wait(self, timeout: float | None = None) -> int | None:
-        self._done.wait(timeout)
+        if self.returncode is None:
+            self._await_exit(timeout)
         return self.returncode
+
+    def _await_exit(self, timeout: float | None) -> None:
+        """Wait for the exit: its code, which the child writes to the sentinel's pipe as
+        it ends (a local one), and its end, which its pidfd tells; or the worker's notice
+        (``_exited``: a child killed, or that could not write) which wakes the pipe too.
+        The sentinel is readable at either, so this waits on it, not on a thread."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._seen is None:
+                if self.sentinel < 0:  # closed: only the notice can tell
+                    self._done.wait(left)
+                    return
+                try:
+                    ready = _readable(self.sentinel, left)
+                except (OSError, ValueError):  # closed meanwhile by close()
+                    self._done.wait(left)
+                    return
+                if not ready or self.returncode is not None:
+                    return
+                with self._reading:
+                    if self.returncode is not None or self._seen is not None:
+                        continue
+                    try:
+                        if not _readable(self.sentinel, 0):
+                            continue  # another thread read it
+                        got = os.read(self.sentinel, _EXIT.size)
+                    except (OSError, ValueError):  # closed meanwhile by close()
+                        got = b""
+                if len(got) != _EXIT.size:  # end of file: the notice closed the pipe
+                    self._done.wait(left)
+                    return
+                self._seen = _EXIT.unpack(got)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            pid, code = self._seen
+            if not _ended(pid, left):
+                return
+            self._exited(code)
 
     def _send_signal(self, sig: int) -> None:
         if self.returncode is None:
@@ -198,6 +257,39 @@ class Popen:
         if self.sentinel >= 0:
             os.close(self.sentinel)
             self.sentinel = -1
+
+
+_EXIT = struct.Struct("ii")  # what a local child writes to its Popen's pipe: pid, exit code
+
+
+def _ended(pid: int, timeout: float | None) -> bool:
+    """Whether process ``pid`` (a child that wrote its exit code) ended within ``timeout``:
+    its pidfd is readable once it has (its files closed, its memory freed), or it is gone."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True  # ended and reaped by its worker already
+    except OSError:  # no pidfd here (Linux < 5.3): it ends within moments of writing it
+        while timeout is None or timeout > 0:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            time.sleep(0.001)
+            timeout = None if timeout is None else timeout - 0.001
+        return False
+    try:
+        return _readable(fd, timeout)
+    finally:
+        os.close(fd)
+
+
+def _readable(fd: int, timeout: float | None) -> bool:
+    """Whether ``fd`` is readable (or at its end) within ``timeout`` seconds (any fd
+    number: ``select.select`` takes none above 1023)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))))
 
 
 _main_imported = False  # a start of this process's has imported the main module in a worker

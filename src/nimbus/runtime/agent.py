@@ -50,6 +50,7 @@ from nimbus.wire import Channel
 __all__ = ["Agent"]
 
 _MODES = routing.MODES
+DATA_AFTER = 0.25  # seconds after an agent starts that it holds and sweeps the data
 
 
 class Agent:
@@ -87,9 +88,28 @@ class Agent:
         self.on_demand: Callable[[], None] | None = None  # tasks wait with no room
         self.on_change: Callable[[], None] | None = None  # a manager joined or was lost
         self.lost: list[tuple[str, str, int]] = []  # (manager, why, tasks requeued)
+        # the runtime's data (held, swept, its file cache served: nimbus.data.Sweeper),
+        # after DATA_AFTER s: not on the path of the first tasks, nor beside the workers'
+        # forks (a multiprocessing program's first Process start waits for both)
+        self._data: Any = None
+        self._data_now = threading.Event()
+        self._data_thread = threading.Thread(
+            target=self._hold_data, name=f"nimbus-{name}-data", daemon=True
+        )
+        self._data_thread.start()
+
+    def _hold_data(self) -> None:
+        self._data_now.wait(DATA_AFTER)
         from nimbus.data import Sweeper  # holds this runtime's data, sweeps the node's
 
-        self._data = Sweeper()
+        try:
+            self._data = Sweeper()
+        except Exception as exc:  # (its directory cannot be made): tasks still run
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "nimbus %s: the runtime's data directory is not held nor swept: %s", self.name, exc
+            )
 
     # -- managers on other nodes -----------------------------------------
     def listen(
@@ -448,7 +468,10 @@ class Agent:
         if self.pending:
             self.fail_pending(errors.RuntimeClosed(f"{self.name} was shut down"))
         if wait or kill:  # its workers are gone: its data directory goes with the last agent
-            self._data.close()
+            self._data_now.set()
+            self._data_thread.join()
+            if self._data is not None:
+                self._data.close()
 
     def statistics(self) -> dict[str, Any]:
         return {

@@ -32,7 +32,16 @@ from typing import Any
 
 from nimbus.runtime.worker import main
 
-__all__ = ["ForkedWorker", "fork_worker", "open_descriptors"]
+__all__ = ["ForkedWorker", "at_worker_start", "fork_worker", "open_descriptors"]
+
+_at_start: list[tuple[Callable[[], object], bool]] = []
+
+
+def at_worker_start(fn: Callable[[], object], *, once: bool = False) -> None:
+    """Have each worker forked from now on (``once``: the next one only) call ``fn``
+    first, before it serves: work its first task needs, done while the root still
+    starts the others (``fn`` may leave it for the worker's first idle moment)."""
+    _at_start.append((fn, once))
 
 
 class ForkedWorker:
@@ -102,12 +111,18 @@ def fork_worker(
             pass
     pid = os.fork()
     if pid:
+        _at_start[:] = [(fn, once) for fn, once in _at_start if not once]
         return ForkedWorker(pid)
     code = 1
     try:
         _become_worker(close)
         if keep is not None:
             _close_newer(keep, sock.fileno())
+        for fn, _ in _at_start:
+            try:
+                fn()
+            except Exception:  # the task that needs it does it again, and reports
+                pass
         code = main([str(sock.fileno()), *preload], preload_later=True)
     except BaseException:
         traceback.print_exc()

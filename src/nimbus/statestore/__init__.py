@@ -25,6 +25,7 @@ these names.
 from __future__ import annotations
 
 from nimbus.statestore import keys, lua
+from nimbus.statestore._chores import later
 from nimbus.statestore._connect import connect, connect_async, probe, redacted, tls_options
 from nimbus.statestore._embedded import EmbeddedRedis, redis_server_binary
 from nimbus.statestore._link import MIN_WAIT, SKIP_REPLY, Link, link, pack, preload
@@ -62,6 +63,7 @@ __all__ = [
     "current",
     "is_root",
     "keys",
+    "later",
     "link",
     "lua",
     "open_local",

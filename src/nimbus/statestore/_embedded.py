@@ -38,6 +38,7 @@ import psutil
 
 from nimbus._lazy import lazy
 from nimbus.errors import ConfigError, StateStoreError
+from nimbus.statestore._chores import later
 from nimbus.statestore._connect import connect
 
 if TYPE_CHECKING:
@@ -254,7 +255,8 @@ class EmbeddedRedis:
         it, in this process or one forked from it, starts it (:meth:`serve`)."""
         self._deferred = True
         self._make_runtime_dir()
-        _clean_stale(self.runtime_dir)  # (here: a program that never starts its store sweeps too)
+        # (here: a program that never starts its store sweeps too; off its first start)
+        later(functools.partial(_clean_stale, self.runtime_dir))
         if not _fits_sun_path(self.socket_path):
             self._fallback_dir = Path(tempfile.mkdtemp(prefix="nimbus-", dir="/tmp"))  # 0700
             self.socket_path = self._fallback_dir / "redis.sock"
