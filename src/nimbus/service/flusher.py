@@ -232,10 +232,12 @@ class Flusher:
                     ready = False
                     await asyncio.sleep(1.0)
         except asyncio.CancelledError:
-            if ready:  # the service stops: what ended last is written now, not at its next start
-                with contextlib.suppress(Exception):
-                    await self.step(0, own=True)  # (a write the cancellation interrupted)
-                    await self.drain()
+            # the service stops: what ended last is written now, not at its next start
+            with contextlib.suppress(Exception):
+                if not ready:  # (stopped as it started, or while Redis was away)
+                    await self.prepare()
+                await self.step(0, own=True)  # (a write the cancellation interrupted)
+                await self.drain()
             raise
 
     async def drain(self, busy: bool = False) -> int:
