@@ -5,9 +5,10 @@
     finish / cancel script ---XADD ids + rows---> stream TaskStore.finished
                                               | consumer group "history": each entry to one
                                               v service process's Flusher
-    Flusher (one per service process), when no task ended for a TICK, BACKLOG entries
-    wait or the oldest waited DELAY: XREADGROUP (or XAUTOCLAIM of entries another
-    process took and did not acknowledge within CLAIM_IDLE) -> the rows the entries
+    Flusher (one per service process, run in its writer process: history_writer.py),
+    when no task ended for a TICK, BACKLOG entries wait or the oldest waited DELAY:
+    XREADGROUP (or XAUTOCLAIM of entries another process took and did not
+    acknowledge within CLAIM_IDLE) -> the rows the entries
     carry -> History.write (one transaction, idempotent) -> one script: XACK + XDEL
     the entries, mark the tasks saved, trim the indexes
 
