@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def _gone(pid: int) -> bool:
     return state == "Z"  # (exited, not yet reaped by its new parent)
 
 
-async def _until(condition, seconds: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+async def _until(condition: Callable[[], bool], seconds: float = 60.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, "not within the time allowed"
