@@ -51,6 +51,7 @@ from nimbus.service.dashboard import router as dashboard_router
 from nimbus.service.data import DataStore
 from nimbus.service.flusher import Flusher
 from nimbus.service.history import History
+from nimbus.service.history_writer import Writer, separate
 from nimbus.service.hub import Hub
 from nimbus.service.limits import BodyTimeout
 from nimbus.service.queues import TaskStore
@@ -156,10 +157,14 @@ def create_app(settings: Settings, redis_url: str) -> FastAPI:
         app.state.queue_redis = client
         ctx = app.state.ctx = ServiceContext(settings, registry, store, Hub(), data)
         dependencies.held_by(ctx)  # tasks held for their inputs: released, or failed
+        keep = settings.history_days * 86400.0 or None
+        writer = (  # the SQL writes in a process of their own (history_writer.py says why)
+            Writer(settings.registry_url, redis_url, SERVICE_ID, keep).run()
+            if separate(settings.registry_url)
+            else Flusher(store, history, keep).run()  # (an in-memory registry)
+        )
         jobs = [
-            asyncio.create_task(
-                Flusher(store, history, settings.history_days * 86400.0 or None).run()
-            ),
+            asyncio.create_task(writer),
             asyncio.create_task(dependencies.fail_held(ctx)),  # held tasks whose input failed
             # held tasks queued, tasks ended: told by the other service processes
             asyncio.create_task(wakeups.listen(ctx)),

@@ -5,9 +5,10 @@
     finish / cancel script ---XADD ids + rows---> stream TaskStore.finished
                                               | consumer group "history": each entry to one
                                               v service process's Flusher
-    Flusher (one per service process), when no task ended for a TICK, BACKLOG entries
-    wait or the oldest waited DELAY: XREADGROUP (or XAUTOCLAIM of entries another
-    process took and did not acknowledge within CLAIM_IDLE) -> the rows the entries
+    Flusher (one per service process, run in its writer process: history_writer.py),
+    when no task ended for a TICK, BACKLOG entries wait or the oldest waited DELAY:
+    XREADGROUP (or XAUTOCLAIM of entries another process took and did not
+    acknowledge within CLAIM_IDLE) -> the rows the entries
     carry -> History.write (one transaction, idempotent) -> one script: XACK + XDEL
     the entries, mark the tasks saved, trim the indexes
 
@@ -232,10 +233,12 @@ class Flusher:
                     ready = False
                     await asyncio.sleep(1.0)
         except asyncio.CancelledError:
-            if ready:  # the service stops: what ended last is written now, not at its next start
-                with contextlib.suppress(Exception):
-                    await self.step(0, own=True)  # (a write the cancellation interrupted)
-                    await self.drain()
+            # the service stops: what ended last is written now, not at its next start
+            with contextlib.suppress(Exception):
+                if not ready:  # (stopped as it started, or while Redis was away)
+                    await self.prepare()
+                await self.step(0, own=True)  # (a write the cancellation interrupted)
+                await self.drain()
             raise
 
     async def drain(self, busy: bool = False) -> int:

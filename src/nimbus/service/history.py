@@ -11,7 +11,7 @@
 
 Rows arrive in bulk from :mod:`nimbus.service.flusher` (the finish and cancel
 scripts append the ids they ended to a Redis stream; a flusher per service
-process moves them here). :meth:`History.write` is idempotent (a task's first
+process moves them here, from a process of its own: :mod:`nimbus.service.history_writer`). :meth:`History.write` is idempotent (a task's first
 row wins), so a batch written twice, after a flusher died between its commit and
 its acknowledgement, is stored once. Rows older than the service's
 ``history_days`` are deleted by the flushers too (:meth:`History.trim`, in

@@ -1,0 +1,168 @@
+"""The history's writer process (``nimbus.service.history_writer``): it writes the tasks
+that end to the SQL history (SQLite and a real PostgreSQL) from a real Redis with the
+real queue scripts, everything waiting as the service stops; it ends when its service
+dies, whatever killed it (no orphan), after writing what waited; one that dies is
+replaced and nothing it had taken is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from nimbus.service.history import History
+from nimbus.service.history_writer import Writer, separate
+from nimbus.service.registry import Registry
+from test_service_history import _finished, _task_store
+from test_service_postgres import postgres  # noqa: F401  (the fixture)
+
+# a service's stand-in: its writer, its pid on stdout, until killed
+STAND_IN = """
+import asyncio, sys
+from nimbus.service.history_writer import Writer
+
+async def main():
+    writer = Writer(sys.argv[1], sys.argv[2], sys.argv[3], None)
+    job = asyncio.create_task(writer.run())
+    while writer.process is None:
+        await asyncio.sleep(0.01)
+    print(writer.process.pid, flush=True)
+    await job
+
+asyncio.run(main())
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"  # (exited, not yet reaped by its new parent)
+
+
+async def _until(condition: Callable[[], bool], seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def registry_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'registry.db'}"
+    url: str = request.getfixturevalue("postgres").url
+    registry = Registry(url)
+    with registry.engine.begin() as connection:
+        connection.exec_driver_sql("DROP TABLE IF EXISTS task_history")
+    registry.close()
+    return url
+
+
+def test_the_writer_process_writes_what_ends_and_all_that_waits_as_the_service_stops(
+    store_url: str, registry_url: str
+) -> None:
+    registry = Registry(registry_url)
+    history = History(registry.engine)
+
+    async def scenario() -> None:
+        async with _task_store(store_url, history) as store:
+            writer = Writer(registry_url, store_url, store.keys.program_id, None)
+            job = asyncio.create_task(writer.run())
+            try:
+                first = await _finished(store, "alice", "ep", 5)
+                await _until(lambda: set(history.info(first)) == set(first))
+                assert writer.process is not None and writer.process.pid != os.getpid()
+                last = await _finished(store, "alice", "ep", 200)
+            finally:
+                job.cancel()
+                await asyncio.gather(job, return_exceptions=True)
+            assert writer.process.poll() == 0  # it stopped, and stopped well
+            assert set(history.info(last)) == set(last)  # what waited was written first
+            assert await store.redis.xlen(store.finished) == 0
+            assert writer.started == 1
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        registry.close()
+
+
+def test_the_writer_ends_when_its_service_is_killed_after_writing_what_waited(
+    store_url: str, tmp_path: Path
+) -> None:
+    registry_url = f"sqlite:///{tmp_path / 'registry.db'}"
+    registry = Registry(registry_url)
+    history = History(registry.engine)
+
+    async def scenario() -> None:
+        async with _task_store(store_url, history) as store:
+            service = subprocess.Popen(
+                [sys.executable, "-c", STAND_IN, registry_url, store_url, store.keys.program_id],
+                stdout=subprocess.PIPE,
+            )
+            try:
+                assert service.stdout is not None
+                pid = int(await asyncio.to_thread(service.stdout.readline))
+                ids = await _finished(store, "bob", "ep", 20)
+                service.send_signal(signal.SIGKILL)  # no goodbye: its writer sees stdin close
+                await asyncio.to_thread(service.wait)
+                await _until(lambda: _gone(pid))
+                assert set(history.info(ids)) == set(ids)
+            finally:
+                service.kill()
+                service.wait()
+                assert service.stdout is not None
+                service.stdout.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        registry.close()
+
+
+def test_a_writer_that_dies_is_replaced_and_what_it_took_is_written_by_the_next(
+    store_url: str, tmp_path: Path
+) -> None:
+    registry_url = f"sqlite:///{tmp_path / 'registry.db'}"
+    registry = Registry(registry_url)
+    history = History(registry.engine)
+
+    async def scenario() -> None:
+        async with _task_store(store_url, history) as store:
+            writer = Writer(registry_url, store_url, store.keys.program_id, None)
+            writer.restart = 0.1
+            job = asyncio.create_task(writer.run())
+            try:
+                await _until(lambda: writer.process is not None)
+                assert writer.process is not None
+                first = writer.process
+                first.send_signal(signal.SIGKILL)
+                ids = await _finished(store, "carol", "ep", 10)  # while no writer runs
+                await _until(lambda: writer.process is not first and writer.started == 2)
+                await _until(lambda: set(history.info(ids)) == set(ids))
+                assert first.poll() == -signal.SIGKILL
+            finally:
+                job.cancel()
+                await asyncio.gather(job, return_exceptions=True)
+            assert writer.process is not None and writer.process.poll() == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        registry.close()
+
+
+def test_an_in_memory_registry_is_written_by_the_services_own_process() -> None:
+    assert not separate("sqlite://")
+    assert not separate("sqlite:///:memory:")
+    assert separate("sqlite:////var/lib/nimbus/registry.db")
+    assert separate("postgresql://nimbus@db/nimbus")
