@@ -37,7 +37,10 @@ from typing import Any
 __all__ = ["RESTART", "STOP_WAIT", "Writer", "main", "separate"]
 
 RESTART = 1.0  # seconds before a writer that died is started again
-STOP_WAIT = 60.0  # seconds the service waits for its writer's last writes as it stops
+# seconds the service waits for its writer's last writes as it stops: within the
+# service's own bound on its jobs (app.STOP_WAIT, 10 s), so a queue Redis that went
+# silent does not hold the stop; what was not written waits in it for the next start
+STOP_WAIT = 8.0
 POLL = 0.5  # seconds between two looks at whether the writer still runs
 
 log = logging.getLogger("nimbus.service.history_writer")
