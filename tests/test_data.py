@@ -12,15 +12,17 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import nimbus
 from nimbus import Client, Executor, serialization
-from nimbus.data import NodeStore, Ref, Scope, default_root, run, store
+from nimbus.data import NodeStore, Ref, Scope, Session, _carry, default_root, run, store
 from nimbus.data._node import data_base, hold, release, sweep_all
 from nimbus.errors import DataAccessError, DataError, InputFailed, ReferenceLost, ServiceError
 from nimbus.protocol import MSGPACK, Batch, submit_row, unpack
@@ -164,6 +166,58 @@ def test_a_held_object_outlives_its_lease_renewed() -> None:
         assert ref.get() == b"z" * 100
     finally:
         local.lease = lease
+
+
+def _collected_under(lock: Any) -> bool:
+    """Whether a collection run while ``lock`` is held (by a thread of its own) ends:
+    the cyclic collector runs at any allocation, in any thread, whatever it holds."""
+
+    def collect() -> None:
+        with lock:
+            gc.collect()
+
+    thread = threading.Thread(target=collect, daemon=True)  # left blocked if it deadlocks
+    thread.start()
+    thread.join(10)
+    return not thread.is_alive()
+
+
+def test_a_ref_collected_while_its_session_holds_its_lock_is_freed(tmp_path: Path) -> None:
+    """A Ref in a reference cycle goes when the collector runs, which may be inside the
+    session's lock (the executor's thread adopting a kept result): its release must not
+    wait for that lock (bench/dataflow.py hung in CI on it, for ever)."""
+    session = Session("ns", "me", None, store=NodeStore("ns", tmp_path))
+    gc.disable()  # the cycle below is freed by the collection under the lock, not before
+    try:
+        ref = session.put(b"x")
+        path = session.store.path(ref.id)  # type: ignore[union-attr]
+        cycle: list[Any] = [ref]
+        cycle.append(cycle)
+        del ref, cycle
+        assert path.exists()
+        assert _collected_under(session._lock), "the release waited for the session's lock"
+    finally:
+        gc.enable()
+    assert not path.exists() and session.freed == 1
+
+
+def test_a_copy_let_go_while_the_copies_lock_is_held_is_dropped_later() -> None:
+    """The same for a Ref's copy on another endpoint (``_carry``): let go by a finalizer,
+    which may run inside ``_copy``'s lock, it is dropped by the next ``_copy``."""
+    key, copy = ("0" * 32, "elsewhere"), _carry.Copy()
+    _carry._copies[key] = copy
+    done = threading.Event()
+
+    def forget_under_lock() -> None:
+        with _carry._lock:
+            _carry._forget(key, copy)
+        done.set()
+
+    threading.Thread(target=forget_under_lock, daemon=True).start()
+    assert done.wait(10), "letting a copy go waited for the copies' lock"
+    with _carry._lock:
+        _carry._drop_forgotten()
+    assert key not in _carry._copies
 
 
 def test_large_containers_pass_as_they_are(ex: Executor) -> None:

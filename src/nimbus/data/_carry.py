@@ -16,6 +16,7 @@ original's last Ref and the tasks that read the copy are gone. A Ref of another 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import threading
 import time
@@ -30,6 +31,7 @@ TIMEOUT = 600.0  # seconds a copy may take (each of its two steps)
 _pool = cf.ThreadPoolExecutor(4, thread_name_prefix="nimbus-data-copy")
 _lock = threading.Lock()
 _copies: dict[tuple[str, str | None], Copy] = {}
+_forgotten: collections.deque[tuple[tuple[str, str | None], Copy]] = collections.deque()
 
 
 class Copy(cf.Future[Any]):
@@ -85,6 +87,7 @@ def carry(
 def _copy(ref: Ref, where: Session) -> Copy:
     key = (ref.id, where.endpoint)
     with _lock:
+        _drop_forgotten()
         found = _copies.get(key)
         if found is not None and not (found.done() and found.exception()):
             return found
@@ -98,9 +101,21 @@ def _copy(ref: Ref, where: Session) -> Copy:
 
 
 def _forget(key: tuple[str, str | None], copy: Copy) -> None:
-    with _lock:
-        if _copies.get(key) is copy:
-            del _copies[key]
+    """The original's last Ref went: its copy is let go. A finalizer: it runs wherever
+    the cyclic collector runs, also in a thread inside ``_copy``'s ``_lock``, so it only
+    notes the copy (a deque's ``append`` is atomic) for the next ``_copy`` to drop."""
+    _forgotten.append((key, copy))
+
+
+def _drop_forgotten() -> None:
+    """Drop the copies :func:`_forget` noted (under ``_lock``)."""
+    try:
+        while True:
+            key, copy = _forgotten.popleft()
+            if _copies.get(key) is copy:
+                del _copies[key]
+    except IndexError:
+        pass
 
 
 def _copy_later(future: Any, where: Session) -> Copy:

@@ -17,6 +17,7 @@ there: ``call``). Sessions are found by endpoint in a registry the Executor fill
 from __future__ import annotations
 
 import atexit
+import collections
 import getpass
 import os
 import threading
@@ -142,7 +143,8 @@ class Session:
         self.call = call
         self.lease = LEASE if lease is None else lease
         self._entries: weakref.WeakValueDictionary[str, _Entry] = weakref.WeakValueDictionary()
-        self._to_free: list[str] = []
+        # released, freed by the next flush: appended by _release, which takes no lock
+        self._to_free: collections.deque[str] = collections.deque()
         self._holders: dict[str, tuple[str, int, str]] = {}  # pin -> its node's server
         self.gone: set[str] = set()  # pins whose node a renewal found gone (its copy too)
         self._lock = threading.Lock()
@@ -199,16 +201,27 @@ class Session:
             self.adopt(ref)
 
     def _release(self, ref_id: str) -> None:
-        with self._lock:
-            self._holders.pop(ref_id, None)
+        """``ref_id``'s last Ref went. A finalizer: it runs wherever the cyclic collector
+        runs, in any thread, also in one that holds ``_lock`` (the executor's thread
+        adopting a result: it waited for itself for ever), so it takes no lock (a dict's
+        ``pop`` and a deque's ``append`` are atomic)."""
+        self._holders.pop(ref_id, None)
         if self._closed.is_set():
             return
         if self.store is not None:
             self.store.free([ref_id])
             self.freed += 1
             return
-        with self._lock:
-            self._to_free.append(ref_id)
+        self._to_free.append(ref_id)
+
+    def _released(self) -> list[str]:
+        """The ids :meth:`_release` noted since the last call (taken: each once)."""
+        taken = []
+        try:
+            while True:
+                taken.append(self._to_free.popleft())
+        except IndexError:
+            return taken
 
     # -- the store ----------------------------------------------------------
     def put(self, obj: object) -> Ref:
@@ -237,8 +250,7 @@ class Session:
     # -- leases ---------------------------------------------------------------
     def flush(self, *, renew: bool = True) -> None:
         """Free what was released and renew what is held (the renewer does it often)."""
-        with self._lock:
-            to_free, self._to_free = self._to_free, []
+        to_free = self._released()
         held = self.held() if renew else []
         expires = time.time() + self.lease
         if self.store is not None:
@@ -253,7 +265,8 @@ class Session:
             self.freed += len(to_free)
         if held:
             with self._lock:
-                where = {i: self._holders[i] for i in held if i in self._holders}
+                # (.get: a collected Ref's pin may leave it meanwhile, see _release)
+                where = {i: h for i in held if (h := self._holders.get(i)) is not None}
             if where:  # (pins of staged copies: forwarded to their nodes where not here)
                 renewed = self.call(renew_objects, held, expires, where, keep=False)
                 renewed.add_done_callback(self._note_gone)
