@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,15 +26,64 @@ def _start(
     env = {k: v for k, v in os.environ.items() if not (clean and k.startswith("NIMBUS_"))}
     package_parent = str(Path(nimbus.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
-    return subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, str(ROOT / "bench" / script), *args],
         cwd=ROOT,
         env=env | env_extra,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-        check=False,
+        start_new_session=True,  # its process group: stopped whole if it hangs
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = _stop_hung(proc)
+        pytest.fail(
+            f"bench/{script} {' '.join(args)} ran over {timeout} s and was stopped; what "
+            f"it printed (with its processes' stacks, asked for by SIGUSR1):\n"
+            f"--- stdout\n{out}\n--- stderr\n{err}",
+            pytrace=False,
+        )
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _stop_hung(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """A bench run over its time: its Python processes asked for their stacks (SIGUSR1:
+    the benches and nimbus's workers register faulthandler for it), then all of its
+    processes killed; what it printed."""
+    import psutil
+
+    def tree() -> list[psutil.Process]:
+        try:
+            top = psutil.Process(proc.pid)
+            return [top, *top.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    hung = tree()
+    for p in hung:
+        try:
+            if p.name().startswith("python"):
+                p.send_signal(signal.SIGUSR1)
+        except psutil.Error:
+            pass
+    try:
+        proc.communicate(timeout=5)  # their stacks come in meanwhile (not lost on retry)
+    except subprocess.TimeoutExpired:
+        pass
+    for p in {*hung, *tree()}:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        return proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired as exc:  # a process it left holds the pipes
+        proc.kill()
+        return (exc.stdout or b"").decode(errors="replace"), (exc.stderr or b"").decode(
+            errors="replace"
+        )
 
 
 def _run(script: str, *args: str, timeout: float = 110, clean: bool = False) -> list[str]:
