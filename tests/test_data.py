@@ -201,6 +201,62 @@ def test_a_ref_collected_while_its_session_holds_its_lock_is_freed(tmp_path: Pat
     assert not path.exists() and session.freed == 1
 
 
+CHAINS = """
+import gc, os, sys, threading, time
+import nimbus
+from nimbus import Executor
+
+def seed(i):
+    return bytes([i]) * 65536
+
+def step(blob):
+    return blob[1:] + blob[:1]
+
+def litter():  # Refs that only the collector frees: at any allocation, in any thread
+    while True:
+        cycle = [nimbus.put(b"x")]
+        cycle.append(cycle)
+        time.sleep(0.001)
+
+gc.set_threshold(50)  # the collector often: now and then inside the session's lock
+with Executor(2) as ex:
+    threading.Thread(target=litter, daemon=True).start()
+    kept = ex.options(keep=True)
+    for _ in range(int(sys.argv[1])):
+        ends = []
+        for c in range(4):
+            f = kept.submit(seed, c)
+            for _ in range(9):
+                f = kept.submit(step, f)
+            ends.append(f)
+        for f in ends:
+            try:
+                f.result(timeout=20)
+            except TimeoutError:
+                print("hung", flush=True)
+                os._exit(3)  # (its shutdown would wait for the hung thread)
+print("done", flush=True)
+"""
+
+
+def test_kept_chains_end_while_the_collector_frees_refs(tmp_path: Path) -> None:
+    """bench/dataflow.py's campaign (chains of kept tasks) with the collector run often
+    and Refs in cycles: before, it hung for ever (a Ref freed by the collector inside the
+    session's lock, in the thread that delivers results, waited for that lock)."""
+    script = tmp_path / "chains.py"
+    script.write_text(CHAINS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run(
+        [sys.executable, str(script), "6"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=100,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0 and "done" in done.stdout, done.stdout + done.stderr
+
+
 def test_a_copy_let_go_while_the_copies_lock_is_held_is_dropped_later() -> None:
     """The same for a Ref's copy on another endpoint (``_carry``): let go by a finalizer,
     which may run inside ``_copy``'s lock, it is dropped by the next ``_copy``."""
