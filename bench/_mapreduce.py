@@ -79,7 +79,7 @@ def reduce_sort(parts: list[bytes]) -> int:
 
 
 class Stuck(Exception):
-    """A worker waited longer than the run's limit (a hang)."""
+    """A wait longer than the run's limit (a hang), a worker's or the parent's."""
 
 
 def _poll(want: list[Any], take: Any, end: float, what: str) -> list[Any]:
@@ -154,7 +154,7 @@ def worker(
 
 def _answer(procs: list[Any], limit: float, what: str) -> Any:
     """The next worker's answer (``what``: for the error); a worker that died instead is
-    named at once, and none within ``limit`` s is an error."""
+    named at once (RuntimeError), and none within ``limit`` s is :class:`Stuck`."""
     import nimbus.messaging as msg
     from nimbus.errors import MessagingTimeout
 
@@ -164,11 +164,11 @@ def _answer(procs: list[Any], limit: float, what: str) -> Any:
             return msg.recv(timeout=2.0)
         except MessagingTimeout:
             dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > end:
-                codes = ", ".join(f"{p.name}: {p.exitcode}" for p in dead) or "none died"
-                raise RuntimeError(
-                    f"a MapReduce worker did not send {what} within {limit:.0f} s ({codes})"
-                ) from None
+            if dead:
+                codes = ", ".join(f"{p.name}: {p.exitcode}" for p in dead)
+                raise RuntimeError(f"a MapReduce worker died before {what} ({codes})") from None
+            if time.monotonic() > end:
+                raise Stuck(f"no worker sent {what} within {limit:.0f} s (none died)") from None
 
 
 def run(job: str, way: str, w: int, size: int, root: Path, limit: float = 600.0) -> dict[str, Any]:

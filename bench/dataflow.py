@@ -50,7 +50,7 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, NoReturn  # noqa: E402
 
 sys.path.append(str(_HERE))  # after the stdlib: for _report and service, never multiprocessing
 from _report import grid  # noqa: E402
@@ -59,8 +59,9 @@ RAY = "ray==2.60.0"
 RAY_VENV = _HERE / ".venv-ray"
 MB = 1 << 20
 START = time.monotonic()
-WAIT = 900.0  # seconds any one wait may take (--quick: QUICK_WAIT); longer is a hang
-QUICK_WAIT = 60.0  # a smoke run's whole time is ~12 s: a hang fails it well within CI's limit
+LONG_WAIT = 900.0  # seconds any one wait may take (--wait); longer is a hang
+QUICK_WAIT = 60.0  # --quick: a smoke run takes ~12 s in all; a hang ends well within CI's limit
+WAIT = LONG_WAIT
 
 
 def progress(what: str) -> None:
@@ -69,12 +70,14 @@ def progress(what: str) -> None:
     print(f"[dataflow {time.monotonic() - START:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
-def hung(what: str, seconds: float) -> TimeoutError:
-    """The error of a wait that ran out, said at once with every thread's stack (the
-    clean-up the error then goes through may hang too)."""
-    progress(f"HUNG: {what}: no answer within {seconds:.0f} s; the stacks:")
+def hung(what: str, seconds: float) -> NoReturn:
+    """A wait that ran out: said with every thread's stack, and the run ends at once, exit
+    status 3 (a clean-up would wait for the hung thread too; the local runtime's
+    workers and the embedded store end with this process)."""
+    progress(f"HUNG: {what}: no answer within {seconds:g} s; every thread's stack:")
     faulthandler.dump_traceback(sys.stderr, all_threads=True)
-    return TimeoutError(f"{what}: no answer within {seconds:.0f} s (a hang: see the stacks)")
+    sys.stdout.flush()
+    os._exit(3)
 
 
 def result(future: Any, what: str) -> Any:
@@ -84,7 +87,7 @@ def result(future: Any, what: str) -> Any:
     except TimeoutError:  # (concurrent.futures.TimeoutError is TimeoutError)
         if future.done():
             raise  # the task's own TimeoutError
-        raise hung(what, WAIT) from None
+        hung(what, WAIT)
 
 
 def join(threads: list[threading.Thread], what: str) -> None:
@@ -93,7 +96,7 @@ def join(threads: list[threading.Thread], what: str) -> None:
     for t in threads:
         t.join(max(0.0, end - time.monotonic()))
         if t.is_alive():
-            raise hung(what, WAIT)
+            hung(what, WAIT)
 
 
 def echo(blob: bytes) -> bytes:
@@ -676,7 +679,10 @@ def mapreduce_rows(args: argparse.Namespace) -> list[list[str]]:
             for _ in range(2):  # two rounds, interleaved: the best of each (a loaded machine)
                 for way in ("shared", "store", "direct"):
                     progress(f"mapreduce: {job}, the shuffle through {way}")
-                    one = mr.run(job, way, workers, total // workers, root, limit=WAIT)
+                    try:
+                        one = mr.run(job, way, workers, total // workers, root, limit=WAIT)
+                    except mr.Stuck as exc:
+                        hung(f"mapreduce: {job} through {way}: {exc}", WAIT)
                     if way not in got or one["seconds"] < got[way]["seconds"]:
                         got[way] = one
             assert len({g["result"] for g in got.values()}) == 1, "the three ways disagree"
@@ -785,11 +791,17 @@ def main() -> int:
         "node (root); 0: all on the node's loopback",
     )
     parser.add_argument("--mr-mb", type=int, default=256, help="MapReduce input, all workers")
+    parser.add_argument(
+        "--wait",
+        type=float,
+        help=f"seconds any one wait may take before the run ends as hung (exit status 3, "
+        f"every thread's stack on stderr); default {LONG_WAIT:.0f}, --quick {QUICK_WAIT:.0f}",
+    )
     args = parser.parse_args()
     import signal
 
     global WAIT
-    WAIT = QUICK_WAIT if args.quick else WAIT
+    WAIT = args.wait or (QUICK_WAIT if args.quick else LONG_WAIT)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where it waits
     # a SIGTERM ends the run as an exception does: the agents stopped, the namespaces gone
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +248,51 @@ def test_bench_dataflow_quick_local(tmp_path: Path) -> None:
     )  # informational on one machine: no verdict
     assert "direct" in _row(lines, "MapReduce sort, 16 MB in, 4 workers")
     assert out.exists()
+
+
+def test_bench_dataflow_ends_a_wait_over_its_limit_naming_it_with_the_stacks() -> None:
+    """A hang in the bench is an error at once, saying which step and where each thread
+    waits (a wait of 0.05 s is over for the campaign's first chain)."""
+    args = ("--quick", "--no-ray", "--no-service", "--only", "campaign", "--wait", "0.05")
+    proc = _start("dataflow.py", *args, timeout=110)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "] campaign: a local Executor(2) starts" in proc.stderr  # the progress lines
+    assert "HUNG: campaign: chain 0 through references: no answer within 0.05 s" in proc.stderr
+    assert "most recent call first" in proc.stderr and "in campaign" in proc.stderr
+
+
+def test_a_bench_over_its_time_is_stopped_whole_and_shows_what_it_printed(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import faulthandler, signal, subprocess, sys, time\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        "print('a row', flush=True)\n"
+        "print('a progress line', file=sys.stderr, flush=True)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print(child.pid, flush=True)\n"
+        "def waits_for_ever():\n"
+        "    time.sleep(600)\n"
+        "waits_for_ever()\n"
+    )
+    with pytest.raises(pytest.fail.Exception) as failed:
+        _start(str(script), timeout=3)  # (an absolute path: not one of bench/)
+    said = str(failed.value)
+    assert "ran over 3 s and was stopped" in said
+    assert "a row" in said and "a progress line" in said
+    assert "in waits_for_ever" in said  # its stack, asked for by SIGUSR1
+    child = int(said.split("--- stdout\n", 1)[1].splitlines()[1])
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the bench's child was left running"
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
