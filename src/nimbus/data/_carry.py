@@ -16,7 +16,6 @@ original's last Ref and the tasks that read the copy are gone. A Ref of another 
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import threading
 import time
@@ -31,7 +30,6 @@ TIMEOUT = 600.0  # seconds a copy may take (each of its two steps)
 _pool = cf.ThreadPoolExecutor(4, thread_name_prefix="nimbus-data-copy")
 _lock = threading.Lock()
 _copies: dict[tuple[str, str | None], Copy] = {}
-_forgotten: collections.deque[tuple[tuple[str, str | None], Copy]] = collections.deque()
 
 
 class Copy(cf.Future[Any]):
@@ -87,13 +85,12 @@ def carry(
 def _copy(ref: Ref, where: Session) -> Copy:
     key = (ref.id, where.endpoint)
     with _lock:
-        _drop_forgotten()
         found = _copies.get(key)
         if found is not None and not (found.done() and found.exception()):
             return found
         copy = _copies[key] = Copy()
         if len(_copies) > 1024:
-            _copies.pop(next(iter(_copies)))
+            _copies.pop(next(iter(_copies)), None)  # (None: _forget may pop it meanwhile)
     if ref._entry is not None:  # the copy is let go with the last Ref of the original
         weakref.finalize(ref._entry, _forget, key, copy)
     _pool.submit(_transfer, ref, where, copy)
@@ -101,21 +98,12 @@ def _copy(ref: Ref, where: Session) -> Copy:
 
 
 def _forget(key: tuple[str, str | None], copy: Copy) -> None:
-    """The original's last Ref went: its copy is let go. A finalizer: it runs wherever
-    the cyclic collector runs, also in a thread inside ``_copy``'s ``_lock``, so it only
-    notes the copy (a deque's ``append`` is atomic) for the next ``_copy`` to drop."""
-    _forgotten.append((key, copy))
-
-
-def _drop_forgotten() -> None:
-    """Drop the copies :func:`_forget` noted (under ``_lock``)."""
-    try:
-        while True:
-            key, copy = _forgotten.popleft()
-            if _copies.get(key) is copy:
-                del _copies[key]
-    except IndexError:
-        pass
+    """The original's last Ref went: its copy is let go (its Ref freed with it). A
+    finalizer: it runs wherever the cyclic collector runs, also in a thread inside
+    ``_copy``'s ``_lock``, so it takes no lock. (No Ref of the original is left to
+    copy it again meanwhile; at worst a copy made again at that instant is not cached.)"""
+    if _copies.get(key) is copy:
+        _copies.pop(key, None)
 
 
 def _copy_later(future: Any, where: Session) -> Copy:
