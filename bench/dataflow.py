@@ -29,6 +29,10 @@
     python bench/dataflow.py --quick        # small sizes, a smoke run
     python bench/dataflow.py --only big --no-ray --json out.json
 
+Each step says so on stderr as it starts; a wait longer than ``--wait`` (--quick: 60 s)
+ends the run at once as hung (exit status 3) with every thread's stack, and
+``kill -USR1`` shows them at any time.
+
 Bytes across the client's link are the pickled arguments the Executor handed its
 backend and the pickled results it got back (``Executor.statistics()``), so the
 service's framing and the WebSocket's are not counted.
