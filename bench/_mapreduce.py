@@ -15,6 +15,8 @@ store (``nimbus.data.store()``) or direct messaging (``nimbus.messaging``); one 
 
 The time is from the start signal to the last reducer's end (map + shuffle + reduce);
 coordination (the peers' ids, the start) goes through nimbus.messaging for all three.
+Every wait, the workers' and the parent's, ends within ``limit`` seconds: a worker that
+waited longer fails naming what it waited for, and the parent names the worker.
 """
 
 from __future__ import annotations
@@ -76,15 +78,42 @@ def reduce_sort(parts: list[bytes]) -> int:
     return int(keys.size)
 
 
-def worker(parent: str, i: int, w: int, job: str, way: str, size: int, shared: str) -> None:
+class Stuck(Exception):
+    """A wait longer than the run's limit (a hang), a worker's or the parent's."""
+
+
+def _poll(want: list[Any], take: Any, end: float, what: str) -> list[Any]:
+    """What ``take(item)`` gives for each item of ``want`` (None: not there yet, asked
+    again), until all came or ``end`` (a monotonic time) passed: then :class:`Stuck`."""
+    got = []
+    while want:
+        left = []
+        for item in want:
+            value = take(item)
+            if value is None:
+                left.append(item)
+            else:
+                got.append(value)
+        want = left
+        if want:
+            if time.monotonic() > end:
+                raise Stuck(f"{what}: {len(want)} never came ({want[:4]} ...)")
+            time.sleep(0.002)
+    return got
+
+
+def worker(
+    parent: str, i: int, w: int, job: str, way: str, size: int, shared: str, limit: float
+) -> None:
     import nimbus.data
     import nimbus.messaging as msg
 
+    end = time.monotonic() + limit
     msg.send(parent, (i, msg.instance_id()))
-    group = msg.recv(source=parent)  # every worker's id, then the start
+    group = msg.recv(source=parent, timeout=limit)  # every worker's id, then the start
     data: Any = shard_text(i, size) if job == "wordcount" else shard_keys(i, size)
     msg.send(parent, "ready")
-    msg.recv(source=parent)
+    msg.recv(source=parent, timeout=max(1.0, end - time.monotonic()))
     start = time.time()
     parts = map_wordcount(data, w) if job == "wordcount" else map_sort(data, w)
     mapped = time.time()
@@ -100,39 +129,20 @@ def worker(parent: str, i: int, w: int, job: str, way: str, size: int, shared: s
                     os.fsync(f.fileno())
                 tmp.rename(top / f"{i}-{j}")
         want = [top / f"{k}-{i}" for k in range(w) if k != i]
-        while want:
-            left = []
-            for path in want:
-                if path.exists():
-                    mine.append(path.read_bytes())
-                else:
-                    left.append(path)
-            want = left
-            if want:
-                time.sleep(0.002)
+        mine += _poll(want, lambda p: p.read_bytes() if p.exists() else None, end, "files")
     elif way == "store":
         kv = nimbus.data.store()
         for j, p in enumerate(parts):
             if j != i:
                 kv.set(f"{shared}:{i}-{j}", p)
         keys = [f"{shared}:{k}-{i}" for k in range(w) if k != i]
-        while keys:
-            left = []
-            for key in keys:
-                got = kv.get(key, None)
-                if got is None:
-                    left.append(key)
-                else:
-                    mine.append(got)
-            keys = left
-            if keys:
-                time.sleep(0.002)
+        mine += _poll(keys, lambda key: kv.get(key, None), end, f"store keys in {kv}")
     else:
         for j, p in enumerate(parts):
             if j != i:
                 msg.send(group[j], p)
         for _ in range(w - 1):
-            mine.append(msg.recv())
+            mine.append(msg.recv(timeout=max(1.0, end - time.monotonic())))
     shuffled = time.time()
     del parts, data
     out = reduce_wordcount(mine) if job == "wordcount" else reduce_sort(mine)
@@ -142,8 +152,9 @@ def worker(parent: str, i: int, w: int, job: str, way: str, size: int, shared: s
     msg.send(parent, (start, shuffled, time.time(), out, sent, shuffled - mapped))
 
 
-def _answer(procs: list[Any], limit: float = 600.0) -> Any:
-    """The next worker's answer; a worker that died instead is named at once."""
+def _answer(procs: list[Any], limit: float, what: str) -> Any:
+    """The next worker's answer (``what``: for the error); a worker that died instead is
+    named at once (RuntimeError), and none within ``limit`` s is :class:`Stuck`."""
     import nimbus.messaging as msg
     from nimbus.errors import MessagingTimeout
 
@@ -153,13 +164,16 @@ def _answer(procs: list[Any], limit: float = 600.0) -> Any:
             return msg.recv(timeout=2.0)
         except MessagingTimeout:
             dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > end:
-                codes = ", ".join(f"{p.name}: {p.exitcode}" for p in dead) or "none died"
-                raise RuntimeError(f"a MapReduce worker did not answer ({codes})") from None
+            if dead:
+                codes = ", ".join(f"{p.name}: {p.exitcode}" for p in dead)
+                raise RuntimeError(f"a MapReduce worker died before {what} ({codes})") from None
+            if time.monotonic() > end:
+                raise Stuck(f"no worker sent {what} within {limit:.0f} s (none died)") from None
 
 
-def run(job: str, way: str, w: int, size: int, root: Path) -> dict[str, Any]:
-    """One job, ``w`` workers of ``size`` bytes of input each; its times and result."""
+def run(job: str, way: str, w: int, size: int, root: Path, limit: float = 600.0) -> dict[str, Any]:
+    """One job, ``w`` workers of ``size`` bytes of input each; its times and result.
+    Each wait ends within ``limit`` s (a hang fails, naming what it waited for)."""
     import nimbus.messaging as msg
     import nimbus.multiprocessing as nmp
 
@@ -168,22 +182,27 @@ def run(job: str, way: str, w: int, size: int, root: Path) -> dict[str, Any]:
     if way == "shared":
         os.makedirs(shared)
     me = msg.instance_id()
-    procs = [nmp.Process(target=worker, args=(me, i, w, job, way, size, shared)) for i in range(w)]
+    procs = [
+        nmp.Process(target=worker, args=(me, i, w, job, way, size, shared, limit)) for i in range(w)
+    ]
     for p in procs:
         p.start()
     try:
-        ids = [peer for _, peer in sorted(msg.recv(timeout=120) for _ in procs)]
+        ids = [peer for _, peer in sorted(_answer(procs, limit, "its id") for _ in procs)]
         for peer in ids:
             msg.send(peer, ids)
         for _ in procs:
-            msg.recv(timeout=300)
+            _answer(procs, limit, "ready")
         begin = time.time()
         for peer in ids:
             msg.send(peer, "go")
-        done = [_answer(procs) for _ in procs]
+        done = [_answer(procs, limit, "its result") for _ in procs]
     finally:
         for p in procs:
-            p.join(60)
+            p.join(min(60.0, limit))
+            if p.exitcode is None:
+                p.kill()  # stuck: a hang is an error of this run, not of the next
+                p.join(10)
         if way == "shared":
             shutil.rmtree(shared, ignore_errors=True)
     end = max(d[2] for d in done)

@@ -29,6 +29,10 @@
     python bench/dataflow.py --quick        # small sizes, a smoke run
     python bench/dataflow.py --only big --no-ray --json out.json
 
+Each step says so on stderr as it starts; a wait longer than ``--wait`` (--quick: 60 s)
+ends the run at once as hung (exit status 3) with every thread's stack, and
+``kill -USR1`` shows them at any time.
+
 Bytes across the client's link are the pickled arguments the Executor handed its
 backend and the pickled results it got back (``Executor.statistics()``), so the
 service's framing and the WebSocket's are not counted.
@@ -43,13 +47,14 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse  # noqa: E402
+import faulthandler  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, NoReturn  # noqa: E402
 
 sys.path.append(str(_HERE))  # after the stdlib: for _report and service, never multiprocessing
 from _report import grid  # noqa: E402
@@ -57,6 +62,45 @@ from _report import grid  # noqa: E402
 RAY = "ray==2.60.0"
 RAY_VENV = _HERE / ".venv-ray"
 MB = 1 << 20
+START = time.monotonic()
+LONG_WAIT = 900.0  # seconds any one wait may take (--wait); longer is a hang
+QUICK_WAIT = 60.0  # --quick: a smoke run takes ~12 s in all; a hang ends well within CI's limit
+WAIT = LONG_WAIT
+
+
+def progress(what: str) -> None:
+    """A line on stderr as each step starts (flushed): a run stopped by a time limit
+    shows which step it was in."""
+    print(f"[dataflow {time.monotonic() - START:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def hung(what: str, seconds: float) -> NoReturn:
+    """A wait that ran out: said with every thread's stack, and the run ends at once, exit
+    status 3 (a clean-up would wait for the hung thread too; the local runtime's
+    workers and the embedded store end with this process)."""
+    progress(f"HUNG: {what}: no answer within {seconds:g} s; every thread's stack:")
+    faulthandler.dump_traceback(sys.stderr, all_threads=True)
+    sys.stdout.flush()
+    os._exit(3)
+
+
+def result(future: Any, what: str) -> Any:
+    """``future.result()`` within ``WAIT`` s, else :func:`hung`."""
+    try:
+        return future.result(timeout=WAIT)
+    except TimeoutError:  # (concurrent.futures.TimeoutError is TimeoutError)
+        if future.done():
+            raise  # the task's own TimeoutError
+        hung(what, WAIT)
+
+
+def join(threads: list[threading.Thread], what: str) -> None:
+    """Join ``threads`` within ``WAIT`` s in all, else :func:`hung`."""
+    end = time.monotonic() + WAIT
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+        if t.is_alive():
+            hung(what, WAIT)
 
 
 def echo(blob: bytes) -> bytes:
@@ -93,21 +137,24 @@ def nimbus_big(size: int, reps: int) -> dict[str, float]:
 
     data = os.urandom(size)
     out: dict[str, list[float]] = {"echo": [], "oneway": []}
+    progress("big: a local Executor(2) starts")
     with Executor(2) as ex:
-        ex.submit(length, nimbus.put(b"x")).result()
+        result(ex.submit(length, nimbus.put(b"x")), "big: the first task")
         kept = ex.options(keep=True)
-        for _ in range(reps):
+        for i in range(reps):
+            progress(f"big: put + task + get {i + 1}/{reps}")
             start = time.perf_counter()
             ref = nimbus.put(data)
-            back = kept.submit(echo, ref).result()
+            back = result(kept.submit(echo, ref), "big: echo of a put object")
             out["echo"].append(time.perf_counter() - start)
             assert len(back) == size
             del back, ref
             start = time.perf_counter()
             ref = nimbus.put(data)
-            assert ex.submit(length, ref).result() == size
+            assert result(ex.submit(length, ref), "big: length of a put object") == size
             out["oneway"].append(time.perf_counter() - start)
             del ref
+        progress("big: the Executor shuts down")
     return {k: ms(v) for k, v in out.items()}
 
 
@@ -246,21 +293,20 @@ def campaign(ex: Any, chains: int, steps: int, size: int, *, refs: bool) -> tupl
             for _ in range(steps - 1):
                 future = kept.submit(step, future)
             ends.append(future)
-        finals = [f.result(timeout=600) for f in ends]
+        finals = [result(f, f"campaign: chain {c} through references") for c, f in enumerate(ends)]
     else:
         finals = [b""] * chains
 
         def chain(c: int) -> None:
-            value = ex.submit(seed, c, size).result(timeout=600)
-            for _ in range(steps - 1):
-                value = ex.submit(step, value).result(timeout=600)
+            value = result(ex.submit(seed, c, size), f"campaign: chain {c}'s seed")
+            for k in range(steps - 1):
+                value = result(ex.submit(step, value), f"campaign: chain {c}'s step {k + 1}")
             finals[c] = value
 
-        threads = [threading.Thread(target=chain, args=(c,)) for c in range(chains)]
+        threads = [threading.Thread(target=chain, args=(c,), daemon=True) for c in range(chains)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        join(threads, "campaign: the chains through the client")
     seconds = time.perf_counter() - start
     assert all(len(f) == size for f in finals)
     stats = ex.statistics()
@@ -270,9 +316,12 @@ def campaign(ex: Any, chains: int, steps: int, size: int, *, refs: bool) -> tupl
 def campaign_rows(ex: Any, where: str, args: argparse.Namespace) -> list[list[str]]:
     chains, steps = (4, 10) if args.quick else (10, 100)
     size = MB
+    progress(f"campaign, {where}: warming")
     campaign(ex, 2, 2, size, refs=True)  # warm
     campaign(ex, 2, 2, size, refs=False)
+    progress(f"campaign, {where}: through the client")
     by_value, by_value_bytes = campaign(ex, chains, steps, size, refs=False)
+    progress(f"campaign, {where}: through references")
     by_ref, by_ref_bytes = campaign(ex, chains, steps, size, refs=True)
     final = chains * size  # the last results, fetched by the client in both
     tasks = chains * steps
@@ -319,7 +368,8 @@ def pipeline_rows(ex: Any, args: argparse.Namespace) -> list[list[str]]:
     start = time.perf_counter()
     first = ex.map(seed, range(n), [size] * n, keep=True)
     second = [ex.submit(digest, f) for f in first]
-    results = [f.result(timeout=900) for f in second]
+    progress(f"pipeline: {2 * n} tasks")
+    results = [result(f, "pipeline: a stage-2 task") for f in second]
     seconds = time.perf_counter() - start
     assert results[5] == size + 5
     stats = ex.statistics()
@@ -361,7 +411,7 @@ def deps_pipeline(ex: Any, n: int) -> float:
     start = time.perf_counter()
     first = [kept.submit(tiny, i) for i in range(n)]
     second = [ex.submit(inc, f) for f in first]
-    results = [f.result(timeout=600) for f in second]
+    results = [result(f, "deps: a stage-2 task") for f in second]
     seconds = time.perf_counter() - start
     assert results[-1] == n
     return seconds
@@ -374,7 +424,7 @@ def deps_chain(ex: Any, links: int) -> float:
     for _ in range(links - 2):
         f = kept.submit(inc, f)
     last = ex.submit(inc, f)
-    assert last.result(timeout=600) == links - 1
+    assert result(last, "deps: the chain's last task") == links - 1
     return time.perf_counter() - start
 
 
@@ -385,6 +435,7 @@ def deps_rows(ex: Any, args: argparse.Namespace) -> list[list[str]]:
     deps_pipeline(ex, 50)  # warm: functions registered, workers up
     for _ in range(reps):
         for service_side in (True, False):
+            progress(f"deps: held by the {'service' if service_side else 'client'}")
             backend.dependencies = service_side
             times.setdefault(("pipeline", service_side), []).append(deps_pipeline(ex, n))
             times.setdefault(("chain", service_side), []).append(deps_chain(ex, links))
@@ -501,23 +552,26 @@ def file_rows(
     sha_of(path)  # in the page cache, as a file just written on the source endpoint is
     shm = Path("/dev/shm") / f"nimbus-bench-raw-{os.getpid()}"
     # from the source's namespace (if any) into the target's, as the staged bytes go
+    progress("file: raw TCP copies")
     raws = [raw_copy(path, shm, prefix, dest) for _ in range(2)]
     raw = min(raws)
     (exported / "tiny.bin").write_bytes(b"t")  # the same steps for 1 byte: their overhead
+    progress("file: staged source -> dataflow")
     start = time.perf_counter()
     ex.submit(sha_of, nimbus.File(f"source:{exported}/tiny.bin"))
-    next(f for k, f in _cache.items() if k[2] == str(exported / "tiny.bin")).result(600)
+    tiny = next(f for k, f in _cache.items() if k[2] == str(exported / "tiny.bin"))
+    result(tiny, "file: staging 1 byte")
     overhead = time.perf_counter() - start
     file = nimbus.File(f"source:{path}")
     start = time.perf_counter()
     first = ex.submit(sha_of, file)
     key = next(k for k in _cache if k[2] == str(path))
-    staged_files = _cache[key].result(timeout=600)
+    staged_files = result(_cache[key], "file: staging the file")
     staged = time.perf_counter() - start
-    first_sha = first.result(timeout=600)
+    first_sha = result(first, "file: the first task")
     start = time.perf_counter()
     rest = [ex.submit(sha_of, file) for _ in range(16)]
-    shas = {f.result(timeout=600) for f in rest}
+    shas = {result(f, "file: one of 16 tasks") for f in rest}
     sixteen = time.perf_counter() - start
     transfers = sum(1 for key in _cache if key[2] == str(path))
     assert shas == {first_sha} == {staged_files.sha256}, "a task saw other bytes"
@@ -569,16 +623,17 @@ def fanout_rows(settings: Any, exported: Path, targets: list[str]) -> list[list[
     path = exported / "run42.bin"
     want = sha_of(path)
     file = nimbus.File(f"source:{path}")
+    progress(f"fan-out: to {', '.join(targets)}")
     executors = [Executor(endpoint=t, settings=settings) for t in targets]
     try:
         before = {k for k in _cache if k[2] == str(path)}
         start = time.perf_counter()
         futures = [ex.submit(sha_of, file) for ex in executors]  # staged to both at once
         for key in [k for k in _cache if k[2] == str(path) and k not in before]:
-            _cache[key].result(timeout=900)
+            result(_cache[key], "fan-out: staging to the endpoints")
         staging = time.perf_counter() - start
         futures += [ex.submit(sha_of, file) for ex in executors for _ in range(15)]
-        shas = {f.result(timeout=900) for f in futures}
+        shas = {result(f, "fan-out: a task") for f in futures}
         seconds = time.perf_counter() - start
         client = sum(
             ex.statistics()["bytes_sent"] + ex.statistics()["bytes_received"] for ex in executors
@@ -586,7 +641,7 @@ def fanout_rows(settings: Any, exported: Path, targets: list[str]) -> list[list[
     finally:
         for ex in executors:
             ex.shutdown()
-    staged = [f.result() for k, f in _cache.items() if k[2] == str(path)]
+    staged = [result(f, "fan-out: a staging") for k, f in _cache.items() if k[2] == str(path)]
     direct = all(not s.refs for s in staged)
     size = path.stat().st_size
     RESULTS["fanout"] = {
@@ -627,7 +682,11 @@ def mapreduce_rows(args: argparse.Namespace) -> list[list[str]]:
             got: dict[str, dict[str, Any]] = {}
             for _ in range(2):  # two rounds, interleaved: the best of each (a loaded machine)
                 for way in ("shared", "store", "direct"):
-                    one = mr.run(job, way, workers, total // workers, root)
+                    progress(f"mapreduce: {job}, the shuffle through {way}")
+                    try:
+                        one = mr.run(job, way, workers, total // workers, root, limit=WAIT)
+                    except mr.Stuck as exc:
+                        hung(f"mapreduce: {job} through {way}: {exc}", WAIT)
                     if way not in got or one["seconds"] < got[way]["seconds"]:
                         got[way] = one
             assert len({g["result"] for g in got.values()}) == 1, "the three ways disagree"
@@ -736,9 +795,18 @@ def main() -> int:
         "node (root); 0: all on the node's loopback",
     )
     parser.add_argument("--mr-mb", type=int, default=256, help="MapReduce input, all workers")
+    parser.add_argument(
+        "--wait",
+        type=float,
+        help=f"seconds any one wait may take before the run ends as hung (exit status 3, "
+        f"every thread's stack on stderr); default {LONG_WAIT:.0f}, --quick {QUICK_WAIT:.0f}",
+    )
     args = parser.parse_args()
     import signal
 
+    global WAIT
+    WAIT = args.wait or (QUICK_WAIT if args.quick else LONG_WAIT)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where it waits
     # a SIGTERM ends the run as an exception does: the agents stopped, the namespaces gone
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     only = set(args.only or ["big", "campaign", "pipeline", "deps", "file", "mapreduce"])
@@ -750,6 +818,7 @@ def main() -> int:
     if "mapreduce" in only:
         rows += mapreduce_rows(args)
     if "campaign" in only:
+        progress("campaign: a local Executor(2) starts")
         with Executor(2) as ex:
             rows += campaign_rows(ex, "local runtime", args)
     if not args.no_service and only & {"campaign", "pipeline", "deps", "file"}:
@@ -763,6 +832,7 @@ def main() -> int:
         dest: tuple[list[str], str] | None = None
         extra: list[subprocess.Popen[bytes]] = []  # the fan-out's agents
         try:
+            progress("the service starts")
             stack.start_service()
             if "file" in only:  # a second endpoint that exports a directory
                 import dataclasses
@@ -786,6 +856,7 @@ def main() -> int:
                 else:
                     stack.start_agent("source")
                 source = stack.agent
+            progress("endpoint dataflow starts")
             stack.configure_endpoint("dataflow")
             if args.netns:
                 dest = isolated.start_agent("dataflow")
@@ -825,6 +896,7 @@ def main() -> int:
             stack.close()
             if link is not None:
                 link.close()
+    progress("done")
     print(grid(["workload", "nimbus", "Ray / bytes", "ratio", "target", ""], rows))
     if args.json:
         Path(args.json).write_text(json.dumps(RESULTS, indent=2))

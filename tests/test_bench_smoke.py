@@ -6,8 +6,10 @@ import dataclasses
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +27,64 @@ def _start(
     env = {k: v for k, v in os.environ.items() if not (clean and k.startswith("NIMBUS_"))}
     package_parent = str(Path(nimbus.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
-    return subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, str(ROOT / "bench" / script), *args],
         cwd=ROOT,
         env=env | env_extra,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-        check=False,
+        start_new_session=True,  # its process group: stopped whole if it hangs
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = _stop_hung(proc)
+        pytest.fail(
+            f"bench/{script} {' '.join(args)} ran over {timeout} s and was stopped; what "
+            f"it printed (with its processes' stacks, asked for by SIGUSR1):\n"
+            f"--- stdout\n{out}\n--- stderr\n{err}",
+            pytrace=False,
+        )
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _stop_hung(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """A bench run over its time: its Python processes asked for their stacks (SIGUSR1:
+    the benches and nimbus's workers register faulthandler for it), then all of its
+    processes killed; what it printed."""
+    import psutil
+
+    def tree() -> list[psutil.Process]:
+        try:
+            top = psutil.Process(proc.pid)
+            return [top, *top.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    hung = tree()
+    for p in hung:
+        try:
+            if p.name().startswith("python"):
+                p.send_signal(signal.SIGUSR1)
+        except psutil.Error:
+            pass
+    try:
+        proc.communicate(timeout=5)  # their stacks come in meanwhile (not lost on retry)
+    except subprocess.TimeoutExpired:
+        pass
+    for p in {*hung, *tree()}:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        return proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired as exc:  # a process it left holds the pipes
+        proc.kill()
+        return (exc.stdout or b"").decode(errors="replace"), (exc.stderr or b"").decode(
+            errors="replace"
+        )
 
 
 def _run(script: str, *args: str, timeout: float = 110, clean: bool = False) -> list[str]:
@@ -197,3 +248,51 @@ def test_bench_dataflow_quick_local(tmp_path: Path) -> None:
     )  # informational on one machine: no verdict
     assert "direct" in _row(lines, "MapReduce sort, 16 MB in, 4 workers")
     assert out.exists()
+
+
+def test_bench_dataflow_ends_a_wait_over_its_limit_naming_it_with_the_stacks() -> None:
+    """A hang in the bench is an error at once, saying which step and where each thread
+    waits (a wait of 0.05 s is over for the campaign's first chain)."""
+    args = ("--quick", "--no-ray", "--no-service", "--only", "campaign", "--wait", "0.05")
+    proc = _start("dataflow.py", *args, timeout=110)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "] campaign: a local Executor(2) starts" in proc.stderr  # the progress lines
+    assert "HUNG: campaign: chain 0 through references: no answer within 0.05 s" in proc.stderr
+    assert "most recent call first" in proc.stderr and "in campaign" in proc.stderr
+
+
+def test_a_bench_over_its_time_is_stopped_whole_and_shows_what_it_printed(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import faulthandler, signal, subprocess, sys, time\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        "print('a row', flush=True)\n"
+        "print('a progress line', file=sys.stderr, flush=True)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print(child.pid, flush=True)\n"
+        "def waits_for_ever():\n"
+        "    time.sleep(600)\n"
+        "waits_for_ever()\n"
+    )
+    with pytest.raises(pytest.fail.Exception) as failed:
+        _start(str(script), timeout=3)  # (an absolute path: not one of bench/)
+    said = str(failed.value)
+    assert "ran over 3 s and was stopped" in said
+    assert "a row" in said and "a progress line" in said
+    assert "in waits_for_ever" in said  # its stack, asked for by SIGUSR1
+    child = int(said.split("--- stdout\n", 1)[1].splitlines()[1])
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the bench's child was left running"
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

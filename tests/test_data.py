@@ -16,12 +16,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import nimbus
 from nimbus import Client, Executor, serialization
-from nimbus.data import NodeStore, Ref, Scope, _carry, default_root, run, store
+from nimbus.data import NodeStore, Ref, Scope, Session, _carry, default_root, run, store
 from nimbus.data._node import data_base, hold, release, sweep_all
 from nimbus.errors import DataAccessError, DataError, InputFailed, ReferenceLost, ServiceError
 from nimbus.protocol import MSGPACK, Batch, submit_row, unpack
@@ -120,47 +121,6 @@ def test_kept_results_feed_a_task_without_crossing_the_client(ex: Executor) -> N
     assert isinstance(parts[3].ref(), Ref) and parts[3].ref().size > MB
 
 
-def _collect_holding(lock: threading.Lock) -> bool:
-    """Run the cyclic GC in a thread that holds ``lock``: whether it came back."""
-
-    def inside() -> None:
-        with lock:
-            gc.collect()
-
-    thread = threading.Thread(target=inside, daemon=True)
-    thread.start()
-    thread.join(10)
-    return not thread.is_alive()
-
-
-def test_a_ref_freed_by_the_cyclic_gc_inside_its_sessions_lock_does_not_deadlock(
-    ex: Executor,
-) -> None:
-    """The GC frees a Ref in a cycle in whichever thread allocates, even one inside its
-    session's lock (the manager's loop thread adopting kept results): the runtime hung."""
-    gc.disable()
-    try:
-        ref = nimbus.put(b"x" * 100)
-        path = _node().path(ref.id)
-        cycle: list[object] = [ref]
-        cycle.append(cycle)
-        del ref, cycle
-        assert _collect_holding(nimbus.data.session(None)._lock), "deadlocked in _release"
-        assert not path.exists()  # and freed at once
-    finally:
-        gc.enable()
-    # a copy's finalizer (the original Ref's last holder gone) likewise takes no lock
-    done = threading.Thread(target=_forget_inside_the_copies_lock, daemon=True)
-    done.start()
-    done.join(10)
-    assert not done.is_alive(), "deadlocked in the copy's finalizer"
-
-
-def _forget_inside_the_copies_lock() -> None:
-    with _carry._lock:
-        _carry._forget(("some-ref", "lab"), _carry.Copy())
-
-
 def test_an_object_is_freed_when_nothing_holds_it(ex: Executor) -> None:
     ref = nimbus.put(b"x" * MB)
     path = _node().path(ref.id)
@@ -206,6 +166,112 @@ def test_a_held_object_outlives_its_lease_renewed() -> None:
         assert ref.get() == b"z" * 100
     finally:
         local.lease = lease
+
+
+def _collected_under(lock: Any) -> bool:
+    """Whether a collection run while ``lock`` is held (by a thread of its own) ends:
+    the cyclic collector runs at any allocation, in any thread, whatever it holds."""
+
+    def collect() -> None:
+        with lock:
+            gc.collect()
+
+    thread = threading.Thread(target=collect, daemon=True)  # left blocked if it deadlocks
+    thread.start()
+    thread.join(10)
+    return not thread.is_alive()
+
+
+def test_a_ref_collected_while_its_session_holds_its_lock_is_freed(tmp_path: Path) -> None:
+    """A Ref in a reference cycle goes when the collector runs, which may be inside the
+    session's lock (the executor's thread adopting a kept result): its release must not
+    wait for that lock (bench/dataflow.py hung in CI on it, for ever)."""
+    session = Session("ns", "me", None, store=NodeStore("ns", tmp_path))
+    gc.disable()  # the cycle below is freed by the collection under the lock, not before
+    try:
+        ref = session.put(b"x")
+        path = session.store.path(ref.id)  # type: ignore[union-attr]
+        cycle: list[Any] = [ref]
+        cycle.append(cycle)
+        del ref, cycle
+        assert path.exists()
+        assert _collected_under(session._lock), "the release waited for the session's lock"
+    finally:
+        gc.enable()
+    assert not path.exists() and session.freed == 1
+
+
+CHAINS = """
+import gc, os, sys, threading, time
+import nimbus
+from nimbus import Executor
+
+def seed(i):
+    return bytes([i]) * 65536
+
+def step(blob):
+    return blob[1:] + blob[:1]
+
+def litter():  # Refs that only the collector frees: at any allocation, in any thread
+    while True:
+        cycle = [nimbus.put(b"x")]
+        cycle.append(cycle)
+        time.sleep(0.001)
+
+gc.set_threshold(50)  # the collector often: now and then inside the session's lock
+with Executor(2) as ex:
+    threading.Thread(target=litter, daemon=True).start()
+    kept = ex.options(keep=True)
+    for _ in range(int(sys.argv[1])):
+        ends = []
+        for c in range(4):
+            f = kept.submit(seed, c)
+            for _ in range(9):
+                f = kept.submit(step, f)
+            ends.append(f)
+        for f in ends:
+            try:
+                f.result(timeout=20)
+            except TimeoutError:
+                print("hung", flush=True)
+                os._exit(3)  # (its shutdown would wait for the hung thread)
+print("done", flush=True)
+"""
+
+
+def test_kept_chains_end_while_the_collector_frees_refs(tmp_path: Path) -> None:
+    """bench/dataflow.py's campaign (chains of kept tasks) with the collector run often
+    and Refs in cycles: before, it hung for ever (a Ref freed by the collector inside the
+    session's lock, in the thread that delivers results, waited for that lock)."""
+    script = tmp_path / "chains.py"
+    script.write_text(CHAINS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run(
+        [sys.executable, str(script), "6"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=100,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0 and "done" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_copy_let_go_while_the_copies_lock_is_held_is_dropped() -> None:
+    """The same for a Ref's copy on another endpoint (``_carry``): let go by a finalizer,
+    which may run inside ``_copy``'s lock, it is dropped at once all the same."""
+    key, copy = ("0" * 32, "elsewhere"), _carry.Copy()
+    _carry._copies[key] = copy
+    done = threading.Event()
+
+    def forget_under_lock() -> None:
+        with _carry._lock:
+            _carry._forget(key, copy)
+        done.set()
+
+    threading.Thread(target=forget_under_lock, daemon=True).start()
+    assert done.wait(10), "letting a copy go waited for the copies' lock"
+    assert key not in _carry._copies
 
 
 def test_large_containers_pass_as_they_are(ex: Executor) -> None:
