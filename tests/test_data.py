@@ -6,6 +6,7 @@ On the real local runtime and on a real service on loopback with an endpoint.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import copy
 import gc
 import os
@@ -56,6 +57,11 @@ def mbytes(n: int) -> bytes:
 
 def grow(b: bytes) -> bytes:
     return b + b"!"
+
+
+def slow_double(xs: list[int]) -> list[int]:
+    time.sleep(0.5)
+    return double(xs)
 
 
 def sizes(*blobs: bytes) -> list[int]:
@@ -159,6 +165,24 @@ def test_a_ref_freed_by_the_cyclic_gc_inside_its_sessions_lock_does_not_deadlock
 def _forget_inside_the_copies_lock() -> None:
     with _carry._lock:
         _carry._forget(("some-ref", "lab"), _carry.Copy())
+
+
+def test_a_deferred_send_that_raises_fails_its_task_and_later_ones_are_still_sent(
+    ex: Executor,
+) -> None:
+    """A task sent once its inputs are done goes from the path's sender thread; one whose
+    send raised (a pure task made again after shutdown, an unpicklable argument) killed
+    the thread, and every later dependent task was never sent: its client waited."""
+    path = ex._path
+    path.deferred(lambda: [][0])  # a send that raises (logged: no task to fail)
+    first = ex.submit(slow_double, [1, 2, 3])
+    dependent = ex.submit(len, first)  # sent by the sender thread once ``first`` is done
+    assert not first.done()
+    assert dependent.result(timeout=20) == 3
+    victim: cf.Future[int] = cf.Future()
+    path.deferred(lambda: [][0], victim)  # the task whose send raised fails with its error
+    with pytest.raises(IndexError):
+        victim.result(timeout=10)
 
 
 def test_an_object_is_freed_when_nothing_holds_it(ex: Executor) -> None:
