@@ -500,6 +500,33 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
     assert lost.value.ref_id == pin  # (its client stages it again: _submit.recover)
 
 
+def test_a_request_for_an_unknown_namespace_leaves_the_data_root_unchanged(
+    tmp_path: Path,
+) -> None:
+    """The server read a request's namespace through a NodeStore, which made its
+    directories before the HMAC was checked: anyone reaching the port filled the root."""
+    from nimbus.data._serve import Server, fetch, free, renew
+
+    root = tmp_path / "node-a"
+    root.mkdir(mode=0o700)
+    server = Server(root, "127.0.0.1")
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    anyone = (*server.address, "00" * 32)
+    try:
+        for i in range(3):
+            space, pin = f"junk{i}", "a" * 64
+            with pytest.raises(DataError, match="holds no such copy"):
+                fetch(anyone, space, "a" * 32, pin, 1, "0" * 64, tmp_path / f"x{i}")
+            with pytest.raises(DataError, match="holds no such copy"):
+                renew(anyone, space, pin, time.time() + 60)
+            with pytest.raises(DataError, match="holds no such copy"):
+                free(anyone, space, pin)
+        assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+        assert server.statistics()["refused"] == 9
+    finally:
+        server.close()
+
+
 def test_a_node_cache_made_again_after_a_sweep_keeps_its_runtime_private(tmp_path: Path) -> None:
     """A runtime's directory removed by a sweep (no process held it) and then a cache
     written into it: made again private (it was made with the default mode, 0o755, and
