@@ -405,6 +405,17 @@ def test_an_agent_sweeps_what_a_killed_runtime_left_when_it_starts(tmp_path: Pat
         assert ex.submit(len, b"ok").result(timeout=60) == 2
 
 
+def test_a_local_executor_serves_no_node_data(ex: Executor) -> None:
+    """The node's data server is for the other nodes of an endpoint: a local Executor
+    (one node) listened on 127.0.0.1 for nothing (any local user could reach it)."""
+    import psutil
+
+    assert ex.submit(len, b"ok").result(timeout=60) == 2
+    listening = [c.laddr for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"]
+    assert listening == []
+    assert list(_node().dir.parent.glob(f".server-{os.getpid()}-*")) == []
+
+
 def test_the_local_runtime_leaves_nothing_behind(tmp_path: Path) -> None:
     code = (
         "import nimbus\n"

@@ -305,9 +305,10 @@ class Sweeper:
     the agent of a runtime or a block's manager (which also holds its data directory
     while it runs, and serves its file cache to the other nodes: ``_serve``)."""
 
-    def __init__(self, every: float = SWEEP_EVERY) -> None:
+    def __init__(self, every: float = SWEEP_EVERY, *, serve: bool = True) -> None:
         self.mark = hold()
-        self.server = _serve_cache(self.mark.parent.parent)
+        # (serve=False: a runtime of one node, which no other node fetches from)
+        self.server = _serve_cache(self.mark.parent.parent) if serve else None
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(every,), name="nimbus-data-sweep", daemon=True

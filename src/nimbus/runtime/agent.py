@@ -64,6 +64,7 @@ class Agent:
         name: str = "agent",
         routing: str = "warm",
         seed: int | None = None,
+        serve_data: bool = True,
     ) -> None:
         if routing not in _MODES:
             raise ValueError(f"routing must be one of {', '.join(_MODES)}, not {routing!r}")
@@ -89,7 +90,7 @@ class Agent:
         self.lost: list[tuple[str, str, int]] = []  # (manager, why, tasks requeued)
         from nimbus.data import Sweeper  # holds this runtime's data, sweeps the node's
 
-        self._data = Sweeper()
+        self._data = Sweeper(serve=serve_data)  # (serve_data: other nodes fetch from it)
 
     # -- managers on other nodes -----------------------------------------
     def listen(
