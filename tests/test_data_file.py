@@ -553,6 +553,48 @@ def _served_copy(root: Path, space: str = "u-serve") -> tuple[str, str, str, byt
     return space, name, pin, body, secret
 
 
+def _idle(address: tuple[str, int], source: str, n: int) -> list[socket.socket]:
+    """``n`` connections to ``address`` from ``source`` that say nothing."""
+    conns = []
+    for _ in range(n):
+        conn = socket.socket()
+        conn.bind((source, 0))
+        conn.connect(address)
+        conns.append(conn)
+    return conns
+
+
+def test_a_busy_node_is_asked_again_and_one_peer_cannot_take_every_slot(tmp_path: Path) -> None:
+    """64 idle connections (no secret needed) turned every fetch away as "busy", and the
+    fetching task failed: now one address gets ``PER_PEER`` slots, and a fetch told
+    "busy" tries again (jittered backoff) within its timeout."""
+    from nimbus.data._serve import PER_PEER, Server, fetch
+
+    root = tmp_path / "node-a"
+    space, name, pin, body, secret = _served_copy(root)
+    sha = hashlib.sha256(body).hexdigest()
+    server = Server(root, "127.0.0.1")
+    holder = (*server.address, secret)
+    others = _idle(server.address, "127.0.0.2", 70)  # another address: all the slots once
+    try:
+        time.sleep(0.3)
+        fetch(holder, space, name, pin, len(body), sha, tmp_path / "one")  # not turned away
+        assert (tmp_path / "one").read_bytes() == body
+        assert server.statistics()["busy"] == 70 - PER_PEER
+        mine = _idle(server.address, "127.0.0.1", PER_PEER)  # this address's slots taken
+        time.sleep(0.3)
+        threading.Timer(1.0, lambda: [c.close() for c in mine]).start()
+        started = time.monotonic()
+        fetch(holder, space, name, pin, len(body), sha, tmp_path / "two")  # busy, then served
+        assert 0.8 < time.monotonic() - started < 4.5  # (before the idle ones' HANDSHAKE)
+        assert (tmp_path / "two").read_bytes() == body
+        assert server.statistics()["busy"] > 70 - PER_PEER
+    finally:
+        for conn in others:
+            conn.close()
+        server.close()
+
+
 def test_two_servers_of_one_node_directory_each_advertise_until_they_close(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
