@@ -416,6 +416,20 @@ def test_a_local_executor_serves_no_node_data(ex: Executor) -> None:
     assert list(_node().dir.parent.glob(f".server-{os.getpid()}-*")) == []
 
 
+def test_a_shutdown_without_waiting_releases_the_runtimes_data_once_its_workers_end() -> None:
+    """``shutdown(wait=False)`` left the node's sweeper (its thread, its data server) and
+    the hold on the runtime's data directory for the life of the process."""
+    ex = Executor(1)
+    assert ex.submit(len, b"ab").result(timeout=60) == 2
+    data = ex._backend.agent._data  # type: ignore[attr-defined]
+    ex.shutdown(wait=False)
+    deadline = time.monotonic() + 30
+    while data.mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not data.mark.exists()  # released
+    assert not data._thread.is_alive()
+
+
 def test_the_local_runtime_leaves_nothing_behind(tmp_path: Path) -> None:
     code = (
         "import nimbus\n"

@@ -450,6 +450,15 @@ class Agent:
             self.fail_pending(errors.RuntimeClosed(f"{self.name} was shut down"))
         if wait or kill:  # its workers are gone: its data directory goes with the last agent
             self._data.close()
+        else:  # once they are (the managers' loops ended)
+            threading.Thread(target=self._close_data, name="nimbus-data-close", daemon=True).start()
+
+    def _close_data(self) -> None:
+        for manager in list(self._managers):
+            stopped = getattr(manager, "stopped", None)  # (a remote one's workers: elsewhere)
+            if stopped is not None:
+                stopped.wait()
+        self._data.close()
 
     def statistics(self) -> dict[str, Any]:
         return {
