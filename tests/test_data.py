@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import copy
 import gc
 import os
@@ -183,6 +184,59 @@ def test_a_deferred_send_that_raises_fails_its_task_and_later_ones_are_still_sen
     path.deferred(lambda: [][0], victim)  # the task whose send raised fails with its error
     with pytest.raises(IndexError):
         victim.result(timeout=10)
+
+
+def test_a_forked_child_makes_its_own_session_and_frees_nothing_of_its_parents(
+    ex: Executor,
+) -> None:
+    """A warm worker forked while another thread held the sessions' lock waited on it for
+    ever at its first ``nimbus.put``; one forked after the session was made used it with
+    no renewer running; a parent's Ref dropped in the child freed the parent's object."""
+    from nimbus.data import _ref
+
+    parent = nimbus.data.session(None)
+    ref = nimbus.put(b"p" * 100)
+    path = _node().path(ref.id)
+    held, done = threading.Event(), threading.Event()
+
+    def holding() -> None:
+        with _ref._sessions_lock:
+            held.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=holding, daemon=True)
+    thread.start()
+    assert held.wait(10)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: says what it saw, then leaves at once
+        try:
+            os.close(r)
+            mine = nimbus.data.session(None)
+            made = nimbus.put(b"c" * 10)
+            ok = mine is not parent and mine._thread is not None and mine._thread.is_alive()
+            ok = ok and made.get() == b"c" * 10
+            del ref
+            gc.collect()
+            os.write(w, b"ok" if ok and path.exists() else b"no")
+        finally:
+            os._exit(0)
+    os.close(w)
+    done.set()
+    thread.join(10)
+    try:
+        import select
+
+        ready, _, _ = select.select([r], [], [], 30)
+        said = os.read(r, 10) if ready else b"hung"
+    finally:
+        os.close(r)
+        if not said.startswith(b"ok"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert said == b"ok"
+    assert path.exists() and ref.get() == b"p" * 100
 
 
 def test_an_object_is_freed_when_nothing_holds_it(ex: Executor) -> None:

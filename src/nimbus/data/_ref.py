@@ -153,6 +153,7 @@ class Session:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self.freed = 0  # objects freed so far (statistics)
+        self._pid = os.getpid()  # (a forked child frees nothing of its parent's)
 
     def scope(self, keep: bool) -> Scope:
         return Scope(self.namespace, self.user, self.endpoint, keep, self.lease)
@@ -207,7 +208,7 @@ class Session:
         # inside ``with self._lock`` (a plain Lock would wait on itself for ever), so it
         # takes no lock: dict.pop and deque.append are atomic.
         holder = self._holders.pop(ref_id, None)
-        if self._closed.is_set():
+        if self._closed.is_set() or os.getpid() != self._pid:  # (the parent holds it)
             return
         if self.store is not None:
             self.store.free([ref_id])
@@ -321,6 +322,19 @@ def lost(ref: Ref) -> ReferenceLost:
 # last (two Executors of two users on one endpoint each have theirs)
 _sessions: dict[str | None, list[Session]] = {}
 _sessions_lock = threading.Lock()
+
+
+def _forget_sessions() -> None:
+    """In a forked child (a warm worker, a user's fork): the parent's sessions are not
+    its own (their renewer thread is not here; their locks may have been held by another
+    thread at the fork): it makes its own on use."""
+    global _sessions_lock
+    _sessions_lock = threading.Lock()
+    _sessions.clear()
+    _openers.clear()  # (the parent's Executors: their threads are not here either)
+
+
+os.register_at_fork(after_in_child=_forget_sessions)
 
 
 def local_namespace() -> str:
