@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -790,6 +791,39 @@ def test_renewals_forward_a_pin_to_its_node_and_note_a_node_gone(tmp_path: Path)
         session.close()
         pool.shutdown()
         server.close()
+
+
+def test_the_lease_renewer_goes_on_after_a_renewal_that_failed() -> None:
+    """The renewer thread returned on any exception (one broken link, one OSError of the
+    store): the leases of everything held then ran out while still referenced."""
+    import concurrent.futures as cf
+
+    from nimbus.data._ref import Ref, Session, local_namespace
+
+    pool = cf.ThreadPoolExecutor(1)
+    calls: list[str] = []
+
+    def call(fn: Any, *args: Any, keep: bool) -> cf.Future[Any]:
+        calls.append(fn.__name__)
+        if len(calls) == 1:
+            raise OSError("the link to the endpoint broke")
+        return pool.submit(fn, *args)
+
+    space = local_namespace()
+    session = Session(space, "me", "ep", call=call, lease=0.6)
+    try:
+        ref = session.adopt(Ref("a" * 32, space, "me", "ep", 0))
+        deadline = time.monotonic() + 10
+        while calls.count("renew_objects") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert calls.count("renew_objects") >= 3, calls  # renewed again after the failure
+        assert session._thread is not None and session._thread.is_alive()
+        del ref
+    finally:
+        session.close()
+        pool.shutdown()
+    session._thread.join(5)
+    assert not session._thread.is_alive()  # closed: it stops
 
 
 def test_freeing_a_pin_is_forwarded_to_its_node_as_its_renewals_are(tmp_path: Path) -> None:

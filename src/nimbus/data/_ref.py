@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import collections
 import getpass
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,8 @@ from typing import Any, NamedTuple, TypeVar
 
 from nimbus.data._node import NodeStore, hold, release
 from nimbus.errors import DataAccessError, DataError, ReferenceLost
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "LEASE",
@@ -290,15 +293,23 @@ class Session:
         """Free what was released (every second for an endpoint: one task for many) and
         renew the leases of what is held (every third of a lease)."""
         renewed = time.monotonic()
+        failing = False
         while not self._closed.wait(min(1.0, self.lease / 3)):
-            try:
+            try:  # (until closed: one failure, a store or a link, is not the last word)
                 if time.monotonic() - renewed >= self.lease / 3:
                     renewed = time.monotonic()
                     self.flush()
                 else:
                     self.flush(renew=False)
-            except Exception:  # the executor shut down under it: the leases run out
-                return
+                failing = False
+            except Exception as exc:
+                if not failing:  # (said once a streak: tried again at the next turn)
+                    log.warning(
+                        "cannot renew or free the objects of %s now (%s); trying again",
+                        self.endpoint or "the local runtime",
+                        exc,
+                    )
+                failing = True
 
     def close(self) -> None:
         """Free what is released; later releases are left to the leases."""
