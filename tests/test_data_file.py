@@ -6,6 +6,7 @@ loopback with two real endpoints: "vault" (exports a directory) and "lab".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -594,6 +595,47 @@ def test_a_busy_node_is_asked_again_and_one_peer_cannot_take_every_slot(tmp_path
         for conn in others:
             conn.close()
         server.close()
+
+
+def _trickling(listener: socket.socket, size: int, stop: threading.Event) -> None:
+    """A holder that answers a fetch, then sends its ``size`` bytes one every 0.1 s."""
+    conn, _ = listener.accept()
+    with conn:
+        conn.sendall(os.urandom(32))  # the challenge
+        length = int.from_bytes(conn.recv(4, socket.MSG_WAITALL), "little")
+        conn.recv(length + 32, socket.MSG_WAITALL)  # the header and its mac
+        conn.sendall(b"OK" + size.to_bytes(8, "little"))
+        for _ in range(size):
+            if stop.wait(0.1):
+                return
+            with contextlib.suppress(OSError):
+                conn.sendall(b"x")
+
+
+def test_a_fetch_from_a_holder_that_trickles_ends_by_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch waited ``TIMEOUT`` for each read only: a holder sending a byte now and then
+    kept it (and the node's lock on that copy: its other tasks waited) for ever."""
+    from nimbus.data import _serve
+
+    monkeypatch.setattr(_serve, "TIMEOUT", 1.0)  # the deadline: 1 s + size / FLOOR_RATE
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    size = 200  # 20 s at its pace
+    peer = threading.Thread(target=_trickling, args=(listener, size, stop), daemon=True)
+    peer.start()
+    holder = ("127.0.0.1", listener.getsockname()[1], "00" * 32)
+    started = time.monotonic()
+    try:
+        with pytest.raises(DataError, match=r"timed out|in the time allowed"):
+            _serve.fetch(holder, "u-x", "a" * 32, "a" * 64, size, "0" * 64, tmp_path / "t")
+        assert time.monotonic() - started < 5
+        assert list(tmp_path.iterdir()) == [tmp_path / ".t.lock"]  # no part file left
+    finally:
+        stop.set()
+        peer.join(5)
+        listener.close()
 
 
 def test_two_servers_of_one_node_directory_each_advertise_until_they_close(

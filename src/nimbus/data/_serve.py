@@ -79,6 +79,7 @@ __all__ = ["Server", "advertised", "fetch", "free", "renew", "server_address"]
 log = logging.getLogger(__name__)
 
 TIMEOUT = 120.0  # seconds a fetch may wait for its peer (the bytes)
+FLOOR_RATE = 1 << 20  # bytes/s: a fetch of n bytes has TIMEOUT + n / FLOOR_RATE s in all
 HANDSHAKE = 5.0  # seconds a client has for its whole request (length, header, mac)
 LOCK_WAIT = 600.0  # seconds a task waits for another task of its node fetching the copy
 MAX_CONNECTIONS = 64  # served at once; more are told "busy"
@@ -481,6 +482,7 @@ def fetch(
             if target.stat().st_size == size:
                 return
         header = {"op": "fetch", "namespace": namespace, "name": name, "pin": pin}
+        deadline = time.monotonic() + TIMEOUT + size / FLOOR_RATE  # (a holder that trickles)
         try:
             sock, where = _request(holder, header, f"fetch {name}")
         except _Gone as exc:
@@ -493,12 +495,12 @@ def fetch(
         part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
         with sock:
             try:
-                got = int.from_bytes(recv_exactly(sock, 8, "the node"), "little")
+                got = int.from_bytes(recv_exactly(sock, 8, "the node", deadline), "little")
                 if got != size:
                     raise DataError(f"it holds {got} bytes where {size} were staged")
                 fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
-                    digest = receive_hashed(sock, fd, size, "the node").hexdigest()
+                    digest = receive_hashed(sock, fd, size, "the node", deadline).hexdigest()
                 finally:
                     os.close(fd)
                 if digest != sha256:
