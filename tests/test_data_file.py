@@ -868,6 +868,34 @@ def test_the_lease_renewer_goes_on_after_a_renewal_that_failed() -> None:
     assert not session._thread.is_alive()  # closed: it stops
 
 
+def test_renewals_forwarded_to_a_silent_node_end_by_one_deadline(tmp_path: Path) -> None:
+    """``renew_objects`` forwarded each pin one after another, 10 s each to a holder that
+    does not answer (no RST): N pins took N x 10 s, beyond the lease it renewed. Now in
+    parallel, all within a third of the lease."""
+    from nimbus.data._ref import local_namespace
+    from nimbus.data._serve import Server
+    from nimbus.data._task import renew_objects
+
+    root = tmp_path / "node-a"
+    space, _, pin, _, secret = _served_copy(root, local_namespace())
+    server = Server(root, "127.0.0.1")
+    silent = socket.create_server(("127.0.0.1", 0))  # connects, never says anything
+    mute = ("127.0.0.1", silent.getsockname()[1], secret)
+    dead = [c * 64 for c in "bef"]
+    holders = {pin: (*server.address, secret), **{d: mute for d in dead}}
+    try:
+        expires = time.time() + 9  # a third of it: 3 s
+        started = time.monotonic()
+        lost = renew_objects([pin, *dead], expires, holders)
+        took = time.monotonic() - started
+        assert sorted(lost) == sorted(dead)
+        assert (root / space / "obj" / pin).stat().st_mtime == pytest.approx(expires)
+        assert took < 8, took  # (one after another: 30 s)
+    finally:
+        silent.close()
+        server.close()
+
+
 def test_freeing_a_pin_is_forwarded_to_its_node_as_its_renewals_are(tmp_path: Path) -> None:
     """The client lets a staged copy go (its last Ref): the task that frees the pin runs
     on any node; on one without the pin it frees it through the holding node's server
