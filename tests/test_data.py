@@ -6,6 +6,8 @@ On the real local runtime and on a real service on loopback with an endpoint.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
+import contextlib
 import copy
 import gc
 import os
@@ -57,6 +59,11 @@ def mbytes(n: int) -> bytes:
 
 def grow(b: bytes) -> bytes:
     return b + b"!"
+
+
+def slow_double(xs: list[int]) -> list[int]:
+    time.sleep(0.5)
+    return double(xs)
 
 
 def sizes(*blobs: bytes) -> list[int]:
@@ -119,6 +126,77 @@ def test_kept_results_feed_a_task_without_crossing_the_client(ex: Executor) -> N
     assert ex.statistics()["bytes_received"] - before < 64 * 1024
     assert parts[3].result() == bytes([3]) * MB  # fetched lazily, when asked
     assert isinstance(parts[3].ref(), Ref) and parts[3].ref().size > MB
+
+
+def test_a_deferred_send_that_raises_fails_its_task_and_later_ones_are_still_sent(
+    ex: Executor,
+) -> None:
+    """A task sent once its inputs are done goes from the path's sender thread; one whose
+    send raised (a pure task made again after shutdown, an unpicklable argument) killed
+    the thread, and every later dependent task was never sent: its client waited."""
+    path = ex._path
+    path.deferred(lambda: [][0])  # a send that raises (logged: no task to fail)
+    first = ex.submit(slow_double, [1, 2, 3])
+    dependent = ex.submit(len, first)  # sent by the sender thread once ``first`` is done
+    assert not first.done()
+    assert dependent.result(timeout=20) == 3
+    victim: cf.Future[int] = cf.Future()
+    path.deferred(lambda: [][0], victim)  # the task whose send raised fails with its error
+    with pytest.raises(IndexError):
+        victim.result(timeout=10)
+
+
+def test_a_forked_child_makes_its_own_session_and_frees_nothing_of_its_parents(
+    ex: Executor,
+) -> None:
+    """A warm worker forked while another thread held the sessions' lock waited on it for
+    ever at its first ``nimbus.put``; one forked after the session was made used it with
+    no renewer running; a parent's Ref dropped in the child freed the parent's object."""
+    from nimbus.data import _ref
+
+    parent = nimbus.data.session(None)
+    ref = nimbus.put(b"p" * 100)
+    path = _node().path(ref.id)
+    held, done = threading.Event(), threading.Event()
+
+    def holding() -> None:
+        with _ref._sessions_lock:
+            held.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=holding, daemon=True)
+    thread.start()
+    assert held.wait(10)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: says what it saw, then leaves at once
+        try:
+            os.close(r)
+            mine = nimbus.data.session(None)
+            made = nimbus.put(b"c" * 10)
+            ok = mine is not parent and mine._thread is not None and mine._thread.is_alive()
+            ok = ok and made.get() == b"c" * 10
+            del ref
+            gc.collect()
+            os.write(w, b"ok" if ok and path.exists() else b"no")
+        finally:
+            os._exit(0)
+    os.close(w)
+    done.set()
+    thread.join(10)
+    try:
+        import select
+
+        ready, _, _ = select.select([r], [], [], 30)
+        said = os.read(r, 10) if ready else b"hung"
+    finally:
+        os.close(r)
+        if not said.startswith(b"ok"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert said == b"ok"
+    assert path.exists() and ref.get() == b"p" * 100
 
 
 def test_an_object_is_freed_when_nothing_holds_it(ex: Executor) -> None:
@@ -445,6 +523,31 @@ def test_an_agent_sweeps_what_a_killed_runtime_left_when_it_starts(tmp_path: Pat
             time.sleep(0.05)
         assert not root.exists()
         assert ex.submit(len, b"ok").result(timeout=60) == 2
+
+
+def test_a_local_executor_serves_no_node_data(ex: Executor) -> None:
+    """The node's data server is for the other nodes of an endpoint: a local Executor
+    (one node) listened on 127.0.0.1 for nothing (any local user could reach it)."""
+    import psutil
+
+    assert ex.submit(len, b"ok").result(timeout=60) == 2
+    listening = [c.laddr for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"]
+    assert listening == []
+    assert list(_node().dir.parent.glob(f".server-{os.getpid()}-*")) == []
+
+
+def test_a_shutdown_without_waiting_releases_the_runtimes_data_once_its_workers_end() -> None:
+    """``shutdown(wait=False)`` left the node's sweeper (its thread, its data server) and
+    the hold on the runtime's data directory for the life of the process."""
+    ex = Executor(1)
+    assert ex.submit(len, b"ab").result(timeout=60) == 2
+    data = ex._backend.agent._data  # type: ignore[attr-defined]
+    ex.shutdown(wait=False)
+    deadline = time.monotonic() + 30
+    while data.mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not data.mark.exists()  # released
+    assert not data._thread.is_alive()
 
 
 def test_the_local_runtime_leaves_nothing_behind(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ loopback with two real endpoints: "vault" (exports a directory) and "lab".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -500,6 +502,33 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
     assert lost.value.ref_id == pin  # (its client stages it again: _submit.recover)
 
 
+def test_a_request_for_an_unknown_namespace_leaves_the_data_root_unchanged(
+    tmp_path: Path,
+) -> None:
+    """The server read a request's namespace through a NodeStore, which made its
+    directories before the HMAC was checked: anyone reaching the port filled the root."""
+    from nimbus.data._serve import Server, fetch, free, renew
+
+    root = tmp_path / "node-a"
+    root.mkdir(mode=0o700)
+    server = Server(root, "127.0.0.1")
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    anyone = (*server.address, "00" * 32)
+    try:
+        for i in range(3):
+            space, pin = f"junk{i}", "a" * 64
+            with pytest.raises(DataError, match="holds no such copy"):
+                fetch(anyone, space, "a" * 32, pin, 1, "0" * 64, tmp_path / f"x{i}")
+            with pytest.raises(DataError, match="holds no such copy"):
+                renew(anyone, space, pin, time.time() + 60)
+            with pytest.raises(DataError, match="holds no such copy"):
+                free(anyone, space, pin)
+        assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+        assert server.statistics()["refused"] == 9
+    finally:
+        server.close()
+
+
 def test_a_node_cache_made_again_after_a_sweep_keeps_its_runtime_private(tmp_path: Path) -> None:
     """A runtime's directory removed by a sweep (no process held it) and then a cache
     written into it: made again private (it was made with the default mode, 0o755, and
@@ -524,6 +553,89 @@ def _served_copy(root: Path, space: str = "u-serve") -> tuple[str, str, str, byt
     (root / space / "files").mkdir(exist_ok=True)
     (root / space / "files" / name).write_bytes(body)
     return space, name, pin, body, secret
+
+
+def _idle(address: tuple[str, int], source: str, n: int) -> list[socket.socket]:
+    """``n`` connections to ``address`` from ``source`` that say nothing."""
+    conns = []
+    for _ in range(n):
+        conn = socket.socket()
+        conn.bind((source, 0))
+        conn.connect(address)
+        conns.append(conn)
+    return conns
+
+
+def test_a_busy_node_is_asked_again_and_one_peer_cannot_take_every_slot(tmp_path: Path) -> None:
+    """64 idle connections (no secret needed) turned every fetch away as "busy", and the
+    fetching task failed: now one address gets ``PER_PEER`` slots, and a fetch told
+    "busy" tries again (jittered backoff) within its timeout."""
+    from nimbus.data._serve import PER_PEER, Server, fetch
+
+    root = tmp_path / "node-a"
+    space, name, pin, body, secret = _served_copy(root)
+    sha = hashlib.sha256(body).hexdigest()
+    server = Server(root, "127.0.0.1")
+    holder = (*server.address, secret)
+    others = _idle(server.address, "127.0.0.2", 70)  # another address: all the slots once
+    try:
+        time.sleep(0.3)
+        fetch(holder, space, name, pin, len(body), sha, tmp_path / "one")  # not turned away
+        assert (tmp_path / "one").read_bytes() == body
+        assert server.statistics()["busy"] == 70 - PER_PEER
+        mine = _idle(server.address, "127.0.0.1", PER_PEER)  # this address's slots taken
+        time.sleep(0.3)
+        threading.Timer(1.0, lambda: [c.close() for c in mine]).start()
+        started = time.monotonic()
+        fetch(holder, space, name, pin, len(body), sha, tmp_path / "two")  # busy, then served
+        assert 0.8 < time.monotonic() - started < 4.5  # (before the idle ones' HANDSHAKE)
+        assert (tmp_path / "two").read_bytes() == body
+        assert server.statistics()["busy"] > 70 - PER_PEER
+    finally:
+        for conn in others:
+            conn.close()
+        server.close()
+
+
+def _trickling(listener: socket.socket, size: int, stop: threading.Event) -> None:
+    """A holder that answers a fetch, then sends its ``size`` bytes one every 0.1 s."""
+    conn, _ = listener.accept()
+    with conn:
+        conn.sendall(os.urandom(32))  # the challenge
+        length = int.from_bytes(conn.recv(4, socket.MSG_WAITALL), "little")
+        conn.recv(length + 32, socket.MSG_WAITALL)  # the header and its mac
+        conn.sendall(b"OK" + size.to_bytes(8, "little"))
+        for _ in range(size):
+            if stop.wait(0.1):
+                return
+            with contextlib.suppress(OSError):
+                conn.sendall(b"x")
+
+
+def test_a_fetch_from_a_holder_that_trickles_ends_by_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch waited ``TIMEOUT`` for each read only: a holder sending a byte now and then
+    kept it (and the node's lock on that copy: its other tasks waited) for ever."""
+    from nimbus.data import _serve
+
+    monkeypatch.setattr(_serve, "TIMEOUT", 1.0)  # the deadline: 1 s + size / FLOOR_RATE
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    size = 200  # 20 s at its pace
+    peer = threading.Thread(target=_trickling, args=(listener, size, stop), daemon=True)
+    peer.start()
+    holder = ("127.0.0.1", listener.getsockname()[1], "00" * 32)
+    started = time.monotonic()
+    try:
+        with pytest.raises(DataError, match=r"timed out|in the time allowed"):
+            _serve.fetch(holder, "u-x", "a" * 32, "a" * 64, size, "0" * 64, tmp_path / "t")
+        assert time.monotonic() - started < 5
+        assert list(tmp_path.iterdir()) == [tmp_path / ".t.lock"]  # no part file left
+    finally:
+        stop.set()
+        peer.join(5)
+        listener.close()
 
 
 def test_two_servers_of_one_node_directory_each_advertise_until_they_close(
@@ -720,6 +832,67 @@ def test_renewals_forward_a_pin_to_its_node_and_note_a_node_gone(tmp_path: Path)
     finally:
         session.close()
         pool.shutdown()
+        server.close()
+
+
+def test_the_lease_renewer_goes_on_after_a_renewal_that_failed() -> None:
+    """The renewer thread returned on any exception (one broken link, one OSError of the
+    store): the leases of everything held then ran out while still referenced."""
+    import concurrent.futures as cf
+
+    from nimbus.data._ref import Ref, Session, local_namespace
+
+    pool = cf.ThreadPoolExecutor(1)
+    calls: list[str] = []
+
+    def call(fn: Any, *args: Any, keep: bool) -> cf.Future[Any]:
+        calls.append(fn.__name__)
+        if len(calls) == 1:
+            raise OSError("the link to the endpoint broke")
+        return pool.submit(fn, *args)
+
+    space = local_namespace()
+    session = Session(space, "me", "ep", call=call, lease=0.6)
+    try:
+        ref = session.adopt(Ref("a" * 32, space, "me", "ep", 0))
+        deadline = time.monotonic() + 10
+        while calls.count("renew_objects") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert calls.count("renew_objects") >= 3, calls  # renewed again after the failure
+        assert session._thread is not None and session._thread.is_alive()
+        del ref
+    finally:
+        session.close()
+        pool.shutdown()
+    session._thread.join(5)
+    assert not session._thread.is_alive()  # closed: it stops
+
+
+def test_renewals_forwarded_to_a_silent_node_end_by_one_deadline(tmp_path: Path) -> None:
+    """``renew_objects`` forwarded each pin one after another, 10 s each to a holder that
+    does not answer (no RST): N pins took N x 10 s, beyond the lease it renewed. Now in
+    parallel, all within a third of the lease."""
+    from nimbus.data._ref import local_namespace
+    from nimbus.data._serve import Server
+    from nimbus.data._task import renew_objects
+
+    root = tmp_path / "node-a"
+    space, _, pin, _, secret = _served_copy(root, local_namespace())
+    server = Server(root, "127.0.0.1")
+    silent = socket.create_server(("127.0.0.1", 0))  # connects, never says anything
+    mute = ("127.0.0.1", silent.getsockname()[1], secret)
+    dead = [c * 64 for c in "bef"]
+    holders = {pin: (*server.address, secret), **{d: mute for d in dead}}
+    try:
+        expires = time.time() + 9  # a third of it: 3 s
+        started = time.monotonic()
+        lost = renew_objects([pin, *dead], expires, holders)
+        took = time.monotonic() - started
+        assert sorted(lost) == sorted(dead)
+        assert (root / space / "obj" / pin).stat().st_mtime == pytest.approx(expires)
+        assert took < 8, took  # (one after another: 30 s)
+    finally:
+        silent.close()
         server.close()
 
 

@@ -38,8 +38,12 @@ class LocalBackend:
         fork: bool = False,
     ) -> None:
         self.capacity = workers
-        self.agent = Agent(
-            on_results=on_results, on_dispatch=on_dispatch, on_notice=on_notice, name=name
+        self.agent = Agent(  # one node: no other fetches its files (no data server)
+            on_results=on_results,
+            on_dispatch=on_dispatch,
+            on_notice=on_notice,
+            name=name,
+            serve_data=False,
         )
         self.agent.add_manager(workers, prefetch=prefetch, preload=preload, fork=fork)
 

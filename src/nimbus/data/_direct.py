@@ -224,10 +224,17 @@ def _receive_into(
         os.close(fd)
 
 
-def receive_hashed(conn: socket.socket, fd: int, size: int, who: str = "the sender") -> Any:
+def receive_hashed(
+    conn: socket.socket,
+    fd: int,
+    size: int,
+    who: str = "the sender",
+    deadline: float | None = None,
+) -> Any:
     """``size`` bytes of ``conn`` written into ``fd`` (``pwrite``, from offset 0) through a
     few 1 MiB buffers while a thread hashes the buffer before (hashlib frees the GIL);
-    their sha256 (a hashlib object)."""
+    their sha256 (a hashlib object). By ``deadline`` (``time.monotonic()``) if given, as
+    well as within the socket's timeout for each read."""
     sha = hashlib.sha256()
     free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
     full: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
@@ -239,7 +246,7 @@ def receive_hashed(conn: socket.socket, fd: int, size: int, who: str = "the send
         got = 0
         while got < size:
             buffer = free.get()
-            n = _fill(conn, memoryview(buffer), min(_STEP, size - got), got, size, who)
+            n = _fill(conn, memoryview(buffer), min(_STEP, size - got), got, size, who, deadline)
             os.pwrite(fd, memoryview(buffer)[:n], got)
             got += n
             full.put((buffer, n))
@@ -249,10 +256,24 @@ def receive_hashed(conn: socket.socket, fd: int, size: int, who: str = "the send
     return sha
 
 
-def _fill(conn: socket.socket, view: memoryview, want: int, got: int, size: int, who: str) -> int:
-    """``want`` bytes of the link into ``view``."""
+def _fill(
+    conn: socket.socket,
+    view: memoryview,
+    want: int,
+    got: int,
+    size: int,
+    who: str,
+    deadline: float | None = None,
+) -> int:
+    """``want`` bytes of the link into ``view`` (by ``deadline``, if given)."""
     n = 0
+    each = conn.gettimeout()
     while n < want:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DataError(f"{who} sent {got + n} of {size} bytes in the time allowed")
+            conn.settimeout(left if each is None else min(each, left))
         k = conn.recv_into(view[n:want])
         if not k:
             raise DataError(f"{who} closed the link after {got + n} of {size} bytes")

@@ -305,9 +305,10 @@ class Sweeper:
     the agent of a runtime or a block's manager (which also holds its data directory
     while it runs, and serves its file cache to the other nodes: ``_serve``)."""
 
-    def __init__(self, every: float = SWEEP_EVERY) -> None:
+    def __init__(self, every: float = SWEEP_EVERY, *, serve: bool = True) -> None:
         self.mark = hold()
-        self.server = _serve_cache(self.mark.parent.parent)
+        # (serve=False: a runtime of one node, which no other node fetches from)
+        self.server = _serve_cache(self.mark.parent.parent) if serve else None
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(every,), name="nimbus-data-sweep", daemon=True
@@ -399,6 +400,14 @@ def _sweep(objects: Path, now: float) -> int:
     return removed
 
 
+def secret_of(pin: Path) -> str | None:
+    """The secret of the pin file ``pin`` (:meth:`NodeStore.write_secret`'s; None: not a
+    pin); read only, nothing made (the data server reads it before any check)."""
+    with open(pin, "rb") as f:
+        data = f.read(len(SECRET) + 200)
+    return data[len(SECRET) :].decode() if data.startswith(SECRET) else None
+
+
 class NodeStore:
     """The objects of one namespace on this node."""
 
@@ -460,9 +469,7 @@ class NodeStore:
 
     def read_secret(self, ref_id: str) -> str | None:
         """The secret of a pin written by :meth:`write_secret` (None: not one)."""
-        with open(self.path(ref_id), "rb") as f:
-            data = f.read(len(SECRET) + 200)
-        return data[len(SECRET) :].decode() if data.startswith(SECRET) else None
+        return secret_of(self.path(ref_id))
 
     def read(self, ref_id: str) -> Any:
         """The object stored under ``ref_id``; FileNotFoundError when it is not here."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import collections
 import getpass
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,8 @@ from typing import Any, NamedTuple, TypeVar
 
 from nimbus.data._node import NodeStore, hold, release
 from nimbus.errors import DataAccessError, DataError, ReferenceLost
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "LEASE",
@@ -153,6 +156,7 @@ class Session:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self.freed = 0  # objects freed so far (statistics)
+        self._pid = os.getpid()  # (a forked child frees nothing of its parent's)
 
     def scope(self, keep: bool) -> Scope:
         return Scope(self.namespace, self.user, self.endpoint, keep, self.lease)
@@ -207,7 +211,7 @@ class Session:
         # inside ``with self._lock`` (a plain Lock would wait on itself for ever), so it
         # takes no lock: dict.pop and deque.append are atomic.
         holder = self._holders.pop(ref_id, None)
-        if self._closed.is_set():
+        if self._closed.is_set() or os.getpid() != self._pid:  # (the parent holds it)
             return
         if self.store is not None:
             self.store.free([ref_id])
@@ -289,15 +293,23 @@ class Session:
         """Free what was released (every second for an endpoint: one task for many) and
         renew the leases of what is held (every third of a lease)."""
         renewed = time.monotonic()
+        failing = False
         while not self._closed.wait(min(1.0, self.lease / 3)):
-            try:
+            try:  # (until closed: one failure, a store or a link, is not the last word)
                 if time.monotonic() - renewed >= self.lease / 3:
                     renewed = time.monotonic()
                     self.flush()
                 else:
                     self.flush(renew=False)
-            except Exception:  # the executor shut down under it: the leases run out
-                return
+                failing = False
+            except Exception as exc:
+                if not failing:  # (said once a streak: tried again at the next turn)
+                    log.warning(
+                        "cannot renew or free the objects of %s now (%s); trying again",
+                        self.endpoint or "the local runtime",
+                        exc,
+                    )
+                failing = True
 
     def close(self) -> None:
         """Free what is released; later releases are left to the leases."""
@@ -321,6 +333,19 @@ def lost(ref: Ref) -> ReferenceLost:
 # last (two Executors of two users on one endpoint each have theirs)
 _sessions: dict[str | None, list[Session]] = {}
 _sessions_lock = threading.Lock()
+
+
+def _forget_sessions() -> None:
+    """In a forked child (a warm worker, a user's fork): the parent's sessions are not
+    its own (their renewer thread is not here; their locks may have been held by another
+    thread at the fork): it makes its own on use."""
+    global _sessions_lock
+    _sessions_lock = threading.Lock()
+    _sessions.clear()
+    _openers.clear()  # (the parent's Executors: their threads are not here either)
+
+
+os.register_at_fork(after_in_child=_forget_sessions)
 
 
 def local_namespace() -> str:

@@ -37,11 +37,13 @@ go) is forwarded the same way (:func:`free`), so the pin does not outlive it by 
 The holding node gone (its block ended, its manager killed) or no longer holding the
 copy: the fetch fails with ``ReferenceLost`` naming the copy's pin, and the client that
 staged it stages the file again from its endpoint and sends the task again
-(``_submit.DataPath.recover``); a node merely busy ("busy") is an ordinary error.
+(``_submit.DataPath.recover``); a node merely busy ("busy") is asked again until the
+request's timeout, then an ordinary error.
 
-Limits that keep one client from stopping the server: at most ``MAX_CONNECTIONS`` at
-once (more are told "busy" and closed), ``HANDSHAKE`` seconds for the whole request
-before the check; an accept that fails (no file descriptors left) is retried after a
+Limits that keep one client from stopping the server: at most ``PER_PEER`` connections
+of one address and ``MAX_CONNECTIONS`` in all at once (more are told "busy" and closed:
+the client tries again, with a jittered backoff, within its timeout), ``HANDSHAKE``
+seconds for the whole request before the check; an accept that fails (no file descriptors left) is retried after a
 short pause, never the end of serving.
 
 The server listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``), as offers do: on an
@@ -57,6 +59,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import secrets
 import socket
 import threading
@@ -76,9 +79,12 @@ __all__ = ["Server", "advertised", "fetch", "free", "renew", "server_address"]
 log = logging.getLogger(__name__)
 
 TIMEOUT = 120.0  # seconds a fetch may wait for its peer (the bytes)
+FLOOR_RATE = 1 << 20  # bytes/s: a fetch of n bytes has TIMEOUT + n / FLOOR_RATE s in all
 HANDSHAKE = 5.0  # seconds a client has for its whole request (length, header, mac)
 LOCK_WAIT = 600.0  # seconds a task waits for another task of its node fetching the copy
 MAX_CONNECTIONS = 64  # served at once; more are told "busy"
+PER_PEER = 8  # served at once to one address (checked first): one peer cannot take them all
+_BUSY = b"NObusy: the node serves too many at once; try again"  # instead of the challenge
 ADDRESS = ".server-"  # in a runtime's data directory: ADDRESS<pid>-<n>, "host port pid start"
 _MAX_HEADER = 4096
 _WILDCARD = ("", "0.0.0.0", "::", "*")
@@ -163,6 +169,7 @@ class Server:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._conns: set[socket.socket] = set()  # being served (closed by close())
+        self._peers: dict[str, int] = {}  # address -> connections being served
         self._counts = {"served": 0, "bytes": 0, "renewed": 0, "freed": 0, "refused": 0, "busy": 0}
         self._counts["received"] = 0  # objects sent here by another endpoint (``_put``)
         _live.add(self)  # a worker forked later closes its copy of the listener
@@ -177,7 +184,7 @@ class Server:
         told = False
         while not self._closed:
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except OSError as exc:
                 if self._closed:
                     return
@@ -186,29 +193,43 @@ class Server:
                     told = True
                 time.sleep(0.2)
                 continue
-            if not self._slots.acquire(blocking=False):
+            address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+            with self._lock:
+                mine = self._peers.get(address, 0) < PER_PEER
+                if mine:
+                    self._peers[address] = self._peers.get(address, 0) + 1
+            if not mine or not self._slots.acquire(blocking=False):
+                if mine:
+                    self._unpeer(address)
                 self._count(busy=1)
                 with conn, contextlib.suppress(OSError):
                     conn.setblocking(False)
-                    conn.send(b"NObusy: the node serves too many at once; try again")
+                    conn.send(_BUSY)
                 continue
             with self._lock:
                 self._conns.add(conn)
             try:
-                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+                threading.Thread(target=self._serve, args=(conn, address), daemon=True).start()
             except RuntimeError:  # no thread could start
-                self._forget(conn)
+                self._forget(conn, address)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, address: str) -> None:
         try:
             self._answer(conn)
         finally:
-            self._forget(conn)
+            self._forget(conn, address)
 
-    def _forget(self, conn: socket.socket) -> None:
+    def _unpeer(self, address: str) -> None:
+        with self._lock:
+            left = self._peers.pop(address, 1) - 1
+            if left:
+                self._peers[address] = left
+
+    def _forget(self, conn: socket.socket, address: str) -> None:
         with self._lock:
             self._conns.discard(conn)
         conn.close()
+        self._unpeer(address)
         self._slots.release()
 
     def _answer(self, conn: socket.socket) -> None:
@@ -260,11 +281,12 @@ class Server:
                 raise DataError(f"{part!r} is not a plain name")
         if len(pin) != 64 or not all(c in "0123456789abcdef" for c in pin):
             raise DataError(f"{pin!r} is not the id of a copy's pin")
-        from nimbus.data._node import NodeStore
+        from nimbus.data._node import secret_of
 
-        try:
-            secret = NodeStore(space, self.root).read_secret(pin)  # (nothing unpickled)
-        except (OSError, DataError):
+        path = self.root / space / "obj" / pin
+        try:  # (nothing made on this path before the check: no NodeStore; nothing unpickled)
+            secret = secret_of(path)
+        except (OSError, ValueError):
             secret = None
         if secret is None or not hmac.compare_digest(
             mac, _mac(bytes.fromhex(secret), challenge, header)
@@ -273,7 +295,7 @@ class Server:
                 "refused: this node holds no such copy for that secret (its pin was freed "
                 "and removed, or the node's data directory was removed)"
             )
-        return self.root / space / "obj" / pin
+        return path
 
     def _renew(self, challenge: bytes, header: bytes, mac: bytes, asked: dict[str, Any]) -> None:
         pin = self._pin(challenge, header, mac, str(asked["namespace"]), str(asked["pin"]))
@@ -296,11 +318,11 @@ class Server:
         receives (the pin's secret, the bytes' tag), leased as the pin was; the pin goes."""
         from nimbus.data._direct import _OK, _receive_into
         from nimbus.data._direct import _mac as transfer_mac
-        from nimbus.data._node import NodeStore
+        from nimbus.data._node import secret_of
 
         space, pin = str(asked["namespace"]), str(asked["pin"])
         pin_path = self._pin(challenge, header, mac, space, pin)
-        secret = NodeStore(space, self.root).read_secret(pin)
+        secret = secret_of(pin_path)
         assert secret is not None  # (_pin checked it)
         key = bytes.fromhex(secret)
         expires = pin_path.stat().st_mtime
@@ -363,12 +385,36 @@ class _Gone(DataError):
     stopped), or it no longer holds the copy (freed, its data directory removed)."""
 
 
+class _Busy(DataError):
+    """The node serves too many at once: try again later."""
+
+
 def _request(
     holder: tuple[str, int, str], header: dict[str, Any], what: str, timeout: float = TIMEOUT
 ) -> tuple[socket.socket, str]:
     """A connection to ``holder``'s server with ``header`` sent (proved with the copy's
     secret) and its "OK" read; the socket (open) and how to name the node. A node that
-    is not there or refuses (it holds no such copy): :class:`_Gone`."""
+    is not there or refuses (it holds no such copy): :class:`_Gone`; one busy (it serves
+    too many at once) is asked again after a jittered backoff, for ``timeout`` s at most,
+    then :class:`DataError`."""
+    deadline = time.monotonic() + timeout
+    pause = 0.05
+    while True:
+        try:
+            return _request_once(holder, header, what, timeout)
+        except _Busy as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DataError(
+                    f"{exc} (for {timeout:.0f} s); submit the task again once the node is less busy"
+                ) from None
+            time.sleep(min(left, pause * random.uniform(0.5, 1.5)))
+            pause = min(pause * 2, 2.0)
+
+
+def _request_once(
+    holder: tuple[str, int, str], header: dict[str, Any], what: str, timeout: float
+) -> tuple[socket.socket, str]:
     host, port, secret = holder
     where = f"the node that holds it ({host}:{port})"
     sock = connect(
@@ -383,6 +429,8 @@ def _request(
     )
     try:
         challenge = recv_exactly(sock, 32, "the node")
+        if challenge == _BUSY[:32]:  # (not the challenge: 32 random bytes are not that)
+            raise _Busy(f"cannot {what} from {where}: the node serves too many at once")
         body = json.dumps(header).encode()
         sock.sendall(len(body).to_bytes(4, "little") + body)
         sock.sendall(_mac(bytes.fromhex(secret), challenge, body))
@@ -390,10 +438,12 @@ def _request(
         if status != b"OK":
             why = (status + said(sock)).decode(errors="replace")[2:]
             raise DataError(f"the node refused: {why or 'it closed the link'}")
+    except _Busy:
+        sock.close()
+        raise
     except (DataError, OSError) as exc:
         sock.close()
-        busy = str(exc).startswith("the node refused: busy")  # (there: try again later)
-        raise (DataError if busy else _Gone)(f"cannot {what} from {where}: {exc}") from None
+        raise _Gone(f"cannot {what} from {where}: {exc}") from None
     return sock, where
 
 
@@ -432,6 +482,7 @@ def fetch(
             if target.stat().st_size == size:
                 return
         header = {"op": "fetch", "namespace": namespace, "name": name, "pin": pin}
+        deadline = time.monotonic() + TIMEOUT + size / FLOOR_RATE  # (a holder that trickles)
         try:
             sock, where = _request(holder, header, f"fetch {name}")
         except _Gone as exc:
@@ -444,12 +495,12 @@ def fetch(
         part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
         with sock:
             try:
-                got = int.from_bytes(recv_exactly(sock, 8, "the node"), "little")
+                got = int.from_bytes(recv_exactly(sock, 8, "the node", deadline), "little")
                 if got != size:
                     raise DataError(f"it holds {got} bytes where {size} were staged")
                 fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
-                    digest = receive_hashed(sock, fd, size, "the node").hexdigest()
+                    digest = receive_hashed(sock, fd, size, "the node", deadline).hexdigest()
                 finally:
                     os.close(fd)
                 if digest != sha256:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -39,6 +40,8 @@ from nimbus.errors import InputFailed, ReferenceLost
 from nimbus.records import TaskRecord
 
 __all__ = ["DataPath", "KeptFuture"]
+
+log = logging.getLogger(__name__)
 
 
 RESTAGE = 3  # times a task's staged file is staged again (its copy's node left)
@@ -124,7 +127,8 @@ class DataPath:
         self._producers: weakref.WeakValueDictionary[str, KeptFuture] = (
             weakref.WeakValueDictionary()
         )
-        self._sends: list[Callable[[], None]] = []
+        # (a send, the future it fails if it raises)
+        self._sends: list[tuple[Callable[[], None], cf.Future[Any] | None]] = []
         self._send_ready = threading.Condition(self._lock)
         self._sender: threading.Thread | None = None
 
@@ -262,7 +266,7 @@ class DataPath:
         if not waiting or ahead:  # (ahead: sent now, held by the service until its inputs)
             send()  # what cannot be sent raises here, at submit
             return future
-        when_done(waiting, lambda: self.deferred(send_later))
+        when_done(waiting, lambda: self.deferred(send_later, future))
         return future
 
     def made(self, future: cf.Future[Any]) -> bool:
@@ -379,7 +383,7 @@ class DataPath:
                 lambda f: resend() if f.exception() is None else fail(future, f.exception())
             )
 
-        self.deferred(rerun)
+        self.deferred(rerun, future)
         return True
 
     def _restage(self, future: Future, error: ReferenceLost) -> bool:
@@ -397,7 +401,7 @@ class DataPath:
         def again() -> None:
             new = restage(self._ex, old)
             given[0], given[1] = _replaced(given[0], given[1], old, new)
-            new.add_done_callback(lambda _: self.deferred(resend))
+            new.add_done_callback(lambda _: self.deferred(resend, future))
 
         # (a thread of its own: staging asks the file's endpoint, which may take a while)
         threading.Thread(target=again, name="nimbus-restage", daemon=True).start()
@@ -423,11 +427,12 @@ class DataPath:
                 error.__cause__ = source.exception()
 
     # -- sending ---------------------------------------------------------------
-    def deferred(self, send: Callable[[], None]) -> None:
+    def deferred(self, send: Callable[[], None], future: cf.Future[Any] | None = None) -> None:
         """Send a task whose dependencies are done, from this path's sender thread
-        (not the runtime's, which delivered the results it waited for)."""
+        (not the runtime's, which delivered the results it waited for); a ``send`` that
+        raises fails ``future`` (the task's) with its error."""
         with self._lock:
-            self._sends.append(send)
+            self._sends.append((send, future))
             if self._sender is None:
                 self._sender = threading.Thread(
                     target=self._send_deferred, name="nimbus-deps", daemon=True
@@ -441,8 +446,14 @@ class DataPath:
                 while not self._sends:
                     self._send_ready.wait()
                 batch, self._sends = self._sends, []
-            for send in batch:
-                send()
+            for send, future in batch:
+                try:
+                    send()
+                except BaseException as exc:  # the thread goes on: later tasks are sent
+                    if future is None:
+                        log.exception("a deferred task could not be sent")
+                    else:
+                        fail(future, exc)
             # not kept while waiting for the next: a send's closure holds its task's
             # arguments (Refs, copies), which would live until another task is deferred
-            del batch, send
+            del batch, send, future

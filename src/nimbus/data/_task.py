@@ -16,6 +16,7 @@ keeps in that user's namespace whatever the client's scope says.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import functools
 import os
 import time
@@ -32,6 +33,7 @@ from nimbus.errors import DataAccessError, DataError
 __all__ = ["free_objects", "identity", "renew_objects", "run", "store"]
 
 _CONTAINERS = (list, tuple, dict)
+FORWARDS = 8  # pins forwarded to their holding nodes at once (a node serves 8 per peer)
 _current: Scope | None = None  # the scope of the task this worker runs now
 
 
@@ -155,14 +157,12 @@ def free_objects(ref_ids: list[str], holders: dict[str, tuple[str, int, str]] | 
     node = _node(_scope().namespace)
     freed = node.free(ref_ids)
     if holders:
-        from nimbus.data._serve import free
+        from nimbus.data._serve import HANDSHAKE, free
 
-        for ref_id in [i for i in ref_ids if i in holders and not node.exists(i)]:
-            try:
-                free(holders[ref_id], node.namespace, ref_id)
-                freed += 1
-            except DataError:
-                pass  # that node is gone (its copy with it), or freed it already
+        elsewhere = [i for i in ref_ids if i in holders and not node.exists(i)]
+        # (a node gone, or that freed it already: nothing to free there)
+        done = _forwarded(elsewhere, holders, lambda h, i: free(h, node.namespace, i), HANDSHAKE)
+        freed += len(done)
     return freed
 
 
@@ -176,13 +176,41 @@ def renew_objects(
     if holders:
         from nimbus.data._serve import renew
 
-        for ref_id in [i for i in lost if i in holders]:
-            try:
-                renew(holders[ref_id], node.namespace, ref_id, expires)
-                lost.remove(ref_id)
-            except DataError:
-                pass  # that node is gone (its copy with it): the pin is lost
+        elsewhere = [i for i in lost if i in holders]
+        within = max(1.0, (expires - time.time()) / 3)  # (the client renews a third in)
+        done = _forwarded(
+            elsewhere, holders, lambda h, i: renew(h, node.namespace, i, expires), within
+        )
+        lost = [i for i in lost if i not in done]  # (the others: their node is gone)
     return lost
+
+
+def _forwarded(
+    ref_ids: list[str],
+    holders: dict[str, tuple[str, int, str]],
+    send: Any,
+    within: float,
+) -> set[str]:
+    """The pins among ``ref_ids`` that ``send(holder, pin)`` handled on their holding
+    nodes: asked in parallel (``FORWARDS`` at once), waited for ``within`` s in all (a
+    holder that does not answer costs that, not a timeout per pin)."""
+    done: list[str] = []  # (appended by the threads; a slice copies it at once)
+    if not ref_ids:
+        return set()
+
+    def one(ref_id: str) -> None:
+        try:
+            send(holders[ref_id], ref_id)
+        except DataError:
+            return  # that node is gone (its copy with it), or holds the pin no more
+        done.append(ref_id)
+
+    pool = cf.ThreadPoolExecutor(min(FORWARDS, len(ref_ids)), "nimbus-data-forward")
+    try:
+        cf.wait([pool.submit(one, i) for i in ref_ids], timeout=within)
+    finally:  # (one still asking ends at its own request's timeout)
+        pool.shutdown(wait=False, cancel_futures=True)
+    return set(done[:])
 
 
 def _scope() -> Scope:

@@ -65,6 +65,7 @@ class Agent:
         name: str = "agent",
         routing: str = "warm",
         seed: int | None = None,
+        serve_data: bool = True,
     ) -> None:
         if routing not in _MODES:
             raise ValueError(f"routing must be one of {', '.join(_MODES)}, not {routing!r}")
@@ -92,6 +93,7 @@ class Agent:
         # after DATA_AFTER s: not on the path of the first tasks, nor beside the workers'
         # forks (a multiprocessing program's first Process start waits for both)
         self._data: Any = None
+        self._serve_data = serve_data
         self._data_now = threading.Event()
         self._data_thread = threading.Thread(
             target=self._hold_data, name=f"nimbus-{name}-data", daemon=True
@@ -102,8 +104,8 @@ class Agent:
         self._data_now.wait(DATA_AFTER)
         from nimbus.data import Sweeper  # holds this runtime's data, sweeps the node's
 
-        try:
-            self._data = Sweeper()
+        try:  # (serve_data: other nodes fetch from it)
+            self._data = Sweeper(serve=self._serve_data)
         except Exception as exc:  # (its directory cannot be made): tasks still run
             import logging
 
@@ -468,10 +470,19 @@ class Agent:
         if self.pending:
             self.fail_pending(errors.RuntimeClosed(f"{self.name} was shut down"))
         if wait or kill:  # its workers are gone: its data directory goes with the last agent
-            self._data_now.set()
-            self._data_thread.join()
-            if self._data is not None:
-                self._data.close()
+            self._close_data(after_managers=False)
+        else:  # once they are (the managers' loops ended)
+            threading.Thread(target=self._close_data, name="nimbus-data-close", daemon=True).start()
+
+    def _close_data(self, after_managers: bool = True) -> None:
+        for manager in list(self._managers) if after_managers else ():
+            stopped = getattr(manager, "stopped", None)  # (a remote one's workers: elsewhere)
+            if stopped is not None:
+                stopped.wait()
+        self._data_now.set()
+        self._data_thread.join()
+        if self._data is not None:
+            self._data.close()
 
     def statistics(self) -> dict[str, Any]:
         return {
