@@ -541,7 +541,9 @@ def test_a_shutdown_without_waiting_releases_the_runtimes_data_once_its_workers_
     the hold on the runtime's data directory for the life of the process."""
     ex = Executor(1)
     assert ex.submit(len, b"ab").result(timeout=60) == 2
-    data = ex._backend.agent._data  # type: ignore[attr-defined]
+    agent = ex._backend.agent  # type: ignore[attr-defined]
+    agent._data_thread.join(30)  # (the sweeper starts just after the agent)
+    data = agent._data
     ex.shutdown(wait=False)
     deadline = time.monotonic() + 30
     while data.mark.exists() and time.monotonic() < deadline:
