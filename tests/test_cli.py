@@ -229,3 +229,37 @@ def test_help_states_defaults_once() -> None:
 def test_run_help_says_what_it_does(tmp_path: Path) -> None:
     done = nimbus_cmd("run", "--help", tmp_path=tmp_path)
     assert done.returncode == 0 and "Run a Python program with nimbus" in done.stdout
+
+
+@pytest.mark.parametrize("body", [b"<!DOCTYPE HTML>\n<html><body>Not here</body></html>\n", b""])
+def test_a_url_that_is_not_a_nimbus_service_is_said_in_one_line(
+    tmp_path: Path, body: bytes
+) -> None:
+    """Stranger 6 #5: another web server's 404 page (or an empty 404) printed as the error."""
+    import http.server
+    import threading
+
+    class Foreign(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        proc = nimbus_cmd("login", "--service", url, "--token", "nimbus_x", tmp_path=tmp_path)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    err = proc.stderr.strip()
+    assert proc.returncode == 1 and "Traceback" not in err, proc.stderr
+    assert len(err.splitlines()) == 1, err
+    assert url in err and "404" in err and "not a nimbus service" in err, err
