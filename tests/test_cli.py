@@ -144,6 +144,15 @@ BAD_ARGUMENTS = [
     (["service", "start", "--url-file", "/proc/nope/x"], "--url-file", "cannot write there"),
     (["environments", "build", "x", "--timeout", "-1"], "argument --timeout", "seconds > 0"),
     (["environments", "remove", "x", "--timeout", "0"], "argument --timeout", "seconds > 0"),
+    # stranger 6 #10: these named Settings.walltime / Settings.max_blocks, the top-level help
+    (["endpoint", "configure", "lab", "--walltime", "99"], "argument --walltime", "HH:MM:SS"),
+    (["endpoint", "configure", "lab", "--max-blocks", "-1"], "argument --max-blocks", ">= 1"),
+    (["endpoint", "configure", "lab", "--parallelism", "2"], "argument --parallelism", "<= 1"),
+    (
+        ["endpoint", "start", "new", "--workers", "1"],
+        "unrecognized",
+        "`nimbus endpoint start --help`",
+    ),
 ]
 
 
@@ -159,6 +168,7 @@ def test_bad_argument_is_one_line_exit_2(
     assert argument in lines[0] and accepted in lines[0]
     assert repr(args[-1]) in lines[0] or args[-1] in lines[0]  # what was given
     assert "Traceback" not in out.stderr and "{" not in out.stderr
+    assert "Settings." not in out.stderr and "configuration error" not in out.stderr
     assert out.stdout == ""
     assert not (tmp_path / "rt" / "service").exists()  # no registry was made
 
