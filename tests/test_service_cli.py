@@ -62,6 +62,33 @@ def test_operator_flow(service: Service) -> None:
     assert "stopped" in nimbus(service, "endpoint", "list")
 
 
+def test_configure_of_a_running_endpoint_starts_its_agent_again(
+    service: Service, tmp_path: Path
+) -> None:
+    """Stranger 6 #4: the new token stopped the running agent and configure said nothing."""
+    token = nimbus(service, "service", "token", "create", "cora").strip()
+    nimbus(service, "login", "--service", service.url, "--token", token)
+    nimbus(service, "endpoint", "configure", "cfg-ep", "--workers", "1")
+    assert "started" in nimbus(service, "endpoint", "start", "cfg-ep")
+    try:
+        first = nimbus(service, "endpoint", "status", "cfg-ep").splitlines()[0]
+        assert first.startswith("agent:   running (pid "), first
+        said = nimbus(service, "endpoint", "configure", "cfg-ep", "--exports", str(tmp_path))
+        old_pid = first.split("pid ")[1].rstrip(")")
+        assert f"its running agent (pid {old_pid}) stops" in said, said
+        assert "endpoint cfg-ep started (pid " in said, said
+        deadline = time.monotonic() + 30
+        while True:  # online again, with the new token, in a new agent
+            status = nimbus(service, "endpoint", "status", "cfg-ep")
+            if "service: online" in status:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.3)
+        assert "agent:   running (pid " in status and f"(pid {old_pid})" not in status, status
+    finally:
+        nimbus(service, "endpoint", "stop", "cfg-ep")
+
+
 def test_bad_token_login_fails_cleanly(service: Service) -> None:
     proc = _cli(service.env, "login", "--service", service.url, "--token", "nimbus_bad")
     assert proc.returncode == 1
@@ -143,11 +170,11 @@ def test_revoking_a_user_disconnects_their_agent_and_clients(service: Service) -
 
 def test_token_revoke_bad_input(service: Service) -> None:
     unknown = _cli(service.env, "service", "token", "revoke", "nobody-at-all")
-    assert unknown.returncode == 1
+    assert unknown.returncode == 2  # a bad argument (stranger 6 #10)
     assert "no user named 'nobody-at-all'" in unknown.stderr
     assert "nimbus service token list" in unknown.stderr and "Traceback" not in unknown.stderr
     no_such_id = _cli(service.env, "service", "token", "revoke", "ffffff000000")
-    assert no_such_id.returncode == 1 and "no token with ID ffffff000000" in no_such_id.stderr
+    assert no_such_id.returncode == 2 and "no token with ID ffffff000000" in no_such_id.stderr
     missing = _cli(service.env, "service", "token", "revoke")
     assert missing.returncode == 2 and "NAME|ID" in missing.stderr
     nimbus(service, "service", "token", "create", "sam")

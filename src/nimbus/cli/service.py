@@ -177,7 +177,7 @@ def _token(registry: Registry, args: argparse.Namespace) -> int:
             f"nimbus service token revoke: {exc.args[0]}; see `nimbus service token list`",
             file=sys.stderr,
         )
-        return 1
+        return 2  # a bad argument, as argparse exits for one
     if not revoked:
         print(f"user {args.target} has no tokens")
     for t in revoked:
