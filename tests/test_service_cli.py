@@ -388,6 +388,34 @@ def test_endpoint_provider_checked_at_configure_and_a_dying_agent_said_at_start(
     assert "stopped" in nimbus(service, "endpoint", "list")
 
 
+def test_a_provider_endpoint_with_no_block_says_0_workers_up_to_its_size(
+    service: Service,
+) -> None:
+    """Stranger 6 #8: a Slurm endpoint running no block said "online, 8 workers"."""
+    token = nimbus(service, "service", "token", "create", "petra").strip()
+    nimbus(service, "login", "--service", service.url, "--token", token)
+    env = {**service.env, "SLURM_CONF": "/nonexistent/slurm.conf"}  # no block is asked for
+    configured = _cli(env, "endpoint", "configure", "hpc-ep", "--workers", "3", "--provider",
+                      "slurm", "--partition", "debug", "--init-blocks", "0", "--min-blocks", "0",
+                      "--agent-listen", "127.0.0.1:0")  # fmt: skip
+    assert configured.returncode == 0, configured.stderr
+    started = _cli(env, "endpoint", "start", "hpc-ep")
+    assert started.returncode == 0, started.stderr
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            status = _cli(env, "endpoint", "status", "hpc-ep").stdout
+            if "service: online" in status and "(up to " in status:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.3)
+        assert "service: online, 0 workers (up to " in status, status  # its blocks' size
+        [row] = [r for r in nimbus(service, "endpoints", "list").splitlines() if "hpc-ep" in r]
+        assert " 0/" in row, row
+    finally:
+        _cli(env, "endpoint", "stop", "hpc-ep")
+
+
 def test_a_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
     """`nimbus service start` and `nimbus dashboard` on a busy port: a usage error."""
     import socket

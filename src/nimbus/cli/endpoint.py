@@ -288,8 +288,11 @@ def run(args: argparse.Namespace) -> int:
 
     with Client(config.service_url) as client:
         info = client.get_endpoint(config.endpoint_id)
+    workers = f"{info['workers']} workers"
+    if info.get("capacity", 0) > info["workers"]:  # a provider's blocks not (all) running
+        workers += f" (up to {info['capacity']})"
     print(
-        f"service: {'online' if info['online'] else 'offline'}, {info['workers']} workers, "
+        f"service: {'online' if info['online'] else 'offline'}, {workers}, "
         f"{info['queued']} queued, Python {info['python'] or '?'}"
     )
     return 0

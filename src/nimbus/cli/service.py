@@ -323,8 +323,11 @@ def endpoints_run(args: argparse.Namespace) -> int:
     for row in rows:
         beat = _ago(row["last_heartbeat"]) if row["last_heartbeat"] else "never"
         status = "online" if row["online"] else "offline"
+        workers = str(row["workers"])
+        if row.get("capacity", 0) > row["workers"]:  # a provider's blocks not (all) running
+            workers = f"{workers}/{row['capacity']}"
         print(
-            f"{row['name']:<20} {row['owner']:<12} {status:<8} {row['workers']:>7} "
+            f"{row['name']:<20} {row['owner']:<12} {status:<8} {workers:>7} "
             f"{row['queued']:>7}  {beat}"
         )
     return 0
