@@ -135,10 +135,20 @@ def run(args: argparse.Namespace) -> int:
             )
         store = environments.cache()
         before = store.named(env.name)
+        failed = [  # its earlier failed builds: shown by key once this one is built
+            e.key
+            for e in store.entries()
+            if e.state == "failed" and env.name in e.names and e.key != env.key
+        ]
         prepared = environments.prepare(env, retry=True)
         how = f"in {prepared.build_seconds:.1f} s" if prepared.build_seconds else "(already)"
         print(f"{env.name}: built {how}, key {env.key}")
         store.claim(env.key, env.name)  # an existing build of the spec: the name moves too
+        for key in failed:
+            print(
+                f"{env.name} now refers to key {env.key}; the failed build (key {key}) is "
+                f"listed by its key: `nimbus environments remove {key}` forgets it"
+            )
         if before is not None and before != env.key:
             print(
                 f"{env.name} now refers to key {env.key}; the previous build (key {before}) "
