@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
             f"nimbus environments {args.action}", "--no-wait and --timeout go with --endpoint NAME"
         )
     if args.action == "build":
+        if args.wheelhouse and not os.path.isdir(os.path.expanduser(args.wheelhouse)):
+            raise UsageError(  # a bad argument (exit status 2); an endpoint's is its nodes'
+                "nimbus environments build",
+                f"--wheelhouse {args.wheelhouse} is not a directory on this node: give a "
+                "directory of wheels (`pip download -d DIR PACKAGE` makes one)",
+            )
         env = _spec(args)
         if env.plain:
             raise UsageError(
