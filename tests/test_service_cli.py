@@ -301,6 +301,37 @@ def test_tasks_list_names_functions_times_running_tasks_and_says_when_cut(
     assert alice.get_result(slow, timeout=30) is None
 
 
+def test_tasks_list_running_is_what_workers_started_timed_from_their_start(
+    service: Service, alice: Any, lab: Any
+) -> None:
+    """Stranger 6 #3: 16 tasks on a 2-worker endpoint listed as running (those waiting in
+    the workers' windows too), a 3 s task's run time 12.7+ (counted from dispatch)."""
+    token = service.token("alice")
+    ids = alice.batch_run(time.sleep, [(1.5,)] * 8, endpoint="lab")
+    try:
+        most, waiting, shown, deadline = 0, 0, False, time.monotonic() + 60
+        until = deadline  # sampled for 3 s once two run: all through the first two tasks
+        while time.monotonic() < min(deadline, until):
+            rows = alice.list_tasks(limit=50)
+            mine = [r for r in rows if r["task_id"] in ids]
+            running = [r for r in mine if r["state"] == "running"]
+            most = max(most, len(running))
+            waiting = max(waiting, sum(r["state"] in ("dispatched", "waiting") for r in mine))
+            for r in running:  # from the worker's start: after it was dispatched
+                assert r["started"] >= r["dispatched"] > 0, r
+            if len(running) == 2 and waiting >= 2 and not shown:
+                until, shown = time.monotonic() + 3.0, True
+                code, out, err = _run_as(service, token, "tasks", "list", "--status", "running")
+                assert code == 0, err
+                times = [float(line.split()[-1].rstrip("+")) for line in out.splitlines()[1:]]
+                assert times and max(times) < 1.5 + 1.0, out  # 1.5 s tasks (+ the CLI's start)
+            time.sleep(0.1)
+        assert shown and most <= 2, most  # lab has 2 workers
+        assert waiting >= 2 and most == 2, (most, waiting)
+    finally:
+        assert [alice.get_result(t, timeout=60) for t in ids] == [None] * 8
+
+
 def test_tasks_show_gives_a_failed_tasks_exception_and_traceback(
     service: Service, alice: Any, lab: Any
 ) -> None:

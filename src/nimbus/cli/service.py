@@ -439,8 +439,8 @@ def _run_seconds(row: dict[str, Any], now: float) -> str:
     record: dict[str, Any] = row["record"] or {}
     if record.get("ended") and record.get("started"):
         return f"{record['ended'] - record['started']:.3f}"
-    if row["state"] == TaskState.RUNNING.value and row["dispatched"]:
-        return f"{max(0.0, now - row['dispatched']):.1f}+"
+    if row["state"] == TaskState.RUNNING.value and row.get("started"):  # the worker's start
+        return f"{max(0.0, now - row['started']):.1f}+"
     return "-"
 
 
