@@ -144,6 +144,15 @@ BAD_ARGUMENTS = [
     (["service", "start", "--url-file", "/proc/nope/x"], "--url-file", "cannot write there"),
     (["environments", "build", "x", "--timeout", "-1"], "argument --timeout", "seconds > 0"),
     (["environments", "remove", "x", "--timeout", "0"], "argument --timeout", "seconds > 0"),
+    # stranger 6 #10: these named Settings.walltime / Settings.max_blocks, the top-level help
+    (["endpoint", "configure", "lab", "--walltime", "99"], "argument --walltime", "HH:MM:SS"),
+    (["endpoint", "configure", "lab", "--max-blocks", "-1"], "argument --max-blocks", ">= 1"),
+    (["endpoint", "configure", "lab", "--parallelism", "2"], "argument --parallelism", "<= 1"),
+    (
+        ["endpoint", "start", "new", "--workers", "1"],
+        "unrecognized",
+        "`nimbus endpoint start --help`",
+    ),
 ]
 
 
@@ -159,6 +168,7 @@ def test_bad_argument_is_one_line_exit_2(
     assert argument in lines[0] and accepted in lines[0]
     assert repr(args[-1]) in lines[0] or args[-1] in lines[0]  # what was given
     assert "Traceback" not in out.stderr and "{" not in out.stderr
+    assert "Settings." not in out.stderr and "configuration error" not in out.stderr
     assert out.stdout == ""
     assert not (tmp_path / "rt" / "service").exists()  # no registry was made
 
@@ -229,3 +239,37 @@ def test_help_states_defaults_once() -> None:
 def test_run_help_says_what_it_does(tmp_path: Path) -> None:
     done = nimbus_cmd("run", "--help", tmp_path=tmp_path)
     assert done.returncode == 0 and "Run a Python program with nimbus" in done.stdout
+
+
+@pytest.mark.parametrize("body", [b"<!DOCTYPE HTML>\n<html><body>Not here</body></html>\n", b""])
+def test_a_url_that_is_not_a_nimbus_service_is_said_in_one_line(
+    tmp_path: Path, body: bytes
+) -> None:
+    """Stranger 6 #5: another web server's 404 page (or an empty 404) printed as the error."""
+    import http.server
+    import threading
+
+    class Foreign(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        proc = nimbus_cmd("login", "--service", url, "--token", "nimbus_x", tmp_path=tmp_path)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    err = proc.stderr.strip()
+    assert proc.returncode == 1 and "Traceback" not in err, proc.stderr
+    assert len(err.splitlines()) == 1, err
+    assert url in err and "404" in err and "not a nimbus service" in err, err

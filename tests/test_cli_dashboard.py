@@ -224,6 +224,16 @@ def test_nimbus_dashboard_beside_a_running_service_points_to_it_and_starts_none(
         token = service.token("dana")
         with service.http(token) as http:
             assert http.get("/v1/whoami").status_code == 200
+        # stranger 6 #11: logged in (as another user than the OS's), the hint named the
+        # OS user's `token create` alone: the token given to `nimbus login` comes first
+        login = subprocess.run(
+            [sys.executable, "-c", CLI, "login", "--service", service.url, "--token",
+             service.token("erin")], env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert login.returncode == 0, login.stderr
+        again = subprocess.run([sys.executable, "-c", CLI, "dashboard", "--port", "0"], env=env,
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert "(log in with the token you gave `nimbus login`, or a new one: " in again.stdout
     finally:
         service.stop()
 

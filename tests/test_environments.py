@@ -463,6 +463,29 @@ def test_cli_build_list_remove(
     assert os.path.isdir(envdir)
 
 
+def test_a_good_build_after_a_failed_one_takes_the_name(wheelhouse: str, envdir: Path) -> None:
+    """Stranger 6 #9: after a failed then a good build of e1, `list` showed two rows named
+    e1 and `remove e1` removed both. The name is the good build's; the failure is by key."""
+
+    def nimbus(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "NIMBUS_ENVIRONMENTS_DIR": str(envdir)}
+        return subprocess.run([PY, "-m", "nimbus", "environments", *args], env=env,
+                              capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+
+    bad = nimbus("build", "e1", "-r", "nimbus-no-such-package-h18", "--wheelhouse", wheelhouse)
+    assert bad.returncode == 1, bad.stderr
+    good = nimbus("build", "e1", "-r", "six==1.16.0", "--wheelhouse", wheelhouse)
+    assert good.returncode == 0, good.stderr
+    [failed] = [e for e in environments.cache().entries() if e.state == "failed"]
+    assert f"the failed build (key {failed.key}) is listed by its key" in good.stdout
+    rows = json.loads(nimbus("list", "--json").stdout)
+    named = {r["state"]: r["names"] for r in rows}
+    assert named == {"built": ["e1"], "failed": []}, rows
+    removed = nimbus("remove", "e1")
+    assert removed.returncode == 0 and removed.stdout.count("removed") == 1, removed.stdout
+    assert [e.key for e in environments.cache().entries()] == [failed.key]
+
+
 def test_input_refused_before_a_build_leaves_no_failed_entry(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -472,7 +495,7 @@ def test_input_refused_before_a_build_leaves_no_failed_entry(
     assert cli_main(["environments", "build", "e1", "-r", "not a req ==="]) == 2
     assert "'not a req ===' is not a requirement" in capsys.readouterr().err
     nope = str(tmp_path / "nope")
-    assert cli_main(["environments", "build", "e3", "-r", "six", "--wheelhouse", nope]) == 1
+    assert cli_main(["environments", "build", "e3", "-r", "six", "--wheelhouse", nope]) == 2
     assert f"wheelhouse {nope} is not a directory on this node" in capsys.readouterr().err
     if podman_unavailable() is None:
         assert cli_main(["environments", "build", "e4", "--image", "nosuch:latest"]) == 1

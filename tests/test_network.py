@@ -930,7 +930,7 @@ def test_netbench_refuses_wrong_input_before_running(tmp_path: Path) -> None:
         (("--concurrency", "1,,2"), "expected numbers 1-64 separated by commas, got '1,,2'"),
         (("--share", "2"), "--share: expected a fraction of the link from 0 to 1, got '2'"),
         (("--share", "0"), "--share: expected a fraction of the link"),
-        (("--server", "1.2.3.4"), "--server 1.2.3.4 is where an endpoint's tasks reach"),
+        (("--server", "127.0.0.1"), "--server 127.0.0.1 is where an endpoint's tasks reach"),
         (("--out", "/proc/x"), "--out /proc/x: cannot write there"),
     ]:
         done = _nimbus("netbench", "--offline", *args)
@@ -938,6 +938,17 @@ def test_netbench_refuses_wrong_input_before_running(tmp_path: Path) -> None:
         assert says in done.stderr and done.stderr.count("\n") == 1, (args, done.stderr)
         assert done.stderr.startswith("nimbus netbench: "), done.stderr  # said once
         assert "configuration error" not in done.stderr and "Traceback" not in done.stderr
+
+    for server, says in [  # stranger 6 #6: these were tracebacks after contacting the service
+        ("nothost.invalid", "cannot resolve 'nothost.invalid'"),
+        ("10.1.2.3", "'10.1.2.3' is not an address of this machine"),
+        ("127.0.0.1:99999", "without a port, got '127.0.0.1:99999'"),
+    ]:
+        done = _nimbus("netbench", "--endpoint", "lab", "--server", server)
+        assert done.returncode == 2, (server, done.stderr)
+        assert done.stderr.startswith("nimbus netbench: argument --server: "), done.stderr
+        assert says in done.stderr and done.stderr.count("\n") == 1, (server, done.stderr)
+        assert "e.g. 127.0.0.1 or this host's IP" in done.stderr
 
 
 @needs_root

@@ -62,6 +62,33 @@ def test_operator_flow(service: Service) -> None:
     assert "stopped" in nimbus(service, "endpoint", "list")
 
 
+def test_configure_of_a_running_endpoint_starts_its_agent_again(
+    service: Service, tmp_path: Path
+) -> None:
+    """Stranger 6 #4: the new token stopped the running agent and configure said nothing."""
+    token = nimbus(service, "service", "token", "create", "cora").strip()
+    nimbus(service, "login", "--service", service.url, "--token", token)
+    nimbus(service, "endpoint", "configure", "cfg-ep", "--workers", "1")
+    assert "started" in nimbus(service, "endpoint", "start", "cfg-ep")
+    try:
+        first = nimbus(service, "endpoint", "status", "cfg-ep").splitlines()[0]
+        assert first.startswith("agent:   running (pid "), first
+        said = nimbus(service, "endpoint", "configure", "cfg-ep", "--exports", str(tmp_path))
+        old_pid = first.split("pid ")[1].rstrip(")")
+        assert f"its running agent (pid {old_pid}) stops" in said, said
+        assert "endpoint cfg-ep started (pid " in said, said
+        deadline = time.monotonic() + 30
+        while True:  # online again, with the new token, in a new agent
+            status = nimbus(service, "endpoint", "status", "cfg-ep")
+            if "service: online" in status:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.3)
+        assert "agent:   running (pid " in status and f"(pid {old_pid})" not in status, status
+    finally:
+        nimbus(service, "endpoint", "stop", "cfg-ep")
+
+
 def test_bad_token_login_fails_cleanly(service: Service) -> None:
     proc = _cli(service.env, "login", "--service", service.url, "--token", "nimbus_bad")
     assert proc.returncode == 1
@@ -143,11 +170,11 @@ def test_revoking_a_user_disconnects_their_agent_and_clients(service: Service) -
 
 def test_token_revoke_bad_input(service: Service) -> None:
     unknown = _cli(service.env, "service", "token", "revoke", "nobody-at-all")
-    assert unknown.returncode == 1
+    assert unknown.returncode == 2  # a bad argument (stranger 6 #10)
     assert "no user named 'nobody-at-all'" in unknown.stderr
     assert "nimbus service token list" in unknown.stderr and "Traceback" not in unknown.stderr
     no_such_id = _cli(service.env, "service", "token", "revoke", "ffffff000000")
-    assert no_such_id.returncode == 1 and "no token with ID ffffff000000" in no_such_id.stderr
+    assert no_such_id.returncode == 2 and "no token with ID ffffff000000" in no_such_id.stderr
     missing = _cli(service.env, "service", "token", "revoke")
     assert missing.returncode == 2 and "NAME|ID" in missing.stderr
     nimbus(service, "service", "token", "create", "sam")
@@ -274,6 +301,37 @@ def test_tasks_list_names_functions_times_running_tasks_and_says_when_cut(
     assert alice.get_result(slow, timeout=30) is None
 
 
+def test_tasks_list_running_is_what_workers_started_timed_from_their_start(
+    service: Service, alice: Any, lab: Any
+) -> None:
+    """Stranger 6 #3: 16 tasks on a 2-worker endpoint listed as running (those waiting in
+    the workers' windows too), a 3 s task's run time 12.7+ (counted from dispatch)."""
+    token = service.token("alice")
+    ids = alice.batch_run(time.sleep, [(1.5,)] * 8, endpoint="lab")
+    try:
+        most, waiting, shown, deadline = 0, 0, False, time.monotonic() + 60
+        until = deadline  # sampled for 3 s once two run: all through the first two tasks
+        while time.monotonic() < min(deadline, until):
+            rows = alice.list_tasks(limit=50)
+            mine = [r for r in rows if r["task_id"] in ids]
+            running = [r for r in mine if r["state"] == "running"]
+            most = max(most, len(running))
+            waiting = max(waiting, sum(r["state"] in ("dispatched", "waiting") for r in mine))
+            for r in running:  # from the worker's start: after it was dispatched
+                assert r["started"] >= r["dispatched"] > 0, r
+            if len(running) == 2 and waiting >= 2 and not shown:
+                until, shown = time.monotonic() + 3.0, True
+                code, out, err = _run_as(service, token, "tasks", "list", "--status", "running")
+                assert code == 0, err
+                times = [float(line.split()[-1].rstrip("+")) for line in out.splitlines()[1:]]
+                assert times and max(times) < 1.5 + 1.0, out  # 1.5 s tasks (+ the CLI's start)
+            time.sleep(0.1)
+        assert shown and most <= 2, most  # lab has 2 workers
+        assert waiting >= 2 and most == 2, (most, waiting)
+    finally:
+        assert [alice.get_result(t, timeout=60) for t in ids] == [None] * 8
+
+
 def test_tasks_show_gives_a_failed_tasks_exception_and_traceback(
     service: Service, alice: Any, lab: Any
 ) -> None:
@@ -359,6 +417,34 @@ def test_endpoint_provider_checked_at_configure_and_a_dying_agent_said_at_start(
     assert "started" not in start.stdout
     assert "its agent exited at start" in start.stderr and "'nope'" in start.stderr
     assert "stopped" in nimbus(service, "endpoint", "list")
+
+
+def test_a_provider_endpoint_with_no_block_says_0_workers_up_to_its_size(
+    service: Service,
+) -> None:
+    """Stranger 6 #8: a Slurm endpoint running no block said "online, 8 workers"."""
+    token = nimbus(service, "service", "token", "create", "petra").strip()
+    nimbus(service, "login", "--service", service.url, "--token", token)
+    env = {**service.env, "SLURM_CONF": "/nonexistent/slurm.conf"}  # no block is asked for
+    configured = _cli(env, "endpoint", "configure", "hpc-ep", "--workers", "3", "--provider",
+                      "slurm", "--partition", "debug", "--init-blocks", "0", "--min-blocks", "0",
+                      "--agent-listen", "127.0.0.1:0")  # fmt: skip
+    assert configured.returncode == 0, configured.stderr
+    started = _cli(env, "endpoint", "start", "hpc-ep")
+    assert started.returncode == 0, started.stderr
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            status = _cli(env, "endpoint", "status", "hpc-ep").stdout
+            if "service: online" in status and "(up to " in status:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.3)
+        assert "service: online, 0 workers (up to " in status, status  # its blocks' size
+        [row] = [r for r in nimbus(service, "endpoints", "list").splitlines() if "hpc-ep" in r]
+        assert " 0/" in row, row
+    finally:
+        _cli(env, "endpoint", "stop", "hpc-ep")
 
 
 def test_a_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -252,6 +252,37 @@ def test_posts_without_the_csrf_token_are_refused(service: Service, alice: Clien
         assert http.get("/", follow_redirects=False).status_code == 303
 
 
+def test_unknown_filter_values_and_a_typed_logout_url_are_said(
+    service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """Stranger 6 #11: /tasks?state=bogus was an empty table with no word (200), and
+    GET /logout (the URL typed) answered JSON {"detail":"Method Not Allowed"}."""
+    with httpx.Client(base_url=service.url, timeout=10) as http:
+        out = http.get("/logout", follow_redirects=False)  # not logged in: the login page
+        assert out.status_code == 303 and out.headers["location"] == "/login"
+        page = http.get("/login")
+        csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
+        assert csrf is not None
+        assert http.post("/login", data={"token": alice.token, "csrf": csrf[1]}).status_code == 303
+        for query, says in [
+            ("state=bogus", "unknown state &#x27;bogus&#x27;: choose one of waiting"),
+            ("endpoint=nope", "no endpoint &#x27;nope&#x27; that you can see"),
+            ("function=nope", "no function &#x27;nope&#x27; of yours"),
+        ]:
+            out = http.get(f"/tasks?{query}")
+            assert out.status_code == 422 and "text/html" in out.headers["content-type"], query
+            assert says in out.text, out.text
+        good = http.get(f"/tasks?state=success&endpoint={lab.endpoint_id}")
+        assert good.status_code == 200 and 'class="error"' not in good.text
+        out = http.get("/logout")
+        assert out.status_code == 200 and "text/html" in out.headers["content-type"]
+        token = re.search(r'action="/logout"><input type="hidden" name="csrf" value="([^"]+)"',
+                          out.text)  # fmt: skip
+        assert token is not None, out.text
+        assert http.post("/logout", data={"csrf": token[1]}).status_code == 303
+        assert http.get("/", follow_redirects=False).status_code == 303  # logged out
+
+
 def test_the_admin_sees_every_endpoint_and_task(
     service: Service, alice: Client, lab: EndpointProcess, browser: Any, tmp_path: Path
 ) -> None:

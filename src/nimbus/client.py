@@ -262,13 +262,28 @@ class Client:
         if response.status_code >= 400:
             try:
                 body = response.json()
-                detail = body.get("detail", response.text)
-            except (ValueError, AttributeError):
-                body, detail = None, response.text
+                detail = body["detail"]
+            except (ValueError, TypeError, KeyError):  # not an answer of a nimbus service
+                raise self._foreign(response, path) from None
             if response.status_code == 409 and isinstance(body, dict) and "choices" in body:
                 raise AmbiguousEndpointError(str(detail), 409, [str(c) for c in body["choices"]])
             raise error_for(response.status_code, str(detail))
         return response
+
+    def _foreign(self, response: httpx.Response, path: str) -> ServiceError:
+        """The error of an answer with no nimbus ``detail`` (a proxy, another web server)."""
+        status = response.status_code
+        where = f"{self.service_url} answered {status} to {path}"
+        if status >= 500:
+            first = response.text.strip().splitlines()[0][:200] if response.text.strip() else ""
+            said = f" ({first})" if first else ""
+            if status == 503:
+                return ServiceUnavailable(f"{where}{said}; is the nimbus service up?", status)
+            return ServiceError(f"{where}{said}", status)
+        return ServiceError(
+            f"{where}: it is not a nimbus service (give the URL `nimbus service start` printed)",
+            status,
+        )
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self.request(method, path, **kwargs).json()

@@ -238,6 +238,26 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_CONFIG, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """As argparse's; the namespace's ``_prog`` is the innermost (sub)command's, so
+        that arguments left over are said against it, not against ``nimbus``."""
+        parsed, extra = super().parse_known_args(args, namespace)
+        if not hasattr(parsed, "_prog"):  # the innermost subcommand's parse ends first
+            parsed._prog = self.prog
+        return parsed, extra
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            prog = getattr(parsed, "_prog", self.prog)
+            message = f"unrecognized arguments: {' '.join(extra)}"
+            self.exit(EXIT_CONFIG, f"{prog}: {message} (see `{prog} --help`)\n")
+        return parsed
+
 
 def _sentence(text: str) -> str:
     """A command's one-line help as its description: a sentence."""

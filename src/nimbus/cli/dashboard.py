@@ -68,6 +68,23 @@ def setup(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _which_token(service_url: str, user: str | None) -> str:
+    """The token to log in to the dashboard of the service at ``service_url`` with: the
+    one ``nimbus login`` saved for it if any, else one ``service token create`` makes."""
+    import json
+
+    from nimbus.config import config_dir
+
+    try:  # nimbus.client.credentials_file(), without the client's imports
+        saved = json.loads((config_dir() / "credentials.json").read_text())
+    except (OSError, ValueError):
+        saved = {}
+    make = f"`nimbus service token create {user or 'USER'}`"
+    if isinstance(saved, dict) and str(saved.get("service_url", "")) == service_url.rstrip("/"):
+        return f"the token you gave `nimbus login`, or a new one: {make}"
+    return f"a token: {make}"
+
+
 def run(args: argparse.Namespace) -> int:
     from nimbus.service.running import running_service  # light: before the server's imports
 
@@ -82,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if running is not None:
         print(
             f"nimbus dashboard: a service runs at {running} on this runtime directory "
-            f"({settings.runtime_dir}): its dashboard is at {running}/ (log in with a token: "
-            f"`nimbus service token create {user}`)",
+            f"({settings.runtime_dir}): its dashboard is at {running}/ (log in with "
+            f"{_which_token(str(running), args.user)})",
             flush=True,
         )
         return 0

@@ -111,11 +111,11 @@ _PROVIDER_OPTIONS: dict[str, tuple[type, str]] = {
 
 
 def _provider_arguments(parser: argparse.ArgumentParser) -> None:
-    for key, (kind, text) in _PROVIDER_OPTIONS.items():
+    for key, (_, text) in _PROVIDER_OPTIONS.items():
         flag = "--" + key.replace("_", "-")
         parser.add_argument(
             flag,
-            type=_provider if key == "provider" else kind,
+            type=_provider if key == "provider" else _limit(key, flag),  # checked as settings
             dest=key,
             help=f"{text} (default: NIMBUS_{key.upper()})",
         )
@@ -253,11 +253,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:<20} {state:<22} {config.service_url:<28} {config.endpoint_id}")
         return 0
     if args.action == "configure":
+        try:
+            running = EndpointConfig.load(args.name).running_pid()
+        except ConfigError:
+            running = None
         config = configure(
             args.name, args.workers, args.prefetch, args.net_accounting, **_provider_values(args)
         )
         print(f"endpoint {config.name} ({config.endpoint_id}) configured in {config.dir}")
-        return 0
+        if running is None:
+            return 0
+        # its new token replaced the running agent's, which stops: started again with it
+        print(f"its running agent (pid {running}) stops (the new token replaced its own); "
+              "starting it again with the new settings")  # fmt: skip
+        stop(config, quiet=True)
+        return start(config)
     if args.action == "start":
         try:
             config = EndpointConfig.load(args.name)
@@ -278,8 +288,11 @@ def run(args: argparse.Namespace) -> int:
 
     with Client(config.service_url) as client:
         info = client.get_endpoint(config.endpoint_id)
+    workers = f"{info['workers']} workers"
+    if info.get("capacity", 0) > info["workers"]:  # a provider's blocks not (all) running
+        workers += f" (up to {info['capacity']})"
     print(
-        f"service: {'online' if info['online'] else 'offline'}, {info['workers']} workers, "
+        f"service: {'online' if info['online'] else 'offline'}, {workers}, "
         f"{info['queued']} queued, Python {info['python'] or '?'}"
     )
     return 0
@@ -368,12 +381,14 @@ def _cause(log_file: Any, offset: int) -> str:
     return lines[-1] if lines else "it logged nothing"
 
 
-def stop(config: EndpointConfig) -> int:
+def stop(config: EndpointConfig, quiet: bool = False) -> int:
     pid = config.running_pid()
     if not pid:
-        print(f"endpoint {config.name} is not running")
+        if not quiet:
+            print(f"endpoint {config.name} is not running")
         return 0
-    os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(ProcessLookupError):  # it may have just stopped by itself
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         try:
@@ -384,5 +399,6 @@ def stop(config: EndpointConfig) -> int:
     else:
         os.kill(pid, signal.SIGKILL)
     config.pid_file.unlink(missing_ok=True)
-    print(f"endpoint {config.name} stopped")
+    if not quiet:
+        print(f"endpoint {config.name} stopped")
     return 0

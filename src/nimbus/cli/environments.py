@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
             f"nimbus environments {args.action}", "--no-wait and --timeout go with --endpoint NAME"
         )
     if args.action == "build":
+        if args.wheelhouse and not os.path.isdir(os.path.expanduser(args.wheelhouse)):
+            raise UsageError(  # a bad argument (exit status 2); an endpoint's is its nodes'
+                "nimbus environments build",
+                f"--wheelhouse {args.wheelhouse} is not a directory on this node: give a "
+                "directory of wheels (`pip download -d DIR PACKAGE` makes one)",
+            )
         env = _spec(args)
         if env.plain:
             raise UsageError(
@@ -135,10 +142,20 @@ def run(args: argparse.Namespace) -> int:
             )
         store = environments.cache()
         before = store.named(env.name)
+        failed = [  # its earlier failed builds: shown by key once this one is built
+            e.key
+            for e in store.entries()
+            if e.state == "failed" and env.name in e.names and e.key != env.key
+        ]
         prepared = environments.prepare(env, retry=True)
         how = f"in {prepared.build_seconds:.1f} s" if prepared.build_seconds else "(already)"
         print(f"{env.name}: built {how}, key {env.key}")
         store.claim(env.key, env.name)  # an existing build of the spec: the name moves too
+        for key in failed:
+            print(
+                f"{env.name} now refers to key {env.key}; the failed build (key {key}) is "
+                f"listed by its key: `nimbus environments remove {key}` forgets it"
+            )
         if before is not None and before != env.key:
             print(
                 f"{env.name} now refers to key {env.key}; the previous build (key {before}) "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -42,6 +43,31 @@ def _concurrency(text: str) -> list[int]:
     if not values or values[0] < 1 or values[-1] > 64:
         raise argparse.ArgumentTypeError(f"expected numbers 1-64 separated by commas, got {text!r}")
     return values
+
+
+def _server(text: str) -> str:
+    """``--server``: an address of this machine (the traffic server binds it), no port."""
+    hint = "give one the endpoint's nodes reach (e.g. 127.0.0.1 or this host's IP)"
+    host = text.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or "/" in host or (":" in host and host.count(":") == 1):
+        raise argparse.ArgumentTypeError(
+            f"expected an address of this machine without a port, got {text!r}; {hint}"
+        )
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot resolve {text!r} ({exc}); {hint}") from None
+    family, _, _, _, address = infos[0]
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind(address)
+    except OSError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an address of this machine; {hint}"
+        ) from None
+    return host
 
 
 def _rate(text: str) -> int:
@@ -87,7 +113,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         help="hosts in network namespaces on this machine, with a shaped host link (root)",
     )
     parser.add_argument("--endpoint", help="run the sweep on this endpoint instead")
-    parser.add_argument("--server", default=None,
+    parser.add_argument("--server", type=_server, default=None,
                         help="with --endpoint: this machine's address as the endpoint reaches "
                         "it; the traffic server listens there (default 127.0.0.1: an "
                         "endpoint on this machine; refused if the nodes cannot reach it)")  # fmt: skip

@@ -177,7 +177,7 @@ def _token(registry: Registry, args: argparse.Namespace) -> int:
             f"nimbus service token revoke: {exc.args[0]}; see `nimbus service token list`",
             file=sys.stderr,
         )
-        return 1
+        return 2  # a bad argument, as argparse exits for one
     if not revoked:
         print(f"user {args.target} has no tokens")
     for t in revoked:
@@ -323,8 +323,11 @@ def endpoints_run(args: argparse.Namespace) -> int:
     for row in rows:
         beat = _ago(row["last_heartbeat"]) if row["last_heartbeat"] else "never"
         status = "online" if row["online"] else "offline"
+        workers = str(row["workers"])
+        if row.get("capacity", 0) > row["workers"]:  # a provider's blocks not (all) running
+            workers = f"{workers}/{row['capacity']}"
         print(
-            f"{row['name']:<20} {row['owner']:<12} {status:<8} {row['workers']:>7} "
+            f"{row['name']:<20} {row['owner']:<12} {status:<8} {workers:>7} "
             f"{row['queued']:>7}  {beat}"
         )
     return 0
@@ -436,8 +439,8 @@ def _run_seconds(row: dict[str, Any], now: float) -> str:
     record: dict[str, Any] = row["record"] or {}
     if record.get("ended") and record.get("started"):
         return f"{record['ended'] - record['started']:.3f}"
-    if row["state"] == TaskState.RUNNING.value and row["dispatched"]:
-        return f"{max(0.0, now - row['dispatched']):.1f}+"
+    if row["state"] == TaskState.RUNNING.value and row.get("started"):  # the worker's start
+        return f"{max(0.0, now - row['started']):.1f}+"
     return "-"
 
 

@@ -328,15 +328,19 @@ class EndpointDaemon:
             return []
 
     async def _marker(self, ws: ClientConnection) -> None:
-        """Tell the service which tasks run (those still running RUNNING_AFTER after start)."""
+        """Tell the service which tasks run: those a worker has started (not those waiting
+        in a worker's window) still running RUNNING_AFTER after they went to it. Blocks'
+        managers on other nodes do not say when a task starts: there, those sent on."""
+        said_start = self.scaler is None  # the workers are this process's manager's
         while True:
             await asyncio.sleep(RUNNING_AFTER)
             now = time.monotonic()
             running = []
             for task_id, since in list(self._dispatched.items()):
-                if task_id not in self._held:
+                task = self._held.get(task_id)
+                if task is None:
                     self._dispatched.pop(task_id, None)
-                elif now - since >= RUNNING_AFTER:
+                elif now - since >= RUNNING_AFTER and (task.started or not said_start):
                     running.append(task_id)
                     self._dispatched.pop(task_id, None)
             if running:

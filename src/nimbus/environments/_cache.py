@@ -145,7 +145,26 @@ class Cache:
             for other in before:
                 self._rename(other, drop=name)
             self._rename(key, add=name)
+            self.unname_failures(name, but=key)
         return before
+
+    def unname_failures(self, name: str, but: str = "") -> list[str]:
+        """Failed builds of ``name`` (other than ``but``) keep their record, shown by key
+        alone: ``name`` refers to its good build. Returns their keys."""
+        keys = [
+            e.key
+            for e in self.entries()
+            if e.state == "failed" and name in e.names and e.key != but
+        ]
+        for key in keys:
+            record = self.failure(key)
+            if record is not None:
+                record["unnamed"] = True
+                path = self.root / f"{key}.failed"
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(record, indent=1))
+                os.replace(tmp, path)
+        return keys
 
     def forget(self, name: str) -> list[tuple[str, str]]:
         """``nimbus environments remove NAME``: ``name`` no longer refers to anything here;
@@ -258,7 +277,7 @@ class Cache:
                 out.append(
                     Entry(
                         key=path.name[: -len(".failed")],
-                        names=(spec.name,) if spec else (),
+                        names=(spec.name,) if spec and not failure.get("unnamed") else (),
                         spec=spec,
                         state="failed",
                         size=0,

@@ -50,6 +50,22 @@ FAIL_CHUNK = 1000  # tasks failed per Redis script call
 log = logging.getLogger(__name__)
 
 
+def _live_workers(runtime: str | None, capacity: int) -> int:
+    """The workers its blocks' managers have now (its last heartbeat's runtime rows): 0
+    while a provider's endpoint (Slurm) runs no block. ``capacity`` (its hello's) before
+    one is heard, and for an endpoint whose workers are its agent's own (provider local:
+    a manager of no block, its workers started at once)."""
+    if not runtime or not capacity:
+        return capacity
+    try:
+        managers = [r for r in json.loads(runtime) if r.get("kind") == "manager"]
+        if any(not r.get("block") for r in managers):
+            return capacity
+        return min(capacity, sum(int(r.get("workers") or 0) for r in managers))
+    except (ValueError, TypeError, AttributeError):
+        return capacity
+
+
 class AmbiguousName(ServiceError):
     """An endpoint name matches several endpoints the user can see (409); ``choices``
     are their ``owner/name``."""
@@ -193,11 +209,13 @@ class ServiceContext:
     async def endpoint_status(self, info: EndpointInfo) -> dict[str, object]:
         status = await self.store.status(info.id)
         online = self.hub.online(info.id)
+        capacity = int(status.get("workers", 0)) if online else 0  # its hello's
         return {
             **info.as_dict(),
             "online": online > 0,
             "agents": online,
-            "workers": int(status.get("workers", 0)) if online else 0,
+            "workers": _live_workers(status.get("runtime"), capacity),
+            "capacity": capacity,
             "python": status.get("python", ""),
             "serializer": status.get("serializer", ""),
             "environments": json.loads(status.get("environments") or "[]"),

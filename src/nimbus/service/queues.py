@@ -394,8 +394,8 @@ class TaskStore:
 
     async def running(self, endpoint_id: str, task_ids: Sequence[str]) -> None:
         """Mark dispatched tasks of ``endpoint_id`` as running (its agent said so)."""
-        if task_ids:
-            await self._running(args=[self._task_prefix, endpoint_id, *task_ids])
+        if task_ids:  # when: its run time so far counts from here (not from dispatch)
+            await self._running(args=[self._task_prefix, endpoint_id, repr(time.time()), *task_ids])
 
     async def requeue(self, endpoint_id: str, conn_id: str = "") -> int:
         """Put tasks in flight on ``conn_id`` (all if empty) back at the queue head."""
@@ -447,7 +447,7 @@ class TaskStore:
         is not a hash), without payloads."""
         pipe = self.redis.pipeline(transaction=False)
         for task_id in task_ids:
-            pipe.hmget(self._task_prefix + task_id, [*_FIELDS, "record", "timeout"])
+            pipe.hmget(self._task_prefix + task_id, [*_FIELDS, "record", "timeout", "started"])
         out: list[dict[str, Any] | None] = []
         for task_id, values in zip(task_ids, await pipe.execute(raise_on_error=False)):
             if isinstance(values, Exception) or values[0] is None:  # unknown, or not a hash
@@ -457,8 +457,9 @@ class TaskStore:
             for name, value in zip(_FIELDS, values):
                 info[name] = _text(value)
             info["record"] = values[len(_FIELDS)]
+            info["started"] = _text(values[-1])  # set once a worker started it ('' before)
             try:
-                info["timeout"] = _timeout(values[-1])
+                info["timeout"] = _timeout(values[-2])
             except ValueError:
                 info["timeout"] = None  # a broken record: its dispatch fails the task
             out.append(info)

@@ -256,11 +256,11 @@ end
 RUNNING = (
     OWNERS
     + """
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local key = ARGV[1] .. ARGV[i]
   local v = redis.call('HMGET', key, 'state', 'endpoint', 'owner')
   if v[1] == 'dispatched' and v[2] == ARGV[2] then
-    redis.call('HSET', key, 'state', 'running')
+    redis.call('HSET', key, 'state', 'running', 'started', ARGV[3])  -- a worker started it
     moved(v[3])
   end
 end

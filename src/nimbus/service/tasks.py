@@ -265,6 +265,7 @@ def task_view(info: dict[str, Any]) -> dict[str, Any]:
         "group_id": info["group"],
         "submitted": _seconds(info["submitted"]),
         "dispatched": _seconds(info["dispatched"]),
+        "started": _seconds(info.get("started")),  # a worker started it (0: not yet, or old)
         "ended": _seconds(info["ended"]),
         "timeout": info["timeout"],
         "record": record,

@@ -3,7 +3,7 @@
 
 ::
 
-    GET  /login, POST /login, POST /logout          _session (cookie, CSRF)
+    GET  /login, POST /login, GET|POST /logout      _session (cookie, CSRF)
     GET  /static/{name}         the JS and CSS in this package
     GET  /, /endpoints/{id}     endpoints: _endpoints; a task: _task; the timeline: _timeline
     GET  /tasks, /tasks/stream  a keyset page of your tasks, live: _tasks
@@ -215,6 +215,20 @@ async def login(request: Request) -> Response:
     )
     response.delete_cookie(_session.LOGIN_COOKIE, path="/login", samesite="strict")
     return response
+
+
+@router.get("/logout", response_model=None)
+async def logout_form(request: Request) -> Response:
+    """The URL typed in a browser: a page with the logout button (a GET changes nothing);
+    not logged in, the login page."""
+    who = await _session.viewer(request, _ctx(request))
+    if who is None:
+        return RedirectResponse("/login", 303, headers=HEADERS)
+    body = Html(
+        f'<form method="post" action="/logout"><input type="hidden" name="csrf" '
+        f'value="{esc(who.csrf)}"><button type="submit">Log out</button></form>'
+    )
+    return _html(layout("Log out", body, who.principal.user_name, who.csrf), 200)
 
 
 @router.post("/logout", response_model=None)

@@ -131,6 +131,17 @@ def _options(name: str, current: str, choices: list[tuple[str, str]]) -> Html:
     return Html(f'<label>{esc(name)} <select name="{esc(name)}">{join(opts)}</select></label> ')
 
 
+def _unknown(flt: Filter, endpoints: list[EndpointInfo], functions: list[FunctionInfo]) -> str:
+    """What is wrong with a filter value none of the choices has ('' if none is)."""
+    if flt.state and flt.state not in STATES:
+        return f"unknown state {flt.state!r}: choose one of {', '.join(STATES)} (or any)"
+    if flt.endpoint and flt.endpoint not in {e.id for e in endpoints}:
+        return f"no endpoint {flt.endpoint!r} that you can see: choose one in the list (or any)"
+    if flt.function and flt.function not in {f.id for f in functions}:
+        return f"no function {flt.function!r} of yours: choose one in the list (or any)"
+    return ""
+
+
 @router.get("/tasks", response_model=None)
 async def tasks_page(request: Request, seen: Page) -> Response:
     ctx, who = seen
@@ -158,6 +169,10 @@ async def tasks_page(request: Request, seen: Page) -> Response:
         f"{_options('function', flt.function, [(f.id, f.name or f.id) for f in functions])}"
         '<button type="submit">Filter</button></form>'
     )
+    unknown = _unknown(flt, endpoints, functions)
+    if unknown:  # not an empty table: a filter value that matches nothing ever
+        said = Html(f'<p class="error">{esc(unknown)}</p>')
+        return _html(layout("Tasks", Html(said + filters), user.user_name, who.csrf), 422)
     live = not after_text
     stream = "/tasks/stream?" + urlencode(query)
     table = Html(
