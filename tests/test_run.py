@@ -360,6 +360,48 @@ def test_mains_with_no_file(tmp_path: Path, how: str) -> None:
     ] == NO_FILE_OUTPUT
 
 
+INITIALIZER_PROGRAM = """
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+
+G = None
+
+def init(v):
+    global G
+    G = v
+
+def g(x):
+    return x + G
+
+if __name__ == "__main__":
+    with mp.Pool(2, initializer=init, initargs=(100,)) as p:
+        print(p.map(g, range(4)))
+    with ProcessPoolExecutor(1, initializer=init, initargs=(7,)) as ex:
+        print(list(ex.map(g, range(2))))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["run-stdin", "run-dash-c", "import-stdin"])
+def test_an_initializers_globals_reach_the_tasks_of_a_main_sent_by_value(
+    tmp_path: Path, how: str
+) -> None:
+    """Stranger 6 #1: a Pool's (or a ProcessPoolExecutor's) initializer sets a global of a
+    main module sent by value (`nimbus run -`, `-c`, `python -`): its tasks, pickled
+    apart, see it, as the stdlib's fork does (they had their own globals: NameError)."""
+    if how == "run-stdin":
+        done = _python("-m", "nimbus", "run", "-", cwd=tmp_path, stdin=INITIALIZER_PROGRAM)
+    elif how == "run-dash-c":
+        done = _python("-m", "nimbus", "run", "-c", INITIALIZER_PROGRAM, cwd=tmp_path)
+    else:
+        text = INITIALIZER_PROGRAM.replace(
+            "import multiprocessing as mp", "import nimbus.multiprocessing as mp"
+        )
+        done = _python("-", cwd=tmp_path, stdin=text)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[100, 101, 102, 103]", "[7, 8]"]
+
+
 NOTEBOOK_CELLS = [
     "import math\nimport multiprocessing\n\ndef root(x):\n    return math.sqrt(x)",
     "def put_root(q, x):\n    q.put(root(x))",
