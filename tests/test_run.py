@@ -402,6 +402,32 @@ def test_an_initializers_globals_reach_the_tasks_of_a_main_sent_by_value(
     assert done.stdout.splitlines() == ["[100, 101, 102, 103]", "[7, 8]"]
 
 
+NAME_PROGRAM = """
+    import multiprocessing
+
+    def name(_=None):
+        print("child", __name__, flush=True)
+        return __name__
+
+    if __name__ == "__main__":
+        p = multiprocessing.Process(target=name)
+        p.start()
+        p.join()
+        with multiprocessing.Pool(1) as pool:
+            print("pool", pool.map(name, [0])[0], flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_child_reads_its_main_modules_name_as_main(tmp_path: Path) -> None:
+    """Stranger 6 #11: the stdlib docs' `info()` prints `module name: __main__` in a child
+    under `nimbus run`, as under the stdlib's fork (it printed spawn's `__mp_main__`)."""
+    prog = _script(tmp_path, NAME_PROGRAM)
+    done = _python("-m", "nimbus", "run", str(prog), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["child __main__", "child __main__", "pool __main__"]
+
+
 NOTEBOOK_CELLS = [
     "import math\nimport multiprocessing\n\ndef root(x):\n    return math.sqrt(x)",
     "def put_root(q, x):\n    q.put(root(x))",
