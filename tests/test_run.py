@@ -317,6 +317,47 @@ def test_ctrl_c_reaches_grandchildren(tmp_path: Path, launcher: list[str]) -> No
     assert returncode in (-signal.SIGINT, 130, 1)
 
 
+EARLY_CTRL_C_PROGRAM = """
+    import multiprocessing, os, signal, sys, time
+
+    def sleeper():
+        try:
+            time.sleep(20)
+        except KeyboardInterrupt:
+            sys.exit(1)
+
+    if __name__ == "__main__":
+        for _ in range(3):
+            ps = [multiprocessing.Process(target=sleeper) for _ in range(4)]
+            for p in ps:
+                p.start()
+            try:
+                os.killpg(0, signal.SIGINT)  # Ctrl-C at once: the children are being forked
+                time.sleep(20)
+            except KeyboardInterrupt:
+                pass
+            for p in ps:
+                p.join()
+            print([p.exitcode for p in ps], flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_reaches_children_started_just_before_it(tmp_path: Path) -> None:
+    """Stranger 6 #2: a Ctrl-C right after start() reaches every child, also one whose fork
+    (or standby) had not yet taken signals (Python clears those a fork inherits): the
+    worker forks with SIGINT held back until the process runs. Lost, a child slept on."""
+    prog = _script(tmp_path, EARLY_CTRL_C_PROGRAM)
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "nimbus", "run", str(prog)], cwd=tmp_path, env=ENV,
+        capture_output=True, text=True, timeout=110, check=False, start_new_session=True,
+        preexec_fn=_interruptible,
+    )  # fmt: skip
+    assert done.stdout.splitlines() == ["[1, 1, 1, 1]"] * 3, done.stderr
+    assert time.monotonic() - began < 20
+
+
 NO_FILE_PROGRAM = """
 import math
 import multiprocessing
