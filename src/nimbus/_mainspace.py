@@ -120,7 +120,7 @@ def pickler() -> type[pickle.Pickler]:
     if _pickler is None:
         import cloudpickle
 
-        class CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
+        class CloudPickler(cloudpickle.Pickler):
             def _dynamic_function_reduce(self, func: types.FunctionType) -> tuple[Any, ...]:
                 reduced: tuple[Any, ...] = super()._dynamic_function_reduce(func)
                 key = _key_of(func.__globals__)
