@@ -683,14 +683,21 @@ ENDPOINT_PROGRAM = """
     import multiprocessing
     import psutil
 
+    OFFSET = None
+
+    def init(offset):  # stranger 6 #1: a global the initializer sets, which the tasks read
+        global OFFSET
+        OFFSET = offset
+
     def where(x):
-        return x * x, [p.pid for p in psutil.Process().parents()]
+        return x * x + OFFSET, [p.pid for p in psutil.Process().parents()]
 
     def child(q):
+        init(0)
         q.put(where(7))
 
     if __name__ == "__main__":
-        with multiprocessing.Pool(2) as pool:
+        with multiprocessing.Pool(2, initializer=init, initargs=(0,)) as pool:
             results = pool.map(where, range(8))
         print("sum", sum(r for r, _ in results), flush=True)
         q = multiprocessing.Queue()
