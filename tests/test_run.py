@@ -317,6 +317,47 @@ def test_ctrl_c_reaches_grandchildren(tmp_path: Path, launcher: list[str]) -> No
     assert returncode in (-signal.SIGINT, 130, 1)
 
 
+EARLY_CTRL_C_PROGRAM = """
+    import multiprocessing, os, signal, sys, time
+
+    def sleeper():
+        try:
+            time.sleep(20)
+        except KeyboardInterrupt:
+            sys.exit(1)
+
+    if __name__ == "__main__":
+        for _ in range(3):
+            ps = [multiprocessing.Process(target=sleeper) for _ in range(4)]
+            for p in ps:
+                p.start()
+            try:
+                os.killpg(0, signal.SIGINT)  # Ctrl-C at once: the children are being forked
+                time.sleep(20)
+            except KeyboardInterrupt:
+                pass
+            for p in ps:
+                p.join()
+            print([p.exitcode for p in ps], flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_reaches_children_started_just_before_it(tmp_path: Path) -> None:
+    """Stranger 6 #2: a Ctrl-C right after start() reaches every child, also one whose fork
+    (or standby) had not yet taken signals (Python clears those a fork inherits): the
+    worker forks with SIGINT held back until the process runs. Lost, a child slept on."""
+    prog = _script(tmp_path, EARLY_CTRL_C_PROGRAM)
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "nimbus", "run", str(prog)], cwd=tmp_path, env=ENV,
+        capture_output=True, text=True, timeout=110, check=False, start_new_session=True,
+        preexec_fn=_interruptible,
+    )  # fmt: skip
+    assert done.stdout.splitlines() == ["[1, 1, 1, 1]"] * 3, done.stderr
+    assert time.monotonic() - began < 20
+
+
 NO_FILE_PROGRAM = """
 import math
 import multiprocessing
@@ -358,6 +399,74 @@ def test_mains_with_no_file(tmp_path: Path, how: str) -> None:
     assert [
         line.lstrip(">. ") for line in done.stdout.splitlines() if line.strip(">. ")
     ] == NO_FILE_OUTPUT
+
+
+INITIALIZER_PROGRAM = """
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+
+G = None
+
+def init(v):
+    global G
+    G = v
+
+def g(x):
+    return x + G
+
+if __name__ == "__main__":
+    with mp.Pool(2, initializer=init, initargs=(100,)) as p:
+        print(p.map(g, range(4)))
+    with ProcessPoolExecutor(1, initializer=init, initargs=(7,)) as ex:
+        print(list(ex.map(g, range(2))))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["run-stdin", "run-dash-c", "import-stdin"])
+def test_an_initializers_globals_reach_the_tasks_of_a_main_sent_by_value(
+    tmp_path: Path, how: str
+) -> None:
+    """Stranger 6 #1: a Pool's (or a ProcessPoolExecutor's) initializer sets a global of a
+    main module sent by value (`nimbus run -`, `-c`, `python -`): its tasks, pickled
+    apart, see it, as the stdlib's fork does (they had their own globals: NameError)."""
+    if how == "run-stdin":
+        done = _python("-m", "nimbus", "run", "-", cwd=tmp_path, stdin=INITIALIZER_PROGRAM)
+    elif how == "run-dash-c":
+        done = _python("-m", "nimbus", "run", "-c", INITIALIZER_PROGRAM, cwd=tmp_path)
+    else:
+        text = INITIALIZER_PROGRAM.replace(
+            "import multiprocessing as mp", "import nimbus.multiprocessing as mp"
+        )
+        done = _python("-", cwd=tmp_path, stdin=text)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[100, 101, 102, 103]", "[7, 8]"]
+
+
+NAME_PROGRAM = """
+    import multiprocessing
+
+    def name(_=None):
+        print("child", __name__, flush=True)
+        return __name__
+
+    if __name__ == "__main__":
+        p = multiprocessing.Process(target=name)
+        p.start()
+        p.join()
+        with multiprocessing.Pool(1) as pool:
+            print("pool", pool.map(name, [0])[0], flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_child_reads_its_main_modules_name_as_main(tmp_path: Path) -> None:
+    """Stranger 6 #11: the stdlib docs' `info()` prints `module name: __main__` in a child
+    under `nimbus run`, as under the stdlib's fork (it printed spawn's `__mp_main__`)."""
+    prog = _script(tmp_path, NAME_PROGRAM)
+    done = _python("-m", "nimbus", "run", str(prog), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["child __main__", "child __main__", "pool __main__"]
 
 
 NOTEBOOK_CELLS = [
@@ -574,14 +683,21 @@ ENDPOINT_PROGRAM = """
     import multiprocessing
     import psutil
 
+    OFFSET = None
+
+    def init(offset):  # stranger 6 #1: a global the initializer sets, which the tasks read
+        global OFFSET
+        OFFSET = offset
+
     def where(x):
-        return x * x, [p.pid for p in psutil.Process().parents()]
+        return x * x + OFFSET, [p.pid for p in psutil.Process().parents()]
 
     def child(q):
+        init(0)
         q.put(where(7))
 
     if __name__ == "__main__":
-        with multiprocessing.Pool(2) as pool:
+        with multiprocessing.Pool(2, initializer=init, initargs=(0,)) as pool:
             results = pool.map(where, range(8))
         print("sum", sum(r for r, _ in results), flush=True)
         q = multiprocessing.Queue()

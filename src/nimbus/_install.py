@@ -358,16 +358,44 @@ def installed() -> bool:
     return _installed
 
 
+class _Interrupts:
+    """The SIGINTs this process received and passed on (see :func:`_on_interrupt`)."""
+
+    received = 0
+    passed = 0
+    passing = False
+
+
 def _on_interrupt(signum: int, frame: Any) -> None:
-    """SIGINT: to the live nimbus children first, then ``KeyboardInterrupt`` here."""
-    multiprocessing = sys.modules.get(NAME)
-    if multiprocessing is not None:
-        for child in multiprocessing.active_children():
-            popen = getattr(child, "_popen", None)
-            if popen is not None and getattr(popen, "method", None) == "nimbus":
-                with contextlib.suppress(Exception):  # one that just ended
-                    popen._send_signal(signal.SIGINT)
+    """SIGINT: to the live nimbus children first, then ``KeyboardInterrupt`` here.
+
+    Each SIGINT reaches each child, as each of a terminal's reaches every process
+    of its group: a second one that comes while the first is passed on (Python
+    runs this handler again inside it; two Ctrl-C, or a signal sent to the group
+    twice, as ``timeout`` does) is passed on after it, not instead of the rest of it.
+    """
+    _Interrupts.received += 1
+    if _Interrupts.passing:
+        return  # the call this one interrupted passes it on, and raises
+    while _Interrupts.passed < _Interrupts.received:
+        _Interrupts.passing = True
+        while _Interrupts.passed < _Interrupts.received:
+            _Interrupts.passed += 1
+            _pass_on()
+        _Interrupts.passing = False  # (one that came just before this is seen: loop)
     signal.default_int_handler(signum, frame)
+
+
+def _pass_on() -> None:
+    """One SIGINT to each live nimbus child."""
+    multiprocessing = sys.modules.get(NAME)
+    if multiprocessing is None:
+        return
+    for child in multiprocessing.active_children():
+        popen = getattr(child, "_popen", None)
+        if popen is not None and getattr(popen, "method", None) == "nimbus":
+            with contextlib.suppress(Exception):  # one that just ended
+                popen._send_signal(signal.SIGINT)
 
 
 def pass_interrupts() -> None:

@@ -158,6 +158,8 @@ def _picklers_for(reducers: Reducers) -> tuple[type[pickle.Pickler], type[pickle
     """Plain and cloudpickle picklers that also use ``reducers`` (a live mapping)."""
     import cloudpickle
 
+    from nimbus import _mainspace
+
     pair = _picklers.get(id(reducers))
     if pair is None:
         plain = type(
@@ -167,7 +169,7 @@ def _picklers_for(reducers: Reducers) -> tuple[type[pickle.Pickler], type[pickle
         )
         cloud = type(
             "CloudPickler",
-            (cloudpickle.Pickler,),
+            (_mainspace.pickler(),),
             {"dispatch_table": ChainMap(reducers, cloudpickle.Pickler.dispatch_table)},
         )
         pair = _picklers[id(reducers)] = (plain, cloud)
@@ -206,12 +208,12 @@ def dumps(
             return data, buffers
     except Exception:
         pass
-    import cloudpickle
+    from nimbus import _mainspace
 
     buffers = []
     try:
         if cloud is None:
-            data = cloudpickle.dumps(wrapped, protocol=PROTOCOL, buffer_callback=buffers.append)
+            data = _mainspace.dumps(wrapped, protocol=PROTOCOL, buffer_callback=buffers.append)
         else:
             data = _dump_with(cloud, wrapped, buffers)
     except Exception as exc:
@@ -247,6 +249,8 @@ def dumps_function(fn: Callable[..., object], *, by_value: bool = False) -> byte
     """
     import cloudpickle
 
+    from nimbus import _mainspace
+
     modules = _user_modules(fn) if by_value else []
     try:
         if modules:
@@ -254,12 +258,12 @@ def dumps_function(fn: Callable[..., object], *, by_value: bool = False) -> byte
                 for module in modules:
                     cloudpickle.register_pickle_by_value(module)
                 try:
-                    data: bytes = cloudpickle.dumps(fn, protocol=PROTOCOL)
+                    data: bytes = _mainspace.dumps(fn, protocol=PROTOCOL)
                 finally:
                     for module in modules:
                         cloudpickle.unregister_pickle_by_value(module)
         else:
-            data = cloudpickle.dumps(fn, protocol=PROTOCOL)
+            data = _mainspace.dumps(fn, protocol=PROTOCOL)
         return data
     except Exception as exc:
         raise SerializationError(_function_refusal(fn, exc)) from exc

@@ -292,12 +292,34 @@ def start(
 def _fork(args: tuple[Any, ...], remote: tuple[statestore.Program, str] | None = None) -> int:
     """Fork a child that runs ``_child(*args)``; the reaper waits for it."""
     with _reaper.lock:
-        pid = os.fork()
+        pid = _fork_holding_interrupts()
         if pid == 0:
             _close_standby_pipes()
             _child(*args)  # never returns
         _reaper.add(pid, args[0], remote)
     return pid
+
+
+def _fork_holding_interrupts() -> int:
+    """``os.fork()``; the child holds SIGINT back until its process runs (``_child``).
+
+    The parent passes a Ctrl-C on as soon as it knows the pid: one that came
+    while the new child still cleared the signals it inherited (as Python does
+    after a fork), or while a standby waited for its process, was lost. Held
+    back, it is raised as the process starts, as in a forked child of the stdlib.
+    """
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    pid = -1
+    try:
+        pid = os.fork()
+    finally:
+        if pid != 0:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    return pid
+
+
+def _let_interrupts_in() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _settle(program: statestore.Program) -> None:
@@ -357,7 +379,7 @@ class _Standby:
         self.modules = len(sys.modules)
         read, self.fd = os.pipe()
         with _reaper.lock:
-            self.pid = os.fork()
+            self.pid = _fork_holding_interrupts()
             if self.pid == 0:
                 os.close(self.fd)
                 _close_standby_pipes()
@@ -555,6 +577,7 @@ def _child(
             _connect(program)
         process_obj = serialization.loads(data, buffers)
         began = time.time()
+        _let_interrupts_in()  # a Ctrl-C held back since the fork is raised now
         code = process_obj._bootstrap(parent_sentinel=_parent_sentinel(process_obj._parent_pid))
         _keep_record(process_obj, began, code)
     except BaseException:

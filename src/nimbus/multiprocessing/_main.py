@@ -36,8 +36,17 @@ _original = weakref.ref(sys.modules["__main__"]) if "__main__" in sys.modules el
 
 
 def become_main() -> None:
-    """In a child: modules holding the worker's ``__main__`` see the program's main module."""
+    """In a child: the program's main module is named ``__main__`` (its code reads
+    ``__name__`` as under fork), and modules holding the worker's ``__main__`` see it."""
     main = sys.modules.get("__main__")
+    if main is not None and getattr(main, "__name__", None) == "__mp_main__":
+        # as a forked child has it (imported as spawn does); runpy ran it in a dict of its
+        # own that the module got a copy of: its functions' globals are that dict
+        scopes = {id(f.__globals__): f.__globals__ for f in list(vars(main).values())
+                  if isinstance(f, types.FunctionType)}  # fmt: skip
+        for scope in [vars(main), *scopes.values()]:
+            if scope.get("__name__") == "__mp_main__":
+                scope["__name__"] = "__main__"
     original = _original() if _original is not None else None
     if main is None or original is None or main is original:
         return
