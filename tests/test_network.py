@@ -8,6 +8,7 @@ no DNAT rule, no cgroup, no slot file. Skipped, with the reason, where not root.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -111,17 +112,27 @@ def _ours() -> dict[str, list[str]]:
     }
 
 
-@pytest.fixture
-def netns(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """Workers in namespaces of their own; afterwards, nothing of them is left."""
+@contextlib.contextmanager
+def accounting(
+    monkeypatch: pytest.MonkeyPatch, mode: str, needs: str
+) -> Iterator[pytest.MonkeyPatch]:
+    """Workers accounted by ``mode`` (root needed for ``needs``); afterwards, nothing
+    of them is left."""
     if not ROOT:
-        pytest.skip("needs root and ip, tc, iptables, curl (namespaces, veths, cgroups)")
+        pytest.skip(f"needs root and ip, tc, iptables, curl ({needs})")
     before = _ours()
-    monkeypatch.setenv("NIMBUS_NET_ACCOUNTING", "netns")
+    monkeypatch.setenv("NIMBUS_NET_ACCOUNTING", mode)
     yield monkeypatch
     after = _ours()
     for kind, names in after.items():
         assert set(names) <= set(before[kind]), f"left behind: {kind} {names}"
+
+
+@pytest.fixture
+def netns(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """Workers in namespaces of their own; afterwards, nothing of them is left."""
+    with accounting(monkeypatch, "netns", "namespaces, veths, cgroups") as patched:
+        yield patched
     _template_only_with_workers()
 
 

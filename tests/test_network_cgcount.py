@@ -30,8 +30,8 @@ from test_network import (  # the helpers of the namespace tests, on the same se
     ROOT,
     _child,
     _curl,
-    _ours,
     _store_round_trip,
+    accounting,
     needs_root,
     tcp_store,  # noqa: F401  (the fixture)
 )
@@ -47,14 +47,8 @@ def http() -> Iterator[int]:
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     """Workers counted by their cgroups; afterwards, nothing of them is left."""
-    if not ROOT:
-        pytest.skip("needs root and ip, tc, iptables, curl (cgroups, eBPF, a test namespace)")
-    before = _ours()
-    monkeypatch.setenv("NIMBUS_NET_ACCOUNTING", "cgroup")
-    yield monkeypatch
-    after = _ours()
-    for kind, names in after.items():
-        assert set(names) <= set(before[kind]), f"left behind: {kind} {names}"
+    with accounting(monkeypatch, "cgroup", "cgroups, eBPF, a test namespace") as patched:
+        yield patched
 
 
 def _exact(measured: int, payload: int) -> bool:

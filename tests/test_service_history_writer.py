@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -55,6 +55,15 @@ async def _until(condition: Callable[[], bool], seconds: float = 60.0) -> None:
         await asyncio.sleep(0.05)
 
 
+def _with_history(registry_url: str, scenario: Callable[[History], Awaitable[None]]) -> None:
+    """Run ``scenario`` on the history of the registry at ``registry_url``."""
+    registry = Registry(registry_url)
+    try:
+        asyncio.run(scenario(History(registry.engine)))
+    finally:
+        registry.close()
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def registry_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
@@ -70,10 +79,7 @@ def registry_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def test_the_writer_process_writes_what_ends_and_all_that_waits_as_the_service_stops(
     store_url: str, registry_url: str
 ) -> None:
-    registry = Registry(registry_url)
-    history = History(registry.engine)
-
-    async def scenario() -> None:
+    async def scenario(history: History) -> None:
         async with _task_store(store_url, history) as store:
             writer = Writer(registry_url, store_url, store.keys.program_id, None)
             job = asyncio.create_task(writer.run())
@@ -90,20 +96,15 @@ def test_the_writer_process_writes_what_ends_and_all_that_waits_as_the_service_s
             assert await store.redis.xlen(store.finished) == 0
             assert writer.started == 1
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        registry.close()
+    _with_history(registry_url, scenario)
 
 
 def test_the_writer_ends_when_its_service_is_killed_after_writing_what_waited(
     store_url: str, tmp_path: Path
 ) -> None:
     registry_url = f"sqlite:///{tmp_path / 'registry.db'}"
-    registry = Registry(registry_url)
-    history = History(registry.engine)
 
-    async def scenario() -> None:
+    async def scenario(history: History) -> None:
         async with _task_store(store_url, history) as store:
             service = subprocess.Popen(
                 [sys.executable, "-c", STAND_IN, registry_url, store_url, store.keys.program_id],
@@ -123,20 +124,15 @@ def test_the_writer_ends_when_its_service_is_killed_after_writing_what_waited(
                 assert service.stdout is not None
                 service.stdout.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        registry.close()
+    _with_history(registry_url, scenario)
 
 
 def test_a_writer_that_dies_is_replaced_and_what_it_took_is_written_by_the_next(
     store_url: str, tmp_path: Path
 ) -> None:
     registry_url = f"sqlite:///{tmp_path / 'registry.db'}"
-    registry = Registry(registry_url)
-    history = History(registry.engine)
 
-    async def scenario() -> None:
+    async def scenario(history: History) -> None:
         async with _task_store(store_url, history) as store:
             writer = Writer(registry_url, store_url, store.keys.program_id, None)
             writer.restart = 0.1
@@ -155,10 +151,7 @@ def test_a_writer_that_dies_is_replaced_and_what_it_took_is_written_by_the_next(
                 await asyncio.gather(job, return_exceptions=True)
             assert writer.process is not None and writer.process.poll() == 0
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        registry.close()
+    _with_history(registry_url, scenario)
 
 
 def test_an_in_memory_registry_is_written_by_the_services_own_process() -> None:

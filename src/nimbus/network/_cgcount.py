@@ -26,11 +26,10 @@ directory is found by its slot and removed when the slot is taken over.
 from __future__ import annotations
 
 import os
-import signal
-import time
 from pathlib import Path
 
 from nimbus.errors import ConfigError
+from nimbus.network._cgroup import empty
 from nimbus.network._slots import Slot
 
 __all__ = ["COUNTED", "CountedGroup", "can_count", "counting_group", "hierarchy", "named_group"]
@@ -78,27 +77,6 @@ def named_group() -> tuple[str, int] | None:
     return str(here), int(here.name[7:])
 
 
-def _empty(directory: Path) -> None:
-    """Kill what is left inside ``directory`` (a worker's orphans) and remove it."""
-    for _ in range(50):
-        try:
-            pids = [int(p) for p in (directory / "cgroup.procs").read_text().split()]
-        except OSError:
-            return  # gone already
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            directory.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.02)
-
-
 def can_count() -> str | None:
     """None if workers here can be counted by their cgroup; else why not (one line)."""
     from nimbus.network._bpf import CgroupCounters
@@ -118,7 +96,7 @@ def can_count() -> str | None:
         counters.close()
         return None
     finally:
-        _empty(probe)
+        empty(probe)
 
 
 class CountedGroup:
@@ -146,7 +124,7 @@ class CountedGroup:
             )
         directory = parent / f"{PREFIX}{slot.number}"
         if slot.stale:  # a dead manager's worker: what it left goes first
-            _empty(directory)
+            empty(directory)
         try:
             directory.mkdir()
         except OSError as exc:
@@ -160,5 +138,5 @@ class CountedGroup:
 
     def close(self) -> None:
         """Kill what is left inside, remove the directory, free the slot."""
-        _empty(self.directory)
+        empty(self.directory)
         self.slot.free()

@@ -152,21 +152,26 @@ class Cgroup:
     def remove(self) -> None:
         """Kill what is left inside (a worker's orphans) and remove the directories."""
         for d in reversed(self.dirs):
-            for _ in range(50):
-                try:
-                    pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
-                except OSError:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.02)
+            empty(d)
         self.dirs.clear()
+
+
+def empty(directory: Path) -> None:
+    """Kill what is left inside ``directory`` (a worker's orphans) and remove it."""
+    for _ in range(50):
+        try:
+            pids = [int(p) for p in (directory / "cgroup.procs").read_text().split()]
+        except OSError:
+            return  # gone already
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            directory.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.02)
