@@ -247,8 +247,8 @@ class Server:
             asked = json.loads(header)
             if asked.get("op") == "renew":
                 self._renew(challenge, header, mac, asked)
+                self._count(renewed=1)  # (before its answer: counted once the peer knows)
                 conn.sendall(b"OK")
-                self._count(renewed=1)
                 return
             if asked.get("op") == "put":
                 self._put(conn, challenge, header, mac, asked)
@@ -331,9 +331,9 @@ class Server:
             raise DataError("a wrong secret")
         size = int.from_bytes(recv_exactly(conn, 8), "little")
         digest = _receive_into(conn, self.root / space / "obj" / pin[:32], size, expires, key)
-        conn.sendall(_OK + transfer_mac(key, b"ok", digest))
-        pin_path.unlink(missing_ok=True)  # (one object per pin)
+        pin_path.unlink(missing_ok=True)  # one object per pin: gone before the sender hears
         self._count(received=1)
+        conn.sendall(_OK + transfer_mac(key, b"ok", digest))
 
     def _check(self, challenge: bytes, header: bytes, mac: bytes, asked: dict[str, Any]) -> Path:
         space, name, pin = str(asked["namespace"]), str(asked["name"]), str(asked["pin"])
