@@ -42,7 +42,6 @@ if TYPE_CHECKING:
         parse_bandwidth,
         size,
     )
-    from nimbus.config._loading import CONFIG_ENV
     from nimbus.config._places import (
         config_dir,
         default_config_file,
@@ -50,7 +49,7 @@ if TYPE_CHECKING:
         private_dir,
         untrusted_certificate,
     )
-    from nimbus.config._settings import Settings
+    from nimbus.config._settings import CONFIG_ENV, Settings
 
 __all__ = [
     "CONFIG_ENV",
@@ -93,8 +92,7 @@ _HOMES = {
         ),
         "_places",
     ),
-    "CONFIG_ENV": "_loading",
-    "Settings": "_settings",
+    **dict.fromkeys(("CONFIG_ENV", "Settings"), "_settings"),
 }
 
 
