@@ -22,8 +22,9 @@ by pid (same host). A child dies with its worker (``PR_SET_PDEATHSIG``).
           <- pid; the reaper (``_reaper``) reports its exit, the child writes it to the
              Popen's pipe itself (``exit_to``)
 
-Its parts, each imported by this module alone: the child (``_child``), the standbys
-(``_standby``) and the reaper (``_reaper``); the main module's import is ``_main``'s.
+Its parts, imported by this module and by each other alone (``tests/test_layers.py``
+pins it): the child (``_child``), the standbys (``_standby``) and the reaper
+(``_reaper``); the main module's import in a worker is ``_main``'s.
 """
 
 from __future__ import annotations
