@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,6 +52,54 @@ def provided(monkeypatch: pytest.MonkeyPatch) -> Any:
     return Settings.load().replace(
         provider="local", workers_per_node=1, agent_listen="127.0.0.1:0", max_idle=60.0
     )
+
+
+class LockHolder:
+    """Another process holding the lock file ``path`` (``nimbus._lockfile``) until
+    :meth:`let_go` (a stuck process of the program)."""
+
+    CODE = (
+        "import sys\nfrom nimbus._lockfile import lock_file\n"
+        "with lock_file(sys.argv[1], 5):\n"
+        "    print('held', flush=True)\n    sys.stdin.readline()\n"
+    )
+
+    def __init__(self, path: Path) -> None:
+        src = str(Path(__file__).resolve().parents[1] / "src")
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", self.CODE, str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=os.environ | {"PYTHONPATH": src},
+        )
+        assert self.process.stdout is not None
+        if self.process.stdout.readline() != "held\n":
+            self.let_go()
+            raise AssertionError(f"the holder of {path} did not take it")
+
+    def let_go(self) -> None:
+        """It lets go of the lock, and ends (again: nothing)."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        if self.process.returncode is None:
+            self.process.stdin.close()
+            self.process.wait(10)
+            self.process.stdout.close()
+
+
+@pytest.fixture
+def hold_lock() -> Iterator[Callable[[Path], LockHolder]]:
+    """``hold_lock(path)``: a :class:`LockHolder` of ``path``, let go at the latest when
+    the test ends."""
+    holders: list[LockHolder] = []
+
+    def hold(path: Path) -> LockHolder:
+        holders.append(LockHolder(path))
+        return holders[-1]
+
+    yield hold
+    for holder in holders:
+        holder.let_go()
 
 
 @pytest.fixture

@@ -425,9 +425,9 @@ def test_unknown_file_key_says_what_was_meant(env: dict[str, str], tmp_path: Pat
 
 
 def test_a_misspelled_nimbus_variable_is_warned_of_once(env: dict[str, str]) -> None:
-    from nimbus.config import _settings
+    from nimbus.config import _loading
 
-    _settings._warned.discard("NIMBUS_WORKRES")
+    _loading._warned.discard("NIMBUS_WORKRES")
     with pytest.warns(UserWarning, match="NIMBUS_WORKRES .* did you mean NIMBUS_WORKERS"):
         Settings.load({**env, "NIMBUS_WORKRES": "3"})
     import warnings

@@ -5,21 +5,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from nimbus._lockfile import lock_file
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+if TYPE_CHECKING:
+    from conftest import LockHolder
 
-_HOLD = """\
-import sys, time
-from nimbus._lockfile import lock_file
-with lock_file(sys.argv[1], 5):
-    print("held", flush=True)
-    sys.stdin.readline()
-"""
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def _taken_by_another_process(path: Path, within: float) -> bool:
@@ -52,27 +49,16 @@ def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path: Path) 
         os.waitpid(child, 0)
 
 
-def test_another_process_waits_for_it_up_to_its_timeout(tmp_path: Path) -> None:
+def test_another_process_waits_for_it_up_to_its_timeout(
+    tmp_path: Path, hold_lock: Callable[[Path], LockHolder]
+) -> None:
     path = tmp_path / ".x.lock"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLD, str(path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=os.environ | {"PYTHONPATH": SRC},
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        start = time.monotonic()
-        with pytest.raises(TimeoutError, match=str(path)), lock_file(path, 0.5):
-            pass
-        assert 0.4 < time.monotonic() - start < 3
-    finally:
-        assert holder.stdin is not None
-        holder.stdin.close()  # it lets go
-        holder.wait(10)
-        assert holder.stdout is not None
-        holder.stdout.close()
+    holder = hold_lock(path)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=str(path)), lock_file(path, 0.5):
+        pass
+    assert 0.4 < time.monotonic() - start < 3
+    holder.let_go()
     with lock_file(path, 1):  # free again
         pass
 

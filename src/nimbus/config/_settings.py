@@ -9,80 +9,37 @@ Its environment variable is ``NIMBUS_`` + the name in capitals; its TOML key is
 the name. :data:`FIELDS` (name -> :class:`Spec`) is derived from the class, and
 ``load``, ``replace``, ``describe``, ``nimbus info`` and the README's table
 (pinned by tests/test_config.py) all follow it. A new setting is a new line.
+
+How a field declares a setting is ``_fields``'s (:func:`setting`, :class:`Spec`);
+where the values come from, and reading them once a process, is ``_loading``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from nimbus._lazy import lazy
 from nimbus.config import _coerce as c
-from nimbus.config._places import default_config_file, default_runtime_dir
+from nimbus.config import _loading, _places
+from nimbus.config._fields import Spec, coerce, setting, specs
+from nimbus.config._loading import CONFIG_ENV
 from nimbus.errors import ConfigError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    import json
     import logging
     import ssl
-    import tomllib
 else:  # each imported on first use: a program that reads a setting or two (`nimbus run`
     # of a script) needs none of them, and they were most of what this module cost
-    json = lazy("json", globals())
     logging = lazy("logging", globals())
     ssl = lazy("ssl", globals())
-    tomllib = lazy("tomllib", globals())
 
 __all__ = ["CONFIG_ENV", "FIELDS", "Settings", "Spec"]
-
-CONFIG_ENV = "NIMBUS_CONFIG"
-ENV_PREFIX = "NIMBUS_"
-_SPEC = "nimbus.setting"  # the key of a field's (coerce, help) in its metadata
-
-
-class Spec(NamedTuple):
-    """What a setting's field declares, besides its name, type and default."""
-
-    env: str
-    coerce: Callable[[object], Any]
-    help: str
-
-
-def setting(
-    default: object,
-    coerce: Callable[[object], Any],
-    help: str,
-    *,
-    factory: Callable[[], object] | None = None,
-) -> Any:
-    """One field of :class:`Settings`: its default, its check, its meaning.
-
-    ``factory``: the default is computed (``default`` is then None and unused).
-    """
-    meta = {_SPEC: (coerce, help)}
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-_any_text = c.optional_str("a string, or 'none'", lambda _: True)
-
-
-def _environment_spec(value: str) -> bool:
-    """A name of 1-64 characters, or a JSON object with a name (``Environment.to_dict()``)."""
-    if value.startswith("{"):
-        try:
-            spec = json.loads(value)
-        except ValueError:
-            return False
-        return isinstance(spec, dict) and isinstance(spec.get("name"), str)
-    return 0 < len(value) <= 64 and value.isprintable() and " " not in value
 
 
 def _cpu_count() -> int:
@@ -107,7 +64,7 @@ class Settings:
     )
     key_ttl: float = setting(600.0, c.seconds, "expiry backstop of shared-state keys, seconds")
     runtime_dir: Path = setting(
-        None, c.path, "private directory for local sockets", factory=default_runtime_dir
+        None, c.path, "private directory for local sockets", factory=_places.default_runtime_dir
     )
     max_payload: int = setting(4 << 30, c.size, "largest payload accepted, bytes")
     inline_payload: int = setting(
@@ -127,7 +84,7 @@ class Settings:
     )
     environment: str | None = setting(
         None,
-        c.optional_str("an environment name, its JSON spec, or 'none'", _environment_spec),
+        c.optional_str("an environment name, its JSON spec, or 'none'", c.is_environment_spec),
         "environment of tasks: a name built with `nimbus environments build`, or "
         "nimbus.Environment's to_dict() as JSON (none: the workers' own Python)",
     )
@@ -259,9 +216,9 @@ class Settings:
     )
     # -- providers: where an endpoint's (or the local runtime's) nodes come from
     provider: str = setting("local", c.name, "where nodes come from: local (this machine) or slurm")
-    partition: str | None = setting(None, _any_text, "Slurm partition of blocks")
-    account: str | None = setting(None, _any_text, "Slurm account charged for blocks")
-    qos: str | None = setting(None, _any_text, "Slurm quality of service of blocks")
+    partition: str | None = setting(None, c.optional_text, "Slurm partition of blocks")
+    account: str | None = setting(None, c.optional_text, "Slurm account charged for blocks")
+    qos: str | None = setting(None, c.optional_text, "Slurm quality of service of blocks")
     nodes_per_block: int = setting(1, c.int_at_least(1), "nodes in one block")
     workers_per_node: int | None = setting(
         None, c.optional_int, "workers of a block's manager (none: its cores)"
@@ -320,7 +277,7 @@ class Settings:
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():
             value = getattr(self, name)
-            object.__setattr__(self, name, _coerce(spec, value, f"Settings.{name}"))
+            object.__setattr__(self, name, coerce(spec, value, f"Settings.{name}"))
 
     # ------------------------------------------------------------ building
 
@@ -334,43 +291,12 @@ class Settings:
         and a fork's children inherit it.
         """
         if env is None and file is None:
-            key = _inputs()
-            if key is not None and key == _loaded[0]:
-                return _loaded[1]  # type: ignore[return-value]
-            settings = cls._load(os.environ, None)
-            if key is not None:
-                _loaded[:] = [key, settings]
-            return settings
+            return _loading.once(lambda: cls._load(os.environ, None))
         return cls._load(os.environ if env is None else env, file)
 
     @classmethod
     def _load(cls, env: Mapping[str, str], file: Path | None) -> Settings:
-        values: dict[str, object] = {"runtime_dir": default_runtime_dir(env)}
-        sources = dict.fromkeys(FIELDS, "default")
-
-        if file is None:
-            explicit = env.get(CONFIG_ENV, "").strip()
-            if explicit:
-                file = Path(explicit).expanduser()
-                if not file.is_file():
-                    raise ConfigError(
-                        f"{CONFIG_ENV}={explicit!r}: no such file; point it at a TOML file "
-                        f"or unset it"
-                    )
-            else:
-                default = default_config_file(env)
-                file = default if default.is_file() else None
-        if file is not None:
-            for name, raw in _read_toml(file).items():
-                values[name] = _coerce(FIELDS[name], raw, f"{file}: key {name!r}")
-                sources[name] = f"file {file}"
-
-        for name, spec in FIELDS.items():
-            if spec.env in env:
-                values[name] = _coerce(spec, env[spec.env], spec.env)
-                sources[name] = f"env {spec.env}"
-        _warn_misspelled(env)
-
+        values, sources = _loading.read(env, file, FIELDS)
         settings = cls(**values)  # type: ignore[arg-type]
         object.__setattr__(settings, "_sources", sources)
         return settings
@@ -385,7 +311,7 @@ class Settings:
         spec = FIELDS[name]
         raw = os.environ.get(spec.env)
         if raw is not None:
-            return _coerce(spec, raw, spec.env)
+            return coerce(spec, raw, spec.env)
         base = _base.get(name, _base)
         if base is _base:
             base_env = {
@@ -453,29 +379,7 @@ class Settings:
 
     def ensure_runtime_dir(self) -> Path:
         """Create ``runtime_dir`` (mode 0o700) and check only this user can use it."""
-        path = self.runtime_dir
-        try:
-            if not path.exists():
-                path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            st = path.stat()
-        except OSError as exc:
-            raise ConfigError(
-                f"runtime directory {path} cannot be created ({exc.strerror}); "
-                f"set NIMBUS_RUNTIME_DIR to a directory you own"
-            ) from exc
-        if not stat.S_ISDIR(st.st_mode):
-            raise ConfigError(
-                f"runtime directory {path} exists but is not a directory; "
-                f"remove it or set NIMBUS_RUNTIME_DIR"
-            )
-        if st.st_uid != os.getuid():
-            raise ConfigError(
-                f"runtime directory {path} is owned by uid {st.st_uid}, not by you "
-                f"(uid {os.getuid()}); set NIMBUS_RUNTIME_DIR to a directory you own"
-            )
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            path.chmod(0o700)
-        return path
+        return _places.ensure_runtime_dir(self.runtime_dir)
 
     def configure_logging(self) -> None:
         """Set the level of the ``nimbus`` logger from ``log_level``."""
@@ -515,37 +419,7 @@ class Settings:
         return sources
 
 
-FIELDS: dict[str, Spec] = {
-    f.name: Spec(ENV_PREFIX + f.name.upper(), *f.metadata[_SPEC])
-    for f in dataclasses.fields(Settings)
-}
-_ENV_NAMES = frozenset(spec.env for spec in FIELDS.values())
-_PLACES = ("HOME", "XDG_CONFIG_HOME", "XDG_RUNTIME_DIR")  # where the file and runtime are
-_loaded: list[object] = [None, None]  # Settings.load()'s inputs and what it made of them
-
-
-def _inputs() -> tuple[object, ...] | None:
-    """What ``Settings.load()`` is made of now: the ``NIMBUS_*`` variables, those of
-    :data:`_PLACES`, the user and the config file's bytes (a few tens of microseconds,
-    where parsing and checking them all takes a millisecond). None: the file cannot be
-    read (load says why)."""
-    env = os.environ
-    names = tuple(sorted((k, v) for k, v in env.items() if k.startswith(ENV_PREFIX)))
-    places = tuple(env.get(k) for k in _PLACES)
-    explicit = env.get(CONFIG_ENV, "").strip()
-    path = Path(explicit).expanduser() if explicit else default_config_file(env)
-    try:
-        with open(path, "rb") as f:
-            content: bytes | None = f.read()
-    except FileNotFoundError:
-        if explicit:
-            return None
-        content = None
-    except OSError:
-        return None
-    return names, places, os.getuid(), str(path), content
-
-
+FIELDS: dict[str, Spec] = specs(Settings)
 _base: dict[str, Any] = {}  # Settings.lookup's file values and defaults, read once
 
 
@@ -554,79 +428,3 @@ def _field_default(name: str) -> object:
     if spec.default_factory is not dataclasses.MISSING:
         return spec.default_factory()
     return spec.default
-
-
-def _coerce(spec: Spec, value: object, label: str) -> Any:
-    try:
-        return spec.coerce(value)
-    except c.Bad as bad:
-        raise ConfigError(f"{label}={value!r} is invalid: expected {bad}") from None
-
-
-def _read_toml(file: Path) -> dict[str, object]:
-    try:
-        data = tomllib.loads(file.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"config file {file} cannot be read ({exc.strerror})") from exc
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
-    table = data.pop("nimbus", {})
-    if not isinstance(table, dict):
-        raise ConfigError(f"config file {file}: 'nimbus' must be a table, got {table!r}")
-    both = sorted(set(data) & set(table))
-    if both:
-        raise ConfigError(
-            f"config file {file}: {', '.join(both)} set twice (top level and [nimbus])"
-        )
-    merged: dict[str, object] = {**data, **table}
-    unknown = sorted(set(merged) - set(FIELDS))
-    if unknown:
-        guesses = {key: _close(key, FIELDS) for key in unknown}
-        named = ", ".join(
-            f"{key} (did you mean {guesses[key]!r}?)" if guesses[key] else key for key in unknown
-        )
-        known = "" if all(guesses.values()) else f"; known keys: {', '.join(FIELDS)}"
-        raise ConfigError(f"config file {file}: unknown key(s) {named}{known}")
-    return merged
-
-
-# NIMBUS_* variables that are no setting: hand-overs to the processes nimbus starts
-HANDED_OVER = frozenset(
-    {
-        "NIMBUS_MESSAGING_TOKEN",
-        "NIMBUS_AGENT_ADDRESS",
-        "NIMBUS_AGENT_SECRET",
-        "NIMBUS_BLOCK_ID",
-        "NIMBUS_NODE_PATH",
-        "NIMBUS_WORKER_ENVIRONMENT",
-        "NIMBUS_MODULES",
-        "NIMBUS_NODE",
-    }
-)
-_warned: set[str] = set()
-
-
-def _close(name: str, known: Any) -> str | None:
-    import difflib
-
-    found = difflib.get_close_matches(name, list(known), n=1, cutoff=0.8)
-    return found[0] if found else None
-
-
-def _warn_misspelled(env: Mapping[str, str]) -> None:
-    """Warn once for each NIMBUS_* variable that is no setting but is close to one (as
-    Dask warns of unknown config): a typo, which would be ignored."""
-    names = [k for k in env if k.startswith(ENV_PREFIX) and k not in _ENV_NAMES]
-    for name in names:
-        if name in _warned or name in HANDED_OVER or name == CONFIG_ENV:
-            continue
-        guess = _close(name, _ENV_NAMES)
-        if guess is not None:
-            import warnings
-
-            _warned.add(name)
-            warnings.warn(
-                f"{name} is no nimbus setting and is ignored: did you mean {guess}?",
-                UserWarning,
-                stacklevel=3,
-            )

@@ -20,46 +20,37 @@ service's data store are fetched before their task starts; a result larger
 than the service's inline limit is stored there and sent as a reference. Run
 it with ``nimbus endpoint start NAME`` or ``python -m nimbus.endpoint.daemon NAME``
 (``EndpointDaemon.runtime`` is the runtime's ``nimbus.runtime.Agent``).
+
+Its parts, each a module of its own: the task rows made Tasks (``_intake``), the
+transfers to and from the data store (``_transfers``), the beats and the running
+marks (``_reports``, with ``_summary``'s rows and ``_orders``' environment orders).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import signal
-import socket
 import ssl
 import sys
 import time
-from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-import httpx
 from websockets.asyncio.client import ClientConnection
 
-from nimbus import _loop, environments, owners, serialization
+from nimbus import _loop, serialization
 from nimbus.config import Settings
+from nimbus.endpoint._intake import Intake
 from nimbus.endpoint._orders import Orders
-from nimbus.endpoint._summary import runtime_rows
+from nimbus.endpoint._reports import Reports
+from nimbus.endpoint._transfers import Transfers
 from nimbus.endpoint.config import EndpointConfig
-from nimbus.environments import Environment
-from nimbus.errors import (
-    ConfigError,
-    DeserializationError,
-    NimbusError,
-    ProtocolError,
-    RemoteError,
-    ServiceError,
-)
+from nimbus.errors import ConfigError, ProtocolError, ServiceError
 from nimbus.protocol import (
-    DATA,
     INLINE_MIN,
-    LIMITS,
-    MAX_ENVIRONMENTS,
     ORDERS,
     PYTHON,
     SERIALIZER,
@@ -75,7 +66,6 @@ from nimbus.protocol import (
     Result,
     ResultRow,
     Results,
-    Running,
     TaskRow,
     Tasks,
     batches,
@@ -83,15 +73,13 @@ from nimbus.protocol import (
     decode_message,
     new_row,
     payload_size,
-    too_large,
-    unpack_payload,
 )
 from nimbus.protocol.wsclient import ServiceSocket
 from nimbus.records import TaskRecord, TaskState
 from nimbus.runtime.agent import Agent
 from nimbus.runtime.messages import Status
 from nimbus.runtime.scaling import Scaler, make_scaler
-from nimbus.runtime.task import Task, environment_tag
+from nimbus.runtime.task import Task
 
 __all__ = ["EndpointDaemon", "main"]
 
@@ -102,12 +90,9 @@ STATES = {
     Status.SKIPPED: TaskState.CANCELLED,
 }
 MAX_BACKOFF = 5.0
-RUNNING_AFTER = 0.05  # seconds: shorter tasks go from dispatched to done unreported
 MIN_WINDOW = 1024  # tasks in flight from the service: enough to cover its round trip
 SEND_CHUNK = 5000
 COALESCE = 0.002  # with work in flight, wait this long to gather more into one message
-ENVIRONMENTS_EVERY = 5  # heartbeats between two reports of the environments held
-ORDER_POLL = 0.25  # seconds between beats while a node has not said how an order went
 SERVICE_SENDS: dict[str, type[Message]] = {
     kind.op: kind for kind in (Tasks, Ack, Cancel, Beat, Order)
 }
@@ -130,7 +115,6 @@ class EndpointDaemon:
     ) -> None:
         self.service_url = service_url.rstrip("/")
         self._ssl: ssl.SSLContext | None = None  # verifies the service's certificate
-        self._runtime_failed = False  # _runtime said why it could not: once
         if self.service_url.startswith("https://"):
             self._ssl = (settings if settings is not None else Settings.load()).ssl_context()
         self.socket = ServiceSocket(
@@ -154,17 +138,12 @@ class EndpointDaemon:
         self.heartbeat = heartbeat
         self.name = name
         self.beat_latency = 0.0
-        self._seq = itertools.count()
         self._held: dict[str, Task] = {}
         self._unacked: dict[str, ResultRow] = {}
         self._outbox: list[ResultRow] = []
-        self._functions: dict[str, bytes] = {}
-        self._owned: dict[tuple[str, str], tuple[str, bytes]] = {}  # (function, owner) -> key, fn
-        self._dispatched: dict[str, float] = {}  # task id -> when a worker got it
+        self.intake = Intake()  # the functions sent, and the Tasks made of rows
         self._fetching: set[str] = set()  # tasks whose arguments come from the data store
-        self._jobs: set[asyncio.Task[None]] = set()  # data-store transfers under way
-        self._http: httpx.AsyncClient | None = None
-        self._limits: dict[str, int] | None = None  # the service's (GET /v1/limits), asked once
+        self.transfers = Transfers(self.service_url, token, self._ssl, backoff=(0.1, MAX_BACKOFF))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Event | None = None
         self.runtime = Agent(
@@ -179,6 +158,7 @@ class EndpointDaemon:
         else:
             self.runtime.add_manager(workers, prefetch=prefetch)
         self.orders = Orders(self.runtime, name)  # environment orders (build, remove)
+        self.reports = Reports(self.runtime, self.scaler, self.orders, heartbeat)
 
     # ------------------------------------------------------------ running
 
@@ -192,19 +172,11 @@ class EndpointDaemon:
         this endpoint's token any more (refused, revoked, replaced, deleted)."""
         self._loop = asyncio.get_running_loop()
         self._ready = asyncio.Event()
-        self._http = httpx.AsyncClient(
-            base_url=self.service_url,
-            headers={"Authorization": f"Bearer {self.token}"},
-            timeout=httpx.Timeout(60.0, connect=10.0),
-            verify=self._ssl or True,
-        )
+        self.transfers.open()
         try:
             await self.socket.run(self._session)
         finally:
-            for job in list(self._jobs):
-                job.cancel()
-            await asyncio.gather(*self._jobs, return_exceptions=True)
-            await self._http.aclose()
+            await self.transfers.close()
             self.runtime.shutdown(wait=True, kill=True)
             if self.scaler is not None:
                 self.scaler.stop()
@@ -222,8 +194,8 @@ class EndpointDaemon:
         jobs = [
             asyncio.create_task(self._reader(ws)),
             asyncio.create_task(self._sender(ws)),
-            asyncio.create_task(self._beater(ws)),
-            asyncio.create_task(self._marker(ws)),
+            asyncio.create_task(self.reports.beater(ws)),
+            asyncio.create_task(self.reports.marker(ws, self._held)),
             asyncio.create_task(self.socket.wait_stopped()),
         ]
         try:
@@ -275,77 +247,6 @@ class EndpointDaemon:
             for batch in batches(rows, _result_size, most=SEND_CHUNK):
                 await ws.send(Results(batch).encode())
 
-    async def _beater(self, ws: ClientConnection) -> None:
-        beats = 0
-        said: list[dict[str, Any]] | None = None
-        while True:
-            envs = None
-            orders = self.orders.changed()  # how the nodes do with environment orders
-            if beats % ENVIRONMENTS_EVERY == 0 or self.orders.finished:  # what nodes hold
-                self.orders.finished = False
-                envs = await asyncio.to_thread(self._environments)
-            runtime = self._runtime()  # blocks, managers, workers: when it changed
-            send = runtime if runtime != said or beats % ENVIRONMENTS_EVERY == 0 else None
-            said = runtime
-            beats += 1
-            await ws.send(Beat(time.monotonic(), envs, send, orders).encode())
-            if not self.orders.unfinished:
-                await asyncio.sleep(self.heartbeat)
-                continue
-            for _ in range(max(1, round(self.heartbeat / ORDER_POLL))):  # say an end soon
-                await asyncio.sleep(min(ORDER_POLL, self.heartbeat))
-                if self.orders.rows() != self.orders.said:
-                    break
-
-    def _runtime(self) -> list[dict[str, Any]]:
-        """``Beat.runtime``: the blocks, managers and workers busy or idle now."""
-        try:
-            scaler = self.scaler.statistics() if self.scaler is not None else None
-            return runtime_rows(self.runtime.statistics(), scaler)
-        except Exception as exc:  # shutting down, or a row it cannot read: said once
-            if not self._runtime_failed:
-                self._runtime_failed = True
-                log.warning("cannot say the runtime in heartbeats: %r", exc, exc_info=True)
-            return []
-
-    def _environments(self) -> list[dict[str, Any]]:
-        """What the nodes hold, one row per node and environment (warm workers, build
-        state, size, last use: ``nimbus.environments.held``), for ``nimbus
-        environments list --endpoint``; remote managers report their own node's."""
-        try:
-            managers = self.runtime.statistics()["managers"]
-        except Exception:  # the runtime is shutting down
-            managers = []
-        try:
-            local = environments.cache().report()
-        except (OSError, NimbusError) as exc:
-            log.warning("cannot read this node's environments: %s", exc)
-            local = []
-        try:  # a heartbeat goes on whatever a manager's statistics say
-            return environments.held(managers, socket.gethostname(), local)[:MAX_ENVIRONMENTS]
-        except Exception as exc:
-            log.warning("cannot say the nodes' environments in heartbeats: %r", exc)
-            return []
-
-    async def _marker(self, ws: ClientConnection) -> None:
-        """Tell the service which tasks run: those a worker has started (not those waiting
-        in a worker's window) still running RUNNING_AFTER after they went to it. Blocks'
-        managers on other nodes do not say when a task starts: there, those sent on."""
-        said_start = self.scaler is None  # the workers are this process's manager's
-        while True:
-            await asyncio.sleep(RUNNING_AFTER)
-            now = time.monotonic()
-            running = []
-            for task_id, since in list(self._dispatched.items()):
-                task = self._held.get(task_id)
-                if task is None:
-                    self._dispatched.pop(task_id, None)
-                elif now - since >= RUNNING_AFTER and (task.started or not said_start):
-                    running.append(task_id)
-                    self._dispatched.pop(task_id, None)
-            if running:
-                await ws.send(Running(running).encode())
-
     # ------------------------------------------------------------ tasks
 
     def _start(self, rows: list[TaskRow | Malformed]) -> None:
@@ -361,55 +262,22 @@ class EndpointDaemon:
                 )
                 failed.append(self._failure(row.task_id, row.function_id, error))
                 continue
-            task_id, function_id, payload = row.task_id, row.function_id, row.payload
-            if row.body is not None:
-                self._functions[function_id] = row.body
+            task_id = row.task_id
+            self.intake.learn(row)
             if task_id in self._held or task_id in self._fetching:
                 continue  # sent again after a reconnect: it is still running here
             if task_id in self._unacked:
                 self._outbox.append(self._unacked[task_id])
                 continue
-            fn_bytes = self._functions.get(function_id)
-            if not fn_bytes:
-                error = RemoteError(f"function {function_id} is not registered (deleted?)")
-                failed.append(self._failure(task_id, function_id, error))
+            task = self.intake.task(row)
+            if isinstance(task, Exception):
+                failed.append(self._failure(task_id, row.function_id, task))
                 continue
-            if isinstance(payload, DataRef):  # its arguments are in the data store: fetch them
+            if task is None:  # its arguments are in the data store: fetch them
+                assert isinstance(row.payload, DataRef)
                 self._fetching.add(task_id)
-                self._spawn(self._fetch(row, payload.data_id))
+                self.transfers.spawn(self._fetch(row, row.payload.data_id))
                 continue
-            try:
-                data, buffers = unpack_payload(payload)
-            except ValueError as exc:
-                error = DeserializationError(
-                    f"the arguments of task {task_id} could not be decoded ({exc}); "
-                    f"they must be pack_payload(pickle, buffers)"
-                )
-                failed.append(self._failure(task_id, function_id, error))
-                continue
-            environment: Environment | None = None
-            if row.environment is not None:
-                try:
-                    environment = Environment.from_dict(row.environment)
-                except ConfigError as exc:
-                    error = ProtocolError(f"task {task_id}: its environment: {exc}")
-                    failed.append(self._failure(task_id, function_id, error))
-                    continue
-            fn_key = function_id
-            if row.owner is not None:  # run as its owner: their data scope in the worker
-                fn_key, fn_bytes = self._as_owner(function_id, row.owner, fn_bytes)
-            record = TaskRecord(task_id, TaskState.RUNNING, function=function_id)
-            task = Task(
-                next(self._seq),
-                fn_key,
-                fn_bytes,
-                data,
-                buffers,
-                record,
-                timeout=row.timeout,
-                environment=environment,
-                env="" if environment is None else environment_tag(environment),
-            )
             self._held[task_id] = task
             batch.append(task)
         if batch:
@@ -420,22 +288,9 @@ class EndpointDaemon:
             assert self._ready is not None
             self._ready.set()
 
-    def _as_owner(self, function_id: str, owner: str, fn_bytes: bytes) -> tuple[str, bytes]:
-        """The function ``function_id`` run as the user ``owner`` (``nimbus.owners``):
-        a function key of its own, made once per function and user."""
-        found = self._owned.get((function_id, owner))
-        if found is None:
-            if len(self._owned) >= 4096:  # bounded: made again on use
-                self._owned.clear()
-            found = (f"{function_id}:{owner}", owners.owned(owner, fn_bytes))
-            self._owned[function_id, owner] = found
-        return found
-
     def _on_dispatch(self, tasks: list[Task]) -> list[Task]:
         """On the runtime's thread: a cancelled task going (back) to a worker ends here."""
-        now = time.monotonic()
-        for task in tasks:
-            self._dispatched[task.record.task_id] = now
+        self.reports.dispatched(tasks)
         cancelled = [task for task in tasks if task.cancelled]
         if not cancelled:
             return tasks
@@ -463,7 +318,7 @@ class EndpointDaemon:
             result = row.result
             assert isinstance(result, Result)
             if payload_size(result.data, result.buffers) > INLINE_MIN:  # maybe for the data store
-                self._spawn(self._send_large(row))  # held until it is stored
+                self.transfers.spawn(self._send_large(row))  # held until it is stored
             else:
                 small.append(row)
         for row in small:
@@ -486,68 +341,25 @@ class EndpointDaemon:
 
     # ------------------------------------------------------------ the data store
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        job = asyncio.ensure_future(coro)
-        self._jobs.add(job)
-        job.add_done_callback(self._jobs.discard)
-
     async def _fetch(self, row: TaskRow, data_id: str) -> None:
         """Fetch a task's arguments from the data store, then start it (or fail it)."""
-        assert self._http is not None
-        task_id = row.task_id
-        try:
-            response = await self._http.get(f"{DATA}/{data_id}")
-            response.raise_for_status()
-            payload = response.content
-        except (httpx.HTTPError, OSError) as exc:
-            self._fetching.discard(task_id)
-            error = RemoteError(
-                f"the arguments of task {task_id} could not be fetched from the service's "
-                f"data store ({data_id}): {exc}"
-            )
-            self._finished([self._failure(task_id, row.function_id, error)])
-            return
-        self._fetching.discard(task_id)
-        self._start([row._replace(body=None, payload=payload)])
+        payload = await self.transfers.arguments(row.task_id, data_id)
+        self._fetching.discard(row.task_id)
+        if isinstance(payload, Exception):
+            self._finished([self._failure(row.task_id, row.function_id, payload)])
+        else:
+            self._start([row._replace(body=None, payload=payload)])
 
     async def _send_large(self, row: ResultRow) -> None:
         """Send a large result: inline below the service's limit, else through the data store."""
-        assert self._http is not None
-        task_id = row.task_id
-        result = row.result
-        assert isinstance(result, Result)
-        data, buffers = result.data, result.buffers
-        backoff = 0.1
-        while True:
-            try:
-                if self._limits is None:
-                    limits = await self._http.get(LIMITS)
-                    limits.raise_for_status()
-                    self._limits = {k: int(v) for k, v in limits.json().items()}
-                size = payload_size(data, buffers)
-                if size <= self._limits["inline_payload"]:
-                    break
-                if size > self._limits["max_payload"]:  # refused before a byte is sent
-                    error = too_large(
-                        f"the result of task {task_id}", size, self._limits["max_payload"]
-                    )
-                    row = self._failure(task_id, "", error, row.record)
-                    break
-                blob = result.pack()
-                response = await self._http.put(DATA, params={"task_id": task_id}, content=blob)
-                if response.status_code == 404:  # done elsewhere or cancelled: not needed
-                    self._held.pop(task_id, None)
-                    return
-                response.raise_for_status()
-                row = row._replace(result=DataRef(response.json()["data_id"]))
-                break
-            except (httpx.HTTPError, OSError, ValueError) as exc:
-                log.info("storing the result of %s failed (%s); retrying", task_id, exc)
-                await asyncio.sleep(backoff)
-                backoff = min(MAX_BACKOFF, backoff * 2)
-        self._held.pop(task_id, None)
-        self._unacked[task_id] = row
-        self._outbox.append(row)
+        sent = await self.transfers.result(row)
+        self._held.pop(row.task_id, None)
+        if sent is None:  # done elsewhere or cancelled: not needed
+            return
+        if isinstance(sent, Exception):  # too large
+            sent = self._failure(row.task_id, "", sent, row.record)
+        self._unacked[row.task_id] = sent
+        self._outbox.append(sent)
         assert self._ready is not None
         self._ready.set()
 

@@ -111,12 +111,12 @@ class LocalSite(_Here):
         # children one more than other workers')
         backend = "forked" if is_root() else "local"
         if backend == "forked":  # each imports the main module as it is forked
-            from nimbus.multiprocessing import _forking
+            from nimbus.multiprocessing import _main
             from nimbus.runtime import popen_fork
 
-            ahead = _forking.main_ahead()
+            ahead = _main.main_ahead()
             if ahead is not None:
-                main = functools.partial(_forking.import_main_ahead, ahead)
+                main = functools.partial(_main.import_main_ahead, ahead)
                 popen_fork.at_worker_start(main, once=True)  # the first (its first start)
         # shut down by close(), after joining children
         self.executor = Executor(

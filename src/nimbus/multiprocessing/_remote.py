@@ -197,7 +197,7 @@ class RemoteSite(Site):
         send_signal(self.program, token, sig)
 
     def prepare(self, prep: dict[str, Any]) -> None:
-        from nimbus.multiprocessing._forking import MAIN_KEYS
+        from nimbus.multiprocessing._main import MAIN_KEYS
 
         prep["forward"] = self.output.inbox  # output through the store; __main__ came by value
         for key in MAIN_KEYS:

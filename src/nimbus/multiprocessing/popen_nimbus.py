@@ -45,7 +45,8 @@ from typing import Any
 from nimbus import _install
 from nimbus.multiprocessing import _forking, _main, _site
 from nimbus.multiprocessing import context as nimbus_context
-from nimbus.multiprocessing._forking import MAIN_KEYS, WARM_MODULES
+from nimbus.multiprocessing._forking import WARM_MODULES
+from nimbus.multiprocessing._main import MAIN_KEYS
 
 __all__ = ["Popen"]
 
@@ -89,7 +90,7 @@ class Popen:
         # raises the stdlib's RuntimeError about the __main__ guard in a child importing main
         prep = spawn.get_preparation_data(process_obj._name)
         if _site.main_by_value():  # `python - < script.py`, or no __main__ guard: as with
-            for key in _forking.MAIN_KEYS:  # fork, __main__'s functions go by value
+            for key in MAIN_KEYS:  # fork, __main__'s functions go by value
                 prep.pop(key, None)
         self.sentinel, self._exit_w = os.pipe()
         self._seen: tuple[int, int] | None = None  # (pid, code) the child wrote: it exits
