@@ -214,6 +214,6 @@ def _succeeded(future: Any) -> bool:
 
 
 def _forget_relay(key: tuple[str, str | None], relay: Any) -> None:
-    with _lock:
-        if _relays.get(key, (None, None))[1] is relay:
-            del _relays[key]
+    # A finalizer, as ``_forget``: no lock (the cyclic GC may run it inside ``_lock``).
+    if _relays.get(key, (None, None))[1] is relay:
+        _relays.pop(key, None)
