@@ -352,6 +352,22 @@ def test_a_copy_let_go_while_the_copies_lock_is_held_is_dropped() -> None:
     assert key not in _carry._copies
 
 
+def test_a_relayed_copy_let_go_while_the_copies_lock_is_held_is_dropped() -> None:
+    """The same for a copy relayed from another endpoint (``_carry._forget_relay``)."""
+    key, relay = ("1" * 32, "elsewhere"), object()
+    _carry._relays[key] = ("2" * 32, relay)
+    done = threading.Event()
+
+    def forget_under_lock() -> None:
+        with _carry._lock:
+            _carry._forget_relay(key, relay)
+        done.set()
+
+    threading.Thread(target=forget_under_lock, daemon=True).start()
+    assert done.wait(10), "letting a relayed copy go waited for the copies' lock"
+    assert key not in _carry._relays
+
+
 def test_large_containers_pass_as_they_are(ex: Executor) -> None:
     big = list(range(nimbus.data.MAX_SCAN + 1))
     assert not nimbus.data.uses_data((big,), {})
@@ -592,6 +608,11 @@ def test_remote_references_stay_on_the_endpoint(remote: Executor, lab: EndpointP
     assert ref.get() == list(range(100))
     with pytest.raises(DataAccessError, match="kept on the local runtime, and these tasks run on "):
         remote.submit(len, nimbus.put([1]))  # a local Ref, to a task on lab
+    with Executor() as local:  # a local kept future, the same (it was an AssertionError)
+        kept = list(local.map(len, [[1, 2]], keep=True))[0]
+        assert kept.result(timeout=60) == 2
+        with pytest.raises(DataAccessError, match="kept on the local runtime, and these tasks"):
+            remote.submit(len, kept).result(timeout=60)  # (its task never runs)
 
 
 def test_remote_references_are_freed_and_lost_ones_named(

@@ -898,12 +898,15 @@ def test_renewals_forwarded_to_a_silent_node_end_by_one_deadline(tmp_path: Path)
         server.close()
 
 
-def test_freeing_a_pin_is_forwarded_to_its_node_as_its_renewals_are(tmp_path: Path) -> None:
+def test_freeing_a_pin_is_forwarded_to_its_node_as_its_renewals_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The client lets a staged copy go (its last Ref): the task that frees the pin runs
     on any node; on one without the pin it frees it through the holding node's server
     (the pin did last its whole lease there, 300 s), and only with the copy's secret."""
     import concurrent.futures as cf
 
+    from nimbus.data import _task
     from nimbus.data._ref import Ref, Session, local_namespace
     from nimbus.data._serve import Server, free
     from nimbus.data._task import free_objects
@@ -927,6 +930,14 @@ def test_freeing_a_pin_is_forwarded_to_its_node_as_its_renewals_are(tmp_path: Pa
         assert server.statistics()["freed"] == 1 and session.freed == 1
         # a node gone (or the pin freed already): nothing to free there, no error
         assert free_objects([pin], {pin: (*server.address, secret)}) == 0
+        # a pin held on the freeing node is freed there alone: its holder is not asked
+        refused = server.statistics()["refused"]
+        here = tmp_path / "node-here"
+        _, _, pin_here, _, _ = _served_copy(here, local_namespace())
+        monkeypatch.setattr(_task, "_node", lambda namespace: NodeStore(namespace, here))
+        assert free_objects([pin_here], {pin_here: (*server.address, secret)}) == 1
+        assert not (here / local_namespace() / "obj" / pin_here).exists()
+        assert server.statistics()["refused"] == refused
     finally:
         session.close()
         pool.shutdown()

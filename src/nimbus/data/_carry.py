@@ -26,6 +26,7 @@ import weakref
 from typing import Any
 
 from nimbus.data._ref import MAX_SCAN, Ref, Session, new_id, session
+from nimbus.errors import DataAccessError
 
 __all__ = ["Copy", "carry"]
 
@@ -50,8 +51,12 @@ def _elsewhere(value: Any, where: Session) -> bool:
         return value.endpoint != where.endpoint and value.namespace == where.namespace
     if getattr(value, "kept", False) and type(value) is not Copy:
         path = getattr(value, "_path", None) or getattr(value, "_maker", None)
-        made = getattr(path, "session", None)
-        return made is not None and made.endpoint != where.endpoint
+        made = getattr(path, "session", None)  # (the local runtime's: refused by ``check``)
+        return (
+            made is not None
+            and made.endpoint != where.endpoint
+            and made.namespace == where.namespace
+        )
     return False
 
 
@@ -147,7 +152,8 @@ def _transfer(ref: Ref, where: Session, copy: Copy) -> None:
         source = session(ref.endpoint)  # the Executor of the endpoint that keeps it
         ref_id = new_id()
         expires = time.time() + where.lease
-        assert where.call is not None and source.call is not None
+        if where.call is None or source.call is None:  # (``carry`` passes no such Ref)
+            raise DataAccessError(f"{ref!r} cannot be copied to {where.endpoint}: no endpoint")
         host, port, secret = where.call(offer, "obj", ref_id, expires).result(TIMEOUT)[:3]
         size, _ = source.call(send_object, ref.id, host, port, secret).result(TIMEOUT)
         made = Ref(ref_id, where.namespace, where.user, where.endpoint, size)
@@ -214,6 +220,6 @@ def _succeeded(future: Any) -> bool:
 
 
 def _forget_relay(key: tuple[str, str | None], relay: Any) -> None:
-    with _lock:
-        if _relays.get(key, (None, None))[1] is relay:
-            del _relays[key]
+    # A finalizer, as ``_forget``: no lock (the cyclic GC may run it inside ``_lock``).
+    if _relays.get(key, (None, None))[1] is relay:
+        _relays.pop(key, None)

@@ -155,11 +155,13 @@ def free_objects(ref_ids: list[str], holders: dict[str, tuple[str, int, str]] | 
     copy not on this node is freed on the node that holds it (``holders``:
     ``_serve.free``), as its renewals are."""
     node = _node(_scope().namespace)
+    # those held here are freed here alone (told before freeing: then none exists here)
+    elsewhere = [i for i in ref_ids if holders and i in holders and not node.exists(i)]
     freed = node.free(ref_ids)
-    if holders:
+    if elsewhere:
+        assert holders is not None
         from nimbus.data._serve import HANDSHAKE, free
 
-        elsewhere = [i for i in ref_ids if i in holders and not node.exists(i)]
         # (a node gone, or that freed it already: nothing to free there)
         done = _forwarded(elsewhere, holders, lambda h, i: free(h, node.namespace, i), HANDSHAKE)
         freed += len(done)
