@@ -609,7 +609,7 @@ def test_remote_references_stay_on_the_endpoint(remote: Executor, lab: EndpointP
     with pytest.raises(DataAccessError, match="kept on the local runtime, and these tasks run on "):
         remote.submit(len, nimbus.put([1]))  # a local Ref, to a task on lab
     with Executor() as local:  # a local kept future, the same (it was an AssertionError)
-        kept = list(local.map(len, [[1, 2]], keep=True))[0]
+        (kept,) = local.map(len, [[1, 2]], keep=True)
         assert kept.result(timeout=60) == 2
         with pytest.raises(DataAccessError, match="kept on the local runtime, and these tasks"):
             remote.submit(len, kept).result(timeout=60)  # (its task never runs)
