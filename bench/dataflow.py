@@ -683,7 +683,7 @@ def mapreduce_runs(args: argparse.Namespace, workers: int, total: int, base: Pat
         "jobs": ["wordcount", "sort"],
         "w": workers,
         "total": total,
-        "rounds": args.mr_rounds,
+        "rounds": 1 if args.quick else args.mr_rounds,
         "rate": rate,
         "server_rate": server_rate,
         "base": str(base),
@@ -757,7 +757,7 @@ def mapreduce_rows(args: argparse.Namespace) -> list[list[str]]:
         progress(f"mapreduce: {where}")
         if args.mr_local:
             for job in got:
-                for _ in range(args.mr_rounds):  # interleaved rounds
+                for _ in range(1 if args.quick else args.mr_rounds):  # interleaved rounds
                     for way in ("shared", "store", "direct"):
                         progress(f"mapreduce: {job}, the shuffle through {way}")
                         try:
