@@ -239,6 +239,11 @@ def run(
         for peer in ids:
             msg.send(peer, "go")
         done = [_answer(procs, limit, "its result") for _ in procs]
+    except BaseException:  # (a SIGTERM, a worker that died): the others stopped at once
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+        raise
     finally:
         for p in procs:
             p.join(min(60.0, limit))

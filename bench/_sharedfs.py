@@ -38,7 +38,12 @@ from typing import Any
 
 SFTP_SERVER = "/usr/lib/openssh/sftp-server"
 PORT = 2049  # NFS's, on the server's own namespace address
-NEEDS = {"sshfs": "sshfs", "socat": "socat", "fusermount3": "fuse3", SFTP_SERVER: "openssh-sftp-server"}
+NEEDS = {
+    "sshfs": "sshfs",
+    "socat": "socat",
+    "fusermount3": "fuse3",
+    SFTP_SERVER: "openssh-sftp-server",
+}
 
 
 class Unavailable(Exception):
@@ -174,7 +179,9 @@ class Cluster:
                 return
             except OSError as exc:
                 if time.monotonic() > end:
-                    raise Unavailable(f"the file server at {ip}:{PORT} never listened: {exc}")
+                    raise Unavailable(
+                        f"the file server at {ip}:{PORT} never listened: {exc}"
+                    ) from None
                 time.sleep(0.05)
 
     @staticmethod
