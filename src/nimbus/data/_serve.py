@@ -1,4 +1,4 @@
-"""A node's file cache served to the other nodes of its endpoint.
+"""A node's file cache (and relayed objects) served to the other nodes of its endpoint.
 
 ::
 
@@ -45,6 +45,13 @@ of one address and ``MAX_CONNECTIONS`` in all at once (more are told "busy" and 
 the client tries again, with a jittered backoff, within its timeout), ``HANDSHAKE``
 seconds for the whole request before the check; an accept that fails (no file descriptors left) is retried after a
 short pause, never the end of serving.
+
+An object relayed from another endpoint (``_direct.push_object``, the "put" op) lands in
+the store of the node that expected it; its pin stays (a second put of it is refused)
+while the client holds the copy, and the endpoint's other nodes fetch the object with
+the pin's secret (the "object" op, :func:`fetch_object`: the bytes, then their sha256
+and an HMAC of it keyed by the secret); the pin's renewal renews the object, its
+freeing removes it.
 
 The server listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``), as offers do: on an
 endpoint of several machines, set it on each node to the address the others reach it by.
