@@ -737,10 +737,13 @@ def mapreduce_rows(args: argparse.Namespace) -> list[list[str]]:
     base = Path(os.environ.get("NIMBUS_BENCH_SHARED", "/var/tmp")) / f"nimbus-mr-{os.getpid()}"
     base.mkdir(parents=True, exist_ok=True)
     where = "on this machine: a local directory, Unix sockets"
-    if not args.mr_local:
-        why = _sharedfs.missing()
-        if why:
-            return [[f"MapReduce on {workers} nodes", f"not run: {why}", "", "", "", "MISS"]]
+    local = args.mr_local
+    why = None if local else _sharedfs.missing()
+    if why:  # said in the row: not the setting
+        progress(f"mapreduce: no nodes here ({why}): all on this machine")
+        where += f"; NO NODES: {why}"
+        local = True
+    if not local:
         where = (
             f"{workers} nodes, links {args.mr_mbit} Mbit/s; shared dir: a file server "
             f"({args.mr_server_mbit or workers * args.mr_mbit} Mbit/s) mounted by sshfs"
@@ -757,7 +760,7 @@ def mapreduce_rows(args: argparse.Namespace) -> list[list[str]]:
 
     try:
         progress(f"mapreduce: {where}")
-        if args.mr_local:
+        if local:
             for job in got:
                 for _ in range(1 if args.quick else args.mr_rounds):  # interleaved rounds
                     for way in ("shared", "store", "direct"):
