@@ -14,8 +14,12 @@
                endpoint to endpoint (nimbus.data._direct), against a raw TCP copy of the
                file over the same link (loopback), without nimbus; then used by 16 tasks
                on each of two more endpoints at once (4 endpoints): once per endpoint
-    mapreduce  WordCount and Sort, 4 workers, the shuffle through a shared directory, the
-               node's store (nimbus.data.store()) and direct messaging (bench/_mapreduce.py)
+    mapreduce  WordCount and Sort, 4 nodes in network namespaces with shaped links (1 Gbit/s),
+               the shuffle through a shared directory (a file server in a namespace of its
+               own, mounted by sshfs on each node over its link: bench/_sharedfs.py), the
+               state store (a Redis beside the endpoint, reached over the links) and direct
+               messaging over TCP between the nodes (bench/_mapreduce.py); --mr-local: all
+               on this machine (a local directory, Unix sockets)
     pipeline   a 2-stage pipeline of 10,000 tasks on an endpoint (stage 1 makes 10 KB
                each, kept; stage 2 reads one and returns 8 bytes): the client's link
                carries only the final results
@@ -668,39 +672,128 @@ def fanout_rows(settings: Any, exported: Path, targets: list[str]) -> list[list[
     ]
 
 
+def mapreduce_runs(args: argparse.Namespace, workers: int, total: int, base: Path) -> Any:
+    """The row's runs on nodes (``_mapreduce.on_nodes``), in a program of its own (its
+    store is the machine's TCP one, not this program's): each run's figures as it ends."""
+    import _sharedfs
+
+    rate = args.mr_mbit * 1_000_000
+    server_rate = (args.mr_server_mbit or workers * args.mr_mbit) * 1_000_000
+    spec = {
+        "jobs": args.mr_job or ["wordcount", "sort"],
+        "w": workers,
+        "total": total,
+        "rounds": 1 if args.quick else args.mr_rounds,
+        "rate": rate,
+        "server_rate": server_rate,
+        "base": str(base),
+        "limit": WAIT,
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NIMBUS_")}
+    env["NIMBUS_RUNTIME_DIR"] = str(base / "runtime")
+    proc = subprocess.Popen(
+        [sys.executable, str(_HERE / "_mapreduce.py"), json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    assert proc.stdout is not None
+    done = threading.Event()
+
+    def watch() -> None:  # a run over its wait: the program stopped, the run ends hung
+        if not done.wait(WAIT * 2 * 3 * args.mr_rounds + 120):
+            proc.terminate()
+            hung("mapreduce on nodes", WAIT)
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        for line in proc.stdout:
+            figures = json.loads(line)
+            if "start" in figures:
+                progress(f"mapreduce: {figures['start']}")
+            else:
+                yield figures
+    finally:
+        done.set()
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait()
+    if proc.returncode:
+        raise RuntimeError(
+            f"mapreduce on nodes (bench/_mapreduce.py) exited with {proc.returncode}: "
+            f"its error is above; {_sharedfs.__name__} needs root, /dev/fuse, sshfs, socat"
+        )
+
+
 def mapreduce_rows(args: argparse.Namespace) -> list[list[str]]:
-    """WordCount and Sort, the shuffle three ways (``_mapreduce``), side by side."""
+    """WordCount and Sort, the shuffle three ways (``_mapreduce``), side by side: on 4
+    nodes in network namespaces with shaped links, the shared directory a file server's
+    over that network (``_sharedfs``); ``--mr-local``: all on this machine."""
     import _mapreduce as mr
+    import _sharedfs
 
     workers = 4
     total = (16 if args.quick else args.mr_mb) * MB
-    root = Path(os.environ.get("NIMBUS_BENCH_SHARED", "/var/tmp")) / f"nimbus-mr-{os.getpid()}"
-    root.mkdir(parents=True, exist_ok=True)
+    base = Path(os.environ.get("NIMBUS_BENCH_SHARED", "/var/tmp")) / f"nimbus-mr-{os.getpid()}"
+    base.mkdir(parents=True, exist_ok=True)
+    where = "on this machine: a local directory, Unix sockets"
+    local = args.mr_local
+    why = None if local else _sharedfs.missing()
+    if why:  # said in the row: not the issue's setting
+        progress(f"mapreduce: no nodes here ({why}): all on this machine")
+        where += f"; NO NODES: {why}"
+        local = True
+    if not local:
+        where = (
+            f"{workers} nodes, links {args.mr_mbit} Mbit/s; shared dir: a file server "
+            f"({args.mr_server_mbit or workers * args.mr_mbit} Mbit/s) mounted by sshfs"
+        )
     rows = []
+    got: dict[str, dict[str, dict[str, Any]]] = {
+        j: {} for j in args.mr_job or ["wordcount", "sort"]
+    }
+
+    def keep(one: dict[str, Any]) -> None:  # the best of the rounds
+        mine = got[one["job"]]
+        if one["way"] not in mine or one["seconds"] < mine[one["way"]]["seconds"]:
+            mine[one["way"]] = one
+
     try:
-        for job in ("wordcount", "sort"):
-            got: dict[str, dict[str, Any]] = {}
-            for _ in range(2):  # two rounds, interleaved: the best of each (a loaded machine)
-                for way in ("shared", "store", "direct"):
-                    progress(f"mapreduce: {job}, the shuffle through {way}")
-                    try:
-                        one = mr.run(job, way, workers, total // workers, root, limit=WAIT)
-                    except mr.Stuck as exc:
-                        hung(f"mapreduce: {job} through {way}: {exc}", WAIT)
-                    if way not in got or one["seconds"] < got[way]["seconds"]:
-                        got[way] = one
-            assert len({g["result"] for g in got.values()}) == 1, "the three ways disagree"
-            RESULTS[f"mapreduce_{job}"] = got
-            d, st, sh = (got[w] for w in ("direct", "store", "shared"))
+        progress(f"mapreduce: {where}")
+        if local:
+            for job in got:
+                for _ in range(1 if args.quick else args.mr_rounds):  # interleaved rounds
+                    for way in ("shared", "store", "direct"):
+                        progress(f"mapreduce: {job}, the shuffle through {way}")
+                        try:
+                            one = mr.run(job, way, workers, total // workers, base, limit=WAIT)
+                        except mr.Stuck as exc:
+                            hung(f"mapreduce: {job} through {way}: {exc}", WAIT)
+                        keep(one | {"job": job, "way": way})
+        else:
+            for one in mapreduce_runs(args, workers, total, base):
+                keep(one)
+        for job, ways in got.items():
+            assert len({g["result"] for g in ways.values()}) == 1, "the three ways disagree"
+            RESULTS[f"mapreduce_{job}"] = ways | {"where": where}
+            d, st, sh = (ways[w] for w in ("direct", "store", "shared"))
             vs_shared, vs_store = sh["seconds"] / d["seconds"], st["seconds"] / d["seconds"]
+            links = (
+                "; MB on the nodes' links d/st/sh "
+                + "/".join(f"{x['node_links_bytes'] / MB:.0f}" for x in (d, st, sh))
+                if "node_links_bytes" in d
+                else ""
+            )
             rows.append(
                 [
                     f"MapReduce {job}, {total // MB} MB in, {workers} workers, "
-                    f"{d['shuffled_bytes'] / MB:.1f} MB shuffled",
-                    f"direct {d['seconds']:.2f} s (shuffle {d['shuffle']:.2f} s)",
-                    f"shared dir {sh['seconds']:.2f} s ({sh['shuffle']:.2f}); "
-                    f"store {st['seconds']:.2f} s ({st['shuffle']:.2f})",
-                    f"{vs_shared:.2f}x / {vs_store:.2f}x",
+                    f"{d['shuffled_bytes'] / MB:.1f} MB shuffled ({where})",
+                    f"direct {d['seconds']:.2f} s (exchange {d['exchange']:.2f} s)",
+                    f"shared dir {sh['seconds']:.2f} s ({sh['exchange']:.2f}); "
+                    f"store {st['seconds']:.2f} s ({st['exchange']:.2f}){links}",
+                    f"{vs_shared:.2f}x / {vs_store:.2f}x (exchanges "
+                    f"{sh['exchange'] / d['exchange']:.2f}x / "
+                    f"{st['exchange'] / d['exchange']:.2f}x)",
                     ">= 3x shared, >= 1.0x store",
                     "PASS" if vs_shared >= 3 and vs_store >= 1.0 else "MISS",
                 ]
@@ -708,7 +801,7 @@ def mapreduce_rows(args: argparse.Namespace) -> list[list[str]]:
     finally:
         import shutil
 
-        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
     return rows
 
 
@@ -794,7 +887,25 @@ def main() -> int:
         "namespace's address (NIMBUS_DATA_HOST); endpoints reach each other through the "
         "node (root); 0: all on the node's loopback",
     )
-    parser.add_argument("--mr-mb", type=int, default=256, help="MapReduce input, all workers")
+    parser.add_argument("--mr-mb", type=int, default=1024, help="MapReduce input, all workers")
+    parser.add_argument(
+        "--mr-mbit", type=int, default=1000, help="MapReduce: each node's link, Mbit/s both ways"
+    )
+    parser.add_argument(
+        "--mr-server-mbit",
+        type=int,
+        default=0,
+        help="MapReduce: the file server's link, Mbit/s (0: the nodes' links together)",
+    )
+    parser.add_argument("--mr-rounds", type=int, default=2, help="MapReduce: rounds, best of")
+    parser.add_argument(
+        "--mr-job", action="append", choices=["wordcount", "sort"], help="MapReduce: only these"
+    )
+    parser.add_argument(
+        "--mr-local",
+        action="store_true",
+        help="MapReduce all on this machine (a local directory, Unix sockets), no nodes",
+    )
     parser.add_argument(
         "--wait",
         type=float,

@@ -947,9 +947,13 @@ def test_freeing_a_pin_is_forwarded_to_its_node_as_its_renewals_are(
 def test_a_node_takes_an_object_only_from_a_holder_of_its_pins_secret(tmp_path: Path) -> None:
     """``_serve``'s "put" (a relay, ``_direct.push_object``): the node's server writes
     the object the pin names, leased as the pin was, once the sender proves the pin's
-    secret; the pin goes with it (one object per pin); a wrong secret writes nothing."""
+    secret; a wrong secret writes nothing, and a second put of the pin is refused (one
+    object per pin). The pin stays: another node fetches the object with its secret
+    ("object", ``fetch_object``: a wrong secret gets nothing); freed, the pin takes the
+    object with it and a fetch is ``ReferenceLost``."""
     from nimbus.data._direct import _send
-    from nimbus.data._serve import Server, _request
+    from nimbus.data._serve import Server, _request, fetch_object, free
+    from nimbus.errors import ReferenceLost
 
     root = tmp_path / "node-a"
     root.mkdir(mode=0o700)
@@ -973,9 +977,20 @@ def test_a_node_takes_an_object_only_from_a_holder_of_its_pins_secret(tmp_path: 
         assert stored.read_bytes() == source.read_bytes() and size == stored.stat().st_size
         assert sha == hashlib.sha256(source.read_bytes()).hexdigest()
         assert stored.stat().st_mtime == pytest.approx(expires)  # leased as the pin was
-        assert not (root / space / "obj" / pin).exists()  # the pin went with it
-        with pytest.raises(DataError, match="holds no such copy"):  # used once
+        assert (root / space / "obj" / pin).exists()  # the pin stays, for the other nodes
+        with pytest.raises(DataError, match="sent already"):  # used once
             _send(source, "", 0, secret, None, lambda: _request(target, header, "put")[0])
         assert server.statistics()["received"] == 1
+        other = NodeStore(space, tmp_path / "node-b")  # another node of the endpoint
+        with pytest.raises(ReferenceLost, match="holds no such copy for that secret"):
+            fetch_object(wrong, space, pin, other.path(ref_id), expires)
+        assert not other.exists(ref_id)
+        fetch_object(target, space, pin, other.path(ref_id), expires)
+        assert other.path(ref_id).read_bytes() == source.read_bytes()
+        assert other.path(ref_id).stat().st_mtime == pytest.approx(expires)
+        free(target, space, pin)
+        assert not (root / space / "obj" / pin).exists() and not stored.exists()
+        with pytest.raises(ReferenceLost, match=f"the object {ref_id} is gone"):
+            fetch_object(target, space, pin, tmp_path / "elsewhere", expires)
     finally:
         server.close()

@@ -671,6 +671,62 @@ def test_a_staged_files_pin_is_renewed_on_its_node_whichever_node_runs_the_renew
     assert {(n, d) for _, _, n, d in first + later} == {(len(body), digest)}
 
 
+def made_late(size: int, seconds: float) -> bytes:  # sent by value
+    import time
+
+    time.sleep(seconds)
+    return bytes(range(256)) * (size // 256) + b"end"
+
+
+def relayed_on_node(value: bytes) -> tuple[str, int, str]:  # sent by value
+    import hashlib
+    import os
+    import time
+
+    time.sleep(0.3)
+    return os.environ["NIMBUS_RUNTIME_DIR"], len(value), hashlib.sha256(value).hexdigest()
+
+
+@pytest.mark.timeout(600)
+def test_a_relayed_object_reaches_tasks_on_every_node_of_a_slurm_endpoint(
+    service: Any, alice: Any, slurm: Any, tmp_path: Any
+) -> None:
+    """A kept future of vault, not done, passed to tasks of an endpoint of two Slurm
+    nodes (each its own data directory, as separate machines): the relay sends the
+    object to the one node that expected it, and the tasks on the other node fetch it
+    from that node (its pin's secret, sha256 checked) instead of failing with
+    ``ReferenceLost``; once its Refs are gone, the pin and the object go on the holder."""
+    import gc
+    import hashlib
+
+    from nimbus.data import default_root
+
+    (tmp_path / "exported").mkdir()
+    size = 2 * 1024 * 1024
+    body = bytes(range(256)) * (size // 256) + b"end"
+    settings = service.user_settings(alice.token)
+    with (
+        vault_and_two_nodes(service, alice, slurm, tmp_path, "vault-relay", "hpc-relay"),
+        Executor(endpoint="vault-relay", settings=settings) as on_vault,
+        Executor(endpoint="hpc-relay", settings=settings) as ex,
+    ):
+        namespace = ex._path.open().namespace
+        made = on_vault.options(keep=True).submit(made_late, size, 3.0)
+        takers = [ex.submit(relayed_on_node, made) for _ in range(8)]
+        results = [f.result(timeout=180) for f in takers]
+        assert len({node for node, _, _ in results}) == 2, results  # both nodes ran tasks
+        assert {(n, d) for _, n, d in results} == {(len(body), hashlib.sha256(body).hexdigest())}
+        objects = [default_root(node) / namespace / "obj" for node, _, _ in results]
+        pins = {p for o in set(objects) for p in o.iterdir() if len(p.name) == 64}
+        assert len(pins) == 1, pins  # held on the node the relay sent it to, while used
+        (pin,) = pins
+        assert (pin.parent / pin.name[:32]).stat().st_size >= len(body)
+        del takers, made
+        gc.collect()
+        wait_for(lambda: not pin.exists(), 30, "the pin freed on its node")
+        assert not (pin.parent / pin.name[:32]).exists()  # the relayed object with it
+
+
 def staged_on_node(path: Any, *_: Any) -> tuple[str, str, int, str]:  # sent by value
     import hashlib
     import os

@@ -57,8 +57,9 @@ Whose data: on an endpoint, a task's user is the owner the service sends with it
 another, whatever scope a client puts in its tasks.
 
 Limits: objects live in the store of the node that made them, so an endpoint of several
-nodes reads them only where they were made (no copy between nodes yet; staged files are
-fetched between nodes: ``_serve``). A task given kept futures of its own executor on an
+nodes reads them only where they were made (no copy between nodes yet for kept results
+and ``put``; staged files are fetched between nodes, and so are objects relayed from
+another endpoint: ``_serve``). A task given kept futures of its own executor on an
 endpoint goes to the service at once, naming them (their task ids); so does one given
 kept futures of another Executor of the same user on the same endpoint and service,
 once the service accepted them; the service holds it until they succeed
@@ -70,7 +71,11 @@ done) through the same service is relayed there (``_carry._relay``): the task's 
 expects the object, a relay task on the future's endpoint, held by the service until the
 future's task succeeded, sends it straight there, and the task is held by the service
 until the relay succeeded; nothing of it waits in the client, and its data crosses only
-the link between the endpoints. Other futures (not kept, of another service, not yet
+the link between the endpoints. The object lands on the node that expected it; its Ref
+names that node (its server, the pin's secret), so a task on another node of the endpoint
+fetches it from there once (``_serve.fetch_object``, sha256 checked, an HMAC of the
+secret on it), and the pin, renewed and freed on that node as a staged copy's is, lives
+as long as the copy is held (freeing it removes the object there). Other futures (not kept, of another service, not yet
 accepted, done, or on the local runtime) are waited for in the client, as before (only
 the "done" signal and the Ref pass through it, never the data).
 

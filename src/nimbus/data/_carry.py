@@ -165,7 +165,8 @@ def _transfer(ref: Ref, where: Session, copy: Copy) -> None:
 # ---------------------------------------------------------------- relayed by the service
 
 ACCEPTED = 30.0  # seconds a relay task may take to be accepted by the service
-_relays: dict[tuple[str, str | None], tuple[str, Any]] = {}
+# (promise id, target endpoint) -> the copy's id, the relay's future, its holder
+_relays: dict[tuple[str, str | None], tuple[str, Any, tuple[str, int, str, str]]] = {}
 
 
 def _relay(future: Any, where: Session, path: Any) -> tuple[Ref, Any] | None:
@@ -174,7 +175,12 @@ def _relay(future: Any, where: Session, path: Any) -> tuple[Ref, Any] | None:
     server, a pin's secret), a relay task on the source endpoint, held by the service
     until the future's task succeeds, sends it there (``push_object``), and the task that
     takes it is held by the service until the relay succeeds. The Ref the copy will be,
-    and the relay's future; None where this cannot be (then ``_copy_later``)."""
+    and the relay's future; None where this cannot be (then ``_copy_later``).
+
+    The copy lands on the node that expected it; the Ref names that node (``holder``:
+    its server, the pin's secret), so a task on another node of the endpoint fetches it
+    from there (``_serve.fetch_object``); the pin is held (renewed there, freed there)
+    as long as the copy is."""
     from nimbus.data._direct import expect_object, push_object
 
     source = getattr(future, "_maker", None)
@@ -186,8 +192,9 @@ def _relay(future: Any, where: Session, path: Any) -> tuple[Ref, Any] | None:
         found = _relays.get(key)
     failed = found is not None and found[1].done() and not _succeeded(found[1])
     if found is not None and not failed:  # (its copy held: the entry goes with its last Ref)
-        copy_id, relay = found
-        return where.adopt(Ref(copy_id, where.namespace, where.user, where.endpoint, 0)), relay
+        copy_id, relay, holder = found
+        ref = Ref(copy_id, where.namespace, where.user, where.endpoint, 0, holder)
+        return where.adopt(ref), relay
     copy_id = new_id()
     pin = copy_id + new_id()
     assert where.call is not None
@@ -200,18 +207,20 @@ def _relay(future: Any, where: Session, path: Any) -> tuple[Ref, Any] | None:
     relay = source.call(push_object, promise.id, target, pin, after=[future])
     relay._relay = True
     relay._maker = source
-    relay._pin = held_pin  # the pin lives until the relay ended
+    relay._pin = held_pin  # the pin lives until the relay ended, and as long as the copy
     relay.add_done_callback(lambda f: setattr(f, "_pin", None))
     deadline = time.monotonic() + ACCEPTED  # named by its task id: accepted, not ended
     while not source.accepted(relay) and time.monotonic() < deadline:
         time.sleep(0.005)
-    copy = where.adopt(Ref(copy_id, where.namespace, where.user, where.endpoint, 0))
+    holder = (str(target[0]), int(target[1]), str(target[2]), pin)
+    copy = where.adopt(Ref(copy_id, where.namespace, where.user, where.endpoint, 0, holder))
     with _lock:
-        _relays[key] = (copy_id, relay)
+        _relays[key] = (copy_id, relay, holder)
         if len(_relays) > 1024:
             _relays.pop(next(iter(_relays)))
     assert copy._entry is not None
-    weakref.finalize(copy._entry, _forget_relay, key, relay)
+    # the pin lives as long as the copy (the finalizer holds it): the other nodes fetch
+    weakref.finalize(copy._entry, _forget_relay, key, relay, held_pin)
     return copy, relay
 
 
@@ -219,7 +228,10 @@ def _succeeded(future: Any) -> bool:
     return not future.cancelled() and future.exception() is None
 
 
-def _forget_relay(key: tuple[str, str | None], relay: Any) -> None:
-    # A finalizer, as ``_forget``: no lock (the cyclic GC may run it inside ``_lock``).
-    if _relays.get(key, (None, None))[1] is relay:
+def _forget_relay(key: tuple[str, str | None], relay: Any, pin: Ref | None = None) -> None:
+    """The copy's last Ref went: its relay forgotten, its pin released (with it).
+
+    A finalizer, as ``_forget``: no lock (the cyclic GC may run it inside ``_lock``)."""
+    found = _relays.get(key)
+    if found is not None and found[1] is relay:
         _relays.pop(key, None)

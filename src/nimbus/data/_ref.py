@@ -82,18 +82,30 @@ class Ref:
     runs out after that client died.
     """
 
-    __slots__ = ("__weakref__", "_entry", "endpoint", "id", "namespace", "size", "user")
+    __slots__ = ("__weakref__", "_entry", "endpoint", "holder", "id", "namespace", "size", "user")
 
-    def __init__(self, id: str, namespace: str, user: str, endpoint: str | None, size: int) -> None:
+    def __init__(
+        self,
+        id: str,
+        namespace: str,
+        user: str,
+        endpoint: str | None,
+        size: int,
+        holder: tuple[str, int, str, str] | None = None,
+    ) -> None:
         self.id = id
         self.namespace = namespace
         self.user = user
         self.endpoint = endpoint
         self.size = size
+        # the node of its endpoint that holds it, for the others to fetch it from: its
+        # server's host and port, a pin's secret and the pin (a relayed object: _carry)
+        self.holder = holder
         self._entry: _Entry | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Ref, (self.id, self.namespace, self.user, self.endpoint, self.size))
+        fields = (self.id, self.namespace, self.user, self.endpoint, self.size)
+        return (Ref, fields if self.holder is None else (*fields, self.holder))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Ref) and other.id == self.id

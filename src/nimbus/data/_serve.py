@@ -1,4 +1,4 @@
-"""A node's file cache served to the other nodes of its endpoint.
+"""A node's file cache (and relayed objects) served to the other nodes of its endpoint.
 
 ::
 
@@ -46,6 +46,13 @@ the client tries again, with a jittered backoff, within its timeout), ``HANDSHAK
 seconds for the whole request before the check; an accept that fails (no file descriptors left) is retried after a
 short pause, never the end of serving.
 
+An object relayed from another endpoint (``_direct.push_object``, the "put" op) lands in
+the store of the node that expected it; its pin stays (a second put of it is refused)
+while the client holds the copy, and the endpoint's other nodes fetch the object with
+the pin's secret (the "object" op, :func:`fetch_object`: the bytes, then their sha256
+and an HMAC of it keyed by the secret); the pin's renewal renews the object, its
+freeing removes it.
+
 The server listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``), as offers do: on an
 endpoint of several machines, set it on each node to the address the others reach it by.
 """
@@ -54,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import hmac
 import itertools
 import json
@@ -74,7 +82,7 @@ from nimbus.errors import DataError, ReferenceLost
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["Server", "advertised", "fetch", "free", "renew", "server_address"]
+__all__ = ["Server", "advertised", "fetch", "fetch_object", "free", "renew", "server_address"]
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +264,13 @@ class Server:
             if asked.get("op") == "free":
                 space, pin = str(asked["namespace"]), str(asked["pin"])
                 self._pin(challenge, header, mac, space, pin).unlink(missing_ok=True)
+                # a relayed object goes with its pin (``_put``: the object is pin[:32])
+                (self.root / space / "obj" / pin[:32]).unlink(missing_ok=True)
                 self._count(freed=1)  # (before its answer: counted once the peer knows)
                 conn.sendall(b"OK")
+                return
+            if asked.get("op") == "object":
+                self._object(conn, challenge, header, mac, asked)
                 return
             path = self._check(challenge, header, mac, asked)
             with open(path, "rb") as f:
@@ -304,6 +317,8 @@ class Server:
             os.utime(pin, (expires, expires))
         except FileNotFoundError:
             raise DataError("refused: the pin was removed meanwhile") from None
+        with contextlib.suppress(FileNotFoundError):  # a relayed object lives as its pin
+            os.utime(pin.with_name(pin.name[:32]), (expires, expires))
 
     def _put(
         self,
@@ -322,6 +337,8 @@ class Server:
 
         space, pin = str(asked["namespace"]), str(asked["pin"])
         pin_path = self._pin(challenge, header, mac, space, pin)
+        if pin_path.with_name(pin[:32]).exists():
+            raise DataError("refused: that pin's object was sent already (one object a pin)")
         secret = secret_of(pin_path)
         assert secret is not None  # (_pin checked it)
         key = bytes.fromhex(secret)
@@ -331,9 +348,51 @@ class Server:
             raise DataError("a wrong secret")
         size = int.from_bytes(recv_exactly(conn, 8), "little")
         digest = _receive_into(conn, self.root / space / "obj" / pin[:32], size, expires, key)
-        pin_path.unlink(missing_ok=True)  # one object per pin: gone before the sender hears
+        # the pin stays while its client holds the copy: the endpoint's other nodes fetch
+        # the object with its secret (``fetch_object``); a second put of it is refused
         self._count(received=1)
         conn.sendall(_OK + transfer_mac(key, b"ok", digest))
+
+    def _object(
+        self,
+        conn: socket.socket,
+        challenge: bytes,
+        header: bytes,
+        mac: bytes,
+        asked: dict[str, Any],
+    ) -> None:
+        """A relayed object (``_put``) sent to another node of this endpoint that proves
+        its pin's secret, while the pin is leased: "OK", its size, its bytes, then its
+        sha256 and an HMAC of it keyed by the secret (bytes altered on the way, or a
+        forged digest, are refused by the fetcher)."""
+        from nimbus.data._direct import _mac as transfer_mac
+        from nimbus.data._node import secret_of
+
+        space, pin = str(asked["namespace"]), str(asked["pin"])
+        pin_path = self._pin(challenge, header, mac, space, pin)
+        try:
+            leased = pin_path.stat().st_mtime >= time.time()
+        except FileNotFoundError:
+            leased = False
+        if not leased:
+            raise DataError(
+                f"the object {pin[:32]} is no longer held on this node: its pin's lease ran "
+                f"out (its client freed it, or did not renew it: it stopped)"
+            )
+        secret = secret_of(pin_path)
+        assert secret is not None  # (_pin checked it)
+        stored = pin_path.with_name(pin[:32])
+        if not stored.is_file():
+            raise DataError(f"the object {pin[:32]} has not come to this node (yet)")
+        with open(stored, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            digest = hashlib.file_digest(f, "sha256").digest()  # /dev/shm: a fast pass
+            conn.sendall(b"OK" + size.to_bytes(8, "little"))
+            if size:
+                conn.sendfile(f, 0, size)
+            tag = transfer_mac(bytes.fromhex(secret), b"object", digest)
+            conn.sendall(digest + tag)
+        self._count(served=1, bytes=size)
 
     def _check(self, challenge: bytes, header: bytes, mac: bytes, asked: dict[str, Any]) -> Path:
         space, name, pin = str(asked["namespace"]), str(asked["name"]), str(asked["pin"])
@@ -511,6 +570,54 @@ def fetch(
                 raise DataError(
                     f"cannot fetch {name} from {where}: {exc}; submit the task again (a link "
                     f"that broke), or touch the file to stage it again"
+                ) from None
+
+
+def fetch_object(
+    holder: tuple[str, int, str], namespace: str, pin: str, target: Path, expires: float
+) -> None:
+    """A relayed object (its ``pin``, on the node ``holder``: its server's host and port,
+    the pin's secret) fetched into ``target``, a path of this node's store, leased until
+    ``expires``; one fetch of it at a time on this node.
+
+    That node gone, or holding the object no more: ``ReferenceLost`` naming the object."""
+    from nimbus.data._direct import _mac as transfer_mac
+
+    name = pin[:32]
+    with _fetching(target, name):
+        if target.exists():
+            return
+        header = {"op": "object", "namespace": namespace, "pin": pin}
+        try:
+            sock, where = _request(holder, header, f"fetch the object {name}")
+        except _Gone as exc:
+            raise ReferenceLost(
+                f"the object {name} is gone: {exc}; submit the tasks that made it again",
+                name,
+            ) from None
+        part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
+        with sock:
+            try:
+                size = int.from_bytes(recv_exactly(sock, 8, "the node"), "little")
+                deadline = time.monotonic() + TIMEOUT + size / FLOOR_RATE
+                fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    digest = receive_hashed(sock, fd, size, "the node", deadline).digest()
+                    told = recv_exactly(sock, 64, "the node", deadline)
+                finally:
+                    os.close(fd)
+                key = bytes.fromhex(holder[2])
+                if told[:32] != digest or not hmac.compare_digest(
+                    told[32:], transfer_mac(key, b"object", digest)
+                ):
+                    raise DataError("the bytes' sha256 differs from the holder's")
+                os.utime(part, (expires, expires))
+                os.rename(part, target)
+            except (DataError, OSError) as exc:
+                part.unlink(missing_ok=True)
+                raise DataError(
+                    f"cannot fetch the object {name} from {where}: {exc}; submit the task "
+                    f"again (a link that broke)"
                 ) from None
 
 

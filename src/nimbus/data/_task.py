@@ -64,10 +64,13 @@ def _resolve(value: Any, scope: Scope, seen: dict[str, Any], depth: int = 0) -> 
                     f"{value!r} belongs to user {value.user!r}, not to {scope.user!r}, who "
                     f"runs this task: a reference can be used only by the user who made it"
                 )
+            node = _node(scope.namespace)
             try:
-                got = _node(scope.namespace).read(value.id)
+                got = node.read(value.id)
             except FileNotFoundError:
-                raise lost(value) from None
+                if value.holder is None:
+                    raise lost(value) from None
+                got = _fetched(node, value, scope)
             seen[value.id] = got
         return got
     if depth or kind not in _CONTAINERS or len(value) > MAX_SCAN:
@@ -81,6 +84,24 @@ def _resolve(value: Any, scope: Scope, seen: dict[str, Any], depth: int = 0) -> 
     if kind is dict:
         return {k: _resolve(v, scope, seen, depth + 1) for k, v in value.items()}
     return value
+
+
+def _fetched(node: NodeStore, ref: Ref, scope: Scope) -> Any:
+    """``ref``'s object, kept on another node of this endpoint (``ref.holder``), fetched
+    from that node's server into this node's store (once per node), then read here."""
+    from nimbus.data._serve import fetch_object
+
+    assert ref.holder is not None
+    host, port, secret, pin = ref.holder
+    if pin[:32] != ref.id:
+        raise DataError(f"{ref!r}: its holder's pin {pin!r} names another object")
+    fetch_object(
+        (host, port, secret), node.namespace, pin, node.path(ref.id), time.time() + scope.lease
+    )
+    try:
+        return node.read(ref.id)
+    except FileNotFoundError:  # (freed here meanwhile)
+        raise lost(ref) from None
 
 
 def run(fn: Any, scope: Scope, /, *args: Any, **kwargs: Any) -> Any:
