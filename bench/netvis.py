@@ -246,6 +246,7 @@ def latency(quick: bool, on_mode: str = "cgroup") -> dict[str, Any]:
     short runs alternating between them (the machine's load drifts by the second)."""
     rounds, n = (10, 100) if quick else (30, 200)
     medians: dict[str, list[float]] = {"socket": [], "on": []}
+    load = [os.getloadavg()[0]]  # the machine's other tenants (2 cores: their load drifts)
     with (
         settings(NIMBUS_NET_ACCOUNTING="socket"),
         Executor(1) as off,
@@ -257,6 +258,7 @@ def latency(quick: bool, on_mode: str = "cgroup") -> dict[str, Any]:
         for i in range(rounds):
             for mode, ex in (("socket", off), ("on", on))[:: 1 if i % 2 else -1]:
                 medians[mode].append(_round_trips(ex, n))
+        load.append(os.getloadavg()[0])
         cost = [on.submit(_meter_cost).result() for _ in range(3)]
     off_us, on_us = statistics.median(medians["socket"]), statistics.median(medians["on"])
     ratios = sorted(b / a for a, b in zip(medians["socket"], medians["on"], strict=True))
@@ -268,6 +270,7 @@ def latency(quick: bool, on_mode: str = "cgroup") -> dict[str, Any]:
         "ratio_per_round_median": round(statistics.median(ratios), 3),
         "ok": on_us / off_us <= 1.05,
         "meter_us_per_task": round(min(cost), 1),
+        "load_start_end": [round(x, 2) for x in load],  # 1-minute load average
         "medians_us": {k: [round(x * 1e6) for x in v] for k, v in medians.items()},
     }
 
@@ -515,7 +518,8 @@ def main() -> int:
             f"latency ({args.on}; no-op round trip, median): off {lat['median_us_off']} us, "
             f"on {lat['median_us_on']} us, ratio {lat['ratio']} (per round: median "
             f"{lat['ratio_per_round_median']}); the meter itself "
-            f"{lat['meter_us_per_task']} us a task; medians {lat['medians_us']}"
+            f"{lat['meter_us_per_task']} us a task; load {lat['load_start_end'][0]} -> "
+            f"{lat['load_start_end'][1]}; medians {lat['medians_us']}"
         )
     if "packets" in parts and shutil.which("cc") is None:
         print("packets: skipped (needs cc to build bench/_udpblast.c)")
