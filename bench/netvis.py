@@ -18,7 +18,8 @@ set) or ``netns`` (a namespace and veth per worker, as bandwidth limits need);
   veth work runs in the processes at either end) are reported beside it.
 * limits: a worker limited to 50 / 200 / 800 Mbit/s downloads for 10 s
   (target: within 5 % of the limit over the window; a namespace whatever ``--on``).
-* latency: a no-op task's round trip with accounting on and off (<= 1.05x).
+* latency: a no-op task's round trip with accounting on and off (<= 1.05x), over
+  four pairs of workers whose environments differ in size (``LAYOUTS``).
 * packets: a task's child (``_udpblast.c``, built with cc: Python's own sends
   cost more than the path measured) sends 64-byte UDP datagrams with sendmmsg
   at 100k packets/s (``--rate``) to a recvmmsg reader on the node's 127.0.0.1,
@@ -241,23 +242,43 @@ def _round_trips(ex: Executor, n: int) -> float:
     return statistics.median(times)
 
 
+LAYOUTS = (0, 8, 20, 28)  # bytes of NIMBUS_BENCH_LAYOUT in the workers' environment
+
+
 def latency(quick: bool, on_mode: str = "cgroup") -> dict[str, Any]:
     """Median no-op round trips, accounting off and on: two executors alive side by side,
-    short runs alternating between them (the machine's load drifts by the second)."""
-    rounds, n = (10, 100) if quick else (30, 200)
+    short runs alternating between them (the machine's load drifts by the second).
+
+    A process's speed depends on where its stack and heap land, which the size of its
+    environment moves (a worker counted by its cgroup has one variable more): one pair of
+    workers measured 1.03x to 1.10x with the same code as a padding variable's length
+    went 0-28 bytes. So the rounds are spread over pairs of executors started with
+    ``LAYOUTS`` (the same padding on both sides of a pair), and the ratio is of all rounds.
+    """
+    rounds, n = (3, 100) if quick else (8, 200)
     medians: dict[str, list[float]] = {"socket": [], "on": []}
-    with (
-        settings(NIMBUS_NET_ACCOUNTING="socket"),
-        Executor(1) as off,
-        settings(NIMBUS_NET_ACCOUNTING=on_mode),
-        Executor(1) as on,
-    ):
-        for ex in (off, on):
-            _round_trips(ex, 100)
-        for i in range(rounds):
-            for mode, ex in (("socket", off), ("on", on))[:: 1 if i % 2 else -1]:
-                medians[mode].append(_round_trips(ex, n))
-        cost = [on.submit(_meter_cost).result() for _ in range(3)]
+    per_layout: list[float] = []
+    load = [os.getloadavg()[0]]  # the machine's other tenants (2 cores: their load drifts)
+    for pad in LAYOUTS:
+        here: dict[str, list[float]] = {"socket": [], "on": []}
+        with (
+            settings(NIMBUS_BENCH_LAYOUT="x" * pad),
+            settings(NIMBUS_NET_ACCOUNTING="socket"),
+            Executor(1) as off,
+            settings(NIMBUS_NET_ACCOUNTING=on_mode),
+            Executor(1) as on,
+        ):
+            for ex in (off, on):
+                _round_trips(ex, 100)
+            for i in range(rounds):
+                for mode, ex in (("socket", off), ("on", on))[:: 1 if i % 2 else -1]:
+                    here[mode].append(_round_trips(ex, n))
+            if pad == LAYOUTS[-1]:
+                cost = [on.submit(_meter_cost).result() for _ in range(3)]
+        per_layout.append(statistics.median(here["on"]) / statistics.median(here["socket"]))
+        for mode in here:
+            medians[mode].extend(here[mode])
+    load.append(os.getloadavg()[0])
     off_us, on_us = statistics.median(medians["socket"]), statistics.median(medians["on"])
     ratios = sorted(b / a for a, b in zip(medians["socket"], medians["on"], strict=True))
     return {
@@ -268,6 +289,8 @@ def latency(quick: bool, on_mode: str = "cgroup") -> dict[str, Any]:
         "ratio_per_round_median": round(statistics.median(ratios), 3),
         "ok": on_us / off_us <= 1.05,
         "meter_us_per_task": round(min(cost), 1),
+        "load_start_end": [round(x, 2) for x in load],  # 1-minute load average
+        "ratio_per_layout": [round(r, 3) for r in per_layout],
         "medians_us": {k: [round(x * 1e6) for x in v] for k, v in medians.items()},
     }
 
@@ -515,7 +538,9 @@ def main() -> int:
             f"latency ({args.on}; no-op round trip, median): off {lat['median_us_off']} us, "
             f"on {lat['median_us_on']} us, ratio {lat['ratio']} (per round: median "
             f"{lat['ratio_per_round_median']}); the meter itself "
-            f"{lat['meter_us_per_task']} us a task; medians {lat['medians_us']}"
+            f"{lat['meter_us_per_task']} us a task; load {lat['load_start_end'][0]} -> "
+            f"{lat['load_start_end'][1]}; per layout {lat['ratio_per_layout']}; medians "
+            f"{lat['medians_us']}"
         )
     if "packets" in parts and shutil.which("cc") is None:
         print("packets: skipped (needs cc to build bench/_udpblast.c)")

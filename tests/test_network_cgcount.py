@@ -279,6 +279,69 @@ def test_a_workers_cgroup_goes_with_it_and_takes_its_orphans(counted: pytest.Mon
     assert not second.exists()
 
 
+def _cell_now_and_later(seconds: float) -> tuple[int, int, int]:
+    """In a counted worker: (its cell on the host's co-location board as the task starts,
+    the same ``seconds`` later, its slot)."""
+    from nimbus.network._cgcount import named_group
+    from nimbus.network._colocation import PATH
+
+    group = named_group()
+    assert group is not None
+    slot = group[1]
+    with open(PATH, "rb") as f:
+        now = f.read(slot + 1)[slot]
+    time.sleep(seconds)
+    with open(PATH, "rb") as f:
+        later = f.read(slot + 1)[slot]
+    return now, later, slot
+
+
+@needs_root
+def test_a_task_is_on_the_colocation_board_once_it_runs_long_and_off_it_after(
+    counted: pytest.MonkeyPatch,
+) -> None:
+    """A task's cell is marked by the worker's flusher once the task runs past 2 ms (a
+    short one's round trip writes no shared page), and cleared when it ends."""
+    from nimbus.network._colocation import PATH
+
+    with Executor(1) as ex:
+        for _ in range(20):  # short tasks back to back: none left marked
+            ex.submit(_where).result(timeout=60)
+        _, later, slot = ex.submit(_cell_now_and_later, 0.5).result(timeout=60)
+        assert later == 1, "a task running 0.5 s is not on the board"
+        with open(PATH, "rb") as f:
+            assert f.read(slot + 1)[slot] == 0, "a task that ended is still on the board"
+        for _ in range(20):
+            _, later, slot = ex.submit(_cell_now_and_later, 0).result(timeout=60)
+            with open(PATH, "rb") as f:
+                assert f.read(slot + 1)[slot] == 0
+
+
+@needs_root
+def test_a_cgroup_left_behind_by_a_freed_slot_is_taken_over(counted: pytest.MonkeyPatch) -> None:
+    """A manager killed while its worker was stuck frees the slot but may leave the
+    directory (its removal gave up): the next worker of that slot takes it over, and
+    its Executor does not fail on "File exists"."""
+    from nimbus.network._cgcount import CountedGroup, hierarchy
+    from nimbus.network._slots import claim
+
+    parent = hierarchy()
+    assert parent is not None
+    slot = claim()
+    assert not slot.stale
+    left = parent / f"nimbus-{slot.number}"
+    left.mkdir()
+    try:
+        group = CountedGroup.create(slot)
+        assert group.directory == left and left.is_dir()
+    except BaseException:
+        left.rmdir()
+        slot.free()
+        raise
+    group.close()
+    assert not left.exists()
+
+
 def test_a_cgroup_with_no_v2_hierarchy_is_refused_in_one_line_and_auto_falls_back() -> None:
     """No cgroup2 mount (one of its own in a mount namespace, unmounted): cgroup refused,
     naming what to change; auto takes a namespace instead."""

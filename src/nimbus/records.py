@@ -113,10 +113,11 @@ class TaskRecord:
         return {name: getattr(self, name) for name in _NETWORK}
 
     def add_network(self, extra: dict[str, object]) -> None:
-        """The worker's network fields beyond the byte counts (``net_source``, ``tcp``...)."""
-        for name in _NETWORK:
-            if name in extra:
-                setattr(self, name, extra[name])
+        """The worker's network fields beyond the byte counts (``net_source``, ``tcp``...),
+        a dict among them copied (a worker's fields stand for many records: each its own)."""
+        for name, value in extra.items():
+            if name in _NETWORK_NAMES:
+                setattr(self, name, value.copy() if type(value) is dict else value)
 
     @property
     def queued_seconds(self) -> float:
@@ -149,3 +150,4 @@ class TaskRecord:
 _NAMES = tuple(f.name for f in fields(TaskRecord))
 _VALUES = operator.attrgetter(*_NAMES)  # every field's value, in order (to_wire)
 _NETWORK = ("net_source", "net_nimbus_in", "net_nimbus_out", "tcp", "colocated")
+_NETWORK_NAMES = frozenset(_NETWORK)

@@ -123,8 +123,8 @@ class CountedGroup:
                 "(mount -t cgroup2 none /sys/fs/cgroup/unified) or set net_accounting=netns"
             )
         directory = parent / f"{PREFIX}{slot.number}"
-        if slot.stale:  # a dead manager's worker: what it left goes first
-            empty(directory)
+        if slot.stale or directory.exists():  # a dead manager's worker: what it left goes
+            empty(directory)  # first (a slot freed after a removal that timed out, too)
         try:
             directory.mkdir()
         except OSError as exc:

@@ -12,8 +12,9 @@ A worker's cell is its link's slot (``_slots``: unique on the host), found
 from its address on ``nimbus0``; managers claim the lowest free slots and
 write ``top`` (the highest in use + 1) as they claim and free them, so
 counting is one ``count`` over a few bytes. Marking, unmarking, counting and
-reading the NIC sample are memory operations, no system call; only marking
-and unmarking are on a task's latency path. A worker that dies mid-task
+reading the NIC sample are memory operations, no system call; none is on
+the latency path of a task shorter than 2 ms (``_meter``: its cell is marked once it
+runs longer). A worker that dies mid-task
 leaves its cell set; its manager clears it (:func:`clear`). ``top`` is
 written without a lock: one lowered by a race between two managers is raised
 again by the worker above it at its next sample. The NIC sample is a seqlock
@@ -99,8 +100,8 @@ def read_nic(board: mmap.mmap) -> tuple[float, int, int, float, float, float] | 
 class Board:
     """The host's running tasks, as the worker of slot ``cell`` sees them.
 
-    ``cells[cell] = 1`` and ``= 0`` are a task's start and end (one memory write
-    each, made by the worker's meter itself); :meth:`sample` is taken off the
+    ``cells[cell] = 1`` and ``= 0``: a task runs past 2 ms, and it ended (one memory
+    write each, made by the worker's meter itself); :meth:`sample` is taken off the
     task's latency path where it can be (see ``_meter``).
     """
 

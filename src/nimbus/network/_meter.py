@@ -2,12 +2,13 @@
 
 ::
 
-    begin():  mark the task running (a memory write); the counters its start needs are
+    begin():  note the task running (an attribute); the counters its start needs are
               those the last task's end read (see below); a co-location sample
               (``_colocation``) if the last is older than ``RESAMPLE``
-    sample(): while the task runs long (the worker's flusher thread): another sample
+    sample(): while the task runs long (the worker's flusher thread, from 2 ms on): its
+              cell on the host's board marked (the first time), another sample
     end():    read the link's counters (a memory read, ``_bpf``; else one pread of
-              /proc/self/net/dev); unmark. Unchanged (the usual case for
+              /proc/self/net/dev); unmark if marked. Unchanged (the usual case for
               a task that moved nothing): no bytes, and nothing else is read. Else the
               difference of the nimbus0 lines is the task's (payload: the link's bytes
               less 66 header bytes a packet) and, once a task, RetransSegs/OutSegs,
@@ -15,9 +16,14 @@
               children's too): nimbus's own (the state store) are taken off, the
               task's summarized
 
-On a task's latency path are a 32-byte read of memory the kernel's counting
-programs write (``_bpf``: 2.8 us cold where the pread below costs 10.7) and two
-memory writes; where eBPF is refused, one ``pread`` instead. The end of
+On a task's latency path is a 32-byte read of memory the kernel's counting
+programs write (``_bpf``: 2.8 us cold where the pread below costs 10.7); where
+eBPF is refused, one ``pread`` instead. The board's cell (a page every counted
+worker of the host writes) is not written for a task that ends within the
+flusher's first look: others' samples do not see a task shorter than 2 ms,
+which moves next to nothing meanwhile, and a no-op's round trip is not slowed
+by a cache line the host's other workers write (``bench/netvis.py``'s latency
+row). The end of
 one task is the start of the next when it starts within ``FRESH`` (a worker
 runs nothing between tasks: what moved in between was moved by something an
 earlier task left running, and counts for the next); an idle worker's start
@@ -134,7 +140,8 @@ class TaskNet:
         self._own = {c.inode: c for c in self._connections() if c.remote_port in _own_ports}
         self._board = Board(slot)
         self._dev_read = self._start = b""
-        self._cells, self._cell = self._board.cells, self._board.cell  # marked on the path
+        self._cells, self._cell = self._board.cells, self._board.cell  # marked if it runs long
+        self._running = self._marked = False
         self._read_at = self._sampled_at = -FRESH  # when (time.time()) last read, sampled
         self.samples: list[Sample] = []
         self._extra: dict[str, Any] = {}
@@ -199,7 +206,7 @@ class TaskNet:
 
     def begin(self, now: float) -> None:
         """The task starts at ``now`` (``time.time()``, as its record's)."""
-        self._cells[self._cell] = 1
+        self._running = True  # (its cell is marked once it runs long: :meth:`sample`)
         if not 0 <= now - self._read_at < FRESH:  # idle a while: what moved is no task's
             self._read(now)
         if not 0 <= now - self._sampled_at < RESAMPLE:
@@ -207,14 +214,25 @@ class TaskNet:
         self._start, self._start_tcp = self._dev_read, self._tcp
 
     def sample(self) -> None:
-        """The task runs long: one more co-location sample (from the flusher thread)."""
+        """The task runs long: its cell marked, one more co-location sample (from the
+        flusher thread, while the main thread may end it: marked, then looked again)."""
+        if not self._marked:
+            self._marked = True
+            self._cells[self._cell] = 1
+            if not self._running:  # it ended meanwhile (its end may not have seen the mark)
+                self._cells[self._cell] = 0
+                self._marked = False
+                return
         samples = self.samples
         samples.append(self._board.sample())
 
     def end(self, now: float) -> tuple[int, int, dict[str, Any]]:
         """(bytes in, bytes out, the record's other network fields) of the task ended ``now``."""
         data = self._read(now)
-        self._cells[self._cell] = 0
+        self._running = False
+        if self._marked:
+            self._cells[self._cell] = 0
+            self._marked = False
         extra = self._extra
         samples = self.samples
         if len(samples) > 1:  # the flusher sampled it while it ran

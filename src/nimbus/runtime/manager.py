@@ -378,14 +378,14 @@ class Manager(Workers, NodeOrders):
             record = task.record
             (record.started, record.ended, record.cpu_user, record.cpu_system) = row[4:8]
             (record.peak_memory, record.net_bytes_in, record.net_bytes_out) = row[8:11]
-            if len(row) > 11:  # a namespace's fields; None: the same as this worker's last
+            if len(row) > 11:  # a counted worker's fields; None: the same as its last
                 net = row[11]
-                if net is None and worker.net is not None:  # each record its own dicts
-                    net = {k: v.copy() if type(v) is dict else v for k, v in worker.net.items()}
+                if net is None:
+                    net = worker.net
                 else:
                     worker.net = net
                 if net is not None:
-                    record.add_network(net)
+                    record.add_network(net)  # (each record its own dicts)
             record.worker, record.host, record.pid = worker.name, worker.host, worker.pid
             if status != Status.SKIPPED:
                 self._timed(task.fn_key, record.ended - record.started)
