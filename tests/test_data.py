@@ -781,6 +781,27 @@ def test_a_future_of_another_endpoint_is_waited_for_by_the_service_not_the_clien
             late.result(timeout=60)
 
 
+def test_a_task_taking_another_endpoints_future_is_submitted_at_once_while_its_endpoint_is_busy(
+    service: Service, alice: Client, remote: Executor, lab: EndpointProcess, hpc: EndpointProcess
+) -> None:
+    """Review 7: ``submit`` of such a task waited for a task (the target's node expecting
+    the object) to run on the target endpoint, behind its whole queue (600 s and a bare
+    TimeoutError when offline). It returns at once; the task runs once the relay did."""
+    settings = service.user_settings(alice.token)
+    with Executor(endpoint="hpc", settings=settings) as on_hpc:
+        assert on_hpc.submit(len, b"ab").result(timeout=60) == 2  # (warm)
+        made = remote.options(keep=True).submit(late_mbytes, 1, 0.5)
+        fillers = [on_hpc.submit(time.sleep, 6.0) for _ in range(6)]  # a queue on hpc
+        _accepted(on_hpc, *fillers)
+        start = time.monotonic()
+        taker = on_hpc.submit(sizes, made)
+        took = time.monotonic() - start
+        assert took < 2.0, f"submit waited {took:.1f} s for hpc's queue"
+        assert taker.result(timeout=120) == [MB]
+        for filler in fillers:
+            filler.result(timeout=120)
+
+
 def test_on_an_endpoint_the_store_is_the_owners_whichever_token(
     service: Service, remote: Executor, lab: EndpointProcess, alice: Client
 ) -> None:

@@ -26,7 +26,7 @@ import weakref
 from typing import Any
 
 from nimbus.data._ref import MAX_SCAN, Ref, Session, new_id, session
-from nimbus.errors import DataAccessError
+from nimbus.errors import DataAccessError, DataError
 
 __all__ = ["Copy", "carry"]
 
@@ -76,10 +76,9 @@ def carry(
         if type(value) is Ref:
             return _copy(value, where)
         if relays is not None and path is not None and not value.done():
-            relayed = _relay(value, where, path)
-            if relayed is not None:
-                relays.append(relayed[1])
-                return relayed[0]
+            copy = _relay_later(value, where, path)
+            relays.append(copy)  # (its relay, once made: ``relayed_by``)
+            return copy
         return _copy_later(value, where)
 
     def one(value: Any) -> Any:
@@ -167,6 +166,65 @@ def _transfer(ref: Ref, where: Session, copy: Copy) -> None:
 ACCEPTED = 30.0  # seconds a relay task may take to be accepted by the service
 # (promise id, target endpoint) -> the copy's id, the relay's future, its holder
 _relays: dict[tuple[str, str | None], tuple[str, Any, tuple[str, int, str, str]]] = {}
+
+
+_relay_pool = cf.ThreadPoolExecutor(16, thread_name_prefix="nimbus-data-relay")
+_relaying: dict[tuple[str, str | None], Copy] = {}  # relays being made
+
+
+def relayed_by(value: Any) -> Any:
+    """The relay task of ``value`` if it is a relayed copy made (:func:`_relay_later`),
+    else ``value``."""
+    return getattr(value, "_relayed_by", None) or value
+
+
+def _relay_later(future: Any, where: Session, path: Any) -> Copy:
+    """:func:`_relay` on a thread of its own, so that ``submit`` does not wait for the
+    target endpoint to expect the object (behind its whole queue, or offline): the copy's
+    future, done (its ``_relayed_by`` set) once the relay is accepted by the service, or
+    made by ``_copy_later`` where no relay can be."""
+    promise = getattr(future, "_promise", None)
+    key = None if promise is None else (promise.id, where.endpoint)
+    with _lock:  # one relay for the tasks that take it meanwhile
+        found = _relaying.get(key) if key is not None else None
+        if found is not None:
+            return found
+        copy = Copy()
+        if key is not None:
+            _relaying[key] = copy
+
+    def run() -> None:
+        try:
+            _run()
+        finally:  # (made: ``_relays`` has it)
+            with _lock:
+                if key is not None and _relaying.get(key) is copy:
+                    del _relaying[key]
+
+    def _run() -> None:
+        try:
+            relayed = _relay(future, where, path)
+        except cf.TimeoutError:
+            copy.set_exception(
+                DataError(
+                    f"endpoint {where.endpoint} did not take the copy of a result of "
+                    f"another endpoint within {TIMEOUT:.0f} s: is it online? "
+                    f"(`nimbus endpoints list`)"
+                )
+            )
+            return
+        except BaseException as exc:
+            copy.set_exception(exc)
+            return
+        if relayed is None:
+            made = _copy_later(future, where)
+            made.add_done_callback(lambda m: _settle(copy, m))
+            return
+        copy._relayed_by = relayed[1]  # type: ignore[attr-defined]
+        copy.set_result(relayed[0])
+
+    _relay_pool.submit(run)
+    return copy
 
 
 def _relay(future: Any, where: Session, path: Any) -> tuple[Ref, Any] | None:

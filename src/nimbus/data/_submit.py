@@ -32,7 +32,7 @@ from typing import Any
 from nimbus import serialization
 from nimbus._future import Future
 from nimbus.data._bind import bind, failed_among, open_session, waiting_on, walk, when_done
-from nimbus.data._carry import carry
+from nimbus.data._carry import Copy, carry, relayed_by
 from nimbus.data._file import copy_names, restage
 from nimbus.data._ref import MAX_SCAN, Ref, Session, new_id
 from nimbus.data._task import run
@@ -197,7 +197,7 @@ class DataPath:
         if session.endpoint is not None:  # Refs of other endpoints: copied there first
             args, kwargs = carry(args, kwargs, session, self, relays)
         waiting = waiting_on(args, kwargs, session)  # refuses another user's Refs now
-        waiting += [f for f in relays if not _done_well(f)]
+        waiting += [f for f in relays if not _done_well(f) and f not in waiting]
         future: Future = KeptFuture() if keep else Future()
         future.record = TaskRecord("", function=getattr(fn, "__qualname__", ""))
         scope = session.scope(keep)
@@ -223,7 +223,12 @@ class DataPath:
             # ahead: every input not done, or failed (the backend fails this task with
             # InputFailed naming it), is named; those done well are bound as they are
             after = {f for f in waiting if not _done_well(f)} if ahead else set()
-            for relay in relays if not ahead else ():  # (ahead: InputFailed, by the backend)
+            # the relays of copies from another endpoint (made since: ``_relay_later``),
+            # held by the service as inputs are
+            held = [relayed_by(r) for r in relays]
+            pending = [r for r in held if type(r) is not Copy and not _done_well(r)]
+            pending = [r for r in pending if r not in after]
+            for relay in held if not ahead else ():  # (ahead: InputFailed, by the backend)
                 if relay.done() and not _done_well(relay):
                     fail(
                         future,
@@ -242,8 +247,8 @@ class DataPath:
                 fail(future, exc)
                 return
             # alive until it is done: its Refs, and its inputs (whose Refs it reads)
-            future._holds = (holds, waiting) if after else holds  # type: ignore[attr-defined]
-            future._after = [f for f in waiting if f in after] or None
+            future._holds = (holds, waiting, pending) if after or pending else holds  # type: ignore[attr-defined]
+            future._after = [f for f in waiting if f in after] + pending or None
             ex._launch(
                 wrapped,
                 (scope, *bound),
