@@ -358,6 +358,54 @@ def test_ctrl_c_reaches_children_started_just_before_it(tmp_path: Path) -> None:
     assert time.monotonic() - began < 20
 
 
+FORK_WHILE_PASSING_PROGRAM = """
+    import os, signal
+    from nimbus import _install
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _install.pass_interrupts()
+    _install._Interrupts.passing = True  # the main thread passes a Ctrl-C on, as another forks
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+            os._exit(3)  # ignored: its handler thought it was passing one on already
+        except KeyboardInterrupt:
+            os._exit(0)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_process_forked_while_a_ctrl_c_is_passed_on_still_takes_ctrl_c(tmp_path: Path) -> None:
+    """Review 7 #4: the handler's state is not a fork's: a warm worker forked by the
+    executor's thread while the main thread passed a Ctrl-C on ignored every later one."""
+    done = _python(str(_script(tmp_path, FORK_WHILE_PASSING_PROGRAM)), cwd=tmp_path)
+    assert done.stdout.split() == ["0"], done.stderr
+
+
+def test_an_error_passing_a_ctrl_c_on_leaves_ctrl_c_working(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review 7 #4: an exception out of passing one on does not leave the handler
+    thinking it still is (which would swallow every later Ctrl-C)."""
+    from nimbus import _install
+
+    def broken() -> None:
+        raise OSError("passing it on failed")
+
+    for name in ("received", "passed", "passing"):
+        monkeypatch.setattr(_install._Interrupts, name, getattr(_install._Interrupts, name))
+    monkeypatch.setattr(_install, "_pass_on", broken)
+    with pytest.raises(OSError, match="passing it on failed"):
+        _install._on_interrupt(signal.SIGINT, None)
+    assert _install._Interrupts.passing is False
+    with pytest.raises(OSError):  # the next one is passed on (and fails) again: not swallowed
+        _install._on_interrupt(signal.SIGINT, None)
+
+
 NO_FILE_PROGRAM = """
 import math
 import multiprocessing

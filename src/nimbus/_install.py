@@ -43,6 +43,7 @@ import contextlib
 import copy
 import importlib
 import importlib.machinery
+import os
 import signal
 import sys
 import threading
@@ -366,6 +367,16 @@ class _Interrupts:
     passing = False
 
 
+def _reset_interrupts() -> None:
+    """A fork starts with none received nor being passed on (the thread that forked may
+    have done so while the main thread was inside the handler)."""
+    _Interrupts.received = _Interrupts.passed = 0
+    _Interrupts.passing = False
+
+
+os.register_at_fork(after_in_child=_reset_interrupts)
+
+
 def _on_interrupt(signum: int, frame: Any) -> None:
     """SIGINT: to the live nimbus children first, then ``KeyboardInterrupt`` here.
 
@@ -377,12 +388,15 @@ def _on_interrupt(signum: int, frame: Any) -> None:
     _Interrupts.received += 1
     if _Interrupts.passing:
         return  # the call this one interrupted passes it on, and raises
-    while _Interrupts.passed < _Interrupts.received:
-        _Interrupts.passing = True
+    try:
         while _Interrupts.passed < _Interrupts.received:
-            _Interrupts.passed += 1
-            _pass_on()
-        _Interrupts.passing = False  # (one that came just before this is seen: loop)
+            _Interrupts.passing = True
+            while _Interrupts.passed < _Interrupts.received:
+                _Interrupts.passed += 1
+                _pass_on()
+            _Interrupts.passing = False  # (one that came just before this is seen: loop)
+    finally:
+        _Interrupts.passing = False  # (an error passing it on leaves Ctrl-C working)
     signal.default_int_handler(signum, frame)
 
 
