@@ -384,6 +384,8 @@ def _on_interrupt(signum: int, frame: Any) -> None:
     of its group: a second one that comes while the first is passed on (Python
     runs this handler again inside it; two Ctrl-C, or a signal sent to the group
     twice, as ``timeout`` does) is passed on after it, not instead of the rest of it.
+    Passing on takes no lock and waits for nothing (``popen_nimbus.pass_on``): the
+    thread that would end a wait may be waiting for a lock the interrupted code holds.
     """
     _Interrupts.received += 1
     if _Interrupts.passing:
@@ -401,15 +403,10 @@ def _on_interrupt(signum: int, frame: Any) -> None:
 
 
 def _pass_on() -> None:
-    """One SIGINT to each live nimbus child."""
-    multiprocessing = sys.modules.get(NAME)
-    if multiprocessing is None:
-        return
-    for child in multiprocessing.active_children():
-        popen = getattr(child, "_popen", None)
-        if popen is not None and getattr(popen, "method", None) == "nimbus":
-            with contextlib.suppress(Exception):  # one that just ended
-                popen._send_signal(signal.SIGINT)
+    """One SIGINT to each live nimbus child (none started yet: nothing to do)."""
+    popen_nimbus = sys.modules.get("nimbus.multiprocessing.popen_nimbus")
+    if popen_nimbus is not None:
+        popen_nimbus.pass_on(signal.SIGINT)
 
 
 def pass_interrupts() -> None:
