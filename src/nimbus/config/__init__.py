@@ -42,9 +42,11 @@ if TYPE_CHECKING:
     )
     from nimbus.config._places import (
         config_dir,
+        credentials_file,
         default_config_file,
         default_config_path,
         private_dir,
+        saved_credentials,
         untrusted_certificate,
     )
     from nimbus.config._settings import CONFIG_ENV, Settings
@@ -60,6 +62,7 @@ __all__ = [
     "Settings",
     "check_timeout",
     "config_dir",
+    "credentials_file",
     "default_config_file",
     "default_config_path",
     "optional_bandwidth",
@@ -67,6 +70,7 @@ __all__ = [
     "optional_size",
     "parse_bandwidth",
     "private_dir",
+    "saved_credentials",
     "size",
     "untrusted_certificate",
 ]
@@ -83,9 +87,11 @@ _HOMES = {
     **dict.fromkeys(
         (
             "config_dir",
+            "credentials_file",
             "default_config_file",
             "default_config_path",
             "private_dir",
+            "saved_credentials",
             "untrusted_certificate",
         ),
         "_places",
