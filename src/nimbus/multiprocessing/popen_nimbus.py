@@ -236,10 +236,25 @@ class Popen:
                     return
                 self._seen = _EXIT.unpack(got)
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                pid, code = self._seen
+                if not _ended(pid, left):
+                    self._keep_readable()
+                    return
             pid, code = self._seen
             if not _ended(pid, left):
                 return
             self._exited(code)
+
+    def _keep_readable(self) -> None:
+        """The code read here, the child not yet ended: a byte back in the pipe, so that
+        another thread waiting on the sentinel wakes and waits for the end (on the pidfd)
+        rather than for the worker's notice."""
+        with self._reading:
+            if self._exit_w >= 0:
+                try:
+                    os.write(self._exit_w, b"x")
+                except OSError:
+                    pass
 
     def _interrupt(self, sig: int) -> None:
         """From a signal handler: ``sig`` to the child now if its pid is known, else as
