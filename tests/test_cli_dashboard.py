@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from nimbus.client import Client
 from nimbus.config import Settings
@@ -357,3 +358,22 @@ def test_nimbus_dashboard_refuses_a_url_file_it_cannot_write_in_one_line(tmp_pat
         [line] = done.stderr.splitlines()
         assert line.startswith(f"nimbus dashboard: --url-file {where}: cannot write there ("), line
         assert "Traceback" not in done.stderr and "token" not in done.stdout
+
+
+def test_the_dashboards_hint_reads_the_credentials_where_the_client_saves_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 7 #15: ``_which_token`` re-implemented ``client.credentials_file()`` (its
+    path and format): one home now, ``nimbus.config``, that both use."""
+    import nimbus.client
+    import nimbus.config
+    from nimbus.cli.dashboard import _which_token
+
+    assert nimbus.client.credentials_file is nimbus.config.credentials_file
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("NIMBUS_CONFIG", raising=False)
+    assert _which_token("http://127.0.0.1:1/", "ann").startswith("a token: ")
+    nimbus.client.save_credentials("http://127.0.0.1:1/", "secret")
+    assert nimbus.config.saved_credentials()["token"] == "secret"
+    assert _which_token("http://127.0.0.1:1", "ann").startswith("the token you gave")
+    assert _which_token("http://127.0.0.1:2", "ann").startswith("a token: ")

@@ -74,6 +74,7 @@ LAYERS: dict[str, int] = {
     "_chunks": 1,
     "_progress": 1,
     "_lockfile": 1,  # a lock file with a deadline, not inherited by forks
+    "_service_state": 1,  # which service runs here: its service.json, one reader
     "_mainspace": 1,  # one namespace per program's __main__ for its functions sent by value
     "_lazy": 1,  # a module imported on first use (redis-py: at the first connection)
     "owners": 1,  # whom a task runs as on an endpoint (set by the agent, read by nimbus.data)

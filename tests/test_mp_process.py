@@ -240,6 +240,27 @@ def test_sentinel_with_nimbus_wait_mixed_with_connection() -> None:
     w.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_poll_that_reads_the_exit_code_before_the_end_leaves_the_sentinel_readable() -> None:
+    """Review 7 #11: the child writes its exit code to the sentinel's pipe, then ends; a
+    poll() reading it before the end took the only readable bytes, and a thread waiting
+    on the sentinel then waited for the worker's notice alone. The poll puts one back.
+    (The child's write is made here, its process still running, to hold that moment.)"""
+    from nimbus.multiprocessing.popen_nimbus import _EXIT, _readable
+
+    p = mp.Process(target=_sleep, args=(60,))
+    p.start()
+    popen = p._popen  # type: ignore[attr-defined]
+    try:
+        os.write(popen._exit_w, _EXIT.pack(p.pid, 0))  # as the child does, as it ends
+        assert p.exitcode is None  # read, but the child has not ended
+        assert _readable(p.sentinel, 0)
+        assert p.is_alive()
+    finally:
+        p.kill()
+        p.join(30)
+
+
 @pytest.mark.timeout(30)
 def test_close_then_value_error() -> None:
     p = mp.Process(target=_noop)

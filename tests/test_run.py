@@ -358,6 +358,118 @@ def test_ctrl_c_reaches_children_started_just_before_it(tmp_path: Path) -> None:
     assert time.monotonic() - began < 20
 
 
+CTRL_C_UNDER_SITE_LOCK_PROGRAM = """
+    import os, signal, sys, time
+    import multiprocessing as mp
+    from nimbus.multiprocessing._site import this_site
+
+    def sleeper():
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            sys.exit(7)
+
+    def child(q):
+        for _ in range(50):  # until one grandchild's pid is not back when the lock is taken
+            g = mp.Process(target=sleeper)
+            g.start()  # its pid comes back through the relay, which needs site.lock
+            site = this_site()
+            try:
+                with site.lock:  # as inside Site.register() for the next child
+                    if g._popen._forked.done():
+                        raise LookupError
+                    os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C passed on by the parent
+                    for _ in range(1000):
+                        pass
+                q.put("no KeyboardInterrupt")
+                return
+            except LookupError:
+                g.kill()
+                g.join()
+            except KeyboardInterrupt:
+                g.join(50)  # the SIGINT held for it went when its pid came
+                q.put(f"{type(site).__name__} interrupted, grandchild {g.exitcode}")
+                return
+        q.put("every pid was back before the lock was taken")
+
+    if __name__ == "__main__":
+        q = mp.Queue()
+        p = mp.Process(target=child, args=(q,))
+        p.start()
+        try:
+            print(q.get(timeout=60), flush=True)
+        except Exception:
+            print("HUNG", flush=True)
+            p.kill()
+        p.join()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_while_the_site_lock_is_held_is_passed_on_when_the_pid_comes(
+    tmp_path: Path,
+) -> None:
+    """Review 7 #3: the SIGINT handler of a process that starts processes waited for a
+    grandchild's pid, which the relay's reader delivers under ``site.lock``, held by the
+    interrupted main thread: it hung. It now waits for nothing and passes the SIGINT on
+    to that grandchild when its pid arrives."""
+    prog = _script(tmp_path, CTRL_C_UNDER_SITE_LOCK_PROGRAM)
+    done = _python("-m", "nimbus", "run", str(prog), cwd=tmp_path)
+    # 7: in its sleep; 1: a KeyboardInterrupt before it (the pid comes as the fork is done)
+    assert done.stdout.split("\n")[0] in (
+        "RelayedSite interrupted, grandchild 7",
+        "RelayedSite interrupted, grandchild 1",
+    ), done.stderr
+
+
+FORK_WHILE_PASSING_PROGRAM = """
+    import os, signal
+    from nimbus import _install
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _install.pass_interrupts()
+    _install._Interrupts.passing = True  # the main thread passes a Ctrl-C on, as another forks
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+            os._exit(3)  # ignored: its handler thought it was passing one on already
+        except KeyboardInterrupt:
+            os._exit(0)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_process_forked_while_a_ctrl_c_is_passed_on_still_takes_ctrl_c(tmp_path: Path) -> None:
+    """Review 7 #4: the handler's state is not a fork's: a warm worker forked by the
+    executor's thread while the main thread passed a Ctrl-C on ignored every later one."""
+    done = _python(str(_script(tmp_path, FORK_WHILE_PASSING_PROGRAM)), cwd=tmp_path)
+    assert done.stdout.split() == ["0"], done.stderr
+
+
+def test_an_error_passing_a_ctrl_c_on_leaves_ctrl_c_working(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review 7 #4: an exception out of passing one on does not leave the handler
+    thinking it still is (which would swallow every later Ctrl-C)."""
+    from nimbus import _install
+
+    def broken() -> None:
+        raise OSError("passing it on failed")
+
+    for name in ("received", "passed", "passing"):
+        monkeypatch.setattr(_install._Interrupts, name, getattr(_install._Interrupts, name))
+    monkeypatch.setattr(_install, "_pass_on", broken)
+    with pytest.raises(OSError, match="passing it on failed"):
+        _install._on_interrupt(signal.SIGINT, None)
+    assert _install._Interrupts.passing is False
+    with pytest.raises(OSError):  # the next one is passed on (and fails) again: not swallowed
+        _install._on_interrupt(signal.SIGINT, None)
+
+
 NO_FILE_PROGRAM = """
 import math
 import multiprocessing

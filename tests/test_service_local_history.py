@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine
 
+from nimbus import _service_state
 from nimbus import local_history as writer_side
 from nimbus.config import Settings
 from nimbus.records import TaskRecord, TaskState
@@ -27,8 +28,9 @@ def _running_here(settings: Settings, pid: int | None = None) -> None:
     """The state file of a service running on ``settings``' runtime directory (as
     ``nimbus.service.server`` writes it), its process ``pid`` (this one by default)."""
     settings.service_dir.mkdir(parents=True, exist_ok=True)
-    state = {"url": "http://127.0.0.1:1", "pid": pid or os.getpid()}
-    (settings.service_dir / writer_side.SERVICE_STATE).write_text(json.dumps(state))
+    pid = pid or os.getpid()
+    state = {"url": "http://127.0.0.1:1", "pid": pid, "started": _service_state.start_time(pid)}
+    (settings.service_dir / _service_state.STATE_FILE).write_text(json.dumps(state))
 
 
 def test_records_are_handed_over_in_files_and_ingested_once(tmp_path: Path) -> None:
@@ -178,11 +180,57 @@ def test_files_beyond_the_bound_are_dropped_oldest_first_said_once(
         engine.dispose()
 
 
+def test_a_state_file_left_by_a_killed_service_is_no_service_once_its_pid_is_reused(
+    tmp_path: Path,
+) -> None:
+    """Review 7 #7: a service killed without removing its state file (SIGKILL, the OOM
+    killer) left it naming a pid; once any process had that pid, programs wrote history
+    files again that nobody read. The pid's start time is in the file now and must agree;
+    and programs and the CLI read it with the one reader (they disagreed)."""
+    from nimbus.service import running
+
+    settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
+    settings.service_dir.mkdir(parents=True)
+    state_file = settings.service_dir / _service_state.STATE_FILE
+    for stale in (
+        {"url": "http://127.0.0.1:1", "pid": 1},  # (as an older service wrote it)
+        {"url": "http://127.0.0.1:1", "pid": os.getpid(), "started": "1"},  # a reused pid
+    ):
+        state_file.write_text(json.dumps(stale))
+        assert writer_side.service_state(settings) is None
+        assert not writer_side.enabled(settings)
+        assert running.running_service(settings) is None
+    state_file.write_text(_service_state.text("http://127.0.0.1:2"))  # as the service does
+    assert running.running_service(settings) == "http://127.0.0.1:2"
+    assert writer_side.enabled(settings)
+
+
+def test_a_program_writes_no_file_while_the_service_is_the_bound_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 7 #7: the bound on the files waiting was kept only by a running service's
+    ingest; programs now write none while the folder holds KEEP_BYTES already."""
+    monkeypatch.setattr(writer_side, "KEEP_BYTES", 1000)
+    settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
+    _running_here(settings)
+    folder = writer_side.directory(settings)
+    folder.mkdir(parents=True)
+    (folder / "1000.000000-1-x.msgpack").write_bytes(b"x" * 1000)  # not taken yet
+    writer = writer_side.LocalHistory(settings)
+    writer.add(TaskRecord("t", TaskState.SUCCESS, "shout", submitted=1000.0))
+    writer.close()
+    assert [p.name for p in folder.iterdir()] == ["1000.000000-1-x.msgpack"]
+    (folder / "1000.000000-1-x.msgpack").unlink()  # taken: the next look writes again
+    writer = writer_side.LocalHistory(settings)
+    writer.add(TaskRecord("t", TaskState.SUCCESS, "shout", submitted=1000.0))
+    writer.close()
+    assert len(list(folder.iterdir())) == 1
+
+
 def test_programs_look_for_the_state_file_the_service_writes(tmp_path: Path) -> None:
     from nimbus.service import running
 
     settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
-    assert writer_side.SERVICE_STATE == running.STATE_FILE
     _running_here(settings)
     state = writer_side.service_state(settings)
     assert state is not None and running.running_service(settings) == state["url"]

@@ -3,9 +3,11 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -608,6 +610,22 @@ def test_a_lock_held_for_ever_is_an_error_naming_it_and_stop_skips_it(
     finally:
         holder.let_go()
         server.stop()
+
+
+def test_stop_with_the_runtime_directory_removed_removes_the_rest(rt: Path) -> None:
+    """Review 7 #9: a deferred store's stop() after its runtime directory was removed
+    (a tmpfiles cleaner, logout) raised FileNotFoundError from the lock file and left
+    the rest of stop() (its fallback socket directory, say) undone."""
+    server = EmbeddedRedis(rt).defer()
+    fallback = Path(tempfile.mkdtemp(prefix="nimbus-", dir="/tmp"))
+    server._fallback_dir = fallback  # (as when the socket's path is too long)
+    shutil.rmtree(rt)
+    try:
+        server.stop()
+        assert not fallback.exists()
+    finally:
+        shutil.rmtree(fallback, ignore_errors=True)
+        rt.mkdir(mode=0o700)
 
 
 def test_a_store_that_died_is_an_error_at_once_naming_it(rt: Path) -> None:

@@ -43,6 +43,7 @@ import contextlib
 import copy
 import importlib
 import importlib.machinery
+import os
 import signal
 import sys
 import threading
@@ -366,6 +367,16 @@ class _Interrupts:
     passing = False
 
 
+def _reset_interrupts() -> None:
+    """A fork starts with none received nor being passed on (the thread that forked may
+    have done so while the main thread was inside the handler)."""
+    _Interrupts.received = _Interrupts.passed = 0
+    _Interrupts.passing = False
+
+
+os.register_at_fork(after_in_child=_reset_interrupts)
+
+
 def _on_interrupt(signum: int, frame: Any) -> None:
     """SIGINT: to the live nimbus children first, then ``KeyboardInterrupt`` here.
 
@@ -373,29 +384,29 @@ def _on_interrupt(signum: int, frame: Any) -> None:
     of its group: a second one that comes while the first is passed on (Python
     runs this handler again inside it; two Ctrl-C, or a signal sent to the group
     twice, as ``timeout`` does) is passed on after it, not instead of the rest of it.
+    Passing on takes no lock and waits for nothing (``popen_nimbus.pass_on``): the
+    thread that would end a wait may be waiting for a lock the interrupted code holds.
     """
     _Interrupts.received += 1
     if _Interrupts.passing:
         return  # the call this one interrupted passes it on, and raises
-    while _Interrupts.passed < _Interrupts.received:
-        _Interrupts.passing = True
+    try:
         while _Interrupts.passed < _Interrupts.received:
-            _Interrupts.passed += 1
-            _pass_on()
-        _Interrupts.passing = False  # (one that came just before this is seen: loop)
+            _Interrupts.passing = True
+            while _Interrupts.passed < _Interrupts.received:
+                _Interrupts.passed += 1
+                _pass_on()
+            _Interrupts.passing = False  # (one that came just before this is seen: loop)
+    finally:
+        _Interrupts.passing = False  # (an error passing it on leaves Ctrl-C working)
     signal.default_int_handler(signum, frame)
 
 
 def _pass_on() -> None:
-    """One SIGINT to each live nimbus child."""
-    multiprocessing = sys.modules.get(NAME)
-    if multiprocessing is None:
-        return
-    for child in multiprocessing.active_children():
-        popen = getattr(child, "_popen", None)
-        if popen is not None and getattr(popen, "method", None) == "nimbus":
-            with contextlib.suppress(Exception):  # one that just ended
-                popen._send_signal(signal.SIGINT)
+    """One SIGINT to each live nimbus child (none started yet: nothing to do)."""
+    popen_nimbus = sys.modules.get("nimbus.multiprocessing.popen_nimbus")
+    if popen_nimbus is not None:
+        popen_nimbus.pass_on(signal.SIGINT)
 
 
 def pass_interrupts() -> None:

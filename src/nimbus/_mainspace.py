@@ -26,6 +26,7 @@ import io
 import os
 import pickle
 import sys
+import threading
 import types
 import uuid
 from collections import OrderedDict
@@ -50,38 +51,56 @@ class _Space:
 
 _spaces: OrderedDict[str, _Space] = OrderedDict()  # key -> space
 _keys: dict[int, str] = {}  # id(namespace) -> key
+# one key per __main__ when two threads pickle its functions at once, and no eviction
+# while another thread reorders (no finalizer nor signal handler comes here)
+_lock = threading.Lock()
+
+
+def _unlock_in_child() -> None:
+    """A fork's copy of the lock, which another thread may have held as it forked."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_child)
 
 
 def _key_of(namespace: dict[str, Any]) -> str | None:
     """The key of ``namespace``: this process's ``__main__``'s, or one made here; else None."""
-    key = _keys.get(id(namespace))
-    if key is not None:
-        space = _spaces.get(key)
-        if space is not None and space.globals is namespace and space.own in (None, os.getpid()):
-            return key
-    main = sys.modules.get("__main__")
-    if main is None or vars(main) is not namespace:
-        return None
-    key = uuid.uuid4().hex
-    _spaces[key] = _Space(namespace, os.getpid())
-    _keys[id(namespace)] = key
-    return key
+    with _lock:
+        key = _keys.get(id(namespace))
+        if key is not None:
+            space = _spaces.get(key)
+            if (
+                space is not None
+                and space.globals is namespace
+                and space.own in (None, os.getpid())
+            ):
+                return key
+        main = sys.modules.get("__main__")
+        if main is None or vars(main) is not namespace:
+            return None
+        key = uuid.uuid4().hex
+        _spaces[key] = _Space(namespace, os.getpid())
+        _keys[id(namespace)] = key
+        return key
 
 
 def _space(key: str, base: dict[str, Any]) -> _Space:
     """The namespace for ``key`` here (made with ``base``'s module attributes if new)."""
-    space = _spaces.get(key)
-    if space is not None and space.own in (None, os.getpid()):
-        _spaces.move_to_end(key)
+    with _lock:
+        space = _spaces.get(key)
+        if space is not None and space.own in (None, os.getpid()):
+            _spaces.move_to_end(key)
+            return space
+        namespace = dict(base)
+        namespace.setdefault("__builtins__", __builtins__)
+        space = _spaces[key] = _Space(namespace, None)
+        _keys[id(namespace)] = key
+        others = [k for k, s in _spaces.items() if s.own is None]
+        for old in others[: max(0, len(others) - NAMESPACES)]:
+            _keys.pop(id(_spaces.pop(old).globals), None)
         return space
-    namespace = dict(base)
-    namespace.setdefault("__builtins__", __builtins__)
-    space = _spaces[key] = _Space(namespace, None)
-    _keys[id(namespace)] = key
-    others = [k for k, s in _spaces.items() if s.own is None]
-    for old in others[: max(0, len(others) - NAMESPACES)]:
-        _keys.pop(id(_spaces.pop(old).globals), None)
-    return space
 
 
 def _make(key: str, base: dict[str, Any], code: types.CodeType, name: str | None,

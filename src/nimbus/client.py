@@ -31,7 +31,13 @@ from typing import Any
 import httpx
 
 from nimbus import serialization
-from nimbus.config import Settings, check_timeout, config_dir, untrusted_certificate
+from nimbus.config import (
+    Settings,
+    check_timeout,
+    credentials_file,
+    saved_credentials,
+    untrusted_certificate,
+)
 from nimbus.environments import Environment, as_environment
 from nimbus.errors import (
     AmbiguousEndpointError,
@@ -78,10 +84,6 @@ RECONNECT_SECONDS = 60.0  # get_result waits this long for a service that went a
 RETRY_BACKOFF_MAX = 2.0  # seconds between retries of a call answered 503 (Retry-After)
 
 
-def credentials_file() -> Path:
-    return config_dir() / "credentials.json"
-
-
 def save_credentials(service_url: str, token: str) -> Path:
     path = credentials_file()
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -89,14 +91,6 @@ def save_credentials(service_url: str, token: str) -> Path:
     with os.fdopen(fd, "w") as out:
         json.dump({"service_url": service_url.rstrip("/"), "token": token}, out)
     return path
-
-
-def _saved() -> dict[str, str]:
-    try:
-        data = json.loads(credentials_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -196,7 +190,7 @@ class Client:
         timeout: float = 60.0,
     ) -> None:
         settings = settings if settings is not None else Settings.load()
-        saved = _saved()
+        saved = saved_credentials()
         url = service_url or settings.service_url or saved.get("service_url")
         token = token or settings.token or saved.get("token")
         if not url:

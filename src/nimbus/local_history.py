@@ -20,7 +20,6 @@ synchronously when it ends (:func:`ended`), before its ``os._exit``.
 from __future__ import annotations
 
 import getpass
-import json
 import logging
 import os
 import secrets
@@ -32,12 +31,14 @@ from pathlib import Path
 
 import msgpack
 
+from nimbus import _service_state
 from nimbus.config import Settings
 from nimbus.records import TaskRecord
 
 __all__ = [
     "ENDPOINT",
     "FLUSH_EVERY",
+    "KEEP_BYTES",
     "OWNER_PREFIX",
     "LocalHistory",
     "active",
@@ -56,9 +57,9 @@ FLUSH_EVERY = 1.0  # seconds between a program's files
 SOON = 0.05  # seconds between a pool worker's own hand-overs (keep(soon=True)), at least
 WRITE_WAIT = 2.0  # seconds an ending process waits for its thread's file in progress
 LOOK_EVERY = 5.0  # seconds between looks whether the service (still) runs
-# in Settings.service_dir while a service runs (its url, pid): nimbus.service.running's
-# STATE_FILE (read here too, not imported: that module stays light for `nimbus dashboard`)
-SERVICE_STATE = "service.json"
+# the files waiting in directory(), at most: a program writes none beyond it (the service
+# takes them slower than they come), and the service drops the oldest beyond it
+KEEP_BYTES = 64 << 20
 log = logging.getLogger(__name__)
 
 
@@ -68,17 +69,25 @@ def directory(settings: Settings) -> Path:
 
 
 def service_state(settings: Settings) -> dict[str, object] | None:
-    """The state file of the service running on this runtime directory (its ``url`` and
-    ``pid``, written by ``nimbus.service.server``), or None when none runs: no file, or
-    the process it names is gone."""
+    """The state of the service running on this runtime directory (its ``url``, ``pid``
+    and its start time), or None when none runs (``nimbus._service_state``: no file, or
+    the process it names is gone, another user's, or a later one with the same pid)."""
+    return _service_state.read(settings.service_dir)
+
+
+def _waiting_bytes(folder: Path) -> int:
+    """The bytes of the files waiting in ``folder`` for the service."""
+    total = 0
     try:
-        state = json.loads((settings.service_dir / SERVICE_STATE).read_text())
-        os.kill(int(state["pid"]), 0)
-    except PermissionError:  # (a live process of another user)
-        return dict(state)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return dict(state)
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            total += os.stat(folder / name).st_size
+        except OSError:
+            pass  # taken meanwhile
+    return total
 
 
 def enabled(settings: Settings) -> bool:
@@ -101,7 +110,7 @@ class LocalHistory:
         self._dir = directory(settings)
         self._settings = settings
         self._serving = True  # the service ran at the last look (made when it did)
-        self._next_look = time.monotonic() + LOOK_EVERY
+        self._next_look = 0.0  # its first hand-over looks (how much waits for the service)
         self._owner = _owner()
         self._records: deque[TaskRecord] = deque()
         # the deque's own append: no Python frame per task on the runtime's thread
@@ -150,11 +159,11 @@ class LocalHistory:
         if not wire:
             return
         now = time.monotonic()
-        if now >= self._next_look:  # (a file read, each LOOK_EVERY s at most)
+        if now >= self._next_look:  # (a file read and a listing, each LOOK_EVERY s at most)
             self._next_look = now + LOOK_EVERY
-            self._serving = enabled(self._settings)
+            self._serving = enabled(self._settings) and _waiting_bytes(self._dir) < KEEP_BYTES
         if not self._serving:
-            return  # the service stopped: nobody would read them (dropped)
+            return  # the service stopped, or is KEEP_BYTES behind: not kept (dropped)
         self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         name = f"{time.time():.6f}-{os.getpid()}-{secrets.token_hex(4)}.msgpack"
         part = self._dir / ("." + name)

@@ -71,16 +71,10 @@ def setup(parser: argparse.ArgumentParser) -> None:
 def _which_token(service_url: str, user: str | None) -> str:
     """The token to log in to the dashboard of the service at ``service_url`` with: the
     one ``nimbus login`` saved for it if any, else one ``service token create`` makes."""
-    import json
+    from nimbus.config import saved_credentials  # (the client's, without its imports)
 
-    from nimbus.config import config_dir
-
-    try:  # nimbus.client.credentials_file(), without the client's imports
-        saved = json.loads((config_dir() / "credentials.json").read_text())
-    except (OSError, ValueError):
-        saved = {}
     make = f"`nimbus service token create {user or 'USER'}`"
-    if isinstance(saved, dict) and str(saved.get("service_url", "")) == service_url.rstrip("/"):
+    if str(saved_credentials().get("service_url", "")) == service_url.rstrip("/"):
         return f"the token you gave `nimbus login`, or a new one: {make}"
     return f"a token: {make}"
 

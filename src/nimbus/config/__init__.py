@@ -44,9 +44,11 @@ if TYPE_CHECKING:
     )
     from nimbus.config._places import (
         config_dir,
+        credentials_file,
         default_config_file,
         default_config_path,
         private_dir,
+        saved_credentials,
         untrusted_certificate,
     )
     from nimbus.config._settings import CONFIG_ENV, Settings
@@ -62,6 +64,7 @@ __all__ = [
     "Settings",
     "check_timeout",
     "config_dir",
+    "credentials_file",
     "default_config_file",
     "default_config_path",
     "optional_bandwidth",
@@ -69,6 +72,7 @@ __all__ = [
     "optional_size",
     "parse_bandwidth",
     "private_dir",
+    "saved_credentials",
     "size",
     "untrusted_certificate",
 ]
@@ -85,9 +89,11 @@ _HOMES = {
     **dict.fromkeys(
         (
             "config_dir",
+            "credentials_file",
             "default_config_file",
             "default_config_path",
             "private_dir",
+            "saved_credentials",
             "untrusted_certificate",
         ),
         "_places",

@@ -29,11 +29,13 @@ else:  # each imported on first use: `nimbus run` asks where the config file is
 
 __all__ = [
     "config_dir",
+    "credentials_file",
     "default_config_file",
     "default_config_path",
     "default_runtime_dir",
     "ensure_runtime_dir",
     "private_dir",
+    "saved_credentials",
     "untrusted_certificate",
 ]
 
@@ -64,6 +66,23 @@ def default_config_file(env: Mapping[str, str]) -> Path:
 def config_dir(env: Mapping[str, str] | None = None) -> Path:
     """nimbus's own configuration directory (``~/.config/nimbus``): credentials, endpoints."""
     return default_config_file(os.environ if env is None else env).parent
+
+
+def credentials_file() -> Path:
+    """Where ``nimbus login`` saves the service's URL and your token (``nimbus.client``
+    writes it; the client and the dashboard's hint read it)."""
+    return config_dir() / "credentials.json"
+
+
+def saved_credentials() -> dict[str, str]:
+    """What :func:`credentials_file` holds (``service_url``, ``token``); {} if nothing."""
+    import json
+
+    try:
+        data = json.loads(credentials_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def private_dir(path: Path, what: str, fix: str) -> Path:

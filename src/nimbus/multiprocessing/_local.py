@@ -26,6 +26,8 @@ falls back to warm workers of its own.
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import functools
 import os
 import socket
@@ -106,9 +108,9 @@ class LocalSite(_Here):
         self.address = address
         # a root's workers are forks of it (it has nimbus and the program imported); a
         # process the program started that cannot reach the relay starts new interpreters.
-        # Made last: the executor's thread forks them while this one goes on, and a worker
-        # forked mid-scan of the runtime directory would keep the scan's descriptor (its
-        # children one more than other workers')
+        # The executor's thread forks them while this one goes on, and the chores' thread
+        # sweeps beside it: each descriptor of a sweep is opened and closed under
+        # popen_fork.no_fork(), so that no worker keeps one (nor its children)
         backend = "forked" if is_root() else "local"
         if backend == "forked":  # each imports the main module as it is forked
             from nimbus.multiprocessing import _main
@@ -273,14 +275,25 @@ def _remove_stale(directory: Path) -> None:
     """Remove what programs that died without a word (SIGKILL) left in the runtime
     directory, in one pass as a program starts: the relay sockets of dead roots (a
     reused pid is told by its start time, later than its socket's), and the messaging
-    sockets no process listens on, with their program's directory (``m-<id>``)."""
-    for path in directory.glob("relay-*"):
+    sockets no process listens on, with their program's directory (``m-<id>``).
+
+    It runs on the chores' thread while warm workers are forked: every descriptor it
+    opens is closed before a fork (``_no_fork``), none is a worker's."""
+    names = _listdir(directory)
+    for name in fnmatch.filter(names, "relay-*"):
+        path = directory / name
         try:
-            if not _alive_since(int(path.name.split("-")[1]), path.lstat().st_mtime):
+            if not _alive_since(int(name.split("-")[1]), path.lstat().st_mtime):
                 path.unlink(missing_ok=True)
         except (ValueError, IndexError, OSError):
             pass  # not ours
-    folders = [(d, list(d.glob("*.sock"))) for d in directory.glob("m-*")]
+    folders = [
+        (
+            directory / d,
+            [directory / d / s for s in fnmatch.filter(_listdir(directory / d), "*.sock")],
+        )
+        for d in fnmatch.filter(names, "m-*")
+    ]
     bound = _bound_sockets()  # read after the listing: a socket bound before it is here
     if bound is None:
         return
@@ -292,10 +305,26 @@ def _remove_stale(directory: Path) -> None:
                 removed += 1
         try:
             old = time.time() - folder.stat().st_mtime > _EMPTY_GRACE_S
-            if (removed or old) and not any(folder.iterdir()):
+            if (removed or old) and not _listdir(folder):
                 folder.rmdir()  # (a program binding its first socket now makes it again)
         except OSError:
             pass
+
+
+def _no_fork() -> contextlib.AbstractContextManager[None]:
+    """No warm worker is forked meanwhile (a descriptor opened inside is none of theirs)."""
+    from nimbus.runtime import popen_fork
+
+    return popen_fork.no_fork()
+
+
+def _listdir(directory: Path) -> list[str]:
+    """The names in ``directory`` ([] if it cannot be read)."""
+    try:
+        with _no_fork():
+            return os.listdir(directory)
+    except OSError:
+        return []
 
 
 _EMPTY_GRACE_S = 60.0  # an empty m-<id> of no dead socket is removed only this old
@@ -304,9 +333,9 @@ _EMPTY_GRACE_S = 60.0  # an empty m-<id> of no dead socket is removed only this 
 def _alive_since(pid: int, when: float) -> bool:
     """Whether process ``pid`` runs and started by ``when`` (else it is a reused pid)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with _no_fork(), open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-        with open("/proc/stat", "rb") as f:
+        with _no_fork(), open("/proc/stat", "rb") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime"))
     except FileNotFoundError:
         return False
@@ -327,7 +356,7 @@ def _alive_since(pid: int, when: float) -> bool:
 def _bound_sockets() -> set[str] | None:
     """The paths of the Unix sockets bound in this network namespace (None: unknown)."""
     try:
-        with open("/proc/net/unix") as f:
+        with _no_fork(), open("/proc/net/unix") as f:
             return {parts[7] for line in f if len(parts := line.split()) >= 8}
     except OSError:
         return None
@@ -336,16 +365,17 @@ def _bound_sockets() -> set[str] | None:
 def _refused(path: Path) -> bool:
     """Whether no process listens on the Unix socket ``path`` (one in another network
     namespace is not in this one's list, but it accepts)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(0.2)
-        probe.connect(str(path))
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
+    with _no_fork():  # (0.2 s at most: a listener that does not accept)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(0.2)
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+        finally:
+            probe.close()
     return False
 
 

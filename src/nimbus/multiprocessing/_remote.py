@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import select
 import signal
 import sys
@@ -189,12 +190,23 @@ class RemoteSite(Site):
             settings=settings, endpoint=settings.endpoint, shutdown_at_exit=False
         )  # shut down by close(), after joining children
         self.output = Output(program, self.exited, self.lost)
+        # signals from a signal handler, sent by a thread (a store call takes locks)
+        self._signals: queue.SimpleQueue[tuple[str, int] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._send_signals, name="nimbus-signals", daemon=True).start()
 
     def start(self, fn: StartFn, token: str, *args: Any) -> Future[int]:
         return self.executor.submit(fn, token, *args)
 
     def signal(self, token: str, forked: Future[int], sig: int) -> None:
         send_signal(self.program, token, sig)
+
+    def signal_nowait(self, token: str, pid: int, sig: int) -> None:
+        self._signals.put((token, sig))  # (SimpleQueue.put is safe in a signal handler)
+
+    def _send_signals(self) -> None:
+        while (item := self._signals.get()) is not None:
+            with contextlib.suppress(StateStoreError):  # the store is gone: so are they
+                send_signal(self.program, *item)
 
     def prepare(self, prep: dict[str, Any]) -> None:
         from nimbus.multiprocessing._main import MAIN_KEYS
@@ -221,6 +233,7 @@ class RemoteSite(Site):
         if os.getpid() != self.pid:
             return
         self.join_children()
+        self._signals.put(None)
         self.executor.shutdown(wait=True)
         self.output.close()
 

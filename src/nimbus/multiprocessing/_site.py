@@ -15,6 +15,7 @@
 
     Popen.__init__ -> site.prepare(prep); site.start(_forking.start, token, ...) -> Future[pid]
     Popen.terminate/kill -> site.signal(token, forked, sig)
+    Ctrl-C passed on     -> site.signal_nowait(token, pid, sig)   (from the signal handler)
     an exit code arrives  -> site.exited(token, code) -> Popen._exited(code)
 
 A :class:`Site` starts processes (:meth:`Site.start`), signals them
@@ -97,6 +98,15 @@ class Site(ABC):
     @abstractmethod
     def close(self) -> None:
         """At exit: join the children, stop what starts them."""
+
+    def signal_nowait(self, token: str, pid: int, sig: int) -> None:
+        """Send ``sig`` to process ``token`` (whose ``pid`` is known), from a signal
+        handler: taking no lock and waiting for nothing. By pid, here: a site whose
+        children run on another host says otherwise."""
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
     def prepare(self, prep: dict[str, Any]) -> None:
         """Add to a child's preparation data what it needs to know of this site:

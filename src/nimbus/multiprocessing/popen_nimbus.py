@@ -18,7 +18,9 @@ readable: a local child writes its code to that pipe itself (opened through
 ``/proc``) and the parent, reading it, waits for the child's pidfd, so a join
 does not wait for the worker's reaper and its notice's hops; a child killed
 (or that could not write) ends by the notice, which wakes the pipe too.
-``terminate``/``kill`` signal the child by pid (same host).
+``terminate``/``kill`` signal the child by pid (same host); a Ctrl-C passed on
+(``pass_on``, from the signal handler) goes to those whose pid is known at once
+and to the others as their pid arrives.
 The warm workers are where this process's *site* says (``_site``): the
 program root's (``_local``; a process the program started asks the root to
 start its own children, through its relay), or with ``NIMBUS_ENDPOINT`` set
@@ -48,7 +50,7 @@ from nimbus.multiprocessing import context as nimbus_context
 from nimbus.multiprocessing._forking import WARM_MODULES
 from nimbus.multiprocessing._main import MAIN_KEYS
 
-__all__ = ["Popen"]
+__all__ = ["Popen", "pass_on"]
 
 
 def site() -> _site.Site:
@@ -86,6 +88,8 @@ class Popen:
     def __init__(self, process_obj: stdlib_process.BaseProcess) -> None:
         self.returncode: int | None = None
         self.finalizer = None
+        self._pid: int | None = None  # known once the fork is done (_on_forked)
+        self._held: list[int] = []  # signals passed on before the pid was known
         self._done = threading.Event()
         # raises the stdlib's RuntimeError about the __main__ guard in a child importing main
         prep = spawn.get_preparation_data(process_obj._name)
@@ -145,7 +149,6 @@ class Popen:
             self._close_pipe()
             raise
         self._forked.add_done_callback(self._on_forked)
-        self._pid: int | None = None
 
     @property
     def pid(self) -> int:
@@ -155,9 +158,13 @@ class Popen:
         return self._pid
 
     def _on_forked(self, future: Any) -> None:
-        """A start that failed (the worker died, say) ends the process with code 1."""
+        """The pid is known: the signals held for it go. A start that failed (the worker
+        died, say) ends the process with code 1."""
         exc = None if future.cancelled() else future.exception()
-        if exc is not None and self.returncode is None:
+        if exc is None:
+            self._pid = future.result()
+            self._send_held()
+        elif self.returncode is None:
             import traceback
 
             self._site.forget(self._token)
@@ -230,10 +237,44 @@ class Popen:
                     return
                 self._seen = _EXIT.unpack(got)
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                pid, code = self._seen
+                if not _ended(pid, left):
+                    self._keep_readable()
+                    return
             pid, code = self._seen
             if not _ended(pid, left):
                 return
             self._exited(code)
+
+    def _keep_readable(self) -> None:
+        """The code read here, the child not yet ended: a byte back in the pipe, so that
+        another thread waiting on the sentinel wakes and waits for the end (on the pidfd)
+        rather than for the worker's notice."""
+        with self._reading:
+            if self._exit_w >= 0:
+                try:
+                    os.write(self._exit_w, b"x")
+                except OSError:
+                    pass
+
+    def _interrupt(self, sig: int) -> None:
+        """From a signal handler: ``sig`` to the child now if its pid is known, else as
+        it arrives. No lock, no wait: the thread that delivers the pid (the relay's
+        reader) may be waiting for a lock that the interrupted code holds (``site.lock``)."""
+        self._held.append(sig)
+        if self._pid is not None:  # (set before _on_forked sends what is held: none lost)
+            self._send_held()
+
+    def _send_held(self) -> None:
+        """Send the signals held for the pid, each once (``list.pop`` is atomic: the
+        handler and the thread that learns the pid may both be here)."""
+        while True:
+            try:
+                sig = self._held.pop(0)
+            except IndexError:
+                return
+            if self.returncode is None and self._pid is not None:
+                self._site.signal_nowait(self._token, self._pid, sig)
 
     def _send_signal(self, sig: int) -> None:
         if self.returncode is None:
@@ -258,6 +299,17 @@ class Popen:
         if self.sentinel >= 0:
             os.close(self.sentinel)
             self.sentinel = -1
+
+
+def pass_on(sig: int) -> None:
+    """From a signal handler: ``sig`` to each live child this process started
+    (``_install``'s Ctrl-C). Takes no lock and waits for nothing."""
+    where = _site.this_site()
+    if where is None:
+        return
+    for popen in list(where.popens.values()):  # (one C call: no lock needed)
+        if popen.returncode is None:
+            popen._interrupt(sig)
 
 
 _EXIT = struct.Struct("ii")  # what a local child writes to its Popen's pipe: pid, exit code

@@ -102,10 +102,17 @@ class Agent:
 
     def _hold_data(self) -> None:
         self._data_now.wait(DATA_AFTER)
-        from nimbus.data import Sweeper  # holds this runtime's data, sweeps the node's
+        from nimbus.data import (
+            Sweeper,
+            default_root,
+        )  # holds this runtime's data, sweeps the node's
 
-        try:  # (serve_data: other nodes fetch from it)
-            self._data = Sweeper(serve=self._serve_data)
+        closing = self._closing  # (stopped within DATA_AFTER s: only what its tasks left)
+        try:
+            if closing and not default_root().exists():
+                return  # no data to hold nor remove: no sweeper made only to be closed
+            # (serve_data: other nodes fetch from it; not at the close)
+            self._data = Sweeper(serve=self._serve_data and not closing)
         except Exception as exc:  # (its directory cannot be made): tasks still run
             import logging
 

@@ -18,6 +18,7 @@ itself is ``nimbus.runtime.worker``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -27,12 +28,23 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from nimbus.runtime.worker import main
 
-__all__ = ["ForkedWorker", "at_worker_start", "fork_worker", "open_descriptors"]
+__all__ = ["ForkedWorker", "at_worker_start", "fork_worker", "no_fork", "open_descriptors"]
+
+_forking = threading.Lock()  # held by each fork of a worker, and by no_fork()
+
+
+@contextlib.contextmanager
+def no_fork() -> Iterator[None]:
+    """While inside, this process forks no worker: a descriptor opened and closed inside
+    (a sweep's directory listing, on another thread than the forks) is no worker's."""
+    with _forking:
+        yield
+
 
 _at_start: list[tuple[Callable[[], object], bool]] = []
 
@@ -109,7 +121,8 @@ def fork_worker(
                 stream.flush()
         except (OSError, ValueError):
             pass
-    pid = os.fork()
+    with _forking:  # (released in the child too: its copy of the lock)
+        pid = os.fork()
     if pid:
         _at_start[:] = [(fn, once) for fn, once in _at_start if not once]
         return ForkedWorker(pid)

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from nimbus.config import Settings
-from nimbus.local_history import ENDPOINT, OWNER_PREFIX, directory
+from nimbus.local_history import ENDPOINT, KEEP_BYTES, OWNER_PREFIX, directory
 from nimbus.records import TaskRecord
 
 if TYPE_CHECKING:
@@ -57,7 +57,6 @@ __all__ = ["INGEST_EVERY", "KEEP_BYTES", "STALE", "ingest", "ingest_and_tell"]
 
 INGEST_EVERY = 1.0  # seconds between a service's reads of them
 STALE = 60.0  # seconds after which a claimed file not removed is taken again
-KEEP_BYTES = 64 << 20  # the files waiting, at most: the oldest beyond are dropped
 log = logging.getLogger(__name__)
 
 

@@ -27,9 +27,7 @@ log files leave the runtime directory.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import signal
 import ssl
 import threading
@@ -42,7 +40,7 @@ import redis
 import uvicorn
 from fastapi import FastAPI
 
-from nimbus import _loop
+from nimbus import _loop, _service_state
 from nimbus.config import Settings
 from nimbus.errors import ConfigError, StateStoreError
 from nimbus.service.limits import HeadLimit
@@ -322,7 +320,7 @@ async def _run(
     print(f"nimbus {name} listening on {url}", flush=True)
     if url_file is not None:
         _write(url_file, url + "\n")
-    _write(state, json.dumps({"url": url, "pid": os.getpid()}))
+    _write(state, _service_state.text(url))
     try:
         await task
     finally:

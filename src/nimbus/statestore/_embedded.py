@@ -502,7 +502,7 @@ class EmbeddedRedis:
         try:
             with lock_file(self.runtime_dir / f".{self.name}.lock", _STOP_LOCK_WAIT):
                 pass  # its starter wrote all of it (or is stuck: the file is whole anyway)
-        except TimeoutError:
+        except OSError:  # stuck (TimeoutError), or the runtime directory was removed
             pass
         try:
             state: dict[str, Any] = json.loads(self.state_file.read_text())
