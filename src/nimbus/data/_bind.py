@@ -165,7 +165,14 @@ def open_session(backend: Any, endpoint: str | None, call: Callable[..., Any]) -
     # the store the endpoint gives this user's tasks: named from the owner the service
     # passes with each task (every token of the user finds the same one)
     place = str(getattr(backend, "endpoint_id", endpoint))  # names differ between users
-    found = Session(owner_namespace(str(me["user_id"])), str(me.get("name", "")), place, call=call)
+    name = endpoint  # as the user named it; an id given: the service's name for it
+    if name == place:
+        try:
+            name = str(client.get_endpoint(place).get("name") or place)
+        except Exception:  # (only for messages)
+            name = place
+    user = str(me.get("name", ""))
+    found = Session(owner_namespace(str(me["user_id"])), user, place, call=call, name=name)
     register(place, found)
     register(endpoint, found)
     return found
