@@ -143,7 +143,9 @@ def test_bad_files_are_refused_before_any_task(ex: Executor, tmp_path: Path) -> 
     (tmp_path / "exp" / "link").symlink_to(tmp_path / "secret")
     with pytest.raises(FileRefused, match="a symlink leads out"):
         check_export(str(tmp_path / "exp" / "link"), [tmp_path / "exp"], "e")
-    with pytest.raises(FileRefused, match="outside the directories"):
+    with pytest.raises(  # (what to run: stranger 7 F7)
+        FileRefused, match=r"outside the directories.*`nimbus endpoint configure e --exports"
+    ):
         check_export(str(tmp_path / "secret"), [tmp_path / "exp"], "e")
     assert check_export(str(tmp_path / "exp"), [tmp_path / "exp"], "e") == tmp_path / "exp"
 

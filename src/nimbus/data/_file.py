@@ -164,7 +164,8 @@ def check_export(path: str, exports: list[Path], endpoint: str) -> Path:
     escaped = " (a symlink leads out of them)" if Path(os.path.abspath(path)) != real else ""
     raise FileRefused(
         f"{endpoint}:{path} is outside the directories endpoint {endpoint!r} exports "
-        f"({shown}){escaped}; its owner lists them as `exports` in its endpoint.toml"
+        f"({shown}){escaped}; its owner exports more with `nimbus endpoint configure "
+        f"{endpoint} --exports DIR[:DIR...]`"
     )
 
 
