@@ -425,6 +425,18 @@ def test_a_failed_dependency_fails_the_task_that_waits_for_it(ex: Executor) -> N
         after.result(timeout=30)
 
 
+def test_a_cancelled_input_fails_the_task_that_waits_for_it_naming_it(ex: Executor) -> None:
+    """Stranger 7 F7: it failed with a CancelledError that said nothing of which input."""
+    blocker = ex.submit(time.sleep, 1.0)  # (the cancelled one waits its turn behind it)
+    cancelled = ex.options(keep=True).submit(slow_double, [1])
+    after = ex.submit(total, [3], cancelled)
+    assert cancelled.cancel()
+    with pytest.raises(InputFailed, match=r"its input, task \S+ \(slow_double\), was cancelled"):
+        after.result(timeout=30)
+    assert after.exception().input_id == cancelled.record.task_id
+    blocker.result(timeout=30)
+
+
 def test_a_task_waits_for_the_futures_it_is_given(ex: Executor) -> None:
     slow = ex.options(keep=True).submit(lambda: (time.sleep(0.3), [5])[1])
     plain = ex.submit(lambda: [1, 2])  # not kept: its value is passed

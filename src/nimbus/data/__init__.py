@@ -32,7 +32,8 @@ What happens under each failure:
 * a task a future depends on fails: the dependent task fails and never runs: on an
   endpoint, where the service held it (a kept future of the same executor), with
   ``InputFailed`` naming the input's task id (its ``__cause__`` the input's error where
-  the client has it), a cancelled input likewise; elsewhere with the input's own error;
+  the client has it), a cancelled input likewise; elsewhere with the input's own error
+  (a cancelled input: ``InputFailed`` naming its task);
 * the client exits after submitting a chain on an endpoint: the service holds and
   releases its tasks without it; results are there by task id (``Client.get_result``),
   kept objects until their leases run out;
