@@ -712,6 +712,8 @@ def test_an_object_on_a_stopped_endpoint_fails_its_reads_and_dependents_naming_i
                 ref.get(timeout=0)
             assert "on gone," in repr(ref)  # the name the user gave, not the id
             again = nimbus.put([4, 5], endpoint="gone")
+            made = there.options(keep=True).submit(squares, 3)  # pure: made again if lost
+            assert made.ref(timeout=60) is not None
             gone.stop()
             deadline = time.monotonic() + 30
             while alice.get_endpoint(gone.endpoint_id)["online"]:
@@ -723,6 +725,8 @@ def test_an_object_on_a_stopped_endpoint_fails_its_reads_and_dependents_naming_i
             with pytest.raises(ReferenceLost, match=again.id[:12]) as caught:
                 remote.submit(sum, again).result(timeout=60)
             assert "endpoint 'gone'" in str(caught.value)
+            with pytest.raises(ReferenceLost, match="endpoint 'gone'"):
+                made.result(timeout=60)  # not made again there: it would wait for ever
             assert time.monotonic() - began < 30
             del there  # (its shutdown does not wait for the reads queued there)
     finally:

@@ -256,8 +256,8 @@ class Session:
             read.cancel()
             raise TimeoutError(
                 f"{ref!r} was not read within {timeout} s: endpoint {named(self.endpoint)!r} "
-                f"is online but has not run the read yet (busy workers?); try again with "
-                f"a longer timeout"
+                f"has not run the read yet (its workers busy, or the service slow?); try "
+                f"again with a longer timeout"
             ) from None
 
     # -- leases ---------------------------------------------------------------

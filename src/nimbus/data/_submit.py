@@ -98,8 +98,8 @@ class KeptFuture(Future):
         try:
             return ref.get()
         except ReferenceLost:
-            if self._recipe is None or self._path is None:
-                raise
+            if self._recipe is None or self._path is None or self._path.offline():
+                raise  # (an offline endpoint would hold the task made again for ever)
             again = self._path.again(self)  # a pure task: made again, then fetched
             return again.result(timeout)
 
@@ -163,6 +163,13 @@ class DataPath:
                         self._watch = Watch(self.online)
             self._watch.add(future, offline_error(fn, args))
         return future
+
+    def offline(self) -> bool:
+        """Whether the service says this path's endpoint is offline (never locally)."""
+        if self._ex._endpoint is None or getattr(self._ex._backend, "client", None) is None:
+            return False
+        state = self.online()
+        return state is not None and not state[0]
 
     def online(self) -> tuple[bool, str] | None:
         """Whether the endpoint is online, and its name, as the service says (None
