@@ -425,6 +425,18 @@ def test_a_failed_dependency_fails_the_task_that_waits_for_it(ex: Executor) -> N
         after.result(timeout=30)
 
 
+def test_a_cancelled_input_fails_the_task_that_waits_for_it_naming_it(ex: Executor) -> None:
+    """Stranger 7 F7: it failed with a CancelledError that said nothing of which input."""
+    blocker = ex.submit(time.sleep, 1.0)  # (the cancelled one waits its turn behind it)
+    cancelled = ex.options(keep=True).submit(slow_double, [1])
+    after = ex.submit(total, [3], cancelled)
+    assert cancelled.cancel()
+    with pytest.raises(InputFailed, match=r"its input, task \S+ \(slow_double\), was cancelled"):
+        after.result(timeout=30)
+    assert after.exception().input_id == cancelled.record.task_id
+    blocker.result(timeout=30)
+
+
 def test_a_task_waits_for_the_futures_it_is_given(ex: Executor) -> None:
     slow = ex.options(keep=True).submit(lambda: (time.sleep(0.3), [5])[1])
     plain = ex.submit(lambda: [1, 2])  # not kept: its value is passed
@@ -606,7 +618,9 @@ def test_remote_references_stay_on_the_endpoint(remote: Executor, lab: EndpointP
     assert remote.statistics()["bytes_received"] - before < 64 * 1024
     assert parts[2].result(timeout=60) == bytes([2]) * (MB // 4)  # fetched through the service
     assert ref.get() == list(range(100))
-    with pytest.raises(DataAccessError, match="kept on the local runtime, and these tasks run on "):
+    with pytest.raises(  # (named as the user named it, not by its id: stranger 7 F7)
+        DataAccessError, match=r"the local runtime, and these tasks run on lab; .*endpoint='lab'"
+    ):
         remote.submit(len, nimbus.put([1]))  # a local Ref, to a task on lab
     with Executor() as local:  # a local kept future, the same (it was an AssertionError)
         (kept,) = local.map(len, [[1, 2]], keep=True)
@@ -675,6 +689,48 @@ def test_an_endpoint_leaves_nothing_behind_when_it_stops(
     finally:
         brief.stop()
     assert not root.exists()  # the endpoint stopped: its objects went with it
+
+
+def test_an_object_on_a_stopped_endpoint_fails_its_reads_and_dependents_naming_it(
+    service: Service, alice: Client, remote: Executor, tmp_path: Path
+) -> None:
+    """Stranger 7 F3: after its endpoint stopped, ``Ref.get()`` of an object put there
+    waited for ever, and so did a task on another endpoint given it: both fail at once
+    with ``ReferenceLost`` naming the object and the endpoint (a stopped endpoint's
+    objects are gone with it); ``get`` takes a timeout; the Executor of the stopped
+    endpoint still shuts down (its reads were cancelled at the service)."""
+    gone = EndpointProcess(service, alice, "gone")
+    gone.service = copy.copy(service)  # its own runtime directory: its own data
+    gone.service.env = dict(service.env, NIMBUS_RUNTIME_DIR=str(tmp_path / "rt"))
+    gone.start(alice)
+    try:
+        with Executor(endpoint="gone", settings=service.user_settings(alice.token)) as there:
+            ref = nimbus.put([1, 2, 3], endpoint="gone")
+            assert ref.get(timeout=60) == [1, 2, 3]
+            assert remote.submit(sum, ref).result(timeout=120) == 6  # copied to lab
+            with pytest.raises(TimeoutError, match="was not read within 0 s"):
+                ref.get(timeout=0)
+            assert "on gone," in repr(ref)  # the name the user gave, not the id
+            again = nimbus.put([4, 5], endpoint="gone")
+            made = there.options(keep=True).submit(squares, 3)  # pure: made again if lost
+            assert made.ref(timeout=60) is not None
+            gone.stop()
+            deadline = time.monotonic() + 30
+            while alice.get_endpoint(gone.endpoint_id)["online"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            began = time.monotonic()
+            with pytest.raises(ReferenceLost, match="endpoint 'gone', which keeps it, is offline"):
+                again.get()  # (no timeout: it would have waited for ever)
+            with pytest.raises(ReferenceLost, match=again.id[:12]) as caught:
+                remote.submit(sum, again).result(timeout=60)
+            assert "endpoint 'gone'" in str(caught.value)
+            with pytest.raises(ReferenceLost, match="endpoint 'gone'"):
+                made.result(timeout=60)  # not made again there: it would wait for ever
+            assert time.monotonic() - began < 30
+            del there  # (its shutdown does not wait for the reads queued there)
+    finally:
+        gone.stop()
 
 
 def test_remote_reference_of_another_user_is_refused(

@@ -102,6 +102,35 @@ def test_an_out_file_that_fails_leaves_nothing_behind(ex: Executor, tmp_path: Pa
     assert not (tmp_path / "res").exists()
 
 
+def note_ran(path: str, out: Path) -> None:
+    Path(path).write_text("ran")
+    out.write_text("output")
+
+
+def test_an_out_file_that_cannot_be_written_is_refused_before_its_task(
+    ex: Executor, tmp_path: Path
+) -> None:
+    """Stranger 7 F4: an out= file in a directory that cannot be written was found only
+    after the task ran (its output lost, a bare FileNotFoundError), and an unknown
+    placeholder was written literally: both refused at submit, naming what to change."""
+    ran = str(tmp_path / "ran")
+    with pytest.raises(
+        FileRefused,
+        match=r"out=nimbus.File\('/proc/x.txt'\) cannot be written: a file cannot be made in /proc",
+    ):
+        ex.submit(note_ran, ran, out=nimbus.File("/proc/x.txt"))
+    (tmp_path / "plain").write_text("a file, not a directory")
+    with pytest.raises(FileRefused, match="plain is not a directory"):
+        ex.submit(note_ran, ran, out=nimbus.File(str(tmp_path / "plain" / "sub" / "x.txt")))
+    with pytest.raises(FileRefused, match=r"unknown placeholder \{bogus\} .* \{task_id\}"):
+        ex.submit(note_ran, ran, out=nimbus.File(str(tmp_path / "{bogus}-{task_id}.txt")))
+    assert not Path(ran).exists()  # none of them ran
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]  # nothing made
+    ex.submit(note_ran, ran, out=nimbus.File(str(tmp_path / "new" / "{task_id}.txt"))).result(60)
+    (made,) = (tmp_path / "new").iterdir()  # a directory to be made: fine
+    assert made.read_text() == "output"
+
+
 def test_bad_files_are_refused_before_any_task(ex: Executor, tmp_path: Path) -> None:
     with pytest.raises(FileRefused, match=r"'\.\.'"):
         nimbus.File("lab:/data/../etc/passwd")
@@ -114,7 +143,9 @@ def test_bad_files_are_refused_before_any_task(ex: Executor, tmp_path: Path) -> 
     (tmp_path / "exp" / "link").symlink_to(tmp_path / "secret")
     with pytest.raises(FileRefused, match="a symlink leads out"):
         check_export(str(tmp_path / "exp" / "link"), [tmp_path / "exp"], "e")
-    with pytest.raises(FileRefused, match="outside the directories"):
+    with pytest.raises(  # (what to run: stranger 7 F7)
+        FileRefused, match=r"outside the directories.*`nimbus endpoint configure e --exports"
+    ):
         check_export(str(tmp_path / "secret"), [tmp_path / "exp"], "e")
     assert check_export(str(tmp_path / "exp"), [tmp_path / "exp"], "e") == tmp_path / "exp"
 

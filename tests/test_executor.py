@@ -228,6 +228,16 @@ def test_map_bad_chunksize(ex) -> None:
         ex.map(add, [1], chunksize=0)
 
 
+def test_a_kept_map_refuses_a_timeout_it_cannot_honour(ex) -> None:
+    """Stranger 7 F7: map(keep=True, timeout=1) returned its futures and ignored it."""
+    with pytest.raises(ValueError, match=r"keep=True, timeout=1\).*options\(timeout="):
+        ex.map(add, [1], keep=True, timeout=1)
+    with pytest.raises(ValueError, match="nothing to time out"):
+        ex.options(keep=True).map(add, [1], timeout=1)
+    (kept,) = ex.map(add, [1], [2], keep=True)
+    assert kept.result(timeout=30) == 3
+
+
 def test_map_multiple_iterables(ex) -> None:
     assert list(ex.map(pow, [2, 3, 4], [5, 6])) == [32, 729]
 

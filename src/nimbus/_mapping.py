@@ -52,10 +52,18 @@ class Mapper(cf.Executor):
         """Like ``concurrent.futures.ProcessPoolExecutor.map``: in order, ``chunksize`` per task.
 
         ``keep``: the results stay where they were made, and the list of
-        :class:`~nimbus.KeptFuture` (one per item) is returned, to pass to other tasks.
+        :class:`~nimbus.KeptFuture` (one per item) is returned at once, to pass to other
+        tasks (``timeout`` is refused then: nothing waits).
         ``progress=True`` draws a bar of the items done on stderr (``nimbus._progress``).
         """
         if keep or self._keeps:
+            if timeout is not None:  # (it was ignored without a word: stranger 7 F7)
+                raise ValueError(
+                    f"map(keep=True, timeout={timeout!r}): a kept map returns its futures at "
+                    f"once and waits for none, so there is nothing to time out; bound each "
+                    f"task with .options(timeout=...), or wait for the futures with "
+                    f"concurrent.futures.wait(futures, timeout)"
+                )
             return self._map_kept(fn, iterables)  # type: ignore[return-value]  # to pass on
         return map_results(
             self.submit, fn, iterables, timeout, chunksize, progress, self._cancel_queued

@@ -32,10 +32,15 @@ What happens under each failure:
 * a task a future depends on fails: the dependent task fails and never runs: on an
   endpoint, where the service held it (a kept future of the same executor), with
   ``InputFailed`` naming the input's task id (its ``__cause__`` the input's error where
-  the client has it), a cancelled input likewise; elsewhere with the input's own error;
+  the client has it), a cancelled input likewise; elsewhere with the input's own error
+  (a cancelled input: ``InputFailed`` naming its task);
 * the client exits after submitting a chain on an endpoint: the service holds and
   releases its tasks without it; results are there by task id (``Client.get_result``),
   kept objects until their leases run out;
+* the endpoint that keeps an object goes offline (stopped: its objects went with it):
+  reading it (``Ref.get``, a copy to another endpoint and the tasks waiting for it)
+  fails at once with ``ReferenceLost`` naming it and the endpoint, and the read is
+  cancelled at the service (``_watch``); ``Ref.get(timeout=)`` bounds any other wait;
 * a Ref of another user, or of the local runtime passed to an endpoint: ``DataAccessError``
   at ``submit``, before any task runs (and again in the worker, for a Ref hidden deeper);
 * a Ref of another endpoint (the same user): copied endpoint to endpoint before the task
@@ -88,7 +93,8 @@ task's arguments: dependencies, references, the session of an Executor), ``_subm
 (the Executor's data path: ``KeptFuture``, sending tasks at once or once their inputs are done,
 making lost results of pure tasks again), ``_direct`` (bytes sent endpoint to endpoint:
 a one-use connection the target offers), ``_serve`` (a node's file cache served to the
-endpoint's other nodes) and ``_carry`` (Refs of another endpoint copied to the task's).
+endpoint's other nodes), ``_carry`` (Refs of another endpoint copied to the task's) and
+``_watch`` (the data path's calls to an endpoint, failed when it is offline).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any
 
 from nimbus.data._file import File, Out, Staged
 from nimbus.data._ref import MAX_SCAN, Ref, Session, owner_namespace, register, session
-from nimbus.errors import DataError
+from nimbus.errors import DataError, InputFailed
 
 __all__ = [
     "bind",
@@ -97,6 +97,15 @@ def _bound(value: Any, where: Session, holds: list[Ref], promised: Collection[An
         if value in promised:  # not done: the Ref its task will make (it runs first)
             promise: Ref = value._promise  # type: ignore[attr-defined]
             return promise
+        if value.cancelled():  # (its result() says only CancelledError, no word of which)
+            record = getattr(value, "record", None)
+            task_id = getattr(record, "task_id", "")
+            named = f"task {task_id} ({record.function})" if record is not None else repr(value)
+            raise InputFailed(
+                f"this task did not run: its input, {named}, was cancelled; submit that "
+                f"task again and pass its new future",
+                task_id,
+            )
         if getattr(value, "kept", False):
             ref: Ref = value.ref()  # type: ignore[attr-defined]
             where.check(ref)
@@ -165,7 +174,14 @@ def open_session(backend: Any, endpoint: str | None, call: Callable[..., Any]) -
     # the store the endpoint gives this user's tasks: named from the owner the service
     # passes with each task (every token of the user finds the same one)
     place = str(getattr(backend, "endpoint_id", endpoint))  # names differ between users
-    found = Session(owner_namespace(str(me["user_id"])), str(me.get("name", "")), place, call=call)
+    name = endpoint  # as the user named it; an id given: the service's name for it
+    if name == place:
+        try:
+            name = str(client.get_endpoint(place).get("name") or place)
+        except Exception:  # (only for messages)
+            name = place
+    user = str(me.get("name", ""))
+    found = Session(owner_namespace(str(me["user_id"])), user, place, call=call, name=name)
     register(place, found)
     register(endpoint, found)
     return found

@@ -60,6 +60,7 @@ import hashlib
 import os
 import re
 import shutil
+import tempfile
 import threading
 import tomllib
 from dataclasses import dataclass, field
@@ -163,8 +164,41 @@ def check_export(path: str, exports: list[Path], endpoint: str) -> Path:
     escaped = " (a symlink leads out of them)" if Path(os.path.abspath(path)) != real else ""
     raise FileRefused(
         f"{endpoint}:{path} is outside the directories endpoint {endpoint!r} exports "
-        f"({shown}){escaped}; its owner lists them as `exports` in its endpoint.toml"
+        f"({shown}){escaped}; its owner exports more with `nimbus endpoint configure "
+        f"{endpoint} --exports DIR[:DIR...]`"
     )
+
+
+_PLACEHOLDER = re.compile(r"\{[^{}/]*\}")
+
+
+def check_out(out: File, here: bool) -> None:
+    """Refuse an ``out=`` file before its task runs: a placeholder other than
+    ``{task_id}`` in its path; ``here`` (its directory is on this machine): a directory
+    that cannot be made or written (as after the task, when its output would be lost)."""
+    unknown = sorted({p for p in _PLACEHOLDER.findall(out.path) if p != "{task_id}"})
+    if unknown:
+        raise FileRefused(
+            f"out={out!r}: unknown placeholder {', '.join(unknown)} in its path; the only "
+            f"one is {{task_id}} (the task's id): use it, or leave the braces out"
+        )
+    if not here:
+        return
+    top = Path(out.path).parent
+    while not top.exists() and top != top.parent:  # (the directories made after the task)
+        top = top.parent
+    try:
+        if not top.is_dir():
+            raise NotADirectoryError(f"{top} is not a directory")
+        fd, probe = tempfile.mkstemp(dir=top, prefix=".nimbus-out-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise FileRefused(
+            f"out={out!r} cannot be written: a file cannot be made in {top} ({why}); "
+            f"give an out= path in a directory you can write"
+        ) from None
 
 
 def _exported(endpoint: str, path: str) -> Path:
@@ -315,8 +349,14 @@ def finish_out(out: Out, written: Path, task_id: str) -> None:
             f"write the path the task is given, as it is"
         )
     target = Path(path) if out.endpoint is None else _exported(out.endpoint, path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(written, target)  # a rename, or a copy from the node's memory store
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(written, target)  # a rename, or a copy from the node's memory store
+    except OSError as exc:  # (checked at submit: changed since, or another node's)
+        raise DataError(
+            f"the task ran, but its out= file cannot be written to {target} "
+            f"({exc.strerror or exc}); give an out= path in a directory it can write"
+        ) from None
 
 
 # ---------------------------------------------------------------- the client's side
@@ -521,6 +561,7 @@ def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
                 )
             if not remote and value.endpoint is not None and local is None:
                 raise FileRefused(f"out={value!r}: endpoint {value.endpoint!r} is not here")
+            check_out(value, local is not None or not remote)  # (its directory is here)
             return Out(owner, value.path)
         if value.endpoint is None and not os.path.exists(value.path):
             raise missing(value.path, "on this machine")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import concurrent.futures as cf
 import getpass
 import logging
 import os
@@ -40,6 +41,7 @@ __all__ = [
     "Scope",
     "Session",
     "get",
+    "named",
     "new_id",
     "owner_namespace",
     "pure",
@@ -114,12 +116,14 @@ class Ref:
         return hash(self.id)
 
     def __repr__(self) -> str:
-        where = self.endpoint or "local"
+        where = named(self.endpoint) if self.endpoint else "local"
         return f"<nimbus.Ref {self.id[:12]} of {self.user} on {where}, {self.size} bytes>"
 
-    def get(self) -> Any:
-        """The object (fetched from where it is kept)."""
-        return session(self.endpoint).fetch(self)
+    def get(self, timeout: float | None = None) -> Any:
+        """The object (fetched from where it is kept), within ``timeout`` seconds
+        (``TimeoutError``; None: no limit). Its endpoint offline (stopped: its objects
+        went with it): ``ReferenceLost`` naming the endpoint, at once."""
+        return session(self.endpoint).fetch(self, timeout)
 
 
 class _Entry:
@@ -148,12 +152,15 @@ class Session:
         store: NodeStore | None = None,
         call: Callable[..., Any] | None = None,
         lease: float | None = None,
+        name: str = "",
     ) -> None:
         if store is None and call is None:
             raise DataError("a data session needs a store or a way to run tasks")
         self.namespace = namespace
         self.user = user
         self.endpoint = endpoint
+        if endpoint is not None and name:  # (messages say the name the user knows)
+            _names[endpoint] = name
         self.store = store
         self.call = call
         self.lease = LEASE if lease is None else lease
@@ -204,10 +211,11 @@ class Session:
     def check(self, ref: Ref) -> None:
         """Refuse a Ref this session cannot pass to its tasks (before any task runs)."""
         if ref.endpoint != self.endpoint:
+            there, here = named(ref.endpoint), named(self.endpoint)
             raise DataAccessError(
-                f"{ref!r} is kept on {ref.endpoint or 'the local runtime'}, and these tasks "
-                f"run on {self.endpoint or 'the local runtime'}; pass it to tasks there, or "
-                f"nimbus.put(ref.get(), endpoint={self.endpoint!r})"
+                f"{ref!r} is kept on {there or 'the local runtime'}, and these tasks "
+                f"run on {here or 'the local runtime'}; pass it to tasks there, or "
+                f"nimbus.put(ref.get(), endpoint={here or None!r})"
             )
         if ref.namespace != self.namespace:
             raise DataAccessError(
@@ -243,7 +251,7 @@ class Session:
         ref: Ref = self.call(identity, obj, keep=True).ref()
         return ref
 
-    def fetch(self, ref: Ref) -> Any:
+    def fetch(self, ref: Ref, timeout: float | None = None) -> Any:
         self.check(ref)
         if self.store is not None:
             try:
@@ -253,7 +261,16 @@ class Session:
         from nimbus.data._task import identity
 
         assert self.call is not None
-        return self.call(identity, ref, keep=False).result()
+        read = self.call(identity, ref, keep=False)  # (failed if its endpoint is offline)
+        try:
+            return read.result(timeout)
+        except cf.TimeoutError:
+            read.cancel()
+            raise TimeoutError(
+                f"{ref!r} was not read within {timeout} s: endpoint {named(self.endpoint)!r} "
+                f"has not run the read yet (its workers busy, or the service slow?); try "
+                f"again with a longer timeout"
+            ) from None
 
     # -- leases ---------------------------------------------------------------
     def flush(self, *, renew: bool = True) -> None:
@@ -358,6 +375,17 @@ def _forget_sessions() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_sessions)
+
+
+# endpoint id -> the name its Executor was opened with (or the service's name for it)
+_names: dict[str, str] = {}
+
+
+def named(endpoint: str | None) -> str:
+    """``endpoint`` (an id) as the user named it where this process knows it."""
+    if endpoint is None:
+        return ""
+    return _names.get(endpoint, endpoint)
 
 
 def local_namespace() -> str:

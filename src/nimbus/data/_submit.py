@@ -36,6 +36,7 @@ from nimbus.data._carry import Copy, carry, relayed_by
 from nimbus.data._file import copy_names, restage
 from nimbus.data._ref import MAX_SCAN, Ref, Session, new_id
 from nimbus.data._task import run
+from nimbus.data._watch import Watch, offline_error
 from nimbus.errors import InputFailed, ReferenceLost
 from nimbus.records import TaskRecord
 
@@ -97,8 +98,8 @@ class KeptFuture(Future):
         try:
             return ref.get()
         except ReferenceLost:
-            if self._recipe is None or self._path is None:
-                raise
+            if self._recipe is None or self._path is None or self._path.offline():
+                raise  # (an offline endpoint would hold the task made again for ever)
             again = self._path.again(self)  # a pure task: made again, then fetched
             return again.result(timeout)
 
@@ -131,6 +132,7 @@ class DataPath:
         self._sends: list[tuple[Callable[[], None], cf.Future[Any] | None]] = []
         self._send_ready = threading.Condition(self._lock)
         self._sender: threading.Thread | None = None
+        self._watch: Watch | None = None  # its calls on an endpoint (made on first use)
 
     # -- the session ---------------------------------------------------------
     def open(self) -> Session:
@@ -147,10 +149,38 @@ class DataPath:
     def call(
         self, fn: Callable[..., Any], *args: Any, keep: bool = False, after: Any = ()
     ) -> Future:
+        """``fn(*args)`` run there as a task of the data path (a read, a copy, a
+        renewal); on an endpoint it fails, and is cancelled, if the endpoint is offline
+        (``_watch``): a stopped endpoint's objects are gone, nothing waits for them."""
         ex = self._ex
-        return self.submit(
+        future = self.submit(
             fn, args, {}, ex._timeout, keep, ex._environment, ex._env, after=list(after)
         )
+        if ex._endpoint is not None and getattr(ex._backend, "client", None) is not None:
+            if self._watch is None:
+                with self._opening:
+                    if self._watch is None:
+                        self._watch = Watch(self.online)
+            self._watch.add(future, offline_error(fn, args))
+        return future
+
+    def offline(self) -> bool:
+        """Whether the service says this path's endpoint is offline (never locally)."""
+        if self._ex._endpoint is None or getattr(self._ex._backend, "client", None) is None:
+            return False
+        state = self.online()
+        return state is not None and not state[0]
+
+    def online(self) -> tuple[bool, str] | None:
+        """Whether the endpoint is online, and its name, as the service says (None
+        when it cannot be asked now)."""
+        backend = self._ex._backend
+        place = str(getattr(backend, "endpoint_id", self._ex._endpoint))
+        try:
+            info = backend.client.get_endpoint(place)
+        except Exception:  # (the service unreachable: nothing is failed for it)
+            return None
+        return bool(info.get("online", True)), str(info.get("name") or place)
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` run through ``nimbus.data.run`` (one partial per function, reused)."""
