@@ -14,7 +14,9 @@ The sending half (links out, numbering, coalescing, the store fallback) is
 links in, reads them into the mailbox and waits in ``recv``, checking a
 silent peer's liveness every HEARTBEAT. ``recv_next`` is the lean wait of a
 reader of one writer (a Pipe's direction): one read of that writer's link,
-which waits in the kernel itself while no other thread reads (no poll first).
+which waits in the kernel itself while no other thread reads (no poll first),
+after a bounded spin of reads that do not wait (``_spin``: a prompt reply is
+read without sleeping; spins that find nothing back off).
 """
 
 from __future__ import annotations
