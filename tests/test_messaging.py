@@ -11,6 +11,7 @@ import itertools
 import logging
 import operator
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -435,6 +436,25 @@ def test_recv_next_spins_for_a_prompt_reply_and_backs_off_while_none_comes(
         a.send(b.id, i, tag="lane")
         got.append(_recv_next(b, a.id, "lane"))
     assert got == list(range(SPIN_BACKOFF + 2))
+    assert link.spin_backoff == 0
+
+
+def test_recv_next_does_not_spin_on_a_large_message_already_coming(instances: Any) -> None:
+    """A spin that reads part of a large message leaves the rest to the waiting reads
+    (its bytes come as the writer writes them): it counts as no failed spin."""
+    a, b = instances(), instances()
+    a.send(b.id, b"first", tag="lane")
+    assert _recv_next(b, a.id, "lane") == b"first"
+    link = b._from[a.id]
+    big = os.urandom(8 << 20)  # more than a socket holds: read in parts
+    writer = threading.Thread(target=a.send, args=(b.id, big), kwargs={"tag": "lane"})
+    writer.start()
+    try:
+        assert select.select([link.sock], [], [], 10)[0]  # its first bytes are here
+        assert link.spin_skip == 0 and link.spin_backoff == 0
+        assert _recv_next(b, a.id, "lane") == big
+    finally:
+        writer.join(30)
     assert link.spin_backoff == 0
 
 

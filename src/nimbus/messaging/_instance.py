@@ -571,15 +571,20 @@ def _spin(link: _peer.Peer) -> Any:
     is busy, or shares this core: spinning only delays it) makes the next
     1, 2, 4, ... SPIN_BACKOFF waiting reads go without one, so a Pipe whose
     peer does not answer at once costs at most SPIN every SPIN_BACKOFF messages,
-    and an idle one nothing more."""
+    and an idle one nothing more. A large message that has begun to come is left
+    to the caller's reads, as before (no spin for it: its bytes come as the peer
+    writes them, and waiting in the kernel for them costs no more)."""
     if link.spin_skip:
         link.spin_skip -= 1
         return []
-    receive = link.channel.receive_message
+    channel = link.channel
+    receive = channel.receive_message
     clock = time.perf_counter
     end = clock() + SPIN
     got = receive(_DONTWAIT)
     while got == []:
+        if channel.mid_frame:
+            return got
         if clock() >= end:
             backoff = link.spin_backoff * 2 or 1
             link.spin_skip = link.spin_backoff = min(backoff, SPIN_BACKOFF)
