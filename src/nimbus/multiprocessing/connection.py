@@ -546,7 +546,7 @@ def _release_quietly(*args: Any) -> None:
     if not wake:  # the first: the thread starts (no lock: ``Thread.start`` takes some)
         r, w = os.pipe()
         os.set_blocking(w, False)
-        wake.append(w)
+        wake += (w, r)
         _thread.start_new_thread(_releaser, (r,))
         util.Finalize(None, _release_queued, exitpriority=10)
         return
@@ -564,7 +564,7 @@ def _release_now(args: tuple[Any, ...]) -> None:
 
 
 # Releases of collected copies, in the order they were collected: the releasing
-# thread's (``_releaser``), started at the first; its wake pipe's write end.
+# thread's (``_releaser``), started at the first; its wake pipe (write end, read end).
 _released: collections.deque[tuple[Any, ...]] = collections.deque()
 _releasing: list[int] = []
 _busy: list[bool] = [False]  # the thread is releasing one (at exit: wait for it)
@@ -601,8 +601,13 @@ def _release_queued() -> None:
 
 
 def _forget_releases() -> None:
-    """In a forked child: the parent's queued releases are the parent's."""
+    """In a forked child: the parent's queued releases (and its thread) are the parent's."""
     _released.clear()
+    for fd in _releasing:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     _releasing.clear()
     _busy[0] = False
 
