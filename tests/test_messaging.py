@@ -415,7 +415,7 @@ def test_recv_next_spins_for_a_prompt_reply_and_backs_off_while_none_comes(
     """A waiting ``recv_next`` first reads without waiting for up to SPIN (a reply that
     comes within microseconds is read without sleeping); each spin that finds
     nothing doubles the waits that go without one, up to SPIN_BACKOFF, and a spin
-    that finds a message starts over. What comes is delivered in order either way."""
+    that finds a message halves them. What comes is delivered in order either way."""
     a, b = instances(), instances()
     a.send(b.id, b"first", tag="lane")
     assert _recv_next(b, a.id, "lane") == b"first"
@@ -431,11 +431,11 @@ def test_recv_next_spins_for_a_prompt_reply_and_backs_off_while_none_comes(
     assert spins <= 12, spins  # 1 + 2 + 4 + ... + 64 + 64 waits between them
     assert time.monotonic() - t0 < 200 * (BLOCK + SPIN) + 5
     got = []
-    for i in range(SPIN_BACKOFF + 2):  # messages waiting: the next spin finds one
+    for i in range(8 * SPIN_BACKOFF):  # messages waiting: each spin finds one
         a.recv_next(b.id, "lane", 0.0)  # a read counts as a receive: replies go at once
         a.send(b.id, i, tag="lane")
         got.append(_recv_next(b, a.id, "lane"))
-    assert got == list(range(SPIN_BACKOFF + 2))
+    assert got == list(range(8 * SPIN_BACKOFF))
     assert link.spin_backoff == 0
 
 

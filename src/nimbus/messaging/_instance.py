@@ -569,9 +569,10 @@ def _spin(link: _peer.Peer) -> Any:
     two cores) is read without either process sleeping: waking a sleeping process
     costs more than the whole message here. A spin that finds nothing (the peer
     is busy, or shares this core: spinning only delays it) makes the next
-    1, 2, 4, ... SPIN_BACKOFF waiting reads go without one, so a Pipe whose
-    peer does not answer at once costs at most SPIN every SPIN_BACKOFF messages,
-    and an idle one nothing more. A large message that has begun to come is left
+    1, 2, 4, ... SPIN_BACKOFF waiting reads go without one, and a spin that
+    finds a message halves that, so a Pipe whose peer does not answer at once
+    (or shares a core with it, as on a loaded machine) costs at most SPIN
+    every SPIN_BACKOFF messages, and an idle one nothing more. A large message that has begun to come is left
     to the caller's reads, as before (no spin for it: its bytes come as the peer
     writes them, and waiting in the kernel for them costs no more)."""
     if link.spin_skip:
@@ -590,5 +591,5 @@ def _spin(link: _peer.Peer) -> Any:
             link.spin_skip = link.spin_backoff = min(backoff, SPIN_BACKOFF)
             return got
         got = receive(_DONTWAIT)
-    link.spin_backoff = 0
+    link.spin_backoff >>= 1  # found: halved (spins keep on while they keep finding)
     return got
