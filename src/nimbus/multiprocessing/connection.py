@@ -55,10 +55,8 @@ real sockets, which work between the processes of one host.
 
 from __future__ import annotations
 
-import _thread
 import collections
 import io
-import os
 import pickle
 import threading
 import time
@@ -80,7 +78,7 @@ from typing import TYPE_CHECKING, Any
 
 from nimbus import serialization
 from nimbus.errors import StateStoreError
-from nimbus.multiprocessing import _direct, _wait
+from nimbus.multiprocessing import _direct, _releasing, _wait
 from nimbus.multiprocessing import _site as _state
 from nimbus.multiprocessing._direct import PipeLane
 from nimbus.multiprocessing._handover import LOOK, Consumer
@@ -530,89 +528,22 @@ def _release(
 def _release_quietly(*args: Any) -> None:
     """The finalizer of a copy collected or left open at exit: never raises.
 
-    At exit it releases now. Collected, it only queues the release for the
-    releasing thread: the garbage collector runs finalizers in whichever
-    thread allocates, which may be in the middle of its own call on its link
-    (a release's commands and replies would interleave with that call's) or
-    hold a lock the release takes (the lane's reader). So the finalizer takes
-    no lock and does no I/O on a link: a deque's append is atomic, and the
-    thread is woken through a pipe of its own.
+    At exit it releases now. Collected, it queues the release for the
+    releasing thread (``_releasing``): the garbage collector runs finalizers in
+    whichever thread allocates, which may be in the middle of its own call on
+    its link or hold the lane reader's lock.
     """
     if util.is_exiting():
-        _release_now(args)
-        return
-    _released.append(args)
-    wake = _releasing
-    if not wake:  # the first: the thread starts (no lock: ``Thread.start`` takes some)
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        wake += (w, r)
-        _thread.start_new_thread(_releaser, (r,))
-        util.Finalize(None, _release_queued, exitpriority=10)
-        return
-    try:
-        os.write(wake[0], b"x")
-    except OSError:  # full: a wake-up is pending anyway
-        pass
+        _release_now(*args)
+    else:
+        _releasing.later(_release_now, args)
 
 
-def _release_now(args: tuple[Any, ...]) -> None:
+def _release_now(*args: Any) -> None:
     try:
         _release(*args)
     except Exception as exc:  # nobody to raise to; the keys expire with the program's TTL
         util.debug(f"nimbus: releasing a connection failed: {exc!r}")
-
-
-# Releases of collected copies, in the order they were collected: the releasing
-# thread's (``_releaser``), started at the first; its wake pipe (write end, read end).
-_released: collections.deque[tuple[Any, ...]] = collections.deque()
-_releasing: list[int] = []
-_busy: list[bool] = [False]  # the thread is releasing one (at exit: wait for it)
-
-
-def _releaser(wake: int) -> None:
-    """The releasing thread: each queued release, on its own link; then wait to be woken."""
-    while True:
-        while _released:
-            try:
-                args = _released.popleft()
-            except IndexError:
-                break
-            _busy[0] = True
-            _release_now(args)
-            _busy[0] = False
-        try:
-            os.read(wake, 4096)
-        except OSError:
-            return
-
-
-def _release_queued() -> None:
-    """At exit: the releases still queued, now (after the one under way, if any)."""
-    deadline = time.monotonic() + 2.0
-    while _busy[0] and time.monotonic() < deadline:
-        time.sleep(0.001)
-    while _released:
-        try:
-            args = _released.popleft()
-        except IndexError:
-            break
-        _release_now(args)
-
-
-def _forget_releases() -> None:
-    """In a forked child: the parent's queued releases (and its thread) are the parent's."""
-    _released.clear()
-    for fd in _releasing:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _releasing.clear()
-    _busy[0] = False
-
-
-os.register_at_fork(after_in_child=_forget_releases)
 
 
 def Pipe(duplex: bool = True, *, prog: Program | None = None) -> tuple[Connection, Connection]:
