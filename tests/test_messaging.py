@@ -11,6 +11,7 @@ import itertools
 import logging
 import operator
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -40,7 +41,7 @@ from nimbus.errors import (
 )
 from nimbus.messaging import Directory, Entry, Instance
 from nimbus.messaging._directory import EXITED, socket_dir
-from nimbus.messaging._instance import BLOCK, HEARTBEAT, NOTHING
+from nimbus.messaging._instance import BLOCK, HEARTBEAT, NOTHING, SPIN, SPIN_BACKOFF
 from nimbus.statestore import Program
 
 pytestmark = pytest.mark.timeout(90)
@@ -406,6 +407,55 @@ def test_recv_next_gives_one_writers_messages_in_order_once_and_times_out(
     t0 = time.monotonic()
     assert b.recv_next(a.id, "lane", 0.2) is NOTHING
     assert time.monotonic() - t0 < 0.5  # the read waits at most BLOCK, a poll 0.2 s
+
+
+def test_recv_next_spins_for_a_prompt_reply_and_backs_off_while_none_comes(
+    instances: Any,
+) -> None:
+    """A waiting ``recv_next`` first reads without waiting for up to SPIN (a reply that
+    comes within microseconds is read without sleeping); each spin that finds
+    nothing doubles the waits that go without one, up to SPIN_BACKOFF, and a spin
+    that finds a message halves them. What comes is delivered in order either way."""
+    a, b = instances(), instances()
+    a.send(b.id, b"first", tag="lane")
+    assert _recv_next(b, a.id, "lane") == b"first"
+    link = b._from[a.id]
+    assert link.spin_backoff == 0
+    spins = 0
+    t0 = time.monotonic()
+    for _ in range(200):  # a silent writer: few spins, each at most SPIN
+        spun = link.spin_skip == 0
+        assert b.recv_next(a.id, "lane", 0.002) is NOTHING
+        spins += spun
+    assert link.spin_backoff == SPIN_BACKOFF
+    assert spins <= 12, spins  # 1 + 2 + 4 + ... + 64 + 64 waits between them
+    assert time.monotonic() - t0 < 200 * (BLOCK + SPIN) + 5
+    got = []
+    for i in range(8 * SPIN_BACKOFF):  # messages waiting: each spin finds one
+        a.recv_next(b.id, "lane", 0.0)  # a read counts as a receive: replies go at once
+        a.send(b.id, i, tag="lane")
+        got.append(_recv_next(b, a.id, "lane"))
+    assert got == list(range(8 * SPIN_BACKOFF))
+    assert link.spin_backoff == 0
+
+
+def test_recv_next_does_not_spin_on_a_large_message_already_coming(instances: Any) -> None:
+    """A spin that reads part of a large message leaves the rest to the waiting reads
+    (its bytes come as the writer writes them): it counts as no failed spin."""
+    a, b = instances(), instances()
+    a.send(b.id, b"first", tag="lane")
+    assert _recv_next(b, a.id, "lane") == b"first"
+    link = b._from[a.id]
+    big = os.urandom(8 << 20)  # more than a socket holds: read in parts
+    writer = threading.Thread(target=a.send, args=(b.id, big), kwargs={"tag": "lane"})
+    writer.start()
+    try:
+        assert select.select([link.sock], [], [], 10)[0]  # its first bytes are here
+        assert link.spin_skip == 0 and link.spin_backoff == 0
+        assert _recv_next(b, a.id, "lane") == big
+    finally:
+        writer.join(30)
+    assert link.spin_backoff == 0
 
 
 def test_recv_next_does_not_starve_another_thread_reading(instances: Any) -> None:

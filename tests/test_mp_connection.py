@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import array
+import gc
 import multiprocessing
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 from nimbus.errors import StateStoreError
 from nimbus.multiprocessing import connection
 from nimbus.multiprocessing.connection import BufferTooShort, Pipe, wait
-from nimbus.statestore import EmbeddedRedis, Keys, Program, program
+from nimbus.statestore import EmbeddedRedis, Keys, Link, Program, link, program
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -176,6 +178,37 @@ def test_ordering_across_processes(spawn: multiprocessing.context.SpawnContext) 
             break
     p.join(20)
     assert got == list(range(10_000))
+
+
+def test_an_end_collected_mid_link_call_is_released_by_another_thread() -> None:
+    """The cyclic GC runs finalizers in whichever thread allocates, here in the
+    middle of this thread's own call on its link (its commands sent, their replies
+    not yet read): the collected end's release must not use that link (its replies
+    would be read by the wrong caller), so it is queued; the releasing thread
+    sends it, and the peer still reads end-of-stream."""
+    a, b = Pipe()
+    b.cycle = b  # type: ignore[attr-defined]  # only the cyclic GC frees it
+    del b
+    store = link(program())
+    fired = []
+
+    def collect_in_first_read(frame: object, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code is Link.read.__code__ and not fired:  # type: ignore[attr-defined]
+            fired.append(gc.collect())  # the finalizer runs here
+
+    gc.disable()
+    sys.settrace(collect_in_first_read)  # type: ignore[arg-type]
+    try:
+        replies = store.call(("ECHO", "one"), ("ECHO", "two"))
+    finally:
+        sys.settrace(None)
+        gc.enable()
+    assert fired and fired[0] > 0
+    assert replies == [b"one", b"two"]
+    assert a.poll(10)
+    with pytest.raises(EOFError):  # b's only copy was released: end-of-stream
+        a.recv()
+    assert store.command("PING") == b"PONG"  # the link is in step
 
 
 def test_wait_on_connections() -> None:

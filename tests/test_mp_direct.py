@@ -171,6 +171,47 @@ def test_a_direct_round_trip_takes_the_common_case_and_leaves_nothing_pending() 
     assert p.exitcode == 0
 
 
+def _echo_and_time_waits(conn: connection.Connection) -> None:
+    """Echo; ("sleep", s) is answered after s seconds; "cpu" with the CPU seconds this
+    process (all its threads) spent while it waited for that "cpu"."""
+    before = time.process_time()
+    while True:
+        obj = conn.recv()
+        waited = time.process_time() - before
+        if obj is None:
+            return
+        if isinstance(obj, tuple):
+            time.sleep(obj[1])
+        conn.send(waited if obj == "cpu" else obj)
+        before = time.process_time()
+
+
+def test_an_idle_direct_pipe_costs_no_cpu_on_either_side() -> None:
+    """A reader's spin before it sleeps (``messaging._instance._spin``) is bounded and
+    backs off: a direct Pipe that waits 1.5 s costs its reader (parent or child)
+    next to no CPU, after a ping-pong that spins."""
+    a, b = mp.Pipe()
+    p = _start(_echo_and_time_waits, b)
+    for i in range(500):
+        a.send(i)
+        assert a.recv() == i
+    assert a._reader is not None and a._reader.active()
+    assert a._writer is not None and a._writer.peer is not None
+    t0, c0 = time.monotonic(), time.process_time()
+    a.send(("sleep", 1.5))  # this process waits in recv for 1.5 s
+    assert a.recv() == ("sleep", 1.5)
+    parent_cpu, waited = time.process_time() - c0, time.monotonic() - t0
+    time.sleep(1.5)  # the child waits in recv for 1.5 s
+    a.send("cpu")
+    child_cpu = a.recv()
+    a.send(None)
+    p.join(30)
+    assert p.exitcode == 0
+    assert waited >= 1.5
+    assert parent_cpu < 0.1, parent_cpu  # measured: ~0.01 s
+    assert child_cpu < 0.1, child_cpu
+
+
 def test_large_objects_and_arrays_travel_directly_unframed() -> None:
     r, w = mp.Pipe(duplex=False)
     p, out_r = _hand_to_reader(r)

@@ -118,6 +118,8 @@ class Peer:
         "queued",
         "recvs",
         "sock",
+        "spin_backoff",
+        "spin_skip",
         "tags",
         "wait",
     )
@@ -139,6 +141,8 @@ class Peer:
         self.queued = 0  # bytes in ``pending``: added to without a lock, so approximate
         self.armed = False  # the instance's flusher will frame and write ``pending``
         self.wait = 0.0  # a link in: how long a read waits (0: reads never wait)
+        self.spin_skip = 0  # a link in: waiting reads left before the next spins first
+        self.spin_backoff = 0  # the reads skipped after the last spin that found nothing
 
     def packed(self, tag: Any) -> bytes:
         """``tag`` packed with msgpack, kept for the next messages with it (up to TAGS)."""

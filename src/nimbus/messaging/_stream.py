@@ -215,6 +215,11 @@ class Stream(Channel):
         tail += data
         self._out_bytes += _SMALL.size + len(meta) + len(data)
 
+    @property
+    def mid_frame(self) -> bool:
+        """Whether part of a frame was read and the rest is still to come."""
+        return self._kind >= 0 or self._big is not None or self._start != self._end
+
     def receive_message(self, flags: int = _DONTWAIT) -> Message | list[Frame] | None:
         """As :meth:`receive`; but a read that is exactly one small message (the
         commonest case of all) comes back as ``(kind, seq, packed tag, data)``,

@@ -78,7 +78,7 @@ from typing import TYPE_CHECKING, Any
 
 from nimbus import serialization
 from nimbus.errors import StateStoreError
-from nimbus.multiprocessing import _direct, _wait
+from nimbus.multiprocessing import _direct, _releasing, _wait
 from nimbus.multiprocessing import _site as _state
 from nimbus.multiprocessing._direct import PipeLane
 from nimbus.multiprocessing._handover import LOOK, Consumer
@@ -526,7 +526,20 @@ def _release(
 
 
 def _release_quietly(*args: Any) -> None:
-    """:func:`_release` for a connection collected or left open at exit: never raises."""
+    """The finalizer of a copy collected or left open at exit: never raises.
+
+    At exit it releases now. Collected, it queues the release for the
+    releasing thread (``_releasing``): the garbage collector runs finalizers in
+    whichever thread allocates, which may be in the middle of its own call on
+    its link or hold the lane reader's lock.
+    """
+    if util.is_exiting():
+        _release_now(*args)
+    else:
+        _releasing.later(_release_now, args)
+
+
+def _release_now(*args: Any) -> None:
     try:
         _release(*args)
     except Exception as exc:  # nobody to raise to; the keys expire with the program's TTL
