@@ -51,9 +51,11 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import faulthandler  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
@@ -78,13 +80,44 @@ def progress(what: str) -> None:
     print(f"[dataflow {time.monotonic() - START:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
+CLOSERS: list[Any] = []  # what a hung run still undoes: namespaces and links (``close``)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` now, parents first (a new session's too)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def hung(what: str, seconds: float) -> NoReturn:
     """A wait that ran out: said with every thread's stack, and the run ends at once, exit
-    status 3 (a clean-up would wait for the hung thread too; the local runtime's
-    workers and the embedded store end with this process)."""
+    status 3. A clean-up would wait for the hung thread too, so what the run started is
+    killed instead: every process below this one (the service, the agents in their own
+    sessions, their workers and stores), then the namespaces and links are removed."""
     progress(f"HUNG: {what}: no answer within {seconds:g} s; every thread's stack:")
     faulthandler.dump_traceback(sys.stderr, all_threads=True)
     sys.stdout.flush()
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for close in reversed(CLOSERS):
+        try:
+            close()
+        except Exception as exc:  # (each one tried: the run ends anyway)
+            progress(f"HUNG: could not undo {close!r}: {exc}")
     os._exit(3)
 
 
@@ -702,7 +735,9 @@ def mapreduce_runs(args: argparse.Namespace, workers: int, total: int, base: Pat
 
     def watch() -> None:  # a run over its wait: the program stopped, the run ends hung
         if not done.wait(WAIT * 2 * 3 * args.mr_rounds + 120):
-            proc.terminate()
+            proc.terminate()  # (it unmounts and removes its nodes on SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(60)
             hung("mapreduce on nodes", WAIT)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -940,6 +975,7 @@ def main() -> int:
         source = link = None
         prefix: list[str] = []
         isolated = Isolated(stack, args.netns)
+        CLOSERS.append(isolated.close)
         dest: tuple[list[str], str] | None = None
         extra: list[subprocess.Popen[bytes]] = []  # the fan-out's agents
         try:
@@ -962,6 +998,7 @@ def main() -> int:
                     from nimbus.network._slots import claim
 
                     link = Link.create(claim(9000), args.shaped * 1_000_000)
+                    CLOSERS.append(link.close)
                     prefix = ["ip", "netns", "exec", link.ns]
                     stack.start_agent("source", prefix)
                 else:

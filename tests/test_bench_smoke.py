@@ -315,6 +315,31 @@ def test_bench_dataflow_ends_a_wait_over_its_limit_naming_it_with_the_stacks() -
     assert "most recent call first" in proc.stderr and "in campaign" in proc.stderr
 
 
+def test_a_hung_bench_through_the_service_leaves_nothing_running() -> None:
+    """Review 7: ``hung()`` ended the run with ``os._exit`` and left the service, its
+    store and the agents (in their own sessions) running for ever: they are killed."""
+    import psutil
+
+    def theirs() -> set[int]:
+        found = set()
+        for proc in psutil.process_iter(["cmdline"]):
+            line = " ".join(proc.info["cmdline"] or ())
+            if "nimbus-bench-" in line or "nimbus.endpoint.daemon dataflow" in line:
+                found.add(proc.pid)
+        return found
+
+    before = theirs()
+    args = ("--quick", "--no-ray", "--only", "deps", "--wait", "0.05")
+    proc = _start("dataflow.py", *args, timeout=150)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "HUNG: deps" in proc.stderr, proc.stderr
+    deadline = time.monotonic() + 10
+    while theirs() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = theirs() - before
+    assert not left, f"left running: {[psutil.Process(p).cmdline() for p in left]}"
+
+
 def test_a_bench_over_its_time_is_stopped_whole_and_shows_what_it_printed(
     tmp_path: Path,
 ) -> None:
