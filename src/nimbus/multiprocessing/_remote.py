@@ -298,6 +298,8 @@ def deliver_signals(
                         if sig == 0:
                             break
                         kill(sig)
+                        looked = time.monotonic()  # (a parent's SIGTERM passed on, then
+                        # its end: the child ends by the signal, not by the parent's lapse)
                     if watched is not None and time.monotonic() - looked >= CHECK:
                         looked = time.monotonic()
                         if not _present(client, watched):
@@ -329,6 +331,8 @@ def _present(client: redis.Redis, client_id: int) -> bool:
 def _end(token: str, alive: Callable[[], bool], kill: Callable[[int], None], why: str) -> None:
     """End process ``token``, whose output and exit code have nowhere to go: SIGTERM
     (a process with children of its own passes it on), SIGKILL if it outlives ``KILL_AFTER``."""
+    if not alive():
+        return
     log.warning("ending process %s: %s", token, why)
     kill(signal.SIGTERM)
     deadline = time.monotonic() + KILL_AFTER
