@@ -48,12 +48,12 @@ def pass_on() -> None:
     """From now on a SIGTERM to this process goes to its live children first.
 
     Only from the main thread (where handlers are set) and while SIGTERM's
-    handler is the default one; once per process.
+    handler is the default one (or this one, inherited across a fork); once per process.
     """
     if _State.pid == os.getpid() or threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, _on_terminate):
+        return  # (ours: inherited from a worker that installed it, in a process it forked)
     read, write = os.pipe2(os.O_CLOEXEC)
     os.set_blocking(write, False)
     _State.pid, _State.wake, _State.passing, _State.passed = os.getpid(), write, False, False
