@@ -111,7 +111,7 @@ def start(
         watcher = _remote.watch_signals(program, inbox, token)
         pid = _fork(args, (program, inbox))
         alive = lambda: pid in reaper.tokens  # noqa: E731
-        _remote.deliver_signals(watcher, program, token, alive, reaper.killer(pid), parent)
+        _remote.deliver_signals(watcher, program, token, alive, reaper.killer(pid), parent, pid)
         return pid
     started = _standby.hand_over(token, args, pool)
     if started is None:

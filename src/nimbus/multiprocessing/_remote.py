@@ -272,11 +272,13 @@ def deliver_signals(
     alive: Callable[[], bool],
     kill: Callable[[int], None],
     parent: int | None = None,
+    pid: int = 0,
 ) -> None:
     """A thread that sends process ``token`` the signals its parent asks for, and
     ends it once its parent is gone.
 
     ``parent``: the parent's presence (its client id, :func:`statestore.presence`),
+    ``pid``: the child's (for the worker's log),
     looked for every ``CHECK`` seconds; gone (the parent died, even by SIGKILL), or
     the store unreachable for ``STORE_GRACE``, the child is ended (:func:`_end`).
     The thread ends when :func:`report_exit` wakes it (or, as a backstop, when
@@ -293,25 +295,28 @@ def deliver_signals(
                 try:
                     item = client.blpop([key], timeout=CHECK if watched else 30)
                     failing = None
-                    if item is not None:
-                        sig = int(item[1])
+                    sent = None if item is None else cast(bytes, item[1])
+                    if sent is None and watched and time.monotonic() - looked >= CHECK:
+                        looked = time.monotonic()
+                        if not _present(client, watched):
+                            sent = cast("bytes | None", client.lpop(key))  # sent as it went
+                            if sent is None:
+                                _end(f"{token} (pid {pid})", alive, kill, "its parent is gone")
+                                break
+                    if sent is not None:
+                        sig = int(sent)
                         if sig == 0:
                             break
                         kill(sig)
                         looked = time.monotonic()  # (a parent's SIGTERM passed on, then
                         # its end: the child ends by the signal, not by the parent's lapse)
-                    if watched is not None and time.monotonic() - looked >= CHECK:
-                        looked = time.monotonic()
-                        if not _present(client, watched):
-                            _end(token, alive, kill, "its parent is gone")
-                            break
                 except redis.ResponseError:  # CLIENT LIST refused: the parent cannot be seen
                     watched = None
                 except redis.RedisError:
                     now = time.monotonic()
                     failing = now if failing is None else failing
                     if now - failing >= STORE_GRACE:  # the parent has given it up
-                        _end(token, alive, kill, "the program's state store is unreachable")
+                        _end(f"{token} (pid {pid})", alive, kill, "its state store is unreachable")
                         return
                     time.sleep(CHECK)
             with contextlib.suppress(redis.RedisError):
@@ -328,12 +333,12 @@ def _present(client: redis.Redis, client_id: int) -> bool:
     return f"id={client_id} ".encode() in listed
 
 
-def _end(token: str, alive: Callable[[], bool], kill: Callable[[int], None], why: str) -> None:
-    """End process ``token``, whose output and exit code have nowhere to go: SIGTERM
+def _end(name: str, alive: Callable[[], bool], kill: Callable[[int], None], why: str) -> None:
+    """End process ``name``, whose output and exit code have nowhere to go: SIGTERM
     (a process with children of its own passes it on), SIGKILL if it outlives ``KILL_AFTER``."""
     if not alive():
         return
-    log.warning("ending process %s: %s", token, why)
+    log.warning("ending process %s: %s", name, why)
     kill(signal.SIGTERM)
     deadline = time.monotonic() + KILL_AFTER
     while alive() and time.monotonic() < deadline:
