@@ -3,9 +3,12 @@ programs run with NIMBUS_ENDPOINT set (each in its own interpreter, as a user ru
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -23,7 +26,7 @@ from nimbus.errors import (
     StateStoreError,
 )
 from nimbus.statestore import Keys
-from service_support import EndpointProcess, Service, free_port, service_env
+from service_support import EndpointProcess, Service, free_port, process_tree, service_env
 
 # Where a process runs: the pids of its ancestors, which include the endpoint agent's
 # when it runs there. Shared by the programs below.
@@ -251,7 +254,9 @@ def test_lost_store_ends_a_waiting_join_with_a_clear_error(
         try:
             with _sleeper(tmp_path, _env(service, sam, "sam-lab")) as proc:
                 assert proc.stdout is not None
-                assert proc.stdout.readline().startswith("pid: ")
+                line = proc.stdout.readline()
+                assert line.startswith("pid: ")
+                child = int(line.split(": ")[1])
                 # revoking sam's own token deletes sam's store user: the program's store is gone
                 registry = Registry(service.settings().registry_url)
                 try:
@@ -259,6 +264,11 @@ def test_lost_store_ends_a_waiting_join_with_a_clear_error(
                 finally:
                     registry.close()
                 out, err = proc.communicate(timeout=120)
+                # nor does the process go on, with nowhere to report: its worker ends it
+                deadline = time.monotonic() + 30  # STORE_GRACE, SIGTERM
+                while not _gone(child):
+                    assert time.monotonic() < deadline, "the process outlived its store"
+                    time.sleep(0.05)
         finally:
             lab.stop()
     assert _lines(out)["exitcode"] == "1"  # not a hang: join returned within the grace
@@ -537,3 +547,104 @@ def test_a_dead_store_comes_back_empty_and_old_urls_stop_working(tmp_path: Path)
                 gus.eval("return 1", 0)
     finally:
         server.close()
+
+
+# ---------------------------------------------------------------- a parent killed
+
+# a Pool (daemonic processes, waiting for jobs) and a Process (not daemonic) with a child of
+# its own, all sleeping on the endpoint: their pids first
+ORPHANED = """
+    def nested(q):
+        g = mp.Process(target=time.sleep, args=(300,))
+        g.start()
+        q.put(g.pid)
+        g.join()
+
+    if __name__ == "__main__":
+        q = mp.Queue()
+        n = mp.Process(target=nested, args=(q,))
+        n.start()
+        with mp.Pool(2) as pool:
+            say("pids", [p.pid for p in pool._pool] + [n.pid, q.get(timeout=60)])
+            pool.map(time.sleep, [300] * 4, chunksize=1)
+    """
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _killed_parent(
+    tmp_path: Path,
+    env: dict[str, str],
+    command: list[str],
+    sig: int,
+    lab: EndpointProcess,
+    within: float,
+) -> tuple[float, int]:
+    """Run ``ORPHANED`` by ``command``, send its parent ``sig`` once its four processes run
+    on the endpoint: the seconds until they are all gone (at most ``within``), and how many
+    of them the endpoint's workers ended for their parent's lapse (its agent's log says;
+    not those its Pool started again as the others ended, in the moment before its end)."""
+    script = tmp_path / "program.py"
+    script.write_text(PRELUDE + textwrap.dedent(ORPHANED))
+    before = len(lab.log.read_text())
+    pids: list[int] = []
+    proc = subprocess.Popen(
+        [*command, str(script)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("pids: "), proc.communicate(timeout=60)
+        pids = eval(line.split(": ", 1)[1])
+        assert lab.proc is not None
+        agent = process_tree(lab.proc.pid)
+        assert len(pids) == 4 and all(pid in agent and not _gone(pid) for pid in pids)
+        proc.send_signal(sig)
+        start = time.monotonic()
+        assert proc.wait(30) == -sig
+        while not all(_gone(pid) for pid in pids):
+            assert time.monotonic() - start < within, [p for p in pids if not _gone(p)]
+            time.sleep(0.02)
+        took = time.monotonic() - start
+        time.sleep(1.5)  # (a worker's note of a lapse reaches the log)
+        log = lab.log.read_text()[before:]
+        print(pids, *(line for line in log.splitlines() if "ending process" in line), sep="\n")
+        return took, sum(f"(pid {pid}): its parent is gone" in log for pid in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.communicate()
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
+
+
+def test_sigterm_to_nimbus_run_ends_its_processes_on_the_endpoint(
+    tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """Stranger 7 F2: `nimbus run --endpoint lab` ended by SIGTERM (`kill PID`, `timeout`, a
+    batch scheduler) passes it on to its processes there, as a Ctrl-C, and ends by it."""
+    env = {k: v for k, v in _env(service, alice).items() if k != "NIMBUS_ENDPOINT"}
+    command = [sys.executable, "-m", "nimbus", "run", "--endpoint", "lab"]
+    took, lapsed = _killed_parent(tmp_path, env, command, signal.SIGTERM, lab, within=5)
+    print(f"SIGTERM: the remote processes ended {took:.2f} s after the signal")
+    assert lapsed == 0  # each ended by the SIGTERM passed on, none for its parent's lapse
+
+
+def test_sigkilled_parent_ends_its_processes_on_the_endpoint(
+    tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """Stranger 7 F2: a parent killed outright runs nothing: the endpoint's workers see its
+    presence gone and end its processes, daemonic or not (their output and exit codes have
+    nowhere to go), and theirs after them (the nested one passes the SIGTERM on)."""
+    env, command = _env(service, alice), [sys.executable]
+    took, lapsed = _killed_parent(tmp_path, env, command, signal.SIGKILL, lab, within=10)
+    print(f"SIGKILL: the remote processes ended {took:.2f} s after the signal")
+    assert lapsed == 3  # the Pool's two and the Process; its child by the SIGTERM passed on

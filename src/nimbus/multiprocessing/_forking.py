@@ -107,10 +107,11 @@ def start(
     args = (token, prep, program, data, buffers)
     inbox = prep.get("forward")  # a remote parent's: exits and output go there
     if inbox:
+        parent = prep.pop("presence", None)  # the child ends once the parent's is gone
         watcher = _remote.watch_signals(program, inbox, token)
         pid = _fork(args, (program, inbox))
         alive = lambda: pid in reaper.tokens  # noqa: E731
-        _remote.deliver_signals(watcher, program, token, alive, reaper.killer(pid))
+        _remote.deliver_signals(watcher, program, token, alive, reaper.killer(pid), parent, pid)
         return pid
     started = _standby.hand_over(token, args, pool)
     if started is None:

@@ -13,6 +13,8 @@
       out/err -> fd 1/2 of the parent             reaper (after waitpid)
       exit -> Popen.returncode
     RemoteSite.signal: RPUSH signal:<token> ---> BLPOP -> os.kill(pid)
+    its presence (a connection) <-------------- CLIENT LIST ID: gone -> SIGTERM, SIGKILL
+    SIGTERM: passed on (``_terminate``) -------> as RemoteSite.signal
 
 Everything between the parent and its children goes through the program's
 state store, which both sides reach: one list of output chunks and exit codes
@@ -22,6 +24,16 @@ children have their own inbox) and one list of signals per child
 (``Keys.signal``). A child's watcher (the thread that delivers its signals)
 holds a store connection whose id the parent learns first: if it closes with
 no exit code, the worker died and took the child along (exit code -SIGKILL).
+The other way round, the watcher looks every ``CHECK`` seconds for the
+parent's presence (``statestore.presence``: a connection the kernel closes
+when the parent dies, even by SIGKILL): once it is gone, the child's output
+and exit code have nowhere to go, and the watcher ends it (SIGTERM, then
+SIGKILL ``KILL_AFTER`` seconds later), daemonic or not, as it does when the
+store has been unreachable for ``STORE_GRACE`` (the parent has given its
+children up by then). A child that started children of its own is one of
+their parents: they end after it. A SIGTERM to the parent (``kill``,
+``timeout``, a batch scheduler) is passed on to its children first, as a
+Ctrl-C is (``_terminate``).
 On the endpoint a child runs as a local one does (forked by a warm worker),
 except that its stdout and stderr are pipes to the store rather than the
 terminal, and the program's ``__main__`` travels by value (the endpoint may
@@ -31,6 +43,7 @@ not have the script).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import select
@@ -47,8 +60,9 @@ import msgpack
 from nimbus._lazy import lazy
 from nimbus.config import Settings
 from nimbus.errors import StateStoreError
+from nimbus.multiprocessing import _terminate
 from nimbus.multiprocessing._site import Site, StartFn, on_shared_endpoint
-from nimbus.statestore import Keys, Program, connect, redacted
+from nimbus.statestore import Keys, Program, connect, presence, redacted
 
 if TYPE_CHECKING:
     import redis
@@ -68,6 +82,10 @@ __all__ = [
 CHUNK = 1 << 16
 WAKE = 1.0  # seconds: how often a blocked reader checks whether it should stop
 STORE_GRACE = 5.0  # seconds the store may be unreachable before the children are given up
+CHECK = 1.0  # seconds between a watcher's looks for its child's parent
+KILL_AFTER = 2.0  # seconds a child whose parent is gone has from SIGTERM to SIGKILL
+
+log = logging.getLogger(__name__)
 
 
 def _push(program: Program, key: str, *items: bytes | int) -> None:
@@ -193,6 +211,7 @@ class RemoteSite(Site):
         # signals from a signal handler, sent by a thread (a store call takes locks)
         self._signals: queue.SimpleQueue[tuple[str, int] | None] = queue.SimpleQueue()
         threading.Thread(target=self._send_signals, name="nimbus-signals", daemon=True).start()
+        _terminate.pass_on()  # a SIGTERM reaches the children first, as a Ctrl-C does
 
     def start(self, fn: StartFn, token: str, *args: Any) -> Future[int]:
         return self.executor.submit(fn, token, *args)
@@ -212,6 +231,7 @@ class RemoteSite(Site):
         from nimbus.multiprocessing._main import MAIN_KEYS
 
         prep["forward"] = self.output.inbox  # output through the store; __main__ came by value
+        prep["presence"] = presence(self.program.url)  # the child ends when this closes
         for key in MAIN_KEYS:
             prep.pop(key, None)
         if on_shared_endpoint():  # your token stays off a machine others run
@@ -264,31 +284,80 @@ def deliver_signals(
     token: str,
     alive: Callable[[], bool],
     kill: Callable[[int], None],
+    parent: int | None = None,
+    pid: int = 0,
 ) -> None:
-    """A thread that sends process ``token`` the signals its parent asks for.
+    """A thread that sends process ``token`` the signals its parent asks for, and
+    ends it once its parent is gone.
 
-    It ends when :func:`report_exit` wakes it (or, as a backstop, when
-    ``alive()`` turns false or the store is gone).
+    ``parent``: the parent's presence (its client id, :func:`statestore.presence`),
+    ``pid``: the child's (for the worker's log),
+    looked for every ``CHECK`` seconds; gone (the parent died, even by SIGKILL), or
+    the store unreachable for ``STORE_GRACE``, the child is ended (:func:`_end`).
+    The thread ends when :func:`report_exit` wakes it (or, as a backstop, when
+    ``alive()`` turns false).
     """
 
     def run() -> None:
         key = program.keys.signal(token)
+        watched = parent  # None: not looked for (CLIENT LIST not allowed here)
+        looked = time.monotonic()
+        failing: float | None = None  # since when the store has not answered
         try:
             while alive():
-                item = client.blpop([key], timeout=30)
-                if item is None:
-                    continue
-                sig = int(item[1])
-                if sig == 0:
-                    break
-                kill(sig)
-            client.delete(key)
-        except redis.RedisError:
-            pass
+                try:
+                    item = client.blpop([key], timeout=CHECK if watched else 30)
+                    failing = None
+                    sent = None if item is None else cast(bytes, item[1])
+                    if sent is None and watched and time.monotonic() - looked >= CHECK:
+                        looked = time.monotonic()
+                        if not _present(client, watched):
+                            sent = cast("bytes | None", client.lpop(key))  # sent as it went
+                            if sent is None:
+                                _end(f"{token} (pid {pid})", alive, kill, "its parent is gone")
+                                break
+                    if sent is not None:
+                        sig = int(sent)
+                        if sig == 0:
+                            break
+                        kill(sig)
+                        looked = time.monotonic()  # (a parent's SIGTERM passed on, then
+                        # its end: the child ends by the signal, not by the parent's lapse)
+                except redis.ResponseError:  # CLIENT LIST refused: the parent cannot be seen
+                    watched = None
+                except redis.RedisError:
+                    now = time.monotonic()
+                    failing = now if failing is None else failing
+                    if now - failing >= STORE_GRACE:  # the parent has given it up
+                        _end(f"{token} (pid {pid})", alive, kill, "its state store is unreachable")
+                        return
+                    time.sleep(CHECK)
+            with contextlib.suppress(redis.RedisError):
+                client.delete(key)
         finally:
             client.close()
 
     threading.Thread(target=run, name="nimbus-signals", daemon=True).start()
+
+
+def _present(client: redis.Redis, client_id: int) -> bool:
+    """Whether the store's client ``client_id`` is still connected."""
+    listed = client.execute_command("CLIENT", "LIST", "ID", client_id)
+    return f"id={client_id} ".encode() in listed
+
+
+def _end(name: str, alive: Callable[[], bool], kill: Callable[[int], None], why: str) -> None:
+    """End process ``name``, whose output and exit code have nowhere to go: SIGTERM
+    (a process with children of its own passes it on), SIGKILL if it outlives ``KILL_AFTER``."""
+    if not alive():
+        return
+    log.warning("ending process %s: %s", name, why)
+    kill(signal.SIGTERM)
+    deadline = time.monotonic() + KILL_AFTER
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if alive():
+        kill(signal.SIGKILL)
 
 
 def report_exit(program: Program, inbox: str, token: str, code: int) -> None:

@@ -14,7 +14,8 @@
 
 It owns: the embedded Redis (``EmbeddedRedis``, ``redis_server_binary``), the
 one way to open a connection (``connect``, and a thread's hiredis ``Link``
-made from its settings), every key (``Keys``, in ``keys``), a program's
+made from its settings; a process's ``presence``, the client id of a connection
+that closes when the process dies), every key (``Keys``, in ``keys``), a program's
 place in the store (``Program``, its root's keepalive and cleanup, ``adopt``
 for the processes it starts) and the Lua scripts run there (``Script``, every
 one of them in ``lua``).
@@ -28,7 +29,7 @@ from nimbus.statestore import keys, lua
 from nimbus.statestore._chores import later
 from nimbus.statestore._connect import connect, connect_async, probe, redacted, tls_options
 from nimbus.statestore._embedded import EmbeddedRedis, redis_server_binary
-from nimbus.statestore._link import MIN_WAIT, SKIP_REPLY, Link, link, pack, preload
+from nimbus.statestore._link import MIN_WAIT, SKIP_REPLY, Link, link, pack, preload, presence
 from nimbus.statestore._program import (
     Opener,
     Program,
@@ -70,6 +71,7 @@ __all__ = [
     "open_store",
     "pack",
     "preload",
+    "presence",
     "probe",
     "program",
     "redacted",

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 else:  # imported on first use (redis-py: at the first connection)
     redis = lazy("redis", globals())
 
-__all__ = ["MIN_WAIT", "SKIP_REPLY", "Link", "link", "pack", "preload"]
+__all__ = ["MIN_WAIT", "SKIP_REPLY", "Link", "link", "pack", "preload", "presence"]
 
 
 def pack(*args: Any) -> bytes:
@@ -111,7 +111,7 @@ class Link:
     def owner(self) -> str:
         """host:pid:thread id:client id of this process's presence connection."""
         if self._owner is None:
-            cid = _presence(self.url)
+            cid = presence(self.url)
             self._owner = f"{_HOST}:{os.getpid()}:{threading.get_ident()}:{cid}"
         return self._owner
 
@@ -363,8 +363,14 @@ def link(program: Program) -> Link:
     return found
 
 
-def _presence(url: str) -> int:
-    """The client id of this process's idle connection to ``url``: gone when the process is."""
+def presence(url: str) -> int:
+    """The client id of this process's idle connection to ``url``: gone when the process is.
+
+    Made on first use and kept for the process's life (never reconnected): the kernel
+    closes it when the process dies, even by SIGKILL, and Redis never reuses a client
+    id, so ``CLIENT LIST ID`` tells others whether the process is alive (its locks'
+    waiters, the workers running the processes it started).
+    """
     with _presence_lock:
         if url not in _presences:
             make, kwargs = _connection_settings(url)

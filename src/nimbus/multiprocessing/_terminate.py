@@ -1,0 +1,96 @@
+"""SIGTERM to a process whose children run elsewhere: to them first, then its own end.
+
+::
+
+    SIGTERM (kill PID, timeout, a batch scheduler)
+      handler (main thread): one byte to a pipe -------> the passer thread
+                                                           each live child: Popen._send_signal
+                                                           (at most PASS_WITHIN seconds)
+      handler again: SIG_DFL, SIGTERM to itself  <------- SIGTERM to itself
+      the process ends by SIGTERM, as without this
+
+Children on an endpoint's workers are not this machine's processes: a SIGTERM
+that ends their parent does not reach them, as a Ctrl-C from the terminal
+does not (``_install.pass_interrupts``). This passes it on, as a signal sent
+to a whole process group reaches each process of it. Sending a signal to a
+remote child is a store call, which takes locks (redis-py's) the interrupted
+main thread may hold: the handler only writes to a pipe and a thread sends
+them. Installed by a site whose children run elsewhere (``_remote``), from
+the main thread, where SIGTERM's handler is the default one (a program's own
+stays); a child of such a parent that starts children installs it too, so
+its children get it in turn. A parent that dies by SIGKILL runs nothing: the
+workers then see its presence gone (``_remote.deliver_signals``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from typing import Any
+
+from nimbus.multiprocessing import _site
+
+__all__ = ["PASS_WITHIN", "pass_on"]
+
+PASS_WITHIN = 2.0  # seconds the children's signals may take before this process ends anyway
+
+
+class _State:
+    pid = 0  # the process that installed the handler (a fork of it ends as by default)
+    wake = -1  # the pipe's write end
+    passing = False
+    passed = False
+
+
+def pass_on() -> None:
+    """From now on a SIGTERM to this process goes to its live children first.
+
+    Only from the main thread (where handlers are set) and while SIGTERM's
+    handler is the default one (or this one, inherited across a fork); once per process.
+    """
+    if _State.pid == os.getpid() or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, _on_terminate):
+        return  # (ours: inherited from a worker that installed it, in a process it forked)
+    read, write = os.pipe2(os.O_CLOEXEC)
+    os.set_blocking(write, False)
+    _State.pid, _State.wake, _State.passing, _State.passed = os.getpid(), write, False, False
+    threading.Thread(target=_passer, args=(read,), name="nimbus-sigterm", daemon=True).start()
+    signal.signal(signal.SIGTERM, _on_terminate)
+
+
+def _on_terminate(signum: int, frame: Any) -> None:
+    """SIGTERM: wake the passer (no lock, no wait); once it passed it on, end as by default."""
+    if _State.pid != os.getpid() or _State.passed:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    if not _State.passing:  # (a second one while it is passed on: the same end)
+        _State.passing = True
+        with contextlib.suppress(OSError):
+            os.write(_State.wake, b"T")
+
+
+def _passer(read: int) -> None:
+    """The thread that passes a SIGTERM on, then has this process end by it."""
+    try:
+        os.read(read, 1)
+    finally:
+        os.close(read)
+    sender = threading.Thread(target=_send, name="nimbus-sigterm-send", daemon=True)
+    sender.start()
+    sender.join(PASS_WITHIN)  # an unreachable store does not keep the process alive
+    _State.passed = True
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler, in the main thread, ends it
+
+
+def _send() -> None:
+    """SIGTERM to each live child this process started."""
+    site = _site.this_site()
+    if site is None:
+        return
+    for popen in list(site.popens.values()):
+        with contextlib.suppress(Exception):  # one that just ended, a store gone
+            popen._send_signal(signal.SIGTERM)
