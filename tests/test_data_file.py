@@ -166,6 +166,15 @@ def test_a_missing_input_empty_or_relative_path_is_refused_before_any_task(
         run(describe, nimbus.data.Scope("u-f", "f", None, False, 1.0), nimbus.File(missing))
 
 
+def test_a_file_of_anything_but_a_path_says_what_a_file_takes() -> None:
+    """``nimbus.File(123)`` (or bytes): a TypeError saying what a File takes, not the
+    bare one of ``os.fspath``."""
+    for wrong in (123, b"/data/x.h5", None):
+        with pytest.raises(TypeError, match=r'a File takes.*"ENDPOINT:/absolute/path"'):
+            nimbus.File(wrong)  # type: ignore[arg-type]
+    assert nimbus.File(Path("/data/x.h5")).path == "/data/x.h5"
+
+
 def test_a_damaged_transfer_fails_the_task_naming_it(ex: Executor) -> None:
     ref = nimbus.put(b"y" * 100)
     damaged = Staged((ref,), "k" * 32, "d.bin", 100, "0" * 64)  # the hash of other bytes
