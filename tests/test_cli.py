@@ -136,6 +136,11 @@ BAD_ARGUMENTS = [
         "argument --exports",
         "/nonexistent does not exist on this machine",
     ),
+    (  # (it said "does not exist on this machine")
+        ["endpoint", "configure", "lab", "--exports", "relative/dir"],
+        "argument --exports",
+        "relative/dir must be absolute",
+    ),
     (
         ["endpoint", "configure", "lab", "--exports", "/etc/hostname"],
         "argument --exports",

@@ -1162,3 +1162,34 @@ def test_a_held_task_queued_on_one_service_process_runs_at_once_on_the_other(
         finally:
             for agent in agents:
                 agent.stop()
+
+
+def test_a_copy_whose_endpoint_does_not_answer_fails_naming_the_ref_and_both_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_carry._transfer``: a step that does not end within ``TIMEOUT`` (the target
+    endpoint offline) fails the copy with a DataError naming the Ref and both endpoints
+    as the user named them, not an empty ``TimeoutError``."""
+    from nimbus.data._ref import register
+
+    monkeypatch.setattr(_carry, "TIMEOUT", 0.2)
+    never: list[cf.Future[Any]] = []
+
+    def call(fn: Any, *args: Any, **kwargs: Any) -> cf.Future[Any]:
+        never.append(cf.Future())  # (an endpoint that never runs the task)
+        return never[-1]
+
+    source = Session("ns", "me", "src-id", call=call, name="lab")
+    where = Session("ns", "me", "dst-id", call=call, name="hpc")
+    register("src-id", source)
+    try:
+        ref = Ref("9" * 32, "ns", "me", "src-id", 10)
+        copy = _carry.Copy()
+        _carry._transfer(ref, where, copy)
+        error = copy.exception(timeout=10)
+        assert type(error) is DataError, repr(error)
+        said = str(error)
+        assert "9" * 12 in said and "endpoint lab" in said and "endpoint hpc" in said
+        assert "the task of endpoint hpc that takes it" in said
+    finally:
+        register("src-id", None, source)

@@ -166,6 +166,15 @@ def test_a_missing_input_empty_or_relative_path_is_refused_before_any_task(
         run(describe, nimbus.data.Scope("u-f", "f", None, False, 1.0), nimbus.File(missing))
 
 
+def test_a_file_of_anything_but_a_path_says_what_a_file_takes() -> None:
+    """``nimbus.File(123)`` (or bytes): a TypeError saying what a File takes, not the
+    bare one of ``os.fspath``."""
+    for wrong in (123, b"/data/x.h5", None):
+        with pytest.raises(TypeError, match=r'a File takes.*"ENDPOINT:/absolute/path"'):
+            nimbus.File(wrong)  # type: ignore[arg-type]
+    assert nimbus.File(Path("/data/x.h5")).path == "/data/x.h5"
+
+
 def test_a_damaged_transfer_fails_the_task_naming_it(ex: Executor) -> None:
     ref = nimbus.put(b"y" * 100)
     damaged = Staged((ref,), "k" * 32, "d.bin", 100, "0" * 64)  # the hash of other bytes
@@ -978,8 +987,9 @@ def test_freeing_a_pin_is_forwarded_to_its_node_as_its_renewals_are(
 def test_a_node_takes_an_object_only_from_a_holder_of_its_pins_secret(tmp_path: Path) -> None:
     """``_serve``'s "put" (a relay, ``_direct.push_object``): the node's server writes
     the object the pin names, leased as the pin was, once the sender proves the pin's
-    secret; a wrong secret writes nothing, and a second put of the pin is refused (one
-    object per pin). The pin stays: another node fetches the object with its secret
+    secret; a wrong secret writes nothing; a second put of the pin (a relay run twice, or
+    whose "OK" was lost) is answered as the first if its bytes are the ones stored, and
+    refused with other bytes (one object per pin). The pin stays: another node fetches the object with its secret
     ("object", ``fetch_object``: a wrong secret gets nothing); freed, the pin takes the
     object with it and a fetch is ``ReferenceLost``."""
     from nimbus.data._direct import _send
@@ -1009,8 +1019,14 @@ def test_a_node_takes_an_object_only_from_a_holder_of_its_pins_secret(tmp_path: 
         assert sha == hashlib.sha256(source.read_bytes()).hexdigest()
         assert stored.stat().st_mtime == pytest.approx(expires)  # leased as the pin was
         assert (root / space / "obj" / pin).exists()  # the pin stays, for the other nodes
-        with pytest.raises(DataError, match="sent already"):  # used once
-            _send(source, "", 0, secret, None, lambda: _request(target, header, "put")[0])
+        again = _send(source, "", 0, secret, None, lambda: _request(target, header, "put")[0])
+        assert again == (size, sha)  # a relay run twice: the object is there, the same
+        other_bytes = tmp_path / "other-object"
+        other_bytes.write_bytes(os.urandom(1024 * 1024 + 9))
+        with pytest.raises(DataError, match="sent already, with other bytes"):  # one a pin
+            _send(other_bytes, "", 0, secret, None, lambda: _request(target, header, "put")[0])
+        assert stored.read_bytes() == source.read_bytes()
+        assert sorted(p.name for p in stored.parent.iterdir()) == sorted([ref_id, pin])
         assert server.statistics()["received"] == 1
         other = NodeStore(space, tmp_path / "node-b")  # another node of the endpoint
         with pytest.raises(ReferenceLost, match="holds no such copy for that secret"):

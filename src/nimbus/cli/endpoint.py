@@ -141,9 +141,16 @@ def _provider(text: str) -> str:
 
 
 def _exports(text: str) -> str:
-    """--exports: directories of this machine (the endpoint's), each existing now."""
+    """--exports: directories of this machine (the endpoint's), each existing now (a
+    relative one, under the current directory: kept absolute, ``_kept``)."""
     for item in text.split(os.pathsep):
         path = os.path.expanduser(item.strip())
+        if path and not os.path.isabs(path) and not os.path.isdir(path):
+            raise argparse.ArgumentTypeError(
+                f"{item.strip()} must be absolute: as a relative path it names "
+                f"{os.path.abspath(path)}, which is not a directory on this machine, where "
+                f"the endpoint runs; give the absolute path of a directory that exists"
+            )
         if path and not os.path.isdir(path):
             what = "is not a directory" if os.path.exists(path) else "does not exist"
             raise argparse.ArgumentTypeError(

@@ -25,7 +25,7 @@ import time
 import weakref
 from typing import Any
 
-from nimbus.data._ref import MAX_SCAN, Ref, Session, new_id, session
+from nimbus.data._ref import MAX_SCAN, Ref, Session, named, new_id, session
 from nimbus.errors import DataAccessError, DataError
 
 __all__ = ["Copy", "carry"]
@@ -144,6 +144,25 @@ def _settle(copy: Copy, made: cf.Future[Any]) -> None:
         copy.set_result(made.result())
 
 
+def _name(endpoint: str | None) -> str:
+    return f"endpoint {named(endpoint)}" if endpoint else "the local runtime"
+
+
+def _step(future: cf.Future[Any], ref: Ref, where: Session, what: str) -> Any:
+    """The result of a step of copying ``ref`` to ``where`` (``what`` it waits for),
+    within ``TIMEOUT`` s; then a :class:`DataError` naming the Ref and both ends."""
+    try:
+        return future.result(TIMEOUT)
+    except cf.TimeoutError:
+        if future.done():  # (the step's own TimeoutError)
+            raise
+        raise DataError(
+            f"{ref!r} was not copied from {_name(ref.endpoint)} to {_name(where.endpoint)}: "
+            f"{what} did not end within {TIMEOUT:.0f} s; is it online (`nimbus endpoints "
+            f"list`)? Submit the task again once it is"
+        ) from None
+
+
 def _transfer(ref: Ref, where: Session, copy: Copy) -> None:
     from nimbus.data._direct import offer, send_object
 
@@ -152,9 +171,14 @@ def _transfer(ref: Ref, where: Session, copy: Copy) -> None:
         ref_id = new_id()
         expires = time.time() + where.lease
         if where.call is None or source.call is None:  # (``carry`` passes no such Ref)
-            raise DataAccessError(f"{ref!r} cannot be copied to {where.endpoint}: no endpoint")
-        host, port, secret = where.call(offer, "obj", ref_id, expires).result(TIMEOUT)[:3]
-        size, _ = source.call(send_object, ref.id, host, port, secret).result(TIMEOUT)
+            raise DataAccessError(
+                f"{ref!r} cannot be copied to {_name(where.endpoint)}: no endpoint"
+            )
+        taking = f"the task of {_name(where.endpoint)} that takes it"
+        offered = _step(where.call(offer, "obj", ref_id, expires), ref, where, taking)
+        host, port, secret = offered[:3]
+        sending = f"the task of {_name(ref.endpoint)} that sends it"
+        size, _ = _step(source.call(send_object, ref.id, host, port, secret), ref, where, sending)
         made = Ref(ref_id, where.namespace, where.user, where.endpoint, size)
         copy.set_result(where.adopt(made))
     except BaseException as exc:
@@ -207,7 +231,7 @@ def _relay_later(future: Any, where: Session, path: Any) -> Copy:
         except cf.TimeoutError:
             copy.set_exception(
                 DataError(
-                    f"endpoint {where.endpoint} did not take the copy of a result of "
+                    f"{_name(where.endpoint)} did not take the copy of a result of "
                     f"another endpoint within {TIMEOUT:.0f} s: is it online? "
                     f"(`nimbus endpoints list`)"
                 )

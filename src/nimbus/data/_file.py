@@ -90,8 +90,14 @@ class File:
     path: str
 
     def __init__(self, spec: str | os.PathLike[str]) -> None:
-        text = os.fspath(spec)
-        found = _SPEC.match(text) if isinstance(text, str) else None
+        text = os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else spec
+        if not isinstance(text, str):
+            raise TypeError(
+                f"nimbus.File({spec!r}): a File takes a path as a str or pathlib.Path, "
+                f'"ENDPOINT:/absolute/path" (on an endpoint) or "/absolute/path" (on this '
+                f"machine), not {type(spec).__name__}"
+            )
+        found = _SPEC.match(text)
         endpoint, path = (found.group(1), found.group(2)) if found else (None, text)
         if not path:
             raise FileRefused("nimbus.File(''): an empty path names no file; give its path")

@@ -47,8 +47,9 @@ seconds for the whole request before the check; an accept that fails (no file de
 short pause, never the end of serving.
 
 An object relayed from another endpoint (``_direct.push_object``, the "put" op) lands in
-the store of the node that expected it; its pin stays (a second put of it is refused)
-while the client holds the copy, and the endpoint's other nodes fetch the object with
+the store of the node that expected it; its pin stays while the client holds the copy (a
+second put of it, a relay run twice, is answered "OK" if its bytes are the ones stored,
+else refused), and the endpoint's other nodes fetch the object with
 the pin's secret (the "object" op, :func:`fetch_object`: the bytes, then their sha256
 and an HMAC of it keyed by the secret); the pin's renewal renews the object, its
 freeing removes it.
@@ -330,15 +331,14 @@ class Server:
     ) -> None:
         """An object sent by a task of another endpoint into this node's store, as the
         pin's holder expects (``_direct.expect_object``); received as ``_direct``'s offer
-        receives (the pin's secret, the bytes' tag), leased as the pin was; the pin goes."""
+        receives (the pin's secret, the bytes' tag), leased as the pin was; the pin stays."""
         from nimbus.data._direct import _OK, _receive_into
         from nimbus.data._direct import _mac as transfer_mac
         from nimbus.data._node import secret_of
 
         space, pin = str(asked["namespace"]), str(asked["pin"])
         pin_path = self._pin(challenge, header, mac, space, pin)
-        if pin_path.with_name(pin[:32]).exists():
-            raise DataError("refused: that pin's object was sent already (one object a pin)")
+        stored = pin_path.with_name(pin[:32])
         secret = secret_of(pin_path)
         assert secret is not None  # (_pin checked it)
         key = bytes.fromhex(secret)
@@ -347,11 +347,36 @@ class Server:
         if not hmac.compare_digest(recv_exactly(conn, 32), transfer_mac(key, b"connect")):
             raise DataError("a wrong secret")
         size = int.from_bytes(recv_exactly(conn, 8), "little")
-        digest = _receive_into(conn, self.root / space / "obj" / pin[:32], size, expires, key)
+        if stored.exists():  # a relay that ran twice, or whose "OK" was lost: the same bytes
+            digest = self._again(conn, stored, size, key)
+        else:
+            digest = _receive_into(conn, stored, size, expires, key)
+            self._count(received=1)
         # the pin stays while its client holds the copy: the endpoint's other nodes fetch
-        # the object with its secret (``fetch_object``); a second put of it is refused
-        self._count(received=1)
+        # the object with its secret (``fetch_object``); a second put of it is answered
+        # as the first was if its bytes are the ones stored, else refused
         conn.sendall(_OK + transfer_mac(key, b"ok", digest))
+
+    @staticmethod
+    def _again(conn: socket.socket, stored: Path, size: int, key: bytes) -> bytes:
+        """A second put of the object ``stored``: its bytes received beside it and
+        compared (the sender cannot be told before it sends); its sha256, the same."""
+        from nimbus.data._direct import _receive_into
+
+        with open(stored, "rb") as f:
+            held = os.fstat(f.fileno()).st_size
+            mine = hashlib.file_digest(f, "sha256").digest()
+        again = stored.with_name(f".{stored.name}.{secrets.token_hex(4)}.again")
+        try:
+            digest = _receive_into(conn, again, size, 0.0, key)
+        finally:
+            again.unlink(missing_ok=True)
+        if held != size or digest != mine:
+            raise DataError(
+                f"refused: that pin's object was sent already, with other bytes ({held} "
+                f"bytes stored, {size} sent; one object a pin)"
+            )
+        return digest
 
     def _object(
         self,
