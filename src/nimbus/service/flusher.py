@@ -115,14 +115,20 @@ local function saved(entry)  -- a task's entry, older than any the stream holds?
   return at ~= nil and (at[1] < first[1] or (at[1] == first[1] and at[2] < first[2]))
 end
 local recent, scan, slack, trimmed = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), 0
+local out = {}  -- id -> out of the indexes, as found in the first that held it
 for k = 2, #KEYS do
   local excess = redis.call('ZCARD', KEYS[k]) - recent
   if excess > slack then
     local drop = {}
     for _, id in ipairs(redis.call('ZRANGE', KEYS[k], 0, math.min(excess, scan) - 1)) do
       local key = ARGV[2] .. id
-      local v = redis.call('HMGET', key, 'state', 'saved', 'entry')
-      if not v[1] or v[2] or saved(v[3]) then  -- in the SQL history (or expired): out
+      local gone = out[id]
+      if gone == nil then
+        local v = redis.call('HMGET', key, 'state', 'saved', 'entry')
+        gone = not v[1] or v[2] or saved(v[3])  -- in the SQL history (or expired)
+        out[id] = gone and true or false
+      end
+      if gone then
         drop[#drop + 1] = id
         if k == 2 then redis.call('DEL', key) end  -- out of everyone's: out of Redis
       end
