@@ -7,7 +7,8 @@
     TAKE     endpoint queue -> inflight hash (state dispatched)
     RUNNING  dispatched -> running (the agent said so)
     FINISH   inflight -> final state, first result wins; counted (``counters``)
-             and held tasks released (``held``)
+             and held tasks released (``held``: only for a task whose hash's 'then'
+             is not 0, which SUBMIT sets to 1 on an input when a task is held for it)
     CANCEL   any state not final -> cancelled
     REQUEUE  inflight on a lost connection -> back to the queue head
     FAIL_HELD  held tasks whose input failed -> failed (``held.fail_held_lua``); the
@@ -82,7 +83,7 @@ for _, r in ipairs(t[5]) do
   local id = r[1]
   redis.call('HSET', ARGV[1] .. id, 'state', 'waiting-for-endpoint', 'owner', owner,
              'endpoint', endpoint, 'function', r[2], 'group', group, 'submitted', submitted,
-             'payload', r[3], 'timeout', r[4], 'quota', KEYS[4], 'size', #r[3])
+             'payload', r[3], 'timeout', r[4], 'quota', KEYS[4], 'size', #r[3], 'then', 0)
   if r[5] ~= '' then  -- its arguments are in the data store: the task claims them
     redis.call('HSET', ARGV[1] .. id, 'data', r[5])
     redis.call('HSET', ARGV[4] .. r[5], 'task', id, 'endpoint', endpoint)
@@ -97,6 +98,7 @@ for _, r in ipairs(t[5]) do
         failed = failed or {id, a, st}
       elseif st ~= 'success' then
         redis.call('SADD', ARGV[1] .. a .. ARGV[7], id)
+        if st and not ended[a] then redis.call('HSET', ARGV[1] .. a, 'then', 1) end
         waits = waits + 1
       end
     end
@@ -194,7 +196,7 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
   local id = r[1]
   local key = ARGV[1] .. id
   local v = redis.call('HMGET', key, 'state', 'endpoint', 'data', 'quota', 'size', 'owner',
-                       'submitted', 'dispatched', 'function', 'group', 'timeout')
+                       'submitted', 'dispatched', 'function', 'group', 'timeout', 'then')
   if ended[id] then v[1] = false end  -- (a result twice in one call: the first is kept)
   local blob = ''  -- a result in the data store, if it was stored for this task
   if r[5] ~= '' and redis.call('HGET', ARGV[6] .. r[5], 'task') == id then blob = r[5] end
@@ -214,7 +216,7 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
       ended[id] = r
       if v[1] == 'waiting-for-endpoint' then redis.call('SREM', KEYS[3], id) end
       redis.call('HDEL', key, 'payload', 'data', 'quota', 'waits')
-      settle(id, r[2])
+      if v[12] ~= '0' then settle(id, r[2]) end  -- none held for it: no set to read
       redis.call('EXPIRE', key, ARGV[3])
       if v[3] then
         redis.call('DEL', ARGV[6] .. v[3])
