@@ -169,6 +169,45 @@ def test_flushers_move_finished_tasks_once_and_redis_keeps_a_window(
     asyncio.run(scenario())
 
 
+def test_a_task_leaves_redis_once_its_entry_and_every_older_one_are_written(
+    store_url: str, sqlite_history: History
+) -> None:
+    """A task ended names its stream entry, not a mark written once saved: it leaves its
+    indexes and Redis only when the stream holds no entry as old (one a dead process took
+    keeps every later task); an older nimbus's entry (no name) has its tasks marked."""
+
+    async def scenario() -> None:
+        async with _task_store(store_url, sqlite_history) as store:
+            flusher = Flusher(store, store.history)
+            flusher.recent, flusher.batch, flusher.claim_idle = 0, 1, 3600.0
+            await flusher.start()
+            first = await _finished(store, "dave", "ep", 10)
+            second = await _finished(store, "dave", "ep", 10)
+            # another process took the first entry and died with it
+            await store.redis.xreadgroup(GROUP, "gone", {store.finished: ">"}, count=1)
+            assert await flusher.step(0) == 10  # the second entry: written
+            assert store.history.count() == 10
+            index_ = store.keys.user_tasks("dave")
+            assert await store.redis.zcard(index_) == 20  # an older entry waits: all kept
+            assert await store.redis.exists(*(store.keys.task(i) for i in first + second)) == 20
+            flusher.claim_idle, flusher._next_claim = 0.0, 0.0
+            assert await flusher.step(0) == 10  # the first, claimed: now every one is saved
+            assert await store.redis.zcard(index_) == 0
+            assert await store.redis.exists(*(store.keys.task(i) for i in first + second)) == 0
+            # an entry as an older nimbus appended it: rows, and tasks naming no entry
+            third = await _finished(store, "dave", "ep", 5)
+            [(entry, fields)] = await store.redis.xrange(store.finished)
+            await store.redis.xdel(store.finished, entry)
+            await store.redis.xadd(store.finished, {k: fields[k] for k in (b"ids", b"rows")})
+            for task_id in third:
+                await store.redis.hdel(store.keys.task(task_id), "entry")
+            assert await flusher.step(0) == 5
+            assert await store.redis.zcard(index_) == 0  # marked saved, then trimmed
+            assert store.history.count() == 25
+
+    asyncio.run(scenario())
+
+
 def test_an_entry_a_dead_flusher_took_is_written_by_another(
     store_url: str, sqlite_history: History
 ) -> None:

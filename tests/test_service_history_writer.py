@@ -7,18 +7,20 @@ replaced and nothing it had taken is lost."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 from nimbus.service.history import History
 from nimbus.service.history_writer import Writer, separate
+from nimbus.service.queues import TaskStore
 from nimbus.service.registry import Registry
 from test_service_history import _finished, _task_store
 from test_service_postgres import postgres  # noqa: F401  (the fixture)
@@ -55,20 +57,53 @@ async def _until(condition: Callable[[], bool], seconds: float = 60.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def _with_history(registry_url: str, scenario: Callable[[History], Awaitable[None]]) -> None:
-    """Run ``scenario`` on the history of the registry at ``registry_url``."""
+def _with_store(
+    registry_url: str,
+    store_url: str,
+    scenario: Callable[[History, TaskStore], Awaitable[None]],
+) -> None:
+    """Run ``scenario`` on the history of the registry at ``registry_url`` and a task store
+    in the Redis at ``store_url``."""
+
+    async def run(history: History) -> None:
+        async with _task_store(store_url, history) as store:
+            await scenario(history, store)
+
     registry = Registry(registry_url)
     try:
-        asyncio.run(scenario(History(registry.engine)))
+        asyncio.run(run(History(registry.engine)))
     finally:
         registry.close()
 
 
+@contextlib.asynccontextmanager
+async def _service_writer(
+    registry_url: str, store_url: str, store: TaskStore, restart: float | None = None
+) -> AsyncIterator[Writer]:
+    """The writer as a service runs it (``Writer.run`` a job of its loop, ``restart``: its
+    pause before replacing a writer that died), cancelled, as the service stops, at the end."""
+    writer = Writer(registry_url, store_url, store.keys.program_id, None)
+    if restart is not None:
+        writer.restart = restart
+    job = asyncio.create_task(writer.run())
+    try:
+        yield writer
+    finally:
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'registry.db'}"
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
-def registry_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+def registry_url(request: pytest.FixtureRequest) -> str:
     if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'registry.db'}"
-    url: str = request.getfixturevalue("postgres").url
+        url: str = request.getfixturevalue("sqlite_url")
+        return url
+    url = request.getfixturevalue("postgres").url
     registry = Registry(url)
     with registry.engine.begin() as connection:
         connection.exec_driver_sql("DROP TABLE IF EXISTS task_history")
@@ -79,79 +114,61 @@ def registry_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def test_the_writer_process_writes_what_ends_and_all_that_waits_as_the_service_stops(
     store_url: str, registry_url: str
 ) -> None:
-    async def scenario(history: History) -> None:
-        async with _task_store(store_url, history) as store:
-            writer = Writer(registry_url, store_url, store.keys.program_id, None)
-            job = asyncio.create_task(writer.run())
-            try:
-                first = await _finished(store, "alice", "ep", 5)
-                await _until(lambda: set(history.info(first)) == set(first))
-                assert writer.process is not None and writer.process.pid != os.getpid()
-                last = await _finished(store, "alice", "ep", 200)
-            finally:
-                job.cancel()
-                await asyncio.gather(job, return_exceptions=True)
-            assert writer.process.poll() == 0  # it stopped, and stopped well
-            assert set(history.info(last)) == set(last)  # what waited was written first
-            assert await store.redis.xlen(store.finished) == 0
-            assert writer.started == 1
+    async def scenario(history: History, store: TaskStore) -> None:
+        async with _service_writer(registry_url, store_url, store) as writer:
+            first = await _finished(store, "alice", "ep", 5)
+            await _until(lambda: set(history.info(first)) == set(first))
+            assert writer.process is not None and writer.process.pid != os.getpid()
+            last = await _finished(store, "alice", "ep", 200)
+        assert writer.process.poll() == 0  # it stopped, and stopped well
+        assert set(history.info(last)) == set(last)  # what waited was written first
+        assert await store.redis.xlen(store.finished) == 0
+        assert writer.started == 1
 
-    _with_history(registry_url, scenario)
+    _with_store(registry_url, store_url, scenario)
 
 
 def test_the_writer_ends_when_its_service_is_killed_after_writing_what_waited(
-    store_url: str, tmp_path: Path
+    store_url: str, sqlite_url: str
 ) -> None:
-    registry_url = f"sqlite:///{tmp_path / 'registry.db'}"
+    async def scenario(history: History, store: TaskStore) -> None:
+        service = subprocess.Popen(
+            [sys.executable, "-c", STAND_IN, sqlite_url, store_url, store.keys.program_id],
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert service.stdout is not None
+            pid = int(await asyncio.to_thread(service.stdout.readline))
+            ids = await _finished(store, "bob", "ep", 20)
+            service.send_signal(signal.SIGKILL)  # no goodbye: its writer sees stdin close
+            await asyncio.to_thread(service.wait)
+            await _until(lambda: _gone(pid))
+            assert set(history.info(ids)) == set(ids)
+        finally:
+            service.kill()
+            service.wait()
+            assert service.stdout is not None
+            service.stdout.close()
 
-    async def scenario(history: History) -> None:
-        async with _task_store(store_url, history) as store:
-            service = subprocess.Popen(
-                [sys.executable, "-c", STAND_IN, registry_url, store_url, store.keys.program_id],
-                stdout=subprocess.PIPE,
-            )
-            try:
-                assert service.stdout is not None
-                pid = int(await asyncio.to_thread(service.stdout.readline))
-                ids = await _finished(store, "bob", "ep", 20)
-                service.send_signal(signal.SIGKILL)  # no goodbye: its writer sees stdin close
-                await asyncio.to_thread(service.wait)
-                await _until(lambda: _gone(pid))
-                assert set(history.info(ids)) == set(ids)
-            finally:
-                service.kill()
-                service.wait()
-                assert service.stdout is not None
-                service.stdout.close()
-
-    _with_history(registry_url, scenario)
+    _with_store(sqlite_url, store_url, scenario)
 
 
 def test_a_writer_that_dies_is_replaced_and_what_it_took_is_written_by_the_next(
-    store_url: str, tmp_path: Path
+    store_url: str, sqlite_url: str
 ) -> None:
-    registry_url = f"sqlite:///{tmp_path / 'registry.db'}"
+    async def scenario(history: History, store: TaskStore) -> None:
+        async with _service_writer(sqlite_url, store_url, store, restart=0.1) as writer:
+            await _until(lambda: writer.process is not None)
+            assert writer.process is not None
+            first = writer.process
+            first.send_signal(signal.SIGKILL)
+            ids = await _finished(store, "carol", "ep", 10)  # while no writer runs
+            await _until(lambda: writer.process is not first and writer.started == 2)
+            await _until(lambda: set(history.info(ids)) == set(ids))
+            assert first.poll() == -signal.SIGKILL
+        assert writer.process is not None and writer.process.poll() == 0
 
-    async def scenario(history: History) -> None:
-        async with _task_store(store_url, history) as store:
-            writer = Writer(registry_url, store_url, store.keys.program_id, None)
-            writer.restart = 0.1
-            job = asyncio.create_task(writer.run())
-            try:
-                await _until(lambda: writer.process is not None)
-                assert writer.process is not None
-                first = writer.process
-                first.send_signal(signal.SIGKILL)
-                ids = await _finished(store, "carol", "ep", 10)  # while no writer runs
-                await _until(lambda: writer.process is not first and writer.started == 2)
-                await _until(lambda: set(history.info(ids)) == set(ids))
-                assert first.poll() == -signal.SIGKILL
-            finally:
-                job.cancel()
-                await asyncio.gather(job, return_exceptions=True)
-            assert writer.process is not None and writer.process.poll() == 0
-
-    _with_history(registry_url, scenario)
+    _with_store(sqlite_url, store_url, scenario)
 
 
 def test_an_in_memory_registry_is_written_by_the_services_own_process() -> None:

@@ -233,3 +233,37 @@ def test_held_tasks_joining_a_queue_are_published_for_every_service_process(
             await store.redis.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_finish_releases_held_tasks_whatever_nimbus_queued_their_input(store_url: str) -> None:
+    """A task whose hash says it has no dependents ('then' 0, set at submit) reads no
+    set of dependents as it ends; one held for (an input earlier in the same batch, or
+    one queued by an older nimbus: no 'then') is released when it succeeds."""
+    store = TaskStore(connect_async(store_url), Keys(Keys.program_id_new()), result_ttl=60)
+
+    async def scenario() -> None:
+        try:
+            a, b, c, d = (str(uuid.uuid4()) for _ in range(4))
+            limits = {"max_tasks": 100, "max_bytes": 10**6}
+            await store.submit("o", "ep1", "g1", [(a, "f", b"x", None, "")], **limits)
+            await store.submit(
+                "o", "ep1", "g2", [(b, "f", b"x", None, ""), (c, "f", b"y", None, "")],
+                after=[None, [b]], **limits,
+            )  # fmt: skip
+            assert await store.redis.hget(store.keys.task(a), "then") == b"0"
+            assert await store.redis.hget(store.keys.task(b), "then") == b"1"
+            await store.submit("o", "ep1", "g3", [(d, "f", b"z", None, "")], after=[[a]], **limits)
+            await store.redis.hdel(store.keys.task(a), "then")  # as an older nimbus queued it
+            taken, _ = await store.take("ep1", "conn", 10)
+            assert sorted(t[0] for t in taken) == sorted([a, b])  # c and d are held
+            await store.finish(
+                "ep1", [(a, "success", b"r", b"", ""), (b, "success", b"r", b"", "")]
+            )
+            taken, _ = await store.take("ep1", "conn", 10)
+            assert sorted(t[0] for t in taken) == sorted([c, d])  # both released
+        finally:
+            async for key in store.redis.scan_iter(match=store.keys.pattern()):
+                await store.redis.delete(key)
+            await store.redis.aclose()
+
+    asyncio.run(scenario())

@@ -10,7 +10,8 @@
     XREADGROUP (or XAUTOCLAIM of entries another process took and did not
     acknowledge within CLAIM_IDLE) -> the rows the entries
     carry -> History.write (one transaction, idempotent) -> one script: XACK + XDEL
-    the entries, mark the tasks saved, trim the indexes
+    the entries, trim the indexes (a task is saved once the stream holds no entry as
+    old as its own, which its hash names: no mark is written task by task)
 
 The scripts that end tasks append, in one XADD a call, the ids and the history's
 row of each task they ended (its fields as they were then: nothing is read back
@@ -82,7 +83,10 @@ _WIDTH = len(FIELDS)  # the values of one row in a stream entry's flat "rows"
 
 # KEYS: the stream, everyone's index, the users' indexes; ARGV: group, task prefix,
 # RECENT, TRIM_SCAN, the slack an index may exceed RECENT by before it is trimmed,
-# the entry ids and the task ids saved (each one string, space-separated)
+# the entry ids and the ids of the tasks saved that do not name their entry (each one
+# string, space-separated). A task the finish or cancel script ended names the entry of
+# its row ('entry'): it is saved once the stream holds no entry as old (an entry leaves
+# the stream only here, once its rows are committed), so it is marked by no write here.
 _SAVED = """
 local entries, n = {}, 0
 for id in string.gmatch(ARGV[6], '%S+') do entries[#entries + 1] = id end
@@ -95,15 +99,36 @@ for i = 1, #entries, 1000 do
   redis.call('XACK', KEYS[1], ARGV[1], unpack(part))
   redis.call('XDEL', KEYS[1], unpack(part))
 end
+local first  -- the oldest entry not yet saved: {ms, seq}, or none
+local function position(entry)
+  local ms, seq = string.match(entry, '^(%d+)-(%d+)$')
+  if ms then return {tonumber(ms), tonumber(seq)} end
+end
+local function saved(entry)  -- a task's entry, older than any the stream holds?
+  if not entry then return false end
+  if first == nil then
+    local oldest = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+    first = oldest and position(oldest[1]) or false
+  end
+  if not first then return true end
+  local at = position(entry)
+  return at ~= nil and (at[1] < first[1] or (at[1] == first[1] and at[2] < first[2]))
+end
 local recent, scan, slack, trimmed = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), 0
+local out = {}  -- id -> out of the indexes, as found in the first that held it
 for k = 2, #KEYS do
   local excess = redis.call('ZCARD', KEYS[k]) - recent
   if excess > slack then
     local drop = {}
     for _, id in ipairs(redis.call('ZRANGE', KEYS[k], 0, math.min(excess, scan) - 1)) do
       local key = ARGV[2] .. id
-      local v = redis.call('HMGET', key, 'state', 'saved')
-      if not v[1] or v[2] then  -- in the SQL history (or expired): out of this index
+      local gone = out[id]
+      if gone == nil then
+        local v = redis.call('HMGET', key, 'state', 'saved', 'entry')
+        gone = not v[1] or v[2] or saved(v[3])  -- in the SQL history (or expired)
+        out[id] = gone and true or false
+      end
+      if gone then
         drop[#drop + 1] = id
         if k == 2 then redis.call('DEL', key) end  -- out of everyone's: out of Redis
       end
@@ -291,12 +316,15 @@ class Flusher:
             return 0
         rows: list[Sequence[Any]] = []
         ids: list[bytes] = []  # of entries without their rows (a held task failed, backfill)
+        unnamed: list[bytes] = []  # tasks saved that do not name their entry: marked saved
         for _, fields in entries:
             if not fields:  # deleted meanwhile (acknowledged by another process)
                 continue
             if b"rows" in fields:
                 flat = msgpack.unpackb(fields[b"rows"], raw=True)
                 rows += [flat[i : i + _WIDTH] for i in range(0, len(flat), _WIDTH)]
+                if b"e" not in fields:  # (appended by an older nimbus)
+                    unnamed += flat[::_WIDTH]
             else:
                 ids += fields.get(b"ids", b"").split()
         prefix = self.store.keys.task("")
@@ -309,9 +337,10 @@ class Flusher:
                     continue
                 if values[4].decode(errors="replace") in DONE:
                     rows.append((task_id, *values))
+                    unnamed.append(task_id)
         owners = {row[1] or b"" for row in rows}
         await asyncio.to_thread(self.history.write, rows)
-        await self._trim(owners, busy, entries, rows)
+        await self._trim(owners, busy, entries, unnamed)
         self.written += len(rows)
         return len(rows)
 
@@ -332,10 +361,11 @@ class Flusher:
         owners: set[bytes],
         busy: bool = False,
         entries: Sequence[tuple[Any, Any]] = (),
-        rows: Sequence[Sequence[Any]] = (),
+        unnamed: Sequence[bytes] = (),
     ) -> int:
-        """The script that acknowledges ``entries``, marks ``rows`` saved and trims
-        everyone's index and ``owners``' indexes; how many tasks left them."""
+        """The script that acknowledges ``entries``, marks the tasks ``unnamed`` (saved, not
+        naming their entry) saved and trims everyone's index and ``owners``' indexes; how
+        many tasks left them."""
         if busy:
             self._untrimmed |= owners
         keys = self.store.keys
@@ -357,7 +387,7 @@ class Flusher:
                     TRIM_SCAN,
                     self.recent if busy else self.recent // 10,
                     b" ".join(entry_id for entry_id, _ in entries),
-                    b" ".join(row[0] for row in rows),
+                    b" ".join(unnamed),
                 ],
             )
         )

@@ -7,7 +7,8 @@
     TAKE     endpoint queue -> inflight hash (state dispatched)
     RUNNING  dispatched -> running (the agent said so)
     FINISH   inflight -> final state, first result wins; counted (``counters``)
-             and held tasks released (``held``)
+             and held tasks released (``held``: only for a task whose hash's 'then'
+             is not 0, which SUBMIT sets to 1 on an input when a task is held for it)
     CANCEL   any state not final -> cancelled
     REQUEUE  inflight on a lost connection -> back to the queue head
     FAIL_HELD  held tasks whose input failed -> failed (``held.fail_held_lua``); the
@@ -82,7 +83,7 @@ for _, r in ipairs(t[5]) do
   local id = r[1]
   redis.call('HSET', ARGV[1] .. id, 'state', 'waiting-for-endpoint', 'owner', owner,
              'endpoint', endpoint, 'function', r[2], 'group', group, 'submitted', submitted,
-             'payload', r[3], 'timeout', r[4], 'quota', KEYS[4], 'size', #r[3])
+             'payload', r[3], 'timeout', r[4], 'quota', KEYS[4], 'size', #r[3], 'then', 0)
   if r[5] ~= '' then  -- its arguments are in the data store: the task claims them
     redis.call('HSET', ARGV[1] .. id, 'data', r[5])
     redis.call('HSET', ARGV[4] .. r[5], 'task', id, 'endpoint', endpoint)
@@ -97,6 +98,7 @@ for _, r in ipairs(t[5]) do
         failed = failed or {id, a, st}
       elseif st ~= 'success' then
         redis.call('SADD', ARGV[1] .. a .. ARGV[7], id)
+        if st and not ended[a] then redis.call('HSET', ARGV[1] .. a, 'then', 1) end
         waits = waits + 1
       end
     end
@@ -189,11 +191,13 @@ local out, drop = {}, {}
 local freed, quotas = {}, {}  -- quota hash -> {tasks, bytes} given back, once per owner at the end
 local gone = {}  -- ids no longer in flight on the endpoint, 1,000 to a call at the end
 local rows = {}  -- the SQL history's rows of the tasks ended (history.FIELDS, flat)
+local ended = {}  -- the results stored, their state written once the history's entry is known
 for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
   local id = r[1]
   local key = ARGV[1] .. id
   local v = redis.call('HMGET', key, 'state', 'endpoint', 'data', 'quota', 'size', 'owner',
-                       'submitted', 'dispatched', 'function', 'group', 'timeout')
+                       'submitted', 'dispatched', 'function', 'group', 'timeout', 'then')
+  if ended[id] then v[1] = false end  -- (a result twice in one call: the first is kept)
   local blob = ''  -- a result in the data store, if it was stored for this task
   if r[5] ~= '' and redis.call('HGET', ARGV[6] .. r[5], 'task') == id then blob = r[5] end
   local stored = false
@@ -209,10 +213,10 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
         f[1] = f[1] + 1
         f[2] = f[2] + (tonumber(v[5] or 0) or 0)
       end
-      redis.call('HSET', key, 'state', r[2], 'result', r[3], 'record', r[4], 'ended', ARGV[2])
+      ended[id] = r
       if v[1] == 'waiting-for-endpoint' then redis.call('SREM', KEYS[3], id) end
       redis.call('HDEL', key, 'payload', 'data', 'quota', 'waits')
-      settle(id, r[2])
+      if v[12] ~= '0' then settle(id, r[2]) end  -- none held for it: no set to read
       redis.call('EXPIRE', key, ARGV[3])
       if v[3] then
         redis.call('DEL', ARGV[6] .. v[3])
@@ -242,7 +246,15 @@ for _, quota in ipairs(quotas) do
 end
 if #out > 0 then
   redis.call('PUBLISH', ARGV[1] .. 'changed', table.concat(owners, ' '))
-  redis.call('XADD', ARGV[7], '*', 'ids', table.concat(out, ' '), 'rows', cmsgpack.pack(rows))
+  -- each task ended names the history's entry of its row ('entry'): saved once the stream
+  -- holds no entry as old (flusher.py), with no mark to write task by task
+  local entry = redis.call('XADD', ARGV[7], '*', 'ids', table.concat(out, ' '),
+                           'rows', cmsgpack.pack(rows), 'e', 1)
+  for _, id in ipairs(out) do
+    local r = ended[id]
+    redis.call('HSET', ARGV[1] .. id, 'state', r[2], 'result', r[3], 'record', r[4],
+               'ended', ARGV[2], 'entry', entry)
+  end
 end
 flush(KEYS[2])
 if #woken > 0 then  -- every service process wakes its dispatchers of these endpoints
@@ -312,7 +324,8 @@ if data then redis.call('DEL', ARGV[5] .. data) end
 local rows = {}  -- for the SQL history (flusher.py)
 history_row(rows, ARGV[4], v[2], v[3], v[4], v[5], 'cancelled', v[6], v[7], ARGV[2], v[8],
             ARGV[1], v[9])
-redis.call('XADD', ARGV[6], '*', 'ids', ARGV[4], 'rows', cmsgpack.pack(rows))
+local entry = redis.call('XADD', ARGV[6], '*', 'ids', ARGV[4], 'rows', cmsgpack.pack(rows), 'e', 1)
+redis.call('HSET', KEYS[1], 'entry', entry)  -- saved once the stream holds no older entry
 local conn = redis.call('HGET', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[2], ARGV[4])
 redis.call('HDEL', KEYS[1], 'waits')
