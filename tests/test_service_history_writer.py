@@ -171,6 +171,26 @@ def test_a_writer_that_dies_is_replaced_and_what_it_took_is_written_by_the_next(
     _with_store(sqlite_url, store_url, scenario)
 
 
+def test_a_module_in_the_services_directory_does_not_shadow_the_writers_imports(
+    store_url: str, sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 7: the writer ran as ``python -m`` in the service's directory, so a project's
+    own ``msgpack.py`` there killed every writer at import, for ever, and no history was
+    written."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "msgpack.py").write_text("raise ImportError('the project's own msgpack.py')\n")
+    monkeypatch.chdir(project)
+
+    async def scenario(history: History, store: TaskStore) -> None:
+        async with _service_writer(sqlite_url, store_url, store, restart=0.1) as writer:
+            ids = await _finished(store, "dave", "ep", 5)
+            await _until(lambda: set(history.info(ids)) == set(ids), 30)
+            assert writer.started == 1
+
+    _with_store(sqlite_url, store_url, scenario)
+
+
 def test_an_in_memory_registry_is_written_by_the_services_own_process() -> None:
     assert not separate("sqlite://")
     assert not separate("sqlite:///:memory:")

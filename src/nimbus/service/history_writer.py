@@ -74,7 +74,9 @@ class Writer:
 
     def _start(self) -> subprocess.Popen[bytes]:
         process = subprocess.Popen(
-            [sys.executable, "-m", __name__],
+            # -P: not the service's directory first on the path (a module there, say a
+            # project's msgpack.py, would shadow the writer's imports and kill every writer)
+            [sys.executable, "-P", "-m", __name__],
             stdin=subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C of the service's terminal: the service says when
         )
