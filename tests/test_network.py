@@ -658,6 +658,21 @@ def test_limits_of_one_task_from_its_options(netns: pytest.MonkeyPatch, server: 
     assert free_share > share, (free_share, share)
 
 
+def test_a_local_executors_limit_without_a_namespace_names_its_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """options(bandwidth=...) on a local Executor with socket accounting: the fix named is
+    the local one (NIMBUS_NET_ACCOUNTING or Settings), the endpoint's only as the other
+    case (stranger 7 F7: it named only `nimbus endpoint configure NAME`)."""
+    monkeypatch.setenv("NIMBUS_NET_ACCOUNTING", "socket")
+    with Executor(1) as ex, pytest.raises(ConfigError) as caught:
+        ex.options(bandwidth="40Mbit").submit(int).result(timeout=60)
+    message = str(caught.value)
+    assert "net_accounting is socket" in message and "its endpoint's" not in message, message
+    assert "for a local Executor, NIMBUS_NET_ACCOUNTING=netns" in message, message
+    assert "Settings.load().replace(net_accounting='netns')" in message, message
+
+
 @needs_root
 def test_limits_of_a_task_leave_its_function_as_it_is(netns: pytest.MonkeyPatch) -> None:
     """options(cpus=...) sends the function itself: one pickling, one key, so its worker
