@@ -949,6 +949,9 @@ def test_netbench_says_what_is_built() -> None:
     assert done.returncode == 2 and "--offline" in done.stderr and "--endpoint NAME" in done.stderr
     done = _nimbus("netbench", "--offline", "--cap", "1G")
     assert done.returncode == 2 and "say 1Gbit for bits/s" in done.stderr
+    # stranger 7 F7: "argument --cap: --cap '500M': ...": named once
+    assert done.stderr.count("--cap") == 1, done.stderr
+    assert "argument --cap: '1G': expected a rate" in done.stderr, done.stderr
 
 
 def test_netbench_refuses_wrong_input_before_running(tmp_path: Path) -> None:
@@ -1009,8 +1012,45 @@ def test_netbench_offline_stopped_by_sigterm_removes_its_namespaces(tmp_path: Pa
         for ns in spaces():  # whatever the outcome, nothing of the test stays
             subprocess.run(["ip", "netns", "del", ns], check=False)
     assert proc.returncode == 130, err
-    assert err == "nimbus netbench: interrupted (SIGTERM); its namespaces are removed\n", err
+    assert err == (
+        "nimbus netbench: interrupted (SIGTERM); its namespaces are removed; no run had finished\n"
+    ), err
     assert not spaces()
+
+
+@needs_root
+def test_netbench_offline_interrupted_writes_the_runs_that_finished(tmp_path: Path) -> None:
+    """Ctrl-C in the second run: the first run's rows are in the CSV and JSON, and the
+    message says where (stranger 7 F7: nothing of the finished rows was written)."""
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nimbus", "netbench", "--offline", "--concurrency", "1,2",
+         "--seconds", "3", "--direction", "down", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src"),
+             "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # " down x1: aggregate ...": the second run starts
+        assert "down x1" in first, (first, proc.stderr.read() if proc.poll() else "")
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err == (
+        "nimbus netbench: interrupted (SIGINT); its namespaces are removed; "
+        f"the report of the 1 run that finished is in {tmp_path}\n"
+    ), err
+    rows = (tmp_path / "netbench.csv").read_text().splitlines()
+    assert len(rows) == 2 and rows[1].startswith("down,1,"), rows
+    summary = json.loads((tmp_path / "netbench.json").read_text())
+    assert [r["concurrency"] for r in summary["runs"]] == [1], summary["runs"]
 
 
 def test_netbench_on_a_real_endpoint(service: Any, alice: Any, lab: Any, tmp_path: Path) -> None:
