@@ -28,6 +28,14 @@ def here(x: int) -> int:
     return x + 1
 
 
+def test_dir_lists_no_plumbing() -> None:
+    """``dir(nimbus)``: the public names, none of the module's own plumbing (stranger 7 F7:
+    ``TYPE_CHECKING``, ``annotations`` and ``importlib`` were listed)."""
+    public = [n for n in dir(nimbus) if not n.startswith("_")]
+    assert set(nimbus.__all__) - {"__version__"} <= set(public), public
+    assert not {"TYPE_CHECKING", "annotations", "importlib"} & set(public), public
+
+
 def test_public_names() -> None:
     assert nimbus.__all__ == [
         "Client",

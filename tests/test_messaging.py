@@ -240,6 +240,20 @@ def test_peer_never_starts_goes_to_the_store_then_times_out(
     assert 0.25 < time.monotonic() - started < 2.0
 
 
+def test_a_negative_timeout_is_refused_as_queue_get_refuses_it(instances: Any) -> None:
+    """recv(timeout=-1): a ValueError, as ``queue.Queue.get``'s (stranger 7 F7: it waited
+    and said "no message from any instance within -1 s")."""
+    import queue
+
+    with pytest.raises(ValueError, match="non-negative"):
+        queue.Queue().get(timeout=-1)
+    a = instances()
+    with pytest.raises(ValueError, match=r"timeout must be a non-negative number, not -1"):
+        a.recv(timeout=-1)
+    with pytest.raises(MessagingTimeout, match="within 0 s"):  # 0: a look, no wait
+        a.recv(timeout=0)
+
+
 def test_switch_from_store_to_socket_keeps_order_exactly_once(instances: Any) -> None:
     a = instances()
     for i in range(100):

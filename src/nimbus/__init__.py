@@ -15,7 +15,7 @@ imports ``nimbus.runtime.worker``, starts its first task sooner, and
 
 from __future__ import annotations
 
-import importlib
+import importlib as _importlib
 
 TYPE_CHECKING = False  # typing is not imported: `nimbus run` starts programs sooner
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from nimbus.errors import NimbusError
     from nimbus.executor import Executor, Future
     from nimbus.records import TaskRecord, TaskState
+del TYPE_CHECKING, annotations  # plumbing, not public names (``dir(nimbus)``)
 
 __version__ = "0.1.0"
 
@@ -61,11 +62,11 @@ _HOMES = {
 
 def __getattr__(name: str) -> Any:
     if name == "data":  # nimbus.data.store() in task code, with only `import nimbus`
-        return importlib.import_module("nimbus.data")
+        return _importlib.import_module("nimbus.data")
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module 'nimbus' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
+    value = getattr(_importlib.import_module(home), name)
     globals()[name] = value  # later lookups skip this function
     return value
 

@@ -73,8 +73,8 @@ def _server(text: str) -> str:
 def _rate(text: str) -> int:
     try:
         return parse_bandwidth(text, "--cap")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except ConfigError as exc:  # (argparse names the argument: once)
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--cap ")) from None
 
 
 def _sizes(text: str) -> list[int]:
@@ -222,8 +222,9 @@ def run(args: argparse.Namespace) -> int:
                 args.out, share=args.share, progress=print,
             )  # fmt: skip
         except KeyboardInterrupt as exc:
-            print(f"{PROG}: interrupted ({exc or 'SIGINT'}); its namespaces are removed",
-                  file=sys.stderr)  # fmt: skip
+            kept = "; ".join(getattr(exc, "__notes__", ())) or "no run had finished"
+            print(f"{PROG}: interrupted ({exc or 'SIGINT'}); its namespaces are removed; "
+                  f"{kept}", file=sys.stderr)  # fmt: skip
             return 130
         finally:
             signal.signal(signal.SIGTERM, before[0])

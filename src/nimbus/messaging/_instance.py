@@ -36,7 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import redis
 
-from nimbus.errors import MessagingTimeout, PeerExited, PeerLost, StateStoreError
+from nimbus.errors import ConfigError, MessagingTimeout, PeerExited, PeerLost, StateStoreError
 from nimbus.messaging import _peer
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, host_id, socket_path
 from nimbus.messaging._mailbox import Mail, Mailbox, Run, decode
@@ -214,6 +214,8 @@ class Instance(Sender):
             found = mailbox.pop(source, tag)
             if found is not None:
                 return found
+        if timeout is not None and timeout < 0:  # as queue.Queue.get (checked before a wait)
+            raise ConfigError(f"recv: timeout must be a non-negative number, not {timeout!r}")
         start = time.monotonic()
         if source is None or source not in mailbox.ended:
             # the next common case: one wait for input, and it is there

@@ -100,18 +100,30 @@ def netbench(
     share: float = 0.25,
     progress: Callable[[str], object] = lambda _: None,
 ) -> list[Path]:
-    """Run the offline co-location sweep and write its report into ``out``."""
+    """Run the offline co-location sweep and write its report into ``out``. Interrupted
+    (``KeyboardInterrupt``), the runs that finished are written first, and the
+    interrupt is raised on with a note saying where."""
     from nimbus.network._bench import Offline
     from nimbus.network._report import summarize, write
 
     points = []
-    with Offline(workers=max(concurrency), cap=cap) as bench:
-        for direction in directions:
-            for n in concurrency:
-                run = bench.run(direction, n, seconds)
-                total = sum(p.mbit for p in run)
-                progress(f"{direction:>4} x{n}: aggregate {total:7.1f} Mbit/s")
-                points.extend(run)
+    runs = 0
+    try:
+        with Offline(workers=max(concurrency), cap=cap) as bench:
+            for direction in directions:
+                for n in concurrency:
+                    run = bench.run(direction, n, seconds)
+                    total = sum(p.mbit for p in run)
+                    progress(f"{direction:>4} x{n}: aggregate {total:7.1f} Mbit/s")
+                    points.extend(run)
+                    runs += 1
+    except KeyboardInterrupt as exc:
+        if runs:  # (the namespaces are gone by now)
+            write(points, summarize(points, cap, share), out)
+            exc.add_note(
+                f"the report of the {runs} run{'s' * (runs > 1)} that finished is in {out}"
+            )
+        raise
     return write(points, summarize(points, cap, share), out)
 
 

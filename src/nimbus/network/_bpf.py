@@ -4,7 +4,7 @@
 
     counters = LinkCounters.attach("nimbus0")     # None where eBPF is not allowed
     counters = CgroupCounters.attach(directory)   # (a cgroup v2 directory: the same)
-    counters.read()                               # 32 bytes: in bytes, in packets, out, out
+    counters.read()                               # in bytes, in packets, out, out, ...
     counters.close()                              # (or the worker exits: both detach)
 
 **A link** (a worker in a namespace of its own, ``_link``): at the link's
@@ -16,7 +16,11 @@ packets as ``/proc/self/net/dev`` has for the device; going out, the device
 counts a few more header-only packets (pure ACKs: 6-8 of 66 bytes in a 700 kB
 upload) that the egress hook does not see. They carry no payload, and the
 record's bytes are payload (the bytes less 66 a packet): the same either way
-(``test_link_counters_in_memory_are_the_devices``). Reading them cold (after a pause as between tasks) costs 2.8 us where the
+(``test_link_counters_in_memory_are_the_devices``). Coming in, TCP payload that
+crosses the link a second time (a duplicate segment, a peer's retransmit: below
+the end of the furthest segment of its connection seen, kept in an LRU hash
+map) is counted apart too, and the reader takes it off: payload once, as a
+cgroup's (``test_a_duplicate_segment_in_is_counted_once``). Reading them cold (after a pause as between tasks) costs 2.8 us where the
 pread of ``/proc/self/net/dev`` costs 10.7 (``bench/netvis.py``'s latency row).
 
 **A cgroup** (a worker without a namespace, ``_cgcount``): ``cgroup_skb``
@@ -56,9 +60,11 @@ _CGROUP_INGRESS, _CGROUP_EGRESS = 0, 1
 _TCX_NEXT = -1  # on to the next program, the link's qdiscs: the packet's way is unchanged
 _PASS = 1  # a cgroup_skb program's "let it through"
 _LOAD_BYTES = 26  # bpf_skb_load_bytes(skb, offset, to, len)
-_VALUE = 32  # in bytes, in packets, out bytes, out packets (u64 each)
+_VALUE = 48  # in bytes, in packets, out bytes, out packets; duplicates in (u64 each)
 _CGROUP_VALUE = 64  # and: duplicates in (bytes, segments), retransmits out (bytes, segments)
 _RCV_NXT, _SND_NXT = 16, 20  # in struct bpf_tcp_sock
+_MAP_LOOKUP, _MAP_UPDATE = 1, 2
+_LRU_HASH, _FLOWS = 9, 4096  # connections a link keeps the furthest segment of
 
 
 def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
@@ -88,6 +94,83 @@ def _link_program(map_fd: int, offset: int) -> bytes:
             _insn(0x95),  # exit
         )
     )
+
+
+def _link_ingress(map_fd: int, flows_fd: int) -> bytes:
+    """As :func:`_link_program` coming in (at 0); and TCP payload that has crossed the link
+    already (an IPv4 segment starting below the end of the furthest one seen of its
+    connection, kept in the hash map ``flows_fd``: a duplicate, or a peer's retransmit)
+    counted again at 32 (bytes, segments): the reader takes it off, as a cgroup's
+    (``_cgroup_program``). By what crossed the link, not by the socket's ``rcv_nxt``: the
+    link's hook sees a batch of packets before TCP has taken any of them."""
+    asm = _Asm()
+    asm(_insn(0xBF, 6, 1), _insn(0x61, 7, 6), _count(map_fd, 0, 7))  # r6 = skb; r7 = len
+    asm.load(1, "out", 14)  # after the Ethernet header: version and IHL
+    asm(_insn(0xBF, 3, 2), _insn(0x77, 3, imm=4))  # r3 = the version
+    asm.jump(0x55, 3, "out", 4)  # IPv4 only
+    asm(_insn(0x57, 2, imm=15), _insn(0x67, 2, imm=2), _insn(0xBF, 9, 2))  # r9 = IP header
+    asm.load(1, "out", 23)  # the protocol
+    asm.jump(0x55, 2, "out", 6)  # TCP only
+    asm.load(1, "out", 26, reg=9)  # the data offset's byte
+    asm(_insn(0x77, 2, imm=4), _insn(0x67, 2, imm=2))  # r2 = the TCP header
+    asm(_insn(0xBF, 8, 2), _insn(0x0F, 8, 9), _insn(0x07, 8, imm=14))  # r8 = all headers
+    asm.load(1, "out", 27, reg=9)  # the flags
+    asm(_insn(0x57, 2, imm=2), _insn(0x63, 10, 2, -32))  # *(u32 *)(fp - 32) = SYN
+    asm.jump(0x55, 2, "syn", 0)  # a SYN: the connection starts (again, on a port reused)
+    asm.jump(0xBD, 7, "out", src=8)  # if len <= headers goto out: no payload
+    asm(_insn(0x1F, 7, 8))  # r7 = the payload
+    asm.jump(0x05, 0, "key")
+    asm.at("syn")
+    asm(_insn(0xB7, 7, 0, 0, 1))  # r7 = 1: a SYN takes one sequence number
+    asm.at("key")
+    for offset, reg, size, at in ((26, None, 8, -24), (14, 9, 4, -16)):  # the flow's key
+        asm(_insn(0xBF, 1, 6))  # r1 = skb
+        if reg is None:
+            asm(_insn(0xB7, 2, 0, 0, offset))
+        else:
+            asm(_insn(0xBF, 2, reg), _insn(0x07, 2, imm=offset))
+        asm(_insn(0xBF, 3, 10), _insn(0x07, 3, imm=at), _insn(0xB7, 4, 0, 0, size))
+        asm(_insn(0x85, imm=_LOAD_BYTES))
+        asm.jump(0x55, 0, "out")
+    asm.load(4, "out", 18, reg=9)  # the sequence number
+    asm(_insn(0xBF, 8, 2), _insn(0xDC, 8, imm=32))  # r8 = be32toh(r2)
+    asm(_insn(0xBC, 9, 8), _insn(0x0C, 9, 7))  # w9 = seq + payload: the segment's end
+    asm(_insn(0x61, 2, 10, -32))  # r2 = SYN
+    asm.jump(0x55, 2, "new", 0)  # a SYN: its end kept, whatever was before
+    asm(
+        _insn(0x18, 1, 1, 0, flows_fd),  # r1 = the flows map (BPF_PSEUDO_MAP_FD)
+        _insn(0),
+        _insn(0xBF, 2, 10),
+        _insn(0x07, 2, imm=-24),  # r2 = the key (saddr, daddr, sport, dport)
+        _insn(0x85, imm=_MAP_LOOKUP),  # r0 = the end seen furthest, or NULL
+    )
+    asm.jump(0x15, 0, "new", 0)
+    asm(_insn(0x61, 2, 0), _insn(0xBC, 4, 9), _insn(0x1C, 4, 2))  # w4 = end - furthest
+    asm.jump(0xD6, 4, "behind", 0)  # if (s32) w4 <= 0 goto behind
+    asm(_insn(0x63, 0, 9))  # the furthest = end
+    asm.at("behind")
+    asm(_insn(0x1C, 2, 8))  # w2 = furthest - seq: how much of it has crossed already
+    asm.jump(0xD6, 2, "out", 0)  # if (s32) w2 <= 0 goto out: new bytes
+    asm.jump(0xBD, 2, "again", src=7)  # if r2 <= r7 goto again
+    asm(_insn(0xBF, 2, 7))  # r2 = r7 (all of it)
+    asm.at("again")
+    asm(_insn(0xBF, 7, 2), _count(map_fd, 32, 7))
+    asm.jump(0x05, 0, "out")
+    asm.at("new")  # the connection's first segment seen (or its SYN): its end kept
+    asm(
+        _insn(0x63, 10, 9, -28),  # *(u32 *)(fp - 28) = w9
+        _insn(0x18, 1, 1, 0, flows_fd),
+        _insn(0),
+        _insn(0xBF, 2, 10),
+        _insn(0x07, 2, imm=-24),
+        _insn(0xBF, 3, 10),
+        _insn(0x07, 3, imm=-28),
+        _insn(0xB7, 4, 0, 0, 0),  # BPF_ANY
+        _insn(0x85, imm=_MAP_UPDATE),
+    )
+    asm.at("out")
+    asm(_insn(0xB7, 0, 0, 0, _TCX_NEXT), _insn(0x95))
+    return asm.code()
 
 
 class _Asm:
@@ -231,6 +314,10 @@ class _Loader:
     def new_map(self) -> int:
         return self.call(_MAP_CREATE, struct.pack("5I", _ARRAY, 4, _CGROUP_VALUE, 1, _MMAPABLE))
 
+    def flows_map(self) -> int:
+        """A hash map of TCP connections (12-byte IPv4 key) to a u32 sequence number."""
+        return self.call(_MAP_CREATE, struct.pack("5I", _LRU_HASH, 12, 4, _FLOWS, 0))
+
     def close(self) -> None:
         for fd in self.fds:
             os.close(fd)
@@ -253,7 +340,7 @@ class LinkCounters:
             ifindex = socket.if_nametoindex(device)
             map_fd = bpf.new_map()
             hooks = (
-                (_TCX_INGRESS, _link_program(map_fd, 0)),
+                (_TCX_INGRESS, _link_ingress(map_fd, bpf.flows_map())),
                 (_TCX_EGRESS, _link_program(map_fd, 16)),
             )
             view = bpf.counted(map_fd, ifindex, _SCHED_CLS, hooks)
@@ -263,7 +350,8 @@ class LinkCounters:
         return cls(bpf.fds, view)
 
     def read(self) -> bytes:
-        """The counts now (32 bytes, four native u64: in bytes, in packets, out bytes, out packets)."""
+        """The counts now (48 bytes, six native u64: in bytes, in packets, out bytes, out
+        packets; of those in, TCP payload that came twice (bytes, segments))."""
         return self._view[:_VALUE]
 
     def close(self) -> None:

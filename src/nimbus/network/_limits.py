@@ -167,10 +167,12 @@ def _no_own(option: str, what: str) -> str:
 
     root = "" if os.geteuid() == 0 else "run the endpoint as root and "
     return (
-        f"{option}: this worker has no {what} of its own (its endpoint's net_accounting is "
+        f"{option}: this worker has no {what} of its own (net_accounting is "
         f"{Settings.lookup('net_accounting')}); {root}give its workers namespaces of their own: "
-        "`nimbus endpoint configure NAME --net-accounting netns` (in the agent's "
-        "environment: NIMBUS_NET_ACCOUNTING=netns), then restart the endpoint"
+        "for a local Executor, NIMBUS_NET_ACCOUNTING=netns in its environment (or "
+        "Executor(settings=Settings.load().replace(net_accounting='netns'))); for an "
+        "endpoint's, `nimbus endpoint configure NAME --net-accounting netns`, then "
+        "restart the endpoint"
     )
 
 

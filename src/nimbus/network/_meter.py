@@ -11,7 +11,7 @@
               /proc/self/net/dev); unmark if marked. Unchanged (the usual case for
               a task that moved nothing): no bytes, and nothing else is read. Else the
               difference of the nimbus0 lines is the task's (payload: the link's bytes
-              less 66 header bytes a packet) and, once a task, RetransSegs/OutSegs,
+              less 66 header bytes a packet; in memory, less what came twice) and, once a task, RetransSegs/OutSegs,
               D-SACKs and TCP_INFO of the namespace's open connections (``_diag``:
               children's too): nimbus's own (the state store) are taken off, the
               task's summarized
@@ -188,9 +188,11 @@ class TaskNet:
 
     @staticmethod
     def _mapped_bytes(data: bytes) -> tuple[int, int]:
-        """As :meth:`_bytes`, of a read of the link's counters in memory (``_bpf``)."""
-        bin_, pin, bout, pout = struct.unpack("4Q", data)
-        return bin_ - HEADERS * pin, bout - HEADERS * pout
+        """As :meth:`_bytes`, of a read of the link's counters in memory (``_bpf``): TCP
+        payload that came twice (a peer's retransmit of what had come) is taken off, as
+        a cgroup's (:meth:`_payload`): each byte once."""
+        bin_, pin, bout, pout, dup, _ = struct.unpack("6Q", data)
+        return bin_ - HEADERS * pin - dup, bout - HEADERS * pout
 
     @staticmethod
     def _payload(data: bytes) -> tuple[int, int]:
