@@ -109,8 +109,11 @@ class LocalHistory:
     def __init__(self, settings: Settings) -> None:
         self._dir = directory(settings)
         self._settings = settings
-        self._serving = True  # the service ran at the last look (made when it did)
-        self._next_look = 0.0  # its first hand-over looks (how much waits for the service)
+        # made while the service runs (``active``): serving unless KEEP_BYTES wait; the
+        # first hand-overs do not look again (a pool worker that terminate() ends soon
+        # after its task writes its record in that time)
+        self._serving = _waiting_bytes(self._dir) < KEEP_BYTES
+        self._next_look = time.monotonic() + LOOK_EVERY
         self._owner = _owner()
         self._records: deque[TaskRecord] = deque()
         # the deque's own append: no Python frame per task on the runtime's thread
