@@ -1193,3 +1193,20 @@ def test_a_copy_whose_endpoint_does_not_answer_fails_naming_the_ref_and_both_end
         assert "the task of endpoint hpc that takes it" in said
     finally:
         register("src-id", None, source)
+
+
+def test_a_forked_child_copies_with_threads_of_its_own() -> None:
+    """Review 8: a forked child had its parent's copy pool (no threads there) and its
+    pending copies: a copy made in the child never ran."""
+    from nimbus.data import _carry
+
+    _carry._pool.submit(lambda: None).result(30)  # the parent's pool has a thread
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ok = _carry._pool.submit(lambda: 7).result(5) == 7 and not _carry._relaying
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

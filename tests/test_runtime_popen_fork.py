@@ -55,3 +55,18 @@ def test_a_worker_forked_beside_a_sweep_does_not_keep_its_descriptor(tmp_path: P
         worker.kill()
         worker.wait()
         ours.close()
+
+
+def test_a_child_forked_while_no_fork_is_held_can_fork_workers() -> None:
+    """Review 8: the lock ``no_fork`` holds was inherited held by a process forked
+    meanwhile (by another thread), whose first worker fork then waited for ever."""
+    import os
+
+    from nimbus.runtime import popen_fork
+
+    with popen_fork.no_fork():
+        pid = os.fork()
+        if pid == 0:  # the child: the lock is its own, free
+            os._exit(0 if popen_fork._forking.acquire(timeout=5) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -20,6 +20,7 @@ original's last Ref and the tasks that read the copy are gone. A Ref of another 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import threading
 import time
 import weakref
@@ -34,6 +35,19 @@ TIMEOUT = 600.0  # seconds a copy may take (each of its two steps)
 _pool = cf.ThreadPoolExecutor(4, thread_name_prefix="nimbus-data-copy")
 _lock = threading.Lock()
 _copies: dict[tuple[str, str | None], Copy] = {}
+
+
+def _after_fork() -> None:
+    """A forked child: the parent's copies are not its own, nor its pool's threads."""
+    global _pool, _lock
+    _pool = cf.ThreadPoolExecutor(4, thread_name_prefix="nimbus-data-copy")
+    _lock = threading.Lock()
+    _copies.clear()
+    _relaying.clear()
+    _relays.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class Copy(cf.Future[Any]):
@@ -192,7 +206,6 @@ ACCEPTED = 30.0  # seconds a relay task may take to be accepted by the service
 _relays: dict[tuple[str, str | None], tuple[str, Any, tuple[str, int, str, str]]] = {}
 
 
-_relay_pool = cf.ThreadPoolExecutor(16, thread_name_prefix="nimbus-data-relay")
 _relaying: dict[tuple[str, str | None], Copy] = {}  # relays being made
 
 
@@ -247,7 +260,8 @@ def _relay_later(future: Any, where: Session, path: Any) -> Copy:
         copy._relayed_by = relayed[1]  # type: ignore[attr-defined]
         copy.set_result(relayed[0])
 
-    _relay_pool.submit(run)
+    # a daemon thread: a relay waiting for an endpoint does not hold the program's exit
+    threading.Thread(target=run, name="nimbus-data-relay", daemon=True).start()
     return copy
 
 

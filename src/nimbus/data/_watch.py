@@ -5,7 +5,7 @@
     DataPath.call(fn, ...) on an endpoint --> its future, watched until it is done
         a thread (while one is watched) asks the service whether the endpoint is
         online: at once for a new call (at most every MIN s), then every POLL s
-        offline --> each watched future fails with the error made for it (a Ref's
+        offline (at every answer for GRACE s) --> each watched future fails with the error made for it (a Ref's
                     read: ReferenceLost naming it and the endpoint), and its task is
                     cancelled at the service (no Executor waits for it at shutdown)
 
@@ -23,10 +23,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MIN", "POLL", "Watch", "offline_error"]
+__all__ = ["GRACE", "MIN", "POLL", "Watch", "offline_error"]
 
 POLL = 2.0  # seconds between two questions while calls are watched
 MIN = 0.2  # seconds at least between two questions (many calls at once: one question)
+# seconds the service must say "offline" without a break before calls fail (an agent that
+# reconnects is offline for a moment; its objects are not gone)
+GRACE = 8.0
 
 
 class Watch:
@@ -39,6 +42,7 @@ class Watch:
         self._watched: dict[cf.Future[Any], Callable[[str], BaseException]] = {}
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._offline_since: float | None = None  # offline at every answer since
 
     def add(self, future: cf.Future[Any], error: Callable[[str], BaseException]) -> None:
         """Fail ``future`` with ``error(name of the endpoint)`` if its endpoint is offline
@@ -69,9 +73,15 @@ class Watch:
                 asked = list(self._watched.items())
             self._wake.clear()
             state = self._online()
-            if state is not None and not state[0]:
-                for future, error in asked:
-                    fail(future, error(state[1]))
+            if state is not None and state[0]:
+                self._offline_since = None
+            elif state is not None:
+                now = time.monotonic()
+                if self._offline_since is None:
+                    self._offline_since = now
+                if now - self._offline_since >= GRACE:
+                    for future, error in asked:
+                        fail(future, error(state[1]))
             time.sleep(MIN)
             self._wake.wait(POLL - MIN)
 

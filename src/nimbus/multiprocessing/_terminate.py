@@ -28,6 +28,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from nimbus.multiprocessing import _site
@@ -59,6 +60,24 @@ def pass_on() -> None:
     _State.pid, _State.wake, _State.passing, _State.passed = os.getpid(), write, False, False
     threading.Thread(target=_passer, args=(read,), name="nimbus-sigterm", daemon=True).start()
     signal.signal(signal.SIGTERM, _on_terminate)
+    # the C-level handler writes the signal's number there at once, even while the main
+    # thread is in C code that never returns (where no Python handler runs); unless the
+    # program has a wakeup fd of its own (asyncio's): then the handler's byte alone
+    with contextlib.suppress(ValueError, OSError):
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if previous != -1:
+            signal.set_wakeup_fd(previous)
+
+
+def _forked() -> None:
+    if _State.wake != -1 and threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError, OSError):
+            previous = signal.set_wakeup_fd(-1)  # the parent's pipe: not this process's
+            if previous != _State.wake:  # (not ours: left as it was)
+                signal.set_wakeup_fd(previous)
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _on_terminate(signum: int, frame: Any) -> None:
@@ -75,15 +94,27 @@ def _on_terminate(signum: int, frame: Any) -> None:
 
 def _passer(read: int) -> None:
     """The thread that passes a SIGTERM on, then has this process end by it."""
+    term = bytes([signal.SIGTERM])
     try:
-        os.read(read, 1)
+        while True:  # (the wakeup fd also has the numbers of the other handled signals)
+            got = os.read(read, 64)
+            if not got or b"T" in got or term in got:
+                break
     finally:
         os.close(read)
+    _State.passing = True
     sender = threading.Thread(target=_send, name="nimbus-sigterm-send", daemon=True)
     sender.start()
     sender.join(PASS_WITHIN)  # an unreachable store does not keep the process alive
     _State.passed = True
     os.kill(os.getpid(), signal.SIGTERM)  # the handler, in the main thread, ends it
+    # a main thread in C code that does not return runs no handler: ended as by default
+    time.sleep(PASS_WITHIN)
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).signal(signal.SIGTERM, 0)  # SIG_DFL, below Python's handler
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _send() -> None:

@@ -38,6 +38,14 @@ __all__ = ["ForkedWorker", "at_worker_start", "fork_worker", "no_fork", "open_de
 _forking = threading.Lock()  # held by each fork of a worker, and by no_fork()
 
 
+def _new_lock() -> None:
+    global _forking
+    _forking = threading.Lock()  # a fork while another thread held it: not held here
+
+
+os.register_at_fork(after_in_child=_new_lock)
+
+
 @contextlib.contextmanager
 def no_fork() -> Iterator[None]:
     """While inside, this process forks no worker: a descriptor opened and closed inside
