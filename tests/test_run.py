@@ -370,7 +370,7 @@ CTRL_C_UNDER_SITE_LOCK_PROGRAM = """
             sys.exit(7)
 
     def child(q):
-        for _ in range(50):  # until one grandchild's pid is not back when the lock is taken
+        for _ in range(200):  # until one grandchild's pid is not back when the lock is taken
             g = mp.Process(target=sleeper)
             g.start()  # its pid comes back through the relay, which needs site.lock
             site = this_site()
@@ -415,6 +415,8 @@ def test_ctrl_c_while_the_site_lock_is_held_is_passed_on_when_the_pid_comes(
     to that grandchild when its pid arrives."""
     prog = _script(tmp_path, CTRL_C_UNDER_SITE_LOCK_PROGRAM)
     done = _python("-m", "nimbus", "run", str(prog), cwd=tmp_path)
+    if done.stdout.startswith("every pid was back"):  # (a machine that never showed it)
+        pytest.skip("every grandchild's pid was back before the lock was taken, 200 times")
     # 7: in its sleep; 1: a KeyboardInterrupt before it (the pid comes as the fork is done)
     assert done.stdout.split("\n")[0] in (
         "RelayedSite interrupted, grandchild 7",
