@@ -311,6 +311,22 @@ class Server:
             )
         return path
 
+    def _leased(
+        self, challenge: bytes, header: bytes, mac: bytes, space: str, pin: str, what: str
+    ) -> Path:
+        """:meth:`_pin`, refused (naming ``what`` it holds) once its lease ran out."""
+        path = self._pin(challenge, header, mac, space, pin)
+        try:
+            leased = path.stat().st_mtime >= time.time()
+        except FileNotFoundError:
+            leased = False
+        if not leased:
+            raise DataError(
+                f"{what} is no longer held on this node: its pin's lease ran out (its "
+                f"client freed it, or did not renew it: it stopped)"
+            )
+        return path
+
     def _renew(self, challenge: bytes, header: bytes, mac: bytes, asked: dict[str, Any]) -> None:
         pin = self._pin(challenge, header, mac, str(asked["namespace"]), str(asked["pin"]))
         expires = float(asked["expires"])
@@ -394,16 +410,7 @@ class Server:
         from nimbus.data._node import secret_of
 
         space, pin = str(asked["namespace"]), str(asked["pin"])
-        pin_path = self._pin(challenge, header, mac, space, pin)
-        try:
-            leased = pin_path.stat().st_mtime >= time.time()
-        except FileNotFoundError:
-            leased = False
-        if not leased:
-            raise DataError(
-                f"the object {pin[:32]} is no longer held on this node: its pin's lease ran "
-                f"out (its client freed it, or did not renew it: it stopped)"
-            )
+        pin_path = self._leased(challenge, header, mac, space, pin, f"the object {pin[:32]}")
         secret = secret_of(pin_path)
         assert secret is not None  # (_pin checked it)
         stored = pin_path.with_name(pin[:32])
@@ -426,16 +433,7 @@ class Server:
         key = name.split("-", 1)[0]
         if len(key) != 32 or pin[:32] != key:
             raise DataError(f"the pin {pin!r} does not name the copy {name!r}")
-        pin_path = self._pin(challenge, header, mac, space, pin)
-        try:
-            leased = pin_path.stat().st_mtime >= time.time()
-        except FileNotFoundError:
-            leased = False
-        if not leased:
-            raise DataError(
-                f"{name} is no longer held on this node: its pin's lease ran out (its "
-                f"client freed it, or did not renew it: it stopped)"
-            )
+        self._leased(challenge, header, mac, space, pin, name)
         path = self.root / space / "files" / name
         if not path.is_file():
             raise DataError(f"{name} is no longer in this node's file cache")
