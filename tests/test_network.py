@@ -1339,3 +1339,28 @@ def test_auto_takes_a_counting_cgroup_where_allowed(netns: pytest.MonkeyPatch) -
     assert nets.counted and not nets.netns and not nets.cgroups  # (a task's limits: on use)
     assert WorkerNetworks("socket").command("w", ["python"]) == ["python"]  # the identity
     nets.close()
+
+
+@needs_root
+def test_netbench_offline_host_link_shares_fairly_among_its_workers() -> None:
+    """4 tasks on a 1 Gbit/s host link, each way: each gets cap / 4 (within 15 %), as a
+    host's NIC shares among its functions, from a class of its own on the link; one
+    FIFO class let an upload starve (4 of 1000 Mbit/s at 8 tasks)."""
+    from nimbus.network._bench import Offline
+    from nimbus.network._link import FRAME, PAYLOAD
+
+    cap = 1_000_000_000
+    payload = cap * PAYLOAD / FRAME / 1e6  # Mbit/s of TCP payload the link can carry
+    with Offline(workers=4, cap=cap) as bench:
+        for ns, dev in ((bench.ns("s"), "srv0"), (bench.ns("h"), "hub0")):
+            shown = subprocess.run(["tc", "-n", ns, "filter", "show", "dev", dev],
+                                   capture_output=True, text=True, check=True).stdout  # fmt: skip
+            assert [f"flowid 1:{0x10 + i:x}" in shown for i in range(1, 5)] == [True] * 4, shown
+        for direction in ("down", "up"):
+            run = bench.run(direction, 4, 2.5)
+            rates = sorted(p.mbit for p in run)
+            assert len(rates) == 4
+            assert 0.95 * payload < sum(rates) < 1.03 * payload, (direction, rates)
+            for rate in rates:
+                assert 0.85 * payload / 4 < rate < 1.15 * payload / 4, (direction, rates)
+    assert not [n for n in os.listdir("/run/netns") if n.startswith(bench.tag)]

@@ -1,8 +1,9 @@
 """``nimbus netbench``: the seed's co-location experiment, offline or on an endpoint.
 
 ``--offline`` builds hosts in network namespaces (``nimbus.network``
-``Offline``: a server, a host whose link to it is shaped to ``--cap``, and up
-to 8 workers behind it); ``--endpoint NAME`` runs the tasks on that endpoint
+``Offline``: a server, a host whose link to it is shaped to ``--cap`` and
+shared fairly among its workers, as a host's NIC is, and up to 8 workers
+behind it); ``--endpoint NAME`` runs the tasks on that endpoint
 against a traffic server on this machine (``--server``: the address the
 endpoint reaches it at). Either moves data from 1..N tasks at once and writes
 ``netbench.html`` with PNG charts and the CSV and JSON behind them into ``--out``.

@@ -9,7 +9,9 @@
     ns <tag>8 (worker 8) w 10.214.8.2 ======= unshaped veth ======= 10.214.8.1
 
 The host link is the bottleneck every worker shares, as a function host's NIC
-is: the seed's co-location experiment. For each concurrency ``n`` the first
+is: the seed's co-location experiment. As a host's NIC queueing does, it shares
+fairly among its workers: under the cap's htb class each worker has a class of
+its own (told by its address) that may borrow the whole link (:meth:`Offline.shaping`). For each concurrency ``n`` the first
 ``n`` workers each download (or upload) for ``seconds`` at once; every task's
 bytes are read twice, by the client and on its worker's link (``/proc/
 thread-self/net/dev`` from a thread inside the namespace: what
@@ -95,17 +97,49 @@ class Offline:
         self._pair(server, "srv0", "10.214.0.1", hub, "hub0", "10.214.0.2")
         _sys.run("ip", "-n", server, "route", "add", "default", "via", "10.214.0.2")
         _sys.run("ip", "netns", "exec", hub, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-        burst = _burst(self.cap)
-        for ns, dev in ((server, "srv0"), (hub, "hub0")):
-            _sys.run("tc", "-n", ns, "-batch", "-", stdin=(
-                f"qdisc replace dev {dev} root handle 1: htb default 1\n"
-                f"class replace dev {dev} parent 1: classid 1:1 htb rate {self.cap}bit "
-                f"ceil {self.cap}bit burst {burst}b cburst {burst}b quantum 65536\n"
-            ))  # fmt: skip
+        # down leaves the server by srv0 (a worker's packets told by their destination),
+        # up leaves the host by hub0 (by their source)
+        for ns, dev, match in ((server, "srv0", "dst"), (hub, "hub0", "src")):
+            _sys.run("tc", "-n", ns, "-batch", "-", stdin=self.shaping(dev, match))
         for i in range(1, self.workers + 1):
             ns = self._add(str(i))
             self._pair(hub, f"hw{i}", f"10.214.{i}.1", ns, "w", f"10.214.{i}.2")
             _sys.run("ip", "-n", ns, "route", "add", "default", "via", f"10.214.{i}.1")
+
+    def shaping(self, dev: str, match: str) -> str:
+        """The ``tc -batch`` lines that shape ``dev`` as a host's NIC: one class holding
+        the cap, under it a class a worker (told by its address's ``match``: src or dst)
+        and one for anything else (ARP, the host's own). A worker is guaranteed an equal
+        part of the cap and may borrow the rest up to all of it: htb lends what a class
+        leaves unused to the classes that want more in turns of ``quantum`` bytes, so
+        ``n`` busy workers get cap / n each, where one FIFO class let a few flows crowd
+        out others (an upload got 4 Mbit/s of 1 Gbit/s at 8 tasks). Its part, not more:
+        a class within its own rate sends without asking its parent, so the parts add up
+        to the cap and the cap is exact."""
+        cap = self.cap
+        other = max(cap // 1000, 8000)  # the rest: guaranteed a little, may borrow all
+        part = (cap - other) // self.workers
+
+        def each(rate: int) -> str:  # (a class's own burst sent past the cap at every
+            # start: its part's 10 ms, not the cap's; borrowing is the parent's to allow)
+            return (
+                f"htb rate {rate}bit ceil {cap}bit burst {_burst(rate)}b "
+                f"cburst {_burst(cap)}b quantum 65536"
+            )
+
+        lines = [
+            f"qdisc replace dev {dev} root handle 1: htb default 2",
+            f"class replace dev {dev} parent 1: classid 1:1 {each(cap)}",
+            f"class replace dev {dev} parent 1:1 classid 1:2 {each(other)}",
+        ]
+        for i in range(1, self.workers + 1):
+            minor = f"{0x10 + i:x}"
+            lines += [
+                f"class replace dev {dev} parent 1:1 classid 1:{minor} {each(part)}",
+                f"filter add dev {dev} parent 1: protocol ip prio 1 u32 "
+                f"match ip {match} 10.214.{i}.2/32 flowid 1:{minor}",
+            ]
+        return "".join(line + "\n" for line in lines)
 
     def close(self) -> None:
         for ns in reversed(self.spaces):
