@@ -370,6 +370,11 @@ CTRL_C_UNDER_SITE_LOCK_PROGRAM = """
             sys.exit(7)
 
     def child(q):
+        from nimbus import _install
+
+        # its handler whatever SIGINT it inherited (a CI run in the background ignores it)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _install.pass_interrupts()
         for _ in range(200):  # until one grandchild's pid is not back when the lock is taken
             g = mp.Process(target=sleeper)
             g.start()  # its pid comes back through the relay, which needs site.lock
