@@ -557,7 +557,9 @@ def test_state_store_traffic_reported_apart(netns: pytest.MonkeyPatch, tcp_store
         assert fut.result(timeout=60) == 2_000_000
     r = fut.record
     assert r.net_source == "netns"
-    assert _close(r.net_nimbus_out, 2_000_000) and _close(r.net_nimbus_in, 2_000_000), r
+    # (the store's connection is not the task's: a segment it sent twice under load is in
+    # neither its bytes' payload nor ``tcp``; one is allowed, as the other rows allow theirs)
+    assert _close(r.net_nimbus_out, 2_000_000, 1) and _close(r.net_nimbus_in, 2_000_000, 1), r
     assert r.net_bytes_in < 8_000 and r.net_bytes_out < 8_000, r
 
 
