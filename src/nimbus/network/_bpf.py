@@ -18,9 +18,11 @@ upload) that the egress hook does not see. They carry no payload, and the
 record's bytes are payload (the bytes less 66 a packet): the same either way
 (``test_link_counters_in_memory_are_the_devices``). Coming in, TCP payload that
 crosses the link a second time (a duplicate segment, a peer's retransmit: below
-the end of the furthest segment of its connection seen, kept in an LRU hash
-map) is counted apart too, and the reader takes it off: payload once, as a
-cgroup's (``test_a_duplicate_segment_in_is_counted_once``). Reading them cold (after a pause as between tasks) costs 2.8 us where the
+the end of the furthest segment of its connection seen and in none of the gaps
+below it, kept in an LRU hash map) is counted apart too, and the reader takes it
+off: payload once, as a cgroup's (``test_a_duplicate_segment_in_is_counted_once``);
+a segment that overtook another on the way, or was lost before the link and sent
+again, fills a gap: new bytes (``test_segments_that_overtake_each_other_are_counted_once``). Reading them cold (after a pause as between tasks) costs 2.8 us where the
 pread of ``/proc/self/net/dev`` costs 10.7 (``bench/netvis.py``'s latency row).
 
 **A cgroup** (a worker without a namespace, ``_cgcount``): ``cgroup_skb``
@@ -63,6 +65,8 @@ _LOAD_BYTES = 26  # bpf_skb_load_bytes(skb, offset, to, len)
 _VALUE = 48  # in bytes, in packets, out bytes, out packets; duplicates in (u64 each)
 _CGROUP_VALUE = 64  # and: duplicates in (bytes, segments), retransmits out (bytes, segments)
 _RCV_NXT, _SND_NXT = 16, 20  # in struct bpf_tcp_sock
+_GAPS = 16  # gaps below a connection's furthest segment kept (bytes that have not crossed)
+_VALUE_FLOW = 4 + 8 * _GAPS  # the furthest segment's end; each gap's start and end
 _MAP_LOOKUP, _MAP_UPDATE = 1, 2
 _LRU_HASH, _FLOWS = 9, 4096  # connections a link keeps the furthest segment of
 
@@ -98,11 +102,14 @@ def _link_program(map_fd: int, offset: int) -> bytes:
 
 def _link_ingress(map_fd: int, flows_fd: int) -> bytes:
     """As :func:`_link_program` coming in (at 0); and TCP payload that has crossed the link
-    already (an IPv4 segment starting below the end of the furthest one seen of its
-    connection, kept in the hash map ``flows_fd``: a duplicate, or a peer's retransmit)
-    counted again at 32 (bytes, segments): the reader takes it off, as a cgroup's
-    (``_cgroup_program``). By what crossed the link, not by the socket's ``rcv_nxt``: the
-    link's hook sees a batch of packets before TCP has taken any of them."""
+    already (an IPv4 segment's bytes below the end of the furthest one seen of its
+    connection and in none of the gaps below it: a duplicate, or a peer's retransmit of
+    what had come) counted again at 32 (bytes, segments): the reader takes it off, as a
+    cgroup's (``_cgroup_program``). A segment that fills a gap (one overtaken on the way,
+    or lost before the link and sent again) is new bytes. The furthest end and up to
+    ``_GAPS`` gaps per connection are kept in the hash map ``flows_fd``. By what crossed
+    the link, not by the socket's ``rcv_nxt``: the link's hook sees a batch of packets
+    before TCP has taken any of them."""
     asm = _Asm()
     asm(_insn(0xBF, 6, 1), _insn(0x61, 7, 6), _count(map_fd, 0, 7))  # r6 = skb; r7 = len
     asm.load(1, "out", 14)  # after the Ethernet header: version and IHL
@@ -148,29 +155,91 @@ def _link_ingress(map_fd: int, flows_fd: int) -> bytes:
     asm(_insn(0x61, 2, 0), _insn(0xBC, 4, 9), _insn(0x1C, 4, 2))  # w4 = end - furthest
     asm.jump(0xD6, 4, "behind", 0)  # if (s32) w4 <= 0 goto behind
     asm(_insn(0x63, 0, 9))  # the furthest = end
+    asm(_insn(0xBC, 4, 8), _insn(0x1C, 4, 2))  # w4 = seq - the furthest before
+    asm.jump(0xD6, 4, "behind", 0)  # if (s32) w4 <= 0 goto behind: no gap
+    asm(_insn(0x63, 10, 2, -52), _insn(0x63, 10, 8, -48))  # a gap: [furthest, seq)
+    asm.jump(0x05, 0, "place")
     asm.at("behind")
-    asm(_insn(0x1C, 2, 8))  # w2 = furthest - seq: how much of it has crossed already
+    asm(_insn(0x1C, 2, 8))  # w2 = furthest - seq: how much of it is below the furthest
     asm.jump(0xD6, 2, "out", 0)  # if (s32) w2 <= 0 goto out: new bytes
-    asm.jump(0xBD, 2, "again", src=7)  # if r2 <= r7 goto again
+    asm(_insn(0x63, 10, 2, -56), _insn(0x62, 10, 0, -52, 0), _insn(0x62, 10, 0, -48, 0))
+    asm(_insn(0xB7, 6, 0, 0, 0))  # r6 = 0: bytes of it that fill gaps (new)
+    for i in range(_GAPS):
+        _fill(asm, 4 + 8 * i, f"{i}")
+    asm(_insn(0x61, 2, 10, -56))  # w2 = what is below the furthest
+    asm.jump(0xBD, 2, "all", src=7)  # if r2 <= r7 goto all
     asm(_insn(0xBF, 2, 7))  # r2 = r7 (all of it)
-    asm.at("again")
+    asm.at("all")
+    asm(_insn(0x1F, 2, 6))  # r2 -= r6: what of it had crossed already
+    asm.jump(0xD5, 2, "place", 0)  # if (s64) r2 <= 0 goto place
     asm(_insn(0xBF, 7, 2), _count(map_fd, 32, 7))
+    asm.at("place")  # a gap to keep (a new one, or the upper part of one filled inside)
+    asm(_insn(0x61, 3, 10, -52), _insn(0x61, 5, 10, -48))  # w3, w5 = its start, end
+    asm.jump(0x1D, 3, "out", src=5)  # if r3 == r5 goto out: none
+    for i in range(_GAPS):  # in the first free slot
+        at = 4 + 8 * i
+        asm(_insn(0x61, 1, 0, at), _insn(0x61, 4, 0, at + 4))
+        asm.jump(0x5D, 1, f"taken{i}", src=4)  # if r1 != r4 goto taken: in use
+        asm(_insn(0x63, 0, 3, at), _insn(0x63, 0, 5, at + 4))
+        asm.jump(0x05, 0, "out")
+        asm.at(f"taken{i}")
+    # none free: the last one grows to cover it (what crossed between them counts as new
+    # if it comes again: more, never fewer, than the payload once)
+    asm(_insn(0xBC, 2, 3), _insn(0x1C, 2, 1))  # w2 = its start - the last's start
+    asm.jump(0x76, 2, "low", 0)  # if (s32) w2 >= 0 goto low
+    asm(_insn(0xBC, 1, 3))
+    asm.at("low")
+    asm(_insn(0xBC, 2, 5), _insn(0x1C, 2, 4))  # w2 = its end - the last's end
+    asm.jump(0xD6, 2, "high", 0)  # if (s32) w2 <= 0 goto high
+    asm(_insn(0xBC, 4, 5))
+    asm.at("high")
+    asm(_insn(0x63, 0, 1, 4 + 8 * (_GAPS - 1)), _insn(0x63, 0, 4, 8 + 8 * (_GAPS - 1)))
     asm.jump(0x05, 0, "out")
-    asm.at("new")  # the connection's first segment seen (or its SYN): its end kept
+    asm.at("new")  # the connection's first segment seen (or its SYN): its end, no gaps
+    value = -64 - _VALUE_FLOW  # on the stack below what is used above
+    asm(_insn(0x63, 10, 9, value))  # *(u32 *)(fp + value) = w9
+    for at in range(4, _VALUE_FLOW, 4):
+        asm(_insn(0x62, 10, 0, value + at, 0))
     asm(
-        _insn(0x63, 10, 9, -28),  # *(u32 *)(fp - 28) = w9
         _insn(0x18, 1, 1, 0, flows_fd),
         _insn(0),
         _insn(0xBF, 2, 10),
         _insn(0x07, 2, imm=-24),
         _insn(0xBF, 3, 10),
-        _insn(0x07, 3, imm=-28),
+        _insn(0x07, 3, imm=value),
         _insn(0xB7, 4, 0, 0, 0),  # BPF_ANY
         _insn(0x85, imm=_MAP_UPDATE),
     )
     asm.at("out")
     asm(_insn(0xB7, 0, 0, 0, _TCX_NEXT), _insn(0x95))
     return asm.code()
+
+
+def _fill(asm: _Asm, at: int, tag: str) -> None:
+    """The gap at ``at`` in the flow's value (r0) against the segment [r8, r9): the bytes
+    they share are new (added to r6) and leave the gap: its start moves up, its end
+    down, or (the segment inside it) its upper part is kept at fp - 52 to be placed."""
+    asm(_insn(0x61, 3, 0, at), _insn(0x61, 5, 0, at + 4))  # w3, w5 = its start, end
+    asm.jump(0x1D, 3, f"next{tag}", src=5)  # if r3 == r5 goto next: none here
+    asm(_insn(0xBC, 1, 8), _insn(0xBC, 4, 8), _insn(0x1C, 4, 3))  # w1 = seq; w4 = seq - s
+    asm.jump(0x76, 4, f"lo{tag}", 0)  # if (s32) w4 >= 0 goto lo
+    asm(_insn(0xBC, 1, 3))  # w1 = start
+    asm.at(f"lo{tag}")  # w1 = the shared part's start
+    asm(_insn(0xBC, 4, 9), _insn(0xBC, 2, 9), _insn(0x1C, 2, 5))  # w4 = end; w2 = end - e
+    asm.jump(0xD6, 2, f"hi{tag}", 0)  # if (s32) w2 <= 0 goto hi
+    asm(_insn(0xBC, 4, 5))  # w4 = the gap's end
+    asm.at(f"hi{tag}")  # w4 = the shared part's end
+    asm(_insn(0xBC, 2, 4), _insn(0x1C, 2, 1))  # w2 = its length
+    asm.jump(0xD6, 2, f"next{tag}", 0)  # if (s32) w2 <= 0 goto next: nothing shared
+    asm(_insn(0x0F, 6, 2))  # r6 += r2
+    asm.jump(0x5D, 1, f"mid{tag}", src=3)  # if r1 != r3 goto mid: it starts inside
+    asm(_insn(0x63, 0, 4, at))  # the gap starts at its end now (none left if that is e)
+    asm.jump(0x05, 0, f"next{tag}")
+    asm.at(f"mid{tag}")
+    asm(_insn(0x63, 0, 1, at + 4))  # the gap ends at its start now
+    asm.jump(0x1D, 4, f"next{tag}", src=5)  # if r4 == r5 goto next: up to the gap's end
+    asm(_insn(0x63, 10, 4, -52), _insn(0x63, 10, 5, -48))  # the upper part: to place
+    asm.at(f"next{tag}")
 
 
 class _Asm:
@@ -315,8 +384,9 @@ class _Loader:
         return self.call(_MAP_CREATE, struct.pack("5I", _ARRAY, 4, _CGROUP_VALUE, 1, _MMAPABLE))
 
     def flows_map(self) -> int:
-        """A hash map of TCP connections (12-byte IPv4 key) to a u32 sequence number."""
-        return self.call(_MAP_CREATE, struct.pack("5I", _LRU_HASH, 12, 4, _FLOWS, 0))
+        """A hash map of TCP connections (12-byte IPv4 key) to u32 sequence numbers: the
+        end of the furthest segment seen, and the start and end of each gap below it."""
+        return self.call(_MAP_CREATE, struct.pack("5I", _LRU_HASH, 12, _VALUE_FLOW, _FLOWS, 0))
 
     def close(self) -> None:
         for fd in self.fds:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import fcntl
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from nimbus.network import _sys
 from nimbus.network._meter import DEVICE
@@ -79,14 +79,26 @@ def _locked() -> Iterator[None]:
         os.close(lock)  # the lock goes with it
 
 
+def _live(path: str) -> bool:
+    """Whether ``path`` holds a namespace; a file there that holds none (its maker died
+    between making the file and mounting the namespace on it, or mounted it in a mount
+    namespace of its own, which went with it) is removed, so it can be made again."""
+    if os.path.ismount(path):
+        return True
+    with suppress(FileNotFoundError):
+        os.unlink(path)
+    return False
+
+
 def _from_template() -> tuple[str, ...]:
     """The prefix that makes a namespace inside the template, made now if it is not there:
     a namespace made from a namespace whose ``tcp_child_ehash_entries`` is set gets a TCP
     socket table of its own (Linux 6.1+), and the node's setting is never touched. ()
     where the kernel has no such setting (the namespace shares the node's table; the TCP
     summary reads the worker's own sockets only). Called holding ``_locked``."""
-    enter = ("nsenter", f"--net=/run/netns/{TEMPLATE}")
-    if os.path.exists(f"/run/netns/{TEMPLATE}"):
+    path = f"/run/netns/{TEMPLATE}"
+    enter = ("nsenter", f"--net={path}")
+    if _live(path):
         return enter
     if not os.path.exists(_CHILD_TABLE):
         return ()
@@ -147,6 +159,7 @@ class Link:
     def _create(self) -> None:
         ns, host, node_ip, worker_ip = self.ns, self.host_dev, self.node_ip, self.worker_ip
         with _locked():
+            _live(self.netns_path)  # (a dead file there removed; a live one: add fails)
             _sys.run(*_from_template(), "ip", "netns", "add", ns)
         _sys.run(
             "ip",
