@@ -275,7 +275,7 @@ def _relay(future: Any, where: Session, path: Any) -> tuple[Ref, Any] | None:
 
     The copy lands on the node that expected it; the Ref names that node (``holder``:
     its server, the pin's secret), so a task on another node of the endpoint fetches it
-    from there (``_serve.fetch_object``); the pin is held (renewed there, freed there)
+    from there (``_fetch.fetch_object``); the pin is held (renewed there, freed there)
     as long as the copy is."""
     from nimbus.data._direct import expect_object, push_object
 
