@@ -339,33 +339,33 @@ def test_a_copy_let_go_while_the_copies_lock_is_held_is_dropped() -> None:
     """The same for a Ref's copy on another endpoint (``_carry``): let go by a finalizer,
     which may run inside ``_copy``'s lock, it is dropped at once all the same."""
     key, copy = ("0" * 32, "elsewhere"), _carry.Copy()
-    _carry._copies[key] = copy
+    _carry._copies.put(key, copy)
     done = threading.Event()
 
     def forget_under_lock() -> None:
-        with _carry._lock:
-            _carry._forget(key, copy)
+        with _carry._copies._lock:
+            _carry._copies.forget(key, copy)
         done.set()
 
     threading.Thread(target=forget_under_lock, daemon=True).start()
     assert done.wait(10), "letting a copy go waited for the copies' lock"
-    assert key not in _carry._copies
+    assert _carry._copies.get(key) is None
 
 
 def test_a_relayed_copy_let_go_while_the_copies_lock_is_held_is_dropped() -> None:
-    """The same for a copy relayed from another endpoint (``_carry._forget_relay``)."""
-    key, relay = ("1" * 32, "elsewhere"), object()
-    _carry._relays[key] = ("2" * 32, relay)
+    """The same for a copy relayed from another endpoint (``_carry._relays``)."""
+    key, made = ("1" * 32, "elsewhere"), ("2" * 32, object(), ("127.0.0.1", 1, "", ""))
+    _carry._relays.put(key, made)
     done = threading.Event()
 
     def forget_under_lock() -> None:
-        with _carry._lock:
-            _carry._forget_relay(key, relay)
+        with _carry._relays._lock:
+            _carry._relays.forget(key, made)
         done.set()
 
     threading.Thread(target=forget_under_lock, daemon=True).start()
-    assert done.wait(10), "letting a relayed copy go waited for the copies' lock"
-    assert key not in _carry._relays
+    assert done.wait(10), "letting a relayed copy go waited for the relays' lock"
+    assert _carry._relays.get(key) is None
 
 
 def test_large_containers_pass_as_they_are(ex: Executor) -> None:
