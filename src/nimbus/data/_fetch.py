@@ -176,26 +176,13 @@ def fetch(
                 f"submit it again)",
                 pin,
             ) from None
-        part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
-        with sock:
-            try:
-                got = int.from_bytes(recv_exactly(sock, 8, "the node", deadline), "little")
-                if got != size:
-                    raise DataError(f"it holds {got} bytes where {size} were staged")
-                fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    digest = receive_hashed(sock, fd, size, "the node", deadline).hexdigest()
-                finally:
-                    os.close(fd)
-                if digest != sha256:
-                    raise DataError("the bytes' sha256 differs from the staged copy's")
-                os.rename(part, target)
-            except (DataError, OSError) as exc:
-                part.unlink(missing_ok=True)
-                raise DataError(
-                    f"cannot fetch {name} from {where}: {exc}; submit the task again (a link "
-                    f"that broke), or touch the file to stage it again"
-                ) from None
+        again = "submit the task again (a link that broke), or touch the file to stage it again"
+        with _into(target, sock, f"fetch {name} from {where}", again) as part:
+            got = int.from_bytes(recv_exactly(sock, 8, "the node", deadline), "little")
+            if got != size:
+                raise DataError(f"it holds {got} bytes where {size} were staged")
+            if _receive(sock, part, size, deadline).hexdigest() != sha256:
+                raise DataError("the bytes' sha256 differs from the staged copy's")
 
 
 def fetch_object(
@@ -220,30 +207,43 @@ def fetch_object(
                 f"the object {name} is gone: {exc}; submit the tasks that made it again",
                 name,
             ) from None
-        part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
-        with sock:
-            try:
-                size = int.from_bytes(recv_exactly(sock, 8, "the node"), "little")
-                deadline = time.monotonic() + TIMEOUT + size / FLOOR_RATE
-                fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    digest = receive_hashed(sock, fd, size, "the node", deadline).digest()
-                    told = recv_exactly(sock, 64, "the node", deadline)
-                finally:
-                    os.close(fd)
-                key = bytes.fromhex(holder[2])
-                if told[:32] != digest or not hmac.compare_digest(
-                    told[32:], transfer_mac(key, b"object", digest)
-                ):
-                    raise DataError("the bytes' sha256 differs from the holder's")
-                os.utime(part, (expires, expires))
-                os.rename(part, target)
-            except (DataError, OSError) as exc:
-                part.unlink(missing_ok=True)
-                raise DataError(
-                    f"cannot fetch the object {name} from {where}: {exc}; submit the task "
-                    f"again (a link that broke)"
-                ) from None
+        again = "submit the task again (a link that broke)"
+        with _into(target, sock, f"fetch the object {name} from {where}", again) as part:
+            size = int.from_bytes(recv_exactly(sock, 8, "the node"), "little")
+            deadline = time.monotonic() + TIMEOUT + size / FLOOR_RATE
+            digest = _receive(sock, part, size, deadline).digest()
+            told = recv_exactly(sock, 64, "the node", deadline)
+            key = bytes.fromhex(holder[2])
+            if told[:32] != digest or not hmac.compare_digest(
+                told[32:], transfer_mac(key, b"object", digest)
+            ):
+                raise DataError("the bytes' sha256 differs from the holder's")
+            os.utime(part, (expires, expires))
+
+
+@contextlib.contextmanager
+def _into(target: Path, sock: socket.socket, what: str, again: str) -> Iterator[Path]:
+    """A part file beside ``target`` to receive into from ``sock`` (closed after),
+    renamed to ``target`` once received and checked; else removed, and a
+    :class:`DataError` (cannot ``what``: why; ``again``)."""
+    part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
+    with sock:
+        try:
+            yield part
+            os.rename(part, target)
+        except (DataError, OSError) as exc:
+            part.unlink(missing_ok=True)
+            raise DataError(f"cannot {what}: {exc}; {again}") from None
+
+
+def _receive(sock: socket.socket, part: Path, size: int, deadline: float) -> Any:
+    """``size`` bytes from ``sock`` written to the new file ``part`` while hashed (by
+    ``deadline``); their sha256 (a ``hashlib`` object)."""
+    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        return receive_hashed(sock, fd, size, "the node", deadline)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
