@@ -335,37 +335,25 @@ def test_kept_chains_end_while_the_collector_frees_refs(tmp_path: Path) -> None:
     assert done.returncode == 0 and "done" in done.stdout, done.stdout + done.stderr
 
 
-def test_a_copy_let_go_while_the_copies_lock_is_held_is_dropped() -> None:
-    """The same for a Ref's copy on another endpoint (``_carry``): let go by a finalizer,
-    which may run inside ``_copy``'s lock, it is dropped at once all the same."""
-    key, copy = ("0" * 32, "elsewhere"), _carry.Copy()
-    _carry._copies[key] = copy
+@pytest.mark.parametrize("kind", ["copy", "relay"])
+def test_a_copy_let_go_while_the_copies_lock_is_held_is_dropped(kind: str) -> None:
+    """The same for a Ref's copy on another endpoint (``_carry._copies``), and for a copy
+    relayed from another endpoint (``_carry._relays``): let go by a finalizer, which may
+    run inside its registry's lock, it is dropped at once all the same."""
+    registry: Any = _carry._copies if kind == "copy" else _carry._relays
+    made: Any = _carry.Copy() if kind == "copy" else ("2" * 32, object(), ("", 1, "", ""))
+    key = ("0" * 32, "elsewhere")
+    registry.put(key, made)
     done = threading.Event()
 
     def forget_under_lock() -> None:
-        with _carry._lock:
-            _carry._forget(key, copy)
+        with registry._lock:
+            registry.forget(key, made)
         done.set()
 
     threading.Thread(target=forget_under_lock, daemon=True).start()
-    assert done.wait(10), "letting a copy go waited for the copies' lock"
-    assert key not in _carry._copies
-
-
-def test_a_relayed_copy_let_go_while_the_copies_lock_is_held_is_dropped() -> None:
-    """The same for a copy relayed from another endpoint (``_carry._forget_relay``)."""
-    key, relay = ("1" * 32, "elsewhere"), object()
-    _carry._relays[key] = ("2" * 32, relay)
-    done = threading.Event()
-
-    def forget_under_lock() -> None:
-        with _carry._lock:
-            _carry._forget_relay(key, relay)
-        done.set()
-
-    threading.Thread(target=forget_under_lock, daemon=True).start()
-    assert done.wait(10), "letting a relayed copy go waited for the copies' lock"
-    assert key not in _carry._relays
+    assert done.wait(10), f"letting a {kind} go waited for its registry's lock"
+    assert registry.get(key) is None
 
 
 def test_large_containers_pass_as_they_are(ex: Executor) -> None:

@@ -470,8 +470,9 @@ def test_a_direct_transfer_refuses_bytes_altered_on_the_way(tmp_path: Path) -> N
 
 def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: Path) -> None:
     """``_serve``: what another node of the endpoint fetches a directly staged copy from."""
+    from nimbus.data._fetch import fetch, renew
     from nimbus.data._file import Staged
-    from nimbus.data._serve import Server, fetch, renew, server_address
+    from nimbus.data._serve import Server, server_address
 
     root = tmp_path / "node-a"
     root.mkdir(mode=0o700)
@@ -547,7 +548,8 @@ def test_a_request_for_an_unknown_namespace_leaves_the_data_root_unchanged(
 ) -> None:
     """The server read a request's namespace through a NodeStore, which made its
     directories before the HMAC was checked: anyone reaching the port filled the root."""
-    from nimbus.data._serve import Server, fetch, free, renew
+    from nimbus.data._fetch import fetch, free, renew
+    from nimbus.data._serve import Server
 
     root = tmp_path / "node-a"
     root.mkdir(mode=0o700)
@@ -610,7 +612,8 @@ def test_a_busy_node_is_asked_again_and_one_peer_cannot_take_every_slot(tmp_path
     """64 idle connections (no secret needed) turned every fetch away as "busy", and the
     fetching task failed: now one address gets ``PER_PEER`` slots, and a fetch told
     "busy" tries again (jittered backoff) within its timeout."""
-    from nimbus.data._serve import PER_PEER, Server, fetch
+    from nimbus.data._fetch import fetch
+    from nimbus.data._serve import PER_PEER, Server
 
     root = tmp_path / "node-a"
     space, name, pin, body, secret = _served_copy(root)
@@ -657,9 +660,9 @@ def test_a_fetch_from_a_holder_that_trickles_ends_by_its_deadline(
 ) -> None:
     """A fetch waited ``TIMEOUT`` for each read only: a holder sending a byte now and then
     kept it (and the node's lock on that copy: its other tasks waited) for ever."""
-    from nimbus.data import _serve
+    from nimbus.data import _fetch
 
-    monkeypatch.setattr(_serve, "TIMEOUT", 1.0)  # the deadline: 1 s + size / FLOOR_RATE
+    monkeypatch.setattr(_fetch, "TIMEOUT", 1.0)  # the deadline: 1 s + size / FLOOR_RATE
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
     size = 200  # 20 s at its pace
@@ -669,7 +672,7 @@ def test_a_fetch_from_a_holder_that_trickles_ends_by_its_deadline(
     started = time.monotonic()
     try:
         with pytest.raises(DataError, match=r"timed out|in the time allowed"):
-            _serve.fetch(holder, "u-x", "a" * 32, "a" * 64, size, "0" * 64, tmp_path / "t")
+            _fetch.fetch(holder, "u-x", "a" * 32, "a" * 64, size, "0" * 64, tmp_path / "t")
         assert time.monotonic() - started < 5
         assert list(tmp_path.iterdir()) == [tmp_path / ".t.lock"]  # no part file left
     finally:
@@ -718,6 +721,7 @@ def test_silent_and_trickling_connections_do_not_stop_the_server(
     """Connections that send nothing, or a byte at a time, hold a slot for HANDSHAKE s
     at most, and no more than MAX_CONNECTIONS at once (the rest are told "busy")."""
     from nimbus.data import _serve
+    from nimbus.data._fetch import fetch
 
     monkeypatch.setattr(_serve, "MAX_CONNECTIONS", 8)
     monkeypatch.setattr(_serve, "HANDSHAKE", 1.0)
@@ -739,7 +743,7 @@ def test_silent_and_trickling_connections_do_not_stop_the_server(
                 time.sleep(0.1)
         assert time.monotonic() - started < 5
         time.sleep(0.5)  # every slot freed by the deadline
-        _serve.fetch((*server.address, secret), space, name, pin, len(body), sha, tmp_path / "a")
+        fetch((*server.address, secret), space, name, pin, len(body), sha, tmp_path / "a")
         assert (tmp_path / "a").read_bytes() == body
         monkeypatch.setattr(_serve, "HANDSHAKE", 60.0)
         waiting = socket.create_connection(server.address, timeout=5)
@@ -759,7 +763,8 @@ import os, resource, socket, sys, threading, time
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from test_data_file import _served_copy
-from nimbus.data._serve import Server, fetch
+from nimbus.data._fetch import fetch
+from nimbus.data._serve import Server
 import hashlib
 
 root = Path({root!r})
@@ -810,7 +815,7 @@ def test_the_sweep_leaves_held_out_dirs_and_fetch_locks_and_removes_stale_ones(
     file held longer than PART_AGE is not swept under it; waiting for it is bounded."""
     import fcntl
 
-    from nimbus.data import _serve
+    from nimbus.data import _fetch
     from nimbus.data._node import PART_AGE, _sweep_files, hold_out
 
     files = tmp_path / "u-x" / "files"
@@ -830,9 +835,9 @@ def test_the_sweep_leaves_held_out_dirs_and_fetch_locks_and_removes_stale_ones(
             os.utime(path, (old, old))
         assert _sweep_files(files, time.time()) == 1
         assert held.is_dir() and not stale.exists() and lock.exists()
-        monkeypatch.setattr(_serve, "LOCK_WAIT", 0.3)
+        monkeypatch.setattr(_fetch, "LOCK_WAIT", 0.3)
         with pytest.raises(DataError, match="another task of this node has been fetching"):
-            _serve.fetch(
+            _fetch.fetch(
                 ("127.0.0.1", 1, "00" * 32), "u-x", "k-x.bin", "p", 1, "", files / "k-x.bin"
             )
     finally:
@@ -947,8 +952,9 @@ def test_freeing_a_pin_is_forwarded_to_its_node_as_its_renewals_are(
     import concurrent.futures as cf
 
     from nimbus.data import _task
+    from nimbus.data._fetch import free
     from nimbus.data._ref import Ref, Session, local_namespace
-    from nimbus.data._serve import Server, free
+    from nimbus.data._serve import Server
     from nimbus.data._task import free_objects
 
     root = tmp_path / "node-a"  # the freeing runs in this process: another node
@@ -993,7 +999,8 @@ def test_a_node_takes_an_object_only_from_a_holder_of_its_pins_secret(tmp_path: 
     ("object", ``fetch_object``: a wrong secret gets nothing); freed, the pin takes the
     object with it and a fetch is ``ReferenceLost``."""
     from nimbus.data._direct import _send
-    from nimbus.data._serve import Server, _request, fetch_object, free
+    from nimbus.data._fetch import fetch_object, free, request
+    from nimbus.data._serve import Server
     from nimbus.errors import ReferenceLost
 
     root = tmp_path / "node-a"
@@ -1011,20 +1018,20 @@ def test_a_node_takes_an_object_only_from_a_holder_of_its_pins_secret(tmp_path: 
     try:
         wrong = (*server.address, "00" * 32)
         with pytest.raises(DataError, match="holds no such copy for that secret"):
-            _send(source, "", 0, "00" * 32, None, lambda: _request(wrong, header, "put")[0])
+            _send(source, "", 0, "00" * 32, None, lambda: request(wrong, header, "put")[0])
         assert not (root / space / "obj" / ref_id).exists()
-        size, sha = _send(source, "", 0, secret, None, lambda: _request(target, header, "put")[0])
+        size, sha = _send(source, "", 0, secret, None, lambda: request(target, header, "put")[0])
         stored = root / space / "obj" / ref_id
         assert stored.read_bytes() == source.read_bytes() and size == stored.stat().st_size
         assert sha == hashlib.sha256(source.read_bytes()).hexdigest()
         assert stored.stat().st_mtime == pytest.approx(expires)  # leased as the pin was
         assert (root / space / "obj" / pin).exists()  # the pin stays, for the other nodes
-        again = _send(source, "", 0, secret, None, lambda: _request(target, header, "put")[0])
+        again = _send(source, "", 0, secret, None, lambda: request(target, header, "put")[0])
         assert again == (size, sha)  # a relay run twice: the object is there, the same
         other_bytes = tmp_path / "other-object"
         other_bytes.write_bytes(os.urandom(1024 * 1024 + 9))
         with pytest.raises(DataError, match="sent already, with other bytes"):  # one a pin
-            _send(other_bytes, "", 0, secret, None, lambda: _request(target, header, "put")[0])
+            _send(other_bytes, "", 0, secret, None, lambda: request(target, header, "put")[0])
         assert stored.read_bytes() == source.read_bytes()
         assert sorted(p.name for p in stored.parent.iterdir()) == sorted([ref_id, pin])
         assert server.statistics()["received"] == 1

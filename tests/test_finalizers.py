@@ -5,9 +5,9 @@ A ``weakref.finalize`` callback, a ``multiprocessing.util.Finalize`` of an objec
 cyclic collector runs them in whichever thread allocates, between any two of its
 bytecodes, and that thread may hold the very lock the finalizer would take: it then
 waits for itself for ever. Three hangs of this shape were found (``data/_ref.py``'s
-``Session._release``, ``data/_carry.py``'s ``_forget`` and ``_forget_relay``), so every
-finalizer named in ``src/nimbus`` is read here: none has a ``with`` on a lock, nor calls
-``acquire``. (``Finalize(None, ...)`` runs at exit only and is not a finalizer here.)
+``Session._release``, ``data/_carry.py``'s ``_forget`` and ``_forget_relay``: now
+``_Registry.forget``), so every finalizer named in ``src/nimbus`` is read here: none has a
+``with`` on a lock, nor calls ``acquire``. (``Finalize(None, ...)`` runs at exit only and is not a finalizer here.)
 """
 
 from __future__ import annotations

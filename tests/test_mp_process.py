@@ -246,13 +246,14 @@ def test_a_poll_that_reads_the_exit_code_before_the_end_leaves_the_sentinel_read
     poll() reading it before the end took the only readable bytes, and a thread waiting
     on the sentinel then waited for the worker's notice alone. The poll puts one back.
     (The child's write is made here, its process still running, to hold that moment.)"""
-    from nimbus.multiprocessing.popen_nimbus import _EXIT, _readable
+    from nimbus.multiprocessing._forking import EXIT
+    from nimbus.multiprocessing.popen_nimbus import _readable
 
     p = mp.Process(target=_sleep, args=(60,))
     p.start()
     popen = p._popen  # type: ignore[attr-defined]
     try:
-        os.write(popen._exit_w, _EXIT.pack(p.pid, 0))  # as the child does, as it ends
+        os.write(popen._exit_w, EXIT.pack(p.pid, 0))  # as the child does, as it ends
         assert p.exitcode is None  # read, but the child has not ended
         assert _readable(p.sentinel, 0)
         assert p.is_alive()

@@ -51,11 +51,11 @@ What happens under each failure:
   node cache, sha256 checked on arrival; when the source cannot connect to the target it
   travels through the client instead; any other failure fails the task with its error;
 * a task on another node of that endpoint than the one holding the copy: it fetches the
-  copy from that node's agent or block manager (``_serve``: the copy's secret, sha256
-  checked); that node gone, or the copy freed, before the task's node fetched it: the
-  client stages the file again from its endpoint and sends the task again; with no
-  source left (that endpoint offline, the file gone) the task fails with the staging's
-  error, never a hang;
+  copy from that node's agent or block manager (``_serve``; ``_fetch``: the copy's
+  secret, sha256 checked); that node gone, or the copy freed, before the task's node
+  fetched it: the client stages the file again from its endpoint and sends the task
+  again; with no source left (that endpoint offline, the file gone) the task fails with
+  the staging's error, never a hang;
 
 Whose data: on an endpoint, a task's user is the owner the service sends with it
 (``nimbus.owners``): every token of a user sees the same store, another user's tasks
@@ -78,7 +78,7 @@ future's task succeeded, sends it straight there, and the task is held by the se
 until the relay succeeded; nothing of it waits in the client, and its data crosses only
 the link between the endpoints. The object lands on the node that expected it; its Ref
 names that node (its server, the pin's secret), so a task on another node of the endpoint
-fetches it from there once (``_serve.fetch_object``, sha256 checked, an HMAC of the
+fetches it from there once (``_fetch.fetch_object``, sha256 checked, an HMAC of the
 secret on it), and the pin, renewed and freed on that node as a staged copy's is, lives
 as long as the copy is held (freeing it removes the object there). Other futures (not kept, of another service, not yet
 accepted, done, or on the local runtime) are waited for in the client, as before (only
@@ -93,8 +93,9 @@ task's arguments: dependencies, references, the session of an Executor), ``_subm
 (the Executor's data path: ``KeptFuture``, sending tasks at once or once their inputs are done,
 making lost results of pure tasks again), ``_direct`` (bytes sent endpoint to endpoint:
 a one-use connection the target offers), ``_serve`` (a node's file cache served to the
-endpoint's other nodes), ``_carry`` (Refs of another endpoint copied to the task's) and
-``_watch`` (the data path's calls to an endpoint, failed when it is offline).
+endpoint's other nodes), ``_fetch`` (what a node fetches from another's server),
+``_carry`` (Refs of another endpoint copied to the task's) and ``_watch`` (the data
+path's calls to an endpoint, failed when it is offline).
 """
 
 from __future__ import annotations

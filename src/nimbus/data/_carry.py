@@ -24,7 +24,8 @@ import os
 import threading
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from nimbus.data._ref import MAX_SCAN, Ref, Session, named, new_id, session
 from nimbus.errors import DataAccessError, DataError
@@ -33,8 +34,63 @@ __all__ = ["Copy", "carry"]
 
 TIMEOUT = 600.0  # seconds a copy may take (each of its two steps)
 _pool = cf.ThreadPoolExecutor(4, thread_name_prefix="nimbus-data-copy")
-_lock = threading.Lock()
-_copies: dict[tuple[str, str | None], Copy] = {}
+_lock = threading.Lock()  # (for ``_relaying``)
+V = TypeVar("V")
+Key = tuple[str, str | None]  # (the original's id, the target endpoint)
+
+
+class _Registry(Generic[V]):
+    """What was made for a key (a Ref's copy, a relay), the newest ``LIMIT`` kept:
+    found and kept under a lock of its own, forgotten without it (by a finalizer)."""
+
+    LIMIT = 1024
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._made: dict[Key, V] = {}
+
+    def get(self, key: Key) -> V | None:
+        with self._lock:
+            return self._made.get(key)
+
+    def add(self, key: Key, make: Callable[[], V], keep: Callable[[V], bool]) -> tuple[V, bool]:
+        """The value of ``key`` if there is one to ``keep``, else one made and kept in its
+        place; and whether it was made."""
+        with self._lock:
+            found = self._made.get(key)
+            if found is not None and keep(found):
+                return found, False
+            made = self._made[key] = make()
+            self._trim()
+        return made, True
+
+    def put(self, key: Key, value: V) -> None:
+        with self._lock:
+            self._made[key] = value
+            self._trim()
+
+    def _trim(self) -> None:
+        if len(self._made) > self.LIMIT:  # (the oldest: a dict keeps its order)
+            self._made.pop(next(iter(self._made)), None)
+
+    def forget(self, key: Key, value: V, *held: Any) -> None:
+        """``key`` forgotten if ``value`` is still its own (``held``: kept alive until
+        this runs, as a relay's pin). A finalizer: the cyclic GC may run it inside ``with
+        self._lock`` in this very thread, so no lock (at worst a newer value is forgotten,
+        and made again when next needed)."""
+        if self._made.get(key) is value:
+            self._made.pop(key, None)
+
+    def clear(self) -> None:
+        """Nothing kept, and a new lock (a forked child: the parent's may be held)."""
+        self._lock = threading.Lock()
+        self._made.clear()
+
+
+_copies: _Registry[Copy] = _Registry()  # a Ref's copy to an endpoint
+# (a promise's id, the target endpoint) -> the copy's id, the relay's future, its holder
+_relays: _Registry[tuple[str, Any, tuple[str, int, str, str]]] = _Registry()
+_relaying: dict[Key, Copy] = {}  # relays being made
 
 
 def _after_fork() -> None:
@@ -115,24 +171,13 @@ def carry(
 
 def _copy(ref: Ref, where: Session) -> Copy:
     key = (ref.id, where.endpoint)
-    with _lock:
-        found = _copies.get(key)
-        if found is not None and not (found.done() and found.exception()):
-            return found
-        copy = _copies[key] = Copy()
-        if len(_copies) > 1024:
-            _copies.pop(next(iter(_copies)))
+    copy, made = _copies.add(key, Copy, lambda found: not (found.done() and found.exception()))
+    if not made:
+        return copy
     if ref._entry is not None:  # the copy is let go with the last Ref of the original
-        weakref.finalize(ref._entry, _forget, key, copy)
+        weakref.finalize(ref._entry, _copies.forget, key, copy)
     _pool.submit(_transfer, ref, where, copy)
     return copy
-
-
-def _forget(key: tuple[str, str | None], copy: Copy) -> None:
-    # A finalizer: the cyclic GC may run it inside ``with _lock`` in this very thread,
-    # so no lock (at worst a newer copy is forgotten, and made again when next needed).
-    if _copies.get(key) is copy:
-        _copies.pop(key, None)
 
 
 def _copy_later(future: Any, where: Session) -> Copy:
@@ -202,11 +247,6 @@ def _transfer(ref: Ref, where: Session, copy: Copy) -> None:
 # ---------------------------------------------------------------- relayed by the service
 
 ACCEPTED = 30.0  # seconds a relay task may take to be accepted by the service
-# (promise id, target endpoint) -> the copy's id, the relay's future, its holder
-_relays: dict[tuple[str, str | None], tuple[str, Any, tuple[str, int, str, str]]] = {}
-
-
-_relaying: dict[tuple[str, str | None], Copy] = {}  # relays being made
 
 
 def relayed_by(value: Any) -> Any:
@@ -275,7 +315,7 @@ def _relay(future: Any, where: Session, path: Any) -> tuple[Ref, Any] | None:
 
     The copy lands on the node that expected it; the Ref names that node (``holder``:
     its server, the pin's secret), so a task on another node of the endpoint fetches it
-    from there (``_serve.fetch_object``); the pin is held (renewed there, freed there)
+    from there (``_fetch.fetch_object``); the pin is held (renewed there, freed there)
     as long as the copy is."""
     from nimbus.data._direct import expect_object, push_object
 
@@ -284,8 +324,7 @@ def _relay(future: Any, where: Session, path: Any) -> tuple[Ref, Any] | None:
     if promise is None or source is None or not path.relays_with(source, future):
         return None
     key = (promise.id, where.endpoint)
-    with _lock:
-        found = _relays.get(key)
+    found = _relays.get(key)
     failed = found is not None and found[1].done() and not _succeeded(found[1])
     if found is not None and not failed:  # (its copy held: the entry goes with its last Ref)
         copy_id, relay, holder = found
@@ -310,24 +349,14 @@ def _relay(future: Any, where: Session, path: Any) -> tuple[Ref, Any] | None:
         time.sleep(0.005)
     holder = (str(target[0]), int(target[1]), str(target[2]), pin)
     copy = where.adopt(Ref(copy_id, where.namespace, where.user, where.endpoint, 0, holder))
-    with _lock:
-        _relays[key] = (copy_id, relay, holder)
-        if len(_relays) > 1024:
-            _relays.pop(next(iter(_relays)))
+    made = (copy_id, relay, holder)
+    _relays.put(key, made)
     assert copy._entry is not None
-    # the pin lives as long as the copy (the finalizer holds it): the other nodes fetch
-    weakref.finalize(copy._entry, _forget_relay, key, relay, held_pin)
+    # the copy's last Ref gone: its relay forgotten, its pin released with the finalizer
+    # (which holds it: the pin lives as long as the copy, the other nodes fetch it)
+    weakref.finalize(copy._entry, _relays.forget, key, made, held_pin)
     return copy, relay
 
 
 def _succeeded(future: Any) -> bool:
     return not future.cancelled() and future.exception() is None
-
-
-def _forget_relay(key: tuple[str, str | None], relay: Any, pin: Ref | None = None) -> None:
-    """The copy's last Ref went: its relay forgotten, its pin released (with it).
-
-    A finalizer, as ``_forget``: no lock (the cyclic GC may run it inside ``_lock``)."""
-    found = _relays.get(key)
-    if found is not None and found[1] is relay:
-        _relays.pop(key, None)

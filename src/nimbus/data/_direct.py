@@ -20,7 +20,7 @@ two endpoints once.
 A relay (a kept future not done yet, ``_carry._relay``) needs no listener waiting: the
 target's node server takes the object when it comes (``expect_object`` writes a pin with
 its secret), and ``push_object``, held by the service until the object is made, sends it
-there on the server's request (``_serve``'s "put") with the same proof, tag and answer. The target listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``:
+there on the server's request (``_fetch.request``, ``_serve``'s "put") with the same proof, tag and answer. The target listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``:
 endpoints of one machine; set it to the address the other endpoints reach it by). A
 sender that cannot connect raises :class:`Unreachable` (the client then falls back to
 carrying the bytes itself); any other failure (damaged bytes, a wrong secret, a peer
@@ -439,8 +439,8 @@ def push_object(ref_id: str, target: tuple[str, int, str], pin: str) -> tuple[in
     object has run): send the stored object ``ref_id`` to the node of the target
     endpoint that expects it (:func:`expect_object`: its server, the pin's secret);
     its size and sha256."""
+    from nimbus.data._fetch import request
     from nimbus.data._ref import Ref, lost
-    from nimbus.data._serve import _request
     from nimbus.data._task import _node, _scope
 
     node = _node(_scope().namespace)
@@ -453,7 +453,7 @@ def push_object(ref_id: str, target: tuple[str, int, str], pin: str) -> tuple[in
             port,
             secret,
             None,
-            lambda: _request(target, header, "send an object")[0],
+            lambda: request(target, header, "send an object")[0],
         )
     except FileNotFoundError:
         raise lost(Ref(ref_id, node.namespace, _scope().user, _scope().endpoint, 0)) from None

@@ -38,8 +38,8 @@ freed, or its lease ran out (the client died), and nobody used it for a lease.
 
 A file sent directly lands in the cache of the target node that offered to take it; a
 task on another node of that endpoint (a block's manager, the agent) fetches it from
-there once (``_serve``: that node's agent or manager serves its cache to the holders of
-the copy's secret, sha256 checked) and finds it in its own cache after.
+there once (``_fetch``; that node's agent or manager serves its cache to the holders of
+the copy's secret: ``_serve``; sha256 checked) and finds it in its own cache after.
 
 A copy whose holding node left (its block ended) before another node fetched it: a task
 there fails to fetch it with ``ReferenceLost`` naming the copy's pin; the client stages
@@ -302,7 +302,7 @@ def _cached(staged: Staged, files: Path) -> Path:
     except FileNotFoundError:
         pass
     if not staged.refs and staged.holder is not None and staged.pin is not None:
-        from nimbus.data._serve import fetch  # sent directly into another node's cache
+        from nimbus.data._fetch import fetch  # sent directly into another node's cache
 
         node_dir(files)
         fetch(

@@ -4,7 +4,7 @@
 
     node A (holds the copy)                          node B (a task that needs it)
     Server (in its agent or block manager:           _file._cached: not in B's cache
-      started with the node's Sweeper), address      -> fetch(staged.holder, ...):
+      started with the node's Sweeper), address      -> _fetch.fetch(staged.holder, ...):
       in <runtime data dir>/.server-<pid>-<n>           connects to A's server
       <-- connect ------------------------------------
       challenge (32 random bytes) ------------------>
@@ -16,11 +16,15 @@
                                                         against the Staged (from the
                                                         client), renamed into B's cache
 
+This module is the serving side; ``_fetch`` asks it (fetch, fetch_object, renew, free,
+and the "put" of ``_direct.push_object``). The request's proof (:func:`request_mac`),
+the "busy" answer and the timeouts are the two sides' contract, defined here.
+
 A file sent endpoint to endpoint (``_direct``) lands in the cache of the one node whose
 task offered to take it. Its offer also gives the client where that node serves its
 cache and a secret of the copy's own (``Staged.holder``); a task scheduled on another
-node of the endpoint fetches the copy from there once (one fetch per node at a time: a
-lock file beside the cache), then finds it in its own cache like any other.
+node of the endpoint fetches the copy from there once (``_fetch``), then finds it in its
+own cache like any other.
 
 What the check protects against: only a holder of the copy's secret (the client that
 staged it, and the tasks it gave it to) is served, and only that copy, while its pin is
@@ -28,17 +32,9 @@ leased; the bytes' sha256 is the one the client got when the copy was made, so b
 altered on the way are refused. The secret never crosses the link (a challenge and an
 HMAC). The link is not encrypted, as ``_direct``'s.
 
-The client renews the pin (its lease) through an ordinary task, which the endpoint runs
-on any node: a node that does not hold the pin forwards the renewal to the holding
-node's server (:func:`renew`: the same challenge, an HMAC with the copy's secret), so
-the pin lives as long as the client holds the copy. Its freeing (the client let the copy
-go) is forwarded the same way (:func:`free`), so the pin does not outlive it by a lease.
-
-The holding node gone (its block ended, its manager killed) or no longer holding the
-copy: the fetch fails with ``ReferenceLost`` naming the copy's pin, and the client that
-staged it stages the file again from its endpoint and sends the task again
-(``_submit.DataPath.recover``); a node merely busy ("busy") is asked again until the
-request's timeout, then an ordinary error.
+A pin is renewed ("renew") and freed ("free") here on behalf of a node that does not
+hold it (``_fetch.renew``, ``_fetch.free``): renewed, the pin lives as long as the client
+holds the copy; freed, it does not outlive it by a lease.
 
 Limits that keep one client from stopping the server: at most ``PER_PEER`` connections
 of one address and ``MAX_CONNECTIONS`` in all at once (more are told "busy" and closed:
@@ -50,7 +46,7 @@ An object relayed from another endpoint (``_direct.push_object``, the "put" op) 
 the store of the node that expected it; its pin stays while the client holds the copy (a
 second put of it, a relay run twice, is answered "OK" if its bytes are the ones stored,
 else refused), and the endpoint's other nodes fetch the object with
-the pin's secret (the "object" op, :func:`fetch_object`: the bytes, then their sha256
+the pin's secret (the "object" op, ``_fetch.fetch_object``: the bytes, then their sha256
 and an HMAC of it keyed by the secret); the pin's renewal renews the object, its
 freeing removes it.
 
@@ -61,39 +57,40 @@ endpoint of several machines, set it on each node to the address the others reac
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import hmac
 import itertools
 import json
 import logging
 import os
-import random
 import secrets
 import socket
 import threading
 import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from nimbus.data._direct import connect, receive_hashed, recv_exactly, said
-from nimbus.errors import DataError, ReferenceLost
+from nimbus.data._direct import recv_exactly
+from nimbus.errors import DataError
 
-if TYPE_CHECKING:
-    from collections.abc import Iterator
-
-__all__ = ["Server", "advertised", "fetch", "fetch_object", "free", "renew", "server_address"]
+__all__ = [
+    "BUSY",
+    "HANDSHAKE",
+    "TIMEOUT",
+    "Server",
+    "advertised",
+    "request_mac",
+    "server_address",
+]
 
 log = logging.getLogger(__name__)
 
 TIMEOUT = 120.0  # seconds a fetch may wait for its peer (the bytes)
-FLOOR_RATE = 1 << 20  # bytes/s: a fetch of n bytes has TIMEOUT + n / FLOOR_RATE s in all
 HANDSHAKE = 5.0  # seconds a client has for its whole request (length, header, mac)
-LOCK_WAIT = 600.0  # seconds a task waits for another task of its node fetching the copy
 MAX_CONNECTIONS = 64  # served at once; more are told "busy"
 PER_PEER = 8  # served at once to one address (checked first): one peer cannot take them all
-_BUSY = b"NObusy: the node serves too many at once; try again"  # instead of the challenge
+BUSY = b"NObusy: the node serves too many at once; try again"  # instead of the challenge
 ADDRESS = ".server-"  # in a runtime's data directory: ADDRESS<pid>-<n>, "host port pid start"
 _MAX_HEADER = 4096
 _WILDCARD = ("", "0.0.0.0", "::", "*")
@@ -109,7 +106,7 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)  # (once: closed servers go with _live)
 
 
-def _mac(secret: bytes, challenge: bytes, header: bytes) -> bytes:
+def request_mac(secret: bytes, challenge: bytes, header: bytes) -> bytes:
     return hmac.new(secret, b"nimbus-data/fetch\0" + challenge + header, "sha256").digest()
 
 
@@ -213,7 +210,7 @@ class Server:
                 self._count(busy=1)
                 with conn, contextlib.suppress(OSError):
                     conn.setblocking(False)
-                    conn.send(_BUSY)
+                    conn.send(BUSY)
                 continue
             with self._lock:
                 self._conns.add(conn)
@@ -303,7 +300,7 @@ class Server:
         except (OSError, ValueError):
             secret = None
         if secret is None or not hmac.compare_digest(
-            mac, _mac(bytes.fromhex(secret), challenge, header)
+            mac, request_mac(bytes.fromhex(secret), challenge, header)
         ):
             raise DataError(
                 "refused: this node holds no such copy for that secret (its pin was freed "
@@ -369,7 +366,7 @@ class Server:
             digest = _receive_into(conn, stored, size, expires, key)
             self._count(received=1)
         # the pin stays while its client holds the copy: the endpoint's other nodes fetch
-        # the object with its secret (``fetch_object``); a second put of it is answered
+        # the object with its secret (``_fetch.fetch_object``); a second put of it is answered
         # as the first was if its bytes are the ones stored, else refused
         conn.sendall(_OK + transfer_mac(key, b"ok", digest))
 
@@ -460,210 +457,3 @@ class Server:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         self._file.unlink(missing_ok=True)
-
-
-class _Gone(DataError):
-    """The holding node cannot serve the copy: it is not there (its block or agent
-    stopped), or it no longer holds the copy (freed, its data directory removed)."""
-
-
-class _Busy(DataError):
-    """The node serves too many at once: try again later."""
-
-
-def _request(
-    holder: tuple[str, int, str], header: dict[str, Any], what: str, timeout: float = TIMEOUT
-) -> tuple[socket.socket, str]:
-    """A connection to ``holder``'s server with ``header`` sent (proved with the copy's
-    secret) and its "OK" read; the socket (open) and how to name the node. A node that
-    is not there or refuses (it holds no such copy): :class:`_Gone`; one busy (it serves
-    too many at once) is asked again after a jittered backoff, for ``timeout`` s at most,
-    then :class:`DataError`."""
-    deadline = time.monotonic() + timeout
-    pause = 0.05
-    while True:
-        try:
-            return _request_once(holder, header, what, timeout)
-        except _Busy as exc:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DataError(
-                    f"{exc} (for {timeout:.0f} s); submit the task again once the node is less busy"
-                ) from None
-            time.sleep(min(left, pause * random.uniform(0.5, 1.5)))
-            pause = min(pause * 2, 2.0)
-
-
-def _request_once(
-    holder: tuple[str, int, str], header: dict[str, Any], what: str, timeout: float
-) -> tuple[socket.socket, str]:
-    host, port, secret = holder
-    where = f"the node that holds it ({host}:{port})"
-    sock = connect(
-        host,
-        port,
-        timeout,
-        lambda exc: _Gone(
-            f"cannot {what} from {where}: {exc}. That node's block or agent has stopped "
-            f"(the copy went with it); or it is not reachable: if the nodes are separate "
-            f"machines, set NIMBUS_DATA_HOST on each to an address the others reach it by"
-        ),
-    )
-    try:
-        challenge = recv_exactly(sock, 32, "the node")
-        if challenge == _BUSY[:32]:  # (not the challenge: 32 random bytes are not that)
-            raise _Busy(f"cannot {what} from {where}: the node serves too many at once")
-        body = json.dumps(header).encode()
-        sock.sendall(len(body).to_bytes(4, "little") + body)
-        sock.sendall(_mac(bytes.fromhex(secret), challenge, body))
-        status = sock.recv(2, socket.MSG_WAITALL)
-        if status != b"OK":
-            why = (status + said(sock)).decode(errors="replace")[2:]
-            raise DataError(f"the node refused: {why or 'it closed the link'}")
-    except _Busy:
-        sock.close()
-        raise
-    except (DataError, OSError) as exc:
-        sock.close()
-        raise _Gone(f"cannot {what} from {where}: {exc}") from None
-    return sock, where
-
-
-def renew(holder: tuple[str, int, str], namespace: str, pin: str, expires: float) -> None:
-    """Move the lease of ``pin`` (a copy's, on the node ``holder``) to ``expires``."""
-    header = {"op": "renew", "namespace": namespace, "pin": pin, "expires": expires}
-    sock, _ = _request(holder, header, "renew the pin of a staged file", 2 * HANDSHAKE)
-    sock.close()
-
-
-def free(holder: tuple[str, int, str], namespace: str, pin: str) -> None:
-    """Free ``pin`` (a copy's, on the node ``holder``): its client let the copy go, so
-    the node's sweep removes the copy once nobody used it for a lease."""
-    header = {"op": "free", "namespace": namespace, "pin": pin}
-    sock, _ = _request(holder, header, "free the pin of a staged file", 2 * HANDSHAKE)
-    sock.close()
-
-
-def fetch(
-    holder: tuple[str, int, str],
-    namespace: str,
-    name: str,
-    pin: str,
-    size: int,
-    sha256: str,
-    target: Path,
-) -> None:
-    """The copy ``name`` (``size`` bytes, ``sha256``) from the node ``holder`` (its
-    server's host and port, the copy's secret) into ``target``, a path of this node's
-    cache; one fetch of it at a time on this node (waiting ``LOCK_WAIT`` s at most).
-
-    That node gone, or holding the copy no more: ``ReferenceLost`` naming the copy's pin
-    (the client stages the file again and sends the task again: ``_submit.recover``)."""
-    with _fetching(target, name):
-        with contextlib.suppress(FileNotFoundError):
-            if target.stat().st_size == size:
-                return
-        header = {"op": "fetch", "namespace": namespace, "name": name, "pin": pin}
-        deadline = time.monotonic() + TIMEOUT + size / FLOOR_RATE  # (a holder that trickles)
-        try:
-            sock, where = _request(holder, header, f"fetch {name}")
-        except _Gone as exc:
-            raise ReferenceLost(
-                f"the staged copy {name} is gone: {exc}; its client stages the file again "
-                f"from its endpoint and sends the task again (a few times at most; then "
-                f"submit it again)",
-                pin,
-            ) from None
-        part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
-        with sock:
-            try:
-                got = int.from_bytes(recv_exactly(sock, 8, "the node", deadline), "little")
-                if got != size:
-                    raise DataError(f"it holds {got} bytes where {size} were staged")
-                fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    digest = receive_hashed(sock, fd, size, "the node", deadline).hexdigest()
-                finally:
-                    os.close(fd)
-                if digest != sha256:
-                    raise DataError("the bytes' sha256 differs from the staged copy's")
-                os.rename(part, target)
-            except (DataError, OSError) as exc:
-                part.unlink(missing_ok=True)
-                raise DataError(
-                    f"cannot fetch {name} from {where}: {exc}; submit the task again (a link "
-                    f"that broke), or touch the file to stage it again"
-                ) from None
-
-
-def fetch_object(
-    holder: tuple[str, int, str], namespace: str, pin: str, target: Path, expires: float
-) -> None:
-    """A relayed object (its ``pin``, on the node ``holder``: its server's host and port,
-    the pin's secret) fetched into ``target``, a path of this node's store, leased until
-    ``expires``; one fetch of it at a time on this node.
-
-    That node gone, or holding the object no more: ``ReferenceLost`` naming the object."""
-    from nimbus.data._direct import _mac as transfer_mac
-
-    name = pin[:32]
-    with _fetching(target, name):
-        if target.exists():
-            return
-        header = {"op": "object", "namespace": namespace, "pin": pin}
-        try:
-            sock, where = _request(holder, header, f"fetch the object {name}")
-        except _Gone as exc:
-            raise ReferenceLost(
-                f"the object {name} is gone: {exc}; submit the tasks that made it again",
-                name,
-            ) from None
-        part = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
-        with sock:
-            try:
-                size = int.from_bytes(recv_exactly(sock, 8, "the node"), "little")
-                deadline = time.monotonic() + TIMEOUT + size / FLOOR_RATE
-                fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    digest = receive_hashed(sock, fd, size, "the node", deadline).digest()
-                    told = recv_exactly(sock, 64, "the node", deadline)
-                finally:
-                    os.close(fd)
-                key = bytes.fromhex(holder[2])
-                if told[:32] != digest or not hmac.compare_digest(
-                    told[32:], transfer_mac(key, b"object", digest)
-                ):
-                    raise DataError("the bytes' sha256 differs from the holder's")
-                os.utime(part, (expires, expires))
-                os.rename(part, target)
-            except (DataError, OSError) as exc:
-                part.unlink(missing_ok=True)
-                raise DataError(
-                    f"cannot fetch the object {name} from {where}: {exc}; submit the task "
-                    f"again (a link that broke)"
-                ) from None
-
-
-@contextlib.contextmanager
-def _fetching(target: Path, name: str) -> Iterator[None]:
-    """This node's lock on fetching ``target`` (the copy ``name``) held, waiting
-    ``LOCK_WAIT`` s at most for another task of this node fetching it."""
-    lock = target.with_name(f".{target.name}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        deadline = time.monotonic() + LOCK_WAIT
-        while True:  # another task of this node may be fetching it
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise DataError(
-                        f"{name}: another task of this node has been fetching it for "
-                        f"{LOCK_WAIT:.0f} s; submit the task again once the node is less busy"
-                    ) from None
-                time.sleep(0.1)
-        os.utime(fd)  # in use (the sweep leaves a lock file held, or recently made, alone)
-        yield
-    finally:
-        os.close(fd)  # (the lock file stays: the sweep removes it with old part files)

@@ -89,7 +89,7 @@ def _resolve(value: Any, scope: Scope, seen: dict[str, Any], depth: int = 0) -> 
 def _fetched(node: NodeStore, ref: Ref, scope: Scope) -> Any:
     """``ref``'s object, kept on another node of this endpoint (``ref.holder``), fetched
     from that node's server into this node's store (once per node), then read here."""
-    from nimbus.data._serve import fetch_object
+    from nimbus.data._fetch import fetch_object
 
     assert ref.holder is not None
     host, port, secret, pin = ref.holder
@@ -174,14 +174,15 @@ def identity(value: Any) -> Any:
 def free_objects(ref_ids: list[str], holders: dict[str, tuple[str, int, str]] | None = None) -> int:
     """A task: free these objects of the current user here; how many. A pin of a staged
     copy not on this node is freed on the node that holds it (``holders``:
-    ``_serve.free``), as its renewals are."""
+    ``_fetch.free``), as its renewals are."""
     node = _node(_scope().namespace)
     # those held here are freed here alone (told before freeing: then none exists here)
     elsewhere = [i for i in ref_ids if holders and i in holders and not node.exists(i)]
     freed = node.free(ref_ids)
     if elsewhere:
         assert holders is not None
-        from nimbus.data._serve import HANDSHAKE, free
+        from nimbus.data._fetch import free
+        from nimbus.data._serve import HANDSHAKE
 
         # (a node gone, or that freed it already: nothing to free there)
         done = _forwarded(elsewhere, holders, lambda h, i: free(h, node.namespace, i), HANDSHAKE)
@@ -193,11 +194,11 @@ def renew_objects(
     ref_ids: list[str], expires: float, holders: dict[str, tuple[str, int, str]] | None = None
 ) -> list[str]:
     """A task: renew these objects' leases; the ids of those lost. A pin of a staged copy
-    not on this node is renewed on the node that holds it (``holders``: ``_serve.renew``)."""
+    not on this node is renewed on the node that holds it (``holders``: ``_fetch.renew``)."""
     node = _node(_scope().namespace)
     lost = node.renew(ref_ids, expires)
     if holders:
-        from nimbus.data._serve import renew
+        from nimbus.data._fetch import renew
 
         elsewhere = [i for i in lost if i in holders]
         within = max(1.0, (expires - time.time()) / 3)  # (the client renews a third in)

@@ -6,7 +6,7 @@
         die_with_worker(); sys.path, environ, stdio, the main module as in a spawned child
         statestore.adopt(program); connect(program)       (a standby did both while it waited)
         SIGINT let in -> process_obj._bootstrap() -> its record kept
-        the exit code written to the parent's Popen pipe (exit_to) -> os._exit(code)
+        EXIT (pid, code) written to the parent's Popen pipe (exit_to) -> os._exit(code)
 
 Every child connects its link to the program's store before its process runs
 (:func:`connect`), however it was started, so a child's descriptors do not depend
@@ -31,9 +31,10 @@ from nimbus.multiprocessing import _local, _main, _remote
 from nimbus.multiprocessing import context as nimbus_context
 from nimbus.records import TaskRecord, TaskState
 
-__all__ = ["connect", "die_with_worker", "fork", "libc", "read_environ", "run"]
+__all__ = ["EXIT", "connect", "die_with_worker", "fork", "libc", "read_environ", "run"]
 
 PR_SET_PDEATHSIG = 1
+EXIT = struct.Struct("ii")  # what a child writes to its Popen's pipe (popen_nimbus): pid, code
 
 
 def fork() -> int:
@@ -156,13 +157,10 @@ def run(
         finally:
             if exit_fd is not None:
                 try:  # the parent has it at once, not after the reaper's notice's hops
-                    os.write(exit_fd, _EXIT.pack(os.getpid(), code))
+                    os.write(exit_fd, EXIT.pack(os.getpid(), code))
                 except OSError:
                     pass
             os._exit(code)
-
-
-_EXIT = struct.Struct("ii")  # popen_nimbus reads it: pid, exit code
 
 
 def _exit_pipe(where: tuple[int, int, int] | None) -> int | None:

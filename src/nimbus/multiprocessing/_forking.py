@@ -20,7 +20,7 @@ by pid (same host). A child dies with its worker (``PR_SET_PDEATHSIG``).
           -> _standby.hand_over(...)            (a standby runs it: one write to its pipe)
              or _fork(args) -> _child.run(...)  (a new fork; SIGINT held back until it runs)
           <- pid; the reaper (``_reaper``) reports its exit, the child writes it to the
-             Popen's pipe itself (``exit_to``)
+             Popen's pipe itself (``exit_to``: an ``EXIT`` record, pid and code)
 
 Its parts, imported by this module and by each other alone (``tests/test_layers.py``
 pins it): the child (``_child``), the standbys (``_standby``) and the reaper
@@ -37,9 +37,10 @@ from typing import Any
 
 from nimbus import _install, statestore
 from nimbus.multiprocessing import _child, _main, _remote, _standby
+from nimbus.multiprocessing._child import EXIT  # what popen_nimbus reads from its pipe
 from nimbus.multiprocessing._reaper import reaper
 
-__all__ = ["STORE_MODULES", "WARM_MODULES", "start"]
+__all__ = ["EXIT", "STORE_MODULES", "WARM_MODULES", "start"]
 
 
 # imported once by the worker before its first fork, so children start warm

@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import struct
 import sys
 import threading
 import time
@@ -47,7 +46,7 @@ from typing import Any
 from nimbus import _install
 from nimbus.multiprocessing import _forking, _main, _site
 from nimbus.multiprocessing import context as nimbus_context
-from nimbus.multiprocessing._forking import WARM_MODULES
+from nimbus.multiprocessing._forking import EXIT, WARM_MODULES
 from nimbus.multiprocessing._main import MAIN_KEYS
 
 __all__ = ["Popen", "pass_on"]
@@ -229,13 +228,13 @@ class Popen:
                     try:
                         if not _readable(self.sentinel, 0):
                             continue  # another thread read it
-                        got = os.read(self.sentinel, _EXIT.size)
+                        got = os.read(self.sentinel, EXIT.size)
                     except (OSError, ValueError):  # closed meanwhile by close()
                         got = b""
-                if len(got) != _EXIT.size:  # end of file: the notice closed the pipe
+                if len(got) != EXIT.size:  # end of file: the notice closed the pipe
                     self._done.wait(left)
                     return
-                self._seen = _EXIT.unpack(got)
+                self._seen = EXIT.unpack(got)
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 pid, code = self._seen
                 if not _ended(pid, left):
@@ -310,9 +309,6 @@ def pass_on(sig: int) -> None:
     for popen in list(where.popens.values()):  # (one C call: no lock needed)
         if popen.returncode is None:
             popen._interrupt(sig)
-
-
-_EXIT = struct.Struct("ii")  # what a local child writes to its Popen's pipe: pid, exit code
 
 
 def _ended(pid: int, timeout: float | None) -> bool:
