@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import _thread
 import collections
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -29,14 +30,17 @@ __all__ = ["later"]
 _queued: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
 _wake: list[int] = []  # the thread's wake pipe (write end, read end), once it runs
 _busy = [False]  # the thread is running one (exit waits for it)
+_first = [itertools.count()]  # next() is atomic: the caller that draws 0 starts the thread
 
 
 def later(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
     """Run ``fn(*args)`` on the releasing thread, soon (``fn`` must not raise)."""
     _queued.append((fn, args))
     wake = _wake
-    if not wake:  # the first: the thread starts
-        r, w = os.pipe()
+    if not wake:
+        if next(_first[0]):  # another call is starting the thread: it runs this first
+            return
+        r, w = os.pipe()  # the first: the thread starts
         os.set_blocking(w, False)
         wake += (w, r)
         _thread.start_new_thread(_run, (r,))
@@ -88,6 +92,7 @@ def _forget() -> None:
             pass
     _wake.clear()
     _busy[0] = False
+    _first[0] = itertools.count()
 
 
 os.register_at_fork(after_in_child=_forget)
