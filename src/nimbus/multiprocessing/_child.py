@@ -104,6 +104,7 @@ def run(
     code = 1
     forwarder = None
     exit_fd = _exit_pipe(prep.pop("exit_to", None))
+    began_at = started(os.getpid()) if exit_fd is not None else 0
     try:
         die_with_worker()
         inbox = prep.pop("forward", None)
@@ -156,13 +157,30 @@ def run(
         finally:
             if exit_fd is not None:
                 try:  # the parent has it at once, not after the reaper's notice's hops
-                    os.write(exit_fd, _EXIT.pack(os.getpid(), code))
+                    os.write(exit_fd, EXIT.pack(os.getpid(), code, began_at))
                 except OSError:
                     pass
             os._exit(code)
 
 
-_EXIT = struct.Struct("ii")  # popen_nimbus reads it: pid, exit code
+EXIT = struct.Struct("iiQ")  # popen_nimbus reads it: pid, exit code, start time (``started``)
+
+
+def started(pid: int) -> int:
+    """When process ``pid`` started (clock ticks since boot; 0 if it is gone): with its
+    pid this names the process (its pid may be reused once it is reaped, never both)."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        stat = os.read(fd, 4096)
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+    fields = stat.rpartition(b")")[2].split()  # (its name may hold spaces and parentheses)
+    return int(fields[19]) if len(fields) > 19 else 0  # field 22 of proc(5)
 
 
 def _exit_pipe(where: tuple[int, int, int] | None) -> int | None:

@@ -6,7 +6,7 @@
                                      |                                        | fork()
             pid <----------------- result ------------------------------------+
                                                                               |  child: _bootstrap()
-            returncode, sentinel <- (pid, code) written to the sentinel's pipe <-+ as it ends
+            returncode, sentinel <- (pid, code, start) to the sentinel's pipe <--+ as it ends
                                  <- its pidfd readable: it has ended               |
                               (or) <- notice ["exit", token, code] <- reaper thread (waitpid)
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import struct
 import sys
 import threading
 import time
@@ -47,7 +46,7 @@ from typing import Any
 from nimbus import _install
 from nimbus.multiprocessing import _forking, _main, _site
 from nimbus.multiprocessing import context as nimbus_context
-from nimbus.multiprocessing._forking import WARM_MODULES
+from nimbus.multiprocessing._forking import EXIT, WARM_MODULES, started
 from nimbus.multiprocessing._main import MAIN_KEYS
 
 __all__ = ["Popen", "pass_on"]
@@ -97,7 +96,7 @@ class Popen:
             for key in MAIN_KEYS:  # fork, __main__'s functions go by value
                 prep.pop(key, None)
         self.sentinel, self._exit_w = os.pipe()
-        self._seen: tuple[int, int] | None = None  # (pid, code) the child wrote: it exits
+        self._seen: tuple[int, int, int] | None = None  # (pid, code, start) the child wrote
         self._reading = threading.Lock()
         self._token = uuid.uuid4().hex
         # the child's default context: its process's own method, else the parent's default
@@ -229,20 +228,20 @@ class Popen:
                     try:
                         if not _readable(self.sentinel, 0):
                             continue  # another thread read it
-                        got = os.read(self.sentinel, _EXIT.size)
+                        got = os.read(self.sentinel, EXIT.size)
                     except (OSError, ValueError):  # closed meanwhile by close()
                         got = b""
-                if len(got) != _EXIT.size:  # end of file: the notice closed the pipe
+                if len(got) != EXIT.size:  # end of file: the notice closed the pipe
                     self._done.wait(left)
                     return
-                self._seen = _EXIT.unpack(got)
+                self._seen = EXIT.unpack(got)
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                pid, code = self._seen
-                if not _ended(pid, left):
+                pid, code, began = self._seen
+                if not _ended(pid, began, left):
                     self._keep_readable()
                     return
-            pid, code = self._seen
-            if not _ended(pid, left):
+            pid, code, began = self._seen
+            if not _ended(pid, began, left):
                 return
             self._exited(code)
 
@@ -312,12 +311,10 @@ def pass_on(sig: int) -> None:
             popen._interrupt(sig)
 
 
-_EXIT = struct.Struct("ii")  # what a local child writes to its Popen's pipe: pid, exit code
-
-
-def _ended(pid: int, timeout: float | None) -> bool:
-    """Whether process ``pid`` (a child that wrote its exit code) ended within ``timeout``:
-    its pidfd is readable once it has (its files closed, its memory freed), or it is gone."""
+def _ended(pid: int, began: int, timeout: float | None) -> bool:
+    """Whether process ``pid``, started at ``began`` (a child that wrote its exit code),
+    ended within ``timeout``: its pidfd is readable once it has (its files closed, its
+    memory freed), or it is gone: reaped by its worker, its pid then free or another's."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -328,10 +325,14 @@ def _ended(pid: int, timeout: float | None) -> bool:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 return True
+            if began and started(pid) != began:
+                return True
             time.sleep(0.001)
             timeout = None if timeout is None else timeout - 0.001
         return False
-    try:
+    try:  # (the pidfd first: the process it names is the one whose start time is read)
+        if began and started(pid) != began:
+            return True  # reaped, and its pid reused: waiting on it would wait for another
         return _readable(fd, timeout)
     finally:
         os.close(fd)
