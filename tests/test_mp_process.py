@@ -241,13 +241,16 @@ def test_sentinel_with_nimbus_wait_mixed_with_connection() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_poll_that_reads_the_exit_code_before_the_end_leaves_the_sentinel_readable() -> None:
-    """Review 7 #11: the child writes its exit code to the sentinel's pipe, then ends; a
-    poll() reading it before the end took the only readable bytes, and a thread waiting
-    on the sentinel then waited for the worker's notice alone. The poll puts one back.
-    (The child's write is made here, its process still running, to hold that moment.)"""
+def test_a_poll_that_reads_the_exit_code_before_the_end_leaves_the_sentinel_to_the_end() -> None:
+    """The child writes its exit code to the sentinel's pipe, then ends (its memory
+    freed: milliseconds, more for a large one). A poll() reading the code before the end
+    made the pipe readable again (a byte put back, for a thread waiting on it): a
+    stdlib-style wait on the sentinel then returned at once until the end, and a loop
+    of them (the stdlib Pool's worker handler: wait, then exitcode) spun, 50 to 350
+    times per child's exit. The sentinel becomes the child's pidfd: ready at its end,
+    as a stdlib sentinel is. (The child's write is made here, its process running, to
+    hold that moment.)"""
     from nimbus.multiprocessing._forking import EXIT, started
-    from nimbus.multiprocessing.popen_nimbus import _readable
 
     p = mp.Process(target=_sleep, args=(60,))
     p.start()
@@ -255,10 +258,17 @@ def test_a_poll_that_reads_the_exit_code_before_the_end_leaves_the_sentinel_read
     try:
         os.write(popen._exit_w, EXIT.pack(p.pid, 0, started(p.pid)))  # as the child does
         assert p.exitcode is None  # read, but the child has not ended
-        assert _readable(p.sentinel, 0)
+        t0 = time.monotonic()
+        assert multiprocessing.connection.wait([p.sentinel], timeout=0.5) == []
+        assert time.monotonic() - t0 >= 0.45
         assert p.is_alive()
+        os.kill(p.pid, signal.SIGKILL)  # its end (kill() sends nothing: its code is in)
+        assert multiprocessing.connection.wait([p.sentinel], timeout=10) == [p.sentinel]
+        p.join(10)
+        assert p.exitcode in (0, -signal.SIGKILL)  # the code written, or the worker's notice
     finally:
-        p.kill()
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
         p.join(30)
 
 
