@@ -6,6 +6,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import selectors
 import signal
 import subprocess
 import sys
@@ -255,9 +256,12 @@ def test_a_poll_that_reads_the_exit_code_before_the_end_leaves_the_sentinel_to_t
     p = mp.Process(target=_sleep, args=(60,))
     p.start()
     popen = p._popen  # type: ignore[attr-defined]
+    watch = selectors.EpollSelector()  # a watch kept by the file, not its number
+    watch.register(p.sentinel, selectors.EVENT_READ)
     try:
         os.write(popen._exit_w, EXIT.pack(p.pid, 0, started(p.pid)))  # as the child does
         assert p.exitcode is None  # read, but the child has not ended
+        assert watch.select(5)  # woken still (the pipe is kept open for it)
         t0 = time.monotonic()
         assert multiprocessing.connection.wait([p.sentinel], timeout=0.5) == []
         assert time.monotonic() - t0 >= 0.45
@@ -267,6 +271,7 @@ def test_a_poll_that_reads_the_exit_code_before_the_end_leaves_the_sentinel_to_t
         p.join(10)
         assert p.exitcode in (0, -signal.SIGKILL)  # the code written, or the worker's notice
     finally:
+        watch.close()
         if p.is_alive():
             os.kill(p.pid, signal.SIGKILL)
         p.join(30)

@@ -96,6 +96,7 @@ class Popen:
             for key in MAIN_KEYS:  # fork, __main__'s functions go by value
                 prep.pop(key, None)
         self.sentinel, self._exit_w = os.pipe()
+        self._pipe_r = -1  # the pipe's read end, once the sentinel is the child's pidfd
         self._seen: tuple[int, int, int] | None = None  # (pid, code, start) the child wrote
         self._reading = threading.Lock()
         self._token = uuid.uuid4().hex
@@ -250,8 +251,10 @@ class Popen:
         the child's pidfd (``dup2``), readable once it has ended, as a stdlib sentinel is,
         so that a wait on it does not return at once until then (the pipe, read, has
         nothing in it to say so); a byte in the pipe wakes a wait already under way on it,
-        which then waits on the pidfd rather than for the worker's notice. (Without a
-        pidfd, the byte alone: a wait on the sentinel returns at once until the end.)"""
+        which then waits on the pidfd rather than for the worker's notice, and a watch
+        kept by the file rather than by its number (epoll, ``add_reader``), for which
+        the pipe is kept open. (Without a pidfd, the byte alone: a wait on the sentinel
+        returns at once until the end.)"""
         with self._reading:  # (close() takes it too: never a dup2 onto a closed number)
             if self.returncode is not None or self.sentinel < 0:
                 return
@@ -261,6 +264,7 @@ class Popen:
                 fd = None
             if fd is not None:
                 try:
+                    self._pipe_r = os.dup(self.sentinel)
                     os.dup2(fd, self.sentinel, inheritable=False)
                 finally:
                     os.close(fd)
@@ -310,9 +314,10 @@ class Popen:
 
     def close(self) -> None:
         with self._reading:
-            if self.sentinel >= 0:
-                os.close(self.sentinel)
-                self.sentinel = -1
+            for fd in (self.sentinel, self._pipe_r):
+                if fd >= 0:
+                    os.close(fd)
+            self.sentinel = self._pipe_r = -1
 
 
 def pass_on(sig: int) -> None:
