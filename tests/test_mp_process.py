@@ -6,6 +6,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import selectors
 import signal
 import subprocess
 import sys
@@ -241,24 +242,65 @@ def test_sentinel_with_nimbus_wait_mixed_with_connection() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_poll_that_reads_the_exit_code_before_the_end_leaves_the_sentinel_readable() -> None:
-    """Review 7 #11: the child writes its exit code to the sentinel's pipe, then ends; a
-    poll() reading it before the end took the only readable bytes, and a thread waiting
-    on the sentinel then waited for the worker's notice alone. The poll puts one back.
-    (The child's write is made here, its process still running, to hold that moment.)"""
-    from nimbus.multiprocessing._forking import EXIT
-    from nimbus.multiprocessing.popen_nimbus import _readable
+def test_a_poll_that_reads_the_exit_code_before_the_end_leaves_the_sentinel_to_the_end() -> None:
+    """The child writes its exit code to the sentinel's pipe, then ends (its memory
+    freed: milliseconds, more for a large one). A poll() reading the code before the end
+    made the pipe readable again (a byte put back, for a thread waiting on it): a
+    stdlib-style wait on the sentinel then returned at once until the end, and a loop
+    of them (the stdlib Pool's worker handler: wait, then exitcode) spun, 50 to 350
+    times per child's exit. The sentinel becomes the child's pidfd: ready at its end,
+    as a stdlib sentinel is. (The child's write is made here, its process running, to
+    hold that moment.)"""
+    from nimbus.multiprocessing._forking import EXIT, started
 
     p = mp.Process(target=_sleep, args=(60,))
     p.start()
     popen = p._popen  # type: ignore[attr-defined]
+    watch = selectors.EpollSelector()  # a watch kept by the file, not its number
+    watch.register(p.sentinel, selectors.EVENT_READ)
     try:
-        os.write(popen._exit_w, EXIT.pack(p.pid, 0))  # as the child does, as it ends
+        os.write(popen._exit_w, EXIT.pack(p.pid, 0, started(p.pid)))  # as the child does
         assert p.exitcode is None  # read, but the child has not ended
-        assert _readable(p.sentinel, 0)
+        assert watch.select(5)  # woken still (the pipe is kept open for it)
+        t0 = time.monotonic()
+        assert multiprocessing.connection.wait([p.sentinel], timeout=0.5) == []
+        assert time.monotonic() - t0 >= 0.45
         assert p.is_alive()
+        os.kill(p.pid, signal.SIGKILL)  # its end (kill() sends nothing: its code is in)
+        assert multiprocessing.connection.wait([p.sentinel], timeout=10) == [p.sentinel]
+        p.join(10)
+        assert p.exitcode in (0, -signal.SIGKILL)  # the code written, or the worker's notice
     finally:
-        p.kill()
+        watch.close()
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+
+
+@pytest.mark.timeout(60)
+def test_a_join_does_not_wait_for_another_process_that_got_the_childs_pid() -> None:
+    """Review 7 #11: the child writes its exit code and pid, ends, and its worker reaps
+    it; its pid may name another process by the time the parent looks (a busy host
+    wraps its pids around): join() waited for that one's end instead (for ever, without
+    a timeout). The child writes its start time too, and the pid is taken as its only
+    while that matches. (The write is made here, naming a process that took the pid.)"""
+    from nimbus.multiprocessing._forking import EXIT, started
+
+    p = mp.Process(target=_sleep, args=(60,))
+    p.start()
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        began = started(p.pid)
+        assert began and started(other.pid) != began
+        os.write(p._popen._exit_w, EXIT.pack(other.pid, 0, began))  # type: ignore[attr-defined]
+        t0 = time.monotonic()
+        p.join(10)
+        assert p.exitcode == 0
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.kill(p.pid, signal.SIGKILL)  # (its exit code is in: kill() would send nothing)
+        other.kill()
+        other.wait()
         p.join(30)
 
 

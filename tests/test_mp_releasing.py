@@ -61,3 +61,50 @@ def test_a_forked_child_runs_its_own_work_and_none_of_its_parents() -> None:
         os.close(r)
         os.waitpid(pid, 0)
     assert answer == b"ok"
+
+
+_TWO_FIRST_CALLS = """
+import os, sys, threading, time
+from nimbus.multiprocessing import _releasing
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+before = tasks()
+done = threading.Event()
+reentered = []
+
+def trace(frame, event, arg):
+    # the first call, about to make its pipe: a second first call comes in (as a
+    # finalizer the collector runs there, or another thread, would)
+    if frame.f_code is _releasing.later.__code__ and event == "line" and not reentered:
+        if "os.pipe()" in open(frame.f_code.co_filename).readlines()[frame.f_lineno - 1]:
+            reentered.append(1)
+            _releasing.later(lambda: None, ())
+    return trace
+
+sys.settrace(trace)
+_releasing.later(done.set, ())
+sys.settrace(None)
+assert reentered, "the trace did not find the pipe's line"
+assert done.wait(10)
+time.sleep(0.2)
+print(tasks() - before)
+"""
+
+
+def test_two_first_calls_start_one_thread() -> None:
+    """A second ``later`` while the first is starting the thread starts no other."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(
+        [sys.executable, "-c", _TWO_FIRST_CALLS],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"

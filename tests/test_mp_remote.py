@@ -25,7 +25,8 @@ from nimbus.errors import (
     ServiceUnavailable,
     StateStoreError,
 )
-from nimbus.statestore import Keys
+from nimbus.multiprocessing._remote import CHECK, KILL_AFTER, deliver_signals
+from nimbus.statestore import Keys, Program, connect
 from service_support import EndpointProcess, Service, free_port, process_tree, service_env
 
 # Where a process runs: the pids of its ancestors, which include the endpoint agent's
@@ -648,3 +649,53 @@ def test_sigkilled_parent_ends_its_processes_on_the_endpoint(
     took, lapsed = _killed_parent(tmp_path, env, command, signal.SIGKILL, lab, within=10)
     print(f"SIGKILL: the remote processes ended {took:.2f} s after the signal")
     assert lapsed == 3  # the Pool's two and the Process; its child by the SIGTERM passed on
+
+
+_PRESENT_PARENT = """
+import sys, time
+from nimbus.statestore import kept_presence
+print(*kept_presence(sys.argv[1]), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_childs_watcher_ends_it_for_its_parents_death_not_for_a_dropped_connection(
+    program: Program,
+) -> None:
+    """Review 7 #4: the store may close the parent's presence connection while the
+    parent lives (an idle timeout, a failover, CLIENT KILL): the parent makes it again
+    under its name, and the watcher of its child on the endpoint, finding that name,
+    lets the child run. The parent's death still ends it (SIGTERM), within moments."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PRESENT_PARENT, program.url], stdout=subprocess.PIPE, text=True
+    )
+    child = subprocess.Popen(["sleep", "120"])
+    try:
+        assert parent.stdout is not None
+        client_id, name = parent.stdout.readline().split()
+        watcher = connect(program.url, own=True, single=True)
+        deliver_signals(watcher, program, Keys.new_name(), lambda: child.poll() is None,
+                        child.send_signal, (int(client_id), name), child.pid)  # fmt: skip
+        store = program.client()
+        for _ in range(2):  # dropped twice: made again twice
+            store.execute_command("CLIENT", "KILL", "ID", client_id)
+            time.sleep(2.5 * CHECK)  # the watcher looked at least twice meanwhile
+            assert child.poll() is None
+            lines = store.execute_command("CLIENT", "LIST", "TYPE", "normal").decode()
+            again = [ln.split()[0].removeprefix("id=") for ln in lines.splitlines()
+                     if f" name={name} " in ln]  # fmt: skip
+            assert len(again) == 1 and again[0] != client_id  # the same name, a new id
+            client_id = again[0]
+        parent.kill()
+        parent.wait(10)
+        start = time.monotonic()
+        assert child.wait(3 * CHECK + KILL_AFTER + 5) == -signal.SIGTERM
+        print(f"the child ended {time.monotonic() - start:.2f} s after its parent")
+    finally:
+        for proc in (parent, child):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()

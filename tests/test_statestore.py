@@ -432,7 +432,7 @@ def test_public_names_are_pinned() -> None:
             *("EmbeddedRedis", "Keys", "Link", "MIN_WAIT", "Opener", "Program", "Root"),
             *("SKIP_REPLY", "Script", "StateStore", "adopt", "connect", "connect_async"),
             *("current", "is_root", "keys", "later", "link", "lua", "open_local", "pack"),
-            *("preload", "presence"),
+            *("kept_presence", "preload", "presence"),
             *("probe", "program", "redacted", "redis_server_binary", "root", "scripts"),
             *("set_opener", "tls_options", "open_store"),
         ]

@@ -6,7 +6,7 @@
         die_with_worker(); sys.path, environ, stdio, the main module as in a spawned child
         statestore.adopt(program); connect(program)       (a standby did both while it waited)
         SIGINT let in -> process_obj._bootstrap() -> its record kept
-        EXIT (pid, code) written to the parent's Popen pipe (exit_to) -> os._exit(code)
+        EXIT (pid, code, start time) written to the parent's Popen pipe (exit_to) -> os._exit(code)
 
 Every child connects its link to the program's store before its process runs
 (:func:`connect`), however it was started, so a child's descriptors do not depend
@@ -31,10 +31,11 @@ from nimbus.multiprocessing import _local, _main, _remote
 from nimbus.multiprocessing import context as nimbus_context
 from nimbus.records import TaskRecord, TaskState
 
-__all__ = ["EXIT", "connect", "die_with_worker", "fork", "libc", "read_environ", "run"]
+__all__ = ["EXIT", "connect", "die_with_worker", "fork", "libc", "read_environ", "run", "started"]
 
 PR_SET_PDEATHSIG = 1
-EXIT = struct.Struct("ii")  # what a child writes to its Popen's pipe (popen_nimbus): pid, code
+EXIT = struct.Struct("iiQ")  # what a child writes to its Popen's pipe (popen_nimbus): pid,
+# exit code, start time (``started``)
 
 
 def fork() -> int:
@@ -105,6 +106,7 @@ def run(
     code = 1
     forwarder = None
     exit_fd = _exit_pipe(prep.pop("exit_to", None))
+    began_at = started(os.getpid()) if exit_fd is not None else 0
     try:
         die_with_worker()
         inbox = prep.pop("forward", None)
@@ -157,10 +159,27 @@ def run(
         finally:
             if exit_fd is not None:
                 try:  # the parent has it at once, not after the reaper's notice's hops
-                    os.write(exit_fd, EXIT.pack(os.getpid(), code))
+                    os.write(exit_fd, EXIT.pack(os.getpid(), code, began_at))
                 except OSError:
                     pass
             os._exit(code)
+
+
+def started(pid: int) -> int:
+    """When process ``pid`` started (clock ticks since boot; 0 if it is gone): with its
+    pid this names the process (its pid may be reused once it is reaped, never both)."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        stat = os.read(fd, 4096)
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+    fields = stat.rpartition(b")")[2].split()  # (its name may hold spaces and parentheses)
+    return int(fields[19]) if len(fields) > 19 else 0  # field 22 of proc(5)
 
 
 def _exit_pipe(where: tuple[int, int, int] | None) -> int | None:

@@ -37,10 +37,10 @@ from typing import Any
 
 from nimbus import _install, statestore
 from nimbus.multiprocessing import _child, _main, _remote, _standby
-from nimbus.multiprocessing._child import EXIT  # what popen_nimbus reads from its pipe
+from nimbus.multiprocessing._child import EXIT, started
 from nimbus.multiprocessing._reaper import reaper
 
-__all__ = ["EXIT", "STORE_MODULES", "WARM_MODULES", "start"]
+__all__ = ["EXIT", "STORE_MODULES", "WARM_MODULES", "start", "started"]
 
 
 # imported once by the worker before its first fork, so children start warm

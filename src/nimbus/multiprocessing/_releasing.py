@@ -11,13 +11,15 @@ replies would interleave with that call's) or hold a lock the finalizer would
 take. So a finalizer that talks to the store only queues its work here: a
 deque's append is atomic, the thread is started without ``Thread.start`` (it
 takes locks) and woken through a pipe of its own. What is still queued at exit
-runs then, after the one under way; a forked child forgets its parent's queue.
+runs then (in the main thread, by exit finalizers, not by the collector), after
+the one under way; a forked child forgets its parent's queue.
 """
 
 from __future__ import annotations
 
 import _thread
 import collections
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -29,18 +31,25 @@ __all__ = ["later"]
 _queued: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
 _wake: list[int] = []  # the thread's wake pipe (write end, read end), once it runs
 _busy = [False]  # the thread is running one (exit waits for it)
+_first = [itertools.count()]  # next() is atomic: the caller that draws 0 starts the thread
 
 
 def later(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
     """Run ``fn(*args)`` on the releasing thread, soon (``fn`` must not raise)."""
     _queued.append((fn, args))
+    if util.is_exiting() and not _wake:
+        # the exit finalizers run it (``run_queued``); no thread, nor a pipe, made now: the
+        # files closed at exit (atexit runs before them) would give it their numbers, which
+        # a closed object may still read
+        return
     wake = _wake
-    if not wake:  # the first: the thread starts
-        r, w = os.pipe()
+    if not wake:
+        if next(_first[0]):  # another call is starting the thread: it runs this first
+            return
+        r, w = os.pipe()  # the first: the thread starts
         os.set_blocking(w, False)
         wake += (w, r)
         _thread.start_new_thread(_run, (r,))
-        util.Finalize(None, run_queued, exitpriority=10)
         return
     try:
         os.write(wake[0], b"x")
@@ -88,6 +97,12 @@ def _forget() -> None:
             pass
     _wake.clear()
     _busy[0] = False
+    _first[0] = itertools.count()
 
 
 os.register_at_fork(after_in_child=_forget)
+# At exit: after the finalizers of the connections left open (10), which queue their
+# releases, and before the process's message instance closes (5); and again after its
+# children are joined (the site, -50), before its store's program closes (-100).
+util.Finalize(None, run_queued, exitpriority=9)
+util.Finalize(None, run_queued, exitpriority=-60)

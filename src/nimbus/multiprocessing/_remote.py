@@ -25,9 +25,10 @@ children have their own inbox) and one list of signals per child
 holds a store connection whose id the parent learns first: if it closes with
 no exit code, the worker died and took the child along (exit code -SIGKILL).
 The other way round, the watcher looks every ``CHECK`` seconds for the
-parent's presence (``statestore.presence``: a connection the kernel closes
-when the parent dies, even by SIGKILL): once it is gone, the child's output
-and exit code have nowhere to go, and the watcher ends it (SIGTERM, then
+parent's presence (``statestore.kept_presence``: a connection the kernel
+closes when the parent dies, even by SIGKILL, and that the parent makes again,
+under the same name, when the store drops it): once it is gone at two looks,
+the child's output and exit code have nowhere to go, and the watcher ends it (SIGTERM, then
 SIGKILL ``KILL_AFTER`` seconds later), daemonic or not, as it does when the
 store has been unreachable for ``STORE_GRACE`` (the parent has given its
 children up by then). A child that started children of its own is one of
@@ -62,7 +63,7 @@ from nimbus.config import Settings
 from nimbus.errors import StateStoreError
 from nimbus.multiprocessing import _terminate
 from nimbus.multiprocessing._site import Site, StartFn, on_shared_endpoint
-from nimbus.statestore import Keys, Program, connect, presence, redacted
+from nimbus.statestore import Keys, Program, connect, kept_presence, redacted
 
 if TYPE_CHECKING:
     import redis
@@ -231,7 +232,7 @@ class RemoteSite(Site):
         from nimbus.multiprocessing._main import MAIN_KEYS
 
         prep["forward"] = self.output.inbox  # output through the store; __main__ came by value
-        prep["presence"] = presence(self.program.url)  # the child ends when this closes
+        prep["presence"] = kept_presence(self.program.url)  # the child ends when this is gone
         for key in MAIN_KEYS:
             prep.pop(key, None)
         if on_shared_endpoint():  # your token stays off a machine others run
@@ -284,24 +285,27 @@ def deliver_signals(
     token: str,
     alive: Callable[[], bool],
     kill: Callable[[int], None],
-    parent: int | None = None,
+    parent: tuple[int, str] | None = None,
     pid: int = 0,
 ) -> None:
     """A thread that sends process ``token`` the signals its parent asks for, and
     ends it once its parent is gone.
 
-    ``parent``: the parent's presence (its client id, :func:`statestore.presence`),
-    ``pid``: the child's (for the worker's log),
-    looked for every ``CHECK`` seconds; gone (the parent died, even by SIGKILL), or
-    the store unreachable for ``STORE_GRACE``, the child is ended (:func:`_end`).
+    ``parent``: the parent's presence (its client id and name,
+    :func:`statestore.kept_presence`), ``pid``: the child's (for the worker's log),
+    looked for every ``CHECK`` seconds; gone at two looks (the parent died, even by
+    SIGKILL; a parent alive makes its presence again at once when the store drops it),
+    or the store unreachable for ``STORE_GRACE``, the child is ended (:func:`_end`).
     The thread ends when :func:`report_exit` wakes it (or, as a backstop, when
     ``alive()`` turns false).
     """
 
     def run() -> None:
         key = program.keys.signal(token)
-        watched = parent  # None: not looked for (CLIENT LIST not allowed here)
+        watched = None if parent is None else (int(parent[0]), str(parent[1]))
+        # (None: not looked for, CLIENT LIST not allowed here)
         looked = time.monotonic()
+        missed = False  # the parent's presence was not there at the last look
         failing: float | None = None  # since when the store has not answered
         try:
             while alive():
@@ -311,7 +315,12 @@ def deliver_signals(
                     sent = None if item is None else cast(bytes, item[1])
                     if sent is None and watched and time.monotonic() - looked >= CHECK:
                         looked = time.monotonic()
-                        if not _present(client, watched):
+                        found = _present(client, *watched)
+                        if found is not None:
+                            watched, missed = (found, watched[1]), False
+                        elif not missed:  # its connection closed: it may be making another
+                            missed = True
+                        else:
                             sent = cast("bytes | None", client.lpop(key))  # sent as it went
                             if sent is None:
                                 _end(f"{token} (pid {pid})", alive, kill, "its parent is gone")
@@ -340,10 +349,16 @@ def deliver_signals(
     threading.Thread(target=run, name="nimbus-signals", daemon=True).start()
 
 
-def _present(client: redis.Redis, client_id: int) -> bool:
-    """Whether the store's client ``client_id`` is still connected."""
+def _present(client: redis.Redis, client_id: int, name: str) -> int | None:
+    """The client id of the presence ``name`` (``client_id`` when last seen), if connected."""
     listed = client.execute_command("CLIENT", "LIST", "ID", client_id)
-    return f"id={client_id} ".encode() in listed
+    if f" name={name} ".encode() in listed:
+        return client_id
+    # gone: its process, alive, may have made it again (the store closed it) under its name
+    for line in client.execute_command("CLIENT", "LIST", "TYPE", "normal").splitlines():
+        if f" name={name} ".encode() in line:
+            return int(line.split(maxsplit=1)[0].removeprefix(b"id="))
+    return None
 
 
 def _end(name: str, alive: Callable[[], bool], kill: Callable[[int], None], why: str) -> None:

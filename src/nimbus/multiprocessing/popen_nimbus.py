@@ -6,7 +6,7 @@
                                      |                                        | fork()
             pid <----------------- result ------------------------------------+
                                                                               |  child: _bootstrap()
-            returncode, sentinel <- (pid, code) written to the sentinel's pipe <-+ as it ends
+            returncode, sentinel <- (pid, code, start) to the sentinel's pipe <--+ as it ends
                                  <- its pidfd readable: it has ended               |
                               (or) <- notice ["exit", token, code] <- reaper thread (waitpid)
 
@@ -46,7 +46,7 @@ from typing import Any
 from nimbus import _install
 from nimbus.multiprocessing import _forking, _main, _site
 from nimbus.multiprocessing import context as nimbus_context
-from nimbus.multiprocessing._forking import EXIT, WARM_MODULES
+from nimbus.multiprocessing._forking import EXIT, WARM_MODULES, started
 from nimbus.multiprocessing._main import MAIN_KEYS
 
 __all__ = ["Popen", "pass_on"]
@@ -96,7 +96,8 @@ class Popen:
             for key in MAIN_KEYS:  # fork, __main__'s functions go by value
                 prep.pop(key, None)
         self.sentinel, self._exit_w = os.pipe()
-        self._seen: tuple[int, int] | None = None  # (pid, code) the child wrote: it exits
+        self._pipe_r = -1  # the pipe's read end, once the sentinel is the child's pidfd
+        self._seen: tuple[int, int, int] | None = None  # (pid, code, start) the child wrote
         self._reading = threading.Lock()
         self._token = uuid.uuid4().hex
         # the child's default context: its process's own method, else the parent's default
@@ -236,24 +237,41 @@ class Popen:
                     return
                 self._seen = EXIT.unpack(got)
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                pid, code = self._seen
-                if not _ended(pid, left):
-                    self._keep_readable()
+                pid, code, began = self._seen
+                if not _ended(pid, began, left):
+                    self._await_end(pid, began)
                     return
-            pid, code = self._seen
-            if not _ended(pid, left):
+            pid, code, began = self._seen
+            if not _ended(pid, began, left):
                 return
             self._exited(code)
 
-    def _keep_readable(self) -> None:
-        """The code read here, the child not yet ended: a byte back in the pipe, so that
-        another thread waiting on the sentinel wakes and waits for the end (on the pidfd)
-        rather than for the worker's notice."""
-        with self._reading:
+    def _await_end(self, pid: int, began: int) -> None:
+        """The code read here, the child not yet ended (it is ending): the sentinel becomes
+        the child's pidfd (``dup2``), readable once it has ended, as a stdlib sentinel is,
+        so that a wait on it does not return at once until then (the pipe, read, has
+        nothing in it to say so); a byte in the pipe wakes a wait already under way on it,
+        which then waits on the pidfd rather than for the worker's notice, and a watch
+        kept by the file rather than by its number (epoll, ``add_reader``), for which
+        the pipe is kept open. (Without a pidfd, the byte alone: a wait on the sentinel
+        returns at once until the end.)"""
+        with self._reading:  # (close() takes it too: never a dup2 onto a closed number)
+            if self.returncode is not None or self.sentinel < 0:
+                return
+            try:
+                fd = _pidfd(pid, began)
+            except OSError:  # no pidfds here
+                fd = None
+            if fd is not None:
+                try:
+                    self._pipe_r = os.dup(self.sentinel)
+                    os.dup2(fd, self.sentinel, inheritable=False)
+                finally:
+                    os.close(fd)
             if self._exit_w >= 0:
                 try:
                     os.write(self._exit_w, b"x")
-                except OSError:
+                except OSError:  # no reader left: nobody waits on the pipe
                     pass
 
     def _interrupt(self, sig: int) -> None:
@@ -295,9 +313,11 @@ class Popen:
         self.sentinel = self._exit_w = -1
 
     def close(self) -> None:
-        if self.sentinel >= 0:
-            os.close(self.sentinel)
-            self.sentinel = -1
+        with self._reading:
+            for fd in (self.sentinel, self._pipe_r):
+                if fd >= 0:
+                    os.close(fd)
+            self.sentinel = self._pipe_r = -1
 
 
 def pass_on(sig: int) -> None:
@@ -311,26 +331,43 @@ def pass_on(sig: int) -> None:
             popen._interrupt(sig)
 
 
-def _ended(pid: int, timeout: float | None) -> bool:
-    """Whether process ``pid`` (a child that wrote its exit code) ended within ``timeout``:
-    its pidfd is readable once it has (its files closed, its memory freed), or it is gone."""
+def _ended(pid: int, began: int, timeout: float | None) -> bool:
+    """Whether process ``pid``, started at ``began`` (a child that wrote its exit code),
+    ended within ``timeout``: its pidfd is readable once it has (its files closed, its
+    memory freed), or it is gone: reaped by its worker, its pid then free or another's."""
     try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True  # ended and reaped by its worker already
+        fd = _pidfd(pid, began)
     except OSError:  # no pidfd here (Linux < 5.3): it ends within moments of writing it
         while timeout is None or timeout > 0:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 return True
+            if began and started(pid) != began:
+                return True
             time.sleep(0.001)
             timeout = None if timeout is None else timeout - 0.001
         return False
+    if fd is None:
+        return True
     try:
         return _readable(fd, timeout)
     finally:
         os.close(fd)
+
+
+def _pidfd(pid: int, began: int) -> int | None:
+    """A pidfd of process ``pid`` started at ``began``; None once it is gone (reaped by
+    its worker, its pid then free or another's). OSError where there are no pidfds."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    # (the pidfd first: the process it names is the one whose start time is read)
+    if began and started(pid) != began:
+        os.close(fd)
+        return None  # reaped, and its pid reused: waiting on it would wait for another
+    return fd
 
 
 def _readable(fd: int, timeout: float | None) -> bool:

@@ -29,7 +29,16 @@ from nimbus.statestore import keys, lua
 from nimbus.statestore._chores import later
 from nimbus.statestore._connect import connect, connect_async, probe, redacted, tls_options
 from nimbus.statestore._embedded import EmbeddedRedis, redis_server_binary
-from nimbus.statestore._link import MIN_WAIT, SKIP_REPLY, Link, link, pack, preload, presence
+from nimbus.statestore._link import (
+    MIN_WAIT,
+    SKIP_REPLY,
+    Link,
+    kept_presence,
+    link,
+    pack,
+    preload,
+    presence,
+)
 from nimbus.statestore._program import (
     Opener,
     Program,
@@ -63,6 +72,7 @@ __all__ = [
     "connect_async",
     "current",
     "is_root",
+    "kept_presence",
     "keys",
     "later",
     "link",

@@ -29,8 +29,10 @@ import _socket
 import collections
 import functools
 import os
+import select
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -48,7 +50,16 @@ if TYPE_CHECKING:
 else:  # imported on first use (redis-py: at the first connection)
     redis = lazy("redis", globals())
 
-__all__ = ["MIN_WAIT", "SKIP_REPLY", "Link", "link", "pack", "preload", "presence"]
+__all__ = [
+    "MIN_WAIT",
+    "SKIP_REPLY",
+    "Link",
+    "kept_presence",
+    "link",
+    "pack",
+    "preload",
+    "presence",
+]
 
 
 def pack(*args: Any) -> bytes:
@@ -320,17 +331,21 @@ class Link:
 MIN_WAIT = 0.001  # Redis blocking timeouts have millisecond resolution; 0 means forever
 _HOST = socket.gethostname()
 _local = threading.local()  # this thread's links by store URL (new in a forked child)
-_presences: dict[str, tuple[redis.connection.AbstractConnection, int]] = {}
+# url -> this process's presence there: its connection, client id and name (kept across
+# reconnections, ``kept_presence``)
+_presences: dict[str, tuple[redis.connection.AbstractConnection, int, str]] = {}
 _presence_lock = threading.Lock()
+_kept: set[str] = set()  # the urls whose presence a thread renews when it closes
 
 
 def _after_fork() -> None:
     global _local, _presence_lock
     _local = threading.local()  # the child must not use its parent's sockets
-    for conn, _ in _presences.values():  # the parent's: close our copies of its sockets
+    for conn, _, _ in _presences.values():  # the parent's: close our copies of its sockets
         if conn._sock is not None:
             conn._sock.close()
     _presences.clear()
+    _kept.clear()  # (the threads that renewed them are not here)
     _presence_lock = threading.Lock()
 
 
@@ -366,21 +381,68 @@ def link(program: Program) -> Link:
 def presence(url: str) -> int:
     """The client id of this process's idle connection to ``url``: gone when the process is.
 
-    Made on first use and kept for the process's life (never reconnected): the kernel
-    closes it when the process dies, even by SIGKILL, and Redis never reuses a client
-    id, so ``CLIENT LIST ID`` tells others whether the process is alive (its locks'
-    waiters, the workers running the processes it started).
+    Made on first use and kept for the process's life: the kernel closes it when the
+    process dies, even by SIGKILL, and Redis never reuses a client id, so ``CLIENT
+    LIST ID`` tells others whether the process is alive (its locks' waiters, the
+    workers running the processes it started). Not reconnected, unless
+    :func:`kept_presence` keeps it.
     """
     with _presence_lock:
         if url not in _presences:
-            make, kwargs = _connection_settings(url)
-            conn = cast(redis.connection.AbstractConnection, make(**kwargs))  # kept for life
-            try:
-                conn.send_command("CLIENT", "SETNAME", f"nimbus-presence-{os.getpid()}")
-                conn.read_response()
-                conn.send_command("CLIENT", "ID")
-                _presences[url] = (conn, int(conn.read_response()))
-            except redis.RedisError as exc:
-                conn.disconnect()
-                raise _error(url, exc) from exc
+            _presences[url] = _present(url, f"nimbus-presence-{os.getpid()}-{os.urandom(6).hex()}")
         return _presences[url][1]
+
+
+def kept_presence(url: str) -> tuple[int, str]:
+    """This process's presence at ``url`` (its client id now, and its name), made again
+    whenever the store closes it while the process lives (an idle timeout, a failover,
+    ``CLIENT KILL``), under the same name: who watches it looks for that name once the
+    id is gone (``CLIENT LIST``) before taking the process for dead."""
+    presence(url)
+    with _presence_lock:
+        if url not in _kept:
+            _kept.add(url)
+            threading.Thread(
+                target=_keep, args=(url, _presences[url]), name="nimbus-presence", daemon=True
+            ).start()
+        _, client_id, name = _presences[url]
+    return client_id, name
+
+
+RENEW = 0.2  # seconds between two tries to make a closed presence again
+
+
+def _keep(url: str, kept: tuple[redis.connection.AbstractConnection, int, str]) -> None:
+    """The thread that makes ``url``'s presence again, under its name, when it closes."""
+    while True:
+        conn, _, name = kept
+        sock = conn._sock
+        if sock is not None:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            poller.poll()  # an idle connection's only event: its end
+        conn.disconnect()
+        while True:
+            with _presence_lock:
+                if _presences.get(url) is not kept:
+                    return  # forgotten (a fork)
+                try:
+                    kept = _presences[url] = _present(url, name)
+                    break
+                except StateStoreError:
+                    pass  # the store is away (restarting, failing over): again
+            time.sleep(RENEW)
+
+
+def _present(url: str, name: str) -> tuple[redis.connection.AbstractConnection, int, str]:
+    """A new presence connection to ``url`` named ``name``: it, its client id, its name."""
+    make, kwargs = _connection_settings(url)
+    conn = cast(redis.connection.AbstractConnection, make(**kwargs))  # kept for life
+    try:
+        conn.send_command("CLIENT", "SETNAME", name)
+        conn.read_response()
+        conn.send_command("CLIENT", "ID")
+        return conn, int(conn.read_response()), name
+    except redis.RedisError as exc:
+        conn.disconnect()
+        raise _error(url, exc) from exc
