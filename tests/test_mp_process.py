@@ -561,7 +561,7 @@ def test_relay_sockets_of_dead_roots_are_removed(tmp_path: Path) -> None:
 @pytest.mark.timeout(30)
 def test_twenty_processes_run_concurrently() -> None:
     q = mp.Queue()
-    procs = [mp.Process(target=_timestamps, args=(q, 0.5)) for _ in range(20)]
+    procs = [mp.Process(target=_timestamps, args=(q, 2.0)) for _ in range(20)]
     t0 = time.monotonic()
     for p in procs:
         p.start()
@@ -570,7 +570,7 @@ def test_twenty_processes_run_concurrently() -> None:
         p.join(20)
     elapsed = time.monotonic() - t0
     assert [p.exitcode for p in procs] == [0] * 20
-    assert elapsed < 3, elapsed
+    assert elapsed < 8, elapsed  # (one after another: 40 s)
     # all 20 were asleep at the same moment
     assert max(s for s, _ in stamps) < min(e for _, e in stamps)
 
