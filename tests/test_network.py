@@ -533,7 +533,8 @@ def test_the_link_program_counts_a_segment_that_fills_a_gap_as_new_and_a_copy_as
     """The ingress program run on packets of one connection (BPF_PROG_TEST_RUN): a copy of
     what crossed is counted apart (the reader takes it off); a segment below the furthest
     that fills a gap (late, or sent again after a loss before the link) is new, whether it
-    fills the gap from its start, its end or inside it; past 16 gaps none is lost."""
+    fills the gap from its start, its end or inside it; past 16 gaps none is lost (they
+    are merged: what crossed between them may count twice if it comes again, never less)."""
     import ctypes
     import mmap
     import struct
@@ -590,6 +591,16 @@ def test_the_link_program_counts_a_segment_that_fills_a_gap_as_new_and_a_copy_as
         for gap in range(17):
             send(5000 + 200 * gap + 100, 100)
         assert send(5000, 0) == (before[0] + 1700, before[1])
+        # (review 9 #1) a segment inside two overlapping gaps splits both: neither upper
+        # part is lost, so the retransmit of bytes that never crossed is new
+        base = 100_000
+        send(base - 1, 0, 0x12)  # the connection again (a SYN: no gaps)
+        for k in range(16):  # 16 gaps [200k, 200k + 100): every slot
+            send(base + 200 * k + 100, 100)
+        for seq, n in ((3000, 100), (250, 10), (3300, 100), (0, 100), (350, 10), (420, 10)):
+            send(base + seq, n)  # slots freed, split, merged: two overlapping gaps split
+        before = send(base, 0)
+        assert send(base + 3200, 100) == (before[0] + 100, before[1])
     finally:
         loader.close()
 

@@ -116,7 +116,8 @@ def _drop_template() -> None:
         names = os.listdir("/run/netns")
     except OSError:
         return
-    if TEMPLATE in names and not any(n.startswith("nimbus-") and n[7:].isdigit() for n in names):
+    workers = [n for n in names if n.startswith("nimbus-") and n[7:].isdigit()]
+    if TEMPLATE in names and not any(_live(f"/run/netns/{n}") for n in workers):
         _sys.try_run("ip", "netns", "del", TEMPLATE)
 
 
