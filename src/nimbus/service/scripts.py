@@ -218,7 +218,11 @@ for _, r in ipairs(cmsgpack.unpack(ARGV[5])) do
       end
       ended[id] = r
       if v[1] == 'waiting-for-endpoint' then redis.call('SREM', KEYS[3], id) end
-      redis.call('HDEL', key, 'payload', 'data', 'quota', 'waits')
+      if v[3] then  -- (a field known missing is not looked for: a scan of the hash each)
+        redis.call('HDEL', key, 'payload', 'data', 'quota', 'waits')
+      else
+        redis.call('HDEL', key, 'payload', 'quota', 'waits')
+      end
       if v[12] ~= '0' then settle(id, r[2]) end  -- none held for it: no set to read
       redis.call('EXPIRE', key, ARGV[3])
       if v[3] then
