@@ -41,31 +41,46 @@ def metrics_key(keys: Keys, endpoint_id: str) -> str:
 # or nil: then they are read from the record itself (packed, or a table).
 _COUNT = """
 local bounds = {BOUNDS}
+local nbounds = #bounds
 local add = {}
 local done_keys, wait_keys, run_keys = {}, {}, {}  -- field names made once a call, not a task
-for i = 0, #bounds do
+for i = 0, nbounds do
   wait_keys[i] = 'wait:' .. i
   run_keys[i] = 'run:' .. i
 end
-local function bucket(x)
-  for i, b in ipairs(bounds) do
-    if x <= b then return i - 1 end
+local floor, tonumber, type = math.floor, tonumber, type
+-- (plain loops and locals, no helper calls: this runs for every task a finish stores)
+local numbers = {}  -- tonumber of each distinct time string once a call (a submit's tasks
+local function number(x)  -- share their 'submitted', a take's their 'dispatched')
+  if not x then return nil end
+  local n = numbers[x]
+  if n == nil then
+    n = tonumber(x) or false
+    numbers[x] = n
   end
-  return #bounds
+  return n or nil
 end
-local function inc(field, n) add[field] = (add[field] or 0) + n end
-local function num(x) if type(x) == 'number' then return x end return nil end
-local function count(state, submitted, dispatched, rec, m)
-  local done = done_keys[state]
-  if not done then
-    done = 'done:' .. state
-    done_keys[state] = done
+local function bucket(x)
+  for i = 1, nbounds do
+    if x <= bounds[i] then return i - 1 end
   end
-  inc(done, 1)
-  local s, d = tonumber(submitted), tonumber(dispatched)
+  return nbounds
+end
+local function count(state, submitted, dispatched, rec, m)
+  local field = done_keys[state]
+  if not field then
+    field = 'done:' .. state
+    done_keys[state] = field
+  end
+  add[field] = (add[field] or 0) + 1
+  local s, d = number(submitted), number(dispatched)
   if s and d and d > 0 then
-    local wait = math.max(0, d - s)
-    inc(wait_keys[bucket(wait)], 1); inc('wait:sum', wait); inc('wait:count', 1)
+    local wait = d - s
+    if not (wait > 0) then wait = 0 end  -- (as math.max(0, wait))
+    field = wait_keys[bucket(wait)]
+    add[field] = (add[field] or 0) + 1
+    add['wait:sum'] = (add['wait:sum'] or 0) + wait
+    add['wait:count'] = (add['wait:count'] or 0) + 1
   end
   if type(m) ~= 'table' then
     local ok = true
@@ -73,13 +88,23 @@ local function count(state, submitted, dispatched, rec, m)
     if not ok or type(rec) ~= 'table' then return end
     m = {rec[STARTED], rec[ENDED], rec[NET_IN], rec[NET_OUT]}
   end
-  local started, ended = num(m[1]), num(m[2])
-  if started and ended and started > 0 and ended > 0 then
-    local run = math.max(0, ended - started)
-    inc(run_keys[bucket(run)], 1); inc('run:sum', run); inc('run:count', 1)
+  local started, ended = m[1], m[2]
+  if type(started) == 'number' and type(ended) == 'number' and started > 0 and ended > 0 then
+    local run = ended - started
+    if not (run > 0) then run = 0 end
+    field = run_keys[bucket(run)]
+    add[field] = (add[field] or 0) + 1
+    add['run:sum'] = (add['run:sum'] or 0) + run
+    add['run:count'] = (add['run:count'] or 0) + 1
   end
-  inc('net_in', math.max(0, math.floor(num(m[3]) or 0)))
-  inc('net_out', math.max(0, math.floor(num(m[4]) or 0)))
+  local net = m[3]
+  net = type(net) == 'number' and floor(net) or 0
+  if not (net > 0) then net = 0 end
+  add.net_in = (add.net_in or 0) + net
+  net = m[4]
+  net = type(net) == 'number' and floor(net) or 0
+  if not (net > 0) then net = 0 end
+  add.net_out = (add.net_out or 0) + net
 end
 local function flush(key)
   for field, n in pairs(add) do
