@@ -774,6 +774,8 @@ def test_a_kept_result_or_put_object_reaches_tasks_on_every_node_of_a_slurm_endp
         assert {(n, d) for _, n, d in results} == {(len(body), digest)}
         for part in (results[:8], results[8:16], results[16:]):
             assert len({node for node, _, _ in part}) == 2, results  # both nodes ran tasks
+        for _ in range(4):  # read by a task on either node
+            assert kept.result(timeout=60) == body and placed.get(timeout=60) == body
         objects = {default_root(node) / namespace / "obj" for node, _, _ in results}
         pins = {p for o in objects for p in o.iterdir() if len(p.name) == 64}
         assert {p.name[:32] for p in pins} == {kept.ref().id, placed.id, ahead.ref().id}
@@ -781,6 +783,36 @@ def test_a_kept_result_or_put_object_reaches_tasks_on_every_node_of_a_slurm_endp
         gc.collect()
         wait_for(lambda: not any(p.exists() for p in pins), 30, "the pins freed on their node")
         assert not any((p.parent / p.name[:32]).exists() for p in pins)  # the objects too
+
+
+@pytest.mark.timeout(600)
+def test_a_kept_result_of_one_node_is_copied_to_another_endpoint_from_any_node(
+    service: Any, alice: Any, slurm: Any, tmp_path: Any
+) -> None:
+    """A kept result (done) of an endpoint of two Slurm nodes passed to a task of another
+    endpoint: the task that sends it there runs on the node that does not hold it (the
+    holder's only worker kept busy) and fetches it from the holder first."""
+    import hashlib
+
+    (tmp_path / "exported").mkdir()
+    size = 1024 * 1024
+    body = bytes(range(256)) * (size // 256) + b"end"
+    settings = service.user_settings(alice.token)
+    with (
+        vault_and_two_nodes(service, alice, slurm, tmp_path, "vault-copy", "hpc-copy"),
+        Executor(endpoint="vault-copy", settings=settings) as on_vault,
+        Executor(endpoint="hpc-copy", settings=settings) as ex,
+    ):
+        up = [ex.submit(relayed_on_node, b"") for _ in range(8)]  # both nodes' workers up
+        assert len({f.result(timeout=120)[0] for f in up}) == 2
+        kept = ex.options(keep=True).submit(made_late, size, 0.0)
+        ref_id = kept.ref(timeout=120).id
+        busy = [ex.submit(busy_if_holding, ref_id, 8.0) for _ in range(2)]
+        time.sleep(1.0)  # the holder's worker busy: the send runs on the other node
+        taken = on_vault.submit(relayed_on_node, kept)
+        _, n, digest = taken.result(timeout=120)
+        assert (n, digest) == (len(body), hashlib.sha256(body).hexdigest())
+        assert sorted(f.result(timeout=60) for f in busy) == [False, True]
 
 
 def staged_on_node(path: Any, *_: Any) -> tuple[str, str, int, str]:  # sent by value

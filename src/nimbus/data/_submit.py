@@ -229,6 +229,8 @@ class DataPath:
         waiting = waiting_on(args, kwargs, session)  # refuses another user's Refs now
         waiting += [f for f in relays if not _done_well(f) and f not in waiting]
         future: Future = KeptFuture() if keep else Future()
+        if not keep:  # its Refs go when it is done (a kept one's: ``Executor._on_results``)
+            future.add_done_callback(DataPath.done)  # type: ignore[arg-type]  # (not at a GC)
         future.record = TaskRecord("", function=getattr(fn, "__qualname__", ""))
         scope = session.scope(keep)
         ahead = getattr(ex._backend, "dependencies", False)  # the service holds dependents
