@@ -539,7 +539,7 @@ def vault_and_two_nodes(
     machines): both started (vault's ``EndpointProcess`` given); stopped after."""
     import dataclasses
 
-    from service_support import EndpointProcess, slurm_endpoint
+    from service_support import EndpointProcess
 
     vault = EndpointProcess(service, alice, vault_name)
     vault.config = dataclasses.replace(vault.config, exports=str(tmp_path / "exported"))
@@ -550,10 +550,24 @@ def vault_and_two_nodes(
     finally:
         os.environ.clear()
         os.environ.update(old)
+    try:
+        vault.start(alice)
+        with two_nodes(service, alice, slurm, tmp_path, hpc_name):
+            yield vault
+    finally:
+        vault.stop()
+
+
+@contextlib.contextmanager
+def two_nodes(service: Any, alice: Any, slurm: Any, tmp_path: Path, name: str) -> Iterator[Any]:
+    """Endpoint ``name`` of two Slurm nodes, one worker each, each its own data directory
+    (as separate machines): started, stopped after."""
+    from service_support import slurm_endpoint
+
     hpc = slurm_endpoint(
         service,
         alice,
-        hpc_name,
+        name,
         slurm,
         workers_per_node=1,
         init_blocks=2,
@@ -564,12 +578,10 @@ def vault_and_two_nodes(
         worker_init=f'export NIMBUS_RUNTIME_DIR="{tmp_path}/node-$NIMBUS_BLOCK_ID"',
     )
     try:
-        vault.start(alice)
         hpc.start(alice)
-        yield vault
+        yield hpc
     finally:
         hpc.stop()
-        vault.stop()
         del service.env["SLURM_CONF"]
 
 
@@ -725,6 +737,82 @@ def test_a_relayed_object_reaches_tasks_on_every_node_of_a_slurm_endpoint(
         gc.collect()
         wait_for(lambda: not pin.exists(), 30, "the pin freed on its node")
         assert not (pin.parent / pin.name[:32]).exists()  # the relayed object with it
+
+
+@pytest.mark.timeout(600)
+def test_a_kept_result_or_put_object_reaches_tasks_on_every_node_of_a_slurm_endpoint(
+    service: Any, alice: Any, slurm: Any, tmp_path: Any
+) -> None:
+    """A kept result and an object placed with ``nimbus.put`` stay on the node of an
+    endpoint of two Slurm nodes (each its own data directory, as separate machines) that
+    made them; tasks that take them on the other node fetch them from that node (a pin's
+    secret, sha256 checked) instead of failing with ``ReferenceLost``: taken once done,
+    and taken before (the service holds the task until its input is made). Once their
+    Refs are gone, the pins and the objects go on the holder."""
+    import gc
+    import hashlib
+
+    import nimbus
+    from nimbus.data import default_root
+
+    size = 768 * 1024  # (nimbus.put sends it through the service: NIMBUS_MAX_PAYLOAD)
+    body = bytes(range(256)) * (size // 256) + b"end"
+    digest = hashlib.sha256(body).hexdigest()
+    with (
+        two_nodes(service, alice, slurm, tmp_path, "hpc-kept"),
+        Executor(endpoint="hpc-kept", settings=service.user_settings(alice.token)) as ex,
+    ):
+        namespace = ex._path.open().namespace
+        kept = ex.options(keep=True).submit(made_late, size, 0.0)
+        placed = nimbus.put(body, endpoint="hpc-kept")
+        kept.ref(timeout=120)
+        takers = [ex.submit(relayed_on_node, kept) for _ in range(8)]
+        takers += [ex.submit(relayed_on_node, placed) for _ in range(8)]
+        ahead = ex.options(keep=True).submit(made_late, size, 2.0)  # taken before made
+        takers += [ex.submit(relayed_on_node, ahead) for _ in range(8)]
+        results = [f.result(timeout=180) for f in takers]
+        assert {(n, d) for _, n, d in results} == {(len(body), digest)}
+        for part in (results[:8], results[8:16], results[16:]):
+            assert len({node for node, _, _ in part}) == 2, results  # both nodes ran tasks
+        for _ in range(4):  # read by a task on either node
+            assert kept.result(timeout=60) == body and placed.get(timeout=60) == body
+        objects = {default_root(node) / namespace / "obj" for node, _, _ in results}
+        pins = {p for o in objects for p in o.iterdir() if len(p.name) == 64}
+        assert {p.name[:32] for p in pins} == {kept.ref().id, placed.id, ahead.ref().id}
+        del takers, kept, placed, ahead
+        gc.collect()
+        wait_for(lambda: not any(p.exists() for p in pins), 30, "the pins freed on their node")
+        assert not any((p.parent / p.name[:32]).exists() for p in pins)  # the objects too
+
+
+@pytest.mark.timeout(600)
+def test_a_kept_result_of_one_node_is_copied_to_another_endpoint_from_any_node(
+    service: Any, alice: Any, slurm: Any, tmp_path: Any
+) -> None:
+    """A kept result (done) of an endpoint of two Slurm nodes passed to a task of another
+    endpoint: the task that sends it there runs on the node that does not hold it (the
+    holder's only worker kept busy) and fetches it from the holder first."""
+    import hashlib
+
+    (tmp_path / "exported").mkdir()
+    size = 1024 * 1024
+    body = bytes(range(256)) * (size // 256) + b"end"
+    settings = service.user_settings(alice.token)
+    with (
+        vault_and_two_nodes(service, alice, slurm, tmp_path, "vault-copy", "hpc-copy"),
+        Executor(endpoint="vault-copy", settings=settings) as on_vault,
+        Executor(endpoint="hpc-copy", settings=settings) as ex,
+    ):
+        up = [ex.submit(relayed_on_node, b"") for _ in range(8)]  # both nodes' workers up
+        assert len({f.result(timeout=120)[0] for f in up}) == 2
+        kept = ex.options(keep=True).submit(made_late, size, 0.0)
+        ref_id = kept.ref(timeout=120).id
+        busy = [ex.submit(busy_if_holding, ref_id, 8.0) for _ in range(2)]
+        time.sleep(1.0)  # the holder's worker busy: the send runs on the other node
+        taken = on_vault.submit(relayed_on_node, kept)
+        _, n, digest = taken.result(timeout=120)
+        assert (n, digest) == (len(body), hashlib.sha256(body).hexdigest())
+        assert sorted(f.result(timeout=60) for f in busy) == [False, True]
 
 
 def staged_on_node(path: Any, *_: Any) -> tuple[str, str, int, str]:  # sent by value

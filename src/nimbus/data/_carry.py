@@ -237,7 +237,8 @@ def _transfer(ref: Ref, where: Session, copy: Copy) -> None:
         offered = _step(where.call(offer, "obj", ref_id, expires), ref, where, taking)
         host, port, secret = offered[:3]
         sending = f"the task of {_name(ref.endpoint)} that sends it"
-        size, _ = _step(source.call(send_object, ref.id, host, port, secret), ref, where, sending)
+        sent = source.call(send_object, ref.id, host, port, secret, ref.holder)
+        size, _ = _step(sent, ref, where, sending)
         made = Ref(ref_id, where.namespace, where.user, where.endpoint, size)
         copy.set_result(where.adopt(made))
     except BaseException as exc:

@@ -396,12 +396,22 @@ def send_export(endpoint: str, path: str, mtime: float, host: str, port: int, se
     return size, sha, time.monotonic() - started
 
 
-def send_object(ref_id: str, host: str, port: int, secret: str) -> Any:
-    """A task on the Ref's endpoint (of its user): send the stored object to the offer."""
+def send_object(
+    ref_id: str, host: str, port: int, secret: str, holder: tuple[str, int, str, str] | None = None
+) -> Any:
+    """A task on the Ref's endpoint (of its user): send the stored object to the offer;
+    kept on another node of the endpoint (``holder``: ``Ref.holder``), fetched from it
+    into this node's store first (``_fetch.fetch_object``, as a task there does)."""
     from nimbus.data._ref import Ref
     from nimbus.data._task import _node, _scope
 
     node = _node(_scope().namespace)
+    if holder is not None and holder[3][:32] == ref_id and not node.path(ref_id).exists():
+        from nimbus.data._fetch import fetch_object
+
+        host_, port_, secret_, pin = holder
+        expires = time.time() + _scope().lease
+        fetch_object((host_, port_, secret_), node.namespace, pin, node.path(ref_id), expires)
     try:
         return _send(node.path(ref_id), host, port, secret, None)
     except FileNotFoundError:

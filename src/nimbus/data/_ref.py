@@ -127,12 +127,14 @@ class Ref:
 
 
 class _Entry:
-    """One held object: alive while a Ref or future of this client names it."""
+    """One held object: alive while a Ref or future of this client names it (and the
+    pin of the node that serves it to the endpoint's other nodes with it)."""
 
-    __slots__ = ("__weakref__", "ref_id")
+    __slots__ = ("__weakref__", "pin", "ref_id")
 
     def __init__(self, ref_id: str) -> None:
         self.ref_id = ref_id
+        self.pin: Ref | None = None
 
 
 class Session:
@@ -190,6 +192,12 @@ class Session:
                 self._entries[ref.id] = entry
                 weakref.finalize(entry, self._release, ref.id)
         ref._entry = entry
+        if ref.holder is not None and entry.pin is None and self.store is None:
+            # kept on one node of the endpoint: its pin there held as long as the object
+            # (renewed and freed on that node, wherever the task that does it runs)
+            host, port, secret, pin = ref.holder
+            self.served(pin, (host, port, secret))
+            entry.pin = self.adopt(Ref(pin, self.namespace, self.user, self.endpoint, 0))
         if self._thread is None:
             with self._lock:
                 if self._thread is None:

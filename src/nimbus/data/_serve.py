@@ -48,7 +48,8 @@ second put of it, a relay run twice, is answered "OK" if its bytes are the ones 
 else refused), and the endpoint's other nodes fetch the object with
 the pin's secret (the "object" op, ``_fetch.fetch_object``: the bytes, then their sha256
 and an HMAC of it keyed by the secret); the pin's renewal renews the object, its
-freeing removes it.
+freeing removes it. A result kept on this node (``keep=True``, ``nimbus.put``) has such a
+pin too (``_task._holder``), and is served, renewed and freed the same way.
 
 The server listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``), as offers do: on an
 endpoint of several machines, set it on each node to the address the others reach it by.

@@ -229,6 +229,8 @@ class DataPath:
         waiting = waiting_on(args, kwargs, session)  # refuses another user's Refs now
         waiting += [f for f in relays if not _done_well(f) and f not in waiting]
         future: Future = KeptFuture() if keep else Future()
+        if not keep:  # its Refs go when it is done (a kept one's: ``Executor._on_results``)
+            future.add_done_callback(DataPath.done)  # type: ignore[arg-type]  # (not at a GC)
         future.record = TaskRecord("", function=getattr(fn, "__qualname__", ""))
         scope = session.scope(keep)
         ahead = getattr(ex._backend, "dependencies", False)  # the service holds dependents
@@ -404,7 +406,7 @@ class DataPath:
         (its node left before the task's fetched it), stage the file again from its
         endpoint and send the task again (``RESTAGE`` times per task at most); whether
         it does."""
-        if self._restage(future, error):
+        if self._restage(future, error) or self._rebind(future, error):
             return True
         producer = self._producers.get(error.ref_id)
         resend = getattr(future, "_resend", None)
@@ -419,6 +421,33 @@ class DataPath:
             )
 
         self.deferred(rerun, future)
+        return True
+
+    def _rebind(self, future: Future, error: ReferenceLost) -> bool:
+        """A task sent before its input was made (``_promise``: the service held it) ran
+        on another node of the endpoint than the input's task: the promised Ref named no
+        node to fetch it from. Once the input is here, its Ref does (``Ref.holder``): the
+        task is sent again with it (once)."""
+        given = getattr(future, "_given", None)
+        resend = getattr(future, "_resend", None)
+        if given is None or resend is None or getattr(future, "_rebound", False):
+            return False
+        made = [
+            v
+            for v in walk(given[0], given[1])
+            if type(v) is KeptFuture and v._promise is not None and v._promise.id == error.ref_id
+        ]
+        if not made:
+            return False
+        future._rebound = True  # type: ignore[attr-defined]
+
+        def again(input: cf.Future[Any]) -> None:
+            if _done_well(input) and made[0].ref().holder is not None:
+                self.deferred(resend, future)
+            else:  # (held on no server: lost indeed)
+                fail(future, error)
+
+        made[0].add_done_callback(again)
         return True
 
     def _restage(self, future: Future, error: ReferenceLost) -> bool:

@@ -6,6 +6,8 @@
     worker:   run: each Ref in args (and in lists, tuples, dicts among them) read from
               this node's store of scope.namespace  ->  fn(*args)
               keep: the result written to the store, a Ref to it returned instead
+              (on an endpoint, naming this node's server and a pin: ``Ref.holder``;
+              a task on another node fetches it from there, ``_fetched``)
 
 Within ``fn``, :func:`store` is the user's key-value store on this node.
 
@@ -136,19 +138,32 @@ def run(fn: Any, scope: Scope, /, *args: Any, **kwargs: Any) -> Any:
         node = _node(scope.namespace)
         expires = time.time() + scope.lease
         same = _argument(result, seen) if type(result) in _IMMUTABLE else None
+        size = -1
         if same is not None:  # an argument's object, unchanged: the same bytes, no copy
             try:
                 os.link(node.path(same), node.path(ref_id))
                 os.utime(node.path(ref_id), (expires, expires))
-                return Ref(
-                    ref_id, scope.namespace, scope.user, scope.endpoint, same_size(node, ref_id)
-                )
+                size = same_size(node, ref_id)
             except OSError:
                 pass
-        size = node.write(ref_id, result, expires)
-        return Ref(ref_id, scope.namespace, scope.user, scope.endpoint, size)
+        if size < 0:
+            size = node.write(ref_id, result, expires)
+        holder = _holder(ref_id, expires) if scope.endpoint is not None else None
+        return Ref(ref_id, scope.namespace, scope.user, scope.endpoint, size, holder)
     finally:
         _current = before
+
+
+def _holder(ref_id: str, expires: float) -> tuple[str, int, str, str] | None:
+    """Where the endpoint's other nodes fetch the kept object ``ref_id`` from: this
+    node's server and a pin's secret, as for a relayed object (``_direct.expect_object``;
+    the client holds the pin with the Ref, so its renewals and its freeing are forwarded
+    here from any node); None where this node serves nothing (a runtime of one node)."""
+    from nimbus.data._direct import expect_object
+
+    pin = ref_id + new_id()
+    served = expect_object(ref_id, pin, expires)
+    return None if served is None else (str(served[0]), int(served[1]), str(served[2]), pin)
 
 
 _IMMUTABLE = (bytes, str)
