@@ -84,8 +84,42 @@ def server() -> Iterator[int]:
         yield port
 
 
+def _anothers(name: str) -> bool:
+    """Whether ``name`` (``nimbus-<slot>``, ``nmb<slot>h``, a ``10.214.`` address or a
+    ``nimbus-<pid>-<n>`` cgroup) is another live process's: another test run's managers on
+    this host make them too (``auto``, the default, gives every worker a cgroup or a
+    namespace). A slot is its owner's from its claim to after its last removal (``_slots``)."""
+    import re
+
+    from nimbus.network._slots import DIR
+
+    if m := re.search(r"nimbus-(?:probe-(\d+)$|(\d+)-\d+$)", name):  # (``_cgcount``, ``_workers``)
+        owner = int(m[1] or m[2])
+    else:
+        if m := re.search(r"10\.214\.(\d+)\.(\d+)", name):
+            slot = ((int(m[1]) << 8) + int(m[2]) - 2) // 4  # its slot's /30 (``_slots``)
+        elif m := re.search(r"(?:nimbus-|nmb)(\d+)(?:h|$|\s)", name):
+            slot = int(m[1])
+        else:
+            return False
+        try:
+            owner = int((DIR / str(slot)).read_text() or "0")
+        except (OSError, ValueError):
+            return False  # free: what is left of it is the last owner's, perhaps ours
+        if owner == 0:
+            return True  # being claimed this moment
+    if owner == os.getpid():
+        return False
+    try:
+        os.kill(owner, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _ours() -> dict[str, list[str]]:
-    """What of nimbus's network is on this host now (by this process's managers)."""
+    """What of nimbus's network is on this host now (by this process's managers; those
+    of slots another live process holds are left out)."""
     spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     rules = "".join(
         subprocess.run(["iptables", "-t", t, "-S"], capture_output=True, text=True).stdout
@@ -93,7 +127,7 @@ def _ours() -> dict[str, list[str]]:
     )
     slots = Path("/run/nimbus-net")
     mine = str(os.getpid())
-    return {
+    found = {
         # the template goes with the last worker namespace (another process's may hold it)
         "namespaces": [
             line.split()[0]
@@ -110,6 +144,7 @@ def _ours() -> dict[str, list[str]]:
             if p.is_dir() and (p / "cgroup.procs").exists()
         ],
     }
+    return {kind: [n for n in names if not _anothers(n)] for kind, names in found.items()}
 
 
 @contextlib.contextmanager
@@ -137,7 +172,10 @@ def netns(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
 
 
 def _template_only_with_workers() -> None:
-    names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    from nimbus.network._link import _locked
+
+    with _locked():  # (another process's managers remove a namespace and the template at once)
+        names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
     if "nimbus-template" in names:
         workers = [n for n in names if n.startswith("nimbus-") and n[7:].isdigit()]
         assert workers, "left behind: the namespace nimbus-template, with no worker's"
@@ -225,7 +263,8 @@ def test_every_byte_of_curl_and_children_counted(netns: pytest.MonkeyPatch, serv
 
 
 def test_socket_counting_without_a_namespace(monkeypatch: pytest.MonkeyPatch, server: int) -> None:
-    """The default: Python sockets only; curl's bytes are invisible, and the record says so."""
+    """net_accounting=socket (what auto falls back to without root): Python sockets only;
+    curl's bytes are invisible, and the record says so."""
     monkeypatch.setenv("NIMBUS_NET_ACCOUNTING", "socket")
     with Executor(1) as ex:
         fut = ex.submit(_curl, server, 1_000_000, 0)
@@ -381,6 +420,51 @@ def test_each_worker_has_its_own_namespace(netns: pytest.MonkeyPatch) -> None:
     by_pid = {pid: ns for _, ns, pid in results}
     assert len(by_pid) == 2  # two workers, each always in the same namespace ...
     assert len({ns for _, ns, _ in results}) == 2  # ... and not the other's
+
+
+_SIDE = """
+import os, sys, time
+from pathlib import Path
+from nimbus import Executor
+
+me, there = sys.argv[1], Path(sys.argv[2])
+def wait(name):
+    deadline = time.monotonic() + 60
+    while not (there / name).exists():
+        assert time.monotonic() < deadline, f"{me}: no {name}"
+        time.sleep(0.05)
+if me == "b":
+    wait("a-up")  # the first one's worker namespace (and the template) are made
+with Executor(1) as ex:
+    fut = ex.submit(os.readlink, "/proc/self/ns/net")
+    print(me, fut.result(timeout=30) != os.readlink("/proc/self/ns/net"), fut.record.net_source)
+    (there / f"{me}-up").touch()
+    wait("b-up")  # both hold their workers' namespaces now
+"""
+
+
+@needs_root
+def test_managers_in_mount_namespaces_of_their_own_each_make_namespaces(tmp_path: Path) -> None:
+    """Two managers each in a mount namespace of its own, as ``ip netns exec`` gives an
+    endpoint (no cgroup2 mount there: ``auto`` takes namespaces), the second started
+    while the first's worker runs: the namespace the first made its workers' from
+    (``_link.TEMPLATE``) is only an empty file in the second's mount namespace; the
+    second makes its own instead of failing to enter it (it failed, "nsenter: reassociate
+    to namespace 'ns/net' failed", and the endpoint's manager with it). /run/netns is a
+    tmpfs of the test's own: no other process's template is seen."""
+    side = [sys.executable, "-c", _SIDE]
+    script = (
+        "mount -t tmpfs nimbus-test /run/netns && "
+        f'unshare -m --propagation slave "$@" a {tmp_path} & a=$! && '
+        f'unshare -m --propagation slave "$@" b {tmp_path}; b=$?; wait $a && exit $b'
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "NIMBUS_NET_ACCOUNTING": "netns"}
+    done = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *side],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(done.stdout.split("\n")[:2]) == ["a True netns", "b True netns"], done.stdout
 
 
 def _get_from(host: str, port: int) -> tuple[str, int]:
@@ -939,17 +1023,38 @@ def test_endpoint_configure_net_accounting_is_kept_for_its_agent(
     assert bad.returncode == 2 and "argument --net-accounting: invalid choice" in bad.stderr
 
 
+@pytest.fixture(scope="module")
+def sockets(service: Any, alice: Any) -> Iterator[Any]:
+    """Alice's endpoint "sockets": a real agent whose workers have no network context of
+    their own (net_accounting=socket: what auto is without root), so no cgroup for a
+    task's own limits."""
+    from service_support import EndpointProcess
+
+    endpoint = EndpointProcess(service, alice, "sockets")
+    service.env["NIMBUS_NET_ACCOUNTING"] = "socket"  # (the agent's environment, at its start)
+    try:
+        endpoint.start(alice)
+    finally:
+        del service.env["NIMBUS_NET_ACCOUNTING"]
+    yield endpoint
+    endpoint.stop()
+
+
 def test_netbench_sizes_on_workers_without_namespaces_is_refused_before_any_sweep(
-    service: Any, alice: Any, lab: Any, tmp_path: Path
+    service: Any, alice: Any, sockets: Any, tmp_path: Path
 ) -> None:
     """Stranger 5: the bandwidth sweep ran (10 s), then the grid's first task failed
     naming net_accounting, no option of `nimbus endpoint configure`, said to run as root
-    an endpoint that was, and nothing was written. Now: refused first, naming the option."""
+    an endpoint that was, and nothing was written. Now: refused first, naming the option.
+    (Workers counted by a cgroup of their own, ``auto``'s as root, take a size's limits.)"""
     from nimbus.network import netbench_endpoint
 
     said: list[str] = []
     settings = service.user_settings(alice.token)
-    with Executor(endpoint="lab", settings=settings) as ex, pytest.raises(ConfigError) as refused:
+    with (
+        Executor(endpoint="sockets", settings=settings) as ex,
+        pytest.raises(ConfigError) as refused,
+    ):
         netbench_endpoint(
             ex, "127.0.0.1", [1], ["down"], 0.5, tmp_path / "nb", sizes=[128 << 20],
             progress=said.append,

@@ -85,9 +85,15 @@ def _from_template() -> tuple[str, ...]:
     socket table of its own (Linux 6.1+), and the node's setting is never touched. ()
     where the kernel has no such setting (the namespace shares the node's table; the TCP
     summary reads the worker's own sockets only). Called holding ``_locked``."""
-    enter = ("nsenter", f"--net=/run/netns/{TEMPLATE}")
-    if os.path.exists(f"/run/netns/{TEMPLATE}"):
-        return enter
+    path = f"/run/netns/{TEMPLATE}"
+    enter = ("nsenter", f"--net={path}")
+    if os.path.exists(path):
+        if _entered(path):
+            return enter
+        # a file without its namespace: made in another mount namespace (a manager under
+        # ``ip netns exec``: its mounts do not reach this one's) or left by a crash; remade
+        # here (the other one remakes its own in turn: both hold ``_locked`` meanwhile)
+        _sys.try_run("ip", "netns", "del", TEMPLATE)
     if not os.path.exists(_CHILD_TABLE):
         return ()
     if not _sys.try_run("ip", "netns", "add", TEMPLATE):
@@ -96,6 +102,14 @@ def _from_template() -> tuple[str, ...]:
         _sys.try_run("ip", "netns", "del", TEMPLATE)
         return ()
     return enter
+
+
+def _entered(path: str) -> bool:
+    """Whether ``path`` is a network namespace in this mount namespace (not only its file)."""
+    try:
+        return os.stat(path).st_dev == os.stat("/proc/self/ns/net").st_dev
+    except OSError:
+        return False
 
 
 def _drop_template() -> None:
