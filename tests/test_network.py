@@ -9,6 +9,7 @@ no DNAT rule, no cgroup, no slot file. Skipped, with the reason, where not root.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -465,6 +466,71 @@ def test_managers_in_mount_namespaces_of_their_own_each_make_namespaces(tmp_path
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(done.stdout.split("\n")[:2]) == ["a True netns", "b True netns"], done.stdout
+
+
+_REACH = """
+import sys, urllib.request
+from nimbus import Executor
+
+def get(url):
+    return len(urllib.request.urlopen(url, timeout=10).read())
+
+with Executor(1) as ex:
+    fut = ex.submit(get, sys.argv[1])
+    print(fut.result(timeout=60), fut.record.net_source)
+"""
+
+_FAR = """
+import functools, http.server, sys
+handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[2])
+server = http.server.HTTPServer((sys.argv[1], 8765), handler)
+print("up", flush=True)
+server.serve_forever()
+"""
+
+
+@needs_root
+def test_auto_without_cgroup2_reaches_beyond_the_node(tmp_path: Path) -> None:
+    """A manager under ``ip netns exec`` (a /sys of its own: no cgroup2) with the default,
+    auto: its task reaches a server beyond its node (another network namespace), as with
+    socket counting, and net_source says socket. (auto took a namespace there, whose
+    workers reached nothing beyond the node: no forwarding, no masquerade: timed out.)"""
+    tag = f"h{os.getpid() % 100000}"
+    node, far, net = f"{tag}-node", f"{tag}-far", f"10.233.{os.getpid() % 250}"
+    (tmp_path / "payload").write_bytes(b"x" * 54321)
+    ip = functools.partial(subprocess.run, check=True, capture_output=True, timeout=30)
+    server = None
+    try:
+        for ns in (node, far):
+            ip(["ip", "netns", "add", ns])
+            ip(["ip", "-n", ns, "link", "set", "lo", "up"])
+        ip(["ip", "link", "add", f"{tag}n", "netns", node, "type", "veth", "peer", "name",
+            f"{tag}f", "netns", far])  # fmt: skip
+        for ns, dev, host in ((node, f"{tag}n", 1), (far, f"{tag}f", 2)):
+            ip(["ip", "-n", ns, "addr", "add", f"{net}.{host}/24", "dev", dev])
+            ip(["ip", "-n", ns, "link", "set", dev, "up"])
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", far, sys.executable, "-c", _FAR, f"{net}.2", str(tmp_path)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert server.stdout is not None and server.stdout.readline() == "up\n"
+        env = {k: v for k, v in os.environ.items() if k != "NIMBUS_NET_ACCOUNTING"}
+        done = subprocess.run(
+            ["ip", "netns", "exec", node, sys.executable, "-c", _REACH,
+             f"http://{net}.2:8765/payload"],
+            capture_output=True, text=True, timeout=120,
+            env={**env, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["54321", "socket"], done.stdout
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+            if server.stdout is not None:
+                server.stdout.close()
+        for ns in (node, far):  # (the veth goes with them)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
 def _get_from(host: str, port: int) -> tuple[str, int]:

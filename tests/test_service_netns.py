@@ -9,8 +9,7 @@
 
 The client submits to both endpoints; the test cuts ep1's link (its veth goes
 down: no FIN, no RST, packets vanish) and heals it. Every task ends with
-exactly one result, its first run's, and ran in a worker of its endpoint's agent (in
-that endpoint's namespace; the worker's own where net_accounting=auto takes one). Skipped
+exactly one result, its first run's, and ran in its endpoint's namespace. Skipped
 only where namespaces cannot be made (not root, no ``ip``); as root, a namespace
 that cannot be made fails the test with what ``ip`` said.
 """
@@ -128,11 +127,8 @@ CLIENT = textwrap.dedent(
     from nimbus import Executor
 
     def tagged(runs, i):
-        # a token of this run's own: task, pid, the network namespace its worker's
-        # agent ran in (the worker's own is a namespace of its own joined to that one
-        # where net_accounting=auto takes one, as under ip netns exec: no cgroup2), uuid
-        where = os.stat(f'/proc/{os.getppid()}/ns/net').st_ino
-        token = f"{i}:{os.getpid()}:{where}:{uuid.uuid4().hex}"
+        # a token of this run's own: task, pid, the network namespace it ran in, uuid
+        token = f"{i}:{os.getpid()}:{os.stat('/proc/self/ns/net').st_ino}:{uuid.uuid4().hex}"
         with open(runs, "a") as out:
             out.write(f"start {token}\\n")
         time.sleep(0.2)

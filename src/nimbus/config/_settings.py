@@ -244,8 +244,8 @@ class Settings:
     net_accounting: str = setting(
         "auto",
         c.one_of("socket", "cgroup", "netns", "auto"),
-        "what counts a task's network bytes: auto (the default: cgroup, else netns, else "
-        "socket, as this machine allows), socket (Python sockets only), cgroup (eBPF on a "
+        "what counts a task's network bytes: auto (the default: cgroup where this machine "
+        "allows it, else socket), socket (Python sockets only), cgroup (eBPF on a "
         "cgroup per worker: every byte; root), netns (a namespace per worker: every byte, "
         "and a task's own bandwidth limits; root)",
     )
