@@ -257,7 +257,9 @@ def test_every_byte_of_curl_and_children_counted(netns: pytest.MonkeyPatch, serv
             )
             assert r.tcp is not None and r.tcp["segments_out"] > 0
             assert _close(r.net_bytes_out, put, r.tcp["retransmits"]), (r.net_bytes_out, put, r.tcp)
-            assert r.colocated is not None and 0 <= r.colocated["min"] <= r.colocated["max"] <= 3
+            # (3 of its own at most; other processes' counted tasks on the host count too:
+            # every Executor run as root counts its workers, auto being the default)
+            assert r.colocated is not None and 0 <= r.colocated["min"] <= r.colocated["max"]
             assert r.net_throughput_in > 0
     # 4 workers, 4 tasks: some ran side by side
     assert max(f.record.colocated["max"] for f in futures) >= 1  # type: ignore[index]
@@ -290,8 +292,9 @@ def test_colocation_and_the_host_nic_sampled_while_tasks_run(netns: pytest.Monke
             fut.result(timeout=60)
     for fut in futures:
         c = fut.record.colocated
-        # the first sample is taken as it starts (the other may start later, under load)
-        assert c is not None and c["max"] == 1 and c["mean"] > 0, c
+        # the first sample is taken as it starts (the other may start later, under load);
+        # other processes' counted tasks on the host are co-located too (auto, the default)
+        assert c is not None and c["max"] >= 1 and c["mean"] > 0, c
         assert c["nic_in"] >= 0 and c["nic_out"] >= 0, c
     assert max(f.record.colocated["mean"] for f in futures) >= 0.5  # type: ignore[index]
 

@@ -87,7 +87,9 @@ def test_every_byte_of_curl_and_children_counted_by_the_workers_cgroup(
             assert _exact(r.net_bytes_in, get_curl + get_child), (r.net_bytes_in, r.tcp)
             assert _exact(r.net_bytes_out, put), (r.net_bytes_out, r.tcp)
             assert r.tcp is not None and {"retransmits", "duplicates_in"} <= set(r.tcp)
-            assert r.colocated is not None and 0 <= r.colocated["min"] <= r.colocated["max"] <= 3
+            # (3 of its own at most; other processes' counted tasks on the host count too:
+            # every Executor run as root counts its workers, auto being the default)
+            assert r.colocated is not None and 0 <= r.colocated["min"] <= r.colocated["max"]
     assert not any(inside for inside, _, _ in where)  # the node's own network
     assert all(Path(v2).name.startswith("nimbus-") for _, v2, _ in where), where
 
@@ -248,6 +250,32 @@ def _gone(pid: int) -> bool:
 
 
 @needs_root
+def _nested(die: bool) -> str:
+    """Start an Executor of the task's own (its workers' cgroups inside this worker's);
+    with ``die``, this worker dies while it runs."""
+    inner = Executor(1)
+    where = inner.submit(_where).result(timeout=60)[1]
+    if die:
+        os._exit(3)
+    inner.shutdown()
+    return where
+
+
+def test_a_dead_workers_cgroup_goes_with_its_tasks_own_workers_cgroups(
+    counted: pytest.MonkeyPatch,
+) -> None:
+    """A task starts an Executor of its own and its worker dies: the worker's cgroup is
+    removed with the task's workers' cgroups inside it, and the next worker starts (it
+    could not: its slot's directory was left, "cannot make the worker's cgroup (File
+    exists)", and the manager failed every task). The fixture looks that none is left."""
+    with Executor(1) as ex:
+        inner = ex.submit(_nested, False).result(timeout=90)
+        assert Path(inner).parent.name.startswith("nimbus-"), inner  # inside the worker's
+        with pytest.raises(WorkerLost):
+            ex.submit(_nested, True).result(timeout=90)
+        assert ex.submit(_where).result(timeout=60)[0] is False  # a new worker serves
+
+
 def test_a_workers_cgroup_goes_with_it_and_takes_its_orphans(counted: pytest.MonkeyPatch) -> None:
     """A worker that dies: its cgroup removed, what it left running killed; a new worker
     gets a cgroup of its own; at the end none is left (the fixture looks)."""
