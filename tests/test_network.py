@@ -299,6 +299,19 @@ def test_colocation_and_the_host_nic_sampled_while_tasks_run(netns: pytest.Monke
     assert max(f.record.colocated["mean"] for f in futures) >= 0.5  # type: ignore[index]
 
 
+def _nic_sampler() -> int | None:
+    """The pid of the process whose sampler holds this host's NIC lock (``_nic``), if any."""
+    from nimbus.network._nic import LOCK
+
+    try:
+        ino = os.stat(LOCK).st_ino
+        with open("/proc/locks") as f:
+            held = [line.split() for line in f if " FLOCK " in line and "->" not in line]
+    except OSError:
+        return None
+    return next((int(f[4]) for f in held if f[5].endswith(f":{ino}")), None)
+
+
 def test_host_nic_rate_from_the_shared_sample(tmp_path: Path) -> None:
     """The sampler's counters of a real interface (the loopback, here) reach a reader of
     the shared map: a transfer during the samples shows as the NIC's rate."""
@@ -311,6 +324,13 @@ def test_host_nic_rate_from_the_shared_sample(tmp_path: Path) -> None:
         pytest.skip("needs root (the shared map is root's, in /run/nimbus-net)")
     sampler = NicSampler("lo", period=0.05)
     try:
+        # one sampler a host: another process's managers may hold it (every Executor run
+        # as root has one, auto being the default); it is let go of within a second
+        deadline = time.monotonic() + 20
+        while (holder := _nic_sampler()) != os.getpid() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if holder != os.getpid():
+            pytest.skip(f"process {holder} samples this host's NIC (another test run's)")
         board = Board(SLOTS - 1)  # a cell no worker has
         time.sleep(0.2)
         first = board.sample()
