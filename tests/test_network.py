@@ -9,6 +9,7 @@ no DNAT rule, no cgroup, no slot file. Skipped, with the reason, where not root.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -84,8 +85,42 @@ def server() -> Iterator[int]:
         yield port
 
 
+def _anothers(name: str) -> bool:
+    """Whether ``name`` (``nimbus-<slot>``, ``nmb<slot>h``, a ``10.214.`` address or a
+    ``nimbus-<pid>-<n>`` cgroup) is another live process's: another test run's managers on
+    this host make them too (``auto``, the default, gives every worker a cgroup or a
+    namespace). A slot is its owner's from its claim to after its last removal (``_slots``)."""
+    import re
+
+    from nimbus.network._slots import DIR
+
+    if m := re.search(r"nimbus-(?:probe-(\d+)$|(\d+)-\d+$)", name):  # (``_cgcount``, ``_workers``)
+        owner = int(m[1] or m[2])
+    else:
+        if m := re.search(r"10\.214\.(\d+)\.(\d+)", name):
+            slot = ((int(m[1]) << 8) + int(m[2]) - 2) // 4  # its slot's /30 (``_slots``)
+        elif m := re.search(r"(?:nimbus-|nmb)(\d+)(?:h|$|\s)", name):
+            slot = int(m[1])
+        else:
+            return False
+        try:
+            owner = int((DIR / str(slot)).read_text() or "0")
+        except (OSError, ValueError):
+            return False  # free: what is left of it is the last owner's, perhaps ours
+        if owner == 0:
+            return True  # being claimed this moment
+    if owner == os.getpid():
+        return False
+    try:
+        os.kill(owner, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _ours() -> dict[str, list[str]]:
-    """What of nimbus's network is on this host now (by this process's managers)."""
+    """What of nimbus's network is on this host now (by this process's managers; those
+    of slots another live process holds are left out)."""
     spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     rules = "".join(
         subprocess.run(["iptables", "-t", t, "-S"], capture_output=True, text=True).stdout
@@ -93,7 +128,7 @@ def _ours() -> dict[str, list[str]]:
     )
     slots = Path("/run/nimbus-net")
     mine = str(os.getpid())
-    return {
+    found = {
         # the template goes with the last worker namespace (another process's may hold it)
         "namespaces": [
             line.split()[0]
@@ -110,6 +145,7 @@ def _ours() -> dict[str, list[str]]:
             if p.is_dir() and (p / "cgroup.procs").exists()
         ],
     }
+    return {kind: [n for n in names if not _anothers(n)] for kind, names in found.items()}
 
 
 @contextlib.contextmanager
@@ -137,7 +173,10 @@ def netns(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
 
 
 def _template_only_with_workers() -> None:
-    names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    from nimbus.network._link import _locked
+
+    with _locked():  # (another process's managers remove a namespace and the template at once)
+        names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
     if "nimbus-template" in names:
         workers = [n for n in names if n.startswith("nimbus-") and n[7:].isdigit()]
         assert workers, "left behind: the namespace nimbus-template, with no worker's"
@@ -218,14 +257,17 @@ def test_every_byte_of_curl_and_children_counted(netns: pytest.MonkeyPatch, serv
             )
             assert r.tcp is not None and r.tcp["segments_out"] > 0
             assert _close(r.net_bytes_out, put, r.tcp["retransmits"]), (r.net_bytes_out, put, r.tcp)
-            assert r.colocated is not None and 0 <= r.colocated["min"] <= r.colocated["max"] <= 3
+            # (3 of its own at most; other processes' counted tasks on the host count too:
+            # every Executor run as root counts its workers, auto being the default)
+            assert r.colocated is not None and 0 <= r.colocated["min"] <= r.colocated["max"]
             assert r.net_throughput_in > 0
     # 4 workers, 4 tasks: some ran side by side
     assert max(f.record.colocated["max"] for f in futures) >= 1  # type: ignore[index]
 
 
 def test_socket_counting_without_a_namespace(monkeypatch: pytest.MonkeyPatch, server: int) -> None:
-    """The default: Python sockets only; curl's bytes are invisible, and the record says so."""
+    """net_accounting=socket (what auto falls back to without root): Python sockets only;
+    curl's bytes are invisible, and the record says so."""
     monkeypatch.setenv("NIMBUS_NET_ACCOUNTING", "socket")
     with Executor(1) as ex:
         fut = ex.submit(_curl, server, 1_000_000, 0)
@@ -250,10 +292,24 @@ def test_colocation_and_the_host_nic_sampled_while_tasks_run(netns: pytest.Monke
             fut.result(timeout=60)
     for fut in futures:
         c = fut.record.colocated
-        # the first sample is taken as it starts (the other may start later, under load)
-        assert c is not None and c["max"] == 1 and c["mean"] > 0, c
+        # the first sample is taken as it starts (the other may start later, under load);
+        # other processes' counted tasks on the host are co-located too (auto, the default)
+        assert c is not None and c["max"] >= 1 and c["mean"] > 0, c
         assert c["nic_in"] >= 0 and c["nic_out"] >= 0, c
     assert max(f.record.colocated["mean"] for f in futures) >= 0.5  # type: ignore[index]
+
+
+def _nic_sampler() -> int | None:
+    """The pid of the process whose sampler holds this host's NIC lock (``_nic``), if any."""
+    from nimbus.network._nic import LOCK
+
+    try:
+        ino = os.stat(LOCK).st_ino
+        with open("/proc/locks") as f:
+            held = [line.split() for line in f if " FLOCK " in line and "->" not in line]
+    except OSError:
+        return None
+    return next((int(f[4]) for f in held if f[5].endswith(f":{ino}")), None)
 
 
 def test_host_nic_rate_from_the_shared_sample(tmp_path: Path) -> None:
@@ -268,6 +324,13 @@ def test_host_nic_rate_from_the_shared_sample(tmp_path: Path) -> None:
         pytest.skip("needs root (the shared map is root's, in /run/nimbus-net)")
     sampler = NicSampler("lo", period=0.05)
     try:
+        # one sampler a host: another process's managers may hold it (every Executor run
+        # as root has one, auto being the default); it is let go of within a second
+        deadline = time.monotonic() + 20
+        while (holder := _nic_sampler()) != os.getpid() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if holder != os.getpid():
+            pytest.skip(f"process {holder} samples this host's NIC (another test run's)")
         board = Board(SLOTS - 1)  # a cell no worker has
         time.sleep(0.2)
         first = board.sample()
@@ -381,6 +444,116 @@ def test_each_worker_has_its_own_namespace(netns: pytest.MonkeyPatch) -> None:
     by_pid = {pid: ns for _, ns, pid in results}
     assert len(by_pid) == 2  # two workers, each always in the same namespace ...
     assert len({ns for _, ns, _ in results}) == 2  # ... and not the other's
+
+
+_SIDE = """
+import os, sys, time
+from pathlib import Path
+from nimbus import Executor
+
+me, there = sys.argv[1], Path(sys.argv[2])
+def wait(name):
+    deadline = time.monotonic() + 60
+    while not (there / name).exists():
+        assert time.monotonic() < deadline, f"{me}: no {name}"
+        time.sleep(0.05)
+if me == "b":
+    wait("a-up")  # the first one's worker namespace (and the template) are made
+with Executor(1) as ex:
+    fut = ex.submit(os.readlink, "/proc/self/ns/net")
+    print(me, fut.result(timeout=30) != os.readlink("/proc/self/ns/net"), fut.record.net_source)
+    (there / f"{me}-up").touch()
+    wait("b-up")  # both hold their workers' namespaces now
+"""
+
+
+@needs_root
+def test_managers_in_mount_namespaces_of_their_own_each_make_namespaces(tmp_path: Path) -> None:
+    """Two managers each in a mount namespace of its own, as ``ip netns exec`` gives an
+    endpoint (no cgroup2 mount there: ``auto`` takes namespaces), the second started
+    while the first's worker runs: the namespace the first made its workers' from
+    (``_link.TEMPLATE``) is only an empty file in the second's mount namespace; the
+    second makes its own instead of failing to enter it (it failed, "nsenter: reassociate
+    to namespace 'ns/net' failed", and the endpoint's manager with it). /run/netns is a
+    tmpfs of the test's own: no other process's template is seen."""
+    side = [sys.executable, "-c", _SIDE]
+    script = (
+        "mount -t tmpfs nimbus-test /run/netns && "
+        f'unshare -m --propagation slave "$@" a {tmp_path} & a=$! && '
+        f'unshare -m --propagation slave "$@" b {tmp_path}; b=$?; wait $a && exit $b'
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "NIMBUS_NET_ACCOUNTING": "netns"}
+    done = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *side],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(done.stdout.split("\n")[:2]) == ["a True netns", "b True netns"], done.stdout
+
+
+_REACH = """
+import sys, urllib.request
+from nimbus import Executor
+
+def get(url):
+    return len(urllib.request.urlopen(url, timeout=10).read())
+
+with Executor(1) as ex:
+    fut = ex.submit(get, sys.argv[1])
+    print(fut.result(timeout=60), fut.record.net_source)
+"""
+
+_FAR = """
+import functools, http.server, sys
+handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[2])
+server = http.server.HTTPServer((sys.argv[1], 8765), handler)
+print("up", flush=True)
+server.serve_forever()
+"""
+
+
+@needs_root
+def test_auto_without_cgroup2_reaches_beyond_the_node(tmp_path: Path) -> None:
+    """A manager under ``ip netns exec`` (a /sys of its own: no cgroup2) with the default,
+    auto: its task reaches a server beyond its node (another network namespace), as with
+    socket counting, and net_source says socket. (auto took a namespace there, whose
+    workers reached nothing beyond the node: no forwarding, no masquerade: timed out.)"""
+    tag = f"h{os.getpid() % 100000}"
+    node, far, net = f"{tag}-node", f"{tag}-far", f"10.233.{os.getpid() % 250}"
+    (tmp_path / "payload").write_bytes(b"x" * 54321)
+    ip = functools.partial(subprocess.run, check=True, capture_output=True, timeout=30)
+    server = None
+    try:
+        for ns in (node, far):
+            ip(["ip", "netns", "add", ns])
+            ip(["ip", "-n", ns, "link", "set", "lo", "up"])
+        ip(["ip", "link", "add", f"{tag}n", "netns", node, "type", "veth", "peer", "name",
+            f"{tag}f", "netns", far])  # fmt: skip
+        for ns, dev, host in ((node, f"{tag}n", 1), (far, f"{tag}f", 2)):
+            ip(["ip", "-n", ns, "addr", "add", f"{net}.{host}/24", "dev", dev])
+            ip(["ip", "-n", ns, "link", "set", dev, "up"])
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", far, sys.executable, "-c", _FAR, f"{net}.2", str(tmp_path)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert server.stdout is not None and server.stdout.readline() == "up\n"
+        env = {k: v for k, v in os.environ.items() if k != "NIMBUS_NET_ACCOUNTING"}
+        done = subprocess.run(
+            ["ip", "netns", "exec", node, sys.executable, "-c", _REACH,
+             f"http://{net}.2:8765/payload"],
+            capture_output=True, text=True, timeout=120,
+            env={**env, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["54321", "socket"], done.stdout
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+            if server.stdout is not None:
+                server.stdout.close()
+        for ns in (node, far):  # (the veth goes with them)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
 def _get_from(host: str, port: int) -> tuple[str, int]:
@@ -1046,17 +1219,38 @@ def test_endpoint_configure_net_accounting_is_kept_for_its_agent(
     assert bad.returncode == 2 and "argument --net-accounting: invalid choice" in bad.stderr
 
 
+@pytest.fixture(scope="module")
+def sockets(service: Any, alice: Any) -> Iterator[Any]:
+    """Alice's endpoint "sockets": a real agent whose workers have no network context of
+    their own (net_accounting=socket: what auto is without root), so no cgroup for a
+    task's own limits."""
+    from service_support import EndpointProcess
+
+    endpoint = EndpointProcess(service, alice, "sockets")
+    service.env["NIMBUS_NET_ACCOUNTING"] = "socket"  # (the agent's environment, at its start)
+    try:
+        endpoint.start(alice)
+    finally:
+        del service.env["NIMBUS_NET_ACCOUNTING"]
+    yield endpoint
+    endpoint.stop()
+
+
 def test_netbench_sizes_on_workers_without_namespaces_is_refused_before_any_sweep(
-    service: Any, alice: Any, lab: Any, tmp_path: Path
+    service: Any, alice: Any, sockets: Any, tmp_path: Path
 ) -> None:
     """Stranger 5: the bandwidth sweep ran (10 s), then the grid's first task failed
     naming net_accounting, no option of `nimbus endpoint configure`, said to run as root
-    an endpoint that was, and nothing was written. Now: refused first, naming the option."""
+    an endpoint that was, and nothing was written. Now: refused first, naming the option.
+    (Workers counted by a cgroup of their own, ``auto``'s as root, take a size's limits.)"""
     from nimbus.network import netbench_endpoint
 
     said: list[str] = []
     settings = service.user_settings(alice.token)
-    with Executor(endpoint="lab", settings=settings) as ex, pytest.raises(ConfigError) as refused:
+    with (
+        Executor(endpoint="sockets", settings=settings) as ex,
+        pytest.raises(ConfigError) as refused,
+    ):
         netbench_endpoint(
             ex, "127.0.0.1", [1], ["down"], 0.5, tmp_path / "nb", sizes=[128 << 20],
             progress=said.append,

@@ -87,7 +87,9 @@ def test_every_byte_of_curl_and_children_counted_by_the_workers_cgroup(
             assert _exact(r.net_bytes_in, get_curl + get_child), (r.net_bytes_in, r.tcp)
             assert _exact(r.net_bytes_out, put), (r.net_bytes_out, r.tcp)
             assert r.tcp is not None and {"retransmits", "duplicates_in"} <= set(r.tcp)
-            assert r.colocated is not None and 0 <= r.colocated["min"] <= r.colocated["max"] <= 3
+            # (3 of its own at most; other processes' counted tasks on the host count too:
+            # every Executor run as root counts its workers, auto being the default)
+            assert r.colocated is not None and 0 <= r.colocated["min"] <= r.colocated["max"]
     assert not any(inside for inside, _, _ in where)  # the node's own network
     assert all(Path(v2).name.startswith("nimbus-") for _, v2, _ in where), where
 
@@ -248,6 +250,32 @@ def _gone(pid: int) -> bool:
 
 
 @needs_root
+def _nested(die: bool) -> str:
+    """Start an Executor of the task's own (its workers' cgroups inside this worker's);
+    with ``die``, this worker dies while it runs."""
+    inner = Executor(1)
+    where = inner.submit(_where).result(timeout=60)[1]
+    if die:
+        os._exit(3)
+    inner.shutdown()
+    return where
+
+
+def test_a_dead_workers_cgroup_goes_with_its_tasks_own_workers_cgroups(
+    counted: pytest.MonkeyPatch,
+) -> None:
+    """A task starts an Executor of its own and its worker dies: the worker's cgroup is
+    removed with the task's workers' cgroups inside it, and the next worker starts (it
+    could not: its slot's directory was left, "cannot make the worker's cgroup (File
+    exists)", and the manager failed every task). The fixture looks that none is left."""
+    with Executor(1) as ex:
+        inner = ex.submit(_nested, False).result(timeout=90)
+        assert Path(inner).parent.name.startswith("nimbus-"), inner  # inside the worker's
+        with pytest.raises(WorkerLost):
+            ex.submit(_nested, True).result(timeout=90)
+        assert ex.submit(_where).result(timeout=60)[0] is False  # a new worker serves
+
+
 def test_a_workers_cgroup_goes_with_it_and_takes_its_orphans(counted: pytest.MonkeyPatch) -> None:
     """A worker that dies: its cgroup removed, what it left running killed; a new worker
     gets a cgroup of its own; at the end none is left (the fixture looks)."""
@@ -343,8 +371,10 @@ def test_a_cgroup_left_behind_by_a_freed_slot_is_taken_over(counted: pytest.Monk
 
 
 def test_a_cgroup_with_no_v2_hierarchy_is_refused_in_one_line_and_auto_falls_back() -> None:
-    """No cgroup2 mount (one of its own in a mount namespace, unmounted): cgroup refused,
-    naming what to change; auto takes a namespace instead."""
+    """No cgroup2 mount (one of its own in a mount namespace, unmounted, as under ``ip
+    netns exec``): cgroup refused, naming what to change; auto counts sockets (not a
+    namespace: its workers would reach nothing beyond the node,
+    test_auto_without_cgroup2_reaches_beyond_the_node)."""
     if not ROOT:
         pytest.skip("needs root (a mount namespace)")
     code = (
@@ -368,7 +398,7 @@ def test_a_cgroup_with_no_v2_hierarchy_is_refused_in_one_line_and_auto_falls_bac
     refused, auto = done.stdout.splitlines()
     assert refused.startswith("net_accounting=cgroup: no cgroup v2 hierarchy is mounted"), refused
     assert "set net_accounting=netns" in refused, refused
-    assert auto == "False True", auto
+    assert auto == "False False", auto
 
 
 @needs_root

@@ -30,7 +30,7 @@ How the worker measures (see ``nimbus.telemetry``):
   and TCP payload once (a segment sent again or received twice is in ``tcp``:
   ``retransmits``, ``duplicates_in``, ``bytes_retransmitted``, the cgroup's
   own). With
-  "socket" (the default, and where namespaces are not allowed): bytes the
+  "socket" (``net_accounting=socket``, and ``auto``'s without root): bytes the
   task moved through Python ``socket.socket`` objects (send*, recv*, sendfile)
   while it ran; C libraries and child processes are not counted. Never the
   worker's own channel to the runtime (a Unix socket).

@@ -54,8 +54,8 @@ def setup(parser: argparse.ArgumentParser) -> None:
         help="what counts a task's network bytes: socket (Python sockets), cgroup (eBPF on a "
         "cgroup per worker, root: every byte, the cheapest), netns (a network namespace per "
         "worker, root: every byte, and what a task's options(bandwidth=) needs), auto "
-        "(cgroup, else netns, where allowed); default: NIMBUS_NET_ACCOUNTING in the agent's "
-        "environment, else socket",
+        "(cgroup where allowed, else socket); default: NIMBUS_NET_ACCOUNTING "
+        "in the agent's environment, else auto",
     )
     start = sub.add_parser(
         "start",

@@ -242,11 +242,12 @@ class Settings:
 
     # -- per-worker network accounting and limits (issue 19; nimbus.network)
     net_accounting: str = setting(
-        "socket",
+        "auto",
         c.one_of("socket", "cgroup", "netns", "auto"),
-        "what counts a task's network bytes: socket (Python sockets), cgroup (eBPF on a "
+        "what counts a task's network bytes: auto (the default: cgroup where this machine "
+        "allows it, else socket), socket (Python sockets only), cgroup (eBPF on a "
         "cgroup per worker: every byte; root), netns (a namespace per worker: every byte, "
-        "and a task's own bandwidth limits; root), auto (cgroup, else netns, where allowed)",
+        "and a task's own bandwidth limits; root)",
     )
     worker_cpus: float | None = setting(
         None, c.optional_cpus, "CPUs a worker may use (cgroup quota; 0.5 = half a core)"

@@ -17,8 +17,9 @@ Two sides (see each module's drawing):
 Why a namespace and not eBPF cgroup counters: the veth is needed anyway for the
 bandwidth limits, its counters are exact for everything in the namespace (C
 libraries and children included) at the cost of one ``pread`` per task, and it
-needs no BPF toolchain. Without root, ``net_accounting=auto`` falls back to the
-socket counts of ``nimbus.telemetry`` (``net_source`` says which); asking for
+needs no BPF toolchain. ``net_accounting=auto`` (the default) counts by cgroup
+where allowed, else (without root) by the socket counts of ``nimbus.telemetry``
+(``net_source`` says which), never by a namespace (no way beyond the node); asking for
 ``netns`` or a limit without root is a ``ConfigError`` naming the fix.
 """
 

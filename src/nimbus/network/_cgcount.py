@@ -79,8 +79,6 @@ def named_group() -> tuple[str, int] | None:
 
 def can_count() -> str | None:
     """None if workers here can be counted by their cgroup; else why not (one line)."""
-    from nimbus.network._bpf import CgroupCounters
-
     parent = hierarchy()
     if parent is None:
         return "no cgroup v2 hierarchy is mounted (see /proc/self/mountinfo)"
@@ -90,6 +88,9 @@ def can_count() -> str | None:
     except OSError as exc:
         return f"cannot make a cgroup under {parent} ({exc.strerror})"
     try:
+        # (imported only now: a manager without root, auto's usual case, needs no ctypes)
+        from nimbus.network._bpf import CgroupCounters
+
         counters = CgroupCounters.attach(str(probe))
         if counters is None:
             return "eBPF cgroup_skb programs are refused here (CAP_BPF and CAP_NET_ADMIN needed)"

@@ -157,10 +157,12 @@ class Cgroup:
 
 
 def empty(directory: Path) -> None:
-    """Kill what is left inside ``directory`` (a worker's orphans) and remove it."""
+    """Kill what is left inside ``directory`` (a worker's orphans) and remove it, with the
+    cgroups inside it (a task's own Executor's workers', left when its worker died)."""
     for _ in range(50):
         try:
             pids = [int(p) for p in (directory / "cgroup.procs").read_text().split()]
+            inner = [d for d in directory.iterdir() if d.is_dir()]  # (only cgroups here)
         except OSError:
             return  # gone already
         for pid in pids:
@@ -168,6 +170,8 @@ def empty(directory: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        for child in inner:
+            empty(child)
         try:
             directory.rmdir()
             return

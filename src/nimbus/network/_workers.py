@@ -19,8 +19,8 @@ Which context a worker gets (``net_accounting``, and ``worker_bandwidth``):
  socket         none (Python sockets)       a namespace (``tc`` needs its link)
  cgroup         a counting cgroup          a namespace
  netns          a namespace                 a namespace
- auto           cgroup, else netns, else    a namespace, else a ConfigError
-                socket (what is allowed)
+ auto           cgroup, else socket         a namespace, else a ConfigError
+                (what is allowed)
 =============  ==========================  =====================================
 
 A counting cgroup (``_cgcount``) counts every byte as a namespace does, at a
@@ -84,7 +84,7 @@ class WorkerNetworks:
         wants_cg = self.limits.cpus is not None or self.limits.memory is not None
         counting = accounting in ("cgroup", "auto") and not wants_ns
         # looked for only when asked for (five PATH searches on every manager's start)
-        why = _sys.can_manage() if wants_ns or wants_cg or accounting == "auto" else None
+        why = _sys.can_manage() if wants_ns or wants_cg else None
         if why is not None and (wants_ns or wants_cg):
             what = "worker limits" if self.limits != Limits() else f"net_accounting={accounting}"
             raise ConfigError(f"{what}: {why}; {_sys.FIX}")
@@ -98,7 +98,9 @@ class WorkerNetworks:
                     f"net_accounting=cgroup: {why_not}; run the endpoint as root where cgroup v2 "
                     "is mounted, or set net_accounting=netns (a namespace per worker) or socket"
                 )
-        self.netns = wants_ns or (accounting == "auto" and why is None and not self.counted)
+        # auto never takes a namespace: its workers would reach nothing beyond the node
+        # (no forwarding or masquerade is set up: see _link), which they reach with socket
+        self.netns = wants_ns
         self.cgroups = wants_cg  # (a task's own limits make one on first use: ``_limits``)
         self._held: dict[str, _Held] = {}
         self._oom: dict[str, int | None] = {}  # worker -> the memory limit it was killed at
