@@ -883,6 +883,15 @@ def test_nimbus_run_endpoint_runs_on_a_real_endpoint(
     assert nosuch.returncode == 2 and not marker.exists(), nosuch.stderr
     assert nosuch.stderr.startswith("nimbus run: --endpoint=nosuch: "), nosuch.stderr
     assert "`nimbus endpoints list`" in nosuch.stderr and len(nosuch.stderr.splitlines()) == 1
+    alice.register_endpoint("asleep")  # registered, never started: offline
+    asleep = subprocess.run(  # stranger 16 F10: as an unknown endpoint, status 2
+        [sys.executable, "-m", "nimbus", "run", "--endpoint", "asleep", "-c",
+         f"open({str(marker)!r}, 'w')"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert asleep.returncode == 2 and not marker.exists(), asleep.stderr
+    assert "the endpoint is offline: start it with" in asleep.stderr, asleep.stderr
+    assert len(asleep.stderr.splitlines()) == 1
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert lines["sum"] == str(sum(i * i for i in range(8)))
     assert lines["process"] == "49 0 2"  # the endpoint's 2 workers

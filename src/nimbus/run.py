@@ -344,8 +344,8 @@ def _check_options(endpoint: str | None, environment: str | None) -> tuple[int, 
         listed = not isinstance(exc, NotFound) or "list" in str(exc)
         hint = "" if listed else "; `nimbus endpoints list` shows those you can use"
         return EXIT_USAGE, f"{given}={endpoint}: {exc}{hint}"
-    if not info.get("online", True):
-        return 1, (
+    if not info.get("online", True):  # as an unknown one: nothing done, 2 (the CLI's rule)
+        return EXIT_USAGE, (
             f"{given}={endpoint}: the endpoint is offline: start it with `nimbus endpoint "
             f"start {endpoint}` on its machine, or run without {given} to run locally"
         )
