@@ -73,6 +73,26 @@ def test_start_methods() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_a_context_registered_where_the_stdlib_keeps_them_is_found() -> None:
+    """A library's own context (loky's), put in the stdlib's registry, is what
+    ``get_context`` gives, as under the stdlib; an unknown name is a ValueError."""
+    from multiprocessing import context as stdlib_context
+
+    class Library(stdlib_context.BaseContext):
+        _name = "library"
+
+    ctx = Library()
+    stdlib_context._concrete_contexts["library"] = ctx  # type: ignore[attr-defined]
+    try:
+        assert mp.get_context("library") is ctx
+        assert mp.get_context("spawn").get_context("library") is ctx
+    finally:
+        del stdlib_context._concrete_contexts["library"]  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="cannot find context for 'library'"):
+        mp.get_context("library")
+
+
+@pytest.mark.timeout(10)
 def test_cpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
     n = mp.cpu_count()
     assert isinstance(n, int) and n >= 1

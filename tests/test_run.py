@@ -746,6 +746,23 @@ def test_options_without_a_value_and_the_usage(tmp_path: Path) -> None:
     assert glued.returncode == 0 and glued.stdout == "['-c', 'a']\n", glued.stderr
 
 
+def test_help_to_a_reader_that_went_is_quiet(tmp_path: Path) -> None:
+    """Stranger 16 F9: `nimbus run --help | head -1` printed a BrokenPipeError traceback.
+    Here the reader has gone before the help is written: no output on stderr, status 0."""
+    full = _python("-m", "nimbus", "run", "--help", cwd=tmp_path)
+    assert full.returncode == 0 and full.stdout.startswith("usage: nimbus run ")
+    r, w = os.pipe()
+    os.close(r)  # every write to w fails with EPIPE
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "nimbus", "run", "--help"], cwd=tmp_path, env=ENV,
+            stdout=w, stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(w)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
 @pytest.mark.timeout(120)
 def test_nimbus_run_directory_with_main_runs_as_python_does(tmp_path: Path) -> None:
     """Stranger #7: `nimbus run app ARGS` with app/__main__.py runs it as `python app ARGS`:
@@ -866,6 +883,15 @@ def test_nimbus_run_endpoint_runs_on_a_real_endpoint(
     assert nosuch.returncode == 2 and not marker.exists(), nosuch.stderr
     assert nosuch.stderr.startswith("nimbus run: --endpoint=nosuch: "), nosuch.stderr
     assert "`nimbus endpoints list`" in nosuch.stderr and len(nosuch.stderr.splitlines()) == 1
+    alice.register_endpoint("asleep")  # registered, never started: offline
+    asleep = subprocess.run(  # stranger 16 F10: as an unknown endpoint, status 2
+        [sys.executable, "-m", "nimbus", "run", "--endpoint", "asleep", "-c",
+         f"open({str(marker)!r}, 'w')"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert asleep.returncode == 2 and not marker.exists(), asleep.stderr
+    assert "the endpoint is offline: start it with" in asleep.stderr, asleep.stderr
+    assert len(asleep.stderr.splitlines()) == 1
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert lines["sum"] == str(sum(i * i for i in range(8)))
     assert lines["process"] == "49 0 2"  # the endpoint's 2 workers

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NIMBUS_MODULES",
+    "ON_STDLIB",
     "STDLIB_MODULES",
     "install",
     "installed",
@@ -92,6 +93,11 @@ STDLIB_MODULES = (
     "spawn",
     "util",
 )
+
+# libraries built on the stdlib's internals (its queues' pipes, its SemLock), with their
+# own contexts and processes: they run on the stdlib's modules, as nimbus's own do (loky,
+# joblib's default backend and so scikit-learn's ``n_jobs``; its workers are its own)
+ON_STDLIB = ("joblib.externals.loky", "loky")
 
 NAME = "multiprocessing"
 PACKAGE = "nimbus.multiprocessing"
@@ -257,6 +263,8 @@ class _Finder:
     ) -> importlib.machinery.ModuleSpec | None:
         if _busy.active:
             return None
+        if _installed and _on_stdlib(fullname):
+            return self._on_stdlib_spec(fullname, path, target)
         if fullname == NAME and _installed:  # the program's first `import multiprocessing`
             _alias_first()
             return _given(fullname, sys.modules[NAME])
@@ -281,6 +289,26 @@ class _Finder:
                 spec.loader = _OnRealStdlib(spec.loader)  # type: ignore[assignment]
             return spec
         return None
+
+    def _on_stdlib_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None
+    ) -> importlib.machinery.ModuleSpec | None:
+        """The spec the other finders give, its module executed on the stdlib's modules."""
+        if NAME not in sys.modules:  # (else its `import multiprocessing` would be the first)
+            _alias_first()
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec: importlib.machinery.ModuleSpec | None = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _OnRealStdlib(spec.loader)  # type: ignore[assignment]
+                return spec
+        return None
+
+
+def _on_stdlib(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in ON_STDLIB)
 
 
 def _alias_first() -> None:

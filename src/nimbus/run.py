@@ -129,10 +129,7 @@ def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, str | None, lis
             module, rest = head[2:], rest[1:]
             break
         elif head in ("-h", "--help"):
-            print(USAGE)
-            print("\nRun a Python program with nimbus as its multiprocessing: its processes on warm workers.")  # fmt: skip
-            print(__doc__.split("::")[1].split("The program")[0].rstrip())
-            raise SystemExit(0)
+            _help()
         elif head == "--":
             rest = rest[1:]
             break
@@ -141,6 +138,22 @@ def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, str | None, lis
         else:
             break
     return endpoint, environment, module, rest, progress
+
+
+def _help() -> None:
+    """The help, on stdout; status 0, quietly also when the reader went early (``| head``)."""
+    about = (
+        "Run a Python program with nimbus as its multiprocessing: its processes on warm workers."
+    )
+    text = f"{USAGE}\n\n{about}\n{__doc__.split('::')[1].split('The program')[0].rstrip()}\n"
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # no second error when Python flushes at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    raise SystemExit(0)
 
 
 def _usage(message: str) -> None:
@@ -331,8 +344,8 @@ def _check_options(endpoint: str | None, environment: str | None) -> tuple[int, 
         listed = not isinstance(exc, NotFound) or "list" in str(exc)
         hint = "" if listed else "; `nimbus endpoints list` shows those you can use"
         return EXIT_USAGE, f"{given}={endpoint}: {exc}{hint}"
-    if not info.get("online", True):
-        return 1, (
+    if not info.get("online", True):  # as an unknown one: nothing done, 2 (the CLI's rule)
+        return EXIT_USAGE, (
             f"{given}={endpoint}: the endpoint is offline: start it with `nimbus endpoint "
             f"start {endpoint}` on its machine, or run without {given} to run locally"
         )

@@ -48,6 +48,7 @@ CASES = [
     pytest.param("scientific.py", ("emcee",), "emcee", id="emcee"),
     pytest.param("scientific.py", ("scipy",), "scipy", id="scipy-de"),
     pytest.param("scientific.py", ("sklearn",), "sklearn {'C'", id="sklearn-joblib"),
+    pytest.param("scientific.py", ("loky",), "loky joblib [0, 1, 8", id="sklearn-joblib-loky"),
     pytest.param("gym_async.py", (), "gym", id="gymnasium"),
     pytest.param("parmap_map.py", (), "parmap [6, 7", id="parmap"),
     pytest.param("pebble_pool.py", (), "timeout\nafter 0.01\ndone True", id="pebble"),
@@ -59,6 +60,7 @@ IMPORTS = {
     "emcee": "emcee",
     "scipy-de": "scipy",
     "sklearn-joblib": "sklearn",
+    "sklearn-joblib-loky": "sklearn",
     "gymnasium": "gymnasium",
     "parmap": "parmap",
     "pebble": "pebble",
@@ -83,3 +85,5 @@ def test_program_under_nimbus_run_equals_python(
     assert expected in stdout
     if program in ("futures_pool.py", "gym_async.py"):  # their processes were nimbus's
         assert "process class nimbus.multiprocessing.context" in stderr
+    if "loky" in args:  # the program's multiprocessing was nimbus's, loky's its own
+        assert "multiprocessing is nimbus.multiprocessing" in stderr

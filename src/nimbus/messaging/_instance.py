@@ -53,6 +53,7 @@ SHARED = 1.0  # seconds recv_next polls after it saw another thread reading the 
 BLOCK = 0.01  # seconds recv_next waits in one link's read (other threads' input waits as long)
 SPIN = 50e-6  # seconds recv_next reads without waiting first (``_spin``)
 SPIN_BACKOFF = 64  # after spins that found nothing, up to this many waits go without one
+BACKGROUND_STEP = 0.02  # seconds: the longest sleep of a background wait (``poll_tagged``)
 log = logging.getLogger("nimbus.messaging")
 _READ = select.POLLIN | select.POLLERR | select.POLLHUP
 _DONTWAIT = socket.MSG_DONTWAIT
@@ -270,22 +271,40 @@ class Instance(Sender):
                 return mail[0], decode(mail[0], mail[2], mail[3])
             now = time.monotonic()
 
-    def poll_tagged(self, source: str | None, tag: Any, timeout: float | None = 0.0) -> bool:
+    def poll_tagged(
+        self,
+        source: str | None,
+        tag: Any,
+        timeout: float | None = 0.0,
+        *,
+        background: bool = False,
+    ) -> bool:
         """Whether ``recv_with_source(source, tag=tag)`` would return or raise at once.
 
         True when a message with ``tag`` (from ``source``, or anyone) waits, or
         when ``source`` has ended. Reads the sockets even for a ``timeout`` of
         0; waits up to ``timeout`` seconds (None: forever). For a reader that
         waits on several things (``nimbus.multiprocessing.connection``).
+
+        ``background``: a helper thread's wait (``multiprocessing._forward``), which
+        must not delay the program's own reads: it reads what has come, and waits
+        outside the sockets (steps of up to BACKGROUND_STEP), never in a poll that
+        a reading thread would have to wait for.
         """
         if self._dirty:
             self._flush_dirty()
         deadline = None if timeout is None else time.monotonic() + timeout
         next_check = time.monotonic() + HEARTBEAT
         wait = 0.0
+        step = BACKGROUND_STEP / 16
         while True:
             seen = self._mailbox.arrivals
-            self._progress(wait, seen=seen)
+            if background and wait > 0.0:
+                time.sleep(min(wait, step))
+                step = min(step * 2, BACKGROUND_STEP)
+                self._progress(0.0, seen=seen)
+            else:
+                self._progress(wait, seen=seen)
             with self._mailbox.lock:
                 if self._mailbox.waiting(source, tag):
                     return True

@@ -11,7 +11,9 @@ Part of the handover (``_handover``'s docstring: *Give up*): a writer's direct
 messages reach the list before the ones it pushes after its "R", so each
 writer's order holds across the switch back. At exit a holder forwards until
 each switched writer sent "R", is gone, or has sent nothing for QUIET seconds
-(GRACE at most). Also the two helpers that read the direct messages of a lane
+(GRACE at most). Meanwhile it waits off the sockets (``poll_tagged(background=True)``):
+a forwarder waiting in them stalled the program's reads of its other Pipes by up to
+0.1 s a message. Also the two helpers that read the direct messages of a lane
 into per-writer queues, which the holder's reads use too.
 """
 
@@ -132,7 +134,9 @@ class Forwarder:
         next_look = started + 0.5
         try:
             while self.waiting:
-                ep.poll_tagged(None, self.tag, 0.1)
+                # the program's own reads go first: this waits off the sockets (a
+                # forwarder that waited in them stalled the program's other Pipes)
+                ep.poll_tagged(None, self.tag, 0.1, background=True)
                 self.step()
                 now = time.monotonic()
                 if now >= next_look:  # writers gone (killed, exited) send no "R"

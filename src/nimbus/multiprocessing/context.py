@@ -57,12 +57,19 @@ class NimbusContext(stdlib_context.BaseContext):
     def get_all_start_methods(self) -> list[str]:
         return list(START_METHODS)
 
-    def get_context(self, method: str | None = None) -> NimbusContext:
+    def get_context(self, method: str | None = None) -> Any:
         if method is None:
             return self
-        if method not in START_METHODS:
-            raise ValueError(f"cannot find context for {method!r}")
-        return _contexts[method]
+        if method in START_METHODS:
+            return _contexts[method]
+        # a library's own context, registered where the stdlib keeps them (loky's
+        # ``multiprocessing.context._concrete_contexts["loky"]``): the stdlib's answer
+        try:
+            ctx = stdlib_context._concrete_contexts[method]
+        except KeyError:
+            raise ValueError(f"cannot find context for {method!r}") from None
+        ctx._check_available()
+        return ctx
 
     def set_forkserver_preload(self, module_names: list[str]) -> None:
         """Modules the warm workers import once before they fork processes.
@@ -182,9 +189,9 @@ class DefaultContext(NimbusContext):
 
     def __init__(self) -> None:
         super().__init__("fork")
-        self._actual: NimbusContext | None = None
+        self._actual: stdlib_context.BaseContext | None = None
 
-    def get_context(self, method: str | None = None) -> NimbusContext:
+    def get_context(self, method: str | None = None) -> Any:
         if method is None:
             if self._actual is None:
                 self._actual = _contexts["fork"]
@@ -204,7 +211,8 @@ class DefaultContext(NimbusContext):
             if allow_none:
                 return None
             self._actual = _contexts["fork"]
-        return self._actual._name
+        name: str = self._actual._name
+        return name
 
 
 class ForkProcess(Process):

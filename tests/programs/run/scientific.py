@@ -1,5 +1,6 @@
-"""emcee with a multiprocessing Pool, scipy's differential_evolution(workers=2) and
-scikit-learn's GridSearchCV(n_jobs=2) on joblib's multiprocessing backend."""
+"""emcee with a multiprocessing Pool, scipy's differential_evolution(workers=2),
+scikit-learn's GridSearchCV(n_jobs=2) on joblib's multiprocessing backend, and
+joblib's default backend (loky): cross_val_score(n_jobs=2) and a Parallel(n_jobs=2)."""
 
 import multiprocessing
 import sys
@@ -47,5 +48,23 @@ def sklearn_run():
     print("sklearn", search.best_params_, round(search.best_score_, 8))
 
 
+def cube(x):
+    return x**3
+
+
+def loky_run():
+    from joblib import Parallel, delayed
+    from sklearn.datasets import load_iris
+    from sklearn.model_selection import cross_val_score
+    from sklearn.tree import DecisionTreeClassifier
+
+    print("multiprocessing is", multiprocessing.__name__, file=sys.stderr)
+    X, y = load_iris(return_X_y=True)
+    scores = cross_val_score(DecisionTreeClassifier(random_state=0), X, y, cv=3, n_jobs=2)
+    print("loky sklearn", np.round(scores, 8).tolist())
+    print("loky joblib", Parallel(n_jobs=2)(delayed(cube)(i) for i in range(6)))
+
+
 if __name__ == "__main__":
-    {"emcee": emcee_run, "scipy": scipy_run, "sklearn": sklearn_run}[sys.argv[1]]()
+    runs = {"emcee": emcee_run, "scipy": scipy_run, "sklearn": sklearn_run, "loky": loky_run}
+    runs[sys.argv[1]]()
