@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copyreg
 import functools
-import hashlib
 import io
 import os
 import pickle
@@ -219,6 +218,8 @@ def _sent_once(cloud: type[pickle.Pickler], fn: types.FunctionType) -> tuple[Any
         carried = _Globals(fn, ())
     except Exception:
         return None
+    import hashlib
+
     out = io.BytesIO()
     one = cloud(out, protocol=PROTOCOL)
     one.whole = fn  # type: ignore[attr-defined]
