@@ -17,7 +17,13 @@ share one namespace in the receiving process, as the functions of a module do:
 - the globals the function carries go into that namespace unless the receiver
   rebound the name since the sender last set it: a child's own writes (the
   initializer's ``G``) stay, a value the sender rebinds (a notebook's new
-  cell) arrives, and one program never sees another's names.
+  cell) arrives, and one program never sees another's names;
+- a child that imported the program's main module itself (a guarded script,
+  imported as spawn does, without its guarded block) adopts it (:func:`adopt`): the
+  first other ``__main__``'s namespace there is that module, whose names as
+  imported count as the sender's (so what the guarded block set, carried with
+  a function, replaces them), and the child's own functions share it, as a
+  forked child's do.
 """
 
 from __future__ import annotations
@@ -29,10 +35,10 @@ import sys
 import threading
 import types
 import uuid
-from collections import OrderedDict
+from collections import ChainMap, OrderedDict
 from typing import Any
 
-__all__ = ["NAMESPACES", "dumps", "pickler"]
+__all__ = ["CACHED", "NAMESPACES", "adopt", "dumps", "load_sent", "pickler"]
 
 NAMESPACES = 16  # namespaces of other processes' mains kept (the least recently used go)
 _ABSENT = object()
@@ -54,6 +60,15 @@ _keys: dict[int, str] = {}  # id(namespace) -> key
 # one key per __main__ when two threads pickle its functions at once, and no eviction
 # while another thread reorders (no finalizer nor signal handler comes here)
 _lock = threading.Lock()
+_adopted: dict[str, Any] | None = None  # this process's imported main (see adopt)
+
+
+def adopt(namespace: dict[str, Any]) -> None:
+    """In a child that imported the program's main module: ``namespace`` (that module's)
+    is the namespace of the first other ``__main__`` whose functions arrive here."""
+    global _adopted
+    with _lock:
+        _adopted = namespace
 
 
 def _unlock_in_child() -> None:
@@ -93,9 +108,15 @@ def _space(key: str, base: dict[str, Any]) -> _Space:
         if space is not None and space.own in (None, os.getpid()):
             _spaces.move_to_end(key)
             return space
-        namespace = dict(base)
-        namespace.setdefault("__builtins__", __builtins__)
-        space = _spaces[key] = _Space(namespace, None)
+        global _adopted
+        if _adopted is not None and id(_adopted) not in _keys:
+            namespace, _adopted = _adopted, None
+            space = _spaces[key] = _Space(namespace, None)
+            space.sent = dict(namespace)  # as imported: the sender's (a fork's copy of them)
+        else:
+            namespace = dict(base)
+            namespace.setdefault("__builtins__", __builtins__)
+            space = _spaces[key] = _Space(namespace, None)
         _keys[id(namespace)] = key
         others = [k for k, s in _spaces.items() if s.own is None]
         for old in others[: max(0, len(others) - NAMESPACES)]:
@@ -120,6 +141,14 @@ def _setstate(fn: types.FunctionType, state: tuple[dict[str, Any], dict[str, Any
     cp._function_setstate(fn, (own, slots))
     if builtins is not _ABSENT:
         namespace["__builtins__"] = builtins  # (cloudpickle's would replace a module's)
+    _merge(namespace, carried)
+    loading = getattr(_loading, "merged", None)
+    if loading is not None:
+        loading.append((namespace, carried))
+
+
+def _merge(namespace: dict[str, Any], carried: dict[str, Any]) -> None:
+    """The globals a function carried, into its namespace (see the module)."""
     key = _keys.get(id(namespace))
     space = _spaces.get(key) if key is not None else None
     sent = space.sent if space is not None else {}
@@ -128,6 +157,50 @@ def _setstate(fn: types.FunctionType, state: tuple[dict[str, Any], dict[str, Any
         if current is _ABSENT or current is sent.get(name, _ABSENT):
             namespace[name] = value
             sent[name] = value
+
+
+# A function of a __main__ is pickled once while the globals it reads are unchanged
+# (``serialization``: a Pool's tasks, each with the function, cost what a reference
+# does) as ``load_sent(digest, pickle)``, and unpickled once per pickle in a receiver,
+# whose cached copy merges the globals it carried again at each use, as a new copy would.
+CACHED = 256  # functions kept on each side (the least recently used go)
+_received: OrderedDict[bytes, tuple[types.FunctionType, list[tuple[dict, dict]]]] = OrderedDict()
+_loading = threading.local()  # the (namespace, globals) merged while one is unpickled
+
+
+def load_sent(digest: bytes, data: bytes) -> types.FunctionType:
+    """The function ``data`` holds: unpickled once here, its globals merged at each use."""
+    entry = _received.get(digest)
+    if entry is not None:
+        for namespace, carried in entry[1]:
+            _merge(namespace, carried)
+        return entry[0]
+    outer = getattr(_loading, "merged", None)
+    merged: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    _loading.merged = merged
+    try:
+        fn: types.FunctionType = pickle.loads(data)
+    finally:
+        _loading.merged = outer
+    with _lock:
+        _received[digest] = (fn, merged)
+        while len(_received) > CACHED:
+            _received.popitem(last=False)
+    return fn
+
+
+def _code_reduce(code: types.CodeType) -> tuple[Any, ...]:
+    """cloudpickle's, keeping the code's file name (its ``<dynamic-code>`` instead would
+    leave a child's traceback without the script's file and source lines)."""
+    from cloudpickle import cloudpickle as cp
+
+    make, args = cp._code_reduce(code)
+    args = list(args)
+    for i, arg in enumerate(args[:-1]):
+        if arg == "<dynamic-code>" and args[i + 1] == code.co_name:
+            args[i] = code.co_filename
+            break
+    return make, tuple(args)
 
 
 _pickler: type[pickle.Pickler] | None = None
@@ -140,6 +213,10 @@ def pickler() -> type[pickle.Pickler]:
         import cloudpickle
 
         class CloudPickler(cloudpickle.Pickler):
+            dispatch_table = ChainMap(
+                {types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table
+            )
+
             def _dynamic_function_reduce(self, func: types.FunctionType) -> tuple[Any, ...]:
                 reduced: tuple[Any, ...] = super()._dynamic_function_reduce(func)
                 key = _key_of(func.__globals__)

@@ -25,7 +25,7 @@ import pickle
 import sys
 import threading
 import types
-from collections import ChainMap
+from collections import ChainMap, OrderedDict
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, Protocol
 
@@ -37,6 +37,7 @@ __all__ = [
     "FunctionCache",
     "PickleSerializer",
     "Serializer",
+    "adopt_main",
     "describe",
     "dumps",
     "dumps_exception",
@@ -151,29 +152,129 @@ def _find_culprit(obj: object, depth: int = 0) -> object:
 
 
 Reducers = MutableMapping[Any, Any]
-_picklers: dict[int, tuple[type[pickle.Pickler], type[pickle.Pickler]]] = {}
+_picklers: dict[int, tuple[type[pickle.Pickler], type[pickle.Pickler], type[pickle.Pickler]]] = {}
+_NO_REDUCERS: Reducers = {}
 
 
-def _picklers_for(reducers: Reducers) -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
-    """Plain and cloudpickle picklers that also use ``reducers`` (a live mapping)."""
-    import cloudpickle
+class _ToCloud(Exception):
+    """Raised by :class:`_MainAware` at a class or function of ``__main__`` it leaves to
+    cloudpickle (sent by value)."""
 
+
+class _SendsOnce:
+    """A pickler sending each function of a ``__main__`` as its pickle made once while the
+    globals it reads are unchanged (:func:`_sent_once`)."""
+
+    cloud: type[pickle.Pickler]  # the cloudpickle pickler that makes that pickle
+    sent = False  # a function went so
+    whole: object = None  # the function being pickled for that (not as its own pickle)
+
+    def _send_once(self, fn: types.FunctionType) -> tuple[Any, ...] | None:
+        if fn is self.whole:
+            return None
+        reduced = _sent_once(self.cloud, fn)
+        if reduced is not None:
+            self.sent = True
+        return reduced
+
+
+class _MainAware(_SendsOnce, pickle.Pickler):
+    """The plain pickler, for ``__main__`` by value: a function of ``__main__`` goes as its
+    pickle made once (a Pool's tasks each carrying it pickle plainly); another class or
+    function of ``__main__`` stops it, for cloudpickle to pickle all."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is types.FunctionType:
+            if obj.__module__ != "__main__":
+                return NotImplemented
+            reduced = self._send_once(obj)
+            if reduced is None:
+                raise _ToCloud
+            return reduced
+        if isinstance(obj, type) and obj.__module__ == "__main__":
+            raise _ToCloud
+        return NotImplemented
+
+
+_sent: OrderedDict[int, tuple[types.FunctionType, tuple[Any, ...], _Globals | None]] = OrderedDict()
+
+
+def _sent_once(cloud: type[pickle.Pickler], fn: types.FunctionType) -> tuple[Any, ...] | None:
+    """What ``fn`` reduces to: ``_mainspace.load_sent`` of its pickle made once (by
+    ``cloud``) while the globals it reads are unchanged (:class:`_Globals`), or None: to
+    be pickled in place (a closure, globals plain pickle cannot take, no ``__main__``'s)."""
     from nimbus import _mainspace
 
-    pair = _picklers.get(id(reducers))
-    if pair is None:
-        plain = type(
-            "Pickler",
-            (pickle.Pickler,),
-            {"dispatch_table": ChainMap(reducers, copyreg.dispatch_table)},
-        )
+    entry = _sent.get(id(fn))
+    if entry is not None and entry[0] is fn:
+        try:
+            if entry[2] is None or entry[2].current():
+                return entry[1]
+        except Exception:
+            return None
+    if fn.__closure__ is not None or _mainspace._key_of(fn.__globals__) is None:
+        return None
+    try:
+        carried = _Globals(fn, ())
+    except Exception:
+        return None
+    import hashlib
+
+    out = io.BytesIO()
+    one = cloud(out, protocol=PROTOCOL)
+    one.whole = fn  # type: ignore[attr-defined]
+    one.dump(fn)
+    data = out.getvalue()
+    reduced = (_mainspace.load_sent, (hashlib.blake2b(data, digest_size=16).digest(), data))
+    with _lock:
+        _sent[id(fn)] = (fn, reduced, carried if carried.bound or carried.pickled else None)
+        while len(_sent) > _mainspace.CACHED:
+            _sent.popitem(last=False)
+    return reduced
+
+
+def adopt_main(namespace: dict[str, Any]) -> None:
+    """In a child that imported the program's main module (as spawn does): the functions
+    of its parent's ``__main__`` sent by value get ``namespace`` (that module's) as their
+    globals, with what they carry in it (``_mainspace.adopt``)."""
+    from nimbus import _mainspace
+
+    _mainspace.adopt(namespace)
+
+
+def _cloud_reducer_override(self: Any, obj: Any) -> Any:
+    """cloudpickle's, a function of ``__main__`` sent as its pickle made once."""
+    if type(obj) is types.FunctionType and obj.__module__ == "__main__":
+        reduced = self._send_once(obj)
+        if reduced is not None:
+            return reduced
+    return super(_SendsOnce, self).reducer_override(obj)
+
+
+def _picklers_for(
+    reducers: Reducers,
+) -> tuple[type[pickle.Pickler], type[pickle.Pickler], type[pickle.Pickler]]:
+    """Plain, main-aware plain and cloudpickle picklers that also use ``reducers`` (a
+    live mapping)."""
+    from nimbus import _mainspace
+
+    found = _picklers.get(id(reducers))
+    if found is None:
+        cloud_table: ChainMap[Any, Any] = _mainspace.pickler().dispatch_table  # type: ignore[assignment]
+        table = ChainMap(reducers, copyreg.dispatch_table)
+        plain = type("Pickler", (pickle.Pickler,), {"dispatch_table": table})
         cloud = type(
             "CloudPickler",
-            (_mainspace.pickler(),),
-            {"dispatch_table": ChainMap(reducers, cloudpickle.Pickler.dispatch_table)},
+            (_SendsOnce, _mainspace.pickler()),
+            {
+                "dispatch_table": ChainMap(reducers, *cloud_table.maps),
+                "reducer_override": _cloud_reducer_override,
+            },
         )
-        pair = _picklers[id(reducers)] = (plain, cloud)
-    return pair
+        cloud.cloud = cloud  # type: ignore[attr-defined]
+        aware = type("Pickler", (_MainAware,), {"dispatch_table": table, "cloud": cloud})
+        found = _picklers[id(reducers)] = (plain, aware, cloud)
+    return found
 
 
 def _dump_with(
@@ -198,24 +299,25 @@ def dumps(
     """
     buffers: list[pickle.PickleBuffer] = []
     wrapped = _wrap_top(obj)
-    plain, cloud = _picklers_for(reducers) if reducers is not None else (None, None)
     try:
-        if plain is None:
-            data = pickle.dumps(wrapped, protocol=PROTOCOL, buffer_callback=buffers.append)
+        if main_by_value:
+            _plain, aware, _cloud = _picklers_for(_NO_REDUCERS if reducers is None else reducers)
+            out = io.BytesIO()
+            pickler = aware(out, protocol=PROTOCOL, buffer_callback=buffers.append)
+            pickler.dump(wrapped)
+            data = out.getvalue()
+            if pickler.sent or b"__main__" not in data:  # type: ignore[attr-defined]
+                return data, buffers
+        elif reducers is None:
+            return pickle.dumps(wrapped, protocol=PROTOCOL, buffer_callback=buffers.append), buffers
         else:
-            data = _dump_with(plain, wrapped, buffers)
-        if not main_by_value or b"__main__" not in data:
-            return data, buffers
+            return _dump_with(_picklers_for(reducers)[0], wrapped, buffers), buffers
     except Exception:
         pass
-    from nimbus import _mainspace
-
+    cloud = _picklers_for(_NO_REDUCERS if reducers is None else reducers)[2]
     buffers = []
     try:
-        if cloud is None:
-            data = _mainspace.dumps(wrapped, protocol=PROTOCOL, buffer_callback=buffers.append)
-        else:
-            data = _dump_with(cloud, wrapped, buffers)
+        data = _dump_with(cloud, wrapped, buffers)
     except Exception as exc:
         culprit = _find_culprit(obj)
         raise SerializationError(

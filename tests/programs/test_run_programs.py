@@ -52,6 +52,12 @@ CASES = [
     pytest.param("gym_async.py", (), "gym", id="gymnasium"),
     pytest.param("parmap_map.py", (), "parmap [6, 7", id="parmap"),
     pytest.param("pebble_pool.py", (), "timeout\nafter 0.01\ndone True", id="pebble"),
+    # stranger 16 F1: what the __main__ guard set up, as a forked child sees it
+    pytest.param("guarded_state.py", ("processes",), "executor 49 [4, 8]", id="guard-process"),
+    pytest.param(
+        "guarded_state.py", ("pool",), "again [0, 5, 10] [100, 101, 102]", id="guard-pool"
+    ),
+    pytest.param("guarded_state.py", ("emcee",), "emcee", id="guard-emcee"),
 ]
 IMPORTS = {
     "tqdm": "tqdm",
@@ -64,6 +70,7 @@ IMPORTS = {
     "gymnasium": "gymnasium",
     "parmap": "parmap",
     "pebble": "pebble",
+    "guard-emcee": "emcee",
 }
 
 

@@ -71,6 +71,8 @@ def become_main() -> None:
         for scope in [vars(main), *scopes.values()]:
             if scope.get("__name__") == "__mp_main__":
                 scope["__name__"] = "__main__"
+        # its functions sent by value (``_site.main_sent_by_value``) bring their globals here
+        serialization.adopt_main(vars(main))
     original = _original() if _original is not None else None
     if main is None or original is None or main is original:
         return

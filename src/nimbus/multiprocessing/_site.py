@@ -60,6 +60,7 @@ __all__ = [
     "is_root",
     "main_by_value",
     "main_guarded",
+    "main_sent_by_value",
     "on_shared_endpoint",
     "open_program",
     "program",
@@ -326,6 +327,17 @@ def main_by_value() -> bool:
     return _install.installed() and not _guarded(path)
 
 
+def main_sent_by_value() -> bool:
+    """Whether the functions and classes of ``__main__`` go to children by value, with the
+    globals they read: when they cannot import it (:func:`main_by_value`), and under
+    ``nimbus run`` (or ``install()``) for a guarded main too, whose workers import it
+    without its guarded block: what that block set up (a global, a function defined
+    there) reaches the children as a forked child has it (``_mainspace``)."""
+    from nimbus import _install
+
+    return main_by_value() or _install.installed()
+
+
 @functools.cache
 def main_guarded() -> bool:
     """Whether the main module is a file with an ``if __name__ == "__main__":`` block at
@@ -364,7 +376,7 @@ def dumps(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
         return serialization.dumps(
             obj,
             reducers=ForkingPickler._extra_reducers,
-            main_by_value=main_by_value() or (prog is not None and prog.remote),
+            main_by_value=main_sent_by_value() or (prog is not None and prog.remote),
         )
     except SerializationError as exc:
         # SerializationError is a TypeError and a PicklingError, what the stdlib
