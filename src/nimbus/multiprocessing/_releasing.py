@@ -37,11 +37,6 @@ _first = [itertools.count()]  # next() is atomic: the caller that draws 0 starts
 def later(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
     """Run ``fn(*args)`` on the releasing thread, soon (``fn`` must not raise)."""
     _queued.append((fn, args))
-    if util.is_exiting() and not _wake:
-        # the exit finalizers run it (``run_queued``); no thread, nor a pipe, made now: the
-        # files closed at exit (atexit runs before them) would give it their numbers, which
-        # a closed object may still read
-        return
     wake = _wake
     if not wake:
         if next(_first[0]):  # another call is starting the thread: it runs this first
