@@ -8,7 +8,6 @@ import multiprocessing
 import os
 import pickle
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -18,7 +17,6 @@ import pytest
 
 from nimbus.errors import StateStoreError
 from nimbus.multiprocessing import connection
-from nimbus.multiprocessing._payload import EOS
 from nimbus.multiprocessing.connection import BufferTooShort, Pipe, wait
 from nimbus.statestore import EmbeddedRedis, Keys, Link, Program, link, program
 
@@ -211,56 +209,6 @@ def test_an_end_collected_mid_link_call_is_released_by_another_thread() -> None:
     with pytest.raises(EOFError):  # b's only copy was released: end-of-stream
         a.recv()
     assert store.command("PING") == b"PONG"  # the link is in step
-
-
-_COLLECTED_AT_EXIT = """
-import gc, sys
-from multiprocessing import util
-from nimbus.multiprocessing.connection import Pipe
-from nimbus.statestore import Keys, Link, Program, link
-
-prog = Program(sys.argv[1], Keys.program_id_new(), 30.0)
-a, b = Pipe(prog=prog)
-print(b._read_key, flush=True)  # where a's release at its last copy puts end-of-stream
-a.cycle = a  # only the cyclic GC frees it
-del a
-gc.disable()
-fired = []
-
-def collect_in_first_read(frame, event, arg):
-    if event == "call" and frame.f_code is Link.read.__code__ and not fired:
-        fired.append(gc.collect())  # a's finalizer runs here, at exit
-
-def at_exit():  # an exit finalizer's own store call, during which the collector runs
-    sys.settrace(collect_in_first_read)
-    try:
-        replies = link(prog).call(("ECHO", "one"), ("ECHO", "two"))
-    finally:
-        sys.settrace(None)
-    print(fired[0] > 0, replies, flush=True)
-
-util.Finalize(None, at_exit, exitpriority=20)  # runs first at exit, util.is_exiting()
-"""
-
-
-def test_an_end_collected_at_exit_mid_link_call_is_released_later(store_url: str) -> None:
-    """At exit too a collected end's release is queued, not made on the link of the
-    thread the collector interrupted (here an exit finalizer's own call, whose replies
-    it would have read); it is still made before the process ends."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run(
-        [sys.executable, "-c", _COLLECTED_AT_EXIT, store_url],
-        capture_output=True,
-        text=True,
-        timeout=20,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr
-    key, *said = out.stdout.splitlines()
-    assert said == ["True [b'one', b'two']"], out.stderr  # its replies, not the release's
-    client = program().client()
-    assert EOS in client.lrange(key, 0, -1)  # a's release, made at exit
-    client.delete(key)
 
 
 def test_wait_on_connections() -> None:

@@ -11,8 +11,7 @@ replies would interleave with that call's) or hold a lock the finalizer would
 take. So a finalizer that talks to the store only queues its work here: a
 deque's append is atomic, the thread is started without ``Thread.start`` (it
 takes locks) and woken through a pipe of its own. What is still queued at exit
-runs then (in the main thread, by exit finalizers, not by the collector), after
-the one under way; a forked child forgets its parent's queue.
+runs then, after the one under way; a forked child forgets its parent's queue.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ def later(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
         os.set_blocking(w, False)
         wake += (w, r)
         _thread.start_new_thread(_run, (r,))
+        util.Finalize(None, run_queued, exitpriority=10)
         return
     try:
         os.write(wake[0], b"x")
@@ -96,8 +96,3 @@ def _forget() -> None:
 
 
 os.register_at_fork(after_in_child=_forget)
-# At exit: after the finalizers of the connections left open (10), which queue their
-# releases, and before the process's message instance closes (5); and again after its
-# children are joined (the site, -50), before its store's program closes (-100).
-util.Finalize(None, run_queued, exitpriority=9)
-util.Finalize(None, run_queued, exitpriority=-60)

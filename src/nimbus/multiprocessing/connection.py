@@ -528,12 +528,15 @@ def _release(
 def _release_quietly(*args: Any) -> None:
     """The finalizer of a copy collected or left open at exit: never raises.
 
-    It queues the release for the releasing thread (``_releasing``, which runs
-    what is left at exit): the garbage collector runs finalizers in whichever
-    thread allocates, at exit too, which may be in the middle of its own call on
+    At exit it releases now. Collected, it queues the release for the
+    releasing thread (``_releasing``): the garbage collector runs finalizers in
+    whichever thread allocates, which may be in the middle of its own call on
     its link or hold the lane reader's lock.
     """
-    _releasing.later(_release_now, args)
+    if util.is_exiting():
+        _release_now(*args)
+    else:
+        _releasing.later(_release_now, args)
 
 
 def _release_now(*args: Any) -> None:
