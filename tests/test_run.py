@@ -1229,3 +1229,47 @@ def test_what_a_killed_program_left_is_removed_when_the_next_starts(tmp_path: Pa
         assert not [p for p in shm if p.exists()]
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+LARGE_GLOBAL_PROGRAM = """
+    import multiprocessing as mp
+    from nimbus.multiprocessing._site import dumps
+
+    DATA = list(range(100_000))  # its pickle: ~370 KB
+    CONF = {"k": 1}
+
+    def look(i):
+        return DATA[i] * CONF["k"]
+
+    def scaled(i):
+        return i * CONF["k"]
+
+    if __name__ == "__main__":
+        CONF["k"] = 2
+        def square(x):
+            return x * x
+        for fn in (look, scaled, square):
+            print(fn.__name__, len(dumps(fn)[0]) > 100_000)
+        with mp.Pool(2) as pool:
+            print(pool.map(scaled, [1, 2]), pool.map(square, [3]), pool.map(look, [5]))
+"""
+
+
+def test_a_main_function_reading_a_large_global_goes_by_name_where_workers_import_it(
+    tmp_path: Path,
+) -> None:
+    """A guarded main's functions travel by value with the globals they read, so what the
+    guard set up reaches the children (``scaled`` sees k = 2, ``square`` is defined
+    there); but one whose pickle with its globals is over LARGE_MAIN, defined at the
+    top level, goes by name, as spawn sends it: carried in every task, a 370 KB global
+    made a Pool.map of 500 small tasks 100x slower (its workers imported it: DATA is
+    theirs, and CONF as imported)."""
+    prog = _script(tmp_path, LARGE_GLOBAL_PROGRAM)
+    done = subprocess.run(
+        [sys.executable, "-m", "nimbus", "run", str(prog)], cwd=tmp_path, env=ENV,
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "look False", "scaled False", "square False", "[2, 4] [9] [5]"
+    ], done.stdout  # fmt: skip

@@ -167,13 +167,15 @@ class _SendsOnce:
 
     cloud: type[pickle.Pickler]  # the cloudpickle pickler that makes that pickle
     sent = False  # a function went so
+    named = False  # a function went by reference (a large one its worker imports)
+    imported = False  # the receiver imported the main module (a local guarded main's)
     whole: object = None  # the function being pickled for that (not as its own pickle)
 
     def _send_once(self, fn: types.FunctionType) -> tuple[Any, ...] | None:
         if fn is self.whole:
             return None
-        reduced = _sent_once(self.cloud, fn)
-        if reduced is not None:
+        reduced = _sent_once(self.cloud, fn, self.imported)
+        if reduced is not None and reduced is not _BY_NAME:
             self.sent = True
         return reduced
 
@@ -190,6 +192,9 @@ class _MainAware(_SendsOnce, pickle.Pickler):
             reduced = self._send_once(obj)
             if reduced is None:
                 raise _ToCloud
+            if reduced is _BY_NAME:
+                self.named = True
+                return NotImplemented  # by reference: its worker imported it
             return reduced
         if isinstance(obj, type) and obj.__module__ == "__main__":
             raise _ToCloud
@@ -199,14 +204,19 @@ class _MainAware(_SendsOnce, pickle.Pickler):
 _sent: OrderedDict[int, tuple[types.FunctionType, tuple[Any, ...], _Globals | None]] = OrderedDict()
 
 
-def _sent_once(cloud: type[pickle.Pickler], fn: types.FunctionType) -> tuple[Any, ...] | None:
+def _sent_once(
+    cloud: type[pickle.Pickler], fn: types.FunctionType, imported: bool = False
+) -> tuple[Any, ...] | None:
     """What ``fn`` reduces to: ``_mainspace.load_sent`` of its pickle made once (by
     ``cloud``) while the globals it reads are unchanged (:class:`_Globals`), or None: to
     be pickled in place (a closure, globals plain pickle cannot take, no ``__main__``'s)."""
     from nimbus import _mainspace
 
     entry = _sent.get(id(fn))
-    if entry is not None and entry[0] is fn:
+    if entry is not None and entry[0] is fn and entry[1] is _BY_NAME:
+        if imported:
+            return _BY_NAME
+    elif entry is not None and entry[0] is fn:
         try:
             if entry[2] is None or entry[2].current():
                 return entry[1]
@@ -226,11 +236,45 @@ def _sent_once(cloud: type[pickle.Pickler], fn: types.FunctionType) -> tuple[Any
     one.dump(fn)
     data = out.getvalue()
     reduced = (_mainspace.load_sent, (hashlib.blake2b(data, digest_size=16).digest(), data))
+    if len(data) > LARGE_MAIN and _importable(fn):
+        with _lock:  # for good: checking its globals again would pickle them each time
+            _sent[id(fn)] = (fn, _BY_NAME, None)
+        return _BY_NAME if imported else reduced  # (to an endpoint: by value each time)
     with _lock:
         _sent[id(fn)] = (fn, reduced, carried if carried.bound or carried.pickled else None)
         while len(_sent) > _mainspace.CACHED:
             _sent.popitem(last=False)
     return reduced
+
+
+LARGE_MAIN = 64 << 10  # a function of a guarded main whose pickle, globals it reads
+# included, is larger goes by reference when its workers import it (as spawn sends it):
+# carried in every task, a 370 KB global made Pool.map of 500 tasks 100x slower
+_BY_NAME: tuple[Any, ...] = ()  # what _sent_once says for those
+
+
+def _importable(fn: types.FunctionType) -> bool:
+    """Whether ``fn`` is a function of ``__main__`` that a worker importing the main module
+    finds under its name: defined at its top level (not under its guard, nor in a function:
+    the source's top-level definitions are looked up, a guarded block's are not)."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(main, fn.__name__, None) is not fn or "<" in fn.__qualname__:
+        return False
+    return fn.__name__ in _top_level_defs(getattr(main, "__file__", None))
+
+
+@functools.cache
+def _top_level_defs(path: str | None) -> frozenset[str]:
+    """The names a module's source defines with ``def`` at its top level (not in an ``if``)."""
+    import ast
+
+    try:
+        with open(path or "", "rb") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return frozenset()
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    return frozenset(node.name for node in tree.body if isinstance(node, defs))
 
 
 def adopt_main(namespace: dict[str, Any]) -> None:
@@ -246,7 +290,7 @@ def _cloud_reducer_override(self: Any, obj: Any) -> Any:
     """cloudpickle's, a function of ``__main__`` sent as its pickle made once."""
     if type(obj) is types.FunctionType and obj.__module__ == "__main__":
         reduced = self._send_once(obj)
-        if reduced is not None:
+        if reduced is not None and reduced is not _BY_NAME:
             return reduced
     return super(_SendsOnce, self).reducer_override(obj)
 
@@ -286,7 +330,11 @@ def _dump_with(
 
 
 def dumps(
-    obj: object, *, reducers: Reducers | None = None, main_by_value: bool = True
+    obj: object,
+    *,
+    reducers: Reducers | None = None,
+    main_by_value: bool = True,
+    main_imported: bool = False,
 ) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle ``obj``; large buffers are returned apart, not copied.
 
@@ -294,7 +342,10 @@ def dumps(
     (for example ``multiprocessing.reduction.ForkingPickler._extra_reducers``,
     which hands file descriptors of connections to another process). With
     ``main_by_value=False``, functions and classes of ``__main__`` are pickled
-    by reference, for a receiver that imports the same main module.
+    by reference, for a receiver that imports the same main module; with
+    ``main_imported`` too (the receiver imported it, as a local guarded main's
+    workers do), a function of it whose pickle with the globals it reads is over
+    ``LARGE_MAIN`` goes by reference.
     Raises :class:`SerializationError` naming the part that cannot be pickled.
     """
     buffers: list[pickle.PickleBuffer] = []
@@ -304,9 +355,10 @@ def dumps(
             _plain, aware, _cloud = _picklers_for(_NO_REDUCERS if reducers is None else reducers)
             out = io.BytesIO()
             pickler = aware(out, protocol=PROTOCOL, buffer_callback=buffers.append)
+            pickler.imported = main_imported  # type: ignore[attr-defined]
             pickler.dump(wrapped)
             data = out.getvalue()
-            if pickler.sent or b"__main__" not in data:  # type: ignore[attr-defined]
+            if pickler.sent or pickler.named or b"__main__" not in data:  # type: ignore[attr-defined]
                 return data, buffers
         elif reducers is None:
             return pickle.dumps(wrapped, protocol=PROTOCOL, buffer_callback=buffers.append), buffers

@@ -377,6 +377,7 @@ def dumps(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
             obj,
             reducers=ForkingPickler._extra_reducers,
             main_by_value=main_sent_by_value() or (prog is not None and prog.remote),
+            main_imported=not main_by_value() and not (prog is not None and prog.remote),
         )
     except SerializationError as exc:
         # SerializationError is a TypeError and a PicklingError, what the stdlib
