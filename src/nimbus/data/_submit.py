@@ -406,8 +406,14 @@ class DataPath:
         (its node left before the task's fetched it), stage the file again from its
         endpoint and send the task again (``RESTAGE`` times per task at most); whether
         it does."""
-        if self._restage(future, error) or self._rebind(future, error):
-            return True
+        return (
+            self._restage(future, error)
+            or self._rebind(future, error)
+            or self._rerun(future, error)
+        )
+
+    def _rerun(self, future: Future, error: ReferenceLost) -> bool:
+        """The pure task that made the lost reference run again, then ``future``'s (once)."""
         producer = self._producers.get(error.ref_id)
         resend = getattr(future, "_resend", None)
         if producer is None or resend is None or getattr(future, "_recovered", False):
@@ -444,7 +450,7 @@ class DataPath:
         def again(input: cf.Future[Any]) -> None:
             if _done_well(input) and made[0].ref().holder is not None:
                 self.deferred(resend, future)
-            else:  # (held on no server: lost indeed)
+            elif not self._rerun(future, error):  # (held on no server: lost indeed)
                 fail(future, error)
 
         made[0].add_done_callback(again)
