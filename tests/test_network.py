@@ -1224,16 +1224,23 @@ def sockets(service: Any, alice: Any) -> Iterator[Any]:
     """Alice's endpoint "sockets": a real agent whose workers have no network context of
     their own (net_accounting=socket: what auto is without root), so no cgroup for a
     task's own limits."""
+    endpoint = _endpoint_counting(service, alice, "sockets", "socket")
+    yield endpoint
+    endpoint.stop()
+
+
+def _endpoint_counting(service: Any, alice: Any, name: str, accounting: str) -> Any:
+    """Alice's endpoint ``name``, its agent started with ``net_accounting=accounting``
+    (the agent's environment, read at its start)."""
     from service_support import EndpointProcess
 
-    endpoint = EndpointProcess(service, alice, "sockets")
-    service.env["NIMBUS_NET_ACCOUNTING"] = "socket"  # (the agent's environment, at its start)
+    endpoint = EndpointProcess(service, alice, name)
+    service.env["NIMBUS_NET_ACCOUNTING"] = accounting
     try:
         endpoint.start(alice)
     finally:
         del service.env["NIMBUS_NET_ACCOUNTING"]
-    yield endpoint
-    endpoint.stop()
+    return endpoint
 
 
 def test_netbench_sizes_on_workers_without_namespaces_is_refused_before_any_sweep(
@@ -1450,16 +1457,9 @@ def test_grid_tasks_start_when_all_have_arrived_not_by_a_clock() -> None:
 def sized(service: Any, alice: Any) -> Iterator[Any]:
     """Alice's endpoint "sized": a real agent whose workers have namespaces (and so
     cgroups for a task's memory and CPU limits)."""
-    from service_support import EndpointProcess
-
     if not ROOT:
         pytest.skip("needs root and ip, tc, iptables, curl (namespaces, veths, cgroups)")
-    endpoint = EndpointProcess(service, alice, "sized")
-    service.env["NIMBUS_NET_ACCOUNTING"] = "netns"  # (the agent's environment, at its start)
-    try:
-        endpoint.start(alice)
-    finally:
-        del service.env["NIMBUS_NET_ACCOUNTING"]
+    endpoint = _endpoint_counting(service, alice, "sized", "netns")
     yield endpoint
     endpoint.stop()
 
