@@ -369,15 +369,22 @@ def dumps(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
     handed over) and ``__main__`` by reference (children import the main
     module as the stdlib's spawn does), unless the main module cannot be
     imported (``python -c``, an interactive session) or the program runs on a
-    remote endpoint (which may not have the script): then by value.
+    remote endpoint (which may not have the script): then by value; under
+    ``nimbus run`` a guarded main's functions by value too, with the globals
+    they read (:func:`main_sent_by_value`), but for large ones its local
+    children imported (``serialization.LARGE_MAIN``).
     """
+    from nimbus import _install
+
     prog = current()
+    remote = prog is not None and prog.remote
+    unimportable = main_by_value()  # (a file looked at: once a pickle)
     try:
         return serialization.dumps(
             obj,
             reducers=ForkingPickler._extra_reducers,
-            main_by_value=main_sent_by_value() or (prog is not None and prog.remote),
-            main_imported=not main_by_value() and not (prog is not None and prog.remote),
+            main_by_value=unimportable or _install.installed() or remote,
+            main_imported=not unimportable and not remote,
         )
     except SerializationError as exc:
         # SerializationError is a TypeError and a PicklingError, what the stdlib
