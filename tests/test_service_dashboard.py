@@ -43,7 +43,7 @@ if not (os.access(CHROMIUM, os.X_OK) and os.access(DRIVER, os.X_OK)) and os.gete
     )
 
 from selenium import webdriver  # noqa: E402
-from selenium.common.exceptions import NoAlertPresentException  # noqa: E402
+from selenium.common.exceptions import NoAlertPresentException, WebDriverException  # noqa: E402
 from selenium.webdriver.chrome.service import Service as DriverService  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
@@ -101,6 +101,14 @@ def login(driver: Any, service: Service, token: str, path: str = "/") -> None:
     except Exception:
         raise AssertionError(driver.current_url + driver.page_source) from None
     assert token not in driver.current_url
+
+
+def live(driver: Any, timeout: float = 10, poll: float = 0.5) -> WebDriverWait:
+    """A wait on what a live page shows: the stream replaces its rows and a form's post
+    loads the page again, so an element found may be gone, or in no document, when it is
+    read (Chrome says "Node with given id does not belong to the document"); such a read
+    is tried again, never taken for the answer."""
+    return WebDriverWait(driver, timeout, poll, ignored_exceptions=(WebDriverException,))
 
 
 def screenshot(driver: Any, path: Path) -> Path:
@@ -170,14 +178,14 @@ def test_a_running_task_appears_live(
         lambda d: d.find_elements(By.CSS_SELECTOR, selector)
     )
     appeared = time.monotonic() - submitted
-    WebDriverWait(browser, 10, poll_frequency=0.02).until(
+    live(browser, 10, 0.02).until(
         lambda d: "running" in d.find_element(By.CSS_SELECTOR, selector).text
     )
     assert alice.get_task(task_id)["state"] == "running"
     screenshot(browser, tmp_path / "live.png")
     assert appeared <= 1.0, f"the task showed {appeared:.2f} s after its submit"
     alice.cancel(task_id)
-    WebDriverWait(browser, 5, poll_frequency=0.05).until(
+    live(browser, 5, 0.05).until(
         lambda d: "cancelled" in d.find_element(By.CSS_SELECTOR, selector).text
     )
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -28,6 +27,7 @@ from service_support import EndpointProcess, Service
 from test_service_dashboard import (  # the browser, the admin's service, the hostile names
     XSS,
     browser,
+    live,
     login,
     nap,
     no_alert,
@@ -146,11 +146,11 @@ def test_the_timeline_draws_each_task_on_its_worker_live_and_exports_a_png(
         return dict(__import__("json").loads(raw))
 
     submitted = time.monotonic()
-    live = alice.run(nap, 2, endpoint="lab")
-    WebDriverWait(browser, 5, poll_frequency=0.05).until(lambda d: live in states(d))
+    task = alice.run(nap, 2, endpoint="lab")
+    WebDriverWait(browser, 5, poll_frequency=0.05).until(lambda d: task in states(d))
     appeared = time.monotonic() - submitted
     WebDriverWait(browser, 10, poll_frequency=0.05).until(
-        lambda d: states(d).get(live) == "running"
+        lambda d: states(d).get(task) == "running"
     )
     assert int(canvas.get_attribute("data-running")) >= 1
     drawn = browser.execute_script(
@@ -164,7 +164,7 @@ def test_the_timeline_draws_each_task_on_its_worker_live_and_exports_a_png(
     shot(browser, "timeline.png")
     assert appeared <= 1.0, f"the task showed {appeared:.2f} s after its submit"
     WebDriverWait(browser, 10, poll_frequency=0.05).until(
-        lambda d: states(d).get(live) == "success"
+        lambda d: states(d).get(task) == "success"
     )
 
     cookie = browser.get_cookie("nimbus_session")
@@ -234,22 +234,21 @@ def test_cancel_and_share_buttons_and_cross_site_posts_refused(
     task_id = alice.run(nap, 20, endpoint="lab")
     WebDriverWait(None, 10).until(lambda _: alice.get_task(task_id)["state"] == "running")
     login(browser, service, alice.token, f"/tasks/{task_id}")
-    live = WebDriverWait(browser, 10, ignored_exceptions=(StaleElementReferenceException,))
-    action = live.until(lambda d: d.find_element(By.ID, "cancel").get_attribute("action"))
+    action = live(browser).until(lambda d: d.find_element(By.ID, "cancel").get_attribute("action"))
     assert "csrf" not in browser.current_url and "csrf" not in action
     shot(browser, "task-running.png")
-    live.until(lambda d: d.find_element(By.CSS_SELECTOR, "#cancel button").click() or True)
-    live.until(lambda d: "cancelled" in d.find_element(By.ID, "task").text)
+    live(browser).until(lambda d: d.find_element(By.CSS_SELECTOR, "#cancel button").click() or True)
+    live(browser).until(lambda d: "cancelled" in d.find_element(By.ID, "task").text)
     assert alice.get_task(task_id)["state"] == "cancelled"
 
     browser.get(service.url + f"/endpoints/{lab.endpoint_id}")
     browser.find_element(By.CSS_SELECTOR, "#share input[name=user]").send_keys("bob")
-    live.until(lambda d: d.find_element(By.CSS_SELECTOR, "#share button").click() or True)
-    live.until(lambda d: "bob" in d.find_element(By.ID, "shared").text)
+    live(browser).until(lambda d: d.find_element(By.CSS_SELECTOR, "#share button").click() or True)
+    live(browser).until(lambda d: "bob" in d.find_element(By.ID, "shared").text)
     assert "bob" in alice.get_endpoint(lab.endpoint_id)["shared_with"]
     shot(browser, "endpoint-shared.png")
-    live.until(lambda d: d.find_element(By.CSS_SELECTOR, "#shared button").click() or True)
-    live.until(lambda d: "bob" not in d.find_element(By.ID, "shared").text)
+    live(browser).until(lambda d: d.find_element(By.CSS_SELECTOR, "#shared button").click() or True)
+    live(browser).until(lambda d: "bob" not in d.find_element(By.ID, "shared").text)
     assert alice.get_endpoint(lab.endpoint_id)["shared_with"] == []
 
     # a page of another site posting to the dashboard: refused, nothing changed
