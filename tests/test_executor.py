@@ -1192,3 +1192,52 @@ def test_option_errors_name_the_argument_given() -> None:
         Executor(max_workers=1, endpoint=123)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"preload names module 'nonexistent_mod_xyz'"):
         Executor(max_workers=1, preload=["nonexistent_mod_xyz"])
+
+
+FORKED_CHILD = """
+import os, sys, nimbus
+
+def square(x):
+    return x * x
+
+if __name__ == "__main__":
+    with nimbus.Executor(1) as ex:
+        print("parent", ex.submit(square, 3).result(timeout=30), flush=True)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ex.submit(square, 4)
+            except RuntimeError as e:
+                print("child:", e, flush=True)
+            sys.exit(0)  # a normal exit: atexit handlers, then the with block's exit, run
+        print("child exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+        print("parent after", ex.submit(square, 5).result(timeout=30), flush=True)
+"""
+
+
+def test_a_forked_child_is_told_the_executor_is_its_parents_and_its_exit_leaves_it_working(
+    tmp_path: Path,
+) -> None:
+    """A process forked from an Executor's owner got no runtime (threads, workers): its
+    submit hung on the result and its exit hung in the at-exit shutdown (so did a parent
+    waiting for it). It is refused naming why, and the child's exit touches nothing."""
+    script = tmp_path / "forks.py"
+    script.write_text(FORKED_CHILD)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        start_new_session=True,  # the fork and the workers with it: all stopped if it hangs
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"hung: {stdout}{stderr}") from None
+    assert proc.returncode == 0, stdout + stderr
+    lines = stdout.splitlines()
+    assert lines[0] == "parent 9" and lines[-2:] == ["child exit 0", "parent after 25"], lines
+    assert "was forked from it" in lines[1] and "make an Executor in this process" in lines[1]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import itertools
+import os
 import sys
 import threading
 import time
@@ -138,6 +139,7 @@ class Executor(_mapping.Mapper):
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; known: {', '.join(sorted(BACKENDS))}")
         self._max_workers = max_workers
+        self._pid = os.getpid()  # its runtime's threads and workers are this process's
         self._seq = itertools.count()
         self._prefix = uuid.uuid4().int & ~((1 << 64) - 1)
         head = f"{self._prefix:032x}"  # str(UUID(int=prefix | seq)) is head + seq's 16 digits
@@ -254,6 +256,8 @@ class Executor(_mapping.Mapper):
     ) -> Future:
         if self._shutdown:
             raise RuntimeError("cannot schedule new futures after shutdown")
+        if os.getpid() != self._pid:
+            raise RuntimeError(_forked_use(self._pid))
         if not callable(fn):
             raise TypeError(f"{serialization.describe(fn)} is not callable; pass a function")
         fn_key, fn_bytes = self._functions.get(fn)
@@ -306,9 +310,16 @@ class Executor(_mapping.Mapper):
         return self.options(keep=True)._map_kept(fn, iterables)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Stop taking tasks; with ``cancel_futures`` drop those not yet running."""
+        """Stop taking tasks; with ``cancel_futures`` drop those not yet running.
+
+        In a process forked from its owner it only stops taking tasks: the runtime's
+        threads, workers and connections are the owner's (a child that leaves a ``with``
+        block or exits normally must not wait for them, nor stop them under the owner)."""
         with self._lock:
             self._shutdown = True
+        if os.getpid() != self._pid:
+            _live.discard(self)
+            return
         if cancel_futures:  # as the stdlib: those not running are cancelled, the others finish
             self._cancel_queued(list(self._futures.values()))
         data.close_sources(self)
@@ -430,6 +441,15 @@ class Executor(_mapping.Mapper):
                 keep(record)
             if type(future) is not Future:  # the data path: its Refs go when it does
                 DataPath.done(future)
+
+
+def _forked_use(owner: int) -> str:
+    return (
+        f"this Executor belongs to process {owner}, and this process ({os.getpid()}) was "
+        f"forked from it: its runtime (threads, workers, connections) did not come along, "
+        f"so its tasks' results could never arrive here; make an Executor in this process "
+        f"(or use nimbus.multiprocessing, whose processes may each have their own)"
+    )
 
 
 @atexit.register
