@@ -446,6 +446,29 @@ def test_each_worker_has_its_own_namespace(netns: pytest.MonkeyPatch) -> None:
     assert len({ns for _, ns, _ in results}) == 2  # ... and not the other's
 
 
+def _worker_settings() -> tuple[str, int | None]:
+    from nimbus.config import Settings
+
+    return Settings.lookup("net_accounting"), Settings.lookup("worker_memory")
+
+
+@needs_root
+def test_an_executors_own_settings_give_its_workers_namespaces_and_limits(
+    netns: pytest.MonkeyPatch,
+) -> None:
+    """Executor(settings=...replace(net_accounting="netns")) was ignored by the local
+    runtime (it read the environment only), so the ConfigError that suggested it led
+    nowhere; the workers, and the limits they put back after a task's own, follow it."""
+    netns.setenv("NIMBUS_NET_ACCOUNTING", "socket")
+    own = Settings.load().replace(net_accounting="netns", worker_memory=96 << 20)
+    with Executor(1, settings=own) as ex:
+        inside, ns, _ = ex.submit(_worker_net).result(timeout=60)
+        assert inside and ns != os.readlink("/proc/self/ns/net")
+        assert ex.submit(_worker_settings).result(timeout=60) == ("netns", 96 << 20)
+        with pytest.raises(MemoryLimitExceeded, match="96 MiB"):
+            ex.submit(_hog, 300 << 20).result(timeout=60)
+
+
 _SIDE = """
 import os, sys, time
 from pathlib import Path

@@ -44,14 +44,14 @@ def _local(*, settings: object = None, endpoint: str | None = None, **kwargs: ob
         from nimbus.backends.provided import ProvidedBackend
 
         return ProvidedBackend(settings=settings, **kwargs)  # type: ignore[arg-type]
-    return LocalBackend(**kwargs)  # type: ignore[arg-type]
+    return LocalBackend(settings=settings, **kwargs)  # type: ignore[arg-type]
 
 
 def _forked(*, settings: object = None, endpoint: str | None = None, **kwargs: object) -> Backend:
     from nimbus.backends.local import LocalBackend
 
-    del settings, endpoint
-    return LocalBackend(fork=True, **kwargs)  # type: ignore[arg-type]
+    del endpoint
+    return LocalBackend(fork=True, settings=settings, **kwargs)  # type: ignore[arg-type]
 
 
 def _service(**kwargs: object) -> Backend:

@@ -7,11 +7,14 @@ lives in the caller's process and its workers are local processes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nimbus.backends import DispatchCallback, ResultCallback
 from nimbus.runtime.agent import Agent
 from nimbus.runtime.task import Task
+
+if TYPE_CHECKING:
+    from nimbus.config import Settings
 
 __all__ = ["LocalBackend"]
 
@@ -36,6 +39,7 @@ class LocalBackend:
         preload: Sequence[str] = (),
         name: str = "local",
         fork: bool = False,
+        settings: Settings | None = None,
     ) -> None:
         self.capacity = workers
         self.agent = Agent(  # one node: no other fetches its files (no data server)
@@ -45,7 +49,17 @@ class LocalBackend:
             name=name,
             serve_data=False,
         )
-        self.agent.add_manager(workers, prefetch=prefetch, preload=preload, fork=fork)
+        # the workers' network accounting and limits: the Executor's settings, also in
+        # the variables its workers read (Settings.replace(...) is not the environment)
+        networks = env = None
+        if settings is not None:
+            from nimbus.network import WorkerNetworks
+
+            networks = WorkerNetworks.configured(settings)
+            env = networks.limits.environ(settings.net_accounting)
+        self.agent.add_manager(
+            workers, prefetch=prefetch, preload=preload, fork=fork, env=env, networks=networks
+        )
 
     def submit(self, batch: list[Task]) -> None:
         self.agent.submit(batch)

@@ -58,12 +58,29 @@ class Limits:
     bandwidth: int | None = None  # bits/s, each way
 
     @classmethod
-    def configured(cls) -> Limits:
+    def configured(cls, settings: Settings | None = None) -> Limits:
+        """As ``settings`` say (an Executor's), else this process's environment and file."""
+        if settings is not None:
+            return cls(settings.worker_cpus, settings.worker_memory, settings.worker_bandwidth)
         return cls(
             Settings.lookup("worker_cpus"),
             Settings.lookup("worker_memory"),
             Settings.lookup("worker_bandwidth"),
         )
+
+    def environ(self, accounting: str) -> dict[str, str]:
+        """These limits and ``accounting`` as the variables a worker reads (the limits
+        it puts back after a task's own are its settings': ``_limits``)."""
+
+        def text(value: object, unit: str = "") -> str:
+            return "" if value is None else f"{value}{unit}"  # "": no limit
+
+        return {
+            Settings.env_var("net_accounting"): accounting,
+            Settings.env_var("worker_cpus"): text(self.cpus),
+            Settings.env_var("worker_memory"): text(self.memory),
+            Settings.env_var("worker_bandwidth"): text(self.bandwidth, "bit"),
+        }
 
 
 class _Held:
@@ -108,8 +125,11 @@ class WorkerNetworks:
         self._nic: NicSampler | None = None  # the host NIC for record.colocated, once netns
 
     @classmethod
-    def configured(cls) -> WorkerNetworks:
-        """As the settings say (``net_accounting``, ``worker_cpus/memory/bandwidth``)."""
+    def configured(cls, settings: Settings | None = None) -> WorkerNetworks:
+        """As the settings say (``net_accounting``, ``worker_cpus/memory/bandwidth``):
+        ``settings`` given (an Executor's), else this process's environment and file."""
+        if settings is not None:
+            return cls(settings.net_accounting, Limits.configured(settings))
         return cls(Settings.lookup("net_accounting"), Limits.configured())
 
     @property

@@ -35,7 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nimbus import errors, serialization
 from nimbus.environments import Environment, Prepared
@@ -43,6 +43,9 @@ from nimbus.runtime import routing
 from nimbus.runtime._orders import named
 from nimbus.runtime.manager import Manager
 from nimbus.runtime.messages import Status
+
+if TYPE_CHECKING:
+    from nimbus.network import WorkerNetworks
 from nimbus.runtime.remote import Listener, RemoteManager
 from nimbus.runtime.task import Task
 from nimbus.wire import Channel
@@ -229,6 +232,7 @@ class Agent:
         fork: bool = False,
         warm: Sequence[Environment | None] | None = None,
         prepare: Callable[[Environment], Prepared] | None = None,
+        networks: WorkerNetworks | None = None,
     ) -> Manager:
         """Start a manager with ``workers`` slots on this node.
 
@@ -248,6 +252,7 @@ class Agent:
             name=f"{self.name}/m{len(self._managers)}",
             fork=fork,
             warm=warm,
+            networks=networks,
             **extra,
         )
         with self._lock:

@@ -104,6 +104,7 @@ class Manager(Workers, NodeOrders):
         fork: bool = False,
         warm: Sequence[Environment | None] | None = None,
         prepare: Callable[[Environment], Prepared] = environments.prepare,
+        networks: network.WorkerNetworks | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"a manager needs at least one worker, not {workers}")
@@ -119,7 +120,8 @@ class Manager(Workers, NodeOrders):
         self._env = worker_environment(env)
         self._preload = list(preload)
         self._fork = fork  # workers are forks of this process (popen_fork.fork_worker)
-        self._net = network.WorkerNetworks.configured()  # namespaces, limits: issue 19
+        # namespaces, limits (issue 19): as given (an Executor's settings), else configured
+        self._net = networks or network.WorkerNetworks.configured()
         # the descriptors of the first forked workers: those forked later keep only these
         self._descriptors: set[int] | None = None
         warm = [None] * workers if warm is None else list(warm)
