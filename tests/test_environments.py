@@ -713,6 +713,36 @@ def test_a_build_under_way_is_reported_as_building(envdir: Path) -> None:
     assert (row["name"], row["state"], row["size"]) == ("slow", "built", 0)
 
 
+def test_a_process_forked_while_a_build_holds_its_lock_does_not_keep_it(envdir: Path) -> None:
+    """An flock belongs to the open file, which a forked child shares: a worker forked
+    while a build held the lock held it until it exited (a removal waited for it)."""
+    store = environments.cache()
+    key = Environment("forked", sandbox=True).key
+    ready, forked = os.pipe()
+    try:
+        with store.locked(key):
+            child = os.fork()
+            if child == 0:  # a long-lived child (a worker, a task's Process)
+                os.write(forked, b"x")  # (its fork's hooks have run)
+                time.sleep(30)
+                os._exit(0)
+            try:
+                assert os.read(ready, 1) == b"x"
+                assert store.busy(key)  # the child closed its copy: the build still holds it
+            except BaseException:
+                os.kill(child, 9)
+                os.waitpid(child, 0)
+                raise
+        try:
+            assert not store.busy(key)
+        finally:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+    finally:
+        os.close(ready)
+        os.close(forked)
+
+
 def test_held_gives_one_row_per_node_and_environment() -> None:
     geo = Environment("geo", sandbox=True)
     tag = f"geo@{geo.key}"

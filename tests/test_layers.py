@@ -76,6 +76,7 @@ LAYERS: dict[str, int] = {
     "_lockfile": 1,  # a lock file with a deadline, not inherited by forks
     "_service_state": 1,  # which service runs here: its service.json, one reader
     "_mainspace": 1,  # one namespace per program's __main__ for its functions sent by value
+    "_mainpickle": 1,  # a __main__'s functions sent by value, each pickled once
     "_lazy": 1,  # a module imported on first use (redis-py: at the first connection)
     "owners": 1,  # whom a task runs as on an endpoint (set by the agent, read by nimbus.data)
     # the exception tree, at the bottom
@@ -92,6 +93,7 @@ PARTS: dict[str, tuple[str, frozenset[str]]] = {
     "_options": ("executor", frozenset({"_mapping", "environments"})),
     "_mapping": ("executor", frozenset({"_chunks", "_progress"})),
     "_mainspace": ("serialization", frozenset()),
+    "_mainpickle": ("serialization", frozenset({"_mainspace"})),
     # a warm worker's forks: the child from fork to exit, the standbys, the reaper
     "multiprocessing._child": (
         "multiprocessing._forking",

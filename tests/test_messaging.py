@@ -41,7 +41,7 @@ from nimbus.errors import (
 )
 from nimbus.messaging import Directory, Entry, Instance
 from nimbus.messaging._directory import EXITED, socket_dir
-from nimbus.messaging._instance import BLOCK, HEARTBEAT, NOTHING, SPIN, SPIN_BACKOFF
+from nimbus.messaging._receiving import BLOCK, HEARTBEAT, NOTHING, SPIN, SPIN_BACKOFF
 from nimbus.statestore import Program
 
 pytestmark = pytest.mark.timeout(90)

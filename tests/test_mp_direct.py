@@ -187,7 +187,7 @@ def _echo_and_time_waits(conn: connection.Connection) -> None:
 
 
 def test_an_idle_direct_pipe_costs_no_cpu_on_either_side() -> None:
-    """A reader's spin before it sleeps (``messaging._instance._spin``) is bounded and
+    """A reader's spin before it sleeps (``messaging._receiving._spin``) is bounded and
     backs off: a direct Pipe that waits 1.5 s costs its reader (parent or child)
     next to no CPU, after a ping-pong that spins."""
     a, b = mp.Pipe()

@@ -13,6 +13,10 @@ send by value: lambdas, closures, and functions or classes defined in
 cloudpickle (and what it imports: logging, typing, dataclasses, ...) is
 imported on first use: a worker whose tasks pickle plainly never imports it,
 and one that unpickles a function sent by value imports it then.
+
+A ``__main__``'s functions sent by value are each pickled once while the globals
+they read are unchanged (``_mainpickle``), and share one namespace per sending
+``__main__`` where they arrive (``_mainspace``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import pickle
 import sys
 import threading
 import types
-from collections import ChainMap, OrderedDict
+from collections import ChainMap
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, Protocol
 
@@ -156,127 +160,6 @@ _picklers: dict[int, tuple[type[pickle.Pickler], type[pickle.Pickler], type[pick
 _NO_REDUCERS: Reducers = {}
 
 
-class _ToCloud(Exception):
-    """Raised by :class:`_MainAware` at a class or function of ``__main__`` it leaves to
-    cloudpickle (sent by value)."""
-
-
-class _SendsOnce:
-    """A pickler sending each function of a ``__main__`` as its pickle made once while the
-    globals it reads are unchanged (:func:`_sent_once`)."""
-
-    cloud: type[pickle.Pickler]  # the cloudpickle pickler that makes that pickle
-    sent = False  # a function went so
-    named = False  # a function went by reference (a large one its worker imports)
-    imported = False  # the receiver imported the main module (a local guarded main's)
-    whole: object = None  # the function being pickled for that (not as its own pickle)
-
-    def _send_once(self, fn: types.FunctionType) -> tuple[Any, ...] | None:
-        if fn is self.whole:
-            return None
-        reduced = _sent_once(self.cloud, fn, self.imported)
-        if reduced is not None and reduced is not _BY_NAME:
-            self.sent = True
-        return reduced
-
-
-class _MainAware(_SendsOnce, pickle.Pickler):
-    """The plain pickler, for ``__main__`` by value: a function of ``__main__`` goes as its
-    pickle made once (a Pool's tasks each carrying it pickle plainly); another class or
-    function of ``__main__`` stops it, for cloudpickle to pickle all."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is types.FunctionType:
-            if obj.__module__ != "__main__":
-                return NotImplemented
-            reduced = self._send_once(obj)
-            if reduced is None:
-                raise _ToCloud
-            if reduced is _BY_NAME:
-                self.named = True
-                return NotImplemented  # by reference: its worker imported it
-            return reduced
-        if isinstance(obj, type) and obj.__module__ == "__main__":
-            raise _ToCloud
-        return NotImplemented
-
-
-_sent: OrderedDict[int, tuple[types.FunctionType, tuple[Any, ...], _Globals | None]] = OrderedDict()
-
-
-def _sent_once(
-    cloud: type[pickle.Pickler], fn: types.FunctionType, imported: bool = False
-) -> tuple[Any, ...] | None:
-    """What ``fn`` reduces to: ``_mainspace.load_sent`` of its pickle made once (by
-    ``cloud``) while the globals it reads are unchanged (:class:`_Globals`), or None: to
-    be pickled in place (a closure, globals plain pickle cannot take, no ``__main__``'s)."""
-    from nimbus import _mainspace
-
-    entry = _sent.get(id(fn))
-    if entry is not None and entry[0] is fn and entry[1] is _BY_NAME:
-        if imported:
-            return _BY_NAME
-    elif entry is not None and entry[0] is fn:
-        try:
-            if entry[2] is None or entry[2].current():
-                return entry[1]
-        except Exception:
-            return None
-    if fn.__closure__ is not None or _mainspace._key_of(fn.__globals__) is None:
-        return None
-    try:
-        carried = _Globals(fn, ())
-    except Exception:
-        return None
-    import hashlib
-
-    out = io.BytesIO()
-    one = cloud(out, protocol=PROTOCOL)
-    one.whole = fn  # type: ignore[attr-defined]
-    one.dump(fn)
-    data = out.getvalue()
-    reduced = (_mainspace.load_sent, (hashlib.blake2b(data, digest_size=16).digest(), data))
-    if len(data) > LARGE_MAIN and _importable(fn):
-        with _lock:  # for good: checking its globals again would pickle them each time
-            _sent[id(fn)] = (fn, _BY_NAME, None)
-        return _BY_NAME if imported else reduced  # (to an endpoint: by value each time)
-    with _lock:
-        _sent[id(fn)] = (fn, reduced, carried if carried.bound or carried.pickled else None)
-        while len(_sent) > _mainspace.CACHED:
-            _sent.popitem(last=False)
-    return reduced
-
-
-LARGE_MAIN = 64 << 10  # a function of a guarded main whose pickle, globals it reads
-# included, is larger goes by reference when its workers import it (as spawn sends it):
-# carried in every task, a 370 KB global made Pool.map of 500 tasks 100x slower
-_BY_NAME: tuple[Any, ...] = ()  # what _sent_once says for those
-
-
-def _importable(fn: types.FunctionType) -> bool:
-    """Whether ``fn`` is a function of ``__main__`` that a worker importing the main module
-    finds under its name: defined at its top level (not under its guard, nor in a function:
-    the source's top-level definitions are looked up, a guarded block's are not)."""
-    main = sys.modules.get("__main__")
-    if main is None or getattr(main, fn.__name__, None) is not fn or "<" in fn.__qualname__:
-        return False
-    return fn.__name__ in _top_level_defs(getattr(main, "__file__", None))
-
-
-@functools.cache
-def _top_level_defs(path: str | None) -> frozenset[str]:
-    """The names a module's source defines with ``def`` at its top level (not in an ``if``)."""
-    import ast
-
-    try:
-        with open(path or "", "rb") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError):
-        return frozenset()
-    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
-    return frozenset(node.name for node in tree.body if isinstance(node, defs))
-
-
 def adopt_main(namespace: dict[str, Any]) -> None:
     """In a child that imported the program's main module (as spawn does): the functions
     of its parent's ``__main__`` sent by value get ``namespace`` (that module's) as their
@@ -286,37 +169,18 @@ def adopt_main(namespace: dict[str, Any]) -> None:
     _mainspace.adopt(namespace)
 
 
-def _cloud_reducer_override(self: Any, obj: Any) -> Any:
-    """cloudpickle's, a function of ``__main__`` sent as its pickle made once."""
-    if type(obj) is types.FunctionType and obj.__module__ == "__main__":
-        reduced = self._send_once(obj)
-        if reduced is not None and reduced is not _BY_NAME:
-            return reduced
-    return super(_SendsOnce, self).reducer_override(obj)
-
-
 def _picklers_for(
     reducers: Reducers,
 ) -> tuple[type[pickle.Pickler], type[pickle.Pickler], type[pickle.Pickler]]:
     """Plain, main-aware plain and cloudpickle picklers that also use ``reducers`` (a
-    live mapping)."""
-    from nimbus import _mainspace
+    live mapping); the last two send a ``__main__``'s functions once (``_mainpickle``)."""
+    from nimbus import _mainpickle
 
     found = _picklers.get(id(reducers))
     if found is None:
-        cloud_table: ChainMap[Any, Any] = _mainspace.pickler().dispatch_table  # type: ignore[assignment]
         table = ChainMap(reducers, copyreg.dispatch_table)
         plain = type("Pickler", (pickle.Pickler,), {"dispatch_table": table})
-        cloud = type(
-            "CloudPickler",
-            (_SendsOnce, _mainspace.pickler()),
-            {
-                "dispatch_table": ChainMap(reducers, *cloud_table.maps),
-                "reducer_override": _cloud_reducer_override,
-            },
-        )
-        cloud.cloud = cloud  # type: ignore[attr-defined]
-        aware = type("Pickler", (_MainAware,), {"dispatch_table": table, "cloud": cloud})
+        aware, cloud = _mainpickle.picklers(table, reducers, protocol=PROTOCOL, carried=_Globals)
         found = _picklers[id(reducers)] = (plain, aware, cloud)
     return found
 
@@ -345,20 +209,18 @@ def dumps(
     by reference, for a receiver that imports the same main module; with
     ``main_imported`` too (the receiver imported it, as a local guarded main's
     workers do), a function of it whose pickle with the globals it reads is over
-    ``LARGE_MAIN`` goes by reference.
+    ``_mainpickle.LARGE_MAIN`` goes by reference.
     Raises :class:`SerializationError` naming the part that cannot be pickled.
     """
     buffers: list[pickle.PickleBuffer] = []
     wrapped = _wrap_top(obj)
     try:
         if main_by_value:
-            _plain, aware, _cloud = _picklers_for(_NO_REDUCERS if reducers is None else reducers)
-            out = io.BytesIO()
-            pickler = aware(out, protocol=PROTOCOL, buffer_callback=buffers.append)
-            pickler.imported = main_imported  # type: ignore[attr-defined]
-            pickler.dump(wrapped)
-            data = out.getvalue()
-            if pickler.sent or pickler.named or b"__main__" not in data:  # type: ignore[attr-defined]
+            from nimbus import _mainpickle
+
+            aware = _picklers_for(_NO_REDUCERS if reducers is None else reducers)[1]
+            data = _mainpickle.dump(aware, wrapped, buffers.append, imported=main_imported)
+            if data is not None:
                 return data, buffers
         elif reducers is None:
             return pickle.dumps(wrapped, protocol=PROTOCOL, buffer_callback=buffers.append), buffers

@@ -7,6 +7,7 @@
         <key>/last_use       its modification time is the last use (LRU eviction)
         <key>/venv/          the virtualenv, when the spec has requirements
         <key>.lock           flock'd while the entry is built: one build per node
+                             (not kept by a process forked meanwhile)
         <key>.failed         a build that failed: its message, until the spec changes
         <key>.building       the spec of a build under way (while its lock is held)
         names.lock           flock'd while a name moves from one build to another
@@ -32,6 +33,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -78,25 +80,25 @@ class Cache:
     @contextlib.contextmanager
     def locked(self, key: str) -> Iterator[None]:
         self.ensure()
-        fd = os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open_lock(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # per open file: threads of one process too
             yield
         finally:
-            os.close(fd)  # releases the lock
+            _close_lock(fd)  # releases the lock
 
     def busy(self, key: str) -> bool:
         """True while another thread or process holds ``key``'s lock (builds it)."""
         path = self.root / f"{key}.lock"
         if not path.exists():
             return False
-        fd = os.open(path, os.O_RDWR)
+        fd = _open_lock(path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return True
         finally:
-            os.close(fd)
+            _close_lock(fd)
         return False
 
     # -- built entries
@@ -340,6 +342,45 @@ class Cache:
             total -= entry.size
             removed.append(entry.key)
         return removed
+
+
+# An flock belongs to the open file, which a forked child shares: a process forked while
+# a build held its lock (a worker, a Process of a task; a pip exec'ing drops it at once)
+# would hold it until it exits, and a removal waiting for the build would wait for it.
+# So a forked child closes its copies of the lock files open here (which does not
+# unlock them: its parent's stay open). They are opened and closed under _forks, which
+# a fork holds, so none is forked half registered.
+_forks = threading.Lock()
+_open: set[int] = set()  # this process's open lock files
+
+
+def _open_lock(path: Path, flags: int) -> int:
+    with _forks:
+        fd = os.open(path, flags, 0o600)
+        _open.add(fd)
+    return fd
+
+
+def _close_lock(fd: int) -> None:
+    with _forks:
+        _open.discard(fd)
+        os.close(fd)
+
+
+def _close_in_child() -> None:
+    global _forks
+    for fd in _open:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _open.clear()
+    _forks = threading.Lock()
+
+
+os.register_at_fork(
+    before=lambda: _forks.acquire(),
+    after_in_parent=lambda: _forks.release(),
+    after_in_child=_close_in_child,
+)
 
 
 def _spec(data: object) -> Environment | None:

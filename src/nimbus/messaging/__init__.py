@@ -36,7 +36,8 @@ from nimbus.messaging._api import (
     send,
 )
 from nimbus.messaging._directory import Directory, Entry
-from nimbus.messaging._instance import NOTHING, Instance, Transport
+from nimbus.messaging._instance import Instance, Transport
+from nimbus.messaging._receiving import NOTHING
 
 __all__ = [
     "ANY",

@@ -26,7 +26,8 @@ from nimbus import statestore
 from nimbus.config import Settings
 from nimbus.errors import PeerUnknown, StateStoreError
 from nimbus.messaging._directory import socket_dir
-from nimbus.messaging._instance import ANY, Instance
+from nimbus.messaging._instance import Instance
+from nimbus.messaging._receiving import ANY
 
 if TYPE_CHECKING:
     from nimbus.statestore import Program

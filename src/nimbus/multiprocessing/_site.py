@@ -372,7 +372,7 @@ def dumps(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
     remote endpoint (which may not have the script): then by value; under
     ``nimbus run`` a guarded main's functions by value too, with the globals
     they read (:func:`main_sent_by_value`), but for large ones its local
-    children imported (``serialization.LARGE_MAIN``).
+    children imported (``_mainpickle.LARGE_MAIN``).
     """
     from nimbus import _install
 

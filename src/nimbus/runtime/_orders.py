@@ -41,7 +41,6 @@ ORDERS = "orders"  # what a manager that carries out orders says in its JOIN's "
 KEPT = 32  # orders whose outcome a manager remembers
 BUILDS_AT_ONCE = 2  # ordered builds a manager runs at a time; the others wait their turn
 DONE = frozenset({"built", "removed", "failed"})
-BUSY_GRACE = 2.0  # seconds a removal waits for a build's lock another process inherited
 _SAYING = threading.Lock()  # orders' outcomes change on several threads
 
 
@@ -216,12 +215,6 @@ class NodeOrders:
             store = environments.cache()
             found = [e for e in store.entries() if name in e.names or e.key == name]
             busy = [e.key for e in found if store.busy(e.key)]
-            # a build's lock is a flock: a process forked by another thread while it was
-            # held (a build's pip, a worker) holds it too until it execs or ends
-            settled = time.monotonic() + BUSY_GRACE
-            while busy and time.monotonic() < settled:
-                time.sleep(0.05)
-                busy = [key for key in busy if store.busy(key)]
             if not busy:
                 store.forget(name)  # a build other names share stays for them
         except OSError as exc:
