@@ -75,6 +75,22 @@ def pool() -> Iterator[multiprocessing.pool.Pool]:
 # -- basic calls ------------------------------------------------------------------
 
 
+def _name(_: object = None) -> str:
+    return mp.current_process().name
+
+
+@pytest.mark.timeout(60)
+def test_workers_are_named_as_the_stdlibs_for_their_start_method() -> None:
+    """F7: they were PoolWorker-N under every method (the stdlib's: ForkPoolWorker-N
+    under fork, the default, SpawnPoolWorker-N under spawn); programs print them."""
+    for method, prefix in (("fork", "ForkPoolWorker-"), ("spawn", "SpawnPoolWorker-")):
+        with mp.get_context(method).Pool(1) as p:
+            name = p.apply(_name)
+        assert name.startswith(prefix) and name[len(prefix) :].isdigit(), name
+    with mp.Pool(1) as p:
+        assert p.apply(_name).startswith("ForkPoolWorker-")
+
+
 @pytest.mark.timeout(60)
 def test_apply(pool: multiprocessing.pool.Pool) -> None:
     assert pool.apply(_square, (7,)) == 49

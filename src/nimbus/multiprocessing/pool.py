@@ -67,6 +67,9 @@ class _PoolContext(NimbusContext):
     def __init__(self, base: NimbusContext) -> None:
         super().__init__(base._name)
         self._base = base
+        # the base's class (ForkProcess ...): its workers are named as the stdlib's,
+        # ForkPoolWorker-N under fork (the default), SpawnPoolWorker-N under spawn
+        self.Process = base.Process
 
     def SimpleQueue(self) -> Any:
         return multiprocessing.get_context("fork").SimpleQueue()
