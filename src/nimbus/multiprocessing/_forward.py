@@ -93,12 +93,14 @@ class Forwarder:
         self.stop = threading.Event()
         self.quiet = QUIET  # at exit: how long a silent writer is waited for
 
-    def step(self) -> None:
-        """Forward what waits; "F" to each writer whose "R" came."""
+    def step(self) -> int:
+        """Forward what waits; "F" to each writer whose "R" came; how many direct
+        messages it took from the socket (``_PULL``: more may wait there)."""
         ep, tag = messaging.current(), self.tag
         items = self.pending
         self.pending = {}
-        if take_direct(tag, items):
+        taken = take_direct(tag, items)
+        if taken:
             self.last = time.monotonic()
         done = []
         store = link(self.prog)
@@ -119,6 +121,7 @@ class Forwarder:
                 ep.send(source, ACK, tag + "|ack")
             except (PeerLost, PeerExited):
                 pass
+        return taken
 
     def start(self, at_exit: bool) -> None:
         self.thread = threading.Thread(target=self._run, name="nimbus-forward", daemon=True)
@@ -142,8 +145,9 @@ class Forwarder:
                 if now >= next_look:  # writers gone (killed, exited) send no "R"
                     next_look = now + 0.5
                     gone = [s for s in self.waiting if not ep.alive(s)]
-                    if gone:
-                        self.step()
+                    if gone:  # what they sent before they went, all of it, first
+                        while self.step() == _PULL:
+                            pass
                         self.waiting.difference_update(gone)
                 if self.stop.is_set() and (now - self.last > self.quiet or now - started > GRACE):
                     return
