@@ -743,6 +743,31 @@ def test_a_process_forked_while_a_build_holds_its_lock_does_not_keep_it(envdir: 
         os.close(forked)
 
 
+def test_a_child_forked_inside_a_locked_block_leaves_it_closing_nothing(envdir: Path) -> None:
+    """The child closed its copy of the lock file at the fork: leaving the block there
+    closed that number again (EBADF, or a file the child opened since under it)."""
+    store = environments.cache()
+    key = Environment("forked-inside", sandbox=True).key
+    out = envdir / "child.txt"
+    child = -1
+    try:
+        with store.locked(key):
+            child = os.fork()
+            if child == 0:
+                written = os.open(out, os.O_WRONLY | os.O_CREAT)  # (the lowest free number)
+        if child == 0:  # outside the block: the child went through its exit as the parent did
+            os.write(written, b"ok")
+            os.close(written)
+            os._exit(0)
+    except BaseException:
+        if child == 0:  # (never on into the test runner)
+            os._exit(4)
+        raise
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and out.read_text() == "ok"
+    assert not store.busy(key)
+
+
 def test_held_gives_one_row_per_node_and_environment() -> None:
     geo = Environment("geo", sandbox=True)
     tag = f"geo@{geo.key}"

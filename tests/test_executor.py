@@ -1195,23 +1195,32 @@ def test_option_errors_name_the_argument_given() -> None:
 
 
 FORKED_CHILD = """
-import os, sys, nimbus
+import os, sys, time, nimbus
 
 def square(x):
     return x * x
 
+def slow(x):
+    time.sleep(2)
+    return x
+
 if __name__ == "__main__":
     with nimbus.Executor(1) as ex:
         print("parent", ex.submit(square, 3).result(timeout=30), flush=True)
+        running = ex.submit(slow, 7)  # not done when the child uses it
         pid = os.fork()
         if pid == 0:
             try:
                 ex.submit(square, 4)
             except RuntimeError as e:
                 print("child:", e, flush=True)
+            try:  # one that waits for a future of the owner's: refused too, not pending
+                ex.submit(square, running)
+            except RuntimeError as e:
+                print("child:", e, flush=True)
             sys.exit(0)  # a normal exit: atexit handlers, then the with block's exit, run
         print("child exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
-        print("parent after", ex.submit(square, 5).result(timeout=30), flush=True)
+        print("parent after", ex.submit(square, 5).result(timeout=30), running.result(), flush=True)
 """
 
 
@@ -1239,5 +1248,6 @@ def test_a_forked_child_is_told_the_executor_is_its_parents_and_its_exit_leaves_
         raise AssertionError(f"hung: {stdout}{stderr}") from None
     assert proc.returncode == 0, stdout + stderr
     lines = stdout.splitlines()
-    assert lines[0] == "parent 9" and lines[-2:] == ["child exit 0", "parent after 25"], lines
-    assert "was forked from it" in lines[1] and "make an Executor in this process" in lines[1]
+    assert lines[0] == "parent 9" and lines[-2:] == ["child exit 0", "parent after 25 7"], lines
+    for line in lines[1:3]:  # a plain submit, one with a future as its argument
+        assert "was forked from it" in line and "make an Executor in this process" in line, lines

@@ -469,6 +469,27 @@ def test_an_executors_own_settings_give_its_workers_namespaces_and_limits(
             ex.submit(_hog, 300 << 20).result(timeout=60)
 
 
+def _nimbus_environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("NIMBUS_")}
+
+
+def test_an_executors_settings_as_the_environment_says_add_no_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only the settings that differ from what a worker reads anyway go to it as variables:
+    set, they also overrode the config file of a nimbus program a task starts (its
+    NIMBUS_CONFIG's net_accounting came out auto, its worker_memory none)."""
+    monkeypatch.setenv("NIMBUS_NET_ACCOUNTING", "socket")
+    for name in ("worker_cpus", "worker_memory", "worker_bandwidth"):
+        monkeypatch.delenv(Settings.env_var(name), raising=False)
+    with Executor(1, settings=Settings.load()) as ex:
+        assert ex.submit(_nimbus_environ).result(timeout=60) == _nimbus_environ()
+    own = Settings.load().replace(worker_memory=96 << 20)
+    assert WorkerNetworks.configured(own).limits.environ("socket") == {
+        "NIMBUS_WORKER_MEMORY": str(96 << 20)
+    }
+
+
 _SIDE = """
 import os, sys, time
 from pathlib import Path

@@ -232,6 +232,8 @@ class Executor(_mapping.Mapper):
         env: str = "",
         limits: Any = None,
     ) -> Future:
+        if os.getpid() != self._pid:  # (before a future of the owner's is waited for)
+            raise RuntimeError(_forked_use(self._pid))
         plain = not kwargs and _PLAIN.issuperset(map(type, args))  # no File, Ref, future
         if not plain and data.has_files(args, kwargs):  # checked now, staged before the task
             args, kwargs = data.stage_files(self, args, kwargs)
@@ -315,11 +317,12 @@ class Executor(_mapping.Mapper):
         In a process forked from its owner it only stops taking tasks: the runtime's
         threads, workers and connections are the owner's (a child that leaves a ``with``
         block or exits normally must not wait for them, nor stop them under the owner)."""
-        with self._lock:
+        if os.getpid() != self._pid:  # (its lock may have been held by another thread)
             self._shutdown = True
-        if os.getpid() != self._pid:
             _live.discard(self)
             return
+        with self._lock:
+            self._shutdown = True
         if cancel_futures:  # as the stdlib: those not running are cancelled, the others finish
             self._cancel_queued(list(self._futures.values()))
         data.close_sources(self)

@@ -81,11 +81,12 @@ class Cache:
     def locked(self, key: str) -> Iterator[None]:
         self.ensure()
         fd = _open_lock(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT)
+        mine = os.getpid()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # per open file: threads of one process too
             yield
         finally:
-            _close_lock(fd)  # releases the lock
+            _close_lock(fd, mine)  # releases the lock
 
     def busy(self, key: str) -> bool:
         """True while another thread or process holds ``key``'s lock (builds it)."""
@@ -93,12 +94,13 @@ class Cache:
         if not path.exists():
             return False
         fd = _open_lock(path, os.O_RDWR)
+        mine = os.getpid()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return True
         finally:
-            _close_lock(fd)
+            _close_lock(fd, mine)
         return False
 
     # -- built entries
@@ -361,7 +363,9 @@ def _open_lock(path: Path, flags: int) -> int:
     return fd
 
 
-def _close_lock(fd: int) -> None:
+def _close_lock(fd: int, opened_by: int) -> None:
+    if os.getpid() != opened_by:  # a fork's child that leaves the block: it closed its copy
+        return  # at the fork, and the number may be another file's now
     with _forks:
         _open.discard(fd)
         os.close(fd)

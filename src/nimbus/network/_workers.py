@@ -70,16 +70,23 @@ class Limits:
 
     def environ(self, accounting: str) -> dict[str, str]:
         """These limits and ``accounting`` as the variables a worker reads (the limits
-        it puts back after a task's own are its settings': ``_limits``)."""
+        it puts back after a task's own are its settings': ``_limits``): those that
+        differ from what a worker reads anyway (this process's environment and file; set,
+        they would also override the file of a nimbus program a task starts)."""
 
         def text(value: object, unit: str = "") -> str:
             return "" if value is None else f"{value}{unit}"  # "": no limit
 
+        given = {
+            "net_accounting": (accounting, accounting),
+            "worker_cpus": (self.cpus, text(self.cpus)),
+            "worker_memory": (self.memory, text(self.memory)),
+            "worker_bandwidth": (self.bandwidth, text(self.bandwidth, "bit")),
+        }
         return {
-            Settings.env_var("net_accounting"): accounting,
-            Settings.env_var("worker_cpus"): text(self.cpus),
-            Settings.env_var("worker_memory"): text(self.memory),
-            Settings.env_var("worker_bandwidth"): text(self.bandwidth, "bit"),
+            Settings.env_var(name): shown
+            for name, (value, shown) in given.items()
+            if value != Settings.lookup(name)
         }
 
 
