@@ -687,6 +687,34 @@ def test_timeout_enforced_after_a_quick_task() -> None:
         assert time.monotonic() - start < 1.8
 
 
+# -- futures -----------------------------------------------------------------------
+def test_a_future_waits_as_the_stdlib_s(ex) -> None:
+    """nimbus.Future makes its own condition (lighter than the stdlib's): it keeps every
+    attribute of a concurrent.futures.Future, and waits, wakes and times out as one."""
+    from nimbus import Future
+
+    assert set(vars(Future())) == set(vars(cf.Future()))
+    pending = Future()
+    with pytest.raises(cf.TimeoutError):
+        pending.result(timeout=0.05)
+    woken: list[object] = []
+    waiter = threading.Thread(target=lambda: woken.append(pending.result(timeout=30)))
+    waiter.start()
+    time.sleep(0.1)  # (waiting in the condition by now)
+    assert pending.set_running_or_notify_cancel()
+    pending.set_result("set")
+    waiter.join(30)
+    assert woken == ["set"]
+    futures = [ex.submit(identity, i) for i in range(12)]
+    done, not_done = cf.wait(futures, timeout=60)
+    assert not not_done and {f.result() for f in done} == set(range(12))
+    again = [ex.submit(identity, i) for i in range(6)]
+    assert sorted(f.result() for f in cf.as_completed(again, timeout=60)) == list(range(6))
+    blocked = Future()
+    with pytest.raises(cf.TimeoutError):
+        list(cf.as_completed([blocked], timeout=0.05))
+
+
 # -- cancel ------------------------------------------------------------------------
 def test_cancel_pending_task_never_runs(tmp_path) -> None:
     with Executor(max_workers=1) as ex:

@@ -24,7 +24,7 @@ import os
 import re
 import ssl
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -312,7 +312,7 @@ class Client:
         """The bytes of a data-store blob (yours, or a result of one of your tasks)."""
         return self.request("GET", f"{DATA}/{data_id}").content
 
-    def payload(self, data: bytes, buffers: list[Any]) -> bytes | DataRef:
+    def payload(self, data: bytes, buffers: Sequence[Any]) -> bytes | DataRef:
         """A task's pickled arguments as sent: inline, or uploaded when large."""
         size = payload_size(data, buffers)
         if size > INLINE_MIN and size > self.limits()["inline_payload"]:

@@ -292,7 +292,7 @@ class Executor(_mapping.Mapper):
             fn_key,
             fn_bytes,
             payload,
-            buffers,
+            buffers or (),  # (no empty list a task for the collector to walk)
             record,
             timeout=timeout,
             owner=future,
@@ -439,7 +439,7 @@ class Executor(_mapping.Mapper):
                 except cf.InvalidStateError:
                     pass
             task.data = b""
-            task.result_buffers = []
+            task.result_buffers = ()
             if keep is not None:
                 keep(record)
             if type(future) is not Future:  # the data path: its Refs go when it does

@@ -527,7 +527,7 @@ class ServiceBackend:
                 continue
             buffers = result.buffers
             task.status, task.data = result.status, result.data
-            task.result_buffers = buffers if type(buffers) is list else list(buffers)
+            task.result_buffers = buffers
             done.append(task)
         self._deliver(done)
 

@@ -398,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())
     config.pid_file.write_text(f"{os.getpid()}\n")
+    _loop.serving_gc()
     try:
         _loop.run(daemon.run())
     except (ServiceError, ConfigError) as exc:  # refused, revoked, replaced, deleted: says why

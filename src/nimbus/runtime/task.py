@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from nimbus.environments import PLAIN, Environment
@@ -66,7 +67,7 @@ class Task:
         fn_key: str,
         fn_bytes: bytes,
         payload: bytes,
-        buffers: list[Any],
+        buffers: Sequence[Any],
         record: TaskRecord,
         *,
         timeout: float | None = None,
@@ -94,4 +95,5 @@ class Task:
         self.suspect = False  # it was with a worker that died, not known to be running
         self.status = -1
         self.data: Any = b""
-        self.result_buffers: list[Any] = []
+        # () until a result comes (no list a task: the collector walks each one a task holds)
+        self.result_buffers: Sequence[Any] = ()

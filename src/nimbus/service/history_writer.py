@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Any
 
+from nimbus import _loop
+
 __all__ = ["RESTART", "STOP_WAIT", "Writer", "main", "separate"]
 
 RESTART = 1.0  # seconds before a writer that died is started again
@@ -177,6 +179,7 @@ def main() -> int:
     line = sys.stdin.buffer.readline()
     if not line:
         return 0  # the service stopped before it said anything
+    _loop.serving_gc()
     asyncio.run(_write(json.loads(line)))
     return 0
 

@@ -148,6 +148,7 @@ def _serve(
         )
         _quiet_outage_errors()  # after uvicorn.Config, which sets up uvicorn's loggers
         server = uvicorn.Server(config)
+        _loop.serving_gc()
         _loop.run(
             _run(
                 server,
