@@ -317,7 +317,12 @@ def test_exactly_one_result_per_task_when_a_worker_of_one_environment_dies(runti
     rt.wait(timeout=60)
     assert set(rt.results.values()) == {1}
     assert type(rt.value(killer)).__name__ == "WorkerLost"
-    assert all(isinstance(rt.value(t), int) for t in tasks)
+    wrong = {
+        t.seq: (rt.value(t), t.record.worker, t.attempts, t.suspect)
+        for t in tasks
+        if not isinstance(rt.value(t), int)
+    }
+    assert not wrong, f"not an int (value, worker, attempts, suspect) by task: {wrong}"
 
 
 def test_executor_environment_and_options(tmp_path: Path) -> None:

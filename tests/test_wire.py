@@ -228,6 +228,26 @@ def test_eof_returns_none(pair) -> None:
     assert inp.receive(block=True) is None
 
 
+def test_frames_before_a_reset_are_returned_then_none(pair) -> None:
+    """A peer that dies with bytes unread (a worker with tasks queued to it) resets the
+    stream: the frames completed before the reset still come, then None. The read that
+    completes a large buffer fills its room, and the next one met the reset: the frame
+    was dropped with it (the worker's last result lost, its task failed as WorkerLost)."""
+    a, b = pair
+    raw = raw_frame(12, b"result", [b"r" * (SCRATCH // 2)])  # a large buffer: read apart
+    inp = Channel(b)
+    b.setblocking(False)
+    a.sendall(raw[:1000])
+    assert receive_n(inp, 0) == [] and inp.receive() == []  # the large buffer begun
+    b.sendall(b"tasks queued to it, never read")
+    a.sendall(raw[1000:])
+    a.close()  # with unread bytes: ECONNRESET, not an end of stream
+    frames = inp.receive()
+    assert frames is not None and [f.meta for f in frames] == [b"result"]
+    assert bytes(frames[0].buffers[0]) == b"r" * (SCRATCH // 2)
+    assert inp.receive() is None
+
+
 def test_eof_mid_frame_returns_none(pair) -> None:
     a, b = pair
     raw = raw_frame(1, b"meta", [b"x" * 1000])

@@ -1,8 +1,12 @@
 """Slots: which worker link owns which /30 of ``10.213.0.0/16`` on this host.
 
-A slot is a file ``/run/nimbus-net/<n>`` made with ``O_EXCL`` holding its
-owner's pid; a slot whose owner is dead is taken over (its leftovers removed
-first by the caller). Many managers on one host therefore never share a subnet.
+A slot is a file ``/run/nimbus-net/<n>`` holding its owner's pid; a slot whose
+owner is dead is taken over (its leftovers removed first by the caller: what is
+left in its cgroup is killed). Slots are claimed under one lock file (``.slots``:
+threads and processes alike), else a claimer could read another's slot file made
+but not yet written, find no owner and take it over: two workers in one slot,
+each one's manager killing the other's worker as it takes over or releases it.
+Many managers on one host therefore never share a subnet.
 """
 
 from __future__ import annotations
@@ -10,10 +14,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from nimbus._lockfile import lock_file
+
 __all__ = ["SLOTS", "Slot", "addresses", "claim", "in_use"]
 
 SLOTS = 16384  # /30 subnets in 10.213.0.0/16
 DIR = Path("/run/nimbus-net")
+LOCK = ".slots"  # the lock file of the claims, in DIR
+CLAIM_TIMEOUT = 30.0  # seconds a claim waits for the others' (each takes microseconds)
 
 
 class Slot:
@@ -39,26 +47,33 @@ def _alive(pid: int) -> bool:
 
 
 def claim(start: int = 0) -> Slot:
-    """The first free slot from ``start`` (wrapping); a dead owner's counts as free."""
+    """The first free slot from ``start`` (wrapping); a dead owner's counts as free.
+
+    Under the slots' lock: a slot file is made and written, or read and taken
+    over, by one claimer at a time (an empty one is a claimer's that died).
+    """
     DIR.mkdir(mode=0o755, exist_ok=True)
     me = str(os.getpid()).encode()
-    for i in range(SLOTS):
-        number = (start + i) % SLOTS
-        path = DIR / str(number)
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
+    with lock_file(DIR / LOCK, CLAIM_TIMEOUT):
+        for i in range(SLOTS):
+            number = (start + i) % SLOTS
+            path = DIR / str(number)
             try:
-                owner = int(path.read_text() or "0")
-            except (OSError, ValueError):
-                continue
-            if owner and _alive(owner):
-                continue
-            path.write_bytes(me)  # taken over: a race here loses nothing but a retry
-            return Slot(number, stale=True)
-        os.write(fd, me)
-        os.close(fd)
-        return Slot(number, stale=False)
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    owner = int(path.read_text() or "0")
+                except (OSError, ValueError):
+                    continue
+                if owner and _alive(owner):
+                    continue
+                path.write_bytes(me)
+                return Slot(number, stale=True)
+            try:
+                os.write(fd, me)
+            finally:
+                os.close(fd)
+            return Slot(number, stale=False)
     raise OSError(f"all {SLOTS} worker network slots of this host are taken")
 
 
