@@ -23,6 +23,7 @@ import pytest
 from nimbus import Environment, Executor
 from nimbus.environments import Prepared, _venv
 from nimbus.errors import ConfigError, TaskTimeoutError
+from nimbus.network import WorkerNetworks
 from nimbus.records import TaskRecord
 from nimbus.runtime import routing
 from nimbus.runtime.agent import Agent
@@ -257,6 +258,53 @@ def test_a_failed_build_fails_its_tasks_fast_with_the_builders_message(
     again = rt.submit(A, pid)  # stays failed for that spec: no new build
     rt.wait(timeout=10)
     assert isinstance(rt.value(again), ConfigError)
+
+
+def test_an_environment_whose_interpreter_is_gone_fails_its_tasks_and_the_manager_goes_on(
+    runtime, tmp_path: Path
+) -> None:
+    """A worker that cannot be started at all (its interpreter gone, as an evicted
+    cache entry's; a cgroup refused) raised out of the manager's loop: the loop ended,
+    every task it held failed as RuntimeClosed, and the agent went on routing to it.
+    Now it counts as a worker that died before starting: environment "a" fails as a
+    failed build, and the node's own workers carry on."""
+    rt = runtime()
+    build = venv_builder(tmp_path)
+
+    def gone(env: Environment) -> Prepared:
+        made = build(env)
+        if env.name != "a":
+            return made
+        removed = tmp_path / "removed"  # a venv whose directory went
+        return Prepared(env, python=str(removed / "bin" / "python"), venv=str(removed))
+
+    # socket counting: the interpreter exec'd at once (a counting cgroup's wrapper would
+    # run first, and exit 127 as a worker that died)
+    rt.agent.add_manager(2, prefetch=1, prepare=gone, networks=WorkerNetworks("socket"))
+    bad = [rt.submit(A, pid) for _ in range(3)]
+    good = rt.submit(None, pid)
+    rt.wait(timeout=30)
+    for task in bad:
+        error = rt.value(task)
+        assert type(error).__name__ == "WorkerLost", repr(error)
+        assert "could not be started (FileNotFoundError" in str(error), str(error)
+    assert isinstance(rt.value(good), int)
+    later = [rt.submit(None, pid), rt.submit(B, pid)]  # the manager's loop still runs
+    rt.wait(timeout=30)
+    assert [type(rt.value(t)).__name__ for t in later] == ["int", "int"]
+
+
+def test_a_manager_whose_python_cannot_be_started_fails_its_tasks_naming_it(runtime) -> None:
+    rt = runtime()
+    rt.agent.add_manager(
+        1, prefetch=1, python="/nonexistent/bin/python", networks=WorkerNetworks("socket")
+    )
+    task = rt.submit(None, pid)
+    rt.wait(timeout=30)
+    error = rt.value(task)
+    assert type(error).__name__ == "WorkerLost", repr(error)
+    assert "could not be started (FileNotFoundError" in str(error)
+    assert "/nonexistent/bin/python" in str(error)
 
 
 def test_a_failed_build_across_managers_leaves_the_others_working(runtime, tmp_path: Path) -> None:

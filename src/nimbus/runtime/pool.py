@@ -22,6 +22,7 @@ that fails stays failed for that spec on this node (:attr:`Builds.failed`).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import selectors
 import signal
@@ -55,6 +56,7 @@ __all__ = [
     "worker_environment",
 ]
 
+log = logging.getLogger("nimbus.runtime.manager")  # (the manager's: this is its half)
 START_FAILURES = 3  # workers that die before saying hello, in a row, before giving up
 
 # run through an import, not ``-m``, so the module is ``nimbus.runtime.worker`` for
@@ -424,6 +426,23 @@ class Workers:
                 self._building[tag] = self._building.get(tag, 0) + 1
                 self._builds.start(tag, env)
                 return
+        for _ in range(START_FAILURES):
+            try:
+                worker = self._start(tag, prepared)
+                break
+            except Exception as exc:  # no process (an interpreter gone, a cgroup refused):
+                error = exc  # as a worker that died before starting, not the loop's end
+                log.warning("nimbus %s: a worker could not be started: %r", self.name, exc)
+                self._count_start_failure(tag)
+        else:
+            self._give_up(tag, f"could not be started ({type(error).__name__}: {error})")
+            return
+        self._workers.append(worker)
+        self._selector.register(worker.channel.sock, selectors.EVENT_READ, worker)
+        self._spawned += 1
+
+    def _start(self, tag: str, prepared: Prepared | None) -> Worker:
+        """A new worker's process and channel; raises if it cannot be started."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._counter += 1
         name = f"{self.name}/w{self._counter}"
@@ -438,13 +457,14 @@ class Workers:
             else:
                 net = functools.partial(self._net.command, name)
                 proc = start(child, self._python, self._env, self._preload, prepared, net)
+        except BaseException:
+            parent.close()
+            self._net.release(name)  # what the network made for it (a slot, a cgroup)
+            raise
         finally:
             child.close()
         parent.setblocking(False)
-        worker = Worker(name, proc, Channel(parent), tag)
-        self._workers.append(worker)
-        self._selector.register(parent, selectors.EVENT_READ, worker)
-        self._spawned += 1
+        return Worker(name, proc, Channel(parent), tag)
 
     def _grow(self, tag: str, pending: deque[Task], limit: int) -> None:
         """Tasks of ``tag`` wait: fail them if its build failed, else plan more slots for it."""
@@ -473,34 +493,45 @@ class Workers:
         self._lost += 1
         tag = worker.env
         if not worker.ready:
-            if tag:
-                self._env_failures[tag] = self._env_failures.get(tag, 0) + 1
-            else:
-                self._start_failures += 1
+            self._count_start_failure(tag)
         if worker.inflight:
             self._settle(worker, code)
         if self._closing and not self._drop_cancelled(tag):
             return  # (tasks still to run, given back by it: a worker takes its place)
-        if self._env_failures.get(tag, 0) >= START_FAILURES:
+        if self._give_up(tag, f"{how(code)} before starting"):
+            return
+        self._reconcile()  # a new worker of its environment takes its place
+
+    def _count_start_failure(self, tag: str) -> None:
+        if tag:
+            self._env_failures[tag] = self._env_failures.get(tag, 0) + 1
+        else:
+            self._start_failures += 1
+
+    def _give_up(self, tag: str, what: str) -> bool:
+        """After START_FAILURES workers of ``tag`` in a row that never started: fail its
+        tasks (an environment's: as a failed build of it; the node's own: all, and close);
+        True if it did."""
+        if tag and self._env_failures.get(tag, 0) >= START_FAILURES:
             # a worker that cannot start in its environment is a failed build of it
             self._builds.failed[tag] = errors.WorkerLost(
                 f"{START_FAILURES} workers of environment {self.layout.envs[tag]!r} on "
-                f"{self.name} in a row {how(code)} before starting; see their output on stderr"
+                f"{self.name} in a row {what}; see their output on stderr"
             )
             self.layout.release(tag)
             self._fail_env(tag, self._builds.failed[tag])
             self._reconcile()
-            return
-        if self._start_failures >= START_FAILURES:
+            return True
+        if not tag and self._start_failures >= START_FAILURES:
             self._fail_all(
                 errors.WorkerLost(
-                    f"{self._start_failures} workers of {self.name} in a row {how(code)} "
-                    f"before starting (python: {self._python}); see their output on stderr"
+                    f"{self._start_failures} workers of {self.name} in a row {what} "
+                    f"(python: {self._python}); see their output on stderr"
                 )
             )
             self._closing = True
-            return
-        self._reconcile()  # a new worker of its environment takes its place
+            return True
+        return False
 
     def _drop_cancelled(self, tag: str) -> bool:
         """Answer the cancelled tasks waiting for a worker of ``tag`` as skipped (a
