@@ -192,6 +192,25 @@ def test_tasks_pending_at_once_start_in_order_over_ready_workers(runtime) -> Non
     assert {t.record.worker for t in first} == {t.record.worker for t in then}  # both workers
 
 
+def test_a_retired_workers_network_is_released_once_it_exits(runtime) -> None:
+    """A worker retired for another environment's kept its network (slot, counting
+    cgroup) until the manager stopped: a manager switching often held ever more."""
+    rt = runtime()
+    rt.agent.add_manager(1, warm=[A], prefetch=1)
+    manager = rt.agent._managers[0]
+    if not manager._net.active:
+        pytest.skip("this node's workers get no network of their own (not root)")
+    for env in (A, B, A, B):  # each switch retires the one worker for the other's
+        rt.submit(env, pid)
+        rt.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while manager._reap and time.monotonic() < deadline:  # (the loop reaps them)
+        time.sleep(0.05)
+    live = {w.name for w in manager._workers}
+    assert manager.statistics()["spawned"] >= 4
+    assert set(manager._net._held) <= live, (set(manager._net._held), live)
+
+
 def test_unused_slots_before_switching_a_warm_worker(runtime) -> None:
     rt = runtime()
     rt.agent.add_manager(3, warm=[A], prefetch=1)

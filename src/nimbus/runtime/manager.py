@@ -135,7 +135,7 @@ class Manager(Workers, NodeOrders):
         self._pending: dict[str, deque[Task]] = {"": deque()}
         self._cancels: deque[Task] = deque()
         self._init_orders()  # environment orders: build, remove (nimbus.runtime._orders)
-        self._reap: list[Any] = []  # retired workers' processes, not yet exited
+        self._reap: list[_Worker] = []  # retired workers, not yet exited
         self._retiring = False  # some worker waits to empty before it is retired
         self._workers: list[_Worker] = []
         self._selector = selectors.DefaultSelector()

@@ -272,7 +272,7 @@ class Workers:
     _building: dict[str, int]
     _changes: int
     _retiring: bool
-    _reap: list[Any]
+    _reap: list[Worker]
     _env_failures: dict[str, int]
     _start_failures: int
     _closing: bool
@@ -313,7 +313,7 @@ class Workers:
             except subprocess.TimeoutExpired:
                 worker.proc.kill()
                 worker.proc.wait()
-        for proc in self._reap:
+        for proc in [w.proc for w in self._reap]:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -367,14 +367,22 @@ class Workers:
         if not worker.ready:
             worker.proc.kill()  # still importing: no need to wait for it
         self._workers.remove(worker)
-        self._reap.append(worker.proc)
+        self._reap.append(worker)
         self._reaped()
 
     def _reaped(self) -> bool:
         """Wait for the retired workers that exited (else each stays a zombie until the
-        next retirement); True while some have not exited yet (the loop looks again soon)."""
+        next retirement) and release what the network made for them (their slot and
+        cgroup were held until the manager stopped); True while some have not exited yet
+        (the loop looks again soon)."""
         if self._reap:
-            self._reap = [p for p in self._reap if p.poll() is None]
+            exiting = []
+            for worker in self._reap:
+                if worker.proc.poll() is None:
+                    exiting.append(worker)
+                else:
+                    self._net.release(worker.name)
+            self._reap = exiting
         return bool(self._reap)
 
     def _built(self) -> None:
