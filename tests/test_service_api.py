@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import time
 import uuid
 
 import pytest
@@ -202,9 +203,15 @@ def test_groups_and_batch_status(service: Service) -> None:
         assert results[ids[0]]["state"] == "cancelled"
 
 
-def test_task_ids_are_version_4_uuids_as_uuid4_writes_them() -> None:
+def test_task_ids_are_version_7_uuids_that_sort_by_when_they_were_made() -> None:
+    before = time.time_ns() // 1_000_000
     ids = new_ids(2_000)
+    after = time.time_ns() // 1_000_000
     assert len(set(ids)) == 2_000 and new_ids(0) == []
     for text in ids:
         parsed = uuid.UUID(text)
-        assert parsed.version == 4 and parsed.variant == uuid.RFC_4122 and str(parsed) == text
+        assert parsed.version == 7 and parsed.variant == uuid.RFC_4122 and str(parsed) == text
+        assert before <= parsed.int >> 80 <= after  # its first 48 bits: the time in ms
+    assert len({text[14:] for text in ids}) == 2_000  # 74 random bits after the time
+    time.sleep(0.002)
+    assert max(ids) < min(new_ids(100))  # made later: sorts later (the history's key)
