@@ -166,6 +166,33 @@ def test_a_missing_input_empty_or_relative_path_is_refused_before_any_task(
         run(describe, nimbus.data.Scope("u-f", "f", None, False, 1.0), nimbus.File(missing))
 
 
+def mark(marks: str, path: Path) -> str:
+    with open(marks, "a") as f:
+        f.write(path.name + "\n")
+    return path.read_text()
+
+
+def test_a_map_of_files_refuses_a_missing_one_before_any_of_its_tasks_and_chunks_get_paths(
+    ex: Executor, tmp_path: Path
+) -> None:
+    """A stranger's find: map checked each item's File as it submitted it, so the tasks
+    before a missing one had run (one refused: some ran); and a chunk's Files (chunksize
+    > 1) reached the task as File objects, not paths."""
+    marks = tmp_path / "marks"
+    (tmp_path / "a").write_text("A")
+    items = [nimbus.File(str(tmp_path / "a")), nimbus.File(str(tmp_path / "gone"))]
+    with pytest.raises(FileRefused, match="gone does not exist"):
+        ex.map(mark, [str(marks)] * 2, items)
+    with pytest.raises(FileRefused, match="gone does not exist"):
+        ex.map(mark, [str(marks)] * 2, items, keep=True)
+    with pytest.raises(FileRefused, match="gone does not exist"):
+        ex.options(timeout=30).map(mark, [str(marks)] * 2, items)
+    time.sleep(0.5)  # (a task sent would have run by now)
+    assert not marks.exists(), "a task of a refused map ran"
+    got = list(ex.map(mark, [str(marks)] * 3, [items[0]] * 3, chunksize=2))
+    assert got == ["A"] * 3 and marks.read_text() == "a\n" * 3
+
+
 def test_a_file_of_anything_but_a_path_says_what_a_file_takes() -> None:
     """``nimbus.File(123)`` (or bytes): a TypeError saying what a File takes, not the
     bare one of ``os.fspath``."""

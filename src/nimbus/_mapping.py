@@ -38,6 +38,8 @@ class Mapper(cf.Executor):
 
     _keeps = False  # every task of this executor keeps its result (options(keep=True))
     _cancel_queued: Callable[[list[Any]], None]
+    # map's items with their Files checked and made ready, or None if none has one
+    _staged_items: Callable[[list[tuple[Any, ...]]], list[tuple[Any, ...]] | None]
     _map_kept: Callable[[Callable[..., Any], tuple[Iterable[Any], ...]], list[Any]]
 
     def map(
@@ -55,7 +57,14 @@ class Mapper(cf.Executor):
         :class:`~nimbus.KeptFuture` (one per item) is returned at once, to pass to other
         tasks (``timeout`` is refused then: nothing waits).
         ``progress=True`` draws a bar of the items done on stderr (``nimbus._progress``).
+        Items with ``nimbus.File`` arguments are all checked before any task is sent (one
+        refused: none runs), and go one a task (a task's Files are made ready where it runs).
         """
+        items = list(zip(*iterables, strict=False))  # (the stdlib's map takes them all too)
+        staged = self._staged_items(items)
+        if staged is not None:
+            items, chunksize = staged, 1
+        iterables = tuple(zip(*items, strict=True)) if items else ()
         if keep or self._keeps:
             if timeout is not None:  # (it was ignored without a word: stranger 7 F7)
                 raise ValueError(

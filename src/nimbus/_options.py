@@ -42,8 +42,10 @@ class Options(_mapping.Mapper):
         *,
         keep: bool = False,
         limits: Any = None,
+        staged_items: Callable[[list[tuple[Any, ...]]], list[tuple[Any, ...]] | None],
     ) -> None:
         self._submit = submit  # the executor's own (Executor._submit)
+        self._staged_items = staged_items  # (the executor's: map's Files, checked first)
         self._cancel_queued = cancel_queued
         self._timeout = timeout
         self._environment = environment

@@ -218,7 +218,14 @@ class Executor(_mapping.Mapper):
 
             own = task_limits(**limits)
         return Options(
-            self._submit, self._cancel_queued, timeout, env, tag, keep=bool(keep), limits=own
+            self._submit,
+            self._cancel_queued,
+            timeout,
+            env,
+            tag,
+            keep=bool(keep),
+            limits=own,
+            staged_items=self._staged_items,
         )
 
     def _submit(
@@ -305,6 +312,14 @@ class Executor(_mapping.Mapper):
         self._futures[seq] = future
         self._backend.submit([task])
         return future
+
+    def _staged_items(self, items: list[tuple[Any, ...]]) -> list[tuple[Any, ...]] | None:
+        """map's items with their Files checked and made ready, all before any task is
+        sent (a missing file of the tenth item ran nine tasks first); None if none has one."""
+        file = data.File
+        if not any(type(value) is file for args in items for value in args):
+            return None
+        return [data.stage_files(self, args, {})[0] for args in items]
 
     def _map_kept(
         self, fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...]
