@@ -31,6 +31,7 @@ from test_network import (  # the helpers of the namespace tests, on the same se
     _child,
     _curl,
     _store_round_trip,
+    _store_round_trip_with_drops,
     accounting,
     needs_root,
     tcp_store,  # noqa: F401  (the fixture)
@@ -227,6 +228,21 @@ def test_state_store_traffic_reported_apart_in_a_cgroup(
         assert fut.result(timeout=60) == 2_000_000
     r = fut.record
     assert r.net_source == "cgroup"
+    assert _exact(r.net_nimbus_out, 2_000_000) and _exact(r.net_nimbus_in, 2_000_000), r
+    assert r.net_bytes_in < 8_000 and r.net_bytes_out < 8_000, r
+
+
+@needs_root
+def test_what_the_state_stores_connection_sent_again_is_no_ones_in_a_cgroup(
+    counted: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """As a namespace's (test_network): a cgroup's counts take the copies off themselves,
+    and nimbus's payload is once there too."""
+    url = request.getfixturevalue("tcp_store")
+    counted.setenv("NIMBUS_REDIS_URL", url)
+    r = _store_round_trip_with_drops(url)
+    assert r.net_source == "cgroup" and r.tcp is not None
+    assert r.tcp["retransmits"] > 0, r.tcp
     assert _exact(r.net_nimbus_out, 2_000_000) and _exact(r.net_nimbus_in, 2_000_000), r
     assert r.net_bytes_in < 8_000 and r.net_bytes_out < 8_000, r
 

@@ -24,7 +24,8 @@ How the worker measures (see ``nimbus.telemetry``):
   every byte the task's processes moved over IP, C libraries and children
   included, as counted on the worker's link less 66 bytes of Ethernet, IPv4
   and TCP headers a packet (TCP payload; a pure ACK counts 0), less ``net_nimbus_in``/``_out``: the
-  payload of nimbus's own connections (the state store) meanwhile. With
+  payload of nimbus's own connections (the state store) meanwhile, each byte once
+  (what they sent again is taken off the task's bytes too). With
   "cgroup" (a worker counted by eBPF on a cgroup of its own, no namespace) the
   same bytes counted at its sockets: IP, TCP and UDP headers taken off exactly,
   and TCP payload once (a segment sent again or received twice is in ``tcp``:

@@ -34,8 +34,10 @@ socket its processes made (children included), at the socket, with no
 device of its own on the way. They count payload itself: the packet's length
 less its IP header and its TCP (data offset) or UDP header, read with
 ``bpf_skb_load_bytes`` (a GSO packet has one header for all its segments:
-exact whatever the MTU); so the map holds payload bytes, and the reader
-subtracts nothing.
+exact whatever the MTU); so the map holds payload bytes. What was sent again
+(below the socket's ``snd_nxt``) and what came already (an IPv4 connection's
+bytes as a link's above; IPv6 below ``rcv_nxt``) are counted apart, and the
+reader takes them off (``_cgroup_program`` says why not by ``rcv_nxt`` alone).
 
 The programs are attached by ``BPF_LINK_CREATE``: the links go with the last
 descriptor, so a worker that dies takes them with it. Where ``bpf(2)`` is refused
@@ -116,16 +118,27 @@ def _link_ingress(map_fd: int, flows_fd: int) -> bytes:
     before TCP has taken any of them."""
     asm = _Asm()
     asm(_insn(0xBF, 6, 1), _insn(0x61, 7, 6), _count(map_fd, 0, 7))  # r6 = skb; r7 = len
-    asm.load(1, "out", 14)  # after the Ethernet header: version and IHL
+    _seen(asm, flows_fd, 14, map_fd, 32)
+    asm.at("out")
+    asm(_insn(0xB7, 0, 0, 0, _TCX_NEXT), _insn(0x95))
+    return asm.code()
+
+
+def _seen(asm: _Asm, flows_fd: int, l3: int, map_fd: int, again: int) -> None:
+    """The IPv4 TCP segment in skb (r6; its IP header at ``l3``) against what its
+    connection had (the hash map ``flows_fd``): the bytes of it that came already counted
+    at ``again`` (bytes, segments); then to "out" (see :func:`_link_ingress`)."""
+    asm(_insn(0x61, 7, 6))  # r7 = skb->len
+    asm.load(1, "out", l3)  # version and IHL
     asm(_insn(0xBF, 3, 2), _insn(0x77, 3, imm=4))  # r3 = the version
     asm.jump(0x55, 3, "out", 4)  # IPv4 only
     asm(_insn(0x57, 2, imm=15), _insn(0x67, 2, imm=2), _insn(0xBF, 9, 2))  # r9 = IP header
-    asm.load(1, "out", 23)  # the protocol
+    asm.load(1, "out", l3 + 9)  # the protocol
     asm.jump(0x55, 2, "out", 6)  # TCP only
-    asm.load(1, "out", 26, reg=9)  # the data offset's byte
+    asm.load(1, "out", l3 + 12, reg=9)  # the data offset's byte
     asm(_insn(0x77, 2, imm=4), _insn(0x67, 2, imm=2))  # r2 = the TCP header
-    asm(_insn(0xBF, 8, 2), _insn(0x0F, 8, 9), _insn(0x07, 8, imm=14))  # r8 = all headers
-    asm.load(1, "out", 27, reg=9)  # the flags
+    asm(_insn(0xBF, 8, 2), _insn(0x0F, 8, 9), _insn(0x07, 8, imm=l3))  # r8 = all headers
+    asm.load(1, "out", l3 + 13, reg=9)  # the flags
     asm(_insn(0x57, 2, imm=2), _insn(0x63, 10, 2, -32))  # *(u32 *)(fp - 32) = SYN
     asm.jump(0x55, 2, "syn", 0)  # a SYN: the connection starts (again, on a port reused)
     asm.jump(0xBD, 7, "out", src=8)  # if len <= headers goto out: no payload
@@ -134,7 +147,7 @@ def _link_ingress(map_fd: int, flows_fd: int) -> bytes:
     asm.at("syn")
     asm(_insn(0xB7, 7, 0, 0, 1))  # r7 = 1: a SYN takes one sequence number
     asm.at("key")
-    for offset, reg, size, at in ((26, None, 8, -24), (14, 9, 4, -16)):  # the flow's key
+    for offset, reg, size, at in ((l3 + 12, None, 8, -24), (l3, 9, 4, -16)):  # its key
         asm(_insn(0xBF, 1, 6))  # r1 = skb
         if reg is None:
             asm(_insn(0xB7, 2, 0, 0, offset))
@@ -143,7 +156,7 @@ def _link_ingress(map_fd: int, flows_fd: int) -> bytes:
         asm(_insn(0xBF, 3, 10), _insn(0x07, 3, imm=at), _insn(0xB7, 4, 0, 0, size))
         asm(_insn(0x85, imm=_LOAD_BYTES))
         asm.jump(0x55, 0, "out")
-    asm.load(4, "out", 18, reg=9)  # the sequence number
+    asm.load(4, "out", l3 + 4, reg=9)  # the sequence number
     asm(_insn(0xBF, 8, 2), _insn(0xDC, 8, imm=32))  # r8 = be32toh(r2)
     asm(_insn(0xBC, 9, 8), _insn(0x0C, 9, 7))  # w9 = seq + payload: the segment's end
     asm(_insn(0x61, 2, 10, -32))  # r2 = SYN
@@ -176,7 +189,7 @@ def _link_ingress(map_fd: int, flows_fd: int) -> bytes:
     asm.at("all")
     asm(_insn(0x1F, 2, 6))  # r2 -= r6: what of it had crossed already
     asm.jump(0xD5, 2, "place", 0)  # if (s64) r2 <= 0 goto place
-    asm(_insn(0xBF, 7, 2), _count(map_fd, 32, 7))
+    asm(_insn(0xBF, 7, 2), _count(map_fd, again, 7))
     asm.at("place")  # a gap to keep (a new one, or the upper part of one filled inside)
     asm(_insn(0x61, 3, 10, -52), _insn(0x61, 5, 10, -48))  # w3, w5 = its start, end
     asm.jump(0x1D, 3, "out", src=5)  # if r3 == r5 goto out: none
@@ -220,9 +233,7 @@ def _link_ingress(map_fd: int, flows_fd: int) -> bytes:
         _insn(0xB7, 4, 0, 0, 0),  # BPF_ANY
         _insn(0x85, imm=_MAP_UPDATE),
     )
-    asm.at("out")
-    asm(_insn(0xB7, 0, 0, 0, _TCX_NEXT), _insn(0x95))
-    return asm.code()
+    asm.jump(0x05, 0, "out")
 
 
 def _fill(asm: _Asm, at: int, tag: str) -> None:
@@ -306,12 +317,17 @@ class _Asm:
         return bytes(out)
 
 
-def _cgroup_program(map_fd: int, offset: int, nxt: int) -> bytes:
+def _cgroup_program(map_fd: int, offset: int, nxt: int, flows_fd: int = -1) -> bytes:
     """Payload bytes of an IP packet at a cgroup's socket (at ``offset``: bytes, packets):
     skb->len less its IP header and its TCP (data offset) or UDP header; what cannot be
-    read counts whole. TCP payload already sent or received (sequence numbers below the
-    socket's ``snd_nxt`` or ``rcv_nxt``, at ``nxt`` in ``struct bpf_tcp_sock``: a
-    retransmit, a duplicate) is counted again at ``offset + 32`` (bytes, segments)."""
+    read counts whole. TCP payload already sent or received is counted again at
+    ``offset + 32`` (bytes, segments): going out (a retransmit), sequence numbers below
+    the socket's ``snd_nxt`` (at ``nxt`` in ``struct bpf_tcp_sock``); coming in (a
+    duplicate, a peer's retransmit), with ``flows_fd``, an IPv4 segment's bytes that
+    had come already (:func:`_seen`, as a link's), an IPv6 one's below ``rcv_nxt``.
+    Not by ``rcv_nxt`` alone: the hook is run before TCP takes the segment, which may
+    wait in the socket's backlog (its owner busy) while the peer's timer sends it
+    again, or be dropped there (the backlog full) and come again: both counted twice."""
     asm = _Asm()
     asm(
         _insn(0xBF, 6, 1),  # r6 = skb
@@ -346,6 +362,12 @@ def _cgroup_program(map_fd: int, offset: int, nxt: int) -> bytes:
     asm(_insn(0x1F, 7, 8))  # r7 -= r8: the payload
     asm(_count(map_fd, offset, 7))
     asm.jump(0x15, 9, "out", 0)  # not TCP: done
+    if flows_fd >= 0:
+        asm.load(1, "out", 0)
+        asm(_insn(0x77, 2, imm=4))  # r2 = the version
+        asm.jump(0x55, 2, "v6tcp", 4)  # if r2 != 4 goto v6tcp
+        _seen(asm, flows_fd, 0, map_fd, offset + 32)
+        asm.at("v6tcp")
     asm.jump(0x15, 7, "out", 0)  # no payload: done
     asm.load(4, "out", 4, reg=9)  # the sequence number
     asm(_insn(0xBF, 8, 2), _insn(0xDC, 8, imm=32))  # r8 = be32toh(r2)
@@ -468,7 +490,7 @@ class CgroupCounters(LinkCounters):
             bpf.fds.append(directory)
             map_fd = bpf.new_map()
             hooks = (
-                (_CGROUP_INGRESS, _cgroup_program(map_fd, 0, _RCV_NXT)),
+                (_CGROUP_INGRESS, _cgroup_program(map_fd, 0, _RCV_NXT, bpf.flows_map())),
                 (_CGROUP_EGRESS, _cgroup_program(map_fd, 16, _SND_NXT)),
             )
             view = bpf.counted(map_fd, directory, _CGROUP_SKB, hooks)

@@ -258,7 +258,7 @@ class TaskNet:
             retrans, segs = tcp_counters(self._snmp)
             dups = duplicates_received(self._netstat)
             self._tcp = (retrans, segs, dups)
-        own_in = own_out = 0
+        own_in = own_out = own_again = 0
         task_conns: list[Conn] = []
         own: dict[int, Conn] = {}
         for c in self._connections():
@@ -266,14 +266,17 @@ class TaskNet:
                 before = self._own.get(c.inode)
                 own_in += c.bytes_in - (before.bytes_in if before else 0)
                 own_out += c.bytes_out - (before.bytes_out if before else 0)
-                own_out += c.bytes_retrans - (before.bytes_retrans if before else 0)
+                own_again += c.bytes_retrans - (before.bytes_retrans if before else 0)
                 own[c.inode] = c
             else:
                 task_conns.append(c)
         self._own = own  # the next task's baseline (their counts move only with bytes)
-        # payload bytes of nimbus's connections; on the link they carry headers too
+        # payload bytes of nimbus's connections, each once; what they sent again under
+        # load crossed the link twice (a cgroup's counts took it off already)
+        extra["net_nimbus_in"], extra["net_nimbus_out"] = min(own_in, nin), min(own_out, nout)
+        if self._snmp >= 0:
+            own_out += own_again
         own_in, own_out = min(own_in, nin), min(own_out, nout)
-        extra["net_nimbus_in"], extra["net_nimbus_out"] = own_in, own_out
         tcp: dict[str, Any] = {"connections": len(task_conns)}
         if self._snmp >= 0:  # the namespace's counters
             tcp["retransmits"] = retrans - sretrans  # segments the task's side sent again
