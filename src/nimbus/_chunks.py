@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["chunks", "run_chunk"]
 
 
-def chunks(
-    iterables: tuple[Iterable[Any], ...], size: int
-) -> Iterator[tuple[tuple[Any, ...], ...]]:
-    """Tuples of up to ``size`` argument tuples, from zipped iterables."""
-    zipped = zip(*iterables, strict=False)
-    while True:
-        chunk = tuple(itertools.islice(zipped, size))
-        if not chunk:
-            return
-        yield chunk
+def chunks(items: list[tuple[Any, ...]], size: int) -> Iterator[tuple[tuple[Any, ...], ...]]:
+    """Tuples of up to ``size`` of the argument tuples ``items``, in order."""
+    for at in range(0, len(items), size):
+        yield tuple(items[at : at + size])
 
 
 def run_chunk(fn: Callable[..., Any], chunk: tuple[tuple[Any, ...], ...]) -> list[Any]:

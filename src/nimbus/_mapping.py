@@ -3,7 +3,7 @@ what happens to the tasks left when the caller stops reading.
 
 ::
 
-    map_results(submit, fn, iterables)
+    map_results(submit, fn, items)
         submit(fn, *args) per item   or   submit(run_chunk(fn), chunk) per chunk (_chunks)
         -> futures (a progress bar counts them as they finish: _progress)
         -> results(): future.result() in order, within the one deadline of ``timeout``
@@ -34,13 +34,13 @@ T = TypeVar("T")
 
 class Mapper(cf.Executor):
     """``map`` on ``submit``; ``_cancel_queued(futures)`` cancels those not running yet (the
-    Ctrl-C rule below) and ``_map_kept(fn, iterables)`` submits one kept task an item."""
+    Ctrl-C rule below) and ``_map_kept(fn, items)`` submits one kept task an item (an argument tuple)."""
 
     _keeps = False  # every task of this executor keeps its result (options(keep=True))
     _cancel_queued: Callable[[list[Any]], None]
     # map's items with their Files checked and made ready, or None if none has one
     _staged_items: Callable[[list[tuple[Any, ...]]], list[tuple[Any, ...]] | None]
-    _map_kept: Callable[[Callable[..., Any], tuple[Iterable[Any], ...]], list[Any]]
+    _map_kept: Callable[[Callable[..., Any], list[tuple[Any, ...]]], list[Any]]
 
     def map(
         self,
@@ -64,7 +64,6 @@ class Mapper(cf.Executor):
         staged = self._staged_items(items)
         if staged is not None:
             items, chunksize = staged, 1
-        iterables = tuple(zip(*items, strict=True)) if items else ()
         if keep or self._keeps:
             if timeout is not None:  # (it was ignored without a word: stranger 7 F7)
                 raise ValueError(
@@ -73,22 +72,22 @@ class Mapper(cf.Executor):
                     f"task with .options(timeout=...), or wait for the futures with "
                     f"concurrent.futures.wait(futures, timeout)"
                 )
-            return self._map_kept(fn, iterables)  # type: ignore[return-value]  # to pass on
+            return self._map_kept(fn, items)  # type: ignore[return-value]  # to pass on
         return map_results(
-            self.submit, fn, iterables, timeout, chunksize, progress, self._cancel_queued
+            self.submit, fn, items, timeout, chunksize, progress, self._cancel_queued
         )
 
 
 def map_results(
     submit: Callable[..., cf.Future[Any]],
     fn: Callable[..., Any],
-    iterables: tuple[Iterable[Any], ...],
+    items: list[tuple[Any, ...]],
     timeout: float | None,
     chunksize: int,
     progress: bool,
     cancel_queued: Callable[[list[Any]], None],
 ) -> Iterator[Any]:
-    """The results of ``fn`` over ``iterables``, in order. Left early (an error, a timeout,
+    """The results of ``fn`` over ``items`` (argument tuples), in order. Left early (an error, a timeout,
     the iterator closed), the tasks not done are cancelled, the running ones killed; after
     a Ctrl-C only the queued ones are: the running ones finish, as ``shutdown`` waits for
     them (a second Ctrl-C there stops the workers), as in a loop of ``submit``."""
@@ -99,11 +98,11 @@ def map_results(
     _progress.check(progress)
     end = None if timeout is None else timeout + time.monotonic()
     if chunksize == 1:
-        futures = [submit(fn, *args) for args in zip(*iterables, strict=False)]
+        futures = [submit(fn, *args) for args in items]
         sizes = [1] * len(futures)
     else:
         run = partial(_chunks.run_chunk, fn)
-        chunks = list(_chunks.chunks(iterables, chunksize))
+        chunks = list(_chunks.chunks(items, chunksize))
         futures = [submit(run, chunk) for chunk in chunks]
         sizes = [len(chunk) for chunk in chunks]
     if progress:

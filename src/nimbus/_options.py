@@ -15,7 +15,7 @@ Used by ``nimbus.executor`` alone (``tests/test_layers.py`` pins it).
 from __future__ import annotations
 
 import concurrent.futures as cf
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from nimbus import _mapping
@@ -59,13 +59,13 @@ class Options(_mapping.Mapper):
             self._limits,
         )  # fmt: skip
 
-    def _map_kept(self, fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...]) -> list[Any]:
+    def _map_kept(self, fn: Callable[..., Any], items: list[tuple[Any, ...]]) -> list[Any]:
         """One kept task an item: the list of their KeptFuture, to pass to other tasks."""
         return [
             self._submit(
                 fn, args, {}, self._timeout, True, self._environment, self._env, self._limits
             )
-            for args in zip(*iterables, strict=False)
+            for args in items
         ]
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:

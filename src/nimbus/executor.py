@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures._base import RUNNING  # read without the lock on the hot path
 from typing import Any, TypeVar
 
@@ -322,9 +322,9 @@ class Executor(_mapping.Mapper):
         return [data.stage_files(self, args, {})[0] for args in items]
 
     def _map_kept(
-        self, fn: Callable[..., Any], iterables: tuple[Iterable[Any], ...]
+        self, fn: Callable[..., Any], items: list[tuple[Any, ...]]
     ) -> list[Any]:  # map(keep=True): as a view that keeps does
-        return self.options(keep=True)._map_kept(fn, iterables)
+        return self.options(keep=True)._map_kept(fn, items)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking tasks; with ``cancel_futures`` drop those not yet running.
