@@ -32,7 +32,8 @@ from typing import Any
 
 from nimbus import environments
 from nimbus.environments import Environment
-from nimbus.runtime.pool import Builds, Layout, Worker
+from nimbus.runtime.layout import Builds, Layout
+from nimbus.runtime.pool import Worker
 from nimbus.runtime.task import Task, environment_tag
 
 __all__ = ["BUILDS_AT_ONCE", "DONE", "KEPT", "ORDERS", "NodeOrders", "named"]

@@ -14,7 +14,7 @@
 Workers are typed by environment (``nimbus.runtime.pool``): each
 environment has its own pending queue and its own workers; tasks go only to
 workers of their environment. The node's slots are shared out by a
-:class:`~nimbus.runtime.pool.Layout`: the agent reserves slots for the
+:class:`~nimbus.runtime.layout.Layout`: the agent reserves slots for the
 environments it routes here, and the manager itself grows an environment
 whose tasks wait, from unused slots, then from idle environments. An
 environment is built (``nimbus.environments.prepare``) on a thread, never on
@@ -62,9 +62,10 @@ from nimbus.environments import Environment, Prepared
 from nimbus.errors import NimbusError
 from nimbus.runtime import popen_fork
 from nimbus.runtime._orders import NodeOrders
+from nimbus.runtime.layout import Builds, Layout
 from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
-from nimbus.runtime.pool import Builds, Layout, Workers, worker_environment
 from nimbus.runtime.pool import Worker as _Worker
+from nimbus.runtime.pool import Workers, worker_environment
 from nimbus.runtime.task import Task, environment_tag
 from nimbus.wire import ProtocolError, pack, unpack
 
