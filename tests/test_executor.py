@@ -1246,6 +1246,11 @@ if __name__ == "__main__":
                 ex.submit(square, running)
             except RuntimeError as e:
                 print("child:", e, flush=True)
+            for wait in (running.result, running.exception):  # its result comes to the owner
+                try:
+                    wait()
+                except RuntimeError as e:
+                    print("child:", e, flush=True)
             sys.exit(0)  # a normal exit: atexit handlers, then the with block's exit, run
         print("child exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
         print("parent after", ex.submit(square, 5).result(timeout=30), running.result(), flush=True)
@@ -1257,7 +1262,8 @@ def test_a_forked_child_is_told_the_executor_is_its_parents_and_its_exit_leaves_
 ) -> None:
     """A process forked from an Executor's owner got no runtime (threads, workers): its
     submit hung on the result and its exit hung in the at-exit shutdown (so did a parent
-    waiting for it). It is refused naming why, and the child's exit touches nothing."""
+    waiting for it), and so did its wait for a future the owner had pending. They are
+    refused naming why, and the child's exit touches nothing."""
     script = tmp_path / "forks.py"
     script.write_text(FORKED_CHILD)
     proc = subprocess.Popen(
@@ -1279,3 +1285,5 @@ def test_a_forked_child_is_told_the_executor_is_its_parents_and_its_exit_leaves_
     assert lines[0] == "parent 9" and lines[-2:] == ["child exit 0", "parent after 25 7"], lines
     for line in lines[1:3]:  # a plain submit, one with a future as its argument
         assert "was forked from it" in line and "make an Executor in this process" in line, lines
+    for line in lines[3:5]:  # result() and exception() of the owner's pending future
+        assert "was forked from it" in line and "its result arrives in process" in line, lines

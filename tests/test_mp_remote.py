@@ -180,6 +180,52 @@ def test_process_queue_lock_output_and_exitcodes(
     assert out["kill alive"] == "True" and out["kill exitcode"] == "-9"
 
 
+def test_childrens_lines_reach_the_parent_whole(
+    tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """Two children write long lines at once, each in two writes (as a C library's or a
+    subprocess's stdout on a pipe goes in blocks that end inside lines): each line
+    reaches the parent's stdout whole, never with the other's output in its middle; and
+    a line without its end (a prompt) still arrives while the child runs."""
+    program = """
+        def talk(ch, go):  # each line in two writes, as a C program's blocks end inside one
+            go.wait(60)
+            half = (ch * 1500).encode()
+            for i in range(40):
+                os.write(1, half)
+                time.sleep(0.005)
+                os.write(1, half + b"\\n")
+
+        def prompt(q):
+            sys.stdout.write("ready? ")
+            sys.stdout.flush()
+            q.get(timeout=60)
+
+        if __name__ == "__main__":
+            go = mp.Event()
+            kids = [mp.Process(target=talk, args=(ch, go)) for ch in "ab"]
+            for p in kids:
+                p.start()
+            go.set()
+            for p in kids:
+                p.join(60)
+            q = mp.Queue()
+            p = mp.Process(target=prompt, args=(q,))
+            p.start()
+            time.sleep(1)  # its prompt is on the parent's stdout before the child ends
+            sys.stdout.flush()
+            say("prompted", "yes")
+            q.put(1)
+            p.join(60)
+        """
+    _, result = _on_lab(tmp_path, service, alice, program)
+    lines = result.stdout.splitlines()
+    long_lines = [line for line in lines if len(line) >= 3000]
+    assert len(long_lines) == 80, [len(x) for x in lines][:20]
+    assert all(line in ("a" * 3000, "b" * 3000) for line in long_lines)
+    assert "ready? prompted: yes" in result.stdout, result.stdout[-200:]
+
+
 def test_store_is_per_user_and_never_the_admin(
     service: Service, alice: Client, lab: EndpointProcess
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -50,13 +51,18 @@ class Future(cf.Future[Any]):
     """A ``concurrent.futures.Future`` whose ``cancel()`` also stops running tasks.
 
     ``record`` is the task's :class:`~nimbus.records.TaskRecord`, complete
-    once the future is done.
+    once the future is done. Waited for in a process forked while it was pending,
+    ``result()`` and ``exception()`` raise ``RuntimeError``: its result arrives in the
+    process that submitted it (it hung).
     """
 
     record: TaskRecord
     _task: Any = None  # its nimbus.runtime.task.Task (a floor above this module)
     _stop: Callable[[Any], None] | None = None
     _after: list[cf.Future[Any]] | None = None  # the futures of the tasks whose results it takes
+    # in a process forked while it was pending: the pid of the one whose runtime runs its
+    # task (its executor sets it there), where alone it completes
+    forked_from = 0
 
     def __init__(self) -> None:  # the stdlib's, with the lighter condition
         self._condition = _Condition()
@@ -65,6 +71,16 @@ class Future(cf.Future[Any]):
         self._exception = None
         self._waiters: list[Any] = []
         self._done_callbacks: list[Callable[[cf.Future[Any]], object]] = []
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self.forked_from and self._state != FINISHED:
+            raise RuntimeError(_forked_wait(self.forked_from))
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self.forked_from and self._state != FINISHED:
+            raise RuntimeError(_forked_wait(self.forked_from))
+        return super().exception(timeout)
 
     def cancel(self) -> bool:
         """Cancel the task; a running task's worker is killed and replaced."""
@@ -115,3 +131,12 @@ class Future(cf.Future[Any]):
         self.record.state = TaskState.CANCELLED
         self._invoke_callbacks()  # type: ignore[attr-defined]
         return True
+
+
+def _forked_wait(owner: int) -> str:
+    return (
+        f"this future's task was submitted by process {owner}, and this process "
+        f"({os.getpid()}) was forked from it while the task was pending: its result arrives "
+        f"in process {owner} only, so waiting here would never end; wait for it there (and "
+        f"send the result to this process), or submit the task from an Executor made here"
+    )

@@ -62,6 +62,17 @@ __all__ = ["Executor", "Future", "KeptFuture"]
 T = TypeVar("T")
 
 _live: weakref.WeakSet[Executor] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    """In a forked child: the pending futures of its parent's executors say whose they are
+    (waited for here, they never completed)."""
+    for ex in list(_live):
+        for future in list(ex._futures.values()):
+            future.forked_from = ex._pid
+
+
+os.register_at_fork(after_in_child=_forked)
 _SAME: Any = object()  # options(): keep the executor's own
 _PLAIN = frozenset((int, float, str, bytes, bool, type(None)))  # arguments with no data in them
 

@@ -81,6 +81,7 @@ __all__ = [
 ]
 
 CHUNK = 1 << 16
+HOLD = 0.05  # seconds a child's line may wait for its end before it goes as it is
 WAKE = 1.0  # seconds: how often a blocked reader checks whether it should stop
 STORE_GRACE = 5.0  # seconds the store may be unreachable before the children are given up
 CHECK = 1.0  # seconds between a watcher's looks for its child's parent
@@ -386,13 +387,17 @@ def report_exit(program: Program, inbox: str, token: str, code: int) -> None:
 
 
 class Forwarder:
-    """In the child: fds 1 and 2 become pipes, and a thread pushes what comes out of them."""
+    """In the child: fds 1 and 2 become pipes, and a thread pushes what comes out of them,
+    whole lines at a time: a line's start waits up to ``HOLD`` for its end (a pipe's
+    stdout is written in 8 KiB blocks, so other children's lines came between its
+    halves); a longer wait (a prompt, a progress bar) or ``CHUNK`` bytes go as they are."""
 
     def __init__(self, program: Program, inbox: str, token: str) -> None:
         self.program = program
         self.key = program.keys.stdio(inbox)
         self.token = token
         self._fds: dict[int, str] = {}
+        self._held: dict[int, bytes] = {}  # fd -> the start of a line, not sent yet
         for fd, kind in ((1, "out"), (2, "err")):
             read, write = os.pipe()
             os.dup2(write, fd)
@@ -405,15 +410,21 @@ class Forwarder:
     def _run(self) -> None:
         fds = dict(self._fds)
         while fds:
-            ready, _, _ = select.select([*fds, self._wake_r], [], [])
+            wait = HOLD if self._held else None
+            ready, _, _ = select.select([*fds, self._wake_r], [], [], wait)
+            if not ready:  # no line's end came: what was held goes as it is
+                for fd in list(self._held):
+                    self._send(fds.get(fd, "out"), self._held.pop(fd))
             if self._wake_r in ready:  # the child is done: take what is left, then stop
                 for fd in fds:
                     os.set_blocking(fd, False)
                     while self._forward(fd, fds[fd]):
                         pass
+                    self._send(fds[fd], self._held.pop(fd, b""))
                 return
             for fd in ready:
                 if not self._forward(fd, fds[fd]):
+                    self._send(fds[fd], self._held.pop(fd, b""))
                     del fds[fd]
 
     def _forward(self, fd: int, kind: str) -> bool:
@@ -421,10 +432,23 @@ class Forwarder:
             data = os.read(fd, CHUNK)
         except OSError:  # drained (EAGAIN)
             return False
+        if not data:
+            return False
+        data = self._held.pop(fd, b"") + data
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+        if cut == 0 and len(data) < CHUNK:
+            self._held[fd] = data
+        elif cut == 0 or cut == len(data):
+            self._send(kind, data)
+        else:
+            self._send(kind, data[:cut])
+            self._held[fd] = data[cut:]
+        return True
+
+    def _send(self, kind: str, data: bytes) -> None:
         if data:
             with contextlib.suppress(redis.RedisError):
                 _push(self.program, self.key, msgpack.packb([kind, self.token, data]))
-        return bool(data)
 
     def close(self) -> None:
         """At the child's exit, after its last flush: push the rest of its output."""
