@@ -132,11 +132,23 @@ def test_an_out_file_that_cannot_be_written_is_refused_before_its_task(
 
 
 def test_bad_files_are_refused_before_any_task(ex: Executor, tmp_path: Path) -> None:
-    with pytest.raises(FileRefused, match=r"'\.\.'"):
+    with pytest.raises(FileRefused, match=r"'\.\.'.*name the file inside an export"):
         nimbus.File("lab:/data/../etc/passwd")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "x.h5").write_text("x")
+    # a file of this machine has no export to name: its path resolved is what to give
+    with pytest.raises(FileRefused, match=r"'\.\.' in its path") as raised:
+        nimbus.File(f"{tmp_path}/data/../x.h5")
+    assert "export" not in str(raised.value)
+    assert str(raised.value).endswith(f"nimbus.File({str(tmp_path / 'x.h5')!r})")
     with pytest.raises(FileRefused, match="must be absolute"):
         nimbus.File("lab:data/x")
-    with pytest.raises(FileRefused, match="'nowhere' is not known"):
+    # no service here: what to run to see the endpoints, and how to name a file of here
+    with pytest.raises(
+        FileRefused,
+        match=r"'nowhere' is not configured on this machine.*`nimbus endpoint list`.*"
+        r"nimbus.File\('/path'\)",
+    ):
         ex.submit(describe, nimbus.File("nowhere:/x"))
     (tmp_path / "exp").mkdir()
     (tmp_path / "secret").write_text("s")
@@ -303,7 +315,11 @@ def test_files_outside_an_endpoints_exports_are_refused(
         on_lab.submit(describe, nimbus.File(f"vault:{tmp_path}/private.txt"))
     with pytest.raises(FileRefused, match="a symlink leads out"):
         on_lab.submit(describe, nimbus.File(f"vault:{exported}/escape"))
-    with pytest.raises(FileRefused, match="'nowhere' is not known to the service"):
+    with pytest.raises(
+        FileRefused,
+        match=r"'nowhere' is not known to the service: `nimbus endpoints list` shows those "
+        r"you can use; `nimbus endpoint configure nowhere` registers it",
+    ):
         on_lab.submit(describe, nimbus.File("nowhere:/data/x"))
 
 
