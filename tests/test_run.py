@@ -746,6 +746,20 @@ def test_options_without_a_value_and_the_usage(tmp_path: Path) -> None:
     assert glued.returncode == 0 and glued.stdout == "['-c', 'a']\n", glued.stderr
 
 
+def test_an_unknown_option_points_to_the_help(tmp_path: Path) -> None:
+    """A stranger's find: `nimbus run --bogus` said "unknown option" and nothing of where to
+    look; it says `see nimbus run --help`, as every other nimbus command's parser does."""
+    done = _python("-m", "nimbus", "run", "--bogus", "x.py", cwd=tmp_path)
+    assert done.returncode == 2
+    usage, said = done.stderr.splitlines()
+    assert usage.startswith("usage: nimbus run ")
+    assert said == "nimbus run: unknown option '--bogus' (see `nimbus run --help`)"
+    for argv in (["run", "--bogus"], ["tasks", "list", "--bogus"], ["endpoint", "--bogus"]):
+        cli = _python("-c", f"from nimbus.cli import main; main({argv!r})", cwd=tmp_path)
+        prog = " ".join(["nimbus", *argv[:-1]])
+        assert cli.returncode == 2 and cli.stderr.endswith(f"(see `{prog} --help`)\n"), cli.stderr
+
+
 def test_help_to_a_reader_that_went_is_quiet(tmp_path: Path) -> None:
     """Stranger 16 F9: `nimbus run --help | head -1` printed a BrokenPipeError traceback.
     Here the reader has gone before the help is written: no output on stderr, status 0."""

@@ -157,7 +157,7 @@ def _help() -> None:
 
 
 def _usage(message: str) -> None:
-    print(f"{USAGE}\nnimbus run: error: {message}", file=sys.stderr)
+    print(f"{USAGE}\nnimbus run: {message} (see `nimbus run --help`)", file=sys.stderr)
     raise SystemExit(EXIT_USAGE)
 
 
