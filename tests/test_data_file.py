@@ -11,6 +11,8 @@ import dataclasses
 import hashlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -78,6 +80,32 @@ def test_out_file_keeps_its_name_so_np_savez_writes_it(ex: Executor, tmp_path: P
     assert Path(local).name == result.name and result.suffix == ".npz"
     assert np.load(result)["a"].tolist() == [0, 1, 2]
     assert not Path(local).parent.exists()  # its private directory: removed
+
+
+def test_the_readmes_out_example_runs_as_printed(tmp_path: Path) -> None:
+    """A stranger's find: the README never showed out=. Its example's function, run as
+    printed (the path made one of this machine): the file is where out= names it."""
+    pytest.importorskip("numpy")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## Data between functions", 1)[1].split("```python\n", 1)[1]
+    code = block.split("```", 1)[0]
+    head, body = code.split("with nimbus.Executor(", 1)
+    assert body.startswith('endpoint="hpc")')  # out= goes to the endpoint the task runs on
+    (submit,) = [line.strip() for line in body.splitlines() if "out=" in line]
+    assert submit.startswith('ex.submit(simulate, 42, out=nimbus.File("hpc:/results/{task_id}')
+    local = submit.split("  #")[0].replace("hpc:/results", str(tmp_path / "results"))
+    program = tmp_path / "example.py"
+    program.write_text(
+        f"{head}with nimbus.Executor(max_workers=1) as ex:\n    {local}.result(60)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(program)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    (written,) = (tmp_path / "results").iterdir()
+    import numpy as np
+
+    assert written.suffix == ".npz" and np.load(written)["x"].shape == (10,)
 
 
 def write_beside(out: Path) -> None:
