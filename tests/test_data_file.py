@@ -11,6 +11,8 @@ import dataclasses
 import hashlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -80,6 +82,32 @@ def test_out_file_keeps_its_name_so_np_savez_writes_it(ex: Executor, tmp_path: P
     assert not Path(local).parent.exists()  # its private directory: removed
 
 
+def test_the_readmes_out_example_runs_as_printed(tmp_path: Path) -> None:
+    """A stranger's find: the README never showed out=. Its example's function, run as
+    printed (the path made one of this machine): the file is where out= names it."""
+    pytest.importorskip("numpy")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## Data between functions", 1)[1].split("```python\n", 1)[1]
+    code = block.split("```", 1)[0]
+    head, body = code.split("with nimbus.Executor(", 1)
+    assert body.startswith('endpoint="hpc")')  # out= goes to the endpoint the task runs on
+    (submit,) = [line.strip() for line in body.splitlines() if "out=" in line]
+    assert submit.startswith('ex.submit(simulate, 42, out=nimbus.File("hpc:/results/{task_id}')
+    local = submit.split("  #")[0].replace("hpc:/results", str(tmp_path / "results"))
+    program = tmp_path / "example.py"
+    program.write_text(
+        f"{head}with nimbus.Executor(max_workers=1) as ex:\n    {local}.result(60)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(program)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    (written,) = (tmp_path / "results").iterdir()
+    import numpy as np
+
+    assert written.suffix == ".npz" and np.load(written)["x"].shape == (10,)
+
+
 def write_beside(out: Path) -> None:
     (out.parent / (out.name + ".npz")).write_bytes(b"a suffix the task added")
     raise ValueError(str(out))
@@ -132,11 +160,23 @@ def test_an_out_file_that_cannot_be_written_is_refused_before_its_task(
 
 
 def test_bad_files_are_refused_before_any_task(ex: Executor, tmp_path: Path) -> None:
-    with pytest.raises(FileRefused, match=r"'\.\.'"):
+    with pytest.raises(FileRefused, match=r"'\.\.'.*name the file inside an export"):
         nimbus.File("lab:/data/../etc/passwd")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "x.h5").write_text("x")
+    # a file of this machine has no export to name: its path resolved is what to give
+    with pytest.raises(FileRefused, match=r"'\.\.' in its path") as raised:
+        nimbus.File(f"{tmp_path}/data/../x.h5")
+    assert "export" not in str(raised.value)
+    assert str(raised.value).endswith(f"nimbus.File({str(tmp_path / 'x.h5')!r})")
     with pytest.raises(FileRefused, match="must be absolute"):
         nimbus.File("lab:data/x")
-    with pytest.raises(FileRefused, match="'nowhere' is not known"):
+    # no service here: what to run to see the endpoints, and how to name a file of here
+    with pytest.raises(
+        FileRefused,
+        match=r"'nowhere' is not configured on this machine.*`nimbus endpoint list`.*"
+        r"nimbus.File\('/path'\)",
+    ):
         ex.submit(describe, nimbus.File("nowhere:/x"))
     (tmp_path / "exp").mkdir()
     (tmp_path / "secret").write_text("s")
@@ -303,7 +343,11 @@ def test_files_outside_an_endpoints_exports_are_refused(
         on_lab.submit(describe, nimbus.File(f"vault:{tmp_path}/private.txt"))
     with pytest.raises(FileRefused, match="a symlink leads out"):
         on_lab.submit(describe, nimbus.File(f"vault:{exported}/escape"))
-    with pytest.raises(FileRefused, match="'nowhere' is not known to the service"):
+    with pytest.raises(
+        FileRefused,
+        match=r"'nowhere' is not known to the service: `nimbus endpoints list` shows those "
+        r"you can use; `nimbus endpoint configure nowhere` registers it",
+    ):
         on_lab.submit(describe, nimbus.File("nowhere:/data/x"))
 
 

@@ -247,14 +247,30 @@ def test_map_empty_input(ex) -> None:
     assert list(ex.map(add, [], chunksize=5)) == []
 
 
+def raise_timeout(x):
+    raise TimeoutError(f"the task's own {x}")
+
+
 def test_map_timeout() -> None:
+    """A stranger's find: the TimeoutError said nothing (as the stdlib's); it says how many
+    results were pending after how long. A task's own TimeoutError comes back as it was."""
     with Executor(max_workers=1) as ex:
-        results = ex.map(time.sleep, [0, 10], timeout=0.5)
+        assert ex.submit(pow, 2, 2).result(timeout=60) == 4  # its worker is up
+        results = ex.map(time.sleep, [0, 10, 10, 10], timeout=1)
         start = time.monotonic()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(TimeoutError) as raised:
             list(results)
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 3.5
+        assert type(raised.value) is TimeoutError
+        assert str(raised.value).startswith(
+            "map(timeout=1): 3 of 4 results still pending after 1 s; their tasks are "
+        )
         assert ex.submit(pow, 3, 2).result(timeout=10) == 9
+        chunked = ex.map(time.sleep, [0] * 3 + [10] * 4, timeout=1, chunksize=3)
+        with pytest.raises(TimeoutError, match=r"\): 4 of 7 results still pending"):
+            list(chunked)
+        with pytest.raises(TimeoutError, match=r"^the task's own 1$"):
+            list(ex.map(raise_timeout, [1], timeout=30))
 
 
 def test_as_completed(ex) -> None:

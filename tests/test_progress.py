@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import io
+import os
+import pty
 import re
 import subprocess
 import sys
+import termios
 import textwrap
 import threading
 from pathlib import Path
@@ -52,10 +55,61 @@ def test_map_progress_plain_fallback_without_tqdm(tmp_path: Path) -> None:
     assert "it/s" not in proc.stderr  # not tqdm's
 
 
-def test_map_progress_with_tqdm_counts_items_of_chunks(tmp_path: Path) -> None:
-    proc = _run(tmp_path, "tqdm", 7)  # 5 chunks, 30 items
+def test_map_progress_with_tqdm_counts_items_of_chunks_on_a_terminal(tmp_path: Path) -> None:
+    script = tmp_path / "prog.py"
+    script.write_text(PROGRAM)
+    master, slave = pty.openpty()  # stderr a terminal: tqdm draws there
+    termios.tcsetwinsize(slave, (24, 100))  # (a terminal of no columns draws no bar)
+    drawn: list[bytes] = []
+
+    def read() -> None:  # as the terminal does, while the program writes
+        try:
+            while chunk := os.read(master, 65536):
+                drawn.append(chunk)
+        except OSError:  # EIO: the terminal's other end closed, all read
+            pass
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script), "tqdm", "7"],  # 5 chunks, 30 items
+            stdout=subprocess.PIPE, stderr=slave, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(slave)
+        reader.join(30)
+        os.close(master)
+    assert proc.returncode == 0 and proc.stdout.strip() == str(sum(range(1, 31)))
+    text = b"".join(drawn).decode()
+    assert "map abs" in text and "30/30" in text and "task/s" in text, text  # tqdm's
+
+
+def test_progress_to_a_pipe_writes_plain_lines_without_cursor_control(tmp_path: Path) -> None:
+    """A stranger's find: with tqdm installed, a bar to a pipe (a log, CI) was tqdm's, full
+    of "\\r" rewrites. Not on a terminal, it is the plain bar's lines: a map's, and
+    `nimbus run --progress`'s for a Pool map."""
+    proc = _run(tmp_path, "tqdm", 7)
     assert proc.stdout.strip() == str(sum(range(1, 31)))
-    assert "map abs" in proc.stderr and "30/30" in proc.stderr
+    assert "\r" not in proc.stderr and "\x1b" not in proc.stderr, repr(proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("map abs: [") and "30/30 (100%)" in lines[-1]
+    script = tmp_path / "pool.py"
+    script.write_text(
+        "from multiprocessing import Pool\n"
+        "if __name__ == '__main__':\n"
+        "    with Pool(2) as pool:\n"
+        "        print(sum(pool.map(abs, range(-20, 0))))\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    run = subprocess.run(
+        [sys.executable, "-m", "nimbus", "run", "--progress", str(script)],
+        capture_output=True, text=True, timeout=180, check=False, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": src},
+    )  # fmt: skip
+    assert run.returncode == 0 and run.stdout.strip() == "210", run.stderr
+    assert "\r" not in run.stderr and "\x1b" not in run.stderr, repr(run.stderr)
+    assert run.stderr.splitlines()[-1].startswith("map abs: [####################] 20/20 (100%)")
 
 
 def test_map_without_progress_writes_nothing(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -744,6 +745,33 @@ def test_options_without_a_value_and_the_usage(tmp_path: Path) -> None:
     assert "no script, -m MODULE or -c CODE to run" in bare.stderr and "-c CODE" in bare.stderr
     glued = _python("-m", "nimbus", "run", "-cimport sys; print(sys.argv)", "a", cwd=tmp_path)
     assert glued.returncode == 0 and glued.stdout == "['-c', 'a']\n", glued.stderr
+
+
+def test_an_unknown_option_points_to_the_help(tmp_path: Path) -> None:
+    """A stranger's find: `nimbus run --bogus` said "unknown option" and nothing of where to
+    look; it says `see nimbus run --help`, as every other nimbus command's parser does."""
+    done = _python("-m", "nimbus", "run", "--bogus", "x.py", cwd=tmp_path)
+    assert done.returncode == 2
+    usage, said = done.stderr.splitlines()
+    assert usage.startswith("usage: nimbus run ")
+    assert said == "nimbus run: unknown option '--bogus' (see `nimbus run --help`)"
+    for argv in (["run", "--bogus"], ["tasks", "list", "--bogus"], ["endpoint", "--bogus"]):
+        cli = _python("-c", f"from nimbus.cli import main; main({argv!r})", cwd=tmp_path)
+        prog = " ".join(["nimbus", *argv[:-1]])
+        assert cli.returncode == 2 and cli.stderr.endswith(f"(see `{prog} --help`)\n"), cli.stderr
+
+
+def test_the_help_and_the_readme_say_what_environment_takes(tmp_path: Path) -> None:
+    """A stranger's find: `--help` said `--environment NAME`, the README `NAME|JSON`; it
+    takes either (``nimbus.environments.resolve``: a built name, or an Environment's JSON)."""
+    fast = _python("-m", "nimbus", "run", "--help", cwd=tmp_path)
+    assert "[--environment NAME|JSON]" in fast.stdout.splitlines()[0]
+    via_cli = _python("-c", "from nimbus.cli import main; main(['run', '--help'])", cwd=tmp_path)
+    assert via_cli.stdout.count("--environment NAME|JSON") == 2, via_cli.stdout  # usage, option
+    assert "environments build" in via_cli.stdout and "JSON" in via_cli.stdout
+    readme = (SRC.parent / "README.md").read_text()
+    assert "--environment NAME|JSON" in readme.replace("\\|", "|")
+    assert not re.search(r"--environment NAME(?![|\\])", readme)
 
 
 def test_help_to_a_reader_that_went_is_quiet(tmp_path: Path) -> None:

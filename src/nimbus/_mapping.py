@@ -114,12 +114,25 @@ def map_results(
 
     def results() -> Iterator[Any]:
         interrupted = False
+        given = 0  # results yielded
         try:
             futures.reverse()
+            sizes.reverse()
             while futures:
                 future = futures[-1]
-                value = future.result() if end is None else future.result(end - time.monotonic())
+                try:
+                    value = future.result(None if end is None else end - time.monotonic())
+                except TimeoutError as exc:  # the stdlib's says nothing: how many, how long
+                    if future.done() and not future.cancelled() and future.exception() is exc:
+                        raise  # the task's own (a TaskTimeoutError, or its fn raised one)
+                    raise TimeoutError(
+                        f"map(timeout={timeout!r}): {sum(sizes)} of {sum(sizes) + given} "
+                        f"results still pending after {timeout!r} s; their tasks are "
+                        f"cancelled (running ones stopped): give a longer timeout, or "
+                        f"timeout=None to wait for them all"
+                    ) from None
                 futures.pop()
+                given += sizes.pop()
                 if chunksize == 1:
                     yield value
                 else:

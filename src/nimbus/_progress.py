@@ -2,10 +2,11 @@
 ``nimbus run --progress``, for each map of a program's ``multiprocessing.Pool``
 (:func:`follow_pool_maps`).
 
-tqdm draws it when it is installed (the dev extras have it); without it a plain
-line ``map fn: 3/10 (30%) 1.2 s`` is rewritten in place on a terminal, or
-printed at each tenth of the way when stderr is a file or a pipe, so a log
-stays short. Futures report to :meth:`Bar.done` from whatever thread completes
+On a terminal tqdm draws it when it is installed (the dev extras have it);
+without it a plain line ``map fn: 3/10 (30%) 1.2 s`` is rewritten in place.
+When stderr is a file or a pipe, the plain line is printed at each tenth of the
+way, with no cursor control (tqdm's ``\r``), so a log stays short and readable;
+tqdm's notebook bar (a widget) is drawn in Jupyter. Futures report to :meth:`Bar.done` from whatever thread completes
 them; the bar is closed when the last one is done.
 """
 
@@ -115,14 +116,18 @@ class _Tqdm:
 
 
 def bar(total: int, label: str, plain: bool = False) -> Bar | _Tqdm:
-    """A bar of ``total`` items: tqdm's if it is installed (and not ``plain``), else :class:`Bar`."""
+    """A bar of ``total`` items: tqdm's if it is installed (and not ``plain``) and draws on
+    a terminal or in a notebook, else :class:`Bar` (plain lines to a file or a pipe)."""
     if not plain:
         try:
             from tqdm.auto import tqdm  # type: ignore[import-untyped,unused-ignore]
         except ImportError:
             pass
         else:
-            return _Tqdm(tqdm, total, label)
+            isatty = getattr(sys.stderr, "isatty", None)
+            widget = any(c.__module__ == "tqdm.notebook" for c in tqdm.__mro__)
+            if widget or (isatty is not None and isatty()):
+                return _Tqdm(tqdm, total, label)
     return Bar(total, label)
 
 

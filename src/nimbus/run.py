@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["EXIT_USAGE", "main", "run", "setup"]
 
 EXIT_USAGE = 2
-USAGE = "usage: nimbus run [--endpoint NAME] [--environment NAME] [--progress] (SCRIPT | -m MODULE | -c CODE) [ARGS ...]"
+USAGE = "usage: nimbus run [--endpoint NAME] [--environment NAME|JSON] [--progress] (SCRIPT | -m MODULE | -c CODE) [ARGS ...]"
 
 
 def setup(parser: object) -> None:
@@ -63,7 +63,10 @@ def setup(parser: object) -> None:
     parser.usage = USAGE[len("usage: ") :]
     parser.add_argument("--endpoint", metavar="NAME", help="run the processes on this endpoint")
     parser.add_argument(
-        "--environment", metavar="NAME", help="run the processes in this environment"
+        "--environment",
+        metavar="NAME|JSON",
+        help="run the processes in this environment: a name built by `nimbus environments "
+        "build`, or an Environment's JSON (json.dumps(env.to_dict()))",
     )
     parser.add_argument(
         "--progress", action="store_true", help="a progress bar for each Pool map of the program"
@@ -91,8 +94,8 @@ def run(args: object) -> int:
 
 
 def _parse(argv: Sequence[str]) -> tuple[str | None, str | None, str | None, list[str], bool]:
-    """``[--endpoint NAME] [--environment NAME] [--progress] (SCRIPT | -m MODULE | -c CODE)
-    ARGS``: endpoint, environment, module, the program's argv, progress. Options end at
+    """``[--endpoint NAME] [--environment NAME|JSON] [--progress] (SCRIPT | -m MODULE |
+    -c CODE) ARGS``: endpoint, environment, module, the program's argv, progress. Options end at
     the program."""
     endpoint = environment = module = None
     progress = False
@@ -157,7 +160,7 @@ def _help() -> None:
 
 
 def _usage(message: str) -> None:
-    print(f"{USAGE}\nnimbus run: error: {message}", file=sys.stderr)
+    print(f"{USAGE}\nnimbus run: {message} (see `nimbus run --help`)", file=sys.stderr)
     raise SystemExit(EXIT_USAGE)
 
 

@@ -101,8 +101,13 @@ class File:
         endpoint, path = (found.group(1), found.group(2)) if found else (None, text)
         if not path:
             raise FileRefused("nimbus.File(''): an empty path names no file; give its path")
-        if ".." in PurePosixPath(path).parts:
+        if ".." in PurePosixPath(path).parts and endpoint is not None:
             raise FileRefused(f"{text!r} has '..' in its path: name the file inside an export")
+        if ".." in PurePosixPath(path).parts:  # a file of this machine: no exports to name
+            raise FileRefused(
+                f"{text!r} has '..' in its path, which a File may not have (as on an "
+                f"endpoint); give the path resolved: nimbus.File({os.path.realpath(path)!r})"
+            )
         if endpoint is not None and not path.startswith("/"):
             raise FileRefused(f"{text!r}: a path on an endpoint must be absolute")
         if not path.startswith("/"):  # as on an endpoint: the task may run elsewhere
@@ -210,7 +215,10 @@ def check_out(out: File, here: bool) -> None:
 def _exported(endpoint: str, path: str) -> Path:
     found = exports_of(endpoint)
     if found is None:
-        raise FileRefused(f"endpoint {endpoint!r} is not configured on this machine")
+        raise FileRefused(
+            f"endpoint {endpoint!r} is not configured on this machine; `nimbus endpoint "
+            f"list` shows those that are"
+        )
     return check_export(path, found[1], found[0])
 
 
@@ -376,13 +384,23 @@ _cache: dict[tuple[str, str, str, int, float], cf.Future[Staged]] = {}
 def _endpoint_id(executor: Any, name: str) -> str:
     client = getattr(executor._backend, "client", None)
     if client is None:
-        if exports_of(name) is None:
-            raise FileRefused(f"endpoint {name!r} is not known here: no such endpoint")
+        if exports_of(name) is None:  # (no service: only the endpoints configured here)
+            raise FileRefused(
+                f"endpoint {name!r} is not configured on this machine, and this Executor "
+                f"has no service to ask: `nimbus endpoint list` shows the endpoints "
+                f"configured here (`nimbus endpoint configure NAME --exports DIR`, logged "
+                f"in to a service, adds one); "
+                f"a file of this machine is named without an endpoint: nimbus.File('/path')"
+            )
         return name
     try:
         info = client.get_endpoint(name)
     except NotFound:
-        raise FileRefused(f"endpoint {name!r} is not known to the service") from None
+        raise FileRefused(
+            f"endpoint {name!r} is not known to the service: `nimbus endpoints list` shows "
+            f"those you can use; `nimbus endpoint configure {name}` registers it (on the "
+            f"machine it is to run on)"
+        ) from None
     if not info.get("online", True) and info["endpoint_id"] != executor_place(executor):
         raise DataError(
             f"endpoint {name!r} is offline: its files cannot be staged; start its agent "
