@@ -146,8 +146,9 @@ class Forwarder:
                     next_look = now + 0.5
                     gone = [s for s in self.waiting if not ep.alive(s)]
                     if gone:  # what they sent before they went, all of it, first
-                        while self.step() == _PULL:
-                            pass
+                        while self.step() == _PULL:  # (at exit: GRACE at most)
+                            if self.stop.is_set() and time.monotonic() - started > GRACE:
+                                return
                         self.waiting.difference_update(gone)
                 if self.stop.is_set() and (now - self.last > self.quiet or now - started > GRACE):
                     return
