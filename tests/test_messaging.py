@@ -730,6 +730,27 @@ def test_directory_publishes_only_changes_and_resolves_on_demand(program: Progra
     assert there.refresh("i1") is None
 
 
+def test_directory_lookup_reads_a_small_directory_whole(program: Program) -> None:
+    """An all-to-all exchange's first sends: the first lookup (one round trip) brings
+    the other peers' entries too, so theirs take none (each was a round trip through
+    the store, in series, before the first byte to that peer)."""
+    here = Directory(program.client, program.keys, program.ttl_ms)
+    there = Directory(program.client, program.keys, program.ttl_ms)
+    entries = {f"i{k}": Entry("host-a", k, None, ("10.0.0.1", 4000 + k)) for k in range(3)}
+    for name, entry in entries.items():
+        here.set_local(name, entry)
+    here.publish()
+    assert there.lookup("i0") == entries["i0"]
+    program.client().delete(program.keys.directory())  # the store knows them no more
+    assert there.lookup("i1") == entries["i1"]  # read with i0's
+    assert there.lookup("i2") == entries["i2"]
+    there.invalidate("i2")
+    assert there.lookup("i2") is None  # invalidated: asked again
+    here.set_local("i3", entries["i0"])
+    here.publish()  # (i3 only: the others were published before)
+    assert there.lookup("i3") == entries["i0"]
+
+
 def test_public_names() -> None:
     assert set(msg.__all__) == {
         "ANY",

@@ -135,6 +135,8 @@ class Instance(Receiver, Sender):
             self.directory.publish()
         except StateStoreError:
             pass  # lookups from other hosts fail until the next publish (at close)
+        if self.direct and self.entry.tcp is not None:
+            self._spare_connection()
         key = self._keys.inbox(self.id)
         while not self._closed:
             try:
@@ -150,6 +152,24 @@ class Instance(Receiver, Sender):
                 continue
             self._mailbox.put(sender, seq, tag, parts[0], _peer.writable_as_sent(parts, readonly))
             self._wake()
+
+    def _spare_connection(self) -> None:
+        """Leave a connection to the store in the pool beside the one BLPOP will hold.
+
+        An instance on TCP sends to peers on other hosts, each looked up in the
+        store first: its first lookup would otherwise connect to the store then,
+        in the path of its first message (a few ms across a link, as long as the
+        lookup itself). Made here, off that path.
+        """
+        pool = self._client().connection_pool
+        try:
+            held = pool.get_connection()  # the publish's: BLPOP takes it back below
+            try:
+                pool.release(pool.get_connection())  # a second, made now
+            finally:
+                pool.release(held)
+        except (redis.RedisError, OSError) as exc:
+            log.debug("nimbus.messaging: no spare store connection for %s: %r", self.id, exc)
 
     # ------------------------------------------------------------ closing
 

@@ -286,6 +286,11 @@ class Sender:
         except PeerUnreachable:
             self.directory.invalidate(peer)
             if address[0] == "tcp":  # a timeout costs up to a second: back off
+                # its address may be from a lookup of another peer (the directory read
+                # whole) from before it exited: the store says now
+                entry = self.directory.refresh(peer)
+                if entry is not None and entry.state == EXITED:
+                    raise _exited(peer) from None
                 backoff = min(MAX_BACKOFF, 2 * self._backoff.get(peer, RETRY_TCP / 2))
                 self._backoff[peer] = backoff
                 self._retry_at[peer] = time.monotonic() + backoff
