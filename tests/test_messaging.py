@@ -11,6 +11,7 @@ import itertools
 import logging
 import operator
 import os
+import pickle
 import select
 import shutil
 import socket
@@ -39,10 +40,11 @@ from nimbus.errors import (
     PeerRefused,
     PeerUnknown,
 )
-from nimbus.messaging import Directory, Entry, Instance
+from nimbus.messaging import Directory, Entry, Instance, _peer
 from nimbus.messaging._directory import EXITED, socket_dir
 from nimbus.messaging._receiving import BLOCK, HEARTBEAT, NOTHING, SPIN, SPIN_BACKOFF
 from nimbus.statestore import Program
+from nimbus.wire import pack
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -684,8 +686,67 @@ def test_peers_on_other_hosts_talk_over_tcp(instances: Any, elsewhere: Path) -> 
     assert b.recv(source=a.id, timeout=10) == {"over": "tcp"}
     b.send(a.id, np.arange(300_000))
     assert np.array_equal(a.recv(source=b.id, timeout=10), np.arange(300_000))
-    (link,) = a._out.values()
+    (link,) = [*a._out.values(), *a._opening.values()]  # (its answer read or not yet)
     assert link.sock.family == socket.AF_INET
+    a.send(b.id, "again")  # the second send reads the answer
+    assert b.recv(source=a.id, timeout=10) == "again"
+    assert list(a._out.values()) == [link] and not link.unanswered
+
+
+def test_first_message_over_tcp_follows_the_hello_before_its_answer(
+    instances: Any, program: Program
+) -> None:
+    """A first send to a peer on another host waits for the TCP connect only, not for
+    the peer's process to answer the HELLO: here nothing ever answers (a listening
+    socket no one accepts on), and the send returns with HELLO and message written."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    there = Directory(program.client, program.keys, program.ttl_ms)
+    silent = "5" * 16
+    there.set_local(silent, Entry("host-x", 1, None, listener.getsockname()))
+    there.publish()
+    a = instances(host="host-a")
+    try:
+        start = time.monotonic()
+        a.send(silent, "hello there")
+        assert time.monotonic() - start < _peer.HANDSHAKE_TIMEOUT / 2
+        assert a.statistics()["links_out"] == 1
+        conn, _ = listener.accept()
+        with conn:
+            channel = _peer.Stream(conn)
+            frames: list[Any] = []
+            while len(frames) < 2:
+                assert select.select([conn], [], [], 10)[0]
+                frames += channel.receive() or []
+        assert [f.kind for f in frames] == [_peer.HELLO, _peer.PICKLE]
+        assert pickle.loads(frames[1].buffers[0]) == "hello there"
+    finally:
+        listener.close()
+
+
+def test_messages_read_with_the_hello_are_delivered(instances: Any, program: Program) -> None:
+    b = instances(host="host-b", tcp_host="127.0.0.1")
+    early = "e" * 16
+    with socket.create_connection(b.entry.tcp) as sock:
+        channel = _peer.Stream(sock)  # HELLO and a message in one write
+        channel.send(_peer.HELLO, pack((_peer.PROTOCOL, program.program_id, b"secret", early)))
+        channel.queue_message(_peer.PICKLE, 0, pack(0), pickle.dumps("early"))
+        assert channel.flush()
+        assert b.recv(source=early, timeout=10) == "early"
+
+
+def test_wrong_token_over_tcp_is_refused_at_the_next_send(
+    instances: Any, elsewhere: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    b = instances(token=b"right", host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    a = instances(token=b"wrong", host="host-a")
+    _published(a, b)
+    with caplog.at_level(logging.WARNING, logger="nimbus.messaging"):
+        a.send(b.id, "let me in")  # written behind the HELLO: not taken
+        with pytest.raises(PeerRefused, match="wrong auth token"):
+            a.send(b.id, "again")
+    assert f"instance {b.id} refused a connection from '{a.id}'" in caplog.text
+    with pytest.raises(MessagingTimeout):
+        b.recv(timeout=0.2)
 
 
 def test_unreachable_peer_falls_back_to_the_store(instances: Any, elsewhere: Path) -> None:

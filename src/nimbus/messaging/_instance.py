@@ -206,9 +206,9 @@ class Instance(Receiver, Sender):
 
     def statistics(self) -> dict[str, int]:
         """Links out and in, messages waiting, and bytes moved over sockets."""
-        links = [*self._out.values(), *self._in.values()]
+        links = [*self._out.values(), *self._opening.values(), *self._in.values()]
         return {
-            "links_out": len(self._out),
+            "links_out": len(self._out) + len(self._opening),
             "links_in": len(self._in),
             "waiting": self._mailbox.count(),
             "bytes_out": sum(link.channel.bytes_out for link in links),
