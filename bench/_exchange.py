@@ -100,7 +100,13 @@ def _trace() -> None:
 
         return wrapper
 
-    _directory.Directory.lookup = timed("lookup", _directory.Directory.lookup)  # type: ignore[method-assign]
+    lookup = _directory.Directory.lookup
+
+    def traced(self: Any, instance_id: str) -> Any:
+        cached = instance_id in self._cache or instance_id in self.local
+        return timed("lookup" if cached else "lookup-store", lookup)(self, instance_id)
+
+    _directory.Directory.lookup = traced  # type: ignore[method-assign]
     _sending.Sender._open = timed("open", _sending.Sender._open)  # type: ignore[method-assign]
     _sending.Sender._push_store = timed("push", _sending.Sender._push_store)  # type: ignore[method-assign]
     _peer.connect = timed("connect", _peer.connect)

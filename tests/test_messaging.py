@@ -734,6 +734,22 @@ def test_messages_read_with_the_hello_are_delivered(instances: Any, program: Pro
         assert b.recv(source=early, timeout=10) == "early"
 
 
+def test_a_peer_that_connected_is_answered_without_a_lookup(
+    instances: Any, elsewhere: Path, program: Program
+) -> None:
+    """The HELLO tells where its sender listens: b replies to a over TCP even with the
+    directory gone from the store (before, b looked a up: not found, so the store)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    a.send(b.id, "ping")
+    assert b.recv(source=a.id, timeout=10) == "ping"
+    program.client().delete(program.keys.directory())
+    b.send(a.id, "pong")
+    assert a.recv(source=b.id, timeout=10) == "pong"
+    assert b.statistics()["links_out"] == 1
+
+
 def test_wrong_token_over_tcp_is_refused_at_the_next_send(
     instances: Any, elsewhere: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -14,7 +14,8 @@ program's hash in the store; the service later) merges a global one. A lookup
 never waits for a heartbeat: it reads the store on demand, and its answer is
 cached until a send through it fails. While the directory is small (up to BULK
 entries) a lookup reads it whole in that one round trip, so the next peers' lookups
-(the rest of a group, an all-to-all exchange) take none. Peers on the same host skip the store
+(the rest of a group, an all-to-all exchange) take none; and a peer that connected
+told its entry in its handshake (:meth:`Directory.learn`), so a reply needs no lookup. Peers on the same host skip the store
 altogether: an instance's Unix socket lives at a path built from the program id
 and its instance id (:func:`socket_path`), in a directory only the user can use.
 """
@@ -194,6 +195,15 @@ class Directory:
         self._missing.pop(instance_id, None)
         self._cache[instance_id] = entry
         return entry
+
+    def learn(self, instance_id: str, packed: bytes) -> None:
+        """Cache the entry ``instance_id`` told (packed, in its authenticated HELLO),
+        unless one is cached already; a malformed one is ignored."""
+        if instance_id not in self._cache:
+            try:
+                self._cache[instance_id] = Entry.loads(packed)
+            except (ValueError, TypeError):
+                pass
 
     def invalidate(self, instance_id: str) -> None:
         """Forget what is cached about ``instance_id`` (a send through it failed)."""

@@ -123,6 +123,8 @@ class Instance(Receiver, Sender):
                 conn, me=self.id, program_id=self._keys.program_id, token=self._token
             )
             if link is not None:
+                if link.entry is not None:  # where it listens, as it said: no lookup to reply
+                    self.directory.learn(link.peer, link.entry)
                 self._link_in(link)
 
     def _inbox(self) -> None:

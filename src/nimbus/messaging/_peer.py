@@ -3,8 +3,9 @@
 ::
 
     connecting instance                               listening instance
-    connect() --HELLO [version, program, token, id]--> acceptor: check version,
-              <--WELCOME [id] or REFUSED [reason]----  program and token (logged)
+    connect() --HELLO [version, program, token, id, its directory entry]--> acceptor:
+              <--WELCOME [id] or REFUSED [reason]----  check version, program and token
+                                                       (logged); the entry is cached
       (over TCP the first messages follow the HELLO at once: the answer is read
        before the link's second send; ``answer``)
     MSG [seq, tag] + pickle + out-of-band buffers --->  mailbox (in order per sender)
@@ -78,7 +79,8 @@ __all__ = [
 log = logging.getLogger("nimbus.messaging")
 
 PROTOCOL = 4  # 3: small messages carry their number in the frame header; 4: messages
-# may follow a HELLO before its answer (read with it by the acceptor: ``Peer.early``)
+# may follow a HELLO before its answer (read with it by the acceptor: ``Peer.early``),
+# and a HELLO carries the connector's directory entry (``Peer.entry``)
 HANDSHAKE_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 1.0  # a TCP peer that does not answer within this is unreachable (for now)
 SOCKET_BUFFER = 4 * 1024 * 1024
@@ -114,6 +116,7 @@ class Peer:
         "closed_cleanly",
         "count",
         "early",
+        "entry",
         "error",
         "lock",
         "packer",
@@ -149,6 +152,7 @@ class Peer:
         self.spin_skip = 0  # a link in: waiting reads left before the next spins first
         self.spin_backoff = 0  # the reads skipped after the last spin that found nothing
         self.early: list[Frame] = []  # a link in: frames read with its HELLO
+        self.entry: bytes | None = None  # a link in: its peer's directory entry, as it said
         self.unanswered = False  # a link out: its handshake's answer not read yet
 
     def packed(self, tag: Any) -> bytes:
@@ -258,6 +262,7 @@ def connect(
     program_id: str,
     token: bytes,
     answered: bool = True,
+    entry: bytes | None = None,
 ) -> Peer:
     """Open a link to ``peer`` at ``address`` (``("unix", path)`` or ``("tcp", (host, port))``).
 
@@ -265,7 +270,8 @@ def connect(
     :class:`PeerLost` when the socket exists but its owner is gone, and
     :class:`PeerRefused` when the peer refuses the handshake. With ``answered``
     false the link is returned once the HELLO is written (``unanswered``): the
-    caller writes at once and reads the answer later (:func:`answer`).
+    caller writes at once and reads the answer later (:func:`answer`). ``entry``:
+    this instance's directory entry (packed), told to the peer in the HELLO.
     """
     kind, where = address
     try:
@@ -293,7 +299,7 @@ def connect(
     link = Peer(sock, channel, peer)
     link.unanswered = True
     try:
-        channel.send(HELLO, pack((PROTOCOL, program_id, token, me)))
+        channel.send(HELLO, pack((PROTOCOL, program_id, token, me, entry)))
         channel.flush()
     except OSError as exc:
         channel.close()
@@ -331,7 +337,7 @@ def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Pe
         frame, *early = _frames(channel, "handshake")
         if frame.kind != HELLO:
             raise ProtocolError(f"expected a handshake, got frame kind {frame.kind}")
-        version, program, their_token, peer = unpack(frame.meta)
+        version, program, their_token, peer, *told = unpack(frame.meta)
     except (OSError, ProtocolError, ValueError, TypeError) as exc:
         if channel.bytes_in == 0:  # a liveness probe: connected, said nothing, left
             log.debug("nimbus.messaging: %s was probed", me)
@@ -366,4 +372,6 @@ def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Pe
     sock.setblocking(False)
     link = Peer(sock, channel, str(peer))
     link.early = early  # messages that followed the HELLO (the receiver delivers them first)
+    if told and isinstance(told[0], bytes):
+        link.entry = told[0]
     return link

@@ -298,6 +298,7 @@ class Sender:
                 program_id=self._keys.program_id,
                 token=self._token,
                 answered=address[0] == "unix",  # on this host, at once: no saving
+                entry=self.entry.dumps(),  # (the peer's reply needs no lookup then)
             )
         except PeerUnreachable:
             self.directory.invalidate(peer)
