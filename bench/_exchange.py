@@ -17,8 +17,9 @@ alternated; then ``--warm`` more exchanges between the same workers. An exchange
 the parent sends "go" to each; each worker sends its ``--size`` bytes to each other
 worker and receives W-1 (as ``_mapreduce.worker``); "exchange" is from the last
 worker's start to the last worker's data all in (``_mapreduce.run``'s figure, the
-map being nothing here). ``--trace``: each worker's timestamps (ms from its start)
-of each send's return and each receive, for the first contact.
+map being nothing here). ``--trace``: each worker's timestamps (ms from the first
+start) of each send's return and each receive, and its CPU, for the first contact;
+with ``EXCHANGE_TRACE=1`` also each lookup, link opened, connect and store push.
 """
 
 from __future__ import annotations
