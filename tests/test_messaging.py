@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import redis
 
 import nimbus.messaging as msg
 import nimbus.multiprocessing as mp
@@ -748,6 +749,29 @@ def test_a_peer_that_connected_is_answered_without_a_lookup(
     b.send(a.id, "pong")
     assert a.recv(source=b.id, timeout=10) == "pong"
     assert b.statistics()["links_out"] == 1
+
+
+def test_first_lookup_over_tcp_makes_no_store_connection(
+    instances: Any, elsewhere: Path, program: Program, store_url: str
+) -> None:
+    """An instance on TCP leaves a store connection ready beside its inbox's: its first
+    lookup (in the path of its first message to another host) does not connect then."""
+    probe = redis.Redis.from_url(store_url)  # a pool of its own: counts, uses none of theirs
+    try:
+        a = instances(host="host-a", tcp_host="127.0.0.1")
+        b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+        deadline = time.monotonic() + 10
+        while not (
+            probe.hexists(program.keys.directory(), b.id)
+            and sum(c["cmd"] == "blpop" for c in probe.client_list()) >= 2
+        ):
+            assert time.monotonic() < deadline, "never published, or no inbox waits"
+            time.sleep(0.005)
+        before = probe.info("clients")["connected_clients"]
+        assert a.directory.lookup(b.id) == b.entry
+        assert probe.info("clients")["connected_clients"] == before
+    finally:
+        probe.close()
 
 
 def test_wrong_token_over_tcp_is_refused_at_the_next_send(
