@@ -246,11 +246,7 @@ class PeerExited(MessagingError, EOFError):
 
 
 class PeerRefused(MessagingError, ConnectionError):
-    """The peer refused the handshake: another program, a wrong token or version.
-
-    Raised by the send that opens the link, or, to a peer on another host (TCP,
-    whose first message goes out behind the handshake), by the next send to it.
-    """
+    """The peer refused the handshake: another program, a wrong token or version."""
 
 
 class MessageDecodeError(MessagingError, DeserializationError):
