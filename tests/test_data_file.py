@@ -496,19 +496,21 @@ def _relay(port: int, flip_at: int, seen: bytearray) -> tuple[int, threading.Thr
         ):
 
             def back() -> None:
-                while data := b.recv(65536):
-                    a.sendall(data)
-                a.close()
+                with contextlib.suppress(OSError):  # (the sender may go first)
+                    while data := b.recv(65536):
+                        a.sendall(data)
+                    a.shutdown(socket.SHUT_WR)  # not a close: the other thread reads ``a``
 
             answer = threading.Thread(target=back, daemon=True)
             answer.start()
-            while data := a.recv(65536):
-                chunk = bytearray(data)
-                if 0 <= flip_at - len(seen) < len(chunk):
-                    chunk[flip_at - len(seen)] ^= 0xFF
-                seen.extend(data)
-                b.sendall(chunk)
-            b.shutdown(socket.SHUT_WR)
+            with contextlib.suppress(OSError):  # (the receiver may refuse and go first)
+                while data := a.recv(65536):
+                    chunk = bytearray(data)
+                    if 0 <= flip_at - len(seen) < len(chunk):
+                        chunk[flip_at - len(seen)] ^= 0xFF
+                    seen.extend(data)
+                    b.sendall(chunk)
+                b.shutdown(socket.SHUT_WR)
             answer.join(10)
 
     thread = threading.Thread(target=run, daemon=True)
