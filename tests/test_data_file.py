@@ -24,8 +24,9 @@ import pytest
 import nimbus
 from nimbus import Client, Executor
 from nimbus.data import NodeStore, default_root, run
-from nimbus.data._file import Staged, _cache, check_export
+from nimbus.data._file import Staged, check_export
 from nimbus.data._node import UNUSED, sweep_all
+from nimbus.data._staging import _cache
 from nimbus.errors import DataError, FileRefused, ReferenceLost
 from service_support import EndpointProcess, Service
 

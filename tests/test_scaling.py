@@ -497,7 +497,7 @@ def test_a_file_staged_to_one_node_is_fetched_by_tasks_on_the_other_nodes(
     with Executor(settings=s) as ex:
         backend = backend_of(ex)
         wait_for(lambda: len(backend.agent.remote_managers()) == 2, 60, "two managers")
-        # what nimbus.data._file._direct does, with this process as the source endpoint
+        # what nimbus.data._staging._direct does, with this process as the source endpoint
         where = ex._path.open()
         key = "f" * 32
         name, pin = f"{key}-run42.h5", key + new_id()
@@ -870,7 +870,7 @@ def test_a_staged_file_whose_holding_node_left_is_staged_again_for_its_tasks(
     import hashlib
 
     import nimbus
-    from nimbus.data._file import _cache
+    from nimbus.data._staging import _cache
     from nimbus.errors import DataError
 
     exported = tmp_path / "exported"

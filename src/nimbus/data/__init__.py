@@ -101,11 +101,12 @@ path's calls to an endpoint, failed when it is offline).
 from __future__ import annotations
 
 from nimbus.data._bind import bind, open_session, uses_data, waiting_on, when_done
-from nimbus.data._file import File, close_sources, has_files
-from nimbus.data._file import stage as stage_files
+from nimbus.data._file import File
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore, Sweeper, default_root
 from nimbus.data._ref import LEASE, MAX_SCAN, Ref, Scope, Session, get, pure, put, register, session
+from nimbus.data._staging import close_sources, has_files
+from nimbus.data._staging import stage as stage_files
 from nimbus.data._submit import DataPath, KeptFuture
 from nimbus.data._task import free_objects, identity, renew_objects, run, store
 

@@ -318,7 +318,7 @@ class Session:
 
     def _note_gone(self, renewed: Any) -> None:
         """A renewal's lost ids: the pins of staged copies among them are gone with their
-        node (the client's cache entry for the file is dropped: ``_file._fetch``)."""
+        node (the client's cache entry for the file is dropped: ``_staging._fetch``)."""
         try:
             lost = renewed.result()
         except BaseException:  # the renewal itself failed: nothing learnt

@@ -33,8 +33,8 @@ from nimbus import serialization
 from nimbus._future import Future
 from nimbus.data._bind import bind, failed_among, open_session, waiting_on, walk, when_done
 from nimbus.data._carry import Copy, carry, relayed_by
-from nimbus.data._file import copy_names, restage
 from nimbus.data._ref import MAX_SCAN, Ref, Session, new_id
+from nimbus.data._staging import copy_names, restage
 from nimbus.data._task import run
 from nimbus.data._watch import Watch, offline_error
 from nimbus.errors import InputFailed, ReferenceLost
@@ -49,7 +49,7 @@ RESTAGE = 3  # times a task's staged file is staged again (its copy's node left)
 
 
 def _stagings(given: list[Any]) -> list[cf.Future[Any]]:
-    """The futures of staged files among a task's arguments (``_file.stage``'s)."""
+    """The futures of staged files among a task's arguments (``_staging.stage``'s)."""
     args, kwargs = given
     return [v for v in walk(args, kwargs) if isinstance(v, cf.Future) and hasattr(v, "staging")]
 
