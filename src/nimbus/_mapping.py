@@ -114,7 +114,6 @@ def map_results(
 
     def results() -> Iterator[Any]:
         interrupted = False
-        given = 0  # results yielded
         try:
             futures.reverse()
             sizes.reverse()
@@ -126,13 +125,13 @@ def map_results(
                     if future.done() and not future.cancelled() and future.exception() is exc:
                         raise  # the task's own (a TaskTimeoutError, or its fn raised one)
                     raise TimeoutError(
-                        f"map(timeout={timeout!r}): {sum(sizes)} of {sum(sizes) + given} "
+                        f"map(timeout={timeout!r}): {sum(sizes)} of {len(items)} "
                         f"results still pending after {timeout!r} s; their tasks are "
                         f"cancelled (running ones stopped): give a longer timeout, or "
                         f"timeout=None to wait for them all"
                     ) from None
                 futures.pop()
-                given += sizes.pop()
+                sizes.pop()  # (what is left of it: the results still pending)
                 if chunksize == 1:
                     yield value
                 else:

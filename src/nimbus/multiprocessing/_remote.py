@@ -414,7 +414,7 @@ class Forwarder:
             ready, _, _ = select.select([*fds, self._wake_r], [], [], wait)
             if not ready:  # no line's end came: what was held goes as it is
                 for fd in list(self._held):
-                    self._send(fds.get(fd, "out"), self._held.pop(fd))
+                    self._send(fds[fd], self._held.pop(fd))
             if self._wake_r in ready:  # the child is done: take what is left, then stop
                 for fd in fds:
                     os.set_blocking(fd, False)
