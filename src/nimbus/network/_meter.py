@@ -273,10 +273,9 @@ class TaskNet:
         self._own = own  # the next task's baseline (their counts move only with bytes)
         # payload bytes of nimbus's connections, each once; what they sent again under
         # load crossed the link twice (a cgroup's counts took it off already)
-        extra["net_nimbus_in"], extra["net_nimbus_out"] = min(own_in, nin), min(own_out, nout)
-        if self._snmp >= 0:
-            own_out += own_again
-        own_in, own_out = min(own_in, nin), min(own_out, nout)
+        own_in = min(own_in, nin)
+        extra["net_nimbus_in"], extra["net_nimbus_out"] = own_in, min(own_out, nout)
+        wire_out = min(own_out + own_again if self._snmp >= 0 else own_out, nout)
         tcp: dict[str, Any] = {"connections": len(task_conns)}
         if self._snmp >= 0:  # the namespace's counters
             tcp["retransmits"] = retrans - sretrans  # segments the task's side sent again
@@ -293,7 +292,7 @@ class TaskNet:
             tcp["min_rtt_ms"] = min(c.min_rtt_us for c in timed) / 1000
             tcp["delivery_rate"] = max(c.delivery_rate for c in timed)
         extra["tcp"] = tcp
-        return nin - own_in, nout - own_out, extra
+        return nin - own_in, nout - wire_out, extra
 
     def close(self) -> None:
         if self._counters is not None:
