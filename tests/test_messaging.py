@@ -7,6 +7,7 @@ state store; nothing is mocked.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import itertools
 import logging
 import operator
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import termios
 import textwrap
 import threading
 import time
@@ -895,3 +897,24 @@ def test_root_removes_the_socket_directory_at_exit(tmp_path: Path) -> None:
         assert sockets.name.startswith("m-") and not sockets.exists()
     finally:
         shutil.rmtree(env["NIMBUS_RUNTIME_DIR"], ignore_errors=True)
+
+
+def test_a_first_message_still_in_the_socket_reaches_a_peer_after_its_sender_closes(
+    instances: Any, elsewhere: Path
+) -> None:
+    """A first message over TCP goes out before its HELLO's answer is read; the sender
+    closes while part of it still waits in its socket (the peer has not read yet).
+    Closed with the answer unread, the socket was reset, not closed: what it still
+    held was dropped, and the peer waited for the rest forever (a lost partition of
+    the MapReduce benchmark's shuffle)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    big = np.arange(1_000_000)  # 8 MB: more than b's socket takes unread
+    a.send(b.id, big)  # b reads nothing meanwhile: part of it stays in a's socket
+    (link,) = a._opening.values()
+    assert link.unanswered
+    unsent = fcntl.ioctl(link.sock.fileno(), termios.TIOCOUTQ, bytes(4))
+    assert int.from_bytes(unsent, sys.byteorder) > 0  # (what the test is about)
+    a.close()
+    assert np.array_equal(b.recv(source=a.id, timeout=10), big)

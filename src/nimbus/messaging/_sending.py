@@ -58,6 +58,7 @@ RETRY = 0.002  # seconds between tries to reach a peer that does not listen yet
 RETRY_TCP = 0.25  # first wait before trying an unreachable TCP address again ...
 MAX_BACKOFF = 5.0  # ... doubling up to this
 REFUSAL_WAIT = 0.1  # seconds a broken link not yet answered is read for a refusal
+GOODBYE_WAIT = 1.0  # seconds a closing link's goodbye is written, and its answer read
 COALESCE = 32 * 1024  # bytes of small messages queued before they are written at once
 FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be written
 _PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to find)
@@ -412,10 +413,17 @@ class Sender:
                     link.frame_pending(self._number)
                     link.channel.send(_peer.BYE, pack(self._number(link.peer, 1)))
                     link.sock.setblocking(True)
-                    link.sock.settimeout(1.0)
+                    link.sock.settimeout(GOODBYE_WAIT)
                     link.channel.flush()
             except OSError:
                 pass
+            if link.unanswered:
+                # a socket closed with input unread (the answer) is reset, not closed:
+                # what it still holds for the peer is dropped, the peer's read breaks
+                try:
+                    _peer.answer(link, GOODBYE_WAIT)
+                except MessagingError:
+                    pass
             link.close()
         self._out.clear()
         self._opening.clear()
