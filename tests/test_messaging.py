@@ -7,7 +7,6 @@ state store; nothing is mocked.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import itertools
 import logging
 import operator
@@ -19,7 +18,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import termios
 import textwrap
 import threading
 import time
@@ -899,22 +897,62 @@ def test_root_removes_the_socket_directory_at_exit(tmp_path: Path) -> None:
         shutil.rmtree(env["NIMBUS_RUNTIME_DIR"], ignore_errors=True)
 
 
-def test_a_first_message_still_in_the_socket_reaches_a_peer_after_its_sender_closes(
+def test_a_first_message_followed_by_the_goodbye_reaches_its_peer(
     instances: Any, elsewhere: Path
 ) -> None:
-    """A first message over TCP goes out before its HELLO's answer is read; the sender
-    closes while part of it still waits in its socket (the peer has not read yet).
-    Closed with the answer unread, the socket was reset, not closed: what it still
-    held was dropped, and the peer waited for the rest forever (a lost partition of
-    the MapReduce benchmark's shuffle)."""
+    """A small first message over TCP goes out before its HELLO's answer is read, and
+    the sender closes at once: the goodbye reads the answer before it closes (a socket
+    closed with input unread is reset, not closed; its peer's read then breaks)."""
     a = instances(host="host-a", tcp_host="127.0.0.1")
     b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
     _published(a, b)
-    big = np.arange(1_000_000)  # 8 MB: more than b's socket takes unread
-    a.send(b.id, big)  # b reads nothing meanwhile: part of it stays in a's socket
+    small = np.arange(20_000)  # 160 kB: follows its HELLO
+    a.send(b.id, small)
     (link,) = a._opening.values()
     assert link.unanswered
-    unsent = fcntl.ioctl(link.sock.fileno(), termios.TIOCOUTQ, bytes(4))
-    assert int.from_bytes(unsent, sys.byteorder) > 0  # (what the test is about)
+    a.close()
+    assert np.array_equal(b.recv(source=a.id, timeout=10), small)
+    with pytest.raises(PeerExited):  # its goodbye came in whole
+        b.recv(source=a.id, timeout=10)
+
+
+def test_a_large_first_message_over_tcp_waits_for_the_answer(
+    instances: Any, elsewhere: Path
+) -> None:
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    big = np.arange(1_000_000)  # 8 MB: the round trip is nothing beside it
+    a.send(b.id, big)
+    assert not a._opening and not a._out[b.id].unanswered
     a.close()
     assert np.array_equal(b.recv(source=a.id, timeout=10), big)
+
+
+def test_the_answer_to_a_hello_with_a_message_waits_for_all_of_it(
+    instances: Any, program: Program
+) -> None:
+    """A listening instance answers a HELLO that says a message follows only once it
+    has read that message whole: the answer can then never reach a sender that went
+    (exited, killed) while its socket still held part of it, which the answer would
+    reset, dropping that part (before: answered at once)."""
+    b = instances(host="host-b", tcp_host="127.0.0.1")
+    early = "f" * 16
+    left, right = socket.socketpair()  # the bytes a sender writes, taken as they are
+    with left, right:
+        channel = _peer.Stream(left)
+        hello = pack((_peer.PROTOCOL, program.program_id, b"secret", early, None, True))
+        channel.send(_peer.HELLO, hello)
+        channel.queue_message(_peer.PICKLE, 0, pack(0), pickle.dumps(b"x" * 100_000))
+        assert channel.flush()
+        wire = b""
+        while len(wire) < channel.bytes_out:
+            wire += right.recv(1 << 20)
+    with socket.create_connection(b.entry.tcp) as sock:
+        sock.sendall(wire[:-1000])  # the HELLO and most of the message
+        assert not select.select([sock], [], [], 0.5)[0], "answered before the message"
+        sock.sendall(wire[-1000:])
+        assert select.select([sock], [], [], 10)[0]
+        frames = _peer.Stream(sock).receive(block=True) or []
+        assert [f.kind for f in frames] == [_peer.WELCOME]
+        assert b.recv(source=early, timeout=10) == b"x" * 100_000

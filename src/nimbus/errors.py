@@ -249,7 +249,8 @@ class PeerRefused(MessagingError, ConnectionError):
     """The peer refused the handshake: another program, a wrong token or version.
 
     Raised by the send that opens the link, or, to a peer on another host (TCP,
-    whose first message goes out behind the handshake), by the next send to it.
+    whose small first message goes out behind the handshake), by the next send
+    to it (logged at exit when there is none).
     """
 
 

@@ -3,11 +3,14 @@
 ::
 
     connecting instance                               listening instance
-    connect() --HELLO [version, program, token, id, its directory entry]--> acceptor:
-              <--WELCOME [id] or REFUSED [reason]----  check version, program and token
-                                                       (logged); the entry is cached
-      (over TCP the first messages follow the HELLO at once: the answer is read
-       before the link's second send; ``answer``)
+    connect() --HELLO [version, program, token, id, its directory entry, follows]-->
+              <--WELCOME [id] or REFUSED [reason]----  acceptor: check version, program
+                                                       and token (logged); the entry is
+                                                       cached
+      (over TCP a small first message may follow the HELLO at once, ``follows``: the
+       acceptor reads it whole before it answers, so the answer never reaches a
+       sender whose socket still holds that message; the sender reads the answer
+       before the link's second send or its goodbye; ``answer``)
     MSG [seq, tag] + pickle + out-of-band buffers --->  mailbox (in order per sender)
     PICKLE seq tag + a small pickle ---------------->  mailbox
     RAW seq tag + bytes (a small bytes as it is) --->  mailbox
@@ -78,9 +81,9 @@ __all__ = [
 
 log = logging.getLogger("nimbus.messaging")
 
-PROTOCOL = 4  # 3: small messages carry their number in the frame header; 4: messages
-# may follow a HELLO before its answer (read with it by the acceptor: ``Peer.early``),
-# and a HELLO carries the connector's directory entry (``Peer.entry``)
+PROTOCOL = 4  # 3: small messages carry their number in the frame header; 4: a message
+# may follow a HELLO before its answer (read whole by the acceptor before it answers:
+# ``Peer.early``), and a HELLO carries the connector's directory entry (``Peer.entry``)
 HANDSHAKE_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 1.0  # a TCP peer that does not answer within this is unreachable (for now)
 SOCKET_BUFFER = 4 * 1024 * 1024
@@ -270,7 +273,8 @@ def connect(
     :class:`PeerLost` when the socket exists but its owner is gone, and
     :class:`PeerRefused` when the peer refuses the handshake. With ``answered``
     false the link is returned once the HELLO is written (``unanswered``): the
-    caller writes at once and reads the answer later (:func:`answer`). ``entry``:
+    caller writes one message (that the peer reads whole before it answers) at
+    once and reads the answer later (:func:`answer`). ``entry``:
     this instance's directory entry (packed), told to the peer in the HELLO.
     """
     kind, where = address
@@ -299,7 +303,7 @@ def connect(
     link = Peer(sock, channel, peer)
     link.unanswered = True
     try:
-        channel.send(HELLO, pack((PROTOCOL, program_id, token, me, entry)))
+        channel.send(HELLO, pack((PROTOCOL, program_id, token, me, entry, not answered)))
         channel.flush()
     except OSError as exc:
         channel.close()
@@ -364,9 +368,15 @@ def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Pe
         channel.close()
         return None
     try:
+        if len(told) > 1 and told[1] is True and not early:
+            # a message follows: read whole before the answer, so the answer never
+            # meets a socket that still holds it (a sender that went without reading
+            # its answer is reset by it, and what its socket held is dropped)
+            early = _frames(channel, "first message")
         channel.send(WELCOME, pack(me))
         channel.flush()
-    except OSError:
+    except (OSError, ProtocolError) as exc:
+        log.warning("nimbus.messaging: %s dropped a connection from %r: %s", me, peer, exc)
         channel.close()
         return None
     sock.setblocking(False)

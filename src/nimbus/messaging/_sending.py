@@ -9,12 +9,14 @@
           |
           +-- peer not listening (yet) or unreachable --> RPUSH inbox:<peer> in the store
 
-A link to a peer on another host (TCP) carries its first message right behind the
-HELLO, before the peer's answer: each first contact costs the sender a TCP connect,
-not a round trip through the peer's process too (an exchange's first sends to
-several peers overlap their handshakes). Until its answer is read the link waits
-in ``_opening``; the next send to that peer reads it (a refusal raises there, as
-:class:`PeerRefused`; the messages sent before it were not taken).
+A link to a peer on another host (TCP) carries a small first message (up to
+``FOLLOWS`` bytes) right behind the HELLO, before the peer's answer: each first
+contact costs the sender a TCP connect, not a round trip through the peer's
+process too (an exchange's first sends to several peers overlap their
+handshakes). The peer reads that message whole before it answers. Until its
+answer is read the link waits in ``_opening``; the next send to that peer, or the
+goodbye, reads it (a refusal raises at that send, as :class:`PeerRefused`, and is
+logged at a goodbye; the message sent before it was not taken).
 
 Every message to a peer takes the next number of that peer's count, whichever
 way it goes, so the receiver delivers once and in order across a switch from
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import os
 import pickle
 import threading
@@ -54,9 +57,13 @@ from nimbus.wire import pack
 
 __all__ = ["COALESCE", "FLUSH_DELAY", "Sender"]
 
+log = logging.getLogger("nimbus.messaging")
+
 RETRY = 0.002  # seconds between tries to reach a peer that does not listen yet
 RETRY_TCP = 0.25  # first wait before trying an unreachable TCP address again ...
 MAX_BACKOFF = 5.0  # ... doubling up to this
+FOLLOWS = 256 * 1024  # a first message over TCP this small follows its HELLO before
+# the answer (a larger one takes far longer than the round trip)
 REFUSAL_WAIT = 0.1  # seconds a broken link not yet answered is read for a refusal
 GOODBYE_WAIT = 1.0  # seconds a closing link's goodbye is written, and its answer read
 COALESCE = 32 * 1024  # bytes of small messages queued before they are written at once
@@ -166,7 +173,8 @@ class Sender:
         ``raw``: ``data`` is the ``bytes`` sent, not a pickle.
         """
         if link is None and self.direct:
-            link = self._open(peer)
+            size = len(data) + sum(r.nbytes for r in raws)
+            link = self._open(peer, follows=size <= FOLLOWS)
         if link is None:
             if raw:
                 data = pickle.dumps(data, 5)
@@ -266,8 +274,12 @@ class Sender:
                 except MessagingError as exc:  # PeerLost or PeerExited
                     link.error = exc
 
-    def _open(self, peer: str) -> _peer.Peer | None:
-        """A link to ``peer``, or None while it does not listen (its messages go to the store)."""
+    def _open(self, peer: str, follows: bool = False) -> _peer.Peer | None:
+        """A link to ``peer``, or None while it does not listen (its messages go to the store).
+
+        ``follows``: the message to send is small; over TCP it follows the HELLO
+        before the answer (the link is returned unanswered, in ``_opening``).
+        """
         if peer == self.id:
             raise ValueError("an instance cannot send to itself")
         if self._opening:
@@ -298,7 +310,7 @@ class Sender:
                 me=self.id,
                 program_id=self._keys.program_id,
                 token=self._token,
-                answered=address[0] == "unix",  # on this host, at once: no saving
+                answered=not follows or address[0] == "unix",  # on this host: no saving
                 entry=self.entry.dumps(),  # (the peer's reply needs no lookup then)
             )
         except PeerUnreachable:
@@ -422,6 +434,8 @@ class Sender:
                 # what it still holds for the peer is dropped, the peer's read breaks
                 try:
                     _peer.answer(link, GOODBYE_WAIT)
+                except PeerRefused as exc:  # nothing left to raise it to: said here
+                    log.warning("nimbus.messaging: %s; the message sent to it was not taken", exc)
                 except MessagingError:
                     pass
             link.close()
