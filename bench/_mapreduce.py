@@ -30,12 +30,14 @@ waited longer fails naming what it waited for, and the parent names the worker.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
 import time
 import zlib
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -276,18 +278,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def on_nodes(
-    jobs: list[str], w: int, total: int, rounds: int, rate: int, server_rate: int, base: Path,
-    limit: float, report: Any,
-) -> None:  # fmt: skip
-    """The row's runs on ``w`` nodes (``_sharedfs.Cluster``) in this process, which is
-    a program of its own: its state store a redis-server on the machine's 127.0.0.1 over
-    TCP (the endpoint's, beside it: nodes reach it over their links), started and
-    stopped here. ``report(dict)`` gets each run's figures, with the bytes on the links.
-    Call before anything of nimbus made this process's program."""
+@contextlib.contextmanager
+def machine_store(base: Path) -> Iterator[int]:
+    """A redis-server on the machine's 127.0.0.1 over TCP (the endpoint's, beside it:
+    nodes reach it over their links), this program's state store (``NIMBUS_REDIS_URL``)
+    while in the block; started and stopped (by its pid) here. Yields its port."""
     import subprocess
 
-    import _sharedfs
+    import redis
 
     from nimbus.statestore import redis_server_binary
 
@@ -303,8 +301,6 @@ def on_nodes(
     try:
         os.environ["NIMBUS_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + 10
-        import redis
-
         while True:
             try:
                 redis.Redis(port=port).ping()
@@ -313,22 +309,7 @@ def on_nodes(
                 if store.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server on port {port} did not start") from None
                 time.sleep(0.05)
-        with _sharedfs.Cluster(w, rate, server_rate, base) as cluster:
-            nodes = [(n.path, n.ip, str(n.mount)) for n in cluster.nodes]
-            for job in jobs:
-                for _ in range(rounds):
-                    for way in ("shared", "store", "direct"):
-                        report({"start": f"{job}, the shuffle through {way}"})
-                        before = cluster.counted()
-                        one = run(job, way, w, total // w, cluster.export, limit, nodes)
-                        after = cluster.counted()
-                        one |= {
-                            "job": job,
-                            "way": way,
-                            "node_links_bytes": after[0] - before[0],
-                            "server_link_bytes": after[1] - before[1],
-                        }
-                        report(one)
+        yield port
     finally:
         store.terminate()
         try:
@@ -336,6 +317,35 @@ def on_nodes(
         except subprocess.TimeoutExpired:
             store.kill()
             store.wait()
+
+
+def on_nodes(
+    jobs: list[str], w: int, total: int, rounds: int, rate: int, server_rate: int, base: Path,
+    limit: float, report: Any,
+) -> None:  # fmt: skip
+    """The row's runs on ``w`` nodes (``_sharedfs.Cluster``) in this process, which is
+    a program of its own: its state store a redis-server on the machine's 127.0.0.1 over
+    TCP (the endpoint's, beside it: nodes reach it over their links), started and
+    stopped here. ``report(dict)`` gets each run's figures, with the bytes on the links.
+    Call before anything of nimbus made this process's program."""
+    import _sharedfs
+
+    with machine_store(base), _sharedfs.Cluster(w, rate, server_rate, base) as cluster:
+        nodes = [(n.path, n.ip, str(n.mount)) for n in cluster.nodes]
+        for job in jobs:
+            for _ in range(rounds):
+                for way in ("shared", "store", "direct"):
+                    report({"start": f"{job}, the shuffle through {way}"})
+                    before = cluster.counted()
+                    one = run(job, way, w, total // w, cluster.export, limit, nodes)
+                    after = cluster.counted()
+                    one |= {
+                        "job": job,
+                        "way": way,
+                        "node_links_bytes": after[0] - before[0],
+                        "server_link_bytes": after[1] - before[1],
+                    }
+                    report(one)
 
 
 if __name__ == "__main__":  # python bench/_mapreduce.py '<json of on_nodes' arguments>'

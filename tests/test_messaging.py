@@ -11,6 +11,7 @@ import itertools
 import logging
 import operator
 import os
+import pickle
 import select
 import shutil
 import socket
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import redis
 
 import nimbus.messaging as msg
 import nimbus.multiprocessing as mp
@@ -39,10 +41,11 @@ from nimbus.errors import (
     PeerRefused,
     PeerUnknown,
 )
-from nimbus.messaging import Directory, Entry, Instance
+from nimbus.messaging import Directory, Entry, Instance, _peer
 from nimbus.messaging._directory import EXITED, socket_dir
 from nimbus.messaging._receiving import BLOCK, HEARTBEAT, NOTHING, SPIN, SPIN_BACKOFF
 from nimbus.statestore import Program
+from nimbus.wire import pack
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -684,8 +687,106 @@ def test_peers_on_other_hosts_talk_over_tcp(instances: Any, elsewhere: Path) -> 
     assert b.recv(source=a.id, timeout=10) == {"over": "tcp"}
     b.send(a.id, np.arange(300_000))
     assert np.array_equal(a.recv(source=b.id, timeout=10), np.arange(300_000))
-    (link,) = a._out.values()
+    (link,) = [*a._out.values(), *a._opening.values()]  # (its answer read or not yet)
     assert link.sock.family == socket.AF_INET
+    a.send(b.id, "again")  # the second send reads the answer
+    assert b.recv(source=a.id, timeout=10) == "again"
+    assert list(a._out.values()) == [link] and not link.unanswered
+
+
+def test_first_message_over_tcp_follows_the_hello_before_its_answer(
+    instances: Any, program: Program
+) -> None:
+    """A first send to a peer on another host waits for the TCP connect only, not for
+    the peer's process to answer the HELLO: here nothing ever answers (a listening
+    socket no one accepts on), and the send returns with HELLO and message written."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    there = Directory(program.client, program.keys, program.ttl_ms)
+    silent = "5" * 16
+    there.set_local(silent, Entry("host-x", 1, None, listener.getsockname()))
+    there.publish()
+    a = instances(host="host-a")
+    try:
+        start = time.monotonic()
+        a.send(silent, "hello there")
+        assert time.monotonic() - start < _peer.HANDSHAKE_TIMEOUT / 2
+        assert a.statistics()["links_out"] == 1
+        conn, _ = listener.accept()
+        with conn:
+            channel = _peer.Stream(conn)
+            frames: list[Any] = []
+            while len(frames) < 2:
+                assert select.select([conn], [], [], 10)[0]
+                frames += channel.receive() or []
+        assert [f.kind for f in frames] == [_peer.HELLO, _peer.PICKLE]
+        assert pickle.loads(frames[1].buffers[0]) == "hello there"
+    finally:
+        listener.close()
+
+
+def test_messages_read_with_the_hello_are_delivered(instances: Any, program: Program) -> None:
+    b = instances(host="host-b", tcp_host="127.0.0.1")
+    early = "e" * 16
+    with socket.create_connection(b.entry.tcp) as sock:
+        channel = _peer.Stream(sock)  # HELLO and a message in one write
+        channel.send(_peer.HELLO, pack((_peer.PROTOCOL, program.program_id, b"secret", early)))
+        channel.queue_message(_peer.PICKLE, 0, pack(0), pickle.dumps("early"))
+        assert channel.flush()
+        assert b.recv(source=early, timeout=10) == "early"
+
+
+def test_a_peer_that_connected_is_answered_without_a_lookup(
+    instances: Any, elsewhere: Path, program: Program
+) -> None:
+    """The HELLO tells where its sender listens: b replies to a over TCP even with the
+    directory gone from the store (before, b looked a up: not found, so the store)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    a.send(b.id, "ping")
+    assert b.recv(source=a.id, timeout=10) == "ping"
+    program.client().delete(program.keys.directory())
+    b.send(a.id, "pong")
+    assert a.recv(source=b.id, timeout=10) == "pong"
+    assert b.statistics()["links_out"] == 1
+
+
+def test_first_lookup_over_tcp_makes_no_store_connection(
+    instances: Any, elsewhere: Path, program: Program, store_url: str
+) -> None:
+    """An instance on TCP leaves a store connection ready beside its inbox's: its first
+    lookup (in the path of its first message to another host) does not connect then."""
+    probe = redis.Redis.from_url(store_url)  # a pool of its own: counts, uses none of theirs
+    try:
+        a = instances(host="host-a", tcp_host="127.0.0.1")
+        b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+        deadline = time.monotonic() + 10
+        while not (
+            probe.hexists(program.keys.directory(), b.id)
+            and sum(c["cmd"] == "blpop" for c in probe.client_list()) >= 2
+        ):
+            assert time.monotonic() < deadline, "never published, or no inbox waits"
+            time.sleep(0.005)
+        before = probe.info("clients")["connected_clients"]
+        assert a.directory.lookup(b.id) == b.entry
+        assert probe.info("clients")["connected_clients"] == before
+    finally:
+        probe.close()
+
+
+def test_wrong_token_over_tcp_is_refused_at_the_next_send(
+    instances: Any, elsewhere: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    b = instances(token=b"right", host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    a = instances(token=b"wrong", host="host-a")
+    _published(a, b)
+    with caplog.at_level(logging.WARNING, logger="nimbus.messaging"):
+        a.send(b.id, "let me in")  # written behind the HELLO: not taken
+        with pytest.raises(PeerRefused, match="wrong auth token"):
+            a.send(b.id, "again")
+    assert f"instance {b.id} refused a connection from '{a.id}'" in caplog.text
+    with pytest.raises(MessagingTimeout):
+        b.recv(timeout=0.2)
 
 
 def test_unreachable_peer_falls_back_to_the_store(instances: Any, elsewhere: Path) -> None:
@@ -728,6 +829,27 @@ def test_directory_publishes_only_changes_and_resolves_on_demand(program: Progra
     here.set_local("i1", None)
     assert here.publish() == {"i1": None}
     assert there.refresh("i1") is None
+
+
+def test_directory_lookup_reads_a_small_directory_whole(program: Program) -> None:
+    """An all-to-all exchange's first sends: the first lookup (one round trip) brings
+    the other peers' entries too, so theirs take none (each was a round trip through
+    the store, in series, before the first byte to that peer)."""
+    here = Directory(program.client, program.keys, program.ttl_ms)
+    there = Directory(program.client, program.keys, program.ttl_ms)
+    entries = {f"i{k}": Entry("host-a", k, None, ("10.0.0.1", 4000 + k)) for k in range(3)}
+    for name, entry in entries.items():
+        here.set_local(name, entry)
+    here.publish()
+    assert there.lookup("i0") == entries["i0"]
+    program.client().delete(program.keys.directory())  # the store knows them no more
+    assert there.lookup("i1") == entries["i1"]  # read with i0's
+    assert there.lookup("i2") == entries["i2"]
+    there.invalidate("i2")
+    assert there.lookup("i2") is None  # invalidated: asked again
+    here.set_local("i3", entries["i0"])
+    here.publish()  # (i3 only: the others were published before)
+    assert there.lookup("i3") == entries["i0"]
 
 
 def test_public_names() -> None:
@@ -773,3 +895,64 @@ def test_root_removes_the_socket_directory_at_exit(tmp_path: Path) -> None:
         assert sockets.name.startswith("m-") and not sockets.exists()
     finally:
         shutil.rmtree(env["NIMBUS_RUNTIME_DIR"], ignore_errors=True)
+
+
+def test_a_first_message_followed_by_the_goodbye_reaches_its_peer(
+    instances: Any, elsewhere: Path
+) -> None:
+    """A small first message over TCP goes out before its HELLO's answer is read, and
+    the sender closes at once: the goodbye reads the answer before it closes (a socket
+    closed with input unread is reset, not closed; its peer's read then breaks)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    small = np.arange(20_000)  # 160 kB: follows its HELLO
+    a.send(b.id, small)
+    (link,) = a._opening.values()
+    assert link.unanswered
+    a.close()
+    assert np.array_equal(b.recv(source=a.id, timeout=10), small)
+    with pytest.raises(PeerExited):  # its goodbye came in whole
+        b.recv(source=a.id, timeout=10)
+
+
+def test_a_large_first_message_over_tcp_waits_for_the_answer(
+    instances: Any, elsewhere: Path
+) -> None:
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    big = np.arange(1_000_000)  # 8 MB: the round trip is nothing beside it
+    a.send(b.id, big)
+    assert not a._opening and not a._out[b.id].unanswered
+    a.close()
+    assert np.array_equal(b.recv(source=a.id, timeout=10), big)
+
+
+def test_the_answer_to_a_hello_with_a_message_waits_for_all_of_it(
+    instances: Any, program: Program
+) -> None:
+    """A listening instance answers a HELLO that says a message follows only once it
+    has read that message whole: the answer can then never reach a sender that went
+    (exited, killed) while its socket still held part of it, which the answer would
+    reset, dropping that part (before: answered at once)."""
+    b = instances(host="host-b", tcp_host="127.0.0.1")
+    early = "f" * 16
+    left, right = socket.socketpair()  # the bytes a sender writes, taken as they are
+    with left, right:
+        channel = _peer.Stream(left)
+        hello = pack((_peer.PROTOCOL, program.program_id, b"secret", early, None, True))
+        channel.send(_peer.HELLO, hello)
+        channel.queue_message(_peer.PICKLE, 0, pack(0), pickle.dumps(b"x" * 100_000))
+        assert channel.flush()
+        wire = b""
+        while len(wire) < channel.bytes_out:
+            wire += right.recv(1 << 20)
+    with socket.create_connection(b.entry.tcp) as sock:
+        sock.sendall(wire[:-1000])  # the HELLO and most of the message
+        assert not select.select([sock], [], [], 0.5)[0], "answered before the message"
+        sock.sendall(wire[-1000:])
+        assert select.select([sock], [], [], 10)[0]
+        frames = _peer.Stream(sock).receive(block=True) or []
+        assert [f.kind for f in frames] == [_peer.WELCOME]
+        assert b.recv(source=early, timeout=10) == b"x" * 100_000

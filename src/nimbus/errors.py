@@ -246,7 +246,12 @@ class PeerExited(MessagingError, EOFError):
 
 
 class PeerRefused(MessagingError, ConnectionError):
-    """The peer refused the handshake: another program, a wrong token or version."""
+    """The peer refused the handshake: another program, a wrong token or version.
+
+    Raised by the send that opens the link, or, to a peer on another host (TCP,
+    whose small first message goes out behind the handshake), by the next send
+    to it (logged at exit when there is none).
+    """
 
 
 class MessageDecodeError(MessagingError, DeserializationError):

@@ -12,7 +12,10 @@ Each process that hosts instances keeps its *local map* and publishes only the
 entries that changed, so whoever aggregates maps (the embedded runtime now: the
 program's hash in the store; the service later) merges a global one. A lookup
 never waits for a heartbeat: it reads the store on demand, and its answer is
-cached until a send through it fails. Peers on the same host skip the store
+cached until a send through it fails. While the directory is small (up to BULK
+entries) a lookup reads it whole in that one round trip, so the next peers' lookups
+(the rest of a group, an all-to-all exchange) take none; and a peer that connected
+told its entry in its handshake (:meth:`Directory.learn`), so a reply needs no lookup. Peers on the same host skip the store
 altogether: an instance's Unix socket lives at a path built from the program id
 and its instance id (:func:`socket_path`), in a directory only the user can use.
 """
@@ -39,6 +42,16 @@ __all__ = ["ALIVE", "EXITED", "Directory", "Entry", "host_id", "socket_dir", "so
 ALIVE = "alive"
 EXITED = "exited"
 NEGATIVE_TTL = 0.02  # seconds a "not in the directory" answer is trusted
+BULK = 256  # a directory of up to this many entries is read whole by a lookup
+# the whole hash if it is small, else the one entry (as [id, entry] or none): one round trip
+_SCRIPT = """
+if redis.call('HLEN', KEYS[1]) <= tonumber(ARGV[2]) then
+    return redis.call('HGETALL', KEYS[1])
+end
+local found = redis.call('HGET', KEYS[1], ARGV[1])
+if found then return {ARGV[1], found} end
+return {}
+"""
 _SUN_PATH = 107
 
 
@@ -104,6 +117,7 @@ class Directory:
         self.local: dict[str, Entry] = {}
         self._published: dict[str, Entry] = {}
         self._cache: dict[str, Entry] = {}
+        self._read: dict[bytes, bytes] = {}  # id -> entry as read whole, decoded when asked
         self._missing: dict[str, float] = {}
 
     def set_local(self, instance_id: str, entry: Entry | None) -> None:
@@ -146,14 +160,23 @@ class Directory:
         return changes
 
     def lookup(self, instance_id: str) -> Entry | None:
-        """The entry of ``instance_id``: cached, else read from the store now."""
+        """The entry of ``instance_id``: cached, else read from the store now (with
+        every other entry, while the directory has at most BULK: all cached)."""
         found = self.local.get(instance_id) or self._cache.get(instance_id)
         if found is not None:
             return found
-        missed = self._missing.get(instance_id)
-        if missed is not None and time.monotonic() - missed < NEGATIVE_TTL:
-            return None
-        return self.refresh(instance_id)
+        raw = self._read.pop(instance_id.encode(), None)
+        if raw is None:
+            missed = self._missing.get(instance_id)
+            if missed is not None and time.monotonic() - missed < NEGATIVE_TTL:
+                return None
+            try:
+                flat: Any = self._client().eval(_SCRIPT, 1, self._key, instance_id, BULK)
+            except redis.RedisError as exc:
+                raise StateStoreError(f"cannot read the directory: {exc}") from exc
+            self._read = dict(zip(flat[::2], flat[1::2], strict=True))
+            raw = self._read.pop(instance_id.encode(), None)
+        return self._found(instance_id, None if raw is None else Entry.loads(raw))
 
     def refresh(self, instance_id: str) -> Entry | None:
         """Read the entry from the store, bypassing the cache."""
@@ -161,16 +184,29 @@ class Directory:
             raw: Any = self._client().hget(self._key, instance_id)
         except redis.RedisError as exc:
             raise StateStoreError(f"cannot read the directory: {exc}") from exc
-        if raw is None:
+        return self._found(instance_id, None if raw is None else Entry.loads(raw))
+
+    def _found(self, instance_id: str, entry: Entry | None) -> Entry | None:
+        """Cache what the store said of ``instance_id`` (None: not there, for a while)."""
+        if entry is None:
             self._cache.pop(instance_id, None)
             self._missing[instance_id] = time.monotonic()
             return None
-        entry = Entry.loads(raw)
         self._missing.pop(instance_id, None)
         self._cache[instance_id] = entry
         return entry
 
+    def learn(self, instance_id: str, packed: bytes) -> None:
+        """Cache the entry ``instance_id`` told (packed, in its authenticated HELLO),
+        unless one is cached already; a malformed one is ignored."""
+        if instance_id not in self._cache:
+            try:
+                self._cache[instance_id] = Entry.loads(packed)
+            except (ValueError, TypeError):
+                pass
+
     def invalidate(self, instance_id: str) -> None:
         """Forget what is cached about ``instance_id`` (a send through it failed)."""
         self._cache.pop(instance_id, None)
+        self._read.pop(instance_id.encode(), None)
         self._missing.pop(instance_id, None)

@@ -123,6 +123,8 @@ class Instance(Receiver, Sender):
                 conn, me=self.id, program_id=self._keys.program_id, token=self._token
             )
             if link is not None:
+                if link.entry is not None:  # where it listens, as it said: no lookup to reply
+                    self.directory.learn(link.peer, link.entry)
                 self._link_in(link)
 
     def _inbox(self) -> None:
@@ -135,6 +137,8 @@ class Instance(Receiver, Sender):
             self.directory.publish()
         except StateStoreError:
             pass  # lookups from other hosts fail until the next publish (at close)
+        if self.direct and self.entry.tcp is not None:
+            self._spare_connection()
         key = self._keys.inbox(self.id)
         while not self._closed:
             try:
@@ -150,6 +154,24 @@ class Instance(Receiver, Sender):
                 continue
             self._mailbox.put(sender, seq, tag, parts[0], _peer.writable_as_sent(parts, readonly))
             self._wake()
+
+    def _spare_connection(self) -> None:
+        """Leave a connection to the store in the pool beside the one BLPOP will hold.
+
+        An instance on TCP sends to peers on other hosts, each looked up in the
+        store first: its first lookup would otherwise connect to the store then,
+        in the path of its first message (a few ms across a link, as long as the
+        lookup itself). Made here, off that path.
+        """
+        pool = self._client().connection_pool
+        try:
+            held = pool.get_connection()  # the publish's: BLPOP takes it back below
+            try:
+                pool.release(pool.get_connection())  # a second, made now
+            finally:
+                pool.release(held)
+        except (redis.RedisError, OSError) as exc:
+            log.debug("nimbus.messaging: no spare store connection for %s: %r", self.id, exc)
 
     # ------------------------------------------------------------ closing
 
@@ -186,9 +208,9 @@ class Instance(Receiver, Sender):
 
     def statistics(self) -> dict[str, int]:
         """Links out and in, messages waiting, and bytes moved over sockets."""
-        links = [*self._out.values(), *self._in.values()]
+        links = [*self._out.values(), *self._opening.values(), *self._in.values()]
         return {
-            "links_out": len(self._out),
+            "links_out": len(self._out) + len(self._opening),
             "links_in": len(self._in),
             "waiting": self._mailbox.count(),
             "bytes_out": sum(link.channel.bytes_out for link in links),

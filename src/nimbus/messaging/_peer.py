@@ -3,8 +3,14 @@
 ::
 
     connecting instance                               listening instance
-    connect() --HELLO [version, program, token, id]--> acceptor: check version,
-              <--WELCOME [id] or REFUSED [reason]----  program and token (logged)
+    connect() --HELLO [version, program, token, id, its directory entry, follows]-->
+              <--WELCOME [id] or REFUSED [reason]----  acceptor: check version, program
+                                                       and token (logged); the entry is
+                                                       cached
+      (over TCP a small first message may follow the HELLO at once, ``follows``: the
+       acceptor reads it whole before it answers, so the answer never reaches a
+       sender whose socket still holds that message; the sender reads the answer
+       before the link's second send or its goodbye; ``answer``)
     MSG [seq, tag] + pickle + out-of-band buffers --->  mailbox (in order per sender)
     PICKLE seq tag + a small pickle ---------------->  mailbox
     RAW seq tag + bytes (a small bytes as it is) --->  mailbox
@@ -75,7 +81,9 @@ __all__ = [
 
 log = logging.getLogger("nimbus.messaging")
 
-PROTOCOL = 3  # 3: small messages carry their number in the frame header
+PROTOCOL = 4  # 3: small messages carry their number in the frame header; 4: a message
+# may follow a HELLO before its answer (read whole by the acceptor before it answers:
+# ``Peer.early``), and a HELLO carries the connector's directory entry (``Peer.entry``)
 HANDSHAKE_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 1.0  # a TCP peer that does not answer within this is unreachable (for now)
 SOCKET_BUFFER = 4 * 1024 * 1024
@@ -110,6 +118,8 @@ class Peer:
         "channel",
         "closed_cleanly",
         "count",
+        "early",
+        "entry",
         "error",
         "lock",
         "packer",
@@ -121,6 +131,7 @@ class Peer:
         "spin_backoff",
         "spin_skip",
         "tags",
+        "unanswered",
         "wait",
     )
 
@@ -143,6 +154,9 @@ class Peer:
         self.wait = 0.0  # a link in: how long a read waits (0: reads never wait)
         self.spin_skip = 0  # a link in: waiting reads left before the next spins first
         self.spin_backoff = 0  # the reads skipped after the last spin that found nothing
+        self.early: list[Frame] = []  # a link in: frames read with its HELLO
+        self.entry: bytes | None = None  # a link in: its peer's directory entry, as it said
+        self.unanswered = False  # a link out: its handshake's answer not read yet
 
     def packed(self, tag: Any) -> bytes:
         """``tag`` packed with msgpack, kept for the next messages with it (up to TAGS)."""
@@ -221,28 +235,47 @@ def wait_in_reads(link: Peer, seconds: float) -> None:
     link.wait = seconds
 
 
-def _one_frame(channel: Channel, what: str) -> Frame:
-    """One frame within the handshake timeout (the socket is blocking, reads are not)."""
-    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+def _frames(channel: Channel, what: str, timeout: float = HANDSHAKE_TIMEOUT) -> list[Frame]:
+    """The first frames read within ``timeout`` (reads do not block)."""
+    deadline = time.monotonic() + timeout
     frames: list[Frame] | None = []
     while frames == []:
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not select.select([channel.sock], [], [], remaining)[0]:
-            raise TimeoutError(f"no answer within {HANDSHAKE_TIMEOUT} s during the {what}")
+            raise TimeoutError(f"no answer within {timeout} s during the {what}")
         frames = channel.receive()
     if not frames:
         raise ConnectionResetError(f"closed during the {what}")
+    return frames
+
+
+def _one_frame(channel: Channel, what: str, timeout: float = HANDSHAKE_TIMEOUT) -> Frame:
+    """One frame within ``timeout``, and nothing after it."""
+    frames = _frames(channel, what, timeout)
     if len(frames) > 1:
         raise ProtocolError(f"unexpected frames during the {what}")
     return frames[0]
 
 
-def connect(address: tuple[str, Any], *, peer: str, me: str, program_id: str, token: bytes) -> Peer:
+def connect(
+    address: tuple[str, Any],
+    *,
+    peer: str,
+    me: str,
+    program_id: str,
+    token: bytes,
+    answered: bool = True,
+    entry: bytes | None = None,
+) -> Peer:
     """Open a link to ``peer`` at ``address`` (``("unix", path)`` or ``("tcp", (host, port))``).
 
     Raises :class:`PeerUnreachable` when nothing listens there (yet),
     :class:`PeerLost` when the socket exists but its owner is gone, and
-    :class:`PeerRefused` when the peer refuses the handshake.
+    :class:`PeerRefused` when the peer refuses the handshake. With ``answered``
+    false the link is returned once the HELLO is written (``unanswered``): the
+    caller writes one message (that the peer reads whole before it answers) at
+    once and reads the answer later (:func:`answer`). ``entry``:
+    this instance's directory entry (packed), told to the peer in the HELLO.
     """
     kind, where = address
     try:
@@ -267,19 +300,36 @@ def connect(address: tuple[str, Any], *, peer: str, me: str, program_id: str, to
     sock.settimeout(None)
     _tune(sock)
     channel = Stream(sock)
+    link = Peer(sock, channel, peer)
+    link.unanswered = True
     try:
-        channel.send(HELLO, pack((PROTOCOL, program_id, token, me)))
+        channel.send(HELLO, pack((PROTOCOL, program_id, token, me, entry, not answered)))
         channel.flush()
-        frame = _one_frame(channel, "handshake")
-    except (OSError, ProtocolError) as exc:
+    except OSError as exc:
         channel.close()
         raise PeerLost(f"instance {peer} dropped the handshake: {exc}") from exc
+    if answered:
+        answer(link)
+    sock.setblocking(False)
+    return link
+
+
+def answer(link: Peer, timeout: float = HANDSHAKE_TIMEOUT) -> None:
+    """Read the answer to ``link``'s HELLO (waiting up to ``timeout``); the link is
+    closed and :class:`PeerRefused` (or :class:`PeerLost`) raised if it is no WELCOME."""
+    if not link.unanswered:
+        return
+    link.unanswered = False  # read now, whatever it is
+    peer = link.peer
+    try:
+        frame = _one_frame(link.channel, "handshake", timeout)
+    except (OSError, ProtocolError) as exc:
+        link.close()
+        raise PeerLost(f"instance {peer} dropped the handshake: {exc}") from exc
     if frame.kind != WELCOME:
-        channel.close()
+        link.close()
         reason = unpack(frame.meta) if frame.kind == REFUSED else f"frame kind {frame.kind}"
         raise PeerRefused(f"instance {peer} refused the connection: {reason}")
-    sock.setblocking(False)
-    return Peer(sock, channel, peer)
 
 
 def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Peer | None:
@@ -288,10 +338,10 @@ def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Pe
     _tune(sock)
     channel = Stream(sock)
     try:
-        frame = _one_frame(channel, "handshake")
+        frame, *early = _frames(channel, "handshake")
         if frame.kind != HELLO:
             raise ProtocolError(f"expected a handshake, got frame kind {frame.kind}")
-        version, program, their_token, peer = unpack(frame.meta)
+        version, program, their_token, peer, *told = unpack(frame.meta)
     except (OSError, ProtocolError, ValueError, TypeError) as exc:
         if channel.bytes_in == 0:  # a liveness probe: connected, said nothing, left
             log.debug("nimbus.messaging: %s was probed", me)
@@ -318,10 +368,20 @@ def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Pe
         channel.close()
         return None
     try:
+        if len(told) > 1 and told[1] is True and not early:
+            # a message follows: read whole before the answer, so the answer never
+            # meets a socket that still holds it (a sender that went without reading
+            # its answer is reset by it, and what its socket held is dropped)
+            early = _frames(channel, "first message")
         channel.send(WELCOME, pack(me))
         channel.flush()
-    except OSError:
+    except (OSError, ProtocolError) as exc:
+        log.warning("nimbus.messaging: %s dropped a connection from %r: %s", me, peer, exc)
         channel.close()
         return None
     sock.setblocking(False)
-    return Peer(sock, channel, str(peer))
+    link = Peer(sock, channel, str(peer))
+    link.early = early  # messages that followed the HELLO (the receiver delivers them first)
+    if told and isinstance(told[0], bytes):
+        link.entry = told[0]
+    return link

@@ -403,6 +403,9 @@ class Receiver:
                 self._in[link.fileno()] = link
                 self._from[link.peer] = link
                 self._poll.register(link.fileno(), _READ)
+                if link.early:  # messages read with its HELLO: before what follows them
+                    early, link.early = link.early, []
+                    self._mailbox.deliver(link, early)
                 self._read(link)
 
     def _read(self, link: _peer.Peer) -> None:

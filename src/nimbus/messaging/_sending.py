@@ -9,6 +9,15 @@
           |
           +-- peer not listening (yet) or unreachable --> RPUSH inbox:<peer> in the store
 
+A link to a peer on another host (TCP) carries a small first message (up to
+``FOLLOWS`` bytes) right behind the HELLO, before the peer's answer: each first
+contact costs the sender a TCP connect, not a round trip through the peer's
+process too (an exchange's first sends to several peers overlap their
+handshakes). The peer reads that message whole before it answers. Until its
+answer is read the link waits in ``_opening``; the next send to that peer, or the
+goodbye, reads it (a refusal raises at that send, as :class:`PeerRefused`, and is
+logged at a goodbye; the message sent before it was not taken).
+
 Every message to a peer takes the next number of that peer's count, whichever
 way it goes, so the receiver delivers once and in order across a switch from
 the store to a socket. The first send after a ``recv`` goes at once (a request
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import os
 import pickle
 import threading
@@ -36,6 +46,7 @@ from nimbus.errors import (
     MessagingError,
     PeerExited,
     PeerLost,
+    PeerRefused,
     PeerUnreachable,
     StateStoreError,
 )
@@ -46,9 +57,15 @@ from nimbus.wire import pack
 
 __all__ = ["COALESCE", "FLUSH_DELAY", "Sender"]
 
+log = logging.getLogger("nimbus.messaging")
+
 RETRY = 0.002  # seconds between tries to reach a peer that does not listen yet
 RETRY_TCP = 0.25  # first wait before trying an unreachable TCP address again ...
 MAX_BACKOFF = 5.0  # ... doubling up to this
+FOLLOWS = 256 * 1024  # a first message over TCP this small follows its HELLO before
+# the answer (a larger one takes far longer than the round trip)
+REFUSAL_WAIT = 0.1  # seconds a broken link not yet answered is read for a refusal
+GOODBYE_WAIT = 1.0  # seconds a closing link's goodbye is written, and its answer read
 COALESCE = 32 * 1024  # bytes of small messages queued before they are written at once
 FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be written
 _PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to find)
@@ -75,6 +92,8 @@ class Sender:
 
     def __init__(self) -> None:
         self._out: dict[str, _peer.Peer] = {}
+        self._opening: dict[str, _peer.Peer] = {}  # links out whose answer is unread
+        self._refused: dict[str, PeerRefused] = {}  # a write failed: the peer had refused
         self._out_lock = threading.Lock()
         # one numbering per peer, whichever way its messages go (taken without a lock)
         self._seq: dict[str, itertools.count[int]] = collections.defaultdict(itertools.count)
@@ -154,7 +173,8 @@ class Sender:
         ``raw``: ``data`` is the ``bytes`` sent, not a pickle.
         """
         if link is None and self.direct:
-            link = self._open(peer)
+            size = len(data) + sum(r.nbytes for r in raws)
+            link = self._open(peer, follows=size <= FOLLOWS)
         if link is None:
             if raw:
                 data = pickle.dumps(data, 5)
@@ -254,10 +274,18 @@ class Sender:
                 except MessagingError as exc:  # PeerLost or PeerExited
                     link.error = exc
 
-    def _open(self, peer: str) -> _peer.Peer | None:
-        """A link to ``peer``, or None while it does not listen (its messages go to the store)."""
+    def _open(self, peer: str, follows: bool = False) -> _peer.Peer | None:
+        """A link to ``peer``, or None while it does not listen (its messages go to the store).
+
+        ``follows``: the message to send is small; over TCP it follows the HELLO
+        before the answer (the link is returned unanswered, in ``_opening``).
+        """
         if peer == self.id:
             raise ValueError("an instance cannot send to itself")
+        if self._opening:
+            opened = self._opening.get(peer)
+            if opened is not None:
+                return self._answered(opened)
         now = time.monotonic()
         if now < self._retry_at.get(peer, 0.0):
             return None
@@ -282,10 +310,17 @@ class Sender:
                 me=self.id,
                 program_id=self._keys.program_id,
                 token=self._token,
+                answered=not follows or address[0] == "unix",  # on this host: no saving
+                entry=self.entry.dumps(),  # (the peer's reply needs no lookup then)
             )
         except PeerUnreachable:
             self.directory.invalidate(peer)
             if address[0] == "tcp":  # a timeout costs up to a second: back off
+                # its address may be from a lookup of another peer (the directory read
+                # whole) from before it exited: the store says now
+                entry = self.directory.refresh(peer)
+                if entry is not None and entry.state == EXITED:
+                    raise _exited(peer) from None
                 backoff = min(MAX_BACKOFF, 2 * self._backoff.get(peer, RETRY_TCP / 2))
                 self._backoff[peer] = backoff
                 self._retry_at[peer] = time.monotonic() + backoff
@@ -295,11 +330,32 @@ class Sender:
         self._backoff.pop(peer, None)
         link.count = self._seq[peer]  # the one numbering of ``peer``, whichever way
         with self._out_lock:
-            old = self._out.get(peer)
+            old = self._out.get(peer) or self._opening.get(peer)
             if old is not None:  # another thread opened one meanwhile
                 link.close()
                 return old
-            self._out[peer] = link
+            if link.unanswered:
+                self._opening[peer] = link
+            else:
+                self._out[peer] = link
+        return link
+
+    def _answered(self, link: _peer.Peer) -> _peer.Peer:
+        """``link`` (from ``_opening``) once its peer's answer is read, now in ``_out``;
+        :class:`PeerRefused` (or the link's loss) raised if the peer refused it. A link
+        dropped meanwhile (another thread's write broke) is returned with its error."""
+        with link.lock:
+            if link.error is None:
+                try:
+                    _peer.answer(link)
+                except MessagingError as exc:
+                    link.error = exc
+                    self._drop_out(link)
+                    raise
+        with self._out_lock:
+            if self._opening.get(link.peer) is link:
+                del self._opening[link.peer]
+                self._out[link.peer] = link
         return link
 
     def _push_store(self, peer: str, seq: int, tag: Any, data: bytes, raws: list[Any]) -> None:
@@ -326,7 +382,10 @@ class Sender:
     def _gone(self, peer: str, exc: BaseException) -> MessagingError:
         """The error of a link to ``peer`` that broke: :class:`PeerExited` if the peer
         exited normally (its goodbye came in, or the directory says so), else
-        :class:`PeerLost`."""
+        :class:`PeerLost` (:class:`PeerRefused` if it had refused the link)."""
+        refused = self._refused.pop(peer, None)
+        if refused is not None:
+            return refused
         exited = self._ended_as(peer) == EXITED
         if not exited:
             try:
@@ -346,23 +405,42 @@ class Sender:
         with self._out_lock:
             if self._out.get(link.peer) is link:
                 del self._out[link.peer]
+            if self._opening.get(link.peer) is link:
+                del self._opening[link.peer]
+        if link.unanswered:  # a write broke before the answer was read: a refusal?
+            try:
+                _peer.answer(link, REFUSAL_WAIT)
+            except PeerRefused as exc:
+                self._refused[link.peer] = exc  # what ``_gone`` raises
+            except MessagingError:
+                pass
         self.directory.invalidate(link.peer)
         link.close()
 
     def _say_goodbye(self) -> None:
         """Write what is queued and a BYE on every link out, then close them."""
-        for link in list(self._out.values()):
+        for link in [*self._out.values(), *self._opening.values()]:
             try:
                 with link.lock:
                     link.frame_pending(self._number)
                     link.channel.send(_peer.BYE, pack(self._number(link.peer, 1)))
                     link.sock.setblocking(True)
-                    link.sock.settimeout(1.0)
+                    link.sock.settimeout(GOODBYE_WAIT)
                     link.channel.flush()
             except OSError:
                 pass
+            if link.unanswered:
+                # a socket closed with input unread (the answer) is reset, not closed:
+                # what it still holds for the peer is dropped, the peer's read breaks
+                try:
+                    _peer.answer(link, GOODBYE_WAIT)
+                except PeerRefused as exc:  # nothing left to raise it to: said here
+                    log.warning("nimbus.messaging: %s; the message sent to it was not taken", exc)
+                except MessagingError:
+                    pass
             link.close()
         self._out.clear()
+        self._opening.clear()
 
 
 def _exited(peer: str) -> PeerExited:
