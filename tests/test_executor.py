@@ -1239,7 +1239,7 @@ def test_option_errors_name_the_argument_given() -> None:
 
 
 FORKED_CHILD = """
-import os, sys, time, nimbus
+import concurrent.futures as cf, os, sys, time, nimbus
 
 def square(x):
     return x * x
@@ -1262,11 +1262,14 @@ if __name__ == "__main__":
                 ex.submit(square, running)
             except RuntimeError as e:
                 print("child:", e, flush=True)
-            for wait in (running.result, running.exception):  # its result comes to the owner
-                try:
-                    wait()
-                except RuntimeError as e:
-                    print("child:", e, flush=True)
+            try:  # its result comes to the owner: here it failed at the fork
+                running.result()
+            except RuntimeError as e:
+                print("child:", e, flush=True)
+            print("child:", running.exception(), flush=True)
+            done, pending = cf.wait([running])  # (these waited for ever)
+            print("child:", done == {running} and not pending, flush=True)
+            print("child:", list(cf.as_completed([running])) == [running], flush=True)
             sys.exit(0)  # a normal exit: atexit handlers, then the with block's exit, run
         print("child exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
         print("parent after", ex.submit(square, 5).result(timeout=30), running.result(), flush=True)
@@ -1303,3 +1306,4 @@ def test_a_forked_child_is_told_the_executor_is_its_parents_and_its_exit_leaves_
         assert "was forked from it" in line and "make an Executor in this process" in line, lines
     for line in lines[3:5]:  # result() and exception() of the owner's pending future
         assert "was forked from it" in line and "its result arrives in process" in line, lines
+    assert lines[5:7] == ["child: True", "child: True"], lines  # wait, as_completed

@@ -51,18 +51,15 @@ class Future(cf.Future[Any]):
     """A ``concurrent.futures.Future`` whose ``cancel()`` also stops running tasks.
 
     ``record`` is the task's :class:`~nimbus.records.TaskRecord`, complete
-    once the future is done. Waited for in a process forked while it was pending,
-    ``result()`` and ``exception()`` raise ``RuntimeError``: its result arrives in the
-    process that submitted it (it hung).
+    once the future is done. In a process forked while it was pending it is failed
+    with a ``RuntimeError`` (:meth:`orphan`): its result arrives in the process that
+    submitted it only (waited for there, it hung).
     """
 
     record: TaskRecord
     _task: Any = None  # its nimbus.runtime.task.Task (a floor above this module)
     _stop: Callable[[Any], None] | None = None
     _after: list[cf.Future[Any]] | None = None  # the futures of the tasks whose results it takes
-    # in a process forked while it was pending: the pid of the one whose runtime runs its
-    # task (its executor sets it there), where alone it completes
-    forked_from = 0
 
     def __init__(self) -> None:  # the stdlib's, with the lighter condition
         self._condition = _Condition()
@@ -72,15 +69,15 @@ class Future(cf.Future[Any]):
         self._waiters: list[Any] = []
         self._done_callbacks: list[Callable[[cf.Future[Any]], object]] = []
 
-    def result(self, timeout: float | None = None) -> Any:
-        if self.forked_from and self._state != FINISHED:
-            raise RuntimeError(_forked_wait(self.forked_from))
-        return super().result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        if self.forked_from and self._state != FINISHED:
-            raise RuntimeError(_forked_wait(self.forked_from))
-        return super().exception(timeout)
+    def orphan(self, owner: int) -> None:
+        """In a process forked from ``owner`` while this was pending (the only thread
+        there): failed with a ``RuntimeError`` saying so, its callbacks not run (they
+        are ``owner``'s); its result arrives in ``owner`` only."""
+        if self._state in (PENDING, RUNNING):
+            self._condition = _Condition()  # (another thread of owner's may have held it)
+            self._waiters = []  # owner's threads' waits
+            self._exception = RuntimeError(_forked_wait(owner))
+            self._state = FINISHED
 
     def cancel(self) -> bool:
         """Cancel the task; a running task's worker is killed and replaced."""

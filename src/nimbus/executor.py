@@ -65,11 +65,13 @@ _live: weakref.WeakSet[Executor] = weakref.WeakSet()
 
 
 def _forked() -> None:
-    """In a forked child: the pending futures of its parent's executors say whose they are
-    (waited for here, they never completed)."""
+    """In a forked child: the pending futures of its parent's executors fail here with a
+    ``RuntimeError`` naming whose they are (their results arrive in that process only:
+    ``result()``, ``concurrent.futures.wait`` and ``as_completed`` here never ended), as
+    the stdlib's pool fails its pending futures when it breaks. The parent's are untouched."""
     for ex in list(_live):
         for future in list(ex._futures.values()):
-            future.forked_from = ex._pid
+            future.orphan(ex._pid)
 
 
 os.register_at_fork(after_in_child=_forked)
