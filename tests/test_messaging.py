@@ -1128,3 +1128,51 @@ def test_a_frame_of_impossible_size_instead_of_a_hello_does_not_stop_the_accepto
         sock.sendall(bytes(frame[:-1]))
         select.select([sock], [], [], 2)
     _b_still_accepts(b, program)
+
+
+def test_a_peer_that_refused_is_not_sent_the_next_message_behind_a_new_hello(
+    instances: Any, elsewhere: Path
+) -> None:
+    """A send to a peer on another host that refuses (here a wrong token) raises
+    PeerRefused at the next send; the send after that opens a new link, writes its
+    message behind the HELLO and returns as if sent: every other message to a peer
+    known to refuse is lost without an error (before: each send raised)."""
+    b = instances(token=b"right", host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    a = instances(token=b"wrong", host="host-a")
+    _published(a, b)
+    a.send(b.id, "let me in")  # written behind the HELLO: not taken (as designed)
+    with pytest.raises(PeerRefused):
+        a.send(b.id, "again")
+    with pytest.raises(PeerRefused):
+        a.send(b.id, "and again")  # known refused: not silently dropped
+
+
+def test_a_connection_still_in_its_handshake_at_close_is_not_taken_after_it(
+    instances: Any, program: Program
+) -> None:
+    """A HELLO that says a message follows keeps the acceptor waiting (up to
+    HANDSHAKE_TIMEOUT) for that message; the instance closes meanwhile. The acceptor
+    then answers WELCOME and hands the link to a closed instance: nobody reads or
+    closes it (an fd kept for ever; its wake-up write goes to a closed, maybe reused,
+    descriptor)."""
+    b = instances(host="host-b", tcp_host="127.0.0.1")
+    late = "h" * 16
+    with socket.create_connection(b.entry.tcp) as sock:
+        channel = _peer.Stream(sock)
+        channel.send(_peer.HELLO, _hello(program, late, None, True))
+        assert channel.flush()
+        time.sleep(0.3)  # the acceptor has read the HELLO: it waits for the message
+        b.close()
+        channel.queue_message(_peer.PICKLE, 0, pack(0), pickle.dumps("too late"))
+        assert channel.flush()
+        frames: list[Any] = []
+        while True:  # what comes back before the connection ends
+            assert select.select([sock], [], [], 6)[0], f"left open; it said {frames}"
+            try:
+                got = channel.receive()
+            except ConnectionResetError:
+                break
+            if got is None:
+                break
+            frames += [f.kind for f in got]
+        assert _peer.WELCOME not in frames
