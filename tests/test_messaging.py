@@ -43,7 +43,7 @@ from nimbus.errors import (
     PeerUnknown,
 )
 from nimbus.messaging import Directory, Entry, Instance, _peer
-from nimbus.messaging._directory import EXITED, socket_dir
+from nimbus.messaging._directory import EXITED, socket_dir, socket_path
 from nimbus.messaging._receiving import BLOCK, HEARTBEAT, NOTHING, SPIN, SPIN_BACKOFF
 from nimbus.statestore import Program
 from nimbus.wire import pack
@@ -227,6 +227,24 @@ def test_silent_peer_killed_is_noticed_within_a_heartbeat() -> None:
     with pytest.raises(PeerLost):
         msg.recv(source=child, timeout=30)
     assert time.monotonic() - started < 2 * HEARTBEAT + 0.5
+
+
+def test_a_killed_peer_whose_socket_was_removed_is_not_alive() -> None:
+    """A program starting on the host removes the sockets nobody listens on (those of
+    killed processes): a killed peer then had only its directory entry, which still
+    said alive, so a Queue's next reader never took over its claim (CI: the producer
+    kept sending to a dead consumer). Its process is looked at now."""
+    p, child = _start(_listen_then_sleep)
+    me = msg.current()
+    deadline = time.monotonic() + 10
+    while me.directory.refresh(child) is None:  # published (for peers elsewhere)
+        assert time.monotonic() < deadline, "never published"
+        time.sleep(0.005)
+    p.kill()
+    p.join(30)
+    socket_path(me._sockdir, child).unlink()  # as the starting program's sweep does
+    assert me.directory.refresh(child).state == "alive"  # type: ignore[union-attr]
+    assert not me.alive(child)
 
 
 # -- one process, several instances ------------------------------------------------
