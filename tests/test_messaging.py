@@ -35,6 +35,7 @@ from nimbus import telemetry
 from nimbus.config import Settings
 from nimbus.errors import (
     MessageDecodeError,
+    MessagingError,
     MessagingTimeout,
     PeerExited,
     PeerLost,
@@ -42,7 +43,7 @@ from nimbus.errors import (
     PeerUnknown,
 )
 from nimbus.messaging import Directory, Entry, Instance, _peer
-from nimbus.messaging._directory import EXITED, socket_dir
+from nimbus.messaging._directory import EXITED, socket_dir, socket_path
 from nimbus.messaging._receiving import BLOCK, HEARTBEAT, NOTHING, SPIN, SPIN_BACKOFF
 from nimbus.statestore import Program
 from nimbus.wire import pack
@@ -226,6 +227,24 @@ def test_silent_peer_killed_is_noticed_within_a_heartbeat() -> None:
     with pytest.raises(PeerLost):
         msg.recv(source=child, timeout=30)
     assert time.monotonic() - started < 2 * HEARTBEAT + 0.5
+
+
+def test_a_killed_peer_whose_socket_was_removed_is_not_alive() -> None:
+    """A program starting on the host removes the sockets nobody listens on (those of
+    killed processes): a killed peer then had only its directory entry, which still
+    said alive, so a Queue's next reader never took over its claim (CI: the producer
+    kept sending to a dead consumer). Its process is looked at now."""
+    p, child = _start(_listen_then_sleep)
+    me = msg.current()
+    deadline = time.monotonic() + 10
+    while me.directory.refresh(child) is None:  # published (for peers elsewhere)
+        assert time.monotonic() < deadline, "never published"
+        time.sleep(0.005)
+    p.kill()
+    p.join(30)
+    socket_path(me._sockdir, child).unlink()  # as the starting program's sweep does
+    assert me.directory.refresh(child).state == "alive"  # type: ignore[union-attr]
+    assert not me.alive(child)
 
 
 # -- one process, several instances ------------------------------------------------
@@ -956,3 +975,222 @@ def test_the_answer_to_a_hello_with_a_message_waits_for_all_of_it(
         frames = _peer.Stream(sock).receive(block=True) or []
         assert [f.kind for f in frames] == [_peer.WELCOME]
         assert b.recv(source=early, timeout=10) == b"x" * 100_000
+
+
+# -- review of the first message over TCP (rev21x) ------------------------------
+
+
+def _stall_after_connect(ep: Instance, seconds: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first link ``ep`` opens stalls ``seconds`` between its HELLO and its first
+    message: what a thread switch to another thread holding the GIL (a long C call)
+    does there. The code is the real one, only slowed at that point."""
+    opened = ep._open
+    stalled: list[bool] = []
+
+    def open_then_stall(peer: str, follows: bool = False) -> Any:
+        link = opened(peer, follows)
+        if not stalled and link is not None:
+            stalled.append(True)
+            time.sleep(seconds)
+        return link
+
+    monkeypatch.setattr(ep, "_open", open_then_stall)
+
+
+def test_two_threads_sending_while_the_link_opens_neither_waits_nor_fails(
+    instances: Any, elsewhere: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thread 1's first send opens the link (HELLO written, its message not yet);
+    thread 2's send finds the link in ``_opening`` and reads its answer holding the
+    link's lock. The peer answers only once the first message is in, which thread 1
+    writes only with that lock: both wait HANDSHAKE_TIMEOUT, then both sends fail
+    (PeerLost) though the peer is alive and well."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    _stall_after_connect(a, 0.5, monkeypatch)
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            a.send(b.id, "one")
+        except MessagingError as exc:  # said below
+            errors.append(exc)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not a._opening:
+        assert time.monotonic() < deadline and thread.is_alive(), "no link opened"
+        time.sleep(0.001)
+    start = time.monotonic()
+    try:
+        a.send(b.id, "two")
+    except MessagingError as exc:
+        errors.append(exc)
+    took = time.monotonic() - start
+    thread.join(10)
+    assert not errors, errors
+    assert took < _peer.HANDSHAKE_TIMEOUT / 2, f"the second send waited {took:.1f} s"
+    assert {b.recv(source=a.id, timeout=10), b.recv(source=a.id, timeout=10)} == {"one", "two"}
+
+
+def test_a_sender_that_stalls_between_its_hello_and_first_message_loses_nothing(
+    instances: Any, elsewhere: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The acceptor waits HANDSHAKE_TIMEOUT for the message a HELLO says follows, then
+    drops the connection; the sender's process, stalled that long (another thread in
+    a long C call holding the GIL), writes it into a closed connection: lost. The next
+    send raises PeerLost for a peer that is alive, and every later message from the
+    sender is held by the peer behind the lost one (its number), for ever."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    _stall_after_connect(a, _peer.HANDSHAKE_TIMEOUT + 0.5, monkeypatch)
+    a.send(b.id, "one")
+    sent = ["one"]
+    try:
+        a.send(b.id, "two")
+        sent.append("two")
+    except PeerLost:
+        a.send(b.id, "two again")  # the link is opened anew: a fresh link, the next number
+        sent.append("two again")
+    got = []
+    try:
+        for _ in sent:
+            got.append(b.recv(source=a.id, timeout=3))
+    except MessagingTimeout:
+        pass
+    assert (sent, got) == (["one", "two"], ["one", "two"])
+
+
+def _hello(program: Program, me: str, entry: Any, follows: bool) -> bytes:
+    return pack((_peer.PROTOCOL, program.program_id, b"secret", me, entry, follows))
+
+
+def _b_still_accepts(b: Instance, program: Program) -> None:
+    """A well-formed connection (HELLO, then a message) is still taken by ``b``."""
+    late = "c" * 16
+    with socket.create_connection(b.entry.tcp) as sock:
+        channel = _peer.Stream(sock)
+        channel.send(_peer.HELLO, _hello(program, late, None, False))
+        channel.queue_message(_peer.PICKLE, 0, pack(0), pickle.dumps("still here"))
+        assert channel.flush()
+        assert b.recv(source=late, timeout=10) == "still here"
+
+
+def test_a_malformed_entry_in_a_hello_does_not_stop_the_acceptor(
+    instances: Any, program: Program
+) -> None:
+    """``Directory.learn`` promises a malformed entry is ignored; one whose TCP address
+    has one element (or is a map) raises IndexError (KeyError), which nothing catches:
+    the acceptor thread dies and the instance takes no connection ever again."""
+    b = instances(host="host-b", tcp_host="127.0.0.1")
+    odd = "d" * 16
+    entry = pack(["host-x", 1, None, ["127.0.0.1"], "alive"])  # no port
+    with socket.create_connection(b.entry.tcp) as sock:
+        channel = _peer.Stream(sock)
+        channel.send(_peer.HELLO, _hello(program, odd, entry, False))
+        assert channel.flush()
+        assert select.select([sock], [], [], 10)[0]
+        assert [f.kind for f in _peer.Stream(sock).receive(block=True) or []] == [_peer.WELCOME]
+    _b_still_accepts(b, program)
+
+
+def test_garbage_after_a_hello_that_says_a_message_follows_does_not_stop_the_acceptor(
+    instances: Any, program: Program
+) -> None:
+    """What follows such a HELLO is read by the acceptor before it answers; a frame
+    header announcing an impossible size raises OverflowError there (the acceptor
+    catches only OSError and ProtocolError): the acceptor thread dies."""
+    b = instances(host="host-b", tcp_host="127.0.0.1")
+    odd = "g" * 16
+    with socket.create_connection(b.entry.tcp) as sock:
+        channel = _peer.Stream(sock)
+        channel.send(_peer.HELLO, _hello(program, odd, None, True))
+        assert channel.flush()
+        header = bytearray()
+        left, right = socket.socketpair()  # a real frame header, its length then changed
+        with left, right:
+            probe = _peer.Stream(left)
+            probe.send(_peer.MSG, pack((0, 0)), [b"x" * 100_000])
+            assert probe.flush()
+            while len(header) < probe.bytes_out:
+                header += right.recv(1 << 20)
+        cut = len(header) - 100_000 - len(pack((0, 0))) - 8
+        header[cut : cut + 8] = (2**64 - 1).to_bytes(8, "little")
+        sock.sendall(bytes(header[: cut + 8 + len(pack((0, 0)))]))  # up to its data
+        select.select([sock], [], [], 2)
+    _b_still_accepts(b, program)
+
+
+def test_a_frame_of_impossible_size_instead_of_a_hello_does_not_stop_the_acceptor(
+    instances: Any, program: Program
+) -> None:
+    """(Before this change too, and with no token needed.) The HELLO is read with
+    OSError, ProtocolError, ValueError and TypeError caught; a frame header whose
+    buffer length cannot be allocated raises OverflowError: the acceptor thread dies."""
+    b = instances(host="host-b", tcp_host="127.0.0.1")
+    meta = pack((0, 0))
+    frame = bytearray()
+    left, right = socket.socketpair()
+    with left, right:
+        probe = _peer.Stream(left)
+        probe.send(_peer.HELLO, meta, [b"x"])
+        assert probe.flush()
+        while len(frame) < probe.bytes_out:
+            frame += right.recv(1 << 20)
+    cut = len(frame) - 1 - len(meta) - 8  # where the buffer's length is
+    frame[cut : cut + 8] = (2**64 - 1).to_bytes(8, "little")
+    with socket.create_connection(b.entry.tcp) as sock:
+        sock.sendall(bytes(frame[:-1]))
+        select.select([sock], [], [], 2)
+    _b_still_accepts(b, program)
+
+
+def test_a_peer_that_refused_is_not_sent_the_next_message_behind_a_new_hello(
+    instances: Any, elsewhere: Path
+) -> None:
+    """A send to a peer on another host that refuses (here a wrong token) raises
+    PeerRefused at the next send; the send after that opens a new link, writes its
+    message behind the HELLO and returns as if sent: every other message to a peer
+    known to refuse is lost without an error (before: each send raised)."""
+    b = instances(token=b"right", host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    a = instances(token=b"wrong", host="host-a")
+    _published(a, b)
+    a.send(b.id, "let me in")  # written behind the HELLO: not taken (as designed)
+    with pytest.raises(PeerRefused):
+        a.send(b.id, "again")
+    with pytest.raises(PeerRefused):
+        a.send(b.id, "and again")  # known refused: not silently dropped
+
+
+def test_a_connection_still_in_its_handshake_at_close_is_not_taken_after_it(
+    instances: Any, program: Program
+) -> None:
+    """A HELLO that says a message follows keeps the acceptor waiting (up to
+    HANDSHAKE_TIMEOUT) for that message; the instance closes meanwhile. The acceptor
+    then answers WELCOME and hands the link to a closed instance: nobody reads or
+    closes it (an fd kept for ever; its wake-up write goes to a closed, maybe reused,
+    descriptor). Now the link is closed, not handed over."""
+    b = instances(host="host-b", tcp_host="127.0.0.1")
+    late = "h" * 16
+    with socket.create_connection(b.entry.tcp) as sock:
+        channel = _peer.Stream(sock)
+        channel.send(_peer.HELLO, _hello(program, late, None, True))
+        assert channel.flush()
+        time.sleep(0.3)  # the acceptor has read the HELLO: it waits for the message
+        b.close()
+        channel.queue_message(_peer.PICKLE, 0, pack(0), pickle.dumps("too late"))
+        assert channel.flush()
+        frames: list[Any] = []
+        while True:  # what comes back before the connection ends
+            assert select.select([sock], [], [], 6)[0], f"left open; it said {frames}"
+            try:
+                got = channel.receive()
+            except ConnectionResetError:
+                break
+            if got is None:
+                break
+            frames += [f.kind for f in got]
+        assert not b._new_in  # (the connection ended: the acceptor closed it)

@@ -119,13 +119,23 @@ class Instance(Receiver, Sender):
                 conn, _ = lsock.accept()
             except OSError:
                 return  # closed
-            link = _peer.accept(
-                conn, me=self.id, program_id=self._keys.program_id, token=self._token
-            )
-            if link is not None:
-                if link.entry is not None:  # where it listens, as it said: no lookup to reply
+            try:
+                link = _peer.accept(
+                    conn, me=self.id, program_id=self._keys.program_id, token=self._token
+                )
+                if link is not None and link.entry is not None:
+                    # where it listens, as it said: no lookup to reply
                     self.directory.learn(link.peer, link.entry)
-                self._link_in(link)
+            except Exception as exc:  # whatever a peer sent, the acceptor goes on
+                log.warning("nimbus.messaging: %s dropped a connection: %r", self.id, exc)
+                conn.close()
+                continue
+            if link is None:
+                continue
+            if self._closed:  # (answered while this instance closed: not taken)
+                link.close()
+                return
+            self._link_in(link)
 
     def _inbox(self) -> None:
         """Publish this instance, then take the messages that went through the store.

@@ -272,9 +272,9 @@ def connect(
     Raises :class:`PeerUnreachable` when nothing listens there (yet),
     :class:`PeerLost` when the socket exists but its owner is gone, and
     :class:`PeerRefused` when the peer refuses the handshake. With ``answered``
-    false the link is returned once the HELLO is written (``unanswered``): the
-    caller writes one message (that the peer reads whole before it answers) at
-    once and reads the answer later (:func:`answer`). ``entry``:
+    false the link is returned with the HELLO queued, not written (``unanswered``):
+    the caller queues one message behind it (that the peer reads whole before it
+    answers), writes both at once and reads the answer later (:func:`answer`). ``entry``:
     this instance's directory entry (packed), told to the peer in the HELLO.
     """
     kind, where = address
@@ -302,13 +302,13 @@ def connect(
     channel = Stream(sock)
     link = Peer(sock, channel, peer)
     link.unanswered = True
-    try:
-        channel.send(HELLO, pack((PROTOCOL, program_id, token, me, entry, not answered)))
-        channel.flush()
-    except OSError as exc:
-        channel.close()
-        raise PeerLost(f"instance {peer} dropped the handshake: {exc}") from exc
+    channel.send(HELLO, pack((PROTOCOL, program_id, token, me, entry, not answered)))
     if answered:
+        try:
+            channel.flush()
+        except OSError as exc:
+            channel.close()
+            raise PeerLost(f"instance {peer} dropped the handshake: {exc}") from exc
         answer(link)
     sock.setblocking(False)
     return link

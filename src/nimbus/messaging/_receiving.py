@@ -33,7 +33,7 @@ from typing import Any
 
 from nimbus.errors import ConfigError, MessagingTimeout, PeerExited, PeerLost, StateStoreError
 from nimbus.messaging import _peer
-from nimbus.messaging._directory import EXITED, Directory, socket_path
+from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, socket_path
 from nimbus.messaging._mailbox import Mail, Mailbox, Run, decode
 from nimbus.wire import ProtocolError
 
@@ -58,6 +58,7 @@ class Receiver:
 
     # set by the instance
     directory: Directory
+    entry: Entry
     _sockdir: Path
     # the sending half's (it writes coalesced messages before a receive waits)
     _dirty: set[_peer.Peer]
@@ -255,6 +256,15 @@ class Receiver:
                 probe.close()
             return
         entry = self.directory.refresh(peer)
+        if entry is not None and entry.state == ALIVE and entry.host == self.entry.host:
+            # its socket is gone (a program starting here removes the sockets of the
+            # killed): is its process?
+            try:
+                os.kill(entry.pid, 0)
+            except ProcessLookupError:
+                raise PeerLost(f"instance {peer} is gone (its process {entry.pid} is)") from None
+            except OSError:
+                pass
         if entry is not None and entry.state == EXITED:
             self._progress(0.0)
             with self._mailbox.lock:

@@ -94,6 +94,8 @@ class Sender:
         self._out: dict[str, _peer.Peer] = {}
         self._opening: dict[str, _peer.Peer] = {}  # links out whose answer is unread
         self._refused: dict[str, PeerRefused] = {}  # a write failed: the peer had refused
+        self._no_follow: set[str] = set()  # peers that refused: no message before the answer
+        self._connecting: dict[str, threading.Lock] = {}  # per peer: one thread opens links
         self._out_lock = threading.Lock()
         # one numbering per peer, whichever way its messages go (taken without a lock)
         self._seq: dict[str, itertools.count[int]] = collections.defaultdict(itertools.count)
@@ -174,7 +176,9 @@ class Sender:
         """
         if link is None and self.direct:
             size = len(data) + sum(r.nbytes for r in raws)
-            link = self._open(peer, follows=size <= FOLLOWS)
+            link, sent = self._open(peer, (tag, data, raws, raw) if size <= FOLLOWS else None)
+            if sent:
+                return
         if link is None:
             if raw:
                 data = pickle.dumps(data, 5)
@@ -274,21 +278,36 @@ class Sender:
                 except MessagingError as exc:  # PeerLost or PeerExited
                     link.error = exc
 
-    def _open(self, peer: str, follows: bool = False) -> _peer.Peer | None:
-        """A link to ``peer``, or None while it does not listen (its messages go to the store).
+    def _open(
+        self, peer: str, first: tuple[Any, bytes, list[Any], bool] | None = None
+    ) -> tuple[_peer.Peer | None, bool]:
+        """``(link, sent)``: a link to ``peer`` (None while it does not listen: its
+        messages go to the store), and whether ``first`` went on it.
 
-        ``follows``: the message to send is small; over TCP it follows the HELLO
-        before the answer (the link is returned unanswered, in ``_opening``).
+        ``first`` (tag, data, buffers, raw): a small message to send. Over TCP it is
+        written with the HELLO, at once, before the answer (read later: the link
+        waits in ``_opening``), unless this peer refused a link before. One thread
+        at a time opens a link to a peer: another finds it opened.
         """
         if peer == self.id:
             raise ValueError("an instance cannot send to itself")
         if self._opening:
             opened = self._opening.get(peer)
             if opened is not None:
-                return self._answered(opened)
+                return self._answered(opened), False
+        with self._connecting.setdefault(peer, threading.Lock()):
+            link = self._out.get(peer) or self._opening.get(peer)
+            if link is not None:  # opened by another thread meanwhile
+                return (self._answered(link) if link.unanswered else link), False
+            return self._connect(peer, first)
+
+    def _connect(
+        self, peer: str, first: tuple[Any, bytes, list[Any], bool] | None
+    ) -> tuple[_peer.Peer | None, bool]:
+        """``_open``'s connect (its lock held)."""
         now = time.monotonic()
         if now < self._retry_at.get(peer, 0.0):
-            return None
+            return None, False
         address: tuple[str, Any]
         local = socket_path(self._sockdir, peer)
         if os.path.exists(local):
@@ -301,8 +320,10 @@ class Sender:
                 raise _exited(peer)
             if entry is None or entry.host == self.entry.host or entry.tcp is None:
                 self._retry_at[peer] = now + RETRY
-                return None
+                return None, False
             address = ("tcp", entry.tcp)
+        # on this host a first message gains nothing from following its HELLO
+        follows = first is not None and address[0] == "tcp" and peer not in self._no_follow
         try:
             link = _peer.connect(
                 address,
@@ -310,7 +331,7 @@ class Sender:
                 me=self.id,
                 program_id=self._keys.program_id,
                 token=self._token,
-                answered=not follows or address[0] == "unix",  # on this host: no saving
+                answered=not follows,
                 entry=self.entry.dumps(),  # (the peer's reply needs no lookup then)
             )
         except PeerUnreachable:
@@ -326,19 +347,23 @@ class Sender:
                 self._retry_at[peer] = time.monotonic() + backoff
             else:
                 self._retry_at[peer] = now + RETRY
-            return None
+            return None, False
         self._backoff.pop(peer, None)
         link.count = self._seq[peer]  # the one numbering of ``peer``, whichever way
+        if first is not None and link.unanswered:
+            # HELLO and message in one write, before another thread sees the link: the
+            # peer answers once it has the message whole, so nothing may come between
+            tag, data, raws, raw = first
+            with link.lock:
+                link.recvs = self._recvs
+                link.queue(next(self._seq[peer]), tag, data, raws, raw)
+                self._flush(link)  # (a broken write: ``_drop_out``, PeerLost or PeerRefused)
         with self._out_lock:
-            old = self._out.get(peer) or self._opening.get(peer)
-            if old is not None:  # another thread opened one meanwhile
-                link.close()
-                return old
             if link.unanswered:
                 self._opening[peer] = link
             else:
                 self._out[peer] = link
-        return link
+        return link, link.unanswered
 
     def _answered(self, link: _peer.Peer) -> _peer.Peer:
         """``link`` (from ``_opening``) once its peer's answer is read, now in ``_out``;
@@ -350,6 +375,8 @@ class Sender:
                     _peer.answer(link)
                 except MessagingError as exc:
                     link.error = exc
+                    if isinstance(exc, PeerRefused):
+                        self._no_follow.add(link.peer)  # its next links wait for the answer
                     self._drop_out(link)
                     raise
         with self._out_lock:
@@ -412,6 +439,7 @@ class Sender:
                 _peer.answer(link, REFUSAL_WAIT)
             except PeerRefused as exc:
                 self._refused[link.peer] = exc  # what ``_gone`` raises
+                self._no_follow.add(link.peer)
             except MessagingError:
                 pass
         self.directory.invalidate(link.peer)
