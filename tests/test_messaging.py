@@ -1000,11 +1000,12 @@ def _stall_after_connect(ep: Instance, seconds: float, monkeypatch: pytest.Monke
 def test_two_threads_sending_while_the_link_opens_neither_waits_nor_fails(
     instances: Any, elsewhere: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Thread 1's first send opens the link (HELLO written, its message not yet);
-    thread 2's send finds the link in ``_opening`` and reads its answer holding the
-    link's lock. The peer answers only once the first message is in, which thread 1
-    writes only with that lock: both wait HANDSHAKE_TIMEOUT, then both sends fail
-    (PeerLost) though the peer is alive and well."""
+    """Before: thread 1's first send opened the link (HELLO written, its message not
+    yet); thread 2's send found the link in ``_opening`` and read its answer holding
+    the link's lock. The peer answers only once the first message is in, which thread
+    1 wrote only with that lock: both waited HANDSHAKE_TIMEOUT, then both sends failed
+    (PeerLost) though the peer was alive. Now HELLO and message go in one write
+    before another thread sees the link."""
     a = instances(host="host-a", tcp_host="127.0.0.1")
     b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
     _published(a, b)
@@ -1039,10 +1040,11 @@ def test_a_sender_that_stalls_between_its_hello_and_first_message_loses_nothing(
     instances: Any, elsewhere: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The acceptor waits HANDSHAKE_TIMEOUT for the message a HELLO says follows, then
-    drops the connection; the sender's process, stalled that long (another thread in
-    a long C call holding the GIL), writes it into a closed connection: lost. The next
-    send raises PeerLost for a peer that is alive, and every later message from the
-    sender is held by the peer behind the lost one (its number), for ever."""
+    drops the connection. Before, the HELLO went out alone: a sender stalled that long
+    after it (another thread in a long C call holding the GIL) wrote the message into
+    a closed connection: lost; the next send raised PeerLost for a live peer, and every
+    later message was held by the peer behind the lost one, for ever. Now HELLO and
+    message go in one write."""
     a = instances(host="host-a", tcp_host="127.0.0.1")
     b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
     _published(a, b)
@@ -1083,8 +1085,8 @@ def test_a_malformed_entry_in_a_hello_does_not_stop_the_acceptor(
     instances: Any, program: Program
 ) -> None:
     """``Directory.learn`` promises a malformed entry is ignored; one whose TCP address
-    has one element (or is a map) raises IndexError (KeyError), which nothing catches:
-    the acceptor thread dies and the instance takes no connection ever again."""
+    has one element (or is a map) raises IndexError (KeyError). Before, nothing caught
+    it: the acceptor thread died and the instance took no connection ever again."""
     b = instances(host="host-b", tcp_host="127.0.0.1")
     odd = "d" * 16
     entry = pack(["host-x", 1, None, ["127.0.0.1"], "alive"])  # no port
@@ -1102,7 +1104,7 @@ def test_garbage_after_a_hello_that_says_a_message_follows_does_not_stop_the_acc
 ) -> None:
     """What follows such a HELLO is read by the acceptor before it answers; a frame
     header announcing an impossible size raises OverflowError there (the acceptor
-    catches only OSError and ProtocolError): the acceptor thread dies."""
+    caught only OSError and ProtocolError): the acceptor thread died."""
     b = instances(host="host-b", tcp_host="127.0.0.1")
     odd = "g" * 16
     with socket.create_connection(b.entry.tcp) as sock:
@@ -1127,9 +1129,10 @@ def test_garbage_after_a_hello_that_says_a_message_follows_does_not_stop_the_acc
 def test_a_frame_of_impossible_size_instead_of_a_hello_does_not_stop_the_acceptor(
     instances: Any, program: Program
 ) -> None:
-    """(Before this change too, and with no token needed.) The HELLO is read with
-    OSError, ProtocolError, ValueError and TypeError caught; a frame header whose
-    buffer length cannot be allocated raises OverflowError: the acceptor thread dies."""
+    """(Older than the first-contact change, and with no token needed.) The HELLO was
+    read with OSError, ProtocolError, ValueError and TypeError caught; a frame header
+    whose buffer length cannot be allocated raises OverflowError: the acceptor thread
+    died. Now the acceptor drops whatever connection raises, and goes on."""
     b = instances(host="host-b", tcp_host="127.0.0.1")
     meta = pack((0, 0))
     frame = bytearray()
@@ -1152,9 +1155,10 @@ def test_a_peer_that_refused_is_not_sent_the_next_message_behind_a_new_hello(
     instances: Any, elsewhere: Path
 ) -> None:
     """A send to a peer on another host that refuses (here a wrong token) raises
-    PeerRefused at the next send; the send after that opens a new link, writes its
-    message behind the HELLO and returns as if sent: every other message to a peer
-    known to refuse is lost without an error (before: each send raised)."""
+    PeerRefused at the next send. The send after that opened a new link, wrote its
+    message behind the HELLO and returned as if sent: every other message to a peer
+    known to refuse was lost without an error. Now a peer that refused gets no message
+    before its answer."""
     b = instances(token=b"right", host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
     a = instances(token=b"wrong", host="host-a")
     _published(a, b)
@@ -1170,8 +1174,8 @@ def test_a_connection_still_in_its_handshake_at_close_is_not_taken_after_it(
 ) -> None:
     """A HELLO that says a message follows keeps the acceptor waiting (up to
     HANDSHAKE_TIMEOUT) for that message; the instance closes meanwhile. The acceptor
-    then answers WELCOME and hands the link to a closed instance: nobody reads or
-    closes it (an fd kept for ever; its wake-up write goes to a closed, maybe reused,
+    then answered WELCOME and handed the link to a closed instance: nobody read or
+    closed it (an fd kept for ever; its wake-up write went to a closed, maybe reused,
     descriptor). Now the link is closed, not handed over."""
     b = instances(host="host-b", tcp_host="127.0.0.1")
     late = "h" * 16
