@@ -1198,3 +1198,65 @@ def test_a_connection_still_in_its_handshake_at_close_is_not_taken_after_it(
                 break
             frames += [f.kind for f in got]
         assert not b._new_in  # (the connection ended: the acceptor closed it)
+
+
+def test_a_peer_on_another_host_that_sent_to_us_is_called_back(
+    instances: Any, elsewhere: Path
+) -> None:
+    """An instance that accepts a link over TCP opens one back to its peer (off the
+    acceptor's thread): its first reply to that peer goes over a link already open, not
+    through a connect and the peer's acceptor in the reply's path (before: no link back
+    until the first reply)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    a.send(b.id, "ping")
+    assert b.recv(source=a.id, timeout=10) == "ping"
+    deadline = time.monotonic() + 10
+    while a.id not in b._out and a.id not in b._opening:
+        assert time.monotonic() < deadline, "b never opened a link back to a"
+        time.sleep(0.005)
+    back = b._out.get(a.id) or b._opening[a.id]
+    assert back.sock.family == socket.AF_INET
+    b.send(a.id, "pong")
+    assert a.recv(source=b.id, timeout=10) == "pong"
+    assert list(b._out.values()) == [back] and not b._opening  # the reply took it
+    assert a.statistics()["links_in"] == 1 and b.statistics()["links_out"] == 1
+    a.send(b.id, "again")  # a's own link: a did not call b back (it has a link to b)
+    assert b.recv(source=a.id, timeout=10) == "again"
+    assert a.statistics()["links_out"] == 1 and b.statistics()["links_in"] == 1
+
+
+@pytest.mark.parametrize(
+    "told",
+    [
+        ["h", 1, None, ["127.0.0.1"], "alive"],  # no port in its TCP pair: IndexError
+        ["h", 1, None, {"x": 1}, "alive"],  # a map for the pair: KeyError
+        ["h", 1, None, ["127.0.0.1", "port"], "alive"],  # ValueError
+        ["h", 1],  # too short
+        7,  # not a list: TypeError
+    ],
+)
+def test_a_malformed_entry_told_in_a_hello_is_ignored(program: Program, told: Any) -> None:
+    """``Directory.learn`` ignores whatever a peer told as its entry (before: an
+    IndexError or KeyError escaped it, and only the acceptor's catch-all held)."""
+    directory = Directory(program.client, program.keys, program.ttl_ms)
+    directory.learn("m" * 16, pack(told))
+    directory.learn("m" * 16, b"\xc1not msgpack")
+    assert "m" * 16 not in directory._cache
+
+
+def test_links_made_while_an_instance_closes_are_closed(instances: Any, elsewhere: Path) -> None:
+    """A link back opened, or a link in accepted, once its instance has closed is closed,
+    not kept (before: its socket was never closed, as a call back racing a goodbye)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(b, a)
+    b.close()
+    b._call_back(a.id)  # (as its thread would, having started before the close)
+    assert not b._out and not b._opening
+    left, right = socket.socketpair()
+    with right:
+        link = _peer.Peer(left, _peer.Stream(left), a.id)
+        b._link_in(link)
+        assert left.fileno() == -1, "a link in taken by a closed instance"

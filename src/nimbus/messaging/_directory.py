@@ -202,7 +202,7 @@ class Directory:
         if instance_id not in self._cache:
             try:
                 self._cache[instance_id] = Entry.loads(packed)
-            except (ValueError, TypeError):
+            except (ValueError, TypeError, IndexError, KeyError):
                 pass
 
     def invalidate(self, instance_id: str) -> None:

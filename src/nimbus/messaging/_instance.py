@@ -136,6 +136,14 @@ class Instance(Receiver, Sender):
                 link.close()
                 return
             self._link_in(link)
+            peer = link.peer
+            if (
+                self.direct
+                and lsock.family != socket.AF_UNIX
+                and peer not in self._out
+                and peer not in self._opening
+            ):  # a peer on another host: a link back, off this thread (``_call_back``)
+                _thread.start_new_thread(self._call_back, (peer,))
 
     def _inbox(self) -> None:
         """Publish this instance, then take the messages that went through the store.

@@ -21,7 +21,8 @@ Frames are ``nimbus.wire`` frames (their kinds and the channel's fast path for
 small ones are in ``_stream``): a fixed header, msgpack metadata, then the
 pickle and its pickle-5 buffers, written with one scatter-gather ``sendmsg``
 and read into preallocated buffers. A link carries messages one way; two
-instances that talk both ways hold two links.
+instances that talk both ways hold two links (an instance that accepts a link
+over TCP opens its own back at once: ``Sender._call_back``).
 
 Small messages sent in a burst wait in the link's ``pending`` queue, appended
 to without a lock and without a sequence number; whoever writes the link
@@ -265,6 +266,7 @@ def connect(
     program_id: str,
     token: bytes,
     answered: bool = True,
+    follows: bool = False,
     entry: bytes | None = None,
 ) -> Peer:
     """Open a link to ``peer`` at ``address`` (``("unix", path)`` or ``("tcp", (host, port))``).
@@ -272,10 +274,11 @@ def connect(
     Raises :class:`PeerUnreachable` when nothing listens there (yet),
     :class:`PeerLost` when the socket exists but its owner is gone, and
     :class:`PeerRefused` when the peer refuses the handshake. With ``answered``
-    false the link is returned with the HELLO queued, not written (``unanswered``):
+    false the link is returned before the answer is read (``unanswered``: read
+    later, :func:`answer`). With ``follows`` too, its HELLO is queued, not written:
     the caller queues one message behind it (that the peer reads whole before it
-    answers), writes both at once and reads the answer later (:func:`answer`). ``entry``:
-    this instance's directory entry (packed), told to the peer in the HELLO.
+    answers) and writes both at once. ``entry``: this instance's directory entry
+    (packed), told to the peer in the HELLO.
     """
     kind, where = address
     try:
@@ -302,14 +305,16 @@ def connect(
     channel = Stream(sock)
     link = Peer(sock, channel, peer)
     link.unanswered = True
-    channel.send(HELLO, pack((PROTOCOL, program_id, token, me, entry, not answered)))
-    if answered:
+    follows = follows and not answered
+    channel.send(HELLO, pack((PROTOCOL, program_id, token, me, entry, follows)))
+    if not follows:
         try:
             channel.flush()
         except OSError as exc:
             channel.close()
             raise PeerLost(f"instance {peer} dropped the handshake: {exc}") from exc
-        answer(link)
+        if answered:
+            answer(link)
     sock.setblocking(False)
     return link
 

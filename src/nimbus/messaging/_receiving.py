@@ -71,7 +71,7 @@ class Receiver:
         self._in: dict[int, _peer.Peer] = {}
         self._from: dict[str, _peer.Peer] = {}  # the link in from each peer (its latest)
         self._shared_until = 0.0  # till then, recv_next polls: other threads read too
-        self._new_in: list[_peer.Peer] = []
+        self._new_in: list[_peer.Peer] | None = []  # None: the links in are closed
         self._poll = select.poll()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -79,10 +79,17 @@ class Receiver:
         self._poll.register(self._wake_r, _READ)
 
     def _link_in(self, link: _peer.Peer) -> None:
-        """A link in the instance accepted: read from the next wait on."""
+        """A link in the instance accepted: read from the next wait on (closed if the
+        links in were closed meanwhile)."""
         with self._mailbox.lock:
-            self._new_in.append(link)
-        self._wake()
+            new = self._new_in
+            taken = new is not None
+            if new is not None:
+                new.append(link)
+        if taken:
+            self._wake()
+        else:
+            link.close()
 
     def _wake(self) -> None:
         try:
@@ -408,7 +415,9 @@ class Receiver:
     def _adopt_new(self) -> None:
         if self._new_in:
             with self._mailbox.lock:
-                new, self._new_in = self._new_in, []
+                new = self._new_in or []
+                if self._new_in is not None:  # (None: closed meanwhile)
+                    self._new_in = []
             for link in new:
                 self._in[link.fileno()] = link
                 self._from[link.peer] = link
@@ -447,7 +456,9 @@ class Receiver:
 
     def _close_links_in(self) -> None:
         """Close the links in and the wake-up pipe (the instance closes)."""
-        for link in list(self._in.values()):
+        with self._mailbox.lock:
+            new, self._new_in = self._new_in or [], None
+        for link in [*self._in.values(), *new]:
             link.close()
         self._in.clear()
         self._from.clear()

@@ -16,7 +16,10 @@ process too (an exchange's first sends to several peers overlap their
 handshakes). The peer reads that message whole before it answers. Until its
 answer is read the link waits in ``_opening``; the next send to that peer, or the
 goodbye, reads it (a refusal raises at that send, as :class:`PeerRefused`, and is
-logged at a goodbye; the message sent before it was not taken).
+logged at a goodbye; the message sent before it was not taken). An instance that
+accepts a link over TCP opens one back to its peer at once, in a thread of its own
+(``_call_back``): its first reply, or its part of an exchange, then goes over a
+link already open.
 
 Every message to a peer takes the next number of that peer's count, whichever
 way it goes, so the receiver delivers once and in order across a switch from
@@ -301,10 +304,27 @@ class Sender:
                 return (self._answered(link) if link.unanswered else link), False
             return self._connect(peer, first)
 
+    def _call_back(self, peer: str) -> None:
+        """Open a link to ``peer``, which opened one to us over TCP, unless one is open
+        or opening: a peer that sent to us is likely to be sent to (a reply, the rest
+        of an exchange), and a first contact across hosts costs a connect and the
+        peer's acceptor in the path of the message. Run in a thread of its own; its
+        answer is read at the first send. Whatever fails, the first send tries again."""
+        lock = self._connecting.setdefault(peer, threading.Lock())
+        if not lock.acquire(blocking=False):
+            return  # a link to it is opening
+        try:
+            if not self._closed and peer not in self._out and peer not in self._opening:
+                self._connect(peer, None, back=True)
+        except Exception as exc:  # an optimisation: the first send tries again
+            log.debug("nimbus.messaging: %s did not call %s back: %r", self.id, peer, exc)
+        finally:
+            lock.release()
+
     def _connect(
-        self, peer: str, first: tuple[Any, bytes, list[Any], bool] | None
+        self, peer: str, first: tuple[Any, bytes, list[Any], bool] | None, back: bool = False
     ) -> tuple[_peer.Peer | None, bool]:
-        """``_open``'s connect (its lock held)."""
+        """``_open``'s connect (its lock held); ``back``: ``_call_back``'s."""
         now = time.monotonic()
         if now < self._retry_at.get(peer, 0.0):
             return None, False
@@ -331,7 +351,8 @@ class Sender:
                 me=self.id,
                 program_id=self._keys.program_id,
                 token=self._token,
-                answered=not follows,
+                answered=not (follows or back),
+                follows=follows,
                 entry=self.entry.dumps(),  # (the peer's reply needs no lookup then)
             )
         except PeerUnreachable:
@@ -359,6 +380,9 @@ class Sender:
                 link.queue(next(self._seq[peer]), tag, data, raws, raw)
                 self._flush(link)  # (a broken write: ``_drop_out``, PeerLost or PeerRefused)
         with self._out_lock:
+            if self._closed:  # (a link back opened while this instance closed)
+                link.close()
+                return None, False
             if link.unanswered:
                 self._opening[peer] = link
             else:
@@ -447,7 +471,9 @@ class Sender:
 
     def _say_goodbye(self) -> None:
         """Write what is queued and a BYE on every link out, then close them."""
-        for link in [*self._out.values(), *self._opening.values()]:
+        with self._out_lock:  # (a link opened from now on is closed: ``_connect``)
+            links = [*self._out.values(), *self._opening.values()]
+        for link in links:
             try:
                 with link.lock:
                     link.frame_pending(self._number)
