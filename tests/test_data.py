@@ -26,7 +26,14 @@ import nimbus
 from nimbus import Client, Executor, serialization
 from nimbus.data import NodeStore, Ref, Scope, Session, _carry, default_root, run, store
 from nimbus.data._node import data_base, hold, release, sweep_all
-from nimbus.errors import DataAccessError, DataError, InputFailed, ReferenceLost, ServiceError
+from nimbus.errors import (
+    DataAccessError,
+    DataError,
+    InputFailed,
+    PayloadTooLargeError,
+    ReferenceLost,
+    ServiceError,
+)
 from nimbus.protocol import MSGPACK, Batch, submit_row, unpack
 from nimbus.service.app import SERVICE_ID
 from nimbus.service.queues import TaskStore
@@ -606,6 +613,10 @@ def test_remote_references_stay_on_the_endpoint(remote: Executor, lab: EndpointP
     assert remote.statistics()["bytes_received"] - before < 64 * 1024
     assert parts[2].result(timeout=60) == bytes([2]) * (MB // 4)  # fetched through the service
     assert ref.get() == list(range(100))
+    with pytest.raises(  # (it named the task's function, identity, not put)
+        PayloadTooLargeError, match=r"^nimbus\.put\(obj, endpoint='lab'\): the object is larger"
+    ):
+        nimbus.put(b"x" * (2 * MB), endpoint="lab")  # over the tests' NIMBUS_MAX_PAYLOAD (1M)
     with pytest.raises(  # (named as the user named it, not by its id: stranger 7 F7)
         DataAccessError, match=r"the local runtime, and these tasks run on lab; .*endpoint='lab'"
     ):

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 from nimbus.data._node import NodeStore, hold, release
-from nimbus.errors import DataAccessError, DataError, ReferenceLost
+from nimbus.errors import DataAccessError, DataError, PayloadTooLargeError, ReferenceLost
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,15 @@ class Session:
         from nimbus.data._task import identity
 
         assert self.call is not None
-        ref: Ref = self.call(identity, obj, keep=True).ref()
+        try:
+            ref: Ref = self.call(identity, obj, keep=True).ref()
+        except PayloadTooLargeError as exc:  # (it named the task's function, not put)
+            raise PayloadTooLargeError(
+                f"nimbus.put(obj, endpoint={_names.get(str(self.endpoint), self.endpoint)!r}): "
+                f"the object is larger than one request to the service may carry: it goes to "
+                f"the endpoint through the service; raise NIMBUS_MAX_PAYLOAD on the client and "
+                f"the service, or make the object there (a task that returns it, keep=True)"
+            ) from exc
         return ref
 
     def fetch(self, ref: Ref, timeout: float | None = None) -> Any:
