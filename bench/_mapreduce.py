@@ -358,6 +358,9 @@ if __name__ == "__main__":  # python bench/_mapreduce.py '<json of on_nodes' arg
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally clauses run
     a = json.loads(sys.argv[1])
     a["base"] = Path(a["base"])
+    for unit in ("rate", "server_rate"):  # (1000 meant as Mbit/s hung sshfs on a 1 kbit/s link)
+        if a[unit] < 1_000_000:
+            sys.exit(f"{unit} is in bits/s (1 Gbit/s: 1000000000), not {a[unit]}: below 1 Mbit/s")
 
     def report(figures: dict[str, Any]) -> None:
         print(json.dumps(figures), flush=True)
