@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -234,3 +235,49 @@ def test_programs_look_for_the_state_file_the_service_writes(tmp_path: Path) -> 
     _running_here(settings)
     state = writer_side.service_state(settings)
     assert state is not None and running.running_service(settings) == state["url"]
+
+
+_INTERRUPTED = """\
+import os, signal, sys
+from nimbus import local_history
+from nimbus.multiprocessing import pool
+from nimbus.records import TaskRecord, TaskState
+
+class Interrupting(TaskRecord):
+    def to_wire(self):  # the pool's SIGTERM comes as its worker hands over at its end
+        os.kill(os.getpid(), signal.SIGTERM)
+        return super().to_wire()
+
+signal.signal(signal.SIGTERM, pool._terminated)  # a pool worker's handler (_worker)
+local_history.keep(TaskRecord("first", TaskState.SUCCESS, "square", submitted=1000.0))
+local_history.keep(Interrupting("second", TaskState.SUCCESS, "square", submitted=1001.0))
+local_history.keep(TaskRecord("third", TaskState.SUCCESS, "_worker", submitted=1002.0))
+local_history.ended()  # _child.run, before os._exit
+sys.exit(0)  # not reached: the SIGTERM's default action once the hand-over is done
+"""
+
+
+def test_a_pool_workers_sigterm_during_its_last_hand_over_loses_no_record(
+    tmp_path: Path,
+) -> None:
+    """CI (test_cli_dashboard, under load): a pool worker that got the pool's sentinel
+    handed its records over at its end (``ended()``) as ``Pool.terminate``'s SIGTERM came;
+    the handler's own ``ended()`` waited WRITE_WAIT s for the lock its thread held, then
+    the process ended by the signal with the records that hand-over had taken off the
+    queue: no Pool task on the tasks page. Now the interrupted hand-over finishes first,
+    then the process ends by the SIGTERM, at once."""
+    import msgpack
+
+    settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
+    _running_here(settings)
+    script = tmp_path / "worker.py"
+    script.write_text(_INTERRUPTED)
+    env = os.environ | {"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt"), "PYTHONPATH": SRC}
+    env.pop("NIMBUS_REDIS_URL", None)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    folder = writer_side.directory(settings)
+    handed = [msgpack.unpackb(path.read_bytes()) for path in sorted(folder.iterdir())]
+    assert [fields[0] for _, wire in handed for fields in wire] == ["first", "second", "third"]

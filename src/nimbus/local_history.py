@@ -14,7 +14,9 @@ puts its result. Fork-safe: a process's writer thread starts at its first record
 and a process forked from one that had a writer starts its own (the copy it
 inherited, whose thread did not survive the fork, is dropped unused: no lock of
 the parent's is taken in the child); a process hands over what is left
-synchronously when it ends (:func:`ended`), before its ``os._exit``.
+synchronously when it ends (:func:`ended`), before its ``os._exit``. A signal
+handler that hands over (a pool worker's SIGTERM) and interrupted its thread's own
+hand-over lets that one finish before the process ends (``ended(then)``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -120,6 +123,7 @@ class LocalHistory:
         self.add = self._records.append
         self._stop = threading.Event()
         self._writing = threading.Lock()  # held while the thread writes a file
+        self._on_thread = threading.local()  # a hand_over_now under way on this thread
         self.handed = time.monotonic()  # when records were last handed over
         self._thread = threading.Thread(target=self._run, name="nimbus-local-history", daemon=True)
         self._thread.start()
@@ -129,10 +133,22 @@ class LocalHistory:
         self._stop.set()
         self._thread.join(30)
 
-    def hand_over_now(self) -> None:
+    def hand_over_now(self, then: Callable[[], object] | None = None) -> None:
         """Hand over what is waiting, on this thread (a process about to end), once the
         thread's hand-over in progress, if any, is written (else its records would die
-        half-written with the process). Maybe in a signal handler: the wait is bounded."""
+        half-written with the process); then ``then()``. Maybe in a signal handler: the
+        wait is bounded; a handler that interrupted a hand_over_now on its own thread
+        (its records taken off the queue, not yet in a file) returns at once, and its
+        ``then`` runs once that one is done. (Such a handler ending the process at once,
+        a pool worker's SIGTERM as the worker handed over at its end, waited its own
+        lock WRITE_WAIT s, then lost those records.)"""
+        here = self._on_thread
+        if getattr(here, "handing", False):
+            if then is not None:
+                here.after.append(then)
+            return
+        here.after = []
+        here.handing = True  # (after ``after``: a handler that sees it appends there)
         got = self._writing.acquire(timeout=WRITE_WAIT)
         try:
             self._hand_over()
@@ -141,6 +157,11 @@ class LocalHistory:
         finally:
             if got:
                 self._writing.release()
+            here.handing = False
+            for after in here.after:  # signal handlers' that came meanwhile
+                after()
+        if then is not None:
+            then()
 
     def _run(self) -> None:
         while True:
@@ -232,11 +253,15 @@ def wanted() -> bool:
     return _writer is not False or time.monotonic() >= _next_look
 
 
-def ended() -> None:
-    """This process is ending: hand over its records now (its daemon thread dies with it)."""
+def ended(then: Callable[[], object] | None = None) -> None:
+    """This process is ending: hand over its records now (its daemon thread dies with it),
+    then ``then()`` (a signal handler's end of the process: after the hand-over it may
+    have interrupted, :meth:`LocalHistory.hand_over_now`)."""
     writer = _writer
     if isinstance(writer, LocalHistory) and _writer_pid == os.getpid():
-        writer.hand_over_now()
+        writer.hand_over_now(then)
+    elif then is not None:
+        then()
 
 
 def new_id() -> str:

@@ -12,6 +12,7 @@ provider's nodes) they are lists in the state store. ``chunksize``,
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -133,9 +134,14 @@ def _worker(inqueue: Any, outqueue: Any, *rest: Any) -> None:
 
 def _terminated(signum: int, frame: Any) -> None:
     """SIGTERM in a pool worker (``Pool.terminate``, the end of ``with Pool()``): its
-    tasks' records handed over, then the signal's default action, as without this."""
+    tasks' records handed over, then the signal's default action, as without this. A
+    worker that got the pool's sentinel ends by itself as the SIGTERM comes: this may
+    interrupt its last hand-over (``_child.run``), which finishes first (``ended(then)``)."""
     signal.signal(signum, signal.SIG_IGN)  # a second one does not interrupt the hand-over
-    local_history.ended()
+    local_history.ended(then=functools.partial(_default_action, signum))
+
+
+def _default_action(signum: int) -> None:
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
