@@ -1260,3 +1260,40 @@ def test_links_made_while_an_instance_closes_are_closed(instances: Any, elsewher
         link = _peer.Peer(left, _peer.Stream(left), a.id)
         b._link_in(link)
         assert left.fileno() == -1, "a link in taken by a closed instance"
+
+
+def test_a_first_reply_to_a_peer_on_another_host_that_exited_is_peer_exited(
+    instances: Any, elsewhere: Path
+) -> None:
+    """A link opened back to a peer that has exited since (its end closed) is not used:
+    the first reply raises PeerExited, as with no link back (before: it was written
+    into the closed link and lost, no error; only a later send raised)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    a.send(b.id, "last words")
+    assert b.recv(source=a.id, timeout=10) == "last words"
+    deadline = time.monotonic() + 10
+    while a.id not in b._opening:
+        assert time.monotonic() < deadline, "b never opened a link back to a"
+        time.sleep(0.005)
+    a.close()
+    with pytest.raises(PeerExited, match="has exited"):
+        b.send(a.id, "reply")
+    assert not b._out and not b._opening
+
+
+def test_a_link_back_opened_as_its_instance_closes_says_goodbye(
+    instances: Any, elsewhere: Path
+) -> None:
+    """A link back that ``_connect`` opened just after its instance closed is closed with
+    a goodbye: its peer's ``recv`` from it raises PeerExited, as after a close (before:
+    it was closed with nothing said, and the peer took it for lost: PeerLost)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(b, a)
+    b.close()
+    assert b._connect(a.id, None, back=True) == (None, False)  # (its thread, past its check)
+    assert not b._out and not b._opening
+    with pytest.raises(PeerExited):
+        a.recv(source=b.id, timeout=10)

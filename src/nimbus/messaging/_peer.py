@@ -76,6 +76,7 @@ __all__ = [
     "Stream",
     "accept",
     "connect",
+    "ended",
     "readonly_mask",
     "writable_as_sent",
 ]
@@ -116,6 +117,7 @@ class Peer:
 
     __slots__ = (
         "armed",
+        "back",
         "channel",
         "closed_cleanly",
         "count",
@@ -158,6 +160,7 @@ class Peer:
         self.early: list[Frame] = []  # a link in: frames read with its HELLO
         self.entry: bytes | None = None  # a link in: its peer's directory entry, as it said
         self.unanswered = False  # a link out: its handshake's answer not read yet
+        self.back = False  # a link out opened back to a peer (``Sender._call_back``), unused
 
     def packed(self, tag: Any) -> bytes:
         """``tag`` packed with msgpack, kept for the next messages with it (up to TAGS)."""
@@ -335,6 +338,18 @@ def answer(link: Peer, timeout: float = HANDSHAKE_TIMEOUT) -> None:
         link.close()
         reason = unpack(frame.meta) if frame.kind == REFUSED else f"frame kind {frame.kind}"
         raise PeerRefused(f"instance {peer} refused the connection: {reason}")
+
+
+def ended(link: Peer) -> bool:
+    """Whether answered link out ``link`` was closed by its peer (its end of stream, or
+    a reset, is there to read): a link out reads nothing after its answer."""
+    try:
+        link.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # (b"": its end)
+    except BlockingIOError:
+        return False  # nothing to read: open
+    except OSError:
+        pass  # reset
+    return True
 
 
 def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Peer | None:

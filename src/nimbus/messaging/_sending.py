@@ -296,13 +296,34 @@ class Sender:
             raise ValueError("an instance cannot send to itself")
         if self._opening:
             opened = self._opening.get(peer)
-            if opened is not None:
+            if opened is not None and not opened.back:
                 return self._answered(opened), False
         with self._connecting.setdefault(peer, threading.Lock()):
             link = self._out.get(peer) or self._opening.get(peer)
+            if link is not None and link.back:
+                link = self._taken_back(link)
             if link is not None:  # opened by another thread meanwhile
                 return (self._answered(link) if link.unanswered else link), False
             return self._connect(peer, first)
+
+    def _taken_back(self, link: _peer.Peer) -> _peer.Peer | None:
+        """Link back ``link`` (``_call_back``'s) at its first use (``_connecting[peer]``
+        held): answered and still open, or None (dropped: the peer closed it, having
+        exited since, or refused it; nothing was sent on it, so a new connect says
+        what became of the peer, as if there had been no link back)."""
+        link.back = False
+        try:
+            self._answered(link)
+        except MessagingError:
+            return None  # (dropped by ``_answered``)
+        with link.lock:
+            if link.error is None and not _peer.ended(link):
+                return link
+        with self._out_lock:
+            if self._out.get(link.peer) is link:
+                del self._out[link.peer]
+        link.close()
+        return None
 
     def _call_back(self, peer: str) -> None:
         """Open a link to ``peer``, which opened one to us over TCP, unless one is open
@@ -379,14 +400,16 @@ class Sender:
                 link.recvs = self._recvs
                 link.queue(next(self._seq[peer]), tag, data, raws, raw)
                 self._flush(link)  # (a broken write: ``_drop_out``, PeerLost or PeerRefused)
+        link.back = back  # (before another thread sees it)
         with self._out_lock:
-            if self._closed:  # (a link back opened while this instance closed)
-                link.close()
-                return None, False
-            if link.unanswered:
+            closed = self._closed  # (a link back opened while this instance closed)
+            if not closed and link.unanswered:
                 self._opening[peer] = link
-            else:
+            elif not closed:
                 self._out[peer] = link
+        if closed:  # said goodbye to, as the others (its peer then knows this one exited)
+            self._goodbye(link)
+            return None, False
         return link, link.unanswered
 
     def _answered(self, link: _peer.Peer) -> _peer.Peer:
@@ -474,27 +497,31 @@ class Sender:
         with self._out_lock:  # (a link opened from now on is closed: ``_connect``)
             links = [*self._out.values(), *self._opening.values()]
         for link in links:
-            try:
-                with link.lock:
-                    link.frame_pending(self._number)
-                    link.channel.send(_peer.BYE, pack(self._number(link.peer, 1)))
-                    link.sock.setblocking(True)
-                    link.sock.settimeout(GOODBYE_WAIT)
-                    link.channel.flush()
-            except OSError:
-                pass
-            if link.unanswered:
-                # a socket closed with input unread (the answer) is reset, not closed:
-                # what it still holds for the peer is dropped, the peer's read breaks
-                try:
-                    _peer.answer(link, GOODBYE_WAIT)
-                except PeerRefused as exc:  # nothing left to raise it to: said here
-                    log.warning("nimbus.messaging: %s; the message sent to it was not taken", exc)
-                except MessagingError:
-                    pass
-            link.close()
+            self._goodbye(link)
         self._out.clear()
         self._opening.clear()
+
+    def _goodbye(self, link: _peer.Peer) -> None:
+        """Write what ``link`` holds queued and a BYE, then close it (the instance closes)."""
+        try:
+            with link.lock:
+                link.frame_pending(self._number)
+                link.channel.send(_peer.BYE, pack(self._number(link.peer, 1)))
+                link.sock.setblocking(True)
+                link.sock.settimeout(GOODBYE_WAIT)
+                link.channel.flush()
+        except OSError:
+            pass
+        if link.unanswered:
+            # a socket closed with input unread (the answer) is reset, not closed:
+            # what it still holds for the peer is dropped, the peer's read breaks
+            try:
+                _peer.answer(link, GOODBYE_WAIT)
+            except PeerRefused as exc:  # nothing left to raise it to: said here
+                log.warning("nimbus.messaging: %s; the message sent to it was not taken", exc)
+            except MessagingError:
+                pass
+        link.close()
 
 
 def _exited(peer: str) -> PeerExited:
