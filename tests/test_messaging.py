@@ -1297,3 +1297,25 @@ def test_a_link_back_opened_as_its_instance_closes_says_goodbye(
     assert not b._out and not b._opening
     with pytest.raises(PeerExited):
         a.recv(source=b.id, timeout=10)
+
+
+def test_links_back_to_peers_that_exited_are_not_kept(instances: Any, elsewhere: Path) -> None:
+    """An instance that only receives over TCP (a collector) keeps no link back to a peer
+    once that peer's link in ended (before: one unused socket per peer that ever sent to
+    it, until it closed: its descriptors ran out with many short-lived peers)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    for i in range(5):
+        c = instances(host="host-c", tcp_host="127.0.0.1")
+        _published(c, a)
+        c.send(a.id, i)
+        assert a.recv(source=c.id, timeout=10) == i
+        deadline = time.monotonic() + 10
+        while c.id not in a._opening:
+            assert time.monotonic() < deadline, "a never opened a link back to c"
+            time.sleep(0.005)
+        back = a._opening[c.id]
+        c.close()
+        with pytest.raises(PeerExited):
+            a.recv(source=c.id, timeout=10)  # (its link in ended)
+        assert back.sock.fileno() == -1
+    assert a.statistics()["links_out"] == 0

@@ -342,6 +342,27 @@ class Sender:
         finally:
             lock.release()
 
+    def _unlinked(self, peer: str) -> None:
+        """``peer``'s links in all ended (it exited, or is lost): an unused link back to it
+        is closed now, not kept till this instance closes (one socket per peer that ever
+        sent to it, in an instance that only receives). One being taken is left to its
+        sender."""
+        link = self._opening.get(peer)
+        if link is None or not link.back:
+            return
+        lock = self._connecting.get(peer)
+        if lock is None or not lock.acquire(blocking=False):
+            return
+        try:
+            with self._out_lock:
+                if self._opening.get(peer) is not link or not link.back:
+                    return
+                del self._opening[peer]
+                link.unanswered = False  # (not read: a goodbye racing this skips it)
+        finally:
+            lock.release()
+        link.close()
+
     def _connect(
         self, peer: str, first: tuple[Any, bytes, list[Any], bool] | None, back: bool = False
     ) -> tuple[_peer.Peer | None, bool]:
