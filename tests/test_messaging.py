@@ -1319,3 +1319,23 @@ def test_links_back_to_peers_that_exited_are_not_kept(instances: Any, elsewhere:
             a.recv(source=c.id, timeout=10)  # (its link in ended)
         assert back.sock.fileno() == -1
     assert a.statistics()["links_out"] == 0
+
+
+def test_a_first_message_sent_as_its_instance_closes_is_delivered_once(
+    instances: Any, elsewhere: Path
+) -> None:
+    """A small first message over TCP written with its HELLO by a send that an instance's
+    close overtook is delivered once, over that link, followed by the goodbye (before:
+    the link was closed and the message sent again through the store: the peer received
+    it twice, or once and then took the instance for lost)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(b, a)
+    b.close()
+    b.send(a.id, "once")  # (as a send whose connect the close overtook)
+    assert a.recv(source=b.id, timeout=10) == "once"
+    with pytest.raises(MessagingTimeout):
+        a.recv(timeout=1)  # (nothing else: no second copy through the store ...)
+    assert not a._mailbox._held  # (... not even one held for a number never sent)
+    with pytest.raises(PeerExited):
+        a.recv(source=b.id, timeout=10)

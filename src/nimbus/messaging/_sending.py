@@ -429,8 +429,9 @@ class Sender:
             elif not closed:
                 self._out[peer] = link
         if closed:  # said goodbye to, as the others (its peer then knows this one exited)
+            sent = first is not None and link.unanswered  # (then it carried ``first``)
             self._goodbye(link)
-            return None, False
+            return None, sent
         return link, link.unanswered
 
     def _answered(self, link: _peer.Peer) -> _peer.Peer:
