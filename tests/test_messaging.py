@@ -1299,9 +1299,12 @@ def test_a_link_back_opened_as_its_instance_closes_says_goodbye(
         a.recv(source=b.id, timeout=10)
 
 
-def test_links_back_to_peers_that_exited_are_not_kept(instances: Any, elsewhere: Path) -> None:
+@pytest.mark.parametrize("end", ["exits", "dies"])
+def test_links_back_to_peers_that_ended_are_not_kept(
+    instances: Any, elsewhere: Path, end: str
+) -> None:
     """An instance that only receives over TCP (a collector) keeps no link back to a peer
-    once that peer's link in ended (before: one unused socket per peer that ever sent to
+    once that peer exited or died (before: one unused socket per peer that ever sent to
     it, until it closed: its descriptors ran out with many short-lived peers)."""
     a = instances(host="host-a", tcp_host="127.0.0.1", sockets_in=elsewhere)
     for i in range(5):
@@ -1314,11 +1317,41 @@ def test_links_back_to_peers_that_exited_are_not_kept(instances: Any, elsewhere:
             assert time.monotonic() < deadline, "a never opened a link back to c"
             time.sleep(0.005)
         back = a._opening[c.id]
-        c.close()
-        with pytest.raises(PeerExited):
+        if end == "exits":
+            c.close()
+        else:  # its sockets end as its process's do when it is killed: no goodbye
+            while not c._new_in:  # (the link back, accepted)
+                assert time.monotonic() < deadline, "c never accepted the link back"
+                time.sleep(0.005)
+            links = [*c._new_in, *c._out.values(), *c._opening.values()]
+            for link in links:
+                link.sock.shutdown(socket.SHUT_RDWR)
+        with pytest.raises(PeerExited if end == "exits" else PeerLost):
             a.recv(source=c.id, timeout=10)  # (its link in ended)
         assert back.sock.fileno() == -1
     assert a.statistics()["links_out"] == 0
+
+
+def test_a_link_back_to_a_peer_that_lives_on_is_kept(instances: Any, elsewhere: Path) -> None:
+    """A link back is kept when its peer's link in ends but the peer lives on (it dropped
+    that link, and may open another): closed, it would tell the peer that this instance
+    ended."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    a.send(b.id, "hi")
+    assert b.recv(source=a.id, timeout=10) == "hi"
+    deadline = time.monotonic() + 10
+    while a.id not in b._opening:
+        assert time.monotonic() < deadline, "b never opened a link back to a"
+        time.sleep(0.005)
+    (link,) = [*a._out.values(), *a._opening.values()]
+    a._drop_out(link)  # (as when its answer did not come in time)
+    with pytest.raises(PeerLost):
+        b.recv(source=a.id, timeout=10)  # (its link in ended)
+    assert a.id in b._opening
+    b.send(a.id, "still there?")
+    assert a.recv(source=b.id, timeout=10) == "still there?"
 
 
 def test_a_first_message_sent_as_its_instance_closes_is_delivered_once(

@@ -95,6 +95,7 @@ BATCH_BYTES = 32 * 1024  # pickles in one BATCH frame (about: runs are cut by co
 _tag_raw = itemgetter(0, 2)
 _data = itemgetter(1)
 TAGS = 64  # packed tags a link keeps (tags beyond are packed per message)
+_ENDED = select.POLLRDHUP | select.POLLHUP | select.POLLERR  # (whatever input waits)
 _FORCE = {socket.SO_SNDBUF: 32, socket.SO_RCVBUF: 33}  # SO_SNDBUFFORCE, SO_RCVBUFFORCE
 
 
@@ -341,15 +342,14 @@ def answer(link: Peer, timeout: float = HANDSHAKE_TIMEOUT) -> None:
 
 
 def ended(link: Peer) -> bool:
-    """Whether answered link out ``link`` was closed by its peer (its end of stream, or
-    a reset, is there to read): a link out reads nothing after its answer."""
-    try:
-        link.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # (b"": its end)
-    except BlockingIOError:
-        return False  # nothing to read: open
-    except OSError:
-        pass  # reset
-    return True
+    """Whether link out ``link`` was closed (or reset) at its peer's end: a link out
+    reads nothing but its answer, so its peer's end of stream means its peer let go."""
+    fd = link.sock.fileno()
+    if fd < 0:
+        return True  # (closed here meanwhile)
+    poll = select.poll()
+    poll.register(fd, _ENDED)
+    return bool(poll.poll(0))
 
 
 def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Peer | None:

@@ -342,13 +342,14 @@ class Sender:
         finally:
             lock.release()
 
-    def _unlinked(self, peer: str) -> None:
-        """``peer``'s links in all ended (it exited, or is lost): an unused link back to it
-        is closed now, not kept till this instance closes (one socket per peer that ever
-        sent to it, in an instance that only receives). One being taken is left to its
-        sender."""
+    def _unlinked(self, peer: str, exited: bool) -> None:
+        """``peer``'s links in all ended (``exited``: with its goodbye): an unused link
+        back to it is closed now if it exited, or closed its end (killed, say), not
+        kept till this instance closes (one socket per peer that ever sent to it, in
+        an instance that only receives). Kept otherwise: closing it would tell a peer
+        that lives on that this instance ended. One being taken is left to its sender."""
         link = self._opening.get(peer)
-        if link is None or not link.back:
+        if link is None or not link.back or not (exited or _peer.ended(link)):
             return
         lock = self._connecting.get(peer)
         if lock is None or not lock.acquire(blocking=False):
