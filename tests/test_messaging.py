@@ -1354,21 +1354,26 @@ def test_a_link_back_to_a_peer_that_lives_on_is_kept(instances: Any, elsewhere: 
     assert a.recv(source=b.id, timeout=10) == "still there?"
 
 
+@pytest.mark.parametrize("first", ["small", "small, after a refusal", "large"])
 def test_a_first_message_sent_as_its_instance_closes_is_delivered_once(
-    instances: Any, elsewhere: Path
+    instances: Any, elsewhere: Path, first: str
 ) -> None:
-    """A small first message over TCP written with its HELLO by a send that an instance's
-    close overtook is delivered once, over that link, followed by the goodbye (before:
-    the link was closed and the message sent again through the store: the peer received
-    it twice, or once and then took the instance for lost)."""
+    """A first message over TCP whose send an instance's close overtook (its link was
+    opened once the goodbyes were said) is delivered once, then the goodbye (before: a
+    small one was written with its HELLO, the link closed, and the message sent again
+    through the store: the peer received it twice; with a goodbye before a store copy,
+    the copy waited for the goodbye's number forever)."""
     a = instances(host="host-a", tcp_host="127.0.0.1")
     b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
     _published(b, a)
+    obj = os.urandom(300_000) if first == "large" else b"once" * 100
+    if first == "small, after a refusal":
+        b._no_follow.add(a.id)  # (written after the answer, not with its HELLO)
     b.close()
-    b.send(a.id, "once")  # (as a send whose connect the close overtook)
-    assert a.recv(source=b.id, timeout=10) == "once"
+    b.send(a.id, obj)  # (as a send whose connect the close overtook)
+    assert a.recv(source=b.id, timeout=10) == obj
     with pytest.raises(MessagingTimeout):
         a.recv(timeout=1)  # (nothing else: no second copy through the store ...)
     assert not a._mailbox._held  # (... not even one held for a number never sent)
-    with pytest.raises(PeerExited):
+    with pytest.raises(PeerExited):  # (its goodbye came after it)
         a.recv(source=b.id, timeout=10)

@@ -178,8 +178,7 @@ class Sender:
         ``raw``: ``data`` is the ``bytes`` sent, not a pickle.
         """
         if link is None and self.direct:
-            size = len(data) + sum(r.nbytes for r in raws)
-            link, sent = self._open(peer, (tag, data, raws, raw) if size <= FOLLOWS else None)
+            link, sent = self._open(peer, (tag, data, raws, raw))
             if sent:
                 return
         if link is None:
@@ -287,9 +286,10 @@ class Sender:
         """``(link, sent)``: a link to ``peer`` (None while it does not listen: its
         messages go to the store), and whether ``first`` went on it.
 
-        ``first`` (tag, data, buffers, raw): a small message to send. Over TCP it is
-        written with the HELLO, at once, before the answer (read later: the link
-        waits in ``_opening``), unless this peer refused a link before. One thread
+        ``first`` (tag, data, buffers, raw): the message to send. Over TCP a small one
+        (up to FOLLOWS bytes) is written with the HELLO, at once, before the answer
+        (read later: the link waits in ``_opening``), unless this peer refused a link
+        before. One thread
         at a time opens a link to a peer: another finds it opened.
         """
         if peer == self.id:
@@ -386,7 +386,12 @@ class Sender:
                 return None, False
             address = ("tcp", entry.tcp)
         # on this host a first message gains nothing from following its HELLO
-        follows = first is not None and address[0] == "tcp" and peer not in self._no_follow
+        follows = (
+            first is not None
+            and address[0] == "tcp"
+            and peer not in self._no_follow
+            and len(first[1]) + sum(r.nbytes for r in first[2]) <= FOLLOWS
+        )
         try:
             link = _peer.connect(
                 address,
@@ -430,9 +435,14 @@ class Sender:
             elif not closed:
                 self._out[peer] = link
         if closed:  # said goodbye to, as the others (its peer then knows this one exited)
-            sent = first is not None and link.unanswered  # (then it carried ``first``)
+            if first is not None and not link.unanswered:
+                # ``first``, not written yet, goes before the goodbye (not after it through
+                # the store: the goodbye takes a number, and the peer waits for each)
+                tag, data, raws, raw = first
+                with link.lock:
+                    link.queue(next(self._seq[peer]), tag, data, raws, raw)
             self._goodbye(link)
-            return None, sent
+            return None, first is not None
         return link, link.unanswered
 
     def _answered(self, link: _peer.Peer) -> _peer.Peer:
