@@ -1377,3 +1377,24 @@ def test_a_first_message_sent_as_its_instance_closes_is_delivered_once(
     assert not a._mailbox._held  # (... not even one held for a number never sent)
     with pytest.raises(PeerExited):  # (its goodbye came after it)
         a.recv(source=b.id, timeout=10)
+
+
+def test_an_acceptor_that_cannot_start_a_call_back_goes_on(instances: Any, elsewhere: Path) -> None:
+    """A link back that no thread could be started for (threads ran out) is given up, and
+    the acceptor goes on accepting (before: the RuntimeError ended the acceptor, and the
+    instance took no link in again)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    c = instances(host="host-c", tcp_host="127.0.0.1")
+    _published(a, b)
+    _published(c, b)
+    threading.stack_size(2**44)  # a real failure to start a thread: no memory for its stack
+    try:
+        a.send(b.id, "first")
+        assert b.recv(source=a.id, timeout=10) == "first"
+        time.sleep(0.2)  # (the acceptor tried to start the call back meanwhile)
+    finally:
+        threading.stack_size(0)
+    assert a.id not in b._opening
+    c.send(b.id, "next")
+    assert b.recv(source=c.id, timeout=10) == "next"
