@@ -342,8 +342,8 @@ def answer(link: Peer, timeout: float = HANDSHAKE_TIMEOUT) -> None:
 
 
 def ended(link: Peer) -> bool:
-    """Whether link out ``link`` was closed (or reset) at its peer's end: a link out
-    reads nothing but its answer, so its peer's end of stream means its peer let go."""
+    """Whether link out ``link`` was closed (or reset) at its peer's end, its answer read
+    or not (a link out carries nothing else to read: its end of stream is its peer's)."""
     fd = link.sock.fileno()
     if fd < 0:
         return True  # (closed here meanwhile)

@@ -308,22 +308,20 @@ class Sender:
 
     def _taken_back(self, link: _peer.Peer) -> _peer.Peer | None:
         """Link back ``link`` (``_call_back``'s) at its first use (``_connecting[peer]``
-        held): answered and still open, or None (dropped: the peer closed it, having
-        exited since, or refused it; nothing was sent on it, so a new connect says
-        what became of the peer, as if there had been no link back)."""
+        held): answered and open, or None (dropped: the peer closed it, having exited
+        since, or refused it; nothing was sent on it, so a new connect says what became
+        of the peer, as if there had been no link back)."""
         link.back = False
+        if _peer.ended(link):  # (seen before the answer is read: its peer's end of stream)
+            with self._out_lock:
+                if self._opening.get(link.peer) is link:
+                    del self._opening[link.peer]
+            link.close()
+            return None
         try:
-            self._answered(link)
+            return self._answered(link)
         except MessagingError:
             return None  # (dropped by ``_answered``)
-        with link.lock:
-            if link.error is None and not _peer.ended(link):
-                return link
-        with self._out_lock:
-            if self._out.get(link.peer) is link:
-                del self._out[link.peer]
-        link.close()
-        return None
 
     def _call_back(self, peer: str) -> None:
         """Open a link to ``peer``, which opened one to us over TCP, unless one is open
