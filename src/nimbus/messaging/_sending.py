@@ -19,7 +19,8 @@ goodbye, reads it (a refusal raises at that send, as :class:`PeerRefused`, and i
 logged at a goodbye; the message sent before it was not taken). An instance that
 accepts a link over TCP opens one back to its peer at once, in a thread of its own
 (``_call_back``): its first reply, or its part of an exchange, then goes over a
-link already open.
+link already open. One its peer closed meanwhile is dropped at its first use (a new
+connect says what became of the peer); unused, it is closed once its peer exited.
 
 Every message to a peer takes the next number of that peer's count, whichever
 way it goes, so the receiver delivers once and in order across a switch from
