@@ -1260,3 +1260,141 @@ def test_links_made_while_an_instance_closes_are_closed(instances: Any, elsewher
         link = _peer.Peer(left, _peer.Stream(left), a.id)
         b._link_in(link)
         assert left.fileno() == -1, "a link in taken by a closed instance"
+
+
+def test_a_first_reply_to_a_peer_on_another_host_that_exited_is_peer_exited(
+    instances: Any, elsewhere: Path
+) -> None:
+    """A link opened back to a peer that has exited since (its end closed) is not used:
+    the first reply raises PeerExited, as with no link back (before: it was written
+    into the closed link and lost, no error; only a later send raised)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    a.send(b.id, "last words")
+    assert b.recv(source=a.id, timeout=10) == "last words"
+    deadline = time.monotonic() + 10
+    while a.id not in b._opening:
+        assert time.monotonic() < deadline, "b never opened a link back to a"
+        time.sleep(0.005)
+    a.close()
+    with pytest.raises(PeerExited, match="has exited"):
+        b.send(a.id, "reply")
+    assert not b._out and not b._opening
+
+
+def test_a_link_back_opened_as_its_instance_closes_says_goodbye(
+    instances: Any, elsewhere: Path
+) -> None:
+    """A link back that ``_connect`` opened just after its instance closed is closed with
+    a goodbye: its peer's ``recv`` from it raises PeerExited, as after a close (before:
+    it was closed with nothing said, and the peer took it for lost: PeerLost)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(b, a)
+    b.close()
+    assert b._connect(a.id, None, back=True) == (None, False)  # (its thread, past its check)
+    assert not b._out and not b._opening
+    with pytest.raises(PeerExited):
+        a.recv(source=b.id, timeout=10)
+
+
+@pytest.mark.parametrize("end", ["exits", "dies"])
+def test_links_back_to_peers_that_ended_are_not_kept(
+    instances: Any, elsewhere: Path, end: str
+) -> None:
+    """An instance that only receives over TCP (a collector) keeps no link back to a peer
+    once that peer exited or died (before: one unused socket per peer that ever sent to
+    it, until it closed: its descriptors ran out with many short-lived peers)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    for i in range(5):
+        c = instances(host="host-c", tcp_host="127.0.0.1")
+        _published(c, a)
+        c.send(a.id, i)
+        assert a.recv(source=c.id, timeout=10) == i
+        deadline = time.monotonic() + 10
+        while c.id not in a._opening:
+            assert time.monotonic() < deadline, "a never opened a link back to c"
+            time.sleep(0.005)
+        back = a._opening[c.id]
+        if end == "exits":
+            c.close()
+        else:  # its sockets end as its process's do when it is killed: no goodbye
+            while not c._new_in:  # (the link back, accepted)
+                assert time.monotonic() < deadline, "c never accepted the link back"
+                time.sleep(0.005)
+            links = [*c._new_in, *c._out.values(), *c._opening.values()]
+            for link in links:
+                link.sock.shutdown(socket.SHUT_RDWR)
+        with pytest.raises(PeerExited if end == "exits" else PeerLost):
+            a.recv(source=c.id, timeout=10)  # (its link in ended)
+        assert back.sock.fileno() == -1
+    assert a.statistics()["links_out"] == 0
+
+
+def test_a_link_back_to_a_peer_that_lives_on_is_kept(instances: Any, elsewhere: Path) -> None:
+    """A link back is kept when its peer's link in ends but the peer lives on (it dropped
+    that link, and may open another): closed, it would tell the peer that this instance
+    ended."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    a.send(b.id, "hi")
+    assert b.recv(source=a.id, timeout=10) == "hi"
+    deadline = time.monotonic() + 10
+    while a.id not in b._opening:
+        assert time.monotonic() < deadline, "b never opened a link back to a"
+        time.sleep(0.005)
+    (link,) = [*a._out.values(), *a._opening.values()]
+    a._drop_out(link)  # (as when its answer did not come in time)
+    with pytest.raises(PeerLost):
+        b.recv(source=a.id, timeout=10)  # (its link in ended)
+    assert a.id in b._opening
+    b.send(a.id, "still there?")
+    assert a.recv(source=b.id, timeout=10) == "still there?"
+
+
+@pytest.mark.parametrize("first", ["small", "small, after a refusal", "large"])
+def test_a_first_message_sent_as_its_instance_closes_is_delivered_once(
+    instances: Any, elsewhere: Path, first: str
+) -> None:
+    """A first message over TCP whose send an instance's close overtook (its link was
+    opened once the goodbyes were said) is delivered once, then the goodbye (before: a
+    small one was written with its HELLO, the link closed, and the message sent again
+    through the store: the peer received it twice; with a goodbye before a store copy,
+    the copy waited for the goodbye's number forever)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(b, a)
+    obj = os.urandom(300_000) if first == "large" else b"once" * 100
+    if first == "small, after a refusal":
+        b._no_follow.add(a.id)  # (written after the answer, not with its HELLO)
+    b.close()
+    b.send(a.id, obj)  # (as a send whose connect the close overtook)
+    assert a.recv(source=b.id, timeout=10) == obj
+    with pytest.raises(MessagingTimeout):
+        a.recv(timeout=1)  # (nothing else: no second copy through the store ...)
+    assert not a._mailbox._held  # (... not even one held for a number never sent)
+    with pytest.raises(PeerExited):  # (its goodbye came after it)
+        a.recv(source=b.id, timeout=10)
+
+
+def test_an_acceptor_that_cannot_start_a_call_back_goes_on(instances: Any, elsewhere: Path) -> None:
+    """A link back that no thread could be started for (threads ran out) is given up, and
+    the acceptor goes on accepting (before: the RuntimeError ended the acceptor, and the
+    instance took no link in again)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    c = instances(host="host-c", tcp_host="127.0.0.1")
+    _published(a, b)
+    _published(c, b)
+    threading.stack_size(2**44)  # a real failure to start a thread: no memory for its stack
+    try:
+        a.send(b.id, "first")
+        assert b.recv(source=a.id, timeout=10) == "first"
+        time.sleep(0.2)  # (the acceptor tried to start the call back meanwhile)
+    finally:
+        threading.stack_size(0)
+    assert a.id not in b._opening
+    c.send(b.id, "next")
+    assert b.recv(source=c.id, timeout=10) == "next"

@@ -143,7 +143,10 @@ class Instance(Receiver, Sender):
                 and peer not in self._out
                 and peer not in self._opening
             ):  # a peer on another host: a link back, off this thread (``_call_back``)
-                _thread.start_new_thread(self._call_back, (peer,))
+                try:
+                    _thread.start_new_thread(self._call_back, (peer,))
+                except RuntimeError as exc:  # no thread to be had: the first send opens one
+                    log.debug("nimbus.messaging: %s did not call %s back: %r", self.id, peer, exc)
 
     def _inbox(self) -> None:
         """Publish this instance, then take the messages that went through the store.

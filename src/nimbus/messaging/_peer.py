@@ -76,6 +76,7 @@ __all__ = [
     "Stream",
     "accept",
     "connect",
+    "ended",
     "readonly_mask",
     "writable_as_sent",
 ]
@@ -94,6 +95,7 @@ BATCH_BYTES = 32 * 1024  # pickles in one BATCH frame (about: runs are cut by co
 _tag_raw = itemgetter(0, 2)
 _data = itemgetter(1)
 TAGS = 64  # packed tags a link keeps (tags beyond are packed per message)
+_ENDED = select.POLLRDHUP | select.POLLHUP | select.POLLERR  # (whatever input waits)
 _FORCE = {socket.SO_SNDBUF: 32, socket.SO_RCVBUF: 33}  # SO_SNDBUFFORCE, SO_RCVBUFFORCE
 
 
@@ -116,6 +118,7 @@ class Peer:
 
     __slots__ = (
         "armed",
+        "back",
         "channel",
         "closed_cleanly",
         "count",
@@ -158,6 +161,7 @@ class Peer:
         self.early: list[Frame] = []  # a link in: frames read with its HELLO
         self.entry: bytes | None = None  # a link in: its peer's directory entry, as it said
         self.unanswered = False  # a link out: its handshake's answer not read yet
+        self.back = False  # a link out opened back to a peer (``Sender._call_back``), unused
 
     def packed(self, tag: Any) -> bytes:
         """``tag`` packed with msgpack, kept for the next messages with it (up to TAGS)."""
@@ -335,6 +339,17 @@ def answer(link: Peer, timeout: float = HANDSHAKE_TIMEOUT) -> None:
         link.close()
         reason = unpack(frame.meta) if frame.kind == REFUSED else f"frame kind {frame.kind}"
         raise PeerRefused(f"instance {peer} refused the connection: {reason}")
+
+
+def ended(link: Peer) -> bool:
+    """Whether link out ``link`` was closed (or reset) at its peer's end, its answer read
+    or not (a link out carries nothing else to read: its end of stream is its peer's)."""
+    fd = link.sock.fileno()
+    if fd < 0:
+        return True  # (closed here meanwhile)
+    poll = select.poll()
+    poll.register(fd, _ENDED)
+    return bool(poll.poll(0))
 
 
 def accept(sock: socket.socket, *, me: str, program_id: str, token: bytes) -> Peer | None:

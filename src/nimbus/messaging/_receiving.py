@@ -64,6 +64,7 @@ class Receiver:
     _dirty: set[_peer.Peer]
     _recvs: int
     _flush_dirty: Callable[[], None]
+    _unlinked: Callable[[str, bool], None]
 
     def __init__(self) -> None:
         self._mailbox = Mailbox()  # per-sender order
@@ -453,6 +454,8 @@ class Receiver:
                     self._from[link.peer] = other
         link.close()
         self._mailbox.end(link.peer, EXITED if link.closed_cleanly else "lost")
+        if link.peer not in self._from:  # no link in from it left
+            self._unlinked(link.peer, link.closed_cleanly)
 
     def _close_links_in(self) -> None:
         """Close the links in and the wake-up pipe (the instance closes)."""

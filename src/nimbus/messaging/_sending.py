@@ -19,7 +19,8 @@ goodbye, reads it (a refusal raises at that send, as :class:`PeerRefused`, and i
 logged at a goodbye; the message sent before it was not taken). An instance that
 accepts a link over TCP opens one back to its peer at once, in a thread of its own
 (``_call_back``): its first reply, or its part of an exchange, then goes over a
-link already open.
+link already open. One its peer closed meanwhile is dropped at its first use (a new
+connect says what became of the peer); unused, it is closed once its peer exited.
 
 Every message to a peer takes the next number of that peer's count, whichever
 way it goes, so the receiver delivers once and in order across a switch from
@@ -178,8 +179,7 @@ class Sender:
         ``raw``: ``data`` is the ``bytes`` sent, not a pickle.
         """
         if link is None and self.direct:
-            size = len(data) + sum(r.nbytes for r in raws)
-            link, sent = self._open(peer, (tag, data, raws, raw) if size <= FOLLOWS else None)
+            link, sent = self._open(peer, (tag, data, raws, raw))
             if sent:
                 return
         if link is None:
@@ -287,22 +287,42 @@ class Sender:
         """``(link, sent)``: a link to ``peer`` (None while it does not listen: its
         messages go to the store), and whether ``first`` went on it.
 
-        ``first`` (tag, data, buffers, raw): a small message to send. Over TCP it is
-        written with the HELLO, at once, before the answer (read later: the link
-        waits in ``_opening``), unless this peer refused a link before. One thread
+        ``first`` (tag, data, buffers, raw): the message to send. Over TCP a small one
+        (up to FOLLOWS bytes) is written with the HELLO, at once, before the answer
+        (read later: the link waits in ``_opening``), unless this peer refused a link
+        before. One thread
         at a time opens a link to a peer: another finds it opened.
         """
         if peer == self.id:
             raise ValueError("an instance cannot send to itself")
         if self._opening:
             opened = self._opening.get(peer)
-            if opened is not None:
+            if opened is not None and not opened.back:
                 return self._answered(opened), False
         with self._connecting.setdefault(peer, threading.Lock()):
             link = self._out.get(peer) or self._opening.get(peer)
+            if link is not None and link.back:
+                link = self._taken_back(link)
             if link is not None:  # opened by another thread meanwhile
                 return (self._answered(link) if link.unanswered else link), False
             return self._connect(peer, first)
+
+    def _taken_back(self, link: _peer.Peer) -> _peer.Peer | None:
+        """Link back ``link`` (``_call_back``'s) at its first use (``_connecting[peer]``
+        held): answered and open, or None (dropped: the peer closed it, having exited
+        since, or refused it; nothing was sent on it, so a new connect says what became
+        of the peer, as if there had been no link back)."""
+        link.back = False
+        if _peer.ended(link):  # (seen before the answer is read: its peer's end of stream)
+            with self._out_lock:
+                if self._opening.get(link.peer) is link:
+                    del self._opening[link.peer]
+            link.close()
+            return None
+        try:
+            return self._answered(link)
+        except MessagingError:
+            return None  # (dropped by ``_answered``)
 
     def _call_back(self, peer: str) -> None:
         """Open a link to ``peer``, which opened one to us over TCP, unless one is open
@@ -320,6 +340,28 @@ class Sender:
             log.debug("nimbus.messaging: %s did not call %s back: %r", self.id, peer, exc)
         finally:
             lock.release()
+
+    def _unlinked(self, peer: str, exited: bool) -> None:
+        """``peer``'s links in all ended (``exited``: with its goodbye): an unused link
+        back to it is closed now if it exited, or closed its end (killed, say), not
+        kept till this instance closes (one socket per peer that ever sent to it, in
+        an instance that only receives). Kept otherwise: closing it would tell a peer
+        that lives on that this instance ended. One being taken is left to its sender."""
+        link = self._opening.get(peer)
+        if link is None or not link.back or not (exited or _peer.ended(link)):
+            return
+        lock = self._connecting.get(peer)
+        if lock is None or not lock.acquire(blocking=False):
+            return
+        try:
+            with self._out_lock:
+                if self._opening.get(peer) is not link or not link.back:
+                    return
+                del self._opening[peer]
+                link.unanswered = False  # (not read: a goodbye racing this skips it)
+        finally:
+            lock.release()
+        link.close()
 
     def _connect(
         self, peer: str, first: tuple[Any, bytes, list[Any], bool] | None, back: bool = False
@@ -343,7 +385,12 @@ class Sender:
                 return None, False
             address = ("tcp", entry.tcp)
         # on this host a first message gains nothing from following its HELLO
-        follows = first is not None and address[0] == "tcp" and peer not in self._no_follow
+        follows = (
+            first is not None
+            and address[0] == "tcp"
+            and peer not in self._no_follow
+            and len(first[1]) + sum(r.nbytes for r in first[2]) <= FOLLOWS
+        )
         try:
             link = _peer.connect(
                 address,
@@ -379,14 +426,22 @@ class Sender:
                 link.recvs = self._recvs
                 link.queue(next(self._seq[peer]), tag, data, raws, raw)
                 self._flush(link)  # (a broken write: ``_drop_out``, PeerLost or PeerRefused)
+        link.back = back  # (before another thread sees it)
         with self._out_lock:
-            if self._closed:  # (a link back opened while this instance closed)
-                link.close()
-                return None, False
-            if link.unanswered:
+            closed = self._closed  # (a link back opened while this instance closed)
+            if not closed and link.unanswered:
                 self._opening[peer] = link
-            else:
+            elif not closed:
                 self._out[peer] = link
+        if closed:  # said goodbye to, as the others (its peer then knows this one exited)
+            if first is not None and not link.unanswered:
+                # ``first``, not written yet, goes before the goodbye (not after it through
+                # the store: the goodbye takes a number, and the peer waits for each)
+                tag, data, raws, raw = first
+                with link.lock:
+                    link.queue(next(self._seq[peer]), tag, data, raws, raw)
+            self._goodbye(link)
+            return None, first is not None
         return link, link.unanswered
 
     def _answered(self, link: _peer.Peer) -> _peer.Peer:
@@ -474,27 +529,31 @@ class Sender:
         with self._out_lock:  # (a link opened from now on is closed: ``_connect``)
             links = [*self._out.values(), *self._opening.values()]
         for link in links:
-            try:
-                with link.lock:
-                    link.frame_pending(self._number)
-                    link.channel.send(_peer.BYE, pack(self._number(link.peer, 1)))
-                    link.sock.setblocking(True)
-                    link.sock.settimeout(GOODBYE_WAIT)
-                    link.channel.flush()
-            except OSError:
-                pass
-            if link.unanswered:
-                # a socket closed with input unread (the answer) is reset, not closed:
-                # what it still holds for the peer is dropped, the peer's read breaks
-                try:
-                    _peer.answer(link, GOODBYE_WAIT)
-                except PeerRefused as exc:  # nothing left to raise it to: said here
-                    log.warning("nimbus.messaging: %s; the message sent to it was not taken", exc)
-                except MessagingError:
-                    pass
-            link.close()
+            self._goodbye(link)
         self._out.clear()
         self._opening.clear()
+
+    def _goodbye(self, link: _peer.Peer) -> None:
+        """Write what ``link`` holds queued and a BYE, then close it (the instance closes)."""
+        try:
+            with link.lock:
+                link.frame_pending(self._number)
+                link.channel.send(_peer.BYE, pack(self._number(link.peer, 1)))
+                link.sock.setblocking(True)
+                link.sock.settimeout(GOODBYE_WAIT)
+                link.channel.flush()
+        except OSError:
+            pass
+        if link.unanswered:
+            # a socket closed with input unread (the answer) is reset, not closed:
+            # what it still holds for the peer is dropped, the peer's read breaks
+            try:
+                _peer.answer(link, GOODBYE_WAIT)
+            except PeerRefused as exc:  # nothing left to raise it to: said here
+                log.warning("nimbus.messaging: %s; the message sent to it was not taken", exc)
+            except MessagingError:
+                pass
+        link.close()
 
 
 def _exited(peer: str) -> PeerExited:
