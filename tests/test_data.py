@@ -534,6 +534,52 @@ def test_the_sweep_removes_expired_objects_of_killed_clients_and_unused_files(
     assert release(mark) and not root.exists()
 
 
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="a pid namespace of its own needs root and unshare(1)",
+)
+def test_a_process_of_another_pid_namespace_judges_no_holder_or_server_here_dead(
+    tmp_path: Path, own_base: Path
+) -> None:
+    """A process in a pid namespace of its own that shares /dev/shm (a container, a
+    sandbox) sees other pids: its sweep took every holder of this namespace for dead and
+    removed its mark, so the next release here (one of two agents of a runtime stopping)
+    removed the runtime's data in use by the other; its offer removed this namespace's
+    server files (a copy staged then had no node to fetch it from). Now marks and server
+    files name their pid namespace: those of another are judged there, not here."""
+    from nimbus.data._serve import Server, server_address
+
+    root = default_root(tmp_path / "rt")
+    first, second = hold(root), hold(root)  # two agents of one runtime on this machine
+    NodeStore("u-n", root).write("e" * 32, b"in use", time.time() + 60)
+    server = Server(root, "127.0.0.1")
+    try:
+        code = (
+            "import sys; from pathlib import Path\n"
+            "from nimbus.data._node import sweep_all\n"
+            "from nimbus.data._serve import server_address\n"
+            "sweep_all(base=Path(sys.argv[1])); print(server_address(Path(sys.argv[2])))\n"
+        )
+        src = str(Path(nimbus.__file__).parent.parent)
+        unshared = ["unshare", "--pid", "--fork", "--mount-proc"]
+        seen = subprocess.run(
+            [*unshared, sys.executable, "-c", code, str(own_base), str(root)],
+            env=dict(os.environ, PYTHONPATH=src),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert seen.strip() == "None"  # not this namespace's server: not its to advertise
+        assert first.exists() and second.exists(), "a sweep elsewhere dropped live holders"
+        assert server_address(root) == server.address
+        assert not release(first)  # the other agent still holds it: its data stays
+        assert NodeStore("u-n", root).exists("e" * 32)
+    finally:
+        server.close()
+    assert release(second) and not root.exists()
+
+
 def test_an_agent_sweeps_what_a_killed_runtime_left_when_it_starts(tmp_path: Path) -> None:
     root = default_root(tmp_path / "killed")  # a runtime killed: no live holder
     node = NodeStore("u-z", root)

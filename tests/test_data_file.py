@@ -334,6 +334,38 @@ def test_a_staged_copy_is_kept_while_its_client_may_send_tasks_using_it(
     assert not path.exists() and not pins[0].exists()
 
 
+def test_a_staged_copy_outlives_a_sweep_with_a_clock_ahead_by_another_process(
+    on_lab: Executor, vault: EndpointProcess, exported: Path
+) -> None:
+    """The bench's lost copy, reproduced at the code of its runs (31598e9, and be49d7c
+    with pins): test_data's lease tests, run by a CI beside it as the same user, swept
+    this user's real data base with a clock 400 s ahead, which removed every file copy
+    of every runtime of the machine, pinned or not (a pin is leased for less than 400
+    s); the tasks after failed with "run42.bin is not in this node's file cache". Such
+    a sweep is refused now (81838e3); the copy and its tasks are untouched."""
+    body = os.urandom(64 * 1024)
+    (exported / "beside.bin").write_bytes(body)
+    file = nimbus.File(f"vault:{exported}/beside.bin")
+    path = Path(on_lab.submit(describe, file).result(timeout=120)[1])
+    code = (
+        "import time\nfrom nimbus.data._node import sweep_all\n"
+        "try:\n    sweep_all(now=time.time() + 400)\nexcept Exception as exc:\n"
+        "    print(type(exc).__name__)\nsweep_all()\n"
+    )
+    src = str(Path(nimbus.__file__).parent.parent)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PYTHONPATH=src),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "DataError", done.stderr
+    assert path.exists(), "another process's sweep removed a copy its tasks still use"
+    futures = [on_lab.submit(describe, file) for _ in range(4)]
+    assert {f.result(timeout=120)[3] for f in futures} == {hashlib.sha256(body).hexdigest()}
+
+
 def test_files_outside_an_endpoints_exports_are_refused(
     on_lab: Executor, vault: EndpointProcess, exported: Path, tmp_path: Path
 ) -> None:

@@ -7,7 +7,8 @@
     <base>/<runtime>/<namespace>/kv/<key>       one value of ``nimbus.data.store()``
     <base>/<runtime>/<namespace>/files/         the node's file cache (mtime = last use;
                                                 kept while an object <key><id> is leased)
-    <base>/<runtime>/.holders/<pid>-<start>-<n> a process using this runtime's data
+    <base>/<runtime>/.holders/<pid>-<start>-<n>.<pid namespace>
+                                                a process using this runtime's data
 
 ``base`` is ``/dev/shm/nimbus-data-<uid>`` (memory; mode 0o700) where there is one, else a
 directory of the same name under the system's temporary directory. ``runtime`` is
@@ -26,7 +27,9 @@ directory (:func:`hold`) and sweeps the whole ``base`` at start and every
 ``SWEEP_EVERY`` s (:func:`sweep_all`: expired objects, file copies unused for a lease,
 the directories of runtimes whose processes all died once nothing in them is leased);
 when the last process holding a runtime's directory releases it (the runtime stops),
-the directory is removed.
+the directory is removed. A holder is judged alive or dead only by a process of its pid
+namespace (:func:`alive`): one in a namespace of its own that shares ``/dev/shm`` (a
+container, a sandbox) sees other pids.
 """
 
 from __future__ import annotations
@@ -118,6 +121,25 @@ def start_time(pid: int) -> str | None:
         return "?"
 
 
+def pid_namespace() -> str:
+    """This process's pid namespace ('' where ``/proc`` does not say)."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+def alive(pid: str, start: str, namespace: str = "") -> bool:
+    """Whether process ``pid``, started at ``start`` (:func:`start_time`) in the pid
+    namespace ``namespace`` ('': unknown, a mark of before), may still run. One of
+    another namespace counts as alive: its pids are not the ones seen here (its own
+    namespace's processes judge it), where taking it for dead removed the marks and
+    server files of live agents (the runtime's data went with the next release)."""
+    if namespace and namespace != pid_namespace():
+        return True
+    return pid.isdigit() and start_time(int(pid)) in (start, "?")
+
+
 _held = itertools.count()
 
 
@@ -127,7 +149,8 @@ def hold(root: Path | None = None) -> Path:
     root = default_root() if root is None else root
     holders = _private_dir(root) / HOLDERS
     holders.mkdir(mode=0o700, exist_ok=True)
-    mark = holders / f"{os.getpid()}-{start_time(os.getpid())}-{next(_held)}"
+    pid = os.getpid()  # (the namespace after the count: "<pid>-<start>-" as before)
+    mark = holders / f"{pid}-{start_time(pid)}-{next(_held)}.{pid_namespace()}"
     mark.touch()
     return mark
 
@@ -140,8 +163,8 @@ def _live_holders(root: Path) -> int:
         return 0
     for name in names:
         pid, _, rest = name.partition("-")
-        start = rest.rsplit("-", 1)[0]
-        if pid.isdigit() and start_time(int(pid)) in (start, "?"):
+        start, _, count = rest.rpartition("-")
+        if alive(pid, start, count.partition(".")[2]):
             live += 1
         else:
             try:

@@ -92,7 +92,7 @@ HANDSHAKE = 5.0  # seconds a client has for its whole request (length, header, m
 MAX_CONNECTIONS = 64  # served at once; more are told "busy"
 PER_PEER = 8  # served at once to one address (checked first): one peer cannot take them all
 BUSY = b"NObusy: the node serves too many at once; try again"  # instead of the challenge
-ADDRESS = ".server-"  # in a runtime's data directory: ADDRESS<pid>-<n>, "host port pid start"
+ADDRESS = ".server-"  # in a runtime's data directory: ADDRESS<pid>-<n>, "host port pid start pidns"
 _MAX_HEADER = 4096
 _WILDCARD = ("", "0.0.0.0", "::", "*")
 _servers = itertools.count()
@@ -132,8 +132,9 @@ def advertised(host: str) -> str:
 
 def server_address(root: Path) -> tuple[str, int] | None:
     """Where the cache of the runtime whose data directory is ``root`` is served: the
-    newest live server's (the files of servers whose process died are removed)."""
-    from nimbus.data._node import start_time
+    newest live server's of this pid namespace (the files of servers whose process died
+    are removed; those of another namespace are left to it: ``_node.alive``)."""
+    from nimbus.data._node import alive, pid_namespace
 
     found: list[tuple[float, str, int]] = []
     try:
@@ -143,8 +144,10 @@ def server_address(root: Path) -> tuple[str, int] | None:
     for name in names:
         try:
             path = root / name
-            shown, port, pid, start = path.read_text().split()
-            if start_time(int(pid)) in (start, "?"):
+            shown, port, pid, start, *namespace = path.read_text().split()
+            if namespace and namespace[0] != pid_namespace():
+                continue  # (a container's that shares /dev/shm: maybe not reachable)
+            if alive(pid, start):
                 found.append((path.stat().st_mtime, shown, int(port)))
             else:
                 path.unlink(missing_ok=True)  # its process died
@@ -161,7 +164,7 @@ class Server:
     the holders of their secrets, and renews their pins; a thread, until :meth:`close`."""
 
     def __init__(self, root: Path, host: str) -> None:
-        from nimbus.data._node import start_time
+        from nimbus.data._node import pid_namespace, start_time
 
         self.root = root
         shown = advertised(host)
@@ -170,7 +173,7 @@ class Server:
         pid = os.getpid()
         self._file = root / f"{ADDRESS}{pid}-{next(_servers)}"
         part = root / f".part-server-{secrets.token_hex(4)}"
-        part.write_text(f"{shown} {self.address[1]} {pid} {start_time(pid)}\n")
+        part.write_text(f"{shown} {self.address[1]} {pid} {start_time(pid)} {pid_namespace()}\n")
         os.replace(part, self._file)  # one file per server: readers pick a live one
         self._closed = False
         self._lock = threading.Lock()
