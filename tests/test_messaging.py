@@ -689,6 +689,28 @@ def _published(ep: Instance, peer: Instance) -> None:
         time.sleep(0.005)
 
 
+def _sent_and_called_back(
+    instances: Any, elsewhere: Path, message: str
+) -> tuple[Instance, Instance, _peer.Peer]:
+    """Instances a and b on two hosts (TCP), once a sent ``message`` to b and b opened its
+    link back to a: (a, b, that link)."""
+    a = instances(host="host-a", tcp_host="127.0.0.1")
+    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
+    _published(a, b)
+    a.send(b.id, message)
+    assert b.recv(source=a.id, timeout=10) == message
+    return a, b, _called_back(b, a)
+
+
+def _called_back(ep: Instance, peer: Instance) -> _peer.Peer:
+    """The link ``ep`` opened back to ``peer`` (which sent to it over TCP), once it has."""
+    deadline = time.monotonic() + 10
+    while (link := ep._out.get(peer.id) or ep._opening.get(peer.id)) is None:
+        assert time.monotonic() < deadline, f"{ep.id} never opened a link back to {peer.id}"
+        time.sleep(0.005)
+    return link
+
+
 @pytest.fixture
 def elsewhere(program: Program) -> Iterator[Path]:
     """The socket directory of "another host": one the local instances do not see."""
@@ -1207,16 +1229,7 @@ def test_a_peer_on_another_host_that_sent_to_us_is_called_back(
     acceptor's thread): its first reply to that peer goes over a link already open, not
     through a connect and the peer's acceptor in the reply's path (before: no link back
     until the first reply)."""
-    a = instances(host="host-a", tcp_host="127.0.0.1")
-    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
-    _published(a, b)
-    a.send(b.id, "ping")
-    assert b.recv(source=a.id, timeout=10) == "ping"
-    deadline = time.monotonic() + 10
-    while a.id not in b._out and a.id not in b._opening:
-        assert time.monotonic() < deadline, "b never opened a link back to a"
-        time.sleep(0.005)
-    back = b._out.get(a.id) or b._opening[a.id]
+    a, b, back = _sent_and_called_back(instances, elsewhere, "ping")
     assert back.sock.family == socket.AF_INET
     b.send(a.id, "pong")
     assert a.recv(source=b.id, timeout=10) == "pong"
@@ -1268,15 +1281,7 @@ def test_a_first_reply_to_a_peer_on_another_host_that_exited_is_peer_exited(
     """A link opened back to a peer that has exited since (its end closed) is not used:
     the first reply raises PeerExited, as with no link back (before: it was written
     into the closed link and lost, no error; only a later send raised)."""
-    a = instances(host="host-a", tcp_host="127.0.0.1")
-    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
-    _published(a, b)
-    a.send(b.id, "last words")
-    assert b.recv(source=a.id, timeout=10) == "last words"
-    deadline = time.monotonic() + 10
-    while a.id not in b._opening:
-        assert time.monotonic() < deadline, "b never opened a link back to a"
-        time.sleep(0.005)
+    a, b, _ = _sent_and_called_back(instances, elsewhere, "last words")
     a.close()
     with pytest.raises(PeerExited, match="has exited"):
         b.send(a.id, "reply")
@@ -1312,14 +1317,11 @@ def test_links_back_to_peers_that_ended_are_not_kept(
         _published(c, a)
         c.send(a.id, i)
         assert a.recv(source=c.id, timeout=10) == i
-        deadline = time.monotonic() + 10
-        while c.id not in a._opening:
-            assert time.monotonic() < deadline, "a never opened a link back to c"
-            time.sleep(0.005)
-        back = a._opening[c.id]
+        back = _called_back(a, c)
         if end == "exits":
             c.close()
         else:  # its sockets end as its process's do when it is killed: no goodbye
+            deadline = time.monotonic() + 10
             while not c._new_in:  # (the link back, accepted)
                 assert time.monotonic() < deadline, "c never accepted the link back"
                 time.sleep(0.005)
@@ -1336,15 +1338,7 @@ def test_a_link_back_to_a_peer_that_lives_on_is_kept(instances: Any, elsewhere: 
     """A link back is kept when its peer's link in ends but the peer lives on (it dropped
     that link, and may open another): closed, it would tell the peer that this instance
     ended."""
-    a = instances(host="host-a", tcp_host="127.0.0.1")
-    b = instances(host="host-b", tcp_host="127.0.0.1", sockets_in=elsewhere)
-    _published(a, b)
-    a.send(b.id, "hi")
-    assert b.recv(source=a.id, timeout=10) == "hi"
-    deadline = time.monotonic() + 10
-    while a.id not in b._opening:
-        assert time.monotonic() < deadline, "b never opened a link back to a"
-        time.sleep(0.005)
+    a, b, _ = _sent_and_called_back(instances, elsewhere, "hi")
     (link,) = [*a._out.values(), *a._opening.values()]
     a._drop_out(link)  # (as when its answer did not come in time)
     with pytest.raises(PeerLost):

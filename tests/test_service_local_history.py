@@ -99,6 +99,17 @@ if __name__ == "__main__":
 """
 
 
+def _run(tmp_path: Path, program: str) -> subprocess.CompletedProcess[str]:
+    """``program`` run as a script in a process of its own, on runtime ``tmp_path/rt``."""
+    script = tmp_path / "program.py"
+    script.write_text(program)
+    env = os.environ | {"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt"), "PYTHONPATH": SRC}
+    env.pop("NIMBUS_REDIS_URL", None)
+    return subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
 def test_no_file_is_written_while_no_service_runs(tmp_path: Path) -> None:
     """review6 #5: once a service had run on a runtime directory (its registry stays),
     every program wrote its records in files that nobody read, for ever."""
@@ -107,20 +118,12 @@ def test_no_file_is_written_while_no_service_runs(tmp_path: Path) -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     _running_here(settings, gone.pid)  # a service that died without removing its file
-    script = tmp_path / "pool.py"
-    script.write_text(_POOL)
-    env = os.environ | {"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt"), "PYTHONPATH": SRC}
-    env.pop("NIMBUS_REDIS_URL", None)
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
-    )
+    done = _run(tmp_path, _POOL)
     assert done.returncode == 0, done.stderr
     folder = writer_side.directory(settings)
     assert not folder.exists() or not list(folder.iterdir())
     _running_here(settings)  # and the same program while one runs: kept
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
-    )
+    done = _run(tmp_path, _POOL)
     assert done.returncode == 0, done.stderr
     assert list(folder.iterdir())
 
@@ -270,13 +273,7 @@ def test_a_pool_workers_sigterm_during_its_last_hand_over_loses_no_record(
 
     settings = Settings.load({"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt")})
     _running_here(settings)
-    script = tmp_path / "worker.py"
-    script.write_text(_INTERRUPTED)
-    env = os.environ | {"NIMBUS_RUNTIME_DIR": str(tmp_path / "rt"), "PYTHONPATH": SRC}
-    env.pop("NIMBUS_REDIS_URL", None)
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
-    )
+    done = _run(tmp_path, _INTERRUPTED)
     assert done.returncode == -signal.SIGTERM, done.stderr
     folder = writer_side.directory(settings)
     handed = [msgpack.unpackb(path.read_bytes()) for path in sorted(folder.iterdir())]
