@@ -290,8 +290,7 @@ class Sender:
         ``first`` (tag, data, buffers, raw): the message to send. Over TCP a small one
         (up to FOLLOWS bytes) is written with the HELLO, at once, before the answer
         (read later: the link waits in ``_opening``), unless this peer refused a link
-        before. One thread
-        at a time opens a link to a peer: another finds it opened.
+        before. One thread at a time opens a link to a peer: another finds it opened.
         """
         if peer == self.id:
             raise ValueError("an instance cannot send to itself")
