@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--work", type=float, default=0.02, help="seconds b works first")
     args = parser.parse_args()
+    if args.reps < 1 or args.work < 0:
+        parser.error("--reps takes 1 or more repetitions, --work 0 or more seconds")
     import nimbus.messaging as msg
     import nimbus.multiprocessing as mp
 
