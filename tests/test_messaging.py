@@ -6,6 +6,7 @@ state store; nothing is mocked.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -21,7 +22,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -979,16 +980,13 @@ def test_the_answer_to_a_hello_with_a_message_waits_for_all_of_it(
     reset, dropping that part (before: answered at once)."""
     b = instances(host="host-b", tcp_host="127.0.0.1")
     early = "f" * 16
-    left, right = socket.socketpair()  # the bytes a sender writes, taken as they are
-    with left, right:
-        channel = _peer.Stream(left)
-        hello = pack((_peer.PROTOCOL, program.program_id, b"secret", early, None, True))
+    hello = pack((_peer.PROTOCOL, program.program_id, b"secret", early, None, True))
+
+    def hello_and_message(channel: _peer.Stream) -> None:
         channel.send(_peer.HELLO, hello)
         channel.queue_message(_peer.PICKLE, 0, pack(0), pickle.dumps(b"x" * 100_000))
-        assert channel.flush()
-        wire = b""
-        while len(wire) < channel.bytes_out:
-            wire += right.recv(1 << 20)
+
+    wire = bytes(_written(hello_and_message))
     with socket.create_connection(b.entry.tcp) as sock:
         sock.sendall(wire[:-1000])  # the HELLO and most of the message
         assert not select.select([sock], [], [], 0.5)[0], "answered before the message"
@@ -1088,16 +1086,37 @@ def test_a_sender_that_stalls_between_its_hello_and_first_message_loses_nothing(
     assert (sent, got) == (["one", "two"], ["one", "two"])
 
 
-def _hello(program: Program, me: str, entry: Any, follows: bool) -> bytes:
-    return pack((_peer.PROTOCOL, program.program_id, b"secret", me, entry, follows))
+def _written(write: Callable[[_peer.Stream], None]) -> bytearray:
+    """The bytes a sender's stream puts on the wire for ``write(stream)``, as they are
+    (taken through a socketpair)."""
+    wire = bytearray()
+    left, right = socket.socketpair()
+    with left, right:
+        stream = _peer.Stream(left)
+        write(stream)
+        assert stream.flush()
+        while len(wire) < stream.bytes_out:
+            wire += right.recv(1 << 20)
+    return wire
+
+
+@contextlib.contextmanager
+def _said_hello(
+    b: Instance, program: Program, me: str, entry: Any, follows: bool
+) -> Iterator[tuple[socket.socket, _peer.Stream]]:
+    """A raw connection to ``b`` over TCP, as instance ``me``, its HELLO queued (the
+    caller writes it, with what follows it): (the socket, its stream)."""
+    with socket.create_connection(b.entry.tcp) as sock:
+        channel = _peer.Stream(sock)
+        hello = pack((_peer.PROTOCOL, program.program_id, b"secret", me, entry, follows))
+        channel.send(_peer.HELLO, hello)
+        yield sock, channel
 
 
 def _b_still_accepts(b: Instance, program: Program) -> None:
     """A well-formed connection (HELLO, then a message) is still taken by ``b``."""
     late = "c" * 16
-    with socket.create_connection(b.entry.tcp) as sock:
-        channel = _peer.Stream(sock)
-        channel.send(_peer.HELLO, _hello(program, late, None, False))
+    with _said_hello(b, program, late, None, False) as (_, channel):
         channel.queue_message(_peer.PICKLE, 0, pack(0), pickle.dumps("still here"))
         assert channel.flush()
         assert b.recv(source=late, timeout=10) == "still here"
@@ -1112,9 +1131,7 @@ def test_a_malformed_entry_in_a_hello_does_not_stop_the_acceptor(
     b = instances(host="host-b", tcp_host="127.0.0.1")
     odd = "d" * 16
     entry = pack(["host-x", 1, None, ["127.0.0.1"], "alive"])  # no port
-    with socket.create_connection(b.entry.tcp) as sock:
-        channel = _peer.Stream(sock)
-        channel.send(_peer.HELLO, _hello(program, odd, entry, False))
+    with _said_hello(b, program, odd, entry, False) as (sock, channel):
         assert channel.flush()
         assert select.select([sock], [], [], 10)[0]
         assert [f.kind for f in _peer.Stream(sock).receive(block=True) or []] == [_peer.WELCOME]
@@ -1129,18 +1146,10 @@ def test_garbage_after_a_hello_that_says_a_message_follows_does_not_stop_the_acc
     caught only OSError and ProtocolError): the acceptor thread died."""
     b = instances(host="host-b", tcp_host="127.0.0.1")
     odd = "g" * 16
-    with socket.create_connection(b.entry.tcp) as sock:
-        channel = _peer.Stream(sock)
-        channel.send(_peer.HELLO, _hello(program, odd, None, True))
+    with _said_hello(b, program, odd, None, True) as (sock, channel):
         assert channel.flush()
-        header = bytearray()
-        left, right = socket.socketpair()  # a real frame header, its length then changed
-        with left, right:
-            probe = _peer.Stream(left)
-            probe.send(_peer.MSG, pack((0, 0)), [b"x" * 100_000])
-            assert probe.flush()
-            while len(header) < probe.bytes_out:
-                header += right.recv(1 << 20)
+        # a real frame header, its length then changed
+        header = _written(lambda probe: probe.send(_peer.MSG, pack((0, 0)), [b"x" * 100_000]))
         cut = len(header) - 100_000 - len(pack((0, 0))) - 8
         header[cut : cut + 8] = (2**64 - 1).to_bytes(8, "little")
         sock.sendall(bytes(header[: cut + 8 + len(pack((0, 0)))]))  # up to its data
@@ -1157,14 +1166,7 @@ def test_a_frame_of_impossible_size_instead_of_a_hello_does_not_stop_the_accepto
     died. Now the acceptor drops whatever connection raises, and goes on."""
     b = instances(host="host-b", tcp_host="127.0.0.1")
     meta = pack((0, 0))
-    frame = bytearray()
-    left, right = socket.socketpair()
-    with left, right:
-        probe = _peer.Stream(left)
-        probe.send(_peer.HELLO, meta, [b"x"])
-        assert probe.flush()
-        while len(frame) < probe.bytes_out:
-            frame += right.recv(1 << 20)
+    frame = _written(lambda probe: probe.send(_peer.HELLO, meta, [b"x"]))
     cut = len(frame) - 1 - len(meta) - 8  # where the buffer's length is
     frame[cut : cut + 8] = (2**64 - 1).to_bytes(8, "little")
     with socket.create_connection(b.entry.tcp) as sock:
@@ -1201,9 +1203,7 @@ def test_a_connection_still_in_its_handshake_at_close_is_not_taken_after_it(
     descriptor). Now the link is closed, not handed over."""
     b = instances(host="host-b", tcp_host="127.0.0.1")
     late = "h" * 16
-    with socket.create_connection(b.entry.tcp) as sock:
-        channel = _peer.Stream(sock)
-        channel.send(_peer.HELLO, _hello(program, late, None, True))
+    with _said_hello(b, program, late, None, True) as (sock, channel):
         assert channel.flush()
         time.sleep(0.3)  # the acceptor has read the HELLO: it waits for the message
         b.close()

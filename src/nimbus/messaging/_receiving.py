@@ -84,13 +84,12 @@ class Receiver:
         links in were closed meanwhile)."""
         with self._mailbox.lock:
             new = self._new_in
-            taken = new is not None
             if new is not None:
                 new.append(link)
-        if taken:
-            self._wake()
-        else:
+        if new is None:
             link.close()
+        else:
+            self._wake()
 
     def _wake(self) -> None:
         try:
