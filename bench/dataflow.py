@@ -432,6 +432,56 @@ def pipeline_rows(ex: Any, args: argparse.Namespace) -> list[list[str]]:
     ]
 
 
+# ---------------------------------------------------------------- put
+
+
+def put_rows(ex: Any, endpoint: str, args: argparse.Namespace) -> list[list[str]]:
+    """``nimbus.put`` of 100 MB to an endpoint, straight to its node (``data._place``)
+    against through the service (the session's direct path off), alternated: put, put +
+    a task that reads it, put + task + ``ref.get()``."""
+    import nimbus
+
+    size = (10 if args.quick else 100) * MB
+    reps = 2 if args.quick else 5
+    data = os.urandom(size)
+    times: dict[tuple[bool, str], list[float]] = {}
+    where = None
+    for i in range(2 * reps):
+        direct = i % 2 == 0
+        if where is not None:
+            where.direct = direct
+        progress(f"put: {'direct' if direct else 'service'} {i // 2 + 1}/{reps}")
+        start = time.perf_counter()
+        ref = nimbus.put(data, endpoint=endpoint)
+        where = nimbus.data.session(ref.endpoint)
+        assert (ref.holder is not None) == direct, "the direct path was not taken"
+        put = time.perf_counter() - start
+        assert result(ex.submit(length, ref), "put: a task reading the object") == size
+        task = time.perf_counter() - start
+        assert len(ref.get(timeout=WAIT)) == size
+        got = time.perf_counter() - start
+        for key, value in (("put", put), ("put + task", task), ("put + task + get", got)):
+            times.setdefault((direct, key), []).append(value)
+        del ref
+    if where is not None:
+        where.direct = True
+    RESULTS["put"] = {f"{'direct' if d else 'service'} {k}": ms(v) for (d, k), v in times.items()}
+    rows = []
+    for key in ("put", "put + task", "put + task + get"):
+        ours, theirs = ms(times[(True, key)]), ms(times[(False, key)])
+        rows.append(
+            [
+                f"{size // MB} MB {key} to an endpoint, straight to its node",
+                f"{ours} ms",
+                f"{theirs} ms via the service",
+                f"{theirs / ours:.2f}x",
+                "",
+                "",
+            ]
+        )
+    return rows
+
+
 # ---------------------------------------------------------------- deps
 
 
@@ -900,7 +950,7 @@ def main() -> int:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["big", "campaign", "pipeline", "deps", "file", "mapreduce"],
+        choices=["big", "put", "campaign", "pipeline", "deps", "file", "mapreduce"],
     )
     parser.add_argument("--no-ray", action="store_true", help="nimbus only in the big row")
     parser.add_argument("--no-service", action="store_true", help="the local runtime only")
@@ -955,7 +1005,7 @@ def main() -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where it waits
     # a SIGTERM ends the run as an exception does: the agents stopped, the namespaces gone
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    only = set(args.only or ["big", "campaign", "pipeline", "deps", "file", "mapreduce"])
+    only = set(args.only or ["big", "put", "campaign", "pipeline", "deps", "file", "mapreduce"])
     rows: list[list[str]] = []
     from nimbus import Executor
 
@@ -967,11 +1017,11 @@ def main() -> int:
         progress("campaign: a local Executor(2) starts")
         with Executor(2) as ex:
             rows += campaign_rows(ex, "local runtime", args)
-    if not args.no_service and only & {"campaign", "pipeline", "deps", "file"}:
+    if not args.no_service and only & {"campaign", "put", "pipeline", "deps", "file"}:
         import service as stackmod  # bench/service.py: a service and an endpoint
 
         stack = stackmod.Stack(2)
-        stack.env["NIMBUS_MAX_PAYLOAD"] = str(64 * MB)
+        stack.env["NIMBUS_MAX_PAYLOAD"] = str(256 * MB)  # (the put row: 100 MB through the service)
         source = link = None
         prefix: list[str] = []
         isolated = Isolated(stack, args.netns)
@@ -1025,6 +1075,8 @@ def main() -> int:
             with Executor(endpoint="dataflow", settings=stack.settings) as ex:
                 if "campaign" in only:
                     rows += campaign_rows(ex, "endpoint via service", args)
+                if "put" in only:
+                    rows += put_rows(ex, "dataflow", args)
                 if "pipeline" in only:
                     rows += pipeline_rows(ex, args)
                 if "deps" in only:

@@ -649,7 +649,9 @@ def remote(service: Service, alice: Client, lab: EndpointProcess) -> Iterator[Ex
         yield executor
 
 
-def test_remote_references_stay_on_the_endpoint(remote: Executor, lab: EndpointProcess) -> None:
+def test_remote_references_stay_on_the_endpoint(
+    service: Service, remote: Executor, lab: EndpointProcess
+) -> None:
     ref = nimbus.put(list(range(100)), endpoint="lab")
     assert ref.endpoint == lab.endpoint_id
     assert remote.submit(sum, ref).result(timeout=60) == 4950
@@ -659,10 +661,21 @@ def test_remote_references_stay_on_the_endpoint(remote: Executor, lab: EndpointP
     assert remote.statistics()["bytes_received"] - before < 64 * 1024
     assert parts[2].result(timeout=60) == bytes([2]) * (MB // 4)  # fetched through the service
     assert ref.get() == list(range(100))
-    with pytest.raises(  # (it named the task's function, identity, not put)
-        PayloadTooLargeError, match=r"^nimbus\.put\(obj, endpoint='lab'\): the object is larger"
-    ):
-        nimbus.put(b"x" * (2 * MB), endpoint="lab")  # over the tests' NIMBUS_MAX_PAYLOAD (1M)
+    sent = remote.statistics()["bytes_sent"]
+    big = nimbus.put(b"x" * (2 * MB), endpoint="lab")  # over the tests' NIMBUS_MAX_PAYLOAD (1M)
+    assert big.holder is not None  # straight to lab's node (_place), not through the service
+    assert remote.submit(len, big).result(timeout=60) == 2 * MB
+    assert big.get() == b"x" * (2 * MB)  # straight from that node
+    assert remote.statistics()["bytes_sent"] - sent < 64 * 1024
+    node = on_endpoint(service, nimbus.data.session(lab.endpoint_id).namespace)
+    path = node.path(big.id)
+    assert path.exists()
+    del big
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # freed on its node with its pin, by the session's next batch
+    assert not path.exists()
     with pytest.raises(  # (named as the user named it, not by its id: stranger 7 F7)
         DataAccessError, match=r"the local runtime, and these tasks run on lab; .*endpoint='lab'"
     ):
@@ -672,6 +685,31 @@ def test_remote_references_stay_on_the_endpoint(remote: Executor, lab: EndpointP
         assert kept.result(timeout=60) == 2
         with pytest.raises(DataAccessError, match="kept on the local runtime, and these tasks"):
             remote.submit(len, kept).result(timeout=60)  # (its task never runs)
+
+
+def test_a_large_put_goes_through_the_service_where_the_endpoints_node_serves_nothing(
+    service: Service, alice: Client, tmp_path: Path
+) -> None:
+    """Where the endpoint's node cannot serve (its NIMBUS_DATA_HOST is not one of its
+    addresses), a large put goes through the service, so over NIMBUS_MAX_PAYLOAD it is
+    refused naming put and what to do; the session tries no more direct puts."""
+    closed = EndpointProcess(service, alice, "closed")
+    closed.service = copy.copy(service)
+    closed.service.env = dict(  # its own node directory (lab's server not beside it)
+        service.env, NIMBUS_RUNTIME_DIR=str(tmp_path / "rt"), NIMBUS_DATA_HOST="192.0.2.1"
+    )  # (TEST-NET: not an address of this machine)
+    closed.start(alice)
+    try:
+        with Executor(endpoint="closed", settings=service.user_settings(alice.token)):
+            with pytest.raises(  # (it named the task's function, identity, not put)
+                PayloadTooLargeError,
+                match=r"^nimbus\.put\(obj, endpoint='closed'\): the object is larger .*"
+                r"\(set NIMBUS_DATA_HOST on its agent",
+            ):
+                nimbus.put(b"x" * (2 * MB), endpoint="closed")
+            assert not nimbus.data.session(closed.endpoint_id).direct
+    finally:
+        closed.stop()
 
 
 def test_remote_references_are_freed_and_lost_ones_named(

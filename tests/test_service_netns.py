@@ -16,6 +16,7 @@ that cannot be made fails the test with what ``ip`` said.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -214,6 +215,73 @@ def test_namespaces_cut_and_heal_an_endpoint_link(net: Net, tmp_path: Path) -> N
             stop(client_proc)
             if client_proc.stdout is not None:
                 client_proc.stdout.close()
+        for endpoint in endpoints:
+            endpoint.stop()
+        service.stop()
+
+
+PUTS = textwrap.dedent(
+    """
+    import json, sys
+    import nimbus
+    from nimbus import Executor
+
+    out = {}
+    with Executor(endpoint="ep1") as one, Executor(endpoint="ep2") as two:
+        for name, ex in (("ep1", one), ("ep2", two)):
+            blob = bytes(range(256)) * (3 << 12)  # 3 MiB
+            ref = nimbus.put(blob, endpoint=name)
+            out[name] = {
+                "holder": ref.holder and ref.holder[0],
+                "direct": nimbus.data.session(ref.endpoint).direct,
+                "read": ex.submit(len, ref).result(120),
+                "got": ref.get(120) == blob,
+                "sent": ex.statistics()["bytes_sent"],
+            }
+    json.dump(out, open(sys.argv[1], "w"))
+    """
+)
+
+
+def test_a_large_put_goes_straight_to_a_node_the_client_reaches_else_through_the_service(
+    net: Net, tmp_path: Path
+) -> None:
+    """``nimbus.put`` of a large object from a client on another host: to ep2, whose
+    node serves on its namespace's address, straight to that node (nothing through the
+    service); to ep1, whose node serves on its own loopback (the default), through the
+    service after one refused connection, and the object arrives all the same."""
+    env = service_env(tmp_path) | {"NIMBUS_MAX_PAYLOAD": "16M"}
+    service = NsService(tmp_path, env, net).start()
+    endpoints: list[NsEndpoint] = []
+    try:
+        token = service.token("netuser")
+        with service.client(token) as admin:
+            for name, host in (("ep1", None), ("ep2", net.addr(3))):
+                endpoint = NsEndpoint(service, admin, name, net.ns(name))
+                endpoint.service = copy.copy(service)  # each its own node directory
+                endpoint.service.env = dict(env, NIMBUS_RUNTIME_DIR=str(tmp_path / name))
+                if host is not None:
+                    endpoint.service.env["NIMBUS_DATA_HOST"] = host
+                endpoints.append(endpoint.start(admin))
+            script = tmp_path / "puts.py"
+            script.write_text(PUTS)
+            out = tmp_path / "out.json"
+            client_env = env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token}
+            run = subprocess.run(
+                ["ip", "netns", "exec", net.ns("cli"), sys.executable, str(script), str(out)],
+                env=client_env,
+                capture_output=True,
+                timeout=300,
+            )
+            assert run.returncode == 0, run.stderr.decode()[-3000:]
+            got = json.loads(out.read_text())
+        size = 3 << 20
+        assert got["ep2"]["holder"] == net.addr(3) and got["ep2"]["direct"]
+        assert got["ep2"]["read"] == size and got["ep2"]["got"]
+        assert got["ep2"]["sent"] < 64 * 1024  # (the task's argument: the Ref alone)
+        assert got["ep1"]["holder"] is None and not got["ep1"]["direct"]
+        assert got["ep1"]["read"] == size and got["ep1"]["got"]
+    finally:
         for endpoint in endpoints:
             endpoint.stop()
         service.stop()

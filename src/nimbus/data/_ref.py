@@ -177,6 +177,8 @@ class Session:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self.freed = 0  # objects freed so far (statistics)
+        self.direct = True  # large objects put straight to a node (``_place``) until one fails
+        self.reached: set[tuple[str, int]] = set()  # nodes' servers a put reached
         self._pid = os.getpid()  # (a forked child frees nothing of its parent's)
 
     def scope(self, keep: bool) -> Scope:
@@ -253,17 +255,23 @@ class Session:
             ref_id = new_id()
             size = self.store.write(ref_id, obj, time.time() + self.lease)
             return self.adopt(Ref(ref_id, self.namespace, self.user, self.endpoint, size))
+        from nimbus.data._place import place
         from nimbus.data._task import identity
 
+        placed = place(obj, self)
+        if placed is not None:
+            return placed
         assert self.call is not None
         try:
             ref: Ref = self.call(identity, obj, keep=True).ref()
         except PayloadTooLargeError as exc:  # (it named the task's function, not put)
             raise PayloadTooLargeError(
                 f"nimbus.put(obj, endpoint={_names.get(str(self.endpoint), self.endpoint)!r}): "
-                f"the object is larger than one request to the service may carry: it goes to "
-                f"the endpoint through the service; raise NIMBUS_MAX_PAYLOAD on the client and "
-                f"the service, or make the object there (a task that returns it, keep=True)"
+                f"the object is larger than one request to the service may carry, and it "
+                f"went through the service: this client cannot reach the endpoint's node "
+                f"(set NIMBUS_DATA_HOST on its agent to an address this client reaches it "
+                f"by), or raise NIMBUS_MAX_PAYLOAD on the client and the service, or make "
+                f"the object there (a task that returns it, keep=True)"
             ) from exc
         return ref
 
@@ -274,8 +282,12 @@ class Session:
                 return self.store.read(ref.id)
             except FileNotFoundError:
                 raise lost(ref) from None
+        from nimbus.data._place import take
         from nimbus.data._task import identity
 
+        taken, obj = take(ref, self)
+        if taken:
+            return obj
         assert self.call is not None
         read = self.call(identity, ref, keep=False)  # (failed if its endpoint is offline)
         try:
