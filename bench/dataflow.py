@@ -435,10 +435,13 @@ def pipeline_rows(ex: Any, args: argparse.Namespace) -> list[list[str]]:
 # ---------------------------------------------------------------- put
 
 
+ECHO = "put + task + get"
+
+
 def put_rows(ex: Any, endpoint: str, args: argparse.Namespace) -> list[list[str]]:
     """``nimbus.put`` of 100 MB to an endpoint, straight to its node (``data._place``)
     against through the service (the session's direct path off), alternated: put, put +
-    a task that reads it, put + task + ``ref.get()``."""
+    a task that reads it, put + a task that returns it (kept) + its ``result()``."""
     import nimbus
 
     size = (10 if args.quick else 100) * MB
@@ -449,7 +452,7 @@ def put_rows(ex: Any, endpoint: str, args: argparse.Namespace) -> list[list[str]
     for i in range(2 * reps):
         direct = i % 2 == 0
         if where is not None:
-            where.direct = direct
+            where.direct_after = 0.0 if direct else float("inf")
         progress(f"put: {'direct' if direct else 'service'} {i // 2 + 1}/{reps}")
         start = time.perf_counter()
         ref = nimbus.put(data, endpoint=endpoint)
@@ -458,16 +461,17 @@ def put_rows(ex: Any, endpoint: str, args: argparse.Namespace) -> list[list[str]
         put = time.perf_counter() - start
         assert result(ex.submit(length, ref), "put: a task reading the object") == size
         task = time.perf_counter() - start
-        assert len(ref.get(timeout=WAIT)) == size
+        back = result(ex.options(keep=True).submit(echo, ref), "put: an echo, kept")
         got = time.perf_counter() - start
-        for key, value in (("put", put), ("put + task", task), ("put + task + get", got)):
+        assert len(back) == size
+        for key, value in (("put", put), ("put + task", task), (ECHO, got)):
             times.setdefault((direct, key), []).append(value)
-        del ref
+        del ref, back
     if where is not None:
-        where.direct = True
+        where.direct_after = 0.0
     RESULTS["put"] = {f"{'direct' if d else 'service'} {k}": ms(v) for (d, k), v in times.items()}
     rows = []
-    for key in ("put", "put + task", "put + task + get"):
+    for key in ("put", "put + task", ECHO):
         ours, theirs = ms(times[(True, key)]), ms(times[(False, key)])
         rows.append(
             [

@@ -26,6 +26,7 @@ import nimbus
 from nimbus import Client, Executor, serialization
 from nimbus.data import NodeStore, Ref, Scope, Session, _carry, default_root, run, store
 from nimbus.data._node import data_base, hold, release, sweep_all
+from nimbus.data._serve import server_address
 from nimbus.errors import (
     DataAccessError,
     DataError,
@@ -661,13 +662,17 @@ def test_remote_references_stay_on_the_endpoint(
     assert remote.statistics()["bytes_received"] - before < 64 * 1024
     assert parts[2].result(timeout=60) == bytes([2]) * (MB // 4)  # fetched through the service
     assert ref.get() == list(range(100))
+    node = on_endpoint(service, nimbus.data.session(lab.endpoint_id).namespace)
+    _serving(node.dir.parent)
     sent = remote.statistics()["bytes_sent"]
     big = nimbus.put(b"x" * (2 * MB), endpoint="lab")  # over the tests' NIMBUS_MAX_PAYLOAD (1M)
     assert big.holder is not None  # straight to lab's node (_place), not through the service
     assert remote.submit(len, big).result(timeout=60) == 2 * MB
     assert big.get() == b"x" * (2 * MB)  # straight from that node
+    made = remote.options(keep=True).submit(mbytes, 2)  # a kept result of 2 MB: read
+    assert len(made.result(timeout=60)) == 2 * MB  # straight from its node too (a task
+    # that reads it through the service would be over NIMBUS_MAX_PAYLOAD)
     assert remote.statistics()["bytes_sent"] - sent < 64 * 1024
-    node = on_endpoint(service, nimbus.data.session(lab.endpoint_id).namespace)
     path = node.path(big.id)
     assert path.exists()
     del big
@@ -707,7 +712,8 @@ def test_a_large_put_goes_through_the_service_where_the_endpoints_node_serves_no
                 r"\(set NIMBUS_DATA_HOST on its agent",
             ):
                 nimbus.put(b"x" * (2 * MB), endpoint="closed")
-            assert not nimbus.data.session(closed.endpoint_id).direct
+            later = nimbus.data.session(closed.endpoint_id).direct_after - time.monotonic()
+            assert later > 5  # (no second try at once)
     finally:
         closed.stop()
 
@@ -815,6 +821,60 @@ def test_an_object_on_a_stopped_endpoint_fails_its_reads_and_dependents_naming_i
             del there  # (its shutdown does not wait for the reads queued there)
     finally:
         gone.stop()
+
+
+def _serving(root: Path) -> None:
+    """Wait for the data server of the runtime whose data directory is ``root`` (an agent
+    starts it 0.25 s after it starts: a large put before goes through the service)."""
+    deadline = time.monotonic() + 30
+    while server_address(root) is None:
+        assert time.monotonic() < deadline, "the agent's data server did not start"
+        time.sleep(0.05)
+
+
+def test_objects_of_a_killed_endpoint_fail_at_once_and_come_back_with_it(
+    service: Service, alice: Client, tmp_path: Path
+) -> None:
+    """Its agent and workers SIGKILLed (a lost node: no goodbye, its files left in
+    memory), an endpoint's objects fail their reads at once, naming it, never hang.
+    Started again on the same node within their lease, it finds them (the sweep keeps
+    what is leased): kept results and a put object are read again, by tasks and by the
+    client (the put object's node server moved: read through the service)."""
+    crash = EndpointProcess(service, alice, "crash")
+    crash.service = copy.copy(service)  # its own runtime directory: its own data
+    crash.service.env = dict(service.env, NIMBUS_RUNTIME_DIR=str(tmp_path / "rt"))
+    root = default_root(tmp_path / "rt")
+    crash.start(alice)
+    _serving(root)
+    try:
+        with Executor(endpoint="crash", settings=service.user_settings(alice.token)) as ex:
+            made = ex.options(keep=True).submit(double, [1, 2])
+            assert made.ref(timeout=60) is not None
+            blob = os.urandom(2 * MB)
+            big = nimbus.put(blob, endpoint="crash")
+            assert big.holder is not None  # put straight to its node
+            held = [p for p in root.glob("*/obj/*") if len(p.name) == 32]
+            assert len(held) == 2
+            crash.kill()
+            deadline = time.monotonic() + 30
+            while alice.get_endpoint(crash.endpoint_id)["online"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            began = time.monotonic()
+            with pytest.raises(ReferenceLost, match="endpoint 'crash', which keeps it, is offline"):
+                big.get()
+            with pytest.raises(ReferenceLost, match="endpoint 'crash'"):
+                made.ref().get()
+            assert time.monotonic() - began < 30
+            assert all(p.exists() for p in held)  # nobody removed them: killed
+            crash.start(alice)
+            _serving(root)
+            assert ex.submit(sum, made).result(timeout=60) == 6
+            assert ex.submit(len, big).result(timeout=60) == 2 * MB
+            assert big.get(timeout=60) == blob
+            assert made.ref().get(timeout=60) == [2, 4]
+    finally:
+        crash.stop()
 
 
 def test_remote_reference_of_another_user_is_refused(

@@ -186,13 +186,19 @@ def fetch(
 
 
 def fetch_object(
-    holder: tuple[str, int, str], namespace: str, pin: str, target: Path, expires: float
+    holder: tuple[str, int, str],
+    namespace: str,
+    pin: str,
+    target: Path,
+    expires: float,
+    connect: float = TIMEOUT,
 ) -> None:
     """A relayed object (its ``pin``, on the node ``holder``: its server's host and port,
     the pin's secret) fetched into ``target``, a path of this node's store, leased until
     ``expires``; one fetch of it at a time on this node.
 
-    That node gone, or holding the object no more: ``ReferenceLost`` naming the object."""
+    That node gone, or holding the object no more: ``ReferenceLost`` naming the object
+    (``connect``: seconds to reach it and be answered)."""
     from nimbus.data._direct import _mac as transfer_mac
 
     name = pin[:32]
@@ -201,7 +207,8 @@ def fetch_object(
             return
         header = {"op": "object", "namespace": namespace, "pin": pin}
         try:
-            sock, where = request(holder, header, f"fetch the object {name}")
+            sock, where = request(holder, header, f"fetch the object {name}", connect)
+            sock.settimeout(TIMEOUT)
         except _Gone as exc:
             raise ReferenceLost(
                 f"the object {name} is gone: {exc}; submit the tasks that made it again",

@@ -7,19 +7,23 @@
         a task on hpc: expect_object -> its node's server, a pin's secret
         the file sent to that server (``_direct``: the pin's HMAC, sha256 checked)
         -> Ref(new id, hpc, holder=(server, secret, pin)), held as a relayed copy is
-    ref.get() of a Ref held by a node this client put to so (1 MiB or more)
+    ref.get() / future.result() of an object of 1 MiB or more kept there
+        the node its Ref names, if this client reached it before; else a task there
+        (reopen) says where (its node's server, a short-leased pin's secret)
         fetched from that server into this machine's store (``_fetch.fetch_object``),
         read, the file unlinked (its mapping lives as long as the object's buffers)
 
-Where the endpoint's node serves nothing, or the client cannot reach it (the endpoint
-behind a firewall, ``NIMBUS_DATA_HOST`` on loopback while the client is elsewhere), the
-object goes through the service as before, and so does every later one of that session:
-one failed try, not one per object. Only a node that took a put is read from: one this
-client is known to reach (a block's node on a cluster's private network may not be).
+Where the endpoint's node serves nothing (yet: an agent serves 0.25 s after it starts),
+or the client cannot reach it (the endpoint behind a firewall, ``NIMBUS_DATA_HOST`` on
+loopback while the client is elsewhere), the object goes through the service as before,
+and so do the session's next ones for ``AGAIN`` or ``UNREACHABLE`` s: one failed try,
+not one per object; a connection waits ``CONNECT`` s at most (a node on a cluster's
+private network may drop what comes from outside).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import time
 from typing import Any
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 DIRECT = 1 << 20  # bytes: a smaller object goes through the service (one round trip less)
 CONNECT = 5.0  # seconds to reach an endpoint's node: then through the service
 WAIT = 120.0  # seconds the endpoint may take to run the task that expects the object
+AGAIN = 10.0  # seconds before a put tries again an endpoint whose node served nothing
+UNREACHABLE = 300.0  # seconds before the client tries again a node it could not reach
 
 
 def place(obj: object, where: Session) -> Ref | None:
@@ -41,7 +47,7 @@ def place(obj: object, where: Session) -> Ref | None:
     from nimbus.data._direct import _send, expect_object
     from nimbus.data._fetch import request
 
-    if not where.direct:
+    if time.monotonic() < where.direct_after:
         return None
     local = session(None).store
     assert local is not None and where.call is not None
@@ -56,8 +62,8 @@ def place(obj: object, where: Session) -> Ref | None:
         copy_id = new_id()
         pin = copy_id + new_id()
         found = where.call(expect_object, copy_id, pin, time.time() + where.lease).result(WAIT)
-        if found is None:  # that node serves nothing (its NIMBUS_DATA_HOST cannot listen)
-            where.direct = False
+        if found is None:  # that node serves nothing (not yet: its agent just started, or
+            where.direct_after = time.monotonic() + AGAIN  # its NIMBUS_DATA_HOST is wrong)
             return None
         target = (str(found[0]), int(found[1]), str(found[2]))
         header = {"op": "put", "namespace": where.namespace, "pin": pin, "ref": copy_id}
@@ -72,8 +78,7 @@ def place(obj: object, where: Session) -> Ref | None:
         try:
             _send(local.path(staged), *target, None, opened)
         except (DataError, OSError) as exc:  # the pin freed with ``ref``
-            where.direct = False
-            log.info("%s: through the service from now on (%s)", _name(where), exc)
+            _unreachable(where, exc)
             return None
         where.reached.add(target[:2])
         return ref
@@ -81,31 +86,78 @@ def place(obj: object, where: Session) -> Ref | None:
         local.free([staged])
 
 
-def take(ref: Ref, where: Session) -> tuple[bool, Any]:
-    """``(True, the object)`` of ``ref`` fetched straight from the node that holds it,
-    where its Ref says which (``Ref.holder``); ``(False, None)`` where it cannot be."""
+def take(ref: Ref, where: Session, timeout: float | None) -> tuple[bool, Any]:
+    """``(True, the object)`` of ``ref`` (1 MiB or more) fetched straight from the node
+    of its endpoint that keeps it: from the node its Ref names (``Ref.holder``) if this
+    client reached that node before, else from where a task there says (:func:`reopen`);
+    ``(False, None)`` where it cannot be (then the caller reads it through the service).
+    ``cf.TimeoutError`` once ``timeout`` s passed waiting for that task."""
+    if ref.size < DIRECT or time.monotonic() < where.direct_after:
+        return False, None
+    assert where.call is not None
+    if ref.holder is not None and tuple(ref.holder[:2]) in where.reached:
+        host, port, secret, pin = ref.holder
+        try:
+            return True, _fetched(ref, where, (host, port, secret), pin)
+        except (DataError, OSError) as exc:  # its node's server moved (restarted), or gone
+            where.reached.discard((host, port))
+            log.info("%r: not read from the node its Ref names (%s)", ref, exc)
+    asked = where.call(reopen, ref.id, time.time() + WAIT, keep=False)
+    try:
+        found = asked.result(timeout)
+    except cf.TimeoutError:
+        asked.cancel()
+        raise
+    if found is None:  # not on the node that ran it, or that node serves nothing
+        return False, None
+    host, port, secret, pin = str(found[0]), int(found[1]), str(found[2]), str(found[3])
+    try:
+        obj = _fetched(ref, where, (host, port, secret), pin)
+    except (DataError, OSError) as exc:  # not reachable from here: the service's way
+        _unreachable(where, exc)
+        return False, None
+    where.reached.add((host, port))
+    return True, obj
+
+
+def _fetched(ref: Ref, where: Session, server: tuple[str, int, str], pin: str) -> Any:
+    """``ref``'s object fetched from ``server`` with ``pin`` into this machine's store,
+    read, and unlinked there (the object's buffers map the file: they live on)."""
     from nimbus.data._fetch import fetch_object
 
-    if ref.holder is None or tuple(ref.holder[:2]) not in where.reached or ref.size < DIRECT:
-        return False, None
+    if pin[:32] != ref.id:
+        raise DataError(f"{ref!r}: the pin {pin!r} names another object")
     local = session(None).store
     assert local is not None
-    host, port, secret, pin = ref.holder
     staged = new_id()
     try:
-        fetch_object(
-            (host, port, secret), where.namespace, pin, local.path(staged), time.time() + WAIT
-        )
-        return True, local.read(staged)  # (its buffers map the file: unlinked, they live on)
-    except (DataError, OSError) as exc:  # lost there, or its node gone: the service says
-        where.reached.discard((host, port))
-        log.info("%s: read through the service (%s)", _name(where), exc)
-        return False, None
+        path = local.path(staged)
+        fetch_object(server, where.namespace, pin, path, time.time() + WAIT, CONNECT)
+        return local.read(staged)
     finally:
         local.free([staged])
 
 
-def _name(where: Session) -> str:
+def reopen(ref_id: str, expires: float) -> tuple[str, int, str, str] | None:
+    """A task on the endpoint: where the client fetches the object ``ref_id`` from, if
+    this node keeps it and serves (its server, a new pin's secret and the pin, leased
+    until ``expires``: swept then, the object stays); else None."""
+    from nimbus.data._task import _holder, _node, _scope
+
+    if not _node(_scope().namespace).exists(ref_id):
+        return None
+    return _holder(ref_id, expires)
+
+
+def _unreachable(where: Session, exc: BaseException) -> None:
+    """The session's large objects through the service for ``UNREACHABLE`` s."""
     from nimbus.data._ref import named
 
-    return f"objects of endpoint {named(where.endpoint)!r}"
+    where.direct_after = time.monotonic() + UNREACHABLE
+    log.info(
+        "objects of endpoint %r go through the service for %.0f s: its node cannot be reached "
+        "from here (%s)",
+        named(where.endpoint),
+        UNREACHABLE,
+        exc,
+    )

@@ -177,7 +177,7 @@ class Session:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self.freed = 0  # objects freed so far (statistics)
-        self.direct = True  # large objects put straight to a node (``_place``) until one fails
+        self.direct_after = 0.0  # large objects straight to a node from then (``_place``)
         self.reached: set[tuple[str, int]] = set()  # nodes' servers a put reached
         self._pid = os.getpid()  # (a forked child frees nothing of its parent's)
 
@@ -285,15 +285,17 @@ class Session:
         from nimbus.data._place import take
         from nimbus.data._task import identity
 
-        taken, obj = take(ref, self)
-        if taken:
-            return obj
         assert self.call is not None
-        read = self.call(identity, ref, keep=False)  # (failed if its endpoint is offline)
+        read = None
         try:
+            taken, obj = take(ref, self, timeout)  # (straight from its node)
+            if taken:
+                return obj
+            read = self.call(identity, ref, keep=False)  # (failed if its endpoint is offline)
             return read.result(timeout)
         except cf.TimeoutError:
-            read.cancel()
+            if read is not None:
+                read.cancel()
             raise TimeoutError(
                 f"{ref!r} was not read within {timeout} s: endpoint {named(self.endpoint)!r} "
                 f"has not run the read yet (its workers busy, or the service slow?); try "
