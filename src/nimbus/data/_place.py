@@ -146,7 +146,7 @@ def reopen(ref_id: str, expires: float) -> tuple[str, int, str, str] | None:
 
     if not _node(_scope().namespace).exists(ref_id):
         return None
-    return _holder(ref_id, expires)
+    return _holder(ref_id, min(expires, time.time() + WAIT))  # (swept soon after)
 
 
 def _unreachable(where: Session, exc: BaseException) -> None:
