@@ -12,7 +12,8 @@
     out=File("lab:/results/{task_id}.npz"): the task gets a local ``pathlib.Path`` to
         write (``<cache>/out-<id>/<id>.npz``: the file's own name, ``{task_id}`` = <id>);
         after it ends the file is moved to the path, inside the exports of the endpoint
-        the task runs on, and ``out-<id>/`` removed (also when the task failed)
+        the task runs on (or sent to another endpoint's node server, below), and
+        ``out-<id>/`` removed (also when the task failed)
 
 An input must exist when the task is submitted: a missing file of this machine (or of
 an endpoint whose config is here) is refused by ``submit`` (``FileRefused`` naming it),
@@ -49,8 +50,20 @@ at most). Its endpoint offline or the file gone there (no source left): the task
 with that error. Tasks submitted later get the new copy; a renewal of the pin that found
 its node gone (every third of a lease) drops the old one too.
 
-Limits: ``out=`` writes only to the endpoint the task runs on (or this machine, on the
-local runtime).
+An ``out=`` file of another endpoint (``out=File("lab:/r/{task_id}.npz")`` for a task on
+hpc) goes the other way (``_direct.expect_out``, ``push_out``): at submit the client asks
+lab to expect it (a task there checks lab's exports and that the directory can be
+written, and writes a pin with the path's template and a secret; the client holds the
+pin); the hpc tasks are sent once lab said yes (refused: they fail without running).
+When a task has run well, its worker sends the file to lab's node server with the pin's
+proof and the bytes' sha256 (``_serve``'s "out"), which fills ``{task_id}``, checks the
+exports again, writes a temporary file beside the target and renames it into place. A
+task that failed sends nothing; a file lab cannot take fails the task with lab's reason.
+
+Limits: an ``out=`` file of another endpoint goes only straight from the task's node to
+the other endpoint's (``NIMBUS_DATA_HOST``): where there is no such path the task fails
+saying so (not through the client, as inputs may); the file is written by the other
+endpoint's agent, as its OS user.
 """
 
 from __future__ import annotations
@@ -150,6 +163,13 @@ class Out:
 
     endpoint: str | None  # the endpoint id it is checked against; None: this machine
     template: str
+    # another endpoint's file (``_direct.expect_out``): where that endpoint's node server
+    # takes it, and the secret of its pin (kept out of reprs; it travels in the task's
+    # payload, as ``Staged.holder`` does), the pin and its namespace there, its name
+    target: tuple[str, int, str] | None = field(default=None, repr=False)
+    pin: str = ""
+    namespace: str = ""
+    name: str = ""
 
 
 # ---------------------------------------------------------------- exports
@@ -360,7 +380,8 @@ def _cached(staged: Staged, files: Path) -> Path:
 
 
 def finish_out(out: Out, written: Path, task_id: str) -> None:
-    """After the task: move what it wrote to ``out``'s path (inside the exports)."""
+    """After the task: move what it wrote to ``out``'s path (inside the exports); to
+    another endpoint's (``out.target``), sent to its node server (``_direct.push_out``)."""
     path = out.template.replace("{task_id}", task_id)
     if not written.exists():
         others = sorted(p.name for p in written.parent.iterdir()) if written.parent.is_dir() else []
@@ -369,6 +390,11 @@ def finish_out(out: Out, written: Path, task_id: str) -> None:
             f"the task wrote nothing to {written} (its out= file {path}){instead}: "
             f"write the path the task is given, as it is"
         )
+    if out.target is not None:
+        from nimbus.data._direct import push_out
+
+        push_out(written, out, task_id)
+        return
     target = Path(path) if out.endpoint is None else _exported(out.endpoint, path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -83,6 +83,8 @@ def _source(executor: Any, endpoint_id: str) -> Any:
 
 
 def close_sources(executor: Any) -> None:
+    executor.__dict__.pop("_out_pins", None)  # (their pins freed, or left to their lease)
+    executor.__dict__.pop("_out_places", None)
     for source in executor.__dict__.pop("_file_sources", {}).values():
         source.shutdown(wait=False)
 
@@ -226,6 +228,60 @@ def _direct(executor: Any, file: File, source_id: str, mtime: float, name: str) 
     return Staged((), key, base, got, sha, held, holder)
 
 
+def _expect_out(executor: Any, file: File, owner: str) -> cf.Future[Out]:
+    """The future of ``file`` (an out= file of another endpoint, ``owner``) made ready:
+    that endpoint checks its exports and expects the files (``_direct.expect_out``: its
+    node server, a pin's secret, the template kept with the pin, held by this client as a
+    Ref), once per (Executor, endpoint, template); the tasks are sent once it is done,
+    and fail with its error (a path refused there) without running."""
+    key = (owner, file.path)
+    with _lock:
+        outs = executor.__dict__.setdefault("_out_places", {})
+        found = outs.get(key)
+        if found is not None and not (
+            found.done() and (found.exception() or _lost(executor, found))
+        ):
+            return found  # type: ignore[no-any-return]
+
+        def expect() -> Out:
+            import time
+
+            from nimbus.data._direct import expect_out
+
+            source = _source(executor, owner)
+            where = source._path.open()
+            pin = new_id() + new_id()
+            expires = time.time() + where.lease
+            asked = source._path.call(
+                expect_out, owner, file.endpoint or owner, file.path, pin, expires
+            )
+            target = _answer(asked, file)
+            if target is None:
+                raise DataError(
+                    f"out={file!r}: endpoint {file.endpoint!r} serves no data to other "
+                    f"endpoints (its agent runs no data server); restart it with a current "
+                    f"nimbus (`nimbus endpoint start {file.endpoint}`)"
+                )
+            target = (str(target[0]), int(target[1]), str(target[2]))
+            held = where.adopt(Ref(pin, where.namespace, where.user, where.endpoint, 0))
+            where.served(pin, target)  # renewed (and freed) on that node, wherever it runs
+            executor.__dict__.setdefault("_out_pins", {})[key] = held  # (with the Executor)
+            name = file.endpoint or owner
+            return Out(owner, file.path, target, pin, where.namespace, name)
+
+        future = outs[key] = _pool.submit(expect)
+    return future
+
+
+def _lost(executor: Any, place: cf.Future[Out]) -> bool:
+    """Whether a renewal found the node that expects ``place``'s files gone (its agent
+    restarted): expected again rather than given to tasks that would fail to send."""
+    out = place.result()
+    source = executor.__dict__.get("_file_sources", {}).get(out.endpoint)
+    session = None if source is None else source._path.session
+    return session is not None and out.pin in session.gone
+
+
 def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """``args`` and ``kwargs`` with their Files made ready for the task (checked now)."""
     remote = executor._endpoint is not None
@@ -239,11 +295,9 @@ def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
         if local is not None:  # its owner's config is here: refused now if outside
             check_export(value.path, local[1], local[0])
         if out:
-            if remote and owner != place:
-                raise DataError(
-                    f"out={value!r}: a task's file can be written only to the endpoint it "
-                    f"runs on ({executor._endpoint!r}) for now"
-                )
+            if remote and owner is not None and owner != place:  # staged out from there
+                check_out(value, local is not None)
+                return _expect_out(executor, value, owner)
             if not remote and value.endpoint is not None and local is None:
                 raise FileRefused(f"out={value!r}: endpoint {value.endpoint!r} is not here")
             check_out(value, local is not None or not remote)  # (its directory is here)
