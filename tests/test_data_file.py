@@ -6,6 +6,7 @@ loopback with two real endpoints: "vault" (exports a directory) and "lab".
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -565,13 +566,71 @@ def test_an_out_file_whose_endpoint_stopped_fails_its_task_at_once(
     start = time.monotonic()
     with pytest.raises(
         DataError,
-        match=r"could not be sent to endpoint 'depot': cannot connect to the node of endpoint "
-        r"'depot' at .*: its agent has stopped, or this endpoint cannot reach it: set "
-        r"NIMBUS_DATA_HOST on the agent of 'depot'",
+        match=r"could not be sent to endpoint 'depot': not directly \(cannot connect to the node "
+        r"of endpoint 'depot' at .*: its agent has stopped, or this endpoint cannot reach it: "
+        r"set NIMBUS_DATA_HOST on the agent of 'depot' .*\), nor through this client \(.*depot",
     ):
         future.result(timeout=120)
     assert time.monotonic() - start < 60
     assert list(tmp_path.iterdir()) == []
+
+
+def _unreachable(ex: Executor, endpoint_id: str, template: str) -> None:
+    """The place ``ex`` keeps for ``template`` on ``endpoint_id`` (made: a task went
+    there directly) made to name a node address nobody listens on, as when the task's
+    endpoint cannot reach the other's (``NIMBUS_DATA_HOST`` not set where it must be)."""
+    places = ex._out_places  # type: ignore[attr-defined]
+    place = places[(endpoint_id, template)].result(timeout=120)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    unreachable: Any = concurrent.futures.Future()
+    unreachable.set_result(dataclasses.replace(place, target=("127.0.0.1", port, place.target[2])))
+    places[(endpoint_id, template)] = unreachable
+
+
+def test_out_files_with_no_path_to_their_endpoint_go_through_the_client(
+    service: Service, on_lab: Executor, vault: EndpointProcess, exported: Path
+) -> None:
+    """Lab's tasks cannot connect to vault's node: their out= files are left on lab's
+    node, carried by the client (read from lab in parts, put on vault, written there
+    checked), then the tasks' futures get their results; nothing is left on lab. Where
+    vault cannot take them either, the task fails naming both reasons."""
+    out = nimbus.File(f"vault:{exported}/carried/{{task_id}}.bin")
+    on_lab.submit(write_random, 10, out=out).result(timeout=120)  # (directly: the place made)
+    _unreachable(on_lab, vault.endpoint_id, out.path)
+    before = on_lab.statistics()["bytes_received"]
+    futures = [on_lab.submit(write_random, 300_000, out=out) for _ in range(3)]
+    results = [f.result(timeout=120) for f in futures]
+    for name, sha in results:
+        assert hashlib.sha256((exported / "carried" / name).read_bytes()).hexdigest() == sha
+    assert on_lab.statistics()["bytes_received"] - before > 3 * 300_000  # via this client
+    place = nimbus.data.session(lab_id(on_lab))
+    files = NodeStore(place.namespace, default_root(service.env["NIMBUS_RUNTIME_DIR"])).dir
+    deadline = time.monotonic() + 30
+    while list((files / "files").glob("out-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)  # (removed by a task of their own, once carried)
+    assert not list((files / "files").glob("out-*"))
+    assert not [p for p in (exported / "carried").iterdir() if p.name.startswith(".")]
+    # vault refuses them too (its directory replaced by a file): both reasons said
+    out = nimbus.File(f"vault:{exported}/refused/{{task_id}}.bin")
+    on_lab.submit(write_random, 10, out=out).result(timeout=120)
+    _unreachable(on_lab, vault.endpoint_id, out.path)
+    for made in (exported / "refused").iterdir():
+        made.unlink()
+    (exported / "refused").rmdir()
+    (exported / "refused").write_text("no longer a directory")
+    with pytest.raises(
+        DataError,
+        match=r"could not be sent to endpoint 'vault': not directly \(.*cannot connect.*"
+        r"set NIMBUS_DATA_HOST on the agent of 'vault'.*\), nor through this client "
+        r"\(.*cannot be written there",
+    ):
+        on_lab.submit(write_random, 10, out=out).result(timeout=120)
+
+
+def lab_id(ex: Executor) -> str:
+    return str(ex._path.open().endpoint)  # type: ignore[attr-defined]
 
 
 def test_node_cache_is_in_the_users_store_on_the_node(

@@ -547,7 +547,9 @@ def push_out(written: Path, out: Any, task_id: str) -> tuple[int, str]:
         return _send(written, host, port, out.target[2], None, opened)
     except DataError as exc:
         kind = Unreachable if isinstance(exc, Unreachable) else DataError
-        raise kind(
+        failed = kind(
             f"the task ran, but its out= file {shown} could not be sent to endpoint "
             f"{out.name!r}: {exc}"
-        ) from None
+        )
+        failed.reason = str(exc)  # type: ignore[attr-defined]  # (without the file's name)
+        raise failed from None

@@ -432,7 +432,8 @@ class Server:
             os.chmod(temp, 0o644)  # (as a file a task writes: the node's store's are private)
             os.replace(temp, path)
         finally:
-            temp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (renamed; or its directory is not one)
+                temp.unlink()
         self._count(written=1)
         conn.sendall(_OK + transfer_mac(key, b"ok", digest))
 

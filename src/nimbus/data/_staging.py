@@ -16,6 +16,7 @@ import concurrent.futures as cf
 import hashlib
 import os
 import threading
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -34,7 +35,7 @@ from nimbus.data._file import (
 from nimbus.data._ref import Ref, new_id
 from nimbus.errors import DataError, FileRefused, NotFound
 
-__all__ = ["close_sources", "copy_names", "has_files", "restage", "stage"]
+__all__ = ["carry_out", "close_sources", "copy_names", "has_files", "restage", "stage"]
 
 _pool = cf.ThreadPoolExecutor(4, thread_name_prefix="nimbus-file")
 _parts = cf.ThreadPoolExecutor(4, thread_name_prefix="nimbus-file-part")  # puts at once
@@ -280,6 +281,39 @@ def _lost(executor: Any, place: cf.Future[Out]) -> bool:
     source = executor.__dict__.get("_file_sources", {}).get(out.endpoint)
     session = None if source is None else source._path.session
     return session is not None and out.pin in session.gone
+
+
+def carry_out(executor: Any, pending: tuple[Any, ...]) -> None:
+    """The out= files of a task that could not send them where they go (no path from
+    its node: ``_file.OutPending``) carried through this client, as inputs are when
+    there is no direct path: read in parts from the task's endpoint (where its node left
+    them), put on theirs, written there by a task (``write_out``: sha256, the exports,
+    a rename), then removed where they were. A failure: a DataError naming the file."""
+    from nimbus.data._file import drop_out, read_out, write_out
+    from nimbus.data._ref import put
+
+    step = _step(executor)
+    for out, out_id, name, size, sha, why in pending:
+        path = out.template.replace("{task_id}", out_id)
+        file = File(f"{out.name}:{path}")
+        try:
+            call = executor._path.call
+            reads = [call(read_out, out_id, name, i, step) for i in range(0, size, step)]
+            parts = [_answer(r, file) for r in reads or [call(read_out, out_id, name, 0, 0)]]
+            target = _source(executor, out.endpoint)
+            target._path.open()  # (its session: where ``put`` puts)
+            there = partial(put, endpoint=out.endpoint)
+            refs = list(_parts.map(there, parts))
+            args = (out.endpoint, out.name, out.template, out_id, sha, *refs)
+            _answer(target._path.call(write_out, *args), file)
+        except Exception as exc:
+            raise DataError(
+                f"the task ran, but its out= file {file.endpoint}:{path} could not be sent "
+                f"to endpoint {out.name!r}: not directly ({why}), nor through this client "
+                f"({exc})"
+            ) from None
+        finally:
+            executor._path.call(drop_out, out_id)  # (not waited for: the sweep's otherwise)
 
 
 def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
