@@ -601,10 +601,12 @@ def test_out_files_with_no_path_to_their_endpoint_go_through_the_client(
     _unreachable(on_lab, vault.endpoint_id, out.path)
     before = on_lab.statistics()["bytes_received"]
     futures = [on_lab.submit(write_random, 300_000, out=out) for _ in range(3)]
+    futures.append(on_lab.options(keep=True).submit(write_random, 300_000, out=out))
     results = [f.result(timeout=120) for f in futures]
+    assert isinstance(futures[-1].ref(), nimbus.Ref)  # type: ignore[attr-defined]
     for name, sha in results:
         assert hashlib.sha256((exported / "carried" / name).read_bytes()).hexdigest() == sha
-    assert on_lab.statistics()["bytes_received"] - before > 3 * 300_000  # via this client
+    assert on_lab.statistics()["bytes_received"] - before > 4 * 300_000  # via this client
     place = nimbus.data.session(lab_id(on_lab))
     files = NodeStore(place.namespace, default_root(service.env["NIMBUS_RUNTIME_DIR"])).dir
     deadline = time.monotonic() + 30
