@@ -509,6 +509,8 @@ def test_out_files_to_another_endpoint_are_refused_before_any_task(
         on_lab.submit(note_ran, str(marker), out=nimbus.File(f"vault:{exported}/{{user}}.npz"))
     with pytest.raises(FileRefused, match="'nowhere' is not known to the service"):
         on_lab.submit(note_ran, str(marker), out=nimbus.File("nowhere:/x/{task_id}.npz"))
+    with pytest.raises(DataError, match=r"names a file of this machine, but the task runs on"):
+        on_lab.submit(note_ran, str(marker), out=nimbus.File(f"{exported}/{{task_id}}.npz"))
     alice.register_endpoint("asleep-out")  # registered, its agent never started
     with pytest.raises(DataError, match="'asleep-out' is offline"):
         on_lab.submit(note_ran, str(marker), out=nimbus.File("asleep-out:/x/{task_id}.npz"))

@@ -329,9 +329,15 @@ def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
         if local is not None:  # its owner's config is here: refused now if outside
             check_export(value.path, local[1], local[0])
         if out:
-            if remote and owner is not None and owner != place:  # staged out from there
+            if remote and owner is None:
+                raise DataError(
+                    f"out={value!r} names a file of this machine, but the task runs on "
+                    f"endpoint {executor._endpoint!r}: name the endpoint it goes to, e.g. "
+                    f"nimbus.File('{executor._endpoint}:{value.path}')"
+                )
+            if remote and owner != place:  # staged out from there
                 check_out(value, local is not None)
-                return _expect_out(executor, value, owner)
+                return _expect_out(executor, value, str(owner))
             if not remote and value.endpoint is not None and local is None:
                 raise FileRefused(f"out={value!r}: endpoint {value.endpoint!r} is not here")
             check_out(value, local is not None or not remote)  # (its directory is here)
