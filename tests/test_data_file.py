@@ -93,10 +93,10 @@ def test_the_readmes_out_example_runs_as_printed(tmp_path: Path) -> None:
     block = readme.split("## Data between functions", 1)[1].split("```python\n", 1)[1]
     code = block.split("```", 1)[0]
     head, body = code.split("with nimbus.Executor(", 1)
-    assert body.startswith('endpoint="hpc")')  # out= goes to the endpoint the task runs on
+    assert body.startswith('endpoint="hpc")')  # out= goes to another endpoint, lab
     (submit,) = [line.strip() for line in body.splitlines() if "out=" in line]
-    assert submit.startswith('ex.submit(simulate, 42, out=nimbus.File("hpc:/results/{task_id}')
-    local = submit.split("  #")[0].replace("hpc:/results", str(tmp_path / "results"))
+    assert submit.startswith('ex.submit(simulate, 42, out=nimbus.File("lab:/results/{task_id}')
+    local = submit.split("  #")[0].replace("lab:/results", str(tmp_path / "results"))
     program = tmp_path / "example.py"
     program.write_text(
         f"{head}with nimbus.Executor(max_workers=1) as ex:\n    {local}.result(60)\n"
