@@ -528,10 +528,11 @@ def test_out_files_to_another_endpoint_are_refused_before_any_task(
     assert not list((files / "files").glob("out-*"))
 
 
-def sleep_then_write(seconds: float, out: Path) -> str:
-    time.sleep(seconds)
+def write_once(marker: str, out: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
     out.write_bytes(b"x" * 1000)
-    return out.name
 
 
 def test_an_out_file_its_endpoint_can_no_longer_write_fails_the_task_naming_why(
@@ -541,10 +542,12 @@ def test_an_out_file_its_endpoint_can_no_longer_write_fails_the_task_naming_why(
     root writes a read-only one): the task fails with vault's reason, nothing left."""
     out = nimbus.File(f"vault:{exported}/later/{{task_id}}.bin")
     (exported / "later").mkdir()
-    future = on_lab.submit(sleep_then_write, 2.0, out=out)
+    replaced = exported.parent / "replaced"
+    future = on_lab.submit(write_once, str(replaced), out=out)
     on_lab._out_places[(vault.endpoint_id, out.path)].result(timeout=120)  # type: ignore[attr-defined]
     (exported / "later").rmdir()
     (exported / "later").write_text("no longer a directory")
+    replaced.touch()  # (the task writes its file only now)
     with pytest.raises(
         DataError,
         match=r"out= file vault:.*could not be sent to endpoint 'vault': .*refused: "
@@ -557,14 +560,16 @@ def test_an_out_file_its_endpoint_can_no_longer_write_fails_the_task_naming_why(
 def test_an_out_file_whose_endpoint_stopped_fails_its_task_at_once(
     service: Service, alice: Client, on_lab: Executor, tmp_path: Path
 ) -> None:
-    depot = exporting(service, alice, "depot", tmp_path)
+    exports, stopped = tmp_path / "exports", tmp_path / "stopped"
+    exports.mkdir()
+    depot = exporting(service, alice, "depot", exports)
     try:
-        future = on_lab.submit(
-            sleep_then_write, 3.0, out=nimbus.File(f"depot:{tmp_path}/{{task_id}}")
-        )
-        on_lab._out_places[(depot.endpoint_id, f"{tmp_path}/{{task_id}}")].result(timeout=120)  # type: ignore[attr-defined]
+        out = nimbus.File(f"depot:{exports}/{{task_id}}")
+        future = on_lab.submit(write_once, str(stopped), out=out)
+        on_lab._out_places[(depot.endpoint_id, out.path)].result(timeout=120)  # type: ignore[attr-defined]
     finally:
         depot.stop()
+        stopped.touch()  # (the task writes its file only now)
     start = time.monotonic()
     with pytest.raises(
         DataError,
@@ -574,7 +579,7 @@ def test_an_out_file_whose_endpoint_stopped_fails_its_task_at_once(
     ):
         future.result(timeout=120)
     assert time.monotonic() - start < 60
-    assert list(tmp_path.iterdir()) == []
+    assert list(exports.iterdir()) == []
 
 
 def _unreachable(ex: Executor, endpoint_id: str, template: str) -> None:
