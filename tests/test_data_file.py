@@ -1409,6 +1409,11 @@ def test_a_node_writes_an_out_file_only_where_its_pin_says(
         header = {"op": "out", "namespace": space, "pin": pin, "id": task_id}
         return _send(source, "", 0, secret, None, lambda: request(holder, header, "out")[0])
 
+    (exports / "r").mkdir()
+    for left in (".nimbus-out-0123", "..nimbus-out-0123.4567.part", ".nimbus-out-new"):
+        (exports / "r" / left).write_bytes(b"left by a server stopped while writing")
+    for left in (".nimbus-out-0123", "..nimbus-out-0123.4567.part"):
+        os.utime(exports / "r" / left, (time.time() - 7200, time.time() - 7200))
     try:
         task_id = "d" * 32
         assert send(task_id) == (
@@ -1437,7 +1442,8 @@ def test_a_node_writes_an_out_file_only_where_its_pin_says(
         os.utime(root / space / "obj" / pin, (past, past))
         with pytest.raises(DataError, match="its pin's lease ran out"):
             send("2" * 32)
-        assert sorted(p.name for p in (exports / "r").iterdir()) == [f"{task_id}.bin"]
+        kept = sorted(p.name for p in (exports / "r").iterdir())
+        assert kept == [".nimbus-out-new", f"{task_id}.bin"]  # (the old temporaries swept)
         assert server.statistics()["written"] == 1
     finally:
         server.close()

@@ -164,6 +164,30 @@ def server_address(root: Path) -> tuple[str, int] | None:
     return shown, number
 
 
+_swept: dict[str, float] = {}  # a directory out= files are written to -> when swept
+
+
+def _sweep_temporaries(folder: Path, now: float | None = None) -> None:
+    """Remove the temporary files of out= files in ``folder`` that a server stopped in
+    the middle of writing left (``PART_AGE`` s old), at most once a ``PART_AGE`` per
+    directory (a directory of many results is not read at every write)."""
+    from nimbus.data._node import PART_AGE
+
+    now = time.time() if now is None else now
+    if now - _swept.get(str(folder), 0.0) < PART_AGE:
+        return
+    if len(_swept) > 1024:
+        _swept.clear()
+    _swept[str(folder)] = now
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith((".nimbus-out-", "..nimbus-out-")):
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if entry.is_file(follow_symlinks=False) and st.st_mtime < now - PART_AGE:
+                        os.unlink(entry.path)
+
+
 class Server:
     """Serves the file copies of ``root`` (a runtime's data directory on this node) to
     the holders of their secrets, and renews their pins; a thread, until :meth:`close`."""
@@ -436,6 +460,7 @@ class Server:
                 temp.unlink()
         self._count(written=1)
         conn.sendall(_OK + transfer_mac(key, b"ok", digest))
+        _sweep_temporaries(path.parent)
 
     @staticmethod
     def _again(conn: socket.socket, stored: Path, size: int, key: bytes) -> bytes:
