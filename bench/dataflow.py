@@ -13,7 +13,9 @@
                staged to endpoint "dataflow", then used by 16 tasks there: staged once,
                endpoint to endpoint (nimbus.data._direct), against a raw TCP copy of the
                file over the same link (loopback), without nimbus; then used by 16 tasks
-               on each of two more endpoints at once (4 endpoints): once per endpoint
+               on each of two more endpoints at once (4 endpoints): once per endpoint;
+               16 tasks on dataflow writing 1 MB out= files to source, endpoint to
+               endpoint, against each task's bytes carried through the client
     mapreduce  WordCount and Sort, 4 nodes in network namespaces with shaped links (1 Gbit/s),
                the shuffle through a shared directory (a file server in a namespace of its
                own, mounted by sshfs on each node over its link: bench/_sharedfs.py), the
@@ -632,7 +634,7 @@ def file_rows(
     dest: tuple[list[str], str] | None = None,
 ) -> list[list[str]]:
     import nimbus
-    from nimbus.data._file import _cache
+    from nimbus.data._staging import _cache
 
     size = (10 if args.quick else args.file_mb) * MB
     path = exported / "run42.bin"
@@ -709,7 +711,7 @@ def fanout_rows(settings: Any, exported: Path, targets: list[str]) -> list[list[
     each straight from source, while the client carries only the answers."""
     import nimbus
     from nimbus import Executor
-    from nimbus.data._file import _cache
+    from nimbus.data._staging import _cache
 
     path = exported / "run42.bin"
     want = sha_of(path)
@@ -755,6 +757,74 @@ def fanout_rows(settings: Any, exported: Path, targets: list[str]) -> list[list[
             "",
             "once per endpoint",
             "PASS" if len(staged) == len(targets) + 1 and direct else "MISS",
+        ],
+    ]
+
+
+def made(size: int, out: Any = None) -> Any:
+    """A task's output of ``size`` bytes: written to ``out`` (its name returned), or
+    returned to the client when there is no ``out``."""
+    blob = os.urandom(size)
+    if out is None:
+        return blob
+    out.write_bytes(blob)
+    return out.name
+
+
+def put_file(path: str, blob: bytes) -> int:
+    return Path(path).write_bytes(blob)
+
+
+def out_rows(ex: Any, settings: Any, exported: Path, tasks: int = 16) -> list[list[str]]:
+    """``tasks`` tasks on dataflow each make 1 MB for endpoint source: written there
+    with ``out=nimbus.File("source:...")`` (sent endpoint to endpoint by the tasks'
+    workers), against through the client (each task returns its bytes, the client
+    sends them to a task on source that writes them), alternated, best of 3 each."""
+    import nimbus
+    from nimbus import Executor
+
+    progress("out: out= files dataflow -> source")
+    (exported / "out").mkdir(exist_ok=True)
+    out = nimbus.File(f"source:{exported}/out/{{task_id}}.bin")
+    directs, carried = [], []
+    with Executor(endpoint="source", settings=settings) as on_source:
+        for rep in range(3):
+            sent = ex.statistics()["bytes_sent"] + ex.statistics()["bytes_received"]
+            start = time.perf_counter()
+            names = [
+                result(f, "out: a task")
+                for f in [ex.submit(made, MB, out=out) for _ in range(tasks)]
+            ]
+            directs.append(time.perf_counter() - start)
+            client = ex.statistics()["bytes_sent"] + ex.statistics()["bytes_received"] - sent
+            assert all((exported / "out" / n).stat().st_size == MB for n in names)
+            start = time.perf_counter()
+            blobs = [ex.submit(made, MB) for _ in range(tasks)]
+            writes = [
+                on_source.submit(
+                    put_file, f"{exported}/out/c{rep}-{i}.bin", result(f, "out: a task")
+                )
+                for i, f in enumerate(blobs)
+            ]
+            assert {result(w, "out: a write") for w in writes} == {MB}
+            carried.append(time.perf_counter() - start)
+    direct, via = min(directs), min(carried)
+    RESULTS["out"] = {
+        "tasks": tasks,
+        "bytes": MB,
+        "direct_seconds": directs,
+        "via_client_seconds": carried,
+        "client_bytes": client,
+    }
+    return [
+        [
+            f"{tasks} tasks on dataflow write 1 MB out= files to source",
+            f"{direct:.2f} s out= (endpoint to endpoint), {via:.2f} s through the client; "
+            f"client {client / MB:.2f} MB",
+            f"client carries the {tasks} MB twice instead",
+            f"{via / direct:.2f}x",
+            "faster than through the client",
+            "PASS" if direct < via and client < MB else "MISS",
         ],
     ]
 
@@ -1088,6 +1158,7 @@ def main() -> int:
                 if "file" in only:
                     rows += file_rows(ex, exported, args, prefix, dest)
                     rows += fanout_rows(stack.settings, exported, FANOUT)
+                    rows += out_rows(ex, stack.settings, exported)
         finally:
             isolated.close()
             for agent in extra:

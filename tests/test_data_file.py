@@ -6,6 +6,7 @@ loopback with two real endpoints: "vault" (exports a directory) and "lab".
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -26,6 +27,7 @@ from nimbus import Client, Executor
 from nimbus.data import NodeStore, default_root, run
 from nimbus.data._file import Staged, check_export
 from nimbus.data._node import UNUSED, sweep_all
+from nimbus.data._serve import server_address
 from nimbus.data._staging import _cache
 from nimbus.errors import DataError, FileRefused, ReferenceLost
 from service_support import EndpointProcess, Service
@@ -91,10 +93,10 @@ def test_the_readmes_out_example_runs_as_printed(tmp_path: Path) -> None:
     block = readme.split("## Data between functions", 1)[1].split("```python\n", 1)[1]
     code = block.split("```", 1)[0]
     head, body = code.split("with nimbus.Executor(", 1)
-    assert body.startswith('endpoint="hpc")')  # out= goes to the endpoint the task runs on
+    assert body.startswith('endpoint="hpc")')  # out= goes to another endpoint, lab
     (submit,) = [line.strip() for line in body.splitlines() if "out=" in line]
-    assert submit.startswith('ex.submit(simulate, 42, out=nimbus.File("hpc:/results/{task_id}')
-    local = submit.split("  #")[0].replace("hpc:/results", str(tmp_path / "results"))
+    assert submit.startswith('ex.submit(simulate, 42, out=nimbus.File("lab:/results/{task_id}')
+    local = submit.split("  #")[0].replace("lab:/results", str(tmp_path / "results"))
     program = tmp_path / "example.py"
     program.write_text(
         f"{head}with nimbus.Executor(max_workers=1) as ex:\n    {local}.result(60)\n"
@@ -258,10 +260,31 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("exported")
 
 
-@pytest.fixture(scope="module")
-def vault(service: Service, alice: Client, exported: Path) -> Iterator[EndpointProcess]:
-    endpoint = EndpointProcess(service, alice, "vault")
-    endpoint.config = dataclasses.replace(endpoint.config, exports=str(exported))
+class OwnRuntime(EndpointProcess):
+    """An endpoint whose runtime directory (and so node data directory and node server)
+    is its own, not the one the module's other endpoints share: what it serves is its
+    own, as on a machine of its own."""
+
+    runtime: Path
+
+    def start(self, client: Client | None = None, timeout: float = 30) -> EndpointProcess:
+        env = dict(self.service.env, NIMBUS_RUNTIME_DIR=str(self.runtime))
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(), env=env, stdout=log, stderr=log, start_new_session=True
+            )
+        if client is not None:
+            self.wait_online(client, timeout)
+        return self
+
+
+def exporting(service: Service, alice: Client, name: str, exports: Path) -> OwnRuntime:
+    """Endpoint ``name`` (started) exporting ``exports``, its config in the endpoints'
+    config directory (not this client's), with a runtime of its own."""
+    endpoint = OwnRuntime(service, alice, name)
+    endpoint.runtime = service.root / f"runtime-{name}"
+    endpoint.runtime.mkdir(mode=0o700)
+    endpoint.config = dataclasses.replace(endpoint.config, exports=str(exports))
     old = os.environ.get("XDG_CONFIG_HOME")
     os.environ["XDG_CONFIG_HOME"] = service.env["XDG_CONFIG_HOME"]
     try:
@@ -272,6 +295,12 @@ def vault(service: Service, alice: Client, exported: Path) -> Iterator[EndpointP
         else:
             os.environ["XDG_CONFIG_HOME"] = old
     endpoint.start(alice)
+    return endpoint
+
+
+@pytest.fixture(scope="module")
+def vault(service: Service, alice: Client, exported: Path) -> Iterator[EndpointProcess]:
+    endpoint = exporting(service, alice, "vault", exported)
     yield endpoint
     endpoint.stop()
 
@@ -418,11 +447,199 @@ def test_out_file_on_the_tasks_endpoint_inside_its_exports(
         assert got[1] == str(exported / "here.bin")
 
 
-def test_out_file_to_another_endpoint_is_refused_at_submit(
+def write_random(n: int, out: Path) -> tuple[str, str]:
+    body = os.urandom(n)
+    out.write_bytes(body)
+    return out.name, hashlib.sha256(body).hexdigest()
+
+
+def test_out_files_of_16_tasks_go_to_another_endpoint_directly(
     on_lab: Executor, vault: EndpointProcess, exported: Path
 ) -> None:
-    with pytest.raises(DataError, match="only to the endpoint it runs on"):
-        on_lab.submit(write, n=1, out=nimbus.File(f"vault:{exported}/r.npz"))
+    """Tasks on lab write their out= files to vault: vault's node server takes each from
+    lab's worker (not through this client), checked (sha256), written into place."""
+    source = on_lab.__dict__.get("_file_sources", {}).get(vault.endpoint_id)
+    before = on_lab.statistics(), source.statistics() if source is not None else None
+    out = nimbus.File(f"vault:{exported}/exp/{{task_id}}.npz")
+    futures = [on_lab.submit(write_random, 1 << 20, out=out) for _ in range(16)]
+    results = [f.result(timeout=180) for f in futures]
+    assert len({name for name, _ in results}) == 16
+    for name, sha in results:  # each arrived whole, under the name its task was given
+        assert hashlib.sha256((exported / "exp" / name).read_bytes()).hexdigest() == sha
+    assert sorted(p.name for p in (exported / "exp").iterdir()) == sorted(n for n, _ in results)
+    assert (exported / "exp" / results[0][0]).stat().st_mode & 0o777 == 0o644
+    places = on_lab._out_places  # type: ignore[attr-defined]
+    assert list(places) == [(vault.endpoint_id, f"{exported}/exp/{{task_id}}.npz")]  # 1 expect
+    place = next(iter(places.values())).result()
+    assert place.target[:2] == server_address(default_root(vault.runtime))  # vault's node took them
+    source = on_lab._file_sources[vault.endpoint_id]  # type: ignore[attr-defined]
+    after = on_lab.statistics(), source.statistics()
+    for key in ("bytes_sent", "bytes_received"):  # the 16 MiB did not cross this client
+        assert after[0][key] - before[0][key] < 64 * 1024
+        assert after[1][key] - (before[1][key] if before[1] is not None else 0) < 64 * 1024
+
+
+def write_then_raise(out: Path) -> None:
+    out.write_bytes(b"half")
+    raise ValueError("the task failed")
+
+
+def test_out_files_to_another_endpoint_are_refused_before_any_task(
+    service: Service, alice: Client, on_lab: Executor, vault: EndpointProcess, exported: Path
+) -> None:
+    """Paths vault refuses (its config is not on this client: vault itself checks its
+    exports), an unknown or offline endpoint, an unknown placeholder: the task never
+    runs (its marker is never made); a task that raises sends nothing to vault."""
+    marker, outside = exported.parent / "marker", exported.parent / "outside"
+    outside.mkdir(exist_ok=True)
+    (exported / "leaves").symlink_to(outside)
+    (exported / "plain").write_text("a file, not a directory")
+    refused = {
+        f"{outside}/{{task_id}}.npz": "outside the directories endpoint 'vault' exports",
+        f"{exported}/leaves/{{task_id}}.npz": "a symlink leads out",
+        f"{exported}/plain/sub/{{task_id}}.npz": "plain is not a directory",
+    }
+    for path, why in refused.items():
+        future = on_lab.submit(note_ran, str(marker), out=nimbus.File(f"vault:{path}"))
+        with pytest.raises(FileRefused, match=why):
+            future.result(timeout=120)
+    with pytest.raises(FileRefused, match=r"'\.\.'"):
+        nimbus.File(f"vault:{exported}/../x.npz")
+    with pytest.raises(FileRefused, match=r"unknown placeholder \{user\}"):
+        on_lab.submit(note_ran, str(marker), out=nimbus.File(f"vault:{exported}/{{user}}.npz"))
+    with pytest.raises(FileRefused, match="'nowhere' is not known to the service"):
+        on_lab.submit(note_ran, str(marker), out=nimbus.File("nowhere:/x/{task_id}.npz"))
+    with pytest.raises(DataError, match=r"names a file of this machine, but the task runs on"):
+        on_lab.submit(note_ran, str(marker), out=nimbus.File(f"{exported}/{{task_id}}.npz"))
+    alice.register_endpoint("asleep-out")  # registered, its agent never started
+    with pytest.raises(DataError, match="'asleep-out' is offline"):
+        on_lab.submit(note_ran, str(marker), out=nimbus.File("asleep-out:/x/{task_id}.npz"))
+    assert not marker.exists()  # none of them ran
+    assert not list(outside.iterdir())
+    # the task raises: its own error, nothing at vault, nothing left on lab's node
+    future = on_lab.submit(
+        write_then_raise, out=nimbus.File(f"vault:{exported}/failed/{{task_id}}")
+    )
+    with pytest.raises(ValueError, match="the task failed"):
+        future.result(timeout=120)
+    assert not (exported / "failed").exists()
+    place = nimbus.data.session(on_lab._path.open().endpoint)  # type: ignore[attr-defined]
+    files = NodeStore(place.namespace, default_root(service.env["NIMBUS_RUNTIME_DIR"])).dir
+    assert not list((files / "files").glob("out-*"))
+
+
+def write_once(marker: str, out: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out.write_bytes(b"x" * 1000)
+
+
+def test_an_out_file_its_endpoint_can_no_longer_write_fails_the_task_naming_why(
+    on_lab: Executor, vault: EndpointProcess, exported: Path
+) -> None:
+    """The directory checked at submit is gone when the file comes (a file in its place:
+    root writes a read-only one): the task fails with vault's reason, nothing left."""
+    out = nimbus.File(f"vault:{exported}/later/{{task_id}}.bin")
+    (exported / "later").mkdir()
+    replaced = exported.parent / "replaced"
+    future = on_lab.submit(write_once, str(replaced), out=out)
+    on_lab._out_places[(vault.endpoint_id, out.path)].result(timeout=120)  # type: ignore[attr-defined]
+    (exported / "later").rmdir()
+    (exported / "later").write_text("no longer a directory")
+    replaced.touch()  # (the task writes its file only now)
+    with pytest.raises(
+        DataError,
+        match=r"out= file vault:.*could not be sent to endpoint 'vault': .*refused: "
+        r"vault:.*later/\w+\.bin cannot be written there",
+    ):
+        future.result(timeout=120)
+    assert not [p for p in exported.iterdir() if p.name.startswith(".nimbus-out-")]
+
+
+def test_an_out_file_whose_endpoint_stopped_fails_its_task_at_once(
+    service: Service, alice: Client, on_lab: Executor, tmp_path: Path
+) -> None:
+    exports, stopped = tmp_path / "exports", tmp_path / "stopped"
+    exports.mkdir()
+    depot = exporting(service, alice, "depot", exports)
+    try:
+        out = nimbus.File(f"depot:{exports}/{{task_id}}")
+        future = on_lab.submit(write_once, str(stopped), out=out)
+        on_lab._out_places[(depot.endpoint_id, out.path)].result(timeout=120)  # type: ignore[attr-defined]
+    finally:
+        depot.stop()
+        stopped.touch()  # (the task writes its file only now)
+    start = time.monotonic()
+    with pytest.raises(
+        DataError,
+        match=r"could not be sent to endpoint 'depot': not directly \(cannot connect to the node "
+        r"of endpoint 'depot' at .*: its agent has stopped, or this endpoint cannot reach it: "
+        r"set NIMBUS_DATA_HOST on the agent of 'depot' .*\), nor through this client \(.*depot",
+    ):
+        future.result(timeout=120)
+    assert time.monotonic() - start < 60
+    assert list(exports.iterdir()) == []
+
+
+def _unreachable(ex: Executor, endpoint_id: str, template: str) -> None:
+    """The place ``ex`` keeps for ``template`` on ``endpoint_id`` (made: a task went
+    there directly) made to name a node address nobody listens on, as when the task's
+    endpoint cannot reach the other's (``NIMBUS_DATA_HOST`` not set where it must be)."""
+    places = ex._out_places  # type: ignore[attr-defined]
+    place = places[(endpoint_id, template)].result(timeout=120)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    unreachable: Any = concurrent.futures.Future()
+    unreachable.set_result(dataclasses.replace(place, target=("127.0.0.1", port, place.target[2])))
+    places[(endpoint_id, template)] = unreachable
+
+
+def test_out_files_with_no_path_to_their_endpoint_go_through_the_client(
+    service: Service, on_lab: Executor, vault: EndpointProcess, exported: Path
+) -> None:
+    """Lab's tasks cannot connect to vault's node: their out= files are left on lab's
+    node, carried by the client (read from lab in parts, put on vault, written there
+    checked), then the tasks' futures get their results; nothing is left on lab. Where
+    vault cannot take them either, the task fails naming both reasons."""
+    out = nimbus.File(f"vault:{exported}/carried/{{task_id}}.bin")
+    on_lab.submit(write_random, 10, out=out).result(timeout=120)  # (directly: the place made)
+    _unreachable(on_lab, vault.endpoint_id, out.path)
+    before = on_lab.statistics()["bytes_received"]
+    futures = [on_lab.submit(write_random, 300_000, out=out) for _ in range(3)]
+    futures.append(on_lab.options(keep=True).submit(write_random, 300_000, out=out))
+    results = [f.result(timeout=120) for f in futures]
+    assert isinstance(futures[-1].ref(), nimbus.Ref)  # type: ignore[attr-defined]
+    for name, sha in results:
+        assert hashlib.sha256((exported / "carried" / name).read_bytes()).hexdigest() == sha
+    assert on_lab.statistics()["bytes_received"] - before > 4 * 300_000  # via this client
+    place = nimbus.data.session(lab_id(on_lab))
+    files = NodeStore(place.namespace, default_root(service.env["NIMBUS_RUNTIME_DIR"])).dir
+    deadline = time.monotonic() + 30
+    while list((files / "files").glob("out-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)  # (removed by a task of their own, once carried)
+    assert not list((files / "files").glob("out-*"))
+    assert not [p for p in (exported / "carried").iterdir() if p.name.startswith(".")]
+    # vault refuses them too (its directory replaced by a file): both reasons said
+    out = nimbus.File(f"vault:{exported}/refused/{{task_id}}.bin")
+    on_lab.submit(write_random, 10, out=out).result(timeout=120)
+    _unreachable(on_lab, vault.endpoint_id, out.path)
+    for made in (exported / "refused").iterdir():
+        made.unlink()
+    (exported / "refused").rmdir()
+    (exported / "refused").write_text("no longer a directory")
+    with pytest.raises(
+        DataError,
+        match=r"could not be sent to endpoint 'vault': not directly \(.*cannot connect.*"
+        r"set NIMBUS_DATA_HOST on the agent of 'vault'.*\), nor through this client "
+        r"\(.*cannot be written there",
+    ):
+        on_lab.submit(write_random, 10, out=out).result(timeout=120)
+
+
+def lab_id(ex: Executor) -> str:
+    return str(ex._path.open().endpoint)  # type: ignore[attr-defined]
 
 
 def test_node_cache_is_in_the_users_store_on_the_node(
@@ -615,6 +832,7 @@ def test_a_nodes_cache_is_served_only_to_holders_of_the_copys_secret(tmp_path: P
             "refused": 0,
             "busy": 0,
             "received": 0,
+            "written": 0,
         }
         assert "secret" not in repr(Staged((), key, "x.bin", 1, sha, None, holder))
         with pytest.raises(DataError, match="holds no such copy for that secret"):
@@ -1152,5 +1370,80 @@ def test_a_node_takes_an_object_only_from_a_holder_of_its_pins_secret(tmp_path: 
         assert not (root / space / "obj" / pin).exists() and not stored.exists()
         with pytest.raises(ReferenceLost, match=f"the object {ref_id} is gone"):
             fetch_object(target, space, pin, tmp_path / "elsewhere", expires)
+    finally:
+        server.close()
+
+
+def test_a_node_writes_an_out_file_only_where_its_pin_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``_serve``'s "out" (``_direct.push_out``): the node writes the file where the pin's
+    template says, inside its exports checked again, once the sender proves the pin's
+    secret; a wrong secret, bytes altered on the way, an id that is not one, an expired
+    pin, a path no longer exported: each refused, nothing written, no temporary left."""
+    import json
+
+    from nimbus.config import config_dir
+    from nimbus.data._direct import _send
+    from nimbus.data._fetch import request
+    from nimbus.data._serve import Server
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    conf = config_dir() / "endpoints" / "depot" / "endpoint.toml"
+    conf.parent.mkdir(parents=True)
+    conf.write_text(f'name = "depot"\nexports = "{exports}"\n')
+    root = tmp_path / "node"
+    root.mkdir(mode=0o700)
+    space, pin, secret = "u-out", "c" * 64, os.urandom(32).hex()
+    template = f"{exports}/r/{{task_id}}.bin"
+    place = json.dumps({"endpoint": "depot", "name": "depot", "template": template})
+    NodeStore(space, root).write_secret(pin, secret, time.time() + 120, place)
+    source = tmp_path / "written"
+    source.write_bytes(os.urandom(1024 * 1024 + 3))
+    server = Server(root, "127.0.0.1")
+    target = (*server.address, secret)
+
+    def send(task_id: str, holder: tuple[str, int, str] = target) -> tuple[int, str]:
+        header = {"op": "out", "namespace": space, "pin": pin, "id": task_id}
+        return _send(source, "", 0, secret, None, lambda: request(holder, header, "out")[0])
+
+    (exports / "r").mkdir()
+    for left in (".nimbus-out-0123", "..nimbus-out-0123.4567.part", ".nimbus-out-new"):
+        (exports / "r" / left).write_bytes(b"left by a server stopped while writing")
+    for left in (".nimbus-out-0123", "..nimbus-out-0123.4567.part"):
+        os.utime(exports / "r" / left, (time.time() - 7200, time.time() - 7200))
+    try:
+        task_id = "d" * 32
+        assert send(task_id) == (
+            source.stat().st_size,
+            hashlib.sha256(source.read_bytes()).hexdigest(),
+        )
+        written = exports / "r" / f"{task_id}.bin"
+        assert written.read_bytes() == source.read_bytes()
+        with pytest.raises(DataError, match="holds no such copy for that secret"):
+            send("e" * 32, (*server.address, "00" * 32))
+        for bad in ("../../../x", "a/b", "E" * 32, ""):
+            with pytest.raises(DataError, match="is not the id of a task's out= file"):
+                send(bad)
+        header = {"op": "out", "namespace": space, "pin": pin, "id": "f" * 32}
+        flip_at = 4 + len(json.dumps(header).encode()) + 32 + 40 + 1000
+        seen = bytearray()
+        port, relay = _relay(server.address[1], flip_at, seen)
+        with pytest.raises(DataError, match="sha256 differs from the sender's"):
+            send("f" * 32, ("127.0.0.1", port, secret))
+        relay.join(10)
+        conf.write_text(f'name = "depot"\nexports = "{tmp_path / "elsewhere"}"\n')
+        with pytest.raises(DataError, match="outside the directories endpoint 'depot' exports"):
+            send("1" * 32)
+        conf.write_text(f'name = "depot"\nexports = "{exports}"\n')
+        past = time.time() - 1
+        os.utime(root / space / "obj" / pin, (past, past))
+        with pytest.raises(DataError, match="its pin's lease ran out"):
+            send("2" * 32)
+        kept = sorted(p.name for p in (exports / "r").iterdir())
+        assert kept == [".nimbus-out-new", f"{task_id}.bin"]  # (the old temporaries swept)
+        assert server.statistics()["written"] == 1
     finally:
         server.close()

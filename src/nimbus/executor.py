@@ -48,9 +48,9 @@ from nimbus.data import DataPath, KeptFuture
 from nimbus.environments import Environment
 from nimbus.errors import (
     ConfigError,
+    DataError,
     InputFailed,
     PayloadTooLargeError,
-    ReferenceLost,
     RemoteTraceback,
 )
 from nimbus.records import TaskRecord, TaskState
@@ -452,8 +452,8 @@ class Executor(_mapping.Mapper):
                     error, tb = serialization.loads(task.data)
                     if tb:
                         error.__cause__ = RemoteTraceback(tb)
-                    if type(error) is ReferenceLost and self._path.recover(future, error):
-                        continue  # its producer runs again, then it does
+                    if isinstance(error, DataError) and self._path.recover(future, error):
+                        continue  # its producer runs again, then it does (or its files go)
                     if type(error) is InputFailed:
                         DataPath.explain(future, error)
                     record.state = TaskState.FAILED

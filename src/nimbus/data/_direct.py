@@ -20,7 +20,10 @@ two endpoints once.
 A relay (a kept future not done yet, ``_carry._relay``) needs no listener waiting: the
 target's node server takes the object when it comes (``expect_object`` writes a pin with
 its secret), and ``push_object``, held by the service until the object is made, sends it
-there on the server's request (``_fetch.request``, ``_serve``'s "put") with the same proof, tag and answer. The target listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``:
+there on the server's request (``_fetch.request``, ``_serve``'s "put") with the same proof, tag and answer.
+An out= file of another endpoint goes the same way (``expect_out`` at submit, with the
+path's template kept in the pin; ``push_out`` by the task's worker when it has run;
+``_serve``'s "out" writes it where the pin says). The target listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``:
 endpoints of one machine; set it to the address the other endpoints reach it by). A
 sender that cannot connect raises :class:`Unreachable` (the client then falls back to
 carrying the bytes itself); any other failure (damaged bytes, a wrong secret, a peer
@@ -54,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import json
 import os
 import queue
 import secrets
@@ -74,8 +78,10 @@ __all__ = [
     "Unreachable",
     "connect",
     "expect_object",
+    "expect_out",
     "offer",
     "push_object",
+    "push_out",
     "receive_hashed",
     "recv_exactly",
     "said",
@@ -467,3 +473,83 @@ def push_object(ref_id: str, target: tuple[str, int, str], pin: str) -> tuple[in
         )
     except FileNotFoundError:
         raise lost(Ref(ref_id, node.namespace, _scope().user, _scope().endpoint, 0)) from None
+
+
+# ---------------------------------------------------------------- an out= file (no wait)
+
+
+SERVER_WAIT = 2.0  # seconds an endpoint's node server may take to start (its agent's)
+
+
+def _is_id(text: str, n: int) -> bool:
+    return len(text) == n and all(c in "0123456789abcdef" for c in text)
+
+
+def expect_out(
+    endpoint: str, name: str, template: str, pin: str, expires: float
+) -> tuple[str, int, str] | None:
+    """A task on the endpoint an out= file of a task of another endpoint goes to (its
+    owner's exports, checked here): let the node's server (``_serve``'s "out") take the
+    files of ``template`` (``{task_id}`` filled by the sender) from a sender that proves
+    the secret of ``pin`` (written here with the template, leased until ``expires``:
+    the sender cannot choose the path); where the server listens and that secret (None:
+    it serves nothing). ``name``: the endpoint as the user named it (for messages).
+
+    As :func:`expect_object`, nothing waits here: the file comes when its task ends."""
+    from nimbus.data._file import File, _exported, check_out
+    from nimbus.data._serve import server_address
+    from nimbus.data._task import _node, _scope
+
+    if not _is_id(pin, 64):
+        raise DataError(f"{pin!r} is not the id of a pin")
+    _exported(endpoint, template.replace("{task_id}", "0" * 32))  # (outside: FileRefused)
+    check_out(File(f"{name}:{template}"), here=True)  # its directory can be written
+    node = _node(_scope().namespace)
+    served = server_address(node.dir.parent)
+    deadline = time.monotonic() + SERVER_WAIT
+    while served is None and time.monotonic() < deadline:  # (an agent that just started)
+        time.sleep(0.05)
+        served = server_address(node.dir.parent)
+    if served is None:
+        return None
+    secret = secrets.token_hex(32)
+    place = json.dumps({"endpoint": endpoint, "name": name, "template": template})
+    node.write_secret(pin, secret, expires, place)
+    return served[0], served[1], secret
+
+
+def push_out(written: Path, out: Any, task_id: str) -> tuple[int, str]:
+    """A task that wrote an out= file of another endpoint (``out``: a ``_file.Out`` whose
+    ``target`` :func:`expect_out` gave), once it ended well: the file sent to that
+    endpoint's node server, which writes it where the pin says (``_serve``'s "out");
+    its size and sha256. Any failure (the endpoint gone, the write refused there, the
+    bytes damaged) raises a DataError naming the endpoint and the file, within
+    ``TIMEOUT`` s."""
+    from nimbus.data._fetch import request
+
+    assert out.target is not None
+    host, port, _ = out.target
+    shown = f"{out.name}:{out.template.replace('{task_id}', task_id)}"
+    header = {"op": "out", "namespace": out.namespace, "pin": out.pin, "id": task_id}
+
+    def unreachable(exc: OSError) -> DataError:
+        return Unreachable(
+            f"cannot connect to the node of endpoint {out.name!r} at {host}:{port} ({exc}): "
+            f"its agent has stopped, or this endpoint cannot reach it: set NIMBUS_DATA_HOST "
+            f"on the agent of {out.name!r} to an address this endpoint reaches"
+        )
+
+    def opened() -> socket.socket:
+        where = f"to the node of endpoint {out.name!r} ({host}:{port})"
+        return request(out.target, header, "write an out= file", failed=unreachable, where=where)[0]
+
+    try:
+        return _send(written, host, port, out.target[2], None, opened)
+    except DataError as exc:
+        kind = Unreachable if isinstance(exc, Unreachable) else DataError
+        failed = kind(
+            f"the task ran, but its out= file {shown} could not be sent to endpoint "
+            f"{out.name!r}: {exc}"
+        )
+        failed.reason = str(exc)  # type: ignore[attr-defined]  # (without the file's name)
+        raise failed from None

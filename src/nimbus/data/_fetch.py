@@ -56,7 +56,7 @@ from nimbus.data._serve import BUSY, HANDSHAKE, TIMEOUT, request_mac
 from nimbus.errors import DataError, ReferenceLost
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 __all__ = ["fetch", "fetch_object", "free", "renew", "request"]
 
@@ -74,18 +74,25 @@ class _Busy(DataError):
 
 
 def request(
-    holder: tuple[str, int, str], header: dict[str, Any], what: str, timeout: float = TIMEOUT
+    holder: tuple[str, int, str],
+    header: dict[str, Any],
+    what: str,
+    timeout: float = TIMEOUT,
+    *,
+    failed: Callable[[OSError], DataError] | None = None,
+    where: str = "",
 ) -> tuple[socket.socket, str]:
     """A connection to ``holder``'s server with ``header`` sent (proved with the copy's
     secret) and its "OK" read; the socket (open) and how to name the node. A node that
     is not there or refuses (it holds no such copy): :class:`_Gone`; one busy (it serves
     too many at once) is asked again after a jittered backoff, for ``timeout`` s at most,
-    then :class:`DataError`."""
+    then :class:`DataError`. ``failed``: the error of a node that cannot be connected to
+    instead; ``where``: how messages name the node ("from the node that holds it")."""
     deadline = time.monotonic() + timeout
     pause = 0.05
     while True:
         try:
-            return _request_once(holder, header, what, timeout)
+            return _request_once(holder, header, what, timeout, failed, where)
         except _Busy as exc:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -97,24 +104,32 @@ def request(
 
 
 def _request_once(
-    holder: tuple[str, int, str], header: dict[str, Any], what: str, timeout: float
+    holder: tuple[str, int, str],
+    header: dict[str, Any],
+    what: str,
+    timeout: float,
+    failed: Callable[[OSError], DataError] | None = None,
+    where: str = "",
 ) -> tuple[socket.socket, str]:
     host, port, secret = holder
-    where = f"the node that holds it ({host}:{port})"
+    where = where or f"from the node that holds it ({host}:{port})"
     sock = connect(
         host,
         port,
         timeout,
-        lambda exc: _Gone(
-            f"cannot {what} from {where}: {exc}. That node's block or agent has stopped "
-            f"(the copy went with it); or it is not reachable: if the nodes are separate "
-            f"machines, set NIMBUS_DATA_HOST on each to an address the others reach it by"
+        failed
+        or (
+            lambda exc: _Gone(
+                f"cannot {what} {where}: {exc}. That node's block or agent has stopped "
+                f"(the copy went with it); or it is not reachable: if the nodes are separate "
+                f"machines, set NIMBUS_DATA_HOST on each to an address the others reach it by"
+            )
         ),
     )
     try:
         challenge = recv_exactly(sock, 32, "the node")
         if challenge == BUSY[:32]:  # (not the challenge: 32 random bytes are not that)
-            raise _Busy(f"cannot {what} from {where}: the node serves too many at once")
+            raise _Busy(f"cannot {what} {where}: the node serves too many at once")
         body = json.dumps(header).encode()
         sock.sendall(len(body).to_bytes(4, "little") + body)
         sock.sendall(request_mac(bytes.fromhex(secret), challenge, body))
@@ -127,7 +142,7 @@ def _request_once(
         raise
     except (DataError, OSError) as exc:
         sock.close()
-        raise _Gone(f"cannot {what} from {where}: {exc}") from None
+        raise _Gone(f"cannot {what} {where}: {exc}") from None
     return sock, where
 
 
@@ -177,7 +192,7 @@ def fetch(
                 pin,
             ) from None
         again = "submit the task again (a link that broke), or touch the file to stage it again"
-        with _into(target, sock, f"fetch {name} from {where}", again) as part:
+        with _into(target, sock, f"fetch {name} {where}", again) as part:
             got = int.from_bytes(recv_exactly(sock, 8, "the node", deadline), "little")
             if got != size:
                 raise DataError(f"it holds {got} bytes where {size} were staged")
@@ -215,7 +230,7 @@ def fetch_object(
                 name,
             ) from None
         again = "submit the task again (a link that broke)"
-        with _into(target, sock, f"fetch the object {name} from {where}", again) as part:
+        with _into(target, sock, f"fetch the object {name} {where}", again) as part:
             size = int.from_bytes(recv_exactly(sock, 8, "the node"), "little")
             deadline = time.monotonic() + TIMEOUT + size / FLOOR_RATE
             digest = _receive(sock, part, size, deadline).digest()

@@ -12,7 +12,8 @@
     out=File("lab:/results/{task_id}.npz"): the task gets a local ``pathlib.Path`` to
         write (``<cache>/out-<id>/<id>.npz``: the file's own name, ``{task_id}`` = <id>);
         after it ends the file is moved to the path, inside the exports of the endpoint
-        the task runs on, and ``out-<id>/`` removed (also when the task failed)
+        the task runs on (or sent to another endpoint's node server, below), and
+        ``out-<id>/`` removed (also when the task failed)
 
 An input must exist when the task is submitted: a missing file of this machine (or of
 an endpoint whose config is here) is refused by ``submit`` (``FileRefused`` naming it),
@@ -49,12 +50,31 @@ at most). Its endpoint offline or the file gone there (no source left): the task
 with that error. Tasks submitted later get the new copy; a renewal of the pin that found
 its node gone (every third of a lease) drops the old one too.
 
-Limits: ``out=`` writes only to the endpoint the task runs on (or this machine, on the
-local runtime).
+An ``out=`` file of another endpoint (``out=File("lab:/r/{task_id}.npz")`` for a task on
+hpc) goes the other way (``_direct.expect_out``, ``push_out``): at submit the client asks
+lab to expect it (a task there checks lab's exports and that the directory can be
+written, and writes a pin with the path's template and a secret; the client holds the
+pin); the hpc tasks are sent once lab said yes (refused: they fail without running).
+When a task has run well, its worker sends the file to lab's node server with the pin's
+proof and the bytes' sha256 (``_serve``'s "out"), which fills ``{task_id}``, checks the
+exports again, writes a temporary file beside the target and renames it into place. A
+task that failed sends nothing; a file lab cannot take fails the task with lab's reason.
+Where hpc's node cannot connect to lab's (``Unreachable``: ``NIMBUS_DATA_HOST``), the
+worker leaves the file in its ``out-<id>/`` (swept after ``UNUSED`` s) and the task ends
+with :class:`OutPending` (its result inside); the client carries the file (``_staging.
+carry_out``: read from hpc in parts, put on lab, written there by a task, sha256
+checked), then gives the task's future its result; failing that too, the task fails
+naming both reasons.
+
+Limits: a file carried through the client is read from whichever node of hpc takes the
+read task (an endpoint of several nodes may not find it there), and held whole in
+memory by the task that writes it on lab; the direct path writes as lab's agent (its
+OS user), the carried one as lab's worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -63,6 +83,7 @@ import tempfile
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from nimbus.config import config_dir
 from nimbus.data._node import hold_out, node_dir
@@ -150,6 +171,13 @@ class Out:
 
     endpoint: str | None  # the endpoint id it is checked against; None: this machine
     template: str
+    # another endpoint's file (``_direct.expect_out``): where that endpoint's node server
+    # takes it, and the secret of its pin (kept out of reprs; it travels in the task's
+    # payload, as ``Staged.holder`` does), the pin and its namespace there, its name
+    target: tuple[str, int, str] | None = field(default=None, repr=False)
+    pin: str = ""
+    namespace: str = ""
+    name: str = ""
 
 
 # ---------------------------------------------------------------- exports
@@ -297,10 +325,14 @@ def out_id(written: Path) -> str:
     return written.parent.name.removeprefix("out-")
 
 
-def discard_out(written: Path) -> None:
+def discard_out(written: Path, keep: bool = False) -> None:
     """When the task has ended: remove the private directory of an out= file (what it
-    wrote, if not moved, and any temporary files beside it)."""
-    shutil.rmtree(written.parent, ignore_errors=True)
+    wrote, if not moved, and any temporary files beside it); ``keep``: left for its
+    client to carry (:class:`OutPending`), to the node's sweep after ``UNUSED`` s."""
+    if keep:
+        os.utime(written.parent)
+    else:
+        shutil.rmtree(written.parent, ignore_errors=True)
     fd = _out_holds.pop(str(written.parent), None)
     if fd is not None:
         os.close(fd)
@@ -359,8 +391,11 @@ def _cached(staged: Staged, files: Path) -> Path:
     return target
 
 
-def finish_out(out: Out, written: Path, task_id: str) -> None:
-    """After the task: move what it wrote to ``out``'s path (inside the exports)."""
+def finish_out(out: Out, written: Path, task_id: str) -> tuple[Any, ...] | None:
+    """After the task: move what it wrote to ``out``'s path (inside the exports); to
+    another endpoint's (``out.target``), sent to its node server (``_direct.push_out``);
+    where this node cannot connect to it, what the client needs to carry it instead
+    (``OutPending.pending``: the file is left in its private directory)."""
     path = out.template.replace("{task_id}", task_id)
     if not written.exists():
         others = sorted(p.name for p in written.parent.iterdir()) if written.parent.is_dir() else []
@@ -369,6 +404,17 @@ def finish_out(out: Out, written: Path, task_id: str) -> None:
             f"the task wrote nothing to {written} (its out= file {path}){instead}: "
             f"write the path the task is given, as it is"
         )
+    if out.target is not None:
+        from nimbus.data._direct import Unreachable, push_out
+
+        try:
+            push_out(written, out, task_id)
+        except Unreachable as exc:  # no path there: the client carries it (OutPending)
+            with open(written, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                sha = hashlib.file_digest(f, "sha256").hexdigest()
+            return (out, task_id, written.name, size, sha, getattr(exc, "reason", str(exc)))
+        return None
     target = Path(path) if out.endpoint is None else _exported(out.endpoint, path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -378,3 +424,76 @@ def finish_out(out: Out, written: Path, task_id: str) -> None:
             f"the task ran, but its out= file cannot be written to {target} "
             f"({exc.strerror or exc}); give an out= path in a directory it can write"
         ) from None
+    return None
+
+
+class OutPending(DataError):
+    """A task ran well, but the out= files of another endpoint it wrote could not be sent
+    there (no path from its node: ``Unreachable``): left on its node (``out-<id>/``, for
+    ``UNUSED`` s at most) for its client to carry (``DataPath.recover`` ->
+    ``_staging.carry_out``); ``value``: what the task returned, given to its future once
+    they are there; ``pending``: :func:`finish_out`'s answers."""
+
+    def __init__(self, message: str, value: Any = None, pending: tuple[Any, ...] = ()) -> None:
+        super().__init__(message)
+        self.value = value
+        self.pending = pending
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.value, self.pending))
+
+
+def _kept_out(out_id: str, name: str) -> Path:
+    """An out= file left on this node for its client (:class:`OutPending`)."""
+    from nimbus.data._task import _node, _scope
+
+    if len(out_id) != 32 or not out_id.isalnum() or "/" in name or name.startswith("."):
+        raise DataError(f"{out_id!r}/{name!r} names no out= file")
+    return _node(_scope().namespace).dir / "files" / f"out-{out_id}" / name
+
+
+def read_out(out_id: str, name: str, offset: int, length: int) -> bytes:
+    """A task on the endpoint whose task wrote it: ``length`` bytes of an out= file left
+    there (:class:`OutPending`) from ``offset``."""
+    try:
+        with open(_kept_out(out_id, name), "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+    except FileNotFoundError:
+        raise DataError(
+            f"the out= file {name} is no longer on this node (its node's sweep removed it, "
+            f"or the task ran on another node of the endpoint)"
+        ) from None
+
+
+def drop_out(out_id: str) -> None:
+    """A task there: remove an out= file left for its client once carried."""
+    shutil.rmtree(_kept_out(out_id, "x").parent, ignore_errors=True)
+
+
+def write_out(endpoint: str, name: str, template: str, out_id: str, sha: str, *parts: bytes) -> int:
+    """A task on the endpoint an out= file goes to: ``parts`` (its bytes, carried by
+    the client) checked against ``sha`` and written where ``template`` says
+    (``{task_id}`` = ``out_id``) inside the exports, through a temporary file renamed
+    into place; its size."""
+    body = b"".join(parts)
+    if hashlib.sha256(body).hexdigest() != sha:
+        raise DataError(f"{len(body)} bytes arrived whose sha256 differs from the task's")
+    if len(out_id) != 32 or not out_id.isalnum():
+        raise DataError(f"{out_id!r} is not the id of a task's out= file")
+    path = _exported(endpoint, template.replace("{task_id}", out_id))
+    temp = path.parent / f".nimbus-out-{new_id()[:16]}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp.write_bytes(body)
+        os.chmod(temp, 0o644)
+        os.replace(temp, path)
+    except OSError as exc:
+        raise DataError(
+            f"{name}:{path} cannot be written there ({exc.strerror or exc}); give an "
+            f"out= path in a directory the endpoint can write"
+        ) from None
+    finally:
+        with contextlib.suppress(OSError):  # (renamed; or its directory is not one)
+            temp.unlink()
+    return len(body)

@@ -426,8 +426,22 @@ def _sweep(objects: Path, now: float) -> int:
 def secret_of(pin: Path) -> str | None:
     """The secret of the pin file ``pin`` (:meth:`NodeStore.write_secret`'s; None: not a
     pin); read only, nothing made (the data server reads it before any check)."""
+    found = _pin_text(pin)
+    return None if found is None else found.split("\n", 1)[0]
+
+
+def note_of(pin: Path) -> str:
+    """What the pin file ``pin`` holds after its secret (``write_secret``'s ``note``)."""
+    found = _pin_text(pin)
+    return "" if found is None or "\n" not in found else found.split("\n", 1)[1]
+
+
+_NOTE = 8192  # bytes a pin's note may take (an out= file's path)
+
+
+def _pin_text(pin: Path) -> str | None:
     with open(pin, "rb") as f:
-        data = f.read(len(SECRET) + 200)
+        data = f.read(len(SECRET) + 200 + _NOTE)
     return data[len(SECRET) :].decode() if data.startswith(SECRET) else None
 
 
@@ -475,16 +489,19 @@ class NodeStore:
         self.maybe_sweep()
         return len(head) + len(data) + sum(v.nbytes for v in views)
 
-    def write_secret(self, ref_id: str, secret: str, expires: float) -> None:
+    def write_secret(self, ref_id: str, secret: str, expires: float, note: str = "") -> None:
         """A pin (``_direct.offer``): an object leased until ``expires`` holding only a
-        secret, read back by :meth:`read_secret` without unpickling anything (the node's
-        manager reads it: it never unpickles what a user's task wrote)."""
+        secret (and a ``note``: where an out= file goes, ``_direct.expect_out``), read
+        back by :meth:`read_secret` and :func:`note_of` without unpickling anything (the
+        node's manager reads it: it never unpickles what a user's task wrote)."""
+        if "\n" in secret or len(note.encode()) > _NOTE:
+            raise DataError(f"a pin's note takes {_NOTE} bytes at most, and its secret no line")
         part = self.objects / f".{ref_id}.part"
         final = self.path(ref_id)
         self.objects.mkdir(mode=0o700, exist_ok=True)
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            _write_all(fd, SECRET + secret.encode())
+            _write_all(fd, SECRET + secret.encode() + (b"\n" + note.encode() if note else b""))
         finally:
             os.close(fd)
         os.utime(part, (expires, expires))

@@ -51,6 +51,11 @@ and an HMAC of it keyed by the secret); the pin's renewal renews the object, its
 freeing removes it. A result kept on this node (``keep=True``, ``nimbus.put``) has such a
 pin too (``_task._holder``), and is served, renewed and freed the same way.
 
+An out= file of a task of another endpoint (``_direct.push_out``, the "out" op) is
+written where the pin says (``_direct.expect_out`` kept the path's template in it, so the
+sender chooses only the task's id, 32 hex digits), inside the endpoint's exports checked
+again, through a temporary file renamed into place; the pin stays for the next task's.
+
 The server listens on ``NIMBUS_DATA_HOST`` (default ``127.0.0.1``), as offers do: on an
 endpoint of several machines, set it on each node to the address the others reach it by.
 """
@@ -159,6 +164,30 @@ def server_address(root: Path) -> tuple[str, int] | None:
     return shown, number
 
 
+_swept: dict[str, float] = {}  # a directory out= files are written to -> when swept
+
+
+def _sweep_temporaries(folder: Path, now: float | None = None) -> None:
+    """Remove the temporary files of out= files in ``folder`` that a server stopped in
+    the middle of writing left (``PART_AGE`` s old), at most once a ``PART_AGE`` per
+    directory (a directory of many results is not read at every write)."""
+    from nimbus.data._node import PART_AGE
+
+    now = time.time() if now is None else now
+    if now - _swept.get(str(folder), 0.0) < PART_AGE:
+        return
+    if len(_swept) > 1024:
+        _swept.clear()
+    _swept[str(folder)] = now
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith((".nimbus-out-", "..nimbus-out-")):
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if entry.is_file(follow_symlinks=False) and st.st_mtime < now - PART_AGE:
+                        os.unlink(entry.path)
+
+
 class Server:
     """Serves the file copies of ``root`` (a runtime's data directory on this node) to
     the holders of their secrets, and renews their pins; a thread, until :meth:`close`."""
@@ -182,6 +211,7 @@ class Server:
         self._peers: dict[str, int] = {}  # address -> connections being served
         self._counts = {"served": 0, "bytes": 0, "renewed": 0, "freed": 0, "refused": 0, "busy": 0}
         self._counts["received"] = 0  # objects sent here by another endpoint (``_put``)
+        self._counts["written"] = 0  # out= files of another endpoint's tasks (``_out``)
         _live.add(self)  # a worker forked later closes its copy of the listener
         threading.Thread(target=self._accept, name="nimbus-data-serve", daemon=True).start()
 
@@ -262,6 +292,9 @@ class Server:
                 return
             if asked.get("op") == "put":
                 self._put(conn, challenge, header, mac, asked)
+                return
+            if asked.get("op") == "out":
+                self._out(conn, challenge, header, mac, asked)
                 return
             if asked.get("op") == "free":
                 space, pin = str(asked["namespace"]), str(asked["pin"])
@@ -374,6 +407,61 @@ class Server:
         # as the first was if its bytes are the ones stored, else refused
         conn.sendall(_OK + transfer_mac(key, b"ok", digest))
 
+    def _out(
+        self,
+        conn: socket.socket,
+        challenge: bytes,
+        header: bytes,
+        mac: bytes,
+        asked: dict[str, Any],
+    ) -> None:
+        """An out= file sent by a task of another endpoint once it ended well
+        (``_direct.push_out``), written where the pin says (``_direct.expect_out``: the
+        template, ``{task_id}`` filled with the request's id), inside the exports checked
+        again now (the config or a symlink may have changed); received as ``_put``
+        receives, into a temporary name beside it, then renamed into place (atomic)."""
+        from nimbus.data._direct import _OK, _is_id, _receive_into
+        from nimbus.data._direct import _mac as transfer_mac
+        from nimbus.data._file import _exported
+        from nimbus.data._node import note_of, secret_of
+
+        space, pin, out_id = str(asked["namespace"]), str(asked["pin"]), str(asked["id"])
+        pin_path = self._leased(challenge, header, mac, space, pin, "the place of an out= file")
+        if not _is_id(out_id, 32):
+            raise DataError(f"{out_id[:100]!r} is not the id of a task's out= file")
+        try:
+            place = json.loads(note_of(pin_path))
+            endpoint, name, template = place["endpoint"], place["name"], place["template"]
+        except (ValueError, KeyError, TypeError):
+            raise DataError("that pin names no place for an out= file") from None
+        path = _exported(endpoint, template.replace("{task_id}", out_id))
+        secret = secret_of(pin_path)
+        assert secret is not None  # (_pin checked it)
+        key = bytes.fromhex(secret)
+        temp = path.parent / f".nimbus-out-{secrets.token_hex(8)}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError as exc:  # (said before the bytes come)
+            raise DataError(
+                f"{name}:{path} cannot be written there ({exc.strerror or exc}); give an "
+                f"out= path in a directory the endpoint can write"
+            ) from None
+        try:
+            conn.sendall(b"OK")
+            if not hmac.compare_digest(recv_exactly(conn, 32), transfer_mac(key, b"connect")):
+                raise DataError("a wrong secret")
+            size = int.from_bytes(recv_exactly(conn, 8), "little")
+            digest = _receive_into(conn, temp, size, 0.0, key)
+            os.chmod(temp, 0o644)  # (as a file a task writes: the node's store's are private)
+            os.replace(temp, path)
+        finally:
+            with contextlib.suppress(OSError):  # (renamed; or its directory is not one)
+                temp.unlink()
+        self._count(written=1)
+        conn.sendall(_OK + transfer_mac(key, b"ok", digest))
+        _sweep_temporaries(path.parent)
+
     @staticmethod
     def _again(conn: socket.socket, stored: Path, size: int, key: bytes) -> bytes:
         """A second put of the object ``stored``: its bytes received beside it and
@@ -441,7 +529,8 @@ class Server:
         return path
 
     def statistics(self) -> dict[str, int]:
-        """Copies ``served`` (and their ``bytes``), objects ``received``, pins ``renewed``
+        """Copies ``served`` (and their ``bytes``), objects ``received``, out= files of
+        another endpoint's tasks ``written``, pins ``renewed``
         and ``freed``, requests ``refused``
         or failed, connections turned away ``busy``."""
         with self._lock:

@@ -16,6 +16,7 @@ import concurrent.futures as cf
 import hashlib
 import os
 import threading
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -34,7 +35,7 @@ from nimbus.data._file import (
 from nimbus.data._ref import Ref, new_id
 from nimbus.errors import DataError, FileRefused, NotFound
 
-__all__ = ["close_sources", "copy_names", "has_files", "restage", "stage"]
+__all__ = ["carry_out", "close_sources", "copy_names", "has_files", "restage", "stage"]
 
 _pool = cf.ThreadPoolExecutor(4, thread_name_prefix="nimbus-file")
 _parts = cf.ThreadPoolExecutor(4, thread_name_prefix="nimbus-file-part")  # puts at once
@@ -83,6 +84,8 @@ def _source(executor: Any, endpoint_id: str) -> Any:
 
 
 def close_sources(executor: Any) -> None:
+    executor.__dict__.pop("_out_pins", None)  # (their pins freed, or left to their lease)
+    executor.__dict__.pop("_out_places", None)
     for source in executor.__dict__.pop("_file_sources", {}).values():
         source.shutdown(wait=False)
 
@@ -226,6 +229,93 @@ def _direct(executor: Any, file: File, source_id: str, mtime: float, name: str) 
     return Staged((), key, base, got, sha, held, holder)
 
 
+def _expect_out(executor: Any, file: File, owner: str) -> cf.Future[Out]:
+    """The future of ``file`` (an out= file of another endpoint, ``owner``) made ready:
+    that endpoint checks its exports and expects the files (``_direct.expect_out``: its
+    node server, a pin's secret, the template kept with the pin, held by this client as a
+    Ref), once per (Executor, endpoint, template); the tasks are sent once it is done,
+    and fail with its error (a path refused there) without running."""
+    key = (owner, file.path)
+    with _lock:
+        outs = executor.__dict__.setdefault("_out_places", {})
+        found = outs.get(key)
+        if found is not None and not (
+            found.done() and (found.exception() or _lost(executor, found))
+        ):
+            return found  # type: ignore[no-any-return]
+
+        def expect() -> Out:
+            import time
+
+            from nimbus.data._direct import expect_out
+
+            source = _source(executor, owner)
+            where = source._path.open()
+            pin = new_id() + new_id()
+            expires = time.time() + where.lease
+            asked = source._path.call(
+                expect_out, owner, file.endpoint or owner, file.path, pin, expires
+            )
+            target = _answer(asked, file)
+            if target is None:
+                raise DataError(
+                    f"out={file!r}: endpoint {file.endpoint!r} serves no data to other "
+                    f"endpoints (its agent runs no data server); restart it with a current "
+                    f"nimbus (`nimbus endpoint start {file.endpoint}`)"
+                )
+            target = (str(target[0]), int(target[1]), str(target[2]))
+            held = where.adopt(Ref(pin, where.namespace, where.user, where.endpoint, 0))
+            where.served(pin, target)  # renewed (and freed) on that node, wherever it runs
+            executor.__dict__.setdefault("_out_pins", {})[key] = held  # (with the Executor)
+            name = file.endpoint or owner
+            return Out(owner, file.path, target, pin, where.namespace, name)
+
+        future = outs[key] = _pool.submit(expect)
+    return future
+
+
+def _lost(executor: Any, place: cf.Future[Out]) -> bool:
+    """Whether a renewal found the node that expects ``place``'s files gone (its agent
+    restarted): expected again rather than given to tasks that would fail to send."""
+    out = place.result()
+    source = executor.__dict__.get("_file_sources", {}).get(out.endpoint)
+    session = None if source is None else source._path.session
+    return session is not None and out.pin in session.gone
+
+
+def carry_out(executor: Any, pending: tuple[Any, ...]) -> None:
+    """The out= files of a task that could not send them where they go (no path from
+    its node: ``_file.OutPending``) carried through this client, as inputs are when
+    there is no direct path: read in parts from the task's endpoint (where its node left
+    them), put on theirs, written there by a task (``write_out``: sha256, the exports,
+    a rename), then removed where they were. A failure: a DataError naming the file."""
+    from nimbus.data._file import drop_out, read_out, write_out
+    from nimbus.data._ref import put
+
+    step = _step(executor)
+    for out, out_id, name, size, sha, why in pending:
+        path = out.template.replace("{task_id}", out_id)
+        file = File(f"{out.name}:{path}")
+        try:
+            call = executor._path.call
+            reads = [call(read_out, out_id, name, i, step) for i in range(0, size, step)]
+            parts = [_answer(r, file) for r in reads or [call(read_out, out_id, name, 0, 0)]]
+            target = _source(executor, out.endpoint)
+            target._path.open()  # (its session: where ``put`` puts)
+            there = partial(put, endpoint=out.endpoint)
+            refs = list(_parts.map(there, parts))
+            args = (out.endpoint, out.name, out.template, out_id, sha, *refs)
+            _answer(target._path.call(write_out, *args), file)
+        except Exception as exc:
+            raise DataError(
+                f"the task ran, but its out= file {file.endpoint}:{path} could not be sent "
+                f"to endpoint {out.name!r}: not directly ({why}), nor through this client "
+                f"({exc})"
+            ) from None
+        finally:
+            executor._path.call(drop_out, out_id)  # (not waited for: the sweep's otherwise)
+
+
 def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """``args`` and ``kwargs`` with their Files made ready for the task (checked now)."""
     remote = executor._endpoint is not None
@@ -239,11 +329,15 @@ def stage(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
         if local is not None:  # its owner's config is here: refused now if outside
             check_export(value.path, local[1], local[0])
         if out:
-            if remote and owner != place:
+            if remote and owner is None:
                 raise DataError(
-                    f"out={value!r}: a task's file can be written only to the endpoint it "
-                    f"runs on ({executor._endpoint!r}) for now"
+                    f"out={value!r} names a file of this machine, but the task runs on "
+                    f"endpoint {executor._endpoint!r}: name the endpoint it goes to, e.g. "
+                    f"nimbus.File('{executor._endpoint}:{value.path}')"
                 )
+            if remote and owner != place:  # staged out from there
+                check_out(value, local is not None)
+                return _expect_out(executor, value, str(owner))
             if not remote and value.endpoint is not None and local is None:
                 raise FileRefused(f"out={value!r}: endpoint {value.endpoint!r} is not here")
             check_out(value, local is not None or not remote)  # (its directory is here)

@@ -21,6 +21,7 @@ what a task of the data path needs before it is sent and after its result is in.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import logging
 import threading
@@ -33,12 +34,13 @@ from nimbus import serialization
 from nimbus._future import Future
 from nimbus.data._bind import bind, failed_among, open_session, waiting_on, walk, when_done
 from nimbus.data._carry import Copy, carry, relayed_by
+from nimbus.data._file import OutPending
 from nimbus.data._ref import MAX_SCAN, Ref, Session, new_id
-from nimbus.data._staging import copy_names, restage
+from nimbus.data._staging import carry_out, copy_names, restage
 from nimbus.data._task import run
 from nimbus.data._watch import Watch, offline_error
 from nimbus.errors import InputFailed, ReferenceLost
-from nimbus.records import TaskRecord
+from nimbus.records import TaskRecord, TaskState
 
 __all__ = ["DataPath", "KeptFuture"]
 
@@ -400,17 +402,45 @@ class DataPath:
         again.add_done_callback(made)
         return again
 
-    def recover(self, future: Future, error: ReferenceLost) -> bool:
+    def recover(self, future: Future, error: BaseException) -> bool:
         """A task read a lost reference: when a pure task of this executor made it, run
         that again and then this one (once per task); when it is a staged file's copy
         (its node left before the task's fetched it), stage the file again from its
-        endpoint and send the task again (``RESTAGE`` times per task at most); whether
-        it does."""
+        endpoint and send the task again (``RESTAGE`` times per task at most). A task
+        whose out= files could not go where they go (``OutPending``): this client carries
+        them, then the task's future gets its result. Whether it does."""
+        if type(error) is OutPending:
+            return self._carry_out(future, error)
+        if type(error) is not ReferenceLost:
+            return False
         return (
             self._restage(future, error)
             or self._rebind(future, error)
             or self._rerun(future, error)
         )
+
+    def _carry_out(self, future: Future, error: OutPending) -> bool:
+        """The out= files of ``error`` carried through this client (a thread of its
+        own: ``carry_out``), then ``future`` done with the task's result, or failed."""
+
+        def carry() -> None:
+            try:
+                carry_out(self._ex, error.pending)
+                value = error.value
+                if type(future) is KeptFuture:
+                    value = self.kept(future, value)
+            except BaseException as exc:
+                future.record.state = TaskState.FAILED
+                fail(future, exc)
+            else:
+                future.record.state = TaskState.SUCCESS
+                with contextlib.suppress(cf.InvalidStateError):  # (cancelled meanwhile)
+                    future.set_result(value)
+            if type(future) is not Future:  # the data path: its Refs go when it does
+                DataPath.done(future)
+
+        threading.Thread(target=carry, name="nimbus-carry-out", daemon=True).start()
+        return True
 
     def _rerun(self, future: Future, error: ReferenceLost) -> bool:
         """The pure task that made the lost reference run again, then ``future``'s (once)."""

@@ -26,7 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from nimbus import owners
-from nimbus.data._file import File, Out, Staged, discard_out, finish_out, local_path, out_id
+from nimbus.data._file import (
+    File,
+    Out,
+    OutPending,
+    Staged,
+    discard_out,
+    finish_out,
+    local_path,
+    out_id,
+)
 from nimbus.data._kv import KeyValue
 from nimbus.data._node import NodeStore, default_root
 from nimbus.data._ref import MAX_SCAN, Ref, Scope, local_namespace, lost, new_id, owner_namespace
@@ -116,6 +125,7 @@ def run(fn: Any, scope: Scope, /, *args: Any, **kwargs: Any) -> Any:
         )  # the service's word, not the client's
     before, _current = _current, scope
     seen: dict[str, Any] = {}
+    pending: list[tuple[Any, ...]] = []  # out= files left for the client to carry
     try:
         try:
             args = tuple(_resolve(a, scope, seen) for a in args)
@@ -126,34 +136,48 @@ def run(fn: Any, scope: Scope, /, *args: Any, **kwargs: Any) -> Any:
             for key in [k for k in seen if k.startswith("file:")]:
                 marker, written = seen[key]
                 if type(marker) is Out:  # out=File(...): the task's file moved where it goes
-                    finish_out(marker, written, out_id(written))
+                    left = finish_out(marker, written, out_id(written))
+                    if left is not None:
+                        pending.append(left)
         finally:  # out= files' private directories: nothing left, whatever happened
+            carried = {p[1] for p in pending}
             for key in [k for k in seen if k.startswith("file:")]:
                 marker, written = seen.pop(key)
                 if type(marker) is Out:
-                    discard_out(written)
-        if not scope.keep:
-            return result
-        ref_id = scope.ref_id or new_id()
-        node = _node(scope.namespace)
-        expires = time.time() + scope.lease
-        same = _argument(result, seen) if type(result) in _IMMUTABLE else None
-        size = -1
-        if same is not None:  # an argument's object, unchanged: the same bytes, no copy
-            try:
-                os.link(node.path(same), node.path(ref_id))
-                os.utime(node.path(ref_id), (expires, expires))
-                size = same_size(node, ref_id)
-            except OSError:
-                pass
-        if size < 0:
-            size = node.write(ref_id, result, expires)
-        # on a node of a provider's block (one of several of the endpoint): where from
-        held_here = scope.endpoint is not None and os.environ.get("NIMBUS_BLOCK_ID")
-        holder = _holder(ref_id, expires) if held_here else None
-        return Ref(ref_id, scope.namespace, scope.user, scope.endpoint, size, holder)
+                    discard_out(written, keep=out_id(written) in carried)
+        value = _kept(result, scope, seen) if scope.keep else result
+        if pending:  # (the client carries them, then gives ``value`` to the task's future)
+            raise OutPending(
+                f"the task ran, but its out= files could not be sent where they go "
+                f"({pending[0][5]}); they wait on its node for its client",
+                value,
+                tuple(pending),
+            )
+        return value
     finally:
         _current = before
+
+
+def _kept(result: Any, scope: Scope, seen: dict[str, Any]) -> Ref:
+    """``result`` written to this node's store: the Ref to it."""
+    ref_id = scope.ref_id or new_id()
+    node = _node(scope.namespace)
+    expires = time.time() + scope.lease
+    same = _argument(result, seen) if type(result) in _IMMUTABLE else None
+    size = -1
+    if same is not None:  # an argument's object, unchanged: the same bytes, no copy
+        try:
+            os.link(node.path(same), node.path(ref_id))
+            os.utime(node.path(ref_id), (expires, expires))
+            size = same_size(node, ref_id)
+        except OSError:
+            pass
+    if size < 0:
+        size = node.write(ref_id, result, expires)
+    # on a node of a provider's block (one of several of the endpoint): where from
+    held_here = scope.endpoint is not None and os.environ.get("NIMBUS_BLOCK_ID")
+    holder = _holder(ref_id, expires) if held_here else None
+    return Ref(ref_id, scope.namespace, scope.user, scope.endpoint, size, holder)
 
 
 def _holder(ref_id: str, expires: float) -> tuple[str, int, str, str] | None:
