@@ -17,6 +17,8 @@ that cannot be made fails the test with what ``ip`` said.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -288,6 +290,88 @@ def test_a_large_put_goes_straight_to_a_node_the_client_reaches_else_through_the
         assert got["ep2"]["sent"] < 64 * 1024  # (the task's argument: the Ref alone)
         assert got["ep1"]["holder"] is None and got["ep1"]["later"] > 60
         assert got["ep1"]["read"] == size and got["ep1"]["got"]
+    finally:
+        for endpoint in endpoints:
+            endpoint.stop()
+        service.stop()
+
+
+FILES = textwrap.dedent(
+    """
+    import hashlib, json, os, sys
+    import nimbus
+    from nimbus import Executor
+
+    def write_random(n, out):
+        body = os.urandom(n)
+        out.write_bytes(body)
+        return out.name, hashlib.sha256(body).hexdigest()
+
+    def digest(path):
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    exported, got = sys.argv[1], {}
+    with Executor(endpoint="ep1") as one:
+        out = nimbus.File(f"ep2:{exported}/{{task_id}}.bin")
+        got["out"] = [one.submit(write_random, 2 << 20, out=out).result(180) for _ in range(2)]
+        got["in"] = one.submit(digest, nimbus.File(f"ep2:{exported}/input.bin")).result(180)
+        got["received"] = one.statistics()["bytes_received"]
+    json.dump(got, open(sys.argv[2], "w"))
+    """
+)
+
+
+def test_files_between_endpoints_that_cannot_reach_each_other_go_through_the_client(
+    net: Net, tmp_path: Path
+) -> None:
+    """Two endpoints in namespaces of their own whose nodes serve on their own loopback
+    (the default): neither reaches the other's node, nor does the client. A task on ep1
+    writing ``out=File("ep2:...")`` still gets its files to ep2 (carried through the
+    client, sha256 checked), and a file of ep2 is staged into a task on ep1 the same way."""
+    env = service_env(tmp_path) | {"NIMBUS_MAX_PAYLOAD": "16M"}
+    service = NsService(tmp_path, env, net).start()
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    body = os.urandom(3 << 20)
+    (exported / "input.bin").write_bytes(body)
+    endpoints: list[NsEndpoint] = []
+    try:
+        token = service.token("netuser")
+        with service.client(token) as admin:
+            for name in ("ep1", "ep2"):
+                endpoint = NsEndpoint(service, admin, name, net.ns(name))
+                endpoint.service = copy.copy(service)  # each its own node directory
+                endpoint.service.env = dict(env, NIMBUS_RUNTIME_DIR=str(tmp_path / name))
+                if name == "ep2":
+                    endpoint.config = dataclasses.replace(endpoint.config, exports=str(exported))
+                    old = os.environ.get("XDG_CONFIG_HOME")
+                    os.environ["XDG_CONFIG_HOME"] = env["XDG_CONFIG_HOME"]
+                    try:
+                        endpoint.config.save()
+                    finally:
+                        if old is None:
+                            del os.environ["XDG_CONFIG_HOME"]
+                        else:
+                            os.environ["XDG_CONFIG_HOME"] = old
+                endpoints.append(endpoint.start(admin))
+            out = tmp_path / "out.json"
+            script = tmp_path / "files.py"
+            script.write_text(FILES)
+            client_env = env | {"NIMBUS_SERVICE_URL": service.url, "NIMBUS_TOKEN": token}
+            command = ["ip", "netns", "exec", net.ns("cli"), sys.executable, str(script)]
+            run = subprocess.run(
+                [*command, str(exported), str(out)],
+                env=client_env,
+                capture_output=True,
+                timeout=600,
+            )
+            assert run.returncode == 0, run.stderr.decode()[-3000:]
+            got = json.loads(out.read_text())
+        for name, sha in got["out"]:
+            assert hashlib.sha256((exported / name).read_bytes()).hexdigest() == sha
+        assert got["in"] == hashlib.sha256(body).hexdigest()
+        assert got["received"] > 2 * (2 << 20)  # (carried: through this client)
+        assert not [p for p in exported.iterdir() if p.name.startswith(".")]
     finally:
         for endpoint in endpoints:
             endpoint.stop()
