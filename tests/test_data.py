@@ -460,6 +460,26 @@ def _in(runtime: Path, code: str) -> str:
     return done.stdout.decode().strip()
 
 
+def test_a_write_that_fails_leaves_nothing_in_the_store(tmp_path: Path) -> None:
+    """An object that does not fit (the memory store full: a large ``nimbus.put(obj,
+    endpoint=)`` then goes through the service) leaves no part file behind: it stayed,
+    as large as what fit, until a sweep an hour later (``PART_AGE``), keeping the
+    store full. (A file size limit stands in for a full /dev/shm: the same OSError.)"""
+    code = (
+        "import resource, signal\n"
+        "from pathlib import Path\n"
+        "from nimbus.data import NodeStore\n"
+        f"store = NodeStore('u', Path({str(tmp_path / 'data')!r}))\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+        "try:\n"
+        "    store.write('a' * 32, b'x' * (3 << 20), 2e9)\n"
+        "except OSError as exc:\n"
+        "    print(type(exc).__name__, sorted(p.name for p in store.objects.iterdir()))\n"
+    )
+    assert _in(tmp_path / "rt", code) == "OSError []"
+
+
 def test_two_runtimes_never_see_each_others_data(tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     code = (
