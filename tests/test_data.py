@@ -897,6 +897,25 @@ def test_objects_of_a_killed_endpoint_fail_at_once_and_come_back_with_it(
         crash.stop()
 
 
+def test_a_large_get_leaves_nothing_in_the_clients_store(
+    service: Service, remote: Executor, lab: EndpointProcess
+) -> None:
+    """A large object read straight from its node goes through a file of the client's
+    store, removed once read: nothing of it stays there (its fetch's lock file stayed,
+    one per read, until a sweep an hour later or the process's end)."""
+    _serving(on_endpoint(service, nimbus.data.session(lab.endpoint_id).namespace).dir.parent)
+    local = nimbus.data.session(None).store
+    assert local is not None
+    before = set(os.listdir(local.objects))
+    ref = nimbus.put(os.urandom(2 * MB), endpoint="lab")
+    made = remote.options(keep=True).submit(mbytes, 2)
+    for _ in range(3):
+        assert len(ref.get(timeout=60)) == 2 * MB
+        assert len(made.result(timeout=60)) == 2 * MB
+    assert ref.holder is not None  # (read straight from its node: ``_place``)
+    assert set(os.listdir(local.objects)) - before == set()
+
+
 def test_remote_reference_of_another_user_is_refused(
     service: Service, remote: Executor, lab: EndpointProcess, alice: Client
 ) -> None:

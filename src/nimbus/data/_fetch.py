@@ -58,7 +58,7 @@ from nimbus.errors import DataError, ReferenceLost
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["fetch", "fetch_object", "free", "renew", "request"]
+__all__ = ["fetch", "fetch_object", "free", "lock_of", "renew", "request"]
 
 FLOOR_RATE = 1 << 20  # bytes/s: a fetch of n bytes has TIMEOUT + n / FLOOR_RATE s in all
 LOCK_WAIT = 600.0  # seconds a task waits for another task of its node fetching the copy
@@ -253,12 +253,17 @@ def _receive(sock: socket.socket, part: Path, size: int, deadline: float) -> Any
         os.close(fd)
 
 
+def lock_of(target: Path) -> Path:
+    """The lock file of fetches into ``target`` (left for the next fetch of that copy;
+    one into a path of its own, as the client's, removes it after)."""
+    return target.with_name(f".{target.name}.lock")
+
+
 @contextlib.contextmanager
 def _fetching(target: Path, name: str) -> Iterator[None]:
     """This node's lock on fetching ``target`` (the copy ``name``) held, waiting
     ``LOCK_WAIT`` s at most for another task of this node fetching it."""
-    lock = target.with_name(f".{target.name}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(lock_of(target), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         deadline = time.monotonic() + LOCK_WAIT
         while True:  # another task of this node may be fetching it

@@ -123,7 +123,7 @@ def take(ref: Ref, where: Session, timeout: float | None) -> tuple[bool, Any]:
 def _fetched(ref: Ref, where: Session, server: tuple[str, int, str], pin: str) -> Any:
     """``ref``'s object fetched from ``server`` with ``pin`` into this machine's store,
     read, and unlinked there (the object's buffers map the file: they live on)."""
-    from nimbus.data._fetch import fetch_object
+    from nimbus.data._fetch import fetch_object, lock_of
 
     if pin[:32] != ref.id:
         raise DataError(f"{ref!r}: the pin {pin!r} names another object")
@@ -136,6 +136,7 @@ def _fetched(ref: Ref, where: Session, server: tuple[str, int, str], pin: str) -
         return local.read(staged)
     finally:
         local.free([staged])
+        lock_of(local.path(staged)).unlink(missing_ok=True)  # (its fetch's: of no use now)
 
 
 def reopen(ref_id: str, expires: float) -> tuple[str, int, str, str] | None:
