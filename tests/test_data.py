@@ -886,6 +886,10 @@ def test_objects_of_a_killed_endpoint_fail_at_once_and_come_back_with_it(
             with pytest.raises(ReferenceLost, match="endpoint 'crash'"):
                 made.ref().get()
             assert time.monotonic() - began < 30
+            with pytest.raises(DataError, match="endpoint 'crash' is offline") as put:
+                nimbus.put(blob, endpoint="crash")  # (a large put: no object to name)
+            assert not isinstance(put.value, ReferenceLost)  # (was: "the object <a new id>
+            # cannot be read ... make the object again (nimbus.put ...)", for a put)
             assert all(p.exists() for p in held)  # nobody removed them: killed
             crash.start(alice)
             _serving(root)

@@ -28,8 +28,8 @@ import logging
 import time
 from typing import Any
 
-from nimbus.data._ref import Ref, Session, new_id, session
-from nimbus.errors import DataError
+from nimbus.data._ref import Ref, Session, named, new_id, session
+from nimbus.errors import DataError, ReferenceLost
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,15 @@ def place(obj: object, where: Session) -> Ref | None:
             return None
         copy_id = new_id()
         pin = copy_id + new_id()
-        found = where.call(expect_object, copy_id, pin, time.time() + where.lease).result(WAIT)
+        try:
+            found = where.call(expect_object, copy_id, pin, time.time() + where.lease).result(WAIT)
+        except ReferenceLost:  # (the watch's word for an offline endpoint: no object here)
+            name = named(where.endpoint)
+            raise DataError(
+                f"nimbus.put(obj, endpoint={name!r}): endpoint {name!r} is offline (stopped, "
+                f"or cut off from the service); start it (`nimbus endpoint start {name}`) "
+                f"and try again"
+            ) from None
         if found is None:  # that node serves nothing (not yet: its agent just started, or
             where.direct_after = time.monotonic() + AGAIN  # its NIMBUS_DATA_HOST is wrong)
             return None
@@ -152,8 +160,6 @@ def reopen(ref_id: str, expires: float) -> tuple[str, int, str, str] | None:
 
 def _unreachable(where: Session, exc: BaseException) -> None:
     """The session's large objects through the service for ``UNREACHABLE`` s."""
-    from nimbus.data._ref import named
-
     where.direct_after = time.monotonic() + UNREACHABLE
     log.info(
         "objects of endpoint %r go through the service for %.0f s: its node cannot be reached "
