@@ -920,6 +920,39 @@ def test_a_large_get_leaves_nothing_in_the_clients_store(
     assert set(os.listdir(local.objects)) - before == set()
 
 
+def sleep_for(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_read_honours_its_timeout_and_a_put_waits_for_busy_workers(
+    service: Service, remote: Executor, lab: EndpointProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lab's workers all busy: a kept future's ``result(timeout=)`` of a large object
+    raises TimeoutError in that time (its read waited for the workers, whatever the
+    timeout); a large put waits for them as a small one does (it raised a bare
+    TimeoutError once the task that expects the object waited ``_place.WAIT`` s)."""
+    from nimbus.data import _place
+
+    _serving(on_endpoint(service, nimbus.data.session(lab.endpoint_id).namespace).dir.parent)
+    made = remote.options(keep=True).submit(mbytes, 2)
+    assert made.ref(timeout=60).size >= 2 * MB
+    busy = [remote.submit(sleep_for, 12) for _ in range(2)]  # (lab has 2 workers)
+    try:
+        time.sleep(1)  # (both taken)
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            made.result(timeout=2)
+        assert time.monotonic() - began < 6
+        monkeypatch.setattr(_place, "WAIT", 1.0)  # (120 s: a worker busy for 2 minutes)
+        ref = nimbus.put(b"z" * (2 * MB), endpoint="lab")
+        assert ref.holder is not None
+        assert ref.get(timeout=60) == b"z" * (2 * MB)
+    finally:
+        for f in busy:
+            f.result(timeout=60)
+
+
 def test_remote_reference_of_another_user_is_refused(
     service: Service, remote: Executor, lab: EndpointProcess, alice: Client
 ) -> None:

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 DIRECT = 1 << 20  # bytes: a smaller object goes through the service (one round trip less)
 CONNECT = 5.0  # seconds to reach an endpoint's node: then through the service
-WAIT = 120.0  # seconds the endpoint may take to run the task that expects the object
+WAIT = 120.0  # seconds a staged object or a reopened pin is leased for its transfer
 AGAIN = 10.0  # seconds before a put tries again an endpoint whose node served nothing
 UNREACHABLE = 300.0  # seconds before the client tries again a node it could not reach
 
@@ -44,7 +44,7 @@ def place(obj: object, where: Session) -> Ref | None:
     """``obj`` put on ``where``'s endpoint straight to one of its nodes: its Ref; None
     where it is small or there is no direct path (then the caller sends it through the
     service)."""
-    from nimbus.data._direct import _send, expect_object
+    from nimbus.data._direct import _send
     from nimbus.data._fetch import request
 
     if time.monotonic() < where.direct_after:
@@ -61,8 +61,8 @@ def place(obj: object, where: Session) -> Ref | None:
             return None
         copy_id = new_id()
         pin = copy_id + new_id()
-        try:
-            found = where.call(expect_object, copy_id, pin, time.time() + where.lease).result(WAIT)
+        try:  # (as long as the endpoint's workers are busy, as a put through the service)
+            found = where.call(expect, copy_id, pin, where.lease).result()
         except ReferenceLost:  # (the watch's word for an offline endpoint: no object here)
             name = named(where.endpoint)
             raise DataError(
@@ -73,6 +73,11 @@ def place(obj: object, where: Session) -> Ref | None:
         if found is None:  # that node serves nothing (not yet: its agent just started, or
             where.direct_after = time.monotonic() + AGAIN  # its NIMBUS_DATA_HOST is wrong)
             return None
+        if local.renew([staged], time.time() + WAIT):  # swept while the workers were busy
+            try:
+                local.write(staged, obj, time.time() + WAIT)
+            except OSError:
+                return None
         target = (str(found[0]), int(found[1]), str(found[2]))
         header = {"op": "put", "namespace": where.namespace, "pin": pin, "ref": copy_id}
         holder = (*target, pin)
@@ -92,6 +97,15 @@ def place(obj: object, where: Session) -> Ref | None:
         return ref
     finally:
         local.free([staged])
+
+
+def expect(ref_id: str, pin: str, lease: float) -> tuple[str, int, str] | None:
+    """A task on the endpoint: :func:`~nimbus.data._direct.expect_object`, the pin leased
+    ``lease`` s from when it runs (not from when the client asked: it may wait behind
+    busy workers longer than that)."""
+    from nimbus.data._direct import expect_object
+
+    return expect_object(ref_id, pin, time.time() + lease)
 
 
 def take(ref: Ref, where: Session, timeout: float | None) -> tuple[bool, Any]:
