@@ -953,6 +953,40 @@ def test_a_read_honours_its_timeout_and_a_put_waits_for_busy_workers(
             f.result(timeout=60)
 
 
+def test_a_busy_node_is_waited_for_not_taken_for_unreachable(
+    service: Service, remote: Executor, lab: EndpointProcess
+) -> None:
+    """Lab's node serves all it may to this address (``PER_PEER`` connections: other
+    clients behind one NAT, other puts of this one): a large put waits for a slot. It
+    took the node for unreachable after 5 s (``CONNECT``), sent the object through the
+    service (over NIMBUS_MAX_PAYLOAD: refused, "this client cannot reach the endpoint's
+    node"), and every large object of the session for 5 minutes after."""
+    from nimbus.data._fetch import request
+    from nimbus.data._serve import PER_PEER
+
+    where = nimbus.data.session(lab.endpoint_id)
+    _serving(on_endpoint(service, where.namespace).dir.parent)
+    held = nimbus.put(os.urandom(32 * MB), endpoint="lab")
+    assert held.holder is not None
+    host, port, secret, pin = held.holder
+    header = {"op": "object", "namespace": where.namespace, "pin": pin}
+    taken = [request((host, port, secret), header, "take a slot")[0] for _ in range(PER_PEER)]
+    # (each: the node sends 32 MB nobody reads, its thread blocked until the link closes)
+    release_at = threading.Timer(8.0, lambda: [s.close() for s in taken])
+    release_at.start()
+    try:
+        began = time.monotonic()
+        ref = nimbus.put(b"w" * (2 * MB), endpoint="lab")
+        assert ref.holder is not None  # straight to the node, once it served another
+        assert time.monotonic() - began >= 6
+        assert where.direct_after <= time.monotonic()
+        assert ref.get(timeout=60) == b"w" * (2 * MB)
+    finally:
+        release_at.cancel()
+        for s in taken:
+            s.close()
+
+
 def test_remote_reference_of_another_user_is_refused(
     service: Service, remote: Executor, lab: EndpointProcess, alice: Client
 ) -> None:

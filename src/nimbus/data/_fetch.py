@@ -74,18 +74,23 @@ class _Busy(DataError):
 
 
 def request(
-    holder: tuple[str, int, str], header: dict[str, Any], what: str, timeout: float = TIMEOUT
+    holder: tuple[str, int, str],
+    header: dict[str, Any],
+    what: str,
+    timeout: float = TIMEOUT,
+    connect: float | None = None,
 ) -> tuple[socket.socket, str]:
     """A connection to ``holder``'s server with ``header`` sent (proved with the copy's
     secret) and its "OK" read; the socket (open) and how to name the node. A node that
     is not there or refuses (it holds no such copy): :class:`_Gone`; one busy (it serves
     too many at once) is asked again after a jittered backoff, for ``timeout`` s at most,
-    then :class:`DataError`."""
+    then :class:`DataError`. Each try waits ``connect`` s (default ``timeout``) to reach
+    the node and be answered: a node that answers "busy" is there."""
     deadline = time.monotonic() + timeout
     pause = 0.05
     while True:
         try:
-            return _request_once(holder, header, what, timeout)
+            return _request_once(holder, header, what, timeout if connect is None else connect)
         except _Busy as exc:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -198,7 +203,8 @@ def fetch_object(
     ``expires``; one fetch of it at a time on this node.
 
     That node gone, or holding the object no more: ``ReferenceLost`` naming the object
-    (``connect``: seconds to reach it and be answered)."""
+    (``connect``: seconds to reach it and be answered; one busy is asked again for
+    ``TIMEOUT`` s)."""
     from nimbus.data._direct import _mac as transfer_mac
 
     name = pin[:32]
@@ -207,7 +213,7 @@ def fetch_object(
             return
         header = {"op": "object", "namespace": namespace, "pin": pin}
         try:
-            sock, where = request(holder, header, f"fetch the object {name}", connect)
+            sock, where = request(holder, header, f"fetch the object {name}", TIMEOUT, connect)
             sock.settimeout(TIMEOUT)
         except _Gone as exc:
             raise ReferenceLost(

@@ -84,7 +84,7 @@ def place(obj: object, where: Session) -> Ref | None:
         ref = where.adopt(Ref(copy_id, where.namespace, where.user, where.endpoint, size, holder))
 
         def opened() -> Any:
-            sock = request(target, header, "put an object", CONNECT)[0]
+            sock = request(target, header, "put an object", WAIT, CONNECT)[0]  # (busy: waited)
             sock.settimeout(WAIT)
             return sock
 
