@@ -985,6 +985,13 @@ def test_a_busy_node_is_waited_for_not_taken_for_unreachable(
         release_at.cancel()
         for s in taken:
             s.close()
+    path = on_endpoint(service, where.namespace).path(held.id)
+    del held
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # (freed: the tests after count the large objects there)
+    assert not path.exists()
 
 
 def test_remote_reference_of_another_user_is_refused(
