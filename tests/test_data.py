@@ -460,6 +460,26 @@ def _in(runtime: Path, code: str) -> str:
     return done.stdout.decode().strip()
 
 
+def test_a_write_that_fails_leaves_nothing_in_the_store(tmp_path: Path) -> None:
+    """An object that does not fit (the memory store full: a large ``nimbus.put(obj,
+    endpoint=)`` then goes through the service) leaves no part file behind: it stayed,
+    as large as what fit, until a sweep an hour later (``PART_AGE``), keeping the
+    store full. (A file size limit stands in for a full /dev/shm: the same OSError.)"""
+    code = (
+        "import resource, signal\n"
+        "from pathlib import Path\n"
+        "from nimbus.data import NodeStore\n"
+        f"store = NodeStore('u', Path({str(tmp_path / 'data')!r}))\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+        "try:\n"
+        "    store.write('a' * 32, b'x' * (3 << 20), 2e9)\n"
+        "except OSError as exc:\n"
+        "    print(type(exc).__name__, sorted(p.name for p in store.objects.iterdir()))\n"
+    )
+    assert _in(tmp_path / "rt", code) == "OSError []"
+
+
 def test_two_runtimes_never_see_each_others_data(tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     code = (
@@ -866,6 +886,10 @@ def test_objects_of_a_killed_endpoint_fail_at_once_and_come_back_with_it(
             with pytest.raises(ReferenceLost, match="endpoint 'crash'"):
                 made.ref().get()
             assert time.monotonic() - began < 30
+            with pytest.raises(DataError, match="endpoint 'crash' is offline") as put:
+                nimbus.put(blob, endpoint="crash")  # (a large put: no object to name)
+            assert not isinstance(put.value, ReferenceLost)  # (was: "the object <a new id>
+            # cannot be read ... make the object again (nimbus.put ...)", for a put)
             assert all(p.exists() for p in held)  # nobody removed them: killed
             crash.start(alice)
             _serving(root)
@@ -875,6 +899,99 @@ def test_objects_of_a_killed_endpoint_fail_at_once_and_come_back_with_it(
             assert made.ref().get(timeout=60) == [2, 4]
     finally:
         crash.stop()
+
+
+def test_a_large_get_leaves_nothing_in_the_clients_store(
+    service: Service, remote: Executor, lab: EndpointProcess
+) -> None:
+    """A large object read straight from its node goes through a file of the client's
+    store, removed once read: nothing of it stays there (its fetch's lock file stayed,
+    one per read, until a sweep an hour later or the process's end)."""
+    _serving(on_endpoint(service, nimbus.data.session(lab.endpoint_id).namespace).dir.parent)
+    local = nimbus.data.session(None).store
+    assert local is not None
+    before = set(os.listdir(local.objects))
+    ref = nimbus.put(os.urandom(2 * MB), endpoint="lab")
+    made = remote.options(keep=True).submit(mbytes, 2)
+    for _ in range(3):
+        assert len(ref.get(timeout=60)) == 2 * MB
+        assert len(made.result(timeout=60)) == 2 * MB
+    assert ref.holder is not None  # (read straight from its node: ``_place``)
+    assert set(os.listdir(local.objects)) - before == set()
+
+
+def sleep_for(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_read_honours_its_timeout_and_a_put_waits_for_busy_workers(
+    service: Service, remote: Executor, lab: EndpointProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lab's workers all busy: a kept future's ``result(timeout=)`` of a large object
+    raises TimeoutError in that time (its read waited for the workers, whatever the
+    timeout); a large put waits for them as a small one does (it raised a bare
+    TimeoutError once the task that expects the object waited ``_place.WAIT`` s)."""
+    from nimbus.data import _place
+
+    _serving(on_endpoint(service, nimbus.data.session(lab.endpoint_id).namespace).dir.parent)
+    made = remote.options(keep=True).submit(mbytes, 2)
+    assert made.ref(timeout=60).size >= 2 * MB
+    busy = [remote.submit(sleep_for, 12) for _ in range(2)]  # (lab has 2 workers)
+    try:
+        time.sleep(1)  # (both taken)
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            made.result(timeout=2)
+        assert time.monotonic() - began < 6
+        monkeypatch.setattr(_place, "WAIT", 1.0)  # (120 s: a worker busy for 2 minutes)
+        ref = nimbus.put(b"z" * (2 * MB), endpoint="lab")
+        assert ref.holder is not None
+        assert ref.get(timeout=60) == b"z" * (2 * MB)
+    finally:
+        for f in busy:
+            f.result(timeout=60)
+
+
+def test_a_busy_node_is_waited_for_not_taken_for_unreachable(
+    service: Service, remote: Executor, lab: EndpointProcess
+) -> None:
+    """Lab's node serves all it may to this address (``PER_PEER`` connections: other
+    clients behind one NAT, other puts of this one): a large put waits for a slot. It
+    took the node for unreachable after 5 s (``CONNECT``), sent the object through the
+    service (over NIMBUS_MAX_PAYLOAD: refused, "this client cannot reach the endpoint's
+    node"), and every large object of the session for 5 minutes after."""
+    from nimbus.data._fetch import request
+    from nimbus.data._serve import PER_PEER
+
+    where = nimbus.data.session(lab.endpoint_id)
+    _serving(on_endpoint(service, where.namespace).dir.parent)
+    held = nimbus.put(os.urandom(32 * MB), endpoint="lab")
+    assert held.holder is not None
+    host, port, secret, pin = held.holder
+    header = {"op": "object", "namespace": where.namespace, "pin": pin}
+    taken = [request((host, port, secret), header, "take a slot")[0] for _ in range(PER_PEER)]
+    # (each: the node sends 32 MB nobody reads, its thread blocked until the link closes)
+    release_at = threading.Timer(8.0, lambda: [s.close() for s in taken])
+    release_at.start()
+    try:
+        began = time.monotonic()
+        ref = nimbus.put(b"w" * (2 * MB), endpoint="lab")
+        assert ref.holder is not None  # straight to the node, once it served another
+        assert time.monotonic() - began >= 6
+        assert where.direct_after <= time.monotonic()
+        assert ref.get(timeout=60) == b"w" * (2 * MB)
+    finally:
+        release_at.cancel()
+        for s in taken:
+            s.close()
+    path = on_endpoint(service, where.namespace).path(held.id)
+    del held
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # (freed: the tests after count the large objects there)
+    assert not path.exists()
 
 
 def test_remote_reference_of_another_user_is_refused(

@@ -1447,3 +1447,54 @@ def test_a_node_writes_an_out_file_only_where_its_pin_says(
         assert server.statistics()["written"] == 1
     finally:
         server.close()
+
+
+def test_a_put_sends_nothing_to_a_listener_that_does_not_prove_the_pins_secret(
+    tmp_path: Path,
+) -> None:
+    """A large ``nimbus.put(obj, endpoint=)`` (or a relay) sends the object where a task
+    of the endpoint says its node's server listens; what answers there need not be that
+    server: ``NIMBUS_DATA_HOST=127.0.0.1`` (the default) names the client's own loopback
+    where the client runs elsewhere, and any user of that machine may listen on that
+    port. Its "OK" proved nothing (the sender's proof and the tag protect the node and
+    the bytes' integrity, not their secrecy): whoever said it got the whole object, in
+    clear. Now the server proves the pin's secret first; a listener that cannot gets
+    nothing of it."""
+    from nimbus.data._direct import _send, recv_exactly
+    from nimbus.data._fetch import request
+
+    secret = os.urandom(32).hex()
+    body = os.urandom(256 * 1024)
+    (tmp_path / "object").write_bytes(body)
+    listener = socket.create_server(("127.0.0.1", 0))
+    got = bytearray()
+
+    def listening() -> None:  # says what a node's server says, knowing no secret
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(20)
+            conn.sendall(os.urandom(32))  # a challenge
+            length = int.from_bytes(recv_exactly(conn, 4), "little")
+            recv_exactly(conn, length + 32)  # the header and its HMAC, unchecked
+            conn.sendall(b"OK")
+            with contextlib.suppress(OSError):
+                while chunk := conn.recv(1 << 16):
+                    got.extend(chunk)
+
+    thread = threading.Thread(target=listening)
+    thread.start()
+    header = {"op": "put", "namespace": "u-put", "pin": "a" * 64, "ref": "a" * 32}
+    target = ("127.0.0.1", listener.getsockname()[1], secret)
+
+    def opened() -> socket.socket:
+        sock = request(target, header, "put an object")[0]
+        sock.settimeout(3)
+        return sock
+
+    try:
+        with pytest.raises(DataError):
+            _send(tmp_path / "object", *target, None, opened)
+    finally:
+        thread.join(30)
+        listener.close()
+    assert body[:4096] not in got and len(got) < 1024

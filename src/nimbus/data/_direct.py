@@ -328,7 +328,8 @@ def _send(
     opened: Callable[[], socket.socket] | None = None,
 ) -> tuple[int, str]:
     """``path`` sent to the offer at ``host``:``port`` (or on the socket ``opened``
-    gives: a node's server that took a request to receive it); its size and sha256."""
+    gives: a node's server that took a request to receive it, and proves the pin's
+    secret before any byte goes); its size and sha256."""
     mac_key = bytes.fromhex(secret)
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
@@ -355,6 +356,13 @@ def _send(
             )
             with sock:
                 try:
+                    if opened is not None and not hmac.compare_digest(
+                        recv_exactly(sock, 32, "the node"), _mac(mac_key, b"ready")
+                    ):  # (an "OK" proves nothing: whoever listens where the node was said)
+                        raise DataError(
+                            f"{host}:{port} did not prove the pin's secret: not the node that "
+                            f"expects the object; nothing was sent"
+                        )
                     sock.sendall(_mac(mac_key, b"connect") + size.to_bytes(8, "little"))
                     sent = sock.sendfile(f, 0, size) if size else 0
                     if sent != size:

@@ -58,7 +58,7 @@ from nimbus.errors import DataError, ReferenceLost
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-__all__ = ["fetch", "fetch_object", "free", "renew", "request"]
+__all__ = ["fetch", "fetch_object", "free", "lock_of", "renew", "request"]
 
 FLOOR_RATE = 1 << 20  # bytes/s: a fetch of n bytes has TIMEOUT + n / FLOOR_RATE s in all
 LOCK_WAIT = 600.0  # seconds a task waits for another task of its node fetching the copy
@@ -78,6 +78,7 @@ def request(
     header: dict[str, Any],
     what: str,
     timeout: float = TIMEOUT,
+    connect: float | None = None,
     *,
     failed: Callable[[OSError], DataError] | None = None,
     where: str = "",
@@ -86,13 +87,16 @@ def request(
     secret) and its "OK" read; the socket (open) and how to name the node. A node that
     is not there or refuses (it holds no such copy): :class:`_Gone`; one busy (it serves
     too many at once) is asked again after a jittered backoff, for ``timeout`` s at most,
-    then :class:`DataError`. ``failed``: the error of a node that cannot be connected to
-    instead; ``where``: how messages name the node ("from the node that holds it")."""
+    then :class:`DataError`. Each try waits ``connect`` s (default ``timeout``) to reach
+    the node and be answered: a node that answers "busy" is there. ``failed``: the error
+    of a node that cannot be connected to instead; ``where``: how messages name the node
+    ("from the node that holds it")."""
     deadline = time.monotonic() + timeout
     pause = 0.05
     while True:
         try:
-            return _request_once(holder, header, what, timeout, failed, where)
+            wait = timeout if connect is None else connect
+            return _request_once(holder, header, what, wait, failed, where)
         except _Busy as exc:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -213,7 +217,8 @@ def fetch_object(
     ``expires``; one fetch of it at a time on this node.
 
     That node gone, or holding the object no more: ``ReferenceLost`` naming the object
-    (``connect``: seconds to reach it and be answered)."""
+    (``connect``: seconds to reach it and be answered; one busy is asked again for
+    ``TIMEOUT`` s)."""
     from nimbus.data._direct import _mac as transfer_mac
 
     name = pin[:32]
@@ -222,7 +227,7 @@ def fetch_object(
             return
         header = {"op": "object", "namespace": namespace, "pin": pin}
         try:
-            sock, where = request(holder, header, f"fetch the object {name}", connect)
+            sock, where = request(holder, header, f"fetch the object {name}", TIMEOUT, connect)
             sock.settimeout(TIMEOUT)
         except _Gone as exc:
             raise ReferenceLost(
@@ -268,12 +273,17 @@ def _receive(sock: socket.socket, part: Path, size: int, deadline: float) -> Any
         os.close(fd)
 
 
+def lock_of(target: Path) -> Path:
+    """The lock file of fetches into ``target`` (left for the next fetch of that copy;
+    one into a path of its own, as the client's, removes it after)."""
+    return target.with_name(f".{target.name}.lock")
+
+
 @contextlib.contextmanager
 def _fetching(target: Path, name: str) -> Iterator[None]:
     """This node's lock on fetching ``target`` (the copy ``name``) held, waiting
     ``LOCK_WAIT`` s at most for another task of this node fetching it."""
-    lock = target.with_name(f".{target.name}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(lock_of(target), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         deadline = time.monotonic() + LOCK_WAIT
         while True:  # another task of this node may be fetching it

@@ -478,14 +478,18 @@ class NodeStore:
             self.objects.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            _write_all(fd, head)
-            _write_all(fd, data)
-            for view in views:
-                _write_all(fd, view)
-        finally:
-            os.close(fd)
-        os.utime(part, (expires, expires))
-        os.rename(part, final)
+            try:
+                _write_all(fd, head)
+                _write_all(fd, data)
+                for view in views:
+                    _write_all(fd, view)
+            finally:
+                os.close(fd)
+            os.utime(part, (expires, expires))
+            os.rename(part, final)
+        except BaseException:  # (no room: what fit goes too, not at a sweep an hour later)
+            part.unlink(missing_ok=True)
+            raise
         self.maybe_sweep()
         return len(head) + len(data) + sum(v.nbytes for v in views)
 

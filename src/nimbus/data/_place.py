@@ -28,14 +28,14 @@ import logging
 import time
 from typing import Any
 
-from nimbus.data._ref import Ref, Session, new_id, session
-from nimbus.errors import DataError
+from nimbus.data._ref import Ref, Session, named, new_id, session
+from nimbus.errors import DataError, ReferenceLost
 
 log = logging.getLogger(__name__)
 
 DIRECT = 1 << 20  # bytes: a smaller object goes through the service (one round trip less)
 CONNECT = 5.0  # seconds to reach an endpoint's node: then through the service
-WAIT = 120.0  # seconds the endpoint may take to run the task that expects the object
+WAIT = 120.0  # seconds a staged object or a reopened pin is leased for its transfer
 AGAIN = 10.0  # seconds before a put tries again an endpoint whose node served nothing
 UNREACHABLE = 300.0  # seconds before the client tries again a node it could not reach
 
@@ -44,7 +44,7 @@ def place(obj: object, where: Session) -> Ref | None:
     """``obj`` put on ``where``'s endpoint straight to one of its nodes: its Ref; None
     where it is small or there is no direct path (then the caller sends it through the
     service)."""
-    from nimbus.data._direct import _send, expect_object
+    from nimbus.data._direct import _send
     from nimbus.data._fetch import request
 
     if time.monotonic() < where.direct_after:
@@ -61,17 +61,30 @@ def place(obj: object, where: Session) -> Ref | None:
             return None
         copy_id = new_id()
         pin = copy_id + new_id()
-        found = where.call(expect_object, copy_id, pin, time.time() + where.lease).result(WAIT)
+        try:  # (as long as the endpoint's workers are busy, as a put through the service)
+            found = where.call(expect, copy_id, pin, where.lease).result()
+        except ReferenceLost:  # (the watch's word for an offline endpoint: no object here)
+            name = named(where.endpoint)
+            raise DataError(
+                f"nimbus.put(obj, endpoint={name!r}): endpoint {name!r} is offline (stopped, "
+                f"or cut off from the service); start it (`nimbus endpoint start {name}`) "
+                f"and try again"
+            ) from None
         if found is None:  # that node serves nothing (not yet: its agent just started, or
             where.direct_after = time.monotonic() + AGAIN  # its NIMBUS_DATA_HOST is wrong)
             return None
+        if local.renew([staged], time.time() + WAIT):  # swept while the workers were busy
+            try:
+                local.write(staged, obj, time.time() + WAIT)
+            except OSError:
+                return None
         target = (str(found[0]), int(found[1]), str(found[2]))
         header = {"op": "put", "namespace": where.namespace, "pin": pin, "ref": copy_id}
         holder = (*target, pin)
         ref = where.adopt(Ref(copy_id, where.namespace, where.user, where.endpoint, size, holder))
 
         def opened() -> Any:
-            sock = request(target, header, "put an object", CONNECT)[0]
+            sock = request(target, header, "put an object", WAIT, CONNECT)[0]  # (busy: waited)
             sock.settimeout(WAIT)
             return sock
 
@@ -84,6 +97,15 @@ def place(obj: object, where: Session) -> Ref | None:
         return ref
     finally:
         local.free([staged])
+
+
+def expect(ref_id: str, pin: str, lease: float) -> tuple[str, int, str] | None:
+    """A task on the endpoint: :func:`~nimbus.data._direct.expect_object`, the pin leased
+    ``lease`` s from when it runs (not from when the client asked: it may wait behind
+    busy workers longer than that)."""
+    from nimbus.data._direct import expect_object
+
+    return expect_object(ref_id, pin, time.time() + lease)
 
 
 def take(ref: Ref, where: Session, timeout: float | None) -> tuple[bool, Any]:
@@ -123,7 +145,7 @@ def take(ref: Ref, where: Session, timeout: float | None) -> tuple[bool, Any]:
 def _fetched(ref: Ref, where: Session, server: tuple[str, int, str], pin: str) -> Any:
     """``ref``'s object fetched from ``server`` with ``pin`` into this machine's store,
     read, and unlinked there (the object's buffers map the file: they live on)."""
-    from nimbus.data._fetch import fetch_object
+    from nimbus.data._fetch import fetch_object, lock_of
 
     if pin[:32] != ref.id:
         raise DataError(f"{ref!r}: the pin {pin!r} names another object")
@@ -136,6 +158,7 @@ def _fetched(ref: Ref, where: Session, server: tuple[str, int, str], pin: str) -
         return local.read(staged)
     finally:
         local.free([staged])
+        lock_of(local.path(staged)).unlink(missing_ok=True)  # (its fetch's: of no use now)
 
 
 def reopen(ref_id: str, expires: float) -> tuple[str, int, str, str] | None:
@@ -151,8 +174,6 @@ def reopen(ref_id: str, expires: float) -> tuple[str, int, str, str] | None:
 
 def _unreachable(where: Session, exc: BaseException) -> None:
     """The session's large objects through the service for ``UNREACHABLE`` s."""
-    from nimbus.data._ref import named
-
     where.direct_after = time.monotonic() + UNREACHABLE
     log.info(
         "objects of endpoint %r go through the service for %.0f s: its node cannot be reached "

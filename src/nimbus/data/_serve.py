@@ -393,7 +393,7 @@ class Server:
         assert secret is not None  # (_pin checked it)
         key = bytes.fromhex(secret)
         expires = pin_path.stat().st_mtime
-        conn.sendall(b"OK")
+        conn.sendall(b"OK" + transfer_mac(key, b"ready"))  # (the sender's proof of whom it tells)
         if not hmac.compare_digest(recv_exactly(conn, 32), transfer_mac(key, b"connect")):
             raise DataError("a wrong secret")
         size = int.from_bytes(recv_exactly(conn, 8), "little")
@@ -448,7 +448,7 @@ class Server:
                 f"out= path in a directory the endpoint can write"
             ) from None
         try:
-            conn.sendall(b"OK")
+            conn.sendall(b"OK" + transfer_mac(key, b"ready"))  # (proved to the sender: _send)
             if not hmac.compare_digest(recv_exactly(conn, 32), transfer_mac(key, b"connect")):
                 raise DataError("a wrong secret")
             size = int.from_bytes(recv_exactly(conn, 8), "little")

@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -96,14 +97,19 @@ class KeptFuture(Future):
         return ref
 
     def result(self, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
         ref = self.ref(timeout)
-        try:
-            return ref.get()
+        try:  # (within what is left of ``timeout``: its read is a task there too)
+            return ref.get(_left(deadline))
         except ReferenceLost:
             if self._recipe is None or self._path is None or self._path.offline():
                 raise  # (an offline endpoint would hold the task made again for ever)
             again = self._path.again(self)  # a pure task: made again, then fetched
-            return again.result(timeout)
+            return again.result(_left(deadline))
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _done_well(future: cf.Future[Any]) -> bool:
