@@ -465,7 +465,11 @@ class NodeStore:
 
     def write(self, ref_id: str, obj: object, expires: float) -> int:
         """Store ``obj`` under ``ref_id`` until ``expires`` (a time); its size in bytes."""
-        data, buffers = serialization.dumps(obj)
+        return self.write_dumped(ref_id, serialization.dumps(obj), expires)
+
+    def write_dumped(self, ref_id: str, dumped: tuple[Any, list[Any]], expires: float) -> int:
+        """:meth:`write` of an object already pickled (``serialization.dumps``'s)."""
+        data, buffers = dumped
         views = [b.raw() for b in buffers]
         head = MAGIC + _HEAD.pack(len(data), len(views))
         head += b"".join(_LEN.pack(v.nbytes) for v in views)
@@ -491,7 +495,7 @@ class NodeStore:
             part.unlink(missing_ok=True)
             raise
         self.maybe_sweep()
-        return len(head) + len(data) + sum(v.nbytes for v in views)
+        return len(head) + len(data) + sum(int(v.nbytes) for v in views)
 
     def write_secret(self, ref_id: str, secret: str, expires: float, note: str = "") -> None:
         """A pin (``_direct.offer``): an object leased until ``expires`` holding only a

@@ -28,8 +28,9 @@ import logging
 import time
 from typing import Any
 
+from nimbus import serialization
 from nimbus.data._ref import Ref, Session, named, new_id, session
-from nimbus.errors import DataError, ReferenceLost
+from nimbus.errors import ConfigError, DataError, ReferenceLost
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +50,18 @@ def place(obj: object, where: Session) -> Ref | None:
 
     if time.monotonic() < where.direct_after:
         return None
-    local = session(None).store
-    assert local is not None and where.call is not None
+    dumped = serialization.dumps(obj)  # (a small object is pickled again by the service's way)
+    if len(dumped[0]) + sum(b.raw().nbytes for b in dumped[1]) < DIRECT:
+        return None
+    assert where.call is not None
     staged = new_id()
     try:
-        size = local.write(staged, obj, time.time() + WAIT)
-    except OSError:  # no room in this machine's memory store: the service's way
+        local = session(None).store
+        assert local is not None
+        size = local.write_dumped(staged, dumped, time.time() + WAIT)
+    except (OSError, ConfigError):  # no room in this machine's memory store, or none
         return None
     try:
-        if size < DIRECT:
-            return None
         copy_id = new_id()
         pin = copy_id + new_id()
         try:  # (as long as the endpoint's workers are busy, as a put through the service)
@@ -75,7 +78,7 @@ def place(obj: object, where: Session) -> Ref | None:
             return None
         if local.renew([staged], time.time() + WAIT):  # swept while the workers were busy
             try:
-                local.write(staged, obj, time.time() + WAIT)
+                local.write_dumped(staged, dumped, time.time() + WAIT)
             except OSError:
                 return None
         target = (str(found[0]), int(found[1]), str(found[2]))
