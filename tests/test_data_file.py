@@ -1498,3 +1498,62 @@ def test_a_put_sends_nothing_to_a_listener_that_does_not_prove_the_pins_secret(
         thread.join(30)
         listener.close()
     assert body[:4096] not in got and len(got) < 1024
+
+
+# ---------------------------------------------------------------- the issue's block
+
+
+def load_shard(i: int) -> Any:
+    import numpy as np
+
+    return np.full(10_000, i, dtype=np.float64)
+
+
+class Model:
+    def __init__(self, score: float) -> None:
+        self.score = score
+
+
+def train(*parts: Any) -> Model:
+    return Model(float(sum(p.sum() for p in parts)))
+
+
+def analyse(array: Any, path: Path) -> tuple[float, str]:
+    return float(array.sum()), hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def simulate(seed: int, out: Path) -> None:
+    import numpy as np
+
+    np.savez(out, x=np.random.default_rng(seed).random(10))
+
+
+def test_the_issues_block_runs_as_written(
+    service: Service, alice: Client, lab: EndpointProcess, vault: EndpointProcess, exported: Path
+) -> None:
+    """Issue 21's block, indented (``ex`` used inside its ``with``), with its endpoints
+    named as here (hpc: lab, lab: vault): kept results feed a task on the endpoint, a
+    large put, a file of another endpoint staged in, an out= file staged back there;
+    what crossed the client is the small results alone."""
+    import numpy as np
+
+    (exported / "data").mkdir()
+    (exported / "results").mkdir()
+    run42 = os.urandom(1 << 20)
+    (exported / "data" / "run42.h5").write_bytes(run42)
+    big_array = np.arange(1 << 21, dtype=np.float64)  # 16 MiB
+    with Executor(endpoint="lab", settings=service.user_settings(alice.token)) as ex:
+        parts = ex.map(load_shard, range(64), keep=True)  # results stay on the endpoint
+        model = ex.submit(train, *parts)  # futures as arguments: the data moves there
+        assert model.result(timeout=120).score == 10_000 * sum(range(64))
+        ref = nimbus.put(big_array, endpoint="lab")  # placed once, passed by reference
+        analysed = ex.submit(analyse, ref, nimbus.File(f"vault:{exported}/data/run42.h5"))
+        out = nimbus.File(f"vault:{exported}/results/{{task_id}}.npz")
+        simulated = ex.submit(simulate, 42, out=out)  # staged back after it ends
+        total, sha = analysed.result(timeout=120)
+        assert simulated.result(timeout=120) is None
+        statistics = ex.statistics()
+    assert total == float(big_array.sum()) and sha == hashlib.sha256(run42).hexdigest()
+    (written,) = (exported / "results").iterdir()
+    assert written.suffix == ".npz" and np.load(written)["x"].shape == (10,)
+    assert statistics["bytes_sent"] + statistics["bytes_received"] < 256 * 1024
