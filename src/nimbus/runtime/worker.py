@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from nimbus import serialization
+from nimbus import _joined, serialization
 from nimbus.errors import (
     DeserializationError,
     SerializationError,
@@ -75,6 +75,7 @@ BATCH_RESULTS = 64
 BATCH_SECONDS = 0.002
 LONG_TASK = 0.001
 PRELOAD_QUIET = 0.25  # seconds with no task before a forked worker imports its preload
+_OUT: Any = object()  # run_one: the task joined no program (nimbus._joined)
 WATCH_POLL = 0.25  # seconds between looks at the watched task (a pipe wakes sooner): still
 # running? a co-location sample (nimbus.network)
 
@@ -216,6 +217,7 @@ class Worker:
         args: Any = None
         kwargs: Any = None
         undo: Callable[[], None] | None = None
+        before: Any = _OUT
         try:
             if refusal is not None:
                 raise VersionMismatchError(refusal)
@@ -231,8 +233,11 @@ class Worker:
                 payload, buffers = buffers[0], buffers[1:]
             loaded = serialization.loads(payload, buffers)
             args, kwargs = loaded[0], loaded[1]
-            if len(loaded) > 2:  # the task's own limits (options(bandwidth=, memory=, cpus=))
-                undo = apply_limits(loaded[2], self.not_restored)
+            if len(loaded) > 2:
+                if loaded[2] is not None:  # its own limits (options(bandwidth=, memory=, cpus=))
+                    undo = apply_limits(loaded[2], self.not_restored)
+                if len(loaded) > 3:  # its executor's program: its tasks message each other
+                    before = _joined.join(loaded[3])
             result = fn(*args, **kwargs)
         except (SystemExit, KeyboardInterrupt) as exc:
             status, data, out = Status.ERROR, self.interrupted(exc), []
@@ -246,6 +251,8 @@ class Worker:
                 error = SerializationError(f"the task's result could not be sent back: {exc}")
                 status, data, out = Status.ERROR, serialization.dumps_exception(error, ""), []
         del result, args, kwargs, buffers
+        if before is not _OUT:  # (before its result: its messages go out first)
+            _joined.leave(before)
         if undo is not None:
             undo()  # the worker's own limits back (a failure: not_restored)
         self.current = None
