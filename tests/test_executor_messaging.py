@@ -202,10 +202,11 @@ def test_two_tasks_on_an_endpoint_exchange_halves(service: Any, alice: Any, lab:
         assert endpoint_exchange(ex) == [list(range(100))] * 2
         seconds = time.monotonic() - began
         prog = ex.messaging()
-        program_id = statestore.Program(*ex._row).program_id
+        program = ex._backend.program.program()
+        program_id = program.program_id
     assert seconds < 5.0
     assert program_id.startswith("u-")  # under alice's prefix, in the service's store
-    keys = statestore.Program(*ex._row).keys.pattern()
+    keys = program.keys.pattern()
     with service.client(alice.token) as again:  # its keys went with the executor
         handed = again.store("lab")
     import redis

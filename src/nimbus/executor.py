@@ -363,7 +363,7 @@ class Executor(_mapping.Mapper):
         each task gets from ``nimbus.messaging.instance_id()``). Locally, that is
         ``nimbus.messaging.current()``; for an endpoint's tasks, an instance closed at
         :meth:`shutdown`. Raises ``StateStoreError`` when they have no program."""
-        from nimbus import messaging, statestore
+        from nimbus import messaging
         from nimbus.errors import StateStoreError
 
         if self._row is _UNMADE:
@@ -371,11 +371,12 @@ class Executor(_mapping.Mapper):
         row = self._row
         if row is None or type(row) is str:
             raise StateStoreError(row or "this executor's tasks are not instances of a program")
-        if getattr(self._backend, "program", None) is None:
+        program = getattr(self._backend, "program", None)
+        if program is None:
             return messaging.current()
         with self._lock:
             if self._instance is None:
-                self._instance = messaging.instance_for(statestore.Program(*row))
+                self._instance = messaging.instance_for(program.program())
             return self._instance
 
     def _staged_items(self, items: list[tuple[Any, ...]]) -> list[tuple[Any, ...]] | None:

@@ -33,6 +33,7 @@ the opener's ``on_close`` removes them at the root's exit.
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,8 +106,10 @@ class Program:
         return connect(self.url)
 
     def row(self) -> Row:
-        """What an Executor's task carries to join this program (:func:`join`)."""
-        return (self.url, self.program_id, self.key_ttl, self.remote)
+        """What an Executor's task carries to join this program (:func:`join`): its URL,
+        id, TTL and ``remote``, pickled once (a task's payload holds it as bytes, which
+        cost no more to pickle than nothing does)."""
+        return pickle.dumps((self.url, self.program_id, self.key_ttl, self.remote), 5)
 
     def booting(self) -> bool:
         """Whether the program's store may not answer yet (:func:`open_store`; never waits)."""
@@ -176,7 +179,7 @@ class Root:
 
 
 Opener = Callable[[Settings], Root]
-Row = tuple[str, str, float, bool]  # Program.row(): what a task carries
+Row = bytes  # Program.row(): what a task carries
 
 
 def open_store(settings: Settings) -> StateStore:
@@ -281,9 +284,9 @@ def _of(row: Row | str) -> Program:
     joined = _joined
     if joined is not None and (joined[0] is row or joined[0] == row):
         return joined[1]
-    if type(row) is str:
+    if isinstance(row, str):
         raise StateStoreError(row)
-    found = Program(*row)
+    found = Program(*pickle.loads(row))
     _joined = (row, found)
     return found
 
