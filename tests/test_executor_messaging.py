@@ -54,6 +54,33 @@ def exit_counts() -> tuple[int, int, int]:
     return os.getpid(), atexit._ncallbacks(), len(util._finalizer_registry)  # type: ignore[attr-defined]
 
 
+def break_leaving() -> int:
+    """A task whose program cannot be left: a hook of it fails when it ends."""
+
+    def broken(prog: statestore.Program) -> None:
+        raise OSError(f"cannot let go of {prog.program_id}")
+
+    statestore.on_leave(broken)
+    return os.getpid()
+
+
+def pair_up(i: int) -> tuple[int, list[int]]:
+    """Two tasks find each other through their program's store (the client never used it)
+    and swap halves; this worker's pid and the result."""
+    prog = statestore.current()
+    assert prog is not None
+    store, key = prog.client(), f"nimbus:{{{prog.program_id}}}:test:ids"
+    me = msg.instance_id()
+    store.rpush(key, me)
+    deadline = time.monotonic() + 10
+    while store.llen(key) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (other,) = {found.decode() for found in store.lrange(key, 0, -1)} - {me}
+    half = list(range(i * 50, i * 50 + 50))
+    msg.send(other, half)
+    return os.getpid(), sorted(half + msg.recv(other, timeout=10))
+
+
 def plain(x: int) -> int:
     return x + 1
 
@@ -96,6 +123,13 @@ def test_a_worker_keeps_nothing_of_a_messaging_task_for_the_next() -> None:
     for gone in (first, second, third):  # each said goodbye as its task ended
         with pytest.raises(PeerExited):
             msg.send(gone, "anyone there?")
+
+
+def test_a_worker_that_cannot_leave_a_program_retires_after_the_result() -> None:
+    with Executor(1) as ex:
+        broke = ex.submit(break_leaving).result(timeout=60)  # its result still comes
+        after = ex.submit(os.getpid).result(timeout=60)
+    assert after != broke  # its manager started another worker for the next task
 
 
 def test_a_task_leaves_its_program_behind_it() -> None:
@@ -262,3 +296,38 @@ def test_without_a_store_plain_tasks_run_and_messaging_ones_say_why(tmp_path: Pa
                 far.stop()
     finally:
         svc.stop()
+
+
+@pytest.mark.parametrize("backend", ["local", "forked"])
+def test_tasks_start_their_programs_store_when_the_client_never_did(
+    tmp_path: Path, backend: str
+) -> None:
+    script = textwrap.dedent(
+        """
+        import json, sys
+        sys.path.insert(0, sys.argv[1])
+        from nimbus import Executor
+        from test_executor_messaging import pair_up
+        with Executor(2, backend=sys.argv[3]) as ex:
+            results = list(ex.map(pair_up, range(2)))
+        assert [r for _, r in results] == [list(range(100))] * 2, results
+        assert results[0][0] != results[1][0]  # two workers
+        print(json.dumps([str(p) for p in __import__("pathlib").Path(sys.argv[2]).glob("redis-*.json")]))
+        """
+    )
+    env = os.environ | {"NIMBUS_RUNTIME_DIR": str(tmp_path), "PYTHONPATH": SRC}
+    env.pop("NIMBUS_REDIS_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(Path(__file__).parent), str(tmp_path), backend],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    # the client started its store when a worker asked (one a worker started would have
+    # ended with that worker's cgroup); it stopped with the client
+    deadline = time.monotonic() + 10
+    while list(tmp_path.glob("redis-*.sock")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not list(tmp_path.glob("redis-*.sock"))

@@ -21,9 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["join", "leave", "on_leave", "row"]
+__all__ = ["ask_root", "join", "leave", "on_leave", "row"]
 
 row: Any = None  # the running task's Program.row() or the reason it has none; None: no task's
+# how a task's worker asks its executor's process to start the program's store, which is
+# that process's own, not started yet (set by the worker: a notice to its manager)
+ask_root: Callable[[str], None] | None = None
 
 
 def join(new: Any) -> Any:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import functools
 import itertools
 import os
 import sys
@@ -54,7 +55,7 @@ from nimbus.errors import (
     RemoteTraceback,
 )
 from nimbus.records import TaskRecord, TaskState
-from nimbus.runtime.messages import Status
+from nimbus.runtime.messages import START_STORE, Status
 from nimbus.runtime.task import Task
 
 __all__ = ["Executor", "Future", "KeptFuture"]
@@ -176,7 +177,7 @@ class Executor(_mapping.Mapper):
             prefetch=self.settings.prefetch,
             on_results=self._on_results,
             on_dispatch=self._on_dispatch,
-            on_notice=on_notice,
+            on_notice=functools.partial(_notice, on_notice),
             preload=list(preload),
             settings=self.settings,
             endpoint=endpoint,
@@ -534,6 +535,28 @@ class Executor(_mapping.Mapper):
                 keep(record)
             if type(future) is not Future:  # the data path: its Refs go when it does
                 DataPath.done(future)
+
+
+def _notice(on_notice: Callable[[Any], None] | None, payload: Any) -> None:
+    """A worker's notice: for ``on_notice``, or asking this process to start the store of
+    its tasks' program (its own, deferred: ``runtime.messages.START_STORE``)."""
+    if type(payload) is list and len(payload) == 2 and payload[0] == START_STORE:
+        threading.Thread(target=_start_store, args=(payload[1],), daemon=True).start()
+    elif on_notice is not None:
+        on_notice(payload)
+
+
+def _start_store(url: str) -> None:
+    """Connect to this process's store at ``url``: its first connection starts it."""
+    from nimbus import statestore
+
+    prog = statestore.current()
+    if prog is None or prog.url != url:  # (only this process's own program's store)
+        return
+    try:
+        statestore.connect(url).ping()
+    except Exception:  # redis-py's or StateStoreError: reported by the task that waits
+        pass
 
 
 def _forked_use(owner: int) -> str:
