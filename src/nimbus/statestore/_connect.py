@@ -37,6 +37,7 @@ else:  # imported at the first connection (redis-py is most of what importing ni
 __all__ = [
     "AskedStart",
     "Booting",
+    "ask_to_start",
     "booting",
     "booting_server",
     "connect",
@@ -142,6 +143,13 @@ def when_ready(url: str, fn: Callable[[], None]) -> bool:
         return False
     _on_ready.setdefault(path, []).append(fn)
     return True
+
+
+def ask_to_start(server: AskedStart) -> None:
+    """Have this process's connections to ``server.url`` ask its owner to start it, unless
+    it listens already."""
+    if not os.path.exists(_path(server.url)):
+        _booting[_path(server.url)] = server
 
 
 def booting_server(url: str) -> Booting | None:

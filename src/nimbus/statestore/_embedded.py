@@ -262,15 +262,6 @@ class EmbeddedRedis:
             self.socket_path = self._fallback_dir / "redis.sock"
         return self
 
-    def handle(self) -> tuple[str, str, str, int, float] | None:
-        """Where this deferred server will listen, its owner and how long it may take to
-        start: what a worker running a task of the owner's Executor needs to wait for it
-        (``statestore.join``). None: not deferred."""
-        if not self._deferred or self.tcp is not None or self.password or self.options:
-            return None
-        where = (str(self.runtime_dir), self.name, str(self.socket_path))
-        return (*where, self.owner_pid, self.start_timeout)
-
     def serve(self) -> bool:
         """At a first connection: start a deferred server if no process of the owner's
         program did yet (a lock file decides who); True if it is this process's own

@@ -46,6 +46,7 @@ from nimbus.config import Settings
 from nimbus.errors import StateStoreError
 from nimbus.statestore._connect import (
     AskedStart,
+    ask_to_start,
     booting,
     booting_server,
     connect,
@@ -111,9 +112,10 @@ class Program:
         """What an Executor's task carries to join this program (:func:`join`): its URL,
         id, TTL and ``remote``, pickled once (a task's payload holds it as bytes, which
         cost no more to pickle than nothing does)."""
-        server = booting_server(self.url)  # not started yet: a task's worker may start it
-        handle = server.handle() if isinstance(server, EmbeddedRedis) else None
-        return pickle.dumps((self.url, self.program_id, self.key_ttl, self.remote, handle), 5)
+        server = booting_server(self.url)  # not started yet: a task's worker asks for it
+        owner, timeout = (server.owner_pid, server.start_timeout) if server else (0, 0.0)
+        fields = (self.url, self.program_id, self.key_ttl, self.remote, owner, timeout)
+        return pickle.dumps(fields, 5)
 
     def booting(self) -> bool:
         """Whether the program's store may not answer yet (:func:`open_store`; never waits)."""
@@ -290,13 +292,13 @@ def _of(row: Row | str) -> Program:
         return joined[1]
     if isinstance(row, str):
         raise StateStoreError(row)
-    url, program_id, key_ttl, remote, handle = pickle.loads(row)
+    url, program_id, key_ttl, remote, owner, timeout = pickle.loads(row)
     ask = _joined_task.ask_root
-    if handle is not None and ask is not None and not os.path.exists(handle[2]):
+    if owner and ask is not None:
         # its root's embedded store, deferred: the root starts it when asked, and this
         # worker's first connection waits for it (one the worker started would end with
         # the worker: its cgroup is emptied)
-        booting(AskedStart(ask, url, handle[3], handle[4]), url)
+        ask_to_start(AskedStart(ask, url, owner, timeout))
     found = Program(url, program_id, key_ttl, remote)
     _joined = (row, found)
     return found
