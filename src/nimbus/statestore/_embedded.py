@@ -34,16 +34,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from nimbus._lazy import lazy
 from nimbus.errors import ConfigError, StateStoreError
 from nimbus.statestore._chores import later
 from nimbus.statestore._connect import connect
 
 if TYPE_CHECKING:
-    import psutil
     import redis
-else:  # imported on first use (redis-py: at the first connection; psutil: by a watchdog)
-    psutil = lazy("psutil", globals())
+else:  # imported on first use (redis-py: at the first connection)
     redis = lazy("redis", globals())
 
 __all__ = ["EmbeddedRedis", "redis_server_binary"]
