@@ -77,6 +77,7 @@ LAYERS: dict[str, int] = {
     "_service_state": 1,  # which service runs here: its service.json, one reader
     "_mainspace": 1,  # one namespace per program's __main__ for its functions sent by value
     "_mainpickle": 1,  # a __main__'s functions sent by value, each pickled once
+    "_joined": 1,  # the program a warm worker's task joined (its executor's: statestore reads it)
     "_lazy": 1,  # a module imported on first use (redis-py: at the first connection)
     "owners": 1,  # whom a task runs as on an endpoint (set by the agent, read by nimbus.data)
     # the exception tree, at the bottom

@@ -909,6 +909,7 @@ def test_public_names() -> None:
         "current",
         "direct_enabled",
         "gather",
+        "instance_for",
         "instance_id",
         "recv",
         "recv_with_source",

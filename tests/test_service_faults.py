@@ -29,12 +29,16 @@ def token(i: int) -> tuple[int, str, int]:
 
 
 def _queue_redis_pid(service: Service) -> int:
-    """The pid of the service's embedded queue Redis (the only one it runs here)."""
-    states = list((Path(service.env["NIMBUS_RUNTIME_DIR"])).glob("redis-*.json"))
-    assert len(states) == 1, states
-    pid = int(json.loads(states[0].read_text())["server"][0])
-    assert "redis-server" in psutil.Process(pid).name()
-    return pid
+    """The pid of the service's embedded queue Redis: the one on a Unix socket only (its
+    stores Redis, for an Executor's program on an endpoint, also listens on TCP)."""
+    found = []
+    for state in Path(service.env["NIMBUS_RUNTIME_DIR"]).glob("redis-*.json"):
+        pid = int(json.loads(state.read_text())["server"][0])
+        title = " ".join(psutil.Process(pid).cmdline())  # redis-server <first address>
+        if "redis-server" in psutil.Process(pid).name() and "unixsocket:" in title:
+            found.append(pid)
+    assert len(found) == 1, found
+    return found[0]
 
 
 class _Health:

@@ -6,6 +6,7 @@
         --> GET the endpoint's store from the service (Client.store): its URL, as an
             ACL user of this user's, and the start of this user's program ids
         --> probe_store: PING it from here (the endpoint's workers reach it too)
+    an Executor on an endpoint --> hand_out(its client, endpoint): its tasks' program
 
 A program on an endpoint keeps its state (queues, pipes, locks) in that store;
 this module is the service's side of handing it out, for the service backend.
@@ -22,7 +23,7 @@ from nimbus.config import Settings, untrusted_certificate
 from nimbus.errors import ConfigError, NotFound, ServiceUnavailable, StateStoreError
 from nimbus.statestore import connect, redacted
 
-__all__ = ["Store", "open_store", "probe_store"]
+__all__ = ["Store", "hand_out", "open_store", "probe_store"]
 
 
 class Store(NamedTuple):
@@ -46,14 +47,21 @@ def open_store(settings: Settings) -> Store:
             f"through the nimbus service: {exc}; or unset NIMBUS_ENDPOINT to run locally"
         ) from None
     with client:
-        try:
-            store = client.store(endpoint)
-        except NotFound:
-            raise NotFound(
-                f"NIMBUS_ENDPOINT={endpoint}: no endpoint of that name is visible to you "
-                f"on {client.service_url}; `nimbus endpoints list` shows those you can use",
-                404,
-            ) from None
+        return hand_out(client, endpoint, f"NIMBUS_ENDPOINT={endpoint}")
+
+
+def hand_out(client: Client, endpoint: str, who: str = "") -> Store:
+    """The store the service of ``client`` hands out for ``endpoint``, probed (``who``:
+    what asked for it, named in the errors)."""
+    who = who or f"endpoint {endpoint!r}"
+    try:
+        store = client.store(endpoint)
+    except NotFound:
+        raise NotFound(
+            f"{who}: no endpoint of that name is visible to you "
+            f"on {client.service_url}; `nimbus endpoints list` shows those you can use",
+            404,
+        ) from None
     if not store["online"]:
         raise ServiceUnavailable(
             f"endpoint {endpoint!r} is offline (no agent connected to {client.service_url}): "

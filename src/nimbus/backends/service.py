@@ -41,6 +41,7 @@ from websockets.asyncio.client import ClientConnection
 from nimbus import _loop, serialization
 from nimbus.backends import DispatchCallback, ResultCallback
 from nimbus.backends._outcomes import fail, input_failed, lost, outcome, stored
+from nimbus.backends._program import EndpointProgram
 from nimbus.backends.handout import Store, open_store, probe_store
 from nimbus.client import Client, environment_mismatch, error_for
 from nimbus.config import Settings
@@ -153,6 +154,8 @@ class ServiceBackend:
                 f"{SERIALIZER}; use the same Python minor version on both sides"
             )
         self.endpoint_id: str = info["endpoint_id"]
+        # the program its tasks message each other in (the Executor starts it)
+        self.program = EndpointProgram(self.client, self.endpoint_id, settings or Settings.load())
         self._on_results = on_results
         self._on_dispatch = on_dispatch
         self._registered: dict[str, str] = {}

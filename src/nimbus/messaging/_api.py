@@ -37,6 +37,7 @@ __all__ = [
     "close",
     "current",
     "direct_enabled",
+    "instance_for",
     "instance_id",
     "recv",
     "recv_with_source",
@@ -46,18 +47,22 @@ __all__ = [
 TOKEN_ENV = "NIMBUS_MESSAGING_TOKEN"
 _lock = threading.Lock()
 _current: Instance | None = None
+_current_program = ""  # the program id of _current
+_swept: set[str] = set()  # programs whose socket directory goes at this root's exit
+_at_exit: list[bool] = []  # [True] once _close_at_exit is registered in this process
 _pid = os.getpid()  # of this process: kept current across forks, not asked per call
 
 
 def _forked() -> None:
     global _pid
     _pid = os.getpid()
+    _at_exit.clear()  # (a process of nimbus.multiprocessing starts with no finalizers)
 
 
 os.register_at_fork(after_in_child=_forked)
 
 
-def _token(prog: Program) -> bytes:
+def _token(prog: Program, *, hand_down: bool = True) -> bytes:
     """The program's auth token: made by its first instance, read by the others.
 
     It is handed down to child processes in the environment (readable by this
@@ -76,13 +81,14 @@ def _token(prog: Program) -> bytes:
     except redis.RedisError as exc:
         raise StateStoreError(f"cannot read the messaging token: {exc}") from exc
     token = bytes(found)
-    os.environ[TOKEN_ENV] = f"{prog.program_id}:{token.hex()}"
+    if hand_down:  # (not an instance beside this process's own: instance_for)
+        os.environ[TOKEN_ENV] = f"{prog.program_id}:{token.hex()}"
     return token
 
 
 def current() -> Instance:
     """This process's instance (made on first use, again after a fork)."""
-    global _current
+    global _current, _current_program
     instance = _current
     if instance is not None and instance.pid == _pid:
         return instance
@@ -90,26 +96,40 @@ def current() -> Instance:
         if _current is None or _current.pid != os.getpid():
             # the program (and its store) of this process, as the state store keeps it
             prog = statestore.program()
-            settings = Settings.load()
-            directory = socket_dir(settings.ensure_runtime_dir(), prog.program_id)
-            _current = Instance(
-                prog.client,
-                prog.keys,
-                _token(prog),
-                directory,
-                tcp_host=settings.messaging_host,
-                ttl_ms=prog.ttl_ms,
-                direct=direct_enabled(),
-            )
-            # at exit: coalesced messages go out, peers get a goodbye; a process of
-            # nimbus.multiprocessing ends with os._exit after the stdlib's finalizers
-            atexit.register(_current.close)
-            util.Finalize(None, _current.close, exitpriority=5)
-            if statestore.is_root():  # the program's socket directory goes with its root
+            _current = _new_instance(prog, hand_down=True)
+            _current_program = prog.program_id
+            directory = _current._sockdir
+            if not _at_exit:  # once per process: a warm worker makes one instance a task
+                _at_exit.append(True)
+                atexit.register(_close_at_exit)
+                util.Finalize(None, _close_at_exit, exitpriority=5)
+            if statestore.is_root() and prog.program_id not in _swept:
+                # the program's socket directory goes with its root
+                _swept.add(prog.program_id)
                 util.Finalize(
                     None, shutil.rmtree, (directory,), {"ignore_errors": True}, exitpriority=-90
                 )
         return _current
+
+
+def instance_for(prog: Program) -> Instance:
+    """A new instance of ``prog`` in this process, beside its own (:func:`current`): the
+    client of an Executor whose tasks run on an endpoint, in their program. Its owner
+    closes it."""
+    return _new_instance(prog, hand_down=False)
+
+
+def _new_instance(prog: Program, *, hand_down: bool) -> Instance:
+    settings = Settings.load()
+    return Instance(
+        prog.client,
+        prog.keys,
+        _token(prog, hand_down=hand_down),
+        socket_dir(settings.ensure_runtime_dir(), prog.program_id),
+        tcp_host=settings.messaging_host,
+        ttl_ms=prog.ttl_ms,
+        direct=direct_enabled(),
+    )
 
 
 def direct_enabled() -> bool:
@@ -125,6 +145,30 @@ def close() -> None:
         instance, _current = _current, None
     if instance is not None and instance.pid == os.getpid():
         instance.close()
+
+
+def _close_at_exit() -> None:
+    """At exit, this process's instance: coalesced messages go out, peers get a goodbye
+    (an exit handler, and a finalizer for a process of nimbus.multiprocessing, which ends
+    with os._exit after the stdlib's finalizers)."""
+    instance = _current
+    if instance is not None:
+        instance.close()  # (not in a fork that did not make it: its pid is checked)
+
+
+def _left(prog: Program) -> None:
+    """A warm worker's task of ``prog`` ended (``statestore.leave``): its instance says
+    goodbye (a later send to its id raises PeerExited) and its token goes from the
+    environment (the worker's next task may be another program's)."""
+    instance = _current
+    if instance is None or _current_program != prog.program_id:
+        return
+    close()
+    if os.environ.get(TOKEN_ENV, "").partition(":")[0] == prog.program_id:
+        del os.environ[TOKEN_ENV]
+
+
+statestore.on_leave(_left)
 
 
 def instance_id() -> str:

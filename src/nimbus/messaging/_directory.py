@@ -22,6 +22,7 @@ and its instance id (:func:`socket_path`), in a directory only the user can use.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import time
@@ -35,6 +36,7 @@ import redis
 from nimbus.config import Settings, private_dir
 from nimbus.errors import ConfigError, StateStoreError
 from nimbus.statestore import Keys
+from nimbus.statestore.lua import DIRECTORY_LOOKUP
 from nimbus.wire import pack, unpack
 
 __all__ = ["ALIVE", "EXITED", "Directory", "Entry", "host_id", "socket_dir", "socket_path"]
@@ -43,15 +45,6 @@ ALIVE = "alive"
 EXITED = "exited"
 NEGATIVE_TTL = 0.02  # seconds a "not in the directory" answer is trusted
 BULK = 256  # a directory of up to this many entries is read whole by a lookup
-# the whole hash if it is small, else the one entry (as [id, entry] or none): one round trip
-_SCRIPT = """
-if redis.call('HLEN', KEYS[1]) <= tonumber(ARGV[2]) then
-    return redis.call('HGETALL', KEYS[1])
-end
-local found = redis.call('HGET', KEYS[1], ARGV[1])
-if found then return {ARGV[1], found} end
-return {}
-"""
 _SUN_PATH = 107
 
 
@@ -68,8 +61,16 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+_NAMED = 24  # the longest program id a socket directory is named by as it is
+
+
 def socket_dir(runtime_dir: Path, program_id: str) -> Path:
-    """The program's private directory of instance sockets (mode 0o700)."""
+    """The program's private directory of instance sockets (mode 0o700).
+
+    Named by the program id, or by a digest of a long one (an endpoint's, behind its
+    user's prefix), so its sockets' paths fit in a Unix socket address."""
+    if len(program_id) > _NAMED:
+        program_id = hashlib.blake2b(program_id.encode(), digest_size=12).hexdigest()
     return private_dir(
         runtime_dir / f"m-{program_id}",
         "socket directory",
@@ -171,12 +172,21 @@ class Directory:
             if missed is not None and time.monotonic() - missed < NEGATIVE_TTL:
                 return None
             try:
-                flat: Any = self._client().eval(_SCRIPT, 1, self._key, instance_id, BULK)
+                flat = self._lookup(instance_id)
             except redis.RedisError as exc:
                 raise StateStoreError(f"cannot read the directory: {exc}") from exc
             self._read = dict(zip(flat[::2], flat[1::2], strict=True))
             raw = self._read.pop(instance_id.encode(), None)
         return self._found(instance_id, None if raw is None else Entry.loads(raw))
+
+    def _lookup(self, instance_id: str) -> Any:
+        """DIRECTORY_LOOKUP by its SHA1 (a store the service hands out runs no other
+        Lua), loaded first where the store lacks it."""
+        client, script = self._client(), DIRECTORY_LOOKUP
+        try:
+            return client.evalsha(script.sha, 1, self._key, instance_id, BULK)
+        except redis.exceptions.NoScriptError:
+            return client.eval(script.source, 1, self._key, instance_id, BULK)
 
     def refresh(self, instance_id: str) -> Entry | None:
         """Read the entry from the store, bypassing the cache."""

@@ -122,7 +122,11 @@ class LocalSite(_Here):
                 popen_fork.at_worker_start(main, once=True)  # the first (its first start)
         # shut down by close(), after joining children
         self.executor = Executor(
-            backend=backend, on_notice=self.notice, preload=preload, shutdown_at_exit=False
+            backend=backend,
+            on_notice=self.notice,
+            preload=preload,
+            shutdown_at_exit=False,
+            _program=False,  # its processes adopt the program themselves
         )
         threading.Thread(target=self._accept, name="nimbus-relay", daemon=True).start()
 

@@ -207,7 +207,7 @@ class RemoteSite(Site):
         super().__init__(program)
         settings = Settings.load()
         self.executor = Executor(
-            settings=settings, endpoint=settings.endpoint, shutdown_at_exit=False
+            settings=settings, endpoint=settings.endpoint, shutdown_at_exit=False, _program=False
         )  # shut down by close(), after joining children
         self.output = Output(program, self.exited, self.lost)
         # signals from a signal handler, sent by a thread (a store call takes locks)

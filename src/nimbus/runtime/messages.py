@@ -35,6 +35,10 @@ from nimbus.serialization import PYTHON
 
 __all__ = ["PYTHON", "Kind", "Link", "Status"]
 
+# a worker's notice: its task's program needs its store, which the executor's own
+# process starts (its embedded Redis, deferred; one a worker started would die with the
+# worker's cgroup). [START_STORE, url]
+START_STORE = "nimbus:start-store"
 INLINE_LIMIT = 64 * 1024  # larger payloads travel as frame buffers
 
 

@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from nimbus import serialization
+from nimbus import _joined, serialization
 from nimbus.errors import (
     DeserializationError,
     SerializationError,
@@ -59,7 +59,7 @@ from nimbus.runtime._idle import later as _later
 from nimbus.runtime._idle import run_idle as _run_idle
 from nimbus.runtime._idle import run_later as _run_later
 from nimbus.runtime._idle import when_idle, when_quiet
-from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, Kind, Status
+from nimbus.runtime.messages import INLINE_LIMIT, PYTHON, START_STORE, Kind, Status
 from nimbus.wire import Buffer, Channel, pack, unpack
 
 __all__ = [
@@ -75,6 +75,7 @@ BATCH_RESULTS = 64
 BATCH_SECONDS = 0.002
 LONG_TASK = 0.001
 PRELOAD_QUIET = 0.25  # seconds with no task before a forked worker imports its preload
+_OUT: Any = object()  # run_one: the task joined no program (nimbus._joined)
 WATCH_POLL = 0.25  # seconds between looks at the watched task (a pipe wakes sooner): still
 # running? a co-location sample (nimbus.network)
 
@@ -216,6 +217,7 @@ class Worker:
         args: Any = None
         kwargs: Any = None
         undo: Callable[[], None] | None = None
+        before: Any = _OUT
         try:
             if refusal is not None:
                 raise VersionMismatchError(refusal)
@@ -231,8 +233,11 @@ class Worker:
                 payload, buffers = buffers[0], buffers[1:]
             loaded = serialization.loads(payload, buffers)
             args, kwargs = loaded[0], loaded[1]
-            if len(loaded) > 2:  # the task's own limits (options(bandwidth=, memory=, cpus=))
-                undo = apply_limits(loaded[2], self.not_restored)
+            if len(loaded) > 2:
+                if loaded[2] is not None:  # its own limits (options(bandwidth=, memory=, cpus=))
+                    undo = apply_limits(loaded[2], self.not_restored)
+                if len(loaded) > 3:  # its executor's program: its tasks message each other
+                    before = _joined.join(loaded[3])
             result = fn(*args, **kwargs)
         except (SystemExit, KeyboardInterrupt) as exc:
             status, data, out = Status.ERROR, self.interrupted(exc), []
@@ -246,6 +251,11 @@ class Worker:
                 error = SerializationError(f"the task's result could not be sent back: {exc}")
                 status, data, out = Status.ERROR, serialization.dumps_exception(error, ""), []
         del result, args, kwargs, buffers
+        if before is not _OUT:  # (before its result: its messages go out first)
+            try:
+                _joined.leave(before)
+            except Exception as exc:  # what the task made for its program may stay here
+                self.not_restored(exc, "what a task made for its program (messaging)")
         if undo is not None:
             undo()  # the worker's own limits back (a failure: not_restored)
         self.current = None
@@ -254,11 +264,11 @@ class Worker:
         self.add_result(seq, status, data, out, self.gauge.end(started))
         return seq, fn_key
 
-    def not_restored(self, exc: BaseException) -> None:
-        """A task's limit stays on this worker: said, and the worker retires after the
-        task's result (no later task inherits it)."""
+    def not_restored(self, exc: BaseException, what: str = "a task's limit") -> None:
+        """A task's limit (or ``what``) stays on this worker: said, and the worker retires
+        after the task's result (no later task inherits it)."""
         print(
-            f"nimbus worker {os.getpid()}: a task's limit could not be taken back ({exc}); "
+            f"nimbus worker {os.getpid()}: {what} could not be taken back ({exc}); "
             "this worker exits after its result and its manager starts another",
             file=sys.stderr,
         )
@@ -398,6 +408,11 @@ def close_in_child() -> None:
         _worker = None
 
 
+def _ask_root(worker: Worker, url: str) -> None:
+    """Ask the executor's process to start its program's store (``nimbus._joined``)."""
+    worker.notify([START_STORE, url])
+
+
 def _preload(names: list[str]) -> None:
     for name in names:
         try:
@@ -438,6 +453,7 @@ def main(argv: list[str] | None = None, *, preload_later: bool = False) -> int:
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     global _worker
     worker = _worker = Worker(Channel(sock))
+    _joined.ask_root = functools.partial(_ask_root, worker)
     try:
         worker.serve()
     except (ConnectionError, BrokenPipeError):

@@ -96,7 +96,7 @@ USER_COMMANDS = (
     *("del", "unlink", "exists", "pexpire", "scan"),
     *("rpush", "lpush", "lpop", "blpop", "lmove", "blmove", "llen", "lindex", "lrange"),
     *("linsert", "lrem", "ltrim"),
-    *("hset", "hget", "hgetall", "hdel", "sadd", "srem", "smembers"),
+    *("hset", "hget", "hgetall", "hlen", "hdel", "sadd", "srem", "smembers"),
     *("ping", "hello"),
     # a lock's holder is alive while its presence connection is (CLIENT LIST ID ...)
     *("client|id", "client|setname", "client|reply", "client|list"),

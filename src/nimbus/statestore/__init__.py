@@ -17,7 +17,8 @@ one way to open a connection (``connect``, and a thread's hiredis ``Link``
 made from its settings; a process's ``presence``, the client id of a connection
 that closes when the process dies), every key (``Keys``, in ``keys``), a program's
 place in the store (``Program``, its root's keepalive and cleanup, ``adopt``
-for the processes it starts) and the Lua scripts run there (``Script``, every
+for the processes it starts, ``join``/``leave`` for a warm worker's task of an
+Executor, whose tasks are instances of one program) and the Lua scripts run there (``Script``, every
 one of them in ``lua``).
 Everything above it (multiprocessing, messaging, the service) uses only
 these names.
@@ -46,6 +47,9 @@ from nimbus.statestore._program import (
     adopt,
     current,
     is_root,
+    join,
+    leave,
+    on_leave,
     open_local,
     open_store,
     program,
@@ -72,11 +76,14 @@ __all__ = [
     "connect_async",
     "current",
     "is_root",
+    "join",
     "kept_presence",
     "keys",
     "later",
+    "leave",
     "link",
     "lua",
+    "on_leave",
     "open_local",
     "open_store",
     "pack",

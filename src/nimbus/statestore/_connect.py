@@ -35,8 +35,11 @@ else:  # imported at the first connection (redis-py is most of what importing ni
     aioredis = lazy("redis.asyncio", globals(), "aioredis")
 
 __all__ = [
+    "AskedStart",
     "Booting",
+    "ask_to_start",
     "booting",
+    "booting_server",
     "connect",
     "connect_async",
     "forget",
@@ -91,6 +94,32 @@ class Booting(Protocol):
     def gone(self) -> bool: ...
 
 
+class AskedStart:
+    """A store that another process owns and starts when asked (``ask(url)``, once): a
+    warm worker's task waits for its executor's process to start its program's store."""
+
+    def __init__(self, ask: Callable[[str], None], url: str, owner_pid: int, timeout: float):
+        self._ask: Callable[[str], None] | None = ask
+        self.url = url
+        self.owner_pid = owner_pid
+        self.start_timeout = timeout
+
+    def serve(self) -> bool:
+        ask, self._ask = self._ask, None
+        if ask is not None:
+            ask(self.url)
+        return False  # (the caller waits for its socket)
+
+    def gone(self) -> bool:
+        try:
+            os.kill(self.owner_pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
+
+
 # Embedded stores that boot while the program goes on (a Process needs no store), by
 # socket path: a connection to one waits until it answers. Its owner waits by the
 # server's own readiness; a process forked from the owner (which inherits this) for
@@ -114,6 +143,20 @@ def when_ready(url: str, fn: Callable[[], None]) -> bool:
         return False
     _on_ready.setdefault(path, []).append(fn)
     return True
+
+
+def ask_to_start(server: AskedStart) -> None:
+    """Have this process's connections to ``server.url`` ask its owner to start it, unless
+    it listens already."""
+    if not os.path.exists(_path(server.url)):
+        _booting[_path(server.url)] = server
+
+
+def booting_server(url: str) -> Booting | None:
+    """The server of ``url`` if it is booting here (:func:`booting`) and not started yet."""
+    path = _path(url)
+    server = _booting.get(path)
+    return server if server is not None and not os.path.exists(path) else None
 
 
 def is_booting(url: str) -> bool:

@@ -41,8 +41,8 @@ import hiredis
 from nimbus import telemetry
 from nimbus._lazy import lazy
 from nimbus.errors import StateStoreError
-from nimbus.statestore._connect import connect, no_retry
-from nimbus.statestore._program import Program
+from nimbus.statestore._connect import connect, forget, no_retry
+from nimbus.statestore._program import Program, on_leave
 from nimbus.statestore._script import Script
 
 if TYPE_CHECKING:
@@ -432,6 +432,29 @@ def _keep(url: str, kept: tuple[redis.connection.AbstractConnection, int, str]) 
                 except StateStoreError:
                     pass  # the store is away (restarting, failing over): again
             time.sleep(RENEW)
+
+
+def _let_go(program: Program) -> None:
+    """A warm worker's task of a remote ``program`` ended (``statestore.leave``): this
+    thread's link, the presence and the clients of its store go (the next task in this
+    process may be another user's, whose URL is not this one)."""
+    if not program.remote:
+        return
+    url = program.url
+    links = getattr(_local, "links", None)
+    found = links.pop(url, None) if links is not None else None
+    if found is not None:
+        found.__del__()
+    with _presence_lock:
+        _kept.discard(url)
+        kept = _presences.pop(url, None)
+    if kept is not None:
+        kept[0].disconnect()
+    _connection_settings.cache_clear()
+    forget(url)
+
+
+on_leave(_let_go)  # first registered, last run: after the instance's goodbye
 
 
 def _present(url: str, name: str) -> tuple[redis.connection.AbstractConnection, int, str]:

@@ -33,16 +33,27 @@ the opener's ``on_close`` removes them at the root's exit.
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import util
 from typing import TYPE_CHECKING
 
+from nimbus import _joined as _joined_task
 from nimbus._lazy import lazy
 from nimbus.config import Settings
 from nimbus.errors import StateStoreError
-from nimbus.statestore._connect import booting, connect, is_booting, untouched, when_ready
+from nimbus.statestore._connect import (
+    AskedStart,
+    ask_to_start,
+    booting,
+    booting_server,
+    connect,
+    is_booting,
+    untouched,
+    when_ready,
+)
 from nimbus.statestore._embedded import EmbeddedRedis
 from nimbus.statestore._store import StateStore
 from nimbus.statestore.keys import Keys
@@ -59,6 +70,9 @@ __all__ = [
     "adopt",
     "current",
     "is_root",
+    "join",
+    "leave",
+    "on_leave",
     "open_local",
     "open_store",
     "program",
@@ -93,6 +107,15 @@ class Program:
     def client(self) -> redis.Redis:
         """This process's client of the program's store (cached per URL)."""
         return connect(self.url)
+
+    def row(self) -> Row:
+        """What an Executor's task carries to join this program (:func:`join`): its URL,
+        id, TTL and ``remote``, pickled once (a task's payload holds it as bytes, which
+        cost no more to pickle than nothing does)."""
+        server = booting_server(self.url)  # not started yet: a task's worker asks for it
+        owner, timeout = (server.owner_pid, server.start_timeout) if server else (0, 0.0)
+        fields = (self.url, self.program_id, self.key_ttl, self.remote, owner, timeout)
+        return pickle.dumps(fields, 5)
 
     def booting(self) -> bool:
         """Whether the program's store may not answer yet (:func:`open_store`; never waits)."""
@@ -162,6 +185,7 @@ class Root:
 
 
 Opener = Callable[[Settings], Root]
+Row = bytes  # Program.row(): what a task carries
 
 
 def open_store(settings: Settings) -> StateStore:
@@ -194,6 +218,7 @@ _lock = threading.Lock()
 _root: Root | None = None
 _adopted: Program | None = None
 _opener: Opener = open_local
+_joined: tuple[Row | str, Program] | None = None  # the last row a task joined, made into a Program
 
 
 def _unlock_in_child() -> None:
@@ -217,6 +242,8 @@ def program(settings: Settings | None = None) -> Program:
     global _root
     if _adopted is not None:
         return _adopted
+    if _joined_task.row is not None:  # a warm worker's task: its executor's program
+        return _of(_joined_task.row)
     with _lock:
         if _root is None or _root.pid != os.getpid():
             try:
@@ -229,23 +256,64 @@ def program(settings: Settings | None = None) -> Program:
 def root() -> Root | None:
     """This process's :class:`Root` if it is its program's root and opened it already."""
     found = _root
-    return found if _adopted is None and found is not None and found.pid == os.getpid() else None
+    if _adopted is not None or _joined_task.row is not None:
+        return None
+    return found if found is not None and found.pid == os.getpid() else None
 
 
 def current() -> Program | None:
     """The program of this process if it has one already (never opens one)."""
     if _adopted is not None:
         return _adopted
+    row = _joined_task.row
+    if row is not None:
+        return None if type(row) is str else _of(row)
     found = _root
     return found.program if found is not None and found.pid == os.getpid() else None
 
 
 def is_root() -> bool:
-    """Whether this process is its program's root (not a process it started)."""
-    return _adopted is None
+    """Whether this process is its program's root (not a process it started, nor a task
+    that joined its executor's program)."""
+    return _adopted is None and _joined_task.row is None
 
 
 def adopt(program: Program | None) -> None:
     """Make this process (a worker running a child) part of ``program``."""
     global _adopted
     _adopted = program
+
+
+def _of(row: Row | str) -> Program:
+    """The Program of a joined task's ``row`` (made once per row), or its refusal raised."""
+    global _joined
+    joined = _joined
+    if joined is not None and (joined[0] is row or joined[0] == row):
+        return joined[1]
+    if isinstance(row, str):
+        raise StateStoreError(row)
+    url, program_id, key_ttl, remote, owner, timeout = pickle.loads(row)
+    ask = _joined_task.ask_root
+    if owner and ask is not None:
+        # its root's embedded store, deferred: the root starts it when asked, and this
+        # worker's first connection waits for it (one the worker started would end with
+        # the worker: its cgroup is emptied)
+        ask_to_start(AskedStart(ask, url, owner, timeout))
+    found = Program(url, program_id, key_ttl, remote)
+    _joined = (row, found)
+    return found
+
+
+def on_leave(fn: Callable[[Program], None]) -> None:
+    """Call ``fn(program)`` when a warm worker's task of ``program`` ends (:func:`leave`):
+    what it made there for the program (an instance, connections) goes."""
+
+    def hook(row: Row | str) -> None:
+        if type(row) is not str:
+            fn(_of(row))
+
+    _joined_task.on_leave(hook)
+
+
+join = _joined_task.join  # a warm worker's task of an Executor joins its program (row)
+leave = _joined_task.leave

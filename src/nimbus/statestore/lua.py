@@ -5,7 +5,7 @@
     multiprocessing.synchronize   LOCK_*, SEM_*, CONDITION_*, EVENT_*
     multiprocessing.queues        QUEUE_*            multiprocessing.connection  CONNECTION_*
     multiprocessing._handover     HANDOVER_*         multiprocessing._direct     PIPE_*
-    multiprocessing.sharedctypes  ARRAY_*
+    multiprocessing.sharedctypes  ARRAY_*            messaging._directory        DIRECTORY_*
           |  link.eval(SCRIPT, keys, args): EVALSHA, EVAL when the store lacks it
           v
     the service's stores Redis: loads scripts() at start; its users may EVALSHA these only
@@ -23,6 +23,7 @@ __all__ = [
     "CONDITION_NOTIFY",
     "CONDITION_UNWAIT",
     "CONNECTION_RELEASE",
+    "DIRECTORY_LOOKUP",
     "EVENT_WAIT",
     "HANDOVER_CLAIM",
     "HANDOVER_GIVE_UP",
@@ -236,4 +237,15 @@ if redis.call('LLEN', KEYS[1]) == 0 then return {0} end
 if ARGV[1] == 'get' then return {1, redis.call('GETRANGE', KEYS[2], ARGV[2], ARGV[3])} end
 redis.call('SETRANGE', KEYS[2], ARGV[2], ARGV[3])
 return {1}
+""")
+
+# messaging's directory of instances: the whole hash if it is small, else the one entry
+# (as [id, entry] or none): one round trip. KEYS: the directory; ARGV: the id, how small
+DIRECTORY_LOOKUP = Script("""
+if redis.call('HLEN', KEYS[1]) <= tonumber(ARGV[2]) then
+    return redis.call('HGETALL', KEYS[1])
+end
+local found = redis.call('HGET', KEYS[1], ARGV[1])
+if found then return {ARGV[1], found} end
+return {}
 """)
