@@ -1537,23 +1537,24 @@ def test_the_issues_block_runs_as_written(
     what crossed the client is the small results alone."""
     import numpy as np
 
-    (exported / "data").mkdir()
-    (exported / "results").mkdir()
+    here = exported / "issue"  # (the module's exports: other tests write results/ there)
+    (here / "data").mkdir(parents=True)
+    (here / "results").mkdir()
     run42 = os.urandom(1 << 20)
-    (exported / "data" / "run42.h5").write_bytes(run42)
+    (here / "data" / "run42.h5").write_bytes(run42)
     big_array = np.arange(1 << 21, dtype=np.float64)  # 16 MiB
     with Executor(endpoint="lab", settings=service.user_settings(alice.token)) as ex:
         parts = ex.map(load_shard, range(64), keep=True)  # results stay on the endpoint
         model = ex.submit(train, *parts)  # futures as arguments: the data moves there
         assert model.result(timeout=120).score == 10_000 * sum(range(64))
         ref = nimbus.put(big_array, endpoint="lab")  # placed once, passed by reference
-        analysed = ex.submit(analyse, ref, nimbus.File(f"vault:{exported}/data/run42.h5"))
-        out = nimbus.File(f"vault:{exported}/results/{{task_id}}.npz")
+        analysed = ex.submit(analyse, ref, nimbus.File(f"vault:{here}/data/run42.h5"))
+        out = nimbus.File(f"vault:{here}/results/{{task_id}}.npz")
         simulated = ex.submit(simulate, 42, out=out)  # staged back after it ends
         total, sha = analysed.result(timeout=120)
         assert simulated.result(timeout=120) is None
         statistics = ex.statistics()
     assert total == float(big_array.sum()) and sha == hashlib.sha256(run42).hexdigest()
-    (written,) = (exported / "results").iterdir()
+    (written,) = (here / "results").iterdir()
     assert written.suffix == ".npz" and np.load(written)["x"].shape == (10,)
     assert statistics["bytes_sent"] + statistics["bytes_received"] < 256 * 1024
