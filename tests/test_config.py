@@ -118,6 +118,7 @@ def test_describe_is_plain(env: dict[str, str]) -> None:
         "worker_bandwidth",
         "data_exports",
         "data_host",
+        "data_direct",
     }
     assert isinstance(d["runtime_dir"], str)
 

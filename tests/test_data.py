@@ -712,6 +712,21 @@ def test_remote_references_stay_on_the_endpoint(
             remote.submit(len, kept).result(timeout=60)  # (its task never runs)
 
 
+def test_with_data_direct_off_large_objects_go_through_the_service(
+    remote: Executor, lab: EndpointProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``NIMBUS_DATA_DIRECT=0`` (the bytes in clear on a network not trusted): a large
+    put and a large read go through the service (over NIMBUS_MAX_PAYLOAD: refused)."""
+    monkeypatch.setenv("NIMBUS_DATA_DIRECT", "0")
+    with pytest.raises(PayloadTooLargeError, match=r"^nimbus\.put\(obj, endpoint='lab'\)"):
+        nimbus.put(b"x" * (2 * MB), endpoint="lab")
+    made = remote.options(keep=True).submit(mbytes, 2)
+    with pytest.raises(PayloadTooLargeError, match="NIMBUS_MAX_PAYLOAD"):
+        made.result(timeout=60)  # (read through the service: over its limit)
+    monkeypatch.setenv("NIMBUS_DATA_DIRECT", "1")
+    assert len(made.result(timeout=60)) == 2 * MB
+
+
 def test_a_large_put_goes_through_the_service_where_the_endpoints_node_serves_nothing(
     service: Service, alice: Client, tmp_path: Path
 ) -> None:

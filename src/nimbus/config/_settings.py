@@ -274,6 +274,12 @@ class Settings:
         "the address a node takes files and objects on, sent straight from another "
         "endpoint's node (nimbus.File, Refs); one the other endpoints reach",
     )
+    data_direct: bool = setting(
+        True,
+        c.flag,
+        "large objects put and read by the client straight to and from an endpoint's node, "
+        "in clear (0: through the service, over its TLS where it has one)",
+    )
 
     def __post_init__(self) -> None:
         for name, spec in FIELDS.items():

@@ -48,7 +48,7 @@ def place(obj: object, where: Session) -> Ref | None:
     from nimbus.data._direct import _send
     from nimbus.data._fetch import request
 
-    if time.monotonic() < where.direct_after:
+    if time.monotonic() < where.direct_after or not _allowed():
         return None
     dumped = serialization.dumps(obj)  # (a small object is pickled again by the service's way)
     if len(dumped[0]) + sum(b.raw().nbytes for b in dumped[1]) < DIRECT:
@@ -117,7 +117,7 @@ def take(ref: Ref, where: Session, timeout: float | None) -> tuple[bool, Any]:
     client reached that node before, else from where a task there says (:func:`reopen`);
     ``(False, None)`` where it cannot be (then the caller reads it through the service).
     ``cf.TimeoutError`` once ``timeout`` s passed waiting for that task."""
-    if ref.size < DIRECT or time.monotonic() < where.direct_after:
+    if ref.size < DIRECT or time.monotonic() < where.direct_after or not _allowed():
         return False, None
     assert where.call is not None
     if ref.holder is not None and tuple(ref.holder[:2]) in where.reached:
@@ -127,7 +127,7 @@ def take(ref: Ref, where: Session, timeout: float | None) -> tuple[bool, Any]:
         except (DataError, OSError) as exc:  # its node's server moved (restarted), or gone
             where.reached.discard((host, port))
             log.info("%r: not read from the node its Ref names (%s)", ref, exc)
-    asked = where.call(reopen, ref.id, time.time() + WAIT, keep=False)
+    asked = where.call(reopen, ref.id, WAIT, keep=False)
     try:
         found = asked.result(timeout)
     except cf.TimeoutError:
@@ -164,15 +164,24 @@ def _fetched(ref: Ref, where: Session, server: tuple[str, int, str], pin: str) -
         lock_of(local.path(staged)).unlink(missing_ok=True)  # (its fetch's: of no use now)
 
 
-def reopen(ref_id: str, expires: float) -> tuple[str, int, str, str] | None:
+def reopen(ref_id: str, lease: float) -> tuple[str, int, str, str] | None:
     """A task on the endpoint: where the client fetches the object ``ref_id`` from, if
     this node keeps it and serves (its server, a new pin's secret and the pin, leased
-    until ``expires``: swept then, the object stays); else None."""
+    ``lease`` s from now by this node's clock, 120 s at most: swept then, the object
+    stays); else None."""
     from nimbus.data._task import _holder, _node, _scope
 
     if not _node(_scope().namespace).exists(ref_id):
         return None
-    return _holder(ref_id, min(expires, time.time() + WAIT))  # (swept soon after)
+    return _holder(ref_id, time.time() + min(lease, WAIT))
+
+
+def _allowed() -> bool:
+    """Whether large objects may go straight between this client and nodes (in clear):
+    ``NIMBUS_DATA_DIRECT``."""
+    from nimbus.config import Settings
+
+    return bool(Settings.lookup("data_direct"))
 
 
 def _unreachable(where: Session, exc: BaseException) -> None:
