@@ -255,6 +255,7 @@ BAD_ENV = [
     ("NIMBUS_MAX_BATCH", "-5"),
     ("NIMBUS_SHARED_MEMORY", "maybe"),
     ("NIMBUS_MESSAGING_DIRECT", "2"),
+    ("NIMBUS_DATA_DIRECT", "maybe"),
     # providers (issue 17)
     ("NIMBUS_PROVIDER", "slurm cluster"),
     ("NIMBUS_NODES_PER_BLOCK", "0"),
