@@ -132,8 +132,14 @@ class EndpointProcess:
             workers=workers,
             prefetch=2,
         )
+        self.save_config()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = service.root / f"agent-{name}.log"
+
+    def save_config(self) -> None:
+        """Write ``self.config`` where the agent reads it (the service's config home)."""
         old = os.environ.get("XDG_CONFIG_HOME")
-        os.environ["XDG_CONFIG_HOME"] = service.env["XDG_CONFIG_HOME"]
+        os.environ["XDG_CONFIG_HOME"] = self.service.env["XDG_CONFIG_HOME"]
         try:
             self.config.save()
         finally:
@@ -141,8 +147,6 @@ class EndpointProcess:
                 del os.environ["XDG_CONFIG_HOME"]
             else:
                 os.environ["XDG_CONFIG_HOME"] = old
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = service.root / f"agent-{name}.log"
 
     def command(self) -> list[str]:
         """The command line that starts the agent."""

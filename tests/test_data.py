@@ -670,6 +670,15 @@ def remote(service: Service, alice: Client, lab: EndpointProcess) -> Iterator[Ex
         yield executor
 
 
+def _freed(path: Path) -> None:
+    """Wait (30 s at most) for the object at ``path``, whose last Ref went, to be freed."""
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not path.exists()
+
+
 def test_remote_references_stay_on_the_endpoint(
     service: Service, remote: Executor, lab: EndpointProcess
 ) -> None:
@@ -696,11 +705,7 @@ def test_remote_references_stay_on_the_endpoint(
     path = node.path(big.id)
     assert path.exists()
     del big
-    gc.collect()
-    deadline = time.monotonic() + 30
-    while path.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)  # freed on its node with its pin, by the session's next batch
-    assert not path.exists()
+    _freed(path)  # on its node with its pin, by the session's next batch
     with pytest.raises(  # (named as the user named it, not by its id: stranger 7 F7)
         DataAccessError, match=r"the local runtime, and these tasks run on lab; .*endpoint='lab'"
     ):
@@ -762,11 +767,7 @@ def test_remote_references_are_freed_and_lost_ones_named(
     path = node.path(ref.id)
     assert path.exists()
     del ref
-    gc.collect()
-    deadline = time.monotonic() + 30
-    while path.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)  # freed by the session's next batch (a task on the endpoint)
-    assert not path.exists()
+    _freed(path)  # by the session's next batch (a task on the endpoint)
     ref = nimbus.put([1, 2, 3], endpoint="lab")
     node.path(ref.id).unlink()
     with pytest.raises(ReferenceLost, match=ref.id[:12]):
@@ -840,10 +841,7 @@ def test_an_object_on_a_stopped_endpoint_fails_its_reads_and_dependents_naming_i
             made = there.options(keep=True).submit(squares, 3)  # pure: made again if lost
             assert made.ref(timeout=60) is not None
             gone.stop()
-            deadline = time.monotonic() + 30
-            while alice.get_endpoint(gone.endpoint_id)["online"]:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+            _offline(alice, gone)
             began = time.monotonic()
             with pytest.raises(ReferenceLost, match="endpoint 'gone', which keeps it, is offline"):
                 again.get()  # (no timeout: it would have waited for ever)
@@ -856,6 +854,14 @@ def test_an_object_on_a_stopped_endpoint_fails_its_reads_and_dependents_naming_i
             del there  # (its shutdown does not wait for the reads queued there)
     finally:
         gone.stop()
+
+
+def _offline(client: Client, endpoint: EndpointProcess) -> None:
+    """Wait (30 s at most) for the service to say ``endpoint`` is offline."""
+    deadline = time.monotonic() + 30
+    while client.get_endpoint(endpoint.endpoint_id)["online"]:
+        assert time.monotonic() < deadline, "the service did not see the endpoint go"
+        time.sleep(0.1)
 
 
 def _serving(root: Path) -> None:
@@ -891,10 +897,7 @@ def test_objects_of_a_killed_endpoint_fail_at_once_and_come_back_with_it(
             held = [p for p in root.glob("*/obj/*") if len(p.name) == 32]
             assert len(held) == 2
             crash.kill()
-            deadline = time.monotonic() + 30
-            while alice.get_endpoint(crash.endpoint_id)["online"]:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+            _offline(alice, crash)
             began = time.monotonic()
             with pytest.raises(ReferenceLost, match="endpoint 'crash', which keeps it, is offline"):
                 big.get()

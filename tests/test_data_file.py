@@ -285,15 +285,7 @@ def exporting(service: Service, alice: Client, name: str, exports: Path) -> OwnR
     endpoint.runtime = service.root / f"runtime-{name}"
     endpoint.runtime.mkdir(mode=0o700)
     endpoint.config = dataclasses.replace(endpoint.config, exports=str(exports))
-    old = os.environ.get("XDG_CONFIG_HOME")
-    os.environ["XDG_CONFIG_HOME"] = service.env["XDG_CONFIG_HOME"]
-    try:
-        endpoint.config.save()
-    finally:
-        if old is None:
-            del os.environ["XDG_CONFIG_HOME"]
-        else:
-            os.environ["XDG_CONFIG_HOME"] = old
+    endpoint.save_config()
     endpoint.start(alice)
     return endpoint
 

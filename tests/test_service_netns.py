@@ -344,15 +344,7 @@ def test_files_between_endpoints_that_cannot_reach_each_other_go_through_the_cli
                 endpoint.service.env = dict(env, NIMBUS_RUNTIME_DIR=str(tmp_path / name))
                 if name == "ep2":
                     endpoint.config = dataclasses.replace(endpoint.config, exports=str(exported))
-                    old = os.environ.get("XDG_CONFIG_HOME")
-                    os.environ["XDG_CONFIG_HOME"] = env["XDG_CONFIG_HOME"]
-                    try:
-                        endpoint.config.save()
-                    finally:
-                        if old is None:
-                            del os.environ["XDG_CONFIG_HOME"]
-                        else:
-                            os.environ["XDG_CONFIG_HOME"] = old
+                    endpoint.save_config()
                 endpoints.append(endpoint.start(admin))
             out = tmp_path / "out.json"
             script = tmp_path / "files.py"
