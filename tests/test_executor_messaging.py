@@ -331,3 +331,27 @@ def test_tasks_start_their_programs_store_when_the_client_never_did(
     while list(tmp_path.glob("redis-*.sock")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not list(tmp_path.glob("redis-*.sock"))
+
+
+def socket_dirs() -> tuple[str, list[str]]:
+    """This task's instance id, and the socket directories in its worker's runtime dir."""
+    from nimbus.config import Settings
+
+    me = msg.instance_id()
+    return me, sorted(p.name for p in Settings.load().ensure_runtime_dir().glob("m-*"))
+
+
+def test_a_warm_worker_keeps_no_socket_directory_of_a_program_it_left(
+    service: Any, alice: Any, lab: Any
+) -> None:
+    import hashlib
+
+    settings = service.user_settings(alice.token)
+    with Executor(2, endpoint="lab", settings=settings) as ex:
+        ex.submit(socket_dirs).result(timeout=60)
+        program_id = ex._backend.program.program().program_id
+    with Executor(2, endpoint="lab", settings=settings) as ex:
+        _, later = ex.submit(socket_dirs).result(timeout=60)
+    # its directory's name (messaging._directory.socket_dir, which would make it here)
+    gone = "m-" + hashlib.blake2b(program_id.encode(), digest_size=12).hexdigest()
+    assert gone not in later, later

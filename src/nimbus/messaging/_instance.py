@@ -106,7 +106,11 @@ class Instance(Receiver, Sender):
             self._path.unlink()
         except FileNotFoundError:
             pass
-        sock.bind(str(self._path))
+        try:
+            sock.bind(str(self._path))
+        except FileNotFoundError:  # its directory went as another instance here left
+            self._path.parent.mkdir(mode=0o700, exist_ok=True)  # (a warm worker's task)
+            sock.bind(str(self._path))
         os.chmod(self._path, 0o600)
         sock.listen(128)
         return sock
