@@ -341,7 +341,7 @@ def socket_dirs() -> tuple[str, list[str]]:
     return me, sorted(p.name for p in Settings.load().ensure_runtime_dir().glob("m-*"))
 
 
-def test_a_warm_worker_keeps_no_socket_directory_of_a_program_it_left(
+def test_no_socket_directory_of_an_executors_program_stays_after_it(
     service: Any, alice: Any, lab: Any
 ) -> None:
     import hashlib
@@ -349,9 +349,11 @@ def test_a_warm_worker_keeps_no_socket_directory_of_a_program_it_left(
     settings = service.user_settings(alice.token)
     with Executor(2, endpoint="lab", settings=settings) as ex:
         ex.submit(socket_dirs).result(timeout=60)
+        assert ex.messaging().id  # (the client an instance too)
         program_id = ex._backend.program.program().program_id
     with Executor(2, endpoint="lab", settings=settings) as ex:
         _, later = ex.submit(socket_dirs).result(timeout=60)
     # its directory's name (messaging._directory.socket_dir, which would make it here)
     gone = "m-" + hashlib.blake2b(program_id.encode(), digest_size=12).hexdigest()
-    assert gone not in later, later
+    assert gone not in later, later  # the workers'
+    assert not (settings.ensure_runtime_dir() / gone).exists()  # the client's (ex.messaging())

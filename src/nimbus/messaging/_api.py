@@ -159,16 +159,11 @@ def _close_at_exit() -> None:
 def _left(prog: Program) -> None:
     """A warm worker's task of ``prog`` ended (``statestore.leave``): its instance says
     goodbye (a later send to its id raises PeerExited) and its token goes from the
-    environment (the worker's next task may be another program's); the program's socket
-    directory goes if no other instance here listens in it."""
+    environment (the worker's next task may be another program's)."""
     instance = _current
     if instance is None or _current_program != prog.program_id:
         return
     close()
-    try:  # its socket directory, unless another instance of the program is there
-        os.rmdir(instance._sockdir)  # (else one per program, on a long-lived worker)
-    except OSError:
-        pass
     if os.environ.get(TOKEN_ENV, "").partition(":")[0] == prog.program_id:
         del os.environ[TOKEN_ENV]
 
