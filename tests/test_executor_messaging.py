@@ -357,3 +357,40 @@ def test_no_socket_directory_of_an_executors_program_stays_after_it(
     gone = "m-" + hashlib.blake2b(program_id.encode(), digest_size=12).hexdigest()
     assert gone not in later, later  # the workers'
     assert not (settings.ensure_runtime_dir() / gone).exists()  # the client's (ex.messaging())
+
+
+def _stores_redis(service: Any) -> int:
+    """The pid of the service's stores Redis (the one it hands out: it listens on TCP)."""
+    import json
+
+    import psutil
+
+    for state in Path(service.env["NIMBUS_RUNTIME_DIR"]).glob("redis-*.json"):
+        pid = int(json.loads(state.read_text())["server"][0])
+        title = " ".join(psutil.Process(pid).cmdline())  # redis-server <first address>
+        if "redis-server" in psutil.Process(pid).name() and "unixsocket:" not in title:
+            return pid
+    raise AssertionError("the service runs no stores Redis")
+
+
+def test_plain_tasks_do_not_wait_for_a_store_that_does_not_answer(
+    service: Any, alice: Any, lab: Any
+) -> None:
+    import signal
+
+    settings = service.user_settings(alice.token)
+    with Executor(2, endpoint="lab", settings=settings) as ex:
+        ex.submit(plain, 0).result(timeout=60)  # (the service has handed out its store)
+    pid = _stores_redis(service)
+    os.kill(pid, signal.SIGSTOP)  # it takes connections and answers nothing
+    try:
+        with Executor(2, endpoint="lab", settings=settings) as ex:
+            began = time.monotonic()
+            assert ex.submit(plain, 1).result(timeout=60) == 2
+            seconds = time.monotonic() - began
+            with pytest.raises(StateStoreError, match="cannot reach the state store"):
+                ex.messaging()  # (after the PING from here timed out)
+            os.kill(pid, signal.SIGCONT)  # (before the shutdown deletes the keys)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert seconds < 2.5  # not the 5 s a PING of the store waits (2026-11: 5.04 s)
