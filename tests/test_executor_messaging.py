@@ -193,10 +193,12 @@ def test_plain_tasks_start_no_store(tmp_path: Path) -> None:
 
 def left_behind() -> dict[str, object]:
     """What a task on an endpoint finds of earlier tasks in its worker, then its own."""
-    from nimbus.statestore import _connect
+    from nimbus.statestore import _connect, _program
 
+    cached = _program._joined  # (before this task's program replaces it)
     prog = statestore.current()
     found = {
+        "cached": cached[1].url if cached is not None else None,
         "pid": os.getpid(),
         "token": os.environ.get(TOKEN_ENV),
         "clients": sorted(url for _, url in _connect._clients),
@@ -272,6 +274,7 @@ def test_the_next_user_on_a_shared_worker_finds_nothing_of_the_last(
     assert hers["url"] and his["url"] and his["url"] != hers["url"]
     assert his["token"] is None
     assert hers["url"] not in his["clients"]
+    assert his["cached"] is None  # (her URL holds her store's password)
     assert str(his["program_id"]).split(".")[0] != str(hers["program_id"]).split(".")[0]
     assert refused.startswith("refused:")
 

@@ -304,6 +304,17 @@ def _of(row: Row | str) -> Program:
     return found
 
 
+def _forget(row: Row | str) -> None:
+    """A task's row, made into its Program, is not kept for the worker's next task: a
+    remote one's URL holds the password of its user's store (the next may be another
+    user's)."""
+    global _joined
+    _joined = None
+
+
+_joined_task.on_leave(_forget)  # first registered, last run: after the hooks that use it
+
+
 def on_leave(fn: Callable[[Program], None]) -> None:
     """Call ``fn(program)`` when a warm worker's task of ``program`` ends (:func:`leave`):
     what it made there for the program (an instance, connections) goes."""
