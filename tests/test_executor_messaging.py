@@ -384,8 +384,12 @@ def test_plain_tasks_do_not_wait_for_a_store_that_does_not_answer(
     settings = service.user_settings(alice.token)
     with Executor(2, endpoint="lab", settings=settings) as ex:
         ex.submit(plain, 0).result(timeout=60)  # (the service has handed out its store)
+    import threading
+
     pid = _stores_redis(service)
     os.kill(pid, signal.SIGSTOP)  # it takes connections and answers nothing
+    resumed = threading.Timer(40, os.kill, (pid, signal.SIGCONT))  # (if the test hangs)
+    resumed.start()
     try:
         with Executor(2, endpoint="lab", settings=settings) as ex:
             began = time.monotonic()
@@ -393,7 +397,10 @@ def test_plain_tasks_do_not_wait_for_a_store_that_does_not_answer(
             seconds = time.monotonic() - began
             with pytest.raises(StateStoreError, match="cannot reach the state store"):
                 ex.messaging()  # (after the PING from here timed out)
-            os.kill(pid, signal.SIGCONT)  # (before the shutdown deletes the keys)
+            closing = time.monotonic()
+        closed = time.monotonic() - closing  # its keys deleted: given a reply's timeout
     finally:
+        resumed.cancel()
         os.kill(pid, signal.SIGCONT)
     assert seconds < 2.5  # not the 5 s a PING of the store waits (2026-11: 5.04 s)
+    assert closed < 20  # not until the store answers again (2026-11: 40 s, the timer's)
