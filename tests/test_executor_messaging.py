@@ -193,10 +193,12 @@ def test_plain_tasks_start_no_store(tmp_path: Path) -> None:
 
 def left_behind() -> dict[str, object]:
     """What a task on an endpoint finds of earlier tasks in its worker, then its own."""
-    from nimbus.statestore import _connect
+    from nimbus.statestore import _connect, _program
 
+    cached = _program._joined  # (before this task's program replaces it)
     prog = statestore.current()
     found = {
+        "cached": cached[1].url if cached is not None else None,
         "pid": os.getpid(),
         "token": os.environ.get(TOKEN_ENV),
         "clients": sorted(url for _, url in _connect._clients),
@@ -272,6 +274,7 @@ def test_the_next_user_on_a_shared_worker_finds_nothing_of_the_last(
     assert hers["url"] and his["url"] and his["url"] != hers["url"]
     assert his["token"] is None
     assert hers["url"] not in his["clients"]
+    assert his["cached"] is None  # (her URL holds her store's password)
     assert str(his["program_id"]).split(".")[0] != str(hers["program_id"]).split(".")[0]
     assert refused.startswith("refused:")
 
@@ -331,3 +334,73 @@ def test_tasks_start_their_programs_store_when_the_client_never_did(
     while list(tmp_path.glob("redis-*.sock")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not list(tmp_path.glob("redis-*.sock"))
+
+
+def socket_dirs() -> tuple[str, list[str]]:
+    """This task's instance id, and the socket directories in its worker's runtime dir."""
+    from nimbus.config import Settings
+
+    me = msg.instance_id()
+    return me, sorted(p.name for p in Settings.load().ensure_runtime_dir().glob("m-*"))
+
+
+def test_no_socket_directory_of_an_executors_program_stays_after_it(
+    service: Any, alice: Any, lab: Any
+) -> None:
+    import hashlib
+
+    settings = service.user_settings(alice.token)
+    with Executor(2, endpoint="lab", settings=settings) as ex:
+        ex.submit(socket_dirs).result(timeout=60)
+        assert ex.messaging().id  # (the client an instance too)
+        program_id = ex._backend.program.program().program_id
+    with Executor(2, endpoint="lab", settings=settings) as ex:
+        _, later = ex.submit(socket_dirs).result(timeout=60)
+    # its directory's name (messaging._directory.socket_dir, which would make it here)
+    gone = "m-" + hashlib.blake2b(program_id.encode(), digest_size=12).hexdigest()
+    assert gone not in later, later  # the workers'
+    assert not (settings.ensure_runtime_dir() / gone).exists()  # the client's (ex.messaging())
+
+
+def _stores_redis(service: Any) -> int:
+    """The pid of the service's stores Redis (the one it hands out: it listens on TCP)."""
+    import json
+
+    import psutil
+
+    for state in Path(service.env["NIMBUS_RUNTIME_DIR"]).glob("redis-*.json"):
+        pid = int(json.loads(state.read_text())["server"][0])
+        title = " ".join(psutil.Process(pid).cmdline())  # redis-server <first address>
+        if "redis-server" in psutil.Process(pid).name() and "unixsocket:" not in title:
+            return pid
+    raise AssertionError("the service runs no stores Redis")
+
+
+def test_plain_tasks_do_not_wait_for_a_store_that_does_not_answer(
+    service: Any, alice: Any, lab: Any
+) -> None:
+    import signal
+
+    settings = service.user_settings(alice.token)
+    with Executor(2, endpoint="lab", settings=settings) as ex:
+        ex.submit(plain, 0).result(timeout=60)  # (the service has handed out its store)
+    import threading
+
+    pid = _stores_redis(service)
+    os.kill(pid, signal.SIGSTOP)  # it takes connections and answers nothing
+    resumed = threading.Timer(40, os.kill, (pid, signal.SIGCONT))  # (if the test hangs)
+    resumed.start()
+    try:
+        with Executor(2, endpoint="lab", settings=settings) as ex:
+            began = time.monotonic()
+            assert ex.submit(plain, 1).result(timeout=60) == 2
+            seconds = time.monotonic() - began
+            with pytest.raises(StateStoreError, match="cannot reach the state store"):
+                ex.messaging()  # (after the PING from here timed out)
+            closing = time.monotonic()
+        closed = time.monotonic() - closing  # its keys deleted: given a reply's timeout
+    finally:
+        resumed.cancel()
+        os.kill(pid, signal.SIGCONT)
+    assert seconds < 2.5  # not the 5 s a PING of the store waits (2026-11: 5.04 s)
+    assert closed < 20  # not until the store answers again (2026-11: 40 s, the timer's)

@@ -5,8 +5,11 @@
     Executor.__init__ --> EndpointProgram.start(): a thread asks the service for the
         endpoint's store (handout.hand_out: POST /v1/endpoints/{id}/store), under this
         user's key prefix, and keeps the program's keys alive (statestore.Root)
-    Executor's first task --> row(): waits for it; every task carries the row
-        (statestore.Program.row(), or why there is none) and its worker joins it
+    Executor's first task --> row(): waits for the service's answer (not for the PING
+        of the store from here, which may take its timeout: a plain task needs no store);
+        every task carries the row (statestore.Program.row(), or why there is none) and
+        its worker joins it
+    Executor.messaging() --> program(): waits for the PING too (raises its error)
     ServiceBackend.shutdown --> close(): the program's keys are deleted
 
 The store is the one ``nimbus.multiprocessing`` uses on that endpoint: the
@@ -20,9 +23,10 @@ from __future__ import annotations
 
 import threading
 
-from nimbus.backends.handout import hand_out
+from nimbus.backends.handout import hand_out, probe_store
 from nimbus.client import Client
 from nimbus.config import Settings
+from nimbus.errors import StateStoreError
 from nimbus.statestore import Keys, Program, Root, StateStore
 
 __all__ = ["EndpointProgram"]
@@ -37,6 +41,8 @@ class EndpointProgram:
         self._key_ttl = settings.key_ttl
         self._root: Root | None = None
         self._row: object = None
+        self._answered = threading.Event()  # _row is set
+        self._unreachable = ""  # why this process cannot reach the store handed out
         self._closed = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._open, name="nimbus-program", daemon=True)
@@ -47,7 +53,7 @@ class EndpointProgram:
 
     def _open(self) -> None:
         try:
-            handed = hand_out(self._client, self._endpoint)
+            handed = hand_out(self._client, self._endpoint, probe=False)
             program_id = f"{handed.key_prefix}.{Keys.program_id_new()}"
             prog = Program(handed.url, program_id, self._key_ttl, remote=True)
             with self._lock:
@@ -61,17 +67,28 @@ class EndpointProgram:
                 f"service did not hand out a state store for endpoint {self._endpoint!r} "
                 f"({exc})"
             )
+            return
+        finally:
+            self._answered.set()
+        try:
+            probe_store(handed.url, self._endpoint)
+        except Exception as exc:  # (StateStoreError, ConfigError): said by program()
+            self._unreachable = str(exc)
 
     def row(self) -> object:
         """What each task carries: the program's row, or why there is none."""
         if self._thread.ident is None:
             self.start()
-        self._thread.join()
+        self._answered.wait()
         return self._row
 
     def program(self) -> Program | None:
-        """The program, once handed out (None: it was not)."""
+        """The program, once handed out and reached from here (None: it was not handed
+        out; StateStoreError: this process cannot reach it)."""
         self.row()
+        self._thread.join()
+        if self._unreachable:
+            raise StateStoreError(self._unreachable)
         root = self._root
         return root.program if root is not None else None
 

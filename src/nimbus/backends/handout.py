@@ -50,9 +50,9 @@ def open_store(settings: Settings) -> Store:
         return hand_out(client, endpoint, f"NIMBUS_ENDPOINT={endpoint}")
 
 
-def hand_out(client: Client, endpoint: str, who: str = "") -> Store:
-    """The store the service of ``client`` hands out for ``endpoint``, probed (``who``:
-    what asked for it, named in the errors)."""
+def hand_out(client: Client, endpoint: str, who: str = "", *, probe: bool = True) -> Store:
+    """The store the service of ``client`` hands out for ``endpoint``, probed unless
+    ``probe`` is false (``who``: what asked for it, named in the errors)."""
     who = who or f"endpoint {endpoint!r}"
     try:
         store = client.store(endpoint)
@@ -69,7 +69,8 @@ def hand_out(client: Client, endpoint: str, who: str = "") -> Store:
             f"NIMBUS_ENDPOINT to run locally"
         )
     url = str(store["url"])
-    probe_store(url, endpoint)
+    if probe:
+        probe_store(url, endpoint)
     return Store(url, str(store["key_prefix"]), bool(store["yours"]), int(store["workers"]))
 
 

@@ -106,7 +106,11 @@ class Instance(Receiver, Sender):
             self._path.unlink()
         except FileNotFoundError:
             pass
-        sock.bind(str(self._path))
+        try:
+            sock.bind(str(self._path))
+        except FileNotFoundError:  # its directory went as the last instance in it closed
+            self._path.parent.mkdir(mode=0o700, exist_ok=True)
+            sock.bind(str(self._path))
         os.chmod(self._path, 0o600)
         sock.listen(128)
         return sock
@@ -213,6 +217,10 @@ class Instance(Receiver, Sender):
         try:
             self._path.unlink()
         except FileNotFoundError:
+            pass
+        try:  # the program's socket directory, unless another instance here listens in it
+            os.rmdir(self._sockdir)  # (else one a program piles up in a long-lived process)
+        except OSError:
             pass
         try:
             self.directory.set_local(self.id, dataclasses.replace(self.entry, state=EXITED))

@@ -175,11 +175,20 @@ class Root:
         self.store.close()
 
     def _delete_keys(self) -> None:
+        # a remote store that answers nothing (hung, or gone with no reset) is given a
+        # few seconds a reply, not for ever: its keys expire by their TTL anyway
+        remote = self.program.remote
         try:
-            client = self.program.client()
-            keys = list(client.scan_iter(match=self.program.keys.pattern(), count=1000))
-            for start in range(0, len(keys), 500):
-                client.unlink(*keys[start : start + 500])
+            client = (
+                connect(self.program.url, own=True, timeout=5) if remote else self.program.client()
+            )
+            try:
+                keys = list(client.scan_iter(match=self.program.keys.pattern(), count=1000))
+                for start in range(0, len(keys), 500):
+                    client.unlink(*keys[start : start + 500])
+            finally:
+                if remote:
+                    client.close()
         except redis.RedisError:
             pass
 
@@ -302,6 +311,17 @@ def _of(row: Row | str) -> Program:
     found = Program(url, program_id, key_ttl, remote)
     _joined = (row, found)
     return found
+
+
+def _forget(row: Row | str) -> None:
+    """A task's row, made into its Program, is not kept for the worker's next task: a
+    remote one's URL holds the password of its user's store (the next may be another
+    user's)."""
+    global _joined
+    _joined = None
+
+
+_joined_task.on_leave(_forget)  # first registered, last run: after the hooks that use it
 
 
 def on_leave(fn: Callable[[Program], None]) -> None:
