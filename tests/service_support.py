@@ -184,6 +184,25 @@ class EndpointProcess:
             stop(self.proc)
 
 
+def service_redis(service: Service, *, stores: bool = False) -> int:
+    """The pid of one of the service's embedded Redis servers: its queue Redis (on a Unix
+    socket only), or with ``stores`` the one it hands out for endpoint programs (it also
+    listens on TCP; started with the first endpoint Executor)."""
+    import json
+
+    import psutil
+
+    found = []
+    for state in Path(service.env["NIMBUS_RUNTIME_DIR"]).glob("redis-*.json"):
+        pid = int(json.loads(state.read_text())["server"][0])
+        process = psutil.Process(pid)
+        title = " ".join(process.cmdline())  # redis-server <first address>
+        if "redis-server" in process.name() and ("unixsocket:" in title) != stores:
+            found.append(pid)
+    assert len(found) == 1, f"the service's {'stores' if stores else 'queue'} Redis: {found}"
+    return found[0]
+
+
 def make_certificates(root: Path, name: str = "ca") -> tuple[Path, Path, Path]:
     """A private CA in ``root`` and a server certificate it signed for 127.0.0.1 and
     localhost (``openssl`` CLI): (CA file, certificate, key)."""

@@ -365,17 +365,10 @@ def test_no_socket_directory_of_an_executors_program_stays_after_it(
 
 
 def _stores_redis(service: Any) -> int:
-    """The pid of the service's stores Redis (the one it hands out: it listens on TCP)."""
-    import json
+    """The pid of the service's stores Redis (the one it hands out)."""
+    from service_support import service_redis
 
-    import psutil
-
-    for state in Path(service.env["NIMBUS_RUNTIME_DIR"]).glob("redis-*.json"):
-        pid = int(json.loads(state.read_text())["server"][0])
-        title = " ".join(psutil.Process(pid).cmdline())  # redis-server <first address>
-        if "redis-server" in psutil.Process(pid).name() and "unixsocket:" not in title:
-            return pid
-    raise AssertionError("the service runs no stores Redis")
+    return service_redis(service, stores=True)
 
 
 def test_plain_tasks_do_not_wait_for_a_store_that_does_not_answer(

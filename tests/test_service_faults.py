@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -10,12 +9,11 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from nimbus import Executor
 from nimbus.errors import TaskLost
-from service_support import EndpointProcess, Service, service_env
+from service_support import EndpointProcess, Service, service_env, service_redis
 
 N = 400
 
@@ -29,16 +27,8 @@ def token(i: int) -> tuple[int, str, int]:
 
 
 def _queue_redis_pid(service: Service) -> int:
-    """The pid of the service's embedded queue Redis: the one on a Unix socket only (its
-    stores Redis, for an Executor's program on an endpoint, also listens on TCP)."""
-    found = []
-    for state in Path(service.env["NIMBUS_RUNTIME_DIR"]).glob("redis-*.json"):
-        pid = int(json.loads(state.read_text())["server"][0])
-        title = " ".join(psutil.Process(pid).cmdline())  # redis-server <first address>
-        if "redis-server" in psutil.Process(pid).name() and "unixsocket:" in title:
-            found.append(pid)
-    assert len(found) == 1, found
-    return found[0]
+    """The pid of the service's embedded queue Redis."""
+    return service_redis(service)
 
 
 class _Health:

@@ -26,6 +26,7 @@ from service_support import (
     postgres_cluster,
     process_tree,
     service_env,
+    service_redis,
     tokened_run,
 )
 
@@ -134,11 +135,8 @@ def _postmaster(postgres: Postgres) -> int:
 
 
 def _queue_redis(service: Service) -> int:
-    """The service's embedded queue Redis: its one ``redis-*.json`` in the runtime dir."""
-    import json
-
-    (state,) = Path(service.env["NIMBUS_RUNTIME_DIR"]).glob("redis-*.json")
-    return int(json.loads(state.read_text())["server"][0])
+    """The service's embedded queue Redis."""
+    return service_redis(service)
 
 
 def _running_worker(runs: Path, agent: int) -> int:
