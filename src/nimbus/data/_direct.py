@@ -319,6 +319,18 @@ def _file_digest(fd: int, key: tuple[str, int, float]) -> bytes:
     return _hashes[key]
 
 
+def _hashing(f: Any, path: Path) -> tuple[threading.Thread, list[bytes]]:
+    """The sha256 of the open file ``f`` (at ``path``) made on a thread, a second reader,
+    while its bytes go: the thread, started, and the list it appends the digest to (read
+    it once the thread is joined)."""
+    st = os.fstat(f.fileno())
+    digest: list[bytes] = []
+    key = (str(path), st.st_size, st.st_mtime)
+    hasher = threading.Thread(target=lambda: digest.append(_file_digest(f.fileno(), key)))
+    hasher.start()
+    return hasher, digest
+
+
 def _send(
     path: Path,
     host: str,
@@ -336,10 +348,7 @@ def _send(
         if mtime is not None and st.st_mtime != mtime:
             raise DataError(f"{path} changed while it was staged; submit again")
         size = st.st_size
-        digest: list[bytes] = []
-        key = (str(path), size, st.st_mtime)
-        hasher = threading.Thread(target=lambda: digest.append(_file_digest(f.fileno(), key)))
-        hasher.start()  # the digest is made while the bytes go (a second reader of the file)
+        hasher, digest = _hashing(f, path)  # (made while the bytes go)
         try:
             sock = (
                 opened()

@@ -188,6 +188,27 @@ def _sweep_temporaries(folder: Path, now: float | None = None) -> None:
                         os.unlink(entry.path)
 
 
+def _key(pin: Path) -> bytes:
+    """The secret of the pin file ``pin``, which ``Server._pin`` checked a request by."""
+    from nimbus.data._node import secret_of
+
+    secret = secret_of(pin)
+    assert secret is not None  # (_pin checked it)
+    return bytes.fromhex(secret)
+
+
+def _ready(conn: socket.socket, key: bytes) -> int:
+    """The receiving side of a file sent here (``_direct._send`` through a request):
+    this node's proof of the pin's secret (a sender sends nothing to a listener without
+    it), the sender's proof, then the size it sends."""
+    from nimbus.data._direct import _mac as transfer_mac
+
+    conn.sendall(b"OK" + transfer_mac(key, b"ready"))
+    if not hmac.compare_digest(recv_exactly(conn, 32), transfer_mac(key, b"connect")):
+        raise DataError("a wrong secret")
+    return int.from_bytes(recv_exactly(conn, 8), "little")
+
+
 class Server:
     """Serves the file copies of ``root`` (a runtime's data directory on this node) to
     the holders of their secrets, and renews their pins; a thread, until :meth:`close`."""
@@ -384,19 +405,13 @@ class Server:
         receives (the pin's secret, the bytes' tag), leased as the pin was; the pin stays."""
         from nimbus.data._direct import _OK, _receive_into
         from nimbus.data._direct import _mac as transfer_mac
-        from nimbus.data._node import secret_of
 
         space, pin = str(asked["namespace"]), str(asked["pin"])
         pin_path = self._pin(challenge, header, mac, space, pin)
         stored = pin_path.with_name(pin[:32])
-        secret = secret_of(pin_path)
-        assert secret is not None  # (_pin checked it)
-        key = bytes.fromhex(secret)
+        key = _key(pin_path)
         expires = pin_path.stat().st_mtime
-        conn.sendall(b"OK" + transfer_mac(key, b"ready"))  # (the sender's proof of whom it tells)
-        if not hmac.compare_digest(recv_exactly(conn, 32), transfer_mac(key, b"connect")):
-            raise DataError("a wrong secret")
-        size = int.from_bytes(recv_exactly(conn, 8), "little")
+        size = _ready(conn, key)
         if stored.exists():  # a relay that ran twice, or whose "OK" was lost: the same bytes
             digest = self._again(conn, stored, size, key)
         else:
@@ -423,7 +438,7 @@ class Server:
         from nimbus.data._direct import _OK, _is_id, _receive_into
         from nimbus.data._direct import _mac as transfer_mac
         from nimbus.data._file import _exported
-        from nimbus.data._node import note_of, secret_of
+        from nimbus.data._node import note_of
 
         space, pin, out_id = str(asked["namespace"]), str(asked["pin"]), str(asked["id"])
         pin_path = self._leased(challenge, header, mac, space, pin, "the place of an out= file")
@@ -435,9 +450,7 @@ class Server:
         except (ValueError, KeyError, TypeError):
             raise DataError("that pin names no place for an out= file") from None
         path = _exported(endpoint, template.replace("{task_id}", out_id))
-        secret = secret_of(pin_path)
-        assert secret is not None  # (_pin checked it)
-        key = bytes.fromhex(secret)
+        key = _key(pin_path)
         temp = path.parent / f".nimbus-out-{secrets.token_hex(8)}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -448,11 +461,7 @@ class Server:
                 f"out= path in a directory the endpoint can write"
             ) from None
         try:
-            conn.sendall(b"OK" + transfer_mac(key, b"ready"))  # (proved to the sender: _send)
-            if not hmac.compare_digest(recv_exactly(conn, 32), transfer_mac(key, b"connect")):
-                raise DataError("a wrong secret")
-            size = int.from_bytes(recv_exactly(conn, 8), "little")
-            digest = _receive_into(conn, temp, size, 0.0, key)
+            digest = _receive_into(conn, temp, _ready(conn, key), 0.0, key)
             os.chmod(temp, 0o644)  # (as a file a task writes: the node's store's are private)
             os.replace(temp, path)
         finally:
@@ -495,32 +504,25 @@ class Server:
         its pin's secret, while the pin is leased: "OK", its size, its bytes, then its
         sha256 and an HMAC of it keyed by the secret (bytes altered on the way, or a
         forged digest, are refused by the fetcher)."""
-        from nimbus.data._direct import _file_digest
+        from nimbus.data._direct import _hashing
         from nimbus.data._direct import _mac as transfer_mac
-        from nimbus.data._node import secret_of
 
         space, pin = str(asked["namespace"]), str(asked["pin"])
         pin_path = self._leased(challenge, header, mac, space, pin, f"the object {pin[:32]}")
-        secret = secret_of(pin_path)
-        assert secret is not None  # (_pin checked it)
+        key = _key(pin_path)
         stored = pin_path.with_name(pin[:32])
         if not stored.is_file():
             raise DataError(f"the object {pin[:32]} has not come to this node (yet)")
         with open(stored, "rb") as f:
-            st = os.fstat(f.fileno())
-            size = st.st_size
-            digest: list[bytes] = []  # made while the bytes go (a second reader of the file)
-            key = (str(stored), size, st.st_mtime)
-            hasher = threading.Thread(target=lambda: digest.append(_file_digest(f.fileno(), key)))
-            hasher.start()
+            size = os.fstat(f.fileno()).st_size
+            hasher, digest = _hashing(f, stored)  # (made while the bytes go)
             try:
                 conn.sendall(b"OK" + size.to_bytes(8, "little"))
                 if size:
                     conn.sendfile(f, 0, size)
             finally:
                 hasher.join()
-            tag = transfer_mac(bytes.fromhex(secret), b"object", digest[0])
-            conn.sendall(digest[0] + tag)
+            conn.sendall(digest[0] + transfer_mac(key, b"object", digest[0]))
         self._count(served=1, bytes=size)
 
     def _check(self, challenge: bytes, header: bytes, mac: bytes, asked: dict[str, Any]) -> Path:
