@@ -57,6 +57,7 @@ import contextlib  # noqa: E402
 import faulthandler  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import pickle  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -486,6 +487,89 @@ def put_rows(ex: Any, endpoint: str, args: argparse.Namespace) -> list[list[str]
             ]
         )
     return rows
+
+
+# ---------------------------------------------------------------- kv
+
+
+class RawRedis:
+    """The baseline of ``kv``: what a user of funcX's ``get_redis_client()`` writes, plain
+    redis-py on the same store, keys and ACL user, values pickled."""
+
+    def __init__(self) -> None:
+        from nimbus import statestore
+
+        program = statestore.current()
+        assert program is not None and program.endpoint, "not a task of an endpoint's program"
+        user = program.program_id.rpartition(".")[0]
+        self.prefix = statestore.Keys(f"{user}.kv-{program.endpoint}").kv("raw-")
+        self.client = program.client()
+
+    def set(self, key: str, value: object) -> None:
+        self.client.set(self.prefix + key, pickle.dumps(value, 5), px=600_000)
+
+    def get(self, key: str) -> Any:
+        return pickle.loads(self.client.get(self.prefix + key))
+
+
+def kv_of(how: str) -> Any:
+    import nimbus.data
+
+    if how == "store":
+        return nimbus.data.store()
+    if how == "redis":
+        return RawRedis()
+    return nimbus.data.NodeKeyValue(nimbus.data.default_root() / "bench" / "kv")  # one node's files
+
+
+def kv_map(i: int, parts: int, size: int, how: str) -> int:
+    kv = kv_of(how)
+    for j in range(parts):
+        kv.set(f"{i}-{j}", bytes([i % 256]) * size)
+    return parts
+
+
+def kv_reduce(j: int, maps: int, how: str) -> int:
+    kv = kv_of(how)
+    return sum(len(kv.get(f"{i}-{j}")) for i in range(maps))
+
+
+def kv_rows(ex: Any, args: argparse.Namespace) -> list[list[str]]:
+    """A shuffle through the key-value store of an endpoint's tasks: ``maps`` tasks each
+    set ``maps`` partitions, then ``maps`` tasks each get theirs from every map; through
+    ``nimbus.data.store()`` (the store the service hands out), plain redis-py on the same
+    store (funcX's way), and one node's files (``NodeKeyValue``: what ``store()`` was
+    before it was the endpoint's), alternated, medians of the submit-to-last-result time."""
+    maps, size, reps = (4, 64 << 10, 3) if args.quick else (16, 256 << 10, 6)
+    hows = ("store", "redis", "node")
+    times: dict[str, list[float]] = {how: [] for how in hows}
+    for how in hows:  # warm: workers up, functions registered, clients connected
+        [result(f, "kv: warm") for f in [ex.submit(kv_map, i, 1, 1, how) for i in range(8)]]
+    for rep in range(reps):
+        for how in hows[rep % 3 :] + hows[: rep % 3]:  # (each first in turn)
+            progress(f"kv: {how} {rep + 1}/{reps}")
+            start = time.perf_counter()
+            mapped = [ex.submit(kv_map, i, maps, size, how) for i in range(maps)]
+            [result(f, "kv: a map") for f in mapped]
+            reduced = [ex.submit(kv_reduce, j, maps, how) for j in range(maps)]
+            got = [result(f, "kv: a reduce") for f in reduced]
+            times[how].append(time.perf_counter() - start)
+            assert got == [maps * size] * maps
+    RESULTS["kv"] = times
+    med = {how: statistics.median(values) for how, values in times.items()}
+    mb = maps * maps * size / MB
+    return [
+        [
+            f"kv shuffle, {maps} x {maps} x {size >> 10} KB ({mb:.0f} MB) on an endpoint: "
+            f"store() vs {label}",
+            f"{med['store']:.3f} s",
+            f"{med[how]:.3f} s",
+            f"{med[how] / med['store']:.2f}x",
+            "",
+            "",
+        ]
+        for how, label in (("redis", "plain redis-py, same store"), ("node", "one node's files"))
+    ]
 
 
 # ---------------------------------------------------------------- deps
@@ -1024,7 +1108,7 @@ def main() -> int:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["big", "put", "campaign", "pipeline", "deps", "file", "mapreduce"],
+        choices=["big", "put", "campaign", "pipeline", "deps", "kv", "file", "mapreduce"],
     )
     parser.add_argument("--no-ray", action="store_true", help="nimbus only in the big row")
     parser.add_argument("--no-service", action="store_true", help="the local runtime only")
@@ -1079,7 +1163,9 @@ def main() -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where it waits
     # a SIGTERM ends the run as an exception does: the agents stopped, the namespaces gone
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    only = set(args.only or ["big", "put", "campaign", "pipeline", "deps", "file", "mapreduce"])
+    only = set(
+        args.only or ["big", "put", "campaign", "pipeline", "deps", "kv", "file", "mapreduce"]
+    )
     rows: list[list[str]] = []
     from nimbus import Executor
 
@@ -1091,7 +1177,7 @@ def main() -> int:
         progress("campaign: a local Executor(2) starts")
         with Executor(2) as ex:
             rows += campaign_rows(ex, "local runtime", args)
-    if not args.no_service and only & {"campaign", "put", "pipeline", "deps", "file"}:
+    if not args.no_service and only & {"campaign", "put", "pipeline", "deps", "kv", "file"}:
         import service as stackmod  # bench/service.py: a service and an endpoint
 
         stack = stackmod.Stack(2)
@@ -1155,6 +1241,8 @@ def main() -> int:
                     rows += pipeline_rows(ex, args)
                 if "deps" in only:
                     rows += deps_rows(ex, args)
+                if "kv" in only:
+                    rows += kv_rows(ex, args)
                 if "file" in only:
                     rows += file_rows(ex, exported, args, prefix, dest)
                     rows += fanout_rows(stack.settings, exported, FANOUT)

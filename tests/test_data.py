@@ -39,7 +39,7 @@ from nimbus.protocol import MSGPACK, Batch, submit_row, unpack
 from nimbus.service.app import SERVICE_ID
 from nimbus.service.queues import TaskStore
 from nimbus.service.registry import Registry
-from nimbus.statestore import Keys, StateStore, connect_async
+from nimbus.statestore import Keys, StateStore, connect, connect_async
 from service_support import EndpointProcess, Service, free_port, service_env, two_services
 
 MB = 1 << 20
@@ -1157,6 +1157,80 @@ def test_on_an_endpoint_the_store_is_the_owners_whichever_token(
         assert as_bob.submit(recall, "shared").result(timeout=60) == "missing"
         claimed = Scope(alices, "bob", lab.endpoint_id, False, 300.0)
         assert as_bob.submit(claim, claimed, "shared").result(timeout=60) == "missing"
+
+
+def where_stored(key: str, value: object, ttl: float) -> str:
+    """Set ``key`` for ``ttl`` s in this task's store; which store that is (its repr)."""
+    kv = store()
+    kv.set(key, value, ttl=ttl)
+    return repr(kv)
+
+
+def test_on_an_endpoint_the_store_is_the_users_there_not_the_nodes(
+    service: Service, alice: Client, remote: Executor, lab: EndpointProcess, hpc: EndpointProcess
+) -> None:
+    """funcX's Redis beside the endpoint: the keys live in the store the service hands out
+    (every node of the endpoint reaches it), under alice's prefix and lab's id, not in
+    the node's files; another Executor of hers finds them, a task on hpc does not."""
+    key = f"kv-{os.getpid()}-{time.monotonic_ns()}"
+    said = remote.submit(where_stored, key, {"n": 1}, 60.0).result(timeout=60)
+    assert f"on endpoint {lab.endpoint_id}" in said
+    program = remote._backend.program.program()  # the store handed out, as alice's ACL user
+    assert program is not None and program.endpoint == lab.endpoint_id
+    prefix = program.program_id.rpartition(".")[0]
+    name = Keys(f"{prefix}.kv-{lab.endpoint_id}").kv(key)
+    client = connect(program.url)
+    assert client.exists(name) == 1
+    node = on_endpoint(service, nimbus.data.session(lab.endpoint_id).namespace)
+    assert not (node.dir / "kv" / key.encode().hex()).exists()
+    settings = service.user_settings(alice.token)
+    with Executor(endpoint="lab", settings=settings) as again:
+        assert again.submit(recall, key).result(timeout=60) == {"n": 1}
+    with Executor(endpoint="hpc", settings=settings) as on_hpc:
+        assert on_hpc.submit(recall, key).result(timeout=60) == "missing"
+        said = on_hpc.submit(where_stored, key, "of hpc", 60.0).result(timeout=60)
+        assert f"on endpoint {hpc.endpoint_id}" in said
+    assert remote.submit(recall, key).result(timeout=60) == {"n": 1}  # lab's, unchanged
+    remote.submit(where_stored, key, 2, 0.3).result(timeout=60)  # a short life
+    time.sleep(0.6)
+    assert remote.submit(recall, key).result(timeout=60) == "missing"
+    assert client.exists(name) == 0  # gone from the store, not only hidden
+
+
+def test_a_write_into_a_full_endpoint_store_names_the_limit(tmp_path: Path) -> None:
+    """The service's stores Redis, full (its maxmemory, noeviction): the write fails
+    naming NIMBUS_STORE_MAXMEMORY, what was stored stays, a delete makes room."""
+    from nimbus.config import Settings
+    from nimbus.data import EndpointKeyValue
+    from nimbus.service.stores import StoreServer
+
+    server = StoreServer(Settings(runtime_dir=tmp_path / "rt", store_maxmemory=16 << 20))
+    try:
+        url = server.store("fay", "127.0.0.1")["url"]
+        kv = EndpointKeyValue(connect(url, own=True), Keys("u-fay.kv-ep").kv(), "ep", "fay")
+        with pytest.raises(DataError, match=r"could not set 'k[0-9]+'.*NIMBUS_STORE_MAXMEMORY"):
+            for i in range(64):  # 32 MiB into 16
+                kv.set(f"k{i}", b"m" * (512 << 10))
+        assert kv["k0"] == b"m" * (512 << 10) and len(list(kv.keys())) > 8
+        for key in list(kv.keys()):
+            assert kv.delete(key)
+        kv["k0"] = "fits again"
+        assert list(kv.keys()) == ["k0"] and "k0" in kv and repr(kv).endswith("endpoint ep>")
+    finally:
+        server.close()
+
+
+def test_a_node_store_key_lives_its_ttl() -> None:
+    key = f"ttl-{os.getpid()}-{time.monotonic_ns()}"
+    kv = store()
+    kv.set(key, [1], ttl=0.2)
+    assert kv[key] == [1] and key in kv and key in list(kv.keys())
+    time.sleep(0.4)
+    assert key not in kv and kv.get(key, "gone") == "gone" and key not in list(kv.keys())
+    assert not kv.delete(key)  # the file went as it was read
+    for bad in (0, -1, float("inf"), "1"):
+        with pytest.raises(DataError, match="ttl"):
+            kv.set(key, 1, ttl=bad)  # type: ignore[arg-type]
 
 
 # ------------------------------------------- dependencies held by the service

@@ -81,6 +81,15 @@ def pair_up(i: int) -> tuple[int, list[int]]:
     return os.getpid(), sorted(half + msg.recv(other, timeout=10))
 
 
+def node_kv() -> str:
+    """``nimbus.data.store()`` in a task: a value set and read back, and which store."""
+    import nimbus.data
+
+    kv = nimbus.data.store()
+    kv.set("k", 1)
+    return f"{kv.get('k')} {kv!r}"
+
+
 def plain(x: int) -> int:
     return x + 1
 
@@ -293,6 +302,8 @@ def test_without_a_store_plain_tasks_run_and_messaging_ones_say_why(tmp_path: Pa
             try:
                 with Executor(2, endpoint="far", settings=svc.user_settings(token)) as ex:
                     assert list(ex.map(plain, range(4))) == [1, 2, 3, 4]
+                    said = ex.submit(node_kv).result(timeout=60)  # the node's, as it can
+                    assert said.startswith("1 <nimbus.data.store of ") and " at /" in said
                     with pytest.raises(StateStoreError, match="NIMBUS_STORE_LISTEN"):
                         ex.submit(where_am_i).result(timeout=60)
                     with pytest.raises(StateStoreError, match="NIMBUS_STORE_LISTEN"):

@@ -105,6 +105,35 @@ def test_pool_map_runs_on_the_endpoint(
         assert lab.proc.pid in chain and int(out["mine"]) not in chain
 
 
+def test_a_pools_tasks_share_the_users_store_on_the_endpoint(
+    tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
+) -> None:
+    """``nimbus.data.store()`` in a Pool's processes on lab: the user's keys there, seen
+    by the next program's processes too."""
+    program = """
+        import nimbus.data
+
+        def put(i):
+            nimbus.data.store().set(f"part-{i}", i * i, ttl=60)
+            return repr(nimbus.data.store())
+
+        def take(i):
+            return nimbus.data.store().get(f"part-{i}")
+
+        if __name__ == "__main__":
+            with mp.Pool(2) as pool:
+                say("where", set(pool.map(put, range(8))))
+        """
+    out, _ = _on_lab(tmp_path, service, alice, program)
+    (where,) = eval(out["where"])  # one store, whichever process and worker
+    assert where.endswith(f" on endpoint {lab.endpoint_id}>")
+    program = program.replace(
+        'say("where", set(pool.map(put, range(8))))', 'say("got", pool.map(take, range(8)))'
+    )
+    out, _ = _on_lab(tmp_path, service, alice, program)
+    assert eval(out["got"]) == [i * i for i in range(8)]
+
+
 def test_process_queue_lock_output_and_exitcodes(
     tmp_path: Path, service: Service, alice: Client, lab: EndpointProcess
 ) -> None:

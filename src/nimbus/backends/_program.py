@@ -55,7 +55,7 @@ class EndpointProgram:
         try:
             handed = hand_out(self._client, self._endpoint, probe=False)
             program_id = f"{handed.key_prefix}.{Keys.program_id_new()}"
-            prog = Program(handed.url, program_id, self._key_ttl, remote=True)
+            prog = Program(handed.url, program_id, self._key_ttl, True, endpoint=self._endpoint)
             with self._lock:
                 if self._closed:
                     return

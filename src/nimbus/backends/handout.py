@@ -33,6 +33,7 @@ class Store(NamedTuple):
     key_prefix: str  # the start of this user's program ids
     yours: bool  # the endpoint is this user's own, not one shared with them
     workers: int  # the endpoint's workers (its cpu_count)
+    endpoint_id: str  # the endpoint's id
 
 
 def open_store(settings: Settings) -> Store:
@@ -71,7 +72,13 @@ def hand_out(client: Client, endpoint: str, who: str = "", *, probe: bool = True
     url = str(store["url"])
     if probe:
         probe_store(url, endpoint)
-    return Store(url, str(store["key_prefix"]), bool(store["yours"]), int(store["workers"]))
+    return Store(
+        url,
+        str(store["key_prefix"]),
+        bool(store["yours"]),
+        int(store["workers"]),
+        str(store["endpoint_id"]),
+    )
 
 
 def probe_store(url: str, endpoint: str) -> None:

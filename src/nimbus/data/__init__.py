@@ -10,8 +10,10 @@
                                --> fn gets pathlib.Paths: staged in, cached per node
                                    (``_file``); out= moved where it goes after the task
 
-``store()`` (``_kv``): ``kv.set(k, v)`` / ``kv[k] = v``, ``kv.get(k, default)`` /
-``kv[k]``, ``kv.delete(k)``, ``k in kv``, ``kv.keys()``; str keys, picklable values.
+``store()`` (``_kv``): ``kv.set(k, v, ttl=DAY)`` / ``kv[k] = v``, ``kv.get(k, default)``
+/ ``kv[k]``, ``kv.delete(k)``, ``k in kv``, ``kv.keys()``; str keys, picklable values; in
+a task on an endpoint the user's keys there (in the store the service hands out), run
+locally this runtime's.
 
 Where data lives: a runtime's data directory, ``/dev/shm/nimbus-data-<uid>/r<hash of
 its runtime dir>`` (``_node.default_root``): two runtimes (two ``NIMBUS_RUNTIME_DIR``)
@@ -102,7 +104,7 @@ from __future__ import annotations
 
 from nimbus.data._bind import bind, open_session, uses_data, waiting_on, when_done
 from nimbus.data._file import File
-from nimbus.data._kv import KeyValue
+from nimbus.data._kv import EndpointKeyValue, KeyValue, NodeKeyValue
 from nimbus.data._node import NodeStore, Sweeper, default_root
 from nimbus.data._ref import LEASE, MAX_SCAN, Ref, Scope, Session, get, pure, put, register, session
 from nimbus.data._staging import close_sources, has_files
@@ -114,9 +116,11 @@ __all__ = [
     "LEASE",
     "MAX_SCAN",
     "DataPath",
+    "EndpointKeyValue",
     "File",
     "KeptFuture",
     "KeyValue",
+    "NodeKeyValue",
     "NodeStore",
     "Ref",
     "Scope",

@@ -1,110 +1,147 @@
-"""``nimbus.data.store()``: a key-value store of one user on this node, for task code.
+"""``nimbus.data.store()``: a user's key-value store on an endpoint, for task code.
 
 ::
 
-    task code --store().set(k, v)--> <root>/<namespace>/kv/<key as hex>  (pickled, renamed in)
-    task code --store().get(k)-----> the value, or the default
+    task on an endpoint --store().set(k, v)--> the service's stores Redis, as the user's ACL user:
+                                               nimbus:{u-<user>.kv-<endpoint id>}:kv:<k>
+    task run locally ----store().set(k, v)--> <root>/<namespace>/kv/<k as hex> (pickled, renamed in)
+    task code ----------store().get(k)------> the value, or the default
 
 The API (``kv = nimbus.data.store()``; keys are ``str`` of 1 to 200 bytes of UTF-8,
 values anything picklable)::
 
-    kv.set(key, value)          kv[key] = value       store, replacing what was there
+    kv.set(key, value, ttl=DAY) kv[key] = value       store, replacing what was there
     kv.get(key, default=None)   kv[key]               the value (``kv[key]``: KeyError)
     kv.delete(key)                                    remove; whether it was there
     key in kv                   kv.keys()             membership; the keys, in no order
 
-Where it lives: on an endpoint, the node's store of the task's user; locally, this
-runtime's data directory (one per ``NIMBUS_RUNTIME_DIR``, see ``_node.default_root``),
-removed with it when the runtime stops. Outside a task, ``store()`` is this user's
-store of this process's runtime.
+A key lives ``ttl`` seconds after it was last set (a day by default), then it is gone as
+if deleted: a store shared by every user of a service keeps nothing forever that a
+finished job forgot.
 
-funcX gives functions on an endpoint a Redis beside it (``get_redis_client()``); this is
-the same idea with the isolation of references: a task sees only its own user's keys
-(the namespace of its :class:`~nimbus.data.Scope`). Writes are atomic (a part file
-renamed into place): a reader sees the old value or the new one, never half.
+Where it lives (:func:`nimbus.data.store` picks one):
+
+* **On an endpoint** (:class:`EndpointKeyValue`): the state store the service hands out
+  to the Executor's tasks (the one they message each other through), under the task's
+  user's key prefix and the endpoint's id. Every task of that user on that endpoint
+  sees the same keys, whichever node it runs on and whichever Executor sent it, as
+  funcX's ``get_redis_client()`` gives functions the Redis beside their endpoint.
+  Another user's tasks cannot read them: the service's ACL user of each user may touch
+  only keys under that user's prefix. A task of another endpoint sees other keys. The
+  keys are lost when the service's stores Redis restarts (with the service), and they
+  count against its ``NIMBUS_STORE_MAXMEMORY``, shared by all users: a write into a
+  full store fails, naming it. A task whose Executor got no store from the service (it
+  says why in the task's messaging errors) falls back to the node's store below.
+* **Locally, and on a node with no store handed out** (:class:`NodeKeyValue`): this
+  runtime's data directory (one per ``NIMBUS_RUNTIME_DIR``, see ``_node.default_root``),
+  removed with it when the runtime stops; writes are atomic (a part file renamed into
+  place): a reader sees the old value or the new one, never half. Outside a task,
+  ``store()`` is this user's store of this process's runtime.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import struct
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nimbus import serialization
 from nimbus.data._node import node_dir
 from nimbus.errors import DataError
 
-__all__ = ["KeyValue"]
+if TYPE_CHECKING:
+    import redis
+
+__all__ = ["DAY", "EndpointKeyValue", "KeyValue", "NodeKeyValue"]
 
 MAX_KEY = 200  # bytes of a key (its file name is twice that)
+DAY = 86400.0  # a key's lifetime by default, seconds
 _MISSING = object()
+_HEAD = struct.Struct("<dI")  # expires (time.time()), number of out-of-band buffers
+
+
+def _checked(key: str) -> bytes:
+    if not isinstance(key, str):
+        raise TypeError(f"a key of nimbus.data.store() is a str, not {type(key).__name__}")
+    raw = key.encode()
+    if not raw or len(raw) > MAX_KEY:
+        raise DataError(f"a key is 1 to {MAX_KEY} bytes of UTF-8, not {len(raw)}: {key[:40]!r}")
+    return raw
+
+
+def _lifetime(ttl: float) -> float:
+    if not isinstance(ttl, (int, float)) or not 0 < ttl < float("inf"):
+        raise DataError(f"a key's ttl is a number of seconds above 0, not {ttl!r}")
+    return float(ttl)
+
+
+def _packed(value: object, expires: float) -> list[Any]:
+    """``value`` pickled as the store keeps it: a head, the buffers' sizes, the pickle,
+    the buffers (parts to write one after the other)."""
+    data, buffers = serialization.dumps(value)
+    raws = [buf.raw() for buf in buffers]
+    sizes = b"".join(raw.nbytes.to_bytes(8, "little") for raw in raws)
+    return [_HEAD.pack(expires, len(raws)), sizes, data, *raws]
+
+
+def _expires(raw: bytes) -> float:
+    expires: float = _HEAD.unpack_from(raw)[0]
+    return expires
+
+
+def _unpacked(raw: bytes) -> Any:
+    view = memoryview(raw)
+    count = _HEAD.unpack_from(view)[1]
+    at = _HEAD.size
+    sizes = [int.from_bytes(view[at + 8 * i : at + 8 + 8 * i], "little") for i in range(count)]
+    at += 8 * count
+    end = len(raw) - sum(sizes)
+    data, buffers = view[at:end], []
+    for n in sizes:
+        buffers.append(view[end : end + n])
+        end += n
+    return serialization.loads(data, buffers)
 
 
 class KeyValue:
-    """Keys (str) to picklable values, in ``directory``: one user's, on this node."""
+    """Keys (str) to picklable values of one user (``nimbus.data.store()``); the API of
+    both stores, each of which gives :meth:`_read`, :meth:`_write`, :meth:`delete`,
+    ``in`` and :meth:`keys`."""
 
-    def __init__(self, directory: Path, user: str = "") -> None:
-        self.dir = directory
-        self.user = user
-        node_dir(directory)
+    user = ""
 
-    def _path(self, key: str) -> Path:
-        if not isinstance(key, str):
-            raise TypeError(f"a key of nimbus.data.store() is a str, not {type(key).__name__}")
-        raw = key.encode()
-        if not raw or len(raw) > MAX_KEY:
-            raise DataError(f"a key is 1 to {MAX_KEY} bytes of UTF-8, not {len(raw)}: {key[:40]!r}")
-        return self.dir / raw.hex()
+    def _read(self, key: str) -> bytes | None:
+        raise NotImplementedError
 
-    def set(self, key: str, value: object) -> None:
-        """Store ``value`` under ``key`` (replacing what was there)."""
-        path = self._path(key)
-        data, buffers = serialization.dumps(value)
-        part = self.dir / f".{uuid.uuid4().hex}"
-        with open(part, "wb") as out:
-            out.write(len(buffers).to_bytes(4, "little"))
-            for buf in buffers:
-                out.write(buf.raw().nbytes.to_bytes(8, "little"))
-            out.write(data)
-            for buf in buffers:
-                out.write(buf.raw())
-        os.rename(part, path)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """The value under ``key``, or ``default``."""
-        try:
-            raw = self._path(key).read_bytes()
-        except FileNotFoundError:
-            return default
-        view = memoryview(raw)
-        count = int.from_bytes(view[:4], "little")
-        sizes = [int.from_bytes(view[4 + 8 * i : 12 + 8 * i], "little") for i in range(count)]
-        at = 4 + 8 * count
-        end = len(raw) - sum(sizes)
-        data, buffers = view[at:end], []
-        for n in sizes:
-            buffers.append(view[end : end + n])
-            end += n
-        return serialization.loads(data, buffers)
+    def _write(self, key: str, parts: list[Any], ttl: float) -> None:
+        raise NotImplementedError
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; whether it was there."""
-        try:
-            self._path(key).unlink()
-        except FileNotFoundError:
-            return False
-        return True
+        raise NotImplementedError
 
     def __contains__(self, key: str) -> bool:
-        return self._path(key).exists()
+        raise NotImplementedError
 
     def keys(self) -> Iterator[str]:
         """The keys stored, in no order."""
-        for name in os.listdir(self.dir):
-            if not name.startswith("."):
-                yield bytes.fromhex(name).decode()
+        raise NotImplementedError
+
+    def set(self, key: str, value: object, ttl: float = DAY) -> None:
+        """Store ``value`` under ``key`` (replacing what was there) for ``ttl`` seconds."""
+        _checked(key)
+        ttl = _lifetime(ttl)
+        self._write(key, _packed(value, time.time() + ttl), ttl)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value under ``key``, or ``default``."""
+        raw = self._read(key)
+        return default if raw is None else _unpacked(raw)
 
     def __getitem__(self, key: str) -> Any:
         value = self.get(key, _MISSING)
@@ -115,5 +152,120 @@ class KeyValue:
     def __setitem__(self, key: str, value: object) -> None:
         self.set(key, value)
 
+
+class NodeKeyValue(KeyValue):
+    """One user's keys in ``directory``, on this node: a file a key."""
+
+    def __init__(self, directory: Path, user: str = "") -> None:
+        self.dir = directory
+        self.user = user
+        node_dir(directory)
+
+    def _path(self, key: str) -> Path:
+        return self.dir / _checked(key).hex()
+
+    def _write(self, key: str, parts: list[Any], ttl: float) -> None:
+        path = self._path(key)
+        part = self.dir / f".{uuid.uuid4().hex}"
+        with open(part, "wb") as out:
+            for piece in parts:
+                out.write(piece)
+        os.rename(part, path)
+
+    def _read(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        if _expires(raw) > time.time():
+            return raw
+        _unlink(path)  # (a newer value renamed in since is removed too: it is a day old)
+        return None
+
+    def delete(self, key: str) -> bool:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def __contains__(self, key: str) -> bool:
+        return self._read(key) is not None
+
+    def keys(self) -> Iterator[str]:
+        for name in os.listdir(self.dir):
+            if not name.startswith("."):
+                key = bytes.fromhex(name).decode()
+                if self._read(key) is not None:
+                    yield key
+
     def __repr__(self) -> str:
         return f"<nimbus.data.store of {self.user or 'this user'} at {self.dir}>"
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+class EndpointKeyValue(KeyValue):
+    """One user's keys on endpoint ``endpoint``: ``prefix`` + the key, in the Redis of
+    ``client`` (the store the service handed out, as the user's ACL user)."""
+
+    def __init__(self, client: redis.Redis, prefix: str, endpoint: str, user: str = "") -> None:
+        self._client = client
+        self._prefix = prefix.encode()
+        self.endpoint = endpoint
+        self.user = user
+
+    def _name(self, key: str) -> bytes:
+        return self._prefix + _checked(key)
+
+    @contextlib.contextmanager
+    def _failing(self, what: str) -> Iterator[None]:
+        """A Redis error as a :class:`DataError` saying what failed (and, when the store is
+        full, what to do)."""
+        import redis
+
+        try:
+            yield
+        except redis.RedisError as exc:
+            hint = (
+                ": the service's stores Redis is full (NIMBUS_STORE_MAXMEMORY, shared by "
+                "every user): delete keys no longer needed, or ask its operator for more"
+                if isinstance(exc, redis.exceptions.OutOfMemoryError)
+                else ""
+            )
+            raise DataError(
+                f"nimbus.data.store() of endpoint {self.endpoint} could not {what}: {exc}{hint}"
+            ) from None
+
+    def _write(self, key: str, parts: list[Any], ttl: float) -> None:
+        with self._failing(f"set {key[:40]!r}"):
+            self._client.set(self._name(key), b"".join(parts), px=max(1, int(ttl * 1000)))
+
+    def _read(self, key: str) -> bytes | None:
+        with self._failing(f"get {key[:40]!r}"):
+            raw = self._client.get(self._name(key))
+        assert raw is None or isinstance(raw, bytes)  # (the client decodes nothing)
+        return raw
+
+    def delete(self, key: str) -> bool:
+        with self._failing(f"delete {key[:40]!r}"):
+            return bool(self._client.delete(self._name(key)))
+
+    def __contains__(self, key: str) -> bool:
+        with self._failing(f"look up {key[:40]!r}"):
+            return bool(self._client.exists(self._name(key)))
+
+    def keys(self) -> Iterator[str]:
+        start = len(self._prefix)
+        with self._failing("list its keys"):  # (the prefix has no glob characters)
+            names = list(self._client.scan_iter(match=self._prefix + b"*", count=1000))
+        return (name[start:].decode() for name in names)
+
+    def __repr__(self) -> str:
+        return f"<nimbus.data.store of {self.user or 'this user'} on endpoint {self.endpoint}>"

@@ -36,7 +36,7 @@ from nimbus.data._file import (
     local_path,
     out_id,
 )
-from nimbus.data._kv import KeyValue
+from nimbus.data._kv import EndpointKeyValue, KeyValue, NodeKeyValue
 from nimbus.data._node import NodeStore, default_root
 from nimbus.data._ref import MAX_SCAN, Ref, Scope, local_namespace, lost, new_id, owner_namespace
 from nimbus.errors import DataAccessError, DataError
@@ -291,10 +291,18 @@ def _scope() -> Scope:
 
 
 def store() -> KeyValue:
-    """The key-value store of the user whose task this is, on this node.
+    """The key-value store of the user whose task this is, on its endpoint (``_kv``).
 
     funcX's ``get_redis_client()``, with isolation: another user's tasks on the
-    same endpoint see other keys. Outside a task: this user's store here.
+    same endpoint see other keys. Run locally, and outside a task: this user's store
+    in this runtime.
     """
     scope = _scope()
-    return KeyValue(_node(scope.namespace).dir / "kv", scope.user)
+    from nimbus import statestore  # (a task that never calls store() does not import it)
+
+    program = None if statestore.is_root() else statestore.current()
+    if program is not None and program.endpoint:  # the store the service handed out
+        user = program.program_id.rpartition(".")[0]  # (its id: <user's prefix>.<random>)
+        keys = statestore.Keys(f"{user}.kv-{program.endpoint}")
+        return EndpointKeyValue(program.client(), keys.kv(), program.endpoint, scope.user)
+    return NodeKeyValue(_node(scope.namespace).dir / "kv", scope.user)

@@ -265,7 +265,7 @@ def open_program(settings: Settings) -> Root:
 
         handed = ServiceBackend.open_store(settings)
         program_id = f"{handed.key_prefix}.{Keys.program_id_new()}"
-        prog = Program(handed.url, program_id, settings.key_ttl, remote=True)
+        prog = Program(handed.url, program_id, settings.key_ttl, True, endpoint=handed.endpoint_id)
         return _EndpointRoot(StateStore(handed.url), prog, handed.workers, handed.yours)
     # processes on a provider's nodes (NIMBUS_PROVIDER=slurm) are remote: their output
     # and exits come through the store, which they reach over TCP, and this host's

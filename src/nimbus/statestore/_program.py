@@ -88,6 +88,9 @@ class Program:
     ``remote``: its processes run on a remote endpoint (``NIMBUS_ENDPOINT``).
     ``shared``: the directory of this host's shared memory that holds its
     Values and Arrays (``nimbus.multiprocessing``); None: they are in the store.
+    ``endpoint``: the id of the endpoint whose workers run its tasks, when its store is
+    the one the service handed out for it (its id is then ``<user's prefix>.<random>``);
+    its tasks' ``nimbus.data.store()`` is their user's keys there.
     """
 
     url: str
@@ -95,6 +98,7 @@ class Program:
     key_ttl: float
     remote: bool = False
     shared: str | None = None
+    endpoint: str = ""
 
     @property
     def keys(self) -> Keys:
@@ -114,7 +118,15 @@ class Program:
         cost no more to pickle than nothing does)."""
         server = booting_server(self.url)  # not started yet: a task's worker asks for it
         owner, timeout = (server.owner_pid, server.start_timeout) if server else (0, 0.0)
-        fields = (self.url, self.program_id, self.key_ttl, self.remote, owner, timeout)
+        fields = (
+            self.url,
+            self.program_id,
+            self.key_ttl,
+            self.remote,
+            owner,
+            timeout,
+            self.endpoint,
+        )
         return pickle.dumps(fields, 5)
 
     def booting(self) -> bool:
@@ -301,14 +313,14 @@ def _of(row: Row | str) -> Program:
         return joined[1]
     if isinstance(row, str):
         raise StateStoreError(row)
-    url, program_id, key_ttl, remote, owner, timeout = pickle.loads(row)
+    url, program_id, key_ttl, remote, owner, timeout, endpoint = pickle.loads(row)
     ask = _joined_task.ask_root
     if owner and ask is not None:
         # its root's embedded store, deferred: the root starts it when asked, and this
         # worker's first connection waits for it (one the worker started would end with
         # the worker: its cgroup is emptied)
         ask_to_start(AskedStart(ask, url, owner, timeout))
-    found = Program(url, program_id, key_ttl, remote)
+    found = Program(url, program_id, key_ttl, remote, endpoint=endpoint)
     _joined = (row, found)
     return found
 

@@ -50,6 +50,11 @@ class Keys:
         """A SCAN/KEYS pattern matching every key of this program and no other."""
         return self._key("*")  # braces are literal in Redis globs; the id has no glob chars
 
+    def kv(self, key: str = "") -> str:
+        """A key of ``nimbus.data.store()`` on an endpoint, whose id here is
+        ``<user's prefix>.kv-<endpoint id>``; "": the start of every such key."""
+        return self._key("kv", key)
+
     def queue(self, name: str) -> str:
         return self._key("queue", name)
 
