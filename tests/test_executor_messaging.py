@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from multiprocessing import util
 from pathlib import Path
@@ -261,6 +262,37 @@ def test_two_tasks_on_an_endpoint_exchange_halves(service: Any, alice: Any, lab:
     with redis.Redis.from_url(handed["url"]) as client:
         assert list(client.scan_iter(match=keys)) == []
     del prog
+
+
+def later_where(seconds: float) -> tuple[int, str, str | None, str]:
+    time.sleep(seconds)
+    return where_am_i()
+
+
+def test_shutdown_without_waiting_lets_an_endpoints_tasks_finish(
+    service: Any, alice: Any, lab: Any
+) -> None:
+    """As the stdlib's: ``shutdown(wait=False)`` returns at once and the pending futures
+    still complete. An endpoint Executor's never did (its connection to the service
+    closed at once), and its program's keys went under its running tasks."""
+    ex = Executor(2, endpoint="lab", settings=service.user_settings(alice.token))
+    ex.submit(plain, 0).result(timeout=60)  # (the workers warm)
+    futures = [ex.submit(later_where, 1.0) for _ in range(3)]  # one waits for a worker
+    began = time.monotonic()
+    ex.shutdown(wait=False)
+    assert time.monotonic() - began < 0.5
+    with pytest.raises(RuntimeError, match="shutdown"):
+        ex.submit(plain, 1)
+    program = ex._backend.program.program()
+    assert [f.result(timeout=30)[1] for f in futures] == [program.program_id] * 3
+    ex.shutdown(wait=True)  # (waits for the thread that ends it)
+    assert not any(t.name == "nimbus-shutdown" for t in threading.enumerate())
+    with service.client(alice.token) as again:
+        handed = again.store("lab")
+    import redis
+
+    with redis.Redis.from_url(handed["url"]) as client:  # its keys went after the tasks
+        assert list(client.scan_iter(match=program.keys.pattern())) == []
 
 
 def test_the_next_user_on_a_shared_worker_finds_nothing_of_the_last(

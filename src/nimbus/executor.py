@@ -167,6 +167,8 @@ class Executor(_mapping.Mapper):
         self._bytes_sent = 0
         self._bytes_received = 0
         self._shutdown = False
+        self._closing = False  # shutdown() began
+        self._closed = threading.Event()  # shutdown() ended
         # a local run's finished records, kept for `nimbus dashboard` (local_history.py)
         self._history: local_history.LocalHistory | None = None
         if backend == "local" and local_history.enabled(self.settings):
@@ -405,8 +407,22 @@ class Executor(_mapping.Mapper):
             return
         with self._lock:
             self._shutdown = True
+            first, self._closing = not self._closing, True
         if cancel_futures:  # as the stdlib: those not running are cancelled, the others finish
             self._cancel_queued(list(self._futures.values()))
+        if not first:  # being shut down already (by another thread, or wait=False's)
+            if wait:
+                self._closed.wait()
+            return
+        if not wait:  # as the stdlib: returns now, and the pending futures still complete
+            # (a service's connection stays up for their results, their messaging program
+            # for them to use); the interpreter's exit waits for them (a non-daemon thread)
+            threading.Thread(target=self._close, name="nimbus-shutdown").start()
+            return
+        self._close()
+
+    def _close(self) -> None:
+        """The end of :meth:`shutdown`, once the pending futures are done."""
         data.close_sources(self)
         if self._endpoint is not None:
             session = self._path.session
@@ -415,7 +431,7 @@ class Executor(_mapping.Mapper):
             for place in self._places:
                 data.register(place, None, session, opener=self._path.open)
         try:
-            self._backend.shutdown(wait=wait)
+            self._backend.shutdown(wait=True)
         except KeyboardInterrupt:  # a (second) Ctrl-C while it waits: stop the workers
             self._backend.shutdown(wait=True, kill=True)
             raise
@@ -424,6 +440,7 @@ class Executor(_mapping.Mapper):
             if self._history is not None:
                 self._history.close()
             _live.discard(self)
+            self._closed.set()
 
     def _close_program(self) -> None:
         """The client's instance of an endpoint's program, then the program's keys."""
