@@ -423,7 +423,6 @@ class Executor(_mapping.Mapper):
 
     def _close(self) -> None:
         """The end of :meth:`shutdown`, once the pending futures are done."""
-        data.close_sources(self)
         if self._endpoint is not None:
             session = self._path.session
             if session is not None:
@@ -436,6 +435,7 @@ class Executor(_mapping.Mapper):
             self._backend.shutdown(wait=True, kill=True)
             raise
         finally:
+            data.close_sources(self)  # (after the tasks: files staged in, out= carried)
             self._close_program()
             if self._history is not None:
                 self._history.close()

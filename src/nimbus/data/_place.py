@@ -13,8 +13,8 @@
         fetched from that server into this machine's store (``_fetch.fetch_object``),
         read, the file unlinked (its mapping lives as long as the object's buffers)
 
-Where the endpoint's node serves nothing (yet: an agent serves 0.25 s after it starts),
-or the client cannot reach it (the endpoint behind a firewall, ``NIMBUS_DATA_HOST`` on
+Where the endpoint's node serves nothing (it cannot listen on its ``NIMBUS_DATA_HOST``;
+an endpoint's agent serves before it is online), or the client cannot reach it (the endpoint behind a firewall, ``NIMBUS_DATA_HOST`` on
 loopback while the client is elsewhere), the object goes through the service as before,
 and so do the session's next ones for ``AGAIN`` or ``UNREACHABLE`` s: one failed try,
 not one per object; a connection waits ``CONNECT`` s at most (a node on a cluster's

@@ -174,6 +174,9 @@ class EndpointDaemon:
         self._ready = asyncio.Event()
         self.transfers.open()
         try:
+            # its node's data served before it is online: a put or out= file sent right
+            # after the start finds it (the embedded runtime's waits DATA_AFTER s instead)
+            await asyncio.to_thread(self.runtime.hold_data)
             await self.socket.run(self._session)
         finally:
             await self.transfers.close()

@@ -103,6 +103,11 @@ class Agent:
         )
         self._data_thread.start()
 
+    def hold_data(self) -> None:
+        """Hold the runtime's data (and serve it) now, not ``DATA_AFTER`` s after the start."""
+        self._data_now.set()
+        self._data_thread.join()
+
     def _hold_data(self) -> None:
         self._data_now.wait(DATA_AFTER)
         from nimbus.data import (
