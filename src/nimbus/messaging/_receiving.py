@@ -281,12 +281,13 @@ class Receiver:
     def _progress(
         self,
         timeout: float,
-        writer: _peer.Peer | None = None,
+        writer: _peer.Peer | list[_peer.Peer] | None = None,
         seen: int | None = None,
         want: Any = _NOBODY,
         tag: Any = 0,
     ) -> Mail | None:
-        """Wait up to ``timeout`` for input (or for ``writer``'s socket to drain); read it.
+        """Wait up to ``timeout`` for input (or for ``writer``'s socket, or one of a list's,
+        to take more); read it.
 
         ``seen`` is the arrival count the caller last looked at: if messages
         arrived since (read by another thread), this returns without waiting.
@@ -311,11 +312,17 @@ class Receiver:
             if writer is None:
                 events = poll.poll(timeout * 1000)
             else:
-                poll.register(writer.sock, select.POLLOUT)
+                fds = []
+                for w in writer if isinstance(writer, list) else [writer]:
+                    fd = w.sock.fileno()
+                    if fd >= 0:  # (not a link another thread dropped meanwhile)
+                        poll.register(fd, select.POLLOUT)
+                        fds.append(fd)
                 try:
                     events = poll.poll(timeout * 1000)
                 finally:
-                    poll.unregister(writer.sock)
+                    for fd in fds:
+                        poll.unregister(fd)
             found = self._read_events(events, want, tag)
         finally:
             io.release()

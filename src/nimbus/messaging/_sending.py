@@ -27,7 +27,11 @@ way it goes, so the receiver delivers once and in order across a switch from
 the store to a socket. The first send after a ``recv`` goes at once (a request
 waits for its reply); sends in a row are coalesced. A send that finds the
 peer's socket full reads this instance's own sockets meanwhile (``_progress``),
-so rings and exchanges never deadlock on full buffers.
+so rings and exchanges never deadlock on full buffers. A large message nothing can
+change (``BEHIND`` bytes or more, its buffers all ``bytes``) is not waited for:
+the flusher (or the next ``recv``, or the close) writes what the socket did not
+take, every such link at once (``_flush_dirty``), so an exchange's sends in a row
+to several peers fill all their links together instead of one after the other.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ log = logging.getLogger("nimbus.messaging")
 RETRY = 0.002  # seconds between tries to reach a peer that does not listen yet
 RETRY_TCP = 0.25  # first wait before trying an unreachable TCP address again ...
 MAX_BACKOFF = 5.0  # ... doubling up to this
+BEHIND = 1 << 20  # bytes of a message from which what the socket does not take at once
+# is written behind its send (the flusher, the next recv), not waited for by it
 FOLLOWS = 256 * 1024  # a first message over TCP this small follows its HELLO before
 # the answer (a larger one takes far longer than the round trip)
 REFUSAL_WAIT = 0.1  # seconds a broken link not yet answered is read for a refusal
@@ -111,8 +117,9 @@ class Sender:
         self._flusher: threading.Thread | None = None
         self._recvs = 0  # receives so far (the instance counts them)
 
-    def _progress(self, timeout: float, writer: _peer.Peer | None = None) -> Any:
-        """Read this instance's sockets until ``writer``'s drains (the instance's)."""
+    def _progress(self, timeout: float, writer: _peer.Peer | list[_peer.Peer] | None = None) -> Any:
+        """Read this instance's sockets until ``writer``'s (or one of the ``writer``
+        list's) can take more (the instance's)."""
         raise NotImplementedError
 
     def send(self, peer: str, obj: object, tag: Any = 0) -> None:
@@ -202,8 +209,20 @@ class Sender:
                 return
             link.queue(seq, tag, data, raws, raw)
             if now or link.channel.pending_output >= COALESCE:
-                self._flush(link)
-                return
+                if len(data) + sum(r.nbytes for r in raws) < BEHIND or not _fixed(raws):
+                    self._flush(link)
+                    return
+                # a large message nothing can change once this returns (a pickle made
+                # here, ``bytes``; the buffers of an array, which the caller may change, are
+                # written before it returns): what the socket does not take now is written
+                # behind this call, so sends in a row to several peers (an exchange's)
+                # keep all their links busy at once, not one after the other
+                try:
+                    if link.channel.flush():
+                        return
+                except OSError as exc:
+                    self._drop_out(link)
+                    raise self._gone(peer, exc) from exc
         if not link.armed:
             self._arm(link)
 
@@ -263,23 +282,36 @@ class Sender:
             self._flush_dirty()
 
     def _flush_dirty(self) -> None:
-        """Write every coalesced message now (before waiting, at close, from the flusher).
+        """Write every coalesced or large message queued (before waiting, at close, from
+        the flusher): all the links at once, each as its socket takes more, reading
+        this instance's own sockets meanwhile (several large messages to several peers
+        go out together, each link busy; none waits for another's to drain).
 
         A link's ``armed`` is cleared before its ``pending`` is taken: a send
         that appended and then saw ``armed`` set is in what is taken; one that
         saw it clear arms the link again.
         """
         while self._dirty:
-            try:
-                link = self._dirty.pop()
-            except KeyError:
-                return
-            with link.lock:
-                link.armed = False
+            full: list[_peer.Peer] = []
+            while self._dirty:
                 try:
-                    self._write(link)
-                except MessagingError as exc:  # PeerLost or PeerExited
-                    link.error = exc
+                    link = self._dirty.pop()
+                except KeyError:
+                    break
+                with link.lock:
+                    link.armed = False
+                    if link.error is not None:
+                        continue
+                    try:
+                        link.frame_pending(self._number)
+                        if not link.channel.flush():
+                            full.append(link)
+                    except OSError as exc:
+                        self._drop_out(link)
+                        link.error = self._gone(link.peer, exc)
+            if full:
+                self._progress(0.05, full)
+                self._dirty.update(full)
 
     def _open(
         self, peer: str, first: tuple[Any, bytes, list[Any], bool] | None = None
@@ -553,6 +585,12 @@ class Sender:
             except MessagingError:
                 pass
         link.close()
+
+
+def _fixed(raws: list[Any]) -> bool:
+    """Whether the out-of-band buffers of a message are all of ``bytes`` objects, which
+    nobody can change (so they may be written after its send returned)."""
+    return all(type(raw.obj) is bytes for raw in raws)
 
 
 def _exited(peer: str) -> PeerExited:
