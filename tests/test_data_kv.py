@@ -4,15 +4,21 @@ from tasks on endpoints is in tests/test_data.py (``users_there``, ``full_endpoi
 
 from __future__ import annotations
 
+import math
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from nimbus.config import Settings
-from nimbus.data import EndpointKeyValue
+from nimbus.data import EndpointKeyValue, NodeKeyValue
+from nimbus.errors import DataError
 from nimbus.service.dashboard._directory import _pattern, directories
 from nimbus.service.stores import StoreServer
 from nimbus.statestore import Keys, connect
+from service_support import free_port
 
 MB = 1 << 20
 
@@ -31,6 +37,42 @@ def endpoint_kv(url: str, user: str) -> EndpointKeyValue:
     return EndpointKeyValue(connect(url, own=True), Keys(f"u-{user}.kv-ep").kv(), "ep", user)
 
 
+def test_a_value_over_redis_limit_is_refused_before_it_is_sent(stores: StoreServer) -> None:
+    """Redis takes 512 MiB in one value: a larger one is refused naming the limit and
+    nimbus.put, at once (it reset the connection halfway through the send, a DataError
+    of 'Connection reset by peer'), and the store goes on."""
+    kv = endpoint_kv(stores.store("hal", "127.0.0.1")["url"], "hal")
+    try:
+        huge = bytes(512 * MB + 1)  # (calloc'd: its pages are never touched)
+        start = time.monotonic()
+        with pytest.raises(DataError, match=r"cannot set 'big'.* over the 512 MiB.*nimbus\.put"):
+            kv.set("big", huge)
+        assert time.monotonic() - start < 1.0
+        kv["small"] = "fits"
+        assert kv["small"] == "fits" and "big" not in kv
+    finally:
+        kv._client.close()
+
+
+def test_a_store_that_cannot_be_used_says_why_and_what_to_do(stores: StoreServer) -> None:
+    """Its ACL user gone (a token of the user revoked): the DataError says so; no store
+    listening where the URL says: it names NIMBUS_STORE_LISTEN."""
+    kv = endpoint_kv(stores.store("ida", "127.0.0.1")["url"], "ida")
+    try:
+        kv["k"] = 1
+        stores.forget("ida")
+        with pytest.raises(DataError, match=r"could not get 'k'.*revoked.*new Executor"):
+            kv.get("k")
+    finally:
+        kv._client.close()
+    nowhere = endpoint_kv(f"redis://127.0.0.1:{free_port()}/0", "ida")
+    try:
+        with pytest.raises(DataError, match=r"could not set 'k'.*NIMBUS_STORE_LISTEN"):
+            nowhere["k"] = 1
+    finally:
+        nowhere._client.close()
+
+
 def test_a_users_key_named_like_a_directory_leaves_the_dashboards_page_alone(
     stores: StoreServer,
 ) -> None:
@@ -45,3 +87,83 @@ def test_a_users_key_named_like_a_directory_leaves_the_dashboards_page_alone(
             assert all("kv" not in program.program_id for program in programs)
     finally:
         kv._client.close()
+
+
+def _read_bytes() -> int:
+    """Bytes this process read so far (read(2) and friends: /proc/self/io's rchar)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_a_node_stores_keys_and_membership_read_no_values(tmp_path: Path) -> None:
+    """``in`` and keys() read a key's head (its expiry), not its value: they read the
+    whole file, 64 MB here, each time."""
+    kv = NodeKeyValue(tmp_path / "kv")
+    kv.set("big", b"v" * (64 * MB), ttl=60)
+    before = _read_bytes()
+    assert "big" in kv and list(kv.keys()) == ["big"]
+    assert _read_bytes() - before < MB
+    assert kv["big"] == b"v" * (64 * MB)
+
+
+def test_a_node_stores_expired_key_was_not_there(tmp_path: Path) -> None:
+    """delete() of a key whose life ended says it was not there (as Redis does), read or
+    not; it said True until a read had unlinked the file."""
+    kv = NodeKeyValue(tmp_path / "kv")
+    kv.set("k", 1, ttl=0.05)
+    time.sleep(0.1)
+    assert not kv.delete("k") and not any(p.name[0] != "." for p in kv.dir.iterdir())
+
+
+def test_reading_an_expired_key_leaves_a_value_set_meanwhile(tmp_path: Path) -> None:
+    """A reader that found the key expired unlinks it only if it is still the file it read:
+    it unlinked whatever had been renamed in meanwhile, a value set for a minute."""
+    kv = NodeKeyValue(tmp_path / "kv")
+    old = bytes(64 * MB)
+    lost = []
+    for i in range(8):
+        kv.set("k", old, ttl=0.001)
+        time.sleep(0.01)  # (expired)
+        reader = threading.Thread(target=kv.get, args=("k",))
+        reader.start()
+        time.sleep(0.002)  # (the reader opened the old file and reads it)
+        kv.set("k", i, ttl=60)
+        reader.join()
+        if kv.get("k", "gone") != i:
+            lost.append(i)
+    assert not lost, f"values set while an expired one was read were lost: {lost}"
+
+
+def test_a_keys_ttl_is_a_number_both_stores_take(tmp_path: Path, stores: StoreServer) -> None:
+    """True (a bool), NaN, and lives Redis refuses (PX over 2**63 ms: a Redis error that
+    named no ttl, while the node store took them) are refused by both stores alike."""
+    node = NodeKeyValue(tmp_path / "kv")
+    endpoint = endpoint_kv(stores.store("kim", "127.0.0.1")["url"], "kim")
+    try:
+        for kv in (node, endpoint):
+            for bad in (True, math.nan, 0, -1.0, 1e300, 10**400, "1"):
+                with pytest.raises(DataError, match="ttl"):
+                    kv.set("k", 1, ttl=bad)  # type: ignore[arg-type]
+            kv.set("k", 1, ttl=1e9)  # about 30 years
+            assert kv["k"] == 1
+    finally:
+        endpoint._client.close()
+
+
+def test_both_stores_iterate_and_del_as_a_dict_does(tmp_path: Path, stores: StoreServer) -> None:
+    """``for key in kv`` and ``del kv[key]``: a TypeError each (Python's old iteration
+    protocol called kv[0], "a key ... is a str, not int"; no __delitem__)."""
+    node = NodeKeyValue(tmp_path / "kv")
+    endpoint = endpoint_kv(stores.store("lea", "127.0.0.1")["url"], "lea")
+    try:
+        for kv in (node, endpoint):
+            kv["a"], kv["b"] = 1, 2
+            assert sorted(kv) == ["a", "b"]
+            del kv["a"]
+            assert sorted(kv) == ["b"] and "a" not in kv
+            with pytest.raises(KeyError):
+                del kv["a"]
+    finally:
+        endpoint._client.close()

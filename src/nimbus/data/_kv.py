@@ -12,8 +12,8 @@ values anything picklable)::
 
     kv.set(key, value, ttl=DAY) kv[key] = value       store, replacing what was there
     kv.get(key, default=None)   kv[key]               the value (``kv[key]``: KeyError)
-    kv.delete(key)                                    remove; whether it was there
-    key in kv                   kv.keys()             membership; the keys, in no order
+    kv.delete(key)              del kv[key]           remove; whether it was there (del: KeyError)
+    key in kv                   kv.keys(), iter(kv)   membership; the keys, in no order
 
 A key lives ``ttl`` seconds after it was last set (a day by default), then it is gone as
 if deleted: a store shared by every user of a service keeps nothing forever that a
@@ -30,8 +30,10 @@ Where it lives (:func:`nimbus.data.store` picks one):
   only keys under that user's prefix. A task of another endpoint sees other keys. The
   keys are lost when the service's stores Redis restarts (with the service), and they
   count against its ``NIMBUS_STORE_MAXMEMORY``, shared by all users: a write into a
-  full store fails, naming it. A task whose Executor got no store from the service (it
-  says why in the task's messaging errors) falls back to the node's store below.
+  full store fails, naming it, and a value is at most :data:`MAX_VALUE` pickled
+  (Redis's limit: a larger one is refused before it is sent). A task whose Executor got
+  no store from the service (it says why in the task's messaging errors), and one that
+  ``Client.run``/``batch_run`` sent (it carries no program), use the node's store below.
 * **Locally, and on a node with no store handed out** (:class:`NodeKeyValue`): this
   runtime's data directory (one per ``NIMBUS_RUNTIME_DIR``, see ``_node.default_root``),
   removed with it when the runtime stops; writes are atomic (a part file renamed into
@@ -61,6 +63,8 @@ __all__ = ["DAY", "EndpointKeyValue", "KeyValue", "NodeKeyValue"]
 
 MAX_KEY = 200  # bytes of a key (its file name is twice that)
 DAY = 86400.0  # a key's lifetime by default, seconds
+MAX_TTL = 1e9  # seconds: what both stores take (Redis: PX below 2**63 ms)
+MAX_VALUE = 512 << 20  # bytes of one value in Redis (a string, proto-max-bulk-len)
 _MISSING = object()
 _HEAD = struct.Struct("<dI")  # expires (time.time()), number of out-of-band buffers
 
@@ -75,8 +79,12 @@ def _checked(key: str) -> bytes:
 
 
 def _lifetime(ttl: float) -> float:
-    if not isinstance(ttl, (int, float)) or not 0 < ttl < float("inf"):
-        raise DataError(f"a key's ttl is a number of seconds above 0, not {ttl!r}")
+    valid = isinstance(ttl, (int, float)) and not isinstance(ttl, bool)
+    if not valid or not 0 < ttl <= MAX_TTL:  # (not NaN either)
+        raise DataError(
+            f"a key's ttl is a number of seconds above 0 and at most {MAX_TTL:.0f} "
+            f"(about 30 years), not {ttl!r}"
+        )
     return float(ttl)
 
 
@@ -152,6 +160,13 @@ class KeyValue:
     def __setitem__(self, key: str, value: object) -> None:
         self.set(key, value)
 
+    def __delitem__(self, key: str) -> None:
+        if not self.delete(key):
+            raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
 
 class NodeKeyValue(KeyValue):
     """One user's keys in ``directory``, on this node: a file a key."""
@@ -173,17 +188,30 @@ class NodeKeyValue(KeyValue):
         os.rename(part, path)
 
     def _read(self, key: str) -> bytes | None:
+        return self._load(key, whole=True)
+
+    def _load(self, key: str, *, whole: bool) -> bytes | None:
+        """The file of ``key`` (only its head unless ``whole``: ``in`` and :meth:`keys`
+        read no values), or None: there is none, or it expired, and then it is unlinked
+        unless a newer value was renamed in since it was opened (another inode; held
+        open, so its number is not reused meanwhile)."""
         path = self._path(key)
         try:
-            raw = path.read_bytes()
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        if _expires(raw) > time.time():
-            return raw
-        _unlink(path)  # (a newer value renamed in since is removed too: it is a day old)
+        with open(fd, "rb", buffering=0) as file:
+            raw = file.read() if whole else file.read(_HEAD.size)
+            if _expires(raw) > time.time():
+                return raw
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    os.unlink(path)
         return None
 
     def delete(self, key: str) -> bool:
+        if self._load(key, whole=False) is None:
+            return False  # (not there, or expired: as in Redis)
         try:
             self._path(key).unlink()
         except FileNotFoundError:
@@ -191,24 +219,40 @@ class NodeKeyValue(KeyValue):
         return True
 
     def __contains__(self, key: str) -> bool:
-        return self._read(key) is not None
+        return self._load(key, whole=False) is not None
 
     def keys(self) -> Iterator[str]:
         for name in os.listdir(self.dir):
             if not name.startswith("."):
                 key = bytes.fromhex(name).decode()
-                if self._read(key) is not None:
+                if self._load(key, whole=False) is not None:
                     yield key
 
     def __repr__(self) -> str:
         return f"<nimbus.data.store of {self.user or 'this user'} at {self.dir}>"
 
 
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+def _hint(exc: Exception) -> str:
+    """What to do about the Redis error ``exc`` of an endpoint's store."""
+    import redis
+
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return (
+            ": the service's stores Redis is full (NIMBUS_STORE_MAXMEMORY, shared by "
+            "every user): delete keys no longer needed, or ask its operator for more"
+        )
+    if isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError)):
+        return (
+            ": the service no longer lets this task's Executor into its stores Redis (a "
+            "token of the user was revoked, or that Redis restarted, empty): submit from a "
+            "new Executor"
+        )
+    if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        return (
+            ": this node does not reach the service's stores Redis; its address is "
+            "NIMBUS_STORE_LISTEN on the service, which the endpoint's nodes must reach"
+        )
+    return ""
 
 
 class EndpointKeyValue(KeyValue):
@@ -233,17 +277,20 @@ class EndpointKeyValue(KeyValue):
         try:
             yield
         except redis.RedisError as exc:
-            hint = (
-                ": the service's stores Redis is full (NIMBUS_STORE_MAXMEMORY, shared by "
-                "every user): delete keys no longer needed, or ask its operator for more"
-                if isinstance(exc, redis.exceptions.OutOfMemoryError)
-                else ""
-            )
             raise DataError(
-                f"nimbus.data.store() of endpoint {self.endpoint} could not {what}: {exc}{hint}"
+                f"nimbus.data.store() of endpoint {self.endpoint} could not {what}: "
+                f"{exc}{_hint(exc)}"
             ) from None
 
     def _write(self, key: str, parts: list[Any], ttl: float) -> None:
+        size = sum(memoryview(part).nbytes for part in parts)
+        if size > MAX_VALUE:  # (Redis would reset the connection, halfway through)
+            raise DataError(
+                f"nimbus.data.store() of endpoint {self.endpoint} cannot set {key[:40]!r}: "
+                f"its value pickles to {size} bytes, over the {MAX_VALUE >> 20} MiB a value "
+                f"may be in the store (Redis's limit); place it with nimbus.put(value, "
+                f"endpoint=...) and pass the Ref to the tasks that need it"
+            )
         with self._failing(f"set {key[:40]!r}"):
             self._client.set(self._name(key), b"".join(parts), px=max(1, int(ttl * 1000)))
 
