@@ -34,7 +34,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreServer]:
 def endpoint_kv(url: str, user: str) -> EndpointKeyValue:
     """``user``'s store on endpoint "ep" at ``url``, on a client of its own (closed by the
     caller: ``kv._client.close()``)."""
-    return EndpointKeyValue(connect(url, own=True), Keys(f"u-{user}.kv-ep").kv(), "ep", user)
+    return EndpointKeyValue(connect(url, own=True), Keys(f"u-{user}.kv-ep"), "ep", user)
 
 
 def test_a_value_over_redis_limit_is_refused_before_it_is_sent(stores: StoreServer) -> None:
@@ -167,3 +167,60 @@ def test_both_stores_iterate_and_del_as_a_dict_does(tmp_path: Path, stores: Stor
                 del kv["a"]
     finally:
         endpoint._client.close()
+
+
+def _commands(server: StoreServer) -> int:
+    """Commands the stores Redis ran so far (INFO's total_commands_processed)."""
+    return int(server.client.info("stats")["total_commands_processed"])
+
+
+def test_an_endpoint_stores_keys_cost_its_own_keys_not_the_whole_store(
+    stores: StoreServer,
+) -> None:
+    """keys() reads the user's index on that endpoint, not a SCAN of the store every user
+    shares: 100,000 keys of others cost it nothing (they cost ~100 SCANs, 0.15 s here for
+    400,000 and a round trip each); a key that expired is struck off the index, and the
+    index lives as long as its longest-lived key."""
+    admin = stores.client
+    pipe = admin.pipeline(transaction=False)
+    for i in range(100_000):
+        pipe.set(f"nimbus:{{u-others.{i // 100}}}:queue:{i}", b"x", px=60_000)
+    pipe.execute()
+    kv = endpoint_kv(stores.store("max", "127.0.0.1")["url"], "max")
+    try:
+        for i in range(10):
+            kv.set(f"k{i}", i, ttl=60)
+        kv.set("brief", 0, ttl=0.05)
+        time.sleep(0.1)
+        before = _commands(stores)
+        assert sorted(kv.keys()) == [f"k{i}" for i in range(10)]
+        assert _commands(stores) - before < 30  # (1 SMEMBERS, 11 EXISTS, 1 SREM, INFO)
+        index = Keys("u-max.kv-ep").kv_index()
+        assert b"brief" not in admin.smembers(index) and admin.pttl(index) > 50_000
+        for i in range(10):
+            kv.delete(f"k{i}")
+        assert list(kv.keys()) == [] and admin.exists(index) == 0
+        kv.set("short", 1, ttl=0.05)
+        time.sleep(0.1)
+        assert admin.exists(index) == 0  # (gone with its last key)
+    finally:
+        kv._client.close()
+        admin.flushdb()
+
+
+def test_a_large_value_refused_by_a_full_store_is_not_made_into_text(tmp_path: Path) -> None:
+    """The set is one pipeline (the value, then its key listed): Redis's OOM comes back as
+    Redis said it, not in redis-py's message of a failed pipeline command, which holds
+    the command made into text (4 s a 50 MB value, here, then cut to 100 characters)."""
+    server = StoreServer(Settings(runtime_dir=tmp_path / "rt", store_maxmemory=16 * MB))
+    kv = endpoint_kv(server.store("ned", "127.0.0.1")["url"], "ned")
+    try:
+        with pytest.raises(DataError, match="NIMBUS_STORE_MAXMEMORY"):
+            for i in range(64):  # 32 MiB into 16
+                kv.set(f"k{i}", b"m" * (512 << 10))
+        with pytest.raises(DataError, match="NIMBUS_STORE_MAXMEMORY") as raised:
+            kv.set("big", b"m" * (32 * MB))
+        assert "pipeline" not in str(raised.value) and len(str(raised.value)) < 1000
+    finally:
+        kv._client.close()
+        server.close()

@@ -3,7 +3,8 @@
 ::
 
     task on an endpoint --store().set(k, v)--> the service's stores Redis, as the user's ACL user:
-                                               nimbus:{u-<user>.kv-<endpoint id>}:kv:<k>
+                                               nimbus:{u-<user>.kv-<endpoint id>}:kv:<k>, and <k>
+                                               in the set ...:kv-index (what keys() reads)
     task run locally ----store().set(k, v)--> <root>/<namespace>/kv/<k as hex> (pickled, renamed in)
     task code ----------store().get(k)------> the value, or the default
 
@@ -59,12 +60,15 @@ from nimbus.errors import DataError
 if TYPE_CHECKING:
     import redis
 
+    from nimbus.statestore import Keys
+
 __all__ = ["DAY", "EndpointKeyValue", "KeyValue", "NodeKeyValue"]
 
 MAX_KEY = 200  # bytes of a key (its file name is twice that)
 DAY = 86400.0  # a key's lifetime by default, seconds
 MAX_TTL = 1e9  # seconds: what both stores take (Redis: PX below 2**63 ms)
 MAX_VALUE = 512 << 20  # bytes of one value in Redis (a string, proto-max-bulk-len)
+_CHECKS = 1000  # keys looked up a round trip by EndpointKeyValue.keys()
 _MISSING = object()
 _HEAD = struct.Struct("<dI")  # expires (time.time()), number of out-of-band buffers
 
@@ -255,13 +259,25 @@ def _hint(exc: Exception) -> str:
     return ""
 
 
-class EndpointKeyValue(KeyValue):
-    """One user's keys on endpoint ``endpoint``: ``prefix`` + the key, in the Redis of
-    ``client`` (the store the service handed out, as the user's ACL user)."""
+def _replies(pipe: redis.client.Pipeline) -> list[Any]:
+    """The replies of ``pipe``, run; its first error raised as Redis said it (redis-py's
+    own raise puts the command in the message: a value of 500 MB made into text)."""
+    replies: list[Any] = pipe.execute(raise_on_error=False)
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
 
-    def __init__(self, client: redis.Redis, prefix: str, endpoint: str, user: str = "") -> None:
+
+class EndpointKeyValue(KeyValue):
+    """One user's keys on endpoint ``endpoint``: ``keys.kv(key)``, listed in
+    ``keys.kv_index()``, in the Redis of ``client`` (the store the service handed out, as
+    the user's ACL user)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, endpoint: str, user: str = "") -> None:
         self._client = client
-        self._prefix = prefix.encode()
+        self._prefix = keys.kv().encode()
+        self._index = keys.kv_index()
         self.endpoint = endpoint
         self.user = user
 
@@ -291,8 +307,15 @@ class EndpointKeyValue(KeyValue):
                 f"may be in the store (Redis's limit); place it with nimbus.put(value, "
                 f"endpoint=...) and pass the Ref to the tasks that need it"
             )
+        from nimbus.statestore.lua import KV_LISTED  # (imported by store() already)
+
+        ms = max(1, int(ttl * 1000))
         with self._failing(f"set {key[:40]!r}"):
-            self._client.set(self._name(key), b"".join(parts), px=max(1, int(ttl * 1000)))
+            # one round trip; a key the SET refused (OOM) may stay listed: keys() skips it
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(self._name(key), b"".join(parts), px=ms)
+            pipe.evalsha(KV_LISTED.sha, 1, self._index, key, ms)
+            _replies(pipe)
 
     def _read(self, key: str) -> bytes | None:
         with self._failing(f"get {key[:40]!r}"):
@@ -302,17 +325,33 @@ class EndpointKeyValue(KeyValue):
 
     def delete(self, key: str) -> bool:
         with self._failing(f"delete {key[:40]!r}"):
-            return bool(self._client.delete(self._name(key)))
+            pipe = self._client.pipeline(transaction=False)
+            pipe.delete(self._name(key))
+            pipe.srem(self._index, key)
+            return bool(_replies(pipe)[0])
 
     def __contains__(self, key: str) -> bool:
         with self._failing(f"look up {key[:40]!r}"):
             return bool(self._client.exists(self._name(key)))
 
     def keys(self) -> Iterator[str]:
-        start = len(self._prefix)
-        with self._failing("list its keys"):  # (the prefix has no glob characters)
-            names = list(self._client.scan_iter(match=self._prefix + b"*", count=1000))
-        return (name[start:].decode() for name in names)
+        """The keys listed in the index that are still there (those that expired are
+        struck off): two round trips and one per ``_CHECKS`` keys, whatever else the
+        store holds (a SCAN would read every key of every user's)."""
+        with self._failing("list its keys"):
+            listed: list[bytes] = list(self._client.smembers(self._index))  # type: ignore[arg-type]
+            found: list[bytes] = []
+            gone: list[bytes] = []
+            for start in range(0, len(listed), _CHECKS):
+                chunk = listed[start : start + _CHECKS]
+                pipe = self._client.pipeline(transaction=False)
+                for key in chunk:
+                    pipe.exists(self._prefix + key)
+                for key, there in zip(chunk, _replies(pipe), strict=True):
+                    (found if there else gone).append(key)
+            if gone:
+                self._client.srem(self._index, *gone)
+        return (key.decode() for key in found)
 
     def __repr__(self) -> str:
         return f"<nimbus.data.store of {self.user or 'this user'} on endpoint {self.endpoint}>"

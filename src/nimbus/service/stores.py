@@ -93,7 +93,7 @@ Ctx = Annotated[ServiceContext, Depends(context)]
 # Links and its scripts); a user's ACL user may run these and nothing else.
 USER_COMMANDS = (
     *("get", "set", "mget", "getrange", "setrange", "incr", "decr", "decrby"),
-    *("del", "unlink", "exists", "pexpire", "scan"),
+    *("del", "unlink", "exists", "pexpire", "pttl", "scan"),
     *("rpush", "lpush", "lpop", "blpop", "lmove", "blmove", "llen", "lindex", "lrange"),
     *("linsert", "lrem", "ltrim"),
     *("hset", "hget", "hgetall", "hlen", "hdel", "sadd", "srem", "smembers"),

@@ -55,6 +55,11 @@ class Keys:
         ``<user's prefix>.kv-<endpoint id>``; "": the start of every such key."""
         return self._key("kv", key)
 
+    def kv_index(self) -> str:
+        """The set of the keys of ``nimbus.data.store()`` set under :meth:`kv` (its keys()
+        reads it, not a SCAN of the whole store)."""
+        return self._key("kv-index")
+
     def queue(self, name: str) -> str:
         return self._key("queue", name)
 
