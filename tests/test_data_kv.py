@@ -55,8 +55,9 @@ def test_a_value_over_redis_limit_is_refused_before_it_is_sent(stores: StoreServ
 
 
 def test_a_store_that_cannot_be_used_says_why_and_what_to_do(stores: StoreServer) -> None:
-    """Its ACL user gone (a token of the user revoked): the DataError says so; no store
-    listening where the URL says: it names NIMBUS_STORE_LISTEN."""
+    """Its ACL user gone (a token of the user revoked): the DataError says so; a key or
+    command its ACL refuses: it names the versions; no store listening where the URL
+    says: it names NIMBUS_STORE_LISTEN."""
     kv = endpoint_kv(stores.store("ida", "127.0.0.1")["url"], "ida")
     try:
         kv["k"] = 1
@@ -65,6 +66,13 @@ def test_a_store_that_cannot_be_used_says_why_and_what_to_do(stores: StoreServer
             kv.get("k")
     finally:
         kv._client.close()
+    url = stores.store("ida", "127.0.0.1")["url"]
+    theirs = EndpointKeyValue(connect(url, own=True), Keys("u-ivy.kv-ep"), "ep", "ida")
+    try:  # (a row that names another user's prefix; or a service of another version)
+        with pytest.raises(DataError, match=r"could not get 'k'.*ACL.*service's nimbus version"):
+            theirs.get("k")
+    finally:
+        theirs._client.close()
     nowhere = endpoint_kv(f"redis://127.0.0.1:{free_port()}/0", "ida")
     try:
         with pytest.raises(DataError, match=r"could not set 'k'.*NIMBUS_STORE_LISTEN"):
@@ -73,20 +81,38 @@ def test_a_store_that_cannot_be_used_says_why_and_what_to_do(stores: StoreServer
         nowhere._client.close()
 
 
-def test_a_users_key_named_like_a_directory_leaves_the_dashboards_page_alone(
+def test_a_users_keys_named_like_a_directory_leave_the_dashboards_page_alone(
     stores: StoreServer,
 ) -> None:
-    """A key "x}:directory" is nimbus:{u-<user>.kv-ep}:kv:x}:directory, which the directory
-    page's glob nimbus:{u-<user>.*}:directory matches: its HLEN (WRONGTYPE) made the page
-    a 503, the admin's (every user's programs) too."""
+    """A user's own keys (their URL reaches any key under their prefix) that the directory
+    page's glob nimbus:{u-<user>.*}:directory matches, not a hash: their HLEN (WRONGTYPE)
+    made the page a 503, the admin's (every user's programs) too. (A key of
+    nimbus.data.store() "x}:directory" was one such, before its names were digests.)"""
     kv = endpoint_kv(stores.store("joe", "127.0.0.1")["url"], "joe")
     try:
-        kv["x}:directory"] = 1
+        kv._client.set("nimbus:{u-joe.kv-ep}:kv:x}:directory", 1)
+        kv._client.set("nimbus:{u-joe.1234}:directory", 1)
         for admin in (False, True):
             programs, _ = directories(stores.client, _pattern("joe", admin))
-            assert all("kv" not in program.program_id for program in programs)
+            assert not [p.program_id for p in programs if p.program_id.startswith("u-joe")]
     finally:
         kv._client.close()
+
+
+def test_other_users_see_no_key_of_a_users_store(stores: StoreServer) -> None:
+    """Every user may SCAN the stores Redis (a program's keepalive does) and so see every
+    key's name: a key of nimbus.data.store() is named by its digest, and its text is only
+    in the user's index, which the ACL keeps to them (its name was the key's text)."""
+    kv = endpoint_kv(stores.store("oli", "127.0.0.1")["url"], "oli")
+    other = connect(stores.store("pam", "127.0.0.1")["url"], own=True)
+    try:
+        kv["patient-0042-diagnosis"] = "private"
+        names = list(other.scan_iter(match="*", count=1000))
+        assert names and not [name for name in names if b"patient" in name]
+        assert list(kv.keys()) == ["patient-0042-diagnosis"]
+    finally:
+        kv._client.close()
+        other.close()
 
 
 def _read_bytes() -> int:

@@ -3,8 +3,8 @@
 ::
 
     task on an endpoint --store().set(k, v)--> the service's stores Redis, as the user's ACL user:
-                                               nimbus:{u-<user>.kv-<endpoint id>}:kv:<k>, and <k>
-                                               in the set ...:kv-index (what keys() reads)
+                                               nimbus:{u-<user>.kv-<endpoint id>}:kv:<digest of k>,
+                                               and k in the set ...:kv-index (what keys() reads)
     task run locally ----store().set(k, v)--> <root>/<namespace>/kv/<k as hex> (pickled, renamed in)
     task code ----------store().get(k)------> the value, or the default
 
@@ -245,11 +245,17 @@ def _hint(exc: Exception) -> str:
             ": the service's stores Redis is full (NIMBUS_STORE_MAXMEMORY, shared by "
             "every user): delete keys no longer needed, or ask its operator for more"
         )
-    if isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError)):
+    if isinstance(exc, redis.exceptions.AuthenticationError):
         return (
             ": the service no longer lets this task's Executor into its stores Redis (a "
             "token of the user was revoked, or that Redis restarted, empty): submit from a "
             "new Executor"
+        )
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return (
+            ": the stores Redis's ACL lets a user run the commands and scripts of the "
+            "service's nimbus on their own keys only: run the endpoint on the service's "
+            "nimbus version"
         )
     if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
         return (
@@ -276,13 +282,14 @@ class EndpointKeyValue(KeyValue):
 
     def __init__(self, client: redis.Redis, keys: Keys, endpoint: str, user: str = "") -> None:
         self._client = client
-        self._prefix = keys.kv().encode()
+        self._keys = keys
         self._index = keys.kv_index()
         self.endpoint = endpoint
         self.user = user
 
-    def _name(self, key: str) -> bytes:
-        return self._prefix + _checked(key)
+    def _name(self, key: str) -> str:
+        _checked(key)
+        return self._keys.kv(key)
 
     @contextlib.contextmanager
     def _failing(self, what: str) -> Iterator[None]:
@@ -346,7 +353,7 @@ class EndpointKeyValue(KeyValue):
                 chunk = listed[start : start + _CHECKS]
                 pipe = self._client.pipeline(transaction=False)
                 for key in chunk:
-                    pipe.exists(self._prefix + key)
+                    pipe.exists(self._keys.kv(key.decode()))
                 for key, there in zip(chunk, _replies(pipe), strict=True):
                     (found if there else gone).append(key)
             if gone:
