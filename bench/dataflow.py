@@ -502,14 +502,14 @@ class RawRedis:
         program = statestore.current()
         assert program is not None and program.endpoint, "not a task of an endpoint's program"
         user = program.program_id.rpartition(".")[0]
-        self.prefix = statestore.Keys(f"{user}.kv-{program.endpoint}").kv("raw-")
+        self.keys = statestore.Keys(f"{user}.kv-{program.endpoint}")
         self.client = program.client()
 
     def set(self, key: str, value: object) -> None:
-        self.client.set(self.prefix + key, pickle.dumps(value, 5), px=600_000)
+        self.client.set(self.keys.kv("raw-" + key), pickle.dumps(value, 5), px=600_000)
 
     def get(self, key: str) -> Any:
-        return pickle.loads(self.client.get(self.prefix + key))
+        return pickle.loads(self.client.get(self.keys.kv("raw-" + key)))
 
 
 def kv_of(how: str) -> Any:

@@ -1205,7 +1205,7 @@ def test_a_write_into_a_full_endpoint_store_names_the_limit(tmp_path: Path) -> N
     server = StoreServer(Settings(runtime_dir=tmp_path / "rt", store_maxmemory=16 << 20))
     try:
         url = server.store("fay", "127.0.0.1")["url"]
-        kv = EndpointKeyValue(connect(url, own=True), Keys("u-fay.kv-ep").kv(), "ep", "fay")
+        kv = EndpointKeyValue(connect(url, own=True), Keys("u-fay.kv-ep"), "ep", "fay")
         with pytest.raises(DataError, match=r"could not set 'k[0-9]+'.*NIMBUS_STORE_MAXMEMORY"):
             for i in range(64):  # 32 MiB into 16
                 kv.set(f"k{i}", b"m" * (512 << 10))

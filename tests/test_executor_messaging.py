@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+import nimbus.data
 import nimbus.messaging as msg
 from nimbus import Executor, _joined, statestore
 from nimbus.errors import PeerExited, StateStoreError
@@ -166,6 +168,19 @@ def test_a_task_leaves_its_program_behind_it() -> None:
     assert statestore.current() == before
 
 
+def test_a_row_of_a_client_before_program_endpoint_joins_as_no_endpoints() -> None:
+    """A client of the nimbus before ``Program.endpoint`` sends rows of 6 fields: its tasks
+    join its program (no endpoint: store() is the node's), where unpacking them raised
+    ValueError (not enough values to unpack) in each task using the store."""
+    row = pickle.dumps(("unix:///nowhere/redis.sock", "p-" + "1" * 32, 30.0, False, 0, 0.0), 5)
+    joined = _joined.join(row)
+    try:
+        prog = statestore.current()
+        assert prog is not None and prog.program_id == "p-" + "1" * 32 and prog.endpoint == ""
+    finally:
+        _joined.leave(joined)
+
+
 def test_a_thousand_messaging_tasks_leave_no_exit_handlers_behind() -> None:
     with Executor(1) as ex:
         counts = [f.result() for f in [ex.submit(exit_counts) for _ in range(1000)]]
@@ -218,7 +233,25 @@ def left_behind() -> dict[str, object]:
         "program_id": prog.program_id if prog is not None else None,
     }
     found["id"] = msg.instance_id()
+    kv = nimbus.data.store()  # (after "clients": it connects to this task's store)
+    found["kv"] = sorted(kv)
+    kv.set(f"left-by-{os.getpid()}", found["program_id"], ttl=60)
     return found
+
+
+def reach_kv(program_id: str) -> str:
+    """Try to read the key-value store of another user (``program_id``'s) on this endpoint
+    through this task's store."""
+    from nimbus.data import EndpointKeyValue
+    from nimbus.errors import DataError
+
+    prog = statestore.current()
+    assert prog is not None and prog.endpoint
+    theirs = statestore.Keys(f"{program_id.rpartition('.')[0]}.kv-{prog.endpoint}")
+    try:
+        return f"reached: {list(EndpointKeyValue(prog.client(), theirs, prog.endpoint))}"
+    except DataError as exc:
+        return f"refused: {exc}"
 
 
 def reach(program_id: str) -> str:
@@ -311,6 +344,7 @@ def test_the_next_user_on_a_shared_worker_finds_nothing_of_the_last(
         ) as ex:
             his = ex.submit(left_behind).result(timeout=60)
             refused = ex.submit(reach, hers["program_id"]).result(timeout=60)
+            refused_kv = ex.submit(reach_kv, hers["program_id"]).result(timeout=60)
     finally:
         solo.stop()
     assert his["pid"] == hers["pid"]  # one worker ran both
@@ -320,6 +354,9 @@ def test_the_next_user_on_a_shared_worker_finds_nothing_of_the_last(
     assert his["cached"] is None  # (her URL holds her store's password)
     assert str(his["program_id"]).split(".")[0] != str(hers["program_id"]).split(".")[0]
     assert refused.startswith("refused:")
+    # nimbus.data.store(): each user's own keys on solo, whichever worker; hers refused
+    assert hers["kv"] == [] and his["kv"] == []
+    assert refused_kv.startswith("refused:") and "no permissions" in refused_kv, refused_kv
 
 
 def test_without_a_store_plain_tasks_run_and_messaging_ones_say_why(tmp_path: Path) -> None:

@@ -304,5 +304,5 @@ def store() -> KeyValue:
     if program is not None and program.endpoint:  # the store the service handed out
         user = program.program_id.rpartition(".")[0]  # (its id: <user's prefix>.<random>)
         keys = statestore.Keys(f"{user}.kv-{program.endpoint}")
-        return EndpointKeyValue(program.client(), keys.kv(), program.endpoint, scope.user)
+        return EndpointKeyValue(program.client(), keys, program.endpoint, scope.user)
     return NodeKeyValue(_node(scope.namespace).dir / "kv", scope.user)

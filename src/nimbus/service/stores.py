@@ -42,7 +42,9 @@ everyone (``BUSY``), nor ``SCRIPT``, ``KEYS``, ``RANDOMKEY``, ``DBSIZE``,
 What a user can still learn of others: client names and addresses
 (``CLIENT LIST``, which the locks use to tell whether a holder is alive) and
 key *names* (``SCAN``, which the program's keepalive needs; Redis does not
-filter it by ACL), never values.
+filter it by ACL), never values: random program ids, and for
+``nimbus.data.store()`` digests of the keys (``Keys.kv``), whose text is in a
+set only its user reads (``Keys.kv_index``).
 
 Limits: the store holds at most ``NIMBUS_STORE_MAXMEMORY`` bytes
 (``maxmemory``, policy ``noeviction``: nothing is evicted under a running
@@ -93,7 +95,7 @@ Ctx = Annotated[ServiceContext, Depends(context)]
 # Links and its scripts); a user's ACL user may run these and nothing else.
 USER_COMMANDS = (
     *("get", "set", "mget", "getrange", "setrange", "incr", "decr", "decrby"),
-    *("del", "unlink", "exists", "pexpire", "scan"),
+    *("del", "unlink", "exists", "pexpire", "pttl", "scan"),
     *("rpush", "lpush", "lpop", "blpop", "lmove", "blmove", "llen", "lindex", "lrange"),
     *("linsert", "lrem", "ltrim"),
     *("hset", "hget", "hgetall", "hlen", "hdel", "sadd", "srem", "smembers"),

@@ -114,7 +114,7 @@ class Program:
 
     def row(self) -> Row:
         """What an Executor's task carries to join this program (:func:`join`): its URL,
-        id, TTL and ``remote``, pickled once (a task's payload holds it as bytes, which
+        id, TTL, ``remote``, its booting store's owner and ``endpoint``, pickled once (a task's payload holds it as bytes, which
         cost no more to pickle than nothing does)."""
         server = booting_server(self.url)  # not started yet: a task's worker asks for it
         owner, timeout = (server.owner_pid, server.start_timeout) if server else (0, 0.0)
@@ -313,7 +313,8 @@ def _of(row: Row | str) -> Program:
         return joined[1]
     if isinstance(row, str):
         raise StateStoreError(row)
-    url, program_id, key_ttl, remote, owner, timeout, endpoint = pickle.loads(row)
+    url, program_id, key_ttl, remote, owner, timeout, *later = pickle.loads(row)
+    endpoint = later[0] if later else ""  # (a client of before Program.endpoint sends 6)
     ask = _joined_task.ask_root
     if owner and ask is not None:
         # its root's embedded store, deferred: the root starts it when asked, and this

@@ -9,6 +9,7 @@ ids are random, so two programs sharing a Redis never see each other's keys;
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 from dataclasses import dataclass
@@ -50,10 +51,17 @@ class Keys:
         """A SCAN/KEYS pattern matching every key of this program and no other."""
         return self._key("*")  # braces are literal in Redis globs; the id has no glob chars
 
-    def kv(self, key: str = "") -> str:
-        """A key of ``nimbus.data.store()`` on an endpoint, whose id here is
-        ``<user's prefix>.kv-<endpoint id>``; "": the start of every such key."""
-        return self._key("kv", key)
+    def kv(self, key: str) -> str:
+        """The key of ``key`` of ``nimbus.data.store()`` on an endpoint, whose id here is
+        ``<user's prefix>.kv-<endpoint id>``: named by a digest of ``key``, so the names
+        that other users' SCAN shows say nothing of it (nor match their globs); ``key``
+        itself is listed in :meth:`kv_index`, which only its user reads."""
+        return self._key("kv", hashlib.blake2b(key.encode(), digest_size=16).hexdigest())
+
+    def kv_index(self) -> str:
+        """The set of the keys of ``nimbus.data.store()`` set under :meth:`kv` (its keys()
+        reads it, not a SCAN of the whole store)."""
+        return self._key("kv-index")
 
     def queue(self, name: str) -> str:
         return self._key("queue", name)

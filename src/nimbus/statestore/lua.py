@@ -6,6 +6,7 @@
     multiprocessing.queues        QUEUE_*            multiprocessing.connection  CONNECTION_*
     multiprocessing._handover     HANDOVER_*         multiprocessing._direct     PIPE_*
     multiprocessing.sharedctypes  ARRAY_*            messaging._directory        DIRECTORY_*
+    data._kv (nimbus.data.store() on an endpoint)    KV_*
           |  link.eval(SCRIPT, keys, args): EVALSHA, EVAL when the store lacks it
           v
     the service's stores Redis: loads scripts() at start; its users may EVALSHA these only
@@ -30,6 +31,7 @@ __all__ = [
     "HANDOVER_SHARE",
     "HANDOVER_STEAL",
     "HANDOVER_SWITCH",
+    "KV_LISTED",
     "LOCK_REAP",
     "LOCK_RELEASE_ANY",
     "PIPE_SECOND",
@@ -248,4 +250,16 @@ end
 local found = redis.call('HGET', KEYS[1], ARGV[1])
 if found then return {ARGV[1], found} end
 return {}
+""")
+
+
+# nimbus.data.store() on an endpoint: the key ARGV[1], just set to live ARGV[2] ms, is
+# listed in the index KEYS[1], which lives as long as the longest-lived of its keys (a
+# key that expired stays listed until keys() finds it gone or the index expires)
+KV_LISTED = Script("""
+redis.call('SADD', KEYS[1], ARGV[1])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 1
 """)

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from nimbus.errors import ConfigError
 from nimbus.messaging import Entry
 from nimbus.service.dashboard._html import Html, esc, join, layout
 from nimbus.service.dashboard._routes import Page, Route, _html, _is_admin
@@ -55,6 +56,15 @@ def _pattern(user_id: str, admin: bool) -> str:
     )
 
 
+def _is_directory(key: str, program_id: str) -> bool:
+    """Whether ``key`` is the directory of the program ``program_id`` (the glob also matches
+    a user's own keys that end so, ``nimbus.data.store()``'s, with any characters)."""
+    try:
+        return key == Keys(program_id).directory()
+    except ConfigError:  # (not a program id)
+        return False
+
+
 def directories(client: redis.Redis, pattern: str) -> tuple[list[Program], bool]:
     """The programs whose directory key matches ``pattern``; and whether the scan stopped
     at ``SCAN_KEYS`` before the end."""
@@ -69,9 +79,14 @@ def directories(client: redis.Redis, pattern: str) -> tuple[list[Program], bool]
     cut = cursor != 0 and examined >= SCAN_KEYS
     programs = []
     for key in sorted(set(found))[:PROGRAMS]:
-        program_id = key.partition("{")[2].rpartition("}")[0]
-        total = int(client.hlen(key))
-        raw: Any = client.hscan(key, 0, count=INSTANCES)[1]
+        program_id = key.partition("{")[2].partition("}")[0]  # (an id has no braces)
+        if not _is_directory(key, program_id):
+            continue  # another key the glob matched: a key of nimbus.data.store() "x}:directory"
+        try:
+            total = int(client.hlen(key))
+            raw: Any = client.hscan(key, 0, count=INSTANCES)[1]
+        except redis.ResponseError:  # (WRONGTYPE: a user's own key of that name, not a hash)
+            continue
         entries: list[tuple[str, Entry | None]] = []
         for instance, data in sorted(raw.items())[:INSTANCES]:
             try:
