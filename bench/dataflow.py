@@ -25,6 +25,8 @@
     pipeline   a 2-stage pipeline of 10,000 tasks on an endpoint (stage 1 makes 10 KB
                each, kept; stage 2 reads one and returns 8 bytes): the client's link
                carries only the final results
+    kv         a shuffle through nimbus.data.store() in an endpoint's tasks (16 x 16 values
+               of 256 KB), against plain redis-py on the same store and one node's files
     deps       tasks given futures on an endpoint: held by the service (sent at once,
                released when their input ends) against held by the client (sent when
                their input is done: ``dependencies`` off, the path of before), in the
