@@ -1195,6 +1195,23 @@ def test_on_an_endpoint_the_store_is_the_users_there_not_the_nodes(
     assert client.exists(name) == 0  # gone from the store, not only hidden
 
 
+def test_the_client_reads_and_sets_the_keys_of_its_tasks_on_an_endpoint(
+    remote: Executor, lab: EndpointProcess, ex: Executor
+) -> None:
+    """``Executor.store()``: the keys its tasks' ``nimbus.data.store()`` is (a map's
+    results looked at, an input set for the tasks), without a task to carry them."""
+    key = f"client-{os.getpid()}-{time.monotonic_ns()}"
+    remote.submit(where_stored, key, {"n": 3}, 60.0).result(timeout=60)
+    kv = remote.store()
+    assert repr(kv).endswith(f" on endpoint {lab.endpoint_id}>")
+    assert kv[key] == {"n": 3} and key in kv and key in list(kv.keys())
+    kv.set(f"{key}-in", [1, 2], ttl=60)
+    assert remote.submit(recall, f"{key}-in").result(timeout=60) == [1, 2]
+    del kv[key]
+    assert remote.submit(recall, key).result(timeout=60) == "missing"
+    assert repr(ex.store()) == repr(store())  # locally: this runtime's, as outside a task
+
+
 def test_a_write_into_a_full_endpoint_store_names_the_limit(tmp_path: Path) -> None:
     """The service's stores Redis, full (its maxmemory, noeviction): the write fails
     naming NIMBUS_STORE_MAXMEMORY, what was stored stays, a delete makes room."""

@@ -377,6 +377,8 @@ def test_without_a_store_plain_tasks_run_and_messaging_ones_say_why(tmp_path: Pa
                         ex.submit(where_am_i).result(timeout=60)
                     with pytest.raises(StateStoreError, match="NIMBUS_STORE_LISTEN"):
                         ex.messaging()
+                    with pytest.raises(StateStoreError, match="NIMBUS_STORE_LISTEN"):
+                        ex.store()  # (its tasks' keys are on the node: out of reach)
             finally:
                 far.stop()
     finally:

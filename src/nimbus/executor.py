@@ -382,6 +382,20 @@ class Executor(_mapping.Mapper):
                 self._instance = messaging.instance_for(program.program())
             return self._instance
 
+    def store(self) -> Any:
+        """The key-value store its tasks' ``nimbus.data.store()`` is: on an endpoint, your
+        keys there (read what the tasks set, set what they read); locally, this runtime's.
+        Raises ``StateStoreError`` when the service handed out no store for the endpoint."""
+        from nimbus.errors import StateStoreError
+
+        program = getattr(self._backend, "program", None)
+        if program is None:
+            return data.store()
+        made = program.program()  # (raises when this process cannot reach it)
+        if made is None:
+            raise StateStoreError(str(program.row()))
+        return data.endpoint_store(made)
+
     def _staged_items(self, items: list[tuple[Any, ...]]) -> list[tuple[Any, ...]] | None:
         """map's items with their Files checked and made ready, all before any task is
         sent (a missing file of the tenth item ran nine tasks first); None if none has one."""

@@ -110,7 +110,7 @@ from nimbus.data._ref import LEASE, MAX_SCAN, Ref, Scope, Session, get, pure, pu
 from nimbus.data._staging import close_sources, has_files
 from nimbus.data._staging import stage as stage_files
 from nimbus.data._submit import DataPath, KeptFuture
-from nimbus.data._task import free_objects, identity, renew_objects, run, store
+from nimbus.data._task import endpoint_store, free_objects, identity, renew_objects, run, store
 
 __all__ = [
     "LEASE",
@@ -129,6 +129,7 @@ __all__ = [
     "bind",
     "close_sources",
     "default_root",
+    "endpoint_store",
     "free_objects",
     "get",
     "has_files",

@@ -41,7 +41,7 @@ from nimbus.data._node import NodeStore, default_root
 from nimbus.data._ref import MAX_SCAN, Ref, Scope, local_namespace, lost, new_id, owner_namespace
 from nimbus.errors import DataAccessError, DataError
 
-__all__ = ["free_objects", "identity", "renew_objects", "run", "store"]
+__all__ = ["endpoint_store", "free_objects", "identity", "renew_objects", "run", "store"]
 
 _CONTAINERS = (list, tuple, dict)
 FORWARDS = 8  # pins forwarded to their holding nodes at once (a node serves 8 per peer)
@@ -302,7 +302,16 @@ def store() -> KeyValue:
 
     program = None if statestore.is_root() else statestore.current()
     if program is not None and program.endpoint:  # the store the service handed out
-        user = program.program_id.rpartition(".")[0]  # (its id: <user's prefix>.<random>)
-        keys = statestore.Keys(f"{user}.kv-{program.endpoint}")
-        return EndpointKeyValue(program.client(), keys, program.endpoint, scope.user)
+        return endpoint_store(program, scope.user)
     return NodeKeyValue(_node(scope.namespace).dir / "kv", scope.user)
+
+
+def endpoint_store(program: Any, user: str = "") -> EndpointKeyValue:
+    """The keys of ``program``'s user on its endpoint (a ``statestore.Program`` the
+    service handed out for it: its id is ``<user's prefix>.<random>``): what its tasks'
+    :func:`store` is, and what the client reads with ``Executor.store()``."""
+    from nimbus import statestore
+
+    prefix = program.program_id.rpartition(".")[0]
+    keys = statestore.Keys(f"{prefix}.kv-{program.endpoint}")
+    return EndpointKeyValue(program.client(), keys, program.endpoint, user)
