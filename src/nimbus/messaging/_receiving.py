@@ -62,6 +62,7 @@ class Receiver:
     _sockdir: Path
     # the sending half's (it writes coalesced messages before a receive waits)
     _dirty: set[_peer.Peer]
+    _behind: set[_peer.Peer]
     _recvs: int
     _flush_dirty: Callable[[], None]
     _unlinked: Callable[[str, bool], None]
@@ -106,7 +107,7 @@ class Receiver:
     ) -> tuple[str, Any]:
         """``(sender, obj)`` of the next message (from ``source``, or from anyone)."""
         self._recvs += 1
-        if self._dirty:
+        if self._dirty or self._behind:
             self._flush_dirty()
         mailbox = self._mailbox
         waiting = mailbox.mail
@@ -199,7 +200,7 @@ class Receiver:
         outside the sockets (steps of up to BACKGROUND_STEP), never in a poll that
         a reading thread would have to wait for.
         """
-        if self._dirty:
+        if self._dirty or (self._behind and not background):
             self._flush_dirty()
         deadline = None if timeout is None else time.monotonic() + timeout
         next_check = time.monotonic() + HEARTBEAT
@@ -371,7 +372,7 @@ class Receiver:
         peer that ended).
         """
         self._recvs += 1
-        if self._dirty:
+        if self._dirty or self._behind:
             self._flush_dirty()
         if self._mailbox.mail or self._new_in:
             return NOTHING

@@ -32,6 +32,7 @@ change (``BEHIND`` bytes or more, its buffers all ``bytes``) is not waited for:
 the flusher (or the next ``recv``, or the close) writes what the socket did not
 take, every such link at once (``_flush_dirty``), so an exchange's sends in a row
 to several peers fill all their links together instead of one after the other.
+Whoever writes them (``_behind``), a receive and the close wait for all of them.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class Sender:
         self._retry_at: dict[str, float] = {}
         self._backoff: dict[str, float] = {}
         self._dirty: set[_peer.Peer] = set()  # links holding coalesced messages
+        self._behind: set[_peer.Peer] = set()  # links taken from _dirty, not written yet
         self._flush_soon = threading.Event()
         self._flush_armed = False  # the flusher will write the dirty links soon
         self._flusher: threading.Thread | None = None
@@ -289,29 +291,39 @@ class Sender:
 
         A link's ``armed`` is cleared before its ``pending`` is taken: a send
         that appended and then saw ``armed`` set is in what is taken; one that
-        saw it clear arms the link again.
+        saw it clear arms the link again. A link taken from ``_dirty`` is in
+        ``_behind`` until its socket took everything (it joins ``_behind`` before it
+        leaves ``_dirty``): every thread here writes all of them, and returns only
+        when both are empty, so a close, or a receive, that comes while another
+        thread (the flusher) writes a link waits for that link too.
         """
-        while self._dirty:
-            full: list[_peer.Peer] = []
-            while self._dirty:
+        dirty, behind = self._dirty, self._behind
+        while dirty or behind:
+            behind.update(dirty)  # (one C call: a set of links, hashed by identity)
+            while dirty:
                 try:
-                    link = self._dirty.pop()
+                    link = dirty.pop()
                 except KeyError:
                     break
                 with link.lock:
                     link.armed = False
-                    if link.error is not None:
-                        continue
-                    try:
+                    if link.error is None:
                         link.frame_pending(self._number)
-                        if not link.channel.flush():
-                            full.append(link)
+            full: list[_peer.Peer] = []
+            for link in list(behind):
+                with link.lock:
+                    try:
+                        if link.error is not None or link.channel.flush():
+                            behind.discard(link)
+                            continue
                     except OSError as exc:
+                        behind.discard(link)
                         self._drop_out(link)
                         link.error = self._gone(link.peer, exc)
+                        continue
+                full.append(link)
             if full:
                 self._progress(0.05, full)
-                self._dirty.update(full)
 
     def _open(
         self, peer: str, first: tuple[Any, bytes, list[Any], bool] | None = None
