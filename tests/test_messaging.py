@@ -759,6 +759,31 @@ def test_a_receive_writes_what_the_flusher_writes_behind_as_fast_as_a_send_would
     assert took["bytes"] < 1.5 * took["array"] + 0.05, took
 
 
+def test_a_write_behind_a_send_that_broke_is_logged_at_close_if_no_send_raised_it(
+    instances: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A large message written behind its send to a peer that closed before reading it:
+    the send returned, so the error is not lost: it is raised at the next send to that
+    peer, or (none) logged at close, naming the peer."""
+    a, b, c = instances(), instances(), instances()
+    for peer in (b, c):
+        a.send(peer.id, b"hello")
+        assert peer.recv(source=a.id, timeout=10) == b"hello"
+    a.send(b.id, os.urandom(48 << 20))  # returns: the sockets hold a part
+    a.send(c.id, os.urandom(48 << 20))
+    b.close()  # never read it
+    c.close()
+    with pytest.raises(MessagingTimeout):
+        a.recv(timeout=0.1)  # (before its wait, what went behind is written: both broke)
+    with pytest.raises(PeerExited):
+        a.send(b.id, b"more")
+    with caplog.at_level(logging.WARNING, logger="nimbus.messaging"):
+        a.close()
+    assert f"instance {c.id} has exited" in caplog.text
+    assert "not written whole" in caplog.text
+    assert f"instance {b.id}" not in caplog.text  # (raised already)
+
+
 def test_instance_is_a_transport(instances: Any) -> None:
     a, b = instances(), instances()
     transport: msg.Transport = a

@@ -32,7 +32,8 @@ change (``BEHIND`` bytes or more, its buffers all ``bytes``) is not waited for:
 the flusher (or the next ``recv``, or the close) writes what the socket did not
 take, every such link at once (``_flush_dirty``), so an exchange's sends in a row
 to several peers fill all their links together instead of one after the other.
-Whoever writes them (``_behind``), a receive and the close wait for all of them.
+Whoever writes them (``_behind``), a receive and the close wait for all of them; a
+large one whose write breaks raises at the next send to its peer, or is logged at close.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ class Sender:
         self._backoff: dict[str, float] = {}
         self._dirty: set[_peer.Peer] = set()  # links holding coalesced messages
         self._behind: set[_peer.Peer] = set()  # links taken from _dirty, not written yet
+        self._large: set[_peer.Peer] = set()  # links writing a large message behind its send
+        self._failed: dict[str, MessagingError] = {}  # peer: such a write broke
         self._flush_soon = threading.Event()
         self._flush_armed = False  # the flusher will write the dirty links soon
         self._flusher: threading.Thread | None = None
@@ -185,8 +188,11 @@ class Sender:
     ) -> None:
         """Send one message that does not just join a link's ``pending`` queue.
 
-        ``raw``: ``data`` is the ``bytes`` sent, not a pickle.
+        ``raw``: ``data`` is the ``bytes`` sent, not a pickle. Raises the error of a
+        write behind an earlier send to ``peer`` that broke (``_lost``).
         """
+        if self._failed and peer in self._failed:
+            raise self._failed.pop(peer)
         if link is None and self.direct:
             link, sent = self._open(peer, (tag, data, raws, raw))
             if sent:
@@ -225,6 +231,7 @@ class Sender:
                 except OSError as exc:
                     self._drop_out(link)
                     raise self._gone(peer, exc) from exc
+                self._large.add(link)
         if not link.armed:
             self._arm(link)
 
@@ -315,15 +322,27 @@ class Sender:
                     try:
                         if link.error is not None or link.channel.flush():
                             behind.discard(link)
+                            self._large.discard(link)
                             continue
                     except OSError as exc:
                         behind.discard(link)
-                        self._drop_out(link)
-                        link.error = self._gone(link.peer, exc)
+                        self._lost(link, exc)
                         continue
                 full.append(link)
             if full:
                 self._progress(0.05, full)
+
+    def _lost(self, link: _peer.Peer, exc: OSError) -> None:
+        """A write behind its send broke (``link.lock`` held): the link is dropped. If it
+        held a large message written behind its send (``_large``), the error is raised at
+        the next send to its peer (logged at close if none comes), as that send would
+        have raised had it waited; coalesced small messages, as ever, raise at a later
+        send only as the peer's new link (or its absence) says."""
+        large = link in self._large
+        self._drop_out(link)
+        link.error = error = self._gone(link.peer, exc)
+        if large:
+            self._failed.setdefault(link.peer, error)
 
     def _open(
         self, peer: str, first: tuple[Any, bytes, list[Any], bool] | None = None
@@ -551,6 +570,9 @@ class Sender:
         return None
 
     def _drop_out(self, link: _peer.Peer) -> None:
+        """Forget broken ``link`` and close it (whoever calls this raises its error, or
+        keeps it: ``_lost``)."""
+        self._large.discard(link)
         with self._out_lock:
             if self._out.get(link.peer) is link:
                 del self._out[link.peer]
@@ -569,6 +591,11 @@ class Sender:
 
     def _say_goodbye(self) -> None:
         """Write what is queued and a BYE on every link out, then close them."""
+        for error in self._failed.values():  # (no later send to raise it at)
+            log.warning(
+                "nimbus.messaging: %s; what was sent to it before was not written whole", error
+            )
+        self._failed.clear()
         with self._out_lock:  # (a link opened from now on is closed: ``_connect``)
             links = [*self._out.values(), *self._opening.values()]
         for link in links:
