@@ -759,6 +759,39 @@ def test_a_receive_writes_what_the_flusher_writes_behind_as_fast_as_a_send_would
     assert took["bytes"] < 1.5 * took["array"] + 0.05, took
 
 
+def test_a_receive_keeps_its_timeout_while_a_peer_does_not_read_what_went_behind(
+    instances: Any,
+) -> None:
+    """A receive writes what went behind sends before it waits, but no longer than its
+    timeout: a peer that reads nothing (busy) makes it wait, not miss its timeout. And
+    a link that waits for its peer costs next to no CPU (polled, not spun)."""
+    a, b = instances(), instances()
+    a.send(b.id, b"hello")
+    assert b.recv(source=a.id, timeout=10) == b"hello"
+    data = os.urandom(48 << 20)  # (more than the sockets hold)
+    a.send(b.id, data)
+    time.sleep(0.1)  # the flusher took the link
+    raised: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            a.recv(timeout=0.5)
+        except BaseException as exc:
+            raised.append(exc)
+
+    c0, t0 = time.process_time(), time.monotonic()
+    receiving = threading.Thread(target=receive, daemon=True)
+    receiving.start()
+    receiving.join(5.0)
+    took, cpu = time.monotonic() - t0, time.process_time() - c0
+    waited = receiving.is_alive()  # (it waited for b to read: forever)
+    assert b.recv(source=a.id, timeout=30) == data  # (written all the same)
+    receiving.join(10)
+    assert not waited, "a receive waited past its timeout for a peer to read"
+    assert len(raised) == 1 and type(raised[0]) is MessagingTimeout, raised
+    assert cpu < 0.25 * took + 0.05, (cpu, took)
+
+
 def test_a_write_behind_a_send_that_broke_is_logged_at_close_if_no_send_raised_it(
     instances: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -64,7 +64,7 @@ class Receiver:
     _dirty: set[_peer.Peer]
     _behind: set[_peer.Peer]
     _recvs: int
-    _flush_dirty: Callable[[], None]
+    _flush_dirty: Callable[..., None]
     _unlinked: Callable[[str, bool], None]
 
     def __init__(self) -> None:
@@ -108,7 +108,7 @@ class Receiver:
         """``(sender, obj)`` of the next message (from ``source``, or from anyone)."""
         self._recvs += 1
         if self._dirty or self._behind:
-            self._flush_dirty()
+            self._flush_dirty(None if timeout is None else time.monotonic() + timeout)
         mailbox = self._mailbox
         waiting = mailbox.mail
         if waiting:  # the common case: no wait
@@ -201,7 +201,7 @@ class Receiver:
         a reading thread would have to wait for.
         """
         if self._dirty or (self._behind and not background):
-            self._flush_dirty()
+            self._flush_dirty(None if timeout is None else time.monotonic() + timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         next_check = time.monotonic() + HEARTBEAT
         wait = 0.0
@@ -373,7 +373,7 @@ class Receiver:
         """
         self._recvs += 1
         if self._dirty or self._behind:
-            self._flush_dirty()
+            self._flush_dirty(time.monotonic() + timeout)
         if self._mailbox.mail or self._new_in:
             return NOTHING
         io = self._io

@@ -290,7 +290,7 @@ class Sender:
             self._flush_armed = False
             self._flush_dirty()
 
-    def _flush_dirty(self) -> None:
+    def _flush_dirty(self, until: float | None = None) -> None:
         """Write every coalesced or large message queued (before waiting, at close, from
         the flusher): all the links at once, each as its socket takes more, reading
         this instance's own sockets meanwhile (several large messages to several peers
@@ -302,7 +302,9 @@ class Sender:
         ``_behind`` until its socket took everything (it joins ``_behind`` before it
         leaves ``_dirty``): every thread here writes all of them, and returns only
         when both are empty, so a close, or a receive, that comes while another
-        thread (the flusher) writes a link waits for that link too.
+        thread (the flusher) writes a link waits for that link too. ``until``: a
+        receive's deadline (``time.monotonic()``), after which it returns anyway (a
+        peer that does not read makes it wait, not miss its timeout).
         """
         dirty, behind = self._dirty, self._behind
         while dirty or behind:
@@ -330,7 +332,12 @@ class Sender:
                         continue
                 full.append(link)
             if full:
-                self._progress(0.05, full)
+                wait = 0.05
+                if until is not None:
+                    wait = min(wait, until - time.monotonic())
+                    if wait <= 0.0:
+                        return
+                self._progress(wait, full)
 
     def _lost(self, link: _peer.Peer, exc: OSError) -> None:
         """A write behind its send broke (``link.lock`` held): the link is dropped. If it
