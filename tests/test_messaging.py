@@ -46,6 +46,7 @@ from nimbus.errors import (
 from nimbus.messaging import Directory, Entry, Instance, _peer
 from nimbus.messaging._directory import EXITED, socket_dir, socket_path
 from nimbus.messaging._receiving import BLOCK, HEARTBEAT, NOTHING, SPIN, SPIN_BACKOFF
+from nimbus.messaging._sending import GOODBYE_WAIT
 from nimbus.statestore import Program
 from nimbus.wire import pack
 
@@ -697,6 +698,123 @@ def test_large_bytes_to_several_peers_go_out_together_an_arrays_before_its_send_
     array[:] = 0  # (after the send: what was sent is what it was)
     reader.join(30)
     assert got and bool((got[0] == 1).all())
+
+
+def test_a_large_bytes_written_behind_goes_out_whole_at_close_whoever_writes_it(
+    instances: Any,
+) -> None:
+    """A close while the flusher writes a large message behind its send (the link out of
+    ``_dirty``, in the flusher's hands) waits for it as for one still queued: it went
+    out whole, not cut off after the goodbye's wait (the peer read a broken link)."""
+    a, b = instances(), instances()
+    a.send(b.id, b"hello")
+    assert b.recv(source=a.id, timeout=10) == b"hello"
+    data = os.urandom(48 << 20)  # (more than the sockets hold)
+
+    def send_then_close() -> None:
+        a.send(b.id, data)
+        time.sleep(0.1)  # the flusher took the link
+        a.close()
+
+    closing = threading.Thread(target=send_then_close, daemon=True)
+    closing.start()
+    time.sleep(GOODBYE_WAIT + 1.0)  # b reads only after a goodbye's wait
+    assert b.recv(source=a.id, timeout=30) == data
+    closing.join(30)
+    assert not closing.is_alive()
+
+
+def test_a_receive_writes_what_the_flusher_writes_behind_as_fast_as_a_send_would(
+    instances: Any,
+) -> None:
+    """A receive that waits while the flusher writes a large message behind its send
+    polls that link too: the flusher is not left one socket buffer per wait for the
+    receiving thread's lock (a request's round trip 3-6x an array's, which its send
+    writes whole). Compared with an array of the same size, in the same run."""
+    a, b = instances(), instances()
+    a.send(b.id, b"hello")
+    assert b.recv(source=a.id, timeout=10) == b"hello"
+    b.send(a.id, b"hi")
+    assert a.recv(source=b.id, timeout=10) == b"hi"
+    size = 96 << 20
+    data, array = os.urandom(size), np.ones(size // 8)
+    rounds = 5
+
+    def echo() -> None:
+        for _ in range(2 * rounds):
+            got = b.recv(source=a.id, timeout=60)
+            b.send(a.id, len(got) if type(got) is bytes else got.nbytes)
+
+    echoing = threading.Thread(target=echo, daemon=True)
+    echoing.start()
+    took = {"bytes": 0.0, "array": 0.0}  # (the sum of the round trips: the stalls vary)
+    for _ in range(rounds):
+        for kind, obj in (("bytes", data), ("array", array)):
+            start = time.monotonic()
+            a.send(b.id, obj)
+            time.sleep(0.02)  # (the caller does something: the flusher takes the link)
+            assert a.recv(source=b.id, timeout=60) == size
+            took[kind] += time.monotonic() - start
+    echoing.join(10)
+    assert took["bytes"] < 1.5 * took["array"] + 0.05, took
+
+
+def test_a_receive_keeps_its_timeout_while_a_peer_does_not_read_what_went_behind(
+    instances: Any,
+) -> None:
+    """A receive writes what went behind sends before it waits, but no longer than its
+    timeout: a peer that reads nothing (busy) makes it wait, not miss its timeout. And
+    a link that waits for its peer costs next to no CPU (polled, not spun)."""
+    a, b = instances(), instances()
+    a.send(b.id, b"hello")
+    assert b.recv(source=a.id, timeout=10) == b"hello"
+    data = os.urandom(48 << 20)  # (more than the sockets hold)
+    a.send(b.id, data)
+    time.sleep(0.1)  # the flusher took the link
+    raised: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            a.recv(timeout=0.5)
+        except BaseException as exc:
+            raised.append(exc)
+
+    c0, t0 = time.process_time(), time.monotonic()
+    receiving = threading.Thread(target=receive, daemon=True)
+    receiving.start()
+    receiving.join(5.0)
+    took, cpu = time.monotonic() - t0, time.process_time() - c0
+    waited = receiving.is_alive()  # (it waited for b to read: forever)
+    assert b.recv(source=a.id, timeout=30) == data  # (written all the same)
+    receiving.join(10)
+    assert not waited, "a receive waited past its timeout for a peer to read"
+    assert len(raised) == 1 and type(raised[0]) is MessagingTimeout, raised
+    assert cpu < 0.25 * took + 0.05, (cpu, took)
+
+
+def test_a_write_behind_a_send_that_broke_is_logged_at_close_if_no_send_raised_it(
+    instances: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A large message written behind its send to a peer that closed before reading it:
+    the send returned, so the error is not lost: it is raised at the next send to that
+    peer, or (none) logged at close, naming the peer."""
+    a, b, c = instances(), instances(), instances()
+    for peer in (b, c):
+        a.send(peer.id, b"hello")
+        assert peer.recv(source=a.id, timeout=10) == b"hello"
+    a.send(b.id, os.urandom(48 << 20))  # returns: the sockets hold a part
+    a.send(c.id, os.urandom(48 << 20))
+    b.close()  # never read it
+    c.close()
+    with pytest.raises(MessagingTimeout):
+        a.recv(timeout=0.1)  # (before its wait, what went behind is written: both broke)
+    with pytest.raises(PeerExited):
+        a.send(b.id, b"more")
+    with caplog.at_level(logging.WARNING, logger="nimbus.messaging"):
+        a.close()
+    assert f"instance {c.id} has exited" in caplog.text
+    assert "not written whole" in caplog.text
+    assert f"instance {b.id}" not in caplog.text  # (raised already)
 
 
 def test_instance_is_a_transport(instances: Any) -> None:

@@ -62,8 +62,9 @@ class Receiver:
     _sockdir: Path
     # the sending half's (it writes coalesced messages before a receive waits)
     _dirty: set[_peer.Peer]
+    _behind: set[_peer.Peer]
     _recvs: int
-    _flush_dirty: Callable[[], None]
+    _flush_dirty: Callable[..., None]
     _unlinked: Callable[[str, bool], None]
 
     def __init__(self) -> None:
@@ -106,8 +107,8 @@ class Receiver:
     ) -> tuple[str, Any]:
         """``(sender, obj)`` of the next message (from ``source``, or from anyone)."""
         self._recvs += 1
-        if self._dirty:
-            self._flush_dirty()
+        if self._dirty or self._behind:
+            self._flush_dirty(None if timeout is None else time.monotonic() + timeout)
         mailbox = self._mailbox
         waiting = mailbox.mail
         if waiting:  # the common case: no wait
@@ -199,8 +200,8 @@ class Receiver:
         outside the sockets (steps of up to BACKGROUND_STEP), never in a poll that
         a reading thread would have to wait for.
         """
-        if self._dirty:
-            self._flush_dirty()
+        if self._dirty or (self._behind and not background):
+            self._flush_dirty(None if timeout is None else time.monotonic() + timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         next_check = time.monotonic() + HEARTBEAT
         wait = 0.0
@@ -371,8 +372,8 @@ class Receiver:
         peer that ended).
         """
         self._recvs += 1
-        if self._dirty:
-            self._flush_dirty()
+        if self._dirty or self._behind:
+            self._flush_dirty(time.monotonic() + timeout)
         if self._mailbox.mail or self._new_in:
             return NOTHING
         io = self._io

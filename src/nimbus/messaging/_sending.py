@@ -32,6 +32,8 @@ change (``BEHIND`` bytes or more, its buffers all ``bytes``) is not waited for:
 the flusher (or the next ``recv``, or the close) writes what the socket did not
 take, every such link at once (``_flush_dirty``), so an exchange's sends in a row
 to several peers fill all their links together instead of one after the other.
+Whoever writes them (``_behind``), a receive and the close wait for all of them; a
+large one whose write breaks raises at the next send to its peer, or is logged at close.
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ class Sender:
         self._retry_at: dict[str, float] = {}
         self._backoff: dict[str, float] = {}
         self._dirty: set[_peer.Peer] = set()  # links holding coalesced messages
+        self._behind: set[_peer.Peer] = set()  # links taken from _dirty, not written yet
+        self._large: set[_peer.Peer] = set()  # links writing a large message behind its send
+        self._failed: dict[str, MessagingError] = {}  # peer: such a write broke
         self._flush_soon = threading.Event()
         self._flush_armed = False  # the flusher will write the dirty links soon
         self._flusher: threading.Thread | None = None
@@ -183,8 +188,11 @@ class Sender:
     ) -> None:
         """Send one message that does not just join a link's ``pending`` queue.
 
-        ``raw``: ``data`` is the ``bytes`` sent, not a pickle.
+        ``raw``: ``data`` is the ``bytes`` sent, not a pickle. Raises the error of a
+        write behind an earlier send to ``peer`` that broke (``_lost``).
         """
+        if self._failed and peer in self._failed:
+            raise self._failed.pop(peer)
         if link is None and self.direct:
             link, sent = self._open(peer, (tag, data, raws, raw))
             if sent:
@@ -223,6 +231,7 @@ class Sender:
                 except OSError as exc:
                     self._drop_out(link)
                     raise self._gone(peer, exc) from exc
+                self._large.add(link)
         if not link.armed:
             self._arm(link)
 
@@ -281,7 +290,7 @@ class Sender:
             self._flush_armed = False
             self._flush_dirty()
 
-    def _flush_dirty(self) -> None:
+    def _flush_dirty(self, until: float | None = None) -> None:
         """Write every coalesced or large message queued (before waiting, at close, from
         the flusher): all the links at once, each as its socket takes more, reading
         this instance's own sockets meanwhile (several large messages to several peers
@@ -289,29 +298,58 @@ class Sender:
 
         A link's ``armed`` is cleared before its ``pending`` is taken: a send
         that appended and then saw ``armed`` set is in what is taken; one that
-        saw it clear arms the link again.
+        saw it clear arms the link again. A link taken from ``_dirty`` is in
+        ``_behind`` until its socket took everything (it joins ``_behind`` before it
+        leaves ``_dirty``): every thread here writes all of them, and returns only
+        when both are empty, so a close, or a receive, that comes while another
+        thread (the flusher) writes a link waits for that link too. ``until``: a
+        receive's deadline (``time.monotonic()``), after which it returns anyway (a
+        peer that does not read makes it wait, not miss its timeout).
         """
-        while self._dirty:
-            full: list[_peer.Peer] = []
-            while self._dirty:
+        dirty, behind = self._dirty, self._behind
+        while dirty or behind:
+            behind.update(dirty)  # (one C call: a set of links, hashed by identity)
+            while dirty:
                 try:
-                    link = self._dirty.pop()
+                    link = dirty.pop()
                 except KeyError:
                     break
                 with link.lock:
                     link.armed = False
-                    if link.error is not None:
-                        continue
-                    try:
+                    if link.error is None:
                         link.frame_pending(self._number)
-                        if not link.channel.flush():
-                            full.append(link)
+            full: list[_peer.Peer] = []
+            for link in list(behind):
+                with link.lock:
+                    try:
+                        if link.error is not None or link.channel.flush():
+                            behind.discard(link)
+                            self._large.discard(link)
+                            continue
                     except OSError as exc:
-                        self._drop_out(link)
-                        link.error = self._gone(link.peer, exc)
+                        behind.discard(link)
+                        self._lost(link, exc)
+                        continue
+                full.append(link)
             if full:
-                self._progress(0.05, full)
-                self._dirty.update(full)
+                wait = 0.05
+                if until is not None:
+                    wait = min(wait, until - time.monotonic())
+                    if wait <= 0.0:
+                        return
+                self._progress(wait, full)
+
+    def _lost(self, link: _peer.Peer, exc: OSError) -> None:
+        """A write behind its send broke (``link.lock`` held): the link is dropped. If it
+        held a large message written behind its send (``_large``), the error is raised at
+        the next send to its peer (logged at close if none comes), as that send would
+        have raised had it waited; coalesced small messages, as ever, raise at a later
+        send only as the peer's new link (or its absence) says."""
+        large = link in self._large
+        self._drop_out(link)
+        link.error = error = self._gone(link.peer, exc)
+        if large:
+            self._failed.setdefault(link.peer, error)
 
     def _open(
         self, peer: str, first: tuple[Any, bytes, list[Any], bool] | None = None
@@ -539,6 +577,9 @@ class Sender:
         return None
 
     def _drop_out(self, link: _peer.Peer) -> None:
+        """Forget broken ``link`` and close it (whoever calls this raises its error, or
+        keeps it: ``_lost``)."""
+        self._large.discard(link)
         with self._out_lock:
             if self._out.get(link.peer) is link:
                 del self._out[link.peer]
@@ -557,6 +598,11 @@ class Sender:
 
     def _say_goodbye(self) -> None:
         """Write what is queued and a BYE on every link out, then close them."""
+        for error in self._failed.values():  # (no later send to raise it at)
+            log.warning(
+                "nimbus.messaging: %s; what was sent to it before was not written whole", error
+            )
+        self._failed.clear()
         with self._out_lock:  # (a link opened from now on is closed: ``_connect``)
             links = [*self._out.values(), *self._opening.values()]
         for link in links:
