@@ -756,7 +756,7 @@ def test_a_receive_writes_what_the_flusher_writes_behind_as_fast_as_a_send_would
             assert a.recv(source=b.id, timeout=60) == size
             took[kind] += time.monotonic() - start
     echoing.join(10)
-    assert took["bytes"] < 1.5 * took["array"] + 0.05, took
+    assert took["bytes"] < 1.8 * took["array"] + 0.1, took  # (0.65x; 2-2.5x before the fix)
 
 
 def test_a_receive_keeps_its_timeout_while_a_peer_does_not_read_what_went_behind(
