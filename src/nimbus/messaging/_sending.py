@@ -1,4 +1,4 @@
-"""The sending half of an instance: links out, numbering, coalescing, the store.
+"""The sending half of an instance: links out, numbering, the store (writing: ``_flushing``).
 
 ::
 
@@ -28,12 +28,8 @@ the store to a socket. The first send after a ``recv`` goes at once (a request
 waits for its reply); sends in a row are coalesced. A send that finds the
 peer's socket full reads this instance's own sockets meanwhile (``_progress``),
 so rings and exchanges never deadlock on full buffers. A large message nothing can
-change (``BEHIND`` bytes or more, its buffers all ``bytes``) is not waited for:
-the flusher (or the next ``recv``, or the close) writes what the socket did not
-take, every such link at once (``_flush_dirty``), so an exchange's sends in a row
-to several peers fill all their links together instead of one after the other.
-Whoever writes them (``_behind``), a receive and the close wait for all of them; a
-large one whose write breaks raises at the next send to its peer, or is logged at close.
+change (``BEHIND`` bytes or more, its buffers all ``bytes``) is not waited for: what
+the socket did not take is written behind the send (``_flushing``).
 """
 
 from __future__ import annotations
@@ -62,24 +58,21 @@ from nimbus.errors import (
 )
 from nimbus.messaging import _peer
 from nimbus.messaging._directory import ALIVE, EXITED, Directory, Entry, socket_path
+from nimbus.messaging._flushing import BEHIND, COALESCE, Flusher, fixed
 from nimbus.statestore import Keys
 from nimbus.wire import pack
 
-__all__ = ["COALESCE", "FLUSH_DELAY", "Sender"]
+__all__ = ["Sender"]
 
 log = logging.getLogger("nimbus.messaging")
 
 RETRY = 0.002  # seconds between tries to reach a peer that does not listen yet
 RETRY_TCP = 0.25  # first wait before trying an unreachable TCP address again ...
 MAX_BACKOFF = 5.0  # ... doubling up to this
-BEHIND = 1 << 20  # bytes of a message from which what the socket does not take at once
-# is written behind its send (the flusher, the next recv), not waited for by it
 FOLLOWS = 256 * 1024  # a first message over TCP this small follows its HELLO before
 # the answer (a larger one takes far longer than the round trip)
 REFUSAL_WAIT = 0.1  # seconds a broken link not yet answered is read for a refusal
 GOODBYE_WAIT = 1.0  # seconds a closing link's goodbye is written, and its answer read
-COALESCE = 32 * 1024  # bytes of small messages queued before they are written at once
-FLUSH_DELAY = 0.0002  # seconds the last of a burst of sends may wait to be written
 _PLAIN = (bytes, str)  # pickled straight when small (no out-of-band buffers to find)
 _INLINE = 64 * 1024
 _BATCHED = _peer.BATCHED
@@ -87,7 +80,7 @@ _RAW, _PICKLE = _peer.RAW, _peer.PICKLE
 _NO_BUFFERS: list[Any] = []  # shared, never changed: saves a list per small send
 
 
-class Sender:
+class Sender(Flusher):
     """Sending to other instances; :class:`~nimbus.messaging.Instance` adds the rest."""
 
     # set by the instance
@@ -103,6 +96,7 @@ class Sender:
     _closed: bool
 
     def __init__(self) -> None:
+        Flusher.__init__(self)
         self._out: dict[str, _peer.Peer] = {}
         self._opening: dict[str, _peer.Peer] = {}  # links out whose answer is unread
         self._refused: dict[str, PeerRefused] = {}  # a write failed: the peer had refused
@@ -113,19 +107,7 @@ class Sender:
         self._seq: dict[str, itertools.count[int]] = collections.defaultdict(itertools.count)
         self._retry_at: dict[str, float] = {}
         self._backoff: dict[str, float] = {}
-        self._dirty: set[_peer.Peer] = set()  # links holding coalesced messages
-        self._behind: set[_peer.Peer] = set()  # links taken from _dirty, not written yet
-        self._large: set[_peer.Peer] = set()  # links writing a large message behind its send
-        self._failed: dict[str, MessagingError] = {}  # peer: such a write broke
-        self._flush_soon = threading.Event()
-        self._flush_armed = False  # the flusher will write the dirty links soon
-        self._flusher: threading.Thread | None = None
         self._recvs = 0  # receives so far (the instance counts them)
-
-    def _progress(self, timeout: float, writer: _peer.Peer | list[_peer.Peer] | None = None) -> Any:
-        """Read this instance's sockets until ``writer``'s (or one of the ``writer``
-        list's) can take more (the instance's)."""
-        raise NotImplementedError
 
     def send(self, peer: str, obj: object, tag: Any = 0) -> None:
         """Send ``obj`` to instance ``peer``: over a socket if it listens, else the store.
@@ -217,7 +199,7 @@ class Sender:
                 return
             link.queue(seq, tag, data, raws, raw)
             if now or link.channel.pending_output >= COALESCE:
-                if len(data) + sum(r.nbytes for r in raws) < BEHIND or not _fixed(raws):
+                if len(data) + sum(r.nbytes for r in raws) < BEHIND or not fixed(raws):
                     self._flush(link)
                     return
                 # a large message nothing can change once this returns (a pickle made
@@ -258,98 +240,6 @@ class Sender:
             return next(self._seq[peer])
         taken = list(itertools.islice(self._seq[peer], n))  # all n at once, not one by one
         return taken[0]
-
-    def _write(self, link: _peer.Peer) -> None:
-        """Frame and write what ``link`` holds (``link.lock`` held)."""
-        if link.error is None:
-            link.frame_pending(self._number)
-            self._flush(link)
-
-    def _arm(self, link: _peer.Peer) -> None:
-        """Have the flusher write ``link`` within FLUSH_DELAY."""
-        link.armed = True
-        self._dirty.add(link)  # before the flag is read (the flusher clears it, then flushes)
-        if not self._flush_armed:
-            self._defer()
-
-    def _defer(self) -> None:
-        """Wake the flusher (started on first use)."""
-        self._flush_armed = True
-        if self._flusher is None:
-            self._flusher = threading.Thread(
-                target=self._flush_later, name="nimbus-msg-flush", daemon=True
-            )
-            self._flusher.start()
-        self._flush_soon.set()
-
-    def _flush_later(self) -> None:
-        while not self._closed:
-            self._flush_soon.wait()
-            self._flush_soon.clear()
-            time.sleep(FLUSH_DELAY)
-            self._flush_armed = False
-            self._flush_dirty()
-
-    def _flush_dirty(self, until: float | None = None) -> None:
-        """Write every coalesced or large message queued (before waiting, at close, from
-        the flusher): all the links at once, each as its socket takes more, reading
-        this instance's own sockets meanwhile (several large messages to several peers
-        go out together, each link busy; none waits for another's to drain).
-
-        A link's ``armed`` is cleared before its ``pending`` is taken: a send
-        that appended and then saw ``armed`` set is in what is taken; one that
-        saw it clear arms the link again. A link taken from ``_dirty`` is in
-        ``_behind`` until its socket took everything (it joins ``_behind`` before it
-        leaves ``_dirty``): every thread here writes all of them, and returns only
-        when both are empty, so a close, or a receive, that comes while another
-        thread (the flusher) writes a link waits for that link too. ``until``: a
-        receive's deadline (``time.monotonic()``), after which it returns anyway (a
-        peer that does not read makes it wait, not miss its timeout).
-        """
-        dirty, behind = self._dirty, self._behind
-        while dirty or behind:
-            behind.update(dirty)  # (one C call: a set of links, hashed by identity)
-            while dirty:
-                try:
-                    link = dirty.pop()
-                except KeyError:
-                    break
-                with link.lock:
-                    link.armed = False
-                    if link.error is None:
-                        link.frame_pending(self._number)
-            full: list[_peer.Peer] = []
-            for link in list(behind):
-                with link.lock:
-                    try:
-                        if link.error is not None or link.channel.flush():
-                            behind.discard(link)
-                            self._large.discard(link)
-                            continue
-                    except OSError as exc:
-                        behind.discard(link)
-                        self._lost(link, exc)
-                        continue
-                full.append(link)
-            if full:
-                wait = 0.05
-                if until is not None:
-                    wait = min(wait, until - time.monotonic())
-                    if wait <= 0.0:
-                        return
-                self._progress(wait, full)
-
-    def _lost(self, link: _peer.Peer, exc: OSError) -> None:
-        """A write behind its send broke (``link.lock`` held): the link is dropped. If it
-        held a large message written behind its send (``_large``), the error is raised at
-        the next send to its peer (logged at close if none comes), as that send would
-        have raised had it waited; coalesced small messages, as ever, raise at a later
-        send only as the peer's new link (or its absence) says."""
-        large = link in self._large
-        self._drop_out(link)
-        link.error = error = self._gone(link.peer, exc)
-        if large:
-            self._failed.setdefault(link.peer, error)
 
     def _open(
         self, peer: str, first: tuple[Any, bytes, list[Any], bool] | None = None
@@ -545,15 +435,6 @@ class Sender:
         except redis.RedisError as exc:
             raise StateStoreError(f"cannot queue a message for {peer}: {exc}") from exc
 
-    def _flush(self, link: _peer.Peer) -> None:
-        """Write what ``link`` holds; while its socket is full, read our own sockets."""
-        try:
-            while not link.channel.flush():
-                self._progress(0.05, writer=link)
-        except OSError as exc:
-            self._drop_out(link)
-            raise self._gone(link.peer, exc) from exc
-
     def _gone(self, peer: str, exc: BaseException) -> MessagingError:
         """The error of a link to ``peer`` that broke: :class:`PeerExited` if the peer
         exited normally (its goodbye came in, or the directory says so), else
@@ -631,12 +512,6 @@ class Sender:
             except MessagingError:
                 pass
         link.close()
-
-
-def _fixed(raws: list[Any]) -> bool:
-    """Whether the out-of-band buffers of a message are all of ``bytes`` objects, which
-    nobody can change (so they may be written after its send returned)."""
-    return all(type(raw.obj) is bytes for raw in raws)
 
 
 def _exited(peer: str) -> PeerExited:
