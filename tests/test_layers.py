@@ -63,6 +63,7 @@ LAYERS: dict[str, int] = {
     "_arguments": 5,  # its arguments' checks
     "_options": 5,  # the views options() returns
     "_mapping": 1,  # map on submit: its ordered results, what is cancelled when they are left
+    "_tasks_program": 5,  # the program its tasks are instances of: messaging(), store()
     # contracts and plumbing every floor uses
     "protocol": 1,
     "serialization": 1,
@@ -93,6 +94,10 @@ PARTS: dict[str, tuple[str, frozenset[str]]] = {
     "_arguments": ("executor", frozenset({"config", "environments", "errors", "runtime"})),
     "_options": ("executor", frozenset({"_mapping", "environments"})),
     "_mapping": ("executor", frozenset({"_chunks", "_progress"})),
+    "_tasks_program": (
+        "executor",
+        frozenset({"data", "errors", "messaging", "runtime", "statestore"}),
+    ),
     "_mainspace": ("serialization", frozenset()),
     "_mainpickle": ("serialization", frozenset({"_mainspace"})),
     # a warm worker's forks: the child from fork to exit, the standbys, the reaper

@@ -19,9 +19,11 @@ A task given futures of kept tasks on an endpoint is sent at once and held by
 the service until they succeed; otherwise it waits for the futures it is given
 before it is sent: that path is ``nimbus.data._submit`` (``DataPath``, one per executor).
 
-Three parts of it have modules of their own: its arguments' checks (``nimbus._arguments``),
+Four parts of it have modules of their own: its arguments' checks (``nimbus._arguments``),
 ``map``'s ordered results and what is cancelled when they are left early or on a
-Ctrl-C (``nimbus._mapping``), and the views ``options()`` returns (``nimbus._options``).
+Ctrl-C (``nimbus._mapping``), the views ``options()`` returns (``nimbus._options``),
+and the program its tasks are instances of: ``messaging()``, ``store()``
+(``nimbus._tasks_program``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any, TypeVar
 from nimbus import _arguments, _mapping, data, local_history, serialization
 from nimbus._future import Future
 from nimbus._options import Options
+from nimbus._tasks_program import UNMADE, TasksProgram, notice
 from nimbus.backends import BACKENDS, Backend
 from nimbus.config import Settings
 from nimbus.data import DataPath, KeptFuture
@@ -55,7 +58,7 @@ from nimbus.errors import (
     RemoteTraceback,
 )
 from nimbus.records import TaskRecord, TaskState
-from nimbus.runtime.messages import START_STORE, Status
+from nimbus.runtime.messages import Status
 from nimbus.runtime.task import Task
 
 __all__ = ["Executor", "Future", "KeptFuture"]
@@ -77,11 +80,10 @@ def _forked() -> None:
 
 os.register_at_fork(after_in_child=_forked)
 _SAME: Any = object()  # options(): keep the executor's own
-_UNMADE: Any = object()  # Executor._row before its first task
 _PLAIN = frozenset((int, float, str, bytes, bool, type(None)))  # arguments with no data in them
 
 
-class Executor(_mapping.Mapper):
+class Executor(_mapping.Mapper, TasksProgram):
     """Run callables on warm worker processes.
 
     ``max_workers`` defaults to ``Settings.workers`` (the number of cores); more than
@@ -179,7 +181,7 @@ class Executor(_mapping.Mapper):
             prefetch=self.settings.prefetch,
             on_results=self._on_results,
             on_dispatch=self._on_dispatch,
-            on_notice=functools.partial(_notice, on_notice),
+            on_notice=functools.partial(notice, on_notice),
             preload=list(preload),
             settings=self.settings,
             endpoint=endpoint,
@@ -196,7 +198,7 @@ class Executor(_mapping.Mapper):
             data.register(place, None, opener=self._path.open)
         # its tasks are instances of one program (nimbus.messaging): made at the first
         # task; none for nimbus.multiprocessing's own (its processes adopt their program)
-        self._row: Any = _UNMADE if _program else None
+        self._row: Any = UNMADE if _program else None
         self._instance: Any = None  # messaging(): the client's instance on an endpoint
         program = getattr(self._backend, "program", None)
         if _program and program is not None:  # an endpoint's: asked for now, on a thread
@@ -297,9 +299,7 @@ class Executor(_mapping.Mapper):
         fn_key, fn_bytes = self._functions.get(fn)
         # a task's own limits and its executor's program travel with its arguments: fn
         # is sent as it is (nimbus._joined)
-        row = self._row
-        if row is _UNMADE:
-            row = self._row = self._program_row()
+        row = self._made_row()
         payload, buffers = serialization.dumps(
             (args, kwargs, limits.row() if limits else None, row)
             if row is not None
@@ -343,58 +343,6 @@ class Executor(_mapping.Mapper):
         self._futures[seq] = future
         self._backend.submit([task])
         return future
-
-    def _program_row(self) -> Any:
-        """The program this executor's tasks join (``statestore.Program.row()``), or why
-        there is none (a task that uses the store or messaging raises StateStoreError
-        with it; the others run): this process's own program, so the client is an
-        instance of it too (the state store starts at its first use, not here)."""
-        from nimbus import statestore
-        from nimbus.errors import StateStoreError
-
-        program = getattr(self._backend, "program", None)
-        if program is not None:  # the store the service hands out for the endpoint
-            return program.row()
-        try:
-            return statestore.program(self.settings).row()
-        except StateStoreError as exc:
-            return f"this executor's tasks have no state store: {exc}"
-
-    def messaging(self) -> Any:
-        """This process's instance of the program its tasks are instances of: its
-        ``send``, ``recv``, ``recv_with_source`` and ``id`` reach them (an instance id
-        each task gets from ``nimbus.messaging.instance_id()``). Locally, that is
-        ``nimbus.messaging.current()``; for an endpoint's tasks, an instance closed at
-        :meth:`shutdown`. Raises ``StateStoreError`` when they have no program."""
-        from nimbus import messaging
-        from nimbus.errors import StateStoreError
-
-        if self._row is _UNMADE:
-            self._row = self._program_row()
-        row = self._row
-        if row is None or type(row) is str:
-            raise StateStoreError(row or "this executor's tasks are not instances of a program")
-        program = getattr(self._backend, "program", None)
-        if program is None:
-            return messaging.current()
-        with self._lock:
-            if self._instance is None:
-                self._instance = messaging.instance_for(program.program())
-            return self._instance
-
-    def store(self) -> Any:
-        """The key-value store its tasks' ``nimbus.data.store()`` is: on an endpoint, your
-        keys there (read what the tasks set, set what they read); locally, this runtime's.
-        Raises ``StateStoreError`` when the service handed out no store for the endpoint."""
-        from nimbus.errors import StateStoreError
-
-        program = getattr(self._backend, "program", None)
-        if program is None:
-            return data.store()
-        made = program.program()  # (raises when this process cannot reach it)
-        if made is None:
-            raise StateStoreError(str(program.row()))
-        return data.endpoint_store(made)
 
     def _staged_items(self, items: list[tuple[Any, ...]]) -> list[tuple[Any, ...]] | None:
         """map's items with their Files checked and made ready, all before any task is
@@ -455,14 +403,6 @@ class Executor(_mapping.Mapper):
                 self._history.close()
             _live.discard(self)
             self._closed.set()
-
-    def _close_program(self) -> None:
-        """The client's instance of an endpoint's program, then the program's keys."""
-        if self._instance is not None:
-            self._instance.close()
-        program = getattr(self._backend, "program", None)
-        if program is not None:
-            program.close()
 
     def _cancel_queued(self, futures: list[Any]) -> None:
         """Cancel the tasks of ``futures`` not running yet; the running ones finish."""
@@ -566,28 +506,6 @@ class Executor(_mapping.Mapper):
                 keep(record)
             if type(future) is not Future:  # the data path: its Refs go when it does
                 DataPath.done(future)
-
-
-def _notice(on_notice: Callable[[Any], None] | None, payload: Any) -> None:
-    """A worker's notice: for ``on_notice``, or asking this process to start the store of
-    its tasks' program (its own, deferred: ``runtime.messages.START_STORE``)."""
-    if type(payload) is list and len(payload) == 2 and payload[0] == START_STORE:
-        threading.Thread(target=_start_store, args=(payload[1],), daemon=True).start()
-    elif on_notice is not None:
-        on_notice(payload)
-
-
-def _start_store(url: str) -> None:
-    """Connect to this process's store at ``url``: its first connection starts it."""
-    from nimbus import statestore
-
-    prog = statestore.current()
-    if prog is None or prog.url != url:  # (only this process's own program's store)
-        return
-    try:
-        statestore.connect(url).ping()
-    except Exception:  # redis-py's or StateStoreError: reported by the task that waits
-        pass
 
 
 def _forked_use(owner: int) -> str:

@@ -55,6 +55,7 @@ from nimbus.statestore._program import (
     program,
     root,
     set_opener,
+    start_asked,
 )
 from nimbus.statestore._script import Script, scripts
 from nimbus.statestore._store import StateStore
@@ -96,5 +97,6 @@ __all__ = [
     "root",
     "scripts",
     "set_opener",
+    "start_asked",
     "tls_options",
 ]

@@ -78,6 +78,7 @@ __all__ = [
     "program",
     "root",
     "set_opener",
+    "start_asked",
 ]
 
 
@@ -291,6 +292,20 @@ def current() -> Program | None:
         return None if type(row) is str else _of(row)
     found = _root
     return found.program if found is not None and found.pid == os.getpid() else None
+
+
+def start_asked(url: str) -> None:
+    """Start this process's own program's store at ``url``, deferred until a task's
+    worker asked for it (:class:`~nimbus.statestore._connect.AskedStart`, the other
+    side): the first connection starts it. Another URL is ignored; a failure is the
+    waiting task's to report."""
+    prog = current()
+    if prog is None or prog.url != url:
+        return
+    try:
+        connect(url).ping()
+    except Exception:  # redis-py's, or StateStoreError
+        pass
 
 
 def is_root() -> bool:
