@@ -443,7 +443,7 @@ def test_public_names_are_pinned() -> None:
             *("current", "is_root", "keys", "later", "link", "lua", "open_local", "pack"),
             *("kept_presence", "preload", "presence"),
             *("probe", "program", "redacted", "redis_server_binary", "root", "scripts"),
-            *("set_opener", "tls_options", "open_store"),
+            *("set_opener", "start_asked", "tls_options", "open_store"),
             *("join", "leave", "on_leave"),
         ]
     )
